@@ -1,0 +1,1 @@
+"""infer: LLM inference for Llama-family models with lossless speculative decoding."""

@@ -1,0 +1,1 @@
+"""Llama-family model: configuration, forward pass, weight loading."""

@@ -1,0 +1,74 @@
+"""Attention views: how one forward pass reaches its keys and values.
+
+The model computes rotated q, k, v for the tokens of a batch and hands them to an
+`AttentionView`. The view decides where the new k, v go (nowhere, a contiguous slot, paged
+blocks) and which cached keys each query may see. The model never knows about caches.
+
+Every batch row is a chunk of one sequence: `chunk_lens[b]` valid tokens (right-padded to
+T) that start at absolute position `start_positions[b]`; the keys visible to query t of row
+b are positions 0 .. start_positions[b] + t. That one description covers prefill (start 0),
+right-padded batched prefill, chunked prefill after a cached prefix, single-token decode and
+speculative verification of K+1 tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionView(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D]."""
+        ...
+
+
+def context_mask(start_positions: torch.Tensor, chunk_lens: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """Boolean [B, T, S]: key j is visible to query t of row b.
+
+    j <= start + t (causal) and j < start + chunk_len (no padded keys). Padded queries
+    (t >= chunk_len) still see key 0, so their (ignored) outputs stay finite.
+    """
+    q_pos = start_positions[:, None] + torch.arange(t, device=start_positions.device)[None, :]  # [B, T]
+    k_pos = torch.arange(s, device=start_positions.device)  # [S]
+    limit = (start_positions + chunk_lens)[:, None, None]  # [B, 1, 1]
+    return (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < limit)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention with an explicit mask.
+
+    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool -> [B, T, Hq, D].
+    """
+    groups = q.shape[2] // k.shape[2]
+    qh = q.transpose(1, 2)  # [B, Hq, T, D]
+    kh = k.transpose(1, 2)  # [B, Hkv, S, D]
+    vh = v.transpose(1, 2)
+    if groups > 1:
+        kh = kh.repeat_interleave(groups, dim=1)
+        vh = vh.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, :, :])
+    return out.transpose(1, 2)
+
+
+class NoCacheView:
+    """Attention within the batch only: causal, right padding masked. Training and tests."""
+
+    def __init__(self, chunk_lens: torch.Tensor | None = None) -> None:
+        self.chunk_lens = chunk_lens  # [B] valid tokens per row; None = all valid
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, t = q.shape[:2]
+        if self.chunk_lens is None:
+            groups = q.shape[2] // k.shape[2]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2).repeat_interleave(groups, dim=1),
+                v.transpose(1, 2).repeat_interleave(groups, dim=1),
+                is_causal=True)
+            return out.transpose(1, 2)
+        starts = torch.zeros(b, dtype=torch.long, device=q.device)
+        mask = context_mask(starts, self.chunk_lens.to(q.device), t, t)
+        return masked_attention(q, k, v, mask)

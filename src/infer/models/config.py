@@ -108,6 +108,39 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json contents in the Hugging Face Llama layout (rope_theta / rope_scaling keys)."""
+        raw: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        if self.rope_scaling is not None:
+            raw["rope_scaling"] = {
+                "rope_type": "llama3",
+                "factor": self.rope_scaling.factor,
+                "low_freq_factor": self.rope_scaling.low_freq_factor,
+                "high_freq_factor": self.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
+            }
+        return raw
+
     @classmethod
     def from_json(cls, path: str | Path) -> ModelConfig:
         with open(path, encoding="utf-8") as f:

@@ -1,0 +1,75 @@
+"""CachePoolProtocol: what the runners need from a KV cache pool.
+
+A pool owns KV storage for one model and hands out slots, one per running sequence. The
+runner asks for a view per forward pass (prefill, right-padded batched prefill, chunks after
+a cached prefix, decode, speculative verification are all one call with different
+start positions and chunk lengths), runs the model through it, then `commit()`s the view
+to advance the slots' lengths. `truncate_to` rolls a slot back (speculative rejection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from infer.cache.view import BatchLayout, CacheView
+
+
+class CachePoolProtocol(Protocol):
+    max_batch_size: int
+    max_seq_len: int
+
+    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
+        """Reserve a slot with room for `initial_tokens`. With prefix caching, reuse cached
+        blocks of `prefix_token_ids`; `seq_len(slot)` then says how many are already cached.
+        Raises RuntimeError when out of slots or memory (check `can_allocate` first)."""
+        ...
+
+    def can_allocate(self, num_tokens: int) -> bool: ...
+
+    def free_slot(self, slot: int) -> None: ...
+
+    def seq_len(self, slot: int) -> int:
+        """Tokens whose keys and values are in the cache for this slot."""
+        ...
+
+    def truncate_to(self, slot: int, new_seq_len: int) -> None:
+        """Forget positions >= new_seq_len (paged: free blocks wholly past the new end)."""
+        ...
+
+    def ensure_capacity(self, slot: int, total_tokens: int) -> bool:
+        """Make room for positions < total_tokens; False when memory is short (preempt)."""
+        ...
+
+    def free_token_capacity(self) -> int | None:
+        """Tokens that can still be allocated (None for the contiguous backend)."""
+        ...
+
+    def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
+        """After a prompt is fully cached: offer its full blocks to the prefix cache."""
+        ...
+
+    def view(self, layout: BatchLayout) -> CacheView:
+        """The attention view for one forward pass (capacity must already be ensured)."""
+        ...
+
+    def leak_report(self) -> list[str]:
+        """Problems when the pool should be idle: slots in use, blocks held, refcounts > 0."""
+        ...
+
+
+def prefill_layout(slot: int, length: int) -> BatchLayout:
+    return BatchLayout.of([slot], [0], [length])
+
+
+def batched_prefill_layout(slots: Sequence[int], lengths: Sequence[int]) -> BatchLayout:
+    return BatchLayout.of(slots, [0] * len(slots), lengths)
+
+
+def chunked_prefill_layout(slots: Sequence[int], start_positions: Sequence[int],
+                           chunk_lens: Sequence[int]) -> BatchLayout:
+    return BatchLayout.of(slots, start_positions, chunk_lens)
+
+
+def decode_layout(slots: Sequence[int], seq_lens: Sequence[int]) -> BatchLayout:
+    return BatchLayout.of(slots, seq_lens, [1] * len(slots), width=1)

@@ -1,0 +1,91 @@
+"""SlottedKVCache: contiguous KV storage, one max_seq_len region per slot.
+
+Simple and fast for short contexts; memory is reserved for the worst case
+(max_batch_size x max_seq_len), so `free_token_capacity()` is None and admission is
+limited by slots alone. Rollback just lowers the slot's length: stale entries are
+overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from infer.cache.view import BatchLayout, CacheView, build_view
+from infer.models.config import ModelConfig
+
+
+class SlottedKVCache:
+    def __init__(self, config: ModelConfig, max_batch_size: int, max_seq_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if max_batch_size < 1 or max_seq_len < 1:
+            raise ValueError("max_batch_size and max_seq_len must be >= 1")
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        shape = (config.num_hidden_layers, max_batch_size * max_seq_len,
+                 config.num_key_value_heads, config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self._lens: dict[int, int] = {}
+        self._free = list(range(max_batch_size - 1, -1, -1))
+
+    # -- slots -------------------------------------------------------------------------
+    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
+        if initial_tokens > self.max_seq_len:
+            raise RuntimeError(f"{initial_tokens} tokens exceed max_seq_len {self.max_seq_len}")
+        if not self._free:
+            raise RuntimeError("no free KV cache slot (all max_batch_size slots are in use)")
+        slot = self._free.pop()
+        self._lens[slot] = 0
+        return slot
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        return bool(self._free) and num_tokens <= self.max_seq_len
+
+    def free_slot(self, slot: int) -> None:
+        if slot not in self._lens:
+            raise KeyError(f"slot {slot} is not allocated")
+        del self._lens[slot]
+        self._free.append(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self._lens[slot]
+
+    def truncate_to(self, slot: int, new_seq_len: int) -> None:
+        if not 0 <= new_seq_len <= self._lens[slot]:
+            raise ValueError(f"truncate_to({new_seq_len}) outside 0..{self._lens[slot]}")
+        self._lens[slot] = new_seq_len
+
+    def ensure_capacity(self, slot: int, total_tokens: int) -> bool:
+        if total_tokens > self.max_seq_len:
+            raise RuntimeError(f"slot {slot}: {total_tokens} tokens exceed max_seq_len {self.max_seq_len}")
+        return True
+
+    def free_token_capacity(self) -> int | None:
+        return None
+
+    def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
+        return None  # no prefix sharing in contiguous storage
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def leak_report(self) -> list[str]:
+        return [f"slot {s} still allocated ({n} tokens)" for s, n in sorted(self._lens.items())]
+
+    # -- views -------------------------------------------------------------------------
+    def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        base = slot * self.max_seq_len
+        return torch.arange(base + start, base + end, device=self.k_cache.device)
+
+    def view(self, layout: BatchLayout) -> CacheView:
+        for slot, end in zip(layout.slots, layout.ends, strict=True):
+            if end > self.max_seq_len:
+                raise RuntimeError(f"slot {slot}: position {end - 1} is past max_seq_len {self.max_seq_len}")
+
+        def commit() -> None:
+            for slot, end in zip(layout.slots, layout.ends, strict=True):
+                self._lens[slot] = end
+
+        return build_view(self.k_cache, self.v_cache, layout, self._rows, commit)

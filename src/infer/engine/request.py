@@ -1,0 +1,95 @@
+"""Request and StepOutput: one generation job and one token event of it.
+
+A request receives one StepOutput per generated token. With speculative decoding one engine
+step can accept several tokens for the same request, so a request may receive *several*
+StepOutputs in one step, in order; consumers (LLM.generate, the server's SSE stream) just
+read them one after another.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.sampling import SamplingParams, make_generator
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV memory
+    RUNNING = "running"  # holds a slot; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token id or stop string
+    LENGTH = "length"  # max_tokens or max_seq_len
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed while serving it
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """One generated token (or the final event) for one request."""
+
+    request_id: str
+    token_id: int | None  # None only for a final event that carries no token (abort, error)
+    text_delta: str  # new detokenized text (may be "" while a UTF-8 character is incomplete)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    acceptance_rate: float | None = None  # mean speculative acceptance, on the final event only
+    mean_accepted_length: float | None = None  # mean tokens per speculation round, final event only
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    slot: int | None = None
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
+    generator: torch.Generator = field(init=False)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    # speculative decoding statistics (D9)
+    speculation_acceptance_rates: list[float] = field(default_factory=list)
+    spec_rounds: int = 0
+    spec_tokens_emitted: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        self.generator = make_generator(self.sampling_params.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until every token except the last sampled one has its KV in the cache."""
+        return self.num_computed_tokens < self.num_tokens - (1 if self.output_token_ids else 0)
+
+    def mean_acceptance_rate(self) -> float | None:
+        rates = self.speculation_acceptance_rates
+        return sum(rates) / len(rates) if rates else None
+
+    def mean_accepted_length(self) -> float | None:
+        return self.spec_tokens_emitted / self.spec_rounds if self.spec_rounds else None

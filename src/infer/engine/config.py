@@ -1,0 +1,99 @@
+"""EngineConfig: every knob of the engine, validated on construction.
+
+Invalid values raise ValueError naming the field; invalid combinations name every field
+involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_BACKENDS = ("paged", "contiguous")
+_BATCHING = ("continuous", "static")
+_SPEC_METHODS = ("draft_model", "ngram", "prompt_lookup")
+_SPEC_POLICIES = ("fixed", "adaptive")
+_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local directory or hub id; None = the bundled demo target
+    tokenizer: str | None = None  # default: the model's directory
+    dtype: str = "auto"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy" (random weights, for timing)
+    seed: int = 0
+    # batching and memory
+    max_batch_size: int = 8
+    max_seq_len: int = 1024  # capped at the model's max_position_embeddings
+    max_num_batched_tokens: int = 512  # prefill token budget per step; longer prompts are chunked
+    batching_mode: str = "continuous"
+    kv_cache_backend: str = "paged"
+    block_size: int = 16
+    num_blocks: int | None = None  # paged: None = enough for max_batch_size x max_seq_len
+    kv_cache_memory_bytes: int | None = None  # paged: alternative to num_blocks
+    enable_prefix_caching: bool | None = None  # None = on for the paged backend
+    use_cuda_graphs: bool = False
+    # speculative decoding
+    use_speculative_decoding: bool = False
+    speculative_method: str = "draft_model"
+    draft_model: str | None = None  # None with the demo target = the bundled demo draft
+    spec_length: int = 5  # K: candidate tokens per speculation round
+    spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
+    ngram_max_order: int = 4
+    ngram_min_order: int = 2
+    ngram_window: int = 512
+
+    def __post_init__(self) -> None:
+        _choice("dtype", self.dtype, _DTYPES)
+        _choice("kv_cache_backend", self.kv_cache_backend, _BACKENDS)
+        _choice("batching_mode", self.batching_mode, _BATCHING)
+        _choice("speculative_method", self.speculative_method, _SPEC_METHODS)
+        _choice("spec_policy", self.spec_policy, _SPEC_POLICIES)
+        _choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "block_size",
+                     "spec_length", "ngram_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive or None")
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("num_blocks and kv_cache_memory_bytes conflict: set at most one")
+        if not 2 <= self.ngram_min_order <= self.ngram_max_order:
+            raise ValueError("ngram orders must satisfy 2 <= ngram_min_order <= ngram_max_order, "
+                             f"got {self.ngram_min_order}..{self.ngram_max_order}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.kv_cache_backend == "contiguous" and (self.num_blocks or self.kv_cache_memory_bytes):
+            raise ValueError("num_blocks / kv_cache_memory_bytes apply to kv_cache_backend='paged' only")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.kv_cache_backend == "paged"
+        if self.enable_prefix_caching and self.kv_cache_backend != "paged":
+            # prefix sharing needs blocks; silently ignoring it would surprise the user
+            raise ValueError("enable_prefix_caching=True requires kv_cache_backend='paged' "
+                             "(set enable_prefix_caching=False for the contiguous backend)")
+        if self.use_speculative_decoding:
+            if self.batching_mode != "continuous":
+                raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")
+            if self.speculative_method == "draft_model" and self.draft_model is None and self.model is not None:
+                raise ValueError("use_speculative_decoding=True with speculative_method='draft_model' "
+                                 "requires draft_model (a path or hub id)")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

@@ -1,0 +1,131 @@
+"""Engine: owns the model(s), the scheduler and the runner; one synchronous `step()`.
+
+`add_request` validates and queues, `abort` frees a request's slot and KV blocks at once,
+`step` runs one scheduled step and returns (request, StepOutput) pairs; a request may
+appear several times per step (speculative decoding). `AsyncEngine` (async_engine.py) runs
+this loop in a background thread for the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from infer.engine.config import EngineConfig
+from infer.engine.loading import LoadedModels, load_models
+from infer.engine.request import FinishReason, Request, StepOutput
+from infer.engine.runner import ContinuousRunner, StepResult
+from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.sampling import SamplingParams
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
+        self.config = config
+        self.models = models or load_models(config)
+        config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
+        self.tokenizer = self.models.tokenizer
+        self.runner = self._make_runner()
+        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
+                                                   config.batching_mode))
+        self._ids = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    def _make_runner(self) -> ContinuousRunner:
+        eos = self.models.eos_token_ids
+        if self.config.use_speculative_decoding:
+            from infer.engine.speculative_runner import SpeculativeRunner
+            return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
+        runner = ContinuousRunner(self.models.target, self.tokenizer, self.config, eos)
+        if self.config.use_cuda_graphs and runner.device.type == "cuda":
+            from infer.engine.cuda_graphs import DecodeGraphs
+            runner.decode_graphs = DecodeGraphs.capture(runner)
+        return runner
+
+    @property
+    def vocab_size(self) -> int:
+        return self.models.target.config.vocab_size
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        params = sampling_params or SamplingParams()
+        ids = list(prompt_token_ids)
+        self.validate_prompt(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        request = Request(rid, ids, params)
+        self._requests[rid] = request
+        self.scheduler.add(request)
+        return request
+
+    def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        limit = self.config.max_seq_len
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
+                f"exceeds max_seq_len {limit} (of target and draft): shorten the prompt or lower max_tokens")
+        capacity = self.kv_capacity_tokens()
+        if capacity is not None and len(ids) + params.max_tokens > capacity:
+            raise ValueError(f"prompt + max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the "
+                             f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
+
+    def kv_capacity_tokens(self) -> int | None:
+        pools = self.runner_pools()
+        caps = [p.total_token_capacity() for p in pools if hasattr(p, "total_token_capacity")]
+        return min(caps) if caps else None
+
+    def runner_pools(self) -> list:
+        pools = [self.runner.cache_pool]
+        draft_pool = getattr(self.runner, "draft_cache_pool", None)
+        return pools + ([draft_pool] if draft_pool is not None else [])
+
+    def abort(self, request_id: str) -> StepOutput | None:
+        """Cancel a request: its slot and KV blocks are freed now. None if unknown/finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None or request.is_finished:
+            return None
+        self.scheduler.remove(request, self.runner)
+        out = self.runner.output.finish_without_token(request, FinishReason.ABORT)
+        self.runner.release(request)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop --------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        decision = self.scheduler.schedule(self.runner)
+        results = self.runner.step(decision.prefill, decision.decode)
+        for request in self.scheduler.retire(self.runner):
+            self._requests.pop(request.request_id, None)
+        return results
+
+    def fail_all(self, message: str) -> StepResult:
+        """Finish every request with an error (the loop hit an exception)."""
+        results: StepResult = []
+        for request in list(self._requests.values()):
+            self.scheduler.remove(request, self.runner)
+            results.append((request, self.runner.output.finish_without_token(request, FinishReason.ERROR, message)))
+            self.runner.release(request)
+        self._requests.clear()
+        return results
+
+    def leak_report(self) -> list[str]:
+        problems = [f"request {r} still tracked" for r in self._requests]
+        if self.scheduler.has_unfinished():
+            problems.append(f"scheduler holds {len(self.scheduler.waiting)} waiting, "
+                            f"{len(self.scheduler.running)} running")
+        return problems + self.runner.leak_report()
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device

@@ -1,0 +1,83 @@
+"""Loading what an engine runs on: target model, optional draft model, tokenizer.
+
+Without `model` the bundled demo target is used (and with speculation on and no
+`draft_model`, the bundled demo draft), so a fresh install works with no download. A
+draft must share the target's vocabulary and EOS ids; a mismatch is a clear error (D2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infer.engine.config import EngineConfig
+from infer.models.llama import LlamaForCausalLM
+from infer.models.loader import load_model, resolve_model_path
+from infer.tokenizer import Tokenizer
+
+DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFT = DEMO_DIR / "draft"
+
+
+@dataclass
+class LoadedModels:
+    target: LlamaForCausalLM
+    draft: LlamaForCausalLM | None
+    tokenizer: Tokenizer | None
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available: use device='cpu'")
+    return torch.device(device)
+
+
+def default_model_paths(config: EngineConfig) -> tuple[str, str | None]:
+    """(target, draft) after filling in the bundled demo pair where nothing was given."""
+    target = config.model if config.model is not None else str(DEMO_TARGET)
+    draft = config.draft_model
+    wants_draft = config.use_speculative_decoding and config.speculative_method == "draft_model"
+    if wants_draft and draft is None and config.model is None:
+        draft = str(DEMO_DRAFT)
+    return target, (draft if wants_draft else None)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer | None:
+    """The tokenizer in a model directory; None for file-less dummy shapes."""
+    if name_or_path.startswith("dummy:"):
+        return None
+    return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
+
+
+def check_compatible(target_tok: Tokenizer | None, draft_tok: Tokenizer | None, target: LlamaForCausalLM,
+                     draft: LlamaForCausalLM) -> None:
+    """Draft and target must share vocabulary size and EOS ids (speculative decoding)."""
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"draft model vocab_size {draft.config.vocab_size} != target vocab_size "
+                         f"{target.config.vocab_size}: speculative decoding needs a draft with the same tokenizer")
+    if target_tok is not None and draft_tok is not None:
+        problem = target_tok.compatible_with(draft_tok)
+        if problem:
+            raise ValueError(f"draft and target tokenizers are incompatible: {problem}")
+
+
+def load_models(config: EngineConfig) -> LoadedModels:
+    device = resolve_device(config.device)
+    target_path, draft_path = default_model_paths(config)
+    # bf16 matmuls are slow and inexact on CPUs: "auto" means float32 there
+    dtype = "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
+    target, _ = load_model(target_path, dtype=dtype, device=device, load_format=config.load_format)
+    tokenizer = load_tokenizer(config.tokenizer or target_path)
+    draft = None
+    if draft_path is not None:
+        draft, _ = load_model(draft_path, dtype=target.lm_head.weight.dtype, device=device,
+                              load_format=config.load_format)
+        check_compatible(tokenizer, load_tokenizer(draft_path), target, draft)
+    eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
+    return LoadedModels(target, draft, tokenizer, tuple(eos))

@@ -1,0 +1,156 @@
+"""ContinuousRunner: runs the target model for a scheduled step.
+
+`step(prefill, decode)`: prefill chunks (one request, a right-padded batch, or chunks of
+long prompts after a cached prefix; all one code path through `BatchLayout`) then one
+batched decode forward. Sampling, stop conditions and detokenization go through the pure
+sampling pipeline and the OutputProcessor. Returns (request, StepOutput) pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from infer.cache.factory import make_cache_pool
+from infer.cache.protocol import CachePoolProtocol
+from infer.cache.view import BatchLayout
+from infer.engine.config import EngineConfig
+from infer.engine.output import OutputProcessor
+from infer.engine.request import Request, StepOutput
+from infer.models.config import ModelConfig
+from infer.models.llama import LlamaForCausalLM
+from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from infer.tokenizer import Tokenizer
+
+StepResult = list[tuple[Request, StepOutput]]
+
+
+def make_pool_for(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
+                  device: torch.device, *, prefix_caching: bool) -> CachePoolProtocol:
+    kwargs: dict[str, object] = dict(max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                                     dtype=dtype, device=device)
+    if config.kv_cache_backend == "paged":
+        kwargs.update(block_size=config.block_size, num_blocks=config.num_blocks,
+                      memory_budget_bytes=config.kv_cache_memory_bytes, enable_prefix_caching=prefix_caching)
+    return make_cache_pool(config.kv_cache_backend, model_config, **kwargs)
+
+
+def prefill_target(request: Request) -> int:
+    """Tokens to cache before decoding: everything except a pending sampled token."""
+    return request.num_tokens - (1 if request.output_token_ids else 0)
+
+
+class ContinuousRunner:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache_pool = make_pool_for(model.config, config, self.dtype, self.device,
+                                        prefix_caching=bool(config.enable_prefix_caching))
+        self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
+        self.decode_graphs = None  # set by the engine when CUDA graphs are enabled
+
+    # -- capacity (the scheduler's view) -------------------------------------------------
+    def can_admit(self, request: Request) -> bool:
+        return self.cache_pool.can_allocate(prefill_target(request))
+
+    def allocate(self, request: Request) -> None:
+        prefix = request.prompt_token_ids if self.config.enable_prefix_caching else None
+        request.slot = self.cache_pool.allocate_slot(prefill_target(request), prefix)
+        request.num_computed_tokens = self.cache_pool.seq_len(request.slot)
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        assert request.slot is not None
+        return self.cache_pool.ensure_capacity(request.slot, total_tokens)
+
+    def decode_demand(self, request: Request) -> int:
+        return 1
+
+    def release(self, request: Request) -> None:
+        if request.slot is not None:
+            self.free_slot(request.slot)
+            request.slot = None
+        if request.is_finished:
+            self.cleanup_request(request.request_id)
+
+    def free_slot(self, slot_idx: int) -> None:
+        self.cache_pool.free_slot(slot_idx)
+
+    def cleanup_request(self, request_id: str) -> None:
+        self.output.release(request_id)
+
+    def free_kv_tokens(self) -> int | None:
+        return self.cache_pool.free_token_capacity()
+
+    def leak_report(self) -> list[str]:
+        return self.cache_pool.leak_report()
+
+    # -- step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
+        results: StepResult = []
+        if prefill:
+            results += self._prefill(prefill)
+        if decode:
+            results += self._decode(decode)
+        return results
+
+    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> StepResult:
+        requests = [r for r, _ in chunks]
+        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
+                                [n for _, n in chunks])
+        logits = self.run_chunks(self.model, self.cache_pool, requests, layout)  # [B, V]
+        to_sample: list[int] = []
+        for i, (request, n) in enumerate(chunks):
+            request.num_computed_tokens += n
+            if request.in_prefill:
+                continue
+            if not request.output_token_ids:
+                to_sample.append(i)
+            self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
+        if not to_sample:
+            return []
+        sampled = [requests[i] for i in to_sample]
+        tokens = self.sample(sampled, logits[to_sample])
+        return [(r, self.output.append(r, t)) for r, t in zip(sampled, tokens, strict=True)]
+
+    def run_chunks(self, model: LlamaForCausalLM, pool: CachePoolProtocol, requests: Sequence[Request],
+                   layout: BatchLayout) -> torch.Tensor:
+        """Forward chunks of each request's token list through `pool`; logits of each row's last token."""
+        ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
+        for b, (request, start, n) in enumerate(zip(requests, layout.start_positions, layout.chunk_lens,
+                                                    strict=True)):
+            ids[b, :n] = torch.tensor(request.all_token_ids[start:start + n])
+        view = pool.view(layout)
+        logits = model(ids.to(self.device), layout.positions(self.device), view,
+                       logits_indices=layout.last_token_indices(self.device))
+        view.commit()
+        return logits
+
+    def _decode(self, requests: Sequence[Request]) -> StepResult:
+        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
+                                [1] * len(requests))
+        ids = torch.tensor([[r.all_token_ids[-1]] for r in requests], device=self.device)
+        if self.decode_graphs is not None and self.decode_graphs.supports(layout):
+            logits = self.decode_graphs.run(ids, layout)  # [B, V]
+        else:
+            view = self.cache_pool.view(layout)
+            logits = self.model(ids, layout.positions(self.device), view)[:, 0]
+            view.commit()
+        for r in requests:
+            r.num_computed_tokens += 1
+        tokens = self.sample(requests, logits)
+        return [(r, self.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
+
+    def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
+        """One token per request from logits [B, V] with each request's params and generator."""
+        params = [r.sampling_params for r in requests]
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            return logits.argmax(dim=-1).tolist()
+        contexts = [r.all_token_ids for r in requests] if any(p.repetition_penalty != 1.0 for p in params) else None
+        probs = logits_to_probs(logits, params, contexts)
+        uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]
+        return sample_from_probs(probs, uniforms.to(probs.device)).tolist()

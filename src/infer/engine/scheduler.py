@@ -1,0 +1,154 @@
+"""Scheduler: waiting and running queues, admission, chunked-prefill budgeting, preemption.
+
+FIFO. A waiting request is admitted while a slot is free and the KV pools can hold its
+prompt. Each step, running requests still in prefill get chunks from the per-step token
+budget (oldest first); the rest decode. Before a decode step every decoding request must
+have room for the tokens the runner will write (1, or K+1 with speculation); when the
+paged pool runs out, the newest running request is preempted: its KV memory is freed and it
+goes back to the front of the waiting queue to be recomputed later. A request that could
+never fit is rejected at `Engine.add_request`, so this cannot deadlock.
+
+The scheduler is unaware of speculative decoding: it asks the runner how many cache
+positions a decode step needs (`decode_demand`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from infer.engine.request import Request, RequestState
+
+
+class RunnerCapacity(Protocol):
+    def can_admit(self, request: Request) -> bool: ...
+    def allocate(self, request: Request) -> None: ...
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool: ...
+    def decode_demand(self, request: Request) -> int: ...
+    def release(self, request: Request) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_num_batched_tokens: int
+    batching_mode: str = "continuous"
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_batch_size and max_num_batched_tokens must be >= 1")
+        if self.batching_mode not in ("continuous", "static"):
+            raise ValueError(f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")
+
+
+@dataclass(slots=True)
+class ScheduleDecision:
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request, runner: RunnerCapacity) -> None:
+        """Take a request out of whichever queue holds it, freeing its memory."""
+        if request in self.running:
+            self.running.remove(request)
+            runner.release(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def retire(self, runner: RunnerCapacity) -> list[Request]:
+        done = [r for r in self.running if r.is_finished]
+        for r in done:
+            self.running.remove(r)
+            runner.release(r)
+        return done
+
+    def admit(self, runner: RunnerCapacity) -> list[Request]:
+        if self.config.batching_mode == "static" and self.running:
+            return []  # a static batch runs to completion before the next one forms
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            if not runner.can_admit(request):
+                break
+            self.waiting.popleft()
+            runner.allocate(request)
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def schedule(self, runner: RunnerCapacity) -> ScheduleDecision:
+        """Admit, then split the running requests into prefill chunks and decodes."""
+        self.admit(runner)
+        decision = ScheduleDecision()
+        budget = self.config.max_num_batched_tokens
+        for request in list(self.running):
+            if request.in_prefill:
+                if budget <= 0:
+                    continue
+                remaining = _prefill_target(request) - request.num_computed_tokens
+                chunk = min(remaining, budget)
+                budget -= chunk
+                decision.prefill.append((request, chunk))
+        decoding = [r for r in self.running if not r.in_prefill]
+        decision.decode, decision.preempted = self._reserve_decode(decoding, runner)
+        if decision.preempted:
+            decision.prefill = [(r, n) for r, n in decision.prefill if r not in decision.preempted]
+        return decision
+
+    def _reserve_decode(self, decoding: Sequence[Request],
+                        runner: RunnerCapacity) -> tuple[list[Request], list[Request]]:
+        ready: list[Request] = []
+        preempted: list[Request] = []
+        queue = list(decoding)
+        while queue:
+            request = queue.pop(0)
+            need = request.num_computed_tokens + runner.decode_demand(request)
+            while not runner.ensure_capacity(request, need):
+                victim = self._newest_running(exclude=preempted)
+                self._preempt(victim, runner)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim in queue:
+                    queue.remove(victim)
+                if victim in ready:
+                    ready.remove(victim)
+            else:
+                ready.append(request)
+        return ready, preempted
+
+    def _newest_running(self, exclude: Sequence[Request]) -> Request:
+        candidates = [r for r in self.running if r not in exclude]
+        return max(candidates, key=lambda r: r.arrival_time)
+
+    def _preempt(self, request: Request, runner: RunnerCapacity) -> None:
+        self.running.remove(request)
+        runner.release(request)
+        request.state = RequestState.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+
+def _prefill_target(request: Request) -> int:
+    """Tokens to have in the cache before decoding: all but a pending sampled token."""
+    return request.num_tokens - (1 if request.output_token_ids else 0)

@@ -1,0 +1,108 @@
+"""LLM: the offline, synchronous front (vLLM-style).
+
+    llm = LLM(model="path-or-hub-id", dtype="bfloat16", device="cuda")   # kwargs = EngineConfig
+    outs = llm.generate(["prompt", ...], SamplingParams(temperature=0, max_tokens=64))
+    outs = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=...)
+    llm.chat([{"role": "user", "content": "hi"}], SamplingParams(...))
+
+All prompts are submitted to the engine at once and run with continuous batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.request import Request
+from infer.outputs import CompletionOutput, RequestOutput
+from infer.sampling import SamplingParams
+
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+        self.engine = Engine(self.config)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        texts, id_lists = self._prompts(prompts, prompt_token_ids)
+        params = _per_prompt(sampling_params, len(id_lists))
+        requests = [self.engine.add_request(ids, p) for ids, p in zip(id_lists, params, strict=True)]
+        self._run(requests, use_tqdm)
+        return [_to_output(r, t) for r, t in zip(requests, texts, strict=True)]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = _per_prompt(sampling_params, len(ids))
+        requests = [self.engine.add_request(i, p) for i, p in zip(ids, params, strict=True)]
+        self._run(requests, use_tqdm=False)
+        return [_to_output(r, t) for r, t in zip(requests, prompts, strict=True)]
+
+    def _prompts(self, prompts: str | Sequence[str] | None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None) -> tuple[list[str | None], list[list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts (text) or prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = [list(p) for p in prompt_token_ids]
+            return [None] * len(ids), ids
+        texts = [prompts] if isinstance(prompts, str) else list(prompts or [])
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+        return list(texts), [self.tokenizer.encode(t) for t in texts]
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+        try:
+            while any(not r.is_finished for r in requests):
+                self.engine.step()
+        except BaseException:
+            for r in requests:
+                self.engine.abort(r.request_id)
+            raise
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts: give one, or one per prompt")
+    return list(params)
+
+
+def _to_output(request: Request, prompt: str | None) -> RequestOutput:
+    completion = CompletionOutput(
+        index=0, text=request.output_text, token_ids=list(request.output_token_ids),
+        finish_reason=request.finish_reason.value if request.finish_reason else None,
+        acceptance_rate=request.mean_acceptance_rate(), mean_accepted_length=request.mean_accepted_length())
+    metrics: dict[str, float] = {}
+    if request.first_token_time is not None:
+        metrics["time_to_first_token_s"] = request.first_token_time - request.arrival_time
+    if request.finish_time is not None and request.first_token_time is not None and len(request.output_token_ids) > 1:
+        metrics["decode_tokens_per_s"] = (len(request.output_token_ids) - 1) / max(
+            request.finish_time - request.first_token_time, 1e-9)
+    return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), [completion],
+                         finished=request.is_finished, metrics=metrics)

@@ -1,0 +1,238 @@
+"""SpeculativeRunner: propose -> verify -> accept -> roll back (spec D1, D3-D6, D9).
+
+Prefill is the ContinuousRunner's (target only; the draft prefills lazily). A decode step:
+
+1. the policy picks k per request (fixed K or adaptive; overflow guard near max_seq_len);
+2. the proposer drafts up to k tokens per request (draft model: K batched draft steps;
+   n-gram: table lookups);
+3. one batched target forward over [g, t_1..t_k] per request (g: the pending token),
+   written to the target cache like a chunked prefill at positions n..n+k;
+4. `rejection.verify` accepts a prefix of each draft and adds one recovered or bonus token;
+5. both caches are truncated to n + a + 1 tokens; the tokens are emitted one by one through
+   the OutputProcessor, so a stop inside an accepted run ends the request there.
+
+Greedy-only batches without repetition penalty take an argmax shortcut, equal to the
+general verifier on one-hot distributions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from infer.cache.view import BatchLayout
+from infer.engine.config import EngineConfig
+from infer.engine.request import Request
+from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, prefill_target
+from infer.models.llama import LlamaForCausalLM
+from infer.sampling import draw_uniforms, logits_to_probs
+from infer.spec.draft_model import DraftModelProposer
+from infer.spec.metrics import SpecStats
+from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
+from infer.spec.proposer import Draft, Proposer
+from infer.spec.rejection import VerifyResult, verify
+from infer.tokenizer import Tokenizer
+
+
+class SpeculativeRunner(ContinuousRunner):
+    def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
+                 tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
+        super().__init__(target_model, tokenizer, config, eos_token_ids)
+        self.spec_length = config.spec_length
+        self.stats = SpecStats()
+        self.draft: DraftModelProposer | None = None
+        self.proposer: Proposer = self._make_proposer(draft_model)
+        self.cost_model = CostModel(config.spec_length)
+        if config.spec_policy == "adaptive":
+            from infer.engine.calibration import measure_costs
+            self.cost_model = measure_costs(
+                self.model, self.cache_pool, self.draft.model if self.draft else None,
+                self.draft.pool if self.draft else None, config.max_batch_size, config.spec_length)
+        self.policy: SpecPolicy = (AdaptivePolicy(config.spec_length, self.cost_model)
+                                   if config.spec_policy == "adaptive" else FixedPolicy(config.spec_length))
+        self.timings = PhaseTimer()
+
+    def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
+        method = self.config.speculative_method
+        if method == "draft_model":
+            if draft_model is None:
+                raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
+            pool = make_pool_for(draft_model.config, self.config, self.dtype, self.device, prefix_caching=False)
+            self.draft = DraftModelProposer(draft_model, pool)
+            return self.draft
+        from infer.spec.ngram import NgramConfig, NgramProposer
+        return NgramProposer(NgramConfig(method=method, max_order=self.config.ngram_max_order,
+                                         min_order=self.config.ngram_min_order, window=self.config.ngram_window))
+
+    # -- spec D1 names ---------------------------------------------------------------------------
+    @property
+    def target_cache_pool(self):  # noqa: ANN201
+        return self.cache_pool
+
+    @property
+    def draft_cache_pool(self):  # noqa: ANN201
+        return self.draft.pool if self.draft is not None else None
+
+    @property
+    def _draft_slots(self) -> dict[int, int]:
+        return self.draft._draft_slots if self.draft is not None else {}
+
+    @property
+    def _draft_prefilled(self) -> set[str]:
+        return self.draft._draft_prefilled if self.draft is not None else set()
+
+    # -- capacity: both pools in lockstep -------------------------------------------------------
+    def can_admit(self, request: Request) -> bool:
+        ok = super().can_admit(request)
+        return ok and (self.draft is None or self.draft.can_allocate(prefill_target(request)))
+
+    def allocate(self, request: Request) -> None:
+        super().allocate(request)
+        if self.draft is not None:
+            self.draft.allocate(request, prefill_target(request))
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        if not super().ensure_capacity(request, total_tokens):
+            return False
+        return self.draft is None or self.draft.ensure_capacity(request, total_tokens - 1)
+
+    def decode_demand(self, request: Request) -> int:
+        return self.spec_length + 1
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)
+        if request.is_finished:
+            self.policy.release(request.request_id)
+        super().release(request)
+
+    def free_kv_tokens(self) -> int | None:
+        caps = [c for c in (self.cache_pool.free_token_capacity(),
+                            self.draft.free_tokens() if self.draft is not None else None) if c is not None]
+        return min(caps) if caps else None
+
+    def leak_report(self) -> list[str]:
+        return super().leak_report() + (self.draft.leak_report() if self.draft is not None else [])
+
+    # -- the speculative decode step --------------------------------------------------------------
+    def _decode(self, requests: Sequence[Request]) -> StepResult:
+        return self._speculative_decode(requests)
+
+    def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
+        seq_lens = [r.num_computed_tokens for r in requests]
+        left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
+        ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
+        with self.timings.phase("draft", len(requests), max(ks)):
+            drafts = self.proposer.propose(requests, ks) if any(ks) else [Draft([], None) for _ in requests]
+        with self.timings.phase("verify", len(requests), max(len(d.token_ids) for d in drafts)):
+            result = self._verify(requests, drafts)
+        return self._accept(requests, drafts, result)
+
+    def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
+        """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""
+        num_draft = [len(d.token_ids) for d in drafts]
+        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
+                                [k + 1 for k in num_draft])
+        rows = [[r.all_token_ids[-1], *d.token_ids] for r, d in zip(requests, drafts, strict=True)]
+        ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, :len(row)] = torch.tensor(row)
+        view = self.cache_pool.view(layout)
+        logits = self.model(ids.to(self.device), layout.positions(self.device), view)  # [B, K+1, V]
+        view.commit()
+        return self._accept_reject(requests, drafts, logits)
+
+    def _accept_reject(self, requests: Sequence[Request], drafts: Sequence[Draft],
+                       target_logits: torch.Tensor) -> VerifyResult:
+        num_draft = [len(d.token_ids) for d in drafts]
+        b, width, vocab = target_logits.shape
+        k_pad = width - 1
+        draft_tokens = torch.zeros((b, max(k_pad, 1)), dtype=torch.long)
+        for i, d in enumerate(drafts):
+            draft_tokens[i, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
+        draft_tokens = draft_tokens[:, :k_pad].to(self.device)
+        params = [r.sampling_params for r in requests]
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            return greedy_verify(draft_tokens, num_draft, target_logits.argmax(dim=-1))
+        contexts = [r.all_token_ids + d.token_ids[:j] for r, d in zip(requests, drafts, strict=True)
+                    for j in range(width)]
+        flat_params = [p for p in params for _ in range(width)]
+        target_probs = logits_to_probs(target_logits.reshape(b * width, vocab), flat_params,
+                                       contexts).view(b, width, vocab)
+        draft_probs = None
+        if any(d.probs is not None for d in drafts):
+            draft_probs = torch.zeros((b, k_pad, vocab), dtype=torch.float32, device=self.device)
+            for i, d in enumerate(drafts):
+                k = len(d.token_ids)
+                if d.probs is not None:
+                    draft_probs[i, :k] = d.probs
+                else:  # deterministic proposal in a batch that also has model drafts
+                    draft_probs[i, torch.arange(k, device=self.device), draft_tokens[i, :k]] = 1.0
+        uniforms = draw_uniforms([r.generator for r in requests], k_pad + 1).to(self.device)
+        return verify(draft_tokens, num_draft, draft_probs, target_probs, uniforms[:, :k_pad], uniforms[:, k_pad])
+
+    def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> StepResult:
+        """Roll both caches back (D6), record metrics (D9), emit the tokens in order."""
+        outputs: StepResult = []
+        for r, d, tokens, a in zip(requests, drafts, result.tokens, result.num_accepted, strict=True):
+            k = len(d.token_ids)
+            n = r.num_computed_tokens
+            self.cache_pool.truncate_to(r.slot, n + a + 1)
+            r.num_computed_tokens = n + a + 1
+            self.proposer.on_accepted(r, a)
+            self.policy.update(r.request_id, k, a)
+            if k > 0:
+                r.speculation_acceptance_rates.append(a / k)
+            emitted = 0
+            for t in tokens:
+                outputs.append((r, self.output.append(r, t)))
+                emitted += 1
+                if r.is_finished:
+                    break
+            r.spec_rounds += 1
+            r.spec_tokens_emitted += emitted
+            self.stats.record(k, a, emitted)
+        return outputs
+
+
+def greedy_verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], target_argmax: torch.Tensor) -> VerifyResult:
+    """Greedy acceptance: keep drafts while they equal the target argmax, then add the argmax.
+
+    draft_tokens: [B, K]; target_argmax: [B, K+1]. Same result as `verify` on one-hot p.
+    """
+    k = draft_tokens.shape[1]
+    match = (draft_tokens == target_argmax[:, :k]).long()  # [B, K]
+    limit = torch.tensor(num_draft, device=draft_tokens.device)[:, None]
+    match = match * (torch.arange(k, device=draft_tokens.device)[None, :] < limit)
+    accepted = match.cumprod(dim=1).sum(dim=1)  # [B]
+    drafts_l, argmax_l, acc_l = draft_tokens.tolist(), target_argmax.tolist(), accepted.tolist()
+    tokens = [drafts_l[i][:a] + [argmax_l[i][a]] for i, a in enumerate(acc_l)]
+    return VerifyResult(tokens=tokens, num_accepted=acc_l)
+
+
+class PhaseTimer:
+    """Wall time of the draft and verify phases per (batch size, k), as running means (host
+    clock; each phase ends in a host sync, so the numbers are real)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[tuple[str, int, int], tuple[float, int]] = {}
+
+    def phase(self, name: str, batch: int, k: int) -> _Phase:
+        return _Phase(self, (name, batch, k))
+
+    def mean(self, name: str, batch: int, k: int) -> float | None:
+        total, count = self.totals.get((name, batch, k), (0.0, 0))
+        return total / count if count else None
+
+
+class _Phase:
+    def __init__(self, timer: PhaseTimer, key: tuple[str, int, int]) -> None:
+        self.timer, self.key = timer, key
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        total, count = self.timer.totals.get(self.key, (0.0, 0))
+        self.timer.totals[self.key] = (total + time.perf_counter() - self.start, count + 1)

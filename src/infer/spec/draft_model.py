@@ -1,0 +1,142 @@
+"""DraftModelProposer: drafts K tokens per request with a small model and its own KV pool.
+
+Per request the draft cache holds a prefix of the request's tokens. A round for a request
+whose target cache holds n tokens (the pending token g = tokens[n] not yet fed anywhere):
+
+1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
+   round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty or
+   the one token left over when every draft was accepted. Long catch-ups run as their own
+   batched prefill; a catch-up of one token rides along with step 1 as a 2-token chunk.
+2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
+   draft distribution q_i after the request's sampling transforms (repetition penalty over
+   the growing context, temperature, top-k, top-p) with the request's generator.
+3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
+   what it actually holds, n + k), spec D6.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.cache.view import BatchLayout
+from infer.models.llama import LlamaForCausalLM
+from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from infer.spec.proposer import Draft
+
+if TYPE_CHECKING:
+    from infer.engine.request import Request
+
+
+class DraftModelProposer:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = next(model.parameters()).device
+        self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
+        self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
+        self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
+
+    # -- memory, in lockstep with the target pool --------------------------------------------
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.pool.can_allocate(num_tokens)
+
+    def allocate(self, request: Request, initial_tokens: int) -> None:
+        assert request.slot is not None
+        self._draft_slots[request.slot] = self.pool.allocate_slot(initial_tokens)
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        return self.pool.ensure_capacity(self._slot(request), total_tokens)
+
+    def release(self, request: Request) -> None:
+        if request.slot is not None and request.slot in self._draft_slots:
+            self.pool.free_slot(self._draft_slots.pop(request.slot))
+        self._draft_prefilled.discard(request.request_id)
+        self._round.pop(request.request_id, None)
+
+    def free_tokens(self) -> int | None:
+        return self.pool.free_token_capacity()
+
+    def leak_report(self) -> list[str]:
+        extra = [f"draft slot map still holds {self._draft_slots}"] if self._draft_slots else []
+        return extra + [f"draft pool: {p}" for p in self.pool.leak_report()]
+
+    def _slot(self, request: Request) -> int:
+        assert request.slot is not None
+        return self._draft_slots[request.slot]
+
+    # -- proposing -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        drafts = [Draft([], None) for _ in requests]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        if not active:
+            return drafts
+        reqs = [requests[i] for i in active]
+        k_of = [ks[i] for i in active]
+        self._catch_up([r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= 2])
+        tokens, probs = self._draft_loop(reqs, k_of)
+        for j, i in enumerate(active):
+            k = k_of[j]
+            drafts[i] = Draft(tokens[j][:k], probs[j, :k])
+            self._round[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
+        self._draft_prefilled.update(r.request_id for r in reqs)
+        return drafts
+
+    def _catch_up(self, reqs: Sequence[Request]) -> None:
+        """Feed tokens[d : n-1] (all but the last unseen one) as a batched prefill."""
+        if not reqs:
+            return
+        slots = [self._slot(r) for r in reqs]
+        starts = [self.pool.seq_len(s) for s in slots]
+        lens = [r.num_computed_tokens - 1 - d for r, d in zip(reqs, starts, strict=True)]
+        layout = BatchLayout.of(slots, starts, lens)
+        ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
+        for b, (r, d, n) in enumerate(zip(reqs, starts, lens, strict=True)):
+            ids[b, :n] = torch.tensor(r.all_token_ids[d:d + n])
+        view = self.pool.view(layout)
+        self.model(ids.to(self.device), layout.positions(self.device), view,
+                   logits_indices=layout.last_token_indices(self.device))
+        view.commit()
+
+    def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor]:
+        """K batched draft steps -> (tokens [B][K], probs [B, K, V])."""
+        k_max = max(ks)
+        slots = [self._slot(r) for r in reqs]
+        params = [r.sampling_params for r in reqs]
+        contexts = [list(r.all_token_ids) for r in reqs]
+        needs_ctx = any(p.repetition_penalty != 1.0 for p in params)
+        # step 1: the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
+        starts = [self.pool.seq_len(s) for s in slots]
+        feeds = [r.all_token_ids[d:] for r, d in zip(reqs, starts, strict=True)]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        all_probs = []
+        for step in range(k_max):
+            layout = BatchLayout.of(slots, starts, [len(f) for f in feeds])
+            ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
+            for b, f in enumerate(feeds):
+                ids[b, :len(f)] = torch.tensor(f)
+            view = self.pool.view(layout)
+            logits = self.model(ids.to(self.device), layout.positions(self.device), view,
+                                logits_indices=layout.last_token_indices(self.device))  # [B, V]
+            view.commit()
+            probs = logits_to_probs(logits, params, contexts if needs_ctx else None)  # [B, V]
+            uniforms = draw_uniforms([r.generator for r in reqs], 1)[:, 0]
+            new = sample_from_probs(probs, uniforms.to(probs.device)).tolist()
+            all_probs.append(probs)
+            starts = [s + len(f) for s, f in zip(starts, feeds, strict=True)]
+            feeds = [[t] for t in new]
+            for b, t in enumerate(new):
+                tokens[b].append(t)
+                contexts[b].append(t)
+        return tokens, torch.stack(all_probs, dim=1)
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        n, k = self._round.pop(request.request_id, (None, 0))
+        if n is None:
+            return
+        slot = self._slot(request)
+        self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))

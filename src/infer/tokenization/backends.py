@@ -1,0 +1,229 @@
+"""Tokenizer backends: `tokenizers` (tokenizer.json) and tiktoken (Llama 3 tokenizer.model).
+
+Both expose the same small surface (`TokenizerBackend`): raw encode/decode, token <-> id
+lookup and the set of special ids. Everything model-specific that lives in config files
+(BOS policy, eos ids, chat template) is handled one level up in `infer.tokenizer`.
+
+The tiktoken backend rebuilds Meta's Llama 3 tokenizer: the BPE ranks from the file, the
+Llama 3 pre-tokenizer regex and 256 special tokens appended after the base vocabulary
+(the same names and order as `llama_models.llama3.tokenizer`). Token strings use the
+GPT-2 byte-to-unicode alphabet, so `id_to_token` agrees with Hugging Face's tokenizer.json
+conversion of the same model (e.g. " hello" -> "Ġhello").
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Protocol
+
+import tiktoken
+import tokenizers
+
+# Llama 3 pre-tokenizer: contractions, words with one leading non-letter, 1-3 digit
+# groups, punctuation runs, newlines, and whitespace that is not followed by a word.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+    r"|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+"
+    r"|\s+(?!\S)"
+    r"|\s+"
+)
+LLAMA3_NUM_SPECIAL_TOKENS = 256
+LLAMA3_NAMED_SPECIAL_TOKENS = (
+    "<|begin_of_text|>", "<|end_of_text|>",
+    "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>",
+    "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>",
+)
+# tiktoken's regex engine can fail on very long inputs or very long runs of
+# (non-)whitespace; longer inputs are encoded in pieces (see `split_for_tiktoken`).
+TIKTOKEN_MAX_CHARS = 400_000
+TIKTOKEN_MAX_RUN = 25_000
+_RUNS = re.compile(r"\s+|\S+")
+
+
+class TokenizerBackend(Protocol):
+    """The raw tokenization surface both backends provide."""
+
+    name: str
+    vocab_size: int  # full id space, special tokens included
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+    def id_to_token(self, token_id: int) -> str | None: ...
+    def special_ids(self) -> frozenset[int]: ...
+
+
+class HFTokenizersBackend:
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json; special strings in text are parsed."""
+
+    name = "tokenizers"
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        self._tok = tokenizer
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
+                              max(vocab.values(), default=-1) + 1)
+        self._special = frozenset(token_id for token_id, added
+                                  in tokenizer.get_added_tokens_decoder().items() if added.special)
+
+    @classmethod
+    def from_file(cls, path: Path) -> HFTokenizersBackend:
+        try:
+            return cls(tokenizers.Tokenizer.from_file(str(path)))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise ValueError(f"could not load {path} with the tokenizers library: {exc}") from exc
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+
+class TiktokenBackend:
+    """Meta's Llama 3 tokenizer.model (tiktoken BPE ranks) plus the 256 Llama 3 specials."""
+
+    name = "tiktoken"
+
+    def __init__(self, ranks: dict[bytes, int], encoding_name: str = "llama3") -> None:
+        num_base = len(ranks)
+        names = llama3_special_token_names()
+        self.special_tokens = {token: num_base + i for i, token in enumerate(names)}
+        self._encoding = tiktoken.Encoding(name=encoding_name, pat_str=LLAMA3_PATTERN,
+                                           mergeable_ranks=ranks,
+                                           special_tokens=self.special_tokens)
+        self._ranks = ranks
+        self._special_names = {token_id: token for token, token_id in self.special_tokens.items()}
+        self._special = frozenset(self._special_names)
+        self.vocab_size = num_base + len(names)
+        self.bos_token_id = self.special_tokens["<|begin_of_text|>"]
+
+    @classmethod
+    def from_file(cls, path: Path) -> TiktokenBackend:
+        return cls(load_tiktoken_ranks(path), encoding_name=path.name)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens else []
+        for piece in split_for_tiktoken(text, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN):
+            ids.extend(self._encoding.encode(piece, allowed_special="all", disallowed_special=()))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special]
+        return self._encoding.decode(list(ids), errors="replace")
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self.special_tokens:
+            return self.special_tokens[token]
+        decoder = _unicode_to_byte()
+        if not all(ch in decoder for ch in token):
+            return None
+        return self._ranks.get(bytes(decoder[ch] for ch in token))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if token_id in self._special_names:
+            return self._special_names[token_id]
+        if not 0 <= token_id < self.vocab_size:
+            return None
+        encoder = _byte_to_unicode()
+        return "".join(encoder[b] for b in self._encoding.decode_single_token_bytes(token_id))
+
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+
+def llama3_special_token_names() -> list[str]:
+    """The 256 Llama 3 special tokens in id order (named ones, then reserved_2..)."""
+    num_reserved = LLAMA3_NUM_SPECIAL_TOKENS - len(LLAMA3_NAMED_SPECIAL_TOKENS)
+    reserved = [f"<|reserved_special_token_{2 + i}|>" for i in range(num_reserved)]
+    return [*LLAMA3_NAMED_SPECIAL_TOKENS, *reserved]
+
+
+def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a tiktoken BPE file: one `<base64 token> <rank>` pair per line."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as exc:
+            raise ValueError(
+                f"{path} line {number} is not '<base64 token> <rank>' ({exc}); only Llama 3 "
+                "tiktoken tokenizer.model files are supported (SentencePiece models need "
+                "their tokenizer.json)") from exc
+    if not ranks:
+        raise ValueError(f"{path} holds no BPE ranks; it is not a tiktoken tokenizer.model "
+                         "(SentencePiece models need their tokenizer.json)")
+    return ranks
+
+
+def split_for_tiktoken(text: str, max_chars: int, max_run: int) -> list[str]:
+    """Cut `text` into pieces of <= max_chars with no (non-)whitespace run over max_run.
+
+    Cuts fall at the start of a whitespace or non-whitespace run where possible, so
+    ordinary text tokenizes exactly as it would in one piece; only runs longer than
+    `max_run` are cut inside. Short inputs come back as [text] without scanning runs.
+    """
+    if len(text) <= max_chars and not _has_long_run(text, max_run):
+        return [text]
+    cuts = [0]
+    for match in _RUNS.finditer(text):
+        start, end = match.span()
+        if end - start > max_run:
+            cuts.extend(range(start, end, max_run))
+        elif end - cuts[-1] > max_chars:
+            cuts.append(start)
+    bounds = sorted(set(cuts)) + [len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _has_long_run(text: str, max_run: int) -> bool:
+    if len(text) <= max_run:
+        return False
+    return re.search(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}", text) is not None
+
+
+@lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + shifted)
+            shifted += 1
+    return mapping
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {ch: b for b, ch in _byte_to_unicode().items()}

@@ -1,0 +1,102 @@
+"""Streaming detokenization: turn generated ids into text deltas one token at a time.
+
+Decoding each token on its own breaks text in two ways: a character can span several
+byte-level tokens (its first bytes decode to U+FFFD), and SentencePiece-style decoders
+drop the leading space of the first token they see. So each step decodes a small window
+of recent tokens twice (the prefix-offset / read-offset scheme):
+
+    ids:  ... | prefix_offset ... read_offset ... end
+    prefix_text = decode(ids[prefix_offset:read_offset])   (already emitted)
+    new_text    = decode(ids[prefix_offset:])
+    delta       = new_text[len(prefix_text):]
+
+The delta is held back while `new_text` ends in U+FFFD (an unfinished character); once it
+is emitted, the window slides forward. Work per token is bounded by the window, not by the
+sequence length, and the concatenated deltas equal decode(generated ids).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as decoding context (enough for leading-space handling).
+PROMPT_CONTEXT_TOKENS = 5
+# Drop consumed ids from the buffer once this many sit before the window.
+_COMPACT_AFTER = 256
+
+
+class Decoder(Protocol):
+    """Anything with the `Tokenizer.decode` signature."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Per-request streaming decoder: `push(id)` returns the text that became final."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self._pieces: list[str] = []
+        self._num_generated = 0
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (held-back bytes of an unfinished character excluded)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def num_generated(self) -> int:
+        """How many token ids have been pushed."""
+        return self._num_generated
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the newly final text ("" while a character is open)."""
+        self._ids.append(token_id)
+        self._num_generated += 1
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(new_text)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (at the end of generation), even if incomplete."""
+        if self._read_offset == len(self._ids):
+            return ""
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(self._prefix_text):
+            self._read_offset = len(self._ids)
+            return ""
+        return self._emit(new_text)
+
+    def _emit(self, new_text: str) -> str:
+        delta = new_text[len(self._prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        self._pieces.append(delta)
+        self._compact()
+        return delta
+
+    def _compact(self) -> None:
+        """Forget ids that precede the window so memory stays bounded on long generations."""
+        if self._prefix_offset < _COMPACT_AFTER:
+            return
+        del self._ids[:self._prefix_offset]
+        self._read_offset -= self._prefix_offset
+        self._prefix_offset = 0
+
+    def _decode(self, start: int, end: int) -> str:
+        if start >= end:
+            return ""
+        return self._tokenizer.decode(self._ids[start:end],
+                                      skip_special_tokens=self._skip_special_tokens)

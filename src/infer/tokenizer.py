@@ -1,0 +1,233 @@
+"""Tokenizer: text <-> token ids, chat templates and streaming detokenization.
+
+`Tokenizer.from_pretrained(dir)` loads a local model directory in Hugging Face layout:
+`tokenizer.json` through the `tokenizers` library, or else Meta's Llama 3 tiktoken
+`tokenizer.model`. Special token ids, the BOS policy, the stop (eos) ids and the chat
+template come from `tokenizer_config.json` / `generation_config.json` /
+`chat_template.jinja`, with Llama 3 defaults when a tiktoken file comes alone.
+Backends live in `infer.tokenization.backends`, templates in `infer.tokenization.chat`,
+the streaming decoder in `infer.tokenization.detokenizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from infer.tokenization.backends import (
+    HFTokenizersBackend,
+    TiktokenBackend,
+    TokenizerBackend,
+)
+from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
+from infer.tokenization.detokenizer import IncrementalDetokenizer
+from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+
+LLAMA3_DEFAULT_EOS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# Special-token strings of tokenizer_config.json that templates may refer to.
+TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token",
+                       "sep_token", "cls_token", "mask_token")
+_COMPAT_SAMPLES = 16
+
+
+class Tokenizer:
+    """A model's tokenizer plus the config around it (special ids, stop ids, chat template)."""
+
+    def __init__(self, backend: TokenizerBackend, *, name_or_path: str,
+                 token_strings: Mapping[str, str | None], extra_eos_ids: Sequence[int] = (),
+                 bos_token_id: int | None = None, pad_token_id: int | None = None,
+                 chat_template: str | None = None, add_bos_token: bool | None = None,
+                 add_eos_token: bool | None = None) -> None:
+        self._backend = backend
+        self.name_or_path = name_or_path
+        self.backend_name = backend.name
+        self.vocab_size: int = backend.vocab_size
+        self._token_strings = {k: v for k, v in token_strings.items() if v is not None}
+        self.bos_token_id = self._id_of("bos_token", bos_token_id)
+        self.pad_token_id = self._id_of("pad_token", pad_token_id)
+        self.eos_token_id = self._id_of("eos_token", None)  # the one `add_eos_token` appends
+        eos = {*extra_eos_ids, *([] if self.eos_token_id is None else [self.eos_token_id])}
+        for token_id in eos:
+            self._check_id(token_id, "eos_token_id")
+        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self.chat_template = chat_template
+        self._add_bos_token = add_bos_token
+        self._add_eos_token = add_eos_token
+
+    # ---------------------------------------------------------------- loading
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of the local model directory `path` (Hugging Face layout)."""
+        files = locate_tokenizer_files(path)
+        if files.tokenizer_json is not None:
+            backend: TokenizerBackend = HFTokenizersBackend.from_file(files.tokenizer_json)
+        else:
+            assert files.tiktoken_model is not None
+            backend = TiktokenBackend.from_file(files.tiktoken_model)
+        return cls._from_files(files, backend, name_or_path=str(path))
+
+    @classmethod
+    def _from_files(cls, files: TokenizerFiles, backend: TokenizerBackend,
+                    name_or_path: str) -> Tokenizer:
+        config, generation = files.tokenizer_config, files.generation_config
+        strings = {key: token_content(config.get(key)) for key in TEMPLATE_TOKEN_KEYS}
+        eos_ids = id_list(generation.get("eos_token_id"), "eos_token_id")
+        bos_ids = id_list(generation.get("bos_token_id"), "bos_token_id")
+        pad_ids = id_list(generation.get("pad_token_id"), "pad_token_id")
+        template = files.chat_template
+        if isinstance(backend, TiktokenBackend):  # Llama 3 defaults for what configs omit
+            if strings["bos_token"] is None and not bos_ids:
+                strings["bos_token"] = "<|begin_of_text|>"
+            if strings["eos_token"] is None and not eos_ids:
+                strings["eos_token"] = LLAMA3_DEFAULT_EOS[0]
+                eos_ids = [backend.special_tokens[name] for name in LLAMA3_DEFAULT_EOS]
+            if strings["pad_token"] is None and not pad_ids:
+                strings["pad_token"] = "<|finetune_right_pad_id|>"
+        if template is None and all(backend.token_to_id(t) is not None
+                                    for t in LLAMA3_HEADER_TOKENS):
+            template = LLAMA3_CHAT_TEMPLATE
+        return cls(backend, name_or_path=name_or_path, token_strings=strings,
+                   extra_eos_ids=eos_ids, bos_token_id=bos_ids[0] if bos_ids else None,
+                   pad_token_id=pad_ids[0] if pad_ids else None, chat_template=template,
+                   add_bos_token=_optional_bool(config, "add_bos_token"),
+                   add_eos_token=_optional_bool(config, "add_eos_token"))
+
+    # --------------------------------------------------------------- encoding
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in it become their ids.
+
+        With `add_special_tokens`, BOS (and EOS) are added as the tokenizer is configured:
+        the tokenizer.json post-processor, or `add_bos_token`/`add_eos_token` when
+        tokenizer_config.json sets them, or BOS for a Llama 3 tiktoken file.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects a str, got {type(text).__name__}")
+        explicit = self._add_bos_token is not None or self._add_eos_token is not None
+        if not add_special_tokens or not explicit:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = self._backend.encode(text, add_special_tokens=False)
+        if self._add_bos_token and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        if self._add_eos_token and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes that do not form whole UTF-8 characters become U+FFFD."""
+        ids = [int(token_id) for token_id in ids]
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            for token_id in ids:
+                self._check_id(token_id, "token id")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @overload
+    def convert_ids_to_tokens(self, ids: int) -> str: ...
+    @overload
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]: ...
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        """Vocabulary strings of `ids` (byte-level form, e.g. "Ġhello" for " hello")."""
+        if isinstance(ids, int):
+            return self._token_of(ids)
+        return [self._token_of(token_id) for token_id in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of the vocabulary string `token` (e.g. "<|eot_id|>"), None if absent."""
+        return self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether `token_id` is a special token (skipped by skip_special_tokens)."""
+        return token_id in self._backend.special_ids()
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token_strings.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._token_strings.get("eos_token")
+
+    # ----------------------------------------------------------- chat template
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]],
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            tools: Sequence[Mapping[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str | list[int]:
+        """Render `messages` with the chat template; ids instead of text when `tokenize`.
+
+        Token ids come from encoding the rendered text without adding special tokens,
+        because the template already writes BOS.
+        """
+        if self.chat_template is None:
+            raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template; add "
+                             "chat_template to tokenizer_config.json or send plain prompts")
+        text = render_chat_template(self.chat_template, messages,
+                                    add_generation_prompt=add_generation_prompt,
+                                    special_tokens=self._token_strings, tools=tools,
+                                    **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # ----------------------------------------------------------- compatibility
+
+    def compatible_with(self, other: Tokenizer) -> str | None:
+        """None when `other` can share ids with this tokenizer, else what differs.
+
+        Speculative decoding needs the draft and target to agree on the id space, the
+        stop ids and what the (non-special) ids mean; a spread sample of ids is compared.
+        """
+        mine, theirs = self.name_or_path, other.name_or_path
+        if self.vocab_size != other.vocab_size:
+            return (f"vocab_size differs: {self.vocab_size} ({mine}) vs "
+                    f"{other.vocab_size} ({theirs})")
+        if set(self.eos_token_ids) != set(other.eos_token_ids):
+            return (f"eos_token_ids differ: {list(self.eos_token_ids)} ({mine}) vs "
+                    f"{list(other.eos_token_ids)} ({theirs})")
+        step = max(1, self.vocab_size // _COMPAT_SAMPLES)
+        for token_id in range(0, self.vocab_size, step):
+            if self.is_special(token_id) or other.is_special(token_id):
+                continue
+            a, b = self._backend.id_to_token(token_id), other._backend.id_to_token(token_id)
+            if a != b:
+                return f"token {token_id} differs: {a!r} ({mine}) vs {b!r} ({theirs})"
+        return None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _id_of(self, key: str, fallback: int | None) -> int | None:
+        token = self._token_strings.get(key)
+        if token is None:
+            return fallback
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"tokenizer_config.json: {key} {token!r} is not in the vocabulary "
+                             f"of {self.name_or_path!r}; fix the config")
+        return token_id
+
+    def _check_id(self, token_id: int, what: str) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"{what} {token_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size}) of {self.name_or_path!r}")
+
+    def _token_of(self, token_id: int) -> str:
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size}) of {self.name_or_path!r}")
+        return token
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer({self.name_or_path!r}, backend={self.backend_name}, "
+                f"vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})")
+
+
+def _optional_bool(config: Mapping[str, Any], key: str) -> bool | None:
+    value = config.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValueError(f"tokenizer_config.json: {key} must be true or false, found {value!r}")

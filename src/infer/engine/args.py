@@ -1,0 +1,50 @@
+"""Command-line flags for EngineConfig, shared by `infer generate`, `infer serve`, `infer bench`
+and `python -m infer.server`. One flag per field (`--max-batch-size`), plus the
+specification's short names `--speculative-decoding`, `--draft-model`, `--spec-length`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from infer.engine.config import EngineConfig
+
+_ALIASES = {"use_speculative_decoding": ["--speculative-decoding"]}
+_HELP = {
+    "model": "local model directory (Hugging Face layout) or hub id; default: the bundled demo target",
+    "draft_model": "draft model for speculative decoding; default with the demo target: the demo draft",
+    "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
+    "device": "auto | cpu | cuda[:N]",
+    "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        names = [flag, *_ALIASES.get(field.name, [])]
+        hint = hints[field.name]
+        help_text = _HELP.get(field.name, "")
+        if hint is bool:
+            group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=help_text)
+        elif field.name == "enable_prefix_caching":
+            group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
+                               help="prefix caching (default: on for the paged backend)")
+        else:
+            base = _base_type(hint)
+            group.add_argument(*names, dest=field.name, type=base, default=field.default,
+                               help=f"{help_text} (default: {field.default})".strip())
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**values)

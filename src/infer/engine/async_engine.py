@@ -1,0 +1,163 @@
+"""AsyncEngine: the engine loop in a background thread, streams per request for asyncio.
+
+The server (or any asyncio code) calls `await add_request(...)` and iterates the returned
+stream; `abort(request_id)` cancels. Commands from the event loop reach the engine thread
+through a queue and are applied before the next step, so an abort frees the request's slot
+and KV blocks before any further step runs. StepOutputs go back to each request's
+asyncio.Queue with `call_soon_threadsafe`. If the loop dies, every open stream gets an
+error event and `healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from infer.engine.engine import Engine
+from infer.engine.request import Request, StepOutput
+from infer.sampling import SamplingParams
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[StepOutput]
+
+    def put(self, out: StepOutput) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queued_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _streams
+        self.error: str | None = None
+        self.on_step: Callable[[Engine, list[tuple[Request, StepOutput]]], None] | None = None
+        self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                          request_id: str) -> AsyncIterator[StepOutput]:
+        """Validate and queue; raises ValueError on bad input, RuntimeError when unhealthy."""
+        if not self.healthy:
+            raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
+        self.engine.validate_prompt(list(prompt_token_ids), params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(prompt_token_ids, params, request_id)
+                with self._lock:
+                    self._streams[request_id] = stream
+                loop.call_soon_threadsafe(done.set_result, None)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(done.set_exception, exc)
+
+        self._submit(add)
+        await done
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while True:
+                out = await stream.queue.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:  # consumer went away (client disconnect, timeout, cancel)
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        def do_abort() -> None:
+            out = self.engine.abort(request_id)
+            with self._lock:
+                stream = self._streams.pop(request_id, None)
+            if stream is not None and out is not None:
+                stream.put(out)
+
+        self._submit(do_abort)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                results = self.engine.step()
+            except Exception:  # noqa: BLE001 - the loop must report, not vanish
+                self.error = traceback.format_exc(limit=5)
+                self._deliver(self.engine.fail_all("engine error: " + self.error.strip().splitlines()[-1]))
+                return
+            self._deliver(results)
+            if self.on_step is not None:
+                self.on_step(self.engine, results)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _deliver(self, results: list[tuple[Request, StepOutput]]) -> None:
+        with self._lock:
+            for request, out in results:
+                stream = self._streams.get(request.request_id)
+                if stream is not None:
+                    stream.put(out)
+                if out.finished:
+                    self._streams.pop(request.request_id, None)
+
+    def run_sync(self, fn: Callable[[], object]) -> None:
+        """Run fn on the engine thread (between steps) and wait for it (tests, leak checks)."""
+        done = threading.Event()
+        box: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001
+                box.append(exc)
+            finally:
+                done.set()
+
+        self._submit(call)
+        done.wait()
+        if box:
+            raise box[0]
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)

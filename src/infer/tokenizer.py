@@ -75,7 +75,8 @@ class Tokenizer:
     def _from_files(cls, files: TokenizerFiles, backend: TokenizerBackend,
                     name_or_path: str) -> Tokenizer:
         config, generation = files.tokenizer_config, files.generation_config
-        strings = {key: token_content(config.get(key)) for key in TEMPLATE_TOKEN_KEYS}
+        strings = {key: token_content(config.get(key, files.special_tokens_map.get(key)))
+                   for key in TEMPLATE_TOKEN_KEYS}
         eos_ids = id_list(generation.get("eos_token_id"), "eos_token_id")
         bos_ids = id_list(generation.get("bos_token_id"), "bos_token_id")
         pad_ids = id_list(generation.get("pad_token_id"), "pad_token_id")

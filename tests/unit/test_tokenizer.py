@@ -361,6 +361,19 @@ def test_explicit_add_bos_and_eos_flags(tiny_dir: Path, tmp_path: Path) -> None:
     assert tok.encode("hello") == plain + [tok.token_to_id("<|eot|>")]
 
 
+def test_special_tokens_map_and_named_template_list(tiny_dir: Path, tmp_path: Path) -> None:
+    directory = tmp_path / "m"
+    directory.mkdir()
+    shutil.copy(tiny_dir / "tokenizer.json", directory / "tokenizer.json")
+    _write_json(directory / "special_tokens_map.json", {"bos_token": "<s>", "eos_token": "</s>"})
+    _write_json(directory / "tokenizer_config.json", {"chat_template": [
+        {"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ eos_token }}"}]})
+    tok = Tokenizer.from_pretrained(directory)
+    assert tok.bos_token_id == tok.token_to_id("<s>")
+    assert tok.eos_token_ids == (tok.token_to_id("</s>"),)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "D</s>"
+
+
 # --------------------------------------------------------------- error cases
 
 

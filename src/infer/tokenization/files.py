@@ -3,7 +3,8 @@
 A model directory holds either `tokenizer.json` (the `tokenizers` library format) or,
 for Meta's Llama 3 releases, a tiktoken BPE file `tokenizer.model` (at the top or under
 `original/`). Beside it sit optional JSON configs: `tokenizer_config.json` (special
-token strings, `add_bos_token`, the chat template), `generation_config.json` (the eos
+token strings, `add_bos_token`, the chat template), `special_tokens_map.json` (special
+token strings of older repositories), `generation_config.json` (the eos
 ids generation stops on) and the chat template as `chat_template.jinja` or
 `chat_template.json` (the layouts newer `transformers` versions save).
 """
@@ -19,6 +20,7 @@ TOKENIZER_JSON = "tokenizer.json"
 TIKTOKEN_MODEL_CANDIDATES = ("tokenizer.model", "original/tokenizer.model")
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 CHAT_TEMPLATE_JSON = "chat_template.json"
 
@@ -31,6 +33,7 @@ class TokenizerFiles:
     tokenizer_json: Path | None
     tiktoken_model: Path | None
     tokenizer_config: dict[str, Any] = field(default_factory=dict)
+    special_tokens_map: dict[str, Any] = field(default_factory=dict)
     generation_config: dict[str, Any] = field(default_factory=dict)
     chat_template: str | None = None
 
@@ -60,6 +63,7 @@ def locate_tokenizer_files(path: str | Path) -> TokenizerFiles:
         tokenizer_json=tokenizer_json if tokenizer_json.is_file() else None,
         tiktoken_model=None if tokenizer_json.is_file() else tiktoken_model,
         tokenizer_config=tokenizer_config,
+        special_tokens_map=read_json_object(directory / SPECIAL_TOKENS_MAP),
         generation_config=read_json_object(directory / GENERATION_CONFIG),
         chat_template=_read_chat_template(directory, tokenizer_config),
     )

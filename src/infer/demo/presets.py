@@ -1,0 +1,124 @@
+"""Shapes and training settings of the demo draft/target pair, full size and tiny (CPU smoke).
+
+Why these shapes. The pair stands in for Llama-3.2-1B (draft) / Llama-3.2-3B (target) in
+speculative-decoding benchmarks. At batch 1 on a GPU, models this small are bound by
+kernel launches, not arithmetic, so a forward pass costs about the same per decoder layer
+whatever its width: the draft/target cost ratio c of the paper (Definition 3.7) is about
+the ratio of layer counts. 1B/3B has 16/28 layers = 0.571; the demo pair has 4/7 = 0.571.
+The width then sets quality within the size budget: target ~14.2 M parameters (hidden 384,
+7 layers), draft 3.0 M (hidden 192, 4 layers), tied embeddings, bf16 on disk: ~34 MB for
+both. Heads are 64 wide (as in Llama 3.2 1B) with grouped-query attention (3 query heads
+per KV head), RoPE theta 10000 (contexts of 1024 need no larger base), context 1024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from infer.demo.bpe import BOS_ID, DEFAULT_VOCAB_SIZE, EOS_ID
+from infer.models.config import ModelConfig
+
+ROPE_THETA = 10000.0
+PRESETS = ("full", "tiny")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Optimisation settings of one model. Steps = ceil(epochs * sequences / batch_size)."""
+
+    epochs: float
+    batch_size: int
+    lr: float
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    dropout: float = 0.0  # residual dropout, training only
+    distill_weight: float = 0.0  # 0: hard labels only; 1: KL to the teacher only
+    eval_every: int = 50
+    max_steps: int | None = None  # cap (smoke tests)
+
+    def __post_init__(self) -> None:
+        if self.epochs <= 0 or self.batch_size <= 0 or self.lr <= 0:
+            raise ValueError("TrainSettings: epochs, batch_size and lr must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"TrainSettings: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"TrainSettings: dropout must be in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.distill_weight <= 1.0:
+            raise ValueError(f"TrainSettings: distill_weight must be in [0, 1], got {self.distill_weight}")
+        if self.warmup_steps < 0 or self.eval_every <= 0:
+            raise ValueError("TrainSettings: warmup_steps must be >= 0 and eval_every > 0")
+        if self.max_steps is not None and self.max_steps <= 0:
+            raise ValueError(f"TrainSettings: max_steps must be > 0, got {self.max_steps}")
+
+    def total_steps(self, num_sequences: int) -> int:
+        if num_sequences <= 0:
+            raise ValueError("the training stream is shorter than one sequence: use more files "
+                             "or a shorter --seq-len")
+        steps = -(-int(self.epochs * num_sequences) // self.batch_size)
+        steps = max(steps, 1)
+        return min(steps, self.max_steps) if self.max_steps else steps
+
+
+@dataclass(frozen=True)
+class Preset:
+    vocab_size: int
+    seq_len: int
+    target: ModelConfig
+    draft: ModelConfig
+    target_train: TrainSettings
+    draft_train: TrainSettings
+    max_files: int | None = None  # corpus subset (tiny preset)
+
+
+def _llama(vocab: int, seq_len: int, hidden: int, inter: int, layers: int, heads: int,
+           kv_heads: int, head_dim: int) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        max_position_embeddings=seq_len, rms_norm_eps=1e-5, rope_theta=ROPE_THETA,
+        rope_scaling=None, tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_ids=(EOS_ID,))
+
+
+def full_preset() -> Preset:
+    vocab, seq = DEFAULT_VOCAB_SIZE, 1024
+    return Preset(
+        vocab_size=vocab, seq_len=seq,
+        target=_llama(vocab, seq, hidden=384, inter=1024, layers=7, heads=6, kv_heads=2, head_dim=64),
+        draft=_llama(vocab, seq, hidden=192, inter=448, layers=4, heads=3, kv_heads=1, head_dim=64),
+        target_train=TrainSettings(epochs=8, batch_size=16, lr=2e-3, dropout=0.1),
+        draft_train=TrainSettings(epochs=8, batch_size=16, lr=3e-3, distill_weight=1.0),
+    )
+
+
+def tiny_preset() -> Preset:
+    vocab, seq = 384, 64
+    return Preset(
+        vocab_size=vocab, seq_len=seq,
+        target=_llama(vocab, seq, hidden=48, inter=96, layers=2, heads=2, kv_heads=1, head_dim=24),
+        draft=_llama(vocab, seq, hidden=32, inter=64, layers=1, heads=2, kv_heads=1, head_dim=16),
+        target_train=TrainSettings(epochs=1, batch_size=8, lr=1e-2, warmup_steps=3, eval_every=10,
+                                   max_steps=30),
+        draft_train=TrainSettings(epochs=1, batch_size=8, lr=1e-2, warmup_steps=3, eval_every=10,
+                                  max_steps=30, distill_weight=1.0),
+        max_files=40,
+    )
+
+
+def get_preset(name: str) -> Preset:
+    if name == "full":
+        return full_preset()
+    if name == "tiny":
+        return tiny_preset()
+    raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS}")
+
+
+def with_seq_len(preset: Preset, seq_len: int) -> Preset:
+    """The preset trained on sequences of `seq_len` (also the models' context length)."""
+    if seq_len < 8:
+        raise ValueError(f"seq_len must be >= 8, got {seq_len}")
+    return replace(preset, seq_len=seq_len,
+                   target=replace(preset.target, max_position_embeddings=seq_len),
+                   draft=replace(preset.draft, max_position_embeddings=seq_len))

@@ -99,7 +99,8 @@ class SpeculativeRunner(ContinuousRunner):
         return self.draft is None or self.draft.ensure_capacity(request, total_tokens - 1)
 
     def decode_demand(self, request: Request) -> int:
-        return self.spec_length + 1
+        # K + 1 positions, never past max_seq_len (the policy's overflow guard shrinks K there)
+        return max(1, min(self.spec_length + 1, self.config.max_seq_len - request.num_computed_tokens))
 
     def release(self, request: Request) -> None:
         self.proposer.release(request)

@@ -1,0 +1,183 @@
+"""Speculative decoding end to end (CPU, tiny checkpoints).
+
+Greedy parity with plain decoding for 8 prompts, batch 1 and 8, both backends, prefix
+caching on, chunked prefill forced small, forced preemption; with (a) an unrelated random
+draft (acceptance near 0), (b) the target as its own draft (acceptance ~1), and n-gram
+drafting. Stop conditions inside accepted runs, max_tokens, the overflow guard near
+max_seq_len, several StepOutputs per request per step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers.checkpoints import encode, make_checkpoint
+from infer import SamplingParams
+
+K = 4
+MAX_NEW = 1 + 4 * (K + 1)  # prefill token + 4 full rounds: every round can draft K
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory, ckpt_a):
+    # same tokenizer and vocabulary, unrelated weights, fewer layers
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), variant="a", seed=123, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def prompts(ckpt_a):
+    rng = random.Random(3)
+    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
+    return [encode(ckpt_a, " ".join(rng.choice(words) for _ in range(rng.randint(2, 25)))) for _ in range(8)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(ckpt_a, prompts):
+    from infer import LLM
+    llm = LLM(str(ckpt_a), device="cpu", kv_cache_backend="contiguous", max_seq_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+ENGINE_CONFIGS = {
+    "contiguous": dict(kv_cache_backend="contiguous"),
+    "paged-prefix-small-chunks": dict(kv_cache_backend="paged", block_size=4, max_num_batched_tokens=6),
+    "paged-preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=48, max_num_batched_tokens=16),
+}
+
+
+def _spec_llm(make_llm, target, draft, batch, method="draft_model", **extra):
+    kw = dict(max_batch_size=batch, max_seq_len=256, use_speculative_decoding=True, spec_length=K,
+              speculative_method=method, **extra)
+    if method == "draft_model":
+        kw["draft_model"] = str(draft)
+    return make_llm(target, **kw)
+
+
+def _run(llm, prompts, batch):
+    if batch == 1:
+        return [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts]
+    return llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_parity_self_draft(make_llm, ckpt_a, prompts, plain_outputs, config, batch):
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, batch, **ENGINE_CONFIGS[config])
+    outs = _run(llm, prompts, batch)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    stats = llm.engine.runner.stats
+    if config != "paged-preempt":  # recomputation after preemption restarts rounds
+        assert stats.acceptance_rate >= 0.99
+        assert stats.accepted_tokens / stats.drafts >= 0.99 * K  # mean accepted length
+    for o in outs:
+        assert o.outputs[0].acceptance_rate is not None
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_parity_random_draft(make_llm, ckpt_a, random_draft, prompts, plain_outputs, config, batch):
+    llm = _spec_llm(make_llm, ckpt_a, random_draft, batch, **ENGINE_CONFIGS[config])
+    outs = _run(llm, prompts, batch)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert llm.engine.runner.stats.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("method", ["ngram", "prompt_lookup"])
+@pytest.mark.parametrize("config", ["contiguous", "paged-prefix-small-chunks"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_parity_ngram(make_llm, ckpt_a, prompts, plain_outputs, method, config, batch):
+    llm = _spec_llm(make_llm, ckpt_a, None, batch, method=method, **ENGINE_CONFIGS[config])
+    outs = _run(llm, prompts, batch)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert llm.engine.runner.stats.rounds > 0
+
+
+def test_adaptive_policy_parity(make_llm, ckpt_a, random_draft, prompts, plain_outputs):
+    llm = _spec_llm(make_llm, ckpt_a, random_draft, 8, spec_policy="adaptive")
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+
+
+def test_several_outputs_per_step(make_llm, ckpt_a, prompts):
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    engine = llm.engine
+    req = engine.add_request(prompts[0], GREEDY)
+    engine.step()  # prefill: first token
+    results = engine.step()  # one speculation round
+    mine = [out for r, out in results if r is req]
+    assert len(mine) == K + 1
+    assert [o.token_id for o in mine] == req.output_token_ids[1:K + 2]
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_stop_token_inside_accepted_run(make_llm, ckpt_a, prompts, plain_outputs):
+    ref = plain_outputs[0]
+    stop_at = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])  # first occurrence mid-run
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[ref[stop_at]])
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    out = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=params)[0].outputs[0]
+    assert out.token_ids == ref[:stop_at + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_stop_string_inside_accepted_run(make_llm, ckpt_a, prompts, plain_outputs):
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    tok = llm.tokenizer
+    full = tok.decode(plain_outputs[0], skip_special_tokens=True)
+    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip() and full[i:i + 2] not in full[:i + 1])
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, stop=[stop])
+    engine = llm.engine
+    req = engine.add_request(prompts[0], params)
+    streamed = ""
+    while engine.has_unfinished():
+        streamed += "".join(o.text_delta for r, o in engine.step() if r is req)
+    assert streamed == full[:full.index(stop)]
+    assert req.output_text == streamed and req.finish_reason.value == "stop"
+
+
+def test_max_tokens_inside_run(make_llm, ckpt_a, prompts, plain_outputs):
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompts[1]], sampling_params=params)[0].outputs[0]
+    assert out.token_ids == plain_outputs[1][:7]
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_overflow_guard_near_max_seq_len(make_llm, ckpt_a, prompts, backend):
+    prompt = prompts[2]
+    max_seq_len = len(prompt) + 13  # not a multiple of K + 1: the last rounds must shrink
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    plain = make_llm(ckpt_a, max_seq_len=max_seq_len, kv_cache_backend=backend)
+    ref = plain.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+    llm = make_llm(ckpt_a, max_seq_len=max_seq_len, kv_cache_backend=backend, use_speculative_decoding=True,
+                   draft_model=str(ckpt_a), spec_length=6)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0]
+    assert out.token_ids == ref and len(ref) == 13
+
+
+def test_tokenizer_mismatch_is_a_clear_error(make_llm, tmp_path, ckpt_a):
+    from transformers import LlamaForCausalLM
+
+    from helpers.checkpoints import hf_config, write_tokenizer
+    other = tmp_path / "other"
+    _, bos, eos = write_tokenizer(other)
+    LlamaForCausalLM(hf_config("a", 400, bos, eos)).save_pretrained(other)  # a different vocabulary
+    with pytest.raises(ValueError, match="vocab"):
+        make_llm(ckpt_a, use_speculative_decoding=True, draft_model=str(other))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(use_speculative_decoding=True, draft_model=None, model="x"), "requires draft_model"),
+    (dict(use_speculative_decoding=True, draft_model="x", batching_mode="static"), "batching_mode"),
+    (dict(spec_length=0), "spec_length"),
+    (dict(speculative_method="medusa"), "speculative_method"),
+])
+def test_config_validation(kwargs, words):
+    from infer import EngineConfig
+    with pytest.raises(ValueError, match=words):
+        EngineConfig(**kwargs)

@@ -97,11 +97,13 @@ class LlamaForCausalLM(nn.Module):
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors in; raises if any is missing, extra or misshapen."""
         own = dict(self.named_parameters(remove_duplicate=False))
-        filled: dict[str, int] = {}
+        seen: set[str] = set()
         for hf_name, tensor in tensors:
             name, offset = hf_to_fused(hf_name, self.config)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some exports store the tied copy too
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # older exports store the (recomputed) rotary table
             param = own.get(name)
             if param is None:
                 raise ValueError(f"checkpoint has unexpected tensor {hf_name!r} for this Llama config")
@@ -113,13 +115,12 @@ class LlamaForCausalLM(nn.Module):
                     f"{tuple(target.shape)}: the weights do not match this config")
             with torch.no_grad():
                 target.copy_(tensor)
-            filled[name] = filled.get(name, 0) + target.numel()
-        if self.config.tie_word_embeddings:
-            own.pop("lm_head.weight", None)
-        missing = [n for n, p in own.items() if filled.get(n, 0) != p.numel()]
+            seen.add(hf_name)
+        expected = [hf for name, p in self.named_parameters() for hf, _ in fused_to_hf(name, p, self.config)]
+        missing = [hf for hf in expected if hf not in seen]
         if missing:
             raise ValueError(
-                f"checkpoint is missing {len(missing)} tensor(s), e.g. {fused_to_hf_names(missing[0])}: "
+                f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[0]!r}: "
                 "the weight files are incomplete (re-download or re-save the model)")
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:

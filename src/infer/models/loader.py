@@ -1,0 +1,259 @@
+"""Load a Llama checkpoint: hub id or local Hugging Face directory -> (model, config).
+
+    model, config = load_model("meta-llama/Llama-3.2-1B", dtype="bf16", device="cuda")
+    model, config = load_model("/models/Llama-3.2-1B")              # local HF layout
+    model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files
+
+A name is resolved by `resolve_model_path`: an existing local directory is used as is; an
+"org/name" string is fetched with `huggingface_hub.snapshot_download` (config, safetensors,
+tokenizer files only); anything else is a FileNotFoundError.
+
+The model is built on the meta device (no initialisation cost), materialised empty on the
+target device in the target dtype, then filled from `model.safetensors` or every shard
+listed in `model.safetensors.index.json`, one tensor at a time.
+
+`load_format="dummy"` skips weight files and fills the real shapes with small random
+weights (normal, std 0.02; norm weights 1) from a fixed seed: for timing, since speed does
+not depend on weight values. The shape comes from the directory's config.json, or from
+`model_shapes` when the name is "dummy:<shape>" (or a bare shape key such as
+"llama-3.1-8b" with load_format="dummy"): "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"
+carry the exact configuration values of those released models. With device="meta" a dummy
+model is built without any memory (for shape and parameter-count checks).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from infer.models.config import ModelConfig, RopeScaling
+from infer.models.layers import RMSNorm, Rotary
+from infer.models.llama import LlamaForCausalLM
+
+DUMMY_PREFIX = "dummy:"
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
+PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for loads above 1 GiB
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9_.\-]+$")
+
+
+def _llama3_shape(hidden: int, intermediate: int, layers: int, heads: int, head_dim: int,
+                  tied: bool, rope_factor: float) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+        head_dim=head_dim, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=rope_factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        tie_word_embeddings=tied, bos_token_id=128000, eos_token_ids=(128001, 128008, 128009))
+
+
+model_shapes: dict[str, ModelConfig] = {
+    "llama-3.2-1b": _llama3_shape(2048, 8192, 16, 32, 64, tied=True, rope_factor=32.0),
+    "llama-3.2-3b": _llama3_shape(3072, 8192, 28, 24, 128, tied=True, rope_factor=32.0),
+    "llama-3.1-8b": _llama3_shape(4096, 14336, 32, 32, 128, tied=False, rope_factor=8.0),
+}
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """Local directory (as is) or hub id "org/name" (downloaded) -> local directory."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FileNotFoundError(
+            f"model path {str(path)!r} is a file; pass the directory that holds config.json "
+            "and the *.safetensors weights")
+    if not _HUB_ID.match(name_or_path):
+        raise FileNotFoundError(
+            f"model directory {name_or_path!r} does not exist; pass a local directory in "
+            "Hugging Face layout (config.json + *.safetensors) or a hub id like 'org/name'")
+    return _download(name_or_path)
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        local = huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_PATTERNS)
+    except Exception as exc:  # offline, DNS, gated or unknown repo: all mean "cannot fetch"
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local directory and could not be fetched from the Hugging "
+            f"Face hub (hub unreachable, or the repo is unknown or gated: {type(exc).__name__}: "
+            f"{exc}). Pass a local directory in Hugging Face layout (config.json + "
+            "*.safetensors) instead") from exc
+    return Path(local)
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device, config_dtype: str | None = None) -> torch.dtype:
+    """'auto' -> the config's dtype, else bfloat16 on CUDA / float32 elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in set(DTYPES.values()):
+            raise ValueError(f"dtype {dtype} is not supported; choose one of {_dtype_choices()}")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key == "auto":
+        if config_dtype and config_dtype.lower() in DTYPES:
+            return DTYPES[config_dtype.lower()]
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if key not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of {_dtype_choices()}")
+    return DTYPES[key]
+
+
+def _dtype_choices() -> str:
+    return "'auto', " + ", ".join(repr(k) for k in DTYPES) + " or a torch float dtype"
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+    load_format: str = "auto",
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build a Llama model with its weights; returns (model in eval mode, no grad; config)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    device = torch.device(device)
+    config, config_dtype, directory = _read_config(name_or_path, load_format)
+    if directory is None:
+        load_format = "dummy"
+    if device.type == "meta" and load_format != "dummy":
+        raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    torch_dtype = resolve_dtype(dtype, device, config_dtype)
+    model = build_empty_model(config, torch_dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        assert directory is not None
+        files = find_weight_files(directory)
+        model.load_hf_weights(_iter_tensors(files, device, torch_dtype))
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str | None, Path | None]:
+    """(config, config's dtype name, directory or None for a named dummy shape)."""
+    shape = name_or_path.removeprefix(DUMMY_PREFIX)
+    if name_or_path.startswith(DUMMY_PREFIX) or (load_format == "dummy" and shape in model_shapes):
+        if load_format == "safetensors":
+            raise ValueError(f"{name_or_path!r} names a dummy shape; it has no weight files, use "
+                             "load_format='dummy' or 'auto'")
+        if shape not in model_shapes:
+            raise ValueError(f"unknown dummy shape {shape!r}; choose one of {sorted(model_shapes)}")
+        return model_shapes[shape], None, None
+    directory = resolve_model_path(name_or_path)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{str(directory)!r} has no config.json: a model directory must be in Hugging Face "
+            "layout (config.json + model.safetensors or sharded model-*.safetensors)")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw: dict[str, Any] = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not valid JSON ({exc}); re-download or re-save it") from exc
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except KeyError as exc:
+        raise ValueError(f"{config_path} lacks the required field {exc.args[0]!r}") from exc
+    return config, raw.get("torch_dtype") or raw.get("dtype"), directory
+
+
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Model with uninitialised parameters on `device` (no random-init cost); buffers valid."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    # to_empty replaces each Parameter separately: restore the tie and the rotary table
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = Rotary(config).to(device)  # inv_freq stays float32, as in HF
+    stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
+    if stale:
+        raise RuntimeError(f"build_empty_model does not know how to initialise buffers {stale}")
+    return model
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights of the model's shapes: normal(0, std) matrices, RMSNorm weights 1."""
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) in norms:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
+
+
+def find_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, model.safetensors, or *.safetensors."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return _index_shards(index)
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(directory.glob("*.safetensors"))
+    if found:
+        return found
+    hint = " (only PyTorch .bin/.pth files found: convert them to safetensors)" if (
+        any(directory.glob("*.bin")) or any(directory.glob("*.pth"))) else ""
+    raise FileNotFoundError(
+        f"no weight files in {str(directory)!r}: expected model.safetensors or "
+        f"model.safetensors.index.json with its shards{hint}; use load_format='dummy' for "
+        "random weights")
+
+
+def _index_shards(index: Path) -> list[Path]:
+    with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index} has no weight_map: the sharded checkpoint index is corrupt")
+    shards = [index.parent / name for name in sorted(set(weight_map.values()))]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{index.name} references missing shard file(s) {missing}: the download is "
+            "incomplete; fetch the missing shards or re-save the model")
+    return shards
+
+
+def _iter_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor on device in dtype) from every file, one at a time, with progress."""
+    total_bytes = sum(f.stat().st_size for f in files)
+    names = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.append(list(f.keys()))
+    show = total_bytes > PROGRESS_MIN_BYTES
+    with tqdm(total=sum(map(len, names)), desc="loading weights", unit="tensor", disable=not show) as bar:
+        for path, keys in zip(files, names, strict=True):
+            with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
+                for key in keys:
+                    yield key, f.get_tensor(key).to(dtype)
+                    bar.update(1)
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return device.type

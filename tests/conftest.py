@@ -1,0 +1,55 @@
+"""Session fixtures shared by the whole suite: tiny Hugging Face checkpoints, GPU skipping.
+
+`ckpt_a`, `ckpt_b`, `ckpt_c` are complete model directories (weights, config, tokenizer)
+written once per session by `helpers.checkpoints.make_checkpoint` (see its docstring for
+what each variant exercises); `tiny_model_dir` is `ckpt_a`. Tests marked `gpu` are
+skipped when CUDA is unavailable (they are deselected by default; the GPU machine runs
+`pytest -m gpu tests/gpu`).
+
+CPU tests run torch single-threaded (override with INFER_TEST_THREADS): the test models
+are tiny, and with several test processes sharing few cores, intra-op threads spin against
+each other and make many-small-forward tests (greedy loops) 10-30x slower.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers.checkpoints import make_checkpoint
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(int(os.environ.get("INFER_TEST_THREADS", "1")))
+
+
+@pytest.fixture(scope="session")
+def ckpt_a(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt_a"), variant="a")
+
+
+@pytest.fixture(scope="session")
+def ckpt_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt_b"), variant="b")
+
+
+@pytest.fixture(scope="session")
+def ckpt_c(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt_c"), variant="c")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(ckpt_a: Path) -> Path:
+    return ckpt_a
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu tests/gpu` on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

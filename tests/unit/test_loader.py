@@ -122,7 +122,7 @@ def test_unsupported_dtype_rejected(ckpt_a: Path, dtype: Any) -> None:
 
 
 def test_model_is_frozen_and_in_eval_mode(ckpt_b: Path) -> None:
-    model, config = load_model(str(ckpt_b))
+    model, config = load_model(ckpt_b)  # a Path works as well as a str
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert config == model.config
 
@@ -167,6 +167,11 @@ def test_named_dummy_shapes(shape: str) -> None:
     assert config.tie_word_embeddings == (shape != "llama-3.1-8b")
     assert config.rope_scaling is not None
     assert config.rope_scaling.factor == (8.0 if shape == "llama-3.1-8b" else 32.0)
+
+
+def test_bare_shape_name_with_dummy_format() -> None:
+    model, config = load_model("llama-3.2-1b", load_format="dummy", device="meta")
+    assert config == model_shapes["llama-3.2-1b"] and model.lm_head.weight.is_meta
 
 
 def test_named_dummy_shape_errors() -> None:

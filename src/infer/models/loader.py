@@ -24,6 +24,7 @@ model is built without any memory (for shape and parameter-count checks).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -120,7 +121,7 @@ def _dtype_choices() -> str:
 
 
 def load_model(
-    name_or_path: str,
+    name_or_path: str | os.PathLike[str],
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     load_format: str = "auto",
@@ -129,7 +130,7 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
     device = torch.device(device)
-    config, config_dtype, directory = _read_config(name_or_path, load_format)
+    config, config_dtype, directory = _read_config(os.fspath(name_or_path), load_format)
     if directory is None:
         load_format = "dummy"
     if device.type == "meta" and load_format != "dummy":
@@ -149,7 +150,8 @@ def load_model(
 def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str | None, Path | None]:
     """(config, config's dtype name, directory or None for a named dummy shape)."""
     shape = name_or_path.removeprefix(DUMMY_PREFIX)
-    if name_or_path.startswith(DUMMY_PREFIX) or (load_format == "dummy" and shape in model_shapes):
+    named_shape = load_format == "dummy" and shape in model_shapes and not Path(name_or_path).is_dir()
+    if name_or_path.startswith(DUMMY_PREFIX) or named_shape:
         if load_format == "safetensors":
             raise ValueError(f"{name_or_path!r} names a dummy shape; it has no weight files, use "
                              "load_format='dummy' or 'auto'")

@@ -40,7 +40,7 @@ def prefill(pool: PagedKVCachePool, prompt: list[int]) -> int:
 def test_num_blocks_from_default_budget_and_argument() -> None:
     pool = PagedKVCachePool(CFG, 3, 50, torch.float32, "cpu", block_size=16)
     assert pool.num_blocks == 3 * 4  # ceil(50 / 16) blocks per sequence
-    assert pool.k_cache.shape == (2, 12 * 16, 2, 16) and pool.v_cache.shape == pool.k_cache.shape
+    assert pool.k_cache.shape == (2, 12 * 16 + 1, 2, 16) and pool.v_cache.shape == pool.k_cache.shape  # + scratch row
     per_block = 2 * 2 * 16 * 2 * 16 * 2  # k+v, layers, block, heads, dim, bf16 bytes
     assert bytes_per_block(CFG, 16, torch.bfloat16) == per_block
     budget = PagedKVCachePool(CFG, 3, 50, torch.bfloat16, "cpu", block_size=16,

@@ -62,7 +62,8 @@ class PagedKVCachePool:
         self.num_blocks = resolve_num_blocks(config, max_batch_size, max_seq_len, dtype, block_size,
                                              num_blocks, memory_budget_bytes)
         self.enable_prefix_caching = enable_prefix_caching
-        shape = (config.num_hidden_layers, self.num_blocks * block_size,
+        self.scratch_row = self.num_blocks * block_size  # one extra row: padding writes land here
+        shape = (config.num_hidden_layers, self.scratch_row + 1,
                  config.num_key_value_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
@@ -255,7 +256,7 @@ class PagedKVCachePool:
         blocks = torch.tensor(self._tables[slot][first:self._blocks_for(end)], dtype=torch.long)
         pos = torch.arange(start, end) - first * self.block_size  # [end - start]
         rows = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        return rows.to(self.k_cache.device)
+        return rows
 
     def view(self, layout: BatchLayout) -> CacheView:
         for slot, start, end in zip(layout.slots, layout.start_positions, layout.ends, strict=True):
@@ -271,4 +272,4 @@ class PagedKVCachePool:
             for slot, end in zip(layout.slots, layout.ends, strict=True):
                 self._lens[slot] = end
 
-        return build_view(self.k_cache, self.v_cache, layout, self._rows, commit)
+        return build_view(self.k_cache, self.v_cache, layout, self._rows, self.scratch_row, commit)

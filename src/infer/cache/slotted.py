@@ -22,7 +22,8 @@ class SlottedKVCache:
         if max_batch_size < 1 or max_seq_len < 1:
             raise ValueError("max_batch_size and max_seq_len must be >= 1")
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
-        shape = (config.num_hidden_layers, max_batch_size * max_seq_len,
+        self.scratch_row = max_batch_size * max_seq_len  # one extra row: padding writes land here
+        shape = (config.num_hidden_layers, self.scratch_row + 1,
                  config.num_key_value_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -77,7 +78,7 @@ class SlottedKVCache:
     # -- views -------------------------------------------------------------------------
     def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         base = slot * self.max_seq_len
-        return torch.arange(base + start, base + end, device=self.k_cache.device)
+        return torch.arange(base + start, base + end)
 
     def view(self, layout: BatchLayout) -> CacheView:
         for slot, end in zip(layout.slots, layout.ends, strict=True):
@@ -88,4 +89,4 @@ class SlottedKVCache:
             for slot, end in zip(layout.slots, layout.ends, strict=True):
                 self._lens[slot] = end
 
-        return build_view(self.k_cache, self.v_cache, layout, self._rows, commit)
+        return build_view(self.k_cache, self.v_cache, layout, self._rows, self.scratch_row, commit)

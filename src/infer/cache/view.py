@@ -2,9 +2,12 @@
 
 Both pool layouts store keys and values as rows of `[layers, rows, kv_heads, head_dim]`
 tensors; a pool turns (slot, position) into a row number (slotted: slot * max_seq_len +
-pos; paged: block * block_size + offset). So one view serves both: it scatters the new
-tokens' k/v to their rows, gathers each sequence's context rows, and masks by position.
-The pool computes the index tensors once per forward; every layer reuses them.
+pos; paged: block * block_size + offset) and keeps one extra *scratch row* at the end. So one
+view serves both: every token of the padded batch is written (padding goes to the scratch
+row), each sequence's context rows are gathered (padding again points at the scratch row)
+and a position mask hides what a query may not see. All index tensors have fixed shapes
+for a given (batch, width, context width), so a CUDA graph can capture a forward through a
+view and replay it after new indices are copied into the same tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from infer.models.attention import context_mask, masked_attention
+
+RowsFn = Callable[[int, int, int], torch.Tensor]
+"""rows_of(slot, start, end) -> CPU LongTensor [end - start] of storage rows of positions start..end-1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,69 +52,76 @@ class BatchLayout:
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[B, T] absolute position of every (row, column); padding continues the count."""
-        start = torch.tensor(self.start_positions, dtype=torch.long, device=device)
-        return start[:, None] + torch.arange(self.width, device=device)[None, :]
+        start = torch.tensor(self.start_positions, dtype=torch.long)
+        return (start[:, None] + torch.arange(self.width)[None, :]).to(device)
 
     def last_token_indices(self, device: torch.device | str) -> torch.Tensor:
         """[B] column of each row's last valid token (for logits_indices)."""
-        return torch.tensor([n - 1 for n in self.chunk_lens], dtype=torch.long, device=device)
+        return torch.tensor([n - 1 for n in self.chunk_lens], dtype=torch.long).to(device)
+
+
+@dataclass(frozen=True, slots=True)
+class ViewIndices:
+    write_rows: torch.Tensor  # [B * T] storage row per batch token (padding -> scratch row)
+    gather_rows: torch.Tensor  # [B, S] storage row per context position (padding -> scratch row)
+    mask: torch.Tensor  # [B, T, S] bool: key visible to query
+
+    def to(self, device: torch.device) -> ViewIndices:
+        return ViewIndices(self.write_rows.to(device, non_blocking=True),
+                           self.gather_rows.to(device, non_blocking=True), self.mask.to(device, non_blocking=True))
+
+    def copy_into(self, static: ViewIndices) -> None:
+        """Fill persistent tensors of the same shapes (CUDA graph replay)."""
+        static.write_rows.copy_(self.write_rows, non_blocking=True)
+        static.gather_rows.copy_(self.gather_rows, non_blocking=True)
+        static.mask.copy_(self.mask, non_blocking=True)
+
+
+def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
+                   context_width: int | None = None) -> ViewIndices:
+    """Host-side index tensors for a layout; context_width pads S (>= the longest context)."""
+    ends = layout.ends
+    width_s = context_width if context_width is not None else max(ends)
+    if width_s < max(ends):
+        raise ValueError(f"context_width {width_s} < longest context {max(ends)}")
+    batch, t = len(layout.slots), layout.width
+    write = torch.full((batch, t), scratch_row, dtype=torch.long)
+    gather = torch.full((batch, width_s), scratch_row, dtype=torch.long)
+    for b, (slot, start, n) in enumerate(zip(layout.slots, layout.start_positions, layout.chunk_lens,
+                                             strict=True)):
+        ctx = rows_of(slot, 0, start + n)  # [start + n]
+        write[b, :n] = ctx[start:]
+        gather[b, :start + n] = ctx
+    mask = context_mask(torch.tensor(layout.start_positions), torch.tensor(layout.chunk_lens), t, width_s)
+    return ViewIndices(write.view(-1), gather, mask)
 
 
 class CacheView:
     """AttentionView writing to / reading from row-indexed KV storage."""
 
-    def __init__(
-        self,
-        k_cache: torch.Tensor,  # [L, rows, Hkv, D]
-        v_cache: torch.Tensor,  # [L, rows, Hkv, D]
-        layout: BatchLayout,
-        write_rows: torch.Tensor,  # [N] storage row of each valid new token
-        write_src: torch.Tensor,  # [N] flat index (b * T + t) of that token in the batch
-        gather_rows: torch.Tensor,  # [B, S] storage row of each context position
-        on_commit: Callable[[], None],
-    ) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.layout = layout
-        self.write_rows, self.write_src, self.gather_rows = write_rows, write_src, gather_rows
-        device = k_cache.device
-        start = torch.tensor(layout.start_positions, dtype=torch.long, device=device)
-        lens = torch.tensor(layout.chunk_lens, dtype=torch.long, device=device)
-        self.mask = context_mask(start, lens, layout.width, gather_rows.shape[1])  # [B, T, S]
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: ViewIndices,
+                 on_commit: Callable[[], None] | None = None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
+        self.indices = indices
         self._on_commit = on_commit
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
         heads, dim = kc.shape[1], kc.shape[2]
-        kc.index_copy_(0, self.write_rows, k.reshape(-1, heads, dim)[self.write_src].to(kc.dtype))
-        vc.index_copy_(0, self.write_rows, v.reshape(-1, heads, dim)[self.write_src].to(vc.dtype))
-        k_ctx = kc[self.gather_rows]  # [B, S, Hkv, D]
-        v_ctx = vc[self.gather_rows]
-        return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), self.mask)
+        idx = self.indices
+        kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
+        vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
+        k_ctx = kc[idx.gather_rows]  # [B, S, Hkv, D]
+        v_ctx = vc[idx.gather_rows]
+        return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), idx.mask)
 
     def commit(self) -> None:
         """Advance each slot's length past this chunk (call after the forward pass)."""
-        self._on_commit()
-
-
-RowsFn = Callable[[int, int, int], torch.Tensor]
-"""rows_of(slot, start, end) -> [end - start] storage rows of positions start..end-1 (long)."""
+        if self._on_commit is not None:
+            self._on_commit()
 
 
 def build_view(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout, rows_of: RowsFn,
-               on_commit: Callable[[], None]) -> CacheView:
-    """Index tensors for a layout: new tokens' rows, their batch positions, context rows.
-
-    Context rows past a row's end are padded with row 0 (masked out, but a valid index).
-    """
-    device = k_cache.device
-    ends = layout.ends
-    width_s = max(ends)
-    write_rows, write_src, gather = [], [], []
-    for b, (slot, start, n) in enumerate(zip(layout.slots, layout.start_positions, layout.chunk_lens,
-                                             strict=True)):
-        ctx = rows_of(slot, 0, start + n)  # [start + n]
-        write_rows.append(ctx[start:])
-        write_src.append(torch.arange(n, device=device) + b * layout.width)
-        gather.append(torch.nn.functional.pad(ctx, (0, width_s - ctx.shape[0])))
-    return CacheView(k_cache, v_cache, layout, torch.cat(write_rows), torch.cat(write_src),
-                     torch.stack(gather), on_commit)
+               scratch_row: int, on_commit: Callable[[], None]) -> CacheView:
+    indices = layout_indices(layout, rows_of, scratch_row).to(k_cache.device)
+    return CacheView(k_cache, v_cache, indices, on_commit)

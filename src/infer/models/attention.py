@@ -42,14 +42,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool -> [B, T, Hq, D].
     """
-    groups = q.shape[2] // k.shape[2]
-    qh = q.transpose(1, 2)  # [B, Hq, T, D]
-    kh = k.transpose(1, 2)  # [B, Hkv, S, D]
-    vh = v.transpose(1, 2)
-    if groups > 1:
-        kh = kh.repeat_interleave(groups, dim=1)
-        vh = vh.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None, :, :])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T|S, D]
+        attn_mask=mask[:, None, :, :], enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 

@@ -1,0 +1,263 @@
+"""Sampling: validated per-request parameters and the pure logits -> probabilities pipeline.
+
+The pipeline is the "standardized sampling" of Leviathan et al. 2023 (section 2.2): every
+decoding rule (greedy, temperature, top-k, top-p, repetition penalty) is cast as plain
+sampling from one adjusted distribution. Speculative verification (`infer.spec.rejection`)
+compares exactly these adjusted distributions for draft and target, which is what makes it
+lossless for every sampling setting.
+
+Order of transforms (per row, vectorised over the batch):
+  1. repetition penalty (Hugging Face semantics, over that row's context token ids:
+     positive logits divided by the penalty, negative ones multiplied),
+  2. temperature (greedy rows are left unscaled),
+  3. top-k, then 4. top-p (tokens outside the kept set become -inf; the top token is always
+     kept; tokens tied with the last kept logit are kept too, so the result does not depend
+     on how a sort orders equal values).
+Greedy rows (temperature 0) become one-hot at the argmax of the penalised logits.
+
+Sampling draws one float64 uniform per row from the row's own CPU `torch.Generator` and
+inverts the CDF, so a seeded request picks the same tokens on any device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r} in {stop!r}")
+    return tuple(items)
+
+
+def _normalise_stop_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
+    for item in ids:
+        if not _is_int(item) or item < 0:
+            raise ValueError(f"stop_token_ids must contain only integers >= 0, got {item!r} in {ids!r}")
+    return tuple(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request decoding parameters (vLLM / OpenAI style), validated on construction."""
+
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_k: int = -1  # -1 or 0 = off
+    top_p: float = 1.0  # in (0, 1]
+    repetition_penalty: float = 1.0  # > 0, 1 = off
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_floats()
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            raise ValueError(
+                f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+
+    def _check_floats(self) -> None:
+        t, p, r = self.temperature, self.top_p, self.repetition_penalty
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_number(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "repetition_penalty", float(r))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator: seeded with `seed`, or from a nondeterministic source when None."""
+    gen = torch.Generator(device="cpu")
+    if seed is None:
+        gen.seed()
+        return gen
+    if not _is_int(seed) or not _SEED_MIN <= seed <= _SEED_MAX:
+        raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {seed!r}")
+    gen.manual_seed(seed)
+    return gen
+
+
+def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor:
+    """[len(generators), n] float64 uniforms in [0, 1) on CPU; row i comes from generators[i]."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not generators:
+        return torch.empty(0, n, dtype=torch.float64)
+    rows = [torch.rand(n, generator=g, dtype=torch.float64) for g in generators]  # each [n]
+    return torch.stack(rows)
+
+
+def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 contexts: Sequence[Sequence[int]] | None) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"params has {len(params)} entries but logits has {logits.shape[0]} rows")
+    if contexts is not None and len(contexts) != logits.shape[0]:
+        raise ValueError(f"contexts has {len(contexts)} entries but logits has {logits.shape[0]} rows")
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, params: Sequence[SamplingParams],
+                              contexts: Sequence[Sequence[int]] | None) -> None:
+    """In place on float32 logits [N, V]: HF repetition penalty over each row's context ids."""
+    if contexts is None:
+        return
+    rows: list[int] = []
+    ids: list[int] = []
+    pens: list[float] = []
+    for row, (p, ctx) in enumerate(zip(params, contexts)):
+        if p.repetition_penalty != 1.0 and len(ctx) > 0:
+            unique = set(ctx)
+            rows.extend([row] * len(unique))
+            ids.extend(unique)
+            pens.extend([p.repetition_penalty] * len(unique))
+    if not rows:
+        return
+    ids_t = torch.tensor(ids, dtype=torch.long)  # [M] on CPU: range check without a device sync
+    if int(ids_t.min()) < 0 or int(ids_t.max()) >= logits.shape[1]:
+        raise ValueError(
+            f"contexts hold token ids outside [0, {logits.shape[1]}): check the prompt token ids")
+    dev = logits.device
+    rows_t, ids_t = torch.tensor(rows, device=dev), ids_t.to(dev)  # [M], [M]
+    pen_t = torch.tensor(pens, dtype=torch.float32, device=dev)  # [M]
+    vals = logits[rows_t, ids_t]  # [M]
+    logits[rows_t, ids_t] = torch.where(vals > 0, vals / pen_t, vals * pen_t)
+
+
+def _truncation_cutoff(sorted_desc: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Smallest logit kept per row by top-k then top-p. sorted_desc [M, V] -> [M, 1]."""
+    vocab = sorted_desc.shape[1]
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k)  # [M]
+    cutoff_k = sorted_desc.gather(1, (k - 1)[:, None])  # [M, 1]
+    kept = torch.where(sorted_desc >= cutoff_k, sorted_desc, float("-inf"))  # [M, V]
+    probs = torch.softmax(kept, dim=-1)  # [M, V]
+    cum = torch.cumsum(probs, dim=-1)  # [M, V]
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)  # [M, V]
+    count = (mass_before < top_p[:, None]).sum(dim=1).clamp(min=1)  # [M]
+    cutoff_p = kept.gather(1, (count - 1)[:, None])  # [M, 1]
+    cutoff_p = torch.where(top_p[:, None] >= 1.0, float("-inf"), cutoff_p)
+    return torch.maximum(cutoff_k, cutoff_p)
+
+
+def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k / top-p set with -inf. scaled [N, V] float32."""
+    vocab = scaled.shape[1]
+    rows = [i for i, p in enumerate(params)
+            if not p.greedy and (0 < p.top_k < vocab or p.top_p < 1.0)]
+    if not rows:
+        return scaled  # no sort needed
+    dev = scaled.device
+    idx = torch.tensor(rows, device=dev)  # [M]
+    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)  # [M]
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=dev)  # [M]
+    sub = scaled[idx]  # [M, V]
+    sorted_desc = torch.sort(sub, dim=-1, descending=True).values  # [M, V]
+    cutoff = _truncation_cutoff(sorted_desc, top_k, top_p)  # [M, 1]
+    scaled[idx] = torch.where(sub >= cutoff, sub, float("-inf"))
+    return scaled
+
+
+def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                  contexts: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """logits [N, V] -> float32 [N, V] after repetition penalty, temperature, top-k, top-p.
+
+    `contexts[i]` are the token ids row i has seen (prompt + generated); they only matter for
+    the repetition penalty. Greedy rows get the penalty but no scaling or truncation (their
+    argmax is what counts). The input tensor is not modified.
+    """
+    _check_batch(logits, params, contexts)
+    out = logits.to(torch.float32, copy=True)  # [N, V]
+    _apply_repetition_penalty(out, params, contexts)
+    temps = [1.0 if p.greedy else p.temperature for p in params]
+    if any(t != 1.0 for t in temps):
+        out = out / torch.tensor(temps, dtype=torch.float32, device=out.device)[:, None]
+    return _apply_top_k_top_p(out, params)
+
+
+def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
+                    contexts: Sequence[Sequence[int]] | None) -> torch.Tensor:
+    """float32 [N, V] sampling distributions; greedy rows are one-hot at the penalised argmax."""
+    adjusted = adjust_logits(logits, params, contexts)  # [N, V]
+    probs = torch.softmax(adjusted, dim=-1)  # [N, V]
+    greedy = [p.greedy for p in params]
+    if any(greedy):
+        one_hot = torch.zeros_like(probs).scatter_(1, adjusted.argmax(dim=-1, keepdim=True), 1.0)
+        mask = torch.tensor(greedy, device=probs.device)[:, None]  # [N, 1]
+        probs = torch.where(mask, one_hot, probs)
+    return probs
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [N, V] (need not be normalised), uniforms [N] -> ids [N] long.
+
+    Picks the first index whose cumulative sum exceeds u * total, computed in float64. A pick
+    that lands on a zero-probability token (rounding at the top end, or a parallel scan's
+    noise) moves to the nearest positive token at or before it, so a token of probability 0
+    is never returned.
+    """
+    if probs.dim() != 2 or uniforms.shape != (probs.shape[0],):
+        raise ValueError(
+            f"probs must be [N, V] and uniforms [N], got {tuple(probs.shape)} and {tuple(uniforms.shape)}")
+    vocab = probs.shape[1]
+    p = probs.to(torch.float64)  # [N, V]
+    cdf = torch.cumsum(p, dim=-1)  # [N, V]
+    u = uniforms.to(device=p.device, dtype=torch.float64)[:, None]  # [N, 1]
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [N, 1]
+    positive = p > 0  # [N, V]
+    arange = torch.arange(vocab, device=p.device).expand_as(p)  # [N, V]
+    prev_positive = torch.where(positive, arange, -1).cummax(dim=-1).values  # [N, V]
+    chosen = prev_positive.gather(1, idx).squeeze(1)  # [N]
+    first_positive = positive.to(torch.int32).argmax(dim=-1)  # [N]
+    return torch.where(chosen >= 0, chosen, first_positive)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           contexts: Sequence[Sequence[int]] | None,
+           generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row: logits [N, V] -> ids [N] long (one uniform drawn per row)."""
+    if len(generators) != logits.shape[0]:
+        raise ValueError(f"generators has {len(generators)} entries but logits has {logits.shape[0]} rows")
+    probs = logits_to_probs(logits, params, contexts)  # [N, V]
+    return sample_from_probs(probs, draw_uniforms(generators, 1)[:, 0])

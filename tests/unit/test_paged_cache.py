@@ -102,9 +102,9 @@ def test_rows_follow_the_block_table() -> None:
     assert pool.ensure_capacity(a, 10)  # a's blocks interleave with b's
     table = pool.block_table(a)
     expected = [table[p // BS] * BS + p % BS for p in range(10)]
-    assert pool._rows(a, 0, 10).tolist() == expected
-    assert pool._rows(a, 5, 10).tolist() == expected[5:]
-    assert not set(pool._rows(b, 0, 3).tolist()) & set(expected)
+    assert pool.rows(a, 0, 10).tolist() == expected
+    assert pool.rows(a, 5, 10).tolist() == expected[5:]
+    assert not set(pool.rows(b, 0, 3).tolist()) & set(expected)
 
 
 # -- truncation ------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_second_request_reuses_shared_full_blocks() -> None:
     b = pool.allocate_slot(13, prompt[:10] + [50, 51, 52])
     assert pool.seq_len(b) == 8  # two full blocks of the shared 10 tokens
     assert pool.block_table(b)[:2] == pool.block_table(a)[:2]  # same storage rows
-    assert pool._rows(b, 0, 8).tolist() == pool._rows(a, 0, 8).tolist()
+    assert pool.rows(b, 0, 8).tolist() == pool.rows(a, 0, 8).tolist()
     assert pool.block_table(b)[2] not in pool.block_table(a)
     assert pool.prefix_hit_tokens == 8 and pool.prefix_query_tokens == 11 + 13
     assert pool.prefix_hit_rate == pytest.approx(8 / 24)

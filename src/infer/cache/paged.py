@@ -22,7 +22,7 @@ import torch
 
 from infer.cache.allocator import BlockAllocator
 from infer.cache.prefix import PrefixTree
-from infer.cache.view import BatchLayout, CacheView, build_view
+from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
 
 
@@ -250,15 +250,14 @@ class PagedKVCachePool:
         return problems + self._allocator.check() + self._tree.check()
 
     # -- views -------------------------------------------------------------------------
-    def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """[end - start] storage rows of positions start..end-1."""
+    def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """CPU [end - start] storage rows of positions start..end-1."""
         first = start // self.block_size
         blocks = torch.tensor(self._tables[slot][first:self._blocks_for(end)], dtype=torch.long)
         pos = torch.arange(start, end) - first * self.block_size  # [end - start]
-        rows = blocks[pos // self.block_size] * self.block_size + pos % self.block_size
-        return rows
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def view(self, layout: BatchLayout) -> CacheView:
+    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
         for slot, start, end in zip(layout.slots, layout.start_positions, layout.ends, strict=True):
             table = self._slot_table(slot)
             if end > len(table) * self.block_size:
@@ -267,9 +266,12 @@ class PagedKVCachePool:
             if start < self._shared[slot] * self.block_size:
                 raise RuntimeError(f"slot {slot}: writing position {start} would overwrite a shared prefix "
                                    f"block (first writable position {self._shared[slot] * self.block_size})")
+        return layout_indices(layout, self.rows, self.scratch_row, context_width)
 
-        def commit() -> None:
-            for slot, end in zip(layout.slots, layout.ends, strict=True):
-                self._lens[slot] = end
+    def commit(self, layout: BatchLayout) -> None:
+        for slot, end in zip(layout.slots, layout.ends, strict=True):
+            self._lens[slot] = end
 
-        return build_view(self.k_cache, self.v_cache, layout, self._rows, self.scratch_row, commit)
+    def view(self, layout: BatchLayout) -> CacheView:
+        indices = self.indices(layout).to(self.k_cache.device)
+        return CacheView(self.k_cache, self.v_cache, indices, lambda: self.commit(layout))

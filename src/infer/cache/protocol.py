@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from infer.cache.view import BatchLayout, CacheView
+import torch
+
+from infer.cache.view import BatchLayout, CacheView, ViewIndices
 
 
 class CachePoolProtocol(Protocol):
@@ -49,8 +51,24 @@ class CachePoolProtocol(Protocol):
         """After a prompt is fully cached: offer its full blocks to the prefix cache."""
         ...
 
+    k_cache: torch.Tensor  # [layers, rows + 1, kv_heads, head_dim]; the last row is scratch
+    v_cache: torch.Tensor
+    scratch_row: int
+
+    def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """CPU LongTensor [end - start]: storage rows of positions start..end-1."""
+        ...
+
+    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
+        """Validated host-side index tensors for a forward pass (capacity must be ensured)."""
+        ...
+
+    def commit(self, layout: BatchLayout) -> None:
+        """Set each slot's length to the end of its chunk (after the forward pass)."""
+        ...
+
     def view(self, layout: BatchLayout) -> CacheView:
-        """The attention view for one forward pass (capacity must already be ensured)."""
+        """The attention view for one eager forward pass; `view.commit()` calls `commit`."""
         ...
 
     def leak_report(self) -> list[str]:

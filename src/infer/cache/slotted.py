@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, build_view
+from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
 
 
@@ -76,17 +76,21 @@ class SlottedKVCache:
         return [f"slot {s} still allocated ({n} tokens)" for s, n in sorted(self._lens.items())]
 
     # -- views -------------------------------------------------------------------------
-    def _rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+    def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """CPU [end - start] storage rows of positions start..end-1."""
         base = slot * self.max_seq_len
         return torch.arange(base + start, base + end)
 
-    def view(self, layout: BatchLayout) -> CacheView:
+    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
         for slot, end in zip(layout.slots, layout.ends, strict=True):
             if end > self.max_seq_len:
                 raise RuntimeError(f"slot {slot}: position {end - 1} is past max_seq_len {self.max_seq_len}")
+        return layout_indices(layout, self.rows, self.scratch_row, context_width)
 
-        def commit() -> None:
-            for slot, end in zip(layout.slots, layout.ends, strict=True):
-                self._lens[slot] = end
+    def commit(self, layout: BatchLayout) -> None:
+        for slot, end in zip(layout.slots, layout.ends, strict=True):
+            self._lens[slot] = end
 
-        return build_view(self.k_cache, self.v_cache, layout, self._rows, self.scratch_row, commit)
+    def view(self, layout: BatchLayout) -> CacheView:
+        indices = self.indices(layout).to(self.k_cache.device)
+        return CacheView(self.k_cache, self.v_cache, indices, lambda: self.commit(layout))

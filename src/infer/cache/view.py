@@ -119,9 +119,3 @@ class CacheView:
         """Advance each slot's length past this chunk (call after the forward pass)."""
         if self._on_commit is not None:
             self._on_commit()
-
-
-def build_view(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: BatchLayout, rows_of: RowsFn,
-               scratch_row: int, on_commit: Callable[[], None]) -> CacheView:
-    indices = layout_indices(layout, rows_of, scratch_row).to(k_cache.device)
-    return CacheView(k_cache, v_cache, indices, on_commit)

@@ -134,8 +134,17 @@ def _training(role: str, s: dict[str, Any]) -> str:
         f"{st['min_lr_ratio']:g} x peak, gradient clip {st['grad_clip']}, residual dropout {st['dropout']}\n"
         f"- {log['total_steps']} steps of {st['batch_size']} x {seq} tokens "
         f"({log['tokens_seen']:,} tokens; {st['epochs']:g} epoch(s) planned), bf16 autocast, seed {s.get('seed')}\n"
-        f"- {log['seconds']:.0f} s on {hw} (torch {env.get('torch')}, Python {env.get('python')})\n\n")
+        f"- {log['seconds']:.0f} s on {hw} (torch {env.get('torch')}, Python {env.get('python')})\n"
+        f"- {_selection(log, st)}\n\n")
     return text + _curve(log)
+
+
+def _selection(log: dict[str, Any], st: dict[str, Any]) -> str:
+    if st.get("select") != "best":
+        return f"weights after the last step ({log['total_steps']})"
+    return (f"weights of step {log['selected_step']} of {log['total_steps']}: the lowest "
+            f"{log['selected_by']} among checks every {st['eval_every']} steps (early stopping on "
+            "the validation split, so the validation numbers below are very slightly optimistic)")
 
 
 def _curve(log: dict[str, Any], rows: int = 8) -> str:

@@ -38,6 +38,10 @@ class TrainSettings:
     distill_weight: float = 0.0  # 0: hard labels only; 1: KL to the teacher only
     eval_every: int = 50
     max_steps: int | None = None  # cap (smoke tests)
+    # "best": keep the weights of the validation check with the lowest loss (KL to the
+    # teacher when distilling) -- early stopping, in case the model overfits the small
+    # corpus; "last": the weights after the final step
+    select: str = "best"
 
     def __post_init__(self) -> None:
         if self.epochs <= 0 or self.batch_size <= 0 or self.lr <= 0:
@@ -50,6 +54,8 @@ class TrainSettings:
             raise ValueError(f"TrainSettings: distill_weight must be in [0, 1], got {self.distill_weight}")
         if self.warmup_steps < 0 or self.eval_every <= 0:
             raise ValueError("TrainSettings: warmup_steps must be >= 0 and eval_every > 0")
+        if self.select not in ("best", "last"):
+            raise ValueError(f"TrainSettings: select must be 'best' or 'last', got {self.select!r}")
         if self.max_steps is not None and self.max_steps <= 0:
             raise ValueError(f"TrainSettings: max_steps must be > 0, got {self.max_steps}")
 
@@ -89,7 +95,7 @@ def full_preset() -> Preset:
         target=_llama(vocab, seq, hidden=384, inter=1024, layers=7, heads=6, kv_heads=2, head_dim=64),
         draft=_llama(vocab, seq, hidden=192, inter=448, layers=4, heads=3, kv_heads=1, head_dim=64),
         target_train=TrainSettings(epochs=8, batch_size=16, lr=2e-3, dropout=0.1),
-        draft_train=TrainSettings(epochs=8, batch_size=16, lr=3e-3, distill_weight=1.0),
+        draft_train=TrainSettings(epochs=12, batch_size=16, lr=3e-3, distill_weight=1.0),
     )
 
 

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
+from infer.demo import ROLES
 from infer.demo.bpe import encode_documents, load_tokenizer, save_tokenizer_files, train_tokenizer
 from infer.demo.corpus import read_texts, split_corpus, stdlib_root
 from infer.demo.data import validation_chunks
@@ -35,9 +37,6 @@ from infer.demo.saving import save_model, training_environment
 from infer.demo.trainer import init_weights, train_model
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
-from tokenizers import Tokenizer
-
-ROLES = ("target", "draft")
 
 
 @dataclass

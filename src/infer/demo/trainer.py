@@ -48,6 +48,8 @@ class TrainLog:
     seconds: float = 0.0
     train: list[dict[str, float]] = field(default_factory=list)  # step, loss, lr (, kl, ce)
     valid: list[dict[str, float]] = field(default_factory=list)  # step, loss (, kl, alpha)
+    selected_step: int = 0  # the step whose weights were kept
+    selected_by: str = ""  # the validation metric that chose it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,11 +187,16 @@ def train_model(model: LlamaForCausalLM, train_stream: torch.Tensor, valid: list
     model.train()
     start = time.perf_counter()
     try:
-        _loop(model, batches, opt, sched, s, total, device, teacher, valid, history, log)
+        best = _loop(model, batches, opt, sched, s, total, device, teacher, valid, history, log)
     finally:
         for handle in hooks:
             handle.remove()
     model.eval()
+    if s.select == "best" and best is not None:
+        model.load_state_dict(best)
+    else:
+        history.selected_step = total
+    log(f"[{role}] keeping the weights of step {history.selected_step} ({s.select})")
     history.seconds = time.perf_counter() - start
     history.tokens_seen = total * s.batch_size * seq_len
     return history
@@ -198,7 +205,12 @@ def train_model(model: LlamaForCausalLM, train_stream: torch.Tensor, valid: list
 def _loop(model: LlamaForCausalLM, batches: Iterator[torch.Tensor], opt: torch.optim.Optimizer,
           sched: torch.optim.lr_scheduler.LRScheduler, s: TrainSettings, total: int,
           device: torch.device, teacher: LlamaForCausalLM | None, valid: list[torch.Tensor],
-          history: TrainLog, log: Callable[[str], None]) -> None:
+          history: TrainLog, log: Callable[[str], None]) -> dict[str, torch.Tensor] | None:
+    """Runs the steps; returns a copy of the best validated weights (None if never validated)."""
+    metric = "kl" if teacher is not None and s.distill_weight > 0 else "loss"
+    history.selected_by = f"validation {metric}"
+    best: dict[str, torch.Tensor] | None = None
+    best_value = math.inf
     sums: dict[str, torch.Tensor] = {}
     count = 0
     t0 = time.perf_counter()
@@ -225,7 +237,11 @@ def _loop(model: LlamaForCausalLM, batches: Iterator[torch.Tensor], opt: torch.o
             row = {"step": step, **validate(model, valid, device, teacher)}
             history.valid.append(row)
             log(f"[{history.role}] valid step {step} " + _fmt(row))
+            if row[metric] < best_value:
+                best_value, history.selected_step = row[metric], step
+                best = {k: v.detach().clone() for k, v in model.state_dict().items()}
             t0 = time.perf_counter()
+    return best
 
 
 def _fmt(row: dict[str, float]) -> str:

@@ -38,11 +38,7 @@ class Engine:
         if self.config.use_speculative_decoding:
             from infer.engine.speculative_runner import SpeculativeRunner
             return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
-        runner = ContinuousRunner(self.models.target, self.tokenizer, self.config, eos)
-        if self.config.use_cuda_graphs and runner.device.type == "cuda":
-            from infer.engine.cuda_graphs import DecodeGraphs
-            runner.decode_graphs = DecodeGraphs.capture(runner)
-        return runner
+        return ContinuousRunner(self.models.target, self.tokenizer, self.config, eos)
 
     @property
     def vocab_size(self) -> int:

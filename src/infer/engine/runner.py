@@ -16,6 +16,7 @@ from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
+from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
@@ -51,7 +52,11 @@ class ContinuousRunner:
         self.cache_pool = make_pool_for(model.config, config, self.dtype, self.device,
                                         prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
-        self.decode_graphs = None  # set by the engine when CUDA graphs are enabled
+        self.forward: ForwardFn = self._make_decode_forward()
+
+    def _make_decode_forward(self) -> ForwardFn:
+        return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
+                            widths=[1], all_logits=False)
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:
@@ -133,13 +138,8 @@ class ContinuousRunner:
     def _decode(self, requests: Sequence[Request]) -> StepResult:
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
-        ids = torch.tensor([[r.all_token_ids[-1]] for r in requests], device=self.device)
-        if self.decode_graphs is not None and self.decode_graphs.supports(layout):
-            logits = self.decode_graphs.run(ids, layout)  # [B, V]
-        else:
-            view = self.cache_pool.view(layout)
-            logits = self.model(ids, layout.positions(self.device), view)[:, 0]
-            view.commit()
+        ids = torch.tensor([[r.all_token_ids[-1]] for r in requests])
+        logits = self.forward(ids, layout, all_logits=False)  # [B, V]
         for r in requests:
             r.num_computed_tokens += 1
         tokens = self.sample(requests, logits)

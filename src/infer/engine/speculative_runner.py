@@ -24,6 +24,7 @@ import torch
 
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
+from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, prefill_target
 from infer.models.llama import LlamaForCausalLM
@@ -54,13 +55,21 @@ class SpeculativeRunner(ContinuousRunner):
                                    if config.spec_policy == "adaptive" else FixedPolicy(config.spec_length))
         self.timings = PhaseTimer()
 
+    def _make_decode_forward(self) -> ForwardFn:
+        # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard)
+        return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
+                            widths=list(range(1, self.config.spec_length + 2)), all_logits=True)
+
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
         if method == "draft_model":
             if draft_model is None:
                 raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
             pool = make_pool_for(draft_model.config, self.config, self.dtype, self.device, prefix_caching=False)
-            self.draft = DraftModelProposer(draft_model, pool)
+            # draft steps feed 1 token (2 after a fully accepted round)
+            step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
+                                widths=[1, 2], all_logits=False)
+            self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer
         return NgramProposer(NgramConfig(method=method, max_order=self.config.ngram_max_order,
@@ -139,9 +148,7 @@ class SpeculativeRunner(ContinuousRunner):
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
         for b, row in enumerate(rows):
             ids[b, :len(row)] = torch.tensor(row)
-        view = self.cache_pool.view(layout)
-        logits = self.model(ids.to(self.device), layout.positions(self.device), view)  # [B, K+1, V]
-        view.commit()
+        logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
         return self._accept_reject(requests, drafts, logits)
 
     def _accept_reject(self, requests: Sequence[Request], drafts: Sequence[Draft],

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.cache.forward import EagerForward, ForwardFn
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.models.llama import LlamaForCausalLM
@@ -31,10 +32,15 @@ if TYPE_CHECKING:
     from infer.engine.request import Request
 
 
+
 class DraftModelProposer:
-    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol,
+                 step_forward: ForwardFn | None = None) -> None:
         self.model = model
         self.pool = pool
+        # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
+        # the engine passes a CUDA-graph runner here when graphs are on
+        self.step_forward = step_forward or EagerForward(model, pool)
         self.device = next(model.parameters()).device
         self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
@@ -119,10 +125,7 @@ class DraftModelProposer:
             ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
             for b, f in enumerate(feeds):
                 ids[b, :len(f)] = torch.tensor(f)
-            view = self.pool.view(layout)
-            logits = self.model(ids.to(self.device), layout.positions(self.device), view,
-                                logits_indices=layout.last_token_indices(self.device))  # [B, V]
-            view.commit()
+            logits = self.step_forward(ids, layout, all_logits=False)  # [B, V]
             probs = logits_to_probs(logits, params, contexts if needs_ctx else None)  # [B, V]
             uniforms = draw_uniforms([r.generator for r in reqs], 1)[:, 0]
             new = sample_from_probs(probs, uniforms.to(probs.device)).tolist()

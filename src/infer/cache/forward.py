@@ -1,0 +1,34 @@
+"""One forward pass of a model through a KV pool (eager). The runners and the draft proposer
+all call a `ForwardFn`, so CUDA graphs (engine/cuda_graphs.py) replace exactly this
+computation and are tested equal to it on the GPU."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.cache.view import BatchLayout
+from infer.models.llama import LlamaForCausalLM
+
+
+class ForwardFn(Protocol):
+    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
+        """ids: CPU [B, T] -> logits [B, T, V] (all_logits) or [B, V] (each row's last token).
+        Commits the layout to the pool."""
+        ...
+
+
+class EagerForward:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol) -> None:
+        self.model, self.pool = model, pool
+        self.device = next(model.parameters()).device
+
+    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
+        view = self.pool.view(layout)
+        last = None if all_logits else layout.last_token_indices(self.device)
+        logits = self.model(ids.to(self.device, non_blocking=True), layout.positions(self.device), view,
+                            logits_indices=last)
+        view.commit()
+        return logits

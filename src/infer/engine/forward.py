@@ -1,0 +1,19 @@
+"""make_forward: the eager forward, or CUDA graphs of it when enabled on a GPU."""
+
+from __future__ import annotations
+
+from infer.cache.forward import EagerForward, ForwardFn
+from infer.cache.protocol import CachePoolProtocol
+from infer.models.llama import LlamaForCausalLM
+
+__all__ = ["EagerForward", "ForwardFn", "make_forward"]
+
+
+def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,
+                 widths: list[int], all_logits: bool) -> ForwardFn:
+    """Graphs on CUDA when asked for, else eager."""
+    device = next(model.parameters()).device
+    if not (use_cuda_graphs and device.type == "cuda"):
+        return EagerForward(model, pool)
+    from infer.engine.cuda_graphs import GraphForward, batch_buckets
+    return GraphForward(model, pool, batch_buckets(max_batch_size), widths, (all_logits,))

@@ -1,0 +1,143 @@
+"""The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+`create_app(engine, model_name, max_queued_requests)` builds an app around a running
+`AsyncEngine`; the app talks to the engine only through `add_request` / `abort` and the
+returned streams. Every error leaves as OpenAI error JSON (see errors.py); the OpenAPI
+schema documents exactly the status codes the server returns (400 replaces FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic.json_schema import models_json_schema
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infer.engine.async_engine import AsyncEngine
+from infer.server.errors import engine_unavailable, install_error_handlers
+from infer.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                                   CompletionChunk, CompletionRequest, CompletionResponse, ErrorResponse,
+                                   HealthResponse, ModelCard, ModelList)
+from infer.server.metrics import CONTENT_TYPE
+from infer.server.routes import chat_completion, completion
+from infer.server.serving import ServerState
+
+_ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in (
+    (400, "invalid request (the error names the parameter)"), (404, "unknown model"),
+    (429, "waiting queue full; see Retry-After"), (503, "the engine loop is not running"))}
+_STREAM_200 = {"description": "a response, or server-sent events when stream is true",
+               "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+_STREAM_CHUNKS = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk}
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class RequestAccounting:
+    """ASGI middleware: counts requests by endpoint and status, tracks requests in flight.
+
+    A plain ASGI wrapper (not BaseHTTPMiddleware) so streaming and disconnects pass through
+    untouched. A request whose client left before any response was sent counts as 499.
+    """
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 499}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.state.in_flight -= 1
+            path = scope.get("path", "")
+            endpoint = path if path in _ROUTES else "other"
+            self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+def create_app(engine: AsyncEngine, model_name: str, max_queued_requests: int | None = None) -> FastAPI:
+    state = ServerState(engine, model_name, max_queued_requests)
+    app = FastAPI(title="infer", version="0.1.0",
+                  description="OpenAI-compatible server of the infer engine (speculative decoding)")
+    app.state.server = state
+    install_error_handlers(app)
+    _add_generation_routes(app, state)
+    _add_info_routes(app, state)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(RequestAccounting, state=state)
+    return app
+
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={200: _STREAM_200, **_ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await completion(state, body, request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: _STREAM_200, **_ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await chat_completion(state, body, request)
+
+
+def _add_info_routes(app: FastAPI, state: ServerState) -> None:
+    created = int(time.time())
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, created=created, max_model_len=state.max_seq_len)])
+
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
+    async def health() -> Any:
+        if not state.engine.healthy:
+            return engine_unavailable(state.engine.error).response()
+        return HealthResponse()
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _sse_event_schema(chunk: str) -> dict[str, Any]:
+    """One server-sent event: `data` is a JSON chunk (or error) or the final `[DONE]`."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    return {"type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+        {"const": "[DONE]"},
+        {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with 400 instead of its 422 (validation errors are OpenAI-style 400s)
+    and the server-sent events of streaming responses described chunk by chunk."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        _, defs = models_json_schema([(m, "serialization") for m in _STREAM_CHUNKS.values()],
+                                     ref_template="#/components/schemas/{model}")
+        for name, definition in defs.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        for path, model in _STREAM_CHUNKS.items():
+            content = schema["paths"][path]["post"]["responses"]["200"]["content"]
+            content["text/event-stream"] = {"schema": _sse_event_schema(model.__name__)}
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,117 @@
+"""OpenAI-style errors for the server: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError` (or let FastAPI raise its own validation / HTTP errors); the
+handlers installed by `install_error_handlers` turn every one of them into the same JSON
+shape with the right status code, so clients always see OpenAI's error format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+RATE_LIMIT = "rate_limit_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class APIError(Exception):
+    """An error the server reports to the client with a status code and OpenAI error JSON."""
+
+    def __init__(self, status_code: int, message: str, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, INVALID_REQUEST, param, code)
+
+
+def engine_unavailable(detail: str | None) -> APIError:
+    reason = (detail or "stopped").strip().splitlines()[-1] if detail else "stopped"
+    return APIError(503, f"the inference engine is not running ({reason}); restart the server",
+                    UNAVAILABLE, None, "engine_unavailable")
+
+
+def _validation_param(loc: tuple[Any, ...]) -> str | None:
+    """The top-level body field an error is about: ('body', 'temperature') -> 'temperature'."""
+    parts = [p for p in loc if p != "body"]
+    return str(parts[0]) if parts and isinstance(parts[0], str) else None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _loc_text(loc: tuple[Any, ...]) -> str:
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content' (union tags dropped)."""
+    text = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            text += f".{part}" if text else part
+    return text
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> str:
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON: {detail}".rstrip(": ")
+    where = _loc_text(tuple(first.get("loc", ()))) or "request body"
+    extra = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid value')}{extra}"
+
+
+async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = list(exc.errors()) or [{"loc": (), "msg": "invalid request"}]
+    param = _validation_param(tuple(errors[0].get("loc", ())))
+    return bad_request(_validation_message(errors), param, "invalid_parameter").response()
+
+
+async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+    return APIError(exc.status_code, str(exc.detail), kind, None, None,
+                    dict(exc.headers) if exc.headers else None).response()
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    message = f"internal server error: {type(exc).__name__}: {exc}"
+    return APIError(500, message, SERVER_ERROR, None, "internal_error").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

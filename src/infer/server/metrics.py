@@ -1,0 +1,146 @@
+"""Prometheus metrics of one server app, in its own CollectorRegistry (no global state).
+
+Pushed by the server as requests run: requests by endpoint and HTTP status, finished
+requests by finish reason, time to first token, inter-token latency, end-to-end latency,
+prompt and generated token counts. Read from the engine at scrape time (`EngineCollector`):
+running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
+the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
+emitted tokens, accepted tokens per draft position).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from infer.engine.async_engine import AsyncEngine
+    from infer.engine.engine import Engine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+def kv_cache_usage(engine: Engine) -> float:
+    """Fraction of KV cache memory in use (the fuller pool when a draft pool exists).
+
+    Paged pools: blocks neither free nor evictable. Contiguous pools reserve a whole
+    max_seq_len region per slot, so usage is the fraction of slots taken.
+    """
+    usages = [_pool_usage(pool, engine) for pool in engine.runner_pools() if pool is not None]
+    return max(usages) if usages else 0.0
+
+
+def _pool_usage(pool: object, engine: Engine) -> float:
+    num_blocks = getattr(pool, "num_blocks", None)
+    free = pool.free_token_capacity()  # type: ignore[attr-defined]
+    if num_blocks and free is not None:
+        total = num_blocks * pool.block_size  # type: ignore[attr-defined]
+        return max(0.0, min(1.0, 1.0 - free / total))
+    return len(engine.scheduler.running) / engine.config.max_batch_size
+
+
+class EngineCollector(Collector):
+    """Gauges and speculation counters read from the engine when /metrics is scraped."""
+
+    def __init__(self, engine: AsyncEngine, queue_depth: Callable[[], int],
+                 in_flight: Callable[[], int]) -> None:
+        self.engine = engine
+        self.queue_depth = queue_depth
+        self.in_flight = in_flight
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge("infer_num_requests_running", "requests holding a KV cache slot",
+                     self.engine.num_running())
+        yield _gauge("infer_num_requests_waiting", "requests queued for admission (incl. being added)",
+                     self.queue_depth())
+        yield _gauge("infer_http_requests_in_flight", "HTTP requests being handled", self.in_flight())
+        yield _gauge("infer_kv_cache_usage_ratio", "fraction of KV cache memory in use",
+                     kv_cache_usage(self.engine.engine))
+        yield _gauge("infer_engine_healthy", "1 while the engine loop runs", int(self.engine.healthy))
+        yield from _spec_metrics(getattr(self.engine.engine.runner, "stats", None))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _spec_metrics(stats: object) -> Iterator[Metric]:
+    """Speculation counters; zero (and no per-position samples) when speculation is off."""
+    def value(name: str) -> int:
+        return int(getattr(stats, name, 0)) if stats is not None else 0
+
+    for name, doc in (("drafts", "speculation rounds that drafted at least one token"),
+                      ("draft_tokens", "tokens proposed by the drafter"),
+                      ("accepted_tokens", "drafted tokens accepted by the target"),
+                      ("emitted_tokens", "tokens produced by speculation rounds (accepted + bonus)")):
+        yield CounterMetricFamily(f"infer_spec_decode_{name}", doc, value=value(name))
+    per_position = CounterMetricFamily(
+        "infer_spec_decode_accepted_per_position", "rounds whose i-th drafted token was accepted",
+        labels=["position"])
+    for position, count in enumerate(list(getattr(stats, "accepted_per_position", []) or [])):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+
+
+class RequestTracker:
+    """Times one request's tokens (TTFT, inter-token latency, end to end) into the histograms."""
+
+    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.tokens = 0
+        self.done = False
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+    def on_token(self) -> None:
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.tokens += 1
+        self.metrics.generation_tokens.inc()
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.metrics.finished.labels(reason=reason).inc()
+        self.metrics.e2e.observe(time.perf_counter() - self.start)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, queue_depth: Callable[[], int],
+                 in_flight: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("infer_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=reg)
+        self.finished = Counter("infer_request_finish", "generation requests by finish reason "
+                                "(stop, length, abort, error)", ["reason"], registry=reg)
+        self.ttft = Histogram("infer_time_to_first_token_seconds", "time from request to first token",
+                              buckets=_LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram("infer_inter_token_latency_seconds", "time between consecutive tokens "
+                             "of a request (tokens of one speculation round arrive together)",
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.e2e = Histogram("infer_e2e_request_latency_seconds", "time from request to last token",
+                             buckets=_LATENCY_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("infer_prompt_tokens", "prompt tokens of accepted requests",
+                                     registry=reg)
+        self.generation_tokens = Counter("infer_generation_tokens", "tokens generated", registry=reg)
+        reg.register(EngineCollector(engine, queue_depth, in_flight))
+
+    def track(self, prompt_tokens: int) -> RequestTracker:
+        return RequestTracker(self, prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -31,9 +31,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = _HELP.get(field.name, "")
         if hint is bool:
             group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=help_text)
-        elif field.name == "enable_prefix_caching":
+        elif field.name in ("enable_prefix_caching", "compile_kernels"):
             group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
-                               help="prefix caching (default: on for the paged backend)")
+                               help="default: on for the paged backend" if field.name == "enable_prefix_caching"
+                               else "torch.compile the elementwise kernels (default: on with CUDA graphs)")
         else:
             base = _base_type(hint)
             group.add_argument(*names, dest=field.name, type=base, default=field.default,

@@ -35,6 +35,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # paged: alternative to num_blocks
     enable_prefix_caching: bool | None = None  # None = on for the paged backend
     use_cuda_graphs: bool = False
+    compile_kernels: bool | None = None  # fuse elementwise ops with torch.compile; None = with CUDA graphs
     # speculative decoding
     use_speculative_decoding: bool = False
     speculative_method: str = "draft_model"

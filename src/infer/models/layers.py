@@ -1,4 +1,4 @@
-"""Llama building blocks: RMSNorm, rotary embeddings (with Llama 3 scaling), SwiGLU MLP.
+"""Llama building blocks: RMSNorm, rotary tables (with Llama 3 scaling), SwiGLU MLP.
 
 Numerics follow Hugging Face's Llama: RMSNorm in float32 then cast back, rotary tables
 computed in float32 and cast to the activation dtype, rotate-half convention.
@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from infer.models.config import ModelConfig, RopeScaling
+from infer.models.kernels import rmsnorm, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +22,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return rmsnorm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -60,13 +57,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class MLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matrix."""
 
@@ -77,5 +67,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))

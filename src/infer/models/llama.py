@@ -16,7 +16,8 @@ from torch import nn
 
 from infer.models.attention import AttentionView, NoCacheView
 from infer.models.config import ModelConfig
-from infer.models.layers import MLP, RMSNorm, Rotary, apply_rotary
+from infer.models.kernels import EAGER, Kernels
+from infer.models.layers import MLP, RMSNorm, Rotary
 
 
 class Attention(nn.Module):
@@ -30,11 +31,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
+                kernels: Kernels = EAGER) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(b, t, self.heads, self.head_dim), cos, sin)  # [B, T, Hq, D]
-        k = apply_rotary(k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
+        q, k = kernels.rotary_qk(q.view(b, t, self.heads, self.head_dim),  # [B, T, Hq, D]
+                                 k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
         v = v.view(b, t, self.kv_heads, self.head_dim)
         out = view.attend(self.layer, q, k, v)  # [B, T, Hq, D]
         return self.o_proj(out.reshape(b, t, self.q_size))
@@ -48,9 +50,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, view)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                view: AttentionView, kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual-stream form: returns (this layer's MLP output, residual before it); the
+        caller adds them (fused into the next norm)."""
+        eps = self.input_layernorm.eps
+        if residual is None:
+            residual, h = x, kernels.rmsnorm(x, self.input_layernorm.weight, eps)
+        else:
+            h, residual = kernels.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
+        attn = self.self_attn(h, cos, sin, view, kernels)
+        h, residual = kernels.add_rmsnorm(attn, residual, self.post_attention_layernorm.weight, eps)
+        return self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(h))), residual
 
 
 class LlamaBody(nn.Module):
@@ -68,6 +79,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config)
         self.rotary = Rotary(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.kernels: Kernels = EAGER  # `compiled_kernels()` on GPUs fuses the elementwise ops
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -75,9 +87,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        kernels = self.kernels
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, view)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, view, kernels)
+        h, _ = kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)
+        return h
 
     def forward(
         self,

@@ -25,7 +25,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# One row's context for the repetition penalty: token ids as a list or a 1-D tensor.
+Context = Sequence[int] | torch.Tensor
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -130,7 +134,7 @@ def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor
 
 
 def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
-                 contexts: Sequence[Sequence[int]] | None) -> None:
+                 contexts: Sequence[Context] | None) -> None:
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0]:
@@ -139,31 +143,51 @@ def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"contexts has {len(contexts)} entries but logits has {logits.shape[0]} rows")
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, params: Sequence[SamplingParams],
-                              contexts: Sequence[Sequence[int]] | None) -> None:
-    """In place on float32 logits [N, V]: HF repetition penalty over each row's context ids."""
-    if contexts is None:
-        return
-    rows: list[int] = []
-    ids: list[int] = []
-    pens: list[float] = []
+def _context_ids(ctx: Context) -> torch.Tensor:
+    """One row's context as a 1-D long tensor (lists go through numpy: far faster than torch.tensor)."""
+    if isinstance(ctx, torch.Tensor):
+        return ctx.reshape(-1).to(torch.long)
+    return torch.from_numpy(np.fromiter(ctx, dtype=np.int64, count=len(ctx)))
+
+
+def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Context], vocab: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row ids [M], token ids [M], penalties [M]) on `device` for rows with a penalty, or None."""
+    rows, parts, pens = [], [], []
     for row, (p, ctx) in enumerate(zip(params, contexts)):
         if p.repetition_penalty != 1.0 and len(ctx) > 0:
-            unique = set(ctx)
-            rows.extend([row] * len(unique))
-            ids.extend(unique)
-            pens.extend([p.repetition_penalty] * len(unique))
+            rows.append(row)
+            parts.append(_context_ids(ctx))
+            pens.append(p.repetition_penalty)
     if not rows:
+        return None
+    lengths = torch.tensor([t.numel() for t in parts])  # [R]
+    if all(t.device.type == "cpu" for t in parts):
+        ids = torch.cat(parts)  # [M] on CPU: range check without a device sync
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"contexts hold token ids outside [0, {vocab}): check the prompt token ids")
+        ids = ids.to(device)
+    else:  # ids already on a device are trusted (checking them would cost a host sync)
+        ids = torch.cat([t.to(device) for t in parts])  # [M]
+    row_ids = torch.repeat_interleave(torch.tensor(rows), lengths).to(device)  # [M]
+    pen = torch.repeat_interleave(torch.tensor(pens, dtype=torch.float32), lengths).to(device)  # [M]
+    return row_ids, ids, pen
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, params: Sequence[SamplingParams],
+                              contexts: Sequence[Context] | None) -> None:
+    """In place on float32 logits [N, V]: HF repetition penalty over each row's context ids.
+
+    A token repeated in the context is penalised once (duplicate indices write equal values).
+    """
+    if contexts is None:
         return
-    ids_t = torch.tensor(ids, dtype=torch.long)  # [M] on CPU: range check without a device sync
-    if int(ids_t.min()) < 0 or int(ids_t.max()) >= logits.shape[1]:
-        raise ValueError(
-            f"contexts hold token ids outside [0, {logits.shape[1]}): check the prompt token ids")
-    dev = logits.device
-    rows_t, ids_t = torch.tensor(rows, device=dev), ids_t.to(dev)  # [M], [M]
-    pen_t = torch.tensor(pens, dtype=torch.float32, device=dev)  # [M]
-    vals = logits[rows_t, ids_t]  # [M]
-    logits[rows_t, ids_t] = torch.where(vals > 0, vals / pen_t, vals * pen_t)
+    found = _penalty_indices(params, contexts, logits.shape[1], logits.device)
+    if found is None:
+        return
+    rows, ids, pen = found  # [M] each
+    vals = logits[rows, ids]  # [M]
+    logits[rows, ids] = torch.where(vals > 0, vals / pen, vals * pen)
 
 
 def _truncation_cutoff(sorted_desc: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -200,11 +224,11 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -
 
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  contexts: Sequence[Sequence[int]] | None) -> torch.Tensor:
+                  contexts: Sequence[Context] | None) -> torch.Tensor:
     """logits [N, V] -> float32 [N, V] after repetition penalty, temperature, top-k, top-p.
 
-    `contexts[i]` are the token ids row i has seen (prompt + generated); they only matter for
-    the repetition penalty. Greedy rows get the penalty but no scaling or truncation (their
+    `contexts[i]` are the token ids row i has seen (prompt + generated), a list or a 1-D
+    tensor (a tensor skips the list conversion); they only matter for the repetition penalty. Greedy rows get the penalty but no scaling or truncation (their
     argmax is what counts). The input tensor is not modified.
     """
     _check_batch(logits, params, contexts)
@@ -217,7 +241,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
-                    contexts: Sequence[Sequence[int]] | None) -> torch.Tensor:
+                    contexts: Sequence[Context] | None) -> torch.Tensor:
     """float32 [N, V] sampling distributions; greedy rows are one-hot at the penalised argmax."""
     adjusted = adjust_logits(logits, params, contexts)  # [N, V]
     probs = torch.softmax(adjusted, dim=-1)  # [N, V]
@@ -254,7 +278,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           contexts: Sequence[Sequence[int]] | None,
+           contexts: Sequence[Context] | None,
            generators: Sequence[torch.Generator]) -> torch.Tensor:
     """One token per row: logits [N, V] -> ids [N] long (one uniform drawn per row)."""
     if len(generators) != logits.shape[0]:

@@ -86,6 +86,15 @@ def test_repetition_penalty_below_one_boosts() -> None:
     assert torch.equal(out[0], torch.tensor([4.0, -1.0, 1.0]))
 
 
+def test_tensor_contexts_match_list_contexts() -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(9))
+    params = [SamplingParams(repetition_penalty=1.7)] * 3
+    lists = [[1, 2, 2, 49], [], [0, 7]]
+    tensors = [torch.tensor(c, dtype=torch.long) for c in lists]
+    assert torch.equal(adjust_logits(logits, params, lists), adjust_logits(logits, params, tensors))
+    assert not torch.equal(adjust_logits(logits, params, lists), logits)
+
+
 def test_context_id_outside_vocab_raises() -> None:
     with pytest.raises(ValueError, match="contexts"):
         adjust_logits(torch.zeros(1, 4), [SamplingParams(repetition_penalty=1.2)], [[4]])

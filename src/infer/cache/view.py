@@ -12,12 +12,13 @@ view and replay it after new indices are copied into the same tensors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from infer.models.attention import context_mask, masked_attention
+from infer.models.attention import masked_attention
 
 RowsFn = Callable[[int, int, int], torch.Tensor]
 """rows_of(slot, start, end) -> CPU LongTensor [end - start] of storage rows of positions start..end-1."""
@@ -64,17 +65,17 @@ class BatchLayout:
 class ViewIndices:
     write_rows: torch.Tensor  # [B * T] storage row per batch token (padding -> scratch row)
     gather_rows: torch.Tensor  # [B, S] storage row per context position (padding -> scratch row)
-    mask: torch.Tensor  # [B, T, S] bool: key visible to query
+    q_pos: torch.Tensor  # [B, T] absolute position of each query (= the model's positions)
+    ctx_end: torch.Tensor  # [B] context length after this chunk (keys >= ctx_end are padding)
 
     def to(self, device: torch.device) -> ViewIndices:
-        return ViewIndices(self.write_rows.to(device, non_blocking=True),
-                           self.gather_rows.to(device, non_blocking=True), self.mask.to(device, non_blocking=True))
+        return ViewIndices(*(x.to(device, non_blocking=True)
+                             for x in (self.write_rows, self.gather_rows, self.q_pos, self.ctx_end)))
 
-    def copy_into(self, static: ViewIndices) -> None:
-        """Fill persistent tensors of the same shapes (CUDA graph replay)."""
-        static.write_rows.copy_(self.write_rows, non_blocking=True)
-        static.gather_rows.copy_(self.gather_rows, non_blocking=True)
-        static.mask.copy_(self.mask, non_blocking=True)
+    def mask(self) -> torch.Tensor:
+        """[B, T, S] bool: key j visible to query t iff j <= q_pos[t] and j < ctx_end."""
+        k_pos = torch.arange(self.gather_rows.shape[1], device=self.gather_rows.device)
+        return (k_pos <= self.q_pos[:, :, None]) & (k_pos < self.ctx_end[:, None, None])
 
 
 def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
@@ -92,8 +93,23 @@ def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
         ctx = rows_of(slot, 0, start + n)  # [start + n]
         write[b, :n] = ctx[start:]
         gather[b, :start + n] = ctx
-    mask = context_mask(torch.tensor(layout.start_positions), torch.tensor(layout.chunk_lens), t, width_s)
-    return ViewIndices(write.view(-1), gather, mask)
+    return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
+
+
+def use_triton_attention(q: torch.Tensor) -> bool:
+    """The Triton kernel serves short query chunks (decode, draft steps, verification) on CUDA
+    with a power-of-two head_dim >= 16; prefill and CPU use gather + masked SDPA."""
+    d = q.shape[-1]
+    return q.is_cuda and q.shape[1] <= 16 and d >= 16 and d & (d - 1) == 0 and triton_available()
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class CacheView:
@@ -104,6 +120,7 @@ class CacheView:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
         self.indices = indices
         self._on_commit = on_commit
+        self._mask: torch.Tensor | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
@@ -111,9 +128,14 @@ class CacheView:
         idx = self.indices
         kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
         vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
+        if use_triton_attention(q):
+            from infer.models.triton_attention import paged_decode_attention
+            return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
+        if layer == 0 or self._mask is None:  # once per forward (inside a captured graph too)
+            self._mask = idx.mask()
         k_ctx = kc[idx.gather_rows]  # [B, S, Hkv, D]
         v_ctx = vc[idx.gather_rows]
-        return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), idx.mask)
+        return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), self._mask)
 
     def commit(self) -> None:
         """Advance each slot's length past this chunk (call after the forward pass)."""

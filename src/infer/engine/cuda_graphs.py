@@ -34,11 +34,29 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # [b, w]
-    positions: torch.Tensor  # [b, w]
-    indices: ViewIndices  # write [b*w], gather [b, S], mask [b, w, S]
+    host: torch.Tensor  # pinned int64 staging buffer, same layout as `device`
+    device: torch.Tensor  # int64: ids | positions | last | write_rows | gather_rows | ctx_end
+    ids: torch.Tensor  # [b, w]   (views into `device`)
+    positions: torch.Tensor  # [b, w] (also the view's q_pos)
     last: torch.Tensor  # [b] logits index per row (last-token mode)
+    indices: ViewIndices  # write [b*w], gather [b, S], q_pos [b, w], ctx_end [b]
     out: torch.Tensor  # [b, w, V] or [b, V]
+
+
+def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [("ids", (b, w)), ("positions", (b, w)), ("last", (b,)), ("write_rows", (b * w,)),
+            ("gather_rows", (b, s)), ("ctx_end", (b,))]
+
+
+def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]:
+    parts, offset = {}, 0
+    for name, shape in _segments(b, w, s):
+        n = 1
+        for x in shape:
+            n *= x
+        parts[name] = buf[offset:offset + n].view(shape)
+        offset += n
+    return parts
 
 
 class GraphForward:
@@ -57,19 +75,20 @@ class GraphForward:
                     self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
         self.replays = 0
 
-    def _static_indices(self, b: int, w: int) -> ViewIndices:
-        s, scratch = self.context_width, self.pool.scratch_row
-        mask = torch.zeros((b, w, s), dtype=torch.bool, device=self.device)
-        mask[..., 0] = True
-        return ViewIndices(torch.full((b * w,), scratch, dtype=torch.long, device=self.device),
-                           torch.full((b, s), scratch, dtype=torch.long, device=self.device), mask)
-
     @torch.inference_mode()
     def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream) -> _Graph:
-        ids = torch.zeros((b, w), dtype=torch.long, device=self.device)
-        positions = torch.arange(w, device=self.device).repeat(b, 1)
-        indices = self._static_indices(b, w)
-        last = torch.full((b,), w - 1, dtype=torch.long, device=self.device)
+        s = self.context_width
+        size = sum(torch.Size(shape).numel() for _, shape in _segments(b, w, s))
+        host = torch.zeros(size, dtype=torch.long).pin_memory()
+        device = torch.zeros(size, dtype=torch.long, device=self.device)
+        parts = _split(device, b, w, s)
+        parts["positions"].copy_(torch.arange(w).repeat(b, 1))
+        parts["last"].fill_(w - 1)
+        parts["write_rows"].fill_(self.pool.scratch_row)
+        parts["gather_rows"].fill_(self.pool.scratch_row)
+        parts["ctx_end"].fill_(w)
+        ids, positions, last = parts["ids"], parts["positions"], parts["last"]
+        indices = ViewIndices(parts["write_rows"], parts["gather_rows"], positions, parts["ctx_end"])
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
 
         def run() -> torch.Tensor:
@@ -83,7 +102,8 @@ class GraphForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = run()
-        return _Graph(graph, ids, positions, indices, last, out)
+        host.copy_(device.cpu())
+        return _Graph(graph, host, device, ids, positions, last, indices, out)
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
         return (len(layout.slots) <= self.buckets[-1] and max(layout.ends) <= self.context_width
@@ -95,14 +115,16 @@ class GraphForward:
         n = len(layout.slots)
         b = next(x for x in self.buckets if x >= n)
         g = self.graphs[(b, layout.width, all_logits)]
-        host = self.pool.indices(layout, self.context_width)
-        g.indices.write_rows.fill_(self.pool.scratch_row)
-        g.indices.write_rows[: n * layout.width].copy_(host.write_rows, non_blocking=True)
-        g.indices.gather_rows[:n].copy_(host.gather_rows, non_blocking=True)
-        g.indices.mask[:n].copy_(host.mask, non_blocking=True)
-        g.ids[:n].copy_(ids, non_blocking=True)
-        g.positions[:n].copy_(layout.positions("cpu"), non_blocking=True)
-        g.last[:n].copy_(layout.last_token_indices("cpu"), non_blocking=True)
+        idx = self.pool.indices(layout, self.context_width)
+        staged = _split(g.host, b, layout.width, self.context_width)
+        staged["ids"][:n] = ids
+        staged["positions"][:n] = idx.q_pos
+        staged["last"][:n] = layout.last_token_indices("cpu")
+        staged["write_rows"].fill_(self.pool.scratch_row)  # padding rows write to scratch
+        staged["write_rows"][: n * layout.width] = idx.write_rows
+        staged["gather_rows"][:n] = idx.gather_rows
+        staged["ctx_end"][:n] = idx.ctx_end
+        g.device.copy_(g.host, non_blocking=True)  # one transfer for all inputs
         g.graph.replay()
         self.pool.commit(layout)
         self.replays += 1

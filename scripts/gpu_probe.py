@@ -61,12 +61,22 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-3b")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--spec", action="store_true", help="also speculative runs (1B-shape draft, self draft)")
+    ap.add_argument("--variants", default="eager,graphs,graphs+compile")
     args = ap.parse_args()
     bw = copy_bandwidth()
     results = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "copy_bandwidth_GBps": bw / 1e9}
-    for name, kw in [("eager", dict(use_cuda_graphs=False, compile_kernels=False)),
-                     ("graphs", dict(use_cuda_graphs=True, compile_kernels=False)),
-                     ("graphs+compile", dict(use_cuda_graphs=True, compile_kernels=True))]:
+    fast = dict(use_cuda_graphs=True, compile_kernels=True)
+    variants = [("eager", dict(use_cuda_graphs=False, compile_kernels=False)),
+                ("graphs", dict(use_cuda_graphs=True, compile_kernels=False)),
+                ("graphs+compile", fast)]
+    variants = [v for v in variants if v[0] in args.variants.split(",")]
+    if args.spec:
+        spec = dict(use_speculative_decoding=True, spec_length=5, **fast)
+        variants += [("spec-1b-fixed5", dict(draft_model="dummy:llama-3.2-1b", **spec)),
+                     ("spec-1b-adaptive", dict(draft_model="dummy:llama-3.2-1b", spec_policy="adaptive", **spec)),
+                     ("spec-self-fixed5", dict(draft_model=f"dummy:{args.shape}", **spec))]
+    for name, kw in variants:
         t0 = time.perf_counter()
         cfg = EngineConfig(model=f"dummy:{args.shape}", load_format="dummy", dtype="bfloat16", device="cuda",
                            max_batch_size=1, max_seq_len=512, kv_cache_backend="contiguous",
@@ -76,6 +86,10 @@ def main() -> None:
         wb = weight_bytes(engine.models.target)
         rate = decode_rate(engine)
         roof = bw / wb
+        stats = getattr(engine.runner, "stats", None)
+        if stats is not None:
+            results.setdefault("spec", {})[name] = {"acceptance": stats.acceptance_rate,
+                                                     "mean_accepted_length": stats.mean_accepted_length}
         results[name] = {"tokens_per_s": rate, "step_ms": 1e3 / rate, "roofline_tokens_per_s": roof,
                          "fraction_of_roofline": rate / roof, "setup_s": setup, "weight_GB": wb / 1e9}
         print(name, json.dumps(results[name]), flush=True)

@@ -16,7 +16,7 @@ from infer.demo import bpe, corpus, evaluate, metrics, train
 from infer.demo.data import batch_chunks, num_sequences, training_batches, validation_chunks
 from infer.demo.presets import TrainSettings, tiny_preset
 from infer.demo.saving import MAX_SHARD_BYTES, save_model
-from infer.demo.trainer import forward_logits, init_weights, lr_factor, train_model
+from infer.demo.trainer import init_weights, lr_factor, train_model, validate
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -200,7 +200,7 @@ def _tiny_run(tok, texts: list[str], seed: int, teacher: LlamaForCausalLM | None
     train_stream, valid_stream = stream[: int(0.9 * stream.numel())], stream[int(0.9 * stream.numel()):]
     model = LlamaForCausalLM(config)
     init_weights(model, seed)
-    s = TrainSettings(epochs=1, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=20, max_steps=20,
+    s = TrainSettings(epochs=1, batch_size=8, lr=1e-2, warmup_steps=2, eval_every=5, max_steps=20,
                       distill_weight=1.0 if teacher is not None else 0.0, dropout=0.1)
     log = train_model(model, train_stream, validation_chunks(valid_stream, config.max_position_embeddings),
                       s, device=torch.device("cpu"), seed=seed, role="t", teacher=teacher, log=lambda _: None)
@@ -217,6 +217,12 @@ def test_training_lowers_loss_and_is_reproducible(trained, tok, texts: list[str]
     assert log.train[-1]["loss"] < log.train[0]["loss"]
     assert log.train[-1]["loss"] < math.log(tok.get_vocab_size()) - 0.5  # initial loss ~ ln V
     assert math.log(tok.get_vocab_size()) - log.valid[-1]["loss"] > 0.5
+    # early stopping: the kept weights are those of the check with the lowest validation loss
+    stream = bpe.encode_documents(tok, texts)
+    chunks = validation_chunks(stream[int(0.9 * stream.numel()):], model.config.max_position_embeddings)
+    best = min(log.valid, key=lambda r: r["loss"])
+    assert log.selected_step == best["step"] and len(log.valid) == 4
+    assert validate(model, chunks, torch.device("cpu"))["loss"] == pytest.approx(best["loss"], rel=1e-6)
     again, log2 = _tiny_run(tok, texts, seed=0)
     assert [r["loss"] for r in log2.train] == [r["loss"] for r in log.train]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))

@@ -58,14 +58,18 @@ def _model(role: str, directory: Path, r: dict[str, Any]) -> str:
     shards = sorted(p.name for p in directory.glob("model-*.safetensors"))
     size = sum((directory / s).stat().st_size for s in shards)
     rows = [
-        ("architecture", "LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, grouped-query attention), tied embeddings"),
+        ("architecture", "LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, grouped-query attention), "
+                         "tied embeddings"),
         ("parameters", f"{r[role]['num_parameters']:,}"),
-        ("layers / hidden / intermediate", f"{cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']}"),
-        ("attention heads / KV heads / head dim", f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']}"),
+        ("layers / hidden / intermediate",
+         f"{cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']}"),
+        ("attention heads / KV heads / head dim",
+         f"{cfg['num_attention_heads']} / {cfg['num_key_value_heads']} / {cfg['head_dim']}"),
         ("context length", f"{cfg['max_position_embeddings']} (the training sequence length)"),
         ("RoPE", f"theta {cfg['rope_theta']:g}, no scaling"),
         ("vocabulary", f"{cfg['vocab_size']} (byte-level BPE, shared by target and draft)"),
-        ("weights", f"{cfg.get('torch_dtype', '?')} safetensors, {len(shards)} shards + index, {size / 1e6:.1f} MB"),
+        ("weights", f"{cfg.get('torch_dtype', '?')} safetensors, {len(shards)} shards + index, "
+                    f"{size / 1e6:.1f} MB"),
     ]
     table = "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
     return (
@@ -133,7 +137,8 @@ def _training(role: str, s: dict[str, Any]) -> str:
         f"peak lr {st['lr']:g}, {st['warmup_steps']} warm-up steps, cosine to "
         f"{st['min_lr_ratio']:g} x peak, gradient clip {st['grad_clip']}, residual dropout {st['dropout']}\n"
         f"- {log['total_steps']} steps of {st['batch_size']} x {seq} tokens "
-        f"({log['tokens_seen']:,} tokens; {st['epochs']:g} epoch(s) planned), bf16 autocast, seed {s.get('seed')}\n"
+        f"({log['tokens_seen']:,} tokens; {st['epochs']:g} epoch(s) planned), bf16 autocast, "
+        f"seed {s.get('seed')}\n"
         f"- {log['seconds']:.0f} s on {hw} (torch {env.get('torch')}, Python {env.get('python')})\n"
         f"- {_selection(log, st)}\n\n")
     return text + _curve(log)
@@ -166,7 +171,8 @@ def _curve(log: dict[str, Any], rows: int = 8) -> str:
         if extra:
             cells += [f"{row['kl']:.3f}", f"{row['alpha']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "Validation during training (train loss: mean of the last 10 steps, cross-entropy):\n\n" + "\n".join(lines) + "\n"
+    return ("Validation during training (train loss: mean of the last 10 steps, cross-entropy):"
+            "\n\n" + "\n".join(lines) + "\n")
 
 
 def _evaluation(r: dict[str, Any]) -> str:
@@ -175,16 +181,20 @@ def _evaluation(r: dict[str, Any]) -> str:
             ("unigram, add-k", r["unigram_vs_target"])]
     table = "| draft q | alpha, T=1 | greedy agreement (alpha, T=0) |\n|---|---|---|\n" + "\n".join(
         f"| {name} | {m['alpha']:.3f} | {m['greedy_agreement']:.3f} |" for name, m in rows)
-    g = r["theorem_3_8"]
-    speed = "| gamma | tokens per target call, T=1 | walltime factor, T=1 | walltime factor, T=0 |\n|---|---|---|---|\n"
-    speed += "\n".join(f"| {k} | {v['tokens_per_call_t1']:.2f} | {v['walltime_factor_t1']:.2f} | "
-                       f"{v['walltime_factor_t0']:.2f} |" for k, v in g.items() if k in ("1", "2", "3", "4", "6", "8"))
+    speed = ("| gamma | tokens per target call, T=1 | walltime factor, T=1 | walltime factor, T=0 |"
+             "\n|---|---|---|---|\n")
+    speed += "\n".join(
+        f"| {k} | {v['tokens_per_call_t1']:.2f} | {v['walltime_factor_t1']:.2f} | "
+        f"{v['walltime_factor_t0']:.2f} |"
+        for k, v in r["theorem_3_8"].items() if k in ("1", "2", "3", "4", "6", "8"))
     return (
         "## Evaluation\n\n"
         f"Teacher forced on the validation split ({r['positions']:,} predicted tokens; "
-        f"{r['validation']['files']} files), {r['environment'].get('gpu') or r['environment']['device']}.\n\n"
+        f"{r['validation']['files']} files), "
+        f"{r['environment'].get('gpu') or r['environment']['device']}.\n\n"
         "| model | validation loss (nats/token) | perplexity |\n|---|---|---|\n"
-        f"| target | {t['loss']:.4f} | {t['perplexity']:.2f} |\n| draft | {d['loss']:.4f} | {d['perplexity']:.2f} |\n\n"
+        f"| target | {t['loss']:.4f} | {t['perplexity']:.2f} |\n"
+        f"| draft | {d['loss']:.4f} | {d['perplexity']:.2f} |\n\n"
         "Acceptance against the target p (Leviathan et al., Corollary 3.6: alpha = E[sum_x "
         "min(p(x), q(x))], averaged over all validation positions; the n-gram baselines are "
         f"fitted on the training split with k = {r['smoothing_k']:g}, as in Table 3):\n\n"

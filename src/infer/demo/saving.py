@@ -1,9 +1,9 @@
 """Write a trained demo model as a shippable Hugging Face directory.
 
 Weights go through `infer.models.checkpoint.save_checkpoint` in bf16, always sharded
-(model-0000i-of-0000n.safetensors + model.safetensors.index.json): the shard limit is the
-smaller of `MAX_SHARD_BYTES` and half the model, so even a model that would fit one file
-gets at least two shards and the index layout is exercised by every load. The tokenizer
+(model-0000i-of-0000n.safetensors + model.safetensors.index.json): shards of at most
+`MAX_SHARD_BYTES`, or half the model when it is smaller than that, so even a model that
+fits one file gets two shards and the index layout is exercised by every load. The tokenizer
 files and `training_summary.json` (read by the model card) go next to them.
 """
 
@@ -27,9 +27,11 @@ SUMMARY_FILE = "training_summary.json"
 
 
 def shard_limit(model: LlamaForCausalLM, dtype: torch.dtype = SAVE_DTYPE) -> int:
-    """Bytes per shard: at most MAX_SHARD_BYTES, and small enough for >= 2 shards."""
+    """Tensor bytes per shard: files of at most MAX_SHARD_BYTES (the safetensors header
+    gets a 64 KiB margin), and at least two shards even for a model that fits one."""
     total = sum(t.numel() for _, t in model.hf_state_dict()) * dtype.itemsize
-    return min(MAX_SHARD_BYTES, -(-total // 2))
+    cap = MAX_SHARD_BYTES - 2**16
+    return cap if total > cap else -(-total // 2)
 
 
 def save_model(model: LlamaForCausalLM, directory: Path, tok: Tokenizer,

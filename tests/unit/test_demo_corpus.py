@@ -16,7 +16,8 @@ from infer.demo import bpe, corpus, evaluate, metrics, train
 from infer.demo.data import batch_chunks, num_sequences, training_batches, validation_chunks
 from infer.demo.presets import TrainSettings, tiny_preset
 from infer.demo.saving import MAX_SHARD_BYTES, save_model
-from infer.demo.trainer import init_weights, lr_factor, train_model, validate
+from infer.demo.trainer import (add_residual_dropout, dropout_sites, init_weights, lr_factor,
+                                 train_model, validate)
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -226,6 +227,24 @@ def test_training_lowers_loss_and_is_reproducible(trained, tok, texts: list[str]
     again, log2 = _tiny_run(tok, texts, seed=0)
     assert [r["loss"] for r in log2.train] == [r["loss"] for r in log.train]
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+
+def test_residual_dropout_hooks_fire_in_training_only() -> None:
+    model = LlamaForCausalLM(tiny_preset().target)
+    init_weights(model, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    calls = []
+    counters = [m.register_forward_hook(lambda *_: calls.append(1)) for m in dropout_sites(model)]
+    handles = add_residual_dropout(model, 0.5)
+    with torch.no_grad():
+        reference = model.eval()(ids)
+        assert torch.equal(model(ids), reference)  # eval: no dropout
+        assert not torch.equal(model.train()(ids), reference)
+    assert len(calls) == 3 * 2 * model.config.num_hidden_layers  # every site ran in every forward
+    for h in handles + counters:
+        h.remove()
+    with torch.no_grad():
+        assert torch.equal(model.train()(ids), reference)  # hooks removed
 
 
 def test_distillation_moves_draft_towards_target(trained, tok, texts: list[str]) -> None:

@@ -69,6 +69,14 @@ def init_weights(model: LlamaForCausalLM, seed: int, std: float = 0.02) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * s)
 
 
+def dropout_sites(model: LlamaForCausalLM) -> list[nn.Module]:
+    """The last projection of each attention and MLP block: its output joins the residual."""
+    sites: list[nn.Module] = []
+    for layer in model.model.layers:
+        sites += [layer.self_attn.o_proj, layer.mlp.down_proj]
+    return sites
+
+
 def add_residual_dropout(model: LlamaForCausalLM, p: float) -> list[Any]:
     """Dropout on each attention / MLP output while model.training; returns hook handles."""
     if p <= 0:
@@ -77,11 +85,7 @@ def add_residual_dropout(model: LlamaForCausalLM, p: float) -> list[Any]:
     def hook(module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         return F.dropout(output, p, module.training)
 
-    handles = []
-    for layer in model.model.layers:
-        handles.append(layer.self_attn.register_forward_hook(hook))
-        handles.append(layer.mlp.register_forward_hook(hook))
-    return handles
+    return [site.register_forward_hook(hook) for site in dropout_sites(model)]
 
 
 def build_optimizer(model: nn.Module, s: TrainSettings, device: torch.device) -> torch.optim.AdamW:

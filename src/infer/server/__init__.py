@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) around the engine's async interface.
+
+    python -m infer.server --model DIR            # or: infer serve --model DIR
+
+`infer.server.app.create_app(async_engine, model_name, max_queued_requests)` builds the app;
+`infer.server.launch.LiveServer` runs one in a background thread (tests, benchmarks).
+"""

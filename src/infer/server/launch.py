@@ -4,7 +4,8 @@
         httpx.get(server.url + "/health")
 
 The listening socket is bound before uvicorn starts, so the port is known (and reserved)
-up front; `stop()` asks uvicorn to exit and joins the thread.
+up front; `stop()` asks uvicorn to exit and joins the thread. `LiveServer` bundles an engine,
+its app and the thread (tests and the load benchmark use it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,75 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class LiveServer:
+    """An engine, its app and a ServerThread together: `LiveServer.start(EngineConfig(...))`.
+
+    `settle()` waits until no HTTP request is in flight and the engine holds no request;
+    `leak_report()` then lists any slot or KV block still held (empty when all is free).
+    """
+
+    def __init__(self, engine: Any, app: Any, thread: ServerThread) -> None:
+        self.engine = engine  # AsyncEngine
+        self.app = app
+        self.thread = thread
+
+    @classmethod
+    def start(cls, config: Any, model_name: str = "infer", max_queued_requests: int | None = None,
+              engine: Any = None) -> LiveServer:
+        """Start a server for `config` (an EngineConfig), or around an already built `engine` (Engine)."""
+        from infer.engine.async_engine import AsyncEngine
+        from infer.engine.engine import Engine
+        from infer.server.app import create_app
+
+        async_engine = AsyncEngine(engine if engine is not None else Engine(config), max_queued_requests)
+        app = create_app(async_engine, model_name, max_queued_requests)
+        try:
+            return cls(async_engine, app, ServerThread(app).start())
+        except BaseException:
+            async_engine.shutdown()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.thread.url
+
+    @property
+    def state(self) -> Any:  # ServerState
+        return self.app.state.server
+
+    def engine_idle(self) -> bool:
+        box: list[bool] = []
+        self.engine.run_sync(lambda: box.append(not self.engine.engine.has_unfinished()))
+        return box[0]
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) until no HTTP request is in flight and the engine is idle."""
+        deadline = time.monotonic() + timeout_s
+        while not (self.state.in_flight == 0 and self.engine_idle()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not settle within {timeout_s} s "
+                                   f"({self.state.in_flight} HTTP requests in flight)")
+            time.sleep(0.01)  # polling: requests are being aborted on the server threads
+
+    def leak_report(self) -> list[str]:
+        box: list[list[str]] = []
+        self.engine.run_sync(lambda: box.append(self.engine.engine.leak_report()))
+        return box[0]
+
+    def stop(self) -> None:
+        try:
+            self.thread.stop()
+        finally:
+            self.engine.shutdown()
+
+    def __enter__(self) -> LiveServer:
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

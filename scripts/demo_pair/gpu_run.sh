@@ -22,11 +22,10 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
   start=$(date +%s)
   "$python" -m infer.demo --out "$work/models" --log-dir "$work/logs" "$@"
   echo "wall time of python -m infer.demo: $(( $(date +%s) - start )) s"
-} 2>&1 | tee "$work/run.log"
+} 2>&1 | tee "$out_dir/run.log"   # in OUT at once: it comes back even if a step fails
 for role in target draft; do
   mkdir -p "$out_dir/$role"
   cp "$work/models/$role/"*.safetensors "$out_dir/$role/"
 done
 tar -C "$work" --exclude='*.safetensors' -czf "$out_dir/demo_pair_files.tar.gz" models logs
-cp "$work/run.log" "$out_dir/run.log"
 ls -lR "$out_dir"

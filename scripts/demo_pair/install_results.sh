@@ -6,8 +6,8 @@
 #   bash scripts/demo_pair/install_results.sh /path/to/fetched/out     # from the repo root
 set -euo pipefail
 src="${1:?usage: install_results.sh FETCHED_OUT_DIR}"
-dest="src/infer/demo_models"
-logs="runs/demo_pair"
+dest="${DEST:-src/infer/demo_models}"
+logs="${LOGS:-runs/demo_pair}"
 python="${PYTHON:-python3}"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT

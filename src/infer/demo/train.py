@@ -113,9 +113,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "draft" in roles:
         teacher, _ = load_model(str(out / "target"), dtype=torch.float32, device=device)
         summaries["draft"] = train_role("draft", preset, corpus, tok, out, device, args.seed, teacher)
-    log_dir = Path(args.log_dir or out)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    (log_dir / "train_log.json").write_text(json.dumps(summaries, indent=2) + "\n", encoding="utf-8")
+    log_path = Path(args.log_dir or out) / "train_log.json"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(log_path.read_text(encoding="utf-8")) if log_path.is_file() else {}
+    log_path.write_text(json.dumps({**earlier, **summaries}, indent=2) + "\n", encoding="utf-8")
     return summaries
 
 

@@ -91,9 +91,9 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
     q = torch.randn(b, t, hkv * group, d, device="cuda", dtype=dtype)
-    ends = torch.tensor([5, 130, 300], device="cuda")
+    ends = torch.tensor([7, 130, 300], device="cuda")  # every query has >= 1 visible key
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
-    gather[0, 5:] = rows  # padding -> scratch row
+    gather[0, 7:] = rows  # padding -> scratch row
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
     idx = ViewIndices(torch.empty(0, dtype=torch.long), gather, q_pos, ends)
     got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)

@@ -1,8 +1,9 @@
 """Measure the step costs the adaptive speculation policy needs (run once at start-up).
 
-c = draft step time / plain target step time, and v(K) = target time for K+1 tokens /
-plain target step time, for batch sizes 1, 2, 4, ... max_batch_size. Forwards run on
-scratch slots that are freed afterwards; nothing is committed to any cache.
+c = draft step time / plain target step time, and v(K) = target verification time for
+K+1 tokens / plain target step time, for batch sizes 1, 2, 4, ... max_batch_size. The
+forwards are the engine's own (CUDA graphs when enabled), run on scratch slots that are
+freed afterwards.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from infer.cache.forward import ForwardFn
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
-from infer.models.llama import LlamaForCausalLM
 from infer.spec.policy import CostModel
 
 
@@ -30,19 +31,22 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return (time.perf_counter() - start) / repeats
 
 
-def _forward_time(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: int, width: int,
-                  repeats: int) -> float:
-    device = next(model.parameters()).device
-    slots = [pool.allocate_slot(width) for _ in range(batch)]
+def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, width: int,
+                 all_logits: bool, repeats: int = 3, context: int = 32) -> float:
+    """Seconds per forward of `width` new tokens after `context` cached ones, `batch` rows."""
+    device = pool.k_cache.device
+    slots = [pool.allocate_slot(context + width) for _ in range(batch)]
     try:
-        for s in slots:
-            pool.ensure_capacity(s, width)
-        layout = BatchLayout.of(slots, [0] * batch, [width] * batch)
-        ids = torch.randint(0, model.config.vocab_size, (batch, width), device=device)
-        positions = layout.positions(device)
+        layout = BatchLayout.of(slots, [context] * batch, [width] * batch)
+        ids = torch.randint(0, vocab_size, (batch, width))
 
         def run() -> None:
-            model(ids, positions, pool.view(layout))
+            for s in slots:  # (paged truncation below frees the blocks past the context)
+                if not pool.ensure_capacity(s, context + width):
+                    raise RuntimeError("KV pool too small to calibrate speculation costs")
+            forward(ids, layout, all_logits)
+            for s in slots:
+                pool.truncate_to(s, context)
 
         with torch.inference_mode():
             return _time(run, device, repeats)
@@ -51,16 +55,17 @@ def _forward_time(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: int, 
             pool.free_slot(s)
 
 
-def measure_costs(target: LlamaForCausalLM, target_pool: CachePoolProtocol, draft: LlamaForCausalLM | None,
-                  draft_pool: CachePoolProtocol | None, max_batch_size: int, k_max: int,
+def measure_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | None,
+                  draft_pool: CachePoolProtocol | None, vocab_size: int, max_batch_size: int, k_max: int,
                   repeats: int = 3) -> CostModel:
     model = CostModel(k_max)
     batch = 1
     while True:
-        plain = _forward_time(target, target_pool, batch, 1, repeats)
+        plain = forward_time(target, target_pool, vocab_size, batch, 1, False, repeats)
         model.verify_ratio[batch] = [1.0] + [
-            _forward_time(target, target_pool, batch, k + 1, repeats) / plain for k in range(1, k_max + 1)]
-        model.draft_ratio[batch] = (_forward_time(draft, draft_pool, batch, 1, repeats) / plain
+            forward_time(target, target_pool, vocab_size, batch, k + 1, True, repeats) / plain
+            for k in range(1, k_max + 1)]
+        model.draft_ratio[batch] = (forward_time(draft, draft_pool, vocab_size, batch, 1, False, repeats) / plain
                                     if draft is not None and draft_pool is not None else 0.0)
         if batch >= max_batch_size:
             return model

@@ -61,7 +61,8 @@ def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]
 
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
-                 widths: Iterable[int], modes: Iterable[bool] = (False,), context_width: int | None = None) -> None:
+                 shapes: Iterable[tuple[int, bool]], context_width: int | None = None) -> None:
+        """shapes: (width, all_logits) pairs to capture for every batch bucket."""
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool)
@@ -70,9 +71,8 @@ class GraphForward:
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         stream = torch.cuda.Stream(self.device)
         for b in self.buckets:
-            for w in sorted(set(widths)):
-                for all_logits in modes:
-                    self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
+            for w, all_logits in sorted(set(shapes)):
+                self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
         self.replays = 0
 
     @torch.inference_mode()
@@ -107,7 +107,7 @@ class GraphForward:
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
         return (len(layout.slots) <= self.buckets[-1] and max(layout.ends) <= self.context_width
-                and any((b, layout.width, all_logits) in self.graphs for b in self.buckets))
+                and (self.buckets[0], layout.width, all_logits) in self.graphs)
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         if not self.supports(layout, all_logits):
@@ -117,7 +117,8 @@ class GraphForward:
         g = self.graphs[(b, layout.width, all_logits)]
         idx = self.pool.indices(layout, self.context_width)
         staged = _split(g.host, b, layout.width, self.context_width)
-        staged["ids"][:n] = ids
+        if not ids.is_cuda:
+            staged["ids"][:n] = ids
         staged["positions"][:n] = idx.q_pos
         staged["last"][:n] = layout.last_token_indices("cpu")
         staged["write_rows"].fill_(self.pool.scratch_row)  # padding rows write to scratch
@@ -125,6 +126,8 @@ class GraphForward:
         staged["gather_rows"][:n] = idx.gather_rows
         staged["ctx_end"][:n] = idx.ctx_end
         g.device.copy_(g.host, non_blocking=True)  # one transfer for all inputs
+        if ids.is_cuda:  # tokens produced on the device by the previous step
+            g.ids[:n].copy_(ids)
         g.graph.replay()
         self.pool.commit(layout)
         self.replays += 1

@@ -10,10 +10,10 @@ __all__ = ["EagerForward", "ForwardFn", "make_forward"]
 
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,
-                 widths: list[int], all_logits: bool) -> ForwardFn:
-    """Graphs on CUDA when asked for, else eager."""
+                 shapes: list[tuple[int, bool]]) -> ForwardFn:
+    """Graphs of the given (width, all_logits) shapes on CUDA when asked for, else eager."""
     device = next(model.parameters()).device
     if not (use_cuda_graphs and device.type == "cuda"):
         return EagerForward(model, pool)
     from infer.engine.cuda_graphs import GraphForward, batch_buckets
-    return GraphForward(model, pool, batch_buckets(max_batch_size), widths, (all_logits,))
+    return GraphForward(model, pool, batch_buckets(max_batch_size), shapes)

@@ -56,7 +56,7 @@ class ContinuousRunner:
 
     def _make_decode_forward(self) -> ForwardFn:
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            widths=[1], all_logits=False)
+                            shapes=[(1, False)])
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:

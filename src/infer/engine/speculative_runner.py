@@ -49,16 +49,19 @@ class SpeculativeRunner(ContinuousRunner):
         if config.spec_policy == "adaptive":
             from infer.engine.calibration import measure_costs
             self.cost_model = measure_costs(
-                self.model, self.cache_pool, self.draft.model if self.draft else None,
-                self.draft.pool if self.draft else None, config.max_batch_size, config.spec_length)
+                self.forward, self.cache_pool, self.draft.step_forward if self.draft else None,
+                self.draft.pool if self.draft else None, self.model.config.vocab_size, config.max_batch_size,
+                config.spec_length)
         self.policy: SpecPolicy = (AdaptivePolicy(config.spec_length, self.cost_model)
                                    if config.spec_policy == "adaptive" else FixedPolicy(config.spec_length))
         self.timings = PhaseTimer()
 
     def _make_decode_forward(self) -> ForwardFn:
-        # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard)
+        # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
+        # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits
+        verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            widths=list(range(1, self.config.spec_length + 2)), all_logits=True)
+                            shapes=verify + [(1, False)])
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
@@ -68,7 +71,7 @@ class SpeculativeRunner(ContinuousRunner):
             pool = make_pool_for(draft_model.config, self.config, self.dtype, self.device, prefix_caching=False)
             # draft steps feed 1 token (2 after a fully accepted round)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                                widths=[1, 2], all_logits=False)
+                                shapes=[(1, False), (2, False)])
             self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer
@@ -133,6 +136,8 @@ class SpeculativeRunner(ContinuousRunner):
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
+        if not any(ks):  # nobody speculates this step: exactly the plain decode step
+            return super()._decode(requests)
         with self.timings.phase("draft", len(requests), max(ks)):
             drafts = self.proposer.propose(requests, ks) if any(ks) else [Draft([], None) for _ in requests]
         with self.timings.phase("verify", len(requests), max(len(d.token_ids) for d in drafts)):
@@ -214,8 +219,9 @@ def greedy_verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], target_a
     limit = torch.tensor(num_draft, device=draft_tokens.device)[:, None]
     match = match * (torch.arange(k, device=draft_tokens.device)[None, :] < limit)
     accepted = match.cumprod(dim=1).sum(dim=1)  # [B]
-    drafts_l, argmax_l, acc_l = draft_tokens.tolist(), target_argmax.tolist(), accepted.tolist()
-    tokens = [drafts_l[i][:a] + [argmax_l[i][a]] for i, a in enumerate(acc_l)]
+    both = torch.cat([draft_tokens, target_argmax, accepted[:, None]], dim=1).tolist()  # one sync
+    tokens = [row[:a] + [row[k + a]] for row, a in ((r, r[-1]) for r in both)]
+    acc_l = [row[-1] for row in both]
     return VerifyResult(tokens=tokens, num_accepted=acc_l)
 
 

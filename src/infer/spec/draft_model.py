@@ -9,7 +9,8 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
    batched prefill; a catch-up of one token rides along with step 1 as a 2-token chunk.
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
-   the growing context, temperature, top-k, top-p) with the request's generator.
+   the growing context, temperature, top-k, top-p) with the request's generator. Greedy
+   rows take the argmax and report no probabilities (a one-hot q).
 3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
    what it actually holds, n + k), spec D6.
 """
@@ -87,7 +88,7 @@ class DraftModelProposer:
         tokens, probs = self._draft_loop(reqs, k_of)
         for j, i in enumerate(active):
             k = k_of[j]
-            drafts[i] = Draft(tokens[j][:k], probs[j, :k])
+            drafts[i] = Draft(tokens[j][:k], None if probs is None else probs[j, :k])
             self._round[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
         self._draft_prefilled.update(r.request_id for r in reqs)
         return drafts
@@ -108,34 +109,46 @@ class DraftModelProposer:
                    logits_indices=layout.last_token_indices(self.device))
         view.commit()
 
-    def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor]:
-        """K batched draft steps -> (tokens [B][K], probs [B, K, V])."""
+    def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+        """K batched draft steps -> (tokens [B][K], probs [B, K, V], or None when every row is greedy).
+
+        Tokens stay on the device between steps (the next step's input is the previous
+        step's output), so the loop needs no host sync, except to grow the contexts when a
+        repetition penalty needs them.
+        """
         k_max = max(ks)
         slots = [self._slot(r) for r in reqs]
         params = [r.sampling_params for r in reqs]
-        contexts = [list(r.all_token_ids) for r in reqs]
+        greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
         needs_ctx = any(p.repetition_penalty != 1.0 for p in params)
-        # step 1: the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
+        contexts = [list(r.all_token_ids) for r in reqs] if needs_ctx else None
+        uniforms = None if greedy else draw_uniforms([r.generator for r in reqs], k_max).to(self.device)
+        # step 1 feeds the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
         starts = [self.pool.seq_len(s) for s in slots]
         feeds = [r.all_token_ids[d:] for r, d in zip(reqs, starts, strict=True)]
-        tokens: list[list[int]] = [[] for _ in reqs]
-        all_probs = []
+        lens = [len(f) for f in feeds]
+        ids: torch.Tensor = torch.zeros((len(reqs), max(lens)), dtype=torch.long)
+        for b, f in enumerate(feeds):
+            ids[b, :len(f)] = torch.tensor(f)
+        steps, all_probs = [], []
         for step in range(k_max):
-            layout = BatchLayout.of(slots, starts, [len(f) for f in feeds])
-            ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
-            for b, f in enumerate(feeds):
-                ids[b, :len(f)] = torch.tensor(f)
+            layout = BatchLayout.of(slots, starts, lens)
             logits = self.step_forward(ids, layout, all_logits=False)  # [B, V]
-            probs = logits_to_probs(logits, params, contexts if needs_ctx else None)  # [B, V]
-            uniforms = draw_uniforms([r.generator for r in reqs], 1)[:, 0]
-            new = sample_from_probs(probs, uniforms.to(probs.device)).tolist()
-            all_probs.append(probs)
-            starts = [s + len(f) for s, f in zip(starts, feeds, strict=True)]
-            feeds = [[t] for t in new]
-            for b, t in enumerate(new):
-                tokens[b].append(t)
-                contexts[b].append(t)
-        return tokens, torch.stack(all_probs, dim=1)
+            if greedy:
+                new = logits.argmax(dim=-1)  # [B]
+            else:
+                probs = logits_to_probs(logits, params, contexts)  # [B, V]
+                new = sample_from_probs(probs, uniforms[:, step])
+                all_probs.append(probs)
+            steps.append(new)
+            starts = [s + n for s, n in zip(starts, lens, strict=True)]
+            lens = [1] * len(reqs)
+            ids = new[:, None]
+            if contexts is not None:
+                for ctx, t in zip(contexts, new.tolist(), strict=True):
+                    ctx.append(t)
+        tokens = torch.stack(steps, dim=1).tolist()  # the one sync of the draft phase
+        return tokens, (torch.stack(all_probs, dim=1) if all_probs else None)
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
         n, k = self._round.pop(request.request_id, (None, 0))

@@ -1,0 +1,102 @@
+"""Speculation length policy and SpecStats: pure functions, no model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from infer.engine.speculative_runner import greedy_verify
+from infer.spec.metrics import SpecStats
+from infer.spec.policy import (AdaptivePolicy, CostModel, FixedPolicy, best_k, expected_tokens, guard_k,
+                               walltime_factor)
+from infer.spec.rejection import verify
+
+
+@dataclass
+class R:
+    request_id: str
+    num_computed_tokens: int = 10
+
+
+def test_expected_tokens_matches_the_geometric_series():
+    for a in (0.0, 0.3, 0.8):
+        for k in range(6):
+            assert expected_tokens(a, k) == pytest.approx(sum(a ** i for i in range(k + 1)))
+    assert expected_tokens(1.0, 4) == 5
+
+
+def test_walltime_factor_is_the_papers_formula():
+    a, k, c = 0.8, 4, 0.3
+    assert walltime_factor(a, k, c) == pytest.approx((1 - a ** 5) / ((1 - a) * (k * c + 1)))
+    assert walltime_factor(0.5, 0, 0.3) == pytest.approx(1.0)
+
+
+def test_best_k_is_zero_when_nothing_pays_and_grows_with_acceptance():
+    flat = [1.0] * 9
+    assert best_k(0.05, 8, 0.5, flat) == 0
+    ks = [best_k(a, 8, 0.1, flat) for a in (0.3, 0.6, 0.8, 0.95)]
+    assert ks == sorted(ks) and ks[-1] > ks[0] > 0
+    expensive_verify = [1.0] + [3.0] * 8  # large batches: verifying K+1 tokens costs 3 steps
+    assert best_k(0.7, 8, 0.1, expensive_verify) == 0
+
+
+def test_guard_k_respects_max_seq_len_and_tokens_left():
+    assert guard_k(5, seq_len=10, max_seq_len=100, tokens_left=50) == 5
+    assert guard_k(5, seq_len=96, max_seq_len=100, tokens_left=50) == 3  # positions 96..99
+    assert guard_k(5, seq_len=99, max_seq_len=100, tokens_left=50) == 0
+    assert guard_k(5, seq_len=10, max_seq_len=100, tokens_left=3) == 2
+
+
+def test_fixed_policy_applies_the_guard():
+    p = FixedPolicy(4)
+    assert p.choose([R("a"), R("b")], [10, 98], 100, [20, 20]) == [4, 1]
+    with pytest.raises(ValueError, match="spec_length"):
+        FixedPolicy(0)
+
+
+def test_adaptive_policy_switches_off_and_probes_back():
+    costs = CostModel(5, draft_ratio={1: 0.3}, verify_ratio={1: [1.0] * 6})
+    p = AdaptivePolicy(5, costs)
+    r = R("x")
+    assert p.choose([r], [10], 1000, [500])[0] > 0  # prior: speculate
+    for _ in range(20):  # every draft rejected
+        k = p.choose([r], [10], 1000, [500])[0]
+        p.update("x", k, 0)
+    ks = [p.choose([r], [10], 1000, [500])[0] for _ in range(200)]
+    assert ks.count(0) > 150 and max(ks) == 1  # off, with occasional K = 1 probes
+    recovered = None
+    for step in range(300):  # drafts start being accepted: probes find out, K grows again
+        k = p.choose([r], [10], 1000, [500])[0]
+        p.update("x", k, k)
+        if k >= 3:
+            recovered = step
+            break
+    assert recovered is not None and recovered < 200
+    p.release("x")
+    assert p.acceptance("x") == p.prior_a
+
+
+def test_spec_stats_counts():
+    s = SpecStats()
+    s.record(4, 2, 3)
+    s.record(4, 4, 5)
+    s.record(0, 0, 1)
+    assert (s.drafts, s.draft_tokens, s.accepted_tokens, s.rounds, s.emitted_tokens) == (2, 8, 6, 3, 9)
+    assert s.accepted_per_position == [2, 2, 1, 1]
+    assert s.acceptance_rate == 0.75
+    with pytest.raises(ValueError):
+        s.record(2, 3, 4)
+
+
+def test_greedy_verify_equals_general_verify_on_one_hot_targets():
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 64, 4, 6
+    target_argmax = torch.randint(0, v, (b, k + 1), generator=g)
+    draft = torch.where(torch.rand(b, k, generator=g) < 0.6, target_argmax[:, :k], torch.randint(0, v, (b, k), generator=g))
+    num = torch.randint(0, k + 1, (b,), generator=g).tolist()
+    p = torch.nn.functional.one_hot(target_argmax, v).float()
+    fast = greedy_verify(draft, num, target_argmax)
+    slow = verify(draft, num, None, p, torch.rand(b, k, generator=g).double(), torch.rand(b, generator=g).double())
+    assert fast.tokens == slow.tokens and fast.num_accepted == slow.num_accepted

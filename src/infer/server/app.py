@@ -120,6 +120,30 @@ def _sse_event_schema(chunk: str) -> dict[str, Any]:
         {"type": "string", "contentMediaType": "application/json", "contentSchema": payload}]}}}
 
 
+def _document_limits(components: dict[str, Any], state: ServerState) -> None:
+    """Write this model's limits into the schema: token ids below the vocabulary size,
+    max_tokens below the context length."""
+    vocab, context = state.engine.engine.vocab_size, state.max_seq_len
+
+    def bound_ids(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0:
+                node["maximum"] = vocab - 1
+            for value in node.values():
+                bound_ids(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound_ids(value)
+
+    bound_ids(components["CompletionRequest"]["properties"]["prompt"])
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        for field in ("max_tokens", "max_completion_tokens"):
+            spec = components[name]["properties"].get(field)
+            for option in (spec or {}).get("anyOf", [spec] if spec else []):
+                if option.get("type") == "integer":
+                    option["maximum"] = context - 1
+
+
 def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's schema, with 400 instead of its 422 (validation errors are OpenAI-style 400s)
     and the server-sent events of streaming responses described chunk by chunk."""
@@ -139,5 +163,6 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for path, model in _STREAM_CHUNKS.items():
             content = schema["paths"][path]["post"]["responses"]["200"]["content"]
             content["text/event-stream"] = {"schema": _sse_event_schema(model.__name__)}
+        _document_limits(components, app.state.server)
         app.openapi_schema = schema
     return app.openapi_schema

@@ -81,6 +81,10 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON: {detail}".rstrip(": ")
+    params = {_validation_param(tuple(e.get("loc", ()))) for e in errors}
+    if len(errors) > 1 and len(params) == 1:  # one field, several accepted forms (a union)
+        forms = list(dict.fromkeys(f"{_loc_text(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors))
+        return f"{params.pop()} matches none of its accepted forms: " + "; ".join(forms[:6])
     where = _loc_text(tuple(first.get("loc", ()))) or "request body"
     extra = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
     return f"{where}: {first.get('msg', 'invalid value')}{extra}"

@@ -10,7 +10,7 @@ OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` on req
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -18,6 +18,8 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+T = TypeVar("T")
+OnePrompt = Annotated[list[T], Field(min_length=1, max_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 
 
@@ -50,8 +52,15 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="text or token ids; a list of prompts must hold exactly one")
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
+        {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 1,
+         "stop": ["."], "stream": True},
+    ]})
+
+    prompt: str | list[TokenId] | OnePrompt[str] | OnePrompt[list[TokenId]] = Field(
+        description="text or token ids (a list of prompts must hold exactly one)")
     max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = Field(False, description="echo is not supported")
     logprobs: None = Field(None, description="logprobs are not supported")
@@ -74,6 +83,12 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+         "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}},
+    ]})
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")

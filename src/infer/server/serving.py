@@ -58,10 +58,7 @@ class ServerState:
 def completion_prompt_ids(state: ServerState, req: CompletionRequest) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise bad_request(f"prompt: send exactly one prompt per request, got a list of {len(prompt)}",
-                              "prompt", "unsupported_batch")
-        prompt = prompt[0]
+        prompt = prompt[0]  # a list of exactly one prompt (the schema allows no more)
     if isinstance(prompt, list):
         return list(prompt)  # token ids
     if prompt == "":

@@ -1,0 +1,87 @@
+"""Ratios between the measurements of one run (pure functions over the records).
+
+A measurement names the others it is compared with in `refs`:
+  "baseline": speedup = its primary rate / the baseline's (decode tokens/s at batch 1,
+              output tokens/s for many requests);
+  "roofline": roofline_fraction = its decode tokens/s / the roofline's tokens/s;
+  "costs":    for fixed-K speculation, the paper's prediction from the measured c and the
+              alpha implied by the measured tokens per round, and efficiency = speedup /
+              prediction (n-gram drafts have c = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infer.bench.results import BenchRun, Measurement
+from infer.bench.theory import alpha_from_mean_length, efficiency, predicted_speedup
+
+
+def derive_all(run: BenchRun) -> None:
+    """Fill `derived` of every measurement from its refs (recomputed from scratch)."""
+    for m in run.measurements:
+        m.derived = derive(m, run) if m.ok else {}
+
+
+def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    base = _ref(m, run, "baseline")
+    if base is not None and m.metrics.get("primary_rate") and base.metrics.get("primary_rate"):
+        out["speedup"] = m.metrics["primary_rate"] / base.metrics["primary_rate"]
+        out["baseline"] = base.name
+        agree = common_prefix(m.metrics.get("first_output_ids"), base.metrics.get("first_output_ids"))
+        if agree is not None and _greedy(m) and _greedy(base):
+            out["greedy_prefix_match"] = agree
+    roof = _ref(m, run, "roofline")
+    rate = m.metrics.get("decode_tokens_per_s")
+    if roof is not None and rate and roof.metrics.get("tokens_per_s"):
+        out["roofline_fraction"] = rate / roof.metrics["tokens_per_s"]
+    costs = _ref(m, run, "costs")
+    if costs is not None and "speedup" in out:
+        out.update(spec_prediction(m, costs, out["speedup"]))
+    return out
+
+
+def spec_prediction(m: Measurement, costs: Measurement, speedup: float) -> dict[str, Any]:
+    """Paper prediction and efficiency of a fixed-K speculative run."""
+    engine = m.params.get("engine", {})
+    mean_len = m.metrics.get("mean_accepted_length")
+    if not engine.get("use_speculative_decoding") or engine.get("spec_policy") != "fixed" or not mean_len:
+        return {}
+    k = int(engine["spec_length"])
+    c = 0.0 if engine.get("speculative_method") != "draft_model" else costs.metrics.get("c")
+    if c is None:
+        return {}
+    alpha = alpha_from_mean_length(mean_len, k)
+    predicted = predicted_speedup(alpha, k, c)
+    out: dict[str, Any] = {"alpha_implied": alpha, "c_used": c, "k": k, "predicted_speedup": predicted,
+                           "efficiency": efficiency(speedup, predicted)}
+    verify = costs.metrics.get("verify_ratio") or []
+    if len(verify) > k:
+        general = predicted_speedup(alpha, k, c, verify[k])
+        out.update(predicted_speedup_measured_verify=general, efficiency_measured_verify=efficiency(speedup, general))
+    return out
+
+
+def common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
+    """Length of the common start of two token lists (None when either is missing)."""
+    if not a or not b:
+        return None
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _greedy(m: Measurement) -> bool:
+    return m.params.get("workload", {}).get("temperature", 1.0) == 0
+
+
+def _ref(m: Measurement, run: BenchRun, role: str) -> Measurement | None:
+    name = m.refs.get(role)
+    if name is None:
+        return None
+    ref = run.get(name)
+    return ref if ref is not None and ref.ok else None

@@ -1,0 +1,84 @@
+"""`infer bench`: run a predefined suite or one workload, write JSON, print a summary.
+
+    infer bench --suite w1-plain --out results/w1.json
+    infer bench --suite all-gpu --max-seconds 540 --out results/all.json
+    infer bench --workload W1 --model dummy:llama-3.2-3b --use-cuda-graphs --hf
+    infer bench --workload W5 --speculative-decoding --speculative-method ngram --temperature 0
+    infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
+
+Suites are listed in `infer.bench.suites`. With --workload, the engine flags (the same as
+`infer generate`) configure the run; max batch size and max_seq_len default to what the
+workload needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+from pathlib import Path
+from typing import Any
+
+from infer.bench.harness import Harness, HarnessOptions
+from infer.bench.report import console_table, markdown
+from infer.bench.results import BenchRun, environment_info, load_run, save_run
+from infer.bench.suites import SUITES, custom_workload, get_suite
+from infer.bench.workloads import WORKLOADS, get_workload
+from infer.engine.args import add_engine_args
+from infer.engine.config import EngineConfig
+from infer.engine.loading import resolve_device
+
+
+def add_bench_args(parser: argparse.ArgumentParser) -> None:
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--suite", choices=sorted(SUITES), help="a predefined suite (see infer.bench.suites)")
+    what.add_argument("--workload", choices=sorted(WORKLOADS), help="one workload with the engine flags below")
+    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature")
+    what.add_argument("--hf", action="store_true", help="--workload: also time transformers generate")
+    what.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of result files; run nothing")
+    how = parser.add_argument_group("how")
+    how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
+    how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped")
+    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs)")
+    how.add_argument("--warmup-tokens", type=int, default=8, help="tokens per warm-up request (default: 8)")
+    how.add_argument("--cost-repeats", type=int, default=30, help="timed steps per step-cost median (default: 30)")
+    how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
+    add_engine_args(parser)
+    # None = sized by the workload (engine_runner.engine_config)
+    parser.set_defaults(max_batch_size=None, max_seq_len=None)
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in values.items() if not (k in ("max_batch_size", "max_seq_len") and v is None)}
+
+
+def _default_out(name: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("bench-results") / f"{name}-{stamp}.json"
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.report:
+        print("\n\n".join(markdown(load_run(p)) for p in args.report))
+        return 0
+    if bool(args.suite) == bool(args.workload):
+        raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
+    name = args.suite or f"workload-{args.workload}"
+    options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
+                             max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, with_hf=not args.no_hf,
+                             model=args.model, draft_model=args.draft_model)
+    out = args.out or _default_out(name)
+    recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+    run = BenchRun(suite=name, environment=environment_info(resolve_device(args.device)), options=recorded)
+    harness = Harness(run, options, out)
+    if args.suite:
+        get_suite(args.suite)(harness)
+    else:
+        workload = get_workload(args.workload).with_temperature(args.temperature)
+        custom_workload(harness, harness.workload(workload), _engine_overrides(args), args.hf)
+    save_run(run, out)
+    print()
+    print(console_table(run))
+    print(f"\nresults: {out}")
+    return 0 if any(m.ok for m in run.measurements) else 1

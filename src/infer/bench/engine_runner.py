@@ -1,0 +1,206 @@
+"""Run a workload on our engine and measure it.
+
+`run_engine(workload, overrides)` builds `Engine(EngineConfig(...))` (a variant is a dict of
+EngineConfig overrides: CUDA graphs, speculation, policy, batching mode...), runs a warm-up
+of random prompts with the workload's shapes (CUDA graphs are captured at construction;
+the warm-up settles allocator, cuBLAS and draft/n-gram paths; a shared prefix is kept, so
+the prefix cache starts warm as in steady serving), then adds every request at
+once and steps the engine until all finish. The timed part is bracketed by device
+synchronisation.
+
+Reported: wall time, output tokens/s, per-request TTFT and decode tokens/s (tokens after
+the first / time after the first token), and the delta of the engine's counters over the
+timed part: speculation (acceptance rate, mean tokens per round) and the prefix cache hit
+rate. The engine is freed afterwards so the next measurement has the GPU memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from infer.bench.roofline import weight_bytes
+from infer.bench.timing import synchronize
+from infer.bench.workloads import PromptSet, RequestSpec, Workload, build_requests, random_ids
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.loading import resolve_device
+from infer.engine.request import Request
+
+SEQ_LEN_QUANTUM = 128
+SAVED_IDS = 64  # request 0's first output ids are kept: same weights + greedy -> comparable
+
+
+def default_dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def engine_config(workload: Workload, overrides: Mapping[str, Any], device: str = "auto") -> EngineConfig:
+    """EngineConfig sized for the workload (batch = its requests, max_seq_len = its longest
+    request rounded up), then the variant's overrides."""
+    dev = resolve_device(overrides.get("device", device))
+    needed = workload.max_total_tokens + 16  # room for a speculation round at the end
+    values: dict[str, Any] = dict(
+        device=str(dev), dtype=default_dtype(dev), max_batch_size=workload.num_requests,
+        max_seq_len=-(-needed // SEQ_LEN_QUANTUM) * SEQ_LEN_QUANTUM)
+    values.update(overrides)
+    return EngineConfig.from_kwargs(**values)
+
+
+@dataclass
+class SpecSnapshot:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    rounds: int = 0
+
+    @classmethod
+    def of(cls, engine: Engine) -> SpecSnapshot | None:
+        stats = getattr(engine.runner, "stats", None)
+        if stats is None:
+            return None
+        return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
+
+    def minus(self, other: SpecSnapshot) -> SpecSnapshot:
+        return SpecSnapshot(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            "spec_rounds": self.rounds, "spec_drafting_rounds": self.drafts, "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens, "spec_emitted_tokens": self.emitted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else None,
+            "mean_k": self.draft_tokens / self.drafts if self.drafts else 0.0,
+        }
+
+
+def _prefix_counters(engine: Engine) -> tuple[int, int] | None:
+    pool = engine.runner.cache_pool
+    if not hasattr(pool, "prefix_query_tokens"):
+        return None
+    return pool.prefix_query_tokens, pool.prefix_hit_tokens
+
+
+def warmup(engine: Engine, workload: Workload, prompts: PromptSet, tokens: int) -> None:
+    """Random prompts with the workload's lengths. A shared prefix is kept, as a system
+    prompt already served would be: the timed part then sees the steady-state prefix
+    cache (requests admitted in one step cannot share blocks none of them has computed)."""
+    if tokens <= 0:
+        return
+    rng = random.Random(workload.seed + 7919)
+    n_prefix = workload.shared_prefix_len
+    for i, spec in enumerate(prompts.requests):
+        ids = spec.prompt_ids[:n_prefix] + random_ids(rng, engine.vocab_size, len(spec.prompt_ids) - n_prefix)
+        engine.add_request(ids, workload.sampling_params(10_000 + i, min(tokens, spec.max_tokens)),
+                           request_id=f"warmup-{i}")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def timed_run(engine: Engine, workload: Workload, specs: Sequence[RequestSpec]) -> tuple[list[Request], float, int]:
+    """Add every request, step to completion; (requests, wall seconds, engine steps)."""
+    synchronize(engine.device)
+    start = time.perf_counter()
+    requests = [engine.add_request(s.prompt_ids, workload.sampling_params(i, s.max_tokens), request_id=f"bench-{i}")
+                for i, s in enumerate(specs)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    synchronize(engine.device)
+    return requests, time.perf_counter() - start, steps
+
+
+def request_metrics(requests: Sequence[Request], wall_s: float) -> dict[str, Any]:
+    """Throughput and per-request latency numbers of one timed run."""
+    out_tokens = sum(len(r.output_token_ids) for r in requests)
+    ttft = [r.first_token_time - r.arrival_time for r in requests if r.first_token_time is not None]
+    decode = [(len(r.output_token_ids) - 1) / (r.finish_time - r.first_token_time) for r in requests
+              if r.finish_time is not None and r.first_token_time is not None and len(r.output_token_ids) > 1
+              and r.finish_time > r.first_token_time]
+    return {
+        "first_output_ids": list(requests[0].output_token_ids[:SAVED_IDS]) if requests else [],
+        "wall_s": wall_s, "output_tokens": out_tokens, "tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_median_s": statistics.median(ttft) if ttft else None, "ttft_max_s": max(ttft) if ttft else None,
+        "decode_tokens_per_s": statistics.fmean(decode) if decode else None,
+        "decode_tokens_per_s_min": min(decode) if decode else None,
+    }
+
+
+def primary_rate(metrics: Mapping[str, Any], num_requests: int) -> float | None:
+    """What a speedup compares: decode tokens/s at batch 1, throughput otherwise."""
+    if num_requests == 1 and metrics.get("decode_tokens_per_s"):
+        return metrics["decode_tokens_per_s"]
+    return metrics.get("tokens_per_s")
+
+
+def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str = "auto",
+               warmup_tokens: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run `workload` on an engine with `overrides`; returns (params, metrics)."""
+    config = engine_config(workload, overrides, device)
+    t0 = time.perf_counter()
+    dev = resolve_device(config.device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    engine = Engine(config)
+    try:
+        load_s = time.perf_counter() - t0
+        prompts = build_requests(workload, engine.vocab_size, engine.tokenizer)
+        warmup(engine, workload, prompts, warmup_tokens)
+        spec0, prefix0 = SpecSnapshot.of(engine), _prefix_counters(engine)
+        requests, wall, steps = timed_run(engine, workload, prompts.requests)
+        metrics = request_metrics(requests, wall)
+        metrics.update(engine_counters(engine, spec0, prefix0))
+        metrics.update(load_s=load_s, steps=steps, expected_output_tokens=prompts.expected_output_tokens,
+                       weight_bytes=weight_bytes(engine.models.target),
+                       draft_weight_bytes=weight_bytes(engine.models.draft) if engine.models.draft else None,
+                       leaks=engine.leak_report())
+        metrics["primary_rate"] = primary_rate(metrics, workload.num_requests)
+        if dev.type == "cuda":
+            metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
+        params = {"workload": workload.to_dict(), "prompt_source": prompts.source,
+                  "engine": _config_dict(config), "overrides": dict(overrides)}
+        return params, metrics
+    finally:
+        del engine
+        free_memory()
+
+
+def engine_counters(engine: Engine, spec0: SpecSnapshot | None,
+                    prefix0: tuple[int, int] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    spec1 = SpecSnapshot.of(engine)
+    if spec0 is not None and spec1 is not None:
+        out.update(spec1.minus(spec0).metrics())
+        cost_model = getattr(engine.runner, "cost_model", None)
+        if cost_model is not None and cost_model.draft_ratio:
+            c, v = cost_model.costs(1)
+            out.update(engine_calibrated_c=c, engine_calibrated_verify=list(v))
+    prefix1 = _prefix_counters(engine)
+    if prefix0 is not None and prefix1 is not None:
+        queried, hit = prefix1[0] - prefix0[0], prefix1[1] - prefix0[1]
+        out.update(prefix_query_tokens=queried, prefix_hit_tokens=hit,
+                   prefix_hit_rate=hit / queried if queried else None)
+    replays = getattr(engine.runner.forward, "replays", None)
+    if replays is not None:
+        out["graph_replays"] = replays
+    return out
+
+
+def _config_dict(config: EngineConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in fields(config)}
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

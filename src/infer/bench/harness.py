@@ -1,0 +1,159 @@
+"""The harness that runs measurements one after another into a BenchRun.
+
+Every measurement runs inside `Harness.measure`: a failure is caught and recorded (type,
+message, the last traceback lines) and the run goes on; past the time budget the rest are
+recorded as skipped. After each measurement the ratios are re-derived and the JSON file is
+rewritten, so a run cut short still leaves every finished number on disk.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from infer.bench.analysis import derive_all
+from infer.bench.engine_runner import default_dtype, free_memory, run_engine
+from infer.bench.peers import HFPeer, run_hf
+from infer.bench.report import measurement_line
+from infer.bench.results import BenchRun, Measurement, save_run
+from infer.bench.roofline import copy_bandwidth, decode_roofline, weight_bytes
+from infer.bench.spec_costs import StepCostConfig, measure_spec_costs
+from infer.bench.theory import projection_table
+from infer.bench.workloads import Workload
+from infer.engine.loading import resolve_device
+from infer.models.loader import load_model
+
+Outcome = tuple[dict[str, Any], dict[str, Any]]  # (params, metrics)
+
+
+@dataclass
+class HarnessOptions:
+    device: str = "auto"
+    output_len: int | None = None  # every workload generates exactly this many tokens (quick runs)
+    warmup_tokens: int = 8
+    max_seconds: float | None = None  # time budget for the whole run
+    cost_repeats: int = 30
+    with_hf: bool = True  # run the transformers peers
+    model: str | None = None  # for the smoke / custom suites
+    draft_model: str | None = None
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.output_len is not None and self.output_len < 1:
+            raise ValueError(f"output_len must be >= 1, got {self.output_len}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+        if self.cost_repeats < 1 or self.warmup_tokens < 0:
+            raise ValueError("cost_repeats must be >= 1 and warmup_tokens >= 0")
+
+
+class Harness:
+    def __init__(self, run: BenchRun, options: HarnessOptions, out_path: Path | None = None) -> None:
+        self.run, self.options, self.out_path = run, options, out_path
+        self.device = resolve_device(options.device)
+        self.start = time.monotonic()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def time_left(self) -> float | None:
+        if self.options.max_seconds is None:
+            return None
+        return self.options.max_seconds - (time.monotonic() - self.start)
+
+    def measure(self, name: str, kind: str, group: str, fn: Callable[[], Outcome],
+                refs: Mapping[str, str | None] | None = None) -> Measurement:
+        """Run `fn`, record its (params, metrics) or its error; never raises for `fn`'s errors."""
+        existing = self.run.get(name)
+        if existing is not None:  # shared by two suites of one run (bandwidth, costs)
+            return existing
+        m = Measurement(name, kind, group, refs={k: v for k, v in (refs or {}).items() if v})
+        left = self.time_left()
+        if left is not None and left <= 0:
+            m.status, m.error = "skipped", "time budget (--max-seconds) used up"
+        else:
+            t0 = time.perf_counter()
+            try:
+                m.params, m.metrics = fn()
+            except Exception as exc:  # a failing measurement must not end the run
+                m.status = "error"
+                m.error = f"{type(exc).__name__}: {exc}\n" + "".join(traceback.format_exc(limit=-4))[-2000:]
+                free_memory()
+            m.elapsed_s = time.perf_counter() - t0
+        self.run.add(m)
+        derive_all(self.run)
+        if self.out_path is not None:
+            save_run(self.run, self.out_path)
+        if not self.options.quiet:
+            print(measurement_line(m), flush=True)
+        return m
+
+    def workload(self, workload: Workload) -> Workload:
+        n = self.options.output_len
+        return workload if n is None else workload.with_output_len(n)
+
+    # -- measurement kinds -----------------------------------------------------------------
+    def bandwidth(self, name: str = "bandwidth") -> Measurement:
+        return self.measure(name, "bandwidth", "roofline", lambda: ({}, copy_bandwidth(self.device).to_dict()))
+
+    def roofline(self, model: str, label: str) -> Measurement:
+        bw = self.bandwidth()
+
+        def fn() -> Outcome:
+            if not bw.ok:
+                raise RuntimeError("no bandwidth measurement in this run")
+            dtype = default_dtype(self.device)
+            meta, _ = load_model(model, dtype=dtype, device="meta", load_format="dummy")
+            roof = decode_roofline(weight_bytes(meta), bw.metrics["bytes_per_s"])
+            return {"model": model, "dtype": dtype}, roof.to_dict()
+
+        return self.measure(f"roofline/{label}", "roofline", "roofline", fn, refs={"bandwidth": bw.name})
+
+    def engine(self, name: str, group: str, workload: Workload, overrides: Mapping[str, Any],
+               refs: Mapping[str, str | None] | None = None) -> Measurement:
+        wl = self.workload(workload)
+        return self.measure(name, "engine", group, lambda: run_engine(
+            wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens), refs)
+
+    def hf(self, name: str, group: str, workload: Workload, peer: HFPeer,
+           refs: Mapping[str, str | None] | None = None) -> Measurement | None:
+        if not self.options.with_hf:
+            return None
+        wl = self.workload(workload)
+        return self.measure(name, "hf", group, lambda: run_hf(
+            wl, peer, device=str(self.device), warmup_tokens=self.options.warmup_tokens), refs)
+
+    def spec_costs(self, name: str, target: str, draft: str | None, use_cuda_graphs: bool,
+                   load_format: str = "auto", self_draft: bool = False) -> Measurement:
+        def fn() -> Outcome:
+            dtype = default_dtype(self.device)
+            cfg = StepCostConfig(repeats=self.options.cost_repeats)
+            t, _ = load_model(target, dtype=dtype, device=self.device, load_format=load_format)
+            d = t if self_draft else (load_model(draft, dtype=dtype, device=self.device, load_format=load_format)[0]
+                                      if draft else None)
+            try:
+                costs = measure_spec_costs(t, d, use_cuda_graphs and self.device.type == "cuda", cfg)
+            finally:
+                del t, d
+                free_memory()
+            params = {"target": target, "draft": target if self_draft else draft, "dtype": dtype,
+                      "use_cuda_graphs": use_cuda_graphs, "device": str(self.device),
+                      "context_len": cfg.context_len, "max_seq_len": cfg.max_seq_len, "batch_size": 1}
+            return params, costs.to_dict()
+
+        return self.measure(name, "spec_costs", "spec-costs", fn)
+
+    def projection(self, name: str, costs_name: str) -> Measurement:
+        def fn() -> Outcome:
+            costs = self.run.get(costs_name)
+            if costs is None or not costs.ok or costs.metrics.get("c") is None:
+                raise RuntimeError(f"projection needs the cost measurement {costs_name!r}, which did not succeed")
+            c, verify = costs.metrics["c"], costs.metrics["verify_ratio"]
+            paper = projection_table(c)
+            measured = projection_table(c, verify_costs=verify) if len(verify) > max(paper.ks) else None
+            return ({"costs": costs_name, "c": c},
+                    {"paper": paper.to_dict(), "measured_verify": measured.to_dict() if measured else None})
+
+        return self.measure(name, "projection", "spec-costs", fn, refs={"costs": costs_name})

@@ -1,0 +1,179 @@
+"""Benchmark results as text: one console line per measurement, a compact console table,
+and Markdown tables for docs/benchmarks.md (GPU named, ratios side by side).
+
+    python -m infer.bench.report results/*.json > tables.md
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from infer.bench.results import BenchRun, Measurement, load_run
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """Numbers to a short string: None -> '-', floats to `digits` significant figures."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value == 0:
+            return "0"
+        if abs(value) >= 10 ** digits:
+            return f"{value:.0f}"
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def measurement_line(m: Measurement) -> str:
+    """One line for the console while a run is going."""
+    if not m.ok:
+        first = (m.error or "").splitlines()[0] if m.error else ""
+        return f"[{m.status}] {m.name}: {first}"
+    d, x = m.derived, m.metrics
+    parts = [f"[ok] {m.name} ({m.elapsed_s:.1f} s)"]
+    if m.kind in ("engine", "hf"):
+        parts.append(f"{fmt(x.get('primary_rate'))} tok/s")
+        if x.get("ttft_mean_s") is not None:
+            parts.append(f"TTFT {fmt(_ms(x['ttft_mean_s']))} ms")
+    if m.kind == "bandwidth":
+        parts.append(f"{fmt(x.get('gb_per_s'))} GB/s")
+    if m.kind == "roofline":
+        parts.append(f"{fmt(x.get('tokens_per_s'))} tok/s ({fmt(x.get('step_ms'))} ms/step)")
+    if m.kind == "spec_costs":
+        parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
+    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency")):
+        if d.get(key) is not None:
+            parts.append(f"{fmt(d[key])} {label}")
+    if x.get("acceptance_rate") is not None:
+        parts.append(f"accept {fmt(x['acceptance_rate'])}, {fmt(x.get('mean_accepted_length'))} tok/round")
+    if x.get("prefix_hit_rate") is not None:
+        parts.append(f"prefix hit {fmt(x['prefix_hit_rate'])}")
+    return "  ".join(parts)
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def _short(m: Measurement) -> str:
+    return m.name.rsplit("/", 1)[-1]
+
+
+ENGINE_HEADER = ("variant", "tok/s", "decode tok/s", "TTFT ms", "x baseline", "of roofline", "acceptance",
+                 "tok/round", "predicted", "efficiency", "prefix hit", "greedy match", "tokens")
+
+
+def engine_row(m: Measurement) -> list[Any]:
+    if not m.ok:
+        return [_short(m), m.status, (m.error or "").splitlines()[0][:80] if m.error else ""] + [None] * 10
+    x, d = m.metrics, m.derived
+    tokens = x.get("output_tokens")
+    if tokens is not None and tokens != x.get("expected_output_tokens"):
+        tokens = f"{tokens} (expected {x.get('expected_output_tokens')})"
+    return [_short(m) + (" (HF)" if m.kind == "hf" else ""), x.get("tokens_per_s"), x.get("decode_tokens_per_s"),
+            _ms(x.get("ttft_mean_s")), d.get("speedup"), d.get("roofline_fraction"), x.get("acceptance_rate"),
+            x.get("mean_accepted_length"), d.get("predicted_speedup"), d.get("efficiency"),
+            x.get("prefix_hit_rate"), _match(m), tokens]
+
+
+def _match(m: Measurement) -> str | None:
+    """Greedy tokens equal to the baseline's, of those saved (same weights: should be all)."""
+    n = m.derived.get("greedy_prefix_match")
+    saved = len(m.metrics.get("first_output_ids") or [])
+    return None if n is None else f"{n}/{saved}"
+
+
+def environment_lines(run: BenchRun) -> list[str]:
+    env = run.environment
+    gpu = env.get("gpu") or f"no GPU ({env.get('device')})"
+    bw = run.get("bandwidth")
+    bw_text = f", copy bandwidth {fmt(bw.metrics.get('gb_per_s'))} GB/s" if bw is not None and bw.ok else ""
+    return [f"Suite `{run.suite}`, {run.created}: **{gpu}**{bw_text}; torch {env.get('torch')}, "
+            f"CUDA {env.get('cuda')}, transformers {env.get('transformers')}, Python {env.get('python')}, "
+            f"infer {env.get('infer_commit')}."]
+
+
+def markdown(run: BenchRun) -> str:
+    """Every table of one run, grouped as the suite grouped them."""
+    out = [f"### {run.suite} ({run.environment.get('gpu') or 'CPU'})", ""] + environment_lines(run) + [""]
+    roofs = [m for m in run.measurements if m.kind == "roofline" and m.ok]
+    if roofs:
+        out += ["Roofline (batch-1 decode: weight bytes / copy bandwidth)", ""]
+        out += _table(("model", "weights GB", "bandwidth GB/s", "step ms", "tok/s"),
+                      [(m.params.get("model"), m.metrics.get("weight_gb"), m.metrics.get("bandwidth_gb_per_s"),
+                        m.metrics.get("step_ms"), m.metrics.get("tokens_per_s")) for m in roofs]) + [""]
+    out += _cost_tables(run)
+    groups: dict[str, list[Measurement]] = {}
+    for m in run.measurements:
+        if m.kind in ("engine", "hf"):
+            groups.setdefault(m.group, []).append(m)
+    for group, members in groups.items():
+        out += [f"**{group}**", ""] + _table(ENGINE_HEADER, [engine_row(m) for m in members]) + [""]
+    failed = [m for m in run.measurements if not m.ok]
+    if failed:
+        out += ["Not measured:", ""]
+        out += [f"- `{m.name}`: {m.status}: {(m.error or '').splitlines()[0] if m.error else ''}" for m in failed]
+        out += [""]
+    return "\n".join(out)
+
+
+def _cost_tables(run: BenchRun) -> list[str]:
+    out: list[str] = []
+    costs = [m for m in run.measurements if m.kind == "spec_costs" and m.ok]
+    if costs:
+        k_max = max(len(m.metrics.get("verify_ratio", [])) for m in costs) - 1
+        header = ("target / draft", "graphs", "target ms", "draft ms", "c") + tuple(
+            f"v({k})" for k in range(1, k_max + 1))
+        rows = []
+        for m in costs:
+            v = m.metrics.get("verify_ratio", [])
+            rows.append([f"{m.params.get('target')} / {m.params.get('draft')}", m.params.get("use_cuda_graphs"),
+                         m.metrics.get("target_step_ms"), m.metrics.get("draft_step_ms"), m.metrics.get("c")]
+                        + [v[k] if k < len(v) else None for k in range(1, k_max + 1)])
+        out += ["Step costs at batch 1 (c = draft step / target step; v(K) = verify K+1 tokens / one step)", ""]
+        out += _table(header, rows) + [""]
+    for m in run.measurements:
+        if m.kind != "projection" or not m.ok:
+            continue
+        for key, title in (("paper", "paper's factor, v = 1"), ("measured_verify", "measured v(K)")):
+            p = m.metrics.get(key)
+            if not p:
+                continue
+            out += [f"Projected speedup from c = {fmt(p['c'])} ({m.params.get('costs')}; {title})", ""]
+            out += _table(("alpha",) + tuple(f"K={k}" for k in p["ks"]) + ("best K",),
+                          [[a, *row, best] for a, row, best in zip(p["alphas"], p["table"], p["best_k"], strict=True)])
+            out += [""]
+    return out
+
+
+def console_table(run: BenchRun) -> str:
+    """A compact plain-text summary printed at the end of a run."""
+    lines = environment_lines(run)
+    for m in run.measurements:
+        lines.append(measurement_line(m))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    paths = list(sys.argv[1:] if argv is None else argv)
+    if not paths:
+        print("usage: python -m infer.bench.report RESULT.json [...]", file=sys.stderr)
+        return 2
+    print("\n\n".join(markdown(load_run(p)) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

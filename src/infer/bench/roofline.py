@@ -1,0 +1,121 @@
+"""Memory-bandwidth roofline for batch-1 decode, measured in the same process as the run.
+
+At batch 1 every decode step reads every weight once, so a step cannot be faster than
+weight bytes / memory bandwidth. The bandwidth comes from a device-to-device copy probe
+(a large tensor copied into another; bytes read + bytes written per copy; the median of
+several copies timed with CUDA events). The weight bytes are the model's parameters,
+tied embeddings counted once (the LM head reads that matrix; the embedding lookup reads
+one row of it). KV-cache reads are left out: at W1's lengths they are under 1 % of the
+weights of the 1B..8B shapes.
+
+On a CPU everything runs too (the numbers mean little; the tests exercise the code).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer.bench.timing import synchronize
+
+GPU_PROBE_BYTES = 1 << 30  # 1 GiB source, 1 GiB destination
+CPU_PROBE_BYTES = 1 << 25
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    bytes_per_s: float  # median over the samples, counting bytes read + bytes written
+    probe_bytes: int  # size of the copied tensor
+    samples: list[float]  # bytes/s of each timed copy
+    device: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"bytes_per_s": self.bytes_per_s, "gb_per_s": self.bytes_per_s / 1e9,
+                "probe_bytes": self.probe_bytes, "samples_gb_per_s": [s / 1e9 for s in self.samples],
+                "device": self.device}
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 10,
+                   warmup: int = 3) -> Bandwidth:
+    """Device-to-device copy bandwidth: (read + write bytes) / time, median of `repeats`."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = GPU_PROBE_BYTES if device.type == "cuda" else CPU_PROBE_BYTES
+    if nbytes < 1024 or repeats < 1:
+        raise ValueError(f"copy_bandwidth needs nbytes >= 1024 and repeats >= 1, got {nbytes}, {repeats}")
+    n = nbytes // 4
+    src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)  # [n]
+    dst = torch.empty_like(src)  # [n]
+    for _ in range(warmup):
+        dst.copy_(src)
+    seconds = _timed_copies(src, dst, repeats)
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    moved = 2 * n * 4
+    samples = [moved / s for s in seconds]
+    return Bandwidth(statistics.median(samples), n * 4, samples, str(device))
+
+
+def _timed_copies(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> list[float]:
+    if src.device.type == "cuda":
+        out = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) / 1e3)
+        return out
+    out = []
+    for _ in range(repeats):
+        synchronize(src.device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters; a parameter shared by two modules (tied embeddings)
+    counts once."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():  # parameters() already skips duplicates; be explicit
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        total += param.numel() * param.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Roofline:
+    weight_bytes: int
+    bandwidth_bytes_per_s: float
+    step_s: float  # the fastest possible batch-1 decode step
+    tokens_per_s: float  # 1 / step_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {"weight_bytes": self.weight_bytes, "weight_gb": self.weight_bytes / 1e9,
+                "bandwidth_gb_per_s": self.bandwidth_bytes_per_s / 1e9, "step_ms": self.step_s * 1e3,
+                "tokens_per_s": self.tokens_per_s}
+
+
+def decode_roofline(weight_bytes_: int, bandwidth_bytes_per_s: float) -> Roofline:
+    """Batch-1 decode roofline: step time = weight bytes / bandwidth."""
+    if weight_bytes_ <= 0 or bandwidth_bytes_per_s <= 0:
+        raise ValueError(f"weight bytes and bandwidth must be > 0, got {weight_bytes_}, {bandwidth_bytes_per_s}")
+    step = weight_bytes_ / bandwidth_bytes_per_s
+    return Roofline(weight_bytes_, bandwidth_bytes_per_s, step, 1.0 / step)
+
+
+def roofline_fraction(tokens_per_s: float, roofline_tokens_per_s: float) -> float:
+    """Achieved / roofline tokens per second (1.0 = running at memory bandwidth)."""
+    if roofline_tokens_per_s <= 0:
+        raise ValueError("roofline_tokens_per_s must be > 0")
+    return tokens_per_s / roofline_tokens_per_s

@@ -1,0 +1,215 @@
+"""Predefined benchmark suites: which measurements, in which order, compared with what.
+
+    w1-plain       W1 batch-1 decode, 3B and 1B shapes: roofline, ours with and without
+                   CUDA graphs, transformers generate
+    spec-costs     c = 1B step / 3B step (graphs and eager), verification cost v(K),
+                   projected speedup for alpha 0.6..0.9, K 1..8
+    w1-spec-dummy  W1 on the 3B shape: drafted by the 1B shape (fixed K=5, adaptive),
+                   drafted by itself (acceptance 1), against plain decoding
+    w2             W2 continuous vs static batching; W2-prefix with and without prefix caching
+    demo-pair      W1 on the bundled demo pair at T=0 and T=1: plain, speculative (fixed,
+                   adaptive), transformers plain and assisted generation
+    w5-ngram       W5 code edit at T=0 and T=1: n-gram / prompt lookup / draft model vs
+                   plain, transformers prompt lookup; W1 with adaptive n-gram vs plain
+                   (--model / --draft-model replace the demo pair in these two)
+    all-gpu        all of the above, most important numbers first, within --max-seconds
+    smoke          every kind of measurement on one (small) model: --model, --draft-model
+
+Dummy shapes have random weights: their acceptance rates mean nothing except at the
+extremes (a random draft: near 0; the target drafting for itself: 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from infer.bench.harness import Harness
+from infer.bench.peers import HFPeer
+from infer.bench.workloads import WORKLOADS, Workload
+from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
+
+SHAPE_3B, SHAPE_1B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b"
+SPEC_K = 5
+GRAPHS = {"use_cuda_graphs": True}
+
+
+def _label(model: str) -> str:
+    return model.removeprefix("dummy:llama-3.2-").removeprefix("dummy:")
+
+
+def w1_plain(h: Harness, shapes: tuple[str, ...] = (SHAPE_3B, SHAPE_1B)) -> None:
+    for shape in shapes:
+        w1_plain_shape(h, shape)
+
+
+def w1_plain_shape(h: Harness, shape: str) -> None:
+    label, wl = _label(shape), WORKLOADS["W1"]
+    group = f"W1 plain decode, {label} shape"
+    roof = h.roofline(shape, label).name
+    base = h.engine(f"w1/{label}/ours-graphs", group, wl, {"model": shape, **GRAPHS}, {"roofline": roof}).name
+    h.engine(f"w1/{label}/ours-eager", group, wl, {"model": shape}, {"roofline": roof, "baseline": base})
+    h.hf(f"w1/{label}/hf", group, wl, HFPeer(shape), {"roofline": roof, "baseline": base})
+
+
+def spec_costs(h: Harness) -> None:
+    for graphs in (True, False):
+        h.spec_costs(f"costs/3b-1b/{'graphs' if graphs else 'eager'}", SHAPE_3B, SHAPE_1B, graphs)
+    h.projection("projection/3b-1b", "costs/3b-1b/graphs")
+
+
+def w1_spec_dummy(h: Harness) -> None:
+    wl, group = WORKLOADS["W1"], "W1 speculative, 3b shape (dummy weights)"
+    costs = h.spec_costs("costs/3b-1b/graphs", SHAPE_3B, SHAPE_1B, True).name
+    self_costs = h.spec_costs("costs/3b-3b/graphs", SHAPE_3B, None, True, self_draft=True).name
+    base = h.engine("w1-spec/3b/plain", group, wl, {"model": SHAPE_3B, **GRAPHS}).name
+    spec = {"model": SHAPE_3B, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K}
+    refs = {"baseline": base, "costs": costs}
+    h.engine("w1-spec/3b/1b-draft-k5", group, wl, {**spec, "draft_model": SHAPE_1B}, refs)
+    h.engine("w1-spec/3b/1b-draft-adaptive", group, wl, {**spec, "draft_model": SHAPE_1B, "spec_policy": "adaptive"},
+             refs)
+    h.engine("w1-spec/3b/self-draft-k5", group, wl, {**spec, "draft_model": SHAPE_3B},
+             {"baseline": base, "costs": self_costs})
+
+
+def w2(h: Harness, shape: str = SHAPE_3B) -> None:
+    label = _label(shape)
+    group = f"W2 batching, {label} shape"
+    base = h.engine(f"w2/{label}/continuous", group, WORKLOADS["W2"], {"model": shape, **GRAPHS}).name
+    h.engine(f"w2/{label}/static", group, WORKLOADS["W2"], {"model": shape, **GRAPHS, "batching_mode": "static"},
+             {"baseline": base})
+    group = f"W2-prefix, {label} shape"
+    base = h.engine(f"w2-prefix/{label}/prefix-cache", group, WORKLOADS["W2-prefix"],
+                    {"model": shape, **GRAPHS, "enable_prefix_caching": True}).name
+    h.engine(f"w2-prefix/{label}/no-prefix-cache", group, WORKLOADS["W2-prefix"],
+             {"model": shape, **GRAPHS, "enable_prefix_caching": False}, {"baseline": base})
+
+
+def demo_pair_paths(h: Harness) -> tuple[str, str]:
+    """The bundled demo pair, or --model / --draft-model when given (e.g. real 3B/1B)."""
+    return h.options.model or str(DEMO_TARGET), h.options.draft_model or str(DEMO_DRAFT)
+
+
+def demo_models_present(h: Harness, suite: str) -> bool:
+    """True when the pair exists; else one error measurement says what is missing."""
+    if h.options.model is not None:
+        return True  # the loader reports a bad path in the first measurement
+    missing = [p for p in (DEMO_TARGET, DEMO_DRAFT) if not (p / "config.json").is_file()]
+    if not missing:
+        return True
+
+    def fail() -> tuple[dict, dict]:
+        raise FileNotFoundError(f"the bundled demo model(s) {[str(p) for p in missing]} are missing: "
+                                "train them with `python -m infer.demo` (or use a build that ships them)")
+
+    h.measure(f"{suite}/demo-models", "engine", suite, fail)
+    return False
+
+
+def demo_pair(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
+    if not demo_models_present(h, "demo-pair"):
+        return
+    target, draft = demo_pair_paths(h)
+    costs = h.spec_costs("costs/demo/graphs", target, draft, True).name
+    h.spec_costs("costs/demo/eager", target, draft, False)
+    h.projection("projection/demo", costs)
+    for t in temperatures:
+        wl = WORKLOADS["W1"].with_temperature(t)
+        group = f"demo pair, W1 T={t:g}"
+        tag = f"demo-w1-t{t:g}"
+        base = h.engine(f"{tag}/plain", group, wl, {"model": target, **GRAPHS}).name
+        spec = {"model": target, **GRAPHS, "use_speculative_decoding": True, "draft_model": draft,
+                "spec_length": SPEC_K}
+        refs = {"baseline": base, "costs": costs}
+        h.engine(f"{tag}/spec-k5", group, wl, spec, refs)
+        h.engine(f"{tag}/spec-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, refs)
+        h.hf(f"{tag}/hf", group, wl, HFPeer(target), {"baseline": base})
+        h.hf(f"{tag}/hf-assisted", group, wl, HFPeer(target, assistant=draft), {"baseline": base})
+
+
+def w5_ngram(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
+    if not demo_models_present(h, "w5-ngram"):
+        return
+    target, draft = demo_pair_paths(h)
+    costs = h.spec_costs("costs/demo/graphs", target, draft, True).name
+    spec = {"model": target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K}
+    for t in temperatures:
+        wl = WORKLOADS["W5"].with_temperature(t)
+        group, tag = f"demo target, W5 code edit T={t:g}", f"w5-t{t:g}"
+        base = h.engine(f"{tag}/plain", group, wl, {"model": target, **GRAPHS}).name
+        refs = {"baseline": base, "costs": costs}
+        h.engine(f"{tag}/ngram-k5", group, wl, {**spec, "speculative_method": "ngram"}, refs)
+        h.engine(f"{tag}/ngram-adaptive", group, wl, {**spec, "speculative_method": "ngram",
+                                                      "spec_policy": "adaptive"}, refs)
+        h.engine(f"{tag}/prompt-lookup-k5", group, wl, {**spec, "speculative_method": "prompt_lookup"}, refs)
+        h.engine(f"{tag}/draft-k5", group, wl, {**spec, "draft_model": draft}, refs)
+        h.hf(f"{tag}/hf-prompt-lookup", group, wl, HFPeer(target, prompt_lookup=10), {"baseline": base})
+    for t in temperatures:
+        wl = WORKLOADS["W1"].with_temperature(t)
+        group, tag = f"demo target, W1 T={t:g} (n-gram must not slow it)", f"w1-ngram-t{t:g}"
+        base = h.engine(f"{tag}/plain", group, wl, {"model": target, **GRAPHS}).name
+        h.engine(f"{tag}/ngram-adaptive", group, wl, {**spec, "speculative_method": "ngram",
+                                                      "spec_policy": "adaptive"}, {"baseline": base})
+
+
+def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:
+    label = _label(shape)
+    group = f"W1 plain decode, {label} shape"
+    h.hf(f"w1/{label}/hf-static-cache", group, WORKLOADS["W1"], HFPeer(shape, cache_implementation="static"),
+         {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours-graphs"})
+
+
+def all_gpu(h: Harness) -> None:
+    h.bandwidth()
+    w1_plain_shape(h, SHAPE_3B)
+    spec_costs(h)
+    w1_spec_dummy(h)
+    demo_pair(h)
+    w5_ngram(h)
+    w2(h)
+    w1_plain_shape(h, SHAPE_1B)
+    hf_static(h)
+    h.bandwidth("bandwidth-end")
+
+
+def smoke(h: Harness) -> None:
+    """Each kind of measurement once on --model (a small checkpoint), CPU-friendly."""
+    model = h.options.model
+    if model is None:
+        raise ValueError("the smoke suite needs --model (a small model directory or dummy shape)")
+    draft = h.options.draft_model or model
+    wl, group = WORKLOADS["W1"], f"smoke, {model}"
+    roof = h.roofline(model, "smoke").name
+    costs = h.spec_costs("costs/smoke", model, draft, False).name
+    h.projection("projection/smoke", costs)
+    base = h.engine("smoke/plain", group, wl, {"model": model}, {"roofline": roof}).name
+    refs = {"baseline": base, "costs": costs}
+    spec = {"model": model, "use_speculative_decoding": True, "spec_length": 4}
+    h.engine("smoke/spec-k4", group, wl, {**spec, "draft_model": draft}, refs)
+    edit = replace(WORKLOADS["W5"], prompt_len=(160, 160), edit_head_tokens=16)
+    h.engine("smoke/ngram-k4", "smoke, code edit", edit, {**spec, "speculative_method": "ngram"})
+    h.hf("smoke/hf", group, wl, HFPeer(model), {"roofline": roof, "baseline": base})
+    h.hf("smoke/hf-assisted", group, wl, HFPeer(model, assistant=draft), {"baseline": base})
+
+
+SUITES: dict[str, Callable[[Harness], None]] = {
+    "w1-plain": w1_plain, "spec-costs": spec_costs, "w1-spec-dummy": w1_spec_dummy, "w2": w2,
+    "demo-pair": demo_pair, "w5-ngram": w5_ngram, "hf-static": hf_static, "all-gpu": all_gpu, "smoke": smoke,
+}
+
+
+def get_suite(name: str) -> Callable[[Harness], None]:
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}; choose one of {sorted(SUITES)}")
+    return SUITES[name]
+
+
+def custom_workload(h: Harness, workload: Workload, overrides: dict, hf: bool) -> None:
+    """`infer bench --workload ...`: roofline of the model, the engine run, optionally HF."""
+    model = overrides.get("model") or str(DEMO_TARGET)
+    label = _label(model)
+    roof = h.roofline(model, label).name
+    base = h.engine(f"{workload.name}/{label}/ours", workload.label, workload, overrides, {"roofline": roof}).name
+    if hf:
+        h.hf(f"{workload.name}/{label}/hf", workload.label, workload, HFPeer(model, load_format=overrides.get(
+            "load_format", "auto")), {"roofline": roof, "baseline": base})

@@ -1,0 +1,319 @@
+"""Benchmark harness (CPU): workload definitions, roofline and projection math, the
+engine runner and the peer on a tiny checkpoint, JSON round trip, the CLI end to end.
+No wall-clock assertions: only counts, structure and arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from infer.bench import analysis, theory
+from infer.bench.cli import add_bench_args, run_bench
+from infer.bench.engine_runner import engine_config, run_engine
+from infer.bench.harness import Harness, HarnessOptions
+from infer.bench.peers import HFPeer, run_hf
+from infer.bench.report import fmt, markdown
+from infer.bench.results import BenchRun, Measurement, load_run, save_run
+from infer.bench.roofline import copy_bandwidth, decode_roofline, roofline_fraction, weight_bytes
+from infer.bench.spec_costs import StepCostConfig, measure_spec_costs
+from infer.bench.workloads import WORKLOADS, Workload, build_requests, code_edit_text
+from infer.models.loader import load_model
+from infer.tokenizer import Tokenizer
+
+QUICK = StepCostConfig(context_len=16, max_seq_len=64, k_max=3, repeats=2, warmup=1)
+
+
+# -- workloads ------------------------------------------------------------------------------
+def test_named_workloads_match_the_issue():
+    w1, w2, w2p, w5 = (WORKLOADS[n] for n in ("W1", "W2", "W2-prefix", "W5"))
+    assert (w1.num_requests, w1.prompt_len, w1.output_len) == (1, (128, 128), (256, 256))
+    assert (w2.num_requests, w2.prompt_len, w2.output_len) == (32, (32, 512), (64, 256))
+    assert w2p.shared_prefix_len == 256 and w5.kind == "code_edit"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_requests=0), dict(prompt_len=(10, 5)), dict(output_len=(0, 4)), dict(temperature=-1.0),
+    dict(kind="chat"), dict(shared_prefix_len=-1),
+])
+def test_workload_validation(bad):
+    with pytest.raises(ValueError):
+        replace(WORKLOADS["W2"], **bad)
+
+
+def test_code_edit_needs_a_head_shorter_than_half_the_prompt():
+    with pytest.raises(ValueError, match="edit_head_tokens"):
+        replace(WORKLOADS["W5"], prompt_len=(40, 40), edit_head_tokens=20)
+
+
+def test_random_prompts_are_seeded_and_shaped():
+    w2 = WORKLOADS["W2"]
+    a, b = build_requests(w2, 1000), build_requests(w2, 1000)
+    assert [r.prompt_ids for r in a.requests] == [r.prompt_ids for r in b.requests]
+    assert len(a.requests) == 32
+    assert all(32 <= len(r.prompt_ids) <= 512 and 64 <= r.max_tokens <= 256 for r in a.requests)
+    assert all(0 <= t < 1000 for r in a.requests for t in r.prompt_ids)
+    other = build_requests(replace(w2, seed=1), 1000)
+    assert [r.prompt_ids for r in other.requests] != [r.prompt_ids for r in a.requests]
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix():
+    reqs = build_requests(WORKLOADS["W2-prefix"], 50_000).requests
+    prefix = reqs[0].prompt_ids[:256]
+    assert all(r.prompt_ids[:256] == prefix for r in reqs)
+    assert len({tuple(r.prompt_ids[256:260]) for r in reqs}) > 1
+
+
+def test_dummy_code_edit_prompt_repeats_its_start():
+    (req,) = build_requests(WORKLOADS["W5"], 128_256).requests
+    ids, head = req.prompt_ids, WORKLOADS["W5"].edit_head_tokens
+    assert len(ids) == 640 and req.max_tokens == 256
+    assert ids[-head:] == ids[:head]
+
+
+def test_tokenizer_prompts_are_code(ckpt_a):
+    tok = Tokenizer.from_pretrained(ckpt_a)
+    (w1,) = build_requests(WORKLOADS["W1"], tok.vocab_size, tok).requests
+    assert len(w1.prompt_ids) == 128
+    text = tok.decode(w1.prompt_ids)
+    assert any(word in text for word in ("def ", "import ", "class ", '"""'))
+
+
+def test_code_edit_text_ends_with_the_files_first_lines(ckpt_a):
+    tok = Tokenizer.from_pretrained(ckpt_a)
+    source = "".join(f"line_{i} = {i} * {i}\n" for i in range(200))
+    text = code_edit_text(source, tok, budget=300, head_tokens=12)
+    body, head = text.split("\n\n", 1)
+    assert source.startswith(head) and source.startswith(body)
+    assert len(tok.encode(text, add_special_tokens=False)) <= 300
+    assert len(tok.encode(head, add_special_tokens=False)) >= 12
+
+
+def test_engine_config_is_sized_by_the_workload():
+    cfg = engine_config(WORKLOADS["W2"], {"use_cuda_graphs": False}, device="cpu")
+    assert cfg.max_batch_size == 32 and cfg.max_seq_len >= 512 + 256 and cfg.max_seq_len % 128 == 0
+    assert engine_config(WORKLOADS["W1"], {"max_seq_len": 4096}, device="cpu").max_seq_len == 4096
+
+
+# -- roofline and theory ----------------------------------------------------------------------
+def test_roofline_math_on_known_numbers():
+    roof = decode_roofline(6_000_000_000, 3.0e12)  # 6 GB of weights at 3 TB/s
+    assert roof.step_s == pytest.approx(2e-3)
+    assert roof.tokens_per_s == pytest.approx(500.0)
+    assert roofline_fraction(400.0, roof.tokens_per_s) == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        decode_roofline(0, 1.0)
+
+
+def test_weight_bytes_counts_tied_embeddings_once():
+    meta, cfg = load_model("dummy:llama-3.2-1b", dtype="bf16", device="meta", load_format="dummy")
+    assert cfg.tie_word_embeddings
+    assert weight_bytes(meta) == cfg.num_parameters() * 2
+    untied, cfg8 = load_model("dummy:llama-3.1-8b", dtype="bf16", device="meta", load_format="dummy")
+    assert weight_bytes(untied) == cfg8.num_parameters() * 2
+
+
+def test_copy_bandwidth_runs_on_cpu():
+    bw = copy_bandwidth("cpu", nbytes=1 << 20, repeats=3, warmup=1)
+    assert bw.bytes_per_s > 0 and len(bw.samples) == 3 and bw.probe_bytes == 1 << 20
+
+
+def test_predicted_speedup_is_theorem_3_8():
+    a, k, c = 0.8, 4, 0.25
+    expected = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+    assert theory.predicted_speedup(a, k, c) == pytest.approx(expected)
+    assert theory.predicted_speedup(1.0, 3, 0.0) == pytest.approx(4.0)  # every draft accepted, free drafts
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.77, 0.95])
+@pytest.mark.parametrize("k", [1, 5])
+def test_alpha_from_mean_length_inverts_eq1(alpha, k):
+    mean_len = sum(alpha ** i for i in range(k + 1))
+    assert theory.alpha_from_mean_length(mean_len, k) == pytest.approx(alpha, abs=1e-6)
+
+
+def test_projection_table():
+    p = theory.projection_table(0.5, alphas=(0.6, 0.9), ks=(1, 2, 8))
+    assert len(p.table) == 2 and len(p.table[0]) == 3
+    assert p.table[1][2] == pytest.approx((1 - 0.9 ** 9) / (0.1 * (8 * 0.5 + 1)))
+    assert p.best_k[0] == max((1, 2, 8), key=lambda k: (1 - 0.6 ** (k + 1)) / (0.4 * (k * 0.5 + 1)))
+    costly = theory.projection_table(0.5, alphas=(0.9,), ks=(1, 2), verify_costs=[1.0, 2.0, 3.0])
+    assert costly.table[0][1] == pytest.approx((1 - 0.9 ** 3) / (0.1 * (2 * 0.5 + 3.0)))
+    with pytest.raises(ValueError):
+        theory.projection_table(0.5, ks=(1, 4), verify_costs=[1.0, 1.0])
+
+
+def test_efficiency_from_refs():
+    run = BenchRun("t")
+    run.add(Measurement("costs", "spec_costs", metrics={"c": 0.5, "verify_ratio": [1.0, 1.0, 1.0, 1.0]}))
+    run.add(Measurement("plain", "engine", metrics={"primary_rate": 100.0, "first_output_ids": [1, 2, 3]},
+                        params={"workload": {"temperature": 0.0}}))
+    spec_engine = {"use_speculative_decoding": True, "spec_policy": "fixed", "spec_length": 3,
+                   "speculative_method": "draft_model"}
+    run.add(Measurement("spec", "engine", params={"engine": spec_engine, "workload": {"temperature": 0.0}},
+                        metrics={"primary_rate": 150.0, "mean_accepted_length": 1 + 0.8 + 0.64 + 0.512,
+                                 "first_output_ids": [1, 2, 9]},
+                        refs={"baseline": "plain", "costs": "costs"}))
+    analysis.derive_all(run)
+    d = run.get("spec").derived
+    predicted = (1 - 0.8 ** 4) / (0.2 * (3 * 0.5 + 1))
+    assert d["speedup"] == pytest.approx(1.5)
+    assert d["alpha_implied"] == pytest.approx(0.8, abs=1e-6)
+    assert d["predicted_speedup"] == pytest.approx(predicted)
+    assert d["efficiency"] == pytest.approx(1.5 / predicted)
+    assert d["greedy_prefix_match"] == 2
+
+
+# -- JSON -------------------------------------------------------------------------------------
+def test_json_round_trip(tmp_path):
+    run = BenchRun("suite-x", environment={"gpu": "Test GPU", "torch": "2.11"}, options={"a": 1})
+    run.add(Measurement("bandwidth", "bandwidth", "roofline", metrics={"gb_per_s": 3000.0, "bytes_per_s": 3e12}))
+    run.add(Measurement("w1/x/ours", "engine", "W1", params={"workload": WORKLOADS["W1"].to_dict()},
+                        metrics={"primary_rate": 123.5, "tokens_per_s": 120.0}, refs={"roofline": "r"}))
+    run.add(Measurement("w1/x/hf", "hf", "W1", status="error", error="RuntimeError: boom"))
+    with pytest.raises(ValueError, match="duplicate"):
+        run.add(Measurement("w1/x/hf", "hf"))
+    path = save_run(run, tmp_path / "sub" / "r.json")
+    back = load_run(path)
+    assert back.to_dict() == json.loads(json.dumps(run.to_dict()))
+    assert back.get("w1/x/hf").error == "RuntimeError: boom"
+    assert back.get("w1/x/ours").params["workload"]["prompt_len"] == [128, 128]
+    text = markdown(back)
+    assert "Test GPU" in text and "w1/x/hf" in text
+
+
+def test_load_run_rejects_other_json(tmp_path):
+    (tmp_path / "x.json").write_text('{"schema": "other"}')
+    with pytest.raises(ValueError, match="schema"):
+        load_run(tmp_path / "x.json")
+    with pytest.raises(FileNotFoundError):
+        load_run(tmp_path / "missing.json")
+
+
+def test_fmt():
+    assert fmt(None) == "-" and fmt(3) == "3" and fmt(0.123456) == "0.123" and fmt(12345.6) == "12346"
+
+
+# -- running on a tiny checkpoint ----------------------------------------------------------------
+def test_w1_runs_end_to_end_on_cpu(ckpt_a):
+    wl = WORKLOADS["W1"].with_output_len(6)
+    params, metrics = run_engine(wl, {"model": str(ckpt_a)}, device="cpu", warmup_tokens=2)
+    assert metrics["output_tokens"] == metrics["expected_output_tokens"] == 6
+    assert metrics["leaks"] == []
+    assert metrics["tokens_per_s"] > 0 and metrics["ttft_mean_s"] > 0
+    assert len(metrics["first_output_ids"]) == 6
+    assert params["engine"]["max_batch_size"] == 1
+
+
+def test_w2_counts_every_request_and_prefix_hits(ckpt_a):
+    wl = replace(WORKLOADS["W2-prefix"], num_requests=4, prompt_len=(8, 24), output_len=(2, 5),
+                 shared_prefix_len=48)
+    expected = sum(r.max_tokens for r in build_requests(wl, 384, Tokenizer.from_pretrained(ckpt_a)).requests)
+    _, metrics = run_engine(wl, {"model": str(ckpt_a), "block_size": 4, "max_num_batched_tokens": 64},
+                            device="cpu", warmup_tokens=1)
+    assert metrics["output_tokens"] == metrics["expected_output_tokens"] == expected
+    assert metrics["prefix_query_tokens"] > 0 and metrics["prefix_hit_rate"] > 0
+
+
+def test_speculative_run_reports_acceptance(ckpt_a):
+    wl = WORKLOADS["W1"].with_output_len(11)
+    _, m = run_engine(wl, {"model": str(ckpt_a), "use_speculative_decoding": True, "draft_model": str(ckpt_a),
+                           "spec_length": 4}, device="cpu", warmup_tokens=3)
+    assert m["output_tokens"] == 11
+    assert m["acceptance_rate"] == 1.0  # the target drafting for itself
+    assert m["spec_emitted_tokens"] == 10  # every token after the prefill one
+    assert m["mean_accepted_length"] == pytest.approx(10 / m["spec_rounds"])
+
+
+def test_hf_peer_generates_the_same_greedy_tokens(ckpt_a):
+    wl = WORKLOADS["W1"].with_output_len(6)
+    _, ours = run_engine(wl, {"model": str(ckpt_a)}, device="cpu", warmup_tokens=0)
+    params, hf = run_hf(wl, HFPeer(str(ckpt_a)), device="cpu", warmup_tokens=2)
+    assert hf["output_tokens"] == 6 and params["method"] == "plain"
+    assert hf["first_output_ids"] == ours["first_output_ids"]
+
+
+def test_spec_costs_on_cpu(ckpt_a):
+    model, _ = load_model(str(ckpt_a), dtype="float32", device="cpu")
+    costs = measure_spec_costs(model, model, use_cuda_graphs=False, cfg=QUICK)
+    assert len(costs.verify_s) == QUICK.k_max + 1 and costs.verify_ratio[0] > 0
+    assert costs.c == pytest.approx(costs.draft_step_s / costs.target_step_s)
+    assert math.isfinite(costs.c)
+
+
+def test_failures_are_recorded_and_budget_skips(tmp_path):
+    run = BenchRun("t")
+    h = Harness(run, HarnessOptions(device="cpu", quiet=True), tmp_path / "r.json")
+
+    def boom() -> tuple[dict, dict]:
+        raise RuntimeError("peer exploded")
+
+    m = h.measure("bad", "hf", "g", boom)
+    assert m.status == "error" and "peer exploded" in m.error
+    ok = h.measure("good", "bandwidth", "g", lambda: ({}, {"gb_per_s": 1.0}))
+    assert ok.ok and load_run(tmp_path / "r.json").get("good") is not None
+    h.options.max_seconds = 1e-9
+    assert h.measure("late", "bandwidth", "g", lambda: ({}, {})).status == "skipped"
+
+
+def _cli_args(argv: list[str]):
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_cli_workload_run_writes_json(ckpt_a, tmp_path, capsys):
+    out = tmp_path / "w1.json"
+    args = _cli_args(["--workload", "W1", "--model", str(ckpt_a), "--device", "cpu", "--output-len", "4",
+                      "--warmup-tokens", "1", "--hf", "--out", str(out)])
+    assert run_bench(args) == 0
+    run = load_run(out)
+    names = [m.name for m in run.measurements]
+    assert names[0] == "bandwidth" and any(n.endswith("/ours") for n in names) and any(n.endswith("/hf") for n in names)
+    ours = next(m for m in run.measurements if m.name.endswith("/ours"))
+    assert ours.ok and ours.metrics["output_tokens"] == 4
+    assert ours.derived["roofline_fraction"] > 0
+    hf = next(m for m in run.measurements if m.name.endswith("/hf"))
+    assert hf.ok and hf.derived["greedy_prefix_match"] == 4
+    assert "bandwidth" in capsys.readouterr().out
+
+
+def test_cli_smoke_suite_and_report(ckpt_a, tmp_path, capsys):
+    out = tmp_path / "smoke.json"
+    args = _cli_args(["--suite", "smoke", "--model", str(ckpt_a), "--device", "cpu", "--output-len", "5",
+                      "--warmup-tokens", "1", "--cost-repeats", "2", "--no-hf", "--out", str(out)])
+    assert run_bench(args) == 0
+    run = load_run(out)
+    assert all(m.ok for m in run.measurements), [(m.name, m.error) for m in run.measurements if not m.ok]
+    assert {m.kind for m in run.measurements} >= {"bandwidth", "roofline", "spec_costs", "projection", "engine"}
+    spec = run.get("smoke/spec-k4")
+    assert spec.metrics["acceptance_rate"] == 1.0 and "efficiency" in spec.derived
+    capsys.readouterr()
+    assert run_bench(_cli_args(["--report", str(out)])) == 0
+    assert "Projected speedup" in capsys.readouterr().out
+
+
+def test_cli_needs_a_suite_or_workload():
+    with pytest.raises(ValueError, match="--suite"):
+        run_bench(_cli_args([]))
+
+
+def test_missing_demo_models_are_an_error_record(tmp_path, monkeypatch):
+    from infer.bench import suites
+    monkeypatch.setattr(suites, "DEMO_TARGET", tmp_path / "nope-target")
+    monkeypatch.setattr(suites, "DEMO_DRAFT", tmp_path / "nope-draft")
+    run = BenchRun("demo-pair")
+    suites.demo_pair(Harness(run, HarnessOptions(device="cpu", quiet=True)))
+    assert [m.status for m in run.measurements] == ["error"]
+    assert "python -m infer.demo" in run.measurements[0].error
+
+
+def test_workload_label_and_dict():
+    w = WORKLOADS["W5"].with_temperature(1.0)
+    assert w.label == "W5 T=1" and w.to_dict()["kind"] == "code_edit"
+    assert isinstance(Workload("x", 1, (1, 1), (1, 1)).max_total_tokens, int)
+    assert torch.tensor(build_requests(WORKLOADS["W1"], 7).requests[0].prompt_ids).max() < 7

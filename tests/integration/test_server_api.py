@@ -10,6 +10,11 @@ KV block free; /metrics must expose speculation counters that move.
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,9 @@ MODEL = "tiny"
 
 
 def engine_config(ckpt: Path, spec: bool, **overrides: Any) -> EngineConfig:
-    extra: dict[str, Any] = {"use_speculative_decoding": True, "draft_model": str(ckpt), "spec_length": 4} if spec else {}
+    extra: dict[str, Any] = {}
+    if spec:  # the checkpoint drafts for itself
+        extra = {"use_speculative_decoding": True, "draft_model": str(ckpt), "spec_length": 4}
     return EngineConfig(model=str(ckpt), device="cpu", max_batch_size=8, **extra, **overrides)
 
 
@@ -252,3 +259,48 @@ def test_metrics_speculation_counters_move(server: LiveServer) -> None:
         sample(before, "infer_requests_total", endpoint="/v1/completions", status="200") + 1
     assert sample(after, "infer_inter_token_latency_seconds_count") > \
         sample(before, "infer_inter_token_latency_seconds_count")
+
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def test_infer_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from infer.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--served-model-name", "--max-queued-requests", "--model", "--draft-model",
+                 "--speculative-decoding", "--spec-length", "--speculative-method", "--max-batch-size"):
+        assert flag in out
+
+
+def test_python_m_infer_server_serves(ckpt_a: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "infer.server", "--model", str(ckpt_a), "--device", "cpu", "--port", str(port),
+           "--served-model-name", "cli-model", "--max-queued-requests", "4", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # poll until the subprocess accepts connections
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["cli-model"]
+        r = httpx.post(url + "/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
+                       timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0].decode()
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status reports it
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "Traceback" not in output

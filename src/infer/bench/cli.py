@@ -40,7 +40,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
     how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped")
     how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs)")
-    how.add_argument("--warmup-tokens", type=int, default=8, help="tokens per warm-up request (default: 8)")
+    how.add_argument("--warmup-tokens", type=int, default=None,
+                     help="cap on tokens per warm-up request (default: the full length; 0: no warm-up)")
     how.add_argument("--cost-repeats", type=int, default=30, help="timed steps per step-cost median (default: 30)")
     how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
     add_engine_args(parser)

@@ -2,11 +2,11 @@
 
 `run_engine(workload, overrides)` builds `Engine(EngineConfig(...))` (a variant is a dict of
 EngineConfig overrides: CUDA graphs, speculation, policy, batching mode...), runs a warm-up
-of random prompts with the workload's shapes (CUDA graphs are captured at construction;
-the warm-up settles allocator, cuBLAS and draft/n-gram paths; a shared prefix is kept, so
-the prefix cache starts warm as in steady serving), then adds every request at
-once and steps the engine until all finish. The timed part is bracketed by device
-synchronisation.
+of random prompts with the workload's shapes, then adds every request at once and steps
+the engine until all finish; the timed part is bracketed by device synchronisation. CUDA
+graphs are captured at construction; the full-length warm-up settles the allocator,
+per-shape kernel plans and the draft / n-gram paths, and keeps a shared prefix so the
+prefix cache starts warm as in steady serving.
 
 Reported: wall time, output tokens/s, per-request TTFT and decode tokens/s (tokens after
 the first / time after the first token), and the delta of the engine's counters over the
@@ -89,17 +89,20 @@ def _prefix_counters(engine: Engine) -> tuple[int, int] | None:
     return pool.prefix_query_tokens, pool.prefix_hit_tokens
 
 
-def warmup(engine: Engine, workload: Workload, prompts: PromptSet, tokens: int) -> None:
-    """Random prompts with the workload's lengths. A shared prefix is kept, as a system
-    prompt already served would be: the timed part then sees the steady-state prefix
-    cache (requests admitted in one step cannot share blocks none of them has computed)."""
-    if tokens <= 0:
+def warmup(engine: Engine, workload: Workload, prompts: PromptSet, tokens: int | None) -> None:
+    """Random prompts with the workload's lengths (output lengths capped at `tokens`; None =
+    full length, so every context length the timed run meets was seen once: kernels that
+    plan per shape, e.g. cuDNN attention, would otherwise pay that inside the timing).
+    A shared prefix is kept, as a system prompt already served would be: the timed part
+    then sees the steady-state prefix cache (requests admitted in one step cannot share
+    blocks none of them has computed)."""
+    if tokens == 0:
         return
     rng = random.Random(workload.seed + 7919)
     n_prefix = workload.shared_prefix_len
     for i, spec in enumerate(prompts.requests):
         ids = spec.prompt_ids[:n_prefix] + random_ids(rng, engine.vocab_size, len(spec.prompt_ids) - n_prefix)
-        engine.add_request(ids, workload.sampling_params(10_000 + i, min(tokens, spec.max_tokens)),
+        engine.add_request(ids, workload.sampling_params(10_000 + i, min(tokens or spec.max_tokens, spec.max_tokens)),
                            request_id=f"warmup-{i}")
     while engine.has_unfinished():
         engine.step()
@@ -144,7 +147,7 @@ def primary_rate(metrics: Mapping[str, Any], num_requests: int) -> float | None:
 
 
 def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str = "auto",
-               warmup_tokens: int = 8) -> tuple[dict[str, Any], dict[str, Any]]:
+               warmup_tokens: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `workload` on an engine with `overrides`; returns (params, metrics)."""
     config = engine_config(workload, overrides, device)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ Outcome = tuple[dict[str, Any], dict[str, Any]]  # (params, metrics)
 class HarnessOptions:
     device: str = "auto"
     output_len: int | None = None  # every workload generates exactly this many tokens (quick runs)
-    warmup_tokens: int = 8
+    warmup_tokens: int | None = None  # cap on warm-up tokens per request; None = full length
     max_seconds: float | None = None  # time budget for the whole run
     cost_repeats: int = 30
     with_hf: bool = True  # run the transformers peers
@@ -47,7 +47,7 @@ class HarnessOptions:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
-        if self.cost_repeats < 1 or self.warmup_tokens < 0:
+        if self.cost_repeats < 1 or (self.warmup_tokens is not None and self.warmup_tokens < 0):
             raise ValueError("cost_repeats must be >= 1 and warmup_tokens >= 0")
 
 

@@ -130,7 +130,7 @@ class _Timed:
     finish_time: float | None
 
 
-def run_hf(workload: Workload, peer: HFPeer, *, device: str = "auto", warmup_tokens: int = 8
+def run_hf(workload: Workload, peer: HFPeer, *, device: str = "auto", warmup_tokens: int | None = None
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Time HF generate on every request of `workload`, one after another; (params, metrics)."""
     dev = resolve_device(device)
@@ -148,8 +148,10 @@ def run_hf(workload: Workload, peer: HFPeer, *, device: str = "auto", warmup_tok
         pad = hf.config.eos_token_id
         pad_id = int(pad[0] if isinstance(pad, list) else (pad if pad is not None else 0))
         first = torch.tensor([prompts.requests[0].prompt_ids], device=dev)
-        # a static cache is sized by prompt + max_new_tokens: warm up (and compile) at full length
-        warm = prompts.requests[0].max_tokens if peer.cache_implementation == "static" else warmup_tokens
+        # full length by default: the dynamic cache meets every context length once (per-shape
+        # kernel plans), a static cache is sized by prompt + max_new_tokens (and compiled)
+        full = prompts.requests[0].max_tokens
+        warm = full if warmup_tokens is None or peer.cache_implementation == "static" else min(warmup_tokens, full)
         if warm > 0:
             torch.manual_seed(workload.seed + 1)
             _generate(hf, first, generate_kwargs(workload, warm, pad_id, peer), assistant)

@@ -100,15 +100,21 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
         if not _is_number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
-        if not _is_number(r) or not math.isfinite(r) or r <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        if not _is_number(r) or not math.isfinite(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
+            raise ValueError(f"repetition_penalty must be a number in [{MIN_PENALTY}, {MAX_PENALTY}] "
+                             f"(1 = off), got {r!r}")
         object.__setattr__(self, "temperature", float(t))
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "repetition_penalty", float(r))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_EPS would overflow float32 logits: they mean argmax."""
+        return self.temperature < GREEDY_EPS
+
+
+GREEDY_EPS = 1e-5  # temperature below this samples greedily (as vLLM does)
+MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3  # beyond these a float32 logit over/underflows
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -181,3 +181,17 @@ def test_config_validation(kwargs, words):
     from infer import EngineConfig
     with pytest.raises(ValueError, match=words):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_rows_with_smaller_k_stop_drafting(make_llm, ckpt_a, prompts, backend):
+    # two requests reach max_seq_len at different times: the guard shrinks one row's k while
+    # the other still drafts K; the short row must not write past its capacity
+    long_p, short_p = prompts[0][:25] + [5] * max(0, 25 - len(prompts[0])), prompts[1][:9]
+    ps = [long_p, short_p]
+    params = [SamplingParams(temperature=0, max_tokens=64 - len(p), ignore_eos=True) for p in ps]
+    plain = make_llm(ckpt_a, max_seq_len=64, kv_cache_backend=backend, max_batch_size=2)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    llm = make_llm(ckpt_a, max_seq_len=64, kv_cache_backend=backend, max_batch_size=2,
+                   use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=5)  # self-draft: full k
+    assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == ref

@@ -161,6 +161,10 @@ class PagedKVCachePool:
         table.extend(fresh)
         return True
 
+    def total_token_capacity(self) -> int:
+        """Tokens the whole pool can hold (the most one request can ever use)."""
+        return self.num_blocks * self.block_size
+
     def free_token_capacity(self) -> int | None:
         return (self._allocator.num_free + self._tree.num_evictable) * self.block_size
 

@@ -4,8 +4,9 @@ The server (or any asyncio code) calls `await add_request(...)` and iterates the
 stream; `abort(request_id)` cancels. Commands from the event loop reach the engine thread
 through a queue and are applied before the next step, so an abort frees the request's slot
 and KV blocks before any further step runs. StepOutputs go back to each request's
-asyncio.Queue with `call_soon_threadsafe`. If the loop dies, every open stream gets an
-error event and `healthy` turns False.
+asyncio.Queue with `call_soon_threadsafe`. If a step raises, every open stream gets an
+error event, `healthy` turns False, and later requests fail fast (the thread keeps
+draining commands so nobody waits forever).
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ class _Stream:
     queue: asyncio.Queue[StepOutput]
 
     def put(self, out: StepOutput) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        if self.loop.is_closed():  # the consumer's event loop is gone: nobody to tell
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+        except RuntimeError:  # closed between the check and the call
+            pass
 
 
 class AsyncEngine:
@@ -47,7 +53,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+        return self.error is None and self._thread.is_alive() and not self._stop.is_set()
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
@@ -67,6 +73,8 @@ class AsyncEngine:
 
         def add() -> None:
             try:
+                if self.error is not None:
+                    raise RuntimeError(f"engine is not running: {self.error}")
                 self.engine.add_request(prompt_token_ids, params, request_id)
                 with self._lock:
                     self._streams[request_id] = stream
@@ -108,7 +116,8 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._drain_commands()
-            if not self.engine.has_unfinished():
+            if self.error is not None or not self.engine.has_unfinished():
+                # idle, or dead after an error: keep answering commands (adds then fail fast)
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -117,7 +126,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - the loop must report, not vanish
                 self.error = traceback.format_exc(limit=5)
                 self._deliver(self.engine.fail_all("engine error: " + self.error.strip().splitlines()[-1]))
-                return
+                continue
             self._deliver(results)
             if self.on_step is not None:
                 self.on_step(self.engine, results)
@@ -128,7 +137,10 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            command()
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - a bad command must not kill the engine thread
+                traceback.print_exc()
 
     def _deliver(self, results: list[tuple[Request, StepOutput]]) -> None:
         with self._lock:

@@ -110,45 +110,55 @@ class DraftModelProposer:
         view.commit()
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """K batched draft steps -> (tokens [B][K], probs [B, K, V], or None when every row is greedy).
+        """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).
 
-        Tokens stay on the device between steps (the next step's input is the previous
-        step's output), so the loop needs no host sync, except to grow the contexts when a
-        repetition penalty needs them.
+        Step s runs the rows with k_b > s only, so no row writes past the positions its own
+        k was guarded for. Tokens stay on the device between steps (the next step's input is
+        the previous step's output): no host sync, except to grow the contexts when a
+        repetition penalty needs them. Each row draws its k_b uniforms from its own generator.
         """
-        k_max = max(ks)
+        batch, k_max = len(reqs), max(ks)
         slots = [self._slot(r) for r in reqs]
         params = [r.sampling_params for r in reqs]
         greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-        needs_ctx = any(p.repetition_penalty != 1.0 for p in params)
-        contexts = [list(r.all_token_ids) for r in reqs] if needs_ctx else None
-        uniforms = None if greedy else draw_uniforms([r.generator for r in reqs], k_max).to(self.device)
+        contexts = [list(r.all_token_ids) for r in reqs] if any(p.repetition_penalty != 1.0 for p in params) else None
+        uniforms = None if greedy else _row_uniforms(reqs, ks).to(self.device)  # [B, K]
+        tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
+        probs_out = None
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
         starts = [self.pool.seq_len(s) for s in slots]
         feeds = [r.all_token_ids[d:] for r, d in zip(reqs, starts, strict=True)]
         lens = [len(f) for f in feeds]
-        ids: torch.Tensor = torch.zeros((len(reqs), max(lens)), dtype=torch.long)
+        ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
-        steps, all_probs = [], []
+        alive = list(range(batch))
         for step in range(k_max):
-            layout = BatchLayout.of(slots, starts, lens)
-            logits = self.step_forward(ids, layout, all_logits=False)  # [B, V]
+            layout = BatchLayout.of([slots[b] for b in alive], [starts[b] for b in alive], [lens[b] for b in alive])
+            logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
+            rows = torch.tensor(alive, device=self.device)
             if greedy:
-                new = logits.argmax(dim=-1)  # [B]
+                new = logits.argmax(dim=-1)  # [A]
             else:
-                probs = logits_to_probs(logits, params, contexts)  # [B, V]
-                new = sample_from_probs(probs, uniforms[:, step])
-                all_probs.append(probs)
-            steps.append(new)
-            starts = [s + n for s, n in zip(starts, lens, strict=True)]
-            lens = [1] * len(reqs)
-            ids = new[:, None]
+                sub = [params[b] for b in alive]
+                ctx = [contexts[b] for b in alive] if contexts is not None else None
+                probs = logits_to_probs(logits, sub, ctx)  # [A, V]
+                new = sample_from_probs(probs, uniforms[rows, step])
+                if probs_out is None:
+                    probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
+                probs_out[rows, step] = probs
+            tokens[rows, step] = new
             if contexts is not None:
-                for ctx, t in zip(contexts, new.tolist(), strict=True):
-                    ctx.append(t)
-        tokens = torch.stack(steps, dim=1).tolist()  # the one sync of the draft phase
-        return tokens, (torch.stack(all_probs, dim=1) if all_probs else None)
+                for b, t in zip(alive, new.tolist(), strict=True):
+                    contexts[b].append(t)
+            for b in alive:
+                starts[b] += lens[b]
+                lens[b] = 1
+            keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
+            alive = [alive[i] for i in keep]
+            ids = new[keep][:, None] if len(keep) < len(new) else new[:, None]
+        token_rows = tokens.tolist()  # the one sync of the draft phase
+        return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
         n, k = self._round.pop(request.request_id, (None, 0))
@@ -156,3 +166,12 @@ class DraftModelProposer:
             return
         slot = self._slot(request)
         self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))
+
+
+def _row_uniforms(reqs: Sequence[Request], ks: Sequence[int]) -> torch.Tensor:
+    """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
+    request's randomness does not depend on the rest of the batch."""
+    out = torch.zeros((len(reqs), max(ks)), dtype=torch.float64)
+    for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+        out[b, :k] = draw_uniforms([r.generator], k)[0]
+    return out

@@ -1,7 +1,7 @@
 """Predefined benchmark suites: which measurements, in which order, compared with what.
 
-    w1-plain       W1 batch-1 decode, 3B and 1B shapes: roofline, ours with and without
-                   CUDA graphs, transformers generate
+    w1-plain       W1 batch-1 decode, 3B and 1B shapes: roofline, ours with CUDA graphs
+                   (with and without compiled kernel fusion) and eager, transformers generate
     spec-costs     c = 1B step / 3B step (graphs and eager), verification cost v(K),
                    projected speedup for alpha 0.6..0.9, K 1..8
     w1-spec-dummy  W1 on the 3B shape: drafted by the 1B shape (fixed K=5, adaptive),
@@ -49,6 +49,8 @@ def w1_plain_shape(h: Harness, shape: str) -> None:
     roof = h.roofline(shape, label).name
     base = h.engine(f"w1/{label}/ours-graphs", group, wl, {"model": shape, **GRAPHS}, {"roofline": roof}).name
     h.engine(f"w1/{label}/ours-eager", group, wl, {"model": shape}, {"roofline": roof, "baseline": base})
+    h.engine(f"w1/{label}/ours-graphs-unfused", group, wl, {"model": shape, **GRAPHS, "compile_kernels": False},
+             {"roofline": roof, "baseline": base})
     h.hf(f"w1/{label}/hf", group, wl, HFPeer(shape), {"roofline": roof, "baseline": base})
 
 

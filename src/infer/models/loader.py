@@ -192,18 +192,23 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights of the model's shapes: normal(0, std) matrices, RMSNorm weights 1."""
+    """Random weights of the model's shapes: normal(0, std) matrices, normal(0, 1) embeddings,
+    RMSNorm weights 1."""
     device = next(model.parameters()).device
     if device.type == "meta":
         return
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    embed = id(model.model.embed_tokens.weight)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             if id(param) in norms:
                 param.fill_(1.0)
             else:
-                param.normal_(0.0, std, generator=gen)
+                # unit-scale embeddings (tied to lm_head in Llama 3.2) make the next-token
+                # distribution peaked rather than near-uniform, so greedy choices are not
+                # decided by bf16 rounding (a self-drafting dummy model then accepts ~all)
+                param.normal_(0.0, 1.0 if id(param) == embed else std, generator=gen)
 
 
 def find_weight_files(directory: Path) -> list[Path]:

@@ -12,12 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo import bpe, corpus, evaluate, metrics, train
-from infer.demo.data import batch_chunks, num_sequences, training_batches, validation_chunks
-from infer.demo.presets import TrainSettings, tiny_preset
+from infer.demo import bpe, completions, corpus, evaluate, metrics, train
+from infer.demo.data import (
+    batch_chunks,
+    num_sequences,
+    training_batches,
+    validation_chunks,
+)
+from infer.demo.presets import (
+    TrainSettings,
+    config_with,
+    full_preset,
+    settings_with,
+    tiny_preset,
+)
 from infer.demo.saving import MAX_SHARD_BYTES, save_model
-from infer.demo.trainer import (add_residual_dropout, dropout_sites, init_weights, lr_factor,
-                                 train_model, validate)
+from infer.demo.trainer import (
+    add_residual_dropout,
+    dropout_sites,
+    init_weights,
+    lr_factor,
+    train_model,
+    validate,
+)
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -249,7 +266,7 @@ def test_residual_dropout_hooks_fire_in_training_only() -> None:
 
 def test_distillation_moves_draft_towards_target(trained, tok, texts: list[str]) -> None:
     teacher, _ = trained
-    draft, log = _tiny_run(tok, texts, seed=1, teacher=teacher)
+    _draft, log = _tiny_run(tok, texts, seed=1, teacher=teacher)
     assert log.train[-1]["kl"] < log.train[0]["kl"]
     assert 0.0 < log.valid[-1]["alpha"] <= 1.0
 
@@ -286,6 +303,11 @@ def test_cli_smoke_trains_both_models_and_writes_cards(tmp_path: Path) -> None:
     assert 0.0 <= results["draft_vs_target"]["alpha"] <= 1.0
     card = (out / "target" / "README.md").read_text()
     assert f"{results['draft_vs_target']['alpha']:.3f}" in card and "PSF" in card
+    gap = results["draft"]["loss"] - results["target"]["loss"]
+    assert f"{abs(gap):.3f} nats/token {'below' if gap > 0 else 'above'} the draft's" in card
+    rows = results["completions"]["target"]
+    assert len(rows) == len(completions.PROMPTS) and all(r["completion"].startswith(r["shown"].rstrip("\n"))
+                                                          for r in rows)
 
 
 # ---------------------------------------------------------------- evaluation math
@@ -346,5 +368,87 @@ def test_evaluate_pair_of_a_model_with_itself(trained, tok, texts: list[str]) ->
     assert r["target"]["loss"] == pytest.approx(r["draft"]["loss"])
     assert r["positions"] == 699
     assert r["bigram_vs_target"]["alpha"] < 1.0
-    text = evaluate.greedy_complete(model, tok, "def f(", 5, torch.device("cpu"))
+    text = completions.greedy_complete(model, tok, "def f(", 5, torch.device("cpu"))
     assert isinstance(text, str) and len(tok.encode(text, add_special_tokens=False).ids) <= 5
+
+
+# ---------------------------------------------------------------- recipes and completions
+
+def test_settings_overrides_parse_by_field_type_and_reject_bad_input() -> None:
+    base = full_preset().target_train
+    s = settings_with(base, ["dropout=0.3", "weight-decay=0.5", "epochs=8.5", "eval_every=25",
+                             "select=last", "max_steps=7"])
+    assert (s.dropout, s.weight_decay, s.epochs, s.eval_every, s.select, s.max_steps) == \
+        (0.3, 0.5, 8.5, 25, "last", 7)
+    assert isinstance(s.eval_every, int) and settings_with(s, ["max_steps=none"]).max_steps is None
+    assert settings_with(base, []) == base
+    for bad in (["nope=1"], ["dropout"], ["betas=0.9"], ["eval_every=2.5"], ["lr=fast"]):
+        with pytest.raises(ValueError, match="override"):
+            settings_with(base, bad)
+    with pytest.raises(ValueError, match="dropout"):
+        settings_with(base, ["dropout=1.5"])  # validated by TrainSettings
+
+
+def test_end_of_block_stops_at_the_next_top_level_line() -> None:
+    prompt = "def f(x):\n"
+    raw = "    y = g(\n        x,\n)\n    return y\n\n\ndef h():\n    pass\n"
+    assert completions.end_of_block(prompt, raw) == "    y = g(\n        x,\n)\n    return y\n"
+    # a prompt that ends mid-line: the first completion line continues it, even at column 0
+    assert completions.end_of_block("x = (", "1 +\n     2)\nz = 3\n") == "1 +\n     2)\n"
+    assert completions.end_of_block(prompt, "class A:\n    pass\n") == "\n"
+
+
+def test_repetition_and_example_pick() -> None:
+    assert completions.repetition("a b") == 0.0
+    assert completions.repetition("return a + b") == 0.0
+    assert completions.repetition("x = 1\nx = 1\nx = 1\n") == pytest.approx(1 - 3 / 7)
+    rows = [{"shown": "\n", "repetition": 0.0},  # empty: never shown
+            {"shown": "a\nb\nc\n", "repetition": 0.1},
+            {"shown": "a\n", "repetition": 0.0},
+            {"shown": "a\nb\nc\nd\n", "repetition": 0.9},
+            {"shown": "a\nb\n", "repetition": 0.5}]
+    assert completions.pick_examples(rows, 2) == [1, 2]  # fluent ones, longest first
+    assert completions.pick_examples(rows, 4) == [1, 2, 4, 3]  # then the least repetitive
+    assert completions.pick_examples(rows, 9) == [1, 2, 4, 3]
+    with pytest.raises(ValueError, match="count"):
+        completions.pick_examples(rows, -1)
+    assert all(p.endswith("\n") for p in completions.PROMPTS)  # natural token boundaries
+
+
+def test_shape_overrides_and_full_preset_ranges() -> None:
+    p = full_preset()
+    assert 10e6 <= p.target.num_parameters() <= 16e6 and 1.5e6 <= p.draft.num_parameters() <= 3e6
+    assert p.draft.num_hidden_layers * 7 == p.target.num_hidden_layers * 4
+    wide = config_with(p.draft, ["hidden_size=192", "num-attention-heads=3", "intermediate_size=448"])
+    assert (wide.hidden_size, wide.num_attention_heads, wide.intermediate_size) == (192, 3, 448)
+    assert wide.num_parameters() > p.draft.num_parameters() and config_with(p.draft, []) == p.draft
+    for bad in (["vocab_size=10"], ["hidden_size"], ["hidden_size=1.5"]):
+        with pytest.raises(ValueError, match="shape override"):
+            config_with(p.draft, bad)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        config_with(p.draft, ["num_attention_heads=3", "num_key_value_heads=2"])
+
+
+def test_sweep_keeps_the_best_pair_that_meets_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+    import importlib.util
+    import sys
+    path = Path(__file__).resolve().parents[2] / "scripts" / "demo_pair" / "sweep.py"
+    spec = importlib.util.spec_from_file_location("demo_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "demo_sweep", sweep)  # dataclasses look their module up
+    spec.loader.exec_module(sweep)
+    a = argparse.Namespace(min_alpha=0.65, min_agreement=0.70, min_gap=0.1)
+
+    def row(name: str, target: float, gap: float, alpha: float, agreement: float) -> dict:
+        return {"pair": name, "target_loss": target, "gap": gap, "alpha": alpha, "agreement": agreement}
+
+    rows = [row("close", 2.80, 0.05, 0.80, 0.78), row("ok", 2.90, 0.12, 0.74, 0.72),
+            row("ok_better", 2.85, 0.13, 0.70, 0.71), {"pair": "unfinished"}]
+    assert sweep.choose(rows, a)["pair"] == "ok_better"
+    assert sweep.choose(rows[:1] + [row("worse", 2.7, 0.01, 0.6, 0.6)], a)["pair"] == "close"
+    assert sweep.choose([{"pair": "unfinished"}], a) is None
+    assert sweep.parse_recipes(["a=--x 1 --y 'b c'"], "--target") == [("a", ["--x", "1", "--y", "b c"])]
+    for bad in (["noequals"], ["a b=1"], ["a=", "a=1"]):
+        with pytest.raises(ValueError, match="--target"):
+            sweep.parse_recipes(bad, "--target")

@@ -20,7 +20,8 @@ from infer.demo.presets import get_preset
 def main(argv: list[str] | None = None) -> int:
     parser = train.build_parser()
     parser.prog = "python -m infer.demo"
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="greedy completions in the cards")
+    parser.add_argument("--max-new-tokens", type=int, default=evaluate.DEFAULT_MAX_NEW_TOKENS,
+                        help="greedy completions in the cards")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     train.run(args)

@@ -6,7 +6,8 @@ alpha = E[sum_x min(p(x), q(x))] at temperature 1 (Corollary 3.6; p target, q dr
 the greedy agreement P(argmax p = argmax q) (alpha at temperature 0); the same two for
 unigram and bigram models fitted on the training split with add-k smoothing (the baselines
 of Table 3), and the walltime factor of Theorem 3.8 they imply with c = the layer ratio.
-Writes the results JSON, greedy completions of a few code prompts, and README.md model
+Writes the results JSON, greedy completions of a dozen code prompts (`infer.demo.completions`:
+raw, cut at the end of the prompt's block, and scored for repetition), and README.md model
 cards in both model directories.
 """
 
@@ -21,24 +22,25 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 
-from infer.demo.bpe import EOS_ID, encode_documents, load_tokenizer
+from infer.demo.bpe import encode_documents, load_tokenizer
+from infer.demo.completions import PROMPTS, complete_all
 from infer.demo.corpus import read_texts, split_corpus
 from infer.demo.data import batch_chunks, validation_chunks
-from infer.demo.metrics import PairTotals, expected_tokens_per_call, fit_bigram, fit_unigram, walltime_factor
+from infer.demo.metrics import (
+    PairTotals,
+    expected_tokens_per_call,
+    fit_bigram,
+    fit_unigram,
+    walltime_factor,
+)
 from infer.demo.model_card import write_cards
 from infer.demo.trainer import autocast, forward_logits
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
-PROMPTS = (
-    "def fibonacci(n):",
-    "def is_prime(n):\n",
-    "class Stack:\n",
-    "import os\n\n\ndef list_python_files(directory):\n",
-)
 DEFAULT_K = 0.01
+DEFAULT_MAX_NEW_TOKENS = 128
 EVAL_BATCH = 8
 GAMMAS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -97,25 +99,6 @@ def _results(target: LlamaForCausalLM, draft: LlamaForCausalLM, pair: dict[str, 
     }
 
 
-@torch.no_grad()
-def greedy_complete(model: LlamaForCausalLM, tok: Tokenizer, prompt: str, max_new_tokens: int,
-                    device: torch.device) -> str:
-    """Greedy continuation of `prompt` (BOS added), recomputing the whole prefix each step."""
-    ids = tok.encode(prompt).ids
-    limit = model.config.max_position_embeddings
-    for _ in range(max_new_tokens):
-        if len(ids) >= limit:
-            break
-        x = torch.tensor([ids], device=device)  # [1, T]
-        with autocast(device):
-            nxt = int(forward_logits(model, x)[0, -1].argmax())
-        if nxt == EOS_ID:
-            break
-        ids.append(nxt)
-    text = tok.decode(ids, skip_special_tokens=True)
-    return text[len(prompt):] if text.startswith(prompt) else text
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device if args.device != "auto" else
                           ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -139,8 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                         if device.type == "cuda" else {})}
     results["max_new_tokens"] = args.max_new_tokens
     results["completions"] = {
-        role: [{"prompt": p, "completion": greedy_complete(m, tok, p, args.max_new_tokens, device)}
-               for p in PROMPTS]
+        role: complete_all(m, tok, PROMPTS, args.max_new_tokens, device)
         for role, m in (("target", target), ("draft", draft))}
     _print_summary(results)
     out = Path(args.out) if args.out else Path(args.target).parent / "eval_results.json"
@@ -158,7 +140,8 @@ def _print_summary(r: dict[str, Any]) -> None:
     for name in ("draft_vs_target", "bigram_vs_target", "unigram_vs_target"):
         print(f"{name}: alpha(T=1) {r[name]['alpha']:.4f} greedy agreement {r[name]['greedy_agreement']:.4f}")
     for c in r["completions"]["target"]:
-        print(f"--- target greedy: {c['prompt']!r}\n{c['prompt']}{c['completion']}")
+        print(f"--- target greedy (repetition {c['repetition']:.2f}): {c['prompt']!r}\n"
+              f"{c['prompt']}{c['shown']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="results JSON path (default: TARGET/../eval_results.json)")
     p.add_argument("--device", default="auto")
     p.add_argument("--k", type=float, default=DEFAULT_K, help="add-k smoothing of the n-gram baselines")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--max-files", type=int, help="corpus subset (smoke runs)")
     p.add_argument("--no-cards", action="store_true", help="do not write README.md model cards")
     return p

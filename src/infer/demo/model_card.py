@@ -6,9 +6,11 @@ weights) and the evaluation results; nothing is typed in by hand, so a rerun ref
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+from infer.demo.completions import MAX_REPETITION, pick_examples
 from infer.demo.corpus import MAX_FILE_BYTES
 from infer.demo.saving import read_summary
 
@@ -18,6 +20,7 @@ PYTHONPATH=src python -m infer.demo --out src/infer/demo_models --log-dir runs/d
 PYTHONPATH=src python -m infer.demo.train --out src/infer/demo_models
 PYTHONPATH=src python -m infer.demo.evaluate --target src/infer/demo_models/target \\
     --draft src/infer/demo_models/draft --out runs/demo_pair/eval_results.json"""
+SHOWN_COMPLETIONS = 2
 
 
 def write_cards(target_dir: Path, draft_dir: Path, results: dict[str, Any]) -> None:
@@ -58,8 +61,8 @@ def _model(role: str, directory: Path, r: dict[str, Any]) -> str:
     shards = sorted(p.name for p in directory.glob("model-*.safetensors"))
     size = sum((directory / s).stat().st_size for s in shards)
     rows = [
-        ("architecture", "LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, grouped-query attention), "
-                         "tied embeddings"),
+        ("architecture", ("LlamaForCausalLM (RMSNorm, SwiGLU, RoPE, grouped-query attention), "
+                          "tied embeddings")),
         ("parameters", f"{r[role]['num_parameters']:,}"),
         ("layers / hidden / intermediate",
          f"{cfg['num_hidden_layers']} / {cfg['hidden_size']} / {cfg['intermediate_size']}"),
@@ -68,8 +71,8 @@ def _model(role: str, directory: Path, r: dict[str, Any]) -> str:
         ("context length", f"{cfg['max_position_embeddings']} (the training sequence length)"),
         ("RoPE", f"theta {cfg['rope_theta']:g}, no scaling"),
         ("vocabulary", f"{cfg['vocab_size']} (byte-level BPE, shared by target and draft)"),
-        ("weights", f"{cfg.get('torch_dtype', '?')} safetensors, {len(shards)} shards + index, "
-                    f"{size / 1e6:.1f} MB"),
+        ("weights", (f"{cfg.get('torch_dtype', '?')} safetensors, {len(shards)} shards + index, "
+                     f"{size / 1e6:.1f} MB")),
     ]
     table = "| | |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
     return (
@@ -139,7 +142,9 @@ def _training(role: str, s: dict[str, Any]) -> str:
         f"- {log['total_steps']} steps of {st['batch_size']} x {seq} tokens "
         f"({log['tokens_seen']:,} tokens; {st['epochs']:g} epoch(s) planned), bf16 autocast, "
         f"seed {s.get('seed')}\n"
-        f"- {log['seconds']:.0f} s on {hw} (torch {env.get('torch')}, Python {env.get('python')})\n"
+        f"- {log['seconds']:.0f} s wall time of the training loop on {hw} (torch {env.get('torch')}, "
+        f"Python {env.get('python')}; longer than a lone run's where several recipes shared the "
+        "GPU, as in scripts/demo_pair/sweep.py)\n"
         f"- {_selection(log, st)}\n\n")
     return text + _curve(log)
 
@@ -195,6 +200,7 @@ def _evaluation(r: dict[str, Any]) -> str:
         "| model | validation loss (nats/token) | perplexity |\n|---|---|---|\n"
         f"| target | {t['loss']:.4f} | {t['perplexity']:.2f} |\n"
         f"| draft | {d['loss']:.4f} | {d['perplexity']:.2f} |\n\n"
+        f"{_gap(t['loss'], d['loss'])}\n\n"
         "Acceptance against the target p (Leviathan et al., Corollary 3.6: alpha = E[sum_x "
         "min(p(x), q(x))], averaged over all validation positions; the n-gram baselines are "
         f"fitted on the training split with k = {r['smoothing_k']:g}, as in Table 3):\n\n"
@@ -203,15 +209,38 @@ def _evaluation(r: dict[str, Any]) -> str:
         f"{r['cost_ratio_c']:.3f} (layer ratio):\n\n" + speed + "\n")
 
 
+def _gap(target_loss: float, draft_loss: float) -> str:
+    gap = draft_loss - target_loss
+    where = "below" if gap > 0 else "above"
+    return (f"The target's validation loss is {abs(gap):.3f} nats/token {where} the draft's "
+            f"(perplexity ratio {math.exp(gap):.3f}).")
+
+
 def _completions(role: str, r: dict[str, Any]) -> str:
-    blocks = []
-    for c in r.get("completions", {}).get(role, []):
-        blocks.append("```python\n" + c["prompt"] + c["completion"] + "\n```")
+    rows = r.get("completions", {}).get(role, [])
+    if not rows:
+        return f"## Greedy completions ({role})\n\n(none recorded)\n"
+    picked = pick_examples(rows, SHOWN_COMPLETIONS)
+    others = [i for i in range(len(rows)) if i not in picked]
+
+    def block(row: dict[str, Any]) -> str:
+        text = row["prompt"] + row.get("shown", row["completion"])
+        return (f"repetition {row['repetition']:.2f}:\n\n" if "repetition" in row else "") + \
+            "```python\n" + text.rstrip("\n") + "\n```"
+
     limit = r.get("max_new_tokens", "?")
-    return (f"## Greedy completions ({role})\n\n"
-            f"Greedy decoding with this model alone, at most {limit} new tokens, stopping at EOS; "
-            "each block is the prompt followed by the model's continuation.\n\n"
-            + "\n\n".join(blocks) + "\n")
+    text = (f"## Greedy completions ({role})\n\n"
+            f"Greedy decoding with this model alone (no sampling, no repetition penalty), at most "
+            f"{limit} new tokens, stopping at EOS. Each block is the prompt followed by the model's "
+            "continuation up to the end of the prompt's top-level block (the first later line "
+            "that starts in column 0). Repetition is the share of repeated word 3-grams. Shown "
+            f"first: {len(picked)} of the {len(rows)} prompts, the longest continuations that "
+            f"repeat little (repetition <= {MAX_REPETITION:g}, else the least repetitive); the "
+            "others are in the folded section below.\n\n" + "\n\n".join(block(rows[i]) for i in picked) + "\n")
+    if others:
+        text += ("\n<details><summary>The other prompts</summary>\n\n"
+                 + "\n\n".join(block(rows[i]) for i in others) + "\n\n</details>\n")
+    return text
 
 
 def _licence() -> str:

@@ -29,10 +29,23 @@ import torch
 from tokenizers import Tokenizer
 
 from infer.demo import ROLES
-from infer.demo.bpe import encode_documents, load_tokenizer, save_tokenizer_files, train_tokenizer
+from infer.demo.bpe import (
+    encode_documents,
+    load_tokenizer,
+    save_tokenizer_files,
+    train_tokenizer,
+)
 from infer.demo.corpus import read_texts, split_corpus, stdlib_root
 from infer.demo.data import validation_chunks
-from infer.demo.presets import PRESETS, Preset, TrainSettings, get_preset, with_seq_len
+from infer.demo.presets import (
+    PRESETS,
+    Preset,
+    TrainSettings,
+    config_with,
+    get_preset,
+    settings_with,
+    with_seq_len,
+)
 from infer.demo.saving import save_model, training_environment
 from infer.demo.trainer import init_weights, train_model
 from infer.models.llama import LlamaForCausalLM
@@ -128,13 +141,19 @@ def _preset_from_args(args: argparse.Namespace) -> Preset:
         preset = replace(preset, vocab_size=args.vocab_size,
                          target=replace(preset.target, vocab_size=args.vocab_size),
                          draft=replace(preset.draft, vocab_size=args.vocab_size))
-    return replace(preset, target_train=_override(preset.target_train, args.target_epochs, args.max_steps),
-                   draft_train=_override(preset.draft_train, args.draft_epochs, args.max_steps))
+    preset = replace(preset, target=config_with(preset.target, args.target_shape or []),
+                     draft=config_with(preset.draft, args.draft_shape or []))
+    return replace(
+        preset,
+        target_train=_override(preset.target_train, args.target_epochs, args.max_steps, args.target_set),
+        draft_train=_override(preset.draft_train, args.draft_epochs, args.max_steps, args.draft_set))
 
 
-def _override(s: TrainSettings, epochs: float | None, max_steps: int | None) -> TrainSettings:
-    return replace(s, epochs=epochs if epochs is not None else s.epochs,
-                   max_steps=max_steps if max_steps is not None else s.max_steps)
+def _override(s: TrainSettings, epochs: float | None, max_steps: int | None,
+              overrides: list[str] | None) -> TrainSettings:
+    s = replace(s, epochs=epochs if epochs is not None else s.epochs,
+                max_steps=max_steps if max_steps is not None else s.max_steps)
+    return settings_with(s, overrides or [])
 
 
 def _device(name: str) -> torch.device:
@@ -159,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-epochs", type=float)
     p.add_argument("--draft-epochs", type=float)
     p.add_argument("--max-steps", type=int, help="cap on steps per model (smoke runs)")
+    p.add_argument("--target-set", action="append", metavar="NAME=VALUE",
+                   help="override a training setting of the target, e.g. dropout=0.3 (repeatable)")
+    p.add_argument("--draft-set", action="append", metavar="NAME=VALUE",
+                   help="override a training setting of the draft, e.g. lr=0.002 (repeatable)")
+    p.add_argument("--target-shape", action="append", metavar="NAME=VALUE",
+                   help="override a shape field of the target, e.g. hidden_size=448 (repeatable)")
+    p.add_argument("--draft-shape", action="append", metavar="NAME=VALUE",
+                   help="override a shape field of the draft, e.g. intermediate_size=384 (repeatable)")
     return p
 
 

@@ -60,6 +60,8 @@ def test_adaptive_policy_switches_off_and_probes_back():
     costs = CostModel(5, draft_ratio={1: 0.3}, verify_ratio={1: [1.0] * 6})
     p = AdaptivePolicy(5, costs)
     r = R("x")
+    assert p.choose([r], [10], 1000, [500]) == [0]  # first: measure a plain step
+    costs.observe(1, 0, 0.010)
     assert p.choose([r], [10], 1000, [500])[0] > 0  # prior: speculate
     for _ in range(20):  # every draft rejected
         k = p.choose([r], [10], 1000, [500])[0]
@@ -100,3 +102,16 @@ def test_greedy_verify_equals_general_verify_on_one_hot_targets():
     fast = greedy_verify(draft, num, target_argmax)
     slow = verify(draft, num, None, p, torch.rand(b, k, generator=g).double(), torch.rand(b, generator=g).double())
     assert fast.tokens == slow.tokens and fast.num_accepted == slow.num_accepted
+
+
+def test_measured_step_costs_override_calibration():
+    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 5})
+    assert costs.relative_costs(1) == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
+    costs.observe(1, 0, 0.001)
+    for k in range(1, 5):  # host overhead: every speculative step costs 6-9 plain steps
+        costs.observe(1, k, 0.001 * (5 + k))
+    assert costs.relative_costs(1) == pytest.approx([1.0, 6.0, 7.0, 8.0, 9.0])
+    p = AdaptivePolicy(4, costs, prior_a=0.9)
+    assert p.choose([R("y")], [10], 1000, [500]) == [0]  # even 90 % acceptance does not pay
+    costs.observe(1, 4, 0.001)  # EMA moves toward the new measurement
+    assert 1.0 < costs.relative_costs(1)[4] < 9.0

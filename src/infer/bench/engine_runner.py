@@ -186,7 +186,7 @@ def engine_counters(engine: Engine, spec0: SpecSnapshot | None,
         out.update(spec1.minus(spec0).metrics())
         cost_model = getattr(engine.runner, "cost_model", None)
         if cost_model is not None and cost_model.draft_ratio:
-            c, v = cost_model.costs(1)
+            c, v = cost_model.calibrated(1)
             out.update(engine_calibrated_c=c, engine_calibrated_verify=list(v))
     prefix1 = _prefix_counters(engine)
     if prefix0 is not None and prefix1 is not None:

@@ -10,6 +10,7 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
+from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 
 
@@ -21,14 +22,14 @@ class ForwardFn(Protocol):
 
 
 class EagerForward:
-    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol) -> None:
-        self.model, self.pool = model, pool
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
+        self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         view = self.pool.view(layout)
         last = None if all_logits else layout.last_token_indices(self.device)
         logits = self.model(ids.to(self.device, non_blocking=True), layout.positions(self.device), view,
-                            logits_indices=last)
+                            logits_indices=last, kernels=self.kernels)
         view.commit()
         return logits

@@ -19,6 +19,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
 from infer.cache.forward import EagerForward
+from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 
 
@@ -61,11 +62,12 @@ def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]
 
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
-                 shapes: Iterable[tuple[int, bool]], context_width: int | None = None) -> None:
+                 shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
+                 kernels: Kernels = EAGER) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket."""
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
-        self.eager = EagerForward(model, pool)
+        self.eager = EagerForward(model, pool, kernels)
         self.context_width = context_width or pool.max_seq_len
         self.buckets = sorted(set(batch_sizes))
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
@@ -92,7 +94,8 @@ class GraphForward:
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
 
         def run() -> torch.Tensor:
-            return self.model(ids, positions, view, logits_indices=None if all_logits else last)
+            return self.model(ids, positions, view, logits_indices=None if all_logits else last,
+                              kernels=self.kernels)
 
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -27,7 +27,6 @@ class Engine:
         self.models = models or load_models(config)
         config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
         self.tokenizer = self.models.tokenizer
-        self._maybe_compile()
         self.runner = self._make_runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                    config.batching_mode))
@@ -40,17 +39,6 @@ class Engine:
             from infer.engine.speculative_runner import SpeculativeRunner
             return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
         return ContinuousRunner(self.models.target, self.tokenizer, self.config, eos)
-
-    def _maybe_compile(self) -> None:
-        wanted = self.config.compile_kernels
-        if wanted is None:
-            wanted = self.config.use_cuda_graphs and self.models.target.lm_head.weight.is_cuda
-        if wanted:
-            from infer.models.kernels import compiled_kernels
-            kernels = compiled_kernels()
-            for model in (self.models.target, self.models.draft):
-                if model is not None:
-                    model.kernels = kernels
 
     @property
     def vocab_size(self) -> int:

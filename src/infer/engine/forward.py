@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from infer.cache.forward import EagerForward, ForwardFn
 from infer.cache.protocol import CachePoolProtocol
+from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 
 __all__ = ["EagerForward", "ForwardFn", "make_forward"]
 
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,
-                 shapes: list[tuple[int, bool]]) -> ForwardFn:
-    """Graphs of the given (width, all_logits) shapes on CUDA when asked for, else eager."""
+                 shapes: list[tuple[int, bool]], kernels: Kernels = EAGER) -> ForwardFn:
+    """Graphs of the given (width, all_logits) shapes on CUDA when asked for, else eager.
+
+    `kernels` serve these fixed, small shapes only (decode, draft steps, verification);
+    prefill always runs the eager kernels, so compiled kernels never see its many shapes.
+    """
     device = next(model.parameters()).device
     if not (use_cuda_graphs and device.type == "cuda"):
-        return EagerForward(model, pool)
+        return EagerForward(model, pool, kernels)
     from infer.engine.cuda_graphs import GraphForward, batch_buckets
-    return GraphForward(model, pool, batch_buckets(max_batch_size), shapes)
+    return GraphForward(model, pool, batch_buckets(max_batch_size), shapes, kernels=kernels)

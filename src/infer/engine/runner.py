@@ -20,6 +20,7 @@ from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
+from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 from infer.tokenizer import Tokenizer
@@ -37,6 +38,15 @@ def make_pool_for(model_config: ModelConfig, config: EngineConfig, dtype: torch.
     return make_cache_pool(config.kv_cache_backend, model_config, **kwargs)
 
 
+def step_kernels(config: EngineConfig, device: torch.device) -> Kernels:
+    """Fused (torch.compile) kernels for decode-type steps when asked for; by default with
+    CUDA graphs on a GPU. Prefill always uses the eager kernels."""
+    wanted = config.compile_kernels
+    if wanted is None:
+        wanted = config.use_cuda_graphs and device.type == "cuda"
+    return compiled_kernels() if wanted else EAGER
+
+
 def prefill_target(request: Request) -> int:
     """Tokens to cache before decoding: everything except a pending sampled token."""
     return request.num_tokens - (1 if request.output_token_ids else 0)
@@ -52,11 +62,12 @@ class ContinuousRunner:
         self.cache_pool = make_pool_for(model.config, config, self.dtype, self.device,
                                         prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
+        self.kernels = step_kernels(config, self.device)
         self.forward: ForwardFn = self._make_decode_forward()
 
     def _make_decode_forward(self) -> ForwardFn:
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=[(1, False)])
+                            shapes=[(1, False)], kernels=self.kernels)
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:

@@ -54,14 +54,13 @@ class SpeculativeRunner(ContinuousRunner):
                 config.spec_length)
         self.policy: SpecPolicy = (AdaptivePolicy(config.spec_length, self.cost_model)
                                    if config.spec_policy == "adaptive" else FixedPolicy(config.spec_length))
-        self.timings = PhaseTimer()
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
         # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=verify + [(1, False)])
+                            shapes=verify + [(1, False)], kernels=self.kernels)
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
@@ -71,7 +70,7 @@ class SpeculativeRunner(ContinuousRunner):
             pool = make_pool_for(draft_model.config, self.config, self.dtype, self.device, prefix_caching=False)
             # draft steps feed 1 token (2 after a fully accepted round)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                                shapes=[(1, False), (2, False)])
+                                shapes=[(1, False), (2, False)], kernels=self.kernels)
             self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer
@@ -133,16 +132,18 @@ class SpeculativeRunner(ContinuousRunner):
         return self._speculative_decode(requests)
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
+        start = time.perf_counter()
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
-            return super()._decode(requests)
-        with self.timings.phase("draft", len(requests), max(ks)):
-            drafts = self.proposer.propose(requests, ks) if any(ks) else [Draft([], None) for _ in requests]
-        with self.timings.phase("verify", len(requests), max(len(d.token_ids) for d in drafts)):
-            result = self._verify(requests, drafts)
-        return self._accept(requests, drafts, result)
+            outputs = super()._decode(requests)
+        else:
+            drafts = self.proposer.propose(requests, ks)
+            outputs = self._accept(requests, drafts, self._verify(requests, drafts))
+        # the step ended in a host sync (tokens are on the host), so this is its real cost
+        self.cost_model.observe(len(requests), max(ks), time.perf_counter() - start)
+        return outputs
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""
@@ -223,30 +224,3 @@ def greedy_verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], target_a
     tokens = [row[:a] + [row[k + a]] for row, a in ((r, r[-1]) for r in both)]
     acc_l = [row[-1] for row in both]
     return VerifyResult(tokens=tokens, num_accepted=acc_l)
-
-
-class PhaseTimer:
-    """Wall time of the draft and verify phases per (batch size, k), as running means (host
-    clock; each phase ends in a host sync, so the numbers are real)."""
-
-    def __init__(self) -> None:
-        self.totals: dict[tuple[str, int, int], tuple[float, int]] = {}
-
-    def phase(self, name: str, batch: int, k: int) -> _Phase:
-        return _Phase(self, (name, batch, k))
-
-    def mean(self, name: str, batch: int, k: int) -> float | None:
-        total, count = self.totals.get((name, batch, k), (0.0, 0))
-        return total / count if count else None
-
-
-class _Phase:
-    def __init__(self, timer: PhaseTimer, key: tuple[str, int, int]) -> None:
-        self.timer, self.key = timer, key
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        total, count = self.timer.totals.get(self.key, (0.0, 0))
-        self.timer.totals[self.key] = (total + time.perf_counter() - self.start, count + 1)

@@ -79,15 +79,14 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config)
         self.rotary = Rotary(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.kernels: Kernels = EAGER  # `compiled_kernels()` on GPUs fuses the elementwise ops
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView,
+                      kernels: Kernels = EAGER) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        kernels = self.kernels
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, view, kernels)
@@ -100,11 +99,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,  # [B, T]; default 0..T-1
         view: AttentionView | None = None,  # default: no cache, causal
         logits_indices: torch.Tensor | None = None,  # [B]: only these tokens' logits
+        kernels: Kernels = EAGER,  # compiled_kernels() on the fixed-shape GPU paths
     ) -> torch.Tensor:
         """Logits [B, T, V], or [B, V] for one token per row when logits_indices is given."""
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        h = self.hidden_states(input_ids, positions, view or NoCacheView())
+        h = self.hidden_states(input_ids, positions, view or NoCacheView(), kernels)
         if logits_indices is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_indices]
         return self.lm_head(h)

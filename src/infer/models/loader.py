@@ -191,24 +191,27 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     return model
 
 
+DUMMY_LOGIT_GAIN = 20.0
+
+
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights of the model's shapes: normal(0, std) matrices, normal(0, 1) embeddings,
-    RMSNorm weights 1."""
+    """Random weights of the model's shapes: normal(0, std) matrices, RMSNorm weights 1 except
+    the final norm's (DUMMY_LOGIT_GAIN)."""
     device = next(model.parameters()).device
     if device.type == "meta":
         return
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    embed = id(model.model.embed_tokens.weight)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             if id(param) in norms:
                 param.fill_(1.0)
             else:
-                # unit-scale embeddings (tied to lm_head in Llama 3.2) make the next-token
-                # distribution peaked rather than near-uniform, so greedy choices are not
-                # decided by bf16 rounding (a self-drafting dummy model then accepts ~all)
-                param.normal_(0.0, 1.0 if id(param) == embed else std, generator=gen)
+                param.normal_(0.0, std, generator=gen)
+        # a final-norm gain of 20 scales the logits (std about 20 instead of 1): next-token
+        # distributions are peaked, so greedy choices are not decided by bf16 rounding, yet
+        # two different dummy models still disagree (a random draft accepts ~nothing)
+        model.model.norm.weight.fill_(DUMMY_LOGIT_GAIN)
 
 
 def find_weight_files(directory: Path) -> list[Path]:

@@ -9,8 +9,9 @@ measured rather than assumed equal to one target step):
 a: the request's acceptance estimate; c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
 decoding, has factor 1 and is chosen whenever no K pays). Costs are measured per batch size
-by the runner. A request at K = 0 is probed with K = 1 now and then (backing off
-exponentially while probes keep failing) so the estimate can recover.
+by the runner: calibrated at start-up, then replaced by the measured wall time of real
+steps (host overhead included). A request at K = 0 is probed with K = 1 now and then
+(backing off exponentially while probes keep failing) so the estimate can recover.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -37,8 +38,13 @@ def walltime_factor(a: float, k: int, c: float, verify_cost: float = 1.0) -> flo
 
 def best_k(a: float, k_max: int, c: float, verify_costs: Sequence[float]) -> int:
     """argmax over K in 0..k_max of walltime_factor; verify_costs[K] for K = 0..k_max."""
-    scores = [walltime_factor(a, k, c, verify_costs[k]) for k in range(k_max + 1)]
-    return max(range(k_max + 1), key=lambda k: (scores[k], -k))
+    return best_k_for_costs(a, [k * c + verify_costs[k] for k in range(k_max + 1)])
+
+
+def best_k_for_costs(a: float, relative_costs: Sequence[float]) -> int:
+    """argmax over K of expected tokens per step / relative step cost r(K) (r(0) = 1)."""
+    scores = [expected_tokens(a, k) / relative_costs[k] for k in range(len(relative_costs))]
+    return max(range(len(scores)), key=lambda k: (scores[k], -k))
 
 
 def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
@@ -53,11 +59,19 @@ class RequestLike(Protocol):
 
 @dataclass
 class CostModel:
-    """Measured step costs relative to a plain decode step, per batch-size bucket."""
+    """Step costs relative to a plain decode step, per batch-size bucket.
+
+    Calibration (start-up, forward passes only) gives c and v(K); the runner then reports
+    the measured wall time of every step (`observe`), host overhead included, and measured
+    costs replace the calibrated ones as they arrive. So a setup where per-step overhead
+    dominates (tiny models) learns that speculating does not pay.
+    """
 
     k_max: int
     draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
+    observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> EMA seconds
+    smoothing: float = 0.2
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -66,13 +80,30 @@ class CostModel:
             b *= 2
         return b
 
-    def costs(self, batch_size: int) -> tuple[float, list[float]]:
+    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+        key = (self.bucket(batch_size), k)
+        old = self.observed.get(key)
+        self.observed[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def has_plain(self, batch_size: int) -> bool:
+        return (self.bucket(batch_size), 0) in self.observed
+
+    def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
         b = self.bucket(batch_size)
         keys = sorted(self.verify_ratio) or [b]
         near = min(keys, key=lambda x: abs(x - b))
-        c = self.draft_ratio.get(near, 0.5)
-        v = self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
-        return c, v
+        return self.draft_ratio.get(near, 0.5), self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
+
+    def relative_costs(self, batch_size: int) -> list[float]:
+        """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1)."""
+        b = self.bucket(batch_size)
+        c, v = self.calibrated(batch_size)
+        plain = self.observed.get((b, 0))
+        out = [1.0]
+        for k in range(1, self.k_max + 1):
+            seen = self.observed.get((b, k))
+            out.append(seen / plain if seen is not None and plain else k * c + v[k])
+        return out
 
 
 class SpecPolicy(Protocol):
@@ -119,7 +150,9 @@ class AdaptivePolicy:
     prior_weight: float = 4.0
     decay: float = 0.9  # per-round forgetting of old evidence
     max_probe_interval: int = 64
+    plain_refresh: int = 256  # every this many steps, one plain step re-measures the baseline
     _est: dict[str, _Estimate] = field(default_factory=dict)
+    _steps: int = 0
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -131,11 +164,14 @@ class AdaptivePolicy:
 
     def choose(self, requests: Sequence[RequestLike], seq_lens: Sequence[int], max_seq_len: int,
                tokens_left: Sequence[int]) -> list[int]:
-        c, v = self.costs.costs(len(requests))
+        self._steps += 1
+        if not self.costs.has_plain(len(requests)) or self._steps % self.plain_refresh == 0:
+            return [0] * len(requests)  # measure (or re-measure) a plain step at this batch size
+        costs = self.costs.relative_costs(len(requests))
         ks = []
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._est.setdefault(r.request_id, _Estimate(self.prior_a * self.prior_weight, self.prior_weight))
-            k = best_k(est.accepted / est.trials, self.k_max, c, v)
+            k = best_k_for_costs(est.accepted / est.trials, costs)
             if k == 0:
                 est.probe_wait += 1
                 if est.probe_wait >= est.probe_interval:

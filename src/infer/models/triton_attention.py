@@ -15,10 +15,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# T (the chunk width) and the row stride vary from call to call (verification widths, the
+# draft's catch-up chunks, eager context widths): runtime values, so one compiled kernel
+# serves them all instead of a fresh Triton compile per width.
+@triton.jit(do_not_specialize=["T", "s_rb"])
 def _chunk_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, scale,
                      s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_ob, s_ot, s_oh,
-                     T: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                     T, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)

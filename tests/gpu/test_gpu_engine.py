@@ -81,7 +81,7 @@ def test_graphs_with_compiled_kernels_match_transformers_greedy(ckpt_a):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t, group, d", [(1, 3, 128), (6, 4, 64), (1, 1, 16), (3, 8, 64)])
+@pytest.mark.parametrize("t, group, d", [(1, 3, 128), (6, 4, 64), (1, 1, 16), (3, 8, 64), (100, 3, 64)])
 def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     from infer.cache.view import ViewIndices
     from infer.models.attention import masked_attention
@@ -91,9 +91,10 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=dtype)
     vc = torch.randn_like(kc)
     q = torch.randn(b, t, hkv * group, d, device="cuda", dtype=dtype)
-    ends = torch.tensor([7, 130, 300], device="cuda")  # every query has >= 1 visible key
+    first = max(7, t + 1)
+    ends = torch.tensor([first, 130, 300], device="cuda")  # every query sees >= 1 key
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
-    gather[0, 7:] = rows  # padding -> scratch row
+    gather[0, first:] = rows  # padding -> scratch row
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
     idx = ViewIndices(torch.empty(0, dtype=torch.long), gather, q_pos, ends)
     got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)

@@ -96,11 +96,15 @@ def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
     return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
 
 
+TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go through gather + SDPA
+
+
 def use_triton_attention(q: torch.Tensor) -> bool:
-    """The Triton kernel serves short query chunks (decode, draft steps, verification) on CUDA
-    with a power-of-two head_dim >= 16; prefill and CPU use gather + masked SDPA."""
+    """The Triton kernel serves short chunks (decode, draft steps and catch-up, verification,
+    short prompts) on CUDA with a power-of-two head_dim >= 16; long prefill chunks and the
+    CPU use gather + masked SDPA."""
     d = q.shape[-1]
-    return q.is_cuda and q.shape[1] <= 16 and d >= 16 and d & (d - 1) == 0 and triton_available()
+    return q.is_cuda and q.shape[1] <= TRITON_MAX_CHUNK and d >= 16 and d & (d - 1) == 0 and triton_available()
 
 
 @functools.cache

@@ -17,7 +17,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 class AttentionView(Protocol):
@@ -43,13 +42,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool -> [B, T, Hq, D].
     """
-    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # [B, H, T|S, D]
-    kwargs = dict(attn_mask=mask[:, None, :, :], enable_gqa=q.shape[2] != k.shape[2])
-    if q.is_cuda:  # not cuDNN: it plans anew for every new (T, S), 10-100s of ms each
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            out = F.scaled_dot_product_attention(*args, **kwargs)
-    else:
-        out = F.scaled_dot_product_attention(*args, **kwargs)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T|S, D]
+        attn_mask=mask[:, None, :, :], enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2)
 
 

@@ -49,12 +49,18 @@ def plain_demo():
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
-@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+CONFIGS = {
+    "contiguous": dict(kv_cache_backend="contiguous"),
+    "paged-prefix": dict(kv_cache_backend="paged"),
+    "paged-preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=60),  # 8 requests need ~120
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("batch", [1, 8])
-def test_demo_pair_greedy_parity(make_llm, plain_demo, backend, batch):
-    llm = make_llm(DEMO_TARGET, max_seq_len=256, max_batch_size=batch, kv_cache_backend=backend,
-                   use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=4,
-                   max_num_batched_tokens=16)
+def test_demo_pair_greedy_parity(make_llm, plain_demo, config, batch):
+    llm = make_llm(DEMO_TARGET, max_seq_len=256, max_batch_size=batch, use_speculative_decoding=True,
+                   draft_model=str(DEMO_DRAFT), spec_length=4, max_num_batched_tokens=16, **CONFIGS[config])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     if batch == 1:
         outs = [llm.generate([p], params)[0] for p in PROMPTS]
@@ -63,6 +69,8 @@ def test_demo_pair_greedy_parity(make_llm, plain_demo, backend, batch):
     assert [o.outputs[0].token_ids for o in outs] == plain_demo
     rate = llm.engine.runner.stats.acceptance_rate
     assert 0.3 < rate < 1.0  # a trained draft: well above chance, below a copy of the target
+    if config == "paged-preempt" and batch == 8:
+        assert llm.engine.scheduler.num_preemptions > 0
 
 
 def test_demo_pair_first_speculative_token_distribution(make_llm):

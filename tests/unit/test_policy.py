@@ -115,3 +115,12 @@ def test_measured_step_costs_override_calibration():
     assert p.choose([R("y")], [10], 1000, [500]) == [0]  # even 90 % acceptance does not pay
     costs.observe(1, 4, 0.001)  # EMA moves toward the new measurement
     assert 1.0 < costs.relative_costs(1)[4] < 9.0
+
+
+def test_switch_margin_keeps_plain_decoding_near_break_even():
+    from infer.spec.policy import best_k_for_costs
+    costs = [1.0, 1.6, 2.2]
+    a = 0.62  # K=1: 1.62 / 1.6 = 1.0125, a 1 % gain
+    assert best_k_for_costs(a, costs) == 1
+    assert best_k_for_costs(a, costs, margin=0.05) == 0
+    assert best_k_for_costs(0.9, costs, margin=0.05) > 0  # a clear gain still speculates

@@ -136,13 +136,16 @@ class SpeculativeRunner(ContinuousRunner):
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
+        catch_up = 0.0
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
         else:
             drafts = self.proposer.propose(requests, ks)
             outputs = self._accept(requests, drafts, self._verify(requests, drafts))
-        # the step ended in a host sync (tokens are on the host), so this is its real cost
-        self.cost_model.observe(len(requests), max(ks), time.perf_counter() - start)
+            catch_up = getattr(self.proposer, "catch_up_seconds", 0.0)
+        # the step ended in a host sync (tokens are on the host), so this is its real cost;
+        # a draft catching up after plain steps is a one-off switching cost, kept out of it
+        self.cost_model.observe(len(requests), max(ks), time.perf_counter() - start - catch_up)
         return outputs
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:

@@ -17,6 +17,7 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ class DraftModelProposer:
         self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
+        self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
 
     # -- memory, in lockstep with the target pool --------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -84,7 +86,12 @@ class DraftModelProposer:
             return drafts
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
-        self._catch_up([r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= 2])
+        behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= 2]
+        start = time.perf_counter()
+        self._catch_up(behind)
+        if behind and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the catch-up's time is its own
+        self.catch_up_seconds = time.perf_counter() - start if behind else 0.0
         tokens, probs = self._draft_loop(reqs, k_of)
         for j, i in enumerate(active):
             k = k_of[j]

@@ -41,10 +41,15 @@ def best_k(a: float, k_max: int, c: float, verify_costs: Sequence[float]) -> int
     return best_k_for_costs(a, [k * c + verify_costs[k] for k in range(k_max + 1)])
 
 
-def best_k_for_costs(a: float, relative_costs: Sequence[float]) -> int:
-    """argmax over K of expected tokens per step / relative step cost r(K) (r(0) = 1)."""
+def best_k_for_costs(a: float, relative_costs: Sequence[float], margin: float = 0.0) -> int:
+    """argmax over K of expected tokens per step / relative step cost r(K) (r(0) = 1).
+
+    With `margin`, speculating must beat plain decoding by that fraction: near break-even,
+    switching back and forth costs more than either choice (the draft must catch up).
+    """
     scores = [expected_tokens(a, k) / relative_costs[k] for k in range(len(relative_costs))]
-    return max(range(len(scores)), key=lambda k: (scores[k], -k))
+    best = max(range(len(scores)), key=lambda k: (scores[k], -k))
+    return best if scores[best] > scores[0] * (1.0 + margin) else 0
 
 
 def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
@@ -151,6 +156,7 @@ class AdaptivePolicy:
     decay: float = 0.9  # per-round forgetting of old evidence
     max_probe_interval: int = 64
     plain_refresh: int = 256  # every this many steps, one plain step re-measures the baseline
+    switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
 
@@ -171,7 +177,7 @@ class AdaptivePolicy:
         ks = []
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._est.setdefault(r.request_id, _Estimate(self.prior_a * self.prior_weight, self.prior_weight))
-            k = best_k_for_costs(est.accepted / est.trials, costs)
+            k = best_k_for_costs(est.accepted / est.trials, costs, self.switch_margin)
             if k == 0:
                 est.probe_wait += 1
                 if est.probe_wait >= est.probe_interval:

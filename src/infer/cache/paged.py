@@ -22,7 +22,7 @@ import torch
 
 from infer.cache.allocator import BlockAllocator
 from infer.cache.prefix import PrefixTree
-from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices
+from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices, pool_view
 from infer.models.config import ModelConfig
 
 
@@ -277,5 +277,4 @@ class PagedKVCachePool:
             self._lens[slot] = end
 
     def view(self, layout: BatchLayout) -> CacheView:
-        indices = self.indices(layout).to(self.k_cache.device)
-        return CacheView(self.k_cache, self.v_cache, indices, lambda: self.commit(layout))
+        return pool_view(self, layout)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices
+from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices, pool_view
 from infer.models.config import ModelConfig
 
 
@@ -92,5 +92,4 @@ class SlottedKVCache:
             self._lens[slot] = end
 
     def view(self, layout: BatchLayout) -> CacheView:
-        indices = self.indices(layout).to(self.k_cache.device)
-        return CacheView(self.k_cache, self.v_cache, indices, lambda: self.commit(layout))
+        return pool_view(self, layout)

@@ -13,6 +13,7 @@ view and replay it after new indices are copied into the same tensors.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -109,11 +110,7 @@ def use_triton_attention(q: torch.Tensor) -> bool:
 
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 class CacheView:
@@ -145,3 +142,10 @@ class CacheView:
         """Advance each slot's length past this chunk (call after the forward pass)."""
         if self._on_commit is not None:
             self._on_commit()
+
+
+def pool_view(pool: object, layout: BatchLayout) -> CacheView:
+    """The eager view of a pool for one forward: validated indices moved to the device once;
+    `view.commit()` calls `pool.commit(layout)`."""
+    indices = pool.indices(layout).to(pool.k_cache.device)  # type: ignore[attr-defined]
+    return CacheView(pool.k_cache, pool.v_cache, indices, lambda: pool.commit(layout))  # type: ignore[attr-defined]

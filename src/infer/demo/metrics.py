@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.spec.policy import expected_tokens
+from infer.spec.policy import walltime_factor as spec_walltime_factor
+
 
 def acceptance_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """p, q: [..., V] distributions -> [...] sum_x min(p(x), q(x))."""
@@ -54,16 +57,15 @@ def expected_tokens_per_call(alpha: float, gamma: int) -> float:
     """Equation (1): mean tokens produced per target call with gamma drafted tokens."""
     if gamma < 0 or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"need gamma >= 0 and alpha in [0, 1], got gamma={gamma}, alpha={alpha}")
-    if alpha == 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+    return expected_tokens(alpha, gamma)
 
 
 def walltime_factor(alpha: float, gamma: int, c: float) -> float:
     """Theorem 3.8: expected speedup over plain decoding; c = draft / target step time."""
     if c < 0:
         raise ValueError(f"cost coefficient c must be >= 0, got {c}")
-    return expected_tokens_per_call(alpha, gamma) / (gamma * c + 1.0)
+    expected_tokens_per_call(alpha, gamma)  # validates alpha and gamma
+    return spec_walltime_factor(alpha, gamma, c)
 
 
 @dataclass

@@ -75,6 +75,21 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def token_slice(self, lo: int, hi: int | None = None) -> list[int]:
+        """all_token_ids[lo:hi] without concatenating the whole history (hot paths)."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        p = len(prompt)
+        hi = p + len(output) if hi is None else hi
+        if lo >= p:
+            return output[lo - p:hi - p]
+        if hi <= p:
+            return prompt[lo:hi]
+        return prompt[lo:] + output[:hi - p]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

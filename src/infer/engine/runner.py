@@ -139,7 +139,7 @@ class ContinuousRunner:
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
         for b, (request, start, n) in enumerate(zip(requests, layout.start_positions, layout.chunk_lens,
                                                     strict=True)):
-            ids[b, :n] = torch.tensor(request.all_token_ids[start:start + n])
+            ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
         view = pool.view(layout)
         logits = model(ids.to(self.device), layout.positions(self.device), view,
                        logits_indices=layout.last_token_indices(self.device))
@@ -149,7 +149,7 @@ class ContinuousRunner:
     def _decode(self, requests: Sequence[Request]) -> StepResult:
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
-        ids = torch.tensor([[r.all_token_ids[-1]] for r in requests])
+        ids = torch.tensor([[r.last_token_id] for r in requests])
         logits = self.forward(ids, layout, all_logits=False)  # [B, V]
         for r in requests:
             r.num_computed_tokens += 1

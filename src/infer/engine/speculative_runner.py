@@ -153,7 +153,7 @@ class SpeculativeRunner(ContinuousRunner):
         num_draft = [len(d.token_ids) for d in drafts]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [k + 1 for k in num_draft])
-        rows = [[r.all_token_ids[-1], *d.token_ids] for r, d in zip(requests, drafts, strict=True)]
+        rows = [[r.last_token_id, *d.token_ids] for r, d in zip(requests, drafts, strict=True)]
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
         for b, row in enumerate(rows):
             ids[b, :len(row)] = torch.tensor(row)

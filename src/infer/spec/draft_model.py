@@ -110,7 +110,7 @@ class DraftModelProposer:
         layout = BatchLayout.of(slots, starts, lens)
         ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
         for b, (r, d, n) in enumerate(zip(reqs, starts, lens, strict=True)):
-            ids[b, :n] = torch.tensor(r.all_token_ids[d:d + n])
+            ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
         view = self.pool.view(layout)
         self.model(ids.to(self.device), layout.positions(self.device), view,
                    logits_indices=layout.last_token_indices(self.device))
@@ -134,7 +134,7 @@ class DraftModelProposer:
         probs_out = None
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
         starts = [self.pool.seq_len(s) for s in slots]
-        feeds = [r.all_token_ids[d:] for r, d in zip(reqs, starts, strict=True)]
+        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
         lens = [len(f) for f in feeds]
         ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):

@@ -314,13 +314,7 @@ _TABLES: dict[str, type[NgramTable] | type[PromptLookupTable]] = {
 
 def _tokens_from(request: Request, lo: int, hi: int) -> list[int]:
     """request.all_token_ids[lo:hi] without concatenating the whole history."""
-    prompt, output = request.prompt_token_ids, request.output_token_ids
-    p = len(prompt)
-    if lo >= p:
-        return output[lo - p : hi - p]
-    if hi <= p:
-        return prompt[lo:hi]
-    return prompt[lo:] + output[: hi - p]
+    return request.token_slice(lo, hi)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, roofline probe, engine and transformers runs, reports (`infer bench`)."""

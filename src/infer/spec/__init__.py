@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft model, n-gram), rejection sampling, length policy, metrics."""

@@ -1,0 +1,280 @@
+"""N-gram draft tables, one per request, pure Python: `NgramTable` (frequency tables of
+orders min_order..max_order over a sliding window; longest matching context, most frequent
+continuation) and `PromptLookupTable` (longest earlier occurrence of the context's suffix;
+copy what followed), and `NgramConfig`. See `infer.spec.ngram` for the definitions and the
+proposer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+METHODS = ("ngram", "prompt_lookup")
+
+
+def is_strict_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class NgramConfig:
+    """Which table to draft from and its shape (orders are n-gram lengths: context + 1)."""
+
+    method: str = "ngram"  # "ngram" (frequency tables) or "prompt_lookup" (copy earlier span)
+    max_order: int = 4  # longest n-gram: contexts of up to max_order - 1 tokens
+    min_order: int = 2  # shortest n-gram: contexts of at least min_order - 1 tokens
+    window: int = 512  # only n-grams inside the last `window` tokens are counted
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not is_strict_int(self.min_order) or self.min_order < 2:
+            raise ValueError(
+                f"min_order must be an integer >= 2 (a context of at least one token), got {self.min_order!r}"
+            )
+        if not is_strict_int(self.max_order) or self.max_order < self.min_order:
+            raise ValueError(
+                f"max_order must be an integer >= min_order ({self.min_order}), got {self.max_order!r}"
+            )
+        if not is_strict_int(self.window) or self.window < self.max_order:
+            raise ValueError(
+                f"window must be an integer >= max_order ({self.max_order}) so that an n-gram "
+                f"fits in it, got {self.window!r}"
+            )
+
+
+class _Window:
+    """The last `size` tokens, addressed by absolute position (0 = first token ever added)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._tokens: list[int] = []
+        self._base = 0  # absolute position of self._tokens[0]
+        self.start = 0  # absolute position of the oldest token still in the window
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the newest token."""
+        return self._base + len(self._tokens)
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def append(self, token: int) -> None:
+        self._tokens.append(token)
+
+    def drop_oldest(self) -> None:
+        self.start += 1
+        if self.start - self._base >= self.size:  # compact: amortised O(1) per token
+            del self._tokens[: self.start - self._base]
+            self._base = self.start
+
+    def slice(self, lo: int, hi: int) -> list[int]:
+        """Tokens at absolute positions [lo, hi) (both inside the window)."""
+        return self._tokens[lo - self._base : hi - self._base]
+
+    def tokens(self) -> list[int]:
+        return self._tokens[self.start - self._base :]
+
+
+class _Continuations:
+    """Next-token counts of one context, with a cached best continuation."""
+
+    __slots__ = ("entries", "best")
+
+    def __init__(self, token: int, pos: int) -> None:
+        self.entries: dict[int, list[int]] = {token: [1, pos]}  # token -> [count, newest position]
+        self.best: int | None = token  # None = stale, recomputed by `top`
+
+    def add(self, token: int, pos: int) -> None:
+        entry = self.entries.get(token)
+        if entry is None:
+            entry = self.entries[token] = [0, pos]
+        entry[0] += 1
+        entry[1] = pos
+        best = self.best
+        # the newest entry wins ties, so it becomes best once its count reaches the best's
+        if best is not None and entry[0] >= self.entries[best][0]:
+            self.best = token
+
+    def remove_oldest(self, token: int) -> None:
+        """Drop the oldest occurrence of token (so its newest position stays right)."""
+        entry = self.entries[token]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.entries[token]
+        if self.best == token:
+            self.best = None
+
+    def top(self) -> int:
+        if self.best is None:
+            self.best = max(self.entries.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
+        return self.best
+
+
+class NgramTable:
+    """Per-request n-gram frequency tables over a sliding window of tokens."""
+
+    def __init__(self, max_order: int = 4, min_order: int = 2, window: int = 512) -> None:
+        NgramConfig("ngram", max_order, min_order, window)  # validates the arguments
+        self.max_order, self.min_order = max_order, min_order
+        self._max_ctx = max_order - 1
+        self._win = _Window(window)
+        # (context length c, table: c-token context -> its continuations), longest first
+        self._levels: list[tuple[int, dict[tuple[int, ...], _Continuations]]] = [
+            (c, {}) for c in range(max_order - 1, min_order - 2, -1)
+        ]
+
+    @property
+    def history(self) -> list[int]:
+        """The windowed tokens the tables are built from (a copy)."""
+        return self._win.tokens()
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Add tokens the request really has (never drafts) and evict what leaves the window."""
+        win, levels = self._win, self._levels
+        for token in tokens:
+            pos = win.end
+            recent = win.slice(max(win.start, pos - self._max_ctx), pos)  # context before token
+            win.append(token)
+            r = len(recent)
+            for c, table in levels:
+                if c <= r:
+                    ctx = tuple(recent[r - c :])
+                    conts = table.get(ctx)
+                    if conts is None:
+                        table[ctx] = _Continuations(token, pos)
+                    else:
+                        conts.add(token, pos)
+            if len(win) > win.size:
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Remove the n-grams that start at the oldest window position, then drop it."""
+        win = self._win
+        q = win.start
+        oldest = win.slice(q, min(q + self._max_ctx + 1, win.end))
+        for c, table in self._levels:
+            if c < len(oldest):
+                ctx = tuple(oldest[:c])
+                conts = table[ctx]
+                conts.remove_oldest(oldest[c])
+                if not conts.entries:
+                    del table[ctx]
+        win.drop_oldest()
+
+    def predict(self, context: Sequence[int]) -> int | None:
+        """Most frequent continuation of the longest known suffix of `context`, or None."""
+        n = len(context)
+        for c, table in self._levels:
+            if n >= c:
+                conts = table.get(tuple(context[n - c :]))
+                if conts is not None:
+                    return conts.top()
+        return None
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Chain up to k predictions after `history`; the table is not modified."""
+        context = list(history[-(self.max_order - 1) :])
+        draft: list[int] = []
+        for _ in range(k):
+            token = self.predict(context)
+            if token is None:
+                break
+            draft.append(token)
+            context = (context + [token])[-(self.max_order - 1) :]
+        return draft
+
+    def continuations(self, context: Sequence[int]) -> dict[int, int]:
+        """Next-token counts for exactly this context (empty if unseen or of unused length)."""
+        for c, table in self._levels:
+            conts = table.get(tuple(context)) if c == len(context) else None
+            if conts is not None:
+                return {tok: entry[0] for tok, entry in conts.entries.items()}
+        return {}
+
+    def counts(self) -> dict[tuple[int, ...], int]:
+        """Every counted n-gram (context + next token) with its count, over all orders."""
+        return {
+            ctx + (tok,): entry[0]
+            for _, table in self._levels
+            for ctx, conts in table.items()
+            for tok, entry in conts.entries.items()
+        }
+
+
+class PromptLookupTable:
+    """Prompt lookup: copy what followed the most recent earlier occurrence of the longest suffix."""
+
+    def __init__(self, max_order: int = 4, min_order: int = 2, window: int = 512) -> None:
+        NgramConfig("prompt_lookup", max_order, min_order, window)  # validates the arguments
+        self.max_order, self.min_order = max_order, min_order
+        self._ctx_lens = range(max_order - 1, min_order - 2, -1)  # longest first
+        self._win = _Window(window)
+        # per length c: c-token sequence -> absolute position of the token that followed its
+        # most recent occurrence (an occurrence with no follower yet is not indexed)
+        self._index: dict[int, dict[tuple[int, ...], int]] = {c: {} for c in self._ctx_lens}
+
+    @property
+    def history(self) -> list[int]:
+        """The windowed tokens the index is built from (a copy)."""
+        return self._win.tokens()
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Add tokens the request really has and forget occurrences that leave the window."""
+        win = self._win
+        for token in tokens:
+            pos = win.end
+            win.append(token)
+            for c in self._ctx_lens:
+                if pos - c >= win.start:
+                    self._index[c][tuple(win.slice(pos - c, pos))] = pos
+            if len(win) > win.size:
+                self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        """Forget occurrences that start at the oldest window position, then drop it."""
+        win = self._win
+        q = win.start
+        for c in self._ctx_lens:
+            key = tuple(win.slice(q, q + c))
+            if q + c < win.end and self._index[c].get(key) == q + c:
+                del self._index[c][key]  # only if no newer occurrence replaced it
+        win.drop_oldest()
+
+    def find(self, context: Sequence[int]) -> tuple[int, int] | None:
+        """(suffix length, absolute start of the copied continuation) of the best match, or None."""
+        n = len(context)
+        for c in self._ctx_lens:
+            if n >= c:
+                pos = self._index[c].get(tuple(context[n - c :]))
+                if pos is not None:
+                    return c, pos
+        return None
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens copied from the history; re-matches when a copy runs off its end."""
+        tail = list(history[-(self.max_order - 1) :])
+        draft: list[int] = []
+        while len(draft) < k:
+            match = self.find(tail)
+            if match is None:
+                break
+            start = match[1]
+            span = self._win.slice(start, min(start + k - len(draft), self._win.end))
+            draft.extend(span)  # non-empty: an indexed follower is inside the window
+            tail = (tail + span)[-(self.max_order - 1) :]
+        return draft
+
+
+class DraftTable(Protocol):
+    """What NgramProposer needs of a per-request table (NgramTable, PromptLookupTable)."""
+
+    @property
+    def history(self) -> list[int]: ...
+
+    def extend(self, tokens: Iterable[int]) -> None: ...
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]: ...

@@ -19,7 +19,6 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampler")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
@@ -41,8 +40,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt)
         sys.stdout.write(args.prompt)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-                            seed=args.sampling_seed)
+                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens)
+    # sampling is seeded by the engine's --seed (default 0): the same command gives the same text
     request = engine.add_request(ids, params)
     start = time.perf_counter()
     while not request.is_finished:

@@ -73,3 +73,15 @@ def test_bad_prompts_are_clear_errors(make_llm, ckpt_a, ids, words):
     llm = make_llm(ckpt_a, max_seq_len=128)
     with pytest.raises(ValueError, match=words):
         llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=16))
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(make_llm, ckpt_a):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10]]
+
+    def run(seed):
+        llm = make_llm(ckpt_a, max_seq_len=64, seed=seed)
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)

@@ -17,6 +17,7 @@ _HELP = {
     "draft_model": "draft model for speculative decoding; default with the demo target: the demo draft",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
     "device": "auto | cpu | cuda[:N]",
+    "seed": "sampling seed of requests that set none (the same command gives the same text)",
     "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
 }
 

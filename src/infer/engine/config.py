@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy" (random weights, for timing)
-    seed: int = 0
+    seed: int = 0  # requests without their own seed sample from seed-derived generators
     # batching and memory
     max_batch_size: int = 8
     max_seq_len: int = 1024  # capped at the model's max_position_embeddings

@@ -31,6 +31,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                    config.batching_mode))
         self._ids = itertools.count()
+        self._num_added = 0
         self._requests: dict[str, Request] = {}
 
     def _make_runner(self) -> ContinuousRunner:
@@ -54,6 +55,9 @@ class Engine:
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         request = Request(rid, ids, params)
+        if params.seed is None:  # unseeded requests still replay exactly under the same engine seed
+            request.generator.manual_seed((self.config.seed * 1_000_003 + self._num_added) % 2**63)
+        self._num_added += 1
         self._requests[rid] = request
         self.scheduler.add(request)
         return request

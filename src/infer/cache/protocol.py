@@ -74,20 +74,3 @@ class CachePoolProtocol(Protocol):
     def leak_report(self) -> list[str]:
         """Problems when the pool should be idle: slots in use, blocks held, refcounts > 0."""
         ...
-
-
-def prefill_layout(slot: int, length: int) -> BatchLayout:
-    return BatchLayout.of([slot], [0], [length])
-
-
-def batched_prefill_layout(slots: Sequence[int], lengths: Sequence[int]) -> BatchLayout:
-    return BatchLayout.of(slots, [0] * len(slots), lengths)
-
-
-def chunked_prefill_layout(slots: Sequence[int], start_positions: Sequence[int],
-                           chunk_lens: Sequence[int]) -> BatchLayout:
-    return BatchLayout.of(slots, start_positions, chunk_lens)
-
-
-def decode_layout(slots: Sequence[int], seq_lens: Sequence[int]) -> BatchLayout:
-    return BatchLayout.of(slots, seq_lens, [1] * len(slots), width=1)

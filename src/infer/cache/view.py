@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.models.attention import masked_attention
+from infer.models.attention import masked_attention, position_mask
 
 RowsFn = Callable[[int, int, int], torch.Tensor]
 """rows_of(slot, start, end) -> CPU LongTensor [end - start] of storage rows of positions start..end-1."""
@@ -75,8 +75,7 @@ class ViewIndices:
 
     def mask(self) -> torch.Tensor:
         """[B, T, S] bool: key j visible to query t iff j <= q_pos[t] and j < ctx_end."""
-        k_pos = torch.arange(self.gather_rows.shape[1], device=self.gather_rows.device)
-        return (k_pos <= self.q_pos[:, :, None]) & (k_pos < self.ctx_end[:, None, None])
+        return position_mask(self.q_pos, self.ctx_end, self.gather_rows.shape[1])
 
 
 def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,

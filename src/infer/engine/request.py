@@ -98,9 +98,14 @@ class Request:
         return self.state is RequestState.FINISHED
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens to cache before decoding: all of them except a pending sampled token."""
+        return self.num_tokens - (1 if self.output_token_ids else 0)
+
+    @property
     def in_prefill(self) -> bool:
         """True until every token except the last sampled one has its KV in the cache."""
-        return self.num_computed_tokens < self.num_tokens - (1 if self.output_token_ids else 0)
+        return self.num_computed_tokens < self.prefill_target
 
     def mean_acceptance_rate(self) -> float | None:
         rates = self.speculation_acceptance_rates

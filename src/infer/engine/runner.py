@@ -47,11 +47,6 @@ def step_kernels(config: EngineConfig, device: torch.device) -> Kernels:
     return compiled_kernels() if wanted else EAGER
 
 
-def prefill_target(request: Request) -> int:
-    """Tokens to cache before decoding: everything except a pending sampled token."""
-    return request.num_tokens - (1 if request.output_token_ids else 0)
-
-
 class ContinuousRunner:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
                  eos_token_ids: tuple[int, ...]) -> None:
@@ -71,11 +66,11 @@ class ContinuousRunner:
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:
-        return self.cache_pool.can_allocate(prefill_target(request))
+        return self.cache_pool.can_allocate(request.prefill_target)
 
     def allocate(self, request: Request) -> None:
         prefix = request.prompt_token_ids if self.config.enable_prefix_caching else None
-        request.slot = self.cache_pool.allocate_slot(prefill_target(request), prefix)
+        request.slot = self.cache_pool.allocate_slot(request.prefill_target, prefix)
         request.num_computed_tokens = self.cache_pool.seq_len(request.slot)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:

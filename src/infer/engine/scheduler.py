@@ -103,7 +103,7 @@ class Scheduler:
             if request.in_prefill:
                 if budget <= 0:
                     continue
-                remaining = _prefill_target(request) - request.num_computed_tokens
+                remaining = request.prefill_target - request.num_computed_tokens
                 chunk = min(remaining, budget)
                 budget -= chunk
                 decision.prefill.append((request, chunk))
@@ -147,8 +147,3 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-
-def _prefill_target(request: Request) -> int:
-    """Tokens to have in the cache before decoding: all but a pending sampled token."""
-    return request.num_tokens - (1 if request.output_token_ids else 0)

@@ -26,7 +26,7 @@ from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.request import Request
-from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, prefill_target
+from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs
 from infer.spec.draft_model import DraftModelProposer
@@ -97,12 +97,12 @@ class SpeculativeRunner(ContinuousRunner):
     # -- capacity: both pools in lockstep -------------------------------------------------------
     def can_admit(self, request: Request) -> bool:
         ok = super().can_admit(request)
-        return ok and (self.draft is None or self.draft.can_allocate(prefill_target(request)))
+        return ok and (self.draft is None or self.draft.can_allocate(request.prefill_target))
 
     def allocate(self, request: Request) -> None:
         super().allocate(request)
         if self.draft is not None:
-            self.draft.allocate(request, prefill_target(request))
+            self.draft.allocate(request, request.prefill_target)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         if not super().ensure_capacity(request, total_tokens):

@@ -25,16 +25,12 @@ class AttentionView(Protocol):
         ...
 
 
-def context_mask(start_positions: torch.Tensor, chunk_lens: torch.Tensor, t: int, s: int) -> torch.Tensor:
-    """Boolean [B, T, S]: key j is visible to query t of row b.
-
-    j <= start + t (causal) and j < start + chunk_len (no padded keys). Padded queries
-    (t >= chunk_len) still see key 0, so their (ignored) outputs stay finite.
-    """
-    q_pos = start_positions[:, None] + torch.arange(t, device=start_positions.device)[None, :]  # [B, T]
-    k_pos = torch.arange(s, device=start_positions.device)  # [S]
-    limit = (start_positions + chunk_lens)[:, None, None]  # [B, 1, 1]
-    return (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < limit)
+def position_mask(q_pos: torch.Tensor, ctx_end: torch.Tensor, s: int) -> torch.Tensor:
+    """Boolean [B, T, S]: key j is visible to the query at absolute position q_pos[b, t] iff
+    j <= q_pos (causal) and j < ctx_end[b] (no padded keys). q_pos: [B, T]; ctx_end: [B].
+    Padded queries still see key 0, so their (ignored) outputs stay finite."""
+    k_pos = torch.arange(s, device=q_pos.device)
+    return (k_pos <= q_pos[:, :, None]) & (k_pos < ctx_end[:, None, None])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,6 +60,6 @@ class NoCacheView:
                 v.transpose(1, 2).repeat_interleave(groups, dim=1),
                 is_causal=True)
             return out.transpose(1, 2)
-        starts = torch.zeros(b, dtype=torch.long, device=q.device)
-        mask = context_mask(starts, self.chunk_lens.to(q.device), t, t)
+        q_pos = torch.arange(t, device=q.device).expand(b, t)
+        mask = position_mask(q_pos, self.chunk_lens.to(q.device), t)
         return masked_attention(q, k, v, mask)

@@ -171,11 +171,3 @@ def fused_to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterato
             yield f"{prefix}.{part}.weight", chunk
     else:
         yield name, tensor
-
-
-def fused_to_hf_names(name: str) -> str:
-    if name.endswith("qkv_proj.weight"):
-        return name.replace("qkv_proj", "q_proj")
-    if name.endswith("gate_up_proj.weight"):
-        return name.replace("gate_up_proj", "gate_proj")
-    return name

@@ -195,3 +195,72 @@ def test_rows_with_smaller_k_stop_drafting(make_llm, ckpt_a, prompts, backend):
     llm = make_llm(ckpt_a, max_seq_len=64, kv_cache_backend=backend, max_batch_size=2,
                    use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=5)  # self-draft: full k
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == ref
+
+
+class _SchedulePolicy:
+    """Draft lengths from a fixed cycle (plain steps in between), like an adaptive policy that
+    keeps switching: the draft must catch up on the tokens it skipped."""
+
+    def __init__(self, cycle):
+        self.cycle, self.i = cycle, 0
+
+    def choose(self, requests, seq_lens, max_seq_len, tokens_left):
+        from infer.spec.policy import guard_k
+        k = self.cycle[self.i % len(self.cycle)]
+        self.i += 1
+        return [guard_k(k, n, max_seq_len, left) for n, left in zip(seq_lens, tokens_left)]
+
+    def update(self, request_id, num_draft, num_accepted):
+        return None
+
+    def release(self, request_id):
+        return None
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_outputs, backend):
+    # gaps of 1, 2, 3 and 6 plain steps: short ones ride along with draft step 1 (a chunk of up
+    # to max_feed tokens), the long one runs as its own catch-up prefill. A self-draft accepts
+    # everything only if its cache holds exactly the request's tokens after every switch.
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(ckpt_a, max_seq_len=256, kv_cache_backend=backend)
+             .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2, kv_cache_backend=backend, block_size=4)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
+    catch_ups = []
+    original = runner.draft._catch_up
+    runner.draft._catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))
+    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert runner.draft.max_feed == 4
+    # the first round prefills the prompts, then only the 6-step gaps need a prefill
+    assert catch_ups and len(catch_ups) <= 1 + 40 // 17 + 1
+    assert runner.stats.acceptance_rate >= 0.99
+
+
+def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):
+    # an n-gram proposer that finds no match proposes nothing: the step must be the plain
+    # decode step (no verification pass), and the cost model must file it under K = 0
+    from infer.spec.proposer import Draft
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
+    runner = llm.engine.runner
+
+    class Nothing:
+        def propose(self, requests, ks):
+            return [Draft([], None) for _ in requests]
+
+        def on_accepted(self, request, num_accepted):
+            raise AssertionError("nothing was verified")
+
+        def release(self, request):
+            return None
+
+    runner.proposer = Nothing()
+    verified = []
+    original = runner._verify
+    runner._verify = lambda reqs, drafts: (verified.append(1), original(reqs, drafts))[1]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert not verified and runner.stats.rounds == 0
+    assert {k for _, k in runner.cost_model.observed} == {0}

@@ -124,3 +124,48 @@ def test_switch_margin_keeps_plain_decoding_near_break_even():
     assert best_k_for_costs(a, costs) == 1
     assert best_k_for_costs(a, costs, margin=0.05) == 0
     assert best_k_for_costs(0.9, costs, margin=0.05) > 0  # a clear gain still speculates
+
+
+def _rejecting(p, r, steps):
+    for _ in range(steps):  # every draft rejected: the estimate falls to ~0
+        k = p.choose([r], [10], 10_000, [5000])[0]
+        p.update(r.request_id, k, 0)
+
+
+def test_no_probes_when_no_k_could_pay():
+    # host overhead: every speculative step costs 3+ plain steps, so even 90 % acceptance
+    # loses; probing could only cost time
+    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 5})
+    costs.observe(1, 0, 0.001)
+    for k in range(1, 5):
+        costs.observe(1, k, 0.001 * (3 + k))
+    p = AdaptivePolicy(4, costs)
+    r = R("z")
+    assert [p.choose([r], [10], 10_000, [5000])[0] for _ in range(1000)] == [0] * 1000
+
+
+def test_probes_stay_within_their_time_budget():
+    costs = CostModel(4, draft_ratio={1: 0.2}, verify_ratio={1: [1.0] * 5})
+    costs.observe(1, 0, 0.001)
+    costs.observe(1, 1, 0.0013)  # r(1) = 1.3
+    costs.observe_switch(1, 0.0005)  # the draft's catch-up: half a plain step
+    assert costs.switch_cost(1) == pytest.approx(0.5)
+    p = AdaptivePolicy(4, costs)
+    r = R("w")
+    _rejecting(p, r, 30)
+    ks = [p.choose([r], [10], 10_000, [5000])[0] for _ in range(2000)]
+    probes = [i for i, k in enumerate(ks) if k]
+    # a probe costs 0.3 + 0.5 plain steps more than a plain step: at a 1 % budget, one per 80
+    assert 2000 // 80 - 2 <= len(probes) <= 2000 // 80 + 1
+    assert min(b - a for a, b in zip(probes, probes[1:])) >= 80
+    cheap = AdaptivePolicy(4, costs, probe_budget=0.1)
+    _rejecting(cheap, r, 30)
+    assert sum(1 for _ in range(2000) if cheap.choose([r], [10], 10_000, [5000])[0]) > 2 * len(probes)
+
+
+def test_unseen_k_costs_scale_with_the_seen_ones():
+    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 5})
+    costs.observe(1, 0, 0.001)
+    costs.observe(1, 1, 0.0022)  # calibrated 1.1, measured 2.2: host overhead doubles every step
+    assert costs.relative_costs(1) == pytest.approx([1.0, 2.2, 2.4, 2.6, 2.8])
+    assert costs.switch_cost(1) == pytest.approx(0.2)  # nothing measured yet: two draft steps

@@ -4,8 +4,8 @@ c = draft step time / plain target step time (batch 1, one token, last-token log
 paper's Definition 3.7, with and without CUDA graphs; v(K) = target time to verify K+1
 tokens (all logits, as the speculative runner asks) / plain target step time, K = 1..k_max.
 Each forward runs on a scratch slot of a fresh pool (`make_pool_for`, the runner's pools)
-at a fixed context length, through `make_forward` (eager, or the CUDA graphs the engine
-would replay); the slot is freed afterwards.
+at a fixed context length, through `make_forward` with the engine's step kernels (eager, or
+the CUDA graphs with fused kernels the engine would replay); the slot is freed afterwards.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.forward import ForwardFn, make_forward
-from infer.engine.runner import make_pool_for
+from infer.engine.runner import make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
 
 
@@ -56,7 +56,8 @@ def step_times(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bo
     """Median time of one batch-1 forward of each (width, all_logits) shape."""
     pool = _pool(model, cfg)
     device = next(model.parameters()).device
-    forward: ForwardFn = make_forward(model, pool, use_cuda_graphs, 1, shapes=list(shapes))
+    kernels = step_kernels(EngineConfig(use_cuda_graphs=use_cuda_graphs), device)  # as the engine runs them
+    forward: ForwardFn = make_forward(model, pool, use_cuda_graphs, 1, shapes=list(shapes), kernels=kernels)
     slot = pool.allocate_slot(cfg.context_len)
     try:
         pool.ensure_capacity(slot, cfg.context_len + max(w for w, _ in shapes))

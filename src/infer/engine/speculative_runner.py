@@ -37,6 +37,9 @@ from infer.spec.rejection import VerifyResult, verify
 from infer.tokenizer import Tokenizer
 
 
+DRAFT_MAX_FEED = 4  # widest first draft step (CUDA graphs are captured for widths 1..this)
+
+
 class SpeculativeRunner(ContinuousRunner):
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
                  tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
@@ -68,10 +71,12 @@ class SpeculativeRunner(ContinuousRunner):
             if draft_model is None:
                 raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
             pool = make_pool_for(draft_model.config, self.config, self.dtype, self.device, prefix_caching=False)
-            # draft steps feed 1 token (2 after a fully accepted round)
+            # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted
+            # round, a few more after plain steps (longer catch-ups run as their own prefill)
+            feeds = range(1, DRAFT_MAX_FEED + 1)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                                shapes=[(1, False), (2, False)], kernels=self.kernels)
-            self.draft = DraftModelProposer(draft_model, pool, step)
+                                shapes=[(w, False) for w in feeds], kernels=self.kernels)
+            self.draft = DraftModelProposer(draft_model, pool, step, max_feed=DRAFT_MAX_FEED)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer
         return NgramProposer(NgramConfig(method=method, max_order=self.config.ngram_max_order,
@@ -136,16 +141,22 @@ class SpeculativeRunner(ContinuousRunner):
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
-        catch_up = 0.0
+        longest, switch = 0, 0.0
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
         else:
             drafts = self.proposer.propose(requests, ks)
-            outputs = self._accept(requests, drafts, self._verify(requests, drafts))
-            catch_up = getattr(self.proposer, "catch_up_seconds", 0.0)
+            switch = getattr(self.proposer, "catch_up_seconds", 0.0)
+            longest = max(len(d.token_ids) for d in drafts)
+            if longest == 0:  # no proposals at all (n-gram found no match): a plain step
+                outputs = super()._decode(requests)
+            else:
+                outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
-        # a draft catching up after plain steps is a one-off switching cost, kept out of it
-        self.cost_model.observe(len(requests), max(ks), time.perf_counter() - start - catch_up)
+        # a draft catching up after plain steps is the cost of switching, recorded apart
+        if switch:
+            self.cost_model.observe_switch(len(requests), switch)
+        self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
         return outputs
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:

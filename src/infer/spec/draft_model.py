@@ -4,9 +4,10 @@ Per request the draft cache holds a prefix of the request's tokens. A round for 
 whose target cache holds n tokens (the pending token g = tokens[n] not yet fed anywhere):
 
 1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
-   round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty or
-   the one token left over when every draft was accepted. Long catch-ups run as their own
-   batched prefill; a catch-up of one token rides along with step 1 as a 2-token chunk.
+   round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty,
+   the one token left over when every draft was accepted, or the tokens of plain steps the
+   adaptive policy took in between. Up to `max_feed - 1` of them ride along with step 1
+   (a chunk of up to `max_feed` tokens); longer catch-ups run as their own batched prefill.
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
    the growing context, temperature, top-k, top-p) with the request's generator. Greedy
@@ -37,8 +38,11 @@ if TYPE_CHECKING:
 
 class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol,
-                 step_forward: ForwardFn | None = None) -> None:
+                 step_forward: ForwardFn | None = None, max_feed: int = 2) -> None:
+        if max_feed < 2:
+            raise ValueError(f"max_feed must be >= 2 (g plus the token left over by a full round), got {max_feed}")
         self.model = model
+        self.max_feed = max_feed  # widest first draft step
         self.pool = pool
         # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
         # the engine passes a CUDA-graph runner here when graphs are on
@@ -86,7 +90,7 @@ class DraftModelProposer:
             return drafts
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
-        behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= 2]
+        behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= self.max_feed]
         start = time.perf_counter()
         self._catch_up(behind)
         if behind and self.device.type == "cuda":
@@ -101,12 +105,12 @@ class DraftModelProposer:
         return drafts
 
     def _catch_up(self, reqs: Sequence[Request]) -> None:
-        """Feed tokens[d : n-1] (all but the last unseen one) as a batched prefill."""
+        """Feed tokens[d : n+1-max_feed] as a batched prefill (step 1 feeds the rest)."""
         if not reqs:
             return
         slots = [self._slot(r) for r in reqs]
         starts = [self.pool.seq_len(s) for s in slots]
-        lens = [r.num_computed_tokens - 1 - d for r, d in zip(reqs, starts, strict=True)]
+        lens = [r.num_computed_tokens + 1 - self.max_feed - d for r, d in zip(reqs, starts, strict=True)]
         layout = BatchLayout.of(slots, starts, lens)
         ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
         for b, (r, d, n) in enumerate(zip(reqs, starts, lens, strict=True)):
@@ -132,7 +136,8 @@ class DraftModelProposer:
         uniforms = None if greedy else _row_uniforms(reqs, ks).to(self.device)  # [B, K]
         tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
         probs_out = None
-        # step 1 feeds the unseen tail tokens[d : n+1] (1 token, or 2 after an all-accepted round)
+        # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
+        # up to max_feed after plain steps)
         starts = [self.pool.seq_len(s) for s in slots]
         feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
         lens = [len(f) for f in feeds]

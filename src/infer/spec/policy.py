@@ -8,10 +8,16 @@ measured rather than assumed equal to one target step):
 
 a: the request's acceptance estimate; c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
-decoding, has factor 1 and is chosen whenever no K pays). Costs are measured per batch size
-by the runner: calibrated at start-up, then replaced by the measured wall time of real
-steps (host overhead included). A request at K = 0 is probed with K = 1 now and then
-(backing off exponentially while probes keep failing) so the estimate can recover.
+decoding, has factor 1 and is chosen whenever no K pays by the switch margin). Costs are
+measured per batch size by the runner: calibrated at start-up, then replaced by the
+measured wall time of real steps (host overhead included); costs of K not yet seen are the
+calibrated ones scaled by how far the seen ones were off.
+
+A request at K = 0 is probed with K = 1 now and then so its estimate can recover, but only
+when speculating could pay at all (some K beats plain at an optimistic acceptance), and
+never more often than a budget allows: a probe costs one K = 1 step plus the switching cost
+(a draft model must first catch up on the tokens it skipped), and probes may spend at most
+`probe_budget` (1 %) of the time. Failed probes also back off exponentially.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -19,6 +25,7 @@ Both policies apply the overflow guard: K never exceeds the room left before max
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,6 +83,7 @@ class CostModel:
     draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
     observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> EMA seconds
+    switch: dict[int, float] = field(default_factory=dict)  # bucket -> EMA seconds of a switch (catch-up)
     smoothing: float = 0.2
 
     @staticmethod
@@ -85,10 +93,25 @@ class CostModel:
             b *= 2
         return b
 
+    def _ema(self, table: dict, key: object, seconds: float) -> None:
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        key = (self.bucket(batch_size), k)
-        old = self.observed.get(key)
-        self.observed[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+        """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
+        self._ema(self.observed, (self.bucket(batch_size), k), seconds)
+
+    def observe_switch(self, batch_size: int, seconds: float) -> None:
+        """Wall time a step spent switching from plain decoding back to speculation."""
+        self._ema(self.switch, self.bucket(batch_size), seconds)
+
+    def switch_cost(self, batch_size: int) -> float:
+        """Switching cost relative to a plain step: measured, else two draft steps' worth."""
+        b = self.bucket(batch_size)
+        plain, seen = self.observed.get((b, 0)), self.switch.get(b)
+        if seen is not None and plain:
+            return seen / plain
+        return 2.0 * self.calibrated(batch_size)[0]
 
     def has_plain(self, batch_size: int) -> bool:
         return (self.bucket(batch_size), 0) in self.observed
@@ -103,12 +126,13 @@ class CostModel:
         """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1)."""
         b = self.bucket(batch_size)
         c, v = self.calibrated(batch_size)
+        calibrated = [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
         plain = self.observed.get((b, 0))
-        out = [1.0]
-        for k in range(1, self.k_max + 1):
-            seen = self.observed.get((b, k))
-            out.append(seen / plain if seen is not None and plain else k * c + v[k])
-        return out
+        seen = {k: self.observed[(b, k)] / plain for k in range(1, self.k_max + 1)
+                if plain and (b, k) in self.observed}
+        # unseen K: calibration scaled by how far it was off where it was checked (host overhead)
+        scale = sum(seen[k] / calibrated[k] for k in seen) / len(seen) if seen else 1.0
+        return [1.0] + [seen.get(k, calibrated[k] * scale) for k in range(1, self.k_max + 1)]
 
 
 class SpecPolicy(Protocol):
@@ -145,6 +169,7 @@ class _Estimate:
     trials: float  # accepted + rejections (geometric model: each trial accepts with prob a)
     probe_wait: int = 0
     probe_interval: int = 4
+    probing: bool = False  # the round in flight is a probe
 
 
 @dataclass
@@ -157,6 +182,8 @@ class AdaptivePolicy:
     max_probe_interval: int = 64
     plain_refresh: int = 256  # every this many steps, one plain step re-measures the baseline
     switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
+    optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
+    probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
 
@@ -174,28 +201,45 @@ class AdaptivePolicy:
         if not self.costs.has_plain(len(requests)) or self._steps % self.plain_refresh == 0:
             return [0] * len(requests)  # measure (or re-measure) a plain step at this batch size
         costs = self.costs.relative_costs(len(requests))
+        min_wait = self._probe_spacing(len(requests), costs)
         ks = []
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
-            est = self._est.setdefault(r.request_id, _Estimate(self.prior_a * self.prior_weight, self.prior_weight))
+            est = self._est.setdefault(r.request_id, self._prior())
             k = best_k_for_costs(est.accepted / est.trials, costs, self.switch_margin)
-            if k == 0:
+            if k == 0 and min_wait is not None:
                 est.probe_wait += 1
-                if est.probe_wait >= est.probe_interval:
-                    est.probe_wait, k = 0, 1
+                if est.probe_wait >= max(est.probe_interval, min_wait):
+                    est.probe_wait, est.probing, k = 0, True, 1
             ks.append(guard_k(k, n, max_seq_len, left))
         return ks
+
+    def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int | None:
+        """Fewest plain steps between probes so they stay within the budget; None: never probe
+        (no K would beat plain decoding even at the optimistic acceptance)."""
+        if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
+            return None
+        extra = costs[1] - 1.0 + self.costs.switch_cost(batch_size)  # a probe vs a plain step
+        return max(1, math.ceil(extra / self.probe_budget))
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
-        est = self._est.setdefault(request_id, _Estimate(self.prior_a * self.prior_weight, self.prior_weight))
+        est = self._est.setdefault(request_id, self._prior())
+        probing, est.probing = est.probing, False
+        if probing and num_accepted > 0:
+            # the text changed since speculation stopped paying: start over from the prior
+            # (a fluke costs a few rounds; keeping the old evidence would take many probes)
+            est.accepted, est.trials, est.probe_interval = self.prior_a * self.prior_weight, self.prior_weight, 4
         rejected = 1 if num_accepted < num_draft else 0
         est.accepted = est.accepted * self.decay + num_accepted
         est.trials = est.trials * self.decay + num_accepted + rejected
-        if num_draft == 1 and num_accepted == 0:  # a failed probe: wait longer next time
+        if probing and num_accepted == 0:  # a failed probe: wait longer next time
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         elif num_accepted > 0:
             est.probe_interval = 4
+
+    def _prior(self) -> _Estimate:
+        return _Estimate(self.prior_a * self.prior_weight, self.prior_weight)
 
     def release(self, request_id: str) -> None:
         self._est.pop(request_id, None)

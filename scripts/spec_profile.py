@@ -57,7 +57,6 @@ def profile_variant(name: str, cfg: EngineConfig, temperature: float, tokens: in
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     stats = getattr(engine.runner, "stats", None)
-    rounds = stats.rounds if stats is not None else steps
     line = (f"{name}: {tokens / wall:.0f} tok/s, wall {wall / tokens * 1e3:.3f} ms/token, "
             f"GPU busy {gpu_us / tokens / 1e3:.3f} ms/token ({gpu_us / (wall * 1e6):.0%} of wall), "
             f"{kernels / tokens:.0f} kernels/token, {steps} steps")

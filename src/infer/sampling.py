@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infer.transfer import tensor_on, to_device
+
 # One row's context for the repetition penalty: token ids as a list or a 1-D tensor.
 Context = Sequence[int] | torch.Tensor
 
@@ -172,11 +174,11 @@ def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Contex
         ids = torch.cat(parts)  # [M] on CPU: range check without a device sync
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"contexts hold token ids outside [0, {vocab}): check the prompt token ids")
-        ids = ids.to(device)
+        ids = to_device(ids, device)
     else:  # ids already on a device are trusted (checking them would cost a host sync)
-        ids = torch.cat([t.to(device) for t in parts])  # [M]
-    row_ids = torch.repeat_interleave(torch.tensor(rows), lengths).to(device)  # [M]
-    pen = torch.repeat_interleave(torch.tensor(pens, dtype=torch.float32), lengths).to(device)  # [M]
+        ids = torch.cat([to_device(t, device) for t in parts])  # [M]
+    row_ids = to_device(torch.repeat_interleave(torch.tensor(rows), lengths), device)  # [M]
+    pen = to_device(torch.repeat_interleave(torch.tensor(pens, dtype=torch.float32), lengths), device)  # [M]
     return row_ids, ids, pen
 
 
@@ -219,9 +221,9 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -
     if not rows:
         return scaled  # no sort needed
     dev = scaled.device
-    idx = torch.tensor(rows, device=dev)  # [M]
-    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)  # [M]
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=dev)  # [M]
+    idx = tensor_on(rows, dev)  # [M]
+    top_k = tensor_on([params[i].top_k for i in rows], dev)  # [M]
+    top_p = tensor_on([params[i].top_p for i in rows], dev, torch.float32)  # [M]
     sub = scaled[idx]  # [M, V]
     sorted_desc = torch.sort(sub, dim=-1, descending=True).values  # [M, V]
     cutoff = _truncation_cutoff(sorted_desc, top_k, top_p)  # [M, 1]
@@ -242,7 +244,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     _apply_repetition_penalty(out, params, contexts)
     temps = [1.0 if p.greedy else p.temperature for p in params]
     if any(t != 1.0 for t in temps):
-        out = out / torch.tensor(temps, dtype=torch.float32, device=out.device)[:, None]
+        out = out / tensor_on(temps, out.device, torch.float32)[:, None]
     return _apply_top_k_top_p(out, params)
 
 
@@ -254,7 +256,7 @@ def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
     greedy = [p.greedy for p in params]
     if any(greedy):
         one_hot = torch.zeros_like(probs).scatter_(1, adjusted.argmax(dim=-1, keepdim=True), 1.0)
-        mask = torch.tensor(greedy, device=probs.device)[:, None]  # [N, 1]
+        mask = tensor_on(greedy, probs.device)[:, None]  # [N, 1]
         probs = torch.where(mask, one_hot, probs)
     return probs
 
@@ -273,7 +275,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     vocab = probs.shape[1]
     p = probs.to(torch.float64)  # [N, V]
     cdf = torch.cumsum(p, dim=-1)  # [N, V]
-    u = uniforms.to(device=p.device, dtype=torch.float64)[:, None]  # [N, 1]
+    u = to_device(uniforms, p.device).to(torch.float64)[:, None]  # [N, 1]
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [N, 1]
     positive = p > 0  # [N, V]
     arange = torch.arange(vocab, device=p.device).expand_as(p)  # [N, V]

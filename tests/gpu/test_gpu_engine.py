@@ -116,3 +116,19 @@ def test_triton_path_engine_matches_transformers(ckpt_c, graphs):
                   max_batch_size=4, max_seq_len=128, **kw)
         for got, ref in zip(_tokens(llm, prompts), refs, strict=True):
             assert got[:len(ref)] == ref
+
+
+def test_pinned_async_copies_arrive_intact_behind_queued_work():
+    # the copy is queued behind a long GPU computation and its host tensor is dropped at once:
+    # the values must still arrive (the pinned staging buffer outlives the copy)
+    from infer.transfer import tensor_on, to_device
+    big = torch.randn(4096, 4096, device="cuda")
+    outs = []
+    for i in range(50):
+        big = big @ big / 64.0  # keeps the stream busy
+        outs.append(tensor_on(list(range(i, i + 100)), "cuda"))
+        outs.append(to_device(torch.full((3,), float(i), dtype=torch.float64), "cuda"))
+    torch.cuda.synchronize()
+    for i in range(50):
+        assert outs[2 * i].tolist() == list(range(i, i + 100))
+        assert outs[2 * i + 1].tolist() == [float(i)] * 3

@@ -12,6 +12,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.transfer import to_device
 
 
 class ForwardFn(Protocol):
@@ -29,7 +30,7 @@ class EagerForward:
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         view = self.pool.view(layout)
         last = None if all_logits else layout.last_token_indices(self.device)
-        logits = self.model(ids.to(self.device, non_blocking=True), layout.positions(self.device), view,
+        logits = self.model(to_device(ids, self.device), layout.positions(self.device), view,
                             logits_indices=last, kernels=self.kernels)
         view.commit()
         return logits

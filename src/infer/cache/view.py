@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.models.attention import masked_attention, position_mask
+from infer.transfer import tensor_on, to_device
 
 RowsFn = Callable[[int, int, int], torch.Tensor]
 """rows_of(slot, start, end) -> CPU LongTensor [end - start] of storage rows of positions start..end-1."""
@@ -55,11 +56,11 @@ class BatchLayout:
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """[B, T] absolute position of every (row, column); padding continues the count."""
         start = torch.tensor(self.start_positions, dtype=torch.long)
-        return (start[:, None] + torch.arange(self.width)[None, :]).to(device)
+        return to_device(start[:, None] + torch.arange(self.width)[None, :], device)
 
     def last_token_indices(self, device: torch.device | str) -> torch.Tensor:
         """[B] column of each row's last valid token (for logits_indices)."""
-        return torch.tensor([n - 1 for n in self.chunk_lens], dtype=torch.long).to(device)
+        return tensor_on([n - 1 for n in self.chunk_lens], device, torch.long)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,7 @@ class ViewIndices:
     ctx_end: torch.Tensor  # [B] context length after this chunk (keys >= ctx_end are padding)
 
     def to(self, device: torch.device) -> ViewIndices:
-        return ViewIndices(*(x.to(device, non_blocking=True)
+        return ViewIndices(*(to_device(x, device)
                              for x in (self.write_rows, self.gather_rows, self.q_pos, self.ctx_end)))
 
     def mask(self) -> torch.Tensor:

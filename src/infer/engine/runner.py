@@ -24,6 +24,7 @@ from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 from infer.tokenizer import Tokenizer
+from infer.transfer import to_device
 
 StepResult = list[tuple[Request, StepOutput]]
 
@@ -136,7 +137,7 @@ class ContinuousRunner:
                                                     strict=True)):
             ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
         view = pool.view(layout)
-        logits = model(ids.to(self.device), layout.positions(self.device), view,
+        logits = model(to_device(ids, self.device), layout.positions(self.device), view,
                        logits_indices=layout.last_token_indices(self.device))
         view.commit()
         return logits
@@ -159,4 +160,4 @@ class ContinuousRunner:
         contexts = [r.all_token_ids for r in requests] if any(p.repetition_penalty != 1.0 for p in params) else None
         probs = logits_to_probs(logits, params, contexts)
         uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]
-        return sample_from_probs(probs, uniforms.to(probs.device)).tolist()
+        return sample_from_probs(probs, to_device(uniforms, probs.device)).tolist()

@@ -35,6 +35,7 @@ from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
 from infer.spec.rejection import VerifyResult, verify
 from infer.tokenizer import Tokenizer
+from infer.transfer import tensor_on, to_device
 
 
 DRAFT_MAX_FEED = 4  # widest first draft step (CUDA graphs are captured for widths 1..this)
@@ -179,7 +180,7 @@ class SpeculativeRunner(ContinuousRunner):
         draft_tokens = torch.zeros((b, max(k_pad, 1)), dtype=torch.long)
         for i, d in enumerate(drafts):
             draft_tokens[i, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
-        draft_tokens = draft_tokens[:, :k_pad].to(self.device)
+        draft_tokens = to_device(draft_tokens[:, :k_pad], self.device)
         params = [r.sampling_params for r in requests]
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return greedy_verify(draft_tokens, num_draft, target_logits.argmax(dim=-1))
@@ -197,7 +198,7 @@ class SpeculativeRunner(ContinuousRunner):
                     draft_probs[i, :k] = d.probs
                 else:  # deterministic proposal in a batch that also has model drafts
                     draft_probs[i, torch.arange(k, device=self.device), draft_tokens[i, :k]] = 1.0
-        uniforms = draw_uniforms([r.generator for r in requests], k_pad + 1).to(self.device)
+        uniforms = to_device(draw_uniforms([r.generator for r in requests], k_pad + 1), self.device)
         return verify(draft_tokens, num_draft, draft_probs, target_probs, uniforms[:, :k_pad], uniforms[:, k_pad])
 
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> StepResult:
@@ -231,7 +232,7 @@ def greedy_verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], target_a
     """
     k = draft_tokens.shape[1]
     match = (draft_tokens == target_argmax[:, :k]).long()  # [B, K]
-    limit = torch.tensor(num_draft, device=draft_tokens.device)[:, None]
+    limit = tensor_on(num_draft, draft_tokens.device)[:, None]
     match = match * (torch.arange(k, device=draft_tokens.device)[None, :] < limit)
     accepted = match.cumprod(dim=1).sum(dim=1)  # [B]
     both = torch.cat([draft_tokens, target_argmax, accepted[:, None]], dim=1).tolist()  # one sync

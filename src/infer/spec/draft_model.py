@@ -30,6 +30,7 @@ from infer.cache.view import BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
 from infer.spec.proposer import Draft
+from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
     from infer.engine.request import Request
@@ -116,7 +117,7 @@ class DraftModelProposer:
         for b, (r, d, n) in enumerate(zip(reqs, starts, lens, strict=True)):
             ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
         view = self.pool.view(layout)
-        self.model(ids.to(self.device), layout.positions(self.device), view,
+        self.model(to_device(ids, self.device), layout.positions(self.device), view,
                    logits_indices=layout.last_token_indices(self.device))
         view.commit()
 
@@ -133,7 +134,7 @@ class DraftModelProposer:
         params = [r.sampling_params for r in reqs]
         greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
         contexts = [list(r.all_token_ids) for r in reqs] if any(p.repetition_penalty != 1.0 for p in params) else None
-        uniforms = None if greedy else _row_uniforms(reqs, ks).to(self.device)  # [B, K]
+        uniforms = None if greedy else to_device(_row_uniforms(reqs, ks), self.device)  # [B, K]
         tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
         probs_out = None
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
@@ -145,10 +146,10 @@ class DraftModelProposer:
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
         alive = list(range(batch))
+        rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):
             layout = BatchLayout.of([slots[b] for b in alive], [starts[b] for b in alive], [lens[b] for b in alive])
             logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
-            rows = torch.tensor(alive, device=self.device)
             if greedy:
                 new = logits.argmax(dim=-1)  # [A]
             else:
@@ -167,8 +168,11 @@ class DraftModelProposer:
                 starts[b] += lens[b]
                 lens[b] = 1
             keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
-            alive = [alive[i] for i in keep]
-            ids = new[keep][:, None] if len(keep) < len(new) else new[:, None]
+            if len(keep) < len(alive):  # rows at their own k stop here
+                alive = [alive[i] for i in keep]
+                rows = tensor_on(alive, self.device, torch.long)
+                new = new.index_select(0, tensor_on(keep, self.device, torch.long))
+            ids = new[:, None]
         token_rows = tokens.tolist()  # the one sync of the draft phase
         return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
 

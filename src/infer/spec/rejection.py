@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.sampling import sample_from_probs
+from infer.transfer import tensor_on, to_device
 
 # A residual max(0, p - q) with less total mass than this is rounding noise (p == q up to
 # float error); the replacement token is then drawn from p itself.
@@ -58,7 +59,7 @@ def acceptance_probabilities(p: torch.Tensor, q: torch.Tensor | None, tokens: to
     q None means a deterministic proposal (one-hot q at t): the probability is p(t).
     Where q(t) = 0 the result is 1 if p(t) > 0, else 0.
     """
-    ratio = _token_ratios(p, q, tokens.to(device=p.device, dtype=torch.long))  # [...]
+    ratio = _token_ratios(p, q, to_device(tokens, p.device).to(torch.long))  # [...]
     return torch.nan_to_num(ratio, nan=0.0).clamp(max=1.0)
 
 
@@ -123,12 +124,12 @@ def verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], draft_probs: to
     _check_inputs(draft_tokens, num_draft, draft_probs, target_probs, accept_uniforms, sample_uniforms)
     device = target_probs.device
     batch, k = draft_tokens.shape
-    counts = torch.tensor(list(num_draft), dtype=torch.long, device=device)  # [B]
+    counts = tensor_on(list(num_draft), device, torch.long)  # [B]
     valid = torch.arange(k, device=device)[None, :] < counts[:, None]  # [B, K]
-    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.long), 0)  # [B, K]
-    q = None if draft_probs is None else draft_probs.to(device)
+    tokens = torch.where(valid, to_device(draft_tokens, device).to(torch.long), 0)  # [B, K]
+    q = None if draft_probs is None else to_device(draft_probs, device)
     ratio = _token_ratios(target_probs[:, :k], q, tokens)  # [B, K]
-    u = accept_uniforms.to(device=device, dtype=torch.float64)  # [B, K]
+    u = to_device(accept_uniforms, device).to(torch.float64)  # [B, K]
     accepted = (u < ratio) & valid  # [B, K]
     num_accepted = accepted.to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]: accepted prefix length
     rejected = num_accepted < counts  # [B]

@@ -1,0 +1,31 @@
+"""Host-to-device copies that do not stall the host.
+
+A plain `tensor.to("cuda")` from ordinary (pageable) host memory makes PyTorch wait until
+the GPU has finished everything queued before the copy: in a decode step that is a hidden
+synchronisation point, and the host then cannot prepare the next kernels while the GPU
+works. Small per-step inputs (uniforms, row indices, per-row parameters) therefore go
+through pinned memory with `non_blocking=True`. PyTorch's pinned-memory cache keeps each
+staging buffer alive until its copy has run, so the host tensor may be dropped at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; CPU -> CUDA copies are pinned and asynchronous (no host stall)."""
+    device = torch.device(device)
+    if t.device.type == device.type and (device.index is None or t.device == device):
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def tensor_on(data: Sequence | float | int, device: torch.device | str, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """torch.tensor(data, dtype) built on the host and sent to `device` without a stall."""
+    return to_device(torch.tensor(data, dtype=dtype), device)

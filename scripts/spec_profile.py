@@ -14,6 +14,7 @@ import cProfile
 import io
 import pstats
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -36,9 +37,41 @@ def _generate(engine: Engine, temperature: float, tokens: int) -> int:
     return steps
 
 
+def step_log(engine: Engine, temperature: float, tokens: int) -> str:
+    """One generation, every step timed and filed under (chosen K, longest draft)."""
+    runner = engine.runner
+    seen: dict[str, int] = {}
+    choose, propose = runner.policy.choose, runner.proposer.propose
+
+    def chosen(*args):  # noqa: ANN002, ANN202
+        ks = choose(*args)
+        seen["k"], seen["drafted"] = max(ks), 0
+        return ks
+
+    def proposed(requests, ks):  # noqa: ANN001, ANN202
+        drafts = propose(requests, ks)
+        seen["drafted"] = max(len(d.token_ids) for d in drafts)
+        return drafts
+
+    runner.policy.choose, runner.proposer.propose = chosen, proposed
+    groups: dict[tuple[int, int], list[float]] = defaultdict(list)
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
+    engine.add_request(list(range(100, 228)), params)
+    while engine.has_unfinished():
+        seen.clear()
+        start = time.perf_counter()
+        engine.step()
+        groups[(seen.get("k", -1), seen.get("drafted", -1))].append((time.perf_counter() - start) * 1e3)
+    runner.policy.choose, runner.proposer.propose = choose, propose
+    lines = ["(chosen K, drafted) -> steps, mean ms (K -1: prefill)"]
+    lines += [f"  {key}: {len(v)} steps, {sum(v) / len(v):.3f} ms" for key, v in sorted(groups.items())]
+    return "\n".join(lines)
+
+
 def profile_variant(name: str, cfg: EngineConfig, temperature: float, tokens: int, out: Path) -> str:
     engine = Engine(cfg)
     _generate(engine, temperature, tokens)  # warm-up: graphs, compiles, allocator
+    steps_text = step_log(engine, temperature, tokens) if cfg.use_speculative_decoding else ""
     torch.cuda.synchronize()
     start = time.perf_counter()
     steps = _generate(engine, temperature, tokens)
@@ -62,7 +95,7 @@ def profile_variant(name: str, cfg: EngineConfig, temperature: float, tokens: in
             f"{kernels / tokens:.0f} kernels/token, {steps} steps")
     if stats is not None:
         line += f", acceptance {stats.acceptance_rate:.3f}"
-    body = [line, "", "== torch.profiler, by self device time ==",
+    body = [line, steps_text, "", "== torch.profiler, by self device time ==",
             events.table(sort_by="self_device_time_total", row_limit=25),
             "== torch.profiler, by self CPU time ==", events.table(sort_by="self_cpu_time_total", row_limit=25),
             "== cProfile (one generation), by own time ==", text.getvalue()]
@@ -78,9 +111,10 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--only", nargs="*", help="variants whose name contains one of these")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=512)
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=torch.cuda.is_available(), max_batch_size=1, max_seq_len=512)
     for t in args.temperature:
         variants = {
             "plain": EngineConfig(**base),
@@ -88,8 +122,14 @@ def main() -> None:
                                              spec_length=args.k),
             f"ngram-k{args.k}": EngineConfig(**base, use_speculative_decoding=True, speculative_method="ngram",
                                              spec_length=args.k),
+            "draft-adaptive": EngineConfig(**base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT),
+                                           spec_length=args.k, spec_policy="adaptive"),
+            "ngram-adaptive": EngineConfig(**base, use_speculative_decoding=True, speculative_method="ngram",
+                                           spec_length=args.k, spec_policy="adaptive"),
         }
         for name, cfg in variants.items():
+            if args.only and not any(o in name for o in args.only):
+                continue
             print(profile_variant(f"{name}-t{t:g}", cfg, t, args.tokens, args.out), flush=True)
 
 

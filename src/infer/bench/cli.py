@@ -42,6 +42,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs)")
     how.add_argument("--warmup-tokens", type=int, default=None,
                      help="cap on tokens per warm-up request (default: the full length; 0: no warm-up)")
+    how.add_argument("--repeats", type=int, default=3,
+                     help="timed runs per engine measurement, the median is reported (default: 3)")
     how.add_argument("--cost-repeats", type=int, default=30, help="timed steps per step-cost median (default: 30)")
     how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
     add_engine_args(parser)
@@ -67,7 +69,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
     name = args.suite or f"workload-{args.workload}"
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
-                             max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, with_hf=not args.no_hf,
+                             max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats, with_hf=not args.no_hf,
                              model=args.model, draft_model=args.draft_model)
     out = args.out or _default_out(name)
     recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

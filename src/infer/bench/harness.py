@@ -37,6 +37,7 @@ class HarnessOptions:
     warmup_tokens: int | None = None  # cap on warm-up tokens per request; None = full length
     max_seconds: float | None = None  # time budget for the whole run
     cost_repeats: int = 30
+    repeats: int = 3  # timed runs per engine measurement; the median one is reported
     with_hf: bool = True  # run the transformers peers
     model: str | None = None  # for the smoke / custom suites
     draft_model: str | None = None
@@ -47,8 +48,8 @@ class HarnessOptions:
             raise ValueError(f"output_len must be >= 1, got {self.output_len}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
-        if self.cost_repeats < 1 or (self.warmup_tokens is not None and self.warmup_tokens < 0):
-            raise ValueError("cost_repeats must be >= 1 and warmup_tokens >= 0")
+        if self.cost_repeats < 1 or self.repeats < 1 or (self.warmup_tokens is not None and self.warmup_tokens < 0):
+            raise ValueError("cost_repeats and repeats must be >= 1 and warmup_tokens >= 0")
 
 
 class Harness:
@@ -115,7 +116,8 @@ class Harness:
                refs: Mapping[str, str | None] | None = None) -> Measurement:
         wl = self.workload(workload)
         return self.measure(name, "engine", group, lambda: run_engine(
-            wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens), refs)
+            wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens,
+            repeats=self.options.repeats), refs)
 
     def hf(self, name: str, group: str, workload: Workload, peer: HFPeer,
            refs: Mapping[str, str | None] | None = None) -> Measurement | None:

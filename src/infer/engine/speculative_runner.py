@@ -184,8 +184,10 @@ class SpeculativeRunner(ContinuousRunner):
         params = [r.sampling_params for r in requests]
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return greedy_verify(draft_tokens, num_draft, target_logits.argmax(dim=-1))
-        contexts = [r.all_token_ids + d.token_ids[:j] for r, d in zip(requests, drafts, strict=True)
-                    for j in range(width)]
+        contexts = None  # the growing context per verified position: only the repetition penalty reads it
+        if any(p.repetition_penalty != 1.0 for p in params):
+            contexts = [r.all_token_ids + d.token_ids[:j] for r, d in zip(requests, drafts, strict=True)
+                        for j in range(width)]
         flat_params = [p for p in params for _ in range(width)]
         target_probs = logits_to_probs(target_logits.reshape(b * width, vocab), flat_params,
                                        contexts).view(b, width, vocab)

@@ -264,3 +264,16 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert not verified and runner.stats.rounds == 0
     assert {k for _, k in runner.cost_model.observed} == {0}
+
+
+@pytest.mark.parametrize("draft", ["self", "random"])
+def test_greedy_parity_with_repetition_penalty(make_llm, ckpt_a, random_draft, prompts, draft):
+    # the penalty reads the growing context at every verified position (and at every draft
+    # step): a wrong context changes the argmax somewhere in 8 prompts x 21 tokens
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
+    plain = make_llm(ckpt_a, max_seq_len=256, max_batch_size=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a if draft == "self" else random_draft, 8)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert llm.engine.runner.stats.rounds > 0

@@ -32,10 +32,14 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    host: torch.Tensor  # pinned int64 staging buffer, same layout as `device`
+    hosts: list[torch.Tensor]  # pinned int64 staging buffers, same layout as `device`, used in turn
+    copied: list[torch.cuda.Event | None]  # per buffer: recorded after its last copy was queued
     device: torch.Tensor  # int64: ids | positions | last | write_rows | gather_rows | ctx_end
     ids: torch.Tensor  # [b, w]   (views into `device`)
     positions: torch.Tensor  # [b, w] (also the view's q_pos)
@@ -81,7 +85,7 @@ class GraphForward:
     def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream) -> _Graph:
         s = self.context_width
         size = sum(torch.Size(shape).numel() for _, shape in _segments(b, w, s))
-        host = torch.zeros(size, dtype=torch.long).pin_memory()
+        hosts = [torch.zeros(size, dtype=torch.long).pin_memory() for _ in range(STAGING_BUFFERS)]
         device = torch.zeros(size, dtype=torch.long, device=self.device)
         parts = _split(device, b, w, s)
         parts["positions"].copy_(torch.arange(w).repeat(b, 1))
@@ -105,8 +109,9 @@ class GraphForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             out = run()
-        host.copy_(device.cpu())
-        return _Graph(graph, host, device, ids, positions, last, indices, out)
+        for host in hosts:
+            host.copy_(device.cpu())
+        return _Graph(graph, hosts, [None] * STAGING_BUFFERS, device, ids, positions, last, indices, out)
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
         return (len(layout.slots) <= self.buckets[-1] and max(layout.ends) <= self.context_width
@@ -119,7 +124,13 @@ class GraphForward:
         b = next(x for x in self.buckets if x >= n)
         g = self.graphs[(b, layout.width, all_logits)]
         idx = self.pool.indices(layout, self.context_width)
-        staged = _split(g.host, b, layout.width, self.context_width)
+        # steps queued back to back (the draft loop does not wait for the GPU): a staging
+        # buffer is rewritten only once the copy that last read it has run
+        turn = self.replays % STAGING_BUFFERS
+        if g.copied[turn] is not None:
+            g.copied[turn].synchronize()
+        host = g.hosts[turn]
+        staged = _split(host, b, layout.width, self.context_width)
         if not ids.is_cuda:
             staged["ids"][:n] = ids
         staged["positions"][:n] = idx.q_pos
@@ -128,7 +139,10 @@ class GraphForward:
         staged["write_rows"][: n * layout.width] = idx.write_rows
         staged["gather_rows"][:n] = idx.gather_rows
         staged["ctx_end"][:n] = idx.ctx_end
-        g.device.copy_(g.host, non_blocking=True)  # one transfer for all inputs
+        g.device.copy_(host, non_blocking=True)  # one transfer for all inputs
+        if g.copied[turn] is None:
+            g.copied[turn] = torch.cuda.Event()
+        g.copied[turn].record()
         if ids.is_cuda:  # tokens produced on the device by the previous step
             g.ids[:n].copy_(ids)
         g.graph.replay()

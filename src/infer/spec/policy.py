@@ -13,11 +13,12 @@ measured per batch size by the runner: calibrated at start-up, then replaced by 
 measured wall time of real steps (host overhead included); costs of K not yet seen are the
 calibrated ones scaled by how far the seen ones were off.
 
-A request at K = 0 is probed with K = 1 now and then so its estimate can recover, but only
-when speculating could pay at all (some K beats plain at an optimistic acceptance), and
-never more often than a budget allows: a probe costs one K = 1 step plus the switching cost
-(a draft model must first catch up on the tokens it skipped), and probes may spend at most
-`probe_budget` (1 %) of the time. Failed probes also back off exponentially.
+A request at K = 0 is probed with K = 1 now and then so its estimate can recover, never
+more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
+draft model must first catch up on the tokens it skipped), and probes may spend at most
+`probe_budget` (1 %) of the time, a tenth of that when no K could pay even at an optimistic
+acceptance (then probes only re-measure the costs). Failed probes also back off
+exponentially.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -26,6 +27,7 @@ Both policies apply the overflow guard: K never exceeds the room left before max
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,15 +78,18 @@ class CostModel:
     Calibration (start-up, forward passes only) gives c and v(K); the runner then reports
     the measured wall time of every step (`observe`), host overhead included, and measured
     costs replace the calibrated ones as they arrive. So a setup where per-step overhead
-    dominates (tiny models) learns that speculating does not pay.
+    dominates (tiny models) learns that speculating does not pay. Each cost is the lower
+    median of its last `window` measurements: one slow step (a first pinned allocation, a
+    garbage collection) must not make speculation look hopeless for good.
     """
 
     k_max: int
     draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
-    observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> EMA seconds
-    switch: dict[int, float] = field(default_factory=dict)  # bucket -> EMA seconds of a switch (catch-up)
-    smoothing: float = 0.2
+    observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> seconds
+    switch: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of a switch (catch-up)
+    window: int = 8
+    _samples: dict[object, deque[float]] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -93,17 +98,19 @@ class CostModel:
             b *= 2
         return b
 
-    def _ema(self, table: dict, key: object, seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+    def _record(self, table: dict, key: object, seconds: float) -> None:
+        tag = "switch" if table is self.switch else "step"
+        samples = self._samples.setdefault((tag, key), deque(maxlen=self.window))
+        samples.append(seconds)
+        table[key] = sorted(samples)[(len(samples) - 1) // 2]  # lower median
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
-        self._ema(self.observed, (self.bucket(batch_size), k), seconds)
+        self._record(self.observed, (self.bucket(batch_size), k), seconds)
 
     def observe_switch(self, batch_size: int, seconds: float) -> None:
         """Wall time a step spent switching from plain decoding back to speculation."""
-        self._ema(self.switch, self.bucket(batch_size), seconds)
+        self._record(self.switch, self.bucket(batch_size), seconds)
 
     def switch_cost(self, batch_size: int) -> float:
         """Switching cost relative to a plain step: measured, else two draft steps' worth."""
@@ -184,6 +191,7 @@ class AdaptivePolicy:
     switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
+    max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
 
@@ -206,20 +214,22 @@ class AdaptivePolicy:
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._est.setdefault(r.request_id, self._prior())
             k = best_k_for_costs(est.accepted / est.trials, costs, self.switch_margin)
-            if k == 0 and min_wait is not None:
+            if k == 0:
                 est.probe_wait += 1
                 if est.probe_wait >= max(est.probe_interval, min_wait):
                     est.probe_wait, est.probing, k = 0, True, 1
             ks.append(guard_k(k, n, max_seq_len, left))
         return ks
 
-    def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int | None:
-        """Fewest plain steps between probes so they stay within the budget; None: never probe
-        (no K would beat plain decoding even at the optimistic acceptance)."""
+    def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int:
+        """Fewest plain steps between probes so they stay within the budget: 1 % of the time,
+        or 0.1 % when no K would beat plain decoding even at the optimistic acceptance (such
+        probes only re-measure the costs, which may have changed or been misjudged)."""
+        budget = self.probe_budget
         if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
-            return None
+            budget /= 10
         extra = costs[1] - 1.0 + self.costs.switch_cost(batch_size)  # a probe vs a plain step
-        return max(1, math.ceil(extra / self.probe_budget))
+        return min(self.max_probe_spacing, max(1, math.ceil(extra / budget)))
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

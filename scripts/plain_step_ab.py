@@ -1,0 +1,71 @@
+"""Same-process A/B of plain decode steps: the plain ContinuousRunner against the
+SpeculativeRunner when it decides not to speculate (K = 0 every step) and with the adaptive
+policy. Generations alternate between engines so machine drift hits all alike.
+
+    PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 5] [--temperature 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from infer import SamplingParams
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.loading import DEMO_TARGET
+
+
+class NeverSpeculate:
+    def choose(self, requests, seq_lens, max_seq_len, tokens_left):  # noqa: ANN001, ANN201
+        return [0] * len(requests)
+
+    def update(self, request_id, num_draft, num_accepted):  # noqa: ANN001, ANN201
+        return None
+
+    def release(self, request_id):  # noqa: ANN001, ANN201
+        return None
+
+
+def ms_per_token(engine: Engine, temperature: float, tokens: int) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
+    engine.add_request(list(range(100, 228)), params)
+    engine.step()  # prefill
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (tokens - 1) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    args = ap.parse_args()
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=512)
+    spec = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
+    engines = {"plain": Engine(EngineConfig(**base)), "spec-K0": Engine(EngineConfig(**spec)),
+               "spec-adaptive": Engine(EngineConfig(**spec, spec_policy="adaptive"))}
+    engines["spec-K0"].runner.policy = NeverSpeculate()
+    for t in args.temperature:
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for name, engine in engines.items():
+            ms_per_token(engine, t, args.tokens)  # warm-up
+        for _ in range(args.rounds):
+            for name, engine in engines.items():
+                times[name].append(ms_per_token(engine, t, args.tokens))
+        ref = statistics.median(times["plain"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            print(f"T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed), runs "
+                  + " ".join(f"{x:.3f}" for x in ts), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -187,3 +187,15 @@ def test_unseen_k_costs_scale_with_the_seen_ones():
     costs.observe(1, 1, 0.0022)  # calibrated 1.1, measured 2.2: host overhead doubles every step
     assert costs.relative_costs(1) == pytest.approx([1.0, 2.2, 2.4, 2.6, 2.8])
     assert costs.switch_cost(1) == pytest.approx(0.2)  # nothing measured yet: two draft steps
+
+
+def test_first_probe_comes_early_while_only_calibration_is_known():
+    # calibration says speculating costs 10 plain steps: probe once anyway to measure it
+    costs = CostModel(4, draft_ratio={1: 3.0}, verify_ratio={1: [1.0] * 5})
+    costs.observe(1, 0, 0.001)
+    p = AdaptivePolicy(4, costs)
+    r = R("e")
+    ks = [p.choose([r], [10], 10_000, [5000])[0] for _ in range(5)]
+    assert ks == [0, 0, 0, 1, 0] or ks == [0, 0, 0, 0, 1]
+    costs.observe(1, 1, 0.0011)  # measured: cheap after all
+    assert costs.relative_costs(1)[1] == pytest.approx(1.1)

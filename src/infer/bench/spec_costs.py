@@ -56,7 +56,7 @@ def step_times(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bo
     """Median time of one batch-1 forward of each (width, all_logits) shape."""
     pool = _pool(model, cfg)
     device = next(model.parameters()).device
-    kernels = step_kernels(EngineConfig(use_cuda_graphs=use_cuda_graphs), device)  # as the engine runs them
+    kernels = step_kernels(EngineConfig(use_cuda_graphs=use_cuda_graphs), device, model)  # as the engine runs them
     forward: ForwardFn = make_forward(model, pool, use_cuda_graphs, 1, shapes=list(shapes), kernels=kernels)
     slot = pool.allocate_slot(cfg.context_len)
     try:

@@ -32,7 +32,7 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
 
 
 def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, width: int,
-                 all_logits: bool, repeats: int = 3, context: int = 32) -> float:
+                 all_logits: bool, repeats: int = 5, context: int = 32) -> float:
     """Seconds per forward of `width` new tokens after `context` cached ones, `batch` rows."""
     device = pool.k_cache.device
     slots = [pool.allocate_slot(context + width) for _ in range(batch)]
@@ -57,7 +57,7 @@ def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, b
 
 def measure_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | None,
                   draft_pool: CachePoolProtocol | None, vocab_size: int, max_batch_size: int, k_max: int,
-                  repeats: int = 3) -> CostModel:
+                  repeats: int = 5) -> CostModel:
     model = CostModel(k_max)
     batch = 1
     while True:

@@ -39,13 +39,20 @@ def make_pool_for(model_config: ModelConfig, config: EngineConfig, dtype: torch.
     return make_cache_pool(config.kv_cache_backend, model_config, **kwargs)
 
 
-def step_kernels(config: EngineConfig, device: torch.device) -> Kernels:
-    """Fused (torch.compile) kernels for decode-type steps when asked for; by default with
-    CUDA graphs on a GPU. Prefill always uses the eager kernels."""
+def step_kernels(config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None = None) -> Kernels:
+    """Fused (torch.compile) kernels for decode-type steps of `model` when asked for; by
+    default with CUDA graphs on a GPU. Prefill always uses the eager kernels."""
     wanted = config.compile_kernels
     if wanted is None:
         wanted = config.use_cuda_graphs and device.type == "cuda"
-    return compiled_kernels() if wanted else EAGER
+    if not wanted:
+        return EAGER
+    if model is None:
+        return compiled_kernels()
+    param = next(model.parameters())
+    c = model.config
+    return compiled_kernels((c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                             c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type))
 
 
 class ContinuousRunner:
@@ -58,7 +65,7 @@ class ContinuousRunner:
         self.cache_pool = make_pool_for(model.config, config, self.dtype, self.device,
                                         prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
-        self.kernels = step_kernels(config, self.device)
+        self.kernels = step_kernels(config, self.device, model)
         self.forward: ForwardFn = self._make_decode_forward()
 
     def _make_decode_forward(self) -> ForwardFn:

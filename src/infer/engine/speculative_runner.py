@@ -26,7 +26,7 @@ from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.request import Request
-from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for
+from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs
 from infer.spec.draft_model import DraftModelProposer
@@ -76,7 +76,8 @@ class SpeculativeRunner(ContinuousRunner):
             # round, a few more after plain steps (longer catch-ups run as their own prefill)
             feeds = range(1, DRAFT_MAX_FEED + 1)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                                shapes=[(w, False) for w in feeds], kernels=self.kernels)
+                                shapes=[(w, False) for w in feeds],
+                                kernels=step_kernels(self.config, self.device, draft_model))
             self.draft = DraftModelProposer(draft_model, pool, step, max_feed=DRAFT_MAX_FEED)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer

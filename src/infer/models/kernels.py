@@ -9,7 +9,8 @@ bundle explicitly; nothing global is patched.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -60,10 +61,27 @@ class Kernels:
 EAGER = Kernels(rmsnorm, add_rmsnorm, rotary_qk, silu_mul)
 
 
-def compiled_kernels() -> Kernels:
-    """The same functions through torch.compile (dynamic shapes: one compile per function)."""
-    def comp(fn: Callable) -> Callable:
-        # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
-        return torch.compile(fn, dynamic=True, fullgraph=False)
+_COMPILED: dict[Hashable, Kernels] = {}
 
-    return Kernels(comp(rmsnorm), comp(add_rmsnorm), comp(rotary_qk), comp(silu_mul), name="compiled")
+
+def compiled_kernels(key: Hashable = None) -> Kernels:
+    """The same functions through torch.compile (dynamic shapes), one bundle per `key`.
+
+    torch.compile keeps its compiled variants on the function's code object, with a limit
+    per code object (then it silently falls back to eager). Engines for several models in
+    one process (a benchmark run, a target and its draft) would share, and exhaust, that
+    limit; so each key (a model's shape signature, `kernel_key`) gets fresh code objects,
+    and engines of the same model reuse one bundle.
+    """
+    if key in _COMPILED:
+        return _COMPILED[key]
+
+    def comp(fn: Callable) -> Callable:
+        fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                   fn.__closure__)
+        # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
+        return torch.compile(fresh, dynamic=True, fullgraph=False)
+
+    kernels = Kernels(comp(rmsnorm), comp(add_rmsnorm), comp(rotary_qk), comp(silu_mul), name="compiled")
+    _COMPILED[key] = kernels
+    return kernels

@@ -17,8 +17,9 @@ A request at K = 0 is probed with K = 1 now and then so its estimate can recover
 more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
 draft model must first catch up on the tokens it skipped), and probes may spend at most
 `probe_budget` (1 %) of the time, a tenth of that when no K could pay even at an optimistic
-acceptance (then probes only re-measure the costs). Failed probes also back off
-exponentially.
+acceptance (then probes only re-measure the costs). Until a step with drafts has been
+measured at a batch size, the first probe comes early (calibration can misjudge host
+overhead either way). Failed probes also back off exponentially.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -123,6 +124,11 @@ class CostModel:
     def has_plain(self, batch_size: int) -> bool:
         return (self.bucket(batch_size), 0) in self.observed
 
+    def has_speculative(self, batch_size: int) -> bool:
+        """Whether a step with drafts was measured at this batch size (calibration is a guess)."""
+        b = self.bucket(batch_size)
+        return any(key[0] == b and key[1] > 0 for key in self.observed)
+
     def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
         b = self.bucket(batch_size)
         keys = sorted(self.verify_ratio) or [b]
@@ -225,6 +231,8 @@ class AdaptivePolicy:
         """Fewest plain steps between probes so they stay within the budget: 1 % of the time,
         or 0.1 % when no K would beat plain decoding even at the optimistic acceptance (such
         probes only re-measure the costs, which may have changed or been misjudged)."""
+        if not self.costs.has_speculative(batch_size):
+            return 1  # one real measurement replaces the start-up calibration soon
         budget = self.probe_budget
         if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
             budget /= 10

@@ -261,6 +261,23 @@ def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
     return probs
 
 
+def temperature_only(params: SamplingParams, vocab: int) -> bool:
+    """True when the only transform is a temperature (or greedy): no top-k, top-p, penalty."""
+    return params.repetition_penalty == 1.0 and (params.greedy or (not 0 < params.top_k < vocab
+                                                                    and params.top_p >= 1.0))
+
+
+def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """`logits_to_probs` for rows whose only transform is a temperature, in tensor form (no
+    host-side branching, so a CUDA graph can hold it): logits [N, V], temperatures [N] float32
+    (1.0 for greedy rows), greedy [N] bool -> float32 [N, V]; greedy rows one-hot at the argmax.
+    Gives exactly `logits_to_probs`' values for such rows."""
+    scaled = logits.to(torch.float32) / temperatures[:, None]  # [N, V]
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    one_hot = torch.zeros_like(probs).scatter_(1, scaled.argmax(dim=-1, keepdim=True), 1.0)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: probs [N, V] (need not be normalised), uniforms [N] -> ids [N] long.
 

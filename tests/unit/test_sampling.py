@@ -286,3 +286,18 @@ def test_temperature_changes_entropy_as_expected() -> None:
     cold = logits_to_probs(logits, [SamplingParams(temperature=0.5)], None)[0]
     expected = torch.tensor([math.exp(2), 1.0, math.exp(-2)])
     assert torch.allclose(cold, (expected / expected.sum()).float())
+
+
+def test_temperature_probs_equals_the_general_pipeline():
+    from infer.sampling import temperature_only, temperature_probs
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(5, 40, generator=g) * 3
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=2.5, top_k=40), SamplingParams(temperature=0, top_p=0.5)]
+    assert all(temperature_only(p, 40) for p in params)
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
+    greedy = torch.tensor([p.greedy for p in params])
+    assert torch.equal(temperature_probs(logits, temps, greedy), logits_to_probs(logits, params, None))
+    assert not temperature_only(SamplingParams(temperature=1.0, top_k=5), 40)
+    assert not temperature_only(SamplingParams(temperature=1.0, top_p=0.9), 40)
+    assert not temperature_only(SamplingParams(temperature=0, repetition_penalty=1.2), 40)

@@ -4,6 +4,7 @@ computation and are tested equal to it on the GPU."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -12,7 +13,8 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.transfer import to_device
+from infer.sampling import sample_from_probs, temperature_probs
+from infer.transfer import tensor_on, to_device
 
 
 class ForwardFn(Protocol):
@@ -34,3 +36,14 @@ class EagerForward:
                             logits_indices=last, kernels=self.kernels)
         view.commit()
         return logits
+
+    def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
+               uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A last-token step, then temperature sampling: (ids [n], probs [n, V]) on the device.
+
+        temperatures: per row (1.0 for greedy rows); uniforms: CPU float64 [n]; greedy rows
+        take the argmax (one-hot probs). CUDA graphs capture this same function."""
+        logits = self(ids, layout, all_logits=False)  # [n, V]
+        temps = tensor_on(list(temperatures), self.device, torch.float32)
+        probs = temperature_probs(logits, temps, tensor_on(list(greedy), self.device, torch.bool))
+        return sample_from_probs(probs, to_device(uniforms, self.device)), probs

@@ -7,11 +7,16 @@ copies ids, positions and cache indices into the persistent tensors and replays.
 context width S is fixed at max_seq_len so every step of a bucket has the same shapes.
 Anything that does not fit (wider chunks, prefill) runs eagerly through the same model.
 Replay computes the same function as eager; tests/gpu checks the tokens are identical.
+
+Draft steps at a temperature > 0 (no top-k / top-p / repetition penalty) can also capture
+the sampling itself (`sample`): softmax with per-row temperatures and inverse-CDF sampling
+with staged uniforms, so a sampled draft step is one replay rather than a replay plus a
+dozen small kernel launches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +26,7 @@ from infer.cache.view import BatchLayout, CacheView, ViewIndices
 from infer.cache.forward import EagerForward
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.sampling import sample_from_probs, temperature_probs
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -33,19 +39,48 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
+SAMPLER_MAX_BATCH = 16  # sampling graphs (draft steps at T > 0) for buckets up to this size
+
+
+class _Staging:
+    """A ring of pinned host buffers feeding one device buffer. Steps are queued back to back
+    (the draft loop does not wait for the GPU), so a host buffer is rewritten only once the
+    copy that last read it has run."""
+
+    def __init__(self, device_buf: torch.Tensor) -> None:
+        self.device = device_buf
+        self.hosts = [torch.zeros_like(device_buf, device="cpu").pin_memory() for _ in range(STAGING_BUFFERS)]
+        for host in self.hosts:
+            host.copy_(device_buf.cpu())
+        self.copied: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        self.turn = 0
+
+    def next_host(self) -> torch.Tensor:
+        self.turn = (self.turn + 1) % STAGING_BUFFERS
+        event = self.copied[self.turn]
+        if event is not None:
+            event.synchronize()
+        return self.hosts[self.turn]
+
+    def send(self) -> None:
+        """Queue the copy of the current host buffer (one transfer for all inputs)."""
+        self.device.copy_(self.hosts[self.turn], non_blocking=True)
+        if self.copied[self.turn] is None:
+            self.copied[self.turn] = torch.cuda.Event()
+        self.copied[self.turn].record()
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    hosts: list[torch.Tensor]  # pinned int64 staging buffers, same layout as `device`, used in turn
-    copied: list[torch.cuda.Event | None]  # per buffer: recorded after its last copy was queued
-    device: torch.Tensor  # int64: ids | positions | last | write_rows | gather_rows | ctx_end
-    ids: torch.Tensor  # [b, w]   (views into `device`)
+    staging: _Staging  # int64: ids | positions | last | write_rows | gather_rows | ctx_end
+    ids: torch.Tensor  # [b, w]   (views into the staged device buffer)
     positions: torch.Tensor  # [b, w] (also the view's q_pos)
     last: torch.Tensor  # [b] logits index per row (last-token mode)
     indices: ViewIndices  # write [b*w], gather [b, S], q_pos [b, w], ctx_end [b]
-    out: torch.Tensor  # [b, w, V] or [b, V]
+    out: torch.Tensor  # [b, w, V] or [b, V]; sampling graphs: probs [b, V]
+    sampling: _Staging | None = None  # float64 [3, b]: temperature | uniform | greedy (sampling graphs)
+    tokens: torch.Tensor | None = None  # [b] sampled ids (sampling graphs)
 
 
 def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -67,25 +102,31 @@ def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
-                 kernels: Kernels = EAGER) -> None:
-        """shapes: (width, all_logits) pairs to capture for every batch bucket."""
+                 kernels: Kernels = EAGER, sample_widths: Iterable[int] = ()) -> None:
+        """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
+        widths whose last-token step is also captured with temperature sampling on the
+        device (`sample`), for buckets up to SAMPLER_MAX_BATCH."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
         self.context_width = context_width or pool.max_seq_len
         self.buckets = sorted(set(batch_sizes))
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.samplers: dict[tuple[int, int], _Graph] = {}
         stream = torch.cuda.Stream(self.device)
         for b in self.buckets:
             for w, all_logits in sorted(set(shapes)):
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
+            for w in sorted(set(sample_widths)) if b <= SAMPLER_MAX_BATCH else ():
+                self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
         self.replays = 0
+        self.sample_replays = 0  # of those, replays that also sampled
 
     @torch.inference_mode()
-    def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream) -> _Graph:
+    def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream,
+                 sampling: bool = False) -> _Graph:
         s = self.context_width
         size = sum(torch.Size(shape).numel() for _, shape in _segments(b, w, s))
-        hosts = [torch.zeros(size, dtype=torch.long).pin_memory() for _ in range(STAGING_BUFFERS)]
         device = torch.zeros(size, dtype=torch.long, device=self.device)
         parts = _split(device, b, w, s)
         parts["positions"].copy_(torch.arange(w).repeat(b, 1))
@@ -96,10 +137,15 @@ class GraphForward:
         ids, positions, last = parts["ids"], parts["positions"], parts["last"]
         indices = ViewIndices(parts["write_rows"], parts["gather_rows"], positions, parts["ctx_end"])
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
+        params = torch.tensor([[1.0] * b, [0.5] * b, [1.0] * b], dtype=torch.float64, device=self.device)  # [3, b]
 
-        def run() -> torch.Tensor:
-            return self.model(ids, positions, view, logits_indices=None if all_logits else last,
-                              kernels=self.kernels)
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            logits = self.model(ids, positions, view, logits_indices=None if all_logits else last,
+                                kernels=self.kernels)
+            if not sampling:
+                return logits, None
+            probs = temperature_probs(logits, params[0].float(), params[2] > 0.5)  # [b, V]
+            return probs, sample_from_probs(probs, params[1])
 
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -108,44 +154,62 @@ class GraphForward:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = run()
-        for host in hosts:
-            host.copy_(device.cpu())
-        return _Graph(graph, hosts, [None] * STAGING_BUFFERS, device, ids, positions, last, indices, out)
+            out, tokens = run()
+        return _Graph(graph, _Staging(device), ids, positions, last, indices, out,
+                      _Staging(params) if sampling else None, tokens)
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
         return (len(layout.slots) <= self.buckets[-1] and max(layout.ends) <= self.context_width
                 and (self.buckets[0], layout.width, all_logits) in self.graphs)
 
+    def _bucket(self, n: int) -> int:
+        return next(x for x in self.buckets if x >= n)
+
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         if not self.supports(layout, all_logits):
             return self.eager(ids, layout, all_logits)
         n = len(layout.slots)
-        b = next(x for x in self.buckets if x >= n)
-        g = self.graphs[(b, layout.width, all_logits)]
+        g = self.graphs[(self._bucket(n), layout.width, all_logits)]
+        self._replay(g, ids, layout)
+        return g.out[:n]
+
+    def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
+               uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A last-token step, then temperature sampling on the device: (ids [n], probs [n, V]).
+
+        temperatures: per row (1.0 for greedy rows); uniforms: CPU float64 [n]; greedy rows
+        take the argmax (one-hot probs). The same function as `EagerForward.sample`.
+        """
+        n = len(layout.slots)
+        key = (self._bucket(n), layout.width) if n <= self.buckets[-1] else None
+        if key not in self.samplers or max(layout.ends) > self.context_width:
+            return self.eager.sample(ids, layout, temperatures, uniforms, greedy)
+        g = self.samplers[key]
+        assert g.sampling is not None and g.tokens is not None
+        host = g.sampling.next_host().view(3, -1)
+        host[0, :n] = torch.tensor(temperatures, dtype=torch.float64)
+        host[1, :n] = uniforms
+        host[2, :n] = torch.tensor(greedy, dtype=torch.float64)
+        g.sampling.send()
+        self._replay(g, ids, layout)
+        self.sample_replays += 1
+        return g.tokens[:n], g.out[:n]
+
+    def _replay(self, g: _Graph, ids: torch.Tensor, layout: BatchLayout) -> None:
+        n, width = len(layout.slots), layout.width
         idx = self.pool.indices(layout, self.context_width)
-        # steps queued back to back (the draft loop does not wait for the GPU): a staging
-        # buffer is rewritten only once the copy that last read it has run
-        turn = self.replays % STAGING_BUFFERS
-        if g.copied[turn] is not None:
-            g.copied[turn].synchronize()
-        host = g.hosts[turn]
-        staged = _split(host, b, layout.width, self.context_width)
+        staged = _split(g.staging.next_host(), g.ids.shape[0], width, self.context_width)
         if not ids.is_cuda:
             staged["ids"][:n] = ids
         staged["positions"][:n] = idx.q_pos
         staged["last"][:n] = layout.last_token_indices("cpu")
         staged["write_rows"].fill_(self.pool.scratch_row)  # padding rows write to scratch
-        staged["write_rows"][: n * layout.width] = idx.write_rows
+        staged["write_rows"][: n * width] = idx.write_rows
         staged["gather_rows"][:n] = idx.gather_rows
         staged["ctx_end"][:n] = idx.ctx_end
-        g.device.copy_(host, non_blocking=True)  # one transfer for all inputs
-        if g.copied[turn] is None:
-            g.copied[turn] = torch.cuda.Event()
-        g.copied[turn].record()
+        g.staging.send()
         if ids.is_cuda:  # tokens produced on the device by the previous step
             g.ids[:n].copy_(ids)
         g.graph.replay()
         self.pool.commit(layout)
         self.replays += 1
-        return g.out[:n]

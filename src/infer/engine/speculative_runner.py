@@ -77,7 +77,8 @@ class SpeculativeRunner(ContinuousRunner):
             feeds = range(1, DRAFT_MAX_FEED + 1)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
                                 shapes=[(w, False) for w in feeds],
-                                kernels=step_kernels(self.config, self.device, draft_model))
+                                kernels=step_kernels(self.config, self.device, draft_model),
+                                sample_widths=tuple(feeds))
             self.draft = DraftModelProposer(draft_model, pool, step, max_feed=DRAFT_MAX_FEED)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer

@@ -28,7 +28,7 @@ from infer.cache.forward import EagerForward, ForwardFn
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.spec.proposer import Draft
 from infer.transfer import tensor_on, to_device
 
@@ -128,13 +128,20 @@ class DraftModelProposer:
         k was guarded for. Tokens stay on the device between steps (the next step's input is
         the previous step's output): no host sync, except to grow the contexts when a
         repetition penalty needs them. Each row draws its k_b uniforms from its own generator.
+        When every row samples with a temperature alone, the forward function samples too
+        (`sample`: inside the step's CUDA graph when there is one).
         """
         batch, k_max = len(reqs), max(ks)
         slots = [self._slot(r) for r in reqs]
         params = [r.sampling_params for r in reqs]
         greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
         contexts = [list(r.all_token_ids) for r in reqs] if any(p.repetition_penalty != 1.0 for p in params) else None
-        uniforms = None if greedy else to_device(_row_uniforms(reqs, ks), self.device)  # [B, K]
+        vocab = self.model.config.vocab_size
+        fused = None if greedy or not all(temperature_only(p, vocab) for p in params) else \
+            getattr(self.step_forward, "sample", None)
+        host_uniforms = None if greedy else _row_uniforms(reqs, ks)  # [B, K] CPU
+        uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
+        temps = [1.0 if p.greedy else p.temperature for p in params]
         tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
         probs_out = None
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
@@ -149,14 +156,20 @@ class DraftModelProposer:
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):
             layout = BatchLayout.of([slots[b] for b in alive], [starts[b] for b in alive], [lens[b] for b in alive])
-            logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
-            if greedy:
-                new = logits.argmax(dim=-1)  # [A]
+            probs = None
+            if fused is not None:
+                new, probs = fused(ids, layout, [temps[b] for b in alive], host_uniforms[alive, step],
+                                   [params[b].greedy for b in alive])  # [A], [A, V]
             else:
-                sub = [params[b] for b in alive]
-                ctx = [contexts[b] for b in alive] if contexts is not None else None
-                probs = logits_to_probs(logits, sub, ctx)  # [A, V]
-                new = sample_from_probs(probs, uniforms[rows, step])
+                logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
+                if greedy:
+                    new = logits.argmax(dim=-1)  # [A]
+                else:
+                    sub = [params[b] for b in alive]
+                    ctx = [contexts[b] for b in alive] if contexts is not None else None
+                    probs = logits_to_probs(logits, sub, ctx)  # [A, V]
+                    new = sample_from_probs(probs, uniforms[rows, step])
+            if probs is not None:
                 if probs_out is None:
                     probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
                 probs_out[rows, step] = probs

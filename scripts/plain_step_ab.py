@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 
 from infer import SamplingParams
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
-from infer.engine.loading import DEMO_TARGET
+from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 
 class NeverSpeculate:
@@ -30,15 +31,48 @@ class NeverSpeculate:
         return None
 
 
+def instrument(engine: Engine) -> dict[str, list[float]]:
+    """Time the parts of each decode step of a speculative runner: policy, proposer, plain
+    decode, verification, cost model; and count chosen K."""
+    runner = engine.runner
+    phases: dict[str, list[float]] = defaultdict(list)
+
+    def timed(obj: object, attr: str, label: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            phases[label].append(time.perf_counter() - start)
+            if label == "choose":
+                phases[f"k={max(out)}"].append(0.0)
+            return out
+
+        setattr(obj, attr, wrapper)
+
+    timed(runner.policy, "choose", "choose")
+    timed(runner.proposer, "propose", "propose")
+    timed(runner, "_verify", "verify")
+    timed(runner, "_accept", "accept")
+    timed(runner.cost_model, "observe", "observe")
+    timed(runner, "_speculative_decode", "decode step")
+    return phases
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def ms_per_token(engine: Engine, temperature: float, tokens: int) -> float:
     params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     engine.add_request(list(range(100, 228)), params)
     engine.step()  # prefill
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / (tokens - 1) * 1e3
 
 
@@ -49,10 +83,15 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     args = ap.parse_args()
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=512)
-    spec = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
-    engines = {"plain": Engine(EngineConfig(**base)), "spec-K0": Engine(EngineConfig(**spec)),
-               "spec-adaptive": Engine(EngineConfig(**spec, spec_policy="adaptive"))}
-    engines["spec-K0"].runner.policy = NeverSpeculate()
+    ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
+    draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
+    engines = {"plain": Engine(EngineConfig(**base)), "ngram-K0": Engine(EngineConfig(**ngram)),
+               "ngram-adaptive": Engine(EngineConfig(**ngram, spec_policy="adaptive")),
+               "draft-K0": Engine(EngineConfig(**draft)),
+               "draft-adaptive": Engine(EngineConfig(**draft, spec_policy="adaptive"))}
+    for name in ("ngram-K0", "draft-K0"):
+        engines[name].runner.policy = NeverSpeculate()
+    phases = {name: instrument(e) for name, e in engines.items() if name.endswith("adaptive")}
     for t in args.temperature:
         times: dict[str, list[float]] = {name: [] for name in engines}
         for name, engine in engines.items():
@@ -65,6 +104,10 @@ def main() -> None:
             med = statistics.median(ts)
             print(f"T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed), runs "
                   + " ".join(f"{x:.3f}" for x in ts), flush=True)
+        for name, ph in phases.items():
+            print(f"T={t:g} {name} per step: " + ", ".join(
+                f"{k} {statistics.fmean(v) * 1e3:.3f} ms x{len(v)}" for k, v in sorted(ph.items()) if v), flush=True)
+            ph.clear()
 
 
 if __name__ == "__main__":

@@ -80,17 +80,20 @@ class CostModel:
     the measured wall time of every step (`observe`), host overhead included, and measured
     costs replace the calibrated ones as they arrive. So a setup where per-step overhead
     dominates (tiny models) learns that speculating does not pay. Each cost is the lower
-    median of its last `window` measurements: one slow step (a first pinned allocation, a
-    garbage collection) must not make speculation look hopeless for good.
+    median of its last `window` measurements, and counts only from its second measurement
+    on: the first step of a kind pays one-off costs (kernel compilation, first allocations,
+    a garbage collection) that must not make speculation look hopeless for good.
     """
 
     k_max: int
     draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
-    observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (bucket, k) -> seconds
-    switch: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of a switch (catch-up)
     window: int = 8
-    _samples: dict[object, deque[float]] = field(default_factory=dict, repr=False)
+    _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
+    _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
+    _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
+    version: int = 0  # bumped by every measurement of a speculative step or a switch
+    plain_version: int = 0  # bumped by every measurement of a plain step
 
     @staticmethod
     def bucket(batch_size: int) -> int:
@@ -99,35 +102,61 @@ class CostModel:
             b *= 2
         return b
 
-    def _record(self, table: dict, key: object, seconds: float) -> None:
-        tag = "switch" if table is self.switch else "step"
-        samples = self._samples.setdefault((tag, key), deque(maxlen=self.window))
+    def _record(self, key: tuple[str, object], seconds: float) -> None:
+        samples = self._samples.get(key)
+        if samples is None:
+            samples = self._samples[key] = deque(maxlen=self.window)
         samples.append(seconds)
-        table[key] = sorted(samples)[(len(samples) - 1) // 2]  # lower median
+        self._dirty.add(key)
+
+    def _value(self, key: tuple[str, object]) -> float | None:
+        """Lower median of the key's measurements; None before its second one."""
+        if key in self._dirty:
+            self._dirty.discard(key)
+            samples = self._samples[key]
+            if len(samples) >= 2:
+                self._values[key] = sorted(samples)[(len(samples) - 1) // 2]
+        return self._values.get(key)
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
-        self._record(self.observed, (self.bucket(batch_size), k), seconds)
+        self._record(("step", (self.bucket(batch_size), k)), seconds)
+        if k:
+            self.version += 1
+        else:
+            self.plain_version += 1
 
     def observe_switch(self, batch_size: int, seconds: float) -> None:
         """Wall time a step spent switching from plain decoding back to speculation."""
-        self._record(self.switch, self.bucket(batch_size), seconds)
+        self._record(("switch", self.bucket(batch_size)), seconds)
+        self.version += 1
+
+    def step_seconds(self, batch_size: int, k: int) -> float | None:
+        """The measured wall time of a step with k drafts at this batch size, if known."""
+        return self._value(("step", (self.bucket(batch_size), k)))
+
+    @property
+    def observed(self) -> dict[tuple[int, int], float]:
+        """(bucket, k) -> measured step seconds, for the keys measured at least twice."""
+        out = {}
+        for tag, key in list(self._samples):
+            if tag == "step" and (value := self._value((tag, key))) is not None:
+                out[key] = value
+        return out
 
     def switch_cost(self, batch_size: int) -> float:
         """Switching cost relative to a plain step: measured, else two draft steps' worth."""
-        b = self.bucket(batch_size)
-        plain, seen = self.observed.get((b, 0)), self.switch.get(b)
+        plain, seen = self.step_seconds(batch_size, 0), self._value(("switch", self.bucket(batch_size)))
         if seen is not None and plain:
             return seen / plain
         return 2.0 * self.calibrated(batch_size)[0]
 
     def has_plain(self, batch_size: int) -> bool:
-        return (self.bucket(batch_size), 0) in self.observed
+        return self.step_seconds(batch_size, 0) is not None
 
     def has_speculative(self, batch_size: int) -> bool:
         """Whether a step with drafts was measured at this batch size (calibration is a guess)."""
-        b = self.bucket(batch_size)
-        return any(key[0] == b and key[1] > 0 for key in self.observed)
+        return any(self.step_seconds(batch_size, k) is not None for k in range(1, self.k_max + 1))
 
     def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
         b = self.bucket(batch_size)
@@ -137,14 +166,17 @@ class CostModel:
 
     def relative_costs(self, batch_size: int) -> list[float]:
         """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1)."""
-        b = self.bucket(batch_size)
         c, v = self.calibrated(batch_size)
         calibrated = [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
-        plain = self.observed.get((b, 0))
-        seen = {k: self.observed[(b, k)] / plain for k in range(1, self.k_max + 1)
-                if plain and (b, k) in self.observed}
+        plain = self.step_seconds(batch_size, 0)
+        seen = {}
+        for k in range(1, self.k_max + 1):
+            t = self.step_seconds(batch_size, k) if plain else None
+            if t is not None:
+                seen[k] = t / plain
         # unseen K: calibration scaled by how far it was off where it was checked (host overhead)
-        scale = sum(seen[k] / calibrated[k] for k in seen) / len(seen) if seen else 1.0
+        ratios = sorted(seen[k] / calibrated[k] for k in seen)
+        scale = ratios[(len(ratios) - 1) // 2] if ratios else 1.0
         return [1.0] + [seen.get(k, calibrated[k] * scale) for k in range(1, self.k_max + 1)]
 
 
@@ -198,8 +230,10 @@ class AdaptivePolicy:
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
+    recompute_every: int = 16  # steps between refreshes of the cost table after plain steps
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
+    _table: dict[int, tuple[int, int, int, list[float], int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -214,8 +248,7 @@ class AdaptivePolicy:
         self._steps += 1
         if not self.costs.has_plain(len(requests)) or self._steps % self.plain_refresh == 0:
             return [0] * len(requests)  # measure (or re-measure) a plain step at this batch size
-        costs = self.costs.relative_costs(len(requests))
-        min_wait = self._probe_spacing(len(requests), costs)
+        costs, min_wait = self._cost_table(len(requests))
         ks = []
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._est.setdefault(r.request_id, self._prior())
@@ -226,6 +259,20 @@ class AdaptivePolicy:
                     est.probe_wait, est.probing, k = 0, True, 1
             ks.append(guard_k(k, n, max_seq_len, left))
         return ks
+
+    def _cost_table(self, batch_size: int) -> tuple[list[float], int]:
+        """(relative costs, probe spacing) at this batch size. Cached: recomputed when a
+        speculative step or a switch was measured, or every `recompute_every` steps while only
+        plain steps were (the plain baseline drifts slowly): this runs on every step."""
+        b = self.costs.bucket(batch_size)
+        cached = self._table.get(b)
+        if (cached is not None and cached[0] == self.costs.version
+                and (cached[1] == self.costs.plain_version or self._steps - cached[2] < self.recompute_every)):
+            return cached[3], cached[4]
+        costs = self.costs.relative_costs(batch_size)
+        spacing = self._probe_spacing(batch_size, costs)
+        self._table[b] = (self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
+        return costs, spacing
 
     def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int:
         """Fewest plain steps between probes so they stay within the budget: 1 % of the time,

@@ -27,6 +27,9 @@ class NeverSpeculate:
     def update(self, request_id, num_draft, num_accepted):  # noqa: ANN001, ANN201
         return None
 
+    def no_proposal(self, request_id):  # noqa: ANN001, ANN201
+        return None
+
     def release(self, request_id):  # noqa: ANN001, ANN201
         return None
 

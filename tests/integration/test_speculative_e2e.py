@@ -213,6 +213,9 @@ class _SchedulePolicy:
     def update(self, request_id, num_draft, num_accepted):
         return None
 
+    def no_proposal(self, request_id):
+        return None
+
     def release(self, request_id):
         return None
 
@@ -297,3 +300,36 @@ def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_d
         results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
     assert results[0] == results[1]
     assert results[0][2] > 0  # self-draft at a temperature: most drafts accepted
+
+
+def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
+    # catch-ups are fed in chunks of at most CATCH_UP_CHUNK tokens per row (the Triton path on
+    # a GPU); with a tiny chunk the prompts' lazy prefill and every gap take several chunks
+    import infer.spec.draft_model as dm
+    monkeypatch.setattr(dm, "CATCH_UP_CHUNK", 3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(ckpt_a, max_seq_len=256)
+             .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([3] + [0] * 9)
+    widths, inside = [], []
+    model_forward, catch_up = runner.draft.model.forward, runner.draft._catch_up
+
+    def forward(ids, *args, **kwargs):
+        if inside:
+            widths.append(ids.shape[1])
+        return model_forward(ids, *args, **kwargs)
+
+    def timed_catch_up(reqs):
+        inside.append(1)
+        try:
+            catch_up(reqs)
+        finally:
+            inside.clear()
+
+    runner.draft.model.forward, runner.draft._catch_up = forward, timed_catch_up
+    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert widths and max(widths) <= 3 and len(widths) > 10
+    assert runner.stats.acceptance_rate >= 0.99

@@ -214,3 +214,20 @@ def test_first_probe_comes_early_while_only_calibration_is_known():
     assert ks == [0, 0, 0, 1, 0] or ks == [0, 0, 0, 0, 1]
     _measure(costs, 1, 1, 0.0011)  # measured: cheap after all
     assert costs.relative_costs(1)[1] == pytest.approx(1.1)
+
+
+def test_missing_proposals_count_as_failed_trials():
+    # n-gram drafting on text without repeats: nothing to propose, so the request must fall
+    # back to plain steps instead of asking the proposer every step
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 5, 0.0013)
+    p = AdaptivePolicy(5, costs)
+    r = R("n")
+    asked = 0
+    for _ in range(200):
+        if p.choose([r], [10], 10_000, [5000])[0]:
+            asked += 1
+            p.no_proposal("n")
+    assert asked < 40 and p.acceptance("n") < 0.2
+    assert FixedPolicy(3).no_proposal("n") is None

@@ -151,6 +151,9 @@ class SpeculativeRunner(ContinuousRunner):
             drafts = self.proposer.propose(requests, ks)
             switch = getattr(self.proposer, "catch_up_seconds", 0.0)
             longest = max(len(d.token_ids) for d in drafts)
+            for r, k, d in zip(requests, ks, drafts, strict=True):
+                if k and not d.token_ids:
+                    self.policy.no_proposal(r.request_id)
             if longest == 0:  # no proposals at all (n-gram found no match): a plain step
                 outputs = super()._decode(requests)
             else:

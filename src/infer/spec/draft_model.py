@@ -26,7 +26,7 @@ import torch
 
 from infer.cache.forward import EagerForward, ForwardFn
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout
+from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.spec.proposer import Draft
@@ -35,6 +35,9 @@ from infer.transfer import tensor_on, to_device
 if TYPE_CHECKING:
     from infer.engine.request import Request
 
+
+
+CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # tokens per row per catch-up forward
 
 
 class DraftModelProposer:
@@ -106,20 +109,27 @@ class DraftModelProposer:
         return drafts
 
     def _catch_up(self, reqs: Sequence[Request]) -> None:
-        """Feed tokens[d : n+1-max_feed] as a batched prefill (step 1 feeds the rest)."""
-        if not reqs:
-            return
-        slots = [self._slot(r) for r in reqs]
-        starts = [self.pool.seq_len(s) for s in slots]
-        lens = [r.num_computed_tokens + 1 - self.max_feed - d for r, d in zip(reqs, starts, strict=True)]
-        layout = BatchLayout.of(slots, starts, lens)
-        ids = torch.zeros((len(reqs), layout.width), dtype=torch.long)
-        for b, (r, d, n) in enumerate(zip(reqs, starts, lens, strict=True)):
-            ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
-        view = self.pool.view(layout)
-        self.model(to_device(ids, self.device), layout.positions(self.device), view,
-                   logits_indices=layout.last_token_indices(self.device))
-        view.commit()
+        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
+
+        Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
+        attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
+        every new shape (hundreds of milliseconds) and catch-up lengths rarely repeat.
+        """
+        todo = list(reqs)
+        while todo:
+            slots = [self._slot(r) for r in todo]
+            starts = [self.pool.seq_len(s) for s in slots]
+            lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
+                    for r, d in zip(todo, starts, strict=True)]
+            layout = BatchLayout.of(slots, starts, lens)
+            ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
+            for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
+                ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
+            view = self.pool.view(layout)
+            self.model(to_device(ids, self.device), layout.positions(self.device), view,
+                       logits_indices=layout.last_token_indices(self.device))
+            view.commit()
+            todo = [r for r in todo if r.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(r))]
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).

@@ -155,8 +155,9 @@ class CostModel:
         return self.step_seconds(batch_size, 0) is not None
 
     def has_speculative(self, batch_size: int) -> bool:
-        """Whether a step with drafts was measured at this batch size (calibration is a guess)."""
-        return any(self.step_seconds(batch_size, k) is not None for k in range(1, self.k_max + 1))
+        """Whether a step with drafts ran at this batch size at all (calibration is a guess)."""
+        b = self.bucket(batch_size)
+        return any(("step", (b, k)) in self._samples for k in range(1, self.k_max + 1))
 
     def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
         b = self.bucket(batch_size)
@@ -186,6 +187,10 @@ class SpecPolicy(Protocol):
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
+    def no_proposal(self, request_id: str) -> None:
+        """The proposer had nothing for a request that was given k > 0 (n-gram: no match)."""
+        ...
+
     def release(self, request_id: str) -> None: ...
 
 
@@ -202,6 +207,9 @@ class FixedPolicy:
         return [guard_k(self.k, n, max_seq_len, left) for n, left in zip(seq_lens, tokens_left, strict=True)]
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
+        return None
+
+    def no_proposal(self, request_id: str) -> None:
         return None
 
     def release(self, request_id: str) -> None:
@@ -302,6 +310,16 @@ class AdaptivePolicy:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         elif num_accepted > 0:
             est.probe_interval = 4
+
+    def no_proposal(self, request_id: str) -> None:
+        """An attempt that yielded nothing counts as a failed trial: asking costs host time
+        (an n-gram lookup), and text without matches should fall back to plain steps."""
+        est = self._est.setdefault(request_id, self._prior())
+        probing, est.probing = est.probing, False
+        est.accepted *= self.decay
+        est.trials = est.trials * self.decay + 1
+        if probing:
+            est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
 
     def _prior(self) -> _Estimate:
         return _Estimate(self.prior_a * self.prior_weight, self.prior_weight)

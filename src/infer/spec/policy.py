@@ -17,9 +17,10 @@ A request at K = 0 is probed with K = 1 now and then so its estimate can recover
 more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
 draft model must first catch up on the tokens it skipped), and probes may spend at most
 `probe_budget` (1 %) of the time, a tenth of that when no K could pay even at an optimistic
-acceptance (then probes only re-measure the costs). Until a step with drafts has been
-measured at a batch size, the first probe comes early (calibration can misjudge host
-overhead either way). Failed probes also back off exponentially.
+acceptance (then probes only re-measure the costs). Until a step with drafts has run at a
+batch size, the first probe comes early (calibration can misjudge host overhead either
+way). Failed probes also back off exponentially. A request given k > 0 for which the
+proposer has nothing (an n-gram miss) counts that as a failed trial.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.

@@ -231,3 +231,15 @@ def test_missing_proposals_count_as_failed_trials():
             p.no_proposal("n")
     assert asked < 40 and p.acceptance("n") < 0.2
     assert FixedPolicy(3).no_proposal("n") is None
+
+
+def test_spec_stats_minus_counts_what_happened_since():
+    s = SpecStats()
+    s.record(3, 1, 2)
+    before = SpecStats(**{**s.__dict__, "accepted_per_position": list(s.accepted_per_position)})
+    s.record(4, 4, 5)
+    s.record(0, 0, 1)
+    d = s.minus(before)
+    assert (d.rounds, d.drafts, d.draft_tokens, d.accepted_tokens, d.emitted_tokens) == (2, 1, 4, 4, 6)
+    assert d.accepted_per_position == [1, 1, 1, 1]
+    assert d.acceptance_rate == 1.0 and d.mean_accepted_length == 3.0

@@ -16,12 +16,13 @@ rate. The engine is freed afterwards so the next measurement has the GPU memory.
 
 from __future__ import annotations
 
+import copy
 import gc
 import random
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import resolve_device
 from infer.engine.request import Request
+from infer.spec.metrics import SpecStats
 
 SEQ_LEN_QUANTUM = 128
 SAVED_IDS = 64  # request 0's first output ids are kept: same weights + greedy -> comparable
@@ -54,32 +56,19 @@ def engine_config(workload: Workload, overrides: Mapping[str, Any], device: str 
     return EngineConfig.from_kwargs(**values)
 
 
-@dataclass
-class SpecSnapshot:
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
-    rounds: int = 0
+def spec_snapshot(engine: Engine) -> SpecStats | None:
+    """A copy of the engine's speculation counters (None without speculation)."""
+    stats = getattr(engine.runner, "stats", None)
+    return copy.deepcopy(stats) if stats is not None else None
 
-    @classmethod
-    def of(cls, engine: Engine) -> SpecSnapshot | None:
-        stats = getattr(engine.runner, "stats", None)
-        if stats is None:
-            return None
-        return cls(**{f.name: getattr(stats, f.name) for f in fields(cls)})
 
-    def minus(self, other: SpecSnapshot) -> SpecSnapshot:
-        return SpecSnapshot(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
-
-    def metrics(self) -> dict[str, Any]:
-        return {
-            "spec_rounds": self.rounds, "spec_drafting_rounds": self.drafts, "spec_draft_tokens": self.draft_tokens,
-            "spec_accepted_tokens": self.accepted_tokens, "spec_emitted_tokens": self.emitted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
-            "mean_accepted_length": self.emitted_tokens / self.rounds if self.rounds else None,
-            "mean_k": self.draft_tokens / self.drafts if self.drafts else 0.0,
-        }
+def spec_metrics(stats: SpecStats) -> dict[str, Any]:
+    return {
+        "spec_rounds": stats.rounds, "spec_drafting_rounds": stats.drafts, "spec_draft_tokens": stats.draft_tokens,
+        "spec_accepted_tokens": stats.accepted_tokens, "spec_emitted_tokens": stats.emitted_tokens,
+        "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
+        "mean_k": stats.draft_tokens / stats.drafts if stats.drafts else 0.0,
+    }
 
 
 def _prefix_counters(engine: Engine) -> tuple[int, int] | None:
@@ -164,7 +153,7 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         load_s = time.perf_counter() - t0
         prompts = build_requests(workload, engine.vocab_size, engine.tokenizer)
         warmup(engine, workload, prompts, warmup_tokens)
-        spec0, prefix0 = SpecSnapshot.of(engine), _prefix_counters(engine)
+        spec0, prefix0 = spec_snapshot(engine), _prefix_counters(engine)
         runs = []
         for _ in range(repeats):
             gc.collect()  # not inside the timing
@@ -189,12 +178,12 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         free_memory()
 
 
-def engine_counters(engine: Engine, spec0: SpecSnapshot | None,
+def engine_counters(engine: Engine, spec0: SpecStats | None,
                     prefix0: tuple[int, int] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    spec1 = SpecSnapshot.of(engine)
+    spec1 = spec_snapshot(engine)
     if spec0 is not None and spec1 is not None:
-        out.update(spec1.minus(spec0).metrics())
+        out.update(spec_metrics(spec1.minus(spec0)))
         cost_model = getattr(engine.runner, "cost_model", None)
         if cost_model is not None and cost_model.draft_ratio:
             c, v = cost_model.calibrated(1)

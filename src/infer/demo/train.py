@@ -48,6 +48,7 @@ from infer.demo.presets import (
 )
 from infer.demo.saving import save_model, training_environment
 from infer.demo.trainer import init_weights, train_model
+from infer.engine.loading import resolve_device
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -109,7 +110,7 @@ def train_role(role: str, preset: Preset, corpus: Corpus, tok: Tokenizer, out: P
 def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = _preset_from_args(args)
     out = Path(args.out)
-    device = _device(args.device)
+    device = resolve_device(args.device)
     roles = [r.strip() for r in args.models.split(",") if r.strip()]
     if not roles or any(r not in ROLES for r in roles):
         raise ValueError(f"--models must list some of {ROLES}, got {args.models!r}")
@@ -154,14 +155,6 @@ def _override(s: TrainSettings, epochs: float | None, max_steps: int | None,
     s = replace(s, epochs=epochs if epochs is not None else s.epochs,
                 max_steps=max_steps if max_steps is not None else s.max_steps)
     return settings_with(s, overrides or [])
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but no CUDA GPU is visible; use --device cpu")
-    return torch.device(name)
 
 
 def build_parser() -> argparse.ArgumentParser:

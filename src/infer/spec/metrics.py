@@ -35,6 +35,14 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def minus(self, earlier: SpecStats) -> SpecStats:
+        """The counts since `earlier` (a copy of these stats taken before)."""
+        per_position = [n - (earlier.accepted_per_position[i] if i < len(earlier.accepted_per_position) else 0)
+                        for i, n in enumerate(self.accepted_per_position)]
+        return SpecStats(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
+                         self.accepted_tokens - earlier.accepted_tokens, self.emitted_tokens - earlier.emitted_tokens,
+                         self.rounds - earlier.rounds, per_position)
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None

@@ -22,7 +22,7 @@ import torch
 
 from infer.cache.allocator import BlockAllocator
 from infer.cache.prefix import PrefixTree
-from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices, pool_view
+from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
 
 
@@ -50,7 +50,7 @@ def resolve_num_blocks(config: ModelConfig, max_batch_size: int, max_seq_len: in
     return max_batch_size * -(-max_seq_len // block_size)
 
 
-class PagedKVCachePool:
+class PagedKVCachePool(RowPool):
     def __init__(self, config: ModelConfig, max_batch_size: int, max_seq_len: int, dtype: torch.dtype,
                  device: torch.device | str, block_size: int = 16, num_blocks: int | None = None,
                  memory_budget_bytes: int | None = None, enable_prefix_caching: bool = False) -> None:
@@ -272,9 +272,3 @@ class PagedKVCachePool:
                                    f"block (first writable position {self._shared[slot] * self.block_size})")
         return layout_indices(layout, self.rows, self.scratch_row, context_width)
 
-    def commit(self, layout: BatchLayout) -> None:
-        for slot, end in zip(layout.slots, layout.ends, strict=True):
-            self._lens[slot] = end
-
-    def view(self, layout: BatchLayout) -> CacheView:
-        return pool_view(self, layout)

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, ViewIndices, layout_indices, pool_view
+from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
 
 
-class SlottedKVCache:
+class SlottedKVCache(RowPool):
     def __init__(self, config: ModelConfig, max_batch_size: int, max_seq_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
         if max_batch_size < 1 or max_seq_len < 1:
@@ -87,9 +87,3 @@ class SlottedKVCache:
                 raise RuntimeError(f"slot {slot}: position {end - 1} is past max_seq_len {self.max_seq_len}")
         return layout_indices(layout, self.rows, self.scratch_row, context_width)
 
-    def commit(self, layout: BatchLayout) -> None:
-        for slot, end in zip(layout.slots, layout.ends, strict=True):
-            self._lens[slot] = end
-
-    def view(self, layout: BatchLayout) -> CacheView:
-        return pool_view(self, layout)

@@ -149,3 +149,17 @@ def pool_view(pool: object, layout: BatchLayout) -> CacheView:
     `view.commit()` calls `pool.commit(layout)`."""
     indices = pool.indices(layout).to(pool.k_cache.device)  # type: ignore[attr-defined]
     return CacheView(pool.k_cache, pool.v_cache, indices, lambda: pool.commit(layout))  # type: ignore[attr-defined]
+
+
+class RowPool:
+    """`commit` and `view` of the row-indexed pools; a subclass keeps `_lens` (tokens per
+    slot) and provides `indices(layout)`."""
+
+    _lens: dict[int, int]
+
+    def commit(self, layout: BatchLayout) -> None:
+        for slot, end in zip(layout.slots, layout.ends, strict=True):
+            self._lens[slot] = end
+
+    def view(self, layout: BatchLayout) -> CacheView:
+        return pool_view(self, layout)

@@ -178,6 +178,7 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
     torch.testing.assert_close(replayed, reference, rtol=1e-4, atol=1e-4)
     for s in slots:
         pool.free_slot(s)
+    assert llm.engine.leak_report() == []
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])

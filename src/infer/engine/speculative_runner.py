@@ -29,16 +29,13 @@ from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs
-from infer.spec.draft_model import DraftModelProposer
+from infer.spec.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
 from infer.spec.rejection import VerifyResult, verify
 from infer.tokenizer import Tokenizer
 from infer.transfer import tensor_on, to_device
-
-
-DRAFT_MAX_FEED = 4  # widest first draft step (CUDA graphs are captured for widths 1..this)
 
 
 class SpeculativeRunner(ContinuousRunner):
@@ -79,7 +76,7 @@ class SpeculativeRunner(ContinuousRunner):
                                 shapes=[(w, False) for w in feeds],
                                 kernels=step_kernels(self.config, self.device, draft_model),
                                 sample_widths=tuple(feeds))
-            self.draft = DraftModelProposer(draft_model, pool, step, max_feed=DRAFT_MAX_FEED)
+            self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer
         return NgramProposer(NgramConfig(method=method, max_order=self.config.ngram_max_order,

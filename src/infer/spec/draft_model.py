@@ -38,11 +38,12 @@ if TYPE_CHECKING:
 
 
 CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # tokens per row per catch-up forward
+DRAFT_MAX_FEED = 4  # widest first draft step (the runner captures CUDA graphs for widths 1..this)
 
 
 class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol,
-                 step_forward: ForwardFn | None = None, max_feed: int = 2) -> None:
+                 step_forward: ForwardFn | None = None, max_feed: int = DRAFT_MAX_FEED) -> None:
         if max_feed < 2:
             raise ValueError(f"max_feed must be >= 2 (g plus the token left over by a full round), got {max_feed}")
         self.model = model

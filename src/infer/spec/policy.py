@@ -32,7 +32,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -226,6 +226,14 @@ class _Estimate:
     probing: bool = False  # the round in flight is a probe
 
 
+class _CostTable(NamedTuple):
+    version: int  # CostModel.version it was computed at
+    plain_version: int  # CostModel.plain_version it was computed at
+    step: int  # policy step it was computed at
+    costs: list[float]  # relative costs r(0..k_max)
+    probe_spacing: int
+
+
 @dataclass
 class AdaptivePolicy:
     k_max: int
@@ -242,7 +250,7 @@ class AdaptivePolicy:
     recompute_every: int = 16  # steps between refreshes of the cost table after plain steps
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
-    _table: dict[int, tuple[int, int, int, list[float], int]] = field(default_factory=dict)
+    _table: dict[int, _CostTable] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -274,13 +282,13 @@ class AdaptivePolicy:
         speculative step or a switch was measured, or every `recompute_every` steps while only
         plain steps were (the plain baseline drifts slowly): this runs on every step."""
         b = self.costs.bucket(batch_size)
-        cached = self._table.get(b)
-        if (cached is not None and cached[0] == self.costs.version
-                and (cached[1] == self.costs.plain_version or self._steps - cached[2] < self.recompute_every)):
-            return cached[3], cached[4]
+        t = self._table.get(b)
+        if (t is not None and t.version == self.costs.version
+                and (t.plain_version == self.costs.plain_version or self._steps - t.step < self.recompute_every)):
+            return t.costs, t.probe_spacing
         costs = self.costs.relative_costs(batch_size)
         spacing = self._probe_spacing(batch_size, costs)
-        self._table[b] = (self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
+        self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
         return costs, spacing
 
     def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int:

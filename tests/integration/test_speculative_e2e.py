@@ -333,3 +333,42 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert widths and max(widths) <= 3 and len(widths) > 10
     assert runner.stats.acceptance_rate >= 0.99
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monkeypatch, backend):
+    # with CUDA graphs the catch-up chunks are right-padded to the captured width; padding
+    # must write to the scratch row only. Stand-in on the CPU: a step function that "has a
+    # graph" of the chunk width and runs it eagerly, padding included.
+    import infer.spec.draft_model as dm
+    from infer.cache.forward import EagerForward
+    monkeypatch.setattr(dm, "CATCH_UP_CHUNK", 5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in make_llm(ckpt_a, max_seq_len=256, kv_cache_backend=backend)
+             .generate(prompt_token_ids=prompts[:3], sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 3, kv_cache_backend=backend, block_size=4)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([3] + [0] * 7)
+    draft = runner.draft
+    padded = []
+
+    class GraphLike:
+        def __init__(self, forward):
+            self.forward, self.eager = forward, EagerForward(draft.model, draft.pool)
+
+        def supports(self, layout, all_logits):
+            return layout.width == 5 and not all_logits
+
+        def __call__(self, ids, layout, all_logits):
+            if self.supports(layout, all_logits):
+                assert ids.shape == (len(layout.slots), 5)
+                padded.append(min(layout.chunk_lens) < 5)
+                return self.eager(ids, layout, all_logits)
+            return self.forward(ids, layout, all_logits)
+
+    draft.step_forward = GraphLike(draft.step_forward)
+    outs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert padded and any(padded)  # chunks ran at the graph width, some of them padded
+    assert runner.stats.acceptance_rate >= 0.99  # the draft cache holds exactly the tokens
+    assert llm.engine.leak_report() == []

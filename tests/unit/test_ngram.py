@@ -251,6 +251,23 @@ def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
 
 
+@pytest.mark.parametrize("gap", [49, 50, 120])  # shorter than, equal to, longer than the window
+def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
+    # plain decode steps between proposals leave the table behind by `gap` tokens
+    rng = random.Random(gap)
+    proposer = NgramProposer(NgramConfig(window=50))
+    request = make_request([rng.randrange(6) for _ in range(80)])
+    proposer.propose([request], [4])
+    old = proposer.table("r0")
+    request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
+    (draft,) = proposer.propose([request], [4])
+    assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
+    assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
+    fresh = NgramTable(window=50)
+    fresh.extend(request.all_token_ids)
+    assert draft.token_ids == fresh.propose(request.all_token_ids, 4)
+
+
 @pytest.mark.parametrize("new_output", ["", "x y z", "x y z w v"])  # shorter, same length, longer
 def test_proposer_rebuilds_after_preemption_changes_history(new_output: str) -> None:
     proposer = NgramProposer()

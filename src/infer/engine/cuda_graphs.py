@@ -39,7 +39,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
-SAMPLER_MAX_BATCH = 16  # sampling graphs (draft steps at T > 0) for buckets up to this size
+SMALL_BATCH_MAX = 16  # sampling graphs and `small_batch_shapes` only for buckets up to this size
 
 
 class _Staging:
@@ -102,10 +102,13 @@ def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
-                 kernels: Kernels = EAGER, sample_widths: Iterable[int] = ()) -> None:
+                 kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
+                 small_batch_shapes: Iterable[tuple[int, bool]] = ()) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
-        device (`sample`), for buckets up to SAMPLER_MAX_BATCH."""
+        device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
+        both for buckets up to SMALL_BATCH_MAX only (larger batches are not bound by launch
+        overhead, and wide graphs of large batches would hold much memory)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -114,10 +117,11 @@ class GraphForward:
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
         stream = torch.cuda.Stream(self.device)
+        shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
-            for w, all_logits in sorted(set(shapes)):
+            for w, all_logits in shapes + (small if b <= SMALL_BATCH_MAX else []):
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
-            for w in sorted(set(sample_widths)) if b <= SAMPLER_MAX_BATCH else ():
+            for w in sorted(set(sample_widths)) if b <= SMALL_BATCH_MAX else ():
                 self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
@@ -159,8 +163,9 @@ class GraphForward:
                       _Staging(params) if sampling else None, tokens)
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
-        return (len(layout.slots) <= self.buckets[-1] and max(layout.ends) <= self.context_width
-                and (self.buckets[0], layout.width, all_logits) in self.graphs)
+        n = len(layout.slots)
+        return (n <= self.buckets[-1] and max(layout.ends) <= self.context_width
+                and (self._bucket(n), layout.width, all_logits) in self.graphs)
 
     def _bucket(self, n: int) -> int:
         return next(x for x in self.buckets if x >= n)

@@ -29,7 +29,7 @@ from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs
-from infer.spec.draft_model import DRAFT_MAX_FEED, DraftModelProposer
+from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
@@ -72,10 +72,11 @@ class SpeculativeRunner(ContinuousRunner):
             # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted
             # round, a few more after plain steps (longer catch-ups run as their own prefill)
             feeds = range(1, DRAFT_MAX_FEED + 1)
+            # small batches also get a graph for catch-up chunks (switching back to drafting)
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
                                 shapes=[(w, False) for w in feeds],
                                 kernels=step_kernels(self.config, self.device, draft_model),
-                                sample_widths=tuple(feeds))
+                                sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)])
             self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer

@@ -115,21 +115,32 @@ class DraftModelProposer:
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
         attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
         every new shape (hundreds of milliseconds) and catch-up lengths rarely repeat.
+        When the step function has a CUDA graph of that width (small batches), chunks are
+        right-padded to it and replayed: an eager forward of a small model is launch-bound
+        and costs many graph replays (this is the price of switching speculation back on).
         """
         todo = list(reqs)
+        supports = getattr(self.step_forward, "supports", None)
         while todo:
             slots = [self._slot(r) for r in todo]
             starts = [self.pool.seq_len(s) for s in slots]
             lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
                     for r, d in zip(todo, starts, strict=True)]
             layout = BatchLayout.of(slots, starts, lens)
+            padded = BatchLayout.of(slots, starts, lens, width=CATCH_UP_CHUNK)
+            graph = supports is not None and supports(padded, False)
+            if graph:
+                layout = padded
             ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
             for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
                 ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
-            view = self.pool.view(layout)
-            self.model(to_device(ids, self.device), layout.positions(self.device), view,
-                       logits_indices=layout.last_token_indices(self.device))
-            view.commit()
+            if graph:
+                self.step_forward(ids, layout, all_logits=False)
+            else:  # eager kernels: compiled ones would recompile for every new width
+                view = self.pool.view(layout)
+                self.model(to_device(ids, self.device), layout.positions(self.device), view,
+                           logits_indices=layout.last_token_indices(self.device))
+                view.commit()
             todo = [r for r in todo if r.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(r))]
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:

@@ -51,10 +51,14 @@ def _tokens_from(request: Request, lo: int, hi: int) -> list[int]:
     return request.token_slice(lo, hi)
 
 
+_TAIL = 16  # tokens compared to tell that a request's history was replaced
+
+
 @dataclass(slots=True)
 class _Entry:
     table: DraftTable
     synced: int  # number of the request's tokens the table has seen
+    tail: list[int]  # the last (up to) _TAIL of those tokens
 
 
 class NgramProposer:
@@ -77,18 +81,24 @@ class NgramProposer:
         return _TABLES[cfg.method](cfg.max_order, cfg.min_order, cfg.window)
 
     def _sync(self, request: Request) -> DraftTable:
-        """Bring the request's table up to date: incremental, or rebuilt if history changed."""
+        """Bring the request's table up to date: incremental, or rebuilt if history changed.
+
+        A request's tokens only grow, so comparing the last few tokens the table saw tells a
+        replaced history (a restarted request) cheaply; this runs on every proposal. After a
+        gap longer than the window, a rebuild from the window is cheaper and gives the same
+        table."""
         n = request.num_tokens
         entry = self._entries.get(request.request_id)
-        if entry is not None and entry.synced <= n:
-            seen = entry.table.history  # the table depends only on these windowed tokens
-            if _tokens_from(request, entry.synced - len(seen), entry.synced) == seen:
+        if (entry is not None and entry.synced <= n < entry.synced + self.config.window
+                and _tokens_from(request, entry.synced - len(entry.tail), entry.synced) == entry.tail):
+            if n > entry.synced:
                 entry.table.extend(_tokens_from(request, entry.synced, n))
                 entry.synced = n
-                return entry.table
-        table = self._new_table()  # first sight, or preempted/restarted with another history
+                entry.tail = _tokens_from(request, max(0, n - _TAIL), n)
+            return entry.table
+        table = self._new_table()  # first sight, a long gap, or a restart with another history
         table.extend(_tokens_from(request, max(0, n - self.config.window), n))
-        self._entries[request.request_id] = _Entry(table, n)
+        self._entries[request.request_id] = _Entry(table, n, _tokens_from(request, max(0, n - _TAIL), n))
         return table
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:

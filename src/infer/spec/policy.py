@@ -98,10 +98,8 @@ class CostModel:
 
     @staticmethod
     def bucket(batch_size: int) -> int:
-        b = 1
-        while b < batch_size:
-            b *= 2
-        return b
+        """The power of two at or above batch_size (1 for 1)."""
+        return 1 << max(0, batch_size - 1).bit_length()
 
     def _record(self, key: tuple[str, object], seconds: float) -> None:
         samples = self._samples.get(key)
@@ -153,7 +151,8 @@ class CostModel:
         return 2.0 * self.calibrated(batch_size)[0]
 
     def has_plain(self, batch_size: int) -> bool:
-        return self.step_seconds(batch_size, 0) is not None
+        """Whether a plain step's cost is known at this batch size (measured twice)."""
+        return len(self._samples.get(("step", (self.bucket(batch_size), 0)), ())) >= 2
 
     def has_speculative(self, batch_size: int) -> bool:
         """Whether a step with drafts ran at this batch size at all (calibration is a guess)."""
@@ -217,21 +216,26 @@ class FixedPolicy:
         return None
 
 
-@dataclass
-class _Estimate:
-    accepted: float
-    trials: float  # accepted + rejections (geometric model: each trial accepts with prob a)
-    probe_wait: int = 0
-    probe_interval: int = 4
-    probing: bool = False  # the round in flight is a probe
-
-
 class _CostTable(NamedTuple):
     version: int  # CostModel.version it was computed at
     plain_version: int  # CostModel.plain_version it was computed at
     step: int  # policy step it was computed at
     costs: list[float]  # relative costs r(0..k_max)
     probe_spacing: int
+
+
+@dataclass(slots=True)
+class _Estimate:
+    accepted: float
+    trials: float  # accepted + rejections (geometric model: each trial accepts with prob a)
+    probe_wait: int = 0
+    probe_interval: int = 4
+    probing: bool = False  # the round in flight is a probe
+    k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
+    table: _CostTable | None = None  # None: the estimate changed since k was computed
+
+    def changed(self) -> None:
+        self.table = None
 
 
 @dataclass
@@ -247,7 +251,7 @@ class AdaptivePolicy:
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
-    recompute_every: int = 16  # steps between refreshes of the cost table after plain steps
+    recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
     _table: dict[int, _CostTable] = field(default_factory=dict)
@@ -262,34 +266,48 @@ class AdaptivePolicy:
 
     def choose(self, requests: Sequence[RequestLike], seq_lens: Sequence[int], max_seq_len: int,
                tokens_left: Sequence[int]) -> list[int]:
+        # this runs before every decode step, mostly to answer "plain again": the best K per
+        # estimate is cached until the estimate or the cost table changes
         self._steps += 1
-        if not self.costs.has_plain(len(requests)) or self._steps % self.plain_refresh == 0:
-            return [0] * len(requests)  # measure (or re-measure) a plain step at this batch size
-        costs, min_wait = self._cost_table(len(requests))
+        batch = len(requests)
+        table = self._cost_table(batch)
+        if table is None or self._steps % self.plain_refresh == 0:
+            return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks = []
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
-            est = self._est.setdefault(r.request_id, self._prior())
-            k = best_k_for_costs(est.accepted / est.trials, costs, self.switch_margin)
+            est = self._est.get(r.request_id)
+            if est is None:
+                est = self._est[r.request_id] = self._prior()
+            if est.table is not table:
+                est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
+                est.table = table
+            k = est.k
             if k == 0:
                 est.probe_wait += 1
-                if est.probe_wait >= max(est.probe_interval, min_wait):
-                    est.probe_wait, est.probing, k = 0, True, 1
+                if est.probe_wait < est.probe_interval or est.probe_wait < table.probe_spacing:
+                    ks.append(0)
+                    continue
+                est.probe_wait, est.probing, k = 0, True, 1
             ks.append(guard_k(k, n, max_seq_len, left))
         return ks
 
-    def _cost_table(self, batch_size: int) -> tuple[list[float], int]:
-        """(relative costs, probe spacing) at this batch size. Cached: recomputed when a
-        speculative step or a switch was measured, or every `recompute_every` steps while only
-        plain steps were (the plain baseline drifts slowly): this runs on every step."""
+    def _cost_table(self, batch_size: int) -> _CostTable | None:
+        """Relative costs and probe spacing at this batch size; None until a plain step's cost
+        is known there. Cached: recomputed when a speculative step or a switch was measured,
+        or every `recompute_every` steps while only plain steps were (the plain baseline
+        drifts slowly)."""
         b = self.costs.bucket(batch_size)
         t = self._table.get(b)
-        if (t is not None and t.version == self.costs.version
-                and (t.plain_version == self.costs.plain_version or self._steps - t.step < self.recompute_every)):
-            return t.costs, t.probe_spacing
+        model = self.costs
+        if (t is not None and t.version == model.version
+                and (t.plain_version == model.plain_version or self._steps - t.step < self.recompute_every)):
+            return t
+        if not model.has_plain(batch_size):
+            return None
         costs = self.costs.relative_costs(batch_size)
         spacing = self._probe_spacing(batch_size, costs)
-        self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
-        return costs, spacing
+        t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
+        return t
 
     def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int:
         """Fewest plain steps between probes so they stay within the budget: 1 % of the time,
@@ -306,7 +324,7 @@ class AdaptivePolicy:
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
-        est = self._est.setdefault(request_id, self._prior())
+        est = self._estimate(request_id)
         probing, est.probing = est.probing, False
         if probing and num_accepted > 0:
             # the text changed since speculation stopped paying: start over from the prior
@@ -323,7 +341,7 @@ class AdaptivePolicy:
     def no_proposal(self, request_id: str) -> None:
         """An attempt that yielded nothing counts as a failed trial: asking costs host time
         (an n-gram lookup), and text without matches should fall back to plain steps."""
-        est = self._est.setdefault(request_id, self._prior())
+        est = self._estimate(request_id)
         probing, est.probing = est.probing, False
         est.accepted *= self.decay
         est.trials = est.trials * self.decay + 1
@@ -332,6 +350,14 @@ class AdaptivePolicy:
 
     def _prior(self) -> _Estimate:
         return _Estimate(self.prior_a * self.prior_weight, self.prior_weight)
+
+    def _estimate(self, request_id: str) -> _Estimate:
+        """The request's estimate, about to change (its cached best K is dropped)."""
+        est = self._est.get(request_id)
+        if est is None:
+            est = self._est[request_id] = self._prior()
+        est.changed()
+        return est
 
     def release(self, request_id: str) -> None:
         self._est.pop(request_id, None)

@@ -1,6 +1,7 @@
 """Per-call timings of the rare, costly parts of speculation on the GPU machine: the draft's
-catch-up prefill (tokens behind -> seconds, each call synchronised) and, for verification,
-the target forward apart from accept/reject, at T=0 and T=1.
+catch-up prefill (tokens behind -> milliseconds, each call synchronised) and verification
+(the fused forward + rejection sampling, and the whole `_verify` with its host work), at
+T=0 and T=1.
 
     PYTHONPATH=src python scripts/phase_probe.py
 """
@@ -70,8 +71,7 @@ def main() -> None:
     ngram = Engine(EngineConfig(**base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5))
     r = ngram.runner
     phases: dict[str, list] = defaultdict(list)
-    timed(r, "forward", phases["forward"])
-    timed(r, "_accept_reject", phases["accept_reject"])
+    timed(r.forward, "verify", phases["forward+rejection sampling"])  # the fused path (graphs)
     timed(r, "_verify", phases["verify"])
     timed(r.proposer, "propose", phases["propose"])
     prompt = [100 + (i % 37) for i in range(300)]

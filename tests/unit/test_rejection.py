@@ -22,7 +22,9 @@ from infer.spec.rejection import (
     VerifyResult,
     acceptance_probabilities,
     residual_distribution,
+    unpack_rows,
     verify,
+    verify_logits,
 )
 
 TV_BOUND = 0.01
@@ -374,3 +376,45 @@ def test_negative_control_accept_all_verifier_fails_the_same_check() -> None:
     groups = torch.zeros(100_000, dtype=torch.long)
     wrong, _, _ = simulate(p, q, groups, 3, 71, verifier=_accept_all)
     assert max_tv(wrong, groups, p) > 5 * TV_BOUND  # the check detects a lossy verifier
+
+
+def test_verify_logits_greedy_rows_accept_the_argmax_prefix():
+    # the fused verification (one-hot targets for greedy rows, zero uniforms) against the rule
+    # written out: keep drafts while they equal the argmax, then emit the argmax
+    g = torch.Generator().manual_seed(0)
+    b, k, v = 64, 4, 6
+    logits = torch.randn(b, k + 1, v, generator=g)
+    argmax = logits.argmax(dim=-1)
+    draft = torch.where(torch.rand(b, k, generator=g) < 0.6, argmax[:, :k], torch.randint(0, v, (b, k), generator=g))
+    num = torch.randint(0, k + 1, (b,), generator=g)
+    rows = verify_logits(logits, torch.ones(b), torch.ones(b, dtype=torch.bool), draft, num, None,
+                         torch.zeros(b, k + 1, dtype=torch.float64)).tolist()
+    result = unpack_rows(rows)
+    for i in range(b):
+        n = 0
+        while n < num[i] and draft[i, n] == argmax[i, n]:
+            n += 1
+        assert result.num_accepted[i] == n
+        assert result.tokens[i] == draft[i, :n].tolist() + [argmax[i, n].item()]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_verify_logits_equals_the_general_pipeline(with_q):
+    # temperature-only rows (greedy among them): the fused path must give exactly what
+    # logits_to_probs + verify give with the same uniforms
+    g = torch.Generator().manual_seed(1)
+    b, k, v = 48, 3, 9
+    temps = [0.0, 0.7, 1.0, 1.6] * (b // 4)
+    params = [SamplingParams(temperature=t) for t in temps]
+    logits = torch.randn(b, k + 1, v, generator=g) * 2
+    q = torch.softmax(torch.randn(b, k, v, generator=g), dim=-1) if with_q else None
+    draft = torch.randint(0, v, (b, k), generator=g)
+    num = torch.randint(1, k + 1, (b,), generator=g)
+    u = torch.rand(b, k + 1, generator=g, dtype=torch.float64)
+    fused = unpack_rows(verify_logits(logits, torch.tensor([t or 1.0 for t in temps]),
+                                      torch.tensor([t == 0 for t in temps]), draft, num, q, u).tolist())
+    flat = [p for p in params for _ in range(k + 1)]
+    p = logits_to_probs(logits.reshape(b * (k + 1), v), flat, None).view(b, k + 1, v)
+    general = verify(draft, num.tolist(), q, p, u[:, :k], u[:, k])
+    assert fused == general
+    assert 0 < sum(general.num_accepted) < int(num.sum())  # some accepted, some rejected

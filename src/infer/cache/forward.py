@@ -14,6 +14,7 @@ from infer.cache.view import BatchLayout
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
+from infer.spec.rejection import verify_logits
 from infer.transfer import tensor_on, to_device
 
 
@@ -47,3 +48,18 @@ class EagerForward:
         temps = tensor_on(list(temperatures), self.device, torch.float32)
         probs = temperature_probs(logits, temps, tensor_on(list(greedy), self.device, torch.bool))
         return sample_from_probs(probs, to_device(uniforms, self.device)), probs
+
+    def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
+               draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """A verification step (all logits of [g, t_1..t_K] per row), then rejection sampling
+        for rows whose only sampling transform is a temperature: [n, K+2] long on the device
+        (`rejection.verify_tensors`' rows). draft_tokens: CPU [n, K]; counts: drafts per row;
+        draft_probs: [n, K, V] on the device or None (deterministic proposals); temperatures:
+        per row (1.0 for greedy rows); uniforms: CPU float64 [n, K+1]. CUDA graphs capture
+        the same function."""
+        logits = self(ids, layout, all_logits=True)  # [n, K+1, V]
+        return verify_logits(logits, tensor_on(list(temperatures), self.device, torch.float32),
+                             tensor_on(list(greedy), self.device, torch.bool), to_device(draft_tokens, self.device),
+                             tensor_on(list(counts), self.device, torch.long), draft_probs,
+                             to_device(uniforms, self.device))

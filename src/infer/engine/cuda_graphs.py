@@ -11,13 +11,17 @@ Replay computes the same function as eager; tests/gpu checks the tokens are iden
 Draft steps at a temperature > 0 (no top-k / top-p / repetition penalty) can also capture
 the sampling itself (`sample`): softmax with per-row temperatures and inverse-CDF sampling
 with staged uniforms, so a sampled draft step is one replay rather than a replay plus a
-dozen small kernel launches.
+dozen small kernel launches. Verification likewise (`verify`): a small second graph reads
+the verification graph's logits and runs the whole accept / recover / bonus step
+(`rejection.verify_logits`), so a round's verification is two replays and one copy back
+instead of some forty eager kernel launches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +31,10 @@ from infer.cache.forward import EagerForward
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
+from infer.spec.rejection import verify_logits
+
+
+T = TypeVar("T")
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -83,6 +91,17 @@ class _Graph:
     tokens: torch.Tensor | None = None  # [b] sampled ids (sampling graphs)
 
 
+@dataclass
+class _Verifier:
+    """Rejection sampling over the logits of one verification graph (same bucket and width)."""
+
+    graph: torch.cuda.CUDAGraph
+    longs: _Staging  # int64 [b * w]: draft tokens [b, w-1] | counts [b]
+    floats: _Staging  # float64 [2 + w, b]: temperature | greedy | uniforms (w - 1 to accept, 1 to sample)
+    draft_probs: torch.Tensor | None  # [b, w-1, V] static input (model drafts), None: one-hot q
+    out: torch.Tensor  # [b, w+1] long: draft tokens | accepted | recovered or bonus token
+
+
 def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("ids", (b, w)), ("positions", (b, w)), ("last", (b,)), ("write_rows", (b * w,)),
             ("gather_rows", (b, s)), ("ctx_end", (b,))]
@@ -103,12 +122,15 @@ class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
                  kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
-                 small_batch_shapes: Iterable[tuple[int, bool]] = ()) -> None:
+                 small_batch_shapes: Iterable[tuple[int, bool]] = (),
+                 verify_modes: Iterable[bool] = ()) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
         device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
         both for buckets up to SMALL_BATCH_MAX only (larger batches are not bound by launch
-        overhead, and wide graphs of large batches would hold much memory)."""
+        overhead, and wide graphs of large batches would hold much memory). verify_modes:
+        for each all-logits width >= 2 of those buckets, capture rejection sampling too,
+        with draft probabilities (True: model drafts) and/or one-hot ones (False)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -123,8 +145,20 @@ class GraphForward:
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
             for w in sorted(set(sample_widths)) if b <= SMALL_BATCH_MAX else ():
                 self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
+        self.verifiers: dict[tuple[int, int, bool], _Verifier] = {}
+        modes = sorted(set(verify_modes))
+        for b in (x for x in self.buckets if x <= SMALL_BATCH_MAX and modes):
+            widths = sorted(w for (y, w, all_logits) in self.graphs if y == b and all_logits and w >= 2)
+            # one buffer of draft probabilities per bucket, for the widest K
+            q_buffer = (torch.zeros((b, widths[-1] - 1, self.graphs[(b, widths[-1], True)].out.shape[-1]),
+                                    dtype=torch.float32, device=self.device) if widths and True in modes else None)
+            for w in widths:
+                for with_q in modes:
+                    q = q_buffer[:, :w - 1] if with_q and q_buffer is not None else None
+                    self.verifiers[(b, w, with_q)] = self._capture_verifier(self.graphs[(b, w, True)].out, q, stream)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
+        self.verify_replays = 0  # rejection-sampling replays
 
     @torch.inference_mode()
     def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream,
@@ -151,6 +185,12 @@ class GraphForward:
             probs = temperature_probs(logits, params[0].float(), params[2] > 0.5)  # [b, V]
             return probs, sample_from_probs(probs, params[1])
 
+        graph, (out, tokens) = self._record(run, stream)
+        return _Graph(graph, _Staging(device), ids, positions, last, indices, out,
+                      _Staging(params) if sampling else None, tokens)
+
+    def _record(self, run: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+        """Warm `run` up on the side stream, then capture it: (graph, run's outputs)."""
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
@@ -158,9 +198,26 @@ class GraphForward:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out, tokens = run()
-        return _Graph(graph, _Staging(device), ids, positions, last, indices, out,
-                      _Staging(params) if sampling else None, tokens)
+            out = run()
+        return graph, out
+
+    @torch.inference_mode()
+    def _capture_verifier(self, logits: torch.Tensor, draft_probs: torch.Tensor | None,
+                          stream: torch.cuda.Stream) -> _Verifier:
+        """Rejection sampling reading `logits` [b, w, V] (a verification graph's output)."""
+        b, w, _ = logits.shape
+        longs = torch.zeros(b * w, dtype=torch.long, device=self.device)
+        longs[b * (w - 1):] = w - 1  # counts
+        floats = torch.full((2 + w, b), 0.5, dtype=torch.float64, device=self.device)
+        floats[:2] = 1.0  # temperature 1, greedy
+
+        def run() -> torch.Tensor:
+            draft, counts = longs[:b * (w - 1)].view(b, w - 1), longs[b * (w - 1):]
+            return verify_logits(logits, floats[0].float(), floats[1] > 0.5, draft, counts, draft_probs,
+                                 floats[2:].t())
+
+        graph, out = self._record(run, stream)
+        return _Verifier(graph, _Staging(longs), _Staging(floats), draft_probs, out)
 
     def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
         n = len(layout.slots)
@@ -199,6 +256,33 @@ class GraphForward:
         self._replay(g, ids, layout)
         self.sample_replays += 1
         return g.tokens[:n], g.out[:n]
+
+    def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
+               draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """The same function as `EagerForward.verify`: the verification graph, then its
+        rejection-sampling graph; [n, K+2] long on the device."""
+        n, w = len(layout.slots), layout.width
+        v = self.verifiers.get((self._bucket(n), w, draft_probs is not None)) if n <= self.buckets[-1] else None
+        if v is None or not self.supports(layout, True):
+            return self.eager.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
+        self(ids, layout, all_logits=True)  # fills the logits v reads
+        b = v.out.shape[0]
+        longs = v.longs.next_host()
+        longs[:b * (w - 1)].view(b, w - 1)[:n] = draft_tokens
+        longs[b * (w - 1):][:n] = torch.tensor(list(counts), dtype=torch.long)
+        floats = v.floats.next_host().view(2 + w, b)
+        floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
+        floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
+        floats[2:, :n] = uniforms.t()
+        v.longs.send()
+        v.floats.send()
+        if draft_probs is not None:
+            assert v.draft_probs is not None
+            v.draft_probs[:n].copy_(draft_probs)
+        v.graph.replay()
+        self.verify_replays += 1
+        return v.out[:n]
 
     def _replay(self, g: _Graph, ids: torch.Tensor, layout: BatchLayout) -> None:
         n, width = len(layout.slots), layout.width

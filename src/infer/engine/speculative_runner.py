@@ -11,8 +11,9 @@ Prefill is the ContinuousRunner's (target only; the draft prefills lazily). A de
 5. both caches are truncated to n + a + 1 tokens; the tokens are emitted one by one through
    the OutputProcessor, so a stop inside an accepted run ends the request there.
 
-Greedy-only batches without repetition penalty take an argmax shortcut, equal to the
-general verifier on one-hot distributions.
+Batches whose rows sample with a temperature alone (greedy included) verify through the
+forward function's `verify` (`rejection.verify_logits`; a CUDA graph on the GPU); rows with
+top-k, top-p or a repetition penalty take the general pipeline (`logits_to_probs`, `verify`).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs
+from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
-from infer.spec.rejection import VerifyResult, verify
+from infer.spec.rejection import VerifyResult, unpack_rows, verify
 from infer.tokenizer import Tokenizer
-from infer.transfer import tensor_on, to_device
+from infer.transfer import to_device
 
 
 class SpeculativeRunner(ContinuousRunner):
@@ -58,10 +59,13 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
-        # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits
+        # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits.
+        # Rejection sampling is captured too: with one-hot drafts (n-gram, greedy draft rows)
+        # and, for a draft model, with its probabilities
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
+        modes = (False, True) if self.config.speculative_method == "draft_model" else (False,)
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=verify + [(1, False)], kernels=self.kernels)
+                            shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes)
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
@@ -172,21 +176,46 @@ class SpeculativeRunner(ContinuousRunner):
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
         for b, row in enumerate(rows):
             ids[b, :len(row)] = torch.tensor(row)
+        params = [r.sampling_params for r in requests]
+        k_pad = layout.width - 1
+        draft_tokens = torch.zeros((len(requests), k_pad), dtype=torch.long)  # [B, K] CPU
+        for i, d in enumerate(drafts):
+            draft_tokens[i, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
+        vocab = self.model.config.vocab_size
+        fused = getattr(self.forward, "verify", None)
+        if fused is not None and all(temperature_only(p, vocab) for p in params):
+            greedy = [p.greedy for p in params]
+            uniforms = (torch.zeros((len(requests), k_pad + 1), dtype=torch.float64) if all(greedy)
+                        else draw_uniforms([r.generator for r in requests], k_pad + 1))  # [B, K+1]
+            packed = fused(ids, layout, draft_tokens, num_draft, self._draft_probs(drafts, draft_tokens, vocab),
+                           [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
+            return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
-        return self._accept_reject(requests, drafts, logits)
+        return self._accept_reject(requests, drafts, draft_tokens, logits)
 
-    def _accept_reject(self, requests: Sequence[Request], drafts: Sequence[Draft],
+    def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """[B, K, V] draft distributions on the device, or None when every draft is
+        deterministic (one-hot q); a deterministic row among model drafts gets a one-hot row."""
+        if all(d.probs is None for d in drafts):
+            return None
+        b, k_pad = draft_tokens.shape
+        draft_probs = torch.zeros((b, k_pad, vocab), dtype=torch.float32, device=self.device)
+        for i, d in enumerate(drafts):
+            k = len(d.token_ids)
+            if d.probs is not None:
+                draft_probs[i, :k] = d.probs
+            elif k:
+                draft_probs[i, torch.arange(k), draft_tokens[i, :k]] = 1.0
+        return draft_probs
+
+    def _accept_reject(self, requests: Sequence[Request], drafts: Sequence[Draft], draft_tokens: torch.Tensor,
                        target_logits: torch.Tensor) -> VerifyResult:
+        """The general pipeline: each row's sampling transforms per position, then `verify`.
+        draft_tokens: [B, K] on the host; target_logits: [B, K+1, V]."""
         num_draft = [len(d.token_ids) for d in drafts]
         b, width, vocab = target_logits.shape
         k_pad = width - 1
-        draft_tokens = torch.zeros((b, max(k_pad, 1)), dtype=torch.long)
-        for i, d in enumerate(drafts):
-            draft_tokens[i, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
-        draft_tokens = to_device(draft_tokens[:, :k_pad], self.device)
         params = [r.sampling_params for r in requests]
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            return greedy_verify(draft_tokens, num_draft, target_logits.argmax(dim=-1))
         contexts = None  # the growing context per verified position: only the repetition penalty reads it
         if any(p.repetition_penalty != 1.0 for p in params):
             contexts = [r.all_token_ids + d.token_ids[:j] for r, d in zip(requests, drafts, strict=True)
@@ -194,15 +223,7 @@ class SpeculativeRunner(ContinuousRunner):
         flat_params = [p for p in params for _ in range(width)]
         target_probs = logits_to_probs(target_logits.reshape(b * width, vocab), flat_params,
                                        contexts).view(b, width, vocab)
-        draft_probs = None
-        if any(d.probs is not None for d in drafts):
-            draft_probs = torch.zeros((b, k_pad, vocab), dtype=torch.float32, device=self.device)
-            for i, d in enumerate(drafts):
-                k = len(d.token_ids)
-                if d.probs is not None:
-                    draft_probs[i, :k] = d.probs
-                else:  # deterministic proposal in a batch that also has model drafts
-                    draft_probs[i, torch.arange(k, device=self.device), draft_tokens[i, :k]] = 1.0
+        draft_probs = self._draft_probs(drafts, draft_tokens, vocab)
         uniforms = to_device(draw_uniforms([r.generator for r in requests], k_pad + 1), self.device)
         return verify(draft_tokens, num_draft, draft_probs, target_probs, uniforms[:, :k_pad], uniforms[:, k_pad])
 
@@ -229,18 +250,3 @@ class SpeculativeRunner(ContinuousRunner):
             self.stats.record(k, a, emitted)
         return outputs
 
-
-def greedy_verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], target_argmax: torch.Tensor) -> VerifyResult:
-    """Greedy acceptance: keep drafts while they equal the target argmax, then add the argmax.
-
-    draft_tokens: [B, K]; target_argmax: [B, K+1]. Same result as `verify` on one-hot p.
-    """
-    k = draft_tokens.shape[1]
-    match = (draft_tokens == target_argmax[:, :k]).long()  # [B, K]
-    limit = tensor_on(num_draft, draft_tokens.device)[:, None]
-    match = match * (torch.arange(k, device=draft_tokens.device)[None, :] < limit)
-    accepted = match.cumprod(dim=1).sum(dim=1)  # [B]
-    both = torch.cat([draft_tokens, target_argmax, accepted[:, None]], dim=1).tolist()  # one sync
-    tokens = [row[:a] + [row[k + a]] for row, a in ((r, r[-1]) for r in both)]
-    acc_l = [row[-1] for row in both]
-    return VerifyResult(tokens=tokens, num_accepted=acc_l)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.sampling import sample_from_probs
+from infer.sampling import sample_from_probs, temperature_probs
 from infer.transfer import tensor_on, to_device
 
 # A residual max(0, p - q) with less total mass than this is rounding noise (p == q up to
@@ -123,25 +123,52 @@ def verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], draft_probs: to
     """
     _check_inputs(draft_tokens, num_draft, draft_probs, target_probs, accept_uniforms, sample_uniforms)
     device = target_probs.device
-    batch, k = draft_tokens.shape
-    counts = tensor_on(list(num_draft), device, torch.long)  # [B]
+    packed = verify_tensors(to_device(draft_tokens, device).to(torch.long), tensor_on(list(num_draft), device,
+                                                                                        torch.long),
+                            None if draft_probs is None else to_device(draft_probs, device), target_probs,
+                            to_device(accept_uniforms, device).to(torch.float64), sample_uniforms)
+    return unpack_rows(packed.tolist())  # the one host sync
+
+
+def verify_tensors(draft_tokens: torch.Tensor, counts: torch.Tensor, draft_probs: torch.Tensor | None,
+                   target_probs: torch.Tensor, accept_uniforms: torch.Tensor,
+                   sample_uniforms: torch.Tensor) -> torch.Tensor:
+    """`verify` on the device, unchecked and without a host sync (a CUDA graph can hold it).
+
+    draft_tokens [B, K] long, counts [B] long, draft_probs [B, K, V] or None, target_probs
+    [B, K+1, V], accept_uniforms [B, K] float64, sample_uniforms [B] -> [B, K+2] long per row:
+    the draft tokens (padding zeroed), the number accepted, the recovered or bonus token.
+    """
+    device = target_probs.device
+    k = draft_tokens.shape[1]
     valid = torch.arange(k, device=device)[None, :] < counts[:, None]  # [B, K]
-    tokens = torch.where(valid, to_device(draft_tokens, device).to(torch.long), 0)  # [B, K]
-    q = None if draft_probs is None else to_device(draft_probs, device)
-    ratio = _token_ratios(target_probs[:, :k], q, tokens)  # [B, K]
-    u = to_device(accept_uniforms, device).to(torch.float64)  # [B, K]
-    accepted = (u < ratio) & valid  # [B, K]
+    tokens = torch.where(valid, draft_tokens, 0)  # [B, K]
+    ratio = _token_ratios(target_probs[:, :k], draft_probs, tokens)  # [B, K]
+    accepted = (accept_uniforms < ratio) & valid  # [B, K]
     num_accepted = accepted.to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]: accepted prefix length
     rejected = num_accepted < counts  # [B]
-    final = _final_distribution(target_probs, q, tokens, num_accepted, rejected)  # [B, V]
+    final = _final_distribution(target_probs, draft_probs, tokens, num_accepted, rejected)  # [B, V]
     extra = sample_from_probs(final, sample_uniforms)  # [B]
-    packed = torch.cat([tokens.reshape(-1), num_accepted, extra]).cpu().tolist()  # one host sync
-    return _unpack(packed, batch, k)
+    return torch.cat([tokens, num_accepted[:, None], extra[:, None]], dim=1)
 
 
-def _unpack(packed: list[int], batch: int, k: int) -> VerifyResult:
-    drafts = packed[: batch * k]
-    num_accepted = packed[batch * k: batch * k + batch]
-    extra = packed[batch * k + batch:]
-    tokens = [drafts[b * k: b * k + n] + [extra[b]] for b, n in enumerate(num_accepted)]
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted)
+def verify_logits(target_logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
+                  draft_tokens: torch.Tensor, counts: torch.Tensor, draft_probs: torch.Tensor | None,
+                  uniforms: torch.Tensor) -> torch.Tensor:
+    """`verify_tensors` from raw target logits, for rows whose only sampling transform is a
+    temperature (or greedy): target_logits [B, W, V] (W = K + 1), temperatures [B] float32
+    (1.0 for greedy rows), greedy [B] bool, uniforms [B, W] float64 (K to accept, 1 to sample)
+    -> [B, K+2] long. Greedy rows get one-hot targets, so they accept exactly the drafts that
+    equal the argmax and then emit the argmax; all-greedy batches may pass zeros as uniforms."""
+    b, w, vocab = target_logits.shape
+    per_position = (temperatures[:, None].expand(b, w).reshape(-1),  # [B * W]
+                    greedy[:, None].expand(b, w).reshape(-1))
+    probs = temperature_probs(target_logits.reshape(b * w, vocab), *per_position).view(b, w, vocab)  # [B, W, V]
+    return verify_tensors(draft_tokens, counts, draft_probs, probs, uniforms[:, :w - 1], uniforms[:, w - 1])
+
+
+def unpack_rows(rows: list[list[int]]) -> VerifyResult:
+    """VerifyResult from `verify_tensors`' rows (on the host)."""
+    num_accepted = [row[-2] for row in rows]
+    return VerifyResult(tokens=[row[:n] + [row[-1]] for row, n in zip(rows, num_accepted, strict=True)],
+                        num_accepted=num_accepted)

@@ -372,3 +372,19 @@ def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monk
     assert padded and any(padded)  # chunks ran at the graph width, some of them padded
     assert runner.stats.acceptance_rate >= 0.99  # the draft cache holds exactly the tokens
     assert llm.engine.leak_report() == []
+
+
+def test_plain_steps_are_timed_two_in_every_eight(make_llm, ckpt_a, prompts):
+    # the plain path stays thin: the policy's baseline needs a recent median, not every step
+    from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([0])
+    timed = []
+    observe = runner.cost_model.observe
+    runner.cost_model.observe = lambda b, k, s: (timed.append(runner._plain_steps), observe(b, k, s))
+    llm.generate(prompt_token_ids=prompts[:1],
+                 sampling_params=SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
+    assert runner._plain_steps == 40  # the first token comes from the prefill
+    assert timed == [n for n in range(1, 41) if n <= 2 or n % PLAIN_SAMPLE_EVERY in (0, 1)]
+    assert runner.cost_model.has_plain(1)

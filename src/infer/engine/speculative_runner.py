@@ -39,6 +39,11 @@ from infer.tokenizer import Tokenizer
 from infer.transfer import to_device
 
 
+# plain steps are timed two in every this many (the policy only needs the baseline's
+# recent median, and timing every step costs host time on the path it should keep thin)
+PLAIN_SAMPLE_EVERY = 8
+
+
 class SpeculativeRunner(ContinuousRunner):
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
                  tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
@@ -48,6 +53,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.draft: DraftModelProposer | None = None
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
+        self._plain_steps = 0
         if config.spec_policy == "adaptive":
             from infer.engine.calibration import measure_costs
             self.cost_model = measure_costs(
@@ -149,6 +155,10 @@ class SpeculativeRunner(ContinuousRunner):
         longest, switch = 0, 0.0
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
+            self._plain_steps += 1
+            # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd sample)
+            if self._plain_steps > 2 and self._plain_steps % PLAIN_SAMPLE_EVERY > 1:
+                return outputs
         else:
             drafts = self.proposer.propose(requests, ks)
             switch = getattr(self.proposer, "catch_up_seconds", 0.0)

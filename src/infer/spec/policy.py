@@ -216,6 +216,14 @@ class FixedPolicy:
         return None
 
 
+class _Quiet(NamedTuple):
+    """An all-plain decision that holds for the same batch until step `until`."""
+
+    batch: list  # the requests (compared by identity)
+    until: int  # first policy step at which something may change (a probe, a cost refresh)
+    table: _CostTable
+
+
 class _CostTable(NamedTuple):
     version: int  # CostModel.version it was computed at
     plain_version: int  # CostModel.plain_version it was computed at
@@ -228,7 +236,7 @@ class _CostTable(NamedTuple):
 class _Estimate:
     accepted: float
     trials: float  # accepted + rejections (geometric model: each trial accepts with prob a)
-    probe_wait: int = 0
+    wait_from: int = 0  # policy step since which the request has not drafted
     probe_interval: int = 4
     probing: bool = False  # the round in flight is a probe
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
@@ -255,6 +263,7 @@ class AdaptivePolicy:
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
     _table: dict[int, _CostTable] = field(default_factory=dict)
+    _quiet: _Quiet | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -266,14 +275,21 @@ class AdaptivePolicy:
 
     def choose(self, requests: Sequence[RequestLike], seq_lens: Sequence[int], max_seq_len: int,
                tokens_left: Sequence[int]) -> list[int]:
-        # this runs before every decode step, mostly to answer "plain again": the best K per
-        # estimate is cached until the estimate or the cost table changes
+        # this runs before every decode step, mostly to answer "plain again": an all-plain
+        # answer holds for the same batch until the next probe or cost refresh is due, and
+        # the best K per estimate is cached until the estimate or the cost table changes
         self._steps += 1
         batch = len(requests)
+        quiet = self._quiet
+        if (quiet is not None and self._steps < quiet.until and quiet.table.version == self.costs.version
+                and requests == quiet.batch):
+            return [0] * batch
+        self._quiet = None
         table = self._cost_table(batch)
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks = []
+        next_due = table.step + self.recompute_every
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._est.get(r.request_id)
             if est is None:
@@ -283,12 +299,16 @@ class AdaptivePolicy:
                 est.table = table
             k = est.k
             if k == 0:
-                est.probe_wait += 1
-                if est.probe_wait < est.probe_interval or est.probe_wait < table.probe_spacing:
+                due = est.wait_from + max(est.probe_interval, table.probe_spacing)
+                if self._steps < due:
+                    next_due = min(next_due, due)
                     ks.append(0)
                     continue
-                est.probe_wait, est.probing, k = 0, True, 1
+                est.probing, k = True, 1
+            est.wait_from = self._steps
             ks.append(guard_k(k, n, max_seq_len, left))
+        if not any(ks):
+            self._quiet = _Quiet(list(requests), next_due, table)
         return ks
 
     def _cost_table(self, batch_size: int) -> _CostTable | None:
@@ -349,7 +369,7 @@ class AdaptivePolicy:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
 
     def _prior(self) -> _Estimate:
-        return _Estimate(self.prior_a * self.prior_weight, self.prior_weight)
+        return _Estimate(self.prior_a * self.prior_weight, self.prior_weight, wait_from=self._steps)
 
     def _estimate(self, request_id: str) -> _Estimate:
         """The request's estimate, about to change (its cached best K is dropped)."""
@@ -357,6 +377,7 @@ class AdaptivePolicy:
         if est is None:
             est = self._est[request_id] = self._prior()
         est.changed()
+        self._quiet = None
         return est
 
     def release(self, request_id: str) -> None:

@@ -295,9 +295,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     u = to_device(uniforms, p.device).to(torch.float64)[:, None]  # [N, 1]
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)  # [N, 1]
     positive = p > 0  # [N, V]
-    arange = torch.arange(vocab, device=p.device).expand_as(p)  # [N, V]
-    prev_positive = torch.where(positive, arange, -1).cummax(dim=-1).values  # [N, V]
-    chosen = prev_positive.gather(1, idx).squeeze(1)  # [N]
+    arange = torch.arange(vocab, device=p.device)[None, :]  # [1, V]
+    # the last positive token at or before idx (one reduction, not a scan with indices)
+    chosen = torch.where(positive & (arange <= idx), arange, -1).amax(dim=-1)  # [N]
     first_positive = positive.to(torch.int32).argmax(dim=-1)  # [N]
     return torch.where(chosen >= 0, chosen, first_positive)
 

@@ -53,6 +53,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
     if spec:
         from infer.spec.draft_model import CATCH_UP_CHUNK
         assert CATCH_UP_CHUNK in widths  # the lazy draft prefill ran as padded graph replays
+        assert forward.verify_replays > 0  # greedy acceptance ran in its graph
         # the target drafting for itself accepts everything only if those replays filled the
         # draft cache with exactly the prompt
         assert graphs.engine.runner.stats.acceptance_rate >= 0.99

@@ -24,6 +24,7 @@ from infer.spec.rejection import (
     residual_distribution,
     unpack_rows,
     verify,
+    verify_greedy_logits,
     verify_logits,
 )
 
@@ -389,6 +390,7 @@ def test_verify_logits_greedy_rows_accept_the_argmax_prefix():
     num = torch.randint(0, k + 1, (b,), generator=g)
     rows = verify_logits(logits, torch.ones(b), torch.ones(b, dtype=torch.bool), draft, num, None,
                          torch.zeros(b, k + 1, dtype=torch.float64)).tolist()
+    assert verify_greedy_logits(logits, draft, num).tolist() == rows  # the greedy-only shortcut
     result = unpack_rows(rows)
     for i in range(b):
         n = 0

@@ -14,7 +14,7 @@ from infer.cache.view import BatchLayout
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.spec.rejection import verify_logits
+from infer.spec.rejection import verify_greedy_logits, verify_logits
 from infer.transfer import tensor_on, to_device
 
 
@@ -59,6 +59,9 @@ class EagerForward:
         per row (1.0 for greedy rows); uniforms: CPU float64 [n, K+1]. CUDA graphs capture
         the same function."""
         logits = self(ids, layout, all_logits=True)  # [n, K+1, V]
+        if all(greedy):
+            return verify_greedy_logits(logits, to_device(draft_tokens, self.device),
+                                        tensor_on(list(counts), self.device, torch.long))
         return verify_logits(logits, tensor_on(list(temperatures), self.device, torch.float32),
                              tensor_on(list(greedy), self.device, torch.bool), to_device(draft_tokens, self.device),
                              tensor_on(list(counts), self.device, torch.long), draft_probs,

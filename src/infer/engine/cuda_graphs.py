@@ -31,7 +31,7 @@ from infer.cache.forward import EagerForward
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.spec.rejection import verify_logits
+from infer.spec.rejection import verify_greedy_logits, verify_logits
 
 
 T = TypeVar("T")
@@ -47,6 +47,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
+VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # see GraphForward
 SMALL_BATCH_MAX = 16  # sampling graphs and `small_batch_shapes` only for buckets up to this size
 
 
@@ -123,14 +124,15 @@ class GraphForward:
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
                  kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
                  small_batch_shapes: Iterable[tuple[int, bool]] = (),
-                 verify_modes: Iterable[bool] = ()) -> None:
+                 verify_modes: Iterable[str] = ()) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
         device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
         both for buckets up to SMALL_BATCH_MAX only (larger batches are not bound by launch
         overhead, and wide graphs of large batches would hold much memory). verify_modes:
-        for each all-logits width >= 2 of those buckets, capture rejection sampling too,
-        with draft probabilities (True: model drafts) and/or one-hot ones (False)."""
+        for each all-logits width >= 2 of those buckets, capture the acceptance step too, in
+        these of VERIFY_MODES: "greedy" (every row greedy: argmax prefix match), "one_hot"
+        (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -145,17 +147,21 @@ class GraphForward:
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
             for w in sorted(set(sample_widths)) if b <= SMALL_BATCH_MAX else ():
                 self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
-        self.verifiers: dict[tuple[int, int, bool], _Verifier] = {}
+        self.verifiers: dict[tuple[int, int, str], _Verifier] = {}
         modes = sorted(set(verify_modes))
+        if not set(modes) <= set(VERIFY_MODES):
+            raise ValueError(f"verify_modes must be among {VERIFY_MODES}, got {modes}")
         for b in (x for x in self.buckets if x <= SMALL_BATCH_MAX and modes):
             widths = sorted(w for (y, w, all_logits) in self.graphs if y == b and all_logits and w >= 2)
             # one buffer of draft probabilities per bucket, for the widest K
             q_buffer = (torch.zeros((b, widths[-1] - 1, self.graphs[(b, widths[-1], True)].out.shape[-1]),
-                                    dtype=torch.float32, device=self.device) if widths and True in modes else None)
+                                    dtype=torch.float32, device=self.device)
+                        if widths and "draft_probs" in modes else None)
             for w in widths:
-                for with_q in modes:
-                    q = q_buffer[:, :w - 1] if with_q and q_buffer is not None else None
-                    self.verifiers[(b, w, with_q)] = self._capture_verifier(self.graphs[(b, w, True)].out, q, stream)
+                for mode in modes:
+                    q = q_buffer[:, :w - 1] if mode == "draft_probs" and q_buffer is not None else None
+                    self.verifiers[(b, w, mode)] = self._capture_verifier(self.graphs[(b, w, True)].out, mode, q,
+                                                                          stream)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
         self.verify_replays = 0  # rejection-sampling replays
@@ -202,9 +208,9 @@ class GraphForward:
         return graph, out
 
     @torch.inference_mode()
-    def _capture_verifier(self, logits: torch.Tensor, draft_probs: torch.Tensor | None,
+    def _capture_verifier(self, logits: torch.Tensor, mode: str, draft_probs: torch.Tensor | None,
                           stream: torch.cuda.Stream) -> _Verifier:
-        """Rejection sampling reading `logits` [b, w, V] (a verification graph's output)."""
+        """The acceptance step reading `logits` [b, w, V] (a verification graph's output)."""
         b, w, _ = logits.shape
         longs = torch.zeros(b * w, dtype=torch.long, device=self.device)
         longs[b * (w - 1):] = w - 1  # counts
@@ -213,6 +219,8 @@ class GraphForward:
 
         def run() -> torch.Tensor:
             draft, counts = longs[:b * (w - 1)].view(b, w - 1), longs[b * (w - 1):]
+            if mode == "greedy":
+                return verify_greedy_logits(logits, draft, counts)
             return verify_logits(logits, floats[0].float(), floats[1] > 0.5, draft, counts, draft_probs,
                                  floats[2:].t())
 
@@ -263,7 +271,8 @@ class GraphForward:
         """The same function as `EagerForward.verify`: the verification graph, then its
         rejection-sampling graph; [n, K+2] long on the device."""
         n, w = len(layout.slots), layout.width
-        v = self.verifiers.get((self._bucket(n), w, draft_probs is not None)) if n <= self.buckets[-1] else None
+        mode = "greedy" if all(greedy) else "draft_probs" if draft_probs is not None else "one_hot"
+        v = self.verifiers.get((self._bucket(n), w, mode)) if n <= self.buckets[-1] else None
         if v is None or not self.supports(layout, True):
             return self.eager.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
         self(ids, layout, all_logits=True)  # fills the logits v reads
@@ -277,8 +286,8 @@ class GraphForward:
         floats[2:, :n] = uniforms.t()
         v.longs.send()
         v.floats.send()
-        if draft_probs is not None:
-            assert v.draft_probs is not None
+        if mode == "draft_probs":
+            assert v.draft_probs is not None and draft_probs is not None
             v.draft_probs[:n].copy_(draft_probs)
         v.graph.replay()
         self.verify_replays += 1

@@ -14,7 +14,7 @@ def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_grap
                  shapes: list[tuple[int, bool]], kernels: Kernels = EAGER,
                  sample_widths: tuple[int, ...] = (),
                  small_batch_shapes: list[tuple[int, bool]] | None = None,
-                 verify_modes: tuple[bool, ...] = ()) -> ForwardFn:
+                 verify_modes: tuple[str, ...] = ()) -> ForwardFn:
     """Graphs of the given (width, all_logits) shapes on CUDA when asked for, else eager.
 
     `kernels` serve these fixed, small shapes only (decode, draft steps, verification);

@@ -66,10 +66,10 @@ class SpeculativeRunner(ContinuousRunner):
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
         # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits.
-        # Rejection sampling is captured too: with one-hot drafts (n-gram, greedy draft rows)
-        # and, for a draft model, with its probabilities
+        # The acceptance step is captured too: greedy batches, one-hot drafts (n-gram, greedy
+        # draft rows) and, for a draft model, its probabilities
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
-        modes = (False, True) if self.config.speculative_method == "draft_model" else (False,)
+        modes = ("greedy", "one_hot") + (("draft_probs",) if self.config.speculative_method == "draft_model" else ())
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
                             shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes)
 

@@ -167,6 +167,19 @@ def verify_logits(target_logits: torch.Tensor, temperatures: torch.Tensor, greed
     return verify_tensors(draft_tokens, counts, draft_probs, probs, uniforms[:, :w - 1], uniforms[:, w - 1])
 
 
+def verify_greedy_logits(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                         counts: torch.Tensor) -> torch.Tensor:
+    """`verify_logits` for a batch of greedy rows, without the sampling machinery: keep drafts
+    while they equal the argmax, then emit the argmax. target_logits [B, K+1, V], draft_tokens
+    [B, K] long, counts [B] long -> [B, K+2] long (the same rows as `verify_logits`)."""
+    k = target_logits.shape[1] - 1
+    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    valid = torch.arange(k, device=argmax.device)[None, :] < counts[:, None]  # [B, K]
+    tokens = torch.where(valid, draft_tokens, 0)  # [B, K]
+    num_accepted = ((tokens == argmax[:, :k]) & valid).to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]
+    return torch.cat([tokens, num_accepted[:, None], argmax.gather(1, num_accepted[:, None])], dim=1)
+
+
 def unpack_rows(rows: list[list[int]]) -> VerifyResult:
     """VerifyResult from `verify_tensors`' rows (on the host)."""
     num_accepted = [row[-2] for row in rows]

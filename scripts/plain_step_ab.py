@@ -104,8 +104,11 @@ def main() -> None:
         ref = statistics.median(times["plain"])
         for name, ts in times.items():
             med = statistics.median(ts)
-            print(f"T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed), runs "
-                  + " ".join(f"{x:.3f}" for x in ts), flush=True)
+            # each round's variant ran right after that round's plain run: the median of the
+            # per-round ratios cancels drift of the machine between rounds
+            paired = statistics.median(p / x for p, x in zip(times["plain"], ts, strict=True))
+            print(f"T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed; paired x{paired:.3f}), "
+                  "runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
     # the per-phase breakdown comes from extra, instrumented generations (the wrappers cost
     # host time themselves, so the timed rounds above run without them)
     for name, engine in engines.items():

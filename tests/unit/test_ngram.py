@@ -259,8 +259,12 @@ def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
     request = make_request([rng.randrange(6) for _ in range(80)])
     proposer.propose([request], [4])
     old = proposer.table("r0")
+    request.output_token_ids += [rng.randrange(6) for _ in range(5)]  # one round's worth: not a switch
+    proposer.propose([request], [4])
+    assert proposer.catch_up_seconds == 0.0
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
     (draft,) = proposer.propose([request], [4])
+    assert proposer.catch_up_seconds > 0.0  # the policy's cost of switching back to drafting
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
     fresh = NgramTable(window=50)

@@ -28,6 +28,7 @@ per request and syncs it with `request.all_token_ids` before proposing.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,6 +68,9 @@ class NgramProposer:
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
         self._entries: dict[str, _Entry] = {}
+        # wall time the last propose() spent bringing tables up to date after plain steps
+        # (more tokens than one round emits): the adaptive policy's cost of switching back
+        self.catch_up_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -108,11 +112,17 @@ class NgramProposer:
                 f"ks must give one draft length per request: got {len(ks)} for {len(requests)} requests"
             )
         drafts: list[Draft] = []
+        self.catch_up_seconds = 0.0
         for request, k in zip(requests, ks):
             if not is_strict_int(k) or k < 0:
                 raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
-            table = self._sync(request)
             n = request.num_tokens
+            entry = self._entries.get(request.request_id)
+            behind = n if entry is None else n - entry.synced
+            start = time.perf_counter()
+            table = self._sync(request)
+            if behind > k + 1:
+                self.catch_up_seconds += time.perf_counter() - start
             context = _tokens_from(request, max(0, n - self.config.max_order + 1), n)
             drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
         return drafts

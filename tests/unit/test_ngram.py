@@ -258,6 +258,7 @@ def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(6) for _ in range(80)])
     proposer.propose([request], [4])
+    assert proposer.catch_up_seconds == 0.0  # the first build is the table's prefill, not a switch
     old = proposer.table("r0")
     request.output_token_ids += [rng.randrange(6) for _ in range(5)]  # one round's worth: not a switch
     proposer.propose([request], [4])

@@ -68,8 +68,9 @@ class NgramProposer:
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
         self._entries: dict[str, _Entry] = {}
-        # wall time the last propose() spent bringing tables up to date after plain steps
-        # (more tokens than one round emits): the adaptive policy's cost of switching back
+        # wall time the last propose() spent bringing existing tables up to date after plain
+        # steps (more tokens than one round emits): the adaptive policy's cost of switching
+        # back. A request's first table build is a one-off, like a prefill, and not counted.
         self.catch_up_seconds = 0.0
 
     def __len__(self) -> int:
@@ -118,7 +119,7 @@ class NgramProposer:
                 raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
             n = request.num_tokens
             entry = self._entries.get(request.request_id)
-            behind = n if entry is None else n - entry.synced
+            behind = 0 if entry is None else n - entry.synced  # a first build is the table's prefill
             start = time.perf_counter()
             table = self._sync(request)
             if behind > k + 1:

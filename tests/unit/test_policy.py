@@ -201,20 +201,30 @@ def test_first_probe_comes_early_while_only_calibration_is_known():
     assert costs.relative_costs(1)[1] == pytest.approx(1.1)
 
 
-def test_missing_proposals_count_as_failed_trials():
-    # n-gram drafting on text without repeats: nothing to propose, so the request must fall
-    # back to plain steps instead of asking the proposer every step
+def test_missing_proposals_back_off_without_touching_acceptance():
+    # n-gram drafting on text without repeats: nothing to propose, so the request must stop
+    # asking every step (a lookup costs host time); a miss is no rejection, and after a hit
+    # (the text repeats again) it asks every step again
     costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
     _measure(costs, 1, 0, 0.001)
     _measure(costs, 1, 5, 0.0013)
-    p = AdaptivePolicy(5, costs)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000)
     r = R("n")
-    asked = 0
-    for _ in range(200):
+    asked = []
+    for step in range(200):
         if p.choose([r], [10], 10_000, [5000])[0]:
-            asked += 1
+            asked.append(step)
             p.no_proposal("n")
-    assert asked < 40 and p.acceptance("n") < 0.2
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert len(asked) < 12 and gaps == sorted(gaps) and max(gaps) <= p.max_probe_interval + 1
+    assert p.acceptance("n") == pytest.approx(p.prior_a)
+    k = p.choose([r], [10], 10_000, [5000])[0]
+    while not k:
+        k = p.choose([r], [10], 10_000, [5000])[0]
+    p.update("n", k, k)  # a hit, all accepted
+    assert all(p.choose([r], [10], 10_000, [5000])[0] for _ in range(5))
+    p.no_proposal("n")  # a single miss after the hit: a short wait again, not the long one
+    assert [p.choose([r], [10], 10_000, [5000])[0] > 0 for _ in range(3)] == [False, True, True]
     assert FixedPolicy(3).no_proposal("n") is None
 
 

@@ -20,7 +20,10 @@ draft model must first catch up on the tokens it skipped), and probes may spend 
 acceptance (then probes only re-measure the costs). Until a step with drafts has run at a
 batch size, the first probe comes early (calibration can misjudge host overhead either
 way). Failed probes also back off exponentially. A request given k > 0 for which the
-proposer has nothing (an n-gram miss) counts that as a failed trial.
+proposer has nothing (an n-gram miss) says nothing about acceptance: it costs a lookup, so
+the request just does not ask again for a while, 2, 4, 8 ... up to `max_probe_interval`
+steps after consecutive misses, and asks every step again after a hit (repetitive text
+comes and goes: code edits match, then miss at the edit, then match again).
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -239,6 +242,8 @@ class _Estimate:
     wait_from: int = 0  # policy step since which the request has not drafted
     probe_interval: int = 4
     probing: bool = False  # the round in flight is a probe
+    miss_until: int = 0  # after n-gram misses: no asking before this policy step
+    miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
 
@@ -298,6 +303,10 @@ class AdaptivePolicy:
                 est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
                 est.table = table
             k = est.k
+            if k and self._steps < est.miss_until:  # backing off after misses
+                next_due = min(next_due, est.miss_until)
+                ks.append(0)
+                continue
             if k == 0:
                 due = est.wait_from + max(est.probe_interval, table.probe_spacing)
                 if self._steps < due:
@@ -357,16 +366,20 @@ class AdaptivePolicy:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         elif num_accepted > 0:
             est.probe_interval = 4
+        est.miss_interval = 0  # the proposer had something: ask every step again
 
     def no_proposal(self, request_id: str) -> None:
-        """An attempt that yielded nothing counts as a failed trial: asking costs host time
-        (an n-gram lookup), and text without matches should fall back to plain steps."""
-        est = self._estimate(request_id)
+        """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking
+        again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection."""
+        est = self._est.get(request_id)
+        if est is None:
+            est = self._est[request_id] = self._prior()
         probing, est.probing = est.probing, False
-        est.accepted *= self.decay
-        est.trials = est.trials * self.decay + 1
+        est.miss_interval = min(max(2, est.miss_interval * 2), self.max_probe_interval)
+        est.miss_until = self._steps + est.miss_interval
         if probing:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
+        self._quiet = None
 
     def _prior(self) -> _Estimate:
         return _Estimate(self.prior_a * self.prior_weight, self.prior_weight, wait_from=self._steps)

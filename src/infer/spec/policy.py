@@ -371,9 +371,7 @@ class AdaptivePolicy:
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking
         again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection."""
-        est = self._est.get(request_id)
-        if est is None:
-            est = self._est[request_id] = self._prior()
+        est = self._lookup(request_id)
         probing, est.probing = est.probing, False
         est.miss_interval = min(max(2, est.miss_interval * 2), self.max_probe_interval)
         est.miss_until = self._steps + est.miss_interval
@@ -384,11 +382,15 @@ class AdaptivePolicy:
     def _prior(self) -> _Estimate:
         return _Estimate(self.prior_a * self.prior_weight, self.prior_weight, wait_from=self._steps)
 
-    def _estimate(self, request_id: str) -> _Estimate:
-        """The request's estimate, about to change (its cached best K is dropped)."""
+    def _lookup(self, request_id: str) -> _Estimate:
         est = self._est.get(request_id)
         if est is None:
             est = self._est[request_id] = self._prior()
+        return est
+
+    def _estimate(self, request_id: str) -> _Estimate:
+        """The request's estimate, about to change (its cached best K is dropped)."""
+        est = self._lookup(request_id)
         est.changed()
         self._quiet = None
         return est

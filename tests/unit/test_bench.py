@@ -210,6 +210,26 @@ def test_w1_runs_end_to_end_on_cpu(ckpt_a):
     assert params["engine"]["max_batch_size"] == 1
 
 
+def test_paired_run_alternates_with_its_baseline(ckpt_a):
+    # the adaptive-policy rows of the suites: each round times the baseline engine, then
+    # this one; the speedup is the median of the per-round ratios
+    wl = WORKLOADS["W1"].with_output_len(6)
+    spec = {"model": str(ckpt_a), "use_speculative_decoding": True, "speculative_method": "ngram",
+            "spec_policy": "adaptive"}
+    params, m = run_engine(wl, spec, device="cpu", warmup_tokens=2, repeats=3, paired_with={"model": str(ckpt_a)})
+    base_walls, walls = m["paired_baseline_wall_s_runs"], m["wall_s_runs"]
+    assert len(base_walls) == len(walls) == 3 and params["paired_with"] == {"model": str(ckpt_a)}
+    assert len(m["paired_ratios"]) == 3 and m["paired_speedup"] == sorted(m["paired_ratios"])[1]
+    assert all(r > 0 for r in m["paired_ratios"]) and m["leaks"] == []
+    run = BenchRun("t")
+    run.add(Measurement("plain", "engine", metrics={"primary_rate": 100.0}))
+    run.add(Measurement("adaptive", "engine", metrics={**m, "primary_rate": 50.0}, refs={"baseline": "plain"}))
+    analysis.derive_all(run)
+    d = run.get("adaptive").derived
+    assert d["speedup"] == m["paired_speedup"] and d["speedup_unpaired"] == pytest.approx(0.5)
+    assert "| adaptive (paired) |" in markdown(run)
+
+
 def test_w2_counts_every_request_and_prefix_hits(ckpt_a):
     wl = replace(WORKLOADS["W2-prefix"], num_requests=4, prompt_len=(8, 24), output_len=(2, 5),
                  shared_prefix_len=48)

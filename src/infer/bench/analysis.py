@@ -2,7 +2,9 @@
 
 A measurement names the others it is compared with in `refs`:
   "baseline": speedup = its primary rate / the baseline's (decode tokens/s at batch 1,
-              output tokens/s for many requests);
+              output tokens/s for many requests); a measurement timed in alternation with
+              a baseline engine of its own (`paired_speedup`) reports that paired ratio
+              instead, and the unpaired one as `speedup_unpaired`;
   "roofline": roofline_fraction = its decode tokens/s / the roofline's tokens/s;
   "costs":    for fixed-K speculation, the paper's prediction from the measured c and the
               alpha implied by the measured tokens per round, and efficiency = speedup /
@@ -29,6 +31,8 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     if base is not None and m.metrics.get("primary_rate") and base.metrics.get("primary_rate"):
         out["speedup"] = m.metrics["primary_rate"] / base.metrics["primary_rate"]
         out["baseline"] = base.name
+        if m.metrics.get("paired_speedup"):
+            out["speedup_unpaired"], out["speedup"] = out["speedup"], m.metrics["paired_speedup"]
         agree = common_prefix(m.metrics.get("first_output_ids"), base.metrics.get("first_output_ids"))
         if agree is not None and _greedy(m) and _greedy(base):
             out["greedy_prefix_match"] = agree

@@ -136,12 +136,18 @@ def primary_rate(metrics: Mapping[str, Any], num_requests: int) -> float | None:
 
 
 def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str = "auto",
-               warmup_tokens: int | None = None, repeats: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+               warmup_tokens: int | None = None, repeats: int = 1,
+               paired_with: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `workload` on an engine with `overrides`; returns (params, metrics).
 
     The timed run is repeated `repeats` times on the same engine (the same requests and
     seeds); the run with the median wall time gives the metrics, every wall time is kept,
     and the speculation / prefix counters cover all of them.
+
+    `paired_with`: overrides of a baseline engine built alongside. Each round times the
+    baseline, then this engine, so drift of the machine between rounds hits both alike;
+    `paired_speedup` is the median over rounds of this engine's rate / the baseline's (a
+    ratio of a few percent needs it: single runs of host-bound models drift more).
     """
     config = engine_config(workload, overrides, device)
     t0 = time.perf_counter()
@@ -149,19 +155,32 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     engine = Engine(config)
+    load_s = time.perf_counter() - t0
+    baseline = Engine(engine_config(workload, paired_with, device)) if paired_with is not None else None
     try:
-        load_s = time.perf_counter() - t0
         prompts = build_requests(workload, engine.vocab_size, engine.tokenizer)
-        warmup(engine, workload, prompts, warmup_tokens)
+        for e in (baseline, engine):
+            if e is not None:
+                warmup(e, workload, prompts, warmup_tokens)
         spec0, prefix0 = spec_snapshot(engine), _prefix_counters(engine)
-        runs = []
+        runs, base_runs = [], []
         for _ in range(repeats):
+            if baseline is not None:
+                gc.collect()
+                base_runs.append(timed_run(baseline, workload, prompts.requests))
             gc.collect()  # not inside the timing
             runs.append(timed_run(engine, workload, prompts.requests))
         walls = [w for _, w, _ in runs]
         requests, wall, steps = sorted(runs, key=lambda run: run[1])[len(runs) // 2]
         metrics = request_metrics(requests, wall)
         metrics["wall_s_runs"] = walls
+        if base_runs:
+            rates = [(primary_rate(request_metrics(r, w), workload.num_requests),
+                      primary_rate(request_metrics(br, bw), workload.num_requests))
+                     for (r, w, _), (br, bw, _) in zip(runs, base_runs, strict=True)]
+            metrics["paired_ratios"] = [ours / base for ours, base in rates if ours and base]
+            metrics["paired_speedup"] = statistics.median(metrics["paired_ratios"])
+            metrics["paired_baseline_wall_s_runs"] = [w for _, w, _ in base_runs]
         metrics.update(engine_counters(engine, spec0, prefix0))
         metrics.update(load_s=load_s, steps=steps, expected_output_tokens=prompts.expected_output_tokens,
                        weight_bytes=weight_bytes(engine.models.target),
@@ -172,9 +191,11 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
             metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         params = {"workload": workload.to_dict(), "prompt_source": prompts.source,
                   "engine": _config_dict(config), "overrides": dict(overrides)}
+        if paired_with is not None:
+            params["paired_with"] = dict(paired_with)
         return params, metrics
     finally:
-        del engine
+        del engine, baseline
         free_memory()
 
 

@@ -30,6 +30,8 @@ from infer.models.loader import load_model
 Outcome = tuple[dict[str, Any], dict[str, Any]]  # (params, metrics)
 
 
+PAIRED_MIN_REPEATS = 5  # rounds of a paired measurement: a median of ratios needs a few
+
 @dataclass
 class HarnessOptions:
     device: str = "auto"
@@ -113,11 +115,16 @@ class Harness:
         return self.measure(f"roofline/{label}", "roofline", "roofline", fn, refs={"bandwidth": bw.name})
 
     def engine(self, name: str, group: str, workload: Workload, overrides: Mapping[str, Any],
-               refs: Mapping[str, str | None] | None = None) -> Measurement:
+               refs: Mapping[str, str | None] | None = None,
+               paired_with: Mapping[str, Any] | None = None) -> Measurement:
+        """An engine measurement; with `paired_with` (the baseline's overrides) its timed runs
+        alternate with a baseline engine's (at least PAIRED_MIN_REPEATS rounds) and "x baseline"
+        is the paired ratio."""
         wl = self.workload(workload)
         return self.measure(name, "engine", group, lambda: run_engine(
             wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens,
-            repeats=self.options.repeats), refs)
+            repeats=max(self.options.repeats, PAIRED_MIN_REPEATS) if paired_with is not None else self.options.repeats,
+            paired_with=paired_with), refs)
 
     def hf(self, name: str, group: str, workload: Workload, peer: HFPeer,
            refs: Mapping[str, str | None] | None = None) -> Measurement | None:

@@ -68,7 +68,7 @@ def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
 
 
 def _short(m: Measurement) -> str:
-    return m.name.rsplit("/", 1)[-1]
+    return m.name.rsplit("/", 1)[-1] + (" (paired)" if m.metrics.get("paired_speedup") else "")
 
 
 ENGINE_HEADER = ("variant", "tok/s", "decode tok/s", "TTFT ms", "x baseline", "of roofline", "acceptance",

@@ -69,7 +69,7 @@ def w1_spec_dummy(h: Harness) -> None:
     refs = {"baseline": base, "costs": costs}
     h.engine("w1-spec/3b/1b-draft-k5", group, wl, {**spec, "draft_model": SHAPE_1B}, refs)
     h.engine("w1-spec/3b/1b-draft-adaptive", group, wl, {**spec, "draft_model": SHAPE_1B, "spec_policy": "adaptive"},
-             refs)
+             refs, paired_with={"model": SHAPE_3B, **GRAPHS})
     h.engine("w1-spec/3b/self-draft-k5", group, wl, {**spec, "draft_model": SHAPE_3B},
              {"baseline": base, "costs": self_costs})
 
@@ -124,7 +124,8 @@ def demo_pair(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
                 "spec_length": SPEC_K}
         refs = {"baseline": base, "costs": costs}
         h.engine(f"{tag}/spec-k5", group, wl, spec, refs)
-        h.engine(f"{tag}/spec-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, refs)
+        h.engine(f"{tag}/spec-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, refs,
+                 paired_with={"model": target, **GRAPHS})
         h.hf(f"{tag}/hf", group, wl, HFPeer(target), {"baseline": base})
         h.hf(f"{tag}/hf-assisted", group, wl, HFPeer(target, assistant=draft), {"baseline": base})
 
@@ -142,7 +143,8 @@ def w5_ngram(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         refs = {"baseline": base, "costs": costs}
         h.engine(f"{tag}/ngram-k5", group, wl, {**spec, "speculative_method": "ngram"}, refs)
         h.engine(f"{tag}/ngram-adaptive", group, wl, {**spec, "speculative_method": "ngram",
-                                                      "spec_policy": "adaptive"}, refs)
+                                                      "spec_policy": "adaptive"}, refs,
+                 paired_with={"model": target, **GRAPHS})
         h.engine(f"{tag}/prompt-lookup-k5", group, wl, {**spec, "speculative_method": "prompt_lookup"}, refs)
         h.engine(f"{tag}/draft-k5", group, wl, {**spec, "draft_model": draft}, refs)
         h.hf(f"{tag}/hf-prompt-lookup", group, wl, HFPeer(target, prompt_lookup=10), {"baseline": base})
@@ -151,7 +153,8 @@ def w5_ngram(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         group, tag = f"demo target, W1 T={t:g} (n-gram must not slow it)", f"w1-ngram-t{t:g}"
         base = h.engine(f"{tag}/plain", group, wl, {"model": target, **GRAPHS}).name
         h.engine(f"{tag}/ngram-adaptive", group, wl, {**spec, "speculative_method": "ngram",
-                                                      "spec_policy": "adaptive"}, {"baseline": base})
+                                                      "spec_policy": "adaptive"}, {"baseline": base},
+                 paired_with={"model": target, **GRAPHS})
 
 
 def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:

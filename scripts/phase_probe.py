@@ -58,7 +58,7 @@ def generate(engine: Engine, prompt: list[int], temperature: float, tokens: int)
 def main() -> None:
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=4, max_seq_len=1024)
     # 1. draft catch-up: fixed K, so every round drafts; prompts of several lengths (lazy prefill)
-    draft = Engine(EngineConfig(**base, use_speculative_decoding=True, draft_model=str(DRAFT), spec_length=5))
+    draft = Engine(EngineConfig(**base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5))
     log: list = []
     runner = draft.runner
     timed(runner.draft, "_catch_up", log,
@@ -83,8 +83,6 @@ def main() -> None:
         for name, entries in phases.items():
             print(f"T={t:g} " + summary(name, [ms for _, ms in entries]), flush=True)
 
-
-DRAFT = DEMO_DRAFT
 
 if __name__ == "__main__":
     main()

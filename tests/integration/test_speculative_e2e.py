@@ -250,6 +250,8 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
     runner = llm.engine.runner
 
     class Nothing:
+        catch_up_seconds = 0.0
+
         def propose(self, requests, ks):
             return [Draft([], None) for _ in requests]
 

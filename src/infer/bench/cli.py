@@ -69,7 +69,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
     name = args.suite or f"workload-{args.workload}"
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
-                             max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats, with_hf=not args.no_hf,
+                             max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
+                             with_hf=not args.no_hf,
                              model=args.model, draft_model=args.draft_model)
     out = args.out or _default_out(name)
     recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

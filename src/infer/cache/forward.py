@@ -59,10 +59,9 @@ class EagerForward:
         per row (1.0 for greedy rows); uniforms: CPU float64 [n, K+1]. CUDA graphs capture
         the same function."""
         logits = self(ids, layout, all_logits=True)  # [n, K+1, V]
+        tokens, num = to_device(draft_tokens, self.device), tensor_on(list(counts), self.device, torch.long)
         if all(greedy):
-            return verify_greedy_logits(logits, to_device(draft_tokens, self.device),
-                                        tensor_on(list(counts), self.device, torch.long))
+            return verify_greedy_logits(logits, tokens, num)
         return verify_logits(logits, tensor_on(list(temperatures), self.device, torch.float32),
-                             tensor_on(list(greedy), self.device, torch.bool), to_device(draft_tokens, self.device),
-                             tensor_on(list(counts), self.device, torch.long), draft_probs,
+                             tensor_on(list(greedy), self.device, torch.bool), tokens, num, draft_probs,
                              to_device(uniforms, self.device))

@@ -147,21 +147,13 @@ class GraphForward:
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
             for w in sorted(set(sample_widths)) if b <= SMALL_BATCH_MAX else ():
                 self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
-        self.verifiers: dict[tuple[int, int, str], _Verifier] = {}
         modes = sorted(set(verify_modes))
         if not set(modes) <= set(VERIFY_MODES):
             raise ValueError(f"verify_modes must be among {VERIFY_MODES}, got {modes}")
-        for b in (x for x in self.buckets if x <= SMALL_BATCH_MAX and modes):
-            widths = sorted(w for (y, w, all_logits) in self.graphs if y == b and all_logits and w >= 2)
-            # one buffer of draft probabilities per bucket, for the widest K
-            q_buffer = (torch.zeros((b, widths[-1] - 1, self.graphs[(b, widths[-1], True)].out.shape[-1]),
-                                    dtype=torch.float32, device=self.device)
-                        if widths and "draft_probs" in modes else None)
-            for w in widths:
-                for mode in modes:
-                    q = q_buffer[:, :w - 1] if mode == "draft_probs" and q_buffer is not None else None
-                    self.verifiers[(b, w, mode)] = self._capture_verifier(self.graphs[(b, w, True)].out, mode, q,
-                                                                          stream)
+        self.verifiers: dict[tuple[int, int, str], _Verifier] = {}
+        for b in self.buckets if modes else ():
+            if b <= SMALL_BATCH_MAX:
+                self._capture_verifiers(b, modes, stream)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
         self.verify_replays = 0  # rejection-sampling replays
@@ -206,6 +198,20 @@ class GraphForward:
         with torch.cuda.graph(graph, stream=stream):
             out = run()
         return graph, out
+
+    def _capture_verifiers(self, b: int, modes: Sequence[str], stream: torch.cuda.Stream) -> None:
+        """The acceptance step after each verification graph (all logits, width >= 2) of bucket b."""
+        widths = sorted(w for (y, w, all_logits) in self.graphs if y == b and all_logits and w >= 2)
+        if not widths:
+            return
+        q_buffer = None  # draft probabilities: one buffer per bucket, for the widest K
+        if "draft_probs" in modes:
+            vocab = self.graphs[(b, widths[-1], True)].out.shape[-1]
+            q_buffer = torch.zeros((b, widths[-1] - 1, vocab), dtype=torch.float32, device=self.device)
+        for w in widths:
+            for mode in modes:
+                q = q_buffer[:, :w - 1] if mode == "draft_probs" else None
+                self.verifiers[(b, w, mode)] = self._capture_verifier(self.graphs[(b, w, True)].out, mode, q, stream)
 
     @torch.inference_mode()
     def _capture_verifier(self, logits: torch.Tensor, mode: str, draft_probs: torch.Tensor | None,

@@ -161,7 +161,7 @@ class SpeculativeRunner(ContinuousRunner):
                 return outputs
         else:
             drafts = self.proposer.propose(requests, ks)
-            switch = getattr(self.proposer, "catch_up_seconds", 0.0)
+            switch = self.proposer.catch_up_seconds
             longest = max(len(d.token_ids) for d in drafts)
             for r, k, d in zip(requests, ks, drafts, strict=True):
                 if k and not d.token_ids:

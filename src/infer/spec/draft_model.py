@@ -52,6 +52,9 @@ class DraftModelProposer:
         # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
         # the engine passes a CUDA-graph runner here when graphs are on
         self.step_forward = step_forward or EagerForward(model, pool)
+        # catch-up chunks without a graph: eager kernels (compiled ones would recompile for
+        # every new width)
+        self._eager = EagerForward(model, pool)
         self.device = next(model.parameters()).device
         self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
@@ -134,13 +137,7 @@ class DraftModelProposer:
             ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
             for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
                 ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
-            if graph:
-                self.step_forward(ids, layout, all_logits=False)
-            else:  # eager kernels: compiled ones would recompile for every new width
-                view = self.pool.view(layout)
-                self.model(to_device(ids, self.device), layout.positions(self.device), view,
-                           logits_indices=layout.last_token_indices(self.device))
-                view.commit()
+            (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
             todo = [r for r in todo if r.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(r))]
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:

@@ -25,6 +25,10 @@ class Draft:
 
 
 class Proposer(Protocol):
+    # wall time the last propose() spent catching its state up on tokens of plain steps
+    # (0.0 if none): the adaptive policy's cost of switching back to speculation
+    catch_up_seconds: float
+
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         """Up to ks[i] tokens continuing requests[i].all_token_ids."""
         ...

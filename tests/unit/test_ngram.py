@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
 import pytest
 
+import infer.spec.ngram
 from infer.engine.request import Request
 from infer.sampling import SamplingParams
 from infer.spec.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
@@ -252,8 +254,11 @@ def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
 
 
 @pytest.mark.parametrize("gap", [49, 50, 120])  # shorter than, equal to, longer than the window
-def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
-    # plain decode steps between proposals leave the table behind by `gap` tokens
+def test_proposer_catches_up_after_plain_steps(gap: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # plain decode steps between proposals leave the table behind by `gap` tokens; a fake
+    # clock that advances one second per reading makes each timed sync exactly 1 s
+    clock = itertools.count()
+    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: float(next(clock)))
     rng = random.Random(gap)
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(6) for _ in range(80)])
@@ -265,7 +270,7 @@ def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
     assert proposer.catch_up_seconds == 0.0
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
     (draft,) = proposer.propose([request], [4])
-    assert proposer.catch_up_seconds > 0.0  # the policy's cost of switching back to drafting
+    assert proposer.catch_up_seconds == 1.0  # the policy's cost of switching back to drafting
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
     fresh = NgramTable(window=50)

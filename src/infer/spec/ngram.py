@@ -28,9 +28,9 @@ per request and syncs it with `request.all_token_ids` before proposing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 from infer.spec.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, PromptLookupTable, is_strict_int
@@ -120,10 +120,10 @@ class NgramProposer:
             n = request.num_tokens
             entry = self._entries.get(request.request_id)
             behind = 0 if entry is None else n - entry.synced  # a first build is the table's prefill
-            start = time.perf_counter()
+            start = perf_counter()
             table = self._sync(request)
             if behind > k + 1:
-                self.catch_up_seconds += time.perf_counter() - start
+                self.catch_up_seconds += perf_counter() - start
             context = _tokens_from(request, max(0, n - self.config.max_order + 1), n)
             drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
         return drafts

@@ -151,8 +151,8 @@ class GraphForward:
         if not set(modes) <= set(VERIFY_MODES):
             raise ValueError(f"verify_modes must be among {VERIFY_MODES}, got {modes}")
         self.verifiers: dict[tuple[int, int, str], _Verifier] = {}
-        for b in self.buckets if modes else ():
-            if b <= SMALL_BATCH_MAX:
+        for b in self.buckets:
+            if modes and b <= SMALL_BATCH_MAX:
                 self._capture_verifiers(b, modes, stream)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled

@@ -3,7 +3,8 @@
 c = draft step time / plain target step time, and v(K) = target verification time for
 K+1 tokens / plain target step time, for batch sizes 1, 2, 4, ... max_batch_size. The
 forwards are the engine's own (CUDA graphs when enabled), run on scratch slots that are
-freed afterwards.
+freed afterwards. Batch sizes whose scratch slots do not fit the KV pools (a small
+num_blocks) are not measured; the policy uses the nearest measured one.
 """
 
 from __future__ import annotations
@@ -31,12 +32,20 @@ def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return (time.perf_counter() - start) / repeats
 
 
+class PoolTooSmall(RuntimeError):
+    """The KV pool cannot hold the scratch slots of this calibration batch."""
+
+
 def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, width: int,
                  all_logits: bool, repeats: int = 5, context: int = 32) -> float:
     """Seconds per forward of `width` new tokens after `context` cached ones, `batch` rows."""
     device = pool.k_cache.device
-    slots = [pool.allocate_slot(context + width) for _ in range(batch)]
+    slots: list[int] = []
     try:
+        for _ in range(batch):
+            if not pool.can_allocate(context + width):
+                raise PoolTooSmall(f"no room for {batch} scratch slots of {context + width} tokens")
+            slots.append(pool.allocate_slot(context + width))
         layout = BatchLayout.of(slots, [context] * batch, [width] * batch)
         ids = torch.randint(0, vocab_size, (batch, width))
 
@@ -61,12 +70,15 @@ def measure_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: Forw
     model = CostModel(k_max)
     batch = 1
     while True:
-        plain = forward_time(target, target_pool, vocab_size, batch, 1, False, repeats)
-        model.verify_ratio[batch] = [1.0] + [
-            forward_time(target, target_pool, vocab_size, batch, k + 1, True, repeats) / plain
-            for k in range(1, k_max + 1)]
-        model.draft_ratio[batch] = (forward_time(draft, draft_pool, vocab_size, batch, 1, False, repeats) / plain
-                                    if draft is not None and draft_pool is not None else 0.0)
+        try:
+            plain = forward_time(target, target_pool, vocab_size, batch, 1, False, repeats)
+            verify = [1.0] + [forward_time(target, target_pool, vocab_size, batch, k + 1, True, repeats) / plain
+                              for k in range(1, k_max + 1)]
+            draft_ratio = (forward_time(draft, draft_pool, vocab_size, batch, 1, False, repeats) / plain
+                           if draft is not None and draft_pool is not None else 0.0)
+        except PoolTooSmall:
+            return model  # larger batches use the largest measured one (no measurement: defaults)
+        model.verify_ratio[batch], model.draft_ratio[batch] = verify, draft_ratio
         if batch >= max_batch_size:
             return model
         batch = min(batch * 2, max_batch_size)

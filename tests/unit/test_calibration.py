@@ -1,0 +1,39 @@
+"""Start-up cost calibration of the adaptive policy (engine/calibration.py): it measures the
+batch sizes whose scratch slots fit the KV pool and gives every block back."""
+
+from __future__ import annotations
+
+import torch
+
+from infer.cache.forward import EagerForward
+from infer.cache.paged import PagedKVCachePool
+from infer.engine.calibration import measure_costs
+from infer.models.config import ModelConfig
+from infer.models.llama import LlamaForCausalLM
+
+CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+
+
+def _pool(num_blocks: int) -> tuple[EagerForward, PagedKVCachePool]:
+    pool = PagedKVCachePool(CFG, 8, 128, torch.float32, "cpu", block_size=4, num_blocks=num_blocks)
+    return EagerForward(LlamaForCausalLM(CFG), pool), pool
+
+
+def test_calibration_measures_the_batches_that_fit_and_frees_its_slots():
+    # scratch slots hold 32 context + up to k_max + 1 = 6 tokens: 10 blocks of 4 each, so
+    # 24 blocks fit batches 1 and 2 but not 4 (of max_batch_size 8)
+    forward, pool = _pool(24)
+    model = measure_costs(forward, pool, None, None, CFG.vocab_size, 8, 5, repeats=1)
+    assert sorted(model.verify_ratio) == [1, 2] and model.draft_ratio == {1: 0.0, 2: 0.0}
+    assert all(len(v) == 6 and v[0] == 1.0 for v in model.verify_ratio.values())
+    assert pool.free_token_capacity() == 24 * 4 and pool.leak_report() == []
+    big = measure_costs(*_pool(80), None, None, CFG.vocab_size, 8, 5, repeats=1)
+    assert sorted(big.verify_ratio) == [1, 2, 4, 8]
+
+
+def test_calibration_with_no_room_leaves_the_defaults():
+    forward, pool = _pool(9)  # not even one scratch slot of 38 tokens
+    model = measure_costs(forward, pool, None, None, CFG.vocab_size, 8, 5, repeats=1)
+    assert model.verify_ratio == {} and model.calibrated(1) == (0.5, [1.0] * 6)
+    assert pool.free_token_capacity() == 9 * 4 and pool.leak_report() == []

@@ -1,8 +1,12 @@
-"""Same-process A/B of plain decode steps: the plain ContinuousRunner against the
-SpeculativeRunner when it decides not to speculate (K = 0 every step) and with the adaptive
-policy. Generations alternate between engines so machine drift hits all alike.
+"""Same-process A/B on the demo target: the plain ContinuousRunner against the
+SpeculativeRunner that never speculates (K0: the runner's own cost), the adaptive policy
+(n-gram with and without shadow drafts, draft model) and fixed K=5 n-gram, on the bench's
+W1 and W5 prompts. Each round runs every engine once, starting at a different engine, so
+machine drift hits all alike; "paired" is the median of per-round ratios to plain, "best"
+the ratio of the fastest runs.
 
-    PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 5] [--temperature 0 1]
+    PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
+        [--workload W1 W5] [--phases]
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
 from infer import SamplingParams
+from infer.bench.workloads import WORKLOADS, build_requests
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
@@ -34,11 +40,13 @@ class NeverSpeculate:
         return None
 
 
-def instrument(engine: Engine) -> dict[str, list[float]]:
+def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], None]]:
     """Time the parts of each decode step of a speculative runner: policy, proposer, plain
-    decode, verification, cost model; and count chosen K."""
+    decode, verification, cost model; and count chosen K. Returns the timings and a
+    function that removes the wrappers."""
     runner = engine.runner
     phases: dict[str, list[float]] = defaultdict(list)
+    undo: list[tuple[object, str]] = []
 
     def timed(obj: object, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
@@ -52,6 +60,7 @@ def instrument(engine: Engine) -> dict[str, list[float]]:
             return out
 
         setattr(obj, attr, wrapper)
+        undo.append((obj, attr))
 
     timed(runner.policy, "choose", "choose")
     timed(runner.proposer, "propose", "propose")
@@ -59,7 +68,15 @@ def instrument(engine: Engine) -> dict[str, list[float]]:
     timed(runner, "_accept", "accept")
     timed(runner.cost_model, "observe", "observe")
     timed(runner, "_speculative_decode", "decode step")
-    return phases
+    if runner.shadow is not None:
+        timed(runner.shadow, "take", "shadow take")
+        timed(runner.shadow, "check", "shadow check")
+
+    def remove() -> None:
+        for obj, attr in undo:
+            delattr(obj, attr)  # the instance attribute hides the class's method
+
+    return phases, remove
 
 
 def sync() -> None:
@@ -67,9 +84,9 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def ms_per_token(engine: Engine, temperature: float, tokens: int) -> float:
+def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> float:
     params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
-    engine.add_request(list(range(100, 228)), params)
+    engine.add_request(prompt, params)
     engine.step()  # prefill
     sync()
     start = time.perf_counter()
@@ -79,49 +96,65 @@ def ms_per_token(engine: Engine, temperature: float, tokens: int) -> float:
     return (time.perf_counter() - start) / (tokens - 1) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    args = ap.parse_args()
-    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=512)
+def build_engines() -> dict[str, Engine]:
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
     engines = {"plain": Engine(EngineConfig(**base)), "ngram-K0": Engine(EngineConfig(**ngram)),
+               "ngram-k5": Engine(EngineConfig(**ngram)),
                "ngram-adaptive": Engine(EngineConfig(**ngram, spec_policy="adaptive")),
+               "ngram-adaptive-noshadow": Engine(EngineConfig(**ngram, spec_policy="adaptive")),
                "draft-K0": Engine(EngineConfig(**draft)),
                "draft-adaptive": Engine(EngineConfig(**draft, spec_policy="adaptive"))}
     for name in ("ngram-K0", "draft-K0"):
         engines[name].runner.policy = NeverSpeculate()
-    for t in args.temperature:
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        for name, engine in engines.items():
-            ms_per_token(engine, t, args.tokens)  # warm-up
-        for _ in range(args.rounds):
-            for name, engine in engines.items():
-                times[name].append(ms_per_token(engine, t, args.tokens))
-        ref = statistics.median(times["plain"])
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            # each round's variant ran right after that round's plain run: the median of the
-            # per-round ratios cancels drift of the machine between rounds
-            paired = statistics.median(p / x for p, x in zip(times["plain"], ts, strict=True))
-            print(f"T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed; paired x{paired:.3f}), "
-                  "runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
-    # the per-phase breakdown comes from extra, instrumented generations (the wrappers cost
-    # host time themselves, so the timed rounds above run without them)
-    for name, engine in engines.items():
-        if not name.endswith("adaptive"):
-            continue
-        phases = instrument(engine)
-        for t in args.temperature:
-            ms_per_token(engine, t, args.tokens)
-            print(f"T={t:g} {name} per step (instrumented): " + ", ".join(
-                f"{k} {statistics.fmean(v) * 1e3:.3f} ms x{len(v)}" for k, v in sorted(phases.items()) if v),
-                flush=True)
-            phases.clear()
+    noshadow = engines["ngram-adaptive-noshadow"].runner
+    noshadow.shadow, noshadow.policy.shadowed = None, False
+    return engines
 
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5"])
+    ap.add_argument("--phases", action="store_true", help="also time the phases of adaptive steps (extra runs)")
+    args = ap.parse_args()
+    engines = build_engines()
+    names = list(engines)
+    plain = engines["plain"]
+    for w in args.workload:
+        prompt = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer).requests[0].prompt_ids
+        for t in args.temperature:
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            for engine in engines.values():
+                ms_per_token(engine, prompt, t, args.tokens)  # warm-up
+            for i in range(args.rounds):
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    times[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
+            ref, best_ref = statistics.median(times["plain"]), min(times["plain"])
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                # the median of per-round ratios cancels drift of the machine between rounds
+                paired = statistics.median(p / x for p, x in zip(times["plain"], ts, strict=True))
+                print(f"{w} T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed; paired x{paired:.3f}, "
+                      f"best x{best_ref / min(ts):.3f}), runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
+            if args.phases:
+                print_phases(engines, prompt, w, t, args.tokens)
+
+
+def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int) -> None:
+    """Per-phase breakdown from extra, instrumented generations (the wrappers cost host time
+    themselves, so the timed rounds run without them)."""
+    for name, engine in engines.items():
+        if not name.endswith(("adaptive", "noshadow")):
+            continue
+        phases, remove = instrument(engine)
+        ms_per_token(engine, prompt, t, tokens)
+        remove()
+        print(f"{w} T={t:g} {name} per step (instrumented): " + ", ".join(
+            f"{k} {statistics.fmean(v) * 1e3:.3f} ms x{len(v)}" for k, v in sorted(phases.items()) if v), flush=True)
 
 if __name__ == "__main__":
     main()

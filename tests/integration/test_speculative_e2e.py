@@ -101,6 +101,35 @@ def test_adaptive_policy_parity(make_llm, ckpt_a, random_draft, prompts, plain_o
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
 
 
+@pytest.mark.parametrize("config", ["contiguous", "paged-preempt"])
+def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts, config):
+    # shadow drafts only steer the policy: the output is plain decoding's, every shadow is
+    # checked against real tokens, and nothing is held once the requests are gone (the
+    # fixture's leak check covers the shadow state too)
+    from infer import LLM
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(str(ckpt_a), device="cpu", kv_cache_backend="contiguous", max_seq_len=256)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", **ENGINE_CONFIGS[config])
+    runner = llm.engine.runner
+    runner.shadow.interval = 2
+    seen, observe = [], runner.shadow.observe
+
+    def recording(rid, k, matched):
+        request = next(r for r in requests if r.request_id == rid)
+        seen.append(matched)
+        observe(rid, k, matched)
+        assert 0 <= matched <= k and request.num_tokens > 0
+
+    runner.shadow.observe = recording
+    requests = [llm.engine.add_request(p, params) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [r.output_token_ids for r in requests] == expected
+    assert seen, "no shadow draft was checked"
+    assert len(runner.shadow) == 0
+
+
 def test_several_outputs_per_step(make_llm, ckpt_a, prompts):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
     engine = llm.engine

@@ -210,17 +210,35 @@ def test_w1_runs_end_to_end_on_cpu(ckpt_a):
     assert params["engine"]["max_batch_size"] == 1
 
 
-def test_paired_run_alternates_with_its_baseline(ckpt_a):
-    # the adaptive-policy rows of the suites: each round times the baseline engine, then
-    # this one; the speedup is the median of the per-round ratios
+def test_paired_run_alternates_with_its_baseline(ckpt_a, monkeypatch):
+    # the adaptive-policy rows of the suites: each round times both engines, the baseline
+    # first in even rounds and second in odd ones; the speedup is the median of the
+    # per-round ratios, and the best-of ratio compares the two fastest runs
+    import infer.bench.engine_runner as er
+    order, timed = [], er.timed_run
+
+    def recording(engine, workload, specs):
+        order.append("spec" if engine.config.use_speculative_decoding else "base")
+        return timed(engine, workload, specs)
+
+    rates, rate = [], er.primary_rate  # called per round: this engine's, then the baseline's
+
+    def recording_rate(metrics, num_requests):
+        rates.append(rate(metrics, num_requests))
+        return rates[-1]
+
+    monkeypatch.setattr(er, "timed_run", recording)
+    monkeypatch.setattr(er, "primary_rate", recording_rate)
     wl = WORKLOADS["W1"].with_output_len(6)
     spec = {"model": str(ckpt_a), "use_speculative_decoding": True, "speculative_method": "ngram",
             "spec_policy": "adaptive"}
     params, m = run_engine(wl, spec, device="cpu", warmup_tokens=2, repeats=3, paired_with={"model": str(ckpt_a)})
+    assert order == ["base", "spec", "spec", "base", "base", "spec"]
     base_walls, walls = m["paired_baseline_wall_s_runs"], m["wall_s_runs"]
     assert len(base_walls) == len(walls) == 3 and params["paired_with"] == {"model": str(ckpt_a)}
     assert len(m["paired_ratios"]) == 3 and m["paired_speedup"] == sorted(m["paired_ratios"])[1]
     assert all(r > 0 for r in m["paired_ratios"]) and m["leaks"] == []
+    assert m["paired_best_speedup"] == pytest.approx(max(rates[0:6:2]) / max(rates[1:6:2]))
     run = BenchRun("t")
     run.add(Measurement("plain", "engine", metrics={"primary_rate": 100.0}))
     run.add(Measurement("adaptive", "engine", metrics={**m, "primary_rate": 50.0}, refs={"baseline": "plain"}))

@@ -30,7 +30,7 @@ from infer.models.loader import load_model
 Outcome = tuple[dict[str, Any], dict[str, Any]]  # (params, metrics)
 
 
-PAIRED_MIN_REPEATS = 5  # rounds of a paired measurement: a median of ratios needs a few
+PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 
 @dataclass
 class HarnessOptions:

@@ -35,6 +35,7 @@ from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
 from infer.spec.rejection import VerifyResult, unpack_rows, verify
+from infer.spec.shadow import ShadowDrafts
 from infer.tokenizer import Tokenizer
 from infer.transfer import to_device
 
@@ -60,8 +61,14 @@ class SpeculativeRunner(ContinuousRunner):
                 self.forward, self.cache_pool, self.draft.step_forward if self.draft else None,
                 self.draft.pool if self.draft else None, self.model.config.vocab_size, config.max_batch_size,
                 config.spec_length)
-        self.policy: SpecPolicy = (AdaptivePolicy(config.spec_length, self.cost_model)
-                                   if config.spec_policy == "adaptive" else FixedPolicy(config.spec_length))
+        self.shadow: ShadowDrafts | None = None
+        if config.spec_policy == "adaptive":
+            adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=self.proposer.shadow_drafts)
+            if self.proposer.shadow_drafts:
+                self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
+            self.policy: SpecPolicy = adaptive
+        else:
+            self.policy = FixedPolicy(config.spec_length)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -131,6 +138,8 @@ class SpeculativeRunner(ContinuousRunner):
 
     def release(self, request: Request) -> None:
         self.proposer.release(request)
+        if self.shadow is not None:
+            self.shadow.release(request.request_id)
         if request.is_finished:
             self.policy.release(request.request_id)
         super().release(request)
@@ -141,7 +150,8 @@ class SpeculativeRunner(ContinuousRunner):
         return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
-        return super().leak_report() + (self.draft.leak_report() if self.draft is not None else [])
+        return (super().leak_report() + (self.draft.leak_report() if self.draft is not None else [])
+                + (self.shadow.leak_report() if self.shadow is not None else []))
 
     # -- the speculative decode step --------------------------------------------------------------
     def _decode(self, requests: Sequence[Request]) -> StepResult:
@@ -153,8 +163,13 @@ class SpeculativeRunner(ContinuousRunner):
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
         longest, switch = 0, 0.0
+        shadow = self.shadow
+        if shadow is not None:
+            shadow.take(self.proposer, requests, ks)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
+            if shadow is not None:
+                shadow.check(requests)
             self._plain_steps += 1
             # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd sample)
             if self._plain_steps > 2 and self._plain_steps % PLAIN_SAMPLE_EVERY > 1:
@@ -170,6 +185,8 @@ class SpeculativeRunner(ContinuousRunner):
                 outputs = super()._decode(requests)
             else:
                 outputs = self._accept(requests, drafts, self._verify(requests, drafts))
+            if shadow is not None:
+                shadow.check(requests)
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
         # a draft catching up after plain steps is the cost of switching, recorded apart
         if switch:

@@ -42,6 +42,8 @@ DRAFT_MAX_FEED = 4  # widest first draft step (the runner captures CUDA graphs f
 
 
 class DraftModelProposer:
+    shadow_drafts = False  # each draft costs draft forwards, and sampled drafts are not one-hot
+
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol,
                  step_forward: ForwardFn | None = None, max_feed: int = DRAFT_MAX_FEED) -> None:
         if max_feed < 2:

@@ -65,6 +65,8 @@ class _Entry:
 class NgramProposer:
     """Proposer over per-request n-gram (or prompt lookup) tables; drafts have probs=None."""
 
+    shadow_drafts = True  # a lookup, deterministic: checkable against plain decoding for free
+
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
         self._entries: dict[str, _Entry] = {}

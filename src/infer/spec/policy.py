@@ -25,6 +25,11 @@ the request just does not ask again for a while, 2, 4, 8 ... up to `max_probe_in
 steps after consecutive misses, and asks every step again after a hit (repetitive text
 comes and goes: code edits match, then miss at the edit, then match again).
 
+With a proposer whose drafts are deterministic and free (n-gram), the runner also takes
+shadow drafts during plain steps and reports how much of each the following tokens matched
+(`observe_shadow`, spec/shadow.py): the estimate of a request at K = 0 then follows the
+text without probes, and `shadowed` turns off the restart from the prior after a probe.
+
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
 """
@@ -190,6 +195,17 @@ class SpecPolicy(Protocol):
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
+    def observe_shadow(self, request_id: str, num_draft: int, num_matched: int) -> None:
+        """A shadow draft (spec/shadow.py) matched `num_matched` of its `num_draft` tokens:
+        the same evidence as a round that accepted as many, at no verification cost. A
+        whole draft matched (by chance only with probability prod p(t_i)) says the text has
+        turned repetitive: a low estimate restarts from the prior, as after a probe without
+        shadows."""
+        est = self._lookup(request_id)
+        if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
+            est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
+        self.update(request_id, num_draft, num_matched)
+
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing for a request that was given k > 0 (n-gram: no match)."""
         ...
@@ -265,6 +281,9 @@ class AdaptivePolicy:
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
+    # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
+    # successful probe is then one more round of evidence, not a restart from the prior
+    shadowed: bool = False
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _steps: int = 0
     _table: dict[int, _CostTable] = field(default_factory=dict)
@@ -355,7 +374,7 @@ class AdaptivePolicy:
             return
         est = self._estimate(request_id)
         probing, est.probing = est.probing, False
-        if probing and num_accepted > 0:
+        if probing and num_accepted > 0 and not self.shadowed:
             # the text changed since speculation stopped paying: start over from the prior
             # (a fluke costs a few rounds; keeping the old evidence would take many probes)
             est.accepted, est.trials, est.probe_interval = self.prior_a * self.prior_weight, self.prior_weight, 4
@@ -367,6 +386,17 @@ class AdaptivePolicy:
         elif num_accepted > 0:
             est.probe_interval = 4
         est.miss_interval = 0  # the proposer had something: ask every step again
+
+    def observe_shadow(self, request_id: str, num_draft: int, num_matched: int) -> None:
+        """A shadow draft (spec/shadow.py) matched `num_matched` of its `num_draft` tokens:
+        the same evidence as a round that accepted as many, at no verification cost. A
+        whole draft matched (by chance only with probability prod p(t_i)) says the text has
+        turned repetitive: a low estimate restarts from the prior, as after a probe without
+        shadows."""
+        est = self._lookup(request_id)
+        if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
+            est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
+        self.update(request_id, num_draft, num_matched)
 
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking

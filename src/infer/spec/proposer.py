@@ -28,6 +28,10 @@ class Proposer(Protocol):
     # wall time the last propose() spent catching its state up on tokens of plain steps
     # (0.0 if none): the adaptive policy's cost of switching back to speculation
     catch_up_seconds: float
+    # drafts are deterministic (one-hot) and nearly free, so the adaptive policy may take
+    # them in shadow during plain steps and compare them with the tokens that follow
+    # (spec/shadow.py); a draft model's are neither
+    shadow_drafts: bool
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         """Up to ks[i] tokens continuing requests[i].all_token_ids."""

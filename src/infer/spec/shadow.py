@@ -1,0 +1,137 @@
+"""Shadow drafts: acceptance evidence for free while a request decodes plainly.
+
+A request the adaptive policy keeps at K = 0 only learns that speculation would pay again
+through probes, real speculative rounds that cost verification and are spaced out to stay
+within a budget. On text whose repetitiveness comes and goes (a code edit: long copies
+broken by new lines) a probe comes too late. A proposer whose drafts are deterministic
+and nearly free (n-gram tables: a lookup, c = 0) allows something better: ask it for a
+draft every few plain steps, verify nothing, and compare the draft with the tokens plain
+decoding then produces.
+
+Such a comparison is an unbiased sample of what verification would have accepted. For a
+one-hot draft token t, `rejection.verify` accepts t with probability p(t), the target's
+probability of t after the request's sampling transforms, and plain decoding emits t with
+the same probability p(t). Greedy decoding accepts t exactly when it emits t. Later
+positions follow by conditioning on the earlier ones. So "the first j tokens matched"
+has the same distribution as "j tokens accepted". The policy takes it as a round of j
+accepted out of k drafted.
+
+Only scheduling reads the result; the output is plain decoding's, bit for bit.
+
+Cost: one proposer call per shadow (its table catch-up would happen at the next real round
+anyway) plus a list comparison as tokens arrive. A request's shadows come every `interval`
+steps. The interval doubles up to `max_interval` while shadows match nothing and returns to
+`interval` after one matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.engine.request import Request
+    from infer.spec.proposer import Proposer
+
+# (request_id, drafted, matched): the policy's update for a round of `drafted` tokens
+Observe = Callable[[str, int, int], None]
+
+
+def matched_prefix(draft: Sequence[int], actual: Sequence[int]) -> tuple[int, bool]:
+    """(tokens of `draft` matched by `actual` before the first difference, resolved).
+
+    Resolved: a difference was seen, or `actual` covers the whole draft; otherwise more
+    tokens are needed to tell."""
+    for j, (d, a) in enumerate(zip(draft, actual)):
+        if d != a:
+            return j, True
+    n = min(len(draft), len(actual))
+    return n, n == len(draft)
+
+
+@dataclass(slots=True)
+class _Pending:
+    start: int  # the request's token count when the draft was taken (the draft continues it)
+    tokens: list[int]
+
+
+@dataclass(slots=True)
+class _Schedule:
+    due: int  # step at which the next shadow may be taken
+    interval: int
+
+
+@dataclass
+class ShadowDrafts:
+    """Takes and checks shadow drafts for requests decoding plainly (see the module docstring)."""
+
+    k: int  # tokens per shadow draft (the speculation length)
+    observe: Observe
+    interval: int = 8
+    max_interval: int = 64
+    _step: int = 0
+    _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)
+    _pending: dict[str, _Pending] = field(default_factory=dict)
+    _schedule: dict[str, _Schedule] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"shadow drafts need k >= 1, got {self.k}")
+        if not 1 <= self.interval <= self.max_interval:
+            raise ValueError(f"need 1 <= interval <= max_interval, got {self.interval} and {self.max_interval}")
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int]) -> None:
+        """Before a decode step: draft in shadow for the requests given k = 0 whose turn it is."""
+        self._step += 1
+        if self._step < self._next_due:
+            return
+        chosen = []
+        for r, k in zip(requests, ks, strict=True):
+            if k or r.request_id in self._pending:
+                continue
+            s = self._schedule.get(r.request_id)
+            if s is None:
+                s = self._schedule[r.request_id] = _Schedule(self._step + self.interval, self.interval)
+            elif self._step >= s.due:
+                chosen.append(r)
+        if chosen:
+            drafts = proposer.propose(chosen, [self.k] * len(chosen))
+            for r, d in zip(chosen, drafts, strict=True):
+                if d.token_ids:
+                    self._pending[r.request_id] = _Pending(r.num_tokens, list(d.token_ids))
+                else:  # nothing to compare: try again after the interval
+                    self._schedule[r.request_id].due = self._step + self._schedule[r.request_id].interval
+        self._next_due = min((s.due for rid, s in self._schedule.items() if rid not in self._pending),
+                             default=self._step + self.interval)
+
+    def check(self, requests: Sequence[Request]) -> None:
+        """After a decode step: compare pending drafts with the tokens the requests now hold."""
+        if not self._pending:
+            return
+        for r in requests:
+            p = self._pending.get(r.request_id)
+            if p is None:
+                continue
+            matched, resolved = matched_prefix(p.tokens, r.token_slice(p.start, p.start + len(p.tokens)))
+            if not resolved:
+                continue
+            del self._pending[r.request_id]
+            s = self._schedule[r.request_id]
+            s.interval = self.interval if matched else min(2 * s.interval, self.max_interval)
+            s.due = self._step + s.interval
+            self._next_due = min(self._next_due, s.due)
+            self.observe(r.request_id, len(p.tokens), matched)
+
+    def leak_report(self) -> list[str]:
+        """What is still held: pending drafts and schedules (of requests that never left)."""
+        return ([f"shadow drafts pending for {sorted(self._pending)}"] if self._pending else []) + (
+            [f"shadow schedules kept for {sorted(self._schedule)}"] if self._schedule else [])
+
+    def release(self, request_id: str) -> None:
+        """The request left the batch: forget its pending draft and schedule."""
+        self._pending.pop(request_id, None)
+        self._schedule.pop(request_id, None)

@@ -1,0 +1,168 @@
+"""Shadow drafts (spec/shadow.py): taken for requests at K = 0 on schedule, checked against
+the tokens that follow, reported to the policy as rounds; the policy's use of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer import SamplingParams
+from infer.engine.request import Request
+from infer.spec.policy import AdaptivePolicy, CostModel
+from infer.spec.proposer import Draft
+from infer.spec.shadow import ShadowDrafts, matched_prefix
+
+
+@pytest.mark.parametrize("draft, actual, expected", [
+    ([1, 2, 3], [1, 2, 3], (3, True)),  # the whole draft came true
+    ([1, 2, 3], [1, 2, 3, 4], (3, True)),
+    ([1, 2, 3], [1, 9], (1, True)),  # a difference decides it
+    ([1, 2, 3], [9], (0, True)),
+    ([1, 2, 3], [1, 2], (2, False)),  # too few tokens yet
+    ([1, 2, 3], [], (0, False)),
+])
+def test_matched_prefix(draft, actual, expected):
+    assert matched_prefix(draft, actual) == expected
+
+
+class ScriptedProposer:
+    """Proposes the next tokens of a script (what the request will really emit), with
+    `wrong` substituted at a chosen draft position; records who was asked."""
+
+    shadow_drafts = True
+    catch_up_seconds = 0.0
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.asked, self.wrong_at = script, [], None
+
+    def propose(self, requests, ks):
+        out = []
+        for r, k in zip(requests, ks):
+            self.asked.append((r.request_id, r.num_tokens))
+            tokens = self.script[r.num_tokens:r.num_tokens + k]
+            if self.wrong_at is not None and self.wrong_at < len(tokens):
+                tokens[self.wrong_at] = -1
+            out.append(Draft(tokens, None))
+        return out
+
+
+def _request(rid: str, script: list[int], prompt_len: int) -> Request:
+    return Request(rid, script[:prompt_len], SamplingParams(max_tokens=100))
+
+
+def _emit(request: Request, script: list[int]) -> None:
+    request.output_token_ids.append(script[request.num_tokens])
+
+
+def test_shadow_schedule_check_and_backoff():
+    script = list(range(100, 300))
+    seen = []
+    shadow = ShadowDrafts(k=3, observe=lambda rid, k, m: seen.append((rid, k, m)), interval=2, max_interval=8)
+    proposer = ScriptedProposer(script)
+    r = _request("a", script, 10)
+
+    def step(k=0):
+        shadow.take(proposer, [r], [k])
+        _emit(r, script)
+        shadow.check([r])
+
+    step()  # first sight: scheduled `interval` steps ahead, nothing drafted yet
+    assert proposer.asked == [] and len(shadow) == 0
+    step()
+    step()  # due: a draft of 3 is taken before the step; one of its tokens is out now
+    assert proposer.asked == [("a", 12)] and len(shadow) == 1 and seen == []
+    step()
+    step()  # no new draft while one is pending; the third token resolves it
+    assert proposer.asked == [("a", 12)] and seen == [("a", 3, 3)] and len(shadow) == 0
+    proposer.wrong_at = 0
+    step()
+    step()  # due again after `interval` steps: this draft misses at once
+    assert seen[-1] == ("a", 3, 0) and proposer.asked[-1] == ("a", 16)
+    for _ in range(3):
+        step()
+    assert proposer.asked[-1] == ("a", 16)  # a miss doubled the interval to 4
+    step()
+    assert proposer.asked[-1] == ("a", 20) and seen[-1] == ("a", 3, 0)
+    proposer.wrong_at = 2
+    for _ in range(8):
+        step()  # doubled to 8: nothing before step 20 + 8
+    assert proposer.asked[-1] == ("a", 28)
+    step()
+    step()  # the third token differs: 2 of 3 matched, which brings the interval back to 2
+    assert seen[-1] == ("a", 3, 2)
+    step()
+    assert proposer.asked[-1] == ("a", 28)
+    step()
+    assert proposer.asked[-1] == ("a", 32)
+    shadow.release("a")
+    assert shadow.leak_report() == []
+
+
+def test_shadow_skips_speculating_requests_and_releases():
+    script = list(range(100, 300))
+    seen = []
+    shadow = ShadowDrafts(k=2, observe=lambda rid, k, m: seen.append((rid, k, m)), interval=1)
+    proposer = ScriptedProposer(script)
+    a, b = _request("a", script, 5), _request("b", script, 7)
+    shadow.take(proposer, [a, b], [0, 3])
+    shadow.take(proposer, [a, b], [0, 3])  # b speculates this step: no shadow for it
+    assert proposer.asked == [("a", 5)]
+    shadow.take(proposer, [a, b], [0, 0])  # b's first plain step schedules it
+    assert proposer.asked == [("a", 5)]
+    shadow.take(proposer, [a, b], [0, 0])
+    assert proposer.asked == [("a", 5), ("b", 7)]
+    assert shadow.leak_report() != []
+    shadow.release("a")
+    shadow.release("b")
+    assert shadow.leak_report() == [] and seen == []
+
+
+def test_empty_shadow_draft_waits_an_interval():
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=3)
+    proposer = ScriptedProposer([])  # proposes nothing
+    r = _request("a", list(range(10)), 10)
+    for _ in range(4):
+        shadow.take(proposer, [r], [0])
+    assert len(proposer.asked) == 1 and len(shadow) == 0
+    for _ in range(3):
+        shadow.take(proposer, [r], [0])
+    assert len(proposer.asked) == 2
+
+
+def test_shadow_config_validation():
+    with pytest.raises(ValueError, match="k >= 1"):
+        ShadowDrafts(k=0, observe=lambda *a: None)
+    with pytest.raises(ValueError, match="interval"):
+        ShadowDrafts(k=2, observe=lambda *a: None, interval=9, max_interval=8)
+
+
+def _policy(shadowed: bool) -> AdaptivePolicy:
+    return AdaptivePolicy(5, CostModel(5), shadowed=shadowed)
+
+
+def test_full_shadow_match_restarts_a_low_estimate_from_the_prior():
+    p = _policy(True)
+    for _ in range(20):
+        p.update("a", 5, 0)
+    low = p.acceptance("a")
+    assert low < 0.1
+    p.observe_shadow("a", 5, 4)  # a partial match is one more round of evidence
+    q = _policy(True)
+    for _ in range(20):
+        q.update("a", 5, 0)
+    q.update("a", 5, 4)
+    assert p.acceptance("a") == pytest.approx(q.acceptance("a"))
+    assert p.acceptance("a") < p.prior_a
+    p.observe_shadow("a", 5, 5)  # the whole draft came true: restart from the prior, then count it
+    expected = (p.prior_a * p.prior_weight * p.decay + 5) / (p.prior_weight * p.decay + 5)
+    assert p.acceptance("a") == pytest.approx(expected)
+
+
+def test_shadowed_policy_does_not_restart_after_a_probe():
+    for shadowed in (False, True):
+        p = _policy(shadowed)
+        for _ in range(20):
+            p.update("a", 5, 0)
+        p._est["a"].probing = True
+        p.update("a", 1, 1)  # a successful probe
+        restarted = p.acceptance("a") > 0.5
+        assert restarted is (not shadowed)

@@ -33,14 +33,16 @@ class ScriptedProposer:
 
     def __init__(self, script: list[int]) -> None:
         self.script, self.asked, self.wrong_at = script, [], None
+        self.plan: list[int | None] = []  # wrong_at of the next drafts, used up in order
 
     def propose(self, requests, ks):
         out = []
         for r, k in zip(requests, ks):
             self.asked.append((r.request_id, r.num_tokens))
             tokens = self.script[r.num_tokens:r.num_tokens + k]
-            if self.wrong_at is not None and self.wrong_at < len(tokens):
-                tokens[self.wrong_at] = -1
+            wrong_at = self.plan.pop(0) if self.plan else self.wrong_at
+            if wrong_at is not None and wrong_at < len(tokens):
+                tokens[wrong_at] = -1
             out.append(Draft(tokens, None))
         return out
 
@@ -54,9 +56,9 @@ def _emit(request: Request, script: list[int]) -> None:
 
 
 def test_shadow_schedule_check_and_backoff():
-    script = list(range(100, 300))
+    script = list(range(100, 400))
     seen = []
-    shadow = ShadowDrafts(k=3, observe=lambda rid, k, m: seen.append((rid, k, m)), interval=2, max_interval=8)
+    shadow = ShadowDrafts(k=3, observe=lambda rid, k, m: seen.append((rid, k, m)), interval=2, max_interval=16)
     proposer = ScriptedProposer(script)
     r = _request("a", script, 10)
 
@@ -73,26 +75,22 @@ def test_shadow_schedule_check_and_backoff():
     step()
     step()  # no new draft while one is pending; the third token resolves it
     assert proposer.asked == [("a", 12)] and seen == [("a", 3, 3)] and len(shadow) == 0
-    proposer.wrong_at = 0
-    step()
-    step()  # due again after `interval` steps: this draft misses at once
-    assert seen[-1] == ("a", 3, 0) and proposer.asked[-1] == ("a", 16)
-    for _ in range(3):
+
+    # the interval (steps from a draft's resolution to the next draft) doubles while drafts
+    # match fewer than 2 tokens (1 is what sampling matches by chance), up to max_interval,
+    # and returns to `interval` after 2 or more matched
+    proposer.plan = [0, 0, 1, 0, None, 1, 2]
+    events = []  # (step, "ask" | matched)
+    for i in range(80):
+        asked, resolved = len(proposer.asked), len(seen)
         step()
-    assert proposer.asked[-1] == ("a", 16)  # a miss doubled the interval to 4
-    step()
-    assert proposer.asked[-1] == ("a", 20) and seen[-1] == ("a", 3, 0)
-    proposer.wrong_at = 2
-    for _ in range(8):
-        step()  # doubled to 8: nothing before step 20 + 8
-    assert proposer.asked[-1] == ("a", 28)
-    step()
-    step()  # the third token differs: 2 of 3 matched, which brings the interval back to 2
-    assert seen[-1] == ("a", 3, 2)
-    step()
-    assert proposer.asked[-1] == ("a", 28)
-    step()
-    assert proposer.asked[-1] == ("a", 32)
+        if len(proposer.asked) > asked:
+            events.append((i, "ask"))
+        if len(seen) > resolved:
+            events.append((i, seen[-1][2]))
+    gaps = [(matched, nxt - at) for (at, matched), (nxt, kind) in zip(events, events[1:])
+            if matched != "ask" and kind == "ask"]
+    assert gaps[:7] == [(0, 4), (0, 8), (1, 16), (0, 16), (3, 2), (1, 4), (2, 2)]
     shadow.release("a")
     assert shadow.leak_report() == []
 
@@ -166,3 +164,16 @@ def test_shadowed_policy_does_not_restart_after_a_probe():
         p.update("a", 1, 1)  # a successful probe
         restarted = p.acceptance("a") > 0.5
         assert restarted is (not shadowed)
+
+
+def test_shadow_evidence_leaves_the_miss_backoff():
+    # a miss backoff is about what the proposer has when really asked; a shadow that had a
+    # draft must not make the request ask every step again (update() after a real round does)
+    p = _policy(True)
+    p.no_proposal("a")
+    p.no_proposal("a")
+    backoff = (p._est["a"].miss_until, p._est["a"].miss_interval)
+    p.observe_shadow("a", 5, 3)
+    assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (4, 4)
+    p.update("a", 5, 3)
+    assert p._est["a"].miss_interval == 0

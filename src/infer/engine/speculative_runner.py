@@ -183,8 +183,12 @@ class SpeculativeRunner(ContinuousRunner):
                     self.policy.no_proposal(r.request_id)
             if longest == 0:  # no proposals at all (n-gram found no match): a plain step
                 outputs = super()._decode(requests)
-            else:
-                outputs = self._accept(requests, drafts, self._verify(requests, drafts))
+                if shadow is not None:
+                    shadow.check(requests)
+                # with the lookups' cost in it, this step would bias the plain baseline up
+                # (and speculation with it): not a measurement of either kind
+                return outputs
+            outputs = self._accept(requests, drafts, self._verify(requests, drafts))
             if shadow is not None:
                 shadow.check(requests)
         # the step ended in a host sync (tokens are on the host), so this is its real cost;

@@ -195,17 +195,6 @@ class SpecPolicy(Protocol):
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
-    def observe_shadow(self, request_id: str, num_draft: int, num_matched: int) -> None:
-        """A shadow draft (spec/shadow.py) matched `num_matched` of its `num_draft` tokens:
-        the same evidence as a round that accepted as many, at no verification cost. A
-        whole draft matched (by chance only with probability prod p(t_i)) says the text has
-        turned repetitive: a low estimate restarts from the prior, as after a probe without
-        shadows."""
-        est = self._lookup(request_id)
-        if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
-            est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
-        self.update(request_id, num_draft, num_matched)
-
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing for a request that was given k > 0 (n-gram: no match)."""
         ...
@@ -378,9 +367,7 @@ class AdaptivePolicy:
             # the text changed since speculation stopped paying: start over from the prior
             # (a fluke costs a few rounds; keeping the old evidence would take many probes)
             est.accepted, est.trials, est.probe_interval = self.prior_a * self.prior_weight, self.prior_weight, 4
-        rejected = 1 if num_accepted < num_draft else 0
-        est.accepted = est.accepted * self.decay + num_accepted
-        est.trials = est.trials * self.decay + num_accepted + rejected
+        self._count(est, num_draft, num_accepted)
         if probing and num_accepted == 0:  # a failed probe: wait longer next time
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         elif num_accepted > 0:
@@ -393,10 +380,15 @@ class AdaptivePolicy:
         whole draft matched (by chance only with probability prod p(t_i)) says the text has
         turned repetitive: a low estimate restarts from the prior, as after a probe without
         shadows."""
-        est = self._lookup(request_id)
+        est = self._estimate(request_id)
         if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
             est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
-        self.update(request_id, num_draft, num_matched)
+        self._count(est, num_draft, num_matched)  # (the miss backoff is about real asks: it stays)
+
+    def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
+        """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""
+        est.accepted = est.accepted * self.decay + num_accepted
+        est.trials = est.trials * self.decay + num_accepted + (1 if num_accepted < num_draft else 0)
 
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking

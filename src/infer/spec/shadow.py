@@ -20,8 +20,9 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
 anyway) plus a list comparison as tokens arrive. A request's shadows come every `interval`
-steps. The interval doubles up to `max_interval` while shadows match nothing and returns to
-`interval` after one matches.
+steps. The interval doubles up to `max_interval` while shadows match fewer than two tokens
+(one token is what a sampled request matches by chance) and returns to `interval` after
+one matches more.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class ShadowDrafts:
                 continue
             del self._pending[r.request_id]
             s = self._schedule[r.request_id]
-            s.interval = self.interval if matched else min(2 * s.interval, self.max_interval)
+            s.interval = self.interval if matched >= 2 else min(2 * s.interval, self.max_interval)
             s.due = self._step + s.interval
             self._next_due = min(self._next_due, s.due)
             self.observe(r.request_id, len(p.tokens), matched)

@@ -1,8 +1,8 @@
 """Same-process A/B on the demo target: the plain ContinuousRunner against the
 SpeculativeRunner that never speculates (K0: the runner's own cost), the adaptive policy
 (n-gram with and without shadow drafts, draft model) and fixed K=5 n-gram, on the bench's
-W1 and W5 prompts. Each round runs every engine once, starting at a different engine, so
-machine drift hits all alike; "paired" is the median of per-round ratios to plain, "best"
+W1 and W5 prompts. Each round runs every engine once, starting at a different engine and
+in reverse order every other round, so machine drift hits all alike; "paired" is the median of per-round ratios to plain, "best"
 the ratio of the fastest runs.
 
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
@@ -131,7 +131,10 @@ def main() -> None:
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             for i in range(args.rounds):
-                for name in names[i % len(names):] + names[:i % len(names)]:
+                # rotated, and reversed every other round: no variant always follows the same one
+                # (the engine run right after another was seen to pay for it, up to 5 %)
+                rotated = names[i % len(names):] + names[:i % len(names)]
+                for name in rotated if i % 2 == 0 else rotated[::-1]:
                     times[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
             ref, best_ref = statistics.median(times["plain"]), min(times["plain"])
             for name, ts in times.items():

@@ -6,7 +6,7 @@ in reverse order every other round, so machine drift hits all alike; "paired" is
 the ratio of the fastest runs.
 
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
-        [--workload W1 W5] [--phases]
+        [--workload W1 W5] [--variants ...] [--phases]
 """
 
 from __future__ import annotations
@@ -96,20 +96,25 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
     return (time.perf_counter() - start) / (tokens - 1) * 1e3
 
 
-def build_engines() -> dict[str, Engine]:
+VARIANTS = ("plain", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow", "draft-K0",
+            "draft-adaptive")
+
+
+def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
-    engines = {"plain": Engine(EngineConfig(**base)), "ngram-K0": Engine(EngineConfig(**ngram)),
-               "ngram-k5": Engine(EngineConfig(**ngram)),
-               "ngram-adaptive": Engine(EngineConfig(**ngram, spec_policy="adaptive")),
-               "ngram-adaptive-noshadow": Engine(EngineConfig(**ngram, spec_policy="adaptive")),
-               "draft-K0": Engine(EngineConfig(**draft)),
-               "draft-adaptive": Engine(EngineConfig(**draft, spec_policy="adaptive"))}
+    configs = {"plain": base, "ngram-K0": ngram, "ngram-k5": ngram,
+               "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
+               "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
+               "draft-K0": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
+    engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     for name in ("ngram-K0", "draft-K0"):
-        engines[name].runner.policy = NeverSpeculate()
-    noshadow = engines["ngram-adaptive-noshadow"].runner
-    noshadow.shadow, noshadow.policy.shadowed = None, False
+        if name in engines:
+            engines[name].runner.policy = NeverSpeculate()
+    if "ngram-adaptive-noshadow" in engines:
+        noshadow = engines["ngram-adaptive-noshadow"].runner
+        noshadow.shadow, noshadow.policy.shadowed = None, False
     return engines
 
 
@@ -119,9 +124,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
+                    help="engines to compare (plain is always there)")
     ap.add_argument("--phases", action="store_true", help="also time the phases of adaptive steps (extra runs)")
     args = ap.parse_args()
-    engines = build_engines()
+    engines = build_engines(tuple(args.variants))
     names = list(engines)
     plain = engines["plain"]
     for w in args.workload:

@@ -55,20 +55,18 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
+        self.shadow: ShadowDrafts | None = None
+        self.policy: SpecPolicy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
             from infer.engine.calibration import measure_costs
             self.cost_model = measure_costs(
                 self.forward, self.cache_pool, self.draft.step_forward if self.draft else None,
                 self.draft.pool if self.draft else None, self.model.config.vocab_size, config.max_batch_size,
                 config.spec_length)
-        self.shadow: ShadowDrafts | None = None
-        if config.spec_policy == "adaptive":
-            adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=self.proposer.shadow_drafts)
-            if self.proposer.shadow_drafts:
+            shadowed = self.proposer.shadow_drafts
+            self.policy = adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=shadowed)
+            if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
-            self.policy: SpecPolicy = adaptive
-        else:
-            self.policy = FixedPolicy(config.spec_length)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -168,12 +166,9 @@ class SpeculativeRunner(ContinuousRunner):
             shadow.take(self.proposer, requests, ks)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
-            if shadow is not None:
-                shadow.check(requests)
             self._plain_steps += 1
             # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd sample)
-            if self._plain_steps > 2 and self._plain_steps % PLAIN_SAMPLE_EVERY > 1:
-                return outputs
+            timed = self._plain_steps <= 2 or self._plain_steps % PLAIN_SAMPLE_EVERY <= 1
         else:
             drafts = self.proposer.propose(requests, ks)
             switch = self.proposer.catch_up_seconds
@@ -181,21 +176,19 @@ class SpeculativeRunner(ContinuousRunner):
             for r, k, d in zip(requests, ks, drafts, strict=True):
                 if k and not d.token_ids:
                     self.policy.no_proposal(r.request_id)
-            if longest == 0:  # no proposals at all (n-gram found no match): a plain step
-                outputs = super()._decode(requests)
-                if shadow is not None:
-                    shadow.check(requests)
-                # with the lookups' cost in it, this step would bias the plain baseline up
-                # (and speculation with it): not a measurement of either kind
-                return outputs
-            outputs = self._accept(requests, drafts, self._verify(requests, drafts))
-            if shadow is not None:
-                shadow.check(requests)
-        # the step ended in a host sync (tokens are on the host), so this is its real cost;
-        # a draft catching up after plain steps is the cost of switching, recorded apart
-        if switch:
-            self.cost_model.observe_switch(len(requests), switch)
-        self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
+            # no proposals at all (n-gram found no match): a plain step, but not timed as one:
+            # with the lookups' cost in it, it would bias the plain baseline (and speculation) up
+            timed = longest > 0
+            outputs = (self._accept(requests, drafts, self._verify(requests, drafts)) if timed
+                       else super()._decode(requests))
+        if shadow is not None:
+            shadow.check(requests)
+        if timed:
+            # the step ended in a host sync (tokens are on the host), so this is its real cost;
+            # a draft catching up after plain steps is the cost of switching, recorded apart
+            if switch:
+                self.cost_model.observe_switch(len(requests), switch)
+            self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
         return outputs
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:

@@ -304,9 +304,7 @@ class AdaptivePolicy:
         ks = []
         next_due = table.step + self.recompute_every
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
-            est = self._est.get(r.request_id)
-            if est is None:
-                est = self._est[r.request_id] = self._prior()
+            est = self._lookup(r.request_id)
             if est.table is not table:
                 est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
                 est.table = table
@@ -366,7 +364,8 @@ class AdaptivePolicy:
         if probing and num_accepted > 0 and not self.shadowed:
             # the text changed since speculation stopped paying: start over from the prior
             # (a fluke costs a few rounds; keeping the old evidence would take many probes)
-            est.accepted, est.trials, est.probe_interval = self.prior_a * self.prior_weight, self.prior_weight, 4
+            self._restart(est)
+            est.probe_interval = 4
         self._count(est, num_draft, num_accepted)
         if probing and num_accepted == 0:  # a failed probe: wait longer next time
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
@@ -382,8 +381,12 @@ class AdaptivePolicy:
         shadows."""
         est = self._estimate(request_id)
         if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
-            est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
+            self._restart(est)
         self._count(est, num_draft, num_matched)  # (the miss backoff is about real asks: it stays)
+
+    def _restart(self, est: _Estimate) -> None:
+        """Drop the evidence: back to the prior acceptance at the prior's weight."""
+        est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
 
     def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
         """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""

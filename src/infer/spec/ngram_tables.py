@@ -79,39 +79,17 @@ class _Window:
         return self._tokens[self.start - self._base :]
 
 
-class _Continuations:
-    """Next-token counts of one context, with a cached best continuation."""
+# A continuation's count and newest position packed in one int: count * _ONE + position.
+# Ordering the packed values orders by count, then recency (the rule `predict` breaks ties
+# by), and tables made of ints and tuples of ints give the garbage collector nothing to
+# scan: a table follows every token its request holds, so it must stay cheap.
+_POS_BITS = 40
+_ONE = 1 << _POS_BITS
+_POS_MASK = _ONE - 1
 
-    __slots__ = ("entries", "best")
-
-    def __init__(self, token: int, pos: int) -> None:
-        self.entries: dict[int, list[int]] = {token: [1, pos]}  # token -> [count, newest position]
-        self.best: int | None = token  # None = stale, recomputed by `top`
-
-    def add(self, token: int, pos: int) -> None:
-        entry = self.entries.get(token)
-        if entry is None:
-            entry = self.entries[token] = [0, pos]
-        entry[0] += 1
-        entry[1] = pos
-        best = self.best
-        # the newest entry wins ties, so it becomes best once its count reaches the best's
-        if best is not None and entry[0] >= self.entries[best][0]:
-            self.best = token
-
-    def remove_oldest(self, token: int) -> None:
-        """Drop the oldest occurrence of token (so its newest position stays right)."""
-        entry = self.entries[token]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self.entries[token]
-        if self.best == token:
-            self.best = None
-
-    def top(self) -> int:
-        if self.best is None:
-            self.best = max(self.entries.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
-        return self.best
+# one level: context -> {next token: packed count and position}, and context -> best next
+# token (absent when stale: its best lost an occurrence)
+_Level = tuple[int, dict[tuple[int, ...], dict[int, int]], dict[tuple[int, ...], int]]
 
 
 class NgramTable:
@@ -122,10 +100,9 @@ class NgramTable:
         self.max_order, self.min_order = max_order, min_order
         self._max_ctx = max_order - 1
         self._win = _Window(window)
-        # (context length c, table: c-token context -> its continuations), longest first
-        self._levels: list[tuple[int, dict[tuple[int, ...], _Continuations]]] = [
-            (c, {}) for c in range(max_order - 1, min_order - 2, -1)
-        ]
+        # (context length c, its table, its best continuations), longest context first
+        self._levels: list[_Level] = [(c, {}, {}) for c in range(max_order - 1, min_order - 2, -1)]
+        self._tail: tuple[int, ...] = ()  # the last (up to) max_order - 1 tokens
 
     @property
     def history(self) -> list[int]:
@@ -134,45 +111,66 @@ class NgramTable:
 
     def extend(self, tokens: Iterable[int]) -> None:
         """Add tokens the request really has (never drafts) and evict what leaves the window."""
-        win, levels = self._win, self._levels
+        win, levels, max_ctx = self._win, self._levels, self._max_ctx
+        tail, size, pos = self._tail, win.size, win.end
         for token in tokens:
-            pos = win.end
-            recent = win.slice(max(win.start, pos - self._max_ctx), pos)  # context before token
+            r = len(tail)  # the context before `token`: always inside the window (max_ctx < size)
+            for c, table, best in levels:
+                if c > r:
+                    continue
+                ctx = tail[r - c:]
+                conts = table.get(ctx)
+                if conts is None:
+                    table[ctx] = {token: _ONE + pos}
+                    best[ctx] = token
+                    continue
+                packed = (conts.get(token, 0) & ~_POS_MASK) + _ONE + pos
+                conts[token] = packed
+                top = best.get(ctx)
+                # the newest occurrence wins ties: it becomes best once its count reaches the best's
+                if top is not None and packed > conts[top]:
+                    best[ctx] = token
             win.append(token)
-            r = len(recent)
-            for c, table in levels:
-                if c <= r:
-                    ctx = tuple(recent[r - c :])
-                    conts = table.get(ctx)
-                    if conts is None:
-                        table[ctx] = _Continuations(token, pos)
-                    else:
-                        conts.add(token, pos)
-            if len(win) > win.size:
+            pos += 1
+            tail = (tail + (token,))[-max_ctx:]
+            if pos - win.start > size:
                 self._evict_oldest()
+        self._tail = tail
 
     def _evict_oldest(self) -> None:
-        """Remove the n-grams that start at the oldest window position, then drop it."""
+        """Remove the n-grams that start at the oldest window position, then drop it (its
+        continuation keeps its newest position: only the oldest occurrence goes)."""
         win = self._win
         q = win.start
-        oldest = win.slice(q, min(q + self._max_ctx + 1, win.end))
-        for c, table in self._levels:
-            if c < len(oldest):
-                ctx = tuple(oldest[:c])
-                conts = table[ctx]
-                conts.remove_oldest(oldest[c])
-                if not conts.entries:
-                    del table[ctx]
+        oldest = tuple(win.slice(q, q + self._max_ctx + 1))  # the window holds more than max_ctx + 1
+        for c, table, best in self._levels:
+            ctx, token = oldest[:c], oldest[c]
+            conts = table[ctx]
+            packed = conts[token] - _ONE
+            if packed >= _ONE:
+                conts[token] = packed
+            elif len(conts) > 1:
+                del conts[token]
+            else:
+                del table[ctx]
+                best.pop(ctx, None)
+                continue
+            if best.get(ctx) == token:
+                del best[ctx]
         win.drop_oldest()
 
     def predict(self, context: Sequence[int]) -> int | None:
         """Most frequent continuation of the longest known suffix of `context`, or None."""
         n = len(context)
-        for c, table in self._levels:
+        for c, table, best in self._levels:
             if n >= c:
-                conts = table.get(tuple(context[n - c :]))
+                ctx = tuple(context[n - c:])
+                conts = table.get(ctx)
                 if conts is not None:
-                    return conts.top()
+                    top = best.get(ctx)
+                    if top is None:
+                        top = best[ctx] = max(conts, key=conts.__getitem__)
+                    return top
         return None
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
@@ -189,19 +187,19 @@ class NgramTable:
 
     def continuations(self, context: Sequence[int]) -> dict[int, int]:
         """Next-token counts for exactly this context (empty if unseen or of unused length)."""
-        for c, table in self._levels:
+        for c, table, _ in self._levels:
             conts = table.get(tuple(context)) if c == len(context) else None
             if conts is not None:
-                return {tok: entry[0] for tok, entry in conts.entries.items()}
+                return {tok: packed >> _POS_BITS for tok, packed in conts.items()}
         return {}
 
     def counts(self) -> dict[tuple[int, ...], int]:
         """Every counted n-gram (context + next token) with its count, over all orders."""
         return {
-            ctx + (tok,): entry[0]
-            for _, table in self._levels
+            ctx + (tok,): packed >> _POS_BITS
+            for _, table, _ in self._levels
             for ctx, conts in table.items()
-            for tok, entry in conts.entries.items()
+            for tok, packed in conts.items()
         }
 
 

@@ -1,6 +1,7 @@
 """Same-process A/B on the demo target: the plain ContinuousRunner against the
 SpeculativeRunner that never speculates (K0: the runner's own cost), the adaptive policy
-(n-gram with and without shadow drafts, draft model) and fixed K=5 n-gram, on the bench's
+(n-gram with and without shadow drafts, draft model), fixed K=5 n-gram, and plain decoding
+with the sampling done eagerly after the decode graph (as before it was captured), on the bench's
 W1 and W5 prompts. Each round runs every engine once, starting at a different engine and
 in reverse order every other round, so machine drift hits all alike; "paired" is the median of per-round ratios to plain, "best"
 the ratio of the fastest runs.
@@ -63,6 +64,7 @@ def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], Non
         undo.append((obj, attr))
 
     timed(runner.policy, "choose", "choose")
+    timed(runner.policy, "no_proposal", "miss")
     timed(runner.proposer, "propose", "propose")
     timed(runner, "_verify", "verify")
     timed(runner, "_accept", "accept")
@@ -96,15 +98,33 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
     return (time.perf_counter() - start) / (tokens - 1) * 1e3
 
 
-VARIANTS = ("plain", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow", "draft-K0",
-            "draft-adaptive")
+VARIANTS = ("plain", "plain-eager-sampling", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
+            "draft-K0", "draft-adaptive")
+
+
+def eager_sampling(engine: Engine) -> None:
+    """Plain decode steps sample eagerly after the forward (as before sampling was captured in
+    the decode step's graph): the logits, then `logits_to_probs` and `sample_from_probs`."""
+    runner = engine.runner
+
+    def decode(requests):  # noqa: ANN001, ANN202
+        from infer.cache.view import BatchLayout
+        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
+                                [1] * len(requests))
+        logits = runner.forward(torch.tensor([[r.last_token_id] for r in requests]), layout, all_logits=False)
+        for r in requests:
+            r.num_computed_tokens += 1
+        tokens = runner.sample(requests, logits)
+        return [(r, runner.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
+
+    runner._decode = decode
 
 
 def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
-    configs = {"plain": base, "ngram-K0": ngram, "ngram-k5": ngram,
+    configs = {"plain": base, "plain-eager-sampling": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
                "draft-K0": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
@@ -112,6 +132,8 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     for name in ("ngram-K0", "draft-K0"):
         if name in engines:
             engines[name].runner.policy = NeverSpeculate()
+    if "plain-eager-sampling" in engines:
+        eager_sampling(engines["plain-eager-sampling"])
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed = None, False

@@ -216,3 +216,24 @@ def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
         assert runner.draft.step_forward.sample_replays > 0 and runner.stats.accepted_tokens > 0
     assert runner.forward.verify_replays > 0
     assert graphs.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_sampled_plain_decode_in_graphs_matches_eager(ckpt_a, backend):
+    # plain decode steps at T > 0 sample inside their CUDA graph: seeded outputs equal eager's
+    prompts = _prompts(ckpt_a)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=7 + i)
+              for i, t in enumerate([0.8, 1.0, 0.0, 1.5, 1.0, 0.6])]
+    kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
+              compile_kernels=False)
+    eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
+    graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
+
+    def run(llm, batch):
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:batch],
+                                                             sampling_params=params[:batch])]
+
+    for batch in (1, 2, 6):  # buckets 1, 2 and 8 (padded)
+        assert run(graphs, batch) == run(eager, batch)
+    assert graphs.engine.runner.forward.sample_replays > 0
+    assert graphs.engine.leak_report() == []

@@ -323,22 +323,25 @@ def test_greedy_parity_with_repetition_penalty(make_llm, ckpt_a, random_draft, p
     assert llm.engine.runner.stats.rounds > 0
 
 
-def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_draft, prompts):
+def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_draft, prompts, monkeypatch):
     # rows sampling with a temperature alone let the forward function sample (inside the CUDA
     # graph on a GPU); it must draw exactly what the general pipeline draws
+    import infer.spec.draft_model as dm
     params = [SamplingParams(temperature=t, max_tokens=MAX_NEW, ignore_eos=True, seed=7 + i)
               for i, t in enumerate([0.8, 1.0, 0, 1.3])]
     results = []
     for fused in (True, False):
         llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
         draft = llm.engine.runner.draft
-        assert hasattr(draft.step_forward, "sample")
-        if not fused:
-            plain = draft.step_forward
-            draft.step_forward = lambda ids, layout, all_logits: plain(ids, layout, all_logits)
+        calls = []
+        sample = draft.step_forward.sample
+        draft.step_forward.sample = lambda *a: (calls.append(1), sample(*a))[1]
+        if not fused:  # every row through logits_to_probs and sample_from_probs
+            monkeypatch.setattr(dm, "temperature_only", lambda params, vocab: False)
         outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)
         stats = llm.engine.runner.stats
         results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
+        assert bool(calls) == fused
     assert results[0] == results[1]
     assert results[0][2] > 0  # self-draft at a temperature: most drafts accepted
 

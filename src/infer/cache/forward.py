@@ -19,9 +19,22 @@ from infer.transfer import tensor_on, to_device
 
 
 class ForwardFn(Protocol):
+    """A forward pass through a pool (`EagerForward`, or `GraphForward` replaying CUDA graphs of it)."""
+
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         """ids: CPU [B, T] -> logits [B, T, V] (all_logits) or [B, V] (each row's last token).
         Commits the layout to the pool."""
+        ...
+
+    def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
+               uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A last-token step, then temperature sampling: (ids [B], probs [B, V]) on the device."""
+        ...
+
+    def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
+               draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
+               uniforms: torch.Tensor) -> torch.Tensor:
+        """A verification step, then rejection sampling: [B, K+2] long on the device."""
         ...
 
 

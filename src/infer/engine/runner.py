@@ -22,7 +22,7 @@ from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs
+from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.tokenizer import Tokenizer
 from infer.transfer import to_device
 
@@ -69,8 +69,9 @@ class ContinuousRunner:
         self.forward: ForwardFn = self._make_decode_forward()
 
     def _make_decode_forward(self) -> ForwardFn:
+        # plain decode: width 1, last logits; with temperature sampling captured as well
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=[(1, False)], kernels=self.kernels)
+                            shapes=[(1, False)], kernels=self.kernels, sample_widths=(1,))
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:
@@ -153,10 +154,19 @@ class ContinuousRunner:
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
         ids = torch.tensor([[r.last_token_id] for r in requests])
-        logits = self.forward(ids, layout, all_logits=False)  # [B, V]
+        params = [r.sampling_params for r in requests]
+        vocab = self.model.config.vocab_size
+        if not all(p.greedy for p in params) and all(temperature_only(p, vocab) for p in params):
+            # temperature sampling alone: the forward function samples too (inside the step's
+            # CUDA graph on the GPU), the same function as `sample` on the logits
+            uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
+            new, _ = self.forward.sample(ids, layout, [1.0 if p.greedy else p.temperature for p in params],
+                                         uniforms, [p.greedy for p in params])  # [B]
+            tokens = new.tolist()
+        else:
+            tokens = self.sample(requests, self.forward(ids, layout, all_logits=False))  # logits [B, V]
         for r in requests:
             r.num_computed_tokens += 1
-        tokens = self.sample(requests, logits)
         return [(r, self.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:

@@ -70,13 +70,15 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
-        # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits.
+        # plain decode (every k = 0) reuses the ContinuousRunner path: width 1, last logits,
+        # temperature sampling captured too.
         # The acceptance step is captured too: greedy batches, one-hot drafts (n-gram, greedy
         # draft rows) and, for a draft model, its probabilities
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
         modes = ("greedy", "one_hot") + (("draft_probs",) if self.config.speculative_method == "draft_model" else ())
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes)
+                            shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes,
+                            sample_widths=(1,))
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
@@ -206,13 +208,13 @@ class SpeculativeRunner(ContinuousRunner):
         for i, d in enumerate(drafts):
             draft_tokens[i, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
         vocab = self.model.config.vocab_size
-        fused = getattr(self.forward, "verify", None)
-        if fused is not None and all(temperature_only(p, vocab) for p in params):
+        if all(temperature_only(p, vocab) for p in params):
             greedy = [p.greedy for p in params]
             uniforms = (torch.zeros((len(requests), k_pad + 1), dtype=torch.float64) if all(greedy)
                         else draw_uniforms([r.generator for r in requests], k_pad + 1))  # [B, K+1]
-            packed = fused(ids, layout, draft_tokens, num_draft, self._draft_probs(drafts, draft_tokens, vocab),
-                           [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
+            packed = self.forward.verify(ids, layout, draft_tokens, num_draft,
+                                         self._draft_probs(drafts, draft_tokens, vocab),
+                                         [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
             return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
         return self._accept_reject(requests, drafts, draft_tokens, logits)

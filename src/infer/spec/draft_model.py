@@ -159,7 +159,7 @@ class DraftModelProposer:
         contexts = [list(r.all_token_ids) for r in reqs] if any(p.repetition_penalty != 1.0 for p in params) else None
         vocab = self.model.config.vocab_size
         fused = None if greedy or not all(temperature_only(p, vocab) for p in params) else \
-            getattr(self.step_forward, "sample", None)
+            self.step_forward.sample
         host_uniforms = None if greedy else _row_uniforms(reqs, ks)  # [B, K] CPU
         uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
         temps = [1.0 if p.greedy else p.temperature for p in params]

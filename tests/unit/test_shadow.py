@@ -67,14 +67,17 @@ def test_shadow_schedule_check_and_backoff():
         _emit(r, script)
         shadow.check([r])
 
-    step()  # first sight: scheduled `interval` steps ahead, nothing drafted yet
-    assert proposer.asked == [] and len(shadow) == 0
-    step()
-    step()  # due: a draft of 3 is taken before the step; one of its tokens is out now
-    assert proposer.asked == [("a", 12)] and len(shadow) == 1 and seen == []
+    step()  # first sight: a draft of 3 is taken before the step; one of its tokens is out now
+    assert proposer.asked == [("a", 10)] and len(shadow) == 1 and seen == []
     step()
     step()  # no new draft while one is pending; the third token resolves it
-    assert proposer.asked == [("a", 12)] and seen == [("a", 3, 3)] and len(shadow) == 0
+    assert proposer.asked == [("a", 10)] and seen == [("a", 3, 3)] and len(shadow) == 0
+    step()
+    step()  # `interval` steps after the resolution: the next draft
+    assert proposer.asked == [("a", 10), ("a", 14)]
+    step()
+    step()
+    assert seen[-1] == ("a", 3, 3) and len(shadow) == 0
 
     # the interval (steps from a draft's resolution to the next draft) doubles while drafts
     # match fewer than 2 tokens (1 is what sampling matches by chance), up to max_interval,
@@ -101,12 +104,11 @@ def test_shadow_skips_speculating_requests_and_releases():
     shadow = ShadowDrafts(k=2, observe=lambda rid, k, m: seen.append((rid, k, m)), interval=1)
     proposer = ScriptedProposer(script)
     a, b = _request("a", script, 5), _request("b", script, 7)
-    shadow.take(proposer, [a, b], [0, 3])
     shadow.take(proposer, [a, b], [0, 3])  # b speculates this step: no shadow for it
     assert proposer.asked == [("a", 5)]
-    shadow.take(proposer, [a, b], [0, 0])  # b's first plain step schedules it
+    shadow.take(proposer, [a, b], [0, 3])  # a's draft is still pending (no token came)
     assert proposer.asked == [("a", 5)]
-    shadow.take(proposer, [a, b], [0, 0])
+    shadow.take(proposer, [a, b], [0, 0])  # b's first plain step: its first shadow
     assert proposer.asked == [("a", 5), ("b", 7)]
     assert shadow.leak_report() != []
     shadow.release("a")
@@ -118,11 +120,10 @@ def test_empty_shadow_draft_waits_an_interval():
     shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=3)
     proposer = ScriptedProposer([])  # proposes nothing
     r = _request("a", list(range(10)), 10)
-    for _ in range(4):
-        shadow.take(proposer, [r], [0])
-    assert len(proposer.asked) == 1 and len(shadow) == 0
     for _ in range(3):
-        shadow.take(proposer, [r], [0])
+        shadow.take(proposer, [r], [0])  # asked at first sight, then not for `interval` steps
+    assert len(proposer.asked) == 1 and len(shadow) == 0
+    shadow.take(proposer, [r], [0])
     assert len(proposer.asked) == 2
 
 
@@ -177,3 +178,25 @@ def test_shadow_evidence_leaves_the_miss_backoff():
     assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (4, 4)
     p.update("a", 5, 3)
     assert p._est["a"].miss_interval == 0
+
+
+def test_shadowed_request_decodes_plainly_until_its_first_shadow_is_counted():
+    # the prior alone (a = 0.6) makes speculation pay here (verifying costs 1.9 plain steps);
+    # a shadowed request still waits for the first shadow draft's evidence, an unshadowed one
+    # speculates at once
+    def policy(shadowed):
+        costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+        for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)):
+            costs.observe(1, k, seconds)
+        return AdaptivePolicy(5, costs, shadowed=shadowed, plain_refresh=10_000)
+
+    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=100))
+    assert policy(False).choose([r], [3], 1000, [100]) == [5]
+    p = policy(True)
+    assert [p.choose([r], [3], 1000, [100])[0] for _ in range(10)] == [0] * 10
+    p.observe_shadow("a", 5, 0)  # evidence that drafts fail (a: 0.6 -> 0.47): still plain
+    assert p.choose([r], [3], 1000, [100]) == [0]
+    q = policy(True)
+    q.choose([r], [3], 1000, [100])
+    q.observe_shadow("a", 5, 3)  # evidence that they pay (a -> 0.62)
+    assert q.choose([r], [3], 1000, [100]) == [5]

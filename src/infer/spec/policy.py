@@ -29,6 +29,9 @@ With a proposer whose drafts are deterministic and free (n-gram), the runner als
 shadow drafts during plain steps and reports how much of each the following tokens matched
 (`observe_shadow`, spec/shadow.py): the estimate of a request at K = 0 then follows the
 text without probes, and `shadowed` turns off the restart from the prior after a probe.
+A shadowed request also decodes plainly until its first shadow draft is counted: the
+prior alone would have it speculate on text where drafts keep failing, at a cost, when
+the evidence comes for free a few steps later.
 
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
@@ -249,6 +252,7 @@ class _Estimate:
     probing: bool = False  # the round in flight is a probe
     miss_until: int = 0  # after n-gram misses: no asking before this policy step
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
+    evidence: bool = False  # a round or a shadow draft has been counted
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
 
@@ -305,6 +309,9 @@ class AdaptivePolicy:
         next_due = table.step + self.recompute_every
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._lookup(r.request_id)
+            if self.shadowed and not est.evidence:  # the first shadow draft decides
+                ks.append(0)
+                continue
             if est.table is not table:
                 est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
                 est.table = table
@@ -390,6 +397,7 @@ class AdaptivePolicy:
 
     def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
         """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""
+        est.evidence = True
         est.accepted = est.accepted * self.decay + num_accepted
         est.trials = est.trials * self.decay + num_accepted + (1 if num_accepted < num_draft else 0)
 

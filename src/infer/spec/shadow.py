@@ -19,8 +19,9 @@ accepted out of k drafted.
 Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
-anyway) plus a list comparison as tokens arrive. A request's shadows come every `interval`
-steps. The interval doubles up to `max_interval` while shadows match fewer than two tokens
+anyway) plus a list comparison as tokens arrive. A request's first shadow comes at its
+first plain step (the policy lets a request speculate only once it has evidence), the
+next ones every `interval` steps. The interval doubles up to `max_interval` while shadows match fewer than two tokens
 (one token is what a sampled request matches by chance) and returns to `interval` after
 one matches more.
 """
@@ -95,9 +96,9 @@ class ShadowDrafts:
             if k or r.request_id in self._pending:
                 continue
             s = self._schedule.get(r.request_id)
-            if s is None:
-                s = self._schedule[r.request_id] = _Schedule(self._step + self.interval, self.interval)
-            elif self._step >= s.due:
+            if s is None:  # first sight: draft now (the policy waits for this evidence)
+                s = self._schedule[r.request_id] = _Schedule(self._step, self.interval)
+            if self._step >= s.due:
                 chosen.append(r)
         if chosen:
             drafts = proposer.propose(chosen, [self.k] * len(chosen))

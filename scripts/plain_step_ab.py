@@ -99,7 +99,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
-            "draft-K0", "draft-adaptive")
+            "draft-K0", "draft-k5", "draft-adaptive")
 
 
 def eager_sampling(engine: Engine) -> None:
@@ -127,7 +127,7 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     configs = {"plain": base, "plain-eager-sampling": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
-               "draft-K0": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
+               "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     for name in ("ngram-K0", "draft-K0"):
         if name in engines:
@@ -174,6 +174,20 @@ def main() -> None:
                       f"best x{best_ref / min(ts):.3f}), runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
             if args.phases:
                 print_phases(engines, prompt, w, t, args.tokens)
+            for name, engine in engines.items():
+                if name.endswith("adaptive"):
+                    print_costs(f"{w} T={t:g} {name}", engine)
+
+
+def print_costs(label: str, engine: Engine) -> None:
+    """What the adaptive policy believes at batch 1: relative costs r(K), one draft step,
+    the calibrated forward's share of a real plain step, and the measured step times."""
+    costs = engine.runner.cost_model
+    plain = costs.step_seconds(1, 0)
+    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1)]}, draft step "
+          f"{costs.draft_step(1):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
+          f"measured ms {dict(sorted((k, round(v * 1e3, 3)) for (b, k), v in costs.observed.items() if b == 1))}",
+          flush=True)
 
 
 def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int) -> None:

@@ -101,6 +101,19 @@ def test_adaptive_policy_parity(make_llm, ckpt_a, random_draft, prompts, plain_o
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
 
 
+def test_adaptive_runner_measures_drafting_apart(make_llm, ckpt_a, random_draft, prompts):
+    # the cost model learns what a draft step really costs from the rounds' drafting time
+    # (catch-up excluded), so unseen K are priced from real draft steps
+    llm = _spec_llm(make_llm, ckpt_a, random_draft, 4, spec_policy="adaptive")
+    costs = llm.engine.runner.cost_model
+    calls, observe_draft = [], costs.observe_draft
+    costs.observe_draft = lambda b, k, seconds: (calls.append((b, k, seconds)), observe_draft(b, k, seconds))[1]
+    llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY)
+    rounds = llm.engine.runner.stats.drafts  # per request: a batched step holds several
+    assert 0 < len(calls) <= rounds  # one per step with drafts
+    assert all(1 <= b <= 4 and 1 <= k <= 8 and seconds > 0 for b, k, seconds in calls)
+
+
 @pytest.mark.parametrize("config", ["contiguous", "paged-preempt"])
 def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts, config):
     # shadow drafts only steer the policy: the output is plain decoding's, every shadow is

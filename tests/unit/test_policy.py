@@ -181,12 +181,32 @@ def test_probes_stay_within_their_time_budget():
     assert sum(1 for _ in range(2000) if cheap.choose([r], [10], 10_000, [5000])[0]) > 2 * len(probes)
 
 
-def test_unseen_k_costs_scale_with_the_seen_ones():
-    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 5})
+def test_unseen_k_costs_add_draft_steps_to_the_nearest_seen_one():
+    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0, 1.0, 1.0, 1.2, 1.2]})
     _measure(costs, 1, 0, 0.001)
-    _measure(costs, 1, 1, 0.0022)  # calibrated 1.1, measured 2.2: host overhead doubles every step
-    assert costs.relative_costs(1) == pytest.approx([1.0, 2.2, 2.4, 2.6, 2.8])
+    _measure(costs, 1, 1, 0.0022)  # calibrated 1.1, measured 2.2: the round's host overhead
+    # paid once per round: K = 2..4 add draft steps (0.1) and wider verification (+0.2 from K = 3)
+    assert costs.relative_costs(1) == pytest.approx([1.0, 2.2, 2.3, 2.6, 2.7])
     assert costs.switch_cost(1) == pytest.approx(0.2)  # nothing measured yet: two draft steps
+    _measure(costs, 1, 4, 0.003)
+    assert costs.relative_costs(1) == pytest.approx([1.0, 2.2, 2.3, 2.9, 3.0])  # K = 3 nearest to 4
+
+
+def test_calibration_is_scaled_to_the_real_plain_step():
+    # calibration times forwards alone (0.25 ms); a real plain step (1 ms) adds sampling, a
+    # sync and output: a draft step and wider verification add only their forward time
+    costs = CostModel(3, draft_ratio={1: 0.4}, verify_ratio={1: [1.0, 1.2, 1.2, 1.6]},
+                      forward_seconds={1: 0.00025})
+    assert costs.relative_costs(1) == pytest.approx([1.0, 1.6, 2.0, 2.8])  # no plain step measured yet
+    _measure(costs, 1, 0, 0.001)
+    assert costs.draft_step(1) == pytest.approx(0.1)
+    assert costs.relative_costs(1) == pytest.approx([1.0, 1.15, 1.25, 1.45])
+    _measure(costs, 1, 2, 0.0016)
+    for _ in range(2):
+        costs.observe_draft(1, 2, 0.0006)  # drafting really costs 0.3 ms a token
+    assert costs.draft_step(1) == pytest.approx(0.3)
+    assert costs.relative_costs(1) == pytest.approx([1.0, 1.3, 1.6, 2.0])
+    assert costs.switch_cost(1) == pytest.approx(0.6)
 
 
 def test_first_probe_comes_early_while_only_calibration_is_known():
@@ -238,3 +258,17 @@ def test_spec_stats_minus_counts_what_happened_since():
     assert (d.rounds, d.drafts, d.draft_tokens, d.accepted_tokens, d.emitted_tokens) == (2, 1, 4, 4, 6)
     assert d.accepted_per_position == [1, 1, 1, 1]
     assert d.acceptance_rate == 1.0 and d.mean_accepted_length == 3.0
+
+
+def test_unseen_k_costs_stay_between_the_measured_ones():
+    # verification much wider than it is cheap (a CPU): extrapolating down from K = 3 must
+    # not price K = 1 below a plain step, nor K = 4 above the measured K = 5
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0, 1.1, 1.3, 1.6, 1.8, 2.0]},
+                      forward_seconds={1: 0.003})  # slower than the real step: the share stays 1
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 3, 0.0012)
+    _measure(costs, 1, 5, 0.0013)
+    r = costs.relative_costs(1)
+    assert r[3] == pytest.approx(1.2) and r[5] == pytest.approx(1.3)
+    assert r[1] == pytest.approx(1.0) and r[2] == pytest.approx(1.0)  # 1.2 - 0.5 and 1.2 - 0.3, held at plain
+    assert r[4] == pytest.approx(1.3)  # 1.2 + 0.2 (from K = 3), held at K = 5's

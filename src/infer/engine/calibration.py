@@ -79,6 +79,7 @@ def measure_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: Forw
         except PoolTooSmall:
             return model  # larger batches use the largest measured one (no measurement: defaults)
         model.verify_ratio[batch], model.draft_ratio[batch] = verify, draft_ratio
+        model.forward_seconds[batch] = plain
         if batch >= max_batch_size:
             return model
         batch = min(batch * 2, max_batch_size)

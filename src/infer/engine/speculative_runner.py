@@ -162,7 +162,7 @@ class SpeculativeRunner(ContinuousRunner):
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
-        longest, switch = 0, 0.0
+        longest, switch, drafting = 0, 0.0, 0.0
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -172,8 +172,10 @@ class SpeculativeRunner(ContinuousRunner):
             # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd sample)
             timed = self._plain_steps <= 2 or self._plain_steps % PLAIN_SAMPLE_EVERY <= 1
         else:
+            drafting = time.perf_counter()
             drafts = self.proposer.propose(requests, ks)
             switch = self.proposer.catch_up_seconds
+            drafting = time.perf_counter() - drafting - switch
             longest = max(len(d.token_ids) for d in drafts)
             for r, k, d in zip(requests, ks, drafts, strict=True):
                 if k and not d.token_ids:
@@ -190,6 +192,8 @@ class SpeculativeRunner(ContinuousRunner):
             # a draft catching up after plain steps is the cost of switching, recorded apart
             if switch:
                 self.cost_model.observe_switch(len(requests), switch)
+            if longest:
+                self.cost_model.observe_draft(len(requests), longest, drafting)
             self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
         return outputs
 

@@ -10,8 +10,9 @@ a: the request's acceptance estimate; c: draft step time / plain target step tim
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
 decoding, has factor 1 and is chosen whenever no K pays by the switch margin). Costs are
 measured per batch size by the runner: calibrated at start-up, then replaced by the
-measured wall time of real steps (host overhead included); costs of K not yet seen are the
-calibrated ones scaled by how far the seen ones were off.
+measured wall time of real steps (host overhead included); a K not yet seen costs the
+nearest seen one plus the measured time of the extra draft steps and the calibrated time of
+the wider verification (a round's host overhead is paid once per round, not per token).
 
 A request at K = 0 is probed with K = 1 now and then so its estimate can recover, never
 more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
@@ -88,9 +89,10 @@ class RequestLike(Protocol):
 class CostModel:
     """Step costs relative to a plain decode step, per batch-size bucket.
 
-    Calibration (start-up, forward passes only) gives c and v(K); the runner then reports
-    the measured wall time of every step (`observe`), host overhead included, and measured
-    costs replace the calibrated ones as they arrive. So a setup where per-step overhead
+    Calibration (start-up, forward passes only) gives c and v(K) (relative to a plain
+    forward) and the forward's seconds; the runner then reports the measured wall time of
+    steps (`observe`), host overhead included, and of drafting (`observe_draft`), and
+    measured costs replace the calibrated ones as they arrive. So a setup where per-step overhead
     dominates (tiny models) learns that speculating does not pay. Each cost is the lower
     median of its last `window` measurements, and counts only from its second measurement
     on: the first step of a kind pays one-off costs (kernel compilation, first allocations,
@@ -100,6 +102,7 @@ class CostModel:
     k_max: int
     draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
+    forward_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> calibrated plain forward
     window: int = 8
     _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
@@ -154,12 +157,35 @@ class CostModel:
                 out[key] = value
         return out
 
+    def observe_draft(self, batch_size: int, k: int, seconds: float) -> None:
+        """Wall time the proposer spent drafting a round whose longest draft had k tokens
+        (catch-up excluded): the real cost of a draft step, sampling and host work included."""
+        if k:
+            self._record(("draft", self.bucket(batch_size)), seconds / k)
+            self.version += 1
+
     def switch_cost(self, batch_size: int) -> float:
         """Switching cost relative to a plain step: measured, else two draft steps' worth."""
         plain, seen = self.step_seconds(batch_size, 0), self._value(("switch", self.bucket(batch_size)))
         if seen is not None and plain:
             return seen / plain
-        return 2.0 * self.calibrated(batch_size)[0]
+        return 2.0 * self.draft_step(batch_size)
+
+    def draft_step(self, batch_size: int) -> float:
+        """One more draft token's cost relative to a plain step: measured in real rounds, else
+        calibrated (c, scaled from the calibrated forward to the real plain step)."""
+        plain = self.step_seconds(batch_size, 0)
+        measured = self._value(("draft", self.bucket(batch_size)))
+        if plain and measured is not None:
+            return measured / plain
+        return self.calibrated(batch_size)[0] * self._forward_share(batch_size, plain)
+
+    def _forward_share(self, batch_size: int, plain: float | None) -> float:
+        """The calibrated plain forward's share of a real plain step (1 when either is unknown):
+        calibration times forwards alone, a real step adds sampling, a host sync and output."""
+        b = self.bucket(batch_size)
+        near = min(self.forward_seconds, key=lambda x: abs(x - b), default=None)
+        return min(1.0, self.forward_seconds[near] / plain) if plain and near is not None else 1.0
 
     def has_plain(self, batch_size: int) -> bool:
         """Whether a plain step's cost is known at this batch size (measured twice)."""
@@ -177,19 +203,36 @@ class CostModel:
         return self.draft_ratio.get(near, 0.5), self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
 
     def relative_costs(self, batch_size: int) -> list[float]:
-        """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1)."""
+        """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1).
+
+        Measured K are taken as measured. An unseen K is the nearest measured K > 0 (plain
+        decoding, K = 0, if none) plus the difference: (K - K') draft steps (`draft_step`)
+        and the calibrated difference in verification width. A round's own overhead (the
+        host work of proposing, verifying and accepting) is in the measured neighbour and
+        is paid once per round, not once per draft token."""
         c, v = self.calibrated(batch_size)
-        calibrated = [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
         plain = self.step_seconds(batch_size, 0)
-        seen = {}
+        if not plain:
+            return [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
+        d, w = self.draft_step(batch_size), self._forward_share(batch_size, plain)
+        seen = {0: 1.0}
         for k in range(1, self.k_max + 1):
-            t = self.step_seconds(batch_size, k) if plain else None
+            t = self.step_seconds(batch_size, k)
             if t is not None:
                 seen[k] = t / plain
-        # unseen K: calibration scaled by how far it was off where it was checked (host overhead)
-        ratios = sorted(seen[k] / calibrated[k] for k in seen)
-        scale = ratios[(len(ratios) - 1) // 2] if ratios else 1.0
-        return [1.0] + [seen.get(k, calibrated[k] * scale) for k in range(1, self.k_max + 1)]
+        bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead
+        costs = [1.0]
+        for k in range(1, self.k_max + 1):
+            if k in seen:
+                costs.append(seen[k])
+                continue
+            near = min(bases, key=lambda x: (abs(x - k), x))
+            guess = seen[near] + (k - near) * d + (v[k] - v[near]) * w
+            # never below a measured shorter round, nor above a measured longer one
+            low = max(seen[x] for x in seen if x < k)
+            high = min((seen[x] for x in seen if x > k), default=guess)
+            costs.append(min(max(guess, low), max(high, low)))
+        return costs
 
 
 class SpecPolicy(Protocol):

@@ -203,7 +203,10 @@ def test_calibration_is_scaled_to_the_real_plain_step():
     assert costs.relative_costs(1) == pytest.approx([1.0, 1.15, 1.25, 1.45])
     _measure(costs, 1, 2, 0.0016)
     for _ in range(2):
-        costs.observe_draft(1, 2, 0.0006)  # drafting really costs 0.3 ms a token
+        costs.observe_draft(1, 2, 0.0008)  # one length alone: its fixed part is unknown
+    assert costs.draft_step(1) == pytest.approx(0.1)
+    for _ in range(2):
+        costs.observe_draft(1, 1, 0.0005)  # drafting really costs 0.3 ms a token (0.2 ms fixed)
     assert costs.draft_step(1) == pytest.approx(0.3)
     assert costs.relative_costs(1) == pytest.approx([1.0, 1.3, 1.6, 2.0])
     assert costs.switch_cost(1) == pytest.approx(0.6)

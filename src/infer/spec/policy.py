@@ -159,9 +159,9 @@ class CostModel:
 
     def observe_draft(self, batch_size: int, k: int, seconds: float) -> None:
         """Wall time the proposer spent drafting a round whose longest draft had k tokens
-        (catch-up excluded): the real cost of a draft step, sampling and host work included."""
+        (catch-up excluded), sampling, host work and the final sync included."""
         if k:
-            self._record(("draft", self.bucket(batch_size)), seconds / k)
+            self._record(("draft", (self.bucket(batch_size), k)), seconds)
             self.version += 1
 
     def switch_cost(self, batch_size: int) -> float:
@@ -172,12 +172,16 @@ class CostModel:
         return 2.0 * self.draft_step(batch_size)
 
     def draft_step(self, batch_size: int) -> float:
-        """One more draft token's cost relative to a plain step: measured in real rounds, else
-        calibrated (c, scaled from the calibrated forward to the real plain step)."""
+        """One more draft token's cost relative to a plain step. Measured: the slope of the
+        drafting time between the shortest and the longest drafts measured (a round's drafting
+        has a fixed part, its first feed and the final sync, so one length alone cannot tell);
+        else calibrated (c, scaled from the calibrated forward to the real plain step)."""
         plain = self.step_seconds(batch_size, 0)
-        measured = self._value(("draft", self.bucket(batch_size)))
-        if plain and measured is not None:
-            return measured / plain
+        b = self.bucket(batch_size)
+        measured = {k: t for k in range(1, self.k_max + 1) if (t := self._value(("draft", (b, k)))) is not None}
+        if plain and len(measured) >= 2:
+            lo, hi = min(measured), max(measured)
+            return max(0.0, measured[hi] - measured[lo]) / (hi - lo) / plain
         return self.calibrated(batch_size)[0] * self._forward_share(batch_size, plain)
 
     def _forward_share(self, batch_size: int, plain: float | None) -> float:

@@ -1,10 +1,11 @@
 """Same-process A/B on the demo target: the plain ContinuousRunner against the
 SpeculativeRunner that never speculates (K0: the runner's own cost), the adaptive policy
-(n-gram with and without shadow drafts, draft model), fixed K=5 n-gram, and plain decoding
-with the sampling done eagerly after the decode graph (as before it was captured), on the bench's
-W1 and W5 prompts. Each round runs every engine once, starting at a different engine and
-in reverse order every other round, so machine drift hits all alike; "paired" is the median of per-round ratios to plain, "best"
-the ratio of the fastest runs.
+(n-gram with and without shadow drafts, draft model), fixed K=5, and plain decoding with
+the sampling done eagerly after the decode graph or with index tensors built afresh every
+step (both as before), on the bench's W1 and W5 prompts. Each round runs every engine
+once, starting at a different engine and in reverse order every other round, so machine
+drift hits all alike; "paired" is the median of per-round ratios to plain, "best" the
+ratio of the fastest runs.
 
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
         [--workload W1 W5] [--variants ...] [--phases]
@@ -98,8 +99,37 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
     return (time.perf_counter() - start) / (tokens - 1) * 1e3
 
 
-VARIANTS = ("plain", "plain-eager-sampling", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
+VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive")
+
+
+def fresh_indices(engine: Engine) -> None:
+    """Index tensors built afresh every step and then copied into the graph's staging buffer,
+    rows expanded from the block table every time (as before rows were kept per slot and
+    indices filled in place)."""
+    from infer.cache.view import layout_indices
+    pool = engine.runner.cache_pool
+    size = pool.block_size
+
+    def rows(slot, start, end):  # noqa: ANN001, ANN202
+        first = start // size
+        blocks = torch.tensor(pool.block_table(slot)[first:-(-end // size)], dtype=torch.long)
+        pos = torch.arange(start, end) - first * size
+        return blocks[pos // size] * size + pos % size
+
+    def indices(layout, context_width=None, out=None):  # noqa: ANN001, ANN202
+        fresh = layout_indices(layout, rows, pool.scratch_row, context_width)
+        if out is None:
+            return fresh
+        n = len(layout.slots)
+        out.write_rows.fill_(pool.scratch_row)
+        out.write_rows[:n * layout.width] = fresh.write_rows
+        out.gather_rows[:n] = fresh.gather_rows
+        out.q_pos[:n] = fresh.q_pos
+        out.ctx_end[:n] = fresh.ctx_end
+        return out
+
+    pool.indices = indices
 
 
 def eager_sampling(engine: Engine) -> None:
@@ -124,7 +154,7 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
-    configs = {"plain": base, "plain-eager-sampling": base, "ngram-K0": ngram, "ngram-k5": ngram,
+    configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
                "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
@@ -134,6 +164,8 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
             engines[name].runner.policy = NeverSpeculate()
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
+    if "plain-fresh-indices" in engines:
+        fresh_indices(engines["plain-fresh-indices"])
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed = None, False

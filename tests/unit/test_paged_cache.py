@@ -107,6 +107,31 @@ def test_rows_follow_the_block_table() -> None:
     assert not set(pool.rows(b, 0, 3).tolist()) & set(expected)
 
 
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_indices_filled_in_place_equal_fresh_ones(backend: str) -> None:
+    # CUDA graphs stage index tensors in buffers sized for a batch bucket and the full
+    # context width: filled in place they must hold what a fresh computation gives, padding
+    # rows writing to scratch and every gather position past a row's context on scratch
+    from infer.cache.slotted import SlottedKVCache
+    from infer.cache.view import ViewIndices
+    pool = make_pool(num_blocks=32, prefix=False) if backend == "paged" else \
+        SlottedKVCache(CFG, 4, 64, torch.float32, "cpu")
+    slots = [pool.allocate_slot(n) for n in (9, 3, 17)]
+    bucket, width, s = 4, 3, 64
+    out = ViewIndices(torch.full((bucket * width,), 7), torch.full((bucket, s), 7), torch.full((bucket, width), 7),
+                      torch.full((bucket,), 7))
+    for starts, lens in (((9, 3, 17), (1, 3, 2)), ((5, 0, 2), (3, 3, 1))):  # a shorter second use
+        for slot, start, n in zip(slots, starts, lens):
+            assert pool.ensure_capacity(slot, start + n)
+        layout = BatchLayout.of(slots, list(starts), list(lens), width=width)
+        fresh = pool.indices(layout, s)
+        assert pool.indices(layout, s, out=out) is out
+        assert torch.equal(out.write_rows.view(bucket, width)[:3], fresh.write_rows.view(3, width))
+        assert (out.write_rows.view(bucket, width)[3:] == pool.scratch_row).all()
+        assert torch.equal(out.gather_rows[:3], fresh.gather_rows)
+        assert torch.equal(out.q_pos[:3], fresh.q_pos) and torch.equal(out.ctx_end[:3], fresh.ctx_end)
+
+
 # -- truncation ------------------------------------------------------------------------
 def test_truncate_frees_exactly_the_blocks_past_the_new_length() -> None:
     pool = make_pool(num_blocks=10, prefix=False)
@@ -302,6 +327,9 @@ def test_random_operations_keep_the_books_balanced() -> None:
         problems = [p for p in pool.leak_report() if "still allocated" not in p]
         assert problems == []
         assert pool.num_free_blocks + pool.num_evictable_blocks <= pool.num_blocks
+        for slot in live:  # the rows kept per slot follow every change of its table
+            table, n = pool.block_table(slot), pool.seq_len(slot)
+            assert pool.rows(slot, 0, n).tolist() == [table[p // BS] * BS + p % BS for p in range(n)]
     for slot in list(live):
         pool.free_slot(slot)
     assert pool.leak_report() == [] and pool.prefix_hit_tokens > 0

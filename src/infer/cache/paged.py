@@ -72,6 +72,12 @@ class PagedKVCachePool(RowPool):
         self._tables: dict[int, list[int]] = {}  # slot -> block ids, position order
         self._shared: dict[int, int] = {}  # slot -> leading table entries owned by the prefix tree
         self._lens: dict[int, int] = {}
+        # slot -> storage rows of its positions, expanded from the table once per block (every
+        # decode step needs them, a forward's index tensors are built from them), and how many
+        # table entries that holds
+        self._rows: dict[int, torch.Tensor] = {}  # [blocks_per_seq * block_size]
+        self._rows_valid: dict[int, int] = {}
+        self._offsets = torch.arange(block_size)  # [block_size]
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self.prefix_query_tokens = 0  # prompt tokens offered for prefix matching
         self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
@@ -96,6 +102,8 @@ class PagedKVCachePool(RowPool):
         assert fresh is not None, "block accounting is wrong: counted blocks were not there"
         slot = self._free_slots.pop()
         self._tables[slot], self._shared[slot], self._lens[slot] = matched + fresh, len(matched), cached
+        self._rows[slot] = torch.empty(self._blocks_for(self.max_seq_len) * self.block_size, dtype=torch.long)
+        self._rows_valid[slot] = 0
         if prefix_token_ids is not None and self.enable_prefix_caching:
             self.prefix_query_tokens += len(prefix_token_ids)
             self.prefix_hit_tokens += cached
@@ -116,7 +124,7 @@ class PagedKVCachePool(RowPool):
         table, shared = self._slot_table(slot), self._shared[slot]
         self._tree.release(table[:shared])
         self._allocator.release(table[shared:])
-        del self._tables[slot], self._shared[slot], self._lens[slot]
+        del self._tables[slot], self._shared[slot], self._lens[slot], self._rows[slot], self._rows_valid[slot]
         self._free_slots.append(slot)
 
     def seq_len(self, slot: int) -> int:
@@ -144,6 +152,7 @@ class PagedKVCachePool(RowPool):
         keep = self._blocks_for(new_seq_len)
         self._allocator.release(table[keep:])
         del table[keep:]
+        self._rows_valid[slot] = min(self._rows_valid[slot], keep)
         self._lens[slot] = new_seq_len
 
     def ensure_capacity(self, slot: int, total_tokens: int) -> bool:
@@ -186,6 +195,7 @@ class PagedKVCachePool(RowPool):
                 self._tree.acquire([existing])
                 self._allocator.release([table[i]])
                 table[i] = existing
+                self._rows_valid[slot] = min(self._rows_valid[slot], i)
             parent = table[i]
         self._shared[slot] = max(start, full)
 
@@ -255,13 +265,16 @@ class PagedKVCachePool(RowPool):
 
     # -- views -------------------------------------------------------------------------
     def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """CPU [end - start] storage rows of positions start..end-1."""
-        first = start // self.block_size
-        blocks = torch.tensor(self._tables[slot][first:self._blocks_for(end)], dtype=torch.long)
-        pos = torch.arange(start, end) - first * self.block_size  # [end - start]
-        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        """CPU [end - start] storage rows of positions start..end-1 (a view: do not modify)."""
+        table, rows, size = self._tables[slot], self._rows[slot], self.block_size
+        need = self._blocks_for(end)
+        for i in range(self._rows_valid[slot], need):  # blocks added (or replaced) since last time
+            torch.add(self._offsets, table[i] * size, out=rows[i * size:(i + 1) * size])
+        self._rows_valid[slot] = max(self._rows_valid[slot], need)
+        return rows[start:end]
 
-    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
+    def indices(self, layout: BatchLayout, context_width: int | None = None,
+                out: ViewIndices | None = None) -> ViewIndices:
         for slot, start, end in zip(layout.slots, layout.start_positions, layout.ends, strict=True):
             table = self._slot_table(slot)
             if end > len(table) * self.block_size:
@@ -270,5 +283,5 @@ class PagedKVCachePool(RowPool):
             if start < self._shared[slot] * self.block_size:
                 raise RuntimeError(f"slot {slot}: writing position {start} would overwrite a shared prefix "
                                    f"block (first writable position {self._shared[slot] * self.block_size})")
-        return layout_indices(layout, self.rows, self.scratch_row, context_width)
+        return layout_indices(layout, self.rows, self.scratch_row, context_width, out)
 

@@ -59,8 +59,10 @@ class CachePoolProtocol(Protocol):
         """CPU LongTensor [end - start]: storage rows of positions start..end-1."""
         ...
 
-    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
-        """Validated host-side index tensors for a forward pass (capacity must be ensured)."""
+    def indices(self, layout: BatchLayout, context_width: int | None = None,
+                out: ViewIndices | None = None) -> ViewIndices:
+        """Validated host-side index tensors for a forward pass (capacity must be ensured);
+        filled into `out` when given (see `view.layout_indices`)."""
         ...
 
     def commit(self, layout: BatchLayout) -> None:

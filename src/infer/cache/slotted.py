@@ -81,9 +81,10 @@ class SlottedKVCache(RowPool):
         base = slot * self.max_seq_len
         return torch.arange(base + start, base + end)
 
-    def indices(self, layout: BatchLayout, context_width: int | None = None) -> ViewIndices:
+    def indices(self, layout: BatchLayout, context_width: int | None = None,
+                out: ViewIndices | None = None) -> ViewIndices:
         for slot, end in zip(layout.slots, layout.ends, strict=True):
             if end > self.max_seq_len:
                 raise RuntimeError(f"slot {slot}: position {end - 1} is past max_seq_len {self.max_seq_len}")
-        return layout_indices(layout, self.rows, self.scratch_row, context_width)
+        return layout_indices(layout, self.rows, self.scratch_row, context_width, out)
 

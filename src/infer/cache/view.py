@@ -80,21 +80,35 @@ class ViewIndices:
 
 
 def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
-                   context_width: int | None = None) -> ViewIndices:
-    """Host-side index tensors for a layout; context_width pads S (>= the longest context)."""
+                   context_width: int | None = None, out: ViewIndices | None = None) -> ViewIndices:
+    """Host-side index tensors for a layout; context_width pads S (>= the longest context).
+
+    With `out` (tensors of a CUDA graph's staging buffer: leading dimension a batch bucket
+    >= the layout's batch, S = context_width), the first rows are filled in place and `out`
+    is returned; every write row past them goes to the scratch row."""
     ends = layout.ends
     width_s = context_width if context_width is not None else max(ends)
     if width_s < max(ends):
         raise ValueError(f"context_width {width_s} < longest context {max(ends)}")
     batch, t = len(layout.slots), layout.width
-    write = torch.full((batch, t), scratch_row, dtype=torch.long)
-    gather = torch.full((batch, width_s), scratch_row, dtype=torch.long)
+    if out is None:
+        write = torch.full((batch, t), scratch_row, dtype=torch.long)
+        gather = torch.full((batch, width_s), scratch_row, dtype=torch.long)
+    else:
+        write, gather = out.write_rows.view(-1, t), out.gather_rows
+        write.fill_(scratch_row)
     for b, (slot, start, n) in enumerate(zip(layout.slots, layout.start_positions, layout.chunk_lens,
                                              strict=True)):
         ctx = rows_of(slot, 0, start + n)  # [start + n]
         write[b, :n] = ctx[start:]
         gather[b, :start + n] = ctx
-    return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
+        if out is not None:
+            gather[b, start + n:] = scratch_row
+            torch.arange(start, start + t, out=out.q_pos[b])
+    if out is None:
+        return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
+    out.ctx_end[:batch] = torch.tensor(ends, dtype=torch.long)
+    return out
 
 
 TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go through gather + SDPA

@@ -20,7 +20,7 @@ instead of some forty eager kernel launches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -90,6 +90,16 @@ class _Graph:
     out: torch.Tensor  # [b, w, V] or [b, V]; sampling graphs: probs [b, V]
     sampling: _Staging | None = None  # float64 [3, b]: temperature | uniform | greedy (sampling graphs)
     tokens: torch.Tensor | None = None  # [b] sampled ids (sampling graphs)
+    # per staging host buffer: its segments, and the index segments as ViewIndices (filled in place)
+    host_parts: list[tuple[dict[str, torch.Tensor], ViewIndices]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        b, w = self.ids.shape
+        s = self.indices.gather_rows.shape[1]
+        for host in self.staging.hosts:
+            parts = _split(host, b, w, s)
+            self.host_parts.append((parts, ViewIndices(parts["write_rows"], parts["gather_rows"],
+                                                       parts["positions"], parts["ctx_end"])))
 
 
 @dataclass
@@ -300,17 +310,13 @@ class GraphForward:
         return v.out[:n]
 
     def _replay(self, g: _Graph, ids: torch.Tensor, layout: BatchLayout) -> None:
-        n, width = len(layout.slots), layout.width
-        idx = self.pool.indices(layout, self.context_width)
-        staged = _split(g.staging.next_host(), g.ids.shape[0], width, self.context_width)
+        n = len(layout.slots)
+        g.staging.next_host()
+        staged, indices = g.host_parts[g.staging.turn]
+        self.pool.indices(layout, self.context_width, out=indices)  # padding rows write to scratch
         if not ids.is_cuda:
             staged["ids"][:n] = ids
-        staged["positions"][:n] = idx.q_pos
         staged["last"][:n] = layout.last_token_indices("cpu")
-        staged["write_rows"].fill_(self.pool.scratch_row)  # padding rows write to scratch
-        staged["write_rows"][: n * width] = idx.write_rows
-        staged["gather_rows"][:n] = idx.gather_rows
-        staged["ctx_end"][:n] = idx.ctx_end
         g.staging.send()
         if ids.is_cuda:  # tokens produced on the device by the previous step
             g.ids[:n].copy_(ids)

@@ -262,6 +262,22 @@ class _SchedulePolicy:
         return None
 
 
+def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
+    # plain steps are timed two in eight, but the one right after a round always: while a
+    # policy speculates, plain steps are rare, and the plain baseline must stay measured
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([2] + [0] * 8 + [2] + [0] * 5)
+    filed, observe = [], runner.cost_model.observe
+    runner.cost_model.observe = lambda b, k, seconds: (filed.append(k), observe(b, k, seconds))[1]
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=60,
+                                                                              ignore_eos=True))
+    rounds = [i for i, k in enumerate(filed) if k]
+    assert len(rounds) >= 6
+    assert all(filed[i + 1] == 0 for i in rounds if i + 1 < len(filed))  # the step after each round
+    assert filed.count(0) < runner.policy.i - len(rounds)  # but not every plain step
+
+
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_outputs, backend):
     # gaps of 1, 2, 3 and 6 plain steps: short ones ride along with draft step 1 (a chunk of up

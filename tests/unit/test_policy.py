@@ -275,3 +275,23 @@ def test_unseen_k_costs_stay_between_the_measured_ones():
     assert r[3] == pytest.approx(1.2) and r[5] == pytest.approx(1.3)
     assert r[1] == pytest.approx(1.0) and r[2] == pytest.approx(1.0)  # 1.2 - 0.5 and 1.2 - 0.3, held at plain
     assert r[4] == pytest.approx(1.3)  # 1.2 + 0.2 (from K = 3), held at K = 5's
+
+
+def test_costs_expire_and_restart_their_window():
+    # two slow first measurements of K = 5 (first replays, say) must not price it out for
+    # good: once expired it is predicted again from its neighbours, so it gets chosen and
+    # re-measured; a plain step measured only at start-up expires likewise
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] * 6}, max_age=100)
+    _measure(costs, 1, 0, 0.0025)  # start-up: slow
+    _measure(costs, 1, 5, 0.0050)
+    for _ in range(60):
+        costs.observe(1, 4, 0.0006)
+    assert costs.step_seconds(1, 5) == pytest.approx(0.005) and costs.has_plain(1)
+    for _ in range(60):
+        costs.observe(1, 4, 0.0006)
+    assert costs.step_seconds(1, 5) is None and not costs.has_plain(1)  # 120 > max_age steps ago
+    costs.observe(1, 0, 0.0004)
+    assert not costs.has_plain(1)  # a new window: it counts from its second measurement
+    costs.observe(1, 0, 0.0004)
+    assert costs.step_seconds(1, 0) == pytest.approx(0.0004)  # the start-up samples are gone
+    assert costs.relative_costs(1)[5] == pytest.approx(1.5)  # K = 4's 1.5 plus nothing per draft step

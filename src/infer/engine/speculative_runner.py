@@ -55,6 +55,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
+        self._after_round = False  # the last decode step verified drafts
         self.shadow: ShadowDrafts | None = None
         self.policy: SpecPolicy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -169,8 +170,10 @@ class SpeculativeRunner(ContinuousRunner):
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             outputs = super()._decode(requests)
             self._plain_steps += 1
-            # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd sample)
-            timed = self._plain_steps <= 2 or self._plain_steps % PLAIN_SAMPLE_EVERY <= 1
+            # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd
+            # sample), and any right after speculation (while speculating, plain steps are rare and
+            # the baseline must not expire)
+            timed = self._after_round or self._plain_steps <= 2 or self._plain_steps % PLAIN_SAMPLE_EVERY <= 1
         else:
             drafting = time.perf_counter()
             drafts = self.proposer.propose(requests, ks)
@@ -187,6 +190,7 @@ class SpeculativeRunner(ContinuousRunner):
                        else super()._decode(requests))
         if shadow is not None:
             shadow.check(requests)
+        self._after_round = longest > 0
         if timed:
             # the step ended in a host sync (tokens are on the host), so this is its real cost;
             # a draft catching up after plain steps is the cost of switching, recorded apart

@@ -96,7 +96,11 @@ class CostModel:
     dominates (tiny models) learns that speculating does not pay. Each cost is the lower
     median of its last `window` measurements, and counts only from its second measurement
     on: the first step of a kind pays one-off costs (kernel compilation, first allocations,
-    a garbage collection) that must not make speculation look hopeless for good.
+    a garbage collection) that must not make speculation look hopeless for good. For the
+    same reason a cost expires `max_age` measured steps after its latest measurement: a
+    K measured only while slow would otherwise never be chosen again, nor re-measured, and
+    a plain step measured only at start-up would misprice everything. An expired cost is
+    predicted again (and the policy re-measures a plain step before it decides anything).
     """
 
     k_max: int
@@ -104,6 +108,9 @@ class CostModel:
     verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
     forward_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> calibrated plain forward
     window: int = 8
+    max_age: int = 256  # measured steps (`observe` calls) a cost stays valid after its latest measurement
+    _clock: int = 0  # `observe` calls so far
+    _latest: dict[tuple[str, object], int] = field(default_factory=dict, repr=False)  # key -> _clock of its last sample
     _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
@@ -117,13 +124,20 @@ class CostModel:
 
     def _record(self, key: tuple[str, object], seconds: float) -> None:
         samples = self._samples.get(key)
-        if samples is None:
+        if samples is None or not self._fresh(key):  # expired samples go: a new window starts
             samples = self._samples[key] = deque(maxlen=self.window)
+            self._values.pop(key, None)
         samples.append(seconds)
         self._dirty.add(key)
+        self._latest[key] = self._clock
+
+    def _fresh(self, key: tuple[str, object]) -> bool:
+        return self._clock - self._latest.get(key, -self.max_age - 1) <= self.max_age
 
     def _value(self, key: tuple[str, object]) -> float | None:
-        """Lower median of the key's measurements; None before its second one."""
+        """Lower median of the key's measurements; None before its second one, and once expired."""
+        if not self._fresh(key):
+            return None
         if key in self._dirty:
             self._dirty.discard(key)
             samples = self._samples[key]
@@ -133,6 +147,7 @@ class CostModel:
 
     def observe(self, batch_size: int, k: int, seconds: float) -> None:
         """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
+        self._clock += 1
         self._record(("step", (self.bucket(batch_size), k)), seconds)
         if k:
             self.version += 1
@@ -192,8 +207,8 @@ class CostModel:
         return min(1.0, self.forward_seconds[near] / plain) if plain and near is not None else 1.0
 
     def has_plain(self, batch_size: int) -> bool:
-        """Whether a plain step's cost is known at this batch size (measured twice)."""
-        return len(self._samples.get(("step", (self.bucket(batch_size), 0)), ())) >= 2
+        """Whether a plain step's cost is known at this batch size (measured twice, not expired)."""
+        return self.step_seconds(batch_size, 0) is not None
 
     def has_speculative(self, batch_size: int) -> bool:
         """Whether a step with drafts ran at this batch size at all (calibration is a guess)."""

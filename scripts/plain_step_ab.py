@@ -14,6 +14,7 @@ ratio of the fastest runs.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from collections import defaultdict
@@ -191,6 +192,7 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in engines}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
+            before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
             for i in range(args.rounds):
                 # rotated, and reversed every other round: no variant always follows the same one
                 # (the engine run right after another was seen to pay for it, up to 5 %)
@@ -204,6 +206,11 @@ def main() -> None:
                 paired = statistics.median(p / x for p, x in zip(times["plain"], ts, strict=True))
                 print(f"{w} T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed; paired x{paired:.3f}, "
                       f"best x{best_ref / min(ts):.3f}), runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
+            for name, earlier in before.items():  # what the timed runs did, per generation
+                d = engines[name].runner.stats.minus(earlier)
+                print(f"{w} T={t:g} {name} per generation: {d.drafts / args.rounds:.1f} rounds, "
+                      f"{d.draft_tokens / args.rounds:.1f} drafted, {d.accepted_tokens / args.rounds:.1f} accepted",
+                      flush=True)
             if args.phases:
                 print_phases(engines, prompt, w, t, args.tokens)
             for name, engine in engines.items():

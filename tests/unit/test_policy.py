@@ -295,3 +295,15 @@ def test_costs_expire_and_restart_their_window():
     costs.observe(1, 0, 0.0004)
     assert costs.step_seconds(1, 0) == pytest.approx(0.0004)  # the start-up samples are gone
     assert costs.relative_costs(1)[5] == pytest.approx(1.5)  # K = 4's 1.5 plus nothing per draft step
+
+
+def test_expired_round_costs_stand_while_no_round_is_fresh():
+    # a policy that stopped speculating re-measures plain steps only: its one expired round
+    # cost must not fall back to a calibration of forwards alone (which prices it at 1.1)
+    costs = CostModel(2, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 3}, max_age=10)
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 1, 0.0025)
+    for _ in range(20):
+        costs.observe(1, 0, 0.001)
+    assert costs.step_seconds(1, 1) is None  # expired
+    assert costs.relative_costs(1) == pytest.approx([1.0, 2.5, 2.6])

@@ -134,9 +134,10 @@ class CostModel:
     def _fresh(self, key: tuple[str, object]) -> bool:
         return self._clock - self._latest.get(key, -self.max_age - 1) <= self.max_age
 
-    def _value(self, key: tuple[str, object]) -> float | None:
-        """Lower median of the key's measurements; None before its second one, and once expired."""
-        if not self._fresh(key):
+    def _value(self, key: tuple[str, object], expired: bool = False) -> float | None:
+        """Lower median of the key's measurements; None before its second one, and once
+        expired unless `expired`."""
+        if not expired and not self._fresh(key):
             return None
         if key in self._dirty:
             self._dirty.discard(key)
@@ -228,7 +229,8 @@ class CostModel:
         decoding, K = 0, if none) plus the difference: (K - K') draft steps (`draft_step`)
         and the calibrated difference in verification width. A round's own overhead (the
         host work of proposing, verifying and accepting) is in the measured neighbour and
-        is paid once per round, not once per draft token."""
+        is paid once per round, not once per draft token. While no round's cost is fresh,
+        expired ones still stand (a calibration of forwards alone would underprice them)."""
         c, v = self.calibrated(batch_size)
         plain = self.step_seconds(batch_size, 0)
         if not plain:
@@ -239,6 +241,11 @@ class CostModel:
             t = self.step_seconds(batch_size, k)
             if t is not None:
                 seen[k] = t / plain
+        if len(seen) == 1:  # no round measured lately: an expired measurement beats calibration
+            b = self.bucket(batch_size)
+            for k in range(1, self.k_max + 1):
+                if (t := self._value(("step", (b, k)), expired=True)) is not None:
+                    seen[k] = t / plain
         bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead
         costs = [1.0]
         for k in range(1, self.k_max + 1):

@@ -16,19 +16,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+from plain_step_ab import NeverSpeculate, sync  # noqa: E402
 
-from infer import SamplingParams
-from infer.bench.workloads import WORKLOADS, build_requests
-from infer.engine.config import EngineConfig
-from infer.engine.engine import Engine
-from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
+from infer import SamplingParams  # noqa: E402
+from infer.bench.workloads import WORKLOADS, build_requests  # noqa: E402
+from infer.engine.config import EngineConfig  # noqa: E402
+from infer.engine.engine import Engine  # noqa: E402
+from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
+from infer.spec.policy import guard_k  # noqa: E402
 
 
-class Schedule:
+class Schedule(NeverSpeculate):
     """K at steps that are multiples of `gap` (every step when gap is 1), else 0."""
 
     def __init__(self, k: int, gap: int) -> None:
@@ -37,21 +41,7 @@ class Schedule:
     def choose(self, requests, seq_lens, max_seq_len, tokens_left):  # noqa: ANN001, ANN201
         self.step += 1
         k = self.k if self.step % self.gap == 0 else 0
-        return [max(0, min(k, max_seq_len - n - 1, left - 1)) for n, left in zip(seq_lens, tokens_left)]
-
-    def update(self, request_id, num_draft, num_accepted):  # noqa: ANN001, ANN201
-        return None
-
-    def no_proposal(self, request_id):  # noqa: ANN001, ANN201
-        return None
-
-    def release(self, request_id):  # noqa: ANN001, ANN201
-        return None
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+        return [guard_k(k, n, max_seq_len, left) for n, left in zip(seq_lens, tokens_left)]
 
 
 def measure(engine: Engine, prompt: list[int], temperature: float, k: int, gap: int, tokens: int) -> dict:

@@ -191,49 +191,43 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
     assert llm.engine.leak_report() == []
 
 
+def _sampled_graphs_match_eager(ckpt, **engine_kwargs):
+    """Seeded mixed-temperature batches of 1, 2 and 6 rows (buckets 1, 2 and 8, padded) give
+    the same tokens with CUDA graphs as eagerly; returns the graphs engine's LLM."""
+    prompts = _prompts(ckpt)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
+              for i, t in enumerate([0.8, 1.0, 0.0, 1.5, 1.0, 0.6])]
+    kw = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, compile_kernels=False,
+              **engine_kwargs)
+    eager = LLM(str(ckpt), use_cuda_graphs=False, **kw)
+    graphs = LLM(str(ckpt), use_cuda_graphs=True, **kw)
+
+    def run(llm, batch):
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:batch],
+                                                             sampling_params=params[:batch])]
+
+    for batch in (1, 2, 6):
+        assert run(graphs, batch) == run(eager, batch)
+    assert graphs.engine.leak_report() == []
+    return graphs
+
+
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
     # draft steps at T > 0 sample inside their CUDA graph, and verification's rejection
     # sampling runs in a graph too: seeded outputs must equal eager's
-    prompts = _prompts(ckpt_a)
-    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=3 + i)
-              for i, t in enumerate([0.8, 1.0, 0.0, 1.5, 1.0, 0.6])]
-    kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
-              compile_kernels=False, use_speculative_decoding=True, spec_length=3)
-    kw.update(draft_model=str(ckpt_a)) if method == "draft_model" else kw.update(speculative_method="ngram")
-    eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
-    graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
-
-    def run(llm, batch):
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:batch],
-                                                             sampling_params=params[:batch])]
-
-    for batch in (1, 2, 6):  # buckets 1, 2 and 8 (padded)
-        assert run(graphs, batch) == run(eager, batch)
+    kw = dict(draft_model=str(ckpt_a)) if method == "draft_model" else dict(speculative_method="ngram")
+    graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend, use_speculative_decoding=True,
+                                         spec_length=3, **kw)
     runner = graphs.engine.runner
     if method == "draft_model":  # the target drafting for itself: most drafts accepted
         assert runner.draft.step_forward.sample_replays > 0 and runner.stats.accepted_tokens > 0
     assert runner.forward.verify_replays > 0
-    assert graphs.engine.leak_report() == []
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 def test_sampled_plain_decode_in_graphs_matches_eager(ckpt_a, backend):
     # plain decode steps at T > 0 sample inside their CUDA graph: seeded outputs equal eager's
-    prompts = _prompts(ckpt_a)
-    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=7 + i)
-              for i, t in enumerate([0.8, 1.0, 0.0, 1.5, 1.0, 0.6])]
-    kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
-              compile_kernels=False)
-    eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
-    graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
-
-    def run(llm, batch):
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:batch],
-                                                             sampling_params=params[:batch])]
-
-    for batch in (1, 2, 6):  # buckets 1, 2 and 8 (padded)
-        assert run(graphs, batch) == run(eager, batch)
+    graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend)
     assert graphs.engine.runner.forward.sample_replays > 0
-    assert graphs.engine.leak_report() == []

@@ -17,7 +17,7 @@ import torch
 from infer.cache.forward import ForwardFn
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
-from infer.spec.policy import CostModel
+from infer.spec.costs import CostModel
 
 
 def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:

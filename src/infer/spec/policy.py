@@ -8,11 +8,9 @@ measured rather than assumed equal to one target step):
 
 a: the request's acceptance estimate; c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
-decoding, has factor 1 and is chosen whenever no K pays by the switch margin). Costs are
-measured per batch size by the runner: calibrated at start-up, then replaced by the
-measured wall time of real steps (host overhead included); a K not yet seen costs the
-nearest seen one plus the measured time of the extra draft steps and the calibrated time of
-the wider verification (a round's host overhead is paid once per round, not per token).
+decoding, has factor 1 and is chosen whenever no K pays by the switch margin). The costs
+come from the `CostModel` (spec/costs.py): calibrated at start-up, then measured on real
+steps, host overhead included.
 
 A request at K = 0 is probed with K = 1 now and then so its estimate can recover, never
 more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
@@ -41,10 +39,14 @@ Both policies apply the overflow guard: K never exceeds the room left before max
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
+
+from infer.spec.costs import CostModel
+
+__all__ = ["AdaptivePolicy", "CostModel", "FixedPolicy", "SpecPolicy", "best_k", "best_k_for_costs",
+           "expected_tokens", "guard_k", "walltime_factor"]
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -83,182 +85,6 @@ def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
 class RequestLike(Protocol):
     request_id: str
     num_computed_tokens: int
-
-
-@dataclass
-class CostModel:
-    """Step costs relative to a plain decode step, per batch-size bucket.
-
-    Calibration (start-up, forward passes only) gives c and v(K) (relative to a plain
-    forward) and the forward's seconds; the runner then reports the measured wall time of
-    steps (`observe`), host overhead included, and of drafting (`observe_draft`), and
-    measured costs replace the calibrated ones as they arrive. So a setup where per-step overhead
-    dominates (tiny models) learns that speculating does not pay. Each cost is the lower
-    median of its last `window` measurements, and counts only from its second measurement
-    on: the first step of a kind pays one-off costs (kernel compilation, first allocations,
-    a garbage collection) that must not make speculation look hopeless for good. For the
-    same reason a cost expires `max_age` measured steps after its latest measurement: a
-    K measured only while slow would otherwise never be chosen again, nor re-measured, and
-    a plain step measured only at start-up would misprice everything. An expired cost is
-    predicted again (and the policy re-measures a plain step before it decides anything).
-    """
-
-    k_max: int
-    draft_ratio: dict[int, float] = field(default_factory=dict)  # bucket -> c
-    verify_ratio: dict[int, list[float]] = field(default_factory=dict)  # bucket -> [v(0..k_max)]
-    forward_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> calibrated plain forward
-    window: int = 8
-    max_age: int = 256  # measured steps (`observe` calls) a cost stays valid after its latest measurement
-    _clock: int = 0  # `observe` calls so far
-    _latest: dict[tuple[str, object], int] = field(default_factory=dict, repr=False)  # key -> _clock of its last sample
-    _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
-    _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
-    _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
-    version: int = 0  # bumped by every measurement of a speculative step or a switch
-    plain_version: int = 0  # bumped by every measurement of a plain step
-
-    @staticmethod
-    def bucket(batch_size: int) -> int:
-        """The power of two at or above batch_size (1 for 1)."""
-        return 1 << max(0, batch_size - 1).bit_length()
-
-    def _record(self, key: tuple[str, object], seconds: float) -> None:
-        samples = self._samples.get(key)
-        if samples is None or not self._fresh(key):  # expired samples go: a new window starts
-            samples = self._samples[key] = deque(maxlen=self.window)
-            self._values.pop(key, None)
-        samples.append(seconds)
-        self._dirty.add(key)
-        self._latest[key] = self._clock
-
-    def _fresh(self, key: tuple[str, object]) -> bool:
-        return self._clock - self._latest.get(key, -self.max_age - 1) <= self.max_age
-
-    def _value(self, key: tuple[str, object], expired: bool = False) -> float | None:
-        """Lower median of the key's measurements; None before its second one, and once
-        expired unless `expired`."""
-        if not expired and not self._fresh(key):
-            return None
-        if key in self._dirty:
-            self._dirty.discard(key)
-            samples = self._samples[key]
-            if len(samples) >= 2:
-                self._values[key] = sorted(samples)[(len(samples) - 1) // 2]
-        return self._values.get(key)
-
-    def observe(self, batch_size: int, k: int, seconds: float) -> None:
-        """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
-        self._clock += 1
-        self._record(("step", (self.bucket(batch_size), k)), seconds)
-        if k:
-            self.version += 1
-        else:
-            self.plain_version += 1
-
-    def observe_switch(self, batch_size: int, seconds: float) -> None:
-        """Wall time a step spent switching from plain decoding back to speculation."""
-        self._record(("switch", self.bucket(batch_size)), seconds)
-        self.version += 1
-
-    def step_seconds(self, batch_size: int, k: int) -> float | None:
-        """The measured wall time of a step with k drafts at this batch size, if known."""
-        return self._value(("step", (self.bucket(batch_size), k)))
-
-    @property
-    def observed(self) -> dict[tuple[int, int], float]:
-        """(bucket, k) -> measured step seconds, for the keys measured at least twice."""
-        out = {}
-        for tag, key in list(self._samples):
-            if tag == "step" and (value := self._value((tag, key))) is not None:
-                out[key] = value
-        return out
-
-    def observe_draft(self, batch_size: int, k: int, seconds: float) -> None:
-        """Wall time the proposer spent drafting a round whose longest draft had k tokens
-        (catch-up excluded), sampling, host work and the final sync included."""
-        if k:
-            self._record(("draft", (self.bucket(batch_size), k)), seconds)
-            self.version += 1
-
-    def switch_cost(self, batch_size: int) -> float:
-        """Switching cost relative to a plain step: measured, else two draft steps' worth."""
-        plain, seen = self.step_seconds(batch_size, 0), self._value(("switch", self.bucket(batch_size)))
-        if seen is not None and plain:
-            return seen / plain
-        return 2.0 * self.draft_step(batch_size)
-
-    def draft_step(self, batch_size: int) -> float:
-        """One more draft token's cost relative to a plain step. Measured: the slope of the
-        drafting time between the shortest and the longest drafts measured (a round's drafting
-        has a fixed part, its first feed and the final sync, so one length alone cannot tell);
-        else calibrated (c, scaled from the calibrated forward to the real plain step)."""
-        plain = self.step_seconds(batch_size, 0)
-        b = self.bucket(batch_size)
-        measured = {k: t for k in range(1, self.k_max + 1) if (t := self._value(("draft", (b, k)))) is not None}
-        if plain and len(measured) >= 2:
-            lo, hi = min(measured), max(measured)
-            return max(0.0, measured[hi] - measured[lo]) / (hi - lo) / plain
-        return self.calibrated(batch_size)[0] * self._forward_share(batch_size, plain)
-
-    def _forward_share(self, batch_size: int, plain: float | None) -> float:
-        """The calibrated plain forward's share of a real plain step (1 when either is unknown):
-        calibration times forwards alone, a real step adds sampling, a host sync and output."""
-        b = self.bucket(batch_size)
-        near = min(self.forward_seconds, key=lambda x: abs(x - b), default=None)
-        return min(1.0, self.forward_seconds[near] / plain) if plain and near is not None else 1.0
-
-    def has_plain(self, batch_size: int) -> bool:
-        """Whether a plain step's cost is known at this batch size (measured twice, not expired)."""
-        return self.step_seconds(batch_size, 0) is not None
-
-    def has_speculative(self, batch_size: int) -> bool:
-        """Whether a step with drafts ran at this batch size at all (calibration is a guess)."""
-        b = self.bucket(batch_size)
-        return any(("step", (b, k)) in self._samples for k in range(1, self.k_max + 1))
-
-    def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
-        b = self.bucket(batch_size)
-        keys = sorted(self.verify_ratio) or [b]
-        near = min(keys, key=lambda x: abs(x - b))
-        return self.draft_ratio.get(near, 0.5), self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
-
-    def relative_costs(self, batch_size: int) -> list[float]:
-        """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1).
-
-        Measured K are taken as measured. An unseen K is the nearest measured K > 0 (plain
-        decoding, K = 0, if none) plus the difference: (K - K') draft steps (`draft_step`)
-        and the calibrated difference in verification width. A round's own overhead (the
-        host work of proposing, verifying and accepting) is in the measured neighbour and
-        is paid once per round, not once per draft token. While no round's cost is fresh,
-        expired ones still stand (a calibration of forwards alone would underprice them)."""
-        c, v = self.calibrated(batch_size)
-        plain = self.step_seconds(batch_size, 0)
-        if not plain:
-            return [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
-        d, w = self.draft_step(batch_size), self._forward_share(batch_size, plain)
-        seen = {0: 1.0}
-        for k in range(1, self.k_max + 1):
-            t = self.step_seconds(batch_size, k)
-            if t is not None:
-                seen[k] = t / plain
-        if len(seen) == 1:  # no round measured lately: an expired measurement beats calibration
-            b = self.bucket(batch_size)
-            for k in range(1, self.k_max + 1):
-                if (t := self._value(("step", (b, k)), expired=True)) is not None:
-                    seen[k] = t / plain
-        bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead
-        costs = [1.0]
-        for k in range(1, self.k_max + 1):
-            if k in seen:
-                costs.append(seen[k])
-                continue
-            near = min(bases, key=lambda x: (abs(x - k), x))
-            guess = seen[near] + (k - near) * d + (v[k] - v[near]) * w
-            # never below a measured shorter round, nor above a measured longer one
-            low = max(seen[x] for x in seen if x < k)
-            high = min((seen[x] for x in seen if x > k), default=guess)
-            costs.append(min(max(guess, low), max(high, low)))
-        return costs
 
 
 class SpecPolicy(Protocol):

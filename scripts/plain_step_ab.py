@@ -101,7 +101,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
-            "draft-K0", "draft-k5", "draft-adaptive")
+            "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -158,11 +158,14 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
-               "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive")}
+               "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive"),
+               # built (and calibrated) as adaptive, then never speculating: the build apart from the policy
+               "ngram-adaptive-K0": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-K0": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
-    for name in ("ngram-K0", "draft-K0"):
+    for name in ("ngram-K0", "draft-K0", "ngram-adaptive-K0", "draft-adaptive-K0"):
         if name in engines:
-            engines[name].runner.policy = NeverSpeculate()
+            engines[name].runner.policy, engines[name].runner.shadow = NeverSpeculate(), None
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

@@ -30,6 +30,19 @@ def test_allocator_take_and_release() -> None:
     assert alloc.check() == []
 
 
+def test_allocator_hands_out_the_lowest_free_ids_whatever_came_before() -> None:
+    # a sequence's blocks land in the same place however the pool was used before (start-up
+    # calibration, earlier requests freed in any order): ascending and contiguous when idle
+    alloc = BlockAllocator(8)
+    first, second = alloc.take(3), alloc.take(2)
+    assert first == [0, 1, 2] and second == [3, 4]
+    alloc.release(reversed(first))
+    alloc.release(second)
+    assert alloc.take(4) == [0, 1, 2, 3]
+    alloc.release([2, 0])
+    assert alloc.take(3) == [0, 2, 4]
+
+
 def test_allocator_rejects_double_free_and_bad_sizes() -> None:
     alloc = BlockAllocator(2)
     block = alloc.take(1)[0]

@@ -3,11 +3,14 @@
 Pure Python bookkeeping, no tensors: a block is an integer id in 0..num_blocks-1 whose
 storage rows are `block * block_size + offset`. Allocation is all-or-nothing so a caller
 never ends up holding half of what it asked for; releasing a block that is already free is
-a bug and raises at once instead of corrupting the free list.
+a bug and raises at once instead of corrupting the free list. The free list is a min-heap:
+the lowest free ids go first, so where a sequence's blocks land (ascending, contiguous
+when the pool is idle) does not depend on what ran before, start-up calibration included.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 
 
@@ -16,7 +19,7 @@ class BlockAllocator:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._free: list[int] = list(range(num_blocks))  # a min-heap: the lowest free id first
         self._is_free: list[bool] = [True] * num_blocks
 
     @property
@@ -32,7 +35,7 @@ class BlockAllocator:
             raise ValueError(f"cannot take a negative number of blocks ({n})")
         if n > len(self._free):
             return None
-        taken = [self._free.pop() for _ in range(n)]
+        taken = [heapq.heappop(self._free) for _ in range(n)]
         for block in taken:
             self._is_free[block] = False
         return taken
@@ -45,7 +48,7 @@ class BlockAllocator:
             if self._is_free[block]:
                 raise RuntimeError(f"block {block} released twice (it is already free)")
             self._is_free[block] = True
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
     def check(self) -> list[str]:
         """Internal consistency problems (empty when the free list is sound)."""

@@ -116,6 +116,24 @@ def test_shadow_skips_speculating_requests_and_releases():
     assert shadow.leak_report() == [] and seen == []
 
 
+def test_a_request_that_joins_gets_its_first_shadow_at_once():
+    # the others' schedules must not delay a newcomer's first shadow (the policy keeps it
+    # plain until that shadow is counted)
+    script = list(range(100, 300))
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=8, max_interval=64)
+    proposer = ScriptedProposer(script)
+    a, b = _request("a", script, 5), _request("b", script, 7)
+    shadow.take(proposer, [a], [0])
+    _emit(a, script)
+    _emit(a, script)
+    shadow.check([a])  # a's draft resolved: its next one is 8 steps away
+    shadow.take(proposer, [a], [0])
+    assert proposer.asked == [("a", 5)]
+    shadow.admit("b")
+    shadow.take(proposer, [a, b], [0, 0])
+    assert proposer.asked == [("a", 5), ("b", 7)]
+
+
 def test_empty_shadow_draft_waits_an_interval():
     shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=3)
     proposer = ScriptedProposer([])  # proposes nothing

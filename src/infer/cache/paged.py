@@ -75,7 +75,7 @@ class PagedKVCachePool(RowPool):
         # slot -> storage rows of its positions, expanded from the table once per block (every
         # decode step needs them, a forward's index tensors are built from them), and how many
         # table entries that holds
-        self._rows: dict[int, torch.Tensor] = {}  # [blocks_per_seq * block_size]
+        self._rows: dict[int, torch.Tensor] = {}  # [>= rows expanded], grown by doubling
         self._rows_valid: dict[int, int] = {}
         self._offsets = torch.arange(block_size)  # [block_size]
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
@@ -102,7 +102,7 @@ class PagedKVCachePool(RowPool):
         assert fresh is not None, "block accounting is wrong: counted blocks were not there"
         slot = self._free_slots.pop()
         self._tables[slot], self._shared[slot], self._lens[slot] = matched + fresh, len(matched), cached
-        self._rows[slot] = torch.empty(self._blocks_for(self.max_seq_len) * self.block_size, dtype=torch.long)
+        self._rows[slot] = torch.empty(len(self._tables[slot]) * self.block_size, dtype=torch.long)
         self._rows_valid[slot] = 0
         if prefix_token_ids is not None and self.enable_prefix_caching:
             self.prefix_query_tokens += len(prefix_token_ids)
@@ -267,8 +267,12 @@ class PagedKVCachePool(RowPool):
     def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """CPU [end - start] storage rows of positions start..end-1 (a view: do not modify)."""
         table, rows, size = self._tables[slot], self._rows[slot], self.block_size
-        need = self._blocks_for(end)
-        for i in range(self._rows_valid[slot], need):  # blocks added (or replaced) since last time
+        need, valid = self._blocks_for(end), self._rows_valid[slot]
+        if rows.numel() < need * size:  # grown past the buffer: double it (amortised O(1) a block)
+            grown = torch.empty(max(need, 2 * rows.numel() // size) * size, dtype=torch.long)
+            grown[:valid * size] = rows[:valid * size]
+            rows = self._rows[slot] = grown
+        for i in range(valid, need):  # blocks added (or replaced) since last time
             torch.add(self._offsets, table[i] * size, out=rows[i * size:(i + 1) * size])
         self._rows_valid[slot] = max(self._rows_valid[slot], need)
         return rows[start:end]

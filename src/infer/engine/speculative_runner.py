@@ -127,6 +127,8 @@ class SpeculativeRunner(ContinuousRunner):
         super().allocate(request)
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
+        if self.shadow is not None:
+            self.shadow.admit(request.request_id)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         if not super().ensure_capacity(request, total_tokens):

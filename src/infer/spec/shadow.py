@@ -20,10 +20,11 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
 anyway) plus a list comparison as tokens arrive. A request's first shadow comes at its
-first plain step (the policy lets a request speculate only once it has evidence), the
-next ones every `interval` steps. The interval doubles up to `max_interval` while shadows match fewer than two tokens
-(one token is what a sampled request matches by chance) and returns to `interval` after
-one matches more.
+first plain step (the policy lets a request speculate only once it has evidence; the
+runner tells `admit` when a request joins), the next ones every `interval` steps. The
+interval doubles up to `max_interval` while shadows match fewer than two tokens (one token
+is what a sampled request matches by chance) and returns to `interval` after one matches
+more.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class ShadowDrafts:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def admit(self, request_id: str) -> None:
+        """A request joined the batch: the next `take` looks at it (its first shadow is due at
+        once, whatever the others' schedules)."""
+        self._next_due = 0
 
     def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int]) -> None:
         """Before a decode step: draft in shadow for the requests given k = 0 whose turn it is."""

@@ -133,9 +133,8 @@ class CostModel:
     def _forward_share(self, batch_size: int, plain: float | None) -> float:
         """The calibrated plain forward's share of a real plain step (1 when either is unknown):
         calibration times forwards alone, a real step adds sampling, a host sync and output."""
-        b = self.bucket(batch_size)
-        near = min(self.forward_seconds, key=lambda x: abs(x - b), default=None)
-        return min(1.0, self.forward_seconds[near] / plain) if plain and near is not None else 1.0
+        forward = self.forward_seconds.get(self._calibrated_bucket(batch_size))
+        return min(1.0, forward / plain) if plain and forward is not None else 1.0
 
     def has_plain(self, batch_size: int) -> bool:
         """Whether a plain step's cost is known at this batch size (measured twice, not expired)."""
@@ -146,10 +145,15 @@ class CostModel:
         b = self.bucket(batch_size)
         return any(("step", (b, k)) in self._samples for k in range(1, self.k_max + 1))
 
-    def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
+    def _calibrated_bucket(self, batch_size: int) -> int | None:
+        """The calibrated batch size nearest batch_size's bucket (ties: the smaller); None
+        before calibration."""
         b = self.bucket(batch_size)
-        keys = sorted(self.verify_ratio) or [b]
-        near = min(keys, key=lambda x: abs(x - b))
+        return min(sorted(self.verify_ratio), key=lambda x: abs(x - b), default=None)
+
+    def calibrated(self, batch_size: int) -> tuple[float, list[float]]:
+        """(c, [v(0..k_max)]) of the nearest calibrated batch size (defaults before calibration)."""
+        near = self._calibrated_bucket(batch_size)
         return self.draft_ratio.get(near, 0.5), self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
 
     def relative_costs(self, batch_size: int) -> list[float]:

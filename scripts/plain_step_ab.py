@@ -7,8 +7,16 @@ once, starting at a different engine and in reverse order every other round, so 
 drift hits all alike; "paired" is the median of per-round ratios to plain, "best" the
 ratio of the fastest runs.
 
+With `--instances N` every variant is built N times (plain included) and each round runs
+every instance: identical engines in one process were seen to differ by 3-6 %, so one
+instance per variant confounds the variant with its instance. The pooled ratio divides the
+mean time of plain's instances by the variant's, per round; per-instance ratios (plain's
+own instances among them: the method's noise floor) are printed too. `--gpu-time` also
+times each engine's graph replays with CUDA events in one extra generation, to tell GPU
+time from host time.
+
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
-        [--workload W1 W5] [--variants ...] [--phases]
+        [--workload W1 W5] [--variants ...] [--instances 1] [--gpu-time] [--phases]
 """
 
 from __future__ import annotations
@@ -101,7 +109,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
-            "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0")
+            "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -151,13 +159,25 @@ def eager_sampling(engine: Engine) -> None:
     runner._decode = decode
 
 
-def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
+def build_engines(variants: tuple[str, ...] = VARIANTS, instances: int = 1) -> dict[str, Engine]:
+    """Engines by name; with instances > 1 each variant is built that many times, named
+    "variant#i", in rotated order (instance i of every variant, then the next instance)."""
+    if instances == 1:
+        return _build(variants)
+    engines: dict[str, Engine] = {}
+    for i in range(instances):
+        engines.update({f"{name}#{i}": e for name, e in _build(variants).items()})
+    return engines
+
+
+def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
     configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
+               "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive"),
                # built (and calibrated) as adaptive, then never speculating: the build apart from the policy
                "ngram-adaptive-K0": dict(ngram, spec_policy="adaptive"),
@@ -173,7 +193,45 @@ def build_engines(variants: tuple[str, ...] = VARIANTS) -> dict[str, Engine]:
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed = None, False
+    if "ngram-adaptive-prior1" in engines:  # shadow evidence is free: a light prior
+        engines["ngram-adaptive-prior1"].runner.policy.prior_weight = 1.0
     return engines
+
+
+def variant(name: str) -> str:
+    return name.split("#")[0]
+
+
+class _TimedGraph:
+    """A CUDA graph whose replays are timed with events (GPU time of the replay alone)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, spans: list) -> None:  # noqa: ANN001
+        self.graph, self.spans = graph, spans
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.spans.append((start, end))
+
+
+def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
+    """One generation with every replay of the target's decode graphs timed: (median GPU ms
+    of a replay, wall ms per token, replays timed)."""
+    forward = engine.runner.forward
+    graphs = list(getattr(forward, "graphs", {}).values()) + list(getattr(forward, "samplers", {}).values())
+    spans: list = []
+    for g in graphs:
+        g.graph = _TimedGraph(g.graph, spans)
+    try:
+        wall = ms_per_token(engine, prompt, temperature, tokens)
+    finally:
+        for g in graphs:
+            g.graph = g.graph.graph
+    sync()
+    times = [s.elapsed_time(e) for s, e in spans]
+    return (statistics.median(times) if times else float("nan")), wall, len(times)
 
 
 def main() -> None:
@@ -185,10 +243,12 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="engines to compare (plain is always there)")
     ap.add_argument("--phases", action="store_true", help="also time the phases of adaptive steps (extra runs)")
+    ap.add_argument("--instances", type=int, default=1, help="engines built per variant (see the docstring)")
+    ap.add_argument("--gpu-time", action="store_true", help="also time graph replays with CUDA events")
     args = ap.parse_args()
-    engines = build_engines(tuple(args.variants))
+    engines = build_engines(tuple(args.variants), args.instances)
     names = list(engines)
-    plain = engines["plain"]
+    plain = engines[names[0]]
     for w in args.workload:
         prompt = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer).requests[0].prompt_ids
         for t in args.temperature:
@@ -202,11 +262,14 @@ def main() -> None:
                 rotated = names[i % len(names):] + names[:i % len(names)]
                 for name in rotated if i % 2 == 0 else rotated[::-1]:
                     times[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
-            ref, best_ref = statistics.median(times["plain"]), min(times["plain"])
+            if args.instances > 1:
+                print_pooled(times, w, t)
+            ref_name = names[0]
+            ref, best_ref = statistics.median(times[ref_name]), min(times[ref_name])
             for name, ts in times.items():
                 med = statistics.median(ts)
                 # the median of per-round ratios cancels drift of the machine between rounds
-                paired = statistics.median(p / x for p, x in zip(times["plain"], ts, strict=True))
+                paired = statistics.median(p / x for p, x in zip(times[ref_name], ts, strict=True))
                 print(f"{w} T={t:g} {name}: {med:.3f} ms/token (x{ref / med:.3f} of plain speed; paired x{paired:.3f}, "
                       f"best x{best_ref / min(ts):.3f}), runs " + " ".join(f"{x:.3f}" for x in ts), flush=True)
             for name, earlier in before.items():  # what the timed runs did, per generation
@@ -216,9 +279,34 @@ def main() -> None:
                       flush=True)
             if args.phases:
                 print_phases(engines, prompt, w, t, args.tokens)
+            if args.gpu_time and torch.cuda.is_available():
+                for name, engine in engines.items():
+                    gpu, wall, n = graph_gpu_ms(engine, prompt, t, args.tokens)
+                    print(f"{w} T={t:g} {name} graph replay: median {gpu:.4f} ms GPU over {n} replays, "
+                          f"{wall:.3f} ms/token wall", flush=True)
             for name, engine in engines.items():
-                if name.endswith("adaptive"):
+                if variant(name).endswith(("adaptive", "prior1")):
                     print_costs(f"{w} T={t:g} {name}", engine)
+
+
+def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
+    """Ratios to plain with every variant's instances pooled: per round, plain's mean time
+    over its instances / the variant's; the median over rounds. Then each instance's own
+    paired ratio to pooled plain (plain's instances show the noise floor of the method)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in times:
+        groups[variant(name)].append(name)
+    rounds = len(next(iter(times.values())))
+
+    def mean_at(members: list[str], i: int) -> float:
+        return statistics.fmean(times[m][i] for m in members)
+
+    plain = [mean_at(groups["plain"], i) for i in range(rounds)]
+    for v, members in groups.items():
+        pooled = statistics.median(plain[i] / mean_at(members, i) for i in range(rounds))
+        each = [statistics.median(plain[i] / times[m][i] for i in range(rounds)) for m in members]
+        print(f"{w} T={t:g} {v} pooled over {len(members)} instances: paired x{pooled:.3f}; instances "
+              + " ".join(f"x{x:.3f}" for x in each), flush=True)
 
 
 def print_costs(label: str, engine: Engine) -> None:
@@ -226,9 +314,13 @@ def print_costs(label: str, engine: Engine) -> None:
     the calibrated forward's share of a real plain step, and the measured step times."""
     costs = engine.runner.cost_model
     plain = costs.step_seconds(1, 0)
+    c, v = costs.calibrated(1)
+    expired = {k: round(x * 1e3, 3) for k in range(1, costs.k_max + 1)
+               if (x := costs._value(("step", (1, k)), expired=True)) is not None and (1, k) not in costs.observed}
     print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1)]}, draft step "
           f"{costs.draft_step(1):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
-          f"measured ms {dict(sorted((k, round(v * 1e3, 3)) for (b, k), v in costs.observed.items() if b == 1))}",
+          f"measured ms {dict(sorted((k, round(v * 1e3, 3)) for (b, k), v in costs.observed.items() if b == 1))}, "
+          f"expired ms {expired}, switch {costs.switch_cost(1):.2f}, calibrated c {c:.3f} v {[round(x, 2) for x in v]}",
           flush=True)
 
 
@@ -236,7 +328,7 @@ def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     """Per-phase breakdown from extra, instrumented generations (the wrappers cost host time
     themselves, so the timed rounds run without them)."""
     for name, engine in engines.items():
-        if not name.endswith(("adaptive", "noshadow")):
+        if not variant(name).endswith(("adaptive", "noshadow", "prior1")):
             continue
         phases, remove = instrument(engine)
         ms_per_token(engine, prompt, t, tokens)

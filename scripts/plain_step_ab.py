@@ -13,10 +13,11 @@ instance per variant confounds the variant with its instance. The pooled ratio d
 mean time of plain's instances by the variant's, per round; per-instance ratios (plain's
 own instances among them: the method's noise floor) are printed too. `--gpu-time` also
 times each engine's graph replays with CUDA events in one extra generation, to tell GPU
-time from host time.
+time from host time, and `--split` splits each decode step's host time (scheduler, the
+runner's step, the plain decode inside it, retirement).
 
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
-        [--workload W1 W5] [--variants ...] [--instances 1] [--gpu-time] [--phases]
+        [--workload W1 W5] [--variants ...] [--instances 1] [--gpu-time] [--split] [--phases]
 """
 
 from __future__ import annotations
@@ -216,6 +217,43 @@ class _TimedGraph:
         self.spans.append((start, end))
 
 
+def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> dict[str, float]:
+    """One generation with each decode step's host time split (median us): the scheduler, the
+    runner's step, the ContinuousRunner decode inside it (the forward's wait included), the
+    retirement. The runner's step minus its inner decode is what the runner adds around it."""
+    from infer.engine.runner import ContinuousRunner
+    parts: dict[str, list[float]] = defaultdict(list)
+    inner_decode = ContinuousRunner._decode
+
+    def decode(self, requests):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        out = inner_decode(self, requests)
+        parts["decode"].append(time.perf_counter() - start)
+        return out
+
+    def step():  # noqa: ANN202
+        a = time.perf_counter()
+        decision = engine.scheduler.schedule(engine.runner)
+        b = time.perf_counter()
+        results = engine.runner.step(decision.prefill, decision.decode)
+        c = time.perf_counter()
+        for request in engine.scheduler.retire(engine.runner):
+            engine._requests.pop(request.request_id, None)
+        if decision.decode and not decision.prefill:
+            parts["schedule"].append(b - a)
+            parts["runner step"].append(c - b)
+            parts["retire"].append(time.perf_counter() - c)
+        return results
+
+    ContinuousRunner._decode, engine.step = decode, step
+    try:
+        ms_per_token(engine, prompt, temperature, tokens)
+    finally:
+        ContinuousRunner._decode = inner_decode
+        del engine.step
+    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+
+
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
     """One generation with every replay of the target's decode graphs timed: (median GPU ms
     of a replay, wall ms per token, replays timed)."""
@@ -245,6 +283,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true", help="also time the phases of adaptive steps (extra runs)")
     ap.add_argument("--instances", type=int, default=1, help="engines built per variant (see the docstring)")
     ap.add_argument("--gpu-time", action="store_true", help="also time graph replays with CUDA events")
+    ap.add_argument("--split", action="store_true", help="also split decode steps' host time (extra runs)")
     args = ap.parse_args()
     engines = build_engines(tuple(args.variants), args.instances)
     names = list(engines)
@@ -284,6 +323,11 @@ def main() -> None:
                     gpu, wall, n = graph_gpu_ms(engine, prompt, t, args.tokens)
                     print(f"{w} T={t:g} {name} graph replay: median {gpu:.4f} ms GPU over {n} replays, "
                           f"{wall:.3f} ms/token wall", flush=True)
+            if args.split:
+                for name, engine in engines.items():
+                    split = step_split_us(engine, prompt, t, args.tokens)
+                    print(f"{w} T={t:g} {name} host split (median us): "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
                 if variant(name).endswith(("adaptive", "prior1")):
                     print_costs(f"{w} T={t:g} {name}", engine)

@@ -162,12 +162,20 @@ class ContinuousRunner:
             uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
             new, _ = self.forward.sample(ids, layout, [1.0 if p.greedy else p.temperature for p in params],
                                          uniforms, [p.greedy for p in params])  # [B]
+            self._in_flight(requests)
             tokens = new.tolist()
         else:
-            tokens = self.sample(requests, self.forward(ids, layout, all_logits=False))  # logits [B, V]
+            logits = self.forward(ids, layout, all_logits=False)  # [B, V]
+            self._in_flight(requests)
+            tokens = self.sample(requests, logits)
         for r in requests:
             r.num_computed_tokens += 1
         return [(r, self.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
+
+    def _in_flight(self, requests: Sequence[Request]) -> None:
+        """Host work of a plain decode step that needs nothing from the step itself, run after
+        its forward is queued and before its tokens are read: on a GPU it hides under the
+        forward. The requests still hold the tokens they had before the step. Nothing here."""
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
         """One token per request from logits [B, V] with each request's params and generator."""

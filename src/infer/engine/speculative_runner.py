@@ -56,6 +56,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
         self._after_round = False  # the last decode step verified drafts
+        self._shadow_ks: Sequence[int] | None = None  # the plain step's ks for `_in_flight` (None: all 0)
         self.shadow: ShadowDrafts | None = None
         self.policy: SpecPolicy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -162,46 +163,70 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
         start = time.perf_counter()
+        quiet = getattr(self.policy, "quiet", None)
+        if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
+            return self._plain_decode(requests, None, start)
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
-        longest, switch, drafting = 0, 0.0, 0.0
+        if not any(ks):  # nobody speculates this step: exactly the plain decode step
+            return self._plain_decode(requests, None, start)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
-        if not any(ks):  # nobody speculates this step: exactly the plain decode step
-            outputs = super()._decode(requests)
-            self._plain_steps += 1
-            # the first two, then two in a row every PLAIN_SAMPLE_EVERY (a cost counts from its 2nd
-            # sample), and any right after speculation (while speculating, plain steps are rare and
-            # the baseline must not expire)
-            timed = self._after_round or self._plain_steps <= 2 or self._plain_steps % PLAIN_SAMPLE_EVERY <= 1
-        else:
-            drafting = time.perf_counter()
-            drafts = self.proposer.propose(requests, ks)
-            switch = self.proposer.catch_up_seconds
-            drafting = time.perf_counter() - drafting - switch
-            longest = max(len(d.token_ids) for d in drafts)
-            for r, k, d in zip(requests, ks, drafts, strict=True):
-                if k and not d.token_ids:
-                    self.policy.no_proposal(r.request_id)
+        drafting = time.perf_counter()
+        drafts = self.proposer.propose(requests, ks)
+        switch = self.proposer.catch_up_seconds
+        drafting = time.perf_counter() - drafting - switch
+        longest = max(len(d.token_ids) for d in drafts)
+        for r, k, d in zip(requests, ks, drafts, strict=True):
+            if k and not d.token_ids:
+                self.policy.no_proposal(r.request_id)
+        if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up
-            timed = longest > 0
-            outputs = (self._accept(requests, drafts, self._verify(requests, drafts)) if timed
-                       else super()._decode(requests))
+            return self._plain_decode(requests, ks, None)
+        outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)
-        self._after_round = longest > 0
-        if timed:
-            # the step ended in a host sync (tokens are on the host), so this is its real cost;
-            # a draft catching up after plain steps is the cost of switching, recorded apart
-            if switch:
-                self.cost_model.observe_switch(len(requests), switch)
-            if longest:
-                self.cost_model.observe_draft(len(requests), longest, drafting)
-            self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
+        self._after_round = True
+        # the step ended in a host sync (tokens are on the host), so this is its real cost;
+        # a draft catching up after plain steps is the cost of switching, recorded apart
+        if switch:
+            self.cost_model.observe_switch(len(requests), switch)
+        self.cost_model.observe_draft(len(requests), longest, drafting)
+        self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch)
         return outputs
+
+    def _plain_decode(self, requests: Sequence[Request], ks: Sequence[int] | None, start: float | None) -> StepResult:
+        """A step without drafts: the ContinuousRunner's decode step, shadow drafts taken while
+        its forward is in flight (`_in_flight`) and checked after. ks: the policy's choice when
+        some k > 0 found no proposal (those requests take no shadow), else None (all k = 0).
+        start: when the step began, or None when it must not be timed as a plain step.
+
+        Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
+        counts from its second sample), and any right after speculation (while speculating,
+        plain steps are rare and the baseline must not expire)."""
+        self._shadow_ks = ks
+        if start is not None:
+            self._plain_steps += 1
+            n = self._plain_steps
+            if not (self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1):
+                start = None
+        outputs = super()._decode(requests)
+        if self.shadow is not None:
+            self.shadow.check(requests)
+        self._after_round = False
+        if start is not None:
+            self.cost_model.observe(len(requests), 0, time.perf_counter() - start)
+        return outputs
+
+    def _in_flight(self, requests: Sequence[Request]) -> None:
+        """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
+        forward runs: they read only the tokens the requests had before it."""
+        if self.shadow is not None:
+            ks = self._shadow_ks
+            self.shadow.take(self.proposer, requests, [0] * len(requests) if ks is None else ks)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""

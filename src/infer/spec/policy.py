@@ -190,12 +190,10 @@ class AdaptivePolicy:
         # this runs before every decode step, mostly to answer "plain again": an all-plain
         # answer holds for the same batch until the next probe or cost refresh is due, and
         # the best K per estimate is cached until the estimate or the cost table changes
-        self._steps += 1
         batch = len(requests)
-        quiet = self._quiet
-        if (quiet is not None and self._steps < quiet.until and quiet.table.version == self.costs.version
-                and requests == quiet.batch):
+        if self.quiet(requests):
             return [0] * batch
+        self._steps += 1
         self._quiet = None
         table = self._cost_table(batch)
         if table is None or self._steps % self.plain_refresh == 0:
@@ -227,6 +225,17 @@ class AdaptivePolicy:
         if not any(ks):
             self._quiet = _Quiet(list(requests), next_due, table)
         return ks
+
+    def quiet(self, requests: Sequence[RequestLike]) -> bool:
+        """Whether a standing all-plain decision holds for this batch at this step. If so the
+        step is counted, as `choose` would, and the caller may skip `choose` (the runner's
+        thin path for plain steps: no per-request lists built)."""
+        quiet = self._quiet
+        if (quiet is not None and self._steps + 1 < quiet.until and quiet.table.version == self.costs.version
+                and requests == quiet.batch):
+            self._steps += 1
+            return True
+        return False
 
     def _cost_table(self, batch_size: int) -> _CostTable | None:
         """Relative costs and probe spacing at this batch size; None until a plain step's cost

@@ -17,13 +17,14 @@ time from host time, and `--split` splits each decode step's host time (schedule
 runner's step, the plain decode inside it, retirement).
 
     PYTHONPATH=src python scripts/plain_step_ab.py [--rounds 15] [--temperature 0 1]
-        [--workload W1 W5] [--variants ...] [--instances 1] [--gpu-time] [--split] [--phases]
+        [--workload W1 W5] [--variants ...] [--instances 1] [--gpu-time] [--split] [--gc-freeze] [--phases]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -245,13 +246,30 @@ def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens:
             parts["retire"].append(time.perf_counter() - c)
         return results
 
+    gc_start: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            parts[f"gc{info['generation']}"].append(time.perf_counter() - gc_start.pop())
+
     ContinuousRunner._decode, engine.step = decode, step
+    gc.callbacks.append(on_gc)
     try:
         ms_per_token(engine, prompt, temperature, tokens)
     finally:
+        gc.callbacks.remove(on_gc)
         ContinuousRunner._decode = inner_decode
         del engine.step
-    return {k: statistics.median(v) * 1e6 for k, v in parts.items()}
+    out = {k: statistics.median(v) * 1e6 for k, v in parts.items() if not k.startswith("gc")}
+    steps = sorted(parts["runner step"])
+    out["runner step mean"] = statistics.fmean(steps) * 1e6
+    out["p90"] = steps[int(0.9 * (len(steps) - 1))] * 1e6
+    out["max"] = steps[-1] * 1e6
+    for k in sorted(x for x in parts if x.startswith("gc")):  # collections: count x total us
+        out[f"{k} n"], out[f"{k} total"] = len(parts[k]), sum(parts[k]) * 1e6
+    return out
 
 
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
@@ -284,8 +302,14 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1, help="engines built per variant (see the docstring)")
     ap.add_argument("--gpu-time", action="store_true", help="also time graph replays with CUDA events")
     ap.add_argument("--split", action="store_true", help="also split decode steps' host time (extra runs)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
     engines = build_engines(tuple(args.variants), args.instances)
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+        print(f"gc.freeze(): {gc.get_freeze_count()} objects frozen", flush=True)
     names = list(engines)
     plain = engines[names[0]]
     for w in args.workload:

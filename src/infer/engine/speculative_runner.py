@@ -132,13 +132,16 @@ class SpeculativeRunner(ContinuousRunner):
             self.shadow.admit(request.request_id)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        if not super().ensure_capacity(request, total_tokens):
+        # (called for every decoding request before every step: kept to the two pool calls)
+        assert request.slot is not None
+        if not self.cache_pool.ensure_capacity(request.slot, total_tokens):
             return False
         return self.draft is None or self.draft.ensure_capacity(request, total_tokens - 1)
 
     def decode_demand(self, request: Request) -> int:
         # K + 1 positions, never past max_seq_len (the policy's overflow guard shrinks K there)
-        return max(1, min(self.spec_length + 1, self.config.max_seq_len - request.num_computed_tokens))
+        room = self.config.max_seq_len - request.num_computed_tokens
+        return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
         self.proposer.release(request)

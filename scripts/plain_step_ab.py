@@ -111,7 +111,8 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
-            "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1")
+            "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
+            "plain-specforward", "draft-K0-plainforward")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -180,12 +181,22 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
+               # the forward functions swapped: which one carries the speculative engine's plain-step cost?
+               "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive"),
                # built (and calibrated) as adaptive, then never speculating: the build apart from the policy
                "ngram-adaptive-K0": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-K0": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
-    for name in ("ngram-K0", "draft-K0", "ngram-adaptive-K0", "draft-adaptive-K0"):
+    if "plain-specforward" in engines:  # a plain runner decoding through a speculative runner's graphs
+        from infer.engine.speculative_runner import SpeculativeRunner
+        runner = engines["plain-specforward"].runner
+        runner.forward = SpeculativeRunner._make_decode_forward(runner)  # (reads config and model only)
+    if "draft-K0-plainforward" in engines:  # the opposite: a speculative runner with plain graphs only
+        from infer.engine.runner import ContinuousRunner
+        runner = engines["draft-K0-plainforward"].runner
+        runner.forward = ContinuousRunner._make_decode_forward(runner)
+    for name in ("ngram-K0", "draft-K0", "ngram-adaptive-K0", "draft-adaptive-K0", "draft-K0-plainforward"):
         if name in engines:
             engines[name].runner.policy, engines[name].runner.shadow = NeverSpeculate(), None
     if "plain-eager-sampling" in engines:

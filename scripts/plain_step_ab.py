@@ -112,7 +112,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
-            "plain-specforward", "draft-K0-plainforward")
+            "plain-specforward", "draft-K0-plainforward", "draft-k5-steps")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -183,11 +183,14 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
+               "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
                "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive"),
                # built (and calibrated) as adaptive, then never speculating: the build apart from the policy
                "ngram-adaptive-K0": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-K0": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
+    if "draft-k5-steps" in engines:
+        engines["draft-k5-steps"].runner.draft.fuse_rounds = False
     if "plain-specforward" in engines:  # a plain runner decoding through a speculative runner's graphs
         from infer.engine.speculative_runner import SpeculativeRunner
         runner = engines["plain-specforward"].runner

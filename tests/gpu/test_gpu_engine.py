@@ -54,6 +54,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
         from infer.spec.draft_model import CATCH_UP_CHUNK
         assert CATCH_UP_CHUNK in widths  # the lazy draft prefill ran as padded graph replays
         assert forward.verify_replays > 0  # greedy acceptance ran in its graph
+        assert graphs.engine.runner.draft.step_forward.loop_replays > 0  # whole rounds in one replay
         # the target drafting for itself accepts everything only if those replays filled the
         # draft cache with exactly the prompt
         assert graphs.engine.runner.stats.acceptance_rate >= 0.99
@@ -191,6 +192,56 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
     assert llm.engine.leak_report() == []
 
 
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+@pytest.mark.parametrize("width", [1, 3])
+def test_draft_loop_graph_matches_eager(ckpt_a, backend, width):
+    # a whole draft round in one replay: the same tokens, probabilities and cache contents as
+    # the eager step-by-step loop; three rows padded to the bucket of 4, greedy and sampled
+    from infer.cache.forward import EagerForward
+    from infer.cache.view import BatchLayout
+    from infer.engine.cuda_graphs import GraphForward
+    llm = LLM(str(ckpt_a), device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=4,
+              max_seq_len=128, use_cuda_graphs=False, compile_kernels=False)
+    runner = llm.engine.runner
+    model, pool = runner.model, runner.cache_pool
+    graphs = GraphForward(model, pool, [1, 2, 4], [(w, False) for w in range(1, 5)])
+    eager = EagerForward(model, pool)
+    steps, start = 4, [7, 19, 12]
+    slots = [pool.allocate_slot(40) for _ in start]
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (3, 19), generator=gen)
+    feed = torch.randint(0, model.config.vocab_size, (3, width), generator=gen)
+    uniforms = torch.rand((3, steps), generator=gen, dtype=torch.float64)
+    temperatures, greedy = [0.7, 1.0, 1.0], [False, False, True]
+    layout = BatchLayout.of(slots, start, [width + steps - 1] * 3)
+    with torch.inference_mode():
+        for s in slots:
+            pool.ensure_capacity(s, 40)
+        eager(prompt, BatchLayout.of(slots, [0, 0, 0], start), all_logits=False)
+
+        def run(forward):
+            tokens, probs = forward.draft_loop(feed, layout, steps, temperatures, uniforms, greedy)
+            assert [pool.seq_len(s) for s in slots] == layout.ends
+            kv = torch.cat([pool.k_cache[:, pool.rows(s, 0, e).to("cuda")]  # what the round wrote, and before
+                            for s, e in zip(slots, layout.ends, strict=True)], dim=1)
+            out = tokens.clone(), probs.clone(), kv
+            for s, n in zip(slots, start, strict=True):
+                pool.truncate_to(s, n)
+            return out
+
+        reference = run(eager)
+        replayed = run(graphs)
+        again = run(graphs)  # the captured graph replayed
+    assert graphs.loop_replays == 2 and len(graphs.loops) == 1
+    assert replayed[0].tolist() == reference[0].tolist() == again[0].tolist()
+    torch.testing.assert_close(replayed[1], reference[1], rtol=1e-4, atol=1e-5)
+    assert (replayed[1][2].max(dim=-1).values == 1).all()  # the greedy row: one-hot
+    torch.testing.assert_close(replayed[2], reference[2], rtol=1e-4, atol=1e-4)
+    for s in slots:
+        pool.free_slot(s)
+    assert llm.engine.leak_report() == []
+
+
 def _sampled_graphs_match_eager(ckpt, **engine_kwargs):
     """Seeded mixed-temperature batches of 1, 2 and 6 rows (buckets 1, 2 and 8, padded) give
     the same tokens with CUDA graphs as eagerly; returns the graphs engine's LLM."""
@@ -222,7 +273,8 @@ def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
                                          spec_length=3, **kw)
     runner = graphs.engine.runner
     if method == "draft_model":  # the target drafting for itself: most drafts accepted
-        assert runner.draft.step_forward.sample_replays > 0 and runner.stats.accepted_tokens > 0
+        step = runner.draft.step_forward
+        assert step.loop_replays > 0 and runner.stats.accepted_tokens > 0
     assert runner.forward.verify_replays > 0
 
 

@@ -375,6 +375,29 @@ def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_d
     assert results[0][2] > 0  # self-draft at a temperature: most drafts accepted
 
 
+@pytest.mark.parametrize("temperatures", [[0, 0, 0, 0], [0.8, 1.0, 0, 1.3]])
+def test_fused_draft_rounds_equal_step_by_step(make_llm, ckpt_a, prompts, temperatures):
+    # a round whose rows all draft k tokens after feeds of one width runs as one `draft_loop`
+    # (one CUDA graph replay on a GPU); it must draft exactly what the step-by-step loop drafts
+    params = [SamplingParams(temperature=t, max_tokens=MAX_NEW, ignore_eos=True, seed=7 + i)
+              for i, t in enumerate(temperatures)]
+    results = []
+    for fuse in (True, False):
+        llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
+        draft = llm.engine.runner.draft
+        draft.fuse_rounds = fuse
+        loops = []
+        loop = draft.step_forward.draft_loop
+        draft.step_forward.draft_loop = lambda *a: (loops.append(a[2]), loop(*a))[1]
+        outs = [o.outputs[0].token_ids for batch in (prompts[:4], prompts[4:5])
+                for o in llm.generate(prompt_token_ids=batch, sampling_params=params[:len(batch)])]
+        stats = llm.engine.runner.stats
+        results.append((outs, stats.draft_tokens, stats.accepted_tokens, stats.accepted_per_position))
+        assert bool(loops) == fuse and set(loops) <= {K}
+    assert results[0] == results[1]
+    assert results[0][2] > 0  # self-draft: most drafts accepted
+
+
 def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     # catch-ups are fed in chunks of at most CATCH_UP_CHUNK tokens per row (the Triton path on
     # a GPU); with a tiny chunk the prompts' lazy prefill and every gap take several chunks

@@ -14,7 +14,10 @@ with staged uniforms, so a sampled draft step is one replay rather than a replay
 dozen small kernel launches. Verification likewise (`verify`): a small second graph reads
 the verification graph's logits and runs the whole accept / recover / bonus step
 (`rejection.verify_logits`), so a round's verification is two replays and one copy back
-instead of some forty eager kernel launches.
+instead of some forty eager kernel launches. A draft model's whole round (`draft_loop`:
+K sampled steps, each feeding the token the one before sampled) is one graph as well,
+captured on first use per (bucket, width of the first step, K): its steps read their
+columns of one index fill for the union of their positions.
 """
 
 from __future__ import annotations
@@ -113,14 +116,35 @@ class _Verifier:
     out: torch.Tensor  # [b, w+1] long: draft tokens | accepted | recovered or bonus token
 
 
+@dataclass
+class _Loop:
+    """A draft round's steps in one graph (`GraphForward.draft_loop`), for one (bucket, width
+    of step 1, steps)."""
+
+    graph: torch.cuda.CUDAGraph
+    staging: _Staging  # int64: ids [b, w] | positions [b, W] | write_rows [b*W] | gather_rows [b, S] | ctx_end [b]
+    floats: _Staging  # float64 [2 + steps, b]: temperature | greedy | uniforms per step
+    tokens: torch.Tensor  # [b, steps]
+    probs: torch.Tensor  # [b, steps, V]
+    # per staging host buffer: ids, and the union layout's indices (filled in place)
+    host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
+
+
+def _loop_segments(b: int, w: int, steps: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
+    width = w + steps - 1
+    return [("ids", (b, w)), ("positions", (b, width)), ("write_rows", (b * width,)), ("gather_rows", (b, s)),
+            ("ctx_end", (b,))]
+
+
 def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
     return [("ids", (b, w)), ("positions", (b, w)), ("last", (b,)), ("write_rows", (b * w,)),
             ("gather_rows", (b, s)), ("ctx_end", (b,))]
 
 
-def _split(buf: torch.Tensor, b: int, w: int, s: int) -> dict[str, torch.Tensor]:
+def _split(buf: torch.Tensor, b: int, w: int, s: int,
+           segments: list[tuple[str, tuple[int, ...]]] | None = None) -> dict[str, torch.Tensor]:
     parts, offset = {}, 0
-    for name, shape in _segments(b, w, s):
+    for name, shape in segments if segments is not None else _segments(b, w, s):
         n = 1
         for x in shape:
             n *= x
@@ -150,7 +174,8 @@ class GraphForward:
         self.buckets = sorted(set(batch_sizes))
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
-        stream = torch.cuda.Stream(self.device)
+        self.loops: dict[tuple[int, int, int], _Loop] = {}  # draft rounds, captured on first use
+        self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
             for w, all_logits in shapes + (small if b <= SMALL_BATCH_MAX else []):
@@ -167,6 +192,7 @@ class GraphForward:
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
         self.verify_replays = 0  # rejection-sampling replays
+        self.loop_replays = 0  # draft rounds replayed as one graph
 
     @torch.inference_mode()
     def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream,
@@ -308,6 +334,78 @@ class GraphForward:
         v.graph.replay()
         self.verify_replays += 1
         return v.out[:n]
+
+    def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
+                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same function as `EagerForward.draft_loop` in one replay: a draft round's host
+        work is one index fill for the union of its steps instead of one per step. Graphs are
+        captured on first use of a (bucket, width of step 1, steps), for buckets up to
+        SMALL_BATCH_MAX; anything else runs the eager loop."""
+        n, w = ids.shape
+        if (n > min(self.buckets[-1], SMALL_BATCH_MAX) or max(layout.ends) > self.context_width
+                or layout.chunk_lens != (w + steps - 1,) * n):
+            return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
+        key = (self._bucket(n), w, steps)
+        g = self.loops.get(key)
+        if g is None:
+            g = self.loops[key] = self._capture_loop(*key)
+        g.staging.next_host()
+        staged_ids, indices = g.host_parts[g.staging.turn]
+        self.pool.indices(layout, self.context_width, out=indices)  # padding rows write to scratch
+        staged_ids[:n] = ids
+        floats = g.floats.next_host().view(2 + steps, -1)
+        floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
+        floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
+        floats[2:, :n] = uniforms.t()
+        g.staging.send()
+        g.floats.send()
+        g.graph.replay()
+        self.pool.commit(layout)
+        self.loop_replays += 1
+        return g.tokens[:n], g.probs[:n]
+
+    @torch.inference_mode()
+    def _capture_loop(self, b: int, w: int, steps: int) -> _Loop:
+        """Capture `steps` sampled steps: step 1 reads the staged ids, each later step the
+        tokens sampled by the one before; step s reads its columns of the union's indices."""
+        s, width = self.context_width, w + steps - 1
+        segments = _loop_segments(b, w, steps, s)
+        device = torch.zeros(sum(torch.Size(shape).numel() for _, shape in segments), dtype=torch.long,
+                             device=self.device)
+        parts = _split(device, b, w, s, segments)
+        parts["positions"].copy_(torch.arange(width).repeat(b, 1))
+        parts["write_rows"].fill_(self.pool.scratch_row)
+        parts["gather_rows"].fill_(self.pool.scratch_row)
+        parts["ctx_end"].fill_(width)
+        floats = torch.full((2 + steps, b), 0.5, dtype=torch.float64, device=self.device)
+        floats[:2] = 1.0  # temperature 1, greedy
+        write = parts["write_rows"].view(b, width)
+        last = [torch.full((b,), w - 1, dtype=torch.long, device=self.device),
+                torch.zeros(b, dtype=torch.long, device=self.device)]
+
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            step_ids, tokens, probs = parts["ids"], [], []
+            for i in range(steps):
+                lo, hi = (0, w) if i == 0 else (w + i - 1, w + i)
+                positions = parts["positions"][:, lo:hi].contiguous()  # [b, w_i]
+                indices = ViewIndices(write[:, lo:hi].reshape(-1), parts["gather_rows"], positions,
+                                      positions[:, -1] + 1)
+                view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
+                logits = self.model(step_ids, positions, view, logits_indices=last[min(i, 1)], kernels=self.kernels)
+                p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
+                new = sample_from_probs(p, floats[2 + i])  # [b]
+                tokens.append(new)
+                probs.append(p)
+                step_ids = new[:, None]
+            return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+        graph, (tokens, probs) = self._record(run, self.stream)
+        g = _Loop(graph, _Staging(device), _Staging(floats), tokens, probs)
+        for host in g.staging.hosts:
+            host_parts = _split(host, b, w, s, segments)
+            g.host_parts.append((host_parts["ids"], ViewIndices(host_parts["write_rows"], host_parts["gather_rows"],
+                                                                host_parts["positions"], host_parts["ctx_end"])))
+        return g
 
     def _replay(self, g: _Graph, ids: torch.Tensor, layout: BatchLayout) -> None:
         n = len(layout.slots)

@@ -11,7 +11,10 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
    the growing context, temperature, top-k, top-p) with the request's generator. Greedy
-   rows take the argmax and report no probabilities (a one-hot q).
+   rows take the argmax and report no probabilities (a one-hot q). When every row drafts
+   the same k after a feed of the same width and samples with a temperature alone (greedy
+   included), the K steps are one `draft_loop` call: on the GPU one CUDA graph replay, so a
+   round pays the host work of one step rather than K (small draft models are bound by it).
 3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
    what it actually holds, n + k), spec D6.
 """
@@ -62,6 +65,9 @@ class DraftModelProposer:
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
+        # draft rounds whose rows all draft the same k after a feed of one width run as one
+        # `draft_loop` (False: always step by step, as the reference the tests compare with)
+        self.fuse_rounds = True
 
     # -- memory, in lockstep with the target pool --------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -173,6 +179,15 @@ class DraftModelProposer:
         ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
+        loop = getattr(self.step_forward, "draft_loop", None) if self.fuse_rounds else None
+        if loop is not None and contexts is None and (greedy or fused is not None) and min(ks) == k_max \
+                and min(lens) == max(lens):
+            # every row drafts k_max tokens after a feed of the same width: the whole round is
+            # one `draft_loop` (one CUDA graph replay on the GPU)
+            union = BatchLayout.of(slots, starts, [lens[0] + k_max - 1] * batch)
+            loop_uniforms = torch.zeros((batch, k_max), dtype=torch.float64) if greedy else host_uniforms
+            loop_tokens, loop_probs = loop(ids, union, k_max, temps, loop_uniforms, [p.greedy for p in params])
+            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], (None if greedy else loop_probs)
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):

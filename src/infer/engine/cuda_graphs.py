@@ -126,6 +126,7 @@ class _Loop:
     floats: _Staging  # float64 [2 + steps, b]: temperature | greedy | uniforms per step
     tokens: torch.Tensor  # [b, steps]
     probs: torch.Tensor  # [b, steps, V]
+    last: tuple[torch.Tensor, torch.Tensor]  # logits columns the graph reads (held here: freed, they'd be reused)
     # per staging host buffer: ids, and the union layout's indices (filled in place)
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
 
@@ -380,8 +381,8 @@ class GraphForward:
         floats = torch.full((2 + steps, b), 0.5, dtype=torch.float64, device=self.device)
         floats[:2] = 1.0  # temperature 1, greedy
         write = parts["write_rows"].view(b, width)
-        last = [torch.full((b,), w - 1, dtype=torch.long, device=self.device),
-                torch.zeros(b, dtype=torch.long, device=self.device)]
+        last = (torch.full((b,), w - 1, dtype=torch.long, device=self.device),
+                torch.zeros(b, dtype=torch.long, device=self.device))
 
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             step_ids, tokens, probs = parts["ids"], [], []
@@ -400,7 +401,7 @@ class GraphForward:
             return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
 
         graph, (tokens, probs) = self._record(run, self.stream)
-        g = _Loop(graph, _Staging(device), _Staging(floats), tokens, probs)
+        g = _Loop(graph, _Staging(device), _Staging(floats), tokens, probs, last)
         for host in g.staging.hosts:
             host_parts = _split(host, b, w, s, segments)
             g.host_parts.append((host_parts["ids"], ViewIndices(host_parts["write_rows"], host_parts["gather_rows"],

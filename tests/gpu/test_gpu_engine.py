@@ -219,8 +219,12 @@ def test_draft_loop_graph_matches_eager(ckpt_a, backend, width):
             pool.ensure_capacity(s, 40)
         eager(prompt, BatchLayout.of(slots, [0, 0, 0], start), all_logits=False)
 
-        def run(forward):
+        def run(forward, greedy=greedy):
+            for s in slots:  # (paged truncation below gives the blocks past the start back)
+                pool.ensure_capacity(s, 40)
             tokens, probs = forward.draft_loop(feed, layout, steps, temperatures, uniforms, greedy)
+            if probs is None:
+                probs = torch.zeros(0)
             assert [pool.seq_len(s) for s in slots] == layout.ends
             kv = torch.cat([pool.k_cache[:, pool.rows(s, 0, e).to("cuda")]  # what the round wrote, and before
                             for s, e in zip(slots, layout.ends, strict=True)], dim=1)
@@ -232,7 +236,12 @@ def test_draft_loop_graph_matches_eager(ckpt_a, backend, width):
         reference = run(eager)
         replayed = run(graphs)
         again = run(graphs)  # the captured graph replayed
-    assert graphs.loop_replays == 2 and len(graphs.loops) == 1
+        greedy_reference = run(eager, [True] * 3)  # every row greedy: argmax, no probabilities
+        greedy_replayed = run(graphs, [True] * 3)
+    assert graphs.loop_replays == 3 and len(graphs.loops) == 2 and graphs.capture_seconds > 0
+    assert greedy_replayed[0].tolist() == greedy_reference[0].tolist()
+    assert greedy_replayed[1].numel() == greedy_reference[1].numel() == 0
+    torch.testing.assert_close(greedy_replayed[2], greedy_reference[2], rtol=1e-4, atol=1e-4)
     assert replayed[0].tolist() == reference[0].tolist() == again[0].tolist()
     torch.testing.assert_close(replayed[1], reference[1], rtol=1e-4, atol=1e-5)
     assert (replayed[1][2].max(dim=-1).values == 1).all()  # the greedy row: one-hot

@@ -398,6 +398,36 @@ def test_fused_draft_rounds_equal_step_by_step(make_llm, ckpt_a, prompts, temper
     assert results[0][2] > 0  # self-draft: most drafts accepted
 
 
+def test_graph_captures_are_not_timed_as_drafting(make_llm, ckpt_a, prompts, monkeypatch):
+    # a draft round's graph is captured on its shape's first use: a one-off that must not
+    # count as what drafting or the round costs (the adaptive policy would shun that K)
+    import time
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([3])
+    step = runner.draft.step_forward
+    step.capture_seconds, clock = 0.0, [0.0]
+    real_clock, loop = time.perf_counter, step.draft_loop
+
+    def capturing_loop(*args):  # the first round "captures" for an hour
+        if not step.capture_seconds:
+            step.capture_seconds += 3600.0
+            clock[0] += 3600.0
+        return loop(*args)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: real_clock() + clock[0])
+    step.draft_loop = capturing_loop
+    seen = []
+    for name in ("observe", "observe_draft"):
+        original = getattr(runner.cost_model, name)
+        setattr(runner.cost_model, name,
+                lambda b, k, seconds, original=original: (seen.append((k, seconds)), original(b, k, seconds))[1])
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)
+    assert step.capture_seconds == 3600.0 and runner.stats.drafts > 1
+    rounds = [seconds for k, seconds in seen if k]
+    assert rounds and max(rounds) < 60.0  # the hour went nowhere
+
+
 def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     # catch-ups are fed in chunks of at most CATCH_UP_CHUNK tokens per row (the Triton path on
     # a GPU); with a tiny chunk the prompts' lazy prefill and every gap take several chunks

@@ -38,9 +38,10 @@ class ForwardFn(Protocol):
         ...
 
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`steps` sampled last-token steps, each feeding the token the one before sampled:
-        (ids [B, steps], probs [B, steps, V]) on the device. See `EagerForward.draft_loop`."""
+        (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
+        See `EagerForward.draft_loop`."""
         ...
 
 
@@ -69,14 +70,16 @@ class EagerForward:
         return sample_from_probs(probs, to_device(uniforms, self.device)), probs
 
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A draft model's round: `steps` calls of `sample`, step 1 feeding ids (CPU [n, w]),
-        each later step the token the step before sampled (staying on the device).
+                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft model's round: `steps` calls of `sample` (every row greedy: the logits'
+        argmax, no probabilities), step 1 feeding ids (CPU [n, w]), each later step the token
+        the step before chose (staying on the device).
 
         layout: the union of the steps, every row `w + steps - 1` wide (the positions step 1
-        fills, then one per later step; the last sampled token is not fed); uniforms: CPU
-        float64 [n, steps]. Returns (ids [n, steps], probs [n, steps, V]) on the device; the
-        pool ends committed to the union. CUDA graphs capture this whole loop as one replay."""
+        fills, then one per later step; the last token chosen is not fed); uniforms: CPU
+        float64 [n, steps] (unread when every row is greedy). Returns (ids [n, steps], probs
+        [n, steps, V] or None) on the device; the pool ends committed to the union. CUDA
+        graphs capture this whole loop as one replay."""
         n, width = ids.shape
         if layout.chunk_lens != (width + steps - 1,) * n:
             raise ValueError(f"draft_loop: every row of the layout must be {width + steps - 1} wide "
@@ -86,11 +89,14 @@ class EagerForward:
         for s in range(steps):
             offset, w = (0, width) if s == 0 else (width + s - 1, 1)
             step = BatchLayout.of(layout.slots, [p + offset for p in layout.start_positions], [w] * n)
-            new, p = self.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
+            if all(greedy):
+                new = self(step_ids, step, all_logits=False).argmax(dim=-1)  # [n]
+            else:
+                new, p = self.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
+                probs.append(p)
             tokens.append(new)
-            probs.append(p)
             step_ids = new[:, None]
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
                draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],

@@ -22,6 +22,7 @@ columns of one index fill for the union of their positions.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -125,7 +126,7 @@ class _Loop:
     staging: _Staging  # int64: ids [b, w] | positions [b, W] | write_rows [b*W] | gather_rows [b, S] | ctx_end [b]
     floats: _Staging  # float64 [2 + steps, b]: temperature | greedy | uniforms per step
     tokens: torch.Tensor  # [b, steps]
-    probs: torch.Tensor  # [b, steps, V]
+    probs: torch.Tensor | None  # [b, steps, V]; None in a greedy loop (argmax, no probabilities)
     last: tuple[torch.Tensor, torch.Tensor]  # logits columns the graph reads (held here: freed, they'd be reused)
     # per staging host buffer: ids, and the union layout's indices (filled in place)
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
@@ -175,7 +176,8 @@ class GraphForward:
         self.buckets = sorted(set(batch_sizes))
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
-        self.loops: dict[tuple[int, int, int], _Loop] = {}  # draft rounds, captured on first use
+        self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds, captured on first use
+        self.capture_seconds = 0.0  # wall time spent capturing graphs on first use (a one-off per shape)
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
@@ -337,19 +339,21 @@ class GraphForward:
         return v.out[:n]
 
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same function as `EagerForward.draft_loop` in one replay: a draft round's host
         work is one index fill for the union of its steps instead of one per step. Graphs are
-        captured on first use of a (bucket, width of step 1, steps), for buckets up to
-        SMALL_BATCH_MAX; anything else runs the eager loop."""
+        captured on first use of a (bucket, width of step 1, steps, every row greedy), for
+        buckets up to SMALL_BATCH_MAX; anything else runs the eager loop."""
         n, w = ids.shape
         if (n > min(self.buckets[-1], SMALL_BATCH_MAX) or max(layout.ends) > self.context_width
                 or layout.chunk_lens != (w + steps - 1,) * n):
             return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
-        key = (self._bucket(n), w, steps)
+        key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
         if g is None:
+            start = time.perf_counter()
             g = self.loops[key] = self._capture_loop(*key)
+            self.capture_seconds += time.perf_counter() - start
         g.staging.next_host()
         staged_ids, indices = g.host_parts[g.staging.turn]
         self.pool.indices(layout, self.context_width, out=indices)  # padding rows write to scratch
@@ -363,12 +367,12 @@ class GraphForward:
         g.graph.replay()
         self.pool.commit(layout)
         self.loop_replays += 1
-        return g.tokens[:n], g.probs[:n]
+        return g.tokens[:n], (None if g.probs is None else g.probs[:n])
 
     @torch.inference_mode()
-    def _capture_loop(self, b: int, w: int, steps: int) -> _Loop:
-        """Capture `steps` sampled steps: step 1 reads the staged ids, each later step the
-        tokens sampled by the one before; step s reads its columns of the union's indices."""
+    def _capture_loop(self, b: int, w: int, steps: int, greedy: bool) -> _Loop:
+        """Capture `steps` sampled (greedy: argmax) steps: step 1 reads the staged ids, each
+        later step the tokens of the one before; step s reads its columns of the union's indices."""
         s, width = self.context_width, w + steps - 1
         segments = _loop_segments(b, w, steps, s)
         device = torch.zeros(sum(torch.Size(shape).numel() for _, shape in segments), dtype=torch.long,
@@ -384,7 +388,7 @@ class GraphForward:
         last = (torch.full((b,), w - 1, dtype=torch.long, device=self.device),
                 torch.zeros(b, dtype=torch.long, device=self.device))
 
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             step_ids, tokens, probs = parts["ids"], [], []
             for i in range(steps):
                 lo, hi = (0, w) if i == 0 else (w + i - 1, w + i)
@@ -393,12 +397,15 @@ class GraphForward:
                                       positions[:, -1] + 1)
                 view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
                 logits = self.model(step_ids, positions, view, logits_indices=last[min(i, 1)], kernels=self.kernels)
-                p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
-                new = sample_from_probs(p, floats[2 + i])  # [b]
+                if greedy:
+                    new = logits.argmax(dim=-1)  # [b]
+                else:
+                    p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
+                    new = sample_from_probs(p, floats[2 + i])  # [b]
+                    probs.append(p)
                 tokens.append(new)
-                probs.append(p)
                 step_ids = new[:, None]
-            return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+            return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
         graph, (tokens, probs) = self._record(run, self.stream)
         g = _Loop(graph, _Staging(device), _Staging(floats), tokens, probs, last)

@@ -65,6 +65,7 @@ class DraftModelProposer:
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
+        self.setup_seconds = 0.0  # wall time the last propose() spent capturing graphs (first use of a shape)
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
@@ -106,6 +107,7 @@ class DraftModelProposer:
             return drafts
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
+        self.setup_seconds = 0.0
         behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= self.max_feed]
         start = time.perf_counter()
         self._catch_up(behind)
@@ -186,8 +188,11 @@ class DraftModelProposer:
             # one `draft_loop` (one CUDA graph replay on the GPU)
             union = BatchLayout.of(slots, starts, [lens[0] + k_max - 1] * batch)
             loop_uniforms = torch.zeros((batch, k_max), dtype=torch.float64) if greedy else host_uniforms
+            captured = getattr(self.step_forward, "capture_seconds", 0.0)
             loop_tokens, loop_probs = loop(ids, union, k_max, temps, loop_uniforms, [p.greedy for p in params])
-            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], (None if greedy else loop_probs)
+            # a graph captured on first use is a one-off, not what drafting costs
+            self.setup_seconds = getattr(self.step_forward, "capture_seconds", 0.0) - captured
+            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], loop_probs
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):

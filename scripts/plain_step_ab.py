@@ -10,7 +10,7 @@ ratio of the fastest runs.
 With `--instances N` every variant is built N times (plain included) and each round runs
 every instance: identical engines in one process were seen to differ by 3-6 %, so one
 instance per variant confounds the variant with its instance. The pooled ratio divides the
-mean time of plain's instances by the variant's, per round; per-instance ratios (plain's
+mean time of plain's instances in a round by each of the variant's; per-instance ratios (plain's
 own instances among them: the method's noise floor) are printed too. `--gpu-time` also
 times each engine's graph replays with CUDA events in one extra generation, to tell GPU
 time from host time, and `--split` splits each decode step's host time (scheduler, the
@@ -372,8 +372,9 @@ def main() -> None:
 
 
 def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
-    """Ratios to plain with every variant's instances pooled: per round, plain's mean time
-    over its instances / the variant's; the median over rounds. Then each instance's own
+    """Ratios to plain with every variant's instances pooled: the median, over rounds and the
+    variant's instances, of plain's mean time in that round / the instance's time (a slow
+    run of one instance moves one ratio, not a whole round's). Then each instance's own
     paired ratio to pooled plain (plain's instances show the noise floor of the method)."""
     groups: dict[str, list[str]] = defaultdict(list)
     for name in times:
@@ -385,7 +386,7 @@ def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
 
     plain = [mean_at(groups["plain"], i) for i in range(rounds)]
     for v, members in groups.items():
-        pooled = statistics.median(plain[i] / mean_at(members, i) for i in range(rounds))
+        pooled = statistics.median(plain[i] / times[m][i] for m in members for i in range(rounds))
         each = [statistics.median(plain[i] / times[m][i] for i in range(rounds)) for m in members]
         print(f"{w} T={t:g} {v} pooled over {len(members)} instances: paired x{pooled:.3f}; instances "
               + " ".join(f"x{x:.3f}" for x in each), flush=True)

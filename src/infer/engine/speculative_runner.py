@@ -56,7 +56,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
         self._after_round = False  # the last decode step verified drafts
-        self._shadow_ks: Sequence[int] | None = None  # the plain step's ks for `_in_flight` (None: all 0)
+        self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy: SpecPolicy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -168,12 +168,12 @@ class SpeculativeRunner(ContinuousRunner):
         start = time.perf_counter()
         quiet = getattr(self.policy, "quiet", None)
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
-            return self._plain_decode(requests, None, start)
+            return self._plain_decode(requests, start)
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
-            return self._plain_decode(requests, None, start)
+            return self._plain_decode(requests, start)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -189,7 +189,7 @@ class SpeculativeRunner(ContinuousRunner):
         if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up
-            return self._plain_decode(requests, ks, None)
+            return self._plain_decode(requests, None, shadows_taken=True)
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)
@@ -202,16 +202,17 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch - setup)
         return outputs
 
-    def _plain_decode(self, requests: Sequence[Request], ks: Sequence[int] | None, start: float | None) -> StepResult:
+    def _plain_decode(self, requests: Sequence[Request], start: float | None,
+                      shadows_taken: bool = False) -> StepResult:
         """A step without drafts: the ContinuousRunner's decode step, shadow drafts taken while
-        its forward is in flight (`_in_flight`) and checked after. ks: the policy's choice when
-        some k > 0 found no proposal (those requests take no shadow), else None (all k = 0).
-        start: when the step began, or None when it must not be timed as a plain step.
+        its forward is in flight (`_in_flight`; unless `shadows_taken`: the step was to
+        speculate and took them before asking for proposals) and checked after. start: when
+        the step began, or None when it must not be timed as a plain step.
 
         Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
         counts from its second sample), and any right after speculation (while speculating,
         plain steps are rare and the baseline must not expire)."""
-        self._shadow_ks = ks
+        self._take_shadows = not shadows_taken
         if start is not None:
             self._plain_steps += 1
             n = self._plain_steps
@@ -228,9 +229,8 @@ class SpeculativeRunner(ContinuousRunner):
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
         forward runs: they read only the tokens the requests had before it."""
-        if self.shadow is not None:
-            ks = self._shadow_ks
-            self.shadow.take(self.proposer, requests, [0] * len(requests) if ks is None else ks)
+        if self.shadow is not None and self._take_shadows:
+            self.shadow.take(self.proposer, requests, [0] * len(requests))
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""

@@ -208,7 +208,7 @@ def test_shadowed_request_decodes_plainly_until_its_first_shadow_is_counted():
             costs.observe(1, k, seconds)
         return AdaptivePolicy(5, costs, shadowed=shadowed, plain_refresh=10_000)
 
-    r = Request("a", [1, 2, 3], SamplingParams(max_tokens=100))
+    r = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
     assert policy(False).choose([r], [3], 1000, [100]) == [5]
     p = policy(True)
     assert [p.choose([r], [3], 1000, [100])[0] for _ in range(10)] == [0] * 10
@@ -218,3 +218,20 @@ def test_shadowed_request_decodes_plainly_until_its_first_shadow_is_counted():
     q.choose([r], [3], 1000, [100])
     q.observe_shadow("a", 5, 3)  # evidence that they pay (a -> 0.62)
     assert q.choose([r], [3], 1000, [100]) == [5]
+
+
+def test_sampled_requests_start_from_a_lower_prior():
+    # a sampled request accepts a draft token with probability p(t) at best: its prior (0.3)
+    # does not make speculation pay where a greedy request's (0.6) does; evidence still can
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)):
+        costs.observe(1, k, seconds)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000)
+    greedy = Request("g", [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
+    sampled = Request("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=100))
+    assert p.choose([greedy], [3], 1000, [100]) == [5]  # (costs are measured at batch 1)
+    assert p.choose([sampled], [3], 1000, [100]) == [0]
+    assert (p.acceptance("g"), p.acceptance("s")) == (0.6, 0.3)
+    for _ in range(3):
+        p.update("s", 5, 5)  # whole drafts accepted
+    assert p.choose([sampled], [3], 1000, [100]) == [5]

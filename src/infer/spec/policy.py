@@ -6,7 +6,9 @@ measured rather than assumed equal to one target step):
 
     factor(K) = (1 - a^(K+1)) / ((1 - a) * (K * c + v(K)))
 
-a: the request's acceptance estimate; c: draft step time / plain target step time;
+a: the request's acceptance estimate (decayed counts over a prior: 0.6 for a greedy
+request, 0.3 for one sampling at a temperature > 0, which accepts a draft token t only
+with probability p(t)); c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
 decoding, has factor 1 and is chosen whenever no K pays by the switch margin). The costs
 come from the `CostModel` (spec/costs.py): calibrated at start-up, then measured on real
@@ -122,6 +124,13 @@ class FixedPolicy:
         return None
 
 
+def _samples(request: RequestLike) -> bool:
+    """Whether a request samples with a temperature > 0 (requests without sampling
+    parameters, as in unit tests, count as greedy)."""
+    params = getattr(request, "sampling_params", None)
+    return params is not None and not params.greedy
+
+
 class _Quiet(NamedTuple):
     """An all-plain decision that holds for the same batch until step `until`."""
 
@@ -148,6 +157,7 @@ class _Estimate:
     miss_until: int = 0  # after n-gram misses: no asking before this policy step
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
     evidence: bool = False  # a round or a shadow draft has been counted
+    prior: float = 0.6  # the prior acceptance this request restarts from
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
 
@@ -160,6 +170,9 @@ class AdaptivePolicy:
     k_max: int
     costs: CostModel
     prior_a: float = 0.6
+    # a sampled request (temperature > 0) accepts a draft token t with probability p(t) at
+    # best, well below a greedy one's exact-match rate on the same text: its prior is lower
+    sampled_prior_a: float = 0.3
     prior_weight: float = 4.0
     decay: float = 0.9  # per-round forgetting of old evidence
     max_probe_interval: int = 64
@@ -201,7 +214,7 @@ class AdaptivePolicy:
         ks = []
         next_due = table.step + self.recompute_every
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
-            est = self._lookup(r.request_id)
+            est = self._lookup(r.request_id, _samples(r))
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 ks.append(0)
                 continue
@@ -291,13 +304,13 @@ class AdaptivePolicy:
         turned repetitive: a low estimate restarts from the prior, as after a probe without
         shadows."""
         est = self._estimate(request_id)
-        if num_matched == num_draft > 1 and est.accepted < self.prior_a * est.trials:
+        if num_matched == num_draft > 1 and est.accepted < est.prior * est.trials:
             self._restart(est)
         self._count(est, num_draft, num_matched)  # (the miss backoff is about real asks: it stays)
 
     def _restart(self, est: _Estimate) -> None:
         """Drop the evidence: back to the prior acceptance at the prior's weight."""
-        est.accepted, est.trials = self.prior_a * self.prior_weight, self.prior_weight
+        est.accepted, est.trials = est.prior * self.prior_weight, self.prior_weight
 
     def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
         """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""
@@ -316,13 +329,16 @@ class AdaptivePolicy:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         self._quiet = None
 
-    def _prior(self) -> _Estimate:
-        return _Estimate(self.prior_a * self.prior_weight, self.prior_weight, wait_from=self._steps)
+    def _prior(self, sampled: bool) -> _Estimate:
+        a = self.sampled_prior_a if sampled else self.prior_a
+        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a)
 
-    def _lookup(self, request_id: str) -> _Estimate:
+    def _lookup(self, request_id: str, sampled: bool = False) -> _Estimate:
+        """The request's estimate; a new one starts from the prior (`sampled`: the request
+        samples with a temperature > 0, so its prior is `sampled_prior_a`)."""
         est = self._est.get(request_id)
         if est is None:
-            est = self._est[request_id] = self._prior()
+            est = self._est[request_id] = self._prior(sampled)
         return est
 
     def _estimate(self, request_id: str) -> _Estimate:

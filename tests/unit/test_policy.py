@@ -307,3 +307,10 @@ def test_expired_round_costs_stand_while_no_round_is_fresh():
         costs.observe(1, 0, 0.001)
     assert costs.step_seconds(1, 1) is None  # expired
     assert costs.relative_costs(1) == pytest.approx([1.0, 2.5, 2.6])
+
+
+@pytest.mark.parametrize("field", ["prior_a", "sampled_prior_a"])
+@pytest.mark.parametrize("value", [0.0, 1.0, 1.5])
+def test_adaptive_policy_rejects_priors_outside_the_open_unit_interval(field, value):
+    with pytest.raises(ValueError, match=field):
+        AdaptivePolicy(4, CostModel(4), **{field: value})

@@ -193,6 +193,9 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if self.k_max < 1:
             raise ValueError(f"spec_length must be >= 1, got {self.k_max}")
+        for name in ("prior_a", "sampled_prior_a"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
 
     def acceptance(self, request_id: str) -> float:
         e = self._est.get(request_id)

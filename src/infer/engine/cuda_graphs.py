@@ -102,8 +102,7 @@ class _Graph:
         s = self.indices.gather_rows.shape[1]
         for host in self.staging.hosts:
             parts = _split(host, b, w, s)
-            self.host_parts.append((parts, ViewIndices(parts["write_rows"], parts["gather_rows"],
-                                                       parts["positions"], parts["ctx_end"])))
+            self.host_parts.append((parts, _host_indices(parts)))
 
 
 @dataclass
@@ -130,6 +129,31 @@ class _Loop:
     last: tuple[torch.Tensor, torch.Tensor]  # logits columns the graph reads (held here: freed, they'd be reused)
     # per staging host buffer: ids, and the union layout's indices (filled in place)
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
+
+
+def _stage_sampling(staging: _Staging, n: int, temperatures: Sequence[float], greedy: Sequence[bool],
+                    uniforms: torch.Tensor) -> None:
+    """Fill the next host buffer of a float64 [2 + U, b] staging ring (temperature | greedy |
+    U uniforms per row) for the first n rows; uniforms: CPU [n, U]. The copy is queued by
+    `send`."""
+    floats = staging.next_host()
+    floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
+    floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
+    floats[2:, :n] = uniforms.t()
+
+
+def _host_indices(parts: dict[str, torch.Tensor]) -> ViewIndices:
+    """The index segments of a buffer's parts (`_split`; staged host or device) as ViewIndices."""
+    return ViewIndices(parts["write_rows"], parts["gather_rows"], parts["positions"], parts["ctx_end"])
+
+
+def _capture_inputs(parts: dict[str, torch.Tensor], width: int, scratch_row: int) -> None:
+    """Inputs a graph is captured with: positions 0..width-1 per row, every row written to
+    and gathered from the scratch row, contexts `width` long (harmless wherever they run)."""
+    parts["positions"].copy_(torch.arange(width).repeat(parts["positions"].shape[0], 1))
+    parts["write_rows"].fill_(scratch_row)
+    parts["gather_rows"].fill_(scratch_row)
+    parts["ctx_end"].fill_(width)
 
 
 def _loop_segments(b: int, w: int, steps: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -204,13 +228,10 @@ class GraphForward:
         size = sum(torch.Size(shape).numel() for _, shape in _segments(b, w, s))
         device = torch.zeros(size, dtype=torch.long, device=self.device)
         parts = _split(device, b, w, s)
-        parts["positions"].copy_(torch.arange(w).repeat(b, 1))
+        _capture_inputs(parts, w, self.pool.scratch_row)
         parts["last"].fill_(w - 1)
-        parts["write_rows"].fill_(self.pool.scratch_row)
-        parts["gather_rows"].fill_(self.pool.scratch_row)
-        parts["ctx_end"].fill_(w)
         ids, positions, last = parts["ids"], parts["positions"], parts["last"]
-        indices = ViewIndices(parts["write_rows"], parts["gather_rows"], positions, parts["ctx_end"])
+        indices = _host_indices(parts)  # (positions are the view's q_pos)
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
         params = torch.tensor([[1.0] * b, [0.5] * b, [1.0] * b], dtype=torch.float64, device=self.device)  # [3, b]
 
@@ -325,10 +346,7 @@ class GraphForward:
         longs = v.longs.next_host()
         longs[:b * (w - 1)].view(b, w - 1)[:n] = draft_tokens
         longs[b * (w - 1):][:n] = torch.tensor(list(counts), dtype=torch.long)
-        floats = v.floats.next_host().view(2 + w, b)
-        floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
-        floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
-        floats[2:, :n] = uniforms.t()
+        _stage_sampling(v.floats, n, temperatures, greedy, uniforms)
         v.longs.send()
         v.floats.send()
         if mode == "draft_probs":
@@ -358,10 +376,7 @@ class GraphForward:
         staged_ids, indices = g.host_parts[g.staging.turn]
         self.pool.indices(layout, self.context_width, out=indices)  # padding rows write to scratch
         staged_ids[:n] = ids
-        floats = g.floats.next_host().view(2 + steps, -1)
-        floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
-        floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
-        floats[2:, :n] = uniforms.t()
+        _stage_sampling(g.floats, n, temperatures, greedy, uniforms)
         g.staging.send()
         g.floats.send()
         g.graph.replay()
@@ -378,10 +393,7 @@ class GraphForward:
         device = torch.zeros(sum(torch.Size(shape).numel() for _, shape in segments), dtype=torch.long,
                              device=self.device)
         parts = _split(device, b, w, s, segments)
-        parts["positions"].copy_(torch.arange(width).repeat(b, 1))
-        parts["write_rows"].fill_(self.pool.scratch_row)
-        parts["gather_rows"].fill_(self.pool.scratch_row)
-        parts["ctx_end"].fill_(width)
+        _capture_inputs(parts, width, self.pool.scratch_row)
         floats = torch.full((2 + steps, b), 0.5, dtype=torch.float64, device=self.device)
         floats[:2] = 1.0  # temperature 1, greedy
         write = parts["write_rows"].view(b, width)
@@ -411,8 +423,7 @@ class GraphForward:
         g = _Loop(graph, _Staging(device), _Staging(floats), tokens, probs, last)
         for host in g.staging.hosts:
             host_parts = _split(host, b, w, s, segments)
-            g.host_parts.append((host_parts["ids"], ViewIndices(host_parts["write_rows"], host_parts["gather_rows"],
-                                                                host_parts["positions"], host_parts["ctx_end"])))
+            g.host_parts.append((host_parts["ids"], _host_indices(host_parts)))
         return g
 
     def _replay(self, g: _Graph, ids: torch.Tensor, layout: BatchLayout) -> None:

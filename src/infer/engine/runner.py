@@ -22,7 +22,7 @@ from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.tokenizer import Tokenizer
 from infer.transfer import to_device
 
@@ -167,7 +167,7 @@ class ContinuousRunner:
         else:
             logits = self.forward(ids, layout, all_logits=False)  # [B, V]
             self._in_flight(requests)
-            tokens = self.sample(requests, logits)
+            tokens = self.sample(requests, logits, params)
         for r in requests:
             r.num_computed_tokens += 1
         return [(r, self.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
@@ -177,9 +177,11 @@ class ContinuousRunner:
         its forward is queued and before its tokens are read: on a GPU it hides under the
         forward. The requests still hold the tokens they had before the step. Nothing here."""
 
-    def sample(self, requests: Sequence[Request], logits: torch.Tensor) -> list[int]:
-        """One token per request from logits [B, V] with each request's params and generator."""
-        params = [r.sampling_params for r in requests]
+    def sample(self, requests: Sequence[Request], logits: torch.Tensor,
+               params: Sequence[SamplingParams] | None = None) -> list[int]:
+        """One token per request from logits [B, V] with each request's params (the requests'
+        own unless the caller has them listed already) and generator."""
+        params = [r.sampling_params for r in requests] if params is None else params
         if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
             return logits.argmax(dim=-1).tolist()
         contexts = [r.all_token_ids for r in requests] if any(p.repetition_penalty != 1.0 for p in params) else None

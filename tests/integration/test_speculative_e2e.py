@@ -430,7 +430,7 @@ def test_graph_captures_are_not_timed_as_drafting(make_llm, ckpt_a, prompts, mon
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)
     assert step.capture_seconds == 3600.0 and runner.stats.drafts > 1
     rounds = [seconds for k, seconds in seen if k]
-    assert rounds and max(rounds) < 60.0  # the hour went nowhere
+    assert rounds and max(rounds) < 3600.0  # the injected hour is in no measured round (a threshold on the fake hour, not on speed)
 
 
 def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):

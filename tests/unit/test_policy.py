@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
 
 from infer.spec.metrics import SpecStats
-from infer.spec.policy import (AdaptivePolicy, CostModel, FixedPolicy, best_k, expected_tokens, guard_k,
-                               walltime_factor)
+from infer.spec.policy import (AdaptivePolicy, CostModel, FixedPolicy, best_k, best_k_for_costs, expected_tokens,
+                               guard_k, walltime_factor)
 
 
 def _measure(costs, batch, k, seconds):
@@ -75,7 +76,10 @@ def test_adaptive_policy_switches_off_and_probes_back():
         k = p.choose([r], [10], 1000, [500])[0]
         p.update("x", k, 0)
     ks = [p.choose([r], [10], 1000, [500])[0] for _ in range(200)]
-    assert ks.count(0) > 150 and max(ks) == 1  # off, with occasional K = 1 probes
+    # off, with occasional probes, each with the K that would pay best at a = 0.9
+    probe_k = best_k_for_costs(p.optimistic_a, costs.relative_costs(1), p.switch_margin)
+    assert probe_k > 1
+    assert ks.count(0) > 150 and set(ks) == {0, probe_k}
     recovered = None
     for step in range(300):  # drafts start being accepted: probes find out, K grows again
         k = p.choose([r], [10], 1000, [500])[0]
@@ -173,9 +177,13 @@ def test_probes_stay_within_their_time_budget():
     _rejecting(p, r, 30)
     ks = [p.choose([r], [10], 10_000, [5000])[0] for _ in range(2000)]
     probes = [i for i, k in enumerate(ks) if k]
-    # a probe costs 0.3 + 0.5 plain steps more than a plain step: at a 1 % budget, one per 80
-    assert 2000 // 80 - 2 <= len(probes) <= 2000 // 80 + 1
-    assert min(b - a for a, b in zip(probes, probes[1:])) >= 80
+    # a probe drafts the K that pays best at a = 0.9 and costs its round plus the catch-up
+    # (0.5), less the one token it surely emits: at a 1 % budget, one per (r(K) - 0.5) / 0.01
+    probe_k = best_k_for_costs(p.optimistic_a, costs.relative_costs(1), p.switch_margin)
+    assert set(ks) == {0, probe_k}
+    spacing = math.ceil((costs.relative_costs(1)[probe_k] - 0.5) / 0.01)
+    assert 2000 // spacing - 2 <= len(probes) <= 2000 // spacing + 1
+    assert min(b - a for a, b in zip(probes, probes[1:])) >= spacing - 1
     cheap = AdaptivePolicy(4, costs, probe_budget=0.1)
     _rejecting(cheap, r, 30)
     assert sum(1 for _ in range(2000) if cheap.choose([r], [10], 10_000, [5000])[0]) > 2 * len(probes)
@@ -291,9 +299,9 @@ def test_costs_expire_and_restart_their_window():
         costs.observe(1, 4, 0.0006)
     assert costs.step_seconds(1, 5) is None and not costs.has_plain(1)  # 120 > max_age steps ago
     costs.observe(1, 0, 0.0004)
-    assert not costs.has_plain(1)  # a new window: it counts from its second measurement
-    costs.observe(1, 0, 0.0004)
-    assert costs.step_seconds(1, 0) == pytest.approx(0.0004)  # the start-up samples are gone
+    # a new window; its first measurement counts alone (the one-off costs were the first
+    # window's), and the start-up samples are gone
+    assert costs.step_seconds(1, 0) == pytest.approx(0.0004)
     assert costs.relative_costs(1)[5] == pytest.approx(1.5)  # K = 4's 1.5 plus nothing per draft step
 
 
@@ -314,3 +322,89 @@ def test_expired_round_costs_stand_while_no_round_is_fresh():
 def test_adaptive_policy_rejects_priors_outside_the_open_unit_interval(field, value):
     with pytest.raises(ValueError, match=field):
         AdaptivePolicy(4, CostModel(4), **{field: value})
+
+
+@dataclass
+class _Params:
+    greedy: bool
+
+
+@dataclass
+class SR:
+    """A request with sampling parameters (greedy or sampling at a temperature)."""
+
+    request_id: str
+    sampling_params: _Params
+    num_computed_tokens: int = 10
+
+
+def _demo_like_costs(base: float = 2.2) -> CostModel:
+    """Round costs like the demo pair's on an H100: a K=5 round costs base + 1.5 plain steps
+    (3.7), the draft's catch-up 0.9; only K = 5 pays, and only at an acceptance near 0.9."""
+    costs = CostModel(5, draft_ratio={1: 0.6}, verify_ratio={1: [1.0] * 6})
+    _measure(costs, 1, 0, 0.001)
+    for k in range(1, 6):
+        _measure(costs, 1, k, 0.001 * (base + 0.3 * k))
+    _measure_switch(costs, 1, 0.0009)
+    return costs
+
+
+def _run(p: AdaptivePolicy, r, steps: int, accept) -> list[int]:
+    """choose/update for `steps` steps; accept(k) -> tokens accepted of a k-token draft."""
+    ks = []
+    for _ in range(steps):
+        k = p.choose([r], [10], 10_000, [256])[0]
+        if k:
+            p.update(r.request_id, k, accept(k))
+        ks.append(k)
+    return ks
+
+
+def test_a_new_greedy_request_probes_early_and_speculates_when_drafts_are_accepted():
+    # the prior (0.6) says no K pays, yet a good draft must be found out while most of the
+    # request is ahead: its first probe (K = 5, the K that pays at a = 0.9) comes within a
+    # few steps, probes that pay for themselves are refunded, and speculation starts
+    p = AdaptivePolicy(5, _demo_like_costs())
+    r = SR("g", _Params(greedy=True))
+    ks = _run(p, r, 60, lambda k: k)
+    first = next(i for i, k in enumerate(ks) if k)
+    assert first <= 5 and ks[first] == 5
+    assert sum(1 for k in ks[first:] if k == 5) >= 10  # speculating, not an odd probe
+    # rounds a little dearer (K = 5: 4.0 plain steps): one accepted probe (a = 0.83) is not
+    # enough, a second one is (a = 0.90); it comes at once, as the first paid for itself
+    p = AdaptivePolicy(5, _demo_like_costs(base=2.5))
+    ks = _run(p, SR("h", _Params(greedy=True)), 60, lambda k: k)
+    probes = [i for i, k in enumerate(ks) if k]
+    assert probes[1] - probes[0] <= 4
+    assert sum(1 for k in ks if k == 5) >= 10
+    # the same draft with every token rejected: one early probe, then plain decoding
+    p = AdaptivePolicy(5, _demo_like_costs())
+    ks = _run(p, SR("b", _Params(greedy=True)), 256, lambda k: 0)
+    assert sum(1 for k in ks if k) == 1
+
+
+def test_a_sampled_request_gets_no_early_probe_on_a_prior_that_cannot_pay():
+    # a sampled request's prior (0.3) expects 1.4 tokens from a K = 5 probe that costs 4.6:
+    # its loss is above the request's whole budget (1 % of 256 tokens), so it waits for credit
+    p = AdaptivePolicy(5, _demo_like_costs())
+    ks = _run(p, SR("s", _Params(greedy=False)), 256, lambda k: 0)
+    assert not any(ks)
+
+
+def test_round_costs_gone_stale_are_measured_again_soon():
+    # a round cost measured long ago (here slow: 6 plain steps for K = 1) must not keep the
+    # policy from probing for good: once it has expired, probes come early until a fresh
+    # measurement exists, and that first fresh measurement counts at once
+    costs = CostModel(2, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 3}, max_age=10)
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 1, 0.006)
+    p = AdaptivePolicy(2, costs)
+    r = R("t")
+    assert not any(p.choose([r], [10], 10_000, [256])[0] for _ in range(50))  # nothing pays
+    for _ in range(20):
+        costs.observe(1, 0, 0.001)
+    assert not costs.has_round(1)
+    ks = [p.choose([r], [10], 10_000, [256])[0] for _ in range(p.recompute_every + 5)]
+    assert any(ks)  # (the cost table is refreshed every `recompute_every` plain steps)
+    costs.observe(1, 1, 0.0012)
+    assert costs.has_round(1) and costs.relative_costs(1)[1] == pytest.approx(1.2)

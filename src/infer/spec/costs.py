@@ -25,12 +25,14 @@ class CostModel:
     measured costs replace the calibrated ones as they arrive. So a setup where per-step
     overhead dominates (tiny models) learns that speculating does not pay. Each cost is the lower
     median of its last `window` measurements, and counts only from its second measurement
-    on: the first step of a kind pays one-off costs (kernel compilation, first allocations,
-    a garbage collection) that must not make speculation look hopeless for good. For the
-    same reason a cost expires `max_age` measured steps after its latest measurement: a
-    K measured only while slow would otherwise never be chosen again, nor re-measured, and
-    a plain step measured only at start-up would misprice everything. An expired cost is
-    predicted again (and the policy re-measures a plain step before it decides anything).
+    on: the first step of a kind pays one-off costs (kernel compilation, graph uploads,
+    first allocations, a garbage collection) that must not make speculation look hopeless
+    for good. For the same reason a cost expires `max_age` measured steps after its latest
+    measurement: a K measured only while slow would otherwise never be chosen again, nor
+    re-measured, and a plain step measured only at start-up would misprice everything. An
+    expired cost is predicted again (the policy re-measures a plain step before it decides
+    anything, and probes soon while no round's cost is fresh, `has_round`); its new window
+    counts from its first measurement (the one-off costs were the old window's).
     """
 
     k_max: int
@@ -44,6 +46,7 @@ class CostModel:
     _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
+    _renewed: set[tuple[str, object]] = field(default_factory=set, repr=False)  # keys measured again after expiring
     version: int = 0  # bumped by every measurement of a speculative step or a switch
     plain_version: int = 0  # bumped by every measurement of a plain step
 
@@ -55,6 +58,8 @@ class CostModel:
     def _record(self, key: tuple[str, object], seconds: float) -> None:
         samples = self._samples.get(key)
         if samples is None or not self._fresh(key):  # expired samples go: a new window starts
+            if samples is not None:
+                self._renewed.add(key)  # one-off costs are behind: its first sample counts
             samples = self._samples[key] = deque(maxlen=self.window)
             self._values.pop(key, None)
         samples.append(seconds)
@@ -65,14 +70,14 @@ class CostModel:
         return self._clock - self._latest.get(key, -self.max_age - 1) <= self.max_age
 
     def _value(self, key: tuple[str, object], expired: bool = False) -> float | None:
-        """Lower median of the key's measurements; None before its second one, and once
-        expired unless `expired`."""
+        """Lower median of the key's measurements; None before its second one (its first
+        one after it expired counts alone), and once expired unless `expired`."""
         if not expired and not self._fresh(key):
             return None
         if key in self._dirty:
             self._dirty.discard(key)
             samples = self._samples[key]
-            if len(samples) >= 2:
+            if len(samples) >= (1 if key in self._renewed else 2):
                 self._values[key] = sorted(samples)[(len(samples) - 1) // 2]
         return self._values.get(key)
 
@@ -140,10 +145,11 @@ class CostModel:
         """Whether a plain step's cost is known at this batch size (measured twice, not expired)."""
         return self.step_seconds(batch_size, 0) is not None
 
-    def has_speculative(self, batch_size: int) -> bool:
-        """Whether a step with drafts ran at this batch size at all (calibration is a guess)."""
-        b = self.bucket(batch_size)
-        return any(("step", (b, k)) in self._samples for k in range(1, self.k_max + 1))
+    def has_round(self, batch_size: int) -> bool:
+        """Whether some round's cost is known at this batch size (measured twice, not expired).
+        If not, its costs are a guess: calibration, or measurements too old to trust (the
+        first rounds after start-up can be slow, and would otherwise stand for good)."""
+        return any(self.step_seconds(batch_size, k) is not None for k in range(1, self.k_max + 1))
 
     def _calibrated_bucket(self, batch_size: int) -> int | None:
         """The calibrated batch size nearest batch_size's bucket (ties: the smaller); None

@@ -14,22 +14,36 @@ decoding, has factor 1 and is chosen whenever no K pays by the switch margin). T
 come from the `CostModel` (spec/costs.py): calibrated at start-up, then measured on real
 steps, host overhead included.
 
-A request at K = 0 is probed with K = 1 now and then so its estimate can recover, never
-more often than a budget allows: a probe costs one K = 1 step plus the switching cost (a
-draft model must first catch up on the tokens it skipped), and probes may spend at most
-`probe_budget` (1 %) of the time, a tenth of that when no K could pay even at an optimistic
-acceptance (then probes only re-measure the costs). Until a step with drafts has run at a
-batch size, the first probe comes early (calibration can misjudge host overhead either
-way). Failed probes also back off exponentially. A request given k > 0 for which the
-proposer has nothing (an n-gram miss) says nothing about acceptance: it costs a lookup, so
-the request just does not ask again for a while, 2, 4, 8 ... up to `max_probe_interval`
-steps after consecutive misses, and asks every step again after a hit (repetitive text
-comes and goes: code edits match, then miss at the edit, then match again).
+A request at K = 0 is probed now and then so its estimate can recover: one round with
+the K that would pay best at an optimistic acceptance (`optimistic_a`; a round's host
+overhead is most of its cost, so K tokens tell much more than one at little more cost),
+or K = 1 when nothing could pay even then (such probes only re-measure the costs), or for
+shadowed requests (below). Probes are paid from a per-request credit that accrues at
+`probe_budget` (1 %) of the steps, a tenth of that when nothing could pay. A probe is
+charged its cost (its round plus the switching cost: a draft model must first catch up on
+the tokens it skipped) less the one token it surely emits, and refunded each draft token
+accepted; it is due when the credit covers its loss expected at the request's estimate.
+So probes that pay for themselves (good drafts) follow one another and their evidence
+adds up until speculation pays, and failing ones grow rare. A new request gets its whole
+budget (that of the tokens it may still emit, at most one probe) in advance: a greedy
+request's first probe then comes within a few steps, while most of it is ahead. Until a
+round's cost is known at a batch size (measured lately: measurements expire), probes come
+early (calibration can misjudge host overhead either way, and a round measured only while
+slow must not price speculation out for good). Failed probes also back off exponentially.
+An accepted probe restarts an estimate below the prior from the prior (the text changed
+since speculation stopped paying); one at or above the prior keeps its evidence.
+
+A request given k > 0 for which the proposer has nothing (an n-gram miss) says nothing
+about acceptance: it costs a lookup (a probe's charge is refunded), so the request just
+does not ask again for a while, 2, 4, 8 ... up to `max_probe_interval` steps after
+consecutive misses, and asks every step again after a hit (repetitive text comes and
+goes: code edits match, then miss at the edit, then match again).
 
 With a proposer whose drafts are deterministic and free (n-gram), the runner also takes
 shadow drafts during plain steps and reports how much of each the following tokens matched
 (`observe_shadow`, spec/shadow.py): the estimate of a request at K = 0 then follows the
-text without probes, and `shadowed` turns off the restart from the prior after a probe.
+text without probes, and `shadowed` turns off the restart from the prior after a probe;
+its probes draft one token, are priced at acceptance 0 and get no advance.
 A shadowed request also decodes plainly until its first shadow draft is counted: the
 prior alone would have it speculate on text where drafts keep failing, at a cost, when
 the evidence comes for free a few steps later.
@@ -144,7 +158,10 @@ class _CostTable(NamedTuple):
     plain_version: int  # CostModel.plain_version it was computed at
     step: int  # policy step it was computed at
     costs: list[float]  # relative costs r(0..k_max)
-    probe_spacing: int
+    probe_k: int  # the K a probe drafts
+    probe_cost: float  # a probe's cost in plain steps: its round and the draft's catch-up
+    budget: float  # the fraction of the time probes may cost at this batch size
+    calibrated_only: bool  # no round's cost is known at this batch size: probes come early
 
 
 @dataclass(slots=True)
@@ -159,6 +176,10 @@ class _Estimate:
     evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
+    loss: float = 0.0  # plain steps a probe is expected to lose at this estimate under `table`
+    credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
+    credit_step: int = -1  # -1: the request's credit is not set yet
+    probe_cost: float = 0.0  # the cost of the probe in flight, in plain steps (refunded on a miss)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
 
     def changed(self) -> None:
@@ -181,6 +202,7 @@ class AdaptivePolicy:
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
+    min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
     recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
     # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
     # successful probe is then one more round of evidence, not a restart from the prior
@@ -222,7 +244,10 @@ class AdaptivePolicy:
                 ks.append(0)
                 continue
             if est.table is not table:
-                est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
+                a = est.accepted / est.trials
+                est.k = best_k_for_costs(a, table.costs, self.switch_margin)
+                est.loss = max(self.min_probe_loss,
+                               table.probe_cost - expected_tokens(0.0 if self.shadowed else a, table.probe_k))
                 est.table = table
             k = est.k
             if k and self._steps < est.miss_until:  # backing off after misses
@@ -230,12 +255,15 @@ class AdaptivePolicy:
                 ks.append(0)
                 continue
             if k == 0:
-                due = est.wait_from + max(est.probe_interval, table.probe_spacing)
+                due = self._probe_due(est, table, left)
                 if self._steps < due:
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
-                est.probing, k = True, 1
+                # charged as if it emitted only its bonus token; `update` refunds the rest
+                est.credit = self._credit(est, table) - (table.probe_cost - 1.0)
+                est.credit_step = max(self._steps, est.credit_step)
+                est.probing, k, est.probe_cost = True, table.probe_k, table.probe_cost
             est.wait_from = self._steps
             ks.append(guard_k(k, n, max_seq_len, left))
         if not any(ks):
@@ -267,30 +295,65 @@ class AdaptivePolicy:
         if not model.has_plain(batch_size):
             return None
         costs = self.costs.relative_costs(batch_size)
-        spacing = self._probe_spacing(batch_size, costs)
-        t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, spacing)
-        return t
-
-    def _probe_spacing(self, batch_size: int, costs: Sequence[float]) -> int:
-        """Fewest plain steps between probes so they stay within the budget: 1 % of the time,
-        or 0.1 % when no K would beat plain decoding even at the optimistic acceptance (such
-        probes only re-measure the costs, which may have changed or been misjudged)."""
-        if not self.costs.has_speculative(batch_size):
-            return 1  # one real measurement replaces the start-up calibration soon
+        # probe with the K that would pay best at the optimistic acceptance: one round then
+        # tells as much as K probes of one token, at little more than one's cost (a round's
+        # host overhead is most of it); K = 1 when nothing could pay (then probes only
+        # re-measure the costs), or when shadow drafts measure the acceptance anyway
+        probe_k = 0 if self.shadowed else best_k_for_costs(self.optimistic_a, costs, self.switch_margin)
         budget = self.probe_budget
         if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
             budget /= 10
-        extra = costs[1] - 1.0 + self.costs.switch_cost(batch_size)  # a probe vs a plain step
-        return min(self.max_probe_spacing, max(1, math.ceil(extra / budget)))
+        probe_k = probe_k or 1
+        probe_cost = costs[probe_k] + self.costs.switch_cost(batch_size)
+        t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs,
+                                        probe_k, probe_cost, budget, not self.costs.has_round(batch_size))
+        return t
+
+    def _credit(self, est: _Estimate, table: _CostTable) -> float:
+        """The request's probe credit now: it accrues `table.budget` plain steps per step from
+        `credit_step` on, up to one probe's cost."""
+        cap = table.probe_cost
+        if est.credit >= cap or self._steps <= est.credit_step:
+            return est.credit
+        return min(cap, est.credit + table.budget * (self._steps - est.credit_step))
+
+    def _probe_due(self, est: _Estimate, table: _CostTable, tokens_left: int) -> int:
+        """The policy step at which a request decoding plainly probes next.
+
+        Probes are paid from a credit that accrues at the budget (1 % of the time, or 0.1 %
+        when no K would beat plain decoding even at the optimistic acceptance: such probes
+        only re-measure the costs, which may have changed or been misjudged) and pays for
+        each probe what it lost against plain decoding: its cost less the tokens it emitted.
+        A probe is due once the credit covers its expected loss (`est.loss`). A probe that
+        pays for itself (high acceptance) costs nothing, so the next comes soon and
+        evidence adds up; drafts that fail drain the credit and probes grow rare.
+
+        A new request gets the budget of the tokens it may still emit in advance (at most one
+        probe's cost; its credit accrues again once that many steps have passed): its first
+        probe comes early when the prior acceptance says it is cheap, so that speculation
+        can start while most of the request is ahead. Shadowed requests (their estimate
+        comes from shadow drafts) get no advance."""
+        if est.credit_step < 0:
+            advance = 0.0 if self.shadowed else min(table.budget * tokens_left, table.probe_cost)
+            est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
+        first = est.wait_from + est.probe_interval
+        if table.calibrated_only:
+            return first  # real measurements replace the calibration (or stale ones) soon
+        need = est.loss - self._credit(est, table)
+        wait = math.ceil(need / table.budget) if need > 0 else 0
+        return max(first, min(self._steps + wait, est.wait_from + self.max_probe_spacing))
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
         est = self._estimate(request_id)
         probing, est.probing = est.probing, False
-        if probing and num_accepted > 0 and not self.shadowed:
+        if probing:  # a probe costs its cost less the tokens it emitted: refund the accepted ones
+            est.credit += num_accepted
+        if probing and num_accepted > 0 and not self.shadowed and est.accepted < est.prior * est.trials:
             # the text changed since speculation stopped paying: start over from the prior
-            # (a fluke costs a few rounds; keeping the old evidence would take many probes)
+            # (a fluke costs a few rounds; keeping the old evidence would take many probes).
+            # An estimate at or above the prior keeps its evidence: probes then add up
             self._restart(est)
             est.probe_interval = 4
         self._count(est, num_draft, num_accepted)
@@ -326,6 +389,8 @@ class AdaptivePolicy:
         again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection."""
         est = self._lookup(request_id)
         probing, est.probing = est.probing, False
+        if probing:  # no draft, no round: the probe cost a lookup, not its charge
+            est.credit += est.probe_cost - 1.0
         est.miss_interval = min(max(2, est.miss_interval * 2), self.max_probe_interval)
         est.miss_until = self._steps + est.miss_interval
         if probing:

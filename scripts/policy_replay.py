@@ -1,0 +1,146 @@
+"""Replay the adaptive speculation policy on the CPU against a simulated draft model.
+
+No model runs: each decode step costs what a cost profile says (in plain-step units), and
+each drafted token is accepted with a fixed probability (a geometric acceptance, as the
+paper assumes). The real `AdaptivePolicy` and `CostModel` decide and learn, fed wall times
+the way `SpeculativeRunner` feeds them (plain steps, rounds, drafting, the draft's
+catch-up after plain steps). Generations follow one another on the same policy, as in a
+benchmark: the costs it learned carry over, the acceptance estimates do not.
+
+Profiles are fitted to the demo pair on an H100 (sixth pass, `docs/benchmarks.md`): a
+round costs `round_base + round_per_k * K` plain steps when speculating back to back,
+`probe_extra` more after plain steps, plus the draft's catch-up (`switch`; a new request's
+first round catches up on its whole prompt, `prompt_switch`).
+
+    PYTHONPATH=src python scripts/policy_replay.py [--seeds 8] [--generations 20]
+
+Prints, per workload: speed relative to plain decoding (tokens / simulated time), rounds
+and probes per generation, and fixed K = k_max for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from dataclasses import dataclass
+
+from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy
+
+PLAIN_SECONDS = 0.0004  # a plain demo step on the H100; only ratios matter
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    acceptance: float  # per drafted token
+    sampled: bool  # the request samples at T > 0 (its prior is the sampled one)
+    round_base: float = 2.2
+    round_per_k: float = 0.3
+    probe_extra: float = 0.4
+    switch: float = 0.9
+    prompt_switch: float = 1.2
+    draft_fixed: float = 0.5  # drafting's share of a round: fixed part + per token
+    draft_per_k: float = 0.25
+    first_rounds_extra: float = 3.0  # the first round of each K after start-up is slow
+    tokens: int = 256
+
+
+PROFILES = (
+    Profile("W1 T=0", 0.93, False),
+    Profile("W5 T=0", 0.85, False, prompt_switch=2.0),
+    Profile("W1 T=1", 0.73, True),
+    Profile("W5 T=1", 0.68, True, prompt_switch=2.0),
+    Profile("random draft", 0.0, False),
+    Profile("3B shape, random draft", 0.0, False, round_base=1.1, round_per_k=0.51, probe_extra=0.1,
+            switch=0.6, prompt_switch=0.6, draft_fixed=0.1, draft_per_k=0.51),
+)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    num_computed_tokens: int
+    sampling_params: object
+
+
+class _Params:
+    def __init__(self, sampled: bool) -> None:
+        self.greedy = not sampled
+
+
+def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max: int = 5) -> dict[str, float]:
+    rng = random.Random(seed)
+    costs = CostModel(k_max, draft_ratio={1: 0.6}, verify_ratio={1: [1.0, 0.96, 1.0, 1.03, 1.03, 1.04]},
+                      forward_seconds={1: 0.6 * PLAIN_SECONDS})
+    policy = policy_factory(k_max, costs)
+    total_time = 0.0
+    rounds = probes = 0
+    seen_k: dict[int, int] = {}
+    plain_steps = 0
+    for g in range(generations):
+        r = _Request(f"r{g}", 128, _Params(profile.sampled))
+        emitted, draft_seen, last_round = 0, False, False
+        while emitted < profile.tokens:
+            left = profile.tokens - emitted
+            k = policy.choose([r], [r.num_computed_tokens], 10_000, [left])[0]
+            noise = rng.uniform(0.96, 1.04)  # mean 1: plain decoding is x1.000
+            if k == 0:
+                t = noise
+                plain_steps += 1
+                if last_round or plain_steps <= 2 or plain_steps % PLAIN_SAMPLE_EVERY <= 1:  # as the runner
+                    costs.observe(1, 0, t * PLAIN_SECONDS)
+                emitted += 1
+                r.num_computed_tokens += 1
+                last_round = False
+                total_time += t
+                continue
+            probe = not last_round
+            probes += probe
+            rounds += 1
+            switch = 0.0
+            if not last_round:
+                switch = profile.switch if draft_seen else profile.prompt_switch
+                costs.observe_switch(1, switch * PLAIN_SECONDS)
+            draft_seen = True
+            accepted = 0
+            while accepted < k and rng.random() < profile.acceptance:
+                accepted += 1
+            t = (profile.round_base + profile.round_per_k * k + (profile.probe_extra if probe else 0.0)) * noise
+            seen_k[k] = seen_k.get(k, 0) + 1
+            if seen_k[k] <= 1:
+                t += profile.first_rounds_extra
+            costs.observe_draft(1, k, (profile.draft_fixed + profile.draft_per_k * k) * noise * PLAIN_SECONDS)
+            costs.observe(1, k, t * PLAIN_SECONDS)
+            policy.update(r.request_id, k, accepted)
+            n = min(accepted + 1, left)
+            emitted += n
+            r.num_computed_tokens += n
+            last_round = True
+            total_time += t + switch
+        policy.release(r.request_id)
+    return {"speed": generations * profile.tokens / total_time, "rounds": rounds / generations,
+            "probes": probes / generations}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--generations", type=int, default=20)
+    ap.add_argument("--k-max", type=int, default=5)
+    args = ap.parse_args()
+    variants = {"adaptive": lambda k, c: AdaptivePolicy(k, c), "fixed": lambda k, c: FixedPolicy(k)}
+    for profile in PROFILES:
+        cells = []
+        for name, factory in variants.items():
+            runs = [replay(profile, factory, s, args.generations, args.k_max) for s in range(args.seeds)]
+            speed = statistics.median(x["speed"] for x in runs)
+            cells.append(f"{name} x{speed:.3f} ({statistics.mean(x['rounds'] for x in runs):.1f} rounds, "
+                         f"{statistics.mean(x['probes'] for x in runs):.1f} probes /gen, "
+                         f"min x{min(x['speed'] for x in runs):.3f})")
+        print(f"{profile.name:24s} " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -340,8 +340,8 @@ class AdaptivePolicy:
         if table.calibrated_only:
             return first  # real measurements replace the calibration (or stale ones) soon
         need = est.loss - self._credit(est, table)
-        wait = math.ceil(need / table.budget) if need > 0 else 0
-        return max(first, min(self._steps + wait, est.wait_from + self.max_probe_spacing))
+        due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps
+        return max(first, min(due, est.wait_from + self.max_probe_spacing))
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

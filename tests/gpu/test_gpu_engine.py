@@ -54,7 +54,11 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
         from infer.spec.draft_model import CATCH_UP_CHUNK
         assert CATCH_UP_CHUNK in widths  # the lazy draft prefill ran as padded graph replays
         assert forward.verify_replays > 0  # greedy acceptance ran in its graph
-        assert graphs.engine.runner.draft.step_forward.loop_replays > 0  # whole rounds in one replay
+        draft_step = graphs.engine.runner.draft.step_forward
+        assert draft_step.loop_replays > 0  # whole rounds in one replay
+        # every whole-round graph was captured at start-up (buckets 1..8, widths 1..4, K 1..3,
+        # greedy or not), none in the middle of a request
+        assert len(draft_step.loops) == 4 * 4 * 3 * 2 and draft_step.capture_seconds == 0.0
         # the target drafting for itself accepts everything only if those replays filled the
         # draft cache with exactly the prompt
         assert graphs.engine.runner.stats.acceptance_rate >= 0.99

@@ -16,12 +16,14 @@ the verification graph's logits and runs the whole accept / recover / bonus step
 (`rejection.verify_logits`), so a round's verification is two replays and one copy back
 instead of some forty eager kernel launches. A draft model's whole round (`draft_loop`:
 K sampled steps, each feeding the token the one before sampled) is one graph as well,
-captured on first use per (bucket, width of the first step, K): its steps read their
-columns of one index fill for the union of their positions.
+captured per (bucket, width of the first step, K, all greedy): its steps read their
+columns of one index fill for the union of their positions. The speculative runner
+captures them all at start-up (`capture_draft_loops`); any other is captured on first use.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -200,7 +202,7 @@ class GraphForward:
         self.buckets = sorted(set(batch_sizes))
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
-        self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds, captured on first use
+        self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (capture_draft_loops, or on first use)
         self.capture_seconds = 0.0  # wall time spent capturing graphs on first use (a one-off per shape)
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
@@ -360,8 +362,9 @@ class GraphForward:
                    uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same function as `EagerForward.draft_loop` in one replay: a draft round's host
         work is one index fill for the union of its steps instead of one per step. Graphs are
-        captured on first use of a (bucket, width of step 1, steps, every row greedy), for
-        buckets up to SMALL_BATCH_MAX; anything else runs the eager loop."""
+        captured per (bucket, width of step 1, steps, every row greedy) by
+        `capture_draft_loops` or else on first use, for buckets up to SMALL_BATCH_MAX;
+        anything else runs the eager loop."""
         n, w = ids.shape
         if (n > min(self.buckets[-1], SMALL_BATCH_MAX) or max(layout.ends) > self.context_width
                 or layout.chunk_lens != (w + steps - 1,) * n):
@@ -383,6 +386,18 @@ class GraphForward:
         self.pool.commit(layout)
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
+
+    def capture_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+        """Capture the `draft_loop` graphs of every (bucket up to SMALL_BATCH_MAX, width of
+        step 1, steps, greedy or sampled) ahead of use, at start-up: captured on first use,
+        a round would pay the capture (tens to hundreds of milliseconds, kernel compilation
+        included) in the middle of a request."""
+        for b in self.buckets:
+            if b > SMALL_BATCH_MAX:
+                break
+            for key in itertools.product([b], sorted(set(widths)), sorted(set(steps)), (True, False)):
+                if key not in self.loops:
+                    self.loops[key] = self._capture_loop(*key)
 
     @torch.inference_mode()
     def _capture_loop(self, b: int, w: int, steps: int, greedy: bool) -> _Loop:

@@ -96,6 +96,9 @@ class SpeculativeRunner(ContinuousRunner):
                                 shapes=[(w, False) for w in feeds],
                                 kernels=step_kernels(self.config, self.device, draft_model),
                                 sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)])
+            capture = getattr(step, "capture_draft_loops", None)
+            if capture is not None:  # every whole-round graph now, none in the middle of a request
+                capture(feeds, range(1, self.config.spec_length + 1))
             self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer

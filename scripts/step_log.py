@@ -80,9 +80,14 @@ def main() -> None:
     ap.add_argument("--workload", nargs="+", default=["W1"], choices=["W1", "W5"])
     args = ap.parse_args()
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
-    engines = {"plain": Engine(EngineConfig(**base)),
-               "draft-adaptive": Engine(EngineConfig(**base, use_speculative_decoding=True, spec_length=5,
-                                                     spec_policy="adaptive", draft_model=str(DEMO_DRAFT)))}
+    configs = {"plain": EngineConfig(**base),
+               "draft-adaptive": EngineConfig(**base, use_speculative_decoding=True, spec_length=5,
+                                              spec_policy="adaptive", draft_model=str(DEMO_DRAFT))}
+    engines = {}
+    for name, config in configs.items():
+        start = time.perf_counter()
+        engines[name] = Engine(config)
+        print(f"{name}: engine built in {time.perf_counter() - start:.2f} s", flush=True)
     for workload in args.workload:
         for t in args.temperature:
             for name, engine in engines.items():

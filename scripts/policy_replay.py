@@ -36,8 +36,8 @@ class Profile:
     name: str
     acceptance: float  # per drafted token
     sampled: bool  # the request samples at T > 0 (its prior is the sampled one)
-    round_base: float = 2.2
-    round_per_k: float = 0.3
+    round_base: float = 2.5
+    round_per_k: float = 0.25
     probe_extra: float = 0.4
     switch: float = 0.9
     prompt_switch: float = 1.2
@@ -72,7 +72,7 @@ class _Params:
 
 def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max: int = 5) -> dict[str, float]:
     rng = random.Random(seed)
-    costs = CostModel(k_max, draft_ratio={1: 0.6}, verify_ratio={1: [1.0, 0.96, 1.0, 1.03, 1.03, 1.04]},
+    costs = CostModel(k_max, draft_ratio={1: 0.42}, verify_ratio={1: [1.0, 0.96, 1.0, 1.03, 1.03, 1.04]},
                       forward_seconds={1: 0.6 * PLAIN_SECONDS})
     policy = policy_factory(k_max, costs)
     total_time = 0.0

@@ -37,3 +37,34 @@ def test_calibration_with_no_room_leaves_the_defaults():
     model = measure_costs(forward, pool, None, None, CFG.vocab_size, 8, 5, repeats=1)
     assert model.verify_ratio == {} and model.calibrated(1) == (0.5, [1.0] * 6)
     assert pool.free_token_capacity() == 9 * 4 and pool.leak_report() == []
+
+
+def test_draft_cost_is_the_slope_between_whole_rounds(monkeypatch):
+    # a round has a fixed part (host work, the final sync) paid once however many tokens it
+    # drafts: c must be what one more token adds, not a lone step's time
+    from infer.engine import calibration
+
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+
+    _, pool = _pool(40)
+
+    class Draft:
+        def draft_loop(self, ids, layout, steps, temperatures, uniforms, greedy):
+            assert layout.chunk_lens == (steps,) * ids.shape[0]  # the union of the round's positions
+            clock[0] += 1.0 + 0.25 * steps
+            pool.commit(layout)  # as a real round: the pool ends committed to the union
+            return torch.zeros((ids.shape[0], steps), dtype=torch.long), None
+
+    assert calibration.draft_token_time(Draft(), pool, CFG.vocab_size, 1, 5, repeats=2) == 0.25
+    assert calibration.draft_token_time(Draft(), pool, CFG.vocab_size, 1, 1, repeats=2) == 1.25
+    assert pool.leak_report() == []
+
+
+def test_calibration_with_a_draft_model_prices_its_tokens_and_frees_both_pools():
+    forward, pool = _pool(80)
+    draft, draft_pool = _pool(80)
+    model = measure_costs(forward, pool, draft, draft_pool, CFG.vocab_size, 2, 3, repeats=1)
+    assert sorted(model.draft_ratio) == [1, 2] and all(c > 0 for c in model.draft_ratio.values())
+    assert pool.leak_report() == [] and draft_pool.leak_report() == []
+    assert draft_pool.free_token_capacity() == 80 * 4

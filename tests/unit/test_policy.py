@@ -383,12 +383,19 @@ def test_a_new_greedy_request_probes_early_and_speculates_when_drafts_are_accept
     assert sum(1 for k in ks if k) == 1
 
 
-def test_a_sampled_request_gets_no_early_probe_on_a_prior_that_cannot_pay():
-    # a sampled request's prior (0.3) expects 1.4 tokens from a K = 5 probe that costs 4.6:
-    # its loss is above the request's whole budget (1 % of 256 tokens), so it waits for credit
-    p = AdaptivePolicy(5, _demo_like_costs())
-    ks = _run(p, SR("s", _Params(greedy=False)), 256, lambda k: 0)
-    assert not any(ks)
+def test_the_first_probe_comes_early_only_when_the_prior_expects_it_cheap_enough():
+    # a K = 5 probe costs 4.6 plain steps; a request of 256 tokens may spend 1 % of them,
+    # 2.56, on it in advance: a greedy request (prior 0.6) expects 2.4 tokens from it, a
+    # loss of 2.2, and probes at once; a sampled one (prior 0.3) expects 1.4, a loss of
+    # 3.2, and waits for its credit (past the end of this request)
+    def first_probe(sampled: bool) -> int | None:
+        p = AdaptivePolicy(5, _demo_like_costs())
+        r = SR("f", _Params(greedy=not sampled))
+        ks = [p.choose([r], [10], 10_000, [256])[0] for _ in range(256)]
+        return next((i for i, k in enumerate(ks) if k), None)
+
+    assert first_probe(sampled=False) <= 5
+    assert first_probe(sampled=True) is None
 
 
 def test_round_costs_gone_stale_are_measured_again_soon():

@@ -24,9 +24,10 @@ charged its cost (its round plus the switching cost: a draft model must first ca
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
 So probes that pay for themselves (good drafts) follow one another and their evidence
-adds up until speculation pays, and failing ones grow rare. A new request gets its whole
-budget (that of the tokens it may still emit, at most one probe) in advance: a greedy
-request's first probe then comes within a few steps, while most of it is ahead. Until a
+adds up until speculation pays, and failing ones grow rare. A new request gets the budget
+of the tokens it may still emit (at most one probe) in advance: unless its prior
+acceptance expects the probe to lose more, its first probe comes within a few steps,
+while most of the request is ahead. Until a
 round's cost is known at a batch size (measured lately: measurements expire), probes come
 early (calibration can misjudge host overhead either way, and a round measured only while
 slow must not price speculation out for good). Failed probes also back off exponentially.
@@ -328,11 +329,11 @@ class AdaptivePolicy:
         pays for itself (high acceptance) costs nothing, so the next comes soon and
         evidence adds up; drafts that fail drain the credit and probes grow rare.
 
-        A new request gets the budget of the tokens it may still emit in advance (at most one
-        probe's cost; its credit accrues again once that many steps have passed): its first
-        probe comes early when the prior acceptance says it is cheap, so that speculation
-        can start while most of the request is ahead. Shadowed requests (their estimate
-        comes from shadow drafts) get no advance."""
+        A new request gets the budget of the tokens it may still emit in advance (at most
+        one probe's cost; its credit accrues again once the budget has earned the advance):
+        its first probe comes early unless the prior acceptance says it would lose more, so
+        that speculation can start while most of the request is ahead. Shadowed requests
+        (their estimate comes from shadow drafts) get no advance."""
         if est.credit_step < 0:
             advance = 0.0 if self.shadowed else min(table.budget * tokens_left, table.probe_cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)

@@ -24,10 +24,10 @@ charged its cost (its round plus the switching cost: a draft model must first ca
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
 So probes that pay for themselves (good drafts) follow one another and their evidence
-adds up until speculation pays, and failing ones grow rare. A new request gets the budget
-of the tokens it may still emit (at most one probe) in advance: unless its prior
-acceptance expects the probe to lose more, its first probe comes within a few steps,
-while most of the request is ahead. Until a
+adds up until speculation pays, and failing ones grow rare. A new request gets part of
+its budget in advance (2 % of the tokens it may still emit when greedy, 1 % when
+sampling, at most one probe): unless its prior acceptance expects the probe to lose
+more, its first probe comes within a few steps, while most of the request is ahead. Until a
 round's cost is known at a batch size (measured lately: measurements expire), probes come
 early (calibration can misjudge host overhead either way, and a round measured only while
 slow must not price speculation out for good). Failed probes also back off exponentially.
@@ -176,6 +176,7 @@ class _Estimate:
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
     evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
+    sampled: bool = False  # the request samples at a temperature > 0
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     loss: float = 0.0  # plain steps a probe is expected to lose at this estimate under `table`
     credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
@@ -202,6 +203,10 @@ class AdaptivePolicy:
     switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
+    # a new greedy request may spend this fraction of the tokens it may emit on its first
+    # probe, in advance (a sampled one: `probe_budget`): greedy drafts are the ones that
+    # pay, and the first probe is the one that can pay back the most
+    first_probe_budget: float = 0.02
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
     recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
@@ -329,13 +334,15 @@ class AdaptivePolicy:
         pays for itself (high acceptance) costs nothing, so the next comes soon and
         evidence adds up; drafts that fail drain the credit and probes grow rare.
 
-        A new request gets the budget of the tokens it may still emit in advance (at most
-        one probe's cost; its credit accrues again once the budget has earned the advance):
-        its first probe comes early unless the prior acceptance says it would lose more, so
-        that speculation can start while most of the request is ahead. Shadowed requests
-        (their estimate comes from shadow drafts) get no advance."""
+        A new request gets a budget in advance: `first_probe_budget` (2 %) of the tokens it
+        may still emit when greedy, `probe_budget` (1 %) when sampling, at most one probe's
+        cost (a tenth when nothing could pay); its credit accrues again once the budget has
+        earned the advance. Its first probe comes early unless the prior acceptance says it
+        would lose more, so that speculation can start while most of the request is ahead.
+        Shadowed requests (their estimate comes from shadow drafts) get no advance."""
         if est.credit_step < 0:
-            advance = 0.0 if self.shadowed else min(table.budget * tokens_left, table.probe_cost)
+            share = (self.probe_budget if est.sampled else self.first_probe_budget) * table.budget / self.probe_budget
+            advance = 0.0 if self.shadowed else min(share * tokens_left, table.probe_cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
         if table.calibrated_only:
@@ -400,7 +407,7 @@ class AdaptivePolicy:
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.sampled_prior_a if sampled else self.prior_a
-        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a)
+        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a, sampled=sampled)
 
     def _lookup(self, request_id: str, sampled: bool = False) -> _Estimate:
         """The request's estimate; a new one starts from the prior (`sampled`: the request

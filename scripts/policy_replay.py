@@ -9,8 +9,8 @@ benchmark: the costs it learned carry over, the acceptance estimates do not.
 
 Profiles are fitted to the demo pair on an H100 (sixth pass, `docs/benchmarks.md`): a
 round costs `round_base + round_per_k * K` plain steps when speculating back to back,
-`probe_extra` more after plain steps, plus the draft's catch-up (`switch`; a new request's
-first round catches up on its whole prompt, `prompt_switch`).
+`probe_extra` more after plain steps, plus the draft's catch-up on the tokens it skipped (a
+new request's first round: its whole prompt) in chunks of 128, as `DraftModelProposer`.
 
     PYTHONPATH=src python scripts/policy_replay.py [--seeds 8] [--generations 20]
 
@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass
 
 from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+from infer.spec.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy
 
 PLAIN_SECONDS = 0.0004  # a plain demo step on the H100; only ratios matter
@@ -39,8 +40,9 @@ class Profile:
     round_base: float = 2.5
     round_per_k: float = 0.25
     probe_extra: float = 0.4
-    switch: float = 0.9
-    prompt_switch: float = 1.2
+    switch_fixed: float = 0.4  # the draft's catch-up: a fixed part and a part per 128-token chunk
+    switch_per_chunk: float = 0.45
+    prompt_tokens: int = 128
     draft_fixed: float = 0.5  # drafting's share of a round: fixed part + per token
     draft_per_k: float = 0.25
     first_rounds_extra: float = 3.0  # the first round of each K after start-up is slow
@@ -49,12 +51,12 @@ class Profile:
 
 PROFILES = (
     Profile("W1 T=0", 0.93, False),
-    Profile("W5 T=0", 0.85, False, prompt_switch=2.0),
+    Profile("W5 T=0", 0.85, False, prompt_tokens=640),
     Profile("W1 T=1", 0.73, True),
-    Profile("W5 T=1", 0.68, True, prompt_switch=2.0),
+    Profile("W5 T=1", 0.68, True, prompt_tokens=640),
     Profile("random draft", 0.0, False),
     Profile("3B shape, random draft", 0.0, False, round_base=1.1, round_per_k=0.51, probe_extra=0.1,
-            switch=0.6, prompt_switch=0.6, draft_fixed=0.1, draft_per_k=0.51),
+            switch_fixed=0.3, switch_per_chunk=0.3, draft_fixed=0.1, draft_per_k=0.51),
 )
 
 
@@ -63,6 +65,10 @@ class _Request:
     request_id: str
     num_computed_tokens: int
     sampling_params: object
+
+
+class _MaxFeed:
+    max_feed = DRAFT_MAX_FEED
 
 
 class _Params:
@@ -75,13 +81,14 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
     costs = CostModel(k_max, draft_ratio={1: 0.42}, verify_ratio={1: [1.0, 0.96, 1.0, 1.03, 1.03, 1.04]},
                       forward_seconds={1: 0.6 * PLAIN_SECONDS})
     policy = policy_factory(k_max, costs)
+    units = DraftModelProposer.catch_up_units.__get__(_MaxFeed())
     total_time = 0.0
     rounds = probes = 0
     seen_k: dict[int, int] = {}
     plain_steps = 0
     for g in range(generations):
         r = _Request(f"r{g}", 128, _Params(profile.sampled))
-        emitted, draft_seen, last_round = 0, False, False
+        emitted, behind, last_round = 0, r.num_computed_tokens, False
         while emitted < profile.tokens:
             left = profile.tokens - emitted
             k = policy.choose([r], [r.num_computed_tokens], 10_000, [left])[0]
@@ -93,6 +100,7 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
                     costs.observe(1, 0, t * PLAIN_SECONDS)
                 emitted += 1
                 r.num_computed_tokens += 1
+                behind += 1
                 last_round = False
                 total_time += t
                 continue
@@ -100,10 +108,10 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
             probes += probe
             rounds += 1
             switch = 0.0
-            if not last_round:
-                switch = profile.switch if draft_seen else profile.prompt_switch
-                costs.observe_switch(1, switch * PLAIN_SECONDS)
-            draft_seen = True
+            chunks = units(behind)
+            if chunks:
+                switch = profile.switch_fixed + profile.switch_per_chunk * chunks
+                costs.observe_switch(1, switch * PLAIN_SECONDS, chunks)
             accepted = 0
             while accepted < k and rng.random() < profile.acceptance:
                 accepted += 1
@@ -117,6 +125,7 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
             n = min(accepted + 1, left)
             emitted += n
             r.num_computed_tokens += n
+            behind = 1 if accepted == k else 0  # the draft holds the drafts it accepted
             last_round = True
             total_time += t + switch
         policy.release(r.request_id)
@@ -130,7 +139,9 @@ def main() -> None:
     ap.add_argument("--generations", type=int, default=20)
     ap.add_argument("--k-max", type=int, default=5)
     args = ap.parse_args()
-    variants = {"adaptive": lambda k, c: AdaptivePolicy(k, c), "fixed": lambda k, c: FixedPolicy(k)}
+    units = DraftModelProposer.catch_up_units.__get__(_MaxFeed())
+    variants = {"adaptive": lambda k, c: AdaptivePolicy(k, c, catch_up_units=units),
+                "fixed": lambda k, c: FixedPolicy(k)}
     for profile in PROFILES:
         cells = []
         for name, factory in variants.items():

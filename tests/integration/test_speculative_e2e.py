@@ -296,7 +296,7 @@ def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_out
     runner.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
     catch_ups = []
     original = runner.draft._catch_up
-    runner.draft._catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))
+    runner.draft._catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert runner.draft.max_feed == 4
@@ -444,7 +444,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2)
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([3] + [0] * 9)
-    widths, inside = [], []
+    widths, inside, counted = [], [], []
     model_forward, catch_up = runner.draft.model.forward, runner.draft._catch_up
 
     def forward(ids, *args, **kwargs):
@@ -454,15 +454,22 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
 
     def timed_catch_up(reqs):
         inside.append(1)
+        before = len(widths)
+        behind = [r.num_computed_tokens - runner.draft.pool.seq_len(runner.draft._slot(r)) for r in reqs]
         try:
-            catch_up(reqs)
+            chunks = catch_up(reqs)
         finally:
             inside.clear()
+        # the chunk count reported to the cost model, and the policy's prediction of it
+        counted.append((chunks, len(widths) - before, max((runner.draft.catch_up_units(b) for b in behind),
+                                                          default=0)))
+        return chunks
 
     runner.draft.model.forward, runner.draft._catch_up = forward, timed_catch_up
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert widths and max(widths) <= 3 and len(widths) > 10
+    assert counted and all(c == forwards == predicted for c, forwards, predicted in counted), counted
     assert runner.stats.acceptance_rate >= 0.99
 
 

@@ -415,3 +415,22 @@ def test_round_costs_gone_stale_are_measured_again_soon():
     assert any(ks)  # (the cost table is refreshed every `recompute_every` plain steps)
     costs.observe(1, 1, 0.0012)
     assert costs.has_round(1) and costs.relative_costs(1)[1] == pytest.approx(1.2)
+
+
+def test_a_probe_is_priced_with_the_catch_up_its_gap_needs():
+    # the draft catches up in chunks: one for a 128-token prompt, five for a 640-token one
+    # (a code edit's). A chunk costs 0.9 plain steps: the long prompt's first probe would
+    # lose 3.6 more and does not come early; the short one's does
+    from infer.spec.draft_model import DraftModelProposer
+
+    units = DraftModelProposer.catch_up_units.__get__(type("D", (), {"max_feed": 4})())
+    assert [units(b) for b in (0, 3, 4, 131, 132, 640)] == [0, 0, 1, 1, 2, 5]
+
+    def first_probe(context: int) -> int | None:
+        p = AdaptivePolicy(5, _demo_like_costs(), catch_up_units=units)
+        r = SR("c", _Params(greedy=True))
+        ks = [p.choose([r], [context], 10_000, [256])[0] for _ in range(256)]
+        return next((i for i, k in enumerate(ks) if k), None)
+
+    assert first_probe(128) is not None and first_probe(128) <= 5
+    assert first_probe(640) is None

@@ -66,7 +66,8 @@ class SpeculativeRunner(ContinuousRunner):
                 self.draft.pool if self.draft else None, self.model.config.vocab_size, config.max_batch_size,
                 config.spec_length)
             shadowed = self.proposer.shadow_drafts
-            self.policy = adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=shadowed)
+            self.policy = adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=shadowed,
+                                                    catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
 
@@ -200,7 +201,7 @@ class SpeculativeRunner(ContinuousRunner):
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
         # a draft catching up after plain steps is the cost of switching, recorded apart
         if switch:
-            self.cost_model.observe_switch(len(requests), switch)
+            self.cost_model.observe_switch(len(requests), switch, getattr(self.proposer, "catch_up_chunks", 1))
         self.cost_model.observe_draft(len(requests), longest, drafting)
         self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch - setup)
         return outputs

@@ -90,9 +90,10 @@ class CostModel:
         else:
             self.plain_version += 1
 
-    def observe_switch(self, batch_size: int, seconds: float) -> None:
-        """Wall time a step spent switching from plain decoding back to speculation."""
-        self._record(("switch", self.bucket(batch_size)), seconds)
+    def observe_switch(self, batch_size: int, seconds: float, units: float = 1.0) -> None:
+        """Wall time a step spent switching from plain decoding back to speculation: catching
+        up on `units` units of work (a draft model: chunks of skipped tokens)."""
+        self._record(("switch", self.bucket(batch_size)), seconds / max(units, 1.0))
         self.version += 1
 
     def step_seconds(self, batch_size: int, k: int) -> float | None:
@@ -116,7 +117,8 @@ class CostModel:
             self.version += 1
 
     def switch_cost(self, batch_size: int) -> float:
-        """Switching cost relative to a plain step: measured, else two draft steps' worth."""
+        """Switching cost per unit of catch-up work relative to a plain step: measured, else
+        two draft steps' worth."""
         plain, seen = self.step_seconds(batch_size, 0), self._value(("switch", self.bucket(batch_size)))
         if seen is not None and plain:
             return seen / plain

@@ -65,6 +65,7 @@ class DraftModelProposer:
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
+        self.catch_up_chunks = 0  # chunk forwards of that catch-up
         self.setup_seconds = 0.0  # wall time the last propose() spent capturing graphs (first use of a shape)
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
@@ -110,7 +111,7 @@ class DraftModelProposer:
         self.setup_seconds = 0.0
         behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= self.max_feed]
         start = time.perf_counter()
-        self._catch_up(behind)
+        self.catch_up_chunks = self._catch_up(behind)
         if behind and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the catch-up's time is its own
         self.catch_up_seconds = time.perf_counter() - start if behind else 0.0
@@ -122,8 +123,14 @@ class DraftModelProposer:
         self._draft_prefilled.update(r.request_id for r in reqs)
         return drafts
 
-    def _catch_up(self, reqs: Sequence[Request]) -> None:
-        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
+    def catch_up_units(self, tokens_behind: int) -> int:
+        """Catch-up chunks a round pays when the draft is `tokens_behind` tokens behind (the
+        adaptive policy prices a probe with them): step 1 feeds up to max_feed tokens itself."""
+        return -(-max(0, tokens_behind + 1 - self.max_feed) // CATCH_UP_CHUNK)
+
+    def _catch_up(self, reqs: Sequence[Request]) -> int:
+        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest);
+        returns the number of chunk forwards.
 
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
         attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
@@ -134,7 +141,9 @@ class DraftModelProposer:
         """
         todo = list(reqs)
         supports = getattr(self.step_forward, "supports", None)
+        chunks = 0
         while todo:
+            chunks += 1
             slots = [self._slot(r) for r in todo]
             starts = [self.pool.seq_len(s) for s in slots]
             lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
@@ -149,6 +158,7 @@ class DraftModelProposer:
                 ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
             (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
             todo = [r for r in todo if r.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(r))]
+        return chunks
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).

@@ -56,7 +56,7 @@ Both policies apply the overflow guard: K never exceeds the room left before max
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -139,6 +139,10 @@ class FixedPolicy:
         return None
 
 
+def _one(tokens_behind: int) -> float:
+    return 1.0
+
+
 def _samples(request: RequestLike) -> bool:
     """Whether a request samples with a temperature > 0 (requests without sampling
     parameters, as in unit tests, count as greedy)."""
@@ -160,7 +164,8 @@ class _CostTable(NamedTuple):
     step: int  # policy step it was computed at
     costs: list[float]  # relative costs r(0..k_max)
     probe_k: int  # the K a probe drafts
-    probe_cost: float  # a probe's cost in plain steps: its round and the draft's catch-up
+    probe_round: float  # a probe's round in plain steps (its catch-up apart)
+    switch: float  # a unit of catch-up work (a draft model: one chunk) in plain steps
     budget: float  # the fraction of the time probes may cost at this batch size
     calibrated_only: bool  # no round's cost is known at this batch size: probes come early
 
@@ -178,10 +183,10 @@ class _Estimate:
     prior: float = 0.6  # the prior acceptance this request restarts from
     sampled: bool = False  # the request samples at a temperature > 0
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
-    loss: float = 0.0  # plain steps a probe is expected to lose at this estimate under `table`
     credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
     credit_step: int = -1  # -1: the request's credit is not set yet
     probe_cost: float = 0.0  # the cost of the probe in flight, in plain steps (refunded on a miss)
+    drafted: bool = False  # a round has run for this request (so its draft saw its context)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
 
     def changed(self) -> None:
@@ -209,6 +214,9 @@ class AdaptivePolicy:
     first_probe_budget: float = 0.02
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
+    # tokens the draft is behind -> units of catch-up work (`CostModel.switch_cost` prices
+    # one); None: one unit whatever the gap
+    catch_up_units: Callable[[int], float] | None = None
     recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
     # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
     # successful probe is then one more round of evidence, not a restart from the prior
@@ -252,8 +260,6 @@ class AdaptivePolicy:
             if est.table is not table:
                 a = est.accepted / est.trials
                 est.k = best_k_for_costs(a, table.costs, self.switch_margin)
-                est.loss = max(self.min_probe_loss,
-                               table.probe_cost - expected_tokens(0.0 if self.shadowed else a, table.probe_k))
                 est.table = table
             k = est.k
             if k and self._steps < est.miss_until:  # backing off after misses
@@ -261,15 +267,19 @@ class AdaptivePolicy:
                 ks.append(0)
                 continue
             if k == 0:
-                due = self._probe_due(est, table, left)
+                # the draft must first catch up on what it has not seen: the whole context
+                # before the request's first round, else the tokens of the plain steps since
+                behind = self._steps - est.wait_from if est.drafted else n
+                cost = table.probe_round + table.switch * (self.catch_up_units or _one)(behind)
+                due = self._probe_due(est, table, left, cost)
                 if self._steps < due:
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
                 # charged as if it emitted only its bonus token; `update` refunds the rest
-                est.credit = self._credit(est, table) - (table.probe_cost - 1.0)
+                est.credit = self._credit(est, table, cost) - (cost - 1.0)
                 est.credit_step = max(self._steps, est.credit_step)
-                est.probing, k, est.probe_cost = True, table.probe_k, table.probe_cost
+                est.probing, k, est.probe_cost = True, table.probe_k, cost
             est.wait_from = self._steps
             ks.append(guard_k(k, n, max_seq_len, left))
         if not any(ks):
@@ -310,27 +320,29 @@ class AdaptivePolicy:
         if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
             budget /= 10
         probe_k = probe_k or 1
-        probe_cost = costs[probe_k] + self.costs.switch_cost(batch_size)
-        t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs,
-                                        probe_k, probe_cost, budget, not self.costs.has_round(batch_size))
+        t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
+                                        costs[probe_k], self.costs.switch_cost(batch_size), budget,
+                                        not self.costs.has_round(batch_size))
         return t
 
-    def _credit(self, est: _Estimate, table: _CostTable) -> float:
+    def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:
         """The request's probe credit now: it accrues `table.budget` plain steps per step from
-        `credit_step` on, up to one probe's cost."""
-        cap = table.probe_cost
+        `credit_step` on, up to `cap` (one probe's cost)."""
         if est.credit >= cap or self._steps <= est.credit_step:
             return est.credit
         return min(cap, est.credit + table.budget * (self._steps - est.credit_step))
 
-    def _probe_due(self, est: _Estimate, table: _CostTable, tokens_left: int) -> int:
-        """The policy step at which a request decoding plainly probes next.
+    def _probe_due(self, est: _Estimate, table: _CostTable, tokens_left: int, cost: float) -> int:
+        """The policy step at which a request decoding plainly probes next; `cost`: the
+        probe's, its round and the draft's catch-up (plain steps).
 
         Probes are paid from a credit that accrues at the budget (1 % of the time, or 0.1 %
         when no K would beat plain decoding even at the optimistic acceptance: such probes
         only re-measure the costs, which may have changed or been misjudged) and pays for
         each probe what it lost against plain decoding: its cost less the tokens it emitted.
-        A probe is due once the credit covers its expected loss (`est.loss`). A probe that
+        A probe is due once the credit covers its expected loss: its cost less the tokens it
+        is expected to emit at the request's estimate (at acceptance 0 for shadowed requests,
+        whose estimate comes from shadow drafts and is no reason to probe). A probe that
         pays for itself (high acceptance) costs nothing, so the next comes soon and
         evidence adds up; drafts that fail drain the credit and probes grow rare.
 
@@ -342,12 +354,14 @@ class AdaptivePolicy:
         Shadowed requests (their estimate comes from shadow drafts) get no advance."""
         if est.credit_step < 0:
             share = (self.probe_budget if est.sampled else self.first_probe_budget) * table.budget / self.probe_budget
-            advance = 0.0 if self.shadowed else min(share * tokens_left, table.probe_cost)
+            advance = 0.0 if self.shadowed else min(share * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
         if table.calibrated_only:
             return first  # real measurements replace the calibration (or stale ones) soon
-        need = est.loss - self._credit(est, table)
+        a = 0.0 if self.shadowed else est.accepted / est.trials
+        loss = max(self.min_probe_loss, cost - expected_tokens(a, table.probe_k))
+        need = loss - self._credit(est, table, cost)
         due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps
         return max(first, min(due, est.wait_from + self.max_probe_spacing))
 
@@ -358,6 +372,7 @@ class AdaptivePolicy:
         probing, est.probing = est.probing, False
         if probing:  # a probe costs its cost less the tokens it emitted: refund the accepted ones
             est.credit += num_accepted
+        est.drafted = True
         if probing and num_accepted > 0 and not self.shadowed and est.accepted < est.prior * est.trials:
             # the text changed since speculation stopped paying: start over from the prior
             # (a fluke costs a few rounds; keeping the old evidence would take many probes).

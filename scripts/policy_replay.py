@@ -40,8 +40,8 @@ class Profile:
     round_base: float = 2.5
     round_per_k: float = 0.25
     probe_extra: float = 0.4
-    switch_fixed: float = 0.4  # the draft's catch-up: a fixed part and a part per 128-token chunk
-    switch_per_chunk: float = 0.45
+    switch_fixed: float = 0.2  # the draft's catch-up: a fixed part and a part per 128-token chunk
+    switch_per_chunk: float = 0.5
     prompt_tokens: int = 128
     draft_fixed: float = 0.5  # drafting's share of a round: fixed part + per token
     draft_per_k: float = 0.25

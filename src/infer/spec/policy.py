@@ -24,10 +24,10 @@ charged its cost (its round plus the switching cost: a draft model must first ca
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
 So probes that pay for themselves (good drafts) follow one another and their evidence
-adds up until speculation pays, and failing ones grow rare. A new request gets part of
-its budget in advance (2 % of the tokens it may still emit when greedy, 1 % when
-sampling, at most one probe): unless its prior acceptance expects the probe to lose
-more, its first probe comes within a few steps, while most of the request is ahead. Until a
+adds up until speculation pays, and failing ones grow rare. A new request gets the budget
+of the tokens it may still emit (at most one probe) in advance: unless its prior
+acceptance expects the probe to lose more (the catch-up counted for its whole context),
+its first probe comes within a few steps, while most of the request is ahead. Until a
 round's cost is known at a batch size (measured lately: measurements expire), probes come
 early (calibration can misjudge host overhead either way, and a round measured only while
 slow must not price speculation out for good). Failed probes also back off exponentially.
@@ -181,7 +181,6 @@ class _Estimate:
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
     evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
-    sampled: bool = False  # the request samples at a temperature > 0
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
     credit_step: int = -1  # -1: the request's credit is not set yet
@@ -208,10 +207,6 @@ class AdaptivePolicy:
     switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
-    # a new greedy request may spend this fraction of the tokens it may emit on its first
-    # probe, in advance (a sampled one: `probe_budget`): greedy drafts are the ones that
-    # pay, and the first probe is the one that can pay back the most
-    first_probe_budget: float = 0.02
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
     # tokens the draft is behind -> units of catch-up work (`CostModel.switch_cost` prices
@@ -271,13 +266,14 @@ class AdaptivePolicy:
                 # before the request's first round, else the tokens of the plain steps since
                 behind = self._steps - est.wait_from if est.drafted else n
                 cost = table.probe_round + table.switch * (self.catch_up_units or _one)(behind)
-                due = self._probe_due(est, table, left, cost)
+                loss = self._probe_loss(est, table, cost)
+                due = self._probe_due(est, table, left, cost, loss)
                 if self._steps < due:
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
                 # charged as if it emitted only its bonus token; `update` refunds the rest
-                est.credit = self._credit(est, table, cost) - (cost - 1.0)
+                est.credit = self._credit(est, table, loss) - (cost - 1.0)
                 est.credit_step = max(self._steps, est.credit_step)
                 est.probing, k, est.probe_cost = True, table.probe_k, cost
             est.wait_from = self._steps
@@ -327,41 +323,45 @@ class AdaptivePolicy:
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:
         """The request's probe credit now: it accrues `table.budget` plain steps per step from
-        `credit_step` on, up to `cap` (one probe's cost)."""
+        `credit_step` on, up to `cap` (one probe's expected loss: no bursts of probes after
+        a long wait)."""
         if est.credit >= cap or self._steps <= est.credit_step:
             return est.credit
         return min(cap, est.credit + table.budget * (self._steps - est.credit_step))
 
-    def _probe_due(self, est: _Estimate, table: _CostTable, tokens_left: int, cost: float) -> int:
+    def _probe_loss(self, est: _Estimate, table: _CostTable, cost: float) -> float:
+        """What a probe costing `cost` plain steps is expected to lose against plain decoding:
+        its cost less the tokens it is expected to emit at the request's estimate (at
+        acceptance 0 for shadowed requests, whose estimate comes from shadow drafts and is no
+        reason to probe); at least `min_probe_loss`."""
+        a = 0.0 if self.shadowed else est.accepted / est.trials
+        return max(self.min_probe_loss, cost - expected_tokens(a, table.probe_k))
+
+    def _probe_due(self, est: _Estimate, table: _CostTable, tokens_left: int, cost: float, loss: float) -> int:
         """The policy step at which a request decoding plainly probes next; `cost`: the
-        probe's, its round and the draft's catch-up (plain steps).
+        probe's, its round and the draft's catch-up (plain steps), `loss`: `_probe_loss`.
 
         Probes are paid from a credit that accrues at the budget (1 % of the time, or 0.1 %
         when no K would beat plain decoding even at the optimistic acceptance: such probes
         only re-measure the costs, which may have changed or been misjudged) and pays for
         each probe what it lost against plain decoding: its cost less the tokens it emitted.
-        A probe is due once the credit covers its expected loss: its cost less the tokens it
-        is expected to emit at the request's estimate (at acceptance 0 for shadowed requests,
-        whose estimate comes from shadow drafts and is no reason to probe). A probe that
+        A probe is due once the credit covers its expected loss. A probe that
         pays for itself (high acceptance) costs nothing, so the next comes soon and
         evidence adds up; drafts that fail drain the credit and probes grow rare.
 
-        A new request gets a budget in advance: `first_probe_budget` (2 %) of the tokens it
-        may still emit when greedy, `probe_budget` (1 %) when sampling, at most one probe's
-        cost (a tenth when nothing could pay); its credit accrues again once the budget has
-        earned the advance. Its first probe comes early unless the prior acceptance says it
-        would lose more, so that speculation can start while most of the request is ahead.
-        Shadowed requests (their estimate comes from shadow drafts) get no advance."""
+        A new request gets the budget of the tokens it may still emit in advance (at most
+        one probe's cost); its credit accrues again once the budget has earned the advance.
+        Its first probe comes early unless the prior acceptance says it would lose more (a
+        sampled request's prior is lower; a long prompt's catch-up costs more), so that
+        speculation can start while most of the request is ahead. Shadowed requests (their
+        estimate comes from shadow drafts) get no advance."""
         if est.credit_step < 0:
-            share = (self.probe_budget if est.sampled else self.first_probe_budget) * table.budget / self.probe_budget
-            advance = 0.0 if self.shadowed else min(share * tokens_left, cost)
+            advance = 0.0 if self.shadowed else min(table.budget * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
         if table.calibrated_only:
             return first  # real measurements replace the calibration (or stale ones) soon
-        a = 0.0 if self.shadowed else est.accepted / est.trials
-        loss = max(self.min_probe_loss, cost - expected_tokens(a, table.probe_k))
-        need = loss - self._credit(est, table, cost)
+        need = loss - self._credit(est, table, loss)
         due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps
         return max(first, min(due, est.wait_from + self.max_probe_spacing))
 
@@ -422,7 +422,7 @@ class AdaptivePolicy:
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.sampled_prior_a if sampled else self.prior_a
-        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a, sampled=sampled)
+        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a)
 
     def _lookup(self, request_id: str, sampled: bool = False) -> _Estimate:
         """The request's estimate; a new one starts from the prior (`sampled`: the request

@@ -3,7 +3,7 @@
 c = the time one more draft token adds to a draft round / plain target step time, and
 v(K) = target verification time for K+1 tokens / plain target step time, for batch sizes
 1, 2, 4, ... max_batch_size. c is the slope between whole draft rounds of 1 and K_max
-tokens (`draft_loop`: on the GPU one graph replay each, so a round's host work counts
+greedy tokens (`draft_loop`: on the GPU one graph replay each, so a round's host work counts
 once, as in real rounds; a lone draft step would price each token with a launch's host
 overhead, several times its GPU time for small drafts). The forwards are the engine's own
 (CUDA graphs when enabled), run on scratch slots that are freed afterwards. Batch sizes whose scratch slots do not fit the KV pools (a small
@@ -76,12 +76,14 @@ def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, b
 
 def draft_round_time(draft: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, k: int,
                      repeats: int = 5, context: int = 32) -> float:
-    """Seconds per draft round of k sampled tokens (`draft_loop`, temperature 1), `batch` rows."""
+    """Seconds per draft round of k greedy tokens (`draft_loop`), `batch` rows. Greedy rounds
+    are the cheaper kind (no sampling kernels): the policy asks whether speculating could
+    pay at an optimistic acceptance, and real rounds' measured costs replace this soon."""
     ids = torch.randint(0, vocab_size, (batch, 1))
     uniforms = torch.full((batch, k), 0.5, dtype=torch.float64)
 
     def run(layout: BatchLayout) -> None:
-        tokens, _ = draft.draft_loop(ids, layout, k, [1.0] * batch, uniforms, [False] * batch)
+        tokens, _ = draft.draft_loop(ids, layout, k, [1.0] * batch, uniforms, [True] * batch)
         tokens.tolist()  # a round ends in a host sync
 
     return _on_scratch(pool, batch, context, k, run, repeats)

@@ -6,8 +6,9 @@ v(K) = target verification time for K+1 tokens / plain target step time, for bat
 greedy tokens (`draft_loop`: on the GPU one graph replay each, so a round's host work counts
 once, as in real rounds; a lone draft step would price each token with a launch's host
 overhead, several times its GPU time for small drafts). The forwards are the engine's own
-(CUDA graphs when enabled), run on scratch slots that are freed afterwards. Batch sizes whose scratch slots do not fit the KV pools (a small
-num_blocks) are not measured; the policy uses the nearest measured one.
+(CUDA graphs when enabled), run on scratch slots that are freed afterwards. Batch sizes
+whose scratch slots do not fit the KV pools (a small num_blocks) are not measured; the
+policy uses the nearest measured one.
 """
 
 from __future__ import annotations

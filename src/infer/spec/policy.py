@@ -253,8 +253,7 @@ class AdaptivePolicy:
                 ks.append(0)
                 continue
             if est.table is not table:
-                a = est.accepted / est.trials
-                est.k = best_k_for_costs(a, table.costs, self.switch_margin)
+                est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
                 est.table = table
             k = est.k
             if k and self._steps < est.miss_until:  # backing off after misses
@@ -311,11 +310,9 @@ class AdaptivePolicy:
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
         # re-measure the costs), or when shadow drafts measure the acceptance anyway
-        probe_k = 0 if self.shadowed else best_k_for_costs(self.optimistic_a, costs, self.switch_margin)
-        budget = self.probe_budget
-        if best_k_for_costs(self.optimistic_a, costs, self.switch_margin) == 0:
-            budget /= 10
-        probe_k = probe_k or 1
+        could_pay = best_k_for_costs(self.optimistic_a, costs, self.switch_margin)
+        budget = self.probe_budget if could_pay else self.probe_budget / 10
+        probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size), budget,
                                         not self.costs.has_round(batch_size))
@@ -345,9 +342,9 @@ class AdaptivePolicy:
         when no K would beat plain decoding even at the optimistic acceptance: such probes
         only re-measure the costs, which may have changed or been misjudged) and pays for
         each probe what it lost against plain decoding: its cost less the tokens it emitted.
-        A probe is due once the credit covers its expected loss. A probe that
-        pays for itself (high acceptance) costs nothing, so the next comes soon and
-        evidence adds up; drafts that fail drain the credit and probes grow rare.
+        A probe is due once the credit covers its expected loss. A probe that pays for itself
+        (high acceptance) costs nothing, so the next comes soon and evidence adds up; drafts
+        that fail drain the credit and probes grow rare.
 
         A new request gets the budget of the tokens it may still emit in advance (at most
         one probe's cost); its credit accrues again once the budget has earned the advance.

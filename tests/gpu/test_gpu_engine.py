@@ -31,6 +31,25 @@ def _tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
 
 
+def test_adaptive_speculation_captures_every_draft_round_at_start_up(ckpt_a):
+    # the adaptive policy drafts any K after any gap: every whole-round graph (buckets 1..4,
+    # step-1 widths 1..4, K 1..3, greedy or not) exists before the first request, and
+    # requests that probe, speculate and fall back to plain steps capture none later
+    llm = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128,
+              compile_kernels=False, use_cuda_graphs=True, use_speculative_decoding=True,
+              draft_model=str(ckpt_a), spec_length=3, spec_policy="adaptive")
+    step = llm.engine.runner.draft.step_forward
+    assert set(step.loops) == {(b, w, k, g) for b in (1, 2, 4) for w in (1, 2, 3, 4) for k in (1, 2, 3)
+                               for g in (True, False)}
+    prompts = _prompts(ckpt_a, 4)
+    params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=i)
+              for i, t in enumerate((0.0, 1.0, 0.0, 0.7))]
+    llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert llm.engine.runner.stats.rounds > 0 and step.loop_replays > 0
+    assert step.capture_seconds == 0.0
+    assert llm.engine.leak_report() == []
+
+
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 @pytest.mark.parametrize("spec", [False, True])
 def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
@@ -44,6 +63,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
     widths = []
     if spec:  # record the widths the draft's graphs replay (catch-up chunks among them)
         step = graphs.engine.runner.draft.step_forward
+        started_with = set(step.loops)
         replay = step._replay
         step._replay = lambda g, ids, layout: (widths.append(layout.width), replay(g, ids, layout))[1]
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
@@ -56,9 +76,11 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
         assert forward.verify_replays > 0  # greedy acceptance ran in its graph
         draft_step = graphs.engine.runner.draft.step_forward
         assert draft_step.loop_replays > 0  # whole rounds in one replay
-        # every whole-round graph was captured at start-up (buckets 1..8, widths 1..4, K 1..3,
-        # greedy or not), none in the middle of a request
-        assert len(draft_step.loops) == 4 * 4 * 3 * 2 and draft_step.capture_seconds == 0.0
+        # the whole-round graphs of the fixed policy were captured at start-up: buckets 1..8,
+        # step-1 widths 1, 2 and 4, K = 3, greedy or not (only rounds the overflow guard
+        # shortened near max_tokens were captured later)
+        assert started_with == {(b, w, 3, g) for b in (1, 2, 4, 8) for w in (1, 2, 4) for g in (True, False)}
+        assert all(k < 3 for b, w, k, g in set(draft_step.loops) - started_with)
         # the target drafting for itself accepts everything only if those replays filled the
         # draft cache with exactly the prompt
         assert graphs.engine.runner.stats.acceptance_rate >= 0.99

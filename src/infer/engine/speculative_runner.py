@@ -98,8 +98,13 @@ class SpeculativeRunner(ContinuousRunner):
                                 kernels=step_kernels(self.config, self.device, draft_model),
                                 sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)])
             capture = getattr(step, "capture_draft_loops", None)
-            if capture is not None:  # every whole-round graph now, none in the middle of a request
-                capture(feeds, range(1, self.config.spec_length + 1))
+            if capture is not None:  # whole-round graphs now, not in the middle of a request
+                k = self.config.spec_length
+                if self.config.spec_policy == "adaptive":  # any K, after any gap
+                    capture(feeds, range(1, k + 1))
+                else:  # K after a round (1 or 2 tokens to feed) or a catch-up (max_feed); a K
+                    # the overflow guard shortens is captured when first used
+                    capture((1, 2, DRAFT_MAX_FEED), (k,))
             self.draft = DraftModelProposer(draft_model, pool, step)
             return self.draft
         from infer.spec.ngram import NgramConfig, NgramProposer

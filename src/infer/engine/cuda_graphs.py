@@ -18,7 +18,8 @@ instead of some forty eager kernel launches. A draft model's whole round (`draft
 K sampled steps, each feeding the token the one before sampled) is one graph as well,
 captured per (bucket, width of the first step, K, all greedy): its steps read their
 columns of one index fill for the union of their positions. The speculative runner
-captures them all at start-up (`capture_draft_loops`); any other is captured on first use.
+captures the ones its policy uses at start-up (`capture_draft_loops`); any other is
+captured on first use.
 """
 
 from __future__ import annotations

@@ -57,6 +57,11 @@ PROFILES = (
     Profile("random draft", 0.0, False),
     Profile("3B shape, random draft", 0.0, False, round_base=1.1, round_per_k=0.51, probe_extra=0.1,
             switch_fixed=0.3, switch_per_chunk=0.3, draft_fixed=0.1, draft_per_k=0.51),
+    # compute-bound pairs where speculation pays: adaptive should stay close to fixed K
+    Profile("3B shape, a = 0.8 draft", 0.8, False, round_base=1.1, round_per_k=0.3, probe_extra=0.1,
+            switch_fixed=0.3, switch_per_chunk=0.3, draft_fixed=0.1, draft_per_k=0.3),
+    Profile("3B shape, a = 0.8 draft, T=1", 0.8, True, round_base=1.1, round_per_k=0.3, probe_extra=0.1,
+            switch_fixed=0.3, switch_per_chunk=0.3, draft_fixed=0.1, draft_per_k=0.3),
 )
 
 

@@ -139,7 +139,8 @@ class FixedPolicy:
         return None
 
 
-def _one(tokens_behind: int) -> float:
+def _one_unit(tokens_behind: int) -> float:
+    """Catch-up priced as one unit whatever the gap (proposers without `catch_up_units`)."""
     return 1.0
 
 
@@ -264,7 +265,7 @@ class AdaptivePolicy:
                 # the draft must first catch up on what it has not seen: the whole context
                 # before the request's first round, else the tokens of the plain steps since
                 behind = self._steps - est.wait_from if est.drafted else n
-                cost = table.probe_round + table.switch * (self.catch_up_units or _one)(behind)
+                cost = table.probe_round + table.switch * (self.catch_up_units or _one_unit)(behind)
                 loss = self._probe_loss(est, table, cost)
                 due = self._probe_due(est, table, left, cost, loss)
                 if self._steps < due:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -238,7 +239,9 @@ def test_paired_run_alternates_with_its_baseline(ckpt_a, monkeypatch):
     assert len(base_walls) == len(walls) == 3 and params["paired_with"] == {"model": str(ckpt_a)}
     assert len(m["paired_ratios"]) == 3 and m["paired_speedup"] == sorted(m["paired_ratios"])[1]
     assert all(r > 0 for r in m["paired_ratios"]) and m["leaks"] == []
-    assert m["paired_best_speedup"] == pytest.approx(max(rates[0:6:2]) / max(rates[1:6:2]))
+    # (rates are taken for this engine's runs, then the baseline's)
+    assert m["paired_best_speedup"] == pytest.approx(max(rates[0:3]) / max(rates[3:6]))
+    assert m["paired_ratios"] == pytest.approx([a / b for a, b in zip(rates[0:3], rates[3:6])])
     run = BenchRun("t")
     run.add(Measurement("plain", "engine", metrics={"primary_rate": 100.0}))
     run.add(Measurement("adaptive", "engine", metrics={**m, "primary_rate": 50.0}, refs={"baseline": "plain"}))
@@ -357,3 +360,49 @@ def test_workload_label_and_dict():
     assert w.label == "W5 T=1" and w.to_dict()["kind"] == "code_edit"
     assert isinstance(Workload("x", 1, (1, 1), (1, 1)).max_total_tokens, int)
     assert torch.tensor(build_requests(WORKLOADS["W1"], 7).requests[0].prompt_ids).max() < 7
+
+
+def test_paired_run_with_several_instances_pools_them(ckpt_a, monkeypatch):
+    # identical engines in one process differ by a few percent: with paired_instances = 2
+    # each round times two engines of each kind, pairs alternating in order, and every
+    # instance's rate is compared with the mean of the round's baseline rates
+    import infer.bench.engine_runner as er
+    order, timed, engine_cls = [], er.timed_run, er.Engine
+    names: dict[int, str] = {}  # id(engine) -> "spec0", "base1", ... in build order per kind
+
+    def naming(config):
+        engine = engine_cls(config)
+        kind = "spec" if config.use_speculative_decoding else "base"
+        names[id(engine)] = kind + str(sum(1 for n in names.values() if n.startswith(kind)))
+        return engine
+
+    def recording(engine, workload, specs):
+        order.append(names[id(engine)])
+        return timed(engine, workload, specs)
+
+    rates, rate = [], er.primary_rate
+
+    def recording_rate(metrics, num_requests):
+        rates.append(rate(metrics, num_requests))
+        return rates[-1]
+
+    monkeypatch.setattr(er, "Engine", naming)
+    monkeypatch.setattr(er, "timed_run", recording)
+    monkeypatch.setattr(er, "primary_rate", recording_rate)
+    wl = WORKLOADS["W1"].with_output_len(6)
+    spec = {"model": str(ckpt_a), "use_speculative_decoding": True, "speculative_method": "ngram",
+            "spec_policy": "adaptive"}
+    _, m = run_engine(wl, spec, device="cpu", warmup_tokens=2, repeats=2, paired_with={"model": str(ckpt_a)},
+                      paired_instances=2)
+    assert sorted(names.values()) == ["base0", "base1", "spec0", "spec1"]
+    assert order == ["base0", "spec0", "spec1", "base1", "spec0", "base0", "base1", "spec1"]
+    ours, base = [rates[0:2], rates[2:4]], [rates[4:6], rates[6:8]]  # [instance][round]
+    expected = [ours[i][k] / ((base[0][k] + base[1][k]) / 2) for i in range(2) for k in range(2)]
+    assert m["paired_ratios"] == pytest.approx(expected)
+    assert m["paired_speedup"] == pytest.approx(statistics.median(expected))
+    assert m["paired_instance_speedups"] == pytest.approx([(expected[0] + expected[1]) / 2,
+                                                           (expected[2] + expected[3]) / 2])
+    assert len(m["wall_s_runs"]) == 2 and m["leaks"] == []
+    with pytest.raises(ValueError, match="paired_instances"):
+        run_engine(wl, spec, device="cpu", paired_with={"model": str(ckpt_a)}, paired_instances=0)
+

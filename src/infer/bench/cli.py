@@ -45,6 +45,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     how.add_argument("--repeats", type=int, default=3,
                      help="timed runs per engine measurement, the median is reported (default: 3)")
     how.add_argument("--cost-repeats", type=int, default=30, help="timed steps per step-cost median (default: 30)")
+    how.add_argument("--paired-instances", type=int, default=1,
+                     help="engines of each kind in a paired measurement (adaptive rows): identical engines "
+                          "in one process differ by a few percent (default: 1)")
     how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
     add_engine_args(parser)
     # None = sized by the workload (engine_runner.engine_config)
@@ -70,7 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
     name = args.suite or f"workload-{args.workload}"
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
                              max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
-                             with_hf=not args.no_hf,
+                             paired_instances=args.paired_instances, with_hf=not args.no_hf,
                              model=args.model, draft_model=args.draft_model)
     out = args.out or _default_out(name)
     recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}

@@ -137,7 +137,8 @@ def primary_rate(metrics: Mapping[str, Any], num_requests: int) -> float | None:
 
 def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str = "auto",
                warmup_tokens: int | None = None, repeats: int = 1,
-               paired_with: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+               paired_with: Mapping[str, Any] | None = None,
+               paired_instances: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `workload` on an engine with `overrides`; returns (params, metrics).
 
     The timed run is repeated `repeats` times on the same engine (the same requests and
@@ -150,7 +151,16 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
     engine's rate / the baseline's (a ratio of a few percent needs it: single runs of
     host-bound models drift more), and `paired_best_speedup` the ratio of the two best
     runs (spikes, which only ever slow a run down, drop out of both).
+
+    `paired_instances` > 1 builds that many engines of each kind (identical engines in one
+    process differ by a few percent, which a single pair confounds with what is compared):
+    each round times them all, pairs alternating in order, and `paired_ratios` holds every
+    instance's rate / the mean of the round's baseline rates, `paired_speedup` their
+    median; `paired_instance_speedups` gives each instance's own median. The other metrics
+    are the first instance's.
     """
+    if paired_instances < 1:
+        raise ValueError(f"paired_instances must be >= 1, got {paired_instances}")
     config = engine_config(workload, overrides, device)
     t0 = time.perf_counter()
     dev = resolve_device(config.device)
@@ -158,33 +168,28 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         torch.cuda.reset_peak_memory_stats(dev)
     engine = Engine(config)
     load_s = time.perf_counter() - t0
-    baseline = Engine(engine_config(workload, paired_with, device)) if paired_with is not None else None
+    n = paired_instances if paired_with is not None else 1
+    ours = [engine] + [Engine(config) for _ in range(n - 1)]
+    bases = [Engine(engine_config(workload, paired_with, device)) for _ in range(n)] if paired_with is not None else []
     try:
         prompts = build_requests(workload, engine.vocab_size, engine.tokenizer)
-        for e in (baseline, engine):
-            if e is not None:
-                warmup(e, workload, prompts, warmup_tokens)
+        for e in bases + ours:
+            warmup(e, workload, prompts, warmup_tokens)
         spec0, prefix0 = spec_snapshot(engine), _prefix_counters(engine)
-        runs, base_runs = [], []
+        runs: list[list] = [[] for _ in ours]  # [instance][round] (requests, wall, steps)
+        base_runs: list[list] = [[] for _ in bases]
         for i in range(repeats):
-            order = [(engine, runs), (baseline, base_runs)] if i % 2 else [(baseline, base_runs), (engine, runs)]
-            for e, out in order:
-                if e is not None:
+            for j in range(n):
+                pair = [(ours[j], runs[j])] + ([(bases[j], base_runs[j])] if bases else [])
+                for e, out in pair if (i + j) % 2 else pair[::-1]:
                     gc.collect()  # not inside the timing
                     out.append(timed_run(e, workload, prompts.requests))
-        walls = [w for _, w, _ in runs]
-        requests, wall, steps = sorted(runs, key=lambda run: run[1])[len(runs) // 2]
+        walls = [w for _, w, _ in runs[0]]
+        requests, wall, steps = sorted(runs[0], key=lambda run: run[1])[len(runs[0]) // 2]
         metrics = request_metrics(requests, wall)
         metrics["wall_s_runs"] = walls
-        if base_runs:
-            rates = [(primary_rate(request_metrics(r, w), workload.num_requests),
-                      primary_rate(request_metrics(br, bw), workload.num_requests))
-                     for (r, w, _), (br, bw, _) in zip(runs, base_runs, strict=True)]
-            rates = [(ours, base) for ours, base in rates if ours and base]
-            metrics["paired_ratios"] = [ours / base for ours, base in rates]
-            metrics["paired_speedup"] = statistics.median(metrics["paired_ratios"])
-            metrics["paired_best_speedup"] = max(o for o, _ in rates) / max(b for _, b in rates)
-            metrics["paired_baseline_wall_s_runs"] = [w for _, w, _ in base_runs]
+        if bases:
+            metrics.update(_paired_metrics(runs, base_runs, workload.num_requests))
         metrics.update(engine_counters(engine, spec0, prefix0))
         metrics.update(load_s=load_s, steps=steps, expected_output_tokens=prompts.expected_output_tokens,
                        weight_bytes=weight_bytes(engine.models.target),
@@ -199,8 +204,35 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
             params["paired_with"] = dict(paired_with)
         return params, metrics
     finally:
-        del engine, baseline
+        del engine, ours, bases
         free_memory()
+
+
+def _paired_metrics(runs: list[list], base_runs: list[list], num_requests: int) -> dict[str, Any]:
+    """Paired ratios from [instance][round] runs of the measured engines and their baselines."""
+    def rate(run: tuple) -> float | None:
+        return primary_rate(request_metrics(run[0], run[1]), num_requests)
+
+    rounds = len(runs[0])
+    ours = [[rate(r) for r in inst] for inst in runs]  # [instance][round]
+    base = [[rate(r) for r in inst] for inst in base_runs]
+    ratios, per_instance = [], []
+    for inst in ours:
+        mine = []
+        for k in range(rounds):
+            round_base = [b[k] for b in base if b[k]]
+            if inst[k] and round_base:
+                mine.append(inst[k] / statistics.fmean(round_base))
+        ratios += mine
+        per_instance.append(statistics.median(mine) if mine else None)
+    best_ours = max(x for inst in ours for x in inst if x)
+    best_base = max(x for inst in base for x in inst if x)
+    out: dict[str, Any] = {"paired_ratios": ratios, "paired_speedup": statistics.median(ratios),
+                           "paired_best_speedup": best_ours / best_base,
+                           "paired_baseline_wall_s_runs": [w for _, w, _ in base_runs[0]]}
+    if len(runs) > 1:
+        out["paired_instance_speedups"] = per_instance
+    return out
 
 
 def engine_counters(engine: Engine, spec0: SpecStats | None,

@@ -40,6 +40,7 @@ class HarnessOptions:
     max_seconds: float | None = None  # time budget for the whole run
     cost_repeats: int = 30
     repeats: int = 3  # timed runs per engine measurement; the median one is reported
+    paired_instances: int = 1  # engines of each kind in a paired measurement (see run_engine)
     with_hf: bool = True  # run the transformers peers
     model: str | None = None  # for the smoke / custom suites
     draft_model: str | None = None
@@ -52,6 +53,8 @@ class HarnessOptions:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
         if self.cost_repeats < 1 or self.repeats < 1 or (self.warmup_tokens is not None and self.warmup_tokens < 0):
             raise ValueError("cost_repeats and repeats must be >= 1 and warmup_tokens >= 0")
+        if self.paired_instances < 1:
+            raise ValueError(f"paired_instances must be >= 1, got {self.paired_instances}")
 
 
 class Harness:
@@ -124,7 +127,7 @@ class Harness:
         return self.measure(name, "engine", group, lambda: run_engine(
             wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens,
             repeats=max(self.options.repeats, PAIRED_MIN_REPEATS) if paired_with is not None else self.options.repeats,
-            paired_with=paired_with), refs)
+            paired_with=paired_with, paired_instances=self.options.paired_instances), refs)
 
     def hf(self, name: str, group: str, workload: Workload, peer: HFPeer,
            refs: Mapping[str, str | None] | None = None) -> Measurement | None:

@@ -384,18 +384,21 @@ def test_a_new_greedy_request_probes_early_and_speculates_when_drafts_are_accept
 
 
 def test_the_first_probe_comes_early_only_when_the_prior_expects_it_cheap_enough():
-    # a K = 5 probe costs 4.6 plain steps; a request of 256 tokens may spend 1 % of them,
-    # 2.56, on it in advance: a greedy request (prior 0.6) expects 2.4 tokens from it, a
-    # loss of 2.2, and probes at once; a sampled one (prior 0.3) expects 1.4, a loss of
-    # 3.2, and waits for its credit (past the end of this request)
-    def first_probe(sampled: bool) -> int | None:
+    # a K = 5 probe costs 4.6 plain steps; a greedy request of 256 tokens may spend 1 % of
+    # them, 2.56, on it in advance, and expects 2.4 tokens from it (prior 0.6), a loss of
+    # 2.2: it probes at once. A sampled one gets no advance (and would expect a loss of 3.2
+    # at its prior, 0.3): it waits for its credit, past the end of this request
+    def first_probe(sampled: bool, tokens: int = 256) -> int | None:
         p = AdaptivePolicy(5, _demo_like_costs())
         r = SR("f", _Params(greedy=not sampled))
-        ks = [p.choose([r], [10], 10_000, [256])[0] for _ in range(256)]
+        ks = [p.choose([r], [10], 10_000, [tokens])[0] for _ in range(256)]
         return next((i for i, k in enumerate(ks) if k), None)
 
     assert first_probe(sampled=False) <= 5
     assert first_probe(sampled=True) is None
+    # a longer request's budget (5.12 plain steps) would cover the sampled loss: still none
+    assert first_probe(sampled=False, tokens=512) <= 5
+    assert first_probe(sampled=True, tokens=512) is None
 
 
 def test_round_costs_gone_stale_are_measured_again_soon():

@@ -24,10 +24,11 @@ charged its cost (its round plus the switching cost: a draft model must first ca
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
 So probes that pay for themselves (good drafts) follow one another and their evidence
-adds up until speculation pays, and failing ones grow rare. A new request gets the budget
-of the tokens it may still emit (at most one probe) in advance: unless its prior
+adds up until speculation pays, and failing ones grow rare. A new greedy request gets the
+budget of the tokens it may still emit (at most one probe) in advance: unless its prior
 acceptance expects the probe to lose more (the catch-up counted for its whole context),
-its first probe comes within a few steps, while most of the request is ahead. Until a
+its first probe comes within a few steps, while most of the request is ahead (sampled
+requests wait for their credit). Until a
 round's cost is known at a batch size (measured lately: measurements expire), probes come
 early (calibration can misjudge host overhead either way, and a round measured only while
 slow must not price speculation out for good). Failed probes also back off exponentially.
@@ -182,6 +183,7 @@ class _Estimate:
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
     evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
+    sampled: bool = False  # the request samples at a temperature > 0
     k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
     credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
     credit_step: int = -1  # -1: the request's credit is not set yet
@@ -347,14 +349,15 @@ class AdaptivePolicy:
         (high acceptance) costs nothing, so the next comes soon and evidence adds up; drafts
         that fail drain the credit and probes grow rare.
 
-        A new request gets the budget of the tokens it may still emit in advance (at most
-        one probe's cost); its credit accrues again once the budget has earned the advance.
-        Its first probe comes early unless the prior acceptance says it would lose more (a
-        sampled request's prior is lower; a long prompt's catch-up costs more), so that
-        speculation can start while most of the request is ahead. Shadowed requests (their
-        estimate comes from shadow drafts) get no advance."""
+        A new greedy request gets the budget of the tokens it may still emit in advance (at
+        most one probe's cost); its credit accrues again once the budget has earned the
+        advance. Its first probe comes early unless the prior acceptance says it would lose
+        more (a long prompt's catch-up costs more), so that speculation can start while most
+        of the request is ahead. A sampled request (it accepts a draft token t only with
+        probability p(t): on the demo pair at T=1, early probes cost 3-5 %, H100 run MMM) and
+        a shadowed one (its estimate comes from shadow drafts) get no advance."""
         if est.credit_step < 0:
-            advance = 0.0 if self.shadowed else min(table.budget * tokens_left, cost)
+            advance = 0.0 if self.shadowed or est.sampled else min(table.budget * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
         if table.calibrated_only:
@@ -420,7 +423,7 @@ class AdaptivePolicy:
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.sampled_prior_a if sampled else self.prior_a
-        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a)
+        return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a, sampled=sampled)
 
     def _lookup(self, request_id: str, sampled: bool = False) -> _Estimate:
         """The request's estimate; a new one starts from the prior (`sampled`: the request

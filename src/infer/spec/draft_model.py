@@ -109,7 +109,7 @@ class DraftModelProposer:
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
         self.setup_seconds = 0.0
-        behind = [r for r in reqs if r.num_computed_tokens - self.pool.seq_len(self._slot(r)) >= self.max_feed]
+        behind = [r for r in reqs if self.catch_up_units(r.num_computed_tokens - self.pool.seq_len(self._slot(r)))]
         start = time.perf_counter()
         self.catch_up_chunks = self._catch_up(behind)
         if behind and self.device.type == "cuda":

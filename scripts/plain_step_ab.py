@@ -81,7 +81,7 @@ def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], Non
     timed(runner, "_verify", "verify")
     timed(runner, "_accept", "accept")
     timed(runner.cost_model, "observe", "observe")
-    timed(runner, "_speculative_decode", "decode step")
+    timed(runner, "_decode", "decode step")
     if runner.shadow is not None:
         timed(runner.shadow, "take", "shadow take")
         timed(runner.shadow, "check", "shadow check")

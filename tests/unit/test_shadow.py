@@ -235,3 +235,26 @@ def test_sampled_requests_start_from_a_lower_prior():
     for _ in range(3):
         p.update("s", 5, 5)  # whole drafts accepted
     assert p.choose([sampled], [3], 1000, [100]) == [5]
+
+
+def test_shadow_evidence_keeps_a_standing_plain_decision_unless_it_changes_it():
+    # the runner skips `choose` while an all-plain decision stands (`quiet`); a shadow draft
+    # that leaves the request at K = 0 must not end it (every end costs a full `choose`),
+    # one that makes speculation pay must
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)):
+        costs.observe(1, k, seconds)
+    p = AdaptivePolicy(5, costs, shadowed=True, plain_refresh=10_000)
+    r = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000))
+    p.observe_shadow("a", 5, 0)
+    for _ in range(20):
+        p.observe_shadow("a", 5, 0)
+    assert p.choose([r], [3], 10_000, [1000]) == [0]
+    assert p.quiet([r])
+    p.observe_shadow("a", 5, 1)  # still far below paying
+    assert p.quiet([r])
+    for _ in range(3):
+        p.observe_shadow("a", 5, 4)  # now it pays
+    assert p.acceptance("a") > 0.5
+    assert not p.quiet([r])
+    assert p.choose([r], [3], 10_000, [1000]) == [5]

@@ -70,6 +70,10 @@ class _Staging:
             host.copy_(device_buf.cpu())
         self.copied: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self.turn = 0
+        # the device with its index: `current_stream(index)` is one call into torch, while
+        # `Event.record()` without a stream finds the current device through Python layers
+        # (an availability check reading the environment), several us a copy on a GPU host
+        self.device_index = device_buf.device.index
 
     def next_host(self) -> torch.Tensor:
         self.turn = (self.turn + 1) % STAGING_BUFFERS
@@ -83,7 +87,7 @@ class _Staging:
         self.device.copy_(self.hosts[self.turn], non_blocking=True)
         if self.copied[self.turn] is None:
             self.copied[self.turn] = torch.cuda.Event()
-        self.copied[self.turn].record()
+        self.copied[self.turn].record(torch.cuda.current_stream(self.device_index))
 
 
 @dataclass

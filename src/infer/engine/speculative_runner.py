@@ -19,7 +19,7 @@ top-k, top-p or a repetition penalty take the general pipeline (`logits_to_probs
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._after_round = False  # the last decode step verified drafts
         self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
         self.shadow: ShadowDrafts | None = None
-        self.policy: SpecPolicy = FixedPolicy(config.spec_length)
+        self.policy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
             from infer.engine.calibration import measure_costs
             self.cost_model = measure_costs(
@@ -70,6 +70,16 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
+
+    @property
+    def policy(self) -> SpecPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: SpecPolicy) -> None:
+        self._policy = policy
+        # a policy's optional `quiet(requests)`: a standing all-plain decision (the thin path)
+        self._policy_quiet: Callable[[Sequence[Request]], bool] | None = getattr(policy, "quiet", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -171,18 +181,18 @@ class SpeculativeRunner(ContinuousRunner):
 
     # -- the speculative decode step --------------------------------------------------------------
     def _decode(self, requests: Sequence[Request]) -> StepResult:
+        quiet = self._policy_quiet
+        if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
+            return self._plain_decode(requests, self._plain_timer(None))
         return self._speculative_decode(requests)
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
         start = time.perf_counter()
-        quiet = getattr(self.policy, "quiet", None)
-        if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
-            return self._plain_decode(requests, start)
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
-            return self._plain_decode(requests, start)
+            return self._plain_decode(requests, self._plain_timer(start))
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -211,22 +221,25 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch - setup)
         return outputs
 
+    def _plain_timer(self, start: float | None) -> float | None:
+        """Count a plain step; when it is to be timed, when it began (`start`, else now).
+
+        Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
+        counts from its second sample), and any right after speculation (while speculating,
+        plain steps are rare and the baseline must not expire)."""
+        self._plain_steps += 1
+        n = self._plain_steps
+        if self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
+            return time.perf_counter() if start is None else start
+        return None
+
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:
         """A step without drafts: the ContinuousRunner's decode step, shadow drafts taken while
         its forward is in flight (`_in_flight`; unless `shadows_taken`: the step was to
         speculate and took them before asking for proposals) and checked after. start: when
-        the step began, or None when it must not be timed as a plain step.
-
-        Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
-        counts from its second sample), and any right after speculation (while speculating,
-        plain steps are rare and the baseline must not expire)."""
+        the step began if it is timed as a plain step (`_plain_timer`), else None."""
         self._take_shadows = not shadows_taken
-        if start is not None:
-            self._plain_steps += 1
-            n = self._plain_steps
-            if not (self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1):
-                start = None
         outputs = super()._decode(requests)
         if self.shadow is not None:
             self.shadow.check(requests)
@@ -239,7 +252,7 @@ class SpeculativeRunner(ContinuousRunner):
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
         forward runs: they read only the tokens the requests had before it."""
         if self.shadow is not None and self._take_shadows:
-            self.shadow.take(self.proposer, requests, [0] * len(requests))
+            self.shadow.take(self.proposer, requests)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""

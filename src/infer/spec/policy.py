@@ -393,10 +393,18 @@ class AdaptivePolicy:
         whole draft matched (by chance only with probability prod p(t_i)) says the text has
         turned repetitive: a low estimate restarts from the prior, as after a probe without
         shadows."""
-        est = self._estimate(request_id)
-        if num_matched == num_draft > 1 and est.accepted < est.prior * est.trials:
+        est = self._lookup(request_id)
+        est.changed()
+        restart = num_matched == num_draft > 1 and est.accepted < est.prior * est.trials
+        if restart:
             self._restart(est)
         self._count(est, num_draft, num_matched)  # (the miss backoff is about real asks: it stays)
+        # a standing all-plain decision holds unless this evidence makes the request speculate
+        # (a shadowed request's probes are priced at acceptance 0: their schedule stays)
+        quiet = self._quiet
+        if quiet is not None and (restart or not self.shadowed or best_k_for_costs(
+                est.accepted / est.trials, quiet.table.costs, self.switch_margin)):
+            self._quiet = None
 
     def _restart(self, est: _Estimate) -> None:
         """Drop the evidence: back to the prior acceptance at the prior's weight."""

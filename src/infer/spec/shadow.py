@@ -92,13 +92,14 @@ class ShadowDrafts:
         once, whatever the others' schedules)."""
         self._next_due = 0
 
-    def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int]) -> None:
-        """Before a decode step: draft in shadow for the requests given k = 0 whose turn it is."""
+    def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int] | None = None) -> None:
+        """Before a decode step: draft in shadow for the requests given k = 0 (ks None: all
+        of them) whose turn it is."""
         self._step += 1
         if self._step < self._next_due:
             return
         chosen = []
-        for r, k in zip(requests, ks, strict=True):
+        for r, k in zip(requests, ks if ks is not None else [0] * len(requests), strict=True):
             if k or r.request_id in self._pending:
                 continue
             s = self._schedule.get(r.request_id)

@@ -88,8 +88,9 @@ def test_adaptive_policy_switches_off_and_probes_back():
             recovered = step
             break
     assert recovered is not None and recovered < 200
-    p.release("x")
-    assert p.acceptance("x") == p.prior_a
+    final = p.acceptance("x")
+    p.release("x")  # a new request starts from the prior moved towards what this one accepted
+    assert p.acceptance("x") == pytest.approx(p.prior_a + p.learned_weight * (min(0.95, final) - p.prior_a))
 
 
 def test_spec_stats_counts():
@@ -437,3 +438,33 @@ def test_a_probe_is_priced_with_the_catch_up_its_gap_needs():
 
     assert first_probe(128) is not None and first_probe(128) <= 5
     assert first_probe(640) is None
+
+
+def test_new_requests_start_from_what_finished_requests_of_their_kind_accepted():
+    costs = CostModel(5)
+    p = AdaptivePolicy(5, costs)
+    greedy_prior, sampled_prior = p.prior(False), p.prior(True)
+    p._lookup("idle")
+    p.release("idle")  # no evidence: the priors stay
+    assert (p.prior(False), p.prior(True)) == (greedy_prior, sampled_prior)
+    for _ in range(30):
+        p.update("g", 5, 5)  # a greedy request whose drafts all came true
+    p.release("g")
+    learned = greedy_prior + p.learned_weight * (0.95 - greedy_prior)  # (clamped at 0.95)
+    assert p.prior(False) == pytest.approx(learned) and p.prior(True) == sampled_prior
+    assert p.acceptance("next") == pytest.approx(learned)
+    p._lookup("s", sampled=True)
+    for _ in range(30):
+        p.update("s", 5, 0)  # a sampled request whose drafts all failed
+    p.release("s")
+    assert p.prior(True) == pytest.approx(sampled_prior + p.learned_weight * (0.05 - sampled_prior))
+    assert p.prior(False) == pytest.approx(learned)
+    est = p._lookup("fresh", sampled=True)  # new estimates start there, at the prior's weight
+    assert est.accepted / est.trials == pytest.approx(p.prior(True)) and est.trials == p.prior_weight
+    fixed = AdaptivePolicy(5, costs, learned_weight=0.0)
+    for _ in range(30):
+        fixed.update("g", 5, 5)
+    fixed.release("g")
+    assert fixed.prior(False) == fixed.prior_a
+    with pytest.raises(ValueError, match="learned_weight"):
+        AdaptivePolicy(5, costs, learned_weight=1.5)

@@ -8,7 +8,9 @@ measured rather than assumed equal to one target step):
 
 a: the request's acceptance estimate (decayed counts over a prior: 0.6 for a greedy
 request, 0.3 for one sampling at a temperature > 0, which accepts a draft token t only
-with probability p(t)); c: draft step time / plain target step time;
+with probability p(t), until requests of its kind have finished: then a moving average of
+what they accepted, `learned_weight` per request, so a new request starts where the pair
+and the traffic stand instead of re-learning it with probes); c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
 decoding, has factor 1 and is chosen whenever no K pays by the switch margin). The costs
 come from the `CostModel` (spec/costs.py): calibrated at start-up, then measured on real
@@ -219,7 +221,13 @@ class AdaptivePolicy:
     # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
     # successful probe is then one more round of evidence, not a restart from the prior
     shadowed: bool = False
+    # new requests start from what finished ones accepted (per greedy / sampled): the
+    # acceptance is mostly a property of the draft and target pair and the traffic, so a
+    # request need not re-learn it with probes; `learned_weight` is a finished request's
+    # weight in that moving average (0: the fixed priors only)
+    learned_weight: float = 0.3
     _est: dict[str, _Estimate] = field(default_factory=dict)
+    _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
     _table: dict[int, _CostTable] = field(default_factory=dict)
     _quiet: _Quiet | None = None
@@ -230,10 +238,18 @@ class AdaptivePolicy:
         for name in ("prior_a", "sampled_prior_a"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if not 0.0 <= self.learned_weight <= 1.0:
+            raise ValueError(f"learned_weight must be in [0, 1], got {self.learned_weight}")
 
     def acceptance(self, request_id: str) -> float:
+        """The request's acceptance estimate; a greedy request's prior if it has none yet."""
         e = self._est.get(request_id)
-        return self.prior_a if e is None else e.accepted / e.trials
+        return self.prior(False) if e is None else e.accepted / e.trials
+
+    def prior(self, sampled: bool) -> float:
+        """The acceptance a new request starts from: learned from finished requests of its
+        kind (greedy or sampled), else `prior_a` / `sampled_prior_a`."""
+        return self._learned.get(sampled, self.sampled_prior_a if sampled else self.prior_a)
 
     def choose(self, requests: Sequence[RequestLike], seq_lens: Sequence[int], max_seq_len: int,
                tokens_left: Sequence[int]) -> list[int]:
@@ -430,7 +446,7 @@ class AdaptivePolicy:
         self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:
-        a = self.sampled_prior_a if sampled else self.prior_a
+        a = self.prior(sampled)
         return _Estimate(a * self.prior_weight, self.prior_weight, wait_from=self._steps, prior=a, sampled=sampled)
 
     def _lookup(self, request_id: str, sampled: bool = False) -> _Estimate:
@@ -449,4 +465,11 @@ class AdaptivePolicy:
         return est
 
     def release(self, request_id: str) -> None:
-        self._est.pop(request_id, None)
+        """The request finished: its estimate moves the prior of the next ones of its kind
+        (if it saw any evidence: rounds or shadow drafts), clamped to [0.05, 0.95] so one
+        request's extreme luck neither rules speculation out nor in for good."""
+        est = self._est.pop(request_id, None)
+        if est is not None and est.evidence and self.learned_weight > 0:
+            a = min(0.95, max(0.05, est.accepted / est.trials))
+            old = self.prior(est.sampled)
+            self._learned[est.sampled] = old + self.learned_weight * (a - old)

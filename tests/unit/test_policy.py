@@ -468,3 +468,34 @@ def test_new_requests_start_from_what_finished_requests_of_their_kind_accepted()
     assert fixed.prior(False) == fixed.prior_a
     with pytest.raises(ValueError, match="learned_weight"):
         AdaptivePolicy(5, costs, learned_weight=1.5)
+    with pytest.raises(ValueError, match="stay_margin"):
+        AdaptivePolicy(5, costs, stay_margin=0.1)
+
+
+def test_speculation_starts_above_the_switch_margin_and_goes_on_above_the_stay_margin():
+    # K=5 rounds cost 1.9 plain steps: at a = 0.49 they are expected to beat plain decoding by
+    # ~2 %, below the 5 % it takes to start but above the 0 % it takes to go on
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)):
+        costs.observe(1, k, seconds)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000)
+
+    def at(rid: str, a: float) -> None:
+        est = p._lookup(rid, sampled=True)  # (sampled: no early probe)
+        est.accepted, est.trials = 10 * a, 10.0
+        est.changed()
+        p._quiet = None
+
+    walltime = expected_tokens(0.49, 5) / 1.9
+    assert 1.0 < walltime < 1.0 + p.switch_margin
+    fresh, going = R("fresh"), R("going")
+    at("fresh", 0.49)
+    assert p.choose([fresh], [10], 10_000, [1000]) == [0]  # not enough to start
+    at("going", 0.7)
+    assert p.choose([going], [10], 10_000, [1000]) == [5]  # starts
+    at("going", 0.49)
+    assert p.choose([going], [10], 10_000, [1000]) == [5]  # enough to go on
+    at("going", 0.4)
+    assert p.choose([going], [10], 10_000, [1000]) == [0]  # below break-even: stops
+    at("going", 0.49)
+    assert p.choose([going], [10], 10_000, [1000]) == [0]  # and must clear the switch margin again

@@ -12,7 +12,9 @@ with probability p(t), until requests of its kind have finished: then a moving a
 what they accepted, `learned_weight` per request, so a new request starts where the pair
 and the traffic stand instead of re-learning it with probes); c: draft step time / plain target step time;
 v(K): verification time for K+1 tokens / plain target step time (v(0) = 1, so K = 0, plain
-decoding, has factor 1 and is chosen whenever no K pays by the switch margin). The costs
+decoding, has factor 1 and is chosen whenever no K pays by the margin: `switch_margin` (5 %)
+to start speculating, `stay_margin` (0) to go on, so an estimate near the threshold does not
+flap between the two and pay the switch each time). The costs
 come from the `CostModel` (spec/costs.py): calibrated at start-up, then measured on real
 steps, host overhead included.
 
@@ -186,7 +188,9 @@ class _Estimate:
     evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
     sampled: bool = False  # the request samples at a temperature > 0
-    k: int = 0  # best K for this estimate under `table` (valid while `table` is current)
+    k: int = 0  # best K for this estimate under `table` and `margin` (valid while both are current)
+    margin: float = -1.0  # the margin `k` was chosen with
+    speculating: bool = False  # the latest choice was k > 0 (not a probe): going on needs `stay_margin`
     credit: float = 0.0  # plain steps probes may still lose, as of policy step `credit_step`
     credit_step: int = -1  # -1: the request's credit is not set yet
     probe_cost: float = 0.0  # the cost of the probe in flight, in plain steps (refunded on a miss)
@@ -209,7 +213,8 @@ class AdaptivePolicy:
     decay: float = 0.9  # per-round forgetting of old evidence
     max_probe_interval: int = 64
     plain_refresh: int = 256  # every this many steps, one plain step re-measures the baseline
-    switch_margin: float = 0.05  # speculate only when predicted to beat plain by 5 %
+    switch_margin: float = 0.05  # start speculating only when predicted to beat plain by 5 %
+    stay_margin: float = 0.0  # go on speculating while predicted to beat plain by this much
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
     probe_budget: float = 0.01  # probes may cost at most this fraction of the time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
@@ -238,6 +243,8 @@ class AdaptivePolicy:
         for name in ("prior_a", "sampled_prior_a"):
             if not 0.0 < getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)}")
+        if not self.stay_margin <= self.switch_margin:
+            raise ValueError(f"stay_margin ({self.stay_margin}) must not exceed switch_margin ({self.switch_margin})")
         if not 0.0 <= self.learned_weight <= 1.0:
             raise ValueError(f"learned_weight must be in [0, 1], got {self.learned_weight}")
 
@@ -271,11 +278,17 @@ class AdaptivePolicy:
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 ks.append(0)
                 continue
-            if est.table is not table:
-                est.k = best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin)
-                est.table = table
+            # hysteresis: starting to speculate must beat plain decoding by `switch_margin`
+            # (switching costs: the draft catches up, the first round after plain steps is
+            # dearer), going on only by `stay_margin`; one threshold would flap near it
+            margin = self.stay_margin if est.speculating else self.switch_margin
+            if est.table is not table or est.margin != margin:
+                est.k = best_k_for_costs(est.accepted / est.trials, table.costs, margin)
+                est.table, est.margin = table, margin
             k = est.k
+            est.speculating = k > 0
             if k and self._steps < est.miss_until:  # backing off after misses
+                est.speculating = False
                 next_due = min(next_due, est.miss_until)
                 ks.append(0)
                 continue

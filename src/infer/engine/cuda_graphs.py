@@ -99,7 +99,7 @@ class _Graph:
     last: torch.Tensor  # [b] logits index per row (last-token mode)
     indices: ViewIndices  # write [b*w], gather [b, S], q_pos [b, w], ctx_end [b]
     out: torch.Tensor  # [b, w, V] or [b, V]; sampling graphs: probs [b, V]
-    sampling: _Staging | None = None  # float64 [3, b]: temperature | uniform | greedy (sampling graphs)
+    sampling: _Staging | None = None  # float64 [3, b]: temperature | greedy | uniform (sampling graphs)
     tokens: torch.Tensor | None = None  # [b] sampled ids (sampling graphs)
     # per staging host buffer: its segments, and the index segments as ViewIndices (filled in place)
     host_parts: list[tuple[dict[str, torch.Tensor], ViewIndices]] = field(default_factory=list)
@@ -240,15 +240,16 @@ class GraphForward:
         ids, positions, last = parts["ids"], parts["positions"], parts["last"]
         indices = _host_indices(parts)  # (positions are the view's q_pos)
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
-        params = torch.tensor([[1.0] * b, [0.5] * b, [1.0] * b], dtype=torch.float64, device=self.device)  # [3, b]
+        # [3, b]: temperature | greedy | uniform, the layout `_stage_sampling` fills
+        params = torch.tensor([[1.0] * b, [1.0] * b, [0.5] * b], dtype=torch.float64, device=self.device)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             logits = self.model(ids, positions, view, logits_indices=None if all_logits else last,
                                 kernels=self.kernels)
             if not sampling:
                 return logits, None
-            probs = temperature_probs(logits, params[0].float(), params[2] > 0.5)  # [b, V]
-            return probs, sample_from_probs(probs, params[1])
+            probs = temperature_probs(logits, params[0].float(), params[1] > 0.5)  # [b, V]
+            return probs, sample_from_probs(probs, params[2])
 
         graph, (out, tokens) = self._record(run, stream)
         return _Graph(graph, _Staging(device), ids, positions, last, indices, out,
@@ -329,10 +330,7 @@ class GraphForward:
             return self.eager.sample(ids, layout, temperatures, uniforms, greedy)
         g = self.samplers[key]
         assert g.sampling is not None and g.tokens is not None
-        host = g.sampling.next_host().view(3, -1)
-        host[0, :n] = torch.tensor(temperatures, dtype=torch.float64)
-        host[1, :n] = uniforms
-        host[2, :n] = torch.tensor(greedy, dtype=torch.float64)
+        _stage_sampling(g.sampling, n, temperatures, greedy, uniforms[:, None])
         g.sampling.send()
         self._replay(g, ids, layout)
         self.sample_replays += 1

@@ -112,7 +112,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
-            "plain-specforward", "draft-K0-plainforward", "draft-k5-steps")
+            "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -187,7 +187,10 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                "draft-K0": draft, "draft-k5": draft, "draft-adaptive": dict(draft, spec_policy="adaptive"),
                # built (and calibrated) as adaptive, then never speculating: the build apart from the policy
                "ngram-adaptive-K0": dict(ngram, spec_policy="adaptive"),
-               "draft-adaptive-K0": dict(draft, spec_policy="adaptive")}
+               "draft-adaptive-K0": dict(draft, spec_policy="adaptive"),
+               # built as adaptive, then decoding and reserving exactly as the plain runner does:
+               # what the speculative engine costs apart from its code path (memory placement?)
+               "draft-adaptive-plainpath": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     if "draft-k5-steps" in engines:
         engines["draft-k5-steps"].runner.draft.fuse_rounds = False
@@ -202,6 +205,11 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     for name in ("ngram-K0", "draft-K0", "ngram-adaptive-K0", "draft-adaptive-K0", "draft-K0-plainforward"):
         if name in engines:
             engines[name].runner.policy, engines[name].runner.shadow = NeverSpeculate(), None
+    if "draft-adaptive-plainpath" in engines:
+        from infer.engine.runner import ContinuousRunner
+        runner = engines["draft-adaptive-plainpath"].runner
+        for attr in ("_decode", "decode_demand", "ensure_capacity"):
+            setattr(runner, attr, getattr(ContinuousRunner, attr).__get__(runner))
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

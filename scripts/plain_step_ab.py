@@ -112,7 +112,8 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
-            "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath")
+            "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
+            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -190,7 +191,11 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                "draft-adaptive-K0": dict(draft, spec_policy="adaptive"),
                # built as adaptive, then decoding and reserving exactly as the plain runner does:
                # what the speculative engine costs apart from its code path (memory placement?)
-               "draft-adaptive-plainpath": dict(draft, spec_policy="adaptive")}
+               "draft-adaptive-plainpath": dict(draft, spec_policy="adaptive"),
+               # half of that: the plain decode step with the speculative reservation, or the
+               # speculative runner's decode with plain's reservation
+               "draft-adaptive-plaindecode": dict(draft, spec_policy="adaptive"),
+               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     if "draft-k5-steps" in engines:
         engines["draft-k5-steps"].runner.draft.fuse_rounds = False
@@ -205,11 +210,18 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     for name in ("ngram-K0", "draft-K0", "ngram-adaptive-K0", "draft-adaptive-K0", "draft-K0-plainforward"):
         if name in engines:
             engines[name].runner.policy, engines[name].runner.shadow = NeverSpeculate(), None
-    if "draft-adaptive-plainpath" in engines:
-        from infer.engine.runner import ContinuousRunner
-        runner = engines["draft-adaptive-plainpath"].runner
-        for attr in ("_decode", "decode_demand", "ensure_capacity"):
-            setattr(runner, attr, getattr(ContinuousRunner, attr).__get__(runner))
+    plain_parts = {"draft-adaptive-plainpath": ("_decode", "decode_demand", "ensure_capacity"),
+                   "draft-adaptive-plaindecode": ("_decode",),
+                   "draft-adaptive-plainreserve": ("decode_demand", "ensure_capacity")}
+    for name, attrs in plain_parts.items():
+        if name in engines:
+            from infer.engine.runner import ContinuousRunner
+            runner = engines[name].runner
+            for attr in attrs:
+                setattr(runner, attr, getattr(ContinuousRunner, attr).__get__(runner))
+            if "_decode" not in attrs:  # plain's reservation cannot hold a round: never speculate
+                choose = runner.policy.choose
+                runner.policy.choose = lambda *a, _c=choose: [0] * len(_c(*a))
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

@@ -68,3 +68,18 @@ def test_calibration_with_a_draft_model_prices_its_tokens_and_frees_both_pools()
     assert sorted(model.draft_ratio) == [1, 2] and all(c > 0 for c in model.draft_ratio.values())
     assert pool.leak_report() == [] and draft_pool.leak_report() == []
     assert draft_pool.free_token_capacity() == 80 * 4
+
+
+def test_a_slow_call_does_not_move_the_calibrated_time(monkeypatch):
+    # each call is timed alone and the median kept: one call slowed by the host (preempted,
+    # a garbage collection) must not price speculation for the engine's whole life
+    from infer.engine import calibration
+
+    clock = [0.0]
+    monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
+    costs = iter([9.0] + [1.0, 1.0, 50.0, 1.0, 1.0])  # warm-up, then the timed calls
+
+    def call() -> None:
+        clock[0] += next(costs)
+
+    assert calibration._time(call, torch.device("cpu"), 5) == 1.0

@@ -13,6 +13,7 @@ policy uses the nearest measured one.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -25,15 +26,22 @@ from infer.spec.costs import CostModel
 
 
 def _time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of `repeats` calls, each timed alone up to a device sync (as real steps
+    end in one): a mean of back-to-back calls let one slow call (the host preempted, a
+    collection) move an instance's costs by a quarter, and whether it speculates with them."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    sync()
+    times = []
     for _ in range(repeats):
+        start = time.perf_counter()
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class PoolTooSmall(RuntimeError):
@@ -69,14 +77,14 @@ def _on_scratch(pool: CachePoolProtocol, batch: int, context: int, width: int,
 
 
 def forward_time(forward: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, width: int,
-                 all_logits: bool, repeats: int = 5, context: int = 32) -> float:
+                 all_logits: bool, repeats: int = 9, context: int = 32) -> float:
     """Seconds per forward of `width` new tokens after `context` cached ones, `batch` rows."""
     ids = torch.randint(0, vocab_size, (batch, width))
     return _on_scratch(pool, batch, context, width, lambda layout: forward(ids, layout, all_logits), repeats)
 
 
 def draft_round_time(draft: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, k: int,
-                     repeats: int = 5, context: int = 32) -> float:
+                     repeats: int = 9, context: int = 32) -> float:
     """Seconds per draft round of k greedy tokens (`draft_loop`), `batch` rows. Greedy rounds
     are the cheaper kind (no sampling kernels): the policy asks whether speculating could
     pay at an optimistic acceptance, and real rounds' measured costs replace this soon."""
@@ -91,7 +99,7 @@ def draft_round_time(draft: ForwardFn, pool: CachePoolProtocol, vocab_size: int,
 
 
 def draft_token_time(draft: ForwardFn, pool: CachePoolProtocol, vocab_size: int, batch: int, k_max: int,
-                     repeats: int = 5) -> float:
+                     repeats: int = 9) -> float:
     """Seconds one more draft token adds to a round: the slope between rounds of 1 and k_max
     tokens (a lone round's time when k_max is 1)."""
     one = draft_round_time(draft, pool, vocab_size, batch, 1, repeats)
@@ -102,7 +110,7 @@ def draft_token_time(draft: ForwardFn, pool: CachePoolProtocol, vocab_size: int,
 
 def measure_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | None,
                   draft_pool: CachePoolProtocol | None, vocab_size: int, max_batch_size: int, k_max: int,
-                  repeats: int = 5) -> CostModel:
+                  repeats: int = 9) -> CostModel:
     model = CostModel(k_max)
     batch = 1
     while True:

@@ -88,9 +88,12 @@ def test_adaptive_policy_switches_off_and_probes_back():
             recovered = step
             break
     assert recovered is not None and recovered < 200
-    final = p.acceptance("x")
+    est = p._lookup("x")
+    seen = est.seen_accepted / est.seen_trials  # over the request's whole life: below its final estimate
+    assert seen < p.acceptance("x")
     p.release("x")  # a new request starts from the prior moved towards what this one accepted
-    assert p.acceptance("x") == pytest.approx(p.prior_a + p.learned_weight * (min(0.95, final) - p.prior_a))
+    weight = p.learned_weight * min(1.0, est.seen_trials / p.learned_full_trials)
+    assert p.acceptance("x") == pytest.approx(p.prior_a + weight * (max(0.05, seen) - p.prior_a))
 
 
 def test_spec_stats_counts():
@@ -468,8 +471,29 @@ def test_new_requests_start_from_what_finished_requests_of_their_kind_accepted()
     assert fixed.prior(False) == fixed.prior_a
     with pytest.raises(ValueError, match="learned_weight"):
         AdaptivePolicy(5, costs, learned_weight=1.5)
+    with pytest.raises(ValueError, match="learned_full_trials"):
+        AdaptivePolicy(5, costs, learned_full_trials=0)
     with pytest.raises(ValueError, match="stay_margin"):
         AdaptivePolicy(5, costs, stay_margin=0.1)
+
+
+def test_the_learned_prior_follows_what_drafts_accepted_not_restarted_estimates():
+    # a sampled pair accepting ~1 token in 3: lucky probes restart a request's estimate at
+    # the prior, so its final estimate says little; the prior must not feed on it
+    p = AdaptivePolicy(5, CostModel(5))
+    p._learned[True] = 0.7  # a prior that came out high
+    est = p._lookup("s", sampled=True)
+    for _ in range(10):
+        p.update("s", 3, 1)  # 1 of 3 accepted, then a rejection: 1 in 2 trials
+    p._restart(est)  # as after a lucky probe: the estimate is back at the prior
+    assert est.accepted / est.trials == pytest.approx(0.7)
+    p.release("s")
+    # 10 accepted in 20 trials, full weight (>= 16 trials): 0.7 -> 0.7 + 0.3 * (0.5 - 0.7)
+    assert p.prior(True) == pytest.approx(0.64)
+    p._lookup("lucky", sampled=True)
+    p.update("lucky", 2, 2)  # one probe, all accepted: 2 trials move the prior 2/16 of the weight
+    p.release("lucky")
+    assert p.prior(True) == pytest.approx(0.64 + 0.3 * 2 / 16 * (0.95 - 0.64))
 
 
 def test_speculation_starts_above_the_switch_margin_and_goes_on_above_the_stay_margin():

@@ -196,6 +196,11 @@ class _Estimate:
     probe_cost: float = 0.0  # the cost of the probe in flight, in plain steps (refunded on a miss)
     drafted: bool = False  # a round has run for this request (so its draft saw its context)
     table: _CostTable | None = None  # None: the estimate changed since k was computed
+    # all the evidence, undecayed and never restarted: what the request's drafts accepted
+    # (the learned prior is taken from these; the estimate above is reset to the prior
+    # by lucky probes, so learning from it would feed a high prior back into itself)
+    seen_accepted: float = 0.0
+    seen_trials: float = 0.0
 
     def changed(self) -> None:
         self.table = None
@@ -231,6 +236,7 @@ class AdaptivePolicy:
     # request need not re-learn it with probes; `learned_weight` is a finished request's
     # weight in that moving average (0: the fixed priors only)
     learned_weight: float = 0.3
+    learned_full_trials: float = 16.0  # trials of evidence for a request's full weight in it
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
@@ -247,6 +253,8 @@ class AdaptivePolicy:
             raise ValueError(f"stay_margin ({self.stay_margin}) must not exceed switch_margin ({self.switch_margin})")
         if not 0.0 <= self.learned_weight <= 1.0:
             raise ValueError(f"learned_weight must be in [0, 1], got {self.learned_weight}")
+        if self.learned_full_trials <= 0:
+            raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
 
     def acceptance(self, request_id: str) -> float:
         """The request's acceptance estimate; a greedy request's prior if it has none yet."""
@@ -442,8 +450,11 @@ class AdaptivePolicy:
     def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
         """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""
         est.evidence = True
+        trials = num_accepted + (1 if num_accepted < num_draft else 0)
         est.accepted = est.accepted * self.decay + num_accepted
-        est.trials = est.trials * self.decay + num_accepted + (1 if num_accepted < num_draft else 0)
+        est.trials = est.trials * self.decay + trials
+        est.seen_accepted += num_accepted
+        est.seen_trials += trials
 
     def no_proposal(self, request_id: str) -> None:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking
@@ -478,11 +489,14 @@ class AdaptivePolicy:
         return est
 
     def release(self, request_id: str) -> None:
-        """The request finished: its estimate moves the prior of the next ones of its kind
-        (if it saw any evidence: rounds or shadow drafts), clamped to [0.05, 0.95] so one
-        request's extreme luck neither rules speculation out nor in for good."""
+        """The request finished: what its drafts accepted over its whole life (rounds and
+        shadow drafts, not the decayed estimate) moves the prior of the next ones of its
+        kind, clamped to [0.05, 0.95] so one request's extreme luck neither rules
+        speculation out nor in for good. A request with little evidence moves it less: full
+        weight from `learned_full_trials` trials (one lucky probe is not the pair's rate)."""
         est = self._est.pop(request_id, None)
-        if est is not None and est.evidence and self.learned_weight > 0:
-            a = min(0.95, max(0.05, est.accepted / est.trials))
+        if est is not None and est.seen_trials > 0 and self.learned_weight > 0:
+            a = min(0.95, max(0.05, est.seen_accepted / est.seen_trials))
+            weight = self.learned_weight * min(1.0, est.seen_trials / self.learned_full_trials)
             old = self.prior(est.sampled)
-            self._learned[est.sampled] = old + self.learned_weight * (a - old)
+            self._learned[est.sampled] = old + weight * (a - old)

@@ -512,7 +512,7 @@ def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monk
     assert llm.engine.leak_report() == []
 
 
-def test_plain_steps_are_timed_two_in_every_eight(make_llm, ckpt_a, prompts):
+def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prompts):
     # the plain path stays thin: the policy's baseline needs a recent median, not every step
     from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)

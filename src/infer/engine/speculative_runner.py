@@ -183,11 +183,10 @@ class SpeculativeRunner(ContinuousRunner):
     def _decode(self, requests: Sequence[Request]) -> StepResult:
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
-            self._plain_steps += 1
-            timed = self._timed_plain()
-            if not timed and self.shadow is None:
+            start = self._plain_timer(None)
+            if start is None and self.shadow is None:
                 return super()._decode(requests)  # nothing to time or check: the plain step alone
-            return self._plain_decode(requests, time.perf_counter() if timed else None)
+            return self._plain_decode(requests, start)
         return self._speculative_decode(requests)
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
@@ -232,14 +231,10 @@ class SpeculativeRunner(ContinuousRunner):
         counts from its second sample), and any right after speculation (while speculating,
         plain steps are rare and the baseline must not expire)."""
         self._plain_steps += 1
-        if self._timed_plain():
+        n = self._plain_steps
+        if self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
             return time.perf_counter() if start is None else start
         return None
-
-    def _timed_plain(self) -> bool:
-        """Whether the plain step just counted (`_plain_steps`) is timed (see `_plain_timer`)."""
-        n = self._plain_steps
-        return self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:

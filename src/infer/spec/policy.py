@@ -185,7 +185,6 @@ class _Estimate:
     probing: bool = False  # the round in flight is a probe
     miss_until: int = 0  # after n-gram misses: no asking before this policy step
     miss_interval: int = 0  # steps waited after the latest miss (doubles per miss in a row)
-    evidence: bool = False  # a round or a shadow draft has been counted
     prior: float = 0.6  # the prior acceptance this request restarts from
     sampled: bool = False  # the request samples at a temperature > 0
     k: int = 0  # best K for this estimate under `table` and `margin` (valid while both are current)
@@ -204,6 +203,11 @@ class _Estimate:
 
     def changed(self) -> None:
         self.table = None
+
+    @property
+    def evidence(self) -> bool:
+        """A round or a shadow draft has been counted."""
+        return self.seen_trials > 0
 
 
 @dataclass
@@ -449,7 +453,6 @@ class AdaptivePolicy:
 
     def _count(self, est: _Estimate, num_draft: int, num_accepted: int) -> None:
         """Decay the old evidence, add a round: accepted tokens, and a rejection unless all were."""
-        est.evidence = True
         trials = num_accepted + (1 if num_accepted < num_draft else 0)
         est.accepted = est.accepted * self.decay + num_accepted
         est.trials = est.trials * self.decay + trials

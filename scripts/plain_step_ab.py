@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import random
 import statistics
 import time
 from collections import defaultdict
@@ -408,8 +409,27 @@ def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
     for v, members in groups.items():
         pooled = statistics.median(plain[i] / times[m][i] for m in members for i in range(rounds))
         each = [statistics.median(plain[i] / times[m][i] for i in range(rounds)) for m in members]
-        print(f"{w} T={t:g} {v} pooled over {len(members)} instances: paired x{pooled:.3f}; instances "
-              + " ".join(f"x{x:.3f}" for x in each), flush=True)
+        low, high = pooled_interval(times, groups["plain"], members)
+        print(f"{w} T={t:g} {v} pooled over {len(members)} instances: paired x{pooled:.3f} "
+              f"(95% interval x{low:.3f}-x{high:.3f}); instances " + " ".join(f"x{x:.3f}" for x in each), flush=True)
+
+
+def pooled_interval(times: dict[str, list[float]], plain: list[str], members: list[str],
+                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the pooled ratio, resampling both sources of noise: the
+    rounds (machine drift) and, per variant, the instances (identical engines differ by a
+    few %), plain's among them. Two-level: instances with replacement, then rounds."""
+    rng = random.Random(seed)
+    rounds = len(times[plain[0]])
+    values = []
+    for _ in range(resamples):
+        ps = [rng.choice(plain) for _ in plain]
+        ms = [rng.choice(members) for _ in members]
+        picked = [rng.randrange(rounds) for _ in range(rounds)]
+        values.append(statistics.median(statistics.fmean(times[p][i] for p in ps) / times[m][i]
+                                        for m in ms for i in picked))
+    values.sort()
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 
 
 def print_costs(label: str, engine: Engine) -> None:

@@ -267,6 +267,79 @@ class _SchedulePolicy:
         return None
 
 
+class _QuietSchedulePolicy(_SchedulePolicy):
+    """The cycle, with the adaptive policy's standing all-plain decision: after a choice of
+    0 for a batch, `quiet` holds for that same batch while the cycle says 0."""
+
+    def __init__(self, cycle):
+        super().__init__(cycle)
+        self.standing, self.ended, self.chosen_over_held = None, 0, 0
+
+    def choose(self, requests, seq_lens, max_seq_len, tokens_left):
+        # a request that reserved one position (`holds_quiet`) must not be given a draft
+        self.chosen_over_held += any(self.holds_quiet(r) for r in requests)
+        ks = super().choose(requests, seq_lens, max_seq_len, tokens_left)
+        self.standing = None if any(ks) else list(requests)
+        return ks
+
+    def quiet(self, requests):
+        if self.standing is not None and list(requests) == self.standing and not self.cycle[self.i % len(self.cycle)]:
+            self.i += 1
+            return True
+        return False
+
+    def holds_quiet(self, request):
+        return (self.standing is not None and not self.cycle[self.i % len(self.cycle)]
+                and any(r is request for r in self.standing))
+
+    def end_quiet(self):
+        self.standing, self.ended = None, self.ended + 1
+
+
+def test_quiet_steps_reserve_what_plain_decoding_does(make_llm, ckpt_a, prompts, plain_outputs):
+    # under a standing all-plain decision a step needs one position in the target's cache
+    # and none in the draft's, as plain decoding; the draft's cache grows when the request
+    # speculates again, and catching up then must leave it exact (a self-draft accepts all)
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1, kv_cache_backend="paged", block_size=4)
+    runner = llm.engine.runner
+    runner.policy = policy = _QuietSchedulePolicy([3] + [0] * 9)
+    seen, decode = [], runner._decode
+
+    def recording(requests):
+        (r,) = requests
+        quiet = policy.holds_quiet(r)
+        seen.append((quiet, r.num_computed_tokens, len(runner.cache_pool.block_table(r.slot)),
+                     len(runner.draft.pool.block_table(runner.draft._slot(r)))))
+        return decode(requests)
+
+    runner._decode = recording
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts[:4]]
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs[:4]
+    spans = [(a, b) for a, b in zip(seen, seen[1:]) if a[0] and b[0] and b[1] == a[1] + 1]
+    assert len(spans) >= 20
+    # the target's table grows only to hold position n (blocks of 4), the draft's not at all
+    assert all(b[2] == max(a[2], -(-(b[1] + 1) // 4)) for a, b in spans)
+    assert any(b[2] > a[2] for a, b in spans)
+    assert all(a[3] == b[3] for a, b in spans)
+    assert not all(q for q, *_ in seen)  # rounds ran in between
+    assert runner.stats.acceptance_rate >= 0.99
+    assert llm.engine.leak_report() == []
+
+
+def test_a_batch_change_under_a_quiet_decision_decodes_plainly(make_llm, ckpt_a, prompts, plain_outputs):
+    # requests that reserved one position under the all-plain decision must not draft when
+    # the batch changes (a request joins after its chunked prefill, another leaves): that
+    # step is plain and the decision ends
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend="paged", block_size=4,
+                    max_num_batched_tokens=6)
+    runner = llm.engine.runner
+    runner.policy = policy = _QuietSchedulePolicy([2] + [0] * 5)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert policy.ended >= 1 and policy.chosen_over_held == 0
+    assert llm.engine.leak_report() == []
+
+
 def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
     # plain steps are timed two in eight, but the one right after a round always: while a
     # policy speculates, plain steps are rare, and the plain baseline must stay measured

@@ -80,6 +80,9 @@ class SpeculativeRunner(ContinuousRunner):
         self._policy = policy
         # a policy's optional `quiet(requests)`: a standing all-plain decision (the thin path)
         self._policy_quiet: Callable[[Sequence[Request]], bool] | None = getattr(policy, "quiet", None)
+        # and `holds_quiet(request)`: whether that decision covers a request at the next step
+        # (the scheduler then reserves one position for it, as for plain decoding)
+        self._holds_quiet: Callable[[Request], bool] | None = getattr(policy, "holds_quiet", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -151,14 +154,22 @@ class SpeculativeRunner(ContinuousRunner):
             self.shadow.admit(request.request_id)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        # (called for every decoding request before every step: kept to the two pool calls)
+        # (called for every decoding request before every step: kept to the pool calls)
         assert request.slot is not None
         if not self.cache_pool.ensure_capacity(request.slot, total_tokens):
             return False
-        return self.draft is None or self.draft.ensure_capacity(request, total_tokens - 1)
+        # one position is a plain step's (`decode_demand`): the draft writes nothing then
+        # (it catches up, its cache grown, when the request speculates again)
+        return (self.draft is None or total_tokens <= request.num_computed_tokens + 1
+                or self.draft.ensure_capacity(request, total_tokens - 1))
 
     def decode_demand(self, request: Request) -> int:
-        # K + 1 positions, never past max_seq_len (the policy's overflow guard shrinks K there)
+        # a request the policy keeps plain at the next step: one position, as plain decoding
+        # (`_decode` then never drafts for it); else K + 1 positions, never past max_seq_len
+        # (the policy's overflow guard shrinks K there)
+        holds = self._holds_quiet
+        if holds is not None and holds(request):
+            return 1
         room = self.config.max_seq_len - request.num_computed_tokens
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
@@ -191,6 +202,12 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
         start = time.perf_counter()
+        holds = self._holds_quiet
+        if holds is not None and any(holds(r) for r in requests):
+            # a request reserved one position under the all-plain decision, but the batch is
+            # not that decision's (a request joined or left): decode plainly, decide afresh next step
+            self.policy.end_quiet()  # type: ignore[attr-defined]
+            return self._plain_decode(requests, self._plain_timer(start))
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)

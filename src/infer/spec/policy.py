@@ -336,6 +336,20 @@ class AdaptivePolicy:
             return True
         return False
 
+    def holds_quiet(self, request: RequestLike) -> bool:
+        """Whether the standing all-plain decision covers `request` at the next step (read
+        before it, changing nothing): the runner then reserves one cache position for the
+        request, in the target's cache only, as plain decoding does. If the batch then is
+        not the decision's (`quiet` fails), the runner must decode that step plainly and
+        `end_quiet`."""
+        quiet = self._quiet
+        return (quiet is not None and self._steps + 1 < quiet.until and quiet.table.version == self.costs.version
+                and any(r is request for r in quiet.batch))
+
+    def end_quiet(self) -> None:
+        """Drop the standing all-plain decision (the batch changed under it)."""
+        self._quiet = None
+
     def _cost_table(self, batch_size: int) -> _CostTable | None:
         """Relative costs and probe spacing at this batch size; None until a plain step's cost
         is known there. Cached: recomputed when a speculative step or a switch was measured,

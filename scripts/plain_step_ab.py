@@ -235,6 +235,29 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     return engines
 
 
+# the runner methods through which a speculative runner decodes, reserves and admits exactly
+# as the plain ContinuousRunner does
+PLAIN_METHODS = ("can_admit", "allocate", "ensure_capacity", "decode_demand", "_decode", "release")
+
+
+class plain_mode:  # noqa: N801 (a context manager used like a function)
+    """Within `with plain_mode(engine):` a speculative engine decodes through the plain
+    runner's methods on its own objects (model, cache, graphs): plain decoding with this
+    instance's placement, so a ratio to it carries no instance effect."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.runner = engine.runner
+
+    def __enter__(self) -> None:
+        from infer.engine.runner import ContinuousRunner
+        for attr in PLAIN_METHODS:
+            setattr(self.runner, attr, getattr(ContinuousRunner, attr).__get__(self.runner))
+
+    def __exit__(self, *exc: object) -> None:
+        for attr in PLAIN_METHODS:
+            delattr(self.runner, attr)  # the instance attribute hid the class's method
+
+
 def variant(name: str) -> str:
     return name.split("#")[0]
 
@@ -337,6 +360,9 @@ def main() -> None:
     ap.add_argument("--instances", type=int, default=1, help="engines built per variant (see the docstring)")
     ap.add_argument("--gpu-time", action="store_true", help="also time graph replays with CUDA events")
     ap.add_argument("--split", action="store_true", help="also split decode steps' host time (extra runs)")
+    ap.add_argument("--self-paired", action="store_true",
+                    help="each round also runs every adaptive instance in plain mode (its own objects, the plain "
+                         "runner's methods) and prints its ratio to that: the adaptive overhead without instance effects")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
@@ -351,6 +377,8 @@ def main() -> None:
         prompt = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer).requests[0].prompt_ids
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
+            own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
+                                                 and variant(name).endswith("adaptive")}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
@@ -360,8 +388,13 @@ def main() -> None:
                 rotated = names[i % len(names):] + names[:i % len(names)]
                 for name in rotated if i % 2 == 0 else rotated[::-1]:
                     times[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
+                    if name in own_plain:  # and at once the same instance decoding plainly
+                        with plain_mode(engines[name]):
+                            own_plain[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
             if args.instances > 1:
                 print_pooled(times, w, t)
+            if own_plain:
+                print_self_paired(times, own_plain, w, t)
             ref_name = names[0]
             ref, best_ref = statistics.median(times[ref_name]), min(times[ref_name])
             for name, ts in times.items():
@@ -412,6 +445,30 @@ def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
         low, high = pooled_interval(times, groups["plain"], members)
         print(f"{w} T={t:g} {v} pooled over {len(members)} instances: paired x{pooled:.3f} "
               f"(95% interval x{low:.3f}-x{high:.3f}); instances " + " ".join(f"x{x:.3f}" for x in each), flush=True)
+
+
+def print_self_paired(times: dict[str, list[float]], own_plain: dict[str, list[float]], w: str, t: float,
+                      resamples: int = 2000, seed: int = 0) -> None:
+    """Each adaptive instance against itself in plain mode, run right after it in the same
+    round: the median over rounds and instances of plain-mode time / adaptive time, with a
+    95 % bootstrap interval (instances with replacement, then rounds)."""
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name in own_plain:
+        groups[variant(name)].append(name)
+    rng = random.Random(seed)
+    for v, members in groups.items():
+        ratios = {m: [p / x for p, x in zip(own_plain[m], times[m], strict=True)] for m in members}
+        rounds = len(ratios[members[0]])
+        pooled = statistics.median(r for m in members for r in ratios[m])
+        values = []
+        for _ in range(resamples):
+            ms = [rng.choice(members) for _ in members]
+            picked = [rng.randrange(rounds) for _ in range(rounds)]
+            values.append(statistics.median(ratios[m][i] for m in ms for i in picked))
+        values.sort()
+        print(f"{w} T={t:g} {v} against its own plain mode over {len(members)} instances: x{pooled:.3f} "
+              f"(95% interval x{values[int(0.025 * resamples)]:.3f}-x{values[int(0.975 * resamples) - 1]:.3f}); "
+              "instances " + " ".join(f"x{statistics.median(ratios[m]):.3f}" for m in members), flush=True)
 
 
 def pooled_interval(times: dict[str, list[float]], plain: list[str], members: list[str],

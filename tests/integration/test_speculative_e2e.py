@@ -340,6 +340,60 @@ def test_a_batch_change_under_a_quiet_decision_decodes_plainly(make_llm, ckpt_a,
     assert llm.engine.leak_report() == []
 
 
+class _StretchPolicy(_QuietSchedulePolicy):
+    """With `quiet_steps_left`: the runner may run the zeros ahead as a plain stretch."""
+
+    def quiet_steps_left(self):
+        n = 0
+        while n < len(self.cycle) and not self.cycle[(self.i + n) % len(self.cycle)]:
+            n += 1
+        return 0 if self.standing is None else n
+
+    def count_quiet_steps(self, steps):
+        self.i += steps
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_plain_stretches_keep_the_policy_clock_and_the_tokens(make_llm, ckpt_a, prompts, plain_outputs, backend):
+    # steps a standing all-plain decision covers run through the plain runner's methods:
+    # neither `quiet` nor `choose` is asked, yet the policy counts every decode step, the
+    # tokens are plain decoding's, and the draft catches up exactly when a round comes
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2, kv_cache_backend=backend, block_size=4)
+    runner = llm.engine.runner
+    runner.policy = policy = _StretchPolicy([3] + [0] * 12)
+    asked, steps, step = [], [], runner.step
+    quiet, choose = policy.quiet, policy.choose
+    policy.quiet = lambda requests: (asked.append("quiet"), quiet(requests))[1]
+    policy.choose = lambda *a: (asked.append("choose"), choose(*a))[1]
+    runner.step = lambda prefill, decode: (steps.append(bool(decode)), step(prefill, decode))[1]
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts[:3]]
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs[:3]
+    decode_steps = sum(steps)
+    assert policy.i == decode_steps  # every decode step counted once
+    assert len(asked) < decode_steps / 2  # most steps ran in stretches, unasked
+    assert runner.stats.drafts > 0 and runner.stats.acceptance_rate >= 0.99
+    assert not runner._stretch.active and "_decode" not in vars(runner)
+    assert llm.engine.leak_report() == []
+
+
+def test_a_batch_change_ends_a_plain_stretch(make_llm, ckpt_a, prompts, plain_outputs):
+    # requests leave at different times (max_tokens) and join after chunked prefills: each
+    # change ends the stretch, and the outputs stay plain decoding's
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend="paged", block_size=4,
+                    max_num_batched_tokens=6)
+    runner = llm.engine.runner
+    runner.policy = policy = _StretchPolicy([2] + [0] * 30)
+    ends = []
+    leave = runner._stretch.leave
+    runner._stretch.leave = lambda: (ends.append(runner._stretch.active), leave())[1]
+    params = [SamplingParams(temperature=0, max_tokens=MAX_NEW - 2 * i, ignore_eos=True) for i in range(8)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == [p[:MAX_NEW - 2 * i] for i, p in enumerate(plain_outputs)]
+    assert any(ends)  # some stretch was cut short by a request leaving or joining
+    assert policy.chosen_over_held == 0
+    assert not runner._stretch.active and llm.engine.leak_report() == []
+
+
 def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
     # plain steps are timed two in eight, but the one right after a round always: while a
     # policy speculates, plain steps are rare, and the plain baseline must stay measured

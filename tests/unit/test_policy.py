@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from infer.engine.request import Request
+from infer.sampling import SamplingParams
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import (AdaptivePolicy, CostModel, FixedPolicy, best_k, best_k_for_costs, expected_tokens,
                                guard_k, walltime_factor)
@@ -523,3 +525,31 @@ def test_speculation_starts_above_the_switch_margin_and_goes_on_above_the_stay_m
     assert p.choose([going], [10], 10_000, [1000]) == [0]  # below break-even: stops
     at("going", 0.49)
     assert p.choose([going], [10], 10_000, [1000]) == [0]  # and must clear the switch margin again
+
+
+def test_quiet_steps_left_counts_the_steps_quiet_would_answer():
+    # the runner runs `quiet_steps_left()` steps without asking `quiet` (a plain stretch),
+    # then `count_quiet_steps`: the clock and the decision's end must be where asking every
+    # step would have put them; `holds_quiet` (the reservation) agrees with `quiet` throughout
+    def policy_after_a_plain_choice():
+        costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+        for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0025), (5, 0.0025)):
+            costs.observe(1, k, seconds)
+        p = AdaptivePolicy(5, costs, plain_refresh=10_000)
+        r = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000))
+        p.update("a", 5, 0)  # a failed round: K = 0 pays best now
+        assert p.choose([r], [3], 10_000, [1000]) == [0]
+        return p, r
+
+    asked, r = policy_after_a_plain_choice()
+    steps = 0
+    while asked.holds_quiet(r):
+        assert asked.quiet([r])
+        steps += 1
+    assert not asked.quiet([r]) and steps >= 2
+    counted, r2 = policy_after_a_plain_choice()
+    assert counted.quiet_steps_left() == steps
+    counted.count_quiet_steps(steps)
+    assert counted._steps == asked._steps
+    assert not counted.holds_quiet(r2) and not counted.quiet([r2])
+    assert counted.quiet_steps_left() == 0

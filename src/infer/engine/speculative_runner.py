@@ -26,6 +26,7 @@ import torch
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.forward import ForwardFn, make_forward
+from infer.engine.plain_stretch import PlainStretch
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.models.llama import LlamaForCausalLM
@@ -55,7 +56,9 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
-        self._after_round = False  # the last decode step verified drafts
+        self._time_next_plain = False  # time the next plain step (after a round or a plain stretch)
+        # steps under a standing all-plain decision, run through the plain runner's methods
+        self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done)
         self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
@@ -83,6 +86,8 @@ class SpeculativeRunner(ContinuousRunner):
         # and `holds_quiet(request)`: whether that decision covers a request at the next step
         # (the scheduler then reserves one position for it, as for plain decoding)
         self._holds_quiet: Callable[[Request], bool] | None = getattr(policy, "holds_quiet", None)
+        # and `quiet_steps_left()`: how many more steps it holds for the same batch
+        self._quiet_left: Callable[[], int] | None = getattr(policy, "quiet_steps_left", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -147,6 +152,7 @@ class SpeculativeRunner(ContinuousRunner):
         return ok and (self.draft is None or self.draft.can_allocate(request.prefill_target))
 
     def allocate(self, request: Request) -> None:
+        self._stretch.leave()  # the batch changes
         super().allocate(request)
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
@@ -174,6 +180,7 @@ class SpeculativeRunner(ContinuousRunner):
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
+        self._stretch.leave()  # the batch changes
         self.proposer.release(request)
         if self.shadow is not None:
             self.shadow.release(request.request_id)
@@ -195,8 +202,12 @@ class SpeculativeRunner(ContinuousRunner):
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
             start = self._plain_timer(None)
-            if start is None and self.shadow is None:
-                return super()._decode(requests)  # nothing to time or check: the plain step alone
+            if start is None and self.shadow is None:  # nothing to time or check: the plain step alone
+                outputs = super()._decode(requests)
+                left = self._quiet_left() if self._quiet_left is not None else 0
+                if left:  # and so are the next steps the decision holds: through the plain methods
+                    self._stretch.enter(left)
+                return outputs
             return self._plain_decode(requests, start)
         return self._speculative_decode(requests)
 
@@ -232,7 +243,7 @@ class SpeculativeRunner(ContinuousRunner):
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)
-        self._after_round = True
+        self._time_next_plain = True
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
         # a draft catching up after plain steps is the cost of switching, recorded apart
         if switch:
@@ -246,12 +257,20 @@ class SpeculativeRunner(ContinuousRunner):
 
         Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
         counts from its second sample), and any right after speculation (while speculating,
-        plain steps are rare and the baseline must not expire)."""
+        plain steps are rare and the baseline must not expire) or after a plain stretch
+        (whose steps are not timed)."""
         self._plain_steps += 1
         n = self._plain_steps
-        if self._after_round or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
+        if self._time_next_plain or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
             return time.perf_counter() if start is None else start
         return None
+
+    def _stretch_done(self, steps: int) -> None:
+        """A plain stretch ran `steps` steps: the policy and the plain-step count catch up,
+        and the next plain step is timed (none in the stretch was)."""
+        self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
+        self._plain_steps += steps
+        self._time_next_plain = True
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:
@@ -263,7 +282,7 @@ class SpeculativeRunner(ContinuousRunner):
         outputs = super()._decode(requests)
         if self.shadow is not None:
             self.shadow.check(requests)
-        self._after_round = False
+        self._time_next_plain = False
         if start is not None:
             self.cost_model.observe(len(requests), 0, time.perf_counter() - start)
         return outputs

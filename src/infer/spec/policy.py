@@ -346,6 +346,17 @@ class AdaptivePolicy:
         return (quiet is not None and self._steps + 1 < quiet.until and quiet.table.version == self.costs.version
                 and any(r is request for r in quiet.batch))
 
+    def quiet_steps_left(self) -> int:
+        """Steps after this one for which the standing all-plain decision holds for the same
+        batch (0 if none stands): the runner may decode them without asking `quiet`, then
+        `count_quiet_steps`."""
+        quiet = self._quiet
+        return 0 if quiet is None else max(0, quiet.until - 1 - self._steps)
+
+    def count_quiet_steps(self, steps: int) -> None:
+        """Count `steps` plain steps decoded under the standing decision without `quiet`."""
+        self._steps += steps
+
     def end_quiet(self) -> None:
         """Drop the standing all-plain decision (the batch changed under it)."""
         self._quiet = None

@@ -1,0 +1,70 @@
+"""A stretch of plain decode steps run through the plain runner's own methods.
+
+While the adaptive policy's all-plain decision stands (`AdaptivePolicy.quiet`), every step
+of a speculative runner is a plain decode step, yet each still passed through the
+speculative runner's overrides: the scheduler's reservation (`decode_demand`,
+`ensure_capacity`), the decode wrapper (`quiet`, the plain-step timer). On a small target
+those cost a few % of a step (H100, demo pair: ~10 us of a 0.46 ms step), the margin the
+adaptive policy is allowed to lose against plain decoding.
+
+`PlainStretch.enter(n)` points the runner's `decode_demand`, `ensure_capacity` and
+`_decode` at the plain ContinuousRunner's (instance attributes hiding the class's
+methods) for the next n steps, the steps the decision is known to hold. The only per-step
+work left is a countdown in `_in_flight`, the hook plain decoding calls anyway. The stretch
+ends when its steps are done, or early when the batch changes (`allocate`, `release`),
+and `leave` reports how many steps ran so the policy's step clock can catch up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from infer.engine.request import Request
+    from infer.engine.runner import ContinuousRunner
+
+# the runner methods a stretch replaces with the plain runner's
+PLAIN_METHODS = ("decode_demand", "ensure_capacity", "_decode")
+
+
+class PlainStretch:
+    """Plain decode steps through the plain runner's methods (see the module docstring)."""
+
+    def __init__(self, runner: ContinuousRunner, plain_class: type, on_leave: Callable[[int], None]) -> None:
+        self.runner = runner
+        self.plain_class = plain_class
+        self.on_leave = on_leave  # called with the number of steps the stretch ran
+        self.left = 0  # steps still to run; 0: not in a stretch
+        self.done = 0
+
+    @property
+    def active(self) -> bool:
+        return self.left > 0
+
+    def enter(self, steps: int) -> None:
+        """Run the next `steps` decode steps (>= 1) as plain steps through the plain methods."""
+        if steps < 1 or self.active:
+            return
+        self.left, self.done = steps, 0
+        attrs = vars(self.runner)
+        for name in PLAIN_METHODS:
+            attrs[name] = getattr(self.plain_class, name).__get__(self.runner)
+        attrs["_in_flight"] = self._count
+
+    def _count(self, requests: Sequence[Request]) -> None:
+        # `_in_flight` of each plain step of the stretch: the stretch's only per-step work
+        self.done += 1
+        self.left -= 1
+        if not self.left:
+            self.leave()
+
+    def leave(self) -> None:
+        """End the stretch (if any): the runner's own methods again; `on_leave(steps run)`."""
+        if not self.active and not self.done:
+            return
+        attrs = vars(self.runner)
+        for name in (*PLAIN_METHODS, "_in_flight"):
+            attrs.pop(name, None)
+        done, self.left, self.done = self.done, 0, 0
+        self.on_leave(done)

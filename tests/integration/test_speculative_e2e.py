@@ -137,12 +137,15 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     runner.shadow.observe = recording
     takes, take = [], runner.shadow.take
     runner.shadow.take = lambda *a: (takes.append(1), take(*a))[1]
-    steps, decode = [], runner._decode
-    runner._decode = lambda reqs: (steps.append(1), decode(reqs))[1]
+    skipped, count_steps = [], runner.shadow.count_steps  # idle steps a plain stretch ran
+    runner.shadow.count_steps = lambda n: (skipped.append(n), count_steps(n))[1]
+    steps, step = [], runner.step
+    runner.step = lambda prefill, decode: (steps.append(bool(decode)), step(prefill, decode))[1]
     requests = [llm.engine.add_request(p, params) for p in prompts]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    assert len(takes) == len(steps) > 0  # one look per decode step, proposals found or not
+    # one look per decode step, proposals found or not, but for the idle steps of stretches
+    assert len(takes) + sum(skipped) == sum(steps) and takes
     assert [r.output_token_ids for r in requests] == expected
     assert seen, "no shadow draft was checked"
     assert len(runner.shadow) == 0

@@ -258,3 +258,30 @@ def test_shadow_evidence_keeps_a_standing_plain_decision_unless_it_changes_it():
     assert p.acceptance("a") > 0.5
     assert not p.quiet([r])
     assert p.choose([r], [3], 10_000, [1000]) == [5]
+
+
+def test_idle_steps_can_be_skipped_without_changing_the_schedule():
+    # a plain stretch skips `take` and `check` for `idle_steps()` steps, then `count_steps`:
+    # the drafts must be asked at the same steps as when every step is taken
+    script = list(range(100, 400))
+
+    def run(skip: bool) -> list[tuple[str, int]]:
+        shadow = ShadowDrafts(k=3, observe=lambda *a: None, interval=2, max_interval=16)
+        proposer = ScriptedProposer(script)
+        proposer.plan = [0, 0, 1, 0, 0, 0]
+        r = _request("a", script, 10)
+        skipped = 0
+        while r.num_tokens < 90:
+            shadow.take(proposer, [r], [0])
+            _emit(r, script)
+            shadow.check([r])
+            idle = shadow.idle_steps() if skip else 0
+            idle = min(idle, 90 - r.num_tokens)
+            for _ in range(idle):  # plain steps of the stretch: tokens only
+                _emit(r, script)
+            shadow.count_steps(idle)
+            skipped += idle
+        assert not skip or skipped > 30
+        return proposer.asked
+
+    assert run(skip=True) == run(skip=False)

@@ -202,13 +202,20 @@ class SpeculativeRunner(ContinuousRunner):
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
             start = self._plain_timer(None)
-            if start is None and self.shadow is None:  # nothing to time or check: the plain step alone
+            shadow = self.shadow
+            if start is None and shadow is None:  # nothing to time or check: the plain step alone
                 outputs = super()._decode(requests)
-                left = self._quiet_left() if self._quiet_left is not None else 0
-                if left:  # and so are the next steps the decision holds: through the plain methods
+            else:
+                outputs = self._plain_decode(requests, start)
+            if start is None and self._quiet_left is not None:
+                # so are the next steps the decision holds (while no shadow draft is pending
+                # or due): through the plain runner's methods
+                left = self._quiet_left()
+                if shadow is not None:
+                    left = min(left, shadow.idle_steps())
+                if left:
                     self._stretch.enter(left)
-                return outputs
-            return self._plain_decode(requests, start)
+            return outputs
         return self._speculative_decode(requests)
 
     def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
@@ -269,6 +276,8 @@ class SpeculativeRunner(ContinuousRunner):
         """A plain stretch ran `steps` steps: the policy and the plain-step count catch up,
         and the next plain step is timed (none in the stretch was)."""
         self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
+        if self.shadow is not None:
+            self.shadow.count_steps(steps)
         self._plain_steps += steps
         self._time_next_plain = True
 

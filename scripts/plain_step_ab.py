@@ -387,8 +387,13 @@ def main() -> None:
                 # (the engine run right after another was seen to pay for it, up to 5 %)
                 rotated = names[i % len(names):] + names[:i % len(names)]
                 for name in rotated if i % 2 == 0 else rotated[::-1]:
+                    # the same instance decoding plainly, right before it every other round and
+                    # right after it otherwise (the order alternates: a run right after another differs)
+                    if name in own_plain and i % 2:
+                        with plain_mode(engines[name]):
+                            own_plain[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
                     times[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
-                    if name in own_plain:  # and at once the same instance decoding plainly
+                    if name in own_plain and not i % 2:
                         with plain_mode(engines[name]):
                             own_plain[name].append(ms_per_token(engines[name], prompt, t, args.tokens))
             if args.instances > 1:

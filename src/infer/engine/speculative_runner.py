@@ -59,6 +59,9 @@ class SpeculativeRunner(ContinuousRunner):
         self._time_next_plain = False  # time the next plain step (after a round or a plain stretch)
         # steps under a standing all-plain decision, run through the plain runner's methods
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done)
+        # a stretch ended while the scheduler reserved the next step (a preemption, an
+        # admission): some requests may hold plain's one position, so that step is plain
+        self._plain_reserved = False
         self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
@@ -152,7 +155,7 @@ class SpeculativeRunner(ContinuousRunner):
         return ok and (self.draft is None or self.draft.can_allocate(request.prefill_target))
 
     def allocate(self, request: Request) -> None:
-        self._stretch.leave()  # the batch changes
+        self._end_stretch()  # the batch changes
         super().allocate(request)
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
@@ -180,7 +183,7 @@ class SpeculativeRunner(ContinuousRunner):
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
-        self._stretch.leave()  # the batch changes
+        self._end_stretch()  # the batch changes
         self.proposer.release(request)
         if self.shadow is not None:
             self.shadow.release(request.request_id)
@@ -198,7 +201,13 @@ class SpeculativeRunner(ContinuousRunner):
                 + (self.shadow.leak_report() if self.shadow is not None else []))
 
     # -- the speculative decode step --------------------------------------------------------------
+    def _end_stretch(self) -> None:
+        if self._stretch.active:
+            self._plain_reserved = True
+            self._stretch.leave()
+
     def _decode(self, requests: Sequence[Request]) -> StepResult:
+        plain_reserved, self._plain_reserved = self._plain_reserved, False
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
             start = self._plain_timer(None)
@@ -216,14 +225,15 @@ class SpeculativeRunner(ContinuousRunner):
                 if left:
                     self._stretch.enter(left)
             return outputs
-        return self._speculative_decode(requests)
+        return self._speculative_decode(requests, plain_reserved)
 
-    def _speculative_decode(self, requests: Sequence[Request]) -> StepResult:
+    def _speculative_decode(self, requests: Sequence[Request], plain_reserved: bool = False) -> StepResult:
         start = time.perf_counter()
         holds = self._holds_quiet
-        if holds is not None and any(holds(r) for r in requests):
-            # a request reserved one position under the all-plain decision, but the batch is
-            # not that decision's (a request joined or left): decode plainly, decide afresh next step
+        if plain_reserved or (holds is not None and any(holds(r) for r in requests)):
+            # a request reserved one position (under the all-plain decision, or in a plain
+            # stretch cut short while scheduling), but the batch is not that decision's (a
+            # request joined or left): decode plainly, decide afresh next step
             self.policy.end_quiet()  # type: ignore[attr-defined]
             return self._plain_decode(requests, self._plain_timer(start))
         seq_lens = [r.num_computed_tokens for r in requests]

@@ -452,44 +452,41 @@ def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
               f"(95% interval x{low:.3f}-x{high:.3f}); instances " + " ".join(f"x{x:.3f}" for x in each), flush=True)
 
 
-def print_self_paired(times: dict[str, list[float]], own_plain: dict[str, list[float]], w: str, t: float,
-                      resamples: int = 2000, seed: int = 0) -> None:
-    """Each adaptive instance against itself in plain mode, run right after it in the same
-    round: the median over rounds and instances of plain-mode time / adaptive time, with a
-    95 % bootstrap interval (instances with replacement, then rounds)."""
+def print_self_paired(times: dict[str, list[float]], own_plain: dict[str, list[float]], w: str, t: float) -> None:
+    """Each adaptive instance against itself in plain mode, run right before or after it in
+    the same round: the median over rounds and instances of plain-mode time / adaptive
+    time, with a 95 % bootstrap interval."""
     groups: dict[str, list[str]] = defaultdict(list)
     for name in own_plain:
         groups[variant(name)].append(name)
-    rng = random.Random(seed)
     for v, members in groups.items():
         ratios = {m: [p / x for p, x in zip(own_plain[m], times[m], strict=True)] for m in members}
-        rounds = len(ratios[members[0]])
         pooled = statistics.median(r for m in members for r in ratios[m])
-        values = []
-        for _ in range(resamples):
-            ms = [rng.choice(members) for _ in members]
-            picked = [rng.randrange(rounds) for _ in range(rounds)]
-            values.append(statistics.median(ratios[m][i] for m in ms for i in picked))
-        values.sort()
+        low, high = bootstrap_interval(lambda gs, picked: statistics.median(
+            ratios[m][i] for m in gs[0] for i in picked), [members], len(ratios[members[0]]))
         print(f"{w} T={t:g} {v} against its own plain mode over {len(members)} instances: x{pooled:.3f} "
-              f"(95% interval x{values[int(0.025 * resamples)]:.3f}-x{values[int(0.975 * resamples) - 1]:.3f}); "
-              "instances " + " ".join(f"x{statistics.median(ratios[m]):.3f}" for m in members), flush=True)
+              f"(95% interval x{low:.3f}-x{high:.3f}); instances "
+              + " ".join(f"x{statistics.median(ratios[m]):.3f}" for m in members), flush=True)
 
 
-def pooled_interval(times: dict[str, list[float]], plain: list[str], members: list[str],
-                    resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A 95 % bootstrap interval of the pooled ratio, resampling both sources of noise: the
-    rounds (machine drift) and, per variant, the instances (identical engines differ by a
-    few %), plain's among them. Two-level: instances with replacement, then rounds."""
+def pooled_interval(times: dict[str, list[float]], plain: list[str], members: list[str]) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the pooled ratio (`print_pooled`), plain's instances
+    resampled as well as the variant's."""
+    return bootstrap_interval(lambda gs, picked: statistics.median(
+        statistics.fmean(times[p][i] for p in gs[0]) / times[m][i] for m in gs[1] for i in picked),
+        [plain, members], len(times[plain[0]]))
+
+
+def bootstrap_interval(statistic: Callable[[list[list[str]], list[int]], float], groups: list[list[str]],
+                       rounds: int, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of `statistic(groups, rounds)`, resampling both sources of
+    noise, two-level: each group's instances with replacement (identical engines differ by
+    a few %), then the rounds (machine drift)."""
     rng = random.Random(seed)
-    rounds = len(times[plain[0]])
     values = []
     for _ in range(resamples):
-        ps = [rng.choice(plain) for _ in plain]
-        ms = [rng.choice(members) for _ in members]
-        picked = [rng.randrange(rounds) for _ in range(rounds)]
-        values.append(statistics.median(statistics.fmean(times[p][i] for p in ps) / times[m][i]
-                                        for m in ms for i in picked))
+        drawn = [[rng.choice(g) for _ in g] for g in groups]
+        values.append(statistic(drawn, [rng.randrange(rounds) for _ in range(rounds)]))
     values.sort()
     return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 

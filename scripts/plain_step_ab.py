@@ -237,7 +237,8 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
 
 # the runner methods through which a speculative runner decodes, reserves and admits exactly
 # as the plain ContinuousRunner does
-PLAIN_METHODS = ("can_admit", "allocate", "ensure_capacity", "decode_demand", "_decode", "release")
+# `_in_flight` too: the speculative one takes shadow drafts, which plain decoding must not pay
+PLAIN_METHODS = ("can_admit", "allocate", "ensure_capacity", "decode_demand", "_decode", "_in_flight", "release")
 
 
 class plain_mode:  # noqa: N801 (a context manager used like a function)
@@ -330,6 +331,99 @@ def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens:
     return out
 
 
+def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: int,
+                generations: int) -> dict[str, list[float]]:
+    """Generations with every decode step's wall time (schedule, runner step, retirement)
+    filed under what the step did: "round" (verified drafts), "choose" (the policy's full
+    choice, then no drafts), "stretch" (a plain stretch step), "shadow take" (a shadow draft
+    was taken), "shadow pending" (a shadow draft awaited its tokens), "quiet" (the rest).
+    A plain runner's steps (or a runner in plain mode) are all "plain". Returns category ->
+    [steps, tokens, seconds]."""
+    runner = engine.runner
+    calls = {"propose": 0, "choose": 0, "_verify": 0}
+    undo: list[tuple[object, str]] = []
+
+    def counted(obj: object, attr: str) -> None:
+        fn = getattr(obj, attr)
+
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls[attr] += 1
+            return fn(*args, **kwargs)
+
+        setattr(obj, attr, wrapper)
+        undo.append((obj, attr))
+
+    speculative = hasattr(runner, "_stretch") and "_decode" not in vars(runner)  # not in plain mode
+    if speculative:
+        counted(runner.proposer, "propose")
+        counted(runner.policy, "choose")
+        counted(runner, "_verify")
+    ledger: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+
+    def step():  # noqa: ANN202
+        stretch = speculative and runner._stretch.active
+        pending = speculative and runner.shadow is not None and len(runner.shadow) > 0
+        before = dict(calls)
+        a = time.perf_counter()
+        decision = engine.scheduler.schedule(runner)
+        results = runner.step(decision.prefill, decision.decode)
+        for request in engine.scheduler.retire(runner):
+            engine._requests.pop(request.request_id, None)
+        seconds = time.perf_counter() - a
+        if decision.decode and not decision.prefill:
+            did = {k: calls[k] > before[k] for k in calls}
+            cat = ("plain" if not speculative else "round" if did["_verify"] else "choose" if did["choose"]
+                   else "stretch" if stretch else "shadow take" if did["propose"] else "shadow pending" if pending
+                   else "quiet")
+            entry = ledger[cat]
+            entry[0] += 1
+            entry[1] += len(results)
+            entry[2] += seconds
+        return results
+
+    engine.step = step
+    try:
+        for _ in range(generations):
+            ms_per_token(engine, prompt, temperature, tokens)
+    finally:
+        del engine.step
+        for obj, attr in undo:
+            delattr(obj, attr)
+    return ledger
+
+
+def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int,
+                 generations: int) -> None:
+    """Each adaptive instance's step ledger against its own plain mode (alternating, one
+    generation each): per category, steps, tokens, us a step, and the excess, what those
+    steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total."""
+    for name, engine in engines.items():
+        if not variant(name).endswith("adaptive"):
+            continue
+        ours: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        plain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        for i in range(generations):
+            for mode in ((False, True) if i % 2 else (True, False)):
+                if mode:
+                    with plain_mode(engine):
+                        part = step_ledger(engine, prompt, t, tokens, 1)
+                else:
+                    part = step_ledger(engine, prompt, t, tokens, 1)
+                for cat, (n, k, s) in part.items():
+                    entry = (plain if mode else ours)[cat]
+                    entry[0] += n
+                    entry[1] += k
+                    entry[2] += s
+        n_p, k_p, s_p = plain["plain"]
+        per_token = s_p / k_p
+        total = sum(s for _, _, s in ours.values())
+        print(f"{w} T={t:g} {name} ledger over {generations} generations: plain mode {s_p / n_p * 1e6:.1f} us a step; "
+              f"adaptive / plain-mode time x{total / s_p:.4f}", flush=True)
+        for cat, (n, k, s) in sorted(ours.items(), key=lambda kv: -kv[1][2]):
+            print(f"    {cat:>14}: {n:6d} steps {k:6d} tokens {s / n * 1e6:8.1f} us a step, "
+                  f"excess {(s - k * per_token) / s_p * 100:+.2f} %", flush=True)
+
+
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
     """One generation with every replay of the target's decode graphs timed: (median GPU ms
     of a replay, wall ms per token, replays timed)."""
@@ -363,6 +457,9 @@ def main() -> None:
     ap.add_argument("--self-paired", action="store_true",
                     help="each round also runs every adaptive instance in plain mode (its own objects, the plain "
                          "runner's methods) and prints its ratio to that: the adaptive overhead without instance effects")
+    ap.add_argument("--ledger", type=int, default=0, metavar="N",
+                    help="also file N generations' decode steps of each adaptive instance by what they did, "
+                         "against as many of its plain mode (extra runs)")
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
@@ -415,6 +512,8 @@ def main() -> None:
                       flush=True)
             if args.phases:
                 print_phases(engines, prompt, w, t, args.tokens)
+            if args.ledger:
+                print_ledger(engines, prompt, w, t, args.tokens, args.ledger)
             if args.gpu_time and torch.cuda.is_available():
                 for name, engine in engines.items():
                     gpu, wall, n = graph_gpu_ms(engine, prompt, t, args.tokens)

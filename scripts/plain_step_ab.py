@@ -114,7 +114,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
-            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
+            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-r256", "draft-adaptive-r256")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -196,7 +196,11 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                # half of that: the plain decode step with the speculative reservation, or the
                # speculative runner's decode with plain's reservation
                "draft-adaptive-plaindecode": dict(draft, spec_policy="adaptive"),
-               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive")}
+               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive"),
+               # the cost table refreshed (and a standing all-plain decision re-asked) every
+               # 256 plain steps instead of 64
+               "ngram-adaptive-r256": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-r256": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     if "draft-k5-steps" in engines:
         engines["draft-k5-steps"].runner.draft.fuse_rounds = False
@@ -229,7 +233,10 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
         fresh_indices(engines["plain-fresh-indices"])
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
-        noshadow.shadow, noshadow.policy.shadowed = None, False
+        noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
+    for name in ("ngram-adaptive-r256", "draft-adaptive-r256"):
+        if name in engines:
+            engines[name].runner.policy.recompute_every = 256
     if "ngram-adaptive-prior1" in engines:  # shadow evidence is free: a light prior
         engines["ngram-adaptive-prior1"].runner.policy.prior_weight = 1.0
     return engines
@@ -398,7 +405,7 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     generation each): per category, steps, tokens, us a step, and the excess, what those
     steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total."""
     for name, engine in engines.items():
-        if not variant(name).endswith("adaptive"):
+        if not variant(name).endswith(("adaptive", "r256")):
             continue
         ours: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         plain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -475,7 +482,7 @@ def main() -> None:
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
-                                                 and variant(name).endswith("adaptive")}
+                                                 and variant(name).endswith(("adaptive", "r256"))}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
@@ -525,7 +532,7 @@ def main() -> None:
                     print(f"{w} T={t:g} {name} host split (median us): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
-                if variant(name).endswith(("adaptive", "prior1")):
+                if variant(name).endswith(("adaptive", "prior1", "r256")):
                     print_costs(f"{w} T={t:g} {name}", engine)
 
 
@@ -609,7 +616,7 @@ def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     """Per-phase breakdown from extra, instrumented generations (the wrappers cost host time
     themselves, so the timed rounds run without them)."""
     for name, engine in engines.items():
-        if not variant(name).endswith(("adaptive", "noshadow", "prior1")):
+        if not variant(name).endswith(("adaptive", "noshadow", "prior1", "r256")):
             continue
         phases, remove = instrument(engine)
         ms_per_token(engine, prompt, t, tokens)

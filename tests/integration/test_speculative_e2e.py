@@ -137,18 +137,45 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     runner.shadow.observe = recording
     takes, take = [], runner.shadow.take
     runner.shadow.take = lambda *a: (takes.append(1), take(*a))[1]
-    skipped, count_steps = [], runner.shadow.count_steps  # idle steps a plain stretch ran
-    runner.shadow.count_steps = lambda n: (skipped.append(n), count_steps(n))[1]
     steps, step = [], runner.step
     runner.step = lambda prefill, decode: (steps.append(bool(decode)), step(prefill, decode))[1]
     requests = [llm.engine.add_request(p, params) for p in prompts]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    # one look per decode step, proposals found or not, but for the idle steps of stretches
-    assert len(takes) + sum(skipped) == sum(steps) and takes
+    # one look per decode step, proposals found or not, plain stretches' steps included
+    assert len(takes) == sum(steps) and takes
     assert [r.output_token_ids for r in requests] == expected
     assert seen, "no shadow draft was checked"
     assert len(runner.shadow) == 0
+
+
+def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain_outputs):
+    # a request kept plain (speculating never pays by the margin) decodes in plain stretches
+    # whose steps still take and check shadow drafts under the forward; evidence that ends
+    # the all-plain decision (forced here at every third draft) ends the stretch there
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    runner.shadow.interval = 2
+    runner.policy.switch_margin = runner.policy.stay_margin = 1e9
+    forced, observe = [], runner.shadow.observe
+
+    def observing(*args):
+        observe(*args)
+        if len(forced) % 3 == 2:  # as evidence that makes the request speculate would
+            runner.policy.end_quiet()
+        forced.append(len(forced) % 3 == 2 and runner._stretch.active)
+
+    runner.shadow.observe = observing
+    verdicts, each_step = [], runner._stretch.each_step
+    runner._stretch.each_step = lambda rs: (verdicts.append((each_step(rs), len(runner.shadow))), verdicts[-1][0])[1]
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts[:4]]
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs[:4]
+    assert runner.stats.drafts == 0
+    ended = [v for v, _ in verdicts]
+    assert ended.count(False) > 20
+    assert ended.count(True) == sum(forced) >= 2  # each forced end inside a stretch ended it
+    assert any(pending for _, pending in verdicts)  # drafts were taken inside stretches
+    assert llm.engine.leak_report() == []
 
 
 def test_several_outputs_per_step(make_llm, ckpt_a, prompts):

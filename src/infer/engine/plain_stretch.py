@@ -10,9 +10,11 @@ adaptive policy is allowed to lose against plain decoding.
 `PlainStretch.enter(n)` points the runner's `decode_demand`, `ensure_capacity` and
 `_decode` at the plain ContinuousRunner's (instance attributes hiding the class's
 methods) for the next n steps, the steps the decision is known to hold. The only per-step
-work left is a countdown in `_in_flight`, the hook plain decoding calls anyway. The stretch
-ends when its steps are done, or early when the batch changes (`allocate`, `release`),
-and `leave` reports how many steps ran so the policy's step clock can catch up.
+work left is a countdown in `_in_flight`, the hook plain decoding calls anyway, and the
+runner's `each_step` there if it has one (shadow drafts, taken and checked under the
+forward; it may end the stretch). The stretch ends when its steps are done, or early when
+the batch changes (`allocate`, `release`), and `leave` reports how many steps ran so the
+policy's step clock can catch up.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ PLAIN_METHODS = ("decode_demand", "ensure_capacity", "_decode")
 class PlainStretch:
     """Plain decode steps through the plain runner's methods (see the module docstring)."""
 
-    def __init__(self, runner: ContinuousRunner, plain_class: type, on_leave: Callable[[int], None]) -> None:
+    def __init__(self, runner: ContinuousRunner, plain_class: type, on_leave: Callable[[int], None],
+                 each_step: Callable[[Sequence[Request]], bool] | None = None) -> None:
         self.runner = runner
         self.plain_class = plain_class
         self.on_leave = on_leave  # called with the number of steps the stretch ran
+        # called in each step's `_in_flight` (the forward queued, its tokens not yet read);
+        # True ends the stretch after that step
+        self.each_step = each_step
         self.left = 0  # steps still to run; 0: not in a stretch
         self.done = 0
 
@@ -56,7 +62,8 @@ class PlainStretch:
         # `_in_flight` of each plain step of the stretch: the stretch's only per-step work
         self.done += 1
         self.left -= 1
-        if not self.left:
+        each_step = self.each_step
+        if (each_step is not None and each_step(requests)) or not self.left:
             self.leave()
 
     def leave(self) -> None:

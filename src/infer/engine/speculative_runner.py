@@ -57,8 +57,6 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
         self._time_next_plain = False  # time the next plain step (after a round or a plain stretch)
-        # steps under a standing all-plain decision, run through the plain runner's methods
-        self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done)
         # a stretch ended while the scheduler reserved the next step (a preemption, an
         # admission): some requests may hold plain's one position, so that step is plain
         self._plain_reserved = False
@@ -76,6 +74,10 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
+        # steps under a standing all-plain decision, run through the plain runner's methods
+        # (shadow drafts, if any, go on under their forwards)
+        self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
+                                     self._stretch_shadows if self.shadow is not None else None)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -217,13 +219,8 @@ class SpeculativeRunner(ContinuousRunner):
             else:
                 outputs = self._plain_decode(requests, start)
             if start is None and self._quiet_left is not None:
-                # so are the next steps the decision holds (while no shadow draft is pending
-                # or due): through the plain runner's methods
-                left = self._quiet_left()
-                if shadow is not None:
-                    left = min(left, shadow.idle_steps())
-                if left:
-                    self._stretch.enter(left)
+                # so are the next steps the decision holds: through the plain runner's methods
+                self._stretch.enter(self._quiet_left())
             return outputs
         return self._speculative_decode(requests, plain_reserved)
 
@@ -286,8 +283,6 @@ class SpeculativeRunner(ContinuousRunner):
         """A plain stretch ran `steps` steps: the policy and the plain-step count catch up,
         and the next plain step is timed (none in the stretch was)."""
         self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
-        if self.shadow is not None:
-            self.shadow.count_steps(steps)
         self._plain_steps += steps
         self._time_next_plain = True
 
@@ -305,6 +300,16 @@ class SpeculativeRunner(ContinuousRunner):
         if start is not None:
             self.cost_model.observe(len(requests), 0, time.perf_counter() - start)
         return outputs
+
+    def _stretch_shadows(self, requests: Sequence[Request]) -> bool:
+        """A plain stretch's step, in its `_in_flight`: check pending shadow drafts against
+        the tokens of the steps before, take the due ones. True when the evidence ended the
+        all-plain decision (a request would speculate): the stretch ends after this step."""
+        shadow = self.shadow
+        assert shadow is not None
+        ended = bool(shadow.check(requests)) and not self._quiet_left()
+        shadow.take(self.proposer, requests)
+        return ended
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's

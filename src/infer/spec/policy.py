@@ -23,7 +23,8 @@ the K that would pay best at an optimistic acceptance (`optimistic_a`; a round's
 overhead is most of its cost, so K tokens tell much more than one at little more cost),
 or K = 1 when nothing could pay even then (such probes only re-measure the costs), or for
 shadowed requests (below). Probes are paid from a per-request credit that accrues at
-`probe_budget` (1 %) of the steps, a tenth of that when nothing could pay. A probe is
+`probe_budget` (1 %) of the steps, a tenth of that when nothing could pay or shadow drafts
+(below) measure the acceptance, since such probes only re-measure the costs. A probe is
 charged its cost (its round plus the switching cost: a draft model must first catch up on
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
@@ -49,7 +50,8 @@ With a proposer whose drafts are deterministic and free (n-gram), the runner als
 shadow drafts during plain steps and reports how much of each the following tokens matched
 (`observe_shadow`, spec/shadow.py): the estimate of a request at K = 0 then follows the
 text without probes, and `shadowed` turns off the restart from the prior after a probe;
-its probes draft one token, are priced at acceptance 0 and get no advance.
+its probes draft one token, are priced at acceptance 0, get no advance and a tenth of the
+budget.
 A shadowed request also decodes plainly until its first shadow draft is counted: the
 prior alone would have it speculate on text where drafts keep failing, at a cost, when
 the evidence comes for free a few steps later.
@@ -380,7 +382,9 @@ class AdaptivePolicy:
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
         # re-measure the costs), or when shadow drafts measure the acceptance anyway
         could_pay = best_k_for_costs(self.optimistic_a, costs, self.switch_margin)
-        budget = self.probe_budget if could_pay else self.probe_budget / 10
+        # a tenth of the budget for probes that can only re-measure the costs: nothing could
+        # pay, or shadow drafts measure the acceptance (for free)
+        budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size), budget,

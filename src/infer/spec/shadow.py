@@ -117,20 +117,12 @@ class ShadowDrafts:
         self._next_due = min((s.due for rid, s in self._schedule.items() if rid not in self._pending),
                              default=self._step + self.interval)
 
-    def idle_steps(self) -> int:
-        """Steps after this one in which `take` and `check` would do nothing: no draft is
-        pending and none is due before `_next_due` (a plain stretch may skip them, then
-        `count_steps`)."""
-        return 0 if self._pending else max(0, self._next_due - self._step - 1)
-
-    def count_steps(self, steps: int) -> None:
-        """Count `steps` steps on which `take` was not called (nothing was due)."""
-        self._step += steps
-
-    def check(self, requests: Sequence[Request]) -> None:
-        """After a decode step: compare pending drafts with the tokens the requests now hold."""
+    def check(self, requests: Sequence[Request]) -> int:
+        """After a decode step: compare pending drafts with the tokens the requests now hold.
+        Returns how many drafts were resolved (and reported to `observe`)."""
         if not self._pending:
-            return
+            return 0
+        resolved_drafts = 0
         for r in requests:
             p = self._pending.get(r.request_id)
             if p is None:
@@ -144,6 +136,8 @@ class ShadowDrafts:
             s.due = self._step + s.interval
             self._next_due = min(self._next_due, s.due)
             self.observe(r.request_id, len(p.tokens), matched)
+            resolved_drafts += 1
+        return resolved_drafts
 
     def leak_report(self) -> list[str]:
         """What is still held: pending drafts and schedules (of requests that never left)."""

@@ -1,0 +1,73 @@
+"""PlainStretch (engine/plain_stretch.py): the plain runner's methods for n steps, counted
+in `_in_flight`; an `each_step` hook that may end the stretch; `leave` restores the runner."""
+
+from __future__ import annotations
+
+from infer.engine.plain_stretch import PLAIN_METHODS, PlainStretch
+
+
+class _Plain:
+    def decode_demand(self, request):
+        return "plain demand"
+
+    def ensure_capacity(self, request, total):
+        return "plain capacity"
+
+    def _decode(self, requests):
+        self._in_flight(requests)  # as the plain runner's decode step does
+        return "plain decode"
+
+    def _in_flight(self, requests):
+        return None
+
+
+class _Runner(_Plain):
+    def decode_demand(self, request):
+        return "own demand"
+
+    def ensure_capacity(self, request, total):
+        return "own capacity"
+
+    def _decode(self, requests):
+        return "own decode"
+
+
+def _own(runner: _Runner) -> list:
+    return [runner.decode_demand(None), runner.ensure_capacity(None, 1), runner._decode([])]
+
+
+def test_a_stretch_runs_its_steps_then_gives_the_methods_back():
+    runner, left = _Runner(), []
+    stretch = PlainStretch(runner, _Plain, left.append)
+    stretch.enter(3)
+    assert stretch.active and _own(runner) == ["plain demand", "plain capacity", "plain decode"]
+    runner._decode([])  # two more steps: the third `_decode` ends it
+    assert stretch.active and not left
+    runner._decode([])
+    assert not stretch.active and left == [3]
+    assert _own(runner) == ["own demand", "own capacity", "own decode"]
+    assert not any(name in vars(runner) for name in (*PLAIN_METHODS, "_in_flight"))
+    stretch.leave()  # nothing to end: no second report
+    stretch.enter(0)  # no steps: no stretch
+    assert left == [3] and not stretch.active
+
+
+def test_each_step_sees_every_step_and_may_end_the_stretch():
+    runner, left, seen = _Runner(), [], []
+    verdicts = iter([False, False, True])
+    stretch = PlainStretch(runner, _Plain, left.append, lambda requests: (seen.append(requests), next(verdicts))[1])
+    stretch.enter(10)
+    for i in range(3):
+        runner._decode([i])
+    assert seen == [[0], [1], [2]]
+    assert not stretch.active and left == [3]  # ended after the step that said so, counted
+    assert runner._decode([]) == "own decode"
+
+
+def test_leaving_early_reports_the_steps_run():
+    runner, left = _Runner(), []
+    stretch = PlainStretch(runner, _Plain, left.append)
+    stretch.enter(5)
+    runner._decode([])
+    stretch.leave()  # the batch changed
+    assert left == [1] and not stretch.active and runner._decode([]) == "own decode"

@@ -114,7 +114,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
-            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-r256", "draft-adaptive-r256")
+            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -196,11 +196,7 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                # half of that: the plain decode step with the speculative reservation, or the
                # speculative runner's decode with plain's reservation
                "draft-adaptive-plaindecode": dict(draft, spec_policy="adaptive"),
-               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive"),
-               # the cost table refreshed (and a standing all-plain decision re-asked) every
-               # 256 plain steps instead of 64
-               "ngram-adaptive-r256": dict(ngram, spec_policy="adaptive"),
-               "draft-adaptive-r256": dict(draft, spec_policy="adaptive")}
+               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive")}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     if "draft-k5-steps" in engines:
         engines["draft-k5-steps"].runner.draft.fuse_rounds = False
@@ -234,9 +230,6 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
-    for name in ("ngram-adaptive-r256", "draft-adaptive-r256"):
-        if name in engines:
-            engines[name].runner.policy.recompute_every = 256
     if "ngram-adaptive-prior1" in engines:  # shadow evidence is free: a light prior
         engines["ngram-adaptive-prior1"].runner.policy.prior_weight = 1.0
     return engines
@@ -339,38 +332,65 @@ def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens:
 
 
 def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: int,
-                generations: int) -> dict[str, list[float]]:
+                generations: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Generations with every decode step's wall time (schedule, runner step, retirement)
     filed under what the step did: "round" (verified drafts), "choose" (the policy's full
     choice, then no drafts), "stretch" (a plain stretch step), "shadow take" (a shadow draft
     was taken), "shadow pending" (a shadow draft awaited its tokens), "quiet" (the rest).
     A plain runner's steps (or a runner in plain mode) are all "plain". Returns category ->
-    [steps, tokens, seconds]."""
+    [steps, tokens, seconds], and category -> part -> seconds: the inner plain decode step
+    (forward, sampling, output), the policy's `choose`, the proposer, shadow takes and
+    checks, the cost model's bookkeeping."""
+    from infer.engine.runner import ContinuousRunner
     runner = engine.runner
     calls = {"propose": 0, "choose": 0, "_verify": 0}
+    spent: dict[str, float] = defaultdict(float)  # this step's timed parts
     undo: list[tuple[object, str]] = []
 
-    def counted(obj: object, attr: str) -> None:
+    def wrap(obj: object, attr: str, label: str) -> None:
         fn = getattr(obj, attr)
 
         def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            calls[attr] += 1
-            return fn(*args, **kwargs)
+            if attr in calls:
+                calls[attr] += 1
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[label] += time.perf_counter() - start
+            return out
 
         setattr(obj, attr, wrapper)
         undo.append((obj, attr))
 
     speculative = hasattr(runner, "_stretch") and "_decode" not in vars(runner)  # not in plain mode
     if speculative:
-        counted(runner.proposer, "propose")
-        counted(runner.policy, "choose")
-        counted(runner, "_verify")
+        wrap(runner.proposer, "propose", "propose")
+        wrap(runner.policy, "choose", "choose")
+        wrap(runner.policy, "no_proposal", "no_proposal")
+        wrap(runner, "_verify", "verify")
+        wrap(runner, "_accept", "accept")
+        wrap(runner.cost_model, "observe", "observe")
+        if runner.shadow is not None:
+            wrap(runner.shadow, "take", "shadow take")
+            wrap(runner.shadow, "check", "shadow check")
+    inner = ContinuousRunner._decode  # the plain decode step (stretches bind it when they start)
+
+    def decode(self, requests):  # noqa: ANN001, ANN202
+        start = time.perf_counter()
+        out = inner(self, requests)
+        spent["inner decode"] += time.perf_counter() - start
+        return out
+
+    ContinuousRunner._decode = decode
+    if "_decode" in vars(runner):  # plain mode: bound before
+        runner._decode = decode.__get__(runner)
     ledger: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def step():  # noqa: ANN202
         stretch = speculative and runner._stretch.active
         pending = speculative and runner.shadow is not None and len(runner.shadow) > 0
         before = dict(calls)
+        spent.clear()
         a = time.perf_counter()
         decision = engine.scheduler.schedule(runner)
         results = runner.step(decision.prefill, decision.decode)
@@ -386,6 +406,8 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
             entry[0] += 1
             entry[1] += len(results)
             entry[2] += seconds
+            for label, x in spent.items():
+                parts[cat][label] += x
         return results
 
     engine.step = step
@@ -394,41 +416,51 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
             ms_per_token(engine, prompt, temperature, tokens)
     finally:
         del engine.step
+        ContinuousRunner._decode = inner
+        if "_decode" in vars(runner):
+            runner._decode = inner.__get__(runner)
         for obj, attr in undo:
             delattr(obj, attr)
-    return ledger
+    return ledger, parts
 
 
 def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int,
                  generations: int) -> None:
     """Each adaptive instance's step ledger against its own plain mode (alternating, one
     generation each): per category, steps, tokens, us a step, and the excess, what those
-    steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total."""
+    steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total;
+    then the timed parts of its steps (us a step of the category)."""
     for name, engine in engines.items():
-        if not variant(name).endswith(("adaptive", "r256")):
+        if not variant(name).endswith("adaptive"):
             continue
         ours: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         plain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        our_parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        plain_parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         for i in range(generations):
             for mode in ((False, True) if i % 2 else (True, False)):
                 if mode:
                     with plain_mode(engine):
-                        part = step_ledger(engine, prompt, t, tokens, 1)
+                        part, split = step_ledger(engine, prompt, t, tokens, 1)
                 else:
-                    part = step_ledger(engine, prompt, t, tokens, 1)
-                for cat, (n, k, s) in part.items():
+                    part, split = step_ledger(engine, prompt, t, tokens, 1)
+                for cat, (n, k, sec) in part.items():
                     entry = (plain if mode else ours)[cat]
                     entry[0] += n
                     entry[1] += k
-                    entry[2] += s
+                    entry[2] += sec
+                    for label, x in split[cat].items():
+                        (plain_parts if mode else our_parts)[cat][label] += x
         n_p, k_p, s_p = plain["plain"]
         per_token = s_p / k_p
-        total = sum(s for _, _, s in ours.values())
-        print(f"{w} T={t:g} {name} ledger over {generations} generations: plain mode {s_p / n_p * 1e6:.1f} us a step; "
+        total = sum(sec for _, _, sec in ours.values())
+        print(f"{w} T={t:g} {name} ledger over {generations} generations: plain mode {s_p / n_p * 1e6:.1f} us a step "
+              f"(inner decode {plain_parts['plain']['inner decode'] / n_p * 1e6:.1f}); "
               f"adaptive / plain-mode time x{total / s_p:.4f}", flush=True)
-        for cat, (n, k, s) in sorted(ours.items(), key=lambda kv: -kv[1][2]):
-            print(f"    {cat:>14}: {n:6d} steps {k:6d} tokens {s / n * 1e6:8.1f} us a step, "
-                  f"excess {(s - k * per_token) / s_p * 100:+.2f} %", flush=True)
+        for cat, (n, k, sec) in sorted(ours.items(), key=lambda kv: -kv[1][2]):
+            print(f"    {cat:>14}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
+                  f"excess {(sec - k * per_token) / s_p * 100:+.2f} %; parts (us a step) "
+                  + ", ".join(f"{label} {x / n * 1e6:.1f}" for label, x in sorted(our_parts[cat].items())), flush=True)
 
 
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
@@ -482,7 +514,7 @@ def main() -> None:
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
-                                                 and variant(name).endswith(("adaptive", "r256"))}
+                                                 and variant(name).endswith("adaptive")}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
@@ -532,7 +564,7 @@ def main() -> None:
                     print(f"{w} T={t:g} {name} host split (median us): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
-                if variant(name).endswith(("adaptive", "prior1", "r256")):
+                if variant(name).endswith(("adaptive", "prior1")):
                     print_costs(f"{w} T={t:g} {name}", engine)
 
 
@@ -616,7 +648,7 @@ def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     """Per-phase breakdown from extra, instrumented generations (the wrappers cost host time
     themselves, so the timed rounds run without them)."""
     for name, engine in engines.items():
-        if not variant(name).endswith(("adaptive", "noshadow", "prior1", "r256")):
+        if not variant(name).endswith(("adaptive", "noshadow", "prior1")):
             continue
         phases, remove = instrument(engine)
         ms_per_token(engine, prompt, t, tokens)

@@ -233,7 +233,10 @@ class AdaptivePolicy:
     # tokens the draft is behind -> units of catch-up work (`CostModel.switch_cost` prices
     # one); None: one unit whatever the gap
     catch_up_units: Callable[[int], float] | None = None
-    recompute_every: int = 64  # steps between refreshes of the cost table after plain steps
+    # steps between refreshes of the cost table after plain steps (the plain baseline drifts
+    # slowly); each refresh also re-asks a standing all-plain decision, a full `choose` and
+    # a step outside a plain stretch (64 cost ~1 % on the H100 demo pair)
+    recompute_every: int = 256
     # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
     # successful probe is then one more round of evidence, not a restart from the prior
     shadowed: bool = False

@@ -265,6 +265,37 @@ def test_missing_proposals_back_off_without_touching_acceptance():
     assert FixedPolicy(3).no_proposal("n") is None
 
 
+def test_a_step_where_nobody_drafted_leaves_the_batch_plain_without_a_choice():
+    # every request given k > 0 found nothing (n-gram misses): the next steps are plain
+    # under a standing decision, as `choose` would decide them (the misses back off), so
+    # the runner need not ask it; a batch in which someone drafted must ask again
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 2, 0, 0.001)
+    _measure(costs, 1, 5, 0.0013)
+    _measure(costs, 2, 5, 0.0013)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000)
+    a, b = R("a"), R("b")
+    for _ in range(3):  # the second miss in a row waits 4 steps
+        assert p.choose([a], [10], 10_000, [5000])[0] > 0
+        p.no_proposal("a")
+        assert p.quiet([a])
+        while p.quiet([a]):
+            pass
+    assert p.quiet_steps_left() == 0 and p.choose([a], [10], 10_000, [5000])[0] > 0
+    p.update("a", 5, 5)  # a hit
+    ks = p.choose([a, b], [10, 10], 10_000, [5000, 5000])
+    assert all(ks)
+    p.no_proposal("b")  # "a" drafts: a round runs, and the next step must choose
+    assert not p.quiet([a, b])
+    p.update("a", 5, 5)
+    for _ in range(30):
+        p.update("b", 5, 0)  # "b" drafts badly: plain, its next probe far off
+    assert p.choose([a, b], [10, 10], 10_000, [5000, 5000]) == [5, 0]
+    p.no_proposal("a")
+    assert p.quiet([a, b]) and not p.quiet([a])  # the decision holds for its batch only
+
+
 def test_spec_stats_minus_counts_what_happened_since():
     s = SpecStats()
     s.record(3, 1, 2)

@@ -303,12 +303,17 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _stretch_shadows(self, requests: Sequence[Request]) -> bool:
         """A plain stretch's step, in its `_in_flight`: check pending shadow drafts against
-        the tokens of the steps before, take the due ones. True when the evidence ended the
-        all-plain decision (a request would speculate): the stretch ends after this step."""
+        the tokens of the steps before, take the due ones, and keep the proposer's tables
+        up to date (n-gram: so the round or lookup that ends the stretch does not catch up
+        before its forward). True when the evidence ended the all-plain decision (a
+        request would speculate): the stretch ends after this step."""
         shadow = self.shadow
         assert shadow is not None
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
+        keep_up = getattr(self.proposer, "keep_up", None)
+        if keep_up is not None:
+            keep_up(requests)
         return ended
 
     def _in_flight(self, requests: Sequence[Request]) -> None:

@@ -44,7 +44,9 @@ A request given k > 0 for which the proposer has nothing (an n-gram miss) says n
 about acceptance: it costs a lookup (a probe's charge is refunded), so the request just
 does not ask again for a while, 2, 4, 8 ... up to `max_probe_interval` steps after
 consecutive misses, and asks every step again after a hit (repetitive text comes and
-goes: code edits match, then miss at the edit, then match again).
+goes: code edits match, then miss at the edit, then match again). A step in which every
+request given k > 0 found nothing leaves the batch under a standing all-plain decision
+until the first backoff or probe ends, as the next `choose` would decide (without asking it).
 
 With a proposer whose drafts are deterministic and free (n-gram), the runner also takes
 shadow drafts during plain steps and reports how much of each the following tokens matched
@@ -166,6 +168,17 @@ class _Quiet(NamedTuple):
     table: _CostTable
 
 
+@dataclass(slots=True)
+class _Asked:
+    """The requests the latest `choose` gave k > 0 and that have not drafted yet: if every
+    one of them finds nothing (n-gram misses), the batch decodes plainly until `until`."""
+
+    batch: list  # the batch `choose` saw
+    pending: set[str]  # ids given k > 0 without a `no_proposal` yet
+    until: int  # when something may change: the plain requests' `next_due`, then the misses' backoff
+    table: _CostTable
+
+
 class _CostTable(NamedTuple):
     version: int  # CostModel.version it was computed at
     plain_version: int  # CostModel.plain_version it was computed at
@@ -251,6 +264,7 @@ class AdaptivePolicy:
     _steps: int = 0
     _table: dict[int, _CostTable] = field(default_factory=dict)
     _quiet: _Quiet | None = None
+    _asked: _Asked | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -284,7 +298,7 @@ class AdaptivePolicy:
         if self.quiet(requests):
             return [0] * batch
         self._steps += 1
-        self._quiet = None
+        self._quiet = self._asked = None
         table = self._cost_table(batch)
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
@@ -328,6 +342,8 @@ class AdaptivePolicy:
             ks.append(guard_k(k, n, max_seq_len, left))
         if not any(ks):
             self._quiet = _Quiet(list(requests), next_due, table)
+        else:
+            self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table)
         return ks
 
     def quiet(self, requests: Sequence[RequestLike]) -> bool:
@@ -503,6 +519,14 @@ class AdaptivePolicy:
         if probing:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
         self._quiet = None
+        asked = self._asked
+        if asked is not None and request_id in asked.pending:
+            asked.pending.discard(request_id)
+            asked.until = min(asked.until, est.miss_until)
+            if not asked.pending:
+                # nobody drafted: the whole batch decodes plainly, as `choose` would decide at
+                # the next step (the misses back off, the rest were plain), without asking it
+                self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table), None
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.prior(sampled)

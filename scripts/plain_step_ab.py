@@ -54,6 +54,34 @@ class NeverSpeculate:
         return None
 
 
+def time_calls(obj: object, attr: str, record: Callable[[float, object], None],
+               undo: list[tuple[object, str]]) -> None:
+    """Hide obj.attr behind an instance attribute that passes each call's seconds and
+    result to `record`; `undo` gets (obj, attr) so the caller can delete it again."""
+    fn = getattr(obj, attr)
+
+    def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        record(time.perf_counter() - start, out)
+        return out
+
+    setattr(obj, attr, wrapper)
+    undo.append((obj, attr))
+
+
+def step_parts(runner: object) -> list[tuple[object, str, str]]:
+    """(object, method, label) of the parts of a speculative runner's decode step that the
+    instruments time: the policy's choice and misses, the proposer, verification and
+    acceptance, the cost model's bookkeeping, shadow drafts."""
+    parts = [(runner.policy, "choose", "choose"), (runner.policy, "no_proposal", "miss"),
+             (runner.proposer, "propose", "propose"), (runner, "_verify", "verify"), (runner, "_accept", "accept"),
+             (runner.cost_model, "observe", "observe")]
+    if runner.shadow is not None:
+        parts += [(runner.shadow, "take", "shadow take"), (runner.shadow, "check", "shadow check")]
+    return parts
+
+
 def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], None]]:
     """Time the parts of each decode step of a speculative runner: policy, proposer, plain
     decode, verification, cost model; and count chosen K. Returns the timings and a
@@ -63,33 +91,20 @@ def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], Non
     undo: list[tuple[object, str]] = []
 
     def timed(obj: object, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
-
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            phases[label].append(time.perf_counter() - start)
+        def record(seconds: float, out: object) -> None:
+            phases[label].append(seconds)
             if label == "choose":
-                phases[f"k={max(out)}"].append(0.0)
-            return out
+                phases[f"k={max(out)}"].append(0.0)  # type: ignore[call-overload]
 
-        setattr(obj, attr, wrapper)
-        undo.append((obj, attr))
+        time_calls(obj, attr, record, undo)
 
-    timed(runner.policy, "choose", "choose")
-    timed(runner.policy, "no_proposal", "miss")
-    timed(runner.proposer, "propose", "propose")
-    timed(runner, "_verify", "verify")
-    timed(runner, "_accept", "accept")
-    timed(runner.cost_model, "observe", "observe")
-    timed(runner, "_decode", "decode step")
-    if runner.shadow is not None:
-        timed(runner.shadow, "take", "shadow take")
-        timed(runner.shadow, "check", "shadow check")
+    for obj, attr, label in step_parts(runner):
+        timed(obj, attr, label)
+    timed(runner, "_decode", "decode step")  # (until a plain stretch takes `_decode` over)
 
     def remove() -> None:
         for obj, attr in undo:
-            delattr(obj, attr)  # the instance attribute hides the class's method
+            vars(obj).pop(attr, None)  # the instance attribute hid the class's method
 
     return phases, remove
 
@@ -348,30 +363,17 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
     undo: list[tuple[object, str]] = []
 
     def wrap(obj: object, attr: str, label: str) -> None:
-        fn = getattr(obj, attr)
-
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def record(seconds: float, out: object) -> None:
             if attr in calls:
                 calls[attr] += 1
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            spent[label] += time.perf_counter() - start
-            return out
+            spent[label] += seconds
 
-        setattr(obj, attr, wrapper)
-        undo.append((obj, attr))
+        time_calls(obj, attr, record, undo)
 
     speculative = hasattr(runner, "_stretch") and "_decode" not in vars(runner)  # not in plain mode
     if speculative:
-        wrap(runner.proposer, "propose", "propose")
-        wrap(runner.policy, "choose", "choose")
-        wrap(runner.policy, "no_proposal", "no_proposal")
-        wrap(runner, "_verify", "verify")
-        wrap(runner, "_accept", "accept")
-        wrap(runner.cost_model, "observe", "observe")
-        if runner.shadow is not None:
-            wrap(runner.shadow, "take", "shadow take")
-            wrap(runner.shadow, "check", "shadow check")
+        for obj, attr, label in step_parts(runner):
+            wrap(obj, attr, label)
     inner = ContinuousRunner._decode  # the plain decode step (stretches bind it when they start)
 
     def decode(self, requests):  # noqa: ANN001, ANN202

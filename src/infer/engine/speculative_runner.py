@@ -74,6 +74,8 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
+        # (n-gram) brings the proposer's tables up to date during plain stretches' forwards
+        self._keep_up: Callable[[Sequence[Request]], None] | None = getattr(self.proposer, "keep_up", None)
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards)
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
@@ -311,9 +313,8 @@ class SpeculativeRunner(ContinuousRunner):
         assert shadow is not None
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
-        keep_up = getattr(self.proposer, "keep_up", None)
-        if keep_up is not None:
-            keep_up(requests)
+        if self._keep_up is not None:
+            self._keep_up(requests)
         return ended
 
     def _in_flight(self, requests: Sequence[Request]) -> None:

@@ -168,14 +168,14 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     runner.shadow.observe = observing
     verdicts, each_step = [], runner._stretch.each_step
     runner._stretch.each_step = lambda rs: (verdicts.append((each_step(rs), len(runner.shadow))), verdicts[-1][0])[1]
-    behind, keep_up = [], runner.proposer.keep_up  # the tables follow every stretch step
+    behind, keep_up = [], runner._keep_up  # the proposer's tables follow every stretch step
 
     def keeping_up(requests):
         keep_up(requests)
         behind.extend(r.num_tokens - runner.proposer._entries[r.request_id].synced for r in requests
                       if r.request_id in runner.proposer._entries)
 
-    runner.proposer.keep_up = keeping_up
+    runner._keep_up = keeping_up
     outs = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY)[0] for p in prompts[:4]]
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs[:4]
     assert runner.stats.drafts == 0

@@ -172,6 +172,8 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
 
     def keeping_up(requests):
         keep_up(requests)
+        if not runner._stretch.done:  # a prefill's
+            return
         behind.extend(r.num_tokens - runner.proposer._entries[r.request_id].synced for r in requests
                       if r.request_id in runner.proposer._entries)
 
@@ -472,6 +474,23 @@ def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_out
     # the first round prefills the prompts, then only the 6-step gaps need a prefill
     assert catch_ups and len(catch_ups) <= 1 + 40 // 17 + 1
     assert runner.stats.acceptance_rate >= 0.99
+
+
+def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
+    # a prompt's n-gram table is built while the prefill's forward runs (not before a decode
+    # step's forward): the decode steps only extend it, and it goes with the request
+    llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", max_num_batched_tokens=8)
+    engine, proposer = llm.engine, llm.engine.runner.proposer
+    req = engine.add_request(prompts[0], GREEDY)
+    while not req.output_token_ids:
+        engine.step()  # prefill chunks, then the first token
+    table = proposer.table(req.request_id)
+    assert table is not None and table.history == prompts[0]
+    engine.step()
+    assert proposer.table(req.request_id) is table and table.history == req.all_token_ids[:len(table.history)]
+    while engine.has_unfinished():
+        engine.step()
+    assert proposer.table(req.request_id) is None and len(proposer) == 0
 
 
 def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):

@@ -241,11 +241,11 @@ def test_proposer_syncs_incrementally_across_calls() -> None:
     assert table.counts() == brute_counts(request.all_token_ids, 512, 4, 2)
 
 
-def test_keep_up_syncs_existing_tables_only() -> None:
-    # the runner keeps tables up to date during plain steps' forwards: a later proposal then
-    # has nothing to catch up (no catch-up time), and requests without a table get none
+def test_keep_up_builds_and_syncs_tables() -> None:
+    # the runner builds and updates tables during forwards (prefill, plain steps): a later
+    # proposal then has nothing to catch up (no catch-up time)
     proposer = NgramProposer()
-    a, b = make_request(ids("one two three one two")), make_request(ids("four five"))
+    a, b = make_request(ids("one two three one two")), make_request(ids("four five four"))
     b.request_id = "r1"
     proposer.propose([a], [2])
     table = proposer.table("r0")
@@ -253,7 +253,7 @@ def test_keep_up_syncs_existing_tables_only() -> None:
     proposer.keep_up([a, b])
     assert proposer.table("r0") is table and table.history == a.all_token_ids
     assert table.counts() == brute_counts(a.all_token_ids, 512, 4, 2)
-    assert proposer.table("r1") is None
+    assert proposer.table("r1").history == b.all_token_ids  # built
     assert proposer.propose([a], [2])[0].token_ids == ids("two three") and proposer.catch_up_seconds == 0.0
 
 

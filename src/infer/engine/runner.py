@@ -123,6 +123,7 @@ class ContinuousRunner:
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [n for _, n in chunks])
         logits = self.run_chunks(self.model, self.cache_pool, requests, layout)  # [B, V]
+        self._prefill_in_flight(requests)
         to_sample: list[int] = []
         for i, (request, n) in enumerate(chunks):
             request.num_computed_tokens += n
@@ -176,6 +177,10 @@ class ContinuousRunner:
         """Host work of a plain decode step that needs nothing from the step itself, run after
         its forward is queued and before its tokens are read: on a GPU it hides under the
         forward. The requests still hold the tokens they had before the step. Nothing here."""
+
+    def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
+        """Host work for requests in prefill, run after the prefill forward is queued and
+        before its logits are read (on a GPU it hides under the forward). Nothing here."""
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor,
                params: Sequence[SamplingParams] | None = None) -> list[int]:

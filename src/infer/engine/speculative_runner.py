@@ -74,12 +74,21 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
-        # (n-gram) brings the proposer's tables up to date during plain stretches' forwards
-        self._keep_up: Callable[[Sequence[Request]], None] | None = getattr(self.proposer, "keep_up", None)
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards)
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
                                      self._stretch_shadows if self.shadow is not None else None)
+
+    @property
+    def proposer(self) -> Proposer:
+        return self._proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        self._proposer = proposer
+        # a proposer's optional `keep_up(requests)` (n-gram): builds or updates its per-request
+        # state while prefill and plain stretch forwards run
+        self._keep_up: Callable[[Sequence[Request]], None] | None = getattr(proposer, "keep_up", None)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -316,6 +325,12 @@ class SpeculativeRunner(ContinuousRunner):
         if self._keep_up is not None:
             self._keep_up(requests)
         return ended
+
+    def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
+        """The proposer's per-request state (n-gram: the table of the prompt) is built while
+        the prefill's forward runs, not before a decode step's forward."""
+        if self._keep_up is not None:
+            self._keep_up(requests)
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's

@@ -131,12 +131,11 @@ class NgramProposer:
         return drafts
 
     def keep_up(self, requests: Sequence[Request]) -> None:
-        """Bring the tables the requests already have up to date with their tokens (the
-        runner calls this while a plain step's forward runs), so that a later `propose` has
-        only its lookups left to do before its step's forward. Creates no table."""
+        """Build or bring up to date the requests' tables (the runner calls this while a
+        prefill's or a plain step's forward runs), so that a later `propose` has only its
+        lookups left to do before its step's forward."""
         for request in requests:
-            if request.request_id in self._entries:
-                self._sync(request)
+            self._sync(request)
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
         """The request's output now holds the verified tokens: add them to its table."""

@@ -36,13 +36,9 @@ def _own(runner: _Runner) -> list:
     return [runner.decode_demand(None), runner.ensure_capacity(None, 1), runner._decode([])]
 
 
-def _recorder(left: list):
-    return lambda steps, period, batch: left.append(steps)
-
-
 def test_a_stretch_runs_its_steps_then_gives_the_methods_back():
     runner, left = _Runner(), []
-    stretch = PlainStretch(runner, _Plain, _recorder(left))
+    stretch = PlainStretch(runner, _Plain, left.append)
     stretch.enter(3)
     assert stretch.active and _own(runner) == ["plain demand", "plain capacity", "plain decode"]
     runner._decode([])  # two more steps: the third `_decode` ends it
@@ -59,8 +55,7 @@ def test_a_stretch_runs_its_steps_then_gives_the_methods_back():
 def test_each_step_sees_every_step_and_may_end_the_stretch():
     runner, left, seen = _Runner(), [], []
     verdicts = iter([False, False, True])
-    stretch = PlainStretch(runner, _Plain, _recorder(left),
-                           lambda requests: (seen.append(requests), next(verdicts))[1])
+    stretch = PlainStretch(runner, _Plain, left.append, lambda requests: (seen.append(requests), next(verdicts))[1])
     stretch.enter(10)
     for i in range(3):
         runner._decode([i])
@@ -71,24 +66,8 @@ def test_each_step_sees_every_step_and_may_end_the_stretch():
 
 def test_leaving_early_reports_the_steps_run():
     runner, left = _Runner(), []
-    stretch = PlainStretch(runner, _Plain, _recorder(left))
+    stretch = PlainStretch(runner, _Plain, left.append)
     stretch.enter(5)
     runner._decode([])
     stretch.leave()  # the batch changed
     assert left == [1] and not stretch.active and runner._decode([]) == "own decode"
-
-
-def test_a_stretch_reports_its_mean_step_period():
-    # the time from one step's `_in_flight` to the next is a whole plain step: the stretch
-    # reports their mean (none for a single step) and the batch size
-    ticks = iter([10.0, 10.5, 11.5, 12.5, 20.0])
-    runner, left = _Runner(), []
-    stretch = PlainStretch(runner, _Plain, lambda *a: left.append(a), clock=lambda: next(ticks))
-    stretch.enter(4)
-    for _ in range(4):
-        runner._decode([1, 2, 3])
-    assert left == [(4, (12.5 - 10.0) / 3, 3)]
-    stretch.enter(3)
-    runner._decode([1])
-    stretch.leave()
-    assert left[-1] == (1, None, 1)

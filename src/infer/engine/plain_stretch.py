@@ -14,15 +14,11 @@ work left is a countdown in `_in_flight`, the hook plain decoding calls anyway, 
 runner's `each_step` there if it has one (shadow drafts, taken and checked under the
 forward; it may end the stretch). The stretch ends when its steps are done, or early when
 the batch changes (`allocate`, `release`), and `leave` reports how many steps ran so the
-policy's step clock can catch up, and the stretch's mean step period: the time from one
-step's `_in_flight` to the next, a whole plain step (scheduling and retirement included)
-measured on the steps plain decoding really runs, not on the first step after a round or
-a stretch, which runs colder and was seen to cost 10-30 % more (H100, demo pair).
+policy's step clock can catch up.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -37,18 +33,11 @@ PLAIN_METHODS = ("decode_demand", "ensure_capacity", "_decode")
 class PlainStretch:
     """Plain decode steps through the plain runner's methods (see the module docstring)."""
 
-    def __init__(self, runner: ContinuousRunner, plain_class: type,
-                 on_leave: Callable[[int, float | None, int], None],
-                 each_step: Callable[[Sequence[Request]], bool] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, runner: ContinuousRunner, plain_class: type, on_leave: Callable[[int], None],
+                 each_step: Callable[[Sequence[Request]], bool] | None = None) -> None:
         self.runner = runner
         self.plain_class = plain_class
-        # called with the number of steps the stretch ran, their mean period in seconds (None
-        # under two steps) and the batch size
-        self.on_leave = on_leave
-        self.clock = clock
-        self._first = self._last = 0.0  # clock at the first and the latest step's `_in_flight`
-        self._batch = 0
+        self.on_leave = on_leave  # called with the number of steps the stretch ran
         # called in each step's `_in_flight` (the forward queued, its tokens not yet read);
         # True ends the stretch after that step
         self.each_step = each_step
@@ -71,23 +60,18 @@ class PlainStretch:
 
     def _count(self, requests: Sequence[Request]) -> None:
         # `_in_flight` of each plain step of the stretch: the stretch's only per-step work
-        self._last = now = self.clock()
         self.done += 1
-        if self.done == 1:
-            self._first, self._batch = now, len(requests)
         self.left -= 1
         each_step = self.each_step
         if (each_step is not None and each_step(requests)) or not self.left:
             self.leave()
 
     def leave(self) -> None:
-        """End the stretch (if any): the runner's own methods again; `on_leave(steps run,
-        mean step period, batch size)`."""
+        """End the stretch (if any): the runner's own methods again; `on_leave(steps run)`."""
         if not self.active and not self.done:
             return
         attrs = vars(self.runner)
         for name in (*PLAIN_METHODS, "_in_flight"):
             attrs.pop(name, None)
         done, self.left, self.done = self.done, 0, 0
-        period = (self._last - self._first) / (done - 1) if done >= 2 else None
-        self.on_leave(done, period, self._batch)
+        self.on_leave(done)

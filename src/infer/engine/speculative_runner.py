@@ -56,7 +56,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
-        self._time_next_plain = False  # time the next plain step (after a round or a one-step stretch)
+        self._time_next_plain = False  # time the next plain step (after a round or a plain stretch)
         # a stretch ended while the scheduler reserved the next step (a preemption, an
         # admission): some requests may hold plain's one position, so that step is plain
         self._plain_reserved = False
@@ -282,24 +282,20 @@ class SpeculativeRunner(ContinuousRunner):
 
         Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
         counts from its second sample), and any right after speculation (while speculating,
-        plain steps are rare and the baseline must not expire) or after a plain stretch of
-        one step (a longer one files its own mean step period, `_stretch_done`)."""
+        plain steps are rare and the baseline must not expire) or after a plain stretch
+        (whose steps are not timed)."""
         self._plain_steps += 1
         n = self._plain_steps
         if self._time_next_plain or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
             return time.perf_counter() if start is None else start
         return None
 
-    def _stretch_done(self, steps: int, period: float | None, batch: int) -> None:
-        """A plain stretch ran `steps` steps: the policy and the plain-step count catch up.
-        Its mean step period is the plain step's cost (`PlainStretch`); a stretch of one
-        step has none, and the next plain step is timed instead."""
+    def _stretch_done(self, steps: int) -> None:
+        """A plain stretch ran `steps` steps: the policy and the plain-step count catch up,
+        and the next plain step is timed (none in the stretch was)."""
         self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
         self._plain_steps += steps
-        if period is not None:
-            self.cost_model.observe(batch, 0, period)
-        else:
-            self._time_next_plain = True
+        self._time_next_plain = True
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:

@@ -252,8 +252,10 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
 
 # the runner methods through which a speculative runner decodes, reserves and admits exactly
 # as the plain ContinuousRunner does
-# `_in_flight` too: the speculative one takes shadow drafts, which plain decoding must not pay
-PLAIN_METHODS = ("can_admit", "allocate", "ensure_capacity", "decode_demand", "_decode", "_in_flight", "release")
+# `_in_flight` and `_prefill_in_flight` too: the speculative ones take shadow drafts and
+# build n-gram tables, which plain decoding must not pay (nor keep: plain `release` drops none)
+PLAIN_METHODS = ("can_admit", "allocate", "ensure_capacity", "decode_demand", "_decode", "_in_flight",
+                 "_prefill_in_flight", "release")
 
 
 class plain_mode:  # noqa: N801 (a context manager used like a function)

@@ -486,11 +486,12 @@ def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
         engine.step()  # prefill chunks, then the first token
     table = proposer.table(req.request_id)
     assert table is not None and table.history == prompts[0]
+    assert any(line.startswith("n-gram tables kept for") for line in engine.leak_report())  # (in use)
     engine.step()
     assert proposer.table(req.request_id) is table and table.history == req.all_token_ids[:len(table.history)]
     while engine.has_unfinished():
         engine.step()
-    assert proposer.table(req.request_id) is None and len(proposer) == 0
+    assert proposer.table(req.request_id) is None and len(proposer) == 0 and engine.leak_report() == []
 
 
 def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):

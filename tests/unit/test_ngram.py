@@ -257,6 +257,15 @@ def test_keep_up_builds_and_syncs_tables() -> None:
     assert proposer.propose([a], [2])[0].token_ids == ids("two three") and proposer.catch_up_seconds == 0.0
 
 
+def test_leak_report_names_tables_still_held() -> None:
+    proposer = NgramProposer()
+    request = make_request(ids("one two three"))
+    proposer.keep_up([request])
+    assert proposer.leak_report() == ["n-gram tables kept for ['r0']"]
+    proposer.release(request)
+    assert proposer.leak_report() == []
+
+
 def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
     rng = random.Random(1)
     proposer = NgramProposer(NgramConfig(window=50))

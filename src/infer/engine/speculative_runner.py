@@ -210,7 +210,9 @@ class SpeculativeRunner(ContinuousRunner):
         return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
+        proposer_report = getattr(self.proposer, "leak_report", None)  # (a draft model's is `self.draft`'s)
         return (super().leak_report() + (self.draft.leak_report() if self.draft is not None else [])
+                + (proposer_report() if proposer_report is not None and self.draft is None else [])
                 + (self.shadow.leak_report() if self.shadow is not None else []))
 
     # -- the speculative decode step --------------------------------------------------------------

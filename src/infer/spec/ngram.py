@@ -145,3 +145,7 @@ class NgramProposer:
     def release(self, request: Request) -> None:
         """The request finished or was preempted: drop its table (a later propose rebuilds)."""
         self._entries.pop(request.request_id, None)
+
+    def leak_report(self) -> list[str]:
+        """Tables still held (of requests that never left)."""
+        return [f"n-gram tables kept for {sorted(self._entries)}"] if self._entries else []

@@ -584,3 +584,32 @@ def test_quiet_steps_left_counts_the_steps_quiet_would_answer():
     assert counted._steps == asked._steps
     assert not counted.holds_quiet(r2) and not counted.quiet([r2])
     assert counted.quiet_steps_left() == 0
+
+
+@pytest.mark.parametrize("gap", [0, 16])
+def test_cost_table_refreshes_at_most_every_refresh_gap_steps_while_speculating(gap):
+    # every round is measured while speculating; refreshing the cost table after each one
+    # was most of a `choose`: at most every `refresh_gap` steps (0: after every measurement)
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 5, 0.0012)
+    p = AdaptivePolicy(5, costs, refresh_gap=gap, plain_refresh=10_000)
+    r = R("s")
+    refreshes, relative_costs = [], costs.relative_costs
+    costs.relative_costs = lambda b: (refreshes.append(p._steps), relative_costs(b))[1]
+    for i in range(64):
+        k = p.choose([r], [10], 10_000, [5000])[0]
+        assert k > 0
+        p.update("s", k, k)
+        costs.observe(1, k, 0.0012 + 1e-6 * (i % 3))  # a measured round
+    assert len(refreshes) == (64 if gap == 0 else 64 // gap)
+    assert all(b - a >= gap for a, b in zip(refreshes, refreshes[1:]))
+    costs.observe(1, 5, 0.1)  # rounds turned dear: seen within the gap
+    costs.observe(1, 5, 0.1)
+    costs.observe(1, 5, 0.1)
+    costs.observe(1, 5, 0.1)
+    costs.observe(1, 5, 0.1)
+    ks = [p.choose([r], [10], 10_000, [5000])[0] for _ in range(gap + 1)]
+    assert ks[-1] == 0
+    with pytest.raises(ValueError, match="refresh_gap"):
+        AdaptivePolicy(5, costs, refresh_gap=-1)

@@ -250,6 +250,10 @@ class AdaptivePolicy:
     # slowly); each refresh also re-asks a standing all-plain decision, a full `choose` and
     # a step outside a plain stretch (64 cost ~1 % on the H100 demo pair)
     recompute_every: int = 256
+    # while rounds are measured (every step when speculating), the cost table is refreshed at
+    # most every this many steps: a refresh costs ~30-70 us of host time, most of a round's
+    # `choose`, and a median of 8 measurements moves slowly (0: after every measurement)
+    refresh_gap: int = 16
     # shadow drafts keep the estimates of plainly decoding requests current (n-gram): a
     # successful probe is then one more round of evidence, not a restart from the prior
     shadowed: bool = False
@@ -276,6 +280,8 @@ class AdaptivePolicy:
             raise ValueError(f"stay_margin ({self.stay_margin}) must not exceed switch_margin ({self.switch_margin})")
         if not 0.0 <= self.learned_weight <= 1.0:
             raise ValueError(f"learned_weight must be in [0, 1], got {self.learned_weight}")
+        if self.refresh_gap < 0:
+            raise ValueError(f"refresh_gap must be >= 0, got {self.refresh_gap}")
         if self.learned_full_trials <= 0:
             raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
 
@@ -386,13 +392,16 @@ class AdaptivePolicy:
         """Relative costs and probe spacing at this batch size; None until a plain step's cost
         is known there. Cached: recomputed when a speculative step or a switch was measured,
         or every `recompute_every` steps while only plain steps were (the plain baseline
-        drifts slowly)."""
+        drifts slowly), but at most every `refresh_gap` steps (while speculating, every round
+        is measured, and the table took most of a `choose`)."""
         b = self.costs.bucket(batch_size)
         t = self._table.get(b)
         model = self.costs
-        if (t is not None and t.version == model.version
-                and (t.plain_version == model.plain_version or self._steps - t.step < self.recompute_every)):
-            return t
+        if t is not None:
+            age = self._steps - t.step
+            if ((t.version == model.version or age < self.refresh_gap)
+                    and (t.plain_version == model.plain_version or age < self.recompute_every)):
+                return t
         if not model.has_plain(batch_size):
             return None
         costs = self.costs.relative_costs(batch_size)

@@ -613,3 +613,17 @@ def test_cost_table_refreshes_at_most_every_refresh_gap_steps_while_speculating(
     assert ks[-1] == 0
     with pytest.raises(ValueError, match="refresh_gap"):
         AdaptivePolicy(5, costs, refresh_gap=-1)
+
+
+def test_a_table_priced_from_calibration_alone_is_refreshed_at_the_first_measured_round():
+    # the refresh gap applies once a round's cost is known: until then probes come early
+    # (calibration may misjudge), and a stale calibrated table would keep them coming
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    p = AdaptivePolicy(5, costs, refresh_gap=16, plain_refresh=10_000)
+    r = R("c")
+    p.choose([r], [10], 10_000, [5000])
+    assert p._table[1].calibrated_only
+    _measure(costs, 1, 5, 0.0012)
+    p.choose([r], [10], 10_000, [5000])
+    assert not p._table[1].calibrated_only  # refreshed at once, not 16 steps later

@@ -392,14 +392,15 @@ class AdaptivePolicy:
         """Relative costs and probe spacing at this batch size; None until a plain step's cost
         is known there. Cached: recomputed when a speculative step or a switch was measured,
         or every `recompute_every` steps while only plain steps were (the plain baseline
-        drifts slowly), but at most every `refresh_gap` steps (while speculating, every round
-        is measured, and the table took most of a `choose`)."""
+        drifts slowly), but at most every `refresh_gap` steps once a round's cost is known
+        (while speculating, every round is measured, and the table took most of a `choose`)."""
         b = self.costs.bucket(batch_size)
         t = self._table.get(b)
         model = self.costs
         if t is not None:
             age = self._steps - t.step
-            if ((t.version == model.version or age < self.refresh_gap)
+            # (a table priced from calibration alone is replaced as soon as a round is measured)
+            if ((t.version == model.version or (age < self.refresh_gap and not t.calibrated_only))
                     and (t.plain_version == model.plain_version or age < self.recompute_every)):
                 return t
         if not model.has_plain(batch_size):

@@ -280,8 +280,10 @@ def test_a_step_where_nobody_drafted_leaves_the_batch_plain_without_a_choice():
         assert p.choose([a], [10], 10_000, [5000])[0] > 0
         p.no_proposal("a")
         assert p.quiet([a])
-        while p.quiet([a]):
-            pass
+        waited = 1
+        while p.quiet([a]):  # (bounded: a decision that never ends fails, not hangs)
+            waited += 1
+            assert waited < 64
     assert p.quiet_steps_left() == 0 and p.choose([a], [10], 10_000, [5000])[0] > 0
     p.update("a", 5, 5)  # a hit
     ks = p.choose([a, b], [10, 10], 10_000, [5000, 5000])

@@ -39,6 +39,10 @@ class Profile:
     round_per_k: float = 0.03
     sampled_extra: float = 0.15  # a sampled round's verification costs this much more
     miss: float = 1.05  # a step that asked for drafts and got none
+    # a plain step outside a plain stretch (the policy asked, or a quiet step on the thin
+    # path): the loop's rhythm broken costs host time (H100 ledger: choose steps ~0.24 of a
+    # plain step more, quiet steps ~0.05)
+    boundary: float = 0.2
 
     def round(self, k: int, sampled: bool) -> float:
         return self.round_base + self.round_per_k * k + (self.sampled_extra if sampled else 0.0)
@@ -74,7 +78,7 @@ def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profi
         no_proposal(request_id)
 
     policy.no_proposal = counting
-    clock = tokens = rounds = misses = 0.0
+    clock = tokens = rounds = misses = boundaries = 0.0
     stats = runner.stats
     for g in range(generations):
         engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=256, ignore_eos=True,
@@ -83,6 +87,7 @@ def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profi
         while engine.has_unfinished():
             before_rounds, before_misses = stats.drafts, asked["misses"]
             drafted = stats.draft_tokens
+            stretch = runner._stretch.active
             out = engine.step()
             tokens += len(out)
             if stats.drafts > before_rounds:
@@ -92,9 +97,11 @@ def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profi
                 misses += 1
                 clock += profile.miss
             else:
-                clock += 1.0
+                clock += 1.0 if stretch else 1.0 + profile.boundary
+                boundaries += not stretch
     del policy.no_proposal
     return {"speed": tokens / clock, "rounds": rounds / generations, "misses": misses / generations,
+            "boundaries": boundaries / generations,
             "tokens_per_round": (stats.emitted_tokens / stats.drafts) if stats.drafts else 0.0}
 
 
@@ -106,9 +113,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--round-base", type=float, default=Profile.round_base)
     ap.add_argument("--sampled-extra", type=float, default=Profile.sampled_extra)
+    ap.add_argument("--boundary", type=float, default=Profile.boundary,
+                    help="extra cost of a plain step outside a plain stretch, in plain steps")
     args = ap.parse_args()
     torch.manual_seed(0)
-    profile = Profile(round_base=args.round_base, sampled_extra=args.sampled_extra)
+    profile = Profile(round_base=args.round_base, sampled_extra=args.sampled_extra, boundary=args.boundary)
     config = EngineConfig(model=str(DEMO_TARGET), use_cuda_graphs=False, max_batch_size=1, max_seq_len=1024,
                           use_speculative_decoding=True, speculative_method="ngram", spec_length=5,
                           spec_policy="adaptive")
@@ -123,7 +132,8 @@ def main() -> None:
             print(f"{workload} T={t:g}: x{statistics.mean(r['speed'] for r in runs):.3f} "
                   f"(per engine {' '.join(format(r['speed'], '.3f') for r in runs)}), "
                   f"{statistics.mean(r['rounds'] for r in runs):.1f} rounds, "
-                  f"{statistics.mean(r['misses'] for r in runs):.1f} misses a generation, "
+                  f"{statistics.mean(r['misses'] for r in runs):.1f} misses, "
+                  f"{statistics.mean(r['boundaries'] for r in runs):.1f} plain steps outside stretches a generation, "
                   f"{statistics.mean(r['tokens_per_round'] for r in runs):.2f} tokens a round", flush=True)
 
 

@@ -629,3 +629,34 @@ def test_a_table_priced_from_calibration_alone_is_refreshed_at_the_first_measure
     _measure(costs, 1, 5, 0.0012)
     p.choose([r], [10], 10_000, [5000])
     assert not p._table[1].calibrated_only  # refreshed at once, not 16 steps later
+
+
+def test_a_plain_decision_after_rounds_stands_while_the_refresh_gap_keeps_the_table():
+    # after rounds the cost table is kept (the refresh gap) though the model's version moved
+    # on: an all-plain decision made on it must still stand (a standing decision compared
+    # with the table's version was dropped at once, so every step ran a full `choose` until
+    # the table's refresh), and end when the table is due for its refresh
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 5, 0.0012)
+    p = AdaptivePolicy(5, costs, refresh_gap=16, plain_refresh=10_000, prior_a=0.9)
+    r = R("q")
+    assert p.choose([r], [10], 10_000, [5000])[0] > 0  # speculating at the high prior
+    table_step = p._table[1].step
+    for _ in range(15):  # failing rounds, each measured: the version moves past the table's
+        p.update("q", 5, 0)
+        costs.observe(1, 5, 0.0012)
+        if p.choose([r], [10], 10_000, [5000])[0] == 0:
+            break
+    assert p._steps < table_step + 16
+    assert p._table[1].step == table_step and p._table[1].version != costs.version  # kept by the gap
+    assert p._quiet is not None
+    quiet_steps = 0
+    while p.quiet([r]):
+        quiet_steps += 1
+    assert quiet_steps >= 2  # the decision stood
+    assert p._steps + 1 <= table_step + 16  # ... until a probe or the table's refresh at the latest
+    while p._steps + 1 < table_step + 16:
+        p.choose([r], [10], 10_000, [5000])
+    p.choose([r], [10], 10_000, [5000])
+    assert p._table[1].version == costs.version  # refreshed there

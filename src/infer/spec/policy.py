@@ -166,6 +166,10 @@ class _Quiet(NamedTuple):
     batch: list  # the requests (compared by identity)
     until: int  # first policy step at which something may change (a probe, a cost refresh)
     table: _CostTable
+    # CostModel.version when the decision was made (the table's may be older: the refresh
+    # gap keeps a table for a while after new measurements, and `until` then ends the
+    # decision when the table is due for its refresh)
+    version: int
 
 
 @dataclass(slots=True)
@@ -177,6 +181,7 @@ class _Asked:
     pending: set[str]  # ids given k > 0 without a `no_proposal` yet
     until: int  # when something may change: the plain requests' `next_due`, then the misses' backoff
     table: _CostTable
+    version: int  # CostModel.version when `choose` asked
 
 
 class _CostTable(NamedTuple):
@@ -310,6 +315,8 @@ class AdaptivePolicy:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks = []
         next_due = table.step + self.recompute_every
+        if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
+            next_due = min(next_due, table.step + self.refresh_gap)
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._lookup(r.request_id, _samples(r))
             if self.shadowed and not est.evidence:  # the first shadow draft decides
@@ -347,9 +354,10 @@ class AdaptivePolicy:
             est.wait_from = self._steps
             ks.append(guard_k(k, n, max_seq_len, left))
         if not any(ks):
-            self._quiet = _Quiet(list(requests), next_due, table)
+            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version)
         else:
-            self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table)
+            self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
+                                 self.costs.version)
         return ks
 
     def quiet(self, requests: Sequence[RequestLike]) -> bool:
@@ -357,7 +365,7 @@ class AdaptivePolicy:
         step is counted, as `choose` would, and the caller may skip `choose` (the runner's
         thin path for plain steps: no per-request lists built)."""
         quiet = self._quiet
-        if (quiet is not None and self._steps + 1 < quiet.until and quiet.table.version == self.costs.version
+        if (quiet is not None and self._steps + 1 < quiet.until and quiet.version == self.costs.version
                 and requests == quiet.batch):
             self._steps += 1
             return True
@@ -370,7 +378,7 @@ class AdaptivePolicy:
         not the decision's (`quiet` fails), the runner must decode that step plainly and
         `end_quiet`."""
         quiet = self._quiet
-        return (quiet is not None and self._steps + 1 < quiet.until and quiet.table.version == self.costs.version
+        return (quiet is not None and self._steps + 1 < quiet.until and quiet.version == self.costs.version
                 and any(r is request for r in quiet.batch))
 
     def quiet_steps_left(self) -> int:
@@ -536,7 +544,7 @@ class AdaptivePolicy:
             if not asked.pending:
                 # nobody drafted: the whole batch decodes plainly, as `choose` would decide at
                 # the next step (the misses back off, the rest were plain), without asking it
-                self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table), None
+                self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table, asked.version), None
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.prior(sampled)

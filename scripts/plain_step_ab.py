@@ -360,7 +360,7 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
     checks, the cost model's bookkeeping."""
     from infer.engine.runner import ContinuousRunner
     runner = engine.runner
-    calls = {"propose": 0, "choose": 0, "_verify": 0}
+    calls = {"propose": 0, "choose": 0, "_verify": 0, "no_proposal": 0}
     spent: dict[str, float] = defaultdict(float)  # this step's timed parts
     undo: list[tuple[object, str]] = []
 
@@ -390,9 +390,12 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
     ledger: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
     parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
+    previous = ["prefill"]  # the category of the step before
+
     def step():  # noqa: ANN202
         stretch = speculative and runner._stretch.active
         pending = speculative and runner.shadow is not None and len(runner.shadow) > 0
+        why = _why_asked(runner.policy, previous[0]) if speculative and not stretch else ""
         before = dict(calls)
         spent.clear()
         a = time.perf_counter()
@@ -401,11 +404,16 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
         for request in engine.scheduler.retire(runner):
             engine._requests.pop(request.request_id, None)
         seconds = time.perf_counter() - a
+        if decision.prefill:
+            previous[0] = "prefill"
         if decision.decode and not decision.prefill:
             did = {k: calls[k] > before[k] for k in calls}
             cat = ("plain" if not speculative else "round" if did["_verify"] else "choose" if did["choose"]
                    else "stretch" if stretch else "shadow take" if did["propose"] else "shadow pending" if pending
                    else "quiet")
+            previous[0] = cat
+            if cat == "choose":  # split by why the policy was asked (`_why_asked`), or a miss
+                cat = "choose: miss" if did["no_proposal"] else f"choose: {why}"
             entry = ledger[cat]
             entry[0] += 1
             entry[1] += len(results)
@@ -426,6 +434,19 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
         for obj, attr in undo:
             delattr(obj, attr)
     return ledger, parts
+
+
+def _why_asked(policy: object, previous: str) -> str:
+    """Why a step outside a plain stretch asks the adaptive policy (read before the step): no
+    standing all-plain decision (named by the step before: a round's evidence, a shadow
+    draft's, a new request), or one that expired (a probe, a miss's backoff or a cost
+    refresh due) or was priced before a cost measurement."""
+    quiet = getattr(policy, "_quiet", None)
+    if quiet is None:
+        return f"none, after {previous}"
+    if policy._steps + 1 >= quiet.until:  # type: ignore[attr-defined]
+        return "expired"
+    return "new costs" if quiet.version != policy.costs.version else "batch"  # type: ignore[attr-defined]
 
 
 def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int,
@@ -462,7 +483,7 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float
               f"(inner decode {plain_parts['plain']['inner decode'] / n_p * 1e6:.1f}); "
               f"adaptive / plain-mode time x{total / s_p:.4f}", flush=True)
         for cat, (n, k, sec) in sorted(ours.items(), key=lambda kv: -kv[1][2]):
-            print(f"    {cat:>14}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
+            print(f"    {cat:>30}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
                   f"excess {(sec - k * per_token) / s_p * 100:+.2f} %; parts (us a step) "
                   + ", ".join(f"{label} {x / n * 1e6:.1f}" for label, x in sorted(our_parts[cat].items())), flush=True)
 

@@ -189,6 +189,46 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     assert llm.engine.leak_report() == []
 
 
+def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm, ckpt_a, prompts):
+    # a request that wants drafts but whose n-gram lookup finds nothing is looked up under
+    # the following plain steps' forwards; the policy is asked again only once such a
+    # lookup's draft came true (`proposal_ready`), a new request came or the longest
+    # backoff ran out, never on the 2, 4, 8 ... schedule of steps
+    llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    policy = runner.policy
+    runner.cost_model.relative_costs = lambda batch: [1.0] * (K + 1)  # rounds priced free: speculate
+    events: list[tuple[str, int]] = []
+    steps = [0]  # decode steps so far (the policy's clock lags inside plain stretches)
+    choose, no_proposal, found, step = policy.choose, policy.no_proposal, runner.shadow.found, runner.step
+
+    def stepping(prefill, decode):
+        steps[0] += bool(decode)
+        return step(prefill, decode)
+
+    runner.step = stepping
+    policy.choose = lambda *args: (events.append(("choose", steps[0])), choose(*args))[1]
+    policy.no_proposal = lambda rid: (events.append(("miss", steps[0])), no_proposal(rid))[1]
+    runner.shadow.found = lambda rid: (events.append(("found", steps[0])), found(rid))[1]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = []
+    for p in prompts:
+        events.append(("new", steps[0]))
+        outs.append(llm.generate(prompt_token_ids=[p], sampling_params=params)[0])
+    plain = make_llm(ckpt_a, max_batch_size=1, max_seq_len=256)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("miss") >= 3 and kinds.count("found") >= 3 and runner.stats.drafts > 0
+    for i, (kind, at) in enumerate(events):
+        if kind != "miss" or "choose" not in kinds[i + 1:]:
+            continue
+        nxt = kinds.index("choose", i + 1)
+        assert ({"found", "new"} & set(kinds[i + 1:nxt]) or events[nxt][1] - at >= policy.max_probe_interval), \
+            events[i:nxt + 1]
+    assert llm.engine.leak_report() == []
+
+
 def test_several_outputs_per_step(make_llm, ckpt_a, prompts):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
     engine = llm.engine

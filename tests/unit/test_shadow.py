@@ -193,7 +193,8 @@ def test_shadow_evidence_leaves_the_miss_backoff():
     p.no_proposal("a")
     backoff = (p._est["a"].miss_until, p._est["a"].miss_interval)
     p.observe_shadow("a", 5, 3)
-    assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (4, 4)
+    # (shadowed: a miss waits the longest backoff at once, the watch ends it early)
+    assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (p.max_probe_interval,) * 2
     p.update("a", 5, 3)
     assert p._est["a"].miss_interval == 0
 
@@ -313,3 +314,78 @@ def test_shadowed_probes_get_a_tenth_of_the_budget():
     assert set(ks) == {0, 1}
     assert 4000 // 800 - 1 <= len(probes) <= 4000 // 800 + 1
     assert min(b - a for a, b in zip(probes, probes[1:])) >= 799
+
+
+def test_a_watched_request_is_looked_up_every_step_until_a_draft_comes_true():
+    # a request that missed (the proposer had nothing) is looked up at every step, not on the
+    # shadow schedule; `found` is reported once a draft's first token is the one emitted
+    script = list(range(100, 400))
+    found, seen = [], []
+    shadow = ShadowDrafts(k=3, observe=lambda rid, k, m: seen.append(m), interval=8, found=found.append)
+    proposer = ScriptedProposer(script)
+    proposer.wrong_at = 0  # drafts whose first token is wrong: never found
+    r = _request("a", script, 10)
+    shadow.take(proposer, [r], [0])  # first sight: a scheduled shadow
+    _emit(r, script)
+    shadow.check([r])
+    assert len(proposer.asked) == 1 and seen == [0]
+    shadow.watch("a")
+    for _ in range(5):
+        shadow.take(proposer, [r], [0])
+        _emit(r, script)
+        assert shadow.check([r]) == 1  # resolved at once (its first token was wrong): no `found`
+    assert len(proposer.asked) == 6 and not found  # asked every step while watched
+    proposer.wrong_at = 1  # the first token comes true
+    shadow.take(proposer, [r], [0])
+    _emit(r, script)
+    assert shadow.check([r]) == 1 and found == ["a"]  # found at its first token (it is still pending)
+    _emit(r, script)
+    assert shadow.check([r]) == 1 and seen[-1] == 1 and found == ["a"]  # resolved: 1 of 3 matched
+    asked = len(proposer.asked)
+    for _ in range(3):  # no longer watched: back on the schedule (not due for a while)
+        shadow.take(proposer, [r], [0])
+        _emit(r, script)
+        shadow.check([r])
+    assert len(proposer.asked) == asked and found == ["a"]
+    shadow.watch("a")
+    assert shadow.leak_report() == ["shadow schedules kept for ['a']", "shadow watches kept for ['a']"]
+    shadow.release("a")
+    assert shadow.leak_report() == []
+
+
+def test_a_watched_request_with_nothing_to_draft_is_asked_again_next_step():
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=8, found=lambda rid: None)
+    proposer = ScriptedProposer([])  # proposes nothing
+    r = _request("a", list(range(10)), 10)
+    shadow.watch("a")
+    for _ in range(4):
+        shadow.take(proposer, [r], [0])
+    assert len(proposer.asked) == 4 and len(shadow) == 0
+
+
+def test_proposal_ready_ends_the_miss_wait_and_a_plain_decision_only_if_the_request_would_speculate():
+    # shadowed: a miss waits the longest backoff (the runner watches the request); the watch's
+    # `proposal_ready` ends it, and ends a standing all-plain decision when the request's
+    # estimate would have it speculate (not when it would stay plain anyway)
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0012), (5, 0.0012)):
+        costs.observe(1, k, seconds)
+    p = AdaptivePolicy(5, costs, shadowed=True, plain_refresh=10_000)
+    r = _request("a", list(range(10)), 10)
+    p.observe_shadow("a", 5, 5)  # evidence: speculating pays
+    assert p.choose([r], [10], 10_000, [50])[0] > 0
+    p.no_proposal("a")
+    p.observe_shadow("a", 5, 5)  # evidence for speculating does not end the wait: `choose` would not
+    waited = 0
+    while p.quiet([r]) and waited < 20:
+        waited += 1
+    assert waited == 20  # waits for the watch, not 2, 4, 8 ... steps
+    p.proposal_ready("a")
+    assert not p.quiet([r]) and p.choose([r], [10], 10_000, [50])[0] > 0
+    p.no_proposal("a")
+    for _ in range(30):
+        p.observe_shadow("a", 5, 0)  # drafts fail: it would stay plain
+    assert p.choose([r], [10], 10_000, [50]) == [0] and p.quiet([r])
+    p.proposal_ready("a")
+    assert p.quiet([r])  # the decision stands
+    p.proposal_ready("unknown")  # a request the policy never saw: nothing to do

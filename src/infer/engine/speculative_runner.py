@@ -73,7 +73,8 @@ class SpeculativeRunner(ContinuousRunner):
             self.policy = adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=shadowed,
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
-                self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow)
+                self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow,
+                                           found=adaptive.proposal_ready)
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards)
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
@@ -263,6 +264,8 @@ class SpeculativeRunner(ContinuousRunner):
         for r, k, d in zip(requests, ks, drafts, strict=True):
             if k and not d.token_ids:
                 self.policy.no_proposal(r.request_id)
+                if shadow is not None:  # looked up under plain forwards until a draft would come true
+                    shadow.watch(r.request_id)
         if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up

@@ -47,6 +47,10 @@ consecutive misses, and asks every step again after a hit (repetitive text comes
 goes: code edits match, then miss at the edit, then match again). A step in which every
 request given k > 0 found nothing leaves the batch under a standing all-plain decision
 until the first backoff or probe ends, as the next `choose` would decide (without asking it).
+With shadow drafts (below) the runner watches a request that missed: it looks the request
+up under each plain step's forward and calls `proposal_ready` once a draft's first token
+came true, so the request waits for that (its backoff: `max_probe_interval` at once, a
+bound should the call never come) instead of asking on a backoff schedule.
 
 With a proposer whose drafts are deterministic and free (n-gram), the runner also takes
 shadow drafts during plain steps and reports how much of each the following tokens matched
@@ -507,9 +511,10 @@ class AdaptivePolicy:
             self._restart(est)
         self._count(est, num_draft, num_matched)  # (the miss backoff is about real asks: it stays)
         # a standing all-plain decision holds unless this evidence makes the request speculate
-        # (a shadowed request's probes are priced at acceptance 0: their schedule stays)
+        # (a shadowed request's probes are priced at acceptance 0: their schedule stays), which
+        # a request waiting after a miss does not (`proposal_ready` ends the wait)
         quiet = self._quiet
-        if quiet is not None and (restart or not self.shadowed or best_k_for_costs(
+        if quiet is not None and self._steps >= est.miss_until and (restart or not self.shadowed or best_k_for_costs(
                 est.accepted / est.trials, quiet.table.costs, self.switch_margin)):
             self._quiet = None
 
@@ -532,7 +537,10 @@ class AdaptivePolicy:
         probing, est.probing = est.probing, False
         if probing:  # no draft, no round: the probe cost a lookup, not its charge
             est.credit += est.probe_cost - 1.0
-        est.miss_interval = min(max(2, est.miss_interval * 2), self.max_probe_interval)
+        # (shadowed: the runner watches the request and calls `proposal_ready`; the backoff
+        # only bounds the wait)
+        est.miss_interval = (self.max_probe_interval if self.shadowed
+                             else min(max(2, est.miss_interval * 2), self.max_probe_interval))
         est.miss_until = self._steps + est.miss_interval
         if probing:
             est.probe_interval = min(est.probe_interval * 2, self.max_probe_interval)
@@ -545,6 +553,19 @@ class AdaptivePolicy:
                 # nobody drafted: the whole batch decodes plainly, as `choose` would decide at
                 # the next step (the misses back off, the rest were plain), without asking it
                 self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table, asked.version), None
+
+    def proposal_ready(self, request_id: str) -> None:
+        """A request that missed was looked up under a plain step's forward, and the step
+        emitted its draft's first token (`ShadowDrafts.watch`): the proposer most likely has
+        a draft at the next step. The miss backoff ends, and so does a standing all-plain
+        decision if the request would speculate."""
+        est = self._est.get(request_id)
+        if est is None:
+            return
+        est.miss_until = est.miss_interval = 0
+        quiet = self._quiet
+        if quiet is not None and best_k_for_costs(est.accepted / est.trials, quiet.table.costs, self.switch_margin):
+            self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:
         a = self.prior(sampled)

@@ -18,6 +18,13 @@ accepted out of k drafted.
 
 Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
+A request that asked for a real draft and got none (an n-gram miss: nothing in the table
+continues its text) is *watched* (`watch`): looked up under every plain step's forward
+until a lookup finds a draft whose first token the step then emits, which is reported to
+`found` (the proposer will most likely have a draft at the next step: the policy asks
+again). So a request waiting for its text to repeat costs no policy step per lookup, and
+is asked again as soon as a draft would exist, not on a backoff schedule.
+
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
 anyway) plus a list comparison as tokens arrive. A request's first shadow comes at its
 first plain step (the policy lets a request speculate only once it has evidence; the
@@ -39,6 +46,8 @@ if TYPE_CHECKING:
 
 # (request_id, drafted, matched): the policy's update for a round of `drafted` tokens
 Observe = Callable[[str, int, int], None]
+# (request_id): a watched request's draft was continued by the next token (see `watch`)
+Found = Callable[[str], None]
 
 
 def matched_prefix(draft: Sequence[int], actual: Sequence[int]) -> tuple[int, bool]:
@@ -73,10 +82,12 @@ class ShadowDrafts:
     observe: Observe
     interval: int = 8
     max_interval: int = 64
+    found: Found | None = None
     _step: int = 0
     _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _schedule: dict[str, _Schedule] = field(default_factory=dict)
+    _watched: set[str] = field(default_factory=set)  # looked up at every step (`watch`)
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -91,6 +102,19 @@ class ShadowDrafts:
         """A request joined the batch: the next `take` looks at it (its first shadow is due at
         once, whatever the others' schedules)."""
         self._next_due = 0
+
+    def watch(self, request_id: str) -> None:
+        """The request asked for a draft and the proposer had none: look it up at every step
+        from the next on, and report `found` when a draft's first token comes true."""
+        self._watched.add(request_id)
+        s = self._schedule.get(request_id)
+        if s is not None:
+            s.due = min(s.due, self._step + 1)
+        self._next_due = min(self._next_due, self._step + 1)
+
+    def _due_after(self, request_id: str, s: _Schedule) -> int:
+        """The step of the request's next shadow after this one: the next step if watched."""
+        return self._step + 1 if request_id in self._watched else self._step + s.interval
 
     def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int] | None = None) -> None:
         """Before a decode step: draft in shadow for the requests given k = 0 (ks None: all
@@ -112,39 +136,47 @@ class ShadowDrafts:
             for r, d in zip(chosen, drafts, strict=True):
                 if d.token_ids:
                     self._pending[r.request_id] = _Pending(r.num_tokens, list(d.token_ids))
-                else:  # nothing to compare: try again after the interval
-                    self._schedule[r.request_id].due = self._step + self._schedule[r.request_id].interval
+                else:  # nothing to compare: try again after the interval (watched: at the next step)
+                    self._schedule[r.request_id].due = self._due_after(r.request_id, self._schedule[r.request_id])
         self._next_due = min((s.due for rid, s in self._schedule.items() if rid not in self._pending),
                              default=self._step + self.interval)
 
     def check(self, requests: Sequence[Request]) -> int:
         """After a decode step: compare pending drafts with the tokens the requests now hold.
-        Returns how many drafts were resolved (and reported to `observe`)."""
+        Returns how many reports were made: drafts resolved (to `observe`) and watched
+        requests found (to `found`)."""
         if not self._pending:
             return 0
-        resolved_drafts = 0
+        reports = 0
         for r in requests:
             p = self._pending.get(r.request_id)
             if p is None:
                 continue
             matched, resolved = matched_prefix(p.tokens, r.token_slice(p.start, p.start + len(p.tokens)))
+            if matched and r.request_id in self._watched:  # the draft's first token came true
+                self._watched.discard(r.request_id)
+                if self.found is not None:
+                    self.found(r.request_id)
+                    reports += 1
             if not resolved:
                 continue
             del self._pending[r.request_id]
             s = self._schedule[r.request_id]
             s.interval = self.interval if matched >= 2 else min(2 * s.interval, self.max_interval)
-            s.due = self._step + s.interval
+            s.due = self._due_after(r.request_id, s)
             self._next_due = min(self._next_due, s.due)
             self.observe(r.request_id, len(p.tokens), matched)
-            resolved_drafts += 1
-        return resolved_drafts
+            reports += 1
+        return reports
 
     def leak_report(self) -> list[str]:
         """What is still held: pending drafts and schedules (of requests that never left)."""
         return ([f"shadow drafts pending for {sorted(self._pending)}"] if self._pending else []) + (
-            [f"shadow schedules kept for {sorted(self._schedule)}"] if self._schedule else [])
+            [f"shadow schedules kept for {sorted(self._schedule)}"] if self._schedule else []) + (
+            [f"shadow watches kept for {sorted(self._watched)}"] if self._watched else [])
 
     def release(self, request_id: str) -> None:
-        """The request left the batch: forget its pending draft and schedule."""
+        """The request left the batch: forget its pending draft, schedule and watch."""
         self._pending.pop(request_id, None)
         self._schedule.pop(request_id, None)
+        self._watched.discard(request_id)

@@ -10,6 +10,7 @@ max_seq_len, several StepOutputs per request per step.
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -492,6 +493,33 @@ def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
     assert len(rounds) >= 6
     assert all(filed[i + 1] == 0 for i in rounds if i + 1 < len(filed))  # the step after each round
     assert filed.count(0) < runner.policy.i - len(rounds)  # but not every plain step
+
+
+def test_a_timed_plain_step_leaves_the_policys_choice_out(make_llm, ckpt_a, prompts, monkeypatch):
+    # the plain baseline is what staying plain costs: a step of a plain stretch, which asks
+    # no `choose`; a plain step the policy chose is timed from after its choice (a fake
+    # clock: the choice takes 1000 "seconds", everything else 1 a reading)
+    from infer.engine import speculative_runner
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += 1.0
+        return clock[0]
+
+    monkeypatch.setattr(speculative_runner, "time", SimpleNamespace(perf_counter=perf_counter))
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
+    runner = llm.engine.runner
+    runner.policy = policy = _SchedulePolicy([2] + [0] * 8 + [2] + [0] * 5)
+    choose = policy.choose
+    policy.choose = lambda *args: (clock.__setitem__(0, clock[0] + 1000.0), choose(*args))[1]
+    filed, observe = [], runner.cost_model.observe
+    runner.cost_model.observe = lambda b, k, seconds: (filed.append((k, seconds)), observe(b, k, seconds))[1]
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=40,
+                                                                              ignore_eos=True))
+    plain = [seconds for k, seconds in filed if k == 0]
+    rounds = [seconds for k, seconds in filed if k]
+    assert len(plain) >= 4 and rounds
+    assert max(plain) < 1000 <= min(rounds)  # a round pays its choice: speculating asks one each step
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])

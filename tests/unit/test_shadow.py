@@ -329,18 +329,22 @@ def test_a_watched_request_is_looked_up_every_step_until_a_draft_comes_true():
     _emit(r, script)
     shadow.check([r])
     assert len(proposer.asked) == 1 and seen == [0]
+    schedule = (shadow._schedule["a"].due, shadow._schedule["a"].interval)
     shadow.watch("a")
     for _ in range(5):
         shadow.take(proposer, [r], [0])
         _emit(r, script)
-        assert shadow.check([r]) == 1  # resolved at once (its first token was wrong): no `found`
-    assert len(proposer.asked) == 6 and not found  # asked every step while watched
+        # resolved at once (its first token was wrong): no `found`, and no evidence (a watch
+        # looks up at every step while the text has no match: it would flood the estimate)
+        assert shadow.check([r]) == 0
+    assert len(proposer.asked) == 6 and not found and seen == [0]  # asked every step while watched
+    assert (shadow._schedule["a"].due, shadow._schedule["a"].interval) == schedule  # the schedule's own
     proposer.wrong_at = 1  # the first token comes true
     shadow.take(proposer, [r], [0])
     _emit(r, script)
     assert shadow.check([r]) == 1 and found == ["a"]  # found at its first token (it is still pending)
     _emit(r, script)
-    assert shadow.check([r]) == 1 and seen[-1] == 1 and found == ["a"]  # resolved: 1 of 3 matched
+    assert shadow.check([r]) == 0 and seen == [0] and found == ["a"]  # resolved quietly
     asked = len(proposer.asked)
     for _ in range(3):  # no longer watched: back on the schedule (not due for a while)
         shadow.take(proposer, [r], [0])
@@ -389,3 +393,28 @@ def test_proposal_ready_ends_the_miss_wait_and_a_plain_decision_only_if_the_requ
     p.proposal_ready("a")
     assert p.quiet([r])  # the decision stands
     p.proposal_ready("unknown")  # a request the policy never saw: nothing to do
+
+
+def test_a_one_token_draft_is_not_found_and_a_watch_runs_out():
+    # a draft of one token: the proposer's chain ended there, so the next real lookup would
+    # miss again; not `found`. A watch lasts `max_interval` steps (the policy asks by then)
+    script = list(range(100, 400))
+    found = []
+    shadow = ShadowDrafts(k=1, observe=lambda *a: None, interval=8, max_interval=16, found=found.append)
+    proposer = ScriptedProposer(script)  # one-token drafts, always right
+    r = _request("a", script, 10)
+    shadow.take(proposer, [r], [0])  # first sight
+    _emit(r, script)
+    shadow.check([r])
+    shadow.watch("a")
+    asked = []
+    for _ in range(40):
+        before = len(proposer.asked)
+        shadow.take(proposer, [r], [0])
+        asked.append(len(proposer.asked) - before)
+        _emit(r, script)
+        shadow.check([r])
+    assert not found
+    assert sum(asked[:15]) == 15  # watched: every step
+    assert sum(asked[16:]) <= 2  # then the schedule (8 steps, doubling)
+    assert shadow.leak_report() == ["shadow schedules kept for ['a']"]  # the watch ran out

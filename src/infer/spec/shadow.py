@@ -20,9 +20,14 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 A request that asked for a real draft and got none (an n-gram miss: nothing in the table
 continues its text) is *watched* (`watch`): looked up under every plain step's forward
-until a lookup finds a draft whose first token the step then emits, which is reported to
-`found` (the proposer will most likely have a draft at the next step: the policy asks
-again). So a request waiting for its text to repeat costs no policy step per lookup, and
+until a lookup finds a draft of two tokens or more whose first token the step then emits,
+which is reported to `found` (the proposer will most likely have the rest of that draft at
+the next step: the policy asks again; a one-token draft's chain ended there, so the next
+lookup would miss), for at most `max_interval` steps (the policy asks again by then). A
+watch's lookups are no evidence, and the request's scheduled shadows pause while it is
+watched: its estimate waits, as the policy does after a miss (taken at every step while
+the text has no match, failing drafts would flood the estimate; on the replayed code
+edit, W5 at T=0, the request then stopped speculating just before its text repeated). So a request waiting for its text to repeat costs no policy step per lookup, and
 is asked again as soon as a draft would exist, not on a backoff schedule.
 
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
@@ -66,6 +71,7 @@ def matched_prefix(draft: Sequence[int], actual: Sequence[int]) -> tuple[int, bo
 class _Pending:
     start: int  # the request's token count when the draft was taken (the draft continues it)
     tokens: list[int]
+    watch: bool = False  # a watched request's lookup: it only tells `found`, it is no evidence
 
 
 @dataclass(slots=True)
@@ -87,7 +93,7 @@ class ShadowDrafts:
     _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)
     _pending: dict[str, _Pending] = field(default_factory=dict)
     _schedule: dict[str, _Schedule] = field(default_factory=dict)
-    _watched: set[str] = field(default_factory=set)  # looked up at every step (`watch`)
+    _watched: dict[str, int] = field(default_factory=dict)  # id -> last step it is looked up at every step
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -105,16 +111,10 @@ class ShadowDrafts:
 
     def watch(self, request_id: str) -> None:
         """The request asked for a draft and the proposer had none: look it up at every step
-        from the next on, and report `found` when a draft's first token comes true."""
-        self._watched.add(request_id)
-        s = self._schedule.get(request_id)
-        if s is not None:
-            s.due = min(s.due, self._step + 1)
+        from the next on, and report `found` when a draft's first token comes true (for at
+        most `max_interval` steps)."""
+        self._watched[request_id] = self._step + self.max_interval
         self._next_due = min(self._next_due, self._step + 1)
-
-    def _due_after(self, request_id: str, s: _Schedule) -> int:
-        """The step of the request's next shadow after this one: the next step if watched."""
-        return self._step + 1 if request_id in self._watched else self._step + s.interval
 
     def take(self, proposer: Proposer, requests: Sequence[Request], ks: Sequence[int] | None = None) -> None:
         """Before a decode step: draft in shadow for the requests given k = 0 (ks None: all
@@ -122,29 +122,39 @@ class ShadowDrafts:
         self._step += 1
         if self._step < self._next_due:
             return
-        chosen = []
+        chosen, watching = [], []
         for r, k in zip(requests, ks if ks is not None else [0] * len(requests), strict=True):
-            if k or r.request_id in self._pending:
+            rid = r.request_id
+            if k or rid in self._pending:
                 continue
-            s = self._schedule.get(r.request_id)
+            s = self._schedule.get(rid)
             if s is None:  # first sight: draft now (the policy waits for this evidence)
-                s = self._schedule[r.request_id] = _Schedule(self._step, self.interval)
+                s = self._schedule[rid] = _Schedule(self._step, self.interval)
+            if rid in self._watched:  # (no scheduled shadows meanwhile: the estimate waits as the policy does)
+                if self._step <= self._watched[rid]:
+                    chosen.append(r)
+                    watching.append(True)
+                    continue
+                del self._watched[rid]  # the watch ran out (the policy asks again by then)
             if self._step >= s.due:
                 chosen.append(r)
+                watching.append(False)
         if chosen:
             drafts = proposer.propose(chosen, [self.k] * len(chosen))
-            for r, d in zip(chosen, drafts, strict=True):
+            for r, d, watch in zip(chosen, drafts, watching, strict=True):
                 if d.token_ids:
-                    self._pending[r.request_id] = _Pending(r.num_tokens, list(d.token_ids))
-                else:  # nothing to compare: try again after the interval (watched: at the next step)
-                    self._schedule[r.request_id].due = self._due_after(r.request_id, self._schedule[r.request_id])
-        self._next_due = min((s.due for rid, s in self._schedule.items() if rid not in self._pending),
+                    self._pending[r.request_id] = _Pending(r.num_tokens, list(d.token_ids), watch)
+                elif not watch:  # nothing to compare: try again after the interval
+                    self._schedule[r.request_id].due = self._step + self._schedule[r.request_id].interval
+        self._next_due = min((self._step + 1 if rid in self._watched else s.due
+                              for rid, s in self._schedule.items() if rid not in self._pending),
                              default=self._step + self.interval)
 
     def check(self, requests: Sequence[Request]) -> int:
         """After a decode step: compare pending drafts with the tokens the requests now hold.
-        Returns how many reports were made: drafts resolved (to `observe`) and watched
-        requests found (to `found`)."""
+        Returns how many reports were made: drafts resolved (to `observe`; a watch's lookups
+        are not evidence: taken at every step while the text has no match, they would flood
+        the estimate) and watched requests found (to `found`)."""
         if not self._pending:
             return 0
         reports = 0
@@ -153,17 +163,20 @@ class ShadowDrafts:
             if p is None:
                 continue
             matched, resolved = matched_prefix(p.tokens, r.token_slice(p.start, p.start + len(p.tokens)))
-            if matched and r.request_id in self._watched:  # the draft's first token came true
-                self._watched.discard(r.request_id)
+            if matched and len(p.tokens) > 1 and r.request_id in self._watched:  # its first token came true
+                del self._watched[r.request_id]
                 if self.found is not None:
                     self.found(r.request_id)
                     reports += 1
             if not resolved:
                 continue
             del self._pending[r.request_id]
+            if p.watch:  # a watch's lookup: the request's schedule and estimate are not its business
+                self._next_due = min(self._next_due, self._step + 1)
+                continue
             s = self._schedule[r.request_id]
             s.interval = self.interval if matched >= 2 else min(2 * s.interval, self.max_interval)
-            s.due = self._due_after(r.request_id, s)
+            s.due = self._step + s.interval
             self._next_due = min(self._next_due, s.due)
             self.observe(r.request_id, len(p.tokens), matched)
             reports += 1
@@ -179,4 +192,4 @@ class ShadowDrafts:
         """The request left the batch: forget its pending draft, schedule and watch."""
         self._pending.pop(request_id, None)
         self._schedule.pop(request_id, None)
-        self._watched.discard(request_id)
+        self._watched.pop(request_id, None)

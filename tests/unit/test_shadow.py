@@ -395,13 +395,41 @@ def test_proposal_ready_ends_the_miss_wait_and_a_plain_decision_only_if_the_requ
     p.proposal_ready("unknown")  # a request the policy never saw: nothing to do
 
 
-def test_a_one_token_draft_is_not_found_and_a_watch_runs_out():
-    # a draft of one token: the proposer's chain ended there, so the next real lookup would
-    # miss again; not `found`. A watch lasts `max_interval` steps (the policy asks by then)
+class ShortProposer(ScriptedProposer):
+    """Right drafts, but never longer than `length` tokens (the n-gram chain ends there)."""
+
+    length = 2
+
+    def propose(self, requests, ks):
+        return [Draft(d.token_ids[:self.length], None) for d in super().propose(requests, ks)]
+
+
+@pytest.mark.parametrize("k, length, found_expected", [(5, 2, False), (5, 3, True), (2, 2, True), (1, 1, True)])
+def test_a_watch_finds_only_drafts_long_enough_to_last_a_step(k, length, found_expected):
+    # inside a plain stretch the real lookup comes a step after the check: a draft whose
+    # chain ends within two tokens will miss then, so it is not `found` (with k < 3, a full
+    # draft is all there is to go by)
     script = list(range(100, 400))
     found = []
-    shadow = ShadowDrafts(k=1, observe=lambda *a: None, interval=8, max_interval=16, found=found.append)
-    proposer = ScriptedProposer(script)  # one-token drafts, always right
+    shadow = ShadowDrafts(k=k, observe=lambda *a: None, interval=8, found=found.append)
+    proposer = ShortProposer(script)
+    proposer.length = length
+    r = _request("a", script, 10)
+    shadow.watch("a")
+    for _ in range(4):
+        shadow.take(proposer, [r], [0])
+        _emit(r, script)
+        shadow.check([r])
+    assert (found == ["a"]) == found_expected
+
+
+def test_a_short_draft_is_not_found_and_a_watch_runs_out():
+    # a draft of two tokens: the proposer's chain ends before the real lookup; not `found`.
+    # A watch lasts `max_interval` steps (the policy asks by then)
+    script = list(range(100, 400))
+    found = []
+    shadow = ShadowDrafts(k=3, observe=lambda *a: None, interval=8, max_interval=16, found=found.append)
+    proposer = ShortProposer(script)  # two-token drafts, always right
     r = _request("a", script, 10)
     shadow.take(proposer, [r], [0])  # first sight
     _emit(r, script)
@@ -415,6 +443,6 @@ def test_a_one_token_draft_is_not_found_and_a_watch_runs_out():
         _emit(r, script)
         shadow.check([r])
     assert not found
-    assert sum(asked[:15]) == 15  # watched: every step
-    assert sum(asked[16:]) <= 2  # then the schedule (8 steps, doubling)
+    assert sum(asked[:16]) == 8  # watched: at every step its pending two-token draft allows
+    assert sum(asked[17:]) <= 4  # then the schedule (every 8 steps)
     assert shadow.leak_report() == ["shadow schedules kept for ['a']"]  # the watch ran out

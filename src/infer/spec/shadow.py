@@ -20,9 +20,10 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 A request that asked for a real draft and got none (an n-gram miss: nothing in the table
 continues its text) is *watched* (`watch`): looked up under every plain step's forward
-until a lookup finds a draft of two tokens or more whose first token the step then emits,
-which is reported to `found` (the proposer will most likely have the rest of that draft at
-the next step: the policy asks again; a one-token draft's chain ended there, so the next
+until a lookup finds a draft of three tokens or more (all k, if k < 3) whose first token
+the step then emits, which is reported to `found` (the proposer will most likely have the
+rest of that draft when the policy asks, a step later inside a plain stretch, whose check
+runs under the next step's forward; a shorter draft's chain ends before that, so the real
 lookup would miss), for at most `max_interval` steps (the policy asks again by then). A
 watch's lookups are no evidence, and the request's scheduled shadows pause while it is
 watched: its estimate waits, as the policy does after a miss (taken at every step while
@@ -101,6 +102,13 @@ class ShadowDrafts:
         if not 1 <= self.interval <= self.max_interval:
             raise ValueError(f"need 1 <= interval <= max_interval, got {self.interval} and {self.max_interval}")
 
+    @property
+    def _found_length(self) -> int:
+        """The draft length a watched request's lookup needs for `found` once its first token
+        came true: 3 (the next real lookup comes a step later in a plain stretch, so one
+        more token must continue the chain), or the whole draft when k is below 3."""
+        return min(3, self.k)
+
     def __len__(self) -> int:
         return len(self._pending)
 
@@ -163,7 +171,7 @@ class ShadowDrafts:
             if p is None:
                 continue
             matched, resolved = matched_prefix(p.tokens, r.token_slice(p.start, p.start + len(p.tokens)))
-            if matched and len(p.tokens) > 1 and r.request_id in self._watched:  # its first token came true
+            if matched and len(p.tokens) >= self._found_length and r.request_id in self._watched:
                 del self._watched[r.request_id]
                 if self.found is not None:
                     self.found(r.request_id)
@@ -177,7 +185,7 @@ class ShadowDrafts:
             s = self._schedule[r.request_id]
             s.interval = self.interval if matched >= 2 else min(2 * s.interval, self.max_interval)
             s.due = self._step + s.interval
-            self._next_due = min(self._next_due, s.due)
+            self._next_due = min(self._next_due, self._step + 1 if r.request_id in self._watched else s.due)
             self.observe(r.request_id, len(p.tokens), matched)
             reports += 1
         return reports

@@ -208,7 +208,8 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
         return step(prefill, decode)
 
     runner.step = stepping
-    policy.choose = lambda *args: (events.append(("choose", steps[0])), choose(*args))[1]
+    # "ask": a choice that gives the request k > 0 (the proposer is then asked for a draft)
+    policy.choose = lambda *args: (ks := choose(*args), events.append(("ask" if any(ks) else "choose", steps[0])))[0]
     policy.no_proposal = lambda rid: (events.append(("miss", steps[0])), no_proposal(rid))[1]
     runner.shadow.found = lambda rid: (events.append(("found", steps[0])), found(rid))[1]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -221,12 +222,23 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
         o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
     kinds = [kind for kind, _ in events]
     assert kinds.count("miss") >= 3 and kinds.count("found") >= 3 and runner.stats.drafts > 0
+    # found at the step before, a real lookup has the rest of the draft: asked, it rarely misses
+    found_asks = [events[kinds.index("ask", i + 1)] for i, kind in enumerate(kinds)
+                  if kind == "found" and "ask" in kinds[i + 1:]]
+    missed = [e for i, e in enumerate(events) if e[0] == "miss" and events[i - 1] in found_asks]
+    assert len(missed) <= len(found_asks) // 2
     for i, (kind, at) in enumerate(events):
-        if kind != "miss" or "choose" not in kinds[i + 1:]:
+        if kind != "miss" or "ask" not in kinds[i + 1:]:
             continue
-        nxt = kinds.index("choose", i + 1)
+        nxt = kinds.index("ask", i + 1)
         assert ({"found", "new"} & set(kinds[i + 1:nxt]) or events[nxt][1] - at >= policy.max_probe_interval), \
             events[i:nxt + 1]
+    # and a request found is asked at the very next step (in a plain stretch too: the first
+    # token is checked right after the step), when the proposer has the rest of the draft
+    for i, (kind, at) in enumerate(events):
+        if kind == "found" and "ask" in kinds[i + 1:]:
+            nxt = kinds.index("ask", i + 1)
+            assert "new" in kinds[i + 1:nxt] or events[nxt][1] == at + 1, events[i:nxt + 1]
     assert llm.engine.leak_report() == []
 
 

@@ -71,3 +71,29 @@ def test_leaving_early_reports_the_steps_run():
     runner._decode([])
     stretch.leave()  # the batch changed
     assert left == [1] and not stretch.active and runner._decode([]) == "own decode"
+
+
+def test_after_step_runs_once_each_step_is_decoded_and_may_end_the_stretch():
+    # `after_step` sees each step's requests after its plain decode (the tokens read), the
+    # last step's too; True ends the stretch there
+    runner, left, order = _Runner(), [], []
+    verdicts = iter([False, True, False, False, False])
+
+    def each_step(requests):
+        order.append("in flight")
+        return False
+
+    def after_step(requests):
+        order.append("after")
+        return next(verdicts)
+
+    stretch = PlainStretch(runner, _Plain, left.append, each_step, after_step)
+    stretch.enter(4)
+    assert runner._decode([1]) == "plain decode" and stretch.active
+    assert runner._decode([2]) == "plain decode"
+    assert not stretch.active and left == [2]  # ended after its second step
+    assert order == ["in flight", "after", "in flight", "after"]
+    assert _own(runner) == ["own demand", "own capacity", "own decode"]
+    stretch.enter(1)  # the last step leaves in its `_in_flight`; `after_step` still runs
+    assert runner._decode([3]) == "plain decode"
+    assert order[-2:] == ["in flight", "after"] and left == [2, 1] and not stretch.active

@@ -404,11 +404,11 @@ class ShortProposer(ScriptedProposer):
         return [Draft(d.token_ids[:self.length], None) for d in super().propose(requests, ks)]
 
 
-@pytest.mark.parametrize("k, length, found_expected", [(5, 2, False), (5, 3, True), (2, 2, True), (1, 1, True)])
-def test_a_watch_finds_only_drafts_long_enough_to_last_a_step(k, length, found_expected):
-    # inside a plain stretch the real lookup comes a step after the check: a draft whose
-    # chain ends within two tokens will miss then, so it is not `found` (with k < 3, a full
-    # draft is all there is to go by)
+@pytest.mark.parametrize("k, length, found_expected", [(5, 1, False), (5, 2, True), (2, 2, True), (1, 1, True)])
+def test_a_watch_finds_only_drafts_whose_chain_goes_on(k, length, found_expected):
+    # the real lookup at the next step continues the draft past its first token: a draft
+    # whose chain ended there would miss, so it is not `found` (with k = 1, the whole draft
+    # is all there is to go by)
     script = list(range(100, 400))
     found = []
     shadow = ShadowDrafts(k=k, observe=lambda *a: None, interval=8, found=found.append)
@@ -424,12 +424,13 @@ def test_a_watch_finds_only_drafts_long_enough_to_last_a_step(k, length, found_e
 
 
 def test_a_short_draft_is_not_found_and_a_watch_runs_out():
-    # a draft of two tokens: the proposer's chain ends before the real lookup; not `found`.
-    # A watch lasts `max_interval` steps (the policy asks by then)
+    # a draft of one token: the proposer's chain ended there, the real lookup would miss;
+    # not `found`. A watch lasts `max_interval` steps (the policy asks by then)
     script = list(range(100, 400))
     found = []
     shadow = ShadowDrafts(k=3, observe=lambda *a: None, interval=8, max_interval=16, found=found.append)
-    proposer = ShortProposer(script)  # two-token drafts, always right
+    proposer = ShortProposer(script)  # one-token drafts, always right
+    proposer.length = 1
     r = _request("a", script, 10)
     shadow.take(proposer, [r], [0])  # first sight
     _emit(r, script)
@@ -443,6 +444,33 @@ def test_a_short_draft_is_not_found_and_a_watch_runs_out():
         _emit(r, script)
         shadow.check([r])
     assert not found
-    assert sum(asked[:16]) == 8  # watched: at every step its pending two-token draft allows
+    assert sum(asked[:15]) == 15  # watched: at every step
     assert sum(asked[17:]) <= 4  # then the schedule (every 8 steps)
     assert shadow.leak_report() == ["shadow schedules kept for ['a']"]  # the watch ran out
+
+
+def test_check_found_reports_right_after_the_step_and_only_once():
+    # in a plain stretch the other checks wait for the next step's forward; `found` must not
+    # (a step later the next token would have to continue the draft as well)
+    script = list(range(100, 400))
+    found, seen = [], []
+    shadow = ShadowDrafts(k=3, observe=lambda rid, k, m: seen.append(m), interval=8, found=found.append)
+    proposer = ScriptedProposer(script)
+    r, other = _request("a", script, 10), _request("b", script, 12)
+    proposer.wrong_at = 0
+    shadow.take(proposer, [r, other], [0, 0])  # first sight: scheduled drafts for both (wrong)
+    _emit(r, script)
+    _emit(other, script)
+    assert shadow.check([r, other]) == 2 and not found
+    proposer.wrong_at = None
+    shadow.watch("a")
+    shadow.watch("b")
+    assert shadow.check_found([r]) == 0  # nothing pending yet
+    shadow.take(proposer, [r, other], [0, 0])
+    assert shadow.check_found([r, other]) == 0  # taken, its tokens not emitted yet
+    _emit(r, script)
+    _emit(other, script)
+    assert shadow.check_found([r]) == 1 and found == ["a"]  # only the requests passed are looked at
+    assert shadow.check_found([r]) == 0 and found == ["a"]  # once: the watch ended
+    assert shadow.check([r, other]) == 1 and found == ["a", "b"]  # `check` finds "b" as well
+    assert seen == [0, 0]  # the watches' lookups are no evidence (the first-sight drafts were)

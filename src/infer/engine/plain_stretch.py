@@ -12,7 +12,9 @@ adaptive policy is allowed to lose against plain decoding.
 methods) for the next n steps, the steps the decision is known to hold. The only per-step
 work left is a countdown in `_in_flight`, the hook plain decoding calls anyway, and the
 runner's `each_step` there if it has one (shadow drafts, taken and checked under the
-forward; it may end the stretch). The stretch ends when its steps are done, or early when
+forward; it may end the stretch), and its `after_step` after the step's tokens are read, if it has
+one (a wrapper around the plain `_decode`: for what must be known before the next step is
+decided; it may end the stretch too). The stretch ends when its steps are done, or early when
 the batch changes (`allocate`, `release`), and `leave` reports how many steps ran so the
 policy's step clock can catch up.
 """
@@ -34,13 +36,17 @@ class PlainStretch:
     """Plain decode steps through the plain runner's methods (see the module docstring)."""
 
     def __init__(self, runner: ContinuousRunner, plain_class: type, on_leave: Callable[[int], None],
-                 each_step: Callable[[Sequence[Request]], bool] | None = None) -> None:
+                 each_step: Callable[[Sequence[Request]], bool] | None = None,
+                 after_step: Callable[[Sequence[Request]], bool] | None = None) -> None:
         self.runner = runner
         self.plain_class = plain_class
         self.on_leave = on_leave  # called with the number of steps the stretch ran
         # called in each step's `_in_flight` (the forward queued, its tokens not yet read);
         # True ends the stretch after that step
         self.each_step = each_step
+        # called after each step's tokens are read (on the critical path: keep it cheap);
+        # True ends the stretch there
+        self.after_step = after_step
         self.left = 0  # steps still to run; 0: not in a stretch
         self.done = 0
 
@@ -57,6 +63,8 @@ class PlainStretch:
         for name in PLAIN_METHODS:
             attrs[name] = getattr(self.plain_class, name).__get__(self.runner)
         attrs["_in_flight"] = self._count
+        if self.after_step is not None:
+            attrs["_decode"] = self._decode_then_look
 
     def _count(self, requests: Sequence[Request]) -> None:
         # `_in_flight` of each plain step of the stretch: the stretch's only per-step work
@@ -65,6 +73,14 @@ class PlainStretch:
         each_step = self.each_step
         if (each_step is not None and each_step(requests)) or not self.left:
             self.leave()
+
+    def _decode_then_look(self, requests: Sequence[Request]) -> object:
+        # `_decode` of each step of the stretch when there is an `after_step` (run after the
+        # stretch's last step too, which left in its `_in_flight`)
+        out = self.plain_class._decode(self.runner, requests)
+        if self.after_step(requests) and self.active:  # type: ignore[misc]
+            self.leave()
+        return out
 
     def leave(self) -> None:
         """End the stretch (if any): the runner's own methods again; `on_leave(steps run)`."""

@@ -78,7 +78,8 @@ class SpeculativeRunner(ContinuousRunner):
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards)
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
-                                     self._stretch_shadows if self.shadow is not None else None)
+                                     self._stretch_shadows if self.shadow is not None else None,
+                                     self._stretch_found if self.shadow is not None else None)
 
     @property
     def proposer(self) -> Proposer:
@@ -333,6 +334,15 @@ class SpeculativeRunner(ContinuousRunner):
         if self._keep_up is not None:
             self._keep_up(requests)
         return ended
+
+    def _stretch_found(self, requests: Sequence[Request]) -> bool:
+        """Right after a plain stretch's step: a watched request whose lookup's first token
+        came true (`ShadowDrafts.check_found`) makes the policy ask at the next step, when
+        the proposer has the rest of that draft (a step later it would need the next token
+        to continue it too). True when that ended the all-plain decision."""
+        shadow = self.shadow
+        assert shadow is not None
+        return bool(shadow.check_found(requests)) and not self._quiet_left()
 
     def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
         """The proposer's per-request state (n-gram: the table of the prompt) is built while

@@ -20,11 +20,13 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 A request that asked for a real draft and got none (an n-gram miss: nothing in the table
 continues its text) is *watched* (`watch`): looked up under every plain step's forward
-until a lookup finds a draft of three tokens or more (all k, if k < 3) whose first token
-the step then emits, which is reported to `found` (the proposer will most likely have the
-rest of that draft when the policy asks, a step later inside a plain stretch, whose check
-runs under the next step's forward; a shorter draft's chain ends before that, so the real
-lookup would miss), for at most `max_interval` steps (the policy asks again by then). A
+until a lookup finds a draft of two tokens or more whose first token the step then emits,
+which is reported to `found` (the proposer will then have the rest of that draft when the
+policy asks at the next step; a one-token draft's chain ended there, so the real lookup
+would miss), for at most `max_interval` steps (the policy asks again by then). For that the
+first token is checked right after the step (`check`, or `check_found` in a plain stretch,
+whose other checks run under the next step's forward: a step later the token after it
+would have to continue the chain too, which at T > 0 it mostly does not). A
 watch's lookups are no evidence, and the request's scheduled shadows pause while it is
 watched: its estimate waits, as the policy does after a miss (taken at every step while
 the text has no match, failing drafts would flood the estimate; on the replayed code
@@ -105,9 +107,9 @@ class ShadowDrafts:
     @property
     def _found_length(self) -> int:
         """The draft length a watched request's lookup needs for `found` once its first token
-        came true: 3 (the next real lookup comes a step later in a plain stretch, so one
-        more token must continue the chain), or the whole draft when k is below 3."""
-        return min(3, self.k)
+        came true: 2 (the next real lookup then finds the rest of the chain), or 1 when k is
+        1 (all there is to go by)."""
+        return min(2, self.k)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -158,6 +160,29 @@ class ShadowDrafts:
                               for rid, s in self._schedule.items() if rid not in self._pending),
                              default=self._step + self.interval)
 
+    def check_found(self, requests: Sequence[Request]) -> int:
+        """Right after a step: report `found` for watched requests whose pending lookup's first
+        token the step emitted (see `check`); the rest of `check` may wait. Returns how many."""
+        if not self._watched or not self._pending:
+            return 0
+        found = 0
+        for r in requests:
+            p = self._pending.get(r.request_id)
+            if p is not None and self._found(r, p):
+                found += 1
+        return found
+
+    def _found(self, r: Request, p: _Pending) -> bool:
+        """Report `found` if `r` is watched, its pending draft `p` is long enough and its first
+        token is the request's token there (the watch ends)."""
+        if (r.request_id in self._watched and len(p.tokens) >= self._found_length and r.num_tokens > p.start
+                and r.token_slice(p.start, p.start + 1)[0] == p.tokens[0]):
+            del self._watched[r.request_id]
+            if self.found is not None:
+                self.found(r.request_id)
+                return True
+        return False
+
     def check(self, requests: Sequence[Request]) -> int:
         """After a decode step: compare pending drafts with the tokens the requests now hold.
         Returns how many reports were made: drafts resolved (to `observe`; a watch's lookups
@@ -171,11 +196,8 @@ class ShadowDrafts:
             if p is None:
                 continue
             matched, resolved = matched_prefix(p.tokens, r.token_slice(p.start, p.start + len(p.tokens)))
-            if matched and len(p.tokens) >= self._found_length and r.request_id in self._watched:
-                del self._watched[r.request_id]
-                if self.found is not None:
-                    self.found(r.request_id)
-                    reports += 1
+            if matched and self._found(r, p):
+                reports += 1
             if not resolved:
                 continue
             del self._pending[r.request_id]

@@ -48,8 +48,8 @@ goes: code edits match, then miss at the edit, then match again). A step in whic
 request given k > 0 found nothing leaves the batch under a standing all-plain decision
 until the first backoff or probe ends, as the next `choose` would decide (without asking it).
 With shadow drafts (below) the runner watches a request that missed: it looks the request
-up under each plain step's forward and calls `proposal_ready` once a draft's first token
-came true, so the request waits for that (its backoff: `max_probe_interval` at once, a
+up under each plain step's forward and calls `proposal_ready` once a draft (of two tokens
+or more) had its first token emitted, so the request waits for that (its backoff: `max_probe_interval` at once, a
 bound should the call never come) instead of asking on a backoff schedule.
 
 With a proposer whose drafts are deterministic and free (n-gram), the runner also takes

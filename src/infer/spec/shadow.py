@@ -26,12 +26,13 @@ policy asks at the next step; a one-token draft's chain ended there, so the real
 would miss), for at most `max_interval` steps (the policy asks again by then). For that the
 first token is checked right after the step (`check`, or `check_found` in a plain stretch,
 whose other checks run under the next step's forward: a step later the token after it
-would have to continue the chain too, which at T > 0 it mostly does not). A
-watch's lookups are no evidence, and the request's scheduled shadows pause while it is
-watched: its estimate waits, as the policy does after a miss (taken at every step while
-the text has no match, failing drafts would flood the estimate; on the replayed code
-edit, W5 at T=0, the request then stopped speculating just before its text repeated). So a request waiting for its text to repeat costs no policy step per lookup, and
-is asked again as soon as a draft would exist, not on a backoff schedule.
+would have to continue the chain too, which at T > 0 it mostly does not). A watch's
+lookups are no evidence, and the request's scheduled shadows pause while it is watched:
+its estimate waits, as the policy does after a miss (taken at every step while the text
+has no match, failing drafts would flood the estimate; on the replayed code edit, W5 at
+T=0, the request then stopped speculating just before its text repeated). So a request
+waiting for its text to repeat costs no policy step per lookup, and is asked again as soon
+as a draft would exist, not on a backoff schedule.
 
 Cost: one proposer call per shadow (its table catch-up would happen at the next real round
 anyway) plus a list comparison as tokens arrive. A request's first shadow comes at its

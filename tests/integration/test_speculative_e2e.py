@@ -191,10 +191,10 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
 
 
 def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm, ckpt_a, prompts):
-    # a request that wants drafts but whose n-gram lookup finds nothing is looked up under
-    # the following plain steps' forwards; the policy is asked again only once such a
+    # a sampled request that wants drafts but whose n-gram lookup finds nothing is looked up
+    # under the following plain steps' forwards; the policy is asked again only once such a
     # lookup's draft came true (`proposal_ready`), a new request came or the longest
-    # backoff ran out, never on the 2, 4, 8 ... schedule of steps
+    # backoff ran out, never on the 2, 4, 8 ... schedule of steps (which greedy requests keep)
     llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", spec_policy="adaptive")
     runner = llm.engine.runner
     policy = runner.policy
@@ -212,14 +212,12 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
     policy.choose = lambda *args: (ks := choose(*args), events.append(("ask" if any(ks) else "choose", steps[0])))[0]
     policy.no_proposal = lambda rid: (events.append(("miss", steps[0])), no_proposal(rid))[1]
     runner.shadow.found = lambda rid: (events.append(("found", steps[0])), found(rid))[1]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = []
-    for p in prompts:
+    for i, p in enumerate(prompts * 2):
         events.append(("new", steps[0]))
+        params = SamplingParams(temperature=0.5, max_tokens=64, ignore_eos=True, seed=i)
         outs.append(llm.generate(prompt_token_ids=[p], sampling_params=params)[0])
-    plain = make_llm(ckpt_a, max_batch_size=1, max_seq_len=256)
-    assert [o.outputs[0].token_ids for o in outs] == [
-        o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
     kinds = [kind for kind, _ in events]
     assert kinds.count("miss") >= 3 and kinds.count("found") >= 3 and runner.stats.drafts > 0
     # found at the step before, a real lookup has the rest of the draft: asked, it rarely misses

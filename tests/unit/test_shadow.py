@@ -193,10 +193,14 @@ def test_shadow_evidence_leaves_the_miss_backoff():
     p.no_proposal("a")
     backoff = (p._est["a"].miss_until, p._est["a"].miss_interval)
     p.observe_shadow("a", 5, 3)
-    # (shadowed: a miss waits the longest backoff at once, the watch ends it early)
-    assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (p.max_probe_interval,) * 2
+    assert (p._est["a"].miss_until, p._est["a"].miss_interval) == backoff == (4, 4)  # greedy: 2, 4, 8 ...
     p.update("a", 5, 3)
     assert p._est["a"].miss_interval == 0
+    p._lookup("s", sampled=True)  # a sampled request waits the longest backoff at once (the watch ends it)
+    p.no_proposal("s")
+    assert (p._est["s"].miss_until, p._est["s"].miss_interval) == (p.max_probe_interval,) * 2
+    p.observe_shadow("s", 5, 3)
+    assert p._est["s"].miss_interval == p.max_probe_interval
 
 
 def test_shadowed_request_decodes_plainly_until_its_first_shadow_is_counted():
@@ -376,6 +380,7 @@ def test_proposal_ready_ends_the_miss_wait_and_a_plain_decision_only_if_the_requ
         costs.observe(1, k, seconds)
     p = AdaptivePolicy(5, costs, shadowed=True, plain_refresh=10_000)
     r = _request("a", list(range(10)), 10)
+    p._lookup("a", sampled=True)  # (a greedy request also asks again on its 2, 4, 8 ... backoff)
     p.observe_shadow("a", 5, 5)  # evidence: speculating pays
     assert p.choose([r], [10], 10_000, [50])[0] > 0
     p.no_proposal("a")

@@ -212,9 +212,8 @@ class SpeculativeRunner(ContinuousRunner):
         return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
-        proposer_report = getattr(self.proposer, "leak_report", None)  # (a draft model's is `self.draft`'s)
-        return (super().leak_report() + (self.draft.leak_report() if self.draft is not None else [])
-                + (proposer_report() if proposer_report is not None and self.draft is None else [])
+        proposer_report = getattr(self.proposer, "leak_report", None)  # (a draft model: `self.draft`'s)
+        return (super().leak_report() + (proposer_report() if proposer_report is not None else [])
                 + (self.shadow.leak_report() if self.shadow is not None else []))
 
     # -- the speculative decode step --------------------------------------------------------------
@@ -227,7 +226,7 @@ class SpeculativeRunner(ContinuousRunner):
         plain_reserved, self._plain_reserved = self._plain_reserved, False
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
-            start = self._plain_timer(None)
+            start = self._plain_timer()
             shadow = self.shadow
             if start is None and shadow is None:  # nothing to time or check: the plain step alone
                 outputs = super()._decode(requests)
@@ -247,7 +246,7 @@ class SpeculativeRunner(ContinuousRunner):
             # stretch cut short while scheduling), but the batch is not that decision's (a
             # request joined or left): decode plainly, decide afresh next step
             self.policy.end_quiet()  # type: ignore[attr-defined]
-            return self._plain_decode(requests, self._plain_timer(None))
+            return self._plain_decode(requests, self._plain_timer())
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
@@ -255,7 +254,7 @@ class SpeculativeRunner(ContinuousRunner):
             # timed from here: the plain baseline is what staying plain costs, a step of a
             # plain stretch, which asks no `choose` (30-120 us on the H100, 5-20 % of a
             # demo step: with it, rounds looked that much cheaper); a round pays its own
-            return self._plain_decode(requests, self._plain_timer(None))
+            return self._plain_decode(requests, self._plain_timer())
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -286,8 +285,9 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch - setup)
         return outputs
 
-    def _plain_timer(self, start: float | None) -> float | None:
-        """Count a plain step; when it is to be timed, when it began (`start`, else now).
+    def _plain_timer(self) -> float | None:
+        """Count a plain step; when it is to be timed, now (its start; a step the policy
+        chose starts after the choice, see `_speculative_decode`).
 
         Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
         counts from its second sample), and any right after speculation (while speculating,
@@ -296,7 +296,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._plain_steps += 1
         n = self._plain_steps
         if self._time_next_plain or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
-            return time.perf_counter() if start is None else start
+            return time.perf_counter()
         return None
 
     def _stretch_done(self, steps: int) -> None:

@@ -79,6 +79,10 @@ def step_parts(runner: object) -> list[tuple[object, str, str]]:
              (runner.cost_model, "observe", "observe")]
     if runner.shadow is not None:
         parts += [(runner.shadow, "take", "shadow take"), (runner.shadow, "check", "shadow check")]
+    if runner.draft is not None:  # a draft model's round: its catch-up and its draft steps apart
+        parts += [(runner.draft, "_catch_up", "catch-up"), (runner.draft, "_draft_loop", "draft loop")]
+    if hasattr(runner.forward, "verify"):  # verification's graphs (forward and acceptance) within `verify`
+        parts.append((runner.forward, "verify", "verify graphs"))
     return parts
 
 
@@ -351,7 +355,8 @@ def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens:
 def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: int,
                 generations: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Generations with every decode step's wall time (schedule, runner step, retirement)
-    filed under what the step did: "round" (verified drafts), "choose" (the policy's full
+    filed under what the step did: "round" (verified drafts; "round, first" when the step
+    before was no round: a probe, or a switch back to speculation), "choose" (the policy's full
     choice, then no drafts), "stretch" (a plain stretch step), "shadow take" (a shadow draft
     was taken), "shadow pending" (a shadow draft awaited its tokens), "quiet" (the rest).
     A plain runner's steps (or a runner in plain mode) are all "plain". Returns category ->
@@ -411,7 +416,9 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
             cat = ("plain" if not speculative else "round" if did["_verify"] else "choose" if did["choose"]
                    else "stretch" if stretch else "shadow take" if did["propose"] else "shadow pending" if pending
                    else "quiet")
-            previous[0] = cat
+            after_round, previous[0] = previous[0] == "round", cat
+            if cat == "round" and not after_round:  # the first round after plain steps (a probe, a switch)
+                cat = "round, first"
             if cat == "choose":  # split by why the policy was asked (`_why_asked`), or a miss
                 cat = "choose: miss" if did["no_proposal"] else f"choose: {why}"
             entry = ledger[cat]

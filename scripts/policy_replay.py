@@ -51,6 +51,10 @@ class Profile:
 
 PROFILES = (
     Profile("W1 T=0", 0.93, False),
+    # refitted on an H100 (2026-11-27, `scripts/round_cost.py`): K=1 rounds 2.35 plain steps
+    # back to back, K=5 3.75, a catch-up chunk ~0.9; acceptance when speculating through ~0.94
+    Profile("W1 T=0, H100 refit", 0.94, False, round_base=2.0, round_per_k=0.35, switch_per_chunk=0.9,
+            draft_fixed=0.7, draft_per_k=0.28),
     Profile("W5 T=0", 0.85, False, prompt_tokens=640),
     Profile("W1 T=1", 0.73, True),
     Profile("W5 T=1", 0.68, True, prompt_tokens=640),

@@ -523,12 +523,13 @@ def test_the_learned_prior_follows_what_drafts_accepted_not_restarted_estimates(
     p._restart(est)  # as after a lucky probe: the estimate is back at the prior
     assert est.accepted / est.trials == pytest.approx(0.7)
     p.release("s")
-    # 10 accepted in 20 trials, full weight (>= 16 trials): 0.7 -> 0.7 + 0.3 * (0.5 - 0.7)
-    assert p.prior(True) == pytest.approx(0.64)
+    # 10 accepted in 20 trials, full weight (>= 16 trials): 0.7 -> 0.7 + w * (0.5 - 0.7)
+    assert p.prior(True) == pytest.approx(0.7 + p.learned_weight * (0.5 - 0.7))
     p._lookup("lucky", sampled=True)
     p.update("lucky", 2, 2)  # one probe, all accepted: 2 trials move the prior 2/16 of the weight
     p.release("lucky")
-    assert p.prior(True) == pytest.approx(0.64 + 0.3 * 2 / 16 * (0.95 - 0.64))
+    before = 0.7 + p.learned_weight * (0.5 - 0.7)
+    assert p.prior(True) == pytest.approx(before + p.learned_weight * 2 / 16 * (0.95 - before))
 
 
 def test_speculation_starts_above_the_switch_margin_and_goes_on_above_the_stay_margin():

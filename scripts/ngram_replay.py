@@ -56,12 +56,12 @@ class SimulatedCosts(CostModel):
                          forward_seconds={1: 0.7 * PLAIN_SECONDS})
         self.profile, self.sampled = profile, sampled
 
-    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+    def observe(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
         cost = 1.0 if k == 0 else self.profile.round(k, self.sampled)
-        super().observe(batch_size, k, cost * PLAIN_SECONDS)
+        super().observe(batch_size, k, cost * PLAIN_SECONDS, sampled)
 
-    def observe_draft(self, batch_size: int, k: int, seconds: float) -> None:
-        super().observe_draft(batch_size, k, 0.02 * PLAIN_SECONDS)
+    def observe_draft(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
+        super().observe_draft(batch_size, k, 0.02 * PLAIN_SECONDS, sampled)
 
 
 def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profile, generations: int,

@@ -597,7 +597,7 @@ def main() -> None:
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
                 if variant(name).endswith(("adaptive", "prior1")):
-                    print_costs(f"{w} T={t:g} {name}", engine)
+                    print_costs(f"{w} T={t:g} {name}", engine, t > 0)
 
 
 def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
@@ -661,19 +661,21 @@ def bootstrap_interval(statistic: Callable[[list[list[str]], list[int]], float],
     return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 
 
-def print_costs(label: str, engine: Engine) -> None:
-    """What the adaptive policy believes at batch 1: relative costs r(K), one draft step,
-    the calibrated forward's share of a real plain step, and the measured step times."""
+def print_costs(label: str, engine: Engine, sampled: bool) -> None:
+    """What the adaptive policy believes at batch 1 in a sampling mode (`sampled`: T > 0):
+    relative costs r(K), one draft step, the calibrated forward's share of a real plain
+    step, and the measured step times."""
     costs = engine.runner.cost_model
-    plain = costs.step_seconds(1, 0)
+    plain = costs.step_seconds(1, 0, sampled)
     c, v = costs.calibrated(1)
+    observed = {k: x for (b, k, mode), x in costs.observed.items() if b == 1 and mode == sampled}
     expired = {k: round(x * 1e3, 3) for k in range(1, costs.k_max + 1)
-               if (x := costs._value(("step", (1, k)), expired=True)) is not None and (1, k) not in costs.observed}
-    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1)]}, draft step "
-          f"{costs.draft_step(1):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
-          f"measured ms {dict(sorted((k, round(v * 1e3, 3)) for (b, k), v in costs.observed.items() if b == 1))}, "
-          f"expired ms {expired}, switch {costs.switch_cost(1):.2f}, calibrated c {c:.3f} v {[round(x, 2) for x in v]}",
-          flush=True)
+               if (x := costs._value(("step", (1, k, sampled)), expired=True)) is not None and k not in observed}
+    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1, sampled)]}, draft step "
+          f"{costs.draft_step(1, sampled):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
+          f"measured ms {dict(sorted((k, round(x * 1e3, 3)) for k, x in observed.items()))}, "
+          f"expired ms {expired}, switch {costs.switch_cost(1, sampled):.2f}, calibrated c {c:.3f} "
+          f"v {[round(x, 2) for x in v]}", flush=True)
 
 
 def print_phases(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int) -> None:

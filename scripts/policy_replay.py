@@ -106,7 +106,7 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
                 t = noise
                 plain_steps += 1
                 if last_round or plain_steps <= 2 or plain_steps % PLAIN_SAMPLE_EVERY <= 1:  # as the runner
-                    costs.observe(1, 0, t * PLAIN_SECONDS)
+                    costs.observe(1, 0, t * PLAIN_SECONDS, profile.sampled)
                 emitted += 1
                 r.num_computed_tokens += 1
                 behind += 1
@@ -120,7 +120,7 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
             chunks = units(behind)
             if chunks:
                 switch = profile.switch_fixed + profile.switch_per_chunk * chunks
-                costs.observe_switch(1, switch * PLAIN_SECONDS, chunks)
+                costs.observe_switch(1, switch * PLAIN_SECONDS, chunks, profile.sampled)
             accepted = 0
             while accepted < k and rng.random() < profile.acceptance:
                 accepted += 1
@@ -128,8 +128,9 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
             seen_k[k] = seen_k.get(k, 0) + 1
             if seen_k[k] <= 1:
                 t += profile.first_rounds_extra
-            costs.observe_draft(1, k, (profile.draft_fixed + profile.draft_per_k * k) * noise * PLAIN_SECONDS)
-            costs.observe(1, k, t * PLAIN_SECONDS)
+            costs.observe_draft(1, k, (profile.draft_fixed + profile.draft_per_k * k) * noise * PLAIN_SECONDS,
+                                profile.sampled)
+            costs.observe(1, k, t * PLAIN_SECONDS, profile.sampled)
             policy.update(r.request_id, k, accepted)
             n = min(accepted + 1, left)
             emitted += n

@@ -39,13 +39,13 @@ def log_steps(engine: Engine, prompt: list[int], temperature: float, runs: int) 
     if costs is not None:
         observe = costs.observe
 
-        def logged(batch: int, k: int, seconds: float) -> None:
+        def logged(batch: int, k: int, seconds: float, sampled: bool = False) -> None:
             if state["timing"]:
                 tag = "cost-model plain sample" if k == 0 else f"cost-model K={k} sample"
                 if k == 0:
                     tag += " (after a round)" if state["prev_round"] else ""
                 observed[tag].append(seconds * 1e3)
-            observe(batch, k, seconds)
+            observe(batch, k, seconds, sampled)
 
         costs.observe = logged
     for run in range(runs + 1):

@@ -16,6 +16,7 @@ import pytest
 
 from helpers.checkpoints import encode, make_checkpoint
 from infer import SamplingParams
+from infer.engine.speculative_runner import KEEP_UP_EVERY
 
 K = 4
 MAX_NEW = 1 + 4 * (K + 1)  # prefill token + 4 full rounds: every round can draft K
@@ -108,11 +109,30 @@ def test_adaptive_runner_measures_drafting_apart(make_llm, ckpt_a, random_draft,
     llm = _spec_llm(make_llm, ckpt_a, random_draft, 4, spec_policy="adaptive")
     costs = llm.engine.runner.cost_model
     calls, observe_draft = [], costs.observe_draft
-    costs.observe_draft = lambda b, k, seconds: (calls.append((b, k, seconds)), observe_draft(b, k, seconds))[1]
+    costs.observe_draft = lambda b, k, seconds, sampled: (calls.append((b, k, seconds, sampled)),
+                                                          observe_draft(b, k, seconds, sampled))[1]
     llm.generate(prompt_token_ids=prompts[:4], sampling_params=GREEDY)
     rounds = llm.engine.runner.stats.drafts  # per request: a batched step holds several
     assert 0 < len(calls) <= rounds  # one per step with drafts
-    assert all(1 <= b <= 4 and 1 <= k <= 8 and seconds > 0 for b, k, seconds in calls)
+    assert all(1 <= b <= 4 and 1 <= k <= 8 and seconds > 0 and not sampled for b, k, seconds, sampled in calls)
+
+
+def test_costs_are_filed_under_the_batchs_sampling_mode(make_llm, ckpt_a, prompts):
+    # a sampled batch's steps cost more (sampling, rejection sampling): its measurements go
+    # to the sampled costs, a greedy batch's to the greedy ones, and a batch with any
+    # sampled request is a sampled batch
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4, spec_policy="adaptive")
+    costs = llm.engine.runner.cost_model
+    filed, observe = [], costs.observe
+    costs.observe = lambda b, k, seconds, sampled: (filed.append((b, k, sampled)), observe(b, k, seconds, sampled))[1]
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for params in ([greedy], [sampled], [greedy, sampled]):
+        filed.clear()
+        llm.generate(prompt_token_ids=prompts[:len(params)], sampling_params=params)
+        modes = {mode for b, _, mode in filed if b == len(params)}
+        assert modes == {params[-1].temperature > 0}, (params, filed)
+    assert {mode for (_, _, mode) in costs.observed} == {False, True}
 
 
 @pytest.mark.parametrize("config", ["contiguous", "paged-preempt"])
@@ -169,12 +189,16 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     runner.shadow.observe = observing
     verdicts, each_step = [], runner._stretch.each_step
     runner._stretch.each_step = lambda rs: (verdicts.append((each_step(rs), len(runner.shadow))), verdicts[-1][0])[1]
-    behind, keep_up = [], runner._keep_up  # the proposer's tables follow every stretch step
+    # the proposer's tables follow the stretch: brought up to date every KEEP_UP_EVERY steps,
+    # at the stretch's last step and at one that ends it (a round may follow)
+    behind, calls, keep_up = [], [], runner._keep_up
 
     def keeping_up(requests):
         keep_up(requests)
-        if not runner._stretch.done:  # a prefill's
+        stretch = runner._stretch
+        if not stretch.done:  # a prefill's
             return
+        calls.append((len(verdicts), stretch.done, stretch.left))  # (the step's verdict is appended next)
         behind.extend(r.num_tokens - runner.proposer._entries[r.request_id].synced for r in requests
                       if r.request_id in runner.proposer._entries)
 
@@ -186,7 +210,12 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     assert ended.count(False) > 20
     assert ended.count(True) == sum(forced) >= 2  # each forced end inside a stretch ended it
     assert any(pending for _, pending in verdicts)  # drafts were taken inside stretches
-    assert len(behind) == len(verdicts) and set(behind) == {0}
+    assert set(behind) == {0}
+    assert len(verdicts) // KEEP_UP_EVERY <= len(calls) < len(verdicts)  # not at every step
+    ends = {i for i, (v, _) in enumerate(verdicts) if v}
+    assert ends <= {i for i, _, _ in calls}
+    assert all(done % KEEP_UP_EVERY == 0 or not left or i in ends for i, done, left in calls)
+    assert any(not left for _, _, left in calls)  # stretches ran to their last step too
     assert llm.engine.leak_report() == []
 
 
@@ -198,7 +227,7 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
     llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", spec_policy="adaptive")
     runner = llm.engine.runner
     policy = runner.policy
-    runner.cost_model.relative_costs = lambda batch: [1.0] * (K + 1)  # rounds priced free: speculate
+    runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # rounds priced free: speculate
     events: list[tuple[str, int]] = []
     steps = [0]  # decode steps so far (the policy's clock lags inside plain stretches)
     choose, no_proposal, found, step = policy.choose, policy.no_proposal, runner.shadow.found, runner.step
@@ -496,7 +525,7 @@ def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([2] + [0] * 8 + [2] + [0] * 5)
     filed, observe = [], runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, seconds: (filed.append(k), observe(b, k, seconds))[1]
+    runner.cost_model.observe = lambda b, k, seconds, sampled: (filed.append(k), observe(b, k, seconds, sampled))[1]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=60,
                                                                               ignore_eos=True))
     rounds = [i for i, k in enumerate(filed) if k]
@@ -523,7 +552,8 @@ def test_a_timed_plain_step_leaves_the_policys_choice_out(make_llm, ckpt_a, prom
     choose = policy.choose
     policy.choose = lambda *args: (clock.__setitem__(0, clock[0] + 1000.0), choose(*args))[1]
     filed, observe = [], runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, seconds: (filed.append((k, seconds)), observe(b, k, seconds))[1]
+    runner.cost_model.observe = lambda b, k, seconds, sampled: (filed.append((k, seconds)),
+                                                               observe(b, k, seconds, sampled))[1]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=40,
                                                                               ignore_eos=True))
     plain = [seconds for k, seconds in filed if k == 0]
@@ -693,7 +723,8 @@ def test_graph_captures_are_not_timed_as_drafting(make_llm, ckpt_a, prompts, mon
     for name in ("observe", "observe_draft"):
         original = getattr(runner.cost_model, name)
         setattr(runner.cost_model, name,
-                lambda b, k, seconds, original=original: (seen.append((k, seconds)), original(b, k, seconds))[1])
+                lambda b, k, seconds, sampled, original=original: (seen.append((k, seconds)),
+                                                                   original(b, k, seconds, sampled))[1])
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)
     assert step.capture_seconds == 3600.0 and runner.stats.drafts > 1
     rounds = [seconds for k, seconds in seen if k]
@@ -787,7 +818,7 @@ def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prom
     runner.policy = _SchedulePolicy([0])
     timed = []
     observe = runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, s: (timed.append(runner._plain_steps), observe(b, k, s))
+    runner.cost_model.observe = lambda b, k, s, sampled: (timed.append(runner._plain_steps), observe(b, k, s, sampled))
     llm.generate(prompt_token_ids=prompts[:1],
                  sampling_params=SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
     assert runner._plain_steps == 40  # the first token comes from the prefill

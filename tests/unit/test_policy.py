@@ -124,6 +124,33 @@ def test_measured_step_costs_override_calibration():
     assert costs.relative_costs(1)[4] == pytest.approx(1.0)
 
 
+def test_costs_are_kept_per_sampling_mode():
+    # a sampled batch's rounds and plain steps cost more than a greedy one's (rejection
+    # sampling, uniforms, sampling): each mode's r(K) comes from its own measurements, and
+    # the policy prices a batch with its mode's (any sampled request makes it sampled)
+    costs = CostModel(4, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 5})
+    for batch in (1, 2):
+        _measure(costs, batch, 0, 0.001)
+        _measure(costs, batch, 4, 0.002)  # greedy: K=4 rounds at 2 plain steps
+        for _ in range(2):
+            costs.observe(batch, 0, 0.0013, sampled=True)
+            costs.observe(batch, 4, 0.0065, sampled=True)  # sampled: 5 plain steps
+    assert costs.relative_costs(1)[4] == pytest.approx(2.0)
+    assert costs.relative_costs(1, sampled=True)[4] == pytest.approx(5.0)
+    assert costs.has_round(1) and costs.has_round(1, sampled=True) and not costs.has_round(4)
+    assert {k: v for k, v in costs.observed.items() if k[0] == 1} == {
+        (1, 0, False): 0.001, (1, 4, False): 0.002, (1, 0, True): 0.0013, (1, 4, True): 0.0065}
+    p = AdaptivePolicy(4, costs, prior_a=0.8, sampled_prior_a=0.8)
+    greedy = Request("g", [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
+    sampled = Request("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=100))
+    assert p.choose([greedy], [3], 1000, [100]) == [4]  # 3.36 tokens for 2 steps
+    assert p.choose([sampled], [3], 1000, [100]) == [0]  # ... for 5: plain
+    other = Request("h", [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
+    assert p.choose([greedy, other], [3, 3], 1000, [100, 100]) == [4, 4]
+    assert p.choose([greedy, sampled], [3, 3], 1000, [100, 100]) == [0, 0]  # a sampled batch
+    assert CostModel(4).relative_costs(1, sampled=True) == CostModel(4).relative_costs(1)  # calibration: shared
+
+
 def test_switch_margin_keeps_plain_decoding_near_break_even():
     from infer.spec.policy import best_k_for_costs
     costs = [1.0, 1.6, 2.2]
@@ -599,7 +626,7 @@ def test_cost_table_refreshes_at_most_every_refresh_gap_steps_while_speculating(
     p = AdaptivePolicy(5, costs, refresh_gap=gap, plain_refresh=10_000)
     r = R("s")
     refreshes, relative_costs = [], costs.relative_costs
-    costs.relative_costs = lambda b: (refreshes.append(p._steps), relative_costs(b))[1]
+    costs.relative_costs = lambda b, sampled: (refreshes.append(p._steps), relative_costs(b, sampled))[1]
     for i in range(64):
         k = p.choose([r], [10], 10_000, [5000])[0]
         assert k > 0
@@ -626,10 +653,10 @@ def test_a_table_priced_from_calibration_alone_is_refreshed_at_the_first_measure
     p = AdaptivePolicy(5, costs, refresh_gap=16, plain_refresh=10_000)
     r = R("c")
     p.choose([r], [10], 10_000, [5000])
-    assert p._table[1].calibrated_only
+    assert p._table[(1, False)].calibrated_only
     _measure(costs, 1, 5, 0.0012)
     p.choose([r], [10], 10_000, [5000])
-    assert not p._table[1].calibrated_only  # refreshed at once, not 16 steps later
+    assert not p._table[(1, False)].calibrated_only  # refreshed at once, not 16 steps later
 
 
 def test_a_plain_decision_after_rounds_stands_while_the_refresh_gap_keeps_the_table():
@@ -643,14 +670,14 @@ def test_a_plain_decision_after_rounds_stands_while_the_refresh_gap_keeps_the_ta
     p = AdaptivePolicy(5, costs, refresh_gap=16, plain_refresh=10_000, prior_a=0.9)
     r = R("q")
     assert p.choose([r], [10], 10_000, [5000])[0] > 0  # speculating at the high prior
-    table_step = p._table[1].step
+    table_step = p._table[(1, False)].step
     for _ in range(15):  # failing rounds, each measured: the version moves past the table's
         p.update("q", 5, 0)
         costs.observe(1, 5, 0.0012)
         if p.choose([r], [10], 10_000, [5000])[0] == 0:
             break
     assert p._steps < table_step + 16
-    assert p._table[1].step == table_step and p._table[1].version != costs.version  # kept by the gap
+    assert p._table[(1, False)].step == table_step and p._table[(1, False)].version != costs.version  # kept by the gap
     assert p._quiet is not None
     quiet_steps = 0
     while p.quiet([r]):
@@ -660,4 +687,4 @@ def test_a_plain_decision_after_rounds_stands_while_the_refresh_gap_keeps_the_ta
     while p._steps + 1 < table_step + 16:
         p.choose([r], [10], 10_000, [5000])
     p.choose([r], [10], 10_000, [5000])
-    assert p._table[1].version == costs.version  # refreshed there
+    assert p._table[(1, False)].version == costs.version  # refreshed there

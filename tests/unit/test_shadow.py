@@ -32,13 +32,14 @@ class ScriptedProposer:
     catch_up_seconds = 0.0
 
     def __init__(self, script: list[int]) -> None:
-        self.script, self.asked, self.wrong_at = script, [], None
+        self.script, self.asked, self.wrong_at, self.lengths = script, [], None, []  # lengths: the ks asked
         self.plan: list[int | None] = []  # wrong_at of the next drafts, used up in order
 
     def propose(self, requests, ks):
         out = []
         for r, k in zip(requests, ks):
             self.asked.append((r.request_id, r.num_tokens))
+            self.lengths.append(k)
             tokens = self.script[r.num_tokens:r.num_tokens + k]
             wrong_at = self.plan.pop(0) if self.plan else self.wrong_at
             if wrong_at is not None and wrong_at < len(tokens):
@@ -152,6 +153,13 @@ def test_shadow_config_validation():
         ShadowDrafts(k=2, observe=lambda *a: None, interval=9, max_interval=8)
 
 
+def _measured(costs: CostModel, steps: tuple[tuple[int, float], ...]) -> None:
+    """Batch-1 steps (k, seconds) measured in both sampling modes alike."""
+    for k, seconds in steps:
+        for sampled in (False, True):
+            costs.observe(1, k, seconds, sampled)
+
+
 def _policy(shadowed: bool) -> AdaptivePolicy:
     return AdaptivePolicy(5, CostModel(5), shadowed=shadowed)
 
@@ -229,8 +237,7 @@ def test_sampled_requests_start_from_a_lower_prior():
     # a sampled request accepts a draft token with probability p(t) at best: its prior (0.3)
     # does not make speculation pay where a greedy request's (0.6) does; evidence still can
     costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
-    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)):
-        costs.observe(1, k, seconds)
+    _measured(costs, ((0, 0.001), (0, 0.001), (5, 0.0019), (5, 0.0019)))
     p = AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000)
     greedy = Request("g", [1, 2, 3], SamplingParams(temperature=0, max_tokens=100))
     sampled = Request("s", [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=100))
@@ -342,6 +349,7 @@ def test_a_watched_request_is_looked_up_every_step_until_a_draft_comes_true():
         # looks up at every step while the text has no match: it would flood the estimate)
         assert shadow.check([r]) == 0
     assert len(proposer.asked) == 6 and not found and seen == [0]  # asked every step while watched
+    assert proposer.lengths == [3] + [2] * 5  # a watch's lookups draft the two tokens `found` reads
     assert (shadow._schedule["a"].due, shadow._schedule["a"].interval) == schedule  # the schedule's own
     proposer.wrong_at = 1  # the first token comes true
     shadow.take(proposer, [r], [0])
@@ -376,8 +384,7 @@ def test_proposal_ready_ends_the_miss_wait_and_a_plain_decision_only_if_the_requ
     # `proposal_ready` ends it, and ends a standing all-plain decision when the request's
     # estimate would have it speculate (not when it would stay plain anyway)
     costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
-    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0012), (5, 0.0012)):
-        costs.observe(1, k, seconds)
+    _measured(costs, ((0, 0.001), (0, 0.001), (5, 0.0012), (5, 0.0012)))
     p = AdaptivePolicy(5, costs, shadowed=True, plain_refresh=10_000)
     r = _request("a", list(range(10)), 10)
     p._lookup("a", sampled=True)  # (a greedy request also asks again on its 2, 4, 8 ... backoff)

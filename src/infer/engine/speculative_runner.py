@@ -32,6 +32,7 @@ from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, ste
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
+from infer.spec.costs import batch_samples
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
@@ -44,6 +45,11 @@ from infer.transfer import to_device
 # plain steps are timed two in every this many (the policy only needs the baseline's
 # recent median, and timing every step costs host time on the path it should keep thin)
 PLAIN_SAMPLE_EVERY = 16
+# a plain stretch brings the proposer's tables up to date (`keep_up`) every this many steps
+# and at its last: each call costs more than its own few us even under the forward (H100,
+# demo target: +8-11 us a step every step, none every 8th, `scripts/inflight_slack.py`),
+# and the round after a stretch then catches up on at most this many tokens
+KEEP_UP_EVERY = 8
 
 
 class SpeculativeRunner(ContinuousRunner):
@@ -279,10 +285,12 @@ class SpeculativeRunner(ContinuousRunner):
         self._time_next_plain = True
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
         # a draft catching up after plain steps is the cost of switching, recorded apart
+        seconds = time.perf_counter() - start - switch - setup
+        sampled = batch_samples(requests)  # costs are kept per sampling mode
         if switch:
-            self.cost_model.observe_switch(len(requests), switch, getattr(self.proposer, "catch_up_chunks", 1))
-        self.cost_model.observe_draft(len(requests), longest, drafting)
-        self.cost_model.observe(len(requests), longest, time.perf_counter() - start - switch - setup)
+            self.cost_model.observe_switch(len(requests), switch, getattr(self.proposer, "catch_up_chunks", 1), sampled)
+        self.cost_model.observe_draft(len(requests), longest, drafting, sampled)
+        self.cost_model.observe(len(requests), longest, seconds, sampled)
         return outputs
 
     def _plain_timer(self) -> float | None:
@@ -318,20 +326,23 @@ class SpeculativeRunner(ContinuousRunner):
             self.shadow.check(requests)
         self._time_next_plain = False
         if start is not None:
-            self.cost_model.observe(len(requests), 0, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.cost_model.observe(len(requests), 0, seconds, batch_samples(requests))
         return outputs
 
     def _stretch_shadows(self, requests: Sequence[Request]) -> bool:
         """A plain stretch's step, in its `_in_flight`: check pending shadow drafts against
         the tokens of the steps before, take the due ones, and keep the proposer's tables
-        up to date (n-gram: so the round or lookup that ends the stretch does not catch up
-        before its forward). True when the evidence ended the all-plain decision (a
-        request would speculate): the stretch ends after this step."""
+        up to date every KEEP_UP_EVERY steps and at the stretch's last (n-gram: so the round
+        or lookup that ends the stretch catches up on few tokens before its forward). True
+        when the evidence ended the all-plain decision (a request would speculate): the
+        stretch ends after this step."""
         shadow = self.shadow
         assert shadow is not None
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
-        if self._keep_up is not None:
+        stretch = self._stretch
+        if self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0):
             self._keep_up(requests)
         return ended
 

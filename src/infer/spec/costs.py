@@ -7,17 +7,38 @@ calibration. A K not measured yet is priced from its nearest measured neighbour:
 draft steps (their measured slope, else calibrated) and the calibrated difference in
 verification width, scaled to the real plain step. The round's own host overhead is in the
 measured neighbour, so it counts once per round.
+
+Costs are kept per sampling mode as well: a batch in which some request samples at a
+temperature > 0 (`batch_samples`) pays for sampling in its plain steps and verifies by
+rejection sampling (draft probabilities, uniforms) in its rounds. On the H100 demo pair a
+plain step costs ~100 us more at T=1 than at T=0 and a draft-model round of K=5 ~0.6 ms
+more, so a ratio taken across modes is wrong both ways (T=0 requests after T=1 ones saw
+rounds priced out; the reverse, rounds priced cheap).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def request_samples(request: object) -> bool:
+    """Whether a request samples at a temperature > 0 (requests without sampling
+    parameters, as in unit tests, count as greedy)."""
+    params = getattr(request, "sampling_params", None)
+    return params is not None and not params.greedy
+
+
+def batch_samples(requests: Sequence[object]) -> bool:
+    """A batch's sampling mode for costs: whether any of its requests samples."""
+    return any(request_samples(r) for r in requests)
 
 
 @dataclass
 class CostModel:
-    """Step costs relative to a plain decode step, per batch-size bucket.
+    """Step costs relative to a plain decode step, per batch-size bucket and sampling mode
+    (`sampled`: whether the batch samples, `batch_samples`).
 
     Calibration (start-up, forward passes only) gives c and v(K) (relative to a plain
     forward) and the forward's seconds; the runner then reports the measured wall time of
@@ -81,57 +102,59 @@ class CostModel:
                 self._values[key] = sorted(samples)[(len(samples) - 1) // 2]
         return self._values.get(key)
 
-    def observe(self, batch_size: int, k: int, seconds: float) -> None:
+    def observe(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
         """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
         self._clock += 1
-        self._record(("step", (self.bucket(batch_size), k)), seconds)
+        self._record(("step", (self.bucket(batch_size), k, sampled)), seconds)
         if k:
             self.version += 1
         else:
             self.plain_version += 1
 
-    def observe_switch(self, batch_size: int, seconds: float, units: float = 1.0) -> None:
+    def observe_switch(self, batch_size: int, seconds: float, units: float = 1.0, sampled: bool = False) -> None:
         """Wall time a step spent switching from plain decoding back to speculation: catching
         up on `units` units of work (a draft model: chunks of skipped tokens)."""
-        self._record(("switch", self.bucket(batch_size)), seconds / max(units, 1.0))
+        self._record(("switch", (self.bucket(batch_size), sampled)), seconds / max(units, 1.0))
         self.version += 1
 
-    def step_seconds(self, batch_size: int, k: int) -> float | None:
+    def step_seconds(self, batch_size: int, k: int, sampled: bool = False) -> float | None:
         """The measured wall time of a step with k drafts at this batch size, if known."""
-        return self._value(("step", (self.bucket(batch_size), k)))
+        return self._value(("step", (self.bucket(batch_size), k, sampled)))
 
     @property
-    def observed(self) -> dict[tuple[int, int], float]:
-        """(bucket, k) -> measured step seconds, for the keys measured at least twice."""
+    def observed(self) -> dict[tuple[int, int, bool], float]:
+        """(bucket, k, sampled) -> measured step seconds, for the keys measured at least twice."""
         out = {}
         for tag, key in list(self._samples):
             if tag == "step" and (value := self._value((tag, key))) is not None:
                 out[key] = value
         return out
 
-    def observe_draft(self, batch_size: int, k: int, seconds: float) -> None:
+    def observe_draft(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
         """Wall time the proposer spent drafting a round whose longest draft had k tokens
         (catch-up excluded), sampling, host work and the final sync included."""
         if k:
-            self._record(("draft", (self.bucket(batch_size), k)), seconds)
+            self._record(("draft", (self.bucket(batch_size), k, sampled)), seconds)
             self.version += 1
 
-    def switch_cost(self, batch_size: int) -> float:
+    def switch_cost(self, batch_size: int, sampled: bool = False) -> float:
         """Switching cost per unit of catch-up work relative to a plain step: measured, else
         two draft steps' worth."""
-        plain, seen = self.step_seconds(batch_size, 0), self._value(("switch", self.bucket(batch_size)))
+        plain = self.step_seconds(batch_size, 0, sampled)
+        seen = self._value(("switch", (self.bucket(batch_size), sampled)))
         if seen is not None and plain:
             return seen / plain
-        return 2.0 * self.draft_step(batch_size)
+        return 2.0 * self.draft_step(batch_size, sampled)
 
-    def draft_step(self, batch_size: int) -> float:
+    def draft_step(self, batch_size: int, sampled: bool = False) -> float:
         """One more draft token's cost relative to a plain step. Measured: the slope of the
         drafting time between the shortest and the longest drafts measured (a round's drafting
         has a fixed part, its first feed and the final sync, so one length alone cannot tell);
         else calibrated (c, scaled from the calibrated forward to the real plain step)."""
-        plain = self.step_seconds(batch_size, 0)
+        plain = self.step_seconds(batch_size, 0, sampled)
         b = self.bucket(batch_size)
-        measured = {k: t for k in range(1, self.k_max + 1) if (t := self._value(("draft", (b, k)))) is not None}
+        measured = {k: t for k in range(1, self.k_max + 1)
+                    if (t := self._value(("draft", (b, k, sampled)))) is not None}
         if plain and len(measured) >= 2:
             lo, hi = min(measured), max(measured)
             return max(0.0, measured[hi] - measured[lo]) / (hi - lo) / plain
@@ -143,15 +166,15 @@ class CostModel:
         forward = self.forward_seconds.get(self._calibrated_bucket(batch_size))
         return min(1.0, forward / plain) if plain and forward is not None else 1.0
 
-    def has_plain(self, batch_size: int) -> bool:
+    def has_plain(self, batch_size: int, sampled: bool = False) -> bool:
         """Whether a plain step's cost is known at this batch size (measured twice, not expired)."""
-        return self.step_seconds(batch_size, 0) is not None
+        return self.step_seconds(batch_size, 0, sampled) is not None
 
-    def has_round(self, batch_size: int) -> bool:
+    def has_round(self, batch_size: int, sampled: bool = False) -> bool:
         """Whether some round's cost is known at this batch size (measured twice, not expired).
         If not, its costs are a guess: calibration, or measurements too old to trust (the
         first rounds after start-up can be slow, and would otherwise stand for good)."""
-        return any(self.step_seconds(batch_size, k) is not None for k in range(1, self.k_max + 1))
+        return any(self.step_seconds(batch_size, k, sampled) is not None for k in range(1, self.k_max + 1))
 
     def _calibrated_bucket(self, batch_size: int) -> int | None:
         """The calibrated batch size nearest batch_size's bucket (ties: the smaller); None
@@ -164,7 +187,7 @@ class CostModel:
         near = self._calibrated_bucket(batch_size)
         return self.draft_ratio.get(near, 0.5), self.verify_ratio.get(near, [1.0] * (self.k_max + 1))
 
-    def relative_costs(self, batch_size: int) -> list[float]:
+    def relative_costs(self, batch_size: int, sampled: bool = False) -> list[float]:
         """r(K) = step time with K drafts / plain step time, K = 0..k_max (r(0) = 1).
 
         Measured K are taken as measured. An unseen K is the nearest measured K > 0 (plain
@@ -174,19 +197,19 @@ class CostModel:
         is paid once per round, not once per draft token. While no round's cost is fresh,
         expired ones still stand (a calibration of forwards alone would underprice them)."""
         c, v = self.calibrated(batch_size)
-        plain = self.step_seconds(batch_size, 0)
+        plain = self.step_seconds(batch_size, 0, sampled)
         if not plain:
             return [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
-        d, w = self.draft_step(batch_size), self._forward_share(batch_size, plain)
+        d, w = self.draft_step(batch_size, sampled), self._forward_share(batch_size, plain)
         seen = {0: 1.0}
         for k in range(1, self.k_max + 1):
-            t = self.step_seconds(batch_size, k)
+            t = self.step_seconds(batch_size, k, sampled)
             if t is not None:
                 seen[k] = t / plain
         if len(seen) == 1:  # no round measured lately: an expired measurement beats calibration
             b = self.bucket(batch_size)
             for k in range(1, self.k_max + 1):
-                if (t := self._value(("step", (b, k)), expired=True)) is not None:
+                if (t := self._value(("step", (b, k, sampled)), expired=True)) is not None:
                     seen[k] = t / plain
         bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead
         costs = [1.0]

@@ -74,7 +74,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from infer.spec.costs import CostModel
+from infer.spec.costs import CostModel, batch_samples, request_samples
 
 __all__ = ["AdaptivePolicy", "CostModel", "FixedPolicy", "SpecPolicy", "best_k", "best_k_for_costs",
            "expected_tokens", "guard_k", "walltime_factor"]
@@ -156,13 +156,6 @@ class FixedPolicy:
 def _one_unit(tokens_behind: int) -> float:
     """Catch-up priced as one unit whatever the gap (proposers without `catch_up_units`)."""
     return 1.0
-
-
-def _samples(request: RequestLike) -> bool:
-    """Whether a request samples with a temperature > 0 (requests without sampling
-    parameters, as in unit tests, count as greedy)."""
-    params = getattr(request, "sampling_params", None)
-    return params is not None and not params.greedy
 
 
 class _Quiet(NamedTuple):
@@ -280,7 +273,7 @@ class AdaptivePolicy:
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
-    _table: dict[int, _CostTable] = field(default_factory=dict)
+    _table: dict[tuple[int, bool], _CostTable] = field(default_factory=dict)  # by (bucket, batch samples)
     _quiet: _Quiet | None = None
     _asked: _Asked | None = None
 
@@ -319,7 +312,7 @@ class AdaptivePolicy:
             return [0] * batch
         self._steps += 1
         self._quiet = self._asked = None
-        table = self._cost_table(batch)
+        table = self._cost_table(batch, batch_samples(requests))
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks = []
@@ -327,7 +320,7 @@ class AdaptivePolicy:
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
-            est = self._lookup(r.request_id, _samples(r))
+            est = self._lookup(r.request_id, request_samples(r))
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 ks.append(0)
                 continue
@@ -405,13 +398,13 @@ class AdaptivePolicy:
         """Drop the standing all-plain decision (the batch changed under it)."""
         self._quiet = None
 
-    def _cost_table(self, batch_size: int) -> _CostTable | None:
-        """Relative costs and probe spacing at this batch size; None until a plain step's cost
-        is known there. Cached: recomputed when a speculative step or a switch was measured,
+    def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:
+        """Relative costs and probe spacing at this batch size and sampling mode (`sampled`:
+        the batch samples, spec/costs.py); None until a plain step's cost is known there. Cached: recomputed when a speculative step or a switch was measured,
         or every `recompute_every` steps while only plain steps were (the plain baseline
         drifts slowly), but at most every `refresh_gap` steps once a round's cost is known
         (while speculating, every round is measured, and the table took most of a `choose`)."""
-        b = self.costs.bucket(batch_size)
+        b = (self.costs.bucket(batch_size), sampled)
         t = self._table.get(b)
         model = self.costs
         if t is not None:
@@ -420,9 +413,9 @@ class AdaptivePolicy:
             if ((t.version == model.version or (age < self.refresh_gap and not t.calibrated_only))
                     and (t.plain_version == model.plain_version or age < self.recompute_every)):
                 return t
-        if not model.has_plain(batch_size):
+        if not model.has_plain(batch_size, sampled):
             return None
-        costs = self.costs.relative_costs(batch_size)
+        costs = self.costs.relative_costs(batch_size, sampled)
         # probe with the K that would pay best at the optimistic acceptance: one round then
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
@@ -433,8 +426,8 @@ class AdaptivePolicy:
         budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
-                                        costs[probe_k], self.costs.switch_cost(batch_size), budget,
-                                        not self.costs.has_round(batch_size))
+                                        costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,
+                                        not self.costs.has_round(batch_size, sampled))
         return t
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:

@@ -19,7 +19,8 @@ accepted out of k drafted.
 Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 A request that asked for a real draft and got none (an n-gram miss: nothing in the table
-continues its text) is *watched* (`watch`): looked up under every plain step's forward
+continues its text) is *watched* (`watch`): looked up (for drafts of two tokens, all the
+rule below reads) under every plain step's forward
 until a lookup finds a draft of two tokens or more whose first token the step then emits,
 which is reported to `found` (the proposer will then have the rest of that draft when the
 policy asks at the next step; a one-token draft's chain ended there, so the real lookup
@@ -151,7 +152,9 @@ class ShadowDrafts:
                 chosen.append(r)
                 watching.append(False)
         if chosen:
-            drafts = proposer.propose(chosen, [self.k] * len(chosen))
+            # a watch's lookup needs only the draft's first `_found_length` tokens (`_found`):
+            # shorter chains cost less, and resolve (free the request for its next lookup) sooner
+            drafts = proposer.propose(chosen, [self._found_length if w else self.k for w in watching])
             for r, d, watch in zip(chosen, drafts, watching, strict=True):
                 if d.token_ids:
                     self._pending[r.request_id] = _Pending(r.num_tokens, list(d.token_ids), watch)

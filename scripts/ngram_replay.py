@@ -73,9 +73,9 @@ def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profi
     asked = {"misses": 0}
     no_proposal = policy.no_proposal
 
-    def counting(request_id: str) -> None:
+    def counting(request_id: str) -> bool:
         asked["misses"] += 1
-        no_proposal(request_id)
+        return no_proposal(request_id)
 
     policy.no_proposal = counting
     clock = tokens = rounds = misses = boundaries = 0.0

@@ -274,11 +274,12 @@ def test_missing_proposals_back_off_without_touching_acceptance():
     _measure(costs, 1, 5, 0.0013)
     p = AdaptivePolicy(5, costs, plain_refresh=10_000)
     r = R("n")
-    asked = []
+    asked, watch = [], []
     for step in range(200):
         if p.choose([r], [10], 10_000, [5000])[0]:
             asked.append(step)
-            p.no_proposal("n")
+            watch.append(p.no_proposal("n"))
+    assert all(watch)  # each miss was the request's to speculate (no probe): worth watching
     gaps = [b - a for a, b in zip(asked, asked[1:])]
     assert len(asked) < 12 and gaps == sorted(gaps) and max(gaps) <= p.max_probe_interval + 1
     assert p.acceptance("n") == pytest.approx(p.prior_a)
@@ -290,6 +291,23 @@ def test_missing_proposals_back_off_without_touching_acceptance():
     p.no_proposal("n")  # a single miss after the hit: a short wait again, not the long one
     assert [p.choose([r], [10], 10_000, [5000])[0] > 0 for _ in range(3)] == [False, True, True]
     assert FixedPolicy(3).no_proposal("n") is None
+
+
+def test_a_probes_miss_is_not_worth_watching():
+    # a request the estimate keeps plain probes now and then; a probe that finds no draft
+    # would not make the request speculate once a draft appears, so watching it is no use
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.1] * 5})
+    _measure(costs, 1, 0, 0.001)
+    _measure(costs, 1, 5, 0.0013)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000, prior_a=0.05)  # speculating does not pay
+    r = R("n")
+    probes = 0
+    for _ in range(3000):
+        if p.choose([r], [10], 10_000, [5000])[0]:
+            assert p._est["n"].probing
+            assert p.no_proposal("n") is False
+            probes += 1
+    assert probes >= 1
 
 
 def test_a_step_where_nobody_drafted_leaves_the_batch_plain_without_a_choice():

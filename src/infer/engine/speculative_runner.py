@@ -271,10 +271,9 @@ class SpeculativeRunner(ContinuousRunner):
         drafting = time.perf_counter() - drafting - switch - setup
         longest = max(len(d.token_ids) for d in drafts)
         for r, k, d in zip(requests, ks, drafts, strict=True):
-            if k and not d.token_ids:
-                self.policy.no_proposal(r.request_id)
-                if shadow is not None:  # looked up under plain forwards until a draft would come true
-                    shadow.watch(r.request_id)
+            # a miss the policy wants watched: looked up under plain forwards until a draft would come true
+            if k and not d.token_ids and self.policy.no_proposal(r.request_id) and shadow is not None:
+                shadow.watch(r.request_id)
         if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up

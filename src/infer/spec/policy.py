@@ -47,11 +47,12 @@ consecutive misses, and asks every step again after a hit (repetitive text comes
 goes: code edits match, then miss at the edit, then match again). A step in which every
 request given k > 0 found nothing leaves the batch under a standing all-plain decision
 until the first backoff or probe ends, as the next `choose` would decide (without asking it).
-With shadow drafts (below) the runner watches a request that missed: it looks the request
-up under each plain step's forward and calls `proposal_ready` once a draft (of two tokens
-or more) had its first token emitted, which ends the request's backoff. A sampled request
-waits for that (its backoff is `max_probe_interval` at once, a bound should the call never
-come) instead of asking on a schedule; a greedy one keeps the 2, 4, 8 ... backoff too.
+With shadow drafts (below) the runner watches a request that missed while speculating (not
+a probe, whose estimate keeps it plain): it looks the request up under each plain step's
+forward and calls `proposal_ready` once a draft (of two tokens or more) had its first token
+emitted, which ends the request's backoff. A sampled request waits for that (its backoff is
+`max_probe_interval` at once, a bound should the call never come) instead of asking on a
+schedule; a greedy one keeps the 2, 4, 8 ... backoff too.
 
 With a proposer whose drafts are deterministic and free (n-gram), the runner also takes
 shadow drafts during plain steps and reports how much of each the following tokens matched
@@ -124,8 +125,9 @@ class SpecPolicy(Protocol):
 
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None: ...
 
-    def no_proposal(self, request_id: str) -> None:
-        """The proposer had nothing for a request that was given k > 0 (n-gram: no match)."""
+    def no_proposal(self, request_id: str) -> bool | None:
+        """The proposer had nothing for a request that was given k > 0 (n-gram: no match).
+        True if the request was to speculate (not a probe): worth watching for a draft."""
         ...
 
     def release(self, request_id: str) -> None: ...
@@ -146,7 +148,7 @@ class FixedPolicy:
     def update(self, request_id: str, num_draft: int, num_accepted: int) -> None:
         return None
 
-    def no_proposal(self, request_id: str) -> None:
+    def no_proposal(self, request_id: str) -> bool | None:
         return None
 
     def release(self, request_id: str) -> None:
@@ -528,9 +530,13 @@ class AdaptivePolicy:
         est.seen_accepted += num_accepted
         est.seen_trials += trials
 
-    def no_proposal(self, request_id: str) -> None:
+    def no_proposal(self, request_id: str) -> bool:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking
-        again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection."""
+        again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection.
+        Returns whether the request is worth watching (shadowed: `proposal_ready`): it was
+        to speculate. A probe's miss is not (its estimate would keep it plain when found:
+        at T=1 on the demo target the watches of missed probes looked up at every step for
+        up to 64 steps, most of the n-gram machinery's cost in plain stretches)."""
         est = self._lookup(request_id)
         probing, est.probing = est.probing, False
         if probing:  # no draft, no round: the probe cost a lookup, not its charge
@@ -554,6 +560,7 @@ class AdaptivePolicy:
                 # nobody drafted: the whole batch decodes plainly, as `choose` would decide at
                 # the next step (the misses back off, the rest were plain), without asking it
                 self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table, asked.version), None
+        return not probing
 
     def proposal_ready(self, request_id: str) -> None:
         """A request that missed was looked up under a plain step's forward, and the step

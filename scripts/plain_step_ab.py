@@ -131,6 +131,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
+            "ngram-adaptive-nowatch",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
@@ -201,6 +202,8 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
+               # misses are never watched (a sampled request then waits the longest backoff)
+               "ngram-adaptive-nowatch": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -249,6 +252,8 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
+    if "ngram-adaptive-nowatch" in engines:
+        engines["ngram-adaptive-nowatch"].runner.shadow.watch = lambda request_id: None
     if "ngram-adaptive-prior1" in engines:  # shadow evidence is free: a light prior
         engines["ngram-adaptive-prior1"].runner.policy.prior_weight = 1.0
     return engines
@@ -463,7 +468,7 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total;
     then the timed parts of its steps (us a step of the category)."""
     for name, engine in engines.items():
-        if not variant(name).endswith("adaptive"):
+        if not variant(name).endswith(("adaptive", "nowatch")):
             continue
         ours: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         plain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -546,7 +551,7 @@ def main() -> None:
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
-                                                 and variant(name).endswith("adaptive")}
+                                                 and variant(name).endswith(("adaptive", "nowatch"))}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
@@ -596,7 +601,7 @@ def main() -> None:
                     print(f"{w} T={t:g} {name} host split (median us): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
-                if variant(name).endswith(("adaptive", "prior1")):
+                if variant(name).endswith(("adaptive", "prior1", "nowatch")):
                     print_costs(f"{w} T={t:g} {name}", engine, t > 0)
 
 

@@ -1,9 +1,10 @@
-"""Every decode step of adaptive draft-model speculation on the demo pair, by kind: plain
-steps (right after a round or not), probes (a round after plain steps) and rounds that
-continue speculation, with their wall times, and what the cost model was fed (its plain
-samples taken right after a round vs the others). The plain engine's steps alongside.
+"""Every decode step of adaptive speculation on the demo pair (draft model, or n-gram with
+`--method ngram`), by kind: plain steps (in a plain stretch, right after a round, or
+else), probes (a round after plain steps) and rounds that continue speculation, with their
+wall times, and what the cost model was fed (its plain samples by the kind of the step
+before them). The plain engine's steps alongside.
 
-    PYTHONPATH=src python scripts/step_log.py [--runs 8] [--temperature 0 1] [--workload W1 W5]
+    PYTHONPATH=src python scripts/step_log.py [--runs 8] [--temperature 0 1] [--workload W1 W5] [--method ngram]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def log_steps(engine: Engine, prompt: list[int], temperature: float, runs: int) 
     observed: dict[str, list[float]] = defaultdict(list)
     costs = getattr(runner, "cost_model", None)
     kinds: dict[str, list[float]] = defaultdict(list)
-    state = {"prev_round": False, "timing": False}
+    state = {"prev_round": False, "timing": False, "prev": "prefill"}
     if costs is not None:
         observe = costs.observe
 
@@ -43,7 +44,7 @@ def log_steps(engine: Engine, prompt: list[int], temperature: float, runs: int) 
             if state["timing"]:
                 tag = "cost-model plain sample" if k == 0 else f"cost-model K={k} sample"
                 if k == 0:
-                    tag += " (after a round)" if state["prev_round"] else ""
+                    tag += f" (after {state['prev']})"
                 observed[tag].append(seconds * 1e3)
             observe(batch, k, seconds, sampled)
 
@@ -58,6 +59,7 @@ def log_steps(engine: Engine, prompt: list[int], temperature: float, runs: int) 
         while engine.has_unfinished():
             rounds = stats.rounds if stats is not None else 0
             drafted = stats.draft_tokens if stats is not None else 0
+            stretch = getattr(getattr(runner, "_stretch", None), "active", False)
             start = time.perf_counter()
             engine.step()
             ms = (time.perf_counter() - start) * 1e3
@@ -66,10 +68,12 @@ def log_steps(engine: Engine, prompt: list[int], temperature: float, runs: int) 
             if is_round:
                 kind = f"{'round' if state['prev_round'] else 'probe'} K={k}"
             else:
-                kind = "plain after a round" if state["prev_round"] else "plain"
+                kind = ("plain in a stretch" if stretch else "plain after a round" if state["prev_round"]
+                        else "plain")
             if run > 0:
                 kinds[kind].append(ms)
             state["prev_round"] = is_round
+            state["prev"] = "a round" if is_round else "a stretch step" if stretch else "a plain step"
     return {**kinds, **observed}
 
 
@@ -78,11 +82,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=8)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--workload", nargs="+", default=["W1"], choices=["W1", "W5"])
+    ap.add_argument("--method", choices=["draft", "ngram"], default="draft")
     args = ap.parse_args()
     base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
+    method = dict(draft_model=str(DEMO_DRAFT)) if args.method == "draft" else dict(speculative_method="ngram")
     configs = {"plain": EngineConfig(**base),
-               "draft-adaptive": EngineConfig(**base, use_speculative_decoding=True, spec_length=5,
-                                              spec_policy="adaptive", draft_model=str(DEMO_DRAFT))}
+               f"{args.method}-adaptive": EngineConfig(**base, use_speculative_decoding=True, spec_length=5,
+                                                       spec_policy="adaptive", **method)}
     engines = {}
     for name, config in configs.items():
         start = time.perf_counter()

@@ -810,6 +810,27 @@ def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monk
     assert llm.engine.leak_report() == []
 
 
+def test_plain_stretches_time_one_step_in_a_sample_period_for_the_baseline(make_llm, ckpt_a, prompts):
+    # a request kept plain decodes in plain stretches; one stretch step in PLAIN_SAMPLE_EVERY
+    # (never a stretch's first) is filed as the plain step's cost, and the step after a
+    # stretch is not timed for being one
+    from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+    llm = _spec_llm(make_llm, ckpt_a, None, 4, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # never speculates: long stretches
+    stretches, timed, filed = [], [], []
+    on_leave, on_timed, observe = runner._stretch.on_leave, runner._stretch.on_timed, runner.cost_model.observe
+    runner._stretch.on_leave = lambda steps: (stretches.append(steps), on_leave(steps))
+    runner._stretch.on_timed = lambda requests, seconds: (timed.append(seconds), on_timed(requests, seconds))
+    runner.cost_model.observe = lambda b, k, s, sampled: (filed.append((k, s)), observe(b, k, s, sampled))
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=120,
+                                                                              ignore_eos=True))
+    assert max(stretches) >= PLAIN_SAMPLE_EVERY
+    assert len(timed) == sum(n // PLAIN_SAMPLE_EVERY for n in stretches) >= 1
+    assert [s for _, s in filed if s in timed] == timed and all(k == 0 for k, _ in filed)
+    assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
+
+
 def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prompts):
     # the plain path stays thin: the policy's baseline needs a recent median, not every step
     from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY

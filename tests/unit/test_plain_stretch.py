@@ -3,6 +3,8 @@ in `_in_flight`; an `each_step` hook that may end the stretch; `leave` restores 
 
 from __future__ import annotations
 
+import pytest
+
 from infer.engine.plain_stretch import PLAIN_METHODS, PlainStretch
 
 
@@ -97,3 +99,22 @@ def test_after_step_runs_once_each_step_is_decoded_and_may_end_the_stretch():
     stretch.enter(1)  # the last step leaves in its `_in_flight`; `after_step` still runs
     assert runner._decode([3]) == "plain decode"
     assert order[-2:] == ["in flight", "after"] and left == [2, 1] and not stretch.active
+
+
+def test_one_step_in_time_every_is_timed_never_a_stretchs_first():
+    # the plain baseline comes from stretch steps: one in `time_every`, its plain decode alone
+    # (the first step of a stretch follows a round or a choice, and is never timed)
+    runner, left, timed = _Runner(), [], []
+    stretch = PlainStretch(runner, _Plain, left.append, on_timed=lambda requests, s: timed.append((requests, s)),
+                           time_every=4)
+    stretch.enter(10)
+    for i in range(10):
+        runner._decode([i])
+    assert [r for r, _ in timed] == [[3], [7]] and all(s >= 0 for _, s in timed)
+    assert left == [10] and not stretch.active
+    stretch.enter(3)  # a stretch shorter than `time_every`: none timed
+    for i in range(3):
+        runner._decode([i])
+    assert len(timed) == 2 and left == [10, 3]
+    with pytest.raises(ValueError, match="time_every"):
+        PlainStretch(runner, _Plain, left.append, time_every=1)

@@ -15,12 +15,12 @@ runner's `each_step` there if it has one (shadow drafts, taken and checked under
 forward; it may end the stretch), and its `after_step` after the step's tokens are read, if it has
 one (a wrapper around the plain `_decode`: for what must be known before the next step is
 decided; it may end the stretch too). With `on_timed`, the same wrapper times one step in
-every `time_every` (never the stretch's first, which follows a round or a choice) and reports
-it: the plain step the adaptive policy should weigh rounds against is a stretch step, not
-the boundary steps around stretches and rounds, which the runner times otherwise (H100,
-n-gram at W5 T=1: 0.66 against 0.56 ms, and rounds looked that much cheaper). The stretch ends when its steps are done, or early when
-the batch changes (`allocate`, `release`), and `leave` reports how many steps ran so the
-policy's step clock can catch up.
+every `time_every` (never the stretch's first, which follows a round or a choice) and
+reports it: the plain step the adaptive policy should weigh rounds against is a stretch
+step, not the boundary steps around stretches and rounds, which the runner times otherwise
+(H100, n-gram at W5 T=1: 0.66 against 0.56 ms, and rounds looked that much cheaper). The
+stretch ends when its steps are done, or early when the batch changes (`allocate`,
+`release`), and `leave` reports how many steps ran so the policy's step clock can catch up.
 """
 
 from __future__ import annotations

@@ -402,10 +402,11 @@ class AdaptivePolicy:
 
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:
         """Relative costs and probe spacing at this batch size and sampling mode (`sampled`:
-        the batch samples, spec/costs.py); None until a plain step's cost is known there. Cached: recomputed when a speculative step or a switch was measured,
-        or every `recompute_every` steps while only plain steps were (the plain baseline
-        drifts slowly), but at most every `refresh_gap` steps once a round's cost is known
-        (while speculating, every round is measured, and the table took most of a `choose`)."""
+        the batch samples, spec/costs.py); None until a plain step's cost is known there.
+        Cached: recomputed when a speculative step or a switch was measured, or every
+        `recompute_every` steps while only plain steps were (the plain baseline drifts
+        slowly), but at most every `refresh_gap` steps once a round's cost is known (while
+        speculating, every round is measured, and the table took most of a `choose`)."""
         b = (self.costs.bucket(batch_size), sampled)
         t = self._table.get(b)
         model = self.costs

@@ -289,6 +289,12 @@ def variant(name: str) -> str:
     return name.split("#")[0]
 
 
+def with_policy(name: str) -> bool:
+    """Whether an engine decodes through the adaptive policy (the self-paired and ledger
+    instruments run for these)."""
+    return variant(name).endswith(("adaptive", "nowatch"))
+
+
 class _TimedGraph:
     """A CUDA graph whose replays are timed with events (GPU time of the replay alone)."""
 
@@ -468,7 +474,7 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float
     steps cost beyond the plain-mode time of their tokens, in % of the plain-mode total;
     then the timed parts of its steps (us a step of the category)."""
     for name, engine in engines.items():
-        if not variant(name).endswith(("adaptive", "nowatch")):
+        if not with_policy(name):
             continue
         ours: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         plain: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
@@ -551,7 +557,7 @@ def main() -> None:
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
-                                                 and variant(name).endswith(("adaptive", "nowatch"))}
+                                                 and with_policy(name)}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}
@@ -601,7 +607,7 @@ def main() -> None:
                     print(f"{w} T={t:g} {name} host split (median us): "
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
-                if variant(name).endswith(("adaptive", "prior1", "nowatch")):
+                if with_policy(name) or variant(name).endswith("prior1"):
                     print_costs(f"{w} T={t:g} {name}", engine, t > 0)
 
 

@@ -87,7 +87,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._stretch = PlainStretch(self, ContinuousRunner, self._stretch_done,
                                      self._stretch_shadows if self.shadow is not None else None,
                                      self._stretch_found if self.shadow is not None else None,
-                                     on_timed=self._stretch_timed, time_every=PLAIN_SAMPLE_EVERY)
+                                     on_timed=self._observe_plain, time_every=PLAIN_SAMPLE_EVERY)
 
     @property
     def proposer(self) -> Proposer:
@@ -301,7 +301,7 @@ class SpeculativeRunner(ContinuousRunner):
         Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
         counts from its second sample), and any right after speculation (while speculating,
         plain steps are rare and the baseline must not expire). Plain stretches time one of
-        their own steps in PLAIN_SAMPLE_EVERY (`_stretch_timed`); the step after a stretch is
+        their own steps in PLAIN_SAMPLE_EVERY (`_observe_plain`); the step after a stretch is
         not timed for being one (on the H100 it cost ~17 % more than a stretch step)."""
         self._plain_steps += 1
         n = self._plain_steps
@@ -309,8 +309,9 @@ class SpeculativeRunner(ContinuousRunner):
             return time.perf_counter()
         return None
 
-    def _stretch_timed(self, requests: Sequence[Request], seconds: float) -> None:
-        """A plain stretch's timed step: the plain baseline (see `PlainStretch`)."""
+    def _observe_plain(self, requests: Sequence[Request], seconds: float) -> None:
+        """A timed plain step (`_plain_decode`, or one in a plain stretch: see `PlainStretch`):
+        the plain baseline in the batch's sampling mode."""
         self.cost_model.observe(len(requests), 0, seconds, batch_samples(requests))
 
     def _stretch_done(self, steps: int) -> None:
@@ -330,8 +331,7 @@ class SpeculativeRunner(ContinuousRunner):
             self.shadow.check(requests)
         self._time_next_plain = False
         if start is not None:
-            seconds = time.perf_counter() - start
-            self.cost_model.observe(len(requests), 0, seconds, batch_samples(requests))
+            self._observe_plain(requests, time.perf_counter() - start)
         return outputs
 
     def _stretch_shadows(self, requests: Sequence[Request]) -> bool:

@@ -515,9 +515,14 @@ class AdaptivePolicy:
         # (a shadowed request's probes are priced at acceptance 0: their schedule stays), which
         # a request waiting after a miss does not (`proposal_ready` ends the wait)
         quiet = self._quiet
-        if quiet is not None and self._steps >= est.miss_until and (restart or not self.shadowed or best_k_for_costs(
-                est.accepted / est.trials, quiet.table.costs, self.switch_margin)):
+        if quiet is not None and self._steps >= est.miss_until and (
+                restart or not self.shadowed or self._would_start(est, quiet.table)):
             self._quiet = None
+
+    def _would_start(self, est: _Estimate, table: _CostTable) -> bool:
+        """Whether the request's estimate would have it start speculating under `table` (by
+        the switch margin): what ends a standing all-plain decision on new evidence."""
+        return best_k_for_costs(est.accepted / est.trials, table.costs, self.switch_margin) > 0
 
     def _restart(self, est: _Estimate) -> None:
         """Drop the evidence: back to the prior acceptance at the prior's weight."""
@@ -535,9 +540,8 @@ class AdaptivePolicy:
         """The proposer had nothing (an n-gram miss): wait 2, 4, 8 ... steps before asking
         again. The acceptance estimate stays: a miss drafts nothing, so it is not a rejection.
         Returns whether the request is worth watching (shadowed: `proposal_ready`): it was
-        to speculate. A probe's miss is not (its estimate would keep it plain when found:
-        at T=1 on the demo target the watches of missed probes looked up at every step for
-        up to 64 steps, most of the n-gram machinery's cost in plain stretches)."""
+        to speculate. A probe's miss is not: its estimate would keep it plain when found, so
+        the watch's lookups at every step for up to 64 steps would buy nothing."""
         est = self._lookup(request_id)
         probing, est.probing = est.probing, False
         if probing:  # no draft, no round: the probe cost a lookup, not its charge
@@ -573,7 +577,7 @@ class AdaptivePolicy:
             return
         est.miss_until = est.miss_interval = 0
         quiet = self._quiet
-        if quiet is not None and best_k_for_costs(est.accepted / est.trials, quiet.table.costs, self.switch_margin):
+        if quiet is not None and self._would_start(est, quiet.table):
             self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:

@@ -20,11 +20,11 @@ Only scheduling reads the result; the output is plain decoding's, bit for bit.
 
 A request that asked for a real draft and got none (an n-gram miss: nothing in the table
 continues its text) is *watched* (`watch`): looked up (for drafts of two tokens, all the
-rule below reads) under every plain step's forward
-until a lookup finds a draft of two tokens or more whose first token the step then emits,
-which is reported to `found` (the proposer will then have the rest of that draft when the
-policy asks at the next step; a one-token draft's chain ended there, so the real lookup
-would miss), for at most `max_interval` steps (the policy asks again by then). For that the
+rule below reads) under every plain step's forward until a lookup finds a draft of two
+tokens or more whose first token the step then emits, which is reported to `found` (the
+proposer will then have the rest of that draft when the policy asks at the next step; a
+one-token draft's chain ended there, so the real lookup would miss), for at most
+`max_interval` steps (the policy asks again by then). For that the
 first token is checked right after the step (`check`, or `check_found` in a plain stretch,
 whose other checks run under the next step's forward: a step later the token after it
 would have to continue the chain too, which at T > 0 it mostly does not). A watch's

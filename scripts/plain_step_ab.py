@@ -131,7 +131,7 @@ def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: 
 
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
-            "ngram-adaptive-nowatch",
+            "ngram-adaptive-nowatch", "ngram-adaptive-nocal", "draft-adaptive-nocal",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
@@ -204,6 +204,9 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),
                # misses are never watched (a sampled request then waits the longest backoff)
                "ngram-adaptive-nowatch": dict(ngram, spec_policy="adaptive"),
+               # rounds priced as measured: no episode calibration (spec/episodes.py)
+               "ngram-adaptive-nocal": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-nocal": dict(draft, spec_policy="adaptive"),
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -252,6 +255,9 @@ def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
+    for name in ("ngram-adaptive-nocal", "draft-adaptive-nocal"):
+        if name in engines:
+            engines[name].runner.policy.calibration = None
     if "ngram-adaptive-nowatch" in engines:
         engines["ngram-adaptive-nowatch"].runner.shadow.watch = lambda request_id: None
     if "ngram-adaptive-prior1" in engines:  # shadow evidence is free: a light prior
@@ -292,7 +298,7 @@ def variant(name: str) -> str:
 def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
-    return variant(name).endswith(("adaptive", "nowatch"))
+    return variant(name).endswith(("adaptive", "nowatch", "nocal"))
 
 
 class _TimedGraph:
@@ -682,7 +688,9 @@ def print_costs(label: str, engine: Engine, sampled: bool) -> None:
     observed = {k: x for (b, k, mode), x in costs.observed.items() if b == 1 and mode == sampled}
     expired = {k: round(x * 1e3, 3) for k in range(1, costs.k_max + 1)
                if (x := costs._value(("step", (1, k, sampled)), expired=True)) is not None and k not in observed}
-    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1, sampled)]}, draft step "
+    calibration = engine.runner.policy.calibration
+    kappa = calibration.factor((1, sampled)) if calibration is not None else None
+    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1, sampled)]}, kappa {kappa}, draft step "
           f"{costs.draft_step(1, sampled):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
           f"measured ms {dict(sorted((k, round(x * 1e3, 3)) for k, x in observed.items()))}, "
           f"expired ms {expired}, switch {costs.switch_cost(1, sampled):.2f}, calibrated c {c:.3f} "

@@ -228,6 +228,7 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
     runner = llm.engine.runner
     policy = runner.policy
     runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # rounds priced free: speculate
+    policy.calibration = None  # (and kept free: episodes on the CPU would price them up)
     events: list[tuple[str, int]] = []
     steps = [0]  # decode steps so far (the policy's clock lags inside plain stretches)
     choose, no_proposal, found, step = policy.choose, policy.no_proposal, runner.shadow.found, runner.step
@@ -845,3 +846,56 @@ def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prom
     assert runner._plain_steps == 40  # the first token comes from the prefill
     assert timed == [n for n in range(1, 41) if n <= 2 or n % PLAIN_SAMPLE_EVERY in (0, 1)]
     assert runner.cost_model.has_plain(1)
+
+
+def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_llm, ckpt_a, prompts):
+    # an episode opens at a step where the adaptive policy starts speculating and closes at
+    # the next standing all-plain decision or when the batch changes; it counts exactly the
+    # decode steps in between (their tokens), and the policy hears each one, measured in
+    # plain steps, with the prediction of the step that opened it
+    llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    policy = runner.policy
+    runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # speculate whenever a draft exists
+    policy.calibration = None  # (kept so: the accounting is under test, not its effect)
+    steps = []  # (episode after the step, tokens it emitted, whether its choice started speculating)
+    heard, started = [], []
+    inner, observe, choose = runner._speculative_decode, policy.observe_episode, policy.choose
+
+    def choosing(*args):
+        ks = choose(*args)
+        started.append(policy._choice is not None and policy._choice.starting)
+        return ks
+
+    def stepping(requests, plain_reserved=False):
+        started.clear()
+        outputs = inner(requests, plain_reserved)
+        steps.append((runner._episode, len(outputs), started == [True]))
+        return outputs
+
+    def hearing(*args):
+        heard.append(args)
+        observe(*args)
+
+    runner._speculative_decode, policy.observe_episode, policy.choose = stepping, hearing, choosing
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # (long enough to fall into loops)
+    outs = [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    assert runner._episode is None  # the batch changed at the end of each request
+    episodes = list({id(e): e for e, *_ in steps if e is not None}.values())
+    assert len(episodes) > len(prompts) and runner.stats.drafts > 0  # (some closed by a plain decision)
+    for e in episodes:
+        own = [(tokens, starts) for x, tokens, starts in steps if x is e]
+        assert e.steps == len(own) and e.tokens == sum(t for t, _ in own) >= e.steps
+        assert own[0][1]  # opened by a choice that started speculating (its lookup may miss)
+        assert e.seconds > 0 and e.gain > 0 and e.batch_size == 1 and not e.sampled
+    opening = [i for i, (e, _, _) in enumerate(steps) if e is not None and (i == 0 or steps[i - 1][0] is not e)]
+    assert all(steps[i][2] for i in opening)
+    assert len(heard) == len(episodes)  # each closed once
+    plain = runner.cost_model.step_seconds(1, 0, False)
+    last = episodes[-1]
+    plain_steps, realized, predicted = heard[-1][2:]
+    assert heard[-1][:2] == (1, False) and realized == last.tokens
+    assert predicted == pytest.approx(last.gain * plain_steps)
+    assert plain_steps == pytest.approx(last.seconds / plain, rel=0.5)  # (the baseline may move by then)
+    assert llm.engine.leak_report() == []

@@ -706,3 +706,56 @@ def test_a_plain_decision_after_rounds_stands_while_the_refresh_gap_keeps_the_ta
         p.choose([r], [10], 10_000, [5000])
     p.choose([r], [10], 10_000, [5000])
     assert p._table[(1, False)].version == costs.version  # refreshed there
+
+
+def _speculating_policy(**kwargs):
+    """K=5 rounds cost 1.3 plain steps (n-gram-like), sampled mode measured."""
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.3] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0013), (5, 0.0013)):
+        costs.observe(1, k, seconds, True)
+    return AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000, **kwargs)
+
+
+def _sampled(rid: str) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(temperature=1.0, max_tokens=1000))
+
+
+def _at(p: AdaptivePolicy, rid: str, a: float) -> None:
+    est = p._lookup(rid, sampled=True)
+    est.accepted, est.trials = 10 * a, 10.0
+    est.changed()
+    p._quiet = None
+
+
+def test_episode_gain_is_the_starting_steps_prediction_at_the_measured_costs():
+    p = _speculating_policy()
+    r = _sampled("r")
+    _at(p, "r", 0.5)
+    assert p.choose([r], [10], 10_000, [1000]) == [5]
+    assert p.episode_gain() == pytest.approx(expected_tokens(0.5, 5) / 1.3)
+    _at(p, "r", 0.01)
+    assert p.choose([r], [10], 10_000, [1000]) == [0]
+    assert p.episode_gain() is None  # nobody speculates: no episode starts
+
+
+def test_episodes_that_fall_short_price_rounds_up_until_marginal_starts_stop():
+    # at a = 0.35 a K=5 round is predicted to beat plain decoding by ~17 %; episodes that
+    # realized half their predictions make it a loss, and the request stays plain. Greedy
+    # batches (another mode) and a policy without calibration are untouched
+    p, uncalibrated = _speculating_policy(), _speculating_policy(calibration=None)
+    r = _sampled("r")
+    assert expected_tokens(0.35, 5) / 1.3 > 1.0 + p.switch_margin
+    for policy in (p, uncalibrated):
+        _at(policy, "r", 0.35)
+        assert policy.choose([r], [10], 10_000, [1000]) == [5]
+        for _ in range(10):
+            policy.observe_episode(1, True, plain_steps=3.0, realized=1.6, predicted=3.2)
+        _at(policy, "r", 0.35)
+        policy._est["r"].speculating = False
+    assert p.calibration.factor((1, True)) < 0.6
+    assert p.choose([r], [10], 10_000, [1000]) == [0]
+    assert uncalibrated.choose([r], [10], 10_000, [1000]) == [5]
+    assert p._table[(1, True)].raw[5] == pytest.approx(1.3)  # measured costs kept apart
+    assert p._table[(1, True)].costs[5] == pytest.approx(1.3 / p.calibration.factor((1, True)))
+    _at(p, "r", 0.9)  # a clearly repetitive text still speculates
+    assert p.choose([r], [10], 10_000, [1000]) == [5]

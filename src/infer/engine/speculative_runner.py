@@ -33,6 +33,7 @@ from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.costs import batch_samples
+from infer.spec.episodes import Episode
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
 from infer.spec.proposer import Draft, Proposer
@@ -67,6 +68,10 @@ class SpeculativeRunner(ContinuousRunner):
         # admission): some requests may hold plain's one position, so that step is plain
         self._plain_reserved = False
         self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
+        # the speculative episode under way (spec/episodes.py), and the one-off setup seconds
+        # (graph captures) of the step in progress, which it does not count
+        self._episode: Episode | None = None
+        self._one_off = 0.0
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -114,6 +119,8 @@ class SpeculativeRunner(ContinuousRunner):
         self._holds_quiet: Callable[[Request], bool] | None = getattr(policy, "holds_quiet", None)
         # and `quiet_steps_left()`: how many more steps it holds for the same batch
         self._quiet_left: Callable[[], int] | None = getattr(policy, "quiet_steps_left", None)
+        # and `episode_gain()` / `observe_episode(...)`: speculative episodes (spec/episodes.py)
+        self._episode_gain: Callable[[], float | None] | None = getattr(policy, "episode_gain", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -179,6 +186,7 @@ class SpeculativeRunner(ContinuousRunner):
 
     def allocate(self, request: Request) -> None:
         self._end_stretch()  # the batch changes
+        self._end_episode()
         super().allocate(request)
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
@@ -207,6 +215,7 @@ class SpeculativeRunner(ContinuousRunner):
 
     def release(self, request: Request) -> None:
         self._end_stretch()  # the batch changes
+        self._end_episode()
         self.proposer.release(request)
         if self.shadow is not None:
             self.shadow.release(request.request_id)
@@ -230,10 +239,22 @@ class SpeculativeRunner(ContinuousRunner):
             self._plain_reserved = True
             self._stretch.leave()
 
+    def _end_episode(self) -> None:
+        """The speculative episode under way (if any) ends: a standing all-plain decision took
+        over, or the batch changes. The policy hears what it realized (spec/episodes.py)."""
+        episode, self._episode = self._episode, None
+        if episode is None:
+            return
+        outcome = episode.outcome(self.cost_model.step_seconds(episode.batch_size, 0, episode.sampled))
+        if outcome is not None:
+            self.policy.observe_episode(episode.batch_size, episode.sampled, *outcome)  # type: ignore[attr-defined]
+
     def _decode(self, requests: Sequence[Request]) -> StepResult:
         plain_reserved, self._plain_reserved = self._plain_reserved, False
         quiet = self._policy_quiet
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
+            if self._episode is not None:
+                self._end_episode()
             start = self._plain_timer()
             shadow = self.shadow
             if start is None and shadow is None:  # nothing to time or check: the plain step alone
@@ -244,7 +265,14 @@ class SpeculativeRunner(ContinuousRunner):
                 # so are the next steps the decision holds: through the plain runner's methods
                 self._stretch.enter(self._quiet_left())
             return outputs
-        return self._speculative_decode(requests, plain_reserved)
+        if self._episode_gain is None:
+            return self._speculative_decode(requests, plain_reserved)
+        start, self._one_off = time.perf_counter(), 0.0
+        outputs = self._speculative_decode(requests, plain_reserved)
+        episode = self._episode  # (opened by this step's choice, or earlier)
+        if episode is not None:
+            episode.add(time.perf_counter() - start - self._one_off, len(outputs))
+        return outputs
 
     def _speculative_decode(self, requests: Sequence[Request], plain_reserved: bool = False) -> StepResult:
         start = time.perf_counter()
@@ -263,6 +291,10 @@ class SpeculativeRunner(ContinuousRunner):
             # plain stretch, which asks no `choose` (30-120 us on the H100, 5-20 % of a
             # demo step: with it, rounds looked that much cheaper); a round pays its own
             return self._plain_decode(requests, self._plain_timer())
+        if self._episode is None and self._episode_gain is not None:
+            gain = self._episode_gain()
+            if gain is not None:  # speculation starts here (not a probe): an episode opens
+                self._episode = Episode(len(requests), batch_samples(requests), gain)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -270,6 +302,7 @@ class SpeculativeRunner(ContinuousRunner):
         drafts = self.proposer.propose(requests, ks)
         switch = self.proposer.catch_up_seconds
         setup = getattr(self.proposer, "setup_seconds", 0.0)  # one-off graph captures: timed nowhere
+        self._one_off = setup
         drafting = time.perf_counter() - drafting - switch - setup
         longest = max(len(d.token_ids) for d in drafts)
         for r, k, d in zip(requests, ks, drafts, strict=True):

@@ -76,6 +76,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from infer.spec.costs import CostModel, batch_samples, request_samples
+from infer.spec.episodes import GainCalibration
 
 __all__ = ["AdaptivePolicy", "CostModel", "FixedPolicy", "SpecPolicy", "best_k", "best_k_for_costs",
            "expected_tokens", "guard_k", "walltime_factor"]
@@ -188,12 +189,22 @@ class _CostTable(NamedTuple):
     version: int  # CostModel.version it was computed at
     plain_version: int  # CostModel.plain_version it was computed at
     step: int  # policy step it was computed at
-    costs: list[float]  # relative costs r(0..k_max)
+    costs: list[float]  # relative costs r(0..k_max) the policy decides with (rounds divided by kappa)
     probe_k: int  # the K a probe drafts
     probe_round: float  # a probe's round in plain steps (its catch-up apart)
     switch: float  # a unit of catch-up work (a draft model: one chunk) in plain steps
     budget: float  # the fraction of the time probes may cost at this batch size
     calibrated_only: bool  # no round's cost is known at this batch size: probes come early
+    raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
+
+
+class _Choice(NamedTuple):
+    """The latest `choose` that gave some request k > 0 (for `episode_gain`)."""
+
+    table: _CostTable
+    estimates: list  # the requests' `_Estimate`s, in batch order
+    ks: list[int]
+    starting: bool  # some request speculates (k > 0, not a probe)
 
 
 @dataclass(slots=True)
@@ -272,12 +283,16 @@ class AdaptivePolicy:
     # against 1.28 and 1.33 at 0.6, fixed K=5 1.34; bad drafts and T=1 unchanged)
     learned_weight: float = 0.6
     learned_full_trials: float = 16.0  # trials of evidence for a request's full weight in it
+    # realized / predicted gain of speculative episodes per cost bucket and sampling mode
+    # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
+    calibration: GainCalibration | None = field(default_factory=GainCalibration)
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
     _table: dict[tuple[int, bool], _CostTable] = field(default_factory=dict)  # by (bucket, batch samples)
     _quiet: _Quiet | None = None
     _asked: _Asked | None = None
+    _choice: _Choice | None = None
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -313,16 +328,19 @@ class AdaptivePolicy:
         if self.quiet(requests):
             return [0] * batch
         self._steps += 1
-        self._quiet = self._asked = None
+        self._quiet = self._asked = self._choice = None
         table = self._cost_table(batch, batch_samples(requests))
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
-        ks = []
+        ks: list[int] = []
+        ests: list[_Estimate] = []
+        starting = False
         next_due = table.step + self.recompute_every
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._lookup(r.request_id, request_samples(r))
+            ests.append(est)
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 ks.append(0)
                 continue
@@ -356,13 +374,38 @@ class AdaptivePolicy:
                 est.credit_step = max(self._steps, est.credit_step)
                 est.probing, k, est.probe_cost = True, table.probe_k, cost
             est.wait_from = self._steps
-            ks.append(guard_k(k, n, max_seq_len, left))
+            k = guard_k(k, n, max_seq_len, left)
+            starting = starting or (k > 0 and not est.probing)
+            ks.append(k)
         if not any(ks):
             self._quiet = _Quiet(list(requests), next_due, table, self.costs.version)
         else:
             self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
                                  self.costs.version)
+            self._choice = _Choice(table, ests, ks, starting)
         return ks
+
+    def episode_gain(self) -> float | None:
+        """After a `choose` that has some request speculate (k > 0, not a probe): the step's
+        expected tokens per request per plain step's time, priced with the measured costs
+        (not kappa): the prediction a speculative episode starting here is held to
+        (spec/episodes.py). None otherwise."""
+        choice = self._choice
+        if choice is None or not choice.starting:
+            return None
+        tokens = sum(expected_tokens(e.accepted / e.trials, k) for e, k in zip(choice.estimates, choice.ks))
+        return tokens / (len(choice.ks) * choice.table.raw[max(choice.ks)])
+
+    def observe_episode(self, batch_size: int, sampled: bool, plain_steps: float, realized: float,
+                        predicted: float) -> None:
+        """A speculative episode (spec/episodes.py) ended: `plain_steps` plain steps' time,
+        `realized` tokens per request emitted where `predicted` were expected. Moves the
+        mode's kappa; its cost table is priced afresh at the next `choose`."""
+        if self.calibration is None:
+            return
+        key = (self.costs.bucket(batch_size), sampled)
+        self.calibration.observe(key, plain_steps, realized, predicted)
+        self._table.pop(key, None)
 
     def quiet(self, requests: Sequence[RequestLike]) -> bool:
         """Whether a standing all-plain decision holds for this batch at this step. If so the
@@ -418,7 +461,10 @@ class AdaptivePolicy:
                 return t
         if not model.has_plain(batch_size, sampled):
             return None
-        costs = self.costs.relative_costs(batch_size, sampled)
+        raw = self.costs.relative_costs(batch_size, sampled)
+        # rounds cost what episodes showed beyond the measured steps (spec/episodes.py)
+        kappa = 1.0 if self.calibration is None else self.calibration.factor(b)
+        costs = raw if kappa == 1.0 else [1.0] + [x / kappa for x in raw[1:]]
         # probe with the K that would pay best at the optimistic acceptance: one round then
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
@@ -430,7 +476,7 @@ class AdaptivePolicy:
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,
-                                        not self.costs.has_round(batch_size, sampled))
+                                        not self.costs.has_round(batch_size, sampled), raw)
         return t
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:

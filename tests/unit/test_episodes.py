@@ -1,0 +1,65 @@
+"""Speculative episodes and the gain calibration (spec/episodes.py): pure, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from infer.spec.episodes import Episode, GainCalibration
+
+KEY = (1, True)
+
+
+def test_an_episode_counts_its_steps_and_measures_them_in_plain_steps():
+    e = Episode(batch_size=2, sampled=True, gain=1.5)
+    assert e.outcome(0.001) is None  # no step yet: nothing to tell
+    e.add(0.003, 5)
+    e.add(0.001, 2)
+    assert (e.steps, e.tokens) == (2, 7)
+    plain_steps, realized, predicted = e.outcome(0.001)
+    assert plain_steps == pytest.approx(4.0)
+    assert realized == pytest.approx(3.5)  # tokens per request
+    assert predicted == pytest.approx(6.0)  # the gain over that time
+    assert e.outcome(None) is None and e.outcome(0.0) is None  # no plain baseline
+
+
+def test_kappa_starts_at_one_and_follows_episodes_that_fall_short():
+    cal = GainCalibration()
+    assert cal.factor(KEY) == 1.0
+    for _ in range(20):
+        cal.observe(KEY, plain_steps=3.0, realized=2.0, predicted=3.3)  # a lone round and its cold step
+    assert cal.factor(KEY) == pytest.approx(2.0 / 3.3, rel=0.05)
+    assert cal.factor((1, False)) == 1.0  # per mode
+    assert cal.factor((2, True)) == 1.0  # and per bucket
+
+
+def test_kappa_never_exceeds_one_nor_drops_below_its_floor():
+    cal = GainCalibration(min_factor=0.4)
+    cal.observe(KEY, 60.0, realized=200.0, predicted=100.0)
+    assert cal.factor(KEY) == 1.0  # better than predicted: priced as measured
+    for _ in range(200):  # (the good episode decays away)
+        cal.observe(KEY, 2.0, realized=0.1, predicted=2.0)
+    assert cal.factor(KEY) == pytest.approx(0.4)
+
+
+def test_a_long_good_episode_outweighs_earlier_short_bad_ones():
+    cal = GainCalibration()
+    for _ in range(5):
+        cal.observe(KEY, 1.2, realized=1.0, predicted=2.0)  # misses
+    low = cal.factor(KEY)
+    assert low < 0.8
+    cal.observe(KEY, 70.0, realized=220.0, predicted=100.0)
+    assert cal.factor(KEY) == 1.0 > low
+
+
+def test_empty_or_free_episodes_change_nothing():
+    cal = GainCalibration()
+    cal.observe(KEY, 0.0, realized=0.0, predicted=0.0)
+    cal.observe(KEY, 2.0, realized=1.0, predicted=0.0)
+    assert cal._sums == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [({"prior_tokens": 0}, "prior_tokens"), ({"decay": 0.0}, "decay"),
+                                           ({"decay": 1.5}, "decay"), ({"min_factor": 0.0}, "min_factor")])
+def test_calibration_validates_its_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GainCalibration(**kwargs)

@@ -759,3 +759,20 @@ def test_episodes_that_fall_short_price_rounds_up_until_marginal_starts_stop():
     assert p._table[(1, True)].costs[5] == pytest.approx(1.3 / p.calibration.factor((1, True)))
     _at(p, "r", 0.9)  # a clearly repetitive text still speculates
     assert p.choose([r], [10], 10_000, [1000]) == [5]
+
+
+def test_a_cost_table_is_priced_again_at_once_only_when_kappa_moves_by_more_than_a_step():
+    from infer.spec.policy import KAPPA_STEP
+    p = _speculating_policy()
+    r = _sampled("r")
+    _at(p, "r", 0.5)
+    p.choose([r], [10], 10_000, [1000])
+    table = p._table[(1, True)]
+    p.observe_episode(1, True, plain_steps=1.0, realized=1.9, predicted=2.0)  # kappa moves a little
+    assert 0 < 1.0 - p.calibration.factor((1, True)) <= KAPPA_STEP
+    assert p._table[(1, True)] is table  # kept until its refresh
+    p.observe_episode(1, True, plain_steps=3.0, realized=1.0, predicted=4.0)
+    assert (1, True) not in p._table  # priced again at the next choose
+    p._quiet = None
+    p.choose([r], [10], 10_000, [1000])
+    assert p._table[(1, True)].kappa == pytest.approx(p.calibration.factor((1, True))) < 1.0 - KAPPA_STEP

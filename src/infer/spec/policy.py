@@ -156,6 +156,11 @@ class FixedPolicy:
         return None
 
 
+# a cost table is priced again at once when the episode calibration's factor moves by more
+# than this (spec/episodes.py); smaller moves wait for its next refresh
+KAPPA_STEP = 0.02
+
+
 def _one_unit(tokens_behind: int) -> float:
     """Catch-up priced as one unit whatever the gap (proposers without `catch_up_units`)."""
     return 1.0
@@ -196,6 +201,7 @@ class _CostTable(NamedTuple):
     budget: float  # the fraction of the time probes may cost at this batch size
     calibrated_only: bool  # no round's cost is known at this batch size: probes come early
     raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
+    kappa: float  # the episode calibration's factor the costs were divided by
 
 
 class _Choice(NamedTuple):
@@ -400,12 +406,16 @@ class AdaptivePolicy:
                         predicted: float) -> None:
         """A speculative episode (spec/episodes.py) ended: `plain_steps` plain steps' time,
         `realized` tokens per request emitted where `predicted` were expected. Moves the
-        mode's kappa; its cost table is priced afresh at the next `choose`."""
+        mode's kappa. Its cost table is priced afresh at the next `choose` only if kappa
+        moved by more than `KAPPA_STEP` since (else at its next refresh: pricing a table
+        cost the next round ~40-100 us of `choose` on the H100, after every episode)."""
         if self.calibration is None:
             return
         key = (self.costs.bucket(batch_size), sampled)
         self.calibration.observe(key, plain_steps, realized, predicted)
-        self._table.pop(key, None)
+        table = self._table.get(key)
+        if table is not None and abs(self.calibration.factor(key) - table.kappa) > KAPPA_STEP:
+            del self._table[key]
 
     def quiet(self, requests: Sequence[RequestLike]) -> bool:
         """Whether a standing all-plain decision holds for this batch at this step. If so the
@@ -476,7 +486,7 @@ class AdaptivePolicy:
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,
-                                        not self.costs.has_round(batch_size, sampled), raw)
+                                        not self.costs.has_round(batch_size, sampled), raw, kappa)
         return t
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:

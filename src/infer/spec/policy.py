@@ -64,6 +64,14 @@ A shadowed request also decodes plainly until its first shadow draft is counted:
 prior alone would have it speculate on text where drafts keep failing, at a cost, when
 the evidence comes for free a few steps later.
 
+What switching to speculation really cost is measured too: the runner times each
+*episode*, from a choice that starts speculating to the next all-plain decision, and
+reports it (`observe_episode`) with the gain `episode_gain` predicted for it. The
+realized / predicted ratio per cost bucket and sampling mode (kappa <= 1,
+spec/episodes.py) divides the cost of every round in the policy's cost table, so a mode
+whose episodes fall short (cold steps around rounds, misses, estimates high by chance)
+needs a larger predicted gain to speculate.
+
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
 """

@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from infer import SamplingParams
-from infer.bench.workloads import WORKLOADS, build_requests
+from infer.bench.workloads import WORKLOADS, PromptSet, build_requests
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
@@ -118,7 +118,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def ms_per_token(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> float:
+def ms_per_token(engine: Engine, prompt: list[int] | PromptSet, temperature: float, tokens: int) -> float:
+    """Decode milliseconds a token of one generation of `prompt` (its prefill apart), or of a
+    whole batch workload (a PromptSet, W2: every request added at once, each with its own
+    length; prefills and all included, milliseconds per output token)."""
+    if isinstance(prompt, PromptSet):
+        for i, job in enumerate(prompt.requests):
+            engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
+                                                              ignore_eos=True, seed=i))
+        sync()
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        sync()
+        return (time.perf_counter() - start) / prompt.expected_output_tokens * 1e3
     params = SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=0)
     engine.add_request(prompt, params)
     engine.step()  # prefill
@@ -184,19 +197,19 @@ def eager_sampling(engine: Engine) -> None:
     runner._decode = decode
 
 
-def build_engines(variants: tuple[str, ...] = VARIANTS, instances: int = 1) -> dict[str, Engine]:
+def build_engines(variants: tuple[str, ...] = VARIANTS, instances: int = 1, max_batch_size: int = 1) -> dict[str, Engine]:
     """Engines by name; with instances > 1 each variant is built that many times, named
     "variant#i", in rotated order (instance i of every variant, then the next instance)."""
     if instances == 1:
-        return _build(variants)
+        return _build(variants, max_batch_size)
     engines: dict[str, Engine] = {}
     for i in range(instances):
-        engines.update({f"{name}#{i}": e for name, e in _build(variants).items()})
+        engines.update({f"{name}#{i}": e for name, e in _build(variants, max_batch_size).items()})
     return engines
 
 
-def _build(variants: tuple[str, ...]) -> dict[str, Engine]:
-    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=1, max_seq_len=1024)
+def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engine]:
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=max_batch_size, max_seq_len=1024)
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
     draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
     configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
@@ -535,7 +548,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5"])
+    ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5", "W2"],
+                    help="W2: 32 requests at once, timed whole (needs --max-batch-size 32; the per-step "
+                         "instruments, --ledger --phases --split --gpu-time, are for W1 and W5)")
+    ap.add_argument("--max-batch-size", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="engines to compare (plain is always there)")
     ap.add_argument("--phases", action="store_true", help="also time the phases of adaptive steps (extra runs)")
@@ -551,7 +567,12 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
-    engines = build_engines(tuple(args.variants), args.instances)
+    if "W2" in args.workload and (args.ledger or args.phases or args.split or args.gpu_time):
+        ap.error("--ledger, --phases, --split and --gpu-time time one request's steps: leave W2 out for them")
+    if "W2" in args.workload and args.max_batch_size < WORKLOADS["W2"].num_requests:
+        ap.error(f"W2 runs {WORKLOADS['W2'].num_requests} requests at once: pass --max-batch-size "
+                 f"{WORKLOADS['W2'].num_requests}")
+    engines = build_engines(tuple(args.variants), args.instances, args.max_batch_size)
     if args.gc_freeze:
         gc.collect()
         gc.freeze()
@@ -559,7 +580,8 @@ def main() -> None:
     names = list(engines)
     plain = engines[names[0]]
     for w in args.workload:
-        prompt = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer).requests[0].prompt_ids
+        work = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer)
+        prompt = work if w == "W2" else work.requests[0].prompt_ids
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
@@ -614,7 +636,7 @@ def main() -> None:
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
                 if with_policy(name) or variant(name).endswith("prior1"):
-                    print_costs(f"{w} T={t:g} {name}", engine, t > 0)
+                    print_costs(f"{w} T={t:g} {name}", engine, t > 0, args.max_batch_size if w == "W2" else 1)
 
 
 def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:
@@ -678,22 +700,24 @@ def bootstrap_interval(statistic: Callable[[list[list[str]], list[int]], float],
     return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
 
 
-def print_costs(label: str, engine: Engine, sampled: bool) -> None:
-    """What the adaptive policy believes at batch 1 in a sampling mode (`sampled`: T > 0):
-    relative costs r(K), one draft step, the calibrated forward's share of a real plain
-    step, and the measured step times."""
+def print_costs(label: str, engine: Engine, sampled: bool, batch: int = 1) -> None:
+    """What the adaptive policy believes at a batch size (W2: the full batch's bucket) in a
+    sampling mode (`sampled`: T > 0): relative costs r(K), the episode calibration's kappa,
+    one draft step, the calibrated forward's share of a real plain step, and the measured
+    step times."""
     costs = engine.runner.cost_model
-    plain = costs.step_seconds(1, 0, sampled)
-    c, v = costs.calibrated(1)
-    observed = {k: x for (b, k, mode), x in costs.observed.items() if b == 1 and mode == sampled}
+    b = costs.bucket(batch)
+    plain = costs.step_seconds(batch, 0, sampled)
+    c, v = costs.calibrated(batch)
+    observed = {k: x for (bucket, k, mode), x in costs.observed.items() if bucket == b and mode == sampled}
     expired = {k: round(x * 1e3, 3) for k in range(1, costs.k_max + 1)
-               if (x := costs._value(("step", (1, k, sampled)), expired=True)) is not None and k not in observed}
+               if (x := costs._value(("step", (b, k, sampled)), expired=True)) is not None and k not in observed}
     calibration = engine.runner.policy.calibration
-    kappa = calibration.factor((1, sampled)) if calibration is not None else None
-    print(f"{label} costs: r(K) {[round(x, 2) for x in costs.relative_costs(1, sampled)]}, kappa {kappa}, draft step "
-          f"{costs.draft_step(1, sampled):.3f}, forward share {costs._forward_share(1, plain):.3f}, "
-          f"measured ms {dict(sorted((k, round(x * 1e3, 3)) for k, x in observed.items()))}, "
-          f"expired ms {expired}, switch {costs.switch_cost(1, sampled):.2f}, calibrated c {c:.3f} "
+    kappa = calibration.factor((b, sampled)) if calibration is not None else None
+    print(f"{label} costs (batch {batch}): r(K) {[round(x, 2) for x in costs.relative_costs(batch, sampled)]}, "
+          f"kappa {kappa}, draft step {costs.draft_step(batch, sampled):.3f}, forward share "
+          f"{costs._forward_share(batch, plain):.3f}, measured ms {dict(sorted((k, round(x * 1e3, 3)) for k, x in observed.items()))}, "
+          f"expired ms {expired}, switch {costs.switch_cost(batch, sampled):.2f}, calibrated c {c:.3f} "
           f"v {[round(x, 2) for x in v]}", flush=True)
 
 

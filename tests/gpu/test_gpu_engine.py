@@ -318,3 +318,33 @@ def test_sampled_plain_decode_in_graphs_matches_eager(ckpt_a, backend):
     # plain decode steps at T > 0 sample inside their CUDA graph: seeded outputs equal eager's
     graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend)
     assert graphs.engine.runner.forward.sample_replays > 0
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
+def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckpt_a, spec):
+    # buckets above SMALL_BATCH_MAX have no sampling, acceptance or draft-loop graphs: their
+    # steps replay the forward's graph and sample eagerly on the device (an eager forward at
+    # batch 32 cost ~6x a replayed one on the H100), with the same seeded tokens as eager
+    from infer.engine.cuda_graphs import SMALL_BATCH_MAX
+    batch = SMALL_BATCH_MAX + 4
+    prompts = _prompts(ckpt_a, n=batch)
+    params = [SamplingParams(temperature=[0.8, 1.0, 0.0, 1.5][i % 4], max_tokens=16, ignore_eos=True, seed=7 + i)
+              for i in range(batch)]
+    kw = dict(device="cuda", dtype="float32", max_batch_size=2 * SMALL_BATCH_MAX, max_seq_len=128,
+              compile_kernels=False)
+    if spec is not None:
+        kw.update(use_speculative_decoding=True, spec_length=3,
+                  **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method="ngram")))
+    eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
+    graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    forward = graphs.engine.runner.forward
+    assert run(graphs) == run(eager)
+    assert forward.replays > 0 and forward.sample_replays == 0 and forward.verify_replays == 0
+    if spec == "draft_model":
+        step = graphs.engine.runner.draft.step_forward
+        assert step.replays > 0 and step.loop_replays == 0  # draft rounds step by step, each step a replay
+    assert graphs.engine.leak_report() == []

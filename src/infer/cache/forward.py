@@ -45,6 +45,57 @@ class ForwardFn(Protocol):
         ...
 
 
+def sample_logits(logits: torch.Tensor, temperatures: Sequence[float], uniforms: torch.Tensor,
+                  greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature sampling of last-token logits [n, V] on their device: (ids [n], probs
+    [n, V]). temperatures: per row (1.0 for greedy rows); uniforms: CPU float64 [n]; greedy
+    rows take the argmax (one-hot probs). The sampling half of `ForwardFn.sample`."""
+    device = logits.device
+    temps = tensor_on(list(temperatures), device, torch.float32)
+    probs = temperature_probs(logits, temps, tensor_on(list(greedy), device, torch.bool))
+    return sample_from_probs(probs, to_device(uniforms, device)), probs
+
+
+def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: Sequence[int],
+                     draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
+                     uniforms: torch.Tensor) -> torch.Tensor:
+    """Rejection sampling on a verification step's logits [n, K+1, V] (rows sampled with a
+    temperature alone, greedy included): [n, K+2] long on their device. The acceptance half
+    of `ForwardFn.verify` (its arguments as there)."""
+    device = logits.device
+    tokens, num = to_device(draft_tokens, device), tensor_on(list(counts), device, torch.long)
+    if all(greedy):
+        return verify_greedy_logits(logits, tokens, num)
+    return verify_logits(logits, tensor_on(list(temperatures), device, torch.float32),
+                         tensor_on(list(greedy), device, torch.bool), tokens, num, draft_probs,
+                         to_device(uniforms, device))
+
+
+def draft_steps(forward: ForwardFn, ids: torch.Tensor, layout: BatchLayout, steps: int,
+                temperatures: Sequence[float], uniforms: torch.Tensor,
+                greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`ForwardFn.draft_loop` as `steps` calls of `forward` (every row greedy: the logits'
+    argmax) or `forward.sample`, step 1 feeding ids (CPU [n, w]), each later step the token
+    the step before chose (staying on the device); see `EagerForward.draft_loop`."""
+    n, width = ids.shape
+    if layout.chunk_lens != (width + steps - 1,) * n:
+        raise ValueError(f"draft_loop: every row of the layout must be {width + steps - 1} wide "
+                         f"(ids width {width} + {steps - 1} steps), got {layout.chunk_lens}")
+    tokens, probs = [], []
+    step_ids = ids
+    for s in range(steps):
+        offset, w = (0, width) if s == 0 else (width + s - 1, 1)
+        step = BatchLayout.of(layout.slots, [p + offset for p in layout.start_positions], [w] * n)
+        if all(greedy):
+            new = forward(step_ids, step, all_logits=False).argmax(dim=-1)  # [n]
+        else:
+            new, p = forward.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
+            probs.append(p)
+        tokens.append(new)
+        step_ids = new[:, None]
+    return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
+
+
 class EagerForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
         self.model, self.pool, self.kernels = model, pool, kernels
@@ -64,10 +115,7 @@ class EagerForward:
 
         temperatures: per row (1.0 for greedy rows); uniforms: CPU float64 [n]; greedy rows
         take the argmax (one-hot probs). CUDA graphs capture this same function."""
-        logits = self(ids, layout, all_logits=False)  # [n, V]
-        temps = tensor_on(list(temperatures), self.device, torch.float32)
-        probs = temperature_probs(logits, temps, tensor_on(list(greedy), self.device, torch.bool))
-        return sample_from_probs(probs, to_device(uniforms, self.device)), probs
+        return sample_logits(self(ids, layout, all_logits=False), temperatures, uniforms, greedy)
 
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
                    uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,23 +128,7 @@ class EagerForward:
         float64 [n, steps] (unread when every row is greedy). Returns (ids [n, steps], probs
         [n, steps, V] or None) on the device; the pool ends committed to the union. CUDA
         graphs capture this whole loop as one replay."""
-        n, width = ids.shape
-        if layout.chunk_lens != (width + steps - 1,) * n:
-            raise ValueError(f"draft_loop: every row of the layout must be {width + steps - 1} wide "
-                             f"(ids width {width} + {steps - 1} steps), got {layout.chunk_lens}")
-        tokens, probs = [], []
-        step_ids = ids
-        for s in range(steps):
-            offset, w = (0, width) if s == 0 else (width + s - 1, 1)
-            step = BatchLayout.of(layout.slots, [p + offset for p in layout.start_positions], [w] * n)
-            if all(greedy):
-                new = self(step_ids, step, all_logits=False).argmax(dim=-1)  # [n]
-            else:
-                new, p = self.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
-                probs.append(p)
-            tokens.append(new)
-            step_ids = new[:, None]
-        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
+        return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
                draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
@@ -108,9 +140,4 @@ class EagerForward:
         per row (1.0 for greedy rows); uniforms: CPU float64 [n, K+1]. CUDA graphs capture
         the same function."""
         logits = self(ids, layout, all_logits=True)  # [n, K+1, V]
-        tokens, num = to_device(draft_tokens, self.device), tensor_on(list(counts), self.device, torch.long)
-        if all(greedy):
-            return verify_greedy_logits(logits, tokens, num)
-        return verify_logits(logits, tensor_on(list(temperatures), self.device, torch.float32),
-                             tensor_on(list(greedy), self.device, torch.bool), tokens, num, draft_probs,
-                             to_device(uniforms, self.device))
+        return verify_on_logits(logits, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)

@@ -34,7 +34,7 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
-from infer.cache.forward import EagerForward
+from infer.cache.forward import EagerForward, draft_steps, sample_logits, verify_on_logits
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
@@ -327,7 +327,10 @@ class GraphForward:
         n = len(layout.slots)
         key = (self._bucket(n), layout.width) if n <= self.buckets[-1] else None
         if key not in self.samplers or max(layout.ends) > self.context_width:
-            return self.eager.sample(ids, layout, temperatures, uniforms, greedy)
+            # no sampling graph (buckets above SMALL_BATCH_MAX): the forward's graph if it
+            # has one, then the sampling eagerly (an eager forward is ~40 launches a layer:
+            # H100, demo target at batch 32, T=1: ~10 ms a step against ~1.5 ms)
+            return sample_logits(self(ids, layout, all_logits=False), temperatures, uniforms, greedy)
         g = self.samplers[key]
         assert g.sampling is not None and g.tokens is not None
         _stage_sampling(g.sampling, n, temperatures, greedy, uniforms[:, None])
@@ -344,7 +347,10 @@ class GraphForward:
         n, w = len(layout.slots), layout.width
         mode = "greedy" if all(greedy) else "draft_probs" if draft_probs is not None else "one_hot"
         v = self.verifiers.get((self._bucket(n), w, mode)) if n <= self.buckets[-1] else None
-        if v is None or not self.supports(layout, True):
+        if v is None:  # no acceptance graph here: the verification graph if any (as `sample`)
+            return verify_on_logits(self(ids, layout, all_logits=True), draft_tokens, counts, draft_probs,
+                                    temperatures, greedy, uniforms)
+        if not self.supports(layout, True):
             return self.eager.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
         self(ids, layout, all_logits=True)  # fills the logits v reads
         b = v.out.shape[0]
@@ -369,9 +375,10 @@ class GraphForward:
         `capture_draft_loops` or else on first use, for buckets up to SMALL_BATCH_MAX;
         anything else runs the eager loop."""
         n, w = ids.shape
-        if (n > min(self.buckets[-1], SMALL_BATCH_MAX) or max(layout.ends) > self.context_width
-                or layout.chunk_lens != (w + steps - 1,) * n):
+        if max(layout.ends) > self.context_width or layout.chunk_lens != (w + steps - 1,) * n:
             return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
+        if n > min(self.buckets[-1], SMALL_BATCH_MAX):  # no loop graphs: step by step, each step's graph
+            return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
         key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
         if g is None:

@@ -899,3 +899,27 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
     assert predicted == pytest.approx(last.gain * plain_steps)
     assert plain_steps == pytest.approx(last.seconds / plain, rel=0.5)  # (the baseline may move by then)
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_steps_beside_prefill_chunks_are_not_filed_as_costs(make_llm, ckpt_a, prompts, plain_outputs, method):
+    # a decode step that shares its engine step with prefill chunks waits for their GPU work
+    # too: neither a plain step nor a round is filed in the cost model then (nor is an
+    # episode that had such a step reported: tests/unit/test_episodes.py)
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, method=method, spec_policy="adaptive",
+                    **ENGINE_CONFIGS["paged-prefix-small-chunks"])
+    runner = llm.engine.runner
+    filed, mixed_steps = [], []
+    observe, step = runner.cost_model.observe, runner.step
+
+    def stepping(prefill, decode):
+        mixed_steps.append(bool(prefill) and bool(decode))
+        return step(prefill, decode)
+
+    runner.cost_model.observe = lambda *args: (filed.append(runner._mixed), observe(*args))[1]
+    runner.step = stepping
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert sum(mixed_steps) >= 3  # decode steps did run beside prefill chunks
+    assert filed and not any(filed)  # costs were filed, never from those
+    assert llm.engine.leak_report() == []

@@ -63,3 +63,9 @@ def test_empty_or_free_episodes_change_nothing():
 def test_calibration_validates_its_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GainCalibration(**kwargs)
+
+
+def test_an_episode_beside_prefill_work_tells_nothing():
+    e = Episode(batch_size=1, sampled=False, gain=2.0, mixed=True)
+    e.add(0.002, 3)
+    assert e.outcome(0.001) is None

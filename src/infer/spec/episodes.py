@@ -45,6 +45,7 @@ class Episode:
     seconds: float = 0.0  # the steps' decode time (one-off setup excluded)
     tokens: int = 0  # tokens the steps emitted, all requests together
     steps: int = 0
+    mixed: bool = False  # some engine step in it also ran prefill chunks: its time is not its own
 
     def add(self, seconds: float, tokens: int) -> None:
         self.seconds += seconds
@@ -53,8 +54,9 @@ class Episode:
 
     def outcome(self, plain_seconds: float | None) -> tuple[float, float, float] | None:
         """(plain steps of time, realized tokens per request, predicted tokens per request),
-        or None when there is nothing to tell (no step, no plain baseline)."""
-        if not self.steps or not plain_seconds or self.seconds <= 0.0:
+        or None when there is nothing to tell (no step, no plain baseline, prefill work in
+        its time)."""
+        if self.mixed or not self.steps or not plain_seconds or self.seconds <= 0.0:
             return None
         plain_steps = self.seconds / plain_seconds
         return plain_steps, self.tokens / self.batch_size, self.gain * plain_steps

@@ -178,6 +178,8 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     runner = llm.engine.runner
     runner.shadow.interval = 2
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9
+    runner.policy.worth_shadowing = lambda batch, sampled: True  # (the margins alone would turn shadows off)
+    runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
     forced, observe = [], runner.shadow.observe
 
     def observing(*args):
@@ -922,4 +924,38 @@ def test_steps_beside_prefill_chunks_are_not_filed_as_costs(make_llm, ckpt_a, pr
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert sum(mixed_steps) >= 3  # decode steps did run beside prefill chunks
     assert filed and not any(filed)  # costs were filed, never from those
+    assert llm.engine.leak_report() == []
+
+
+def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a, prompts, plain_outputs):
+    # where the policy's costs say no K would pay even at its optimistic acceptance, shadow
+    # evidence cannot make a request speculate: no shadows are taken and the n-gram tables
+    # are not kept up (neither at prefill nor in plain steps); once a K could pay again the
+    # tables catch up at their next lookup and the drafts are the ones a kept-up table gives
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    policy = runner.policy
+    takes, synced, take, sync = [], [], runner.shadow.take, runner.proposer._sync
+    runner.shadow.take = lambda *a: (takes.append(1), take(*a))[1]
+    runner.proposer._sync = lambda r: (synced.append(r.request_id), sync(r))[1]
+    policy.switch_margin = policy.stay_margin = 1e9  # nothing pays by these margins, at any acceptance
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert runner.stats.drafts == 0
+    assert takes  # (the first steps, before any cost table is known)
+    assert policy._table and all(not t.could_pay for t in policy._table.values())
+    takes.clear()
+    synced.clear()
+    outs = _run(llm, prompts, 8)  # the tables are known now: nothing at all
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert takes == [] and synced == []
+    policy.switch_margin, policy.stay_margin = 0.05, 0.0  # a K could pay again
+    policy._table.clear()
+    shadowed = runner.proposer.propose
+    drafts = []
+    runner.proposer.propose = lambda rs, ks: (d := shadowed(rs, ks), drafts.append(
+        [(r.request_id, r.num_tokens, r.num_tokens - runner.proposer._entries[r.request_id].synced) for r in rs]), d)[0]
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert takes and drafts and all(behind == 0 for ds in drafts for _, _, behind in ds)  # caught up at each lookup
     assert llm.engine.leak_report() == []

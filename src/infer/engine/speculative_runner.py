@@ -75,6 +75,8 @@ class SpeculativeRunner(ContinuousRunner):
         # this engine step also runs prefill chunks: its decode's time is not the decode's
         # alone (a chunk whose prompt goes on queues GPU work the decode's sync waits for)
         self._mixed = False
+        self._held = 0  # requests holding a slot (the decode batch to be, for a prefill)
+        self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -124,6 +126,9 @@ class SpeculativeRunner(ContinuousRunner):
         self._quiet_left: Callable[[], int] | None = getattr(policy, "quiet_steps_left", None)
         # and `episode_gain()` / `observe_episode(...)`: speculative episodes (spec/episodes.py)
         self._episode_gain: Callable[[], float | None] | None = getattr(policy, "episode_gain", None)
+        # and `worth_shadowing(batch_size, sampled)`: whether shadow drafts (and the tables
+        # they read) can change anything at that batch size
+        self._worth_shadowing: Callable[[int, bool], bool] | None = getattr(policy, "worth_shadowing", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -190,6 +195,7 @@ class SpeculativeRunner(ContinuousRunner):
     def allocate(self, request: Request) -> None:
         self._end_stretch()  # the batch changes
         self._end_episode()
+        self._held += 1
         super().allocate(request)
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
@@ -219,6 +225,7 @@ class SpeculativeRunner(ContinuousRunner):
     def release(self, request: Request) -> None:
         self._end_stretch()  # the batch changes
         self._end_episode()
+        self._held -= 1
         self.proposer.release(request)
         if self.shadow is not None:
             self.shadow.release(request.request_id)
@@ -272,6 +279,7 @@ class SpeculativeRunner(ContinuousRunner):
                 outputs = self._plain_decode(requests, start)
             if start is None and self._quiet_left is not None:
                 # so are the next steps the decision holds: through the plain runner's methods
+                self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), requests)
                 self._stretch.enter(self._quiet_left())
             return outputs
         if self._episode_gain is None:
@@ -390,6 +398,8 @@ class SpeculativeRunner(ContinuousRunner):
         stretch ends after this step."""
         shadow = self.shadow
         assert shadow is not None
+        if not self._stretch_shadowing:  # nothing could pay at this batch size: no upkeep either
+            return False
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
         stretch = self._stretch
@@ -409,13 +419,20 @@ class SpeculativeRunner(ContinuousRunner):
     def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
         """The proposer's per-request state (n-gram: the table of the prompt) is built while
         the prefill's forward runs, not before a decode step's forward."""
-        if self._keep_up is not None:
+        if self._keep_up is not None and self._shadowing(self._held, requests):
             self._keep_up(requests)
+
+    def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
+        """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
+        of `batch_size` (the policy's `worth_shadowing`; a proposer's tables that skipped
+        steps catch up at their next lookup)."""
+        worth = self._worth_shadowing
+        return worth is None or worth(batch_size, batch_samples(requests))
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
         forward runs: they read only the tokens the requests had before it."""
-        if self.shadow is not None and self._take_shadows:
+        if self.shadow is not None and self._take_shadows and self._shadowing(len(requests), requests):
             self.shadow.take(self.proposer, requests)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:

@@ -210,6 +210,7 @@ class _CostTable(NamedTuple):
     calibrated_only: bool  # no round's cost is known at this batch size: probes come early
     raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
     kappa: float  # the episode calibration's factor the costs were divided by
+    could_pay: int  # the K that would pay best at `optimistic_a` (0: none would, even then)
 
 
 class _Choice(NamedTuple):
@@ -399,6 +400,15 @@ class AdaptivePolicy:
             self._choice = _Choice(table, ests, ks, starting)
         return ks
 
+    def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
+        """Whether shadow drafts can change anything for a batch of this size and sampling
+        mode: False once its cost table says no K would pay even at `optimistic_a` (rounds
+        divided by kappa), where evidence of acceptance cannot make a request speculate and
+        the n-gram tables' upkeep (a few us a token of Python) is pure cost: on the H100 demo
+        target at batch 32, 5-10 % of a step. True while the table is unknown."""
+        table = self._table.get((self.costs.bucket(batch_size), sampled))
+        return table is None or table.could_pay > 0
+
     def episode_gain(self) -> float | None:
         """After a `choose` that has some request speculate (k > 0, not a probe): the step's
         expected tokens per request per plain step's time, priced with the measured costs
@@ -494,7 +504,7 @@ class AdaptivePolicy:
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,
-                                        not self.costs.has_round(batch_size, sampled), raw, kappa)
+                                        not self.costs.has_round(batch_size, sampled), raw, kappa, could_pay)
         return t
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:

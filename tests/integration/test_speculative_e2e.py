@@ -521,20 +521,34 @@ def test_a_batch_change_ends_a_plain_stretch(make_llm, ckpt_a, prompts, plain_ou
     assert not runner._stretch.active and llm.engine.leak_report() == []
 
 
-def test_plain_step_after_a_round_is_always_timed(make_llm, ckpt_a, prompts):
-    # plain steps are timed two in eight, but the one right after a round always: while a
-    # policy speculates, plain steps are rare, and the plain baseline must stay measured
+def _timed_plain_steps(plain_steps: int, resample: int) -> list[int]:
+    """The plain steps (1-based counts) timed outside stretches for one batch size and mode:
+    the first two, then one whenever `resample` plain steps went by without a sample."""
+    timed: list[int] = []
+    for n in range(1, plain_steps + 1):
+        if n <= 2 or n - (timed[-1] if timed else 0) >= resample:
+            timed.append(n)
+    return timed
+
+
+def test_a_plain_step_next_to_rounds_is_timed_only_when_the_baseline_is_stale(make_llm, ckpt_a, prompts):
+    # the step after a round runs cold: it is no sample of what staying plain costs, so it is
+    # timed only for the first two plain steps or once PLAIN_RESAMPLE_EVERY plain steps went
+    # by without a sample (while a policy speculates steadily the baseline still renews)
+    from infer.engine.speculative_runner import PLAIN_RESAMPLE_EVERY
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([2] + [0] * 8 + [2] + [0] * 5)
     filed, observe = [], runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, seconds, sampled: (filed.append(k), observe(b, k, seconds, sampled))[1]
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=60,
+    runner.cost_model.observe = lambda b, k, seconds, sampled: (filed.append((k, runner._plain_steps)),
+                                                               observe(b, k, seconds, sampled))[1]
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=230,
                                                                               ignore_eos=True))
-    rounds = [i for i, k in enumerate(filed) if k]
-    assert len(rounds) >= 6
-    assert all(filed[i + 1] == 0 for i in rounds if i + 1 < len(filed))  # the step after each round
-    assert filed.count(0) < runner.policy.i - len(rounds)  # but not every plain step
+    assert sum(1 for k, _ in filed if k) >= 20  # rounds
+    timed = [n for k, n in filed if k == 0]
+    assert runner._plain_steps > 2 * PLAIN_RESAMPLE_EVERY
+    assert timed == _timed_plain_steps(runner._plain_steps, PLAIN_RESAMPLE_EVERY)
+    assert runner.cost_model.has_plain(1)
 
 
 def test_a_timed_plain_step_leaves_the_policys_choice_out(make_llm, ckpt_a, prompts, monkeypatch):
@@ -557,11 +571,11 @@ def test_a_timed_plain_step_leaves_the_policys_choice_out(make_llm, ckpt_a, prom
     filed, observe = [], runner.cost_model.observe
     runner.cost_model.observe = lambda b, k, seconds, sampled: (filed.append((k, seconds)),
                                                                observe(b, k, seconds, sampled))[1]
-    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=40,
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=0, max_tokens=200,
                                                                               ignore_eos=True))
     plain = [seconds for k, seconds in filed if k == 0]
     rounds = [seconds for k, seconds in filed if k]
-    assert len(plain) >= 4 and rounds
+    assert len(plain) >= 3 and rounds
     assert max(plain) < 1000 <= min(rounds)  # a round pays its choice: speculating asks one each step
 
 
@@ -834,9 +848,9 @@ def test_plain_stretches_time_one_step_in_a_sample_period_for_the_baseline(make_
     assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
 
 
-def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prompts):
+def test_plain_steps_outside_stretches_are_timed_only_while_the_baseline_needs_it(make_llm, ckpt_a, prompts):
     # the plain path stays thin: the policy's baseline needs a recent median, not every step
-    from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+    from infer.engine.speculative_runner import PLAIN_RESAMPLE_EVERY
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 1)
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([0])
@@ -844,10 +858,11 @@ def test_plain_steps_are_timed_two_in_every_sample_period(make_llm, ckpt_a, prom
     observe = runner.cost_model.observe
     runner.cost_model.observe = lambda b, k, s, sampled: (timed.append(runner._plain_steps), observe(b, k, s, sampled))
     llm.generate(prompt_token_ids=prompts[:1],
-                 sampling_params=SamplingParams(temperature=0, max_tokens=41, ignore_eos=True))
-    assert runner._plain_steps == 40  # the first token comes from the prefill
-    assert timed == [n for n in range(1, 41) if n <= 2 or n % PLAIN_SAMPLE_EVERY in (0, 1)]
+                 sampling_params=SamplingParams(temperature=0, max_tokens=201, ignore_eos=True))
+    assert runner._plain_steps == 200  # the first token comes from the prefill
+    assert timed == _timed_plain_steps(200, PLAIN_RESAMPLE_EVERY) == [1, 2, 66, 130, 194]
     assert runner.cost_model.has_plain(1)
+
 
 
 def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_llm, ckpt_a, prompts):

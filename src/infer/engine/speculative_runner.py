@@ -43,9 +43,13 @@ from infer.tokenizer import Tokenizer
 from infer.transfer import to_device
 
 
-# plain steps are timed two in every this many (the policy only needs the baseline's
-# recent median, and timing every step costs host time on the path it should keep thin)
+# a plain stretch times one of its steps in this many for the plain baseline (the policy
+# only needs its recent median, and timing every step costs host time on the thin path)
 PLAIN_SAMPLE_EVERY = 16
+# a plain step outside a stretch (one next to a round or a choice: its host code runs cold,
+# H100 demo target: 17-25 % dearer than a stretch step) is timed only while the baseline is
+# missing, or once this many plain steps went by without a sample (speculating steadily)
+PLAIN_RESAMPLE_EVERY = 64
 # a plain stretch brings the proposer's tables up to date (`keep_up`) every this many steps
 # and at its last: each call costs more than its own few us even under the forward (H100,
 # demo target: +8-11 us a step every step, none every 8th, `scripts/inflight_slack.py`),
@@ -63,7 +67,7 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
-        self._time_next_plain = False  # time the next plain step (after a round)
+        self._plain_sampled_at = 0  # `_plain_steps` at the latest plain sample
         # a stretch ended while the scheduler reserved the next step (a preemption, an
         # admission): some requests may hold plain's one position, so that step is plain
         self._plain_reserved = False
@@ -271,7 +275,7 @@ class SpeculativeRunner(ContinuousRunner):
         if quiet is not None and quiet(requests):  # a standing all-plain decision: the thin path
             if self._episode is not None:
                 self._end_episode()
-            start = self._plain_timer()
+            start = self._plain_timer(requests)
             shadow = self.shadow
             if start is None and shadow is None:  # nothing to time or check: the plain step alone
                 outputs = super()._decode(requests)
@@ -299,7 +303,7 @@ class SpeculativeRunner(ContinuousRunner):
             # stretch cut short while scheduling), but the batch is not that decision's (a
             # request joined or left): decode plainly, decide afresh next step
             self.policy.end_quiet()  # type: ignore[attr-defined]
-            return self._plain_decode(requests, self._plain_timer())
+            return self._plain_decode(requests, self._plain_timer(requests))
         seq_lens = [r.num_computed_tokens for r in requests]
         left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
@@ -307,7 +311,7 @@ class SpeculativeRunner(ContinuousRunner):
             # timed from here: the plain baseline is what staying plain costs, a step of a
             # plain stretch, which asks no `choose` (30-120 us on the H100, 5-20 % of a
             # demo step: with it, rounds looked that much cheaper); a round pays its own
-            return self._plain_decode(requests, self._plain_timer())
+            return self._plain_decode(requests, self._plain_timer(requests))
         if self._episode is None and self._episode_gain is not None:
             gain = self._episode_gain()
             if gain is not None:  # speculation starts here (not a probe): an episode opens
@@ -333,7 +337,6 @@ class SpeculativeRunner(ContinuousRunner):
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)
-        self._time_next_plain = True
         # the step ended in a host sync (tokens are on the host), so this is its real cost;
         # a draft catching up after plain steps is the cost of switching, recorded apart
         seconds = time.perf_counter() - start - switch - setup
@@ -346,20 +349,24 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model.observe(len(requests), longest, seconds, sampled)
         return outputs
 
-    def _plain_timer(self) -> float | None:
-        """Count a plain step; when it is to be timed, now (its start; a step the policy
-        chose starts after the choice, see `_speculative_decode`).
+    def _plain_timer(self, requests: Sequence[Request]) -> float | None:
+        """Count a plain step outside a plain stretch; when it is to be timed, now (its start;
+        a step the policy chose starts after the choice, see `_speculative_decode`).
 
-        Timed: the first two plain steps, then two in a row every PLAIN_SAMPLE_EVERY (a cost
-        counts from its second sample), and any right after speculation (while speculating,
-        plain steps are rare and the baseline must not expire). Plain stretches time one of
-        their own steps in PLAIN_SAMPLE_EVERY (`_observe_plain`); the step after a stretch is
-        not timed for being one (on the H100 it cost ~17 % more than a stretch step)."""
+        The plain baseline is a stretch step's cost: stretches time one of their steps in
+        PLAIN_SAMPLE_EVERY (`_observe_plain`). Steps outside them sit next to rounds and
+        choices, their host code cold (H100: the step after a round 17-25 % dearer than a
+        stretch step; timing each one, as before, made rounds look cheap, and on W2 the
+        policy speculated at batch 32 where rounds cost 2.5-5 plain steps). They are timed
+        only for the first two plain steps, while the batch's bucket and mode have no fresh
+        plain cost (a new batch size, an expired cost), and once PLAIN_RESAMPLE_EVERY plain
+        steps went by without a sample (a policy speculating steadily)."""
         self._plain_steps += 1
         n = self._plain_steps
-        if self._time_next_plain or n <= 2 or n % PLAIN_SAMPLE_EVERY <= 1:
+        if not self._mixed and (n <= 2 or n - self._plain_sampled_at >= PLAIN_RESAMPLE_EVERY
+                                or not self.cost_model.has_plain(len(requests), batch_samples(requests))):
             return time.perf_counter()
-        return None
+        return None  # (beside prefill chunks a sample would not be filed: `_observe_plain`)
 
     def _observe_plain(self, requests: Sequence[Request], seconds: float) -> None:
         """A timed plain step (`_plain_decode`, or one in a plain stretch: see `PlainStretch`):
@@ -368,6 +375,7 @@ class SpeculativeRunner(ContinuousRunner):
         and rounds looked free)."""
         if not self._mixed:
             self.cost_model.observe(len(requests), 0, seconds, batch_samples(requests))
+            self._plain_sampled_at = self._plain_steps + self._stretch.done
 
     def _stretch_done(self, steps: int) -> None:
         """A plain stretch ran `steps` steps: the policy and the plain-step count catch up."""
@@ -384,7 +392,6 @@ class SpeculativeRunner(ContinuousRunner):
         outputs = super()._decode(requests)
         if self.shadow is not None:
             self.shadow.check(requests)
-        self._time_next_plain = False
         if start is not None:
             self._observe_plain(requests, time.perf_counter() - start)
         return outputs

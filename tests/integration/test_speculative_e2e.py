@@ -147,8 +147,6 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", **ENGINE_CONFIGS[config])
     runner = llm.engine.runner
     runner.shadow.interval = 2
-    runner.policy.worth_shadowing = lambda batch, sampled: True  # (the CPU's costs may turn shadows off)
-    runner.policy = runner.policy
     seen, observe = [], runner.shadow.observe
 
     def recording(rid, k, matched):

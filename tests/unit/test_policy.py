@@ -777,29 +777,3 @@ def test_a_cost_table_is_priced_again_at_once_only_when_kappa_moves_by_more_than
     p.choose([r], [10], 10_000, [1000])
     kappa = p.calibration.factor((1, True))
     assert p._table[(1, True)].kappa == pytest.approx(kappa) and kappa < 1.0 - KAPPA_STEP
-
-
-def test_a_batch_speculates_only_when_the_batch_gains():
-    # each request picks its K as if the round were its own; the round costs the whole batch
-    # r(K) plain steps, so one good request among plain ones would make the batch slower:
-    # held back (probes go on), its evidence does not end that decision, the batch is asked
-    # again after HELD_RECHECK steps; a batch of one is its own request
-    from infer.spec.policy import HELD_RECHECK
-    costs = CostModel(5, draft_ratio={1: 0.0, 4: 0.0}, verify_ratio={1: [1.0] + [1.3] * 5, 4: [1.0] + [2.0] * 5})
-    for b, k, seconds in ((4, 0, 0.001), (4, 0, 0.001), (4, 5, 0.002), (4, 5, 0.002),
-                          (1, 0, 0.001), (1, 0, 0.001), (1, 5, 0.0013), (1, 5, 0.0013)):
-        costs.observe(b, k, seconds, True)
-    p = AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000)
-    batch = [_sampled(f"r{i}") for i in range(4)]
-    for r, a in zip(batch, (0.9, 0.1, 0.1, 0.1)):
-        _at(p, r.request_id, a)
-    assert expected_tokens(0.9, 5) / 2.0 > 1.0 + p.switch_margin  # the good request alone would speculate
-    assert p.choose(batch, [10] * 4, 10_000, [1000] * 4) == [0, 0, 0, 0]
-    assert p._quiet is not None and p._quiet.held and p.quiet_steps_left() < HELD_RECHECK
-    p.proposal_ready("r0")  # a found draft for the good one: the decision stands
-    assert p._quiet is not None
-    for r in batch:
-        _at(p, r.request_id, 0.9)
-    assert p.choose(batch, [10] * 4, 10_000, [1000] * 4) == [5, 5, 5, 5]  # the whole batch gains
-    _at(p, "r0", 0.9)
-    assert p.choose(batch[:1], [10], 10_000, [1000]) == [5]  # alone it speculates as before

@@ -167,8 +167,6 @@ class FixedPolicy:
 # a cost table is priced again at once when the episode calibration's factor moves by more
 # than this (spec/episodes.py); smaller moves wait for its next refresh
 KAPPA_STEP = 0.02
-# a batch whose gain held its would-be speculators back is asked again after this many steps
-HELD_RECHECK = 8
 
 
 def _one_unit(tokens_behind: int) -> float:
@@ -186,9 +184,6 @@ class _Quiet(NamedTuple):
     # gap keeps a table for a while after new measurements, and `until` then ends the
     # decision when the table is due for its refresh)
     version: int
-    # the batch's gain held requests back that would speculate on their own (`choose`):
-    # new evidence for one of them does not end the decision, `until` re-asks
-    held: bool = False
 
 
 @dataclass(slots=True)
@@ -358,13 +353,9 @@ class AdaptivePolicy:
         next_due = table.step + self.recompute_every
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
-        waited = []  # each request's wait_from before this choice (a held-back request keeps it)
-        going = False  # some request was speculating before this choice
         for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
             est = self._lookup(r.request_id, request_samples(r))
             ests.append(est)
-            waited.append(est.wait_from)
-            going = going or est.speculating
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 ks.append(0)
                 continue
@@ -401,31 +392,13 @@ class AdaptivePolicy:
             k = guard_k(k, n, max_seq_len, left)
             starting = starting or (k > 0 and not est.probing)
             ks.append(k)
-        held = starting and batch > 1 and not self._batch_gains(ests, ks, table, going)
-        if held:  # the batch would lose: its speculators decode plainly (probes go on)
-            for i, est in enumerate(ests):
-                if ks[i] and not est.probing:
-                    ks[i], est.speculating, est.wait_from = 0, False, waited[i]
-            starting = False
-            next_due = min(next_due, self._steps + HELD_RECHECK)
         if not any(ks):
-            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version, held)
+            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version)
         else:
             self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
                                  self.costs.version)
             self._choice = _Choice(table, ests, ks, starting)
         return ks
-
-    def _batch_gains(self, ests: Sequence[_Estimate], ks: Sequence[int], table: _CostTable, going: bool) -> bool:
-        """Whether the batch as chosen beats plain decoding: a round costs the whole batch
-        r(max K) plain steps and gives each request its expected tokens (a plain one its
-        token), against one token each for a plain step. Each request chose its K as if the
-        round were its own; at batch 32, a few speculators among plain requests made the
-        batch ~10 % slower (H100 14g, W2). By `switch_margin` to start, `stay_margin` to
-        go on (`going`: some request was speculating)."""
-        tokens = sum(expected_tokens(e.accepted / e.trials, k) if k else 1.0 for e, k in zip(ests, ks))
-        margin = self.stay_margin if going else self.switch_margin
-        return tokens > len(ks) * table.costs[max(ks)] * (1.0 + margin)
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
         """Whether shadow drafts can change anything for a batch of this size and sampling
@@ -616,7 +589,7 @@ class AdaptivePolicy:
         # (a shadowed request's probes are priced at acceptance 0: their schedule stays), which
         # a request waiting after a miss does not (`proposal_ready` ends the wait)
         quiet = self._quiet
-        if quiet is not None and not quiet.held and self._steps >= est.miss_until and (
+        if quiet is not None and self._steps >= est.miss_until and (
                 restart or not self.shadowed or self._would_start(est, quiet.table)):
             self._quiet = None
 
@@ -678,7 +651,7 @@ class AdaptivePolicy:
             return
         est.miss_until = est.miss_interval = 0
         quiet = self._quiet
-        if quiet is not None and not quiet.held and self._would_start(est, quiet.table):
+        if quiet is not None and self._would_start(est, quiet.table):
             self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:

@@ -59,7 +59,8 @@ def test_empty_or_free_episodes_change_nothing():
 
 
 @pytest.mark.parametrize("kwargs, match", [({"prior_tokens": 0}, "prior_tokens"), ({"decay": 0.0}, "decay"),
-                                           ({"decay": 1.5}, "decay"), ({"min_factor": 0.0}, "min_factor")])
+                                           ({"decay": 1.5}, "decay"), ({"min_factor": 0.0}, "min_factor"),
+                                           ({"half_life": 0.0}, "half_life")])
 def test_calibration_validates_its_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GainCalibration(**kwargs)
@@ -69,3 +70,19 @@ def test_an_episode_beside_prefill_work_tells_nothing():
     e = Episode(batch_size=1, sampled=False, gain=2.0, mixed=True)
     e.add(0.002, 3)
     assert e.outcome(0.001) is None
+
+
+def test_evidence_relaxes_toward_the_prior_so_a_locked_out_mode_is_tried_again():
+    cal = GainCalibration(half_life=100.0)
+    for _ in range(30):
+        cal.observe(KEY, 3.0, realized=1.0, predicted=3.0)
+    low = cal.factor(KEY)
+    assert low < 0.4
+    cal.relax(KEY, 1000)  # starts the clock: nothing moves yet
+    assert cal.factor(KEY) == low
+    cal.relax(KEY, 1100)  # one half-life: halfway back in weight
+    assert low < cal.factor(KEY) < 1.0
+    cal.relax(KEY, 3100)  # twenty more: back at the prior
+    assert cal.factor(KEY) == pytest.approx(1.0, abs=1e-3)
+    cal.relax((2, False), 5)  # a key without evidence: nothing to relax
+    assert (2, False) not in cal._sums

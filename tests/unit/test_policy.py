@@ -777,3 +777,24 @@ def test_a_cost_table_is_priced_again_at_once_only_when_kappa_moves_by_more_than
     p.choose([r], [10], 10_000, [1000])
     kappa = p.calibration.factor((1, True))
     assert p._table[(1, True)].kappa == pytest.approx(kappa) and kappa < 1.0 - KAPPA_STEP
+
+
+def test_a_mode_locked_out_by_a_low_kappa_is_tried_again_as_its_evidence_relaxes():
+    # episodes that fell far short leave no K paying even at the optimistic acceptance: no
+    # shadow drafts then, and no episode to raise kappa; its evidence relaxes toward the
+    # prior with the policy's steps, and the mode is worth shadowing again
+    from infer.spec.episodes import GainCalibration
+    p = _speculating_policy(calibration=GainCalibration(half_life=200.0))
+    r = _sampled("r")
+    _at(p, "r", 0.5)
+    p.choose([r], [10], 10_000, [1000])
+    for _ in range(40):
+        p.observe_episode(1, True, plain_steps=3.0, realized=0.6, predicted=3.0)
+    p._quiet = None
+    p.choose([r], [10], 10_000, [1000])
+    assert not p.worth_shadowing(1, True) and p.worth_shadowing(1, False)
+    p._steps += 10 * p.recompute_every  # plain steps in stretches (`count_quiet_steps`),
+    p.costs.observe(1, 0, 0.001, True)  # one of them timed for the baseline
+    p._quiet = None
+    p.choose([r], [10], 10_000, [1000])  # the table is priced again: relaxed
+    assert p.worth_shadowing(1, True)

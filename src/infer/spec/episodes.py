@@ -28,6 +28,12 @@ round (r(K) for K > 0) in the policy's cost table: a mode whose episodes fall sh
 their predictions needs a larger predicted gain to speculate; one whose episodes keep their
 promise (kappa 1) is priced as measured. Never above 1: a mode that does better than
 predicted is left to its own estimates (rounds long enough to show it are not marginal).
+
+A low kappa can lock a mode out: no K pays, so no episode comes to raise it (and where
+nothing could pay even at the optimistic acceptance, shadow drafts stop too). So a key's
+evidence also relaxes toward the prior (kappa 1) with a half-life of `half_life` policy
+steps (`relax`, at each cost-table pricing): traffic that changes is tried again, at the
+price of an episode or two every few thousand steps.
 """
 
 from __future__ import annotations
@@ -71,7 +77,9 @@ class GainCalibration:
     prior_tokens: float = 8.0
     decay: float = 0.98
     min_factor: float = 0.25
+    half_life: float = 2048.0  # policy steps over which a key's evidence relaxes halfway to the prior
     _sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # key -> (realized, predicted)
+    _relaxed_at: dict[tuple[int, bool], int] = field(default_factory=dict)  # key -> policy step of its last `relax`
 
     def __post_init__(self) -> None:
         if self.prior_tokens <= 0:
@@ -80,6 +88,20 @@ class GainCalibration:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if not 0.0 < self.min_factor <= 1.0:
             raise ValueError(f"min_factor must be in (0, 1], got {self.min_factor}")
+        if self.half_life <= 0:
+            raise ValueError(f"half_life must be > 0, got {self.half_life}")
+
+    def relax(self, key: tuple[int, bool], step: int) -> None:
+        """Move the key's evidence toward the prior for the policy steps since its last
+        `relax` (the first call only starts the clock)."""
+        last = self._relaxed_at.get(key)
+        self._relaxed_at[key] = step
+        sums = self._sums.get(key)
+        if sums is None or last is None or step <= last:
+            return
+        w = 0.5 ** ((step - last) / self.half_life)
+        prior = self.prior_tokens * (1.0 - w)
+        self._sums[key] = (sums[0] * w + prior, sums[1] * w + prior)
 
     def observe(self, key: tuple[int, bool], plain_steps: float, realized: float, predicted: float) -> None:
         """An episode of `plain_steps` plain steps' time that emitted `realized` tokens per

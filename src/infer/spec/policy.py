@@ -490,8 +490,12 @@ class AdaptivePolicy:
         if not model.has_plain(batch_size, sampled):
             return None
         raw = self.costs.relative_costs(batch_size, sampled)
-        # rounds cost what episodes showed beyond the measured steps (spec/episodes.py)
-        kappa = 1.0 if self.calibration is None else self.calibration.factor(b)
+        # rounds cost what episodes showed beyond the measured steps (spec/episodes.py),
+        # their evidence relaxing toward the prior meanwhile (a mode a low kappa locked out)
+        kappa = 1.0
+        if self.calibration is not None:
+            self.calibration.relax(b, self._steps)
+            kappa = self.calibration.factor(b)
         costs = raw if kappa == 1.0 else [1.0] + [x / kappa for x in raw[1:]]
         # probe with the K that would pay best at the optimistic acceptance: one round then
         # tells as much as K probes of one token, at little more than one's cost (a round's

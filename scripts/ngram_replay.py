@@ -70,6 +70,9 @@ def replay(engine: Engine, prompt: list[int], temperature: float, profile: Profi
     sampled = temperature > 0
     runner.cost_model = runner.policy.costs = SimulatedCosts(runner.spec_length, profile, sampled)
     policy = runner.policy
+    # episodes time the CPU's real steps against the simulated plain step: their kappa
+    # would mean nothing here (spec/episodes.py), so rounds are priced as simulated
+    policy.calibration = None
     asked = {"misses": 0}
     no_proposal = policy.no_proposal
 

@@ -25,7 +25,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
-from infer.engine.speculative_runner import PLAIN_SAMPLE_EVERY
+from infer.engine.speculative_runner import PLAIN_RESAMPLE_EVERY, PLAIN_SAMPLE_EVERY
 from infer.spec.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy
 
@@ -94,7 +94,7 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
     total_time = 0.0
     rounds = probes = 0
     seen_k: dict[int, int] = {}
-    plain_steps = 0
+    plain_steps = sampled_at = 0
     for g in range(generations):
         r = _Request(f"r{g}", 128, _Params(profile.sampled))
         emitted, behind, last_round = 0, r.num_computed_tokens, False
@@ -105,8 +105,12 @@ def replay(profile: Profile, policy_factory, seed: int, generations: int, k_max:
             if k == 0:
                 t = noise
                 plain_steps += 1
-                if last_round or plain_steps <= 2 or plain_steps % PLAIN_SAMPLE_EVERY <= 1:  # as the runner
+                # as the runner: one stretch step in PLAIN_SAMPLE_EVERY (not one right after a
+                # round), else only while the baseline is missing or stale
+                if ((not last_round and plain_steps % PLAIN_SAMPLE_EVERY == 0) or plain_steps <= 2
+                        or plain_steps - sampled_at >= PLAIN_RESAMPLE_EVERY or not costs.has_plain(1, profile.sampled)):
                     costs.observe(1, 0, t * PLAIN_SECONDS, profile.sampled)
+                    sampled_at = plain_steps
                 emitted += 1
                 r.num_computed_tokens += 1
                 behind += 1

@@ -798,3 +798,35 @@ def test_a_mode_locked_out_by_a_low_kappa_is_tried_again_as_its_evidence_relaxes
     p._quiet = None
     p.choose([r], [10], 10_000, [1000])  # the table is priced again: relaxed
     assert p.worth_shadowing(1, True)
+
+
+@pytest.mark.parametrize("stagger", [0, 17])
+def test_a_batchs_requests_share_the_probe_budget(stagger):
+    # a probe's step costs the whole batch: four requests whose drafts all fail spend, in
+    # probe steps, about what one request alone does, whether they probe together (a step
+    # shared: each charged its share) or apart (requests that joined at different steps).
+    # Before, each request had the whole budget: apart, four times the probe steps
+    costs = CostModel(4, draft_ratio={1: 0.2, 4: 0.2}, verify_ratio={1: [1.0] * 5, 4: [1.0] * 5})
+    for b in (1, 4):
+        _measure(costs, b, 0, 0.001)
+        _measure(costs, b, 1, 0.0013)  # r(1) = 1.3 at either size
+        _measure_switch(costs, b, 0.0005)
+
+    def probe_steps(batch: int) -> int:
+        p = AdaptivePolicy(4, costs)
+        rs = [R(f"w{i}") for i in range(batch)]
+        for n in range(1, batch + 1):  # the requests join one by one, `stagger` steps apart
+            for _ in range(max(stagger, 30) if n == batch else stagger):
+                for r, k in zip(rs[:n], p.choose(rs[:n], [10] * n, 10_000, [50_000] * n)):
+                    p.update(r.request_id, k, 0)  # every draft rejected
+        steps = 0
+        for _ in range(4000):
+            ks = p.choose(rs, [10] * batch, 10_000, [50_000] * batch)
+            steps += any(ks)
+            for r, k in zip(rs, ks):
+                p.update(r.request_id, k, 0)
+        return steps
+
+    alone, four = probe_steps(1), probe_steps(4)
+    assert alone >= 10
+    assert alone / 2 <= four <= 1.5 * alone

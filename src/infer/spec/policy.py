@@ -24,7 +24,9 @@ overhead is most of its cost, so K tokens tell much more than one at little more
 or K = 1 when nothing could pay even then (such probes only re-measure the costs), or for
 shadowed requests (below). Probes are paid from a per-request credit that accrues at
 `probe_budget` (1 %) of the steps, a tenth of that when nothing could pay or shadow drafts
-(below) measure the acceptance, since such probes only re-measure the costs. A probe is
+(below) measure the acceptance, since such probes only re-measure the costs; a batch's
+requests share the budget (each accrues its share: a probe's round costs the whole batch's
+step, so 32 requests each at the full rate spent 32 times it). A probe is
 charged its cost (its round plus the switching cost: a draft model must first catch up on
 the tokens it skipped) less the one token it surely emits, and refunded each draft token
 accepted; it is due when the credit covers its loss expected at the request's estimate.
@@ -271,7 +273,7 @@ class AdaptivePolicy:
     switch_margin: float = 0.05  # start speculating only when predicted to beat plain by 5 %
     stay_margin: float = 0.0  # go on speculating while predicted to beat plain by this much
     optimistic_a: float = 0.9  # probe only if speculating would pay at this acceptance
-    probe_budget: float = 0.01  # probes may cost at most this fraction of the time
+    probe_budget: float = 0.01  # probes may cost at most this fraction of the batch's time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
     # tokens the draft is behind -> units of catch-up work (`CostModel.switch_cost` prices
@@ -349,6 +351,7 @@ class AdaptivePolicy:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks: list[int] = []
         ests: list[_Estimate] = []
+        probers: list[_Estimate] = []  # requests probing at this step
         starting = False
         next_due = table.step + self.recompute_every
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
@@ -388,10 +391,18 @@ class AdaptivePolicy:
                 est.credit = self._credit(est, table, loss) - (cost - 1.0)
                 est.credit_step = max(self._steps, est.credit_step)
                 est.probing, k, est.probe_cost = True, table.probe_k, cost
+                probers.append(est)
             est.wait_from = self._steps
             k = guard_k(k, n, max_seq_len, left)
             starting = starting or (k > 0 and not est.probing)
             ks.append(k)
+        if len(probers) > 1:
+            # probes in one step share it: the batch pays one round and its catch-ups run
+            # batched, so each prober is charged its share of its cost, the rest refunded
+            for est in probers:
+                refund = (est.probe_cost - 1.0) * (1.0 - 1.0 / len(probers))
+                est.credit += refund
+                est.probe_cost -= refund
         if not any(ks):
             self._quiet = _Quiet(list(requests), next_due, table, self.costs.version)
         else:
@@ -505,6 +516,8 @@ class AdaptivePolicy:
         # a tenth of the budget for probes that can only re-measure the costs: nothing could
         # pay, or shadow drafts measure the acceptance (for free)
         budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10
+        # shared by the batch's requests (a probe's round is the whole batch's step)
+        budget /= b[0]
         probe_k = 1 if self.shadowed or not could_pay else could_pay
         t = self._table[b] = _CostTable(self.costs.version, self.costs.plain_version, self._steps, costs, probe_k,
                                         costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,

@@ -939,6 +939,7 @@ def test_steps_beside_prefill_chunks_are_not_filed_as_costs(make_llm, ckpt_a, pr
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert sum(mixed_steps) >= 3  # decode steps did run beside prefill chunks
     assert filed and not any(filed)  # costs were filed, never from those
+    assert runner._held == 0
     assert llm.engine.leak_report() == []
 
 
@@ -973,4 +974,5 @@ def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert takes and drafts and all(behind == 0 for ds in drafts for _, _, behind in ds)  # caught up at each lookup
+    assert runner._held == 0  # (the count that sizes a prefill's batch: every request gave its slot back)
     assert llm.engine.leak_report() == []

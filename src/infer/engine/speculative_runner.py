@@ -199,8 +199,8 @@ class SpeculativeRunner(ContinuousRunner):
     def allocate(self, request: Request) -> None:
         self._end_stretch()  # the batch changes
         self._end_episode()
-        self._held += 1
         super().allocate(request)
+        self._held += 1
         if self.draft is not None:
             self.draft.allocate(request, request.prefill_target)
         if self.shadow is not None:

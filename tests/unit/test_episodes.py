@@ -67,7 +67,10 @@ def test_calibration_validates_its_settings(kwargs, match):
 
 
 def test_an_episode_beside_prefill_work_tells_nothing():
-    e = Episode(batch_size=1, sampled=False, gain=2.0, mixed=True)
+    e = Episode(batch_size=1, sampled=False, gain=2.0)
+    e.add(0.002, 3)
+    assert e.outcome(0.001) is not None
+    e.add(0.002, 3, mixed=True)  # a step beside prefill chunks taints it for good
     e.add(0.002, 3)
     assert e.outcome(0.001) is None
 

@@ -347,11 +347,11 @@ class GraphForward:
         n, w = len(layout.slots), layout.width
         mode = "greedy" if all(greedy) else "draft_probs" if draft_probs is not None else "one_hot"
         v = self.verifiers.get((self._bucket(n), w, mode)) if n <= self.buckets[-1] else None
-        if v is None:  # no acceptance graph here: the verification graph if any (as `sample`)
+        if v is None or not self.supports(layout, True):
+            # no acceptance graph here: the verification graph if any (as `sample`; `self`
+            # runs the forward eagerly where no graph fits), then the acceptance eagerly
             return verify_on_logits(self(ids, layout, all_logits=True), draft_tokens, counts, draft_probs,
                                     temperatures, greedy, uniforms)
-        if not self.supports(layout, True):
-            return self.eager.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
         self(ids, layout, all_logits=True)  # fills the logits v reads
         b = v.out.shape[0]
         longs = v.longs.next_host()

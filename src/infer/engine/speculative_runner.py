@@ -250,8 +250,6 @@ class SpeculativeRunner(ContinuousRunner):
     # -- the speculative decode step --------------------------------------------------------------
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
         self._mixed = bool(prefill)
-        if self._mixed and self._episode is not None:
-            self._episode.mixed = True
         return super().step(prefill, decode)
 
     def _end_stretch(self) -> None:
@@ -292,7 +290,7 @@ class SpeculativeRunner(ContinuousRunner):
         outputs = self._speculative_decode(requests, plain_reserved)
         episode = self._episode  # (opened by this step's choice, or earlier)
         if episode is not None:
-            episode.add(time.perf_counter() - start - self._one_off, len(outputs))
+            episode.add(time.perf_counter() - start - self._one_off, len(outputs), self._mixed)
         return outputs
 
     def _speculative_decode(self, requests: Sequence[Request], plain_reserved: bool = False) -> StepResult:
@@ -315,7 +313,7 @@ class SpeculativeRunner(ContinuousRunner):
         if self._episode is None and self._episode_gain is not None:
             gain = self._episode_gain()
             if gain is not None:  # speculation starts here (not a probe): an episode opens
-                self._episode = Episode(len(requests), batch_samples(requests), gain, mixed=self._mixed)
+                self._episode = Episode(len(requests), batch_samples(requests), gain)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)

@@ -53,10 +53,12 @@ class Episode:
     steps: int = 0
     mixed: bool = False  # some engine step in it also ran prefill chunks: its time is not its own
 
-    def add(self, seconds: float, tokens: int) -> None:
+    def add(self, seconds: float, tokens: int, mixed: bool = False) -> None:
+        """A decode step of the episode (`mixed`: its engine step also ran prefill chunks)."""
         self.seconds += seconds
         self.tokens += tokens
         self.steps += 1
+        self.mixed = self.mixed or mixed
 
     def outcome(self, plain_seconds: float | None) -> tuple[float, float, float] | None:
         """(plain steps of time, realized tokens per request, predicted tokens per request),

@@ -216,12 +216,12 @@ class _CostTable(NamedTuple):
 
 
 class _Choice(NamedTuple):
-    """The latest `choose` that gave some request k > 0 (for `episode_gain`)."""
+    """The latest `choose` in which some request speculates (k > 0, not a probe): what
+    `episode_gain` prices."""
 
     table: _CostTable
     estimates: list  # the requests' `_Estimate`s, in batch order
     ks: list[int]
-    starting: bool  # some request speculates (k > 0, not a probe)
 
 
 @dataclass(slots=True)
@@ -408,7 +408,8 @@ class AdaptivePolicy:
         else:
             self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
                                  self.costs.version)
-            self._choice = _Choice(table, ests, ks, starting)
+            if starting:
+                self._choice = _Choice(table, ests, ks)
         return ks
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
@@ -426,7 +427,7 @@ class AdaptivePolicy:
         (not kappa): the prediction a speculative episode starting here is held to
         (spec/episodes.py). None otherwise."""
         choice = self._choice
-        if choice is None or not choice.starting:
+        if choice is None:
             return None
         tokens = sum(expected_tokens(e.accepted / e.trials, k) for e, k in zip(choice.estimates, choice.ks))
         return tokens / (len(choice.ks) * choice.table.raw[max(choice.ks)])

@@ -382,7 +382,7 @@ def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens:
     return out
 
 
-def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: int,
+def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: float, tokens: int,
                 generations: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
     """Generations with every decode step's wall time (schedule, runner step, retirement)
     filed under what the step did: "round" (verified drafts; "round, first" when the step
@@ -392,9 +392,12 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
     A plain runner's steps (or a runner in plain mode) are all "plain". Returns category ->
     [steps, tokens, seconds], and category -> part -> seconds: the inner plain decode step
     (forward, sampling, output), the policy's `choose`, the proposer, shadow takes and
-    checks, the cost model's bookkeeping."""
+    checks, the cost model's bookkeeping. A batch workload (W2) files its prefill steps too
+    ("prefill", alone or beside a round or plain decode) and its decode steps by the batch's
+    bucket ("round @32")."""
     from infer.engine.runner import ContinuousRunner
     runner = engine.runner
+    by_batch = isinstance(prompt, PromptSet)
     calls = {"propose": 0, "choose": 0, "_verify": 0, "no_proposal": 0}
     spent: dict[str, float] = defaultdict(float)  # this step's timed parts
     undo: list[tuple[object, str]] = []
@@ -439,10 +442,19 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
         for request in engine.scheduler.retire(runner):
             engine._requests.pop(request.request_id, None)
         seconds = time.perf_counter() - a
+        did = {k: calls[k] > before[k] for k in calls}
         if decision.prefill:
             previous[0] = "prefill"
+            if by_batch:  # W2: prefill steps too, alone or beside decode steps (round or plain)
+                cat = ("prefill" if not decision.decode else "prefill + round" if did["_verify"]
+                       else "prefill + plain")
+                entry = ledger[cat]
+                entry[0] += 1
+                entry[1] += len(results)
+                entry[2] += seconds
+                for label, x in spent.items():
+                    parts[cat][label] += x
         if decision.decode and not decision.prefill:
-            did = {k: calls[k] > before[k] for k in calls}
             cat = ("plain" if not speculative else "round" if did["_verify"] else "choose" if did["choose"]
                    else "stretch" if stretch else "shadow take" if did["propose"] else "shadow pending" if pending
                    else "quiet")
@@ -451,6 +463,8 @@ def step_ledger(engine: Engine, prompt: list[int], temperature: float, tokens: i
                 cat = "round, first"
             if cat == "choose":  # split by why the policy was asked (`_why_asked`), or a miss
                 cat = "choose: miss" if did["no_proposal"] else f"choose: {why}"
+            if by_batch:  # W2: by the batch's bucket too (a plain step's cost grows with it)
+                cat = f"{cat} @{1 << (len(decision.decode) - 1).bit_length()}"
             entry = ledger[cat]
             entry[0] += 1
             entry[1] += len(results)
@@ -486,7 +500,7 @@ def _why_asked(policy: object, previous: str) -> str:
     return "new costs" if quiet.version != policy.costs.version else "batch"  # type: ignore[attr-defined]
 
 
-def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float, tokens: int,
+def print_ledger(engines: dict[str, Engine], prompt: list[int] | PromptSet, w: str, t: float, tokens: int,
                  generations: int) -> None:
     """Each adaptive instance's step ledger against its own plain mode (alternating, one
     generation each): per category, steps, tokens, us a step, and the excess, what those
@@ -513,16 +527,28 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int], w: str, t: float
                     entry[2] += sec
                     for label, x in split[cat].items():
                         (plain_parts if mode else our_parts)[cat][label] += x
-        n_p, k_p, s_p = plain["plain"]
-        per_token = s_p / k_p
+        s_p = sum(sec for _, _, sec in plain.values())  # plain mode's whole time
+        decode = [v for cat, v in plain.items() if cat.startswith("plain")]
+        n_p, k_p = sum(v[0] for v in decode), sum(v[1] for v in decode)
         total = sum(sec for _, _, sec in ours.values())
-        print(f"{w} T={t:g} {name} ledger over {generations} generations: plain mode {s_p / n_p * 1e6:.1f} us a step "
-              f"(inner decode {plain_parts['plain']['inner decode'] / n_p * 1e6:.1f}); "
+        inner = sum(split["inner decode"] for cat, split in plain_parts.items() if cat.startswith("plain"))
+        print(f"{w} T={t:g} {name} ledger over {generations} generations: plain mode "
+              f"{sum(v[2] for v in decode) / n_p * 1e6:.1f} us a decode step (inner decode {inner / n_p * 1e6:.1f}); "
               f"adaptive / plain-mode time x{total / s_p:.4f}", flush=True)
+
+        def per_token(cat: str) -> float:
+            """Plain mode's seconds a token at the category's bucket (all its decode steps' if none)."""
+            n, k, sec = plain.get("plain" + cat[cat.index(" @"):] if " @" in cat else "plain", (0, 0, 0.0))
+            return sec / k if k else sum(v[2] for v in decode) / k_p
+
         for cat, (n, k, sec) in sorted(ours.items(), key=lambda kv: -kv[1][2]):
             print(f"    {cat:>30}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
-                  f"excess {(sec - k * per_token) / s_p * 100:+.2f} %; parts (us a step) "
+                  f"excess {(sec - k * per_token(cat)) / s_p * 100:+.2f} %; parts (us a step) "
                   + ", ".join(f"{label} {x / n * 1e6:.1f}" for label, x in sorted(our_parts[cat].items())), flush=True)
+        if isinstance(prompt, PromptSet):  # plain mode's own ledger (its prefill steps, its buckets)
+            for cat, (n, k, sec) in sorted(plain.items(), key=lambda kv: -kv[1][2]):
+                print(f"    plain mode {cat:>19}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
+                      f"{sec / s_p * 100:5.1f} % of its time", flush=True)
 
 
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:
@@ -550,7 +576,8 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5", "W2"],
                     help="W2: 32 requests at once, timed whole (needs --max-batch-size 32; the per-step "
-                         "instruments, --ledger --phases --split --gpu-time, are for W1 and W5)")
+                         "instruments --phases --split --gpu-time are for W1 and W5; --ledger files W2's "
+                         "prefill steps too, and its decode steps by batch bucket)")
     ap.add_argument("--max-batch-size", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="engines to compare (plain is always there)")
@@ -567,8 +594,8 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
-    if "W2" in args.workload and (args.ledger or args.phases or args.split or args.gpu_time):
-        ap.error("--ledger, --phases, --split and --gpu-time time one request's steps: leave W2 out for them")
+    if "W2" in args.workload and (args.phases or args.split or args.gpu_time):
+        ap.error("--phases, --split and --gpu-time time one request's steps: leave W2 out for them")
     if "W2" in args.workload and args.max_batch_size < WORKLOADS["W2"].num_requests:
         ap.error(f"W2 runs {WORKLOADS['W2'].num_requests} requests at once: pass --max-batch-size "
                  f"{WORKLOADS['W2'].num_requests}")

@@ -147,6 +147,9 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", **ENGINE_CONFIGS[config])
     runner = llm.engine.runner
     runner.shadow.interval = 2
+    # (where this CPU's costs leave nothing that could pay for the batch, the gate would turn
+    # shadows off; this test is about what they do when on)
+    runner.policy.worth_shadowing = lambda batch, sampled: True
     seen, observe = [], runner.shadow.observe
 
     def recording(rid, k, matched):

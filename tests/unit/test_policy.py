@@ -812,21 +812,103 @@ def test_a_batchs_requests_share_the_probe_budget(stagger):
         _measure(costs, b, 1, 0.0013)  # r(1) = 1.3 at either size
         _measure_switch(costs, b, 0.0005)
 
-    def probe_steps(batch: int) -> int:
+    def probe_spend(batch: int) -> float:
+        """Plain steps' time the probe rounds cost beyond plain steps (r(K) - 1 each)."""
         p = AdaptivePolicy(4, costs)
         rs = [R(f"w{i}") for i in range(batch)]
         for n in range(1, batch + 1):  # the requests join one by one, `stagger` steps apart
             for _ in range(max(stagger, 30) if n == batch else stagger):
                 for r, k in zip(rs[:n], p.choose(rs[:n], [10] * n, 10_000, [50_000] * n)):
                     p.update(r.request_id, k, 0)  # every draft rejected
-        steps = 0
+        spent, steps = 0.0, 0
         for _ in range(4000):
             ks = p.choose(rs, [10] * batch, 10_000, [50_000] * batch)
-            steps += any(ks)
+            if any(ks):  # (the batch's probe K may differ from one request's: what could pay differs)
+                spent += costs.relative_costs(batch)[max(ks)] - 1.0
+                steps += 1
             for r, k in zip(rs, ks):
                 p.update(r.request_id, k, 0)
-        return steps
+        assert steps >= 4
+        return spent
 
-    alone, four = probe_steps(1), probe_steps(4)
-    assert alone >= 10
+    alone, four = probe_spend(1), probe_spend(4)
     assert alone / 2 <= four <= 1.5 * alone
+
+
+def _batch_policy(batch: int, r_k: float, **kwargs) -> AdaptivePolicy:
+    """Sampled-mode costs at batch 1 and at `batch`: K=5 rounds cost 1.3 plain steps alone
+    and `r_k` in the batch (a round costs the whole batch)."""
+    costs = CostModel(5, draft_ratio={1: 0.0, batch: 0.0}, verify_ratio={1: [1.0] + [1.3] * 5,
+                                                                           batch: [1.0] + [r_k] * 5})
+    for b, r in ((1, 1.3), (batch, r_k)):
+        for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.001 * r), (5, 0.001 * r)):
+            costs.observe(b, k, seconds, True)
+    return AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000, calibration=None, **kwargs)
+
+
+def test_a_round_must_pay_for_the_whole_batch():
+    # one request drafting well (a = 0.8: K=5 alone would beat plain by ~2x) among seven that
+    # draft badly: at batch 8 a round costs 2.2 plain steps for everyone, and the batch's
+    # expected tokens (3.7 + 7 * 1) fall short of 8 * 2.2, so it decodes plainly; the same
+    # request alone speculates, and so does a batch where every request drafts well
+    p = _batch_policy(8, 2.2)
+    batch = [_sampled(f"r{i}") for i in range(8)]
+    _at(p, "r0", 0.8)
+    for i in range(1, 8):
+        _at(p, f"r{i}", 0.05)
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [0] * 8
+    assert p._quiet is not None and p._quiet.vetoed
+    assert p.episode_gain() is None  # no episode starts
+    p._quiet = None
+    assert p.choose(batch[:1], [10], 10_000, [1000]) == [5]  # alone it pays
+    for i in range(8):
+        _at(p, f"r{i}", 0.8)
+    ks = p.choose(batch, [10] * 8, 10_000, [1000] * 8)
+    assert ks == [5] * 8 and not p._quiet
+
+
+def test_a_batch_held_plain_by_its_economics_is_asked_again_after_veto_hold_steps():
+    # a request's new shadow evidence does not end the batch's plain decision (each ask is a
+    # full choose over the batch); it is asked again `veto_hold` steps later, and speculates
+    # if the batch pays by then
+    p = _batch_policy(8, 2.2, shadowed=True, veto_hold=16)
+    batch = [_sampled(f"r{i}") for i in range(8)]
+    for i in range(8):
+        _at(p, f"r{i}", 0.8 if i == 0 else 0.05)
+        p._est[f"r{i}"].seen_trials = 10.0  # shadow drafts were counted
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [0] * 8
+    assert p._quiet.vetoed
+    for i in range(8):
+        p.observe_shadow(f"r{i}", 5, 5)  # every request's draft came true
+    steps = 1
+    while p.quiet(batch):
+        steps += 1
+    assert steps == 16
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [5] * 8
+
+
+def test_what_could_pay_at_a_batch_size_uses_the_batchs_typical_acceptance():
+    # sampled requests' prior is 0.3; at batch 8 rounds cost 2.2 plain steps: even with one
+    # request at the optimistic 0.9, the rest at 0.3 + batch_optimism cannot pay, so no shadow
+    # drafts there (no n-gram upkeep); alone a request could, and a batch whose kind learned
+    # a high acceptance could too
+    p = _batch_policy(8, 2.2, shadowed=True)
+    r = _sampled("solo")
+    p.choose([r], [10], 10_000, [1000])
+    p.choose([_sampled(f"r{i}") for i in range(8)], [10] * 8, 10_000, [1000] * 8)
+    assert p.worth_shadowing(1, True) and not p.worth_shadowing(8, True)
+    assert p._table[(8, True)].budget == pytest.approx(p.probe_budget / 10 / 8)  # only re-measuring
+    p._learned[True] = 0.85  # finished requests accepted most drafts
+    p._table.clear()
+    p._quiet = None
+    p.choose([_sampled(f"q{i}") for i in range(8)], [10] * 8, 10_000, [1000] * 8)
+    assert p.worth_shadowing(8, True)
+
+
+def test_what_could_pay_for_a_batch_of_one_is_the_single_requests_best_k():
+    from infer.spec.policy import _could_pay
+    for costs in ([1.0, 1.3, 1.4, 1.5, 1.6, 1.7], [1.0, 2.0, 2.2, 2.4, 2.6, 2.8], [1.0] + [5.0] * 5):
+        for a in (0.2, 0.6, 0.9):
+            assert _could_pay(a, 0.0, 1, costs, 0.05) == best_k_for_costs(a, costs, 0.05)
+    assert _could_pay(0.9, 0.3, 32, [1.0, 2.0, 2.2, 2.4, 2.6, 2.8], 0.05) == 0
+    assert _could_pay(0.9, 0.8, 32, [1.0, 2.0, 2.2, 2.4, 2.6, 2.8], 0.05) > 0

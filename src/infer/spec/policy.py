@@ -66,6 +66,17 @@ A shadowed request also decodes plainly until its first shadow draft is counted:
 prior alone would have it speculate on text where drafts keep failing, at a cost, when
 the evidence comes for free a few steps later.
 
+A round costs the whole batch r(max K) plain steps, so at batch > 1 the requests' choices
+must pay for the batch: their expected tokens (one for a request without drafts) against
+batch * r(max K), by the switch margin to start and the stay margin to go on; if not, the
+requests that were to speculate decode plainly (probes go on) and the batch is asked again
+after `veto_hold` steps, not at each request's new shadow evidence (on the H200 demo pair at
+W2, T=1, a few requests that drafted well had the batch of 32 speculate at nearly every step,
+each round costing ~2.2 plain steps for ~1 token a request: +59 % of the time, run 15a).
+What could pay at a batch size (the shadow gate below, the probes' K and budget) is judged
+alike, with one request at `optimistic_a` and the rest at `batch_acceptance`: their kind's
+prior plus `batch_optimism`.
+
 What switching to speculation really cost is measured too: the runner times each
 *episode*, from a choice that starts speculating to the next all-plain decision, and
 reports it (`observe_episode`) with the gain `episode_gain` predicted for it. The
@@ -123,6 +134,17 @@ def best_k_for_costs(a: float, relative_costs: Sequence[float], margin: float = 
 def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
     """Overflow guard: positions seq_len..seq_len+k must fit; no more drafts than can be emitted."""
     return max(0, min(k, max_seq_len - seq_len - 1, tokens_left - 1))
+
+
+def _could_pay(optimistic: float, typical: float, batch: int, relative_costs: Sequence[float], margin: float) -> int:
+    """The K whose round would pay best for a batch of `batch` requests, one of them drafting
+    at acceptance `optimistic` and the rest at `typical` (a round costs the whole batch
+    r(K)); 0 if none beats plain decoding by `margin`. At batch 1: `best_k_for_costs`."""
+    one = [expected_tokens(optimistic, k) for k in range(len(relative_costs))]
+    rest = [(batch - 1) * expected_tokens(typical, k) for k in range(len(relative_costs))]
+    scores = [(one[k] + rest[k]) / (batch * relative_costs[k]) for k in range(len(relative_costs))]
+    best = max(range(len(scores)), key=lambda k: (scores[k], -k))
+    return best if scores[best] > scores[0] * (1.0 + margin) else 0
 
 
 class RequestLike(Protocol):
@@ -186,6 +208,9 @@ class _Quiet(NamedTuple):
     # gap keeps a table for a while after new measurements, and `until` then ends the
     # decision when the table is due for its refresh)
     version: int
+    # the batch's economics overruled requests that would speculate (`_batch_pays`): one
+    # request's new evidence does not end it (the whole batch is asked again at `until`)
+    vetoed: bool = False
 
 
 @dataclass(slots=True)
@@ -212,7 +237,10 @@ class _CostTable(NamedTuple):
     calibrated_only: bool  # no round's cost is known at this batch size: probes come early
     raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
     kappa: float  # the episode calibration's factor the costs were divided by
-    could_pay: int  # the K that would pay best at `optimistic_a` (0: none would, even then)
+    # the K that would pay best for a batch of the bucket's size with one request at
+    # `optimistic_a` and the rest at `batch_acceptance` (0: none would, even then; at batch
+    # 1: the K that pays best at `optimistic_a`)
+    could_pay: int
 
 
 class _Choice(NamedTuple):
@@ -300,6 +328,15 @@ class AdaptivePolicy:
     # against 1.28 and 1.33 at 0.6, fixed K=5 1.34; bad drafts and T=1 unchanged)
     learned_weight: float = 0.6
     learned_full_trials: float = 16.0  # trials of evidence for a request's full weight in it
+    # a round costs the whole batch r(K) plain steps, so at batch > 1 speculation must pay
+    # for the batch: the expected tokens of all its requests against batch * r(max K)
+    # (`_batch_pays`). Requests seldom all draft well at once: what could pay at a batch
+    # size is judged with one request at `optimistic_a` and the others at their kind's
+    # (learned) prior plus `batch_optimism` (the shadow gate, probes' budget)
+    batch_optimism: float = 0.15
+    # a batch held plain by its economics is asked again after at most this many steps
+    # (each ask is a full `choose` over the batch)
+    veto_hold: int = 16
     # realized / predicted gain of speculative episodes per cost bucket and sampling mode
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
@@ -323,6 +360,10 @@ class AdaptivePolicy:
             raise ValueError(f"learned_weight must be in [0, 1], got {self.learned_weight}")
         if self.refresh_gap < 0:
             raise ValueError(f"refresh_gap must be >= 0, got {self.refresh_gap}")
+        if not 0.0 <= self.batch_optimism < 1.0:
+            raise ValueError(f"batch_optimism must be in [0, 1), got {self.batch_optimism}")
+        if self.veto_hold < 1:
+            raise ValueError(f"veto_hold must be >= 1, got {self.veto_hold}")
         if self.learned_full_trials <= 0:
             raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
 
@@ -345,6 +386,7 @@ class AdaptivePolicy:
         if self.quiet(requests):
             return [0] * batch
         self._steps += 1
+        was_speculating = self._choice is not None  # the latest full choice had rounds going on
         self._quiet = self._asked = self._choice = None
         table = self._cost_table(batch, batch_samples(requests))
         if table is None or self._steps % self.plain_refresh == 0:
@@ -356,11 +398,12 @@ class AdaptivePolicy:
         next_due = table.step + self.recompute_every
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
-        for r, n, left in zip(requests, seq_lens, tokens_left, strict=True):
+        wants: list[int] = []  # per request: the K it would speculate with (0: none; -1: not even a probe)
+        for r in requests:
             est = self._lookup(r.request_id, request_samples(r))
             ests.append(est)
             if self.shadowed and not est.evidence:  # the first shadow draft decides
-                ks.append(0)
+                wants.append(-1)
                 continue
             # hysteresis: starting to speculate must beat plain decoding by `switch_margin`
             # (switching costs: the draft catches up, the first round after plain steps is
@@ -374,6 +417,24 @@ class AdaptivePolicy:
             if k and self._steps < est.miss_until:  # backing off after misses
                 est.speculating = False
                 next_due = min(next_due, est.miss_until)
+                wants.append(-1)
+                continue
+            wants.append(k)
+        vetoed = False
+        if batch > 1 and max(wants) > 0:
+            guarded = [guard_k(k, n, max_seq_len, left) if k > 0 else 0
+                       for k, n, left in zip(wants, seq_lens, tokens_left, strict=True)]
+            if any(guarded) and not self._batch_pays(ests, guarded, table, was_speculating):
+                # the round would cost the batch more than its drafts bring: the requests that
+                # were to speculate decode plainly, and may probe as plain ones do (else one
+                # vetoed without evidence would wait for evidence that never comes)
+                vetoed = True
+                for i, k in enumerate(wants):
+                    if k > 0:
+                        wants[i], ests[i].speculating = 0, False
+                next_due = min(next_due, self._steps + self.veto_hold)
+        for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
+            if k < 0:
                 ks.append(0)
                 continue
             if k == 0:
@@ -404,7 +465,7 @@ class AdaptivePolicy:
                 est.credit += refund
                 est.probe_cost -= refund
         if not any(ks):
-            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version)
+            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version, vetoed)
         else:
             self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
                                  self.costs.version)
@@ -414,12 +475,29 @@ class AdaptivePolicy:
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
         """Whether shadow drafts can change anything for a batch of this size and sampling
-        mode: False once its cost table says no K would pay even at `optimistic_a` (rounds
-        divided by kappa), where evidence of acceptance cannot make a request speculate and
-        the n-gram tables' upkeep (a few us a token of Python) is pure cost: on the H100 demo
-        target at batch 32, 5-10 % of a step. True while the table is unknown."""
+        mode: False once its cost table says no K would pay even with one request at
+        `optimistic_a` and the rest at `batch_acceptance` (rounds divided by kappa), where
+        evidence of acceptance cannot make the batch speculate and the n-gram tables' upkeep
+        (a few us a token of Python) is pure cost: on the H100 demo target at batch 32, 5-10 %
+        of a step, and building the tables of 32 prompts at prefill ~25 ms (H200, run 15a).
+        True while the table is unknown."""
         table = self._table.get((self.costs.bucket(batch_size), sampled))
         return table is None or table.could_pay > 0
+
+    def _batch_pays(self, ests: Sequence[_Estimate], ks: Sequence[int], table: _CostTable,
+                    speculating: bool) -> bool:
+        """Whether a round with these drafts beats a plain step for the whole batch: its
+        requests' expected tokens (one for those without drafts) against batch * r(max K),
+        by `stay_margin` if the batch was speculating, else by `switch_margin`."""
+        tokens = sum(expected_tokens(e.accepted / e.trials, k) if k else 1.0 for e, k in zip(ests, ks, strict=True))
+        margin = self.stay_margin if speculating else self.switch_margin
+        return tokens > len(ks) * table.costs[max(ks)] * (1.0 + margin)
+
+    def batch_acceptance(self, sampled: bool) -> float:
+        """The acceptance most requests of a batch might reach (what could pay is judged with
+        it): their kind's prior (`prior`, learned from finished requests) plus
+        `batch_optimism`, at most `optimistic_a`."""
+        return min(self.optimistic_a, self.prior(sampled) + self.batch_optimism)
 
     def episode_gain(self) -> float | None:
         """After a `choose` that has some request speculate (k > 0, not a probe): the step's
@@ -509,11 +587,12 @@ class AdaptivePolicy:
             self.calibration.relax(b, self._steps)
             kappa = self.calibration.factor(b)
         costs = raw if kappa == 1.0 else [1.0] + [x / kappa for x in raw[1:]]
-        # probe with the K that would pay best at the optimistic acceptance: one round then
+        # probe with the K that would pay best at the optimistic acceptance (for the batch: one
+        # request at it, the rest at `batch_acceptance`): one round then
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
         # re-measure the costs), or when shadow drafts measure the acceptance anyway
-        could_pay = best_k_for_costs(self.optimistic_a, costs, self.switch_margin)
+        could_pay = _could_pay(self.optimistic_a, self.batch_acceptance(sampled), b[0], costs, self.switch_margin)
         # a tenth of the budget for probes that can only re-measure the costs: nothing could
         # pay, or shadow drafts measure the acceptance (for free)
         budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10
@@ -607,7 +686,7 @@ class AdaptivePolicy:
         # (a shadowed request's probes are priced at acceptance 0: their schedule stays), which
         # a request waiting after a miss does not (`proposal_ready` ends the wait)
         quiet = self._quiet
-        if quiet is not None and self._steps >= est.miss_until and (
+        if quiet is not None and not quiet.vetoed and self._steps >= est.miss_until and (
                 restart or not self.shadowed or self._would_start(est, quiet.table)):
             self._quiet = None
 
@@ -669,7 +748,7 @@ class AdaptivePolicy:
             return
         est.miss_until = est.miss_interval = 0
         quiet = self._quiet
-        if quiet is not None and self._would_start(est, quiet.table):
+        if quiet is not None and not quiet.vetoed and self._would_start(est, quiet.table):
             self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:

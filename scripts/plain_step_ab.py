@@ -145,6 +145,7 @@ def ms_per_token(engine: Engine, prompt: list[int] | PromptSet, temperature: flo
 
 VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", "ngram-k5", "ngram-adaptive", "ngram-adaptive-noshadow",
             "ngram-adaptive-nowatch", "ngram-adaptive-nocal", "draft-adaptive-nocal",
+            "ngram-adaptive-nobatch", "draft-adaptive-nobatch",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
@@ -220,6 +221,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
                # rounds priced as measured: no episode calibration (spec/episodes.py)
                "ngram-adaptive-nocal": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-nocal": dict(draft, spec_policy="adaptive"),
+               # each request decides as if a round were its own (no batch economics)
+               "ngram-adaptive-nobatch": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-nobatch": dict(draft, spec_policy="adaptive"),
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -268,6 +272,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
         noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
+    for name in ("ngram-adaptive-nobatch", "draft-adaptive-nobatch"):
+        if name in engines:
+            engines[name].runner.policy.batch_economics = False
     for name in ("ngram-adaptive-nocal", "draft-adaptive-nocal"):
         if name in engines:
             engines[name].runner.policy.calibration = None
@@ -311,7 +318,7 @@ def variant(name: str) -> str:
 def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
-    return variant(name).endswith(("adaptive", "nowatch", "nocal"))
+    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch"))
 
 
 class _TimedGraph:
@@ -663,7 +670,9 @@ def main() -> None:
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
                 if with_policy(name) or variant(name).endswith("prior1"):
-                    print_costs(f"{w} T={t:g} {name}", engine, t > 0, args.max_batch_size if w == "W2" else 1)
+                    for b in ((32, 16, 8, 4, 2, 1) if w == "W2" else (1,)):
+                        if engine.runner.cost_model.has_plain(b, t > 0):
+                            print_costs(f"{w} T={t:g} {name}", engine, t > 0, b)
 
 
 def print_pooled(times: dict[str, list[float]], w: str, t: float) -> None:

@@ -337,6 +337,9 @@ class AdaptivePolicy:
     # a batch held plain by its economics is asked again after at most this many steps
     # (each ask is a full `choose` over the batch)
     veto_hold: int = 16
+    # False: each request decides as if a round were its own, and what could pay is judged
+    # for one request (as before the batch's economics; kept for A/B runs)
+    batch_economics: bool = True
     # realized / predicted gain of speculative episodes per cost bucket and sampling mode
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
@@ -421,7 +424,7 @@ class AdaptivePolicy:
                 continue
             wants.append(k)
         vetoed = False
-        if batch > 1 and max(wants) > 0:
+        if self.batch_economics and batch > 1 and max(wants) > 0:
             guarded = [guard_k(k, n, max_seq_len, left) if k > 0 else 0
                        for k, n, left in zip(wants, seq_lens, tokens_left, strict=True)]
             if any(guarded) and not self._batch_pays(ests, guarded, table, was_speculating):
@@ -592,7 +595,8 @@ class AdaptivePolicy:
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
         # re-measure the costs), or when shadow drafts measure the acceptance anyway
-        could_pay = _could_pay(self.optimistic_a, self.batch_acceptance(sampled), b[0], costs, self.switch_margin)
+        could_pay = _could_pay(self.optimistic_a, self.batch_acceptance(sampled), b[0] if self.batch_economics else 1,
+                               costs, self.switch_margin)
         # a tenth of the budget for probes that can only re-measure the costs: nothing could
         # pay, or shadow drafts measure the acceptance (for free)
         budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10

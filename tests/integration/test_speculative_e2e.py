@@ -150,6 +150,7 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     # (where this CPU's costs leave nothing that could pay for the batch, the gate would turn
     # shadows off; this test is about what they do when on)
     runner.policy.worth_shadowing = lambda batch, sampled: True
+    runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
     seen, observe = [], runner.shadow.observe
 
     def recording(rid, k, matched):
@@ -1015,7 +1016,13 @@ def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, 
     plain, observe = [], runner.cost_model.observe
     runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
                                                                      observe(b, k, seconds, sampled))[1]
+    upkeep, observe_upkeep = [], runner.cost_model.observe_upkeep
+    runner.cost_model.observe_upkeep = lambda b, seconds, sampled=False: (upkeep.append(seconds),
+                                                                          observe_upkeep(b, seconds, sampled))[1]
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert Clock.now > 0 and len(plain) >= 3  # upkeep ran, plain steps were timed (in stretches too)
     assert plain == [0.0] * len(plain)
+    # what it cost instead: each stretch's mean a step (a check and a take each step, the
+    # tables' upkeep every KEEP_UP_EVERY steps), what the shadow gate weighs
+    assert upkeep and all(2.0 <= x <= 3.0 for x in upkeep), upkeep

@@ -912,3 +912,32 @@ def test_what_could_pay_for_a_batch_of_one_is_the_single_requests_best_k():
             assert _could_pay(a, 0.0, 1, costs, 0.05) == best_k_for_costs(a, costs, 0.05)
     assert _could_pay(0.9, 0.3, 32, [1.0, 2.0, 2.2, 2.4, 2.6, 2.8], 0.05) == 0
     assert _could_pay(0.9, 0.8, 32, [1.0, 2.0, 2.2, 2.4, 2.6, 2.8], 0.05) > 0
+
+
+def test_upkeep_is_a_plain_steps_share_kept_once_measured():
+    costs = CostModel(5, max_age=4)
+    _measure(costs, 8, 0, 0.002)
+    assert costs.upkeep(8) == 0.0  # unknown
+    costs.observe_upkeep(8, 0.0005)
+    costs.observe_upkeep(8, 0.0005)
+    assert costs.upkeep(8) == pytest.approx(0.25)
+    for _ in range(10):  # plain steps measured long after: the upkeep's sample expired
+        costs.observe(8, 0, 0.002)
+    assert costs.upkeep(8) == pytest.approx(0.25)  # (where it priced shadows out, none measure it again)
+    assert costs.upkeep(8, sampled=True) == 0.0  # per sampling mode
+
+
+def test_shadows_must_also_pay_for_their_upkeep():
+    # alone, K=5 at the optimistic acceptance would beat plain decoding by 3.6x (r(5) = 1.3):
+    # shadows are worth taking; if taking them and keeping the tables up costs more than
+    # speculation could gain, they are not
+    p = _batch_policy(8, 2.1, shadowed=True)
+    r = _sampled("solo")
+    p.choose([r], [10], 10_000, [1000])
+    assert p.worth_shadowing(1, True)
+    p.costs.observe_upkeep(1, 0.003, True)
+    p.costs.observe_upkeep(1, 0.003, True)  # 3 plain steps of upkeep a step
+    p._table.clear()
+    p._quiet = None
+    p.choose([r], [10], 10_000, [1000])
+    assert not p.worth_shadowing(1, True)

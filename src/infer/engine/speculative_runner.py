@@ -83,6 +83,8 @@ class SpeculativeRunner(ContinuousRunner):
         # seconds this step spent on shadow drafts and the proposer's table upkeep, which a
         # timed plain step leaves out of the plain baseline (`_observe_plain`)
         self._upkeep = 0.0
+        self._stretch_upkeep = 0.0  # the same over the plain stretch under way (reported at its end)
+        self._stretch_requests: Sequence[Request] = ()  # that stretch's batch
         self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
@@ -384,9 +386,15 @@ class SpeculativeRunner(ContinuousRunner):
             self._plain_sampled_at = self._plain_steps + self._stretch.done
 
     def _stretch_done(self, steps: int) -> None:
-        """A plain stretch ran `steps` steps: the policy and the plain-step count catch up."""
+        """A plain stretch ran `steps` steps: the policy and the plain-step count catch up, and
+        the cost model hears what its shadow drafts and table upkeep cost a step (where they
+        ran: `_stretch_shadows`)."""
         self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
         self._plain_steps += steps
+        upkeep, self._stretch_upkeep = self._stretch_upkeep, 0.0
+        requests, self._stretch_requests = self._stretch_requests, ()
+        if upkeep and steps and requests:
+            self.cost_model.observe_upkeep(len(requests), upkeep / steps, batch_samples(requests))
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:
@@ -421,7 +429,10 @@ class SpeculativeRunner(ContinuousRunner):
         stretch = self._stretch
         if self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0):
             self._keep_up(requests)
-        self._upkeep += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self._upkeep += spent
+        self._stretch_upkeep += spent
+        self._stretch_requests = requests
         return ended
 
     def _stretch_found(self, requests: Sequence[Request]) -> bool:

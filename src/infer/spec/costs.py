@@ -117,6 +117,19 @@ class CostModel:
         self._record(("switch", (self.bucket(batch_size), sampled)), seconds / max(units, 1.0))
         self.version += 1
 
+    def observe_upkeep(self, batch_size: int, seconds: float, sampled: bool = False) -> None:
+        """Wall time a plain step spent on shadow drafts and the proposer's table upkeep (the
+        mean over a plain stretch): what keeping speculation possible costs while decoding
+        plainly."""
+        self._record(("upkeep", (self.bucket(batch_size), sampled)), seconds)
+
+    def upkeep(self, batch_size: int, sampled: bool = False) -> float:
+        """The upkeep a plain step pays, relative to a plain step (0 while unknown). Kept once
+        measured, expired or not: where it priced shadows out, none run to measure it again."""
+        plain = self.step_seconds(batch_size, 0, sampled)
+        seen = self._value(("upkeep", (self.bucket(batch_size), sampled)), expired=True)
+        return seen / plain if seen is not None and plain else 0.0
+
     def step_seconds(self, batch_size: int, k: int, sampled: bool = False) -> float | None:
         """The measured wall time of a step with k drafts at this batch size, if known."""
         return self._value(("step", (self.bucket(batch_size), k, sampled)))

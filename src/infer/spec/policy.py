@@ -478,8 +478,9 @@ class AdaptivePolicy:
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
         """Whether shadow drafts can change anything for a batch of this size and sampling
-        mode: False once its cost table says no K would pay even with one request at
-        `optimistic_a` and the rest at `batch_acceptance` (rounds divided by kappa), where
+        mode: False once its cost table says no K would pay, by the switch margin and their
+        measured upkeep (`CostModel.upkeep`), even with one request at `optimistic_a` and the
+        rest at `batch_acceptance` (rounds divided by kappa), where
         evidence of acceptance cannot make the batch speculate and the n-gram tables' upkeep
         (a few us a token of Python) is pure cost: on the H100 demo target at batch 32, 5-10 %
         of a step, and building the tables of 32 prompts at prefill ~25 ms (H200, run 15a).
@@ -595,8 +596,11 @@ class AdaptivePolicy:
         # tells as much as K probes of one token, at little more than one's cost (a round's
         # host overhead is most of it); K = 1 when nothing could pay (then probes only
         # re-measure the costs), or when shadow drafts measure the acceptance anyway
+        # shadow drafts and table upkeep cost every plain step (`CostModel.upkeep`): what could
+        # pay must also pay for them
+        upkeep = self.costs.upkeep(batch_size, sampled) if self.batch_economics else 0.0
         could_pay = _could_pay(self.optimistic_a, self.batch_acceptance(sampled), b[0] if self.batch_economics else 1,
-                               costs, self.switch_margin)
+                               costs, (1.0 + self.switch_margin) * (1.0 + upkeep) - 1.0)
         # a tenth of the budget for probes that can only re-measure the costs: nothing could
         # pay, or shadow drafts measure the acceptance (for free)
         budget = self.probe_budget if could_pay and not self.shadowed else self.probe_budget / 10

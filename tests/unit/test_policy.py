@@ -843,7 +843,8 @@ def _batch_policy(batch: int, r_k: float, **kwargs) -> AdaptivePolicy:
     for b, r in ((1, 1.3), (batch, r_k)):
         for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.001 * r), (5, 0.001 * r)):
             costs.observe(b, k, seconds, True)
-    return AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000, calibration=None, **kwargs)
+    kwargs.setdefault("calibration", None)
+    return AdaptivePolicy(5, costs, plain_refresh=10_000, max_probe_interval=10_000, **kwargs)
 
 
 def test_a_round_must_pay_for_the_whole_batch():
@@ -941,3 +942,17 @@ def test_shadows_must_also_pay_for_their_upkeep():
     p._quiet = None
     p.choose([r], [10], 10_000, [1000])
     assert not p.worth_shadowing(1, True)
+
+
+def test_a_table_dropped_when_kappa_moved_is_priced_again_by_the_shadow_gate():
+    # an episode that moved kappa drops its mode's table; the gate prices it again rather
+    # than taking it as unknown (before: shadows, and at W2 the next prefill's 32 table
+    # builds, until the next choose)
+    from infer.spec.episodes import GainCalibration
+    p = _batch_policy(8, 2.2, shadowed=True, calibration=GainCalibration())
+    p.choose([_sampled(f"r{i}") for i in range(8)], [10] * 8, 10_000, [1000] * 8)
+    assert not p.worth_shadowing(8, True)
+    p.observe_episode(8, True, plain_steps=3.0, realized=0.5, predicted=3.0)
+    assert (8, True) not in p._table
+    assert not p.worth_shadowing(8, True)
+    assert (8, True) in p._table

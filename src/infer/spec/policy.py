@@ -484,8 +484,11 @@ class AdaptivePolicy:
         evidence of acceptance cannot make the batch speculate and the n-gram tables' upkeep
         (a few us a token of Python) is pure cost: on the H100 demo target at batch 32, 5-10 %
         of a step, and building the tables of 32 prompts at prefill ~25 ms (H200, run 15a).
-        True while the table is unknown."""
+        A table dropped since (kappa moved) is priced again; True while no plain step's cost
+        is known there."""
         table = self._table.get((self.costs.bucket(batch_size), sampled))
+        if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
+            table = self._cost_table(batch_size, sampled)
         return table is None or table.could_pay > 0
 
     def _batch_pays(self, ests: Sequence[_Estimate], ks: Sequence[int], table: _CostTable,

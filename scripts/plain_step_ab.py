@@ -450,17 +450,12 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
             engine._requests.pop(request.request_id, None)
         seconds = time.perf_counter() - a
         did = {k: calls[k] > before[k] for k in calls}
+        cat = None
         if decision.prefill:
             previous[0] = "prefill"
             if by_batch:  # W2: prefill steps too, alone or beside decode steps (round or plain)
                 cat = ("prefill" if not decision.decode else "prefill + round" if did["_verify"]
                        else "prefill + plain")
-                entry = ledger[cat]
-                entry[0] += 1
-                entry[1] += len(results)
-                entry[2] += seconds
-                for label, x in spent.items():
-                    parts[cat][label] += x
         if decision.decode and not decision.prefill:
             cat = ("plain" if not speculative else "round" if did["_verify"] else "choose" if did["choose"]
                    else "stretch" if stretch else "shadow take" if did["propose"] else "shadow pending" if pending
@@ -472,6 +467,7 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
                 cat = "choose: miss" if did["no_proposal"] else f"choose: {why}"
             if by_batch:  # W2: by the batch's bucket too (a plain step's cost grows with it)
                 cat = f"{cat} @{1 << (len(decision.decode) - 1).bit_length()}"
+        if cat is not None:
             entry = ledger[cat]
             entry[0] += 1
             entry[1] += len(results)

@@ -84,7 +84,7 @@ class SpeculativeRunner(ContinuousRunner):
         # timed plain step leaves out of the plain baseline (`_observe_plain`)
         self._upkeep = 0.0
         self._stretch_upkeep = 0.0  # the same over the plain stretch under way (reported at its end)
-        self._stretch_requests: Sequence[Request] = ()  # that stretch's batch
+        self._stretch_requests: Sequence[Request] = ()  # that stretch's batch (set as it starts)
         self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
@@ -288,6 +288,7 @@ class SpeculativeRunner(ContinuousRunner):
             if start is None and self._quiet_left is not None:
                 # so are the next steps the decision holds: through the plain runner's methods
                 self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), requests)
+                self._stretch_requests = requests  # (a batch change ends the stretch)
                 self._stretch.enter(self._quiet_left())
             return outputs
         if self._episode_gain is None:
@@ -405,9 +406,12 @@ class SpeculativeRunner(ContinuousRunner):
         self._take_shadows = not shadows_taken
         outputs = super()._decode(requests)
         if self.shadow is not None:
-            start_check = time.perf_counter()
-            self.shadow.check(requests)
-            self._upkeep += time.perf_counter() - start_check
+            if start is None:  # (the upkeep is only left out of timed steps)
+                self.shadow.check(requests)
+            else:
+                start_check = time.perf_counter()
+                self.shadow.check(requests)
+                self._upkeep += time.perf_counter() - start_check
         if start is not None:
             self._observe_plain(requests, time.perf_counter() - start)
         return outputs
@@ -432,7 +436,6 @@ class SpeculativeRunner(ContinuousRunner):
         spent = time.perf_counter() - start
         self._upkeep += spent
         self._stretch_upkeep += spent
-        self._stretch_requests = requests
         return ended
 
     def _stretch_found(self, requests: Sequence[Request]) -> bool:

@@ -126,7 +126,12 @@ def best_k_for_costs(a: float, relative_costs: Sequence[float], margin: float = 
     With `margin`, speculating must beat plain decoding by that fraction: near break-even,
     switching back and forth costs more than either choice (the draft must catch up).
     """
-    scores = [expected_tokens(a, k) / relative_costs[k] for k in range(len(relative_costs))]
+    return _best_by_score([expected_tokens(a, k) / relative_costs[k] for k in range(len(relative_costs))], margin)
+
+
+def _best_by_score(scores: Sequence[float], margin: float) -> int:
+    """The K with the highest score (the shortest among equals) if it beats K = 0's by
+    `margin`, else 0."""
     best = max(range(len(scores)), key=lambda k: (scores[k], -k))
     return best if scores[best] > scores[0] * (1.0 + margin) else 0
 
@@ -140,11 +145,8 @@ def _could_pay(optimistic: float, typical: float, batch: int, relative_costs: Se
     """The K whose round would pay best for a batch of `batch` requests, one of them drafting
     at acceptance `optimistic` and the rest at `typical` (a round costs the whole batch
     r(K)); 0 if none beats plain decoding by `margin`. At batch 1: `best_k_for_costs`."""
-    one = [expected_tokens(optimistic, k) for k in range(len(relative_costs))]
-    rest = [(batch - 1) * expected_tokens(typical, k) for k in range(len(relative_costs))]
-    scores = [(one[k] + rest[k]) / (batch * relative_costs[k]) for k in range(len(relative_costs))]
-    best = max(range(len(scores)), key=lambda k: (scores[k], -k))
-    return best if scores[best] > scores[0] * (1.0 + margin) else 0
+    return _best_by_score([(expected_tokens(optimistic, k) + (batch - 1) * expected_tokens(typical, k))
+                           / (batch * cost) for k, cost in enumerate(relative_costs)], margin)
 
 
 class RequestLike(Protocol):

@@ -148,7 +148,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "ngram-adaptive-nobatch", "draft-adaptive-nobatch",
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
-            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve")
+            "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
+            "draft-adaptive-nokeep")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -224,6 +225,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
                # each request decides as if a round were its own (no batch economics)
                "ngram-adaptive-nobatch": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-nobatch": dict(draft, spec_policy="adaptive"),
+               # a request leaving ends the standing all-plain decision (a full choose follows)
+               "ngram-adaptive-nokeep": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-nokeep": dict(draft, spec_policy="adaptive"),
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -275,6 +279,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
     for name in ("ngram-adaptive-nobatch", "draft-adaptive-nobatch"):
         if name in engines:
             engines[name].runner.policy.batch_economics = False
+    for name in ("ngram-adaptive-nokeep", "draft-adaptive-nokeep"):
+        if name in engines:
+            engines[name].runner._keep_quiet_without = None
     for name in ("ngram-adaptive-nocal", "draft-adaptive-nocal"):
         if name in engines:
             engines[name].runner.policy.calibration = None
@@ -318,7 +325,14 @@ def variant(name: str) -> str:
 def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
-    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch"))
+    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep"))
+
+
+def self_paired(name: str) -> bool:
+    """Whether `--self-paired` runs an engine in its own plain mode too: the adaptive ones,
+    and the speculative engines built to never speculate or to decode plainly in part
+    (what they cost apart from the policy's choices)."""
+    return with_policy(name) or variant(name).endswith(("K0", "plainpath", "plaindecode", "plainreserve"))
 
 
 class _TimedGraph:
@@ -615,7 +629,7 @@ def main() -> None:
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
-                                                 and with_policy(name)}
+                                                 and self_paired(name)}
             for engine in engines.values():
                 ms_per_token(engine, prompt, t, args.tokens)  # warm-up
             before = {name: copy.deepcopy(e.runner.stats) for name, e in engines.items() if hasattr(e.runner, "stats")}

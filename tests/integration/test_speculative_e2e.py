@@ -525,6 +525,43 @@ def test_a_batch_change_ends_a_plain_stretch(make_llm, ckpt_a, prompts, plain_ou
     assert not runner._stretch.active and llm.engine.leak_report() == []
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make_llm, ckpt_a, prompts, keep):
+    # nobody speculates (the switch margin is out of reach): a request finishing leaves the
+    # all-plain decision standing for the rest of its cost bucket (`keep_quiet_without`), so
+    # the stretch goes on without a full `choose`; only a bucket change (8 -> 4 -> 2 -> 1)
+    # asks again. keep=False, the runner without the hook (as before), is the control:
+    # every finish cuts the stretch short and asks
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive",
+                    kv_cache_backend="paged", block_size=4)
+    runner = llm.engine.runner
+    policy = runner.policy
+    policy.switch_margin = policy.stay_margin = 1e9
+    if not keep:
+        runner._keep_quiet_without = None
+    chosen, cut, choose, leave = [], [], policy.choose, runner._stretch.leave
+    policy.choose = lambda requests, *a: (chosen.append(len(requests)), choose(requests, *a))[1]
+    runner._stretch.leave = lambda: (cut.append((runner._stretch.left, len(runner._stretch_requests))), leave())[1]
+    lengths = [48 - 4 * i for i in range(8)]  # one finish every 4 steps at the end
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1])  # a plain cost at batch 1
+    chosen.clear(), cut.clear()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    plain = make_llm(ckpt_a, max_batch_size=8, max_seq_len=256, kv_cache_backend="paged", block_size=4)
+    assert ([o.outputs[0].token_ids for o in outs]
+            == [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)])
+    cut_short = [n for left, n in cut if left]  # batch sizes at which a stretch was cut short
+    asked_in_bucket_8 = sum(1 for n in chosen if 4 < n < 8)  # after a finish, with a plain cost there
+    if keep:
+        # cut short only where a finish changed the bucket (5 -> 4, 3 -> 2, 2 -> 1) or ended
+        # the batch; a new bucket is asked until its plain step is measured
+        assert set(cut_short) <= {5, 3, 2, 1} and asked_in_bucket_8 == 0
+    else:
+        assert {7, 6} <= set(cut_short) and asked_in_bucket_8 >= 3
+    assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
+    assert runner._held == 0
+
+
 def _timed_plain_steps(plain_steps: int, resample: int) -> list[int]:
     """The plain steps (1-based counts) timed outside stretches for one batch size and mode:
     the first two, then one whenever `resample` plain steps went by without a sample."""
@@ -1026,3 +1063,21 @@ def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, 
     # what it cost instead: each stretch's mean a step (a check and a take each step, the
     # tables' upkeep every KEEP_UP_EVERY steps), what the shadow gate weighs
     assert upkeep and all(2.0 <= x <= 3.0 for x in upkeep), upkeep
+
+
+def test_an_aborted_request_gives_its_slot_back_to_the_prefill_batch_count(make_llm, ckpt_a, prompts):
+    # an abort releases a running request twice (the scheduler's removal, then the engine's
+    # own release): the count of requests holding a slot (the batch size the n-gram tables'
+    # prefill upkeep is judged at) falls once
+    llm = _spec_llm(make_llm, ckpt_a, None, 4, method="ngram", spec_policy="adaptive")
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reqs = [engine.add_request(p, params) for p in prompts[:3]]
+    for _ in range(3):
+        engine.step()
+    assert runner._held == 3
+    assert engine.abort(reqs[1].request_id) is not None
+    assert runner._held == 2
+    while engine.has_unfinished():
+        engine.step()
+    assert runner._held == 0 and engine.leak_report() == []

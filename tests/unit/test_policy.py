@@ -956,3 +956,38 @@ def test_a_table_dropped_when_kappa_moved_is_priced_again_by_the_shadow_gate():
     assert (8, True) not in p._table
     assert not p.worth_shadowing(8, True)
     assert (8, True) in p._table
+
+
+def test_a_request_leaving_a_plain_batch_keeps_the_decision_for_the_rest():
+    # nobody wants to speculate: a request leaving keeps the standing all-plain decision for
+    # the rest (no full `choose` after each finish), unless the rest fall into another cost
+    # bucket or sampling mode, or the batch was held plain by its economics (a plain request
+    # gone, the others' drafts may pay): then the decision stays as it was, for the runner to end
+    p = _batch_policy(8, 2.2)
+    batch = [_sampled(f"r{i}") for i in range(6)]
+    for i in range(6):
+        _at(p, f"r{i}", 0.05)
+    assert p.choose(batch, [10] * 6, 10_000, [1000] * 6) == [0] * 6
+    quiet = p._quiet
+    assert quiet is not None and not quiet.vetoed
+    left = p.quiet_steps_left()
+    assert not p.keep_quiet_without(_sampled("stranger")) and p._quiet is quiet
+    assert p.keep_quiet_without(batch[2])  # 6 -> 5: bucket 8 both
+    rest = batch[:2] + batch[3:]
+    assert not p.holds_quiet(batch[2]) and all(p.holds_quiet(r) for r in rest)
+    assert p.quiet_steps_left() == left  # the same decision, until the same step
+    assert p.quiet(rest) and not p.quiet(batch)
+    assert not p.keep_quiet_without(rest[0])  # 5 -> 4: bucket 4, another table
+    assert p._quiet.batch == rest  # left as it was
+    # the only sampled request leaving a greedy batch changes its mode
+    p._quiet = None
+    mixed = [_sampled("s")] + [R(f"g{i}") for i in range(6)]
+    for r in mixed[1:]:
+        _at(p, r.request_id, 0.05)
+    assert p.choose(mixed, [10] * 7, 10_000, [1000] * 7) == [0] * 7
+    assert not p.keep_quiet_without(mixed[0]) and p.keep_quiet_without(mixed[1])
+    # a batch held plain by its economics: re-asked
+    p._quiet = None
+    _at(p, "r0", 0.8)
+    assert p.choose(batch, [10] * 6, 10_000, [1000] * 6) == [0] * 6 and p._quiet.vetoed
+    assert not p.keep_quiet_without(batch[3]) and p._quiet.batch == batch

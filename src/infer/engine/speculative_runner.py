@@ -131,6 +131,8 @@ class SpeculativeRunner(ContinuousRunner):
         # and `holds_quiet(request)`: whether that decision covers a request at the next step
         # (the scheduler then reserves one position for it, as for plain decoding)
         self._holds_quiet: Callable[[Request], bool] | None = getattr(policy, "holds_quiet", None)
+        # and `keep_quiet_without(request)`: whether it holds for the batch without a request
+        self._keep_quiet_without: Callable[[Request], bool] | None = getattr(policy, "keep_quiet_without", None)
         # and `quiet_steps_left()`: how many more steps it holds for the same batch
         self._quiet_left: Callable[[], int] | None = getattr(policy, "quiet_steps_left", None)
         # and `episode_gain()` / `observe_episode(...)`: speculative episodes (spec/episodes.py)
@@ -232,9 +234,16 @@ class SpeculativeRunner(ContinuousRunner):
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
-        self._end_stretch()  # the batch changes
+        keep = self._keep_quiet_without
+        if keep is not None and keep(request):
+            # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
+            # stretch under way goes on with them
+            self._stretch_requests = [r for r in self._stretch_requests if r is not request]
+        else:
+            self._end_stretch()  # the batch changes
         self._end_episode()
-        self._held -= 1
+        if request.slot is not None:  # (a request released twice, as an abort may, held one slot)
+            self._held -= 1
         self.proposer.release(request)
         if self.shadow is not None:
             self.shadow.release(request.request_id)

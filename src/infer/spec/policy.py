@@ -570,6 +570,26 @@ class AdaptivePolicy:
         """Drop the standing all-plain decision (the batch changed under it)."""
         self._quiet = None
 
+    def keep_quiet_without(self, request: RequestLike) -> bool:
+        """`request` leaves the batch (finished, preempted, aborted) under a standing all-plain
+        decision: True when the decision holds for the rest as it stands, which then is its
+        batch. It does where nobody wanted to speculate (not `vetoed`: without a plain
+        request, the others' drafts may pay for the batch) and the rest keep the cost
+        bucket and sampling mode (the same table). Else False, and the decision stays as
+        it was (the runner decodes the next step plainly and `end_quiet`s: requests may
+        have reserved one position already). Saves a full `choose` and a step outside a
+        plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2 ledgers),
+        31 finishes a generation."""
+        quiet = self._quiet
+        if quiet is None or quiet.vetoed or not any(r is request for r in quiet.batch):
+            return False
+        rest = [r for r in quiet.batch if r is not request]
+        if (not rest or self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch))
+                or batch_samples(rest) != batch_samples(quiet.batch)):
+            return False
+        self._quiet = quiet._replace(batch=rest)
+        return True
+
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:
         """Relative costs and probe spacing at this batch size and sampling mode (`sampled`:
         the batch samples, spec/costs.py); None until a plain step's cost is known there.

@@ -40,6 +40,9 @@ from infer.engine.engine import Engine
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 
+BATCH_WORKLOADS = ("W2", "W2-prefix")  # every request added at once, the whole workload timed
+
+
 class NeverSpeculate:
     def choose(self, requests, seq_lens, max_seq_len, tokens_left):  # noqa: ANN001, ANN201
         return [0] * len(requests)
@@ -591,10 +594,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5", "W2"],
-                    help="W2: 32 requests at once, timed whole (needs --max-batch-size 32; the per-step "
-                         "instruments --phases --split --gpu-time are for W1 and W5; --ledger files W2's "
-                         "prefill steps too, and its decode steps by batch bucket)")
+    ap.add_argument("--workload", nargs="+", default=["W1", "W5"], choices=["W1", "W5", *BATCH_WORKLOADS],
+                    help="W2 (and W2-prefix, its prompts sharing a 256-token prefix): 32 requests at once, timed "
+                         "whole (needs --max-batch-size 32; the per-step instruments --phases --split --gpu-time "
+                         "are for W1 and W5; --ledger files W2's prefill steps too, and its decode steps by batch "
+                         "bucket)")
     ap.add_argument("--max-batch-size", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS,
                     help="engines to compare (plain is always there)")
@@ -611,11 +615,13 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="gc.freeze() after building the engines (collections skip their objects)")
     args = ap.parse_args()
-    if "W2" in args.workload and (args.phases or args.split or args.gpu_time):
-        ap.error("--phases, --split and --gpu-time time one request's steps: leave W2 out for them")
-    if "W2" in args.workload and args.max_batch_size < WORKLOADS["W2"].num_requests:
-        ap.error(f"W2 runs {WORKLOADS['W2'].num_requests} requests at once: pass --max-batch-size "
-                 f"{WORKLOADS['W2'].num_requests}")
+    batched = [w for w in args.workload if w in BATCH_WORKLOADS]
+    if batched and (args.phases or args.split or args.gpu_time):
+        ap.error(f"--phases, --split and --gpu-time time one request's steps: leave {', '.join(batched)} out for them")
+    for w in batched:
+        if args.max_batch_size < WORKLOADS[w].num_requests:
+            ap.error(f"{w} runs {WORKLOADS[w].num_requests} requests at once: pass --max-batch-size "
+                     f"{WORKLOADS[w].num_requests}")
     engines = build_engines(tuple(args.variants), args.instances, args.max_batch_size)
     if args.gc_freeze:
         gc.collect()
@@ -625,7 +631,7 @@ def main() -> None:
     plain = engines[names[0]]
     for w in args.workload:
         work = build_requests(WORKLOADS[w], plain.vocab_size, plain.tokenizer)
-        prompt = work if w == "W2" else work.requests[0].prompt_ids
+        prompt = work if w in BATCH_WORKLOADS else work.requests[0].prompt_ids
         for t in args.temperature:
             times: dict[str, list[float]] = {name: [] for name in engines}
             own_plain: dict[str, list[float]] = {name: [] for name in engines if args.self_paired
@@ -680,7 +686,7 @@ def main() -> None:
                           + ", ".join(f"{k} {v:.1f}" for k, v in split.items()), flush=True)
             for name, engine in engines.items():
                 if with_policy(name) or variant(name).endswith("prior1"):
-                    for b in ((32, 16, 8, 4, 2, 1) if w == "W2" else (1,)):
+                    for b in ((32, 16, 8, 4, 2, 1) if w in BATCH_WORKLOADS else (1,)):
                         if engine.runner.cost_model.has_plain(b, t > 0):
                             print_costs(f"{w} T={t:g} {name}", engine, t > 0, b)
 

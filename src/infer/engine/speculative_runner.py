@@ -234,15 +234,15 @@ class SpeculativeRunner(ContinuousRunner):
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
-        keep = self._keep_quiet_without
-        if keep is not None and keep(request):
-            # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
-            # stretch under way goes on with them
-            self._stretch_requests = [r for r in self._stretch_requests if r is not request]
-        else:
-            self._end_stretch()  # the batch changes
-        self._end_episode()
-        if request.slot is not None:  # (a request released twice, as an abort may, held one slot)
+        if request.slot is not None:  # (an abort releases a request twice: the second changes nothing)
+            keep = self._keep_quiet_without
+            if keep is not None and keep(request):
+                # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
+                # stretch under way goes on with them
+                self._stretch_requests = [r for r in self._stretch_requests if r is not request]
+            else:
+                self._end_stretch()  # the batch changes
+            self._end_episode()
             self._held -= 1
         self.proposer.release(request)
         if self.shadow is not None:

@@ -213,6 +213,13 @@ class _Quiet(NamedTuple):
     # the batch's economics overruled requests that would speculate (`_batch_pays`): one
     # request's new evidence does not end it (the whole batch is asked again at `until`)
     vetoed: bool = False
+    # id() of each request in `batch` (which keeps them alive): `holds_quiet` runs for every
+    # request before a step, and scanning the batch for each was ~1,000 comparisons at 32
+    members: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, batch: list, until: int, table: _CostTable, version: int, vetoed: bool = False) -> _Quiet:
+        return cls(batch, until, table, version, vetoed, frozenset(map(id, batch)))
 
 
 @dataclass(slots=True)
@@ -470,7 +477,7 @@ class AdaptivePolicy:
                 est.credit += refund
                 est.probe_cost -= refund
         if not any(ks):
-            self._quiet = _Quiet(list(requests), next_due, table, self.costs.version, vetoed)
+            self._quiet = _Quiet.of(list(requests), next_due, table, self.costs.version, vetoed)
         else:
             self._asked = _Asked(list(requests), {r.request_id for r, k in zip(requests, ks) if k}, next_due, table,
                                  self.costs.version)
@@ -553,7 +560,7 @@ class AdaptivePolicy:
         `end_quiet`."""
         quiet = self._quiet
         return (quiet is not None and self._steps + 1 < quiet.until and quiet.version == self.costs.version
-                and any(r is request for r in quiet.batch))
+                and id(request) in quiet.members)
 
     def quiet_steps_left(self) -> int:
         """Steps after this one for which the standing all-plain decision holds for the same
@@ -581,13 +588,13 @@ class AdaptivePolicy:
         plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2 ledgers),
         31 finishes a generation."""
         quiet = self._quiet
-        if quiet is None or quiet.vetoed or not any(r is request for r in quiet.batch):
+        if quiet is None or quiet.vetoed or id(request) not in quiet.members:
             return False
         rest = [r for r in quiet.batch if r is not request]
         if (not rest or self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch))
                 or batch_samples(rest) != batch_samples(quiet.batch)):
             return False
-        self._quiet = quiet._replace(batch=rest)
+        self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)})
         return True
 
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:
@@ -768,7 +775,7 @@ class AdaptivePolicy:
             if not asked.pending:
                 # nobody drafted: the whole batch decodes plainly, as `choose` would decide at
                 # the next step (the misses back off, the rest were plain), without asking it
-                self._quiet, self._asked = _Quiet(asked.batch, asked.until, asked.table, asked.version), None
+                self._quiet, self._asked = _Quiet.of(asked.batch, asked.until, asked.table, asked.version), None
         return not probing
 
     def proposal_ready(self, request_id: str) -> None:

@@ -354,3 +354,31 @@ def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckp
     assert whole_eager_steps == []
     assert max(bucket_replays) > SMALL_BATCH_MAX  # the big batch replayed the forward's graphs
     assert graphs.engine.leak_report() == []
+
+
+def test_table_builds_under_a_busy_gpu_finish_and_keep_the_tokens(ckpt_a):
+    # on the GPU the n-gram tables are built under forwards only while a CUDA event says the
+    # GPU still works (`SpeculativeRunner._busy`): the probe answers without waiting, every
+    # table is built in the end, no shadow lookup meets a table not ready, and the tokens
+    # are plain decoding's
+    prompts = _prompts(ckpt_a, n=8)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, compile_kernels=False,
+              use_cuda_graphs=True)
+    plain = _tokens(LLM(str(ckpt_a), **kw), prompts)
+    llm = LLM(str(ckpt_a), use_speculative_decoding=True, speculative_method="ngram", spec_length=3,
+              spec_policy="adaptive", **kw)
+    runner = llm.engine.runner
+    runner.policy.worth_shadowing = lambda batch, sampled: True
+    runner.policy = runner.policy
+    torch.cuda._sleep(10_000_000)  # queued work: the probe must say busy, then idle once it is done
+    busy = runner._busy()
+    assert busy is not None and busy()
+    torch.cuda.synchronize()
+    assert not busy()
+    proposer, looked_up = runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda requests, ks: (looked_up.extend(proposer.ready(r) for r in requests),
+                                             propose(requests, ks))[1]
+    assert _tokens(llm, prompts) == plain
+    assert looked_up and all(looked_up) and not proposer.building
+    assert llm.engine.leak_report() == []

@@ -199,8 +199,8 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     # at the stretch's last step and at one that ends it (a round may follow)
     behind, calls, keep_up = [], [], runner._keep_up
 
-    def keeping_up(requests):
-        keep_up(requests)
+    def keeping_up(requests, busy=None):
+        keep_up(requests, busy)
         stretch = runner._stretch
         if not stretch.done:  # a prefill's
             return
@@ -1081,3 +1081,47 @@ def test_an_aborted_request_gives_its_slot_back_to_the_prefill_batch_count(make_
     while engine.has_unfinished():
         engine.step()
     assert runner._held == 0 and engine.leak_report() == []
+
+
+def test_table_builds_spread_over_the_forwards_while_the_gpu_is_busy(make_llm, ckpt_a, prompts, plain_outputs):
+    # n-gram tables are built under forwards only while the GPU still works (`_busy`, here a
+    # fake allowing three BUILD_CHUNK-token chunks a forward): what is left waits for the next
+    # forwards, shadow drafts wait for their tables (no lookup builds one on the critical
+    # path), every request gets its table and its shadows in the end, the tokens are plain
+    # decoding's
+    import infer.spec.ngram as ngram
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    proposer = runner.proposer
+    runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only: shadows go on
+    runner.policy.worth_shadowing = lambda batch, sampled: True
+    runner.policy = runner.policy
+    runner.shadow.interval = 2
+    old_chunk, ngram.BUILD_CHUNK = ngram.BUILD_CHUNK, 16  # (222 prompt tokens: ~5 forwards)
+    forwards = []
+
+    def busy_for_three_chunks():
+        left = [3]
+        forwards.append(left)
+
+        def busy():
+            left[0] -= 1
+            return left[0] >= 0
+        return busy
+
+    runner._busy = busy_for_three_chunks
+    looked_up, propose = [], proposer.propose
+    proposer.propose = lambda requests, ks: (looked_up.extend((r.request_id, proposer.ready(r)) for r in requests),
+                                             propose(requests, ks))[1]
+    building, step = [], llm.engine.step
+    llm.engine.step = lambda: (step(), building.append(proposer.building))[0]
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    finally:
+        ngram.BUILD_CHUNK = old_chunk
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert building[0] and not building[len(building) // 2]  # left part-built at the prefill, finished later
+    assert len(forwards) > 2 and all(left[0] < 0 for left in forwards[:2])  # each build stopped when told
+    assert all(ready for _, ready in looked_up)  # no lookup of a table not ready
+    assert len({rid for rid, _ in looked_up}) == len(prompts)  # yet every request had shadow lookups
+    assert runner.stats.drafts == 0 and llm.engine.leak_report() == []

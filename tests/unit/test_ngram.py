@@ -257,6 +257,59 @@ def test_keep_up_builds_and_syncs_tables() -> None:
     assert proposer.propose([a], [2])[0].token_ids == ids("two three") and proposer.catch_up_seconds == 0.0
 
 
+def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later() -> None:
+    # with `busy` the tables are built BUILD_CHUNK tokens at a time while it says the GPU
+    # still works; the rest is left part-built or unbuilt (not `ready`), finished by later
+    # calls, and the tables come out exactly as built whole. A lookup of a table not ready
+    # builds the rest on the spot (the same draft as a whole table's)
+    chunk = infer.spec.ngram.BUILD_CHUNK
+    rng = random.Random(5)
+    requests = [make_request([rng.randrange(20) for _ in range(n)]) for n in (3 * chunk + 5, 2 * chunk, 10)]
+    for i, r in enumerate(requests):
+        r.request_id = f"r{i}"
+    asks = []
+
+    def busy_for(n):
+        left = [n]
+
+        def busy():
+            asks.append(1)
+            left[0] -= 1
+            return left[0] >= 0
+        return busy
+
+    proposer = NgramProposer()
+    proposer.keep_up(requests, busy_for(2))  # two chunks of the first prompt
+    assert proposer.building and not any(proposer.ready(r) for r in requests)
+    assert proposer._entries["r0"].synced == 2 * chunk and "r1" not in proposer._entries
+    proposer.keep_up(requests, busy_for(3))  # the rest of the first prompt, one chunk of the second
+    assert proposer.ready(requests[0]) and not proposer.ready(requests[1]) and not proposer.ready(requests[2])
+    whole = NgramProposer()
+    whole.keep_up(requests)
+    assert proposer.table("r0").counts() == whole.table("r0").counts() == brute_counts(
+        requests[0].all_token_ids, 512, 4, 2)
+    assert proposer.leak_report() == ["n-gram tables kept for ['r0', 'r1']",
+                                      "n-gram tables being built for ['r1', 'r2']"]
+    # a lookup does not wait: the rest is built on the spot
+    assert proposer.propose(requests[1:2], [4]) == whole.propose(requests[1:2], [4])
+    assert proposer.ready(requests[1]) and proposer.table("r1").counts() == whole.table("r1").counts()
+    # a table a few tokens behind is brought up to date without asking
+    requests[0].output_token_ids += [1, 2, 3]
+    asks.clear()
+    proposer.keep_up(requests[:1], busy_for(0))
+    assert not asks and proposer.table("r0").history == requests[0].all_token_ids
+    proposer.keep_up(requests, lambda: True)
+    assert not proposer.building and all(proposer.ready(r) for r in requests)
+    assert proposer.table("r2").counts() == whole.table("r2").counts()
+    proposer.keep_up(requests[2:], busy_for(0))
+    requests[2].output_token_ids += [7] * (chunk + 1)  # a long gap is a build again
+    proposer.keep_up(requests[2:], busy_for(0))
+    assert not proposer.ready(requests[2])
+    for r in requests:
+        proposer.release(r)
+    assert proposer.leak_report() == [] and not proposer.building
+
+
 def test_leak_report_names_tables_still_held() -> None:
     proposer = NgramProposer()
     request = make_request(ids("one two three"))

@@ -99,6 +99,27 @@ def test_shadow_schedule_check_and_backoff():
     assert shadow.leak_report() == []
 
 
+def test_shadow_waits_for_requests_whose_proposer_state_is_not_ready():
+    # a request whose table is being built (`ready` False) gets no shadow draft (the lookup
+    # would build it on the critical path); it is looked at again at the very next step,
+    # though the other requests' schedules would skip that step, and drafted once ready
+    script = list(range(100, 300))
+    ready = {"a": True, "b": False}
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=8, ready=lambda r: ready[r.request_id])
+    proposer = ScriptedProposer(script)
+    a, b = _request("a", script, 5), _request("b", script, 7)
+    shadow.take(proposer, [a, b])
+    assert proposer.asked == [("a", 5)]
+    shadow.take(proposer, [a, b])
+    assert proposer.asked == [("a", 5)]  # b still not ready, a pending
+    ready["b"] = True
+    shadow.take(proposer, [a, b])
+    assert proposer.asked == [("a", 5), ("b", 7)]
+    for rid in "ab":
+        shadow.release(rid)
+    assert shadow.leak_report() == []
+
+
 def test_shadow_skips_speculating_requests_and_releases():
     script = list(range(100, 300))
     seen = []

@@ -86,6 +86,8 @@ class SpeculativeRunner(ContinuousRunner):
         self._stretch_upkeep = 0.0  # the same over the plain stretch under way (reported at its end)
         self._stretch_requests: Sequence[Request] = ()  # that stretch's batch (set as it starts)
         self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
+        # recorded after a forward is queued, asked by table builds under it (`_busy`)
+        self._gpu_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -99,7 +101,7 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow,
-                                           found=adaptive.proposal_ready)
+                                           found=adaptive.proposal_ready, ready=getattr(self.proposer, "ready", None))
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards); one in PLAIN_SAMPLE_EVERY of
         # them is timed for the plain baseline
@@ -117,7 +119,10 @@ class SpeculativeRunner(ContinuousRunner):
         self._proposer = proposer
         # a proposer's optional `keep_up(requests)` (n-gram): builds or updates its per-request
         # state while prefill and plain stretch forwards run
-        self._keep_up: Callable[[Sequence[Request]], None] | None = getattr(proposer, "keep_up", None)
+        self._keep_up: Callable[..., None] | None = getattr(proposer, "keep_up", None)
+        shadow = getattr(self, "shadow", None)
+        if shadow is not None:  # (its lookups wait for tables `keep_up` builds)
+            shadow.ready = getattr(proposer, "ready", None)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -440,8 +445,9 @@ class SpeculativeRunner(ContinuousRunner):
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
         stretch = self._stretch
-        if self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0):
-            self._keep_up(requests)
+        if self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0
+                                          or self._building()):
+            self._keep_up(requests, self._busy())
         spent = time.perf_counter() - start
         self._upkeep += spent
         self._stretch_upkeep += spent
@@ -460,7 +466,21 @@ class SpeculativeRunner(ContinuousRunner):
         """The proposer's per-request state (n-gram: the table of the prompt) is built while
         the prefill's forward runs, not before a decode step's forward."""
         if self._keep_up is not None and self._shadowing(self._held, requests):
-            self._keep_up(requests)
+            self._keep_up(requests, self._busy())
+
+    def _busy(self) -> Callable[[], bool] | None:
+        """For table builds under a forward just queued (`keep_up`): whether the GPU still
+        runs the work queued so far (a CUDA event recorded now, asked without waiting).
+        None on a CPU, where the forward has run by now: the builds then run whole."""
+        event = self._gpu_event
+        if event is None:
+            return None
+        event.record()
+        return lambda: not event.query()
+
+    def _building(self) -> bool:
+        """Whether the proposer has tables that `keep_up` left part-built (n-gram `building`)."""
+        return bool(getattr(self.proposer, "building", False))
 
     def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
         """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
@@ -475,6 +495,8 @@ class SpeculativeRunner(ContinuousRunner):
         if self.shadow is not None and self._take_shadows and self._shadowing(len(requests), requests):
             start = time.perf_counter()
             self.shadow.take(self.proposer, requests)
+            if self._keep_up is not None and self._building():
+                self._keep_up(requests, self._busy())
             self._upkeep += time.perf_counter() - start
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:

@@ -94,6 +94,9 @@ class ShadowDrafts:
     interval: int = 8
     max_interval: int = 64
     found: Found | None = None
+    # whether the proposer can look a request up without building its state on the critical
+    # path (n-gram `ready`: False while its table is part-built); such requests wait
+    ready: Callable[[Request], bool] | None = None
     _step: int = 0
     _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)
     _pending: dict[str, _Pending] = field(default_factory=dict)
@@ -135,9 +138,13 @@ class ShadowDrafts:
         if self._step < self._next_due:
             return
         chosen, watching = [], []
+        ready, waiting = self.ready, False
         for r, k in zip(requests, ks if ks is not None else [0] * len(requests), strict=True):
             rid = r.request_id
             if k or rid in self._pending:
+                continue
+            if ready is not None and not ready(r):  # (its table is being built: asked again next step)
+                waiting = True
                 continue
             s = self._schedule.get(rid)
             if s is None:  # first sight: draft now (the policy waits for this evidence)
@@ -163,6 +170,8 @@ class ShadowDrafts:
         self._next_due = min((self._step + 1 if rid in self._watched else s.due
                               for rid, s in self._schedule.items() if rid not in self._pending),
                              default=self._step + self.interval)
+        if waiting:
+            self._next_due = self._step + 1
 
     def check_found(self, requests: Sequence[Request]) -> int:
         """Right after a step: report `found` for watched requests whose pending lookup's first

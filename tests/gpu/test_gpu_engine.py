@@ -377,7 +377,7 @@ def test_table_builds_under_a_busy_gpu_finish_and_keep_the_tokens(ckpt_a):
     assert not busy()
     proposer, looked_up = runner.proposer, []
     propose = proposer.propose
-    proposer.propose = lambda requests, ks: (looked_up.extend(proposer.ready(r) for r in requests),
+    proposer.propose = lambda requests, ks: (looked_up.extend(proposer.ready(r) for r, k in zip(requests, ks) if k),
                                              propose(requests, ks))[1]
     assert _tokens(llm, prompts) == plain
     assert looked_up and all(looked_up) and not proposer.building

@@ -310,6 +310,20 @@ def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later
     assert proposer.leak_report() == [] and not proposer.building
 
 
+def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
+    # a round's propose gets every request of the batch, most at k = 0 at a large batch:
+    # those cost nothing (their tables catch up when they draft, or under a forward)
+    proposer = NgramProposer()
+    a, b = make_request(ids("one two three one two")), make_request(ids("four five four five"), "r1")
+    proposer.keep_up([a, b])
+    b.output_token_ids += ids("four five")
+    drafts = proposer.propose([a, b], [2, 0])
+    assert drafts[0].token_ids == ids("three one") and drafts[1].token_ids == []
+    assert proposer.table("r1").history == ids("four five four five")  # untouched
+    assert proposer.propose([b], [1])[0].token_ids == ids("four")
+    assert proposer.table("r1").history == b.all_token_ids
+
+
 def test_leak_report_names_tables_still_held() -> None:
     proposer = NgramProposer()
     request = make_request(ids("one two three"))

@@ -133,6 +133,9 @@ class NgramProposer:
         for request, k in zip(requests, ks):
             if not is_strict_int(k) or k < 0:
                 raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
+            if not k:  # (its table catches up when it drafts, or under a forward: `keep_up`)
+                drafts.append(Draft(token_ids=[], probs=None))
+                continue
             n = request.num_tokens
             entry = self._entries.get(request.request_id)
             behind = 0 if entry is None else n - entry.synced  # a first build is the table's prefill

@@ -279,10 +279,10 @@ def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later
         return busy
 
     proposer = NgramProposer()
-    proposer.keep_up(requests, busy_for(2))  # two chunks of the first prompt
+    proposer.keep_up(requests, busy_for(1))  # two chunks of the first prompt (one a call at least)
     assert proposer.building and not any(proposer.ready(r) for r in requests)
     assert proposer._entries["r0"].synced == 2 * chunk and "r1" not in proposer._entries
-    proposer.keep_up(requests, busy_for(3))  # the rest of the first prompt, one chunk of the second
+    proposer.keep_up(requests, busy_for(2))  # the rest of the first prompt, one chunk of the second
     assert proposer.ready(requests[0]) and not proposer.ready(requests[1]) and not proposer.ready(requests[2])
     whole = NgramProposer()
     whole.keep_up(requests)
@@ -301,10 +301,13 @@ def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later
     proposer.keep_up(requests, lambda: True)
     assert not proposer.building and all(proposer.ready(r) for r in requests)
     assert proposer.table("r2").counts() == whole.table("r2").counts()
+    requests[2].output_token_ids += [7] * (2 * chunk + 1)  # a long gap is a build again
+    proposer.keep_up(requests[2:], busy_for(0))  # one chunk, though the GPU is idle
+    assert not proposer.ready(requests[2]) and proposer._entries["r2"].synced == 10 + chunk
+    proposer.keep_up(requests[2:], busy_for(0))  # ... and one at every call: never starved
+    assert proposer._entries["r2"].synced == 10 + 2 * chunk
     proposer.keep_up(requests[2:], busy_for(0))
-    requests[2].output_token_ids += [7] * (chunk + 1)  # a long gap is a build again
-    proposer.keep_up(requests[2:], busy_for(0))
-    assert not proposer.ready(requests[2])
+    assert proposer.ready(requests[2]) and proposer.table("r2").history == requests[2].all_token_ids
     for r in requests:
         proposer.release(r)
     assert proposer.leak_report() == [] and not proposer.building

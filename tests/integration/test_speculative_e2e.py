@@ -1021,7 +1021,8 @@ def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a
 
 
 def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
-    # a timed plain step's shadow drafts and table upkeep are not plain decoding's cost: on a
+    # a timed plain step's shadow drafts and table upkeep are not plain decoding's cost in a
+    # batch (its plain requests pay them whichever is chosen): on a
     # clock that moves only while shadows are taken, checked or kept up, every plain step the
     # cost model hears of costs nothing (before, those steps carried the upkeep: at W2 on the
     # H200, 25 % of a step, and 23 ms when 32 tables were built in one step)
@@ -1064,6 +1065,11 @@ def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, 
     # what it cost instead: each stretch's mean a step (a check and a take each step, the
     # tables' upkeep every KEEP_UP_EVERY steps), what the shadow gate weighs
     assert upkeep and all(2.0 <= x <= 3.0 for x in upkeep), upkeep
+    # alone, a request that speculates takes no shadows: its plain steps carry their upkeep
+    plain.clear()
+    out = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)[0]
+    assert out.outputs[0].token_ids == plain_outputs[0]
+    assert plain and all(seconds >= 1.0 for seconds in plain), plain
 
 
 def test_an_aborted_request_gives_its_slot_back_to_the_prefill_batch_count(make_llm, ckpt_a, prompts):

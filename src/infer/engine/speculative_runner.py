@@ -395,9 +395,16 @@ class SpeculativeRunner(ContinuousRunner):
         baseline is what plain decoding costs, and the upkeep is paid whichever is chosen
         (H200, n-gram at W2: stretch steps at batch 32 cost ~25 % more than plain decoding's,
         and a step that built 32 tables 23 ms: rounds looked cheap, and the episodes'
-        calibration, measured against that baseline, could not see them lose)."""
+        calibration, measured against that baseline, could not see them lose).
+
+        Alone (batch 1) the upkeep stays in: there it is not paid whichever is chosen, a
+        request that speculates takes no shadow drafts, so leaving it out priced rounds up
+        by it (H200, W5 at T=0, where it is ~25 % of a plain step: kappa fell to 0.4-0.7,
+        rounds stopped in most instances, 1.0-1.06x against 1.97x before it was left out)."""
         if not self._mixed:
-            self.cost_model.observe(len(requests), 0, seconds - self._upkeep, batch_samples(requests))
+            batch = len(requests)
+            self.cost_model.observe(batch, 0, seconds - (self._upkeep if batch > 1 else 0.0),
+                                    batch_samples(requests))
             self._plain_sampled_at = self._plain_steps + self._stretch.done
 
     def _stretch_done(self, steps: int) -> None:

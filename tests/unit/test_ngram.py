@@ -179,6 +179,7 @@ def test_rejected_drafts_never_enter_the_proposer_table() -> None:
     # the target accepts "c", rejects "d" and emits the bonus "x" instead
     request.output_token_ids += ids("c x")
     proposer.on_accepted(request, 1)
+    proposer.keep_up([request])  # (a table takes the tokens at its next lookup or keep_up)
     counts = proposer.table("r0").counts()
     assert counts == brute_counts(request.all_token_ids, 64, 4, 2)
     assert tuple(ids("b c x")) in counts
@@ -323,6 +324,8 @@ def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
     drafts = proposer.propose([a, b], [2, 0])
     assert drafts[0].token_ids == ids("three one") and drafts[1].token_ids == []
     assert proposer.table("r1").history == ids("four five four five")  # untouched
+    proposer.on_accepted(b, 0)  # (nor after the round: the runner calls it for every request)
+    assert proposer.table("r1").history == ids("four five four five")
     assert proposer.propose([b], [1])[0].token_ids == ids("four")
     assert proposer.table("r1").history == b.all_token_ids
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -991,3 +992,27 @@ def test_a_request_leaving_a_plain_batch_keeps_the_decision_for_the_rest():
     _at(p, "r0", 0.8)
     assert p.choose(batch, [10] * 6, 10_000, [1000] * 6) == [0] * 6 and p._quiet.vetoed
     assert not p.keep_quiet_without(batch[3]) and p._quiet.batch == batch
+
+
+def test_best_k_for_costs_agrees_with_pricing_each_k_by_the_papers_formula():
+    # the one-loop argmax (terms summed as it goes) picks what pricing every K with
+    # expected_tokens does, the shortest among equals, with and without a margin (near-ties
+    # apart, where the two float sums may round either way)
+    from infer.spec.policy import _best_by_score
+    rng = random.Random(11)
+    checked = 0
+    for _ in range(5000):
+        costs = [1.0] + [rng.choice([rng.uniform(0.5, 6.0), 1.0, 2.0]) for _ in range(rng.randint(1, 8))]
+        a = rng.choice([0.0, 1.0, rng.random(), round(rng.random(), 1)])
+        margin = rng.choice([0.0, 0.05])
+        scores = [expected_tokens(a, k) / r for k, r in enumerate(costs)]
+        top = sorted(scores, reverse=True)
+        if len(top) > 1 and abs(top[0] - top[1]) <= 1e-9 * top[0] and top[0] != top[1]:
+            continue
+        if abs(top[0] - scores[0] * (1 + margin)) <= 1e-9:
+            continue
+        assert best_k_for_costs(a, costs, margin) == _best_by_score(scores, margin), (a, costs, margin)
+        checked += 1
+    assert checked > 3500
+    assert best_k_for_costs(0.5, [1.0, 2.0, 2.0]) == 0 and best_k_for_costs(0.0, [1.0] * 4) == 0
+    assert best_k_for_costs(1.0, [1.0, 1.0, 1.0]) == 2

@@ -1138,3 +1138,51 @@ def test_table_builds_spread_over_the_forwards_while_the_gpu_is_busy(make_llm, c
     assert all(ready for _, ready in looked_up)  # no lookup of a table not ready
     assert len({rid for rid, _ in looked_up}) == len(prompts)  # yet every request had shadow lookups
     assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
+
+
+def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
+    # tables left part-built go on under the next forwards while the GPU works: that time
+    # hides under the forward, so it is neither left out of a timed plain step (which would
+    # then look cheaper by work it did not wait for) nor reported as a stretch's upkeep (the
+    # shadow gate would weigh work that cost no step). On a clock that moves only while
+    # tables are built, the timed plain steps carry it and the upkeep reports do not
+    import infer.engine.plain_stretch as plain_stretch
+    import infer.engine.speculative_runner as speculative_runner
+    import infer.spec.ngram as ngram
+
+    class Clock:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls) -> float:
+            return cls.now
+
+    monkeypatch.setattr(speculative_runner, "time", Clock)
+    monkeypatch.setattr(plain_stretch, "time", Clock)
+    monkeypatch.setattr(ngram, "BUILD_CHUNK", 16)
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only
+    runner.policy.worth_shadowing = lambda batch, sampled: True
+    runner.policy = runner.policy
+    runner._busy = lambda: (lambda: False)  # one chunk a call: the builds take many steps
+    keep_up = runner._keep_up
+
+    def building(requests, busy=None):
+        if runner._building():
+            Clock.now += 100.0
+        return keep_up(requests, busy)
+
+    runner._keep_up = building
+    plain, observe = [], runner.cost_model.observe
+    runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
+                                                                     observe(b, k, seconds, sampled))[1]
+    upkeep, observe_upkeep = [], runner.cost_model.observe_upkeep
+    runner.cost_model.observe_upkeep = lambda b, seconds, sampled=False: (upkeep.append(seconds),
+                                                                          observe_upkeep(b, seconds, sampled))[1]
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert Clock.now >= 300  # tables were built over several steps
+    assert any(seconds >= 100 for seconds in plain)  # timed plain steps carry the builds
+    assert all(seconds < 100 for seconds in upkeep)  # the upkeep reports do not
+    assert not runner.proposer.building and llm.engine.leak_report() == []

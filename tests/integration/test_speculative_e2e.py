@@ -1186,3 +1186,25 @@ def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, pl
     assert any(seconds >= 100 for seconds in plain)  # timed plain steps carry the builds
     assert all(seconds < 100 for seconds in upkeep)  # the upkeep reports do not
     assert not runner.proposer.building and llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_plain_decisions_kept_through_finishes_and_preemptions_keep_the_tokens(make_llm, ckpt_a, prompts, method):
+    # a request leaving under a standing all-plain decision (finished, or preempted while
+    # the scheduler reserves a step) keeps the decision for the rest: the tokens stay plain
+    # decoding's, every slot and block comes back, and the decision was kept at least once
+    params = [SamplingParams(temperature=0, max_tokens=40 - 3 * i, ignore_eos=True) for i in range(8)]
+    kw = dict(kv_cache_backend="paged", block_size=4, num_blocks=48, max_num_batched_tokens=16)
+    plain = make_llm(ckpt_a, max_batch_size=8, max_seq_len=256, **kw)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a if method == "draft_model" else None, 8, method=method,
+                    spec_policy="adaptive", **kw)
+    runner = llm.engine.runner
+    runner.policy.switch_margin = runner.policy.stay_margin = 1e9
+    kept, keep = [], runner._keep_quiet_without
+    runner._keep_quiet_without = lambda r: (k := keep(r), kept.append((k, r.is_finished)))[0]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert any(k for k, _ in kept)
+    assert any(not finished for _, finished in kept)  # preemptions happened under plain decisions
+    assert runner._held == 0 and llm.engine.leak_report() == []

@@ -424,7 +424,7 @@ class AdaptivePolicy:
             next_due = min(next_due, table.step + self.refresh_gap)
         wants: list[int] = []  # per request: the K it would speculate with (0: none; -1: not even a probe)
         for r in requests:
-            est = self._lookup(r.request_id, request_samples(r))
+            est = self._est.get(r.request_id) or self._lookup(r.request_id, request_samples(r))
             ests.append(est)
             if self.shadowed and not est.evidence:  # the first shadow draft decides
                 wants.append(-1)

@@ -1020,12 +1020,9 @@ def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a
     assert llm.engine.leak_report() == []
 
 
-def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
-    # a timed plain step's shadow drafts and table upkeep are not plain decoding's cost in a
-    # batch (its plain requests pay them whichever is chosen): on a
-    # clock that moves only while shadows are taken, checked or kept up, every plain step the
-    # cost model hears of costs nothing (before, those steps carried the upkeep: at W2 on the
-    # H200, 25 % of a step, and 23 ms when 32 tables were built in one step)
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The runner's and the plain stretches' perf_counter, moved only by the test."""
     import infer.engine.plain_stretch as plain_stretch
     import infer.engine.speculative_runner as speculative_runner
 
@@ -1038,11 +1035,34 @@ def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, 
 
     monkeypatch.setattr(speculative_runner, "time", Clock)
     monkeypatch.setattr(plain_stretch, "time", Clock)
+    return Clock
+
+
+def _plain_shadowing_llm(make_llm, ckpt_a):
+    """An n-gram adaptive engine (batch 8) that never speculates and takes shadows at every
+    step, with the plain step costs and the upkeep reports its cost model hears."""
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
     runner = llm.engine.runner
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only
     runner.policy.worth_shadowing = lambda batch, sampled: True  # shadows at every step
     runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
+    plain, observe = [], runner.cost_model.observe
+    runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
+                                                                     observe(b, k, seconds, sampled))[1]
+    upkeep, observe_upkeep = [], runner.cost_model.observe_upkeep
+    runner.cost_model.observe_upkeep = lambda b, seconds, sampled=False: (upkeep.append(seconds),
+                                                                          observe_upkeep(b, seconds, sampled))[1]
+    return llm, runner, plain, upkeep
+
+
+def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, plain_outputs, fake_clock):
+    # a timed plain step's shadow drafts and table upkeep are not plain decoding's cost in a
+    # batch (its plain requests pay them whichever is chosen): on a
+    # clock that moves only while shadows are taken, checked or kept up, every plain step the
+    # cost model hears of costs nothing (before, those steps carried the upkeep: at W2 on the
+    # H200, 25 % of a step, and 23 ms when 32 tables were built in one step)
+    Clock = fake_clock  # noqa: N806
+    llm, runner, plain, upkeep = _plain_shadowing_llm(make_llm, ckpt_a)
 
     def costing(fn):
         def timed(*args):
@@ -1052,12 +1072,6 @@ def test_the_plain_baseline_leaves_shadow_upkeep_out(make_llm, ckpt_a, prompts, 
 
     runner.shadow.take, runner.shadow.check = costing(runner.shadow.take), costing(runner.shadow.check)
     runner._keep_up = costing(runner._keep_up)
-    plain, observe = [], runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
-                                                                     observe(b, k, seconds, sampled))[1]
-    upkeep, observe_upkeep = [], runner.cost_model.observe_upkeep
-    runner.cost_model.observe_upkeep = lambda b, seconds, sampled=False: (upkeep.append(seconds),
-                                                                          observe_upkeep(b, seconds, sampled))[1]
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert Clock.now > 0 and len(plain) >= 3  # upkeep ran, plain steps were timed (in stretches too)
@@ -1140,31 +1154,17 @@ def test_table_builds_spread_over_the_forwards_while_the_gpu_is_busy(make_llm, c
     assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
 
 
-def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
+def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, plain_outputs, fake_clock,
+                                                   monkeypatch):
     # tables left part-built go on under the next forwards while the GPU works: that time
     # hides under the forward, so it is neither left out of a timed plain step (which would
     # then look cheaper by work it did not wait for) nor reported as a stretch's upkeep (the
     # shadow gate would weigh work that cost no step). On a clock that moves only while
     # tables are built, the timed plain steps carry it and the upkeep reports do not
-    import infer.engine.plain_stretch as plain_stretch
-    import infer.engine.speculative_runner as speculative_runner
     import infer.spec.ngram as ngram
-
-    class Clock:
-        now = 0.0
-
-        @classmethod
-        def perf_counter(cls) -> float:
-            return cls.now
-
-    monkeypatch.setattr(speculative_runner, "time", Clock)
-    monkeypatch.setattr(plain_stretch, "time", Clock)
+    Clock = fake_clock  # noqa: N806
     monkeypatch.setattr(ngram, "BUILD_CHUNK", 16)
-    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
-    runner = llm.engine.runner
-    runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only
-    runner.policy.worth_shadowing = lambda batch, sampled: True
-    runner.policy = runner.policy
+    llm, runner, plain, upkeep = _plain_shadowing_llm(make_llm, ckpt_a)
     runner._busy = lambda: (lambda: False)  # one chunk a call: the builds take many steps
     keep_up = runner._keep_up
 
@@ -1174,12 +1174,6 @@ def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, pl
         return keep_up(requests, busy)
 
     runner._keep_up = building
-    plain, observe = [], runner.cost_model.observe
-    runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
-                                                                     observe(b, k, seconds, sampled))[1]
-    upkeep, observe_upkeep = [], runner.cost_model.observe_upkeep
-    runner.cost_model.observe_upkeep = lambda b, seconds, sampled=False: (upkeep.append(seconds),
-                                                                          observe_upkeep(b, seconds, sampled))[1]
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert Clock.now >= 300  # tables were built over several steps

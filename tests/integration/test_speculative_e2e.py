@@ -1202,3 +1202,50 @@ def test_plain_decisions_kept_through_finishes_and_preemptions_keep_the_tokens(m
     assert any(k for k, _ in kept)
     assert any(not finished for _, finished in kept)  # preemptions happened under plain decisions
     assert runner._held == 0 and llm.engine.leak_report() == []
+
+
+class _FirstSpeculates:
+    """The batch's first request drafts `k` tokens at every step, the others none: every
+    decode step is a round."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def choose(self, requests, seq_lens, max_seq_len, tokens_left):
+        return [min(self.k, max(0, tokens_left[0] - 1))] + [0] * (len(requests) - 1)
+
+    def update(self, request_id, num_draft, num_accepted):
+        return None
+
+    def no_proposal(self, request_id):
+        return None
+
+    def release(self, request_id):
+        return None
+
+
+def test_table_builds_go_on_under_rounds_too(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
+    # tables left part-built at the prefill go on under the verification forwards of rounds
+    # too (here the first request asks for a draft at every step; the others wait for their
+    # tables), with the tokens plain decoding's
+    import infer.spec.ngram as ngram
+    monkeypatch.setattr(ngram, "BUILD_CHUNK", 16)
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    runner.policy = _FirstSpeculates(3)
+    runner._busy = lambda: (lambda: False)  # one chunk a call
+    in_verify, built, verify, build = [False], [], runner._verify, runner._build_tables
+
+    def verifying(*args):
+        in_verify[0] = True
+        try:
+            return verify(*args)
+        finally:
+            in_verify[0] = False
+
+    runner._verify = verifying
+    runner._build_tables = lambda requests: (built.append(in_verify[0]), build(requests))[1]
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert runner.stats.drafts > 0 and any(built)  # some builds ran under a round's forward
+    assert llm.engine.leak_report() == []

@@ -542,8 +542,12 @@ class SpeculativeRunner(ContinuousRunner):
             packed = self.forward.verify(ids, layout, draft_tokens, num_draft,
                                          self._draft_probs(drafts, draft_tokens, vocab),
                                          [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
+            if self._building():  # (under the verification's forward, as under a plain step's)
+                self._build_tables(requests)
             return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
+        if self._building():
+            self._build_tables(requests)
         return self._accept_reject(requests, drafts, draft_tokens, logits)
 
     def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:

@@ -19,8 +19,9 @@ every `time_every` (never the stretch's first, which follows a round or a choice
 reports it: the plain step the adaptive policy should weigh rounds against is a stretch
 step, not the boundary steps around stretches and rounds, which the runner times otherwise
 (H100, n-gram at W5 T=1: 0.66 against 0.56 ms, and rounds looked that much cheaper). The
-stretch ends when its steps are done, or early when the batch changes (`allocate`,
-`release`), and `leave` reports how many steps ran so the policy's step clock can catch up.
+stretch ends when its steps are done, or early when the batch changes (`allocate`, or a
+`release` the decision does not survive: `AdaptivePolicy.keep_quiet_without`), and `leave`
+reports how many steps ran so the policy's step clock can catch up.
 """
 
 from __future__ import annotations

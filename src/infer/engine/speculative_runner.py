@@ -303,7 +303,7 @@ class SpeculativeRunner(ContinuousRunner):
             if start is None and self._quiet_left is not None:
                 # so are the next steps the decision holds: through the plain runner's methods
                 self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), requests)
-                self._stretch_requests = requests  # (a batch change ends the stretch)
+                self._stretch_requests = requests  # (pruned by a finish the decision survives: `release`)
                 self._stretch.enter(self._quiet_left())
             return outputs
         if self._episode_gain is None:

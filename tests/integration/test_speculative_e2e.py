@@ -1169,7 +1169,7 @@ def test_table_builds_under_the_gpu_are_not_upkeep(make_llm, ckpt_a, prompts, pl
     keep_up = runner._keep_up
 
     def building(requests, busy=None):
-        if runner._building():
+        if runner.proposer.building:
             Clock.now += 100.0
         return keep_up(requests, busy)
 
@@ -1204,24 +1204,15 @@ def test_plain_decisions_kept_through_finishes_and_preemptions_keep_the_tokens(m
     assert runner._held == 0 and llm.engine.leak_report() == []
 
 
-class _FirstSpeculates:
+class _FirstSpeculates(_SchedulePolicy):
     """The batch's first request drafts `k` tokens at every step, the others none: every
     decode step is a round."""
 
     def __init__(self, k):
-        self.k = k
+        super().__init__([k])
 
     def choose(self, requests, seq_lens, max_seq_len, tokens_left):
-        return [min(self.k, max(0, tokens_left[0] - 1))] + [0] * (len(requests) - 1)
-
-    def update(self, request_id, num_draft, num_accepted):
-        return None
-
-    def no_proposal(self, request_id):
-        return None
-
-    def release(self, request_id):
-        return None
+        return [min(self.cycle[0], max(0, tokens_left[0] - 1))] + [0] * (len(requests) - 1)
 
 
 def test_table_builds_go_on_under_rounds_too(make_llm, ckpt_a, prompts, plain_outputs, monkeypatch):
@@ -1244,7 +1235,8 @@ def test_table_builds_go_on_under_rounds_too(make_llm, ckpt_a, prompts, plain_ou
             in_verify[0] = False
 
     runner._verify = verifying
-    runner._build_tables = lambda requests: (built.append(in_verify[0]), build(requests))[1]
+    runner._build_tables = lambda requests: (seconds := build(requests),
+                                             built.append(in_verify[0] and seconds is not None), seconds)[-1]
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert runner.stats.drafts > 0 and any(built)  # some builds ran under a round's forward

@@ -88,7 +88,6 @@ class SpeculativeRunner(ContinuousRunner):
         self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
         # recorded after a forward is queued, asked by table builds under it (`_busy`)
         self._gpu_event = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._built = 0.0  # seconds of the latest `_build_tables`
         self.shadow: ShadowDrafts | None = None
         self.policy = FixedPolicy(config.spec_length)
         if config.spec_policy == "adaptive":
@@ -121,6 +120,9 @@ class SpeculativeRunner(ContinuousRunner):
         # a proposer's optional `keep_up(requests)` (n-gram): builds or updates its per-request
         # state while prefill and plain stretch forwards run
         self._keep_up: Callable[..., None] | None = getattr(proposer, "keep_up", None)
+        # and its `building`: whether `keep_up` left tables part-built (`_build_tables`)
+        self._tables_building: Callable[[], bool] | None = (
+            (lambda: proposer.building) if hasattr(proposer, "building") else None)  # type: ignore[attr-defined]
         shadow = getattr(self, "shadow", None)
         if shadow is not None:  # (its lookups wait for tables `keep_up` builds)
             shadow.ready = getattr(proposer, "ready", None)
@@ -453,9 +455,9 @@ class SpeculativeRunner(ContinuousRunner):
         ended = bool(shadow.check(requests)) and not self._quiet_left()
         shadow.take(self.proposer, requests)
         stretch = self._stretch
-        if self._building():  # (the tables' updates too, in the same pass)
-            self._build_tables(requests)
-            start += self._built
+        built = self._build_tables(requests)  # (the tables' updates too, in the same pass)
+        if built is not None:
+            start += built
         elif self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0):
             self._keep_up(requests)
         spent = time.perf_counter() - start
@@ -488,20 +490,20 @@ class SpeculativeRunner(ContinuousRunner):
         event.record()
         return lambda: not event.query()
 
-    def _building(self) -> bool:
-        """Whether the proposer has tables that `keep_up` left part-built (n-gram `building`)."""
-        return bool(getattr(self.proposer, "building", False))
-
-    def _build_tables(self, requests: Sequence[Request]) -> None:
-        """Go on with the tables `keep_up` left part-built, under this step's forward while
-        the GPU works (`_busy`). Not upkeep: it hides under the forward by construction (but
-        one chunk), so it is neither left out of a timed plain step nor reported as the
-        stretch's upkeep (counted, it made plain steps look cheaper by work they did not
-        wait for, and the shadow gate weigh work that cost no step). `_built`: its seconds."""
+    def _build_tables(self, requests: Sequence[Request]) -> float | None:
+        """Go on with the tables `keep_up` left part-built (if any: else None), under this
+        step's forward while the GPU works (`_busy`); returns the seconds spent. Not upkeep:
+        it hides under the forward by construction (but one chunk), so it is neither left
+        out of a timed plain step nor reported as the stretch's upkeep (counted, it made
+        plain steps look cheaper by work they did not wait for, and the shadow gate weigh
+        work that cost no step)."""
+        building = self._tables_building
+        if building is None or not building():
+            return None
         assert self._keep_up is not None
         start = time.perf_counter()
         self._keep_up(requests, self._busy())
-        self._built = time.perf_counter() - start
+        return time.perf_counter() - start
 
     def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
         """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
@@ -517,8 +519,7 @@ class SpeculativeRunner(ContinuousRunner):
             start = time.perf_counter()
             self.shadow.take(self.proposer, requests)
             self._upkeep += time.perf_counter() - start
-            if self._building():
-                self._build_tables(requests)
+            self._build_tables(requests)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""
@@ -542,12 +543,10 @@ class SpeculativeRunner(ContinuousRunner):
             packed = self.forward.verify(ids, layout, draft_tokens, num_draft,
                                          self._draft_probs(drafts, draft_tokens, vocab),
                                          [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
-            if self._building():  # (under the verification's forward, as under a plain step's)
-                self._build_tables(requests)
+            self._build_tables(requests)  # (under the verification's forward, as under a plain step's)
             return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
-        if self._building():
-            self._build_tables(requests)
+        self._build_tables(requests)
         return self._accept_reject(requests, drafts, draft_tokens, logits)
 
     def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:

@@ -196,7 +196,7 @@ class NgramProposer:
         runner calls this for every request of a round, between the round and the next
         step, before it emits the round's tokens: a sync here found nothing new for the
         requests that drafted, and for those given k = 0 it caught their tables up on the
-        critical path, ~3-5 us a request at batch 32 in either case.)"""
+        critical path.)"""
 
     def release(self, request: Request) -> None:
         """The request finished or was preempted: drop its table (a later propose rebuilds)."""

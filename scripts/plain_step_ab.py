@@ -58,10 +58,12 @@ class NeverSpeculate:
 
 
 def time_calls(obj: object, attr: str, record: Callable[[float, object], None],
-               undo: list[tuple[object, str]]) -> None:
+               undo: list[tuple[object, str, object]]) -> None:
     """Hide obj.attr behind an instance attribute that passes each call's seconds and
-    result to `record`; `undo` gets (obj, attr) so the caller can delete it again."""
+    result to `record`; `undo` gets (obj, attr, the instance attribute it hid or None) for
+    `restore`."""
     fn = getattr(obj, attr)
+    prior = vars(obj).get(attr)
 
     def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         start = time.perf_counter()
@@ -70,7 +72,18 @@ def time_calls(obj: object, attr: str, record: Callable[[float, object], None],
         return out
 
     setattr(obj, attr, wrapper)
-    undo.append((obj, attr))
+    undo.append((obj, attr, prior))
+
+
+def restore(undo: list[tuple[object, str, object]]) -> None:
+    """Take `time_calls`' wrappers away again, latest first (an instance attribute a wrapper
+    hid, such as a bound hook, comes back)."""
+    for obj, attr, prior in reversed(undo):
+        if prior is None:
+            delattr(obj, attr)
+        else:
+            setattr(obj, attr, prior)
+    undo.clear()
 
 
 def step_parts(runner: object) -> list[tuple[object, str, str]]:
@@ -82,6 +95,8 @@ def step_parts(runner: object) -> list[tuple[object, str, str]]:
              (runner.cost_model, "observe", "observe")]
     if runner.shadow is not None:
         parts += [(runner.shadow, "take", "shadow take"), (runner.shadow, "check", "shadow check")]
+    if runner._keep_up is not None:  # n-gram tables: built or caught up (under forwards, or whole)
+        parts += [(runner, "_keep_up", "keep up")]
     if runner.draft is not None:  # a draft model's round: its catch-up and its draft steps apart
         parts += [(runner.draft, "_catch_up", "catch-up"), (runner.draft, "_draft_loop", "draft loop")]
     if hasattr(runner.forward, "verify"):  # verification's graphs (forward and acceptance) within `verify`
@@ -95,7 +110,7 @@ def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], Non
     function that removes the wrappers."""
     runner = engine.runner
     phases: dict[str, list[float]] = defaultdict(list)
-    undo: list[tuple[object, str]] = []
+    undo: list[tuple[object, str, object]] = []
 
     def timed(obj: object, attr: str, label: str) -> None:
         def record(seconds: float, out: object) -> None:
@@ -110,8 +125,7 @@ def instrument(engine: Engine) -> tuple[dict[str, list[float]], Callable[[], Non
     timed(runner, "_decode", "decode step")  # (until a plain stretch takes `_decode` over)
 
     def remove() -> None:
-        for obj, attr in undo:
-            vars(obj).pop(attr, None)  # the instance attribute hid the class's method
+        restore(undo)
 
     return phases, remove
 
@@ -424,7 +438,7 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
     by_batch = isinstance(prompt, PromptSet)
     calls = {"propose": 0, "choose": 0, "_verify": 0, "no_proposal": 0}
     spent: dict[str, float] = defaultdict(float)  # this step's timed parts
-    undo: list[tuple[object, str]] = []
+    undo: list[tuple[object, str, object]] = []
 
     def wrap(obj: object, attr: str, label: str) -> None:
         def record(seconds: float, out: object) -> None:
@@ -453,6 +467,15 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
     parts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     previous = ["prefill"]  # the category of the step before
+    gc_began: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:  # the collector's pauses, filed with the step's parts
+        if phase == "start":
+            gc_began.append(time.perf_counter())
+        elif gc_began:
+            spent[f"gc{info['generation']}"] += time.perf_counter() - gc_began.pop()
+
+    gc.callbacks.append(on_gc)
 
     def step():  # noqa: ANN202
         stretch = speculative and runner._stretch.active
@@ -502,8 +525,8 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
         ContinuousRunner._decode = inner
         if "_decode" in vars(runner):
             runner._decode = inner.__get__(runner)
-        for obj, attr in undo:
-            delattr(obj, attr)
+        restore(undo)
+        gc.callbacks.remove(on_gc)
     return ledger, parts
 
 
@@ -568,7 +591,9 @@ def print_ledger(engines: dict[str, Engine], prompt: list[int] | PromptSet, w: s
         if isinstance(prompt, PromptSet):  # plain mode's own ledger (its prefill steps, its buckets)
             for cat, (n, k, sec) in sorted(plain.items(), key=lambda kv: -kv[1][2]):
                 print(f"    plain mode {cat:>19}: {n:6d} steps {k:6d} tokens {sec / n * 1e6:8.1f} us a step, "
-                      f"{sec / s_p * 100:5.1f} % of its time", flush=True)
+                      f"{sec / s_p * 100:5.1f} % of its time; parts (us a step) "
+                      + ", ".join(f"{label} {x / n * 1e6:.1f}" for label, x in sorted(plain_parts[cat].items())),
+                      flush=True)
 
 
 def graph_gpu_ms(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> tuple[float, float, int]:

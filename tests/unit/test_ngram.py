@@ -294,11 +294,15 @@ def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later
     # a lookup does not wait: the rest is built on the spot
     assert proposer.propose(requests[1:2], [4]) == whole.propose(requests[1:2], [4])
     assert proposer.ready(requests[1]) and proposer.table("r1").counts() == whole.table("r1").counts()
-    # a table a few tokens behind is brought up to date without asking
+    # a table a few tokens behind is no build: left to its next lookup (or a whole keep_up),
+    # without asking the GPU; it is ready
     requests[0].output_token_ids += [1, 2, 3]
     asks.clear()
     proposer.keep_up(requests[:1], busy_for(0))
-    assert not asks and proposer.table("r0").history == requests[0].all_token_ids
+    assert not asks and proposer.table("r0").history == requests[0].all_token_ids[:-3]
+    assert proposer.ready(requests[0]) and "r0" not in proposer._building
+    proposer.keep_up(requests[:1])
+    assert proposer.table("r0").history == requests[0].all_token_ids
     proposer.keep_up(requests, lambda: True)
     assert not proposer.building and all(proposer.ready(r) for r in requests)
     assert proposer.table("r2").counts() == whole.table("r2").counts()
@@ -312,6 +316,29 @@ def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later
     for r in requests:
         proposer.release(r)
     assert proposer.leak_report() == [] and not proposer.building
+
+
+def test_a_table_never_built_or_far_behind_is_not_ready_and_is_queued_for_the_builds() -> None:
+    # shadow drafts ask `ready` before a lookup: a table that missed its prefill's builds
+    # (shadowing did not pay then) or fell more than a chunk behind would be built on the
+    # critical path; it is queued instead, and the next keep_up under a forward builds it
+    chunk = infer.spec.ngram.BUILD_CHUNK
+    proposer = NgramProposer()
+    fresh, behind, close = (make_request(list(range(n)), f"r{i}") for i, n in enumerate((chunk + 9, 30, 20)))
+    proposer.keep_up([behind, close])
+    behind.output_token_ids += [3] * (chunk + 1)
+    close.output_token_ids += [3] * chunk
+    assert not proposer.building
+    assert not proposer.ready(fresh) and not proposer.ready(behind) and proposer.ready(close)
+    assert proposer.building and proposer.leak_report()[-1] == "n-gram tables being built for ['r0', 'r1']"
+    proposer.keep_up([fresh, behind, close], lambda: True)
+    assert not proposer.building and all(proposer.ready(r) for r in (fresh, behind, close))
+    assert proposer.table("r0").history == fresh.all_token_ids
+    assert proposer.table("r1").history == behind.all_token_ids
+    assert proposer.table("r2").history == close.all_token_ids[:-chunk]  # (no build: its lookup syncs it)
+    for r in (fresh, behind, close):
+        proposer.release(r)
+    assert proposer.leak_report() == []
 
 
 def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:

@@ -95,7 +95,7 @@ class ShadowDrafts:
     max_interval: int = 64
     found: Found | None = None
     # whether the proposer can look a request up without building its state on the critical
-    # path (n-gram `ready`: False while its table is part-built); such requests wait
+    # path (n-gram `ready`: False while its table is unbuilt, part-built or far behind); such requests wait
     ready: Callable[[Request], bool] | None = None
     _step: int = 0
     _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)

@@ -476,6 +476,10 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
             spent[f"gc{info['generation']}"] += time.perf_counter() - gc_began.pop()
 
     gc.callbacks.append(on_gc)
+    forward = runner.forward
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # the step's forwards (CUDA events)
+    if torch.cuda.is_available():
+        runner.forward = _TimedForward(forward, spans)
 
     def step():  # noqa: ANN202
         stretch = speculative and runner._stretch.active
@@ -489,6 +493,9 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
         for request in engine.scheduler.retire(runner):
             engine._requests.pop(request.request_id, None)
         seconds = time.perf_counter() - a
+        for begin, end in spans:  # (the step has read its tokens: its GPU work is done)
+            spent["gpu"] += begin.elapsed_time(end) / 1e3
+        spans.clear()
         did = {k: calls[k] > before[k] for k in calls}
         cat = None
         if decision.prefill:
@@ -521,6 +528,7 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
         for _ in range(generations):
             ms_per_token(engine, prompt, temperature, tokens)
     finally:
+        runner.forward = forward
         del engine.step
         ContinuousRunner._decode = inner
         if "_decode" in vars(runner):
@@ -528,6 +536,34 @@ def step_ledger(engine: Engine, prompt: list[int] | PromptSet, temperature: floa
         restore(undo)
         gc.callbacks.remove(on_gc)
     return ledger, parts
+
+
+class _TimedForward:
+    """A runner's forward functions with CUDA events around each call (`sample`, `verify`,
+    the call itself): the span from the call's first launch to its last work, on the GPU."""
+
+    def __init__(self, forward: object, spans: list) -> None:
+        self._forward, self._spans = forward, spans
+
+    def _timed(self, fn: Callable, *args: object, **kwargs: object) -> object:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = fn(*args, **kwargs)
+        end.record()
+        self._spans.append((begin, end))
+        return out
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        return self._timed(self._forward, *args, **kwargs)
+
+    def sample(self, *args: object, **kwargs: object) -> object:
+        return self._timed(self._forward.sample, *args, **kwargs)
+
+    def verify(self, *args: object, **kwargs: object) -> object:
+        return self._timed(self._forward.verify, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._forward, name)
 
 
 def _why_asked(policy: object, previous: str) -> str:

@@ -457,7 +457,7 @@ class SpeculativeRunner(ContinuousRunner):
         stretch = self._stretch
         built = self._build_tables(requests)  # (the tables' updates too, in the same pass)
         if built is not None:
-            start += built
+            start += built[0] - built[1]  # what the GPU's work hid is no upkeep
         elif self._keep_up is not None and (ended or not stretch.left or stretch.done % KEEP_UP_EVERY == 0):
             self._keep_up(requests)
         spent = time.perf_counter() - start
@@ -490,20 +490,40 @@ class SpeculativeRunner(ContinuousRunner):
         event.record()
         return lambda: not event.query()
 
-    def _build_tables(self, requests: Sequence[Request]) -> float | None:
-        """Go on with the tables `keep_up` left part-built (if any: else None), under this
-        step's forward while the GPU works (`_busy`); returns the seconds spent. Not upkeep:
-        it hides under the forward by construction (but one chunk), so it is neither left
-        out of a timed plain step nor reported as the stretch's upkeep (counted, it made
-        plain steps look cheaper by work they did not wait for, and the shadow gate weigh
-        work that cost no step)."""
+    def _build_tables(self, requests: Sequence[Request]) -> tuple[float, float] | None:
+        """Go on with the tables `keep_up` left part-built or `ready` queued (if any: else
+        None), under this step's forward while the GPU works (`_busy`); returns the seconds
+        spent and the part of them the GPU's work did not hide (from when it was first seen
+        idle; all of it on a CPU, where the forward has run).
+
+        Only that part is upkeep (`_in_flight`, `_stretch_shadows`): what hides under the
+        forward costs no step, but where the host is the bottleneck nothing hides (n-gram at
+        W2 on the demo pair, H100: the GPU idle before the builds start at batch 16-32, one
+        chunk a step for a hundred steps, ~300 us of 1.4-2.8 ms steps) and, left out, the
+        shadow gate kept shadows going where they could not pay, and the timed plain steps
+        that carried the builds priced rounds down."""
         building = self._tables_building
         if building is None or not building():
             return None
         assert self._keep_up is not None
         start = time.perf_counter()
-        self._keep_up(requests, self._busy())
-        return time.perf_counter() - start
+        busy = self._busy()
+        if busy is None:
+            self._keep_up(requests, None)
+            spent = time.perf_counter() - start
+            return spent, spent
+        idle = [start if not busy() else None]  # when the GPU was first seen idle
+
+        def still_busy() -> bool:
+            if busy():
+                return True
+            if idle[0] is None:
+                idle[0] = time.perf_counter()
+            return False
+
+        self._keep_up(requests, still_busy)
+        end = time.perf_counter()
+        return end - start, (end - idle[0] if idle[0] is not None else 0.0)
 
     def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
         """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
@@ -519,7 +539,9 @@ class SpeculativeRunner(ContinuousRunner):
             start = time.perf_counter()
             self.shadow.take(self.proposer, requests)
             self._upkeep += time.perf_counter() - start
-            self._build_tables(requests)
+            built = self._build_tables(requests)
+            if built is not None:
+                self._upkeep += built[1]  # (what the GPU's work did not hide)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""

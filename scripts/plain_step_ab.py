@@ -358,6 +358,17 @@ def self_paired(name: str) -> bool:
     return with_policy(name) or variant(name).endswith(("K0", "plainpath", "plaindecode", "plainreserve"))
 
 
+def gpu_timed(spans: list, fn: Callable, *args: object, **kwargs: object) -> object:
+    """fn(*args, **kwargs) between two CUDA events, appended to `spans` as (begin, end): the
+    GPU span of the work it queued (read with `elapsed_time` once that work is done)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    out = fn(*args, **kwargs)
+    end.record()
+    spans.append((begin, end))
+    return out
+
+
 class _TimedGraph:
     """A CUDA graph whose replays are timed with events (GPU time of the replay alone)."""
 
@@ -365,11 +376,7 @@ class _TimedGraph:
         self.graph, self.spans = graph, spans
 
     def replay(self) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.graph.replay()
-        end.record()
-        self.spans.append((start, end))
+        gpu_timed(self.spans, self.graph.replay)
 
 
 def step_split_us(engine: Engine, prompt: list[int], temperature: float, tokens: int) -> dict[str, float]:
@@ -551,22 +558,14 @@ class _TimedForward:
     def __init__(self, forward: object, spans: list) -> None:
         self._forward, self._spans = forward, spans
 
-    def _timed(self, fn: Callable, *args: object, **kwargs: object) -> object:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        out = fn(*args, **kwargs)
-        end.record()
-        self._spans.append((begin, end))
-        return out
-
     def __call__(self, *args: object, **kwargs: object) -> object:
-        return self._timed(self._forward, *args, **kwargs)
+        return gpu_timed(self._spans, self._forward, *args, **kwargs)
 
     def sample(self, *args: object, **kwargs: object) -> object:
-        return self._timed(self._forward.sample, *args, **kwargs)
+        return gpu_timed(self._spans, self._forward.sample, *args, **kwargs)
 
     def verify(self, *args: object, **kwargs: object) -> object:
-        return self._timed(self._forward.verify, *args, **kwargs)
+        return gpu_timed(self._spans, self._forward.verify, *args, **kwargs)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._forward, name)

@@ -105,8 +105,9 @@ def test_shadow_waits_for_requests_whose_proposer_state_is_not_ready():
     # though the other requests' schedules would skip that step, and drafted once ready
     script = list(range(100, 300))
     ready = {"a": True, "b": False}
-    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=8, ready=lambda r: ready[r.request_id])
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=8)
     proposer = ScriptedProposer(script)
+    proposer.ready = lambda r: ready[r.request_id]
     a, b = _request("a", script, 5), _request("b", script, 7)
     shadow.take(proposer, [a, b])
     assert proposer.asked == [("a", 5)]

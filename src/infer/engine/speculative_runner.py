@@ -101,7 +101,7 @@ class SpeculativeRunner(ContinuousRunner):
                                                     catch_up_units=getattr(self.proposer, "catch_up_units", None))
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow,
-                                           found=adaptive.proposal_ready, ready=getattr(self.proposer, "ready", None))
+                                           found=adaptive.proposal_ready)
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards); one in PLAIN_SAMPLE_EVERY of
         # them is timed for the plain baseline
@@ -123,9 +123,6 @@ class SpeculativeRunner(ContinuousRunner):
         # and its `building`: whether `keep_up` left tables part-built (`_build_tables`)
         self._tables_building: Callable[[], bool] | None = (
             (lambda: proposer.building) if hasattr(proposer, "building") else None)  # type: ignore[attr-defined]
-        shadow = getattr(self, "shadow", None)
-        if shadow is not None:  # (its lookups wait for tables `keep_up` builds)
-            shadow.ready = getattr(proposer, "ready", None)
 
     @property
     def policy(self) -> SpecPolicy:

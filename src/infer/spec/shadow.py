@@ -94,9 +94,6 @@ class ShadowDrafts:
     interval: int = 8
     max_interval: int = 64
     found: Found | None = None
-    # whether the proposer can look a request up without building its state on the critical
-    # path (n-gram `ready`: False while its table is unbuilt, part-built or far behind); such requests wait
-    ready: Callable[[Request], bool] | None = None
     _step: int = 0
     _next_due: int = 0  # the earliest `due` over scheduled requests (skips the scan before it)
     _pending: dict[str, _Pending] = field(default_factory=dict)
@@ -138,7 +135,10 @@ class ShadowDrafts:
         if self._step < self._next_due:
             return
         chosen, watching = [], []
-        ready, waiting = self.ready, False
+        # the proposer's optional `ready(request)`: whether it can look a request up without
+        # building its state on the critical path (n-gram: False while its table is unbuilt,
+        # part-built or far behind); such requests wait
+        ready, waiting = getattr(proposer, "ready", None), False
         for r, k in zip(requests, ks if ks is not None else [0] * len(requests), strict=True):
             rid = r.request_id
             if k or rid in self._pending:

@@ -166,7 +166,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
-            "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds")
+            "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -248,6 +248,7 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
                "ngram-adaptive-prior1": dict(ngram, spec_policy="adaptive"),
                # table builds never counted as upkeep, as before 5c064d3 (the GPU's work taken to hide them)
                "ngram-adaptive-hiddenbuilds": dict(ngram, spec_policy="adaptive"),
+               "ngram-adaptive-alltables": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
@@ -294,7 +295,12 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
         fresh_indices(engines["plain-fresh-indices"])
     if "ngram-adaptive-noshadow" in engines:
         noshadow = engines["ngram-adaptive-noshadow"].runner
-        noshadow.shadow, noshadow.policy.shadowed, noshadow._stretch.each_step = None, False, None
+        noshadow.shadow, noshadow.policy.shadowed = None, False
+        noshadow._stretch.each_step = noshadow._stretch.after_step = None
+    if "ngram-adaptive-alltables" in engines:  # every request's table, as before `table_pays`
+        alltables = engines["ngram-adaptive-alltables"].runner
+        alltables.policy.table_pays = lambda *args: True
+        alltables.policy = alltables.policy  # (the runner binds the policy's hooks when it is set)
     for name in ("ngram-adaptive-nobatch", "draft-adaptive-nobatch"):
         if name in engines:
             engines[name].runner.policy.batch_economics = False
@@ -348,7 +354,7 @@ def variant(name: str) -> str:
 def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
-    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds"))
+    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables"))
 
 
 def self_paired(name: str) -> bool:

@@ -994,7 +994,7 @@ def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a
     policy = runner.policy
     takes, synced, take, sync = [], [], runner.shadow.take, runner.proposer._sync
     runner.shadow.take = lambda *a: (takes.append(1), take(*a))[1]
-    runner.proposer._sync = lambda r: (synced.append(r.request_id), sync(r))[1]
+    runner.proposer._sync = lambda r, limit=None: (synced.append(r.request_id), sync(r, limit))[1]
     policy.switch_margin = policy.stay_margin = 1e9  # nothing pays by these margins, at any acceptance
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
@@ -1045,6 +1045,7 @@ def _plain_shadowing_llm(make_llm, ckpt_a):
     runner = llm.engine.runner
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only
     runner.policy.worth_shadowing = lambda batch, sampled: True  # shadows at every step
+    runner.policy.table_pays = lambda *args: True  # and tables for every request
     runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
     plain, observe = [], runner.cost_model.observe
     runner.cost_model.observe = lambda b, k, seconds, sampled=False: (plain.append(seconds) if k == 0 else None,
@@ -1119,6 +1120,7 @@ def test_table_builds_spread_over_the_forwards_while_the_gpu_is_busy(make_llm, c
     proposer = runner.proposer
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only: shadows go on
     runner.policy.worth_shadowing = lambda batch, sampled: True
+    runner.policy.table_pays = lambda *args: True  # (every request's table, whatever the CPU's costs)
     runner.policy = runner.policy
     runner.shadow.interval = 2
     # (222 prompt tokens: ~5 forwards at 3 chunks of 16, ~7 at one of 32)
@@ -1250,3 +1252,27 @@ def test_table_builds_go_on_under_rounds_too(make_llm, ckpt_a, prompts, plain_ou
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert runner.stats.drafts > 0 and any(built)  # some builds ran under a round's forward
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_tables_only_for_requests_whose_speculation_can_pay_for_them(make_llm, ckpt_a, prompts, plain_outputs,
+                                                                    pays):
+    # the adaptive n-gram runner asks the policy (`table_pays`) before it builds a request's
+    # table, with the batch the request decodes in, the tokens it may still emit, the tokens
+    # its table would index and what a table costs a token; turned down, a request gets no
+    # table (no build under a forward, no lookup, no shadow draft) and decodes plainly
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    asked, syncs, sync = [], [], runner.proposer._sync
+    runner.policy.table_pays = lambda *args: (asked.append(args), pays)[1]
+    runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
+    runner.proposer._sync = lambda request, limit=None: (syncs.append(request.request_id), sync(request, limit))[1]
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert asked and all(1 <= batch <= 8 and not sampled and 0 <= left <= 256 and 0 < indexed <= 256 and cost > 0
+                         for batch, sampled, left, indexed, cost in asked)
+    assert any(batch == 8 for batch, *_ in asked)  # the batch held when the prompts came
+    assert bool(syncs) == pays  # turned down: no table was ever built or synced
+    if not pays:
+        assert runner.stats.drafts == 0
+    assert runner.proposer.leak_report() == [] and llm.engine.leak_report() == []

@@ -89,3 +89,30 @@ def test_evidence_relaxes_toward_the_prior_so_a_locked_out_mode_is_tried_again()
     assert cal.factor(KEY) == pytest.approx(1.0, abs=1e-3)
     cal.relax((2, False), 5)  # a key without evidence: nothing to relax
     assert (2, False) not in cal._sums
+
+
+def test_rate_is_what_episodes_realized_per_plain_step_once_there_is_enough_of_it():
+    cal = GainCalibration(decay=1.0, min_rate_steps=8.0)
+    assert cal.rate(KEY) is None  # never tried
+    cal.observe(KEY, 4.0, realized=6.0, predicted=8.0)
+    assert cal.rate(KEY) is None  # 4 plain steps of evidence: too little to tell
+    cal.observe(KEY, 6.0, realized=6.0, predicted=8.0)
+    assert cal.rate(KEY) == pytest.approx(12.0 / 10.0)  # tokens per request per plain step
+    assert cal.rate((2, False)) is None  # per key
+
+
+def test_rate_evidence_fades_to_nothing_so_an_untried_mode_is_unknown_again():
+    cal = GainCalibration(half_life=100.0, min_rate_steps=8.0)
+    for _ in range(10):
+        cal.observe(KEY, 3.0, realized=3.0, predicted=6.0)
+    assert cal.rate(KEY) == pytest.approx(1.0)
+    cal.relax(KEY, 0)
+    cal.relax(KEY, 100)  # one half-life: the same rate on less evidence
+    assert cal.rate(KEY) == pytest.approx(1.0)
+    cal.relax(KEY, 1000)  # too little left to tell
+    assert cal.rate(KEY) is None
+
+
+def test_min_rate_steps_is_validated():
+    with pytest.raises(ValueError, match="min_rate_steps"):
+        GainCalibration(min_rate_steps=0.0)

@@ -475,3 +475,53 @@ def test_tables_validate_their_arguments() -> None:
         NgramTable(min_order=1)
     with pytest.raises(ValueError, match="window"):
         PromptLookupTable(window=2)
+
+
+# --- which requests get a table (`admit`) and what a table costs -------------------------------
+
+
+def test_a_request_turned_down_gets_no_table_no_draft_and_no_build() -> None:
+    proposer = NgramProposer(NgramConfig(window=64))
+    admitted = {"r0": False, "r1": True}
+    proposer.admit = lambda r: admitted[r.request_id]
+    text = ids("a b c a b c a b c a b")
+    r0, r1 = make_request(text, "r0"), make_request(text, "r1")
+    assert not proposer.ready(r0) and not proposer.building  # turned down: not queued for builds
+    proposer.keep_up([r0, r1], busy=lambda: True)
+    proposer.keep_up([r0, r1])
+    drafts = proposer.propose([r0, r1], [3, 3])
+    assert drafts[0].token_ids == [] and proposer.table("r0") is None  # no lookup built it either
+    assert drafts[1].token_ids == ids("c a b") and proposer.table("r1") is not None
+    admitted["r0"] = True  # admitted later (its batch shrank): built and drafted as any other
+    assert proposer.propose([r0], [3])[0].token_ids == ids("c a b")
+    admitted["r0"] = False  # a table once started is kept, whatever `admit` says now
+    assert proposer.admits(r0) and proposer.propose([r0], [3])[0].token_ids == ids("c a b")
+    proposer.release(r0)
+    proposer.release(r1)
+    assert proposer.leak_report() == []
+
+
+def test_a_build_queued_before_its_request_was_turned_down_is_dropped() -> None:
+    proposer = NgramProposer(NgramConfig(window=64))
+    admitted = {"r0": True}
+    proposer.admit = lambda r: admitted[r.request_id]
+    r0 = make_request(ids("x y z x y z x y"), "r0")
+    assert not proposer.ready(r0) and proposer.building  # queued for the builds under forwards
+    admitted["r0"] = False
+    proposer.keep_up([r0], busy=lambda: True)
+    assert not proposer.building and proposer.table("r0") is None  # not built, no longer waited for
+
+
+def test_table_builds_measure_what_a_token_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a clock that advances 1 ms per reading: a build of n tokens takes 1 ms, 1/n ms a token
+    clock = itertools.count()
+    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: next(clock) * 1e-3)
+    proposer = NgramProposer(NgramConfig(window=100))
+    start = proposer.seconds_per_token
+    request = make_request(list(range(100)))
+    proposer.keep_up([request])  # a build of 100 tokens: 10 us a token
+    assert proposer.seconds_per_token == pytest.approx(start + 0.25 * (1e-5 - start))
+    request.output_token_ids += [1, 2]
+    before = proposer.seconds_per_token
+    proposer.keep_up([request])  # two tokens' update: no build, not measured
+    assert proposer.seconds_per_token == before

@@ -554,6 +554,8 @@ def test_new_requests_start_from_what_finished_requests_of_their_kind_accepted()
         AdaptivePolicy(5, costs, learned_weight=1.5)
     with pytest.raises(ValueError, match="learned_full_trials"):
         AdaptivePolicy(5, costs, learned_full_trials=0)
+    with pytest.raises(ValueError, match="table_margin"):
+        AdaptivePolicy(5, costs, table_margin=-0.1)
     with pytest.raises(ValueError, match="stay_margin"):
         AdaptivePolicy(5, costs, stay_margin=0.1)
 
@@ -1016,3 +1018,54 @@ def test_best_k_for_costs_agrees_with_pricing_each_k_by_the_papers_formula():
     assert checked > 3500
     assert best_k_for_costs(0.5, [1.0, 2.0, 2.0]) == 0 and best_k_for_costs(0.0, [1.0] * 4) == 0
     assert best_k_for_costs(1.0, [1.0, 1.0, 1.0]) == 2
+
+
+def _table_policy(batch: int, plain_seconds: float, rate: float | None) -> AdaptivePolicy:
+    """A policy that knows a plain step's cost at `batch` and, unless None, the rate its
+    episodes realized there (greedy)."""
+    policy = AdaptivePolicy(5, CostModel(5))
+    for _ in range(2):
+        policy.costs.observe(batch, 0, plain_seconds)
+    if rate is not None:
+        assert policy.calibration is not None
+        policy.calibration.observe((CostModel.bucket(batch), False), 50.0, realized=50.0 * rate, predicted=60.0)
+    return policy
+
+
+def test_a_table_is_built_only_where_speculation_can_pay_for_it():
+    # saving: tokens_left * plain / batch * (1 - 1 / rate); cost: (indexed + left) tokens at
+    # seconds_per_token, by the switch margin
+    u = 3e-6
+    wide = _table_policy(32, 1.2e-3, rate=1.2)  # rounds at 32 won little: 6.25 us a token
+    assert not wide.table_pays(32, False, 100, 500, u)  # 0.6 ms saved against 1.8 ms
+    assert wide.table_pays(32, False, 2000, 50, u)  # a long output left pays for a short prompt
+    assert not _table_policy(32, 1.2e-3, rate=0.9).table_pays(32, False, 10_000, 10, u)  # rounds lost there
+    alone = _table_policy(1, 0.5e-3, rate=2.0)  # batch 1, rounds won: 250 us a token
+    assert alone.table_pays(1, False, 100, 500, u)
+    assert not alone.table_pays(1, False, 100, 500, 1e-3)  # ... unless tables cost that much a token
+    assert not alone.table_pays(1, False, 0, 500, u)  # nothing left to emit
+
+
+def test_where_speculation_is_untried_a_table_is_priced_at_what_rounds_would_give():
+    # no episodes lately at this batch size (or none measured at all): the rate is the best
+    # any K gives at `batch_acceptance` with the cost table's rounds
+    u = 3e-6
+    untried = _table_policy(32, 1.2e-3, rate=None)
+    for _ in range(2):
+        untried.costs.observe(32, 5, 2.4e-3)  # rounds cost two plain steps at 32
+    untried.costs.observe(32, 1, 2.4e-3)
+    untried.costs.observe(32, 1, 2.4e-3)
+    untried._learned[False] = 0.8  # greedy requests accepted 0.8: 0.95 for the batch, K=5 pays ~2.6x
+    assert untried.table_pays(32, False, 200, 300, u)
+    untried._learned[False] = 0.1  # they accepted 0.1: no K beats plain decoding
+    untried._table.clear()
+    assert not untried.table_pays(32, False, 10_000, 10, u)
+    untried.calibration = None  # (no episodes measured at all: the same)
+    assert not untried.table_pays(32, False, 10_000, 10, u)
+
+
+def test_tables_are_built_while_no_plain_cost_is_known():
+    unmeasured = _table_policy(16, 1.2e-3, rate=None)
+    assert unmeasured.calibration is not None
+    unmeasured.calibration.observe((32, False), 50.0, realized=50.0, predicted=60.0)
+    assert unmeasured.table_pays(32, False, 10, 500, 3e-6)  # episodes at 32, but no plain step's cost there

@@ -508,3 +508,27 @@ def test_check_found_reports_right_after_the_step_and_only_once():
     assert shadow.check_found([r]) == 0 and found == ["a"]  # once: the watch ended
     assert shadow.check([r, other]) == 1 and found == ["a", "b"]  # `check` finds "b" as well
     assert seen == [0, 0]  # the watches' lookups are no evidence (the first-sight drafts were)
+
+
+def test_a_request_the_proposer_keeps_no_state_for_is_asked_again_only_after_the_interval():
+    # `admits` False (n-gram: no table worth its cost): no shadow draft, no watch, and no
+    # `ready` asked at every step (it would be False: the scan would run each step); asked
+    # again after `interval` steps, and drafted once admitted
+    script = list(range(100, 300))
+    admitted, asks = {"a": False}, []
+    shadow = ShadowDrafts(k=2, observe=lambda *a: None, interval=4)
+    proposer = ScriptedProposer(script)
+    proposer.admits = lambda r: (asks.append(shadow._step), admitted[r.request_id])[1]
+    proposer.ready = lambda r: False  # (a request turned down is never ready)
+    a = _request("a", script, 5)
+    shadow.watch("a")  # a miss while it had no table: nothing to watch
+    for _ in range(9):
+        shadow.take(proposer, [a])
+    assert proposer.asked == [] and asks == [1, 5, 9] and "a" not in shadow._watched
+    admitted["a"] = True
+    proposer.ready = lambda r: True
+    for _ in range(4):
+        shadow.take(proposer, [a])
+    assert proposer.asked == [("a", 5)]
+    shadow.release("a")
+    assert shadow.leak_report() == []

@@ -32,7 +32,7 @@ from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, ste
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
-from infer.spec.costs import batch_samples
+from infer.spec.costs import batch_samples, request_samples
 from infer.spec.episodes import Episode
 from infer.spec.metrics import SpecStats
 from infer.spec.policy import AdaptivePolicy, CostModel, FixedPolicy, SpecPolicy
@@ -102,6 +102,8 @@ class SpeculativeRunner(ContinuousRunner):
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow,
                                            found=adaptive.proposal_ready)
+            if hasattr(self.proposer, "admit"):  # n-gram: a table only where it can pay for itself
+                self.proposer.admit = self._table_pays  # type: ignore[attr-defined]
         # steps under a standing all-plain decision, run through the plain runner's methods
         # (shadow drafts, if any, go on under their forwards); one in PLAIN_SAMPLE_EVERY of
         # them is timed for the plain baseline
@@ -145,6 +147,9 @@ class SpeculativeRunner(ContinuousRunner):
         # and `worth_shadowing(batch_size, sampled)`: whether shadow drafts (and the tables
         # they read) can change anything at that batch size
         self._worth_shadowing: Callable[[int, bool], bool] | None = getattr(policy, "worth_shadowing", None)
+        # and `table_pays(batch_size, sampled, tokens_left, index_tokens, seconds_per_token)`:
+        # whether a request's proposer state (an n-gram table) can pay for itself (`_table_pays`)
+        self._policy_table_pays: Callable[..., bool] | None = getattr(policy, "table_pays", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -521,6 +526,20 @@ class SpeculativeRunner(ContinuousRunner):
         self._keep_up(requests, still_busy)
         end = time.perf_counter()
         return end - start, (end - idle[0] if idle[0] is not None else 0.0)
+
+    def _table_pays(self, request: Request) -> bool:
+        """The proposer's `admit` (n-gram): whether a table for a request that has none can pay
+        for itself in the batch it decodes in (`AdaptivePolicy.table_pays`: its cost a
+        token, measured on the proposer's builds, for the tokens it indexes and the tokens
+        the request may still emit, against what speculation realized at this batch size)."""
+        pays = self._policy_table_pays
+        if pays is None:
+            return True
+        proposer = self.proposer
+        left = min(request.sampling_params.max_tokens - len(request.output_token_ids),
+                   self.config.max_seq_len - request.num_tokens)
+        return pays(max(1, self._held), request_samples(request), max(0, left),
+                    min(request.num_tokens, proposer.config.window), proposer.seconds_per_token)  # type: ignore[attr-defined]
 
     def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
         """Whether shadow drafts and the proposer's upkeep run for these requests in a batch

@@ -34,6 +34,14 @@ nothing could pay even at the optimistic acceptance, shadow drafts stop too). So
 evidence also relaxes toward the prior (kappa 1) with a half-life of `half_life` policy
 steps (`relax`, at each cost-table pricing): traffic that changes is tried again, at the
 price of an episode or two every few thousand steps.
+
+`rate` is what episodes realized outright: tokens per request per plain step's time (1.0:
+plain decoding's rate), from decayed sums of their realized tokens and plain steps. The
+adaptive policy weighs a proposer's per-request state against it (`table_pays`: an n-gram
+table costs a few us a token to build and keep; where speculation realized little at a
+batch size, a table for a request with few tokens left cannot pay for itself). Its
+evidence fades with the same half-life (`relax`), to nothing: a mode not tried for long is
+unknown again (None), and tried afresh.
 """
 
 from __future__ import annotations
@@ -80,7 +88,9 @@ class GainCalibration:
     decay: float = 0.98
     min_factor: float = 0.25
     half_life: float = 2048.0  # policy steps over which a key's evidence relaxes halfway to the prior
+    min_rate_steps: float = 8.0  # plain steps of episodes (decayed) before `rate` tells anything
     _sums: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # key -> (realized, predicted)
+    _rates: dict[tuple[int, bool], tuple[float, float]] = field(default_factory=dict)  # key -> (realized, plain steps)
     _relaxed_at: dict[tuple[int, bool], int] = field(default_factory=dict)  # key -> policy step of its last `relax`
 
     def __post_init__(self) -> None:
@@ -92,18 +102,24 @@ class GainCalibration:
             raise ValueError(f"min_factor must be in (0, 1], got {self.min_factor}")
         if self.half_life <= 0:
             raise ValueError(f"half_life must be > 0, got {self.half_life}")
+        if self.min_rate_steps <= 0:
+            raise ValueError(f"min_rate_steps must be > 0, got {self.min_rate_steps}")
 
     def relax(self, key: tuple[int, bool], step: int) -> None:
         """Move the key's evidence toward the prior for the policy steps since its last
         `relax` (the first call only starts the clock)."""
         last = self._relaxed_at.get(key)
         self._relaxed_at[key] = step
-        sums = self._sums.get(key)
-        if sums is None or last is None or step <= last:
+        if last is None or step <= last:
             return
         w = 0.5 ** ((step - last) / self.half_life)
-        prior = self.prior_tokens * (1.0 - w)
-        self._sums[key] = (sums[0] * w + prior, sums[1] * w + prior)
+        sums = self._sums.get(key)
+        if sums is not None:
+            prior = self.prior_tokens * (1.0 - w)
+            self._sums[key] = (sums[0] * w + prior, sums[1] * w + prior)
+        rates = self._rates.get(key)
+        if rates is not None:  # (toward no evidence: `rate` None once too little is left)
+            self._rates[key] = (rates[0] * w, rates[1] * w)
 
     def observe(self, key: tuple[int, bool], plain_steps: float, realized: float, predicted: float) -> None:
         """An episode of `plain_steps` plain steps' time that emitted `realized` tokens per
@@ -113,6 +129,17 @@ class GainCalibration:
         r, p = self._sums.get(key, (self.prior_tokens, self.prior_tokens))
         d = self.decay ** plain_steps
         self._sums[key] = (r * d + realized, p * d + predicted)
+        tokens, steps = self._rates.get(key, (0.0, 0.0))
+        self._rates[key] = (tokens * d + realized, steps * d + plain_steps)
+
+    def rate(self, key: tuple[int, bool]) -> float | None:
+        """Tokens per request per plain step's time that the key's recent episodes realized
+        (plain decoding: 1.0), or None while they add up to fewer than `min_rate_steps`
+        plain steps (never tried, or their evidence relaxed away)."""
+        rates = self._rates.get(key)
+        if rates is None or rates[1] < self.min_rate_steps:
+            return None
+        return rates[0] / rates[1]
 
     def factor(self, key: tuple[int, bool]) -> float:
         """kappa in [min_factor, 1]: 1 until episodes fall short of their predictions."""

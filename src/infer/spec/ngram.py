@@ -24,6 +24,13 @@ counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
 Rollback rule: proposing never touches a table; tables are extended only with tokens the request
 holds after verification, so rejected drafts never enter them. `NgramProposer` keeps one table
 per request and syncs it with `request.all_token_ids` before proposing.
+
+Tables cost host time: a few us a token (three dict levels per token, Python) to build from
+the prompt and to follow the output. `NgramProposer.admit`, when set (the adaptive runner:
+`AdaptivePolicy.table_pays`), decides for each request without a table whether one is worth
+starting; a request it turns down gets no table, so no lookup (its drafts are empty) and no
+shadow drafts, and is asked again later (its batch shrinks, the rates change). The cost a
+token is measured on the tables' own builds (`seconds_per_token`).
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ _TAIL = 16  # tokens compared to tell that a request's history was replaced
 # tokens a table build adds between two asks whether the GPU is still busy (`keep_up` with
 # `busy`): ~0.2 ms of Python on the H200's host, the most a build runs past the GPU's work
 BUILD_CHUNK = 64
+# host seconds a table costs per token it indexes, until builds measure it (GPU hosts,
+# NgramTable, three levels: ~3-4.5 us; the dev CPU ~1-1.5 us); builds of at least
+# _TIMED_BUILD tokens move the estimate by _COST_WEIGHT
+DEFAULT_SECONDS_PER_TOKEN = 3e-6
+_TIMED_BUILD = 16
+_COST_WEIGHT = 0.25
 
 
 @dataclass(slots=True)
@@ -80,6 +93,11 @@ class NgramProposer:
         # steps (more tokens than one round emits): the adaptive policy's cost of switching
         # back. A request's first table build is a one-off, like a prefill, and not counted.
         self.catch_up_seconds = 0.0
+        # whether a request without a table should get one (None: every request does); see
+        # the module docstring
+        self.admit: Callable[[Request], bool] | None = None
+        # host seconds per token a table build costs (moving estimate over timed builds)
+        self.seconds_per_token = DEFAULT_SECONDS_PER_TOKEN
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -117,15 +135,37 @@ class NgramProposer:
             self._building.discard(request.request_id)
         return entry.table
 
+    def _build(self, request: Request, limit: int | None = None) -> None:
+        """`_sync` for a build (`keep_up`), timed: builds of at least _TIMED_BUILD tokens move
+        `seconds_per_token`."""
+        old = self._entries.get(request.request_id)
+        before = old.synced if old is not None else 0
+        start = perf_counter()
+        self._sync(request, limit)
+        seconds = perf_counter() - start
+        entry = self._entries[request.request_id]
+        added = entry.synced - before if entry is old else len(entry.table.history)
+        if added >= _TIMED_BUILD:
+            self.seconds_per_token += _COST_WEIGHT * (seconds / added - self.seconds_per_token)
+
+    def admits(self, request: Request) -> bool:
+        """Whether the request has a table or may start one (`admit`); a request turned down
+        gets no lookups (empty drafts) and no builds until a later call admits it."""
+        admit = self.admit
+        return admit is None or request.request_id in self._entries or admit(request)
+
     def ready(self, request: Request) -> bool:
         """Whether a lookup now needs no build: False while the request's table is unbuilt,
         part-built or far behind (a lookup would build it on the critical path: shadow
         drafts wait for it). Such a table is then queued for `keep_up`'s builds under the
         next forwards (`building`): it may have missed them, its prefill's builds skipped
         while shadowing did not pay at the batch's size (H200, n-gram at W2-prefix T=1:
-        shadow lookups that built 16 tables took 6.7 ms, against a 1.5 ms step)."""
+        shadow lookups that built 16 tables took 6.7 ms, against a 1.5 ms step). False,
+        and nothing queued, for a request `admits` turns down."""
         if not self._needs_build(request):
             return True
+        if not self.admits(request):
+            return False
         self._building.add(request.request_id)
         return False
 
@@ -145,6 +185,9 @@ class NgramProposer:
                 continue
             n = request.num_tokens
             entry = self._entries.get(request.request_id)
+            if entry is None and not self.admits(request):  # no table worth its cost: no draft
+                drafts.append(Draft(token_ids=[], probs=None))
+                continue
             behind = 0 if entry is None else n - entry.synced  # a first build is the table's prefill
             start = perf_counter()
             table = self._sync(request)
@@ -168,7 +211,12 @@ class NgramProposer:
         under the GPU's work, rather than holding up the step."""
         if busy is None:
             for request in requests:
-                self._sync(request)
+                if not self.admits(request):
+                    self._building.discard(request.request_id)
+                elif self._needs_build(request):
+                    self._build(request)
+                else:
+                    self._sync(request)
             return
         built = False  # one chunk a call at least: a forward shorter than the host's way to
         # this call (batch 1 on the H200: W5 at T=0 fell from 1.74x to 1.06x) must not starve the builds
@@ -176,11 +224,15 @@ class NgramProposer:
             if not self._needs_build(request):  # a few tokens behind at most: left to its next
                 continue  # lookup or whole `keep_up` (a sync is ~3 us even for one token: the
                 # batch's syncs added ~170 us to each step of a build at batch 32, dev CPU)
+            if not self.admits(request):  # no table worth its cost (queued while it was)
+                self._building.discard(request.request_id)
+                continue
             while not self._up_to_date(request):
                 if built and not busy():
-                    self._building.update(r.request_id for r in requests[i:] if self._needs_build(r))
+                    self._building.update(r.request_id for r in requests[i:]
+                                          if self._needs_build(r) and self.admits(r))
                     return
-                self._sync(request, BUILD_CHUNK)
+                self._build(request, BUILD_CHUNK)
                 built = True
 
     def _needs_build(self, request: Request) -> bool:

@@ -361,6 +361,9 @@ class AdaptivePolicy:
     # False: each request decides as if a round were its own, and what could pay is judged
     # for one request (as before the batch's economics; kept for A/B runs)
     batch_economics: bool = True
+    # a proposer's per-request state (an n-gram table) is built only where speculation is
+    # expected to save this much more than the state costs (`table_pays`)
+    table_margin: float = 0.05
     # realized / predicted gain of speculative episodes per cost bucket and sampling mode
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
@@ -390,6 +393,8 @@ class AdaptivePolicy:
             raise ValueError(f"veto_hold must be >= 1, got {self.veto_hold}")
         if self.learned_full_trials <= 0:
             raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
+        if self.table_margin < 0:
+            raise ValueError(f"table_margin must be >= 0, got {self.table_margin}")
 
     def acceptance(self, request_id: str) -> float:
         """The request's acceptance estimate; a greedy request's prior if it has none yet."""
@@ -511,6 +516,37 @@ class AdaptivePolicy:
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
             table = self._cost_table(batch_size, sampled)
         return table is None or table.could_pay > 0
+
+    def table_pays(self, batch_size: int, sampled: bool, tokens_left: int, index_tokens: int,
+                   seconds_per_token: float) -> bool:
+        """Whether a proposer's per-request state (an n-gram table) is worth building for a
+        request in a batch of `batch_size` that may emit `tokens_left` more tokens: building
+        it costs `seconds_per_token` for each of its `index_tokens` tokens and each token it
+        then follows; speculating saves, per emitted token, a plain step's share of the batch
+        times 1 - 1 / rate. The rate (tokens per plain step's time) is what this batch size's
+        speculative episodes realized (`GainCalibration.rate`), or, with none lately, the
+        best any K would give at `batch_acceptance` with the cost table's rounds (the
+        premise of the shadow gate, `worth_shadowing`). True, by `table_margin`, when the
+        saving covers the cost, and while no plain step's cost is known there.
+
+        Why: at W2 on the demo pair (H100, n-gram, T=0) rounds at batch 32 about broke even
+        and the tables cost ~3.5 us a token, prompt and output, host time a step could not
+        hide: ~10 % of the workload's time. A table for a request with 100 tokens left at
+        batch 16-32 costs more than its speculation could save; at batch 1 it costs ~1 % of
+        what it saves."""
+        plain = self.costs.step_seconds(batch_size, 0, sampled)
+        if plain is None:
+            return True
+        key = (self.costs.bucket(batch_size), sampled)
+        rate = self.calibration.rate(key) if self.calibration is not None else None
+        if rate is None:
+            table = self._cost_table(batch_size, sampled)
+            if table is None:
+                return True
+            a = self.batch_acceptance(sampled)
+            rate = max(expected_tokens(a, k) / table.costs[k] for k in range(1, len(table.costs)))
+        saving = tokens_left * plain / batch_size * (1.0 - 1.0 / rate) if rate > 1.0 else 0.0
+        return saving > (index_tokens + tokens_left) * seconds_per_token * (1.0 + self.table_margin)
 
     def _batch_pays(self, ests: Sequence[_Estimate], ks: Sequence[int], table: _CostTable,
                     speculating: bool) -> bool:

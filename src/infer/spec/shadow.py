@@ -137,16 +137,26 @@ class ShadowDrafts:
         chosen, watching = [], []
         # the proposer's optional `ready(request)`: whether it can look a request up without
         # building its state on the critical path (n-gram: False while its table is unbuilt,
-        # part-built or far behind); such requests wait
+        # part-built or far behind); such requests wait. And `admits(request)`: whether it
+        # keeps state for the request at all (n-gram: a table worth its cost); one it turns
+        # down is asked again after the interval, not at every step
         ready, waiting = getattr(proposer, "ready", None), False
+        admits = getattr(proposer, "admits", None)
         for r, k in zip(requests, ks if ks is not None else [0] * len(requests), strict=True):
             rid = r.request_id
             if k or rid in self._pending:
                 continue
+            s = self._schedule.get(rid)
+            if (admits is not None and (s is None or self._step >= s.due or rid in self._watched)
+                    and not admits(r)):  # (nothing to look up in: no watch either)
+                self._watched.pop(rid, None)
+                if s is None:
+                    s = self._schedule[rid] = _Schedule(self._step, self.interval)
+                s.due = self._step + s.interval
+                continue
             if ready is not None and not ready(r):  # (its table is being built: asked again next step)
                 waiting = True
                 continue
-            s = self._schedule.get(rid)
             if s is None:  # first sight: draft now (the policy waits for this evidence)
                 s = self._schedule[rid] = _Schedule(self._step, self.interval)
             if rid in self._watched:  # (no scheduled shadows meanwhile: the estimate waits as the policy does)

@@ -556,6 +556,8 @@ def test_new_requests_start_from_what_finished_requests_of_their_kind_accepted()
         AdaptivePolicy(5, costs, learned_full_trials=0)
     with pytest.raises(ValueError, match="table_margin"):
         AdaptivePolicy(5, costs, table_margin=-0.1)
+    with pytest.raises(ValueError, match="switch_horizon"):
+        AdaptivePolicy(5, costs, switch_horizon=0)
     with pytest.raises(ValueError, match="stay_margin"):
         AdaptivePolicy(5, costs, stay_margin=0.1)
 
@@ -869,6 +871,24 @@ def test_a_round_must_pay_for_the_whole_batch():
         _at(p, f"r{i}", 0.8)
     ks = p.choose(batch, [10] * 8, 10_000, [1000] * 8)
     assert ks == [5] * 8 and not p._quiet
+
+
+@pytest.mark.parametrize("switch, context, pays", [(0.5, 1000, True), (3.0, 1000, False), (3.0, 100, True)])
+def test_a_batch_starts_speculating_only_if_its_gain_repays_the_catch_up(switch, context, pays):
+    # eight requests at a = 0.8 expect ~29.5 tokens a round against 8 * 2.2 * 1.05 plain
+    # steps' worth: ~11 tokens of gain a round, ~176 over `switch_horizon` (16) rounds. Their
+    # drafts must first catch up on the whole context (128 tokens a unit, `switch` plain steps
+    # each, batched: the longest context counts): 8 units of 1000 tokens at 3 plain steps
+    # (8 * 24 = 192 tokens' worth) is more than the gain repays, 1 unit of 100 is not
+    p = _batch_policy(8, 2.2, catch_up_units=lambda behind: -(-behind // 128))
+    for _ in range(2):
+        p.costs.observe_switch(8, 0.001 * switch * 8, 8, True)  # 8 units at `switch` plain steps each
+    batch = [_sampled(f"r{i}") for i in range(8)]
+    for i in range(8):
+        _at(p, f"r{i}", 0.8)
+    assert p.choose(batch, [context] * 8, 10_000, [1000] * 8) == ([5] * 8 if pays else [0] * 8)
+    if pays:  # once speculating, the catch-up is behind it: the stay margin alone
+        assert p.choose(batch, [context + 4] * 8, 10_000, [1000] * 8) == [5] * 8
 
 
 def test_a_batch_held_plain_by_its_economics_is_asked_again_after_veto_hold_steps():

@@ -1276,3 +1276,43 @@ def test_tables_only_for_requests_whose_speculation_can_pay_for_them(make_llm, c
     if not pays:
         assert runner.stats.drafts == 0
     assert runner.proposer.leak_report() == [] and llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("between", [0.25, 5.0])
+def test_a_steps_cost_includes_the_loop_until_the_next_step(make_llm, ckpt_a, prompts, plain_outputs, fake_clock,
+                                                             between):
+    # a decode step's measured cost is extended by the time until the next step starts (its
+    # retirement, the next step's scheduling: a round retires 2-3x the tokens and reserves
+    # K + 1 positions), unless that time is longer than the step itself (an idle engine).
+    # On a clock that moves 1 s in each decode and `between` in each scheduling, rounds and
+    # timed plain steps are filed at 1 + 0.25, or at 1 when the scheduling took 5 s
+    Clock = fake_clock  # noqa: N806
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
+    runner = llm.engine.runner
+    runner.policy = _SchedulePolicy([2, 0, 0])
+    accept, schedule = runner._accept, llm.engine.scheduler.schedule
+    runner._accept = lambda *args: (setattr(Clock, "now", Clock.now + 1.0), accept(*args))[1]
+    runner._in_flight = lambda requests: setattr(Clock, "now", Clock.now + 1.0)  # plain steps' decode
+    llm.engine.scheduler.schedule = lambda r: (setattr(Clock, "now", Clock.now + between), schedule(r))[1]
+    filed = []
+    observe, extend = runner.cost_model.observe, runner.cost_model.extend_latest
+    runner.cost_model.observe = lambda b, k, seconds, sampled=False: (filed.append([k, seconds]),
+                                                                      observe(b, k, seconds, sampled))[1]
+
+    def extending(b, k, seconds, sampled=False):
+        assert filed[-1][0] == k  # (the step just filed)
+        filed[-1][1] += seconds
+        extend(b, k, seconds, sampled)
+
+    runner.cost_model.extend_latest = extending
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    rounds = [seconds for k, seconds in filed if k]
+    plain = [seconds for k, seconds in filed if not k]
+    assert len(rounds) >= 3 and plain
+    expected = 1.25 if between < 1.0 else 1.0
+    # (the last has no next step; the n-gram catch-up, on the real clock, is taken off rounds)
+    assert all(s == pytest.approx(expected, abs=1e-2) for s in rounds[:-1] + plain[:-1])
+    samples = [x for (tag, key), xs in runner.cost_model._samples.items() if tag == "step" and key[1] for x in xs]
+    assert samples and all(s == pytest.approx(expected, abs=1e-2) for s in samples[:-1])  # the cost model's
+    assert llm.engine.leak_report() == []

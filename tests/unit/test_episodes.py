@@ -116,3 +116,11 @@ def test_rate_evidence_fades_to_nothing_so_an_untried_mode_is_unknown_again():
 def test_min_rate_steps_is_validated():
     with pytest.raises(ValueError, match="min_rate_steps"):
         GainCalibration(min_rate_steps=0.0)
+
+
+def test_an_episode_is_extended_by_the_time_its_steps_held_the_loop():
+    e = Episode(batch_size=2, sampled=False, gain=2.0)
+    e.add(0.002, 6)
+    e.extend(0.001)  # retiring it and scheduling the next step
+    assert e.seconds == pytest.approx(0.003) and e.tokens == 6 and e.steps == 1
+    assert e.outcome(0.001) == pytest.approx((3.0, 3.0, 6.0))

@@ -1089,3 +1089,18 @@ def test_tables_are_built_while_no_plain_cost_is_known():
     assert unmeasured.calibration is not None
     unmeasured.calibration.observe((32, False), 50.0, realized=50.0, predicted=60.0)
     assert unmeasured.table_pays(32, False, 10, 500, 3e-6)  # episodes at 32, but no plain step's cost there
+
+
+def test_extend_latest_adds_to_the_latest_measurement_of_its_kind():
+    costs = CostModel(2)
+    costs.observe(4, 1, 0.002)
+    costs.observe(4, 1, 0.004)
+    assert costs.step_seconds(4, 1) == pytest.approx(0.002)
+    costs.extend_latest(4, 1, 0.001)
+    costs.extend_latest(4, 1, 0.0)  # (nothing to add)
+    assert sorted(costs._samples[("step", (4, 1, False))]) == pytest.approx([0.002, 0.005])
+    costs.observe(4, 1, 0.0015)
+    costs.extend_latest(4, 1, 0.001)  # the lower median moves with the extended sample
+    assert costs.step_seconds(4, 1) == pytest.approx(0.0025)
+    costs.extend_latest(8, 1, 0.001)  # a kind never measured: nothing to extend
+    assert ("step", (8, 1, False)) not in costs._samples

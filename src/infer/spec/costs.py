@@ -111,6 +111,15 @@ class CostModel:
         else:
             self.plain_version += 1
 
+    def extend_latest(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
+        """Add `seconds` to the latest `observe`d step of this kind (the time it held the loop
+        beyond its own measurement, known only once the next step starts)."""
+        key = ("step", (self.bucket(batch_size), k, sampled))
+        samples = self._samples.get(key)
+        if samples and seconds:
+            samples[-1] += seconds
+            self._dirty.add(key)
+
     def observe_switch(self, batch_size: int, seconds: float, units: float = 1.0, sampled: bool = False) -> None:
         """Wall time a step spent switching from plain decoding back to speculation: catching
         up on `units` units of work (a draft model: chunks of skipped tokens)."""

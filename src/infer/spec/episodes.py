@@ -68,6 +68,11 @@ class Episode:
         self.steps += 1
         self.mixed = self.mixed or mixed
 
+    def extend(self, seconds: float) -> None:
+        """Time its latest step held the loop beyond its decode (retiring it, scheduling the
+        next: the runner's `_until_next_step`)."""
+        self.seconds += seconds
+
     def outcome(self, plain_seconds: float | None) -> tuple[float, float, float] | None:
         """(plain steps of time, realized tokens per request, predicted tokens per request),
         or None when there is nothing to tell (no step, no plain baseline, prefill work in

@@ -280,8 +280,8 @@ class SpeculativeRunner(ContinuousRunner):
         if self._pending:
             gap = time.perf_counter() - self._step_end
             pending, self._pending = self._pending, []
-            for seconds, file in pending:
-                file(gap if gap < seconds else 0.0)
+            for seconds, extend in pending:
+                extend(gap if gap < seconds else 0.0)
         self._mixed = bool(prefill)
         self._upkeep = 0.0
         return super().step(prefill, decode)

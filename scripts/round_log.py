@@ -3,7 +3,8 @@ target: for every step whose choice gave some request k > 0, the batch size, how
 requests were given k > 0 and how many got a draft, the policy's expected tokens
 (`pred`: one for each request without a draft) against the tokens emitted, the round's
 priced cost (`cost`, kappa applied; `raw`, measured) and its wall time against the plain
-baseline the engine holds (`sec`, `plain`), the draft's catch-up (`switch`); then a
+baseline the engine holds (`sec`, `plain`), the draft's catch-up (`switch`), whether no
+round's cost was fresh at that batch size (`calibrated_only`: probes come early); then a
 summary by cost bucket. Each repetition runs the workload in the engine's own plain mode
 first (the same instance through the plain runner's methods) and then adaptively.
 
@@ -52,7 +53,8 @@ def main() -> None:
             entry.update(b=len(requests), chosen=sum(1 for k in ks if k), kmax=max(ks),
                          pred=sum(expected_tokens(e.accepted / e.trials, k) if k else 1.0 for e, k in zip(ests, ks)),
                          cost=table.costs[max(ks)] if table else None, raw=table.raw[max(ks)] if table else None,
-                         probes=sum(1 for e in ests if e.probing))
+                         probes=sum(1 for e in ests if e.probing),
+                         calibrated_only=bool(table and table.calibrated_only))
         return ks
 
     def verifying(requests, drafts):  # noqa: ANN001, ANN202

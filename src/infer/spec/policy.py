@@ -550,7 +550,8 @@ class AdaptivePolicy:
             if table is None:
                 return True
             a = self.batch_acceptance(sampled)
-            rate = max(expected_tokens(a, k) / table.costs[k] for k in range(1, len(table.costs)))
+            k = best_k_for_costs(a, table.costs)  # (0: no K beats plain decoding, rate 1)
+            rate = expected_tokens(a, k) / table.costs[k]
         saving = tokens_left * plain / batch_size * (1.0 - 1.0 / rate) if rate > 1.0 else 0.0
         return saving > (index_tokens + tokens_left) * seconds_per_token * (1.0 + self.table_margin)
 

@@ -166,7 +166,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-K0", "draft-k5", "draft-adaptive", "ngram-adaptive-K0", "draft-adaptive-K0", "ngram-adaptive-prior1",
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
-            "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables")
+            "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
+            "ngram-adaptive-max16")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -249,6 +250,8 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
                # table builds never counted as upkeep, as before 5c064d3 (the GPU's work taken to hide them)
                "ngram-adaptive-hiddenbuilds": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-alltables": dict(ngram, spec_policy="adaptive"),
+               # rounds priced out above batch 16 (no rounds, shadows or tables there): do they lose?
+               "ngram-adaptive-max16": dict(ngram, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
@@ -301,6 +304,14 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
         alltables = engines["ngram-adaptive-alltables"].runner
         alltables.policy.table_pays = lambda *args: True
         alltables.policy = alltables.policy  # (the runner binds the policy's hooks when it is set)
+    if "ngram-adaptive-max16" in engines:
+        max16 = engines["ngram-adaptive-max16"].runner.policy
+        max16._cost_table = lambda batch_size, sampled=False, _t=max16._cost_table: (
+            t if (t := _t(batch_size, sampled)) is None or batch_size <= 16 else t._replace(
+                costs=[1.0] + [100.0] * (len(t.costs) - 1), probe_round=100.0, budget=1e-9, could_pay=0))
+        max16.worth_shadowing = lambda batch_size, sampled, _w=max16.worth_shadowing: batch_size <= 16 and _w(
+            batch_size, sampled)
+        engines["ngram-adaptive-max16"].runner.policy = max16  # (binds the policy's hooks again)
     for name in ("ngram-adaptive-nobatch", "draft-adaptive-nobatch"):
         if name in engines:
             engines[name].runner.policy.batch_economics = False
@@ -354,7 +365,8 @@ def variant(name: str) -> str:
 def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
-    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables"))
+    return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
+                                      "max16"))
 
 
 def self_paired(name: str) -> bool:

@@ -4,7 +4,7 @@ requests were given k > 0 and how many got a draft, the policy's expected tokens
 (`pred`: one for each request without a draft) against the tokens emitted, the round's
 priced cost (`cost`, kappa applied; `raw`, measured) and its wall time against the plain
 baseline the engine holds (`sec`, `plain`), the draft's catch-up (`switch`), whether no
-round's cost was fresh at that batch size (`calibrated_only`: probes come early); then a
+round's cost was fresh at that batch size (`calibrated_only`: one request probes early); then a
 summary by cost bucket. Each repetition runs the workload in the engine's own plain mode
 first (the same instance through the plain runner's methods) and then adaptively.
 

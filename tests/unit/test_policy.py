@@ -402,6 +402,50 @@ def test_expired_round_costs_stand_while_no_round_is_fresh():
     assert costs.relative_costs(1) == pytest.approx([1.0, 2.5, 2.6])
 
 
+def test_a_bucket_never_measured_borrows_its_nearest_neighbours_round_costs():
+    # calibration times forwards alone (a round: 1.1 plain steps) and misses the host
+    # overhead that rounds really pay (3.9 plain steps at batch 8, measured): batch 2, where
+    # no round ran, is priced from the nearest bucket with one, not from calibration (ties:
+    # the larger bucket); its own measurement takes over; other sampling modes borrow nothing
+    costs = CostModel(2, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 3})
+    for b in (2, 8, 16, 32):
+        _measure(costs, b, 0, 0.001)
+    assert costs.relative_costs(2) == pytest.approx([1.0, 1.1, 1.2])  # no round anywhere: calibration
+    _measure(costs, 8, 1, 0.0039)
+    _measure(costs, 32, 1, 0.006)
+    _measure_switch(costs, 8, 0.002)  # (other measurements are no rounds)
+    assert costs.relative_costs(2) == pytest.approx([1.0, 3.9, 4.0])  # K = 2: one more draft step
+    assert costs.relative_costs(16) == pytest.approx([1.0, 6.0, 6.1])  # 8 and 32 as near: 32
+    assert not costs.has_round(2)  # borrowed, not measured: early probes still measure it
+    for _ in range(2):
+        costs.observe(2, 0, 0.001, sampled=True)
+    assert costs.relative_costs(2, sampled=True) == pytest.approx([1.0, 1.1, 1.2])
+    _measure(costs, 2, 1, 0.002)
+    assert costs.relative_costs(2) == pytest.approx([1.0, 2.0, 2.1])
+
+
+def test_where_no_round_cost_is_known_one_request_probes_early_the_cheapest():
+    # batch 4 at a bucket where no round was measured: its probes come whatever their credit,
+    # but one a step (a probe's round costs the whole batch, and every prober's draft
+    # catches up on its context), the one with least to catch up on first; once the round's
+    # cost is measured, probes wait for their credit
+    costs = CostModel(5, draft_ratio={4: 3.0}, verify_ratio={4: [1.0] * 6})  # rounds priced 4+ plain steps
+    for _ in range(2):
+        costs.observe(4, 0, 0.001, sampled=True)
+    p = AdaptivePolicy(5, costs, catch_up_units=lambda behind: -(-behind // 128), calibration=None,
+                       plain_refresh=10_000)
+    batch = [_sampled(f"r{i}") for i in range(4)]
+    contexts = [1000, 1000, 200, 1000]
+    log = [p.choose(batch, contexts, 10_000, [1000] * 4) for _ in range(12)]
+    probes = [(step, i) for step, ks in enumerate(log) for i, k in enumerate(ks) if k]
+    assert probes[0][1] == 2  # the shortest context
+    assert {i for _, i in probes} == {0, 1, 2, 3}  # each in its turn
+    assert len({step for step, _ in probes}) == len(probes)  # never two in one step
+    for _ in range(2):
+        costs.observe(4, 1, 0.004, sampled=True)  # measured: no early probes any more
+    assert not any(any(p.choose(batch, contexts, 10_000, [1000] * 4)) for _ in range(100))
+
+
 @pytest.mark.parametrize("field", ["prior_a", "sampled_prior_a"])
 @pytest.mark.parametrize("value", [0.0, 1.0, 1.5])
 def test_adaptive_policy_rejects_priors_outside_the_open_unit_interval(field, value):

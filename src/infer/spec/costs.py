@@ -198,6 +198,31 @@ class CostModel:
         first rounds after start-up can be slow, and would otherwise stand for good)."""
         return any(self.step_seconds(batch_size, k, sampled) is not None for k in range(1, self.k_max + 1))
 
+    def _neighbour_rounds(self, batch_size: int, sampled: bool) -> dict[int, float]:
+        """K -> r(K) measured (expired or not) at the nearest other bucket of this sampling
+        mode with a round and a plain step measured (ties: the larger, where rounds cost
+        relatively more); empty if there is none. Calibration times forwards alone, and a
+        round's host overhead, which it misses, is most of a round at small batches and
+        changes slowly with the batch size: on the H100 demo pair (draft model, T=1) rounds
+        at batch 2-4 were priced 1.1-1.6 plain steps by calibration and took 4-7, as they
+        did at 8 (3.9, measured), run 18m."""
+        b = self.bucket(batch_size)
+        rounds: dict[int, dict[int, float]] = {}
+        for tag, key in list(self._samples):
+            if tag != "step":
+                continue
+            b2, k, s = key
+            if s != sampled or b2 == b or not k:
+                continue
+            plain = self._value(("step", (b2, 0, s)), expired=True)
+            t = self._value(("step", (b2, k, s)), expired=True)
+            if plain and t is not None:
+                rounds.setdefault(b2, {})[k] = t / plain
+        if not rounds:
+            return {}
+        near = min(rounds, key=lambda x: (abs(x.bit_length() - b.bit_length()), -x))
+        return rounds[near]
+
     def _calibrated_bucket(self, batch_size: int) -> int | None:
         """The calibrated batch size nearest batch_size's bucket (ties: the smaller); None
         before calibration."""
@@ -217,7 +242,9 @@ class CostModel:
         and the calibrated difference in verification width. A round's own overhead (the
         host work of proposing, verifying and accepting) is in the measured neighbour and
         is paid once per round, not once per draft token. While no round's cost is fresh,
-        expired ones still stand (a calibration of forwards alone would underprice them)."""
+        expired ones still stand (a calibration of forwards alone would underprice them),
+        and where none was ever measured, the nearest bucket's measured rounds stand in
+        (`_neighbour_rounds`), as relative costs."""
         c, v = self.calibrated(batch_size)
         plain = self.step_seconds(batch_size, 0, sampled)
         if not plain:
@@ -233,6 +260,8 @@ class CostModel:
             for k in range(1, self.k_max + 1):
                 if (t := self._value(("step", (b, k, sampled)), expired=True)) is not None:
                     seen[k] = t / plain
+        if len(seen) == 1:  # never measured here: a measured neighbour beats calibration
+            seen.update(self._neighbour_rounds(batch_size, sampled))
         bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead
         costs = [1.0]
         for k in range(1, self.k_max + 1):

@@ -36,9 +36,12 @@ budget of the tokens it may still emit (at most one probe) in advance: unless it
 acceptance expects the probe to lose more (the catch-up counted for its whole context),
 its first probe comes within a few steps, while most of the request is ahead (sampled
 requests wait for their credit). Until a
-round's cost is known at a batch size (measured lately: measurements expire), probes come
-early (calibration can misjudge host overhead either way, and a round measured only while
-slow must not price speculation out for good). Failed probes also back off exponentially.
+round's cost is known at a batch size (measured lately: measurements expire), a step in
+which no round runs has one request probe whatever its credit, the one with the least
+catch-up (calibration can misjudge host overhead either way, and a round measured only
+while slow must not price speculation out for good; one probe measures the round for the
+batch, and a draft model's catch-up of every request's prompt cost the demo pair at W2's
+tail 5-10 plain steps a probe step, H100 run 18m). Failed probes also back off exponentially.
 An accepted probe restarts an estimate below the prior from the prior (the text changed
 since speculation stopped paying); one at or above the prior keeps its evidence.
 
@@ -255,7 +258,7 @@ class _CostTable(NamedTuple):
     probe_round: float  # a probe's round in plain steps (its catch-up apart)
     switch: float  # a unit of catch-up work (a draft model: one chunk) in plain steps
     budget: float  # the fraction of the time probes may cost at this batch size
-    calibrated_only: bool  # no round's cost is known at this batch size: probes come early
+    calibrated_only: bool  # no round's cost is known at this batch size: one request probes early
     raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
     kappa: float  # the episode calibration's factor the costs were divided by
     # the K that would pay best for a batch of the bucket's size with one request at
@@ -468,7 +471,8 @@ class AdaptivePolicy:
                     if k > 0:
                         wants[i], ests[i].speculating = 0, False
                 next_due = min(next_due, self._steps + self.veto_hold)
-        for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
+        early: tuple[float, int, float] | None = None  # (cost, index, loss): the cheapest early probe
+        for i, (est, k, n, left) in enumerate(zip(ests, wants, seq_lens, tokens_left, strict=True)):
             if k < 0:
                 ks.append(0)
                 continue
@@ -480,18 +484,30 @@ class AdaptivePolicy:
                 loss = self._probe_loss(est, table, cost)
                 due = self._probe_due(est, table, left, cost, loss)
                 if self._steps < due:
+                    if table.calibrated_only:  # may probe early: when its backoff ends
+                        first = est.wait_from + est.probe_interval
+                        if self._steps >= first and (early is None or cost < early[0]):
+                            early = (cost, i, loss)
+                        due = min(due, max(first, self._steps + 1))
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
-                # charged as if it emitted only its bonus token; `update` refunds the rest
-                est.credit = self._credit(est, table, loss) - (cost - 1.0)
-                est.credit_step = max(self._steps, est.credit_step)
-                est.probing, k, est.probe_cost = True, table.probe_k, cost
+                self._start_probe(est, table, cost, loss)
+                k = table.probe_k
                 probers.append(est)
             est.wait_from = self._steps
             k = guard_k(k, n, max_seq_len, left)
             starting = starting or (k > 0 and not est.probing)
             ks.append(k)
+        if early is not None and not any(ks):
+            # no round's cost is known at this batch size and no round measures one at this
+            # step: the cheapest request (least catch-up) probes now, whatever its credit
+            cost, i, loss = early
+            est = ests[i]
+            self._start_probe(est, table, cost, loss)
+            probers.append(est)
+            est.wait_from = self._steps
+            ks[i] = guard_k(table.probe_k, seq_lens[i], max_seq_len, tokens_left[i])
         if len(probers) > 1:
             # probes in one step share it: the batch pays one round and its catch-ups run
             # batched, so each prober is charged its share of its cost, the rest refunded
@@ -711,6 +727,13 @@ class AdaptivePolicy:
                                         not self.costs.has_round(batch_size, sampled), raw, kappa, could_pay)
         return t
 
+    def _start_probe(self, est: _Estimate, table: _CostTable, cost: float, loss: float) -> None:
+        """Charge a probe costing `cost` plain steps to the request's credit, as if it emitted
+        only its bonus token (`update` refunds the rest)."""
+        est.credit = self._credit(est, table, loss) - (cost - 1.0)
+        est.credit_step = max(self._steps, est.credit_step)
+        est.probing, est.probe_cost = True, cost
+
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:
         """The request's probe credit now: it accrues `table.budget` plain steps per step from
         `credit_step` on, up to `cap` (one probe's expected loss: no bursts of probes after
@@ -750,8 +773,6 @@ class AdaptivePolicy:
             advance = 0.0 if self.shadowed or est.sampled else min(table.budget * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
-        if table.calibrated_only:
-            return first  # real measurements replace the calibration (or stale ones) soon
         need = loss - self._credit(est, table, loss)
         due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps
         return max(first, min(due, est.wait_from + self.max_probe_spacing))

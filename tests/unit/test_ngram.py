@@ -396,6 +396,7 @@ def test_proposer_catches_up_after_plain_steps(gap: int, monkeypatch: pytest.Mon
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
     (draft,) = proposer.propose([request], [4])
     assert proposer.catch_up_seconds == 1.0  # the policy's cost of switching back to drafting
+    assert proposer.catch_up_chunks == 1  # one request caught up: one unit of it
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
     fresh = NgramTable(window=50)

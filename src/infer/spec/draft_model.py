@@ -65,7 +65,7 @@ class DraftModelProposer:
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
-        self.catch_up_chunks = 0  # chunk forwards of that catch-up
+        self.catch_up_chunks = 0  # chunks that catch-up fed, summed over its requests
         self.setup_seconds = 0.0  # wall time the last propose() spent capturing graphs (first use of a shape)
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
@@ -130,7 +130,11 @@ class DraftModelProposer:
 
     def _catch_up(self, reqs: Sequence[Request]) -> int:
         """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest);
-        returns the number of chunk forwards.
+        returns the chunks fed, summed over the requests (`catch_up_units` of each): a
+        batched chunk forward's cost grows with its rows, so the cost model keeps the
+        switch cost per request chunk (measured per forward, it came from probes of one or
+        two requests and priced a batch start of 15-32 requests 8-16x too cheap: H100,
+        draft model at W2-prefix, 8-10 ms of catch-up for a start priced ~1 ms, run 19a).
 
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
         attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
@@ -143,7 +147,7 @@ class DraftModelProposer:
         supports = getattr(self.step_forward, "supports", None)
         chunks = 0
         while todo:
-            chunks += 1
+            chunks += len(todo)
             slots = [self._slot(r) for r in todo]
             starts = [self.pool.seq_len(s) for s in slots]
             lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)

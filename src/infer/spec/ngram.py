@@ -93,6 +93,7 @@ class NgramProposer:
         # steps (more tokens than one round emits): the adaptive policy's cost of switching
         # back. A request's first table build is a one-off, like a prefill, and not counted.
         self.catch_up_seconds = 0.0
+        self.catch_up_chunks = 0  # requests that catch-up brought up to date
         # whether a request without a table should get one (None: every request does); see
         # the module docstring
         self.admit: Callable[[Request], bool] | None = None
@@ -177,6 +178,7 @@ class NgramProposer:
             )
         drafts: list[Draft] = []
         self.catch_up_seconds = 0.0
+        self.catch_up_chunks = 0
         for request, k in zip(requests, ks):
             if not is_strict_int(k) or k < 0:
                 raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
@@ -193,6 +195,7 @@ class NgramProposer:
             table = self._sync(request)
             if behind > k + 1:
                 self.catch_up_seconds += perf_counter() - start
+                self.catch_up_chunks += 1
             context = _tokens_from(request, max(0, n - self.config.max_order + 1), n)
             drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
         return drafts

@@ -362,8 +362,8 @@ class AdaptivePolicy:
     # (each ask is a full `choose` over the batch)
     veto_hold: int = 16
     # a batch that starts speculating must repay its drafts' catch-up (`table.switch` per
-    # unit of the request furthest behind: a draft model prefills every starting request's
-    # context it skipped, batched) within this many rounds of its expected gain
+    # unit, summed over the starting requests: a draft model prefills every starting
+    # request's context it skipped) within this many rounds of its expected gain
     switch_horizon: int = 16
     # False: each request decides as if a round were its own, and what could pay is judged
     # for one request (as before the batch's economics; kept for A/B runs)
@@ -508,11 +508,11 @@ class AdaptivePolicy:
             probers.append(est)
             est.wait_from = self._steps
             ks[i] = guard_k(table.probe_k, seq_lens[i], max_seq_len, tokens_left[i])
-        if len(probers) > 1:
-            # probes in one step share it: the batch pays one round and its catch-ups run
-            # batched, so each prober is charged its share of its cost, the rest refunded
+        if len(probers) > 1 and table.probe_round > 1.0:
+            # probes in one step share it: the batch pays one round, so each prober is charged
+            # its share of the round and its own catch-up, the rest refunded
             for est in probers:
-                refund = (est.probe_cost - 1.0) * (1.0 - 1.0 / len(probers))
+                refund = (table.probe_round - 1.0) * (1.0 - 1.0 / len(probers))
                 est.credit += refund
                 est.probe_cost -= refund
         if not any(ks):
@@ -577,10 +577,11 @@ class AdaptivePolicy:
         requests' expected tokens (one for those without drafts) against batch * r(max K),
         by `stay_margin` if the batch was speculating, else by `switch_margin`, and then
         its gain over `switch_horizon` rounds must also repay the catch-up of the requests
-        that start (`table.switch` per unit of the one furthest behind: the whole context
-        for a draft that never saw it). Without that, the draft model at W2 on the demo
-        pair (H100, T=0) started 32 requests at k = 1 on a predicted gain of 4 %: the
-        batched catch-up of their prompts took 28 ms, ~13 plain steps."""
+        that start (`table.switch` per unit, summed over them: the whole context for a
+        draft that never saw it; batched, but a chunk forward's cost grows with its rows).
+        Without that, the draft model at W2 on the demo pair (H100, T=0) started 32
+        requests at k = 1 on a predicted gain of 4 %: the batched catch-up of their prompts
+        took 28 ms, ~13 plain steps."""
         tokens = sum(expected_tokens(e.accepted / e.trials, k) if k else 1.0 for e, k in zip(ests, ks, strict=True))
         batch = len(ks)
         margin = self.stay_margin if speculating else self.switch_margin
@@ -588,7 +589,7 @@ class AdaptivePolicy:
         if gain <= 0.0 or speculating or not table.switch:
             return gain > 0.0
         units = self.catch_up_units or _one_unit
-        behind = max(units(self._steps - e.wait_from if e.drafted else n)
+        behind = sum(units(self._steps - e.wait_from if e.drafted else n)
                      for e, k, n in zip(ests, ks, seq_lens, strict=True) if k)
         return gain * self.switch_horizon > batch * table.switch * behind
 

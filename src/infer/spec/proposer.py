@@ -28,9 +28,10 @@ class Proposer(Protocol):
     # wall time the last propose() spent catching its state up on tokens of plain steps
     # (0.0 if none): the adaptive policy's cost of switching back to speculation. A
     # proposer whose catch-up grows with the gap may also expose `catch_up_chunks` (units
-    # of work the last catch-up took) and `catch_up_units(tokens_behind)` (units a gap
-    # takes): the cost model then keeps the switch cost per unit and the policy prices a
-    # probe by its request's gap (the draft model: 128-token chunks)
+    # of work the last catch-up took, summed over its requests) and
+    # `catch_up_units(tokens_behind)` (units one request's gap takes): the cost model then
+    # keeps the switch cost per unit and the policy prices a probe by its request's gap and
+    # a batch start by the sum of its requests' (the draft model: 128-token chunks)
     catch_up_seconds: float
     # drafts are deterministic (one-hot) and nearly free, so the adaptive policy may take
     # them in shadow during plain steps and compare them with the tokens that follow

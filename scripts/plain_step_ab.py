@@ -167,7 +167,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
-            "ngram-adaptive-max16")
+            "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -252,6 +252,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
                "ngram-adaptive-alltables": dict(ngram, spec_policy="adaptive"),
                # rounds priced out above batch 16 (no rounds, shadows or tables there): do they lose?
                "ngram-adaptive-max16": dict(ngram, spec_policy="adaptive"),
+               # a batch size without a measured round priced by calibration, not its neighbour's
+               "ngram-adaptive-noborrow": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-noborrow": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
@@ -312,6 +315,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1) -> dict[str, Engi
         max16.worth_shadowing = lambda batch_size, sampled, _w=max16.worth_shadowing: batch_size <= 16 and _w(
             batch_size, sampled)
         engines["ngram-adaptive-max16"].runner.policy = max16  # (binds the policy's hooks again)
+    for name in ("ngram-adaptive-noborrow", "draft-adaptive-noborrow"):
+        if name in engines:
+            engines[name].runner.cost_model._neighbour_rounds = lambda batch_size, sampled: {}
     for name in ("ngram-adaptive-nobatch", "draft-adaptive-nobatch"):
         if name in engines:
             engines[name].runner.policy.batch_economics = False
@@ -366,7 +372,7 @@ def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
-                                      "max16"))
+                                      "max16", "noborrow"))
 
 
 def self_paired(name: str) -> bool:

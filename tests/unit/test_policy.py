@@ -424,6 +424,28 @@ def test_a_bucket_never_measured_borrows_its_nearest_neighbours_round_costs():
     assert costs.relative_costs(2) == pytest.approx([1.0, 2.0, 2.1])
 
 
+def test_plain_steps_and_rounds_are_priced_at_their_own_batch_size():
+    # the bucket of 17-32 measured its plain steps with the batch full (2.1 ms at 32) and
+    # batch 12's at 1.3 ms: a plain step at 20 is priced on the line between (1.62 ms), and a
+    # round measured at 20 (3.24 ms) costs 2 plain steps, not the 1.54 of 3.24 / 2.1; the
+    # episodes' baseline (`step_seconds(20, 0)`) is the same 1.62 ms
+    costs = CostModel(1, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 2})
+    _measure(costs, 32, 0, 0.0021)
+    _measure(costs, 12, 0, 0.0013)
+    assert costs.step_seconds(32, 0) == pytest.approx(0.0021)
+    assert costs.step_seconds(20, 0) == pytest.approx(0.00162)
+    assert costs.step_seconds(16, 0) == pytest.approx(0.0013 + 0.00004 * 4)  # above 12: toward 32's
+    _measure(costs, 20, 1, 0.00324)
+    assert costs.relative_costs(20) == pytest.approx([1.0, 2.0])
+    assert costs.relative_costs(32) == pytest.approx([1.0, 2.0])  # a ratio: the same for the bucket
+    # alone in its bucket range, a plain step is kept between flat and proportional to the batch
+    lone = CostModel(1, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 2})
+    _measure(lone, 32, 0, 0.002)
+    assert lone.step_seconds(20, 0) == pytest.approx(0.002)  # no neighbour: flat
+    _measure(lone, 33, 0, 0.006)  # (a wild neighbour: 4 ms for one more request)
+    assert lone.step_seconds(20, 0) == pytest.approx(0.002 * 20 / 32)  # at most proportional
+
+
 def test_where_no_round_cost_is_known_one_request_probes_early_the_cheapest():
     # batch 4 at a bucket where no round was measured: its probes come whatever their credit,
     # but one a step (a probe's round costs the whole batch, and every prober's draft

@@ -65,6 +65,7 @@ class CostModel:
     _clock: int = 0  # `observe` calls so far
     _latest: dict[tuple[str, object], int] = field(default_factory=dict, repr=False)  # key -> _clock of its last sample
     _samples: dict[tuple[str, object], deque[float]] = field(default_factory=dict, repr=False)
+    _sizes: dict[tuple[str, object], deque[int]] = field(default_factory=dict, repr=False)  # each sample's batch size
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
     _renewed: set[tuple[str, object]] = field(default_factory=set, repr=False)  # keys measured again after expiring
@@ -76,14 +77,16 @@ class CostModel:
         """The power of two at or above batch_size (1 for 1)."""
         return 1 << max(0, batch_size - 1).bit_length()
 
-    def _record(self, key: tuple[str, object], seconds: float) -> None:
+    def _record(self, key: tuple[str, object], seconds: float, batch_size: int) -> None:
         samples = self._samples.get(key)
         if samples is None or not self._fresh(key):  # expired samples go: a new window starts
             if samples is not None:
                 self._renewed.add(key)  # one-off costs are behind: its first sample counts
             samples = self._samples[key] = deque(maxlen=self.window)
+            self._sizes[key] = deque(maxlen=self.window)
             self._values.pop(key, None)
         samples.append(seconds)
+        self._sizes[key].append(batch_size)
         self._dirty.add(key)
         self._latest[key] = self._clock
 
@@ -105,7 +108,7 @@ class CostModel:
     def observe(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:
         """Wall time of a step whose longest draft had k tokens (switching costs excluded)."""
         self._clock += 1
-        self._record(("step", (self.bucket(batch_size), k, sampled)), seconds)
+        self._record(("step", (self.bucket(batch_size), k, sampled)), seconds, batch_size)
         if k:
             self.version += 1
         else:
@@ -123,14 +126,14 @@ class CostModel:
     def observe_switch(self, batch_size: int, seconds: float, units: float = 1.0, sampled: bool = False) -> None:
         """Wall time a step spent switching from plain decoding back to speculation: catching
         up on `units` units of work (a draft model: chunks of skipped tokens)."""
-        self._record(("switch", (self.bucket(batch_size), sampled)), seconds / max(units, 1.0))
+        self._record(("switch", (self.bucket(batch_size), sampled)), seconds / max(units, 1.0), batch_size)
         self.version += 1
 
     def observe_upkeep(self, batch_size: int, seconds: float, sampled: bool = False) -> None:
         """Wall time a plain step spent on shadow drafts and the proposer's table upkeep (the
         mean over a plain stretch): what keeping speculation possible costs while decoding
         plainly."""
-        self._record(("upkeep", (self.bucket(batch_size), sampled)), seconds)
+        self._record(("upkeep", (self.bucket(batch_size), sampled)), seconds, batch_size)
 
     def upkeep(self, batch_size: int, sampled: bool = False) -> float:
         """The upkeep a plain step pays, relative to a plain step (0 while unknown). Kept once
@@ -140,8 +143,57 @@ class CostModel:
         return seen / plain if seen is not None and plain else 0.0
 
     def step_seconds(self, batch_size: int, k: int, sampled: bool = False) -> float | None:
-        """The measured wall time of a step with k drafts at this batch size, if known."""
+        """The measured wall time of a step with k drafts at this batch size, if known: for
+        a plain step (k = 0) at this very batch size (`plain_at`), for a round its bucket's."""
+        if not k:
+            return self.plain_at(batch_size, sampled)
         return self._value(("step", (self.bucket(batch_size), k, sampled)))
+
+    def plain_at(self, batch_size: int, sampled: bool = False, expired: bool = False) -> float | None:
+        """A plain step's seconds at this batch size: its bucket's measured cost (lower
+        median) taken as the cost at the bucket's median measured batch size, and moved
+        from there along the line to the adjacent bucket's (the one on batch_size's side
+        first), kept between flat and proportional to the batch size (a step has a fixed
+        part and a part per request, neither negative). None while the bucket has none.
+
+        Why: a bucket spans batch sizes whose plain steps differ by up to 2x where the host
+        work per request dominates (the demo target at W2 on the H100: ~1.1 ms at 16, ~2 ms
+        at 32). Its plain steps are measured mostly at the top, when the batch is full, its
+        rounds later as requests finish: priced against the full batch's plain step, rounds
+        at batch 17-24 looked ~30 % cheaper than they were, and so did their episodes
+        (kappa stayed at 1 while n-gram rounds above batch 16 lost 5-10 % of W2 T=0, H100
+        runs 18c and 19c)."""
+        b = self.bucket(batch_size)
+        key = ("step", (b, 0, sampled))
+        own = self._value(key, expired)
+        if own is None:
+            return None
+        n = self._median_size(key)
+        if batch_size == n:
+            return own
+        for other in ((b // 2, b * 2) if batch_size < n else (b * 2, b // 2)):
+            near = ("step", (other, 0, sampled))
+            seconds = self._value(near, expired) if other and near in self._samples else None
+            if seconds is not None and (n2 := self._median_size(near)) != n:
+                guess = own + (own - seconds) / (n - n2) * (batch_size - n)
+                proportional = own * batch_size / n
+                return min(max(guess, min(own, proportional)), max(own, proportional))
+        return own
+
+    def _median_size(self, key: tuple[str, object]) -> int:
+        sizes = sorted(self._sizes[key])
+        return sizes[(len(sizes) - 1) // 2]
+
+    def _round_ratio(self, bucket: int, k: int, sampled: bool, expired: bool = False) -> float | None:
+        """r(k) measured at this bucket: the lower median of its rounds' seconds, each over
+        a plain step at the round's own batch size (`plain_at`); None while not measured
+        (twice; and fresh unless `expired`)."""
+        key = ("step", (bucket, k, sampled))
+        if self._value(key, expired) is None:
+            return None
+        ratios = sorted(t / plain for t, n in zip(self._samples[key], self._sizes[key], strict=True)
+                        if (plain := self.plain_at(n, sampled, expired=True)))
+        return ratios[(len(ratios) - 1) // 2] if ratios else None
 
     @property
     def observed(self) -> dict[tuple[int, int, bool], float]:
@@ -156,7 +208,7 @@ class CostModel:
         """Wall time the proposer spent drafting a round whose longest draft had k tokens
         (catch-up excluded), sampling, host work and the final sync included."""
         if k:
-            self._record(("draft", (self.bucket(batch_size), k, sampled)), seconds)
+            self._record(("draft", (self.bucket(batch_size), k, sampled)), seconds, batch_size)
             self.version += 1
 
     def switch_cost(self, batch_size: int, sampled: bool = False) -> float:
@@ -207,21 +259,15 @@ class CostModel:
         at batch 2-4 were priced 1.1-1.6 plain steps by calibration and took 4-7, as they
         did at 8 (3.9, measured), run 18m."""
         b = self.bucket(batch_size)
-        rounds: dict[int, dict[int, float]] = {}
-        for tag, key in list(self._samples):
-            if tag != "step":
-                continue
-            b2, k, s = key
-            if s != sampled or b2 == b or not k:
-                continue
-            plain = self._value(("step", (b2, 0, s)), expired=True)
-            t = self._value(("step", (b2, k, s)), expired=True)
-            if plain and t is not None:
-                rounds.setdefault(b2, {})[k] = t / plain
-        if not rounds:
+        measured = {key[0] for tag, key in list(self._samples)
+                    if tag == "step" and key[2] == sampled and key[0] != b and key[1]
+                    and self._value((tag, key), expired=True) is not None
+                    and self._value(("step", (key[0], 0, sampled)), expired=True) is not None}
+        if not measured:
             return {}
-        near = min(rounds, key=lambda x: (abs(x.bit_length() - b.bit_length()), -x))
-        return rounds[near]
+        near = min(measured, key=lambda x: (abs(x.bit_length() - b.bit_length()), -x))
+        return {k: r for k in range(1, self.k_max + 1)
+                if (r := self._round_ratio(near, k, sampled, expired=True)) is not None}
 
     def _calibrated_bucket(self, batch_size: int) -> int | None:
         """The calibrated batch size nearest batch_size's bucket (ties: the smaller); None
@@ -250,16 +296,15 @@ class CostModel:
         if not plain:
             return [1.0] + [k * c + v[k] for k in range(1, self.k_max + 1)]
         d, w = self.draft_step(batch_size, sampled), self._forward_share(batch_size, plain)
+        b = self.bucket(batch_size)
         seen = {0: 1.0}
         for k in range(1, self.k_max + 1):
-            t = self.step_seconds(batch_size, k, sampled)
-            if t is not None:
-                seen[k] = t / plain
+            if (r := self._round_ratio(b, k, sampled)) is not None:
+                seen[k] = r
         if len(seen) == 1:  # no round measured lately: an expired measurement beats calibration
-            b = self.bucket(batch_size)
             for k in range(1, self.k_max + 1):
-                if (t := self._value(("step", (b, k, sampled)), expired=True)) is not None:
-                    seen[k] = t / plain
+                if (r := self._round_ratio(b, k, sampled, expired=True)) is not None:
+                    seen[k] = r
         if len(seen) == 1:  # never measured here: a measured neighbour beats calibration
             seen.update(self._neighbour_rounds(batch_size, sampled))
         bases = [x for x in seen if x] or [0]  # a measured round includes a round's overhead

@@ -438,12 +438,20 @@ def test_plain_steps_and_rounds_are_priced_at_their_own_batch_size():
     _measure(costs, 20, 1, 0.00324)
     assert costs.relative_costs(20) == pytest.approx([1.0, 2.0])
     assert costs.relative_costs(32) == pytest.approx([1.0, 2.0])  # a ratio: the same for the bucket
-    # alone in its bucket range, a plain step is kept between flat and proportional to the batch
+    # never extrapolated (flat where no bucket on the batch size's side is measured), and
+    # kept between flat and proportional to the batch size
     lone = CostModel(1, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 2})
     _measure(lone, 32, 0, 0.002)
-    assert lone.step_seconds(20, 0) == pytest.approx(0.002)  # no neighbour: flat
-    _measure(lone, 33, 0, 0.006)  # (a wild neighbour: 4 ms for one more request)
+    _measure(lone, 33, 0, 0.006)  # above: 4 ms for one more request
+    assert lone.step_seconds(20, 0) == pytest.approx(0.002)  # nothing measured below: flat
+    _measure(lone, 16, 0, 0.0002)  # below: 0.2 ms, a line steeper than proportional
     assert lone.step_seconds(20, 0) == pytest.approx(0.002 * 20 / 32)  # at most proportional
+    assert lone.step_seconds(15, 0) == pytest.approx(0.0002)  # (bucket 16, nothing below it: flat)
+    top = CostModel(1, draft_ratio={1: 0.1}, verify_ratio={1: [1.0] * 2})
+    _measure(top, 12, 0, 0.0013)
+    _measure(top, 6, 0, 0.001)
+    assert top.step_seconds(9, 0) == pytest.approx(0.0013 - 0.00005 * 3)  # between 6 and 12
+    assert top.step_seconds(15, 0) == pytest.approx(0.0013)  # above 12, nothing measured: flat
 
 
 def test_where_no_round_cost_is_known_one_request_probes_early_the_cheapest():

@@ -152,9 +152,12 @@ class CostModel:
     def plain_at(self, batch_size: int, sampled: bool = False, expired: bool = False) -> float | None:
         """A plain step's seconds at this batch size: its bucket's measured cost (lower
         median) taken as the cost at the bucket's median measured batch size, and moved
-        from there along the line to the adjacent bucket's (the one on batch_size's side
-        first), kept between flat and proportional to the batch size (a step has a fixed
-        part and a part per request, neither negative). None while the bucket has none.
+        from there along the line to the adjacent bucket's on batch_size's side, kept
+        between flat and proportional to the batch size (a step has a fixed part and a
+        part per request, neither negative); flat where no bucket on that side is measured
+        (never extrapolated: a plain step priced too high makes rounds look cheap, and
+        extrapolating the full batch's step from the line below its bucket did so on the
+        H100 at W2 T=1, run 19d). None while the bucket has none.
 
         Why: a bucket spans batch sizes whose plain steps differ by up to 2x where the host
         work per request dominates (the demo target at W2 on the H100: ~1.1 ms at 16, ~2 ms
@@ -171,14 +174,14 @@ class CostModel:
         n = self._median_size(key)
         if batch_size == n:
             return own
-        for other in ((b // 2, b * 2) if batch_size < n else (b * 2, b // 2)):
-            near = ("step", (other, 0, sampled))
-            seconds = self._value(near, expired) if other and near in self._samples else None
-            if seconds is not None and (n2 := self._median_size(near)) != n:
-                guess = own + (own - seconds) / (n - n2) * (batch_size - n)
-                proportional = own * batch_size / n
-                return min(max(guess, min(own, proportional)), max(own, proportional))
-        return own
+        near = ("step", (b // 2 if batch_size < n else b * 2, 0, sampled))
+        seconds = self._value(near, expired) if near in self._samples else None
+        if seconds is None:
+            return own
+        n2 = self._median_size(near)
+        guess = own + (own - seconds) / (n - n2) * (batch_size - n)
+        proportional = own * batch_size / n
+        return min(max(guess, min(own, proportional)), max(own, proportional))
 
     def _median_size(self, key: tuple[str, object]) -> int:
         sizes = sorted(self._sizes[key])

@@ -454,28 +454,6 @@ def test_plain_steps_and_rounds_are_priced_at_their_own_batch_size():
     assert top.step_seconds(15, 0) == pytest.approx(0.0013)  # above 12, nothing measured: flat
 
 
-def test_where_no_round_cost_is_known_one_request_probes_early_the_cheapest():
-    # batch 4 at a bucket where no round was measured: its probes come whatever their credit,
-    # but one a step (a probe's round costs the whole batch, and every prober's draft
-    # catches up on its context), the one with least to catch up on first; once the round's
-    # cost is measured, probes wait for their credit
-    costs = CostModel(5, draft_ratio={4: 3.0}, verify_ratio={4: [1.0] * 6})  # rounds priced 4+ plain steps
-    for _ in range(2):
-        costs.observe(4, 0, 0.001, sampled=True)
-    p = AdaptivePolicy(5, costs, catch_up_units=lambda behind: -(-behind // 128), calibration=None,
-                       plain_refresh=10_000)
-    batch = [_sampled(f"r{i}") for i in range(4)]
-    contexts = [1000, 1000, 200, 1000]
-    log = [p.choose(batch, contexts, 10_000, [1000] * 4) for _ in range(12)]
-    probes = [(step, i) for step, ks in enumerate(log) for i, k in enumerate(ks) if k]
-    assert probes[0][1] == 2  # the shortest context
-    assert {i for _, i in probes} == {0, 1, 2, 3}  # each in its turn
-    assert len({step for step, _ in probes}) == len(probes)  # never two in one step
-    for _ in range(2):
-        costs.observe(4, 1, 0.004, sampled=True)  # measured: no early probes any more
-    assert not any(any(p.choose(batch, contexts, 10_000, [1000] * 4)) for _ in range(100))
-
-
 @pytest.mark.parametrize("field", ["prior_a", "sampled_prior_a"])
 @pytest.mark.parametrize("value", [0.0, 1.0, 1.5])
 def test_adaptive_policy_rejects_priors_outside_the_open_unit_interval(field, value):

@@ -36,12 +36,13 @@ budget of the tokens it may still emit (at most one probe) in advance: unless it
 acceptance expects the probe to lose more (the catch-up counted for its whole context),
 its first probe comes within a few steps, while most of the request is ahead (sampled
 requests wait for their credit). Until a
-round's cost is known at a batch size (measured lately: measurements expire), a step in
-which no round runs has one request probe whatever its credit, the one with the least
-catch-up (calibration can misjudge host overhead either way, and a round measured only
-while slow must not price speculation out for good; one probe measures the round for the
-batch, and a draft model's catch-up of every request's prompt cost the demo pair at W2's
-tail 5-10 plain steps a probe step, H100 run 18m). Failed probes also back off exponentially.
+round's cost is known at a batch size (measured lately: measurements expire), probes come
+early, every request's whose backoff ended (calibration can misjudge host overhead either
+way, and a round measured only while slow must not price speculation out for good; the
+probes of a step share one round, which then costs what a round of many drafts costs: one
+request probing alone, as tried in 19a-19e, measured rounds of one draft, priced the
+batch's rounds cheap, and the draft model at W2 T=0 ran 80-150 rounds a generation at a
+loss). Failed probes also back off exponentially.
 An accepted probe restarts an estimate below the prior from the prior (the text changed
 since speculation stopped paying); one at or above the prior keeps its evidence.
 
@@ -258,7 +259,7 @@ class _CostTable(NamedTuple):
     probe_round: float  # a probe's round in plain steps (its catch-up apart)
     switch: float  # a unit of catch-up work (a draft model: one chunk) in plain steps
     budget: float  # the fraction of the time probes may cost at this batch size
-    calibrated_only: bool  # no round's cost is known at this batch size: one request probes early
+    calibrated_only: bool  # no round's cost is known at this batch size: probes come early
     raw: list[float]  # r(0..k_max) as measured (what an episode's predicted gain is priced with)
     kappa: float  # the episode calibration's factor the costs were divided by
     # the K that would pay best for a batch of the bucket's size with one request at
@@ -471,8 +472,7 @@ class AdaptivePolicy:
                     if k > 0:
                         wants[i], ests[i].speculating = 0, False
                 next_due = min(next_due, self._steps + self.veto_hold)
-        early: tuple[float, int, float] | None = None  # (cost, index, loss): the cheapest early probe
-        for i, (est, k, n, left) in enumerate(zip(ests, wants, seq_lens, tokens_left, strict=True)):
+        for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
             if k < 0:
                 ks.append(0)
                 continue
@@ -484,11 +484,6 @@ class AdaptivePolicy:
                 loss = self._probe_loss(est, table, cost)
                 due = self._probe_due(est, table, left, cost, loss)
                 if self._steps < due:
-                    if table.calibrated_only:  # may probe early: when its backoff ends
-                        first = est.wait_from + est.probe_interval
-                        if self._steps >= first and (early is None or cost < early[0]):
-                            early = (cost, i, loss)
-                        due = min(due, max(first, self._steps + 1))
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
@@ -499,15 +494,6 @@ class AdaptivePolicy:
             k = guard_k(k, n, max_seq_len, left)
             starting = starting or (k > 0 and not est.probing)
             ks.append(k)
-        if early is not None and not any(ks):
-            # no round's cost is known at this batch size and no round measures one at this
-            # step: the cheapest request (least catch-up) probes now, whatever its credit
-            cost, i, loss = early
-            est = ests[i]
-            self._start_probe(est, table, cost, loss)
-            probers.append(est)
-            est.wait_from = self._steps
-            ks[i] = guard_k(table.probe_k, seq_lens[i], max_seq_len, tokens_left[i])
         if len(probers) > 1 and table.probe_round > 1.0:
             # probes in one step share it: the batch pays one round, so each prober is charged
             # its share of the round and its own catch-up, the rest refunded
@@ -774,6 +760,8 @@ class AdaptivePolicy:
             advance = 0.0 if self.shadowed or est.sampled else min(table.budget * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
+        if table.calibrated_only:
+            return first  # real measurements replace the calibration (or stale ones) soon
         need = loss - self._credit(est, table, loss)
         due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps
         return max(first, min(due, est.wait_from + self.max_probe_spacing))

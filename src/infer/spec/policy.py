@@ -487,8 +487,10 @@ class AdaptivePolicy:
                     next_due = min(next_due, due)
                     ks.append(0)
                     continue
-                self._start_probe(est, table, cost, loss)
-                k = table.probe_k
+                # charged as if it emitted only its bonus token; `update` refunds the rest
+                est.credit = self._credit(est, table, loss) - (cost - 1.0)
+                est.credit_step = max(self._steps, est.credit_step)
+                est.probing, k, est.probe_cost = True, table.probe_k, cost
                 probers.append(est)
             est.wait_from = self._steps
             k = guard_k(k, n, max_seq_len, left)
@@ -713,13 +715,6 @@ class AdaptivePolicy:
                                         costs[probe_k], self.costs.switch_cost(batch_size, sampled), budget,
                                         not self.costs.has_round(batch_size, sampled), raw, kappa, could_pay)
         return t
-
-    def _start_probe(self, est: _Estimate, table: _CostTable, cost: float, loss: float) -> None:
-        """Charge a probe costing `cost` plain steps to the request's credit, as if it emitted
-        only its bonus token (`update` refunds the rest)."""
-        est.credit = self._credit(est, table, loss) - (cost - 1.0)
-        est.credit_step = max(self._steps, est.credit_step)
-        est.probing, est.probe_cost = True, cost
 
     def _credit(self, est: _Estimate, table: _CostTable, cap: float) -> float:
         """The request's probe credit now: it accrues `table.budget` plain steps per step from

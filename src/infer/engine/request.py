@@ -94,6 +94,11 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens the request may still emit under its max_tokens."""
+        return self.sampling_params.max_tokens - len(self.output_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.state is RequestState.FINISHED
 

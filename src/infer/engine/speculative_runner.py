@@ -352,7 +352,7 @@ class SpeculativeRunner(ContinuousRunner):
             self.policy.end_quiet()  # type: ignore[attr-defined]
             return self._plain_decode(requests, self._plain_timer(requests))
         seq_lens = [r.num_computed_tokens for r in requests]
-        left = [r.sampling_params.max_tokens - len(r.output_token_ids) for r in requests]
+        left = [r.tokens_left for r in requests]
         ks = self.policy.choose(requests, seq_lens, self.config.max_seq_len, left)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             # timed from here: the plain baseline is what staying plain costs, a step of a
@@ -540,18 +540,19 @@ class SpeculativeRunner(ContinuousRunner):
             self._keep_up(requests, None)
             spent = time.perf_counter() - start
             return spent, spent
-        idle = [start if not busy() else None]  # when the GPU was first seen idle
+        idle = None if busy() else start  # when the GPU was first seen idle
 
         def still_busy() -> bool:
+            nonlocal idle
             if busy():
                 return True
-            if idle[0] is None:
-                idle[0] = time.perf_counter()
+            if idle is None:
+                idle = time.perf_counter()
             return False
 
         self._keep_up(requests, still_busy)
         end = time.perf_counter()
-        return end - start, (end - idle[0] if idle[0] is not None else 0.0)
+        return end - start, (end - idle if idle is not None else 0.0)
 
     def _table_pays(self, request: Request) -> bool:
         """The proposer's `admit` (n-gram): whether a table for a request that has none can pay
@@ -562,8 +563,7 @@ class SpeculativeRunner(ContinuousRunner):
         if pays is None:
             return True
         proposer = self.proposer
-        left = min(request.sampling_params.max_tokens - len(request.output_token_ids),
-                   self.config.max_seq_len - request.num_tokens)
+        left = min(request.tokens_left, self.config.max_seq_len - request.num_tokens)
         return pays(max(1, self._held), request_samples(request), max(0, left),
                     min(request.num_tokens, proposer.config.window), proposer.seconds_per_token)  # type: ignore[attr-defined]
 

@@ -28,8 +28,8 @@ from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 VARIANTS = ("plain", "ngram-k5", "ngram-adaptive", "draft-k5", "draft-adaptive")
 
 
-def config(name: str) -> EngineConfig:
-    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=torch.cuda.is_available(), max_batch_size=1,
+def config(name: str, max_batch_size: int = 1) -> EngineConfig:
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=torch.cuda.is_available(), max_batch_size=max_batch_size,
                 max_seq_len=1024)
     if name == "plain":
         return EngineConfig(**base)
@@ -41,9 +41,11 @@ def config(name: str) -> EngineConfig:
     return EngineConfig(**base, **spec, draft_model=str(DEMO_DRAFT))
 
 
-def generate(engine: Engine, prompt: list[int], temperature: float, seed: int, tokens: int) -> int:
-    """One generation; returns its decode steps."""
-    engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=tokens, ignore_eos=True, seed=seed))
+def generate(engine: Engine, prompts: list[list[int]], temperature: float, seed: int, tokens: list[int]) -> int:
+    """One generation of every prompt at once; returns its engine steps after the first."""
+    for i, (prompt, n) in enumerate(zip(prompts, tokens, strict=True)):
+        engine.add_request(prompt, SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                                                  seed=seed * 1000 + i))
     engine.step()
     steps = 0
     while engine.has_unfinished():
@@ -58,28 +60,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--workload", default="W1", choices=["W1", "W5"])
+    ap.add_argument("--workload", default="W1", choices=["W1", "W5", "W2", "W2-prefix"],
+                    help="W2 / W2-prefix: all 32 requests at once (batch 32, their own output lengths)")
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    engines = {name: Engine(config(name)) for name in args.variants}
+    workload = WORKLOADS[args.workload]
+    engines = {name: Engine(config(name, workload.num_requests)) for name in args.variants}
     for t in args.temperature:
         for name, engine in engines.items():
-            prompt = build_requests(WORKLOADS[args.workload], engine.vocab_size,
-                                    engine.tokenizer).requests[0].prompt_ids
-            generate(engine, prompt, t, 0, args.tokens)  # warm-up
+            specs = build_requests(workload, engine.vocab_size, engine.tokenizer).requests
+            prompts = [s.prompt_ids for s in specs]
+            tokens = [args.tokens] if workload.num_requests == 1 else [s.max_tokens for s in specs]
+            emitted = args.generations * sum(n - 1 for n in tokens)
+            generate(engine, prompts, t, 0, tokens)  # warm-up
             start = time.perf_counter()
-            steps = sum(generate(engine, prompt, t, 1 + g, args.tokens) for g in range(args.generations))
-            plain_wall = (time.perf_counter() - start) / (args.generations * (args.tokens - 1)) * 1e6
+            steps = sum(generate(engine, prompts, t, 1 + g, tokens) for g in range(args.generations))
+            plain_wall = (time.perf_counter() - start) / emitted * 1e6
             stats = getattr(engine.runner, "stats", None)
             before = stats.drafts if stats is not None else 0
             profile = cProfile.Profile()
             start = time.perf_counter()
             profile.enable()
-            steps = sum(generate(engine, prompt, t, 1 + g, args.tokens) for g in range(args.generations))
+            steps = sum(generate(engine, prompts, t, 1 + g, tokens) for g in range(args.generations))
             profile.disable()
-            wall = (time.perf_counter() - start) / (args.generations * (args.tokens - 1)) * 1e6
+            wall = (time.perf_counter() - start) / emitted * 1e6
             rounds = (stats.drafts - before) if stats is not None else 0
             print(f"\n== {args.workload} T={t:g} {name}: {steps / args.generations:.1f} decode steps and "
                   f"{rounds / args.generations:.1f} rounds a generation; {plain_wall:.1f} us/token "

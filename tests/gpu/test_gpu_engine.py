@@ -320,18 +320,22 @@ def test_sampled_plain_decode_in_graphs_matches_eager(ckpt_a, backend):
     assert graphs.engine.runner.forward.sample_replays > 0
 
 
+@pytest.mark.parametrize("cap", [16, None])
 @pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
-def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckpt_a, spec):
-    # buckets above SMALL_BATCH_MAX have no sampling, acceptance or draft-loop graphs: their
-    # steps replay the forward's graph and sample eagerly on the device (an eager forward at
-    # batch 32 cost ~6x a replayed one on the H100), with the same seeded tokens as eager
-    from infer.engine.cuda_graphs import SMALL_BATCH_MAX
-    batch = SMALL_BATCH_MAX + 4
+def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckpt_a, spec, cap, monkeypatch):
+    # buckets above `cuda_graph_sampling_batch_max` (cap 16) have no sampling, acceptance or
+    # draft-loop graphs: their steps replay the forward's graph and finish eagerly on the
+    # device (an eager forward at batch 32 cost ~6x a replayed one on the H100), with the
+    # same seeded tokens as eager. Under the default cap (32) a batch of 20 has them all:
+    # nothing finishes eagerly, and the tokens are the same
+    import infer.engine.cuda_graphs as cuda_graphs
+    batch = 20
     prompts = _prompts(ckpt_a, n=batch)
     params = [SamplingParams(temperature=[0.8, 1.0, 0.0, 1.5][i % 4], max_tokens=16, ignore_eos=True, seed=7 + i)
               for i in range(batch)]
-    kw = dict(device="cuda", dtype="float32", max_batch_size=2 * SMALL_BATCH_MAX, max_seq_len=128,
-              compile_kernels=False)
+    kw = dict(device="cuda", dtype="float32", max_batch_size=32, max_seq_len=128, compile_kernels=False)
+    if cap is not None:
+        kw["cuda_graph_sampling_batch_max"] = cap
     if spec is not None:
         kw.update(use_speculative_decoding=True, spec_length=3,
                   **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method="ngram")))
@@ -343,16 +347,24 @@ def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckp
 
     runner = graphs.engine.runner
     forwards = [runner.forward] + ([runner.draft.step_forward] if spec == "draft_model" else [])
-    whole_eager_steps, bucket_replays = [], []
+    whole_eager_steps, bucket_replays, finished_eagerly = [], [], []
     for f in forwards:  # a decode step run whole eagerly (prefill chunks are eager anyway)
         for name in ("sample", "verify", "draft_loop"):
             inner = getattr(f.eager, name)
             setattr(f.eager, name, lambda *a, _inner=inner, _name=name: (whole_eager_steps.append(_name), _inner(*a))[1])
         replay = f._replay
         f._replay = lambda g, ids, layout, _replay=replay: (bucket_replays.append(len(layout.slots)), _replay(g, ids, layout))[1]
+    for name in ("sample_logits", "verify_on_logits", "draft_steps"):  # a graph's output finished eagerly
+        inner = getattr(cuda_graphs, name)
+        monkeypatch.setattr(cuda_graphs, name,
+                            lambda *a, _inner=inner, _name=name: (finished_eagerly.append(_name), _inner(*a))[1])
     assert run(graphs) == run(eager)
     assert whole_eager_steps == []
-    assert max(bucket_replays) > SMALL_BATCH_MAX  # the big batch replayed the forward's graphs
+    assert max(bucket_replays) > 16  # the big batch replayed graphs of its own bucket
+    if cap is None:
+        assert finished_eagerly == []
+    else:
+        assert "sample_logits" in finished_eagerly or "verify_on_logits" in finished_eagerly
     assert graphs.engine.leak_report() == []
 
 

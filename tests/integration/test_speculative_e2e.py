@@ -351,6 +351,7 @@ def test_tokenizer_mismatch_is_a_clear_error(make_llm, tmp_path, ckpt_a):
     (dict(use_speculative_decoding=True, draft_model="x", batching_mode="static"), "batching_mode"),
     (dict(spec_length=0), "spec_length"),
     (dict(speculative_method="medusa"), "speculative_method"),
+    (dict(cuda_graph_sampling_batch_max=-1), "cuda_graph_sampling_batch_max"),
 ])
 def test_config_validation(kwargs, words):
     from infer import EngineConfig

@@ -35,6 +35,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # paged: alternative to num_blocks
     enable_prefix_caching: bool | None = None  # None = on for the paged backend
     use_cuda_graphs: bool = False
+    # the largest batch whose decode steps also get graphs for sampling, acceptance and whole
+    # draft rounds (above it they replay the forward's graph and finish eagerly); each such
+    # graph keeps [batch, vocab]-sized outputs (wider for acceptance and sampled draft rounds)
+    cuda_graph_sampling_batch_max: int = 32
     compile_kernels: bool | None = None  # fuse elementwise ops with torch.compile; None = with CUDA graphs
     # speculative decoding
     use_speculative_decoding: bool = False
@@ -59,6 +63,9 @@ class EngineConfig:
                      "spec_length", "ngram_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_sampling_batch_max < 0:
+            raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no sampling graphs), "
+                             f"got {self.cuda_graph_sampling_batch_max}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -55,7 +55,9 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
 VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # see GraphForward
-SMALL_BATCH_MAX = 16  # sampling graphs and `small_batch_shapes` only for buckets up to this size
+# default `sampling_batch_max`: sampling, acceptance and draft-loop graphs and
+# `small_batch_shapes` only for buckets up to this size (EngineConfig.cuda_graph_sampling_batch_max)
+SMALL_BATCH_MAX = 32
 
 
 class _Staging:
@@ -191,12 +193,13 @@ class GraphForward:
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
                  kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
                  small_batch_shapes: Iterable[tuple[int, bool]] = (),
-                 verify_modes: Iterable[str] = ()) -> None:
+                 verify_modes: Iterable[str] = (), sampling_batch_max: int = SMALL_BATCH_MAX) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
         device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
-        both for buckets up to SMALL_BATCH_MAX only (larger batches are not bound by launch
-        overhead, and wide graphs of large batches would hold much memory). verify_modes:
+        both for buckets up to `sampling_batch_max` only (their outputs, [batch, V] and wider,
+        hold GPU memory per graph; above it steps replay the forward's graph and finish
+        eagerly). verify_modes:
         for each all-logits width >= 2 of those buckets, capture the acceptance step too, in
         these of VERIFY_MODES: "greedy" (every row greedy: argmax prefix match), "one_hot"
         (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts)."""
@@ -205,6 +208,9 @@ class GraphForward:
         self.eager = EagerForward(model, pool, kernels)
         self.context_width = context_width or pool.max_seq_len
         self.buckets = sorted(set(batch_sizes))
+        if sampling_batch_max < 0:
+            raise ValueError(f"sampling_batch_max must be >= 0, got {sampling_batch_max}")
+        self.sampling_batch_max = sampling_batch_max
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
         self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (capture_draft_loops, or on first use)
@@ -212,16 +218,16 @@ class GraphForward:
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
-            for w, all_logits in shapes + (small if b <= SMALL_BATCH_MAX else []):
+            for w, all_logits in shapes + (small if b <= sampling_batch_max else []):
                 self.graphs[(b, w, all_logits)] = self._capture(b, w, all_logits, stream)
-            for w in sorted(set(sample_widths)) if b <= SMALL_BATCH_MAX else ():
+            for w in sorted(set(sample_widths)) if b <= sampling_batch_max else ():
                 self.samplers[(b, w)] = self._capture(b, w, False, stream, sampling=True)
         modes = sorted(set(verify_modes))
         if not set(modes) <= set(VERIFY_MODES):
             raise ValueError(f"verify_modes must be among {VERIFY_MODES}, got {modes}")
         self.verifiers: dict[tuple[int, int, str], _Verifier] = {}
         for b in self.buckets:
-            if modes and b <= SMALL_BATCH_MAX:
+            if modes and b <= sampling_batch_max:
                 self._capture_verifiers(b, modes, stream)
         self.replays = 0
         self.sample_replays = 0  # of those, replays that also sampled
@@ -327,7 +333,7 @@ class GraphForward:
         n = len(layout.slots)
         key = (self._bucket(n), layout.width) if n <= self.buckets[-1] else None
         if key not in self.samplers or max(layout.ends) > self.context_width:
-            # no sampling graph (buckets above SMALL_BATCH_MAX): the forward's graph if it
+            # no sampling graph (buckets above `sampling_batch_max`): the forward's graph if it
             # has one, then the sampling eagerly (an eager forward is ~40 launches a layer:
             # H100, demo target at batch 32, T=1: ~10 ms a step against ~1.5 ms)
             return sample_logits(self(ids, layout, all_logits=False), temperatures, uniforms, greedy)
@@ -372,12 +378,12 @@ class GraphForward:
         """The same function as `EagerForward.draft_loop` in one replay: a draft round's host
         work is one index fill for the union of its steps instead of one per step. Graphs are
         captured per (bucket, width of step 1, steps, every row greedy) by
-        `capture_draft_loops` or else on first use, for buckets up to SMALL_BATCH_MAX;
+        `capture_draft_loops` or else on first use, for buckets up to `sampling_batch_max`;
         anything else runs the eager loop."""
         n, w = ids.shape
         if max(layout.ends) > self.context_width or layout.chunk_lens != (w + steps - 1,) * n:
             return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
-        if n > min(self.buckets[-1], SMALL_BATCH_MAX):  # no loop graphs: step by step, each step's graph
+        if n > min(self.buckets[-1], self.sampling_batch_max):  # no loop graphs: step by step, each step's graph
             return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
         key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
@@ -398,12 +404,12 @@ class GraphForward:
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
 
     def capture_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        """Capture the `draft_loop` graphs of every (bucket up to SMALL_BATCH_MAX, width of
+        """Capture the `draft_loop` graphs of every (bucket up to `sampling_batch_max`, width of
         step 1, steps, greedy or sampled) ahead of use, at start-up: captured on first use,
         a round would pay the capture (tens to hundreds of milliseconds, kernel compilation
         included) in the middle of a request."""
         for b in self.buckets:
-            if b > SMALL_BATCH_MAX:
+            if b > self.sampling_batch_max:
                 break
             for key in itertools.product([b], sorted(set(widths)), sorted(set(steps)), (True, False)):
                 if key not in self.loops:

@@ -165,7 +165,7 @@ class SpeculativeRunner(ContinuousRunner):
         modes = ("greedy", "one_hot") + (("draft_probs",) if self.config.speculative_method == "draft_model" else ())
         return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
                             shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes,
-                            sample_widths=(1,))
+                            sample_widths=(1,), sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         method = self.config.speculative_method
@@ -180,7 +180,8 @@ class SpeculativeRunner(ContinuousRunner):
             step = make_forward(draft_model, pool, self.config.use_cuda_graphs, self.config.max_batch_size,
                                 shapes=[(w, False) for w in feeds],
                                 kernels=step_kernels(self.config, self.device, draft_model),
-                                sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)])
+                                sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)],
+                                sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
             capture = getattr(step, "capture_draft_loops", None)
             if capture is not None:  # whole-round graphs now, not in the middle of a request
                 k = self.config.spec_length

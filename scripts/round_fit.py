@@ -14,6 +14,13 @@ bucket (the power of two at or above the batch size).
 
     PYTHONPATH=src python scripts/round_fit.py [--workload W2] [--temperature 0 1]
         [--variants plain ngram-k5 draft-k5] [--generations 2] [--out rows.jsonl]
+        [--configs new old]
+
+`--configs` builds the engines once per configuration, in turn on the same machine: "new"
+(the defaults), "old" (sampling, acceptance and draft-loop graphs only up to batch 16, and
+index tensors filled row by row at every batch size: the code before 4a7432f and the
+vectorized `layout_indices`), and prints, per bucket, the median step and the milliseconds
+per token of each.
 
 Why: the adaptive policy files a round's cost by batch bucket and longest draft alone,
 as a ratio to a plain step (spec/costs.py); H100 per-round logs at W2 (n-gram, T=0) put
@@ -31,10 +38,15 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+import infer.cache.view as cache_view
 from infer import SamplingParams
 from infer.bench.workloads import WORKLOADS, build_requests
+from infer.engine.cuda_graphs import SMALL_BATCH_MAX
 from infer.engine.engine import Engine
 from plain_step_ab import _build
+
+# configuration -> (GraphForward's sampling_batch_max, layout_indices' row-by-row limit)
+CONFIGS = {"new": (SMALL_BATCH_MAX, cache_view._ROWWISE_MAX), "old": (16, 1 << 30)}
 
 
 def bucket(n: int) -> int:
@@ -107,7 +119,14 @@ def fit(rows: list[dict], columns: tuple[str, ...]) -> tuple[list[float], float]
 def report(label: str, rows: list[dict]) -> None:
     rounds = [r for r in rows if r.get("drafting")]
     plain = [r for r in rows if not r.get("drafting")]
-    print(f"\n== {label}: {len(plain)} plain steps, {len(rounds)} rounds", flush=True)
+    ms = sum(r["sec"] for r in rows) / max(1, sum(r["emitted"] for r in rows)) * 1e3
+    print(f"\n== {label}: {len(plain)} plain steps, {len(rounds)} rounds; decode steps {ms:.4f} ms a token",
+          flush=True)
+    by_bucket: dict[int, list[float]] = defaultdict(list)
+    for r in rows:
+        by_bucket[bucket(r["b"])].append(r["sec"] * 1e6)
+    print("  median step (us) by bucket: " + ", ".join(f"{b}: {float(np.median(v)):.0f}"
+                                                      for b, v in sorted(by_bucket.items())), flush=True)
     for name, part, columns in (("plain", plain, ("b",)), ("rounds", rounds, ("b", "drafting", "emitted")),
                                 ("rounds", rounds, ("b", "emitted")), ("rounds", rounds, ("b", "drafting"))):
         groups: dict[object, list[dict]] = defaultdict(list)
@@ -131,21 +150,28 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["plain", "ngram-k5", "draft-k5"])
     ap.add_argument("--generations", type=int, default=2)
     ap.add_argument("--out", default=None, help="write every row here (JSON lines)")
+    ap.add_argument("--configs", nargs="+", default=["new"], choices=sorted(CONFIGS))
     args = ap.parse_args()
-    engines = _build(tuple(args.variants), 32)
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
     try:
-        for w in args.workload:
-            for t in args.temperature:
-                for name in args.variants:
-                    engine = engines[name]
-                    record_steps(engine, w, t, 0)  # warm-up
-                    rows = [r for g in range(args.generations) for r in record_steps(engine, w, t, 1 + g)]
-                    report(f"{w} T={t:g} {name}", rows)
-                    if out is not None:
-                        for r in rows:
-                            out.write(json.dumps(dict(r, workload=w, temperature=t, variant=name)) + "\n")
+        for config in args.configs:
+            sampling_max, cache_view._ROWWISE_MAX = CONFIGS[config]
+            engines = _build(tuple(args.variants), 32, cuda_graph_sampling_batch_max=sampling_max)
+            for w in args.workload:
+                for t in args.temperature:
+                    for name in args.variants:
+                        engine = engines[name]
+                        record_steps(engine, w, t, 0)  # warm-up
+                        rows = [r for g in range(args.generations) for r in record_steps(engine, w, t, 1 + g)]
+                        report(f"[{config}] {w} T={t:g} {name}", rows)
+                        if out is not None:
+                            for r in rows:
+                                out.write(json.dumps(dict(r, workload=w, temperature=t, variant=name,
+                                                          config=config)) + "\n")
+            del engines
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     finally:
+        cache_view._ROWWISE_MAX = CONFIGS["new"][1]
         if out is not None:
             out.close()
 

@@ -132,6 +132,44 @@ def test_indices_filled_in_place_equal_fresh_ones(backend: str) -> None:
         assert torch.equal(out.q_pos[:3], fresh.q_pos) and torch.equal(out.ctx_end[:3], fresh.ctx_end)
 
 
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+@pytest.mark.parametrize("batch", [3, 7])  # both sides of view._ROWWISE_MAX (row by row / whole-batch ops)
+def test_indices_hold_each_rows_context_and_chunk(backend: str, batch: int) -> None:
+    # every row: its chunk's storage rows then scratch (write rows), its context's storage
+    # rows then scratch (gather rows), its chunk's positions continued over the padding
+    import random
+
+    from infer.cache.slotted import SlottedKVCache
+    from infer.cache.view import _ROWWISE_MAX, ViewIndices
+    assert 3 <= _ROWWISE_MAX < 7
+    pool = make_pool(num_blocks=8 * 16, prefix=False, batch=8) if backend == "paged" else \
+        SlottedKVCache(CFG, 8, 64, torch.float32, "cpu")
+    rng = random.Random(batch)
+    lens = [rng.randrange(1, 5) for _ in range(batch)]
+    starts = [rng.randrange(0, 40) for _ in range(batch)]
+    slots = [pool.allocate_slot(max(1, s)) for s in starts]
+    for slot, start, n in zip(slots, starts, lens):
+        assert pool.ensure_capacity(slot, start + n)
+    width, s = 5, 64
+    layout = BatchLayout.of(slots, starts, lens, width=width)
+    scratch = pool.scratch_row
+    bucket = 8
+    out = ViewIndices(torch.full((bucket * width,), 7), torch.full((bucket, s), 7), torch.full((bucket, width), 7),
+                      torch.full((bucket,), 7))
+    fresh, staged = pool.indices(layout), pool.indices(layout, s, out=out)
+    longest = max(st + n for st, n in zip(starts, lens))
+    for b, (slot, start, n) in enumerate(zip(slots, starts, lens)):
+        ctx = pool.rows(slot, 0, start + n).tolist()
+        write = ctx[start:] + [scratch] * (width - n)
+        assert fresh.write_rows.view(batch, width)[b].tolist() == write
+        assert staged.write_rows.view(bucket, width)[b].tolist() == write
+        assert fresh.gather_rows[b].tolist() == ctx + [scratch] * (longest - start - n)
+        assert staged.gather_rows[b].tolist() == ctx + [scratch] * (s - start - n)
+        assert fresh.q_pos[b].tolist() == staged.q_pos[b].tolist() == list(range(start, start + width))
+        assert fresh.ctx_end[b] == staged.ctx_end[b] == start + n
+    assert (staged.write_rows.view(bucket, width)[batch:] == scratch).all()
+
+
 # -- truncation ------------------------------------------------------------------------
 def test_truncate_frees_exactly_the_blocks_past_the_new_length() -> None:
     pool = make_pool(num_blocks=10, prefix=False)

@@ -79,6 +79,12 @@ class ViewIndices:
         return position_mask(self.q_pos, self.ctx_end, self.gather_rows.shape[1])
 
 
+# above this many rows `layout_indices` fills the write rows, positions and gather tails with
+# whole-batch tensor ops (a fixed ~10 ops) instead of ~5 small ops a row: x1.7-2.0 faster at
+# batch 16-32 on the dev CPU, slower below ~4 rows (host work bounds a small model's steps)
+_ROWWISE_MAX = 4
+
+
 def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
                    context_width: int | None = None, out: ViewIndices | None = None) -> ViewIndices:
     """Host-side index tensors for a layout; context_width pads S (>= the longest context).
@@ -97,17 +103,33 @@ def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
     else:
         write, gather = out.write_rows.view(-1, t), out.gather_rows
         write.fill_(scratch_row)
-    for b, (slot, start, n) in enumerate(zip(layout.slots, layout.start_positions, layout.chunk_lens,
-                                             strict=True)):
-        ctx = rows_of(slot, 0, start + n)  # [start + n]
-        write[b, :n] = ctx[start:]
-        gather[b, :start + n] = ctx
-        if out is not None:
-            gather[b, start + n:] = scratch_row
-            torch.arange(start, start + t, out=out.q_pos[b])
+    if batch <= _ROWWISE_MAX:
+        for b, (slot, start, n) in enumerate(zip(layout.slots, layout.start_positions, layout.chunk_lens,
+                                                 strict=True)):
+            ctx = rows_of(slot, 0, start + n)  # [start + n]
+            write[b, :n] = ctx[start:]
+            gather[b, :start + n] = ctx
+            if out is not None:
+                gather[b, start + n:] = scratch_row
+                torch.arange(start, start + t, out=out.q_pos[b])
+        if out is None:
+            return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
+        out.ctx_end[:batch] = torch.tensor(ends, dtype=torch.long)
+        return out
+    for b, (slot, end) in enumerate(zip(layout.slots, ends, strict=True)):
+        gather[b, :end] = rows_of(slot, 0, end)
+    ends_t = torch.tensor(ends, dtype=torch.long)  # [B]
+    cols = torch.arange(max(width_s, t))
+    q_pos = torch.tensor(layout.start_positions, dtype=torch.long)[:, None] + cols[:t]  # [B, T]
+    if out is not None:  # (fresh tensors hold scratch there already)
+        gather[:batch].masked_fill_(cols[:width_s] >= ends_t[:, None], scratch_row)
+    chunk = write[:batch]  # [B, T]: each row's positions start.. in its context, padding to scratch
+    torch.gather(gather[:batch], 1, q_pos.clamp(max=width_s - 1), out=chunk)
+    chunk.masked_fill_(q_pos >= ends_t[:, None], scratch_row)
     if out is None:
-        return ViewIndices(write.view(-1), gather, layout.positions("cpu"), torch.tensor(ends, dtype=torch.long))
-    out.ctx_end[:batch] = torch.tensor(ends, dtype=torch.long)
+        return ViewIndices(write.view(-1), gather, q_pos, ends_t)
+    out.q_pos[:batch] = q_pos
+    out.ctx_end[:batch] = ends_t
     return out
 
 

@@ -16,7 +16,8 @@ bucket (the power of two at or above the batch size).
         [--variants plain ngram-k5 draft-k5] [--generations 2] [--out rows.jsonl]
         [--configs new old]
 
-`--configs` builds the engines once per configuration, in turn on the same machine: "new"
+`--configs` builds the engines once per configuration, then runs their generations in turn
+(alternating the order, so drift hits every engine alike): "new"
 (the defaults), "old" (sampling, acceptance and draft-loop graphs only up to batch 16, and
 index tensors filled row by row at every batch size: the code before 4a7432f and the
 vectorized `layout_indices`), and prints, per bucket, the median step and the milliseconds
@@ -153,28 +154,33 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["new"], choices=sorted(CONFIGS))
     args = ap.parse_args()
     out = open(args.out, "w") if args.out else None  # noqa: SIM115
+    engines = {}
+    for config in args.configs:  # every configuration's engines first, then their generations in turn
+        sampling_max, _ = CONFIGS[config]
+        for name, engine in _build(tuple(args.variants), 32, cuda_graph_sampling_batch_max=sampling_max).items():
+            if name in args.variants:
+                engines[(config, name)] = engine
     try:
-        for config in args.configs:
-            sampling_max, cache_view._ROWWISE_MAX = CONFIGS[config]
-            engines = _build(tuple(args.variants), 32, cuda_graph_sampling_batch_max=sampling_max)
-            for w in args.workload:
-                for t in args.temperature:
-                    for name in args.variants:
-                        engine = engines[name]
-                        record_steps(engine, w, t, 0)  # warm-up
-                        rows = [r for g in range(args.generations) for r in record_steps(engine, w, t, 1 + g)]
-                        report(f"[{config}] {w} T={t:g} {name}", rows)
-                        if out is not None:
-                            for r in rows:
-                                out.write(json.dumps(dict(r, workload=w, temperature=t, variant=name,
-                                                          config=config)) + "\n")
-            del engines
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        for w in args.workload:
+            for t in args.temperature:
+                rows: dict[tuple[str, str], list[dict]] = defaultdict(list)
+                order = list(engines)
+                for g in range(args.generations + 1):  # generation 0 warms up
+                    for config, name in order if g % 2 else reversed(order):  # drift hits every engine alike
+                        cache_view._ROWWISE_MAX = CONFIGS[config][1]
+                        got = record_steps(engines[(config, name)], w, t, g)
+                        if g:
+                            rows[(config, name)].extend(got)
+                for (config, name), got in rows.items():
+                    report(f"[{config}] {w} T={t:g} {name}", got)
+                    if out is not None:
+                        for r in got:
+                            out.write(json.dumps(dict(r, workload=w, temperature=t, variant=name,
+                                                      config=config)) + "\n")
     finally:
         cache_view._ROWWISE_MAX = CONFIGS["new"][1]
         if out is not None:
             out.close()
-
 
 if __name__ == "__main__":
     main()

@@ -167,7 +167,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
-            "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow")
+            "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -255,6 +255,8 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                "ngram-adaptive-max16": dict(ngram, spec_policy="adaptive"),
                # a batch size without a measured round priced by calibration, not its neighbour's
                "ngram-adaptive-noborrow": dict(ngram, spec_policy="adaptive"),
+               # shadows never paused where no speculation started (`shadow_patience` 0)
+               "ngram-adaptive-nopause": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-noborrow": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -308,6 +310,8 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
         alltables = engines["ngram-adaptive-alltables"].runner
         alltables.policy.table_pays = lambda *args: True
         alltables.policy = alltables.policy  # (the runner binds the policy's hooks when it is set)
+    if "ngram-adaptive-nopause" in engines:
+        engines["ngram-adaptive-nopause"].runner.policy.shadow_patience = 0
     if "ngram-adaptive-max16" in engines:
         max16 = engines["ngram-adaptive-max16"].runner.policy
         max16._cost_table = lambda batch_size, sampled=False, _t=max16._cost_table: (

@@ -375,6 +375,14 @@ class AdaptivePolicy:
     # realized / predicted gain of speculative episodes per cost bucket and sampling mode
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
+    # shadow drafts (and the tables they read) at a cost bucket and sampling mode where no
+    # speculative episode started within this many policy steps of their first use there
+    # are paused for `shadow_pause` policy steps (`worth_shadowing`): what could pay by the
+    # cost table's optimistic premise did not, and their upkeep is all they cost (H100, demo
+    # pair, run 20h: n-gram adaptive at W2-prefix T=0 ran no round in 4 instances x 6
+    # generations and read 0.960 of its own plain mode). 0: never paused
+    shadow_patience: int = 512
+    shadow_pause: int = 4096
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
@@ -382,6 +390,9 @@ class AdaptivePolicy:
     _quiet: _Quiet | None = None
     _asked: _Asked | None = None
     _choice: _Choice | None = None
+    # (bucket, batch samples) -> policy step from which shadows there count toward
+    # `shadow_patience` (their first use, the latest episode there, or the end of a pause)
+    _shadowing_since: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -405,6 +416,9 @@ class AdaptivePolicy:
             raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
         if self.table_margin < 0:
             raise ValueError(f"table_margin must be >= 0, got {self.table_margin}")
+        if self.shadow_patience < 0 or self.shadow_pause < 0:
+            raise ValueError(f"shadow_patience and shadow_pause must be >= 0, got {self.shadow_patience} "
+                             f"and {self.shadow_pause}")
 
     def acceptance(self, request_id: str) -> float:
         """The request's acceptance estimate; a greedy request's prior if it has none yet."""
@@ -427,7 +441,8 @@ class AdaptivePolicy:
         self._steps += 1
         was_speculating = self._choice is not None  # the latest full choice had rounds going on
         self._quiet = self._asked = self._choice = None
-        table = self._cost_table(batch, batch_samples(requests))
+        sampled = batch_samples(requests)
+        table = self._cost_table(batch, sampled)
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
         ks: list[int] = []
@@ -510,6 +525,9 @@ class AdaptivePolicy:
                                  self.costs.version)
             if starting:
                 self._choice = _Choice(table, ests, ks)
+                key = (self.costs.bucket(batch), sampled)
+                if key in self._shadowing_since:  # speculation starts here: shadows earn their patience anew
+                    self._shadowing_since[key] = self._steps
         return ks
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
@@ -521,11 +539,28 @@ class AdaptivePolicy:
         (a few us a token of Python) is pure cost: on the H100 demo target at batch 32, 5-10 %
         of a step, and building the tables of 32 prompts at prefill ~25 ms (H200, run 15a).
         A table dropped since (kappa moved) is priced again; True while no plain step's cost
-        is known there."""
-        table = self._table.get((self.costs.bucket(batch_size), sampled))
+        is known there.
+
+        That premise is optimistic: where shadows ran `shadow_patience` policy steps without
+        a speculative episode starting at this bucket and mode, they are paused for
+        `shadow_pause` steps (then tried again, patience anew); speculation starting there
+        (an episode, `choose`) restarts the patience and ends a pause."""
+        key = (self.costs.bucket(batch_size), sampled)
+        since = self._shadowing_since.get(key)
+        if since is not None and self._steps < since:  # paused
+            return False
+        table = self._table.get(key)
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
             table = self._cost_table(batch_size, sampled)
-        return table is None or table.could_pay > 0
+        if table is not None and not table.could_pay:
+            return False
+        if self.shadow_patience and table is not None:
+            if since is None:
+                self._shadowing_since[key] = self._steps
+            elif self._steps - since > self.shadow_patience:
+                self._shadowing_since[key] = self._steps + self.shadow_pause
+                return False
+        return True
 
     def table_pays(self, batch_size: int, sampled: bool, tokens_left: int, index_tokens: int,
                    seconds_per_token: float) -> bool:

@@ -377,7 +377,7 @@ def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
-                                      "max16", "noborrow"))
+                                      "max16", "noborrow", "nopause"))
 
 
 def self_paired(name: str) -> bool:

@@ -150,6 +150,8 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     # (where this CPU's costs leave nothing that could pay for the batch, the gate would turn
     # shadows off; this test is about what they do when on)
     runner.policy.worth_shadowing = lambda batch, sampled: True
+    counted, count = [], runner.policy.count_shadowed
+    runner.policy.count_shadowed = lambda batch, sampled, n: (counted.append(n), count(batch, sampled, n))[1]
     runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
     seen, observe = [], runner.shadow.observe
 
@@ -167,8 +169,10 @@ def test_adaptive_ngram_shadow_drafts_change_no_token(make_llm, ckpt_a, prompts,
     requests = [llm.engine.add_request(p, params) for p in prompts]
     while llm.engine.has_unfinished():
         llm.engine.step()
-    # one look per decode step, proposals found or not, plain stretches' steps included
+    # one look per decode step, proposals found or not, plain stretches' steps included; the
+    # policy counted each (`count_shadowed`: the shadows' patience)
     assert len(takes) == sum(steps) and takes
+    assert sum(counted) == len(takes)
     assert [r.output_token_ids for r in requests] == expected
     assert seen, "no shadow draft was checked"
     assert len(runner.shadow) == 0

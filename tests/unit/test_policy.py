@@ -1024,41 +1024,42 @@ def test_shadows_must_also_pay_for_their_upkeep():
 
 def test_shadows_pause_where_no_speculation_started_within_their_patience():
     # K=5 rounds at batch 8 cost 1.2 plain steps: by the gate's optimistic premise shadows
-    # could pay there. Where none of their evidence made the batch speculate within
-    # `shadow_patience` policy steps of their first use, they stop for `shadow_pause` steps
-    # (their upkeep is all they cost), then are tried again; other buckets keep theirs
+    # could pay there. Where `shadow_patience` plain steps took shadows at a bucket and mode
+    # without the batch speculating, they stop for `shadow_pause` policy steps (their
+    # upkeep is all they cost), then are tried again; other buckets and modes keep theirs
     p = _batch_policy(8, 1.2, shadowed=True, shadow_patience=10, shadow_pause=100)
-    assert p.worth_shadowing(8, True) and p.worth_shadowing(1, True)  # (first use: the clocks start)
-    p._steps += 10
     assert p.worth_shadowing(8, True)
-    p._steps += 1
+    p.count_shadowed(8, True, 10)
+    p.count_shadowed(8, False, 50)  # another mode's steps: its own patience
+    p._steps += 500  # steps elsewhere (other buckets, no shadows) do not count
+    assert p.worth_shadowing(8, True)
+    p.count_shadowed(7, True, 1)  # (batch 7: bucket 8)
     assert not p.worth_shadowing(8, True)  # patience spent: paused
+    assert p.worth_shadowing(1, True)
     p._steps += 99
     assert not p.worth_shadowing(8, True)
     p._steps += 1
     assert p.worth_shadowing(8, True)  # the pause is over: tried again, patience anew
-    p._steps += 11
+    p.count_shadowed(8, True, 11)
     assert not p.worth_shadowing(8, True)
     off = _batch_policy(8, 1.2, shadowed=True, shadow_patience=0)
-    off._steps += 10_000
+    off.count_shadowed(8, True, 10_000)
     assert off.worth_shadowing(8, True)  # 0: never paused
 
 
 def test_speculation_starting_at_a_bucket_restarts_its_shadows_patience():
     p = _batch_policy(8, 1.2, shadowed=True, shadow_patience=10, shadow_pause=100)
     batch = [_sampled(f"r{i}") for i in range(8)]
-    assert p.worth_shadowing(8, True)  # the clock starts at step 0
-    p._steps += 8
+    p.count_shadowed(8, True, 8)
     for r in batch:
         _at(p, r.request_id, 0.9)
         p._est[r.request_id].seen_trials = 10.0  # shadow evidence counted
-    assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))  # speculation starts at step 9
-    p._steps += 8  # 17 steps since the first use, 8 since speculation started
+    assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))  # speculation starts
+    p.count_shadowed(8, True, 8)  # 16 shadowed steps in all, 8 since it started
     assert p.worth_shadowing(8, True)
-    p._steps += 3
-    assert not p.worth_shadowing(8, True)
-    p._steps += 20  # paused; speculation starting there (from earlier evidence) ends the pause
-    for r in batch:
+    p.count_shadowed(8, True, 3)
+    assert not p.worth_shadowing(8, True)  # paused
+    for r in batch:  # speculation starting there (from earlier evidence) ends the pause
         _at(p, r.request_id, 0.9)
     p._choice = None
     assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))

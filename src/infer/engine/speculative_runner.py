@@ -149,8 +149,10 @@ class SpeculativeRunner(ContinuousRunner):
         # and `episode_gain()` / `observe_episode(...)`: speculative episodes (spec/episodes.py)
         self._episode_gain: Callable[[], float | None] | None = getattr(policy, "episode_gain", None)
         # and `worth_shadowing(batch_size, sampled)`: whether shadow drafts (and the tables
-        # they read) can change anything at that batch size
+        # they read) can change anything at that batch size; `count_shadowed(batch_size,
+        # sampled, steps)`: plain steps that took them
         self._worth_shadowing: Callable[[int, bool], bool] | None = getattr(policy, "worth_shadowing", None)
+        self._count_shadowed: Callable[[int, bool, int], None] | None = getattr(policy, "count_shadowed", None)
         # and `table_pays(batch_size, sampled, tokens_left, index_tokens, seconds_per_token)`:
         # whether a request's proposer state (an n-gram table) can pay for itself (`_table_pays`)
         self._policy_table_pays: Callable[..., bool] | None = getattr(policy, "table_pays", None)
@@ -367,6 +369,7 @@ class SpeculativeRunner(ContinuousRunner):
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
+            self._shadows_taken(requests, 1)
         drafting = time.perf_counter()
         drafts = self.proposer.propose(requests, ks)
         switch = self.proposer.catch_up_seconds
@@ -447,6 +450,8 @@ class SpeculativeRunner(ContinuousRunner):
         self._plain_steps += steps
         upkeep, self._stretch_upkeep = self._stretch_upkeep, 0.0
         requests, self._stretch_requests = self._stretch_requests, ()
+        if steps and requests and self._stretch_shadowing:
+            self._shadows_taken(requests, steps)
         if upkeep and steps and requests:
             self.cost_model.observe_upkeep(len(requests), upkeep / steps, batch_samples(requests))
 
@@ -568,6 +573,13 @@ class SpeculativeRunner(ContinuousRunner):
         return pays(max(1, self._held), request_samples(request), max(0, left),
                     min(request.num_tokens, proposer.config.window), proposer.seconds_per_token)  # type: ignore[attr-defined]
 
+    def _shadows_taken(self, requests: Sequence[Request], steps: int) -> None:
+        """`steps` decode steps of this batch took shadow drafts: the policy counts them
+        (`count_shadowed`: shadows pause where many steps took them and none led to speculation)."""
+        count = self._count_shadowed
+        if count is not None:
+            count(len(requests), batch_samples(requests), steps)
+
     def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
         """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
         of `batch_size` (the policy's `worth_shadowing`; a proposer's tables that skipped
@@ -579,6 +591,7 @@ class SpeculativeRunner(ContinuousRunner):
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
         forward runs: they read only the tokens the requests had before it."""
         if self.shadow is not None and self._take_shadows and self._shadowing(len(requests), requests):
+            self._shadows_taken(requests, 1)
             start = time.perf_counter()
             self.shadow.take(self.proposer, requests)
             self._upkeep += time.perf_counter() - start

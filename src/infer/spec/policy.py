@@ -376,8 +376,8 @@ class AdaptivePolicy:
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
     # shadow drafts (and the tables they read) at a cost bucket and sampling mode where no
-    # speculative episode started within this many policy steps of their first use there
-    # are paused for `shadow_pause` policy steps (`worth_shadowing`): what could pay by the
+    # speculation started within this many plain steps taken with shadows there
+    # (`count_shadowed`) are paused for `shadow_pause` policy steps (`worth_shadowing`): what could pay by the
     # cost table's optimistic premise did not, and their upkeep is all they cost (H100, demo
     # pair, run 20h: n-gram adaptive at W2-prefix T=0 ran no round in 4 instances x 6
     # generations and read 0.960 of its own plain mode). 0: never paused
@@ -390,9 +390,10 @@ class AdaptivePolicy:
     _quiet: _Quiet | None = None
     _asked: _Asked | None = None
     _choice: _Choice | None = None
-    # (bucket, batch samples) -> policy step from which shadows there count toward
-    # `shadow_patience` (their first use, the latest episode there, or the end of a pause)
-    _shadowing_since: dict[tuple[int, bool], int] = field(default_factory=dict)
+    # (bucket, batch samples) -> plain steps taken with shadows there since speculation last
+    # started there (or since a pause), and the policy step until which they are paused
+    _shadowed_steps: dict[tuple[int, bool], int] = field(default_factory=dict)
+    _shadows_paused: dict[tuple[int, bool], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -526,8 +527,9 @@ class AdaptivePolicy:
             if starting:
                 self._choice = _Choice(table, ests, ks)
                 key = (self.costs.bucket(batch), sampled)
-                if key in self._shadowing_since:  # speculation starts here: shadows earn their patience anew
-                    self._shadowing_since[key] = self._steps
+                if key in self._shadowed_steps:  # speculation starts here: shadows earn their patience anew
+                    self._shadowed_steps[key] = 0
+                    self._shadows_paused.pop(key, None)
         return ks
 
     def worth_shadowing(self, batch_size: int, sampled: bool) -> bool:
@@ -541,26 +543,29 @@ class AdaptivePolicy:
         A table dropped since (kappa moved) is priced again; True while no plain step's cost
         is known there.
 
-        That premise is optimistic: where shadows ran `shadow_patience` policy steps without
-        a speculative episode starting at this bucket and mode, they are paused for
-        `shadow_pause` steps (then tried again, patience anew); speculation starting there
-        (an episode, `choose`) restarts the patience and ends a pause."""
+        That premise is optimistic: where shadows ran for `shadow_patience` plain steps
+        (`count_shadowed`) without speculation starting at this bucket and mode, they are
+        paused for `shadow_pause` policy steps (then tried again, patience anew);
+        speculation starting there (`choose`) restarts the patience and ends a pause."""
         key = (self.costs.bucket(batch_size), sampled)
-        since = self._shadowing_since.get(key)
-        if since is not None and self._steps < since:  # paused
+        if self._steps < self._shadows_paused.get(key, -1):
             return False
         table = self._table.get(key)
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
             table = self._cost_table(batch_size, sampled)
         if table is not None and not table.could_pay:
             return False
-        if self.shadow_patience and table is not None:
-            if since is None:
-                self._shadowing_since[key] = self._steps
-            elif self._steps - since > self.shadow_patience:
-                self._shadowing_since[key] = self._steps + self.shadow_pause
-                return False
+        if self.shadow_patience and self._shadowed_steps.get(key, 0) > self.shadow_patience:
+            self._shadows_paused[key] = self._steps + self.shadow_pause
+            self._shadowed_steps[key] = 0
+            return False
         return True
+
+    def count_shadowed(self, batch_size: int, sampled: bool, steps: int) -> None:
+        """`steps` plain steps at this batch size and sampling mode took shadow drafts (or kept
+        the proposer's tables up): what `shadow_patience` counts."""
+        key = (self.costs.bucket(batch_size), sampled)
+        self._shadowed_steps[key] = self._shadowed_steps.get(key, 0) + steps
 
     def table_pays(self, batch_size: int, sampled: bool, tokens_left: int, index_tokens: int,
                    seconds_per_token: float) -> bool:

@@ -81,6 +81,10 @@ What could pay at a batch size (the shadow gate below, the probes' K and budget)
 alike, with one request at `optimistic_a` and the rest at `batch_acceptance`: their kind's
 prior plus `batch_optimism`.
 
+Shadows have a patience: where `shadow_patience` decode steps took them at a cost bucket and
+sampling mode without speculation starting there, they (and the tables they read) pause
+for `shadow_pause` policy steps (`count_shadowed`, `worth_shadowing`).
+
 What switching to speculation really cost is measured too: the runner times each
 *episode*, from a choice that starts speculating to the next all-plain decision, and
 reports it (`observe_episode`) with the gain `episode_gain` predicted for it. The
@@ -376,11 +380,11 @@ class AdaptivePolicy:
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
     # shadow drafts (and the tables they read) at a cost bucket and sampling mode where no
-    # speculation started within this many plain steps taken with shadows there
-    # (`count_shadowed`) are paused for `shadow_pause` policy steps (`worth_shadowing`): what could pay by the
-    # cost table's optimistic premise did not, and their upkeep is all they cost (H100, demo
-    # pair, run 20h: n-gram adaptive at W2-prefix T=0 ran no round in 4 instances x 6
-    # generations and read 0.960 of its own plain mode). 0: never paused
+    # speculation started within this many decode steps that took shadows there
+    # (`count_shadowed`) are paused for `shadow_pause` policy steps (`worth_shadowing`):
+    # what could pay by the cost table's optimistic premise did not, and their upkeep is all
+    # they cost (H100, demo pair, run 20h: n-gram adaptive at W2-prefix T=0 ran no round in
+    # 4 instances x 6 generations and read 0.960 of its own plain mode). 0: never paused
     shadow_patience: int = 512
     shadow_pause: int = 4096
     _est: dict[str, _Estimate] = field(default_factory=dict)
@@ -390,7 +394,7 @@ class AdaptivePolicy:
     _quiet: _Quiet | None = None
     _asked: _Asked | None = None
     _choice: _Choice | None = None
-    # (bucket, batch samples) -> plain steps taken with shadows there since speculation last
+    # (bucket, batch samples) -> decode steps that took shadows there since speculation last
     # started there (or since a pause), and the policy step until which they are paused
     _shadowed_steps: dict[tuple[int, bool], int] = field(default_factory=dict)
     _shadows_paused: dict[tuple[int, bool], int] = field(default_factory=dict)
@@ -543,7 +547,7 @@ class AdaptivePolicy:
         A table dropped since (kappa moved) is priced again; True while no plain step's cost
         is known there.
 
-        That premise is optimistic: where shadows ran for `shadow_patience` plain steps
+        That premise is optimistic: where shadows ran for `shadow_patience` decode steps
         (`count_shadowed`) without speculation starting at this bucket and mode, they are
         paused for `shadow_pause` policy steps (then tried again, patience anew);
         speculation starting there (`choose`) restarts the patience and ends a pause."""
@@ -562,8 +566,9 @@ class AdaptivePolicy:
         return True
 
     def count_shadowed(self, batch_size: int, sampled: bool, steps: int) -> None:
-        """`steps` plain steps at this batch size and sampling mode took shadow drafts (or kept
-        the proposer's tables up): what `shadow_patience` counts."""
+        """`steps` decode steps at this batch size and sampling mode took shadow drafts (plain
+        steps and their tables' upkeep, and the shadows a round takes): what
+        `shadow_patience` counts."""
         key = (self.costs.bucket(batch_size), sampled)
         self._shadowed_steps[key] = self._shadowed_steps.get(key, 0) + steps
 

@@ -19,6 +19,8 @@ _HELP = {
     "device": "auto | cpu | cuda[:N]",
     "seed": "sampling seed of requests that set none (the same command gives the same text)",
     "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
+    "cuda_graph_sampling_batch_max": "largest batch whose steps also get sampling, acceptance and draft-round "
+                                     "graphs (less: less GPU memory with a large vocabulary; 0: none)",
 }
 
 

@@ -330,7 +330,8 @@ class SpeculativeRunner(ContinuousRunner):
                 outputs = self._plain_decode(requests, start)
             if start is None and self._quiet_left is not None:
                 # so are the next steps the decision holds: through the plain runner's methods
-                self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), requests)
+                self._stretch_shadowing = (shadow is not None
+                                           and self._shadowing(len(requests), batch_samples(requests)))
                 self._stretch_requests = requests  # (pruned by a finish the decision survives: `release`)
                 self._stretch.enter(self._quiet_left())
             return outputs
@@ -362,14 +363,15 @@ class SpeculativeRunner(ContinuousRunner):
             # plain stretch, which asks no `choose` (30-120 us on the H100, 5-20 % of a
             # demo step: with it, rounds looked that much cheaper); a round pays its own
             return self._plain_decode(requests, self._plain_timer(requests))
+        sampled = batch_samples(requests)  # costs are kept per sampling mode
         if self._episode is None and self._episode_gain is not None:
             gain = self._episode_gain()
             if gain is not None:  # speculation starts here (not a probe): an episode opens
-                self._episode = Episode(len(requests), batch_samples(requests), gain)
+                self._episode = Episode(len(requests), sampled, gain)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
-            self._shadows_taken(requests, 1)
+            self._shadows_taken(len(requests), sampled, 1)
         drafting = time.perf_counter()
         drafts = self.proposer.propose(requests, ks)
         switch = self.proposer.catch_up_seconds
@@ -393,7 +395,6 @@ class SpeculativeRunner(ContinuousRunner):
         seconds = time.perf_counter() - start - switch - setup
         if self._mixed:  # prefill work in its time: filed nowhere
             return outputs
-        sampled = batch_samples(requests)  # costs are kept per sampling mode
         if switch:
             self.cost_model.observe_switch(len(requests), switch, getattr(self.proposer, "catch_up_chunks", 1), sampled)
         self.cost_model.observe_draft(len(requests), longest, drafting, sampled)
@@ -450,10 +451,13 @@ class SpeculativeRunner(ContinuousRunner):
         self._plain_steps += steps
         upkeep, self._stretch_upkeep = self._stretch_upkeep, 0.0
         requests, self._stretch_requests = self._stretch_requests, ()
-        if steps and requests and self._stretch_shadowing:
-            self._shadows_taken(requests, steps)
-        if upkeep and steps and requests:
-            self.cost_model.observe_upkeep(len(requests), upkeep / steps, batch_samples(requests))
+        if not (steps and requests):
+            return
+        sampled = batch_samples(requests)
+        if self._stretch_shadowing:
+            self._shadows_taken(len(requests), sampled, steps)
+        if upkeep:
+            self.cost_model.observe_upkeep(len(requests), upkeep / steps, sampled)
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:
@@ -511,7 +515,7 @@ class SpeculativeRunner(ContinuousRunner):
     def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
         """The proposer's per-request state (n-gram: the table of the prompt) is built while
         the prefill's forward runs, not before a decode step's forward."""
-        if self._keep_up is not None and self._shadowing(self._held, requests):
+        if self._keep_up is not None and self._shadowing(self._held, batch_samples(requests)):
             self._keep_up(requests, self._busy())
 
     def _busy(self) -> Callable[[], bool] | None:
@@ -573,25 +577,29 @@ class SpeculativeRunner(ContinuousRunner):
         return pays(max(1, self._held), request_samples(request), max(0, left),
                     min(request.num_tokens, proposer.config.window), proposer.seconds_per_token)  # type: ignore[attr-defined]
 
-    def _shadows_taken(self, requests: Sequence[Request], steps: int) -> None:
-        """`steps` decode steps of this batch took shadow drafts: the policy counts them
-        (`count_shadowed`: shadows pause where many steps took them and none led to speculation)."""
+    def _shadows_taken(self, batch_size: int, sampled: bool, steps: int) -> None:
+        """`steps` decode steps of a batch of this size and sampling mode took shadow drafts:
+        the policy counts them (`count_shadowed`: shadows pause where many steps took them
+        and none led to speculation)."""
         count = self._count_shadowed
         if count is not None:
-            count(len(requests), batch_samples(requests), steps)
+            count(batch_size, sampled, steps)
 
-    def _shadowing(self, batch_size: int, requests: Sequence[Request]) -> bool:
-        """Whether shadow drafts and the proposer's upkeep run for these requests in a batch
-        of `batch_size` (the policy's `worth_shadowing`; a proposer's tables that skipped
+    def _shadowing(self, batch_size: int, sampled: bool) -> bool:
+        """Whether shadow drafts and the proposer's upkeep run in a batch of `batch_size` and
+        this sampling mode (the policy's `worth_shadowing`; a proposer's tables that skipped
         steps catch up at their next lookup)."""
         worth = self._worth_shadowing
-        return worth is None or worth(batch_size, batch_samples(requests))
+        return worth is None or worth(batch_size, sampled)
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
         forward runs: they read only the tokens the requests had before it."""
-        if self.shadow is not None and self._take_shadows and self._shadowing(len(requests), requests):
-            self._shadows_taken(requests, 1)
+        if self.shadow is None or not self._take_shadows:
+            return
+        batch, sampled = len(requests), batch_samples(requests)
+        if self._shadowing(batch, sampled):
+            self._shadows_taken(batch, sampled, 1)
             start = time.perf_counter()
             self.shadow.take(self.proposer, requests)
             self._upkeep += time.perf_counter() - start

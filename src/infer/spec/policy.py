@@ -548,8 +548,8 @@ class AdaptivePolicy:
         is known there.
 
         That premise is optimistic: where shadows ran for `shadow_patience` decode steps
-        (`count_shadowed`) without speculation starting at this bucket and mode, they are
-        paused for `shadow_pause` policy steps (then tried again, patience anew);
+        without speculation starting at this bucket and mode, they are paused for
+        `shadow_pause` policy steps (`count_shadowed`; then tried again, patience anew);
         speculation starting there (`choose`) restarts the patience and ends a pause."""
         key = (self.costs.bucket(batch_size), sampled)
         if self._steps < self._shadows_paused.get(key, -1):
@@ -557,20 +557,18 @@ class AdaptivePolicy:
         table = self._table.get(key)
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
             table = self._cost_table(batch_size, sampled)
-        if table is not None and not table.could_pay:
-            return False
-        if self.shadow_patience and self._shadowed_steps.get(key, 0) > self.shadow_patience:
-            self._shadows_paused[key] = self._steps + self.shadow_pause
-            self._shadowed_steps[key] = 0
-            return False
-        return True
+        return table is None or table.could_pay > 0
 
     def count_shadowed(self, batch_size: int, sampled: bool, steps: int) -> None:
         """`steps` decode steps at this batch size and sampling mode took shadow drafts (plain
-        steps and their tables' upkeep, and the shadows a round takes): what
-        `shadow_patience` counts."""
+        steps and their tables' upkeep, and the shadows a round takes): past
+        `shadow_patience` of them without speculation starting there, shadows pause there
+        for `shadow_pause` policy steps."""
         key = (self.costs.bucket(batch_size), sampled)
-        self._shadowed_steps[key] = self._shadowed_steps.get(key, 0) + steps
+        count = self._shadowed_steps[key] = self._shadowed_steps.get(key, 0) + steps
+        if self.shadow_patience and count > self.shadow_patience:
+            self._shadows_paused[key] = self._steps + self.shadow_pause
+            self._shadowed_steps[key] = 0
 
     def table_pays(self, batch_size: int, sampled: bool, tokens_left: int, index_tokens: int,
                    seconds_per_token: float) -> bool:

@@ -167,7 +167,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "plain-specforward", "draft-K0-plainforward", "draft-k5-steps", "draft-adaptive-plainpath",
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
-            "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause")
+            "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
+            "ngram-adaptive-noriders")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -257,6 +258,7 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                "ngram-adaptive-noborrow": dict(ngram, spec_policy="adaptive"),
                # shadows never paused where no speculation started (`shadow_patience` 0)
                "ngram-adaptive-nopause": dict(ngram, spec_policy="adaptive"),
+               "ngram-adaptive-noriders": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-noborrow": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -312,6 +314,8 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
         alltables.policy = alltables.policy  # (the runner binds the policy's hooks when it is set)
     if "ngram-adaptive-nopause" in engines:
         engines["ngram-adaptive-nopause"].runner.policy.shadow_patience = 0
+    if "ngram-adaptive-noriders" in engines:  # rounds draft only for the requests that chose to
+        engines["ngram-adaptive-noriders"].runner.policy.riders = False
     if "ngram-adaptive-max16" in engines:
         max16 = engines["ngram-adaptive-max16"].runner.policy
         max16._cost_table = lambda batch_size, sampled=False, _t=max16._cost_table: (
@@ -377,7 +381,7 @@ def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
-                                      "max16", "noborrow", "nopause"))
+                                      "max16", "noborrow", "nopause", "noriders"))
 
 
 def self_paired(name: str) -> bool:

@@ -926,6 +926,40 @@ def test_a_round_must_pay_for_the_whole_batch():
     assert ks == [5] * 8 and not p._quiet
 
 
+@pytest.mark.parametrize("r_k", [1.2, 1.35])
+def test_riders_draft_the_rounds_k_and_count_in_the_batchs_economics(r_k):
+    # one request at a = 0.8 among seven at 0.15 (alone, no K pays for them at these costs).
+    # At r(5) = 1.2 the round pays by the good request alone: without riders only it drafts,
+    # with riders all eight do (the verification pads every row to the round's width). At
+    # 1.35 the round pays only with the riders' expected tokens counted (3.7 + 7 * 1.18
+    # against 8 * 1.35 * 1.05), so without riders the batch stays plain
+    batch = [_sampled(f"r{i}") for i in range(8)]
+    chosen = {}
+    for riders in (False, True):
+        p = _batch_policy(8, r_k, riders=riders)
+        _at(p, "r0", 0.8)
+        for i in range(1, 8):
+            _at(p, f"r{i}", 0.15)
+        assert p.choose(batch[1:2], [10], 10_000, [1000]) == [0]  # alone, a rider's estimate pays nothing
+        p._quiet = None
+        chosen[riders] = p.choose(batch, [10] * 8, 10_000, [1000] * 8)
+        assert not any(p._est[f"r{i}"].speculating for i in range(1, 8))  # riding is no choice to speculate
+    assert chosen[True] == [5] * 8
+    assert chosen[False] == ([5] + [0] * 7 if r_k == 1.2 else [0] * 8)
+
+
+def test_riders_keep_their_overflow_guard_and_wait_out_a_miss_or_their_first_evidence():
+    p = _batch_policy(4, 1.2, riders=True, shadowed=True)
+    batch = [_sampled(f"r{i}") for i in range(4)]
+    for i in range(3):
+        _at(p, f"r{i}", 0.8 if i == 0 else 0.15)
+        p._est[f"r{i}"].seen_trials = 10.0  # shadow drafts were counted
+    p._lookup("r3", sampled=True)  # no evidence yet: the first shadow draft decides
+    p.no_proposal("r2")  # r2 missed: backing off
+    assert p.choose(batch, [10] * 4, 10_000, [1000, 3, 1000, 1000]) == [5, 2, 0, 0]
+    assert p.choose(batch[2:], [10] * 2, 10_000, [1000] * 2) == [0, 0]  # no round: nobody rides
+
+
 @pytest.mark.parametrize("switch, context, pays", [(0.2, 1000, True), (0.5, 1000, False), (2.0, 100, True)])
 def test_a_batch_starts_speculating_only_if_its_gain_repays_the_catch_up(switch, context, pays):
     # eight requests at a = 0.8 expect ~29.5 tokens a round against 8 * 2.2 * 1.05 plain

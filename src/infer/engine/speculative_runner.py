@@ -101,8 +101,10 @@ class SpeculativeRunner(ContinuousRunner):
                 self.draft.pool if self.draft else None, self.model.config.vocab_size, config.max_batch_size,
                 config.spec_length)
             shadowed = self.proposer.shadow_drafts
+            # (drafts free enough to take in shadow are free enough for every row of a round)
             self.policy = adaptive = AdaptivePolicy(config.spec_length, self.cost_model, shadowed=shadowed,
-                                                    catch_up_units=getattr(self.proposer, "catch_up_units", None))
+                                                    catch_up_units=getattr(self.proposer, "catch_up_units", None),
+                                                    riders=shadowed)
             if shadowed:
                 self.shadow = ShadowDrafts(config.spec_length, adaptive.observe_shadow,
                                            found=adaptive.proposal_ready)

@@ -5,7 +5,9 @@ requests were given k > 0 and how many got a draft, the policy's expected tokens
 priced cost (`cost`, kappa applied; `raw`, measured) and its wall time against the plain
 baseline the engine holds (`sec`, `plain`), the draft's catch-up (`switch`), whether no
 round's cost was fresh at that batch size (`calibrated_only`: one request probes early); then a
-summary by cost bucket. Each repetition runs the workload in the engine's own plain mode
+summary by cost bucket, and a census of the full choices at batch > 16 (rounds or not,
+vetoed by the batch's economics, requests without evidence, backing off after a miss, with an
+n-gram table; their median estimate). Each repetition runs the workload in the engine's own plain mode
 first (the same instance through the plain runner's methods) and then adaptively.
 
     PYTHONPATH=src python scripts/round_log.py VARIANT TEMPERATURE REPETITIONS [WORKLOAD]
@@ -44,8 +46,21 @@ def main() -> None:
     entry: dict = {}
     choose, verify, decode = policy.choose, runner._verify, runner._speculative_decode
 
+    census: list[dict] = []  # full choices (not a standing plain decision) at batch > 16
+
     def choosing(requests, *args):  # noqa: ANN001, ANN002, ANN202
+        steps = policy._steps
         ks = choose(requests, *args)
+        if policy._steps != steps and len(requests) > 16:
+            ests = [policy._est.get(r.request_id) for r in requests]
+            table = getattr(runner.proposer, "table", None)
+            rates = sorted(e.accepted / e.trials for e in ests if e is not None and e.evidence)
+            census.append(dict(b=len(requests), ks=sum(map(bool, ks)),
+                               vetoed=bool(policy._quiet and policy._quiet.vetoed),
+                               no_evidence=sum(1 for e in ests if e is None or not e.evidence),
+                               backing_off=sum(1 for e in ests if e is not None and policy._steps < e.miss_until),
+                               tables=sum(1 for r in requests if table is not None and table(r.request_id) is not None),
+                               median_a=rates[len(rates) // 2] if rates else None))
         entry.clear()
         if any(ks):
             table = policy._table.get((runner.cost_model.bucket(len(requests)), temperature > 0))
@@ -79,6 +94,7 @@ def main() -> None:
     ms_per_token(engine, work, temperature, 256)  # warm-up
     for rep in range(repetitions):
         log.clear()
+        census.clear()
         with plain_mode(engine):
             plain = ms_per_token(engine, work, temperature, 256)
         adaptive = ms_per_token(engine, work, temperature, 256)
@@ -97,6 +113,14 @@ def main() -> None:
                   f"{statistics.mean(e['pred'] / e['b'] for e in es):.2f}, emitted/b "
                   f"{statistics.mean(e['emitted'] / e['b'] for e in es):.2f}, "
                   f"their seconds {sum(e['sec'] for e in es) * 1e3:.1f} ms")
+        if census:  # why batches above 16 speculated or not
+            print(f"   full choices at batch > 16: {len(census)}, with rounds {sum(1 for c in census if c['ks'])}, "
+                  f"vetoed {sum(c['vetoed'] for c in census)}; per choice: no evidence "
+                  f"{statistics.mean(c['no_evidence'] for c in census):.1f}, backing off "
+                  f"{statistics.mean(c['backing_off'] for c in census):.1f}, tables "
+                  f"{statistics.mean(c['tables'] for c in census):.1f} of "
+                  f"{statistics.mean(c['b'] for c in census):.1f}; median estimate by choice "
+                  f"{[round(c['median_a'], 2) for c in census[:: max(1, len(census) // 12)] if c['median_a'] is not None]}")
     if policy.calibration is not None:
         print("kappa sums (realized, predicted) by (bucket, sampled):", policy.calibration._sums)
     for bucket in (32, 16, 8):

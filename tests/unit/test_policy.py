@@ -960,6 +960,23 @@ def test_riders_keep_their_overflow_guard_and_wait_out_a_miss_or_their_first_evi
     assert p.choose(batch[2:], [10] * 2, 10_000, [1000] * 2) == [0, 0]  # no round: nobody rides
 
 
+@pytest.mark.parametrize("learned, learned_start, speculates", [
+    (None, True, False), (0.9, True, True), (0.05, True, False), (0.9, False, False)])
+def test_a_shadowed_request_without_evidence_starts_at_a_learned_prior_that_pays(learned, learned_start, speculates):
+    # a shadowed request waits for its first shadow draft, unless finished requests of its
+    # kind taught a prior at which it would speculate: then it starts there, its estimate
+    # that prior (the fixed prior it was created with is no evidence either)
+    p = _batch_policy(4, 1.2, shadowed=True, learned_start=learned_start)
+    r = _sampled("r")
+    p._lookup("r", sampled=True)  # created before anything was learned: the fixed prior
+    if learned is not None:
+        p._learned[True] = learned
+    assert p.choose([r], [10], 10_000, [1000]) == ([5] if speculates else [0])
+    if speculates:
+        assert p.acceptance("r") == pytest.approx(learned)
+        assert p.episode_gain() == pytest.approx(expected_tokens(learned, 5) / 1.3)
+
+
 @pytest.mark.parametrize("switch, context, pays", [(0.2, 1000, True), (0.5, 1000, False), (2.0, 100, True)])
 def test_a_batch_starts_speculating_only_if_its_gain_repays_the_catch_up(switch, context, pays):
     # eight requests at a = 0.8 expect ~29.5 tokens a round against 8 * 2.2 * 1.05 plain

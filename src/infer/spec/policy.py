@@ -394,6 +394,9 @@ class AdaptivePolicy:
     # emit. Without riders a round at W2 on the demo pair (H100, T=0) drafted for 10-13 of
     # 22-29 requests (run 20h) where fixed K=5, every row drafting, beat plain decoding by 10 %
     riders: bool = False
+    # shadowed: a request without evidence yet starts at its kind's learned prior (`_learned`)
+    # where that prior alone would have it speculate; else it waits for its first shadow draft
+    learned_start: bool = True
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
@@ -469,8 +472,21 @@ class AdaptivePolicy:
         for r in requests:
             est = self._est.get(r.request_id) or self._lookup(r.request_id, request_samples(r))
             ests.append(est)
-            if self.shadowed and not est.evidence:  # the first shadow draft decides
-                wants.append(-1)
+            if self.shadowed and not est.evidence:
+                # the first shadow draft decides, unless finished requests of its kind taught a
+                # prior at which it would speculate (`learned_start`): their rate is the best
+                # guess, and waiting for a table and a shadow kept half a batch of 32 plain
+                # (and the batch's round vetoed) for ~100 steps at W2 T=0 (H100, run 21c)
+                learned = self._learned.get(est.sampled) if self.learned_start else None
+                k = 0 if learned is None else best_k_for_costs(learned, table.costs, self.switch_margin)
+                if not k or self._steps < est.miss_until:
+                    wants.append(-1)
+                    rides.append(False)
+                    continue
+                if est.prior != learned:  # (no evidence: the estimate is its prior alone)
+                    est.prior, est.accepted, est.trials = learned, learned * self.prior_weight, self.prior_weight
+                    est.changed()
+                wants.append(k)
                 rides.append(False)
                 continue
             # hysteresis: starting to speculate must beat plain decoding by `switch_margin`

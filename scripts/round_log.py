@@ -7,7 +7,7 @@ baseline the engine holds (`sec`, `plain`), the draft's catch-up (`switch`), whe
 round's cost was fresh at that batch size (`calibrated_only`: one request probes early); then a
 summary by cost bucket, and a census of the full choices at batch > 16 (rounds or not,
 vetoed by the batch's economics, requests without evidence, backing off after a miss, with an
-n-gram table; their median estimate). Each repetition runs the workload in the engine's own plain mode
+n-gram table, being built, refused one by `admit`; their median estimate). Each repetition runs the workload in the engine's own plain mode
 first (the same instance through the plain runner's methods) and then adaptively.
 
     PYTHONPATH=src python scripts/round_log.py VARIANT TEMPERATURE REPETITIONS [WORKLOAD]
@@ -60,6 +60,9 @@ def main() -> None:
                                no_evidence=sum(1 for e in ests if e is None or not e.evidence),
                                backing_off=sum(1 for e in ests if e is not None and policy._steps < e.miss_until),
                                tables=sum(1 for r in requests if table is not None and table(r.request_id) is not None),
+                               building=len(getattr(runner.proposer, "_building", ())),
+                               refused=sum(1 for r in requests if hasattr(runner.proposer, "admits")
+                                           and not runner.proposer.admits(r)),
                                median_a=rates[len(rates) // 2] if rates else None))
         entry.clear()
         if any(ks):
@@ -118,7 +121,9 @@ def main() -> None:
                   f"vetoed {sum(c['vetoed'] for c in census)}; per choice: no evidence "
                   f"{statistics.mean(c['no_evidence'] for c in census):.1f}, backing off "
                   f"{statistics.mean(c['backing_off'] for c in census):.1f}, tables "
-                  f"{statistics.mean(c['tables'] for c in census):.1f} of "
+                  f"{statistics.mean(c['tables'] for c in census):.1f} (building "
+                  f"{statistics.mean(c['building'] for c in census):.1f}, refused "
+                  f"{statistics.mean(c['refused'] for c in census):.1f}) of "
                   f"{statistics.mean(c['b'] for c in census):.1f}; median estimate by choice "
                   f"{[round(c['median_a'], 2) for c in census[:: max(1, len(census) // 12)] if c['median_a'] is not None]}")
     if policy.calibration is not None:

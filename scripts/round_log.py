@@ -116,6 +116,7 @@ def main() -> None:
                   f"{statistics.mean(e['pred'] / e['b'] for e in es):.2f}, emitted/b "
                   f"{statistics.mean(e['emitted'] / e['b'] for e in es):.2f}, "
                   f"their seconds {sum(e['sec'] for e in es) * 1e3:.1f} ms")
+        print(f"   learned priors (sampled -> acceptance): {policy._learned}")
         if census:  # why batches above 16 speculated or not
             print(f"   full choices at batch > 16: {len(census)}, with rounds {sum(1 for c in census if c['ks'])}, "
                   f"vetoed {sum(c['vetoed'] for c in census)}; per choice: no evidence "

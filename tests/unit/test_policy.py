@@ -390,6 +390,24 @@ def test_costs_expire_and_restart_their_window():
     assert costs.relative_costs(1)[5] == pytest.approx(1.5)  # K = 4's 1.5 plus nothing per draft step
 
 
+def test_a_renewed_costs_first_sample_alone_counts_only_up_to_its_expired_value():
+    # K = 5 measured at 0.6 ms, then expired; one 5 ms outlier right after must not price it
+    # out (nothing would re-measure a round not taken), a second slow sample shows a real rise
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] * 6}, max_age=10)
+    _measure(costs, 1, 5, 0.0006)
+    for _ in range(20):
+        costs.observe(1, 0, 0.0004)
+    assert costs.step_seconds(1, 5) is None  # expired
+    costs.observe(1, 5, 0.005)
+    assert costs.step_seconds(1, 5) == pytest.approx(0.0006)
+    costs.observe(1, 5, 0.004)
+    assert costs.step_seconds(1, 5) == pytest.approx(0.004)  # lower median of the new window
+    for _ in range(20):  # a cheaper first sample after the next expiry is taken at once
+        costs.observe(1, 0, 0.0004)
+    costs.observe(1, 5, 0.0005)
+    assert costs.step_seconds(1, 5) == pytest.approx(0.0005)
+
+
 def test_expired_round_costs_stand_while_no_round_is_fresh():
     # a policy that stopped speculating re-measures plain steps only: its one expired round
     # cost must not fall back to a calibration of forwards alone (which prices it at 1.1)

@@ -53,7 +53,11 @@ class CostModel:
     re-measured, and a plain step measured only at start-up would misprice everything. An
     expired cost is predicted again (the policy re-measures a plain step before it decides
     anything, and probes soon while no round's cost is fresh, `has_round`); its new window
-    counts from its first measurement (the one-off costs were the old window's).
+    counts from its first measurement (the one-off costs were the old window's), though
+    alone that measurement counts only up to the value the cost expired at: one slow round
+    right after expiry (H100, W5 T=0, run 21f: a 5 ms round, 11.7 plain steps) would
+    otherwise price speculation out until the cost expires again, and a round not taken is
+    never measured; a real rise shows at the second measurement.
     """
 
     k_max: int
@@ -69,6 +73,9 @@ class CostModel:
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
     _renewed: set[tuple[str, object]] = field(default_factory=set, repr=False)  # keys measured again after expiring
+    # a renewed key's value when it expired: its new window's first sample counts alone only
+    # up to it (a real rise shows at the second sample, an outlier alone prices nothing out)
+    _expired: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     version: int = 0  # bumped by every measurement of a speculative step or a switch
     plain_version: int = 0  # bumped by every measurement of a plain step
 
@@ -80,11 +87,14 @@ class CostModel:
     def _record(self, key: tuple[str, object], seconds: float, batch_size: int) -> None:
         samples = self._samples.get(key)
         if samples is None or not self._fresh(key):  # expired samples go: a new window starts
+            expired = self._value(key, expired=True) if samples is not None else None
             if samples is not None:
                 self._renewed.add(key)  # one-off costs are behind: its first sample counts
             samples = self._samples[key] = deque(maxlen=self.window)
             self._sizes[key] = deque(maxlen=self.window)
             self._values.pop(key, None)
+            if expired is not None:
+                self._expired[key] = expired
         samples.append(seconds)
         self._sizes[key].append(batch_size)
         self._dirty.add(key)
@@ -102,7 +112,10 @@ class CostModel:
             self._dirty.discard(key)
             samples = self._samples[key]
             if len(samples) >= (1 if key in self._renewed else 2):
-                self._values[key] = sorted(samples)[(len(samples) - 1) // 2]
+                value = sorted(samples)[(len(samples) - 1) // 2]
+                if len(samples) == 1 and key in self._expired:
+                    value = min(value, self._expired[key])
+                self._values[key] = value
         return self._values.get(key)
 
     def observe(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:

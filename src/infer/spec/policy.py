@@ -68,7 +68,9 @@ its probes draft one token, are priced at acceptance 0, get no advance and a ten
 budget.
 A shadowed request also decodes plainly until its first shadow draft is counted: the
 prior alone would have it speculate on text where drafts keep failing, at a cost, when
-the evidence comes for free a few steps later.
+the evidence comes for free a few steps later. Once requests of its kind have finished,
+though, their learned prior is evidence: a request starts at it where it would speculate
+(`learned_start`).
 
 A round costs the whole batch r(max K) plain steps, so at batch > 1 the requests' choices
 must pay for the batch: their expected tokens (one for a request without drafts) against
@@ -77,8 +79,11 @@ requests that were to speculate decode plainly (probes go on) and the batch is a
 after `veto_hold` steps, not at each request's new shadow evidence (on the H200 demo pair at
 W2, T=1, a few requests that drafted well had the batch of 32 speculate at nearly every step,
 each round costing ~2.2 plain steps for ~1 token a request: +59 % of the time, run 15a).
-What could pay at a batch size (the shadow gate below, the probes' K and budget) is judged
-alike, with one request at `optimistic_a` and the rest at `batch_acceptance`: their kind's
+With drafts whose rows cost next to nothing (n-gram: `riders`), every request with
+evidence and no miss backoff rides along in a round that runs anyway, with the round's K
+(the verification pads each row to its width), and the economics count what riders are
+expected to emit. What could pay at a batch size (the shadow gate below, the probes' K and
+budget) is judged alike, with one request at `optimistic_a` and the rest at `batch_acceptance`: their kind's
 prior plus `batch_optimism`.
 
 Shadows have a patience: where `shadow_patience` decode steps took them at a cost bucket and

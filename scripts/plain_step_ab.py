@@ -168,7 +168,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
             "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
-            "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart")
+            "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -260,6 +260,7 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                "ngram-adaptive-nopause": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noriders": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-nolearnedstart": dict(ngram, spec_policy="adaptive"),
+               "ngram-adaptive-realizedrate": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-noborrow": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
@@ -319,6 +320,8 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
         engines["ngram-adaptive-noriders"].runner.policy.riders = False
     if "ngram-adaptive-nolearnedstart" in engines:  # a request without evidence waits for its first shadow
         engines["ngram-adaptive-nolearnedstart"].runner.policy.learned_start = False
+    if "ngram-adaptive-realizedrate" in engines:  # tables priced at the batch's realized episode rate
+        engines["ngram-adaptive-realizedrate"].runner.policy.table_by_realized = True
     if "ngram-adaptive-max16" in engines:
         max16 = engines["ngram-adaptive-max16"].runner.policy
         max16._cost_table = lambda batch_size, sampled=False, _t=max16._cost_table: (
@@ -384,7 +387,8 @@ def with_policy(name: str) -> bool:
     """Whether an engine decodes through the adaptive policy (the self-paired and ledger
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
-                                      "max16", "noborrow", "nopause", "noriders", "nolearnedstart"))
+                                      "max16", "noborrow", "nopause", "noriders", "nolearnedstart",
+                                      "realizedrate"))
 
 
 def self_paired(name: str) -> bool:

@@ -1211,7 +1211,7 @@ def test_best_k_for_costs_agrees_with_pricing_each_k_by_the_papers_formula():
 def _table_policy(batch: int, plain_seconds: float, rate: float | None) -> AdaptivePolicy:
     """A policy that knows a plain step's cost at `batch` and, unless None, the rate its
     episodes realized there (greedy)."""
-    policy = AdaptivePolicy(5, CostModel(5))
+    policy = AdaptivePolicy(5, CostModel(5), table_by_realized=rate is not None)
     for _ in range(2):
         policy.costs.observe(batch, 0, plain_seconds)
     if rate is not None:
@@ -1250,6 +1250,22 @@ def test_where_speculation_is_untried_a_table_is_priced_at_what_rounds_would_giv
     assert not untried.table_pays(32, False, 10_000, 10, u)
     untried.calibration = None  # (no episodes measured at all: the same)
     assert not untried.table_pays(32, False, 10_000, 10, u)
+
+
+def test_a_table_is_priced_by_what_a_drafting_request_would_realize_not_the_batchs_diluted_rate():
+    # episodes at 32 realized 1.05 tokens per request of the batch (most rows had no table
+    # and emitted one token a round), yet rounds cost two plain steps and requests of this
+    # kind accepted 0.8: a drafting request realizes ~2.6x. By default that prices the table;
+    # `table_by_realized` takes the batch's rate and refuses it
+    u = 3e-6
+    for by_realized in (False, True):
+        p = _table_policy(32, 1.2e-3, rate=1.05)
+        p.table_by_realized = by_realized
+        for _ in range(2):
+            p.costs.observe(32, 5, 2.4e-3)
+            p.costs.observe(32, 1, 2.4e-3)
+        p._learned[False] = 0.8
+        assert p.table_pays(32, False, 200, 300, u) is not by_realized
 
 
 def test_tables_are_built_while_no_plain_cost_is_known():

@@ -381,6 +381,10 @@ class AdaptivePolicy:
     # a proposer's per-request state (an n-gram table) is built only where speculation is
     # expected to save this much more than the state costs (`table_pays`)
     table_margin: float = 0.05
+    # `table_pays` prices a table at what this batch size's episodes realized (per request of
+    # the batch, as before the twenty-first pass; for A/B runs), not at what a drafting
+    # request would
+    table_by_realized: bool = False
     # realized / predicted gain of speculative episodes per cost bucket and sampling mode
     # (spec/episodes.py): divides the cost of rounds; None: rounds priced as measured
     calibration: GainCalibration | None = field(default_factory=GainCalibration)
@@ -627,22 +631,28 @@ class AdaptivePolicy:
         request in a batch of `batch_size` that may emit `tokens_left` more tokens: building
         it costs `seconds_per_token` for each of its `index_tokens` tokens and each token it
         then follows; speculating saves, per emitted token, a plain step's share of the batch
-        times 1 - 1 / rate. The rate (tokens per plain step's time) is what this batch size's
-        speculative episodes realized (`GainCalibration.rate`), or, with none lately, the
-        best any K would give at `batch_acceptance` with the cost table's rounds (the
-        premise of the shadow gate, `worth_shadowing`). True, by `table_margin`, when the
-        saving covers the cost, and while no plain step's cost is known there.
+        times 1 - 1 / rate. The rate (tokens per plain step's time) is what a drafting request
+        would realize: the best any K gives at `batch_acceptance` with the cost table's rounds
+        (kappa applied: episodes that fell short price them up; the premise of the shadow
+        gate, `worth_shadowing`). True, by `table_margin`, when the saving covers the cost,
+        and while no plain step's cost is known there.
 
         Why: at W2 on the demo pair (H100, n-gram, T=0) rounds at batch 32 about broke even
         and the tables cost ~3.5 us a token, prompt and output, host time a step could not
         hide: ~10 % of the workload's time. A table for a request with 100 tokens left at
         batch 16-32 costs more than its speculation could save; at batch 1 it costs ~1 % of
-        what it saves."""
+        what it saves. The rate was once what this batch size's episodes realized
+        (`GainCalibration.rate`; `table_by_realized` brings it back): a rate per request of
+        the batch, rows without a table (one token a round) included, so where few had one
+        it fell toward 1 and no request got one; at W2 T=0 `admit` then refused a table to
+        32 of 32 requests at batch 32 (H100, run 21e) where fixed K=5, every row drafting,
+        ran at 1.10-1.31x plain decoding (21b, 21d)."""
         plain = self.costs.step_seconds(batch_size, 0, sampled)
         if plain is None:
             return True
         key = (self.costs.bucket(batch_size), sampled)
-        rate = self.calibration.rate(key) if self.calibration is not None else None
+        rate = (self.calibration.rate(key) if self.calibration is not None and self.table_by_realized
+                else None)
         if rate is None:
             table = self._cost_table(batch_size, sampled)
             if table is None:

@@ -147,6 +147,34 @@ def test_windowed_counts_and_predictions_match_brute_force(
             assert table.predict(context) == brute_predict(tokens, context, window, max_order, min_order)
 
 
+@pytest.mark.parametrize("window", [16, 32, 64])
+def test_extending_in_chunks_builds_the_same_tables_as_token_by_token(window: int) -> None:
+    # chunks of 16 tokens or more that fit in the window go level by level (`_extend_levels`),
+    # the part of a chunk past the window's room token by token: the tables (counts, newest
+    # positions, cached best continuations) come out exactly as one token at a time
+    rng = random.Random(window)
+    chunked, single = NgramTable(4, 2, window), NgramTable(4, 2, window)
+    tokens: list[int] = []
+    bulk = 0
+    for i in range(40):
+        chunk = [rng.randrange(5) for _ in range(rng.choice([1, 3, 8, 16, 20, 70]) if i else 16)]
+        room = window - len(chunked.history)
+        bulk += len(chunk) >= 16 and room >= 16
+        tokens += chunk
+        chunked.extend(iter(chunk))  # (any iterable)
+        for t in chunk:
+            single.extend([t])
+        assert chunked._levels == single._levels and chunked._tail == single._tail
+        assert chunked.history == single.history == tokens[-window:]
+        assert chunked.counts() == brute_counts(tokens, window, 4, 2)
+        for _ in range(4):
+            context = [rng.randrange(5) for _ in range(rng.randrange(0, 4))]
+            # (both: `predict` fills the cache of best continuations it finds stale)
+            assert chunked.predict(context) == single.predict(context) == brute_predict(
+                tokens, context, window, 4, 2)
+    assert bulk >= (1 if window == 16 else 2)  # the level-by-level path ran
+
+
 def test_rebuild_from_window_equals_incremental() -> None:
     rng = random.Random(7)
     tokens = [rng.randrange(6) for _ in range(300)]

@@ -65,6 +65,9 @@ class _Window:
     def append(self, token: int) -> None:
         self._tokens.append(token)
 
+    def extend(self, tokens: list[int]) -> None:
+        self._tokens.extend(tokens)
+
     def drop_oldest(self) -> None:
         self.start += 1
         if self.start - self._base >= self.size:  # compact: amortised O(1) per token
@@ -91,6 +94,10 @@ _POS_MASK = _ONE - 1
 # token (absent when stale: its best lost an occurrence)
 _Level = tuple[int, dict[tuple[int, ...], dict[int, int]], dict[tuple[int, ...], int]]
 
+# an extension of at least this many tokens that evicts nothing goes level by level
+# (`NgramTable._extend_levels`): a prompt's build, a catch-up after plain steps
+_BULK_MIN = 16
+
 
 class NgramTable:
     """Per-request n-gram frequency tables over a sliding window of tokens."""
@@ -110,7 +117,52 @@ class NgramTable:
         return self._win.tokens()
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Add tokens the request really has (never drafts) and evict what leaves the window."""
+        """Add tokens the request really has (never drafts) and evict what leaves the window.
+
+        The tokens that fit in the window without evicting anything go level by level when
+        there are at least `_BULK_MIN` of them (`_extend_levels`: the same tables, about
+        twice as fast: a table's build is host time a batch's step cannot hide); the rest,
+        each evicting the oldest, token by token."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
+        room = self._win.size - len(self._win)
+        if room >= _BULK_MIN and len(tokens) >= _BULK_MIN:
+            self._extend_levels(tokens[:room])
+            tokens = tokens[room:]
+        if tokens:
+            self._extend_each(tokens)
+
+    def _extend_levels(self, tokens: list[int]) -> None:
+        """`extend` with tokens that all fit in the window (nothing is evicted): each level
+        takes them in order on its own (the levels share nothing, so the tables come out
+        as token by token), its contexts sliced at C speed (`zip` of shifted slices)."""
+        win, max_ctx = self._win, self._max_ctx
+        seq = [*self._tail, *tokens]
+        base, end = len(self._tail), len(seq)
+        one, high = _ONE, ~_POS_MASK
+        for c, table, best in self._levels:
+            first = max(base, c)  # the first new token with c tokens of context before it
+            if first >= end:
+                continue
+            get, best_get = table.get, best.get
+            pos = win.end + first - base
+            contexts = zip(*(seq[first - c + i:end - c + i] for i in range(c)))
+            for ctx, token in zip(contexts, seq[first:]):
+                conts = get(ctx)
+                if conts is None:
+                    table[ctx] = {token: one + pos}
+                    best[ctx] = token
+                else:
+                    packed = (conts.get(token, 0) & high) + one + pos
+                    conts[token] = packed
+                    top = best_get(ctx)
+                    if top is not None and packed > conts[top]:
+                        best[ctx] = token
+                pos += 1
+        win.extend(tokens)
+        self._tail = tuple(seq[-max_ctx:])
+
+    def _extend_each(self, tokens: list[int]) -> None:
+        """`extend` token by token, evicting the oldest n-grams as the window slides."""
         win, levels, max_ctx = self._win, self._levels, self._max_ctx
         tail, size, pos = self._tail, win.size, win.end
         for token in tokens:

@@ -123,13 +123,14 @@ class NgramTable:
         there are at least `_BULK_MIN` of them (`_extend_levels`: the same tables, about
         twice as fast: a table's build is host time a batch's step cannot hide); the rest,
         each evicting the oldest, token by token."""
-        tokens = tokens if isinstance(tokens, list) else list(tokens)
-        room = self._win.size - len(self._win)
-        if room >= _BULK_MIN and len(tokens) >= _BULK_MIN:
-            self._extend_levels(tokens[:room])
-            tokens = tokens[room:]
-        if tokens:
-            self._extend_each(tokens)
+        if not isinstance(tokens, list):
+            tokens = list(tokens)
+        if len(tokens) >= _BULK_MIN:  # (a few tokens, the usual catch-up, skip the check)
+            room = self._win.size - len(self._win)
+            if room >= _BULK_MIN:
+                self._extend_levels(tokens[:room])
+                tokens = tokens[room:]
+        self._extend_each(tokens)
 
     def _extend_levels(self, tokens: list[int]) -> None:
         """`extend` with tokens that all fit in the window (nothing is evicted): each level

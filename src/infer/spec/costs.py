@@ -18,6 +18,8 @@ rounds priced out; the reverse, rounds priced cheap).
 
 from __future__ import annotations
 
+import math
+
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,10 +74,10 @@ class CostModel:
     _sizes: dict[tuple[str, object], deque[int]] = field(default_factory=dict, repr=False)  # each sample's batch size
     _values: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     _dirty: set[tuple[str, object]] = field(default_factory=set, repr=False)
-    _renewed: set[tuple[str, object]] = field(default_factory=set, repr=False)  # keys measured again after expiring
-    # a renewed key's value when it expired: its new window's first sample counts alone only
-    # up to it (a real rise shows at the second sample, an outlier alone prices nothing out)
-    _expired: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
+    # keys measured again after expiring -> the value each expired at (inf: none): the new
+    # window's first sample counts alone, but only up to it (a real rise shows at the
+    # second sample, an outlier alone prices nothing out)
+    _renewed: dict[tuple[str, object], float] = field(default_factory=dict, repr=False)
     version: int = 0  # bumped by every measurement of a speculative step or a switch
     plain_version: int = 0  # bumped by every measurement of a plain step
 
@@ -87,14 +89,12 @@ class CostModel:
     def _record(self, key: tuple[str, object], seconds: float, batch_size: int) -> None:
         samples = self._samples.get(key)
         if samples is None or not self._fresh(key):  # expired samples go: a new window starts
-            expired = self._value(key, expired=True) if samples is not None else None
-            if samples is not None:
-                self._renewed.add(key)  # one-off costs are behind: its first sample counts
+            if samples is not None:  # one-off costs are behind: its first sample counts
+                expired = self._value(key, expired=True)
+                self._renewed[key] = math.inf if expired is None else expired
             samples = self._samples[key] = deque(maxlen=self.window)
             self._sizes[key] = deque(maxlen=self.window)
             self._values.pop(key, None)
-            if expired is not None:
-                self._expired[key] = expired
         samples.append(seconds)
         self._sizes[key].append(batch_size)
         self._dirty.add(key)
@@ -113,9 +113,7 @@ class CostModel:
             samples = self._samples[key]
             if len(samples) >= (1 if key in self._renewed else 2):
                 value = sorted(samples)[(len(samples) - 1) // 2]
-                if len(samples) == 1 and key in self._expired:
-                    value = min(value, self._expired[key])
-                self._values[key] = value
+                self._values[key] = min(value, self._renewed[key]) if len(samples) == 1 else value
         return self._values.get(key)
 
     def observe(self, batch_size: int, k: int, seconds: float, sampled: bool = False) -> None:

@@ -399,7 +399,7 @@ class AdaptivePolicy:
     # a proposer whose rows cost next to nothing (n-gram: a lookup; a verification pads every
     # row to the round's width anyway): once a round runs, every request in the batch with
     # evidence (not backing off after a miss) rides along with the round's K, whatever its
-    # own estimate (`_riders`), and the batch's economics count what riders are expected to
+    # own estimate (`_add_riders`), and the batch's economics count what riders are expected to
     # emit. Without riders a round at W2 on the demo pair (H100, T=0) drafted for 10-13 of
     # 22-29 requests (run 20h) where fixed K=5, every row drafting, beat plain decoding by 10 %
     riders: bool = False
@@ -477,7 +477,6 @@ class AdaptivePolicy:
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
         wants: list[int] = []  # per request: the K it would speculate with (0: none; -1: not even a probe)
-        rides: list[bool] = []  # per request: may ride along in a round (`riders`)
         for r in requests:
             est = self._est.get(r.request_id) or self._lookup(r.request_id, request_samples(r))
             ests.append(est)
@@ -490,13 +489,11 @@ class AdaptivePolicy:
                 k = 0 if learned is None else best_k_for_costs(learned, table.costs, self.switch_margin)
                 if not k or self._steps < est.miss_until:
                     wants.append(-1)
-                    rides.append(False)
                     continue
                 if est.prior != learned:  # (no evidence: the estimate is its prior alone)
                     est.prior, est.accepted, est.trials = learned, learned * self.prior_weight, self.prior_weight
                     est.changed()
                 wants.append(k)
-                rides.append(False)
                 continue
             # hysteresis: starting to speculate must beat plain decoding by `switch_margin`
             # (switching costs: the draft catches up, the first round after plain steps is
@@ -507,20 +504,17 @@ class AdaptivePolicy:
                 est.table, est.margin = table, margin
             k = est.k
             est.speculating = k > 0
-            if self._steps < est.miss_until:  # backing off after misses
+            if k and self._steps < est.miss_until:  # backing off after misses
                 est.speculating = False
-                if k:
-                    next_due = min(next_due, est.miss_until)
-                    wants.append(-1)
-                    rides.append(False)
-                    continue
+                next_due = min(next_due, est.miss_until)
+                wants.append(-1)
+                continue
             wants.append(k)
-            rides.append(self.riders and k == 0 and self._steps >= est.miss_until)
         vetoed = False
         if self.batch_economics and batch > 1 and max(wants) > 0:
             top = max(wants)  # (riders draft the round's K, counted here at their own estimates)
-            guarded = [guard_k(k if k > 0 else top if ride else 0, n, max_seq_len, left)
-                       for k, ride, n, left in zip(wants, rides, seq_lens, tokens_left, strict=True)]
+            guarded = [guard_k(k if k > 0 else top if self._rides(e, k) else 0, n, max_seq_len, left)
+                       for e, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True)]
             if any(guarded) and not self._batch_pays(ests, guarded, table, was_speculating, seq_lens):
                 # the round would cost the batch more than its drafts bring: the requests that
                 # were to speculate decode plainly, and may probe as plain ones do (else one
@@ -528,7 +522,7 @@ class AdaptivePolicy:
                 vetoed = True
                 for i, k in enumerate(wants):
                     if k > 0:
-                        wants[i], ests[i].speculating, rides[i] = 0, False, self.riders
+                        wants[i], ests[i].speculating = 0, False
                 next_due = min(next_due, self._steps + self.veto_hold)
         for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
             if k < 0:
@@ -561,8 +555,8 @@ class AdaptivePolicy:
                 refund = (table.probe_round - 1.0) * (1.0 - 1.0 / len(probers))
                 est.credit += refund
                 est.probe_cost -= refund
-        if any(ks) and any(rides):
-            self._riders(ests, ks, rides, seq_lens, max_seq_len, tokens_left)
+        if self.riders and any(ks):
+            self._add_riders(ests, wants, ks, seq_lens, max_seq_len, tokens_left)
         if not any(ks):
             self._quiet = _Quiet.of(list(requests), next_due, table, self.costs.version, vetoed)
         else:
@@ -576,17 +570,23 @@ class AdaptivePolicy:
                     self._shadows_paused.pop(key, None)
         return ks
 
-    def _riders(self, ests: Sequence[_Estimate], ks: list[int], rides: Sequence[bool], seq_lens: Sequence[int],
-                max_seq_len: int, tokens_left: Sequence[int]) -> None:
-        """A round runs (some k > 0): every request that may ride (`riders`; it would decode
-        plainly, not backing off after a miss) drafts the round's longest K too, within its
-        overflow guard. Its drafts cost a lookup, and the verification is padded to the
-        round's width for every row anyway: they can only add tokens. A rider is no probe
-        (no credit moves) and no choice to speculate (`speculating` stays False: it needs
-        the switch margin on its own estimate to start)."""
+    def _rides(self, est: _Estimate, want: int) -> bool:
+        """Whether a request may ride along in a round (`riders`): it would decode plainly
+        (`want` 0: not -1, which waits for evidence or a miss backoff) and is not backing
+        off after a miss."""
+        return self.riders and want == 0 and self._steps >= est.miss_until
+
+    def _add_riders(self, ests: Sequence[_Estimate], wants: Sequence[int], ks: list[int], seq_lens: Sequence[int],
+                    max_seq_len: int, tokens_left: Sequence[int]) -> None:
+        """A round runs (some k > 0): every request that may ride (`_rides`) and does not
+        probe drafts the round's longest K too, within its overflow guard. Its drafts cost a
+        lookup, and the verification is padded to the round's width for every row anyway:
+        they can only add tokens. A rider is no probe (no credit moves) and no choice to
+        speculate (`speculating` stays False: it needs the switch margin on its own estimate
+        to start)."""
         top = max(ks)
-        for i, (est, ride) in enumerate(zip(ests, rides, strict=True)):
-            if ride and not ks[i]:
+        for i, (est, want) in enumerate(zip(ests, wants, strict=True)):
+            if not ks[i] and self._rides(est, want):
                 ks[i] = guard_k(top, seq_lens[i], max_seq_len, tokens_left[i])
                 if ks[i]:
                     est.wait_from = self._steps

@@ -20,7 +20,8 @@ without the others' cache traffic).
 
     PYTHONPATH=src python scripts/interleaved_ab.py [--workload W2 W2-prefix] [--temperature 0 1]
         [--variants ngram-adaptive ngram-k5] [--cycles 20] [--block 4] [--plain-instances 2]
-        [--cpu-tiny]   (the dev CPU: a tiny random model, n-gram variants only)
+        [--split] [--cpu-tiny]   (--split: each engine's time by step kind; --cpu-tiny: the dev CPU,
+        a tiny random model, n-gram variants only)
 
 Why: issue #5's goal (adaptive never > 3 % slower than plain) could not be read from
 generation-by-generation A/B on the GPU hosts: one configuration's instances spread by 20 %
@@ -86,6 +87,76 @@ def install(clocks: EngineClocks) -> Callable[[], None]:
         time.perf_counter, ngram_module.perf_counter = saved
 
     return undo
+
+
+# engine -> step kind -> [seconds, steps]: `--split`'s ledger
+Split = dict[str, dict[str, list[float]]]
+
+
+def step_kind(prefill: object, decode: object) -> str:
+    """What a step ran: prefill chunks (decodes beside them or not), or decodes alone by batch size."""
+    if prefill:
+        return "prefill"
+    n = len(decode)  # type: ignore[arg-type]
+    return "decode 17-32" if n > 16 else "decode 9-16" if n > 8 else "decode 1-8"
+
+
+def how(runner: object, stretch: bool | None, drafts_before: int | None) -> str:
+    """A speculative runner's decode step: in a plain stretch (`stretch`), a round (drafts
+    were verified), or another step (a choice, a timed or boundary plain step); "" for the
+    plain runner."""
+    if stretch is None:
+        return ""
+    if stretch:
+        return " stretch"
+    return " round" if runner.stats.drafts != drafts_before else " other"  # type: ignore[attr-defined]
+
+
+def file_steps(engines: dict[str, Engine], split: Split) -> None:
+    """Each engine's steps timed one by one into `split` by their kind (a wrapper on the
+    runner's `step`; the time is the engine's `step` around it, scheduling and retirement in)."""
+    for name, engine in engines.items():
+        runner, ledger = engine.runner, split.setdefault(name, {})
+        outer = engine.step
+
+        def timed(runner=runner, outer=outer, ledger=ledger) -> object:  # noqa: ANN001
+            kind: list[str] = []
+            inner = runner.step
+
+            def noted(prefill, decode):  # noqa: ANN001, ANN202
+                stretch = runner._stretch.active if hasattr(runner, "_stretch") else None
+                drafts = runner.stats.drafts if stretch is not None else None
+                out = inner(prefill, decode)
+                kind.append(step_kind(prefill, decode) + ("" if prefill else how(runner, stretch, drafts)))
+                return out
+
+            runner.step = noted
+            start = REAL_CLOCK()
+            try:
+                return outer()
+            finally:
+                seconds = REAL_CLOCK() - start
+                del runner.step  # (the instance attribute hid the class's method)
+                entry = ledger.setdefault(kind[0] if kind else "idle", [0.0, 0])
+                entry[0] += seconds
+                entry[1] += 1
+
+        engine.step = timed
+
+
+def print_split(split: Split, plain: str, label: str, cycles: int) -> None:
+    """A line an engine: its time a cycle by step kind, steps a cycle, microseconds a step,
+    and the excess over as many of plain's steps at that batch size (plain's mean step
+    there; rounds emit more tokens a step, so their excess is no loss by itself)."""
+    base = {k: s / n for k, (s, n) in split[plain].items() if n}
+    for name, ledger in split.items():
+        parts = []
+        for k in sorted(ledger):
+            s, n = ledger[k]
+            bucket = k.split(" round")[0].split(" stretch")[0].split(" other")[0]
+            excess = f"; {(s - n * base[bucket]) / cycles * 1e3:+.2f} ms" if bucket in base and name != plain else ""
+            parts.append(f"{k}: {s / cycles * 1e3:.1f} ms ({n / cycles:.1f} steps, {s / n * 1e6:.0f} us{excess})")
+        print(f"{label} {name} a cycle: " + "; ".join(parts), flush=True)
 
 
 def cycle(engines: dict[str, Engine], order: list[str], work: PromptSet, temperature: float, seed: int,
@@ -172,6 +243,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=4, help="decode steps an engine takes per turn")
     ap.add_argument("--plain-instances", type=int, default=2, help="the second shows the method's noise floor")
     ap.add_argument("--cpu-tiny", action="store_true", help="a tiny random model on the CPU (harness check)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time every step and file it by kind (prefill; decode by batch size), a line an engine")
     args = ap.parse_args()
     if args.cycles < 2 or args.block < 1 or args.plain_instances < 1:
         ap.error("need --cycles >= 2, --block >= 1 and --plain-instances >= 1")
@@ -194,6 +267,9 @@ def main() -> None:
                         cycle(engines, names, work, t, 10_000 * (c + 1), args.block, clocks)
                     before = {n: copy.deepcopy(e.runner.stats) for n, e in engines.items() if hasattr(e.runner, "stats")}
                     times: dict[str, list[float]] = {n: [] for n in names}
+                    split: Split = {}
+                    if args.split:
+                        file_steps(engines, split)
                     for c in range(args.cycles):
                         rotated = names[c % len(names):] + names[:c % len(names)]
                         spent = cycle(engines, rotated if c % 2 == 0 else rotated[::-1], work, t,
@@ -201,7 +277,12 @@ def main() -> None:
                         for n, s in spent.items():
                             times[n].append(s)
                     stats = {n: engines[n].runner.stats.minus(b) for n, b in before.items()}
-                    report(times, plain_names, f"{w} T={t:g} block {args.block}", work.expected_output_tokens, stats)
+                    label = f"{w} T={t:g} block {args.block}"
+                    report(times, plain_names, label, work.expected_output_tokens, stats)
+                    if args.split:
+                        print_split(split, plain_names[0], label, args.cycles)
+                        for engine in engines.values():
+                            del engine.step
         finally:
             undo()
         for name, engine in engines.items():

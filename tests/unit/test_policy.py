@@ -1288,3 +1288,20 @@ def test_extend_latest_adds_to_the_latest_measurement_of_its_kind():
     assert costs.step_seconds(4, 1) == pytest.approx(0.0025)
     costs.extend_latest(8, 1, 0.001)  # a kind never measured: nothing to extend
     assert ("step", (8, 1, False)) not in costs._samples
+
+
+def test_an_early_probe_must_cost_little_against_the_tokens_its_request_has_left():
+    # only calibration prices rounds here: a request probes early to measure them, but not
+    # one whose probe (~10 plain steps) would cost more than early_probe_share of its
+    # remaining steps (a batch entering a new size near the end of its requests)
+    def probes(tokens_left: int, share: float = 0.05) -> int:
+        costs = CostModel(4, draft_ratio={1: 3.0}, verify_ratio={1: [1.0] * 5})
+        _measure(costs, 1, 0, 0.001)
+        p = AdaptivePolicy(4, costs, early_probe_share=share)
+        return sum(bool(p.choose([R("e")], [10], 10_000, [tokens_left])[0]) for _ in range(6))
+
+    assert probes(5000) == 1 and probes(400) == 1
+    assert probes(100) == 0  # 10 plain steps > 5 % of 100
+    assert probes(100, share=0.2) == 1
+    with pytest.raises(ValueError, match="early_probe_share"):
+        AdaptivePolicy(4, CostModel(4), early_probe_share=1.5)

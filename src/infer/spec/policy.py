@@ -42,7 +42,9 @@ way, and a round measured only while slow must not price speculation out for goo
 probes of a step share one round, which then costs what a round of many drafts costs: one
 request probing alone, as tried in 19a-19e, measured rounds of one draft, priced the
 batch's rounds cheap, and the draft model at W2 T=0 ran 80-150 rounds a generation at a
-loss). Failed probes also back off exponentially.
+loss), unless such a probe would cost more than `early_probe_share` of the plain steps its
+request has left (the draft's catch-up in it): then it waits for its credit like any other.
+Failed probes also back off exponentially.
 An accepted probe restarts an estimate below the prior from the prior (the text changed
 since speculation stopped paying); one at or above the prior keeps its evidence.
 
@@ -338,6 +340,12 @@ class AdaptivePolicy:
     probe_budget: float = 0.01  # probes may cost at most this fraction of the batch's time
     max_probe_spacing: int = 5000  # plain steps; bounds the wait when a cost was misjudged
     min_probe_loss: float = 0.25  # plain steps a probe is counted to lose at least (spacing >= 25)
+    # while only calibration prices rounds at a batch size, a probe comes early (to measure
+    # them) only if it costs at most this share of the plain steps its request has left: at
+    # W2's tail, where the batch enters a new size with few tokens left, early probes with a
+    # draft model's whole-context catch-up cost 5-9 ms each (H100 demo pair, ~1-2 % of the
+    # workload) and could not have paid whatever they measured
+    early_probe_share: float = 0.05
     # tokens the draft is behind -> units of catch-up work (`CostModel.switch_cost` prices
     # one); None: one unit whatever the gap
     catch_up_units: Callable[[int], float] | None = None
@@ -438,6 +446,8 @@ class AdaptivePolicy:
             raise ValueError(f"switch_horizon must be >= 1, got {self.switch_horizon}")
         if self.learned_full_trials <= 0:
             raise ValueError(f"learned_full_trials must be > 0, got {self.learned_full_trials}")
+        if not 0.0 <= self.early_probe_share <= 1.0:
+            raise ValueError(f"early_probe_share must be in [0, 1], got {self.early_probe_share}")
         if self.table_margin < 0:
             raise ValueError(f"table_margin must be >= 0, got {self.table_margin}")
         if self.shadow_patience < 0 or self.shadow_pause < 0:
@@ -854,12 +864,16 @@ class AdaptivePolicy:
         more (a long prompt's catch-up costs more), so that speculation can start while most
         of the request is ahead. A sampled request (it accepts a draft token t only with
         probability p(t): on the demo pair at T=1, early probes cost 3-5 %, H100 run MMM) and
-        a shadowed one (its estimate comes from shadow drafts) get no advance."""
+        a shadowed one (its estimate comes from shadow drafts) get no advance.
+
+        While only calibration prices rounds here (`calibrated_only`), the probe comes as soon
+        as the request's backoff allows, to measure them, if it costs at most
+        `early_probe_share` of the plain steps the request has left."""
         if est.credit_step < 0:
             advance = 0.0 if self.shadowed or est.sampled else min(table.budget * tokens_left, cost)
             est.credit, est.credit_step = advance, self._steps + math.ceil(advance / table.budget)
         first = est.wait_from + est.probe_interval
-        if table.calibrated_only:
+        if table.calibrated_only and cost <= self.early_probe_share * tokens_left:
             return first  # real measurements replace the calibration (or stale ones) soon
         need = loss - self._credit(est, table, loss)
         due = max(self._steps, est.credit_step) + math.ceil(need / table.budget) if need > 0 else self._steps

@@ -257,8 +257,10 @@ class SpeculativeRunner(ContinuousRunner):
             keep = self._keep_quiet_without
             if keep is not None and keep(request):
                 # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
-                # stretch under way goes on with them
-                self._stretch_requests = [r for r in self._stretch_requests if r is not request]
+                # stretch under way goes on with them (its shadows only if still worth it there)
+                rest = self._stretch_requests = [r for r in self._stretch_requests if r is not request]
+                if self._stretch_shadowing and rest:
+                    self._stretch_shadowing = self._shadowing(len(rest), batch_samples(rest))
             else:
                 self._end_stretch()  # the batch changes
             self._end_episode()

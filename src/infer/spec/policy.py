@@ -767,20 +767,27 @@ class AdaptivePolicy:
         """`request` leaves the batch (finished, preempted, aborted) under a standing all-plain
         decision: True when the decision holds for the rest as it stands, which then is its
         batch. It does where nobody wanted to speculate (not `vetoed`: without a plain
-        request, the others' drafts may pay for the batch) and the rest keep the cost
-        bucket and sampling mode (the same table). Else False, and the decision stays as
-        it was (the runner decodes the next step plainly and `end_quiet`s: requests may
-        have reserved one position already). Saves a full `choose` and a step outside a
-        plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2 ledgers),
-        31 finishes a generation."""
+        request, the others' drafts may pay for the batch), the rest keep the sampling mode,
+        and either the cost bucket (the same table) or, in a smaller bucket, one whose table
+        says no K could pay there even with one request at `optimistic_a` (`could_pay` 0:
+        no estimate could make a request speculate, and probes there only re-measure
+        costs). Else False, and the decision stays as it was (the runner decodes the next
+        step plainly and `end_quiet`s: requests may have reserved one position already).
+        Saves a full `choose` and steps outside a plain stretch after each finish: ~100-300
+        us each at batch 32 (H200, W2 ledgers), 31 finishes a generation; a bucket change
+        cost three such steps (H100, W2, run 22d: ~20 a generation, 1-2 % of it)."""
         quiet = self._quiet
         if quiet is None or quiet.vetoed or id(request) not in quiet.members:
             return False
         rest = [r for r in quiet.batch if r is not request]
-        if (not rest or self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch))
-                or batch_samples(rest) != batch_samples(quiet.batch)):
+        if not rest or batch_samples(rest) != batch_samples(quiet.batch):
             return False
-        self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)})
+        table = quiet.table
+        if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):
+            table = self._cost_table(len(rest), batch_samples(rest))
+            if table is None or table.could_pay:
+                return False
+        self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table)
         return True
 
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:

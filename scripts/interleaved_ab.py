@@ -10,13 +10,13 @@ own too: `time.perf_counter` (what the engines time their steps, episodes and ga
 is replaced by a per-engine clock that stands still while other engines step, so an
 adaptive engine's measurements see its own steps back to back, as when it runs alone.
 
-Printed per workload and temperature: each engine's ratio to plain (plain's time / its
-time, > 1 faster), pooled over the cycles (sums) with a 95 % bootstrap interval over
-cycles, the median of the per-cycle ratios, the per-cycle ratios themselves, and what a
-speculative engine did a cycle. A second plain instance (`--plain-instances 2`) shows the
-method's noise floor. The tail of a cycle, after the faster engines finished, runs alone:
-with engines far apart in speed it flatters the slower one a little (its last steps run
-without the others' cache traffic).
+Printed per workload and temperature: each engine's ratio to plain (the mean time of
+plain's instances / its time, > 1 faster), pooled over the cycles (sums) with a 95 %
+bootstrap interval over cycles, the median of the per-cycle ratios, the per-cycle ratios
+themselves, and what a speculative engine did a cycle. Each plain instance's own ratio
+(`--plain-instances 2`) is the method's noise floor. The tail of a cycle, after the faster
+engines finished, runs alone: with engines far apart in speed it flatters the slower one a
+little (its last steps run without the others' cache traffic).
 
     PYTHONPATH=src python scripts/interleaved_ab.py [--workload W2 W2-prefix] [--temperature 0 1]
         [--variants ngram-adaptive ngram-k5] [--cycles 20] [--block 4] [--plain-instances 2]
@@ -144,17 +144,23 @@ def file_steps(engines: dict[str, Engine], split: Split) -> None:
         engine.step = timed
 
 
-def print_split(split: Split, plain: str, label: str, cycles: int) -> None:
+def print_split(split: Split, plain: list[str], label: str, cycles: int) -> None:
     """A line an engine: its time a cycle by step kind, steps a cycle, microseconds a step,
     and the excess over as many of plain's steps at that batch size (plain's mean step
     there; rounds emit more tokens a step, so their excess is no loss by itself)."""
-    base = {k: s / n for k, (s, n) in split[plain].items() if n}
+    pooled: dict[str, list[float]] = {}
+    for p in plain:
+        for k, (s, n) in split[p].items():
+            entry = pooled.setdefault(k, [0.0, 0])
+            entry[0] += s
+            entry[1] += n
+    base = {k: s / n for k, (s, n) in pooled.items() if n}
     for name, ledger in split.items():
         parts = []
         for k in sorted(ledger):
             s, n = ledger[k]
             bucket = k.split(" round")[0].split(" stretch")[0].split(" other")[0]
-            excess = f"; {(s - n * base[bucket]) / cycles * 1e3:+.2f} ms" if bucket in base and name != plain else ""
+            excess = f"; {(s - n * base[bucket]) / cycles * 1e3:+.2f} ms" if bucket in base and name not in plain else ""
             parts.append(f"{k}: {s / cycles * 1e3:.1f} ms ({n / cycles:.1f} steps, {s / n * 1e6:.0f} us{excess})")
         print(f"{label} {name} a cycle: " + "; ".join(parts), flush=True)
 
@@ -201,10 +207,13 @@ def interval(plain: list[float], other: list[float], resamples: int = 2000, seed
 def report(times: dict[str, list[float]], plain_names: list[str], label: str, tokens: int,
            stats: dict[str, object]) -> None:
     cycles = len(times[plain_names[0]])
-    plain = times[plain_names[0]]
-    print(f"{label}: {cycles} cycles, plain {sum(plain) / cycles / tokens * 1e3:.4f} ms a token", flush=True)
+    # the reference: plain's instances pooled (identical engines in one process differ by
+    # 1-2 %: one instance as the reference biases every ratio by its own effect)
+    plain = [statistics.fmean(times[p][i] for p in plain_names) for i in range(cycles)]
+    print(f"{label}: {cycles} cycles, plain ({len(plain_names)} instances) {sum(plain) / cycles / tokens * 1e3:.4f} "
+          f"ms a token", flush=True)
     for name, ts in times.items():
-        if name == plain_names[0]:
+        if len(plain_names) == 1 and name in plain_names:
             continue
         ratios = [p / x for p, x in zip(plain, ts, strict=True)]
         low, high = interval(plain, ts)
@@ -280,7 +289,7 @@ def main() -> None:
                     label = f"{w} T={t:g} block {args.block}"
                     report(times, plain_names, label, work.expected_output_tokens, stats)
                     if args.split:
-                        print_split(split, plain_names[0], label, args.cycles)
+                        print_split(split, plain_names, label, args.cycles)
                         for engine in engines.values():
                             del engine.step
         finally:

@@ -107,6 +107,9 @@ def test_adaptive_runner_measures_drafting_apart(make_llm, ckpt_a, random_draft,
     # the cost model learns what a draft step really costs from the rounds' drafting time
     # (catch-up excluded), so unseen K are priced from real draft steps
     llm = _spec_llm(make_llm, ckpt_a, random_draft, 4, spec_policy="adaptive")
+    # (these requests are short: their early probes, which measure the rounds here, would
+    # cost more than `early_probe_share` of what they have left)
+    llm.engine.runner.policy.early_probe_share = 1.0
     costs = llm.engine.runner.cost_model
     calls, observe_draft = [], costs.observe_draft
     costs.observe_draft = lambda b, k, seconds, sampled: (calls.append((b, k, seconds, sampled)),
@@ -187,6 +190,9 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     runner.shadow.interval = 2
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9
     runner.policy.worth_shadowing = lambda batch, sampled: True  # (the margins alone would turn shadows off)
+    # early probes (these short requests' would cost more than `early_probe_share` of what
+    # they have left) end stretches before the requests do: some stretches run to their end
+    runner.policy.early_probe_share = 1.0
     runner.policy = runner.policy  # (the runner binds the policy's hooks when it is set)
     forced, observe = [], runner.shadow.observe
 

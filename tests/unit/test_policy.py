@@ -1035,6 +1035,28 @@ def test_a_batch_held_plain_by_its_economics_is_asked_again_after_veto_hold_step
     assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [5] * 8
 
 
+def test_a_batch_vetoed_again_and_again_is_asked_ever_less_often():
+    # one request drafting well among seven that do not: each full choose vetoes the round;
+    # the hold doubles with each veto in a row (16, 32, 64 ... up to max_veto_hold), and a
+    # choice that is not vetoed (the others' drafts came to pay) starts the holds over
+    p = _batch_policy(8, 2.2, veto_hold=16, max_veto_hold=64)
+    batch = [_sampled(f"r{i}") for i in range(8)]
+    for i in range(8):
+        _at(p, f"r{i}", 0.8 if i == 0 else 0.05)
+    holds = []
+    for _ in range(4):
+        assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [0] * 8 and p._quiet.vetoed
+        holds.append(p.quiet_steps_left() + 1)
+        while p.quiet(batch):
+            pass
+    assert holds == [16, 32, 64, 64]
+    for i in range(1, 8):
+        _at(p, f"r{i}", 0.8)
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [5] * 8 and p._vetoes == 0
+    with pytest.raises(ValueError, match="max_veto_hold"):
+        AdaptivePolicy(5, CostModel(5), veto_hold=32, max_veto_hold=16)
+
+
 def test_what_could_pay_at_a_batch_size_uses_the_batchs_typical_acceptance():
     # sampled requests' prior is 0.3; at batch 8 rounds cost 2.2 plain steps: even with one
     # request at the optimistic 0.9, the rest at 0.3 + batch_optimism cannot pay, so no shadow

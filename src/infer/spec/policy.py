@@ -78,7 +78,8 @@ A round costs the whole batch r(max K) plain steps, so at batch > 1 the requests
 must pay for the batch: their expected tokens (one for a request without drafts) against
 batch * r(max K), by the switch margin to start and the stay margin to go on; if not, the
 requests that were to speculate decode plainly (probes go on) and the batch is asked again
-after `veto_hold` steps, not at each request's new shadow evidence (on the H200 demo pair at
+after `veto_hold` steps (doubling with each veto in a row, up to `max_veto_hold`), not at
+each request's new shadow evidence (on the H200 demo pair at
 W2, T=1, a few requests that drafted well had the batch of 32 speculate at nearly every step,
 each round costing ~2.2 plain steps for ~1 token a request: +59 % of the time, run 15a).
 With drafts whose rows cost next to nothing (n-gram: `riders`), every request with
@@ -377,8 +378,12 @@ class AdaptivePolicy:
     # (learned) prior plus `batch_optimism` (the shadow gate, probes' budget)
     batch_optimism: float = 0.15
     # a batch held plain by its economics is asked again after at most this many steps
-    # (each ask is a full `choose` over the batch)
+    # (each ask is a full `choose` over the batch), doubled after each veto in a row up to
+    # `max_veto_hold`: on the H100 demo pair (draft model, W2-prefix T=0, run 22f) requests
+    # that drafted well had a batch of 32 vetoed ~19 times a generation, each ask a full
+    # `choose` and two steps outside a plain stretch (~3 % of the workload)
     veto_hold: int = 16
+    max_veto_hold: int = 256
     # a batch that starts speculating must repay its drafts' catch-up (`table.switch` per
     # unit, summed over the starting requests: a draft model prefills every starting
     # request's context it skipped) within this many rounds of its expected gain
@@ -419,6 +424,7 @@ class AdaptivePolicy:
     _steps: int = 0
     _table: dict[tuple[int, bool], _CostTable] = field(default_factory=dict)  # by (bucket, batch samples)
     _quiet: _Quiet | None = None
+    _vetoes: int = 0  # full choices in a row the batch's economics vetoed (`veto_hold` doubles with each)
     _asked: _Asked | None = None
     _choice: _Choice | None = None
     # (bucket, batch samples) -> decode steps that took shadows there since speculation last
@@ -440,8 +446,8 @@ class AdaptivePolicy:
             raise ValueError(f"refresh_gap must be >= 0, got {self.refresh_gap}")
         if not 0.0 <= self.batch_optimism < 1.0:
             raise ValueError(f"batch_optimism must be in [0, 1), got {self.batch_optimism}")
-        if self.veto_hold < 1:
-            raise ValueError(f"veto_hold must be >= 1, got {self.veto_hold}")
+        if not 1 <= self.veto_hold <= self.max_veto_hold:
+            raise ValueError(f"need 1 <= veto_hold <= max_veto_hold, got {self.veto_hold} and {self.max_veto_hold}")
         if self.switch_horizon < 1:
             raise ValueError(f"switch_horizon must be >= 1, got {self.switch_horizon}")
         if self.learned_full_trials <= 0:
@@ -533,7 +539,10 @@ class AdaptivePolicy:
                 for i, k in enumerate(wants):
                     if k > 0:
                         wants[i], ests[i].speculating = 0, False
-                next_due = min(next_due, self._steps + self.veto_hold)
+                next_due = min(next_due, self._steps + min(self.veto_hold << self._vetoes, self.max_veto_hold))
+                self._vetoes = min(self._vetoes + 1, self.max_veto_hold.bit_length())
+        if not vetoed:
+            self._vetoes = 0
         for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
             if k < 0:
                 ks.append(0)

@@ -37,7 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +49,9 @@ from plain_step_ab import BATCH_WORKLOADS, VARIANTS, _build, sync  # noqa: E402
 import infer.spec.ngram as ngram_module  # noqa: E402
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests  # noqa: E402
 from infer.engine.engine import Engine  # noqa: E402
+from infer.engine.request import Request  # noqa: E402
 from infer.sampling import SamplingParams  # noqa: E402
+from infer.spec.costs import batch_samples  # noqa: E402
 
 REAL_CLOCK: Callable[[], float] = time.perf_counter
 
@@ -101,6 +104,24 @@ def step_kind(prefill: object, decode: object) -> str:
     return "decode 17-32" if n > 16 else "decode 9-16" if n > 8 else "decode 1-8"
 
 
+def why_not_quiet(runner: object, decode: Sequence[Request]) -> str:
+    """Before a decode step outside a stretch: why the adaptive policy's standing all-plain
+    decision does not cover it ("none": no decision stands, "-nocost" with no plain cost
+    known at this batch size; "until": it ran out, a probe or refresh due; "version": a
+    cost was measured; "batch": the batch is not its; "ok": it does)."""
+    policy = runner.policy  # type: ignore[attr-defined]
+    quiet = getattr(policy, "_quiet", None)
+    if not hasattr(policy, "_quiet"):
+        return ""
+    if quiet is None:
+        return "none" + ("" if policy.costs.has_plain(len(decode), batch_samples(decode)) else "-nocost")
+    if not policy._steps + 1 < quiet.until:
+        return "until" + (" vetoed" if quiet.vetoed else "")
+    if quiet.version != policy.costs.version:
+        return "version"
+    return "batch" if list(decode) != quiet.batch else "ok"
+
+
 def how(runner: object, stretch: bool | None, drafts_before: int | None) -> str:
     """A speculative runner's decode step: in a plain stretch (`stretch`), a round (drafts
     were verified), or another step (a choice, a timed or boundary plain step); "" for the
@@ -112,22 +133,26 @@ def how(runner: object, stretch: bool | None, drafts_before: int | None) -> str:
     return " round" if runner.stats.drafts != drafts_before else " other"  # type: ignore[attr-defined]
 
 
-def file_steps(engines: dict[str, Engine], split: Split) -> None:
+def file_steps(engines: dict[str, Engine], split: Split, reasons: dict[str, dict[str, Counter]]) -> None:
     """Each engine's steps timed one by one into `split` by their kind (a wrapper on the
     runner's `step`; the time is the engine's `step` around it, scheduling and retirement in)."""
     for name, engine in engines.items():
         runner, ledger = engine.runner, split.setdefault(name, {})
         outer = engine.step
+        whys = reasons.setdefault(name, defaultdict(Counter))
 
-        def timed(runner=runner, outer=outer, ledger=ledger) -> object:  # noqa: ANN001
+        def timed(runner=runner, outer=outer, ledger=ledger, whys=whys) -> object:  # noqa: ANN001
             kind: list[str] = []
             inner = runner.step
 
             def noted(prefill, decode):  # noqa: ANN001, ANN202
                 stretch = runner._stretch.active if hasattr(runner, "_stretch") else None
                 drafts = runner.stats.drafts if stretch is not None else None
+                why = why_not_quiet(runner, decode) if stretch is False and decode and not prefill else ""
                 out = inner(prefill, decode)
                 kind.append(step_kind(prefill, decode) + ("" if prefill else how(runner, stretch, drafts)))
+                if why:
+                    whys[kind[-1]][why] += 1
                 return out
 
             runner.step = noted
@@ -277,8 +302,9 @@ def main() -> None:
                     before = {n: copy.deepcopy(e.runner.stats) for n, e in engines.items() if hasattr(e.runner, "stats")}
                     times: dict[str, list[float]] = {n: [] for n in names}
                     split: Split = {}
+                    reasons: dict[str, dict[str, Counter]] = {}
                     if args.split:
-                        file_steps(engines, split)
+                        file_steps(engines, split, reasons)
                     for c in range(args.cycles):
                         rotated = names[c % len(names):] + names[:c % len(names)]
                         spent = cycle(engines, rotated if c % 2 == 0 else rotated[::-1], work, t,
@@ -290,6 +316,11 @@ def main() -> None:
                     report(times, plain_names, label, work.expected_output_tokens, stats)
                     if args.split:
                         print_split(split, plain_names, label, args.cycles)
+                        for name, by_kind in reasons.items():
+                            for k, counts in sorted(by_kind.items()):
+                                print(f"{label} {name} {k} steps, why no standing plain decision covered them "
+                                      f"(a cycle): " + ", ".join(f"{why} {n / args.cycles:.1f}"
+                                                                 for why, n in counts.most_common()), flush=True)
                         for engine in engines.values():
                             del engine.step
         finally:

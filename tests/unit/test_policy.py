@@ -1206,12 +1206,14 @@ def test_a_request_leaving_a_plain_batch_keeps_the_decision_for_the_rest():
     assert not p.keep_quiet_without(batch[3]) and p._quiet.batch == batch
 
 
-@pytest.mark.parametrize("round_at_4", [50.0, 1.3])
-def test_a_plain_decision_survives_a_bucket_change_only_where_nothing_could_pay(round_at_4):
-    # 5 -> 4 requests: the rest fall into bucket 4. Where a round costs 50 plain steps there
-    # no estimate could make anyone speculate (could_pay 0): the decision holds for the rest
-    # with bucket 4's table (no full `choose`, no step outside a stretch). Where rounds are
-    # cheap (1.3) a request may want to speculate: the decision is left for the runner to end
+@pytest.mark.parametrize("round_at_4, a_rest, keeps", [(50.0, 0.05, True), (50.0, 0.9, True),
+                                                       (1.3, 0.05, True), (1.3, 0.9, False)])
+def test_a_plain_decision_survives_a_bucket_change_where_nobody_would_start(round_at_4, a_rest, keeps):
+    # 5 -> 4 requests: the rest fall into bucket 4. The decision holds for them with bucket
+    # 4's table (no full `choose`, no steps outside a stretch) where none of them would start
+    # speculating there: where a round costs 50 plain steps nobody could (could_pay 0), where
+    # it costs 1.3 those drafting badly would not. One that drafts well (0.9, vetoed by batch
+    # 5's economics until then) would start at 4: the decision is left for the runner to end
     p = _batch_policy(8, 2.2)
     for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.001 * round_at_4), (5, 0.001 * round_at_4)):
         p.costs.observe(4, k, seconds, True)
@@ -1219,16 +1221,20 @@ def test_a_plain_decision_survives_a_bucket_change_only_where_nothing_could_pay(
     for i in range(5):
         _at(p, f"r{i}", 0.05)
     assert p.choose(batch, [10] * 5, 10_000, [1000] * 5) == [0] * 5
+    for i in range(1, 5):  # (evidence since the choice, as rounds' or shadows' would be)
+        est = p._est[f"r{i}"]
+        est.accepted, est.trials = 10 * a_rest, 10.0
     quiet = p._quiet
     left = p.quiet_steps_left()
-    kept = p.keep_quiet_without(batch[0])
     at_4 = p._cost_table(4, True)
     assert (at_4.could_pay == 0) == (round_at_4 == 50.0)
-    if round_at_4 == 50.0:
-        assert kept and p._quiet.batch == batch[1:] and p._quiet.table is at_4
+    assert p.keep_quiet_without(batch[0]) == keeps
+    if keeps:
+        assert p._quiet.batch == batch[1:] and p._quiet.table is at_4
         assert p.quiet_steps_left() == left and p.quiet(batch[1:])
     else:
-        assert not kept and p._quiet is quiet
+        assert p._quiet is quiet
+        assert p.choose(batch[1:], [10] * 4, 10_000, [1000] * 4) == [5] * 4  # as `choose` decides
 
 
 def test_best_k_for_costs_agrees_with_pricing_each_k_by_the_papers_formula():

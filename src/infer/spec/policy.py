@@ -777,10 +777,9 @@ class AdaptivePolicy:
         decision: True when the decision holds for the rest as it stands, which then is its
         batch. It does where nobody wanted to speculate (not `vetoed`: without a plain
         request, the others' drafts may pay for the batch), the rest keep the sampling mode,
-        and either the cost bucket (the same table) or, in a smaller bucket, one whose table
-        says no K could pay there even with one request at `optimistic_a` (`could_pay` 0:
-        no estimate could make a request speculate, and probes there only re-measure
-        costs). Else False, and the decision stays as it was (the runner decodes the next
+        and either the cost bucket (the same table) or, in a smaller bucket, one under whose
+        table none of them would start speculating (`_might_start`; none can where no K
+        could pay even with one request at `optimistic_a`, `could_pay` 0). Else False, and the decision stays as it was (the runner decodes the next
         step plainly and `end_quiet`s: requests may have reserved one position already).
         Saves a full `choose` and steps outside a plain stretch after each finish: ~100-300
         us each at batch 32 (H200, W2 ledgers), 31 finishes a generation; a bucket change
@@ -794,10 +793,23 @@ class AdaptivePolicy:
         table = quiet.table
         if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):
             table = self._cost_table(len(rest), batch_samples(rest))
-            if table is None or table.could_pay:
+            if table is None or (table.could_pay and any(self._might_start(r, table) for r in rest)):
                 return False
         self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table)
         return True
+
+    def _might_start(self, request: RequestLike, table: _CostTable) -> bool:
+        """Whether `choose` under `table` might have `request` speculate now (a bucket change
+        under a standing plain decision, `keep_quiet_without`): its estimate would start by
+        the switch margin (one without evidence yet, shadowed: its kind's learned prior, as
+        `learned_start`); a request backing off after a miss, or without an estimate, might."""
+        est = self._est.get(request.request_id)
+        if est is None or self._steps < est.miss_until:
+            return True
+        if self.shadowed and not est.evidence:
+            learned = self._learned.get(est.sampled) if self.learned_start else None
+            return learned is not None and best_k_for_costs(learned, table.costs, self.switch_margin) > 0
+        return self._would_start(est, table)
 
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:
         """Relative costs and probe spacing at this batch size and sampling mode (`sampled`:

@@ -44,6 +44,9 @@ def test_adaptive_speculation_captures_every_draft_round_at_start_up(ckpt_a):
     prompts = _prompts(ckpt_a, 4)
     params = [SamplingParams(temperature=t, max_tokens=40, ignore_eos=True, seed=i)
               for i, t in enumerate((0.0, 1.0, 0.0, 0.7))]
+    # (40-token requests: their early probes would cost more than `early_probe_share` of
+    # what they have left, and the probes are what makes them draft here)
+    llm.engine.runner.policy.early_probe_share = 1.0
     llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert llm.engine.runner.stats.rounds > 0 and step.loop_replays > 0
     assert step.capture_seconds == 0.0

@@ -1174,8 +1174,9 @@ def test_a_table_dropped_when_kappa_moved_is_priced_again_by_the_shadow_gate():
 def test_a_request_leaving_a_plain_batch_keeps_the_decision_for_the_rest():
     # nobody wants to speculate: a request leaving keeps the standing all-plain decision for
     # the rest (no full `choose` after each finish), unless the rest fall into another cost
-    # bucket or sampling mode, or the batch was held plain by its economics (a plain request
-    # gone, the others' drafts may pay): then the decision stays as it was, for the runner to end
+    # bucket (where no plain cost is known here) or sampling mode, or the batch was held
+    # plain by its economics and changes bucket: then the decision stays as it was, for the
+    # runner to end
     p = _batch_policy(8, 2.2)
     batch = [_sampled(f"r{i}") for i in range(6)]
     for i in range(6):
@@ -1199,11 +1200,15 @@ def test_a_request_leaving_a_plain_batch_keeps_the_decision_for_the_rest():
         _at(p, r.request_id, 0.05)
     assert p.choose(mixed, [10] * 7, 10_000, [1000] * 7) == [0] * 7
     assert not p.keep_quiet_without(mixed[0]) and p.keep_quiet_without(mixed[1])
-    # a batch held plain by its economics: re-asked
+    # a batch held plain by its economics: held until it is asked again as planned within
+    # the bucket (one request fewer), re-asked at once in another
     p._quiet = None
     _at(p, "r0", 0.8)
     assert p.choose(batch, [10] * 6, 10_000, [1000] * 6) == [0] * 6 and p._quiet.vetoed
-    assert not p.keep_quiet_without(batch[3]) and p._quiet.batch == batch
+    left = p.quiet_steps_left()
+    assert p.keep_quiet_without(batch[3]) and p._quiet.vetoed and p.quiet_steps_left() == left
+    rest = batch[:3] + batch[4:]
+    assert p._quiet.batch == rest and not p.keep_quiet_without(rest[0]) and p._quiet.batch == rest
 
 
 @pytest.mark.parametrize("round_at_4, a_rest, keeps", [(50.0, 0.05, True), (50.0, 0.9, True),

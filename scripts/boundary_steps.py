@@ -7,7 +7,7 @@ of those steps alone (profiled generations; cProfile inflates Python-heavy code)
     PYTHONPATH=src python scripts/boundary_steps.py VARIANT [--temperature 1] [--workload W2]
         [--generations 4] [--min-batch 9] [--cpu-tiny]
 
-Why: on the H100 (run 22d) such steps cost 100-800 us more than a stretch step at the same
+Why: on the H100 (runs 22c-22d) such steps cost 100-800 us more than a stretch step at the same
 batch size, ~20 a W2 generation: 1-2 % of the workload, half of what adaptive lost
 against plain decoding there.
 """

@@ -777,15 +777,16 @@ class AdaptivePolicy:
         decision: True when the decision holds for the rest as it stands, which then is its
         batch. It does where the rest keep the sampling mode and either the cost bucket (the
         same table: a batch its economics held plain (`vetoed`) is asked again at `until` as
-        before, its economics changed by one request in the bucket's size; before, it was
-        asked at each finish: ~10 full choices a generation at batch 17-32, H100, draft model,
+        planned, its economics changed by one request in the bucket's size; asked at each
+        finish, it took ~10 full choices a generation at batch 17-32, H100, draft model,
         W2-prefix T=0, run 22i) or, where nobody wanted to speculate, a smaller bucket under
         whose table none of them would start (`_might_start`; none can where no K could pay
-        even with one request at `optimistic_a`, `could_pay` 0). Else False, and the decision stays as it was (the runner decodes the next
-        step plainly and `end_quiet`s: requests may have reserved one position already).
-        Saves a full `choose` and steps outside a plain stretch after each finish: ~100-300
-        us each at batch 32 (H200, W2 ledgers), 31 finishes a generation; a bucket change
-        cost three such steps (H100, W2, run 22d: ~20 a generation, 1-2 % of it)."""
+        even with one request at `optimistic_a`, `could_pay` 0). Else False, and the
+        decision stays as it was (the runner decodes the next step plainly and `end_quiet`s:
+        requests may have reserved one position already). Saves a full `choose` and steps
+        outside a plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2
+        ledgers), 31 finishes a generation; a bucket change cost three such steps (H100, W2,
+        runs 22c-22d: ~20 a generation, 1-2 % of it)."""
         quiet = self._quiet
         if quiet is None or id(request) not in quiet.members:
             return False

@@ -19,7 +19,6 @@ rounds priced out; the reverse, rounds priced cheap).
 from __future__ import annotations
 
 import math
-
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field

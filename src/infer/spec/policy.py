@@ -501,8 +501,7 @@ class AdaptivePolicy:
                 # prior at which it would speculate (`learned_start`): their rate is the best
                 # guess, and waiting for a table and a shadow kept half a batch of 32 plain
                 # (and the batch's round vetoed) for ~100 steps at W2 T=0 (H100, run 21c)
-                learned = self._learned.get(est.sampled) if self.learned_start else None
-                k = 0 if learned is None else best_k_for_costs(learned, table.costs, self.switch_margin)
+                learned, k = self._learned_start(est, table)
                 if not k or self._steps < est.miss_until:
                     wants.append(-1)
                     continue
@@ -588,6 +587,13 @@ class AdaptivePolicy:
                     self._shadowed_steps[key] = 0
                     self._shadows_paused.pop(key, None)
         return ks
+
+    def _learned_start(self, est: _Estimate, table: _CostTable) -> tuple[float | None, int]:
+        """For a shadowed request without evidence: its kind's learned prior (None: none
+        learned, or `learned_start` off) and the K that prior alone would start with under
+        `table` by the switch margin (0: it waits for its first shadow draft)."""
+        learned = self._learned.get(est.sampled) if self.learned_start else None
+        return learned, 0 if learned is None else best_k_for_costs(learned, table.costs, self.switch_margin)
 
     def _rides(self, est: _Estimate, want: int) -> bool:
         """Whether a request may ride along in a round (`riders`): it would decode plainly
@@ -791,13 +797,14 @@ class AdaptivePolicy:
         if quiet is None or id(request) not in quiet.members:
             return False
         rest = [r for r in quiet.batch if r is not request]
-        if not rest or batch_samples(rest) != batch_samples(quiet.batch):
+        sampled = batch_samples(rest)
+        if not rest or sampled != batch_samples(quiet.batch):
             return False
         table = quiet.table
         if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):
             if quiet.vetoed:
                 return False
-            table = self._cost_table(len(rest), batch_samples(rest))
+            table = self._cost_table(len(rest), sampled)
             if table is None or (table.could_pay and any(self._might_start(r, table) for r in rest)):
                 return False
         self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table)
@@ -812,8 +819,7 @@ class AdaptivePolicy:
         if est is None or self._steps < est.miss_until:
             return True
         if self.shadowed and not est.evidence:
-            learned = self._learned.get(est.sampled) if self.learned_start else None
-            return learned is not None and best_k_for_costs(learned, table.costs, self.switch_margin) > 0
+            return self._learned_start(est, table)[1] > 0
         return self._would_start(est, table)
 
     def _cost_table(self, batch_size: int, sampled: bool = False) -> _CostTable | None:

@@ -25,19 +25,17 @@ from pathlib import Path
 
 import torch
 from interleaved_ab import build
+from plain_step_ab import submit_workload
 
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests
 from infer.engine.engine import Engine
-from infer.sampling import SamplingParams
 
 
 def generation(engine: Engine, work: PromptSet, temperature: float, seed: int, min_batch: int,
                times: dict[str, list[float]] | None, profile: cProfile.Profile | None) -> None:
     """One run of the workload; steps at batch >= min_batch filed by kind into `times`, or the
     non-stretch steps profiled."""
-    for i, job in enumerate(work.requests):
-        engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
-                                                          ignore_eos=True, seed=seed + i))
+    submit_workload(engine, work, temperature, seed)
     runner = engine.runner
     while engine.has_unfinished():
         stretch, batch, drafts = runner._stretch.active, len(engine.scheduler.running), runner.stats.drafts
@@ -67,9 +65,7 @@ def main() -> None:
     if args.cpu_tiny:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        setup = argparse.Namespace(workload=[args.workload], cpu_tiny=args.cpu_tiny, plain_instances=0,
-                                   variants=[args.variant])
-        engine = build(setup, Path(tmp))[args.variant]
+        engine = build([args.variant], [args.workload], 0, args.cpu_tiny, Path(tmp))[args.variant]
         work = build_requests(WORKLOADS[args.workload], engine.vocab_size, engine.tokenizer)
         for g in range(2):
             generation(engine, work, args.temperature, 1000 * g, args.min_batch, None, None)

@@ -29,12 +29,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers (the checkpoint writer)
-from plain_step_ab import BATCH_WORKLOADS, plain_mode  # noqa: E402
+from plain_step_ab import BATCH_WORKLOADS, plain_mode, submit_workload  # noqa: E402
 
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests  # noqa: E402
 from infer.engine.config import EngineConfig  # noqa: E402
 from infer.engine.engine import Engine  # noqa: E402
-from infer.sampling import SamplingParams  # noqa: E402
 
 # (mode, batch size, in a plain stretch) -> seconds of each engine step
 Steps = dict[tuple[str, int, bool], list[float]]
@@ -48,9 +47,7 @@ def tiny_checkpoint(directory: Path) -> Path:
 
 def generation(engine: Engine, work: PromptSet, temperature: float, mode: str, steps: Steps) -> None:
     """One run of the workload, every engine step filed under (mode, batch size, stretch)."""
-    for i, job in enumerate(work.requests):
-        engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
-                                                          ignore_eos=True, seed=i))
+    submit_workload(engine, work, temperature)
     runner, scheduler = engine.runner, engine.scheduler
     while engine.has_unfinished():
         key = (mode, len(scheduler.running), runner._stretch.active)

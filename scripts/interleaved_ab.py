@@ -44,13 +44,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers (the CPU stand-in's checkpoint)
-from plain_step_ab import BATCH_WORKLOADS, VARIANTS, _build, sync  # noqa: E402
+from plain_step_ab import BATCH_WORKLOADS, VARIANTS, _build, submit_workload, sync  # noqa: E402
 
 import infer.spec.ngram as ngram_module  # noqa: E402
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests  # noqa: E402
 from infer.engine.engine import Engine  # noqa: E402
 from infer.engine.request import Request  # noqa: E402
-from infer.sampling import SamplingParams  # noqa: E402
 from infer.spec.costs import batch_samples  # noqa: E402
 
 REAL_CLOCK: Callable[[], float] = time.perf_counter
@@ -196,9 +195,7 @@ def cycle(engines: dict[str, Engine], order: list[str], work: PromptSet, tempera
     engine's seconds."""
     for name in order:
         clocks.enter(name)
-        for i, job in enumerate(work.requests):
-            engines[name].add_request(job.prompt_ids, SamplingParams(
-                temperature=temperature, max_tokens=job.max_tokens, ignore_eos=True, seed=seed + i))
+        submit_workload(engines[name], work, temperature, seed)
         clocks.leave()
     spent = dict.fromkeys(order, 0.0)
     live = list(order)
@@ -252,17 +249,21 @@ def report(times: dict[str, list[float]], plain_names: list[str], label: str, to
         print(f"{label} {name} cycles: " + " ".join(f"{r:.3f}" for r in ratios), flush=True)
 
 
-def build(args: argparse.Namespace, tmp: Path) -> dict[str, Engine]:
-    batch = max(WORKLOADS[w].num_requests for w in args.workload)
+def build(variants: Sequence[str], workloads: Sequence[str], plain_instances: int, cpu_tiny: bool,
+          tmp: Path) -> dict[str, Engine]:
+    """Plain's instances ("plain", "plain#1", ...) and the variants, built for the largest of
+    `workloads`' batches; on the CPU with a tiny random checkpoint written under `tmp` if
+    `cpu_tiny`."""
+    batch = max(WORKLOADS[w].num_requests for w in workloads)
     options: dict[str, object] = {}
-    if args.cpu_tiny:
+    if cpu_tiny:
         from host_steps_cpu import tiny_checkpoint
         options = dict(model=str(tiny_checkpoint(tmp)), use_cuda_graphs=False)
     engines: dict[str, Engine] = {}
-    for i in range(args.plain_instances):
+    for i in range(plain_instances):
         engines[f"plain#{i}" if i else "plain"] = _build((), batch, **options)["plain"]
-    built = _build(tuple(args.variants), batch, **options)
-    engines.update({name: built[name] for name in args.variants})
+    built = _build(tuple(variants), batch, **options)
+    engines.update({name: built[name] for name in variants})
     return engines
 
 
@@ -287,7 +288,7 @@ def main() -> None:
             ap.error("--cpu-tiny has no draft model: n-gram variants only")
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        engines = build(args, Path(tmp))
+        engines = build(args.variants, args.workload, args.plain_instances, args.cpu_tiny, Path(tmp))
         names = list(engines)
         plain_names = [n for n in names if n.startswith("plain")]
         clocks = EngineClocks()

@@ -135,14 +135,19 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def submit_workload(engine: Engine, work: PromptSet, temperature: float, seed: int = 0) -> None:
+    """Add every request of a batch workload to `engine` (request i seeded `seed + i`)."""
+    for i, job in enumerate(work.requests):
+        engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
+                                                          ignore_eos=True, seed=seed + i))
+
+
 def ms_per_token(engine: Engine, prompt: list[int] | PromptSet, temperature: float, tokens: int) -> float:
     """Decode milliseconds a token of one generation of `prompt` (its prefill apart), or of a
     whole batch workload (a PromptSet, W2: every request added at once, each with its own
     length; prefills and all included, milliseconds per output token)."""
     if isinstance(prompt, PromptSet):
-        for i, job in enumerate(prompt.requests):
-            engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
-                                                              ignore_eos=True, seed=i))
+        submit_workload(engine, prompt, temperature)
         sync()
         start = time.perf_counter()
         while engine.has_unfinished():

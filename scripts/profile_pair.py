@@ -23,16 +23,14 @@ from pathlib import Path
 
 import torch
 from interleaved_ab import build
+from plain_step_ab import submit_workload
 
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests
 from infer.engine.engine import Engine
-from infer.sampling import SamplingParams
 
 
 def generation(engine: Engine, work: PromptSet, temperature: float, seed: int) -> None:
-    for i, job in enumerate(work.requests):
-        engine.add_request(job.prompt_ids, SamplingParams(temperature=temperature, max_tokens=job.max_tokens,
-                                                          ignore_eos=True, seed=seed + i))
+    submit_workload(engine, work, temperature, seed)
     while engine.has_unfinished():
         engine.step()
 
@@ -66,9 +64,7 @@ def main() -> None:
     if args.cpu_tiny:
         torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        setup = argparse.Namespace(workload=[args.workload], cpu_tiny=args.cpu_tiny, plain_instances=1,
-                                   variants=[args.variant])
-        engines = build(setup, Path(tmp))
+        engines = build([args.variant], [args.workload], 1, args.cpu_tiny, Path(tmp))
         work = build_requests(WORKLOADS[args.workload], engines["plain"].vocab_size, engines["plain"].tokenizer)
         profiles = {name: cProfile.Profile() for name in engines}
         for g in range(2 + args.generations):

@@ -20,8 +20,9 @@ little (its last steps run without the others' cache traffic).
 
     PYTHONPATH=src python scripts/interleaved_ab.py [--workload W2 W2-prefix] [--temperature 0 1]
         [--variants ngram-adaptive ngram-k5] [--cycles 20] [--block 4] [--plain-instances 2]
-        [--split] [--cpu-tiny]   (--split: each engine's time by step kind; --cpu-tiny: the dev CPU,
-        a tiny random model, n-gram variants only)
+        [--split] [--episodes] [--gc] [--cpu-tiny]   (--split: each engine's time by step kind;
+        --episodes: the speculative episodes by batch bucket; --gc: collections' pauses by engine;
+        --cpu-tiny: the dev CPU, a tiny random model, n-gram variants only)
 
 Why: issue #5's goal (adaptive never > 3 % slower than plain) could not be read from
 generation-by-generation A/B on the GPU hosts: one configuration's instances spread by 20 %
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import random
 import statistics
 import sys
@@ -189,6 +191,92 @@ def print_split(split: Split, plain: list[str], label: str, cycles: int) -> None
         print(f"{label} {name} a cycle: " + "; ".join(parts), flush=True)
 
 
+# engine -> the speculative episodes it ended: `--episodes`' log
+Episodes = dict[str, list[dict]]
+
+
+def log_episodes(engines: dict[str, Engine], log: Episodes) -> None:
+    """Each speculative engine's episodes (spec/episodes.py) into `log` as they end: batch
+    size, predicted gain, steps, seconds against its plain baseline there, tokens, what the
+    policy's calibration heard (`outcome`) and kappa after it; a wrapper on `_end_episode`."""
+    for name, engine in engines.items():
+        runner = engine.runner
+        if not hasattr(runner, "_end_episode"):
+            continue
+        inner, entries = runner._end_episode, log.setdefault(name, [])
+
+        def ending(runner=runner, inner=inner, entries=entries) -> None:  # noqa: ANN001
+            episode = runner._episode
+            if episode is not None:
+                plain = runner.cost_model.step_seconds(episode.batch_size, 0, episode.sampled)
+                outcome = episode.outcome(plain)
+                entries.append(dict(b=episode.batch_size, sampled=episode.sampled, gain=episode.gain,
+                                    steps=episode.steps, seconds=episode.seconds, tokens=episode.tokens,
+                                    mixed=episode.mixed, plain=plain, outcome=outcome))
+            inner()
+            calibration = getattr(runner.policy, "calibration", None)
+            if episode is not None and calibration is not None:
+                entries[-1]["kappa"] = calibration.factor((runner.cost_model.bucket(episode.batch_size),
+                                                           episode.sampled))
+
+        runner._end_episode = ending
+
+
+def print_episodes(log: Episodes, label: str, cycles: int) -> None:
+    """Per engine and batch bucket: episodes a cycle, their steps, the plain steps of time
+    they took and the tokens a request they emitted (realized: one a plain step is plain
+    decoding's pace), predicted, the loss in plain steps (time less tokens), and the five
+    dearest episodes."""
+    for name, entries in log.items():
+        by_bucket: dict[str, list[dict]] = defaultdict(list)
+        for e in entries:
+            by_bucket[step_kind((), range(e["b"]))].append(e)
+        for bucket, es in sorted(by_bucket.items()):
+            told = [e for e in es if e["outcome"] is not None]
+            time_steps = sum(e["outcome"][0] for e in told)
+            realized = sum(e["outcome"][1] for e in told)
+            predicted = sum(e["outcome"][2] for e in told)
+            print(f"{label} {name} episodes at {bucket}: {len(es) / cycles:.1f} a cycle ({len(told)} told), "
+                  f"{sum(e['steps'] for e in es) / cycles:.1f} steps a cycle; told: {time_steps:.1f} plain steps "
+                  f"of time, {realized:.1f} realized, {predicted:.1f} predicted, loss {time_steps - realized:+.1f} "
+                  f"plain steps", flush=True)
+            for e in sorted(told, key=lambda e: e["outcome"][1] - e["outcome"][0])[:5]:
+                t, r, p = e["outcome"]
+                print(f"{label} {name}   b {e['b']} gain {e['gain']:.2f} steps {e['steps']} {e['seconds'] * 1e3:.1f} ms "
+                      f"= {t:.1f} plain steps, realized {r:.1f}, predicted {p:.1f}, kappa after "
+                      f"{e.get('kappa', 1.0):.2f}", flush=True)
+
+
+class GcTimes:
+    """Garbage collections' pauses by the engine whose turn they fell in (`gc.callbacks`)."""
+
+    def __init__(self, clocks: EngineClocks) -> None:
+        self.clocks = clocks
+        self.seconds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        self.counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = REAL_CLOCK()
+            return
+        who, gen = self.clocks.active or "(between turns)", info["generation"]
+        self.seconds[who][gen] += REAL_CLOCK() - self._start
+        self.counts[who][gen] += 1
+
+    def report(self, label: str, cycles: int, names: Sequence[str]) -> None:
+        for who in [*names, *sorted(set(self.seconds) - set(names))]:
+            s, n = self.seconds[who], self.counts[who]
+            print(f"{label} gc in {who}'s turns a cycle: " + ", ".join(
+                f"gen{g} {n[g] / cycles:.1f} x {s[g] / max(1, n[g]) * 1e6:.0f} us" for g in range(3))
+                + f" = {sum(s) / cycles * 1e3:.2f} ms", flush=True)
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.counts.clear()
+
+
 def cycle(engines: dict[str, Engine], order: list[str], work: PromptSet, temperature: float, seed: int,
           block: int, clocks: EngineClocks) -> dict[str, float]:
     """One run of the workload on every engine at once, in turns of `block` steps; each
@@ -280,6 +368,9 @@ def main() -> None:
     ap.add_argument("--cpu-tiny", action="store_true", help="a tiny random model on the CPU (harness check)")
     ap.add_argument("--split", action="store_true",
                     help="also time every step and file it by kind (prefill; decode by batch size), a line an engine")
+    ap.add_argument("--episodes", action="store_true",
+                    help="log the speculative episodes (by batch bucket: time, realized and predicted tokens)")
+    ap.add_argument("--gc", action="store_true", help="garbage collections' pauses by the engine whose turn they hit")
     args = ap.parse_args()
     if args.cycles < 2 or args.block < 1 or args.plain_instances < 1:
         ap.error("need --cycles >= 2, --block >= 1 and --plain-instances >= 1")
@@ -293,6 +384,12 @@ def main() -> None:
         plain_names = [n for n in names if n.startswith("plain")]
         clocks = EngineClocks()
         undo = install(clocks)
+        gc_times = GcTimes(clocks) if args.gc else None
+        if gc_times is not None:
+            gc.callbacks.append(gc_times)
+        episodes: Episodes = {}
+        if args.episodes:
+            log_episodes(engines, episodes)
         try:
             for w in args.workload:
                 plain = engines[plain_names[0]]
@@ -306,6 +403,10 @@ def main() -> None:
                     reasons: dict[str, dict[str, Counter]] = {}
                     if args.split:
                         file_steps(engines, split, reasons)
+                    for entries in episodes.values():
+                        entries.clear()
+                    if gc_times is not None:
+                        gc_times.reset()
                     for c in range(args.cycles):
                         rotated = names[c % len(names):] + names[:c % len(names)]
                         spent = cycle(engines, rotated if c % 2 == 0 else rotated[::-1], work, t,
@@ -315,6 +416,9 @@ def main() -> None:
                     stats = {n: engines[n].runner.stats.minus(b) for n, b in before.items()}
                     label = f"{w} T={t:g} block {args.block}"
                     report(times, plain_names, label, work.expected_output_tokens, stats)
+                    print_episodes(episodes, label, args.cycles)
+                    if gc_times is not None:
+                        gc_times.report(label, args.cycles, names)
                     if args.split:
                         print_split(split, plain_names, label, args.cycles)
                         for name, by_kind in reasons.items():
@@ -326,6 +430,8 @@ def main() -> None:
                             del engine.step
         finally:
             undo()
+            if gc_times is not None:
+                gc.callbacks.remove(gc_times)
         for name, engine in engines.items():
             leaks = engine.runner.leak_report() if hasattr(engine.runner, "leak_report") else []
             if leaks:

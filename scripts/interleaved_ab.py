@@ -109,7 +109,8 @@ def why_not_quiet(runner: object, decode: Sequence[Request]) -> str:
     """Before a decode step outside a stretch: why the adaptive policy's standing all-plain
     decision does not cover it ("none": no decision stands, "-nocost" with no plain cost
     known at this batch size; "until": it ran out, a probe or refresh due; "version": a
-    cost was measured; "batch": the batch is not its; "ok": it does)."""
+    cost was measured; "batch": the batch is not its; "ok": it does, "-nocost" or
+    "-resample" where the step is then a timed plain step)."""
     policy = runner.policy  # type: ignore[attr-defined]
     quiet = getattr(policy, "_quiet", None)
     if not hasattr(policy, "_quiet"):
@@ -120,7 +121,15 @@ def why_not_quiet(runner: object, decode: Sequence[Request]) -> str:
         return "until" + (" vetoed" if quiet.vetoed else "")
     if quiet.version != policy.costs.version:
         return "version"
-    return "batch" if list(decode) != quiet.batch else "ok"
+    if list(decode) != quiet.batch:
+        return "batch"
+    # it does: then the step is a timed plain step (no plain cost fresh here; a resample due)
+    if not policy.costs.has_plain(len(decode), batch_samples(decode)):
+        return "ok-nocost"
+    resample = getattr(sys.modules[type(runner).__module__], "PLAIN_RESAMPLE_EVERY", None)
+    if resample is not None and runner._plain_steps + 1 - runner._plain_sampled_at >= resample:  # type: ignore[attr-defined]
+        return "ok-resample"
+    return "ok"
 
 
 def how(runner: object, stretch: bool | None, drafts_before: int | None) -> str:

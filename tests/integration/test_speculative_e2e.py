@@ -16,7 +16,7 @@ import pytest
 
 from helpers.checkpoints import encode, make_checkpoint
 from infer import SamplingParams
-from infer.engine.speculative_runner import KEEP_UP_EVERY
+from infer.engine.speculative_runner import EPISODE_CHECK_STEPS, KEEP_UP_EVERY
 
 K = 4
 MAX_NEW = 1 + 4 * (K + 1)  # prefill token + 4 full rounds: every round can draft K
@@ -929,7 +929,7 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
     policy = runner.policy
     runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # speculate whenever a draft exists
     policy.calibration = None  # (kept so: the accounting is under test, not its effect)
-    steps = []  # (episode after the step, tokens it emitted, whether its choice started speculating)
+    steps = []  # (episode after the step, tokens it emitted, whether it started speculating with a round)
     heard, started = [], []
     inner, observe, choose = runner._speculative_decode, policy.observe_episode, policy.choose
 
@@ -940,8 +940,9 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
 
     def stepping(requests, plain_reserved=False):
         started.clear()
+        drafts = runner.stats.drafts
         outputs = inner(requests, plain_reserved)
-        steps.append((runner._episode, len(outputs), started == [True]))
+        steps.append((runner._episode, len(outputs), started == [True] and runner.stats.drafts > drafts))
         return outputs
 
     def hearing(*args):
@@ -958,7 +959,7 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
     for e in episodes:
         own = [(tokens, starts) for x, tokens, starts in steps if x is e]
         assert e.steps == len(own) and e.tokens == sum(t for t, _ in own) >= e.steps
-        assert own[0][1]  # opened by a choice that started speculating (its lookup may miss)
+        assert own[0][1]  # opened by a choice that started speculating, with a draft verified
         assert e.seconds > 0 and e.gain > 0 and e.batch_size == 1 and not e.sampled
     opening = [i for i, (e, _, _) in enumerate(steps) if e is not None and (i == 0 or steps[i - 1][0] is not e)]
     assert all(steps[i][2] for i in opening)
@@ -969,6 +970,39 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
     assert heard[-1][:2] == (1, False) and realized == last.tokens
     assert predicted == pytest.approx(last.gain * plain_steps)
     assert plain_steps == pytest.approx(last.seconds / plain, rel=0.5)  # (the baseline may move by then)
+    assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("losing", [True, False])
+def test_an_episode_found_losing_is_ended_after_a_few_steps(make_llm, ckpt_a, prompts, monkeypatch, losing):
+    # once an episode has run EPISODE_CHECK_STEPS steps, the runner ends it (the policy hears
+    # it) as soon as it is found losing (`Episode.losing`, tests/unit/test_episodes.py): here
+    # every episode is, or none
+    from infer.spec.episodes import Episode
+    monkeypatch.setattr(Episode, "losing", lambda self, plain_seconds: losing)
+    llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", spec_policy="adaptive")
+    runner = llm.engine.runner
+    policy = runner.policy
+    runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # speculate whenever a draft exists
+    policy.calibration = None
+    ended, heard = [], []  # each episode's steps as it ends; what the policy heard
+    end, observe = runner._end_episode, policy.observe_episode
+
+    def ending():
+        if runner._episode is not None:
+            ended.append(runner._episode.steps)
+        end()
+
+    runner._end_episode = ending
+    policy.observe_episode = lambda *args: (heard.append(args), observe(*args))
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # (long enough to fall into loops)
+    for p in prompts:
+        llm.generate(prompt_token_ids=[p], sampling_params=params)
+    assert ended and runner.stats.drafts > 0 and len(heard) == len(ended)
+    if losing:  # (shorter ones met a plain decision or the request's end first)
+        assert max(ended) == EPISODE_CHECK_STEPS
+    else:
+        assert max(ended) > EPISODE_CHECK_STEPS
     assert llm.engine.leak_report() == []
 
 

@@ -22,6 +22,18 @@ def test_an_episode_counts_its_steps_and_measures_them_in_plain_steps():
     assert e.outcome(None) is None and e.outcome(0.0) is None  # no plain baseline
 
 
+def test_an_episode_is_losing_while_it_emitted_fewer_tokens_than_plain_steps_of_time():
+    e = Episode(batch_size=4, sampled=False, gain=1.5)
+    assert not e.losing(0.01)  # (no step yet: nothing to tell)
+    e.add(0.03, 8)  # 3 plain steps of time, 2 tokens a request
+    assert e.losing(0.01) and not e.losing(0.02)  # (at 0.02 s a plain step: 1.5 steps of time)
+    e.add(0.01, 8)  # 4 plain steps of time, 4 tokens a request: even
+    assert not e.losing(0.01)
+    assert not e.losing(None)  # no plain baseline: nothing to tell
+    e.add(0.01, 4, mixed=True)
+    assert not e.losing(1e-6)  # prefill work in its time: nothing to tell
+
+
 def test_kappa_starts_at_one_and_follows_episodes_that_fall_short():
     cal = GainCalibration()
     assert cal.factor(KEY) == 1.0

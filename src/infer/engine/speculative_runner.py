@@ -55,6 +55,13 @@ PLAIN_RESAMPLE_EVERY = 64
 # demo target: +8-11 us a step every step, none every 8th, `scripts/inflight_slack.py`),
 # and the round after a stretch then catches up on at most this many tokens
 KEEP_UP_EVERY = 8
+# an episode (spec/episodes.py) that has run this many steps is ended as soon as it emitted
+# fewer tokens than plain decoding would have in its time (`Episode.losing`): the policy's
+# calibration hears of it then, not at the next plain decision or batch change. A round
+# priced from a neighbouring batch size's (H100, draft model at W2-prefix T=0, batch 32,
+# run 23a: priced as batch 16's, 2.7 plain steps, and taking 6.3) ran 12 steps of 6-10 ms
+# before the batch changed, realizing half a plain step's tokens a plain step of time
+EPISODE_CHECK_STEPS = 3
 
 
 class SpeculativeRunner(ContinuousRunner):
@@ -343,11 +350,15 @@ class SpeculativeRunner(ContinuousRunner):
             return self._speculative_decode(requests, plain_reserved)
         start, self._one_off = time.perf_counter(), 0.0
         outputs = self._speculative_decode(requests, plain_reserved)
-        episode = self._episode  # (opened by this step's choice, or earlier)
+        episode = self._episode  # (opened by this step's round, or earlier)
         if episode is not None:
             seconds = time.perf_counter() - start - self._one_off
             episode.add(seconds, len(outputs), self._mixed)
-            self._until_next_step(seconds, episode.extend)
+            if episode.steps >= EPISODE_CHECK_STEPS and episode.losing(
+                    self.cost_model.step_seconds(episode.batch_size, 0, episode.sampled)):
+                self._end_episode()  # the policy hears it now, not at the next plain decision
+            else:
+                self._until_next_step(seconds, episode.extend)
         return outputs
 
     def _speculative_decode(self, requests: Sequence[Request], plain_reserved: bool = False) -> StepResult:
@@ -368,10 +379,8 @@ class SpeculativeRunner(ContinuousRunner):
             # demo step: with it, rounds looked that much cheaper); a round pays its own
             return self._plain_decode(requests, self._plain_timer(requests))
         sampled = batch_samples(requests)  # costs are kept per sampling mode
-        if self._episode is None and self._episode_gain is not None:
-            gain = self._episode_gain()
-            if gain is not None:  # speculation starts here (not a probe): an episode opens
-                self._episode = Episode(len(requests), sampled, gain)
+        # speculation starts here (not a probe): an episode opens once a draft is verified
+        gain = self._episode_gain() if self._episode is None and self._episode_gain is not None else None
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -390,7 +399,12 @@ class SpeculativeRunner(ContinuousRunner):
         if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up
+            # (nor does an episode open: a step that drafted nothing tells nothing of what
+            # speculating gains, and H100 W2 ledgers showed such one-step "episodes" at 3-5 a
+            # generation pulling kappa down to 0.4-0.7, run 23a)
             return self._plain_decode(requests, None, shadows_taken=True)
+        if gain is not None:
+            self._episode = Episode(len(requests), sampled, gain)
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)

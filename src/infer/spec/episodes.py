@@ -15,7 +15,11 @@ On the demo pair at T=1 this made n-gram adaptive 2-4 % slower than plain decodi
 rounds, started at a predicted gain of 5-30 %, each followed by a cold plain step.
 
 An *episode* runs from a step at which the policy starts speculating (some request is given
-k > 0, not as a probe) until a standing all-plain decision takes over or the batch changes.
+k > 0, not as a probe, and some draft is verified: a step whose lookups all missed opens
+none) until a standing all-plain decision takes over, the batch changes, or, after a few
+steps, it is found losing: fewer tokens than plain decoding would have emitted in its time
+(`losing`; the runner's `EPISODE_CHECK_STEPS`), so that an episode priced far too low is
+heard of before it ends on its own.
 The runner times its decode steps (one-off setup excluded, a draft model's catch-up
 included) and counts the tokens they emitted. Measured in plain steps (the plain baseline's
 seconds), an episode that emitted T tokens per request in S plain steps' time realized T;
@@ -72,6 +76,12 @@ class Episode:
         """Time its latest step held the loop beyond its decode (retiring it, scheduling the
         next: the runner's `_until_next_step`)."""
         self.seconds += seconds
+
+    def losing(self, plain_seconds: float | None) -> bool:
+        """Whether, so far, it emitted fewer tokens per request than plain decoding would
+        have in its time (its `outcome` tells, and realized < plain steps of time)."""
+        outcome = self.outcome(plain_seconds)
+        return outcome is not None and outcome[1] < outcome[0]
 
     def outcome(self, plain_seconds: float | None) -> tuple[float, float, float] | None:
         """(plain steps of time, realized tokens per request, predicted tokens per request),

@@ -156,7 +156,8 @@ def file_steps(engines: dict[str, Engine], split: Split, reasons: dict[str, dict
             inner = runner.step
 
             def noted(prefill, decode):  # noqa: ANN001, ANN202
-                stretch = runner._stretch.active if hasattr(runner, "_stretch") else None
+                # (a speculative runner's; not one whose class was made the plain runner's, *-asplain)
+                stretch = runner._stretch.active if hasattr(type(runner), "_stretch_done") else None
                 drafts = runner.stats.drafts if stretch is not None else None
                 why = why_not_quiet(runner, decode) if stretch is False and decode and not prefill else ""
                 out = inner(prefill, decode)

@@ -173,7 +173,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-adaptive-plaindecode", "draft-adaptive-plainreserve", "ngram-adaptive-nokeep",
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
             "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
-            "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate")
+            "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate",
+            "ngram-adaptive-asplain", "draft-adaptive-asplain", "late-plain")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -281,7 +282,13 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                # half of that: the plain decode step with the speculative reservation, or the
                # speculative runner's decode with plain's reservation
                "draft-adaptive-plaindecode": dict(draft, spec_policy="adaptive"),
-               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive")}
+               "draft-adaptive-plainreserve": dict(draft, spec_policy="adaptive"),
+               # built as adaptive, then its runner's class made the plain runner's: the instance
+               # (its memory, its graphs, its build order) without a line of speculative code
+               "ngram-adaptive-asplain": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-asplain": dict(draft, spec_policy="adaptive"),
+               # a plain engine built after the variants listed before it (build order alone)
+               "late-plain": base}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
     if "draft-k5-steps" in engines:
         engines["draft-k5-steps"].runner.draft.fuse_rounds = False
@@ -308,6 +315,10 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
             if "_decode" not in attrs:  # plain's reservation cannot hold a round: never speculate
                 choose = runner.policy.choose
                 runner.policy.choose = lambda *a, _c=choose: [0] * len(_c(*a))
+    for name in ("ngram-adaptive-asplain", "draft-adaptive-asplain"):
+        if name in engines:
+            from infer.engine.runner import ContinuousRunner
+            engines[name].runner.__class__ = ContinuousRunner
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

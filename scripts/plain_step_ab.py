@@ -174,7 +174,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
             "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
             "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate",
-            "ngram-adaptive-asplain", "draft-adaptive-asplain", "late-plain")
+            "ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain", "late-plain")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -287,6 +287,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                # (its memory, its graphs, its build order) without a line of speculative code
                "ngram-adaptive-asplain": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-asplain": dict(draft, spec_policy="adaptive"),
+               # ... with the plain runner's methods as instance attributes too (as plain stretches
+               # had them until the twenty-third pass): what the instance dict alone costs
+               "ngram-adaptive-asplain-dict": dict(ngram, spec_policy="adaptive"),
                # a plain engine built after the variants listed before it (build order alone)
                "late-plain": base}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
@@ -315,10 +318,13 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
             if "_decode" not in attrs:  # plain's reservation cannot hold a round: never speculate
                 choose = runner.policy.choose
                 runner.policy.choose = lambda *a, _c=choose: [0] * len(_c(*a))
-    for name in ("ngram-adaptive-asplain", "draft-adaptive-asplain"):
+    for name in ("ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain"):
         if name in engines:
             from infer.engine.runner import ContinuousRunner
             engines[name].runner.__class__ = ContinuousRunner
+            if name.endswith("-dict"):
+                for attr in ("decode_demand", "ensure_capacity", "_decode", "_in_flight"):
+                    setattr(engines[name].runner, attr, getattr(ContinuousRunner, attr).__get__(engines[name].runner))
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

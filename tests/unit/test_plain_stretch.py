@@ -1,5 +1,6 @@
-"""PlainStretch (engine/plain_stretch.py): the plain runner's methods for n steps, counted
-in `_in_flight`; an `each_step` hook that may end the stretch; `leave` restores the runner."""
+"""PlainStretch (engine/plain_stretch.py): the plain runner's methods for n steps (the
+runner's class made a subclass of its own that has them), counted in `_in_flight`; an
+`each_step` hook that may end the stretch; `leave` restores the runner's class."""
 
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ def test_a_stretch_runs_its_steps_then_gives_the_methods_back():
     stretch = PlainStretch(runner, _Plain, left.append)
     stretch.enter(3)
     assert stretch.active and _own(runner) == ["plain demand", "plain capacity", "plain decode"]
+    assert type(runner) is not _Runner and isinstance(runner, _Runner)  # a class of the stretch's
+    assert not any(name in vars(runner) for name in (*PLAIN_METHODS, "_in_flight"))  # (no instance attributes)
     runner._decode([])  # two more steps: the third `_decode` ends it
     assert stretch.active and not left
     runner._decode([])
     assert not stretch.active and left == [3]
-    assert _own(runner) == ["own demand", "own capacity", "own decode"]
-    assert not any(name in vars(runner) for name in (*PLAIN_METHODS, "_in_flight"))
+    assert _own(runner) == ["own demand", "own capacity", "own decode"] and type(runner) is _Runner
     stretch.leave()  # nothing to end: no second report
     stretch.enter(0)  # no steps: no stretch
     assert left == [3] and not stretch.active

@@ -7,9 +7,11 @@ speculative runner's overrides: the scheduler's reservation (`decode_demand`,
 those cost a few % of a step (H100, demo pair: ~10 us of a 0.46 ms step), the margin the
 adaptive policy is allowed to lose against plain decoding.
 
-`PlainStretch.enter(n)` points the runner's `decode_demand`, `ensure_capacity` and
-`_decode` at the plain ContinuousRunner's (instance attributes hiding the class's
-methods) for the next n steps, the steps the decision is known to hold. The only per-step
+`PlainStretch.enter(n)` makes the runner's class, for the next n steps (the steps the
+decision is known to hold), a subclass of its own whose `decode_demand`, `ensure_capacity`
+and `_decode` are the plain ContinuousRunner's, and `leave` gives the runner its own class
+back. (Until the twenty-third pass they were instance attributes hiding the class's
+methods.) The only per-step
 work left is a countdown in `_in_flight`, the hook plain decoding calls anyway, and the
 runner's `each_step` there if it has one (shadow drafts, taken and checked under the
 forward; it may end the stretch), and its `after_step` after the step's tokens are read, if it has
@@ -62,6 +64,8 @@ class PlainStretch:
         self.time_every = time_every
         self.left = 0  # steps still to run; 0: not in a stretch
         self.done = 0
+        self.home: type | None = None  # the runner's own class while a stretch runs
+        self._classes: dict[tuple[type, bool], type] = {}  # (own class, `_decode` wrapped) -> stretch class
 
     @property
     def active(self) -> bool:
@@ -72,12 +76,30 @@ class PlainStretch:
         if steps < 1 or self.active:
             return
         self.left, self.done = steps, 0
-        attrs = vars(self.runner)
-        for name in PLAIN_METHODS:
-            attrs[name] = getattr(self.plain_class, name).__get__(self.runner)
-        attrs["_in_flight"] = self._count
-        if self.after_step is not None or self.on_timed is not None:
-            attrs["_decode"] = self._decode_step
+        self.home = type(self.runner)
+        self.runner.__class__ = self._stretch_class(
+            self.home, self.after_step is not None or self.on_timed is not None)
+
+    def _stretch_class(self, home: type, wrapped: bool) -> type:
+        """The runner's class during a stretch: `home` with the plain class's PLAIN_METHODS,
+        `_in_flight` counting the steps (`_count`), and `_decode` through `_decode_step`
+        when `wrapped` (made once per key)."""
+        cls = self._classes.get((home, wrapped))
+        if cls is None:
+            stretch = self
+
+            def _in_flight(runner: object, requests: Sequence[Request]) -> None:
+                stretch._count(requests)
+
+            def _decode(runner: object, requests: Sequence[Request]) -> object:
+                return stretch._decode_step(requests)
+
+            namespace: dict[str, object] = {name: getattr(self.plain_class, name) for name in PLAIN_METHODS}
+            namespace.update(_in_flight=_in_flight, __module__=home.__module__)
+            if wrapped:
+                namespace["_decode"] = _decode
+            cls = self._classes[(home, wrapped)] = type(f"{home.__name__}InPlainStretch", (home,), namespace)
+        return cls
 
     def _count(self, requests: Sequence[Request]) -> None:
         # `_in_flight` of each plain step of the stretch: the stretch's only per-step work
@@ -106,8 +128,8 @@ class PlainStretch:
         """End the stretch (if any): the runner's own methods again; `on_leave(steps run)`."""
         if not self.active and not self.done:
             return
-        attrs = vars(self.runner)
-        for name in (*PLAIN_METHODS, "_in_flight"):
-            attrs.pop(name, None)
+        if self.home is not None:
+            self.runner.__class__ = self.home
+            self.home = None
         done, self.left, self.done = self.done, 0, 0
         self.on_leave(done)

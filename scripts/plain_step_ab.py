@@ -174,7 +174,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "draft-adaptive-nokeep", "ngram-adaptive-hiddenbuilds", "ngram-adaptive-alltables",
             "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
             "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate",
-            "ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain", "late-plain")
+            "ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain", "late-plain",
+            "draft-adaptive-notime", "draft-adaptive-plainstep", "draft-adaptive-plainrelease")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -290,6 +291,12 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                # ... with the plain runner's methods as instance attributes too (as plain stretches
                # had them until the twenty-third pass): what the instance dict alone costs
                "ngram-adaptive-asplain-dict": dict(ngram, spec_policy="adaptive"),
+               # bisecting what a plain stretch's steps cost beyond the plain engine's: no step of
+               # a stretch timed; the plain runner's `step` too in stretches (no pending gaps);
+               # a finish releasing only what it must (no standing decision kept, no episode)
+               "draft-adaptive-notime": dict(draft, spec_policy="adaptive"),
+               "draft-adaptive-plainstep": dict(draft, spec_policy="adaptive"),
+               "draft-adaptive-plainrelease": dict(draft, spec_policy="adaptive"),
                # a plain engine built after the variants listed before it (build order alone)
                "late-plain": base}
     engines = {name: Engine(EngineConfig(**configs[name])) for name in ("plain", *variants) if name in configs}
@@ -325,6 +332,22 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
             if name.endswith("-dict"):
                 for attr in ("decode_demand", "ensure_capacity", "_decode", "_in_flight"):
                     setattr(engines[name].runner, attr, getattr(ContinuousRunner, attr).__get__(engines[name].runner))
+    if "draft-adaptive-notime" in engines:
+        engines["draft-adaptive-notime"].runner._stretch.on_timed = None
+    if "draft-adaptive-plainstep" in engines:
+        from infer.engine.plain_stretch import PLAIN_METHODS
+        engines["draft-adaptive-plainstep"].runner._stretch.methods = (*PLAIN_METHODS, "step")
+    if "draft-adaptive-plainrelease" in engines:
+        from infer.engine.runner import ContinuousRunner
+        lean = engines["draft-adaptive-plainrelease"].runner
+
+        def lean_release(request: object, runner: object = lean) -> None:
+            runner.proposer.release(request)
+            if request.is_finished:
+                runner.policy.release(request.request_id)
+            ContinuousRunner.release(runner, request)
+
+        lean.release = lean_release
     if "plain-eager-sampling" in engines:
         eager_sampling(engines["plain-eager-sampling"])
     if "plain-fresh-indices" in engines:

@@ -65,7 +65,8 @@ class PlainStretch:
         self.left = 0  # steps still to run; 0: not in a stretch
         self.done = 0
         self.home: type | None = None  # the runner's own class while a stretch runs
-        self._classes: dict[tuple[type, bool], type] = {}  # (own class, `_decode` wrapped) -> stretch class
+        self.methods = PLAIN_METHODS  # the plain class's methods a stretch runs (A/B scripts may add some)
+        self._classes: dict[tuple[type, bool, tuple[str, ...]], type] = {}  # -> stretch class
 
     @property
     def active(self) -> bool:
@@ -81,10 +82,11 @@ class PlainStretch:
             self.home, self.after_step is not None or self.on_timed is not None)
 
     def _stretch_class(self, home: type, wrapped: bool) -> type:
-        """The runner's class during a stretch: `home` with the plain class's PLAIN_METHODS,
+        """The runner's class during a stretch: `home` with the plain class's `methods`,
         `_in_flight` counting the steps (`_count`), and `_decode` through `_decode_step`
         when `wrapped` (made once per key)."""
-        cls = self._classes.get((home, wrapped))
+        key = (home, wrapped, self.methods)
+        cls = self._classes.get(key)
         if cls is None:
             stretch = self
 
@@ -94,11 +96,11 @@ class PlainStretch:
             def _decode(runner: object, requests: Sequence[Request]) -> object:
                 return stretch._decode_step(requests)
 
-            namespace: dict[str, object] = {name: getattr(self.plain_class, name) for name in PLAIN_METHODS}
+            namespace: dict[str, object] = {name: getattr(self.plain_class, name) for name in self.methods}
             namespace.update(_in_flight=_in_flight, __module__=home.__module__)
             if wrapped:
                 namespace["_decode"] = _decode
-            cls = self._classes[(home, wrapped)] = type(f"{home.__name__}InPlainStretch", (home,), namespace)
+            cls = self._classes[key] = type(f"{home.__name__}InPlainStretch", (home,), namespace)
         return cls
 
     def _count(self, requests: Sequence[Request]) -> None:

@@ -1138,23 +1138,26 @@ def test_shadows_pause_where_no_speculation_started_within_their_patience():
     assert off.worth_shadowing(8, True)  # 0: never paused
 
 
-def test_speculation_starting_at_a_bucket_restarts_its_shadows_patience():
+def test_speculation_starting_at_a_bucket_with_a_round_restarts_its_shadows_patience():
+    # `started` (the runner: a round verified drafts, an episode opened) restarts the
+    # patience and ends a pause; a choice that starts speculating does not by itself (its
+    # lookups may all miss: then nothing started)
     p = _batch_policy(8, 1.2, shadowed=True, shadow_patience=10, shadow_pause=100)
     batch = [_sampled(f"r{i}") for i in range(8)]
     p.count_shadowed(8, True, 8)
     for r in batch:
         _at(p, r.request_id, 0.9)
         p._est[r.request_id].seen_trials = 10.0  # shadow evidence counted
-    assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))  # speculation starts
-    p.count_shadowed(8, True, 8)  # 16 shadowed steps in all, 8 since it started
-    assert p.worth_shadowing(8, True)
+    assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))  # speculation is to start ...
     p.count_shadowed(8, True, 3)
-    assert not p.worth_shadowing(8, True)  # paused
-    for r in batch:  # speculation starting there (from earlier evidence) ends the pause
-        _at(p, r.request_id, 0.9)
-    p._choice = None
-    assert all(p.choose(batch, [10] * 8, 10_000, [1000] * 8))
+    assert not p.worth_shadowing(8, True)  # ... but no round ran: 11 steps, paused
+    p.started(8, True)  # a round ran: the pause ends, patience anew
     assert p.worth_shadowing(8, True)
+    p.count_shadowed(8, True, 10)
+    p.started(4, True)  # (another bucket's start: not this one's)
+    assert p.worth_shadowing(8, True)
+    p.count_shadowed(8, True, 1)  # 11 since its start
+    assert not p.worth_shadowing(8, True)
 
 
 def test_a_table_dropped_when_kappa_moved_is_priced_again_by_the_shadow_gate():

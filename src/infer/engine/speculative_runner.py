@@ -405,6 +405,7 @@ class SpeculativeRunner(ContinuousRunner):
             return self._plain_decode(requests, None, shadows_taken=True)
         if gain is not None:
             self._episode = Episode(len(requests), sampled, gain)
+            self.policy.started(len(requests), sampled)  # type: ignore[attr-defined]
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:
             shadow.check(requests)

@@ -244,10 +244,11 @@ class _Quiet(NamedTuple):
     # id() of each request in `batch` (which keeps them alive): `holds_quiet` runs for every
     # request before a step, and scanning the batch for each was ~1,000 comparisons at 32
     members: frozenset[int] = frozenset()
+    sampled: bool = False  # the batch's sampling mode (`batch_samples`)
 
     @classmethod
     def of(cls, batch: list, until: int, table: _CostTable, version: int, vetoed: bool = False) -> _Quiet:
-        return cls(batch, until, table, version, vetoed, frozenset(map(id, batch)))
+        return cls(batch, until, table, version, vetoed, frozenset(map(id, batch)), batch_samples(batch))
 
 
 @dataclass(slots=True)
@@ -582,11 +583,19 @@ class AdaptivePolicy:
                                  self.costs.version)
             if starting:
                 self._choice = _Choice(table, ests, ks)
-                key = (self.costs.bucket(batch), sampled)
-                if key in self._shadowed_steps:  # speculation starts here: shadows earn their patience anew
-                    self._shadowed_steps[key] = 0
-                    self._shadows_paused.pop(key, None)
         return ks
+
+    def started(self, batch_size: int, sampled: bool) -> None:
+        """Speculation started at this batch size and sampling mode with a round that verified
+        drafts (the runner opened an episode): shadow drafts there earn their patience anew,
+        and a pause of theirs ends. Not a choice that started speculating and whose lookups
+        all missed: at W2 each generation's first choice (32 requests at their learned prior,
+        n-gram tables not built) did, and shadows at batch 32 never paused (H100 demo target,
+        W2-prefix T=0: ~60 us a step, 3 % of the workload, run 23d)."""
+        key = (self.costs.bucket(batch_size), sampled)
+        if key in self._shadowed_steps:
+            self._shadowed_steps[key] = 0
+            self._shadows_paused.pop(key, None)
 
     def _learned_start(self, est: _Estimate, table: _CostTable) -> tuple[float | None, int]:
         """For a shadowed request without evidence: its kind's learned prior (None: none
@@ -630,7 +639,8 @@ class AdaptivePolicy:
         That premise is optimistic: where shadows ran for `shadow_patience` decode steps
         without speculation starting at this bucket and mode, they are paused for
         `shadow_pause` policy steps (`count_shadowed`; then tried again, patience anew);
-        speculation starting there (`choose`) restarts the patience and ends a pause."""
+        speculation starting there with a verified round (`started`) restarts the patience
+        and ends a pause."""
         key = (self.costs.bucket(batch_size), sampled)
         if self._steps < self._shadows_paused.get(key, -1):
             return False
@@ -797,8 +807,10 @@ class AdaptivePolicy:
         if quiet is None or id(request) not in quiet.members:
             return False
         rest = [r for r in quiet.batch if r is not request]
-        sampled = batch_samples(rest)
-        if not rest or sampled != batch_samples(quiet.batch):
+        # the rest keep the batch's sampling mode unless the one leaving was its only sampler
+        # (scanning the rest only then: this runs at every finish)
+        sampled = batch_samples(rest) if request_samples(request) else quiet.sampled
+        if not rest or sampled != quiet.sampled:
             return False
         table = quiet.table
         if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):

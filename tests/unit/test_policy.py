@@ -1037,8 +1037,9 @@ def test_a_batch_held_plain_by_its_economics_is_asked_again_after_veto_hold_step
 
 def test_a_batch_vetoed_again_and_again_is_asked_ever_less_often():
     # one request drafting well among seven that do not: each full choose vetoes the round;
-    # the hold doubles with each veto in a row (16, 32, 64 ... up to max_veto_hold), and a
-    # choice that is not vetoed (the others' drafts came to pay) starts the holds over
+    # the hold doubles with each veto at the bucket and mode (16, 32, 64 ... up to
+    # max_veto_hold), the next batch there included, and speculation starting there (the
+    # others' drafts came to pay) starts the holds over
     p = _batch_policy(8, 2.2, veto_hold=16, max_veto_hold=64)
     batch = [_sampled(f"r{i}") for i in range(8)]
     for i in range(8):
@@ -1050,9 +1051,20 @@ def test_a_batch_vetoed_again_and_again_is_asked_ever_less_often():
         while p.quiet(batch):
             pass
     assert holds == [16, 32, 64, 64]
+    other = [_sampled(f"q{i}") for i in range(8)]  # a new batch at the same bucket and mode
+    for i in range(8):
+        _at(p, f"q{i}", 0.8 if i == 0 else 0.05)
+    assert p.choose(other, [10] * 8, 10_000, [1000] * 8) == [0] * 8 and p.quiet_steps_left() + 1 == 64
+    while p.quiet(other):
+        pass
     for i in range(1, 8):
         _at(p, f"r{i}", 0.8)
-    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [5] * 8 and p._vetoes == 0
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [5] * 8 and not p._vetoes
+    for i in range(1, 8):
+        _at(p, f"r{i}", 0.05)
+    p._choice = None  # (a round ran; the estimates fell)
+    assert p.choose(batch, [10] * 8, 10_000, [1000] * 8) == [0] * 8 and p._quiet.vetoed
+    assert p._vetoes == {(8, True): 1} and p.quiet_steps_left() + 1 <= 16  # held 16 at most: started over
     with pytest.raises(ValueError, match="max_veto_hold"):
         AdaptivePolicy(5, CostModel(5), veto_hold=32, max_veto_hold=16)
 

@@ -379,8 +379,9 @@ class AdaptivePolicy:
     # (learned) prior plus `batch_optimism` (the shadow gate, probes' budget)
     batch_optimism: float = 0.15
     # a batch held plain by its economics is asked again after at most this many steps
-    # (each ask is a full `choose` over the batch), doubled after each veto in a row up to
-    # `max_veto_hold`: on the H100 demo pair (draft model, W2-prefix T=0, run 22f) requests
+    # (each ask is a full `choose` over the batch), doubled after each veto at its batch
+    # size and sampling mode since speculation last started there, up to `max_veto_hold`:
+    # on the H100 demo pair (draft model, W2-prefix T=0, run 22f) requests
     # that drafted well had a batch of 32 vetoed ~19 times a generation, each ask a full
     # `choose` and two steps outside a plain stretch (~3 % of the workload)
     veto_hold: int = 16
@@ -425,7 +426,11 @@ class AdaptivePolicy:
     _steps: int = 0
     _table: dict[tuple[int, bool], _CostTable] = field(default_factory=dict)  # by (bucket, batch samples)
     _quiet: _Quiet | None = None
-    _vetoes: int = 0  # full choices in a row the batch's economics vetoed (`veto_hold` doubles with each)
+    # (bucket, batch samples) -> vetoes since speculation last started there (`veto_hold`
+    # doubles with each; kept across batches: each W2 generation's new batch of 32 at the
+    # learned prior was vetoed 3-4 times again from a hold of 16, H100 draft model at
+    # W2-prefix T=0, run 23f: ~1 % of the workload)
+    _vetoes: dict[tuple[int, bool], int] = field(default_factory=dict)
     _asked: _Asked | None = None
     _choice: _Choice | None = None
     # (bucket, batch samples) -> decode steps that took shadows there since speculation last
@@ -539,10 +544,10 @@ class AdaptivePolicy:
                 for i, k in enumerate(wants):
                     if k > 0:
                         wants[i], ests[i].speculating = 0, False
-                next_due = min(next_due, self._steps + min(self.veto_hold << self._vetoes, self.max_veto_hold))
-                self._vetoes = min(self._vetoes + 1, self.max_veto_hold.bit_length())
-        if not vetoed:
-            self._vetoes = 0
+                key = (self.costs.bucket(batch), sampled)
+                vetoes = self._vetoes.get(key, 0)
+                next_due = min(next_due, self._steps + min(self.veto_hold << vetoes, self.max_veto_hold))
+                self._vetoes[key] = min(vetoes + 1, self.max_veto_hold.bit_length())
         for est, k, n, left in zip(ests, wants, seq_lens, tokens_left, strict=True):
             if k < 0:
                 ks.append(0)
@@ -583,6 +588,7 @@ class AdaptivePolicy:
                                  self.costs.version)
             if starting:
                 self._choice = _Choice(table, ests, ks)
+                self._vetoes.pop((self.costs.bucket(batch), sampled), None)  # the holds start over
         return ks
 
     def started(self, batch_size: int, sampled: bool) -> None:

@@ -671,6 +671,25 @@ def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
     assert proposer.table(req.request_id) is None and len(proposer) == 0 and engine.leak_report() == []
 
 
+def test_tables_a_batched_lookup_queued_are_built_under_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):
+    # in a batch, a lookup whose table needs a build drafts nothing and queues the build
+    # (NgramProposer.propose); with fixed K (no shadow drafts) the builds then run under the
+    # plain steps' forwards (`_in_flight`), so speculation starts after a few steps: here
+    # no table is built under the prefill at all
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
+    runner = llm.engine.runner
+    runner._prefill_in_flight = lambda requests: None
+    proposer, ready_at_lookup = runner.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda requests, ks: (ready_at_lookup.append(all(map(proposer.ready, requests))),
+                                             propose(requests, ks))[1]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert ready_at_lookup[0] is False and True in ready_at_lookup  # queued first, built later
+    assert runner.stats.drafts > 0 and not proposer.building
+    assert llm.engine.leak_report() == []
+
+
 def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):
     # an n-gram proposer that finds no match proposes nothing: the step must be the plain
     # decode step (no verification pass), and the cost model must not file it at all: its

@@ -12,6 +12,7 @@ import infer.spec.ngram
 from infer.engine.request import Request
 from infer.sampling import SamplingParams
 from infer.spec.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
+from infer.spec.proposer import Draft
 
 WORDS: dict[str, int] = {}
 
@@ -452,6 +453,7 @@ def test_proposer_batch_lengths_and_release() -> None:
     proposer = NgramProposer()
     a = make_request(ids("u v u v u"), "a")
     b = make_request(ids("novel tokens only"), "b")
+    proposer.keep_up([a, b])  # (in a batch, tables are built by keep_up, not by propose)
     drafts = proposer.propose([a, b], [3, 2])
     assert drafts[0].token_ids == ids("v u v")
     assert drafts[1].token_ids == []  # nothing repeats: a plain decode step
@@ -462,6 +464,24 @@ def test_proposer_batch_lengths_and_release() -> None:
     proposer.release(a)  # releasing twice is harmless
     proposer.on_accepted(a, 0)  # a released request is not resurrected
     assert proposer.table("a") is None
+
+
+def test_in_a_batch_a_table_to_build_is_queued_not_built_on_the_critical_path() -> None:
+    # alone, a request's table is built on demand; in a batch, a request whose table needs a
+    # build drafts nothing and the build is queued for keep_up (under the next forwards)
+    proposer = NgramProposer()
+    a = make_request(ids("u v u v u"), "a")
+    b = make_request(ids("x y x y x"), "b")
+    assert proposer.propose([a, b], [3, 3]) == [Draft(token_ids=[], probs=None)] * 2
+    assert proposer.building and proposer.table("a") is None
+    proposer.keep_up([a, b], busy=lambda: True)
+    assert not proposer.building
+    assert [d.token_ids for d in proposer.propose([a, b], [3, 3])] == [ids("v u v"), ids("y x y")]
+    c = make_request(ids("p q p q p"), "c")
+    assert proposer.propose([c], [3])[0].token_ids == ids("q p q")  # alone: built here
+    proposer.admit = lambda request: False
+    d = make_request(ids("u v u v u"), "d")
+    assert proposer.propose([d, a], [3, 3])[0].token_ids == [] and "d" not in proposer._building  # turned down
 
 
 def test_proposer_prompt_lookup_method() -> None:

@@ -613,8 +613,15 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Shadow drafts (n-gram table upkeep and lookups) are taken while the plain step's
-        forward runs: they read only the tokens the requests had before it."""
-        if self.shadow is None or not self._take_shadows:
+        forward runs: they read only the tokens the requests had before it. Without shadows
+        (fixed K), tables that a batched lookup queued (`NgramProposer.propose`) are built
+        here, under the forward."""
+        if self.shadow is None:
+            built = self._build_tables(requests)
+            if built is not None:
+                self._upkeep += built[1]
+            return
+        if not self._take_shadows:
             return
         batch, sampled = len(requests), batch_samples(requests)
         if self._shadowing(batch, sampled):

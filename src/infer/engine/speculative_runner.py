@@ -379,8 +379,14 @@ class SpeculativeRunner(ContinuousRunner):
             # demo step: with it, rounds looked that much cheaper); a round pays its own
             return self._plain_decode(requests, self._plain_timer(requests))
         sampled = batch_samples(requests)  # costs are kept per sampling mode
-        # speculation starts here (not a probe): an episode opens once a draft is verified
+        # speculation starts here (not a probe): an episode opens, whether or not the lookups
+        # then find drafts (a step whose lookups all miss is part of what speculating costs:
+        # the calibration's kappa is to catch misses too, spec/episodes.py; opening episodes
+        # only on verified rounds, tried in the twenty-third pass, left that cost charged
+        # nowhere, and n-gram rounds at T=1 came back at W2, H100 23g)
         gain = self._episode_gain() if self._episode is None and self._episode_gain is not None else None
+        if gain is not None:
+            self._episode = Episode(len(requests), sampled, gain)
         shadow = self.shadow
         if shadow is not None:
             shadow.take(self.proposer, requests, ks)
@@ -399,12 +405,8 @@ class SpeculativeRunner(ContinuousRunner):
         if not longest:
             # no proposals at all (n-gram found no match): a plain step, but not timed as one:
             # with the lookups' cost in it, it would bias the plain baseline (and speculation) up
-            # (nor does an episode open: a step that drafted nothing tells nothing of what
-            # speculating gains, and H100 W2 ledgers showed such one-step "episodes" at 3-5 a
-            # generation pulling kappa down to 0.4-0.7, run 23a)
             return self._plain_decode(requests, None, shadows_taken=True)
-        if gain is not None:
-            self._episode = Episode(len(requests), sampled, gain)
+        if gain is not None:  # a round that verifies drafts starts speculation here
             self.policy.started(len(requests), sampled)  # type: ignore[attr-defined]
         outputs = self._accept(requests, drafts, self._verify(requests, drafts))
         if shadow is not None:

@@ -15,11 +15,11 @@ On the demo pair at T=1 this made n-gram adaptive 2-4 % slower than plain decodi
 rounds, started at a predicted gain of 5-30 %, each followed by a cold plain step.
 
 An *episode* runs from a step at which the policy starts speculating (some request is given
-k > 0, not as a probe, and some draft is verified: a step whose lookups all missed opens
-none) until a standing all-plain decision takes over, the batch changes, or, after a few
-steps, it is found losing: fewer tokens than plain decoding would have emitted in its time
-(`losing`; the runner's `EPISODE_CHECK_STEPS`), so that an episode priced far too low is
-heard of before it ends on its own.
+k > 0, not as a probe; its lookups may all miss) until a standing all-plain decision takes
+over, the batch changes, or, after a few steps, it is found losing: fewer tokens than
+plain decoding would have emitted in its time (`losing`; the runner's
+`EPISODE_CHECK_STEPS`), so that an episode priced far too low is heard of before it ends on
+its own.
 The runner times its decode steps (one-off setup excluded, a draft model's catch-up
 included) and counts the tokens they emitted. Measured in plain steps (the plain baseline's
 seconds), an episode that emitted T tokens per request in S plain steps' time realized T;

@@ -350,7 +350,7 @@ class SpeculativeRunner(ContinuousRunner):
             return self._speculative_decode(requests, plain_reserved)
         start, self._one_off = time.perf_counter(), 0.0
         outputs = self._speculative_decode(requests, plain_reserved)
-        episode = self._episode  # (opened by this step's round, or earlier)
+        episode = self._episode  # (opened by this step's choice, or earlier)
         if episode is not None:
             seconds = time.perf_counter() - start - self._one_off
             episode.add(seconds, len(outputs), self._mixed)

@@ -593,7 +593,7 @@ class AdaptivePolicy:
 
     def started(self, batch_size: int, sampled: bool) -> None:
         """Speculation started at this batch size and sampling mode with a round that verified
-        drafts (the runner opened an episode): shadow drafts there earn their patience anew,
+        drafts (the runner: a step that opened an episode drafted): shadow drafts there earn their patience anew,
         and a pause of theirs ends. Not a choice that started speculating and whose lookups
         all missed: at W2 each generation's first choice (32 requests at their learned prior,
         n-gram tables not built) did, and shadows at batch 32 never paused (H100 demo target,

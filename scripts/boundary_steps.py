@@ -23,8 +23,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-from interleaved_ab import build
+from interleaved_ab import build, one_workload_args
 from plain_step_ab import submit_workload
 
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests
@@ -55,15 +54,9 @@ def generation(engine: Engine, work: PromptSet, temperature: float, seed: int, m
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variant", help="an adaptive variant of scripts/plain_step_ab.py, e.g. ngram-adaptive")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--workload", default="W2", choices=["W2", "W2-prefix"])
     ap.add_argument("--generations", type=int, default=4, help="timed, then as many profiled (2 warm up first)")
     ap.add_argument("--min-batch", type=int, default=9)
-    ap.add_argument("--cpu-tiny", action="store_true")
-    args = ap.parse_args()
-    if args.cpu_tiny:
-        torch.set_num_threads(1)
+    args = one_workload_args(ap, "an adaptive variant of scripts/plain_step_ab.py, e.g. ngram-adaptive")
     with tempfile.TemporaryDirectory() as tmp:
         engine = build([args.variant], [args.workload], 0, args.cpu_tiny, Path(tmp))[args.variant]
         work = build_requests(WORKLOADS[args.workload], engine.vocab_size, engine.tokenizer)

@@ -365,6 +365,20 @@ def build(variants: Sequence[str], workloads: Sequence[str], plain_instances: in
     return engines
 
 
+def one_workload_args(ap: argparse.ArgumentParser, variant_help: str) -> argparse.Namespace:
+    """Parse the arguments of a script that runs one variant on one batch workload
+    (scripts/boundary_steps.py, scripts/profile_pair.py): the variant, `--temperature`,
+    `--workload`, `--cpu-tiny` (one torch thread then), and the script's own already in `ap`."""
+    ap.add_argument("variant", help=variant_help)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--workload", default="W2", choices=BATCH_WORKLOADS)
+    ap.add_argument("--cpu-tiny", action="store_true", help="a tiny random model on the CPU (n-gram variants only)")
+    args = ap.parse_args()
+    if args.cpu_tiny:
+        torch.set_num_threads(1)
+    return args
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", nargs="+", default=["W2"], choices=BATCH_WORKLOADS)

@@ -21,8 +21,7 @@ import pstats
 import tempfile
 from pathlib import Path
 
-import torch
-from interleaved_ab import build
+from interleaved_ab import build, one_workload_args
 from plain_step_ab import submit_workload
 
 from infer.bench.workloads import WORKLOADS, PromptSet, build_requests
@@ -54,15 +53,9 @@ def print_difference(profiles: dict[str, cProfile.Profile], variant: str, genera
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variant")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--workload", default="W2", choices=["W2", "W2-prefix"])
     ap.add_argument("--generations", type=int, default=3)
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--cpu-tiny", action="store_true")
-    args = ap.parse_args()
-    if args.cpu_tiny:
-        torch.set_num_threads(1)
+    args = one_workload_args(ap, "a variant of scripts/plain_step_ab.py, profiled against plain")
     with tempfile.TemporaryDirectory() as tmp:
         engines = build([args.variant], [args.workload], 1, args.cpu_tiny, Path(tmp))
         work = build_requests(WORKLOADS[args.workload], engines["plain"].vocab_size, engines["plain"].tokenizer)

@@ -593,9 +593,9 @@ class AdaptivePolicy:
 
     def started(self, batch_size: int, sampled: bool) -> None:
         """Speculation started at this batch size and sampling mode with a round that verified
-        drafts (the runner: a step that opened an episode drafted): shadow drafts there earn their patience anew,
-        and a pause of theirs ends. Not a choice that started speculating and whose lookups
-        all missed: at W2 each generation's first choice (32 requests at their learned prior,
+        drafts (the runner: a step that opened an episode drafted): shadow drafts there earn
+        their patience anew, and a pause of theirs ends. Not a choice that started
+        speculating and whose lookups all missed: at W2 each generation's first choice (32 requests at their learned prior,
         n-gram tables not built) did, and shadows at batch 32 never paused (H100 demo target,
         W2-prefix T=0: ~60 us a step, 3 % of the workload, run 23d)."""
         key = (self.costs.bucket(batch_size), sampled)

@@ -447,8 +447,9 @@ def test_quiet_steps_reserve_what_plain_decoding_does(make_llm, ckpt_a, prompts,
     def recording(requests):
         (r,) = requests
         quiet = policy.holds_quiet(r)
+        draft_slot = runner.draft._draft_slots.get(r.slot)  # (none before the request's first round)
         seen.append((quiet, r.num_computed_tokens, len(runner.cache_pool.block_table(r.slot)),
-                     len(runner.draft.pool.block_table(runner.draft._slot(r)))))
+                     0 if draft_slot is None else len(runner.draft.pool.block_table(draft_slot))))
         return decode(requests)
 
     runner._decode = recording
@@ -463,6 +464,39 @@ def test_quiet_steps_reserve_what_plain_decoding_does(make_llm, ckpt_a, prompts,
     assert not all(q for q, *_ in seen)  # rounds ran in between
     assert runner.stats.acceptance_rate >= 0.99
     assert llm.engine.leak_report() == []
+
+
+class _SomeDraftPolicy(_SchedulePolicy):
+    """K for the requests whose id is in `drafting`, plain decoding for the rest."""
+
+    def __init__(self, drafting):
+        super().__init__([K])
+        self.drafting = drafting
+
+    def choose(self, requests, seq_lens, max_seq_len, tokens_left):
+        ks = super().choose(requests, seq_lens, max_seq_len, tokens_left)
+        return [k if r.request_id in self.drafting else 0 for r, k in zip(requests, ks)]
+
+
+def test_a_request_takes_a_draft_slot_at_its_first_round_only(make_llm, ckpt_a, prompts, plain_outputs):
+    # a request that never drafts holds no draft slot (nor blocks) at any time; one that
+    # drafts gets its slot at its first round and gives it back at its finish
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend="paged", block_size=4)
+    runner = llm.engine.runner
+    drafting = {"req-1", "req-4"}
+    runner.policy = _SomeDraftPolicy(drafting)
+    holders, step = set(), llm.engine.step
+
+    def recording():
+        out = step()
+        holders.update(r.request_id for r in llm.engine.scheduler.running if r.slot in runner.draft._draft_slots)
+        return out
+
+    llm.engine.step = recording
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert holders == drafting and runner.stats.drafts > 0
+    assert runner.draft._draft_slots == {} and llm.engine.leak_report() == []
 
 
 def test_a_batch_change_under_a_quiet_decision_decodes_plainly(make_llm, ckpt_a, prompts, plain_outputs):
@@ -552,7 +586,8 @@ def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make
         runner._keep_quiet_without = None
     chosen, cut, choose, leave = [], [], policy.choose, runner._stretch.leave
     policy.choose = lambda requests, *a: (chosen.append(len(requests)), choose(requests, *a))[1]
-    runner._stretch.leave = lambda: (cut.append((runner._stretch.left, len(runner._stretch_requests))), leave())[1]
+    running = llm.engine.scheduler.running  # (at a finish, the rest of the batch)
+    runner._stretch.leave = lambda: (cut.append((runner._stretch.left, len(running))), leave())[1]
     lengths = [48 - 4 * i for i in range(8)]  # one finish every 4 steps at the end
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1])  # a plain cost at batch 1
@@ -565,10 +600,10 @@ def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make
     asked_in_bucket_8 = sum(1 for n in chosen if 4 < n < 8)  # after a finish, with a plain cost there
     if keep:
         # cut short only where a finish changed the bucket (5 -> 4, 3 -> 2, 2 -> 1) or ended
-        # the batch; a new bucket is asked until its plain step is measured
-        assert set(cut_short) <= {5, 3, 2, 1} and asked_in_bucket_8 == 0
+        # the batch (sizes after the finish); a new bucket is asked until its plain step is measured
+        assert set(cut_short) <= {4, 2, 1, 0} and asked_in_bucket_8 == 0
     else:
-        assert {7, 6} <= set(cut_short) and asked_in_bucket_8 >= 3
+        assert {6, 5} <= set(cut_short) and asked_in_bucket_8 >= 3
     assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
     assert runner._held == 0
 

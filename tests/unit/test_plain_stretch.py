@@ -1,6 +1,7 @@
 """PlainStretch (engine/plain_stretch.py): the plain runner's methods for n steps (the
 runner's class made a subclass of its own that has them), counted in `_in_flight`; an
-`each_step` hook that may end the stretch; `leave` restores the runner's class."""
+`each_step` hook that may end the stretch; bare steps (the plain `step` too) but for the
+first, the timed ones and the ones after them; `leave` restores the runner's class."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from infer.engine.plain_stretch import PLAIN_METHODS, PlainStretch
 
 
 class _Plain:
+    def step(self, requests):
+        return self._decode(requests)
+
     def decode_demand(self, request):
         return "plain demand"
 
@@ -25,6 +29,13 @@ class _Plain:
 
 
 class _Runner(_Plain):
+    def __init__(self):
+        self.steps = []  # which `step` ran each step: "own" or "plain"
+
+    def step(self, requests):
+        self.steps.append("own")
+        return self._decode(requests)
+
     def decode_demand(self, request):
         return "own demand"
 
@@ -120,3 +131,50 @@ def test_one_step_in_time_every_is_timed_never_a_stretchs_first():
     assert len(timed) == 2 and left == [10, 3]
     with pytest.raises(ValueError, match="time_every"):
         PlainStretch(runner, _Plain, left.append, time_every=1)
+
+
+class _Counted(_Runner):
+    """A runner whose plain `step` is told apart from its own."""
+
+
+def _plain_step(self, requests):
+    self.steps.append("plain")
+    return self._decode(requests)
+
+
+_CountedPlain = type("_CountedPlain", (_Plain,), {"step": _plain_step})
+
+
+def test_bare_steps_run_the_plain_step_but_the_first_and_each_timed_one_and_the_next():
+    # a stretch without `after_step` runs the plain class's `step` too, except at its first
+    # step, each timed step and the step after it (the runner's own `step` files the time
+    # after a measured step)
+    runner, left, timed = _Counted(), [], []
+    stretch = PlainStretch(runner, _CountedPlain, left.append, on_timed=lambda requests, s: timed.append(requests),
+                           time_every=4)
+    stretch.enter(10)
+    for i in range(10):
+        assert runner.step([i]) == "plain decode"
+    assert runner.steps == ["own", "plain", "plain", "own", "own", "plain", "plain", "own", "own", "plain"]
+    assert timed == [[3], [7]] and left == [10] and type(runner) is _Counted
+    runner.steps.clear()
+    stretch.bare_steps = False  # (the A/B scripts' switch) every step through the runner's own `step`
+    stretch.enter(3)
+    for i in range(3):
+        runner.step([i])
+    assert runner.steps == ["own"] * 3 and left == [10, 3]
+
+
+def test_a_stretch_with_after_step_has_no_bare_steps_unless_entered_without_hooks():
+    runner, left, seen = _Counted(), [], []
+    stretch = PlainStretch(runner, _CountedPlain, left.append, lambda requests: seen.append(("each", requests)),
+                           lambda requests: seen.append(("after", requests)), time_every=4)
+    stretch.enter(3)
+    for i in range(3):
+        runner.step([i])
+    assert runner.steps == ["own"] * 3 and len(seen) == 6
+    runner.steps.clear()
+    stretch.enter(3, hooks=False)  # (a stretch without shadows: no hooks, bare steps)
+    for i in range(3):
+        runner.step([i])
+    assert runner.steps == ["own", "plain", "plain"] and len(seen) == 6 and left == [3, 3]

@@ -233,9 +233,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._end_stretch()  # the batch changes
         self._end_episode()
         super().allocate(request)
-        self._held += 1
-        if self.draft is not None:
-            self.draft.allocate(request, request.prefill_target)
+        self._held += 1  # (a draft slot comes with the request's first round: `DraftModelProposer.ensure_capacity`)
         if self.shadow is not None:
             self.shadow.admit(request.request_id)
 
@@ -264,10 +262,11 @@ class SpeculativeRunner(ContinuousRunner):
             keep = self._keep_quiet_without
             if keep is not None and keep(request):
                 # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
-                # stretch under way goes on with them (its shadows only if still worth it there)
-                rest = self._stretch_requests = [r for r in self._stretch_requests if r is not request]
-                if self._stretch_shadowing and rest:
-                    self._stretch_shadowing = self._shadowing(len(rest), batch_samples(rest))
+                # stretch under way goes on with them (its shadows only if still worth it
+                # there; only a shadowing stretch reports on its batch, `_stretch_done`)
+                if self._stretch_shadowing:
+                    rest = self._stretch_requests = [r for r in self._stretch_requests if r is not request]
+                    self._stretch_shadowing = bool(rest) and self._shadowing(len(rest), batch_samples(rest))
             else:
                 self._end_stretch()  # the batch changes
             self._end_episode()
@@ -339,12 +338,7 @@ class SpeculativeRunner(ContinuousRunner):
                 outputs = super()._decode(requests)
             else:
                 outputs = self._plain_decode(requests, start)
-            if start is None and self._quiet_left is not None:
-                # so are the next steps the decision holds: through the plain runner's methods
-                self._stretch_shadowing = (shadow is not None
-                                           and self._shadowing(len(requests), batch_samples(requests)))
-                self._stretch_requests = requests  # (pruned by a finish the decision survives: `release`)
-                self._stretch.enter(self._quiet_left())
+            self._enter_stretch(requests)  # so are the next steps the decision holds
             return outputs
         if self._episode_gain is None:
             return self._speculative_decode(requests, plain_reserved)
@@ -359,7 +353,25 @@ class SpeculativeRunner(ContinuousRunner):
                 self._end_episode()  # the policy hears it now, not at the next plain decision
             else:
                 self._until_next_step(seconds, episode.extend)
+        else:
+            # a choice that kept the whole batch plain: the next steps it holds for are a plain
+            # stretch at once (not after one more step on this path: H100, W2, the step after
+            # a choice was one of ~5 a cycle at batch 17-32 outside stretches, ~0.4 ms dearer
+            # than a stretch step each, run 23f). (With an episode open, the next step's thin
+            # path ends it first, so that it counts the time up to that step.)
+            self._enter_stretch(requests)
         return outputs
+
+    def _enter_stretch(self, requests: Sequence[Request]) -> None:
+        """The steps after this one for which the standing all-plain decision holds (if any)
+        run as a plain stretch, through the plain runner's methods."""
+        left = self._quiet_left() if self._quiet_left is not None else 0
+        if left:
+            shadow = self.shadow
+            self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), batch_samples(requests))
+            self._stretch_requests = requests  # (pruned by a finish the decision survives: `release`)
+            # (a stretch without shadows needs no hooks: its steps are bare, `PlainStretch`)
+            self._stretch.enter(left, hooks=self._stretch_shadowing)
 
     def _speculative_decode(self, requests: Sequence[Request], plain_reserved: bool = False) -> StepResult:
         start = time.perf_counter()

@@ -71,16 +71,36 @@ class DraftModelProposer:
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
 
-    # -- memory, in lockstep with the target pool --------------------------------------------
+    # -- memory: a draft slot from a request's first round on -------------------------------
+    # A request gets its draft slot at its first round (`propose`), not at admission: one that
+    # never drafts (the adaptive policy kept it plain) costs the draft pool nothing at
+    # admission and at its finish (H100, W2 on the demo pair: batches of 32 that never
+    # speculate, a slot and its prompt's blocks each). Admission still asks whether the pool
+    # could hold the prompt (`can_allocate`).
     def can_allocate(self, num_tokens: int) -> bool:
         return self.pool.can_allocate(num_tokens)
 
-    def allocate(self, request: Request, initial_tokens: int) -> None:
-        assert request.slot is not None
-        self._draft_slots[request.slot] = self.pool.allocate_slot(initial_tokens)
-
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        return self.pool.ensure_capacity(self._slot(request), total_tokens)
+        """Room for positions < total_tokens in the request's draft cache; False (nothing
+        taken) when the pool is short: the scheduler preempts. True for a request without a
+        draft slot yet: its first round takes one if the pool has room then (`_take_slot`)."""
+        assert request.slot is not None
+        slot = self._draft_slots.get(request.slot)
+        return slot is None or self.pool.ensure_capacity(slot, total_tokens)
+
+    def _take_slot(self, request: Request, k: int) -> bool:
+        """Whether the request has a draft slot for a round of k drafts, taken now at its
+        first round (room for its context and the drafts); False when the pool has no room
+        for it (prefix caching shares the target's prompt blocks, not the draft's): the
+        request drafts nothing this round."""
+        assert request.slot is not None
+        if request.slot in self._draft_slots:
+            return True
+        need = request.num_computed_tokens + k
+        if not self.pool.can_allocate(need):
+            return False
+        self._draft_slots[request.slot] = self.pool.allocate_slot(need)
+        return True
 
     def release(self, request: Request) -> None:
         if request.slot is not None and request.slot in self._draft_slots:
@@ -103,7 +123,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in requests]
-        active = [i for i, k in enumerate(ks) if k > 0]
+        active = [i for i, k in enumerate(ks) if k > 0 and self._take_slot(requests[i], k)]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]

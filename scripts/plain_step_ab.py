@@ -237,11 +237,13 @@ def build_engines(variants: tuple[str, ...] = VARIANTS, instances: int = 1, max_
 
 
 def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options: object) -> dict[str, Engine]:
-    # (engine_options may replace the defaults: scripts/interleaved_ab.py's CPU stand-in passes its own model)
-    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=max_batch_size, max_seq_len=1024) | dict(
-        engine_options)
+    # (engine_options may replace the defaults: scripts/interleaved_ab.py's CPU stand-in passes
+    # its own model, and as `draft_model` the draft variants')
+    options = dict(engine_options)
+    draft_path = options.pop("draft_model", DEMO_DRAFT)
+    base = dict(model=str(DEMO_TARGET), use_cuda_graphs=True, max_batch_size=max_batch_size, max_seq_len=1024) | options
     ngram = dict(base, use_speculative_decoding=True, speculative_method="ngram", spec_length=5)
-    draft = dict(base, use_speculative_decoding=True, draft_model=str(DEMO_DRAFT), spec_length=5)
+    draft = dict(base, use_speculative_decoding=True, draft_model=str(draft_path), spec_length=5)
     configs = {"plain": base, "plain-eager-sampling": base, "plain-fresh-indices": base, "ngram-K0": ngram, "ngram-k5": ngram,
                "ngram-adaptive": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-noshadow": dict(ngram, spec_policy="adaptive"),

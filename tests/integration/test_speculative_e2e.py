@@ -606,6 +606,9 @@ def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make
         assert {6, 5} <= set(cut_short) and asked_in_bucket_8 >= 3
     assert runner.stats.drafts == 0 and llm.engine.leak_report() == []
     assert runner._held == 0
+    # finishes come after a step, not while the scheduler reserves one: the next batch's first
+    # step is not held plain for a stretch the last finish ended
+    assert any(left for left, n in cut if n == 0) and not runner._plain_reserved
 
 
 def _timed_plain_steps(plain_steps: int, resample: int) -> list[int]:
@@ -723,6 +726,28 @@ def test_tables_a_batched_lookup_queued_are_built_under_plain_steps(make_llm, ck
     assert ready_at_lookup[0] is False and True in ready_at_lookup  # queued first, built later
     assert runner.stats.drafts > 0 and not proposer.building
     assert llm.engine.leak_report() == []
+
+
+def test_fixed_k_table_builds_do_not_depend_on_timing(make_llm, ckpt_a, prompts):
+    # a fixed-K n-gram runner builds its tables whole, not only while the GPU is busy: which
+    # requests can draft at a step (and so the uniforms a seeded sampled request draws) must
+    # not depend on how long a forward took. Here the "GPU" is seen idle at once (one chunk
+    # of a build a call), against a runner whose builds run whole: the same tokens
+    from infer.spec.ngram import BUILD_CHUNK
+    long = [(p * 20)[:200] for p in prompts]  # tables of several chunks each
+    assert min(map(len, long)) > 2 * BUILD_CHUNK
+    params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=11 + i)
+              for i in range(len(prompts))]
+    outputs = []
+    for idle_at_once in (False, True):
+        llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
+        runner = llm.engine.runner
+        if idle_at_once:
+            runner._busy = lambda: (lambda: False)
+        outs = llm.generate(prompt_token_ids=long, sampling_params=params)
+        outputs.append([o.outputs[0].token_ids for o in outs])
+        assert runner.stats.drafts > 0 and llm.engine.leak_report() == []
+    assert outputs[0] == outputs[1]
 
 
 def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):

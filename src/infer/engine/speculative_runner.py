@@ -75,8 +75,8 @@ class SpeculativeRunner(ContinuousRunner):
         self.cost_model = CostModel(config.spec_length)
         self._plain_steps = 0
         self._plain_sampled_at = 0  # `_plain_steps` at the latest plain sample
-        # a stretch ended while the scheduler reserved the next step (a preemption, an
-        # admission): some requests may hold plain's one position, so that step is plain
+        # a stretch ended while the scheduler reserved the next step (a preemption): some
+        # requests may hold plain's one position, so that step is plain
         self._plain_reserved = False
         self._take_shadows = True  # whether `_in_flight` takes this plain step's shadow drafts
         # the speculative episode under way (spec/episodes.py), and the one-off setup seconds
@@ -230,7 +230,9 @@ class SpeculativeRunner(ContinuousRunner):
         return ok and (self.draft is None or self.draft.can_allocate(request.prefill_target))
 
     def allocate(self, request: Request) -> None:
-        self._end_stretch()  # the batch changes
+        # the batch changes (admission comes before the scheduler reserves the next step:
+        # every request then reserves through the runner's own `decode_demand`)
+        self._end_stretch(reserving=False)
         self._end_episode()
         super().allocate(request)
         self._held += 1  # (a draft slot comes with the request's first round: `DraftModelProposer.ensure_capacity`)
@@ -268,7 +270,9 @@ class SpeculativeRunner(ContinuousRunner):
                     rest = self._stretch_requests = [r for r in self._stretch_requests if r is not request]
                     self._stretch_shadowing = bool(rest) and self._shadowing(len(rest), batch_samples(rest))
             else:
-                self._end_stretch()  # the batch changes
+                # the batch changes: a request leaving unfinished may be a preemption while
+                # the scheduler reserves the next step (a finish comes after a step)
+                self._end_stretch(reserving=not request.is_finished)
             self._end_episode()
             self._held -= 1
         self.proposer.release(request)
@@ -311,9 +315,14 @@ class SpeculativeRunner(ContinuousRunner):
         self._step_end = time.perf_counter()
         self._pending.append((seconds, extend))
 
-    def _end_stretch(self) -> None:
+    def _end_stretch(self, reserving: bool) -> None:
+        """End the plain stretch under way (if any); `reserving`: the scheduler may be
+        reserving the next step (requests reserved before now hold plain's one position, so
+        that step is plain). Not after a generation's last finish: the next batch's first
+        step then decided plainly and asked again, one more full choice a generation (H100,
+        W2, run 24a)."""
         if self._stretch.active:
-            self._plain_reserved = True
+            self._plain_reserved = self._plain_reserved or reserving
             self._stretch.leave()
 
     def _end_episode(self) -> None:
@@ -547,9 +556,11 @@ class SpeculativeRunner(ContinuousRunner):
 
     def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
         """The proposer's per-request state (n-gram: the table of the prompt) is built while
-        the prefill's forward runs, not before a decode step's forward."""
+        the prefill's forward runs, not before a decode step's forward (an adaptive runner's
+        only while the GPU works: `_build_tables`; a fixed-K runner's whole, so that which
+        requests can draft never depends on timing)."""
         if self._keep_up is not None and self._shadowing(self._held, batch_samples(requests)):
-            self._keep_up(requests, self._busy())
+            self._keep_up(requests, self._busy() if self.shadow is not None else None)
 
     def _busy(self) -> Callable[[], bool] | None:
         """For table builds under a forward just queued (`keep_up`): whether the GPU still
@@ -572,13 +583,19 @@ class SpeculativeRunner(ContinuousRunner):
         W2 on the demo pair, H100: the GPU idle before the builds start at batch 16-32, one
         chunk a step for a hundred steps, ~300 us of 1.4-2.8 ms steps) and, left out, the
         shadow gate kept shadows going where they could not pay, and the timed plain steps
-        that carried the builds priced rounds down."""
+        that carried the builds priced rounds down.
+
+        A fixed-K runner (no shadows) builds the queued tables whole, whatever the GPU does:
+        which requests can draft at a step must not depend on timing, or a seeded sampled
+        request's tokens would (a round draws its uniforms otherwise than a plain step;
+        H100, run 24a: a graphed and an eager engine parted ways). The adaptive policy
+        decides from measured times anyway."""
         building = self._tables_building
         if building is None or not building():
             return None
         assert self._keep_up is not None
         start = time.perf_counter()
-        busy = self._busy()
+        busy = self._busy() if self.shadow is not None else None
         if busy is None:
             self._keep_up(requests, None)
             spent = time.perf_counter() - start

@@ -153,6 +153,8 @@ class SpeculativeRunner(ContinuousRunner):
         self._holds_quiet: Callable[[Request], bool] | None = getattr(policy, "holds_quiet", None)
         # and `keep_quiet_without(request)`: whether it holds for the batch without a request
         self._keep_quiet_without: Callable[[Request], bool] | None = getattr(policy, "keep_quiet_without", None)
+        # and `end_quiet()`: drop it (the batch changed)
+        self._end_quiet: Callable[[], None] | None = getattr(policy, "end_quiet", None)
         # and `quiet_steps_left()`: how many more steps it holds for the same batch
         self._quiet_left: Callable[[], int] | None = getattr(policy, "quiet_steps_left", None)
         # and `episode_gain()` / `observe_episode(...)`: speculative episodes (spec/episodes.py)
@@ -273,6 +275,12 @@ class SpeculativeRunner(ContinuousRunner):
                 # the batch changes: a request leaving unfinished may be a preemption while
                 # the scheduler reserves the next step (a finish comes after a step)
                 self._end_stretch(reserving=not request.is_finished)
+                if request.is_finished and self._end_quiet is not None:
+                    # nobody has reserved the next step yet: the decision ends now, and that
+                    # step asks `choose` (else it would reserve plain's one position under the
+                    # decision, decode plainly and end it, and only the step after ask: H100,
+                    # W2 T=0, n-gram, ~3.5 such steps a cycle at batch 1-8, run 24a)
+                    self._end_quiet()
             self._end_episode()
             self._held -= 1
         self.proposer.release(request)

@@ -612,6 +612,48 @@ def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make
     assert any(left for left, n in cut if n == 0) and not runner._plain_reserved
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_finishes_in_a_stretch_wait_for_its_end_and_the_policy_never_sees_them_pending(make_llm, ckpt_a, prompts,
+                                                                                      method):
+    # a finish that leaves a stretch's batch in its cost bucket and sampling mode frees its
+    # slots at once and leaves the speculative bookkeeping to the stretch's end
+    # (`StretchFinishes`): the policy is never asked anything while some are pending, and in
+    # the end every request's state is gone
+    from infer.engine.stretch_finishes import StretchFinishes
+    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, method=method, spec_policy="adaptive",
+                    kv_cache_backend="paged", block_size=4)
+    runner = llm.engine.runner
+    policy = runner.policy
+    policy.switch_margin = policy.stay_margin = 1e9  # plain steps only
+    policy.recompute_every = 12  # decisions (and stretches) of a few steps: most end by their count
+    taken, asked_pending = [], []
+    take = StretchFinishes.take
+    StretchFinishes.take = lambda self, request: (taken.append(r := take(self, request)), r)[1]
+
+    def pending() -> bool:
+        finishes = runner._stretch_finishes
+        return finishes is not None and bool(finishes.deferred)
+
+    for name in ("choose", "quiet", "holds_quiet", "keep_quiet_without"):
+        inner = getattr(policy, name)
+        setattr(policy, name, lambda *a, _inner=inner: (asked_pending.append(pending()), _inner(*a))[1])
+    runner.policy = policy  # (the runner binds the policy's hooks when it is set)
+    try:
+        lengths = [60 - 2 * i for i in range(8)]  # a finish every 2 steps at the end (8 -> 5: bucket 8)
+        params = [SamplingParams(temperature=[0.0, 1.0][i % 2], max_tokens=n, ignore_eos=True, seed=i)
+                  for i, n in enumerate(lengths)]
+        llm.generate(prompt_token_ids=prompts[:1], sampling_params=params[:1])  # a plain cost at batch 1
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        StretchFinishes.take = take
+    plain = make_llm(ckpt_a, max_batch_size=8, max_seq_len=256, kv_cache_backend="paged", block_size=4)
+    assert ([o.outputs[0].token_ids for o in outs]
+            == [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)])
+    assert True in taken and not any(asked_pending)
+    assert runner._stretch_finishes is None and policy._est == {} and runner.stats.drafts == 0
+    assert runner._held == 0 and llm.engine.leak_report() == []
+
+
 def _timed_plain_steps(plain_steps: int, resample: int) -> list[int]:
     """The plain steps (1-based counts) timed outside stretches for one batch size and mode:
     the first two, then one whenever `resample` plain steps went by without a sample."""

@@ -709,6 +709,22 @@ def test_quiet_steps_left_counts_the_steps_quiet_would_answer():
     assert counted.quiet_steps_left() == 0
 
 
+def test_a_decision_on_a_table_kept_past_its_recompute_period_still_holds_a_while():
+    # a cost table older than `recompute_every` is kept while nothing new was measured; a
+    # plain decision made on it must not end before the step it was made at (it did: it
+    # held for no step, and every step asked `choose` in full) but after the refresh gap
+    costs = CostModel(5, draft_ratio={1: 0.0}, verify_ratio={1: [1.0] + [1.9] * 5})
+    for k, seconds in ((0, 0.001), (0, 0.001), (5, 0.0025), (5, 0.0025)):
+        costs.observe(1, k, seconds)
+    p = AdaptivePolicy(5, costs, plain_refresh=10_000, recompute_every=8, refresh_gap=4, probe_budget=1e-9)
+    r = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000))
+    p.update("a", 5, 0)  # a failed round: K = 0 pays best now
+    assert p.choose([r], [3], 10_000, [1000]) == [0]
+    p.count_quiet_steps(p.quiet_steps_left() + 20)  # well past the table's recompute period
+    assert p.choose([r], [3], 10_000, [1000]) == [0]
+    assert p.quiet_steps_left() == 3  # this step and three more: the refresh gap
+
+
 @pytest.mark.parametrize("gap", [0, 16])
 def test_cost_table_refreshes_at_most_every_refresh_gap_steps_while_speculating(gap):
     # every round is measured while speculating; refreshing the cost table after each one

@@ -29,6 +29,7 @@ from infer.engine.forward import ForwardFn, make_forward
 from infer.engine.plain_stretch import PlainStretch
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
+from infer.engine.stretch_finishes import StretchFinishes
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.spec.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
@@ -93,6 +94,9 @@ class SpeculativeRunner(ContinuousRunner):
         self._stretch_upkeep = 0.0  # the same over the plain stretch under way (reported at its end)
         self._stretch_requests: Sequence[Request] = ()  # that stretch's batch (set as it starts)
         self._stretch_shadowing = True  # whether the plain stretch under way takes shadow drafts
+        # that stretch's batch, for finishes whose bookkeeping waits for its end (None: a
+        # shadowing stretch, or none under way)
+        self._stretch_finishes: StretchFinishes | None = None
         # the latest decode step's measurements, extended once the next step starts by the
         # time in between (`_until_next_step`), and when that step ended
         self._pending: list[tuple[float, Callable[[float], None]]] = []
@@ -262,6 +266,17 @@ class SpeculativeRunner(ContinuousRunner):
         return self.spec_length + 1 if room > self.spec_length else max(1, room)
 
     def release(self, request: Request) -> None:
+        finishes = self._stretch_finishes
+        if finishes is not None and request.is_finished and request.slot is not None:
+            if finishes.take(request):
+                # the all-plain decision stands for the rest as it is: the slots go now, the
+                # speculative bookkeeping when the stretch ends (`_finish_deferred`)
+                self._held -= 1
+                if self.draft is not None:  # (a draft slot, if it drafted: its target slot is free now)
+                    self.draft.release(request)
+                ContinuousRunner.release(self, request)
+                return
+            self._finish_deferred()  # (before the policy is asked about the rest)
         if request.slot is not None:  # (an abort releases a request twice: the second changes nothing)
             keep = self._keep_quiet_without
             if keep is not None and keep(request):
@@ -296,6 +311,7 @@ class SpeculativeRunner(ContinuousRunner):
         return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
+        self._finish_deferred()
         proposer_report = getattr(self.proposer, "leak_report", None)  # (a draft model: `self.draft`'s)
         return (super().leak_report() + (proposer_report() if proposer_report is not None else [])
                 + (self.shadow.leak_report() if self.shadow is not None else []))
@@ -387,6 +403,8 @@ class SpeculativeRunner(ContinuousRunner):
             shadow = self.shadow
             self._stretch_shadowing = shadow is not None and self._shadowing(len(requests), batch_samples(requests))
             self._stretch_requests = requests  # (pruned by a finish the decision survives: `release`)
+            if not self._stretch_shadowing and self._keep_quiet_without is not None:
+                self._stretch_finishes = StretchFinishes.of(requests)
             # (a stretch without shadows needs no hooks: its steps are bare, `PlainStretch`)
             self._stretch.enter(left, hooks=self._stretch_shadowing)
 
@@ -493,10 +511,27 @@ class SpeculativeRunner(ContinuousRunner):
             self._until_next_step(plain, lambda gap: self.cost_model.extend_latest(batch, 0, gap, sampled))
             self._plain_sampled_at = self._plain_steps + self._stretch.done
 
+    def _finish_deferred(self) -> None:
+        """The bookkeeping of finishes a plain stretch took (`StretchFinishes`), in order: the
+        standing decision's batch loses them (`keep_quiet_without`), and the proposer, the
+        shadow drafts and the policy forget them. Ends the stretch's record of its batch."""
+        finishes, self._stretch_finishes = self._stretch_finishes, None
+        if finishes is None:
+            return
+        keep = self._keep_quiet_without
+        for request in finishes.deferred:
+            if keep is not None:
+                keep(request)
+            self.proposer.release(request)
+            if self.shadow is not None:
+                self.shadow.release(request.request_id)
+            self.policy.release(request.request_id)
+
     def _stretch_done(self, steps: int) -> None:
         """A plain stretch ran `steps` steps: the policy and the plain-step count catch up, and
         the cost model hears what its shadow drafts and table upkeep cost a step (where they
         ran: `_stretch_shadows`)."""
+        self._finish_deferred()
         self.policy.count_quiet_steps(steps)  # type: ignore[attr-defined]
         self._plain_steps += steps
         upkeep, self._stretch_upkeep = self._stretch_upkeep, 0.0

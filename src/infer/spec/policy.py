@@ -496,6 +496,12 @@ class AdaptivePolicy:
         probers: list[_Estimate] = []  # requests probing at this step
         starting = False
         next_due = table.step + self.recompute_every
+        if next_due <= self._steps:
+            # a table older than that, kept because nothing was measured since: decide again
+            # after the refresh gap (by then a timed plain step may have renewed it), not at
+            # every step (a decision already out of date held for none, and each step asked
+            # `choose` in full)
+            next_due = self._steps + max(1, self.refresh_gap)
         if table.version != self.costs.version:  # kept by the refresh gap: decide again at its refresh
             next_due = min(next_due, table.step + self.refresh_gap)
         wants: list[int] = []  # per request: the K it would speculate with (0: none; -1: not even a probe)

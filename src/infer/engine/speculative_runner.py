@@ -267,8 +267,8 @@ class SpeculativeRunner(ContinuousRunner):
 
     def release(self, request: Request) -> None:
         finishes = self._stretch_finishes
-        if finishes is not None and request.is_finished and request.slot is not None:
-            if finishes.take(request):
+        if finishes is not None:
+            if request.is_finished and request.slot is not None and finishes.take(request):
                 # the all-plain decision stands for the rest as it is: the slots go now, the
                 # speculative bookkeeping when the stretch ends (`_finish_deferred`)
                 self._held -= 1
@@ -276,13 +276,15 @@ class SpeculativeRunner(ContinuousRunner):
                     self.draft.release(request)
                 ContinuousRunner.release(self, request)
                 return
-            self._finish_deferred()  # (before the policy is asked about the rest)
+            self._finish_deferred(end=False)  # (before the policy is asked about the rest)
         if request.slot is not None:  # (an abort releases a request twice: the second changes nothing)
             keep = self._keep_quiet_without
             if keep is not None and keep(request):
                 # the standing all-plain decision holds for the rest (`keep_quiet_without`): a
                 # stretch under way goes on with them (its shadows only if still worth it
                 # there; only a shadowing stretch reports on its batch, `_stretch_done`)
+                if finishes is not None:
+                    finishes.drop(request)
                 if self._stretch_shadowing:
                     rest = self._stretch_requests = [r for r in self._stretch_requests if r is not request]
                     self._stretch_shadowing = bool(rest) and self._shadowing(len(rest), batch_samples(rest))
@@ -511,15 +513,19 @@ class SpeculativeRunner(ContinuousRunner):
             self._until_next_step(plain, lambda gap: self.cost_model.extend_latest(batch, 0, gap, sampled))
             self._plain_sampled_at = self._plain_steps + self._stretch.done
 
-    def _finish_deferred(self) -> None:
+    def _finish_deferred(self, end: bool = True) -> None:
         """The bookkeeping of finishes a plain stretch took (`StretchFinishes`), in order: the
         standing decision's batch loses them (`keep_quiet_without`), and the proposer, the
-        shadow drafts and the policy forget them. Ends the stretch's record of its batch."""
-        finishes, self._stretch_finishes = self._stretch_finishes, None
+        shadow drafts and the policy forget them. `end`: the stretch's record of its batch
+        goes too (the stretch ended)."""
+        finishes = self._stretch_finishes
         if finishes is None:
             return
+        if end:
+            self._stretch_finishes = None
+        deferred, finishes.deferred = finishes.deferred, []
         keep = self._keep_quiet_without
-        for request in finishes.deferred:
+        for request in deferred:
             if keep is not None:
                 keep(request)
             self.proposer.release(request)

@@ -14,7 +14,9 @@ the decision stands as it is: `AdaptivePolicy.keep_quiet_without`'s first case) 
 `take`n: the runner frees its target slot (and a draft slot, if it drafted) at once and
 leaves the rest to `deferred`, done when the stretch ends, before the policy is asked
 anything again. Any other finish (a bucket or mode change, a shadowing stretch, a
-request that is not the stretch's) takes the runner's full path.
+request that is not the stretch's) takes the runner's full path, which does the deferred
+bookkeeping first; where the decision then holds for the rest, later finishes in the
+stretch may wait again (`drop`).
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ class StretchFinishes:
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> StretchFinishes:
-        bucket = CostModel.bucket(len(requests))
-        return cls({id(r) for r in requests}, bucket // 2 + 1, sum(map(request_samples, requests)))
+        return cls({id(r) for r in requests}, _floor(len(requests)), sum(map(request_samples, requests)))
+
+    def drop(self, request: Request) -> None:
+        """`request` left by the runner's full path and the decision held for the rest (in a
+        smaller bucket, maybe): the batch is the rest."""
+        key = id(request)
+        if key in self.ids:
+            self.ids.discard(key)
+            self.samplers -= request_samples(request)
+            self.floor = _floor(len(self.ids))
 
     def take(self, request: Request) -> bool:
         """Whether `request`'s finish leaves the rest of the batch in its cost bucket and
@@ -57,3 +67,8 @@ class StretchFinishes:
         self.samplers -= samples
         self.deferred.append(request)
         return True
+
+
+def _floor(batch_size: int) -> int:
+    """The smallest batch size in the cost bucket of `batch_size`."""
+    return CostModel.bucket(batch_size) // 2 + 1

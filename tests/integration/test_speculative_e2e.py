@@ -625,6 +625,7 @@ def test_finishes_in_a_stretch_wait_for_its_end_and_the_policy_never_sees_them_p
     runner = llm.engine.runner
     policy = runner.policy
     policy.switch_margin = policy.stay_margin = 1e9  # plain steps only
+    policy._probe_due = lambda *a: 10**9  # and no probes
     policy.recompute_every = 12  # decisions (and stretches) of a few steps: most end by their count
     taken, asked_pending = [], []
     take = StretchFinishes.take
@@ -647,10 +648,10 @@ def test_finishes_in_a_stretch_wait_for_its_end_and_the_policy_never_sees_them_p
     finally:
         StretchFinishes.take = take
     plain = make_llm(ckpt_a, max_batch_size=8, max_seq_len=256, kv_cache_backend="paged", block_size=4)
-    assert ([o.outputs[0].token_ids for o in outs]
-            == [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)])
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert [o.outputs[0].token_ids for o in outs] == expected and runner.stats.drafts == 0
     assert True in taken and not any(asked_pending)
-    assert runner._stretch_finishes is None and policy._est == {} and runner.stats.drafts == 0
+    assert runner._stretch_finishes is None and policy._est == {}
     assert runner._held == 0 and llm.engine.leak_report() == []
 
 

@@ -407,6 +407,23 @@ def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
 
 
+def test_finishing_a_part_built_table_alone_is_a_one_off_not_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `keep_up` under a short forward leaves a long prompt's table part-built; a lone
+    # request's lookup that finishes it reports the time as setup (timed nowhere by the
+    # runner), not as the cost of switching back to drafting
+    clock = itertools.count()
+    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: float(next(clock)))
+    rng = random.Random(5)
+    proposer = NgramProposer(NgramConfig(window=512))
+    request = make_request([rng.randrange(6) for _ in range(300)])
+    proposer.keep_up([request], lambda: False)  # the GPU idle at once: one chunk
+    assert not proposer.ready(request) and proposer.building
+    proposer.propose([request], [4])
+    assert proposer.setup_seconds == 1.0 and proposer.catch_up_seconds == 0.0 and proposer.catch_up_chunks == 0
+    assert proposer.ready(request) and not proposer.building
+    assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 512, 4, 2)
+
+
 @pytest.mark.parametrize("gap", [49, 50, 120])  # shorter than, equal to, longer than the window
 def test_proposer_catches_up_after_plain_steps(gap: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # plain decode steps between proposals leave the table behind by `gap` tokens; a fake
@@ -417,14 +434,16 @@ def test_proposer_catches_up_after_plain_steps(gap: int, monkeypatch: pytest.Mon
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(6) for _ in range(80)])
     proposer.propose([request], [4])
-    assert proposer.catch_up_seconds == 0.0  # the first build is the table's prefill, not a switch
+    # the first build is the table's prefill, not a switch: a one-off the runner times nowhere
+    assert proposer.catch_up_seconds == 0.0 and proposer.setup_seconds == 1.0
     old = proposer.table("r0")
     request.output_token_ids += [rng.randrange(6) for _ in range(5)]  # one round's worth: not a switch
     proposer.propose([request], [4])
-    assert proposer.catch_up_seconds == 0.0
+    assert proposer.catch_up_seconds == proposer.setup_seconds == 0.0
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
     (draft,) = proposer.propose([request], [4])
     assert proposer.catch_up_seconds == 1.0  # the policy's cost of switching back to drafting
+    assert proposer.setup_seconds == 0.0
     assert proposer.catch_up_chunks == 1  # one request caught up: one unit of it
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)

@@ -443,7 +443,8 @@ class SpeculativeRunner(ContinuousRunner):
         drafting = time.perf_counter()
         drafts = self.proposer.propose(requests, ks)
         switch = self.proposer.catch_up_seconds
-        setup = getattr(self.proposer, "setup_seconds", 0.0)  # one-off graph captures: timed nowhere
+        # one-offs (graph captures, a lone request's first n-gram table): timed nowhere
+        setup = getattr(self.proposer, "setup_seconds", 0.0)
         self._one_off = setup
         drafting = time.perf_counter() - drafting - switch - setup
         longest = max(len(d.token_ids) for d in drafts)

@@ -94,6 +94,12 @@ class NgramProposer:
         # back. A request's first table build is a one-off, like a prefill, and not counted.
         self.catch_up_seconds = 0.0
         self.catch_up_chunks = 0  # requests that catch-up brought up to date
+        # wall time the last propose() spent on such one-offs (a request alone: its first
+        # build, or finishing one `keep_up` left part-built), which the runner times nowhere:
+        # not the round's cost, not the switch's, not its speculative episode's (H100, W5 at
+        # T=0: a 640-token prompt's table finished in a generation's first round made the
+        # episode look lost, kappa fell to 0.4 and the 1.6x speedup went, run 24c)
+        self.setup_seconds = 0.0
         # whether a request without a table should get one (None: every request does); see
         # the module docstring
         self.admit: Callable[[Request], bool] | None = None
@@ -179,7 +185,7 @@ class NgramProposer:
                 f"ks must give one draft length per request: got {len(ks)} for {len(requests)} requests"
             )
         drafts: list[Draft] = []
-        self.catch_up_seconds = 0.0
+        self.catch_up_seconds = self.setup_seconds = 0.0
         self.catch_up_chunks = 0
         batched = len(requests) > 1
         for request, k in zip(requests, ks):
@@ -200,10 +206,13 @@ class NgramProposer:
                 # batch 32 that built its requests' tables took 29 ms, 17 plain steps, run 23g)
                 drafts.append(Draft(token_ids=[], probs=None))
                 continue
-            behind = 0 if entry is None else n - entry.synced  # a first build is the table's prefill
+            behind = 0 if entry is None else n - entry.synced
+            first = entry is None or request.request_id in self._building  # (a build: the table's prefill)
             start = perf_counter()
             table = self._sync(request)
-            if behind > k + 1:
+            if first:
+                self.setup_seconds += perf_counter() - start
+            elif behind > k + 1:
                 self.catch_up_seconds += perf_counter() - start
                 self.catch_up_chunks += 1
             context = _tokens_from(request, max(0, n - self.config.max_order + 1), n)

@@ -754,20 +754,23 @@ def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
 
 
 def test_tables_a_batched_lookup_queued_are_built_under_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):
-    # in a batch, a lookup whose table needs a build drafts nothing and queues the build
-    # (NgramProposer.propose); with fixed K (no shadow drafts) the builds then run under the
-    # plain steps' forwards (`_in_flight`), so speculation starts after a few steps: here
-    # no table is built under the prefill at all
+    # in a batch, a table that needs a build gives its request no draft and queues the build
+    # (NgramProposer.ready / propose); with fixed K (no shadow drafts) the builds then run
+    # under the plain steps' forwards (`_in_flight`), so speculation starts after a few
+    # steps: here no table is built under the prefill at all. A step at which no request
+    # can draft looks nothing up (`_speculative_decode`)
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
     runner = llm.engine.runner
     runner._prefill_in_flight = lambda requests: None
-    proposer, ready_at_lookup = runner.proposer, []
-    propose = proposer.propose
-    proposer.propose = lambda requests, ks: (ready_at_lookup.append(all(map(proposer.ready, requests))),
+    proposer, any_ready_at_lookup, ready_at_decode = runner.proposer, [], []
+    propose, decode = proposer.propose, runner._decode
+    proposer.propose = lambda requests, ks: (any_ready_at_lookup.append(any(map(proposer.ready, requests))),
                                              propose(requests, ks))[1]
+    runner._decode = lambda requests: (ready_at_decode.append(all(map(proposer.ready, requests))), decode(requests))[1]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    assert ready_at_lookup[0] is False and True in ready_at_lookup  # queued first, built later
+    assert ready_at_decode[0] is False and True in ready_at_decode  # queued first, built later
+    assert any_ready_at_lookup and all(any_ready_at_lookup)  # no lookup where none could draft
     assert runner.stats.drafts > 0 and not proposer.building
     assert llm.engine.leak_report() == []
 

@@ -139,6 +139,9 @@ class SpeculativeRunner(ContinuousRunner):
         # a proposer's optional `keep_up(requests)` (n-gram): builds or updates its per-request
         # state while prefill and plain stretch forwards run
         self._keep_up: Callable[..., None] | None = getattr(proposer, "keep_up", None)
+        # and its `ready(request)`: whether a lookup could draft for it now without a build
+        # (in a batch, one that could not drafts nothing: `_speculative_decode` skips such steps)
+        self._servable: Callable[[Request], bool] | None = getattr(proposer, "ready", None)
         # and its `building`: whether `keep_up` left tables part-built (`_build_tables`)
         self._tables_building: Callable[[], bool] | None = (
             (lambda: proposer.building) if hasattr(proposer, "building") else None)  # type: ignore[attr-defined]
@@ -427,6 +430,18 @@ class SpeculativeRunner(ContinuousRunner):
             # plain stretch, which asks no `choose` (30-120 us on the H100, 5-20 % of a
             # demo step: with it, rounds looked that much cheaper); a round pays its own
             return self._plain_decode(requests, self._plain_timer(requests))
+        servable = self._servable
+        if servable is not None and len(requests) > 1 and not any(
+                k and servable(r) for r, k in zip(requests, ks, strict=True)):
+            # no request given a draft length can draft now (n-gram: its table unbuilt,
+            # queued by `ready`, or refused): no lookups, no episode, a plain step; each
+            # counts as a miss (H100, W2 at T=0: learned starts at batch 32 for requests
+            # whose tables were refused, ~2 one-step "episodes" a cycle at 2 plain steps'
+            # time each, run 24e)
+            for r, k in zip(requests, ks, strict=True):
+                if k and self.policy.no_proposal(r.request_id) and self.shadow is not None:
+                    self.shadow.watch(r.request_id)
+            return self._plain_decode(requests, None)
         sampled = batch_samples(requests)  # costs are kept per sampling mode
         # speculation starts here (not a probe): an episode opens, whether or not the lookups
         # then find drafts (a step whose lookups all miss is part of what speculating costs:

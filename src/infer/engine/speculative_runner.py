@@ -244,7 +244,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._end_stretch(reserving=False)
         self._end_episode()
         super().allocate(request)
-        self._held += 1  # (a draft slot comes with the request's first round: `DraftModelProposer.ensure_capacity`)
+        self._held += 1  # (its draft slot comes with its first round: `DraftModelProposer.propose`)
         if self.shadow is not None:
             self.shadow.admit(request.request_id)
 

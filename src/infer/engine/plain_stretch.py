@@ -77,7 +77,7 @@ class PlainStretch:
         self.done = 0
         self.home: type | None = None  # the runner's own class while a stretch runs
         self.methods = PLAIN_METHODS  # the plain class's methods a stretch runs (A/B scripts may add some)
-        self.bare_steps = True  # False: every step runs the runner's own `step` (A/B scripts)
+        self.bare_steps = True  # False: every step runs the runner's own `step`, as before bare steps
         self._classes: dict[tuple[type, str, tuple[str, ...]], type] = {}  # -> stretch class
         self._full: type | None = None  # this stretch's class for steps through the runner's `step`
         self._bare: type | None = None  # ... and for bare steps (None: it has none)

@@ -544,7 +544,8 @@ class SpeculativeRunner(ContinuousRunner):
         for request in deferred:
             if keep is not None:
                 keep(request)
-            self.proposer.release(request)
+            if self.draft is None:  # (a draft model's was released with the slots: `release`)
+                self.proposer.release(request)
             if self.shadow is not None:
                 self.shadow.release(request.request_id)
             self.policy.release(request.request_id)
@@ -625,7 +626,13 @@ class SpeculativeRunner(ContinuousRunner):
         only while the GPU works: `_build_tables`; a fixed-K runner's whole, so that which
         requests can draft never depends on timing)."""
         if self._keep_up is not None and self._shadowing(self._held, batch_samples(requests)):
-            self._keep_up(requests, self._busy() if self.shadow is not None else None)
+            self._keep_up(requests, self._build_watch())
+
+    def _build_watch(self) -> Callable[[], bool] | None:
+        """What table builds under a forward ask whether to go on (`keep_up`'s `busy`): an
+        adaptive runner's, whether the GPU still works (`_busy`); a fixed-K runner's none, it
+        builds whole (see `_build_tables`)."""
+        return self._busy() if self.shadow is not None else None
 
     def _busy(self) -> Callable[[], bool] | None:
         """For table builds under a forward just queued (`keep_up`): whether the GPU still
@@ -660,7 +667,7 @@ class SpeculativeRunner(ContinuousRunner):
             return None
         assert self._keep_up is not None
         start = time.perf_counter()
-        busy = self._busy() if self.shadow is not None else None
+        busy = self._build_watch()
         if busy is None:
             self._keep_up(requests, None)
             spent = time.perf_counter() - start

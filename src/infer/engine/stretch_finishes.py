@@ -8,8 +8,8 @@ that was ~60 us a finish more than plain decoding's release on the dev CPU (W2: 
 finishes a generation, most of them in stretches), the bulk of it the policy's code.
 
 `StretchFinishes` holds what a stretch without shadow drafts needs to answer that question
-itself: the ids of its batch, the smallest batch size of its cost bucket and how many of
-its requests sample. A finish that leaves the batch in that bucket and sampling mode (so
+itself: the ids of its batch (their number is its size, hence its cost bucket) and how
+many of its requests sample. A finish that leaves the batch in that bucket and sampling mode (so
 the decision stands as it is: `AdaptivePolicy.keep_quiet_without`'s first case) is
 `take`n: the runner frees its target slot (and a draft slot, if it drafted) at once and
 leaves the rest to `deferred`, done when the stretch ends, before the policy is asked
@@ -37,13 +37,12 @@ class StretchFinishes:
     """A plain stretch's batch, for finishes that can wait for its end (module docstring)."""
 
     ids: set[int]  # id() of each request of the stretch's batch still in it
-    floor: int  # the smallest batch size in the batch's cost bucket
     samplers: int  # the batch's requests that sample
     deferred: list[Request] = field(default_factory=list)  # finishes taken, in order
 
     @classmethod
     def of(cls, requests: Sequence[Request]) -> StretchFinishes:
-        return cls({id(r) for r in requests}, _floor(len(requests)), sum(map(request_samples, requests)))
+        return cls({id(r) for r in requests}, sum(map(request_samples, requests)))
 
     def drop(self, request: Request) -> None:
         """`request` left by the runner's full path and the decision held for the rest (in a
@@ -52,13 +51,12 @@ class StretchFinishes:
         if key in self.ids:
             self.ids.discard(key)
             self.samplers -= request_samples(request)
-            self.floor = _floor(len(self.ids))
 
     def take(self, request: Request) -> bool:
-        """Whether `request`'s finish leaves the rest of the batch in its cost bucket and
+        """Whether `request`'s finish leaves a rest of the batch, in its cost bucket and
         sampling mode; if so it is recorded (`deferred`) and no longer counts as the batch's."""
-        key = id(request)
-        if key not in self.ids or len(self.ids) - 1 < self.floor:
+        key, size = id(request), len(self.ids)
+        if key not in self.ids or size < 2 or CostModel.bucket(size - 1) != CostModel.bucket(size):
             return False
         samples = request_samples(request)
         if samples and self.samplers == 1:  # the batch's last sampler: its sampling mode changes
@@ -68,7 +66,3 @@ class StretchFinishes:
         self.deferred.append(request)
         return True
 
-
-def _floor(batch_size: int) -> int:
-    """The smallest batch size in the cost bucket of `batch_size`."""
-    return CostModel.bucket(batch_size) // 2 + 1

@@ -601,9 +601,10 @@ class AdaptivePolicy:
         """Speculation started at this batch size and sampling mode with a round that verified
         drafts (the runner: a step that opened an episode drafted): shadow drafts there earn
         their patience anew, and a pause of theirs ends. Not a choice that started
-        speculating and whose lookups all missed: at W2 each generation's first choice (32 requests at their learned prior,
-        n-gram tables not built) did, and shadows at batch 32 never paused (H100 demo target,
-        W2-prefix T=0: ~60 us a step, 3 % of the workload, run 23d)."""
+        speculating and whose lookups all missed: at W2 each generation's first choice (32
+        requests at their learned prior, n-gram tables not built) did, and shadows at batch
+        32 never paused (H100 demo target, W2-prefix T=0: ~60 us a step, 3 % of the
+        workload, run 23d)."""
         key = (self.costs.bucket(batch_size), sampled)
         if key in self._shadowed_steps:
             self._shadowed_steps[key] = 0
@@ -810,8 +811,10 @@ class AdaptivePolicy:
         W2-prefix T=0, run 22i) or, where nobody wanted to speculate, a smaller bucket under
         whose table none of them would start (`_might_start`; none can where no K could pay
         even with one request at `optimistic_a`, `could_pay` 0). Else False, and the
-        decision stays as it was (the runner decodes the next step plainly and `end_quiet`s:
-        requests may have reserved one position already). Saves a full `choose` and steps
+        decision stays as it was: the runner `end_quiet`s it at once for a finish (nobody
+        has reserved the next step yet), and otherwise (a preemption while the scheduler
+        reserves: requests may hold one position already) decodes the next step plainly and
+        ends it then. Saves a full `choose` and steps
         outside a plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2
         ledgers), 31 finishes a generation; a bucket change cost three such steps (H100, W2,
         runs 22c-22d: ~20 a generation, 1-2 % of it)."""

@@ -347,6 +347,22 @@ def report(times: dict[str, list[float]], plain_names: list[str], label: str, to
         print(f"{label} {name} cycles: " + " ".join(f"{r:.3f}" for r in ratios), flush=True)
 
 
+def print_ledgers(engines: dict[str, Engine], label: str) -> None:
+    """Each adaptive engine's loss ledger (spec/loss_ledger.py): the locks taken so far, the
+    keys locked now (bucket, sampled: the policy step their lock ends at) and each key's net
+    loss in ms (negative: a gain)."""
+    for name, engine in engines.items():
+        policy = getattr(engine.runner, "policy", None)
+        ledger = getattr(policy, "ledger", None)
+        if ledger is None:
+            continue
+        now = policy._steps
+        locked = {key: ledger.lock_end(key) for key in ledger._locked_until if ledger.locked(key, now)}
+        losses = {key: round(lost * 1e3, 2) for key, lost in sorted(ledger._loss.items())}
+        print(f"{label} {name} ledger: {ledger.locks_taken} locks, step {now}, locked {locked}, "
+              f"elapsed {ledger.elapsed * 1e3:.0f} ms, net loss (ms) {losses}", flush=True)
+
+
 def build(variants: Sequence[str], workloads: Sequence[str], plain_instances: int, cpu_tiny: bool,
           tmp: Path) -> dict[str, Engine]:
     """Plain's instances ("plain", "plain#1", ...) and the variants, built for the largest of
@@ -439,6 +455,7 @@ def main() -> None:
                     stats = {n: engines[n].runner.stats.minus(b) for n, b in before.items()}
                     label = f"{w} T={t:g} block {args.block}"
                     report(times, plain_names, label, work.expected_output_tokens, stats)
+                    print_ledgers(engines, label)
                     print_episodes(episodes, label, args.cycles)
                     if gc_times is not None:
                         gc_times.report(label, args.cycles, names)

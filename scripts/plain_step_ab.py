@@ -175,7 +175,8 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "ngram-adaptive-max16", "ngram-adaptive-noborrow", "draft-adaptive-noborrow", "ngram-adaptive-nopause",
             "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate",
             "ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain", "late-plain",
-            "draft-adaptive-notime", "draft-adaptive-plainstep", "draft-adaptive-plainrelease")
+            "draft-adaptive-notime", "draft-adaptive-plainstep", "draft-adaptive-plainrelease",
+            "ngram-adaptive-noledger", "draft-adaptive-noledger")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -272,6 +273,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                "ngram-adaptive-nolearnedstart": dict(ngram, spec_policy="adaptive"),
                "ngram-adaptive-realizedrate": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-noborrow": dict(draft, spec_policy="adaptive"),
+               # no loss ledger (spec/loss_ledger.py): exploring never locked out, as before
+               "ngram-adaptive-noledger": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-noledger": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
@@ -390,6 +394,9 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
     for name in ("ngram-adaptive-nocal", "draft-adaptive-nocal"):
         if name in engines:
             engines[name].runner.policy.calibration = None
+    for name in ("ngram-adaptive-noledger", "draft-adaptive-noledger"):
+        if name in engines:
+            engines[name].runner.policy.ledger = None
     if "ngram-adaptive-nowatch" in engines:
         engines["ngram-adaptive-nowatch"].runner.shadow.watch = lambda request_id: None
     if "ngram-adaptive-hiddenbuilds" in engines:
@@ -436,7 +443,7 @@ def with_policy(name: str) -> bool:
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
                                       "max16", "noborrow", "nopause", "noriders", "nolearnedstart",
-                                      "realizedrate"))
+                                      "realizedrate", "noledger"))
 
 
 def self_paired(name: str) -> bool:

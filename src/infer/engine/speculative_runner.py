@@ -174,6 +174,9 @@ class SpeculativeRunner(ContinuousRunner):
         # and `table_pays(batch_size, sampled, tokens_left, index_tokens, seconds_per_token)`:
         # whether a request's proposer state (an n-gram table) can pay for itself (`_table_pays`)
         self._policy_table_pays: Callable[..., bool] | None = getattr(policy, "table_pays", None)
+        # and `charge(batch_size, sampled, lost)`: what a step cost beyond plain decoding's
+        # worth of its tokens, for the loss ledger (spec/loss_ledger.py, `_charge`)
+        self._policy_charge: Callable[[int, bool, float], None] | None = getattr(policy, "charge", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -376,15 +379,18 @@ class SpeculativeRunner(ContinuousRunner):
                 outputs = super()._decode(requests)
             else:
                 outputs = self._plain_decode(requests, start)
+                if shadow is not None and self._upkeep:
+                    self._charge(requests, self._upkeep, 0, plain_worth=False)
             self._enter_stretch(requests)  # so are the next steps the decision holds
             return outputs
-        if self._episode_gain is None:
+        if self._episode_gain is None and self._policy_charge is None:
             return self._speculative_decode(requests, plain_reserved)
         start, self._one_off = time.perf_counter(), 0.0
         outputs = self._speculative_decode(requests, plain_reserved)
+        seconds = time.perf_counter() - start - self._one_off
+        self._charge(requests, seconds, len(outputs))
         episode = self._episode  # (opened by this step's choice, or earlier)
         if episode is not None:
-            seconds = time.perf_counter() - start - self._one_off
             episode.add(seconds, len(outputs), self._mixed)
             if episode.steps >= EPISODE_CHECK_STEPS and episode.losing(
                     self.cost_model.step_seconds(episode.batch_size, 0, episode.sampled)):
@@ -399,6 +405,25 @@ class SpeculativeRunner(ContinuousRunner):
             # path ends it first, so that it counts the time up to that step.)
             self._enter_stretch(requests)
         return outputs
+
+    def _charge(self, requests: Sequence[Request], seconds: float, tokens: int, plain_worth: bool = True) -> None:
+        """The loss ledger's account of a decode step outside a bare plain stretch
+        (spec/loss_ledger.py): its `seconds` (and, once the next step starts, the time it
+        held the loop beyond them) less what plain decoding would have taken for its
+        `tokens`; without `plain_worth`, `seconds` is all extra (a stretch's upkeep). Not a
+        step that ran prefill chunks too (its time is not its own)."""
+        charge = self._policy_charge
+        if charge is None or self._mixed or not requests:
+            return
+        batch, sampled = len(requests), batch_samples(requests)
+        if not plain_worth:
+            charge(batch, sampled, seconds)
+            return
+        plain = self.cost_model.step_seconds(batch, 0, sampled)  # (its time between steps included)
+        if plain is None:
+            return
+        charge(batch, sampled, seconds - tokens / batch * plain)
+        self._until_next_step(seconds, lambda gap: charge(batch, sampled, gap))
 
     def _enter_stretch(self, requests: Sequence[Request]) -> None:
         """The steps after this one for which the standing all-plain decision holds (if any)
@@ -566,6 +591,7 @@ class SpeculativeRunner(ContinuousRunner):
             self._shadows_taken(len(requests), sampled, steps)
         if upkeep:
             self.cost_model.observe_upkeep(len(requests), upkeep / steps, sampled)
+            self._charge(requests, upkeep, 0, plain_worth=False)
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:

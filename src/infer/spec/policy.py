@@ -114,6 +114,7 @@ from typing import NamedTuple, Protocol
 
 from infer.spec.costs import CostModel, batch_samples, request_samples
 from infer.spec.episodes import GainCalibration
+from infer.spec.loss_ledger import LossLedger
 
 __all__ = ["AdaptivePolicy", "CostModel", "FixedPolicy", "SpecPolicy", "best_k", "best_k_for_costs",
            "expected_tokens", "guard_k", "walltime_factor"]
@@ -245,10 +246,20 @@ class _Quiet(NamedTuple):
     # request before a step, and scanning the batch for each was ~1,000 comparisons at 32
     members: frozenset[int] = frozenset()
     sampled: bool = False  # the batch's sampling mode (`batch_samples`)
+    # the batch's key is locked by the loss ledger (spec/loss_ledger.py): `until` is the
+    # lock's end, and neither evidence nor a finish into another locked key ends it
+    locked: bool = False
 
     @classmethod
-    def of(cls, batch: list, until: int, table: _CostTable, version: int, vetoed: bool = False) -> _Quiet:
-        return cls(batch, until, table, version, vetoed, frozenset(map(id, batch)), batch_samples(batch))
+    def of(cls, batch: list, until: int, table: _CostTable, version: int, vetoed: bool = False,
+           locked: bool = False) -> _Quiet:
+        return cls(batch, until, table, version, vetoed, frozenset(map(id, batch)), batch_samples(batch), locked)
+
+    @property
+    def firm(self) -> bool:
+        """Whether one request's new evidence leaves the decision standing (a vetoed batch is
+        asked again at `until` as a whole; a locked one decodes plainly until then)."""
+        return self.vetoed or self.locked
 
 
 @dataclass(slots=True)
@@ -421,6 +432,10 @@ class AdaptivePolicy:
     # shadowed: a request without evidence yet starts at its kind's learned prior (`_learned`)
     # where that prior alone would have it speculate; else it waits for its first shadow draft
     learned_start: bool = True
+    # what exploring speculation lost against plain decoding, net, per cost bucket and
+    # sampling mode (`charge`, spec/loss_ledger.py): a key that lost more than its budget
+    # decodes plainly, exploring nothing, for a while. None: no such bound
+    ledger: LossLedger | None = field(default_factory=LossLedger)
     _est: dict[str, _Estimate] = field(default_factory=dict)
     _learned: dict[bool, float] = field(default_factory=dict)  # sampled -> learned prior acceptance
     _steps: int = 0
@@ -491,6 +506,10 @@ class AdaptivePolicy:
         table = self._cost_table(batch, sampled)
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
+        if self._locked(batch, sampled):  # exploring lost more than its budget here: plain until the lock ends
+            until = self.ledger.lock_end((self.costs.bucket(batch), sampled))  # type: ignore[union-attr]
+            self._quiet = _Quiet.of(list(requests), until, table, self.costs.version, locked=True)
+            return [0] * batch
         ks: list[int] = []
         ests: list[_Estimate] = []
         probers: list[_Estimate] = []  # requests probing at this step
@@ -610,6 +629,23 @@ class AdaptivePolicy:
             self._shadowed_steps[key] = 0
             self._shadows_paused.pop(key, None)
 
+    def charge(self, batch_size: int, sampled: bool, lost: float) -> None:
+        """A decode step of a batch of this size and sampling mode (or a plain stretch's
+        upkeep) cost `lost` seconds more than plain decoding would have for its tokens
+        (negative: it saved that much): the loss ledger's account (spec/loss_ledger.py),
+        the steps since the previous charge elapsed at this batch size's plain step."""
+        ledger = self.ledger
+        if ledger is None:
+            return
+        plain = self.costs.step_seconds(batch_size, 0, sampled)
+        if plain is not None:
+            ledger.charge((self.costs.bucket(batch_size), sampled), lost, self._steps, plain)
+
+    def _locked(self, batch_size: int, sampled: bool) -> bool:
+        """Whether the loss ledger has this batch size and sampling mode decode plainly now."""
+        ledger = self.ledger
+        return ledger is not None and ledger.locked((self.costs.bucket(batch_size), sampled), self._steps)
+
     def _learned_start(self, est: _Estimate, table: _CostTable) -> tuple[float | None, int]:
         """For a shadowed request without evidence: its kind's learned prior (None: none
         learned, or `learned_start` off) and the K that prior alone would start with under
@@ -655,7 +691,7 @@ class AdaptivePolicy:
         speculation starting there with a verified round (`started`) restarts the patience
         and ends a pause."""
         key = (self.costs.bucket(batch_size), sampled)
-        if self._steps < self._shadows_paused.get(key, -1):
+        if self._steps < self._shadows_paused.get(key, -1) or self._locked(batch_size, sampled):
             return False
         table = self._table.get(key)
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
@@ -695,6 +731,8 @@ class AdaptivePolicy:
         it fell toward 1 and no request got one; at W2 T=0 `admit` then refused a table to
         32 of 32 requests at batch 32 (H100, run 21e) where fixed K=5, every row drafting,
         ran at 1.10-1.31x plain decoding (21b, 21d)."""
+        if self._locked(batch_size, sampled):
+            return False
         plain = self.costs.step_seconds(batch_size, 0, sampled)
         if plain is None:
             return True
@@ -827,14 +865,20 @@ class AdaptivePolicy:
         sampled = batch_samples(rest) if request_samples(request) else quiet.sampled
         if not rest or sampled != quiet.sampled:
             return False
-        table = quiet.table
+        table, until, locked = quiet.table, quiet.until, quiet.locked
         if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):
-            if quiet.vetoed:
+            # the rest's key locked by the loss ledger: plain until its lock ends, whatever
+            # the decision was (a locked one into an unlocked key: decided afresh)
+            locked = self._locked(len(rest), sampled)
+            if not locked and (quiet.vetoed or quiet.locked):
                 return False
             table = self._cost_table(len(rest), sampled)
-            if table is None or (table.could_pay and any(self._might_start(r, table) for r in rest)):
+            if table is None or (not locked and table.could_pay and any(self._might_start(r, table) for r in rest)):
                 return False
-        self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table)
+            if locked:
+                until = self.ledger.lock_end((self.costs.bucket(len(rest)), sampled))  # type: ignore[union-attr]
+        self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table, until=until,
+                                     locked=locked)
         return True
 
     def _might_start(self, request: RequestLike, table: _CostTable) -> bool:
@@ -982,7 +1026,7 @@ class AdaptivePolicy:
         # (a shadowed request's probes are priced at acceptance 0: their schedule stays), which
         # a request waiting after a miss does not (`proposal_ready` ends the wait)
         quiet = self._quiet
-        if quiet is not None and not quiet.vetoed and self._steps >= est.miss_until and (
+        if quiet is not None and not quiet.firm and self._steps >= est.miss_until and (
                 restart or not self.shadowed or self._would_start(est, quiet.table)):
             self._quiet = None
 
@@ -1044,7 +1088,7 @@ class AdaptivePolicy:
             return
         est.miss_until = est.miss_interval = 0
         quiet = self._quiet
-        if quiet is not None and not quiet.vetoed and self._would_start(est, quiet.table):
+        if quiet is not None and not quiet.firm and self._would_start(est, quiet.table):
             self._quiet = None
 
     def _prior(self, sampled: bool) -> _Estimate:

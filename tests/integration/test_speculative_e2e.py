@@ -1497,3 +1497,81 @@ def test_a_steps_cost_includes_the_loop_until_the_next_step(make_llm, ckpt_a, pr
     samples = [x for (tag, key), xs in runner.cost_model._samples.items() if tag == "step" and key[1] for x in xs]
     assert samples and all(s == pytest.approx(expected, abs=1e-2) for s in samples[:-1])  # the cost model's
     assert llm.engine.leak_report() == []
+
+
+class _ChargedSchedulePolicy(_QuietSchedulePolicy):
+    """The quiet cycle, hearing the loss ledger's charges (`AdaptivePolicy.charge`)."""
+
+    def __init__(self, cycle):
+        super().__init__(cycle)
+        self.charges = []
+
+    def charge(self, batch_size, sampled, lost):
+        self.charges.append((batch_size, lost))
+
+
+def test_steps_outside_plain_stretches_are_charged_their_cost_beyond_plain_worth(make_llm, ckpt_a, prompts,
+                                                                                plain_outputs, fake_clock):
+    # the loss ledger (spec/loss_ledger.py) hears of every decode step the policy decided
+    # (not one a standing plain decision covered): its time less its tokens' worth at the
+    # plain step's cost, then the time it held the loop until the next step. On a clock
+    # that moves 1 s in each decode and 0.25 s in each scheduling, plain steps priced 0.5 s
+    Clock = fake_clock  # noqa: N806
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
+    runner = llm.engine.runner
+    runner.policy = policy = _ChargedSchedulePolicy([2, 0, 0])
+    runner.cost_model.step_seconds = lambda b, k, sampled=False: 0.5 if k == 0 else None
+    accept, schedule = runner._accept, llm.engine.scheduler.schedule
+    runner._accept = lambda *args: (setattr(Clock, "now", Clock.now + 1.0), accept(*args))[1]
+    runner._in_flight = lambda requests: setattr(Clock, "now", Clock.now + 1.0)
+    llm.engine.scheduler.schedule = lambda r: (setattr(Clock, "now", Clock.now + 0.25), schedule(r))[1]
+    decided = []  # (batch, tokens) of each step through `choose`
+    decide = runner._speculative_decode
+
+    def recording(requests, *args):
+        outputs = decide(requests, *args)
+        decided.append((len(requests), len(outputs)))
+        return outputs
+
+    runner._speculative_decode = recording
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert len(decided) >= 6 and any(tokens > batch for batch, tokens in decided)  # rounds among them
+    # each decided step: its charge, then the loop's 0.25 s (not after the last step)
+    expected = []
+    for batch, tokens in decided:
+        expected += [(batch, 1.0 - tokens / batch * 0.5), (batch, 0.25)]
+    assert [b for b, _ in policy.charges] == [b for b, _ in expected[:-1]]
+    assert [lost for _, lost in policy.charges] == pytest.approx([lost for _, lost in expected[:-1]])
+    # steps under the standing decision (the thin path) were not charged
+    assert policy.i > len(decided)
+    assert llm.engine.leak_report() == []
+
+
+def test_a_plain_stretchs_shadow_upkeep_is_charged_to_the_loss_ledger(make_llm, ckpt_a, prompts, plain_outputs,
+                                                                       fake_clock):
+    # shadow drafts and table upkeep keep speculation possible at a cost plain decoding does
+    # not pay: each stretch's upkeep is charged whole (not less a plain step's worth), as is
+    # that of a thin-path step that took shadows
+    Clock = fake_clock  # noqa: N806
+    llm, runner, _, _ = _plain_shadowing_llm(make_llm, ckpt_a)
+
+    def costing(fn):
+        def timed(*args):
+            Clock.now += 1.0
+            return fn(*args)
+        return timed
+
+    runner.shadow.take, runner.shadow.check = costing(runner.shadow.take), costing(runner.shadow.check)
+    stretches, leave = [], runner._stretch.on_leave
+    runner._stretch.on_leave = lambda steps: (stretches.append(runner._stretch_upkeep), leave(steps))[1]
+    charged, charge = [], runner._charge
+    runner._charge = lambda requests, seconds, tokens, plain_worth=True: (
+        charged.append((seconds, plain_worth)), charge(requests, seconds, tokens, plain_worth))[1]
+    outs = _run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    whole = [seconds for seconds, worth in charged if not worth]
+    upkeep = [u for u in stretches if u]
+    assert upkeep and all(u >= 2.0 for u in upkeep)  # (a check and a take a step at least)
+    assert sorted(upkeep) == sorted(s for s in whole if s in upkeep) and len(whole) >= len(upkeep)
+    assert runner.policy.ledger.loss((8, False)) >= sum(upkeep)  # (the ledger heard them)

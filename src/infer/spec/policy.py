@@ -101,6 +101,13 @@ spec/episodes.py) divides the cost of every round in the policy's cost table, so
 whose episodes fall short (cold steps around rounds, misses, estimates high by chance)
 needs a larger predicted gain to speculate.
 
+All of that explores, and exploring costs: the runner charges every decode step the policy
+decided, and every plain stretch's shadow upkeep, to the loss ledger (`charge`,
+spec/loss_ledger.py): what it cost beyond plain decoding's worth of its tokens. A cost
+bucket and sampling mode whose net loss passed 1 % of the decode time is locked: `choose`
+keeps its batches plain, with no probes, shadows or new tables, until the lock ends (a
+`locked` decision, which evidence does not end).
+
 Both policies apply the overflow guard: K never exceeds the room left before max_seq_len
 (positions n .. n+K must fit) nor the tokens the request may still emit.
 """

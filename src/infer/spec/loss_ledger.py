@@ -39,11 +39,18 @@ Key = tuple[int, bool]  # (cost bucket, the batch samples)
 
 @dataclass
 class LossLedger:
-    budget: float = 0.01  # the share of the elapsed decode time exploring may lose, net
+    # the share of the elapsed decode time exploring may lose, net. Against the sums of a
+    # window that halves every `window` steps: the allowance is what a key that starts
+    # exploring (a new sampling mode, a lock's end) may lose before it is locked, ~10 ms
+    # at W2 on the H100 demo pair; at 1 % and a window of 4096 it was 40-80 ms, and a key
+    # unlocked lost up to ~1/4 of a W2 generation before it was locked again (run 25a)
+    budget: float = 0.005
     min_steps: int = 256  # policy steps before any key may be locked
-    window: int = 4096  # policy steps after which the sums halve
-    lock_steps: int = 2048
-    max_lock_steps: int = 32768
+    window: int = 1024  # policy steps after which the sums halve
+    # a lock's length: at 2048 policy steps (~8 W2 generations) a 10-generation A/B saw
+    # each key unlocked and exploring again, at the price of the first lock (run 25a)
+    lock_steps: int = 8192
+    max_lock_steps: int = 65536
     _loss: dict[Key, float] = field(default_factory=dict)  # net seconds lost, decayed
     _elapsed: float = 0.0  # decode seconds elapsed (policy steps at the plain step's cost), decayed
     _clock: int = 0  # the policy step of the latest charge

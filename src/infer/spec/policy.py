@@ -104,7 +104,7 @@ needs a larger predicted gain to speculate.
 All of that explores, and exploring costs: the runner charges every decode step the policy
 decided, and every plain stretch's shadow upkeep, to the loss ledger (`charge`,
 spec/loss_ledger.py): what it cost beyond plain decoding's worth of its tokens. A cost
-bucket and sampling mode whose net loss passed 1 % of the decode time is locked: `choose`
+bucket and sampling mode whose net loss passed 0.5 % of the recent decode time is locked: `choose`
 keeps its batches plain, with no probes, shadows or new tables, until the lock ends (a
 `locked` decision, which evidence does not end).
 

@@ -176,7 +176,7 @@ VARIANTS = ("plain", "plain-eager-sampling", "plain-fresh-indices", "ngram-K0", 
             "ngram-adaptive-noriders", "ngram-adaptive-nolearnedstart", "ngram-adaptive-realizedrate",
             "ngram-adaptive-asplain", "ngram-adaptive-asplain-dict", "draft-adaptive-asplain", "late-plain",
             "draft-adaptive-notime", "draft-adaptive-plainstep", "draft-adaptive-plainrelease",
-            "ngram-adaptive-noledger", "draft-adaptive-noledger")
+            "ngram-adaptive-noledger", "draft-adaptive-noledger", "ngram-adaptive-locked", "draft-adaptive-locked")
 
 
 def fresh_indices(engine: Engine) -> None:
@@ -276,6 +276,10 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
                # no loss ledger (spec/loss_ledger.py): exploring never locked out, as before
                "ngram-adaptive-noledger": dict(ngram, spec_policy="adaptive"),
                "draft-adaptive-noledger": dict(draft, spec_policy="adaptive"),
+               # every key locked by the loss ledger from the start: what the runner costs
+               # when it explores nothing
+               "ngram-adaptive-locked": dict(ngram, spec_policy="adaptive"),
+               "draft-adaptive-locked": dict(draft, spec_policy="adaptive"),
                # the forward functions swapped: which one carries the speculative engine's plain-step cost?
                "plain-specforward": base, "draft-K0-plainforward": draft,
                "draft-k5-steps": draft,  # draft rounds step by step (not one draft_loop replay)
@@ -397,6 +401,10 @@ def _build(variants: tuple[str, ...], max_batch_size: int = 1, **engine_options:
     for name in ("ngram-adaptive-noledger", "draft-adaptive-noledger"):
         if name in engines:
             engines[name].runner.policy.ledger = None
+    for name in ("ngram-adaptive-locked", "draft-adaptive-locked"):
+        if name in engines:
+            ledger = engines[name].runner.policy.ledger
+            ledger._locked_until = {(1 << b, sampled): 1 << 60 for b in range(12) for sampled in (False, True)}
     if "ngram-adaptive-nowatch" in engines:
         engines["ngram-adaptive-nowatch"].runner.shadow.watch = lambda request_id: None
     if "ngram-adaptive-hiddenbuilds" in engines:
@@ -443,7 +451,7 @@ def with_policy(name: str) -> bool:
     instruments run for these)."""
     return variant(name).endswith(("adaptive", "nowatch", "nocal", "nobatch", "nokeep", "hiddenbuilds", "noshadow", "alltables",
                                       "max16", "noborrow", "nopause", "noriders", "nolearnedstart",
-                                      "realizedrate", "noledger"))
+                                      "realizedrate", "noledger", "locked"))
 
 
 def self_paired(name: str) -> bool:

@@ -1506,7 +1506,7 @@ class _ChargedSchedulePolicy(_QuietSchedulePolicy):
         super().__init__(cycle)
         self.charges = []
 
-    def charge(self, batch_size, sampled, lost):
+    def charge(self, batch_size, sampled, lost, plain=None):
         self.charges.append((batch_size, lost))
 
 

@@ -176,7 +176,7 @@ class SpeculativeRunner(ContinuousRunner):
         self._policy_table_pays: Callable[..., bool] | None = getattr(policy, "table_pays", None)
         # and `charge(batch_size, sampled, lost)`: what a step cost beyond plain decoding's
         # worth of its tokens, for the loss ledger (spec/loss_ledger.py, `_charge`)
-        self._policy_charge: Callable[[int, bool, float], None] | None = getattr(policy, "charge", None)
+        self._policy_charge: Callable[..., None] | None = getattr(policy, "charge", None)
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -422,8 +422,8 @@ class SpeculativeRunner(ContinuousRunner):
         plain = self.cost_model.step_seconds(batch, 0, sampled)  # (its time between steps included)
         if plain is None:
             return
-        charge(batch, sampled, seconds - tokens / batch * plain)
-        self._until_next_step(seconds, lambda gap: charge(batch, sampled, gap))
+        charge(batch, sampled, seconds - tokens / batch * plain, plain)
+        self._until_next_step(seconds, lambda gap: charge(batch, sampled, gap, plain))
 
     def _enter_stretch(self, requests: Sequence[Request]) -> None:
         """The steps after this one for which the standing all-plain decision holds (if any)

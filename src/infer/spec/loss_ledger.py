@@ -52,6 +52,7 @@ class LossLedger:
     lock_steps: int = 8192
     max_lock_steps: int = 65536
     _loss: dict[Key, float] = field(default_factory=dict)  # net seconds lost, decayed
+    _total: float = 0.0  # their sum (kept as they change: a charge comes with every round)
     _elapsed: float = 0.0  # decode seconds elapsed (policy steps at the plain step's cost), decayed
     _clock: int = 0  # the policy step of the latest charge
     _next_halving: int = 0
@@ -95,29 +96,33 @@ class LossLedger:
         if step > self._clock:
             self._elapsed += (step - self._clock) * plain_seconds
             self._clock = step
-        self._loss[key] = self._loss.get(key, 0.0) + lost
+        loss = self._loss[key] = self._loss.get(key, 0.0) + lost
+        self._total += lost
+        if loss < 0.0 and key in self._locks:
+            del self._locks[key]  # a gain: the next lock starts short again
         if step < self.min_steps:  # (the engine's first steps: too little to judge by)
             return False
-        return self._judge(step)
-
-    def _judge(self, step: int) -> bool:
         allowed = self.budget * self._elapsed
-        total = sum(self._loss.values())
+        if loss <= allowed and self._total <= allowed:  # (the common case, in O(1))
+            return False
+        return self._judge(step, allowed)
+
+    def _judge(self, step: int, allowed: float) -> bool:
+        total = self._total
         locking = [key for key, lost in self._loss.items()
                    if lost > 0.0 and (lost > allowed or total > allowed) and not self.locked(key, step)]
-        for key, lost in self._loss.items():
-            if lost < 0.0:
-                self._locks.pop(key, None)  # a gain: the next lock starts short again
         for key in locking:
             n = self._locks.get(key, 0)
             self._locked_until[key] = step + min(self.lock_steps << n, self.max_lock_steps)
             self._locks[key] = n + 1
+            self._total -= self._loss[key]
             self._loss[key] = 0.0
             self.locks_taken += 1
         return bool(locking)
 
     def _halve(self) -> None:
         self._elapsed /= 2
+        self._total /= 2
         for key in self._loss:
             self._loss[key] /= 2
         self._next_halving += self.window

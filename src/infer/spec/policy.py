@@ -636,15 +636,17 @@ class AdaptivePolicy:
             self._shadowed_steps[key] = 0
             self._shadows_paused.pop(key, None)
 
-    def charge(self, batch_size: int, sampled: bool, lost: float) -> None:
+    def charge(self, batch_size: int, sampled: bool, lost: float, plain: float | None = None) -> None:
         """A decode step of a batch of this size and sampling mode (or a plain stretch's
         upkeep) cost `lost` seconds more than plain decoding would have for its tokens
         (negative: it saved that much): the loss ledger's account (spec/loss_ledger.py),
-        the steps since the previous charge elapsed at this batch size's plain step."""
+        the steps since the previous charge elapsed at this batch size's plain step
+        (`plain` seconds, if the caller has it at hand)."""
         ledger = self.ledger
         if ledger is None:
             return
-        plain = self.costs.step_seconds(batch_size, 0, sampled)
+        if plain is None:
+            plain = self.costs.step_seconds(batch_size, 0, sampled)
         if plain is not None:
             ledger.charge((self.costs.bucket(batch_size), sampled), lost, self._steps, plain)
 

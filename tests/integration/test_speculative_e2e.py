@@ -189,6 +189,7 @@ def test_shadow_drafts_go_on_in_plain_stretches(make_llm, ckpt_a, prompts, plain
     runner = llm.engine.runner
     runner.shadow.interval = 2
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9
+    runner.policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     runner.policy.worth_shadowing = lambda batch, sampled: True  # (the margins alone would turn shadows off)
     # early probes (these short requests' would cost more than `early_probe_share` of what
     # they have left) end stretches before the requests do: some stretches run to their end
@@ -245,6 +246,7 @@ def test_a_miss_is_watched_under_plain_forwards_instead_of_asked_again(make_llm,
     policy = runner.policy
     runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # rounds priced free: speculate
     policy.calibration = None  # (and kept free: episodes on the CPU would price them up)
+    policy.ledger = None  # (nor would the loss ledger lock them out)
     events: list[tuple[str, int]] = []
     steps = [0]  # decode steps so far (the policy's clock lags inside plain stretches)
     choose, no_proposal, found, step = policy.choose, policy.no_proposal, runner.shadow.found, runner.step
@@ -583,6 +585,7 @@ def test_a_request_finishing_under_a_plain_decision_keeps_the_stretch_going(make
     runner = llm.engine.runner
     policy = runner.policy
     policy.switch_margin = policy.stay_margin = 1e9
+    policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     if not keep:
         runner._keep_quiet_without = None
     chosen, cut, choose, leave = [], [], policy.choose, runner._stretch.leave
@@ -625,6 +628,7 @@ def test_finishes_in_a_stretch_wait_for_its_end_and_the_policy_never_sees_them_p
     runner = llm.engine.runner
     policy = runner.policy
     policy.switch_margin = policy.stay_margin = 1e9  # plain steps only
+    policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     policy._probe_due = lambda *a: 10**9  # and no probes
     policy.recompute_every = 12  # decisions (and stretches) of a few steps: most end by their count
     taken, asked_pending = [], []
@@ -1015,6 +1019,7 @@ def test_plain_stretches_time_one_step_in_a_sample_period_for_the_baseline(make_
     llm = _spec_llm(make_llm, ckpt_a, None, 4, method="ngram", spec_policy="adaptive")
     runner = llm.engine.runner
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # never speculates: long stretches
+    runner.policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     stretches, timed, filed = [], [], []
     on_leave, on_timed, observe = runner._stretch.on_leave, runner._stretch.on_timed, runner.cost_model.observe
     runner._stretch.on_leave = lambda steps: (stretches.append(steps), on_leave(steps))
@@ -1055,6 +1060,7 @@ def test_speculative_episodes_run_from_a_start_to_the_next_plain_decision(make_l
     policy = runner.policy
     runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # speculate whenever a draft exists
     policy.calibration = None  # (kept so: the accounting is under test, not its effect)
+    policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     steps = []  # (episode after the step, tokens it emitted, whether its choice started speculating)
     heard, started = [], []
     inner, observe, choose = runner._speculative_decode, policy.observe_episode, policy.choose
@@ -1119,6 +1125,7 @@ def test_an_episode_found_losing_is_ended_after_a_few_steps(make_llm, ckpt_a, pr
     policy = runner.policy
     runner.cost_model.relative_costs = lambda batch, sampled: [1.0] * (K + 1)  # speculate whenever a draft exists
     policy.calibration = None
+    policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     ended, heard = [], []  # each episode's steps as it ends; what the policy heard
     end, observe = runner._end_episode, policy.observe_episode
 
@@ -1177,6 +1184,7 @@ def test_no_shadow_drafts_nor_table_upkeep_where_no_k_could_pay(make_llm, ckpt_a
     runner.shadow.take = lambda *a: (takes.append(1), take(*a))[1]
     runner.proposer._sync = lambda r, limit=None: (synced.append(r.request_id), sync(r, limit))[1]
     policy.switch_margin = policy.stay_margin = 1e9  # nothing pays by these margins, at any acceptance
+    policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert runner.stats.drafts == 0
@@ -1300,6 +1308,7 @@ def test_table_builds_spread_over_the_forwards_while_the_gpu_is_busy(make_llm, c
     runner = llm.engine.runner
     proposer = runner.proposer
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9  # plain steps only: shadows go on
+    runner.policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     runner.policy.worth_shadowing = lambda batch, sampled: True
     runner.policy.table_pays = lambda *args: True  # (every request's table, whatever the CPU's costs)
     runner.policy = runner.policy
@@ -1387,6 +1396,7 @@ def test_plain_decisions_kept_through_finishes_and_preemptions_keep_the_tokens(m
                     spec_policy="adaptive", **kw)
     runner = llm.engine.runner
     runner.policy.switch_margin = runner.policy.stay_margin = 1e9
+    runner.policy.ledger = None  # (timing-free: the loss ledger would judge this CPU's real steps)
     kept, keep = [], runner._keep_quiet_without
     runner._keep_quiet_without = lambda r: (k := keep(r), kept.append((k, r.is_finished)))[0]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)

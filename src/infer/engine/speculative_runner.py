@@ -174,8 +174,8 @@ class SpeculativeRunner(ContinuousRunner):
         # and `table_pays(batch_size, sampled, tokens_left, index_tokens, seconds_per_token)`:
         # whether a request's proposer state (an n-gram table) can pay for itself (`_table_pays`)
         self._policy_table_pays: Callable[..., bool] | None = getattr(policy, "table_pays", None)
-        # and `charge(batch_size, sampled, lost)`: what a step cost beyond plain decoding's
-        # worth of its tokens, for the loss ledger (spec/loss_ledger.py, `_charge`)
+        # and `charge(batch_size, sampled, lost, plain=None)`: what a step cost beyond plain
+        # decoding's worth of its tokens, for the loss ledger (spec/loss_ledger.py, `_charge`)
         self._policy_charge: Callable[..., None] | None = getattr(policy, "charge", None)
 
     def _make_decode_forward(self) -> ForwardFn:

@@ -864,7 +864,9 @@ class AdaptivePolicy:
         ends it then. Saves a full `choose` and steps
         outside a plain stretch after each finish: ~100-300 us each at batch 32 (H200, W2
         ledgers), 31 finishes a generation; a bucket change cost three such steps (H100, W2,
-        runs 22c-22d: ~20 a generation, 1-2 % of it)."""
+        runs 22c-22d: ~20 a generation, 1-2 % of it). Where the rest's bucket is locked by
+        the loss ledger the decision holds for them until that lock ends (a `locked` one,
+        whatever it was); a locked decision whose rest falls into an open key does not."""
         quiet = self._quiet
         if quiet is None or id(request) not in quiet.members:
             return False

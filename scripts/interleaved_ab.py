@@ -357,7 +357,7 @@ def print_ledgers(engines: dict[str, Engine], label: str) -> None:
         if ledger is None:
             continue
         now = policy._steps
-        locked = {key: ledger.lock_end(key) for key in ledger._locked_until if ledger.locked(key, now)}
+        locked = {key: ledger.lock_end(key) for key in ledger.locked_keys(now)}
         losses = {key: round(lost * 1e3, 2) for key, lost in sorted(ledger._loss.items())}
         print(f"{label} {name} loss ledger: {ledger.locks_taken} locks, step {now}, locked {locked}, "
               f"elapsed {ledger.elapsed * 1e3:.0f} ms, net loss (ms) {losses}", flush=True)

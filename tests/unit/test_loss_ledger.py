@@ -160,3 +160,22 @@ def test_charges_price_elapsed_steps_at_the_batch_sizes_plain_step():
     assert p.ledger.loss((8, True)) == 0.0
     p.ledger = None
     p.charge(1, True, 1.0)  # no ledger: nothing happens
+
+
+def test_the_server_exports_the_ledgers_locks():
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    from infer.server.metrics import _ledger_metrics
+
+    def read(policy):
+        locks, locked = list(_ledger_metrics(policy))
+        assert isinstance(locks, CounterMetricFamily) and isinstance(locked, GaugeMetricFamily)
+        return locks.samples[0].value, {(s.labels["bucket"], s.labels["sampled"]): s.value for s in locked.samples}
+
+    assert read(None) == (0, {})  # no adaptive policy: zero, no keys
+    p = _policy()
+    p._steps = 10
+    p.charge(3, True, 1.0)
+    assert read(p) == (1, {("4", "true"): 1})
+    p._steps = p.ledger.lock_end((4, True))
+    assert read(p) == (1, {})  # the lock ended: counted, no longer locked

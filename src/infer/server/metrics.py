@@ -5,7 +5,8 @@ requests by finish reason, time to first token, inter-token latency, end-to-end 
 prompt and generated token counts. Read from the engine at scrape time (`EngineCollector`):
 running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
 the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
-emitted tokens, accepted tokens per draft position).
+emitted tokens, accepted tokens per draft position), and the adaptive policy's loss ledger
+(locks taken, batch-size buckets and sampling modes locked now: spec/loss_ledger.py).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class EngineCollector(Collector):
         yield _gauge("infer_kv_cache_usage_ratio", "fraction of KV cache memory in use",
                      kv_cache_usage(self.engine.engine))
         yield _gauge("infer_engine_healthy", "1 while the engine loop runs", int(self.engine.healthy))
-        yield from _spec_metrics(getattr(self.engine.engine.runner, "stats", None))
+        runner = self.engine.engine.runner
+        yield from _spec_metrics(getattr(runner, "stats", None))
+        yield from _ledger_metrics(getattr(runner, "policy", None))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -87,6 +90,22 @@ def _spec_metrics(stats: object) -> Iterator[Metric]:
     for position, count in enumerate(list(getattr(stats, "accepted_per_position", []) or [])):
         per_position.add_metric([str(position)], count)
     yield per_position
+
+
+def _ledger_metrics(policy: object) -> Iterator[Metric]:
+    """The adaptive policy's loss ledger: locks taken, and the (bucket, sampling mode) keys
+    locked now (zero without an adaptive policy or its ledger)."""
+    ledger = getattr(policy, "ledger", None)
+    locks = ledger.locks_taken if ledger is not None else 0
+    yield CounterMetricFamily("infer_spec_policy_locks", "times the adaptive policy's loss ledger locked a "
+                              "batch-size bucket and sampling mode out of speculation", value=locks)
+    locked = GaugeMetricFamily("infer_spec_policy_locked", "1 for each batch-size bucket and sampling mode "
+                               "the loss ledger keeps plain now", labels=["bucket", "sampled"])
+    if ledger is not None:
+        step = getattr(policy, "_steps", 0)
+        for bucket, sampled in sorted(ledger.locked_keys(step)):
+            locked.add_metric([str(bucket), str(sampled).lower()], 1)
+    yield locked
 
 
 class RequestTracker:

@@ -75,6 +75,10 @@ class LossLedger:
         until = self._locked_until.get(key)
         return until is not None and step < until
 
+    def locked_keys(self, step: int) -> list[Key]:
+        """The keys locked at policy step `step`."""
+        return [key for key, until in self._locked_until.items() if step < until]
+
     def lock_end(self, key: Key) -> int:
         """The policy step at which `key`'s lock ends (0: never locked)."""
         return self._locked_until.get(key, 0)

@@ -76,8 +76,9 @@ class LossLedger:
         return until is not None and step < until
 
     def locked_keys(self, step: int) -> list[Key]:
-        """The keys locked at policy step `step`."""
-        return [key for key, until in self._locked_until.items() if step < until]
+        """The keys locked at policy step `step` (a snapshot first: the server's metrics read
+        it from another thread than the engine loop's)."""
+        return [key for key, until in list(self._locked_until.items()) if step < until]
 
     def lock_end(self, key: Key) -> int:
         """The policy step at which `key`'s lock ends (0: never locked)."""

@@ -1575,12 +1575,10 @@ def test_a_plain_stretchs_shadow_upkeep_is_charged_to_the_loss_ledger(make_llm, 
     runner.shadow.take, runner.shadow.check = costing(runner.shadow.take), costing(runner.shadow.check)
     stretches, leave = [], runner._stretch.on_leave
     runner._stretch.on_leave = lambda steps: (stretches.append(runner._stretch_upkeep), leave(steps))[1]
-    charged, charge = [], runner._charge
-    runner._charge = lambda requests, seconds, tokens, plain_worth=True: (
-        charged.append((seconds, plain_worth)), charge(requests, seconds, tokens, plain_worth))[1]
+    whole, charge_upkeep = [], runner._charge_upkeep
+    runner._charge_upkeep = lambda requests, seconds: (whole.append(seconds), charge_upkeep(requests, seconds))[1]
     outs = _run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    whole = [seconds for seconds, worth in charged if not worth]
     upkeep = [u for u in stretches if u]
     assert upkeep and all(u >= 2.0 for u in upkeep)  # (a check and a take a step at least)
     assert sorted(upkeep) == sorted(s for s in whole if s in upkeep) and len(whole) >= len(upkeep)

@@ -112,7 +112,7 @@ def test_a_locked_batch_decodes_plainly_until_the_lock_ends_whatever_the_evidenc
     lens, left = [10] * 3, [1000] * 3
     assert any(p.choose(reqs, lens, 10_000, left))  # good drafts: the batch speculates
     p.charge(3, True, 1.0)  # then a second lost, against little elapsed: locked
-    assert p._locked(3, True) and not p._locked(1, True)
+    assert p._lock_end(3, True) is not None and p._lock_end(1, True) is None
     assert p.choose(reqs, lens, 10_000, left) == [0, 0, 0]
     end = p.ledger.lock_end((4, True))
     assert p.quiet_steps_left() == end - 1 - p._steps
@@ -135,7 +135,7 @@ def test_a_finish_under_a_lock_keeps_it_into_a_locked_key_and_ends_it_into_an_op
     p._steps = 10  # (the ledger judges from its `min_steps` on)
     p.charge(3, True, 1.0)
     p.charge(2, True, 1.0)
-    assert p._locked(3, True) and p._locked(2, True)
+    assert p._lock_end(3, True) is not None and p._lock_end(2, True) is not None
     assert p.choose(reqs, [10] * 3, 10_000, [1000] * 3) == [0, 0, 0]
     assert p.keep_quiet_without(reqs[2])  # batch 2: its own lock takes over
     assert p._quiet.locked and p._quiet.until == p.ledger.lock_end((2, True))

@@ -380,7 +380,7 @@ class SpeculativeRunner(ContinuousRunner):
             else:
                 outputs = self._plain_decode(requests, start)
                 if shadow is not None and self._upkeep:
-                    self._charge(requests, self._upkeep, 0, plain_worth=False)
+                    self._charge_upkeep(requests, self._upkeep)
             self._enter_stretch(requests)  # so are the next steps the decision holds
             return outputs
         if self._episode_gain is None and self._policy_charge is None:
@@ -406,24 +406,27 @@ class SpeculativeRunner(ContinuousRunner):
             self._enter_stretch(requests)
         return outputs
 
-    def _charge(self, requests: Sequence[Request], seconds: float, tokens: int, plain_worth: bool = True) -> None:
-        """The loss ledger's account of a decode step outside a bare plain stretch
-        (spec/loss_ledger.py): its `seconds` (and, once the next step starts, the time it
-        held the loop beyond them) less what plain decoding would have taken for its
-        `tokens`; without `plain_worth`, `seconds` is all extra (a stretch's upkeep). Not a
-        step that ran prefill chunks too (its time is not its own)."""
+    def _charge(self, requests: Sequence[Request], seconds: float, tokens: int) -> None:
+        """The loss ledger's account of a decode step the policy decided (spec/loss_ledger.py):
+        its `seconds` (and, once the next step starts, the time it held the loop beyond them)
+        less what plain decoding would have taken for its `tokens`. Not a step that ran
+        prefill chunks too (its time is not its own)."""
         charge = self._policy_charge
         if charge is None or self._mixed or not requests:
             return
         batch, sampled = len(requests), batch_samples(requests)
-        if not plain_worth:
-            charge(batch, sampled, seconds)
-            return
         plain = self.cost_model.step_seconds(batch, 0, sampled)  # (its time between steps included)
         if plain is None:
             return
         charge(batch, sampled, seconds - tokens / batch * plain, plain)
         self._until_next_step(seconds, lambda gap: charge(batch, sampled, gap, plain))
+
+    def _charge_upkeep(self, requests: Sequence[Request], seconds: float) -> None:
+        """The loss ledger's account of shadow drafts' and tables' upkeep during plain steps:
+        all of it is extra (plain decoding pays none)."""
+        charge = self._policy_charge
+        if charge is not None and not self._mixed and requests:
+            charge(len(requests), batch_samples(requests), seconds)
 
     def _enter_stretch(self, requests: Sequence[Request]) -> None:
         """The steps after this one for which the standing all-plain decision holds (if any)
@@ -591,7 +594,7 @@ class SpeculativeRunner(ContinuousRunner):
             self._shadows_taken(len(requests), sampled, steps)
         if upkeep:
             self.cost_model.observe_upkeep(len(requests), upkeep / steps, sampled)
-            self._charge(requests, upkeep, 0, plain_worth=False)
+            self._charge_upkeep(requests, upkeep)
 
     def _plain_decode(self, requests: Sequence[Request], start: float | None,
                       shadows_taken: bool = False) -> StepResult:

@@ -513,8 +513,8 @@ class AdaptivePolicy:
         table = self._cost_table(batch, sampled)
         if table is None or self._steps % self.plain_refresh == 0:
             return [0] * batch  # measure (or re-measure) a plain step at this batch size
-        if self._locked(batch, sampled):  # exploring lost more than its budget here: plain until the lock ends
-            until = self.ledger.lock_end((self.costs.bucket(batch), sampled))  # type: ignore[union-attr]
+        until = self._lock_end(batch, sampled)
+        if until is not None:  # exploring lost more than its budget here: plain until the lock ends
             self._quiet = _Quiet.of(list(requests), until, table, self.costs.version, locked=True)
             return [0] * batch
         ks: list[int] = []
@@ -650,10 +650,12 @@ class AdaptivePolicy:
         if plain is not None:
             ledger.charge((self.costs.bucket(batch_size), sampled), lost, self._steps, plain)
 
-    def _locked(self, batch_size: int, sampled: bool) -> bool:
-        """Whether the loss ledger has this batch size and sampling mode decode plainly now."""
+    def _lock_end(self, batch_size: int, sampled: bool) -> int | None:
+        """The policy step at which the loss ledger's lock of this batch size and sampling mode
+        ends, if it has them decode plainly now (else None)."""
         ledger = self.ledger
-        return ledger is not None and ledger.locked((self.costs.bucket(batch_size), sampled), self._steps)
+        key = (self.costs.bucket(batch_size), sampled)
+        return ledger.lock_end(key) if ledger is not None and ledger.locked(key, self._steps) else None
 
     def _learned_start(self, est: _Estimate, table: _CostTable) -> tuple[float | None, int]:
         """For a shadowed request without evidence: its kind's learned prior (None: none
@@ -700,7 +702,7 @@ class AdaptivePolicy:
         speculation starting there with a verified round (`started`) restarts the patience
         and ends a pause."""
         key = (self.costs.bucket(batch_size), sampled)
-        if self._steps < self._shadows_paused.get(key, -1) or self._locked(batch_size, sampled):
+        if self._steps < self._shadows_paused.get(key, -1) or self._lock_end(batch_size, sampled) is not None:
             return False
         table = self._table.get(key)
         if table is None:  # (dropped when kappa moved: priced again here, not taken as unknown)
@@ -740,7 +742,7 @@ class AdaptivePolicy:
         it fell toward 1 and no request got one; at W2 T=0 `admit` then refused a table to
         32 of 32 requests at batch 32 (H100, run 21e) where fixed K=5, every row drafting,
         ran at 1.10-1.31x plain decoding (21b, 21d)."""
-        if self._locked(batch_size, sampled):
+        if self._lock_end(batch_size, sampled) is not None:
             return False
         plain = self.costs.step_seconds(batch_size, 0, sampled)
         if plain is None:
@@ -880,14 +882,15 @@ class AdaptivePolicy:
         if self.costs.bucket(len(rest)) != self.costs.bucket(len(quiet.batch)):
             # the rest's key locked by the loss ledger: plain until its lock ends, whatever
             # the decision was (a locked one into an unlocked key: decided afresh)
-            locked = self._locked(len(rest), sampled)
+            lock_end = self._lock_end(len(rest), sampled)
+            locked = lock_end is not None
             if not locked and (quiet.vetoed or quiet.locked):
                 return False
             table = self._cost_table(len(rest), sampled)
             if table is None or (not locked and table.could_pay and any(self._might_start(r, table) for r in rest)):
                 return False
-            if locked:
-                until = self.ledger.lock_end((self.costs.bucket(len(rest)), sampled))  # type: ignore[union-attr]
+            if lock_end is not None:
+                until = lock_end
         self._quiet = quiet._replace(batch=rest, members=quiet.members - {id(request)}, table=table, until=until,
                                      locked=locked)
         return True

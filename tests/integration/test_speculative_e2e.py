@@ -1583,3 +1583,4 @@ def test_a_plain_stretchs_shadow_upkeep_is_charged_to_the_loss_ledger(make_llm, 
     assert upkeep and all(u >= 2.0 for u in upkeep)  # (a check and a take a step at least)
     assert sorted(upkeep) == sorted(s for s in whole if s in upkeep) and len(whole) >= len(upkeep)
     assert runner.policy.ledger.loss((8, False)) >= sum(upkeep)  # (the ledger heard them)
+    assert llm.engine.leak_report() == []

@@ -7,7 +7,7 @@
 
 from infer.engine.config import EngineConfig
 from infer.llm import LLM
-from infer.outputs import CompletionOutput, RequestOutput
+from infer.engine.output import CompletionOutput, RequestOutput
 from infer.sampling import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]

@@ -16,7 +16,7 @@ from typing import Any
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.request import Request
-from infer.outputs import CompletionOutput, RequestOutput
+from infer.engine.output import CompletionOutput, RequestOutput
 from infer.sampling import SamplingParams
 
 Message = dict[str, str]

@@ -93,7 +93,7 @@ def test_ngram_one_hot_drafts_lossless(make_llm, pair):
 
 def test_negative_control_accept_all_fails(make_llm, pair, monkeypatch):
     # both verification paths (fused and general) end in rejection.verify_tensors
-    import infer.spec.rejection as rejection
+    import infer.speculative.rejection as rejection
     real_verify = rejection.verify_tensors
 
     def accept_all(draft_tokens, counts, draft_probs, target_probs, accept_u, sample_u):

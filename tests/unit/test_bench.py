@@ -19,11 +19,12 @@ from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.report import fmt, markdown
 from infer.bench.results import BenchRun, Measurement, load_run, save_run
-from infer.bench.roofline import copy_bandwidth, decode_roofline, roofline_fraction, weight_bytes
-from infer.bench.spec_costs import StepCostConfig, measure_spec_costs
+from infer.bench.roofline import copy_bandwidth, decode_roofline, roofline_fraction
+from infer.engine.step_costs import weight_bytes
+from infer.engine.step_costs import StepCostConfig, measure_model_costs
 from infer.bench.workloads import WORKLOADS, Workload, build_requests, code_edit_text
 from infer.models.loader import load_model
-from infer.tokenizer import Tokenizer
+from infer.tokenization import Tokenizer
 
 QUICK = StepCostConfig(context_len=16, max_seq_len=64, k_max=3, repeats=2, warmup=1)
 
@@ -281,7 +282,7 @@ def test_hf_peer_generates_the_same_greedy_tokens(ckpt_a):
 
 def test_spec_costs_on_cpu(ckpt_a):
     model, _ = load_model(str(ckpt_a), dtype="float32", device="cpu")
-    costs = measure_spec_costs(model, model, use_cuda_graphs=False, cfg=QUICK)
+    costs = measure_model_costs(model, model, use_cuda_graphs=False, cfg=QUICK)
     assert len(costs.verify_s) == QUICK.k_max + 1 and costs.verify_ratio[0] > 0
     assert costs.c == pytest.approx(costs.draft_step_s / costs.target_step_s)
     assert math.isfinite(costs.c)

@@ -168,7 +168,7 @@ def test_tokenizer_files_load_in_transformers_and_infer(tok, tmp_path: Path) -> 
     chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                   add_generation_prompt=True)
     assert chat.startswith(bpe.BOS) and chat.endswith("# assistant:\n")
-    infer_tok = pytest.importorskip("infer.tokenizer").Tokenizer.from_pretrained(str(tmp_path))
+    infer_tok = pytest.importorskip("infer.tokenization").Tokenizer.from_pretrained(str(tmp_path))
     assert list(infer_tok.encode(text)) == tok.encode(text).ids
     assert bpe.EOS_ID in infer_tok.eos_token_ids
 
@@ -352,9 +352,9 @@ def test_ngram_baselines_fit_add_k() -> None:
 
 
 def test_theorem_3_8_factors() -> None:
-    assert metrics.expected_tokens_per_call(0.5, 1) == pytest.approx(1.5)
-    assert metrics.expected_tokens_per_call(0.0, 4) == pytest.approx(1.0)
-    assert metrics.expected_tokens_per_call(1.0, 4) == pytest.approx(5.0)
+    assert metrics.expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert metrics.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert metrics.expected_tokens(1.0, 4) == pytest.approx(5.0)
     assert metrics.walltime_factor(0.5, 1, c=0.5) == pytest.approx(1.0)
     assert metrics.walltime_factor(0.8, 3, c=0.0) == pytest.approx((1 - 0.8**4) / 0.2)
 

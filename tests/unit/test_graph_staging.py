@@ -1,11 +1,11 @@
-"""The staging helpers of engine/cuda_graphs.py, on the CPU (the graphs themselves are
+"""The staging helpers of engine/executor/staging.py, on the CPU (the graphs themselves are
 tested on the GPU in tests/gpu)."""
 
 from __future__ import annotations
 
 import torch
 
-from infer.engine.cuda_graphs import _capture_inputs, _host_indices, _loop_segments, _split, _stage_sampling
+from infer.engine.executor.staging import _capture_inputs, _host_indices, _loop_segments, _split, _stage_sampling
 
 
 class _Ring:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections import Counter
 
 import pytest
 
-import infer.spec.ngram
 from infer.engine.request import Request
 from infer.sampling import SamplingParams
-from infer.spec.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
-from infer.spec.proposer import Draft
+from infer.speculative.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
 
 WORDS: dict[str, int] = {}
 
@@ -208,7 +205,7 @@ def test_rejected_drafts_never_enter_the_proposer_table() -> None:
     # the target accepts "c", rejects "d" and emits the bonus "x" instead
     request.output_token_ids += ids("c x")
     proposer.on_accepted(request, 1)
-    proposer.keep_up([request])  # (a table takes the tokens at its next lookup or keep_up)
+    proposer.prefilled([request])  # (a table takes the tokens at its next lookup)
     counts = proposer.table("r0").counts()
     assert counts == brute_counts(request.all_token_ids, 64, 4, 2)
     assert tuple(ids("b c x")) in counts
@@ -271,103 +268,20 @@ def test_proposer_syncs_incrementally_across_calls() -> None:
     assert table.counts() == brute_counts(request.all_token_ids, 512, 4, 2)
 
 
-def test_keep_up_builds_and_syncs_tables() -> None:
-    # the runner builds and updates tables during forwards (prefill, plain steps): a later
-    # proposal then has nothing to catch up (no catch-up time)
+def test_prefilled_builds_and_syncs_tables() -> None:
+    # the runner builds the tables under the prefill's forward: a later proposal then has
+    # only its lookup left to do
     proposer = NgramProposer()
     a, b = make_request(ids("one two three one two")), make_request(ids("four five four"))
     b.request_id = "r1"
     proposer.propose([a], [2])
     table = proposer.table("r0")
     a.output_token_ids += ids("three four five one")
-    proposer.keep_up([a, b])
+    proposer.prefilled([a, b])
     assert proposer.table("r0") is table and table.history == a.all_token_ids
     assert table.counts() == brute_counts(a.all_token_ids, 512, 4, 2)
     assert proposer.table("r1").history == b.all_token_ids  # built
-    assert proposer.propose([a], [2])[0].token_ids == ids("two three") and proposer.catch_up_seconds == 0.0
-
-
-def test_keep_up_under_a_busy_gpu_builds_in_chunks_and_leaves_the_rest_for_later() -> None:
-    # with `busy` the tables are built BUILD_CHUNK tokens at a time while it says the GPU
-    # still works; the rest is left part-built or unbuilt (not `ready`), finished by later
-    # calls, and the tables come out exactly as built whole. A lookup of a table not ready
-    # builds the rest on the spot (the same draft as a whole table's)
-    chunk = infer.spec.ngram.BUILD_CHUNK
-    rng = random.Random(5)
-    requests = [make_request([rng.randrange(20) for _ in range(n)]) for n in (3 * chunk + 5, 2 * chunk, 10)]
-    for i, r in enumerate(requests):
-        r.request_id = f"r{i}"
-    asks = []
-
-    def busy_for(n):
-        left = [n]
-
-        def busy():
-            asks.append(1)
-            left[0] -= 1
-            return left[0] >= 0
-        return busy
-
-    proposer = NgramProposer()
-    proposer.keep_up(requests, busy_for(1))  # two chunks of the first prompt (one a call at least)
-    assert proposer.building and not any(proposer.ready(r) for r in requests)
-    assert proposer._entries["r0"].synced == 2 * chunk and "r1" not in proposer._entries
-    proposer.keep_up(requests, busy_for(2))  # the rest of the first prompt, one chunk of the second
-    assert proposer.ready(requests[0]) and not proposer.ready(requests[1]) and not proposer.ready(requests[2])
-    whole = NgramProposer()
-    whole.keep_up(requests)
-    assert proposer.table("r0").counts() == whole.table("r0").counts() == brute_counts(
-        requests[0].all_token_ids, 512, 4, 2)
-    assert proposer.leak_report() == ["n-gram tables kept for ['r0', 'r1']",
-                                      "n-gram tables being built for ['r1', 'r2']"]
-    # a lookup does not wait: the rest is built on the spot
-    assert proposer.propose(requests[1:2], [4]) == whole.propose(requests[1:2], [4])
-    assert proposer.ready(requests[1]) and proposer.table("r1").counts() == whole.table("r1").counts()
-    # a table a few tokens behind is no build: left to its next lookup (or a whole keep_up),
-    # without asking the GPU; it is ready
-    requests[0].output_token_ids += [1, 2, 3]
-    asks.clear()
-    proposer.keep_up(requests[:1], busy_for(0))
-    assert not asks and proposer.table("r0").history == requests[0].all_token_ids[:-3]
-    assert proposer.ready(requests[0]) and "r0" not in proposer._building
-    proposer.keep_up(requests[:1])
-    assert proposer.table("r0").history == requests[0].all_token_ids
-    proposer.keep_up(requests, lambda: True)
-    assert not proposer.building and all(proposer.ready(r) for r in requests)
-    assert proposer.table("r2").counts() == whole.table("r2").counts()
-    requests[2].output_token_ids += [7] * (2 * chunk + 1)  # a long gap is a build again
-    proposer.keep_up(requests[2:], busy_for(0))  # one chunk, though the GPU is idle
-    assert not proposer.ready(requests[2]) and proposer._entries["r2"].synced == 10 + chunk
-    proposer.keep_up(requests[2:], busy_for(0))  # ... and one at every call: never starved
-    assert proposer._entries["r2"].synced == 10 + 2 * chunk
-    proposer.keep_up(requests[2:], busy_for(0))
-    assert proposer.ready(requests[2]) and proposer.table("r2").history == requests[2].all_token_ids
-    for r in requests:
-        proposer.release(r)
-    assert proposer.leak_report() == [] and not proposer.building
-
-
-def test_a_table_never_built_or_far_behind_is_not_ready_and_is_queued_for_the_builds() -> None:
-    # shadow drafts ask `ready` before a lookup: a table that missed its prefill's builds
-    # (shadowing did not pay then) or fell more than a chunk behind would be built on the
-    # critical path; it is queued instead, and the next keep_up under a forward builds it
-    chunk = infer.spec.ngram.BUILD_CHUNK
-    proposer = NgramProposer()
-    fresh, behind, close = (make_request(list(range(n)), f"r{i}") for i, n in enumerate((chunk + 9, 30, 20)))
-    proposer.keep_up([behind, close])
-    behind.output_token_ids += [3] * (chunk + 1)
-    close.output_token_ids += [3] * chunk
-    assert not proposer.building
-    assert not proposer.ready(fresh) and not proposer.ready(behind) and proposer.ready(close)
-    assert proposer.building and proposer.leak_report()[-1] == "n-gram tables being built for ['r0', 'r1']"
-    proposer.keep_up([fresh, behind, close], lambda: True)
-    assert not proposer.building and all(proposer.ready(r) for r in (fresh, behind, close))
-    assert proposer.table("r0").history == fresh.all_token_ids
-    assert proposer.table("r1").history == behind.all_token_ids
-    assert proposer.table("r2").history == close.all_token_ids[:-chunk]  # (no build: its lookup syncs it)
-    for r in (fresh, behind, close):
-        proposer.release(r)
-    assert proposer.leak_report() == []
+    assert proposer.propose([a], [2])[0].token_ids == ids("two three")
 
 
 def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
@@ -375,7 +289,7 @@ def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
     # those cost nothing (their tables catch up when they draft, or under a forward)
     proposer = NgramProposer()
     a, b = make_request(ids("one two three one two")), make_request(ids("four five four five"), "r1")
-    proposer.keep_up([a, b])
+    proposer.prefilled([a, b])
     b.output_token_ids += ids("four five")
     drafts = proposer.propose([a, b], [2, 0])
     assert drafts[0].token_ids == ids("three one") and drafts[1].token_ids == []
@@ -389,7 +303,7 @@ def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
 def test_leak_report_names_tables_still_held() -> None:
     proposer = NgramProposer()
     request = make_request(ids("one two three"))
-    proposer.keep_up([request])
+    proposer.prefilled([request])
     assert proposer.leak_report() == ["n-gram tables kept for ['r0']"]
     proposer.release(request)
     assert proposer.leak_report() == []
@@ -407,44 +321,16 @@ def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
 
 
-def test_finishing_a_part_built_table_alone_is_a_one_off_not_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    # `keep_up` under a short forward leaves a long prompt's table part-built; a lone
-    # request's lookup that finishes it reports the time as setup (timed nowhere by the
-    # runner), not as the cost of switching back to drafting
-    clock = itertools.count()
-    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: float(next(clock)))
-    rng = random.Random(5)
-    proposer = NgramProposer(NgramConfig(window=512))
-    request = make_request([rng.randrange(6) for _ in range(300)])
-    proposer.keep_up([request], lambda: False)  # the GPU idle at once: one chunk
-    assert not proposer.ready(request) and proposer.building
-    proposer.propose([request], [4])
-    assert proposer.setup_seconds == 1.0 and proposer.catch_up_seconds == 0.0 and proposer.catch_up_chunks == 0
-    assert proposer.ready(request) and not proposer.building
-    assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 512, 4, 2)
-
-
 @pytest.mark.parametrize("gap", [49, 50, 120])  # shorter than, equal to, longer than the window
-def test_proposer_catches_up_after_plain_steps(gap: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # plain decode steps between proposals leave the table behind by `gap` tokens; a fake
-    # clock that advances one second per reading makes each timed sync exactly 1 s
-    clock = itertools.count()
-    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: float(next(clock)))
+def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
+    # plain decode steps between proposals leave the table behind by `gap` tokens
     rng = random.Random(gap)
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(6) for _ in range(80)])
     proposer.propose([request], [4])
-    # the first build is the table's prefill, not a switch: a one-off the runner times nowhere
-    assert proposer.catch_up_seconds == 0.0 and proposer.setup_seconds == 1.0
     old = proposer.table("r0")
-    request.output_token_ids += [rng.randrange(6) for _ in range(5)]  # one round's worth: not a switch
-    proposer.propose([request], [4])
-    assert proposer.catch_up_seconds == proposer.setup_seconds == 0.0
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
     (draft,) = proposer.propose([request], [4])
-    assert proposer.catch_up_seconds == 1.0  # the policy's cost of switching back to drafting
-    assert proposer.setup_seconds == 0.0
-    assert proposer.catch_up_chunks == 1  # one request caught up: one unit of it
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
     fresh = NgramTable(window=50)
@@ -472,7 +358,7 @@ def test_proposer_batch_lengths_and_release() -> None:
     proposer = NgramProposer()
     a = make_request(ids("u v u v u"), "a")
     b = make_request(ids("novel tokens only"), "b")
-    proposer.keep_up([a, b])  # (in a batch, tables are built by keep_up, not by propose)
+    proposer.prefilled([a, b])  # (built under the prefill)
     drafts = proposer.propose([a, b], [3, 2])
     assert drafts[0].token_ids == ids("v u v")
     assert drafts[1].token_ids == []  # nothing repeats: a plain decode step
@@ -483,24 +369,6 @@ def test_proposer_batch_lengths_and_release() -> None:
     proposer.release(a)  # releasing twice is harmless
     proposer.on_accepted(a, 0)  # a released request is not resurrected
     assert proposer.table("a") is None
-
-
-def test_in_a_batch_a_table_to_build_is_queued_not_built_on_the_critical_path() -> None:
-    # alone, a request's table is built on demand; in a batch, a request whose table needs a
-    # build drafts nothing and the build is queued for keep_up (under the next forwards)
-    proposer = NgramProposer()
-    a = make_request(ids("u v u v u"), "a")
-    b = make_request(ids("x y x y x"), "b")
-    assert proposer.propose([a, b], [3, 3]) == [Draft(token_ids=[], probs=None)] * 2
-    assert proposer.building and proposer.table("a") is None
-    proposer.keep_up([a, b], busy=lambda: True)
-    assert not proposer.building
-    assert [d.token_ids for d in proposer.propose([a, b], [3, 3])] == [ids("v u v"), ids("y x y")]
-    c = make_request(ids("p q p q p"), "c")
-    assert proposer.propose([c], [3])[0].token_ids == ids("q p q")  # alone: built here
-    proposer.admit = lambda request: False
-    d = make_request(ids("u v u v u"), "d")
-    assert proposer.propose([d, a], [3, 3])[0].token_ids == [] and "d" not in proposer._building  # turned down
 
 
 def test_proposer_prompt_lookup_method() -> None:
@@ -545,51 +413,3 @@ def test_tables_validate_their_arguments() -> None:
         PromptLookupTable(window=2)
 
 
-# --- which requests get a table (`admit`) and what a table costs -------------------------------
-
-
-def test_a_request_turned_down_gets_no_table_no_draft_and_no_build() -> None:
-    proposer = NgramProposer(NgramConfig(window=64))
-    admitted = {"r0": False, "r1": True}
-    proposer.admit = lambda r: admitted[r.request_id]
-    text = ids("a b c a b c a b c a b")
-    r0, r1 = make_request(text, "r0"), make_request(text, "r1")
-    assert not proposer.ready(r0) and not proposer.building  # turned down: not queued for builds
-    proposer.keep_up([r0, r1], busy=lambda: True)
-    proposer.keep_up([r0, r1])
-    drafts = proposer.propose([r0, r1], [3, 3])
-    assert drafts[0].token_ids == [] and proposer.table("r0") is None  # no lookup built it either
-    assert drafts[1].token_ids == ids("c a b") and proposer.table("r1") is not None
-    admitted["r0"] = True  # admitted later (its batch shrank): built and drafted as any other
-    assert proposer.propose([r0], [3])[0].token_ids == ids("c a b")
-    admitted["r0"] = False  # a table once started is kept, whatever `admit` says now
-    assert proposer.admits(r0) and proposer.propose([r0], [3])[0].token_ids == ids("c a b")
-    proposer.release(r0)
-    proposer.release(r1)
-    assert proposer.leak_report() == []
-
-
-def test_a_build_queued_before_its_request_was_turned_down_is_dropped() -> None:
-    proposer = NgramProposer(NgramConfig(window=64))
-    admitted = {"r0": True}
-    proposer.admit = lambda r: admitted[r.request_id]
-    r0 = make_request(ids("x y z x y z x y"), "r0")
-    assert not proposer.ready(r0) and proposer.building  # queued for the builds under forwards
-    admitted["r0"] = False
-    proposer.keep_up([r0], busy=lambda: True)
-    assert not proposer.building and proposer.table("r0") is None  # not built, no longer waited for
-
-
-def test_table_builds_measure_what_a_token_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    # a clock that advances 1 ms per reading: a build of n tokens takes 1 ms, 1/n ms a token
-    clock = itertools.count()
-    monkeypatch.setattr(infer.spec.ngram, "perf_counter", lambda: next(clock) * 1e-3)
-    proposer = NgramProposer(NgramConfig(window=100))
-    start = proposer.seconds_per_token
-    request = make_request(list(range(100)))
-    proposer.keep_up([request])  # a build of 100 tokens: 10 us a token
-    assert proposer.seconds_per_token == pytest.approx(start + 0.25 * (1e-5 - start))
-    request.output_token_ids += [1, 2]
-    before = proposer.seconds_per_token
-    proposer.keep_up([request])  # two tokens' update: no build, not measured
-    assert proposer.seconds_per_token == before

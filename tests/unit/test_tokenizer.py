@@ -15,7 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from infer.tokenization.backends import split_for_tiktoken
-from infer.tokenizer import IncrementalDetokenizer, Tokenizer
+from infer.tokenization import IncrementalDetokenizer, Tokenizer
 
 llama_models = pytest.importorskip("llama_models")
 from llama_models.llama3.tokenizer import Tokenizer as MetaTokenizer  # noqa: E402

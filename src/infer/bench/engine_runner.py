@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from infer.bench.roofline import weight_bytes
-from infer.bench.timing import synchronize
+from infer.engine.step_costs import weight_bytes
+from infer.timing import synchronize
 from infer.bench.workloads import PromptSet, RequestSpec, Workload, build_requests, random_ids
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import resolve_device
 from infer.engine.request import Request
-from infer.spec.metrics import SpecStats
+from infer.speculative.metrics import SpecStats
 
 SEQ_LEN_QUANTUM = 128
 SAVED_IDS = 64  # request 0's first output ids are kept: same weights + greedy -> comparable
@@ -58,7 +58,7 @@ def engine_config(workload: Workload, overrides: Mapping[str, Any], device: str 
 
 def spec_snapshot(engine: Engine) -> SpecStats | None:
     """A copy of the engine's speculation counters (None without speculation)."""
-    stats = getattr(engine.runner, "stats", None)
+    stats = engine.runner.stats
     return copy.deepcopy(stats) if stats is not None else None
 
 
@@ -241,10 +241,6 @@ def engine_counters(engine: Engine, spec0: SpecStats | None,
     spec1 = spec_snapshot(engine)
     if spec0 is not None and spec1 is not None:
         out.update(spec_metrics(spec1.minus(spec0)))
-        cost_model = getattr(engine.runner, "cost_model", None)
-        if cost_model is not None and cost_model.draft_ratio:
-            c, v = cost_model.calibrated(1)
-            out.update(engine_calibrated_c=c, engine_calibrated_verify=list(v))
     prefix1 = _prefix_counters(engine)
     if prefix0 is not None and prefix1 is not None:
         queried, hit = prefix1[0] - prefix0[0], prefix1[1] - prefix0[1]

@@ -20,8 +20,9 @@ from infer.bench.engine_runner import default_dtype, free_memory, run_engine
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.report import measurement_line
 from infer.bench.results import BenchRun, Measurement, save_run
-from infer.bench.roofline import copy_bandwidth, decode_roofline, weight_bytes
-from infer.bench.spec_costs import StepCostConfig, measure_spec_costs
+from infer.bench.roofline import copy_bandwidth, decode_roofline
+from infer.engine.step_costs import weight_bytes
+from infer.engine.step_costs import StepCostConfig, measure_model_costs
 from infer.bench.theory import projection_table
 from infer.bench.workloads import Workload
 from infer.engine.loading import resolve_device
@@ -146,7 +147,7 @@ class Harness:
             d = t if self_draft else (load_model(draft, dtype=dtype, device=self.device, load_format=load_format)[0]
                                       if draft else None)
             try:
-                costs = measure_spec_costs(t, d, use_cuda_graphs and self.device.type == "cuda", cfg)
+                costs = measure_model_costs(t, d, use_cuda_graphs and self.device.type == "cuda", cfg)
             finally:
                 del t, d
                 free_memory()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from infer.bench.engine_runner import default_dtype, free_memory, primary_rate, request_metrics
-from infer.bench.timing import synchronize
+from infer.timing import synchronize
 from infer.bench.workloads import Workload, build_requests
 from infer.engine.loading import load_tokenizer, resolve_device
 from infer.models.llama import LlamaForCausalLM

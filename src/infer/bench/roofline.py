@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.bench.timing import synchronize
+from infer.timing import synchronize
 
 GPU_PROBE_BYTES = 1 << 30  # 1 GiB source, 1 GiB destination
 CPU_PROBE_BYTES = 1 << 25
@@ -78,19 +78,6 @@ def _timed_copies(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> list[fl
         dst.copy_(src)
         out.append(time.perf_counter() - t0)
     return out
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters; a parameter shared by two modules (tied embeddings)
-    counts once."""
-    seen: set[int] = set()
-    total = 0
-    for param in model.parameters():  # parameters() already skips duplicates; be explicit
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        total += param.numel() * param.element_size()
-    return total
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,11 @@
-"""The paper's speed model applied to measurements (Leviathan et al. 2023, section 3).
+"""Projections from the paper's speed model (speculative/theory.py) and measured costs.
 
-- Expected tokens per speculation round with K drafts and acceptance rate a:
-  (1 - a^(K+1)) / (1 - a)                                             (Eq. 1)
-- Walltime factor (Theorem 3.8), the predicted speedup over plain decoding:
-  (1 - a^(K+1)) / ((1 - a)(K c + 1)),  c = draft step time / target step time.
-  The generalised form divides by K c + v(K) with v(K) the measured cost of verifying K+1
-  tokens relative to one plain step (the paper assumes v = 1).
-
-`alpha_from_mean_length` inverts Eq. 1: the a under which the i.i.d. model gives the
-measured mean tokens per round. That is the acceptance rate the paper's factor needs; the
-engine's `acceptance_rate` (accepted / drafted tokens) counts tokens drafted after the first
-rejection of a round as rejected too, so it is lower. The efficiency of an implementation
-is its measured speedup / the predicted factor; the gap is the engine's own overhead.
+`alpha_from_mean_length` (in speculative/theory.py) inverts Eq. 1: the a under which the i.i.d.
+model gives the measured mean tokens per round. That is the acceptance rate the paper's
+factor needs; the engine's `acceptance_rate` (accepted / drafted tokens) counts tokens
+drafted after the first rejection of a round as rejected too, so it is lower. The
+efficiency of an implementation is its measured speedup / the predicted factor; the gap is
+the engine's own overhead.
 """
 
 from __future__ import annotations
@@ -19,7 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.spec.policy import expected_tokens, walltime_factor
+from infer.speculative.theory import alpha_from_mean_length, walltime_factor
+
+__all__ = ["alpha_from_mean_length", "efficiency", "predicted_speedup", "projection_table", "Projection"]
 
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DEFAULT_KS = tuple(range(1, 9))
@@ -27,29 +23,7 @@ DEFAULT_KS = tuple(range(1, 9))
 
 def predicted_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     """The walltime factor of Theorem 3.8 (verify_cost = 1) or its generalised form."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if k < 0 or c < 0 or verify_cost <= 0:
-        raise ValueError(f"need k >= 0, c >= 0, verify_cost > 0; got {k}, {c}, {verify_cost}")
     return walltime_factor(alpha, k, c, verify_cost)
-
-
-def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> float:
-    """The a in [0, 1] with expected_tokens(a, k) == mean_length (clamped to the range)."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if mean_length <= 1.0:
-        return 0.0
-    if mean_length >= k + 1:
-        return 1.0
-    lo, hi = 0.0, 1.0  # expected_tokens is increasing in a
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        if expected_tokens(mid, k) < mean_length:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def efficiency(measured_speedup: float, predicted: float) -> float:

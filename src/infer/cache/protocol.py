@@ -47,6 +47,10 @@ class CachePoolProtocol(Protocol):
         """Tokens that can still be allocated (None for the contiguous backend)."""
         ...
 
+    def total_token_capacity(self) -> int | None:
+        """Tokens the whole pool can hold (None for the contiguous backend)."""
+        ...
+
     def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
         """After a prompt is fully cached: offer its full blocks to the prefix cache."""
         ...

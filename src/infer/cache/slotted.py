@@ -65,6 +65,9 @@ class SlottedKVCache(RowPool):
     def free_token_capacity(self) -> int | None:
         return None
 
+    def total_token_capacity(self) -> int | None:
+        return None
+
     def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
         return None  # no prefix sharing in contiguous storage
 

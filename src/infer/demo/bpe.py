@@ -9,7 +9,7 @@ post-processor puts BOS in front of every encoded text (as Llama 3's tokenizer.j
 
 `save_tokenizer_files` writes the standard Hugging Face files (tokenizer.json,
 tokenizer_config.json with a small chat template, special_tokens_map.json), which load in
-`infer.tokenizer.Tokenizer` and in transformers' `AutoTokenizer`.
+`infer.tokenization.Tokenizer` and in transformers' `AutoTokenizer`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from infer.demo.corpus import read_texts, split_corpus
 from infer.demo.data import batch_chunks, validation_chunks
 from infer.demo.metrics import (
     PairTotals,
-    expected_tokens_per_call,
+    expected_tokens,
     fit_bigram,
     fit_unigram,
     walltime_factor,
@@ -81,9 +81,9 @@ def _results(target: LlamaForCausalLM, draft: LlamaForCausalLM, pair: dict[str, 
         return {"alpha": s["alpha"], "greedy_agreement": s["greedy_agreement"], "loss": s["draft_loss"]}
 
     speedup = {str(g): {
-        "tokens_per_call_t1": expected_tokens_per_call(pair["alpha"], g),
+        "tokens_per_call_t1": expected_tokens(pair["alpha"], g),
         "walltime_factor_t1": walltime_factor(pair["alpha"], g, c),
-        "tokens_per_call_t0": expected_tokens_per_call(pair["greedy_agreement"], g),
+        "tokens_per_call_t0": expected_tokens(pair["greedy_agreement"], g),
         "walltime_factor_t0": walltime_factor(pair["greedy_agreement"], g, c),
     } for g in GAMMAS}
     return {

@@ -4,9 +4,8 @@ Leviathan et al., "Fast Inference from Transformers via Speculative Decoding":
 - Theorem 3.5 / Corollary 3.6: a draft token sampled from q is accepted with probability
   beta = sum_x min(p(x), q(x)); alpha = E[beta] over positions (temperature 1).
 - At temperature 0 (argmax) acceptance is P(argmax p = argmax q): the greedy agreement.
-- Equation (1): expected tokens per target call with gamma drafted tokens,
-  (1 - alpha^(gamma + 1)) / (1 - alpha).
-- Theorem 3.8: expected walltime factor (1 - alpha^(gamma + 1)) / ((1 - alpha)(gamma c + 1)).
+- Equation (1) and Theorem 3.8 (expected tokens per target call, walltime factor): the
+  formulas of `infer.speculative.theory`, re-exported here.
 The unigram and bigram baselines of Table 3 are fitted here on a token stream with add-k
 smoothing. Everything is a pure function of tensors.
 """
@@ -17,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.spec.policy import expected_tokens
-from infer.spec.policy import walltime_factor as spec_walltime_factor
+from infer.speculative.theory import expected_tokens, walltime_factor
+
+__all__ = ["acceptance_alpha", "greedy_agreement", "fit_unigram", "fit_bigram", "expected_tokens",
+           "walltime_factor", "PairTotals"]
 
 
 def acceptance_alpha(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -51,21 +52,6 @@ def fit_bigram(stream: torch.Tensor, vocab_size: int, k: float) -> torch.Tensor:
     counts = torch.bincount(pairs, minlength=vocab_size * vocab_size).view(vocab_size, vocab_size)
     counts = counts.float()
     return (counts + k) / (counts.sum(-1, keepdim=True) + k * vocab_size)  # [V, V]
-
-
-def expected_tokens_per_call(alpha: float, gamma: int) -> float:
-    """Equation (1): mean tokens produced per target call with gamma drafted tokens."""
-    if gamma < 0 or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"need gamma >= 0 and alpha in [0, 1], got gamma={gamma}, alpha={alpha}")
-    return expected_tokens(alpha, gamma)
-
-
-def walltime_factor(alpha: float, gamma: int, c: float) -> float:
-    """Theorem 3.8: expected speedup over plain decoding; c = draft / target step time."""
-    if c < 0:
-        raise ValueError(f"cost coefficient c must be >= 0, got {c}")
-    expected_tokens_per_call(alpha, gamma)  # validates alpha and gamma
-    return spec_walltime_factor(alpha, gamma, c)
 
 
 @dataclass

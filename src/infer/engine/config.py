@@ -46,6 +46,11 @@ class EngineConfig:
     draft_model: str | None = None  # None with the demo target = the bundled demo draft
     spec_length: int = 5  # K: candidate tokens per speculation round
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
+    # speculation is off for a step whose decode batch is larger than this (None: never off)
+    spec_disable_batch_size: int | None = None
+    # c, the draft step's cost over the target's, for the adaptive policy; None: measured at
+    # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts)
+    spec_cost_coefficient: float | None = None
     ngram_max_order: int = 4
     ngram_min_order: int = 2
     ngram_window: int = 512
@@ -66,6 +71,10 @@ class EngineConfig:
         if self.cuda_graph_sampling_batch_max < 0:
             raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no sampling graphs), "
                              f"got {self.cuda_graph_sampling_batch_max}")
+        if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
+            raise ValueError(f"spec_disable_batch_size must be >= 1 or None, got {self.spec_disable_batch_size}")
+        if self.spec_cost_coefficient is not None and self.spec_cost_coefficient < 0:
+            raise ValueError(f"spec_cost_coefficient must be >= 0 or None, got {self.spec_cost_coefficient}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

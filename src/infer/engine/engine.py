@@ -79,14 +79,8 @@ class Engine:
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
 
     def kv_capacity_tokens(self) -> int | None:
-        pools = self.runner_pools()
-        caps = [p.total_token_capacity() for p in pools if hasattr(p, "total_token_capacity")]
+        caps = [c for c in (p.total_token_capacity() for p in self.runner.pools()) if c is not None]
         return min(caps) if caps else None
-
-    def runner_pools(self) -> list:
-        pools = [self.runner.cache_pool]
-        draft_pool = getattr(self.runner, "draft_cache_pool", None)
-        return pools + ([draft_pool] if draft_pool is not None else [])
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Cancel a request: its slot and KV blocks are freed now. None if unknown/finished."""

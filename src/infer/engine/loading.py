@@ -15,7 +15,7 @@ import torch
 from infer.engine.config import EngineConfig
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model, resolve_model_path
-from infer.tokenizer import Tokenizer
+from infer.tokenization import Tokenizer
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
 DEMO_TARGET = DEMO_DIR / "target"

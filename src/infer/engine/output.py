@@ -1,4 +1,5 @@
-"""OutputProcessor: turns sampled tokens into StepOutputs and decides when a request stops.
+"""OutputProcessor: turns sampled tokens into StepOutputs and decides when a request stops;
+RequestOutput / CompletionOutput: what `LLM.generate` returns (vLLM's shape).
 
 Stop conditions, in the order checked after each appended token: EOS ids (unless
 ignore_eos), stop token ids, stop strings (the text is cut before the stop string and
@@ -10,9 +11,30 @@ by one through the same path, so a stop inside an accepted run ends the output t
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from infer.engine.request import FinishReason, Request, RequestState, StepOutput
-from infer.tokenizer import IncrementalDetokenizer, Tokenizer
+from infer.tokenization import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    acceptance_rate: float | None = None  # speculative decoding: mean accepted fraction per round
+    mean_accepted_length: float | None = None  # speculative decoding: tokens per round
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. time_to_first_token_s, decode_tokens_per_s
 
 
 class _TextState:

@@ -16,14 +16,15 @@ from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.forward import ForwardFn, make_forward
+from infer.engine.executor import ForwardFn, make_forward
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
-from infer.tokenizer import Tokenizer
+from infer.speculative.metrics import SpecStats
+from infer.tokenization import Tokenizer
 from infer.transfer import to_device
 
 StepResult = list[tuple[Request, StepOutput]]
@@ -56,6 +57,8 @@ def step_kernels(config: EngineConfig, device: torch.device, model: LlamaForCaus
 
 
 class ContinuousRunner:
+    stats: SpecStats | None = None  # speculation counters (the speculative runner's)
+
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.model = model
@@ -103,8 +106,13 @@ class ContinuousRunner:
     def cleanup_request(self, request_id: str) -> None:
         self.output.release(request_id)
 
+    def pools(self) -> list[CachePoolProtocol]:
+        """The KV pools this runner's requests hold memory in (the target's; a draft's too)."""
+        return [self.cache_pool]
+
     def free_kv_tokens(self) -> int | None:
-        return self.cache_pool.free_token_capacity()
+        caps = [c for c in (p.free_token_capacity() for p in self.pools()) if c is not None]
+        return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
         return self.cache_pool.leak_report()

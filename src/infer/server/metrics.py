@@ -5,8 +5,7 @@ requests by finish reason, time to first token, inter-token latency, end-to-end 
 prompt and generated token counts. Read from the engine at scrape time (`EngineCollector`):
 running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
 the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
-emitted tokens, accepted tokens per draft position), and the adaptive policy's loss ledger
-(locks taken, batch-size buckets and sampling modes locked now: spec/loss_ledger.py).
+emitted tokens, accepted tokens per draft position).
 """
 
 from __future__ import annotations
@@ -19,8 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from infer.speculative.metrics import SpecStats
+
 if TYPE_CHECKING:
     from infer.engine.async_engine import AsyncEngine
+    from infer.cache.protocol import CachePoolProtocol
     from infer.engine.engine import Engine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,15 +36,13 @@ def kv_cache_usage(engine: Engine) -> float:
     Paged pools: blocks neither free nor evictable. Contiguous pools reserve a whole
     max_seq_len region per slot, so usage is the fraction of slots taken.
     """
-    usages = [_pool_usage(pool, engine) for pool in engine.runner_pools() if pool is not None]
+    usages = [_pool_usage(pool, engine) for pool in engine.runner.pools()]
     return max(usages) if usages else 0.0
 
 
-def _pool_usage(pool: object, engine: Engine) -> float:
-    num_blocks = getattr(pool, "num_blocks", None)
-    free = pool.free_token_capacity()  # type: ignore[attr-defined]
-    if num_blocks and free is not None:
-        total = num_blocks * pool.block_size  # type: ignore[attr-defined]
+def _pool_usage(pool: CachePoolProtocol, engine: Engine) -> float:
+    total, free = pool.total_token_capacity(), pool.free_token_capacity()
+    if total and free is not None:
         return max(0.0, min(1.0, 1.0 - free / total))
     return len(engine.scheduler.running) / engine.config.max_batch_size
 
@@ -65,47 +65,27 @@ class EngineCollector(Collector):
         yield _gauge("infer_kv_cache_usage_ratio", "fraction of KV cache memory in use",
                      kv_cache_usage(self.engine.engine))
         yield _gauge("infer_engine_healthy", "1 while the engine loop runs", int(self.engine.healthy))
-        runner = self.engine.engine.runner
-        yield from _spec_metrics(getattr(runner, "stats", None))
-        yield from _ledger_metrics(getattr(runner, "policy", None))
+        yield from _spec_metrics(self.engine.engine.runner.stats)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _spec_metrics(stats: object) -> Iterator[Metric]:
+def _spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
     """Speculation counters; zero (and no per-position samples) when speculation is off."""
-    def value(name: str) -> int:
-        return int(getattr(stats, name, 0)) if stats is not None else 0
-
+    stats = stats if stats is not None else SpecStats()
     for name, doc in (("drafts", "speculation rounds that drafted at least one token"),
                       ("draft_tokens", "tokens proposed by the drafter"),
                       ("accepted_tokens", "drafted tokens accepted by the target"),
                       ("emitted_tokens", "tokens produced by speculation rounds (accepted + bonus)")):
-        yield CounterMetricFamily(f"infer_spec_decode_{name}", doc, value=value(name))
+        yield CounterMetricFamily(f"infer_spec_decode_{name}", doc, value=getattr(stats, name))
     per_position = CounterMetricFamily(
         "infer_spec_decode_accepted_per_position", "rounds whose i-th drafted token was accepted",
         labels=["position"])
-    for position, count in enumerate(list(getattr(stats, "accepted_per_position", []) or [])):
+    for position, count in enumerate(list(stats.accepted_per_position)):
         per_position.add_metric([str(position)], count)
     yield per_position
-
-
-def _ledger_metrics(policy: object) -> Iterator[Metric]:
-    """The adaptive policy's loss ledger: locks taken, and the (bucket, sampling mode) keys
-    locked now (zero without an adaptive policy or its ledger)."""
-    ledger = getattr(policy, "ledger", None)
-    locks = ledger.locks_taken if ledger is not None else 0
-    yield CounterMetricFamily("infer_spec_policy_locks", "times the adaptive policy's loss ledger locked a "
-                              "batch-size bucket and sampling mode out of speculation", value=locks)
-    locked = GaugeMetricFamily("infer_spec_policy_locked", "1 for each batch-size bucket and sampling mode "
-                               "the loss ledger keeps plain now", labels=["bucket", "sampled"])
-    if ledger is not None:
-        step = getattr(policy, "_steps", 0)
-        for bucket, sampled in sorted(ledger.locked_keys(step)):
-            locked.add_metric([str(bucket), str(sampled).lower()], 1)
-    yield locked
 
 
 class RequestTracker:

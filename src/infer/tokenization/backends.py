@@ -2,7 +2,7 @@
 
 Both expose the same small surface (`TokenizerBackend`): raw encode/decode, token <-> id
 lookup and the set of special ids. Everything model-specific that lives in config files
-(BOS policy, eos ids, chat template) is handled one level up in `infer.tokenizer`.
+(BOS policy, eos ids, chat template) is handled by `Tokenizer` (tokenizer.py).
 
 The tiktoken backend rebuilds Meta's Llama 3 tokenizer: the BPE ranks from the file, the
 Llama 3 pre-tokenizer regex and 256 special tokens appended after the base vocabulary

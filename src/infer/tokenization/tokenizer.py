@@ -5,8 +5,8 @@
 `tokenizer.model`. Special token ids, the BOS policy, the stop (eos) ids and the chat
 template come from `tokenizer_config.json` / `generation_config.json` /
 `chat_template.jinja`, with Llama 3 defaults when a tiktoken file comes alone.
-Backends live in `infer.tokenization.backends`, templates in `infer.tokenization.chat`,
-the streaming decoder in `infer.tokenization.detokenizer`.
+Backends live in `backends.py`, templates in `chat.py`, the streaming decoder in
+`detokenizer.py` (all in this package).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """One forward pass of a model through a KV pool (eager). The runners and the draft proposer
-all call a `ForwardFn`, so CUDA graphs (engine/cuda_graphs.py) replace exactly this
+all call a `ForwardFn`, so CUDA graphs (executor/graphs.py) replace exactly this
 computation and are tested equal to it on the GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -14,7 +14,7 @@ from infer.cache.view import BatchLayout
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.spec.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.rejection import verify_greedy_logits, verify_logits
 from infer.transfer import tensor_on, to_device
 
 
@@ -42,6 +42,15 @@ class ForwardFn(Protocol):
         """`steps` sampled last-token steps, each feeding the token the one before sampled:
         (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
         See `EagerForward.draft_loop`."""
+        ...
+
+    def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
+        """Whether a CUDA graph serves this exact layout (callers pad to a captured width)."""
+        ...
+
+    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+        """Capture `draft_loop` graphs for these first-step widths and step counts now, at
+        start-up, rather than on first use in the middle of a request (no-op when eager)."""
         ...
 
 
@@ -129,6 +138,12 @@ class EagerForward:
         [n, steps, V] or None) on the device; the pool ends committed to the union. CUDA
         graphs capture this whole loop as one replay."""
         return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
+
+    def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
+        return False
+
+    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+        pass
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
                draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],

@@ -5,8 +5,8 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 
 1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
    round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty,
-   the one token left over when every draft was accepted, or the tokens of plain steps the
-   adaptive policy took in between. Up to `max_feed - 1` of them ride along with step 1
+   the one token left over when every draft was accepted, or the tokens of plain steps taken
+   in between (the adaptive policy's, or a batch above `spec_disable_batch_size`). Up to `max_feed - 1` of them ride along with step 1
    (a chunk of up to `max_feed` tokens); longer catch-ups run as their own batched prefill.
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
@@ -21,34 +21,29 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cache.forward import EagerForward, ForwardFn
-from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
-from infer.spec.proposer import Draft
+from infer.speculative.proposer import Draft
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
+    from infer.engine.executor import ForwardFn
     from infer.engine.request import Request
-
-
 
 CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # tokens per row per catch-up forward
 DRAFT_MAX_FEED = 4  # widest first draft step (the runner captures CUDA graphs for widths 1..this)
 
 
 class DraftModelProposer:
-    shadow_drafts = False  # each draft costs draft forwards, and sampled drafts are not one-hot
-
-    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol,
-                 step_forward: ForwardFn | None = None, max_feed: int = DRAFT_MAX_FEED) -> None:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, step_forward: ForwardFn,
+                 eager_forward: ForwardFn, max_feed: int = DRAFT_MAX_FEED) -> None:
         if max_feed < 2:
             raise ValueError(f"max_feed must be >= 2 (g plus the token left over by a full round), got {max_feed}")
         self.model = model
@@ -56,29 +51,30 @@ class DraftModelProposer:
         self.pool = pool
         # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
         # the engine passes a CUDA-graph runner here when graphs are on
-        self.step_forward = step_forward or EagerForward(model, pool)
+        self.step_forward = step_forward
         # catch-up chunks without a graph: eager kernels (compiled ones would recompile for
         # every new width)
-        self._eager = EagerForward(model, pool)
+        self._eager = eager_forward
         self.device = next(model.parameters()).device
         self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
         self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
-        self.catch_up_seconds = 0.0  # wall time of the last propose()'s catch-up prefill (0 if none)
-        self.catch_up_chunks = 0  # chunks that catch-up fed, summed over its requests
-        self.setup_seconds = 0.0  # wall time the last propose() spent capturing graphs (first use of a shape)
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
 
     # -- memory: a draft slot from a request's first round on -------------------------------
     # A request gets its draft slot at its first round (`propose`), not at admission: one that
-    # never drafts (the adaptive policy kept it plain) costs the draft pool nothing at
-    # admission and at its finish (H100, W2 on the demo pair: batches of 32 that never
-    # speculate, a slot and its prompt's blocks each). Admission still asks whether the pool
-    # could hold the prompt (`can_allocate`).
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pool.can_allocate(num_tokens)
+    # never drafts costs the draft pool nothing. Admission still asks whether the pool could
+    # hold the prompt (`can_admit`).
+    def can_admit(self, request: Request) -> bool:
+        return self.pool.can_allocate(request.prefill_target)
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return [self.pool]
+
+    def prefilled(self, requests: Sequence[Request]) -> None:
+        """Nothing: the draft prefills lazily, at a request's first round."""
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for positions < total_tokens in the request's draft cache; False (nothing
@@ -108,9 +104,6 @@ class DraftModelProposer:
         self._draft_prefilled.discard(request.request_id)
         self._round.pop(request.request_id, None)
 
-    def free_tokens(self) -> int | None:
-        return self.pool.free_token_capacity()
-
     def leak_report(self) -> list[str]:
         extra = [f"draft slot map still holds {self._draft_slots}"] if self._draft_slots else []
         return extra + [f"draft pool: {p}" for p in self.pool.leak_report()]
@@ -128,13 +121,7 @@ class DraftModelProposer:
             return drafts
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
-        self.setup_seconds = 0.0
-        behind = [r for r in reqs if self.catch_up_units(r.num_computed_tokens - self.pool.seq_len(self._slot(r)))]
-        start = time.perf_counter()
-        self.catch_up_chunks = self._catch_up(behind)
-        if behind and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the catch-up's time is its own
-        self.catch_up_seconds = time.perf_counter() - start if behind else 0.0
+        self._catch_up([r for r in reqs if self._behind(r)])
         tokens, probs = self._draft_loop(reqs, k_of)
         for j, i in enumerate(active):
             k = k_of[j]
@@ -143,46 +130,36 @@ class DraftModelProposer:
         self._draft_prefilled.update(r.request_id for r in reqs)
         return drafts
 
-    def catch_up_units(self, tokens_behind: int) -> int:
-        """Catch-up chunks a round pays when the draft is `tokens_behind` tokens behind (the
-        adaptive policy prices a probe with them): step 1 feeds up to max_feed tokens itself."""
-        return -(-max(0, tokens_behind + 1 - self.max_feed) // CATCH_UP_CHUNK)
+    def _behind(self, request: Request) -> bool:
+        """Whether the draft misses more tokens than draft step 1 can feed (max_feed)."""
+        return request.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(request))
 
-    def _catch_up(self, reqs: Sequence[Request]) -> int:
-        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest);
-        returns the chunks fed, summed over the requests (`catch_up_units` of each): a
-        batched chunk forward's cost grows with its rows, so the cost model keeps the
-        switch cost per request chunk (measured per forward, it came from probes of one or
-        two requests and priced a batch start of 15-32 requests 8-16x too cheap: H100,
-        draft model at W2-prefix, 8-10 ms of catch-up for a start priced ~1 ms, run 19a).
+    def _catch_up(self, reqs: Sequence[Request]) -> None:
+        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
 
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
         attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
         every new shape (hundreds of milliseconds) and catch-up lengths rarely repeat.
         When the step function has a CUDA graph of that width (small batches), chunks are
         right-padded to it and replayed: an eager forward of a small model is launch-bound
-        and costs many graph replays (this is the price of switching speculation back on).
+        and costs many graph replays.
         """
         todo = list(reqs)
-        supports = getattr(self.step_forward, "supports", None)
-        chunks = 0
         while todo:
-            chunks += len(todo)
             slots = [self._slot(r) for r in todo]
             starts = [self.pool.seq_len(s) for s in slots]
             lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
                     for r, d in zip(todo, starts, strict=True)]
             layout = BatchLayout.of(slots, starts, lens)
             padded = BatchLayout.of(slots, starts, lens, width=CATCH_UP_CHUNK)
-            graph = supports is not None and supports(padded, False)
+            graph = self.step_forward.captured(padded, False)
             if graph:
                 layout = padded
             ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
             for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
                 ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
             (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
-            todo = [r for r in todo if r.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(r))]
-        return chunks
+            todo = [r for r in todo if self._behind(r)]
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).
@@ -215,17 +192,14 @@ class DraftModelProposer:
         ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
-        loop = getattr(self.step_forward, "draft_loop", None) if self.fuse_rounds else None
-        if loop is not None and contexts is None and (greedy or fused is not None) and min(ks) == k_max \
+        if self.fuse_rounds and contexts is None and (greedy or fused is not None) and min(ks) == k_max \
                 and min(lens) == max(lens):
             # every row drafts k_max tokens after a feed of the same width: the whole round is
             # one `draft_loop` (one CUDA graph replay on the GPU)
             union = BatchLayout.of(slots, starts, [lens[0] + k_max - 1] * batch)
             loop_uniforms = torch.zeros((batch, k_max), dtype=torch.float64) if greedy else host_uniforms
-            captured = getattr(self.step_forward, "capture_seconds", 0.0)
-            loop_tokens, loop_probs = loop(ids, union, k_max, temps, loop_uniforms, [p.greedy for p in params])
-            # a graph captured on first use is a one-off, not what drafting costs
-            self.setup_seconds = getattr(self.step_forward, "capture_seconds", 0.0) - captured
+            loop_tokens, loop_probs = self.step_forward.draft_loop(ids, union, k_max, temps, loop_uniforms,
+                                                                   [p.greedy for p in params])
             return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], loop_probs
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting

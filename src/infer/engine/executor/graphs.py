@@ -18,14 +18,13 @@ instead of some forty eager kernel launches. A draft model's whole round (`draft
 K sampled steps, each feeding the token the one before sampled) is one graph as well,
 captured per (bucket, width of the first step, K, all greedy): its steps read their
 columns of one index fill for the union of their positions. The speculative runner
-captures the ones its policy uses at start-up (`capture_draft_loops`); any other is
+captures the ones its policy uses at start-up (`prepare_draft_loops`); any other is
 captured on first use.
 """
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -34,11 +33,20 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
-from infer.cache.forward import EagerForward, draft_steps, sample_logits, verify_on_logits
+from infer.engine.executor.forward import EagerForward, draft_steps, sample_logits, verify_on_logits
+from infer.engine.executor.staging import (
+    _capture_inputs,
+    _host_indices,
+    _loop_segments,
+    _segments,
+    _split,
+    _stage_sampling,
+    _Staging,
+)
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.spec.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.rejection import verify_greedy_logits, verify_logits
 
 
 T = TypeVar("T")
@@ -53,43 +61,10 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
 VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # see GraphForward
 # default `sampling_batch_max`: sampling, acceptance and draft-loop graphs and
 # `small_batch_shapes` only for buckets up to this size (EngineConfig.cuda_graph_sampling_batch_max)
 SMALL_BATCH_MAX = 32
-
-
-class _Staging:
-    """A ring of pinned host buffers feeding one device buffer. Steps are queued back to back
-    (the draft loop does not wait for the GPU), so a host buffer is rewritten only once the
-    copy that last read it has run."""
-
-    def __init__(self, device_buf: torch.Tensor) -> None:
-        self.device = device_buf
-        self.hosts = [torch.zeros_like(device_buf, device="cpu").pin_memory() for _ in range(STAGING_BUFFERS)]
-        for host in self.hosts:
-            host.copy_(device_buf.cpu())
-        self.copied: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
-        self.turn = 0
-        # the device with its index: `current_stream(index)` is one call into torch, while
-        # `Event.record()` without a stream finds the current device through Python layers
-        # (an availability check reading the environment), several us a copy on a GPU host
-        self.device_index = device_buf.device.index
-
-    def next_host(self) -> torch.Tensor:
-        self.turn = (self.turn + 1) % STAGING_BUFFERS
-        event = self.copied[self.turn]
-        if event is not None:
-            event.synchronize()
-        return self.hosts[self.turn]
-
-    def send(self) -> None:
-        """Queue the copy of the current host buffer (one transfer for all inputs)."""
-        self.device.copy_(self.hosts[self.turn], non_blocking=True)
-        if self.copied[self.turn] is None:
-            self.copied[self.turn] = torch.cuda.Event()
-        self.copied[self.turn].record(torch.cuda.current_stream(self.device_index))
 
 
 @dataclass
@@ -140,54 +115,6 @@ class _Loop:
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
 
 
-def _stage_sampling(staging: _Staging, n: int, temperatures: Sequence[float], greedy: Sequence[bool],
-                    uniforms: torch.Tensor) -> None:
-    """Fill the next host buffer of a float64 [2 + U, b] staging ring (temperature | greedy |
-    U uniforms per row) for the first n rows; uniforms: CPU [n, U]. The copy is queued by
-    `send`."""
-    floats = staging.next_host()
-    floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
-    floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
-    floats[2:, :n] = uniforms.t()
-
-
-def _host_indices(parts: dict[str, torch.Tensor]) -> ViewIndices:
-    """The index segments of a buffer's parts (`_split`; staged host or device) as ViewIndices."""
-    return ViewIndices(parts["write_rows"], parts["gather_rows"], parts["positions"], parts["ctx_end"])
-
-
-def _capture_inputs(parts: dict[str, torch.Tensor], width: int, scratch_row: int) -> None:
-    """Inputs a graph is captured with: positions 0..width-1 per row, every row written to
-    and gathered from the scratch row, contexts `width` long (harmless wherever they run)."""
-    parts["positions"].copy_(torch.arange(width).repeat(parts["positions"].shape[0], 1))
-    parts["write_rows"].fill_(scratch_row)
-    parts["gather_rows"].fill_(scratch_row)
-    parts["ctx_end"].fill_(width)
-
-
-def _loop_segments(b: int, w: int, steps: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
-    width = w + steps - 1
-    return [("ids", (b, w)), ("positions", (b, width)), ("write_rows", (b * width,)), ("gather_rows", (b, s)),
-            ("ctx_end", (b,))]
-
-
-def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [("ids", (b, w)), ("positions", (b, w)), ("last", (b,)), ("write_rows", (b * w,)),
-            ("gather_rows", (b, s)), ("ctx_end", (b,))]
-
-
-def _split(buf: torch.Tensor, b: int, w: int, s: int,
-           segments: list[tuple[str, tuple[int, ...]]] | None = None) -> dict[str, torch.Tensor]:
-    parts, offset = {}, 0
-    for name, shape in segments if segments is not None else _segments(b, w, s):
-        n = 1
-        for x in shape:
-            n *= x
-        parts[name] = buf[offset:offset + n].view(shape)
-        offset += n
-    return parts
-
-
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
@@ -213,8 +140,7 @@ class GraphForward:
         self.sampling_batch_max = sampling_batch_max
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
-        self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (capture_draft_loops, or on first use)
-        self.capture_seconds = 0.0  # wall time spent capturing graphs on first use (a one-off per shape)
+        self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (prepare_draft_loops, or on first use)
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
@@ -307,7 +233,7 @@ class GraphForward:
         graph, out = self._record(run, stream)
         return _Verifier(graph, _Staging(longs), _Staging(floats), draft_probs, out)
 
-    def supports(self, layout: BatchLayout, all_logits: bool) -> bool:
+    def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         n = len(layout.slots)
         return (n <= self.buckets[-1] and max(layout.ends) <= self.context_width
                 and (self._bucket(n), layout.width, all_logits) in self.graphs)
@@ -316,7 +242,7 @@ class GraphForward:
         return next(x for x in self.buckets if x >= n)
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        if not self.supports(layout, all_logits):
+        if not self.captured(layout, all_logits):
             return self.eager(ids, layout, all_logits)
         n = len(layout.slots)
         g = self.graphs[(self._bucket(n), layout.width, all_logits)]
@@ -353,7 +279,7 @@ class GraphForward:
         n, w = len(layout.slots), layout.width
         mode = "greedy" if all(greedy) else "draft_probs" if draft_probs is not None else "one_hot"
         v = self.verifiers.get((self._bucket(n), w, mode)) if n <= self.buckets[-1] else None
-        if v is None or not self.supports(layout, True):
+        if v is None or not self.captured(layout, True):
             # no acceptance graph here: the verification graph if any (as `sample`; `self`
             # runs the forward eagerly where no graph fits), then the acceptance eagerly
             return verify_on_logits(self(ids, layout, all_logits=True), draft_tokens, counts, draft_probs,
@@ -378,7 +304,7 @@ class GraphForward:
         """The same function as `EagerForward.draft_loop` in one replay: a draft round's host
         work is one index fill for the union of its steps instead of one per step. Graphs are
         captured per (bucket, width of step 1, steps, every row greedy) by
-        `capture_draft_loops` or else on first use, for buckets up to `sampling_batch_max`;
+        `prepare_draft_loops` or else on first use, for buckets up to `sampling_batch_max`;
         anything else runs the eager loop."""
         n, w = ids.shape
         if max(layout.ends) > self.context_width or layout.chunk_lens != (w + steps - 1,) * n:
@@ -388,9 +314,7 @@ class GraphForward:
         key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
         if g is None:
-            start = time.perf_counter()
             g = self.loops[key] = self._capture_loop(*key)
-            self.capture_seconds += time.perf_counter() - start
         g.staging.next_host()
         staged_ids, indices = g.host_parts[g.staging.turn]
         self.pool.indices(layout, self.context_width, out=indices)  # padding rows write to scratch
@@ -403,7 +327,7 @@ class GraphForward:
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
 
-    def capture_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
         """Capture the `draft_loop` graphs of every (bucket up to `sampling_batch_max`, width of
         step 1, steps, greedy or sampled) ahead of use, at start-up: captured on first use,
         a round would pay the capture (tens to hundreds of milliseconds, kernel compilation

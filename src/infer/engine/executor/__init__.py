@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infer.cache.forward import EagerForward, ForwardFn
+from infer.engine.executor.forward import EagerForward, ForwardFn
 from infer.cache.protocol import CachePoolProtocol
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -27,7 +27,7 @@ def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_grap
     device = next(model.parameters()).device
     if not (use_cuda_graphs and device.type == "cuda"):
         return EagerForward(model, pool, kernels)
-    from infer.engine.cuda_graphs import SMALL_BATCH_MAX, GraphForward, batch_buckets
+    from infer.engine.executor.graphs import SMALL_BATCH_MAX, GraphForward, batch_buckets
     return GraphForward(model, pool, batch_buckets(max_batch_size), shapes, kernels=kernels,
                         sample_widths=sample_widths, small_batch_shapes=small_batch_shapes or (),
                         verify_modes=verify_modes,

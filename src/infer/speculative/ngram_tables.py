@@ -1,7 +1,7 @@
 """N-gram draft tables, one per request, pure Python: `NgramTable` (frequency tables of
 orders min_order..max_order over a sliding window; longest matching context, most frequent
 continuation) and `PromptLookupTable` (longest earlier occurrence of the context's suffix;
-copy what followed), and `NgramConfig`. See `infer.spec.ngram` for the definitions and the
+copy what followed), and `NgramConfig`. See `infer.speculative.ngram` for the definitions and the
 proposer.
 """
 

@@ -1,0 +1,129 @@
+"""Step costs of speculative decoding, measured through the engine's own forward functions:
+the one cost measurement (the adaptive policy's at engine start, and `infer bench`'s).
+
+c = draft step time / plain target step time (batch 1, one token, last-token logits), as the
+paper's Definition 3.7; v(K) = target time to verify K+1 tokens (all logits, as the
+speculative runner asks) / plain target step time, K = 0..k_max. Each forward runs on a
+scratch slot of the pool it is given at a fixed context length; the slot is freed
+afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
+benchmark); the speculative runner passes its own, CUDA graphs included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.cache.view import BatchLayout
+from infer.engine.config import EngineConfig
+from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.runner import make_pool_for, step_kernels
+from infer.models.llama import LlamaForCausalLM
+from infer.timing import TimingStats, time_calls
+
+Shape = tuple[int, bool]  # (tokens per row, logits of every token?)
+PLAIN: Shape = (1, False)
+
+
+@dataclass(frozen=True)
+class StepCostConfig:
+    context_len: int = 256  # tokens already cached when the step runs (W1's middle)
+    max_seq_len: int = 512  # pool size (fresh pools); also the CUDA graphs' context width
+    k_max: int = 8
+    repeats: int = 30
+    warmup: int = 10
+    kv_cache_backend: str = "paged"
+
+    def __post_init__(self) -> None:
+        if self.context_len < 1 or self.k_max < 1 or self.repeats < 1:
+            raise ValueError("StepCostConfig: context_len, k_max and repeats must be >= 1")
+        if self.context_len + self.k_max + 1 > self.max_seq_len:
+            raise ValueError(f"StepCostConfig: context_len + k_max + 1 = {self.context_len + self.k_max + 1} "
+                             f"exceeds max_seq_len {self.max_seq_len}: raise max_seq_len")
+
+
+@dataclass(frozen=True)
+class SpecCosts:
+    use_cuda_graphs: bool
+    target_step_s: float
+    draft_step_s: float | None
+    c: float | None
+    verify_s: list[float]  # [k_max + 1]: time to verify K+1 tokens, K = 0..k_max
+    verify_ratio: list[float]  # verify_s[K] / target_step_s (v(0) = the all-logits one-token step)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"use_cuda_graphs": self.use_cuda_graphs, "target_step_ms": self.target_step_s * 1e3,
+                "draft_step_ms": None if self.draft_step_s is None else self.draft_step_s * 1e3,
+                "c": self.c, "verify_ms": [v * 1e3 for v in self.verify_s], "verify_ratio": self.verify_ratio}
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def forward_times(forward: ForwardFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
+                  cfg: StepCostConfig, device: torch.device) -> dict[Shape, TimingStats]:
+    """Median time of one batch-1 call of `forward` for each (width, all_logits) shape, on a
+    scratch slot holding `cfg.context_len` tokens (freed afterwards)."""
+    slot = pool.allocate_slot(cfg.context_len)
+    try:
+        if not pool.ensure_capacity(slot, cfg.context_len + max(w for w, _ in shapes)):
+            raise RuntimeError("the KV pool has no room for the cost measurement's scratch slot")
+        return {shape: time_calls(_step(forward, slot, shape, vocab, cfg.context_len), device, cfg.repeats,
+                                  cfg.warmup) for shape in shapes}
+    finally:
+        pool.free_slot(slot)
+
+
+def _step(forward: ForwardFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
+    width, all_logits = shape
+    layout = BatchLayout.of([slot], [context_len], [width])
+    ids = torch.randint(0, vocab, (1, width))  # [1, width], CPU as the runners pass them
+
+    def run() -> torch.Tensor:
+        return forward(ids, layout, all_logits=all_logits)
+
+    return torch.inference_mode()(run)
+
+
+def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | None,
+                       draft_pool: CachePoolProtocol | None, vocab: int, cfg: StepCostConfig,
+                       use_cuda_graphs: bool = True) -> SpecCosts:
+    """c (when a draft is given) and v(K) for K = 0..cfg.k_max at batch 1."""
+    device = target_pool.k_cache.device
+    verify_shapes = [(k + 1, True) for k in range(cfg.k_max + 1)]
+    times = forward_times(target, target_pool, [PLAIN, *verify_shapes], vocab, cfg, device)
+    verify_s = [times[shape].median_s for shape in verify_shapes]
+    draft_s = None
+    if draft is not None and draft_pool is not None:
+        draft_s = forward_times(draft, draft_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
+    # measured again last: the smaller median guards against a slow start (clocks, lazy init)
+    again = forward_times(target, target_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
+    plain = min(times[PLAIN].median_s, again)
+    return SpecCosts(use_cuda_graphs, plain, draft_s, None if draft_s is None else draft_s / plain,
+                     verify_s, [v / plain for v in verify_s])
+
+
+def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bool,
+                   cfg: StepCostConfig) -> tuple[ForwardFn, CachePoolProtocol]:
+    param = next(model.parameters())
+    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
+                              enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
+    pool = make_pool_for(model.config, engine_cfg, param.dtype, param.device, prefix_caching=False)
+    kernels = step_kernels(engine_cfg, param.device, model)  # as the engine runs them
+    return make_forward(model, pool, use_cuda_graphs, 1, shapes=shapes, kernels=kernels), pool
+
+
+def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
+                        cfg: StepCostConfig | None = None) -> SpecCosts:
+    """`measure_spec_costs` on fresh pools and forward functions of the two models."""
+    cfg = cfg or StepCostConfig()
+    shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
+    target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
+    draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg) if draft is not None else (None, None)
+    return measure_spec_costs(target_fn, target_pool, draft_fn, draft_pool, target.config.vocab_size, cfg,
+                              use_cuda_graphs)

@@ -1,0 +1,142 @@
+"""N-gram speculative drafting: draft tokens from the request's own history, no draft model.
+
+Two table kinds, both built only from tokens the request really has (prompt + accepted output),
+both pure Python, per request:
+
+* `NgramTable` — frequency tables in the manner of akunu's NGramPredictor (the "Speculative
+  Decoding with N-grams" chapter). An n-gram of *order* n is n - 1 context tokens followed by
+  one next token; orders run from `min_order` to `max_order` (default 2..4, i.e. contexts of
+  1..3 tokens: bigrams, trigrams, 4-grams). For each order the table maps a context (a tuple of
+  token ids; Python hashes tuples exactly, so unlike the chapter's FNV-1a key there are no
+  collisions) to next-token counts. `predict` tries the longest context first, falls back to
+  shorter ones, and picks the most frequent continuation (ties: the most recently seen wins).
+  `propose` chains predictions on a temporary context and stops at the first miss.
+* `PromptLookupTable` — prompt lookup decoding: find the longest suffix of the context
+  (max_order - 1 tokens down to min_order - 1 tokens, the same "order" meaning as above) that
+  occurred earlier in the history, and copy the tokens that followed its most recent earlier
+  occurrence.
+
+Sliding window: both tables hold exactly the n-grams that lie wholly inside the last `window`
+tokens; when a token leaves the window, the n-grams starting at it are decremented/removed.
+(The chapter's akunu keeps counts forever and only windows the history; this module windows the
+counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
+
+Rollback rule: proposing never touches a table; tables are extended only with tokens the request
+holds after verification, so rejected drafts never enter them. `NgramProposer` keeps one table
+per request and syncs it with `request.all_token_ids` before proposing.
+
+Tables cost host time (a few us a token, Python): a request's table is built from its prompt
+while the prefill's forward runs (`prefilled`) and follows the output at each lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, PromptLookupTable, is_strict_int
+from infer.speculative.proposer import Draft
+
+__all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]
+
+if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
+    from infer.engine.request import Request
+
+_TABLES: dict[str, type[NgramTable] | type[PromptLookupTable]] = {
+    "ngram": NgramTable,
+    "prompt_lookup": PromptLookupTable,
+}
+_TAIL = 16  # tokens compared to tell that a request's history was replaced
+
+
+@dataclass(slots=True)
+class _Entry:
+    table: DraftTable
+    synced: int  # number of the request's tokens the table has seen
+    tail: list[int]  # the last (up to) _TAIL of those tokens
+
+
+class NgramProposer:
+    """Proposer over per-request n-gram (or prompt lookup) tables; drafts have probs=None."""
+
+    def __init__(self, config: NgramConfig | None = None) -> None:
+        self.config = config if config is not None else NgramConfig()
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def table(self, request_id: str) -> DraftTable | None:
+        """The request's current table, or None if it has none (for inspection and tests)."""
+        entry = self._entries.get(request_id)
+        return entry.table if entry is not None else None
+
+    def _new_table(self) -> DraftTable:
+        cfg = self.config
+        return _TABLES[cfg.method](cfg.max_order, cfg.min_order, cfg.window)
+
+    def _sync(self, request: Request) -> DraftTable:
+        """Bring the request's table up to date: incremental, or rebuilt if history changed.
+
+        A request's tokens only grow, so comparing the last few tokens the table saw tells a
+        replaced history (a restarted request) cheaply; this runs on every proposal. After a
+        gap longer than the window, a rebuild from the window is cheaper and gives the same
+        table."""
+        n = request.num_tokens
+        entry = self._entries.get(request.request_id)
+        if (entry is None or not entry.synced <= n < entry.synced + self.config.window
+                or request.token_slice(entry.synced - len(entry.tail), entry.synced) != entry.tail):
+            # first sight, a long gap, or a restart with another history: from the window's start
+            start = max(0, n - self.config.window)
+            entry = self._entries[request.request_id] = _Entry(self._new_table(), start, [])
+        if n > entry.synced:
+            entry.table.extend(request.token_slice(entry.synced, n))
+            entry.synced = n
+            entry.tail = request.token_slice(max(0, n - _TAIL), n)
+        return entry.table
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Up to ks[i] tokens continuing requests[i].all_token_ids (possibly none)."""
+        if len(ks) != len(requests):
+            raise ValueError(
+                f"ks must give one draft length per request: got {len(ks)} for {len(requests)} requests"
+            )
+        drafts: list[Draft] = []
+        for request, k in zip(requests, ks, strict=True):
+            if not is_strict_int(k) or k < 0:
+                raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
+            if not k:  # (its table catches up at its next lookup)
+                drafts.append(Draft(token_ids=[], probs=None))
+                continue
+            table = self._sync(request)
+            n = request.num_tokens
+            context = request.token_slice(max(0, n - self.config.max_order + 1), n)
+            drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
+        return drafts
+
+    def prefilled(self, requests: Sequence[Request]) -> None:
+        """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""
+        for request in requests:
+            self._sync(request)
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        """Nothing: a table takes the verified tokens at its next lookup."""
+
+    def release(self, request: Request) -> None:
+        """The request finished or was preempted: drop its table (a later propose rebuilds)."""
+        self._entries.pop(request.request_id, None)
+
+    def can_admit(self, request: Request) -> bool:
+        return True  # tables live in host memory
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        return True
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return []
+
+    def leak_report(self) -> list[str]:
+        """Tables still held (of requests that never left)."""
+        return [f"n-gram tables kept for {sorted(self._entries)}"] if self._entries else []

@@ -1,0 +1,164 @@
+"""Speculation length policies: how many tokens K each request drafts in a round.
+
+- `FixedPolicy`: every request drafts K = `spec_length` (the default).
+- `AdaptivePolicy`: K per request from the paper's walltime factor (Theorem 3.8,
+  `theory.best_k`). Each request keeps an acceptance estimate from the rounds it ran: tokens
+  accepted over tokens tried (an accepted token, or the first rejected one of a round),
+  seeded with a prior and decayed so that it follows the text. c is the draft step's cost
+  over the target step's (0 for n-gram drafts), and verifying K+1 tokens costs
+  1 + `verify_slope` K plain steps. K = 0 (a plain step) when no K beats plain decoding by
+  `min_gain`. A request decoding plainly is probed with one draft token after `probe_every`
+  plain steps, so it can learn that speculation pays again; a probe that finds nothing
+  doubles the wait (up to `probe_max`), one that pays resets it.
+
+Nothing here measures time: the costs come in once, at engine start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from infer.speculative.theory import best_k
+
+
+class RequestLike(Protocol):
+    request_id: str
+
+
+class SpecPolicy(Protocol):
+    """What the speculative runner asks of a length policy."""
+
+    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
+        """K for each request this step (before the runner's length guards); 0 = plain."""
+        ...
+
+    def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A round of the request drafted `drafted` tokens and `accepted` of them passed."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """The request left: forget it."""
+        ...
+
+    def leak_report(self) -> list[str]:
+        """Requests still tracked (when none should be)."""
+        ...
+
+
+class FixedPolicy:
+    """K = spec_length for every request."""
+
+    def __init__(self, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"spec_length must be >= 1, got {k}")
+        self.k = k
+
+    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
+        return [self.k] * len(requests)
+
+    def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        pass
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def leak_report(self) -> list[str]:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveConfig:
+    k_max: int  # the longest draft (EngineConfig.spec_length)
+    c: float  # draft step cost / target step cost (0: n-gram)
+    verify_slope: float = 0.0  # v(K) = 1 + verify_slope * K plain steps
+    prior_alpha: float = 0.6  # acceptance a request starts from
+    prior_weight: float = 4.0  # ... worth this many tried tokens
+    decay: float = 0.9  # the counts' weight after each round (memory of ~10 rounds)
+    min_gain: float = 0.03  # speculate only where the factor is >= 1 + min_gain
+    probe_every: int = 16  # plain steps before a one-token probe
+    probe_max: int = 256  # the longest wait between probes
+
+    def __post_init__(self) -> None:
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if self.c < 0 or self.verify_slope < 0:
+            raise ValueError(f"c and verify_slope must be >= 0, got {self.c}, {self.verify_slope}")
+        if not 0.0 <= self.prior_alpha <= 1.0 or self.prior_weight <= 0:
+            raise ValueError("prior_alpha must be in [0, 1] and prior_weight > 0")
+        if not 0.0 < self.decay <= 1.0 or self.min_gain < 0:
+            raise ValueError("decay must be in (0, 1] and min_gain >= 0")
+        if not 1 <= self.probe_every <= self.probe_max:
+            raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
+
+
+@dataclass(slots=True)
+class _Estimate:
+    accepted: float = 0.0  # decayed accepted tokens
+    tried: float = 0.0  # decayed tried tokens (accepted + first rejections)
+    plain_steps: int = 0  # plain steps since the last round
+    wait: int = 0  # plain steps before the next probe
+    probing: bool = False  # the round in flight is a probe
+
+
+class AdaptivePolicy:
+    """K per request from its acceptance estimate and the walltime factor."""
+
+    def __init__(self, config: AdaptiveConfig) -> None:
+        self.config = config
+        self._estimates: dict[str, _Estimate] = {}
+        # the best K and its factor per acceptance percentile (0..100): choose is a lookup
+        self._table = [best_k(i / 100, config.k_max, config.c, self._verify_cost) for i in range(101)]
+
+    def _verify_cost(self, k: int) -> float:
+        return 1.0 + self.config.verify_slope * k
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's current acceptance estimate (the prior for an unknown request)."""
+        cfg = self.config
+        e = self._estimates.get(request_id, _Estimate())
+        return (e.accepted + cfg.prior_alpha * cfg.prior_weight) / (e.tried + cfg.prior_weight)
+
+    def best(self, alpha: float) -> int:
+        """The K that pays best at acceptance `alpha`, 0 when none beats plain by min_gain."""
+        k, factor = self._table[round(min(max(alpha, 0.0), 1.0) * 100)]
+        return k if factor >= 1.0 + self.config.min_gain else 0
+
+    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
+        ks = []
+        for request in requests:
+            e = self._estimates.get(request.request_id)
+            if e is None:
+                e = self._estimates[request.request_id] = _Estimate(wait=self.config.probe_every)
+            k = self.best(self.acceptance(request.request_id))
+            e.probing = False
+            if k == 0:
+                e.plain_steps += 1
+                if e.plain_steps >= e.wait:
+                    k, e.probing = 1, True
+            ks.append(k)
+        return ks
+
+    def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        e = self._estimates.get(request_id)
+        if e is None:
+            return
+        cfg = self.config
+        if drafted == 0:  # nothing was proposed (no n-gram match): a probe waits its turn again
+            if e.probing:
+                e.plain_steps, e.probing = 0, False
+            return
+        e.accepted = e.accepted * cfg.decay + accepted
+        e.tried = e.tried * cfg.decay + accepted + (1 if accepted < drafted else 0)
+        e.plain_steps = 0
+        if e.probing:  # a probe that still leaves the request plain waits longer next time
+            paid = self.best(self.acceptance(request_id)) > 0
+            e.wait = cfg.probe_every if paid else min(2 * e.wait, cfg.probe_max)
+            e.probing = False
+
+    def release(self, request_id: str) -> None:
+        self._estimates.pop(request_id, None)
+
+    def leak_report(self) -> list[str]:
+        return [f"adaptive policy still tracks {sorted(self._estimates)}"] if self._estimates else []

@@ -1,0 +1,63 @@
+"""Proposer protocol: where draft tokens come from (a draft model, an n-gram table).
+
+A proposer sees the running requests and proposes up to k tokens for each. It keeps any
+per-request state of its own (a draft KV cache, n-gram tables), is told how many of its
+tokens were accepted so it can roll that state back, and when a request leaves. Every hook
+the speculative runner calls is declared here: a new proposer implements this protocol and
+nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
+    from infer.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    token_ids: list[int]  # [k], k may be 0 (no proposal -> a plain decode step for this request)
+    probs: torch.Tensor | None  # [k, vocab] after the request's sampling transforms;
+    # None = deterministic proposal (n-gram), treated as one-hot
+
+
+class Proposer(Protocol):
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Up to ks[i] tokens continuing requests[i].all_token_ids (ks[i] = 0: none)."""
+        ...
+
+    def on_accepted(self, request: Request, num_accepted: int) -> None:
+        """After verification (the request's output already holds the new tokens)."""
+        ...
+
+    def prefilled(self, requests: Sequence[Request]) -> None:
+        """A prefill forward for these requests was just queued: host work that helps their
+        first proposals can run now, under the forward (n-gram: build the prompt's table)."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request finished or was preempted: drop its state and memory."""
+        ...
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether the proposer's own memory could hold the request's prompt."""
+        ...
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        """Room for positions < total_tokens of the request; False (nothing taken) when
+        memory is short: the scheduler preempts."""
+        ...
+
+    def pools(self) -> list[CachePoolProtocol]:
+        """KV pools the proposer owns (a draft model's), for capacity checks and reports."""
+        ...
+
+    def leak_report(self) -> list[str]:
+        """State still held (when no request should be running)."""
+        ...

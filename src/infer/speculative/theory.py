@@ -1,0 +1,67 @@
+"""The paper's speed model (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding", section 3), as pure functions. The one home of these formulas: the
+adaptive length policy, the benchmark projections and the demo pair's evaluation use them.
+
+- Expected tokens per round with K drafts and i.i.d. acceptance a: (1 - a^(K+1)) / (1 - a)
+  (Eq. 1).
+- Walltime factor, the expected speedup over plain decoding (Theorem 3.8):
+  (1 - a^(K+1)) / ((1 - a)(K c + 1)), c = draft step time / target step time. The
+  generalised form divides by K c + v(K), v(K) the measured cost of verifying K+1 tokens in
+  plain steps (the paper assumes v = 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+def _check(a: float, k: int) -> None:
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"acceptance rate must be in [0, 1], got {a}")
+    if k < 0:
+        raise ValueError(f"K must be >= 0, got {k}")
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens per round, (1 - a^(k+1)) / (1 - a) (Eq. 1); k + 1 at a = 1."""
+    _check(a, k)
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def walltime_factor(a: float, k: int, c: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup over plain decoding (Theorem 3.8; `verify_cost` = v(K))."""
+    if c < 0 or verify_cost <= 0:
+        raise ValueError(f"need c >= 0 and verify_cost > 0, got c={c}, verify_cost={verify_cost}")
+    return expected_tokens(a, k) / (k * c + verify_cost)
+
+
+def best_k(a: float, k_max: int, c: float, verify_cost: Callable[[int], float] = lambda k: 1.0) -> tuple[int, float]:
+    """(K, its walltime factor) maximising the factor over K = 0..k_max; the smallest K
+    among equals. K = 0 (plain decoding) has factor 1."""
+    best, best_factor = 0, 1.0
+    for k in range(1, k_max + 1):
+        factor = walltime_factor(a, k, c, verify_cost(k))
+        if factor > best_factor + 1e-12:
+            best, best_factor = k, factor
+    return best, best_factor
+
+
+def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> float:
+    """The a in [0, 1] with expected_tokens(a, k) == mean_length (clamped to the range):
+    the acceptance rate under which the i.i.d. model gives a measured mean round length."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if mean_length <= 1.0:
+        return 0.0
+    if mean_length >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0  # expected_tokens is increasing in a
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        if expected_tokens(mid, k) < mean_length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

@@ -533,3 +533,16 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates
     assert all(n <= limit for n in drafts)
+
+
+def test_an_fp8_draft_keeps_greedy_parity_with_the_target(make_llm, ckpt_a):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1, 5, 9, 22, 7], [1, 30, 31, 32], [1, 8, 8, 8, 8, 8, 8]]
+    plain = make_llm(ckpt_a, max_batch_size=3, max_seq_len=64)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = make_llm(ckpt_a, max_batch_size=3, max_seq_len=64, use_speculative_decoding=True,
+                   draft_model=str(ckpt_a), spec_length=4, draft_quantization="fp8")
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    stats = llm.engine.runner.stats
+    assert 0.5 < stats.acceptance_rate  # an FP8 copy of the target still drafts well

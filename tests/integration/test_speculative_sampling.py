@@ -106,3 +106,13 @@ def test_negative_control_accept_all_fails(make_llm, pair, monkeypatch):
     llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
                    draft_model=str(draft), spec_length=3)
     assert _tv(_empirical(llm, PARAMS["t1"]), exact) > TV_LIMIT
+
+
+def test_an_fp8_draft_stays_lossless(make_llm, pair):
+    # the draft's weights in FP8 change its proposals, never the output distribution
+    target, draft = pair
+    exact = _exact_joint(target, PARAMS["t1"])
+    llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
+                   draft_model=str(draft), spec_length=3, draft_quantization="fp8")
+    assert _tv(_empirical(llm, PARAMS["t1"]), exact) < TV_LIMIT
+    assert llm.engine.models.draft.quantization == "fp8" and llm.engine.models.target.quantization is None

@@ -23,6 +23,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy" (random weights, for timing)
+    quantization: str | None = None  # None | "fp8": the target's linear weights in FP8 (per-channel)
+    draft_quantization: str | None = None  # the same for the draft model
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     # batching and memory
     max_batch_size: int = 8
@@ -62,6 +64,9 @@ class EngineConfig:
         _choice("speculative_method", self.speculative_method, _SPEC_METHODS)
         _choice("spec_policy", self.spec_policy, _SPEC_POLICIES)
         _choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        for name in ("quantization", "draft_quantization"):
+            if getattr(self, name) not in (None, "fp8"):
+                raise ValueError(f"{name} must be None or 'fp8', got {getattr(self, name)!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "block_size",
@@ -95,6 +100,10 @@ class EngineConfig:
             # prefix sharing needs blocks; silently ignoring it would surprise the user
             raise ValueError("enable_prefix_caching=True requires kv_cache_backend='paged' "
                              "(set enable_prefix_caching=False for the contiguous backend)")
+        if self.draft_quantization is not None and not (
+                self.use_speculative_decoding and self.speculative_method == "draft_model"):
+            raise ValueError("draft_quantization applies to a draft model: set use_speculative_decoding=True "
+                             "with speculative_method='draft_model', or leave draft_quantization unset")
         if self.use_speculative_decoding:
             if self.batching_mode != "continuous":
                 raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")

@@ -72,12 +72,13 @@ def load_models(config: EngineConfig) -> LoadedModels:
     target_path, draft_path = default_model_paths(config)
     # bf16 matmuls are slow and inexact on CPUs: "auto" means float32 there
     dtype = "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
-    target, _ = load_model(target_path, dtype=dtype, device=device, load_format=config.load_format)
+    target, _ = load_model(target_path, dtype=dtype, device=device, load_format=config.load_format,
+                           quantization=config.quantization)
     tokenizer = load_tokenizer(config.tokenizer or target_path)
     draft = None
     if draft_path is not None:
         draft, _ = load_model(draft_path, dtype=target.lm_head.weight.dtype, device=device,
-                              load_format=config.load_format)
+                              load_format=config.load_format, quantization=config.draft_quantization)
         check_compatible(tokenizer, load_tokenizer(draft_path), target, draft)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     return LoadedModels(target, draft, tokenizer, tuple(eos))

@@ -1,10 +1,13 @@
-"""Elementwise kernels of the decoder, as a swappable bundle.
+"""The decoder's kernels, as a swappable bundle.
 
 `EAGER` is the reference: plain PyTorch with Hugging Face's numerics (RMSNorm in float32,
-residual adds in the activation dtype). `compiled_kernels()` returns the same functions
-fused by `torch.compile` (one Triton kernel each instead of 5-10 small launches), which is
-where a memory-bound decode step loses most of its time on a GPU. The model receives the
-bundle explicitly; nothing global is patched.
+residual adds in the activation dtype, a projection then its SwiGLU or residual add).
+`compiled_kernels()` returns the same functions fused: the elementwise ones by
+`torch.compile` (one Triton kernel each instead of 5-10 small launches), and small-batch
+projections on the GPU by the Triton matmul (models/triton_linear.py), which reads the
+weights at close to the memory bandwidth and does the SwiGLU or the residual add in its
+epilogue. A memory-bound decode step loses most of its time to launches and slow small
+matmuls otherwise. The model receives the bundle explicitly; nothing global is patched.
 """
 
 from __future__ import annotations
@@ -13,8 +16,15 @@ import types
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+from infer.models.linear_tiles import SMALL_M, choose_config
+
+if TYPE_CHECKING:
+    from infer.models.linear import LinearBase
 
 Tensor = torch.Tensor
 
@@ -24,12 +34,6 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(rmsnorm(x + residual), x + residual): the residual add fused with the next norm."""
-    total = x + residual
-    return rmsnorm(total, weight, eps), total
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -49,16 +53,54 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def linear(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+    """layer(x) [..., N], plus `residual` [..., N] when given (the residual stream's add)."""
+    y = layer(x)
+    return y if residual is None else residual + y
+
+
+def swiglu(layer: LinearBase, x: Tensor) -> Tensor:
+    """silu(gate) * up of a fused gate/up projection: [..., K] -> [..., I]."""
+    return silu_mul(layer(x))
+
+
+def _triton_ready(x: Tensor) -> bool:
+    """Whether the Triton matmul serves this call: a CUDA half-precision input of at most
+    SMALL_M rows (decode, draft steps, verification)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() <= SMALL_M * x.shape[-1]
+
+
+def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool) -> Tensor:
+    from infer.models.triton_linear import triton_linear
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    weight, scale = layer.matrix()
+    n = weight.shape[0] // 2 if swiglu_ else weight.shape[0]
+    res = None if residual is None else residual.reshape(-1, n).contiguous()
+    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
+                      layer.workspace, res, swiglu_)
+    return y.view(*x.shape[:-1], n)
+
+
+def fused_linear(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+    """`linear` through the Triton matmul where it serves (the add in its epilogue)."""
+    return _triton(layer, x, residual, False) if _triton_ready(x) else linear(layer, x, residual)
+
+
+def fused_swiglu(layer: LinearBase, x: Tensor) -> Tensor:
+    """`swiglu` through the Triton matmul where it serves (the activation in its epilogue)."""
+    return _triton(layer, x, None, True) if _triton_ready(x) else swiglu(layer, x)
+
+
 @dataclass(frozen=True)
 class Kernels:
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
-    add_rmsnorm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
     rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
-    silu_mul: Callable[[Tensor], Tensor]
+    linear: Callable[[LinearBase, Tensor, Tensor | None], Tensor]
+    swiglu: Callable[[LinearBase, Tensor], Tensor]
     name: str = "eager"
 
 
-EAGER = Kernels(rmsnorm, add_rmsnorm, rotary_qk, silu_mul)
+EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu)
 
 
 _COMPILED: dict[Hashable, Kernels] = {}
@@ -82,6 +124,6 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
         return torch.compile(fresh, dynamic=True, fullgraph=False)
 
-    kernels = Kernels(comp(rmsnorm), comp(add_rmsnorm), comp(rotary_qk), comp(silu_mul), name="compiled")
+    kernels = Kernels(comp(rmsnorm), comp(rotary_qk), fused_linear, fused_swiglu, name="fused")
     _COMPILED[key] = kernels
     return kernels

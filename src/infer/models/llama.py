@@ -4,7 +4,14 @@ RoPE (llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings.
 `forward(input_ids, positions, view)` takes explicit positions per token and an
 `AttentionView` that owns the KV cache, so padded batches, chunks after a cached prefix and
 speculative verification are ordinary calls. q/k/v and gate/up projections are fused; the
-mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to_hf`.
+mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to_hf`. The
+projections are `LinearBase` layers (models/linear.py): dense, or FP8 with
+`quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype).
+
+Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). The
+residual adds and the MLP's SwiGLU go through the `Kernels` bundle with the projection
+before them (`linear(layer, h, residual)`, `swiglu(layer, h)`), so the fused bundle can do
+each in the matmul's epilogue.
 """
 
 from __future__ import annotations
@@ -18,80 +25,80 @@ from infer.models.attention import AttentionView, NoCacheView
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels
 from infer.models.layers import MLP, RMSNorm, Rotary
+from infer.models.linear import DenseLinear, Fp8Linear, LinearBase, make_linear
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, quantization)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
-                kernels: Kernels = EAGER) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
+        """h: normed input [B, T, H]; returns residual + attention output [B, T, H]."""
+        b, t, _ = h.shape
+        q, k, v = kernels.linear(self.qkv_proj, h, None).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = kernels.rotary_qk(q.view(b, t, self.heads, self.head_dim),  # [B, T, Hq, D]
                                  k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
         v = v.view(b, t, self.kv_heads, self.head_dim)
         out = view.attend(self.layer, q, k, v)  # [B, T, Hq, D]
-        return self.o_proj(out.reshape(b, t, self.q_size))
+        return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer, quantization)
+        self.mlp = MLP(config, quantization)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                view: AttentionView, kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual-stream form: returns (this layer's MLP output, residual before it); the
-        caller adds them (fused into the next norm)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
+                kernels: Kernels = EAGER) -> torch.Tensor:
+        """x: the residual stream [B, T, H] -> the stream after this layer."""
         eps = self.input_layernorm.eps
-        if residual is None:
-            residual, h = x, kernels.rmsnorm(x, self.input_layernorm.weight, eps)
-        else:
-            h, residual = kernels.add_rmsnorm(x, residual, self.input_layernorm.weight, eps)
-        attn = self.self_attn(h, cos, sin, view, kernels)
-        h, residual = kernels.add_rmsnorm(attn, residual, self.post_attention_layernorm.weight, eps)
-        return self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(h))), residual
+        x = self.self_attn(kernels.rmsnorm(x, self.input_layernorm.weight, eps), x, cos, sin, view, kernels)
+        h = kernels.rmsnorm(x, self.post_attention_layernorm.weight, eps)
+        return kernels.linear(self.mlp.down_proj, kernels.swiglu(self.mlp.gate_up_proj, h), x)
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, quantization) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaBody(config)
+        self.quantization = quantization
+        self.model = LlamaBody(config, quantization)
         self.rotary = Rotary(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size)  # kept in the model's dtype
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def linears(self) -> dict[str, LinearBase]:
+        """Every linear layer by its module name (model.layers.0.self_attn.qkv_proj, lm_head)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, LinearBase)}
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView,
                       kernels: Kernels = EAGER) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, view, kernels)
-        h, _ = kernels.add_rmsnorm(x, residual, self.model.norm.weight, self.model.norm.eps)
-        return h
+            x = layer(x, cos, sin, view, kernels)
+        return kernels.rmsnorm(x, self.model.norm.weight, self.model.norm.eps)
 
     def forward(
         self,
@@ -107,45 +114,76 @@ class LlamaForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, positions, view or NoCacheView(), kernels)
         if logits_indices is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_indices]
-        return self.lm_head(h)
+        return kernels.linear(self.lm_head, h, None)
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face named tensors in; raises if any is missing, extra or misshapen."""
+        """Copy Hugging Face named tensors in (each linear layer converts what it reads:
+        FP8 layers quantize bf16/fp32 tensors, or take FP8 ones with their `weight_scale`);
+        raises if any is missing, extra or misshapen."""
         own = dict(self.named_parameters(remove_duplicate=False))
+        linears = self.linears()
         seen: set[str] = set()
+        fp8_weights: set[str] = set()  # stored in FP8 by the checkpoint: their scale must come too
         for hf_name, tensor in tensors:
             name, offset = hf_to_fused(hf_name, self.config)
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some exports store the tied copy too
-            if hf_name.endswith("rotary_emb.inv_freq"):
-                continue  # older exports store the (recomputed) rotary table
+            if hf_name.endswith("rotary_emb.inv_freq") or hf_name.endswith(IGNORED_SUFFIXES):
+                continue  # older exports store the (recomputed) rotary table; activation scales
+            module, _, leaf = name.rpartition(".")
+            layer = linears.get(module)
+            if layer is not None and leaf in ("weight", "weight_scale"):
+                rows = _fused_rows(hf_name, self.config) if offset is not None else layer.out_features
+                if leaf == "weight":
+                    layer.load_rows(tensor, offset, hf_name)
+                    if tensor.dtype == torch.float8_e4m3fn:
+                        fp8_weights.add(hf_name)
+                else:
+                    layer.load_scale(tensor, offset, rows, hf_name)
+                seen.add(hf_name)
+                continue
             param = own.get(name)
             if param is None:
                 raise ValueError(f"checkpoint has unexpected tensor {hf_name!r} for this Llama config")
-            rows = tensor.shape[0] if tensor.dim() else 0
-            target = param.data[offset:offset + rows] if offset is not None else param.data
-            if tuple(target.shape) != tuple(tensor.shape):
+            if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, but config.json implies "
-                    f"{tuple(target.shape)}: the weights do not match this config")
+                    f"{tuple(param.shape)}: the weights do not match this config")
             with torch.no_grad():
-                target.copy_(tensor)
+                param.data.copy_(tensor)
             seen.add(hf_name)
         expected = [hf for name, p in self.named_parameters() for hf, _ in fused_to_hf(name, p, self.config)]
+        expected += [hf for name, m in linears.items() if isinstance(m, Fp8Linear)
+                     for hf, _ in fused_to_hf(f"{name}.weight", m.weight, self.config)]
         missing = [hf for hf in expected if hf not in seen]
+        missing += sorted(f"{hf}_scale" for hf in fp8_weights if f"{hf}_scale" not in seen)
         if missing:
             raise ValueError(
                 f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[0]!r}: "
                 "the weight files are incomplete (re-download or re-save the model)")
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This model's weights under Hugging Face names (fused matrices split)."""
+        """This model's weights under Hugging Face names (fused matrices split; FP8 layers
+        dequantized)."""
         for name, param in self.named_parameters():
             yield from fused_to_hf(name, param.detach(), self.config)
+        for name, layer in self.linears().items():
+            if isinstance(layer, Fp8Linear):
+                yield from fused_to_hf(f"{name}.weight", layer.dense_weight().detach(), self.config)
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
+# compressed-tensors FP8 checkpoints may store static activation scales: activations stay in bf16
+IGNORED_SUFFIXES = (".input_scale", ".output_scale")
+
+
+def _fused_rows(hf_name: str, config: ModelConfig) -> int:
+    """Rows of the fused matrix that a q/k/v or gate/up tensor fills."""
+    part = hf_name.split(".")[-2]
+    if part in _GATE_UP:
+        return config.intermediate_size
+    return config.q_size if part == "q_proj" else config.kv_size
 
 
 def hf_to_fused(hf_name: str, config: ModelConfig) -> tuple[str, int | None]:
@@ -153,10 +191,10 @@ def hf_to_fused(hf_name: str, config: ModelConfig) -> tuple[str, int | None]:
     parts = hf_name.split(".")
     if len(parts) >= 2 and parts[-2] in _QKV:
         offsets = {"q_proj": 0, "k_proj": config.q_size, "v_proj": config.q_size + config.kv_size}
-        return ".".join(parts[:-2] + ["qkv_proj", "weight"]), offsets[parts[-2]]
+        return ".".join(parts[:-2] + ["qkv_proj", parts[-1]]), offsets[parts[-2]]
     if len(parts) >= 2 and parts[-2] in _GATE_UP:
         offsets = {"gate_proj": 0, "up_proj": config.intermediate_size}
-        return ".".join(parts[:-2] + ["gate_up_proj", "weight"]), offsets[parts[-2]]
+        return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), offsets[parts[-2]]
     return hf_name, None
 
 

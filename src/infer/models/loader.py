@@ -37,7 +37,9 @@ from tqdm import tqdm
 
 from infer.models.config import ModelConfig, RopeScaling
 from infer.models.layers import RMSNorm, Rotary
+from infer.models.linear import QUANTIZATIONS, Fp8Linear
 from infer.models.llama import LlamaForCausalLM
+from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
 
 DUMMY_PREFIX = "dummy:"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -125,18 +127,25 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build a Llama model with its weights; returns (model in eval mode, no grad; config)."""
+    """Build a Llama model with its weights; returns (model in eval mode, no grad; config).
+
+    quantization="fp8" stores the linear layers' weights in FP8 (quantized as they load); a
+    checkpoint stored in FP8 (compressed-tensors) loads as such whatever is asked."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     device = torch.device(device)
-    config, config_dtype, directory = _read_config(os.fspath(name_or_path), load_format)
+    config, config_dtype, directory, stored = _read_config(os.fspath(name_or_path), load_format)
+    quantization = stored or quantization
     if directory is None:
         load_format = "dummy"
     if device.type == "meta" and load_format != "dummy":
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
     torch_dtype = resolve_dtype(dtype, device, config_dtype)
-    model = build_empty_model(config, torch_dtype, device)
+    model = build_empty_model(config, torch_dtype, device, quantization)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
@@ -147,8 +156,9 @@ def load_model(
     return model, config
 
 
-def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str | None, Path | None]:
-    """(config, config's dtype name, directory or None for a named dummy shape)."""
+def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str | None, Path | None, str | None]:
+    """(config, config's dtype name, directory or None for a named dummy shape, the
+    quantization the checkpoint is stored in)."""
     shape = name_or_path.removeprefix(DUMMY_PREFIX)
     named_shape = load_format == "dummy" and shape in model_shapes and not Path(name_or_path).is_dir()
     if name_or_path.startswith(DUMMY_PREFIX) or named_shape:
@@ -157,7 +167,7 @@ def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str 
                              "load_format='dummy' or 'auto'")
         if shape not in model_shapes:
             raise ValueError(f"unknown dummy shape {shape!r}; choose one of {sorted(model_shapes)}")
-        return model_shapes[shape], None, None
+        return model_shapes[shape], None, None, None
     directory = resolve_model_path(name_or_path)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -173,19 +183,27 @@ def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str 
         config = ModelConfig.from_hf_dict(raw)
     except KeyError as exc:
         raise ValueError(f"{config_path} lacks the required field {exc.args[0]!r}") from exc
-    return config, raw.get("torch_dtype") or raw.get("dtype"), directory
+    return config, raw.get("torch_dtype") or raw.get("dtype"), directory, checkpoint_quantization(raw)
 
 
-def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                      quantization: str | None = None) -> LlamaForCausalLM:
     """Model with uninitialised parameters on `device` (no random-init cost); buffers valid."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)
     # to_empty replaces each Parameter separately: restore the tie and the rotary table
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.linears().values():  # FP8 storage is not the model's dtype: made anew
+        if isinstance(layer, Fp8Linear):
+            layer.weight = torch.empty(layer.out_features, layer.in_features, dtype=FP8_DTYPE, device=device)
+            layer.weight_scale = torch.ones(layer.out_features, dtype=torch.float32, device=device)
+            layer.act_dtype = dtype
     model.rotary = Rotary(config).to(device)  # inv_freq stays float32, as in HF
-    stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]
+    fp8 = {f"{name}.{leaf}" for name, m in model.linears().items() if isinstance(m, Fp8Linear)
+           for leaf in ("weight", "weight_scale")}
+    stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.") and name not in fp8]
     if stale:
         raise RuntimeError(f"build_empty_model does not know how to initialise buffers {stale}")
     return model
@@ -208,6 +226,10 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=gen)
+        for layer in model.linears().values():  # FP8 weights are buffers: drawn, then quantized
+            if isinstance(layer, Fp8Linear):
+                dense = torch.empty(layer.out_features, layer.in_features, device=device)
+                layer.load_rows(dense.normal_(0.0, std, generator=gen), None)
         # a final-norm gain of 20 scales the logits (std about 20 instead of 1): next-token
         # distributions are peaked, so greedy choices are not decided by bf16 rounding, yet
         # two different dummy models still disagree (a random draft accepts ~nothing)
@@ -259,7 +281,10 @@ def _iter_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -
         for path, keys in zip(files, names, strict=True):
             with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
                 for key in keys:
-                    yield key, f.get_tensor(key).to(dtype)
+                    tensor = f.get_tensor(key)
+                    # FP8 weights and their float32 scales keep their dtype (the layers convert)
+                    keep = tensor.dtype == FP8_DTYPE or key.endswith("_scale")
+                    yield key, tensor if keep else tensor.to(dtype)
                     bar.update(1)
 
 

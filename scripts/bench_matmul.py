@@ -1,0 +1,131 @@
+"""Time the linear layers' matmuls of a model shape on the GPU: cuBLAS (torch.matmul, bf16),
+the Triton matmul (bf16 and FP8 weights) at its chosen config and at a sweep of configs,
+and torch._scaled_mm (FP8 weights and activations) for larger M; each against the copy
+bandwidth measured in the same run. Checks every Triton result against a float32 reference.
+
+    python scripts/bench_matmul.py --shape llama-3.2-3b --rows 1 4 16 --sweep --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer.models.loader import model_shapes  # noqa: E402
+from infer.models.linear_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
+from infer.models.quantization import quantize_fp8_rows  # noqa: E402
+from infer.models.triton_linear import triton_linear  # noqa: E402
+
+
+def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of a model shape."""
+    c = model_shapes[name]
+    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
+            "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def bench(fn, rep_ms: int = 40) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e-3
+
+
+def sweep_configs(m: int) -> list[LinearConfig]:
+    out = []
+    for bn, bk, split, warps, stages in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4), (4,), (3, 5)):
+        out.append(LinearConfig(block_m=16 if m <= 16 else 64, block_n=bn, block_k=bk, split_k=split,
+                                num_warps=warps, num_stages=stages))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-3b")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--layers", nargs="+", default=None)
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of configs at the first and last M")
+    ap.add_argument("--large", type=int, nargs="*", default=[], help="larger M: Triton FP8 vs _scaled_mm vs bf16")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev).bytes_per_s
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s")
+    results = []
+    shapes = layer_shapes(args.shape)
+    for layer, (n, k) in shapes.items():
+        if args.layers and layer not in args.layers:
+            continue
+        w = torch.randn(n, k, device=dev) * 0.02
+        wb = w.to(torch.bfloat16)
+        q, s = quantize_fp8_rows(w)
+        ws = SplitWorkspace()
+        for m in args.rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            ref = x.float() @ w.t()
+            row = {"layer": layer, "n": n, "k": k, "m": m}
+            row["cublas_s"] = bench(lambda: torch.matmul(x, wb.t()))
+            cfg = choose_config(m, n, k)
+            for tag, weight, scale in (("bf16", wb, None), ("fp8", q, s)):
+                y = triton_linear(x, weight, scale, cfg, ws)
+                err = ((y.float() - ref).norm() / ref.norm()).item()
+                row[f"triton_{tag}_s"] = bench(lambda weight=weight, scale=scale: triton_linear(x, weight, scale, cfg, ws))
+                row[f"triton_{tag}_err"] = err
+            nbytes = {"bf16": n * k * 2, "fp8": n * k}
+            row["cublas_bw"] = nbytes["bf16"] / row["cublas_s"] / bw
+            for tag in ("bf16", "fp8"):
+                row[f"triton_{tag}_bw"] = nbytes[tag] / row[f"triton_{tag}_s"] / bw
+            if args.sweep and m in (args.rows[0], args.rows[-1]):
+                best = {}
+                for tag, weight, scale in (("bf16", wb, None), ("fp8", q, s)):
+                    timed = []
+                    for c in sweep_configs(m):
+                        try:
+                            t = bench(lambda weight=weight, scale=scale, c=c: triton_linear(x, weight, scale, c, ws), 15)
+                        except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                            print("config failed", c, type(exc).__name__)
+                            continue
+                        timed.append((t, c))
+                    t, c = min(timed, key=lambda tc: tc[0])
+                    best[tag] = {"s": t, "bw": nbytes[tag] / t / bw, "config": c.__dict__ if hasattr(c, "__dict__")
+                                 else {f: getattr(c, f) for f in c.__slots__}}
+                row["best"] = best
+            results.append(row)
+            b = row.get("best", {})
+            print(f"{layer:8s} n={n:6d} k={k:5d} m={m:3d} | cublas {row['cublas_bw']:.2f} | triton bf16 "
+                  f"{row['triton_bf16_bw']:.2f} fp8 {row['triton_fp8_bw']:.2f} (err {row['triton_bf16_err']:.1e}/"
+                  f"{row['triton_fp8_err']:.1e})" + (f" | best bf16 {b['bf16']['bw']:.2f} {b['bf16']['config']} "
+                                                     f"fp8 {b['fp8']['bw']:.2f} {b['fp8']['config']}" if b else ""))
+        for m in args.large:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            row = {"layer": layer, "n": n, "k": k, "m": m}
+            row["cublas_s"] = bench(lambda: torch.matmul(x, wb.t()))
+            cfg = choose_config(m, n, k)
+            row["triton_fp8_s"] = bench(lambda: triton_linear(x, q, s, cfg, ws))
+            qt = q.t()  # [K, N] column-major for _scaled_mm
+
+            def scaled():
+                xs = (x.float().abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)
+                xq = (x.float() / xs).to(torch.float8_e4m3fn)
+                return torch._scaled_mm(xq, qt, scale_a=xs, scale_b=s[None, :], out_dtype=torch.bfloat16)
+            try:
+                row["scaled_mm_s"] = bench(scaled)
+            except Exception as exc:  # noqa: BLE001
+                row["scaled_mm_error"] = repr(exc)[:200]
+            results.append(row)
+            print(f"{layer:8s} n={n:6d} k={k:5d} m={m:5d} | cublas bf16 {row['cublas_s'] * 1e6:.1f} us | triton fp8 "
+                  f"{row['triton_fp8_s'] * 1e6:.1f} us | scaled_mm {row.get('scaled_mm_s', float('nan')) * 1e6:.1f} us")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "bandwidth": bw,
+                                         "shape": args.shape, "results": results}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Where a decode step's time goes on the GPU: wall time per step, GPU busy time (the union
+of kernel intervals), the host gap between them, and the kernels by kind (matmul,
+attention, elementwise, copy), from torch.profiler over steady decode steps of an engine.
+
+    python scripts/profile_step.py --model dummy:llama-3.2-3b --batch 1 --steps 40 [--quantization fp8]
+    python scripts/profile_step.py --model dummy:llama-3.2-3b --speculative-decoding --draft-model dummy:llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from infer import SamplingParams  # noqa: E402
+from infer.engine.args import add_engine_args, engine_config_from_args  # noqa: E402
+from infer.engine.engine import Engine  # noqa: E402
+
+KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "cutlass", "sm90", "splitk", "matmul", "xmma")),
+         ("attention", ("_chunk_attention", "attention", "flash")),
+         ("copy", ("copy", "index", "scatter", "gather", "memcpy", "memset", "fill")),
+         ("elementwise", ("triton_", "elementwise", "vectorized", "reduce", "softmax", "cat", "mul", "add")))
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", type=Path)
+    add_engine_args(ap)
+    ap.set_defaults(model="dummy:llama-3.2-3b", use_cuda_graphs=True, device="cuda", max_seq_len=1024)
+    args = ap.parse_args()
+    args.max_batch_size = max(args.batch, 1)
+    engine = Engine(engine_config_from_args(args))
+    vocab = engine.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    reqs = [engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+            for _ in range(args.batch)]
+    for _ in range(20):  # prefill and warm steps
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    intervals = [(e.time_range.start, e.time_range.end) for e in events]
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / args.steps / 1e3  # ms per step
+    busy = busy_time(intervals) / args.steps / 1e3
+    by_kind: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    names: dict[str, float] = defaultdict(float)
+    for e in events:
+        k = kind_of(e.name)
+        by_kind[k] += (e.time_range.end - e.time_range.start) / args.steps / 1e3
+        counts[k] += 1
+        names[e.name[:90]] += (e.time_range.end - e.time_range.start) / args.steps / 1e3
+    tokens = sum(len(r.output_token_ids) for r in reqs)
+    out = {"model": args.model, "batch": args.batch, "quantization": args.quantization,
+           "speculative": args.use_speculative_decoding, "wall_ms_per_step": wall * 1e3,
+           "profiled_span_ms_per_step": span, "gpu_busy_ms_per_step": busy, "host_gap_ms_per_step": span - busy,
+           "kernels_ms_per_step": dict(by_kind), "kernels_per_step": {k: v / args.steps for k, v in counts.items()},
+           "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    for r in reqs:
+        engine.abort(r.request_id)
+
+
+if __name__ == "__main__":
+    main()

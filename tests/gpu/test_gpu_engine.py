@@ -93,10 +93,27 @@ def test_compiled_kernels_match_eager():
     x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(k.rmsnorm(x, w, 1e-5), EAGER.rmsnorm(x, w, 1e-5), atol=2e-2, rtol=2e-2)
-    q = torch.randn(3, 5, 8, 64, device="cuda", dtype=torch.bfloat16)
-    kk = torch.randn(3, 5, 2, 64, device="cuda", dtype=torch.bfloat16)
-    cos, sin = torch.randn(3, 5, 1, 64, device="cuda").bfloat16(), torch.randn(3, 5, 1, 64, device="cuda").bfloat16()
-    for got, want in zip(k.rotary_qk(q, kk, cos, sin), EAGER.rotary_qk(q, kk, cos, sin), strict=True):
+    # rotary + the cache write in one kernel: the same q, attention and cache rows as eager
+    from infer.cache.factory import make_cache_pool
+    from infer.cache.view import BatchLayout
+    from infer.models.config import ModelConfig
+    cfg = ModelConfig(vocab_size=32, hidden_size=512, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    outs = []
+    for bundle in (EAGER, k):
+        torch.manual_seed(1)
+        pool = make_cache_pool("paged", cfg, max_batch_size=3, max_seq_len=64, dtype=torch.bfloat16,
+                               device=torch.device("cuda"), block_size=4, enable_prefix_caching=False)
+        slots = [pool.allocate_slot(20) for _ in range(3)]
+        layout = BatchLayout.of(slots, [7, 0, 12], [5, 3, 1])
+        view = pool.view(layout)
+        qkv = torch.randn(3, 5, 12 * 64, device="cuda", dtype=torch.bfloat16)
+        rope = bundle.rope_tables(layout.positions("cuda"), inv_freq, torch.bfloat16)
+        out = bundle.attend_qkv(view, 0, qkv, 8, 2, rope)
+        rows = torch.cat([pool.rows(s, 0, e) for s, e in zip(slots, layout.ends, strict=True)]).cuda()
+        outs.append((out, pool.k_cache[0, rows].clone(), pool.v_cache[0, rows].clone()))
+    for got, want in zip(outs[1], outs[0], strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     # the Triton matmul (rows <= 16; split-K where the output is narrow) and its epilogues
     for cls in (DenseLinear, Fp8Linear):
@@ -381,3 +398,20 @@ def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckp
     else:
         assert "sample_logits" in finished_eagerly or "verify_on_logits" in finished_eagerly
     assert graphs.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_fp8_engine_graphs_and_fused_kernels_match_eager(ckpt_a, spec):
+    # FP8 weights through the Triton matmul (its epilogues fused under graphs) give the
+    # tokens the eager FP8 model gives, plain and with an FP8 draft drafting for it
+    prompts = _prompts(ckpt_a)
+    kw = dict(device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=128, quantization="fp8")
+    if spec:
+        kw.update(use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3, draft_quantization="fp8")
+    eager = LLM(str(ckpt_a), use_cuda_graphs=False, compile_kernels=False, **kw)
+    fused = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
+    assert _tokens(fused, prompts) == _tokens(eager, prompts)
+    assert fused.engine.runner.forward.replays > 0
+    if spec:
+        assert fused.engine.runner.stats.acceptance_rate >= 0.99
+    assert fused.engine.leak_report() == []

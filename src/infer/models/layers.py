@@ -51,12 +51,6 @@ class Rotary(nn.Module):
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [B, T] -> cos, sin: [B, T, 1, D]."""
-        freqs = positions.float()[..., None] * self.inv_freq.float()  # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
-
 
 class MLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matrix."""

@@ -57,14 +57,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--cublas", action="store_true", help="dense layers through cuBLAS, not the Triton matmul (A/B)")
     add_engine_args(ap)
     ap.set_defaults(model="dummy:llama-3.2-3b", device="cuda", max_seq_len=1024)
     args = ap.parse_args()
     args.max_batch_size = max(args.batch, 1)
-    if args.cublas:
-        import infer.models.kernels as kernels
-        kernels._triton_ready = lambda x: False
     engine = Engine(engine_config_from_args(args))
     vocab = engine.vocab_size
     params = SamplingParams(temperature=0, max_tokens=engine.config.max_seq_len - args.prompt_len - 16, ignore_eos=True)

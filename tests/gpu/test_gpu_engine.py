@@ -105,6 +105,8 @@ def test_compiled_kernels_match_eager():
         torch.manual_seed(1)
         pool = make_cache_pool("paged", cfg, max_batch_size=3, max_seq_len=64, dtype=torch.bfloat16,
                                device=torch.device("cuda"), block_size=4, enable_prefix_caching=False)
+        pool.k_cache.normal_()  # the same earlier context for both bundles
+        pool.v_cache.normal_()
         slots = [pool.allocate_slot(20) for _ in range(3)]
         layout = BatchLayout.of(slots, [7, 0, 12], [5, 3, 1])
         view = pool.view(layout)

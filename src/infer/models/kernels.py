@@ -65,10 +65,12 @@ def swiglu(layer: LinearBase, x: Tensor) -> Tensor:
     return silu_mul(layer(x))
 
 
-def _triton_ready(x: Tensor) -> bool:
-    """Whether the Triton matmul serves this call: a CUDA half-precision input of at most
-    SMALL_M rows (decode, draft steps, verification)."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.numel() <= SMALL_M * x.shape[-1]
+def _triton_ready(layer: LinearBase, x: Tensor) -> bool:
+    """Whether the Triton matmul serves this call: an FP8 layer (dense ones measure faster
+    on cuBLAS) with a CUDA half-precision input of at most SMALL_M rows (decode, draft
+    steps, verification): its epilogue then does the SwiGLU or the residual add too."""
+    return (layer.matrix()[1] is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() <= SMALL_M * x.shape[-1])
 
 
 def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool) -> Tensor:
@@ -77,19 +79,32 @@ def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool
     weight, scale = layer.matrix()
     n = weight.shape[0] // 2 if swiglu_ else weight.shape[0]
     res = None if residual is None else residual.reshape(-1, n).contiguous()
-    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
+    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1], scale is not None),
                       layer.workspace, res, swiglu_)
     return y.view(*x.shape[:-1], n)
 
 
-def fused_linear(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
-    """`linear` through the Triton matmul where it serves (the add in its epilogue)."""
-    return _triton(layer, x, residual, False) if _triton_ready(x) else linear(layer, x, residual)
+def add(x: Tensor, y: Tensor) -> Tensor:
+    return x + y
 
 
-def fused_swiglu(layer: LinearBase, x: Tensor) -> Tensor:
-    """`swiglu` through the Triton matmul where it serves (the activation in its epilogue)."""
-    return _triton(layer, x, None, True) if _triton_ready(x) else swiglu(layer, x)
+class FusedLinear:
+    """The fused bundle's `linear` and `swiglu`: FP8 layers through the Triton matmul with the
+    add or the activation in its epilogue; dense layers through cuBLAS, then one fused
+    elementwise kernel (`add`, `silu_mul` compiled)."""
+
+    def __init__(self, compiled_add: Callable[[Tensor, Tensor], Tensor],
+                 compiled_silu_mul: Callable[[Tensor], Tensor]) -> None:
+        self.add, self.silu_mul = compiled_add, compiled_silu_mul
+
+    def linear(self, layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+        if _triton_ready(layer, x):
+            return _triton(layer, x, residual, False)
+        y = layer(x)
+        return y if residual is None else self.add(residual, y)
+
+    def swiglu(self, layer: LinearBase, x: Tensor) -> Tensor:
+        return _triton(layer, x, None, True) if _triton_ready(layer, x) else self.silu_mul(layer(x))
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +202,7 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
         return torch.compile(fresh, dynamic=True, fullgraph=False)
 
-    kernels = Kernels(comp(rmsnorm), fused_rope_tables, fused_attend_qkv, fused_linear, fused_swiglu, name="fused")
+    fused = FusedLinear(comp(add), comp(silu_mul))
+    kernels = Kernels(comp(rmsnorm), fused_rope_tables, fused_attend_qkv, fused.linear, fused.swiglu, name="fused")
     _COMPILED[key] = kernels
     return kernels

@@ -3,9 +3,16 @@
 Decode (1 token), draft steps and speculative verification (K+1 tokens) attend over the
 cached context directly through `gather_rows` (the storage row of every context position),
 so the context is never copied out, and only positions < min(q_pos + 1, ctx_end) are read:
-the loop bound comes from device memory, so one CUDA graph serves any context length.
-One program per (batch row, KV head, query token) handles all query heads of its group
-(grouped-query attention) with an online softmax in float32.
+the loop bounds come from device memory, so one CUDA graph serves any context length.
+
+The context is split into chunks (flash-decoding): one program per (batch row, KV head,
+query token, chunk) handles all query heads of its group (grouped-query attention) with an
+online softmax in float32 and writes its partial result (running max, sum, unnormalised
+output); a second kernel combines the chunks of each query head. A decode step at batch 1
+then runs tens of programs per layer instead of one per KV head, each a short loop: the
+chain of dependent loads (row index, key, value) of a long serial loop is what bounded it.
+The number of chunks follows the gather width (fixed per CUDA graph), so chunks past a
+row's context end at once.
 """
 
 from __future__ import annotations
@@ -14,20 +21,24 @@ import torch
 import triton
 import triton.language as tl
 
+MAX_SPLITS = 16
+MIN_CHUNK = 64
 
-# T (the chunk width) and the row stride vary from call to call (verification widths, the
-# draft's catch-up chunks, eager context widths): runtime values, so one compiled kernel
-# serves them all instead of a fresh Triton compile per width.
+
 @triton.jit(do_not_specialize=["T", "s_rb"])
-def _chunk_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, scale,
-                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_ob, s_ot, s_oh,
-                     T, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                     D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, M_OUT, L_OUT, A_OUT, scale,
+                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb,
+                     T, HQ: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                     GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    t = tl.program_id(2)
+    t = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     q_pos = tl.load(QPOS + b * T + t)
     end = tl.minimum(q_pos + 1, tl.load(CTX_END + b))
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, end)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = kv_head * GROUP + g
@@ -36,11 +47,12 @@ def _chunk_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, scale,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    for start in range(0, end, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        valid = offs < end
+        valid = offs < hi
         rows = tl.load(ROWS + b * s_rb + offs, mask=valid, other=0).to(tl.int64)
         k = tl.load(K + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
         if IEEE:  # float32 caches: exact float32 products, not tf32
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_PAD, BLOCK_N]
         else:
@@ -49,16 +61,43 @@ def _chunk_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, scale,
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(OUT + b * s_ob + t * s_ot + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=(g < GROUP)[:, None])
+    # partials of (b, t, head, split): an empty chunk leaves m = -inf, l = 0
+    cell = ((b * T + t) * HQ + heads) * SPLITS + split  # [G_PAD]
+    keep = g < GROUP
+    tl.store(M_OUT + cell, m_i, mask=keep)
+    tl.store(L_OUT + cell, l_i, mask=keep)
+    tl.store(A_OUT + cell[:, None] * D + d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _combine(M_IN, L_IN, A_IN, OUT, s_ob, s_ot, s_oh, T, HQ: tl.constexpr, SPLITS: tl.constexpr,
+             D: tl.constexpr):
+    b = tl.program_id(0)
+    t = tl.program_id(1)
+    head = tl.program_id(2)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, D)
+    base = ((b * T + t) * HQ + head) * SPLITS
+    m = tl.load(M_IN + base + sp)  # [SPLITS]
+    l = tl.load(L_IN + base + sp)
+    m_max = tl.max(m, axis=0)
+    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)  # an empty chunk weighs nothing
+    acc = tl.load(A_IN + (base + sp)[:, None] * D + d[None, :])  # [SPLITS, D]
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(OUT + b * s_ob + t * s_ot + head * s_oh + d, out.to(OUT.dtype.element_ty))
+
+
+def split_plan(context_width: int) -> tuple[int, int]:
+    """(chunk length, number of chunks) for a gather width: at most MAX_SPLITS chunks of at
+    least MIN_CHUNK positions, a power of two long."""
+    chunk = max(MIN_CHUNK, triton.next_power_of_2(-(-context_width // MAX_SPLITS)))
+    return chunk, triton.next_power_of_2(-(-context_width // chunk))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -69,14 +108,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hkv = k_cache.shape[1]
     group = hq // hkv
     q = q.contiguous()
-    out = torch.empty_like(q)
     q_pos = q_pos.contiguous()
-    grid = (b, hkv, t)
-    _chunk_attention[grid](
-        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, out, d ** -0.5,
+    chunk, splits = split_plan(gather_rows.shape[1])
+    m = torch.empty((b, t, hq, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    a = torch.empty((b, t, hq, splits, d), dtype=torch.float32, device=q.device)
+    _split_attention[(b, hkv, t * splits)](
+        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, m, l, a, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), gather_rows.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        T=t, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32, num_warps=4,
-    )
+        T=t, HQ=hq, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
+        BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, num_warps=4)
+    out = torch.empty_like(q)
+    _combine[(b, t, hq)](m, l, a, out, out.stride(0), out.stride(1), out.stride(2), T=t, HQ=hq, SPLITS=splits, D=d,
+                         num_warps=1)
     return out

@@ -12,8 +12,11 @@ program that finishes a tile last adds the partial sums in a fixed order (a coun
 tile, reset by that program, so the kernel replays inside CUDA graphs). Larger M (prefill)
 uses the same kernel with BM = 64 (FP8 weights) or cuBLAS (bf16, `linear.py` decides).
 
-Roundings follow PyTorch's: the matmul output is rounded to the activation dtype before
-the SwiGLU (silu in float32, rounded, times up, rounded) and before the residual add.
+FP8 weights convert to fp16 in registers (a native conversion on Hopper, unlike bf16) and
+multiply the activations converted to fp16 (their range, up to 65504, covers a decoder's
+activations); accumulation is float32. Roundings follow PyTorch's: the matmul output is
+rounded to the activation dtype before the SwiGLU (silu in float32, rounded, times up,
+rounded) and before the residual add.
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def _linear_kernel(X, W, S, R, Y, P, C, M, N, K, I, TILES_PER_SPLIT, s_xm, s_wn,
         k_ok = (k0 + kt * BK + rk) < K
         x = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
+        if FP8:  # E4M3 -> fp16 converts natively, two values an instruction; bf16 would not
+            x = x.to(tl.float16)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         if SWIGLU:
             w2 = tl.load(w_ptrs + I * s_wn, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)

@@ -126,7 +126,7 @@ def spm_vocab(size: int = 400) -> tuple[SpmVocab, Any]:
 
 
 def write_gguf(hf_dir: str | Path, path: str | Path, weight_type: Q = Q.F32, *,
-               overrides: dict[str, Q] | None = None, tokenizer: str = "gpt2", pre: str = "llama-bpe",
+               overrides: dict[str, Q] | None = None, tokenizer: str = "gpt2", pre: str | None = "llama-bpe",
                spm: SpmVocab | None = None, add_bos: bool | None = True,
                chat_template: str | None = CHAT_TEMPLATE, architecture: str = "llama", seed: int = 0,
                edit: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
@@ -189,7 +189,7 @@ def _write_hparams(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_vocab_size(config["vocab_size"])
 
 
-def _write_bpe_vocab(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, pre: str) -> None:
+def _write_bpe_vocab(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, pre: str | None) -> None:
     data = json.loads((hf_dir / "tokenizer.json").read_text())
     by_id = {i: t for t, i in data["model"]["vocab"].items()}
     added = {a["id"]: a for a in data["added_tokens"]}
@@ -206,7 +206,8 @@ def _write_bpe_vocab(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, pre
             types.append(TokenType.UNUSED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    if pre is not None:  # files from before llama.cpp named pre-tokenizers have none
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([int(t) for t in types])
     writer.add_token_merges(merges)

@@ -4,6 +4,7 @@ directory (the file's own tokenizer and chat template included)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from openai import OpenAI
 
 from helpers.gguf_files import write_gguf
-from infer import EngineConfig, SamplingParams
+from infer import LLM, EngineConfig, SamplingParams
 from infer.cli import main
 from infer.server.launch import LiveServer
 
@@ -28,10 +29,12 @@ def files(tmp_path_factory: pytest.TempPathFactory, ckpt_a: Path, ckpt_b: Path) 
 
 
 @pytest.mark.parametrize("draft", ["draft", "target"], ids=["other-draft", "self-draft"])
-def test_speculation_with_gguf_target_and_draft(make_llm, files: dict[str, Path], draft: str) -> None:
+def test_speculation_with_gguf_target_and_draft(make_llm: Callable[..., LLM], files: dict[str, Path],
+                                                draft: str) -> None:
     plain = make_llm(files["target"])
     prompts = [plain.tokenizer.encode(p) for p in PROMPTS]
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    outs = plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    expected = [o.outputs[0].token_ids for o in outs]
     spec = make_llm(files["target"], use_speculative_decoding=True, draft_model=str(files[draft]),
                     spec_length=4)
     outs = spec.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -50,7 +53,7 @@ def test_cli_generate_with_gguf_files(files: dict[str, Path], capsys: pytest.Cap
     assert code == 0 and out.startswith("The quick") and "acceptance 1.00" in out
 
 
-def test_server_chat_with_a_gguf_model(make_llm, files: dict[str, Path]) -> None:
+def test_server_chat_with_a_gguf_model(make_llm: Callable[..., LLM], files: dict[str, Path]) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     expected = make_llm(files["target"]).chat(messages, SamplingParams(temperature=0, max_tokens=8))
     live = LiveServer.start(EngineConfig(model=str(files["target"]), device="cpu"), "tiny-gguf")

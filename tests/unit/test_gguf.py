@@ -4,6 +4,7 @@ unsupported file is a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,22 @@ from infer import LLM, SamplingParams
 from infer.engine.loading import load_tokenizer
 from infer.models.gguf.reader import GGUFFile
 from infer.models.gguf.weights import iter_hf_tensors, unpermute_rotary
-from infer.models.loader import load_model
+from infer.models.llama import LlamaForCausalLM
+from infer.models.loader import load_model, model_shapes
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
 
 
-def _logits(model: Any) -> torch.Tensor:
+def _logits(model: LlamaForCausalLM) -> torch.Tensor:
+    """Ours: [1, T, V]."""
     with torch.no_grad():
-        out = model(IDS)
-    return out.logits if hasattr(out, "logits") else out
+        return model(IDS)
+
+
+def _hf_logits(model: Any) -> torch.Tensor:
+    """A transformers model's: [1, T, V]."""
+    with torch.no_grad():
+        return model(IDS).logits
 
 
 def _transformers_gguf(path: Path, ckpt: Path | None = None) -> Any:
@@ -73,10 +81,11 @@ def test_matches_transformers_gguf_loader(request: pytest.FixtureRequest, gguf_d
     assert config.tie_word_embeddings == (variant == "a")
     assert (config.rope_freq_factors is not None) == (variant == "a")
     reference = _transformers_gguf(path, ckpt if variant == "a" else None)
-    torch.testing.assert_close(_logits(ours), _logits(reference), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_logits(ours), _hf_logits(reference), atol=1e-4, rtol=1e-4)
     llm = LLM(str(path), device="cpu")
     prompts = [llm.tokenizer.encode(text) for text in ("The quick brown fox", "def forward(self")]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=12))
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(reference, p, 12) for p in prompts]
 
 
@@ -85,14 +94,14 @@ def test_f32_file_matches_the_original_checkpoint_with_llama3_rope(ckpt_a: Path,
     ours, config = load_model(str(path))
     assert config.rope_freq_factors is not None
     assert config.rope_freq_factors[0] == 1.0 and config.rope_freq_factors[-1] == 8.0  # high / low bands
-    torch.testing.assert_close(_logits(ours), _logits(load_hf_model(ckpt_a)), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_logits(ours), _hf_logits(load_hf_model(ckpt_a)), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("qtype", [Q.BF16, Q.Q8_0, Q.Q4_0], ids=["BF16", "Q8_0", "Q4_0"])
 def test_quantized_files_are_lossy_but_close(ckpt_b: Path, gguf_dir: Path, qtype: Q) -> None:
     path = write_gguf(ckpt_b, gguf_dir / f"b-lossy-{qtype.name}.gguf", qtype)
     ours, _ = load_model(str(path))
-    original = _logits(load_hf_model(ckpt_b))
+    original = _hf_logits(load_hf_model(ckpt_b))
     error = (_logits(ours) - original).abs().max().item()
     assert error > 0  # the file's blocks were read, not the original weights
     if qtype != Q.Q4_0:  # 4-bit blocks of a tiny random model move logits a lot
@@ -107,7 +116,7 @@ def test_k_quant_file_matches_transformers_gguf_loader(kquant_ckpt: Path, gguf_d
     assert {types["blk.1.attn_q.weight"], types["blk.0.ffn_down.weight"], types["output.weight"]} == {
         Q.Q4_K, Q.Q6_K, Q.Q5_K}
     ours, _ = load_model(str(path))
-    torch.testing.assert_close(_logits(ours), _logits(_transformers_gguf(path)), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_logits(ours), _hf_logits(_transformers_gguf(path)), atol=1e-4, rtol=1e-4)
 
 
 def test_unpermute_rotary_inverts_the_converter() -> None:
@@ -126,7 +135,8 @@ def test_tensors_go_through_load_hf_weights_in_the_asked_dtype(ckpt_b: Path, ggu
     assert set(named) == {name for name, _ in model.hf_state_dict()}  # HF names, the FP8 seam
 
 
-def test_progress_bar_while_dequantizing(ckpt_b: Path, gguf_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_bar_while_dequantizing(ckpt_b: Path, gguf_dir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
     path = write_gguf(ckpt_b, gguf_dir / "b-bar.gguf", Q.Q4_0)
     model, config = load_model(str(path))
     list(iter_hf_tensors(GGUFFile.open(path), config, torch.device("cpu"), torch.float32, progress=True))
@@ -197,3 +207,13 @@ def test_other_files_are_still_refused(tmp_path: Path) -> None:
     path.write_bytes(np.zeros(16, dtype=np.uint8).tobytes())
     with pytest.raises(FileNotFoundError, match="not a GGUF file"):
         load_model(str(path))
+
+
+def test_rope_freq_factors_are_validated(ckpt_a: Path, gguf_dir: Path) -> None:
+    _, config = load_model(str(write_gguf(ckpt_a, gguf_dir / "a-cfg.gguf", Q.F16)), load_format="dummy")
+    with pytest.raises(ValueError, match="head_dim // 2 = 4"):
+        dataclasses.replace(config, rope_freq_factors=(1.0, 2.0))
+    with pytest.raises(ValueError, match="give one of them"):
+        dataclasses.replace(config, rope_scaling=model_shapes["llama-3.2-1b"].rope_scaling)
+    with pytest.raises(ValueError, match="config.json cannot express"):
+        config.to_hf_dict()

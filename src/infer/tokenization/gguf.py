@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import tokenizers
 from gguf import TokenType
@@ -34,13 +35,21 @@ from infer.tokenization.backends import LLAMA3_PATTERN, HFTokenizersBackend
 from infer.tokenization.tokenizer import Tokenizer
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# tokenizer.ggml.pre -> (split regex, whole words looked up before merging)
-PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    "llama-bpe": (LLAMA3_PATTERN, True),
-    "llama3": (LLAMA3_PATTERN, True),
-    "llama-v3": (LLAMA3_PATTERN, True),
-    "smaug-bpe": (LLAMA3_PATTERN, True),
-    "gpt-2": (GPT2_PATTERN, False),
+
+
+@dataclass(frozen=True, slots=True)
+class PreTokenizer:
+    """How llama.cpp runs a named byte-level pre-tokenizer (`tokenizer.ggml.pre`)."""
+
+    pattern: str  # the regex text is split by before BPE
+    ignore_merges: bool  # a piece found whole in the vocabulary is one token, unmerged
+    add_bos: bool  # BOS is added when the file does not say (tokenizer.ggml.add_bos_token)
+
+
+LLAMA3 = PreTokenizer(LLAMA3_PATTERN, ignore_merges=True, add_bos=True)
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "llama-bpe": LLAMA3, "llama3": LLAMA3, "llama-v3": LLAMA3, "smaug-bpe": LLAMA3,
+    "gpt-2": PreTokenizer(GPT2_PATTERN, ignore_merges=False, add_bos=False),
 }
 SPACE = "▁"  # SentencePiece's visible space
 SPECIAL_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
@@ -61,7 +70,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
                 f"implement (supported: {', '.join(PRE_TOKENIZERS)}); a file without one was made by "
                 "an old llama.cpp: re-convert it")
         tok = byte_level_bpe(tokens, types, gguf.value("tokenizer.ggml.merges"), pre)
-        add_bos_default = PRE_TOKENIZERS[pre][1]
+        add_bos_default = PRE_TOKENIZERS[pre].add_bos
     elif kind == "llama":
         tok = sentencepiece_bpe(tokens, types, gguf.value("tokenizer.ggml.scores"),
                                 gguf.get("tokenizer.ggml.add_space_prefix", True))
@@ -80,11 +89,12 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
 def byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str],
                    pre: str) -> tokenizers.Tokenizer:
     """Byte-level BPE over the file's vocabulary (already in GPT-2's byte alphabet)."""
-    pattern, whole_words = PRE_TOKENIZERS[pre]
+    split = PRE_TOKENIZERS[pre]
     pairs = [_merge_pair(merge) for merge in merges]
-    tok = tokenizers.Tokenizer(models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=whole_words))
+    model = models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=split.ignore_merges)
+    tok = tokenizers.Tokenizer(model)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split.pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     _add_tokens(tok, tokens, types)
@@ -99,7 +109,8 @@ def sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int], scores: Seque
                        unk_token=unk, fuse_unk=True, byte_fallback=True)
     tok = tokenizers.Tokenizer(model)
     spaces = normalizers.Replace(" ", SPACE)
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), spaces]) if add_space_prefix else spaces
+    prefixed = normalizers.Sequence([normalizers.Prepend(SPACE), spaces])
+    tok.normalizer = prefixed if add_space_prefix else spaces
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if add_space_prefix else steps)
     _add_tokens(tok, tokens, types)

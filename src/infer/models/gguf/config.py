@@ -43,7 +43,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         head_dim=head_dim,
         max_position_embeddings=_int(gguf, "context_length"),
         rms_norm_eps=float(gguf.arch_value("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(gguf.arch_value("rope.freq_base", 10000.0)),
+        rope_theta=float(gguf.arch_get("rope.freq_base", 10000.0)),
         rope_freq_factors=_rope_freq_factors(gguf),
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
@@ -63,7 +63,7 @@ def stop_token_ids(gguf: GGUFFile) -> tuple[int, ...]:
 
 
 def _int(gguf: GGUFFile, suffix: str, default: int | None = None) -> int:
-    value = gguf.arch_value(suffix, default)
+    value = gguf.arch_value(suffix) if default is None else gguf.arch_get(suffix, default)
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"GGUF file {str(gguf.path)!r}: {gguf.architecture}.{suffix} must be one "
                          f"integer, found {value!r}; per-layer values are not supported")
@@ -79,7 +79,7 @@ def _check_rope(gguf: GGUFFile, head_dim: int) -> None:
     if value_length != head_dim:
         raise ValueError(f"GGUF file {str(gguf.path)!r} has value heads of {value_length} and key "
                          f"heads of {head_dim} dimensions; infer needs them equal")
-    scaling = gguf.get(f"{gguf.architecture}.rope.scaling.type")
+    scaling = gguf.arch_get("rope.scaling.type")
     if scaling not in SUPPORTED_ROPE_SCALING:
         raise ValueError(f"GGUF file {str(gguf.path)!r} uses RoPE scaling {scaling!r}; infer "
                          "implements Llama 3 frequency factors (rope_freqs.weight) and none")

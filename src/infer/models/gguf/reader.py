@@ -96,10 +96,13 @@ class GGUFFile:
                              "with llama.cpp's convert_hf_to_gguf.py")
         return self._reader.fields[key].contents()
 
-    def arch_value(self, suffix: str, default: Any = None) -> Any:
-        """`llama.<suffix>` (the architecture's own keys); `default` when absent and given."""
-        key = f"{self.architecture}.{suffix}"
-        return self.get(key, default) if default is not None else self.value(key)
+    def arch_value(self, suffix: str) -> Any:
+        """`llama.<suffix>`, one of the architecture's own keys; an error when absent."""
+        return self.value(f"{self.architecture}.{suffix}")
+
+    def arch_get(self, suffix: str, default: Any = None) -> Any:
+        """`llama.<suffix>`, or `default` when the file lacks it."""
+        return self.get(f"{self.architecture}.{suffix}", default)
 
     def _check_llama(self) -> None:
         if self.architecture != LLAMA_ARCHITECTURE:

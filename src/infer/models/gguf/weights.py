@@ -95,8 +95,6 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, d
     """(hf_name, tensor on `device` in `dtype`) for every weight, dequantized one at a time."""
     check_tensors(gguf)
     weights = [t for t in gguf.tensors.values() if t.name != ROPE_FREQS]
-    heads = {"self_attn.q_proj": config.num_attention_heads,
-             "self_attn.k_proj": config.num_key_value_heads}
     total = sum(t.n_bytes for t in weights)
     with tqdm(total=total, desc=f"dequantizing {gguf.path.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:
@@ -104,9 +102,17 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, d
             name = hf_name(tensor.name)
             assert name is not None  # check_tensors rejected the others
             values = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
-            proj = name.rsplit(".", 2)[-2]
-            kind = f"self_attn.{proj}"
-            if kind in heads:
-                values = unpermute_rotary(values, heads[kind])
+            heads = _rotary_heads(tensor.name, config)
+            if heads is not None:
+                values = unpermute_rotary(values, heads)
             yield name, values.to(device=device, dtype=dtype)
             bar.update(tensor.n_bytes)
+
+
+def _rotary_heads(gguf_name: str, config: ModelConfig) -> int | None:
+    """Heads of a q (or k) projection, whose rows llama.cpp permuted; None for the others."""
+    if gguf_name.endswith(".attn_q.weight"):
+        return config.num_attention_heads
+    if gguf_name.endswith(".attn_k.weight"):
+        return config.num_key_value_heads
+    return None

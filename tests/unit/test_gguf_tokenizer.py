@@ -5,6 +5,7 @@ the file, and a pre-tokenizer infer cannot reproduce is an error."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,14 +13,16 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import TokenType
 
-from helpers.checkpoints import CHAT_TEMPLATE, encode, make_checkpoint
+from helpers.checkpoints import CHAT_TEMPLATE, copy_checkpoint, encode, make_checkpoint
 from helpers.gguf_files import SPM_USER_TOKEN, SpmVocab, spm_vocab, write_gguf
 from infer.engine.loading import load_tokenizer
 from infer.tokenization import Tokenizer
+from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 from infer.tokenization.gguf import byte_level_bpe
+from infer.tokenization.tokenizer import LLAMA3_HEADER_TOKENS
 
-MIXED = ("<s>Hello world!</s> def f(x):\n    return x**2  # ünïcödé 日本語 🦙\n\n\tTabs  and   spaces "
-         "12345 don't I'll\r\nWhat?</s>world  ")
+MIXED = ("<s>Hello world!</s> def f(x):\n    return x**2  # ünïcödé 日本語 🦙\n\n\tTabs  and   "
+         "spaces 12345 don't I'll\r\nWhat?</s>world  ")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Grüße, 世界! 🦙"}]
 
 
@@ -91,6 +94,21 @@ def test_stop_ids_include_eot_and_eom(ckpt_b: Path, gguf_dir: Path) -> None:
 
     tok = Tokenizer.from_pretrained(write_gguf(ckpt_b, gguf_dir / "b-eot.gguf", Q.F16, edit=edit))
     assert tok.eos_token_ids == (1, 5, 7)
+
+
+def test_llama3_chat_template_when_the_file_has_none(ckpt_b: Path, gguf_dir: Path, tmp_path: Path) -> None:
+    import tokenizers
+
+    ckpt = copy_checkpoint(ckpt_b, tmp_path / "llama3-headers")
+    tok = tokenizers.Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    tok.add_special_tokens(list(LLAMA3_HEADER_TOKENS))
+    tok.save(str(ckpt / "tokenizer.json"))
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "vocab_size": tok.get_vocab_size()}))
+    plain = Tokenizer.from_pretrained(write_gguf(ckpt_b, gguf_dir / "b-none.gguf", Q.F16, chat_template=None))
+    headed = Tokenizer.from_pretrained(write_gguf(ckpt, gguf_dir / "b-hdr.gguf", Q.F16, chat_template=None))
+    assert plain.chat_template is None and headed.chat_template == LLAMA3_CHAT_TEMPLATE
+    assert headed.apply_chat_template(MESSAGES).count("<|start_header_id|>") == 3
 
 
 @pytest.mark.parametrize("pre, words", [("qwen2", "'qwen2'"), (None, "None.*re-convert")])

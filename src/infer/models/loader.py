@@ -43,7 +43,7 @@ from tqdm import tqdm
 from infer.models.config import ModelConfig, RopeScaling
 from infer.models.gguf.config import config_from_gguf
 from infer.models.gguf.reader import GGUFFile, is_gguf_path
-from infer.models.gguf.weights import iter_hf_tensors
+from infer.models.gguf.weights import check_tensors, iter_hf_tensors
 from infer.models.layers import RMSNorm, Rotary
 from infer.models.llama import LlamaForCausalLM
 
@@ -167,6 +167,7 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device,
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf)
+    check_tensors(gguf)  # before any memory is taken for the model
     torch_dtype = resolve_dtype(dtype, device)
     model = build_empty_model(config, torch_dtype, device)
     if load_format == "dummy":

@@ -15,7 +15,9 @@ them:
   do) unless `tokenizer.ggml.add_space_prefix` is false.
 
 Control (and unknown) tokens become special added tokens, user-defined ones plain added
-tokens, so their strings in a prompt map to their ids.
+tokens, so their strings in a prompt map to their ids. A file without a chat template whose
+vocabulary has Llama 3's header tokens gets the built-in Llama 3 template, as a directory
+does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from infer.models.gguf.config import stop_token_ids
 from infer.models.gguf.reader import GGUFFile
 from infer.tokenization.backends import LLAMA3_PATTERN, HFTokenizersBackend
-from infer.tokenization.tokenizer import Tokenizer
+from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE
+from infer.tokenization.tokenizer import LLAMA3_HEADER_TOKENS, Tokenizer
 
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
@@ -80,8 +83,11 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
                          "'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies")
     ids = {key: gguf.get(f"tokenizer.ggml.{name}") for key, name in SPECIAL_KEYS.items()}
     strings = {key: None if token_id is None else tokens[token_id] for key, token_id in ids.items()}
+    template = gguf.get("tokenizer.chat_template")
+    if template is None and set(LLAMA3_HEADER_TOKENS) <= set(tokens):  # as for a directory
+        template = LLAMA3_CHAT_TEMPLATE
     return Tokenizer(HFTokenizersBackend(tok), name_or_path=str(gguf.path), token_strings=strings,
-                     extra_eos_ids=stop_token_ids(gguf), chat_template=gguf.get("tokenizer.chat_template"),
+                     extra_eos_ids=stop_token_ids(gguf), chat_template=template,
                      add_bos_token=gguf.get("tokenizer.ggml.add_bos_token", add_bos_default),
                      add_eos_token=gguf.get("tokenizer.ggml.add_eos_token", False))
 

@@ -13,8 +13,10 @@ from infer.engine.config import EngineConfig
 
 _ALIASES = {"use_speculative_decoding": ["--speculative-decoding"]}
 _HELP = {
-    "model": "local model directory (Hugging Face layout) or hub id; default: the bundled demo target",
-    "draft_model": "draft model for speculative decoding; default with the demo target: the demo draft",
+    "model": "local model directory (Hugging Face layout), hub id or llama.cpp .gguf file; default: the "
+             "bundled demo target",
+    "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file); default with the "
+                   "demo target: the demo draft",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
     "device": "auto | cpu | cuda[:N]",
     "seed": "sampling seed of requests that set none (the same command gives the same text)",

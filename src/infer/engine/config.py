@@ -18,7 +18,7 @@ _DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # local directory or hub id; None = the bundled demo target
+    model: str | None = None  # local directory, hub id or .gguf file; None = the bundled demo target
     tokenizer: str | None = None  # default: the model's directory
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
@@ -45,7 +45,7 @@ class EngineConfig:
     # speculative decoding
     use_speculative_decoding: bool = False
     speculative_method: str = "draft_model"
-    draft_model: str | None = None  # None with the demo target = the bundled demo draft
+    draft_model: str | None = None  # dir, hub id or .gguf; None with the demo target = the bundled demo draft
     spec_length: int = 5  # K: candidate tokens per speculation round
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
     # speculation is off for a step whose decode batch is larger than this (None: never off)

@@ -1,6 +1,7 @@
 """Loading what an engine runs on: target model, optional draft model, tokenizer.
 
-Without `model` the bundled demo target is used (and with speculation on and no
+A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file; a GGUF file
+carries its own tokenizer. Without `model` the bundled demo target is used (and with speculation on and no
 `draft_model`, the bundled demo draft), so a fresh install works with no download. A
 draft must share the target's vocabulary and EOS ids; a mismatch is a clear error (D2).
 """
@@ -14,6 +15,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.models.llama import LlamaForCausalLM
+from infer.models.gguf.reader import is_gguf_path
 from infer.models.loader import load_model, resolve_model_path
 from infer.tokenization import Tokenizer
 
@@ -49,9 +51,11 @@ def default_model_paths(config: EngineConfig) -> tuple[str, str | None]:
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer | None:
-    """The tokenizer in a model directory; None for file-less dummy shapes."""
+    """The tokenizer in a model directory or GGUF file; None for file-less dummy shapes."""
     if name_or_path.startswith("dummy:"):
         return None
+    if is_gguf_path(name_or_path):
+        return Tokenizer.from_pretrained(name_or_path)
     return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
 
 

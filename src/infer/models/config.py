@@ -1,7 +1,9 @@
 """ModelConfig: the parts of a Hugging Face Llama `config.json` the forward pass needs.
 
 Validated on construction; `from_hf_dict` rejects architectures this package does not
-implement with a message that says what is supported.
+implement with a message that says what is supported. A GGUF file's metadata gives the same
+config (`infer.models.gguf.config`); its Llama 3 RoPE scaling arrives as per-frequency
+divisors (`rope_freq_factors`, llama.cpp's `rope_freqs` tensor) rather than as parameters.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # [head_dim // 2] divisors of the rotary inverse frequencies (GGUF's rope_freqs tensor)
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -59,6 +63,13 @@ class ModelConfig:
                 f"({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError("config.json: head_dim must be even for rotary embeddings")
+        if self.rope_freq_factors is not None:
+            if self.rope_scaling is not None:
+                raise ValueError("rope_freq_factors and rope_scaling both rescale the rotary "
+                                 "frequencies; give one of them")
+            if len(self.rope_freq_factors) != self.head_dim // 2 or min(self.rope_freq_factors) <= 0:
+                raise ValueError(f"rope_freq_factors must hold head_dim // 2 = {self.head_dim // 2} "
+                                 f"positive values, got {len(self.rope_freq_factors)}")
 
     @property
     def q_size(self) -> int:
@@ -110,6 +121,9 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json contents in the Hugging Face Llama layout (rope_theta / rope_scaling keys)."""
+        if self.rope_freq_factors is not None:
+            raise ValueError("this config's RoPE scaling is a list of frequency factors (from a GGUF "
+                             "file), which config.json cannot express")
         raw: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

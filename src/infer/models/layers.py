@@ -26,9 +26,13 @@ class RMSNorm(nn.Module):
         return rmsnorm(x, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3 scaling when given."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
+                  freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama 3 scaling when given: as parameters
+    (`scaling`) or as llama.cpp's per-frequency divisors (`freq_factors`, [head_dim // 2])."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if freq_factors is not None:
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     if scaling is None:
         return inv_freq
     old_len = scaling.original_max_position_embeddings
@@ -48,7 +52,8 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                            config.rope_freq_factors)
         self.register_buffer("inv_freq", inv, persistent=False)
 
 

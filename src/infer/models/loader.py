@@ -1,7 +1,8 @@
-"""Load a Llama checkpoint: hub id or local Hugging Face directory -> (model, config).
+"""Load a Llama checkpoint: hub id, local Hugging Face directory or GGUF file -> (model, config).
 
     model, config = load_model("meta-llama/Llama-3.2-1B", dtype="bf16", device="cuda")
     model, config = load_model("/models/Llama-3.2-1B")              # local HF layout
+    model, config = load_model("/models/Llama-3.2-1B-Q4_K_M.gguf")   # llama.cpp file
     model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files
 
 A name is resolved by `resolve_model_path`: an existing local directory is used as is; an
@@ -11,6 +12,10 @@ tokenizer files only); anything else is a FileNotFoundError.
 The model is built on the meta device (no initialisation cost), materialised empty on the
 target device in the target dtype, then filled from `model.safetensors` or every shard
 listed in `model.safetensors.index.json`, one tensor at a time.
+
+A GGUF file (`*.gguf`, see `infer.models.gguf`) gives its config from its metadata and
+its weights dequantized into `dtype` ("auto": bfloat16 on CUDA, float32 elsewhere), fed
+through the same `load_hf_weights` under Hugging Face names.
 
 `load_format="dummy"` skips weight files and fills the real shapes with small random
 weights (normal, std 0.02; norm weights 1) from a fixed seed: for timing, since speed does
@@ -36,6 +41,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig, RopeScaling
+from infer.models.gguf.config import config_from_gguf
+from infer.models.gguf.reader import GGUFFile, is_gguf_path
+from infer.models.gguf.weights import check_tensors, iter_hf_tensors
 from infer.models.layers import RMSNorm, Rotary
 from infer.models.linear import QUANTIZATIONS, Fp8Linear
 from infer.models.llama import LlamaForCausalLM
@@ -45,6 +53,7 @@ DUMMY_PREFIX = "dummy:"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for loads above 1 GiB
+GGUF_PROGRESS_MIN_BYTES = 1 << 24  # dequantizing is slow: a bar for GGUF files above 16 MiB
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -81,8 +90,8 @@ def resolve_model_path(name_or_path: str) -> Path:
         return path
     if path.exists():
         raise FileNotFoundError(
-            f"model path {str(path)!r} is a file; pass the directory that holds config.json "
-            "and the *.safetensors weights")
+            f"model path {str(path)!r} is a file but not a GGUF file; pass the directory that "
+            "holds config.json and the *.safetensors weights, or a llama.cpp .gguf file")
     if not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
             f"model directory {name_or_path!r} does not exist; pass a local directory in "
@@ -138,6 +147,8 @@ def load_model(
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     device = torch.device(device)
+    if is_gguf_path(os.fspath(name_or_path)):
+        return _load_gguf(Path(os.fspath(name_or_path)).expanduser(), dtype, device, load_format, quantization)
     config, config_dtype, directory, stored = _read_config(os.fspath(name_or_path), load_format)
     quantization = stored or quantization
     if directory is None:
@@ -152,6 +163,28 @@ def load_model(
         assert directory is not None
         files = find_weight_files(directory)
         model.load_hf_weights(_iter_tensors(files, device, torch_dtype))
+    model.eval().requires_grad_(False)
+    return model, config
+
+
+def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_format: str,
+               quantization: str | None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """A GGUF file: config from its metadata, weights dequantized (or dummy ones); with
+    quantization="fp8" the dequantized weights are re-quantized to FP8 as they load."""
+    if load_format == "safetensors":
+        raise ValueError(f"{str(path)!r} is a GGUF file, not safetensors: use load_format='auto'")
+    if device.type == "meta" and load_format != "dummy":
+        raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    gguf = GGUFFile.open(path)
+    config = config_from_gguf(gguf)
+    check_tensors(gguf)  # before any memory is taken for the model
+    torch_dtype = resolve_dtype(dtype, device)
+    model = build_empty_model(config, torch_dtype, device, quantization)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        show = path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
+        model.load_hf_weights(iter_hf_tensors(gguf, config, device, torch_dtype, progress=show))
     model.eval().requires_grad_(False)
     return model, config
 

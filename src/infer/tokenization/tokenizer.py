@@ -2,7 +2,8 @@
 
 `Tokenizer.from_pretrained(dir)` loads a local model directory in Hugging Face layout:
 `tokenizer.json` through the `tokenizers` library, or else Meta's Llama 3 tiktoken
-`tokenizer.model`. Special token ids, the BOS policy, the stop (eos) ids and the chat
+`tokenizer.model`; given a GGUF file it rebuilds the tokenizer from the file's metadata
+(`gguf.py`). Special token ids, the BOS policy, the stop (eos) ids and the chat
 template come from `tokenizer_config.json` / `generation_config.json` /
 `chat_template.jinja`, with Llama 3 defaults when a tiktoken file comes alone.
 Backends live in `backends.py`, templates in `chat.py`, the streaming decoder in
@@ -15,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
+from infer.models.gguf.reader import is_gguf_path
 from infer.tokenization.backends import (
     HFTokenizersBackend,
     TiktokenBackend,
@@ -62,7 +64,12 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of the local model directory `path` (Hugging Face layout)."""
+        """Load the tokenizer of the local model directory `path` (Hugging Face layout) or
+        of the GGUF file `path`."""
+        if is_gguf_path(path):
+            from infer.tokenization.gguf import load_gguf_tokenizer  # it builds a Tokenizer
+
+            return load_gguf_tokenizer(path)
         files = locate_tokenizer_files(path)
         if files.tokenizer_json is not None:
             backend: TokenizerBackend = HFTokenizersBackend.from_file(files.tokenizer_json)

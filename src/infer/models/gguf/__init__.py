@@ -1,0 +1,12 @@
+"""GGUF files (llama.cpp's single-file checkpoints) as a source of Llama models.
+
+`reader.py` opens and validates a file (magic, truncation, architecture) and reads its
+metadata; `config.py` turns that metadata into a `ModelConfig`; `weights.py` dequantizes
+the tensors with the `gguf` library and yields them under Hugging Face names for
+`LlamaForCausalLM.load_hf_weights`. The tokenizer a file describes is built in
+`infer.tokenization.gguf`.
+"""
+
+from infer.models.gguf.reader import GGUF_SUFFIX, GGUFFile, is_gguf_path
+
+__all__ = ["GGUF_SUFFIX", "GGUFFile", "is_gguf_path"]

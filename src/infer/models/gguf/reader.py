@@ -1,0 +1,117 @@
+"""Open a GGUF file: check that it is whole and holds a Llama, read metadata and tensors.
+
+`GGUFFile.open(path)` wraps `gguf.GGUFReader`, which memory-maps the file: the tensor
+table is parsed, but no tensor data is read until a tensor is used. What can go wrong with
+a user's file becomes an error that says what to fix: not a GGUF file, a file cut short
+(an interrupted download), a model that is not a Llama (`general.architecture`), a
+mixture-of-experts Llama, a metadata key the model needs but the file lacks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
+LLAMA_ARCHITECTURE = "llama"
+
+
+def is_gguf_path(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a file to load as GGUF: named *.gguf, or starting with the magic."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    with open(path, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensor:
+    """One tensor as stored: its ggml type, logical shape and raw (memory-mapped) data."""
+
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: [rows, cols] for a matrix, [n] for a vector
+    data: np.ndarray  # values (F32/F16) or packed blocks (uint8, [rows, bytes per row])
+    n_bytes: int
+
+
+class GGUFFile:
+    """A validated GGUF file holding a dense Llama: metadata lookups and the tensor table."""
+
+    def __init__(self, path: Path, reader: GGUFReader) -> None:
+        self.path = path
+        self._reader = reader
+        self.architecture: str = self.value("general.architecture")
+        self.tensors: dict[str, GGUFTensor] = {
+            t.name: GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type),
+                               tuple(int(d) for d in reversed(t.shape.tolist())), t.data, int(t.n_bytes))
+            for t in reader.tensors}
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
+        """Open and validate `path`; raises ValueError / FileNotFoundError saying what to fix."""
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+        if magic != GGUF_MAGIC:
+            raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes "
+                             "'GGUF'); pass a llama.cpp .gguf model file or a Hugging Face model directory")
+        try:
+            reader = GGUFReader(path)
+        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
+            # the reader maps the file and slices every tensor out of it: a file cut short
+            # fails here, in its header or at the first tensor that runs past the end
+            raise ValueError(
+                f"GGUF file {str(path)!r} ({size} bytes) is truncated or corrupt ({type(exc).__name__}: "
+                f"{exc}); an interrupted download leaves such a file: download it again") from exc
+        gguf = cls(path, reader)
+        gguf._check_llama()
+        return gguf
+
+    def has(self, key: str) -> bool:
+        return key in self._reader.fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The metadata value of `key` (str, int, float, bool or list), or `default`."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def value(self, key: str) -> Any:
+        """The metadata value of `key`; a clear error when the file lacks it."""
+        if key not in self._reader.fields:
+            raise ValueError(f"GGUF file {str(self.path)!r} lacks the metadata key {key!r}; the "
+                             "file is incomplete or was written by an unusual converter: re-convert it "
+                             "with llama.cpp's convert_hf_to_gguf.py")
+        return self._reader.fields[key].contents()
+
+    def arch_value(self, suffix: str) -> Any:
+        """`llama.<suffix>`, one of the architecture's own keys; an error when absent."""
+        return self.value(f"{self.architecture}.{suffix}")
+
+    def arch_get(self, suffix: str, default: Any = None) -> Any:
+        """`llama.<suffix>`, or `default` when the file lacks it."""
+        return self.get(f"{self.architecture}.{suffix}", default)
+
+    def _check_llama(self) -> None:
+        if self.architecture != LLAMA_ARCHITECTURE:
+            raise ValueError(
+                f"GGUF file {str(self.path)!r} holds a {self.architecture!r} model; infer runs "
+                f"Llama-family models only (general.architecture {LLAMA_ARCHITECTURE!r})")
+        experts = self.get(f"{LLAMA_ARCHITECTURE}.expert_count", 0)
+        if experts:
+            raise ValueError(
+                f"GGUF file {str(self.path)!r} is a mixture-of-experts Llama ({experts} experts, "
+                "e.g. Mixtral); infer runs dense Llama models only")
+

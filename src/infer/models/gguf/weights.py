@@ -1,0 +1,118 @@
+"""A GGUF file's tensors, dequantized, under Hugging Face Llama names.
+
+`iter_hf_tensors(gguf, config, device, dtype)` yields `(hf_name, tensor)` pairs for
+`LlamaForCausalLM.load_hf_weights`, the same seam a safetensors checkpoint goes through
+(and where a weight quantizer such as FP8 intercepts weights). Each tensor is
+dequantized with the `gguf` library's own routines (`gguf.quants.dequantize`, float32),
+renamed (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and for
+q/k un-permuted: llama.cpp's converter reorders each head's rows from Hugging Face's
+rotate-half layout to interleaved pairs, and `unpermute_rotary` undoes that. The file's
+quantization is not kept: weights end up dense in `dtype`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from infer.models.config import ModelConfig
+from infer.models.gguf.reader import GGUFFile, GGUFTensor
+
+Q = GGMLQuantizationType
+SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+EMBEDDING = "token_embd.weight"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3 RoPE scaling factors: config, not a weight
+
+GLOBAL_NAMES = {
+    EMBEDDING: "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face name of a GGUF Llama tensor; None for a name Llama does not use."""
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.weight"
+
+
+def check_tensors(gguf: GGUFFile) -> None:
+    """Every tensor must be a Llama tensor of a type infer dequantizes; raise before loading."""
+    supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+    for tensor in gguf.tensors.values():
+        if tensor.ggml_type not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"GGUF file {str(gguf.path)!r}: tensor {tensor.name!r} is stored as "
+                f"{tensor.ggml_type.name}, which infer does not load; supported types are "
+                f"{supported} (re-quantize the model to one of them, e.g. Q4_K_M or Q8_0)")
+        if tensor.name != ROPE_FREQS and hf_name(tensor.name) is None:
+            raise ValueError(f"GGUF file {str(gguf.path)!r} has tensor {tensor.name!r}, which a "
+                             "Llama model does not have; the file is not a plain Llama")
+
+
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
+    """The tensor's values as float32 in its logical (torch-order) shape."""
+    values = dequantize(tensor.data, tensor.ggml_type)  # float32 (F32: a view of the file)
+    return np.reshape(values, tensor.shape)
+
+
+def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: [heads * head_dim, in] back to rotate-half layout.
+
+    The converter maps each head's rows (two halves of head_dim / 2 rows) to interleaved
+    pairs; this is its inverse: rows viewed as [heads, head_dim / 2, 2] -> [heads, 2, head_dim / 2].
+    """
+    rows = weight.shape[0]
+    head_dim = rows // heads
+    return (weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
+            .transpose(1, 2).reshape(weight.shape))
+
+
+def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                    progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor on `device` in `dtype`) for every weight, dequantized one at a time."""
+    check_tensors(gguf)
+    weights = [t for t in gguf.tensors.values() if t.name != ROPE_FREQS]
+    total = sum(t.n_bytes for t in weights)
+    with tqdm(total=total, desc=f"dequantizing {gguf.path.name}", unit="B", unit_scale=True,
+              disable=not progress) as bar:
+        for tensor in weights:
+            name = hf_name(tensor.name)
+            assert name is not None  # check_tensors rejected the others
+            values = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
+            heads = _rotary_heads(tensor.name, config)
+            if heads is not None:
+                values = unpermute_rotary(values, heads)
+            yield name, values.to(device=device, dtype=dtype)
+            bar.update(tensor.n_bytes)
+
+
+def _rotary_heads(gguf_name: str, config: ModelConfig) -> int | None:
+    """Heads of a q (or k) projection, whose rows llama.cpp permuted; None for the others."""
+    if gguf_name.endswith(".attn_q.weight"):
+        return config.num_attention_heads
+    if gguf_name.endswith(".attn_k.weight"):
+        return config.num_key_value_heads
+    return None

@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, PromptLookupTable, is_strict_int
+from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, is_strict_int
+from infer.speculative.prompt_lookup import PromptLookupTable
 from infer.speculative.proposer import Draft
 
 __all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]

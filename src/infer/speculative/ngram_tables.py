@@ -8,9 +8,12 @@ and the proposer.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
 
 METHODS = ("ngram", "prompt_lookup")
 
@@ -239,6 +242,27 @@ class NgramTable:
             context = (context + [token])[-(self.max_order - 1) :]
         return draft
 
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]:
+        """Up to n distinct next tokens for `context`, best first: the continuations of its
+        longest known suffix by count then recency (the first is `predict`'s), then those of
+        shorter suffixes not listed yet. The table is not modified."""
+        picked: list[int] = []
+        m = len(context)
+        for c, table, _ in self._levels:
+            conts = table.get(tuple(context[m - c:])) if m >= c and len(picked) < n else None
+            if conts is None:
+                continue
+            # n of them are enough: at most len(picked) are listed already
+            for token in heapq.nlargest(n, conts, key=conts.__getitem__):
+                if token not in picked and len(picked) < n:
+                    picked.append(token)
+        return picked
+
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft:
+        """A deterministic tree after `history` (`fill_tree`); the table is not modified. Its
+        first-child path is `propose(history, shape.depth)`."""
+        return fill_tree(self, history, shape)
+
     def continuations(self, context: Sequence[int]) -> dict[int, int]:
         """Next-token counts for exactly this context (empty if unseen or of unused length)."""
         for c, table, _ in self._levels:
@@ -266,3 +290,7 @@ class DraftTable(Protocol):
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
+
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft: ...

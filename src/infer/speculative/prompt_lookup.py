@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from infer.speculative.ngram_tables import NgramConfig, TokenWindow
+from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
 
 
 class PromptLookupTable:
@@ -72,3 +73,24 @@ class PromptLookupTable:
             draft.extend(span)  # non-empty: an indexed follower is inside the window
             tail = (tail + span)[-(self.max_order - 1) :]
         return draft
+
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]:
+        """Up to n distinct next tokens for `context`, best first: what followed the most recent
+        earlier occurrence of its suffix of each length, longest first (the first is `find`'s,
+        the token `propose` copies first). The table is not modified."""
+        picked: list[int] = []
+        m = len(context)
+        for c in self._ctx_lens:
+            pos = self._index[c].get(tuple(context[m - c:])) if m >= c and len(picked) < n else None
+            if pos is None:
+                continue
+            token = self._win.slice(pos, pos + 1)[0]  # an indexed follower is inside the window
+            if token not in picked:
+                picked.append(token)
+        return picked
+
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft:
+        """A deterministic tree after `history` (`fill_tree`); the table is not modified. Each
+        node matches afresh (`top_continuations`), so its first-child path may differ from
+        `propose`, which copies one matched span."""
+        return fill_tree(self, history, shape)

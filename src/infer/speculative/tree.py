@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -243,3 +244,27 @@ def stack_drafts(drafts: Sequence[TreeDraft], device: torch.device | str | None 
     tokens = torch.tensor([d.token_ids for d in drafts], dtype=torch.long, device=device)
     valid = torch.tensor([d.valid for d in drafts], dtype=torch.bool, device=device)
     return tokens, valid
+
+
+class BranchSource(Protocol):
+    """Anything that ranks distinct next tokens for a context (the n-gram tables)."""
+
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
+
+
+def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) -> TreeDraft:
+    """A deterministic draft over `shape`: each node's children are the source's best distinct
+    next tokens for the node's context (`context` extended by the node's path: its ancestors
+    and itself), up to the node's child count, in rank order; children the source cannot fill,
+    and every descendant of an absent node, are absent. Only `top_continuations` is called."""
+    n = shape.num_nodes
+    tokens, valid = [0] * n, [False] * n
+    base = list(context)
+    for node in (-1, *range(n)):  # breadth-first: a parent is filled before its children
+        if node >= 0 and not (valid[node] and shape.children[node]):
+            continue
+        kids = shape.children[node] if node >= 0 else shape.root_children
+        path = [tokens[j] for j in shape.paths[node]] if node >= 0 else []
+        for kid, token in zip(kids, source.top_continuations(base + path, len(kids))):
+            tokens[kid], valid[kid] = token, True
+    return TreeDraft(shape, tuple(tokens), tuple(valid))

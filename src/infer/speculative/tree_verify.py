@@ -87,7 +87,7 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
     """
     _check_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
     device = target_probs.device
-    b, vocab = node_tokens.shape[0], target_probs.shape[2]
+    b = node_tokens.shape[0]
     valid = (torch.ones_like(node_tokens, dtype=torch.bool) if node_valid is None
              else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
     tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from infer.engine.request import Request
 from infer.sampling import SamplingParams, logits_to_probs
 from infer.speculative.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
-from infer.speculative.rejection import unpack_rows, verify_tensors
+from infer.speculative.rejection import unpack_rows, verify_logits, verify_tensors
 from infer.speculative.tree import (
     MAX_TREE_NODES,
     TreeDraft,
@@ -226,6 +226,27 @@ def test_chain_shape_equals_the_chain_verifier_token_for_token(with_q: bool) -> 
     n = tree[:, k]  # (the chain rows keep their rejected drafts; the tree rows pad with 0)
     assert torch.equal(nodes, torch.where(torch.arange(k)[None, :] < n[:, None], torch.arange(k), -1))
     assert 0 < int(n.sum()) < int(counts.sum())
+
+
+def test_chain_shape_equals_verify_logits_and_the_residual_fallback() -> None:
+    gen = torch.Generator().manual_seed(9)
+    b, k, v = 256, 3, 8
+    logits = torch.randn(b, k + 1, v, generator=gen) * 2
+    temps, greedy = torch.tensor([0.6, 1.0, 1.3, 1.0] * (b // 4)), torch.arange(b) % 4 == 3
+    drafts = torch.randint(0, v, (b, k), generator=gen)
+    counts = torch.full((b,), k)
+    u = torch.rand(b, k + 1, generator=gen, dtype=torch.float64)
+    for q in (None, torch.softmax(torch.randn(b, k, v, generator=gen), -1)):
+        chain = verify_logits(logits, temps, greedy, drafts, counts, q, u)
+        tree, _ = verify_tree_logits(chain_shape(k), logits, temps, greedy, drafts, q, u)
+        assert unpack_rows(tree.tolist()) == unpack_rows(chain.tolist())
+    # a rejected token that held all but 1e-13 of p: the residual is rounding noise, and both
+    # verifiers draw from p itself (token 0 at u = 0.5, where the residual would give token 1)
+    p = torch.tensor([[[1 - 1e-13, 1e-13], [0.5, 0.5]]], dtype=torch.float64)
+    drafts, u = torch.tensor([[0]]), torch.tensor([[1 - 1e-14, 0.5]], dtype=torch.float64)
+    chain = verify_tensors(drafts, torch.tensor([1]), None, p, u[:, :1], u[:, 1])
+    assert chain.tolist() == [[0, 0, 0]]
+    assert verify_tree(chain_shape(1), drafts, None, p, u).tolist() == [[0, 0, 0]]
 
 
 def test_uniform_columns_make_a_row_independent_of_its_batch() -> None:

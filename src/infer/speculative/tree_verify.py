@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.speculative.rejection import residual_distribution
+from infer.speculative.rejection import MIN_RESIDUAL_MASS, residual_distribution
 from infer.speculative.tree import TreeShape
 
 
@@ -75,6 +75,31 @@ def _row_of(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[2])).squeeze(1)
 
 
+def _test_sampled(p: torch.Tensor, q: torch.Tensor, tok: torch.Tensor, tried: torch.Tensor,
+                  u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One child drawn from q: p, q [B, V], tok [B], tried [B] bool, u [B] -> (accepted [B],
+    the next p [B, V]: the residual norm(max(p - q, 0)) on rows that rejected it)."""
+    ratio = _column(p, tok) / _column(q, tok).to(torch.float64)  # [B]; NaN (0/0) rejects
+    accept = tried & (u < ratio)
+    return accept, torch.where((tried & ~accept)[:, None], residual_distribution(p, q), p)
+
+
+def _test_one_hot(p: torch.Tensor, scale: torch.Tensor, mass: torch.Tensor, tok: torch.Tensor,
+                  tried: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One deterministic child (q one-hot at tok) in O(B): the distribution is p * scale (p
+    [B, V] float64, owned and unnormalised; scale, mass [B]: sum(p) * scale = mass), accepted
+    with probability p(tok); on a rejection p loses tok in place and scale renormalises, which
+    is `residual_distribution` against a one-hot q, fallback included. -> (accepted, scale, mass)."""
+    p_tok = _column(p, tok)  # [B]
+    accept = tried & (u < p_tok * scale)
+    reject = tried & ~accept
+    rest = mass - p_tok * scale  # [B]: the residual's mass
+    drop = reject & (rest > MIN_RESIDUAL_MASS)  # (else the fallback: p itself, renormalised)
+    p.scatter_(1, tok[:, None], torch.where(drop, 0.0, p_tok)[:, None])
+    scale = torch.where(drop, scale / rest, torch.where(reject, scale / mass, scale))
+    return accept, scale, torch.where(reject, 1.0, mass)
+
+
 def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                       target_probs: torch.Tensor, uniforms: torch.Tensor,
                       node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +109,7 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
     (deterministic proposals), target_probs [B, N+1, V] (row 0 after g, row 1 + i after node
     i), uniforms [B, U] in [0, 1), U = shape.num_uniforms, node_valid [B, N] bool or None (all
     present) -> (packed [B, depth + 2] long, accepted nodes [B, depth] long, -1 padded).
+    Deterministic proposals cost O(B) per tried child (no [B, V] pass); sampled ones O(B * V).
     """
     _check_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
     device = target_probs.device
@@ -92,7 +118,9 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
              else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
     tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]
     u = uniforms.to(device=device, dtype=torch.float64)  # [B, U]
-    p = target_probs[:, 0].to(torch.float64)  # [B, V]: the current (residual) distribution
+    p = target_probs[:, 0].to(torch.float64, copy=True)  # [B, V]: the current (residual) distribution
+    scale = torch.ones(b, dtype=torch.float64, device=device)  # [B]: one-hot path, p * scale
+    mass = p.sum(dim=1)  # [B]: one-hot path, sum(p) * scale
     local = torch.zeros(b, dtype=torch.long, device=device)  # [B]: current node's index in its level
     alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]: accepted every level so far
     path_tokens: list[torch.Tensor] = []
@@ -104,25 +132,27 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
         for c in range(width):
             child = first + c  # [B]
             tok = _column(tokens, child)  # [B]
-            if draft_probs is None:
-                q = torch.zeros_like(p).scatter_(1, tok[:, None], 1.0)  # [B, V] one-hot
-            else:
-                q = _row_of(draft_probs, child)  # [B, V]
-            ratio = _column(p, tok) / _column(q, tok).to(torch.float64)  # [B]; NaN (0/0) rejects
             tried = alive & ~moved & _column(valid, child)  # [B]
-            accept = tried & (u[:, shape.uniform_offsets[d] + c] < ratio)  # [B]
-            p = torch.where((tried & ~accept)[:, None], residual_distribution(p, q), p)
+            u_c = u[:, shape.uniform_offsets[d] + c]  # [B]
+            if draft_probs is None:
+                accept, scale, mass = _test_one_hot(p, scale, mass, tok, tried, u_c)
+            else:
+                accept, p = _test_sampled(p, _row_of(draft_probs, child), tok, tried, u_c)
             chosen = torch.where(accept, child, chosen)
             moved = moved | accept
         safe = chosen.clamp(min=0)  # [B]
-        p = torch.where(moved[:, None], _row_of(target_probs, 1 + safe).to(torch.float64), p)
+        at_child = _row_of(target_probs, 1 + safe).to(torch.float64)  # [B, V]
+        p = torch.where(moved[:, None], at_child, p)
+        if draft_probs is None:
+            scale = torch.where(moved, 1.0, scale)
+            mass = torch.where(moved, at_child.sum(dim=1), mass)
         local = torch.where(moved, safe - shape.level_starts[d], local)
         path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
         path_nodes.append(chosen)
         alive = moved
     nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
     num_accepted = (nodes >= 0).sum(dim=1)  # [B]
-    final = sample_from_probs(p, u[:, -1])  # [B]
+    final = sample_from_probs(p, u[:, -1])  # [B] (p need not be normalised)
     packed = torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1)
     return packed, nodes
 

@@ -21,6 +21,11 @@ tokens; when a token leaves the window, the n-grams starting at it are decrement
 (The chapter's akunu keeps counts forever and only windows the history; this module windows the
 counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
 
+Tree speculation (issue #37): `top_continuations` ranks a context's distinct next tokens
+(n-gram: by count, then shorter contexts; prompt lookup: the followers of the matches of
+each suffix length) and `propose_tree` / `NgramProposer.propose_tree` fill a static
+`TreeShape` with them (`infer.speculative.tree.fill_tree`), absent where nothing matches.
+
 Rollback rule: proposing never touches a table; tables are extended only with tokens the request
 holds after verification, so rejected drafts never enter them. `NgramProposer` keeps one table
 per request and syncs it with `request.all_token_ids` before proposing.
@@ -35,8 +40,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, PromptLookupTable, is_strict_int
+from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, is_strict_int
+from infer.speculative.prompt_lookup import PromptLookupTable
 from infer.speculative.proposer import Draft
+from infer.speculative.tree import TreeDraft, TreeShape
 
 __all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]
 
@@ -114,6 +121,19 @@ class NgramProposer:
             n = request.num_tokens
             context = request.token_slice(max(0, n - self.config.max_order + 1), n)
             drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
+        return drafts
+
+    def propose_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[TreeDraft]:
+        """One deterministic tree over `shape` per request (probs None): each node's children
+        are the table's best distinct continuations of the request's tokens extended by the
+        node's path; nodes the table cannot fill are absent. Tables are synced, never given
+        draft tokens."""
+        drafts: list[TreeDraft] = []
+        for request in requests:
+            table = self._sync(request)
+            n = request.num_tokens
+            context = request.token_slice(max(0, n - self.config.max_order + 1), n)
+            drafts.append(table.propose_tree(context, shape))
         return drafts
 
     def prefilled(self, requests: Sequence[Request]) -> None:

@@ -1,15 +1,19 @@
 """N-gram draft tables, one per request, pure Python: `NgramTable` (frequency tables of
 orders min_order..max_order over a sliding window; longest matching context, most frequent
-continuation) and `PromptLookupTable` (longest earlier occurrence of the context's suffix;
-copy what followed), and `NgramConfig`. See `infer.speculative.ngram` for the definitions and the
-proposer.
+continuation), `NgramConfig`, the sliding `TokenWindow` and the `DraftTable` protocol.
+`PromptLookupTable` (longest earlier occurrence of the context's suffix; copy what followed)
+lives in `infer.speculative.prompt_lookup`. See `infer.speculative.ngram` for the definitions
+and the proposer.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
 
 METHODS = ("ngram", "prompt_lookup")
 
@@ -45,7 +49,7 @@ class NgramConfig:
             )
 
 
-class _Window:
+class TokenWindow:
     """The last `size` tokens, addressed by absolute position (0 = first token ever added)."""
 
     def __init__(self, size: int) -> None:
@@ -106,7 +110,7 @@ class NgramTable:
         NgramConfig("ngram", max_order, min_order, window)  # validates the arguments
         self.max_order, self.min_order = max_order, min_order
         self._max_ctx = max_order - 1
-        self._win = _Window(window)
+        self._win = TokenWindow(window)
         # (context length c, its table, its best continuations), longest context first
         self._levels: list[_Level] = [(c, {}, {}) for c in range(max_order - 1, min_order - 2, -1)]
         self._tail: tuple[int, ...] = ()  # the last (up to) max_order - 1 tokens
@@ -238,6 +242,27 @@ class NgramTable:
             context = (context + [token])[-(self.max_order - 1) :]
         return draft
 
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]:
+        """Up to n distinct next tokens for `context`, best first: the continuations of its
+        longest known suffix by count then recency (the first is `predict`'s), then those of
+        shorter suffixes not listed yet. The table is not modified."""
+        picked: list[int] = []
+        m = len(context)
+        for c, table, _ in self._levels:
+            conts = table.get(tuple(context[m - c:])) if m >= c and len(picked) < n else None
+            if conts is None:
+                continue
+            # n of them are enough: at most len(picked) are listed already
+            for token in heapq.nlargest(n, conts, key=conts.__getitem__):
+                if token not in picked and len(picked) < n:
+                    picked.append(token)
+        return picked
+
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft:
+        """A deterministic tree after `history` (`fill_tree`); the table is not modified. Its
+        first-child path is `propose(history, shape.depth)`."""
+        return fill_tree(self, history, shape)
+
     def continuations(self, context: Sequence[int]) -> dict[int, int]:
         """Next-token counts for exactly this context (empty if unseen or of unused length)."""
         for c, table, _ in self._levels:
@@ -256,70 +281,6 @@ class NgramTable:
         }
 
 
-class PromptLookupTable:
-    """Prompt lookup: copy what followed the most recent earlier occurrence of the longest suffix."""
-
-    def __init__(self, max_order: int = 4, min_order: int = 2, window: int = 512) -> None:
-        NgramConfig("prompt_lookup", max_order, min_order, window)  # validates the arguments
-        self.max_order, self.min_order = max_order, min_order
-        self._ctx_lens = range(max_order - 1, min_order - 2, -1)  # longest first
-        self._win = _Window(window)
-        # per length c: c-token sequence -> absolute position of the token that followed its
-        # most recent occurrence (an occurrence with no follower yet is not indexed)
-        self._index: dict[int, dict[tuple[int, ...], int]] = {c: {} for c in self._ctx_lens}
-
-    @property
-    def history(self) -> list[int]:
-        """The windowed tokens the index is built from (a copy)."""
-        return self._win.tokens()
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        """Add tokens the request really has and forget occurrences that leave the window."""
-        win = self._win
-        for token in tokens:
-            pos = win.end
-            win.append(token)
-            for c in self._ctx_lens:
-                if pos - c >= win.start:
-                    self._index[c][tuple(win.slice(pos - c, pos))] = pos
-            if len(win) > win.size:
-                self._evict_oldest()
-
-    def _evict_oldest(self) -> None:
-        """Forget occurrences that start at the oldest window position, then drop it."""
-        win = self._win
-        q = win.start
-        for c in self._ctx_lens:
-            key = tuple(win.slice(q, q + c))
-            if q + c < win.end and self._index[c].get(key) == q + c:
-                del self._index[c][key]  # only if no newer occurrence replaced it
-        win.drop_oldest()
-
-    def find(self, context: Sequence[int]) -> tuple[int, int] | None:
-        """(suffix length, absolute start of the copied continuation) of the best match, or None."""
-        n = len(context)
-        for c in self._ctx_lens:
-            if n >= c:
-                pos = self._index[c].get(tuple(context[n - c :]))
-                if pos is not None:
-                    return c, pos
-        return None
-
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens copied from the history; re-matches when a copy runs off its end."""
-        tail = list(history[-(self.max_order - 1) :])
-        draft: list[int] = []
-        while len(draft) < k:
-            match = self.find(tail)
-            if match is None:
-                break
-            start = match[1]
-            span = self._win.slice(start, min(start + k - len(draft), self._win.end))
-            draft.extend(span)  # non-empty: an indexed follower is inside the window
-            tail = (tail + span)[-(self.max_order - 1) :]
-        return draft
-
-
 class DraftTable(Protocol):
     """What NgramProposer needs of a per-request table (NgramTable, PromptLookupTable)."""
 
@@ -329,3 +290,7 @@ class DraftTable(Protocol):
     def extend(self, tokens: Iterable[int]) -> None: ...
 
     def propose(self, history: Sequence[int], k: int) -> list[int]: ...
+
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
+
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft: ...

@@ -1,0 +1,270 @@
+"""Static token trees for tree speculation (issue #37): the shape, its masks and positions,
+and a draft over it.
+
+Theory: K. Stratos, "Speculative Decoding" (lecture notes, /work/shared/seeds/003_*.txt),
+section 2.1 "SpecInfer": drafts packed into a prefix tree are scored by the target in ONE
+forward pass with "tree attention" (each tree token attends to the context and to its own
+ancestors only), then verified by iterative speculative sampling (section 2) or, for greedy
+decoding, by the argmax walk of Appendix A. The verifier is `infer.speculative.tree_verify`.
+
+A `TreeShape` is static: `branching[d]` is the number of children of EVERY node at depth d
+(the root, i.e. the pending token, is depth 0), so "3,2,1,1" is 3 candidates at depth 1, two
+children each at depth 2, then single-child chains: 3 + 6 + 6 + 6 = 21 nodes, depth 4.
+
+Node numbering is breadth-first, and within a depth by parent then child order. Every node's
+children are therefore consecutive indices. For "3,2,1,1": depth 1 = nodes 0, 1, 2; depth 2 =
+3, 4 (children of 0), 5, 6 (of 1), 7, 8 (of 2); depth 3 = 9..14 (node 9 is the child of 3, ...);
+depth 4 = 15..20.
+
+The verification forward ("the block") is [g, node_0, ..., node_{N-1}], N + 1 tokens, where g
+is the pending token (the last token of the request, whose KV is not yet written) and n is
+g's position (n tokens before it are in the KV cache):
+  * positions: g at n, a node of depth d at n + d (`position_offsets`: [0, depths...]);
+  * attention (`tree_attention_mask`, [N+1, N+1] over the block; every block row also sees
+    the whole cached context): g sees itself; node i sees g, its ancestors and itself;
+  * outputs: block row 0 is the target's distribution after the context and g (over the
+    depth-1 candidates), block row 1 + i the distribution after node i (over node i's
+    children, or the bonus token when node i is a leaf). This is `target_probs` of the
+    verifier;
+  * KV: block row 1 + i holds node i's keys and values. After verification the accepted
+    path (node indices, depth order) must end up at positions n + 1 .. n + L.
+A chain of k drafts is the tree "1,1,...,1" (`chain_shape`): its block is exactly the chain
+verification forward [g, d_1, ..., d_k] with causal attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+MAX_TREE_DEPTH = 16
+MAX_TREE_NODES = 128
+
+_EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """A static speculation tree: `branching[d]` children for every node at depth d.
+
+    Construct with `TreeShape((3, 2, 1, 1))` or `TreeShape.parse("3,2,1,1")`. Validated on
+    construction; the derived fields (plain tuples, computed once) index nodes breadth-first.
+    Equality and hashing use `branching` only.
+    """
+
+    branching: tuple[int, ...]
+    parents: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [N]; -1 = root's child
+    depths: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [N], 1-based
+    children: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)  # [N] lists
+    root_children: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    paths: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    # paths[i]: the nodes from depth 1 down to node i (its ancestors then i itself)
+    level_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # [depth + 1]: level_starts[d] is the first node of depth d + 1; level_starts[depth] = N
+    uniform_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    # [depth]: the verifier's uniform for the c-th child tried at depth d + 1 is column
+    # uniform_offsets[d] + c (see `num_uniforms`)
+
+    def __post_init__(self) -> None:
+        branching = self._validated(self.branching)
+        object.__setattr__(self, "branching", branching)
+        parents: list[int] = []
+        depths: list[int] = []
+        starts = [0]
+        previous = [-1]  # the nodes of the level above (the root first)
+        for d, b in enumerate(branching, start=1):
+            level = []
+            for parent in previous:
+                for _ in range(b):
+                    level.append(len(parents))
+                    parents.append(parent)
+                    depths.append(d)
+            starts.append(len(parents))
+            previous = level
+        n = len(parents)
+        children: list[list[int]] = [[] for _ in range(n)]
+        for node, parent in enumerate(parents):
+            if parent >= 0:
+                children[parent].append(node)
+        paths: list[tuple[int, ...]] = []
+        for node, parent in enumerate(parents):
+            paths.append((*paths[parent], node) if parent >= 0 else (node,))
+        offsets = [sum(branching[:d]) for d in range(len(branching))]
+        object.__setattr__(self, "parents", tuple(parents))
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(tuple(c) for c in children))
+        object.__setattr__(self, "root_children", tuple(range(branching[0])))
+        object.__setattr__(self, "paths", tuple(paths))
+        object.__setattr__(self, "level_starts", tuple(starts))
+        object.__setattr__(self, "uniform_offsets", tuple(offsets))
+
+    @staticmethod
+    def _validated(branching: object) -> tuple[int, ...]:
+        if not isinstance(branching, (tuple, list)):
+            raise ValueError(f"tree shape must be a sequence of child counts per depth, like {_EXAMPLE}, "
+                             f"got {branching!r}")
+        if not 1 <= len(branching) <= MAX_TREE_DEPTH:
+            raise ValueError(f"tree shape must have 1 to {MAX_TREE_DEPTH} levels (its depth), got "
+                             f"{len(branching)}: give one child count per depth, like {_EXAMPLE}")
+        nodes, width = 0, 1
+        for d, b in enumerate(branching, start=1):
+            if not _is_int(b) or b < 1:
+                raise ValueError(f"tree shape entries are children per node and must be integers >= 1, "
+                                 f"got {b!r} at depth {d} in {tuple(branching)!r}")
+            width *= b
+            nodes += width
+            if nodes > MAX_TREE_NODES:
+                raise ValueError(f"tree shape {tuple(branching)!r} has more than {MAX_TREE_NODES} nodes "
+                                 f"(already {nodes} at depth {d}): use fewer children per node or fewer levels")
+        return tuple(branching)
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """A shape from comma-separated child counts, e.g. "3,2,1,1" (spaces are ignored)."""
+        if not isinstance(text, str):
+            raise ValueError(f"tree shape text must be a string like {_EXAMPLE}, got {text!r}")
+        parts = [part.strip() for part in text.split(",")]
+        if not all(part.isascii() and part.isdigit() for part in parts):
+            raise ValueError(f"tree shape must be comma-separated integers >= 1, like {_EXAMPLE}, got {text!r}")
+        return cls(tuple(int(part) for part in parts))
+
+    @property
+    def num_nodes(self) -> int:
+        """N: the tree's nodes (the root, i.e. the pending token, not counted)."""
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        """The number of levels: the most draft tokens one verification can accept."""
+        return len(self.branching)
+
+    @property
+    def num_uniforms(self) -> int:
+        """U = sum(branching) + 1: uniforms one row needs, worst case.
+
+        A row tries at most branching[d] children at depth d + 1 (the children of the one
+        node it stands on), each with its own uniform, then draws the final token with the
+        last column (U - 1). Columns are fixed per (depth, child index), so the tokens of a
+        seeded row never depend on its batch or on how far other rows get."""
+        return sum(self.branching) + 1
+
+    def __str__(self) -> str:
+        return ",".join(str(b) for b in self.branching)
+
+
+def chain_shape(k: int) -> TreeShape:
+    """The chain of k drafts as a tree: "1,1,...,1" (k >= 1)."""
+    if not _is_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
+        raise ValueError(f"a chain needs an integer length in [1, {MAX_TREE_DEPTH}], got {k!r}")
+    return TreeShape((1,) * k)
+
+
+def ancestor_mask(shape: TreeShape, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [N, N]: entry (i, j) is True iff node j is node i or one of its ancestors."""
+    n = shape.num_nodes
+    rows = [[False] * n for _ in range(n)]
+    for i, path in enumerate(shape.paths):
+        for j in path:
+            rows[i][j] = True
+    return torch.tensor(rows, dtype=torch.bool, device=device)
+
+
+def tree_attention_mask(shape: TreeShape, device: torch.device | str | None = None) -> torch.Tensor:
+    """bool [N+1, N+1] over the block [g, nodes]: g sees itself; node i sees g, its ancestors
+    and itself. (Every block row also sees the whole cached context; that part is not here.)"""
+    n = shape.num_nodes
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
+    mask[:, 0] = True
+    mask[1:, 1:] = ancestor_mask(shape, device)
+    return mask
+
+
+def position_offsets(shape: TreeShape, device: torch.device | str | None = None) -> torch.Tensor:
+    """long [N+1]: block row r sits at position n + offsets[r] (g at n, a depth-d node at n + d)."""
+    return torch.tensor((0, *shape.depths), dtype=torch.long, device=device)
+
+
+@dataclass(frozen=True, slots=True)
+class TreeDraft:
+    """One request's proposal over a `TreeShape`: a token per node, or absent.
+
+    Absent nodes (valid False, token 0) were not proposed: the verifier never accepts them and
+    they leave its distributions untouched. A present node's parent is present. `probs` is the
+    draft distribution each node was sampled from ([N, V], siblings share their parent's q),
+    or None for deterministic proposals (n-gram tables: one-hot q at the node's token)."""
+
+    shape: TreeShape
+    token_ids: tuple[int, ...]  # [N]
+    valid: tuple[bool, ...]  # [N]
+    probs: torch.Tensor | None = field(default=None, compare=False)  # [N, V] or None
+
+    def __post_init__(self) -> None:
+        n = self.shape.num_nodes
+        if len(self.token_ids) != n or len(self.valid) != n:
+            raise ValueError(f"a draft over tree {self.shape} needs {n} token ids and {n} validity flags, "
+                             f"got {len(self.token_ids)} and {len(self.valid)}")
+        for node, (token, ok, parent) in enumerate(zip(self.token_ids, self.valid, self.shape.parents)):
+            if not isinstance(ok, bool):
+                raise ValueError(f"valid must hold True/False, got {ok!r} at node {node}")
+            if not _is_int(token) or token < 0 or (not ok and token != 0):
+                raise ValueError(f"node {node}: token ids must be integers >= 0, and 0 at absent nodes; "
+                                 f"got {token!r} (present: {ok})")
+            if ok and parent >= 0 and not self.valid[parent]:
+                raise ValueError(f"node {node} is present but its parent {parent} is absent")
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != n):
+            raise ValueError(f"probs must be None or [{n}, vocab], got shape {tuple(self.probs.shape)}")
+
+    @property
+    def num_proposed(self) -> int:
+        """How many nodes are present."""
+        return sum(self.valid)
+
+    @classmethod
+    def empty(cls, shape: TreeShape) -> TreeDraft:
+        """No proposal at all: every node absent (verification is then a plain decode step)."""
+        n = shape.num_nodes
+        return cls(shape, (0,) * n, (False,) * n)
+
+
+def stack_drafts(drafts: Sequence[TreeDraft], device: torch.device | str | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic drafts of one shape as verifier inputs: (node_tokens [B, N] long,
+    node_valid [B, N] bool)."""
+    if not drafts:
+        raise ValueError("stack_drafts needs at least one draft (the tree shape comes from them)")
+    if any(d.shape != drafts[0].shape for d in drafts):
+        raise ValueError(f"drafts must share one tree shape, got {sorted({str(d.shape) for d in drafts})}")
+    tokens = torch.tensor([d.token_ids for d in drafts], dtype=torch.long, device=device)
+    valid = torch.tensor([d.valid for d in drafts], dtype=torch.bool, device=device)
+    return tokens, valid
+
+
+class BranchSource(Protocol):
+    """Anything that ranks distinct next tokens for a context (the n-gram tables)."""
+
+    def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
+
+
+def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) -> TreeDraft:
+    """A deterministic draft over `shape`: each node's children are the source's best distinct
+    next tokens for the node's context (`context` extended by the node's path: its ancestors
+    and itself), up to the node's child count, in rank order; children the source cannot fill,
+    and every descendant of an absent node, are absent. Only `top_continuations` is called."""
+    n = shape.num_nodes
+    tokens, valid = [0] * n, [False] * n
+    base = list(context)
+    for node in (-1, *range(n)):  # breadth-first: a parent is filled before its children
+        if node >= 0 and not (valid[node] and shape.children[node]):
+            continue
+        kids = shape.children[node] if node >= 0 else shape.root_children
+        path = [tokens[j] for j in shape.paths[node]] if node >= 0 else []
+        for kid, token in zip(kids, source.top_continuations(base + path, len(kids))):
+            tokens[kid], valid[kid] = token, True
+    return TreeDraft(shape, tuple(tokens), tuple(valid))

@@ -1,0 +1,227 @@
+"""Lossless verification of a token tree: iterative speculative sampling down the tree.
+
+Theory: K. Stratos, "Speculative Decoding" (lecture notes, /work/shared/seeds/003_*.txt),
+section 2 "Iterative Speculative Sampling" (the rule below and why it samples exactly p),
+section 2.1 "SpecInfer" (applied node by node down a prefix tree) and Appendix A (greedy tree
+verification: the argmax walk). The chain verifier this mirrors is
+`infer.speculative.rejection` (Leviathan et al. 2023, Algorithm 1); a chain is the tree
+"1,1,...,1" and gives the same tokens from the same uniforms.
+
+The rule, per row, starting at the root (the pending token g) with p = target_probs[:, 0]:
+  for the current node's children in index order (absent children are skipped: never
+  accepted, p unchanged):
+    accept child x with probability min(1, p(x) / q_x(x)), q_x = that child's draft
+    distribution (draft_probs[:, x]; None = deterministic proposals, q_x one-hot at x's
+    token); on rejection p <- norm(max(p - q_x, 0)) (p itself where that mass is ~0, as in
+    `rejection.residual_distribution`); on acceptance move to x with p = target_probs[:, 1 + x]
+    and try x's children.
+  If every child is rejected (or there are none present) the final token is drawn from the
+  last residual p; if a leaf is accepted it is the bonus token, drawn from p at the leaf.
+Children drawn i.i.d. from one q (siblings carry the same q) and deterministic children (one
+q_x per child, duplicates allowed) are both exact: after a rejected x, the residual gives x
+mass 0, so a duplicate of x is rejected and changes nothing. Greedy rows (one-hot p) follow
+the first child equal to the target's argmax and emit the argmax: no special case.
+
+Uniforms: a row takes a fixed [U] vector, U = shape.num_uniforms = sum(branching) + 1:
+column shape.uniform_offsets[d] + c tests the c-th child at depth d + 1, column U - 1 draws
+the final token. Tokens of a seeded row therefore depend only on its own uniforms.
+
+Everything is pure tensor code on the tensors' device, float64 arithmetic, with no host sync
+and no data-dependent Python branching; the Python loops run over the static shape only, so
+a CUDA graph can capture it. Shapes are checked (host-side metadata, no sync); token values
+are not.
+
+Output rows ("packed", [B, depth + 2] long): the accepted path's tokens in depth order (0
+after the last accepted), the number accepted L (0..depth), the final (recovered or bonus)
+token; `rejection.unpack_rows` turns them into a `VerifyResult`. The node indices of the
+accepted path come as [B, depth] long, -1 after the L-th (block row = 1 + node index).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.sampling import sample_from_probs, temperature_probs
+from infer.speculative.rejection import MIN_RESIDUAL_MASS, residual_distribution
+from infer.speculative.tree import TreeShape
+
+
+def _check_inputs(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                  target_probs: torch.Tensor, uniforms: torch.Tensor, node_valid: torch.Tensor | None) -> None:
+    n = shape.num_nodes
+    if node_tokens.dim() != 2 or node_tokens.shape[1] != n:
+        raise ValueError(f"node_tokens must be [batch, {n}] for tree {shape}, got shape {tuple(node_tokens.shape)}")
+    b = node_tokens.shape[0]
+    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (b, n + 1):
+        raise ValueError(f"target_probs must be [{b}, {n + 1}, vocab] (g then the {n} nodes), "
+                         f"got shape {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[2]
+    if draft_probs is not None and tuple(draft_probs.shape) != (b, n, vocab):
+        raise ValueError(f"draft_probs must be None or [{b}, {n}, {vocab}], got shape {tuple(draft_probs.shape)}")
+    if tuple(uniforms.shape) != (b, shape.num_uniforms):
+        raise ValueError(f"uniforms must be [{b}, {shape.num_uniforms}] (sum of the branching + 1 for tree "
+                         f"{shape}), got shape {tuple(uniforms.shape)}")
+    if node_valid is not None and tuple(node_valid.shape) != (b, n):
+        raise ValueError(f"node_valid must be None or [{b}, {n}], got shape {tuple(node_valid.shape)}")
+
+
+def _column(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [B, M] at one column per row: index [B] -> [B]."""
+    return t.gather(1, index[:, None]).squeeze(1)
+
+
+def _row_of(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t [B, M, V] at one slot per row: index [B] -> [B, V]."""
+    return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[2])).squeeze(1)
+
+
+def _test_sampled(p: torch.Tensor, q: torch.Tensor, tok: torch.Tensor, tried: torch.Tensor,
+                  u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One child drawn from q: p, q [B, V], tok [B], tried [B] bool, u [B] -> (accepted [B],
+    the next p [B, V]: the residual norm(max(p - q, 0)) on rows that rejected it)."""
+    ratio = _column(p, tok) / _column(q, tok).to(torch.float64)  # [B]; NaN (0/0) rejects
+    accept = tried & (u < ratio)
+    return accept, torch.where((tried & ~accept)[:, None], residual_distribution(p, q), p)
+
+
+def _test_one_hot(p: torch.Tensor, scale: torch.Tensor, mass: torch.Tensor, tok: torch.Tensor,
+                  tried: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One deterministic child (q one-hot at tok) in O(B): the distribution is p * scale (p
+    [B, V] float64, owned and unnormalised; scale, mass [B]: sum(p) * scale = mass), accepted
+    with probability p(tok); on a rejection p loses tok in place and scale renormalises, which
+    is `residual_distribution` against a one-hot q, fallback included. -> (accepted, scale, mass)."""
+    p_tok = _column(p, tok)  # [B]
+    accept = tried & (u < p_tok * scale)
+    reject = tried & ~accept
+    rest = mass - p_tok * scale  # [B]: the residual's mass
+    drop = reject & (rest > MIN_RESIDUAL_MASS)  # (else the fallback: p itself, renormalised)
+    p.scatter_(1, tok[:, None], torch.where(drop, 0.0, p_tok)[:, None])
+    scale = torch.where(drop, scale / rest, torch.where(reject, scale / mass, scale))
+    return accept, scale, torch.where(reject, 1.0, mass)
+
+
+def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                      target_probs: torch.Tensor, uniforms: torch.Tensor,
+                      node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify B trees of one shape by iterative speculative sampling (module docstring).
+
+    node_tokens [B, N] long (any value at absent nodes), draft_probs [B, N, V] or None
+    (deterministic proposals), target_probs [B, N+1, V] (row 0 after g, row 1 + i after node
+    i), uniforms [B, U] in [0, 1), U = shape.num_uniforms, node_valid [B, N] bool or None (all
+    present) -> (packed [B, depth + 2] long, accepted nodes [B, depth] long, -1 padded).
+    Deterministic proposals cost O(B) per tried child (no [B, V] pass); sampled ones O(B * V).
+    """
+    _check_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
+    device = target_probs.device
+    b = node_tokens.shape[0]
+    valid = (torch.ones_like(node_tokens, dtype=torch.bool) if node_valid is None
+             else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
+    tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]
+    u = uniforms.to(device=device, dtype=torch.float64)  # [B, U]
+    p = target_probs[:, 0].to(torch.float64, copy=True)  # [B, V]: the current (residual) distribution
+    scale = torch.ones(b, dtype=torch.float64, device=device)  # [B]: one-hot path, p * scale
+    mass = p.sum(dim=1)  # [B]: one-hot path, sum(p) * scale
+    local = torch.zeros(b, dtype=torch.long, device=device)  # [B]: current node's index in its level
+    alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]: accepted every level so far
+    path_tokens: list[torch.Tensor] = []
+    path_nodes: list[torch.Tensor] = []
+    for d, width in enumerate(shape.branching):  # children at depth d + 1
+        first = shape.level_starts[d] + local * width  # [B]
+        moved = torch.zeros_like(alive)  # [B]
+        chosen = torch.full_like(local, -1)  # [B]
+        for c in range(width):
+            child = first + c  # [B]
+            tok = _column(tokens, child)  # [B]
+            tried = alive & ~moved & _column(valid, child)  # [B]
+            u_c = u[:, shape.uniform_offsets[d] + c]  # [B]
+            if draft_probs is None:
+                accept, scale, mass = _test_one_hot(p, scale, mass, tok, tried, u_c)
+            else:
+                accept, p = _test_sampled(p, _row_of(draft_probs, child), tok, tried, u_c)
+            chosen = torch.where(accept, child, chosen)
+            moved = moved | accept
+        safe = chosen.clamp(min=0)  # [B]
+        at_child = _row_of(target_probs, 1 + safe).to(torch.float64)  # [B, V]
+        p = torch.where(moved[:, None], at_child, p)
+        if draft_probs is None:
+            scale = torch.where(moved, 1.0, scale)
+            mass = torch.where(moved, at_child.sum(dim=1), mass)
+        local = torch.where(moved, safe - shape.level_starts[d], local)
+        path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
+        path_nodes.append(chosen)
+        alive = moved
+    nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
+    num_accepted = (nodes >= 0).sum(dim=1)  # [B]
+    final = sample_from_probs(p, u[:, -1])  # [B] (p need not be normalised)
+    packed = torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1)
+    return packed, nodes
+
+
+def verify_tree(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                target_probs: torch.Tensor, uniforms: torch.Tensor,
+                node_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """`verify_tree_nodes` without the node indices: packed [B, depth + 2] long."""
+    return verify_tree_nodes(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)[0]
+
+
+def verify_tree_logits(shape: TreeShape, target_logits: torch.Tensor, temperatures: torch.Tensor,
+                       greedy: torch.Tensor, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                       uniforms: torch.Tensor, node_valid: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_tree_nodes` from raw target logits, for rows whose only sampling transform is a
+    temperature (or greedy), like `rejection.verify_logits`: target_logits [B, N+1, V],
+    temperatures [B] float32 (1.0 for greedy rows), greedy [B] bool, node_tokens [B, N] long,
+    draft_probs [B, N, V] or None, uniforms [B, U] float64, node_valid [B, N] bool or None
+    -> (packed [B, depth + 2] long, nodes [B, depth] long). Greedy rows get one-hot targets;
+    all-greedy batches may pass zeros as uniforms."""
+    b, w, vocab = target_logits.shape
+    per_slot = (temperatures[:, None].expand(b, w).reshape(-1),  # [B * (N+1)]
+                greedy[:, None].expand(b, w).reshape(-1))
+    probs = temperature_probs(target_logits.reshape(b * w, vocab), *per_slot).view(b, w, vocab)  # [B, N+1, V]
+    return verify_tree_nodes(shape, node_tokens, draft_probs, probs, uniforms, node_valid)
+
+
+def verify_tree_greedy(shape: TreeShape, target_scores: torch.Tensor, node_tokens: torch.Tensor,
+                       node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax walk (Appendix A) for all-greedy batches, no sampling: from the root, move
+    to the first present child whose token is the target's argmax at the current node, then
+    emit the argmax where the walk stops. target_scores [B, N+1, V] (logits or probs),
+    node_tokens [B, N] long, node_valid [B, N] bool or None -> (packed [B, depth + 2] long,
+    nodes [B, depth] long): the same rows as `verify_tree_logits` with every row greedy."""
+    b, n = node_tokens.shape
+    if target_scores.dim() != 3 or tuple(target_scores.shape[:2]) != (b, n + 1) or n != shape.num_nodes:
+        raise ValueError(f"node_tokens must be [batch, {shape.num_nodes}] and target_scores [batch, "
+                         f"{shape.num_nodes + 1}, vocab] for tree {shape}, got {tuple(node_tokens.shape)} "
+                         f"and {tuple(target_scores.shape)}")
+    if node_valid is not None and tuple(node_valid.shape) != (b, n):
+        raise ValueError(f"node_valid must be None or [{b}, {n}], got shape {tuple(node_valid.shape)}")
+    device = target_scores.device
+    argmax = target_scores.argmax(dim=-1)  # [B, N+1]
+    valid = (torch.ones(b, n, dtype=torch.bool, device=device) if node_valid is None
+             else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
+    tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]
+    slot = torch.zeros(b, dtype=torch.long, device=device)  # [B]: block row of the current node
+    local = torch.zeros_like(slot)  # [B]
+    alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]
+    path_tokens: list[torch.Tensor] = []
+    path_nodes: list[torch.Tensor] = []
+    for d, width in enumerate(shape.branching):
+        want = _column(argmax, slot)  # [B]
+        first = shape.level_starts[d] + local * width  # [B]
+        chosen = torch.full_like(slot, -1)  # [B]
+        for c in range(width):
+            child = first + c  # [B]
+            match = alive & (chosen < 0) & _column(valid, child) & (_column(tokens, child) == want)
+            chosen = torch.where(match, child, chosen)
+        moved = chosen >= 0  # [B]
+        safe = chosen.clamp(min=0)  # [B]
+        slot = torch.where(moved, 1 + safe, slot)
+        local = torch.where(moved, safe - shape.level_starts[d], local)
+        path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
+        path_nodes.append(chosen)
+        alive = moved
+    nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
+    num_accepted = (nodes >= 0).sum(dim=1)  # [B]
+    final = _column(argmax, slot)  # [B]
+    packed = torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1)
+    return packed, nodes

@@ -15,7 +15,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.models.llama import LlamaForCausalLM
-from infer.models.gguf.reader import is_gguf_path
+from infer.models.gguf.path import is_gguf_path
 from infer.models.loader import load_model, resolve_model_path
 from infer.tokenization import Tokenizer
 

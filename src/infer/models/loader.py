@@ -41,9 +41,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig, RopeScaling
-from infer.models.gguf.config import config_from_gguf
-from infer.models.gguf.reader import GGUFFile, is_gguf_path
-from infer.models.gguf.weights import check_tensors, iter_hf_tensors
+from infer.models.gguf.path import is_gguf_path
 from infer.models.layers import RMSNorm, Rotary
 from infer.models.linear import QUANTIZATIONS, Fp8Linear
 from infer.models.llama import LlamaForCausalLM
@@ -175,6 +173,9 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_
         raise ValueError(f"{str(path)!r} is a GGUF file, not safetensors: use load_format='auto'")
     if device.type == "meta" and load_format != "dummy":
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    from infer.models.gguf.config import config_from_gguf  # (the gguf library: for GGUF files only)
+    from infer.models.gguf.reader import GGUFFile
+    from infer.models.gguf.weights import check_tensors, iter_hf_tensors
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf)
     check_tensors(gguf)  # before any memory is taken for the model

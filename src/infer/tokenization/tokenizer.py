@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, overload
 
-from infer.models.gguf.reader import is_gguf_path
+from infer.models.gguf.path import is_gguf_path
 from infer.tokenization.backends import (
     HFTokenizersBackend,
     TiktokenBackend,

@@ -4,9 +4,6 @@
 metadata; `config.py` turns that metadata into a `ModelConfig`; `weights.py` dequantizes
 the tensors with the `gguf` library and yields them under Hugging Face names for
 `LlamaForCausalLM.load_hf_weights`. The tokenizer a file describes is built in
-`infer.tokenization.gguf`.
+`infer.tokenization.gguf`. `path.py` tells a GGUF file by its name or magic without
+importing the `gguf` library.
 """
-
-from infer.models.gguf.reader import GGUF_SUFFIX, GGUFFile, is_gguf_path
-
-__all__ = ["GGUF_SUFFIX", "GGUFFile", "is_gguf_path"]

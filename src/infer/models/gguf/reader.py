@@ -17,20 +17,11 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-GGUF_SUFFIX = ".gguf"
-GGUF_MAGIC = b"GGUF"
+from infer.models.gguf.path import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_path
+
+__all__ = ["GGUF_MAGIC", "GGUF_SUFFIX", "GGUFFile", "GGUFTensor", "is_gguf_path"]
+
 LLAMA_ARCHITECTURE = "llama"
-
-
-def is_gguf_path(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a file to load as GGUF: named *.gguf, or starting with the magic."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        return False
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return True
-    with open(path, "rb") as f:
-        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,7 @@ def _to_output(request: Request, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(
         index=0, text=request.output_text, token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
+        logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
         acceptance_rate=request.mean_acceptance_rate(), mean_accepted_length=request.mean_accepted_length())
     metrics: dict[str, float] = {}
     if request.first_token_time is not None:

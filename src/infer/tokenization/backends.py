@@ -56,7 +56,7 @@ class TokenizerBackend(Protocol):
     name: str
     vocab_size: int  # full id space, special tokens included
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -64,12 +64,20 @@ class TokenizerBackend(Protocol):
 
 
 class HFTokenizersBackend:
-    """A `tokenizers.Tokenizer` loaded from tokenizer.json; special strings in text are parsed."""
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json.
+
+    Special-token strings in text become their ids, or plain text with `parse_special=False`
+    (through a second copy of the tokenizer with `encode_special_tokens` set, so the two
+    modes never race between threads). Encoding goes through `encode_batch_fast`, which
+    releases the GIL (plain `encode` holds it: seconds for a few MB of text).
+    """
 
     name = "tokenizers"
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tok = tokenizer
+        self._plain = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
@@ -83,8 +91,9 @@ class HFTokenizersBackend:
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise ValueError(f"could not load {path} with the tokenizers library: {exc}") from exc
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
+        tok = self._tok if parse_special else self._plain
+        return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -121,10 +130,11 @@ class TiktokenBackend:
     def from_file(cls, path: Path) -> TiktokenBackend:
         return cls(load_tiktoken_ranks(path), encoding_name=path.name)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
+        allowed: str | set[str] = "all" if parse_special else set()
         for piece in split_for_tiktoken(text, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN):
-            ids.extend(self._encoding.encode(piece, allowed_special="all", disallowed_special=()))
+            ids.extend(self._encoding.encode(piece, allowed_special=allowed, disallowed_special=()))
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:

@@ -19,9 +19,9 @@ from typing import TypeVar
 from infer.engine.engine import Engine
 from infer.sampling import SamplingParams, derive_seed
 from infer.server.config import ServerConfig
-from infer.server.errors import bad_request
+from infer.server.errors import APIError, bad_request
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from infer.tokenization import Tokenizer
+from infer.tokenization import Tokenizer, TokenLimitExceeded
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 R = TypeVar("R")
@@ -75,7 +75,11 @@ class Preparer:
                 raise bad_request("prompt is empty: give at least one character or token id", "prompt",
                                   "empty_prompt")
             text = prompt
-            ids = self._tokenizer("prompt").encode(prompt, parse_special=self.config.allow_special_tokens)
+            try:  # a prompt over the context is refused before its whole id list is built
+                ids = self._tokenizer("prompt").encode(prompt, parse_special=self.config.allow_special_tokens,
+                                                       limit=self.max_seq_len)
+            except TokenLimitExceeded as exc:
+                raise _too_long("prompt", exc.count, self.max_seq_len) from exc
         else:
             ids = [int(t) for t in prompt]  # (integral floats are allowed)
         self._check_prompt(ids, max_tokens, "prompt")
@@ -115,8 +119,7 @@ class Preparer:
             raise bad_request(f"{param} is empty: give at least one token", param, "empty_prompt")
         limit = self.max_seq_len
         if len(ids) >= limit:
-            raise bad_request(f"{param} has {len(ids)} tokens; this model's context length is {limit}, "
-                              "which leaves no room to generate: shorten it", param, "context_length_exceeded")
+            raise _too_long(param, len(ids), limit)
         if len(ids) + max_tokens > limit:
             raise bad_request(f"{param} ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
                               f"exceeds the context length {limit}: lower max_tokens or shorten the prompt",
@@ -130,6 +133,11 @@ class Preparer:
     @staticmethod
     def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
         return [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i)) for i in range(req.n)]
+
+
+def _too_long(param: str, count: int, limit: int) -> APIError:
+    return bad_request(f"{param} has {count} tokens; this model's context length is {limit}, which leaves no "
+                       "room to generate: shorten it", param, "context_length_exceeded")
 
 
 def _check_supported(body: SamplingFields) -> None:

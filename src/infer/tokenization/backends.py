@@ -50,13 +50,22 @@ TIKTOKEN_MAX_RUN = 25_000
 _RUNS = re.compile(r"\s+|\S+")
 
 
+class TokenLimitExceeded(ValueError):
+    """Raised by `encode(..., limit=N)` for a text of more than N tokens (`count` of them)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"the text has {count} tokens, more than the limit of {limit}")
+        self.count = count
+
+
 class TokenizerBackend(Protocol):
     """The raw tokenization surface both backends provide."""
 
     name: str
     vocab_size: int  # full id space, special tokens included
 
-    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -91,9 +100,13 @@ class HFTokenizersBackend:
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise ValueError(f"could not load {path} with the tokenizers library: {exc}") from exc
 
-    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
         tok = self._tok if parse_special else self._plain
-        return tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        encoding = tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:  # checked before the id list is built
+            raise TokenLimitExceeded(len(encoding), limit)
+        return encoding.ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -130,11 +143,14 @@ class TiktokenBackend:
     def from_file(cls, path: Path) -> TiktokenBackend:
         return cls(load_tiktoken_ranks(path), encoding_name=path.name)
 
-    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
         allowed: str | set[str] = "all" if parse_special else set()
         for piece in split_for_tiktoken(text, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN):
             ids.extend(self._encoding.encode(piece, allowed_special=allowed, disallowed_special=()))
+        if limit is not None and len(ids) > limit:
+            raise TokenLimitExceeded(len(ids), limit)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:

@@ -19,13 +19,14 @@ from infer.tokenization.backends import (
     HFTokenizersBackend,
     TiktokenBackend,
     TokenizerBackend,
+    TokenLimitExceeded,
 )
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
 from infer.tokenization.special import encode_rendered, escape_messages, special_pattern
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]
 
 LLAMA3_DEFAULT_EOS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -101,21 +102,24 @@ class Tokenizer:
 
     # --------------------------------------------------------------- encoding
 
-    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
         """Token ids of `text`; special-token strings in it become their ids, or are encoded
         as the plain text they spell with `parse_special=False` (untrusted text).
 
         With `add_special_tokens`, BOS (and EOS) are added as the tokenizer is configured:
         the tokenizer.json post-processor, or `add_bos_token`/`add_eos_token` when
         tokenizer_config.json sets them, or BOS for a Llama 3 tiktoken file. Both backends
-        release the GIL while they encode.
+        release the GIL while they encode. With `limit`, a text of more than `limit` tokens
+        raises `TokenLimitExceeded` (its `count`) without building the whole id list.
         """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         explicit = self._add_bos_token is not None or self._add_eos_token is not None
         if not add_special_tokens or not explicit:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens, parse_special=parse_special)
-        ids = self._backend.encode(text, add_special_tokens=False, parse_special=parse_special)
+            return self._backend.encode(text, add_special_tokens=add_special_tokens, parse_special=parse_special,
+                                        limit=limit)
+        ids = self._backend.encode(text, add_special_tokens=False, parse_special=parse_special, limit=limit)
         if self._add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if self._add_eos_token and self.eos_token_id is not None:

@@ -72,3 +72,30 @@ def test_derived_seeds_are_distinct_and_keep_the_first() -> None:
     assert derive_seed(7, 0) == 7
     seeds = {derive_seed(7, i) for i in range(1, 100)} | {derive_seed(8, i) for i in range(1, 100)}
     assert len(seeds) == 198 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_formatter_shows_partial_utf8_tokens_as_bytes() -> None:
+    from infer.engine.loading import DEMO_TARGET
+    from infer.logprobs import TokenLogprobs
+    from infer.server.logprob_format import LogprobFormatter
+    from infer.tokenization import Tokenizer
+
+    tok = Tokenizer.from_pretrained(DEMO_TARGET)
+    fmt = LogprobFormatter(tok)
+    euro = tok.encode("€", add_special_tokens=False)  # 3 UTF-8 bytes
+    partial = [t for t in euro if (b := tok.token_bytes(t)) is not None and not _utf8(b)]
+    assert partial, "the demo vocabulary should split '€' into byte tokens"
+    assert fmt.token(partial[0]).startswith("bytes:\\x")
+    assert b"".join(bytes(fmt.token_bytes(t)) for t in euro) == "€".encode()
+    hello = tok.encode(" hello", add_special_tokens=False)
+    assert "".join(fmt.token(t) for t in hello) == " hello"
+    out = fmt.completion([TokenLogprobs(hello[0], float("-inf"), ((hello[0], float("-inf")),))], 4, True)
+    assert out.token_logprobs == [-9999.0] and out.text_offset == [4]
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False

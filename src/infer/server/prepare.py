@@ -100,6 +100,11 @@ class Preparer:
                                         parse_special=self.config.allow_special_tokens)
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", "messages", "invalid_messages") from exc
+        for name, given in (("max_tokens", body.max_tokens), ("max_completion_tokens", body.max_completion_tokens)):
+            if given is not None and len(ids) + given > self.max_seq_len:
+                raise bad_request(f"messages ({len(ids)} tokens) + {name} ({given}) exceeds the context length "
+                                  f"{self.max_seq_len}: lower {name} or shorten the messages", name,
+                                  "context_length_exceeded")
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = explicit if explicit is not None else max(1, self.max_seq_len - len(ids))
         self._check_prompt(ids, max_tokens, "messages")
@@ -148,15 +153,15 @@ def _check_supported(body: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
-    def value(name: str, default: float) -> float:
-        got = getattr(req, name)
+    def value(got: float | None, default: float) -> float:
         return default if got is None else got
 
     try:
         return SamplingParams(
-            temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=int(value("top_k", -1)),
-            repetition_penalty=value("repetition_penalty", 1.0), presence_penalty=value("presence_penalty", 0.0),
-            frequency_penalty=value("frequency_penalty", 0.0), max_tokens=max_tokens, stop=req.stop,
+            temperature=value(req.temperature, 1.0), top_p=value(req.top_p, 1.0), top_k=int(value(req.top_k, -1)),
+            repetition_penalty=value(req.repetition_penalty, 1.0),
+            presence_penalty=value(req.presence_penalty, 0.0), frequency_penalty=value(req.frequency_penalty, 0.0),
+            max_tokens=max_tokens, stop=req.stop,
             stop_token_ids=tuple(int(t) for t in req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
             seed=seed, logprobs=logprobs)
     except ValueError as exc:

@@ -45,13 +45,19 @@ def _integral(value: Any) -> Any:
     return value
 
 
+def _whole(value: float) -> int:
+    if not value.is_integer():
+        raise ValueError("must be an integer")
+    return int(value)
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Int = Annotated[int, BeforeValidator(_integral)]
-# token ids: an integer, or an integral float (kept as float here, converted when the prompt is
-# prepared): a union keeps long id lists on pydantic's fast path, with no Python call per id
-TokenId = Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0, multiple_of=1)]
+# token ids: an integer, or an integral float: the union keeps long lists of ints on pydantic's
+# fast path (a Python call only for a float)
+TokenId = Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0, multiple_of=1), AfterValidator(_whole)]
 T = TypeVar("T")
 OnePrompt = Annotated[list[T], Field(min_length=1, max_length=1)]
 Unsupported = JsonValue | None
@@ -97,11 +103,11 @@ class SamplingFields(_Strict):
 
     def unsupported(self) -> str | None:
         """The first parameter set to something the server does not implement, else None."""
-        for name in ("tools", "functions"):
-            if getattr(self, name) is not None:
+        for name, value in (("tools", self.tools), ("functions", self.functions)):
+            if value is not None:
                 return name
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
+        for name, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
+            if value not in (None, "none"):
                 return name
         if self.response_format is not None and self.response_format != {"type": "text"}:
             return "response_format"

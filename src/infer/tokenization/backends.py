@@ -250,6 +250,15 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
+def byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level BPE vocabulary string stands for ("Ġhi" -> b" hi"), or None
+    when the string is not in GPT-2's byte alphabet (e.g. SentencePiece's "▁hi")."""
+    decoder = _unicode_to_byte()
+    if not all(ch in decoder for ch in token):
+        return None
+    return bytes(decoder[ch] for ch in token)
+
+
 @lru_cache(maxsize=1)
 def _unicode_to_byte() -> dict[str, int]:
     return {ch: b for b, ch in _byte_to_unicode().items()}

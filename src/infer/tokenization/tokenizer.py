@@ -20,6 +20,7 @@ from infer.tokenization.backends import (
     TiktokenBackend,
     TokenizerBackend,
     TokenLimitExceeded,
+    byte_level_bytes,
 )
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
 from infer.tokenization.detokenizer import IncrementalDetokenizer
@@ -148,6 +149,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary string `token` (e.g. "<|eot_id|>"), None if absent."""
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes of one token of a byte-level vocabulary (part of a UTF-8 character,
+        possibly); None where the vocabulary is not byte-level or the token is special."""
+        token = self._backend.id_to_token(token_id)
+        if token is None or self.is_special(token_id):
+            return None
+        return byte_level_bytes(token)
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special token (skipped by skip_special_tokens)."""

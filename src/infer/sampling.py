@@ -72,7 +72,22 @@ def _normalise_stop_ids(ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request decoding parameters (vLLM / OpenAI style), validated on construction."""
+    """Per-request decoding parameters (vLLM / OpenAI style), validated on construction
+    (a bad value raises ValueError naming the field).
+
+    temperature        1.0; 0 = greedy (argmax). `infer generate` defaults to 0.
+    top_k, top_p       -1 and 1.0: off. Applied after the temperature.
+    repetition_penalty 1.0 = off; > 1 discourages tokens seen in the prompt or output.
+    presence_penalty, frequency_penalty
+                       0.0 = off, in [-2, 2]: subtracted from the logit of every token
+                       seen in the prompt or output, once / per occurrence (OpenAI).
+    max_tokens         16 (OpenAI's completions default; `infer generate` uses 128).
+    stop, stop_token_ids  strings (not returned) and ids that end the output.
+    ignore_eos         keep going past EOS.
+    seed               None: the engine's seed decides; an int: reproducible samples.
+    logprobs           None; N >= 0: each token's log-probability (raw model
+                       distribution, see infer.logprobs) and the N most likely tokens.
+    """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
     top_k: int = -1  # -1 or 0 = off

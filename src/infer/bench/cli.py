@@ -34,7 +34,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to run")
     what.add_argument("--suite", choices=sorted(SUITES), help="a predefined suite (see infer.bench.suites)")
     what.add_argument("--workload", choices=sorted(WORKLOADS), help="one workload with the engine flags below")
-    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature")
+    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature (default: %(default)s)")
     what.add_argument("--hf", action="store_true", help="--workload: also time transformers generate")
     what.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of result files; run nothing")
     what.add_argument("--plot", nargs="+", metavar="JSON", type=Path,
@@ -43,7 +43,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("how")
     how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
     how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped (default: none)")
-    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs)")
+    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs; default: the workload's lengths)")
     how.add_argument("--warmup-tokens", type=int, default=None,
                      help="cap on tokens per warm-up request (default: the full length; 0: no warm-up)")
     how.add_argument("--repeats", type=int, default=3,

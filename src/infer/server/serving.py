@@ -190,6 +190,7 @@ async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[s
         jobs.append(await _add(state, ids, prepared.params[0], base if n == 1 else f"{base}-0"))
         if n > 1:
             await jobs[0].peek()  # its prompt is cached now: the other choices share its blocks
+            state.check_accepting()  # (a shutdown or an engine failure while it prefilled)
             for i in range(1, n):
                 state.reserved -= 1
                 left -= 1

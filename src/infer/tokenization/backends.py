@@ -76,8 +76,8 @@ class HFTokenizersBackend:
     """A `tokenizers.Tokenizer` loaded from tokenizer.json.
 
     Special-token strings in text become their ids, or plain text with `parse_special=False`
-    (through a second copy of the tokenizer with `encode_special_tokens` set, so the two
-    modes never race between threads). Encoding goes through `encode_batch_fast`, which
+    (through a second copy of the tokenizer with `encode_special_tokens` set, made on first
+    use, so the two modes never race between threads). Encoding goes through `encode_batch_fast`, which
     releases the GIL (plain `encode` holds it: seconds for a few MB of text).
     """
 
@@ -85,8 +85,7 @@ class HFTokenizersBackend:
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tok = tokenizer
-        self._plain = tokenizers.Tokenizer.from_str(tokenizer.to_str())
-        self._plain.encode_special_tokens = True
+        self._plain: tokenizers.Tokenizer | None = None
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
@@ -102,11 +101,18 @@ class HFTokenizersBackend:
 
     def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
                limit: int | None = None) -> list[int]:
-        tok = self._tok if parse_special else self._plain
+        tok = self._tok if parse_special else self._plain_tokenizer()
         encoding = tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         if limit is not None and len(encoding) > limit:  # checked before the id list is built
             raise TokenLimitExceeded(len(encoding), limit)
         return encoding.ids
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        if self._plain is None:  # (two threads may both build one: harmless, one is kept)
+            plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

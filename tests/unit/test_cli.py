@@ -103,3 +103,36 @@ def test_bench_plot_writes_png_charts(tmp_path: Path) -> None:
     charts = sorted((tmp_path / "r-charts").iterdir())
     assert [c.name for c in charts] == ["group-one.png"]
     assert charts[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and charts[0].stat().st_size > 5000
+
+
+def test_auto_threads_follow_model_size() -> None:
+    from infer.engine.threads import auto_threads
+
+    assert auto_threads(14_000_000, 2) == 1 and auto_threads(14_000_000, 64) == 1  # small: one thread
+    assert auto_threads(1_200_000_000, 2) == 1  # at most half the cores
+    assert auto_threads(1_200_000_000, 16) == 4
+    assert auto_threads(8_000_000_000, 16) == 8
+
+
+def test_engine_applies_threads(ckpt_a: Path) -> None:
+    import torch
+
+    from infer import LLM
+
+    before = torch.get_num_threads()
+    try:
+        assert LLM(str(ckpt_a), device="cpu", threads=2).engine.threads == 2
+        assert torch.get_num_threads() == 2
+        assert LLM(str(ckpt_a), device="cpu").engine.threads == 1  # a tiny model: one thread
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_api_is_documented() -> None:
+    from infer import LLM, SamplingParams
+
+    assert "EngineConfig" in (LLM.__doc__ or "") and "threads" in (LLM.__doc__ or "")
+    assert "prompt_token_ids" in (LLM.generate.__doc__ or "") and "chat template" in (LLM.chat.__doc__ or "")
+    for field in ("temperature", "presence_penalty", "logprobs", "max_tokens"):
+        assert field in (SamplingParams.__doc__ or "")

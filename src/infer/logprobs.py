@@ -45,7 +45,7 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
     top_vals, top_ids = ([], []) if k == 0 else (t.tolist() for t in lp.topk(k, dim=-1))  # [R, k] each
     for j, i in enumerate(rows):
         n = counts[i] or 0
-        top = tuple(zip(top_ids[j][:n], top_vals[j][:n])) if n else ()
+        top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
         out[i] = TokenLogprobs(tokens[i], chosen[j], top)
     return out
 

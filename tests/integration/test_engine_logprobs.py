@@ -13,38 +13,12 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.reference import TOP, reference
 from infer import SamplingParams
 from infer.models.loader import load_model
-from infer.sampling import make_generator
 
 PROMPT = "The quick brown fox"
 STEPS = 12
-TOP = 3
-
-
-def reference(model: torch.nn.Module, prompt: list[int], params: SamplingParams) -> tuple[list[int], list[Any]]:
-    """(tokens, per token (logprob, top ids)) from full forwards of the model."""
-    ids, tokens, lps = list(prompt), [], []
-    gen = make_generator(params.seed)
-    with torch.no_grad():
-        for _ in range(params.max_tokens):
-            logits = model(torch.tensor([ids]))[0, -1].to(torch.float32)  # [V]
-            adj = logits.clone()
-            for t in set(ids):
-                v = adj[t].item()
-                v = v / params.repetition_penalty if v > 0 else v * params.repetition_penalty
-                adj[t] = v - ids.count(t) * params.frequency_penalty - params.presence_penalty
-            if params.temperature == 0:
-                token = int(adj.argmax())
-            else:
-                cdf = torch.cumsum(torch.softmax(adj / params.temperature, dim=-1).to(torch.float64), dim=0)
-                u = torch.rand(1, generator=gen, dtype=torch.float64)
-                token = int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=len(cdf) - 1))
-            log_probs = torch.log_softmax(logits, dim=-1)
-            lps.append((log_probs[token].item(), log_probs.topk(TOP).indices.tolist()))
-            tokens.append(token)
-            ids.append(token)
-    return tokens, lps
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from openai import OpenAI
 
+from helpers.reference import reference
 from infer import EngineConfig, SamplingParams
 from infer.models.loader import load_model
 from infer.sampling import derive_seed
@@ -22,7 +23,6 @@ from infer.server.launch import LiveServer
 from infer.server.logprob_format import LogprobFormatter
 from infer.tokenization import Tokenizer
 
-from test_engine_logprobs import reference
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox"

@@ -3,12 +3,31 @@
     from infer import LLM, SamplingParams
     llm = LLM()                      # the bundled demo model; or LLM(model="path-or-hub-id")
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
+
+The names below are imported on first use (PEP 562), so `import infer` (and `infer --help`)
+does not load torch.
 """
 
-from infer.engine.config import EngineConfig
-from infer.llm import LLM
-from infer.engine.output import CompletionOutput, RequestOutput
-from infer.sampling import SamplingParams
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from infer.engine.config import EngineConfig
+    from infer.engine.output import CompletionOutput, RequestOutput
+    from infer.llm import LLM
+    from infer.sampling import SamplingParams
+
+_WHERE = {"LLM": "infer.llm", "SamplingParams": "infer.sampling", "EngineConfig": "infer.engine.config",
+          "RequestOutput": "infer.engine.output", "CompletionOutput": "infer.engine.output"}
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'infer' has no attribute {name!r}")

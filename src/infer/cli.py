@@ -1,48 +1,60 @@
 """`infer` command line: generate (stream a completion), serve (OpenAI-compatible server),
-bench (benchmark workloads)."""
+bench (benchmark workloads).
+
+Only the chosen command's flags are built, so `infer --help` imports neither torch nor the
+server; every flag (sampling, engine, server) is validated before a model is loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 from infer.engine.args import add_engine_args, engine_config_from_args
 
+CLI_TEMPERATURE, CLI_MAX_TOKENS = 0.0, 128  # the library's SamplingParams defaults are 1.0 and 16
 
-def _generate_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="complete one prompt, streaming text to the terminal")
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (default: %(default)r)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS,
+                   help="tokens to generate at most (default: %(default)s; SamplingParams' default is 16)")
+    p.add_argument("--temperature", type=float, default=CLI_TEMPERATURE,
+                   help="0 = greedy (default: %(default)s; SamplingParams' default is 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off (default: %(default)s)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default: %(default)s)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off (default: %(default)s)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off (default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from infer.engine.engine import Engine
+    from infer.engine.loading import default_model_paths, load_tokenizer
     from infer.sampling import SamplingParams
 
-    config = engine_config_from_args(args)
-    engine = Engine(config)
-    tok = engine.tokenizer
-    if tok is None:
-        print("error: this model has no tokenizer; use `infer bench` for tokenizer-less dummy shapes",
-              file=sys.stderr)
-        return 2
-    if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True)
-    else:
-        ids = tok.encode(args.prompt)
-        sys.stdout.write(args.prompt)
+    # everything the flags can get wrong fails here, before the weights load
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens)
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens)
+    config = engine_config_from_args(args)
+    tok = load_tokenizer(config.tokenizer or default_model_paths(config)[0])
+    if tok is None:
+        raise ValueError("this model has no tokenizer; use `infer bench` for tokenizer-less dummy shapes")
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    if len(ids) + params.max_tokens > config.max_seq_len:
+        raise ValueError(f"the prompt ({len(ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds "
+                         f"--max-seq-len {config.max_seq_len}: shorten the prompt or lower --max-tokens")
+    engine = Engine(config)
     # sampling is seeded by the engine's --seed (default 0): the same command gives the same text
-    request = engine.add_request(ids, params)
+    request = engine.add_request(ids, params)  # (the model's own context limit is checked here)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
     start = time.perf_counter()
     while not request.is_finished:
         for _, out in engine.step():
@@ -54,34 +66,60 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if request.mean_acceptance_rate() is not None:
         summary += (f", acceptance {request.mean_acceptance_rate():.2f}, "
                     f"{request.mean_accepted_length():.2f} tokens/round")
-    print(summary + "]")
+    threads = f", {engine.threads} CPU thread(s)" if engine.threads else ""
+    print(summary + threads + "]")
     return 0
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+def _serve_args(p: argparse.ArgumentParser) -> None:
     from infer.server.__main__ import add_server_args
+
     add_server_args(p)
-    p.set_defaults(func=lambda a: __import__("infer.server.__main__", fromlist=["serve"]).serve(a))
+    p.set_defaults(func=_cmd_serve)
 
 
-def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run benchmark workloads, write JSON results")
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"error: `infer serve` needs the server extra ({exc}): pip install -e '.[server]' "
+                         "(or pip install 'infer[server]')") from None
+    from infer.server.__main__ import serve
+
+    return serve(args)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
     from infer.bench.cli import add_bench_args, run_bench
+
     add_bench_args(p)
     p.set_defaults(func=run_bench)
 
 
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+    "generate": ("complete one prompt, streaming text to the terminal", _generate_args),
+    "serve": ("OpenAI-compatible HTTP server (needs the server extra)", _serve_args),
+    "bench": ("run benchmark workloads, write JSON results; --plot draws them", _bench_args),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with flags only for the command named in `argv` (if any)."""
+    parser = argparse.ArgumentParser(prog="infer", description=__doc__,
+                                     epilog="`infer COMMAND --help` lists a command's flags and their defaults")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (help_text, add_args) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            add_args(p)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="infer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(sub)
-    for add in (_serve_parser, _bench_parser):
-        try:
-            add(sub)
-        except ImportError as exc:  # optional extras (server) not installed
-            sub.add_parser(add.__name__.strip("_").split("_")[0], help=f"unavailable: {exc}")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:

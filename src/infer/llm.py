@@ -23,6 +23,28 @@ Message = dict[str, str]
 
 
 class LLM:
+    """A model loaded for offline generation: `generate` for prompts, `chat` for conversations.
+
+    `model` is a local directory in Hugging Face layout, a hub id, a dummy shape such as
+    "dummy:llama-3.2-3b" (random weights, for timing), or None for the bundled demo target.
+    Every other keyword is a field of `infer.EngineConfig` (validated; a wrong name or
+    value raises ValueError naming it). The main ones:
+
+        dtype="auto"             bf16 on CUDA, fp32 on CPU
+        device="auto"            "cuda" when available, else "cpu"
+        threads=None             CPU threads for torch; None: one per 250M parameters,
+                                 at most half the cores (small models decode fastest on one)
+        max_batch_size=8         requests decoded together
+        max_seq_len=1024         prompt + output tokens per request (capped at the model's context)
+        kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
+        use_cuda_graphs=False    CUDA graphs for decode and speculation steps
+        use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup"),
+        draft_model=None (the demo draft with the demo target), spec_length=5, spec_policy="fixed"
+        seed=0                   seeds requests that set none: the same call gives the same text
+
+    See `EngineConfig` for the rest (KV cache size, chunked prefill budget, n-gram orders).
+    """
+
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
         self.engine = Engine(self.config)
@@ -38,6 +60,17 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
+        """Complete every prompt; one RequestOutput per prompt, in order.
+
+        Give `prompts` (a string or a list of strings, tokenized with the model's tokenizer,
+        BOS added as it is configured) or `prompt_token_ids` (lists of ids), not both.
+        `sampling_params` is one SamplingParams for all prompts or one per prompt; the
+        default is `SamplingParams()` (temperature 1.0, at most 16 tokens). All prompts run
+        together with continuous batching. Each output's `outputs[0]` holds the text, token
+        ids, finish reason ("stop" or "length"), log-probabilities when asked for, and the
+        speculative acceptance statistics when speculation is on. `use_tqdm` is accepted
+        for vLLM compatibility and ignored.
+        """
         texts, id_lists = self._prompts(prompts, prompt_token_ids)
         params = _per_prompt(sampling_params, len(id_lists))
         requests = [self.engine.add_request(ids, p) for ids, p in zip(id_lists, params, strict=True)]
@@ -50,12 +83,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} dicts) or to several (a
+        list of such lists), rendered with the model's chat template; one RequestOutput per
+        conversation. `sampling_params` as in `generate`. Special-token strings inside the
+        messages are encoded as what they are, text (`Tokenizer.encode_chat`); the
+        template's own special tokens stay real.
+        """
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
                    for c in conversations]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt)
+               for c in conversations]
         params = _per_prompt(sampling_params, len(ids))
         requests = [self.engine.add_request(i, p) for i, p in zip(ids, params, strict=True)]
         self._run(requests, use_tqdm=False)
@@ -97,6 +137,7 @@ def _to_output(request: Request, prompt: str | None) -> RequestOutput:
     completion = CompletionOutput(
         index=0, text=request.output_text, token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
+        logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
         acceptance_rate=request.mean_acceptance_rate(), mean_accepted_length=request.mean_accepted_length())
     metrics: dict[str, float] = {}
     if request.first_token_time is not None:

@@ -7,8 +7,10 @@ compares exactly these adjusted distributions for draft and target, which is wha
 lossless for every sampling setting.
 
 Order of transforms (per row, vectorised over the batch):
-  1. repetition penalty (Hugging Face semantics, over that row's context token ids:
-     positive logits divided by the penalty, negative ones multiplied),
+  1. penalties over that row's context token ids (prompt + generated so far): the
+     repetition penalty (Hugging Face semantics: positive logits divided by the penalty,
+     negative ones multiplied), then the presence and frequency penalties (OpenAI
+     semantics: `logit - count * frequency_penalty - (count > 0) * presence_penalty`),
   2. temperature (greedy rows are left unscaled),
   3. top-k, then 4. top-p (tokens outside the kept set become -inf; the top token is always
      kept; tokens tied with the last kept logit are kept too, so the result does not depend
@@ -70,7 +72,22 @@ def _normalise_stop_ids(ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request decoding parameters (vLLM / OpenAI style), validated on construction."""
+    """Per-request decoding parameters (vLLM / OpenAI style), validated on construction
+    (a bad value raises ValueError naming the field).
+
+    temperature        1.0; 0 = greedy (argmax). `infer generate` defaults to 0.
+    top_k, top_p       -1 and 1.0: off. Applied after the temperature.
+    repetition_penalty 1.0 = off; > 1 discourages tokens seen in the prompt or output.
+    presence_penalty, frequency_penalty
+                       0.0 = off, in [-2, 2]: subtracted from the logit of every token
+                       seen in the prompt or output, once / per occurrence (OpenAI).
+    max_tokens         16 (OpenAI's completions default; `infer generate` uses 128).
+    stop, stop_token_ids  strings (not returned) and ids that end the output.
+    ignore_eos         keep going past EOS.
+    seed               None: the engine's seed decides; an int: reproducible samples.
+    logprobs           None; N >= 0: each token's log-probability (raw model
+                       distribution, see infer.logprobs) and the N most likely tokens.
+    """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
     top_k: int = -1  # -1 or 0 = off
@@ -81,9 +98,15 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0  # in [-2, 2], 0 = off (OpenAI semantics, over prompt + output)
+    frequency_penalty: float = 0.0  # in [-2, 2], 0 = off
+    logprobs: int | None = None  # None = off; N = the sampled token's log-probability and the N most likely
 
     def __post_init__(self) -> None:
         self._check_floats()
+        self._check_openai_penalties()
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -109,6 +132,18 @@ class SamplingParams:
         object.__setattr__(self, "top_p", float(p))
         object.__setattr__(self, "repetition_penalty", float(r))
 
+    def _check_openai_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}")
+            object.__setattr__(self, name, float(value))
+
+    @property
+    def penalized(self) -> bool:
+        """True when a penalty reads the context (repetition, presence or frequency)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     @property
     def greedy(self) -> bool:
         """Temperatures below GREEDY_EPS would overflow float32 logits: they mean argmax."""
@@ -117,6 +152,20 @@ class SamplingParams:
 
 GREEDY_EPS = 1e-5  # temperature below this samples greedily (as vLLM does)
 MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3  # beyond these a float32 logit over/underflows
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit)
+
+
+def derive_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of a request asking for several (`n`): `seed` itself for
+    index 0 (so n = 1 and the first of n samples agree), a splitmix64 mix of both otherwise;
+    None (unseeded) stays None."""
+    if seed is None or index == 0:
+        return seed
+    mask = 2**64 - 1
+    z = (seed + index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1  # in [0, 2**63)
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -159,14 +208,14 @@ def _context_ids(ctx: Context) -> torch.Tensor:
 
 
 def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Context], vocab: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(row ids [M], token ids [M], penalties [M]) on `device` for rows with a penalty, or None."""
-    rows, parts, pens = [], [], []
+                     device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
+    """(penalized rows [R], local row index [M] in 0..R-1, token ids [M]) with the ids on
+    `device`, over every context token of each penalized row; None when no row has one."""
+    rows, parts = [], []
     for row, (p, ctx) in enumerate(zip(params, contexts)):
-        if p.repetition_penalty != 1.0 and len(ctx) > 0:
+        if p.penalized and len(ctx) > 0:
             rows.append(row)
             parts.append(_context_ids(ctx))
-            pens.append(p.repetition_penalty)
     if not rows:
         return None
     lengths = torch.tensor([t.numel() for t in parts])  # [R]
@@ -177,25 +226,37 @@ def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Contex
         ids = to_device(ids, device)
     else:  # ids already on a device are trusted (checking them would cost a host sync)
         ids = torch.cat([to_device(t, device) for t in parts])  # [M]
-    row_ids = to_device(torch.repeat_interleave(torch.tensor(rows), lengths), device)  # [M]
-    pen = to_device(torch.repeat_interleave(torch.tensor(pens, dtype=torch.float32), lengths), device)  # [M]
-    return row_ids, ids, pen
+    local = to_device(torch.repeat_interleave(torch.arange(len(rows)), lengths), device)  # [M]
+    return rows, local, ids
 
 
-def _apply_repetition_penalty(logits: torch.Tensor, params: Sequence[SamplingParams],
-                              contexts: Sequence[Context] | None) -> None:
-    """In place on float32 logits [N, V]: HF repetition penalty over each row's context ids.
+def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     contexts: Sequence[Context] | None) -> None:
+    """In place on float32 logits [N, V]: each penalized row's penalties over its context ids.
 
-    A token repeated in the context is penalised once (duplicate indices write equal values).
+    Repetition penalty: a token repeated in the context is penalised once (duplicate indices
+    write equal values). Presence / frequency: by the token's count in the context.
     """
     if contexts is None:
         return
     found = _penalty_indices(params, contexts, logits.shape[1], logits.device)
     if found is None:
         return
-    rows, ids, pen = found  # [M] each
-    vals = logits[rows, ids]  # [M]
-    logits[rows, ids] = torch.where(vals > 0, vals / pen, vals * pen)
+    rows, local, ids = found  # [R], [M], [M]
+    dev = logits.device
+    row_ids = tensor_on(rows, dev)[local]  # [M] rows of `logits`
+    rep = tensor_on([params[r].repetition_penalty for r in rows], dev, torch.float32)[local]  # [M]
+    vals = logits[row_ids, ids]  # [M]
+    logits[row_ids, ids] = torch.where(vals > 0, vals / rep, vals * rep)
+    presence = [params[r].presence_penalty for r in rows]
+    frequency = [params[r].frequency_penalty for r in rows]
+    if any(presence) or any(frequency):
+        counts = torch.zeros((len(rows), logits.shape[1]), dtype=torch.float32, device=dev)  # [R, V]
+        counts.index_put_((local, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+        shift = (tensor_on(frequency, dev, torch.float32)[:, None] * counts
+                 + tensor_on(presence, dev, torch.float32)[:, None] * (counts > 0))  # [R, V]
+        index = tensor_on(rows, dev)
+        logits[index] = logits[index] - shift
 
 
 def _truncation_cutoff(sorted_desc: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -241,7 +302,7 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     """
     _check_batch(logits, params, contexts)
     out = logits.to(torch.float32, copy=True)  # [N, V]
-    _apply_repetition_penalty(out, params, contexts)
+    _apply_penalties(out, params, contexts)
     temps = [1.0 if p.greedy else p.temperature for p in params]
     if any(t != 1.0 for t in temps):
         out = out / tensor_on(temps, out.device, torch.float32)[:, None]
@@ -263,7 +324,7 @@ def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def temperature_only(params: SamplingParams, vocab: int) -> bool:
     """True when the only transform is a temperature (or greedy): no top-k, top-p, penalty."""
-    return params.repetition_penalty == 1.0 and (params.greedy or (not 0 < params.top_k < vocab
+    return not params.penalized and (params.greedy or (not 0 < params.top_k < vocab
                                                                     and params.top_p >= 1.0))
 
 

@@ -90,8 +90,10 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
 
 @pytest.mark.parametrize("param, value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2),
-    ("max_tokens", 0), ("max_tokens", 2.5), ("repetition_penalty", 0), ("seed", 2**64), ("n", 2),
-    ("stop", [""]), ("stop", 3), ("presence_penalty", 0.5), ("logprobs", 3), ("echo", True),
+    ("max_tokens", 0), ("max_tokens", 2.5), ("repetition_penalty", 0), ("seed", 2**64), ("n", 0), ("n", 129),
+    ("stop", [""]), ("stop", 3), ("stop", ["a", "b", "c", "d", "e"]), ("stop", "x" * 257),
+    ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("logprobs", 6), ("logprobs", -1), ("echo", "yes"),
+    ("stop_token_ids", list(range(257))), ("best_of", 0),
     ("stream", "yes"), ("stream_options", {"include_usage": "yes"}), ("stop_token_ids", [-1]),
     ("prompt", 42), ("model", 7),
 ])
@@ -225,7 +227,8 @@ def test_engine_error_mid_stream_is_error_event_then_done(failing_server: LiveSe
     assert [e["object"] for e in events[:-1]] == ["text_completion"] * 3  # tokens of the 3 good steps
     error = events[-1]["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert "injected runner failure" in error["message"]
+    assert error["code"] == "engine_error" and "log" in error["message"]
+    assert "injected" not in error["message"] and "RuntimeError" not in error["message"]  # details: the log only
 
 
 def test_dead_engine_gives_503(failing_server: LiveServer) -> None:
@@ -233,7 +236,8 @@ def test_dead_engine_gives_503(failing_server: LiveServer) -> None:
         r = post(failing_server, "/v1/completions", {**OK_BODY, "max_tokens": 20, "ignore_eos": True})
         assert_error(r, 503, None, "engine_unavailable")
     assert not failing_server.engine.healthy
-    assert_error(httpx.get(failing_server.url + "/health", timeout=60), 503, None, "engine_unavailable")
+    error = assert_error(httpx.get(failing_server.url + "/health", timeout=60), 503, None, "engine_unavailable")
+    assert "injected" not in error["message"] and "Traceback" not in error["message"]
     for stream in (False, True):
         assert_error(post(failing_server, "/v1/completions", {**OK_BODY, "stream": stream}), 503)
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}

@@ -8,6 +8,7 @@ verifier that accepts every draft, must fail the same test.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,8 +52,7 @@ def _exact_joint(model_dir, params: SamplingParams) -> dict[tuple[int, ...], flo
 
 
 def _empirical(llm, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    plist = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            max_tokens=4, ignore_eos=True, seed=s) for s in range(N)]
+    plist = [replace(params, max_tokens=4, ignore_eos=True, seed=s) for s in range(N)]
     outs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=plist)
     counts: dict[tuple[int, ...], float] = {}
     for o in outs:
@@ -68,6 +68,7 @@ def _tv(a, b):
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),
     "t0.7-topk3": SamplingParams(temperature=0.7, top_k=3),
+    "t1-presence-frequency": SamplingParams(temperature=1.0, presence_penalty=0.9, frequency_penalty=0.6),
 }
 
 

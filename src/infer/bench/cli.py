@@ -5,6 +5,7 @@
     infer bench --workload W1 --model dummy:llama-3.2-3b --use-cuda-graphs --hf
     infer bench --workload W5 --speculative-decoding --speculative-method ngram --temperature 0
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
+    infer bench --plot results/all.json              # PNG charts (matplotlib) in results/all-charts/
 
 Suites are listed in `infer.bench.suites`. With --workload, the engine flags (the same as
 `infer generate`) configure the run; max batch size and max_seq_len default to what the
@@ -33,13 +34,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to run")
     what.add_argument("--suite", choices=sorted(SUITES), help="a predefined suite (see infer.bench.suites)")
     what.add_argument("--workload", choices=sorted(WORKLOADS), help="one workload with the engine flags below")
-    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature")
+    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature (default: %(default)s)")
     what.add_argument("--hf", action="store_true", help="--workload: also time transformers generate")
     what.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of result files; run nothing")
+    what.add_argument("--plot", nargs="+", metavar="JSON", type=Path,
+                      help="write PNG charts of result files (needs matplotlib); run nothing")
+    what.add_argument("--plot-dir", type=Path, help="--plot: where the charts go (default: <file>-charts/)")
     how = parser.add_argument_group("how")
     how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
-    how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped")
-    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs)")
+    how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped (default: none)")
+    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs; default: the workload's lengths)")
     how.add_argument("--warmup-tokens", type=int, default=None,
                      help="cap on tokens per warm-up request (default: the full length; 0: no warm-up)")
     how.add_argument("--repeats", type=int, default=3,
@@ -68,6 +72,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.report:
         print("\n\n".join(markdown(load_run(p)) for p in args.report))
         return 0
+    if args.plot:
+        from infer.bench.plot import plot_files
+
+        written = plot_files(args.plot, args.plot_dir)
+        print("\n".join(str(p) for p in written) or "no finished engine measurements to plot")
+        return 0 if written else 1
     if bool(args.suite) == bool(args.workload):
         raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
     name = args.suite or f"workload-{args.workload}"

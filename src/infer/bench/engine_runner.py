@@ -26,6 +26,7 @@ from dataclasses import fields
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from infer.engine.step_costs import weight_bytes
 from infer.timing import synchronize
@@ -178,12 +179,16 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         spec0, prefix0 = spec_snapshot(engine), _prefix_counters(engine)
         runs: list[list] = [[] for _ in ours]  # [instance][round] (requests, wall, steps)
         base_runs: list[list] = [[] for _ in bases]
-        for i in range(repeats):
-            for j in range(n):
-                pair = [(ours[j], runs[j])] + ([(bases[j], base_runs[j])] if bases else [])
-                for e, out in pair if (i + j) % 2 else pair[::-1]:
-                    gc.collect()  # not inside the timing
-                    out.append(timed_run(e, workload, prompts.requests))
+        # a progress bar over the timed runs (on a terminal only; updated between runs, never inside one)
+        with tqdm(total=repeats * n * (2 if bases else 1), desc=workload.name, unit="run", leave=False,
+                  disable=None) as bar:
+            for i in range(repeats):
+                for j in range(n):
+                    pair = [(ours[j], runs[j])] + ([(bases[j], base_runs[j])] if bases else [])
+                    for e, out in pair if (i + j) % 2 else pair[::-1]:
+                        gc.collect()  # not inside the timing
+                        out.append(timed_run(e, workload, prompts.requests))
+                        bar.update(1)
         walls = [w for _, w, _ in runs[0]]
         requests, wall, steps = sorted(runs[0], key=lambda run: run[1])[len(runs[0]) // 2]
         metrics = request_metrics(requests, wall)

@@ -13,7 +13,8 @@
                    plain, transformers prompt lookup; W1 with adaptive n-gram vs plain
                    (--model / --draft-model replace the demo pair in these two)
     all-gpu        all of the above, most important numbers first, within --max-seconds
-    smoke          every kind of measurement on one (small) model: --model, --draft-model
+    smoke          every kind of measurement on one small model, CPU-friendly: --model and
+                   --draft-model, by default the bundled demo pair
 
 Dummy shapes have random weights: their acceptance rates mean nothing except at the
 extremes (a random draft: near 0; the target drafting for itself: 1).
@@ -178,11 +179,11 @@ def all_gpu(h: Harness) -> None:
 
 
 def smoke(h: Harness) -> None:
-    """Each kind of measurement once on --model (a small checkpoint), CPU-friendly."""
-    model = h.options.model
-    if model is None:
-        raise ValueError("the smoke suite needs --model (a small model directory or dummy shape)")
-    draft = h.options.draft_model or model
+    """Each kind of measurement once on --model (default: the demo pair), CPU-friendly."""
+    if not demo_models_present(h, "smoke"):
+        return
+    model = h.options.model or str(DEMO_TARGET)
+    draft = h.options.draft_model or (model if h.options.model else str(DEMO_DRAFT))
     wl, group = WORKLOADS["W1"], f"smoke, {model}"
     roof = h.roofline(model, "smoke").name
     costs = h.spec_costs("costs/smoke", model, draft, False).name

@@ -20,6 +20,8 @@ _HELP = {
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
     "device": "auto | cpu | cuda[:N]",
     "seed": "sampling seed of requests that set none (the same command gives the same text)",
+    "threads": "CPU threads for torch; default: one per 250M parameters, at most half the cores (small models "
+               "decode fastest on one thread)",
     "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
     "cuda_graph_sampling_batch_max": "largest batch whose steps also get sampling, acceptance and draft-round "
                                      "graphs (less: less GPU memory with a large vocabulary; 0: none)",

@@ -12,6 +12,7 @@ draining commands so nobody waits forever).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import traceback
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from infer.engine.engine import Engine
 from infer.engine.request import Request, StepOutput
 from infer.sampling import SamplingParams
+
+log = logging.getLogger("infer.engine")
 
 
 @dataclass
@@ -45,7 +48,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _streams
+        self._lock = threading.Lock()  # guards _streams and _adding
+        self._adding = 0  # add_request calls whose request the engine thread has not queued yet
         self.error: str | None = None
         self.on_step: Callable[[Engine, list[tuple[Request, StepOutput]]], None] | None = None
         self._thread = threading.Thread(target=self._run, name="infer-engine", daemon=True)
@@ -57,6 +61,13 @@ class AsyncEngine:
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
+
+    def num_queued(self) -> int:
+        """Requests waiting for a slot, each counted once: those still on their way to the
+        engine thread and those in the scheduler's waiting queue (the engine thread moves a
+        request from one to the other under the same lock)."""
+        with self._lock:
+            return self._adding + len(self.engine.scheduler.waiting)
 
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
@@ -73,15 +84,18 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                if self.error is not None:
-                    raise RuntimeError(f"engine is not running: {self.error}")
-                self.engine.add_request(prompt_token_ids, params, request_id)
                 with self._lock:
+                    self._adding -= 1
+                    if self.error is not None:
+                        raise RuntimeError(f"engine is not running: {self.error}")
+                    self.engine.add_request(prompt_token_ids, params, request_id)
                     self._streams[request_id] = stream
                 loop.call_soon_threadsafe(done.set_result, None)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(done.set_exception, exc)
 
+        with self._lock:  # counted from here on (before the first await) by num_queued
+            self._adding += 1
         self._submit(add)
         await done
         return self._iterate(request_id, stream)
@@ -125,6 +139,7 @@ class AsyncEngine:
                 results = self.engine.step()
             except Exception:  # noqa: BLE001 - the loop must report, not vanish
                 self.error = traceback.format_exc(limit=5)
+                log.error("engine step failed; failing every open request:\n%s", self.error)
                 self._deliver(self.engine.fail_all("engine error: " + self.error.strip().splitlines()[-1]))
                 continue
             self._deliver(results)

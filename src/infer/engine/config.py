@@ -26,6 +26,7 @@ class EngineConfig:
     quantization: str | None = None  # None | "fp8": the target's linear weights in FP8 (per-channel)
     draft_quantization: str | None = None  # the same for the draft model
     seed: int = 0  # requests without their own seed sample from seed-derived generators
+    threads: int | None = None  # CPU: torch threads; None = by model size (engine/threads.py)
     # batching and memory
     max_batch_size: int = 8
     max_seq_len: int = 1024  # capped at the model's max_position_embeddings
@@ -73,6 +74,8 @@ class EngineConfig:
                      "spec_length", "ngram_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (chosen by model size), got {self.threads}")
         if self.cuda_graph_sampling_batch_max < 0:
             raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no sampling graphs), "
                              f"got {self.cuda_graph_sampling_batch_max}")

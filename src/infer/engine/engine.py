@@ -18,6 +18,7 @@ from infer.engine.loading import LoadedModels, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ContinuousRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams
 
 
@@ -25,6 +26,8 @@ class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
         self.models = models or load_models(config)
+        self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
+                                         sum(p.numel() for p in self.models.target.parameters()))
         config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
         self.tokenizer = self.models.tokenizer
         self.runner = self._make_runner()

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from infer.engine.request import FinishReason, Request, RequestState, StepOutput
+from infer.logprobs import TokenLogprobs
 from infer.tokenization import IncrementalDetokenizer, Tokenizer
 
 
@@ -23,6 +24,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprobs] | None = None  # per token, when SamplingParams.logprobs asked for them
     acceptance_rate: float | None = None  # speculative decoding: mean accepted fraction per round
     mean_accepted_length: float | None = None  # speculative decoding: tokens per round
 
@@ -53,12 +55,15 @@ class OutputProcessor:
         self.max_seq_len = max_seq_len
         self._states: dict[str, _TextState] = {}
 
-    def append(self, request: Request, token_id: int) -> StepOutput:
-        """Record one sampled token for `request` and return its StepOutput."""
+    def append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """Record one sampled token (and its log-probabilities, if asked for) for `request`
+        and return its StepOutput."""
         if request.is_finished:
             raise RuntimeError(f"request {request.request_id} already finished")
         params = request.sampling_params
         request.output_token_ids.append(token_id)
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         state = self._state(request)
@@ -84,8 +89,10 @@ class OutputProcessor:
         state.emitted = end
         request.output_text = state.text[:end] if reason else state.text[:state.emitted]
         if reason is not None:
-            return self._finish(request, reason, token_id, delta)
-        return StepOutput(request.request_id, token_id, delta)
+            out = self._finish(request, reason, token_id, delta)
+            out.logprobs = logprobs
+            return out
+        return StepOutput(request.request_id, token_id, delta, logprobs=logprobs)
 
     def finish_without_token(self, request: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         """Final event for an aborted or failed request."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.logprobs import TokenLogprobs
 from infer.sampling import SamplingParams, make_generator
 
 
@@ -42,6 +43,7 @@ class StepOutput:
     acceptance_rate: float | None = None  # mean speculative acceptance, on the final event only
     mean_accepted_length: float | None = None  # mean tokens per speculation round, final event only
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # the token's log-probabilities, when its request asks for them
 
 
 @dataclass(eq=False)
@@ -52,6 +54,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # per output token, when asked for
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     slot: int | None = None

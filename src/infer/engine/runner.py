@@ -22,6 +22,7 @@ from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.metrics import SpecStats
 from infer.tokenization import Tokenizer
@@ -145,7 +146,8 @@ class ContinuousRunner:
             return []
         sampled = [requests[i] for i in to_sample]
         tokens = self.sample(sampled, logits[to_sample])
-        return [(r, self.output.append(r, t)) for r, t in zip(sampled, tokens, strict=True)]
+        lps = self.logprobs(sampled, logits[to_sample], tokens)
+        return [(r, self.output.append(r, t, lp)) for r, t, lp in zip(sampled, tokens, lps, strict=True)]
 
     def run_chunks(self, model: LlamaForCausalLM, pool: CachePoolProtocol, requests: Sequence[Request],
                    layout: BatchLayout) -> torch.Tensor:
@@ -166,7 +168,9 @@ class ContinuousRunner:
         ids = torch.tensor([[r.last_token_id] for r in requests])
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
-        if not all(p.greedy for p in params) and all(temperature_only(p, vocab) for p in params):
+        lps: list[TokenLogprobs | None] = [None] * len(requests)
+        if not all(p.greedy for p in params) and all(temperature_only(p, vocab) and p.logprobs is None
+                                                     for p in params):
             # temperature sampling alone: the forward function samples too (inside the step's
             # CUDA graph on the GPU), the same function as `sample` on the logits
             uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
@@ -178,9 +182,10 @@ class ContinuousRunner:
             logits = self.forward(ids, layout, all_logits=False)  # [B, V]
             self._in_flight(requests)
             tokens = self.sample(requests, logits, params)
+            lps = self.logprobs(requests, logits, tokens)
         for r in requests:
             r.num_computed_tokens += 1
-        return [(r, self.output.append(r, t)) for r, t in zip(requests, tokens, strict=True)]
+        return [(r, self.output.append(r, t, lp)) for r, t, lp in zip(requests, tokens, lps, strict=True)]
 
     def _in_flight(self, requests: Sequence[Request]) -> None:
         """Host work of a plain decode step that needs nothing from the step itself, run after
@@ -191,14 +196,19 @@ class ContinuousRunner:
         """Host work for requests in prefill, run after the prefill forward is queued and
         before its logits are read (on a GPU it hides under the forward). Nothing here."""
 
+    @staticmethod
+    def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the sampled tokens (logits [B, V]) for requests asking for them."""
+        return token_logprobs(logits, tokens, [r.sampling_params.logprobs for r in requests])
+
     def sample(self, requests: Sequence[Request], logits: torch.Tensor,
                params: Sequence[SamplingParams] | None = None) -> list[int]:
         """One token per request from logits [B, V] with each request's params (the requests'
         own unless the caller has them listed already) and generator."""
         params = [r.sampling_params for r in requests] if params is None else params
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+        if all(p.greedy and not p.penalized for p in params):
             return logits.argmax(dim=-1).tolist()
-        contexts = [r.all_token_ids for r in requests] if any(p.repetition_penalty != 1.0 for p in params) else None
+        contexts = [r.all_token_ids for r in requests] if any(p.penalized for p in params) else None
         probs = logits_to_probs(logits, params, contexts)
         uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]
         return sample_from_probs(probs, to_device(uniforms, probs.device)).tolist()

@@ -17,12 +17,14 @@ A step where nobody drafts (every k = 0, or no proposal at all) is exactly the p
 decode step. Batches whose rows sample with a temperature alone (greedy included) verify
 through the forward function's `verify` (`rejection.verify_logits`; a CUDA graph on the
 GPU); rows with top-k, top-p or a repetition penalty take the general pipeline
-(`logits_to_probs`, then `rejection.verify`).
+(`logits_to_probs`, then `rejection.verify`), and so do batches with a request asking for
+log-probabilities (`infer.logprobs`: the target's, at each emitted position).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +36,7 @@ from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.llama import LlamaForCausalLM
+from infer.logprobs import emitted_logprobs
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.speculative.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.metrics import SpecStats
@@ -209,7 +212,7 @@ class SpeculativeRunner(ContinuousRunner):
             draft_tokens[b, :len(d.token_ids)] = torch.tensor(d.token_ids, dtype=torch.long)
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
-        if all(temperature_only(p, vocab) for p in params):
+        if all(temperature_only(p, vocab) and p.logprobs is None for p in params):
             greedy = [p.greedy for p in params]
             uniforms = (torch.zeros((len(requests), k_pad + 1), dtype=torch.float64) if all(greedy)
                         else draw_uniforms([r.generator for r in requests], k_pad + 1))  # [B, K+1]
@@ -218,7 +221,8 @@ class SpeculativeRunner(ContinuousRunner):
                                          [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
             return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
-        return self._accept_reject(requests, drafts, draft_tokens, logits)
+        result = self._accept_reject(requests, drafts, draft_tokens, logits)
+        return replace(result, logprobs=emitted_logprobs(logits, result.tokens, [p.logprobs for p in params]))
 
     def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """[B, K, V] draft distributions on the device, or None when every draft is
@@ -243,8 +247,8 @@ class SpeculativeRunner(ContinuousRunner):
         b, width, vocab = target_logits.shape
         k_pad = width - 1
         params = [r.sampling_params for r in requests]
-        contexts = None  # the growing context per verified position: only the repetition penalty reads it
-        if any(p.repetition_penalty != 1.0 for p in params):
+        contexts = None  # the growing context per verified position: only the penalties read it
+        if any(p.penalized for p in params):
             contexts = [r.all_token_ids + d.token_ids[:j] for r, d in zip(requests, drafts, strict=True)
                         for j in range(width)]
         flat_params = [p for p in params for _ in range(width)]
@@ -257,7 +261,9 @@ class SpeculativeRunner(ContinuousRunner):
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> StepResult:
         """Roll both caches back (D6), record metrics (D9), emit the tokens in order."""
         outputs: StepResult = []
-        for r, d, tokens, a in zip(requests, drafts, result.tokens, result.num_accepted, strict=True):
+        logprobs = result.logprobs or [[] for _ in requests]
+        for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
+                                            strict=True):
             k = len(d.token_ids)
             n = r.num_computed_tokens
             self.cache_pool.truncate_to(r.slot, n + a + 1)
@@ -267,8 +273,8 @@ class SpeculativeRunner(ContinuousRunner):
             if k > 0:
                 r.speculation_acceptance_rates.append(a / k)
             emitted = 0
-            for t in tokens:
-                outputs.append((r, self.output.append(r, t)))
+            for j, t in enumerate(tokens):
+                outputs.append((r, self.output.append(r, t, row_lps[j] if row_lps else None)))
                 emitted += 1
                 if r.is_finished:
                     break

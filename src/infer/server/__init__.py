@@ -2,6 +2,6 @@
 
     python -m infer.server --model DIR            # or: infer serve --model DIR
 
-`infer.server.app.create_app(async_engine, model_name, max_queued_requests)` builds the app;
+`infer.server.app.create_app(async_engine, server_config)` builds the app;
 `infer.server.launch.LiveServer` runs one in a background thread (tests, benchmarks).
 """

@@ -1,8 +1,8 @@
 """`python -m infer.server` / `infer serve`: the OpenAI-compatible HTTP server.
 
     python -m infer.server                                  # the bundled demo pair
-    python -m infer.server --model ./my-llama --speculative-decoding --draft-model ./my-draft \
-        --port 8000 --served-model-name llama
+    python -m infer.server --model ./my-llama --speculative-decoding --draft-model ./my-draft \\
+        --port 8000 --served-model-name llama --api-key "$KEY"
 
 Engine flags are the same as `infer generate` (see `infer.engine.args`).
 """
@@ -10,26 +10,49 @@ Engine flags are the same as `infer generate` (see `infer.engine.args`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from infer.engine.args import add_engine_args, engine_config_from_args
+from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
+                                 ServerConfig, default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
-DEFAULT_MAX_QUEUED = 1024
+API_KEY_ENV = "INFER_API_KEY"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Server flags (--host, --port, --served-model-name, --max-queued-requests) + engine flags."""
+    """Server flags (network, security, limits) + engine flags."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
     group.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     group.add_argument("--served-model-name", default=None,
-                       help=f"model id clients send; default: --model, or {DEFAULT_MODEL_NAME!r} for the demo")
+                       help=f"model id clients send; default: the --model directory's name (never its path), "
+                            f"or {DEFAULT_MODEL_NAME!r} for the demo")
     group.add_argument("--max-queued-requests", type=_queue_limit, default=DEFAULT_MAX_QUEUED,
                        help="waiting requests beyond which new ones get 429 + Retry-After; "
                             "0 = unlimited (default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                       help="seconds that SIGTERM / Ctrl-C waits for open requests before ending them with an "
+                            "error (default: %(default)s)")
     group.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug", "trace"])
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="(default: %(default)s)")
+    sec = parser.add_argument_group("security and limits")
+    sec.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                     help=f"require 'Authorization: Bearer KEY' on every request but /health "
+                          f"(default: ${API_KEY_ENV}, else no key)")
+    sec.add_argument("--public-metrics", action="store_true",
+                     help="serve /metrics without the API key (default: it needs the key when one is set)")
+    sec.add_argument("--allowed-hosts", default=None,
+                     help="comma-separated Host header names to answer, '*' for any (default: loopback names "
+                          "when --host is a loopback address, else any)")
+    sec.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help="larger request bodies get 413 (default: %(default)s)")
+    sec.add_argument("--allow-special-tokens", action="store_true",
+                     help="parse special-token strings (e.g. <|eot_id|>) in prompts and messages as control "
+                          "tokens (default: they are plain text; chat templates still insert the real ones)")
     add_engine_args(parser)
 
 
@@ -40,26 +63,54 @@ def _queue_limit(text: str) -> int | None:
     return value or None
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--shutdown-timeout must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the model's directory name or hub id (no local path is ever shown)."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    if args.model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(args.model)
+    return path.resolve().name if path.exists() else str(args.model)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    hosts = (tuple(h for h in args.allowed_hosts.split(",") if h.strip()) if args.allowed_hosts
+             else default_allowed_hosts(args.host))
+    return ServerConfig(model_name=served_model_name(args), max_queued_requests=args.max_queued_requests,
+                        api_key=args.api_key, public_metrics=args.public_metrics, allowed_hosts=hosts,
+                        max_request_bytes=args.max_request_bytes, allow_special_tokens=args.allow_special_tokens,
+                        shutdown_timeout_s=args.shutdown_timeout)
+
+
 def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine)
-    """Load the engine from the parsed flags, start its loop, and wrap it in the app."""
+    """Validate every flag, load the engine, start its loop, and wrap it in the app."""
     from infer.engine.async_engine import AsyncEngine
     from infer.engine.engine import Engine
     from infer.server.app import create_app
 
+    server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
-    engine = AsyncEngine(Engine(config), args.max_queued_requests)
-    name = args.served_model_name or config.model or DEFAULT_MODEL_NAME
-    return create_app(engine, name, args.max_queued_requests), engine
+    engine = AsyncEngine(Engine(config), server_config.max_queued_requests)
+    return create_app(engine, server_config), engine
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from infer.server.launch import serve_app
 
     app, engine = build_app(args)
-    print(f"serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    print(f"serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1"
+          + (" (API key required)" if args.api_key else ""), file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        serve_app(app, args.host, args.port, args.log_level)
     finally:
+        app.state.server.preparer.close()
         engine.shutdown()
     return 0
 

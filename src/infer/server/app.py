@@ -1,9 +1,11 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-`create_app(engine, model_name, max_queued_requests)` builds an app around a running
-`AsyncEngine`; the app talks to the engine only through `add_request` / `abort` and the
-returned streams. Every error leaves as OpenAI error JSON (see errors.py); the OpenAPI
-schema documents exactly the status codes the server returns (400 replaces FastAPI's 422).
+`create_app(engine, config)` builds an app around a running `AsyncEngine` and a
+`ServerConfig`; the app talks to the engine only through `add_request` / `abort` and the
+returned streams. In front of it sit the request accounting (metrics) and the gate (Host
+allow-list, API key, body size: security.py). Every error leaves as OpenAI error JSON (see
+errors.py); the OpenAPI schema documents exactly the status codes the server returns (400
+replaces FastAPI's 422).
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ from pydantic.json_schema import models_json_schema
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from infer.engine.async_engine import AsyncEngine
+from infer.server.config import ServerConfig
 from infer.server.errors import engine_unavailable, install_error_handlers
-from infer.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                   CompletionChunk, CompletionRequest, CompletionResponse, ErrorResponse,
-                                   HealthResponse, ModelCard, ModelList)
 from infer.server.metrics import CONTENT_TYPE
+from infer.server.protocol import ChatCompletionRequest, CompletionRequest
+from infer.server.responses import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk, CompletionResponse,
+                                    ErrorResponse, HealthResponse, ModelCard, ModelList)
 from infer.server.routes import chat_completion, completion
+from infer.server.security import Gatekeeper
 from infer.server.serving import ServerState
 
 _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in (
-    (400, "invalid request (the error names the parameter)"), (404, "unknown model"),
-    (429, "waiting queue full; see Retry-After"), (503, "the engine loop is not running"))}
+    (400, "invalid request (the error names the parameter)"), (401, "missing or wrong API key (with --api-key)"),
+    (404, "unknown model"), (413, "request body over --max-request-bytes"),
+    (421, "Host header not in --allowed-hosts"), (429, "waiting queue full; see Retry-After"),
+    (503, "the engine loop is not running, or the server is shutting down"))}
 _STREAM_200 = {"description": "a response, or server-sent events when stream is true",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 _STREAM_CHUNKS = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk}
@@ -39,7 +45,8 @@ class RequestAccounting:
     """ASGI middleware: counts requests by endpoint and status, tracks requests in flight.
 
     A plain ASGI wrapper (not BaseHTTPMiddleware) so streaming and disconnects pass through
-    untouched. A request whose client left before any response was sent counts as 499.
+    untouched. A request whose client left before any response was sent counts as 499; one
+    whose handler raised before responding, as 500.
     """
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
@@ -60,6 +67,10 @@ class RequestAccounting:
         self.state.in_flight += 1
         try:
             await self.app(scope, receive, send_wrapper)
+        except Exception:
+            if status["code"] == 499:
+                status["code"] = 500
+            raise
         finally:
             self.state.in_flight -= 1
             path = scope.get("path", "")
@@ -67,8 +78,8 @@ class RequestAccounting:
             self.state.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
-def create_app(engine: AsyncEngine, model_name: str, max_queued_requests: int | None = None) -> FastAPI:
-    state = ServerState(engine, model_name, max_queued_requests)
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    state = ServerState(engine, config)
     app = FastAPI(title="infer", version="0.1.0",
                   description="OpenAI-compatible server of the infer engine (speculative decoding)")
     app.state.server = state
@@ -76,7 +87,8 @@ def create_app(engine: AsyncEngine, model_name: str, max_queued_requests: int | 
     _add_generation_routes(app, state)
     _add_info_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(RequestAccounting, state=state)
+    app.add_middleware(Gatekeeper, config=config)
+    app.add_middleware(RequestAccounting, state=state)  # added last: outermost, so it counts the gate's refusals
     return app
 
 
@@ -98,7 +110,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.model_name, created=created, max_model_len=state.max_seq_len)])
 
-    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503]})
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503], 421: _ERRORS[421]})
     async def health() -> Any:
         if not state.engine.healthy:
             return engine_unavailable(state.engine.error).response()

@@ -7,6 +7,7 @@ shape with the right status code, so clients always see OpenAI's error format.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ NOT_FOUND = "not_found_error"
 RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
+log = logging.getLogger("infer.server")
 
 
 class APIError(Exception):
@@ -51,8 +53,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def engine_unavailable(detail: str | None) -> APIError:
-    reason = (detail or "stopped").strip().splitlines()[-1] if detail else "stopped"
-    return APIError(503, f"the inference engine is not running ({reason}); restart the server",
+    """503 for a dead engine loop; `detail` (its traceback, logged by AsyncEngine) is not shown."""
+    why = "has stopped after an internal error" if detail else "is not running"
+    return APIError(503, f"the inference engine {why}: restart the server (its log has the details)",
                     UNAVAILABLE, None, "engine_unavailable")
 
 
@@ -110,8 +113,9 @@ async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-    message = f"internal server error: {type(exc).__name__}: {exc}"
-    return APIError(500, message, SERVER_ERROR, None, "internal_error").response()
+    log.error("unexpected error while handling a request", exc_info=exc)
+    return APIError(500, "internal server error: the server log has the details", SERVER_ERROR, None,
+                    "internal_error").response()
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,33 +1,72 @@
-"""Run an app under uvicorn in a background thread (tests, benchmarks, notebooks).
+"""Run an app under uvicorn: `serve_app` (the command line, in the foreground) and
+`ServerThread` (tests, benchmarks, notebooks: a background thread).
 
     with ServerThread(app) as server:          # 127.0.0.1, a free port chosen by the OS
         httpx.get(server.url + "/health")
 
-The listening socket is bound before uvicorn starts, so the port is known (and reserved)
-up front; `stop()` asks uvicorn to exit and joins the thread. `LiveServer` bundles an engine,
-its app and the thread (tests and the load benchmark use it).
+Both use `DrainingServer`: on SIGTERM / Ctrl-C (or `stop()`), the app stops admitting
+requests and aborts those still open after its shutdown timeout (they end with an error
+event or a 503); uvicorn's own graceful-shutdown limit is a few seconds past that, as a
+backstop. The listening socket of a ServerThread is bound before uvicorn starts, so the port
+is known (and reserved) up front. `LiveServer` bundles an engine, its app and the thread
+(tests and the load benchmark use it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
 import threading
 import time
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import uvicorn
 
+from infer.server.config import ServerConfig, default_allowed_hosts
+
+BACKSTOP_S = 5.0  # uvicorn cancels what is left this long after the app's own shutdown timeout
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that tells the app when shutdown starts (the app's `state.server`)."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self.state = state  # ServerState
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.state.begin_shutdown)
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: Any, log_level: str, **kwargs: Any) -> uvicorn.Config:
+    timeout = app.state.server.config.shutdown_timeout_s + BACKSTOP_S
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(timeout + 0.999),
+                          backlog=4096, **kwargs)
+
+
+def serve_app(app: Any, host: str, port: int, log_level: str) -> None:
+    """Serve in the foreground until SIGTERM / SIGINT, then drain (see the module docstring)."""
+    DrainingServer(uvicorn_config(app, log_level, host=host, port=port), app.state.server).run()
+
 
 class ServerThread:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (with proto 0
+        # every response's body waited ~40 ms for the client's delayed ACK)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5,
-                                backlog=4096)
-        self.server = uvicorn.Server(config)
+        self.server = DrainingServer(uvicorn_config(app, log_level, lifespan="off"), app.state.server)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name=f"uvicorn-{self.port}", daemon=True)
 
@@ -45,8 +84,9 @@ class ServerThread:
             time.sleep(0.01)  # polling uvicorn's startup flag
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.server.should_exit = True
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Shut down as on SIGTERM (drain, then abort what is left) and join the thread."""
+        self.server.handle_exit(signal.SIGTERM, None)
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             self.server.force_exit = True
@@ -75,15 +115,19 @@ class LiveServer:
 
     @classmethod
     def start(cls, config: Any, model_name: str = "infer", max_queued_requests: int | None = None,
-              engine: Any = None) -> LiveServer:
-        """Start a server for `config` (an EngineConfig), or around an already built `engine` (Engine)."""
+              engine: Any = None, **server_options: Any) -> LiveServer:
+        """Start a server for `config` (an EngineConfig), or around an already built `engine`
+        (Engine), on 127.0.0.1; `server_options` are further ServerConfig fields."""
         from infer.engine.async_engine import AsyncEngine
         from infer.engine.engine import Engine
         from infer.server.app import create_app
 
+        server_options.setdefault("allowed_hosts", default_allowed_hosts("127.0.0.1"))
+        server_config = ServerConfig(model_name=model_name, max_queued_requests=max_queued_requests,
+                                     **server_options)
         async_engine = AsyncEngine(engine if engine is not None else Engine(config), max_queued_requests)
-        app = create_app(async_engine, model_name, max_queued_requests)
         try:
+            app = create_app(async_engine, server_config)
             return cls(async_engine, app, ServerThread(app).start())
         except BaseException:
             async_engine.shutdown()
@@ -120,6 +164,7 @@ class LiveServer:
         try:
             self.thread.stop()
         finally:
+            self.state.preparer.close()
             self.engine.shutdown()
 
     def __enter__(self) -> LiveServer:

@@ -1,26 +1,66 @@
-"""OpenAI request and response schemas (pydantic) for /v1/completions, /v1/chat/completions,
-/v1/models and /health.
+"""OpenAI request schemas (pydantic) for /v1/completions and /v1/chat/completions.
 
 Requests are validated strictly (no "5" -> 5 coercion) with the ranges in the schema, so the
-OpenAPI document FastAPI serves says exactly what the server accepts. Extensions beyond the
-OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids` on requests, and
-`speculative_decoding` (acceptance rate, mean accepted length) on responses.
+OpenAPI document FastAPI serves says exactly what the server accepts. Integer fields accept
+integral floats (`1.0`), as JSON Schema's "integer" does. Every string must be valid Unicode
+(a lone UTF-16 surrogate such as `"\\ud800"` is a 400 naming the field). Stop strings are
+limited as in OpenAI's API (4). Parameters the server does not implement (`tools`,
+`response_format` other than text, `best_of` > `n`, ...) are declared so that a request
+setting them gets a 400 naming them rather than being silently ignored; unknown fields are
+ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`,
+`stop_token_ids`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+
+from infer.sampling import MAX_LOGPROBS
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+MAX_N = 128  # choices per request (OpenAI's limit)
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 256
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit; chat takes up to 20)
 
-NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+def _valid_unicode(text: str) -> str:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"holds a lone UTF-16 surrogate (\\u{ord(text[exc.start]):04x} at character "
+                             f"{exc.start}), which is not valid Unicode: send UTF-8 text") from None
+    return text
+
+
+def _integral(value: Any) -> Any:
+    """1.0 -> 1 (JSON numbers with no fraction are integers); anything else goes on to validation."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def _whole(value: float) -> int:
+    if not value.is_integer():
+        raise ValueError("must be an integer")
+    return int(value)
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
+StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Int = Annotated[int, BeforeValidator(_integral)]
+# token ids: an integer, or an integral float: the union keeps long lists of ints on pydantic's
+# fast path (a Python call only for a float)
+TokenId = Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0, multiple_of=1), AfterValidator(_whole)]
 T = TypeVar("T")
 OnePrompt = Annotated[list[T], Field(min_length=1, max_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+Unsupported = JsonValue | None
 
 
 class _Strict(BaseModel):
@@ -34,21 +74,46 @@ class StreamOptions(_Strict):
 class SamplingFields(_Strict):
     """Parameters shared by completions and chat completions."""
 
-    model: str | None = Field(None, description="served model name; default: the served model")
+    model: Text | None = Field(None, description="served model name; default: the served model")
+    n: Int = Field(1, ge=1, le=MAX_N, description="independent samples of the same prompt (choices)")
     temperature: float | None = Field(1.0, ge=0, description="0 = greedy")
     top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(-1, ge=-1, description="-1 or 0 = off (extension)")
+    top_k: Int | None = Field(-1, ge=-1, description="-1 or 0 = off (extension)")
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="subtracted once from the logit of "
+                                           "every token already in the prompt or output")
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="subtracted per occurrence in the "
+                                            "prompt or output")
     repetition_penalty: float | None = Field(1.0, gt=0, description="1 = off (extension)")
-    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, description="stop strings (not returned)")
-    stop_token_ids: list[TokenId] | None = Field(None, description="stop token ids (extension)")
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters (not returned)")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="stop token ids (extension)")
     ignore_eos: bool = Field(False, description="keep generating after EOS (extension)")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only n = 1 is supported")
-    presence_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
-    frequency_penalty: float = Field(0.0, ge=0, le=0, description="only 0 is supported")
-    user: str | None = None
+    user: Text | None = None
+    # declared so that a request relying on them is refused (400) rather than silently ignored
+    tools: Unsupported = Field(None, description="not supported (400)")
+    tool_choice: Unsupported = Field(None, description="not supported (400 unless 'none')")
+    functions: Unsupported = Field(None, description="not supported (400)")
+    function_call: Unsupported = Field(None, description="not supported (400 unless 'none')")
+    response_format: Unsupported = Field(None, description="only {'type': 'text'} (400 otherwise)")
+    logit_bias: Unsupported = Field(None, description="not supported (400 unless empty)")
+
+    def unsupported(self) -> str | None:
+        """The first parameter set to something the server does not implement, else None."""
+        for name, value in (("tools", self.tools), ("functions", self.functions)):
+            if value is not None:
+                return name
+        for name, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
+            if value not in (None, "none"):
+                return name
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format"
+        if self.logit_bias not in (None, {}):
+            return "logit_bias"
+        return None
 
 
 class CompletionRequest(SamplingFields):
@@ -56,25 +121,35 @@ class CompletionRequest(SamplingFields):
         {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
         {"prompt": [1, 2, 3], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}},
         {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0.8, "top_p": 0.9, "seed": 1,
-         "stop": ["."], "stream": True},
+         "stop": ["."], "stream": True, "n": 2, "logprobs": 2},
     ]})
 
-    prompt: str | list[TokenId] | OnePrompt[str] | OnePrompt[list[TokenId]] = Field(
+    prompt: Text | list[TokenId] | OnePrompt[Text] | OnePrompt[list[TokenId]] = Field(
         description="text or token ids (a list of prompts must hold exactly one)")
-    max_tokens: int | None = Field(16, ge=1)
-    echo: Literal[False] = Field(False, description="echo is not supported")
-    logprobs: None = Field(None, description="logprobs are not supported")
+    max_tokens: Int | None = Field(16, ge=1)
+    echo: bool = Field(False, description="return the prompt before the completion")
+    logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description="log-probabilities of each token and of the N most likely")
+    best_of: Int | None = Field(None, ge=1, le=MAX_N, description="only best_of = n (400 otherwise)")
+    suffix: Unsupported = Field(None, description="not supported (400)")
+
+    def unsupported(self) -> str | None:
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        if self.suffix not in (None, ""):
+            return "suffix"
+        return super().unsupported()
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
@@ -86,128 +161,13 @@ class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"examples": [
         {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
-         "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True}},
+         "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True},
+         "logprobs": True, "top_logprobs": 2},
     ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="default: the rest of the context")
-    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
-    logprobs: Literal[False] | None = Field(None, description="logprobs are not supported")
-
-
-# -- responses ------------------------------------------------------------------------------
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class SpeculativeStats(BaseModel):
-    """Per-request speculative decoding statistics (extension; null when speculation is off)."""
-
-    acceptance_rate: float | None = Field(description="accepted / drafted tokens, mean over rounds")
-    mean_accepted_length: float | None = Field(description="tokens emitted per speculation round")
-
-
-FinishReasonName = Literal["stop", "length"]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: None = None
-    finish_reason: FinishReasonName | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: None = None
-    finish_reason: FinishReasonName | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
-
-
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: ChatDelta
-    logprobs: None = None
-    finish_reason: FinishReasonName | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "infer"
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class HealthResponse(BaseModel):
-    status: Literal["ok"] = "ok"
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorDetail
+    max_tokens: Int | None = Field(None, ge=1, description="default: the rest of the context")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="alias of max_tokens")
+    logprobs: bool | None = Field(None, description="return the log-probability of each token")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: also the N most likely tokens at each position")

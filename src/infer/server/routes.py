@@ -1,7 +1,7 @@
-"""Handlers of /v1/completions and /v1/chat/completions: validate, submit, stream or collect.
+"""Handlers of /v1/completions and /v1/chat/completions: prepare, submit, stream or collect.
 
-Everything that can fail before the first byte (bad parameters, unknown model, full
-queue, dead engine) fails here, so a streaming request gets a real 4xx/5xx status rather
+Everything that can fail before the first byte (bad parameters, unknown model, full queue,
+dead engine, shutdown) fails here, so a streaming request gets a real 4xx/5xx status rather
 than a 200 followed by an error event.
 """
 
@@ -14,97 +14,99 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from infer.engine.request import StepOutput
-from infer.server.errors import SERVER_ERROR, APIError, engine_unavailable
-from infer.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                   ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                                   CompletionChunk, CompletionRequest, CompletionResponse, SpeculativeStats,
-                                   Usage)
-from infer.server.serving import (Job, ServerState, chat_prompt_ids, check_prompt, completion_prompt_ids,
-                                  sampling_params, submit)
-from infer.server.streaming import Outcome, SSEResponse, collect, event_stream, usage
+from infer.server.logprob_format import LogprobFormatter
+from infer.server.protocol import ChatCompletionRequest, CompletionRequest
+from infer.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                    ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk,
+                                    CompletionResponse, SpeculativeStats, Usage)
+from infer.server.serving import ServerState, submit
+from infer.server.streaming import SSEResponse, collect, event_stream, usage
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
-DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def _finish_reason(out: StepOutput) -> str | None:
     return out.finish_reason.value if out.finished and out.finish_reason else None
 
 
-def _outcome_error(state: ServerState, outcome: Outcome) -> APIError:
-    if not state.engine.healthy:
-        return engine_unavailable(state.engine.error)
-    return APIError(500, outcome.error or "generation failed", SERVER_ERROR, None, "engine_error")
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 async def completion(state: ServerState, body: CompletionRequest, request: Request) -> Any:
     state.check_model(body.model)
-    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_MAX_TOKENS
-    params = sampling_params(body, max_tokens)
-    ids = completion_prompt_ids(state, body)
-    check_prompt(state, ids, max_tokens, "prompt")
-    job = await submit(state, ids, params, "cmpl")
+    state.check_accepting()
+    prepared = await state.preparer.completion(body)
+    request_id, jobs = await submit(state, prepared, "cmpl")
     created, model = int(time.time()), state.model_name
+    fmt = LogprobFormatter(state.engine.engine.tokenizer)
+    echo = prepared.echo or ""
+    with_top = bool(body.logprobs)
     if body.stream:
-        def chunk(out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
-            choice = CompletionChoice(text=out.text_delta, finish_reason=_finish_reason(out))
-            return CompletionChunk(id=job.request_id, created=created, model=model, choices=[choice],
+        offsets = [len(echo)] * len(jobs)
+
+        def chunk(index: int, out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = fmt.completion([out.logprobs], offsets[index], with_top)
+                offsets[index] += len(logprobs.tokens[0])
+            choice = CompletionChoice(index=index, text=out.text_delta, logprobs=logprobs,
+                                      finish_reason=_finish_reason(out))  # type: ignore[arg-type]
+            return CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                    speculative_decoding=spec).model_dump()
 
         def usage_chunk(u: Usage) -> dict[str, Any]:
-            return CompletionChunk(id=job.request_id, created=created, model=model, choices=[],
-                                   usage=u).model_dump()
+            return CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=u).model_dump()
 
-        include = body.stream_options is not None and body.stream_options.include_usage
-        return SSEResponse(event_stream(job, chunk, usage_chunk if include else None), job.close)
-    outcome = await collect(job, request)
-    if outcome is None:
+        first = [CompletionChunk(id=request_id, created=created, model=model, choices=[
+            CompletionChoice(index=i, text=echo, finish_reason=None) for i in range(len(jobs))]).model_dump()
+        ] if prepared.echo else []
+        return SSEResponse(event_stream(jobs, chunk, usage_chunk if _include_usage(body) else None, first),
+                           jobs.close)
+    outcomes = await collect(jobs, request)
+    if outcomes is None:
         return Response(status_code=CLIENT_CLOSED)
-    if outcome.error is not None:
-        raise _outcome_error(state, outcome)
-    return CompletionResponse(
-        id=job.request_id, created=created, model=model,
-        choices=[CompletionChoice(text=outcome.text, finish_reason=outcome.finish_reason)],  # type: ignore[arg-type]
-        usage=usage(job, outcome.completion_tokens), speculative_decoding=outcome.spec)
-
-
-def _chat_max_tokens(state: ServerState, body: ChatCompletionRequest, prompt_len: int) -> int:
-    explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return explicit if explicit is not None else max(1, state.max_seq_len - prompt_len)
+    if not isinstance(outcomes, list):
+        raise outcomes
+    choices = [CompletionChoice(index=i, text=echo + o.text, finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                                logprobs=fmt.completion(o.logprobs, len(echo), with_top)
+                                if body.logprobs is not None else None)
+               for i, o in enumerate(outcomes)]
+    return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                              usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
+                              speculative_decoding=outcomes[0].spec)
 
 
 async def chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Any:
     state.check_model(body.model)
-    sampling_params(body, 1)  # parameter errors first, before the chat template runs
-    ids = chat_prompt_ids(state, body)
-    max_tokens = _chat_max_tokens(state, body, len(ids))
-    check_prompt(state, ids, max_tokens, "messages")
-    job = await submit(state, ids, sampling_params(body, max_tokens), "chatcmpl")
-    if body.stream:
-        include = body.stream_options is not None and body.stream_options.include_usage
-        return _chat_stream(state, job, include)
-    outcome = await collect(job, request)
-    if outcome is None:
-        return Response(status_code=CLIENT_CLOSED)
-    if outcome.error is not None:
-        raise _outcome_error(state, outcome)
-    choice = ChatChoice(message=AssistantMessage(content=outcome.text),
-                        finish_reason=outcome.finish_reason)  # type: ignore[arg-type]
-    return ChatCompletionResponse(id=job.request_id, model=state.model_name, choices=[choice],
-                                  usage=usage(job, outcome.completion_tokens), speculative_decoding=outcome.spec)
-
-
-def _chat_stream(state: ServerState, job: Job, include_usage: bool) -> SSEResponse:
+    state.check_accepting()
+    prepared = await state.preparer.chat(body)
+    request_id, jobs = await submit(state, prepared, "chatcmpl")
     created, model = int(time.time()), state.model_name
+    fmt = LogprobFormatter(state.engine.engine.tokenizer)
+    if body.stream:
+        def make(choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
+            return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
+                                       **extra).model_dump(exclude_none=False)
 
-    def make(choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
-        return ChatCompletionChunk(id=job.request_id, created=created, model=model, choices=choices,
-                                   **extra).model_dump(exclude_none=False)
+        def chunk(index: int, out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
+            logprobs = fmt.chat([out.logprobs]) if out.logprobs is not None else None
+            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=out.text_delta), logprobs=logprobs,
+                                     finish_reason=_finish_reason(out))  # type: ignore[arg-type]
+            return make([choice], speculative_decoding=spec)
 
-    def chunk(out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
-        choice = ChatChunkChoice(delta=ChatDelta(content=out.text_delta), finish_reason=_finish_reason(out))
-        return make([choice], speculative_decoding=spec)
-
-    first = make([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])
-    usage_chunk = (lambda u: make([], usage=u)) if include_usage else None
-    return SSEResponse(event_stream(job, chunk, usage_chunk, first), job.close)
+        first = [make([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+                 for i in range(len(jobs))]
+        usage_chunk = (lambda u: make([], usage=u)) if _include_usage(body) else None
+        return SSEResponse(event_stream(jobs, chunk, usage_chunk, first), jobs.close)
+    outcomes = await collect(jobs, request)
+    if outcomes is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if not isinstance(outcomes, list):
+        raise outcomes
+    choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,  # type: ignore[arg-type]
+                          logprobs=fmt.chat(o.logprobs) if body.logprobs else None)
+               for i, o in enumerate(outcomes)]
+    return ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
+                                  usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
+                                  speculative_decoding=outcomes[0].spec)

@@ -1,22 +1,23 @@
-"""Delivering a Job's tokens: server-sent events in OpenAI's chunk format, or one response.
+"""Delivering a request's choices: server-sent events in OpenAI's chunk format, or one response.
 
-Streaming: one chunk per generated token, in order (a speculation round that accepts several
-tokens yields several chunks), a final chunk with `finish_reason` (and the request's
-speculative statistics), an optional usage chunk, then `data: [DONE]`. An engine failure
-mid-stream becomes an `error` event followed by `[DONE]`.
+`merged(jobs)` interleaves the StepOutputs of a request's choices (one Job each) as they
+arrive, tagged with the choice's index. Streaming: one chunk per generated token and
+choice, a final chunk per choice with its `finish_reason` (and speculative statistics), an
+optional usage chunk (all choices together), then `data: [DONE]`. A failure mid-stream (the
+engine's, or a shutdown) becomes an `error` event followed by `[DONE]`.
 
-Client disconnects abort the request at once in both modes: `SSEResponse` listens for
-`http.disconnect` while streaming and cancels the stream (whatever ASGI spec version the
-server speaks), and `collect` races the generation against the same signal.
+Client disconnects abort every choice at once in both modes: `SSEResponse` listens for
+`http.disconnect` while streaming and cancels the stream, and `collect` races the
+generation against the same signal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -25,9 +26,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from infer.engine.request import StepOutput
-from infer.server.errors import SERVER_ERROR, error_body
-from infer.server.protocol import SpeculativeStats, Usage
-from infer.server.serving import Job, failure_message, spec_stats
+from infer.logprobs import TokenLogprobs
+from infer.server.errors import APIError
+from infer.server.responses import SpeculativeStats, Usage
+from infer.server.serving import Job, spec_stats
 
 DONE = "data: [DONE]\n\n"
 
@@ -52,9 +54,9 @@ class SSEResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            closer = getattr(self.body_iterator, "aclose", None)
-            if closer is not None:
-                await closer()
+            iterator = self.body_iterator
+            if isinstance(iterator, AsyncGenerator):
+                await iterator.aclose()
             if self.on_close is not None:
                 self.on_close()
 
@@ -63,34 +65,73 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[int, StepOutput]]:
+    """(choice index, output) of every job, in arrival order; closing it aborts them all."""
+    if len(jobs) == 1:
+        async with aclosing(jobs[0].outputs()) as outputs:
+            async for out in outputs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StepOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, job: Job) -> None:
+        try:
+            async with aclosing(job.outputs()) as outputs:
+                async for out in outputs:
+                    queue.put_nowait((index, out))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
+    try:
+        left = len(jobs)
+        while left:
+            index, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclass
 class Outcome:
-    """What a finished non-streaming request produced."""
+    """What one finished choice produced."""
 
-    text: str
-    completion_tokens: int
-    finish_reason: str | None
-    spec: SpeculativeStats | None
-    error: str | None
-
-
-def usage(job: Job, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=job.prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=job.prompt_tokens + completion_tokens)
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    spec: SpeculativeStats | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
-async def _gather(job: Job) -> Outcome:
-    parts: list[str] = []
-    tokens = 0
-    async with aclosing(job.outputs()) as outputs:
-        async for out in outputs:
-            tokens += out.token_id is not None
-            parts.append(out.text_delta)
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+async def _gather(jobs: Sequence[Job]) -> list[Outcome] | APIError:
+    outcomes = [Outcome() for _ in jobs]
+    parts: list[list[str]] = [[] for _ in jobs]
+    async with aclosing(merged(jobs)) as outputs:
+        async for index, out in outputs:
+            outcome = outcomes[index]
+            outcome.completion_tokens += out.token_id is not None
+            parts[index].append(out.text_delta)
+            if out.logprobs is not None:
+                outcome.logprobs.append(out.logprobs)
             if out.finished:
-                error = failure_message(out)
-                reason = None if error else out.finish_reason.value  # type: ignore[union-attr]
-                return Outcome("".join(parts), tokens, reason, spec_stats(out), error)
-    return Outcome("".join(parts), tokens, None, None, "the request ended without a final event")
+                error = jobs[index].failure(out)
+                if error is not None:
+                    return error
+                outcome.finish_reason = out.finish_reason.value  # type: ignore[union-attr]
+                outcome.spec = spec_stats(out)
+    for outcome, text in zip(outcomes, parts, strict=True):
+        outcome.text = "".join(text)
+    return outcomes
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -98,9 +139,10 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def collect(job: Job, request: Request) -> Outcome | None:
-    """Run the job to the end; None (and the request aborted) if the client went away first."""
-    gather = asyncio.ensure_future(_gather(job))
+async def collect(jobs: Sequence[Job], request: Request) -> list[Outcome] | APIError | None:
+    """Run every choice to the end: their outcomes, the error that ended one of them, or
+    None (and everything aborted) if the client went away first."""
+    gather = asyncio.ensure_future(_gather(jobs))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -110,29 +152,31 @@ async def collect(job: Job, request: Request) -> Outcome | None:
             with suppress(asyncio.CancelledError):
                 await task
     if gather.cancelled():
-        job.close()
+        for job in jobs:
+            job.close()
         return None
     return gather.result()
 
 
-ChunkFn = Callable[[StepOutput, SpeculativeStats | None], dict[str, Any]]
+ChunkFn = Callable[[int, StepOutput, SpeculativeStats | None], dict[str, Any]]
 
 
-async def event_stream(job: Job, chunk: ChunkFn, usage_chunk: Callable[[Usage], dict[str, Any]] | None,
-                       first: dict[str, Any] | None = None) -> AsyncIterator[str]:
-    """SSE lines for one job: `chunk(out, spec)` per StepOutput, then usage, then [DONE]."""
+async def event_stream(jobs: Sequence[Job], chunk: ChunkFn, usage_chunk: Callable[[Usage], dict[str, Any]] | None,
+                       first: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
+    """SSE lines for a request's choices: `first` chunks, `chunk(index, out, spec)` per
+    StepOutput, then usage, then [DONE]."""
     tokens = 0
-    if first is not None:
-        yield sse(first)
-    async with aclosing(job.outputs()) as outputs:
-        async for out in outputs:
+    for payload in first:
+        yield sse(payload)
+    async with aclosing(merged(jobs)) as outputs:
+        async for index, out in outputs:
             tokens += out.token_id is not None
-            error = failure_message(out) if out.finished else None
+            error = jobs[index].failure(out) if out.finished else None
             if error is not None:
-                yield sse(error_body(error, SERVER_ERROR, None, "engine_error"))
+                yield sse(error.body())
                 yield DONE
                 return
-            yield sse(chunk(out, spec_stats(out) if out.finished else None))
+            yield sse(chunk(index, out, spec_stats(out) if out.finished else None))
     if usage_chunk is not None:
-        yield sse(usage_chunk(usage(job, tokens)))
+        yield sse(usage_chunk(usage(jobs[0].prompt_tokens, tokens)))
     yield DONE

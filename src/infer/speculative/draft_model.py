@@ -174,8 +174,8 @@ class DraftModelProposer:
         batch, k_max = len(reqs), max(ks)
         slots = [self._slot(r) for r in reqs]
         params = [r.sampling_params for r in reqs]
-        greedy = all(p.greedy and p.repetition_penalty == 1.0 for p in params)
-        contexts = [list(r.all_token_ids) for r in reqs] if any(p.repetition_penalty != 1.0 for p in params) else None
+        greedy = all(p.greedy and not p.penalized for p in params)
+        contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
         vocab = self.model.config.vocab_size
         fused = None if greedy or not all(temperature_only(p, vocab) for p in params) else \
             self.step_forward.sample

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.logprobs import TokenLogprobs
+
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.transfer import tensor_on, to_device
 
@@ -39,6 +41,7 @@ class VerifyResult:
 
     tokens: list[list[int]]  # per row, num_accepted[row] + 1 token ids
     num_accepted: list[int]  # per row, 0 .. num_draft[row]
+    logprobs: list[list[TokenLogprobs]] | None = None  # per row and token, the target's (infer.logprobs)
 
 
 def _token_ratios(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ and tiktoken backends (backends.py), chat templates (chat.py) and the streaming 
 (detokenizer.py) sit beside it.
 """
 
+from infer.tokenization.backends import TokenLimitExceeded
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.tokenizer import Tokenizer
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]

@@ -50,13 +50,22 @@ TIKTOKEN_MAX_RUN = 25_000
 _RUNS = re.compile(r"\s+|\S+")
 
 
+class TokenLimitExceeded(ValueError):
+    """Raised by `encode(..., limit=N)` for a text of more than N tokens (`count` of them)."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"the text has {count} tokens, more than the limit of {limit}")
+        self.count = count
+
+
 class TokenizerBackend(Protocol):
     """The raw tokenization surface both backends provide."""
 
     name: str
     vocab_size: int  # full id space, special tokens included
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]: ...
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str: ...
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
@@ -64,12 +73,19 @@ class TokenizerBackend(Protocol):
 
 
 class HFTokenizersBackend:
-    """A `tokenizers.Tokenizer` loaded from tokenizer.json; special strings in text are parsed."""
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json.
+
+    Special-token strings in text become their ids, or plain text with `parse_special=False`
+    (through a second copy of the tokenizer with `encode_special_tokens` set, made on first
+    use, so the two modes never race between threads). Encoding goes through `encode_batch_fast`, which
+    releases the GIL (plain `encode` holds it: seconds for a few MB of text).
+    """
 
     name = "tokenizers"
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
         self._tok = tokenizer
+        self._plain: tokenizers.Tokenizer | None = None
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
@@ -83,8 +99,20 @@ class HFTokenizersBackend:
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise ValueError(f"could not load {path} with the tokenizers library: {exc}") from exc
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
+        tok = self._tok if parse_special else self._plain_tokenizer()
+        encoding = tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:  # checked before the id list is built
+            raise TokenLimitExceeded(len(encoding), limit)
+        return encoding.ids
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        if self._plain is None:  # (two threads may both build one: harmless, one is kept)
+            plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -121,10 +149,14 @@ class TiktokenBackend:
     def from_file(cls, path: Path) -> TiktokenBackend:
         return cls(load_tiktoken_ranks(path), encoding_name=path.name)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
         ids = [self.bos_token_id] if add_special_tokens else []
+        allowed: str | set[str] = "all" if parse_special else set()
         for piece in split_for_tiktoken(text, TIKTOKEN_MAX_CHARS, TIKTOKEN_MAX_RUN):
-            ids.extend(self._encoding.encode(piece, allowed_special="all", disallowed_special=()))
+            ids.extend(self._encoding.encode(piece, allowed_special=allowed, disallowed_special=()))
+        if limit is not None and len(ids) > limit:
+            raise TokenLimitExceeded(len(ids), limit)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -222,6 +254,15 @@ def _byte_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + shifted)
             shifted += 1
     return mapping
+
+
+def byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level BPE vocabulary string stands for ("Ġhi" -> b" hi"), or None
+    when the string is not in GPT-2's byte alphabet (e.g. SentencePiece's "▁hi")."""
+    decoder = _unicode_to_byte()
+    if not all(ch in decoder for ch in token):
+        return None
+    return bytes(decoder[ch] for ch in token)
 
 
 @lru_cache(maxsize=1)

@@ -21,12 +21,15 @@ from infer.tokenization.backends import (
     HFTokenizersBackend,
     TiktokenBackend,
     TokenizerBackend,
+    TokenLimitExceeded,
+    byte_level_bytes,
 )
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
+from infer.tokenization.special import encode_rendered, escape_messages, special_pattern
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]
 
 LLAMA3_DEFAULT_EOS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
@@ -107,19 +110,24 @@ class Tokenizer:
 
     # --------------------------------------------------------------- encoding
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings in it become their ids.
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True,
+               limit: int | None = None) -> list[int]:
+        """Token ids of `text`; special-token strings in it become their ids, or are encoded
+        as the plain text they spell with `parse_special=False` (untrusted text).
 
         With `add_special_tokens`, BOS (and EOS) are added as the tokenizer is configured:
         the tokenizer.json post-processor, or `add_bos_token`/`add_eos_token` when
-        tokenizer_config.json sets them, or BOS for a Llama 3 tiktoken file.
+        tokenizer_config.json sets them, or BOS for a Llama 3 tiktoken file. Both backends
+        release the GIL while they encode. With `limit`, a text of more than `limit` tokens
+        raises `TokenLimitExceeded` (its `count`) without building the whole id list.
         """
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         explicit = self._add_bos_token is not None or self._add_eos_token is not None
         if not add_special_tokens or not explicit:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens)
-        ids = self._backend.encode(text, add_special_tokens=False)
+            return self._backend.encode(text, add_special_tokens=add_special_tokens, parse_special=parse_special,
+                                        limit=limit)
+        ids = self._backend.encode(text, add_special_tokens=False, parse_special=parse_special, limit=limit)
         if self._add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         if self._add_eos_token and self.eos_token_id is not None:
@@ -148,6 +156,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary string `token` (e.g. "<|eot_id|>"), None if absent."""
         return self._backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes of one token of a byte-level vocabulary (part of a UTF-8 character,
+        possibly); None where the vocabulary is not byte-level or the token is special."""
+        token = self._backend.id_to_token(token_id)
+        if token is None or self.is_special(token_id):
+            return None
+        return byte_level_bytes(token)
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special token (skipped by skip_special_tokens)."""
@@ -180,6 +196,31 @@ class Tokenizer:
                                     special_tokens=self._token_strings, tools=tools,
                                     **template_kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    parse_special: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """Token ids of `messages` rendered with the chat template. The template's special
+        tokens become their ids; special-token strings inside the messages' own text are
+        encoded as plain text unless `parse_special` (see `tokenization.special`)."""
+        if parse_special:
+            ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, tools=tools,
+                                           **template_kwargs)
+            assert isinstance(ids, list)
+            return ids
+        specials = sorted({t for i in self._backend.special_ids() if (t := self._backend.id_to_token(i))})
+        pattern = special_pattern(specials)
+        if pattern is None:
+            ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, tools=tools,
+                                           **template_kwargs)
+            assert isinstance(ids, list)
+            return ids
+        escaped, restore = escape_messages(messages, pattern, specials)
+        text = self.apply_chat_template(escaped, add_generation_prompt, tools=tools, **template_kwargs)
+        assert isinstance(text, str)
+        return encode_rendered(text, pattern, self._backend.token_to_id,
+                               lambda piece: self._backend.encode(piece, add_special_tokens=False,
+                                                                  parse_special=False), restore)
 
     # ----------------------------------------------------------- compatibility
 

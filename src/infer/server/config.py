@@ -1,0 +1,81 @@
+"""ServerConfig: the HTTP server's own settings (the engine's are `EngineConfig`), validated.
+
+Security defaults: no API key unless one is given; a server bound to a loopback address
+answers only requests whose Host header names a loopback host (a web page cannot reach it
+through DNS rebinding); request bodies are limited; special-token strings in user text are
+plain text.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+DEFAULT_MAX_QUEUED = 1024
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+LOOPBACK_NAMES = ("localhost",)  # plus every loopback IP literal (127.0.0.0/8, ::1)
+ANY_HOST = "*"
+
+
+@dataclass
+class ServerConfig:
+    model_name: str = "infer"
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED  # None: unlimited
+    api_key: str | None = None  # requests need `Authorization: Bearer <key>` (not /health)
+    public_metrics: bool = False  # /metrics answers without the key too
+    allowed_hosts: tuple[str, ...] = (ANY_HOST,)  # Host header names served; "*" = any
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
+    allow_special_tokens: bool = False  # parse special-token strings in user text as control tokens
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # then open requests end with an error
+    tokenizer_threads: int = 2  # threads tokenizing prompts off the event loop
+
+    def __post_init__(self) -> None:
+        if not self.model_name:
+            raise ValueError("model_name (--served-model-name) must not be empty")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None (unlimited), got {self.max_queued_requests}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key (--api-key / INFER_API_KEY) is empty: give a key or none")
+        if not self.allowed_hosts:
+            raise ValueError(f"allowed_hosts is empty: list host names or {ANY_HOST!r} for any")
+        self.allowed_hosts = tuple(h.strip().lower() for h in self.allowed_hosts)
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.tokenizer_threads < 1:
+            raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+
+    def host_allowed(self, host_header: str | None) -> bool:
+        """Whether a request's Host header (`name`, `name:port`, `[v6]:port`) is served."""
+        if ANY_HOST in self.allowed_hosts:
+            return True
+        name = host_name(host_header or "")
+        if not name:
+            return False
+        if name in self.allowed_hosts:
+            return True
+        return "localhost" in self.allowed_hosts and is_loopback(name)
+
+
+def host_name(header: str) -> str:
+    """The host part of a Host header, lower case, without port or IPv6 brackets."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:header.find("]")] if "]" in header else ""
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def is_loopback(name: str) -> bool:
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def default_allowed_hosts(bind_host: str) -> tuple[str, ...]:
+    """Loopback names when bound to a loopback address, any host otherwise."""
+    return LOOPBACK_NAMES if is_loopback(host_name(bind_host) or bind_host) else (ANY_HOST,)

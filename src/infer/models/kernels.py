@@ -79,7 +79,7 @@ def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool
     weight, scale = layer.matrix()
     n = weight.shape[0] // 2 if swiglu_ else weight.shape[0]
     res = None if residual is None else residual.reshape(-1, n).contiguous()
-    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1], scale is not None),
+    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
                       layer.workspace, res, swiglu_)
     return y.view(*x.shape[:-1], n)
 

@@ -1,11 +1,9 @@
 """Launch parameters of the Triton matmul (`triton_linear.py`) per shape, and its split-K
 workspace. Pure Python: the CPU never launches the kernel, but layers own a workspace.
 
-The choice follows measurements on an H200 (docs/benchmarks.md, `scripts/bench_matmul.py`):
-small batches (M <= 16 rows) read each weight once, so the tile is 16 rows by `block_n`
+Small batches (M <= 16 rows) read each weight once, so the tile is 16 rows by `block_n`
 columns streaming K; where the output has too few column tiles to give every
-multiprocessor several programs, K is split. Larger M (prefill of FP8 weights) takes
-64-row tiles.
+multiprocessor several programs, K is split. Larger M (prefill) takes 64-row tiles.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from dataclasses import dataclass
 import torch
 
 SMALL_M = 16  # rows up to which decode-style tiles are used
-NUM_SMS = 132  # H100 / H200 multiprocessors: the split-K heuristic's target
-_MIN_PROGRAMS = 512  # column tiles x splits below which K is split further
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +35,20 @@ class LinearConfig:
             raise ValueError("split_k, num_warps and num_stages must be >= 1")
 
 
-def choose_config(m: int, n: int, k: int, fp8: bool = True) -> LinearConfig:
-    """Tiles for y[m, n] = x[m, k] W^T (FP8 W: the configuration measured best in CUDA
-    graphs on an H200 for Llama 3.2 1B/3B shapes, `scripts/bench_matmul.py --sweep`)."""
+def choose_config(m: int, n: int, k: int) -> LinearConfig:
+    """Tiles for y[m, n] = x[m, k] W^T with W in FP8: the configurations measured best in CUDA
+    graphs on an H200 for the Llama 3.2 1B/3B shapes (`scripts/bench_matmul.py --sweep`).
+    64 output columns a program; a wide output (>= 128 column tiles: gate_up, lm_head) reads
+    256-column slices of K, a narrow one (qkv, o_proj, down_proj) splits K four or eight ways
+    over 128-column slices so that several programs run on every multiprocessor."""
     if m > SMALL_M:
         return LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
-    block_n, block_k = 32, 128
-    tiles = -(-n // block_n)
-    k_tiles = -(-k // block_k)
-    split = 1
-    while tiles * split < _MIN_PROGRAMS and split * 2 <= k_tiles // 2:
-        split *= 2
-    return LinearConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+    tiles = -(-n // 64)
+    if tiles >= 128:
+        return LinearConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4)
+    k_tiles = -(-k // 128)
+    split = 8 if k_tiles >= 32 else 4 if k_tiles >= 8 else 1
+    return LinearConfig(block_m=16, block_n=64, block_k=128, split_k=split, num_warps=4, num_stages=4)
 
 
 class SplitWorkspace:

@@ -190,6 +190,19 @@ def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor
     return torch.stack(rows)
 
 
+def round_uniforms(generators: Sequence[torch.Generator], counts: Sequence[int], width: int) -> torch.Tensor:
+    """[len(generators), width + 1] float64 uniforms for a verification round: row i draws
+    exactly counts[i] + 1 from generators[i], the first counts[i] to accept its drafts
+    (columns 0..counts[i]-1) and the last to sample its final token (column `width`), so a
+    seeded request's draws never depend on the other requests of its batch."""
+    out = torch.zeros((len(generators), width + 1), dtype=torch.float64)
+    for i, (g, k) in enumerate(zip(generators, counts, strict=True)):
+        row = torch.rand(k + 1, generator=g, dtype=torch.float64)
+        out[i, :k] = row[:k]
+        out[i, width] = row[k]
+    return out
+
+
 def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
                  contexts: Sequence[Context] | None) -> None:
     if logits.dim() != 2:

@@ -431,3 +431,24 @@ def test_fp8_engine_with_graphs_drafts_for_itself(ckpt_a):
     _tokens(llm, prompts)
     assert llm.engine.runner.forward.replays > 0 and llm.engine.runner.stats.acceptance_rate >= 0.95
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
+def test_overlapped_scheduling_matches_synchronous_on_the_gpu(ckpt_a, spec):
+    # graphs, fused kernels, device-resident tokens feeding the next step: the same tokens as
+    # synchronous scheduling (greedy and seeded sampled requests, no finish learnt late, so
+    # both modes run the same batches)
+    prompts = _prompts(ckpt_a)
+    params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], max_tokens=24, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    kw = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, use_cuda_graphs=True,
+              compile_kernels=False)
+    if spec is not None:
+        kw.update(use_speculative_decoding=True, spec_length=3,
+                  **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method=spec)))
+    outs = []
+    for overlap in (False, True):
+        llm = LLM(str(ckpt_a), async_scheduling=overlap, **kw)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+        assert llm.engine.runner.overlap == overlap and llm.engine.leak_report() == []
+    assert outs[0] == outs[1]

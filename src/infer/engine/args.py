@@ -28,6 +28,15 @@ _HELP = {
 }
 
 
+_OPTIONAL_BOOL_HELP = {
+    "enable_prefix_caching": "default: on for the paged backend",
+    "compile_kernels": "fused kernels: torch.compile'd elementwise ops, Triton FP8 matmuls, fused rotary and "
+                       "cache write (default: on with CUDA graphs)",
+    "async_scheduling": "overlap the host's work with the GPU's: prepare step n+1 while step n runs "
+                        "(default: on for CUDA devices)",
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
@@ -38,10 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help_text = _HELP.get(field.name, "")
         if hint is bool:
             group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=help_text)
-        elif field.name in ("enable_prefix_caching", "compile_kernels"):
+        elif hint == bool | None:  # on, off, or the engine's default
             group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
-                               help="default: on for the paged backend" if field.name == "enable_prefix_caching"
-                               else "torch.compile the elementwise kernels (default: on with CUDA graphs)")
+                               help=_OPTIONAL_BOOL_HELP[field.name])
         else:
             base = _base_type(hint)
             group.add_argument(*names, dest=field.name, type=base, default=field.default,

@@ -32,7 +32,7 @@ class Engine:
         self.tokenizer = self.models.tokenizer
         self.runner = self._make_runner()
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
-                                                   config.batching_mode))
+                                                   config.batching_mode, config.max_seq_len))
         self._ids = itertools.count()
         self._num_added = 0
         self._requests: dict[str, Request] = {}
@@ -96,7 +96,7 @@ class Engine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.runner.has_pending()
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> StepResult:

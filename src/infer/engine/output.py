@@ -40,44 +40,90 @@ class RequestOutput:
 
 
 class _TextState:
-    __slots__ = ("detok", "text", "emitted")
+    __slots__ = ("detok", "text", "emitted", "rendered")
 
-    def __init__(self, detok: IncrementalDetokenizer) -> None:
+    def __init__(self, detok: IncrementalDetokenizer | None) -> None:
         self.detok = detok
         self.text = ""  # all decoded output text
         self.emitted = 0  # characters of `text` already sent
+        self.rendered = 0  # output tokens turned into StepOutputs
+
+
+@dataclass(slots=True)
+class _Accepted:
+    """A token accepted for a request, waiting to be rendered into a StepOutput."""
+
+    request: Request
+    token_id: int
+    logprobs: TokenLogprobs | None
+    reason: FinishReason | None  # the finish this token decided on its id (EOS, stop id, length)
 
 
 class OutputProcessor:
+    """Tokens become StepOutputs in two phases. `accept` records a token id as soon as the
+    host knows it, and decides the finishes that depend on ids alone (EOS, stop token ids,
+    max_tokens, max_seq_len: the request is then `stop_pending` and is scheduled no more).
+    `render` detokenizes the accepted tokens in order, checks stop strings (a stop string
+    cuts the text and drops the tokens accepted after it), and builds the StepOutputs; a
+    request is FINISHED once its last token is rendered. Synchronous scheduling renders
+    right after accepting; overlapped scheduling renders one step later, while the GPU
+    runs the next step."""
+
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_seq_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_seq_len = max_seq_len
         self._states: dict[str, _TextState] = {}
+        self._accepted: list[_Accepted] = []
 
-    def append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
-        """Record one sampled token (and its log-probabilities, if asked for) for `request`
-        and return its StepOutput."""
-        if request.is_finished:
-            raise RuntimeError(f"request {request.request_id} already finished")
+    def accept(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        """Record one sampled token id (and its log-probabilities, if asked for)."""
+        if request.is_finished or request.stop_pending is not None:
+            raise RuntimeError(f"request {request.request_id} takes no more tokens")
         params = request.sampling_params
         request.output_token_ids.append(token_id)
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
-        state = self._state(request)
-        state.text += state.detok.push(token_id) if state.detok is not None else ""
-        reason: FinishReason | None = None
-        cut: int | None = None
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            reason = FinishReason.STOP
-        elif token_id in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif params.stop and (cut := _find_stop(state.text, params.stop, state.emitted)) is not None:
+        reason = None
+        if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             reason = FinishReason.STOP
         elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len:
             reason = FinishReason.LENGTH
+        request.stop_pending = reason
+        self._accepted.append(_Accepted(request, token_id, logprobs, reason))
+
+    def render(self, upto: int | None = None) -> list[tuple[Request, StepOutput]]:
+        """StepOutputs of the accepted tokens not rendered yet (the first `upto` of them), in
+        order; none for requests finished meanwhile (aborted, or cut by a stop string)."""
+        upto = len(self._accepted) if upto is None else upto
+        accepted, self._accepted = self._accepted[:upto], self._accepted[upto:]
+        return [(a.request, self._render(a)) for a in accepted if not a.request.is_finished]
+
+    def num_accepted(self) -> int:
+        """Accepted tokens waiting to be rendered."""
+        return len(self._accepted)
+
+    def append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
+        """`accept` then render this one token (synchronous callers)."""
+        self.accept(request, token_id, logprobs)
+        ((_, out),) = self.render()
+        return out
+
+    def pending(self) -> bool:
+        """Whether accepted tokens wait to be rendered."""
+        return bool(self._accepted)
+
+    def _render(self, a: _Accepted) -> StepOutput:
+        request, token_id = a.request, a.token_id
+        params = request.sampling_params
+        state = self._state(request)
+        state.rendered += 1
+        state.text += state.detok.push(token_id) if state.detok is not None else ""
+        reason, cut = a.reason, None
+        if params.stop and (hit := _find_stop(state.text, params.stop, state.emitted)) is not None:
+            reason, cut = FinishReason.STOP, hit
         if reason is None:
             end = len(state.text) - _held_back(state.text, params.stop, state.emitted)
         else:
@@ -90,9 +136,9 @@ class OutputProcessor:
         request.output_text = state.text[:end] if reason else state.text[:state.emitted]
         if reason is not None:
             out = self._finish(request, reason, token_id, delta)
-            out.logprobs = logprobs
+            out.logprobs = a.logprobs
             return out
-        return StepOutput(request.request_id, token_id, delta, logprobs=logprobs)
+        return StepOutput(request.request_id, token_id, delta, logprobs=a.logprobs)
 
     def finish_without_token(self, request: Request, reason: FinishReason, error: str | None = None) -> StepOutput:
         """Final event for an aborted or failed request."""
@@ -103,10 +149,15 @@ class OutputProcessor:
 
     def _finish(self, request: Request, reason: FinishReason, token_id: int | None, delta: str,
                 error: str | None = None) -> StepOutput:
+        """The request ends here: tokens accepted after its last rendered one are dropped."""
+        state = self._states.pop(request.request_id, None)
+        rendered = state.rendered if state is not None else 0
+        del request.output_token_ids[rendered:]
+        del request.output_logprobs[rendered:]
         request.state = RequestState.FINISHED
+        request.stop_pending = None
         request.finish_reason = reason
         request.finish_time = time.monotonic()
-        self._states.pop(request.request_id, None)
         return StepOutput(request.request_id, token_id, delta, finished=True, finish_reason=reason,
                           acceptance_rate=request.mean_acceptance_rate(),
                           mean_accepted_length=request.mean_accepted_length(), error=error)
@@ -115,7 +166,7 @@ class OutputProcessor:
         state = self._states.get(request.request_id)
         if state is None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids) if self.tokenizer else None
-            state = _TextState(detok)  # type: ignore[arg-type]
+            state = _TextState(detok)
             self._states[request.request_id] = state
         return state
 

@@ -59,6 +59,12 @@ class Request:
     finish_reason: FinishReason | None = None
     slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
+    # tokens sampled by a step in flight whose ids the host does not have yet (overlapped
+    # scheduling: they stay on the device and feed the next step)
+    pending_tokens: int = 0
+    # a finish decided when a token id was accepted (EOS, stop id, length), before the
+    # token is rendered: the request is scheduled no more
+    stop_pending: FinishReason | None = None
     generator: torch.Generator = field(init=False)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -79,6 +85,9 @@ class Request:
 
     @property
     def last_token_id(self) -> int:
+        """The newest token's id (not one still in flight: see `pending_tokens`)."""
+        if self.pending_tokens:
+            raise RuntimeError(f"request {self.request_id}'s newest token is still on the device")
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def token_slice(self, lo: int, hi: int | None = None) -> list[int]:
@@ -94,12 +103,13 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt and output tokens, those in flight included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
 
     @property
     def tokens_left(self) -> int:
         """Output tokens the request may still emit under its max_tokens."""
-        return self.sampling_params.max_tokens - len(self.output_token_ids)
+        return self.sampling_params.max_tokens - len(self.output_token_ids) - self.pending_tokens
 
     @property
     def is_finished(self) -> bool:
@@ -107,8 +117,13 @@ class Request:
 
     @property
     def prefill_target(self) -> int:
-        """Tokens to cache before decoding: all of them except a pending sampled token."""
-        return self.num_tokens - (1 if self.output_token_ids else 0)
+        """Tokens to cache before decoding: all of them except the newest sampled token."""
+        return self.num_tokens - (1 if self.output_token_ids or self.pending_tokens else 0)
+
+    def can_decode(self, max_seq_len: int) -> bool:
+        """Whether a decode step may still produce a token for it."""
+        return (not self.is_finished and self.stop_pending is None and self.tokens_left > 0
+                and self.num_tokens < max_seq_len)
 
     @property
     def in_prefill(self) -> bool:

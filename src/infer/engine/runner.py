@@ -2,8 +2,15 @@
 
 `step(prefill, decode)`: prefill chunks (one request, a right-padded batch, or chunks of
 long prompts after a cached prefix; all one code path through `BatchLayout`) then one
-batched decode forward. Sampling, stop conditions and detokenization go through the pure
-sampling pipeline and the OutputProcessor. Returns (request, StepOutput) pairs.
+batched decode forward. Sampling goes through the pure sampling pipeline; the OutputProcessor
+accepts the sampled ids (finishes that depend on ids) and renders them (detokenization,
+stop strings). Returns (request, StepOutput) pairs.
+
+Overlapped scheduling (`async_scheduling`, on by default on a GPU): the sampled tokens stay
+on the device (`engine/inflight.py`) and feed the next step's input ids; the host accepts
+and renders step n's tokens after queuing step n+1, so the host's work hides under the
+GPU's. Steps whose sampling needs the tokens on the host (penalties over the context,
+log-probabilities) wait for the step in flight first.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
 from infer.models.config import ModelConfig
@@ -71,6 +79,12 @@ class ContinuousRunner:
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
         self.kernels = step_kernels(config, self.device, model)
         self.forward: ForwardFn = self._make_decode_forward()
+        # overlapped scheduling: a step's tokens stay on the device until the next step is queued
+        self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        self._inflight: InFlight | None = None
+        self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
+        self._rendered: StepResult = []  # this step's outputs so far
+        self._backlog = 0  # tokens accepted before this step, not rendered yet
 
     def _make_decode_forward(self) -> ForwardFn:
         # plain decode: width 1, last logits; with temperature sampling captured as well
@@ -119,16 +133,79 @@ class ContinuousRunner:
         return self.cache_pool.leak_report()
 
     # -- step ------------------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        """Whether a step is in flight or accepted tokens wait to be rendered."""
+        return self._inflight is not None or self.output.pending()
+
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
-        results: StepResult = []
-        if prefill:
-            results += self._prefill(prefill)
-        if decode:
-            results += self._decode(decode)
-        return results
+        """Run a scheduled step; returns the StepOutputs rendered now. Synchronously: this
+        step's. Overlapped: the previous step's tokens are accepted once this step's GPU work
+        is queued (the host works while the GPU does), so outputs come one step late."""
+        if self._inflight is not None and not self._overlaps(prefill, decode):
+            self._resolve()  # the host needs that step's tokens before this one
+        self._rendered = []
+        self._backlog = self.output.num_accepted()
+        launched = self._launch(prefill, decode)
+        self._resolve()
+        self._inflight = launched
+        if not self.overlap:
+            self._resolve()
+        self._render_backlog()
+        if not self._defers_render():
+            self._rendered += self.output.render()
+        return self._rendered
 
-    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> StepResult:
+    def _render_backlog(self) -> None:
+        """Render the tokens accepted before this step, once: while the GPU runs this step's
+        work when the runner calls it after queuing that work, else at the step's end."""
+        backlog, self._backlog = self._backlog, 0
+        if backlog:
+            self._rendered += self.output.render(upto=backlog)
+
+    def _defers_render(self) -> bool:
+        """Whether the tokens this step accepted wait for the next step's render (a runner that
+        accepts its own step's tokens before returning, overlapped: the speculative one)."""
+        return False
+
+    def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
+        """Whether this step may be queued before the host has the step in flight's tokens:
+        not when a request's sampling reads its context (penalties) or returns
+        log-probabilities, nor for a prefill chunk of a request with a token in flight."""
+        return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None
+                       for r in [*decode, *(r for r, _ in prefill)]) and not any(r.pending_tokens for r, _ in prefill)
+
+    def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> InFlight | None:
+        """Queue this step's work; the tokens it samples stay on the device (None: no token
+        left in flight, the runner accepted its own)."""
+        parts: list[tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]] = []
+        if prefill:
+            sampled = self._prefill(prefill)
+            if sampled is not None:
+                parts.append(sampled)
+        if decode:
+            tokens = self._decode(decode)
+            if tokens is not None:
+                parts.append(tokens)
+        if not parts:
+            return None
+        requests = [r for reqs, _, _ in parts for r in reqs]
+        tokens = torch.cat([tok for _, tok, _ in parts]) if len(parts) > 1 else parts[0][1]
+        return InFlight.launch(requests, tokens, self._token_buffers, [lp for _, _, lps in parts for lp in lps])
+
+    def _resolve(self) -> None:
+        """Accept the tokens of the step in flight (if any). A request that finished meanwhile
+        (aborted, or a finish learnt a step late) drops its token: a wasted row, never a
+        wrong token."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        for r, t, lp in zip(inflight.requests, inflight.host_tokens(), inflight.logprobs, strict=True):
+            r.pending_tokens -= 1
+            if not r.is_finished and r.stop_pending is None:
+                self.output.accept(r, t, lp)
+
+    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor, list] | None:
         requests = [r for r, _ in chunks]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [n for _, n in chunks])
@@ -139,15 +216,14 @@ class ContinuousRunner:
             request.num_computed_tokens += n
             if request.in_prefill:
                 continue
-            if not request.output_token_ids:
+            if not request.output_token_ids and not request.pending_tokens:
                 to_sample.append(i)
             self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
         if not to_sample:
-            return []
+            return None
         sampled = [requests[i] for i in to_sample]
-        tokens = self.sample(sampled, logits[to_sample])
-        lps = self.logprobs(sampled, logits[to_sample], tokens)
-        return [(r, self.output.append(r, t, lp)) for r, t, lp in zip(sampled, tokens, lps, strict=True)]
+        tokens = self.sample(sampled, logits[to_sample])  # [n] on the device
+        return sampled, tokens, self.logprobs(sampled, logits[to_sample], tokens)
 
     def run_chunks(self, model: LlamaForCausalLM, pool: CachePoolProtocol, requests: Sequence[Request],
                    layout: BatchLayout) -> torch.Tensor:
@@ -162,10 +238,13 @@ class ContinuousRunner:
         view.commit()
         return logits
 
-    def _decode(self, requests: Sequence[Request]) -> StepResult:
+    def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
+        """One batched decode forward; the sampled tokens [B] stay on the device."""
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
-        ids = torch.tensor([[r.last_token_id] for r in requests])
+        inflight = self._inflight
+        ids = (inflight.input_ids(requests) if inflight is not None
+               else torch.tensor([[r.last_token_id] for r in requests]))  # [B, 1]
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
         lps: list[TokenLogprobs | None] = [None] * len(requests)
@@ -174,41 +253,37 @@ class ContinuousRunner:
             # temperature sampling alone: the forward function samples too (inside the step's
             # CUDA graph on the GPU), the same function as `sample` on the logits
             uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
-            new, _ = self.forward.sample(ids, layout, [1.0 if p.greedy else p.temperature for p in params],
-                                         uniforms, [p.greedy for p in params])  # [B]
-            self._in_flight(requests)
-            tokens = new.tolist()
+            tokens, _ = self.forward.sample(ids, layout, [1.0 if p.greedy else p.temperature for p in params],
+                                            uniforms, [p.greedy for p in params])  # [B]
         else:
             logits = self.forward(ids, layout, all_logits=False)  # [B, V]
-            self._in_flight(requests)
             tokens = self.sample(requests, logits, params)
             lps = self.logprobs(requests, logits, tokens)
         for r in requests:
             r.num_computed_tokens += 1
-        return [(r, self.output.append(r, t, lp)) for r, t, lp in zip(requests, tokens, lps, strict=True)]
-
-    def _in_flight(self, requests: Sequence[Request]) -> None:
-        """Host work of a plain decode step that needs nothing from the step itself, run after
-        its forward is queued and before its tokens are read: on a GPU it hides under the
-        forward. The requests still hold the tokens they had before the step. Nothing here."""
+        return list(requests), tokens, lps
 
     def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
         """Host work for requests in prefill, run after the prefill forward is queued and
         before its logits are read (on a GPU it hides under the forward). Nothing here."""
 
     @staticmethod
-    def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: Sequence[int]) -> list[TokenLogprobs | None]:
-        """Log-probabilities of the sampled tokens (logits [B, V]) for requests asking for them."""
-        return token_logprobs(logits, tokens, [r.sampling_params.logprobs for r in requests])
+    def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Log-probabilities of the sampled tokens (logits [B, V], tokens [B]) for requests
+        asking for them (a host sync; such steps do not overlap)."""
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if all(w is None for w in wanted):
+            return [None] * len(requests)
+        return token_logprobs(logits, tokens.tolist(), wanted)
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor,
-               params: Sequence[SamplingParams] | None = None) -> list[int]:
+               params: Sequence[SamplingParams] | None = None) -> torch.Tensor:
         """One token per request from logits [B, V] with each request's params (the requests'
-        own unless the caller has them listed already) and generator."""
+        own unless the caller has them listed already) and generator: [B] on the device."""
         params = [r.sampling_params for r in requests] if params is None else params
         if all(p.greedy and not p.penalized for p in params):
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         contexts = [r.all_token_ids for r in requests] if any(p.penalized for p in params) else None
         probs = logits_to_probs(logits, params, contexts)
         uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]
-        return sample_from_probs(probs, to_device(uniforms, probs.device)).tolist()
+        return sample_from_probs(probs, to_device(uniforms, probs.device))

@@ -35,6 +35,7 @@ class SchedulerConfig:
     max_batch_size: int
     max_num_batched_tokens: int
     batching_mode: str = "continuous"
+    max_seq_len: int = 1 << 62  # a request at this length decodes no more
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
@@ -107,7 +108,9 @@ class Scheduler:
                 chunk = min(remaining, budget)
                 budget -= chunk
                 decision.prefill.append((request, chunk))
-        decoding = [r for r in self.running if not r.in_prefill]
+        # (a request whose finish is decided but not rendered yet, or whose tokens in flight
+        # reach its limits, waits: overlapped scheduling learns of finishes a step late)
+        decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
         decision.decode, decision.preempted = self._reserve_decode(decoding, runner)
         if decision.preempted:
             decision.prefill = [(r, n) for r, n in decision.prefill if r not in decision.preempted]

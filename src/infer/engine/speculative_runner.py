@@ -33,11 +33,11 @@ from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn, make_forward
 from infer.engine.request import Request
-from infer.engine.runner import ContinuousRunner, StepResult, make_pool_for, step_kernels
+from infer.engine.runner import ContinuousRunner, make_pool_for, step_kernels
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.llama import LlamaForCausalLM
 from infer.logprobs import emitted_logprobs
-from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
+from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
@@ -187,7 +187,16 @@ class SpeculativeRunner(ContinuousRunner):
         max_len = self.config.max_seq_len
         return [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
 
-    def _decode(self, requests: Sequence[Request]) -> StepResult:
+    def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
+        """Never across steps: a round's proposals read the tokens before it. (Overlapped,
+        the speculative runner renders the previous round's tokens under this round's
+        verification instead: `_defers_render`.)"""
+        return False
+
+    def _defers_render(self) -> bool:
+        return self.overlap
+
+    def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
         ks = self.draft_lengths(requests)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
             return super()._decode(requests)
@@ -197,7 +206,8 @@ class SpeculativeRunner(ContinuousRunner):
                 if k:
                     self.policy.update(r.request_id, 0, 0)
             return super()._decode(requests)
-        return self._accept(requests, drafts, self._verify(requests, drafts))
+        self._accept(requests, drafts, self._verify(requests, drafts))
+        return None  # (the round's tokens are accepted: none left in flight)
 
     def _verify(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> VerifyResult:
         """Target forward over [g, t_1..t_k] per request, then accept/reject (D4, D5)."""
@@ -215,12 +225,14 @@ class SpeculativeRunner(ContinuousRunner):
         if all(temperature_only(p, vocab) and p.logprobs is None for p in params):
             greedy = [p.greedy for p in params]
             uniforms = (torch.zeros((len(requests), k_pad + 1), dtype=torch.float64) if all(greedy)
-                        else draw_uniforms([r.generator for r in requests], k_pad + 1))  # [B, K+1]
+                        else round_uniforms([r.generator for r in requests], num_draft, k_pad))  # [B, K+1]
             packed = self.forward.verify(ids, layout, draft_tokens, num_draft,
                                          self._draft_probs(drafts, draft_tokens, vocab),
                                          [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
+            self._render_backlog()  # (the previous round's tokens, while the GPU verifies)
             return unpack_rows(packed.tolist())  # the one host sync of verification
         logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
+        self._render_backlog()
         result = self._accept_reject(requests, drafts, draft_tokens, logits)
         return replace(result, logprobs=emitted_logprobs(logits, result.tokens, [p.logprobs for p in params]))
 
@@ -255,15 +267,17 @@ class SpeculativeRunner(ContinuousRunner):
         target_probs = logits_to_probs(target_logits.reshape(b * width, vocab), flat_params,
                                        contexts).view(b, width, vocab)  # [B, K+1, V]
         draft_probs = self._draft_probs(drafts, draft_tokens, vocab)
-        uniforms = to_device(draw_uniforms([r.generator for r in requests], k_pad + 1), self.device)  # [B, K+1]
+        uniforms = to_device(round_uniforms([r.generator for r in requests], num_draft, k_pad), self.device)  # [B, K+1]
         return verify(draft_tokens, num_draft, draft_probs, target_probs, uniforms[:, :k_pad], uniforms[:, k_pad])
 
-    def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> StepResult:
-        """Roll both caches back (D6), record metrics (D9), emit the tokens in order."""
-        outputs: StepResult = []
+    def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> None:
+        """Roll both caches back (D6), record metrics (D9), accept the tokens in order (up to
+        a finish their ids decide: EOS, a stop id, the length)."""
         logprobs = result.logprobs or [[] for _ in requests]
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
+            if r.is_finished:  # cut by a stop string rendered under this round: a wasted row
+                continue
             k = len(d.token_ids)
             n = r.num_computed_tokens
             self.cache_pool.truncate_to(r.slot, n + a + 1)
@@ -274,11 +288,10 @@ class SpeculativeRunner(ContinuousRunner):
                 r.speculation_acceptance_rates.append(a / k)
             emitted = 0
             for j, t in enumerate(tokens):
-                outputs.append((r, self.output.append(r, t, row_lps[j] if row_lps else None)))
+                self.output.accept(r, t, row_lps[j] if row_lps else None)
                 emitted += 1
-                if r.is_finished:
+                if r.stop_pending is not None:
                     break
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
             self.stats.record(k, a, emitted)
-        return outputs

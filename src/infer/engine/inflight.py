@@ -1,0 +1,81 @@
+"""A decode step in flight: the tokens it sampled, still on the device.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`) queues step n+1's GPU work before
+the host reads step n's tokens. Step n leaves an `InFlight`: its requests, their sampled
+ids on the device (the next step gathers its input ids from there, `input_ids`), and a
+copy of them to pinned host memory queued right after the sampling, with an event: the
+host reads them (`host_tokens`) waiting for step n's work only, not for the step queued
+behind it. Two pinned buffers are used in turn, so step n+1's copy never overwrites the
+buffer step n's tokens are being read from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.engine.request import Request
+from infer.logprobs import TokenLogprobs
+from infer.transfer import to_device
+
+
+class TokenBuffers:
+    """Two pinned host buffers of `size` token ids, used in turn (a plain tensor on a CPU)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.buffers = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.turn = 0
+        self.device = device
+
+    def next(self) -> torch.Tensor:
+        self.turn ^= 1
+        return self.buffers[self.turn]
+
+
+@dataclass
+class InFlight:
+    """Tokens sampled by one step: one per request, in `requests` order."""
+
+    requests: list[Request]
+    tokens: torch.Tensor  # [n] long on the device
+    host: torch.Tensor  # [>= n] long, pinned: filled by a copy queued after the sampling
+    logprobs: list[TokenLogprobs | None]  # per request (computed eagerly: steps asking for them do not overlap)
+    event: torch.cuda.Event | None = None  # recorded after the copy (None on a CPU: the copy is done)
+    rows: dict[int, int] = field(default_factory=dict)  # id(request) -> row of `tokens`
+
+    @classmethod
+    def launch(cls, requests: Sequence[Request], tokens: torch.Tensor, buffers: TokenBuffers,
+               logprobs: Sequence[TokenLogprobs | None]) -> InFlight:
+        """Queue the copy of `tokens` [n] to a pinned buffer and count them as pending."""
+        host = buffers.next()
+        n = len(requests)
+        host[:n].copy_(tokens, non_blocking=True)
+        event = None
+        if tokens.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        for r in requests:
+            r.pending_tokens += 1
+        return cls(list(requests), tokens, host, list(logprobs), event, {id(r): i for i, r in enumerate(requests)})
+
+    def holds(self, request: Request) -> bool:
+        return id(request) in self.rows
+
+    def input_ids(self, requests: Sequence[Request]) -> torch.Tensor:
+        """[B, 1] input ids of a decode step on the device: each request's newest token, taken
+        from this step's sampled tokens where it is still in flight."""
+        host_ids = torch.tensor([0 if self.holds(r) else r.last_token_id for r in requests])  # [B]
+        rows = [self.rows.get(id(r), -1) for r in requests]
+        device = self.tokens.device
+        src = to_device(torch.tensor([max(0, x) for x in rows]), device)  # [B]
+        mine = to_device(torch.tensor([x >= 0 for x in rows]), device)  # [B]
+        return torch.where(mine, self.tokens.index_select(0, src), to_device(host_ids, device))[:, None]
+
+    def host_tokens(self) -> list[int]:
+        """The sampled ids, once this step's work is done (waits for it alone)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host[:len(self.requests)].tolist()

@@ -407,3 +407,16 @@ def test_paired_run_with_several_instances_pools_them(ckpt_a, monkeypatch):
     with pytest.raises(ValueError, match="paired_instances"):
         run_engine(wl, spec, device="cpu", paired_with={"model": str(ckpt_a)}, paired_instances=0)
 
+
+
+def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_path):
+    from infer.bench.batch_sweep import batch_sweep
+    from infer.bench.plot import plot_batch_sweeps
+    params, metrics = batch_sweep({"model": str(ckpt_a)}, (1, 3), prompt_len=8, steps=3, device="cpu")
+    assert set(metrics["ms_per_step"]) == {"1", "3"} and metrics["leaks"] == []
+    assert metrics["step_vs_batch1"]["1"] == 1.0
+    assert metrics["tokens_per_s"]["3"] == pytest.approx(3 / metrics["ms_per_step"]["3"] * 1e3)
+    run = BenchRun(suite="t", environment={"device": "cpu"})
+    run.add(Measurement("batch/a", "batch_sweep", params=params, metrics=metrics))
+    path = plot_batch_sweeps(run, tmp_path)
+    assert path is not None and path.stat().st_size > 1000

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.bench.analysis import derive_all
+from infer.bench.batch_sweep import batch_sweep
 from infer.bench.engine_runner import default_dtype, free_memory, run_engine
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.report import measurement_line
@@ -138,20 +139,27 @@ class Harness:
         return self.measure(name, "hf", group, lambda: run_hf(
             wl, peer, device=str(self.device), warmup_tokens=self.options.warmup_tokens), refs)
 
+    def batch_sweep(self, name: str, group: str, overrides: Mapping[str, Any], batches: tuple[int, ...]) -> Measurement:
+        """Decode step time against batch size on one engine (bench/batch_sweep.py)."""
+        return self.measure(name, "batch_sweep", group,
+                            lambda: batch_sweep(overrides, batches, device=str(self.device)))
+
     def spec_costs(self, name: str, target: str, draft: str | None, use_cuda_graphs: bool,
-                   load_format: str = "auto", self_draft: bool = False) -> Measurement:
+                   load_format: str = "auto", self_draft: bool = False,
+                   draft_quantization: str | None = None) -> Measurement:
         def fn() -> Outcome:
             dtype = default_dtype(self.device)
             cfg = StepCostConfig(repeats=self.options.cost_repeats)
             t, _ = load_model(target, dtype=dtype, device=self.device, load_format=load_format)
-            d = t if self_draft else (load_model(draft, dtype=dtype, device=self.device, load_format=load_format)[0]
-                                      if draft else None)
+            d = t if self_draft else (load_model(draft, dtype=dtype, device=self.device, load_format=load_format,
+                                                 quantization=draft_quantization)[0] if draft else None)
             try:
                 costs = measure_model_costs(t, d, use_cuda_graphs and self.device.type == "cuda", cfg)
             finally:
                 del t, d
                 free_memory()
             params = {"target": target, "draft": target if self_draft else draft, "dtype": dtype,
+                      "draft_quantization": draft_quantization,
                       "use_cuda_graphs": use_cuda_graphs, "device": str(self.device),
                       "context_len": cfg.context_len, "max_seq_len": cfg.max_seq_len, "batch_size": 1}
             return params, costs.to_dict()

@@ -54,6 +54,30 @@ def plot_run(run: BenchRun, out_dir: Path) -> list[Path]:
     return written
 
 
+def plot_batch_sweeps(run: BenchRun, out_dir: Path) -> Path | None:
+    """Decode tokens/s against batch size, one line per batch-sweep measurement (None when the
+    run has none)."""
+    sweeps = [m for m in run.measurements if m.ok and m.kind == "batch_sweep"]
+    if not sweeps:
+        return None
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for m in sweeps:
+        rates = m.metrics["tokens_per_s"]
+        batches = sorted(int(b) for b in rates)
+        ax.plot(batches, [rates[str(b)] for b in batches], marker="o", label=m.name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (requests decoding)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(f"decode throughput against batch size ({run.environment.get('device', '')})")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    path = out_dir / "batch-sweep.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def _label(m: Measurement) -> str:
     rate = float(m.metrics["primary_rate"])
     text = f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
@@ -67,5 +91,8 @@ def plot_files(paths: Sequence[Path], out_dir: Path | None) -> list[Path]:
 
     written = []
     for path in paths:
-        written += plot_run(load_run(path), out_dir or path.with_name(path.stem + "-charts"))
+        run, target = load_run(path), out_dir or path.with_name(path.stem + "-charts")
+        written += plot_run(run, target)
+        sweep = plot_batch_sweeps(run, target)
+        written += [sweep] if sweep is not None else []
     return written

@@ -49,6 +49,9 @@ def measurement_line(m: Measurement) -> str:
         parts.append(f"{fmt(x.get('gb_per_s'))} GB/s")
     if m.kind == "roofline":
         parts.append(f"{fmt(x.get('tokens_per_s'))} tok/s ({fmt(x.get('step_ms'))} ms/step)")
+    if m.kind == "batch_sweep":
+        rates = m.metrics.get("tokens_per_s", {})
+        return f"{m.name}: " + ", ".join(f"b{b} {fmt(r)} tok/s" for b, r in rates.items())
     if m.kind == "spec_costs":
         parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
     for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency")):

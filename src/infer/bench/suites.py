@@ -12,7 +12,14 @@
     w5-ngram       W5 code edit at T=0 and T=1: n-gram / prompt lookup / draft model vs
                    plain, transformers prompt lookup; W1 with adaptive n-gram vs plain
                    (--model / --draft-model replace the demo pair in these two)
-    all-gpu        all of the above, most important numbers first, within --max-seconds
+    decode-speed   W1 batch-1 decode of both shapes: overlapped and synchronous scheduling,
+                   FP8 weights, against the roofline; decode step time against batch size
+    costs-fp8      c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft;
+                   projections
+    speculation    3B with a random 1B draft (fixed, adaptive); demo pair T=0/1 (fixed,
+                   adaptive, FP8 draft); n-gram on W5 and W1 at T=0 (fixed, adaptive, lookup)
+    all-gpu        the runs of record: decode-speed, costs-fp8, speculation, w2, HF static
+                   cache + compile; most important first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
                    --draft-model, by default the bundled demo pair
 
@@ -165,15 +172,74 @@ def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:
          {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours-graphs"})
 
 
+def decode_speed(h: Harness) -> None:
+    """Batch-1 decode of both shapes against the roofline: overlapped (the default) and
+    synchronous scheduling, FP8 weights; decode step time against batch size."""
+    wl = WORKLOADS["W1"]
+    for shape in (SHAPE_3B, SHAPE_1B):
+        label = _label(shape)
+        group = f"W1 plain decode, {label} shape"
+        roof = h.roofline(shape, label).name
+        base = h.engine(f"w1/{label}/ours", group, wl, {"model": shape, **GRAPHS}, {"roofline": roof}).name
+        h.engine(f"w1/{label}/sync", group, wl, {"model": shape, **GRAPHS, "async_scheduling": False},
+                 {"roofline": roof, "baseline": base})
+        h.engine(f"w1/{label}/fp8", group, wl, {"model": shape, **GRAPHS, "quantization": "fp8"},
+                 {"roofline": roof, "baseline": base})
+    for shape in (SHAPE_3B, SHAPE_1B):
+        h.batch_sweep(f"batch/{_label(shape)}", "decode step against batch size", {"model": shape, **GRAPHS},
+                      (1, 2, 4, 8, 16, 32))
+
+
+def costs_fp8(h: Harness) -> None:
+    """c and v(K) of the 1B draft against the 3B target, the draft in bf16 and in FP8."""
+    h.spec_costs("costs/3b-1b/graphs", SHAPE_3B, SHAPE_1B, True)
+    h.projection("projection/3b-1b", "costs/3b-1b/graphs")
+    h.spec_costs("costs/3b-1b-fp8/graphs", SHAPE_3B, SHAPE_1B, True, draft_quantization="fp8")
+    h.projection("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs")
+
+
+def speculation(h: Harness) -> None:
+    """Where speculation pays and where it must not hurt: the 3B shape with a random 1B draft
+    (fixed K, adaptive), the demo pair at T=0 / T=1 (fixed K, adaptive, an FP8 draft), n-gram
+    drafting on W5 and W1 at T=0 (fixed K, adaptive, prompt lookup)."""
+    wl = WORKLOADS["W1"]
+    group = "W1 speculative, 3b shape, random 1b draft"
+    base = h.engine("w1-spec/3b/plain", group, wl, {"model": SHAPE_3B, **GRAPHS}).name
+    spec = {"model": SHAPE_3B, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
+            "draft_model": SHAPE_1B}
+    h.engine("w1-spec/3b/1b-draft-k5", group, wl, spec, {"baseline": base})
+    h.engine("w1-spec/3b/1b-draft-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
+    if demo_models_present(h, "demo-pair"):
+        target, draft = demo_pair_paths(h)
+        for t in (0.0, 1.0):
+            wl_t, tag = WORKLOADS["W1"].with_temperature(t), f"demo-w1-t{t:g}"
+            group = f"demo pair, W1 T={t:g}"
+            base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
+            spec = {"model": target, **GRAPHS, "use_speculative_decoding": True, "draft_model": draft,
+                    "spec_length": SPEC_K}
+            h.engine(f"{tag}/spec-k5", group, wl_t, spec, {"baseline": base})
+            h.engine(f"{tag}/spec-adaptive", group, wl_t, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
+            h.engine(f"{tag}/spec-k5-fp8-draft", group, wl_t, {**spec, "draft_quantization": "fp8"},
+                     {"baseline": base})
+        ngram = {"model": target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K}
+        for name in ("W5", "W1"):
+            wl_t, tag = WORKLOADS[name].with_temperature(0.0), f"{name.lower()}-ngram-t0"
+            group = f"demo target, {name} T=0, n-gram drafts"
+            base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
+            h.engine(f"{tag}/ngram-k5", group, wl_t, {**ngram, "speculative_method": "ngram"}, {"baseline": base})
+            h.engine(f"{tag}/ngram-adaptive", group, wl_t, {**ngram, "speculative_method": "ngram",
+                                                             "spec_policy": "adaptive"}, {"baseline": base})
+            h.engine(f"{tag}/prompt-lookup-k5", group, wl_t, {**ngram, "speculative_method": "prompt_lookup"},
+                     {"baseline": base})
+
+
 def all_gpu(h: Harness) -> None:
+    """The runs of record (docs/benchmarks.md), most important first, within --max-seconds."""
     h.bandwidth()
-    w1_plain_shape(h, SHAPE_3B)
-    spec_costs(h)
-    w1_spec_dummy(h)
-    demo_pair(h)
-    w5_ngram(h)
+    decode_speed(h)
+    costs_fp8(h)
+    speculation(h)
     w2(h)
-    w1_plain_shape(h, SHAPE_1B)
     hf_static(h)
     h.bandwidth("bandwidth-end")
 
@@ -200,6 +266,7 @@ def smoke(h: Harness) -> None:
 
 SUITES: dict[str, Callable[[Harness], None]] = {
     "w1-plain": w1_plain, "spec-costs": spec_costs, "w1-spec-dummy": w1_spec_dummy, "w2": w2,
+    "decode-speed": decode_speed, "costs-fp8": costs_fp8, "speculation": speculation,
     "demo-pair": demo_pair, "w5-ngram": w5_ngram, "hf-static": hf_static, "all-gpu": all_gpu, "smoke": smoke,
 }
 

@@ -1,0 +1,60 @@
+"""Decode step time against batch size, on one engine (`infer bench` kind "batch_sweep").
+
+For each batch size B the engine runs B requests (random prompts of `prompt_len` tokens,
+greedy, long outputs) past their prefill, then times `steps` decode steps; the requests
+are aborted before the next size. Reported per B: milliseconds a step, decode tokens/s
+(B tokens a step), and the step's cost relative to batch 1's. One engine with CUDA graphs
+for every bucket serves all sizes, so the numbers differ only by the batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.sampling import SamplingParams
+from infer.timing import synchronize
+
+
+def batch_sweep(overrides: Mapping[str, Any], batches: Sequence[int], prompt_len: int = 128,
+                steps: int = 32, device: str = "auto") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(params, metrics) of decode steps at each batch size in `batches`."""
+    if not batches or min(batches) < 1 or steps < 1:
+        raise ValueError("batch_sweep needs batch sizes >= 1 and steps >= 1")
+    max_len = prompt_len + 2 * steps + 32
+    config = EngineConfig.from_kwargs(**{"device": device, "max_batch_size": max(batches),
+                                         "max_seq_len": max_len, **overrides})
+    engine = Engine(config)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=max_len - prompt_len - 1, ignore_eos=True)
+    ms: dict[str, float] = {}
+    try:
+        for b in batches:
+            requests = [engine.add_request(torch.randint(0, engine.vocab_size, (prompt_len,), generator=gen).tolist(),
+                                           params) for _ in range(b)]
+            while any(r.num_computed_tokens < prompt_len for r in requests):
+                engine.step()
+            for _ in range(4):  # warm: every request decoding, graphs of this bucket replayed once
+                engine.step()
+            synchronize(engine.device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            synchronize(engine.device)
+            ms[str(b)] = (time.perf_counter() - start) / steps * 1e3
+            for r in requests:
+                engine.abort(r.request_id)
+            while engine.has_unfinished():
+                engine.step()
+        leaks = engine.leak_report()
+    finally:
+        del engine
+    one = ms[str(min(batches))]
+    metrics = {"ms_per_step": ms, "tokens_per_s": {b: int(b) / v * 1e3 for b, v in ms.items()},
+               "step_vs_batch1": {b: v / one for b, v in ms.items()}, "leaks": leaks}
+    return {"overrides": dict(overrides), "batches": list(batches), "prompt_len": prompt_len, "steps": steps}, metrics

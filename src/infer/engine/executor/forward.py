@@ -4,17 +4,19 @@ computation and are tested equal to it on the GPU."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout
+from infer.cache.view import BatchLayout, BlockMask, CacheView
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.tree import TreeChunk
 from infer.transfer import tensor_on, to_device
 
 
@@ -42,6 +44,17 @@ class ForwardFn(Protocol):
         """`steps` sampled last-token steps, each feeding the token the one before sampled:
         (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
         See `EagerForward.draft_loop`."""
+        ...
+
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        """A tree chunk (see `TreeChunk`): ids [B, chunk.width] (CPU, or the device) stored at
+        the layout's positions, every row chunk.width wide (rows may be shorter: the rest is
+        padding), rotary positions and visibility from the tree -> logits [B, width, V].
+        Commits the layout to the pool."""
+        ...
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk]) -> None:
+        """Capture `tree` graphs of these chunks for every batch bucket now (no-op when eager)."""
         ...
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
@@ -78,6 +91,17 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
     return verify_logits(logits, tensor_on(list(temperatures), device, torch.float32),
                          tensor_on(list(greedy), device, torch.bool), tokens, num, draft_probs,
                          to_device(uniforms, device))
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_tensors(chunk: TreeChunk, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
+    """The device tensors of a tree chunk, made once: (its BlockMask, rotary offsets [width])."""
+    return BlockMask(chunk.mask(device), chunk.first_row), chunk.rotary_offsets(device)
+
+
+def check_tree_layout(layout: BatchLayout, chunk: TreeChunk) -> None:
+    if layout.width != chunk.width:
+        raise ValueError(f"a tree chunk of {chunk.width} rows needs a layout {chunk.width} wide, got {layout.width}")
 
 
 def draft_steps(forward: ForwardFn, ids: torch.Tensor, layout: BatchLayout, steps: int,
@@ -139,10 +163,24 @@ class EagerForward:
         graphs capture this whole loop as one replay."""
         return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
 
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        """A tree chunk through gather + SDPA with the chunk's block mask: logits [B, width, V]."""
+        check_tree_layout(layout, chunk)
+        block, offsets = chunk_tensors(chunk, self.device)
+        indices = self.pool.indices(layout).to(self.device)
+        view = CacheView(self.pool.k_cache, self.pool.v_cache, indices, block=block)
+        positions = indices.q_pos[:, :1] + offsets[None, :]  # [B, width] rotary positions
+        logits = self.model(to_device(ids, self.device), positions, view, logits_indices=None, kernels=self.kernels)
+        self.pool.commit(layout)
+        return logits
+
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         return False
 
     def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+        pass
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk]) -> None:
         pass
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],

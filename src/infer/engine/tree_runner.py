@@ -38,9 +38,9 @@ from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, temperature_only
 from infer.speculative.rejection import VerifyResult, unpack_rows
 from infer.speculative.tree import TreeChunk, TreeDraft, TreeShape, stack_drafts
-from infer.speculative.tree_verify import verify_tree_greedy, verify_tree_logits, verify_tree_nodes
+from infer.speculative.tree_verify import verify_tree_nodes
 from infer.tokenization import Tokenizer
-from infer.transfer import tensor_on, to_device
+from infer.transfer import to_device
 
 
 def fit_depth(shape: TreeShape, k: int, seq_len: int, max_seq_len: int) -> int:
@@ -51,6 +51,8 @@ def fit_depth(shape: TreeShape, k: int, seq_len: int, max_seq_len: int) -> int:
 
 
 class TreeSpeculativeRunner(SpeculativeRunner):
+    draft_loop_rounds = False  # a draft model expands trees level by level (draft_tree.py)
+
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
                  tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
         if config.spec_tree is None:
@@ -62,7 +64,8 @@ class TreeSpeculativeRunner(SpeculativeRunner):
                              f"the vocabulary has {vocab} tokens")
         super().__init__(target_model, draft_model, tokenizer, config, eos_token_ids)
         self.verify_chunk = TreeChunk.verification(self.tree)
-        self.forward.prepare_trees([self.verify_chunk])
+        modes = ("greedy", "one_hot") + (("draft_probs",) if self.draft is not None else ())
+        self.forward.prepare_trees([self.verify_chunk], verify_modes=modes)
         if self.draft is not None:  # the draft's levels 1 .. D-1 (the deepest is never fed)
             self.draft.step_forward.prepare_trees([TreeChunk.level(self.tree, d) for d in range(1, self.tree.depth)])
 
@@ -104,29 +107,31 @@ class TreeSpeculativeRunner(SpeculativeRunner):
         ids = torch.cat([torch.tensor([[r.last_token_id] for r in requests]), node_tokens], dim=1)  # [B, N+1]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [d.rows_used for d in drafts], width=shape.num_nodes + 1)
-        logits = self.forward.tree(ids, layout, self.verify_chunk)  # [B, N+1, V]
-        tokens, valid = to_device(node_tokens, self.device), to_device(node_valid, self.device)
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
         draft_probs = self._tree_draft_probs(drafts, node_tokens, vocab)
-        if all(p.greedy and not p.penalized and p.logprobs is None for p in params):
-            packed, nodes = verify_tree_greedy(shape, logits, tokens, valid)
+        greedy = [p.greedy for p in params]
+        if all(temperature_only(p, vocab) and p.logprobs is None for p in params):
+            # greedy and temperature-only rows: the forward function verifies too (a CUDA graph on the GPU)
+            uniforms = (torch.zeros((batch, shape.num_uniforms), dtype=torch.float64) if all(greedy)
+                        else draw_uniforms([r.generator for r in requests], shape.num_uniforms))  # [B, U]
+            logits = None
+            rows = self.forward.verify_tree(ids, layout, self.verify_chunk, node_tokens, node_valid, draft_probs,
+                                            [1.0 if g else p.temperature for g, p in zip(greedy, params)], greedy,
+                                            uniforms)  # [B, 2D+2]
         else:
-            uniforms = to_device(draw_uniforms([r.generator for r in requests], shape.num_uniforms),
-                                 self.device)  # [B, U]
-            if all(temperature_only(p, vocab) and p.logprobs is None for p in params):
-                temps = tensor_on([1.0 if p.greedy else p.temperature for p in params], self.device, torch.float32)
-                greedy = tensor_on([p.greedy for p in params], self.device, torch.bool)
-                packed, nodes = verify_tree_logits(shape, logits, temps, greedy, tokens, draft_probs, uniforms, valid)
-            else:
-                target_probs = self._tree_target_probs(requests, drafts, logits)
-                packed, nodes = verify_tree_nodes(shape, tokens, draft_probs, target_probs, uniforms, valid)
-        rows = torch.cat([packed, nodes], dim=1).tolist()  # the one host sync of verification
+            logits = self.forward.tree(ids, layout, self.verify_chunk)  # [B, N+1, V]
+            uniforms = to_device(draw_uniforms([r.generator for r in requests], shape.num_uniforms), self.device)
+            target_probs = self._tree_target_probs(requests, drafts, logits)
+            packed, nodes = verify_tree_nodes(shape, to_device(node_tokens, self.device), draft_probs, target_probs,
+                                              uniforms, to_device(node_valid, self.device))
+            rows = torch.cat([packed, nodes], dim=1)
+        host = rows.tolist()  # the one host sync of verification
         width = shape.depth + 2
-        result = unpack_rows([row[:width] for row in rows])
-        paths = [[i for i in row[width:] if i >= 0] for row in rows]
+        result = unpack_rows([row[:width] for row in host])
+        paths = [[i for i in row[width:] if i >= 0] for row in host]
         counts = [p.logprobs for p in params]
-        if any(c is not None for c in counts):
+        if logits is not None and any(c is not None for c in counts):
             blocks = [[0] + [1 + i for i in path] + [0] * (shape.depth - len(path)) for path in paths]
             path_logits = logits[torch.arange(batch)[:, None], torch.tensor(blocks)]  # [B, D+1, V]
             result = replace(result, logprobs=emitted_logprobs(path_logits, result.tokens, counts))

@@ -22,7 +22,8 @@ captures the ones its policy uses at start-up (`prepare_draft_loops`); any other
 captured on first use. Tree speculation's chunks (`tree`: the verification block, a draft
 model's levels) are captured per (bucket, chunk) by `prepare_trees`, with the chunk's block
 mask static in the view (gather + SDPA, not the Triton kernel) and the rotary positions
-computed in the graph from the staged storage positions.
+computed in the graph from the staged storage positions; the tree verifier after it too
+(`verify_tree`, executor/tree_graphs.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from infer.engine.executor.forward import (
     draft_steps,
     sample_logits,
     verify_on_logits,
+    verify_on_tree_logits,
 )
 from infer.engine.executor.staging import (
     _capture_inputs,
@@ -52,6 +54,13 @@ from infer.engine.executor.staging import (
     _split,
     _stage_sampling,
     _Staging,
+)
+from infer.engine.executor.tree_graphs import (
+    TREE_VERIFY_MODES,
+    TreeVerifier,
+    capture_tree_verifier,
+    replay_tree_verifier,
+    tree_verify_mode,
 )
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -153,6 +162,7 @@ class GraphForward:
         self.samplers: dict[tuple[int, int], _Graph] = {}
         self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (prepare_draft_loops, or on first use)
         self.trees: dict[tuple[int, TreeChunk], _Graph] = {}  # tree chunks (prepare_trees)
+        self.tree_verifiers: dict[tuple[int, TreeChunk, str], TreeVerifier] = {}
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
@@ -356,13 +366,43 @@ class GraphForward:
         self.tree_replays += 1
         return g.out[:n]
 
-    def prepare_trees(self, chunks: Iterable[TreeChunk]) -> None:
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+        """The same function as `EagerForward.verify_tree`: the tree graph, then its verifier
+        graph where `prepare_trees` captured both; else the verifier runs eagerly."""
+        n = len(layout.slots)
+        key = (self._bucket(n), chunk, tree_verify_mode(greedy, draft_probs)) if n <= self.buckets[-1] else None
+        v = self.tree_verifiers.get(key) if key is not None else None
+        logits = self.tree(ids, layout, chunk)  # [n, N+1, V] (the buffer v reads, when v exists)
+        if v is None or max(layout.ends) > self.context_width:
+            return verify_on_tree_logits(chunk.shape, logits, node_tokens, node_valid, draft_probs, temperatures,
+                                         greedy, uniforms)
+        self.verify_replays += 1
+        return replay_tree_verifier(v, node_tokens, node_valid, draft_probs, temperatures, greedy, uniforms)
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
         """Capture a graph per (batch bucket, chunk): the target's verification block, a draft
-        model's levels. Static: the block mask and the rotary offsets are the chunk's."""
+        model's levels. Static: the block mask and the rotary offsets are the chunk's. For a
+        verification chunk (the whole block) and buckets up to `sampling_batch_max`, the tree
+        verifier in `verify_modes` (of TREE_VERIFY_MODES) too."""
+        chunks, modes = list(chunks), sorted(set(verify_modes))
+        if not set(modes) <= set(TREE_VERIFY_MODES):
+            raise ValueError(f"verify_modes must be among {TREE_VERIFY_MODES}, got {modes}")
         for b in self.buckets:
             for chunk in chunks:
                 if (b, chunk) not in self.trees:
                     self.trees[(b, chunk)] = self._capture(b, chunk.width, True, self.stream, chunk=chunk)
+                if chunk.first_row or chunk.width != chunk.shape.num_nodes + 1 or b > self.sampling_batch_max:
+                    continue
+                logits = self.trees[(b, chunk)].out  # [b, N+1, V]
+                q = torch.zeros((b, chunk.width - 1, logits.shape[-1]), dtype=torch.float32, device=self.device) \
+                    if "draft_probs" in modes else None
+                for mode in modes:
+                    if (b, chunk, mode) not in self.tree_verifiers:
+                        self.tree_verifiers[(b, chunk, mode)] = capture_tree_verifier(
+                            lambda run: self._record(run, self.stream), logits, chunk.shape, mode,
+                            q if mode == "draft_probs" else None)
 
     def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
         """Capture the `draft_loop` graphs of every (bucket up to `sampling_batch_max`, width of

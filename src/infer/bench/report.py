@@ -51,7 +51,8 @@ def measurement_line(m: Measurement) -> str:
         parts.append(f"{fmt(x.get('tokens_per_s'))} tok/s ({fmt(x.get('step_ms'))} ms/step)")
     if m.kind == "spec_costs":
         parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
-    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency")):
+    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency"),
+                       ("length_vs_chain", "tok/round x chain")):
         if d.get(key) is not None:
             parts.append(f"{fmt(d[key])} {label}")
     if x.get("acceptance_rate") is not None:

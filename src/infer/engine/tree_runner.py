@@ -172,9 +172,10 @@ class TreeSpeculativeRunner(SpeculativeRunner):
                      paths: Sequence[Sequence[int]]) -> StepResult:
         """Move the accepted paths into sequence order and roll both caches back, record
         metrics, emit the tokens in order."""
-        assert all(r.slot is not None for r in requests)
-        move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))  # type: ignore[arg-type]
-                                     for r, p in zip(requests, paths, strict=True)])
+        slots = [r.slot for r in requests]
+        assert all(s is not None for s in slots)
+        move_paths(self.cache_pool, [PathMove(s, r.num_computed_tokens, tuple(p))
+                                     for s, r, p in zip(slots, requests, paths, strict=True) if s is not None])
         self.proposer.on_tree_accepted(requests, paths)
         outputs: StepResult = []
         logprobs = result.logprobs or [[] for _ in requests]

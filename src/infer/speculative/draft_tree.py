@@ -97,14 +97,14 @@ def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[i
     layout = BatchLayout.of(slots, starts, [len(f) for f in feeds])
     logits = proposer.step_forward(ids, layout, all_logits=False)[:, None]  # [A, 1, V]
     alive = list(range(batch))
-    host: list[list[int]] | None = None  # tokens on the host, for penalty contexts only
+    host: list[list[int]] = []  # tokens on the host, for penalty contexts only (from depth 1 on)
     for d, width in enumerate(shape.branching):  # parents at depth d, children at depth d + 1
         lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
         rows = tensor_on(alive, device, torch.long)  # [A']
         contexts = None
         if base_contexts is not None:
-            parents = range(shape.level_starts[d - 1], lo) if d else [None]
-            contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])  # type: ignore[index]
+            parents: Sequence[int | None] = range(shape.level_starts[d - 1], lo) if d else [None]
+            contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])
                         for a in alive for p in parents]
         flat = logits.reshape(-1, logits.shape[-1])  # [A' * P, V]
         kids, q = children(flat, [params[a] for a in alive for _ in range(logits.shape[1])], contexts, width,

@@ -62,7 +62,8 @@ class SpecStats:
         """The counts since `earlier` (a copy of these stats taken before)."""
         return SpecStats(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
                          self.accepted_tokens - earlier.accepted_tokens, self.emitted_tokens - earlier.emitted_tokens,
-                         self.rounds - earlier.rounds, _minus(self.accepted_per_position, earlier.accepted_per_position),
+                         self.rounds - earlier.rounds,
+                         _minus(self.accepted_per_position, earlier.accepted_per_position),
                          _minus(self.drafted_per_position, earlier.drafted_per_position),
                          _minus(self.accepted_lengths, earlier.accepted_lengths))
 

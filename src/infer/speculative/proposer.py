@@ -45,9 +45,9 @@ class Proposer(Protocol):
         ...
 
     def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
-        """After a tree verification of these requests: paths[i], the accepted node indices
-        of requests[i] in depth order (their outputs already hold the new tokens). A model's
-        cache moves the paths into sequence order and drops the rest (`cache.compaction`)."""
+        """After a tree verification of these requests, before their tokens are emitted:
+        paths[i], the accepted node indices of requests[i] in depth order. A model's cache
+        moves the paths into sequence order and drops the rest (`cache.compaction`)."""
         ...
 
     def prefilled(self, requests: Sequence[Request]) -> None:

@@ -8,7 +8,9 @@ A measurement names the others it is compared with in `refs`:
   "roofline": roofline_fraction = its decode tokens/s / the roofline's tokens/s;
   "costs":    for fixed-K speculation, the paper's prediction from the measured c and the
               alpha implied by the measured tokens per round, and efficiency = speedup /
-              prediction (n-gram drafts have c = 0).
+              prediction (n-gram drafts have c = 0); none for trees (the chain's formula);
+  "chain":    tree speculation: length_vs_chain = its tokens per round / the chain's (the
+              chain run verifying as many tokens a round).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     costs = _ref(m, run, "costs")
     if costs is not None and "speedup" in out:
         out.update(spec_prediction(m, costs, out["speedup"]))
+    chain = _ref(m, run, "chain")
+    if chain is not None and m.metrics.get("mean_accepted_length") and chain.metrics.get("mean_accepted_length"):
+        out["length_vs_chain"] = m.metrics["mean_accepted_length"] / chain.metrics["mean_accepted_length"]
     return out
 
 
@@ -50,7 +55,8 @@ def spec_prediction(m: Measurement, costs: Measurement, speedup: float) -> dict[
     """Paper prediction and efficiency of a fixed-K speculative run."""
     engine = m.params.get("engine", {})
     mean_len = m.metrics.get("mean_accepted_length")
-    if not engine.get("use_speculative_decoding") or engine.get("spec_policy") != "fixed" or not mean_len:
+    if (not engine.get("use_speculative_decoding") or engine.get("spec_policy") != "fixed" or not mean_len
+            or engine.get("spec_tree")):
         return {}
     k = int(engine["spec_length"])
     c = 0.0 if engine.get("speculative_method") != "draft_model" else costs.metrics.get("c")

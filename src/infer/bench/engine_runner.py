@@ -69,6 +69,9 @@ def spec_metrics(stats: SpecStats) -> dict[str, Any]:
         "spec_accepted_tokens": stats.accepted_tokens, "spec_emitted_tokens": stats.emitted_tokens,
         "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
         "mean_k": stats.draft_tokens / stats.drafts if stats.drafts else 0.0,
+        # accepted draft tokens per drafting round (a tree: the accepted path), by depth, by length
+        "mean_accepted_path": stats.mean_accepted_path, "acceptance_by_depth": stats.acceptance_by_depth,
+        "accepted_lengths": list(stats.accepted_lengths),
     }
 
 

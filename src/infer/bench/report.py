@@ -54,7 +54,8 @@ def measurement_line(m: Measurement) -> str:
         return f"{m.name}: " + ", ".join(f"b{b} {fmt(r)} tok/s" for b, r in rates.items())
     if m.kind == "spec_costs":
         parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
-    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency")):
+    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency"),
+                       ("length_vs_chain", "tok/round x chain")):
         if d.get(key) is not None:
             parts.append(f"{fmt(d[key])} {label}")
     if x.get("acceptance_rate") is not None:

@@ -8,16 +8,19 @@
                    drafted by itself (acceptance 1), against plain decoding
     w2             W2 continuous vs static batching; W2-prefix with and without prefix caching
     demo-pair      W1 on the bundled demo pair at T=0 and T=1: plain, speculative (fixed,
-                   adaptive), transformers plain and assisted generation
+                   adaptive), trees against chains verifying as many tokens a round,
+                   transformers plain and assisted generation
     w5-ngram       W5 code edit at T=0 and T=1: n-gram / prompt lookup / draft model vs
-                   plain, transformers prompt lookup; W1 with adaptive n-gram vs plain
+                   plain, n-gram trees against n-gram chains, transformers prompt lookup;
+                   W1 with adaptive n-gram vs plain
                    (--model / --draft-model replace the demo pair in these two)
     decode-speed   W1 batch-1 decode of both shapes: overlapped and synchronous scheduling,
                    FP8 weights, against the roofline; decode step time against batch size
     costs-fp8      c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft;
                    projections
     speculation    3B with a random 1B draft (fixed, adaptive); demo pair T=0/1 (fixed,
-                   adaptive, FP8 draft); n-gram on W5 and W1 at T=0 (fixed, adaptive, lookup)
+                   adaptive, FP8 draft, chain K=6 vs tree 2,1,1); n-gram on W5 and W1 at T=0
+                   (fixed, adaptive, prompt lookup; on W5 chain K=6 vs tree 2,1,1)
     all-gpu        the runs of record: decode-speed, costs-fp8, speculation, w2, HF static
                    cache + compile; most important first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
@@ -36,9 +39,12 @@ from infer.bench.harness import Harness
 from infer.bench.peers import HFPeer
 from infer.bench.workloads import WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
+from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b"
 SPEC_K = 5
+# tree speculation (#37): (chain K, tree) pairs verifying as many tokens a round (K + 1 = N + 1)
+TREE_PAIRS = ((6, "2,1,1"), (12, "3,1,1,1"))
 GRAPHS = {"use_cuda_graphs": True}
 
 
@@ -134,8 +140,19 @@ def demo_pair(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
         h.engine(f"{tag}/spec-k5", group, wl, spec, refs)
         h.engine(f"{tag}/spec-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, refs,
                  paired_with={"model": target, **GRAPHS})
+        tree_rows(h, f"{tag}/spec", group, wl, spec, base, costs)
         h.hf(f"{tag}/hf", group, wl, HFPeer(target), {"baseline": base})
         h.hf(f"{tag}/hf-assisted", group, wl, HFPeer(target, assistant=draft), {"baseline": base})
+
+
+def tree_rows(h: Harness, tag: str, group: str, wl: Workload, spec: dict, base: str, costs: str | None,
+              pairs: tuple[tuple[int, str], ...] = TREE_PAIRS) -> None:
+    """Per pair: the chain of K drafts, then the tree verifying as many tokens a round
+    (length_vs_chain: tokens per round against the chain's)."""
+    for k, tree in pairs:
+        chain = h.engine(f"{tag}-k{k}", group, wl, {**spec, "spec_length": k}, {"baseline": base, "costs": costs}).name
+        tree_spec = {**spec, "spec_length": TreeShape.parse(tree).depth, "spec_tree": tree}
+        h.engine(f"{tag}-tree-{tree.replace(',', 'x')}", group, wl, tree_spec, {"baseline": base, "chain": chain})
 
 
 def w5_ngram(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
@@ -155,6 +172,8 @@ def w5_ngram(h: Harness, temperatures: tuple[float, ...] = (0.0, 1.0)) -> None:
                  paired_with={"model": target, **GRAPHS})
         h.engine(f"{tag}/prompt-lookup-k5", group, wl, {**spec, "speculative_method": "prompt_lookup"}, refs)
         h.engine(f"{tag}/draft-k5", group, wl, {**spec, "draft_model": draft}, refs)
+        tree_rows(h, f"{tag}/ngram", group, wl, {**spec, "speculative_method": "ngram"}, base, costs,
+                  pairs=TREE_PAIRS[:1])
         h.hf(f"{tag}/hf-prompt-lookup", group, wl, HFPeer(target, prompt_lookup=10), {"baseline": base})
     for t in temperatures:
         wl = WORKLOADS["W1"].with_temperature(t)
@@ -221,6 +240,7 @@ def speculation(h: Harness) -> None:
             h.engine(f"{tag}/spec-adaptive", group, wl_t, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
             h.engine(f"{tag}/spec-k5-fp8-draft", group, wl_t, {**spec, "draft_quantization": "fp8"},
                      {"baseline": base})
+            tree_rows(h, f"{tag}/spec", group, wl_t, spec, base, None, pairs=TREE_PAIRS[:1])
         ngram = {"model": target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K}
         for name in ("W5", "W1"):
             wl_t, tag = WORKLOADS[name].with_temperature(0.0), f"{name.lower()}-ngram-t0"
@@ -231,6 +251,9 @@ def speculation(h: Harness) -> None:
                                                              "spec_policy": "adaptive"}, {"baseline": base})
             h.engine(f"{tag}/prompt-lookup-k5", group, wl_t, {**ngram, "speculative_method": "prompt_lookup"},
                      {"baseline": base})
+            if name == "W5":
+                tree_rows(h, f"{tag}/ngram", group, wl_t, {**ngram, "speculative_method": "ngram"}, base, None,
+                          pairs=TREE_PAIRS[:1])
 
 
 def all_gpu(h: Harness) -> None:

@@ -5,9 +5,10 @@ tensors; a pool turns (slot, position) into a row number (slotted: slot * max_se
 pos; paged: block * block_size + offset) and keeps one extra *scratch row* at the end. So one
 view serves both: every token of the padded batch is written (padding goes to the scratch
 row), each sequence's context rows are gathered (padding again points at the scratch row)
-and a position mask hides what a query may not see. All index tensors have fixed shapes
-for a given (batch, width, context width), so a CUDA graph can capture a forward through a
-view and replay it after new indices are copied into the same tensors.
+and a position mask hides what a query may not see (tree speculation adds a static
+`BlockMask`: each node sees the context and its ancestors only). All index tensors have
+fixed shapes for a given (batch, width, context width), so a CUDA graph can capture a
+forward through a view and replay it after new indices are copied into the same tensors.
 """
 
 from __future__ import annotations
@@ -133,6 +134,29 @@ def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMask:
+    """A static visibility rule inside a block of consecutive positions (tree speculation).
+
+    Every row of the batch holds a block of W positions starting at its own base; a chunk's
+    query t is block row first_row + t (so base = q_pos[:, 0] - first_row). Keys below the
+    base (the context) follow the usual rule; a key at base + c is visible to query t only
+    where rows[t, c] (and the usual rule) allows it. `rows`: bool [T, W] on the device."""
+
+    rows: torch.Tensor  # [T, W] bool
+    first_row: int
+
+    def visibility(self, q_pos: torch.Tensor, s: int) -> torch.Tensor:
+        """[B, T, S] bool: True where the block rule allows key s to query t (keys outside
+        the block: always True). q_pos: [B, T] storage positions of the queries."""
+        width = self.rows.shape[1]
+        base = q_pos[:, :1] - self.first_row  # [B, 1]
+        rel = torch.arange(s, device=q_pos.device)[None, :] - base  # [B, S]
+        inside = (rel >= 0) & (rel < width)  # [B, S]
+        allowed = self.rows[:, rel.clamp(0, width - 1)].permute(1, 0, 2)  # [B, T, S]
+        return allowed | ~inside[:, None, :]
+
+
 TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go through gather + SDPA
 
 
@@ -153,10 +177,11 @@ class CacheView:
     """AttentionView writing to / reading from row-indexed KV storage."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: ViewIndices,
-                 on_commit: Callable[[], None] | None = None) -> None:
+                 on_commit: Callable[[], None] | None = None, block: BlockMask | None = None) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
         self.indices = indices
         self._on_commit = on_commit
+        self.block = block  # tree speculation: gather + SDPA with the block rule, on every device
         self._mask: torch.Tensor | None = None
 
     def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -169,11 +194,13 @@ class CacheView:
         if k is not None and v is not None:  # (else a fused kernel wrote them: `kv_target`)
             kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
             vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
-        if use_triton_attention(q):
+        if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
             return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
         if layer == 0 or self._mask is None:  # once per forward (inside a captured graph too)
             self._mask = idx.mask()
+            if self.block is not None:
+                self._mask = self._mask & self.block.visibility(idx.q_pos, idx.gather_rows.shape[1])
         k_ctx = kc[idx.gather_rows]  # [B, S, Hkv, D]
         v_ctx = vc[idx.gather_rows]
         return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), self._mask)

@@ -18,6 +18,8 @@ _HELP = {
     "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file); default with the "
                    "demo target: the demo draft",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
+    "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
+                 "policy only)",
     "device": "auto | cpu | cuda[:N]",
     "seed": "sampling seed of requests that set none (the same command gives the same text)",
     "threads": "CPU threads for torch; default: one per 250M parameters, at most half the cores (small models "

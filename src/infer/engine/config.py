@@ -13,6 +13,7 @@ _BACKENDS = ("paged", "contiguous")
 _BATCHING = ("continuous", "static")
 _SPEC_METHODS = ("draft_model", "ngram", "prompt_lookup")
 _SPEC_POLICIES = ("fixed", "adaptive")
+_DEFAULT_SPEC_LENGTH = 5  # spec_length's default: with spec_tree it means "not set"
 _DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 
 
@@ -50,7 +51,10 @@ class EngineConfig:
     use_speculative_decoding: bool = False
     speculative_method: str = "draft_model"
     draft_model: str | None = None  # dir, hub id or .gguf; None with the demo target = the bundled demo draft
-    spec_length: int = 5  # K: candidate tokens per speculation round
+    spec_length: int = _DEFAULT_SPEC_LENGTH  # K: candidate tokens per speculation round
+    # tree speculation (issue #37): children per node at each depth, e.g. "3,2,1,1"; its
+    # depth becomes spec_length. None: a chain of spec_length drafts
+    spec_tree: str | None = None
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
     # speculation is off for a step whose decode batch is larger than this (None: never off)
     spec_disable_batch_size: int | None = None
@@ -96,6 +100,7 @@ class EngineConfig:
             raise ValueError("ngram orders must satisfy 2 <= ngram_min_order <= ngram_max_order, "
                              f"got {self.ngram_min_order}..{self.ngram_max_order}")
         self._check_combinations()
+        self._check_tree()
 
     def _check_combinations(self) -> None:
         if self.kv_cache_backend == "contiguous" and (self.num_blocks or self.kv_cache_memory_bytes):
@@ -116,6 +121,28 @@ class EngineConfig:
             if self.speculative_method == "draft_model" and self.draft_model is None and self.model is not None:
                 raise ValueError("use_speculative_decoding=True with speculative_method='draft_model' "
                                  "requires draft_model (a path or hub id)")
+
+    def _check_tree(self) -> None:
+        """spec_tree: a valid shape, for speculative decoding with the fixed policy; its depth
+        is K (a spec_length other than the default must equal it)."""
+        if self.spec_tree is None:
+            return
+        from infer.speculative.tree import TreeShape
+        try:
+            shape = TreeShape.parse(self.spec_tree)
+        except ValueError as e:
+            raise ValueError(f"spec_tree: {e}") from None
+        if not self.use_speculative_decoding:
+            raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
+                             "or leave spec_tree unset")
+        if self.spec_policy != "fixed":
+            raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree is static), got {self.spec_policy!r}")
+        if self.spec_length not in (_DEFAULT_SPEC_LENGTH, shape.depth):
+            raise ValueError(f"spec_tree {self.spec_tree!r} has depth {shape.depth} but spec_length is "
+                             f"{self.spec_length}: the tree's depth is K, so leave spec_length at its default "
+                             f"or set it to {shape.depth}")
+        self.spec_tree = str(shape)  # normalised ("3, 2" -> "3,2")
+        self.spec_length = shape.depth
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -39,6 +39,9 @@ class Engine:
 
     def _make_runner(self) -> ContinuousRunner:
         eos = self.models.eos_token_ids
+        if self.config.use_speculative_decoding and self.config.spec_tree is not None:
+            from infer.engine.tree_runner import TreeSpeculativeRunner
+            return TreeSpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
         if self.config.use_speculative_decoding:
             from infer.engine.speculative_runner import SpeculativeRunner
             return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)

@@ -57,6 +57,8 @@ def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
 
 
 class SpeculativeRunner(ContinuousRunner):
+    draft_loop_rounds = True  # a draft model's rounds as `draft_loop` graphs (not the tree runner's)
+
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
                  tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
         super().__init__(target_model, tokenizer, config, eos_token_ids)
@@ -98,7 +100,8 @@ class SpeculativeRunner(ContinuousRunner):
         # tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
         # probes; other lengths are captured on first use
         k = config.spec_length
-        step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
+        if self.draft_loop_rounds:
+            step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
         eager = make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
         self.draft = DraftModelProposer(draft_model, pool, step, eager)
         return self.draft

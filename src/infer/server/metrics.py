@@ -5,7 +5,8 @@ requests by finish reason, time to first token, inter-token latency, end-to-end 
 prompt and generated token counts. Read from the engine at scrape time (`EngineCollector`):
 running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
 the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
-emitted tokens, accepted tokens per draft position).
+emitted tokens, accepted and drafted tokens per draft position, i.e. a tree's depth, and
+drafting rounds by accepted length, i.e. a tree's accepted path length).
 """
 
 from __future__ import annotations
@@ -80,12 +81,17 @@ def _spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
                       ("accepted_tokens", "drafted tokens accepted by the target"),
                       ("emitted_tokens", "tokens produced by speculation rounds (accepted + bonus)")):
         yield CounterMetricFamily(f"infer_spec_decode_{name}", doc, value=getattr(stats, name))
-    per_position = CounterMetricFamily(
-        "infer_spec_decode_accepted_per_position", "rounds whose i-th drafted token was accepted",
-        labels=["position"])
-    for position, count in enumerate(list(stats.accepted_per_position)):
-        per_position.add_metric([str(position)], count)
-    yield per_position
+    for name, doc, label, counts in (
+            ("accepted_per_position", "rounds whose i-th drafted token (a tree: at depth i + 1) was accepted",
+             "position", stats.accepted_per_position),
+            ("drafted_per_position", "rounds that drafted an i-th token (a tree: a node at depth i + 1)",
+             "position", stats.drafted_per_position),
+            ("accepted_length", "drafting rounds by accepted length (a tree: the accepted path's)",
+             "length", stats.accepted_lengths)):
+        family = CounterMetricFamily(f"infer_spec_decode_{name}", doc, labels=[label])
+        for i, count in enumerate(list(counts)):
+            family.add_metric([str(i)], count)
+        yield family
 
 
 class RequestTracker:

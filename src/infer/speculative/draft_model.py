@@ -29,7 +29,9 @@ import torch
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.speculative import draft_tree
 from infer.speculative.proposer import Draft
+from infer.speculative.tree import TreeDraft, TreeShape
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
@@ -244,6 +246,13 @@ class DraftModelProposer:
             return
         slot = self._slot(request)
         self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))
+
+    # -- tree speculation (issue #37): the level-by-level expansion is in draft_tree.py ---------
+    def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:
+        return draft_tree.propose_tree(self, requests, shape, depths)
+
+    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        draft_tree.accept_paths(self, requests, paths)
 
 
 def _row_uniforms(reqs: Sequence[Request], ks: Sequence[int]) -> torch.Tensor:

@@ -1,14 +1,27 @@
 """SpecStats: engine-wide speculative decoding counters (exported by the server).
 
-drafts: speculation rounds that proposed at least one token; draft_tokens: tokens proposed;
-accepted_tokens: proposed tokens accepted; accepted_per_position[i]: rounds whose (i+1)-th
-proposed token was accepted; emitted_tokens: tokens produced by speculative rounds
-(accepted + one recovered or bonus token each).
+drafts: speculation rounds that proposed at least one token; draft_tokens: tokens proposed
+(tree speculation: the tree's proposed nodes); accepted_tokens: proposed tokens accepted (a
+tree: the accepted path's length); emitted_tokens: tokens produced by speculative rounds
+(accepted + one recovered or bonus token each). By position (a chain's i-th draft, a tree's
+depth i + 1): accepted_per_position[i], rounds whose token there was accepted, and
+drafted_per_position[i], rounds that proposed one there, so acceptance by depth is their
+ratio. accepted_lengths[L]: drafting rounds that accepted exactly L tokens (the accepted
+path length per round).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def _grow(counts: list[int], n: int) -> None:
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+
+
+def _minus(now: list[int], earlier: list[int]) -> list[int]:
+    return [x - (earlier[i] if i < len(earlier) else 0) for i, x in enumerate(now)]
 
 
 @dataclass
@@ -19,10 +32,16 @@ class SpecStats:
     emitted_tokens: int = 0
     rounds: int = 0  # all verification rounds, including k = 0 ones
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
 
-    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
-        if not 0 <= num_accepted <= num_draft:
-            raise ValueError(f"num_accepted {num_accepted} outside 0..{num_draft}")
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
+        """One verification round: tokens proposed, accepted and emitted; `depth`, the
+        deepest proposed position (a chain: num_draft, the default)."""
+        depth = num_draft if depth is None else depth
+        if not 0 <= num_accepted <= depth <= num_draft or (depth == 0) != (num_draft == 0):
+            raise ValueError(f"num_accepted {num_accepted} outside 0..depth {depth}, or depth outside "
+                             f"1..num_draft {num_draft} (0 without drafts)")
         self.rounds += 1
         self.emitted_tokens += num_emitted
         if num_draft == 0:
@@ -30,18 +49,23 @@ class SpecStats:
         self.drafts += 1
         self.draft_tokens += num_draft
         self.accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft:
-            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        _grow(self.accepted_per_position, depth)
+        _grow(self.drafted_per_position, depth)
+        _grow(self.accepted_lengths, num_accepted + 1)
+        for i in range(depth):
+            self.drafted_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        self.accepted_lengths[num_accepted] += 1
 
     def minus(self, earlier: SpecStats) -> SpecStats:
         """The counts since `earlier` (a copy of these stats taken before)."""
-        per_position = [n - (earlier.accepted_per_position[i] if i < len(earlier.accepted_per_position) else 0)
-                        for i, n in enumerate(self.accepted_per_position)]
         return SpecStats(self.drafts - earlier.drafts, self.draft_tokens - earlier.draft_tokens,
                          self.accepted_tokens - earlier.accepted_tokens, self.emitted_tokens - earlier.emitted_tokens,
-                         self.rounds - earlier.rounds, per_position)
+                         self.rounds - earlier.rounds,
+                         _minus(self.accepted_per_position, earlier.accepted_per_position),
+                         _minus(self.drafted_per_position, earlier.drafted_per_position),
+                         _minus(self.accepted_lengths, earlier.accepted_lengths))
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -51,3 +75,13 @@ class SpecStats:
     def mean_accepted_length(self) -> float | None:
         """Tokens emitted per round that drafted (the paper's expected tokens per run)."""
         return self.emitted_tokens / self.rounds if self.rounds else None
+
+    @property
+    def mean_accepted_path(self) -> float | None:
+        """Draft tokens accepted per drafting round (a tree: the accepted path's length)."""
+        return self.accepted_tokens / self.drafts if self.drafts else None
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Per position (a tree's depth - 1): accepted / proposed there."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position, strict=True)]

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, is_strict_int
 from infer.speculative.prompt_lookup import PromptLookupTable
 from infer.speculative.proposer import Draft
-from infer.speculative.tree import TreeDraft, TreeShape
+from infer.speculative.tree import TreeDraft, TreeShape, cut_depth
 
 __all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]
 
@@ -123,18 +123,28 @@ class NgramProposer:
             drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
         return drafts
 
-    def propose_tree(self, requests: Sequence[Request], shape: TreeShape) -> list[TreeDraft]:
+    def propose_tree(self, requests: Sequence[Request], shape: TreeShape,
+                     depths: Sequence[int] | None = None) -> list[TreeDraft]:
         """One deterministic tree over `shape` per request (probs None): each node's children
         are the table's best distinct continuations of the request's tokens extended by the
-        node's path; nodes the table cannot fill are absent. Tables are synced, never given
-        draft tokens."""
+        node's path; nodes the table cannot fill, or deeper than depths[i] (None: the
+        shape's depth), are absent. Tables are synced, never given draft tokens."""
+        if depths is not None and len(depths) != len(requests):
+            raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts: list[TreeDraft] = []
-        for request in requests:
+        for i, request in enumerate(requests):
+            depth = shape.depth if depths is None else depths[i]
+            if not depth:  # (its table catches up at its next lookup)
+                drafts.append(TreeDraft.empty(shape))
+                continue
             table = self._sync(request)
             n = request.num_tokens
             context = request.token_slice(max(0, n - self.config.max_order + 1), n)
-            drafts.append(table.propose_tree(context, shape))
+            drafts.append(cut_depth(table.propose_tree(context, shape), depth))
         return drafts
+
+    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        """Nothing: a table takes the verified tokens at its next lookup."""
 
     def prefilled(self, requests: Sequence[Request]) -> None:
         """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""

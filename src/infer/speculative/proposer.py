@@ -2,9 +2,10 @@
 
 A proposer sees the running requests and proposes up to k tokens for each. It keeps any
 per-request state of its own (a draft KV cache, n-gram tables), is told how many of its
-tokens were accepted so it can roll that state back, and when a request leaves. Every hook
-the speculative runner calls is declared here: a new proposer implements this protocol and
-nothing else.
+tokens were accepted so it can roll that state back, and when a request leaves. Tree
+speculation (issue #37) asks for a draft tree instead (`propose_tree`, `on_tree_accepted`).
+Every hook the speculative runners call is declared here: a new proposer implements this
+protocol and nothing else.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
     from infer.engine.request import Request
+    from infer.speculative.tree import TreeDraft, TreeShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,18 @@ class Proposer(Protocol):
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
         """After verification (the request's output already holds the new tokens)."""
+        ...
+
+    def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:
+        """Tree speculation: one draft over `shape` per request, no node deeper than
+        depths[i] (0: an empty draft). A model's draft writes node i of requests[i] at
+        storage position n + 1 + i of its own cache (g at n), like the target's verification."""
+        ...
+
+    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        """After a tree verification of these requests, before their tokens are emitted:
+        paths[i], the accepted node indices of requests[i] in depth order. A model's cache
+        moves the paths into sequence order and drops the rest (`cache.compaction`)."""
         ...
 
     def prefilled(self, requests: Sequence[Request]) -> None:

@@ -192,6 +192,51 @@ def position_offsets(shape: TreeShape, device: torch.device | str | None = None)
 
 
 @dataclass(frozen=True, slots=True)
+class TreeChunk:
+    """Consecutive rows [first_row, first_row + width) of a tree's block [g, nodes], fed as
+    one forward chunk: the whole block for verification (`verification`), or one depth's
+    nodes for a draft model's level-by-level expansion (`level`).
+
+    Storage convention: block row r is stored at position base + r (g at base = n, node i at
+    n + 1 + i), so a chunk starting at storage position s has base s - first_row. Its rotary
+    positions are base + [0, *depths][r] (`rotary_offsets`, relative to s), and its visibility
+    inside the block is `mask` (the rows of `tree_attention_mask`)."""
+
+    shape: TreeShape
+    first_row: int
+    width: int
+
+    def __post_init__(self) -> None:
+        rows = self.shape.num_nodes + 1
+        if not (_is_int(self.first_row) and _is_int(self.width) and self.width >= 1
+                and 0 <= self.first_row and self.first_row + self.width <= rows):
+            raise ValueError(f"a chunk of tree {self.shape} must lie within its {rows} block rows, got rows "
+                             f"{self.first_row!r}..+{self.width!r}")
+
+    @classmethod
+    def verification(cls, shape: TreeShape) -> TreeChunk:
+        """The whole block [g, node_0..node_{N-1}] (the target's verification forward)."""
+        return cls(shape, 0, shape.num_nodes + 1)
+
+    @classmethod
+    def level(cls, shape: TreeShape, depth: int) -> TreeChunk:
+        """The nodes of one depth (1..shape.depth), in node order."""
+        if not _is_int(depth) or not 1 <= depth <= shape.depth:
+            raise ValueError(f"depth must be in 1..{shape.depth} for tree {shape}, got {depth!r}")
+        start, end = shape.level_starts[depth - 1], shape.level_starts[depth]
+        return cls(shape, 1 + start, end - start)
+
+    def mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """bool [width, N+1]: which block rows each of the chunk's rows may see."""
+        return tree_attention_mask(self.shape, device)[self.first_row:self.first_row + self.width]
+
+    def rotary_offsets(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """long [width]: rotary position of each chunk row minus the chunk's storage start."""
+        rows = position_offsets(self.shape)[self.first_row:self.first_row + self.width]
+        return (rows - self.first_row).to(device)
+
+
+@dataclass(frozen=True, slots=True)
 class TreeDraft:
     """One request's proposal over a `TreeShape`: a token per node, or absent.
 
@@ -226,11 +271,35 @@ class TreeDraft:
         """How many nodes are present."""
         return sum(self.valid)
 
+    @property
+    def depth(self) -> int:
+        """The deepest present node's depth (0: nothing proposed)."""
+        return max((d for d, ok in zip(self.shape.depths, self.valid, strict=True) if ok), default=0)
+
+    @property
+    def rows_used(self) -> int:
+        """Block rows up to the last present node: 1 (g) + its index + 1; 1 when none."""
+        last = max((i for i, ok in enumerate(self.valid) if ok), default=-1)
+        return 2 + last
+
     @classmethod
     def empty(cls, shape: TreeShape) -> TreeDraft:
         """No proposal at all: every node absent (verification is then a plain decode step)."""
         n = shape.num_nodes
         return cls(shape, (0,) * n, (False,) * n)
+
+
+def cut_depth(draft: TreeDraft, depth: int) -> TreeDraft:
+    """The draft with every node deeper than `depth` absent (0 <= depth; probs kept)."""
+    if not _is_int(depth) or depth < 0:
+        raise ValueError(f"depth must be an integer >= 0, got {depth!r}")
+    if depth >= draft.shape.depth:
+        return draft
+    keep = draft.shape.level_starts[depth]  # nodes of depth <= `depth` come first (breadth-first)
+    n = draft.shape.num_nodes
+    tokens = draft.token_ids[:keep] + (0,) * (n - keep)
+    valid = draft.valid[:keep] + (False,) * (n - keep)
+    return TreeDraft(draft.shape, tokens, valid, draft.probs)
 
 
 def stack_drafts(drafts: Sequence[TreeDraft], device: torch.device | str | None = None

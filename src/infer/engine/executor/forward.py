@@ -4,17 +4,20 @@ computation and are tested equal to it on the GPU."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout
+from infer.cache.view import BatchLayout, BlockMask, CacheView
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.tree import TreeChunk, TreeShape
+from infer.speculative.tree_verify import verify_tree_greedy, verify_tree_logits
 from infer.transfer import tensor_on, to_device
 
 
@@ -42,6 +45,27 @@ class ForwardFn(Protocol):
         """`steps` sampled last-token steps, each feeding the token the one before sampled:
         (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
         See `EagerForward.draft_loop`."""
+        ...
+
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        """A tree chunk (see `TreeChunk`): ids [B, chunk.width] (CPU, or the device) stored at
+        the layout's positions, every row chunk.width wide (rows may be shorter: the rest is
+        padding), rotary positions and visibility from the tree -> logits [B, width, V].
+        Commits the layout to the pool."""
+        ...
+
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+        """A tree verification step (`tree` over the whole block), then the tree verifier for
+        rows sampling with a temperature alone (greedy included): [B, 2 * depth + 2] long on
+        the device, the verifier's packed rows then its accepted nodes. See
+        `verify_on_tree_logits` for the arguments."""
+        ...
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
+        """Capture `tree` graphs of these chunks for every batch bucket now, and for a
+        verification chunk the tree verifier in these modes too (no-op when eager)."""
         ...
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
@@ -78,6 +102,36 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
     return verify_logits(logits, tensor_on(list(temperatures), device, torch.float32),
                          tensor_on(list(greedy), device, torch.bool), tokens, num, draft_probs,
                          to_device(uniforms, device))
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_tensors(chunk: TreeChunk, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
+    """The device tensors of a tree chunk, made once: (its BlockMask, rotary offsets [width])."""
+    return BlockMask(chunk.mask(device), chunk.first_row), chunk.rotary_offsets(device)
+
+
+def verify_on_tree_logits(shape: TreeShape, logits: torch.Tensor, node_tokens: torch.Tensor,
+                          node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                          greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+    """The tree verifier on a verification step's logits [n, N+1, V] (rows sampled with a
+    temperature alone, greedy included): [n, 2 * depth + 2] long on their device, packed
+    rows (`verify_tree_nodes`) then accepted nodes. node_tokens, node_valid: CPU [n, N];
+    draft_probs: [n, N, V] on the device or None (deterministic proposals); temperatures:
+    per row (1.0 for greedy rows); uniforms: CPU float64 [n, U] (unread when all greedy)."""
+    device = logits.device
+    tokens, valid = to_device(node_tokens, device), to_device(node_valid, device)
+    if all(greedy):
+        packed, nodes = verify_tree_greedy(shape, logits, tokens, valid)
+    else:
+        packed, nodes = verify_tree_logits(shape, logits, tensor_on(list(temperatures), device, torch.float32),
+                                           tensor_on(list(greedy), device, torch.bool), tokens, draft_probs,
+                                           to_device(uniforms, device), valid)
+    return torch.cat([packed, nodes], dim=1)
+
+
+def check_tree_layout(layout: BatchLayout, chunk: TreeChunk) -> None:
+    if layout.width != chunk.width:
+        raise ValueError(f"a tree chunk of {chunk.width} rows needs a layout {chunk.width} wide, got {layout.width}")
 
 
 def draft_steps(forward: ForwardFn, ids: torch.Tensor, layout: BatchLayout, steps: int,
@@ -139,10 +193,31 @@ class EagerForward:
         graphs capture this whole loop as one replay."""
         return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
 
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        """A tree chunk through gather + SDPA with the chunk's block mask: logits [B, width, V]."""
+        check_tree_layout(layout, chunk)
+        block, offsets = chunk_tensors(chunk, self.device)
+        indices = self.pool.indices(layout).to(self.device)
+        view = CacheView(self.pool.k_cache, self.pool.v_cache, indices, block=block)
+        positions = indices.q_pos[:, :1] + offsets[None, :]  # [B, width] rotary positions
+        logits = self.model(to_device(ids, self.device), positions, view, logits_indices=None, kernels=self.kernels)
+        self.pool.commit(layout)
+        return logits
+
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+        """`tree`, then `verify_on_tree_logits`; CUDA graphs capture the same function."""
+        return verify_on_tree_logits(chunk.shape, self.tree(ids, layout, chunk), node_tokens, node_valid,
+                                     draft_probs, temperatures, greedy, uniforms)
+
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         return False
 
     def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+        pass
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
         pass
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],

@@ -19,7 +19,11 @@ K sampled steps, each feeding the token the one before sampled) is one graph as 
 captured per (bucket, width of the first step, K, all greedy): its steps read their
 columns of one index fill for the union of their positions. The speculative runner
 captures the ones its policy uses at start-up (`prepare_draft_loops`); any other is
-captured on first use.
+captured on first use. Tree speculation's chunks (`tree`: the verification block, a draft
+model's levels) are captured per (bucket, chunk) by `prepare_trees`, with the chunk's block
+mask static in the view (gather + SDPA, not the Triton kernel) and the rotary positions
+computed in the graph from the staged storage positions; the tree verifier after it too
+(`verify_tree`, executor/tree_graphs.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
-from infer.engine.executor.forward import EagerForward, draft_steps, sample_logits, verify_on_logits
+from infer.engine.executor.forward import (
+    EagerForward,
+    check_tree_layout,
+    chunk_tensors,
+    draft_steps,
+    sample_logits,
+    verify_on_logits,
+    verify_on_tree_logits,
+)
 from infer.engine.executor.staging import (
     _capture_inputs,
     _host_indices,
@@ -43,10 +55,18 @@ from infer.engine.executor.staging import (
     _stage_sampling,
     _Staging,
 )
+from infer.engine.executor.tree_graphs import (
+    TREE_VERIFY_MODES,
+    TreeVerifier,
+    capture_tree_verifier,
+    replay_tree_verifier,
+    tree_verify_mode,
+)
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.tree import TreeChunk
 
 
 T = TypeVar("T")
@@ -141,6 +161,8 @@ class GraphForward:
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
         self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (prepare_draft_loops, or on first use)
+        self.trees: dict[tuple[int, TreeChunk], _Graph] = {}  # tree chunks (prepare_trees)
+        self.tree_verifiers: dict[tuple[int, TreeChunk, str], TreeVerifier] = {}
         self.stream = stream = torch.cuda.Stream(self.device)
         shapes, small = sorted(set(shapes)), sorted(set(small_batch_shapes))
         for b in self.buckets:
@@ -159,10 +181,13 @@ class GraphForward:
         self.sample_replays = 0  # of those, replays that also sampled
         self.verify_replays = 0  # rejection-sampling replays
         self.loop_replays = 0  # draft rounds replayed as one graph
+        self.tree_replays = 0  # tree chunks (verification, draft levels)
 
     @torch.inference_mode()
     def _capture(self, b: int, w: int, all_logits: bool, stream: torch.cuda.Stream,
-                 sampling: bool = False) -> _Graph:
+                 sampling: bool = False, chunk: TreeChunk | None = None) -> _Graph:
+        """One forward graph; with a tree `chunk` (all logits, w = chunk.width) the view gets
+        its static block mask and the model its rotary positions from the staged ones."""
         s = self.context_width
         size = sum(torch.Size(shape).numel() for _, shape in _segments(b, w, s))
         device = torch.zeros(size, dtype=torch.long, device=self.device)
@@ -171,12 +196,14 @@ class GraphForward:
         parts["last"].fill_(w - 1)
         ids, positions, last = parts["ids"], parts["positions"], parts["last"]
         indices = _host_indices(parts)  # (positions are the view's q_pos)
-        view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
+        block, offsets = chunk_tensors(chunk, self.device) if chunk is not None else (None, None)
+        view = CacheView(self.pool.k_cache, self.pool.v_cache, indices, block=block)
         # [3, b]: temperature | greedy | uniform, the layout `_stage_sampling` fills
         params = torch.tensor([[1.0] * b, [1.0] * b, [0.5] * b], dtype=torch.float64, device=self.device)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-            logits = self.model(ids, positions, view, logits_indices=None if all_logits else last,
+            rotary = positions if offsets is None else positions[:, :1] + offsets[None, :]  # [b, w]
+            logits = self.model(ids, rotary, view, logits_indices=None if all_logits else last,
                                 kernels=self.kernels)
             if not sampling:
                 return logits, None
@@ -326,6 +353,56 @@ class GraphForward:
         self.pool.commit(layout)
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
+
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        """The same function as `EagerForward.tree`: the chunk's graph for the batch's bucket
+        when `prepare_trees` captured one, else eagerly."""
+        check_tree_layout(layout, chunk)
+        n = len(layout.slots)
+        g = self.trees.get((self._bucket(n), chunk)) if n <= self.buckets[-1] else None
+        if g is None or max(layout.ends) > self.context_width:
+            return self.eager.tree(ids, layout, chunk)
+        self._replay(g, ids, layout)
+        self.tree_replays += 1
+        return g.out[:n]
+
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+        """The same function as `EagerForward.verify_tree`: the tree graph, then its verifier
+        graph where `prepare_trees` captured both; else the verifier runs eagerly."""
+        n = len(layout.slots)
+        key = (self._bucket(n), chunk, tree_verify_mode(greedy, draft_probs)) if n <= self.buckets[-1] else None
+        v = self.tree_verifiers.get(key) if key is not None else None
+        logits = self.tree(ids, layout, chunk)  # [n, N+1, V] (the buffer v reads, when v exists)
+        if v is None or max(layout.ends) > self.context_width:
+            return verify_on_tree_logits(chunk.shape, logits, node_tokens, node_valid, draft_probs, temperatures,
+                                         greedy, uniforms)
+        self.verify_replays += 1
+        return replay_tree_verifier(v, node_tokens, node_valid, draft_probs, temperatures, greedy, uniforms)
+
+    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
+        """Capture a graph per (batch bucket, chunk): the target's verification block, a draft
+        model's levels. Static: the block mask and the rotary offsets are the chunk's. For a
+        verification chunk (the whole block) and buckets up to `sampling_batch_max`, the tree
+        verifier in `verify_modes` (of TREE_VERIFY_MODES) too."""
+        chunks, modes = list(chunks), sorted(set(verify_modes))
+        if not set(modes) <= set(TREE_VERIFY_MODES):
+            raise ValueError(f"verify_modes must be among {TREE_VERIFY_MODES}, got {modes}")
+        for b in self.buckets:
+            for chunk in chunks:
+                if (b, chunk) not in self.trees:
+                    self.trees[(b, chunk)] = self._capture(b, chunk.width, True, self.stream, chunk=chunk)
+                if chunk.first_row or chunk.width != chunk.shape.num_nodes + 1 or b > self.sampling_batch_max:
+                    continue
+                logits = self.trees[(b, chunk)].out  # [b, N+1, V]
+                q = torch.zeros((b, chunk.width - 1, logits.shape[-1]), dtype=torch.float32, device=self.device) \
+                    if "draft_probs" in modes else None
+                for mode in modes:
+                    if (b, chunk, mode) not in self.tree_verifiers:
+                        self.tree_verifiers[(b, chunk, mode)] = capture_tree_verifier(
+                            lambda run: self._record(run, self.stream), logits, chunk.shape, mode,
+                            q if mode == "draft_probs" else None)
 
     def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
         """Capture the `draft_loop` graphs of every (bucket up to `sampling_batch_max`, width of

@@ -1,0 +1,111 @@
+"""Tree speculation on the GPU (issue #37; run on the GPU machine: `pytest -m gpu tests/gpu`).
+
+CUDA-graph replay of tree chunks (the target's verification block, a draft model's levels)
+and of the tree verifier must give the same tokens as eager execution, float32, both
+backends, batch 1 and a batch padded to a bucket, greedy and seeded sampling; the fused
+kernels' path (rotary + cache write in one kernel, then attention with the block mask) must
+match the eager kernels on a tree chunk.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers.checkpoints import encode
+from infer import LLM, SamplingParams
+from infer.speculative.tree import TreeChunk, TreeShape
+
+pytestmark = pytest.mark.gpu
+
+TREE = "3,2,1"
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(model_dir, n=6):
+    rng = random.Random(5)
+    words = "the cat sat on the mat and a dog ran to the park while birds sang".split()
+    return [encode(model_dir, " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))) for _ in range(n)]
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def _pair(ckpt, backend, method, **extra):
+    kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
+              compile_kernels=False, use_speculative_decoding=True, speculative_method=method, spec_tree=TREE, **extra)
+    if method == "draft_model":
+        kw["draft_model"] = str(ckpt)
+    return LLM(str(ckpt), use_cuda_graphs=False, **kw), LLM(str(ckpt), use_cuda_graphs=True, **kw)
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
+    prompts = _prompts(ckpt_a)
+    eager, graphs = _pair(ckpt_a, backend, method)
+    for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
+        assert _tokens(graphs, batch) == _tokens(eager, batch)
+    runner = graphs.engine.runner
+    shape = TreeShape.parse(TREE)
+    verification = TreeChunk.verification(shape)
+    assert set(runner.forward.trees) == {(b, verification) for b in (1, 2, 4, 8)}
+    assert runner.forward.tree_replays > 0 and runner.forward.verify_replays > 0  # greedy verifier graph
+    if method == "draft_model":
+        step = runner.draft.step_forward
+        levels = {TreeChunk.level(shape, d) for d in (1, 2)}  # the deepest level is never fed
+        assert {c for _, c in step.trees} == levels and step.tree_replays > 0
+        assert step.loops == {}  # no chain rounds captured for a tree
+        stats = runner.stats  # the target drafting for itself: (nearly) the full depth every round
+        assert stats.accepted_tokens >= 0.99 * sum(stats.drafted_per_position)
+    assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+@pytest.mark.parametrize("general", [False, True])
+def test_sampled_tree_rounds_replay_identically(ckpt_a, backend, general):
+    # seeded temperature rows (and a greedy row) through the verifier graph in "draft_probs"
+    # mode; with a top-k row the batch takes the general pipeline after the tree graph
+    prompts = _prompts(ckpt_a, 4)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=11 + i,
+                             top_k=5 if general and i == 1 else 0) for i, t in enumerate([0.8, 1.0, 0, 1.3])]
+    eager, graphs = _pair(ckpt_a, backend, "draft_model")
+    assert _tokens(graphs, prompts, params) == _tokens(eager, prompts, params)
+    forward = graphs.engine.runner.forward
+    assert forward.tree_replays > 0 and (forward.verify_replays > 0) == (not general)
+    assert graphs.engine.runner.stats.accepted_tokens > 0
+    assert graphs.engine.leak_report() == []
+
+
+@torch.no_grad()
+def test_tree_chunk_with_fused_kernels_matches_eager_kernels(ckpt_a):
+    from infer.cache.factory import make_cache_pool
+    from infer.cache.view import BatchLayout
+    from infer.engine.executor.forward import EagerForward
+    from infer.models.kernels import EAGER, compiled_kernels
+    from infer.models.loader import load_model
+    model, _ = load_model(str(ckpt_a), dtype="bfloat16", device="cuda")
+    shape = TreeShape.parse(TREE)
+    chunk = TreeChunk.verification(shape)
+    outs = []
+    for kernels in (EAGER, compiled_kernels()):
+        pool = make_cache_pool("paged", model.config, max_batch_size=2, max_seq_len=64, dtype=torch.bfloat16,
+                               device=torch.device("cuda"), block_size=4, enable_prefix_caching=False)
+        forward = EagerForward(model, pool, kernels)
+        slots = [pool.allocate_slot(30) for _ in range(2)]
+        gen = torch.Generator().manual_seed(0)
+        for slot, n in zip(slots, (7, 13)):
+            EagerForward(model, pool)(torch.randint(0, 300, (1, n), generator=gen), BatchLayout.of([slot], [0], [n]),
+                                      all_logits=False)
+        ids = torch.randint(0, 300, (2, chunk.width), generator=gen)
+        layout = BatchLayout.of(slots, [7, 13], [chunk.width, 10], width=chunk.width)
+        outs.append(forward.tree(ids, layout, chunk).float())
+    # bf16: the fused kernel rounds the rotation differently, so the logits agree to within a
+    # small fraction of their scale and pick the same top token almost everywhere
+    want = torch.cat([outs[0][0], outs[0][1, :10]])  # [present rows, V]
+    got = torch.cat([outs[1][0], outs[1][1, :10]])
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8

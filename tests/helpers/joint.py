@@ -1,0 +1,63 @@
+"""Exact and empirical joint distributions of a request's first tokens (losslessness tests).
+
+On a tiny vocabulary the exact joint distribution of the first `length` sampled tokens is
+enumerable from the target model; a speculative engine's empirical distribution over many
+seeded requests must be within sampling noise of it (total variation).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from helpers.checkpoints import hf_config, write_tokenizer
+from infer import SamplingParams
+from infer.models.loader import load_model
+from infer.sampling import logits_to_probs
+
+Joint = dict[tuple[int, ...], float]
+
+
+def tiny_model(directory: Path, vocab: int, seed: int, layers: int = 2) -> Path:
+    """A Llama checkpoint with a `vocab`-token vocabulary (bos 0, eos 1) and random weights."""
+    write_tokenizer(directory)
+    torch.manual_seed(seed)
+    HFLlama(hf_config("b", vocab, 0, 1, num_hidden_layers=layers)).save_pretrained(directory)
+    return directory
+
+
+def exact_joint(model_dir: Path, prompt: list[int], params: SamplingParams, vocab: int, length: int = 3) -> Joint:
+    """P(first `length` tokens = seq) for every seq, by the sampling pipeline on the target."""
+    model, _ = load_model(str(model_dir), dtype="float32")
+    joint: Joint = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=length):
+            p = 1.0
+            for i in range(length):
+                ctx = prompt + list(seq[:i])
+                logits = model(torch.tensor([ctx]))[:, -1]
+                p *= logits_to_probs(logits, [params], [ctx])[0, seq[i]].item()
+            joint[seq] = p
+    return joint
+
+
+def empirical_joint(outputs: list[Any], length: int = 3) -> Joint:
+    """The frequency of each first-`length`-token sequence among LLM outputs."""
+    counts: Joint = {}
+    for o in outputs:
+        key = tuple(o.outputs[0].token_ids[:length])
+        counts[key] = counts.get(key, 0.0) + 1 / len(outputs)
+    return counts
+
+
+def seeded(params: SamplingParams, n: int, max_tokens: int = 4) -> list[SamplingParams]:
+    return [replace(params, max_tokens=max_tokens, ignore_eos=True, seed=s) for s in range(n)]
+
+
+def total_variation(a: Joint, b: Joint) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))

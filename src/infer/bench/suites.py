@@ -188,7 +188,7 @@ def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:
     label = _label(shape)
     group = f"W1 plain decode, {label} shape"
     h.hf(f"w1/{label}/hf-static-cache", group, WORKLOADS["W1"], HFPeer(shape, cache_implementation="static"),
-         {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours-graphs"})
+         {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours"})
 
 
 def decode_speed(h: Harness) -> None:

@@ -21,8 +21,8 @@
     speculation    3B with a random 1B draft (fixed, adaptive); demo pair T=0/1 (fixed,
                    adaptive, FP8 draft, chain K=6 vs tree 2,1,1); n-gram on W5 and W1 at T=0
                    (fixed, adaptive, prompt lookup; on W5 chain K=6 vs tree 2,1,1)
-    all-gpu        the runs of record: decode-speed, costs-fp8, speculation, w2, HF static
-                   cache + compile; most important first, within --max-seconds
+    all-gpu        the runs of record: decode-speed, costs-fp8, speculation, W2 continuous vs
+                   static, HF static cache + compile; most important first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
                    --draft-model, by default the bundled demo pair
 
@@ -219,8 +219,9 @@ def costs_fp8(h: Harness) -> None:
 
 def speculation(h: Harness) -> None:
     """Where speculation pays and where it must not hurt: the 3B shape with a random 1B draft
-    (fixed K, adaptive), the demo pair at T=0 / T=1 (fixed K, adaptive, an FP8 draft), n-gram
-    drafting on W5 and W1 at T=0 (fixed K, adaptive, prompt lookup)."""
+    (fixed K, adaptive), the demo pair at T=0 / T=1 (fixed K, adaptive, an FP8 draft at T=1,
+    chain K=6 against the tree "2,1,1"), n-gram drafting on W5 (fixed, adaptive, chain
+    against tree) and W1 (fixed, adaptive) at T=0."""
     wl = WORKLOADS["W1"]
     group = "W1 speculative, 3b shape, random 1b draft"
     base = h.engine("w1-spec/3b/plain", group, wl, {"model": SHAPE_3B, **GRAPHS}).name
@@ -228,32 +229,42 @@ def speculation(h: Harness) -> None:
             "draft_model": SHAPE_1B}
     h.engine("w1-spec/3b/1b-draft-k5", group, wl, spec, {"baseline": base})
     h.engine("w1-spec/3b/1b-draft-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
-    if demo_models_present(h, "demo-pair"):
-        target, draft = demo_pair_paths(h)
-        for t in (0.0, 1.0):
-            wl_t, tag = WORKLOADS["W1"].with_temperature(t), f"demo-w1-t{t:g}"
-            group = f"demo pair, W1 T={t:g}"
-            base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
-            spec = {"model": target, **GRAPHS, "use_speculative_decoding": True, "draft_model": draft,
-                    "spec_length": SPEC_K}
-            h.engine(f"{tag}/spec-k5", group, wl_t, spec, {"baseline": base})
-            h.engine(f"{tag}/spec-adaptive", group, wl_t, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
+    if not demo_models_present(h, "demo-pair"):
+        return
+    target, draft = demo_pair_paths(h)
+    for t in (1.0, 0.0):
+        wl_t, tag = WORKLOADS["W1"].with_temperature(t), f"demo-w1-t{t:g}"
+        group = f"demo pair, W1 T={t:g}"
+        base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
+        spec = {"model": target, **GRAPHS, "use_speculative_decoding": True, "draft_model": draft,
+                "spec_length": SPEC_K}
+        h.engine(f"{tag}/spec-k5", group, wl_t, spec, {"baseline": base})
+        h.engine(f"{tag}/spec-adaptive", group, wl_t, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
+        if t > 0:
             h.engine(f"{tag}/spec-k5-fp8-draft", group, wl_t, {**spec, "draft_quantization": "fp8"},
                      {"baseline": base})
-            tree_rows(h, f"{tag}/spec", group, wl_t, spec, base, None, pairs=TREE_PAIRS[:1])
-        ngram = {"model": target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K}
-        for name in ("W5", "W1"):
-            wl_t, tag = WORKLOADS[name].with_temperature(0.0), f"{name.lower()}-ngram-t0"
-            group = f"demo target, {name} T=0, n-gram drafts"
-            base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
-            h.engine(f"{tag}/ngram-k5", group, wl_t, {**ngram, "speculative_method": "ngram"}, {"baseline": base})
-            h.engine(f"{tag}/ngram-adaptive", group, wl_t, {**ngram, "speculative_method": "ngram",
-                                                             "spec_policy": "adaptive"}, {"baseline": base})
+        tree_rows(h, f"{tag}/spec", group, wl_t, spec, base, None, pairs=TREE_PAIRS[:1])
+    ngram = {"model": target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
+             "speculative_method": "ngram"}
+    for name in ("W5", "W1"):
+        wl_t, tag = WORKLOADS[name].with_temperature(0.0), f"{name.lower()}-ngram-t0"
+        group = f"demo target, {name} T=0, n-gram drafts"
+        base = h.engine(f"{tag}/plain", group, wl_t, {"model": target, **GRAPHS}).name
+        h.engine(f"{tag}/ngram-k5", group, wl_t, ngram, {"baseline": base})
+        h.engine(f"{tag}/ngram-adaptive", group, wl_t, {**ngram, "spec_policy": "adaptive"}, {"baseline": base})
+        if name == "W5":
             h.engine(f"{tag}/prompt-lookup-k5", group, wl_t, {**ngram, "speculative_method": "prompt_lookup"},
                      {"baseline": base})
-            if name == "W5":
-                tree_rows(h, f"{tag}/ngram", group, wl_t, {**ngram, "speculative_method": "ngram"}, base, None,
-                          pairs=TREE_PAIRS[:1])
+            tree_rows(h, f"{tag}/ngram", group, wl_t, ngram, base, None, pairs=TREE_PAIRS[:1])
+
+
+def w2_batching(h: Harness, shape: str = SHAPE_3B) -> None:
+    """W2 with continuous and with static batching (the runs of record's part of `w2`)."""
+    label = _label(shape)
+    group = f"W2 batching, {label} shape"
+    base = h.engine(f"w2/{label}/continuous", group, WORKLOADS["W2"], {"model": shape, **GRAPHS}).name
+    h.engine(f"w2/{label}/static", group, WORKLOADS["W2"], {"model": shape, **GRAPHS, "batching_mode": "static"},
+             {"baseline": base})
 
 
 def all_gpu(h: Harness) -> None:
@@ -262,7 +273,7 @@ def all_gpu(h: Harness) -> None:
     decode_speed(h)
     costs_fp8(h)
     speculation(h)
-    w2(h)
+    w2_batching(h)
     hf_static(h)
     h.bandwidth("bandwidth-end")
 

@@ -12,6 +12,10 @@
     w5-ngram       W5 code edit at T=0 and T=1: n-gram / prompt lookup / draft model vs
                    plain, transformers prompt lookup; W1 with adaptive n-gram vs plain
                    (--model / --draft-model replace the demo pair in these two)
+    tp             tensor parallelism on 2 GPUs: 8B shape W1 decode TP=2 vs TP=1 (paired),
+                   its collectives' time per step (profile), lm_head / embedding layouts;
+                   W2 throughput TP=2 vs TP=1; the 3B shape drafted by the 1B at TP=2
+                   (draft on the driver vs sharded) against plain TP=2
     all-gpu        all of the above, most important numbers first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
                    --draft-model, by default the bundled demo pair
@@ -31,6 +35,7 @@ from infer.bench.workloads import WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 SHAPE_3B, SHAPE_1B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b"
+SHAPE_8B = "dummy:llama-3.1-8b"
 SPEC_K = 5
 GRAPHS = {"use_cuda_graphs": True}
 
@@ -165,6 +170,37 @@ def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:
          {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours-graphs"})
 
 
+def tp(h: Harness, size: int = 2) -> None:
+    """Tensor parallelism (needs `size` GPUs), most important numbers first. Dummy weights
+    shard exactly (each rank keeps its part of the one-GPU dummy model), so the "greedy
+    match" column compares TP=N tokens with TP=1's: equal up to rounding near-ties."""
+    tp_n = {**GRAPHS, "tensor_parallel_size": size}
+    w1, w2 = WORKLOADS["W1"], WORKLOADS["W2"]
+    group = f"TP={size}: 8b shape, W1 batch-1 decode"
+    one = {"model": SHAPE_8B, **GRAPHS}
+    base = h.engine("tp/8b/w1-tp1", group, w1, one).name
+    h.engine(f"tp/8b/w1-tp{size}", group, w1, {"model": SHAPE_8B, **tp_n}, {"baseline": base}, paired_with=one)
+    h.collectives(f"tp/8b/collectives-tp{size}", f"TP={size}: collectives", w1, {"model": SHAPE_8B, **tp_n})
+    group = f"TP={size}: 8b shape, W2 throughput"
+    base = h.engine("tp/8b/w2-tp1", group, w2, one).name
+    h.engine(f"tp/8b/w2-tp{size}", group, w2, {"model": SHAPE_8B, **tp_n}, {"baseline": base})
+    group = f"TP={size}: 3b shape drafted by the 1b shape (dummy weights: acceptance ~0), W1"
+    base = h.engine(f"tp/3b/plain-tp{size}", group, w1, {"model": SHAPE_3B, **tp_n}).name
+    spec = {"model": SHAPE_3B, **tp_n, "use_speculative_decoding": True, "draft_model": SHAPE_1B, "spec_length": SPEC_K}
+    h.engine(f"tp/3b-1b/k5-draft-driver-tp{size}", group, w1, spec, {"baseline": base})
+    h.engine(f"tp/3b-1b/k5-draft-sharded-tp{size}", group, w1, {**spec, "tensor_parallel_draft": "sharded"},
+             {"baseline": base})
+    h.engine(f"tp/3b-3b/k5-self-draft-sharded-tp{size}", group, w1,
+             {**spec, "draft_model": SHAPE_3B, "tensor_parallel_draft": "sharded"}, {"baseline": base})
+    group = f"TP={size}: 8b shape, W1, embedding and lm_head layouts (default: replicated embedding, " \
+            "vocabulary-parallel lm_head)"
+    base = f"tp/8b/w1-tp{size}"
+    h.engine(f"tp/8b/w1-tp{size}-lm-head-replicated", group, w1,
+             {"model": SHAPE_8B, **tp_n, "tensor_parallel_lm_head": "replicated"}, {"baseline": base})
+    h.engine(f"tp/8b/w1-tp{size}-embedding-vocab-parallel", group, w1,
+             {"model": SHAPE_8B, **tp_n, "tensor_parallel_embedding": "vocab_parallel"}, {"baseline": base})
+
+
 def all_gpu(h: Harness) -> None:
     h.bandwidth()
     w1_plain_shape(h, SHAPE_3B)
@@ -201,6 +237,7 @@ def smoke(h: Harness) -> None:
 SUITES: dict[str, Callable[[Harness], None]] = {
     "w1-plain": w1_plain, "spec-costs": spec_costs, "w1-spec-dummy": w1_spec_dummy, "w2": w2,
     "demo-pair": demo_pair, "w5-ngram": w5_ngram, "hf-static": hf_static, "all-gpu": all_gpu, "smoke": smoke,
+    "tp": tp,
 }
 
 

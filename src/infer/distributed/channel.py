@@ -101,7 +101,7 @@ class ControlChannel:
         self.before_send = before_send
         self._header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         self._header_np = self._header.numpy()  # (shares the tensor's memory)
-        self.messages = self.bytes_sent = 0
+        self.messages = self.bytes_sent = self.largest = 0  # sent (rank 0): count, bytes, the longest
 
     def send(self, message: Message) -> None:
         if self.rank != 0:
@@ -120,6 +120,7 @@ class ControlChannel:
             dist.broadcast(tensor, src=0)
         self.messages += 1
         self.bytes_sent += n
+        self.largest = max(self.largest, n)
 
     def recv(self) -> Message:
         dist.broadcast(self._header, src=0, group=self.control)

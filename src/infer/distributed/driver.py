@@ -128,6 +128,7 @@ class TensorParallelDriver:
         self.worker_config = replace(config, model=_local_path(target_path),
                                      draft_model=None if draft_path is None else _local_path(draft_path))
         self.target_shard, self.draft_shard = shards_for(config, 0)
+        self.store_port: int | None = None  # the rendezvous store's (loopback) port; None under torchrun
         self._check_shapes(self.worker_config)
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, _shutdown, self._res)
@@ -161,7 +162,7 @@ class TensorParallelDriver:
             raise ValueError("device='cuda' but no CUDA GPU is available: use device='cpu'")
         devices = plan_devices(self.config.device, self.world_size, cuda_count)
         store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
-        self._res.store = store
+        self._res.store, self.store_port = store, store.port
         ready = [self._spawn(WorkerSpec(rank, self.world_size, store.port, str(devices[rank]), self.worker_config))
                  for rank in range(1, self.world_size)]
         self._wait_started(ready)
@@ -218,6 +219,11 @@ class TensorParallelDriver:
     def shards(self) -> tuple[TensorParallelShard, TensorParallelShard | None]:
         """(the driver's target shard, its draft shard or None: the draft loads whole)."""
         return self.target_shard, self.draft_shard
+
+    @property
+    def workers(self) -> tuple[subprocess.Popen[bytes], ...]:
+        """The worker processes this driver started (none under torchrun), rank 1 first."""
+        return tuple(self._res.procs)
 
     @property
     def worker_pids(self) -> list[int]:

@@ -68,8 +68,9 @@ class MirroredPool:
     # -- changes: recorded ---------------------------------------------------------------
     def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
         slot = self.local.allocate_slot(initial_tokens, prefix_token_ids)
+        # (with the tokens the prefix cache served: a worker's cache must have matched as many)
         self._record("allocate_slot", (initial_tokens, None if prefix_token_ids is None else tuple(prefix_token_ids)),
-                     slot)
+                     (slot, self.local.seq_len(slot)))
         return slot
 
     def free_slot(self, slot: int) -> None:

@@ -36,7 +36,7 @@ class PoolOp:
     pool: int
     name: str  # one of POOL_OPS
     args: tuple[object, ...]
-    result: object  # what the driver's pool returned: the worker's must match
+    result: object  # what the driver's pool returned (allocate_slot: with the slot's cached length); a worker's must match
 
 
 @dataclass(frozen=True, slots=True)

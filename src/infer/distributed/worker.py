@@ -72,7 +72,8 @@ def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
     args = op.args
     match op.name:
         case "allocate_slot":
-            result: object = pool.allocate_slot(*args)  # type: ignore[arg-type]
+            slot = pool.allocate_slot(*args)  # type: ignore[arg-type]
+            result: object = (slot, pool.seq_len(slot))
         case "free_slot":
             result = pool.free_slot(*args)  # type: ignore[arg-type]
         case "truncate_to":

@@ -47,7 +47,7 @@ from infer.models.config import ModelConfig, RopeScaling
 from infer.models.gguf.path import is_gguf_path
 from infer.models.layers import RMSNorm, Rotary
 from infer.models.linear import QUANTIZATIONS, Fp8Linear
-from infer.models.llama import LlamaForCausalLM
+from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
 from infer.models.shard import ModelShard, read_part, shard_tensors
 
@@ -166,7 +166,7 @@ def load_model(
         shard.check(config)
     model = build_empty_model(config, torch_dtype, device, quantization, shard)
     if load_format == "dummy":
-        init_dummy_weights(model)
+        _dummy_weights(model, config, quantization, shard)
     else:
         assert directory is not None
         files = find_weight_files(directory)
@@ -194,7 +194,7 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_
         shard.check(config)
     model = build_empty_model(config, torch_dtype, device, quantization, shard)
     if load_format == "dummy":
-        init_dummy_weights(model)
+        _dummy_weights(model, config, quantization, shard)
     else:
         show = path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
         tensors = iter_hf_tensors(gguf, config, device, torch_dtype, progress=show)
@@ -267,6 +267,41 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 DUMMY_LOGIT_GAIN = 20.0
+
+
+def _dummy_weights(model: LlamaForCausalLM, config: ModelConfig, quantization: str | None,
+                   shard: ModelShard | None) -> None:
+    """`init_dummy_weights`; a tensor-parallel rank keeps its part of the whole model's."""
+    if shard is None:
+        init_dummy_weights(model)
+        return
+    param = next(model.parameters())
+    if param.device.type != "meta":
+        model.load_hf_weights(shard_tensors(dummy_hf_tensors(config, quantization, param.dtype, param.device), shard))
+
+
+def dummy_hf_tensors(config: ModelConfig, quantization: str | None, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `init_dummy_weights` gives a whole model of `config`, as Hugging Face
+    named tensors, one at a time (the same draws in the same order): tensor-parallel ranks
+    that each keep their part hold exactly the one-GPU dummy model."""
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config, quantization)
+    norms = {id(m.weight) for m in meta.modules() if isinstance(m, RMSNorm)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in meta.named_parameters():
+        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        if param is meta.model.norm.weight:
+            tensor.fill_(DUMMY_LOGIT_GAIN)
+        elif id(param) in norms:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=gen)
+        yield from fused_to_hf(name, tensor, config)
+    for name, layer in meta.linears().items():
+        if isinstance(layer, Fp8Linear):
+            dense = torch.empty(layer.out_features, layer.in_features, device=device).normal_(0.0, std, generator=gen)
+            yield from fused_to_hf(f"{name}.weight", dense, config)
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:

@@ -293,3 +293,17 @@ def test_a_sharded_model_is_a_llama_of_the_ranks_shape() -> None:
     assert (attn.heads, attn.kv_heads, attn.qkv_proj.out_features, attn.o_proj.in_features) == (2, 1, 32, 16)
     assert model.model.layers[0].mlp.gate_up_proj.out_features == 48
     assert model.lm_head.out_features == 64 and not model.lm_head.partial_output
+
+
+def test_a_gguf_file_shards_like_a_checkpoint(ckpt_b: Path, tmp_path: Path) -> None:
+    # GGUF tensors arrive whole (dequantized): each rank keeps its part of each
+    from helpers.gguf_files import write_gguf
+    path = write_gguf(ckpt_b, tmp_path / "b.gguf")
+    full, config = load_model(str(path))
+    parts = [load_model(str(path), shard=TensorParallelShard(rank, 2))[0] for rank in (0, 1)]
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        whole = dict(full.named_parameters())[name]
+        assert torch.equal(torch.cat([dict(p.named_parameters())[name] for p in parts], dim=1), whole)
+    up = [p.model.layers[0].mlp.gate_up_proj.weight for p in parts]
+    i = config.intermediate_size
+    assert torch.equal(torch.cat([u[:i // 2] for u in up]), full.model.layers[0].mlp.gate_up_proj.weight[:i])

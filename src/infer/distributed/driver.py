@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -38,7 +40,8 @@ import torch.distributed as dist
 
 import infer
 from infer.distributed.channel import ControlChannel
-from infer.distributed.group import join, leave, plan_devices, torchrun_device, torchrun_rank
+from infer.distributed.group import (LOOPBACK, join, leave, loopback_gloo, plan_devices, torchrun_device,
+                                    torchrun_rank)
 from infer.distributed.mirror import Outbox, TensorParallelExecutor, TensorParallelForward
 from infer.distributed.protocol import Report, Shutdown
 from infer.distributed.sharding import TensorParallelShard
@@ -83,13 +86,17 @@ class _Resources:
     forwards: list[TensorParallelForward] = field(default_factory=list)
     device: torch.device = torch.device("cpu")
     joined: bool = False
+    # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and never unwraps it
+    excepthooks: tuple[Callable[..., object], Callable[..., object]] | None = None  # (before, torch's)
 
 
 def _shutdown(res: _Resources) -> None:
+    told = False  # whether every worker got Shutdown (else they are killed: nothing of theirs to save)
     if res.outbox is not None and not res.outbox.closed:
         try:
             res.outbox.send(Shutdown())
-        except Exception as exc:  # noqa: BLE001 - workers gone already: nothing to tell
+            told = True
+        except Exception as exc:  # noqa: BLE001 - a worker gone already: the others are killed
             log.warning("tensor-parallel shutdown could not reach every worker: %s", exc)
         res.outbox.closed = True
     for forward in res.forwards:
@@ -101,7 +108,11 @@ def _shutdown(res: _Resources) -> None:
             torch.cuda.synchronize(res.device)
         leave()
         res.joined = False
+    if res.excepthooks is not None and sys.excepthook is res.excepthooks[1]:
+        sys.excepthook = res.excepthooks[0]
     for proc in res.procs:
+        if not told:
+            proc.kill()
         try:
             proc.wait(timeout=EXIT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -134,8 +145,10 @@ class TensorParallelDriver:
         self._finalizer = weakref.finalize(self, _shutdown, self._res)
         try:
             self.device, store = self._start_ranks()
-            control = join(0, self.world_size, self.device, store)
-            self._res.device, self._res.joined = self.device, True
+            hook = sys.excepthook
+            with loopback_gloo() if store is not None else nullcontext():  # (torchrun: the user's network)
+                control = join(0, self.world_size, self.device, store)
+            self._res.device, self._res.joined, self._res.excepthooks = self.device, True, (hook, sys.excepthook)
         except BaseException:
             self.close()
             raise
@@ -174,6 +187,8 @@ class TensorParallelDriver:
         src = str(Path(infer.__file__).resolve().parent.parent)  # the workers import this same `infer`
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if sys.platform == "linux":
+            env.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK)  # (every rank on this machine)
         ready_r, ready_w = os.pipe()
         try:
             proc = subprocess.Popen([sys.executable, "-c", WORKER_COMMAND, str(ready_w)], stdin=subprocess.PIPE,

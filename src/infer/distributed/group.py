@@ -15,6 +15,9 @@ rendezvous through the environment torchrun sets: `env://`).
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,6 +74,24 @@ def torchrun_device(device: str, local_rank: int, cuda_count: int) -> torch.devi
     return torch.device("cuda", local_rank)
 
 
+LOOPBACK = "lo"  # Linux's loopback interface
+
+
+@contextmanager
+def loopback_gloo() -> Iterator[None]:
+    """Gloo groups created inside connect over the loopback interface (ranks of one machine),
+    unless GLOO_SOCKET_IFNAME says otherwise: gloo's default, the address the host name
+    resolves to, is not always reachable in containers. The variable is restored after."""
+    if sys.platform != "linux" or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = LOOPBACK
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -89,9 +110,13 @@ def join(rank: int, world_size: int, device: torch.device, store: dist.Store | N
     dist.init_process_group(backend, init_method=None if store is not None else "env://", store=store, rank=rank,
                             world_size=world_size, timeout=JOIN_TIMEOUT,
                             device_id=device if backend == "nccl" else None)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    assert control is not None
-    dist.all_reduce(torch.zeros(1, device=device))  # connects every rank now, not inside a CUDA graph capture
+    try:
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        assert control is not None
+        dist.all_reduce(torch.zeros(1, device=device))  # connects every rank now, not inside a CUDA graph capture
+    except BaseException:
+        dist.destroy_process_group()
+        raise
     return control
 
 

@@ -125,3 +125,28 @@ def test_fp8_with_vocab_parallel_embedding_parity(tp_ckpt: Path, prompts: list[l
     # FP8 row-parallel layers take each row's scale over both ranks' columns: the same
     # quantized weights as one process; the tied lm_head shares the embedding's rows
     _parity(tp_ckpt, prompts, GREEDY, quantization="fp8", tensor_parallel_embedding="vocab_parallel")
+
+
+def test_the_server_serves_a_tensor_parallel_engine(tp_ckpt: Path, prompts: list[list[int]]) -> None:
+    # `infer serve --tensor-parallel-size 2`: the engine's steps run on the server's engine
+    # thread; stopping the server ends the worker
+    import httpx
+
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+    from infer.server.launch import LiveServer
+
+    expected, _ = _tokens(tp_ckpt, prompts[:2], GREEDY)
+    config = EngineConfig(model=str(tp_ckpt), device="cpu", max_seq_len=256, tensor_parallel_size=2)
+    engine = Engine(config)
+    parallel = engine.parallel
+    assert parallel is not None
+    with LiveServer.start(config, "tp", engine=engine) as live:
+        for prompt, want in zip(prompts[:2], expected[0], strict=True):
+            r = httpx.post(f"{live.url}/v1/completions", json={"model": "tp", "prompt": prompt, "max_tokens": MAX_NEW,
+                                                               "temperature": 0, "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == engine.tokenizer.decode(want)
+        live.settle()
+        assert live.leak_report() == []
+    assert parallel.closed and [w.returncode for w in parallel.workers] == [0]

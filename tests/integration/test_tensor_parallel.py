@@ -20,6 +20,7 @@ import pytest
 
 from helpers.checkpoints import encode, make_checkpoint
 from infer import LLM, SamplingParams
+from infer.cache.paged import PagedKVCachePool
 from infer.distributed.channel import HEADER_BYTES
 
 MAX_NEW = 14
@@ -63,7 +64,7 @@ def _tokens(model: Path, prompts: list[list[int]], params: SamplingParams | list
         assert llm.engine.leak_report() == []  # every rank's pools, the workers' included
         runner, parallel = llm.engine.runner, llm.engine.parallel
         pool = runner.cache_pool if parallel is None else runner.cache_pool.local
-        facts["prefix_hit_tokens"] = getattr(pool, "prefix_hit_tokens", None)
+        facts["prefix_hit_tokens"] = pool.prefix_hit_tokens if isinstance(pool, PagedKVCachePool) else None
         facts["stats"] = runner.stats
         facts["largest_message"] = parallel.channel.largest if parallel is not None else None
         workers = parallel.workers if parallel is not None else ()

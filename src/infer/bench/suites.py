@@ -181,6 +181,9 @@ def tp(h: Harness, size: int = 2) -> None:
     base = h.engine("tp/8b/w1-tp1", group, w1, one).name
     h.engine(f"tp/8b/w1-tp{size}", group, w1, {"model": SHAPE_8B, **tp_n}, {"baseline": base}, paired_with=one)
     h.collectives(f"tp/8b/collectives-tp{size}", f"TP={size}: collectives", w1, {"model": SHAPE_8B, **tp_n})
+    # (eager steps too: their kernels are traced for certain, and show the launch-bound step)
+    h.collectives(f"tp/8b/collectives-tp{size}-eager", f"TP={size}: collectives", w1,
+                  {"model": SHAPE_8B, "tensor_parallel_size": size})
     group = f"TP={size}: 8b shape, W2 throughput"
     base = h.engine("tp/8b/w2-tp1", group, w2, one).name
     h.engine(f"tp/8b/w2-tp{size}", group, w2, {"model": SHAPE_8B, **tp_n}, {"baseline": base})

@@ -25,6 +25,9 @@ from infer.distributed.protocol import Message, WorkerReport
 
 HEADER_BYTES = 4096
 _LENGTH = 8  # bytes of the header that hold the message's length
+# the dtypes a wire tensor may have, by name
+WIRE_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int64, torch.int32, torch.uint8, torch.bool,
+                                                          torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 
 
 class _Encoder(pickle.Pickler):
@@ -40,6 +43,8 @@ class _Encoder(pickle.Pickler):
         if not isinstance(obj, torch.Tensor):
             return NotImplemented
         if obj.device.type in self.wire_types:
+            if obj.dtype not in WIRE_DTYPES.values():
+                raise ValueError(f"cannot send a {obj.dtype} tensor to the workers")
             self.wire.append(obj.contiguous())
             return _wire_tensor, (len(self.wire) - 1, tuple(obj.shape), str(obj.dtype).removeprefix("torch."))
         if obj.device.type != "cpu":
@@ -67,7 +72,7 @@ class _Decoder(pickle.Unpickler):
     def _make_wire(self, index: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         if index != len(self.wire):
             raise ValueError(f"wire tensor {index} out of order")
-        self.wire.append(torch.empty(shape, dtype=getattr(torch, dtype), device=self.device))
+        self.wire.append(torch.empty(shape, dtype=WIRE_DTYPES[dtype], device=self.device))
         return self.wire[-1]
 
 

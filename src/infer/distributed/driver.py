@@ -132,6 +132,9 @@ def _check_workers(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 class TensorParallelDriver:
+    """Rank 0's side: the worker processes, the process groups, the control channel (see
+    the module docstring); `executor(models)` builds the runner's pools and forwards."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.world_size = config.tensor_parallel_size

@@ -31,12 +31,21 @@ ROLES = ("target", "draft")
 POOL_OPS = ("allocate_slot", "free_slot", "truncate_to", "ensure_capacity", "register_prefix", "commit")
 
 
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"model role must be one of {ROLES}, got {role!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class PoolOp:
     pool: int
     name: str  # one of POOL_OPS
     args: tuple[object, ...]
     result: object  # what the driver's pool returned (allocate_slot: with the slot's cached length); a worker's must match
+
+    def __post_init__(self) -> None:
+        if self.name not in POOL_OPS:
+            raise ValueError(f"pool operation must be one of {POOL_OPS}, got {self.name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,9 @@ class MakePool:
     role: str  # "target" | "draft"
     config: EngineConfig
     prefix_caching: bool
+
+    def __post_init__(self) -> None:
+        _check_role(self.role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +73,11 @@ class MakeForward:
     small_batch_shapes: tuple[tuple[int, bool], ...] | None
     verify_modes: tuple[str, ...]
     sampling_batch_max: int | None
+
+    def __post_init__(self) -> None:
+        _check_role(self.role)
+        if self.kernels not in ("eager", "fused"):
+            raise ValueError(f"kernels must be 'eager' or 'fused', got {self.kernels!r}")
 
 
 @dataclass(frozen=True, slots=True)

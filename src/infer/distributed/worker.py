@@ -4,12 +4,14 @@ Started by the engine (driver.py runs `main(ready_fd)`) with its `WorkerSpec` pi
 stdin; the driver keeps that pipe open for the worker's whole life, and a thread here reads
 it: end of file means the driver has gone (exited, or was killed without a word), and the
 worker exits at once, wherever its main thread is blocked. One byte on the `ready_fd` pipe
-tells the driver the worker has started. Under `torchrun` a rank
-above 0 runs `serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
+tells the driver the worker has started. Under `torchrun` a rank above 0 runs
+`serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
 
 The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
 operations, then builds a pool or forward function, runs a forward call on its shard, answers
-a report, or shuts down (frees its CUDA graphs, leaves the process groups, returns).
+a report, or shuts down (frees its CUDA graphs, leaves the process groups, returns). Any
+error ends the worker (with its traceback, prefixed by its rank): the driver's next message
+finds it gone and reports its exit code.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ class WorkerSpec:
     store_port: int  # the driver's TCP store on 127.0.0.1
     device: str
     config: EngineConfig  # model paths resolved by the driver (local directories or files)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rank < self.world_size or self.world_size != self.config.tensor_parallel_size:
+            raise ValueError(f"a worker's rank is 1..{self.config.tensor_parallel_size - 1} of "
+                             f"tensor_parallel_size ranks, got rank {self.rank} of {self.world_size}")
 
 
 def shards_for(config: EngineConfig, rank: int) -> tuple[TensorParallelShard, TensorParallelShard | None]:
@@ -92,6 +99,9 @@ def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
 
 
 class Worker:
+    """A worker rank's state: its models by role, and the pools and forward functions the
+    driver had it build, by the driver's ids."""
+
     def __init__(self, models: dict[str, LlamaForCausalLM], channel: ControlChannel, rank: int) -> None:
         self.models, self.channel, self.rank = models, channel, rank
         self.pools: dict[int, CachePoolProtocol] = {}

@@ -41,7 +41,8 @@ class PoolOp:
     pool: int
     name: str  # one of POOL_OPS
     args: tuple[object, ...]
-    result: object  # what the driver's pool returned (allocate_slot: with the slot's cached length); a worker's must match
+    # what the driver's pool returned (allocate_slot: with the slot's cached length): a worker's must match
+    result: object
 
     def __post_init__(self) -> None:
         if self.name not in POOL_OPS:

@@ -152,7 +152,8 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
         return make_forward(model, self.pools[call.pool], call.use_cuda_graphs, call.max_batch_size,
                             list(call.shapes), kernels=kernels, sample_widths=call.sample_widths,
-                            small_batch_shapes=None if call.small_batch_shapes is None else list(call.small_batch_shapes),
+                            small_batch_shapes=(None if call.small_batch_shapes is None
+                                                else list(call.small_batch_shapes)),
                             verify_modes=call.verify_modes, sampling_batch_max=call.sampling_batch_max)
 
     def release(self) -> None:

@@ -79,7 +79,8 @@ class ContinuousRunner:
         # plain decode: width 1, last logits; with temperature sampling captured as well
         return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
                                           self.config.max_batch_size, shapes=[(1, False)], kernels=self.kernels,
-                                          sample_widths=(1,), sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+                                          sample_widths=(1,),
+                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:

@@ -3,11 +3,15 @@ bench (benchmark workloads).
 
 Only the chosen command's flags are built, so `infer --help` imports neither torch nor the
 server; every flag (sampling, engine, server) is validated before a model is loaded.
+
+Under `torchrun` (tensor parallelism over several processes or nodes) every rank runs the
+same command line: rank 0 runs the command, the others serve as its worker ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -68,6 +72,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                     f"{request.mean_accepted_length():.2f} tokens/round")
     threads = f", {engine.threads} CPU thread(s)" if engine.threads else ""
     print(summary + threads + "]")
+    engine.close()
     return 0
 
 
@@ -117,10 +122,24 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+TORCHRUN_COMMANDS = ("generate", "serve")  # the commands a torchrun launch can split over ranks
+
+
+def _torchrun_worker_rank() -> bool:
+    """Whether torchrun started this process as a rank above 0."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     try:
+        if _torchrun_worker_rank():
+            if args.command not in TORCHRUN_COMMANDS:
+                raise ValueError(f"under torchrun, `infer {args.command}` is not supported: use "
+                                 f"{' or '.join(TORCHRUN_COMMANDS)}")
+            from infer.distributed.worker import serve_torchrun_rank
+            return serve_torchrun_rank(engine_config_from_args(args))
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

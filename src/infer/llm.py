@@ -41,13 +41,27 @@ class LLM:
         use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup"),
         draft_model=None (the demo draft with the demo target), spec_length=5, spec_policy="fixed"
         seed=0                   seeds requests that set none: the same call gives the same text
+        tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;
+                                 `close()` or garbage collection ends them)
 
     See `EngineConfig` for the rest (KV cache size, chunked prefill budget, n-gram orders).
+    `with LLM(...) as llm:` closes the engine at the end of the block.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
         self.engine = Engine(self.config)
+
+    def close(self) -> None:
+        """End the engine's worker processes (tensor parallelism; done too when the LLM is
+        garbage-collected, or at exit). Generating afterwards is an error."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - Tokenizer | None

@@ -212,6 +212,8 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
             params["paired_with"] = dict(paired_with)
         return params, metrics
     finally:
+        for e in ours + bases:
+            e.close()  # (tensor parallelism: its workers end now, not whenever it is collected)
         del engine, ours, bases
         free_memory()
 

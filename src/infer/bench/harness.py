@@ -17,6 +17,7 @@ from typing import Any
 
 from infer.bench.analysis import derive_all
 from infer.bench.batch_sweep import batch_sweep
+from infer.bench.collectives import profile_collectives
 from infer.bench.engine_runner import default_dtype, free_memory, run_engine
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.report import measurement_line
@@ -130,6 +131,13 @@ class Harness:
             wl, overrides, device=str(self.device), warmup_tokens=self.options.warmup_tokens,
             repeats=max(self.options.repeats, PAIRED_MIN_REPEATS) if paired_with is not None else self.options.repeats,
             paired_with=paired_with, paired_instances=self.options.paired_instances), refs)
+
+    def collectives(self, name: str, group: str, workload: Workload, overrides: Mapping[str, Any]) -> Measurement:
+        """Per-step time of a tensor-parallel engine's collectives, from a profile of its
+        batch-1 decode steps (bench/collectives.py)."""
+        wl = self.workload(workload)
+        return self.measure(name, "collectives", group,
+                            lambda: profile_collectives(wl, overrides, device=str(self.device)))
 
     def hf(self, name: str, group: str, workload: Workload, peer: HFPeer,
            refs: Mapping[str, str | None] | None = None) -> Measurement | None:

@@ -54,6 +54,11 @@ def measurement_line(m: Measurement) -> str:
         return f"{m.name}: " + ", ".join(f"b{b} {fmt(r)} tok/s" for b, r in rates.items())
     if m.kind == "spec_costs":
         parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
+    if m.kind == "collectives":
+        parts.append(f"step {fmt(x.get('step_ms'))} ms: all-reduce {fmt(x.get('all_reduce_ms_per_step'))} ms "
+                     f"({fmt(x.get('all_reduce_share_of_step'))} of it), all-gather "
+                     f"{fmt(x.get('all_gather_ms_per_step'))} ms, all collectives "
+                     f"{fmt(x.get('collectives_share_of_step'))}")
     for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency"),
                        ("length_vs_chain", "tok/round x chain")):
         if d.get(key) is not None:
@@ -119,6 +124,7 @@ def markdown(run: BenchRun) -> str:
                       [(m.params.get("model"), m.metrics.get("weight_gb"), m.metrics.get("bandwidth_gb_per_s"),
                         m.metrics.get("step_ms"), m.metrics.get("tokens_per_s")) for m in roofs]) + [""]
     out += _cost_tables(run)
+    out += _collective_table(run)
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
         if m.kind in ("engine", "hf"):
@@ -160,6 +166,19 @@ def _cost_tables(run: BenchRun) -> list[str]:
                           [[a, *row, best] for a, row, best in zip(p["alphas"], p["table"], p["best_k"], strict=True)])
             out += [""]
     return out
+
+
+def _collective_table(run: BenchRun) -> list[str]:
+    rows = [m for m in run.measurements if m.kind == "collectives" and m.ok]
+    if not rows:
+        return []
+    header = ("measurement", "step ms", "all-reduce ms", "all-reduces", "all-gather ms", "collectives ms",
+              "share of step", "share of GPU time")
+    out = ["Collectives per batch-1 decode step (tensor parallelism; kernel time from a profile, rank 0)", ""]
+    return out + _table(header, [[m.name, m.metrics.get("step_ms"), m.metrics.get("all_reduce_ms_per_step"),
+                                  m.metrics.get("all_reduce_calls_per_step"), m.metrics.get("all_gather_ms_per_step"),
+                                  m.metrics.get("collectives_ms_per_step"), m.metrics.get("collectives_share_of_step"),
+                                  m.metrics.get("collectives_share_of_gpu_time")] for m in rows]) + [""]
 
 
 def console_table(run: BenchRun) -> str:

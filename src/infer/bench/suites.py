@@ -21,6 +21,10 @@
     speculation    3B with a random 1B draft (fixed, adaptive); demo pair T=0/1 (fixed,
                    adaptive, FP8 draft, chain K=6 vs tree 2,1,1); n-gram on W5 and W1 at T=0
                    (fixed, adaptive, prompt lookup; on W5 chain K=6 vs tree 2,1,1)
+    tp             tensor parallelism on 2 GPUs: 8B shape W1 decode TP=2 vs TP=1 (paired),
+                   its collectives' time per step (profile), lm_head / embedding layouts;
+                   W2 throughput TP=2 vs TP=1; the 3B shape drafted by the 1B at TP=2
+                   (draft on the driver vs sharded) against plain TP=2
     all-gpu        the runs of record: decode-speed, costs-fp8, speculation, W2 continuous vs
                    static, HF static cache + compile; most important first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
@@ -42,6 +46,7 @@ from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b"
+SHAPE_8B = "dummy:llama-3.1-8b"
 SPEC_K = 5
 # tree speculation (#37): (chain K, tree) pairs verifying as many tokens a round (K + 1 = N + 1)
 TREE_PAIRS = ((6, "2,1,1"), (12, "3,1,1,1"))
@@ -267,6 +272,40 @@ def w2_batching(h: Harness, shape: str = SHAPE_3B) -> None:
              {"baseline": base})
 
 
+def tp(h: Harness, size: int = 2) -> None:
+    """Tensor parallelism (needs `size` GPUs), most important numbers first. Dummy weights
+    shard exactly (each rank keeps its part of the one-GPU dummy model), so the "greedy
+    match" column compares TP=N tokens with TP=1's: equal up to rounding near-ties."""
+    tp_n = {**GRAPHS, "tensor_parallel_size": size}
+    w1, w2 = WORKLOADS["W1"], WORKLOADS["W2"]
+    group = f"TP={size}: 8b shape, W1 batch-1 decode"
+    one = {"model": SHAPE_8B, **GRAPHS}
+    base = h.engine("tp/8b/w1-tp1", group, w1, one).name
+    h.engine(f"tp/8b/w1-tp{size}", group, w1, {"model": SHAPE_8B, **tp_n}, {"baseline": base}, paired_with=one)
+    h.collectives(f"tp/8b/collectives-tp{size}", f"TP={size}: collectives", w1, {"model": SHAPE_8B, **tp_n})
+    # (eager steps too: their kernels are traced for certain, and show the launch-bound step)
+    h.collectives(f"tp/8b/collectives-tp{size}-eager", f"TP={size}: collectives", w1,
+                  {"model": SHAPE_8B, "tensor_parallel_size": size})
+    group = f"TP={size}: 8b shape, W2 throughput"
+    base = h.engine("tp/8b/w2-tp1", group, w2, one).name
+    h.engine(f"tp/8b/w2-tp{size}", group, w2, {"model": SHAPE_8B, **tp_n}, {"baseline": base})
+    group = f"TP={size}: 3b shape drafted by the 1b shape (dummy weights: acceptance ~0), W1"
+    base = h.engine(f"tp/3b/plain-tp{size}", group, w1, {"model": SHAPE_3B, **tp_n}).name
+    spec = {"model": SHAPE_3B, **tp_n, "use_speculative_decoding": True, "draft_model": SHAPE_1B, "spec_length": SPEC_K}
+    h.engine(f"tp/3b-1b/k5-draft-driver-tp{size}", group, w1, spec, {"baseline": base})
+    h.engine(f"tp/3b-1b/k5-draft-sharded-tp{size}", group, w1, {**spec, "tensor_parallel_draft": "sharded"},
+             {"baseline": base})
+    h.engine(f"tp/3b-3b/k5-self-draft-sharded-tp{size}", group, w1,
+             {**spec, "draft_model": SHAPE_3B, "tensor_parallel_draft": "sharded"}, {"baseline": base})
+    group = f"TP={size}: 8b shape, W1, embedding and lm_head layouts (default: replicated embedding, " \
+            "vocabulary-parallel lm_head)"
+    base = f"tp/8b/w1-tp{size}"
+    h.engine(f"tp/8b/w1-tp{size}-lm-head-replicated", group, w1,
+             {"model": SHAPE_8B, **tp_n, "tensor_parallel_lm_head": "replicated"}, {"baseline": base})
+    h.engine(f"tp/8b/w1-tp{size}-embedding-vocab-parallel", group, w1,
+             {"model": SHAPE_8B, **tp_n, "tensor_parallel_embedding": "vocab_parallel"}, {"baseline": base})
+
+
 def all_gpu(h: Harness) -> None:
     """The runs of record (docs/benchmarks.md), most important first, within --max-seconds."""
     h.bandwidth()
@@ -302,6 +341,7 @@ SUITES: dict[str, Callable[[Harness], None]] = {
     "w1-plain": w1_plain, "spec-costs": spec_costs, "w1-spec-dummy": w1_spec_dummy, "w2": w2,
     "decode-speed": decode_speed, "costs-fp8": costs_fp8, "speculation": speculation,
     "demo-pair": demo_pair, "w5-ngram": w5_ngram, "hf-static": hf_static, "all-gpu": all_gpu, "smoke": smoke,
+    "tp": tp,
 }
 
 

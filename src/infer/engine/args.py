@@ -27,6 +27,12 @@ _HELP = {
     "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
     "cuda_graph_sampling_batch_max": "largest batch whose steps also get sampling, acceptance and draft-round "
                                      "graphs (less: less GPU memory with a large vocabulary; 0: none)",
+    "tensor_parallel_size": "GPUs (ranks) the model is split over; the engine starts N-1 worker processes, or "
+                            "joins the ranks torchrun started",
+    "tensor_parallel_embedding": "replicated | vocab_parallel: each rank holds the whole embedding, or V/N rows "
+                                 "(plus one all-reduce a step)",
+    "tensor_parallel_lm_head": "vocab_parallel | replicated: each rank computes V/N logits (all-gathered), or all",
+    "tensor_parallel_draft": "driver | sharded: the draft model whole on rank 0, or split over the ranks",
 }
 
 

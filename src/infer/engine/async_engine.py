@@ -185,6 +185,9 @@ class AsyncEngine:
             raise box[0]
 
     def shutdown(self) -> None:
+        """Stop the loop, then close the engine (its tensor-parallel workers end)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # (a step still running owns the engine: the finalizer closes it)
+            self.engine.close()

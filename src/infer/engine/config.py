@@ -15,6 +15,8 @@ _SPEC_METHODS = ("draft_model", "ngram", "prompt_lookup")
 _SPEC_POLICIES = ("fixed", "adaptive")
 _DEFAULT_SPEC_LENGTH = 5  # spec_length's default: with spec_tree it means "not set"
 _DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+_VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
+_DRAFT_PLACEMENTS = ("driver", "sharded")
 
 
 @dataclass
@@ -64,6 +66,12 @@ class EngineConfig:
     ngram_max_order: int = 4
     ngram_min_order: int = 2
     ngram_window: int = 512
+    # tensor parallelism (infer.distributed): N ranks, one per GPU, each with 1/N of the
+    # heads and of the MLP; the engine starts ranks 1..N-1 as worker processes
+    tensor_parallel_size: int = 1
+    tensor_parallel_embedding: str = "replicated"  # or "vocab_parallel" (V/N rows a rank, one all-reduce)
+    tensor_parallel_lm_head: str = "vocab_parallel"  # or "replicated" (every rank computes every logit)
+    tensor_parallel_draft: str = "driver"  # the draft model whole on rank 0, or "sharded" like the target
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, _DTYPES)
@@ -72,13 +80,16 @@ class EngineConfig:
         _choice("speculative_method", self.speculative_method, _SPEC_METHODS)
         _choice("spec_policy", self.spec_policy, _SPEC_POLICIES)
         _choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
+        _choice("tensor_parallel_embedding", self.tensor_parallel_embedding, _VOCAB_LAYOUTS)
+        _choice("tensor_parallel_lm_head", self.tensor_parallel_lm_head, _VOCAB_LAYOUTS)
+        _choice("tensor_parallel_draft", self.tensor_parallel_draft, _DRAFT_PLACEMENTS)
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in (None, "fp8"):
                 raise ValueError(f"{name} must be None or 'fp8', got {getattr(self, name)!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "block_size",
-                     "spec_length", "ngram_window"):
+                     "spec_length", "ngram_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
@@ -115,6 +126,13 @@ class EngineConfig:
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("draft_quantization applies to a draft model: set use_speculative_decoding=True "
                              "with speculative_method='draft_model', or leave draft_quantization unset")
+        if self.tensor_parallel_size > 1 and self.spec_tree is not None:
+            raise ValueError("spec_tree does not run with tensor_parallel_size > 1 yet: use a chain (spec_length) "
+                             "or tensor_parallel_size=1")
+        if self.tensor_parallel_draft == "sharded" and not (
+                self.use_speculative_decoding and self.speculative_method == "draft_model"):
+            raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="
+                             "True with speculative_method='draft_model', or leave tensor_parallel_draft unset")
         if self.use_speculative_decoding:
             if self.batching_mode != "continuous":
                 raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")

@@ -4,6 +4,10 @@
 `step` runs one scheduled step and returns (request, StepOutput) pairs; a request may
 appear several times per step (speculative decoding). `AsyncEngine` (async_engine.py) runs
 this loop in a background thread for the server.
+
+With tensor_parallel_size N > 1 this process is rank 0 (infer.distributed): the engine
+starts N-1 worker ranks, loads its own shard, and builds its runner with an executor that
+mirrors every pool and forward call on them; `close()` ends them.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
+from infer.distributed.driver import start_tensor_parallel
 from infer.engine.config import EngineConfig
+from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.loading import LoadedModels, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ContinuousRunner, StepResult
@@ -25,27 +31,46 @@ from infer.sampling import SamplingParams
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
-        self.models = models or load_models(config)
-        self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
-                                         sum(p.numel() for p in self.models.target.parameters()))
-        config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
-        self.tokenizer = self.models.tokenizer
-        self.runner = self._make_runner()
+        self.parallel = start_tensor_parallel(config, models)  # None: one rank, this process
+        try:
+            self.models = models or self._load_models()
+            self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
+                                             sum(p.numel() for p in self.models.target.parameters()))
+            config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
+            self.tokenizer = self.models.tokenizer
+            self.runner = self._make_runner()
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                    config.batching_mode, config.max_seq_len))
         self._ids = itertools.count()
         self._num_added = 0
         self._requests: dict[str, Request] = {}
 
+    def _load_models(self) -> LoadedModels:
+        if self.parallel is None:
+            return load_models(self.config)
+        return load_models(self.config, self.parallel.device, *self.parallel.shards)
+
     def _make_runner(self) -> ContinuousRunner:
         eos = self.models.eos_token_ids
+        executor: Executor = LOCAL if self.parallel is None else self.parallel.executor(self.models)
         if self.config.use_speculative_decoding and self.config.spec_tree is not None:
             from infer.engine.tree_runner import TreeSpeculativeRunner
             return TreeSpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
         if self.config.use_speculative_decoding:
             from infer.engine.speculative_runner import SpeculativeRunner
-            return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
-        return ContinuousRunner(self.models.target, self.tokenizer, self.config, eos)
+            return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos,
+                                     executor)
+        return ContinuousRunner(self.models.target, self.tokenizer, self.config, eos, executor)
+
+    def close(self) -> None:
+        """Shut the worker ranks down and leave their process group (tensor parallelism;
+        idempotent, and also done when the engine is garbage-collected or at exit). An
+        engine of one rank holds nothing that needs it."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     @property
     def vocab_size(self) -> int:
@@ -124,7 +149,8 @@ class Engine:
         if self.scheduler.has_unfinished():
             problems.append(f"scheduler holds {len(self.scheduler.waiting)} waiting, "
                             f"{len(self.scheduler.running)} running")
-        return problems + self.runner.leak_report()
+        workers = self.parallel.leak_report() if self.parallel is not None else []
+        return problems + self.runner.leak_report() + workers
 
     @property
     def device(self) -> torch.device:

@@ -17,6 +17,7 @@ from infer.engine.config import EngineConfig
 from infer.models.llama import LlamaForCausalLM
 from infer.models.gguf.path import is_gguf_path
 from infer.models.loader import load_model, resolve_model_path
+from infer.models.shard import ModelShard
 from infer.tokenization import Tokenizer
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
@@ -71,18 +72,36 @@ def check_compatible(target_tok: Tokenizer | None, draft_tok: Tokenizer | None, 
             raise ValueError(f"draft and target tokenizers are incompatible: {problem}")
 
 
-def load_models(config: EngineConfig) -> LoadedModels:
-    device = resolve_device(config.device)
-    target_path, draft_path = default_model_paths(config)
+def model_dtype(config: EngineConfig, device: torch.device) -> str:
     # bf16 matmuls are slow and inexact on CPUs: "auto" means float32 there
-    dtype = "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
-    target, _ = load_model(target_path, dtype=dtype, device=device, load_format=config.load_format,
-                           quantization=config.quantization)
+    return "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
+
+
+def load_target(config: EngineConfig, path: str, device: torch.device, shard: ModelShard | None = None
+                ) -> LlamaForCausalLM:
+    """The target model (with a tensor-parallel `shard`: that rank's part)."""
+    return load_model(path, dtype=model_dtype(config, device), device=device, load_format=config.load_format,
+                      quantization=config.quantization, shard=shard)[0]
+
+
+def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
+               shard: ModelShard | None = None) -> LlamaForCausalLM:
+    """The draft model, in the target's dtype (with a `shard`: that rank's part)."""
+    return load_model(path, dtype=target.lm_head.weight.dtype, device=device, load_format=config.load_format,
+                      quantization=config.draft_quantization, shard=shard)[0]
+
+
+def load_models(config: EngineConfig, device: torch.device | None = None, target_shard: ModelShard | None = None,
+                draft_shard: ModelShard | None = None) -> LoadedModels:
+    """Target, draft (when speculation uses one) and tokenizer. Under tensor parallelism the
+    driver passes its device and its rank's shards (a draft without a shard loads whole)."""
+    device = device if device is not None else resolve_device(config.device)
+    target_path, draft_path = default_model_paths(config)
+    target = load_target(config, target_path, device, target_shard)
     tokenizer = load_tokenizer(config.tokenizer or target_path)
     draft = None
     if draft_path is not None:
-        draft, _ = load_model(draft_path, dtype=target.lm_head.weight.dtype, device=device,
-                              load_format=config.load_format, quantization=config.draft_quantization)
+        draft = load_draft(config, draft_path, target, device, draft_shard)
         check_compatible(tokenizer, load_tokenizer(draft_path), target, draft)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     return LoadedModels(target, draft, tokenizer, tuple(eos))

@@ -23,7 +23,8 @@ from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.executor import ForwardFn
+from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
@@ -69,18 +70,22 @@ class ContinuousRunner:
     stats: SpecStats | None = None  # speculation counters (the speculative runner's)
 
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
-                 eos_token_ids: tuple[int, ...]) -> None:
+                 eos_token_ids: tuple[int, ...], executor: Executor = LOCAL) -> None:
         self.model = model
         self.config = config
+        self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache_pool = make_pool_for(model.config, config, self.dtype, self.device,
-                                        prefix_caching=bool(config.enable_prefix_caching))
+        self.cache_pool = executor.make_pool(model, config, prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
         self.kernels = step_kernels(config, self.device, model)
         self.forward: ForwardFn = self._make_decode_forward()
+        # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
+        self.prefill_forward = executor.make_forward(model, self.cache_pool, False, config.max_batch_size, shapes=[])
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
-        self.overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
+        # (on by default on one GPU; tensor-parallel engines default to synchronous steps)
+        self.overlap = (config.async_scheduling if config.async_scheduling is not None
+                        else self.device.type == "cuda" and config.tensor_parallel_size == 1)
         self._inflight: InFlight | None = None
         self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
         self._rendered: StepResult = []  # this step's outputs so far
@@ -88,9 +93,10 @@ class ContinuousRunner:
 
     def _make_decode_forward(self) -> ForwardFn:
         # plain decode: width 1, last logits; with temperature sampling captured as well
-        return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=[(1, False)], kernels=self.kernels, sample_widths=(1,),
-                            sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+        return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
+                                          self.config.max_batch_size, shapes=[(1, False)], kernels=self.kernels,
+                                          sample_widths=(1,),
+                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:
@@ -209,7 +215,7 @@ class ContinuousRunner:
         requests = [r for r, _ in chunks]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [n for _, n in chunks])
-        logits = self.run_chunks(self.model, self.cache_pool, requests, layout)  # [B, V]
+        logits = self.run_chunks(requests, layout)  # [B, V]
         self._prefill_in_flight(requests)
         to_sample: list[int] = []
         for i, (request, n) in enumerate(chunks):
@@ -225,18 +231,13 @@ class ContinuousRunner:
         tokens = self.sample(sampled, logits[to_sample])  # [n] on the device
         return sampled, tokens, self.logprobs(sampled, logits[to_sample], tokens)
 
-    def run_chunks(self, model: LlamaForCausalLM, pool: CachePoolProtocol, requests: Sequence[Request],
-                   layout: BatchLayout) -> torch.Tensor:
-        """Forward chunks of each request's token list through `pool`; logits of each row's last token."""
+    def run_chunks(self, requests: Sequence[Request], layout: BatchLayout) -> torch.Tensor:
+        """Forward chunks of each request's token list through the pool; logits of each row's last token."""
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
         for b, (request, start, n) in enumerate(zip(requests, layout.start_positions, layout.chunk_lens,
                                                     strict=True)):
             ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
-        view = pool.view(layout)
-        logits = model(to_device(ids, self.device), layout.positions(self.device), view,
-                       logits_indices=layout.last_token_indices(self.device))
-        view.commit()
-        return logits
+        return self.prefill_forward(ids, layout, all_logits=False)
 
     def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
         """One batched decode forward; the sampled tokens [B] stay on the device."""

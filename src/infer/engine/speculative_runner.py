@@ -31,9 +31,10 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.executor import ForwardFn
+from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.request import Request
-from infer.engine.runner import ContinuousRunner, make_pool_for, step_kernels
+from infer.engine.runner import ContinuousRunner, step_kernels
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.llama import LlamaForCausalLM
 from infer.logprobs import emitted_logprobs
@@ -60,8 +61,9 @@ class SpeculativeRunner(ContinuousRunner):
     draft_loop_rounds = True  # a draft model's rounds as `draft_loop` graphs (not the tree runner's)
 
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
-                 tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
-        super().__init__(target_model, tokenizer, config, eos_token_ids)
+                 tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...],
+                 executor: Executor = LOCAL) -> None:
+        super().__init__(target_model, tokenizer, config, eos_token_ids, executor)
         self.spec_length = config.spec_length
         self.stats = SpecStats()
         self.draft: DraftModelProposer | None = None
@@ -76,9 +78,10 @@ class SpeculativeRunner(ContinuousRunner):
         # probabilities
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
         modes = ("greedy", "one_hot") + (("draft_probs",) if self.config.speculative_method == "draft_model" else ())
-        return make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs, self.config.max_batch_size,
-                            shapes=verify + [(1, False)], kernels=self.kernels, verify_modes=modes,
-                            sample_widths=(1,), sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+        return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
+                                          self.config.max_batch_size, shapes=verify + [(1, False)],
+                                          kernels=self.kernels, verify_modes=modes, sample_widths=(1,),
+                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         config = self.config
@@ -87,22 +90,23 @@ class SpeculativeRunner(ContinuousRunner):
                                              min_order=config.ngram_min_order, window=config.ngram_window))
         if draft_model is None:
             raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
-        pool = make_pool_for(draft_model.config, config, self.dtype, self.device, prefix_caching=False)
+        pool = self.executor.make_pool(draft_model, config, prefix_caching=False)
         # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted
         # round, a few more after plain steps (longer catch-ups run as their own prefill);
         # small batches also get a graph for catch-up chunks
         feeds = range(1, DRAFT_MAX_FEED + 1)
-        step = make_forward(draft_model, pool, config.use_cuda_graphs, config.max_batch_size,
-                            shapes=[(w, False) for w in feeds], kernels=step_kernels(config, self.device, draft_model),
-                            sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)],
-                            sampling_batch_max=config.cuda_graph_sampling_batch_max)
+        step = self.executor.make_forward(draft_model, pool, config.use_cuda_graphs, config.max_batch_size,
+                                          shapes=[(w, False) for w in feeds],
+                                          kernels=step_kernels(config, self.device, draft_model),
+                                          sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)],
+                                          sampling_batch_max=config.cuda_graph_sampling_batch_max)
         # whole-round graphs now, not in the middle of a request: K after a round (1 or 2
         # tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
         # probes; other lengths are captured on first use
         k = config.spec_length
         if self.draft_loop_rounds:
             step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
-        eager = make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
+        eager = self.executor.make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
         self.draft = DraftModelProposer(draft_model, pool, step, eager)
         return self.draft
 

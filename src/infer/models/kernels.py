@@ -74,14 +74,18 @@ def _triton_ready(layer: LinearBase, x: Tensor) -> bool:
 
 
 def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool) -> Tensor:
+    """The Triton matmul with the residual add (or SwiGLU) in its epilogue; a layer whose
+    matmul is a partial sum (row-parallel) adds the residual after `combine` instead."""
     from infer.models.triton_linear import triton_linear
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     weight, scale = layer.matrix()
     n = weight.shape[0] // 2 if swiglu_ else weight.shape[0]
-    res = None if residual is None else residual.reshape(-1, n).contiguous()
+    fuse_add = residual is not None and not layer.partial_output
+    res = residual.reshape(-1, n).contiguous() if fuse_add and residual is not None else None
     y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
                       layer.workspace, res, swiglu_)
-    return y.view(*x.shape[:-1], n)
+    y = layer.combine(y.view(*x.shape[:-1], n))
+    return y if residual is None or fuse_add else residual + y
 
 
 def add(x: Tensor, y: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""Linear layers: the one seam for quantized (FP8) and, later, tensor-parallel matrices.
+"""Linear layers: the one seam for quantized (FP8) and tensor-parallel matrices.
 
 `LinearBase` is y = x W^T with a weight loader, `load_rows(tensor, row_offset)`: a Hugging
 Face tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows of a
@@ -15,6 +15,11 @@ fused matrix (qkv_proj, gate_up_proj), converted to the layer's storage as it is
 dequantized on the fly, on a GPU through the Triton matmul that applies the scales in its
 epilogue). The fused kernel bundle (models/kernels.py) also sends small-batch calls of
 dense layers to the Triton matmul, with the SwiGLU or residual add fused in.
+
+Tensor parallelism (infer.distributed.layers) subclasses these: a layer's `forward` is its
+local matmul followed by `combine`, which completes the output across ranks (identity
+here; a sum for row-parallel layers, whose `partial_output` tells the fused kernels not to
+add the residual before it; a concatenation for a vocabulary-parallel lm_head).
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ class LinearBase(nn.Module):
     in_features: int
     out_features: int
     workspace: SplitWorkspace  # the Triton matmul's split-K scratch (GPU)
+    # the local matmul yields a partial sum that `combine` completes (row-parallel layers):
+    # a residual add must come after `combine`, not inside the matmul's epilogue
+    partial_output: bool = False
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its local matmul's y [..., out_features]: y itself here;
+        tensor-parallel layers sum it over their ranks or concatenate the ranks' columns."""
+        return y
 
     def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
         """Copy a checkpoint tensor [rows, in] into rows row_offset.. of W (None: all of W)."""
@@ -72,7 +85,7 @@ class DenseLinear(LinearBase):
         self.workspace = SplitWorkspace()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.combine(F.linear(x, self.weight))
 
     def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
         if tensor.dtype == FP8_DTYPE:
@@ -102,8 +115,8 @@ class Fp8Linear(LinearBase):
             rows = x.reshape(-1, x.shape[-1])
             y = triton_linear(rows, self.weight, self.weight_scale, choose_config(rows.shape[0], self.out_features,
                                                                                   self.in_features), self.workspace)
-            return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight().to(x.dtype))
+            return self.combine(y.view(*x.shape[:-1], self.out_features))
+        return self.combine(F.linear(x, self.dense_weight().to(x.dtype)))
 
     def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
         """A float8 tensor is stored as it is (its scale comes through `load_scale`); any
@@ -113,10 +126,17 @@ class Fp8Linear(LinearBase):
             if tensor.dtype == FP8_DTYPE:
                 target.copy_(tensor)
                 return
-            quantized, scale = quantize_fp8_rows(tensor.to(device=self.weight.device))
+            rows = tensor.to(device=self.weight.device, dtype=torch.float32)
+            quantized, scale = quantize_fp8_rows(rows, self.row_absmax(rows))
             target.copy_(quantized)
             start = 0 if row_offset is None else row_offset
             self.weight_scale[start:start + tensor.shape[0]] = scale
+
+    def row_absmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """max |w| of each row of rows [n, in] (float32) -> [n]: what its scale is set from. A
+        row-parallel layer takes it over every rank's columns, so its rows quantize as the
+        whole matrix's would."""
+        return rows.abs().amax(dim=1)
 
     def load_scale(self, scale: torch.Tensor, row_offset: int | None, rows: int, name: str = "weight_scale") -> None:
         """Per row ([rows] or [rows, 1]) or per tensor (one value) scales."""

@@ -80,7 +80,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config, quantization)
         self.rotary = Rotary(config)
         self.lm_head = DenseLinear(config.hidden_size, config.vocab_size)  # kept in the model's dtype
-        if config.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding matrix when the config ties them (again after the
+        parameters are materialised: `to_empty` replaces each one separately)."""
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def linears(self) -> dict[str, LinearBase]:

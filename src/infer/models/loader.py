@@ -24,6 +24,9 @@ not depend on weight values. The shape comes from the directory's config.json, o
 "llama-3.1-8b" with load_format="dummy"): "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"
 carry the exact configuration values of those released models. With device="meta" a dummy
 model is built without any memory (for shape and parameter-count checks).
+
+With a `shard` (models/shard.py; tensor parallelism) the model built is one rank's part,
+and of each checkpoint tensor only that part is read (safetensors `get_slice`).
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ from infer.models.config import ModelConfig, RopeScaling
 from infer.models.gguf.path import is_gguf_path
 from infer.models.layers import RMSNorm, Rotary
 from infer.models.linear import QUANTIZATIONS, Fp8Linear
-from infer.models.llama import LlamaForCausalLM
+from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
+from infer.models.shard import ModelShard, read_part, shard_tensors
 
 DUMMY_PREFIX = "dummy:"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -135,18 +139,22 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     quantization: str | None = None,
+    shard: ModelShard | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build a Llama model with its weights; returns (model in eval mode, no grad; config).
 
     quantization="fp8" stores the linear layers' weights in FP8 (quantized as they load); a
-    checkpoint stored in FP8 (compressed-tensors) loads as such whatever is asked."""
+    checkpoint stored in FP8 (compressed-tensors) loads as such whatever is asked. With a
+    `shard`, the model is that tensor-parallel rank's part (the config returned is still
+    the whole model's)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     device = torch.device(device)
     if is_gguf_path(os.fspath(name_or_path)):
-        return _load_gguf(Path(os.fspath(name_or_path)).expanduser(), dtype, device, load_format, quantization)
+        return _load_gguf(Path(os.fspath(name_or_path)).expanduser(), dtype, device, load_format, quantization,
+                          shard)
     config, config_dtype, directory, stored = _read_config(os.fspath(name_or_path), load_format)
     quantization = stored or quantization
     if directory is None:
@@ -154,19 +162,21 @@ def load_model(
     if device.type == "meta" and load_format != "dummy":
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
     torch_dtype = resolve_dtype(dtype, device, config_dtype)
-    model = build_empty_model(config, torch_dtype, device, quantization)
+    if shard is not None:
+        shard.check(config)
+    model = build_empty_model(config, torch_dtype, device, quantization, shard)
     if load_format == "dummy":
-        init_dummy_weights(model)
+        _dummy_weights(model, config, quantization, shard)
     else:
         assert directory is not None
         files = find_weight_files(directory)
-        model.load_hf_weights(_iter_tensors(files, device, torch_dtype))
+        model.load_hf_weights(_iter_tensors(files, device, torch_dtype, shard))
     model.eval().requires_grad_(False)
     return model, config
 
 
 def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_format: str,
-               quantization: str | None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               quantization: str | None, shard: ModelShard | None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """A GGUF file: config from its metadata, weights dequantized (or dummy ones); with
     quantization="fp8" the dequantized weights are re-quantized to FP8 as they load."""
     if load_format == "safetensors":
@@ -180,14 +190,27 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_
     config = config_from_gguf(gguf)
     check_tensors(gguf)  # before any memory is taken for the model
     torch_dtype = resolve_dtype(dtype, device)
-    model = build_empty_model(config, torch_dtype, device, quantization)
+    if shard is not None:
+        shard.check(config)
+    model = build_empty_model(config, torch_dtype, device, quantization, shard)
     if load_format == "dummy":
-        init_dummy_weights(model)
+        _dummy_weights(model, config, quantization, shard)
     else:
         show = path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
-        model.load_hf_weights(iter_hf_tensors(gguf, config, device, torch_dtype, progress=show))
+        tensors = iter_hf_tensors(gguf, config, device, torch_dtype, progress=show)
+        model.load_hf_weights(tensors if shard is None else shard_tensors(tensors, shard))
     model.eval().requires_grad_(False)
     return model, config
+
+
+def read_model_config(name_or_path: str, load_format: str = "auto") -> ModelConfig:
+    """The config of what `load_model` would load (a directory's config.json, a GGUF file's
+    metadata, a dummy shape), without reading any weights."""
+    if is_gguf_path(name_or_path):
+        from infer.models.gguf.config import config_from_gguf
+        from infer.models.gguf.reader import GGUFFile
+        return config_from_gguf(GGUFFile.open(Path(name_or_path).expanduser()))
+    return _read_config(name_or_path, load_format)[0]
 
 
 def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str | None, Path | None, str | None]:
@@ -221,20 +244,20 @@ def _read_config(name_or_path: str, load_format: str) -> tuple[ModelConfig, str 
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      quantization: str | None = None) -> LlamaForCausalLM:
-    """Model with uninitialised parameters on `device` (no random-init cost); buffers valid."""
+                      quantization: str | None = None, shard: ModelShard | None = None) -> LlamaForCausalLM:
+    """Model (with a `shard`: that rank's part) with uninitialised parameters on `device`
+    (no random-init cost); buffers valid."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, quantization)
+        model = LlamaForCausalLM(config, quantization) if shard is None else shard.build(config, quantization)
     model = model.to(dtype=dtype).to_empty(device=device)
     # to_empty replaces each Parameter separately: restore the tie and the rotary table
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    model.tie_weights()
     for layer in model.linears().values():  # FP8 storage is not the model's dtype: made anew
         if isinstance(layer, Fp8Linear):
             layer.weight = torch.empty(layer.out_features, layer.in_features, dtype=FP8_DTYPE, device=device)
             layer.weight_scale = torch.ones(layer.out_features, dtype=torch.float32, device=device)
             layer.act_dtype = dtype
-    model.rotary = Rotary(config).to(device)  # inv_freq stays float32, as in HF
+    model.rotary = Rotary(model.config).to(device)  # inv_freq stays float32, as in HF
     fp8 = {f"{name}.{leaf}" for name, m in model.linears().items() if isinstance(m, Fp8Linear)
            for leaf in ("weight", "weight_scale")}
     stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.") and name not in fp8]
@@ -244,6 +267,41 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 
 DUMMY_LOGIT_GAIN = 20.0
+
+
+def _dummy_weights(model: LlamaForCausalLM, config: ModelConfig, quantization: str | None,
+                   shard: ModelShard | None) -> None:
+    """`init_dummy_weights`; a tensor-parallel rank keeps its part of the whole model's."""
+    if shard is None:
+        init_dummy_weights(model)
+        return
+    param = next(model.parameters())
+    if param.device.type != "meta":
+        model.load_hf_weights(shard_tensors(dummy_hf_tensors(config, quantization, param.dtype, param.device), shard))
+
+
+def dummy_hf_tensors(config: ModelConfig, quantization: str | None, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0, std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights `init_dummy_weights` gives a whole model of `config`, as Hugging Face
+    named tensors, one at a time (the same draws in the same order): tensor-parallel ranks
+    that each keep their part hold exactly the one-GPU dummy model."""
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(config, quantization)
+    norms = {id(m.weight) for m in meta.modules() if isinstance(m, RMSNorm)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in meta.named_parameters():
+        tensor = torch.empty(param.shape, dtype=dtype, device=device)
+        if param is meta.model.norm.weight:
+            tensor.fill_(DUMMY_LOGIT_GAIN)
+        elif id(param) in norms:
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, std, generator=gen)
+        yield from fused_to_hf(name, tensor, config)
+    for name, layer in meta.linears().items():
+        if isinstance(layer, Fp8Linear):
+            dense = torch.empty(layer.out_features, layer.in_features, device=device).normal_(0.0, std, generator=gen)
+            yield from fused_to_hf(f"{name}.weight", dense, config)
 
 
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
@@ -303,8 +361,10 @@ def _index_shards(index: Path) -> list[Path]:
     return shards
 
 
-def _iter_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor on device in dtype) from every file, one at a time, with progress."""
+def _iter_tensors(files: list[Path], device: torch.device, dtype: torch.dtype,
+                  shard: ModelShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor on device in dtype) from every file, one at a time, with progress;
+    with a shard, only the shard's part of each tensor is read."""
     total_bytes = sum(f.stat().st_size for f in files)
     names = []
     for path in files:
@@ -315,7 +375,11 @@ def _iter_tensors(files: list[Path], device: torch.device, dtype: torch.dtype) -
         for path, keys in zip(files, names, strict=True):
             with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
                 for key in keys:
-                    tensor = f.get_tensor(key)
+                    if shard is None:
+                        tensor = f.get_tensor(key)
+                    else:
+                        part = f.get_slice(key)
+                        tensor = read_part(part, shard.part(key, tuple(part.get_shape())))
                     # FP8 weights and their float32 scales keep their dtype (the layers convert)
                     keep = tensor.dtype == FP8_DTYPE or key.endswith("_scale")
                     yield key, tensor if keep else tensor.to(dtype)

@@ -22,10 +22,13 @@ FP8_MAX = 448.0
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
 
 
-def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (float) -> (E4M3 [N, K], scale float32 [N]), per output row."""
+def quantize_fp8_rows(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (float) -> (E4M3 [N, K], scale float32 [N]), per output row; `absmax`
+    [N]: each row's max |w| when the row is wider than `weight` (a tensor-parallel shard of
+    its columns), by default the rows' own."""
     w = weight.to(torch.float32)
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)  # [N]
+    peak = w.abs().amax(dim=1) if absmax is None else absmax.to(torch.float32)
+    scale = (peak / FP8_MAX).clamp(min=_MIN_SCALE)  # [N]
     quantized = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)  # [N, K]
     return quantized, scale
 

@@ -1,0 +1,245 @@
+"""A tensor-parallel worker rank: loads its shard of the model(s), then runs what the driver sends.
+
+Started by the engine (driver.py runs `main(ready_fd)`) with its `WorkerSpec` pickled on
+stdin; the driver keeps that pipe open for the worker's whole life, and a thread here reads
+it: end of file means the driver has gone (exited, or was killed without a word), and the
+worker exits at once, wherever its main thread is blocked. One byte on the `ready_fd` pipe
+tells the driver the worker has started. Under `torchrun` a rank above 0 runs
+`serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
+
+The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
+operations, then builds a pool or forward function, runs a forward call on its shard, answers
+a report, or shuts down (frees its CUDA graphs, leaves the process groups, returns). Any
+error ends the worker (with its traceback, prefixed by its rank): the driver's next message
+finds it gone and reports its exit code.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.distributed.channel import ControlChannel
+from infer.distributed.group import join, leave, torchrun_device
+from infer.distributed.protocol import (Call, DraftLoop, Forward, MakeForward, MakePool, PoolOp,
+                                        PrepareDraftLoops, Report, Sample, Shutdown, WorkerReport)
+from infer.distributed.sharding import TensorParallelShard
+from infer.engine.config import EngineConfig
+from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.loading import default_model_paths, load_draft, load_target
+from infer.engine.runner import make_pool_for, step_kernels
+from infer.engine.threads import apply_cpu_threads
+from infer.models.kernels import EAGER
+from infer.models.llama import LlamaForCausalLM
+
+EXIT_DRIVER_GONE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    store_port: int  # the driver's TCP store on 127.0.0.1
+    device: str
+    config: EngineConfig  # model paths resolved by the driver (local directories or files)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rank < self.world_size or self.world_size != self.config.tensor_parallel_size:
+            raise ValueError(f"a worker's rank is 1..{self.config.tensor_parallel_size - 1} of "
+                             f"tensor_parallel_size ranks, got rank {self.rank} of {self.world_size}")
+
+
+def shards_for(config: EngineConfig, rank: int) -> tuple[TensorParallelShard, TensorParallelShard | None]:
+    """(the target's shard, the draft's: None when the draft runs whole on the driver)."""
+    world = config.tensor_parallel_size
+    target = TensorParallelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head)
+    return target, target if config.tensor_parallel_draft == "sharded" else None
+
+
+def load_rank_models(config: EngineConfig, rank: int, device: torch.device) -> dict[str, LlamaForCausalLM]:
+    """A worker's models by role: its shard of the target, and of the draft when sharded."""
+    target_shard, draft_shard = shards_for(config, rank)
+    target_path, draft_path = default_model_paths(config)
+    models = {"target": load_target(config, target_path, device, target_shard)}
+    if draft_path is not None and draft_shard is not None:
+        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard)
+    return models
+
+
+def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
+    """Repeat one of the driver's pool operations; its result must be the driver's."""
+    args = op.args
+    match op.name:
+        case "allocate_slot":
+            slot = pool.allocate_slot(*args)  # type: ignore[arg-type]
+            result: object = (slot, pool.seq_len(slot))
+        case "free_slot":
+            result = pool.free_slot(*args)  # type: ignore[arg-type]
+        case "truncate_to":
+            result = pool.truncate_to(*args)  # type: ignore[arg-type]
+        case "ensure_capacity":
+            result = pool.ensure_capacity(*args)  # type: ignore[arg-type]
+        case "register_prefix":
+            result = pool.register_prefix(*args)  # type: ignore[arg-type]
+        case "commit":
+            result = pool.commit(*args)  # type: ignore[arg-type]
+        case _:
+            raise ValueError(f"unknown pool operation {op.name!r}")
+    if result != op.result:
+        raise RuntimeError(f"rank {rank}: KV pool {op.pool} diverged from the driver's: {op.name}{args!r} "
+                           f"returned {result!r} here, {op.result!r} on the driver")
+
+
+class Worker:
+    """A worker rank's state: its models by role, and the pools and forward functions the
+    driver had it build, by the driver's ids."""
+
+    def __init__(self, models: dict[str, LlamaForCausalLM], channel: ControlChannel, rank: int) -> None:
+        self.models, self.channel, self.rank = models, channel, rank
+        self.pools: dict[int, CachePoolProtocol] = {}
+        self.forwards: dict[int, ForwardFn] = {}
+
+    @torch.inference_mode()
+    def run(self) -> None:
+        """Serve messages until Shutdown."""
+        while True:
+            message = self.channel.recv()
+            for op in message.ops:
+                apply_pool_op(self.pools[op.pool], op, self.rank)
+            if not self.handle(message.call):
+                return
+
+    def handle(self, call: Call) -> bool:
+        """Run one call; False for Shutdown."""
+        match call:
+            case Forward():
+                self.forwards[call.forward](call.ids, call.layout, call.all_logits)
+            case Sample():
+                self.forwards[call.forward].sample(call.ids, call.layout, call.temperatures, call.uniforms,
+                                                   call.greedy)
+            case DraftLoop():
+                self.forwards[call.forward].draft_loop(call.ids, call.layout, call.steps, call.temperatures,
+                                                       call.uniforms, call.greedy)
+            case PrepareDraftLoops():
+                self.forwards[call.forward].prepare_draft_loops(call.widths, call.steps)
+            case MakePool():
+                model = self.models[call.role]
+                param = next(model.parameters())
+                self.pools[call.pool] = make_pool_for(model.config, call.config, param.dtype, param.device,
+                                                      prefix_caching=call.prefix_caching)
+            case MakeForward():
+                self.forwards[call.forward] = self._make_forward(call)
+            case Report():
+                problems = [f"pool {pid}: {p}" for pid, pool in self.pools.items() for p in pool.leak_report()]
+                self.channel.gather_reports(WorkerReport(self.rank, problems))
+            case Shutdown():
+                return False
+        return True
+
+    def _make_forward(self, call: MakeForward) -> ForwardFn:
+        model = self.models[call.role]
+        device = next(model.parameters()).device
+        kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
+        if kernels.name != call.kernels:
+            raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
+        return make_forward(model, self.pools[call.pool], call.use_cuda_graphs, call.max_batch_size,
+                            list(call.shapes), kernels=kernels, sample_widths=call.sample_widths,
+                            small_batch_shapes=(None if call.small_batch_shapes is None
+                                                else list(call.small_batch_shapes)),
+                            verify_modes=call.verify_modes, sampling_batch_max=call.sampling_batch_max)
+
+    def release(self) -> None:
+        """Free the forward functions (their CUDA graphs hold the NCCL communicator), pools
+        and models before the process group goes."""
+        self.forwards.clear()
+        self.pools.clear()
+        self.models.clear()
+        gc.collect()
+
+
+def serve_rank(config: EngineConfig, rank: int, device: torch.device, control: dist.ProcessGroup) -> None:
+    """Load this rank's models and serve the driver until it shuts the engine down."""
+    models = load_rank_models(config, rank, device)
+    apply_cpu_threads(config.threads, device, sum(p.numel() for p in models["target"].parameters()))
+    worker = Worker(models, ControlChannel(control, rank, device), rank)
+    try:
+        worker.run()
+    finally:
+        worker.release()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def serve_torchrun_rank(config: EngineConfig) -> int:
+    """A torchrun rank above 0 (the CLI runs this instead of its command there)."""
+    from infer.distributed.group import torchrun_rank
+    launch = torchrun_rank()
+    if launch is None or launch.rank == 0:
+        raise RuntimeError("serve_torchrun_rank runs on torchrun's ranks above 0")
+    if launch.world_size != config.tensor_parallel_size:
+        raise ValueError(f"torchrun started {launch.world_size} processes but tensor_parallel_size is "
+                         f"{config.tensor_parallel_size}: they must be equal")
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torchrun_device(config.device, launch.local_rank, cuda_count)
+    control = join(launch.rank, launch.world_size, device, None)
+    try:
+        serve_rank(config, launch.rank, device, control)
+    finally:
+        leave()
+    return 0
+
+
+def watch_driver(fd: int) -> None:
+    """Exit this process as soon as pipe `fd` (held open by the driver) reaches end of file.
+    (Raw reads: a thread blocked in a buffered file's read would hold its lock at exit.)"""
+    def watch() -> None:
+        while os.read(fd, 4096):
+            pass
+        print(f"infer tensor-parallel worker {os.getpid()}: the driver has gone; exiting", file=sys.stderr,
+              flush=True)
+        os._exit(EXIT_DRIVER_GONE)
+
+    threading.Thread(target=watch, name="infer-tp-driver-watch", daemon=True).start()
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = os.read(fd, n - len(data))
+        if not chunk:
+            raise EOFError("the driver closed the pipe before sending the worker's spec")
+        data += chunk
+    return data
+
+
+def read_spec(fd: int) -> WorkerSpec:
+    size = int.from_bytes(_read_exactly(fd, 8), "little")
+    spec = pickle.loads(_read_exactly(fd, size))
+    if not isinstance(spec, WorkerSpec):
+        raise TypeError(f"expected a WorkerSpec on stdin, got {type(spec).__name__}")
+    return spec
+
+
+def main(ready_fd: int) -> int:
+    stdin = sys.stdin.fileno()
+    spec = read_spec(stdin)
+    watch_driver(stdin)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False)
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    device = torch.device(spec.device)
+    control = join(spec.rank, spec.world_size, device, store)
+    try:
+        serve_rank(spec.config, spec.rank, device, control)
+    finally:
+        leave()
+    return 0
+

@@ -1,0 +1,309 @@
+"""Tensor parallelism's pieces, in one process: which part of each tensor a rank reads (and
+that it reads nothing else), the shard's model against the whole model's slices, dummy
+weights that shard exactly, devices per rank, the mirrored pool's operations and their
+divergence check, the control messages' encoding, the bench's kernel classification."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import infer.models.loader as loader
+from infer.bench.collectives import collective_kind, summarize_kernels
+from infer.cache.paged import PagedKVCachePool
+from infer.cache.view import BatchLayout
+from infer.distributed.channel import decode, encode
+from infer.distributed.group import plan_devices, torchrun_device
+from infer.distributed.layers import TiedVocabParallelHead, VocabParallelEmbedding, VocabParallelHead
+from infer.distributed.mirror import MirroredPool
+from infer.distributed.protocol import Forward, Message, PoolOp, Sample
+from infer.distributed.sharding import TensorParallelShard
+from infer.distributed.worker import apply_pool_op
+from infer.engine.config import EngineConfig
+from infer.models.config import ModelConfig
+from infer.models.llama import LlamaForCausalLM
+from infer.models.loader import build_empty_model, dummy_hf_tensors, init_dummy_weights, load_model
+from infer.models.shard import TensorPart
+
+SHARD = TensorParallelShard(1, 2, embedding="vocab_parallel", lm_head="vocab_parallel")
+
+
+@pytest.mark.parametrize(("name", "shape", "part"), [
+    ("model.layers.0.self_attn.q_proj.weight", (64, 64), TensorPart(0, 32, 64)),
+    ("model.layers.3.self_attn.k_proj.weight", (32, 64), TensorPart(0, 16, 32)),
+    ("model.layers.0.mlp.up_proj.weight", (160, 64), TensorPart(0, 80, 160)),
+    ("model.layers.0.mlp.gate_proj.weight_scale", (160, 1), TensorPart(0, 80, 160)),  # per row
+    ("model.layers.0.self_attn.v_proj.weight_scale", (), None),  # one scale for the tensor
+    ("model.layers.0.self_attn.o_proj.weight", (64, 64), TensorPart(1, 32, 64)),
+    ("model.layers.0.mlp.down_proj.weight", (64, 160), TensorPart(1, 80, 160)),
+    ("model.layers.0.mlp.down_proj.weight_scale", (64,), None),  # rows are whole on every rank
+    ("model.embed_tokens.weight", (384, 64), TensorPart(0, 192, 384)),
+    ("lm_head.weight", (384, 64), TensorPart(0, 192, 384)),
+    ("model.layers.0.input_layernorm.weight", (64,), None),
+    ("model.norm.weight", (64,), None),
+])
+def test_each_tensor_splits_along_its_parallel_dimension(name: str, shape: tuple[int, ...],
+                                                         part: TensorPart | None) -> None:
+    assert SHARD.part(name, shape) == part
+    replicated = TensorParallelShard(1, 2)  # default: embedding whole, lm_head by vocabulary
+    if name == "model.embed_tokens.weight":
+        assert replicated.part(name, shape) is None
+
+
+def test_shapes_that_do_not_divide_are_errors_naming_them() -> None:
+    config = ModelConfig(vocab_size=385, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(2\).* not divisible by 3"):
+        TensorParallelShard(0, 3, lm_head="replicated").check(config)
+    with pytest.raises(ValueError, match=r"vocab_size \(385\) is not divisible by 2.*'replicated'"):
+        TensorParallelShard(0, 2).check(config)
+    TensorParallelShard(0, 2, lm_head="replicated").check(config)  # the vocabulary stays whole: fine
+    tied = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="ties lm_head"):
+        TensorParallelShard(0, 2, embedding="vocab_parallel", lm_head="replicated").check(tied)
+    with pytest.raises(ValueError, match="cannot be split"):
+        SHARD.part("model.layers.0.self_attn.q_proj.weight", (63, 64))
+
+
+class _Slice:
+    """A safetensors slice that records which rows / columns were read."""
+
+    def __init__(self, tensor: torch.Tensor, reads: list[tuple[str, Any]], name: str) -> None:
+        self.tensor, self.reads, self.name = tensor, reads, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:  # noqa: ANN401 - as safetensors
+        self.reads.append((self.name, index))
+        return self.tensor[index].clone()
+
+
+class _File:
+    def __init__(self, real: Any, reads: list[tuple[str, Any]]) -> None:  # noqa: ANN401
+        self.real, self.reads = real, reads
+
+    def __enter__(self) -> _File:
+        self.real.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return list(self.real.keys())
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        raise AssertionError(f"a shard read all of {key!r}")
+
+    def get_slice(self, key: str) -> _Slice:
+        return _Slice(self.real.get_tensor(key), self.reads, key)
+
+
+@pytest.mark.parametrize("embedding", ["replicated", "vocab_parallel"])
+def test_a_rank_reads_only_its_part_and_holds_the_whole_models_slices(
+        ckpt_b: Path, monkeypatch: pytest.MonkeyPatch, embedding: str) -> None:
+    # ckpt_b: 4 query heads over 2 KV heads, untied lm_head
+    full, config = load_model(str(ckpt_b))
+    reads: list[tuple[str, Any]] = []
+    real_open = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda path, **kw: _File(real_open(path, **kw), reads))
+    q, kv, d = config.q_size, config.kv_size, config.head_dim
+    for rank in (0, 1):
+        shard = TensorParallelShard(rank, 2, embedding=embedding)
+        model, _ = load_model(str(ckpt_b), shard=shard)
+        assert model.config.num_attention_heads == 2 and model.config.num_key_value_heads == 1
+        a, b = full.model.layers[1], model.model.layers[1]
+        rows = lambda lo, n: slice(lo + rank * n, lo + (rank + 1) * n)  # noqa: E731
+        want_qkv = torch.cat([a.self_attn.qkv_proj.weight[rows(0, q // 2)],
+                              a.self_attn.qkv_proj.weight[rows(q, kv // 2)],
+                              a.self_attn.qkv_proj.weight[rows(q + kv, kv // 2)]])
+        assert torch.equal(b.self_attn.qkv_proj.weight, want_qkv)
+        assert torch.equal(b.self_attn.o_proj.weight, a.self_attn.o_proj.weight[:, rows(0, q // 2)])
+        i = config.intermediate_size
+        assert torch.equal(b.mlp.gate_up_proj.weight, torch.cat([a.mlp.gate_up_proj.weight[rows(0, i // 2)],
+                                                                 a.mlp.gate_up_proj.weight[rows(i, i // 2)]]))
+        assert torch.equal(b.mlp.down_proj.weight, a.mlp.down_proj.weight[:, rows(0, i // 2)])
+        assert b.self_attn.o_proj.partial_output and b.mlp.down_proj.partial_output
+        v = config.vocab_size
+        assert isinstance(model.lm_head, VocabParallelHead)
+        assert torch.equal(model.lm_head.weight, full.lm_head.weight[rows(0, v // 2)])
+        if embedding == "vocab_parallel":
+            assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
+            assert torch.equal(model.model.embed_tokens.weight, full.model.embed_tokens.weight[rows(0, v // 2)])
+        else:
+            assert torch.equal(model.model.embed_tokens.weight, full.model.embed_tokens.weight)
+        assert d == model.config.head_dim
+    q_reads = [index for name, index in reads if name.endswith("layers.0.self_attn.q_proj.weight")]
+    assert q_reads == [slice(0, q // 2), slice(q // 2, q)]  # each rank its half of the rows, nothing more
+    o_reads = [index for name, index in reads if name.endswith("layers.0.self_attn.o_proj.weight")]
+    assert o_reads == [(slice(None), slice(0, q // 2)), (slice(None), slice(q // 2, q))]
+
+
+def test_a_tied_vocabulary_parallel_head_reads_the_replicated_embeddings_rows(ckpt_a: Path) -> None:
+    full, config = load_model(str(ckpt_a))  # tied
+    model, _ = load_model(str(ckpt_a), shard=TensorParallelShard(1, 2))
+    head = model.lm_head
+    assert isinstance(head, TiedVocabParallelHead)
+    assert "lm_head.weight" not in dict(model.named_parameters())  # no copy: a view of the embedding
+    assert head.weight.data_ptr() == model.model.embed_tokens.weight[config.vocab_size // 2:].data_ptr()
+    assert torch.equal(head.weight, full.lm_head.weight[config.vocab_size // 2:])
+
+
+def test_dummy_weights_as_named_tensors_are_the_dummy_model(ckpt_b: Path) -> None:
+    # what a rank keeps of them is its part of exactly the one-process dummy model
+    config = loader.read_model_config(str(ckpt_b))
+    for quantization in (None, "fp8"):
+        expected = build_empty_model(config, torch.float32, torch.device("cpu"), quantization)
+        init_dummy_weights(expected)
+        got = build_empty_model(config, torch.float32, torch.device("cpu"), quantization)
+        got.load_hf_weights(dummy_hf_tensors(config, quantization, torch.float32, torch.device("cpu")))
+        want = expected.state_dict()
+        assert {k: v.float() for k, v in got.state_dict().items()}.keys() == want.keys()
+        assert all(torch.equal(v.float(), want[k].float()) for k, v in got.state_dict().items())
+
+
+def test_devices_per_rank() -> None:
+    cuda = lambda i: torch.device("cuda", i)  # noqa: E731
+    assert plan_devices("cpu", 3, 8) == [torch.device("cpu")] * 3
+    assert plan_devices("auto", 2, 0) == [torch.device("cpu")] * 2
+    assert plan_devices("auto", 2, 2) == [cuda(0), cuda(1)]
+    assert plan_devices("cuda:2", 2, 4) == [cuda(2), cuda(3)]
+    with pytest.raises(ValueError, match=r"needs 2 CUDA devices .* has 1"):
+        plan_devices("cuda", 2, 1)
+    with pytest.raises(ValueError, match=r"cuda:3..cuda:4"):
+        plan_devices("cuda:3", 2, 4)
+    assert torchrun_device("auto", 1, 2) == cuda(1)
+    with pytest.raises(ValueError, match="local rank 2 has no GPU"):
+        torchrun_device("cuda", 2, 2)
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.ops: list[PoolOp] = []
+
+    def record(self, op: PoolOp) -> None:
+        self.ops.append(op)
+
+
+def _pool(config: ModelConfig) -> PagedKVCachePool:
+    return PagedKVCachePool(config, max_batch_size=4, max_seq_len=64, dtype=torch.float32, device="cpu",
+                            block_size=4, num_blocks=24, enable_prefix_caching=True)
+
+
+def _state(pool: PagedKVCachePool) -> list[tuple[int, int, list[int], int]]:
+    return [(s, pool.seq_len(s), pool.block_table(s), pool.num_shared_blocks(s)) for s in range(4)
+            if s not in pool._free_slots]  # noqa: SLF001 - the test compares bookkeeping
+
+
+def _session(pool: Any) -> Iterator[None]:  # noqa: ANN401 - a pool or its mirror
+    """Allocations with a shared prefix, growth, commits, prefix registration, rollback, frees."""
+    prompt = list(range(10, 30))
+    a = pool.allocate_slot(20, prompt)
+    pool.commit(BatchLayout.of([a], [0], [20]))
+    pool.register_prefix(a, prompt)
+    yield
+    b = pool.allocate_slot(20, prompt)  # serves 16 cached tokens
+    assert pool.seq_len(b) == 16
+    pool.commit(BatchLayout.of([b], [16], [4]))
+    assert pool.ensure_capacity(b, 27)
+    pool.commit(BatchLayout.of([b], [20], [7]))
+    pool.truncate_to(b, 22)
+    yield
+    pool.free_slot(a)
+
+
+def test_a_worker_repeats_the_drivers_pool_operations_and_checks_their_results(ckpt_b: Path) -> None:
+    config = loader.read_model_config(str(ckpt_b))
+    outbox = _Outbox()
+    mirror = MirroredPool(_pool(config), outbox, pool_id=0)  # type: ignore[arg-type]
+    worker = _pool(config)
+    done = 0
+    for _ in _session(mirror):
+        for op in outbox.ops[done:]:
+            apply_pool_op(worker, op, rank=1)
+        done = len(outbox.ops)
+        assert _state(worker) == _state(mirror.local)
+    for op in outbox.ops[done:]:
+        apply_pool_op(worker, op, rank=1)
+    assert _state(worker) == _state(mirror.local) and len(_state(worker)) == 1
+    assert [op.name for op in outbox.ops][:3] == ["allocate_slot", "commit", "register_prefix"]
+    # a worker whose pool holds something the driver's does not: the first result differs
+    diverged = _pool(config)
+    diverged.allocate_slot(8)
+    with pytest.raises(RuntimeError, match="diverged from the driver's: allocate_slot"):
+        apply_pool_op(diverged, outbox.ops[0], rank=1)
+
+
+def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:
+    layout = BatchLayout.of([2, 0], [5, 9], [1, 1])
+    ids = torch.tensor([[7], [8]])
+    message = Message((PoolOp(0, "ensure_capacity", (2, 6), True),),
+                      Sample(3, ids, layout, (1.0, 0.7), torch.tensor([0.25, 0.5], dtype=torch.float64),
+                             (True, False)))
+    data, wire = encode(message, frozenset())
+    assert wire == []  # CPU tensors travel inside the pickle
+    got, slots = decode(data, torch.device("cpu"))
+    assert got.ops == message.ops and got.call.layout == layout and slots == []
+    assert torch.equal(got.call.ids, ids) and torch.equal(got.call.uniforms, message.call.uniforms)
+    # tensors on the rank's device go beside the pickle: the receiver gets empty ones to fill
+    data, wire = encode(Message((), Forward(1, ids, layout, False)), frozenset({"cpu"}))
+    assert len(wire) == 1 and torch.equal(wire[0], ids)
+    got, slots = decode(data, torch.device("cpu"))
+    assert len(slots) == 1 and slots[0].shape == ids.shape and slots[0].dtype == ids.dtype
+    assert got.call.ids is slots[0]
+
+
+def test_collective_kernels_are_told_apart() -> None:
+    assert collective_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all_reduce"
+    assert collective_kind("ncclDevKernel_AllGather_RING_LL") == "all_gather"
+    assert collective_kind("ncclDevKernel_Broadcast_RING_LL") == "broadcast"
+    assert collective_kind("ncclDevKernel_SendRecv") == "other_collective"
+    assert collective_kind("ampere_bf16_s16816gemm") is None
+    out = summarize_kernels([("ncclDevKernel_AllReduce_Sum", 30.0), ("gemm", 150.0),
+                             ("ncclDevKernel_AllReduce_Sum", 30.0), ("ncclDevKernel_AllGather", 20.0)],
+                            steps=2, wall_s=0.0004)
+    assert out["all_reduce_ms_per_step"] == pytest.approx(0.03) and out["all_reduce_calls_per_step"] == 1
+    assert out["all_reduce_share_of_step"] == pytest.approx(0.15)
+    assert out["collectives_share_of_gpu_time"] == pytest.approx(80 / 230)
+
+
+def test_engine_config_validates_the_tensor_parallel_fields() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_lm_head must be one of"):
+        EngineConfig(tensor_parallel_lm_head="columns")
+    with pytest.raises(ValueError, match="tensor_parallel_draft='sharded' applies to a draft model"):
+        EngineConfig(tensor_parallel_draft="sharded")
+    EngineConfig(tensor_parallel_size=2, use_speculative_decoding=True, tensor_parallel_draft="sharded")
+
+
+def test_a_sharded_model_is_a_llama_of_the_ranks_shape() -> None:
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    with torch.device("meta"):
+        model = TensorParallelShard(0, 2, lm_head="replicated").build(config, None)
+    assert isinstance(model, LlamaForCausalLM)
+    attn = model.model.layers[0].self_attn
+    assert (attn.heads, attn.kv_heads, attn.qkv_proj.out_features, attn.o_proj.in_features) == (2, 1, 32, 16)
+    assert model.model.layers[0].mlp.gate_up_proj.out_features == 48
+    assert model.lm_head.out_features == 64 and not model.lm_head.partial_output
+
+
+def test_a_gguf_file_shards_like_a_checkpoint(ckpt_b: Path, tmp_path: Path) -> None:
+    # GGUF tensors arrive whole (dequantized): each rank keeps its part of each
+    from helpers.gguf_files import write_gguf
+    path = write_gguf(ckpt_b, tmp_path / "b.gguf")
+    full, config = load_model(str(path))
+    parts = [load_model(str(path), shard=TensorParallelShard(rank, 2))[0] for rank in (0, 1)]
+    for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
+        whole = dict(full.named_parameters())[name]
+        assert torch.equal(torch.cat([dict(p.named_parameters())[name] for p in parts], dim=1), whole)
+    up = [p.model.layers[0].mlp.gate_up_proj.weight for p in parts]
+    i = config.intermediate_size
+    assert torch.equal(torch.cat([u[:i // 2] for u in up]), full.model.layers[0].mlp.gate_up_proj.weight[:i])

@@ -196,7 +196,12 @@ def hf_static(h: Harness, shape: str = SHAPE_3B) -> None:
          {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours"})
 
 
-def decode_speed(h: Harness) -> None:
+def batch_sweep_rows(h: Harness, shape: str) -> None:
+    h.batch_sweep(f"batch/{_label(shape)}", "decode step against batch size", {"model": shape, **GRAPHS},
+                  (1, 2, 4, 8, 16, 32))
+
+
+def decode_speed(h: Harness, sweeps: bool = True) -> None:
     """Batch-1 decode of both shapes against the roofline: overlapped (the default) and
     synchronous scheduling, FP8 weights; decode step time against batch size."""
     wl = WORKLOADS["W1"]
@@ -209,9 +214,8 @@ def decode_speed(h: Harness) -> None:
                  {"roofline": roof, "baseline": base})
         h.engine(f"w1/{label}/fp8", group, wl, {"model": shape, **GRAPHS, "quantization": "fp8"},
                  {"roofline": roof, "baseline": base})
-    for shape in (SHAPE_3B, SHAPE_1B):
-        h.batch_sweep(f"batch/{_label(shape)}", "decode step against batch size", {"model": shape, **GRAPHS},
-                      (1, 2, 4, 8, 16, 32))
+    for shape in (SHAPE_3B, SHAPE_1B) if sweeps else ():
+        batch_sweep_rows(h, shape)
 
 
 def costs_fp8(h: Harness) -> None:
@@ -227,15 +231,21 @@ def speculation(h: Harness) -> None:
     (fixed K, adaptive), the demo pair at T=0 / T=1 (fixed K, adaptive, an FP8 draft at T=1,
     chain K=6 against the tree "2,1,1"), n-gram drafting on W5 (fixed, adaptive, chain
     against tree) and W1 (fixed, adaptive) at T=0."""
+    if demo_models_present(h, "demo-pair"):
+        demo_speculation(h)
     wl = WORKLOADS["W1"]
     group = "W1 speculative, 3b shape, random 1b draft"
-    base = h.engine("w1-spec/3b/plain", group, wl, {"model": SHAPE_3B, **GRAPHS}).name
+    # (plain decoding: decode-speed's row when it ran in this run)
+    base = "w1/3b/ours" if h.run.get("w1/3b/ours") is not None else \
+        h.engine("w1-spec/3b/plain", group, wl, {"model": SHAPE_3B, **GRAPHS}).name
     spec = {"model": SHAPE_3B, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
             "draft_model": SHAPE_1B}
     h.engine("w1-spec/3b/1b-draft-k5", group, wl, spec, {"baseline": base})
     h.engine("w1-spec/3b/1b-draft-adaptive", group, wl, {**spec, "spec_policy": "adaptive"}, {"baseline": base})
-    if not demo_models_present(h, "demo-pair"):
-        return
+
+
+def demo_speculation(h: Harness) -> None:
+    """The demo pair's rows of `speculation`."""
     target, draft = demo_pair_paths(h)
     for t in (1.0, 0.0):
         wl_t, tag = WORKLOADS["W1"].with_temperature(t), f"demo-w1-t{t:g}"
@@ -309,9 +319,11 @@ def tp(h: Harness, size: int = 2) -> None:
 def all_gpu(h: Harness) -> None:
     """The runs of record (docs/benchmarks.md), most important first, within --max-seconds."""
     h.bandwidth()
-    decode_speed(h)
-    costs_fp8(h)
+    decode_speed(h, sweeps=False)
     speculation(h)
+    costs_fp8(h)
+    for shape in (SHAPE_3B, SHAPE_1B):
+        batch_sweep_rows(h, shape)
     w2_batching(h)
     hf_static(h)
     h.bandwidth("bandwidth-end")

@@ -184,16 +184,12 @@ class CacheView:
         self.block = block  # tree speculation: gather + SDPA with the block rule, on every device
         self._mask: torch.Tensor | None = None
 
-    def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.k_cache[layer], self.v_cache[layer], self.indices.write_rows
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
         heads, dim = kc.shape[1], kc.shape[2]
         idx = self.indices
-        if k is not None and v is not None:  # (else a fused kernel wrote them: `kv_target`)
-            kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
-            vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
+        kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
+        vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
         if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
             return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)

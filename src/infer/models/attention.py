@@ -20,14 +20,8 @@ import torch.nn.functional as F
 
 
 class AttentionView(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens), or None when they were
-        written to the cache already (`kv_target`) -> [B, T, Hq, D]."""
-        ...
-
-    def kv_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k cache [rows, Hkv, D], v cache, write rows [B * T]) of one layer, where a fused
-        kernel may write the new tokens' k and v itself; None when the view keeps no cache."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D]."""
         ...
 
 
@@ -56,12 +50,7 @@ class NoCacheView:
     def __init__(self, chunk_lens: torch.Tensor | None = None) -> None:
         self.chunk_lens = chunk_lens  # [B] valid tokens per row; None = all valid
 
-    def kv_target(self, layer: int) -> None:
-        return None
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
-        if k is None or v is None:
-            raise ValueError("a view without a cache needs the new tokens' k and v")
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, t = q.shape[:2]
         if self.chunk_lens is None:
             groups = q.shape[2] // k.shape[2]

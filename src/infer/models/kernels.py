@@ -4,9 +4,8 @@
 residual adds in the activation dtype, a projection then its SwiGLU or residual add).
 `compiled_kernels()` returns the same functions fused: the elementwise ones by
 `torch.compile` (one Triton kernel each instead of 5-10 small launches), and small-batch
-projections on the GPU by the Triton matmul (models/triton_linear.py), which reads the
-weights at close to the memory bandwidth and does the SwiGLU or the residual add in its
-epilogue. A memory-bound decode step loses most of its time to launches and slow small
+FP8 projections on the GPU by the Triton matmul (models/triton_linear.py), which applies
+the scales and does the SwiGLU or the residual add in its epilogue. A memory-bound decode step loses most of its time to launches and slow small
 matmuls otherwise. The model receives the bundle explicitly; nothing global is patched.
 """
 
@@ -24,7 +23,6 @@ import torch.nn.functional as F
 from infer.models.linear_tiles import SMALL_M, choose_config
 
 if TYPE_CHECKING:
-    from infer.models.attention import AttentionView
     from infer.models.linear import LinearBase
 
 Tensor = torch.Tensor
@@ -111,18 +109,6 @@ class FusedLinear:
         return _triton(layer, x, None, True) if _triton_ready(layer, x) else self.silu_mul(layer(x))
 
 
-@dataclass(frozen=True, slots=True)
-class RopeTables:
-    """What the rotary embedding of one forward needs: positions [B, T] and inverse
-    frequencies [D / 2] (float32), and the cos / sin tables [B, T, 1, D] built from them
-    (None where a fused kernel computes them in place)."""
-
-    positions: Tensor
-    inv_freq: Tensor
-    cos: Tensor | None
-    sin: Tensor | None
-
-
 def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """positions: [B, T] -> cos, sin: [B, T, 1, D] (float32 inside, then `dtype`, as HF)."""
     freqs = positions.float()[..., None] * inv_freq.float()  # [B, T, D/2]
@@ -130,59 +116,16 @@ def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Te
     return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
 
-def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> RopeTables:
-    return RopeTables(positions, inv_freq, *cos_sin(positions, inv_freq, dtype))
-
-
-def attend_qkv(view: AttentionView, layer: int, qkv: Tensor, heads: int, kv_heads: int,
-               rope: RopeTables, rotary: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = rotary_qk,
-               ) -> Tensor:
-    """Attention of a fused qkv projection [B, T, (Hq + 2 Hkv) D]: rotary on q and k, the
-    new k and v into the view's cache, attention -> [B, T, Hq, D]."""
-    b, t, width = qkv.shape
-    d = width // (heads + 2 * kv_heads)
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    cos, sin = (rope.cos, rope.sin) if rope.cos is not None and rope.sin is not None else \
-        cos_sin(rope.positions, rope.inv_freq, qkv.dtype)
-    q, k = rotary(q.view(b, t, heads, d), k.view(b, t, kv_heads, d), cos, sin)  # [B, T, Hq|Hkv, D]
-    return view.attend(layer, q, k, v.view(b, t, kv_heads, d))
-
-
-def _rope_fusable(qkv: Tensor) -> bool:
-    return qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)
-
-
-def fused_rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> RopeTables:
-    """No tables on the GPU in half precision: the fused kernel computes cos / sin itself."""
-    if positions.is_cuda and dtype in (torch.bfloat16, torch.float16):
-        return RopeTables(positions, inv_freq, None, None)
-    return rope_tables(positions, inv_freq, dtype)
-
-
-def fused_attend_qkv(view: AttentionView, layer: int, qkv: Tensor, heads: int, kv_heads: int,
-                     rope: RopeTables) -> Tensor:
-    """`attend_qkv` with the rotary and the cache write in one Triton kernel where the view
-    has a cache on the GPU."""
-    target = view.kv_target(layer) if _rope_fusable(qkv) else None
-    if target is None:
-        return attend_qkv(view, layer, qkv, heads, kv_heads, rope)
-    from infer.models.triton_rope import rope_write
-    k_cache, v_cache, rows = target
-    q = rope_write(qkv, rope.positions, rope.inv_freq, heads, kv_heads, k_cache, v_cache, rows)
-    return view.attend(layer, q, None, None)
-
-
 @dataclass(frozen=True)
 class Kernels:
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
-    rope_tables: Callable[[Tensor, Tensor, torch.dtype], RopeTables]
-    attend_qkv: Callable[[AttentionView, int, Tensor, int, int, RopeTables], Tensor]
+    rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     linear: Callable[[LinearBase, Tensor, Tensor | None], Tensor]
     swiglu: Callable[[LinearBase, Tensor], Tensor]
     name: str = "eager"
 
 
-EAGER = Kernels(rmsnorm, rope_tables, attend_qkv, linear, swiglu)
+EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu)
 
 
 _COMPILED: dict[Hashable, Kernels] = {}
@@ -207,6 +150,6 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         return torch.compile(fresh, dynamic=True, fullgraph=False)
 
     fused = FusedLinear(comp(add), comp(silu_mul))
-    kernels = Kernels(comp(rmsnorm), fused_rope_tables, fused_attend_qkv, fused.linear, fused.swiglu, name="fused")
+    kernels = Kernels(comp(rmsnorm), comp(rotary_qk), fused.linear, fused.swiglu, name="fused")
     _COMPILED[key] = kernels
     return kernels

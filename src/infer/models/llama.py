@@ -23,7 +23,7 @@ from torch import nn
 
 from infer.models.attention import AttentionView, NoCacheView
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels, RopeTables
+from infer.models.kernels import EAGER, Kernels, cos_sin
 from infer.models.layers import MLP, RMSNorm, Rotary
 from infer.models.linear import DenseLinear, Fp8Linear, LinearBase, make_linear
 
@@ -39,12 +39,14 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization)
         self.o_proj = make_linear(self.q_size, config.hidden_size, quantization)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, rope: RopeTables, view: AttentionView,
-                kernels: Kernels = EAGER) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
         """h: normed input [B, T, H]; returns residual + attention output [B, T, H]."""
         b, t, _ = h.shape
-        qkv = kernels.linear(self.qkv_proj, h, None)  # [B, T, (Hq + 2 Hkv) D]
-        out = kernels.attend_qkv(view, self.layer, qkv, self.heads, self.kv_heads, rope)  # [B, T, Hq, D]
+        q, k, v = kernels.linear(self.qkv_proj, h, None).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = kernels.rotary_qk(q.view(b, t, self.heads, self.head_dim),  # [B, T, Hq, D]
+                                 k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
+        out = view.attend(self.layer, q, k, v.view(b, t, self.kv_heads, self.head_dim))  # [B, T, Hq, D]
         return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
 
 
@@ -56,10 +58,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
+                kernels: Kernels = EAGER) -> torch.Tensor:
         """x: the residual stream [B, T, H] -> the stream after this layer."""
         eps = self.input_layernorm.eps
-        x = self.self_attn(kernels.rmsnorm(x, self.input_layernorm.weight, eps), x, rope, view, kernels)
+        x = self.self_attn(kernels.rmsnorm(x, self.input_layernorm.weight, eps), x, cos, sin, view, kernels)
         h = kernels.rmsnorm(x, self.post_attention_layernorm.weight, eps)
         return kernels.linear(self.mlp.down_proj, kernels.swiglu(self.mlp.gate_up_proj, h), x)
 
@@ -96,9 +99,9 @@ class LlamaForCausalLM(nn.Module):
                       kernels: Kernels = EAGER) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
         x = self.model.embed_tokens(input_ids)
-        rope = kernels.rope_tables(positions, self.rotary.inv_freq, x.dtype)
+        cos, sin = cos_sin(positions, self.rotary.inv_freq, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, rope, view, kernels)
+            x = layer(x, cos, sin, view, kernels)
         return kernels.rmsnorm(x, self.model.norm.weight, self.model.norm.eps)
 
     def forward(

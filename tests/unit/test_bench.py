@@ -187,6 +187,15 @@ def test_json_round_trip(tmp_path):
     assert "Test GPU" in text and "w1/x/hf" in text
 
 
+def test_markdown_tabulates_batch_sweeps():
+    run = BenchRun("sweep", environment={"gpu": "Test GPU"})
+    run.add(Measurement("batch/3b", "batch_sweep", "sweep",
+                        metrics={"ms_per_step": {"1": 2.0, "4": 3.0}, "tokens_per_s": {"1": 500.0, "4": 1333.0}}))
+    text = markdown(run)
+    assert "| sweep | b=1 | b=4 | step ratio |" in text
+    assert "| batch/3b | 500 | 1333 | 1.5 |" in text
+
+
 def test_load_run_rejects_other_json(tmp_path):
     (tmp_path / "x.json").write_text('{"schema": "other"}')
     with pytest.raises(ValueError, match="schema"):

@@ -125,6 +125,7 @@ def markdown(run: BenchRun) -> str:
                         m.metrics.get("step_ms"), m.metrics.get("tokens_per_s")) for m in roofs]) + [""]
     out += _cost_tables(run)
     out += _collective_table(run)
+    out += _sweep_table(run)
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
         if m.kind in ("engine", "hf"):
@@ -179,6 +180,20 @@ def _collective_table(run: BenchRun) -> list[str]:
                                   m.metrics.get("all_reduce_calls_per_step"), m.metrics.get("all_gather_ms_per_step"),
                                   m.metrics.get("collectives_ms_per_step"), m.metrics.get("collectives_share_of_step"),
                                   m.metrics.get("collectives_share_of_gpu_time")] for m in rows]) + [""]
+
+
+def _sweep_table(run: BenchRun) -> list[str]:
+    sweeps = [m for m in run.measurements if m.kind == "batch_sweep" and m.ok]
+    if not sweeps:
+        return []
+    batches = sorted({int(b) for m in sweeps for b in m.metrics.get("tokens_per_s", {})})
+    out = ["Decode tokens/s against batch size (CUDA graphs; step time at the largest batch / at batch 1)", ""]
+    rows = []
+    for m in sweeps:
+        tps, ms = m.metrics.get("tokens_per_s", {}), m.metrics.get("ms_per_step", {})
+        ratio = ms[str(batches[-1])] / ms[str(batches[0])] if str(batches[-1]) in ms and str(batches[0]) in ms else None
+        rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio])
+    return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio"), rows) + [""]
 
 
 def console_table(run: BenchRun) -> str:

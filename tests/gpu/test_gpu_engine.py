@@ -443,8 +443,10 @@ def test_overlapped_scheduling_matches_synchronous_on_the_gpu(ckpt_a, spec):
 def test_a_model_drafting_for_itself_under_fused_kernels_accepts_everything(quantization):
     # the demo target in bf16 drafting for itself, graphs and fused kernels on both sides
     # (the draft's prompt KV written by its catch-up graphs, the target's by eager prefill):
-    # the same model gives the same greedy tokens, so every draft is accepted. (A rotary
-    # computed in a Triton kernel with approximate cos/sin once broke this: 0.78.)
+    # the same model gives the same greedy tokens, so every draft is accepted. (Measured
+    # 0.78 on an H200 while a Triton kernel did the rotary with cos/sin of its own and the
+    # KV write; that kernel is gone, the cause is not confirmed: this test says whether
+    # the fused path is fixed.)
     from infer.engine.loading import DEMO_TARGET
     llm = LLM(str(DEMO_TARGET), device="cuda", max_batch_size=4, max_seq_len=512, use_cuda_graphs=True,
               quantization=quantization, use_speculative_decoding=True, spec_length=5,

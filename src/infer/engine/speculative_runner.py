@@ -290,15 +290,21 @@ class SpeculativeRunner(ContinuousRunner):
             self.cache_pool.truncate_to(r.slot, n + a + 1)
             r.num_computed_tokens = n + a + 1
             self.proposer.on_accepted(r, a)
-            self.policy.update(r.request_id, k, a)
-            if k > 0:
-                r.speculation_acceptance_rates.append(a / k)
-            emitted = 0
-            for j, t in enumerate(tokens):
-                self.output.accept(r, t, row_lps[j] if row_lps else None)
-                emitted += 1
-                if r.stop_pending is not None:
-                    break
-            r.spec_rounds += 1
-            r.spec_tokens_emitted += emitted
-            self.stats.record(k, a, emitted)
+            self.stats.record(k, a, self._emit_round(r, k, a, tokens, row_lps))
+
+    def _emit_round(self, r: Request, depth: int, a: int, tokens: Sequence[int], row_lps: Sequence | None) -> int:
+        """Record one round of `depth` proposed tokens, `a` accepted, for the policy and the
+        request's metrics; accept its tokens in order (up to a finish their ids decide).
+        Returns the tokens emitted."""
+        self.policy.update(r.request_id, depth, a)
+        if depth > 0:
+            r.speculation_acceptance_rates.append(a / depth)
+        emitted = 0
+        for j, t in enumerate(tokens):
+            self.output.accept(r, t, row_lps[j] if row_lps else None)
+            emitted += 1
+            if r.stop_pending is not None:
+                break
+        r.spec_rounds += 1
+        r.spec_tokens_emitted += emitted
+        return emitted

@@ -195,15 +195,4 @@ class TreeSpeculativeRunner(SpeculativeRunner):
             n = r.num_computed_tokens
             self.cache_pool.truncate_to(r.slot, n + a + 1)
             r.num_computed_tokens = n + a + 1
-            self.policy.update(r.request_id, d.depth, a)
-            if d.depth:
-                r.speculation_acceptance_rates.append(a / d.depth)
-            emitted = 0
-            for j, t in enumerate(tokens):
-                self.output.accept(r, t, row_lps[j] if row_lps else None)
-                emitted += 1
-                if r.stop_pending is not None:
-                    break
-            r.spec_rounds += 1
-            r.spec_tokens_emitted += emitted
-            self.stats.record(d.num_proposed, a, emitted, d.depth)
+            self.stats.record(d.num_proposed, a, self._emit_round(r, d.depth, a, tokens, row_lps), d.depth)

@@ -312,6 +312,16 @@ def test_failures_are_recorded_and_budget_skips(tmp_path):
     assert h.measure("late", "bandwidth", "g", lambda: ({}, {})).status == "skipped"
 
 
+def test_the_fp8_roofline_counts_fp8_bytes(tmp_path):
+    h = Harness(BenchRun("t"), HarnessOptions(device="cpu", quiet=True))
+    dense = h.roofline("dummy:llama-3.2-1b", "1b")
+    fp8 = h.roofline("dummy:llama-3.2-1b", "1b", "fp8")
+    assert dense.ok and fp8.ok and fp8.name == "roofline/1b-fp8"
+    # layers at one byte a weight, the tied embedding (and lm_head) in the model's dtype
+    assert 0.3 < fp8.metrics["weight_bytes"] / dense.metrics["weight_bytes"] < 0.7
+    assert fp8.metrics["tokens_per_s"] > dense.metrics["tokens_per_s"]
+
+
 def _cli_args(argv: list[str]):
     import argparse
     parser = argparse.ArgumentParser()

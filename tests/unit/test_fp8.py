@@ -62,6 +62,17 @@ def test_fp8_model_logits_agree_with_the_dense_model(tmp_path, variant):
     assert isinstance(fp8.lm_head, DenseLinear)  # lm_head stays in the model's dtype
 
 
+def test_weight_bytes_count_fp8_layers_at_one_byte_a_weight(tmp_path):
+    from infer.engine.step_costs import weight_bytes
+    ckpt = make_checkpoint(tmp_path / "w", variant="a")
+    dense, _ = load_model(str(ckpt), dtype="float32")
+    fp8, _ = load_model(str(ckpt), dtype="float32", quantization="fp8")
+    layers = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    quantized = sum(m.weight.numel() for m in layers)  # FP8 bytes; plus a float32 scale a row
+    expected = weight_bytes(dense) - 4 * quantized + quantized + 4 * sum(m.weight.shape[0] for m in layers)
+    assert quantized > 0 and weight_bytes(fp8) == expected
+
+
 def test_the_fp8_demo_target_agrees_with_the_dense_one_teacher_forced():
     # a trained model: top-1 agreement of the next-token argmax over real text
     from infer.engine.loading import DEMO_TARGET

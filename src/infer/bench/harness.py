@@ -107,18 +107,20 @@ class Harness:
     def bandwidth(self, name: str = "bandwidth") -> Measurement:
         return self.measure(name, "bandwidth", "roofline", lambda: ({}, copy_bandwidth(self.device).to_dict()))
 
-    def roofline(self, model: str, label: str) -> Measurement:
+    def roofline(self, model: str, label: str, quantization: str | None = None) -> Measurement:
+        """Batch-1 decode's roofline of `model` (its weights as `quantization` stores them)."""
         bw = self.bandwidth()
 
         def fn() -> Outcome:
             if not bw.ok:
                 raise RuntimeError("no bandwidth measurement in this run")
             dtype = default_dtype(self.device)
-            meta, _ = load_model(model, dtype=dtype, device="meta", load_format="dummy")
+            meta, _ = load_model(model, dtype=dtype, device="meta", load_format="dummy", quantization=quantization)
             roof = decode_roofline(weight_bytes(meta), bw.metrics["bytes_per_s"])
-            return {"model": model, "dtype": dtype}, roof.to_dict()
+            return {"model": model, "dtype": dtype, "quantization": quantization}, roof.to_dict()
 
-        return self.measure(f"roofline/{label}", "roofline", "roofline", fn, refs={"bandwidth": bw.name})
+        name = f"roofline/{label}" + (f"-{quantization}" if quantization else "")
+        return self.measure(name, "roofline", "roofline", fn, refs={"bandwidth": bw.name})
 
     def engine(self, name: str, group: str, workload: Workload, overrides: Mapping[str, Any],
                refs: Mapping[str, str | None] | None = None,

@@ -120,8 +120,9 @@ def markdown(run: BenchRun) -> str:
     roofs = [m for m in run.measurements if m.kind == "roofline" and m.ok]
     if roofs:
         out += ["Roofline (batch-1 decode: weight bytes / copy bandwidth)", ""]
-        out += _table(("model", "weights GB", "bandwidth GB/s", "step ms", "tok/s"),
-                      [(m.params.get("model"), m.metrics.get("weight_gb"), m.metrics.get("bandwidth_gb_per_s"),
+        out += _table(("model", "weights", "weights GB", "bandwidth GB/s", "step ms", "tok/s"),
+                      [(m.params.get("model"), m.params.get("quantization") or m.params.get("dtype"),
+                        m.metrics.get("weight_gb"), m.metrics.get("bandwidth_gb_per_s"),
                         m.metrics.get("step_ms"), m.metrics.get("tokens_per_s")) for m in roofs]) + [""]
     out += _cost_tables(run)
     out += _collective_table(run)

@@ -213,7 +213,7 @@ def decode_speed(h: Harness, sweeps: bool = True) -> None:
         h.engine(f"w1/{label}/sync", group, wl, {"model": shape, **GRAPHS, "async_scheduling": False},
                  {"roofline": roof, "baseline": base})
         h.engine(f"w1/{label}/fp8", group, wl, {"model": shape, **GRAPHS, "quantization": "fp8"},
-                 {"roofline": roof, "baseline": base})
+                 {"roofline": h.roofline(shape, label, "fp8").name, "baseline": base})
     for shape in (SHAPE_3B, SHAPE_1B) if sweeps else ():
         batch_sweep_rows(h, shape)
 

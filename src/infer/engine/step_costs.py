@@ -61,8 +61,13 @@ class SpecCosts:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the model's weights: its parameters (a tied embedding counted once) and its
+    persistent buffers (FP8 layers keep their weights and scales as buffers; the rotary's
+    frequencies are not persistent)."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for m in model.modules() for name, b in m._buffers.items()
+                  if b is not None and name not in m._non_persistent_buffers_set)
+    return params + buffers
 
 
 def forward_times(forward: ForwardFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,

@@ -38,10 +38,10 @@ _HELP = {
 
 _OPTIONAL_BOOL_HELP = {
     "enable_prefix_caching": "default: on for the paged backend",
-    "compile_kernels": "fused kernels: torch.compile'd elementwise ops, Triton FP8 matmuls, fused rotary and "
-                       "cache write (default: on with CUDA graphs)",
+    "compile_kernels": "fused kernels: torch.compile'd elementwise ops and rotary, Triton FP8 matmuls "
+                       "(default: on with CUDA graphs)",
     "async_scheduling": "overlap the host's work with the GPU's: prepare step n+1 while step n runs "
-                        "(default: on for CUDA devices)",
+                        "(default: on for CUDA devices, off under tensor parallelism)",
 }
 
 

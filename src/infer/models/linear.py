@@ -13,8 +13,9 @@ fused matrix (qkv_proj, gate_up_proj), converted to the layer's storage as it is
 
 `forward(x)` is the reference computation: F.linear (FP8: on a CPU with the weight
 dequantized on the fly, on a GPU through the Triton matmul that applies the scales in its
-epilogue). The fused kernel bundle (models/kernels.py) also sends small-batch calls of
-dense layers to the Triton matmul, with the SwiGLU or residual add fused in.
+epilogue). The fused kernel bundle (models/kernels.py) sends small-batch calls of FP8
+layers to the Triton matmul with the SwiGLU or residual add fused in; dense layers stay on
+cuBLAS.
 
 Tensor parallelism (infer.distributed.layers) subclasses these: a layer's `forward` is its
 local matmul followed by `combine`, which completes the output across ranks (identity

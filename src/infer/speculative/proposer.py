@@ -35,7 +35,8 @@ class Proposer(Protocol):
         ...
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
-        """After verification (the request's output already holds the new tokens)."""
+        """After verification, `num_accepted` of the round's drafted tokens kept (the target's
+        cache is rolled back already; the tokens reach the request's output after this call)."""
         ...
 
     def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:

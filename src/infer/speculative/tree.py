@@ -1,7 +1,7 @@
 """Static token trees for tree speculation (issue #37): the shape, its masks and positions,
 and a draft over it.
 
-Theory: K. Stratos, "Speculative Decoding" (lecture notes, /work/shared/seeds/003_*.txt),
+Theory: K. Stratos, "Speculative Decoding" (lecture notes),
 section 2.1 "SpecInfer": drafts packed into a prefix tree are scored by the target in ONE
 forward pass with "tree attention" (each tree token attends to the context and to its own
 ancestors only), then verified by iterative speculative sampling (section 2) or, for greedy

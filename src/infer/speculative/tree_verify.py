@@ -1,6 +1,6 @@
 """Lossless verification of a token tree: iterative speculative sampling down the tree.
 
-Theory: K. Stratos, "Speculative Decoding" (lecture notes, /work/shared/seeds/003_*.txt),
+Theory: K. Stratos, "Speculative Decoding" (lecture notes),
 section 2 "Iterative Speculative Sampling" (the rule below and why it samples exactly p),
 section 2.1 "SpecInfer" (applied node by node down a prefix tree) and Appendix A (greedy tree
 verification: the argmax walk). The chain verifier this mirrors is

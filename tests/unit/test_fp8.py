@@ -143,6 +143,9 @@ def test_wrong_quantization_settings_are_clear_errors(kwargs, words):
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
      "only 8-bit float weights"),
+    ({"quant_method": "compressed-tensors", "ignore": ["lm_head", "model.layers.0.mlp.down_proj"],
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}},
+     r"ignore list \['model.layers.0.mlp.down_proj'\]"),
 ])
 def test_an_unsupported_quantization_config_is_an_error_naming_it(tmp_path, qc, words):
     ckpt = make_checkpoint(tmp_path / "m", variant="b")

@@ -98,11 +98,9 @@ class ControlChannel:
     before each message (the driver checks that its workers are alive)."""
 
     def __init__(self, control: dist.ProcessGroup, rank: int, device: torch.device,
-                 wire_types: frozenset[str] | None = None,
                  before_send: Callable[[], None] | None = None) -> None:
         self.control, self.rank, self.device = control, rank, device
-        self.wire_types = wire_types if wire_types is not None else (
-            frozenset({device.type}) if device.type != "cpu" else frozenset())
+        self.wire_types = frozenset({device.type}) if device.type != "cpu" else frozenset()
         self.before_send = before_send
         self._header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         self._header_np = self._header.numpy()  # (shares the tensor's memory)

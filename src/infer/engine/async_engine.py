@@ -41,9 +41,8 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.max_queued_requests = max_queued_requests
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -58,9 +57,6 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread.is_alive() and not self._stop.is_set()
-
-    def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
 
     def num_queued(self) -> int:
         """Requests waiting for a slot, each counted once: those still on their way to the

@@ -105,16 +105,6 @@ class OutputProcessor:
         """Accepted tokens waiting to be rendered."""
         return len(self._accepted)
 
-    def append(self, request: Request, token_id: int, logprobs: TokenLogprobs | None = None) -> StepOutput:
-        """`accept` then render this one token (synchronous callers)."""
-        self.accept(request, token_id, logprobs)
-        ((_, out),) = self.render()
-        return out
-
-    def pending(self) -> bool:
-        """Whether accepted tokens wait to be rendered."""
-        return bool(self._accepted)
-
     def _render(self, a: _Accepted) -> StepOutput:
         request, token_id = a.request, a.token_id
         params = request.sampling_params

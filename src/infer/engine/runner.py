@@ -141,7 +141,7 @@ class ContinuousRunner:
     # -- step ------------------------------------------------------------------------------
     def has_pending(self) -> bool:
         """Whether a step is in flight or accepted tokens wait to be rendered."""
-        return self._inflight is not None or self.output.pending()
+        return self._inflight is not None or self.output.num_accepted() > 0
 
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:

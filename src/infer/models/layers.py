@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from infer.models.config import ModelConfig, RopeScaling
-from infer.models.kernels import rmsnorm, silu_mul
+from infer.models.kernels import rmsnorm
 from infer.models.linear import make_linear
 
 
@@ -58,13 +58,10 @@ class Rotary(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matrix."""
+    """SwiGLU's weights: gate and up projections fused into one matrix, then down. The decoder
+    layer applies them through its kernel bundle (`Kernels.swiglu`, `Kernels.linear`)."""
 
     def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
         self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, quantization)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, quantization)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -62,10 +62,8 @@ def checkpoint_quantization(raw_config: dict[str, Any]) -> str | None:
                              "weights with a channel or tensor strategy are supported")
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
+    kept = [name for name in qc.get("ignore") or [] if "lm_head" not in name]
+    if kept:  # an FP8 model quantizes every decoder linear layer: these would be re-quantized
+        raise ValueError(f"compressed-tensors ignore list {kept} keeps decoder layers unquantized: infer's FP8 "
+                         "models keep only lm_head (and the embedding) in bf16; quantize those layers too")
     return "fp8"
-
-
-def ignored_modules(raw_config: dict[str, Any]) -> list[str]:
-    """Module names a compressed-tensors checkpoint left unquantized (e.g. ["lm_head"])."""
-    qc = raw_config.get("quantization_config") or {}
-    return list(qc.get("ignore") or [])

@@ -97,7 +97,7 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
 
     server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
-    engine = AsyncEngine(Engine(config), server_config.max_queued_requests)
+    engine = AsyncEngine(Engine(config))
     return create_app(engine, server_config), engine
 
 

@@ -125,7 +125,7 @@ class LiveServer:
         server_options.setdefault("allowed_hosts", default_allowed_hosts("127.0.0.1"))
         server_config = ServerConfig(model_name=model_name, max_queued_requests=max_queued_requests,
                                      **server_options)
-        async_engine = AsyncEngine(engine if engine is not None else Engine(config), max_queued_requests)
+        async_engine = AsyncEngine(engine if engine is not None else Engine(config))
         try:
             app = create_app(async_engine, server_config)
             return cls(async_engine, app, ServerThread(app).start())

@@ -59,7 +59,6 @@ class DraftModelProposer:
         self._eager = eager_forward
         self.device = next(model.parameters()).device
         self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
-        self._draft_prefilled: set[str] = set()  # request ids whose draft cache holds the prompt
         self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
@@ -103,7 +102,6 @@ class DraftModelProposer:
     def release(self, request: Request) -> None:
         if request.slot is not None and request.slot in self._draft_slots:
             self.pool.free_slot(self._draft_slots.pop(request.slot))
-        self._draft_prefilled.discard(request.request_id)
         self._round.pop(request.request_id, None)
 
     def leak_report(self) -> list[str]:
@@ -129,7 +127,6 @@ class DraftModelProposer:
             k = k_of[j]
             drafts[i] = Draft(tokens[j][:k], None if probs is None else probs[j, :k])
             self._round[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
-        self._draft_prefilled.update(r.request_id for r in reqs)
         return drafts
 
     def _behind(self, request: Request) -> bool:

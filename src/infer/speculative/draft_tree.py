@@ -71,7 +71,6 @@ def propose_tree(proposer: DraftModelProposer, requests: Sequence[Request], shap
         drafts[i] = TreeDraft(shape, tuple(tokens[j][:keep]) + (0,) * (n - keep),
                               (True,) * keep + (False,) * (n - keep), row_probs)
         proposer._round[r.request_id] = (r.num_computed_tokens, k)
-    proposer._draft_prefilled.update(r.request_id for r in reqs)
     return drafts
 
 

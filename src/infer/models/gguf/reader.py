@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
-from infer.models.gguf.path import GGUF_MAGIC, GGUF_SUFFIX, is_gguf_path
+from infer.models.gguf.path import GGUF_MAGIC
 
-__all__ = ["GGUF_MAGIC", "GGUF_SUFFIX", "GGUFFile", "GGUFTensor", "is_gguf_path"]
+__all__ = ["GGUFFile", "GGUFTensor"]
 
 LLAMA_ARCHITECTURE = "llama"
 
@@ -70,9 +70,6 @@ class GGUFFile:
         gguf = cls(path, reader)
         gguf._check_llama()
         return gguf
-
-    def has(self, key: str) -> bool:
-        return key in self._reader.fields
 
     def get(self, key: str, default: Any = None) -> Any:
         """The metadata value of `key` (str, int, float, bool or list), or `default`."""

@@ -39,7 +39,8 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 
 
-def _is_int(value: object) -> bool:
+def is_strict_int(value: object) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -65,7 +66,7 @@ def _normalise_stop_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of integers >= 0, got {ids!r}")
     for item in ids:
-        if not _is_int(item) or item < 0:
+        if not is_strict_int(item) or item < 0:
             raise ValueError(f"stop_token_ids must contain only integers >= 0, got {item!r} in {ids!r}")
     return tuple(ids)
 
@@ -105,17 +106,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_floats()
         self._check_openai_penalties()
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (not is_strict_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_strict_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_strict_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
+        if self.seed is not None and (not is_strict_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise ValueError(
                 f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
@@ -174,7 +175,7 @@ def make_generator(seed: int | None) -> torch.Generator:
     if seed is None:
         gen.seed()
         return gen
-    if not _is_int(seed) or not _SEED_MIN <= seed <= _SEED_MAX:
+    if not is_strict_int(seed) or not _SEED_MIN <= seed <= _SEED_MAX:
         raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {seed!r}")
     gen.manual_seed(seed)
     return gen
@@ -257,10 +258,13 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         return
     rows, local, ids = found  # [R], [M], [M]
     dev = logits.device
-    row_ids = tensor_on(rows, dev)[local]  # [M] rows of `logits`
-    rep = tensor_on([params[r].repetition_penalty for r in rows], dev, torch.float32)[local]  # [M]
-    vals = logits[row_ids, ids]  # [M]
-    logits[row_ids, ids] = torch.where(vals > 0, vals / rep, vals * rep)
+    index = tensor_on(rows, dev)  # [R] rows of `logits`
+    repetition = [params[r].repetition_penalty for r in rows]
+    if any(r != 1.0 for r in repetition):
+        row_ids = index[local]  # [M]
+        rep = tensor_on(repetition, dev, torch.float32)[local]  # [M]
+        vals = logits[row_ids, ids]  # [M]
+        logits[row_ids, ids] = torch.where(vals > 0, vals / rep, vals * rep)
     presence = [params[r].presence_penalty for r in rows]
     frequency = [params[r].frequency_penalty for r in rows]
     if any(presence) or any(frequency):
@@ -268,7 +272,6 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
         counts.index_put_((local, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
         shift = (tensor_on(frequency, dev, torch.float32)[:, None] * counts
                  + tensor_on(presence, dev, torch.float32)[:, None] * (counts > 0))  # [R, V]
-        index = tensor_on(rows, dev)
         logits[index] = logits[index] - shift
 
 

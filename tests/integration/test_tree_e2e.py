@@ -11,41 +11,12 @@ the length guards near max_seq_len, metrics, configuration. Every engine is leak
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from helpers.checkpoints import encode, make_checkpoint
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run as _run
 from infer import EngineConfig, SamplingParams
 
-TREE = "3,2,1,1"  # 21 nodes, depth 4
-DEPTH = 4
-MAX_NEW = 1 + 4 * (DEPTH + 1)  # prefill token + 4 full rounds
-GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-ENGINE_CONFIGS = {  # as test_speculative_e2e's
-    "contiguous": dict(kv_cache_backend="contiguous"),
-    "paged-prefix-small-chunks": dict(kv_cache_backend="paged", block_size=4, max_num_batched_tokens=6),
-    "paged-preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=48, max_num_batched_tokens=16),
-}
-
-
-@pytest.fixture(scope="module")
-def random_draft(tmp_path_factory, ckpt_a):
-    return make_checkpoint(tmp_path_factory.mktemp("draft"), variant="a", seed=123, num_hidden_layers=1)
-
-
-@pytest.fixture(scope="module")
-def prompts(ckpt_a):
-    rng = random.Random(3)
-    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
-    return [encode(ckpt_a, " ".join(rng.choice(words) for _ in range(rng.randint(2, 25)))) for _ in range(8)]
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(ckpt_a, prompts):
-    from infer import LLM
-    llm = LLM(str(ckpt_a), device="cpu", kv_cache_backend="contiguous", max_seq_len=256)
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+TREE = "3,2,1,1"  # 21 nodes, depth 4 (DEPTH)
 
 
 def _tree_llm(make_llm, target, draft, batch, method="draft_model", tree=TREE, **extra):
@@ -54,12 +25,6 @@ def _tree_llm(make_llm, target, draft, batch, method="draft_model", tree=TREE, *
     if method == "draft_model":
         kw["draft_model"] = str(draft)
     return make_llm(target, **kw)
-
-
-def _run(llm, prompts, batch, params=GREEDY):
-    if batch == 1:
-        return [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
-    return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
 
 def _tokens(outs):

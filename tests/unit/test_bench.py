@@ -123,20 +123,6 @@ def test_copy_bandwidth_runs_on_cpu():
     assert bw.bytes_per_s > 0 and len(bw.samples) == 3 and bw.probe_bytes == 1 << 20
 
 
-def test_predicted_speedup_is_theorem_3_8():
-    a, k, c = 0.8, 4, 0.25
-    expected = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
-    assert theory.predicted_speedup(a, k, c) == pytest.approx(expected)
-    assert theory.predicted_speedup(1.0, 3, 0.0) == pytest.approx(4.0)  # every draft accepted, free drafts
-
-
-@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.77, 0.95])
-@pytest.mark.parametrize("k", [1, 5])
-def test_alpha_from_mean_length_inverts_eq1(alpha, k):
-    mean_len = sum(alpha ** i for i in range(k + 1))
-    assert theory.alpha_from_mean_length(mean_len, k) == pytest.approx(alpha, abs=1e-6)
-
-
 def test_projection_table():
     p = theory.projection_table(0.5, alphas=(0.6, 0.9), ks=(1, 2, 8))
     assert len(p.table) == 2 and len(p.table[0]) == 3

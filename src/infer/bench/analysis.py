@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Any
 
 from infer.bench.results import BenchRun, Measurement
-from infer.bench.theory import alpha_from_mean_length, efficiency, predicted_speedup
+from infer.bench.theory import efficiency
+from infer.speculative.theory import alpha_from_mean_length, walltime_factor
 
 
 def derive_all(run: BenchRun) -> None:
@@ -63,12 +64,12 @@ def spec_prediction(m: Measurement, costs: Measurement, speedup: float) -> dict[
     if c is None:
         return {}
     alpha = alpha_from_mean_length(mean_len, k)
-    predicted = predicted_speedup(alpha, k, c)
+    predicted = walltime_factor(alpha, k, c)
     out: dict[str, Any] = {"alpha_implied": alpha, "c_used": c, "k": k, "predicted_speedup": predicted,
                            "efficiency": efficiency(speedup, predicted)}
     verify = costs.metrics.get("verify_ratio") or []
     if len(verify) > k:
-        general = predicted_speedup(alpha, k, c, verify[k])
+        general = walltime_factor(alpha, k, c, verify[k])
         out.update(predicted_speedup_measured_verify=general, efficiency_measured_verify=efficiency(speedup, general))
     return out
 

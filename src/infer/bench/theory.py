@@ -13,17 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.speculative.theory import alpha_from_mean_length, walltime_factor
+from infer.speculative.theory import walltime_factor
 
-__all__ = ["alpha_from_mean_length", "efficiency", "predicted_speedup", "projection_table", "Projection"]
+__all__ = ["efficiency", "projection_table", "Projection"]
 
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DEFAULT_KS = tuple(range(1, 9))
-
-
-def predicted_speedup(alpha: float, k: int, c: float, verify_cost: float = 1.0) -> float:
-    """The walltime factor of Theorem 3.8 (verify_cost = 1) or its generalised form."""
-    return walltime_factor(alpha, k, c, verify_cost)
 
 
 def efficiency(measured_speedup: float, predicted: float) -> float:
@@ -53,7 +48,7 @@ def projection_table(c: float, alphas: Sequence[float] = DEFAULT_ALPHAS, ks: Seq
         raise ValueError("projection_table needs at least one alpha and one K")
     if verify_costs is not None and len(verify_costs) <= max(ks):
         raise ValueError(f"verify_costs must cover K = 0..{max(ks)}, got {len(verify_costs)} entries")
-    table = [[predicted_speedup(a, k, c, 1.0 if verify_costs is None else verify_costs[k]) for k in ks]
+    table = [[walltime_factor(a, k, c, 1.0 if verify_costs is None else verify_costs[k]) for k in ks]
              for a in alphas]
     best = [ks[max(range(len(ks)), key=lambda i: row[i])] for row in table]
     return Projection(c, tuple(alphas), tuple(ks), table, best)

@@ -50,6 +50,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
 from infer.models.gguf.path import is_gguf_path
 from infer.models.loader import DUMMY_PREFIX, read_model_config, resolve_model_path
+from infer.timing import synchronize
 
 log = logging.getLogger("infer.distributed")
 
@@ -104,8 +105,7 @@ def _shutdown(res: _Resources) -> None:
     res.forwards.clear()
     gc.collect()
     if res.joined:
-        if res.device.type == "cuda":
-            torch.cuda.synchronize(res.device)
+        synchronize(res.device)
         leave()
         res.joined = False
     if res.excepthooks is not None and sys.excepthook is res.excepthooks[1]:

@@ -33,10 +33,12 @@ from infer.distributed.protocol import (Call, DraftLoop, Forward, MakeForward, M
                                         PrepareDraftLoops, Report, Sample, Shutdown, WorkerReport)
 from infer.distributed.sharding import TensorParallelShard
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn, make_forward
+from infer.engine.executor import ForwardFn
+from infer.engine.executor.factory import LOCAL
 from infer.engine.loading import default_model_paths, load_draft, load_target
-from infer.engine.runner import make_pool_for, step_kernels
+from infer.engine.runner import step_kernels
 from infer.engine.threads import apply_cpu_threads
+from infer.timing import synchronize
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 
@@ -131,10 +133,8 @@ class Worker:
             case PrepareDraftLoops():
                 self.forwards[call.forward].prepare_draft_loops(call.widths, call.steps)
             case MakePool():
-                model = self.models[call.role]
-                param = next(model.parameters())
-                self.pools[call.pool] = make_pool_for(model.config, call.config, param.dtype, param.device,
-                                                      prefix_caching=call.prefix_caching)
+                self.pools[call.pool] = LOCAL.make_pool(self.models[call.role], call.config,
+                                                        prefix_caching=call.prefix_caching)
             case MakeForward():
                 self.forwards[call.forward] = self._make_forward(call)
             case Report():
@@ -150,11 +150,11 @@ class Worker:
         kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
-        return make_forward(model, self.pools[call.pool], call.use_cuda_graphs, call.max_batch_size,
-                            list(call.shapes), kernels=kernels, sample_widths=call.sample_widths,
-                            small_batch_shapes=(None if call.small_batch_shapes is None
-                                                else list(call.small_batch_shapes)),
-                            verify_modes=call.verify_modes, sampling_batch_max=call.sampling_batch_max)
+        return LOCAL.make_forward(model, self.pools[call.pool], call.use_cuda_graphs, call.max_batch_size,
+                                  list(call.shapes), kernels=kernels, sample_widths=call.sample_widths,
+                                  small_batch_shapes=(None if call.small_batch_shapes is None
+                                                      else list(call.small_batch_shapes)),
+                                  verify_modes=call.verify_modes, sampling_batch_max=call.sampling_batch_max)
 
     def release(self) -> None:
         """Free the forward functions (their CUDA graphs hold the NCCL communicator), pools
@@ -174,8 +174,7 @@ def serve_rank(config: EngineConfig, rank: int, device: torch.device, control: d
         worker.run()
     finally:
         worker.release()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
 
 
 def serve_torchrun_rank(config: EngineConfig) -> int:

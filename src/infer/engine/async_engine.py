@@ -70,10 +70,10 @@ class AsyncEngine:
 
     async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                           request_id: str) -> AsyncIterator[StepOutput]:
-        """Validate and queue; raises ValueError on bad input, RuntimeError when unhealthy."""
+        """Queue (the engine thread validates); raises ValueError on bad input, RuntimeError when
+        unhealthy."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
-        self.engine.validate_prompt(list(prompt_token_ids), params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
@@ -28,7 +27,6 @@ from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.output import OutputProcessor
 from infer.engine.request import Request, StepOutput
-from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.logprobs import TokenLogprobs, token_logprobs
@@ -38,16 +36,6 @@ from infer.tokenization import Tokenizer
 from infer.transfer import to_device
 
 StepResult = list[tuple[Request, StepOutput]]
-
-
-def make_pool_for(model_config: ModelConfig, config: EngineConfig, dtype: torch.dtype,
-                  device: torch.device, *, prefix_caching: bool) -> CachePoolProtocol:
-    kwargs: dict[str, object] = dict(max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                     dtype=dtype, device=device)
-    if config.kv_cache_backend == "paged":
-        kwargs.update(block_size=config.block_size, num_blocks=config.num_blocks,
-                      memory_budget_bytes=config.kv_cache_memory_bytes, enable_prefix_caching=prefix_caching)
-    return make_cache_pool(config.kv_cache_backend, model_config, **kwargs)
 
 
 def step_kernels(config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None = None) -> Kernels:
@@ -130,10 +118,6 @@ class ContinuousRunner:
     def pools(self) -> list[CachePoolProtocol]:
         """The KV pools this runner's requests hold memory in (the target's; a draft's too)."""
         return [self.cache_pool]
-
-    def free_kv_tokens(self) -> int | None:
-        caps = [c for c in (p.free_token_capacity() for p in self.pools()) if c is not None]
-        return min(caps) if caps else None
 
     def leak_report(self) -> list[str]:
         return self.cache_pool.leak_report()

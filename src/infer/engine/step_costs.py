@@ -19,8 +19,9 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn, make_forward
-from infer.engine.runner import make_pool_for, step_kernels
+from infer.engine.executor import ForwardFn
+from infer.engine.executor.factory import LOCAL
+from infer.engine.runner import step_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.timing import TimingStats, time_calls
 
@@ -115,12 +116,11 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
 
 def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bool,
                    cfg: StepCostConfig) -> tuple[ForwardFn, CachePoolProtocol]:
-    param = next(model.parameters())
     engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
                               enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
-    pool = make_pool_for(model.config, engine_cfg, param.dtype, param.device, prefix_caching=False)
-    kernels = step_kernels(engine_cfg, param.device, model)  # as the engine runs them
-    return make_forward(model, pool, use_cuda_graphs, 1, shapes=shapes, kernels=kernels), pool
+    pool = LOCAL.make_pool(model, engine_cfg, prefix_caching=False)
+    kernels = step_kernels(engine_cfg, next(model.parameters()).device, model)  # as the engine runs them
+    return LOCAL.make_forward(model, pool, use_cuda_graphs, 1, shapes=shapes, kernels=kernels), pool
 
 
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,

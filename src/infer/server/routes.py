@@ -14,7 +14,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from infer.engine.request import StepOutput
-from infer.server.logprob_format import LogprobFormatter
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest
 from infer.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk,
@@ -39,7 +38,7 @@ async def completion(state: ServerState, body: CompletionRequest, request: Reque
     prepared = await state.preparer.completion(body)
     request_id, jobs = await submit(state, prepared, "cmpl")
     created, model = int(time.time()), state.model_name
-    fmt = LogprobFormatter(state.engine.engine.tokenizer)
+    fmt = state.logprob_format
     echo = prepared.echo or ""
     with_top = bool(body.logprobs)
     if body.stream:
@@ -83,7 +82,7 @@ async def chat_completion(state: ServerState, body: ChatCompletionRequest, reque
     prepared = await state.preparer.chat(body)
     request_id, jobs = await submit(state, prepared, "chatcmpl")
     created, model = int(time.time()), state.model_name
-    fmt = LogprobFormatter(state.engine.engine.tokenizer)
+    fmt = state.logprob_format
     if body.stream:
         def make(choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,

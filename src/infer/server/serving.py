@@ -26,6 +26,7 @@ from infer.engine.request import FinishReason, StepOutput
 from infer.sampling import SamplingParams
 from infer.server.config import ServerConfig
 from infer.server.errors import RATE_LIMIT, SERVER_ERROR, UNAVAILABLE, APIError, bad_request, engine_unavailable
+from infer.server.logprob_format import LogprobFormatter
 from infer.server.metrics import RequestTracker, ServerMetrics
 from infer.server.prepare import Prepared, Preparer
 from infer.server.responses import SpeculativeStats
@@ -44,10 +45,12 @@ class ServerState:
     jobs: set[Job] = field(default_factory=set)
     metrics: ServerMetrics = field(init=False)
     preparer: Preparer = field(init=False)
+    logprob_format: LogprobFormatter = field(init=False)  # token strings and bytes, cached per id
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine, self.queue_depth, lambda: self.in_flight)
         self.preparer = Preparer(self.engine.engine, self.config)
+        self.logprob_format = LogprobFormatter(self.engine.engine.tokenizer)
 
     @property
     def model_name(self) -> str:

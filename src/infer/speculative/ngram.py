@@ -40,7 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable, is_strict_int
+from infer.sampling import is_strict_int
+from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable
 from infer.speculative.prompt_lookup import PromptLookupTable
 from infer.speculative.proposer import Draft
 from infer.speculative.tree import TreeDraft, TreeShape, cut_depth

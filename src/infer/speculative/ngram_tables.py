@@ -13,13 +13,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from infer.sampling import is_strict_int
 from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
 
 METHODS = ("ngram", "prompt_lookup")
-
-
-def is_strict_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)

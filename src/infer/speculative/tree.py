@@ -40,14 +40,12 @@ from typing import Protocol
 
 import torch
 
+from infer.sampling import is_strict_int
+
 MAX_TREE_DEPTH = 16
 MAX_TREE_NODES = 128
 
 _EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +113,7 @@ class TreeShape:
                              f"{len(branching)}: give one child count per depth, like {_EXAMPLE}")
         nodes, width = 0, 1
         for d, b in enumerate(branching, start=1):
-            if not _is_int(b) or b < 1:
+            if not is_strict_int(b) or b < 1:
                 raise ValueError(f"tree shape entries are children per node and must be integers >= 1, "
                                  f"got {b!r} at depth {d} in {tuple(branching)!r}")
             width *= b
@@ -161,7 +159,7 @@ class TreeShape:
 
 def chain_shape(k: int) -> TreeShape:
     """The chain of k drafts as a tree: "1,1,...,1" (k >= 1)."""
-    if not _is_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
+    if not is_strict_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
         raise ValueError(f"a chain needs an integer length in [1, {MAX_TREE_DEPTH}], got {k!r}")
     return TreeShape((1,) * k)
 
@@ -208,7 +206,7 @@ class TreeChunk:
 
     def __post_init__(self) -> None:
         rows = self.shape.num_nodes + 1
-        if not (_is_int(self.first_row) and _is_int(self.width) and self.width >= 1
+        if not (is_strict_int(self.first_row) and is_strict_int(self.width) and self.width >= 1
                 and 0 <= self.first_row and self.first_row + self.width <= rows):
             raise ValueError(f"a chunk of tree {self.shape} must lie within its {rows} block rows, got rows "
                              f"{self.first_row!r}..+{self.width!r}")
@@ -221,7 +219,7 @@ class TreeChunk:
     @classmethod
     def level(cls, shape: TreeShape, depth: int) -> TreeChunk:
         """The nodes of one depth (1..shape.depth), in node order."""
-        if not _is_int(depth) or not 1 <= depth <= shape.depth:
+        if not is_strict_int(depth) or not 1 <= depth <= shape.depth:
             raise ValueError(f"depth must be in 1..{shape.depth} for tree {shape}, got {depth!r}")
         start, end = shape.level_starts[depth - 1], shape.level_starts[depth]
         return cls(shape, 1 + start, end - start)
@@ -258,7 +256,7 @@ class TreeDraft:
         for node, (token, ok, parent) in enumerate(zip(self.token_ids, self.valid, self.shape.parents)):
             if not isinstance(ok, bool):
                 raise ValueError(f"valid must hold True/False, got {ok!r} at node {node}")
-            if not _is_int(token) or token < 0 or (not ok and token != 0):
+            if not is_strict_int(token) or token < 0 or (not ok and token != 0):
                 raise ValueError(f"node {node}: token ids must be integers >= 0, and 0 at absent nodes; "
                                  f"got {token!r} (present: {ok})")
             if ok and parent >= 0 and not self.valid[parent]:
@@ -291,7 +289,7 @@ class TreeDraft:
 
 def cut_depth(draft: TreeDraft, depth: int) -> TreeDraft:
     """The draft with every node deeper than `depth` absent (0 <= depth; probs kept)."""
-    if not _is_int(depth) or depth < 0:
+    if not is_strict_int(depth) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0, got {depth!r}")
     if depth >= draft.shape.depth:
         return draft

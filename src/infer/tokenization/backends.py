@@ -167,10 +167,8 @@ class TiktokenBackend:
     def token_to_id(self, token: str) -> int | None:
         if token in self.special_tokens:
             return self.special_tokens[token]
-        decoder = _unicode_to_byte()
-        if not all(ch in decoder for ch in token):
-            return None
-        return self._ranks.get(bytes(decoder[ch] for ch in token))
+        raw = byte_level_bytes(token)
+        return None if raw is None else self._ranks.get(raw)
 
     def id_to_token(self, token_id: int) -> str | None:
         if token_id in self._special_names:

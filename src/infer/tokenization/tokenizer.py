@@ -12,7 +12,9 @@ Backends live in `backends.py`, templates in `chat.py`, the streaming decoder in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any, overload
 
@@ -27,11 +29,10 @@ from infer.tokenization.backends import (
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
-from infer.tokenization.special import encode_rendered, escape_messages, special_pattern
+from infer.tokenization.special import LLAMA3_STOP_TOKENS, encode_rendered, escape_messages, special_pattern
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]
 
-LLAMA3_DEFAULT_EOS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 # Special-token strings of tokenizer_config.json that templates may refer to.
 TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token",
@@ -95,8 +96,8 @@ class Tokenizer:
             if strings["bos_token"] is None and not bos_ids:
                 strings["bos_token"] = "<|begin_of_text|>"
             if strings["eos_token"] is None and not eos_ids:
-                strings["eos_token"] = LLAMA3_DEFAULT_EOS[0]
-                eos_ids = [backend.special_tokens[name] for name in LLAMA3_DEFAULT_EOS]
+                strings["eos_token"] = LLAMA3_STOP_TOKENS[0]
+                eos_ids = [backend.special_tokens[name] for name in LLAMA3_STOP_TOKENS]
             if strings["pad_token"] is None and not pad_ids:
                 strings["pad_token"] = "<|finetune_right_pad_id|>"
         if template is None and all(backend.token_to_id(t) is not None
@@ -203,14 +204,8 @@ class Tokenizer:
         """Token ids of `messages` rendered with the chat template. The template's special
         tokens become their ids; special-token strings inside the messages' own text are
         encoded as plain text unless `parse_special` (see `tokenization.special`)."""
-        if parse_special:
-            ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, tools=tools,
-                                           **template_kwargs)
-            assert isinstance(ids, list)
-            return ids
-        specials = sorted({t for i in self._backend.special_ids() if (t := self._backend.id_to_token(i))})
-        pattern = special_pattern(specials)
-        if pattern is None:
+        specials, pattern = self._special_strings
+        if parse_special or pattern is None:
             ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, tools=tools,
                                            **template_kwargs)
             assert isinstance(ids, list)
@@ -221,6 +216,12 @@ class Tokenizer:
         return encode_rendered(text, pattern, self._backend.token_to_id,
                                lambda piece: self._backend.encode(piece, add_special_tokens=False,
                                                                   parse_special=False), restore)
+
+    @cached_property
+    def _special_strings(self) -> tuple[list[str], re.Pattern[str] | None]:
+        """The vocabulary's special-token strings and a regex matching any of them (None: none)."""
+        specials = sorted({t for i in self._backend.special_ids() if (t := self._backend.id_to_token(i))})
+        return specials, special_pattern(specials)
 
     # ----------------------------------------------------------- compatibility
 

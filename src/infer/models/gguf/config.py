@@ -17,10 +17,10 @@ from gguf import TokenType
 from infer.models.config import ModelConfig
 from infer.models.gguf.reader import GGUFFile
 from infer.models.gguf.weights import EMBEDDING, ROPE_FREQS, dequantize_tensor
+from infer.tokenization.special import LLAMA3_STOP_TOKENS
 
 STOP_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                 "tokenizer.ggml.eom_token_id")
-LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 SUPPORTED_ROPE_SCALING = (None, "none")
 
 

@@ -1,0 +1,49 @@
+"""Shared setup of the speculation end-to-end tests (chains and trees, CPU).
+
+Eight word prompts on the tiny checkpoint, greedy for `MAX_NEW` tokens (a prefill token and
+four full rounds of depth 4), the engine configurations each parity test runs under, and
+the batch-1 / batched way of running them.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from helpers.checkpoints import encode, make_checkpoint
+from infer import LLM, SamplingParams
+
+DEPTH = 4  # draft length (a chain's K, a tree's depth)
+MAX_NEW = 1 + 4 * (DEPTH + 1)  # prefill token + 4 full rounds: every round can draft DEPTH
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+ENGINE_CONFIGS = {
+    "contiguous": dict(kv_cache_backend="contiguous"),
+    "paged-prefix-small-chunks": dict(kv_cache_backend="paged", block_size=4, max_num_batched_tokens=6),
+    "paged-preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=48, max_num_batched_tokens=16),
+}
+
+
+def random_draft(directory: Path) -> Path:
+    """Same tokenizer and vocabulary as checkpoint "a", unrelated weights, fewer layers."""
+    return make_checkpoint(directory, variant="a", seed=123, num_hidden_layers=1)
+
+
+def word_prompts(ckpt: Path, n: int = 8, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
+    return [encode(ckpt, " ".join(rng.choice(words) for _ in range(rng.randint(2, 25)))) for _ in range(n)]
+
+
+def plain_greedy(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(ckpt), device="cpu", kv_cache_backend="contiguous", max_seq_len=256)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert llm.engine.leak_report() == []
+    return outs
+
+
+def run(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams = GREEDY) -> list[Any]:
+    """One request at a time (batch 1), or all together."""
+    if batch == 1:
+        return [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
+    return llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -61,6 +61,8 @@ def test_server_chat_with_a_gguf_model(make_llm: Callable[..., LLM], files: dict
         client = OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(model="tiny-gguf", messages=messages, max_tokens=8,
                                                temperature=0)
+        live.settle()
+        assert live.leak_report() == []
     finally:
         live.stop()
     assert reply.choices[0].message.content == expected[0].outputs[0].text

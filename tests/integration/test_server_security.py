@@ -39,6 +39,8 @@ def keyed(ckpt_a: Path) -> Iterator[LiveServer]:
     config = EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=4)
     live = LiveServer.start(config, MODEL, max_queued_requests=64, api_key=KEY)
     yield live
+    live.settle()
+    assert live.leak_report() == []
     live.stop()
 
 
@@ -77,6 +79,8 @@ def test_public_metrics_flag(ckpt_a: Path) -> None:
     with LiveServer.start(config, MODEL, api_key=KEY, public_metrics=True) as live:
         assert httpx.get(live.url + "/metrics", timeout=60).status_code == 200
         error_of(httpx.get(live.url + "/v1/models", timeout=60), 401, "invalid_api_key")
+        live.settle()
+        assert live.leak_report() == []
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

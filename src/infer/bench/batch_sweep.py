@@ -53,6 +53,7 @@ def batch_sweep(overrides: Mapping[str, Any], batches: Sequence[int], prompt_len
                 engine.step()
         leaks = engine.leak_report()
     finally:
+        engine.close()  # (tensor parallelism: its workers end now)
         del engine
     one = ms[str(min(batches))]
     metrics = {"ms_per_step": ms, "tokens_per_s": {b: int(b) / v * 1e3 for b, v in ms.items()},

@@ -27,7 +27,7 @@ STATUSES = ("ok", "error", "skipped")
 
 @dataclass
 class Measurement:
-    name: str  # unique within a run, e.g. "w1/llama-3.2-3b/ours-graphs"
+    name: str  # unique within a run, e.g. "w1/3b/ours"
     kind: str  # "bandwidth" | "roofline" | "engine" | "hf" | "spec_costs" | "projection"
     group: str = ""  # measurements shown in one table share a group
     params: dict[str, Any] = field(default_factory=dict)

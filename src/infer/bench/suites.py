@@ -66,7 +66,7 @@ def w1_plain_shape(h: Harness, shape: str) -> None:
     label, wl = _label(shape), WORKLOADS["W1"]
     group = f"W1 plain decode, {label} shape"
     roof = h.roofline(shape, label).name
-    base = h.engine(f"w1/{label}/ours-graphs", group, wl, {"model": shape, **GRAPHS}, {"roofline": roof}).name
+    base = h.engine(f"w1/{label}/ours", group, wl, {"model": shape, **GRAPHS}, {"roofline": roof}).name
     h.engine(f"w1/{label}/ours-eager", group, wl, {"model": shape}, {"roofline": roof, "baseline": base})
     h.engine(f"w1/{label}/ours-graphs-unfused", group, wl, {"model": shape, **GRAPHS, "compile_kernels": False},
              {"roofline": roof, "baseline": base})

@@ -313,8 +313,8 @@ def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     """logits [N, V] -> float32 [N, V] after repetition penalty, temperature, top-k, top-p.
 
     `contexts[i]` are the token ids row i has seen (prompt + generated), a list or a 1-D
-    tensor (a tensor skips the list conversion); they only matter for the repetition penalty. Greedy rows get the penalty but no scaling or truncation (their
-    argmax is what counts). The input tensor is not modified.
+    tensor (a tensor skips the list conversion); they only matter for the repetition penalty.
+    Greedy rows get the penalty but no scaling or truncation (their argmax is what counts). The input tensor is not modified.
     """
     _check_batch(logits, params, contexts)
     out = logits.to(torch.float32, copy=True)  # [N, V]

@@ -271,9 +271,10 @@ def demo_speculation(h: Harness) -> None:
 
 
 def w2_batching(h: Harness, shape: str = SHAPE_3B) -> None:
-    """W2 with continuous and with static batching (the runs of record's part of `w2`), prefix caching off: W2 shares no prefix,
-    and with the cache on, the repeats of the same prompts would hit it (the first timed run
-    a full prefill, the others none, and prefill shapes the warm-up never met)."""
+    """W2 with continuous and with static batching (the runs of record's part of `w2`), prefix
+    caching off: W2 shares no prefix, and with the cache on, the repeats of the same prompts
+    would hit it (the first timed run a full prefill, the others none, and prefill shapes
+    the warm-up never met)."""
     label = _label(shape)
     group = f"W2 batching, {label} shape"
     off = {"model": shape, **GRAPHS, "enable_prefix_caching": False}

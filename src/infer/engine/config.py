@@ -54,7 +54,7 @@ class EngineConfig:
     speculative_method: str = "draft_model"
     draft_model: str | None = None  # dir, hub id or .gguf; None with the demo target = the bundled demo draft
     spec_length: int = _DEFAULT_SPEC_LENGTH  # K: candidate tokens per speculation round
-    # tree speculation (issue #37): children per node at each depth, e.g. "3,2,1,1"; its
+    # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
     # depth becomes spec_length. None: a chain of spec_length drafts
     spec_tree: str | None = None
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)

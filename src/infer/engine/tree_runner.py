@@ -1,4 +1,4 @@
-"""TreeSpeculativeRunner: tree speculation (issue #37), chosen by the engine when `spec_tree` is set.
+"""TreeSpeculativeRunner: tree speculation, chosen by the engine when `spec_tree` is set.
 
 A decode step, for a static `TreeShape` (N nodes, depth D; see `speculative.tree`):
 

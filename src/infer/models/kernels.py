@@ -5,8 +5,8 @@ residual adds in the activation dtype, a projection then its SwiGLU or residual 
 `compiled_kernels()` returns the same functions fused: the elementwise ones by
 `torch.compile` (one Triton kernel each instead of 5-10 small launches), and small-batch
 FP8 projections on the GPU by the Triton matmul (models/triton_linear.py), which applies
-the scales and does the SwiGLU or the residual add in its epilogue. A memory-bound decode step loses most of its time to launches and slow small
-matmuls otherwise. The model receives the bundle explicitly; nothing global is patched.
+the scales and does the SwiGLU or the residual add in its epilogue. A memory-bound decode
+step loses most of its time to launches and slow small matmuls otherwise. The model receives the bundle explicitly; nothing global is patched.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
    round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty,
    the one token left over when every draft was accepted, or the tokens of plain steps taken
-   in between (the adaptive policy's, or a batch above `spec_disable_batch_size`). Up to `max_feed - 1` of them ride along with step 1
-   (a chunk of up to `max_feed` tokens); longer catch-ups run as their own batched prefill.
+   in between (the adaptive policy's, or a batch above `spec_disable_batch_size`). Up to
+   `max_feed - 1` of them ride along with step 1 (a chunk of up to `max_feed` tokens); longer catch-ups run as their own batched prefill.
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
    the growing context, temperature, top-k, top-p) with the request's generator. Greedy
@@ -244,7 +244,7 @@ class DraftModelProposer:
         slot = self._slot(request)
         self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))
 
-    # -- tree speculation (issue #37): the level-by-level expansion is in draft_tree.py ---------
+    # -- tree speculation: the level-by-level expansion is in draft_tree.py ---------
     def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:
         return draft_tree.propose_tree(self, requests, shape, depths)
 

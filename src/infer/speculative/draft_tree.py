@@ -1,4 +1,4 @@
-"""Tree drafting with a draft model (issue #37): a static tree expanded level by level.
+"""Tree drafting with a draft model: a static tree expanded level by level.
 
 `DraftModelProposer.propose_tree` / `on_tree_accepted` call these functions; they work on
 the proposer's own state (its slot map, catch-up and round bookkeeping) as a companion

@@ -21,7 +21,7 @@ tokens; when a token leaves the window, the n-grams starting at it are decrement
 (The chapter's akunu keeps counts forever and only windows the history; this module windows the
 counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
 
-Tree speculation (issue #37): `top_continuations` ranks a context's distinct next tokens
+Tree speculation: `top_continuations` ranks a context's distinct next tokens
 (n-gram: by count, then shorter contexts; prompt lookup: the followers of the matches of
 each suffix length) and `propose_tree` / `NgramProposer.propose_tree` fill a static
 `TreeShape` with them (`infer.speculative.tree.fill_tree`), absent where nothing matches.

@@ -3,7 +3,7 @@
 A proposer sees the running requests and proposes up to k tokens for each. It keeps any
 per-request state of its own (a draft KV cache, n-gram tables), is told how many of its
 tokens were accepted so it can roll that state back, and when a request leaves. Tree
-speculation (issue #37) asks for a draft tree instead (`propose_tree`, `on_tree_accepted`).
+speculation asks for a draft tree instead (`propose_tree`, `on_tree_accepted`).
 Every hook the speculative runners call is declared here: a new proposer implements this
 protocol and nothing else.
 """

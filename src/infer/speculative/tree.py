@@ -1,4 +1,4 @@
-"""Static token trees for tree speculation (issue #37): the shape, its masks and positions,
+"""Static token trees for tree speculation: the shape, its masks and positions,
 and a draft over it.
 
 Theory: K. Stratos, "Speculative Decoding" (lecture notes),

@@ -1,4 +1,4 @@
-"""CUDA graphs of the tree verifier (tree speculation, issue #37), read by `GraphForward`.
+"""CUDA graphs of the tree verifier (tree speculation), read by `GraphForward`.
 
 After a tree verification graph (one per batch bucket and `TreeChunk`) has filled its
 logits, a small second graph runs the whole tree verifier on them (`verify_tree_greedy`, or

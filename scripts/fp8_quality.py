@@ -60,7 +60,7 @@ def main() -> None:
         model, _ = load_model(path, dtype=dtype, device=args.device, quantization=quant)
         lp[name] = log_probs(model, ids)
         del model
-    p, p8 = lp["target"].exp(), lp["target_fp8"].exp()
+    p = lp["target"].exp()
     out = {"tokens": int(ids.numel()), "device": args.device, "dtype": dtype,
            "target_fp8_top1_agreement": (lp["target"].argmax(-1) == lp["target_fp8"].argmax(-1)).float().mean().item(),
            "target_fp8_kl": (p * (lp["target"] - lp["target_fp8"])).sum(-1).mean().item()}
@@ -71,7 +71,6 @@ def main() -> None:
     out["fp8_draft_alpha_ratio"] = out["draft_fp8_alpha"] / out["draft_alpha"]
     out["fp8_draft_greedy_ratio"] = out["draft_fp8_greedy_agreement"] / out["draft_greedy_agreement"]
     out["expected_tokens_k5"] = {n: expected_tokens(out[f"{n}_alpha"], 5) for n in ("draft", "draft_fp8")}
-    del p8
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +21,7 @@ from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer import LLM, EngineConfig, SamplingParams
+from infer.bench.server_load import start_server
 from infer.server.launch import LiveServer
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def forward(self, input_ids):",
@@ -277,23 +274,9 @@ def test_infer_serve_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_python_m_infer_server_serves(ckpt_a: Path) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "infer.server", "--model", str(ckpt_a), "--device", "cpu", "--port", str(port),
-           "--served-model-name", "cli-model", "--max-queued-requests", "4", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--model", str(ckpt_a), "--device", "cpu", "--served-model-name", "cli-model",
+                              "--max-queued-requests", "4"], 120, capture_output=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # poll until the subprocess accepts connections
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["cli-model"]
         r = httpx.post(url + "/v1/completions", json={"model": "cli-model", "prompt": "Hi", "max_tokens": 3},
                        timeout=60)

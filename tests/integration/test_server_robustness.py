@@ -14,9 +14,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +25,7 @@ import httpx
 import pytest
 
 from infer import EngineConfig
+from infer.bench.server_load import start_server
 from infer.engine.engine import Engine
 from infer.server.launch import LiveServer
 
@@ -49,23 +47,9 @@ def server(ckpt_a: Path) -> Iterator[LiveServer]:
 def server_process(ckpt_a: Path) -> Iterator[str]:
     """`python -m infer.server` in its own process: its heap is a server's, not this test
     session's (whose full garbage collections can pause an in-process server for 0.5 s)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "infer.server", "--model", str(ckpt_a), "--device", "cpu", "--port", str(port),
-           "--served-model-name", MODEL, "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = start_server(["--model", str(ckpt_a), "--device", "cpu", "--served-model-name", MODEL], 120,
+                             capture_output=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:  # poll until the subprocess accepts connections
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-            assert time.monotonic() < deadline, "server did not start"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
         yield url
     finally:
         proc.terminate()

@@ -178,15 +178,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_server(server_args: list[str], timeout_s: float) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(server_args: list[str], timeout_s: float,
+                 capture_output: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m infer.server` on a free loopback port, once /health answers: (process, url).
+    capture_output: its stdout and stderr go to one pipe (read it after terminating)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "infer.server", "--port", str(port), "--log-level", "warning", *server_args]
-    proc = subprocess.Popen(cmd)
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if capture_output else {}
+    proc = subprocess.Popen(cmd, **pipe)  # type: ignore[call-overload]
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}: {' '.join(cmd)}")
+            output = proc.communicate()[0].decode() if capture_output else ""
+            raise RuntimeError(f"server exited with code {proc.returncode}: {' '.join(cmd)}\n{output}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
                 return proc, url
@@ -208,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=8, help="requests sent (and not counted) first")
     parser.add_argument("server_args", nargs="*", help="flags for python -m infer.server (after --)")
     args = parser.parse_args(argv)
-    proc, url = (None, args.url) if args.url else _start_server(args.server_args, 600.0)
+    proc, url = (None, args.url) if args.url else start_server(args.server_args, 600.0)
     try:
         model = args.model_name or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         if args.warmup:

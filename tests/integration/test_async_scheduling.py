@@ -22,7 +22,8 @@ CONFIGS = {
     "plain": {},
     "draft": dict(use_speculative_decoding=True, spec_length=3),
     "ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3),
-    "adaptive": dict(use_speculative_decoding=True, spec_length=3, spec_policy="adaptive"),
+    # (c given: K must not follow the wall clock, for the seeded rows to be comparable)
+    "adaptive": dict(use_speculative_decoding=True, spec_length=3, spec_policy="adaptive", spec_cost_coefficient=1.0),
     "tree": dict(use_speculative_decoding=True, spec_tree="2,1,1", spec_length=3),
     "ngram-tree": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="2,1", spec_length=2),
     "preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=20, max_num_batched_tokens=8),

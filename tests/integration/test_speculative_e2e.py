@@ -160,7 +160,7 @@ class _SchedulePolicy:
     def __init__(self, cycle):
         self.cycle, self.i = cycle, 0
 
-    def choose(self, requests):
+    def choose(self, requests, overhead=0.0):
         k = self.cycle[self.i % len(self.cycle)]
         self.i += 1
         return [k] * len(requests)
@@ -182,7 +182,7 @@ class _SomeDraftPolicy(_SchedulePolicy):
         super().__init__([K])
         self.drafting = drafting
 
-    def choose(self, requests):
+    def choose(self, requests, overhead=0.0):
         ks = super().choose(requests)
         return [k if r.request_id in self.drafting else 0 for r, k in zip(requests, ks)]
 
@@ -467,6 +467,46 @@ def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, pro
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert llm.engine.runner.policy.config.c == 0.0 and llm.engine.runner.stats.drafts > 0
+
+
+def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
+    """An adaptive n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s
+    and a round's proposing `round_s` more. Returns (engine, tokens, whether a plain step was
+    queued with the previous step's tokens still in flight)."""
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
+    runner, now = llm.engine.runner, [0.0]
+
+    def tick():
+        now[0] += 1.0
+        return now[0]
+
+    def propose(requests, ks, _propose=runner.proposer.propose):
+        now[0] += round_s
+        return _propose(requests, ks)
+
+    overlapped = []
+
+    def decode(requests, _decode=runner._decode):
+        overlapped.append(runner._inflight is not None)
+        return _decode(requests)
+
+    runner._time, runner.proposer.propose, runner._decode = tick, propose, decode
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
+
+
+def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give(make_llm, ckpt_a, prompts,
+                                                                                  plain_outputs):
+    # rounds that cost 30 plain steps of host time the start-up model cannot see: once the
+    # clock has timed a few, the requests decode plainly (overlapped); free rounds go on
+    dear, dear_tokens, dear_overlapped = _clocked_ngram_run(make_llm, ckpt_a, prompts, 30.0)
+    cheap, cheap_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 0.0)
+    assert dear_tokens == cheap_tokens == plain_outputs
+    assert dear.engine.runner.clock.overhead(8) > 10 and abs(cheap.engine.runner.clock.overhead(8)) < 0.5
+    assert dear.engine.runner.clock.plain_step_s(8) == pytest.approx(1.0)
+    assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
+    assert dear_overlapped  # plain steps keep the host ahead of the device
+    assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
 
 
 def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a, random_draft, monkeypatch):

@@ -104,6 +104,17 @@ def test_a_probe_that_finds_good_drafts_brings_speculation_back():
     assert max(ks[-10:]) == 5 and min(ks[-10:]) == 5
 
 
+def test_a_round_overhead_measured_beyond_the_model_turns_speculation_down_or_off():
+    p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.1))
+    _run(p, "x", 30, 0.75)
+    alpha = p.acceptance("x")
+    ks = [p.best(alpha, overhead) for overhead in (-0.5, 0.0, 0.5, 1.0, 3.0)]
+    assert ks[1] == best_k(alpha, 5, 0.1)[0] > 0 and ks[-1] == 0
+    assert ks[:-1] == sorted(ks[:-1])  # a fixed cost a round favours longer drafts, until none pays
+    assert p.choose([R("x")], overhead=3.0) == [0] and p.choose([R("x")]) == [ks[1]]
+    assert p.round_cost(0) == 1.0 and p.round_cost(2) == pytest.approx(1.2)
+
+
 def test_n_gram_drafts_cost_nothing_so_little_acceptance_pays():
     free = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.0))
     dear = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.5))

@@ -61,7 +61,8 @@ class EngineConfig:
     # speculation is off for a step whose decode batch is larger than this (None: never off)
     spec_disable_batch_size: int | None = None
     # c, the draft step's cost over the target's, for the adaptive policy; None: measured at
-    # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts)
+    # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts), and each
+    # round's host overhead timed while running. Given: taken as is, nothing timed
     spec_cost_coefficient: float | None = None
     ngram_max_order: int = 4
     ngram_min_order: int = 2

@@ -23,7 +23,8 @@ log-probabilities (`infer.logprobs`: the target's, at each emitted position).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -34,7 +35,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.request import Request
-from infer.engine.runner import ContinuousRunner, step_kernels
+from infer.engine.runner import ContinuousRunner, StepResult, step_kernels
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.llama import LlamaForCausalLM
 from infer.logprobs import emitted_logprobs
@@ -45,6 +46,7 @@ from infer.speculative.ngram import NgramConfig, NgramProposer
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy, SpecPolicy
 from infer.speculative.proposer import Draft, Proposer
 from infer.speculative.rejection import VerifyResult, unpack_rows, verify
+from infer.speculative.round_clock import RoundClock, StepKind
 from infer.tokenization import Tokenizer
 from infer.transfer import to_device
 
@@ -69,6 +71,12 @@ class SpeculativeRunner(ContinuousRunner):
         self.draft: DraftModelProposer | None = None
         self.proposer: Proposer = self._make_proposer(draft_model)
         self.policy: SpecPolicy = self._make_policy()
+        # the adaptive policy's wall-clock view of a round (not when the user gave c: taken as is)
+        self.clock = (RoundClock(self.policy.round_cost) if isinstance(self.policy, AdaptivePolicy)
+                      and config.spec_cost_coefficient is None else None)
+        self._time: Callable[[], float] = time.perf_counter
+        self._planned: list[int] | None = None  # this step's draft lengths, when decided before its launch
+        self._step_kind: StepKind | None = None  # this step's, for the clock
 
     def _make_decode_forward(self) -> ForwardFn:
         # verification: widths 1..K+1 (k varies per round with the policy and the overflow guard);
@@ -184,35 +192,55 @@ class SpeculativeRunner(ContinuousRunner):
         self.proposer.prefilled(requests)
 
     # -- the speculative decode step --------------------------------------------------------------
+    def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
+        start = self._time()
+        self._step_kind = None
+        rendered = super().step(prefill, decode)
+        if self.clock is not None:
+            self.clock.stepped(start, None if prefill else self._step_kind)
+        return rendered
+
     def draft_lengths(self, requests: Sequence[Request]) -> list[int]:
         """k per request this step: the policy's, cut by the length guards; all 0 above
-        `spec_disable_batch_size`."""
+        `spec_disable_batch_size`, and while the clock wants plain steps timed at this batch size."""
         limit = self.config.spec_disable_batch_size
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
-        ks = self.policy.choose(requests)
+        clock = self.clock
+        ks = self.policy.choose(requests, 0.0 if clock is None else clock.overhead(len(requests)))
         max_len = self.config.max_seq_len
-        return [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
+        ks = [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
+        if clock is not None and any(ks) and clock.needs_plain(len(requests)):
+            return [0] * len(requests)
+        return ks
+
+    def _take_lengths(self, requests: Sequence[Request]) -> list[int]:
+        """This step's draft lengths: decided by `_overlaps` already, or now."""
+        ks, self._planned = self._planned, None
+        return ks if ks is not None else self.draft_lengths(requests)
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
-        """Never across steps: a round's proposals read the tokens before it. (Overlapped,
-        the speculative runner renders the previous round's tokens under this round's
-        verification instead: `_defers_render`.)"""
-        return False
+        """A plain step (nobody drafts) may be queued before the step in flight's tokens are
+        read; a round may not: its proposals read them. (Overlapped, the speculative runner
+        renders a round's tokens under the next round's verification: `_defers_render`.)"""
+        self._planned = self.draft_lengths(decode) if decode else None
+        return not any(self._planned or ()) and super()._overlaps(prefill, decode)
 
     def _defers_render(self) -> bool:
         return self.overlap
 
     def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
-        ks = self.draft_lengths(requests)
+        ks = self._take_lengths(requests)
         if not any(ks):  # nobody speculates this step: exactly the plain decode step
+            self._step_kind = StepKind(len(requests), 0)
             return super()._decode(requests)
         drafts = self.proposer.propose(requests, ks)
         if not any(d.token_ids for d in drafts):  # no proposals at all (n-gram found no match)
             for r, k in zip(requests, ks, strict=True):
                 if k:
                     self.policy.update(r.request_id, 0, 0)
-            return super()._decode(requests)
+            return super()._decode(requests)  # (a synchronous plain step: not timed)
+        self._step_kind = StepKind(len(requests), max(len(d.token_ids) for d in drafts))
         self._accept(requests, drafts, self._verify(requests, drafts))
         return None  # (the round's tokens are accepted: none left in flight)
 

@@ -82,7 +82,7 @@ class TreeSpeculativeRunner(SpeculativeRunner):
     def tree_depths(self, requests: Sequence[Request]) -> list[int]:
         """Depth limit per request this step: the policy's, cut by the length guards and storage."""
         return [fit_depth(self.tree, k, r.num_computed_tokens, self.config.max_seq_len)
-                for r, k in zip(requests, self.draft_lengths(requests), strict=True)]
+                for r, k in zip(requests, self._take_lengths(requests), strict=True)]
 
     def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
         depths = self.tree_depths(requests)

@@ -11,7 +11,9 @@
   plain steps, so it can learn that speculation pays again; a probe that finds nothing
   doubles the wait (up to `probe_max`), one that pays resets it.
 
-Nothing here measures time: the costs come in once, at engine start.
+Nothing here measures time: c and v(K) come in once, at engine start, and the runner passes
+each step's round overhead (plain steps a round costs beyond that model: host work the
+start-up timing cannot see; `round_clock.RoundClock` measures it).
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from typing import Protocol
 
 from infer.speculative.theory import best_k
 
+OVERHEAD_STEP = 0.05  # round overheads are looked up to this many plain steps
+MAX_TABLES = 256  # overhead tables kept (a drifting overhead makes new ones)
+MIN_VERIFY_COST = 0.05  # a negative overhead never makes verification (nearly) free
+
 
 class RequestLike(Protocol):
     request_id: str
@@ -30,8 +36,9 @@ class RequestLike(Protocol):
 class SpecPolicy(Protocol):
     """What the speculative runner asks of a length policy."""
 
-    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
-        """K for each request this step (before the runner's length guards); 0 = plain."""
+    def choose(self, requests: Sequence[RequestLike], overhead: float = 0.0) -> list[int]:
+        """K for each request this step (before the runner's length guards); 0 = plain.
+        `overhead`: plain steps a round costs beyond the policy's own model."""
         ...
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -55,7 +62,7 @@ class FixedPolicy:
             raise ValueError(f"spec_length must be >= 1, got {k}")
         self.k = k
 
-    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
+    def choose(self, requests: Sequence[RequestLike], overhead: float = 0.0) -> list[int]:
         return [self.k] * len(requests)
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -108,11 +115,25 @@ class AdaptivePolicy:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self._estimates: dict[str, _Estimate] = {}
-        # the best K and its factor per acceptance percentile (0..100): choose is a lookup
-        self._table = [best_k(i / 100, config.k_max, config.c, self._verify_cost) for i in range(101)]
+        # per round overhead (in OVERHEAD_STEP steps): the best K and its factor per acceptance
+        # percentile (0..100), so that choose is a lookup
+        self._tables: dict[int, list[tuple[int, float]]] = {}
+        self._overhead = 0.0  # the last step's
 
-    def _verify_cost(self, k: int) -> float:
-        return 1.0 + self.config.verify_slope * k
+    def round_cost(self, k: int) -> float:
+        """A round drafting k tokens, in plain steps, by the model: k c + v(k); 1 for k = 0."""
+        return k * self.config.c + 1.0 + self.config.verify_slope * k if k else 1.0
+
+    def _table(self, overhead: float) -> list[tuple[int, float]]:
+        key = round(overhead / OVERHEAD_STEP)
+        table = self._tables.get(key)
+        if table is None:
+            if len(self._tables) >= MAX_TABLES:
+                self._tables.clear()
+            cfg, extra = self.config, key * OVERHEAD_STEP
+            verify = lambda k: max(MIN_VERIFY_COST, 1.0 + cfg.verify_slope * k + extra)  # noqa: E731
+            table = self._tables[key] = [best_k(i / 100, cfg.k_max, cfg.c, verify) for i in range(101)]
+        return table
 
     def acceptance(self, request_id: str) -> float:
         """The request's current acceptance estimate (the prior for an unknown request)."""
@@ -120,18 +141,20 @@ class AdaptivePolicy:
         e = self._estimates.get(request_id, _Estimate())
         return (e.accepted + cfg.prior_alpha * cfg.prior_weight) / (e.tried + cfg.prior_weight)
 
-    def best(self, alpha: float) -> int:
-        """The K that pays best at acceptance `alpha`, 0 when none beats plain by min_gain."""
-        k, factor = self._table[round(min(max(alpha, 0.0), 1.0) * 100)]
+    def best(self, alpha: float, overhead: float = 0.0) -> int:
+        """The K that pays best at acceptance `alpha` (a round costing `overhead` plain steps
+        beyond the model), 0 when none beats plain by min_gain."""
+        k, factor = self._table(overhead)[round(min(max(alpha, 0.0), 1.0) * 100)]
         return k if factor >= 1.0 + self.config.min_gain else 0
 
-    def choose(self, requests: Sequence[RequestLike]) -> list[int]:
+    def choose(self, requests: Sequence[RequestLike], overhead: float = 0.0) -> list[int]:
+        self._overhead = overhead
         ks = []
         for request in requests:
             e = self._estimates.get(request.request_id)
             if e is None:
                 e = self._estimates[request.request_id] = _Estimate(wait=self.config.probe_every)
-            k = self.best(self.acceptance(request.request_id))
+            k = self.best(self.acceptance(request.request_id), overhead)
             e.probing = False
             if k == 0:
                 e.plain_steps += 1
@@ -153,7 +176,7 @@ class AdaptivePolicy:
         e.tried = e.tried * cfg.decay + accepted + (1 if accepted < drafted else 0)
         e.plain_steps = 0
         if e.probing:  # a probe that still leaves the request plain waits longer next time
-            paid = self.best(self.acceptance(request_id)) > 0
+            paid = self.best(self.acceptance(request_id), self._overhead) > 0
             e.wait = cfg.probe_every if paid else min(2 * e.wait, cfg.probe_max)
             e.probing = False
 

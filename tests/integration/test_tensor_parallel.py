@@ -67,6 +67,7 @@ def _tokens(model: Path, prompts: list[list[int]], params: SamplingParams | list
         facts["prefix_hit_tokens"] = pool.prefix_hit_tokens if isinstance(pool, PagedKVCachePool) else None
         facts["stats"] = runner.stats
         facts["largest_message"] = parallel.channel.largest if parallel is not None else None
+        facts["overlap"] = runner.overlap
         workers = parallel.workers if parallel is not None else ()
     assert [w.returncode for w in workers] == [0] * len(workers)  # closed: they left cleanly
     return out, facts
@@ -105,6 +106,19 @@ def test_parity_draft_model_speculation(tp_ckpt: Path, tp_draft: Path, prompts: 
     assert facts["stats"].drafts > 0
     if placement == "sharded":
         assert facts["stats"].acceptance_rate > 0.9
+
+
+def test_overlapped_steps_keep_parity(tp_ckpt: Path, prompts: list[list[int]]) -> None:
+    # overlapped scheduling (the default on GPUs): a step's message goes out with the step in
+    # flight, its input ids still on the driver's device; greedy and seeded sampled rows,
+    # n-gram speculation (its plain steps overlap too) against synchronous TP=1
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=60 + i, max_tokens=MAX_NEW, ignore_eos=True)
+              for i in range(len(prompts))]
+    for kw in ({}, dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3,
+                        spec_policy="adaptive", spec_cost_coefficient=0.0)):
+        one, _ = _tokens(tp_ckpt, prompts, params, async_scheduling=False, **kw)
+        two, facts = _tokens(tp_ckpt, prompts, params, tensor_parallel_size=2, async_scheduling=True, **kw)
+        assert two == one and facts["overlap"]
 
 
 def test_greedy_parity_ngram_speculation_contiguous_backend(tp_ckpt: Path, prompts: list[list[int]]) -> None:

@@ -21,10 +21,11 @@
     speculation    3B with a random 1B draft (fixed, adaptive); demo pair T=0/1 (fixed,
                    adaptive, FP8 draft, chain K=6 vs tree 2,1,1); n-gram on W5 and W1 at T=0
                    (fixed, adaptive, prompt lookup; on W5 chain K=6 vs tree 2,1,1)
-    tp             tensor parallelism on 2 GPUs: 8B shape W1 decode TP=2 vs TP=1 (paired),
-                   its collectives' time per step (profile), lm_head / embedding layouts;
-                   W2 throughput TP=2 vs TP=1; the 3B shape drafted by the 1B at TP=2
-                   (draft on the driver vs sharded) against plain TP=2
+    tp             tensor parallelism on 2 GPUs: 8B shape W1 decode TP=2 (overlapped and
+                   synchronous steps) vs TP=1 (paired); the 3B shape drafted by the 1B at
+                   TP=2 (draft on the driver vs sharded) against plain TP=2; the collectives'
+                   time per step (profile); W2 throughput TP=2 vs TP=1; lm_head / embedding
+                   layouts
     all-gpu        the runs of record: decode-speed, costs-fp8, speculation, W2 continuous vs
                    static, HF static cache + compile; most important first, within --max-seconds
     smoke          every kind of measurement on one small model, CPU-friendly: --model and
@@ -292,13 +293,22 @@ def tp(h: Harness, size: int = 2) -> None:
     one = {"model": SHAPE_8B, **GRAPHS}
     base = h.engine("tp/8b/w1-tp1", group, w1, one).name
     h.engine(f"tp/8b/w1-tp{size}", group, w1, {"model": SHAPE_8B, **tp_n}, {"baseline": base}, paired_with=one)
+    h.engine(f"tp/8b/w1-tp{size}-sync", group, w1, {"model": SHAPE_8B, **tp_n, "async_scheduling": False},
+             {"baseline": base})
+    tp_drafts(h, size)
     h.collectives(f"tp/8b/collectives-tp{size}", f"TP={size}: collectives", w1, {"model": SHAPE_8B, **tp_n})
-    # (eager steps too: their kernels are traced for certain, and show the launch-bound step)
-    h.collectives(f"tp/8b/collectives-tp{size}-eager", f"TP={size}: collectives", w1,
-                  {"model": SHAPE_8B, "tensor_parallel_size": size})
     group = f"TP={size}: 8b shape, W2 throughput"
     base = h.engine("tp/8b/w2-tp1", group, w2, one).name
     h.engine(f"tp/8b/w2-tp{size}", group, w2, {"model": SHAPE_8B, **tp_n}, {"baseline": base})
+    tp_layouts(h, size)
+    # (eager steps too: their kernels are traced for certain, and show the launch-bound step)
+    h.collectives(f"tp/8b/collectives-tp{size}-eager", f"TP={size}: collectives", w1,
+                  {"model": SHAPE_8B, "tensor_parallel_size": size})
+
+
+def tp_drafts(h: Harness, size: int) -> None:
+    """The 3B shape drafted by the 1B shape (or itself) at TP=size, against plain TP=size."""
+    tp_n, w1 = {**GRAPHS, "tensor_parallel_size": size}, WORKLOADS["W1"]
     group = f"TP={size}: 3b shape drafted by the 1b shape (dummy weights: acceptance ~0), W1"
     base = h.engine(f"tp/3b/plain-tp{size}", group, w1, {"model": SHAPE_3B, **tp_n}).name
     spec = {"model": SHAPE_3B, **tp_n, "use_speculative_decoding": True, "draft_model": SHAPE_1B, "spec_length": SPEC_K}
@@ -307,6 +317,11 @@ def tp(h: Harness, size: int = 2) -> None:
              {"baseline": base})
     h.engine(f"tp/3b-3b/k5-self-draft-sharded-tp{size}", group, w1,
              {**spec, "draft_model": SHAPE_3B, "tensor_parallel_draft": "sharded"}, {"baseline": base})
+
+
+def tp_layouts(h: Harness, size: int) -> None:
+    """The embedding and lm_head layouts at TP=size, against the default."""
+    tp_n, w1 = {**GRAPHS, "tensor_parallel_size": size}, WORKLOADS["W1"]
     group = f"TP={size}: 8b shape, W1, embedding and lm_head layouts (default: replicated embedding, " \
             "vocabulary-parallel lm_head)"
     base = f"tp/8b/w1-tp{size}"

@@ -71,9 +71,10 @@ class ContinuousRunner:
         # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
         self.prefill_forward = executor.make_forward(model, self.cache_pool, False, config.max_batch_size, shapes=[])
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
-        # (on by default on one GPU; tensor-parallel engines default to synchronous steps)
+        # (on by default on GPUs: under tensor parallelism the next step's message and launch
+        # then overlap the step in flight on every rank)
         self.overlap = (config.async_scheduling if config.async_scheduling is not None
-                        else self.device.type == "cuda" and config.tensor_parallel_size == 1)
+                        else self.device.type == "cuda")
         self._inflight: InFlight | None = None
         self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
         self._rendered: StepResult = []  # this step's outputs so far

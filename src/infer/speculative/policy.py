@@ -7,9 +7,12 @@
   seeded with a prior and decayed so that it follows the text. c is the draft step's cost
   over the target step's (0 for n-gram drafts), and verifying K+1 tokens costs
   1 + `verify_slope` K plain steps. K = 0 (a plain step) when no K beats plain decoding by
-  `min_gain`. A request decoding plainly is probed with one draft token after `probe_every`
-  plain steps, so it can learn that speculation pays again; a probe that finds nothing
-  doubles the wait (up to `probe_max`), one that pays resets it.
+  `min_gain`. A request decoding plainly is probed after `probe_every` plain steps, so it
+  can learn that speculation pays again; a probe that finds nothing doubles the wait (up to
+  `probe_max`), one that pays resets it. A probe drafts as many tokens as fit in
+  `probe_budget` plain steps of drafting (at least one): one for a draft model, all K for
+  n-gram drafts, which cost nothing to draft, so one probe can show a whole run of
+  acceptance (acceptance in copied text comes in runs).
 
 Nothing here measures time: c and v(K) come in once, at engine start, and the runner passes
 each step's round overhead (plain steps a round costs beyond that model: host work the
@@ -84,8 +87,9 @@ class AdaptiveConfig:
     prior_weight: float = 4.0  # ... worth this many tried tokens
     decay: float = 0.9  # the counts' weight after each round (memory of ~10 rounds)
     min_gain: float = 0.03  # speculate only where the factor is >= 1 + min_gain
-    probe_every: int = 16  # plain steps before a one-token probe
+    probe_every: int = 16  # plain steps before a probe
     probe_max: int = 256  # the longest wait between probes
+    probe_budget: float = 0.25  # a probe drafts at most this many plain steps' worth (K c)
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -98,6 +102,13 @@ class AdaptiveConfig:
             raise ValueError("decay must be in (0, 1] and min_gain >= 0")
         if not 1 <= self.probe_every <= self.probe_max:
             raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
+        if self.probe_budget < 0:
+            raise ValueError(f"probe_budget must be >= 0, got {self.probe_budget}")
+
+    @property
+    def probe_k(self) -> int:
+        """A probe's draft length: what `probe_budget` buys at c, between 1 and k_max."""
+        return self.k_max if self.c * self.k_max <= self.probe_budget else max(1, int(self.probe_budget / self.c))
 
 
 @dataclass(slots=True)
@@ -159,7 +170,7 @@ class AdaptivePolicy:
             if k == 0:
                 e.plain_steps += 1
                 if e.plain_steps >= e.wait:
-                    k, e.probing = 1, True
+                    k, e.probing = self.config.probe_k, True
             ks.append(k)
         return ks
 

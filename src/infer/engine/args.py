@@ -41,7 +41,7 @@ _OPTIONAL_BOOL_HELP = {
     "compile_kernels": "fused kernels: torch.compile'd elementwise ops and rotary, Triton FP8 matmuls "
                        "(default: on with CUDA graphs)",
     "async_scheduling": "overlap the host's work with the GPU's: prepare step n+1 while step n runs "
-                        "(default: on for CUDA devices, off under tensor parallelism)",
+                        "(default: on for CUDA devices)",
 }
 
 

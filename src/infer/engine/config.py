@@ -47,7 +47,7 @@ class EngineConfig:
     cuda_graph_sampling_batch_max: int = 32
     compile_kernels: bool | None = None  # fuse elementwise ops with torch.compile; None = with CUDA graphs
     # overlapped scheduling: the host prepares step n+1 (and renders step n's tokens) while
-    # the GPU runs step n; None = on for CUDA devices at tensor_parallel_size 1
+    # the GPU runs step n; None = on for CUDA devices
     async_scheduling: bool | None = None
     # speculative decoding
     use_speculative_decoding: bool = False

@@ -11,7 +11,6 @@ same command line: rank 0 runs the command, the others serve as its worker ranks
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -125,16 +124,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 TORCHRUN_COMMANDS = ("generate", "serve")  # the commands a torchrun launch can split over ranks
 
 
-def _torchrun_worker_rank() -> bool:
-    """Whether torchrun started this process as a rank above 0."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    from infer.distributed.group import is_torchrun_worker
     try:
-        if _torchrun_worker_rank():
+        if is_torchrun_worker():
             if args.command not in TORCHRUN_COMMANDS:
                 raise ValueError(f"under torchrun, `infer {args.command}` is not supported: use "
                                  f"{' or '.join(TORCHRUN_COMMANDS)}")

@@ -307,3 +307,28 @@ def test_a_gguf_file_shards_like_a_checkpoint(ckpt_b: Path, tmp_path: Path) -> N
     up = [p.model.layers[0].mlp.gate_up_proj.weight for p in parts]
     i = config.intermediate_size
     assert torch.equal(torch.cat([u[:i // 2] for u in up]), full.model.layers[0].mlp.gate_up_proj.weight[:i])
+
+
+@pytest.mark.parametrize("entry", ["cli", "server"])
+def test_torchrun_ranks_above_0_become_workers_of_either_entry_point(monkeypatch: pytest.MonkeyPatch,
+                                                                    entry: str) -> None:
+    # under torchrun every rank runs the same command line: `infer serve|generate` or
+    # `python -m infer.server`; ranks above 0 serve rank 0's engine instead of the command
+    import infer.distributed.worker as worker
+    from infer.cli import main as cli_main
+    from infer.server.__main__ import main as server_main
+
+    seen: list[EngineConfig] = []
+    monkeypatch.setattr(worker, "serve_torchrun_rank", lambda config: seen.append(config) or 0)
+    argv = ["--tensor-parallel-size", "2", "--device", "cpu"]
+    run = (lambda: cli_main(["serve", *argv])) if entry == "cli" else (lambda: server_main(argv))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert run() == 0 and [c.tensor_parallel_size for c in seen] == [2]
+    if entry == "cli":  # a command torchrun cannot split: a clear error
+        assert cli_main(["bench", "--suite", "smoke"]) == 2
+    monkeypatch.setenv("RANK", "0")  # rank 0 runs the command itself
+    monkeypatch.setattr("infer.server.__main__.serve", lambda args: 7)
+    monkeypatch.setattr("infer.cli._cmd_serve", lambda args: 7)
+    assert run() == 7 and len(seen) == 1

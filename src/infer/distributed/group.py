@@ -45,6 +45,12 @@ def torchrun_rank() -> TorchrunRank | None:
     return TorchrunRank(int(env["RANK"]), int(env.get("LOCAL_RANK", "0")), int(env["WORLD_SIZE"]))
 
 
+def is_torchrun_worker() -> bool:
+    """Whether torchrun started this process as a rank above 0 (a worker of rank 0's engine)."""
+    launch = torchrun_rank()
+    return launch is not None and launch.rank != 0
+
+
 def plan_devices(device: str, world_size: int, cuda_count: int) -> list[torch.device]:
     """The device of each rank 0..world_size-1 on one machine: "cpu" (every rank), or
     consecutive GPUs from "cuda[:k]" ("auto": cuda when there is one). ValueError when the

@@ -120,7 +120,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(parser)
     args = parser.parse_args(argv)
+    from infer.distributed.group import is_torchrun_worker
     try:
+        if is_torchrun_worker():  # (torchrun: rank 0 serves, the other ranks are its workers)
+            from infer.distributed.worker import serve_torchrun_rank
+            return serve_torchrun_rank(engine_config_from_args(args))
         return serve(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -115,6 +115,24 @@ def test_a_round_overhead_measured_beyond_the_model_turns_speculation_down_or_of
     assert p.round_cost(0) == 1.0 and p.round_cost(2) == pytest.approx(1.2)
 
 
+def test_probes_draft_what_their_budget_buys_and_passing_probes_keep_coming():
+    assert AdaptiveConfig(k_max=5, c=0.0).probe_k == 5  # n-gram: a whole round costs no drafting
+    assert AdaptiveConfig(k_max=5, c=0.05).probe_k == 5 and AdaptiveConfig(k_max=5, c=0.1).probe_k == 2
+    assert AdaptiveConfig(k_max=5, c=0.45).probe_k == 1
+    # rounds that cost half a plain step beyond the model: at the prior nothing pays, and
+    # probes whose drafts all pass keep coming every probe_every steps until K > 0 pays
+    p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.45, probe_every=4, probe_max=64))
+    ks = []
+    for _ in range(80):
+        (k,) = p.choose([R("x")], overhead=0.5)
+        if k:
+            p.update("x", k, k)
+        ks.append(k)
+    probes = [i for i, k in enumerate(ks) if k == 1]
+    assert ks[:3] == [0, 0, 0] and probes[:3] == [3, 7, 11]  # no back-off while the probes pass
+    assert max(ks) > 1  # and speculation came back
+
+
 def test_n_gram_drafts_cost_nothing_so_little_acceptance_pays():
     free = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.0))
     dear = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.5))

@@ -8,8 +8,9 @@
   over the target step's (0 for n-gram drafts), and verifying K+1 tokens costs
   1 + `verify_slope` K plain steps. K = 0 (a plain step) when no K beats plain decoding by
   `min_gain`. A request decoding plainly is probed after `probe_every` plain steps, so it
-  can learn that speculation pays again; a probe that finds nothing doubles the wait (up to
-  `probe_max`), one that pays resets it. A probe drafts as many tokens as fit in
+  can learn that speculation pays again; a probe with a rejection that leaves the request
+  plain doubles the wait (up to `probe_max`); one that pays, or whose drafts all pass
+  (evidence still building up), resets it. A probe drafts as many tokens as fit in
   `probe_budget` plain steps of drafting (at least one): one for a draft model, all K for
   n-gram drafts, which cost nothing to draft, so one probe can show a whole run of
   acceptance (acceptance in copied text comes in runs).
@@ -186,8 +187,8 @@ class AdaptivePolicy:
         e.accepted = e.accepted * cfg.decay + accepted
         e.tried = e.tried * cfg.decay + accepted + (1 if accepted < drafted else 0)
         e.plain_steps = 0
-        if e.probing:  # a probe that still leaves the request plain waits longer next time
-            paid = self.best(self.acceptance(request_id), self._overhead) > 0
+        if e.probing:  # a probe with a rejection that leaves the request plain waits longer next time
+            paid = accepted == drafted or self.best(self.acceptance(request_id), self._overhead) > 0
             e.wait = cfg.probe_every if paid else min(2 * e.wait, cfg.probe_max)
             e.probing = False
 

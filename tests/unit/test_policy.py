@@ -64,12 +64,12 @@ def test_fixed_policy_gives_every_request_k():
         FixedPolicy(0)
 
 
-def _run(policy: AdaptivePolicy, request_id: str, steps: int, accept: float) -> list[int]:
+def _run(policy: AdaptivePolicy, request_id: str, steps: int, accept: float, overhead: float = 0.0) -> list[int]:
     """`steps` steps of one request whose drafts pass with probability `accept` (deterministic:
-    the first round(k * accept) of each round pass)."""
+    the first round(k * accept) of each round pass), rounds costing `overhead` beyond the model."""
     ks = []
     for _ in range(steps):
-        (k,) = policy.choose([R(request_id)])
+        (k,) = policy.choose([R(request_id)], overhead)
         if k:
             policy.update(request_id, k, min(k, round(k * accept)))
         ks.append(k)
@@ -119,18 +119,14 @@ def test_probes_draft_what_their_budget_buys_and_passing_probes_keep_coming():
     assert AdaptiveConfig(k_max=5, c=0.0).probe_k == 5  # n-gram: a whole round costs no drafting
     assert AdaptiveConfig(k_max=5, c=0.05).probe_k == 5 and AdaptiveConfig(k_max=5, c=0.1).probe_k == 2
     assert AdaptiveConfig(k_max=5, c=0.45).probe_k == 1
-    # rounds that cost half a plain step beyond the model: at the prior nothing pays, and
-    # probes whose drafts all pass keep coming every probe_every steps until K > 0 pays
-    p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.45, probe_every=4, probe_max=64))
-    ks = []
-    for _ in range(80):
-        (k,) = p.choose([R("x")], overhead=0.5)
-        if k:
-            p.update("x", k, k)
-        ks.append(k)
-    probes = [i for i, k in enumerate(ks) if k == 1]
-    assert ks[:3] == [0, 0, 0] and probes[:3] == [3, 7, 11]  # no back-off while the probes pass
-    assert max(ks) > 1  # and speculation came back
+    # rounds that cost half a plain step beyond the model: at the prior nothing pays; probes
+    # whose drafts all pass keep coming every probe_every steps, each twice as long, until
+    # the estimate says K = 5 pays. Probes that fail stay one token long and back off.
+    for accept, want in ((1.0, [0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 4]), (0.0, [0, 0, 0, 1] + [0] * 7 + [1])):
+        p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.45, probe_every=4, probe_max=64))
+        ks = _run(p, "x", 40, accept, overhead=0.5)
+        assert ks[:12] == want
+        assert (ks[-10:] == [5] * 10) == (accept == 1.0) and (max(ks) == 1) == (accept == 0.0)
 
 
 def test_n_gram_drafts_cost_nothing_so_little_acceptance_pays():

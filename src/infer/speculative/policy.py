@@ -2,22 +2,19 @@
 
 - `FixedPolicy`: every request drafts K = `spec_length` (the default).
 - `AdaptivePolicy`: K per request from the paper's walltime factor (Theorem 3.8,
-  `theory.best_k`). Each request keeps an acceptance estimate from the rounds it ran: tokens
-  accepted over tokens tried (an accepted token, or the first rejected one of a round),
-  seeded with a prior and decayed so that it follows the text. c is the draft step's cost
-  over the target step's (0 for n-gram drafts), and verifying K+1 tokens costs
-  1 + `verify_slope` K plain steps. K = 0 (a plain step) when no K beats plain decoding by
-  `min_gain`. A request decoding plainly is probed after `probe_every` plain steps, so it
-  can learn that speculation pays again; a probe with a rejection that leaves the request
-  plain doubles the wait (up to `probe_max`); one that pays, or whose drafts all pass
-  (evidence still building up), resets it. A probe drafts as many tokens as fit in
-  `probe_budget` plain steps of drafting (at least one): one for a draft model, all K for
-  n-gram drafts, which cost nothing to draft, so one probe can show a whole run of
-  acceptance (acceptance in copied text comes in runs).
+  `theory.best_k`), with the request's acceptance estimate (tokens accepted over tokens
+  tried, an accepted token or a round's first rejection; seeded with a prior, decayed to
+  follow the text), c (draft step / target step; 0 for n-gram drafts) and v(K) =
+  1 + `verify_slope` K, plus the round overhead the runner passes (plain steps a round
+  costs beyond that model, as `round_clock.RoundClock` times it). K = 0 (a plain step)
+  when no K beats plain decoding by `min_gain`. A request decoding plainly is probed after
+  `probe_every` plain steps: a probe with a rejection that leaves it plain doubles the wait
+  (up to `probe_max`), one that pays or passes whole resets it. A probe drafts what
+  `probe_budget` plain steps of drafting buy (one token for a draft model, all K for free
+  n-gram drafts: in copied text acceptance comes in runs), and after a probe that passed
+  whole, twice that (up to K): one-token probes cannot lift the decayed estimate past 0.89.
 
-Nothing here measures time: c and v(K) come in once, at engine start, and the runner passes
-each step's round overhead (plain steps a round costs beyond that model: host work the
-start-up timing cannot see; `round_clock.RoundClock` measures it).
+Nothing here measures time: c and v(K) come in once, at engine start.
 """
 
 from __future__ import annotations
@@ -118,6 +115,7 @@ class _Estimate:
     tried: float = 0.0  # decayed tried tokens (accepted + first rejections)
     plain_steps: int = 0  # plain steps since the last round
     wait: int = 0  # plain steps before the next probe
+    probe_len: int = 0  # the next probe's draft length (0: the config's probe_k)
     probing: bool = False  # the round in flight is a probe
 
 
@@ -171,7 +169,7 @@ class AdaptivePolicy:
             if k == 0:
                 e.plain_steps += 1
                 if e.plain_steps >= e.wait:
-                    k, e.probing = self.config.probe_k, True
+                    k, e.probing = e.probe_len or self.config.probe_k, True
             ks.append(k)
         return ks
 
@@ -188,8 +186,11 @@ class AdaptivePolicy:
         e.tried = e.tried * cfg.decay + accepted + (1 if accepted < drafted else 0)
         e.plain_steps = 0
         if e.probing:  # a probe with a rejection that leaves the request plain waits longer next time
-            paid = accepted == drafted or self.best(self.acceptance(request_id), self._overhead) > 0
+            passed = accepted == drafted
+            paid = passed or self.best(self.acceptance(request_id), self._overhead) > 0
             e.wait = cfg.probe_every if paid else min(2 * e.wait, cfg.probe_max)
+            # a probe whose drafts all pass is followed by one twice as long (up to k_max)
+            e.probe_len = min(cfg.k_max, 2 * drafted) if passed else 0
             e.probing = False
 
     def release(self, request_id: str) -> None:

@@ -6,7 +6,8 @@
                    projected speedup for alpha 0.6..0.9, K 1..8
     w1-spec-dummy  W1 on the 3B shape: drafted by the 1B shape (fixed K=5, adaptive),
                    drafted by itself (acceptance 1), against plain decoding
-    w2             W2 continuous vs static batching; W2-prefix with and without prefix caching
+    w2             W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
+                   and without prefix caching
     demo-pair      W1 on the bundled demo pair at T=0 and T=1: plain, speculative (fixed,
                    adaptive), trees against chains verifying as many tokens a round,
                    transformers plain and assisted generation
@@ -272,13 +273,16 @@ def demo_speculation(h: Harness) -> None:
 
 
 def w2_batching(h: Harness, shape: str = SHAPE_3B) -> None:
-    """W2 with continuous and with static batching (the runs of record's part of `w2`), prefix
-    caching off: W2 shares no prefix, and with the cache on, the repeats of the same prompts
-    would hit it (the first timed run a full prefill, the others none, and prefill shapes
-    the warm-up never met)."""
+    """W2 with continuous and with static batching (the runs of record's part of `w2`) in 8
+    batch slots for its 32 requests: with slots for all of them both modes admit everything
+    at once and run the same steps, so only fewer slots than requests tell them apart
+    (static waits for a batch's longest request before admitting more). Prefix caching off:
+    W2 shares no prefix, and with the cache on, the repeats of the same prompts would hit it
+    (the first timed run a full prefill, the others none, and prefill shapes the warm-up
+    never met)."""
     label = _label(shape)
-    group = f"W2 batching, {label} shape"
-    off = {"model": shape, **GRAPHS, "enable_prefix_caching": False}
+    group = f"W2 batching, {label} shape, 8 slots"
+    off = {"model": shape, **GRAPHS, "enable_prefix_caching": False, "max_batch_size": 8}
     base = h.engine(f"w2/{label}/continuous", group, WORKLOADS["W2"], off).name
     h.engine(f"w2/{label}/static", group, WORKLOADS["W2"], {**off, "batching_mode": "static"}, {"baseline": base})
 

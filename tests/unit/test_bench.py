@@ -134,6 +134,18 @@ def test_projection_table():
         theory.projection_table(0.5, ks=(1, 4), verify_costs=[1.0, 1.0])
 
 
+def test_tree_projection_against_the_best_chain():
+    v = [1.0, 1.0, 1.05, 1.05, 1.1, 1.1, 1.1, 1.2, 1.2]  # v(K), K = 0..8
+    t = theory.tree_projection(0.4, v, alphas=(0.5, 0.9), trees=((1, 1, 1), (2, 1, 1), (4, 1)))
+    assert t.to_dict()["trees"] == ["1,1,1", "2,1,1", "4,1"]
+    # a tree of one child a level is the chain of its depth
+    assert t.table[1][0] == pytest.approx(theory.walltime_factor(0.9, 3, 0.4, v[3]))
+    assert t.table[0][1] == pytest.approx((1 + 0.75 * (1 + 0.5 + 0.25)) / (3 * 0.4 + v[6]))
+    assert t.best_chain[0] == pytest.approx(max(theory.walltime_factor(0.5, k, 0.4, v[k]) for k in range(1, 9)))
+    with pytest.raises(ValueError, match="node counts"):
+        theory.tree_projection(0.4, v, trees=((3, 3),))  # 12 nodes: no v(12)
+
+
 def test_efficiency_from_refs():
     run = BenchRun("t")
     run.add(Measurement("costs", "spec_costs", metrics={"c": 0.5, "verify_ratio": [1.0, 1.0, 1.0, 1.0]}))

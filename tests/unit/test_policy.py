@@ -43,6 +43,17 @@ def test_best_k_is_zero_when_nothing_pays_and_grows_with_acceptance():
     assert factor == pytest.approx(walltime_factor(0.8, k, 0.2))
 
 
+def test_tree_model_reduces_to_the_chain_and_grows_with_width():
+    from infer.speculative.theory import tree_expected_tokens, tree_walltime_factor
+    for a in (0.0, 0.4, 0.9, 1.0):
+        assert tree_expected_tokens(a, (1, 1, 1)) == pytest.approx(expected_tokens(a, 3))
+        assert tree_walltime_factor(a, (1, 1), 0.3, 1.1) == pytest.approx(walltime_factor(a, 2, 0.3, 1.1))
+    assert tree_expected_tokens(0.5, (3,)) == pytest.approx(1 + (1 - 0.5 ** 3))
+    assert tree_expected_tokens(0.5, (3, 1)) > tree_expected_tokens(0.5, (2, 1)) > tree_expected_tokens(0.5, (1, 1))
+    with pytest.raises(ValueError, match="branching"):
+        tree_expected_tokens(0.5, (2, 0))
+
+
 @pytest.mark.parametrize("alpha, k", [(0.3, 3), (0.75, 5), (0.95, 8)])
 def test_alpha_from_mean_length_inverts_eq1(alpha, k):
     assert alpha_from_mean_length(expected_tokens(alpha, k), k) == pytest.approx(alpha, abs=1e-6)

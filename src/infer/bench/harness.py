@@ -25,7 +25,7 @@ from infer.bench.results import BenchRun, Measurement, save_run
 from infer.bench.roofline import copy_bandwidth, decode_roofline
 from infer.engine.step_costs import weight_bytes
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
-from infer.bench.theory import projection_table
+from infer.bench.theory import projection_table, tree_projection
 from infer.bench.workloads import Workload
 from infer.engine.loading import resolve_device
 from infer.models.loader import load_model
@@ -184,7 +184,9 @@ class Harness:
             c, verify = costs.metrics["c"], costs.metrics["verify_ratio"]
             paper = projection_table(c)
             measured = projection_table(c, verify_costs=verify) if len(verify) > max(paper.ks) else None
+            trees = tree_projection(c, verify) if measured else None
             return ({"costs": costs_name, "c": c},
-                    {"paper": paper.to_dict(), "measured_verify": measured.to_dict() if measured else None})
+                    {"paper": paper.to_dict(), "measured_verify": measured.to_dict() if measured else None,
+                     "trees": trees.to_dict() if trees else None})
 
         return self.measure(name, "projection", "spec-costs", fn, refs={"costs": costs_name})

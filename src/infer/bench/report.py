@@ -167,6 +167,14 @@ def _cost_tables(run: BenchRun) -> list[str]:
             out += _table(("alpha",) + tuple(f"K={k}" for k in p["ks"]) + ("best K",),
                           [[a, *row, best] for a, row, best in zip(p["alphas"], p["table"], p["best_k"], strict=True)])
             out += [""]
+        t = m.metrics.get("trees")
+        if t:
+            out += [f"Projected speedup of static trees from c = {fmt(t['c'])} ({m.params.get('costs')}; measured "
+                    "v(N), one draft step a level; optimistic for wide levels), beside the best chain", ""]
+            out += _table(("alpha", *t["trees"], "best chain"),
+                          [[a, *row, chain] for a, row, chain in zip(t["alphas"], t["table"], t["best_chain"],
+                                                                     strict=True)])
+            out += [""]
     return out
 
 

@@ -3,7 +3,7 @@
     w1-plain       W1 batch-1 decode, 3B and 1B shapes: roofline, ours with CUDA graphs
                    (with and without compiled kernel fusion) and eager, transformers generate
     spec-costs     c = 1B step / 3B step (graphs and eager), verification cost v(K),
-                   projected speedup for alpha 0.6..0.9, K 1..8
+                   projected speedup for alpha 0.6..0.9, K 1..8, and of static trees
     w1-spec-dummy  W1 on the 3B shape: drafted by the 1B shape (fixed K=5, adaptive),
                    drafted by itself (acceptance 1), against plain decoding
     w2             W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with

@@ -13,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.speculative.theory import walltime_factor
+from infer.speculative.theory import tree_walltime_factor, walltime_factor
 
-__all__ = ["efficiency", "projection_table", "Projection"]
+__all__ = ["efficiency", "projection_table", "tree_projection", "Projection", "TreeProjection"]
 
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DEFAULT_KS = tuple(range(1, 9))
+# trees of at most 8 nodes (the cost measurement's v(K) goes to K = 8), against chains
+DEFAULT_TREES = ((2, 1, 1), (2, 1, 1, 1), (2, 2), (3, 1), (4, 1))
 
 
 def efficiency(measured_speedup: float, predicted: float) -> float:
@@ -52,3 +54,39 @@ def projection_table(c: float, alphas: Sequence[float] = DEFAULT_ALPHAS, ks: Seq
              for a in alphas]
     best = [ks[max(range(len(ks)), key=lambda i: row[i])] for row in table]
     return Projection(c, tuple(alphas), tuple(ks), table, best)
+
+
+@dataclass(frozen=True)
+class TreeProjection:
+    c: float
+    alphas: tuple[float, ...]
+    trees: tuple[tuple[int, ...], ...]
+    table: list[list[float]]  # [alpha][tree] predicted speedup
+    best_chain: list[float]  # per alpha, the best chain's predicted speedup (K up to the trees' nodes)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"c": self.c, "alphas": list(self.alphas), "trees": [",".join(map(str, t)) for t in self.trees],
+                "table": self.table, "best_chain": self.best_chain}
+
+
+def tree_projection(c: float, verify_costs: Sequence[float], alphas: Sequence[float] = DEFAULT_ALPHAS,
+                    trees: Sequence[tuple[int, ...]] = DEFAULT_TREES) -> TreeProjection:
+    """Predicted speedup of each static tree (speculative/theory.py's tree model: one draft
+    step a level, v(N) for its N nodes) beside the best chain of K <= the largest N drafts,
+    from measured c and verify_costs[K] (K = 0..max)."""
+    sizes = [sum(_level_sizes(t)) for t in trees]
+    if not trees or max(sizes) >= len(verify_costs):
+        raise ValueError(f"verify_costs must cover the trees' node counts {sizes}, got {len(verify_costs)} entries")
+    table = [[tree_walltime_factor(a, t, c, verify_costs[n]) for t, n in zip(trees, sizes, strict=True)]
+             for a in alphas]
+    chains = [max(walltime_factor(a, k, c, verify_costs[k]) for k in range(1, max(sizes) + 1)) for a in alphas]
+    return TreeProjection(c, tuple(alphas), tuple(tuple(t) for t in trees), table, chains)
+
+
+def _level_sizes(branching: Sequence[int]) -> list[int]:
+    """Nodes per depth of a static tree: b_1, b_1 b_2, ..."""
+    sizes, width = [], 1
+    for b in branching:
+        width *= b
+        sizes.append(width)
+    return sizes

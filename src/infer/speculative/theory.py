@@ -8,11 +8,16 @@ adaptive length policy, the benchmark projections and the demo pair's evaluation
   (1 - a^(K+1)) / ((1 - a)(K c + 1)), c = draft step time / target step time. The
   generalised form divides by K c + v(K), v(K) the measured cost of verifying K+1 tokens in
   plain steps (the paper assumes v = 1).
+- For a static token tree (`branching[d]` children for each node at depth d, N nodes), the
+  same model with each child tried in turn and accepted with probability a: depth d is
+  reached with probability prod_{j<=d} (1 - (1 - a)^b_j). A round drafts one level a step
+  (depth D steps of cost c) and verifies N + 1 tokens. Siblings drawn from the same draft
+  can repeat one another, so for wide levels this is optimistic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def _check(a: float, k: int) -> None:
@@ -65,3 +70,24 @@ def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> fl
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def tree_expected_tokens(a: float, branching: Sequence[int]) -> float:
+    """Expected tokens per round of a static tree (children tried in turn, each accepted
+    with probability a): 1 + sum over depths of the probability of reaching it."""
+    _check(a, len(branching))
+    if not branching or any(b < 1 for b in branching):
+        raise ValueError(f"branching must be one or more counts >= 1, got {tuple(branching)}")
+    total, reach = 1.0, 1.0
+    for b in branching:
+        reach *= 1.0 - (1.0 - a) ** b
+        total += reach
+    return total
+
+
+def tree_walltime_factor(a: float, branching: Sequence[int], c: float, verify_cost: float = 1.0) -> float:
+    """Expected speedup of a static tree over plain decoding: its expected tokens over one
+    draft step a level plus `verify_cost` (v(N), N the tree's nodes)."""
+    if c < 0 or verify_cost <= 0:
+        raise ValueError(f"need c >= 0 and verify_cost > 0, got c={c}, verify_cost={verify_cost}")
+    return tree_expected_tokens(a, branching) / (len(branching) * c + verify_cost)

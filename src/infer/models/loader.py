@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,20 +159,14 @@ def load_model(
     quantization = stored or quantization
     if directory is None:
         load_format = "dummy"
-    if device.type == "meta" and load_format != "dummy":
-        raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    _check_meta(device, load_format)
     torch_dtype = resolve_dtype(dtype, device, config_dtype)
-    if shard is not None:
-        shard.check(config)
-    model = build_empty_model(config, torch_dtype, device, quantization, shard)
-    if load_format == "dummy":
-        _dummy_weights(model, config, quantization, shard)
-    else:
+
+    def weights() -> Iterable[tuple[str, torch.Tensor]]:
         assert directory is not None
-        files = find_weight_files(directory)
-        model.load_hf_weights(_iter_tensors(files, device, torch_dtype, shard))
-    model.eval().requires_grad_(False)
-    return model, config
+        return _iter_tensors(find_weight_files(directory), device, torch_dtype, shard)
+
+    return _build(config, torch_dtype, device, load_format, quantization, shard, weights), config
 
 
 def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_format: str,
@@ -181,8 +175,7 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_
     quantization="fp8" the dequantized weights are re-quantized to FP8 as they load."""
     if load_format == "safetensors":
         raise ValueError(f"{str(path)!r} is a GGUF file, not safetensors: use load_format='auto'")
-    if device.type == "meta" and load_format != "dummy":
-        raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    _check_meta(device, load_format)
     from infer.models.gguf.config import config_from_gguf  # (the gguf library: for GGUF files only)
     from infer.models.gguf.reader import GGUFFile
     from infer.models.gguf.weights import check_tensors, iter_hf_tensors
@@ -190,17 +183,33 @@ def _load_gguf(path: Path, dtype: torch.dtype | str, device: torch.device, load_
     config = config_from_gguf(gguf)
     check_tensors(gguf)  # before any memory is taken for the model
     torch_dtype = resolve_dtype(dtype, device)
+
+    def weights() -> Iterable[tuple[str, torch.Tensor]]:
+        show = path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
+        tensors = iter_hf_tensors(gguf, config, device, torch_dtype, progress=show)
+        return tensors if shard is None else shard_tensors(tensors, shard)
+
+    return _build(config, torch_dtype, device, load_format, quantization, shard, weights), config
+
+
+def _check_meta(device: torch.device, load_format: str) -> None:
+    if device.type == "meta" and load_format != "dummy":
+        raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+
+
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str, quantization: str | None,
+           shard: ModelShard | None, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> LlamaForCausalLM:
+    """The model (a shard's part of it) with dummy weights or the named tensors `weights()`
+    yields, in eval mode without gradients."""
     if shard is not None:
         shard.check(config)
-    model = build_empty_model(config, torch_dtype, device, quantization, shard)
+    model = build_empty_model(config, dtype, device, quantization, shard)
     if load_format == "dummy":
         _dummy_weights(model, config, quantization, shard)
     else:
-        show = path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
-        tensors = iter_hf_tensors(gguf, config, device, torch_dtype, progress=show)
-        model.load_hf_weights(tensors if shard is None else shard_tensors(tensors, shard))
+        model.load_hf_weights(weights())
     model.eval().requires_grad_(False)
-    return model, config
+    return model
 
 
 def read_model_config(name_or_path: str, load_format: str = "auto") -> ModelConfig:

@@ -39,7 +39,7 @@ class LLM:
         kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
         use_cuda_graphs=False    CUDA graphs for decode and speculation steps
         use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup"),
-        draft_model=None (the demo draft with the demo target), spec_length=5, spec_policy="fixed"
+        draft_model=None (the demo draft with the demo target), spec_length=5 (a tree: its depth), spec_policy="fixed"
         seed=0                   seeds requests that set none: the same call gives the same text
         tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;
                                  `close()` or garbage collection ends them)

@@ -199,6 +199,7 @@ def test_the_engine_picks_the_tree_runner_and_reports_tree_metrics(make_llm, ckp
     (dict(use_speculative_decoding=True, spec_tree=",".join(["1"] * 17)), "16 levels"),
     (dict(use_speculative_decoding=True, spec_tree="8,8,8"), "128 nodes"),
     (dict(use_speculative_decoding=True, spec_tree="3,2", spec_length=4), "depth 2"),
+    (dict(use_speculative_decoding=True, spec_tree="3,2", spec_length=5), "depth 2"),  # (5: no default to hide behind)
     (dict(use_speculative_decoding=True, spec_tree="3,2", spec_policy="adaptive"), "fixed"),
 ])
 def test_config_validation(kwargs, words):
@@ -216,3 +217,4 @@ def test_config_and_flag():
     add_engine_args(parser)
     args = parser.parse_args(["--speculative-decoding", "--spec-tree", "2,2,1"])
     assert (engine_config_from_args(args).spec_tree, engine_config_from_args(args).spec_length) == ("2,2,1", 3)
+    assert engine_config_from_args(parser.parse_args(["--speculative-decoding"])).spec_length == 5  # a chain

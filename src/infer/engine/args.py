@@ -17,7 +17,8 @@ _HELP = {
              "bundled demo target",
     "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file); default with the "
                    "demo target: the demo draft",
-    "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive)",
+    "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive); "
+                   "default: 5, or the depth of --spec-tree",
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
                  "policy only)",
     "device": "auto | cpu | cuda[:N]",
@@ -60,8 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=_OPTIONAL_BOOL_HELP[field.name])
         else:
             base = _base_type(hint)
+            shown = "" if field.default is None and "default:" in help_text else f" (default: {field.default})"
             group.add_argument(*names, dest=field.name, type=base, default=field.default,
-                               help=f"{help_text} (default: {field.default})".strip())
+                               help=f"{help_text}{shown}".strip())
 
 
 def _base_type(hint: Any) -> type:

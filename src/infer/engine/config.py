@@ -7,13 +7,16 @@ involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from infer.speculative.tree import TreeShape
 
 _BACKENDS = ("paged", "contiguous")
 _BATCHING = ("continuous", "static")
 _SPEC_METHODS = ("draft_model", "ngram", "prompt_lookup")
 _SPEC_POLICIES = ("fixed", "adaptive")
-_DEFAULT_SPEC_LENGTH = 5  # spec_length's default: with spec_tree it means "not set"
+DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 _DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 _VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 _DRAFT_PLACEMENTS = ("driver", "sharded")
@@ -53,7 +56,8 @@ class EngineConfig:
     use_speculative_decoding: bool = False
     speculative_method: str = "draft_model"
     draft_model: str | None = None  # dir, hub id or .gguf; None with the demo target = the bundled demo draft
-    spec_length: int = _DEFAULT_SPEC_LENGTH  # K: candidate tokens per speculation round
+    # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
+    spec_length: int | None = None
     # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
     # depth becomes spec_length. None: a chain of spec_length drafts
     spec_tree: str | None = None
@@ -75,6 +79,8 @@ class EngineConfig:
     tensor_parallel_draft: str = "driver"  # the draft model whole on rank 0, or "sharded" like the target
 
     def __post_init__(self) -> None:
+        if self.spec_length is None:
+            self.spec_length = self._tree_shape().depth if self.spec_tree is not None else DEFAULT_SPEC_LENGTH
         _choice("dtype", self.dtype, _DTYPES)
         _choice("kv_cache_backend", self.kv_cache_backend, _BACKENDS)
         _choice("batching_mode", self.batching_mode, _BATCHING)
@@ -141,27 +147,30 @@ class EngineConfig:
                 raise ValueError("use_speculative_decoding=True with speculative_method='draft_model' "
                                  "requires draft_model (a path or hub id)")
 
-    def _check_tree(self) -> None:
-        """spec_tree: a valid shape, for speculative decoding with the fixed policy; its depth
-        is K (a spec_length other than the default must equal it)."""
-        if self.spec_tree is None:
-            return
+    def _tree_shape(self) -> TreeShape:
         from infer.speculative.tree import TreeShape
+        assert self.spec_tree is not None
         try:
-            shape = TreeShape.parse(self.spec_tree)
+            return TreeShape.parse(self.spec_tree)
         except ValueError as e:
             raise ValueError(f"spec_tree: {e}") from None
+
+    def _check_tree(self) -> None:
+        """spec_tree: a valid shape, for speculative decoding with the fixed policy; its depth
+        is K (a spec_length given must equal it)."""
+        if self.spec_tree is None:
+            return
+        shape = self._tree_shape()
         if not self.use_speculative_decoding:
             raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
                              "or leave spec_tree unset")
         if self.spec_policy != "fixed":
             raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree is static), got {self.spec_policy!r}")
-        if self.spec_length not in (_DEFAULT_SPEC_LENGTH, shape.depth):
+        if self.spec_length != shape.depth:
             raise ValueError(f"spec_tree {self.spec_tree!r} has depth {shape.depth} but spec_length is "
-                             f"{self.spec_length}: the tree's depth is K, so leave spec_length at its default "
+                             f"{self.spec_length}: the tree's depth is K, so leave spec_length unset "
                              f"or set it to {shape.depth}")
         self.spec_tree = str(shape)  # normalised ("3, 2" -> "3,2")
-        self.spec_length = shape.depth
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -54,6 +54,23 @@ from infer.transfer import to_device
 COST_REPEATS, COST_WARMUP = 10, 3
 
 
+def stack_draft_probs(probs: Sequence[torch.Tensor | None], tokens: torch.Tensor, counts: Sequence[int], vocab: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """[B, W, V] draft distributions on `device` for rows of `counts[b]` drafted tokens (of
+    `tokens`: [B, W] host): `probs[b]` ([counts[b], V]) where the draft reported one, a
+    one-hot row per token where it is deterministic; None when every row is (all one-hot q)."""
+    if all(p is None for p in probs):
+        return None
+    b, width = tokens.shape
+    out = torch.zeros((b, width, vocab), dtype=torch.float32, device=device)
+    for i, (p, k) in enumerate(zip(probs, counts, strict=True)):
+        if p is not None:
+            out[i, :k] = p
+        elif k:
+            out[i, torch.arange(k), tokens[i, :k]] = 1.0
+    return out
+
+
 def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
     """Overflow guard: positions seq_len..seq_len+k must fit; no more drafts than can be emitted."""
     return max(0, min(k, max_seq_len - seq_len - 1, tokens_left - 1))
@@ -262,7 +279,7 @@ class SpeculativeRunner(ContinuousRunner):
             uniforms = (torch.zeros((len(requests), k_pad + 1), dtype=torch.float64) if all(greedy)
                         else round_uniforms([r.generator for r in requests], num_draft, k_pad))  # [B, K+1]
             packed = self.forward.verify(ids, layout, draft_tokens, num_draft,
-                                         self._draft_probs(drafts, draft_tokens, vocab),
+                                         self._draft_probs(drafts, draft_tokens),
                                          [1.0 if p.greedy else p.temperature for p in params], greedy, uniforms)
             self._render_backlog()  # (the previous round's tokens, while the GPU verifies)
             return unpack_rows(packed.tolist())  # the one host sync of verification
@@ -271,20 +288,10 @@ class SpeculativeRunner(ContinuousRunner):
         result = self._accept_reject(requests, drafts, draft_tokens, logits)
         return replace(result, logprobs=emitted_logprobs(logits, result.tokens, [p.logprobs for p in params]))
 
-    def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor, vocab: int) -> torch.Tensor | None:
-        """[B, K, V] draft distributions on the device, or None when every draft is
-        deterministic (one-hot q); a deterministic row among model drafts gets a one-hot row."""
-        if all(d.probs is None for d in drafts):
-            return None
-        b, k_pad = draft_tokens.shape
-        draft_probs = torch.zeros((b, k_pad, vocab), dtype=torch.float32, device=self.device)
-        for i, d in enumerate(drafts):
-            k = len(d.token_ids)
-            if d.probs is not None:
-                draft_probs[i, :k] = d.probs
-            elif k:
-                draft_probs[i, torch.arange(k), draft_tokens[i, :k]] = 1.0
-        return draft_probs
+    def _draft_probs(self, drafts: Sequence[Draft], draft_tokens: torch.Tensor) -> torch.Tensor | None:
+        """[B, K, V] on the device (`stack_draft_probs`), None when every draft is one-hot."""
+        return stack_draft_probs([d.probs for d in drafts], draft_tokens, [len(d.token_ids) for d in drafts],
+                                 self.model.config.vocab_size, self.device)
 
     def _accept_reject(self, requests: Sequence[Request], drafts: Sequence[Draft], draft_tokens: torch.Tensor,
                        target_logits: torch.Tensor) -> VerifyResult:
@@ -301,7 +308,7 @@ class SpeculativeRunner(ContinuousRunner):
         flat_params = [p for p in params for _ in range(width)]
         target_probs = logits_to_probs(target_logits.reshape(b * width, vocab), flat_params,
                                        contexts).view(b, width, vocab)  # [B, K+1, V]
-        draft_probs = self._draft_probs(drafts, draft_tokens, vocab)
+        draft_probs = self._draft_probs(drafts, draft_tokens)
         uniforms = to_device(round_uniforms([r.generator for r in requests], num_draft, k_pad), self.device)  # [B, K+1]
         return verify(draft_tokens, num_draft, draft_probs, target_probs, uniforms[:, :k_pad], uniforms[:, k_pad])
 

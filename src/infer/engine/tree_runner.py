@@ -32,7 +32,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner
-from infer.engine.speculative_runner import SpeculativeRunner
+from infer.engine.speculative_runner import SpeculativeRunner, stack_draft_probs
 from infer.logprobs import emitted_logprobs
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
@@ -110,7 +110,8 @@ class TreeSpeculativeRunner(SpeculativeRunner):
                                 [d.rows_used for d in drafts], width=shape.num_nodes + 1)
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
-        draft_probs = self._tree_draft_probs(drafts, node_tokens, vocab)
+        draft_probs = stack_draft_probs([d.probs for d in drafts], node_tokens, [shape.num_nodes] * batch, vocab,
+                                        self.device)
         greedy = [p.greedy for p in params]
         if all(temperature_only(p, vocab) and p.logprobs is None for p in params):
             # greedy and temperature-only rows: the forward function verifies too (a CUDA graph on the GPU)
@@ -146,21 +147,6 @@ class TreeSpeculativeRunner(SpeculativeRunner):
         depend on its own draft only, never on its batch."""
         counts = [self.tree.num_uniforms - 1 if d.num_proposed else 0 for d in drafts]
         return round_uniforms([r.generator for r in requests], counts, self.tree.num_uniforms - 1)
-
-    def _tree_draft_probs(self, drafts: Sequence[TreeDraft], node_tokens: torch.Tensor,
-                          vocab: int) -> torch.Tensor | None:
-        """[B, N, V] draft distributions on the device, or None when every draft is
-        deterministic; a deterministic row among model drafts gets one-hot rows."""
-        if all(d.probs is None for d in drafts):
-            return None
-        n = self.tree.num_nodes
-        out = torch.zeros((len(drafts), n, vocab), dtype=torch.float32, device=self.device)
-        for b, d in enumerate(drafts):
-            if d.probs is not None:
-                out[b] = d.probs
-            else:
-                out[b, torch.arange(n), node_tokens[b]] = 1.0
-        return out
 
     def _tree_target_probs(self, requests: Sequence[Request], drafts: Sequence[TreeDraft],
                            logits: torch.Tensor) -> torch.Tensor:

@@ -198,14 +198,14 @@ def test_a_request_takes_a_draft_slot_at_its_first_round_only(make_llm, ckpt_a, 
 
     def recording():
         out = step()
-        holders.update(r.request_id for r in llm.engine.scheduler.running if r.slot in runner.draft._draft_slots)
+        holders.update(r.request_id for r in llm.engine.scheduler.running if r.slot in runner.draft.draft_slots)
         return out
 
     llm.engine.step = recording
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert holders == drafting and runner.stats.drafts > 0
-    assert runner.draft._draft_slots == {} and llm.engine.leak_report() == []
+    assert runner.draft.draft_slots == {} and llm.engine.leak_report() == []
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
@@ -220,8 +220,8 @@ def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_out
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
     catch_ups = []
-    original = runner.draft._catch_up
-    runner.draft._catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
+    original = runner.draft.catch_up
+    runner.draft.catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert runner.draft.max_feed == 4
@@ -369,7 +369,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     runner = llm.engine.runner
     runner.policy = _SchedulePolicy([3] + [0] * 9)
     widths, inside, counted = [], [], []
-    model_forward, catch_up = runner.draft.model.forward, runner.draft._catch_up
+    model_forward, catch_up = runner.draft.model.forward, runner.draft.catch_up
 
     def forward(ids, *args, **kwargs):
         if inside:
@@ -379,7 +379,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     def counting_catch_up(reqs):
         inside.append(1)
         before = len(widths)
-        behind = [r.num_computed_tokens + 1 - runner.draft.max_feed - runner.draft.pool.seq_len(runner.draft._slot(r))
+        behind = [r.num_computed_tokens + 1 - runner.draft.max_feed - runner.draft.pool.seq_len(runner.draft.slot(r))
                   for r in reqs]
         try:
             catch_up(reqs)
@@ -387,7 +387,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
             inside.clear()
         counted.append((len(widths) - before, max((-(-b // 3) for b in behind), default=0), len(reqs)))
 
-    runner.draft.model.forward, runner.draft._catch_up = forward, counting_catch_up
+    runner.draft.model.forward, runner.draft.catch_up = forward, counting_catch_up
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert widths and max(widths) <= 3 and len(widths) > 10

@@ -172,10 +172,6 @@ class SpeculativeRunner(ContinuousRunner):
     def draft_cache_pool(self) -> CachePoolProtocol | None:
         return self.draft.pool if self.draft is not None else None
 
-    @property
-    def _draft_slots(self) -> dict[int, int]:
-        return self.draft._draft_slots if self.draft is not None else {}
-
     # -- capacity: the proposer's memory beside the target's ---------------------------------------
     def pools(self) -> list[CachePoolProtocol]:
         return super().pools() + self.proposer.pools()

@@ -58,8 +58,8 @@ class DraftModelProposer:
         # every new width)
         self._eager = eager_forward
         self.device = next(model.parameters()).device
-        self._draft_slots: dict[int, int] = {}  # target slot -> draft slot
-        self._round: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
+        self.draft_slots: dict[int, int] = {}  # target slot -> draft slot
+        self.rounds: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
@@ -80,60 +80,60 @@ class DraftModelProposer:
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for positions < total_tokens in the request's draft cache; False (nothing
         taken) when the pool is short: the scheduler preempts. True for a request without a
-        draft slot yet: its first round takes one if the pool has room then (`_take_slot`)."""
+        draft slot yet: its first round takes one if the pool has room then (`take_slot`)."""
         assert request.slot is not None
-        slot = self._draft_slots.get(request.slot)
+        slot = self.draft_slots.get(request.slot)
         return slot is None or self.pool.ensure_capacity(slot, total_tokens)
 
-    def _take_slot(self, request: Request, k: int) -> bool:
+    def take_slot(self, request: Request, k: int) -> bool:
         """Whether the request has a draft slot for a round of k drafts, taken now at its
         first round (room for its context and the drafts); False when the pool has no room
         for it (prefix caching shares the target's prompt blocks, not the draft's): the
         request drafts nothing this round."""
         assert request.slot is not None
-        if request.slot in self._draft_slots:
+        if request.slot in self.draft_slots:
             return True
         need = request.num_computed_tokens + k
         if not self.pool.can_allocate(need):
             return False
-        self._draft_slots[request.slot] = self.pool.allocate_slot(need)
+        self.draft_slots[request.slot] = self.pool.allocate_slot(need)
         return True
 
     def release(self, request: Request) -> None:
-        if request.slot is not None and request.slot in self._draft_slots:
-            self.pool.free_slot(self._draft_slots.pop(request.slot))
-        self._round.pop(request.request_id, None)
+        if request.slot is not None and request.slot in self.draft_slots:
+            self.pool.free_slot(self.draft_slots.pop(request.slot))
+        self.rounds.pop(request.request_id, None)
 
     def leak_report(self) -> list[str]:
-        extra = [f"draft slot map still holds {self._draft_slots}"] if self._draft_slots else []
+        extra = [f"draft slot map still holds {self.draft_slots}"] if self.draft_slots else []
         return extra + [f"draft pool: {p}" for p in self.pool.leak_report()]
 
-    def _slot(self, request: Request) -> int:
+    def slot(self, request: Request) -> int:
         assert request.slot is not None
-        return self._draft_slots[request.slot]
+        return self.draft_slots[request.slot]
 
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         drafts = [Draft([], None) for _ in requests]
-        active = [i for i, k in enumerate(ks) if k > 0 and self._take_slot(requests[i], k)]
+        active = [i for i, k in enumerate(ks) if k > 0 and self.take_slot(requests[i], k)]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
         k_of = [ks[i] for i in active]
-        self._catch_up([r for r in reqs if self._behind(r)])
+        self.catch_up([r for r in reqs if self.behind(r)])
         tokens, probs = self._draft_loop(reqs, k_of)
         for j, i in enumerate(active):
             k = k_of[j]
             drafts[i] = Draft(tokens[j][:k], None if probs is None else probs[j, :k])
-            self._round[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
+            self.rounds[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
         return drafts
 
-    def _behind(self, request: Request) -> bool:
+    def behind(self, request: Request) -> bool:
         """Whether the draft misses more tokens than draft step 1 can feed (max_feed)."""
-        return request.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self._slot(request))
+        return request.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self.slot(request))
 
-    def _catch_up(self, reqs: Sequence[Request]) -> None:
+    def catch_up(self, reqs: Sequence[Request]) -> None:
         """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
 
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
@@ -145,7 +145,7 @@ class DraftModelProposer:
         """
         todo = list(reqs)
         while todo:
-            slots = [self._slot(r) for r in todo]
+            slots = [self.slot(r) for r in todo]
             starts = [self.pool.seq_len(s) for s in slots]
             lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
                     for r, d in zip(todo, starts, strict=True)]
@@ -158,7 +158,7 @@ class DraftModelProposer:
             for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
                 ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
             (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
-            todo = [r for r in todo if self._behind(r)]
+            todo = [r for r in todo if self.behind(r)]
 
     def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).
@@ -171,7 +171,7 @@ class DraftModelProposer:
         (`sample`: inside the step's CUDA graph when there is one).
         """
         batch, k_max = len(reqs), max(ks)
-        slots = [self._slot(r) for r in reqs]
+        slots = [self.slot(r) for r in reqs]
         params = [r.sampling_params for r in reqs]
         greedy = all(p.greedy and not p.penalized for p in params)
         contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
@@ -238,10 +238,10 @@ class DraftModelProposer:
         return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
 
     def on_accepted(self, request: Request, num_accepted: int) -> None:
-        n, k = self._round.pop(request.request_id, (None, 0))
+        n, k = self.rounds.pop(request.request_id, (None, 0))
         if n is None:
             return
-        slot = self._slot(request)
+        slot = self.slot(request)
         self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))
 
     # -- tree speculation: the level-by-level expansion is in draft_tree.py ---------

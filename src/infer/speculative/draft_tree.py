@@ -57,12 +57,12 @@ def propose_tree(proposer: DraftModelProposer, requests: Sequence[Request], shap
         raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
     drafts = [TreeDraft.empty(shape) for _ in requests]
     active = [i for i, k in enumerate(depths)
-              if k > 0 and proposer._take_slot(requests[i], fed_positions(shape, k))]
+              if k > 0 and proposer.take_slot(requests[i], fed_positions(shape, k))]
     if not active:
         return drafts
     reqs = [requests[i] for i in active]
     ks = [min(depths[i], shape.depth) for i in active]
-    proposer._catch_up([r for r in reqs if proposer._behind(r)])
+    proposer.catch_up([r for r in reqs if proposer.behind(r)])
     tokens, probs = expand(proposer, reqs, ks, shape)
     n = shape.num_nodes
     for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
@@ -70,7 +70,7 @@ def propose_tree(proposer: DraftModelProposer, requests: Sequence[Request], shap
         row_probs = None if probs is None or r.sampling_params.greedy else probs[j]
         drafts[i] = TreeDraft(shape, tuple(tokens[j][:keep]) + (0,) * (n - keep),
                               (True,) * keep + (False,) * (n - keep), row_probs)
-        proposer._round[r.request_id] = (r.num_computed_tokens, k)
+        proposer.rounds[r.request_id] = (r.num_computed_tokens, k)
     return drafts
 
 
@@ -80,7 +80,7 @@ def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[i
     or None when every row is greedy). Nodes deeper than a row's k hold 0."""
     device = proposer.device
     batch, n_nodes = len(reqs), shape.num_nodes
-    slots = [proposer._slot(r) for r in reqs]
+    slots = [proposer.slot(r) for r in reqs]
     params = [r.sampling_params for r in reqs]
     all_greedy = all(p.greedy for p in params)
     base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
@@ -152,11 +152,11 @@ def accept_paths(proposer: DraftModelProposer, requests: Sequence[Request], path
     moves: list[PathMove] = []
     ends: list[tuple[int, int]] = []
     for request, nodes in zip(requests, paths, strict=True):
-        n, k = proposer._round.pop(request.request_id, (None, 0))
+        n, k = proposer.rounds.pop(request.request_id, (None, 0))
         if n is None:
             continue
         fed = min(len(nodes), k - 1)
-        slot = proposer._slot(request)
+        slot = proposer.slot(request)
         moves.append(PathMove(slot, n, tuple(nodes[:fed])))
         ends.append((slot, n + 1 + fed))
     move_paths(proposer.pool, moves)

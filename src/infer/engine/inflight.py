@@ -22,17 +22,19 @@ from infer.transfer import to_device
 
 
 class TokenBuffers:
-    """Two pinned host buffers of `size` token ids, used in turn (a plain tensor on a CPU)."""
+    """Two pinned host buffers of `size` token ids and their CUDA events, used in turn (plain
+    tensors and no events on a CPU)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
         self.buffers = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self.turn = 0
         self.device = device
 
-    def next(self) -> torch.Tensor:
+    def next(self) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         self.turn ^= 1
-        return self.buffers[self.turn]
+        return self.buffers[self.turn], self.events[self.turn]
 
 
 @dataclass
@@ -50,12 +52,10 @@ class InFlight:
     def launch(cls, requests: Sequence[Request], tokens: torch.Tensor, buffers: TokenBuffers,
                logprobs: Sequence[TokenLogprobs | None]) -> InFlight:
         """Queue the copy of `tokens` [n] to a pinned buffer and count them as pending."""
-        host = buffers.next()
+        host, event = buffers.next()
         n = len(requests)
         host[:n].copy_(tokens, non_blocking=True)
-        event = None
-        if tokens.is_cuda:
-            event = torch.cuda.Event()
+        if event is not None:
             event.record()
         for r in requests:
             r.pending_tokens += 1
@@ -66,13 +66,16 @@ class InFlight:
 
     def input_ids(self, requests: Sequence[Request]) -> torch.Tensor:
         """[B, 1] input ids of a decode step on the device: each request's newest token, taken
-        from this step's sampled tokens where it is still in flight."""
-        host_ids = torch.tensor([0 if self.holds(r) else r.last_token_id for r in requests])  # [B]
+        from this step's sampled tokens where it is still in flight. The steady state (the
+        same requests, in order) reads them in place; otherwise one copy brings the rows
+        and the host's ids."""
         rows = [self.rows.get(id(r), -1) for r in requests]
-        device = self.tokens.device
-        src = to_device(torch.tensor([max(0, x) for x in rows]), device)  # [B]
-        mine = to_device(torch.tensor([x >= 0 for x in rows]), device)  # [B]
-        return torch.where(mine, self.tokens.index_select(0, src), to_device(host_ids, device))[:, None]
+        if rows == list(range(len(requests))):
+            return self.tokens[:len(requests), None]
+        plan = torch.tensor([[max(0, x) for x in rows], [x >= 0 for x in rows],  # [3, B]: row, in flight?,
+                             [0 if x >= 0 else r.last_token_id for r, x in zip(requests, rows, strict=True)]])  # host id
+        src, mine, host_ids = to_device(plan, self.tokens.device)
+        return torch.where(mine.bool(), self.tokens.index_select(0, src), host_ids)[:, None]
 
     def host_tokens(self) -> list[int]:
         """The sampled ids, once this step's work is done (waits for it alone)."""

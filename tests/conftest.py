@@ -2,7 +2,11 @@
 
 `ckpt_a`, `ckpt_b`, `ckpt_c` are complete model directories (weights, config, tokenizer)
 written once per session by `helpers.checkpoints.make_checkpoint` (see its docstring for
-what each variant exercises); `tiny_model_dir` is `ckpt_a`. Tests marked `gpu` are
+what each variant exercises); `tiny_model_dir` is `ckpt_a`. `make_llm(model_dir,
+**engine_kwargs)` builds an `LLM` (on the CPU unless `device` is given); when the test ends
+every engine it built must report no leaks: every block free (or cached in the prefix tree
+at refcount 0), every slot free, no request left in the scheduler, no draft slot left
+mapped. Tests marked `gpu` are
 skipped when CUDA is unavailable (they are deselected by default; the GPU machine runs
 `pytest -m gpu tests/gpu`).
 
@@ -14,12 +18,15 @@ each other and make many-small-forward tests (greedy loops) 10-30x slower.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from helpers.checkpoints import make_checkpoint
+from infer import LLM
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -53,3 +60,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., LLM]]:
+    built: list[LLM] = []
+
+    def factory(model_dir: str | Path, **kwargs: Any) -> LLM:
+        kwargs.setdefault("device", "cpu")
+        llm = LLM(str(model_dir), **kwargs)
+        built.append(llm)
+        return llm
+
+    yield factory
+    for llm in built:
+        assert llm.engine.leak_report() == [], llm.engine.leak_report()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers.checkpoints import encode
+from helpers.overlap import abort_in_flight, overlap_parity, overlap_prompts
 from infer import LLM, SamplingParams
 from infer.models.kernels import EAGER, compiled_kernels
 
@@ -419,25 +420,19 @@ def test_fp8_engine_with_graphs_drafts_for_itself(ckpt_a):
     assert llm.engine.leak_report() == []
 
 
-@pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
-def test_overlapped_scheduling_matches_synchronous_on_the_gpu(ckpt_a, spec):
-    # graphs, fused kernels, device-resident tokens feeding the next step: the same tokens as
-    # synchronous scheduling (greedy and seeded sampled requests, no finish learnt late, so
-    # both modes run the same batches)
-    prompts = _prompts(ckpt_a)
-    params = [SamplingParams(temperature=[0.0, 1.0, 0.7][i % 3], max_tokens=24, ignore_eos=True, seed=i)
-              for i in range(len(prompts))]
-    kw = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, use_cuda_graphs=True,
-              compile_kernels=False)
-    if spec is not None:
-        kw.update(use_speculative_decoding=True, spec_length=3,
-                  **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method=spec)))
-    outs = []
-    for overlap in (False, True):
-        llm = LLM(str(ckpt_a), async_scheduling=overlap, **kw)
-        outs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
-        assert llm.engine.runner.overlap == overlap and llm.engine.leak_report() == []
-    assert outs[0] == outs[1]
+OVERLAP_GPU = dict(device="cuda", dtype="float32", use_cuda_graphs=True, compile_kernels=False)
+
+
+@pytest.mark.parametrize("config", ["plain", "ngram", "draft", "adaptive", "preempt"])
+def test_overlapped_scheduling_matches_synchronous_on_the_gpu(make_llm, ckpt_a, config):
+    # graphs, device-resident tokens feeding the next step: the CPU suite's scenario (greedy,
+    # seeded sampling, a stop id mid-run, a stop string, max_tokens, top-p; speculation;
+    # preemption) gives the same outputs as synchronous scheduling
+    overlap_parity(make_llm, ckpt_a, overlap_prompts(ckpt_a), config, **OVERLAP_GPU)
+
+
+def test_an_abort_with_a_step_in_flight_on_the_gpu_gives_everything_back(make_llm, ckpt_a):
+    abort_in_flight(make_llm, ckpt_a, overlap_prompts(ckpt_a), **OVERLAP_GPU)
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

@@ -12,8 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from helpers.waiting import wait_until
 from infer import EngineConfig
 from infer.engine.engine import Engine
 from infer.server.launch import LiveServer
@@ -76,13 +76,6 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     if code is not None:
         assert error["code"] == code
     return error
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)  # polling another thread's progress
 
 
 # -- 400 ------------------------------------------------------------------------------------

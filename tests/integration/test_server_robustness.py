@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.waiting import wait_until
 from infer import EngineConfig
 from infer.bench.server_load import start_server
 from infer.engine.engine import Engine
@@ -121,10 +122,7 @@ def test_the_101st_waiting_request_gets_429(server: LiveServer) -> None:
         with ThreadPoolExecutor(100) as pool:
             queued = [pool.submit(httpx.post, server.url + "/v1/completions", json=body, timeout=300)
                       for _ in range(100)]
-            deadline = time.monotonic() + 60
-            while server.state.queue_depth() < 100:  # polling the other threads' progress
-                assert time.monotonic() < deadline, server.state.queue_depth()
-                time.sleep(0.005)
+            wait_until(lambda: server.state.queue_depth() >= 100, 60, what=server.state.queue_depth)
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
             r = httpx.post(server.url + "/v1/completions", json={**body, "n": 2}, timeout=60)

@@ -6,7 +6,8 @@ what each variant exercises); `tiny_model_dir` is `ckpt_a`. `make_llm(model_dir,
 **engine_kwargs)` builds an `LLM` (on the CPU unless `device` is given); when the test ends
 every engine it built must report no leaks: every block free (or cached in the prefix tree
 at refcount 0), every slot free, no request left in the scheduler, no draft slot left
-mapped. Tests marked `gpu` are
+mapped. `tp_ckpt` (8 query heads over 4 KV heads: both split in two) and `tp_draft` (its
+unrelated one-layer draft) serve the tensor-parallel tests. Tests marked `gpu` are
 skipped when CUDA is unavailable (they are deselected by default; the GPU machine runs
 `pytest -m gpu tests/gpu`).
 
@@ -60,6 +61,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tp_ckpt"), variant="a", num_key_value_heads=4)
+
+
+@pytest.fixture(scope="session")
+def tp_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # same tokenizer and vocabulary, unrelated weights, one layer
+    return make_checkpoint(tmp_path_factory.mktemp("tp_draft"), variant="a", seed=123, num_hidden_layers=1,
+                           num_key_value_heads=4)
 
 
 @pytest.fixture

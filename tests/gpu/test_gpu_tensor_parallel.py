@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.checkpoints import encode, make_checkpoint
+from helpers.checkpoints import encode
 from infer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -33,17 +33,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 BF16_TOLERANCE = 0.25
 DUMMY_BF16_TOLERANCE = 1.0
 BASE: dict[str, Any] = dict(device="cuda", dtype="float32", max_seq_len=256, max_batch_size=8, compile_kernels=False)
-
-
-@pytest.fixture(scope="module")
-def tp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("gpu_tp"), variant="a", num_key_value_heads=4)
-
-
-@pytest.fixture(scope="module")
-def tp_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("gpu_tp_draft"), variant="a", seed=123, num_hidden_layers=1,
-                           num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")

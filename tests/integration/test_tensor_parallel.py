@@ -18,25 +18,13 @@ from typing import Any
 
 import pytest
 
-from helpers.checkpoints import encode, make_checkpoint
+from helpers.checkpoints import encode
 from infer import LLM, SamplingParams
 from infer.cache.paged import PagedKVCachePool
 from infer.distributed.channel import HEADER_BYTES
 
 MAX_NEW = 14
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tp_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("tp_ckpt"), variant="a", num_key_value_heads=4)
-
-
-@pytest.fixture(scope="module")
-def tp_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # same tokenizer and vocabulary, unrelated weights, one layer
-    return make_checkpoint(tmp_path_factory.mktemp("tp_draft"), variant="a", seed=123, num_hidden_layers=1,
-                           num_key_value_heads=4)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers.checkpoints import encode, make_checkpoint
+from helpers.checkpoints import encode
 from infer import LLM, SamplingParams
 from infer.distributed.worker import EXIT_DRIVER_GONE
 
@@ -33,11 +33,6 @@ EXIT_WAIT_S = 30.0
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 needs_pidfd = pytest.mark.skipif(sys.platform != "linux" or not hasattr(os, "pidfd_open"),
                                  reason="waits on processes through pidfd_open (Linux)")
-
-
-@pytest.fixture(scope="module")
-def kv4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("kv4"), variant="a", num_key_value_heads=4)
 
 
 def _exited(pid_fds: list[int], timeout: float = EXIT_WAIT_S) -> bool:
@@ -69,9 +64,9 @@ def _children() -> set[int]:
 
 
 @needs_pidfd
-def test_workers_exit_when_the_llm_is_deleted(kv4_ckpt: Path) -> None:
-    llm = LLM(str(kv4_ckpt), device="cpu", max_seq_len=64, tensor_parallel_size=2)
-    prompt = encode(kv4_ckpt, "the quick brown fox")
+def test_workers_exit_when_the_llm_is_deleted(tp_ckpt: Path) -> None:
+    llm = LLM(str(tp_ckpt), device="cpu", max_seq_len=64, tensor_parallel_size=2)
+    prompt = encode(tp_ckpt, "the quick brown fox")
     assert len(llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].outputs[0].token_ids) == 6
     driver = llm.engine.parallel
     assert driver is not None and dist.is_initialized()
@@ -87,8 +82,8 @@ def test_workers_exit_when_the_llm_is_deleted(kv4_ckpt: Path) -> None:
 
 
 @needs_pidfd
-def test_close_ends_the_workers_once_and_the_engine_refuses_work(kv4_ckpt: Path) -> None:
-    with LLM(str(kv4_ckpt), device="cpu", max_seq_len=64, tensor_parallel_size=2) as llm:
+def test_close_ends_the_workers_once_and_the_engine_refuses_work(tp_ckpt: Path) -> None:
+    with LLM(str(tp_ckpt), device="cpu", max_seq_len=64, tensor_parallel_size=2) as llm:
         driver = llm.engine.parallel
         assert driver is not None
         fds = [os.pidfd_open(w.pid) for w in driver.workers]
@@ -112,9 +107,9 @@ sys.stdin.read()  # until the test kills this process
 
 
 @needs_pidfd
-def test_no_orphan_when_the_driver_is_killed(kv4_ckpt: Path) -> None:
+def test_no_orphan_when_the_driver_is_killed(tp_ckpt: Path) -> None:
     env = {**os.environ, "INFER_TEST_THREADS": "1"}  # (NCCL_NVLS_ENABLE and the rest as they are)
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(kv4_ckpt)], stdin=subprocess.PIPE,
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tp_ckpt)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert driver.stdout is not None
@@ -161,32 +156,32 @@ def test_a_worker_exits_as_soon_as_its_drivers_pipe_closes() -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="lists child processes through /proc")
-def test_heads_that_do_not_divide_fail_before_any_process_starts(kv4_ckpt: Path) -> None:
+def test_heads_that_do_not_divide_fail_before_any_process_starts(tp_ckpt: Path) -> None:
     before = _children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 cannot split this model: .*"
                                          r"num_key_value_heads \(4\).* not divisible by 3"):
-        LLM(str(kv4_ckpt), device="cpu", tensor_parallel_size=3)
+        LLM(str(tp_ckpt), device="cpu", tensor_parallel_size=3)
     assert _children() == before and not dist.is_initialized()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="lists child processes through /proc")
-def test_more_ranks_than_gpus_fail_before_any_process_starts(kv4_ckpt: Path,
+def test_more_ranks_than_gpus_fail_before_any_process_starts(tp_ckpt: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     before = _children()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 CUDA devices .* this machine has 1"):
-        LLM(str(kv4_ckpt), device="cuda", tensor_parallel_size=2)
+        LLM(str(tp_ckpt), device="cuda", tensor_parallel_size=2)
     assert _children() == before and not dist.is_initialized()
 
 
-def test_torchrun_ranks_print_what_one_process_prints(kv4_ckpt: Path) -> None:
+def test_torchrun_ranks_print_what_one_process_prints(tp_ckpt: Path) -> None:
     prompt = "the quick brown fox"
-    with LLM(str(kv4_ckpt), device="cpu") as llm:
+    with LLM(str(tp_ckpt), device="cpu") as llm:
         text = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
     torchrun = Path(sys.executable).with_name("torchrun")
     run = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "infer.cli", "generate",
-                          "--model", str(kv4_ckpt), "--device", "cpu", "--tensor-parallel-size", "2",
+                          "--model", str(tp_ckpt), "--device", "cpu", "--tensor-parallel-size", "2",
                           "--prompt", prompt, "--max-tokens", "8"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "INFER_TEST_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-2000:]

@@ -206,11 +206,12 @@ class SpeculativeRunner(ContinuousRunner):
 
     # -- the speculative decode step --------------------------------------------------------------
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
+        if self.clock is None:
+            return super().step(prefill, decode)
         start = self._time()
         self._step_kind = None
         rendered = super().step(prefill, decode)
-        if self.clock is not None:
-            self.clock.stepped(start, None if prefill else self._step_kind)
+        self.clock.stepped(start, None if prefill else self._step_kind)
         return rendered
 
     def draft_lengths(self, requests: Sequence[Request]) -> list[int]:

@@ -32,6 +32,8 @@ KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "cutlass", "sm90", "split
 
 def kind_of(name: str) -> str:
     low = name.lower()
+    if low.startswith("triton_"):  # Inductor's fusions (RMSNorm's name holds "_to_copy_"): norms and elementwise
+        return "elementwise"
     for kind, keys in KINDS:
         if any(k in low for k in keys):
             return kind

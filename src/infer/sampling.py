@@ -379,6 +379,30 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return torch.where(chosen >= 0, chosen, first_positive)
 
 
+def sample_without_replacement(probs: torch.Tensor, uniforms: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W distinct draws a row, one after another, each from `probs` renormalised over the
+    tokens not drawn yet: probs [M, V] >= 0, uniforms [M, W] -> (ids [M, W] long, the
+    distribution each was drawn from [M, W, V] (normalised), drawn [M, W] bool). A draw
+    finds no mass left when the row has fewer than W tokens of positive probability: it is
+    not drawn (id 0, distribution all zero). Draw w uses uniform w (`sample_from_probs`)."""
+    if probs.dim() != 2 or uniforms.dim() != 2 or uniforms.shape[0] != probs.shape[0]:
+        raise ValueError(f"probs must be [M, V] and uniforms [M, W], got {tuple(probs.shape)} "
+                         f"and {tuple(uniforms.shape)}")
+    rest = probs.clone()  # [M, V]: the mass not drawn yet
+    ids, dists, drawn = [], [], []
+    for w in range(uniforms.shape[1]):
+        mass = rest.sum(dim=-1, keepdim=True)  # [M, 1]
+        ok = mass[:, 0] > 0  # [M]
+        dist = torch.where(ok[:, None], rest / torch.where(ok[:, None], mass, 1.0), 0.0)  # [M, V]
+        x = torch.where(ok, sample_from_probs(dist, uniforms[:, w]), 0)  # [M]
+        rest = rest.scatter(1, x[:, None], 0.0)
+        ids.append(x)
+        dists.append(dist)
+        drawn.append(ok)
+    return torch.stack(ids, dim=1), torch.stack(dists, dim=1), torch.stack(drawn, dim=1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            contexts: Sequence[Context] | None,
            generators: Sequence[torch.Generator]) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.sampling import sample_from_probs
+from infer.sampling import sample_from_probs, sample_without_replacement
 from infer.speculative.tree import TreeShape
 from infer.speculative.tree_verify import verify_tree_nodes
 
@@ -53,16 +53,36 @@ def _ranked(q: torch.Tensor, width: int, duplicates: bool) -> torch.Tensor:
     return order[..., ranks]
 
 
+def _distinct_tree(shape: TreeShape, q: torch.Tensor, rows: int, gen: torch.Generator, valid: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Siblings drawn without replacement (`sample_without_replacement`, the draft model's
+    way): tokens [R, N], each node's own q [R, N, V], valid [R, N] (siblings that found no
+    mass left are absent, with their descendants)."""
+    n, v = shape.num_nodes, q.shape[-1]
+    parents = torch.tensor(shape.parents)  # [N]
+    tokens, q_rows = torch.zeros(rows, n, dtype=torch.long), torch.zeros(rows, n, v)
+    for d, width in enumerate(shape.branching):
+        lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
+        prev = tokens[:, parents[lo:hi:width]] if d else torch.full((rows, 1), ROOT_TOKEN)  # [R, parents]
+        u = torch.rand(prev.numel(), width, generator=gen, dtype=torch.float64)
+        ids, dists, drawn = sample_without_replacement(q[d, prev].reshape(-1, v), u)
+        tokens[:, lo:hi], q_rows[:, lo:hi] = ids.view(rows, -1), dists.view(rows, hi - lo, v)
+        valid[:, lo:hi] &= drawn.view(rows, -1) & (valid[:, parents[lo:hi]] if d else True)
+    return tokens, q_rows, valid
+
+
 def draft_tree(shape: TreeShape, q: torch.Tensor, rows: int, gen: torch.Generator, mode: str,
                absent: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Draft `rows` trees: node tokens [R, N], their q [R, N, V] (None when deterministic) and
-    node_valid [R, N]. mode "iid": siblings drawn i.i.d. from q(. | parent token); "top":
-    q's best distinct tokens; "dup": q's best tokens, each twice (deterministic modes give
-    every row the same tree: an expanded view). `absent`: each node is dropped with this
-    probability, and its descendants with it."""
+    node_valid [R, N]. mode "iid": siblings drawn i.i.d. from q(. | parent token); "distinct":
+    drawn without replacement; "top": q's best distinct tokens; "dup": q's best tokens, each
+    twice (deterministic modes give every row the same tree: an expanded view). `absent`:
+    each node is dropped with this probability, and its descendants with it."""
     n, v = shape.num_nodes, q.shape[-1]
     parents = torch.tensor(shape.parents)  # [N]
     valid = torch.rand(rows, n, generator=gen) >= absent  # [R, N]
+    if mode == "distinct":
+        return _distinct_tree(shape, q, rows, gen, valid)
     ranked = None if mode == "iid" else _ranked(q, max(shape.branching), mode == "dup")
     r = rows if ranked is None else 1
     tokens = torch.zeros(r, n, dtype=torch.long)

@@ -3,10 +3,11 @@
 Greedy parity with plain decoding for 8 prompts, batch 1 and 8, both backends, prefix
 caching with small prefill chunks, forced preemption; drafted by the target itself (the
 full depth accepted every round), by an unrelated random draft, by n-gram and prompt-lookup
-trees. The accepted path's K/V moves in both caches (a self-draft whose children come in
-reverse rank order still accepts everything), penalties read each node's own context,
-mixed greedy / sampled / log-probability rows share a batch, stops inside an accepted path,
-the length guards near max_seq_len, metrics, configuration. Every engine is leak-checked.
+trees; siblings a one-token draft cannot fill are absent. The accepted path's K/V moves in
+both caches (a self-draft whose children come in reverse rank order still accepts
+everything), penalties read each node's own context, mixed greedy / sampled /
+log-probability rows share a batch, stops inside an accepted path, the length guards near
+max_seq_len, metrics, configuration. Every engine is leak-checked.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def test_paths_through_last_children_move_both_caches(make_llm, ckpt_a, prompts,
     moved = {"target": 0, "draft": 0}
 
     def reversed_children(logits, params, contexts, width, uniforms):
-        kids, q = real_children(logits, params, contexts, width, uniforms)
-        return kids.view(-1, width).flip(1).reshape(-1), q
+        kids, q, drawn = real_children(logits, params, contexts, width, uniforms)
+        assert q is None and drawn is None  # greedy rows: distinct top tokens, one-hot q
+        return kids.view(-1, width).flip(1).reshape(-1), q, drawn
 
     def counting(key):
         def move(pool, moves):
@@ -115,6 +117,19 @@ def test_greedy_parity_with_repetition_penalty(make_llm, ckpt_a, random_draft, p
     assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params)) == ref
     if draft == "self":
         assert _full_depth_every_round(llm.engine.runner.stats)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_siblings_a_one_token_draft_cannot_fill_are_absent(make_llm, ckpt_a, prompts, plain_outputs, batch):
+    # top_k=1 at T=1 samples the argmax, but through the sampled path: the draft draws
+    # siblings without replacement from a one-token q, so only each level's first child is
+    # present (a chain of DEPTH nodes), and the output is plain greedy decoding's
+    params = SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True, seed=5)
+    llm = _tree_llm(make_llm, ckpt_a, ckpt_a, batch)
+    assert _tokens(_run(llm, prompts, batch, params)) == plain_outputs
+    stats = llm.engine.runner.stats
+    assert _full_depth_every_round(stats)
+    assert stats.draft_tokens == sum(stats.drafted_per_position)  # one node a depth: the siblings absent
 
 
 def test_mixed_rows_share_a_batch(make_llm, ckpt_a, prompts, plain_outputs):

@@ -15,6 +15,7 @@ from infer.sampling import (
     make_generator,
     sample,
     sample_from_probs,
+    sample_without_replacement,
 )
 
 NEG_INF = float("-inf")
@@ -237,6 +238,33 @@ def test_empirical_frequencies_match_probs() -> None:
     freq = torch.bincount(ids, minlength=9).double() / n
     assert 0.5 * (freq - probs.double()).abs().sum() < 0.01
     assert freq[1] == 0 and freq[6] == 0
+
+
+def test_draws_without_replacement_are_distinct_and_each_from_the_renormalised_rest() -> None:
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.tensor([0.4, 0.0, 0.3, 0.2, 0.1])  # [5]
+    n = 200_000
+    ids, dists, drawn = sample_without_replacement(probs.expand(n, -1),
+                                                   torch.rand(n, 2, generator=gen, dtype=torch.float64))
+    assert bool(drawn.all()) and bool((ids[:, 0] != ids[:, 1]).all()) and not bool((ids == 1).any())
+    assert torch.equal(dists[:, 0], probs.expand(n, -1))  # the first draw: probs itself
+    rest = probs.expand(n, -1).scatter(1, ids[:, :1], 0.0)
+    assert torch.allclose(dists[:, 1], rest / rest.sum(-1, keepdim=True))  # the second: the rest, renormalised
+    # the second draw's frequencies given the first match that renormalised rest
+    first = ids[:, 0] == 0
+    freq = torch.bincount(ids[first, 1], minlength=5).double() / int(first.sum())
+    assert 0.5 * (freq - torch.tensor([0.0, 0.0, 0.5, 1 / 3, 1 / 6], dtype=torch.float64)).abs().sum() < 0.01
+
+
+def test_a_draw_that_finds_no_mass_left_is_absent() -> None:
+    probs = torch.tensor([[0.0, 0.7, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]])  # [2, 4]
+    u = torch.full((2, 3), 0.5, dtype=torch.float64)
+    ids, dists, drawn = sample_without_replacement(probs, u)
+    assert drawn.tolist() == [[True, True, False], [True, True, True]]
+    assert sorted(ids[0, :2].tolist()) == [1, 2] and ids[0, 2] == 0 and bool((dists[0, 2] == 0).all())
+    assert len(set(ids[1].tolist())) == 3
+    with pytest.raises(ValueError, match="uniforms"):
+        sample_without_replacement(probs, u[0])
 
 
 def test_draw_uniforms_rows_come_from_their_own_generator() -> None:

@@ -102,6 +102,33 @@ def test_lossless_with_absent_nodes() -> None:
     assert stats["absent"] > 0.9
 
 
+def test_lossless_siblings_drawn_without_replacement() -> None:
+    shape = TreeShape.parse("3,2,2")  # each sibling from q renormalised over the tokens not yet taken
+    p, q = _softmax_tables(8, shape.depth, seed=80, lead=2.0, draft_noise=0.6)
+    stats = _check(shape, p, q, seed=81, mode="distinct")
+    assert stats["dup_root"] == 0.0
+
+
+def test_lossless_without_replacement_when_q_runs_out_of_tokens() -> None:
+    shape, v = TreeShape.parse("3,2,1"), 8
+    target, draft = markov_tables(v, shape.depth, seed=90, lead=2.0, draft_noise=0.6)
+    second = draft.topk(2, dim=-1).values[..., -1:]  # q keeps 2 tokens a context: a third sibling finds none
+    p, q = torch.softmax(target, -1), torch.softmax(draft.masked_fill(draft < second, float("-inf")), -1)
+    stats = _check(shape, p, q, seed=91, mode="distinct")
+    assert stats["absent"] == 1.0
+
+
+def test_siblings_without_replacement_accept_more_than_iid_siblings_of_a_confident_wrong_draft() -> None:
+    # the point of drawing without replacement: when the draft is sure of a token the target
+    # rejects, an i.i.d. sibling mostly repeats it and is rejected again
+    shape = TreeShape.parse("2,1,1")
+    target, draft = markov_tables(32, shape.depth, seed=100, draft_noise=1.0)
+    p, q = torch.softmax(target, -1), torch.softmax(draft * 1.5, -1)  # a noisy, sharpened draft
+    accepted = {mode: float(run_rounds(shape, p, q, 50_000, seed=101, mode=mode)[0][:, shape.depth].float().mean())
+                for mode in ("iid", "distinct")}
+    assert accepted["distinct"] > accepted["iid"] + 0.2, accepted  # (1.51 against 0.99 at these seeds)
+
+
 def test_negative_control_accepting_the_first_child_fails_the_same_check() -> None:
     shape = TreeShape.parse("3,2,2")
     p, q = _softmax_tables(8, shape.depth, seed=10, lead=2.0, draft_noise=0.6)

@@ -1,5 +1,5 @@
-"""Tree proposers' pure parts: a draft model's children per node (top-b at T=0, independent
-draws from q when sampling, mixed rows), n-gram trees cut at a depth limit, and the storage
+"""Tree proposers' pure parts: a draft model's children per node (top-b at T=0, draws from q
+without replacement when sampling, mixed rows), n-gram trees cut at a depth limit, and the storage
 guard of the tree runner."""
 
 from __future__ import annotations
@@ -19,25 +19,29 @@ SHAPE = TreeShape((3, 2, 1, 1))  # level_starts 0, 3, 9, 15, 21
 
 def test_greedy_children_are_the_top_tokens_in_rank_order():
     logits = torch.tensor([[0.1, 3.0, 2.0, -1.0, 2.5], [5.0, 0.0, 1.0, 4.0, 0.5]])
-    kids, q = children(logits, [SamplingParams(temperature=0)] * 2, None, 3, None)
-    assert kids.tolist() == [1, 4, 2, 0, 3, 2] and q is None
+    kids, q, drawn = children(logits, [SamplingParams(temperature=0)] * 2, None, 3, None)
+    assert kids.tolist() == [1, 4, 2, 0, 3, 2] and q is None and drawn is None
 
 
-def test_sampled_children_are_independent_draws_from_q_with_duplicates_kept():
+def test_sampled_children_are_distinct_each_drawn_from_the_rest_of_q():
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])
     params = [SamplingParams(temperature=1.0)]
-    kids, q = children(logits, params, None, 3, torch.tensor([0.1, 0.1, 0.9], dtype=torch.float64))
-    assert kids.tolist() == [0, 0, 3]  # one parent, its three children: two share a token
-    assert q is not None and q.shape == (3, 4) and torch.allclose(q, torch.full((3, 4), 0.25))
+    kids, q, drawn = children(logits, params, None, 3, torch.tensor([0.1, 0.1, 0.9], dtype=torch.float64))
+    assert kids.tolist() == [0, 1, 3]  # the same uniform twice still gives two tokens
+    assert q is not None and drawn is not None and drawn.tolist() == [True] * 3
+    expected = torch.tensor([[0.25] * 4, [0.0] + [1 / 3] * 3, [0.0, 0.0, 0.5, 0.5]])
+    assert torch.allclose(q, expected)  # each child's own q: the rest of q after its elder siblings
 
 
 def test_mixed_rows_and_penalties():
     logits = torch.tensor([[1.0, 2.0, 0.0], [1.0, 2.0, 0.0]])
     params = [SamplingParams(temperature=0, repetition_penalty=4.0), SamplingParams(temperature=1.0, top_k=1)]
-    kids, q = children(logits, params, [[1], [1]], 2, torch.tensor([0.3, 0.7, 0.3, 0.7], dtype=torch.float64))
-    # row 0 (greedy): token 1 penalised below token 0; row 1: top-k 1 leaves token 1 only
-    assert kids.tolist() == [0, 1, 1, 1]
-    assert q is not None and q[2:].tolist() == [[0.0, 1.0, 0.0]] * 2
+    kids, q, drawn = children(logits, params, [[1], [1]], 2,
+                              torch.tensor([0.3, 0.7, 0.3, 0.7], dtype=torch.float64))
+    # row 0 (greedy): token 1 penalised below token 0; row 1: top-k 1 leaves token 1 only, so
+    # its second child finds no mass left and is absent
+    assert kids.tolist() == [0, 1, 1, 0] and drawn is not None and drawn.tolist() == [True, True, True, False]
+    assert q is not None and q[2:].tolist() == [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]
 
 
 def test_fed_positions_and_storage_guard():

@@ -15,11 +15,14 @@ n = the request's computed tokens (g = tokens[n] is pending):
    row's deepest level is never fed, as a chain's last draft is not.
 
 Children of a node: greedy rows take the top-b tokens of the draft's (penalised) logits in
-rank order (distinct); sampled rows take b independent draws from q, the draft distribution
-after the request's sampling transforms (duplicates stay separate nodes: the verifier is
-exact for them), node i drawn with uniform i of N drawn per round from the request's own
-generator, so a seeded request's draft never depends on its batch. q is reported per node
-(siblings share their parent's); greedy rows report none (one-hot q).
+rank order (distinct); sampled rows draw b distinct tokens from q, the draft distribution
+after the request's sampling transforms, without replacement: sibling j is drawn from q
+renormalised over the tokens siblings 1 .. j-1 took (`sample_without_replacement`), and that
+is the q reported for it, so the verifier's rule (`tree_verify`) stays exact while no node
+repeats a sibling. A sibling that finds no mass left (q with fewer than b tokens) is absent,
+with its descendants. Node i is drawn with uniform i of N drawn per round from the request's
+own generator, so a seeded request's draft never depends on its batch. Greedy rows report
+no q (one-hot).
 
 After verification `accept_paths` moves the accepted nodes the draft was fed into sequence
 order and truncates its cache to n + 1 + min(L, k_b - 1): what a chain round of k_b drafts
@@ -35,7 +38,7 @@ import torch
 
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import BatchLayout
-from infer.sampling import SamplingParams, adjust_logits, draw_uniforms, sample_from_probs
+from infer.sampling import SamplingParams, adjust_logits, draw_uniforms, sample_without_replacement
 from infer.speculative.tree import TreeChunk, TreeDraft, TreeShape
 from infer.transfer import tensor_on, to_device
 
@@ -63,21 +66,26 @@ def propose_tree(proposer: DraftModelProposer, requests: Sequence[Request], shap
     reqs = [requests[i] for i in active]
     ks = [min(depths[i], shape.depth) for i in active]
     proposer.catch_up([r for r in reqs if proposer.behind(r)])
-    tokens, probs = expand(proposer, reqs, ks, shape)
+    tokens, probs, drawn = expand(proposer, reqs, ks, shape)
     n = shape.num_nodes
     for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
         keep = shape.level_starts[k]
+        valid = [False] * n
+        for node in range(keep):  # breadth-first: a parent's flag is set before its children's
+            parent = shape.parents[node]
+            valid[node] = bool(drawn[j][node]) and (parent < 0 or valid[parent])
         row_probs = None if probs is None or r.sampling_params.greedy else probs[j]
-        drafts[i] = TreeDraft(shape, tuple(tokens[j][:keep]) + (0,) * (n - keep),
-                              (True,) * keep + (False,) * (n - keep), row_probs)
+        drafts[i] = TreeDraft(shape, tuple(t if ok else 0 for t, ok in zip(tokens[j], valid, strict=True)),
+                              tuple(valid), row_probs)
         proposer.rounds[r.request_id] = (r.num_computed_tokens, k)
     return drafts
 
 
 def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[int],
-           shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None]:
+           shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
     """Levels 0 .. max(ks) - 1 -> (tokens [A][N] on the host, probs [A, N, V] on the device
-    or None when every row is greedy). Nodes deeper than a row's k hold 0."""
+    or None when every row is greedy, drawn [A][N] on the host: 0 where a sibling found no
+    mass left). Nodes deeper than a row's k hold 0."""
     device = proposer.device
     batch, n_nodes = len(reqs), shape.num_nodes
     slots = [proposer.slot(r) for r in reqs]
@@ -86,6 +94,7 @@ def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[i
     base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
     uniforms = None if all_greedy else to_device(draw_uniforms([r.generator for r in reqs], n_nodes), device)  # [A, N]
     tokens = torch.zeros((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
+    drawn = torch.ones((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
     probs_out: torch.Tensor | None = None
     # level 0: the unseen tail tokens[d : n + 1] (g last)
     starts = [proposer.pool.seq_len(s) for s in slots]
@@ -106,9 +115,11 @@ def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[i
             contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])
                         for a in alive for p in parents]
         flat = logits.reshape(-1, logits.shape[-1])  # [A' * P, V]
-        kids, q = children(flat, [params[a] for a in alive for _ in range(logits.shape[1])], contexts, width,
-                           None if uniforms is None else uniforms[rows, lo:hi].reshape(-1))
+        kids, q, ok = children(flat, [params[a] for a in alive for _ in range(logits.shape[1])], contexts, width,
+                               None if uniforms is None else uniforms[rows, lo:hi].reshape(-1))
         tokens[rows, lo:hi] = kids.view(len(alive), hi - lo)
+        if ok is not None:
+            drawn[rows, lo:hi] = ok.view(len(alive), hi - lo).long()
         if q is not None:
             if probs_out is None:
                 probs_out = torch.zeros((batch, n_nodes, q.shape[-1]), dtype=q.dtype, device=device)
@@ -123,27 +134,30 @@ def expand(proposer: DraftModelProposer, reqs: Sequence[Request], ks: Sequence[i
                                [hi - lo] * len(alive))
         logits = proposer.step_forward.tree(tokens[tensor_on(alive, device, torch.long), lo:hi], level,
                                             chunk)  # [A'', P, V]
-    return tokens.tolist(), probs_out  # (the one sync of a round without penalties)
+    host = torch.cat([tokens, drawn], dim=1).tolist()  # (the one sync of a round without penalties)
+    return [row[:n_nodes] for row in host], probs_out, [row[n_nodes:] for row in host]
 
 
 def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
-             width: int, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             width: int, uniforms: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`width` children per parent: logits [M, V] (one row per parent), the parents' params
     and contexts (None: no penalties), uniforms [M * width] (None: every row greedy) ->
-    (tokens [M * width] parent-major, q [M * width, V] float32 or None when every row is
-    greedy). Greedy rows: the top-`width` tokens; others: draws from softmax(adjusted)."""
+    (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
+    bool or None; both None when every row is greedy). Greedy rows: the top-`width` tokens;
+    others: distinct draws from softmax(adjusted), without replacement (module docstring)."""
     adjusted = adjust_logits(logits, params, contexts)  # [M, V] float32
     greedy = [p.greedy for p in params]
     top = adjusted.topk(width, dim=-1).indices.reshape(-1) if any(greedy) else None  # [M * width]
     if uniforms is None or all(greedy):
         assert top is not None
-        return top, None
-    q = torch.softmax(adjusted, dim=-1).repeat_interleave(width, dim=0)  # [M * width, V]
-    drawn = sample_from_probs(q, uniforms)  # [M * width]
+        return top, None, None
+    ids, dists, ok = sample_without_replacement(torch.softmax(adjusted, dim=-1), uniforms.view(-1, width))
+    drawn, q, ok = ids.reshape(-1), dists.reshape(-1, dists.shape[-1]), ok.reshape(-1)  # [M * width] ...
     if top is None:
-        return drawn, q
+        return drawn, q, ok
     mask = tensor_on(greedy, logits.device, torch.bool).repeat_interleave(width)  # [M * width]
-    return torch.where(mask, top, drawn), q
+    return torch.where(mask, top, drawn), q, mask | ok
 
 
 def accept_paths(proposer: DraftModelProposer, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:

@@ -240,8 +240,9 @@ class TreeDraft:
 
     Absent nodes (valid False, token 0) were not proposed: the verifier never accepts them and
     they leave its distributions untouched. A present node's parent is present. `probs` is the
-    draft distribution each node was sampled from ([N, V], siblings share their parent's q),
-    or None for deterministic proposals (n-gram tables: one-hot q at the node's token)."""
+    draft distribution each node was sampled from ([N, V]; a draft model draws siblings
+    without replacement, each from its own renormalised q), or None for deterministic
+    proposals (n-gram tables: one-hot q at the node's token)."""
 
     shape: TreeShape
     token_ids: tuple[int, ...]  # [N]

@@ -17,9 +17,12 @@ The rule, per row, starting at the root (the pending token g) with p = target_pr
     and try x's children.
   If every child is rejected (or there are none present) the final token is drawn from the
   last residual p; if a leaf is accepted it is the bonus token, drawn from p at the leaf.
-Children drawn i.i.d. from one q (siblings carry the same q) and deterministic children (one
-q_x per child, duplicates allowed) are both exact: after a rejected x, the residual gives x
-mass 0, so a duplicate of x is rejected and changes nothing. Greedy rows (one-hot p) follow
+The rule is exact whenever each child x is drawn from its own q_x given what was drawn
+before it: children drawn i.i.d. from one q (siblings carry the same q), children drawn
+without replacement (sibling j from q renormalised over the tokens of siblings 1 .. j-1,
+which the residual has already zeroed: a rejected x had p(x) < q_x(x)), and deterministic
+children (one-hot q_x, duplicates allowed: after a rejected x the residual gives x mass 0,
+so a duplicate of x is rejected and changes nothing). Greedy rows (one-hot p) follow
 the first child equal to the target's argmax and emit the argmax: no special case.
 
 Uniforms: a row takes a fixed [U] vector, U = shape.num_uniforms = sum(branching) + 1:

@@ -153,11 +153,11 @@ def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: S
         assert top is not None
         return top, None, None
     ids, dists, ok = sample_without_replacement(torch.softmax(adjusted, dim=-1), uniforms.view(-1, width))
-    drawn, q, ok = ids.reshape(-1), dists.reshape(-1, dists.shape[-1]), ok.reshape(-1)  # [M * width] ...
+    sampled, q, ok = ids.reshape(-1), dists.reshape(-1, dists.shape[-1]), ok.reshape(-1)  # [M * width] ...
     if top is None:
-        return drawn, q, ok
+        return sampled, q, ok
     mask = tensor_on(greedy, logits.device, torch.bool).repeat_interleave(width)  # [M * width]
-    return torch.where(mask, top, drawn), q, mask | ok
+    return torch.where(mask, top, sampled), q, mask | ok
 
 
 def accept_paths(proposer: DraftModelProposer, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:

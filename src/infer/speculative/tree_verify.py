@@ -78,6 +78,23 @@ def _row_of(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.gather(1, index[:, None, None].expand(-1, 1, t.shape[2])).squeeze(1)
 
 
+def _present(node_tokens: torch.Tensor, node_valid: torch.Tensor | None, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(valid [B, N] bool, tokens [B, N] long with 0 at absent nodes) on `device`."""
+    valid = (torch.ones(node_tokens.shape, dtype=torch.bool, device=device) if node_valid is None
+             else node_valid.to(device=device, dtype=torch.bool))
+    return valid, torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)
+
+
+def _pack(path_tokens: list[torch.Tensor], path_nodes: list[torch.Tensor], final: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per depth the accepted token (0 past the path) and node (-1), and the final token [B]
+    -> (packed [B, depth + 2], nodes [B, depth])."""
+    nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
+    num_accepted = (nodes >= 0).sum(dim=1)  # [B]
+    return torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1), nodes
+
+
 def _test_sampled(p: torch.Tensor, q: torch.Tensor, tok: torch.Tensor, tried: torch.Tensor,
                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One child drawn from q: p, q [B, V], tok [B], tried [B] bool, u [B] -> (accepted [B],
@@ -117,9 +134,7 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
     _check_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
     device = target_probs.device
     b = node_tokens.shape[0]
-    valid = (torch.ones_like(node_tokens, dtype=torch.bool) if node_valid is None
-             else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
-    tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]
+    valid, tokens = _present(node_tokens, node_valid, device)  # [B, N], [B, N]
     u = uniforms.to(device=device, dtype=torch.float64)  # [B, U]
     p = target_probs[:, 0].to(torch.float64, copy=True)  # [B, V]: the current (residual) distribution
     scale = torch.ones(b, dtype=torch.float64, device=device)  # [B]: one-hot path, p * scale
@@ -153,11 +168,7 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
         path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
         path_nodes.append(chosen)
         alive = moved
-    nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
-    num_accepted = (nodes >= 0).sum(dim=1)  # [B]
-    final = sample_from_probs(p, u[:, -1])  # [B] (p need not be normalised)
-    packed = torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1)
-    return packed, nodes
+    return _pack(path_tokens, path_nodes, sample_from_probs(p, u[:, -1]))  # (p need not be normalised)
 
 
 def verify_tree(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -200,9 +211,7 @@ def verify_tree_greedy(shape: TreeShape, target_scores: torch.Tensor, node_token
         raise ValueError(f"node_valid must be None or [{b}, {n}], got shape {tuple(node_valid.shape)}")
     device = target_scores.device
     argmax = target_scores.argmax(dim=-1)  # [B, N+1]
-    valid = (torch.ones(b, n, dtype=torch.bool, device=device) if node_valid is None
-             else node_valid.to(device=device, dtype=torch.bool))  # [B, N]
-    tokens = torch.where(valid, node_tokens.to(device=device, dtype=torch.long), 0)  # [B, N]
+    valid, tokens = _present(node_tokens, node_valid, device)  # [B, N], [B, N]
     slot = torch.zeros(b, dtype=torch.long, device=device)  # [B]: block row of the current node
     local = torch.zeros_like(slot)  # [B]
     alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]
@@ -223,8 +232,4 @@ def verify_tree_greedy(shape: TreeShape, target_scores: torch.Tensor, node_token
         path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
         path_nodes.append(chosen)
         alive = moved
-    nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
-    num_accepted = (nodes >= 0).sum(dim=1)  # [B]
-    final = _column(argmax, slot)  # [B]
-    packed = torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1)
-    return packed, nodes
+    return _pack(path_tokens, path_nodes, _column(argmax, slot))

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers.checkpoints import encode
+from helpers.checkpoints import mixed_prompts
 from infer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
@@ -37,14 +37,7 @@ BASE: dict[str, Any] = dict(device="cuda", dtype="float32", max_seq_len=256, max
 
 @pytest.fixture(scope="module")
 def prompts(tp_ckpt: Path) -> list[list[int]]:
-    rng = random.Random(7)
-    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
-    shared = encode(tp_ckpt, "Once upon a time there was a little robot")[:12]
-    out = [shared + encode(tp_ckpt, " ".join(rng.choice(words) for _ in range(rng.randint(2, 9))), add_bos=False)
-           for _ in range(4)]
-    out.append(encode(tp_ckpt, " ".join(rng.choice(words) for _ in range(40))))
-    out.append(encode(tp_ckpt, "def forward(self, x): return x def forward(self, x): return"))
-    return out
+    return mixed_prompts(tp_ckpt, seed=7)
 
 
 def _tokens(model: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 import shutil
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,19 @@ def encode(directory: str | Path, text: str, add_bos: bool = True) -> list[int]:
 
     tok = Tokenizer.from_file(str(Path(directory) / "tokenizer.json"))
     return tok.encode(text, add_special_tokens=add_bos).ids
+
+
+def mixed_prompts(directory: str | Path, seed: int) -> list[list[int]]:
+    """Six prompts: four share a 12-token start (prefix cache blocks), one is long (chunked
+    prefill), one repeats itself (n-gram matches); the short endings drawn with `seed`."""
+    rng = random.Random(seed)
+    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
+    shared = encode(directory, "Once upon a time there was a little robot")[:12]
+    out = [shared + encode(directory, " ".join(rng.choice(words) for _ in range(rng.randint(2, 9))), add_bos=False)
+           for _ in range(4)]
+    out.append(encode(directory, " ".join(rng.choice(words) for _ in range(40))))
+    out.append(encode(directory, "def forward(self, x): return x def forward(self, x): return"))
+    return out
 
 
 def hf_greedy(hf_model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -12,13 +12,12 @@ any rank (the workers report their pools), its workers exited 0.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers.checkpoints import encode
+from helpers.checkpoints import mixed_prompts
 from infer import LLM, SamplingParams
 from infer.cache.paged import PagedKVCachePool
 from infer.distributed.channel import HEADER_BYTES
@@ -31,14 +30,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 def prompts(tp_ckpt: Path) -> list[list[int]]:
     """Six prompts: four share a 12-token start (prefix cache blocks of 4), one is long
     (chunked prefill at 8 tokens a step), one repeats itself (n-gram matches)."""
-    rng = random.Random(11)
-    words = "the cat sat on the mat and the dog sat on the log while a fox ran".split()
-    shared = encode(tp_ckpt, "Once upon a time there was a little robot")[:12]
-    out = [shared + encode(tp_ckpt, " ".join(rng.choice(words) for _ in range(rng.randint(2, 9))), add_bos=False)
-           for _ in range(4)]
-    out.append(encode(tp_ckpt, " ".join(rng.choice(words) for _ in range(40))))
-    out.append(encode(tp_ckpt, "def forward(self, x): return x def forward(self, x): return"))
-    return out
+    return mixed_prompts(tp_ckpt, seed=11)
 
 
 def _tokens(model: Path, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

@@ -19,7 +19,7 @@ from infer.engine.loading import load_tokenizer
 from infer.tokenization import Tokenizer
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 from infer.tokenization.gguf import byte_level_bpe
-from infer.tokenization.tokenizer import LLAMA3_HEADER_TOKENS
+from infer.tokenization.chat import LLAMA3_HEADER_TOKENS
 
 MIXED = ("<s>Hello world!</s> def f(x):\n    return x**2  # ünïcödé 日本語 🦙\n\n\tTabs  and   "
          "spaces 12345 don't I'll\r\nWhat?</s>world  ")

@@ -54,10 +54,9 @@ class Models:
 
     @classmethod
     def from_options(cls, options: HarnessOptions) -> Models:
-        target = options.model or str(DEMO_TARGET)
-        draft = options.draft_model or (options.model or str(DEMO_DRAFT))
-        demo = tuple(p for p, given in ((DEMO_TARGET, options.model), (DEMO_DRAFT, options.draft_model or options.model))
-                     if given is None)
+        given_draft = options.draft_model or options.model  # --model alone drafts for itself
+        target, draft = options.model or str(DEMO_TARGET), given_draft or str(DEMO_DRAFT)
+        demo = tuple(p for p, given in ((DEMO_TARGET, options.model), (DEMO_DRAFT, given_draft)) if given is None)
         hint = "train them with `python -m infer.demo` (or use a build that ships them), or pass --model"
         return cls(target, draft, (Files(demo, hint),) if demo else ())
 

@@ -488,9 +488,9 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
 
     overlapped = []
 
-    def decode(requests, _decode=runner._decode):
+    def decode(requests, render, _decode=runner._decode):
         overlapped.append(runner._inflight is not None)
-        return _decode(requests)
+        return _decode(requests, render)
 
     runner._time, runner.speculation.proposer.propose, runner._decode = tick, propose, decode
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
@@ -528,7 +528,7 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
                                                                  speculates):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_disable_batch_size=limit)
     seen, decode = [], llm.engine.runner._decode
-    llm.engine.runner._decode = lambda requests: (seen.append(len(requests)), decode(requests))[1]
+    llm.engine.runner._decode = lambda requests, render: (seen.append(len(requests)), decode(requests, render))[1]
     drafts = []
     propose = llm.engine.runner.speculation.proposer.propose
     llm.engine.runner.speculation.proposer.propose = \

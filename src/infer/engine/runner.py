@@ -41,7 +41,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
-from infer.engine.output import OutputProcessor
+from infer.engine.output import OutputProcessor, StepRender
 from infer.engine.request import Request, StepOutput
 from infer.engine.speculation import Speculation, verify_widths
 from infer.engine.verification import Paths, Verification
@@ -97,8 +97,6 @@ class ModelRunner:
                         else self.device.type == "cuda")
         self._inflight: InFlight | None = None
         self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
-        self._rendered: StepResult = []  # this step's outputs so far
-        self._backlog = 0  # tokens accepted before this step, not rendered yet
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, when decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
@@ -129,34 +127,24 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
         """Run a scheduled step; returns the StepOutputs rendered now. Synchronously: this
-        step's. Overlapped: the previous step's tokens are accepted once this step's GPU work
+        step's. Overlapped: the step in flight's tokens are accepted once this step's GPU work
         is queued (the host works while the GPU does), so outputs come one step late."""
         clock = None if self.speculation is None else self.speculation.clock
         start = self._time()
         self._step_kind = None
         if self._inflight is not None and not self._overlaps(prefill, decode):
             self._resolve()  # the host needs that step's tokens before this one
-        self._rendered = []
-        self._backlog = self.output.num_accepted()
-        launched = self._launch(prefill, decode)
+        render = StepRender(self.output)
+        launched = self._launch(prefill, decode, render)
         self._resolve()
         self._inflight = launched
         if not self.overlap:
             self._resolve()
-        self._render_backlog()
-        if not (self.overlap and self.speculation is not None):
-            # (overlapped, a round's tokens are rendered under the next step's GPU work)
-            self._rendered += self.output.render()
+        # (overlapped, a round's own tokens are rendered under the next step's GPU work)
+        outputs = render.finish(render_new=not (self.overlap and self.speculation is not None))
         if clock is not None:
             clock.stepped(start, None if prefill else self._step_kind)
-        return self._rendered
-
-    def _render_backlog(self) -> None:
-        """Render the tokens accepted before this step, once: while the GPU runs this step's
-        work when the runner calls it after queuing that work, else at the step's end."""
-        backlog, self._backlog = self._backlog, 0
-        if backlog:
-            self._rendered += self.output.render(upto=backlog)
+        return outputs
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
         """Whether this step may be queued before the host has the step in flight's tokens:
@@ -170,7 +158,8 @@ class ModelRunner:
         return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None
                        for r in [*decode, *(r for r, _ in prefill)]) and not any(r.pending_tokens for r, _ in prefill)
 
-    def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> InFlight | None:
+    def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
+                render: StepRender) -> InFlight | None:
         """Queue this step's work; the tokens it samples stay on the device (None: no token
         left in flight, the runner accepted its own)."""
         parts: list[Sampled] = []
@@ -179,7 +168,7 @@ class ModelRunner:
             if sampled is not None:
                 parts.append(sampled)
         if decode:
-            tokens = self._decode(decode)
+            tokens = self._decode(decode, render)
             if tokens is not None:
                 parts.append(tokens)
         if not parts:
@@ -229,9 +218,9 @@ class ModelRunner:
             ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
         return self.prefill_forward(ids, layout, all_logits=False)
 
-    def _decode(self, requests: Sequence[Request]) -> Sampled | None:
-        """A decode step: a plain one (tokens left in flight), or a speculation round (its
-        tokens accepted now: None)."""
+    def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
+        """A decode step: a plain one (its tokens left in flight), or a speculation round (its
+        tokens accepted now: None; the backlog is rendered while its verification runs)."""
         spec = self.speculation
         depths, self._planned = self._planned, None
         if spec is None or not any(depths := depths if depths is not None else spec.depths(requests)):
@@ -245,7 +234,7 @@ class ModelRunner:
             return self._plain(requests)  # (a synchronous plain step: not timed)
         self._step_kind = StepKind(len(requests), max(d.depth for d in drafts))
         assert self.verification is not None
-        result, paths = self.verification.run(requests, drafts, self._render_backlog)
+        result, paths = self.verification.run(requests, drafts, render.backlog)
         self._accept(requests, drafts, result, paths)
         return None
 

@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import infer
 from infer.distributed.channel import ControlChannel
 from infer.distributed.group import (LOOPBACK, join, leave, loopback_gloo, plan_devices, torchrun_device,
                                     torchrun_rank)
@@ -187,7 +186,7 @@ class TensorParallelDriver:
     def _spawn(self, spec: WorkerSpec) -> int:
         """Start a worker; returns the read end of its start-up pipe (one byte once it has started)."""
         env = dict(os.environ)
-        src = str(Path(infer.__file__).resolve().parent.parent)  # the workers import this same `infer`
+        src = str(Path(__file__).resolve().parents[2])  # the workers import this same `infer` (src/infer/..)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if sys.platform == "linux":

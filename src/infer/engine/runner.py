@@ -22,7 +22,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn
+from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.output import OutputProcessor
@@ -69,7 +69,8 @@ class ContinuousRunner:
         self.kernels = step_kernels(config, self.device, model)
         self.forward: ForwardFn = self._make_decode_forward()
         # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
-        self.prefill_forward = executor.make_forward(model, self.cache_pool, False, config.max_batch_size, shapes=[])
+        self.prefill_forward = executor.make_forward(model, self.cache_pool,
+                                                     ForwardSpec(max_batch_size=config.max_batch_size))
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
         # (on by default on GPUs: under tensor parallelism the next step's message and launch
         # then overlap the step in flight on every rank)
@@ -82,10 +83,9 @@ class ContinuousRunner:
 
     def _make_decode_forward(self) -> ForwardFn:
         # plain decode: width 1, last logits; with temperature sampling captured as well
-        return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
-                                          self.config.max_batch_size, shapes=[(1, False)], kernels=self.kernels,
-                                          sample_widths=(1,),
-                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+        return self.executor.make_forward(self.model, self.cache_pool, ForwardSpec(
+            self.config.use_cuda_graphs, self.config.max_batch_size, shapes=((1, False),), kernels=self.kernels,
+            sample_widths=(1,), sampling_batch_max=self.config.cuda_graph_sampling_batch_max))
 
     # -- capacity (the scheduler's view) -------------------------------------------------
     def can_admit(self, request: Request) -> bool:

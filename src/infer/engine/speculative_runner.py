@@ -32,7 +32,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn
+from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner, StepResult, step_kernels
@@ -103,10 +103,10 @@ class SpeculativeRunner(ContinuousRunner):
         # probabilities
         verify = [(w, True) for w in range(1, self.config.spec_length + 2)]
         modes = ("greedy", "one_hot") + (("draft_probs",) if self.config.speculative_method == "draft_model" else ())
-        return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
-                                          self.config.max_batch_size, shapes=verify + [(1, False)],
-                                          kernels=self.kernels, verify_modes=modes, sample_widths=(1,),
-                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+        return self.executor.make_forward(self.model, self.cache_pool, ForwardSpec(
+            self.config.use_cuda_graphs, self.config.max_batch_size, shapes=(*verify, (1, False)),
+            kernels=self.kernels, verify_modes=modes, sample_widths=(1,),
+            sampling_batch_max=self.config.cuda_graph_sampling_batch_max))
 
     def _make_proposer(self, draft_model: LlamaForCausalLM | None) -> Proposer:
         config = self.config
@@ -120,18 +120,17 @@ class SpeculativeRunner(ContinuousRunner):
         # round, a few more after plain steps (longer catch-ups run as their own prefill);
         # small batches also get a graph for catch-up chunks
         feeds = range(1, DRAFT_MAX_FEED + 1)
-        step = self.executor.make_forward(draft_model, pool, config.use_cuda_graphs, config.max_batch_size,
-                                          shapes=[(w, False) for w in feeds],
-                                          kernels=step_kernels(config, self.device, draft_model),
-                                          sample_widths=tuple(feeds), small_batch_shapes=[(CATCH_UP_CHUNK, False)],
-                                          sampling_batch_max=config.cuda_graph_sampling_batch_max)
+        step = self.executor.make_forward(draft_model, pool, ForwardSpec(
+            config.use_cuda_graphs, config.max_batch_size, shapes=tuple((w, False) for w in feeds),
+            kernels=step_kernels(config, self.device, draft_model), sample_widths=tuple(feeds),
+            small_batch_shapes=((CATCH_UP_CHUNK, False),), sampling_batch_max=config.cuda_graph_sampling_batch_max))
         # whole-round graphs now, not in the middle of a request: K after a round (1 or 2
         # tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
         # probes; other lengths are captured on first use
         k = config.spec_length
         if self.draft_loop_rounds:
             step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
-        eager = self.executor.make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
+        eager = self.executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size))
         self.draft = DraftModelProposer(draft_model, pool, step, eager)
         return self.draft
 

@@ -30,6 +30,7 @@ from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
+from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.request import Request
 from infer.engine.runner import ContinuousRunner
 from infer.engine.speculative_runner import SpeculativeRunner, stack_draft_probs
@@ -54,7 +55,8 @@ class TreeSpeculativeRunner(SpeculativeRunner):
     draft_loop_rounds = False  # a draft model expands trees level by level (draft_tree.py)
 
     def __init__(self, target_model: LlamaForCausalLM, draft_model: LlamaForCausalLM | None,
-                 tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
+                 tokenizer: Tokenizer | None, config: EngineConfig, eos_token_ids: tuple[int, ...],
+                 executor: Executor = LOCAL) -> None:
         if config.spec_tree is None:
             raise ValueError("TreeSpeculativeRunner needs config.spec_tree")
         self.tree = TreeShape.parse(config.spec_tree)
@@ -62,7 +64,7 @@ class TreeSpeculativeRunner(SpeculativeRunner):
         if max(self.tree.branching) > vocab:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.branching)} children of a node but "
                              f"the vocabulary has {vocab} tokens")
-        super().__init__(target_model, draft_model, tokenizer, config, eos_token_ids)
+        super().__init__(target_model, draft_model, tokenizer, config, eos_token_ids, executor)
         self.verify_chunk = TreeChunk.verification(self.tree)
         modes = ("greedy", "one_hot") + (("draft_probs",) if self.draft is not None else ())
         self.forward.prepare_trees([self.verify_chunk], verify_modes=modes)

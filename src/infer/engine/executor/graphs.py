@@ -46,6 +46,7 @@ from infer.engine.executor.forward import (
     verify_on_logits,
     verify_on_tree_logits,
 )
+from infer.engine.executor.spec import SMALL_BATCH_MAX, VERIFY_MODES
 from infer.engine.executor.staging import (
     _capture_inputs,
     _host_indices,
@@ -81,10 +82,6 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # see GraphForward
-# default `sampling_batch_max`: sampling, acceptance and draft-loop graphs and
-# `small_batch_shapes` only for buckets up to this size (EngineConfig.cuda_graph_sampling_batch_max)
-SMALL_BATCH_MAX = 32
 
 
 @dataclass
@@ -140,7 +137,8 @@ class GraphForward:
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
                  kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
                  small_batch_shapes: Iterable[tuple[int, bool]] = (),
-                 verify_modes: Iterable[str] = (), sampling_batch_max: int = SMALL_BATCH_MAX) -> None:
+                 verify_modes: Iterable[str] = (), sampling_batch_max: int = SMALL_BATCH_MAX,
+                 draft_probs: bool = True) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
         device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
@@ -149,7 +147,9 @@ class GraphForward:
         eagerly). verify_modes:
         for each all-logits width >= 2 of those buckets, capture the acceptance step too, in
         these of VERIFY_MODES: "greedy" (every row greedy: argmax prefix match), "one_hot"
-        (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts)."""
+        (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts).
+        draft_probs: whether sampled draft loops keep each step's probabilities (False: their
+        graphs return the tokens only, and `draft_loop` None for the probabilities)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -158,6 +158,7 @@ class GraphForward:
         if sampling_batch_max < 0:
             raise ValueError(f"sampling_batch_max must be >= 0, got {sampling_batch_max}")
         self.sampling_batch_max = sampling_batch_max
+        self.draft_probs = draft_probs
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
         self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (prepare_draft_loops, or on first use)
@@ -335,9 +336,9 @@ class GraphForward:
         anything else runs the eager loop."""
         n, w = ids.shape
         if max(layout.ends) > self.context_width or layout.chunk_lens != (w + steps - 1,) * n:
-            return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
+            return self._without_probs(self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy))
         if n > min(self.buckets[-1], self.sampling_batch_max):  # no loop graphs: step by step, each step's graph
-            return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
+            return self._without_probs(draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy))
         key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
         if g is None:
@@ -353,6 +354,10 @@ class GraphForward:
         self.pool.commit(layout)
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
+
+    def _without_probs(self, result: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor,
+                                                                                         torch.Tensor | None]:
+        return result if self.draft_probs else (result[0], None)
 
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
         """The same function as `EagerForward.tree`: the chunk's graph for the batch's bucket
@@ -446,7 +451,8 @@ class GraphForward:
                 else:
                     p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
                     new = sample_from_probs(p, floats[2 + i])  # [b]
-                    probs.append(p)
+                    if self.draft_probs:
+                        probs.append(p)
                 tokens.append(new)
                 step_ids = new[:, None]
             return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)

@@ -116,3 +116,4 @@ class Message:
 class WorkerReport:
     rank: int
     problems: list[str]  # leak reports of the worker's pools
+    captures: dict[str, int]  # CUDA graphs its forward functions captured, by kind (`capture_counts`)

@@ -22,6 +22,7 @@ import os
 import pickle
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -103,6 +104,26 @@ def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
                            f"returned {result!r} here, {op.result!r} on the driver")
 
 
+def capture_counts(forwards: Iterable[ForwardFn]) -> dict[str, int]:
+    """The CUDA graphs these forward functions captured, by kind (`GraphForward`'s records;
+    an eager forward function has none): forward steps, tree chunks, draft rounds (greedy,
+    sampled), and what follows a forward: sampling, acceptance, tree verification, and
+    draft rounds that keep their probabilities."""
+    counts = dict.fromkeys(("forward", "trees", "greedy_loops", "sampled_loops", "samplers", "verifiers",
+                            "tree_verifiers", "loops_with_probs"), 0)
+    for forward in forwards:
+        loops = getattr(forward, "loops", {})
+        counts["forward"] += len(getattr(forward, "graphs", {}))
+        counts["trees"] += len(getattr(forward, "trees", {}))
+        counts["greedy_loops"] += sum(1 for key in loops if key[3])
+        counts["sampled_loops"] += sum(1 for key in loops if not key[3])
+        counts["samplers"] += len(getattr(forward, "samplers", {}))
+        counts["verifiers"] += len(getattr(forward, "verifiers", {}))
+        counts["tree_verifiers"] += len(getattr(forward, "tree_verifiers", {}))
+        counts["loops_with_probs"] += sum(1 for loop in loops.values() if loop.probs is not None)
+    return counts
+
+
 class Worker:
     """A worker rank's state: its models by role, and the pools and forward functions the
     driver had it build, by the driver's ids."""
@@ -136,7 +157,7 @@ class Worker:
                 self.forwards[call.forward] = self._make_forward(call)
             case Report():
                 problems = [f"pool {pid}: {p}" for pid, pool in self.pools.items() for p in pool.leak_report()]
-                self.channel.gather_reports(WorkerReport(self.rank, problems))
+                self.channel.gather_reports(WorkerReport(self.rank, problems, capture_counts(self.forwards.values())))
             case Shutdown():
                 return False
         return True

@@ -10,9 +10,9 @@ tells the driver the worker has started. Under `torchrun` a rank above 0 runs
 The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
 operations, then builds a pool or forward function (from the driver's `ForwardSpec`, made
 `forward_only()`: a worker captures no sampling or acceptance graphs), runs the forward part
-of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs, leaves the process groups, returns). Any
-error ends the worker (with its traceback, prefixed by its rank): the driver's next message
-finds it gone and reports its exit code.
+of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs,
+leaves the process groups, returns). Any error ends the worker (with its traceback,
+prefixed by its rank): the driver's next message finds it gone and reports its exit code.
 """
 
 from __future__ import annotations

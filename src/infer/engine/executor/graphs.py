@@ -82,8 +82,6 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -148,8 +146,8 @@ class GraphForward:
         for each all-logits width >= 2 of those buckets, capture the acceptance step too, in
         these of VERIFY_MODES: "greedy" (every row greedy: argmax prefix match), "one_hot"
         (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts).
-        draft_probs: whether sampled draft loops keep each step's probabilities (False: their
-        graphs return the tokens only, and `draft_loop` None for the probabilities)."""
+        draft_probs: whether the graphs of sampled draft rounds keep each step's probabilities
+        (False: the tokens only, no [b, steps, V] output; `draft_loop` returns None for them)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -336,9 +334,9 @@ class GraphForward:
         anything else runs the eager loop."""
         n, w = ids.shape
         if max(layout.ends) > self.context_width or layout.chunk_lens != (w + steps - 1,) * n:
-            return self._without_probs(self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy))
+            return self.eager.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
         if n > min(self.buckets[-1], self.sampling_batch_max):  # no loop graphs: step by step, each step's graph
-            return self._without_probs(draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy))
+            return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
         key = (self._bucket(n), w, steps, all(greedy))
         g = self.loops.get(key)
         if g is None:
@@ -354,10 +352,6 @@ class GraphForward:
         self.pool.commit(layout)
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
-
-    def _without_probs(self, result: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor,
-                                                                                         torch.Tensor | None]:
-        return result if self.draft_probs else (result[0], None)
 
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
         """The same function as `EagerForward.tree`: the chunk's graph for the batch's bucket

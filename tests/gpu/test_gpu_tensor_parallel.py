@@ -5,7 +5,10 @@ tokens of TP=2 equal TP=1's, with CUDA graphs (which capture the all-reduces and
 lm_head's all-gather) and without: greedy with prefix caching and chunked prefill,
 speculation with a draft model (whole on the driver, or sharded: its whole-round graphs
 hold collectives, and its step-by-step path sends the previous step's tokens from GPU to
-GPU), n-gram speculation, seeded sampling, compiled kernels. bf16 on the dummy
+GPU), n-gram speculation, tree speculation (a sharded draft's levels and the verification block
+as tree graphs on every rank, the tree verifier on rank 0 alone), seeded sampling, compiled
+kernels. A worker captures the forward graphs only: no sampling, acceptance or tree
+verification graphs, no draft probabilities (counted from its report). bf16 on the dummy
 Llama-3.2-1B shape: the ranks hold exact parts of the one-GPU dummy model, so TP=2 tokens
 equal TP=1's up to bf16 rounding near-ties. Every engine's worker must exit 0 when it
 closes (its NCCL communicator destroyed after the CUDA graphs that captured it are freed).
@@ -60,6 +63,8 @@ CASES: dict[str, dict[str, Any]] = {
     "draft-on-driver": dict(use_speculative_decoding=True, spec_length=3),
     "draft-sharded": dict(use_speculative_decoding=True, spec_length=3, tensor_parallel_draft="sharded"),
     "ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3),
+    "tree-draft-sharded": dict(use_speculative_decoding=True, spec_tree="2,2", tensor_parallel_draft="sharded"),
+    "tree-ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="3,1"),
     "sampled": {},
 }
 
@@ -72,10 +77,9 @@ def test_tp2_tokens_equal_tp1(tp_ckpt: Path, tp_draft: Path, prompts: list[list[
     params: SamplingParams | list[SamplingParams] = GREEDY
     if case == "draft-on-driver":
         kwargs["draft_model"] = str(tp_draft)
-    if case == "draft-sharded":  # the target drafting for itself; rows of different lengths and kinds
+    if kwargs.get("tensor_parallel_draft") == "sharded":  # the target drafting for itself; mixed rows
         kwargs["draft_model"] = str(tp_ckpt)
-        params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=40 + i, max_tokens=MAX_NEW - (i % 3),
-                                 ignore_eos=True) for i in range(len(prompts))]
+        params = _mixed(len(prompts))
     if case == "sampled":
         params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, seed=100 + i, max_tokens=MAX_NEW,
                                  ignore_eos=True) for i in range(len(prompts))]
@@ -83,6 +87,37 @@ def test_tp2_tokens_equal_tp1(tp_ckpt: Path, tp_draft: Path, prompts: list[list[
     one = _tokens(str(tp_ckpt), prompts, params, rounds, **kwargs)
     two = _tokens(str(tp_ckpt), prompts, params, rounds, tensor_parallel_size=2, **kwargs)
     assert two == one
+
+
+def _mixed(n: int) -> list[SamplingParams]:
+    """Greedy and seeded sampled rows of different lengths."""
+    return [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=40 + i, max_tokens=MAX_NEW - (i % 3),
+                           ignore_eos=True) for i in range(n)]
+
+
+@pytest.mark.parametrize("shape", [{"spec_length": 3}, {"spec_tree": "2,2"}], ids=["chain", "tree"])
+def test_a_worker_captures_forward_graphs_only(tp_ckpt: Path, prompts: list[list[int]], shape: dict[str, Any]) -> None:
+    """Rank 0 samples, accepts and verifies trees; a worker runs each step's forward only.
+    Its sampled draft rounds sample the tokens each next step is fed, and keep no probabilities."""
+    from infer.distributed.worker import capture_counts
+
+    with LLM(str(tp_ckpt), **{**BASE, "use_cuda_graphs": True}, use_speculative_decoding=True,
+             draft_model=str(tp_ckpt), tensor_parallel_size=2, tensor_parallel_draft="sharded", **shape) as llm:
+        llm.generate(prompt_token_ids=prompts, sampling_params=_mixed(len(prompts)))
+        runner = llm.engine.runner
+        driver = capture_counts([runner.forward.local, runner.draft.step_forward.local])
+        reports = llm.engine.parallel.reports()
+    assert driver["samplers"] > 0 and driver["forward"] > 0
+    if "spec_tree" in shape:
+        assert driver["tree_verifiers"] > 0 and driver["trees"] > 0
+    else:
+        assert driver["verifiers"] > 0 and driver["loops_with_probs"] > 0 and driver["sampled_loops"] > 0
+    assert len(reports) == 1
+    worker = reports[0].captures
+    assert {k: worker[k] for k in ("samplers", "verifiers", "tree_verifiers", "loops_with_probs")} == \
+        dict.fromkeys(("samplers", "verifiers", "tree_verifiers", "loops_with_probs"), 0)
+    assert {k: worker[k] for k in ("forward", "trees", "greedy_loops", "sampled_loops")} == \
+        {k: driver[k] for k in ("forward", "trees", "greedy_loops", "sampled_loops")}
 
 
 def _bf16_outputs(model: str, prompts: list[list[int]], max_tokens: int, **kwargs: Any) -> list[Any]:

@@ -20,7 +20,7 @@ from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device
 from infer.distributed.layers import TiedVocabParallelHead, VocabParallelEmbedding, VocabParallelHead
 from infer.distributed.mirror import MirroredPool
-from infer.distributed.protocol import Forward, Message, PoolOp, Sample
+from infer.distributed.protocol import Invoke, Message, PoolOp
 from infer.distributed.sharding import TensorParallelShard
 from infer.distributed.worker import apply_pool_op
 from infer.engine.config import EngineConfig
@@ -243,20 +243,28 @@ def test_a_worker_repeats_the_drivers_pool_operations_and_checks_their_results(c
 def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:
     layout = BatchLayout.of([2, 0], [5, 9], [1, 1])
     ids = torch.tensor([[7], [8]])
+    uniforms = torch.tensor([[0.25], [0.5]], dtype=torch.float64)
     message = Message((PoolOp(0, "ensure_capacity", (2, 6), True),),
-                      Sample(3, ids, layout, (1.0, 0.7), torch.tensor([0.25, 0.5], dtype=torch.float64),
-                             (True, False)))
+                      Invoke(3, "draft_loop", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
     data, wire = encode(message, frozenset())
     assert wire == []  # CPU tensors travel inside the pickle
     got, slots = decode(data, torch.device("cpu"))
-    assert got.ops == message.ops and got.call.layout == layout and slots == []
-    assert torch.equal(got.call.ids, ids) and torch.equal(got.call.uniforms, message.call.uniforms)
+    assert got.ops == message.ops and slots == []
+    assert (got.call.target, got.call.method) == (3, "draft_loop") and got.call.args[1] == layout
+    assert torch.equal(got.call.args[0], ids) and torch.equal(got.call.args[4], uniforms)
     # tensors on the rank's device go beside the pickle: the receiver gets empty ones to fill
-    data, wire = encode(Message((), Forward(1, ids, layout, False)), frozenset({"cpu"}))
+    data, wire = encode(Message((), Invoke(1, "__call__", (ids, layout, False))), frozenset({"cpu"}))
     assert len(wire) == 1 and torch.equal(wire[0], ids)
     got, slots = decode(data, torch.device("cpu"))
     assert len(slots) == 1 and slots[0].shape == ids.shape and slots[0].dtype == ids.dtype
-    assert got.call.ids is slots[0]
+    assert got.call.args[0] is slots[0]
+
+
+def test_a_worker_is_invoked_only_for_the_forward_part_of_a_call() -> None:
+    with pytest.raises(ValueError, match=r"runs one of .*'__call__'.*not 'sample'"):
+        Invoke(0, "sample", ())
+    with pytest.raises(ValueError, match="not 'verify_tree'"):
+        Invoke(0, "verify_tree", ())
 
 
 def test_collective_kernels_are_told_apart() -> None:

@@ -18,10 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from infer.cache.protocol import CachePoolProtocol
-from infer.transfer import tensor_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +52,6 @@ def path_rows(pool: CachePoolProtocol, moves: Sequence[PathMove]) -> tuple[list[
 def move_paths(pool: CachePoolProtocol, moves: Sequence[PathMove]) -> int:
     """Copy each accepted node's K/V rows to its sequence position; returns rows copied."""
     src, dst = path_rows(pool, moves)
-    if not src:
-        return 0
-    device = pool.k_cache.device
-    src_t, dst_t = tensor_on(src, device, torch.long), tensor_on(dst, device, torch.long)  # [M]
-    for cache in (pool.k_cache, pool.v_cache):  # [layers, rows, Hkv, D]
-        cache.index_copy_(1, dst_t, cache.index_select(1, src_t))
+    if src:
+        pool.move_rows(src, dst)
     return len(src)

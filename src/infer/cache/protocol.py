@@ -73,6 +73,11 @@ class CachePoolProtocol(Protocol):
         """Set each slot's length to the end of its chunk (after the forward pass)."""
         ...
 
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy the keys and values of storage rows `src` to rows `dst` (every layer; every
+        source is read before any destination is written). Tree speculation's compaction."""
+        ...
+
     def view(self, layout: BatchLayout) -> CacheView:
         """The attention view for one eager forward pass; `view.commit()` calls `commit`."""
         ...

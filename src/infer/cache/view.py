@@ -226,3 +226,11 @@ class RowPool:
 
     def view(self, layout: BatchLayout) -> CacheView:
         return pool_view(self, layout)
+
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        k_cache: torch.Tensor = self.k_cache  # type: ignore[attr-defined]  # [layers, rows + 1, Hkv, D]
+        v_cache: torch.Tensor = self.v_cache  # type: ignore[attr-defined]
+        src_t, dst_t = tensor_on(list(src), k_cache.device, torch.long), tensor_on(list(dst), k_cache.device,
+                                                                                   torch.long)  # [M]
+        for cache in (k_cache, v_cache):
+            cache.index_copy_(1, dst_t, cache.index_select(1, src_t))

@@ -38,12 +38,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import infer
 from infer.distributed.channel import ControlChannel
 from infer.distributed.group import (LOOPBACK, join, leave, loopback_gloo, plan_devices, torchrun_device,
                                     torchrun_rank)
 from infer.distributed.mirror import Outbox, TensorParallelExecutor, TensorParallelForward
-from infer.distributed.protocol import Report, Shutdown
+from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.sharding import TensorParallelShard
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
@@ -187,7 +186,7 @@ class TensorParallelDriver:
     def _spawn(self, spec: WorkerSpec) -> int:
         """Start a worker; returns the read end of its start-up pipe (one byte once it has started)."""
         env = dict(os.environ)
-        src = str(Path(infer.__file__).resolve().parent.parent)  # the workers import this same `infer`
+        src = str(Path(__file__).resolve().parents[2])  # the workers import this same `infer` (src/infer/..)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         if sys.platform == "linux":
@@ -251,12 +250,16 @@ class TensorParallelDriver:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
-    def leak_report(self) -> list[str]:
-        """The workers' pool leak reports (their pools must be as empty as the driver's)."""
+    def reports(self) -> list[WorkerReport]:
+        """Every worker's report: its pools' leaks, the CUDA graphs it captured ([] once closed)."""
         if self.closed:
             return []
         self.outbox.send(Report())
-        return [f"rank {r.rank}: {p}" for r in self.channel.gather_reports(None) for p in r.problems]
+        return self.channel.gather_reports(None)
+
+    def leak_report(self) -> list[str]:
+        """The workers' pool leak reports (their pools must be as empty as the driver's)."""
+        return [f"rank {r.rank}: {p}" for r in self.reports() for p in r.problems]
 
     def close(self) -> None:
         """End the workers and leave the process groups (idempotent)."""

@@ -5,14 +5,19 @@ tells the workers to build the same for their shard of the model (the runners' s
 code runs once, on the driver). Then:
 
 - `MirroredPool` wraps the driver's KV pool: every operation that changes it (a slot
-  allocated, grown, truncated, freed, a prompt's blocks offered to the prefix cache) is
-  recorded and goes to the workers with the next message, which repeat it on their pools.
-  Pool bookkeeping is deterministic, so every rank's slots, block tables and prefix caches
-  are the driver's, and each rank builds a step's KV row indices itself (for a decode
-  step at batch 32 and a 2048-token context those are 512 KB a step: better not sent).
-- `TensorParallelForward` wraps a forward function: each call is sent to the workers, then
-  run here; the workers run the same call on their shards, and the collectives inside
-  (all-reduces, the lm_head's all-gather) meet. Only rank 0's results are used.
+  allocated, grown, truncated, freed, a prompt's blocks offered to the prefix cache, an
+  accepted tree path's rows moved into place) is recorded and goes to the workers with the
+  next message, which repeat it on their pools. Pool bookkeeping is deterministic, so every
+  rank's slots, block tables and prefix caches are the driver's, and each rank builds a
+  step's KV row indices itself (for a decode step at batch 32 and a 2048-token context
+  those are 512 KB a step: better not sent).
+- `TensorParallelForward` wraps a forward function: each call sends the workers one
+  `Invoke` of its forward part (a `sample` or `verify` is a plain forward there, a
+  `verify_tree` a `tree`), then runs here; the workers run that forward on their shards,
+  and the collectives inside (all-reduces, the lm_head's all-gather) meet. Only rank 0
+  samples, accepts and rejects; its results are the only ones used. A draft model's whole
+  round (`draft_loop`) runs on every rank: each step feeds the token the step before
+  sampled, which every rank samples alike from the all-gathered logits.
 
 A model role placed on the driver alone (a draft with tensor_parallel_draft="driver") gets
 plain local pools and forward functions. Every call must come from one thread, in order.
@@ -22,18 +27,19 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices, pool_view
 from infer.distributed.channel import ControlChannel
-from infer.distributed.protocol import (Call, DraftLoop, Forward, MakeForward, MakePool, Message, PoolOp,
-                                        PrepareDraftLoops, Sample)
+from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, PoolOp
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.forward import ForwardFn
-from infer.models.kernels import EAGER, Kernels
+from infer.engine.executor.spec import ForwardSpec
+from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.tree import TreeChunk
 
@@ -97,6 +103,10 @@ class MirroredPool:
         self.local.commit(layout)
         self._record("commit", (layout,), None)
 
+    def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.local.move_rows(src, dst)
+        self._record("move_rows", (tuple(src), tuple(dst)), None)
+
     # -- reads -----------------------------------------------------------------------------
     @property
     def k_cache(self) -> torch.Tensor:
@@ -154,47 +164,56 @@ class TensorParallelForward:
         """Drop the local forward function (its CUDA graphs hold the NCCL communicator)."""
         self._local = None
 
+    def _invoke(self, method: str, *args: object) -> None:
+        """Have every worker run `method(*args)` of its forward function (before rank 0 runs its own)."""
+        self.outbox.send(Invoke(self.forward_id, method, args))
+
+    # each call: the workers' part first (the forward only: sampling and acceptance are rank 0's), then rank 0's
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        self.outbox.send(Forward(self.forward_id, ids, layout, all_logits))
+        self._invoke("__call__", ids, layout, all_logits)
         return self.local(ids, layout, all_logits)
 
     def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
                uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.outbox.send(Sample(self.forward_id, ids, layout, tuple(temperatures), uniforms, tuple(greedy)))
+        self._invoke("__call__", ids, layout, False)
         return self.local.sample(ids, layout, temperatures, uniforms, greedy)
 
     def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
                draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
                uniforms: torch.Tensor) -> torch.Tensor:
-        # the workers run the verification forward only: acceptance is rank 0's alone
-        self.outbox.send(Forward(self.forward_id, ids, layout, True))
+        self._invoke("__call__", ids, layout, True)
         return self.local.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
 
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
                    uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # every rank samples the same tokens from the same (all-gathered) logits and uniforms
-        self.outbox.send(DraftLoop(self.forward_id, ids, layout, steps, tuple(temperatures), uniforms, tuple(greedy)))
+        # each step feeds the token the step before chose: every rank samples the same tokens
+        # from the same (all-gathered) logits and uniforms (the workers keep no probabilities)
+        self._invoke("draft_loop", ids, layout, steps, tuple(temperatures), uniforms, tuple(greedy))
         return self.local.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
+
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+        self._invoke("tree", ids, layout, chunk)
+        return self.local.tree(ids, layout, chunk)
+
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
+        self._invoke("tree", ids, layout, chunk)
+        return self.local.verify_tree(ids, layout, chunk, node_tokens, node_valid, draft_probs, temperatures,
+                                      greedy, uniforms)
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         return self.local.captured(layout, all_logits)
 
     def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
         w, s = tuple(widths), tuple(steps)
-        self.outbox.send(PrepareDraftLoops(self.forward_id, w, s))
+        self._invoke("prepare_draft_loops", w, s)
         self.local.prepare_draft_loops(w, s)
 
-    # tree speculation is not mirrored (EngineConfig refuses spec_tree with tensor_parallel_size > 1)
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
-        raise NotImplementedError("tree speculation does not run tensor-parallel")
-
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
-                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
-                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("tree speculation does not run tensor-parallel")
-
     def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
-        raise NotImplementedError("tree speculation does not run tensor-parallel")
+        chunks = tuple(chunks)
+        self._invoke("prepare_trees", chunks)  # (the tree graphs only: no verifiers)
+        self.local.prepare_trees(chunks, verify_modes)
 
 
 class TensorParallelExecutor:
@@ -225,26 +244,17 @@ class TensorParallelExecutor:
         self._pools[id(pool)] = pool
         return pool
 
-    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool,
-                     max_batch_size: int, shapes: list[tuple[int, bool]], kernels: Kernels = EAGER,
-                     sample_widths: tuple[int, ...] = (),
-                     small_batch_shapes: list[tuple[int, bool]] | None = None,
-                     verify_modes: tuple[str, ...] = (), sampling_batch_max: int | None = None) -> ForwardFn:
+    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
         role = self._mirrored_role(model)
         mirrored = self._pools.get(id(pool))
         if role is None:
-            return LOCAL.make_forward(model, pool, use_cuda_graphs, max_batch_size, shapes, kernels, sample_widths,
-                                      small_batch_shapes, verify_modes, sampling_batch_max)
+            return LOCAL.make_forward(model, pool, spec)
         if mirrored is None:
             raise ValueError("a tensor-parallel forward function needs a pool made by the same executor")
         forward_id = next(self._ids)
-        self.outbox.send(MakeForward(
-            forward_id, role, mirrored.pool_id, self.config, use_cuda_graphs, max_batch_size,
-            tuple(shapes), kernels.name, tuple(sample_widths),
-            None if small_batch_shapes is None else tuple(small_batch_shapes), tuple(verify_modes),
-            sampling_batch_max))
-        local = LOCAL.make_forward(model, mirrored.local, use_cuda_graphs, max_batch_size, shapes, kernels,
-                                   sample_widths, small_batch_shapes, verify_modes, sampling_batch_max)
-        forward = TensorParallelForward(local, self.outbox, forward_id)
+        # (compiled kernels do not travel: the workers rebuild the bundle `kernels` names)
+        self.outbox.send(MakeForward(forward_id, role, mirrored.pool_id, self.config, replace(spec, kernels=EAGER),
+                                     spec.kernels.name))
+        forward = TensorParallelForward(LOCAL.make_forward(model, mirrored.local, spec), self.outbox, forward_id)
         self.forwards.append(forward)
         return forward

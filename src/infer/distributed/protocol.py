@@ -5,30 +5,35 @@ workers repeat them on their pools, so their slots, block tables and prefix cach
 the driver's; every op carries the driver's result, which the worker checks) and one call:
 
   MakePool / MakeForward    build a pool / forward function for a model role, as the
-                            driver just did (the runners' start-up, mirrored)
-  Forward / Sample /        one call of a forward function (ForwardFn), with the same
-  DraftLoop / PrepareDraftLoops  arguments the driver's call got
+                            driver just did (the runners' start-up, mirrored); a worker's
+                            forward function is built from `ForwardSpec.forward_only()`
+  Invoke                    run a method of a forward function: the forward part of the
+                            driver's call (`__call__`, `tree`, `draft_loop`) or a capture
+                            ahead of use (`prepare_draft_loops`, `prepare_trees`)
   Report                    every worker answers with its pools' leak reports
   Shutdown                  free everything, leave the process group, exit
 
-A step costs one message: ids (CPU [B, T]), the BatchLayout (slots, start positions, chunk
-lengths, width), and for sampling calls the temperatures, greedy flags and uniforms; CPU
-tensors travel inside the message (channel.py). Verification goes to the workers as a plain
-`Forward` with all logits: only rank 0 accepts or rejects, so the workers need no draft
-probabilities.
+A step costs one message: ids (CPU [B, T], or on the device after a step that left its
+tokens there), the BatchLayout (slots, start positions, chunk lengths, width), a tree chunk
+for tree steps, and for a draft model's whole round the temperatures, greedy flags and
+uniforms (every rank samples the tokens it feeds its next step); CPU tensors travel inside
+the message (channel.py). Sampling, verification and tree verification go to the workers as
+their forward (`__call__` or `tree`): only rank 0 samples, accepts or rejects, so the
+workers need no temperatures, draft tokens or draft probabilities for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
+from infer.engine.executor.spec import ForwardSpec
 
 ROLES = ("target", "draft")
-POOL_OPS = ("allocate_slot", "free_slot", "truncate_to", "ensure_capacity", "register_prefix", "commit")
+POOL_OPS = ("allocate_slot", "free_slot", "truncate_to", "ensure_capacity", "register_prefix", "commit",
+            "move_rows")
+# the ForwardFn methods a worker runs: the forward part of each call (mirror.py says which)
+INVOKABLE = ("__call__", "tree", "draft_loop", "prepare_draft_loops", "prepare_trees")
 
 
 def _check_role(role: str) -> None:
@@ -66,14 +71,8 @@ class MakeForward:
     role: str
     pool: int
     config: EngineConfig  # (the kernel bundle is rebuilt from it: `kernels` names the driver's)
-    use_cuda_graphs: bool
-    max_batch_size: int
-    shapes: tuple[tuple[int, bool], ...]
+    spec: ForwardSpec  # the driver's, with the eager kernels in it (compiled kernels do not travel)
     kernels: str  # "eager" | "fused"
-    sample_widths: tuple[int, ...]
-    small_batch_shapes: tuple[tuple[int, bool], ...] | None
-    verify_modes: tuple[str, ...]
-    sampling_batch_max: int | None
 
     def __post_init__(self) -> None:
         _check_role(self.role)
@@ -82,39 +81,16 @@ class MakeForward:
 
 
 @dataclass(frozen=True, slots=True)
-class Forward:
-    forward: int
-    ids: torch.Tensor  # [B, T]
-    layout: BatchLayout
-    all_logits: bool
+class Invoke:
+    """Call `method` of the worker's forward function `target` with `args` (its result is dropped)."""
 
+    target: int
+    method: str  # one of INVOKABLE
+    args: tuple[object, ...]
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    forward: int
-    ids: torch.Tensor  # [B, T]
-    layout: BatchLayout
-    temperatures: tuple[float, ...]
-    uniforms: torch.Tensor  # CPU float64 [B]
-    greedy: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class DraftLoop:
-    forward: int
-    ids: torch.Tensor  # [B, w]
-    layout: BatchLayout
-    steps: int
-    temperatures: tuple[float, ...]
-    uniforms: torch.Tensor  # CPU float64 [B, steps]
-    greedy: tuple[bool, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PrepareDraftLoops:
-    forward: int
-    widths: tuple[int, ...]
-    steps: tuple[int, ...]
+    def __post_init__(self) -> None:
+        if self.method not in INVOKABLE:
+            raise ValueError(f"a worker's forward function runs one of {INVOKABLE}, not {self.method!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +103,7 @@ class Shutdown:
     pass
 
 
-Call = MakePool | MakeForward | Forward | Sample | DraftLoop | PrepareDraftLoops | Report | Shutdown
+Call = MakePool | MakeForward | Invoke | Report | Shutdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,3 +116,4 @@ class Message:
 class WorkerReport:
     rank: int
     problems: list[str]  # leak reports of the worker's pools
+    captures: dict[str, int]  # CUDA graphs its forward functions captured, by kind (`capture_counts`)

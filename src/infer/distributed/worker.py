@@ -8,10 +8,11 @@ tells the driver the worker has started. Under `torchrun` a rank above 0 runs
 `serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
 
 The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
-operations, then builds a pool or forward function, runs a forward call on its shard, answers
-a report, or shuts down (frees its CUDA graphs, leaves the process groups, returns). Any
-error ends the worker (with its traceback, prefixed by its rank): the driver's next message
-finds it gone and reports its exit code.
+operations, then builds a pool or forward function (from the driver's `ForwardSpec`, made
+`forward_only()`: a worker captures no sampling or acceptance graphs), runs the forward part
+of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs,
+leaves the process groups, returns). Any error ends the worker (with its traceback,
+prefixed by its rank): the driver's next message finds it gone and reports its exit code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import os
 import pickle
 import sys
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,12 +31,12 @@ import torch.distributed as dist
 from infer.cache.protocol import CachePoolProtocol
 from infer.distributed.channel import ControlChannel
 from infer.distributed.group import join, leave, torchrun_device
-from infer.distributed.protocol import (Call, DraftLoop, Forward, MakeForward, MakePool, PoolOp,
-                                        PrepareDraftLoops, Report, Sample, Shutdown, WorkerReport)
+from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, PoolOp, Report, Shutdown, WorkerReport
 from infer.distributed.sharding import TensorParallelShard
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
+from infer.engine.executor.spec import ForwardSpec
 from infer.engine.loading import default_model_paths, load_draft, load_target
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.threads import apply_cpu_threads
@@ -93,11 +95,33 @@ def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
             result = pool.register_prefix(*args)  # type: ignore[arg-type]
         case "commit":
             result = pool.commit(*args)  # type: ignore[arg-type]
+        case "move_rows":
+            result = pool.move_rows(*args)  # type: ignore[arg-type]
         case _:
             raise ValueError(f"unknown pool operation {op.name!r}")
     if result != op.result:
         raise RuntimeError(f"rank {rank}: KV pool {op.pool} diverged from the driver's: {op.name}{args!r} "
                            f"returned {result!r} here, {op.result!r} on the driver")
+
+
+def capture_counts(forwards: Iterable[ForwardFn]) -> dict[str, int]:
+    """The CUDA graphs these forward functions captured, by kind (`GraphForward`'s records;
+    an eager forward function has none): forward steps, tree chunks, draft rounds (greedy,
+    sampled), and what follows a forward: sampling, acceptance, tree verification, and
+    draft rounds that keep their probabilities."""
+    counts = dict.fromkeys(("forward", "trees", "greedy_loops", "sampled_loops", "samplers", "verifiers",
+                            "tree_verifiers", "loops_with_probs"), 0)
+    for forward in forwards:
+        loops = getattr(forward, "loops", {})
+        counts["forward"] += len(getattr(forward, "graphs", {}))
+        counts["trees"] += len(getattr(forward, "trees", {}))
+        counts["greedy_loops"] += sum(1 for key in loops if key[3])
+        counts["sampled_loops"] += sum(1 for key in loops if not key[3])
+        counts["samplers"] += len(getattr(forward, "samplers", {}))
+        counts["verifiers"] += len(getattr(forward, "verifiers", {}))
+        counts["tree_verifiers"] += len(getattr(forward, "tree_verifiers", {}))
+        counts["loops_with_probs"] += sum(1 for loop in loops.values() if loop.probs is not None)
+    return counts
 
 
 class Worker:
@@ -122,16 +146,10 @@ class Worker:
     def handle(self, call: Call) -> bool:
         """Run one call; False for Shutdown."""
         match call:
-            case Forward():
-                self.forwards[call.forward](call.ids, call.layout, call.all_logits)
-            case Sample():
-                self.forwards[call.forward].sample(call.ids, call.layout, call.temperatures, call.uniforms,
-                                                   call.greedy)
-            case DraftLoop():
-                self.forwards[call.forward].draft_loop(call.ids, call.layout, call.steps, call.temperatures,
-                                                       call.uniforms, call.greedy)
-            case PrepareDraftLoops():
-                self.forwards[call.forward].prepare_draft_loops(call.widths, call.steps)
+            case Invoke():
+                # the forward part of the driver's call: its collectives meet rank 0's; the
+                # result (this shard's logits, the tokens of a draft round) is rank 0's to use
+                getattr(self.forwards[call.target], call.method)(*call.args)
             case MakePool():
                 self.pools[call.pool] = LOCAL.make_pool(self.models[call.role], call.config,
                                                         prefix_caching=call.prefix_caching)
@@ -139,22 +157,23 @@ class Worker:
                 self.forwards[call.forward] = self._make_forward(call)
             case Report():
                 problems = [f"pool {pid}: {p}" for pid, pool in self.pools.items() for p in pool.leak_report()]
-                self.channel.gather_reports(WorkerReport(self.rank, problems))
+                self.channel.gather_reports(WorkerReport(self.rank, problems, capture_counts(self.forwards.values())))
             case Shutdown():
                 return False
         return True
 
     def _make_forward(self, call: MakeForward) -> ForwardFn:
         model = self.models[call.role]
+        return LOCAL.make_forward(model, self.pools[call.pool], self.worker_spec(call, model))
+
+    def worker_spec(self, call: MakeForward, model: LlamaForCausalLM) -> ForwardSpec:
+        """The driver's spec with this rank's kernel bundle, for the forward part only: no
+        sampling or acceptance graphs, no draft probabilities (rank 0 samples and accepts)."""
         device = next(model.parameters()).device
         kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
-        return LOCAL.make_forward(model, self.pools[call.pool], call.use_cuda_graphs, call.max_batch_size,
-                                  list(call.shapes), kernels=kernels, sample_widths=call.sample_widths,
-                                  small_batch_shapes=(None if call.small_batch_shapes is None
-                                                      else list(call.small_batch_shapes)),
-                                  verify_modes=call.verify_modes, sampling_batch_max=call.sampling_batch_max)
+        return replace(call.spec, kernels=kernels).forward_only()
 
     def release(self) -> None:
         """Free the forward functions (their CUDA graphs hold the NCCL communicator), pools

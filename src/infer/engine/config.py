@@ -133,9 +133,6 @@ class EngineConfig:
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("draft_quantization applies to a draft model: set use_speculative_decoding=True "
                              "with speculative_method='draft_model', or leave draft_quantization unset")
-        if self.tensor_parallel_size > 1 and self.spec_tree is not None:
-            raise ValueError("spec_tree does not run with tensor_parallel_size > 1 yet: use a chain (spec_length) "
-                             "or tensor_parallel_size=1")
         if self.tensor_parallel_draft == "sharded" and not (
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="

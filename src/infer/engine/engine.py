@@ -5,9 +5,10 @@
 appear several times per step (speculative decoding). `AsyncEngine` (async_engine.py) runs
 this loop in a background thread for the server.
 
-With tensor_parallel_size N > 1 this process is rank 0 (infer.distributed): the engine
-starts N-1 worker ranks, loads its own shard, and builds its runner with an executor that
-mirrors every pool and forward call on them; `close()` ends them.
+With tensor_parallel_size N > 1 this process is rank 0: the executor factory
+(`executor.factory.start_parallel`) starts N-1 worker ranks (infer.distributed, imported
+only then), the engine loads its own shard and builds its runner with the runtime's
+executor, which mirrors every pool and forward call on them; `close()` ends them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.distributed.driver import start_tensor_parallel
 from infer.engine.config import EngineConfig
-from infer.engine.executor.factory import LOCAL, Executor
+from infer.engine.executor.factory import Executor, engine_executor, start_parallel
 from infer.engine.loading import LoadedModels, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
@@ -31,7 +31,7 @@ from infer.sampling import SamplingParams
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
-        self.parallel = start_tensor_parallel(config, models)  # None: one rank, this process
+        self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
             self.models = models or self._load_models()
             self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
@@ -55,7 +55,7 @@ class Engine:
         return load_models(self.config, self.parallel.device, *self.parallel.shards)
 
     def _make_runner(self) -> ModelRunner:
-        executor: Executor = LOCAL if self.parallel is None else self.parallel.executor(self.models)
+        executor: Executor = engine_executor(self.parallel, self.models)
         return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
                            draft_model=self.models.draft if self.config.use_speculative_decoding else None)
 

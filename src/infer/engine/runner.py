@@ -39,6 +39,8 @@ from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
+from infer.engine.executor.kernels import step_kernels
+from infer.engine.executor.spec import ForwardSpec
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
@@ -46,7 +48,6 @@ from infer.engine.request import Request, StepOutput
 from infer.engine.speculation import Speculation, verify_widths
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
-from infer.engine.executor.kernels import step_kernels
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
@@ -76,12 +77,12 @@ class ModelRunner:
         self.kernels = step_kernels(config, self.device, model)
         shapes, modes = verify_widths(config)
         # decode and verification steps (with temperature sampling captured for plain steps)
-        self.forward: ForwardFn = executor.make_forward(
-            model, self.cache_pool, config.use_cuda_graphs, config.max_batch_size, shapes=shapes,
-            kernels=self.kernels, verify_modes=modes, sample_widths=(1,),
-            sampling_batch_max=config.cuda_graph_sampling_batch_max)
+        self.forward: ForwardFn = executor.make_forward(model, self.cache_pool, ForwardSpec(
+            config.use_cuda_graphs, config.max_batch_size, shapes=shapes, kernels=self.kernels, verify_modes=modes,
+            sample_widths=(1,), sampling_batch_max=config.cuda_graph_sampling_batch_max))
         # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
-        self.prefill_forward = executor.make_forward(model, self.cache_pool, False, config.max_batch_size, shapes=[])
+        self.prefill_forward = executor.make_forward(model, self.cache_pool,
+                                                     ForwardSpec(max_batch_size=config.max_batch_size))
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
         if config.use_speculative_decoding:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import Executor
+from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.kernels import Kernels
@@ -168,27 +169,27 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     # round, a few more after plain steps (longer catch-ups run as their own prefill);
     # small batches also get a graph for catch-up chunks
     feeds = range(1, DRAFT_MAX_FEED + 1)
-    step = executor.make_forward(draft_model, pool, config.use_cuda_graphs, config.max_batch_size,
-                                 shapes=[(w, False) for w in feeds], kernels=kernels, sample_widths=tuple(feeds),
-                                 small_batch_shapes=[(CATCH_UP_CHUNK, False)],
-                                 sampling_batch_max=config.cuda_graph_sampling_batch_max)
+    step = executor.make_forward(draft_model, pool, ForwardSpec(
+        config.use_cuda_graphs, config.max_batch_size, shapes=tuple((w, False) for w in feeds), kernels=kernels,
+        sample_widths=tuple(feeds), small_batch_shapes=((CATCH_UP_CHUNK, False),),
+        sampling_batch_max=config.cuda_graph_sampling_batch_max))
     # a chain's whole-round graphs now, not in the middle of a request: K after a round (1
     # or 2 tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
     # probes; other lengths are captured on first use (a tree's levels: `start`)
     if tree is None:
         k = config.spec_length
         step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
-    eager = executor.make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
+    eager = executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size))
     return DraftModelProposer(draft_model, pool, step, eager)
 
 
-def verify_widths(config: EngineConfig) -> tuple[list[tuple[int, bool]], tuple[str, ...]]:
+def verify_widths(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], tuple[str, ...]]:
     """The target's decode forward shapes and acceptance modes to capture: plain decode
     (width 1, last logits); a chain's verification widths 1..K+1 (k varies per round with the
     policy and the guards) with the acceptance step in its modes (greedy batches, one-hot
     drafts, a draft model's probabilities). A tree's block is captured by `start`."""
     if not config.use_speculative_decoding or config.spec_tree is not None:
-        return [(1, False)], ()
-    shapes = [(w, True) for w in range(1, config.spec_length + 2)] + [(1, False)]
+        return ((1, False),), ()
+    shapes = (*((w, True) for w in range(1, config.spec_length + 2)), (1, False))
     modes = ("greedy", "one_hot") + (("draft_probs",) if config.speculative_method == "draft_model" else ())
     return shapes, modes

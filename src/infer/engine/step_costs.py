@@ -19,7 +19,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn
+from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.kernels import step_kernels
 from infer.models.llama import LlamaForCausalLM
@@ -120,7 +120,7 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
                               enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
     pool = LOCAL.make_pool(model, engine_cfg, prefix_caching=False)
     kernels = step_kernels(engine_cfg, next(model.parameters()).device, model)  # as the engine runs them
-    return LOCAL.make_forward(model, pool, use_cuda_graphs, 1, shapes=shapes, kernels=kernels), pool
+    return LOCAL.make_forward(model, pool, ForwardSpec(use_cuda_graphs, 1, shapes=tuple(shapes), kernels=kernels)), pool
 
 
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,

@@ -40,7 +40,8 @@ class ForwardFn(Protocol):
     def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
                    uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`steps` sampled last-token steps, each feeding the token the one before sampled:
-        (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
+        (ids [B, steps], probs [B, steps, V] or None when every row is greedy, or a graph's
+        round when its `ForwardSpec` keeps no draft probabilities) on the device.
         See `EagerForward.draft_loop`."""
         ...
 

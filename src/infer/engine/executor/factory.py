@@ -1,21 +1,30 @@
-"""Executor: where a runner's KV pools and forward functions come from.
+"""Executor: where a runner's KV pools and forward functions come from, and which one an engine gets.
 
 The runners build every pool and forward function through their executor. `LOCAL` builds
-them in this process (`LocalExecutor`); tensor parallelism
-(infer.distributed.mirror) builds each on every rank, each rank with its shard of the model.
+them in this process (`LocalExecutor`). An engine of several ranks (tensor_parallel_size > 1)
+gets its executor from a `ParallelRuntime`, started by `start_parallel`: the runtime's starter
+is looked up by module path in `PARALLEL_STARTERS` and imported only then, so the engine
+never imports the package that implements it (infer.distributed builds each pool and forward
+function on every rank, each rank with its shard of the model).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import Protocol
+
+import torch
 
 from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.config import EngineConfig
 from infer.engine.executor import make_forward
 from infer.engine.executor.forward import ForwardFn
-from infer.models.kernels import EAGER, Kernels
+from infer.engine.executor.spec import ForwardSpec
+from infer.engine.loading import LoadedModels
 from infer.models.llama import LlamaForCausalLM
+from infer.models.shard import ModelShard
 
 
 class Executor(Protocol):
@@ -23,11 +32,7 @@ class Executor(Protocol):
         """The KV pool of `model` (its dtype and device) sized by `config`."""
         ...
 
-    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool,
-                     max_batch_size: int, shapes: list[tuple[int, bool]], kernels: Kernels = EAGER,
-                     sample_widths: tuple[int, ...] = (),
-                     small_batch_shapes: list[tuple[int, bool]] | None = None,
-                     verify_modes: tuple[str, ...] = (), sampling_batch_max: int | None = None) -> ForwardFn:
+    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
         """`make_forward`'s forward function of `model` through `pool` (a pool this executor made)."""
         ...
 
@@ -44,14 +49,53 @@ class LocalExecutor:
                           memory_budget_bytes=config.kv_cache_memory_bytes, enable_prefix_caching=prefix_caching)
         return make_cache_pool(config.kv_cache_backend, model.config, **kwargs)
 
-    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, use_cuda_graphs: bool,
-                     max_batch_size: int, shapes: list[tuple[int, bool]], kernels: Kernels = EAGER,
-                     sample_widths: tuple[int, ...] = (),
-                     small_batch_shapes: list[tuple[int, bool]] | None = None,
-                     verify_modes: tuple[str, ...] = (), sampling_batch_max: int | None = None) -> ForwardFn:
-        return make_forward(model, pool, use_cuda_graphs, max_batch_size, shapes, kernels=kernels,
-                            sample_widths=sample_widths, small_batch_shapes=small_batch_shapes,
-                            verify_modes=verify_modes, sampling_batch_max=sampling_batch_max)
+    def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
+        return make_forward(model, pool, spec)
 
 
 LOCAL = LocalExecutor()
+
+
+class ParallelRuntime(Protocol):
+    """The ranks of a multi-rank engine, seen from rank 0 (this process)."""
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device (where its shard of each model loads)."""
+        ...
+
+    @property
+    def shards(self) -> tuple[ModelShard, ModelShard | None]:
+        """(this rank's target shard, its draft shard or None: the draft loads whole)."""
+        ...
+
+    def executor(self, models: LoadedModels) -> Executor:
+        """The executor of the engine's runner, over this rank's shards of `models`."""
+        ...
+
+    def leak_report(self) -> list[str]:
+        """The other ranks' leak reports."""
+        ...
+
+    def close(self) -> None:
+        """End the other ranks (idempotent)."""
+        ...
+
+
+# "module:function" starting the runtime of an engine with tensor_parallel_size > 1
+PARALLEL_STARTERS = {"tensor_parallel": "infer.distributed.driver:start_tensor_parallel"}
+
+
+def start_parallel(config: EngineConfig, models: LoadedModels | None = None) -> ParallelRuntime | None:
+    """The multi-rank runtime `config` asks for (its ranks started), or None for one rank."""
+    if config.tensor_parallel_size == 1:
+        return None
+    module, name = PARALLEL_STARTERS["tensor_parallel"].split(":")
+    starter: Callable[[EngineConfig, LoadedModels | None], ParallelRuntime] = getattr(
+        importlib.import_module(module), name)
+    return starter(config, models)
+
+
+def engine_executor(parallel: ParallelRuntime | None, models: LoadedModels) -> Executor:
+    """The executor an engine's runner builds with: this process's, or its ranks'."""
+    return LOCAL if parallel is None else parallel.executor(models)

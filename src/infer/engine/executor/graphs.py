@@ -46,6 +46,7 @@ from infer.engine.executor.forward import (
     verify_on_logits,
     verify_on_tree_logits,
 )
+from infer.engine.executor.spec import SMALL_BATCH_MAX, VERIFY_MODES
 from infer.engine.executor.staging import (
     _capture_inputs,
     _host_indices,
@@ -79,12 +80,6 @@ def batch_buckets(max_batch_size: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return sizes + [max_batch_size]
-
-
-VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # see GraphForward
-# default `sampling_batch_max`: sampling, acceptance and draft-loop graphs and
-# `small_batch_shapes` only for buckets up to this size (EngineConfig.cuda_graph_sampling_batch_max)
-SMALL_BATCH_MAX = 32
 
 
 @dataclass
@@ -140,7 +135,8 @@ class GraphForward:
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
                  kernels: Kernels = EAGER, sample_widths: Iterable[int] = (),
                  small_batch_shapes: Iterable[tuple[int, bool]] = (),
-                 verify_modes: Iterable[str] = (), sampling_batch_max: int = SMALL_BATCH_MAX) -> None:
+                 verify_modes: Iterable[str] = (), sampling_batch_max: int = SMALL_BATCH_MAX,
+                 draft_probs: bool = True) -> None:
         """shapes: (width, all_logits) pairs to capture for every batch bucket; sample_widths:
         widths whose last-token step is also captured with temperature sampling on the
         device (`sample`), and small_batch_shapes: wide shapes (the draft's catch-up chunks),
@@ -149,7 +145,9 @@ class GraphForward:
         eagerly). verify_modes:
         for each all-logits width >= 2 of those buckets, capture the acceptance step too, in
         these of VERIFY_MODES: "greedy" (every row greedy: argmax prefix match), "one_hot"
-        (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts)."""
+        (deterministic drafts: n-gram, greedy draft rows), "draft_probs" (model drafts).
+        draft_probs: whether the graphs of sampled draft rounds keep each step's probabilities
+        (False: the tokens only, no [b, steps, V] output; `draft_loop` returns None for them)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
@@ -158,6 +156,7 @@ class GraphForward:
         if sampling_batch_max < 0:
             raise ValueError(f"sampling_batch_max must be >= 0, got {sampling_batch_max}")
         self.sampling_batch_max = sampling_batch_max
+        self.draft_probs = draft_probs
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.samplers: dict[tuple[int, int], _Graph] = {}
         self.loops: dict[tuple[int, int, int, bool], _Loop] = {}  # draft rounds (prepare_draft_loops, or on first use)
@@ -446,7 +445,8 @@ class GraphForward:
                 else:
                     p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
                     new = sample_from_probs(p, floats[2 + i])  # [b]
-                    probs.append(p)
+                    if self.draft_probs:
+                        probs.append(p)
                 tokens.append(new)
                 step_ids = new[:, None]
             return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)

@@ -27,8 +27,7 @@ from infer.engine.executor.factory import LocalExecutor
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.loading import load_models
-from infer.engine.speculative_runner import SpeculativeRunner
-from infer.engine.tree_runner import TreeSpeculativeRunner
+from infer.engine.runner import ModelRunner
 from infer.models.llama import LlamaForCausalLM
 
 
@@ -82,8 +81,7 @@ def test_a_worker_captures_no_sampling_or_acceptance_step(ckpt_b: Path, recordin
     executor = TensorParallelExecutor(Outbox(channel), config,  # type: ignore[arg-type]
                                       {id(models.target): "target", id(models.draft): "draft"},
                                       frozenset({"target", "draft"}))
-    runner_class = SpeculativeRunner if tree is None else TreeSpeculativeRunner
-    runner_class(models.target, models.draft, models.tokenizer, config, models.eos_token_ids, executor)
+    ModelRunner(models.target, models.tokenizer, config, models.eos_token_ids, executor, draft_model=models.draft)
 
     driver_specs = [m.call.spec for m in channel.sent if isinstance(m.call, MakeForward)]
     assert any(s.sample_widths for s in driver_specs)

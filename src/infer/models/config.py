@@ -50,6 +50,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # [head_dim // 2] divisors of the rotary inverse frequencies (GGUF's rope_freqs tensor)
     rope_freq_factors: tuple[float, ...] | None = None
+    model_type: str = "llama"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -1,5 +1,8 @@
-"""Llama 3.x decoder (Llama-3.2-1B/3B, Llama-3.1-8B shapes): grouped-query attention,
-RoPE (llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings.
+"""The decoder of the Llama family and its relatives: Llama 3.x (Llama-3.2-1B/3B,
+Llama-3.1-8B shapes), Mistral, Qwen2 / Qwen2.5 and Qwen3. Grouped-query attention, RoPE
+(llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings; the families differ
+in two switches of their config (models/config.py, `FAMILIES`): `qkv_bias` (Qwen2: biases
+on q, k and v) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before the rotary).
 
 `forward(input_ids, positions, view)` takes explicit positions per token and an
 `AttentionView` that owns the KV cache, so padded batches, chunks after a cached prefix and
@@ -36,16 +39,25 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization,
+                                    bias=config.qkv_bias)
         self.o_proj = make_linear(self.q_size, config.hidden_size, quantization)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # weights [head_dim], shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
         """h: normed input [B, T, H]; returns residual + attention output [B, T, H]."""
         b, t, _ = h.shape
         q, k, v = kernels.linear(self.qkv_proj, h, None).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = kernels.rotary_qk(q.view(b, t, self.heads, self.head_dim),  # [B, T, Hq, D]
-                                 k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
+        q = q.view(b, t, self.heads, self.head_dim)  # [B, T, Hq, D]
+        k = k.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.qk_norm:
+            q = kernels.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
+            k = kernels.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = kernels.rotary_qk(q, k, cos, sin)
         out = view.attend(self.layer, q, k, v.view(b, t, self.kv_heads, self.head_dim))  # [B, T, Hq, D]
         return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
 

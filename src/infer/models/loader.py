@@ -135,16 +135,20 @@ def load_model(
     load_format: str = "auto",
     quantization: str | None = None,
     shard: ModelShard | None = None,
+    max_seq_len: int | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build a model with its weights; returns (model in eval mode, no grad; config).
 
     quantization="fp8" stores the linear layers' weights in FP8 (quantized as they load); a
     checkpoint stored in FP8 (compressed-tensors) loads as such whatever is asked. With a
     `shard`, the model is that tensor-parallel rank's part (the config returned is still
-    the whole model's)."""
+    the whole model's). `max_seq_len`: the longest sequence it will run, checked against the
+    model's attention window before any weight is read."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     reader = open_reader(name_or_path, load_format)
+    if max_seq_len is not None:
+        reader.config.check_context(max_seq_len)
     device = torch.device(device)
     if device.type == "meta" and not isinstance(reader, DummyReader):
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")

@@ -89,7 +89,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
 
 
 def test_compiled_kernels_match_eager():
-    from infer.models.linear import DenseLinear, Fp8Linear
+    from infer.models.linear import make_linear
     torch.manual_seed(0)
     k = compiled_kernels()
     x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16)
@@ -105,15 +105,13 @@ def test_compiled_kernels_match_eager():
     for got, want in zip(k.rotary_qk(q, kk, cos, sin), EAGER.rotary_qk(q, kk, cos, sin), strict=True):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     # the Triton matmul (rows <= 16; split-K where the output is narrow) and its epilogues
-    for cls in (DenseLinear, Fp8Linear):
+    for quantization in (None, "fp8"):
         for rows, n, kdim in [(1, 3072, 512), (5, 128, 3072), (16, 4096, 1024)]:
-            layer = cls(kdim, 2 * n).cuda()
+            layer = make_linear(kdim, 2 * n, quantization).cuda().bfloat16()  # FP8 storage stays FP8
             layer.load_rows(torch.randn(2 * n, kdim, device="cuda") * 0.05, None)
-            if cls is DenseLinear:
-                layer.weight.data = layer.weight.data.bfloat16()
             xs = torch.randn(rows, kdim, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(rows, 2 * n, device="cuda", dtype=torch.bfloat16)
-            dense = layer.dense_weight().bfloat16()
+            dense = layer.dense_weight(torch.bfloat16)
             ref = (xs.float() @ dense.float().t()).bfloat16()
             torch.testing.assert_close(k.linear(layer, xs, None), ref, atol=2e-2, rtol=2e-2)
             torch.testing.assert_close(k.linear(layer, xs, res), (ref.float() + res.float()).bfloat16(),
@@ -121,7 +119,7 @@ def test_compiled_kernels_match_eager():
             gate, up = ref.chunk(2, -1)
             want = (torch.nn.functional.silu(gate.float()).bfloat16().float() * up.float()).bfloat16()
             torch.testing.assert_close(k.swiglu(layer, xs), want, atol=3e-2, rtol=3e-2)
-            if cls is Fp8Linear:  # the layer's own forward (any rows) on the GPU: the same function
+            if quantization == "fp8":  # the layer's own forward (any rows) on the GPU: the same function
                 wide = torch.randn(40, kdim, device="cuda", dtype=torch.bfloat16)
                 torch.testing.assert_close(layer(wide), (wide.float() @ dense.float().t()).bfloat16(),
                                            atol=3e-2, rtol=3e-2)

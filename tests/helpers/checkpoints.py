@@ -15,6 +15,12 @@ Variants (all hidden 64, 2 layers, vocab = the tokenizer's size):
 
 Weights use `initializer_range` 0.2 rather than HF's 0.02 so that next-token distributions
 are peaked: greedy parity then tests the model, not the order of floating-point near-ties.
+
+`make_family_checkpoint(directory, family)` writes the same kind of directory for the other
+families, each by its own transformers class (`FAMILIES`): "qwen2" (q/k/v biases, tied),
+"qwen3" (per-head q/k RMSNorm, head_dim 32 != hidden / heads, untied), "mistral" (a sliding
+window as long as the model's context). Biases and the q/k norm weights, which transformers
+initialises to 0 and 1, are drawn at random so that a model that skipped them would differ.
 """
 
 from __future__ import annotations
@@ -156,16 +162,64 @@ def make_checkpoint(directory: str | Path, variant: str = "a", seed: int = 0, **
     return directory
 
 
+FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # family: (config class, model class, settings beyond BASE_CONFIG)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", VARIANTS["b"]),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+        "sliding_window": BASE_CONFIG["max_position_embeddings"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}),
+}
+
+
+def family_model(family: str, vocab_size: int, bos_id: int = 0, eos_id: int = 1, seed: int = 0,
+                 **overrides: Any) -> Any:
+    """A random-weight transformers model of `family` (see FAMILIES), biases and q/k norm
+    weights drawn too."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    config_cls, model_cls, settings = FAMILIES[family]
+    kwargs = {**BASE_CONFIG, **settings, "vocab_size": vocab_size, "bos_token_id": bos_id,
+              "eos_token_id": eos_id, **overrides}
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1.0 + 0.3 * torch.randn_like(param))
+    return model
+
+
+def make_family_checkpoint(directory: str | Path, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """A complete tiny model directory of `family` (weights, config, tokenizer); returns its path."""
+    directory = Path(directory)
+    vocab, bos_id, eos_id = write_tokenizer(directory)
+    vocab = overrides.pop("vocab_size", vocab)
+    family_model(family, vocab, bos_id, eos_id, seed, **overrides).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def copy_checkpoint(src: str | Path, dst: str | Path) -> Path:
     """Copy a model directory (tests that corrupt a checkpoint work on a copy)."""
     return Path(shutil.copytree(src, dst))
 
 
 def load_hf_model(directory: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """The reference: `transformers.LlamaForCausalLM.from_pretrained`, eval mode, eager attention."""
-    from transformers import LlamaForCausalLM
+    """The reference: transformers' own class for the directory's config.json
+    (`AutoModelForCausalLM.from_pretrained`), eval mode, eager attention."""
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager")
     return model.to(device).eval()
 
 

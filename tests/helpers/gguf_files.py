@@ -1,9 +1,11 @@
 """Tiny GGUF files for tests, written the way llama.cpp's convert_hf_to_gguf.py writes them.
 
 `write_gguf(hf_dir, path, ...)` turns a tiny Hugging Face checkpoint (helpers.checkpoints)
-into a GGUF file with the `gguf` library's `GGUFWriter`: `llama.*` metadata, tensors
-renamed (`token_embd.weight`, `blk.N.attn_q.weight`, ..., `output_norm.weight`,
-`output.weight` unless tied), q/k rows permuted for llama.cpp's rotary layout, Llama 3
+into a GGUF file with the `gguf` library's `GGUFWriter`: `<architecture>.*` metadata
+(`llama` for Llama and Mistral checkpoints, `qwen2`, `qwen3`), tensors renamed
+(`token_embd.weight`, `blk.N.attn_q.weight`, `blk.N.attn_q.bias`, `blk.N.attn_q_norm.weight`,
+..., `output_norm.weight`, `output.weight` unless tied), q/k rows permuted for llama.cpp's
+rotary layout (the `llama` architecture only, as the converter does), Llama 3
 RoPE scaling as the `rope_freqs.weight` factors, 1-D tensors in F32 and matrices in the
 asked type (F32/F16/BF16/Q8_0/Q4_0/Q4_1 through `gguf.quants.quantize`; the K-quants,
 which gguf-py cannot quantize, as random well-formed blocks), and the tokenizer as
@@ -33,8 +35,10 @@ LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
+    "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
+# config.json's model_type -> general.architecture (llama.cpp writes Mistral files as llama)
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -52,8 +56,8 @@ class SpmVocab:
 def gguf_name(hf: str) -> str:
     if hf in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf]
-    parts = hf.split(".")  # model.layers.N.<module>.weight
-    return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:-1])]}.weight"
+    parts = hf.split(".")  # model.layers.N.<module>.weight (or .bias)
+    return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
 def permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -128,15 +132,17 @@ def spm_vocab(size: int = 400) -> tuple[SpmVocab, Any]:
 def write_gguf(hf_dir: str | Path, path: str | Path, weight_type: Q = Q.F32, *,
                overrides: dict[str, Q] | None = None, tokenizer: str = "gpt2", pre: str | None = "llama-bpe",
                spm: SpmVocab | None = None, add_bos: bool | None = True,
-               chat_template: str | None = CHAT_TEMPLATE, architecture: str = "llama", seed: int = 0,
+               chat_template: str | None = CHAT_TEMPLATE, architecture: str | None = None, seed: int = 0,
                edit: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     """Convert the checkpoint in `hf_dir` to the GGUF file `path`; returns `path`.
 
     `overrides` maps a short GGUF name ("ffn_down", "token_embd", ...) to its own type;
-    `edit(writer)` runs last before writing (tests add or change metadata with it).
+    `edit(writer)` runs last before writing (tests add or change metadata with it);
+    `architecture` defaults to the checkpoint's (ARCHITECTURES).
     """
     hf_dir, path = Path(hf_dir), Path(path)
     config = json.loads((hf_dir / "config.json").read_text())
+    architecture = architecture or ARCHITECTURES[config["model_type"]]
     weights = load_file(str(hf_dir / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), architecture)
     _write_hparams(writer, config)
@@ -157,8 +163,8 @@ def write_gguf(hf_dir: str | Path, path: str | Path, weight_type: Q = Q.F32, *,
         writer.add_chat_template(chat_template)
     rng = np.random.default_rng(seed)
     for name, tensor in weights.items():
-        _add_tensor(writer, gguf_name(name), _converted(name, tensor, config), weight_type,
-                    overrides or {}, rng)
+        _add_tensor(writer, gguf_name(name), _converted(name, tensor, config, architecture == "llama"),
+                    weight_type, overrides or {}, rng)
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
@@ -213,8 +219,10 @@ def _write_bpe_vocab(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, pre
     writer.add_token_merges(merges)
 
 
-def _converted(name: str, tensor: torch.Tensor, config: dict[str, Any]) -> np.ndarray:
+def _converted(name: str, tensor: torch.Tensor, config: dict[str, Any], permuted: bool) -> np.ndarray:
     data = tensor.float().numpy()
+    if not permuted:
+        return data
     if name.endswith("q_proj.weight"):
         return permute(data, config["num_attention_heads"])
     if name.endswith("k_proj.weight"):

@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaForCausalLM as HFLlama
-
-from helpers.checkpoints import hf_config, write_tokenizer
+from helpers.checkpoints import family_model, write_tokenizer
 from infer import SamplingParams
 from infer.models.loader import load_model
 from infer.sampling import logits_to_probs
@@ -23,11 +21,12 @@ from infer.sampling import logits_to_probs
 Joint = dict[tuple[int, ...], float]
 
 
-def tiny_model(directory: Path, vocab: int, seed: int, layers: int = 2) -> Path:
-    """A Llama checkpoint with a `vocab`-token vocabulary (bos 0, eos 1) and random weights."""
+def tiny_model(directory: Path, vocab: int, seed: int, layers: int = 2, family: str = "llama",
+               **overrides: Any) -> Path:
+    """A checkpoint of `family` (helpers.checkpoints.FAMILIES; Llama: variant "b") with a
+    `vocab`-token vocabulary (bos 0, eos 1) and random weights."""
     write_tokenizer(directory)
-    torch.manual_seed(seed)
-    HFLlama(hf_config("b", vocab, 0, 1, num_hidden_layers=layers)).save_pretrained(directory)
+    family_model(family, vocab, 0, 1, seed, num_hidden_layers=layers, **overrides).save_pretrained(directory)
     return directory
 
 

@@ -11,7 +11,7 @@ import torch
 
 from helpers.checkpoints import make_checkpoint
 from infer import EngineConfig
-from infer.models.linear import DenseLinear, Fp8Linear
+from infer.models.linear import make_linear
 from infer.models.loader import load_model
 from infer.models.quantization import FP8_MAX, checkpoint_quantization, dequantize_fp8, quantize_fp8_rows
 
@@ -34,16 +34,33 @@ def test_quantize_dequantize_error_is_within_the_e4m3_bound_per_channel():
 def test_an_fp8_linear_computes_the_dense_layer_of_its_dequantized_weight():
     torch.manual_seed(1)
     dense = torch.randn(48, 32)
-    layer = Fp8Linear(32, 48, act_dtype=torch.float32)
+    layer = make_linear(32, 48, "fp8")
     layer.load_rows(dense[:16], 0)
     layer.load_rows(dense[16:], 16)  # a fused matrix filled in two blocks
     x = torch.randn(5, 32)
-    torch.testing.assert_close(layer(x), x @ layer.dense_weight().t())
-    assert torch.allclose(layer.dense_weight(), dense, rtol=0.07, atol=1e-3)
+    torch.testing.assert_close(layer(x), x @ layer.dense_weight(torch.float32).t())
+    assert torch.allclose(layer.dense_weight(torch.float32), dense, rtol=0.07, atol=1e-3)
     with pytest.raises(ValueError, match="shape"):
         layer.load_rows(torch.randn(16, 31), 0)
     with pytest.raises(ValueError, match="quantization='fp8'"):
-        DenseLinear(32, 48).load_rows(layer.weight, None)
+        make_linear(32, 48, None).load_rows(layer.weight, None)
+
+
+def test_fp8_weights_are_parameters_that_keep_their_storage_through_to():
+    # the FP8 weight and its scale are parameters, as a dense layer's weight is: .to(dtype)
+    # converts the model's dtype and leaves the quantized storage as it is
+    layer = make_linear(32, 48, "fp8")
+    layer.load_rows(torch.randn(48, 32), None)
+    before = layer.weight.detach().view(torch.uint8).clone(), layer.weight_scale.detach().clone()
+    assert {n for n, _ in layer.named_parameters()} == {"weight", "weight_scale"}
+    assert not any(p.requires_grad for p in layer.parameters()) and list(layer.buffers()) == []
+    layer = layer.to(torch.float16).to(torch.float64).float()
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+    assert torch.equal(layer.weight.view(torch.uint8), before[0]) and torch.equal(layer.weight_scale, before[1])
+    dense = make_linear(32, 48, None).to(torch.float16)
+    assert dense.weight.dtype == torch.float16 and dense.quantization is None and layer.quantization == "fp8"
+    meta = make_linear(32, 48, "fp8").to(torch.bfloat16).to_empty(device="cpu")
+    assert meta.weight.dtype == torch.float8_e4m3fn and meta.weight_scale.dtype == torch.float32
 
 
 @pytest.mark.parametrize("variant", ["a", "b"])
@@ -58,8 +75,10 @@ def test_fp8_model_logits_agree_with_the_dense_model(tmp_path, variant):
         a, b = dense(ids).flatten(0, 1), fp8(ids).flatten(0, 1)  # [48, V]
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.999
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() >= 0.998 and not torch.equal(a, b)
-    assert sum(isinstance(m, Fp8Linear) for m in fp8.modules()) == 4 * fp8.config.num_hidden_layers
-    assert isinstance(fp8.lm_head, DenseLinear)  # lm_head stays in the model's dtype
+    layers = fp8.linears().values()
+    assert sum(m.quantization == "fp8" for m in layers) == 4 * fp8.config.num_hidden_layers
+    assert fp8.lm_head.quantization is None  # lm_head stays in the model's dtype
+    assert next(fp8.parameters()).dtype == torch.float32  # the embedding: the model's dtype
 
 
 def test_weight_bytes_count_fp8_layers_at_one_byte_a_weight(tmp_path):
@@ -67,7 +86,7 @@ def test_weight_bytes_count_fp8_layers_at_one_byte_a_weight(tmp_path):
     ckpt = make_checkpoint(tmp_path / "w", variant="a")
     dense, _ = load_model(str(ckpt), dtype="float32")
     fp8, _ = load_model(str(ckpt), dtype="float32", quantization="fp8")
-    layers = [m for m in fp8.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in fp8.linears().values() if m.quantization == "fp8"]
     quantized = sum(m.weight.numel() for m in layers)  # FP8 bytes; plus a float32 scale a row
     expected = weight_bytes(dense) - 4 * quantized + quantized + 4 * sum(m.weight.shape[0] for m in layers)
     assert quantized > 0 and weight_bytes(fp8) == expected
@@ -119,7 +138,7 @@ def test_a_compressed_tensors_checkpoint_loads_as_quantizing_at_load_does(tmp_pa
     quantized, _ = load_model(str(ckpt), dtype="float32", quantization="fp8")
     assert loaded.quantization == "fp8"
     for (name, a), b in zip(loaded.linears().items(), quantized.linears().values(), strict=True):
-        if isinstance(a, Fp8Linear):
+        if a.quantization == "fp8":
             assert torch.equal(a.weight_scale, b.weight_scale), name
             assert torch.equal(a.weight.view(torch.uint8), b.weight.view(torch.uint8)), name
     ids = torch.randint(0, loaded.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import infer.models.loader as loader
+import infer.models.readers as readers
 from infer.bench.collectives import collective_kind, summarize_kernels
 from infer.cache.paged import PagedKVCachePool
 from infer.cache.view import BatchLayout
 from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device
-from infer.distributed.layers import TiedVocabParallelHead, VocabParallelEmbedding, VocabParallelHead
+from infer.distributed.layers import VocabParallelEmbedding
 from infer.distributed.mirror import MirroredPool
 from infer.distributed.protocol import Invoke, Message, PoolOp
 from infer.distributed.sharding import TensorParallelShard
@@ -26,7 +27,8 @@ from infer.distributed.worker import apply_pool_op
 from infer.engine.config import EngineConfig
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import build_empty_model, dummy_hf_tensors, init_dummy_weights, load_model
+from infer.models.loader import load_model
+from infer.models.parallel import Parallel
 from infer.models.shard import TensorPart
 
 SHARD = TensorParallelShard(1, 2, embedding="vocab_parallel", lm_head="vocab_parallel")
@@ -111,8 +113,8 @@ def test_a_rank_reads_only_its_part_and_holds_the_whole_models_slices(
     # ckpt_b: 4 query heads over 2 KV heads, untied lm_head
     full, config = load_model(str(ckpt_b))
     reads: list[tuple[str, Any]] = []
-    real_open = loader.safe_open
-    monkeypatch.setattr(loader, "safe_open", lambda path, **kw: _File(real_open(path, **kw), reads))
+    real_open = readers.safe_open
+    monkeypatch.setattr(readers, "safe_open", lambda path, **kw: _File(real_open(path, **kw), reads))
     q, kv, d = config.q_size, config.kv_size, config.head_dim
     for rank in (0, 1):
         shard = TensorParallelShard(rank, 2, embedding=embedding)
@@ -130,8 +132,11 @@ def test_a_rank_reads_only_its_part_and_holds_the_whole_models_slices(
                                                                  a.mlp.gate_up_proj.weight[rows(i, i // 2)]]))
         assert torch.equal(b.mlp.down_proj.weight, a.mlp.down_proj.weight[:, rows(0, i // 2)])
         assert b.self_attn.o_proj.partial_output and b.mlp.down_proj.partial_output
+        assert b.self_attn.o_proj.parallel == b.mlp.down_proj.parallel == Parallel("row", rank, 2)
+        assert b.self_attn.qkv_proj.parallel == b.mlp.gate_up_proj.parallel == Parallel("column", rank, 2)
+        assert not b.self_attn.qkv_proj.partial_output
         v = config.vocab_size
-        assert isinstance(model.lm_head, VocabParallelHead)
+        assert model.lm_head.parallel == Parallel("vocab", rank, 2)
         assert torch.equal(model.lm_head.weight, full.lm_head.weight[rows(0, v // 2)])
         if embedding == "vocab_parallel":
             assert isinstance(model.model.embed_tokens, VocabParallelEmbedding)
@@ -149,23 +154,29 @@ def test_a_tied_vocabulary_parallel_head_reads_the_replicated_embeddings_rows(ck
     full, config = load_model(str(ckpt_a))  # tied
     model, _ = load_model(str(ckpt_a), shard=TensorParallelShard(1, 2))
     head = model.lm_head
-    assert isinstance(head, TiedVocabParallelHead)
+    assert head.parallel == Parallel("vocab", 1, 2)
     assert "lm_head.weight" not in dict(model.named_parameters())  # no copy: a view of the embedding
     assert head.weight.data_ptr() == model.model.embed_tokens.weight[config.vocab_size // 2:].data_ptr()
     assert torch.equal(head.weight, full.lm_head.weight[config.vocab_size // 2:])
 
 
-def test_dummy_weights_as_named_tensors_are_the_dummy_model(ckpt_b: Path) -> None:
-    # what a rank keeps of them is its part of exactly the one-process dummy model
-    config = loader.read_model_config(str(ckpt_b))
-    for quantization in (None, "fp8"):
-        expected = build_empty_model(config, torch.float32, torch.device("cpu"), quantization)
-        init_dummy_weights(expected)
-        got = build_empty_model(config, torch.float32, torch.device("cpu"), quantization)
-        got.load_hf_weights(dummy_hf_tensors(config, quantization, torch.float32, torch.device("cpu")))
-        want = expected.state_dict()
-        assert {k: v.float() for k, v in got.state_dict().items()}.keys() == want.keys()
-        assert all(torch.equal(v.float(), want[k].float()) for k, v in got.state_dict().items())
+def test_a_ranks_dummy_weights_are_its_part_of_the_whole_dummy_model(ckpt_b: Path) -> None:
+    # one generator draws whole tensors in one order: a rank keeps its part of each (FP8
+    # row-parallel layers need the process group: tests/integration/test_tensor_parallel.py)
+    quantization = None
+    full, config = load_model(str(ckpt_b), load_format="dummy", quantization=quantization)
+    real, _ = load_model(str(ckpt_b))
+    assert not torch.equal(full.model.layers[0].mlp.down_proj.weight, real.model.layers[0].mlp.down_proj.weight)
+    i = config.intermediate_size // 2
+    for rank in (0, 1):
+        part, _ = load_model(str(ckpt_b), load_format="dummy", quantization=quantization,
+                             shard=TensorParallelShard(rank, 2, lm_head="replicated"))
+        a, b = full.model.layers[1].mlp, part.model.layers[1].mlp
+        cols = slice(rank * i, (rank + 1) * i)
+        assert torch.equal(b.down_proj.dense_weight(), a.down_proj.dense_weight()[:, cols])
+        assert torch.equal(b.gate_up_proj.dense_weight()[:i], a.gate_up_proj.dense_weight()[cols])
+        assert torch.equal(part.lm_head.weight, full.lm_head.weight)
+        assert torch.equal(part.model.norm.weight, full.model.norm.weight)
 
 
 def test_devices_per_rank() -> None:

@@ -2,10 +2,11 @@
 
 `TensorParallelShard(rank, world_size, embedding, lm_head)` is a `ModelShard`
 (models/shard.py): the loader builds `ShardedLlamaForCausalLM` (the decoder with a rank's
-heads and intermediate size, row-parallel o_proj / down_proj, the chosen embedding and
-lm_head) and reads of each Hugging Face tensor only the rank's part:
+heads and intermediate size; its linear layers' `parallel` settings say which part each
+holds: column-parallel q/k/v and gate/up, row-parallel o_proj / down_proj, a replicated or
+vocabulary-parallel lm_head) and reads of each Hugging Face tensor only the rank's part:
 
-    q/k/v_proj, gate/up_proj   rows      (heads, intermediate: column-parallel)
+    q/k/v_proj, gate/up_proj   rows      (heads, intermediate: column-parallel; q/k/v biases too)
     o_proj, down_proj          columns   (row-parallel; per-row FP8 scales whole)
     embed_tokens, lm_head      rows when "vocab_parallel", else whole
     norms                      whole
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from infer.distributed.layers import (TiedVocabParallelHead, VocabParallelEmbedding, VocabParallelHead,
-                                      row_parallel)
+from infer.distributed.layers import TiedRows, VocabParallelEmbedding
 from infer.models.config import ModelConfig
+from infer.models.linear import LinearBase, make_linear
 from infer.models.llama import LlamaForCausalLM
+from infer.models.parallel import Parallel
 from infer.models.shard import TensorPart
 
 VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
@@ -80,7 +82,7 @@ class TensorParallelShard:
     def part(self, name: str, shape: tuple[int, ...]) -> TensorPart | None:
         pieces = name.split(".")
         leaf, module = pieces[-1], pieces[-2] if len(pieces) >= 2 else ""
-        if module in _COLUMN and leaf == "weight":
+        if module in _COLUMN and leaf in ("weight", "bias"):
             return self._split(name, shape, 0)
         if module in _COLUMN and leaf == "weight_scale":
             per_row = len(shape) >= 1 and shape[0] > 1  # else one scale for the whole tensor
@@ -101,29 +103,44 @@ class TensorParallelShard:
 
 
 class ShardedLlamaForCausalLM(LlamaForCausalLM):
-    """One rank's Llama: `config` is this rank's decoder shape (`model_config`), the
-    o_proj / down_proj layers are row-parallel, and the embedding and lm_head are
-    replicated or vocabulary-parallel as the shard says."""
+    """One rank's model: `config` is this rank's decoder shape (`model_config`), the linear
+    layers hold their parts (`parallel`), and the embedding and lm_head are replicated or
+    vocabulary-parallel as the shard says."""
+
+    head_reads_embedding = False  # (set before the base class ties lm_head in its __init__)
 
     def __init__(self, full: ModelConfig, quantization: str | None, shard: TensorParallelShard) -> None:
         super().__init__(shard.model_config(full), quantization)
         self.shard = shard
+        rank, n = shard.rank, shard.world_size
+        column, row = Parallel("column", rank, n), Parallel("row", rank, n)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.o_proj = row_parallel(attn.o_proj.in_features, attn.o_proj.out_features, quantization)
-            mlp.down_proj = row_parallel(mlp.down_proj.in_features, mlp.down_proj.out_features, quantization)
-        hidden, n = full.hidden_size, shard.world_size
+            attn.qkv_proj = _resharded(attn.qkv_proj, column, quantization)
+            mlp.gate_up_proj = _resharded(mlp.gate_up_proj, column, quantization)
+            attn.o_proj = _resharded(attn.o_proj, row, quantization)
+            mlp.down_proj = _resharded(mlp.down_proj, row, quantization)
+        hidden = full.hidden_size
         start, stop = shard.vocab_rows(full.vocab_size)
         if shard.embedding == "vocab_parallel":
             self.model.embed_tokens = VocabParallelEmbedding(stop - start, hidden, start)
-        if shard.lm_head == "vocab_parallel":
-            if full.tie_word_embeddings and shard.embedding == "replicated":
-                self.lm_head = TiedVocabParallelHead(self.model.embed_tokens, start, stop, n)
-            else:
-                self.lm_head = VocabParallelHead(hidden, stop - start, n)
+        # a vocabulary-parallel head tied to a replicated embedding reads the embedding's rows
+        self.head_reads_embedding = (shard.lm_head == "vocab_parallel" and full.tie_word_embeddings
+                                     and shard.embedding == "replicated")
+        if self.head_reads_embedding:
+            self.lm_head = LinearBase(hidden, stop - start, TiedRows(self.model.embed_tokens, start, stop),
+                                      Parallel("vocab", rank, n))
+        elif shard.lm_head == "vocab_parallel":
+            self.lm_head = make_linear(hidden, stop - start, None, Parallel("vocab", rank, n))
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        # a TiedVocabParallelHead reads the embedding module itself (which `to_empty` keeps)
-        if not isinstance(self.lm_head, TiedVocabParallelHead):
+        # a head that reads the embedding's rows holds the embedding module itself (which
+        # `to_empty` keeps), not a parameter to re-tie
+        if not self.head_reads_embedding:
             super().tie_weights()
+
+
+def _resharded(layer: LinearBase, parallel: Parallel, quantization: str | None) -> LinearBase:
+    """A layer of the same local shape and bias that holds its part as `parallel` says."""
+    return make_linear(layer.in_features, layer.out_features, quantization, parallel, bias=layer.bias is not None)

@@ -94,14 +94,14 @@ def load_target(config: EngineConfig, path: str, device: torch.device, shard: Mo
                 ) -> LlamaForCausalLM:
     """The target model (with a tensor-parallel `shard`: that rank's part)."""
     return load_model(path, dtype=model_dtype(config, device), device=device, load_format=config.load_format,
-                      quantization=config.quantization, shard=shard)[0]
+                      quantization=config.quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
 
 
 def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
                shard: ModelShard | None = None) -> LlamaForCausalLM:
     """The draft model, in the target's dtype (with a `shard`: that rank's part)."""
     return load_model(path, dtype=target.lm_head.weight.dtype, device=device, load_format=config.load_format,
-                      quantization=config.draft_quantization, shard=shard)[0]
+                      quantization=config.draft_quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
 
 
 def load_models(config: EngineConfig, device: torch.device | None = None, target_shard: ModelShard | None = None,

@@ -1,7 +1,12 @@
-"""ModelConfig: the parts of a Hugging Face Llama `config.json` the forward pass needs.
+"""ModelConfig: the parts of a Hugging Face `config.json` the forward pass needs, per family.
 
-Validated on construction; `from_hf_dict` rejects architectures this package does not
-implement with a message that says what is supported. A GGUF file's metadata gives the same
+The decoder families differ in a few switches (`FAMILIES`): Llama 3.x and Mistral share
+Llama's layout (Mistral's sliding window is `sliding_window`); Qwen2 / Qwen2.5 add biases to
+the q, k and v projections; Qwen3 normalises each query and key head (RMSNorm) before the
+rotary. Validated on construction; `from_hf_dict` rejects architectures this package does not
+implement with a message that says what is supported. Sliding-window attention is not
+implemented: `check_context` refuses a context longer than the window (where it would
+change results). A GGUF file's metadata gives the same
 config (`infer.models.gguf.config`); its Llama 3 RoPE scaling arrives as per-frequency
 divisors (`rope_freq_factors`, llama.cpp's `rope_freqs` tensor) rather than as parameters.
 """
@@ -13,7 +18,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What sets a decoder family apart from Llama's."""
+
+    model_type: str  # config.json's model_type
+    architecture: str  # config.json's architectures entry
+    gguf_architecture: str  # general.architecture of its llama.cpp files
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before the rotary (Qwen3)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", "llama"),
+    Family("mistral", "MistralForCausalLM", "llama"),
+    Family("qwen2", "Qwen2ForCausalLM", "qwen2", qkv_bias=True),
+    Family("qwen3", "Qwen3ForCausalLM", "qwen3", qk_norm=True),
+)}
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +74,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # [head_dim // 2] divisors of the rotary inverse frequencies (GGUF's rope_freqs tensor)
     rope_freq_factors: tuple[float, ...] | None = None
+    model_type: str = "llama"  # a key of FAMILIES
+    sliding_window: int | None = None  # attention window in tokens (Mistral); None: full
 
     def __post_init__(self) -> None:
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; choose one of {sorted(FAMILIES)}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -72,6 +102,26 @@ class ModelConfig:
                                  f"positive values, got {len(self.rope_freq_factors)}")
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.model_type]
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.family.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family.qk_norm
+
+    def check_context(self, max_seq_len: int) -> None:
+        """Raise when a sequence of `max_seq_len` tokens would need the sliding window."""
+        if self.sliding_window is not None and max_seq_len > self.sliding_window:
+            raise ValueError(
+                f"this {self.model_type} model attends over a sliding window of {self.sliding_window} tokens, "
+                f"which infer does not implement; sequences up to max_seq_len={max_seq_len} would attend "
+                f"further and give different results: set max_seq_len <= {self.sliding_window}")
+
+    @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
 
@@ -83,6 +133,7 @@ class ModelConfig:
         """Parameter count as Hugging Face reports it (tied embeddings counted once)."""
         h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn += (self.q_size + 2 * self.kv_size) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         per_layer = attn + 3 * h * i + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return layers * per_layer + embed + h
@@ -91,10 +142,12 @@ class ModelConfig:
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         archs = raw.get("architectures") or []
         model_type = raw.get("model_type")
-        if model_type != "llama" or (archs and not set(archs) & set(SUPPORTED_ARCHITECTURES)):
+        family = FAMILIES.get(model_type or "")
+        if family is None or (archs and family.architecture not in archs):
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: infer implements "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type 'llama') only")
+                f"{', '.join(f'{f.architecture} (model_type {f.model_type!r})' for f in FAMILIES.values())}")
+        _check_layout(raw, family)
         heads = raw["num_attention_heads"]
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         # transformers >= 5 writes rope settings as one `rope_parameters` dict
@@ -117,6 +170,8 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            model_type=family.model_type,
+            sliding_window=_sliding_window(raw, family),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -125,8 +180,8 @@ class ModelConfig:
             raise ValueError("this config's RoPE scaling is a list of frequency factors (from a GGUF "
                              "file), which config.json cannot express")
         raw: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.family.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -140,11 +195,16 @@ class ModelConfig:
             "rope_scaling": None,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+        if self.model_type == "llama":
+            raw.update(attention_bias=False, mlp_bias=False)
+        elif self.model_type == "mistral":
+            raw["sliding_window"] = self.sliding_window
+        else:  # qwen2, qwen3
+            raw.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+                       max_window_layers=0)
         if self.rope_scaling is not None:
             raw["rope_scaling"] = {
                 "rope_type": "llama3",
@@ -159,6 +219,27 @@ class ModelConfig:
     def from_json(cls, path: str | Path) -> ModelConfig:
         with open(path, encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _check_layout(raw: dict[str, Any], family: Family) -> None:
+    """Options of a family's config.json that infer does not implement: a clear error each."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act {act!r} is not supported; infer implements SwiGLU (silu)")
+    if raw.get("mlp_bias"):
+        raise ValueError("config.json: mlp_bias=true is not supported (no family infer implements has MLP biases)")
+    if raw.get("attention_bias") and not family.qkv_bias:
+        raise ValueError(f"config.json: attention_bias=true is not supported for model_type {family.model_type!r}")
+
+
+def _sliding_window(raw: dict[str, Any], family: Family) -> int | None:
+    """The attention window a config asks for (Qwen's only with use_sliding_window)."""
+    if family.model_type == "llama":
+        return None
+    if family.model_type != "mistral" and not raw.get("use_sliding_window"):
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
 
 
 def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling | None:

@@ -65,9 +65,10 @@ def swiglu(layer: LinearBase, x: Tensor) -> Tensor:
 
 def _triton_ready(layer: LinearBase, x: Tensor) -> bool:
     """Whether the Triton matmul serves this call: an FP8 layer (dense ones measure faster
-    on cuBLAS) with a CUDA half-precision input of at most SMALL_M rows (decode, draft
-    steps, verification): its epilogue then does the SwiGLU or the residual add too."""
-    return (layer.matrix()[1] is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    on cuBLAS) without a bias, with a CUDA half-precision input of at most SMALL_M rows
+    (decode, draft steps, verification): its epilogue then does the SwiGLU or the residual
+    add too."""
+    return (layer.matrix()[1] is not None and layer.bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and x.numel() <= SMALL_M * x.shape[-1])
 
 

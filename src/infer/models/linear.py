@@ -1,166 +1,276 @@
-"""Linear layers: the one seam for quantized (FP8) and tensor-parallel matrices.
+"""Linear layers: one `LinearBase`, a quantization method, and a tensor-parallel setting.
 
-`LinearBase` is y = x W^T with a weight loader, `load_rows(tensor, row_offset)`: a Hugging
-Face tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows of a
-fused matrix (qkv_proj, gate_up_proj), converted to the layer's storage as it is read.
+`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). What W is stored as is
+the layer's quantization method, as vLLM's `QuantizeMethodBase`: the method creates the
+layer's parameters, loads checkpoint tensors into them, and applies the matmul.
 
-- `DenseLinear`: W in the model's dtype (bf16 / fp16 / fp32).
-- `Fp8Linear`: W in FP8 E4M3 with one float32 scale per output row (models/quantization.py).
-  Weights quantize as they load from a bf16/fp32 checkpoint, or load already quantized
-  (a float8 tensor through `load_rows`, its scale through `load_scale`: the
-  compressed-tensors layout). Activations stay in bf16 (weight-only quantization): the
-  output is the dense layer's with the dequantized weight.
+- `UNQUANTIZED`: W in the model's dtype (bf16 / fp16 / fp32).
+- `FP8`: W in FP8 E4M3 with one float32 scale per output row (models/quantization.py), both
+  parameters (so `parameters()`, `state_dict()` and `.to()` treat them as the model's
+  weights; `.to(dtype)` moves them but keeps their storage dtypes). Weights quantize as they
+  load from a bf16/fp32 checkpoint, or load already quantized (a float8 tensor, then its
+  `weight_scale`: the compressed-tensors layout). Activations stay in the model's dtype
+  (weight-only quantization): on a CPU the weight is dequantized on the fly, on a GPU the
+  Triton matmul (models/triton_linear.py) applies the scales in its epilogue.
 
-`forward(x)` is the reference computation: F.linear (FP8: on a CPU with the weight
-dequantized on the fly, on a GPU through the Triton matmul that applies the scales in its
-epilogue). The fused kernel bundle (models/kernels.py) sends small-batch calls of FP8
-layers to the Triton matmul with the SwiGLU or residual add fused in; dense layers stay on
-cuBLAS.
+Tensor parallelism is the layer's `parallel` attribute (models/parallel.py): which part of the
+whole matrix it holds, and `combine`, which completes the local matmul's output across ranks.
 
-Tensor parallelism (infer.distributed.layers) subclasses these: a layer's `forward` is its
-local matmul followed by `combine`, which completes the output across ranks (identity
-here; a sum for row-parallel layers, whose `partial_output` tells the fused kernels not to
-add the residual before it; a concatenation for a vocabulary-parallel lm_head).
+A checkpoint tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows
+of a fused matrix (qkv_proj, gate_up_proj): `load_rows(tensor, row_offset)`, converted to the
+layer's storage as it is read. The fused kernel bundle (models/kernels.py) reads
+`matrix()` and `partial_output` to send small-batch FP8 calls to the Triton matmul with the
+SwiGLU or residual add in its epilogue. Nothing outside this module asks which method a
+layer has: it asks the layer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from infer.models.linear_tiles import SplitWorkspace, choose_config
+from infer.models.parallel import REPLICATED, Parallel, all_reduce_max
 from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
 
 QUANTIZATIONS = (None, "fp8")
 
 
-class LinearBase(nn.Module):
-    """y = x W^T, W [out_features, in_features]."""
+class QuantMethod(Protocol):
+    """How a `LinearBase` stores W: create, load, apply."""
 
-    in_features: int
-    out_features: int
-    workspace: SplitWorkspace  # the Triton matmul's split-K scratch (GPU)
-    # the local matmul yields a partial sum that `combine` completes (row-parallel layers):
-    # a residual add must come after `combine`, not inside the matmul's epilogue
-    partial_output: bool = False
+    name: str | None  # the `quantization` it implements: None or "fp8"
+    checkpoint_params: tuple[str, ...]  # the layer's parameters a checkpoint supplies
+    fixed_dtype_params: tuple[str, ...]  # parameters whose dtype `.to(dtype)` keeps
 
-    def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """The layer's output from its local matmul's y [..., out_features]: y itself here;
-        tensor-parallel layers sum it over their ranks or concatenate the ranks' columns."""
-        return y
+    def create_weights(self, layer: LinearBase) -> None:
+        """Register the layer's weight parameters ([out, in] W and what it needs)."""
+        ...
 
-    def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
+    def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
         """Copy a checkpoint tensor [rows, in] into rows row_offset.. of W (None: all of W)."""
-        raise NotImplementedError
+        ...
 
-    def load_scale(self, scale: torch.Tensor, row_offset: int | None, rows: int, name: str = "weight_scale") -> None:
+    def load_scale(self, layer: LinearBase, scale: torch.Tensor, row_offset: int | None, rows: int,
+                   name: str) -> None:
         """A quantized checkpoint's scale of `rows` rows from row_offset."""
-        raise ValueError(f"tensor {name!r} is a quantization scale: this layer is not quantized "
-                         "(load the model with quantization='fp8')")
+        ...
 
-    def matrix(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(stored W, per-row scale or None): what the Triton matmul reads."""
-        raise NotImplementedError
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """The local matmul x [..., in] -> [..., out] (no bias, not combined across ranks)."""
+        ...
 
-    def dense_weight(self) -> torch.Tensor:
-        """W as a dense matrix in the activation dtype [out, in] (export, tests)."""
-        raise NotImplementedError
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(stored W [out, in], per-row scale [out] or None): what the Triton matmul reads."""
+        ...
 
-    def _rows(self, stored: torch.Tensor, tensor: torch.Tensor, row_offset: int | None, name: str) -> torch.Tensor:
-        target = stored if row_offset is None else stored[row_offset:row_offset + tensor.shape[0]]
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies "
-                             f"{tuple(target.shape)}: the weights do not match this config")
-        return target
+    def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
+        """W as a dense [out, in] matrix in `dtype` (None: the stored dtype, float32 if quantized)."""
+        ...
 
 
-class DenseLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's initialisation
-        self.workspace = SplitWorkspace()
+def check_rows(stored: torch.Tensor, tensor: torch.Tensor, row_offset: int | None, name: str) -> torch.Tensor:
+    """The rows of `stored` a checkpoint tensor fills; an error naming it when shapes disagree."""
+    target = stored if row_offset is None else stored[row_offset:row_offset + tensor.shape[0]]
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies "
+                         f"{tuple(target.shape)}: the weights do not match this config")
+    return target
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.combine(F.linear(x, self.weight))
 
-    def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
+class Unquantized:
+    """W in the model's dtype; F.linear (cuBLAS on a GPU)."""
+
+    name = None
+    checkpoint_params = ("weight",)
+    fixed_dtype_params: tuple[str, ...] = ()
+
+    def create_weights(self, layer: LinearBase) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
+        nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5))  # nn.Linear's initialisation
+
+    def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
         if tensor.dtype == FP8_DTYPE:
             raise ValueError(f"tensor {name!r} is stored in FP8: load the model with quantization='fp8'")
         with torch.no_grad():
-            self._rows(self.weight.data, tensor, row_offset, name).copy_(tensor)
+            check_rows(layer.weight.data, tensor, row_offset, name).copy_(tensor)
 
-    def matrix(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.weight, None
+    def load_scale(self, layer: LinearBase, scale: torch.Tensor, row_offset: int | None, rows: int,
+                   name: str) -> None:
+        raise ValueError(f"tensor {name!r} is a quantization scale: this layer is not quantized "
+                         "(load the model with quantization='fp8')")
 
-    def dense_weight(self) -> torch.Tensor:
-        return self.weight
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight)
+
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return layer.weight, None
+
+    def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
+        return layer.weight if dtype is None else layer.weight.to(dtype)
 
 
-class Fp8Linear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, act_dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
-        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32))
-        self.act_dtype = act_dtype  # the model's dtype: what dense_weight() returns
-        self.workspace = SplitWorkspace()
+class Fp8:
+    """W in FP8 E4M3, one float32 scale per output row (weight-only quantization)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from infer.models.triton_linear import triton_linear
-            rows = x.reshape(-1, x.shape[-1])
-            y = triton_linear(rows, self.weight, self.weight_scale, choose_config(rows.shape[0], self.out_features,
-                                                                                  self.in_features), self.workspace)
-            return self.combine(y.view(*x.shape[:-1], self.out_features))
-        return self.combine(F.linear(x, self.dense_weight().to(x.dtype)))
+    name = "fp8"
+    checkpoint_params = ("weight",)  # the scale comes with an FP8 tensor, or is computed at load
+    fixed_dtype_params = ("weight", "weight_scale")
 
-    def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
+    def create_weights(self, layer: LinearBase) -> None:
+        shape = (layer.out_features, layer.in_features)
+        layer.weight = nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.ones(layer.out_features, dtype=torch.float32), requires_grad=False)
+
+    def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
         """A float8 tensor is stored as it is (its scale comes through `load_scale`); any
-        other dtype is quantized per row here."""
-        target = self._rows(self.weight, tensor, row_offset, name)
+        other dtype is quantized per row here. A row-parallel layer's rows take their scale
+        from every rank's columns, so they quantize as the whole matrix's would."""
+        target = check_rows(layer.weight.data, tensor, row_offset, name)
         with torch.no_grad():
             if tensor.dtype == FP8_DTYPE:
                 target.copy_(tensor)
                 return
-            rows = tensor.to(device=self.weight.device, dtype=torch.float32)
-            quantized, scale = quantize_fp8_rows(rows, self.row_absmax(rows))
+            rows = tensor.to(device=layer.weight.device, dtype=torch.float32)
+            peak = rows.abs().amax(dim=1)  # [n]
+            if layer.parallel.partial_output:
+                all_reduce_max(peak)
+            quantized, scale = quantize_fp8_rows(rows, peak)
             target.copy_(quantized)
             start = 0 if row_offset is None else row_offset
-            self.weight_scale[start:start + tensor.shape[0]] = scale
+            layer.weight_scale.data[start:start + tensor.shape[0]] = scale
 
-    def row_absmax(self, rows: torch.Tensor) -> torch.Tensor:
-        """max |w| of each row of rows [n, in] (float32) -> [n]: what its scale is set from. A
-        row-parallel layer takes it over every rank's columns, so its rows quantize as the
-        whole matrix's would."""
-        return rows.abs().amax(dim=1)
-
-    def load_scale(self, scale: torch.Tensor, row_offset: int | None, rows: int, name: str = "weight_scale") -> None:
+    def load_scale(self, layer: LinearBase, scale: torch.Tensor, row_offset: int | None, rows: int,
+                   name: str) -> None:
         """Per row ([rows] or [rows, 1]) or per tensor (one value) scales."""
-        flat = scale.reshape(-1).to(device=self.weight_scale.device, dtype=torch.float32)
+        flat = scale.reshape(-1).to(device=layer.weight_scale.device, dtype=torch.float32)
         if flat.numel() == 1:
             flat = flat.expand(rows)
         if flat.numel() != rows:
             raise ValueError(f"{name!r} holds {flat.numel()} scales for {rows} rows: only per-channel and "
                              "per-tensor FP8 scales are supported")
         start = 0 if row_offset is None else row_offset
+        layer.weight_scale.data[start:start + rows] = flat
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            from infer.models.triton_linear import triton_linear
+            rows = x.reshape(-1, x.shape[-1])
+            cfg = choose_config(rows.shape[0], layer.out_features, layer.in_features)
+            y = triton_linear(rows, layer.weight, layer.weight_scale, cfg, layer.workspace)
+            return y.view(*x.shape[:-1], layer.out_features)
+        return F.linear(x, self.dense_weight(layer, x.dtype))
+
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return layer.weight, layer.weight_scale
+
+    def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
+        return dequantize_fp8(layer.weight, layer.weight_scale, dtype or torch.float32)
+
+
+UNQUANTIZED = Unquantized()
+FP8 = Fp8()
+_METHODS: dict[str | None, QuantMethod] = {None: UNQUANTIZED, "fp8": FP8}
+
+
+def quant_method(quantization: str | None) -> QuantMethod:
+    """The method of a `quantization` setting (None or "fp8"); a clear error for others."""
+    if quantization not in _METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
+    return _METHODS[quantization]
+
+
+class LinearBase(nn.Module):
+    """y = combine(x W^T + b), W [out_features, in_features] stored by `method`; `parallel`
+    says which part of the whole matrix this is (out/in features are the local ones)."""
+
+    def __init__(self, in_features: int, out_features: int, method: QuantMethod = UNQUANTIZED,
+                 parallel: Parallel = REPLICATED, bias: bool = False) -> None:
+        super().__init__()
+        if bias and parallel.kind in ("row", "vocab"):
+            raise ValueError(f"a {parallel.kind}-parallel layer has no bias (it would be added once per rank)")
+        self.in_features, self.out_features = in_features, out_features
+        self.method, self.parallel = method, parallel
+        method.create_weights(self)
+        if bias:  # [out], in the model's dtype whatever W is stored as
+            self.bias = nn.Parameter(torch.zeros(out_features))
+        else:
+            self.register_parameter("bias", None)
+        self.workspace = SplitWorkspace()  # the Triton matmul's split-K scratch (GPU)
+
+    @property
+    def quantization(self) -> str | None:
+        return self.method.name
+
+    @property
+    def partial_output(self) -> bool:
+        return self.parallel.partial_output
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its local matmul (+ bias) y [..., out_features]."""
+        return self.parallel.combine(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.method.apply(self, x)
+        return self.combine(y if self.bias is None else y + self.bias)
+
+    def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
+        self.method.load_weight(self, tensor, row_offset, name)
+
+    def load_scale(self, scale: torch.Tensor, row_offset: int | None, rows: int, name: str = "weight_scale") -> None:
+        self.method.load_scale(self, scale, row_offset, rows, name)
+
+    def load_bias(self, tensor: torch.Tensor, row_offset: int | None, name: str = "bias") -> None:
+        if self.bias is None:
+            raise ValueError(f"tensor {name!r} is a bias, but this model's layer has none: the config "
+                             "does not match the weights")
         with torch.no_grad():
-            self.weight_scale[start:start + rows] = flat
+            check_rows(self.bias.data, tensor, row_offset, name).copy_(tensor)
+
+    def checkpoint_params(self) -> tuple[str, ...]:
+        """The parameter names (leaves) of this layer that a checkpoint must supply."""
+        return self.method.checkpoint_params + (("bias",) if self.bias is not None else ())
 
     def matrix(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.weight, self.weight_scale
+        return self.method.matrix(self)
 
-    def dense_weight(self) -> torch.Tensor:
-        return dequantize_fp8(self.weight, self.weight_scale, self.act_dtype)
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """W as a dense matrix [out, in] in `dtype` (export, tests)."""
+        return self.method.dense_weight(self, dtype)
+
+    def __getattr__(self, name: str) -> torch.Tensor | nn.Module:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            method = self.__dict__.get("method")
+            if name == "weight" and method is not None and not method.checkpoint_params:
+                return self.matrix()[0]  # a method that owns no parameter (a tied head) still has a W
+            raise
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LinearBase:
+        """As nn.Module's (`.to()`, `.cuda()`, `to_empty()`), but the method's fixed-dtype
+        parameters (FP8 weights and their scales) only change device."""
+        fixed = {id(p) for n, p in self._parameters.items() if p is not None and n in self.method.fixed_dtype_params}
+        if not fixed:
+            return super()._apply(fn, recurse)
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)
+            return t.to(device=out.device) if id(t) in fixed and out.dtype != t.dtype else out
+
+        return super()._apply(keep_dtype, recurse)
 
 
-def make_linear(in_features: int, out_features: int, quantization: str | None) -> LinearBase:
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
-    if quantization == "fp8":
-        return Fp8Linear(in_features, out_features)
-    return DenseLinear(in_features, out_features)
+def linear_layers(module: nn.Module) -> dict[str, LinearBase]:
+    """Every linear layer inside `module` by its module name (model.layers.0.self_attn.qkv_proj)."""
+    return {name: m for name, m in module.named_modules() if isinstance(m, LinearBase)}
+
+
+def make_linear(in_features: int, out_features: int, quantization: str | None,
+                parallel: Parallel = REPLICATED, bias: bool = False) -> LinearBase:
+    return LinearBase(in_features, out_features, quant_method(quantization), parallel, bias)

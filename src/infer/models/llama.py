@@ -1,5 +1,8 @@
-"""Llama 3.x decoder (Llama-3.2-1B/3B, Llama-3.1-8B shapes): grouped-query attention,
-RoPE (llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings.
+"""The decoder of the Llama family and its relatives: Llama 3.x (Llama-3.2-1B/3B,
+Llama-3.1-8B shapes), Mistral, Qwen2 / Qwen2.5 and Qwen3. Grouped-query attention, RoPE
+(llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings; the families differ
+in two switches of their config (models/config.py, `FAMILIES`): `qkv_bias` (Qwen2: biases
+on q, k and v) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before the rotary).
 
 `forward(input_ids, positions, view)` takes explicit positions per token and an
 `AttentionView` that owns the KV cache, so padded batches, chunks after a cached prefix and
@@ -25,7 +28,7 @@ from infer.models.attention import AttentionView, NoCacheView
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, cos_sin
 from infer.models.layers import MLP, RMSNorm, Rotary
-from infer.models.linear import DenseLinear, Fp8Linear, LinearBase, make_linear
+from infer.models.linear import LinearBase, linear_layers, make_linear
 
 
 class Attention(nn.Module):
@@ -36,16 +39,25 @@ class Attention(nn.Module):
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization)
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization,
+                                    bias=config.qkv_bias)
         self.o_proj = make_linear(self.q_size, config.hidden_size, quantization)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # weights [head_dim], shared by the heads
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
         """h: normed input [B, T, H]; returns residual + attention output [B, T, H]."""
         b, t, _ = h.shape
         q, k, v = kernels.linear(self.qkv_proj, h, None).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = kernels.rotary_qk(q.view(b, t, self.heads, self.head_dim),  # [B, T, Hq, D]
-                                 k.view(b, t, self.kv_heads, self.head_dim), cos, sin)  # [B, T, Hkv, D]
+        q = q.view(b, t, self.heads, self.head_dim)  # [B, T, Hq, D]
+        k = k.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.qk_norm:
+            q = kernels.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
+            k = kernels.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = kernels.rotary_qk(q, k, cos, sin)
         out = view.attend(self.layer, q, k, v.view(b, t, self.kv_heads, self.head_dim))  # [B, T, Hq, D]
         return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
 
@@ -82,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         self.model = LlamaBody(config, quantization)
         self.rotary = Rotary(config)
-        self.lm_head = DenseLinear(config.hidden_size, config.vocab_size)  # kept in the model's dtype
+        self.lm_head = make_linear(config.hidden_size, config.vocab_size, None)  # kept in the model's dtype
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -93,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
 
     def linears(self) -> dict[str, LinearBase]:
         """Every linear layer by its module name (model.layers.0.self_attn.qkv_proj, lm_head)."""
-        return {name: m for name, m in self.named_modules() if isinstance(m, LinearBase)}
+        return linear_layers(self)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView,
                       kernels: Kernels = EAGER) -> torch.Tensor:
@@ -136,19 +148,22 @@ class LlamaForCausalLM(nn.Module):
                 continue  # older exports store the (recomputed) rotary table; activation scales
             module, _, leaf = name.rpartition(".")
             layer = linears.get(module)
-            if layer is not None and leaf in ("weight", "weight_scale"):
+            if layer is not None and leaf in ("weight", "weight_scale", "bias"):
                 rows = _fused_rows(hf_name, self.config) if offset is not None else layer.out_features
                 if leaf == "weight":
                     layer.load_rows(tensor, offset, hf_name)
                     if tensor.dtype == torch.float8_e4m3fn:
                         fp8_weights.add(hf_name)
+                elif leaf == "bias":
+                    layer.load_bias(tensor, offset, hf_name)
                 else:
                     layer.load_scale(tensor, offset, rows, hf_name)
                 seen.add(hf_name)
                 continue
             param = own.get(name)
             if param is None:
-                raise ValueError(f"checkpoint has unexpected tensor {hf_name!r} for this Llama config")
+                raise ValueError(f"checkpoint has unexpected tensor {hf_name!r} for this "
+                                 f"{self.config.model_type} config")
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, but config.json implies "
@@ -156,9 +171,7 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 param.data.copy_(tensor)
             seen.add(hf_name)
-        expected = [hf for name, p in self.named_parameters() for hf, _ in fused_to_hf(name, p, self.config)]
-        expected += [hf for name, m in linears.items() if isinstance(m, Fp8Linear)
-                     for hf, _ in fused_to_hf(f"{name}.weight", m.weight, self.config)]
+        expected = [hf for name, p in self._checkpoint_params() for hf, _ in fused_to_hf(name, p, self.config)]
         missing = [hf for hf in expected if hf not in seen]
         missing += sorted(f"{hf}_scale" for hf in fp8_weights if f"{hf}_scale" not in seen)
         if missing:
@@ -166,14 +179,31 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint is missing {len(missing)} tensor(s), e.g. {missing[0]!r}: "
                 "the weight files are incomplete (re-download or re-save the model)")
 
-    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This model's weights under Hugging Face names (fused matrices split; FP8 layers
-        dequantized)."""
+    def _checkpoint_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, parameter) of what a checkpoint supplies: every parameter but those a
+        linear layer derives (an FP8 layer's scales, computed as its weights quantize)."""
+        linears = self.linears()
         for name, param in self.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            layer = linears.get(module)
+            if layer is None or leaf in layer.checkpoint_params():
+                yield name, param
+
+    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This model's weights under Hugging Face names (fused matrices split; quantized
+        layers dequantized to the model's dtype)."""
+        linears = self.linears()
+        dtype = self.model.embed_tokens.weight.dtype
+        for name, param in self._checkpoint_params():
+            module, _, leaf = name.rpartition(".")
+            if module in linears and leaf == "weight":
+                param = linears[module].dense_weight(dtype)
             yield from fused_to_hf(name, param.detach(), self.config)
-        for name, layer in self.linears().items():
-            if isinstance(layer, Fp8Linear):
-                yield from fused_to_hf(f"{name}.weight", layer.dense_weight().detach(), self.config)
+
+
+def norm_weights(model: nn.Module) -> set[int]:
+    """ids of the model's RMSNorm weights (dummy weights and training set them apart)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
 
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -203,13 +233,14 @@ def hf_to_fused(hf_name: str, config: ModelConfig) -> tuple[str, int | None]:
 
 
 def fused_to_hf(name: str, tensor: torch.Tensor, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    prefix = name.rsplit(".", 2)[0]
-    if name.endswith("qkv_proj.weight"):
+    """A parameter under Hugging Face names: a fused matrix's (or bias's) parts, split."""
+    prefix, module, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+    if module == "qkv_proj":
         sizes = [config.q_size, config.kv_size, config.kv_size]
         for part, chunk in zip(_QKV, tensor.split(sizes), strict=True):
-            yield f"{prefix}.{part}.weight", chunk
-    elif name.endswith("gate_up_proj.weight"):
+            yield f"{prefix}.{part}.{leaf}", chunk
+    elif module == "gate_up_proj":
         for part, chunk in zip(_GATE_UP, tensor.split(config.intermediate_size), strict=True):
-            yield f"{prefix}.{part}.weight", chunk
+            yield f"{prefix}.{part}.{leaf}", chunk
     else:
         yield name, tensor

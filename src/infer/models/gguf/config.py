@@ -1,7 +1,8 @@
-"""ModelConfig from a GGUF file's metadata (llama.cpp's `llama.*` keys) and tensor table.
+"""ModelConfig from a GGUF file's metadata (llama.cpp's `<architecture>.*` keys) and tensor table.
 
 A GGUF file has no config.json: the shape is in `llama.embedding_length`,
-`llama.block_count`, `llama.attention.head_count`, ...; the vocabulary size is the
+`llama.block_count`, `llama.attention.head_count`, ... (`qwen2.*`, `qwen3.*` for those
+architectures; the family follows `general.architecture`); the vocabulary size is the
 embedding's row count; tied embeddings show as a missing `output.weight`. Llama 3.1+ RoPE
 scaling is stored by llama.cpp's converter as a tensor, `rope_freqs.weight`: one divisor
 per rotary frequency, kept as `ModelConfig.rope_freq_factors`. The stop ids are the file's
@@ -24,11 +25,15 @@ STOP_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
 SUPPORTED_ROPE_SCALING = (None, "none")
 
 
+# general.architecture -> ModelConfig.model_type (Mistral's files are written as "llama")
+MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
 def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
-    """The `ModelConfig` a GGUF Llama file describes; clear errors for what infer cannot run."""
+    """The `ModelConfig` a GGUF file describes; clear errors for what infer cannot run."""
     if EMBEDDING not in gguf.tensors:
         raise ValueError(f"GGUF file {str(gguf.path)!r} has no {EMBEDDING!r} tensor: it holds no "
-                         "Llama weights (a vocabulary-only file?)")
+                         "model weights (a vocabulary-only file?)")
     hidden = _int(gguf, "embedding_length")
     heads = _int(gguf, "attention.head_count")
     head_dim = _int(gguf, "attention.key_length", hidden // heads)
@@ -48,6 +53,7 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         tie_word_embeddings="output.weight" not in gguf.tensors,
         bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=stop_token_ids(gguf),
+        model_type=MODEL_TYPES[gguf.architecture],
     )
 
 

@@ -1,10 +1,11 @@
-"""Open a GGUF file: check that it is whole and holds a Llama, read metadata and tensors.
+"""Open a GGUF file: check that it is whole and holds a model infer runs, read metadata and tensors.
 
 `GGUFFile.open(path)` wraps `gguf.GGUFReader`, which memory-maps the file: the tensor
 table is parsed, but no tensor data is read until a tensor is used. What can go wrong with
 a user's file becomes an error that says what to fix: not a GGUF file, a file cut short
-(an interrupted download), a model that is not a Llama (`general.architecture`), a
-mixture-of-experts Llama, a metadata key the model needs but the file lacks.
+(an interrupted download), an architecture infer does not run (`general.architecture`
+other than `llama`, `qwen2`, `qwen3`; Mistral files are `llama`), a mixture-of-experts
+model, a metadata key the model needs but the file lacks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from infer.models.gguf.path import GGUF_MAGIC
 
 __all__ = ["GGUFFile", "GGUFTensor"]
 
-LLAMA_ARCHITECTURE = "llama"
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values infer loads
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,8 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """A validated GGUF file holding a dense Llama: metadata lookups and the tensor table."""
+    """A validated GGUF file holding a dense decoder of a supported family: metadata lookups
+    and the tensor table."""
 
     def __init__(self, path: Path, reader: GGUFReader) -> None:
         self.path = path
@@ -68,7 +70,7 @@ class GGUFFile:
                 f"GGUF file {str(path)!r} ({size} bytes) is truncated or corrupt ({type(exc).__name__}: "
                 f"{exc}); an interrupted download leaves such a file: download it again") from exc
         gguf = cls(path, reader)
-        gguf._check_llama()
+        gguf._check_architecture()
         return gguf
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -85,21 +87,20 @@ class GGUFFile:
         return self._reader.fields[key].contents()
 
     def arch_value(self, suffix: str) -> Any:
-        """`llama.<suffix>`, one of the architecture's own keys; an error when absent."""
+        """`<architecture>.<suffix>` (e.g. `llama.block_count`); an error when absent."""
         return self.value(f"{self.architecture}.{suffix}")
 
     def arch_get(self, suffix: str, default: Any = None) -> Any:
-        """`llama.<suffix>`, or `default` when the file lacks it."""
+        """`<architecture>.<suffix>`, or `default` when the file lacks it."""
         return self.get(f"{self.architecture}.{suffix}", default)
 
-    def _check_llama(self) -> None:
-        if self.architecture != LLAMA_ARCHITECTURE:
+    def _check_architecture(self) -> None:
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(
-                f"GGUF file {str(self.path)!r} holds a {self.architecture!r} model; infer runs "
-                f"Llama-family models only (general.architecture {LLAMA_ARCHITECTURE!r})")
-        experts = self.get(f"{LLAMA_ARCHITECTURE}.expert_count", 0)
+                f"GGUF file {str(self.path)!r} holds a {self.architecture!r} model; infer runs the "
+                f"architectures {', '.join(ARCHITECTURES)} (general.architecture; Mistral files are 'llama')")
+        experts = self.arch_get("expert_count", 0)
         if experts:
             raise ValueError(
-                f"GGUF file {str(self.path)!r} is a mixture-of-experts Llama ({experts} experts, "
-                "e.g. Mixtral); infer runs dense Llama models only")
-
+                f"GGUF file {str(self.path)!r} is a mixture-of-experts model ({experts} experts, "
+                "e.g. Mixtral); infer runs dense models only")

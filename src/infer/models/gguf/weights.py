@@ -1,13 +1,15 @@
-"""A GGUF file's tensors, dequantized, under Hugging Face Llama names.
+"""A GGUF file's tensors, dequantized, under Hugging Face names.
 
 `iter_hf_tensors(gguf, config, device, dtype)` yields `(hf_name, tensor)` pairs for
 `LlamaForCausalLM.load_hf_weights`, the same seam a safetensors checkpoint goes through
 (and where a weight quantizer such as FP8 intercepts weights). Each tensor is
 dequantized with the `gguf` library's own routines (`gguf.quants.dequantize`, float32),
-renamed (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`), and for
-q/k un-permuted: llama.cpp's converter reorders each head's rows from Hugging Face's
-rotate-half layout to interleaved pairs, and `unpermute_rotary` undoes that. The file's
-quantization is not kept: weights end up dense in `dtype`.
+renamed (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, the Qwen
+families' `attn_q.bias` and `attn_q_norm.weight` alike), and for a `llama` file's q/k
+un-permuted: llama.cpp's converter reorders each head's rows from Hugging Face's
+rotate-half layout to interleaved pairs for that architecture (not for qwen2 / qwen3), and
+`unpermute_rotary` undoes that. The file's quantization is not kept: weights end up dense in
+`dtype`.
 """
 
 from __future__ import annotations
@@ -44,22 +46,25 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+PERMUTED_ARCHITECTURES = ("llama",)  # whose q/k rows llama.cpp's converter permutes
 
 
 def hf_name(gguf_name: str) -> str | None:
-    """Hugging Face name of a GGUF Llama tensor; None for a name Llama does not use."""
+    """Hugging Face name of a GGUF tensor; None for a name these families do not use."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match is None or match.group(2) not in LAYER_NAMES:
         return None
-    return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.weight"
+    return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{match.group(3)}"
 
 
 def check_tensors(gguf: GGUFFile) -> None:
-    """Every tensor must be a Llama tensor of a type infer dequantizes; raise before loading."""
+    """Every tensor must be one the model has, of a type infer dequantizes; raise before loading."""
     supported = ", ".join(t.name for t in SUPPORTED_TYPES)
     for tensor in gguf.tensors.values():
         if tensor.ggml_type not in SUPPORTED_TYPES:
@@ -69,7 +74,8 @@ def check_tensors(gguf: GGUFFile) -> None:
                 f"{supported} (re-quantize the model to one of them, e.g. Q4_K_M or Q8_0)")
         if tensor.name != ROPE_FREQS and hf_name(tensor.name) is None:
             raise ValueError(f"GGUF file {str(gguf.path)!r} has tensor {tensor.name!r}, which a "
-                             "Llama model does not have; the file is not a plain Llama")
+                             f"{gguf.architecture!r} model infer runs does not have; the file is not a "
+                             "plain dense model of that family")
 
 
 def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
@@ -102,7 +108,7 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, d
             name = hf_name(tensor.name)
             assert name is not None  # check_tensors rejected the others
             values = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
-            heads = _rotary_heads(tensor.name, config)
+            heads = _rotary_heads(tensor.name, config) if gguf.architecture in PERMUTED_ARCHITECTURES else None
             if heads is not None:
                 values = unpermute_rotary(values, heads)
             yield name, values.to(device=device, dtype=dtype)

@@ -7,11 +7,12 @@ Every timing is inside a CUDA graph of 20 calls on 20 distinct copies of the wei
 than the L2 cache holds, as a decode step's layers are), replayed many times: the median
 replay over 20. For each matrix, row count and weight kind the script searches the
 candidate configurations (`gemv_tiles.candidate_configs`, with the K splits of
-`with_splits`), checks each one's output against a float32 reference, and prints the best
-(the entries of `gemv_tiles.CONFIG_TABLE`); it also times the default configuration and,
-at the best one, the layer's fused form (RMSNorm before qkv, gate_up and lm_head, the
-residual add after o, SwiGLU and the residual add around down). Kernels compile first in
-a pool of processes (Triton's disk cache hands them to this one).
+`with_splits`) twice: the plain matmul, and the layer's fused form in a decode step
+(RMSNorm before qkv, gate_up and lm_head; the residual add after o; SwiGLU before and the
+residual add after down). It checks each output against the unfused layers, prints the
+best of each and the default configuration's time, and lists the fused form's best as
+`gemv_tiles.CONFIG_TABLE` entries. Kernels compile first in a pool of processes (Triton's
+disk cache hands them to this one).
 
     python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8]
 """
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from infer.bench.roofline import copy_bandwidth  # noqa: E402
 from infer.models.gemv_tiles import (  # noqa: E402
     GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
+from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
 from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
 from infer.models.quantization import quantize_fp8_rows  # noqa: E402
@@ -91,13 +93,25 @@ def fused_inputs(flags: tuple[str, ...], m: int, n: int, k: int, dev: torch.devi
     return out
 
 
-def _compile(job: tuple[int, bool, dict, tuple[str, ...]]) -> str:
+def unfused_reference(x: torch.Tensor, dense: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
+    """The unfused layers' result in float32: SwiGLU, RMSNorm, the matmul in float32 on the
+    dense weight rounded to x's dtype, the residual add."""
+    a = silu_mul(x) if extra.get("swiglu_input") else x
+    norm_weight = extra.get("norm_weight")
+    a = rmsnorm(a, norm_weight, 1e-5) if isinstance(norm_weight, torch.Tensor) else a
+    y = (a.float() @ dense.t()).to(x.dtype)
+    residual = extra.get("residual")
+    return (residual + y if isinstance(residual, torch.Tensor) else y).float()
+
+
+def _compile(job: tuple[int, bool, dict, tuple[str, ...], int]) -> str:
     """Pool worker: run gemv once at this configuration so that Triton compiles it into its
-    disk cache (small matrices; the launch parameters that key the cache match the real ones)."""
-    bucket, fp8, cfg_fields, flags = job
+    disk cache (256 rows of W; the launch parameters that key the cache match the real
+    ones, K too where it sets the RMS pass's step)."""
+    bucket, fp8, cfg_fields, flags, k = job
     cfg = GemvConfig(**cfg_fields)
     dev = torch.device("cuda")
-    n, k = 256, 1024
+    n = 256
     x = torch.randn(bucket, 2 * k if "swiglu" in flags else k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev)
     w, s = quantize_fp8_rows(w) if fp8 else (w.to(torch.bfloat16), None)
@@ -109,9 +123,10 @@ def _compile(job: tuple[int, bool, dict, tuple[str, ...]]) -> str:
         return f"{cfg} fp8={fp8} {flags}: {type(exc).__name__}: {str(exc)[:300]}"
 
 
-def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, bool, tuple, tuple[str, ...]]]) -> None:
+def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, bool, tuple, tuple[str, ...], int]]) -> None:
     t0 = time.perf_counter()
-    errors = [e for e in pool.map(_compile, [(b, f, dict(c), fl) for b, f, c, fl in sorted(jobs, key=str)]) if e]
+    errors = [e for e in pool.map(_compile, [(b, f, dict(c), fl, k) for b, f, c, fl, k in sorted(jobs, key=str)])
+              if e]
     for e in errors:
         print("compile failed:", e)
     print(f"compiled {len(jobs)} kernel variants in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -143,16 +158,22 @@ class Bench:
         return {"bf16": ([wb] + [wb.clone() for _ in range(CALLS - 1)], None, wb.float()),
                 "fp8": ([q] + [q.clone() for _ in range(CALLS - 1)], s, q.float() * s[:, None])}
 
-    def time_gemv(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | None, cfg: GemvConfig,
-                  ref: torch.Tensor | None, extra: dict[str, object] | None = None) -> tuple[float, float]:
-        """(seconds per call, relative error against `ref`; nan when not checked)."""
-        extra = extra or {}
-        err = float("nan")
-        if ref is not None:
-            y = gemv(x, ws[0], s, config=cfg, **extra)
-            err = ((y.float() - ref).norm() / ref.norm()).item()
-        t = graph_seconds([lambda w=w: gemv(x, w, s, config=cfg, **extra) for w in ws], self.args.replays)
-        return t, err
+    def search(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | None, space: list[GemvConfig],
+               ref: torch.Tensor, extra: dict[str, object]) -> list[tuple[float, GemvConfig, float]]:
+        """(seconds per call, config, relative error) of each config that runs and is right."""
+        timed = []
+        for cfg in space:
+            try:
+                err = ((gemv(x, ws[0], s, config=cfg, **extra).float() - ref).norm() / ref.norm()).item()
+                t = graph_seconds([lambda w=w: gemv(x, w, s, config=cfg, **extra) for w in ws], self.args.replays)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch
+                print(f"  {short(cfg)} {sorted(extra)} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if not err < 1e-2:
+                print(f"  {short(cfg)} {sorted(extra)} WRONG: relative error {err:.2e}")
+                continue
+            timed.append((t, cfg, err))
+        return timed
 
     def layer(self, model: str, name: str, n: int, k: int) -> list[dict]:
         rows = []
@@ -160,65 +181,41 @@ class Bench:
         workspaces = [SplitWorkspace() for _ in range(CALLS)]
         for m in self.args.rows:
             x = torch.randn(m, k, device=self.dev, dtype=torch.bfloat16)
+            xf = torch.randn(m, 2 * k if "swiglu" in FUSION[name] else k, device=self.dev, dtype=torch.bfloat16)
+            extra = fused_inputs(FUSION[name], m, n, k, self.dev)
             cublas = graph_seconds([lambda w=w: F.linear(x, w) for w in weights["bf16"][0]], self.args.replays)
             for dtype in self.args.dtypes:
                 ws, s, dense = weights[dtype]
                 nbytes = n * k * (1 if dtype == "fp8" else 2)
-                ref = x.float() @ dense.t()
                 lin_cfg = choose_config(m, n, k)
                 tl_s = graph_seconds([lambda w=w, ws_=wsp: triton_linear(x, w, s, lin_cfg, ws_)
                                       for w, wsp in zip(ws, workspaces)], self.args.replays)
                 default = default_config(n, k, row_bucket(m), dtype == "fp8")
-                timed = []
                 space = [default] if self.over_budget() else list(dict.fromkeys(search_space(n, k, m) + [default]))
-                for cfg in space:
-                    try:
-                        t, err = self.time_gemv(x, ws, s, cfg, ref)
-                    except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch
-                        print(f"  {short(cfg)} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                        continue
-                    if not err < 1e-2:
-                        print(f"  {short(cfg)} WRONG: relative error {err:.2e}")
-                        continue
-                    timed.append((t, cfg, err))
-                if not timed:
+                plain = self.search(x, ws, s, space, unfused_reference(x, dense, {}), {})
+                fused = self.search(xf, ws, s, space, unfused_reference(xf, dense, extra), extra)
+                if not plain or not fused:
                     print(f"{model} {name} m={m} {dtype}: no configuration ran")
                     continue
-                t_def = next((t for t, c, _ in timed if c == default), float("nan"))
-                best_t, best, best_err = min(timed, key=lambda r: r[0])
+                (t, best, err), (tf, best_f, _) = min(plain, key=lambda r: r[0]), min(fused, key=lambda r: r[0])
+                t_def = next((tc for tc, c, _ in plain if c == default), float("nan"))
                 row = {"model": model, "layer": name, "n": n, "k": k, "m": m, "dtype": dtype, "bytes": nbytes,
-                       "gemv_s": best_t, "gemv_bw": nbytes / best_t / self.bw, "gemv_err": best_err,
-                       "config": asdict(best), "default_config": asdict(default), "default_s": t_def,
+                       "gemv_s": t, "gemv_bw": nbytes / t / self.bw, "gemv_err": err, "config": asdict(best),
+                       "fused": "+".join(FUSION[name]), "fused_s": tf, "fused_bw": nbytes / tf / self.bw,
+                       "fused_config": asdict(best_f), "default_config": asdict(default), "default_s": t_def,
                        "default_bw": nbytes / t_def / self.bw, "triton_linear_s": tl_s,
                        "triton_linear_bw": nbytes / tl_s / self.bw, "cublas_bf16_s": cublas,
                        "cublas_bf16_bw": n * k * 2 / cublas / self.bw, "searched": len(space),
-                       "candidates": [{"config": asdict(c), "s": t, "err": e} for t, c, e in timed]}
+                       "candidates": [{"config": asdict(c), "s": tc, "err": e} for tc, c, e in plain],
+                       "fused_candidates": [{"config": asdict(c), "s": tc, "err": e} for tc, c, e in fused]}
                 rows.append(row)
                 print(f"{model:13s} {name:8s} {n:6d}x{k:<5d} m={m:2d} {dtype:4s} | gemv {row['gemv_bw']:.2f} "
-                      f"[{short(best)}] default {row['default_bw']:.2f} | triton_linear {row['triton_linear_bw']:.2f}"
-                      f" | cublas bf16 {row['cublas_bf16_bw']:.2f} ({cublas * 1e6:.1f} us) | err {best_err:.1e}",
-                      flush=True)
+                      f"[{short(best)}] fused {row['fused_bw']:.2f} [{short(best_f)}] default {row['default_bw']:.2f}"
+                      f" | triton_linear {row['triton_linear_bw']:.2f} | cublas bf16 {row['cublas_bf16_bw']:.2f} "
+                      f"({cublas * 1e6:.1f} us) | err {err:.1e}", flush=True)
         del weights
         torch.cuda.empty_cache()
         return rows
-
-    def fused(self, rows: list[dict]) -> None:
-        """Adds `fused_s`/`fused_bw`: each row's layer with its fusion, at its best config."""
-        by_layer: dict[tuple[str, str], list[dict]] = {}
-        for r in rows:
-            by_layer.setdefault((r["model"], r["layer"]), []).append(r)
-        for (_, name), group in by_layer.items():
-            n, k = group[0]["n"], group[0]["k"]
-            weights = self.weights(n, k)
-            for r in group:
-                ws, s, _ = weights[r["dtype"]]
-                extra = fused_inputs(FUSION[name], r["m"], n, k, self.dev)
-                x = torch.randn(r["m"], 2 * k if "swiglu" in FUSION[name] else k, device=self.dev,
-                                dtype=torch.bfloat16)
-                t, _ = self.time_gemv(x, ws, s, GemvConfig(**r["config"]), None, extra)
-                r["fused"], r["fused_s"], r["fused_bw"] = "+".join(FUSION[name]), t, r["bytes"] / t / self.bw
-            del weights
-            torch.cuda.empty_cache()
 
 
 def print_table(rows: list[dict]) -> None:
@@ -250,7 +247,6 @@ def main() -> None:
                     help="processes compiling kernels ahead of the timing")
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="past this many seconds from the start, shapes left get the default config only")
-    ap.add_argument("--no-fused", action="store_true", help="skip timing the fused forms")
     ap.add_argument("--out", type=Path, required=True, help="JSON results")
     args = ap.parse_args()
     for m in args.rows:
@@ -267,28 +263,26 @@ def main() -> None:
         for m in args.rows:
             for dtype in args.dtypes:
                 for cfg in search_space(n, k, m) + [default_config(n, k, row_bucket(m), dtype == "fp8")]:
-                    jobs.add((row_bucket(m), dtype == "fp8", tuple(asdict(cfg).items()), ()))
+                    fields = tuple(asdict(cfg).items())
+                    jobs.add((row_bucket(m), dtype == "fp8", fields, (), 1024))
+                    jobs.add((row_bucket(m), dtype == "fp8", fields, FUSION[name], k if "norm" in FUSION[name] else 1024))
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
         precompile(pool, jobs)
-        bench = Bench(args, bw, start)
-        rows: list[dict] = []
-        result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "calls_per_graph": CALLS,
-                  "replays": args.replays, "triton": __import__("triton").__version__, "torch": torch.__version__,
-                  "rows": rows}
-        for model, name, n, k in shapes:
-            rows.extend(bench.layer(model, name, n, k))
-            args.out.write_text(json.dumps(result, indent=1))
-        if not args.no_fused:
-            precompile(pool, {(row_bucket(r["m"]), r["dtype"] == "fp8", tuple(r["config"].items()), FUSION[r["layer"]])
-                              for r in rows})
-            bench.fused(rows)
+    bench = Bench(args, bw, start)
+    rows: list[dict] = []
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "calls_per_graph": CALLS,
+              "replays": args.replays, "triton": __import__("triton").__version__, "torch": torch.__version__,
+              "rows": rows}
+    for model, name, n, k in shapes:
+        rows.extend(bench.layer(model, name, n, k))
+        args.out.write_text(json.dumps(result, indent=1))
     result["seconds"] = time.perf_counter() - start
     args.out.write_text(json.dumps(result, indent=1))
     print_table(rows)
-    print("\nCONFIG_TABLE entries:")
+    print("\nCONFIG_TABLE entries (fastest fused form):")
     for r in rows:
-        c = r["config"]
+        c = r["fused_config"]
         print(f"    ({r['n']}, {r['k']}, {row_bucket(r['m'])}, {r['dtype']!r}): GemvConfig({c['block_n']}, {c['block_k']}, "
               f"{c['split_k']}, {c['dot']}, {c['num_warps']}, {c['num_stages']}),")
     print(f"\ntotal {result['seconds']:.0f} s")

@@ -78,18 +78,19 @@ def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.
 def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
                  SCALED: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PARTIAL: tl.constexpr, STAGES: tl.constexpr):
+                 PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rstd = tl.zeros((BM,), tl.float32)
-    if NORM:  # every program recomputes its rows' RMS over all of K
-        sq = tl.zeros((BM, BK), tl.float32)
-        for k0 in range(0, K, BK):
-            kk = k0 + rk
-            xs = tl.load(X + rm[:, None] * s_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+    if NORM:  # every program recomputes its rows' RMS over all of K, in few wide steps
+        rq = tl.arange(0, NORM_BK)
+        sq = tl.zeros((BM, NORM_BK), tl.float32)
+        for k0 in range(0, K, NORM_BK):
+            kq = k0 + rq
+            xs = tl.load(X + rm[:, None] * s_xm + kq[None, :], mask=(rm[:, None] < M) & (kq[None, :] < K),
                          other=0.0).to(tl.float32)
             sq += xs * xs
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
@@ -158,10 +159,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
     nw = norm_weight if norm_weight is not None else y
     r = residual if residual is not None else y
     flags = dict(SCALED=scale is not None, RESIDUAL=residual is not None)
+    # the RMS pass reads x in steps of up to 8192 values a program (all of K in one or two
+    # steps for one or two rows), so that few dependent loads precede the matmul
+    norm_bk = min(triton.next_power_of_2(k), max(cfg.block_k, 8192 // bm)) if norm_weight is not None else 16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, w, s, nw, r, y, p, m, n, k, k_per_split, x.stride(0), w.stride(0), r.stride(0), y.stride(0), eps,
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT=cfg.dot, FP8=fp8, NORM=norm_weight is not None,
-        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **(flags if not partial else dict(SCALED=False, RESIDUAL=False)))
     if partial:

@@ -159,6 +159,15 @@ def test_default_config(n: int, k: int, bucket: int, fp8: bool) -> None:
         assert 2 * (programs // 2) < 5 * NUM_SMS_H200 and k_steps >= 2 * cfg.split_k
 
 
+def test_table_entries_are_searched_configs() -> None:
+    """Every measured entry is a candidate tile of its row bucket with one of its shape's splits."""
+    assert CONFIG_TABLE
+    for (n, k, bucket, kind), cfg in CONFIG_TABLE.items():
+        assert kind in ("bf16", "fp8") and fits_registers(cfg, bucket)
+        assert any(cfg in with_splits(c, n, k) for c in candidate_configs(bucket)), (n, k, bucket, kind, cfg)
+        assert config_for(n, k, bucket, kind == "fp8") == cfg
+
+
 def test_config_for_prefers_the_table() -> None:
     key = (4096, 1024, 4, "fp8")
     assert key not in CONFIG_TABLE

@@ -17,6 +17,7 @@ import torch
 
 MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
 NUM_SMS_H200 = 132
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # the row tiles the FMA kernel is compiled for
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +118,56 @@ def default_config(n: int, k: int, bucket: int, fp8: bool) -> GemvConfig:
     return replace(base, split_k=split)
 
 
-# (N, K, row bucket, "bf16" | "fp8") -> the configuration measured fastest inside CUDA
-# graphs on an H200 by scripts/bench_gemv.py (Llama 3.2 1B and 3B shapes).
-CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {}
+# The configuration measured fastest per shape (scripts/bench_gemv.py on an H200, inside
+# CUDA graphs, for the Llama 3.2 1B and 3B matrices in their fused decode form: RMSNorm
+# before qkv, gate_up and lm_head, the residual add after o, SwiGLU and the residual add
+# around down): (N, K, weight kind) -> for row buckets 1, 2, 4, 8, 16,
+# (block_n, block_k, split_k, dot, num_warps, num_stages).
+_MEASURED: dict[tuple[int, int, str], tuple[tuple[int, int, int, bool, int, int], ...]] = {
+    (3072, 2048, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                           (32, 256, 1, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
+    (3072, 2048, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 4, True, 4, 3),
+                          (32, 256, 4, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
+    (2048, 2048, "bf16"): ((4, 2048, 1, False, 4, 1), (4, 1024, 1, False, 4, 1), (4, 512, 1, False, 4, 3),
+                           (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
+    (2048, 2048, "fp8"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                          (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
+    (16384, 2048, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 256, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
+    (16384, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                           (32, 256, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
+    (2048, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
+                           (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
+    (2048, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
+                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
+    (128256, 2048, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
+                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
+    (128256, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
+    (5120, 3072, "bf16"): ((8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
+                           (64, 128, 4, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B qkv
+    (5120, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
+                          (64, 128, 4, True, 4, 3), (64, 256, 4, True, 4, 3)),  # 3B qkv
+    (3072, 3072, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                           (64, 128, 8, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 3B o
+    (3072, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                          (32, 128, 4, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B o
+    (16384, 3072, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
+                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
+    (16384, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                           (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
+    (3072, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                           (64, 128, 8, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B down
+    (3072, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 3B down
+    (128256, 3072, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
+    (128256, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
+}
+CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {
+    (n, k, bucket, kind): GemvConfig(*cfg) for (n, k, kind), cfgs in _MEASURED.items()
+    for bucket, cfg in zip(ROW_BUCKETS, cfgs)}
 
 
 def config_for(n: int, k: int, m: int, fp8: bool) -> GemvConfig:

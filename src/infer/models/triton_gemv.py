@@ -9,14 +9,15 @@ products chosen per shape:
 
 - "fma": a [BM, block_n, block_k] float32 accumulator of elementwise products, reduced over
   K once at the end (no cross-thread reduction inside the loop); BM = M rounded up to a
-  power of two. Best for one or two rows.
+  power of two. Measured best for one or two rows.
 - "dot": `tl.dot` on 16-row tiles (tensor cores; rows past M are masked to zero). FP8
   weights convert to fp16 in registers and multiply x converted to fp16.
 
-Where N gives too few programs to keep every multiprocessor streaming, K is split over
+Where N gives too few programs to keep every multiprocessor streaming, K can be split over
 `split_k` programs per row block; each writes float32 partial sums to a workspace
 [split_k, M, N] and a second small kernel adds them in a fixed order (no atomics: the
-result does not depend on timing) and runs the epilogue.
+result does not depend on timing) and runs the epilogue. That second launch costs about
+as much as a small matrix's whole read, so splits pay mostly for the dot tiles.
 
 Fused parts, each a flag of `gemv`:
 - RMSNorm prologue (`norm_weight`): each program recomputes its rows' RMS over all of K
@@ -40,6 +41,7 @@ import triton.language as tl
 from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, row_bucket
 
 _REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
+
 
 @triton.jit
 def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr):

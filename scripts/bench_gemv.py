@@ -1,0 +1,292 @@
+"""Time the few-row matmul (models/triton_gemv.py) on every linear matrix of the Llama 3.2
+1B and 3B shapes at 1-16 rows, bf16 and FP8 weights, against cuBLAS (F.linear, bf16) and
+the Triton matmul (models/triton_linear.py), each as a fraction of the device-to-device
+copy bandwidth measured in the same run.
+
+Every timing is inside a CUDA graph of 20 calls on 20 distinct copies of the weight (more
+than the L2 cache holds, as a decode step's layers are), replayed many times: the median
+replay over 20. For each matrix, row count and weight kind the script searches the
+candidate configurations (`gemv_tiles.candidate_configs`, with the K splits of
+`with_splits`) twice: the plain matmul, and the layer's fused form in a decode step
+(RMSNorm before qkv, gate_up and lm_head; the residual add after o; SwiGLU before and the
+residual add after down). It checks each output against the unfused layers, prints the
+best of each and the default configuration's time, and lists the fused form's best as
+`gemv_tiles.CONFIG_TABLE` entries. Kernels compile first in a pool of processes (Triton's
+disk cache hands them to this one).
+
+    python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer.models.gemv_tiles import (  # noqa: E402
+    GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
+from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
+from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
+from infer.models.loader import model_shapes  # noqa: E402
+from infer.models.quantization import quantize_fp8_rows  # noqa: E402
+from infer.models.triton_gemv import gemv  # noqa: E402
+from infer.models.triton_linear import triton_linear  # noqa: E402
+
+CALLS = 20  # calls per graph, each on its own weight copy
+FUSION = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual"),
+          "lm_head": ("norm",)}  # what surrounds each matmul in a decoder step
+
+
+def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear matrix of a model shape."""
+    c = model_shapes[name]
+    return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
+            "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
+            "lm_head": (c.vocab_size, c.hidden_size)}
+
+
+def graph_seconds(calls: list[Callable[[], object]], replays: int) -> float:
+    """Seconds per call: the median over `replays` of one graph holding every call once."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def fused_inputs(flags: tuple[str, ...], m: int, n: int, k: int, dev: torch.device) -> dict[str, object]:
+    """Keyword arguments of `gemv` for a fused call: the norm weight, the SwiGLU flag, the residual."""
+    out: dict[str, object] = {}
+    if "norm" in flags:
+        out["norm_weight"] = (1 + 0.1 * torch.randn(k, device=dev)).to(torch.bfloat16)
+    if "swiglu" in flags:
+        out["swiglu_input"] = True
+    if "residual" in flags:
+        out["residual"] = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    return out
+
+
+def unfused_reference(x: torch.Tensor, dense: torch.Tensor, extra: dict[str, object]) -> torch.Tensor:
+    """The unfused layers' result in float32: SwiGLU, RMSNorm, the matmul in float32 on the
+    dense weight rounded to x's dtype, the residual add."""
+    a = silu_mul(x) if extra.get("swiglu_input") else x
+    norm_weight = extra.get("norm_weight")
+    a = rmsnorm(a, norm_weight, 1e-5) if isinstance(norm_weight, torch.Tensor) else a
+    y = (a.float() @ dense.t()).to(x.dtype)
+    residual = extra.get("residual")
+    return (residual + y if isinstance(residual, torch.Tensor) else y).float()
+
+
+def _compile(job: tuple[int, bool, dict, tuple[str, ...], int]) -> str:
+    """Pool worker: run gemv once at this configuration so that Triton compiles it into its
+    disk cache (256 rows of W; the launch parameters that key the cache match the real
+    ones, K too where it sets the RMS pass's step)."""
+    bucket, fp8, cfg_fields, flags, k = job
+    cfg = GemvConfig(**cfg_fields)
+    dev = torch.device("cuda")
+    n = 256
+    x = torch.randn(bucket, 2 * k if "swiglu" in flags else k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev)
+    w, s = quantize_fp8_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+    try:
+        gemv(x, w, s, config=cfg, **fused_inputs(flags, bucket, n, k, dev))
+        torch.cuda.synchronize()
+        return ""
+    except Exception as exc:  # noqa: BLE001 - reported; the config is then skipped when timed
+        return f"{cfg} fp8={fp8} {flags}: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, bool, tuple, tuple[str, ...], int]]) -> None:
+    t0 = time.perf_counter()
+    errors = [e for e in pool.map(_compile, [(b, f, dict(c), fl, k) for b, f, c, fl, k in sorted(jobs, key=str)])
+              if e]
+    for e in errors:
+        print("compile failed:", e)
+    print(f"compiled {len(jobs)} kernel variants in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def search_space(n: int, k: int, m: int) -> list[GemvConfig]:
+    """Every candidate tile of m's row bucket with each of its K splits for this shape."""
+    return list(dict.fromkeys(s for c in candidate_configs(row_bucket(m)) for s in with_splits(c, n, k)))
+
+
+def short(cfg: GemvConfig) -> str:
+    return (f"{'dot' if cfg.dot else 'fma'} {cfg.block_n}x{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} "
+            f"st{cfg.num_stages}")
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, bandwidth: float, start: float) -> None:
+        self.args, self.bw, self.dev, self.start = args, bandwidth, torch.device("cuda"), start
+
+    def over_budget(self) -> bool:
+        return time.perf_counter() - self.start > self.args.budget_s
+
+    def weights(self, n: int, k: int) -> dict[str, tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]]:
+        """CALLS copies of a random bf16 weight and of its FP8 quantization, and each's dense
+        float32 value (for the reference)."""
+        w = torch.randn(n, k, device=self.dev) * k ** -0.5
+        wb = w.to(torch.bfloat16)
+        q, s = quantize_fp8_rows(w)
+        return {"bf16": ([wb] + [wb.clone() for _ in range(CALLS - 1)], None, wb.float()),
+                "fp8": ([q] + [q.clone() for _ in range(CALLS - 1)], s, q.float() * s[:, None])}
+
+    def search(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | None, space: list[GemvConfig],
+               ref: torch.Tensor, extra: dict[str, object]) -> list[tuple[float, GemvConfig, float]]:
+        """(seconds per call, config, relative error) of each config that runs and is right."""
+        timed = []
+        for cfg in space:
+            try:
+                err = ((gemv(x, ws[0], s, config=cfg, **extra).float() - ref).norm() / ref.norm()).item()
+                t = graph_seconds([lambda w=w: gemv(x, w, s, config=cfg, **extra) for w in ws], self.args.replays)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch
+                print(f"  {short(cfg)} {sorted(extra)} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if not err < 1e-2:
+                print(f"  {short(cfg)} {sorted(extra)} WRONG: relative error {err:.2e}")
+                continue
+            timed.append((t, cfg, err))
+        return timed
+
+    def layer(self, model: str, name: str, n: int, k: int) -> list[dict]:
+        rows = []
+        weights = self.weights(n, k)
+        workspaces = [SplitWorkspace() for _ in range(CALLS)]
+        for m in self.args.rows:
+            x = torch.randn(m, k, device=self.dev, dtype=torch.bfloat16)
+            xf = torch.randn(m, 2 * k if "swiglu" in FUSION[name] else k, device=self.dev, dtype=torch.bfloat16)
+            extra = fused_inputs(FUSION[name], m, n, k, self.dev)
+            cublas = graph_seconds([lambda w=w: F.linear(x, w) for w in weights["bf16"][0]], self.args.replays)
+            for dtype in self.args.dtypes:
+                ws, s, dense = weights[dtype]
+                nbytes = n * k * (1 if dtype == "fp8" else 2)
+                lin_cfg = choose_config(m, n, k)
+                tl_s = graph_seconds([lambda w=w, ws_=wsp: triton_linear(x, w, s, lin_cfg, ws_)
+                                      for w, wsp in zip(ws, workspaces)], self.args.replays)
+                default = default_config(n, k, row_bucket(m), dtype == "fp8")
+                space = [default] if self.over_budget() else list(dict.fromkeys(search_space(n, k, m) + [default]))
+                plain = self.search(x, ws, s, space, unfused_reference(x, dense, {}), {})
+                fused = self.search(xf, ws, s, space, unfused_reference(xf, dense, extra), extra)
+                if not plain or not fused:
+                    print(f"{model} {name} m={m} {dtype}: no configuration ran")
+                    continue
+                (t, best, err), (tf, best_f, _) = min(plain, key=lambda r: r[0]), min(fused, key=lambda r: r[0])
+                t_def = next((tc for tc, c, _ in plain if c == default), float("nan"))
+                row = {"model": model, "layer": name, "n": n, "k": k, "m": m, "dtype": dtype, "bytes": nbytes,
+                       "gemv_s": t, "gemv_bw": nbytes / t / self.bw, "gemv_err": err, "config": asdict(best),
+                       "fused": "+".join(FUSION[name]), "fused_s": tf, "fused_bw": nbytes / tf / self.bw,
+                       "fused_config": asdict(best_f), "default_config": asdict(default), "default_s": t_def,
+                       "default_bw": nbytes / t_def / self.bw, "triton_linear_s": tl_s,
+                       "triton_linear_bw": nbytes / tl_s / self.bw, "cublas_bf16_s": cublas,
+                       "cublas_bf16_bw": n * k * 2 / cublas / self.bw, "searched": len(space),
+                       "candidates": [{"config": asdict(c), "s": tc, "err": e} for tc, c, e in plain],
+                       "fused_candidates": [{"config": asdict(c), "s": tc, "err": e} for tc, c, e in fused]}
+                rows.append(row)
+                print(f"{model:13s} {name:8s} {n:6d}x{k:<5d} m={m:2d} {dtype:4s} | gemv {row['gemv_bw']:.2f} "
+                      f"[{short(best)}] fused {row['fused_bw']:.2f} [{short(best_f)}] default {row['default_bw']:.2f}"
+                      f" | triton_linear {row['triton_linear_bw']:.2f} | cublas bf16 {row['cublas_bf16_bw']:.2f} "
+                      f"({cublas * 1e6:.1f} us) | err {err:.1e}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+        return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\nfraction of copy bandwidth (weight bytes / time / copy bandwidth), in-graph, median of replays")
+    print(f"{'model':13s} {'layer':8s} {'m':>2s} | {'bf16 gemv':>9s} {'fused':>5s} {'cuBLAS':>6s} {'tri_lin':>7s} | "
+          f"{'fp8 gemv':>8s} {'fused':>5s} {'tri_lin':>7s} | best configs (bf16 ; fp8)")
+    keyed = {(r["model"], r["layer"], r["m"], r["dtype"]): r for r in rows}
+    for (model, layer, m, dtype), r in keyed.items():
+        if dtype != rows[0]["dtype"]:
+            continue
+        b, f = keyed.get((model, layer, m, "bf16")), keyed.get((model, layer, m, "fp8"))
+
+        def col(row: dict | None, key: str, width: int) -> str:
+            return f"{row[key]:{width}.2f}" if row is not None and key in row else " " * (width - 1) + "-"
+        cfgs = " ; ".join(short(GemvConfig(**x["config"])) for x in (b, f) if x is not None)
+        print(f"{model:13s} {layer:8s} {m:2d} | {col(b, 'gemv_bw', 9)} {col(b, 'fused_bw', 5)} "
+              f"{col(b or f, 'cublas_bf16_bw', 6)} {col(b, 'triton_linear_bw', 7)} | {col(f, 'gemv_bw', 8)} "
+              f"{col(f, 'fused_bw', 5)} {col(f, 'triton_linear_bw', 7)} | {cfgs}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.2-3b"], choices=sorted(model_shapes))
+    ap.add_argument("--layers", nargs="+", default=list(FUSION), choices=list(FUSION))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+                    help="processes compiling kernels ahead of the timing")
+    ap.add_argument("--budget-s", type=float, default=150.0,
+                    help="past this many seconds from the start, shapes left get the default config only")
+    ap.add_argument("--out", type=Path, required=True, help="JSON results")
+    args = ap.parse_args()
+    for m in args.rows:
+        row_bucket(m)  # 1..16, else a clear error
+    if not torch.cuda.is_available():
+        sys.exit("bench_gemv.py needs a CUDA GPU")
+    start = time.perf_counter()
+    dev = torch.device("cuda")
+    bw = copy_bandwidth(dev).bytes_per_s
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    shapes = [(model, name, *layer_shapes(model)[name]) for model in args.models for name in args.layers]
+    jobs = set()
+    for _, name, n, k in shapes:
+        for m in args.rows:
+            for dtype in args.dtypes:
+                for cfg in search_space(n, k, m) + [default_config(n, k, row_bucket(m), dtype == "fp8")]:
+                    fields = tuple(asdict(cfg).items())
+                    jobs.add((row_bucket(m), dtype == "fp8", fields, (), 1024))
+                    jobs.add((row_bucket(m), dtype == "fp8", fields, FUSION[name], k if "norm" in FUSION[name] else 1024))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(args.workers) as pool:
+        precompile(pool, jobs)
+    bench = Bench(args, bw, start)
+    rows: list[dict] = []
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw, "calls_per_graph": CALLS,
+              "replays": args.replays, "triton": __import__("triton").__version__, "torch": torch.__version__,
+              "rows": rows}
+    for model, name, n, k in shapes:
+        rows.extend(bench.layer(model, name, n, k))
+        args.out.write_text(json.dumps(result, indent=1))
+    result["seconds"] = time.perf_counter() - start
+    args.out.write_text(json.dumps(result, indent=1))
+    print_table(rows)
+    print("\nCONFIG_TABLE entries (fastest fused form):")
+    for r in rows:
+        c = r["fused_config"]
+        print(f"    ({r['n']}, {r['k']}, {row_bucket(r['m'])}, {r['dtype']!r}): GemvConfig({c['block_n']}, {c['block_k']}, "
+              f"{c['split_k']}, {c['dot']}, {c['num_warps']}, {c['num_stages']}),")
+    print(f"\ntotal {result['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""Launch parameters of the few-row matmul (`triton_gemv.py`) per shape, and the checks of
+its inputs. Pure Python and torch: importable (and tested) where Triton is absent.
+
+A configuration says how many rows of W a program owns (`block_n`), how many K values it
+reads per loop step (`block_k`), how many programs share one row block's K range
+(`split_k`), and which inner product it uses (`dot`: tensor cores on 16-row tiles, else
+float32 FMA on a row tile of M rounded up to a power of two, the "row bucket").
+`config_for` looks the shape up in `CONFIG_TABLE` (measured by `scripts/bench_gemv.py`)
+and otherwise builds `default_config` from the shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
+NUM_SMS_H200 = 132
+ROW_BUCKETS = (1, 2, 4, 8, 16)  # the row tiles the FMA kernel is compiled for
+
+
+@dataclass(frozen=True, slots=True)
+class GemvConfig:
+    """Launch parameters of one `gemv` call."""
+
+    block_n: int = 16  # rows of W per program
+    block_k: int = 256  # K values per loop step
+    split_k: int = 1  # programs sharing one row block's K range
+    dot: bool = False  # inner product on tensor cores (16-row tiles) instead of FMA
+    num_warps: int = 4
+    num_stages: int = 1  # 1: loads straight into registers; more: pipelined through shared memory
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k", "split_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two, got {value}")
+        if self.block_k < 16:
+            raise ValueError(f"GemvConfig.block_k must be >= 16, got {self.block_k}")
+        if self.dot and self.block_n < 16:
+            raise ValueError(f"GemvConfig with dot=True needs block_n >= 16, got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages must be >= 1, got {self.num_stages}")
+
+
+def row_bucket(m: int) -> int:
+    """Rows M (1..MAX_ROWS) -> the power of two the kernel's row tile is compiled for."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"gemv serves 1..{MAX_ROWS} rows, got {m}: use a matmul (torch.nn.functional.linear)")
+    return 1 << (m - 1).bit_length()
+
+
+def fits_registers(cfg: GemvConfig, bucket: int) -> bool:
+    """Whether an FMA accumulator [bucket, block_n, block_k] stays within 64 float32
+    registers a thread (larger ones spill); dot tiles always do at these sizes."""
+    return cfg.dot or bucket * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+
+
+# The tiles the benchmark searches per row bucket: (block_n, block_k, dot, num_warps, num_stages).
+# FMA tiles read 16 bytes a thread per row (bf16: 8 values, FP8: 16) and keep the
+# accumulator in registers; num_stages 1 loads straight into registers, more stages go
+# through shared memory (cp.async). Dot tiles need 16 rows and 16 columns at least.
+_CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
+    1: ((2, 2048, False, 4, 1), (4, 2048, False, 4, 1), (4, 1024, False, 4, 1), (8, 1024, False, 4, 1),
+        (4, 512, False, 4, 1), (8, 512, False, 4, 1), (16, 512, False, 8, 1),
+        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (16, 512, False, 4, 3)),
+    2: ((2, 2048, False, 4, 1), (4, 1024, False, 4, 1), (4, 512, False, 4, 1), (8, 512, False, 4, 1),
+        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (8, 256, False, 4, 3)),
+    4: ((4, 512, False, 4, 1), (4, 512, False, 4, 3), (8, 256, False, 4, 3), (8, 512, False, 8, 3),
+        (16, 128, True, 4, 3), (32, 128, True, 4, 3), (32, 256, True, 4, 3)),
+    8: ((4, 256, False, 4, 3), (8, 256, False, 8, 3), (4, 512, False, 8, 3), (32, 128, True, 4, 3),
+        (64, 128, True, 4, 3), (32, 256, True, 4, 3)),
+    16: ((4, 256, False, 8, 3), (8, 128, False, 8, 3), (32, 128, True, 4, 3), (64, 128, True, 4, 3),
+         (32, 256, True, 4, 3), (64, 256, True, 4, 3)),
+}
+
+
+def candidate_configs(bucket: int) -> list[GemvConfig]:
+    """The tiles the benchmark searches for a row bucket (`with_splits` adds the K splits
+    per shape)."""
+    if bucket not in _CANDIDATES:
+        raise ValueError(f"row bucket must be one of {sorted(_CANDIDATES)}, got {bucket}")
+    return [GemvConfig(block_n=bn, block_k=bk, dot=dot, num_warps=warps, num_stages=stages)
+            for bn, bk, dot, warps, stages in _CANDIDATES[bucket]]
+
+
+def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
+    """`cfg` with split_k = 1, and with each power-of-two split that brings the program
+    count to between 1.5 and 8 per multiprocessor (where N alone gives fewer), each split
+    keeping two K steps at least."""
+    out = [cfg]
+    blocks = -(-n // cfg.block_n)
+    k_steps = -(-k // cfg.block_k)
+    split = 2
+    while blocks * split <= 8 * NUM_SMS_H200 and split <= k_steps // 2:
+        if 2 * blocks * split >= 3 * NUM_SMS_H200:
+            out.append(replace(cfg, split_k=split))
+        split *= 2
+    return out
+
+
+def default_config(n: int, k: int, bucket: int, fp8: bool) -> GemvConfig:
+    """A configuration from the shape alone, after what measured best on an H200 for the
+    Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (FP8) rows of W by
+    512 K values, pipelined three deep, unsplit (a split's second launch costs more than
+    it gains); more rows take dot tiles of 32 x 128, K split until there are about three
+    programs a multiprocessor (2.5)."""
+    if bucket <= 2:
+        return GemvConfig(block_n=16 if fp8 and bucket == 1 else 8, block_k=512, num_warps=4, num_stages=3)
+    base = GemvConfig(block_n=32, block_k=128, dot=True, num_warps=4, num_stages=3)
+    blocks = -(-n // base.block_n)
+    split = 1
+    while 2 * blocks * split < 5 * NUM_SMS_H200 and -(-k // base.block_k) >= 4 * split:
+        split *= 2
+    return replace(base, split_k=split)
+
+
+# The configuration measured fastest per shape (scripts/bench_gemv.py on an H200, inside
+# CUDA graphs, for the Llama 3.2 1B and 3B matrices in their fused decode form: RMSNorm
+# before qkv, gate_up and lm_head, the residual add after o, SwiGLU and the residual add
+# around down): (N, K, weight kind) -> for row buckets 1, 2, 4, 8, 16,
+# (block_n, block_k, split_k, dot, num_warps, num_stages).
+_MEASURED: dict[tuple[int, int, str], tuple[tuple[int, int, int, bool, int, int], ...]] = {
+    (3072, 2048, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                           (32, 256, 1, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
+    (3072, 2048, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 4, True, 4, 3),
+                          (32, 256, 4, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
+    (2048, 2048, "bf16"): ((4, 2048, 1, False, 4, 1), (4, 1024, 1, False, 4, 1), (4, 512, 1, False, 4, 3),
+                           (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
+    (2048, 2048, "fp8"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                          (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
+    (16384, 2048, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 256, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
+    (16384, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                           (32, 256, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
+    (2048, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
+                           (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
+    (2048, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
+                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
+    (128256, 2048, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
+                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
+    (128256, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
+    (5120, 3072, "bf16"): ((8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
+                           (64, 128, 4, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B qkv
+    (5120, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
+                          (64, 128, 4, True, 4, 3), (64, 256, 4, True, 4, 3)),  # 3B qkv
+    (3072, 3072, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                           (64, 128, 8, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 3B o
+    (3072, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
+                          (32, 128, 4, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B o
+    (16384, 3072, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
+                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
+    (16384, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                           (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
+    (3072, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                           (64, 128, 8, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B down
+    (3072, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
+                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 3B down
+    (128256, 3072, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
+    (128256, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
+                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
+}
+CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {
+    (n, k, bucket, kind): GemvConfig(*cfg) for (n, k, kind), cfgs in _MEASURED.items()
+    for bucket, cfg in zip(ROW_BUCKETS, cfgs)}
+
+
+def config_for(n: int, k: int, m: int, fp8: bool) -> GemvConfig:
+    """The table's configuration for this shape, else `default_config`."""
+    bucket = row_bucket(m)
+    found = CONFIG_TABLE.get((n, k, bucket, "fp8" if fp8 else "bf16"))
+    return found if found is not None else default_config(n, k, bucket, fp8)
+
+
+def check_inputs(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                 swiglu_input: bool, residual: torch.Tensor | None) -> None:
+    """Raise a ValueError naming what to fix for inputs the kernel cannot take."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"gemv takes x [M, K] and w [N, K], got shapes {tuple(x.shape)} and {tuple(w.shape)}")
+    row_bucket(x.shape[0])
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gemv's x must be bfloat16 or float16, got {x.dtype}")
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError("gemv needs x and w contiguous along K (call .contiguous())")
+    n, k = w.shape
+    width = 2 * k if swiglu_input else k
+    if x.shape[1] != width:
+        raise ValueError(f"x has {x.shape[1]} columns, w has K={k}: x must be [M, {width}]"
+                         + (" (gate | up) with swiglu_input" if swiglu_input else ""))
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if not fp8 and w.dtype != x.dtype:
+        raise ValueError(f"w must be float8_e4m3fn or x's dtype {x.dtype}, got {w.dtype}")
+    if fp8 != (scale is not None):
+        raise ValueError("an FP8 weight needs its per-row float32 scale [N], and only an FP8 weight takes one")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous()):
+        raise ValueError(f"scale must be a contiguous float32 [N={n}], got {scale.dtype} {tuple(scale.shape)}")
+    if norm_weight is not None:
+        if swiglu_input:
+            raise ValueError("gemv fuses either the RMSNorm or the SwiGLU prologue, not both")
+        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
+            raise ValueError(f"norm_weight must be contiguous [K={k}] in x's dtype {x.dtype}, got "
+                             f"{norm_weight.dtype} {tuple(norm_weight.shape)}")
+    if residual is not None and (residual.shape != (x.shape[0], n) or residual.dtype != x.dtype
+                                 or residual.stride(1) != 1):
+        raise ValueError(f"residual must be [M={x.shape[0]}, N={n}] in x's dtype {x.dtype}, contiguous along N; "
+                         f"got {residual.dtype} {tuple(residual.shape)}")
+    for name, t in (("w", w), ("scale", scale), ("norm_weight", norm_weight), ("residual", residual)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: put them on one device")
+
+

@@ -1,0 +1,177 @@
+"""Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..16 rows, bound by
+reading W once at the memory bandwidth.
+
+W is bf16/fp16 (x's dtype) or FP8 E4M3 with one float32 scale per output row, applied in
+the epilogue. Each program owns `block_n` rows of W and streams them along K (W is
+row-major, so a row's K values are contiguous: 16-byte vector loads); all M rows of x ride
+along, so W is read once whatever M is. Accumulation is float32, by one of two inner
+products chosen per shape:
+
+- "fma": a [BM, block_n, block_k] float32 accumulator of elementwise products, reduced over
+  K once at the end (no cross-thread reduction inside the loop); BM = M rounded up to a
+  power of two. Measured best for one or two rows.
+- "dot": `tl.dot` on 16-row tiles (tensor cores; rows past M are masked to zero). FP8
+  weights convert to fp16 in registers and multiply x converted to fp16.
+
+Where N gives too few programs to keep every multiprocessor streaming, K can be split over
+`split_k` programs per row block; each writes float32 partial sums to a workspace
+[split_k, M, N] and a second small kernel adds them in a fixed order (no atomics: the
+result does not depend on timing) and runs the epilogue. That second launch costs about
+as much as a small matrix's whole read, so splits pay mostly for the dot tiles.
+
+Fused parts, each a flag of `gemv`:
+- RMSNorm prologue (`norm_weight`): each program recomputes its rows' RMS over all of K
+  (x is tiny) and multiplies x as `kernels.rmsnorm` does: x * rsqrt(mean(x^2) + eps) in
+  float32, rounded to x's dtype, times the norm weight, rounded.
+- SwiGLU prologue (`swiglu_input`): x is [M, 2K], gate then up; the kernel forms
+  silu(gate) (float32, rounded) * up (rounded) on the fly, as `kernels.silu_mul`.
+- residual epilogue (`residual`): the matmul output is rounded to x's dtype, then added to
+  the residual in float32 and rounded, as PyTorch's `residual + y`.
+
+Launch parameters come from `gemv_tiles.config_for` (a table of measured configurations
+keyed by N, K, row bucket and weight kind, else a default built from the shape).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, row_bucket
+
+_REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
+
+
+@triton.jit
+def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """acc [BM, BN] float32 -> scaled, rounded to Y's dtype, plus the residual, stored."""
+    out_ty = Y.dtype.element_ty
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SCALED:
+        acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[None, :]
+    out = acc.to(out_ty)
+    if RESIDUAL:
+        r = tl.load(R + rm[:, None] * s_rm + rn[None, :], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ty)
+    tl.store(Y + rm[:, None] * s_ym + rn[None, :], out, mask=mask)
+
+
+@triton.jit
+def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.constexpr):
+    """The [BM, BK] tile of the matmul's input at columns kk, prologues applied, in X's dtype."""
+    mask = (rm[:, None] < M) & (kk[None, :] < K)
+    ptrs = X + rm[:, None] * s_xm + kk[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    ty = x.dtype
+    if SWIGLU:  # X holds [gate | up], each K wide
+        g = x.to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0)
+        silu = (g / (1.0 + tl.exp(-g))).to(ty)
+        x = (silu.to(tl.float32) * up.to(tl.float32)).to(ty)
+    if NORM:
+        normed = (x.to(tl.float32) * rstd[:, None]).to(ty)
+        nw = tl.load(NW + kk, mask=kk < K, other=0.0)
+        x = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(ty)
+    return x
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
+                 SCALED: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rstd = tl.zeros((BM,), tl.float32)
+    if NORM:  # every program recomputes its rows' RMS over all of K, in few wide steps
+        rq = tl.arange(0, NORM_BK)
+        sq = tl.zeros((BM, NORM_BK), tl.float32)
+        for k0 in range(0, K, NORM_BK):
+            kq = k0 + rq
+            xs = tl.load(X + rm[:, None] * s_xm + kq[None, :], mask=(rm[:, None] < M) & (kq[None, :] < K),
+                         other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    w_rows = W + rn[:, None] * s_wn
+    if DOT:
+        acc = tl.zeros((BM, BN), tl.float32)
+    else:
+        acc3 = tl.zeros((BM, BN, BK), tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        kk = k0 + rk
+        x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
+        if DOT:
+            if FP8:  # E4M3 -> fp16 converts natively; x's range fits fp16
+                acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        else:
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    if not DOT:
+        acc = tl.sum(acc3, axis=2)
+    if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    else:
+        _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(P, S, R, Y, M, N, s_rm, s_ym, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                   SCALED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Y = epilogue(sum over the SPLIT partials in index order) for BN columns."""
+    rm = tl.arange(0, BM)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    offs = rm[:, None] * N + rn[None, :]
+    acc = tl.zeros((BM, BN), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(P + s * M * N + offs, mask=mask, other=0.0)
+    _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-5, swiglu_input: bool = False,
+         residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """y [M, N] = prologue(x) @ w^T (* scale per row), rounded to x's dtype (+ residual).
+
+    x: [M, K] (bf16/fp16, M in 1..16), or [M, 2K] gate | up with `swiglu_input`;
+    w: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] float32;
+    norm_weight: [K] in x's dtype: RMSNorm x first (eps as the model's rms_norm_eps);
+    residual: [M, N] in x's dtype, added after rounding. `config` overrides `config_for`.
+    """
+    check_inputs(x, w, scale, norm_weight, swiglu_input, residual)
+    m = x.shape[0]
+    n, k = w.shape
+    fp8 = w.dtype == torch.float8_e4m3fn
+    cfg = config if config is not None else config_for(n, k, m, fp8)
+    bm = 16 if cfg.dot else row_bucket(m)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    partial = cfg.split_k > 1
+    p = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else y  # [S, M, N]
+    s = scale if scale is not None else y
+    nw = norm_weight if norm_weight is not None else y
+    r = residual if residual is not None else y
+    flags = dict(SCALED=scale is not None, RESIDUAL=residual is not None)
+    # the RMS pass reads x in steps of up to 8192 values a program (all of K in one or two
+    # steps for one or two rows), so that few dependent loads precede the matmul
+    norm_bk = min(triton.next_power_of_2(k), max(cfg.block_k, 8192 // bm)) if norm_weight is not None else 16
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, w, s, nw, r, y, p, m, n, k, k_per_split, x.stride(0), w.stride(0), r.stride(0), y.stride(0), eps,
+        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT=cfg.dot, FP8=fp8, NORM=norm_weight is not None,
+        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **(flags if not partial else dict(SCALED=False, RESIDUAL=False)))
+    if partial:
+        _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
+            p, s, r, y, m, n, r.stride(0), y.stride(0), SPLIT=cfg.split_k, BM=row_bucket(m),
+            BN=_REDUCE_BLOCK_N, num_warps=4, **flags)
+    return y

@@ -5,8 +5,10 @@ residual adds in the activation dtype, a projection then its SwiGLU or residual 
 `compiled_kernels()` returns the same functions fused: the elementwise ones by
 `torch.compile` (one Triton kernel each instead of 5-10 small launches), and small-batch
 FP8 projections on the GPU by the Triton matmul (models/triton_linear.py), which applies
-the scales and does the SwiGLU or the residual add in its epilogue. A memory-bound decode
-step loses most of its time to launches and slow small matmuls otherwise. The model receives the bundle explicitly; nothing global is patched.
+the scales and does the SwiGLU or the residual add in its epilogue, and one-row projections by
+the few-row GEMV (models/triton_gemv.py). A memory-bound decode step loses most of its time
+to launches and slow small matmuls otherwise. The model receives the bundle explicitly;
+nothing global is patched.
 """
 
 from __future__ import annotations
@@ -87,27 +89,53 @@ def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool
     return y if residual is None or fuse_add else residual + y
 
 
+def _gemv_ready(layer: LinearBase, x: Tensor) -> bool:
+    """Whether the few-row GEMV (models/triton_gemv.py) serves this call: one row (batch-1
+    decode, a draft step) of a CUDA half-precision input, a layer without a bias. At one row
+    it reads the weight faster than cuBLAS and the Triton matmul on an H200
+    (scripts/bench_gemv.py); at two rows and more it does not."""
+    return (layer.bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() == x.shape[-1])
+
+
+def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+    """The GEMV with the residual add in its epilogue (after `combine` for a row-parallel
+    layer, whose matmul is a partial sum)."""
+    from infer.models.triton_gemv import gemv
+    weight, scale = layer.matrix()
+    fuse_add = residual is not None and not layer.partial_output
+    n = weight.shape[0]
+    y = gemv(x.reshape(1, -1), weight, scale, residual=residual.reshape(1, n) if fuse_add else None)
+    y = layer.combine(y.view(*x.shape[:-1], n))
+    return y if residual is None or fuse_add else residual + y
+
+
 def add(x: Tensor, y: Tensor) -> Tensor:
     return x + y
 
 
 class FusedLinear:
-    """The fused bundle's `linear` and `swiglu`: FP8 layers through the Triton matmul with the
-    add or the activation in its epilogue; dense layers through cuBLAS, then one fused
-    elementwise kernel (`add`, `silu_mul` compiled)."""
+    """The fused bundle's `linear` and `swiglu`. One row: the GEMV (`linear` with the add in
+    its epilogue; a dense gate/up then `silu_mul`). More rows, and an FP8 gate/up: FP8 layers
+    through the Triton matmul with the add or the activation in its epilogue; dense layers
+    through cuBLAS, then one fused elementwise kernel (`add`, `silu_mul` compiled)."""
 
     def __init__(self, compiled_add: Callable[[Tensor, Tensor], Tensor],
                  compiled_silu_mul: Callable[[Tensor], Tensor]) -> None:
         self.add, self.silu_mul = compiled_add, compiled_silu_mul
 
     def linear(self, layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+        if _gemv_ready(layer, x):
+            return _gemv(layer, x, residual)
         if _triton_ready(layer, x):
             return _triton(layer, x, residual, False)
         y = layer(x)
         return y if residual is None else self.add(residual, y)
 
     def swiglu(self, layer: LinearBase, x: Tensor) -> Tensor:
-        return _triton(layer, x, None, True) if _triton_ready(layer, x) else self.silu_mul(layer(x))
+        if _triton_ready(layer, x):  # (FP8 gate/up: the matmul's SwiGLU epilogue beats the GEMV)
+            return _triton(layer, x, None, True)
+        return self.silu_mul(_gemv(layer, x, None) if _gemv_ready(layer, x) else layer(x))
 
 
 def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

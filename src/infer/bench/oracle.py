@@ -37,10 +37,13 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from infer.cache.protocol import CachePoolProtocol
 from infer.speculative.proposer import DraftRequest, Proposer
 from infer.speculative.tree import Draft, TreeShape
+
+if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +212,9 @@ class SweepSession:
                                "run it first")
         models = self._load(ctx, quantization)
         self._drop_engine()
+        start = time.perf_counter()
         engine = Engine(self._config(ctx, {"draft_quantization": quantization, **shape.overrides()}), models)
+        built_s = time.perf_counter() - start
         speculation = engine.runner.speculation
         assert speculation is not None
         # the one place the benchmark reaches into the runner: the oracle wraps its proposer
@@ -227,7 +230,8 @@ class SweepSession:
         assert before is not None and after is not None
         zero = {**request_metrics(runs[0][0], runs[0][1]), **spec_metrics(after.minus(before))}
         self._zero = {"round_ms_zero_acceptance": _round_ms(zero),
-                      "tokens_per_round_zero_acceptance": zero.get("mean_accepted_length")}
+                      "tokens_per_round_zero_acceptance": zero.get("mean_accepted_length"),
+                      "engine_build_s": built_s}  # (the models were loaded before)
         return engine, oracle
 
     def _drop_engine(self) -> None:

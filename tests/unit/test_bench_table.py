@@ -41,8 +41,10 @@ def test_suites_select_rows_defined_once_and_all_gpu_is_their_union():
     assert len(suites.SUITES) <= 9 and set(owned) == set(suites.SUITES)
     own = [name for suite, rows in owned.items() if suite != "all-gpu" for name in rows]
     assert len(own) == len(set(own)), "a row is selected by two suites"
-    one_gpu = [s for s, suite in suites.SUITES.items() if suite.rows is not None and suite.gpus == 1]
+    one_gpu = [s for s, suite in suites.SUITES.items()
+               if suite.rows is not None and suite.gpus == 1 and suite.in_all_gpu]
     assert one_gpu == ["decode-speed", "speculation", "costs", "w2"]
+    assert not suites.SUITES["acceptance-sweep"].in_all_gpu  # it runs on its own
     assert owned["all-gpu"] == [name for s in one_gpu for name in owned[s]]
     assert set(own) | {"bandwidth"} == set(table)  # only the bandwidth probe belongs to no suite
 

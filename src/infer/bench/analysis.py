@@ -11,14 +11,17 @@ A measurement names the others it is compared with in `refs`:
               prediction (n-gram drafts have c = 0); none for trees (the chain's formula);
   "chain":    tree speculation: length_vs_chain = its tokens per round / the chain's (the
               chain run verifying as many tokens a round).
+
+An acceptance-sweep row (controlled acceptance, bench/sweep.py) reads its "costs" for the
+projections instead (`sweep_projection`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from infer.bench.results import BenchRun, Measurement
-from infer.bench.theory import efficiency
+from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
+from infer.bench.theory import efficiency, num_nodes, round_projection
 from infer.speculative.theory import alpha_from_mean_length, walltime_factor
 
 
@@ -44,7 +47,9 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     if roof is not None and rate and roof.metrics.get("tokens_per_s"):
         out["roofline_fraction"] = rate / roof.metrics["tokens_per_s"]
     costs = _ref(m, run, "costs")
-    if costs is not None and "speedup" in out:
+    if m.kind == SWEEP_KIND:
+        out.update(sweep_projection(m, costs, out.get("speedup")))
+    elif costs is not None and "speedup" in out:
         out.update(spec_prediction(m, costs, out["speedup"]))
     chain = _ref(m, run, "chain")
     if chain is not None and m.metrics.get("mean_accepted_length") and chain.metrics.get("mean_accepted_length"):
@@ -71,6 +76,34 @@ def spec_prediction(m: Measurement, costs: Measurement, speedup: float) -> dict[
     if len(verify) > k:
         general = walltime_factor(alpha, k, c, verify[k])
         out.update(predicted_speedup_measured_verify=general, efficiency_measured_verify=efficiency(speedup, general))
+    return out
+
+
+def sweep_projection(m: Measurement, costs: Measurement | None, speedup: float | None) -> dict[str, Any]:
+    """A controlled-acceptance row beside its projections, at its measured acceptance a (the
+    oracle's accepted / tried nodes): the paper's factor with the measured c and v(N)
+    (`projected_speedup`), and the same with the round's overhead (`round_overhead_ms`:
+    the round's time at acceptance 0 beyond its draft steps and v(N) target steps) added to
+    its cost (`projected_speedup_with_overhead`; `measured_vs_projection` = speedup / it)."""
+    a, branching = m.metrics.get("oracle_acceptance"), m.params.get("branching")
+    out: dict[str, Any] = {"acceptance": a, "alpha": m.params.get("alpha"), "acceptance_control": "controlled"}
+    if a is None or not branching or costs is None:
+        return out
+    x = costs.metrics
+    c, verify, target_ms, draft_ms = x.get("c"), x.get("verify_ratio") or [], x.get("target_step_ms"), \
+        x.get("draft_step_ms")
+    n = num_nodes(branching)
+    if c is None or len(verify) <= n or not target_ms or draft_ms is None:
+        return out
+    out["projected_speedup"] = round_projection(a, branching, c, verify[n])
+    zero = m.metrics.get("round_ms_zero_acceptance")
+    if zero:
+        overhead_ms = zero - (len(branching) * draft_ms + verify[n] * target_ms)
+        out["round_overhead_ms"] = overhead_ms
+        projected = round_projection(a, branching, c, verify[n], overhead_ms / target_ms)
+        out["projected_speedup_with_overhead"] = projected
+        if speedup:
+            out["measured_vs_projection"] = speedup / projected
     return out
 
 

@@ -9,11 +9,13 @@
     projection   the paper's speedup table from a spec_costs row
     batch_sweep  decode step time against batch size (bench/batch_sweep.py)
     collectives  a tensor-parallel step's collectives, from a profile (bench/collectives.py)
+    acceptance_sweep  speculation at a controlled acceptance alpha (bench/sweep.py): one row
+                 per (draft quantization, shape, alpha), after the sweep's costs and plain rows
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from infer.bench.batch_sweep import batch_sweep
@@ -22,6 +24,8 @@ from infer.bench.engine_runner import default_dtype, free_memory, run_engine
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.roofline import copy_bandwidth, decode_roofline
 from infer.bench.rows import Context, Measured, Module, Need, NoPeers, Outcome, Row
+from infer.bench.results import SWEEP_KIND
+from infer.bench.sweep import SweepSession, SweepSetup
 from infer.bench.theory import projection_table, tree_projection
 from infer.bench.workloads import Workload
 from infer.engine.config import EngineConfig
@@ -148,3 +152,41 @@ def collectives_row(name: str, what: str, group: str, workload: Workload, overri
     return Row(name, what, "collectives", group,
                lambda ctx: profile_collectives(ctx.workload(workload), overrides, device=str(ctx.device)),
                needs=needs)
+
+
+def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
+    """The sweep's rows, in the order its session serves them: per draft quantization the
+    costs (c and v(K)), the plain baseline (before the first speculative row), then every
+    shape at every alpha ("sweep/<label>[-fp8]/<shape>/a<alpha>")."""
+    plain = f"sweep/{setup.label}/plain"
+    count = len(setup.draft_quantizations) * (1 + len(setup.shapes) * len(setup.alphas)) + 1
+    session = SweepSession(setup, count)
+
+    def row(name: str, what: str, kind: str, group: str, fn: Callable[[Context], Outcome],
+            refs: Mapping[str, str] | None = None, needs: tuple[Need, ...] = ()) -> Row:
+        def run(ctx: Context) -> Outcome:
+            try:
+                return fn(ctx)
+            finally:
+                session.finish_row()
+
+        return Row(name, what, kind, group, run, dict(refs or {}), needs)
+
+    rows: list[Row] = []
+    for q in setup.draft_quantizations:
+        tag = setup.label + (f"-{q}" if q else "")
+        group = f"acceptance sweep (controlled acceptance): {setup.target} drafted by {setup.draft}" + (
+            f" in {q}" if q else "")
+        costs = f"sweep/{tag}/costs"
+        rows.append(row(costs, f"c and v(K) of the sweep's models{f' (draft in {q})' if q else ''}", "spec_costs",
+                        "spec-costs", lambda ctx, q=q: session.costs(ctx, q)))
+        if not any(r.name == plain for r in rows):
+            rows.append(row(plain, f"plain decoding of {setup.target}, the sweep's baseline and the oracle's "
+                                   "greedy continuations", "engine", group, session.plain))
+        for shape in setup.shapes:
+            for alpha in setup.alphas:
+                rows.append(row(f"sweep/{tag}/{shape.tag}/a{alpha:g}",
+                                f"{shape.tag} at controlled acceptance {alpha:g}", SWEEP_KIND, group,
+                                lambda ctx, q=q, s=shape, a=alpha: session.spec(ctx, q, s, a),
+                                {"baseline": plain, "costs": costs}, (Measured(plain), Measured(costs))))
+    return rows

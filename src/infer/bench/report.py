@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from infer.bench.results import BenchRun, Measurement, load_run
+from infer.bench.results import SWEEP_KIND, BenchRun, Measurement, load_run
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -41,7 +41,7 @@ def measurement_line(m: Measurement) -> str:
         return f"[{m.status}] {m.name}: {first}"
     d, x = m.derived, m.metrics
     parts = [f"[ok] {m.name} ({m.elapsed_s:.1f} s)"]
-    if m.kind in ("engine", "hf"):
+    if m.kind in ("engine", "hf", SWEEP_KIND):
         parts.append(f"{fmt(x.get('primary_rate'))} tok/s")
         if x.get("ttft_mean_s") is not None:
             parts.append(f"TTFT {fmt(_ms(x['ttft_mean_s']))} ms")
@@ -63,6 +63,10 @@ def measurement_line(m: Measurement) -> str:
                        ("length_vs_chain", "tok/round x chain")):
         if d.get(key) is not None:
             parts.append(f"{fmt(d[key])} {label}")
+    if m.kind == SWEEP_KIND:
+        parts.append(f"controlled acceptance {fmt(d.get('acceptance'))} at alpha {fmt(m.params.get('alpha'))}, "
+                     f"projected {fmt(d.get('projected_speedup'))} / with overhead "
+                     f"{fmt(d.get('projected_speedup_with_overhead'))}")
     if x.get("acceptance_rate") is not None:
         parts.append(f"accept {fmt(x['acceptance_rate'])}, {fmt(x.get('mean_accepted_length'))} tok/round")
     if x.get("prefix_hit_rate") is not None:
@@ -127,6 +131,7 @@ def markdown(run: BenchRun) -> str:
     out += _cost_tables(run)
     out += _collective_table(run)
     out += _sweep_table(run)
+    out += _acceptance_tables(run)
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
         if m.kind in ("engine", "hf"):
@@ -203,6 +208,38 @@ def _sweep_table(run: BenchRun) -> list[str]:
         ratio = ms[str(batches[-1])] / ms[str(batches[0])] if str(batches[-1]) in ms and str(batches[0]) in ms else None
         rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio])
     return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio"), rows) + [""]
+
+
+ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "round ms at a=0", "overhead ms",
+                     "x plain", "projected", "projected + overhead", "measured / projected", "off-record rounds",
+                     "greedy match")
+
+
+def _acceptance_tables(run: BenchRun) -> list[str]:
+    """The acceptance sweep's rows, one table a group, labelled controlled acceptance."""
+    groups: dict[str, list[Measurement]] = {}
+    for m in run.measurements:
+        if m.kind == SWEEP_KIND:
+            groups.setdefault(m.group, []).append(m)
+    out: list[str] = []
+    for group, members in groups.items():
+        out += [f"**{group}**: controlled acceptance (an oracle chooses which drafts match the target's greedy "
+                "continuation, each with probability alpha; the draft and target forwards and the rounds cost what "
+                "they do). Projections at the measured acceptance with the run's c and v(N); + overhead: the "
+                "round's time at acceptance 0 beyond its draft steps and v(N)", ""]
+        rows = []
+        for m in members:
+            x, d, p = m.metrics, m.derived, m.params
+            if not m.ok:
+                rows.append([m.name, m.status, (m.error or "").splitlines()[0][:80] if m.error else ""]
+                            + [None] * (len(ACCEPTANCE_HEADER) - 3))
+                continue
+            rows.append([p.get("shape"), p.get("alpha"), d.get("acceptance"), x.get("mean_accepted_length"),
+                         x.get("round_ms"), x.get("round_ms_zero_acceptance"), d.get("round_overhead_ms"),
+                         d.get("speedup"), d.get("projected_speedup"), d.get("projected_speedup_with_overhead"),
+                         d.get("measured_vs_projection"), x.get("oracle_off_record_rounds"), _match(m)])
+        out += _table(ACCEPTANCE_HEADER, rows) + [""]
+    return out
 
 
 def console_table(run: BenchRun) -> str:

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 SCHEMA = "infer-bench/1"
+SWEEP_KIND = "acceptance_sweep"  # speculation at controlled acceptance (bench/sweep.py)
 STATUSES = ("ok", "error", "skipped")
 
 
 @dataclass
 class Measurement:
     name: str  # unique within a run, e.g. "w1/3b/ours"
-    kind: str  # "bandwidth" | "roofline" | "engine" | "hf" | "spec_costs" | "projection"
+    kind: str  # "bandwidth" | "roofline" | "engine" | "hf" | "spec_costs" | "projection" | SWEEP_KIND ...
     group: str = ""  # measurements shown in one table share a group
     params: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)

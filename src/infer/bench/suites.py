@@ -14,8 +14,13 @@
                   sharded), the collectives' time a step, W2, lm_head / embedding layouts
     smoke         each kind of measurement once on a small model, CPU-friendly: --model and
                   --draft-model, by default the bundled demo pair
+    acceptance-sweep  controlled acceptance: the 3B shape drafted by the 1B shape (bf16 and
+                  FP8 draft), chains K = 1..6 and the trees 2,2 / 3,1 / 2,2,1 at acceptance
+                  0.6..0.9 chosen by an oracle (bench/sweep.py), against plain decoding and
+                  the projections from the same run's c and v(K); about 6 minutes on one GPU
     all-gpu       the runs of record: the rows of every one-GPU suite above (decode-speed,
-                  speculation, costs, w2), in that order, within --max-seconds
+                  speculation, costs, w2), in that order, within --max-seconds; the
+                  acceptance sweep runs on its own
 
 A suite runs its rows and, first, the rows they are compared with (a baseline, a roofline,
 the copy bandwidth), whichever suite owns those. --model / --draft-model replace the demo
@@ -28,10 +33,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from infer.bench.measures import (bandwidth_row, batch_sweep_row, collectives_row, costs_row, engine_row, hf_row,
-                                  projection_row, roofline_row)
+from infer.bench.measures import (acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row, costs_row,
+                                  engine_row, hf_row, projection_row, roofline_row)
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
+from infer.bench.sweep import SweepSetup, SweepShape
 from infer.bench.workloads import WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.speculative.tree import TreeShape
@@ -41,6 +47,10 @@ SPEC_K = 5
 CHAIN_K, TREE = 6, "2,1,1"  # a chain and a tree verifying as many tokens a round (K + 1 = N + 1)
 GRAPHS = {"use_cuda_graphs": True}
 TP_SIZE = 2
+SWEEP_CHAINS = tuple(range(1, 7))
+# the trees the tree projection ranks best for c 0.4-0.5 and v(N) near 1 at alpha 0.6-0.9
+SWEEP_TREES = ("2,2", "3,1", "2,2,1")
+SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 
 
 @dataclass(frozen=True)
@@ -229,11 +239,22 @@ def smoke_rows(m: Models) -> list[Row]:
                    HFPeer(m.target, assistant=m.draft), {"baseline": "smoke/plain"}, needs)]
 
 
+def sweep_setup() -> SweepSetup:
+    """The acceptance sweep of record: the 3B shape drafted by the 1B shape."""
+    shapes = tuple(SweepShape.chain(k) for k in SWEEP_CHAINS) + tuple(SweepShape.tree(t) for t in SWEEP_TREES)
+    return SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}", shapes, SWEEP_ALPHAS)
+
+
+def sweep_rows(m: Models) -> list[Row]:
+    return acceptance_sweep_rows(sweep_setup())
+
+
 @dataclass(frozen=True)
 class Suite:
     what: str
     rows: Callable[[Models], list[Row]] | None  # the rows this suite owns; None: a union of suites
     gpus: int  # GPUs it needs (0: CPU-friendly)
+    in_all_gpu: bool = True  # a one-GPU suite that all-gpu runs
 
 
 SUITES: dict[str, Suite] = {
@@ -245,6 +266,9 @@ SUITES: dict[str, Suite] = {
     "w2": Suite("continuous vs static batching, prefix caching", w2_rows, 1),
     "tp": Suite("2 GPUs: 8B TP=2 vs TP=1, collectives a step, W2, the 3B shape with a 1B draft", tp_rows, 2),
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),
+    "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "
+                              "shape with the 1B draft, bf16 and FP8, chains and trees at alpha 0.6..0.9",
+                              sweep_rows, 1, in_all_gpu=False),
     "all-gpu": Suite("the runs of record: every one-GPU suite's rows, in order", None, 1),
 }
 
@@ -259,8 +283,8 @@ def build_table(options: HarnessOptions) -> tuple[dict[str, Row], dict[str, list
             mine = suite.rows(models)
             owned[name] = [r.name for r in mine]
             rows += mine
-    owned["all-gpu"] = [r for name, suite in SUITES.items() if suite.rows is not None and suite.gpus == 1
-                        for r in owned[name]]
+    owned["all-gpu"] = [r for name, suite in SUITES.items()
+                        if suite.rows is not None and suite.gpus == 1 and suite.in_all_gpu for r in owned[name]]
     return index_rows(rows), owned
 
 

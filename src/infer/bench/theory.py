@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from infer.speculative.theory import tree_walltime_factor, walltime_factor
 
-__all__ = ["efficiency", "projection_table", "tree_projection", "Projection", "TreeProjection"]
+__all__ = ["efficiency", "projection_table", "round_projection", "tree_projection", "Projection", "TreeProjection"]
 
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DEFAULT_KS = tuple(range(1, 9))
@@ -81,6 +81,22 @@ def tree_projection(c: float, verify_costs: Sequence[float], alphas: Sequence[fl
              for a in alphas]
     chains = [max(walltime_factor(a, k, c, verify_costs[k]) for k in range(1, max(sizes) + 1)) for a in alphas]
     return TreeProjection(c, tuple(alphas), tuple(tuple(t) for t in trees), table, chains)
+
+
+def round_projection(a: float, branching: Sequence[int], c: float, verify_cost: float,
+                     overhead: float = 0.0) -> float:
+    """Expected speedup of rounds of one shape (a chain is "1,1,...,1") at acceptance a: the
+    expected tokens a round over its cost in target steps: one draft step a level (c each),
+    v(N) to verify its N nodes, and `overhead`, the round's measured time beyond those (in
+    target steps). With no overhead a chain's is the paper's factor with measured v(K)."""
+    if verify_cost + overhead <= 0:
+        raise ValueError(f"a round must cost more than nothing: v = {verify_cost}, overhead = {overhead}")
+    return tree_walltime_factor(a, branching, c, verify_cost + overhead)
+
+
+def num_nodes(branching: Sequence[int]) -> int:
+    """N, the nodes of a static tree (a chain of K: K)."""
+    return sum(_level_sizes(branching))
 
 
 def _level_sizes(branching: Sequence[int]) -> list[int]:

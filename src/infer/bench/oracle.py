@@ -1,0 +1,204 @@
+"""OracleProposer: drafts whose acceptance the benchmark controls. Used only by the benchmark.
+
+The controlled-acceptance benchmark (`infer bench --suite acceptance-sweep`, bench/sweep.py)
+measures speculation at a chosen acceptance rate alpha on models whose drafts would
+otherwise match at an uncontrolled rate (random dummy weights: almost never). Nothing
+outside `infer.bench` imports this module; the engine never builds it.
+
+It wraps the run's real proposer (the draft model): every round calls the inner `propose`,
+so the draft forwards run with their full cost, CUDA graphs included, and then replaces the
+proposed tokens node by node, breadth-first. A node whose parent path holds the target's
+own greedy continuation gets the continuation's token with probability alpha (a draw from
+the oracle's own seeded `random.Random`), else a wrong token; the children of a node are
+tried in order, each with its own draw, and once one holds the correct token the later
+siblings get wrong tokens without a draw (at most one sibling can be right). Nodes below a
+wrong node keep the inner draft's tokens: the verifier never reaches them. Which nodes are
+present is the inner draft's, so verification costs what it would.
+
+The continuation is the target's greedy output recorded in a plain run of the same prompts
+(`prompt + output`, one list a prompt), looked up from the request's tokens: a request
+follows the record whose start equals its tokens. Drafts are deterministic (probs None)
+and requests must be greedy (T=0), so the verifier accepts exactly the nodes that hold the
+continuation's token. A request whose tokens leave every record (the speculative forward's
+argmax differed from the plain one's on a near-tie) keeps the inner draft's tokens from then
+on; such rounds are counted (`off_record_rounds`).
+
+Acceptance is measured from the verifier's accepted paths (`on_accepted`), as the
+per-trial rate of the model above: at each depth on the accepted path, the siblings before
+the accepted node were tried and failed, the accepted one succeeded; at the depth where the
+path stops, every present child was tried and failed. accepted / tried estimates alpha.
+
+Every other hook delegates to the inner proposer.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from infer.speculative.proposer import DraftRequest, Proposer
+from infer.speculative.tree import Draft, TreeShape
+
+if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
+
+
+@dataclass
+class OracleCounts:
+    """What the oracle saw since its alpha was last set."""
+
+    rounds: int = 0  # verified rounds with at least one proposed node
+    tried: int = 0  # nodes tried by the trial model (module docstring)
+    accepted: int = 0  # of those, the verifier accepted
+    off_record_rounds: int = 0  # rounds of requests that left every recorded continuation
+    host_s: float = 0.0  # host time the oracle added (token replacement and counting)
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.tried if self.tried else None
+
+    def to_dict(self) -> dict[str, float | int | None]:
+        return {"oracle_rounds": self.rounds, "oracle_tried": self.tried, "oracle_accepted": self.accepted,
+                "oracle_acceptance": self.acceptance, "oracle_off_record_rounds": self.off_record_rounds,
+                "oracle_host_ms_per_round": self.host_s * 1e3 / self.rounds if self.rounds else None}
+
+
+@dataclass
+class _Follow:
+    record: list[int] | None  # the continuation this request follows; None: off every record
+    checked: int  # its first `checked` tokens were compared with the record
+
+
+class OracleProposer:
+    """Bench only: the inner proposer's drafts with tokens chosen for acceptance alpha (module docstring)."""
+
+    def __init__(self, inner: Proposer, records: Sequence[Sequence[int]], vocab_size: int, alpha: float,
+                 seed: int | str = 0) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"the oracle needs a vocabulary of at least 2 tokens for wrong drafts, got {vocab_size}")
+        if not records or any(len(r) < 2 for r in records):
+            raise ValueError("the oracle needs one recorded continuation (prompt + greedy output, at least 2 "
+                             "tokens) per prompt: run the prompts through a plain engine first")
+        self.inner = inner
+        self.vocab_size = vocab_size
+        self._records = [list(r) for r in records]
+        self._follow: dict[str, _Follow] = {}
+        self._proposed: dict[str, Draft] = {}
+        self.set_alpha(alpha, seed)
+
+    def set_alpha(self, alpha: float, seed: int | str = 0) -> None:
+        """A new alpha with a fresh random stream; the counts start again."""
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha is a probability in [0, 1], got {alpha!r}")
+        self.alpha = alpha
+        self._rng = random.Random(seed)
+        self.counts = OracleCounts()
+
+    # -- proposing ---------------------------------------------------------------------------
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        drafts = self.inner.propose(requests, shape, depths)
+        start = time.perf_counter()
+        out = []
+        for r, draft in zip(requests, drafts, strict=True):
+            if not draft.num_proposed:
+                out.append(draft)
+                continue
+            if not r.sampling_params.greedy:
+                raise ValueError(f"request {r.request_id}: the oracle's acceptance is exact at temperature 0 only "
+                                 "(greedy verification); run the acceptance sweep with temperature 0")
+            record = self._record(r)
+            new = draft if record is None else self._replace(draft, record, r.num_computed_tokens)
+            if record is None:
+                self.counts.off_record_rounds += 1
+            self._proposed[r.request_id] = new
+            out.append(new)
+        self.counts.host_s += time.perf_counter() - start
+        return out
+
+    def _record(self, r: DraftRequest) -> list[int] | None:
+        """The continuation request r follows, checked up to its pending token (None: off record)."""
+        known = r.num_computed_tokens + 1  # tokens[n] is the pending token g
+        follow = self._follow.get(r.request_id)
+        if follow is None:
+            tokens = r.token_slice(0, known)
+            match = next((rec for rec in self._records if rec[:known] == tokens), None)
+            follow = self._follow[r.request_id] = _Follow(match, known)
+        elif follow.record is not None and known > follow.checked:
+            if follow.record[follow.checked:known] != r.token_slice(follow.checked, known):
+                follow.record = None
+            follow.checked = known
+        return follow.record
+
+    def _replace(self, draft: Draft, record: list[int], n: int) -> Draft:
+        """The draft's present nodes with the oracle's tokens; g is token n of the record."""
+        shape = draft.shape
+        tokens = list(draft.token_ids)
+        right = [False] * shape.num_nodes  # the node and its ancestors hold the continuation
+        taken: set[int] = set()  # parents (-1: the root) one of whose children holds it
+        for node, (present, parent, depth) in enumerate(zip(draft.valid, shape.parents, shape.depths, strict=True)):
+            if not present or (parent >= 0 and not right[parent]) or n + depth >= len(record):
+                continue  # never reached by the verifier, or past the record: the inner token stays
+            truth = record[n + depth]
+            if parent not in taken and self._rng.random() < self.alpha:
+                tokens[node], right[node] = truth, True
+                taken.add(parent)
+            else:
+                sibling = shape.children[parent].index(node) if parent >= 0 else node
+                tokens[node] = (truth + 1 + sibling % (self.vocab_size - 1)) % self.vocab_size
+        return Draft(shape, tuple(tokens), draft.valid, None)
+
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
+        start = time.perf_counter()
+        for r, path in zip(requests, paths, strict=True):
+            draft = self._proposed.pop(r.request_id, None)
+            if draft is not None:
+                tried, accepted = trials(draft, path)
+                self.counts.rounds += 1
+                self.counts.tried += tried
+                self.counts.accepted += accepted
+        self.counts.host_s += time.perf_counter() - start
+        self.inner.on_accepted(requests, paths)
+
+    # -- the rest is the inner proposer's --------------------------------------------------------
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
+        self.inner.prefilled(requests)
+
+    def release(self, request: DraftRequest) -> None:
+        self._follow.pop(request.request_id, None)
+        self._proposed.pop(request.request_id, None)
+        self.inner.release(request)
+
+    def can_admit(self, request: DraftRequest) -> bool:
+        return self.inner.can_admit(request)
+
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
+        return self.inner.ensure_capacity(request, total_tokens)
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return self.inner.pools()
+
+    def leak_report(self) -> list[str]:
+        held = sorted(set(self._follow) | set(self._proposed))
+        return ([f"oracle still follows requests {held}"] if held else []) + self.inner.leak_report()
+
+
+def trials(draft: Draft, path: Sequence[int]) -> tuple[int, int]:
+    """(nodes tried, nodes accepted) of one verified draft under the trial model: down the
+    accepted path, the siblings before each accepted node and the node itself; where the
+    path stops, every present child of its last node."""
+    shape = draft.shape
+    tried = 0
+    kids = shape.root_children
+    for depth in range(shape.depth + 1):
+        present = [k for k in kids if draft.valid[k]]
+        if not present:
+            break
+        if depth == len(path):
+            tried += len(present)
+            break
+        tried += present.index(path[depth]) + 1
+        kids = shape.children[path[depth]]
+    return tried, min(len(path), shape.depth)

@@ -1,0 +1,291 @@
+"""The controlled-acceptance sweep: speculation timed at chosen acceptance rates.
+
+Speculation's speedup depends on how often drafts match; on dummy shapes (random weights)
+they almost never do. This benchmark keeps every cost real (the target, the draft model,
+CUDA graphs, the engine's rounds) and lets an oracle choose which drafts match
+(`bench/oracle.py`, used only here), so a speedup at acceptance alpha is measured rather
+than projected. Every report labels it controlled acceptance.
+
+One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`), in order:
+
+- the models load once per draft quantization (the target once; the draft reloaded in
+  FP8 for the FP8 rows), and every engine of the sweep is built on them;
+- `costs`: c and v(K) on those models, at the workload's middle context (the projections);
+- `plain`: the plain engine on the workload's prompts at batch 1 (requests served one at
+  a time), T=0: the baseline, and the target's greedy continuation of each prompt (the
+  oracle's record);
+- `spec`: one engine per (draft quantization, shape), since a shape is fixed when the engine
+  is built. On a new engine the oracle replaces its proposer, the prompts run once (warm-up),
+  then once at alpha 0 (every round emits one token: the round's time at no acceptance,
+  the overhead the projection adds); each alpha then changes only the oracle's alpha and
+  times the prompts `repeats` times (the median run is reported).
+
+A speed is decode tokens/s (tokens after the first over the time after the first token,
+averaged over requests), the same for plain and speculative rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from infer.bench.engine_runner import (default_dtype, engine_config, free_memory, request_metrics, spec_metrics,
+                                       spec_snapshot, timed_run)
+from infer.bench.oracle import OracleProposer
+from infer.bench.rows import Context, Outcome
+from infer.bench.workloads import PromptSet, Workload, build_requests
+from infer.engine.config import EngineConfig
+from infer.engine.engine import Engine
+from infer.engine.loading import LoadedModels, default_model_paths, load_draft, load_models
+from infer.engine.request import Request
+from infer.engine.step_costs import StepCostConfig, measure_model_costs
+from infer.speculative.tree import TreeShape, chain_shape
+
+CONTROLLED = ("controlled acceptance: an oracle (bench only) replaces the draft model's tokens so that each "
+              "draft matches the target's greedy continuation with probability alpha; draft and target costs are real")
+SWEEP_WORKLOAD = Workload("acceptance-sweep", 4, (128, 128), (64, 64), temperature=0.0,
+                          description="4 prompts of 128 tokens, 64 new tokens each, served one at a time, T=0")
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    """A round's draft shape: a chain of K ("k3") or a static tree ("tree-2x2")."""
+
+    tag: str
+    branching: tuple[int, ...]
+
+    @classmethod
+    def chain(cls, k: int) -> SweepShape:
+        return cls(f"k{k}", chain_shape(k).branching)
+
+    @classmethod
+    def tree(cls, text: str) -> SweepShape:
+        shape = TreeShape.parse(text)
+        return cls("tree-" + "x".join(map(str, shape.branching)), shape.branching)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(b == 1 for b in self.branching)
+
+    def overrides(self) -> dict[str, Any]:
+        """The EngineConfig fields that make an engine draft this shape."""
+        k = len(self.branching)
+        return {"spec_length": k} if self.is_chain else {"spec_tree": str(TreeShape(self.branching))}
+
+
+@dataclass(frozen=True)
+class SweepSetup:
+    target: str
+    draft: str
+    label: str  # "<target>-<draft>", e.g. "3b-1b"
+    shapes: tuple[SweepShape, ...]
+    alphas: tuple[float, ...]
+    draft_quantizations: tuple[str | None, ...] = (None, "fp8")
+    workload: Workload = SWEEP_WORKLOAD
+    use_cuda_graphs: bool = True
+    calibration_requests: int = 1  # prompts of the alpha-0 run that times a round
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.shapes or not self.alphas or not self.draft_quantizations:
+            raise ValueError("an acceptance sweep needs at least one shape, one alpha and one draft quantization")
+        if any(not 0.0 <= a <= 1.0 for a in self.alphas):
+            raise ValueError(f"alphas are acceptance probabilities in [0, 1], got {self.alphas}")
+        if self.workload.temperature != 0:
+            raise ValueError(f"the oracle's acceptance is exact at temperature 0 only; the workload has "
+                             f"temperature {self.workload.temperature}")
+        if not 1 <= self.calibration_requests <= self.workload.num_requests:
+            raise ValueError(f"calibration_requests must be in 1..{self.workload.num_requests} (the workload's "
+                             f"requests), got {self.calibration_requests}")
+
+    @property
+    def max_nodes(self) -> int:
+        return max(TreeShape(s.branching).num_nodes for s in self.shapes)
+
+
+class SweepSession:
+    """The models, the current engine and the oracle's records shared by a sweep's rows."""
+
+    def __init__(self, setup: SweepSetup, rows: int) -> None:
+        self.setup = setup
+        self.rows_left = rows  # the session frees everything after its last row
+        self.records: list[list[int]] | None = None  # per prompt: prompt + greedy output
+        self._models: LoadedModels | None = None
+        self._quantization: str | None = None
+        self._engine: Engine | None = None
+        self._engine_key: tuple[str | None, str] | None = None
+        self._oracle: OracleProposer | None = None
+        self._zero: dict[str, Any] = {}  # the current engine's alpha-0 run
+
+    def finish_row(self) -> None:
+        self.rows_left -= 1
+        if self.rows_left <= 0:
+            self.close()
+
+    def close(self) -> None:
+        self._drop_engine()
+        self._models = None
+        free_memory()
+
+    # -- rows ------------------------------------------------------------------------------------
+    def costs(self, ctx: Context, quantization: str | None) -> Outcome:
+        """c and v(K) of the session's models, K up to the largest shape's nodes."""
+        models = self._load(ctx, quantization)
+        wl = ctx.workload(self.setup.workload)
+        context = wl.shared_prefix_len + wl.prompt_len[1] + wl.output_len[1] // 2
+        cfg = StepCostConfig(context_len=context, max_seq_len=self._config(ctx, {}).max_seq_len,
+                             k_max=self.setup.max_nodes, repeats=ctx.options.cost_repeats)
+        graphs = self.setup.use_cuda_graphs and ctx.device.type == "cuda"
+        costs = measure_model_costs(models.target, models.draft, graphs, cfg)
+        params = {"target": self.setup.target, "draft": self.setup.draft, "draft_quantization": quantization,
+                  "use_cuda_graphs": graphs, "device": str(ctx.device), "context_len": cfg.context_len,
+                  "max_seq_len": cfg.max_seq_len, "batch_size": 1}
+        return params, costs.to_dict()
+
+    def plain(self, ctx: Context) -> Outcome:
+        """The baseline, and the records of the target's greedy continuations."""
+        models = self._load(ctx, self._quantization if self._models else self.setup.draft_quantizations[0])
+        config = self._config(ctx, {"use_speculative_decoding": False})
+        engine = Engine(config, dataclasses.replace(models, draft=None))
+        try:
+            prompts = self._prompts(ctx, engine)
+            runs = self._time(engine, ctx, prompts.requests, 1 + ctx.options.repeats)  # the first: warm-up
+            records = [[_sequence(r) for r in requests] for requests, _, _ in runs]
+            self.records = records[0]
+            requests, wall, _ = _median(runs[1:])
+            metrics = self._rates(requests, wall, runs[1:], prompts)
+            metrics.update(records_agree=all(r == records[0] for r in records), leaks=engine.leak_report())
+        finally:
+            del engine
+            free_memory()
+        return self._params(ctx, config, prompts), metrics
+
+    def spec(self, ctx: Context, quantization: str | None, shape: SweepShape, alpha: float) -> Outcome:
+        engine, oracle = self._engine_for(ctx, quantization, shape)
+        prompts = self._prompts(ctx, engine)
+        oracle.set_alpha(alpha, f"{self.setup.seed}/{shape.tag}/{alpha}")
+        before = spec_snapshot(engine)
+        runs = self._time(engine, ctx, prompts.requests, ctx.options.repeats)
+        after = spec_snapshot(engine)
+        assert before is not None and after is not None
+        requests, wall, _ = _median(runs)
+        metrics = self._rates(requests, wall, runs, prompts)
+        metrics.update(spec_metrics(after.minus(before)))
+        metrics.update(oracle.counts.to_dict())
+        metrics["round_ms"] = _round_ms(metrics)
+        metrics.update(self._zero)
+        metrics["leaks"] = engine.leak_report()
+        params = self._params(ctx, engine.config, prompts)
+        params.update(acceptance=CONTROLLED, alpha=alpha, shape=shape.tag, branching=list(shape.branching),
+                      draft_quantization=quantization, oracle_seed=f"{self.setup.seed}/{shape.tag}/{alpha}")
+        return params, metrics
+
+    # -- parts -----------------------------------------------------------------------------------
+    def _load(self, ctx: Context, quantization: str | None) -> LoadedModels:
+        """The target once, the draft in `quantization` (reloaded when it changes)."""
+        if self._models is not None and quantization == self._quantization:
+            return self._models
+        self._drop_engine()
+        config = self._config(ctx, {"draft_quantization": quantization})
+        if self._models is None:
+            self._models = load_models(config, ctx.device)
+        else:
+            self._models.draft = None
+            free_memory()
+            _, draft_path = default_model_paths(config)
+            assert draft_path is not None
+            self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device)
+        self._quantization = quantization
+        return self._models
+
+    def _engine_for(self, ctx: Context, quantization: str | None,
+                    shape: SweepShape) -> tuple[Engine, OracleProposer]:
+        key = (quantization, shape.tag)
+        if self._engine is not None and self._oracle is not None and self._engine_key == key:
+            return self._engine, self._oracle
+        if self.records is None:
+            raise RuntimeError("the acceptance sweep's plain row records the continuations the oracle needs: "
+                               "run it first")
+        models = self._load(ctx, quantization)
+        self._drop_engine()
+        start = time.perf_counter()
+        engine = Engine(self._config(ctx, {"draft_quantization": quantization, **shape.overrides()}), models)
+        built_s = time.perf_counter() - start
+        speculation = engine.runner.speculation
+        assert speculation is not None
+        # the one place the benchmark reaches into the runner: the oracle wraps its proposer
+        oracle = OracleProposer(speculation.proposer, self.records, engine.vocab_size, alpha=max(self.setup.alphas))
+        speculation.proposer = oracle
+        self._engine, self._engine_key, self._oracle = engine, key, oracle
+        prompts = self._prompts(ctx, engine).requests
+        self._time(engine, ctx, prompts, 1)  # warm-up
+        oracle.set_alpha(0.0)
+        before = spec_snapshot(engine)
+        runs = self._time(engine, ctx, prompts[:self.setup.calibration_requests], 1)
+        after = spec_snapshot(engine)
+        assert before is not None and after is not None
+        zero = {**request_metrics(runs[0][0], runs[0][1]), **spec_metrics(after.minus(before))}
+        self._zero = {"round_ms_zero_acceptance": _round_ms(zero),
+                      "tokens_per_round_zero_acceptance": zero.get("mean_accepted_length"),
+                      "engine_build_s": built_s}  # (the models were loaded before)
+        return engine, oracle
+
+    def _drop_engine(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = self._oracle = self._engine_key = None
+        self._zero = {}
+        free_memory()
+
+    def _config(self, ctx: Context, overrides: Mapping[str, Any]) -> EngineConfig:
+        s = self.setup
+        threads = {"threads": ctx.options.threads} if ctx.options.threads is not None else {}
+        values = {"model": s.target, "draft_model": s.draft, "use_speculative_decoding": True, "max_batch_size": 1,
+                  "use_cuda_graphs": s.use_cuda_graphs and ctx.device.type == "cuda", **threads, **overrides}
+        if not values["use_speculative_decoding"]:
+            values.pop("draft_model")
+            values.pop("draft_quantization", None)
+        return engine_config(ctx.workload(s.workload), values, str(ctx.device))
+
+    def _prompts(self, ctx: Context, engine: Engine) -> PromptSet:
+        return build_requests(ctx.workload(self.setup.workload), engine.vocab_size, engine.tokenizer)
+
+    def _time(self, engine: Engine, ctx: Context, specs: Sequence[Any],
+              repeats: int) -> list[tuple[list[Request], float, int]]:
+        runs = []
+        for _ in range(repeats):
+            gc.collect()  # not inside the timing
+            runs.append(timed_run(engine, ctx.workload(self.setup.workload), specs))
+        return runs
+
+    @staticmethod
+    def _rates(requests: list[Request], wall: float, runs: Sequence[tuple[list[Request], float, int]],
+               prompts: PromptSet) -> dict[str, Any]:
+        metrics = request_metrics(requests, wall)
+        metrics.update(wall_s_runs=[w for _, w, _ in runs], expected_output_tokens=prompts.expected_output_tokens)
+        # batch 1, requests one at a time: the speed compared is decode tokens/s
+        metrics["primary_rate"] = metrics["decode_tokens_per_s"]
+        return metrics
+
+    def _params(self, ctx: Context, config: EngineConfig, prompts: PromptSet) -> dict[str, Any]:
+        return {"workload": ctx.workload(self.setup.workload).to_dict(), "prompt_source": prompts.source,
+                "engine": dataclasses.asdict(config), "target": self.setup.target, "draft": self.setup.draft,
+                "batch_size": 1, "dtype": default_dtype(ctx.device)}
+
+
+def _sequence(request: Request) -> list[int]:
+    return list(request.prompt_token_ids) + list(request.output_token_ids)
+
+
+def _median(runs: Sequence[tuple[list[Request], float, int]]) -> tuple[list[Request], float, int]:
+    return sorted(runs, key=lambda run: run[1])[len(runs) // 2]
+
+
+def _round_ms(metrics: Mapping[str, Any]) -> float | None:
+    """A round's time: tokens a round / decode tokens per second."""
+    rate, tokens = metrics.get("decode_tokens_per_s"), metrics.get("mean_accepted_length")
+    return tokens / rate * 1e3 if rate and tokens else None

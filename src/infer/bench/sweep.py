@@ -9,7 +9,13 @@ than projected. Every report labels it controlled acceptance.
 One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`), in order:
 
 - the models load once per draft quantization (the target once; the draft reloaded in
-  FP8 for the FP8 rows), and every engine of the sweep is built on them;
+  FP8 for the FP8 rows), and every engine of the sweep is built on them. The dummy target's
+  o_proj and down_proj are zeroed (`steady_greedy`): with random weights the one-row
+  decode matmul and the verification's multi-row one round differently and the greedy
+  continuation diverges within a few tokens, so the plain run's record would stop matching
+  the target's choices; with them zeroed each position's logits are the tied embedding's
+  scores of its own token, a margin no rounding flips. The matmuls read every weight all
+  the same: the costs are unchanged;
 - `costs`: c and v(K) on those models, at the workload's middle context (the projections);
 - `plain`: the plain engine on the workload's prompts at batch 1 (requests served one at
   a time), T=0: the baseline, and the target's greedy continuation of each prompt (the
@@ -33,6 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from infer.bench.engine_runner import (default_dtype, engine_config, free_memory, request_metrics, spec_metrics,
                                        spec_snapshot, timed_run)
 from infer.bench.oracle import OracleProposer
@@ -43,6 +51,7 @@ from infer.engine.engine import Engine
 from infer.engine.loading import LoadedModels, default_model_paths, load_draft, load_models
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
+from infer.models.llama import LlamaForCausalLM
 from infer.speculative.tree import TreeShape, chain_shape
 
 CONTROLLED = ("controlled acceptance: an oracle (bench only) replaces the draft model's tokens so that each "
@@ -193,6 +202,7 @@ class SweepSession:
         config = self._config(ctx, {"draft_quantization": quantization})
         if self._models is None:
             self._models = load_models(config, ctx.device)
+            steady_greedy(self._models.target)
         else:
             self._models.draft = None
             free_memory()
@@ -275,6 +285,15 @@ class SweepSession:
         return {"workload": ctx.workload(self.setup.workload).to_dict(), "prompt_source": prompts.source,
                 "engine": dataclasses.asdict(config), "target": self.setup.target, "draft": self.setup.draft,
                 "batch_size": 1, "dtype": default_dtype(ctx.device)}
+
+
+def steady_greedy(model: LlamaForCausalLM) -> None:
+    """Zero every layer's o_proj and down_proj, so the residual stream is the token's
+    embedding and greedy decoding does not depend on kernel rounding (module docstring)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                linear.weight.zero_()
 
 
 def _sequence(request: Request) -> list[int]:

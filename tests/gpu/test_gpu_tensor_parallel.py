@@ -105,7 +105,7 @@ def test_a_worker_captures_forward_graphs_only(tp_ckpt: Path, prompts: list[list
              draft_model=str(tp_ckpt), tensor_parallel_size=2, tensor_parallel_draft="sharded", **shape) as llm:
         llm.generate(prompt_token_ids=prompts, sampling_params=_mixed(len(prompts)))
         runner = llm.engine.runner
-        driver = capture_counts([runner.forward.local, runner.draft.step_forward.local])
+        driver = capture_counts([runner.forward.local, runner.speculation.draft.step_forward.local])
         reports = llm.engine.parallel.reports()
     assert driver["samplers"] > 0 and driver["forward"] > 0
     if "spec_tree" in shape:

@@ -48,10 +48,10 @@ def test_overlapped_steps_feed_the_tokens_in_flight_to_the_next_step(make_llm, c
     runner, gathered = llm.engine.runner, []
     launch = runner._launch
 
-    def watching(prefill, decode):
+    def watching(prefill, decode, render):
         inflight = runner._inflight
         gathered.append(inflight is not None and any(inflight.holds(r) for r in decode))
-        return launch(prefill, decode)
+        return launch(prefill, decode, render)
 
     runner._launch = watching
     llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0, max_tokens=12))

@@ -17,7 +17,8 @@
     acceptance-sweep  controlled acceptance: the 3B shape drafted by the 1B shape (bf16 and
                   FP8 draft), chains K = 1..6 and the trees 2,2 / 3,1 / 2,2,1 at acceptance
                   0.6..0.9 chosen by an oracle (bench/sweep.py), against plain decoding and
-                  the projections from the same run's c and v(K); about 6 minutes on one GPU
+                  the projections from the same run's c and v(K); sized for about 6 minutes
+                  on one GPU
     all-gpu       the runs of record: the rows of every one-GPU suite above (decode-speed,
                   speculation, costs, w2), in that order, within --max-seconds; the
                   acceptance sweep runs on its own

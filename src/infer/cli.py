@@ -83,12 +83,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise SystemExit(f"error: `infer serve` needs the server extra ({exc}): pip install -e '.[server]' "
-                         "(or pip install 'infer[server]')") from None
     from infer.server.__main__ import serve
 
     return serve(args)

@@ -15,13 +15,13 @@ import os
 import sys
 from pathlib import Path
 
+from infer import DISTRIBUTION
 from infer.engine.args import add_engine_args, engine_config_from_args
 from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
                                  ServerConfig, default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
 API_KEY_ENV = "INFER_API_KEY"
-DISTRIBUTION = "infer-engine"  # the package's name on PyPI (it installs the `infer` module and command)
 
 
 def require_server_extra() -> None:

@@ -126,12 +126,14 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(model)
         return card()
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
-                   responses={503: _ERRORS[503], 421: _ERRORS[421]})
+    @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503], 421: _ERRORS[421]})
     async def health() -> Any:
         if not state.engine.healthy:
             return engine_unavailable(state.engine.error).response()
         return HealthResponse()
+
+    # HEAD: the same status (load balancers probe with it); not in the schema, it has no body
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}},

@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.request import StepOutput
@@ -35,7 +33,6 @@ from infer.server.responses import SpeculativeStats
 
 RETRY_AFTER_S = 1
 log = logging.getLogger("infer.server")
-R = TypeVar("R")
 
 
 @dataclass
@@ -96,11 +93,6 @@ class ServerState:
                            UNAVAILABLE, None, "server_shutting_down")
         if not self.engine.healthy:
             raise engine_unavailable(self.engine.error)
-
-    async def prepare(self, fn: Callable[[], R]) -> R:
-        """Run `fn` (parsing, tokenizing) off the event loop; a shutdown past its timeout ends
-        the wait with a 503."""
-        return await self.preparer.run(fn)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests; end those still open after shutdown_timeout_s (event loop thread)."""

@@ -98,9 +98,12 @@ def test_body_with_more_values_than_a_request_can_use_is_413_unparsed(server: Li
     real_loads = body_module.json.loads
     monkeypatch.setattr(body_module, "json", type("J", (), {"loads": staticmethod(
         lambda raw: (parsed.append(len(raw)), real_loads(raw))[1])}))
-    limit = server.state.preparer.limits.max_values
+    limits = server.state.preparer.limits
+    limit = limits.max_values
+    assert limits.max_bytes < 8 * 2**20  # (the demo-sized context bounds bodies below the server's own limit)
     for body in ({"prompt": [1] * (limit + 1)}, {"prompt": "x", "unknown": [0] * (limit + 1)},
-                 {"messages": [{"role": "user", "content": "x"}], "logit_bias": {str(i): 1 for i in range(limit)}}):
+                 {"messages": [{"role": "user", "content": "x"}], "logit_bias": {str(i): 1 for i in range(limit)}},
+                 {"prompt": "x", "unknown": "y" * limits.max_bytes}):
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
         r = post(server, path, body)
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
@@ -244,7 +247,9 @@ def test_schema_says_what_the_server_refuses(server: LiveServer) -> None:
     assert {"const": "", "type": "string"} in suffix["anyOf"]
     chat = schemas["ChatCompletionRequest"]
     assert chat["then"]["properties"]["logprobs"] == {"const": True}
-    assert post(server, "/v1/completions", {"prompt": "hi", "suffix": {}}).status_code == 400
+    for suffix in ({}, "end"):  # refused by the schema itself
+        r = post(server, "/v1/completions", {"prompt": "hi", "suffix": suffix})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
     assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "suffix": ""}).status_code == 200
 
 

@@ -88,7 +88,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     _add_generation_routes(app, state)
     _add_info_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(Gatekeeper, config=config)
+    body_limit = state.preparer.limits.max_bytes  # what a request to this model can use
+    app.add_middleware(Gatekeeper, config=config, path_limits={path: body_limit for path in _STREAM_CHUNKS})
     app.add_middleware(RequestAccounting, state=state)  # added last: outermost, so it counts the gate's refusals
     return app
 

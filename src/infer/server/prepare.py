@@ -3,8 +3,8 @@
 Everything CPU-bound about a request before it reaches the engine (parsing and validating
 its JSON, tokenizing the prompt or rendering the chat template, checking its ids, building
 stop strings) runs in a small thread pool, never on the event loop, and its work is bounded
-by the model's context, not by the input: a body holding more JSON values than a request
-can use is refused before it is parsed (body.py), and a text longer than the context's
+by the model's context, not by the input: a body larger, or holding more JSON values, than
+a request can use is refused before it is parsed (body.py), and a text longer than the context's
 tokens could spell (`max_token_chars` characters per token, read off the vocabulary) is
 refused before it is tokenized. The pool's size bounds how many requests are prepared (and
 held in memory) at once. Errors are `APIError` 400s naming the parameter to fix.
@@ -49,7 +49,7 @@ class Preparer:
         self.config = config
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="infer-prepare")
         self.max_token_chars, structural = vocabulary_bounds(engine.tokenizer)
-        self.limits = BodyLimits(engine.config.max_seq_len, structural)
+        self.limits = BodyLimits(engine.config.max_seq_len, structural, self.max_token_chars)
         self._waits: set[asyncio.Future[APIError]] = set()
 
     @property

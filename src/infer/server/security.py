@@ -101,8 +101,9 @@ def _too_large(limit: int, by_model: bool) -> APIError:
     why = ("more than a request to this model can use (set by its context length): send a shorter prompt and no "
            "unknown fields") if by_model else "send a shorter prompt (or start the server with a larger " \
         "--max-request-bytes)"
+    # Connection: close, so that the server does not read (and throw away) the rest of the body
     return APIError(413, f"the request body is larger than this server's limit of {limit} bytes, {why}",
-                    INVALID_REQUEST, None, "request_too_large")
+                    INVALID_REQUEST, None, "request_too_large", {"Connection": "close"})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

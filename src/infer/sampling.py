@@ -2,7 +2,7 @@
 
 The pipeline is the "standardized sampling" of Leviathan et al. 2023 (section 2.2): every
 decoding rule (greedy, temperature, top-k, top-p, repetition penalty) is cast as plain
-sampling from one adjusted distribution. Speculative verification (`infer.speculative.rejection`)
+sampling from one adjusted distribution. Speculative verification (`infer.speculative.verifier`)
 compares exactly these adjusted distributions for draft and target, which is what makes it
 lossless for every sampling setting.
 

@@ -40,7 +40,7 @@ def test_adaptive_speculation_measures_its_costs_and_prepares_its_rounds(ckpt_a)
               use_cuda_graphs=True)
     llm = LLM(str(ckpt_a), use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3,
               spec_policy="adaptive", **kw)
-    policy, step = llm.engine.runner.policy, llm.engine.runner.draft.step_forward
+    policy, step = llm.engine.runner.speculation.policy, llm.engine.runner.speculation.draft.step_forward
     assert 0.2 < policy.config.c < 5.0 and policy.config.verify_slope >= 0.0  # a model drafting for itself
     assert set(step.loops) == {(b, w, k, g) for b in (1, 2, 4) for w in (1, 2, 4) for k in (1, 3)
                                for g in (True, False)}
@@ -63,7 +63,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
     graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
     widths = []
     if spec:  # record the widths the draft's graphs replay (catch-up chunks among them)
-        step = graphs.engine.runner.draft.step_forward
+        step = graphs.engine.runner.speculation.draft.step_forward
         started_with = set(step.loops)
         replay = step._replay
         step._replay = lambda g, ids, layout: (widths.append(layout.width), replay(g, ids, layout))[1]
@@ -75,7 +75,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
         from infer.speculative.draft_model import CATCH_UP_CHUNK
         assert CATCH_UP_CHUNK in widths  # the lazy draft prefill ran as padded graph replays
         assert forward.verify_replays > 0  # greedy acceptance ran in its graph
-        draft_step = graphs.engine.runner.draft.step_forward
+        draft_step = graphs.engine.runner.speculation.draft.step_forward
         assert draft_step.loop_replays > 0  # whole rounds in one replay
         # the whole-round graphs of the fixed policy were captured at start-up: buckets 1..8,
         # step-1 widths 1, 2 and 4, K = 3, greedy or not (only rounds the overflow guard
@@ -329,7 +329,7 @@ def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
                                          spec_length=3, **kw)
     runner = graphs.engine.runner
     if method == "draft_model":  # the target drafting for itself: most drafts accepted
-        step = runner.draft.step_forward
+        step = runner.speculation.draft.step_forward
         assert step.loop_replays > 0 and runner.stats.accepted_tokens > 0
     assert runner.forward.verify_replays > 0
 
@@ -367,7 +367,7 @@ def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckp
         return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     runner = graphs.engine.runner
-    forwards = [runner.forward] + ([runner.draft.step_forward] if spec == "draft_model" else [])
+    forwards = [runner.forward] + ([runner.speculation.draft.step_forward] if spec == "draft_model" else [])
     whole_eager_steps, bucket_replays, finished_eagerly = [], [], []
     for f in forwards:  # a decode step run whole eagerly (prefill chunks are eager anyway)
         for name in ("sample", "verify", "draft_loop"):

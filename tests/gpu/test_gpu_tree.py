@@ -55,7 +55,7 @@ def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
     assert set(runner.forward.trees) == {(b, verification) for b in (1, 2, 4, 8)}
     assert runner.forward.tree_replays > 0 and runner.forward.verify_replays > 0  # greedy verifier graph
     if method == "draft_model":
-        step = runner.draft.step_forward
+        step = runner.speculation.draft.step_forward
         levels = {TreeChunk.level(shape, d) for d in (1, 2)}  # the deepest level is never fed
         assert {c for _, c in step.trees} == levels and step.tree_replays > 0
         assert step.loops == {}  # no chain rounds captured for a tree

@@ -16,7 +16,7 @@ import torch
 
 from infer.sampling import sample_from_probs, sample_without_replacement
 from infer.speculative.tree import TreeShape
-from infer.speculative.tree_verify import verify_tree_nodes
+from infer.speculative.verifier import verify_tree_nodes
 
 ROOT_TOKEN = 0
 CHUNK = 25_000

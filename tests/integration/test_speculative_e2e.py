@@ -193,19 +193,20 @@ def test_a_request_takes_a_draft_slot_at_its_first_round_only(make_llm, ckpt_a, 
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend="paged", block_size=4)
     runner = llm.engine.runner
     drafting = {"req-1", "req-4"}
-    runner.policy = _SomeDraftPolicy(drafting)
+    runner.speculation.policy = _SomeDraftPolicy(drafting)
     holders, step = set(), llm.engine.step
 
     def recording():
         out = step()
-        holders.update(r.request_id for r in llm.engine.scheduler.running if r.slot in runner.draft.draft_slots)
+        holders.update(r.request_id for r in llm.engine.scheduler.running
+                       if r.slot in runner.speculation.draft.draft_slots)
         return out
 
     llm.engine.step = recording
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert holders == drafting and runner.stats.drafts > 0
-    assert runner.draft.draft_slots == {} and llm.engine.leak_report() == []
+    assert runner.speculation.draft.draft_slots == {} and llm.engine.leak_report() == []
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
@@ -218,13 +219,13 @@ def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_out
              .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2, kv_cache_backend=backend, block_size=4)
     runner = llm.engine.runner
-    runner.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
+    runner.speculation.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
     catch_ups = []
-    original = runner.draft.catch_up
-    runner.draft.catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
+    original = runner.speculation.draft.catch_up
+    runner.speculation.draft.catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
-    assert runner.draft.max_feed == 4
+    assert runner.speculation.draft.max_feed == 4
     # the first round prefills the prompts, then only the 6-step gaps need a prefill
     assert catch_ups and len(catch_ups) <= 1 + 40 // 17 + 1
     assert runner.stats.acceptance_rate >= 0.99
@@ -234,7 +235,7 @@ def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
     # a prompt's n-gram table is built while the prefill's forward runs (not before a decode
     # step's forward): the decode steps only extend it, and it goes with the request
     llm = _spec_llm(make_llm, ckpt_a, None, 1, method="ngram", max_num_batched_tokens=8)
-    engine, proposer = llm.engine, llm.engine.runner.proposer
+    engine, proposer = llm.engine, llm.engine.runner.speculation.proposer
     req = engine.add_request(prompts[0], GREEDY)
     while not req.output_token_ids:
         engine.step()  # prefill chunks, then the first token
@@ -251,15 +252,15 @@ def test_ngram_tables_are_built_under_the_prefill(make_llm, ckpt_a, prompts):
 def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plain_outputs):
     # a proposer that finds nothing proposes nothing: the step must be the plain decode step
     # (no verification pass). The stand-in implements the Proposer protocol and nothing else.
-    from infer.speculative.proposer import Draft
+    from infer.speculative.tree import Draft
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram")
     runner = llm.engine.runner
 
     class Nothing:
-        def propose(self, requests, ks):
-            return [Draft([], None) for _ in requests]
+        def propose(self, requests, shape, depths):
+            return [Draft.empty(shape) for _ in requests]
 
-        def on_accepted(self, request, num_accepted):
+        def on_accepted(self, requests, paths):
             raise AssertionError("nothing was verified")
 
         def prefilled(self, requests):
@@ -280,18 +281,18 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
         def leak_report(self):
             return []
 
-    runner.proposer = Nothing()
+    runner.speculation.proposer = Nothing()
     verified = []
-    original = runner._verify
-    runner._verify = lambda reqs, drafts: (verified.append(1), original(reqs, drafts))[1]
-    choose, plain_choices = runner.policy.choose, []
+    original = runner.verification.run
+    runner.verification.run = lambda *args: (verified.append(1), original(*args))[1]
+    choose, plain_choices = runner.speculation.policy.choose, []
 
     def counting(*args):
         ks = choose(*args)
         plain_choices.append(not any(ks))  # (the overflow guard gives K = 0 for last tokens)
         return ks
 
-    runner.policy.choose = counting
+    runner.speculation.policy.choose = counting
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert not verified and runner.stats.rounds == 0
@@ -320,7 +321,7 @@ def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_d
     results = []
     for fused in (True, False):
         llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
-        draft = llm.engine.runner.draft
+        draft = llm.engine.runner.speculation.draft
         calls = []
         sample = draft.step_forward.sample
         draft.step_forward.sample = lambda *a: (calls.append(1), sample(*a))[1]
@@ -343,7 +344,7 @@ def test_fused_draft_rounds_equal_step_by_step(make_llm, ckpt_a, prompts, temper
     results = []
     for fuse in (True, False):
         llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
-        draft = llm.engine.runner.draft
+        draft = llm.engine.runner.speculation.draft
         draft.fuse_rounds = fuse
         loops = []
         loop = draft.step_forward.draft_loop
@@ -367,9 +368,9 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
              .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2)
     runner = llm.engine.runner
-    runner.policy = _SchedulePolicy([3] + [0] * 9)
+    runner.speculation.policy = _SchedulePolicy([3] + [0] * 9)
     widths, inside, counted = [], [], []
-    model_forward, catch_up = runner.draft.model.forward, runner.draft.catch_up
+    model_forward, catch_up = runner.speculation.draft.model.forward, runner.speculation.draft.catch_up
 
     def forward(ids, *args, **kwargs):
         if inside:
@@ -379,7 +380,8 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     def counting_catch_up(reqs):
         inside.append(1)
         before = len(widths)
-        behind = [r.num_computed_tokens + 1 - runner.draft.max_feed - runner.draft.pool.seq_len(runner.draft.slot(r))
+        draft = runner.speculation.draft
+        behind = [r.num_computed_tokens + 1 - draft.max_feed - draft.pool.seq_len(draft.slot(r))
                   for r in reqs]
         try:
             catch_up(reqs)
@@ -387,7 +389,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
             inside.clear()
         counted.append((len(widths) - before, max((-(-b // 3) for b in behind), default=0), len(reqs)))
 
-    runner.draft.model.forward, runner.draft.catch_up = forward, counting_catch_up
+    runner.speculation.draft.model.forward, runner.speculation.draft.catch_up = forward, counting_catch_up
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert widths and max(widths) <= 3 and len(widths) > 10
@@ -410,8 +412,8 @@ def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monk
              .generate(prompt_token_ids=prompts[:3], sampling_params=params)]
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 3, kv_cache_backend=backend, block_size=4)
     runner = llm.engine.runner
-    runner.policy = _SchedulePolicy([3] + [0] * 7)
-    draft = runner.draft
+    runner.speculation.policy = _SchedulePolicy([3] + [0] * 7)
+    draft = runner.speculation.draft
     padded = []
 
     class GraphLike(EagerForward):
@@ -466,7 +468,7 @@ def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, pro
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    assert llm.engine.runner.policy.config.c == 0.0 and llm.engine.runner.stats.drafts > 0
+    assert llm.engine.runner.speculation.policy.config.c == 0.0 and llm.engine.runner.stats.drafts > 0
 
 
 def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
@@ -480,17 +482,17 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
         now[0] += 1.0
         return now[0]
 
-    def propose(requests, ks, _propose=runner.proposer.propose):
+    def propose(requests, shape, ks, _propose=runner.speculation.proposer.propose):
         now[0] += round_s
-        return _propose(requests, ks)
+        return _propose(requests, shape, ks)
 
     overlapped = []
 
-    def decode(requests, _decode=runner._decode):
+    def decode(requests, render, _decode=runner._decode):
         overlapped.append(runner._inflight is not None)
-        return _decode(requests)
+        return _decode(requests, render)
 
-    runner._time, runner.proposer.propose, runner._decode = tick, propose, decode
+    runner._time, runner.speculation.proposer.propose, runner._decode = tick, propose, decode
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
 
@@ -502,8 +504,9 @@ def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give
     dear, dear_tokens, dear_overlapped = _clocked_ngram_run(make_llm, ckpt_a, prompts, 30.0)
     cheap, cheap_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 0.0)
     assert dear_tokens == cheap_tokens == plain_outputs
-    assert dear.engine.runner.clock.overhead(8) > 10 and abs(cheap.engine.runner.clock.overhead(8)) < 0.5
-    assert dear.engine.runner.clock.plain_step_s(8) == pytest.approx(1.0)
+    dear_clock, cheap_clock = dear.engine.runner.speculation.clock, cheap.engine.runner.speculation.clock
+    assert dear_clock.overhead(8) > 10 and abs(cheap_clock.overhead(8)) < 0.5
+    assert dear.engine.runner.speculation.clock.plain_step_s(8) == pytest.approx(1.0)
     assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
     assert dear_overlapped  # plain steps keep the host ahead of the device
     assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
@@ -516,7 +519,8 @@ def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a,
     llm = _spec_llm(make_llm, ckpt_a, random_draft, 2, spec_policy="adaptive")
     from infer.engine.step_costs import weight_bytes
     models = llm.engine.models
-    assert llm.engine.runner.policy.config.c == pytest.approx(weight_bytes(models.draft) / weight_bytes(models.target))
+    c = llm.engine.runner.speculation.policy.config.c
+    assert c == pytest.approx(weight_bytes(models.draft) / weight_bytes(models.target))
 
 
 @pytest.mark.parametrize("limit, speculates", [(4, False), (8, True)])
@@ -524,10 +528,11 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
                                                                  speculates):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_disable_batch_size=limit)
     seen, decode = [], llm.engine.runner._decode
-    llm.engine.runner._decode = lambda requests: (seen.append(len(requests)), decode(requests))[1]
+    llm.engine.runner._decode = lambda requests, render: (seen.append(len(requests)), decode(requests, render))[1]
     drafts = []
-    propose = llm.engine.runner.proposer.propose
-    llm.engine.runner.proposer.propose = lambda requests, ks: (drafts.append(len(requests)), propose(requests, ks))[1]
+    propose = llm.engine.runner.speculation.proposer.propose
+    llm.engine.runner.speculation.proposer.propose = \
+        lambda requests, shape, ks: (drafts.append(len(requests)), propose(requests, shape, ks))[1]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates

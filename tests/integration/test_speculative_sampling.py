@@ -61,15 +61,15 @@ def test_ngram_one_hot_drafts_lossless(make_llm, pair):
 
 
 def test_negative_control_accept_all_fails(make_llm, pair, monkeypatch):
-    # both verification paths (fused and general) end in rejection.verify_tensors
-    import infer.speculative.rejection as rejection
-    real_verify = rejection.verify_tensors
+    # both verification paths (fused and general) end in verifier.verify_tensors
+    import infer.speculative.verifier as verifier
+    real_verify = verifier.verify_tensors
 
     def accept_all(draft_tokens, counts, draft_probs, target_probs, accept_u, sample_u):
         # u = 0 passes every acceptance test; the bonus token is still sampled from p
         return real_verify(draft_tokens, counts, draft_probs, target_probs, torch.zeros_like(accept_u), sample_u)
 
-    monkeypatch.setattr(rejection, "verify_tensors", accept_all)
+    monkeypatch.setattr(verifier, "verify_tensors", accept_all)
     target, draft = pair
     exact = _exact_joint(target, PARAMS["t1"])
     llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,

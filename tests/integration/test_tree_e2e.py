@@ -78,9 +78,9 @@ def test_paths_through_last_children_move_both_caches(make_llm, ckpt_a, prompts,
     # target's cache and in the draft's. A draft cache left unordered would draft wrong
     # tokens in the next round: the full depth is accepted only if both moves are right.
     import infer.cache.compaction as compaction
-    import infer.engine.tree_runner as tree_runner
-    import infer.speculative.draft_tree as draft_tree
-    real_children, real_move = draft_tree.children, compaction.move_paths
+    import infer.engine.runner as runner_module
+    import infer.speculative.draft_model as draft_model
+    real_children, real_move = draft_model.children, compaction.move_paths
     moved = {"target": 0, "draft": 0}
 
     def reversed_children(logits, params, contexts, width, uniforms):
@@ -95,9 +95,9 @@ def test_paths_through_last_children_move_both_caches(make_llm, ckpt_a, prompts,
             return n
         return move
 
-    monkeypatch.setattr(draft_tree, "children", reversed_children)
-    monkeypatch.setattr(tree_runner, "move_paths", counting("target"))
-    monkeypatch.setattr(draft_tree, "move_paths", counting("draft"))
+    monkeypatch.setattr(draft_model, "children", reversed_children)
+    monkeypatch.setattr(runner_module, "move_paths", counting("target"))
+    monkeypatch.setattr(draft_model, "move_paths", counting("draft"))
     llm = _tree_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend=backend, block_size=4)
     assert _tokens(_run(llm, prompts, 8)) == plain_outputs
     stats = llm.engine.runner.stats
@@ -190,12 +190,11 @@ def test_length_guards_near_max_seq_len(make_llm, ckpt_a, prompts, backend):
     assert _full_depth_every_round(stats) and len(set(stats.drafted_per_position)) > 1  # shallower rounds too
 
 
-def test_the_engine_picks_the_tree_runner_and_reports_tree_metrics(make_llm, ckpt_a, prompts):
-    from infer.engine.tree_runner import TreeSpeculativeRunner
+def test_the_engine_speculates_over_the_tree_and_reports_tree_metrics(make_llm, ckpt_a, prompts):
     from infer.server.metrics import _spec_metrics
     llm = _tree_llm(make_llm, ckpt_a, None, 2, method="ngram", tree="2,2")
     runner = llm.engine.runner
-    assert isinstance(runner, TreeSpeculativeRunner) and str(runner.tree) == "2,2"
+    assert str(runner.speculation.tree) == "2,2"
     assert llm.engine.config.spec_length == 2
     out = llm.generate(prompt_token_ids=[prompts[0] * 3], sampling_params=GREEDY)[0].outputs[0]
     stats = runner.stats

@@ -67,16 +67,16 @@ def test_first_three_tokens_match_target(make_llm, pair, name):
 def test_negative_control_first_child_always_accepted_fails(make_llm, pair, monkeypatch):
     # uniforms of 0 pass every acceptance test (p > 0 everywhere): the first child is always
     # accepted, the final token is still drawn from the residual
-    import infer.engine.tree_runner as tree_runner
-    import infer.speculative.tree_verify as tree_verify
-    real = tree_verify.verify_tree_nodes
+    import infer.engine.verification as verification
+    import infer.speculative.verifier as verifier
+    real = verifier.verify_tree_nodes
 
     def first_child(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid=None):
         rigged = torch.cat([torch.zeros_like(uniforms[:, :-1]), uniforms[:, -1:]], dim=1)
         return real(shape, node_tokens, draft_probs, target_probs, rigged, node_valid)
 
-    monkeypatch.setattr(tree_verify, "verify_tree_nodes", first_child)
-    monkeypatch.setattr(tree_runner, "verify_tree_nodes", first_child)
+    monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
+    monkeypatch.setattr(verification, "verify_tree_nodes", first_child)
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     exact = exact_joint(target, PROMPT, params, VOCAB)

@@ -1,7 +1,8 @@
 """Tokenizers rebuilt from GGUF metadata: byte-level BPE ids equal transformers' GGUF
 tokenizer (and the checkpoint's own tokenizer.json for the GPT-2 split), SentencePiece ids
 equal the sentencepiece library's, special ids, stop ids and the chat template come from
-the file, and a pre-tokenizer infer cannot reproduce is an error."""
+the file, and a pre-tokenizer infer cannot reproduce is an error that names the workaround and
+comes before any weight is read. (Each pre-tokenizer on its own: test_gguf_pretokenizers.py.)"""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from infer.engine.loading import load_tokenizer
 from infer.tokenization import Tokenizer
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE
 from infer.tokenization.gguf import byte_level_bpe
-from infer.tokenization.tokenizer import LLAMA3_HEADER_TOKENS
+from infer.tokenization.chat import LLAMA3_HEADER_TOKENS
 
 MIXED = ("<s>Hello world!</s> def f(x):\n    return x**2  # ünïcödé 日本語 🦙\n\n\tTabs  and   "
          "spaces 12345 don't I'll\r\nWhat?</s>world  ")
@@ -111,11 +112,49 @@ def test_llama3_chat_template_when_the_file_has_none(ckpt_b: Path, gguf_dir: Pat
     assert headed.apply_chat_template(MESSAGES).count("<|start_header_id|>") == 3
 
 
-@pytest.mark.parametrize("pre, words", [("qwen2", "'qwen2'"), (None, "None.*re-convert")])
-def test_unknown_pre_tokenizer_is_an_error(ckpt_b: Path, gguf_dir: Path, pre: str | None, words: str) -> None:
+@pytest.mark.parametrize("pre, words", [("superbpe", "names the pre-tokenizer 'superbpe'"),
+                                        (None, "does not name its pre-tokenizer")])
+def test_unknown_pre_tokenizer_is_an_error_naming_the_workaround(ckpt_b: Path, gguf_dir: Path, pre: str | None,
+                                                                 words: str) -> None:
     path = write_gguf(ckpt_b, gguf_dir / f"b-pre-{pre}.gguf", Q.F16, pre=pre)
-    with pytest.raises(ValueError, match=f"pre-tokenizer {words}"):
+    with pytest.raises(ValueError, match=words) as error:
         load_tokenizer(str(path))
+    message = str(error.value)
+    assert "--tokenizer DIR" in message and "tokenizer=DIR" in message
+    assert ("convert the model again" in message) is (pre is None)  # a recent file is not sent back to llama.cpp
+
+
+def _spoil_tensor_data(path: Path) -> Path:
+    """Overwrite the file's last bytes (tensor data) with 0xFF: NaN and garbage blocks."""
+    data = bytearray(path.read_bytes())
+    data[-4096:] = b"\xff" * 4096
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.fixture
+def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading or building any weight fails the test."""
+    import infer.models.gguf.weights as gguf_weights
+    import infer.models.loader as loader
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(gguf_weights, "dequantize_tensor", refuse)
+    monkeypatch.setattr(loader, "_build", refuse)
+
+
+@pytest.mark.usefixtures("no_weights")
+def test_a_bad_tokenizer_fails_before_any_weight_is_read(ckpt_b: Path, gguf_dir: Path) -> None:
+    from infer import LLM
+
+    bad = _spoil_tensor_data(write_gguf(ckpt_b, gguf_dir / "b-bad-pre.gguf", Q.Q8_0, pre="superbpe"))
+    with pytest.raises(ValueError, match="pre-tokenizer 'superbpe'"):
+        LLM(str(bad), device="cpu")
+    good = _spoil_tensor_data(write_gguf(ckpt_b, gguf_dir / "b-good-pre.gguf", Q.Q8_0, pre="qwen2"))
+    with pytest.raises(AssertionError, match="a weight was read"):  # the same path does reach the weights
+        LLM(str(good), device="cpu")
 
 
 # --- SentencePiece --------------------------------------------------------------------

@@ -10,8 +10,15 @@ import pytest
 from infer.engine.request import Request
 from infer.sampling import SamplingParams
 from infer.speculative.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
+from infer.speculative.tree import Draft, chain_shape
 
 WORDS: dict[str, int] = {}
+
+
+def chain(proposer: NgramProposer, requests: list[Request], ks: list[int]) -> list[list[int]]:
+    """The proposer's chain drafts (over a chain as long as the longest k) as token lists."""
+    drafts = proposer.propose(requests, chain_shape(max([*ks, 1])), ks)
+    return [[t for t, ok in zip(d.token_ids, d.valid, strict=True) if ok] for d in drafts]
 
 
 def ids(text: str) -> list[int]:
@@ -200,11 +207,11 @@ def test_propose_does_not_change_the_table() -> None:
 def test_rejected_drafts_never_enter_the_proposer_table() -> None:
     proposer = NgramProposer(NgramConfig(window=64))
     request = make_request(ids("a b c d a b c d a b"))
-    (draft,) = proposer.propose([request], [3])
-    assert draft.token_ids == ids("c d a") and draft.probs is None
+    (draft,) = proposer.propose([request], chain_shape(3), [3])
+    assert draft == Draft.chain(chain_shape(3), ids("c d a")) and draft.probs is None
     # the target accepts "c", rejects "d" and emits the bonus "x" instead
     request.output_token_ids += ids("c x")
-    proposer.on_accepted(request, 1)
+    proposer.on_accepted([request], [[0]])
     proposer.prefilled([request])  # (a table takes the tokens at its next lookup)
     counts = proposer.table("r0").counts()
     assert counts == brute_counts(request.all_token_ids, 64, 4, 2)
@@ -259,10 +266,10 @@ def test_prompt_lookup_window_matches_brute_force() -> None:
 def test_proposer_syncs_incrementally_across_calls() -> None:
     proposer = NgramProposer()
     request = make_request(ids("one two three one two"))
-    assert proposer.propose([request], [2])[0].token_ids == ids("three one")
+    assert chain(proposer, [request], [2])[0] == ids("three one")
     table = proposer.table("r0")
     request.output_token_ids += ids("three four")
-    proposer.propose([request], [2])
+    chain(proposer, [request], [2])
     assert proposer.table("r0") is table  # extended in place, not rebuilt
     assert table.history == request.all_token_ids
     assert table.counts() == brute_counts(request.all_token_ids, 512, 4, 2)
@@ -274,14 +281,14 @@ def test_prefilled_builds_and_syncs_tables() -> None:
     proposer = NgramProposer()
     a, b = make_request(ids("one two three one two")), make_request(ids("four five four"))
     b.request_id = "r1"
-    proposer.propose([a], [2])
+    chain(proposer, [a], [2])
     table = proposer.table("r0")
     a.output_token_ids += ids("three four five one")
     proposer.prefilled([a, b])
     assert proposer.table("r0") is table and table.history == a.all_token_ids
     assert table.counts() == brute_counts(a.all_token_ids, 512, 4, 2)
     assert proposer.table("r1").history == b.all_token_ids  # built
-    assert proposer.propose([a], [2])[0].token_ids == ids("two three")
+    assert chain(proposer, [a], [2])[0] == ids("two three")
 
 
 def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
@@ -291,12 +298,12 @@ def test_a_request_given_k_zero_is_not_looked_up_nor_synced() -> None:
     a, b = make_request(ids("one two three one two")), make_request(ids("four five four five"), "r1")
     proposer.prefilled([a, b])
     b.output_token_ids += ids("four five")
-    drafts = proposer.propose([a, b], [2, 0])
-    assert drafts[0].token_ids == ids("three one") and drafts[1].token_ids == []
+    drafts = chain(proposer, [a, b], [2, 0])
+    assert drafts[0] == ids("three one") and drafts[1] == []
     assert proposer.table("r1").history == ids("four five four five")  # untouched
-    proposer.on_accepted(b, 0)  # (nor after the round: the runner calls it for every request)
+    proposer.on_accepted([b], [[]])  # (nor after the round: the runner calls it for every request)
     assert proposer.table("r1").history == ids("four five four five")
-    assert proposer.propose([b], [1])[0].token_ids == ids("four")
+    assert chain(proposer, [b], [1])[0] == ids("four")
     assert proposer.table("r1").history == b.all_token_ids
 
 
@@ -313,10 +320,10 @@ def test_proposer_keeps_only_the_window_of_a_long_history() -> None:
     rng = random.Random(1)
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(10) for _ in range(200)])
-    proposer.propose([request], [4])
+    chain(proposer, [request], [4])
     for _ in range(30):
         request.output_token_ids.append(rng.randrange(10))
-        proposer.propose([request], [4])
+        chain(proposer, [request], [4])
     assert proposer.table("r0").history == request.all_token_ids[-50:]
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
 
@@ -327,15 +334,15 @@ def test_proposer_catches_up_after_plain_steps(gap: int) -> None:
     rng = random.Random(gap)
     proposer = NgramProposer(NgramConfig(window=50))
     request = make_request([rng.randrange(6) for _ in range(80)])
-    proposer.propose([request], [4])
+    chain(proposer, [request], [4])
     old = proposer.table("r0")
     request.output_token_ids += [rng.randrange(6) for _ in range(gap)]
-    (draft,) = proposer.propose([request], [4])
+    (draft,) = chain(proposer, [request], [4])
     assert (proposer.table("r0") is old) == (gap < 50)  # a long gap rebuilds from the window
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 50, 4, 2)
     fresh = NgramTable(window=50)
     fresh.extend(request.all_token_ids)
-    assert draft.token_ids == fresh.propose(request.all_token_ids, 4)
+    assert draft == fresh.propose(request.all_token_ids, 4)
 
 
 @pytest.mark.parametrize("new_output", ["", "x y z", "x y z w v"])  # shorter, same length, longer
@@ -343,15 +350,15 @@ def test_proposer_rebuilds_after_preemption_changes_history(new_output: str) -> 
     proposer = NgramProposer()
     request = make_request(ids("k l m k l"))
     request.output_token_ids += ids("m n o")
-    proposer.propose([request], [3])
+    chain(proposer, [request], [3])
     old = proposer.table("r0")
     request.output_token_ids = ids(new_output)  # restarted: a different history
-    (draft,) = proposer.propose([request], [3])
+    (draft,) = chain(proposer, [request], [3])
     assert proposer.table("r0") is not old
     assert proposer.table("r0").counts() == brute_counts(request.all_token_ids, 512, 4, 2)
     fresh = NgramTable()
     fresh.extend(request.all_token_ids)
-    assert draft.token_ids == fresh.propose(request.all_token_ids, 3)
+    assert draft == fresh.propose(request.all_token_ids, 3)
 
 
 def test_proposer_batch_lengths_and_release() -> None:
@@ -359,32 +366,32 @@ def test_proposer_batch_lengths_and_release() -> None:
     a = make_request(ids("u v u v u"), "a")
     b = make_request(ids("novel tokens only"), "b")
     proposer.prefilled([a, b])  # (built under the prefill)
-    drafts = proposer.propose([a, b], [3, 2])
-    assert drafts[0].token_ids == ids("v u v")
-    assert drafts[1].token_ids == []  # nothing repeats: a plain decode step
-    assert proposer.propose([a], [0])[0].token_ids == []
+    drafts = chain(proposer, [a, b], [3, 2])
+    assert drafts[0] == ids("v u v")
+    assert drafts[1] == []  # nothing repeats: a plain decode step
+    assert chain(proposer, [a], [0])[0] == []
     assert len(proposer) == 2
     proposer.release(a)
     assert proposer.table("a") is None and len(proposer) == 1
     proposer.release(a)  # releasing twice is harmless
-    proposer.on_accepted(a, 0)  # a released request is not resurrected
+    proposer.on_accepted([a], [[]])  # a released request is not resurrected
     assert proposer.table("a") is None
 
 
 def test_proposer_prompt_lookup_method() -> None:
     proposer = NgramProposer(NgramConfig(method="prompt_lookup"))
     request = make_request(ids("def f ( x ) : return x def f ("))
-    assert proposer.propose([request], [4])[0].token_ids == ids("x ) : return")
+    assert chain(proposer, [request], [4])[0] == ids("x ) : return")
     assert isinstance(proposer.table("r0"), PromptLookupTable)
 
 
-def test_proposer_rejects_bad_ks() -> None:
+def test_proposer_rejects_bad_depths() -> None:
     proposer = NgramProposer()
     request = make_request(ids("a b"))
-    with pytest.raises(ValueError, match="one draft length per request"):
-        proposer.propose([request], [1, 2])
-    with pytest.raises(ValueError, match="ks must hold integers >= 0"):
-        proposer.propose([request], [-1])
+    with pytest.raises(ValueError, match="one depth per request"):
+        chain(proposer, [request], [1, 2])
+    with pytest.raises(ValueError, match="depths must hold integers >= 0"):
+        chain(proposer, [request], [-1])
 
 
 # --- config ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from infer.engine.speculative_runner import guard_k
+from infer.engine.speculation import guard_k
 from infer.speculative.metrics import SpecStats
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy
 from infer.speculative.theory import alpha_from_mean_length, best_k, expected_tokens, walltime_factor

@@ -1,4 +1,4 @@
-"""Losslessness tests for infer.speculative.rejection (speculative verification).
+"""Losslessness tests for infer.speculative.verifier (speculative verification).
 
 The statistical tests run full speculative decoding on a synthetic "language": a Markov
 chain whose next-token distribution depends on the absolute position and the previous
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from infer.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from infer.speculative.rejection import (
+from infer.speculative.verifier import (
     VerifyResult,
     acceptance_probabilities,
     residual_distribution,

@@ -443,18 +443,15 @@ def test_split_for_tiktoken_limits() -> None:
     assert split_for_tiktoken("short text", max_chars=100, max_run=50) == ["short text"]
 
 
-# ------------------------------------------------------------- compatibility
+# ------------------------------------------------------------- vocabulary
 
 
-def test_compatible_with_reports_vocab_and_eos_mismatch(llama3: Tokenizer, tiny: Tokenizer,
-                                                        tmp_path: Path) -> None:
-    same = Tokenizer.from_pretrained(llama3.name_or_path)
-    assert llama3.compatible_with(same) is None
-    vocab_msg = llama3.compatible_with(tiny)
-    assert vocab_msg is not None and "vocab_size" in vocab_msg
-    assert str(llama3.vocab_size) in vocab_msg and str(tiny.vocab_size) in vocab_msg
-    shutil.copy(LLAMA3_MODEL, tmp_path / "tokenizer.model")
-    _write_json(tmp_path / "generation_config.json", {"eos_token_id": [128001]})
-    base = Tokenizer.from_pretrained(tmp_path)
-    eos_msg = llama3.compatible_with(base)
-    assert eos_msg is not None and "eos_token_ids" in eos_msg and "128009" in eos_msg
+def test_vocabulary_lists_the_string_of_every_id(llama3: Tokenizer, tiny: Tokenizer) -> None:
+    """What a draft and its target are compared on (engine/pairing.py), on both backends."""
+    for tok in (llama3, tiny):
+        vocab = tok.vocabulary()
+        assert len(vocab) == tok.vocab_size
+        assert vocab[tok.bos_token_id] == tok.bos_token
+        ids = tok.encode("hello world, 123 ünï", add_special_tokens=False)
+        assert [vocab[i] for i in ids] == tok.convert_ids_to_tokens(ids)
+    assert Tokenizer.from_pretrained(llama3.name_or_path).vocabulary() == llama3.vocabulary()

@@ -13,10 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from infer.engine.request import Request
 from infer.sampling import SamplingParams, logits_to_probs
 from infer.speculative.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
-from infer.speculative.rejection import unpack_rows, verify_logits, verify_tensors
+from infer.speculative.verifier import unpack_rows, verify_logits, verify_tensors
 from infer.speculative.tree import (
     MAX_TREE_NODES,
-    TreeDraft,
+    Draft,
     TreeShape,
     ancestor_mask,
     chain_shape,
@@ -24,7 +24,7 @@ from infer.speculative.tree import (
     stack_drafts,
     tree_attention_mask,
 )
-from infer.speculative.tree_verify import verify_tree, verify_tree_greedy, verify_tree_logits, verify_tree_nodes
+from infer.speculative.verifier import verify_tree, verify_tree_greedy, verify_tree_logits, verify_tree_nodes
 
 # ---------------------------------------------------------------- TreeShape
 
@@ -103,19 +103,19 @@ def test_shape_constructor_validates() -> None:
 
 def test_tree_draft_validation_and_stacking() -> None:
     shape = TreeShape.parse("2,1")  # nodes 0, 1; 2 under 0; 3 under 1
-    draft = TreeDraft(shape, (5, 6, 7, 0), (True, True, True, False))
+    draft = Draft(shape, (5, 6, 7, 0), (True, True, True, False))
     assert draft.num_proposed == 3 and draft.probs is None
-    assert TreeDraft.empty(shape).num_proposed == 0
+    assert Draft.empty(shape).num_proposed == 0
     with pytest.raises(ValueError, match="parent 1 is absent"):
-        TreeDraft(shape, (5, 0, 7, 8), (True, False, True, True))
+        Draft(shape, (5, 0, 7, 8), (True, False, True, True))
     with pytest.raises(ValueError, match="0 at absent"):
-        TreeDraft(shape, (5, 6, 7, 8), (True, True, True, False))
+        Draft(shape, (5, 6, 7, 8), (True, True, True, False))
     with pytest.raises(ValueError, match="4 token ids"):
-        TreeDraft(shape, (5, 6, 7), (True, True, True))
-    tokens, valid = stack_drafts([draft, TreeDraft.empty(shape)])
+        Draft(shape, (5, 6, 7), (True, True, True))
+    tokens, valid = stack_drafts([draft, Draft.empty(shape)])
     assert tokens.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0]] and valid.sum().item() == 3
     with pytest.raises(ValueError, match="one tree shape"):
-        stack_drafts([draft, TreeDraft.empty(chain_shape(4))])
+        stack_drafts([draft, Draft.empty(chain_shape(4))])
 
 
 # ---------------------------------------------------------------- verifier: the rule by hand
@@ -379,7 +379,7 @@ def test_ngram_tree_extends_the_context_along_each_path() -> None:
 def test_tree_proposals_are_absent_where_nothing_matches() -> None:
     shape = TreeShape.parse("3,2")
     for table in (NgramTable(), PromptLookupTable()):
-        assert table.propose_tree(ids("a b"), shape) == TreeDraft.empty(shape)  # empty table
+        assert table.propose_tree(ids("a b"), shape) == Draft.empty(shape)  # empty table
         table.extend(ids("a b c d"))
         assert table.propose_tree(ids("z z"), shape).num_proposed == 0
         draft = table.propose_tree(ids("b"), shape)  # b -> c -> d, nothing after d
@@ -401,13 +401,13 @@ def test_proposer_propose_tree_syncs_and_leaves_tables_to_real_tokens() -> None:
     request = Request(request_id="r0", prompt_token_ids=ids("a b c . a b d . a b"),
                       sampling_params=SamplingParams())
     shape = TreeShape.parse("2,1")
-    (draft,) = proposer.propose_tree([request], shape)
+    (draft,) = proposer.propose([request], shape, [shape.depth])
     assert draft.probs is None and draft.token_ids[:2] == tuple(ids("d c"))  # newest wins the tie
     table = proposer.table("r0")
     assert table is not None and table.history == request.all_token_ids  # no draft token entered
     request.output_token_ids += ids("c .")
-    (draft,) = proposer.propose_tree([request], shape)
+    (draft,) = proposer.propose([request], shape, [shape.depth])
     assert proposer.table("r0") is table and table.history == request.all_token_ids
     assert draft.token_ids[0] == ids("a")[0]  # after "c .": a
-    tokens, valid = stack_drafts(proposer.propose_tree([request, request], shape))
+    tokens, valid = stack_drafts(proposer.propose([request, request], shape, [shape.depth] * 2))
     assert tokens.shape == (2, shape.num_nodes) and bool(valid[:, 0].all())

@@ -19,7 +19,7 @@ from infer.engine.executor.forward import EagerForward
 from infer.models.attention import position_mask
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
-from infer.speculative.tree import TreeChunk, TreeDraft, TreeShape, cut_depth
+from infer.speculative.tree import TreeChunk, Draft, TreeShape, cut_depth
 
 CFG = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=16)
@@ -64,8 +64,8 @@ def test_verification_block_equals_each_paths_plain_forward(model, backend):
     g = [5, 9]
     nodes = [torch.randint(0, 100, (SHAPE.num_nodes,), generator=gen).tolist() for _ in contexts]
     # row 1 is cut at depth 2 (a length guard): its last 6 block rows are padding
-    drafts = [TreeDraft(SHAPE, tuple(nodes[0]), (True,) * 15),
-              cut_depth(TreeDraft(SHAPE, tuple(nodes[1]), (True,) * 15), 2)]
+    drafts = [Draft(SHAPE, tuple(nodes[0]), (True,) * 15),
+              cut_depth(Draft(SHAPE, tuple(nodes[1]), (True,) * 15), 2)]
     assert [d.rows_used for d in drafts] == [16, 10] and [d.depth for d in drafts] == [3, 2]
     for slot, ctx in zip(slots, contexts):
         assert pool.ensure_capacity(slot, len(ctx) + 16)
@@ -132,12 +132,12 @@ def test_tree_chunk_rows_and_positions():
 
 
 def test_cut_depth_and_draft_extent():
-    draft = TreeDraft(SHAPE, tuple(range(1, 16)), (True,) * 15)
+    draft = Draft(SHAPE, tuple(range(1, 16)), (True,) * 15)
     cut = cut_depth(draft, 1)
     assert cut.valid == (True,) * 3 + (False,) * 12 and cut.token_ids[3:] == (0,) * 12
     assert (cut.depth, cut.rows_used, cut.num_proposed) == (1, 4, 3)
-    assert cut_depth(draft, 3) is draft and cut_depth(draft, 0) == TreeDraft.empty(SHAPE)
-    assert (TreeDraft.empty(SHAPE).depth, TreeDraft.empty(SHAPE).rows_used) == (0, 1)
+    assert cut_depth(draft, 3) is draft and cut_depth(draft, 0) == Draft.empty(SHAPE)
+    assert (Draft.empty(SHAPE).depth, Draft.empty(SHAPE).rows_used) == (0, 1)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -4,8 +4,6 @@ prediction for a tree), and an engine run reports the tree's counters."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from infer.bench import suites
 from infer.bench.analysis import derive
 from infer.bench.results import BenchRun, Measurement
@@ -13,43 +11,32 @@ from infer.bench.workloads import WORKLOADS
 from infer.speculative.tree import TreeShape
 
 
-class _Recorder:
-    """Stands in for a Harness: records engine rows, measures nothing."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, tuple[dict, dict]] = {}
-        self.options = SimpleNamespace(model=None, draft_model=None)
-
-    def engine(self, name, group, workload, overrides, refs=None, paired_with=None):
-        self.rows[name] = (dict(overrides), dict(refs or {}))
-        return SimpleNamespace(name=name)
-
-    def spec_costs(self, name, *args, **kwargs):
-        return SimpleNamespace(name=name)
-
-    def projection(self, *args, **kwargs):
-        return None
-
-    def hf(self, *args, **kwargs):
-        return None
-
-
 def test_suites_pair_trees_with_chains_of_as_many_verified_tokens(monkeypatch):
-    monkeypatch.setattr(suites, "demo_models_present", lambda h, suite: True)
-    h = _Recorder()
-    suites.demo_pair(h)  # type: ignore[arg-type]
-    suites.w5_ngram(h)  # type: ignore[arg-type]
-    trees = {name: row for name, row in h.rows.items() if "spec_tree" in row[0]}
-    assert set(trees) == {"demo-w1-t0/spec-tree-2x1x1", "demo-w1-t0/spec-tree-3x1x1x1",
-                          "demo-w1-t1/spec-tree-2x1x1", "demo-w1-t1/spec-tree-3x1x1x1",
-                          "w5-t0/ngram-tree-2x1x1", "w5-t1/ngram-tree-2x1x1"}
-    for name, (overrides, refs) in trees.items():
+    from infer.bench import measures
+    from infer.bench.harness import Harness, HarnessOptions
+
+    overrides_of: dict[str, dict] = {}
+
+    def recording(workload, overrides, **kwargs):  # measures nothing: records the engine's overrides
+        return {"overrides": dict(overrides)}, {}
+
+    monkeypatch.setattr(measures, "run_engine", recording)
+    options = HarnessOptions(device="cpu", quiet=True)
+    table, selected = suites.suite_rows("speculation", options)
+    run = BenchRun("speculation")
+    Harness(run, options).run_rows([n for n in selected if "tree" in n], table)
+    for m in run.measurements:
+        overrides_of[m.name] = m.params["overrides"]
+    trees = {name: table[name] for name, o in overrides_of.items() if "spec_tree" in o}
+    assert set(trees) == {"demo-w1-t0/spec-tree-2x1x1", "demo-w1-t1/spec-tree-2x1x1", "w5-ngram-t0/ngram-tree-2x1x1"}
+    for name, row in trees.items():
+        overrides, refs = overrides_of[name], row.refs
         shape = TreeShape.parse(overrides["spec_tree"])
-        chain_overrides, _ = h.rows[refs["chain"]]
-        assert chain_overrides["spec_length"] == shape.num_nodes  # K + 1 = N + 1 verified tokens
+        chain = overrides_of[refs["chain"]]  # the chain ran first, as the tree's ref
+        assert chain["spec_length"] == shape.num_nodes  # K + 1 = N + 1 verified tokens
         assert overrides["spec_length"] == shape.depth and "costs" not in refs
-        assert chain_overrides["speculative_method"] == overrides.get("speculative_method", "draft_model") \
-            if "ngram" in name else "speculative_method" not in chain_overrides
+        assert chain.get("speculative_method") == overrides.get("speculative_method")
+        assert refs["baseline"] in overrides_of and "spec_tree" not in chain
 
 
 def _measurement(name: str, engine: dict, mean_len: float, rate: float, refs: dict | None = None) -> Measurement:

@@ -1,4 +1,4 @@
-"""Losslessness of tree verification (infer.speculative.tree_verify), statistically.
+"""Losslessness of tree verification (infer.speculative.verifier), statistically.
 
 Each case drafts 300,000 independent trees over a hand-built Markov "language" (p and q depend
 on the depth and the parent token; tests/helpers/tree_harness.py), verifies them in one

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from infer.engine.request import Request
-from infer.engine.tree_runner import fit_depth
+from infer.engine.speculation import fit_depth
 from infer.sampling import SamplingParams
-from infer.speculative.draft_tree import children, fed_positions
+from infer.speculative.draft_model import children, fed_positions
 from infer.speculative.ngram import NgramProposer
-from infer.speculative.tree import TreeDraft, TreeShape
+from infer.speculative.tree import Draft, TreeShape
 
 SHAPE = TreeShape((3, 2, 1, 1))  # level_starts 0, 3, 9, 15, 21
 
@@ -62,10 +62,10 @@ def test_ngram_trees_respect_depth_limits(method):
     proposer = NgramProposer(NgramConfig(method=method))
     history = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 7, 1, 2]
     reqs = [_request("a", history), _request("b", history), _request("c", history)]
-    full, cut, none = proposer.propose_tree(reqs, SHAPE, [4, 1, 0])
+    full, cut, none = proposer.propose(reqs, SHAPE, [4, 1, 0])
     assert full.depth == 4 and full.token_ids[0] == 3  # after "1 2": 3 (twice), ...
     assert cut.depth == 1 and cut.token_ids[:3] == full.token_ids[:3]
     assert cut.num_proposed == full.valid[:3].count(True) < full.num_proposed
-    assert none == TreeDraft.empty(SHAPE) and proposer.table("c") is None  # (no lookup for depth 0)
+    assert none == Draft.empty(SHAPE) and proposer.table("c") is None  # (no lookup for depth 0)
     with pytest.raises(ValueError, match="one depth per request"):
-        proposer.propose_tree(reqs, SHAPE, [1])
+        proposer.propose(reqs, SHAPE, [1])

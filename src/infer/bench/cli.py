@@ -1,15 +1,18 @@
 """`infer bench`: run a predefined suite or one workload, write JSON, print a summary.
 
-    infer bench --suite w1-plain --out results/w1.json
+    infer bench --suite decode-speed --out results/decode.json
     infer bench --suite all-gpu --max-seconds 540 --out results/all.json
+    infer bench --suite smoke --list                 # the rows a suite runs; run nothing
     infer bench --workload W1 --model dummy:llama-3.2-3b --use-cuda-graphs --hf
     infer bench --workload W5 --speculative-decoding --speculative-method ngram --temperature 0
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
     infer bench --plot results/all.json              # PNG charts (matplotlib) in results/all-charts/
 
-Suites are listed in `infer.bench.suites`. With --workload, the engine flags (the same as
-`infer generate`) configure the run; max batch size and max_seq_len default to what the
-workload needs.
+Suites and their rows are defined in `infer.bench.suites`. With --workload, the engine flags
+(the same as `infer generate`) configure the run; max batch size and max_seq_len default to
+what the workload needs. The exit status is 1 when a measurement failed (or none ran): rows
+skipped for a missing optional package, missing GPUs or the time budget say why and are no
+failure.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
+import sys
 from pathlib import Path
 from typing import Any
 
 from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.report import console_table, markdown
 from infer.bench.results import BenchRun, environment_info, load_run, save_run
-from infer.bench.suites import SUITES, custom_workload, get_suite
+from infer.bench.rows import with_refs
+from infer.bench.suites import SUITES, custom_rows, suite_rows
 from infer.bench.workloads import WORKLOADS, get_workload
 from infer.engine.args import add_engine_args
 from infer.engine.config import EngineConfig
@@ -32,7 +37,9 @@ from infer.engine.loading import resolve_device
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("what to run")
-    what.add_argument("--suite", choices=sorted(SUITES), help="a predefined suite (see infer.bench.suites)")
+    what.add_argument("--suite", choices=list(SUITES), help="a predefined suite: " + "; ".join(
+        f"{name}: {suite.what}" for name, suite in SUITES.items()))
+    what.add_argument("--list", action="store_true", help="--suite: print the rows it would run; run nothing")
     what.add_argument("--workload", choices=sorted(WORKLOADS), help="one workload with the engine flags below")
     what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature (default: %(default)s)")
     what.add_argument("--hf", action="store_true", help="--workload: also time transformers generate")
@@ -84,18 +91,29 @@ def run_bench(args: argparse.Namespace) -> int:
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
                              max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
                              paired_instances=args.paired_instances, with_hf=not args.no_hf,
-                             model=args.model, draft_model=args.draft_model)
+                             model=args.model, draft_model=args.draft_model, threads=args.threads)
+    if args.suite:
+        table, selected = suite_rows(args.suite, options)
+    else:
+        workload = get_workload(args.workload).with_temperature(args.temperature)
+        table, selected = custom_rows(workload, _engine_overrides(args), args.hf)
+    if args.list:
+        print("\n".join(f"{n}  ({table[n].kind}): {table[n].what}" for n in with_refs(selected, table)))
+        return 0
     out = args.out or _default_out(name)
     recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     run = BenchRun(suite=name, environment=environment_info(resolve_device(args.device)), options=recorded)
-    harness = Harness(run, options, out)
-    if args.suite:
-        get_suite(args.suite)(harness)
-    else:
-        workload = get_workload(args.workload).with_temperature(args.temperature)
-        custom_workload(harness, harness.workload(workload), _engine_overrides(args), args.hf)
+    Harness(run, options, out).run_rows(selected, table)
     save_run(run, out)
     print()
     print(console_table(run))
     print(f"\nresults: {out}")
-    return 0 if any(m.ok for m in run.measurements) else 1
+    return exit_status(run)
+
+
+def exit_status(run: BenchRun) -> int:
+    """1 when a measurement failed or none succeeded; skipped ones (with their reason) are no failure."""
+    failed = [m.name for m in run.measurements if m.status == "error"]
+    if failed:
+        print(f"{len(failed)} measurement(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed or not any(m.ok for m in run.measurements) else 0

@@ -4,7 +4,7 @@ Keys and values live in `[layers, num_blocks * block_size, kv_heads, head_dim]` 
 position p of a slot is row `table[p // block_size] * block_size + p % block_size`. Memory
 is taken a block at a time as sequences grow (`ensure_capacity`), so admission is limited
 by free blocks rather than by max_seq_len per slot, and rollback after speculative
-verification (spec D6) frees the blocks wholly past the new length.
+verification frees the blocks wholly past the new length.
 
 With prefix caching, full blocks of a finished prompt go into a `PrefixTree`; a later
 request whose prompt starts with the same full blocks references them instead of

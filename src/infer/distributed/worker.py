@@ -36,7 +36,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
 from infer.engine.loading import default_model_paths, load_draft, load_target
-from infer.engine.runner import step_kernels
+from infer.engine.executor.kernels import step_kernels
 from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
 from infer.models.kernels import EAGER

@@ -22,7 +22,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.loading import LoadedModels, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
-from infer.engine.runner import ContinuousRunner, StepResult
+from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
 from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams
@@ -42,8 +42,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        self.kv = self.runner.kv_manager()
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
-                                                   config.batching_mode, config.max_seq_len))
+                                                   config.batching_mode, config.max_seq_len), self.kv)
         self._ids = itertools.count()
         self._num_added = 0
         self._requests: dict[str, Request] = {}
@@ -53,17 +54,10 @@ class Engine:
             return load_models(self.config)
         return load_models(self.config, self.parallel.device, *self.parallel.shards)
 
-    def _make_runner(self) -> ContinuousRunner:
-        eos = self.models.eos_token_ids
+    def _make_runner(self) -> ModelRunner:
         executor: Executor = LOCAL if self.parallel is None else self.parallel.executor(self.models)
-        if self.config.use_speculative_decoding and self.config.spec_tree is not None:
-            from infer.engine.tree_runner import TreeSpeculativeRunner
-            return TreeSpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos)
-        if self.config.use_speculative_decoding:
-            from infer.engine.speculative_runner import SpeculativeRunner
-            return SpeculativeRunner(self.models.target, self.models.draft, self.tokenizer, self.config, eos,
-                                     executor)
-        return ContinuousRunner(self.models.target, self.tokenizer, self.config, eos, executor)
+        return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
+                           draft_model=self.models.draft if self.config.use_speculative_decoding else None)
 
     def close(self) -> None:
         """Shut the worker ranks down and leave their process group (tensor parallelism;
@@ -110,17 +104,16 @@ class Engine:
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
 
     def kv_capacity_tokens(self) -> int | None:
-        caps = [c for c in (p.total_token_capacity() for p in self.runner.pools()) if c is not None]
-        return min(caps) if caps else None
+        return self.kv.capacity_tokens()
 
     def abort(self, request_id: str) -> StepOutput | None:
         """Cancel a request: its slot and KV blocks are freed now. None if unknown/finished."""
         request = self._requests.pop(request_id, None)
         if request is None or request.is_finished:
             return None
-        self.scheduler.remove(request, self.runner)
+        self.scheduler.remove(request)
         out = self.runner.output.finish_without_token(request, FinishReason.ABORT)
-        self.runner.release(request)
+        self.runner.forget(request)
         return out
 
     def has_unfinished(self) -> bool:
@@ -128,9 +121,10 @@ class Engine:
 
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> StepResult:
-        decision = self.scheduler.schedule(self.runner)
+        decision = self.scheduler.schedule()
         results = self.runner.step(decision.prefill, decision.decode)
-        for request in self.scheduler.retire(self.runner):
+        for request in self.scheduler.retire():
+            self.runner.forget(request)
             self._requests.pop(request.request_id, None)
         return results
 
@@ -138,9 +132,9 @@ class Engine:
         """Finish every request with an error (the loop hit an exception)."""
         results: StepResult = []
         for request in list(self._requests.values()):
-            self.scheduler.remove(request, self.runner)
+            self.scheduler.remove(request)
             results.append((request, self.runner.output.finish_without_token(request, FinishReason.ERROR, message)))
-            self.runner.release(request)
+            self.runner.forget(request)
         self._requests.clear()
         return results
 
@@ -150,7 +144,7 @@ class Engine:
             problems.append(f"scheduler holds {len(self.scheduler.waiting)} waiting, "
                             f"{len(self.scheduler.running)} running")
         workers = self.parallel.leak_report() if self.parallel is not None else []
-        return problems + self.runner.leak_report() + workers
+        return problems + self.kv.leak_report() + workers
 
     @property
     def device(self) -> torch.device:

@@ -2,8 +2,12 @@
 
 A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file; a GGUF file
 carries its own tokenizer. Without `model` the bundled demo target is used (and with speculation on and no
-`draft_model`, the bundled demo draft), so a fresh install works with no download. A
-draft must share the target's vocabulary and EOS ids; a mismatch is a clear error (D2).
+`draft_model`, the bundled demo draft), so a fresh install works with no download.
+
+Everything that can be checked from files is checked before any weight is read
+(`check_before_loading`): the tokenizer is built (a GGUF file whose tokenizer infer cannot
+rebuild fails in a fraction of a second, not after dequantizing), and a draft's vocabulary
+is compared with the target's (engine/pairing.py).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ from pathlib import Path
 import torch
 
 from infer.engine.config import EngineConfig
-from infer.models.llama import LlamaForCausalLM
+from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.gguf.path import is_gguf_path
-from infer.models.loader import load_model, resolve_model_path
+from infer.models.llama import LlamaForCausalLM
+from infer.models.loader import load_model, read_model_config, resolve_model_path
 from infer.models.shard import ModelShard
 from infer.tokenization import Tokenizer
 
@@ -60,16 +65,24 @@ def load_tokenizer(name_or_path: str) -> Tokenizer | None:
     return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
 
 
-def check_compatible(target_tok: Tokenizer | None, draft_tok: Tokenizer | None, target: LlamaForCausalLM,
-                     draft: LlamaForCausalLM) -> None:
-    """Draft and target must share vocabulary size and EOS ids (speculative decoding)."""
-    if target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(f"draft model vocab_size {draft.config.vocab_size} != target vocab_size "
-                         f"{target.config.vocab_size}: speculative decoding needs a draft with the same tokenizer")
-    if target_tok is not None and draft_tok is not None:
-        problem = target_tok.compatible_with(draft_tok)
-        if problem:
-            raise ValueError(f"draft and target tokenizers are incompatible: {problem}")
+def check_before_loading(config: EngineConfig, target_path: str, draft_path: str | None) -> Tokenizer | None:
+    """The target's tokenizer, built, and the draft (if any) checked against the target, from
+    config files, GGUF metadata and tokenizer files only: no weight is read."""
+    tokenizer = load_tokenizer(config.tokenizer or target_path)
+    if draft_path is not None:
+        target = VocabularyFacts(target_path, read_model_config(target_path, config.load_format).vocab_size,
+                                 None if tokenizer is None else tokenizer.vocabulary())
+        check_pair(target, _vocabulary_facts(config, draft_path))
+    return tokenizer
+
+
+def _vocabulary_facts(config: EngineConfig, path: str) -> VocabularyFacts:
+    try:
+        tokenizer = load_tokenizer(path)
+    except ValueError as exc:
+        raise ValueError(f"the draft model's tokenizer, which is compared with the target's: {exc}") from exc
+    return VocabularyFacts(path, read_model_config(path, config.load_format).vocab_size,
+                           None if tokenizer is None else tokenizer.vocabulary())
 
 
 def model_dtype(config: EngineConfig, device: torch.device) -> str:
@@ -97,11 +110,8 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     driver passes its device and its rank's shards (a draft without a shard loads whole)."""
     device = device if device is not None else resolve_device(config.device)
     target_path, draft_path = default_model_paths(config)
+    tokenizer = check_before_loading(config, target_path, draft_path)
     target = load_target(config, target_path, device, target_shard)
-    tokenizer = load_tokenizer(config.tokenizer or target_path)
-    draft = None
-    if draft_path is not None:
-        draft = load_draft(config, draft_path, target, device, draft_shard)
-        check_compatible(tokenizer, load_tokenizer(draft_path), target, draft)
+    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     return LoadedModels(target, draft, tokenizer, tuple(eos))

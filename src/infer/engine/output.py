@@ -178,3 +178,28 @@ def _held_back(text: str, stops: tuple[str, ...], emitted: int) -> int:
                 best = n
                 break
     return best
+
+
+class StepRender:
+    """The outputs of one engine step, rendered in two parts: the tokens accepted before the
+    step (its backlog: the previous step's, overlapped), once, as soon as the runner has
+    queued the step's GPU work (`backlog`, or at the latest `finish`); then, unless they
+    wait for the next step, the tokens the step accepted itself (`finish`)."""
+
+    def __init__(self, output: OutputProcessor) -> None:
+        self.output = output
+        self.pending = output.num_accepted()  # the backlog, not rendered yet
+        self.outputs: list[tuple[Request, StepOutput]] = []
+
+    def backlog(self) -> None:
+        """Render the backlog (a no-op after the first call)."""
+        pending, self.pending = self.pending, 0
+        if pending:
+            self.outputs += self.output.render(upto=pending)
+
+    def finish(self, render_new: bool) -> list[tuple[Request, StepOutput]]:
+        """The step's outputs: the backlog, and (render_new) everything accepted since."""
+        self.backlog()
+        if render_new:
+            self.outputs += self.output.render()
+        return self.outputs

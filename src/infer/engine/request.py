@@ -69,7 +69,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    # speculative decoding statistics (D9)
+    # speculative decoding statistics
     speculation_acceptance_rates: list[float] = field(default_factory=list)
     spec_rounds: int = 0
     spec_tokens_emitted: int = 0

@@ -1,64 +1,71 @@
-"""ContinuousRunner: runs the target model for a scheduled step.
+"""ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
 `step(prefill, decode)`: prefill chunks (one request, a right-padded batch, or chunks of
-long prompts after a cached prefix; all one code path through `BatchLayout`) then one
-batched decode forward. Sampling goes through the pure sampling pipeline; the OutputProcessor
-accepts the sampled ids (finishes that depend on ids) and renders them (detokenization,
-stop strings). Returns (request, StepOutput) pairs.
+long prompts after a cached prefix; all one code path through `BatchLayout`), then one
+decode step for the running requests:
 
-Overlapped scheduling (`async_scheduling`, on by default on a GPU): the sampled tokens stay
-on the device (`engine/inflight.py`) and feed the next step's input ids; the host accepts
-and renders step n's tokens after queuing step n+1, so the host's work hides under the
-GPU's. Steps whose sampling needs the tokens on the host (penalties over the context,
+1. depths: how deep each request drafts (`Speculation.depths`: the policy's K cut by the
+   length guards; 0 for every request without speculation). Depth 0 everywhere is a plain
+   decode step: one forward, the sampled tokens [B] stay on the device;
+2. propose: the proposer drafts over the round's shape (a chain of up to K, or the static
+   tree), no node deeper than the request's depth;
+3. verify: one target forward over every draft block, then the verifier
+   (`engine/verification.py`), one host sync;
+4. accept: the accepted path's K/V rows move into sequence order (a tree's; a chain's are in
+   place), the target's cache and the proposer's state roll back to n + a + 1, and the
+   tokens are emitted one by one, so a stop inside an accepted run ends the request there.
+
+Sampling lives in the sampling pipeline (`infer.sampling`), called from here for prefill
+and plain steps and from the verifier for rounds; the OutputProcessor accepts the ids
+(finishes that depend on ids) and renders them (detokenization, stop strings).
+
+Overlapped scheduling (`async_scheduling`, on by default on a GPU): a plain step's tokens
+stay on the device (`engine/inflight.py`, the step in flight) and feed the next step's
+input ids; the host accepts and renders step n's tokens after queuing step n+1, so the
+host's work hides under the GPU's. A round accepts its own tokens (its proposals read the
+previous tokens), and renders the tokens accepted before it while its verification runs.
+Steps whose sampling needs the tokens on the host (penalties over the context,
 log-probabilities) wait for the step in flight first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
-from infer.cache.protocol import CachePoolProtocol
+from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
-from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.inflight import InFlight, TokenBuffers
-from infer.engine.output import OutputProcessor
+from infer.engine.kv_manager import KVManager
+from infer.engine.output import OutputProcessor, StepRender
 from infer.engine.request import Request, StepOutput
-from infer.models.kernels import EAGER, Kernels, compiled_kernels
-from infer.models.llama import LlamaForCausalLM
+from infer.engine.speculation import Speculation, verify_widths
+from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
+from infer.engine.executor.kernels import step_kernels
+from infer.models.kernels import EAGER
+from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
+from infer.speculative.round_clock import StepKind
+from infer.speculative.tree import Draft
+from infer.speculative.verifier import VerifyResult
 from infer.tokenization import Tokenizer
 from infer.transfer import to_device
 
 StepResult = list[tuple[Request, StepOutput]]
+Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requests, tokens [B] on the device
 
 
-def step_kernels(config: EngineConfig, device: torch.device, model: LlamaForCausalLM | None = None) -> Kernels:
-    """Fused (torch.compile) kernels for decode-type steps of `model` when asked for; by
-    default with CUDA graphs on a GPU. Prefill always uses the eager kernels."""
-    wanted = config.compile_kernels
-    if wanted is None:
-        wanted = config.use_cuda_graphs and device.type == "cuda"
-    if not wanted:
-        return EAGER
-    if model is None:
-        return compiled_kernels()
-    param = next(model.parameters())
-    c = model.config
-    return compiled_kernels((c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                             c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type))
-
-
-class ContinuousRunner:
-    stats: SpecStats | None = None  # speculation counters (the speculative runner's)
-
+class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
-                 eos_token_ids: tuple[int, ...], executor: Executor = LOCAL) -> None:
+                 eos_token_ids: tuple[int, ...], executor: Executor = LOCAL,
+                 draft_model: LlamaForCausalLM | None = None) -> None:
         self.model = model
         self.config = config
         self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
@@ -67,9 +74,22 @@ class ContinuousRunner:
         self.cache_pool = executor.make_pool(model, config, prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
         self.kernels = step_kernels(config, self.device, model)
-        self.forward: ForwardFn = self._make_decode_forward()
+        shapes, modes = verify_widths(config)
+        # decode and verification steps (with temperature sampling captured for plain steps)
+        self.forward: ForwardFn = executor.make_forward(
+            model, self.cache_pool, config.use_cuda_graphs, config.max_batch_size, shapes=shapes,
+            kernels=self.kernels, verify_modes=modes, sample_widths=(1,),
+            sampling_batch_max=config.cuda_graph_sampling_batch_max)
         # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
         self.prefill_forward = executor.make_forward(model, self.cache_pool, False, config.max_batch_size, shapes=[])
+        self.speculation: Speculation | None = None
+        self.verification: Verification | None = None
+        if config.use_speculative_decoding:
+            draft_kernels = EAGER if draft_model is None else step_kernels(config, self.device, draft_model)
+            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels)
+            self.speculation.start(self.forward, self.cache_pool, model)
+            self.verification = Verification(self.forward, model.config.vocab_size, self.device,
+                                             self.speculation.tree)
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
         # (on by default on GPUs: under tensor parallelism the next step's message and launch
         # then overlap the step in flight on every rank)
@@ -77,51 +97,27 @@ class ContinuousRunner:
                         else self.device.type == "cuda")
         self._inflight: InFlight | None = None
         self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
-        self._rendered: StepResult = []  # this step's outputs so far
-        self._backlog = 0  # tokens accepted before this step, not rendered yet
+        self._time: Callable[[], float] = time.perf_counter
+        self._planned: list[int] | None = None  # this step's draft depths, when decided before its launch
+        self._step_kind: StepKind | None = None  # this step's, for the round clock
 
-    def _make_decode_forward(self) -> ForwardFn:
-        # plain decode: width 1, last logits; with temperature sampling captured as well
-        return self.executor.make_forward(self.model, self.cache_pool, self.config.use_cuda_graphs,
-                                          self.config.max_batch_size, shapes=[(1, False)], kernels=self.kernels,
-                                          sample_widths=(1,),
-                                          sampling_batch_max=self.config.cuda_graph_sampling_batch_max)
+    @property
+    def stats(self) -> SpecStats | None:
+        """Speculation counters (None without speculation)."""
+        return None if self.speculation is None else self.speculation.stats
 
-    # -- capacity (the scheduler's view) -------------------------------------------------
-    def can_admit(self, request: Request) -> bool:
-        return self.cache_pool.can_allocate(request.prefill_target)
+    def kv_manager(self) -> KVManager:
+        """The scheduler's KV manager over this runner's pools (the proposer's registered)."""
+        width = 1 if self.speculation is None else self.speculation.block_width()
+        kv = KVManager(self.cache_pool, bool(self.config.enable_prefix_caching), self.config.max_seq_len, width)
+        if self.speculation is not None:
+            kv.register(self.speculation)
+        return kv
 
-    def allocate(self, request: Request) -> None:
-        prefix = request.prompt_token_ids if self.config.enable_prefix_caching else None
-        request.slot = self.cache_pool.allocate_slot(request.prefill_target, prefix)
-        request.num_computed_tokens = self.cache_pool.seq_len(request.slot)
-
-    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        assert request.slot is not None
-        return self.cache_pool.ensure_capacity(request.slot, total_tokens)
-
-    def decode_demand(self, request: Request) -> int:
-        return 1
-
-    def release(self, request: Request) -> None:
-        if request.slot is not None:
-            self.free_slot(request.slot)
-            request.slot = None
+    def forget(self, request: Request) -> None:
+        """A finished request leaves: drop its output state (its memory: `KVManager.release`)."""
         if request.is_finished:
-            self.cleanup_request(request.request_id)
-
-    def free_slot(self, slot_idx: int) -> None:
-        self.cache_pool.free_slot(slot_idx)
-
-    def cleanup_request(self, request_id: str) -> None:
-        self.output.release(request_id)
-
-    def pools(self) -> list[CachePoolProtocol]:
-        """The KV pools this runner's requests hold memory in (the target's; a draft's too)."""
-        return [self.cache_pool]
-
-    def leak_report(self) -> list[str]:
-        return self.cache_pool.leak_report()
+            self.output.release(request.request_id)
 
     # -- step ------------------------------------------------------------------------------
     def has_pending(self) -> bool:
@@ -131,51 +127,48 @@ class ContinuousRunner:
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
         """Run a scheduled step; returns the StepOutputs rendered now. Synchronously: this
-        step's. Overlapped: the previous step's tokens are accepted once this step's GPU work
+        step's. Overlapped: the step in flight's tokens are accepted once this step's GPU work
         is queued (the host works while the GPU does), so outputs come one step late."""
+        clock = None if self.speculation is None else self.speculation.clock
+        start = self._time()
+        self._step_kind = None
         if self._inflight is not None and not self._overlaps(prefill, decode):
             self._resolve()  # the host needs that step's tokens before this one
-        self._rendered = []
-        self._backlog = self.output.num_accepted()
-        launched = self._launch(prefill, decode)
+        render = StepRender(self.output)
+        launched = self._launch(prefill, decode, render)
         self._resolve()
         self._inflight = launched
         if not self.overlap:
             self._resolve()
-        self._render_backlog()
-        if not self._defers_render():
-            self._rendered += self.output.render()
-        return self._rendered
-
-    def _render_backlog(self) -> None:
-        """Render the tokens accepted before this step, once: while the GPU runs this step's
-        work when the runner calls it after queuing that work, else at the step's end."""
-        backlog, self._backlog = self._backlog, 0
-        if backlog:
-            self._rendered += self.output.render(upto=backlog)
-
-    def _defers_render(self) -> bool:
-        """Whether the tokens this step accepted wait for the next step's render (a runner that
-        accepts its own step's tokens before returning, overlapped: the speculative one)."""
-        return False
+        # (overlapped, a round's own tokens are rendered under the next step's GPU work)
+        outputs = render.finish(render_new=not (self.overlap and self.speculation is not None))
+        if clock is not None:
+            clock.stepped(start, None if prefill else self._step_kind)
+        return outputs
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
         """Whether this step may be queued before the host has the step in flight's tokens:
-        not when a request's sampling reads its context (penalties) or returns
-        log-probabilities, nor for a prefill chunk of a request with a token in flight."""
+        not when a round drafts (its proposals read them), nor when a request's sampling reads
+        its context (penalties) or returns log-probabilities, nor for a prefill chunk of a
+        request with a token in flight."""
+        if self.speculation is not None:
+            self._planned = self.speculation.depths(decode) if decode else None
+            if any(self._planned or ()):
+                return False
         return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None
                        for r in [*decode, *(r for r, _ in prefill)]) and not any(r.pending_tokens for r, _ in prefill)
 
-    def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> InFlight | None:
+    def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
+                render: StepRender) -> InFlight | None:
         """Queue this step's work; the tokens it samples stay on the device (None: no token
         left in flight, the runner accepted its own)."""
-        parts: list[tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]] = []
+        parts: list[Sampled] = []
         if prefill:
             sampled = self._prefill(prefill)
             if sampled is not None:
                 parts.append(sampled)
         if decode:
-            tokens = self._decode(decode)
+            tokens = self._decode(decode, render)
             if tokens is not None:
                 parts.append(tokens)
         if not parts:
@@ -196,12 +189,13 @@ class ContinuousRunner:
             if not r.is_finished and r.stop_pending is None:
                 self.output.accept(r, t, lp)
 
-    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor, list] | None:
+    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> Sampled | None:
         requests = [r for r, _ in chunks]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [n for _, n in chunks])
         logits = self.run_chunks(requests, layout)  # [B, V]
-        self._prefill_in_flight(requests)
+        if self.speculation is not None:  # host work for the first proposals, under the forward
+            self.speculation.proposer.prefilled(requests)
         to_sample: list[int] = []
         for i, (request, n) in enumerate(chunks):
             request.num_computed_tokens += n
@@ -224,7 +218,58 @@ class ContinuousRunner:
             ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
         return self.prefill_forward(ids, layout, all_logits=False)
 
-    def _decode(self, requests: Sequence[Request]) -> tuple[list[Request], torch.Tensor, list] | None:
+    def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
+        """A decode step: a plain one (its tokens left in flight), or a speculation round (its
+        tokens accepted now: None; the backlog is rendered while its verification runs)."""
+        spec = self.speculation
+        depths, self._planned = self._planned, None
+        if spec is None or not any(depths := depths if depths is not None else spec.depths(requests)):
+            self._step_kind = StepKind(len(requests), 0)
+            return self._plain(requests)
+        drafts = spec.proposer.propose(requests, spec.shape(depths), depths)
+        if not any(d.num_proposed for d in drafts):  # no proposals at all (n-gram found no match)
+            for r, k in zip(requests, depths, strict=True):
+                if k:
+                    spec.policy.update(r.request_id, 0, 0)
+            return self._plain(requests)  # (a synchronous plain step: not timed)
+        self._step_kind = StepKind(len(requests), max(d.depth for d in drafts))
+        assert self.verification is not None
+        result, paths = self.verification.run(requests, drafts, render.backlog)
+        self._accept(requests, drafts, result, paths)
+        return None
+
+    def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult,
+                paths: Paths) -> None:
+        """Move the accepted paths into sequence order and roll the caches back, record
+        metrics, accept the tokens in order (up to a finish their ids decide: EOS, a stop id,
+        the length)."""
+        spec = self.speculation
+        assert spec is not None
+        move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
+                                     for r, p in zip(requests, paths, strict=True) if r.slot is not None])
+        spec.proposer.on_accepted(requests, paths)
+        logprobs = result.logprobs or [[] for _ in requests]
+        for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
+                                            strict=True):
+            if r.is_finished:  # cut by a stop string rendered under this round: a wasted row
+                continue
+            n = r.num_computed_tokens
+            self.cache_pool.truncate_to(r.slot, n + a + 1)
+            r.num_computed_tokens = n + a + 1
+            spec.policy.update(r.request_id, d.depth, a)
+            if d.depth > 0:
+                r.speculation_acceptance_rates.append(a / d.depth)
+            emitted = 0
+            for j, t in enumerate(tokens):
+                self.output.accept(r, t, row_lps[j] if row_lps else None)
+                emitted += 1
+                if r.stop_pending is not None:
+                    break
+            r.spec_rounds += 1
+            r.spec_tokens_emitted += emitted
+            spec.stats.record(d.num_proposed, a, emitted, d.depth)
+
+    def _plain(self, requests: Sequence[Request]) -> Sampled:
         """One batched decode forward; the sampled tokens [B] stay on the device."""
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
@@ -248,10 +293,6 @@ class ContinuousRunner:
         for r in requests:
             r.num_computed_tokens += 1
         return list(requests), tokens, lps
-
-    def _prefill_in_flight(self, requests: Sequence[Request]) -> None:
-        """Host work for requests in prefill, run after the prefill forward is queued and
-        before its logits are read (on a GPU it hides under the forward). Nothing here."""
 
     @staticmethod
     def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:

@@ -8,8 +8,8 @@ paged pool runs out, the newest running request is preempted: its KV memory is f
 goes back to the front of the waiting queue to be recomputed later. A request that could
 never fit is rejected at `Engine.add_request`, so this cannot deadlock.
 
-The scheduler is unaware of speculative decoding: it asks the runner how many cache
-positions a decode step needs (`decode_demand`).
+The scheduler owns the KV manager (`engine/kv_manager.py`) and is unaware of speculative
+decoding: the manager says how many cache positions a decode step needs (`decode_demand`).
 """
 
 from __future__ import annotations
@@ -17,17 +17,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
+from infer.engine.kv_manager import KVManager
 from infer.engine.request import Request, RequestState
-
-
-class RunnerCapacity(Protocol):
-    def can_admit(self, request: Request) -> bool: ...
-    def allocate(self, request: Request) -> None: ...
-    def ensure_capacity(self, request: Request, total_tokens: int) -> bool: ...
-    def decode_demand(self, request: Request) -> int: ...
-    def release(self, request: Request) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +44,9 @@ class ScheduleDecision:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVManager) -> None:
         self.config = config
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -65,39 +58,39 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request: Request, runner: RunnerCapacity) -> None:
+    def remove(self, request: Request) -> None:
         """Take a request out of whichever queue holds it, freeing its memory."""
         if request in self.running:
             self.running.remove(request)
-            runner.release(request)
+            self.kv.release(request)
         elif request in self.waiting:
             self.waiting.remove(request)
 
-    def retire(self, runner: RunnerCapacity) -> list[Request]:
+    def retire(self) -> list[Request]:
         done = [r for r in self.running if r.is_finished]
         for r in done:
             self.running.remove(r)
-            runner.release(r)
+            self.kv.release(r)
         return done
 
-    def admit(self, runner: RunnerCapacity) -> list[Request]:
+    def admit(self) -> list[Request]:
         if self.config.batching_mode == "static" and self.running:
             return []  # a static batch runs to completion before the next one forms
         admitted = []
         while self.waiting and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
-            if not runner.can_admit(request):
+            if not self.kv.can_admit(request):
                 break
             self.waiting.popleft()
-            runner.allocate(request)
+            self.kv.allocate(request)
             request.state = RequestState.RUNNING
             self.running.append(request)
             admitted.append(request)
         return admitted
 
-    def schedule(self, runner: RunnerCapacity) -> ScheduleDecision:
+    def schedule(self) -> ScheduleDecision:
         """Admit, then split the running requests into prefill chunks and decodes."""
-        self.admit(runner)
+        self.admit()
         decision = ScheduleDecision()
         budget = self.config.max_num_batched_tokens
         for request in list(self.running):
@@ -111,22 +104,21 @@ class Scheduler:
         # (a request whose finish is decided but not rendered yet, or whose tokens in flight
         # reach its limits, waits: overlapped scheduling learns of finishes a step late)
         decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
-        decision.decode, decision.preempted = self._reserve_decode(decoding, runner)
+        decision.decode, decision.preempted = self._reserve_decode(decoding)
         if decision.preempted:
             decision.prefill = [(r, n) for r, n in decision.prefill if r not in decision.preempted]
         return decision
 
-    def _reserve_decode(self, decoding: Sequence[Request],
-                        runner: RunnerCapacity) -> tuple[list[Request], list[Request]]:
+    def _reserve_decode(self, decoding: Sequence[Request]) -> tuple[list[Request], list[Request]]:
         ready: list[Request] = []
         preempted: list[Request] = []
         queue = list(decoding)
         while queue:
             request = queue.pop(0)
-            need = request.num_computed_tokens + runner.decode_demand(request)
-            while not runner.ensure_capacity(request, need):
+            need = request.num_computed_tokens + self.kv.decode_demand(request)
+            while not self.kv.ensure_capacity(request, need):
                 victim = self._newest_running(exclude=preempted)
-                self._preempt(victim, runner)
+                self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
@@ -142,9 +134,9 @@ class Scheduler:
         candidates = [r for r in self.running if r not in exclude]
         return max(candidates, key=lambda r: r.arrival_time)
 
-    def _preempt(self, request: Request, runner: RunnerCapacity) -> None:
+    def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        runner.release(request)
+        self.kv.release(request)
         request.state = RequestState.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

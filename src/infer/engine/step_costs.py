@@ -21,7 +21,7 @@ from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
-from infer.engine.runner import step_kernels
+from infer.engine.executor.kernels import step_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.timing import TimingStats, time_calls
 

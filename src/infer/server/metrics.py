@@ -37,7 +37,7 @@ def kv_cache_usage(engine: Engine) -> float:
     Paged pools: blocks neither free nor evictable. Contiguous pools reserve a whole
     max_seq_len region per slot, so usage is the fraction of slots taken.
     """
-    usages = [_pool_usage(pool, engine) for pool in engine.runner.pools()]
+    usages = [_pool_usage(pool, engine) for pool in engine.kv.pools()]
     return max(usages) if usages else 0.0
 
 

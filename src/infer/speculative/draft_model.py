@@ -1,13 +1,14 @@
-"""DraftModelProposer: drafts K tokens per request with a small model and its own KV pool.
+"""DraftModelProposer: drafts a chain or a tree per request with a small model and its own KV pool.
 
 Per request the draft cache holds a prefix of the request's tokens. A round for a request
 whose target cache holds n tokens (the pending token g = tokens[n] not yet fed anywhere):
 
 1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
-   round this is the whole prompt (lazy draft prefill, spec D3); afterwards it is empty,
+   round this is the whole prompt (lazy draft prefill); afterwards it is empty,
    the one token left over when every draft was accepted, or the tokens of plain steps taken
    in between (the adaptive policy's, or a batch above `spec_disable_batch_size`). Up to
-   `max_feed - 1` of them ride along with step 1 (a chunk of up to `max_feed` tokens); longer catch-ups run as their own batched prefill.
+   `max_feed - 1` of them ride along with step 1 (a chunk of up to `max_feed` tokens);
+   longer catch-ups run as their own batched prefill.
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
    the growing context, temperature, top-k, top-p) with the request's generator. Greedy
@@ -16,7 +17,32 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
    included), the K steps are one `draft_loop` call: on the GPU one CUDA graph replay, so a
    round pays the host work of one step rather than K (small draft models are bound by it).
 3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
-   what it actually holds, n + k), spec D6.
+   what it actually holds, n + k).
+
+A tree round (a static `TreeShape` that is not a chain; depth limit k_b >= 1):
+
+1. catch-up exactly as a chain round: long gaps as prefill chunks, the rest fed with g;
+2. level 0: one batched draft step over the unseen tail, ending with g at position n; its
+   logits (after g) give the root's children;
+3. level d = 1 .. k_b - 1: one batched `ForwardFn.tree` over the depth-d nodes of the rows
+   still expanding. Node i is stored at n + 1 + i of the draft's slot (the target's
+   verification convention), at rotary position n + d, and sees the context, g, its
+   ancestors and itself (`TreeChunk.level`). Its logits give the depth-(d+1) children. A
+   row's deepest level is never fed, as a chain's last draft is not.
+
+Children of a node: greedy rows take the top-b tokens of the draft's (penalised) logits in
+rank order (distinct); sampled rows draw b distinct tokens from q, the draft distribution
+after the request's sampling transforms, without replacement: sibling j is drawn from q
+renormalised over the tokens siblings 1 .. j-1 took (`sample_without_replacement`), and that
+is the q reported for it, so the verifier's rule stays exact while no node
+repeats a sibling. A sibling that finds no mass left (q with fewer than b tokens) is absent,
+with its descendants. Node i is drawn with uniform i of N drawn per round from the request's
+own generator, so a seeded request's draft never depends on its batch. Greedy rows report
+no q (one-hot).
+
+After verification `on_accepted` moves the accepted nodes the draft was fed into sequence
+order and truncates its cache to n + 1 + min(L, k_b - 1): for a chain exactly step 3's
+rule, so the next round's catch-up is the same for both.
 """
 
 from __future__ import annotations
@@ -26,18 +52,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
-from infer.speculative import draft_tree
-from infer.speculative.proposer import Draft
-from infer.speculative.tree import TreeDraft, TreeShape
+from infer.sampling import (SamplingParams, adjust_logits, draw_uniforms, logits_to_probs, sample_from_probs,
+                            sample_without_replacement, temperature_only)
+from infer.speculative.proposer import DraftRequest
+from infer.speculative.tree import Draft, TreeChunk, TreeShape
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
-    from infer.engine.executor import ForwardFn
-    from infer.engine.request import Request
+    from infer.speculative.forward import ForwardFn
 
 CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # tokens per row per catch-up forward
 DRAFT_MAX_FEED = 4  # widest first draft step (the runner captures CUDA graphs for widths 1..this)
@@ -68,16 +94,16 @@ class DraftModelProposer:
     # A request gets its draft slot at its first round (`propose`), not at admission: one that
     # never drafts costs the draft pool nothing. Admission still asks whether the pool could
     # hold the prompt (`can_admit`).
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: DraftRequest) -> bool:
         return self.pool.can_allocate(request.prefill_target)
 
     def pools(self) -> list[CachePoolProtocol]:
         return [self.pool]
 
-    def prefilled(self, requests: Sequence[Request]) -> None:
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 
-    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
         """Room for positions < total_tokens in the request's draft cache; False (nothing
         taken) when the pool is short: the scheduler preempts. True for a request without a
         draft slot yet: its first round takes one if the pool has room then (`take_slot`)."""
@@ -85,7 +111,7 @@ class DraftModelProposer:
         slot = self.draft_slots.get(request.slot)
         return slot is None or self.pool.ensure_capacity(slot, total_tokens)
 
-    def take_slot(self, request: Request, k: int) -> bool:
+    def take_slot(self, request: DraftRequest, k: int) -> bool:
         """Whether the request has a draft slot for a round of k drafts, taken now at its
         first round (room for its context and the drafts); False when the pool has no room
         for it (prefix caching shares the target's prompt blocks, not the draft's): the
@@ -99,7 +125,7 @@ class DraftModelProposer:
         self.draft_slots[request.slot] = self.pool.allocate_slot(need)
         return True
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftRequest) -> None:
         if request.slot is not None and request.slot in self.draft_slots:
             self.pool.free_slot(self.draft_slots.pop(request.slot))
         self.rounds.pop(request.request_id, None)
@@ -108,32 +134,42 @@ class DraftModelProposer:
         extra = [f"draft slot map still holds {self.draft_slots}"] if self.draft_slots else []
         return extra + [f"draft pool: {p}" for p in self.pool.leak_report()]
 
-    def slot(self, request: Request) -> int:
+    def slot(self, request: DraftRequest) -> int:
         assert request.slot is not None
         return self.draft_slots[request.slot]
 
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
-        drafts = [Draft([], None) for _ in requests]
-        active = [i for i, k in enumerate(ks) if k > 0 and self.take_slot(requests[i], k)]
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        """`Proposer.propose`: a chain by K batched draft steps (`_draft_loop`), a tree level
+        by level (`_expand`); see the module docstring."""
+        if len(depths) != len(requests):
+            raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
+        drafts = [Draft.empty(shape) for _ in requests]
+        active = [i for i, k in enumerate(depths) if k > 0 and self.take_slot(requests[i], fed_positions(shape, k))]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
-        k_of = [ks[i] for i in active]
+        ks = [min(depths[i], shape.depth) for i in active]
         self.catch_up([r for r in reqs if self.behind(r)])
-        tokens, probs = self._draft_loop(reqs, k_of)
-        for j, i in enumerate(active):
-            k = k_of[j]
-            drafts[i] = Draft(tokens[j][:k], None if probs is None else probs[j, :k])
-            self.rounds[reqs[j].request_id] = (reqs[j].num_computed_tokens, k)
+        if shape.is_chain:
+            tokens, probs = self._draft_loop(reqs, ks)
+            for j, (i, k) in enumerate(zip(active, ks, strict=True)):
+                drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+        else:
+            nodes, probs, drawn = self._expand(reqs, ks, shape)
+            for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
+                drafts[i] = _tree_draft(shape, k, nodes[j], drawn[j],
+                                        None if probs is None or r.sampling_params.greedy else probs[j])
+        for r, k in zip(reqs, ks, strict=True):
+            self.rounds[r.request_id] = (r.num_computed_tokens, k)
         return drafts
 
-    def behind(self, request: Request) -> bool:
+    def behind(self, request: DraftRequest) -> bool:
         """Whether the draft misses more tokens than draft step 1 can feed (max_feed)."""
         return request.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self.slot(request))
 
-    def catch_up(self, reqs: Sequence[Request]) -> None:
+    def catch_up(self, reqs: Sequence[DraftRequest]) -> None:
         """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
 
         Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
@@ -160,7 +196,8 @@ class DraftModelProposer:
             (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
             todo = [r for r in todo if self.behind(r)]
 
-    def _draft_loop(self, reqs: Sequence[Request], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
+    def _draft_loop(self, reqs: Sequence[DraftRequest],
+                    ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).
 
         Step s runs the rows with k_b > s only, so no row writes past the positions its own
@@ -237,25 +274,126 @@ class DraftModelProposer:
         token_rows = tokens.tolist()  # the one sync of the draft phase
         return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
 
-    def on_accepted(self, request: Request, num_accepted: int) -> None:
-        n, k = self.rounds.pop(request.request_id, (None, 0))
-        if n is None:
-            return
-        slot = self.slot(request)
-        self.pool.truncate_to(slot, min(n + num_accepted + 1, self.pool.seq_len(slot), n + k))
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
+        """The fed part of each accepted path into sequence order (one gather + scatter for
+        the batch; a chain's path is in place already), then each slot truncated to
+        n + 1 + min(L, k - 1): what it was fed of the path (capped at what it holds)."""
+        moves: list[PathMove] = []
+        ends: list[tuple[int, int]] = []
+        for request, nodes in zip(requests, paths, strict=True):
+            n, k = self.rounds.pop(request.request_id, (None, 0))
+            if n is None:
+                continue
+            fed = min(len(nodes), k - 1)
+            slot = self.slot(request)
+            moves.append(PathMove(slot, n, tuple(nodes[:fed])))
+            ends.append((slot, n + 1 + fed))
+        move_paths(self.pool, moves)
+        for slot, end in ends:
+            self.pool.truncate_to(slot, min(end, self.pool.seq_len(slot)))
 
-    # -- tree speculation: the level-by-level expansion is in draft_tree.py ---------
-    def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:
-        return draft_tree.propose_tree(self, requests, shape, depths)
+    # -- trees: level by level -------------------------------------------------------------------
+    def _expand(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
+                shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
+        """Levels 0 .. max(ks) - 1 -> (tokens [A][N] on the host, probs [A, N, V] on the device
+        or None when every row is greedy, drawn [A][N] on the host: 0 where a sibling found no
+        mass left). Nodes deeper than a row's k hold 0."""
+        device = self.device
+        batch, n_nodes = len(reqs), shape.num_nodes
+        slots = [self.slot(r) for r in reqs]
+        params = [r.sampling_params for r in reqs]
+        all_greedy = all(p.greedy for p in params)
+        base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
+        uniforms = (None if all_greedy  # [A, N]
+                    else to_device(draw_uniforms([r.generator for r in reqs], n_nodes), device))
+        tokens = torch.zeros((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
+        drawn = torch.ones((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
+        probs_out: torch.Tensor | None = None
+        # level 0: the unseen tail tokens[d : n + 1] (g last)
+        starts = [self.pool.seq_len(s) for s in slots]
+        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
+        ids = torch.zeros((batch, max(len(f) for f in feeds)), dtype=torch.long)
+        for b, f in enumerate(feeds):
+            ids[b, :len(f)] = torch.tensor(f)
+        layout = BatchLayout.of(slots, starts, [len(f) for f in feeds])
+        logits = self.step_forward(ids, layout, all_logits=False)[:, None]  # [A, 1, V]
+        alive = list(range(batch))
+        host: list[list[int]] = []  # tokens on the host, for penalty contexts only (from depth 1 on)
+        for d, width in enumerate(shape.branching):  # parents at depth d, children at depth d + 1
+            lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
+            rows = tensor_on(alive, device, torch.long)  # [A']
+            contexts = None
+            if base_contexts is not None:
+                parents: Sequence[int | None] = range(shape.level_starts[d - 1], lo) if d else [None]
+                contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])
+                            for a in alive for p in parents]
+            flat = logits.reshape(-1, logits.shape[-1])  # [A' * P, V]
+            kids, q, ok = children(flat, [params[a] for a in alive for _ in range(logits.shape[1])], contexts, width,
+                                   None if uniforms is None else uniforms[rows, lo:hi].reshape(-1))
+            tokens[rows, lo:hi] = kids.view(len(alive), hi - lo)
+            if ok is not None:
+                drawn[rows, lo:hi] = ok.view(len(alive), hi - lo).long()
+            if q is not None:
+                if probs_out is None:
+                    probs_out = torch.zeros((batch, n_nodes, q.shape[-1]), dtype=q.dtype, device=device)
+                probs_out[rows, lo:hi] = q.view(len(alive), hi - lo, -1)
+            alive = [a for a in alive if ks[a] > d + 1]
+            if not alive:
+                break
+            if base_contexts is not None:
+                host = tokens.tolist()  # (a sync per level, only when a penalty reads the contexts)
+            chunk = TreeChunk.level(shape, d + 1)
+            level = BatchLayout.of([slots[a] for a in alive], [reqs[a].num_computed_tokens + 1 + lo for a in alive],
+                                   [hi - lo] * len(alive))
+            logits = self.step_forward.tree(tokens[tensor_on(alive, device, torch.long), lo:hi], level,
+                                                chunk)  # [A'', P, V]
+        host = torch.cat([tokens, drawn], dim=1).tolist()  # (the one sync of a round without penalties)
+        return [row[:n_nodes] for row in host], probs_out, [row[n_nodes:] for row in host]
 
-    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
-        draft_tree.accept_paths(self, requests, paths)
-
-
-def _row_uniforms(reqs: Sequence[Request], ks: Sequence[int]) -> torch.Tensor:
+def _row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
     """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
     request's randomness does not depend on the rest of the batch."""
     out = torch.zeros((len(reqs), max(ks)), dtype=torch.float64)
     for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
         out[b, :k] = draw_uniforms([r.generator], k)[0]
     return out
+
+
+def fed_positions(shape: TreeShape, depth: int) -> int:
+    """Positions a round of depth limit `depth` >= 1 writes to the draft's cache from g on:
+    g, then the nodes of depths 1 .. depth - 1 (a chain of k: k)."""
+    return 1 + shape.level_starts[depth - 1]
+
+
+def _tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[int],
+                probs: torch.Tensor | None) -> Draft:
+    """A row's tree draft from its expanded nodes: present up to depth k where drawn and the
+    parent is present (breadth-first: a parent's flag is set before its children's)."""
+    n = shape.num_nodes
+    valid = [False] * n
+    for node in range(shape.level_starts[k]):
+        parent = shape.parents[node]
+        valid[node] = bool(drawn[node]) and (parent < 0 or valid[parent])
+    return Draft(shape, tuple(t if ok else 0 for t, ok in zip(tokens, valid, strict=True)), tuple(valid), probs)
+
+
+def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
+             width: int, uniforms: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`width` children per parent: logits [M, V] (one row per parent), the parents' params
+    and contexts (None: no penalties), uniforms [M * width] (None: every row greedy) ->
+    (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
+    bool or None; both None when every row is greedy). Greedy rows: the top-`width` tokens;
+    others: distinct draws from softmax(adjusted), without replacement (module docstring)."""
+    adjusted = adjust_logits(logits, params, contexts)  # [M, V] float32
+    greedy = [p.greedy for p in params]
+    top = adjusted.topk(width, dim=-1).indices.reshape(-1) if any(greedy) else None  # [M * width]
+    if uniforms is None or all(greedy):
+        assert top is not None
+        return top, None, None
+    ids, dists, ok = sample_without_replacement(torch.softmax(adjusted, dim=-1), uniforms.view(-1, width))
+    sampled, q, ok = ids.reshape(-1), dists.reshape(-1, dists.shape[-1]), ok.reshape(-1)  # [M * width] ...
+    if top is None:
+        return sampled, q, ok
+    mask = tensor_on(greedy, logits.device, torch.bool).repeat_interleave(width)  # [M * width]
+    return torch.where(mask, top, sampled), q, mask | ok

@@ -23,7 +23,7 @@ counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
 
 Tree speculation: `top_continuations` ranks a context's distinct next tokens
 (n-gram: by count, then shorter contexts; prompt lookup: the followers of the matches of
-each suffix length) and `propose_tree` / `NgramProposer.propose_tree` fill a static
+each suffix length) and `propose_tree` (and so `NgramProposer.propose` over a tree) fill a static
 `TreeShape` with them (`infer.speculative.tree.fill_tree`), absent where nothing matches.
 
 Rollback rule: proposing never touches a table; tables are extended only with tokens the request
@@ -43,14 +43,13 @@ from typing import TYPE_CHECKING
 from infer.sampling import is_strict_int
 from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable
 from infer.speculative.prompt_lookup import PromptLookupTable
-from infer.speculative.proposer import Draft
-from infer.speculative.tree import TreeDraft, TreeShape, cut_depth
+from infer.speculative.proposer import DraftRequest
+from infer.speculative.tree import Draft, TreeShape, cut_depth
 
 __all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]
 
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
-    from infer.engine.request import Request
 
 _TABLES: dict[str, type[NgramTable] | type[PromptLookupTable]] = {
     "ngram": NgramTable,
@@ -85,7 +84,7 @@ class NgramProposer:
         cfg = self.config
         return _TABLES[cfg.method](cfg.max_order, cfg.min_order, cfg.window)
 
-    def _sync(self, request: Request) -> DraftTable:
+    def _sync(self, request: DraftRequest) -> DraftTable:
         """Bring the request's table up to date: incremental, or rebuilt if history changed.
 
         A request's tokens only grow, so comparing the last few tokens the table saw tells a
@@ -105,64 +104,46 @@ class NgramProposer:
             entry.tail = request.token_slice(max(0, n - _TAIL), n)
         return entry.table
 
-    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
-        """Up to ks[i] tokens continuing requests[i].all_token_ids (possibly none)."""
-        if len(ks) != len(requests):
-            raise ValueError(
-                f"ks must give one draft length per request: got {len(ks)} for {len(requests)} requests"
-            )
-        drafts: list[Draft] = []
-        for request, k in zip(requests, ks, strict=True):
-            if not is_strict_int(k) or k < 0:
-                raise ValueError(f"ks must hold integers >= 0, got {k!r} for request {request.request_id!r}")
-            if not k:  # (its table catches up at its next lookup)
-                drafts.append(Draft(token_ids=[], probs=None))
-                continue
-            table = self._sync(request)
-            n = request.num_tokens
-            context = request.token_slice(max(0, n - self.config.max_order + 1), n)
-            drafts.append(Draft(token_ids=table.propose(context, k), probs=None))
-        return drafts
-
-    def propose_tree(self, requests: Sequence[Request], shape: TreeShape,
-                     depths: Sequence[int] | None = None) -> list[TreeDraft]:
-        """One deterministic tree over `shape` per request (probs None): each node's children
-        are the table's best distinct continuations of the request's tokens extended by the
-        node's path; nodes the table cannot fill, or deeper than depths[i] (None: the
-        shape's depth), are absent. Tables are synced, never given draft tokens."""
-        if depths is not None and len(depths) != len(requests):
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        """One deterministic draft over `shape` per request (probs None): a chain holds the
+        table's continuation of up to depths[i] tokens; a tree's nodes have as children the
+        table's best distinct continuations of the request's tokens extended by the node's
+        path. Nodes the table cannot fill, or deeper than depths[i], are absent. Tables are
+        synced, never given draft tokens."""
+        if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
-        drafts: list[TreeDraft] = []
-        for i, request in enumerate(requests):
-            depth = shape.depth if depths is None else depths[i]
+        drafts: list[Draft] = []
+        for request, depth in zip(requests, depths, strict=True):
+            if not is_strict_int(depth) or depth < 0:
+                raise ValueError(f"depths must hold integers >= 0, got {depth!r} for request {request.request_id!r}")
             if not depth:  # (its table catches up at its next lookup)
-                drafts.append(TreeDraft.empty(shape))
+                drafts.append(Draft.empty(shape))
                 continue
             table = self._sync(request)
             n = request.num_tokens
             context = request.token_slice(max(0, n - self.config.max_order + 1), n)
-            drafts.append(cut_depth(table.propose_tree(context, shape), depth))
+            if shape.is_chain:
+                drafts.append(Draft.chain(shape, table.propose(context, min(depth, shape.depth))))
+            else:
+                drafts.append(cut_depth(table.propose_tree(context, shape), depth))
         return drafts
 
-    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
-        """Nothing: a table takes the verified tokens at its next lookup."""
-
-    def prefilled(self, requests: Sequence[Request]) -> None:
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""
         for request in requests:
             self._sync(request)
 
-    def on_accepted(self, request: Request, num_accepted: int) -> None:
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Nothing: a table takes the verified tokens at its next lookup."""
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftRequest) -> None:
         """The request finished or was preempted: drop its table (a later propose rebuilds)."""
         self._entries.pop(request.request_id, None)
 
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: DraftRequest) -> bool:
         return True  # tables live in host memory
 
-    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
         return True
 
     def pools(self) -> list[CachePoolProtocol]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infer.sampling import is_strict_int
-from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
+from infer.speculative.tree import Draft, TreeShape, fill_tree
 
 METHODS = ("ngram", "prompt_lookup")
 
@@ -255,7 +255,7 @@ class NgramTable:
                     picked.append(token)
         return picked
 
-    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft:
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> Draft:
         """A deterministic tree after `history` (`fill_tree`); the table is not modified. Its
         first-child path is `propose(history, shape.depth)`."""
         return fill_tree(self, history, shape)
@@ -290,4 +290,4 @@ class DraftTable(Protocol):
 
     def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
 
-    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft: ...
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> Draft: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from infer.speculative.ngram_tables import NgramConfig, TokenWindow
-from infer.speculative.tree import TreeDraft, TreeShape, fill_tree
+from infer.speculative.tree import Draft, TreeShape, fill_tree
 
 
 class PromptLookupTable:
@@ -89,7 +89,7 @@ class PromptLookupTable:
                 picked.append(token)
         return picked
 
-    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> TreeDraft:
+    def propose_tree(self, history: Sequence[int], shape: TreeShape) -> Draft:
         """A deterministic tree after `history` (`fill_tree`); the table is not modified. Each
         node matches afresh (`top_continuations`), so its first-child path may differ from
         `propose`, which copies one matched span."""

@@ -1,70 +1,78 @@
-"""Proposer protocol: where draft tokens come from (a draft model, an n-gram table).
+"""Proposer protocol: where draft tokens come from (a draft model, n-gram tables).
 
-A proposer sees the running requests and proposes up to k tokens for each. It keeps any
-per-request state of its own (a draft KV cache, n-gram tables), is told how many of its
-tokens were accepted so it can roll that state back, and when a request leaves. Tree
-speculation asks for a draft tree instead (`propose_tree`, `on_tree_accepted`).
-Every hook the speculative runners call is declared here: a new proposer implements this
-protocol and nothing else.
+A proposer sees the running requests and proposes a draft over the round's shape for each:
+a chain (`chain_shape(K)`, row i using its first depths[i] nodes) or a static tree. It keeps
+any per-request state of its own (a draft KV cache, n-gram tables), is told which nodes were
+accepted so it can roll that state back, and when a request leaves. Every hook the runner
+calls is declared here: a new proposer implements this protocol and nothing else.
+
+`DraftRequest` is what a proposer may read of a request (the engine's `Request` has it),
+so this layer never imports the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from infer.sampling import SamplingParams
+
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
-    from infer.engine.request import Request
-    from infer.speculative.tree import TreeDraft, TreeShape
+    from infer.speculative.tree import Draft, TreeShape
 
 
-@dataclass(frozen=True, slots=True)
-class Draft:
-    token_ids: list[int]  # [k], k may be 0 (no proposal -> a plain decode step for this request)
-    probs: torch.Tensor | None  # [k, vocab] after the request's sampling transforms;
-    # None = deterministic proposal (n-gram), treated as one-hot
+class DraftRequest(Protocol):
+    """The view of a running request that proposers read."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    slot: int | None
+    num_computed_tokens: int  # tokens whose KV is in the target's cache; tokens[n] is pending
+    generator: torch.Generator
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def prefill_target(self) -> int: ...
+
+    def token_slice(self, lo: int, hi: int | None = None) -> list[int]: ...
 
 
 class Proposer(Protocol):
-    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
-        """Up to ks[i] tokens continuing requests[i].all_token_ids (ks[i] = 0: none)."""
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        """One draft over `shape` per request, no node deeper than depths[i] (0: an empty
+        draft). A chain shape's draft for row i is its first depths[i] nodes (or fewer). A
+        model's draft writes node j of requests[i] at storage position n + 1 + j of its own
+        cache (g at n), like the target's verification."""
         ...
 
-    def on_accepted(self, request: Request, num_accepted: int) -> None:
-        """After verification, `num_accepted` of the round's drafted tokens kept (the target's
-        cache is rolled back already; the tokens reach the request's output after this call)."""
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
+        """After verification, before the tokens are emitted: paths[i], the accepted node
+        indices of requests[i] in depth order (a chain: 0 .. a-1). A model's cache moves the
+        paths into sequence order and drops the rest (`cache.compaction`)."""
         ...
 
-    def propose_tree(self, requests: Sequence[Request], shape: TreeShape, depths: Sequence[int]) -> list[TreeDraft]:
-        """Tree speculation: one draft over `shape` per request, no node deeper than
-        depths[i] (0: an empty draft). A model's draft writes node i of requests[i] at
-        storage position n + 1 + i of its own cache (g at n), like the target's verification."""
-        ...
-
-    def on_tree_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
-        """After a tree verification of these requests, before their tokens are emitted:
-        paths[i], the accepted node indices of requests[i] in depth order. A model's cache
-        moves the paths into sequence order and drops the rest (`cache.compaction`)."""
-        ...
-
-    def prefilled(self, requests: Sequence[Request]) -> None:
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """A prefill forward for these requests was just queued: host work that helps their
         first proposals can run now, under the forward (n-gram: build the prompt's table)."""
         ...
 
-    def release(self, request: Request) -> None:
+    def release(self, request: DraftRequest) -> None:
         """The request finished or was preempted: drop its state and memory."""
         ...
 
-    def can_admit(self, request: Request) -> bool:
+    def can_admit(self, request: DraftRequest) -> bool:
         """Whether the proposer's own memory could hold the request's prompt."""
         ...
 
-    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
         """Room for positions < total_tokens of the request; False (nothing taken) when
         memory is short: the scheduler preempts."""
         ...

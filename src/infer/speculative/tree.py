@@ -5,7 +5,7 @@ Theory: K. Stratos, "Speculative Decoding" (lecture notes),
 section 2.1 "SpecInfer": drafts packed into a prefix tree are scored by the target in ONE
 forward pass with "tree attention" (each tree token attends to the context and to its own
 ancestors only), then verified by iterative speculative sampling (section 2) or, for greedy
-decoding, by the argmax walk of Appendix A. The verifier is `infer.speculative.tree_verify`.
+decoding, by the argmax walk of Appendix A. The verifier is `infer.speculative.verifier`.
 
 A `TreeShape` is static: `branching[d]` is the number of children of EVERY node at depth d
 (the root, i.e. the pending token, is depth 0), so "3,2,1,1" is 3 candidates at depth 1, two
@@ -153,6 +153,11 @@ class TreeShape:
         seeded row never depend on its batch or on how far other rows get."""
         return sum(self.branching) + 1
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether every node has one child: "1,1,...,1" (verified causally, no tree mask)."""
+        return all(b == 1 for b in self.branching)
+
     def __str__(self) -> str:
         return ",".join(str(b) for b in self.branching)
 
@@ -235,7 +240,7 @@ class TreeChunk:
 
 
 @dataclass(frozen=True, slots=True)
-class TreeDraft:
+class Draft:
     """One request's proposal over a `TreeShape`: a token per node, or absent.
 
     Absent nodes (valid False, token 0) were not proposed: the verifier never accepts them and
@@ -247,7 +252,8 @@ class TreeDraft:
     shape: TreeShape
     token_ids: tuple[int, ...]  # [N]
     valid: tuple[bool, ...]  # [N]
-    probs: torch.Tensor | None = field(default=None, compare=False)  # [N, V] or None
+    # [M, V] for the first M <= N nodes (every present node among them), or None
+    probs: torch.Tensor | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = self.shape.num_nodes
@@ -262,8 +268,9 @@ class TreeDraft:
                                  f"got {token!r} (present: {ok})")
             if ok and parent >= 0 and not self.valid[parent]:
                 raise ValueError(f"node {node} is present but its parent {parent} is absent")
-        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != n):
-            raise ValueError(f"probs must be None or [{n}, vocab], got shape {tuple(self.probs.shape)}")
+        if self.probs is not None and (self.probs.dim() != 2 or not self.rows_used - 1 <= self.probs.shape[0] <= n):
+            raise ValueError(f"probs must be None or [M, vocab] for the first M nodes, M covering every present "
+                             f"node and at most {n}, got shape {tuple(self.probs.shape)}")
 
     @property
     def num_proposed(self) -> int:
@@ -282,13 +289,22 @@ class TreeDraft:
         return 2 + last
 
     @classmethod
-    def empty(cls, shape: TreeShape) -> TreeDraft:
+    def chain(cls, shape: TreeShape, token_ids: Sequence[int], probs: torch.Tensor | None = None) -> Draft:
+        """A chain draft: `token_ids` on the first nodes of a chain `shape`, the rest absent;
+        probs [len(token_ids), V] or None."""
+        n, k = shape.num_nodes, len(token_ids)
+        if not shape.is_chain or k > n:
+            raise ValueError(f"a chain draft of {k} tokens needs a chain shape of at least {k} nodes, got {shape}")
+        return cls(shape, tuple(token_ids) + (0,) * (n - k), (True,) * k + (False,) * (n - k), probs)
+
+    @classmethod
+    def empty(cls, shape: TreeShape) -> Draft:
         """No proposal at all: every node absent (verification is then a plain decode step)."""
         n = shape.num_nodes
         return cls(shape, (0,) * n, (False,) * n)
 
 
-def cut_depth(draft: TreeDraft, depth: int) -> TreeDraft:
+def cut_depth(draft: Draft, depth: int) -> Draft:
     """The draft with every node deeper than `depth` absent (0 <= depth; probs kept)."""
     if not is_strict_int(depth) or depth < 0:
         raise ValueError(f"depth must be an integer >= 0, got {depth!r}")
@@ -298,10 +314,10 @@ def cut_depth(draft: TreeDraft, depth: int) -> TreeDraft:
     n = draft.shape.num_nodes
     tokens = draft.token_ids[:keep] + (0,) * (n - keep)
     valid = draft.valid[:keep] + (False,) * (n - keep)
-    return TreeDraft(draft.shape, tokens, valid, draft.probs)
+    return Draft(draft.shape, tokens, valid, draft.probs)
 
 
-def stack_drafts(drafts: Sequence[TreeDraft], device: torch.device | str | None = None
+def stack_drafts(drafts: Sequence[Draft], device: torch.device | str | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic drafts of one shape as verifier inputs: (node_tokens [B, N] long,
     node_valid [B, N] bool)."""
@@ -320,7 +336,7 @@ class BranchSource(Protocol):
     def top_continuations(self, context: Sequence[int], n: int) -> list[int]: ...
 
 
-def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) -> TreeDraft:
+def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) -> Draft:
     """A deterministic draft over `shape`: each node's children are the source's best distinct
     next tokens for the node's context (`context` extended by the node's path: its ancestors
     and itself), up to the node's child count, in rank order; children the source cannot fill,
@@ -335,4 +351,4 @@ def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) ->
         path = [tokens[j] for j in shape.paths[node]] if node >= 0 else []
         for kid, token in zip(kids, source.top_continuations(base + path, len(kids))):
             tokens[kid], valid[kid] = token, True
-    return TreeDraft(shape, tuple(tokens), tuple(valid))
+    return Draft(shape, tuple(tokens), tuple(valid))

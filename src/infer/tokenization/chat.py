@@ -23,6 +23,8 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
+# A vocabulary with these tokens and no chat template of its own gets LLAMA3_CHAT_TEMPLATE.
+LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 # Llama 3 instruct: <|begin_of_text|> then, per message,
 # <|start_header_id|>{role}<|end_header_id|>\n\n{content stripped}<|eot_id|>;

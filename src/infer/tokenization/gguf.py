@@ -2,76 +2,73 @@
 
 A GGUF file has no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`),
 token types, BPE merges or SentencePiece scores, special ids and the chat template as
-metadata. Two vocabulary kinds (`tokenizer.ggml.model`) are supported, as llama.cpp runs
-them:
+metadata. `read_gguf_tokenizer(path)` turns that into the parts a `Tokenizer` is made of
+(`GGUFTokenizer`); `Tokenizer.from_pretrained` builds it. Only metadata is read: no tensor
+data, so a bad tokenizer fails before any weight loads. Two vocabulary kinds
+(`tokenizer.ggml.model`) are supported, as llama.cpp runs them:
 
-- "gpt2": byte-level BPE. The text is split by the regex the file names in
-  `tokenizer.ggml.pre` ("llama-bpe" = Llama 3's, "gpt-2"); Llama 3's whole-word lookup
-  (`ignore_merges`) is kept. A pre-tokenizer without an equivalent here is an error, not
-  an approximation.
+- "gpt2": byte-level BPE. The text is cut by the regexes of the pre-tokenizer the file
+  names in `tokenizer.ggml.pre` (the table is pretokenizers.py: Llama 3's, Qwen2's,
+  SmolLM's, Mistral's tekken, DeepSeek's, GPT-2's and the rest), with its whole-word rule
+  (`ignore_merges`) and BOS default. A name without an entry there, or a file without a
+  name, is an error that says how to pass the model's own tokenizer instead.
 - "llama": SentencePiece BPE (Llama 2 style): pieces with "▁" for spaces, merged in the
   order of their scores, byte fallback to the <0xXX> pieces, a "▁" prefix before each run
   of text (at the start and after each special token, as llama.cpp and SentencePiece
-  do) unless `tokenizer.ggml.add_space_prefix` is false.
+  do) unless `tokenizer.ggml.add_space_prefix` is false. BOS is added unless the file says not.
 
 Control (and unknown) tokens become special added tokens, user-defined ones plain added
 tokens, so their strings in a prompt map to their ids. A file without a chat template whose
 vocabulary has Llama 3's header tokens gets the built-in Llama 3 template, as a directory
-does.
+does. Decoding gives the exact text: llama.cpp's optional clean-up of spaces before
+punctuation (`clean_spaces`) is not applied.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import tokenizers
 from gguf import TokenType
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers
 
 from infer.models.gguf.config import stop_token_ids
 from infer.models.gguf.reader import GGUFFile
-from infer.tokenization.backends import LLAMA3_PATTERN, HFTokenizersBackend
-from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE
-from infer.tokenization.tokenizer import LLAMA3_HEADER_TOKENS, Tokenizer
+from infer.tokenization.backends import HFTokenizersBackend
+from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, LLAMA3_HEADER_TOKENS
+from infer.tokenization.pretokenizers import PRE_TOKENIZERS
 
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-
-
-@dataclass(frozen=True, slots=True)
-class PreTokenizer:
-    """How llama.cpp runs a named byte-level pre-tokenizer (`tokenizer.ggml.pre`)."""
-
-    pattern: str  # the regex text is split by before BPE
-    ignore_merges: bool  # a piece found whole in the vocabulary is one token, unmerged
-    add_bos: bool  # BOS is added when the file does not say (tokenizer.ggml.add_bos_token)
-
-
-LLAMA3 = PreTokenizer(LLAMA3_PATTERN, ignore_merges=True, add_bos=True)
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "llama-bpe": LLAMA3, "llama3": LLAMA3, "llama-v3": LLAMA3, "smaug-bpe": LLAMA3,
-    "gpt-2": PreTokenizer(GPT2_PATTERN, ignore_merges=False, add_bos=False),
-}
 SPACE = "▁"  # SentencePiece's visible space
 SPECIAL_KEYS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                 "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+WORKAROUND = ("pass the model's tokenizer instead: a directory with its tokenizer.json "
+              "(`--tokenizer DIR`, or `LLM(..., tokenizer=DIR)`)")
 
 
-def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """The `Tokenizer` of a GGUF file: vocabulary, special ids, stop ids, chat template."""
+@dataclass(frozen=True, slots=True)
+class GGUFTokenizer:
+    """What a `Tokenizer` is built from, as a GGUF file's metadata gives it."""
+
+    backend: HFTokenizersBackend
+    token_strings: Mapping[str, str | None]  # "bos_token", "eos_token", ... -> vocabulary string
+    eos_token_ids: tuple[int, ...]  # every id generation stops on
+    chat_template: str | None
+    add_bos_token: bool
+    add_eos_token: bool
+
+
+def read_gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
+    """The tokenizer of a GGUF file: vocabulary, special ids, stop ids, chat template.
+    Raises ValueError, saying what to do, for a vocabulary infer cannot rebuild exactly."""
     gguf = GGUFFile.open(path)
     tokens: list[str] = gguf.value("tokenizer.ggml.tokens")
     types: list[int] = gguf.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
     kind = gguf.value("tokenizer.ggml.model")
     if kind == "gpt2":
-        pre = gguf.get("tokenizer.ggml.pre")
-        if pre not in PRE_TOKENIZERS:
-            raise ValueError(
-                f"GGUF file {str(gguf.path)!r} names the pre-tokenizer {pre!r}, which infer does not "
-                f"implement (supported: {', '.join(PRE_TOKENIZERS)}); a file without one was made by "
-                "an old llama.cpp: re-convert it")
+        pre = _pre_tokenizer_name(gguf)
         tok = byte_level_bpe(tokens, types, gguf.value("tokenizer.ggml.merges"), pre)
         add_bos_default = PRE_TOKENIZERS[pre].add_bos
     elif kind == "llama":
@@ -80,28 +77,42 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         add_bos_default = True
     else:
         raise ValueError(f"GGUF file {str(gguf.path)!r} has a {kind!r} vocabulary; infer builds "
-                         "'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies")
+                         f"'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies: {WORKAROUND}")
     ids = {key: gguf.get(f"tokenizer.ggml.{name}") for key, name in SPECIAL_KEYS.items()}
     strings = {key: None if token_id is None else tokens[token_id] for key, token_id in ids.items()}
     template = gguf.get("tokenizer.chat_template")
     if template is None and set(LLAMA3_HEADER_TOKENS) <= set(tokens):  # as for a directory
         template = LLAMA3_CHAT_TEMPLATE
-    return Tokenizer(HFTokenizersBackend(tok), name_or_path=str(gguf.path), token_strings=strings,
-                     extra_eos_ids=stop_token_ids(gguf), chat_template=template,
-                     add_bos_token=gguf.get("tokenizer.ggml.add_bos_token", add_bos_default),
-                     add_eos_token=gguf.get("tokenizer.ggml.add_eos_token", False))
+    return GGUFTokenizer(HFTokenizersBackend(tok), token_strings=strings, eos_token_ids=stop_token_ids(gguf),
+                         chat_template=template,
+                         add_bos_token=bool(gguf.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+                         add_eos_token=bool(gguf.get("tokenizer.ggml.add_eos_token", False)))
+
+
+def _pre_tokenizer_name(gguf: GGUFFile) -> str:
+    """`tokenizer.ggml.pre`, checked against the pre-tokenizers infer implements."""
+    pre = gguf.get("tokenizer.ggml.pre")
+    if pre is None:
+        raise ValueError(
+            f"GGUF file {str(gguf.path)!r} does not name its pre-tokenizer (tokenizer.ggml.pre): "
+            f"it was converted by a llama.cpp older than the pre-tokenizer names, and how it splits "
+            f"text is unknown; {WORKAROUND}, or convert the model again with a current llama.cpp")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"GGUF file {str(gguf.path)!r} names the pre-tokenizer {pre!r}, which infer does not "
+            f"implement (it implements {', '.join(sorted(PRE_TOKENIZERS))}); {WORKAROUND}")
+    return pre
 
 
 def byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str],
                    pre: str) -> tokenizers.Tokenizer:
-    """Byte-level BPE over the file's vocabulary (already in GPT-2's byte alphabet)."""
-    split = PRE_TOKENIZERS[pre]
+    """Byte-level BPE over the file's vocabulary (already in GPT-2's byte alphabet), cut
+    by the pre-tokenizer named `pre` (a key of `PRE_TOKENIZERS`)."""
+    rules = PRE_TOKENIZERS[pre]
     pairs = [_merge_pair(merge) for merge in merges]
-    model = models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=split.ignore_merges)
+    model = models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=rules.ignore_merges)
     tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split.pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = rules.pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     _add_tokens(tok, tokens, types)
     return tok

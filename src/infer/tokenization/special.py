@@ -19,8 +19,6 @@ from typing import Any
 
 Encode = Callable[[str], list[int]]  # text -> ids, special-token strings as plain text
 
-LLAMA3_STOP_TOKENS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")  # Llama 3's end-of-sequence tokens
-
 
 def special_pattern(specials: Iterable[str]) -> re.Pattern[str] | None:
     """A regex matching any of the special-token strings, longest first (None: there are none)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from infer.models.gguf.path import is_gguf_path
+from infer.models.special_tokens import LLAMA3_STOP_TOKENS
 from infer.tokenization.backends import (
     HFTokenizersBackend,
     TiktokenBackend,
@@ -26,18 +27,16 @@ from infer.tokenization.backends import (
     TokenLimitExceeded,
     byte_level_bytes,
 )
-from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, render_chat_template
+from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, LLAMA3_HEADER_TOKENS, render_chat_template
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
-from infer.tokenization.special import LLAMA3_STOP_TOKENS, encode_rendered, escape_messages, special_pattern
+from infer.tokenization.special import encode_rendered, escape_messages, special_pattern
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]
 
-LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 # Special-token strings of tokenizer_config.json that templates may refer to.
 TEMPLATE_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token",
                        "sep_token", "cls_token", "mask_token")
-_COMPAT_SAMPLES = 16
 
 
 class Tokenizer:
@@ -71,9 +70,12 @@ class Tokenizer:
         """Load the tokenizer of the local model directory `path` (Hugging Face layout) or
         of the GGUF file `path`."""
         if is_gguf_path(path):
-            from infer.tokenization.gguf import load_gguf_tokenizer  # it builds a Tokenizer
+            from infer.tokenization.gguf import read_gguf_tokenizer  # (the gguf library: GGUF files only)
 
-            return load_gguf_tokenizer(path)
+            parts = read_gguf_tokenizer(path)
+            return cls(parts.backend, name_or_path=str(path), token_strings=parts.token_strings,
+                       extra_eos_ids=parts.eos_token_ids, chat_template=parts.chat_template,
+                       add_bos_token=parts.add_bos_token, add_eos_token=parts.add_eos_token)
         files = locate_tokenizer_files(path)
         if files.tokenizer_json is not None:
             backend: TokenizerBackend = HFTokenizersBackend.from_file(files.tokenizer_json)
@@ -223,29 +225,12 @@ class Tokenizer:
         specials = sorted({t for i in self._backend.special_ids() if (t := self._backend.id_to_token(i))})
         return specials, special_pattern(specials)
 
-    # ----------------------------------------------------------- compatibility
+    # ------------------------------------------------------------- vocabulary
 
-    def compatible_with(self, other: Tokenizer) -> str | None:
-        """None when `other` can share ids with this tokenizer, else what differs.
-
-        Speculative decoding needs the draft and target to agree on the id space, the
-        stop ids and what the (non-special) ids mean; a spread sample of ids is compared.
-        """
-        mine, theirs = self.name_or_path, other.name_or_path
-        if self.vocab_size != other.vocab_size:
-            return (f"vocab_size differs: {self.vocab_size} ({mine}) vs "
-                    f"{other.vocab_size} ({theirs})")
-        if set(self.eos_token_ids) != set(other.eos_token_ids):
-            return (f"eos_token_ids differ: {list(self.eos_token_ids)} ({mine}) vs "
-                    f"{list(other.eos_token_ids)} ({theirs})")
-        step = max(1, self.vocab_size // _COMPAT_SAMPLES)
-        for token_id in range(0, self.vocab_size, step):
-            if self.is_special(token_id) or other.is_special(token_id):
-                continue
-            a, b = self._backend.id_to_token(token_id), other._backend.id_to_token(token_id)
-            if a != b:
-                return f"token {token_id} differs: {a!r} ({mine}) vs {b!r} ({theirs})"
-        return None
+    def vocabulary(self) -> list[str | None]:
+        """The vocabulary string of every id in [0, vocab_size), None for an id without one:
+        what two tokenizers must agree on to share token ids (a draft and its target)."""
+        return [self._backend.id_to_token(token_id) for token_id in range(self.vocab_size)]
 
     # ---------------------------------------------------------------- helpers
 

@@ -1,12 +1,11 @@
-"""One forward pass of a model through a KV pool (eager). The runners and the draft proposer
-all call a `ForwardFn`, so CUDA graphs (executor/graphs.py) replace exactly this
-computation and are tested equal to it on the GPU."""
+"""One forward pass of a model through a KV pool (eager): `EagerForward`, the `ForwardFn`
+(`speculative/forward.py`) that the runner and the draft proposer call, so CUDA graphs
+(executor/graphs.py) replace exactly this computation and are tested equal to it on the GPU."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
 import torch
 
@@ -15,67 +14,12 @@ from infer.cache.view import BatchLayout, BlockMask, CacheView
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.speculative.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.forward import ForwardFn
+from infer.speculative.verifier import verify_greedy_logits, verify_logits
 from infer.speculative.tree import TreeChunk, TreeShape
-from infer.speculative.tree_verify import verify_tree_greedy, verify_tree_logits
+from infer.speculative.forward import ForwardFn
+from infer.speculative.verifier import verify_tree_greedy, verify_tree_logits
 from infer.transfer import tensor_on, to_device
-
-
-class ForwardFn(Protocol):
-    """A forward pass through a pool (`EagerForward`, or `GraphForward` replaying CUDA graphs of it)."""
-
-    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        """ids: CPU [B, T] -> logits [B, T, V] (all_logits) or [B, V] (each row's last token).
-        Commits the layout to the pool."""
-        ...
-
-    def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
-               uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A last-token step, then temperature sampling: (ids [B], probs [B, V]) on the device."""
-        ...
-
-    def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
-               draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
-               uniforms: torch.Tensor) -> torch.Tensor:
-        """A verification step, then rejection sampling: [B, K+2] long on the device."""
-        ...
-
-    def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`steps` sampled last-token steps, each feeding the token the one before sampled:
-        (ids [B, steps], probs [B, steps, V] or None when every row is greedy) on the device.
-        See `EagerForward.draft_loop`."""
-        ...
-
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
-        """A tree chunk (see `TreeChunk`): ids [B, chunk.width] (CPU, or the device) stored at
-        the layout's positions, every row chunk.width wide (rows may be shorter: the rest is
-        padding), rotary positions and visibility from the tree -> logits [B, width, V].
-        Commits the layout to the pool."""
-        ...
-
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
-                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
-                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
-        """A tree verification step (`tree` over the whole block), then the tree verifier for
-        rows sampling with a temperature alone (greedy included): [B, 2 * depth + 2] long on
-        the device, the verifier's packed rows then its accepted nodes. See
-        `verify_on_tree_logits` for the arguments."""
-        ...
-
-    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
-        """Capture `tree` graphs of these chunks for every batch bucket now, and for a
-        verification chunk the tree verifier in these modes too (no-op when eager)."""
-        ...
-
-    def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
-        """Whether a CUDA graph serves this exact layout (callers pad to a captured width)."""
-        ...
-
-    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        """Capture `draft_loop` graphs for these first-step widths and step counts now, at
-        start-up, rather than on first use in the middle of a request (no-op when eager)."""
-        ...
 
 
 def sample_logits(logits: torch.Tensor, temperatures: Sequence[float], uniforms: torch.Tensor,
@@ -225,7 +169,7 @@ class EagerForward:
                uniforms: torch.Tensor) -> torch.Tensor:
         """A verification step (all logits of [g, t_1..t_K] per row), then rejection sampling
         for rows whose only sampling transform is a temperature: [n, K+2] long on the device
-        (`rejection.verify_tensors`' rows). draft_tokens: CPU [n, K]; counts: drafts per row;
+        (`verifier.verify_tensors`' rows). draft_tokens: CPU [n, K]; counts: drafts per row;
         draft_probs: [n, K, V] on the device or None (deterministic proposals); temperatures:
         per row (1.0 for greedy rows); uniforms: CPU float64 [n, K+1]. CUDA graphs capture
         the same function."""

@@ -13,7 +13,7 @@ the sampling itself (`sample`): softmax with per-row temperatures and inverse-CD
 with staged uniforms, so a sampled draft step is one replay rather than a replay plus a
 dozen small kernel launches. Verification likewise (`verify`): a small second graph reads
 the verification graph's logits and runs the whole accept / recover / bonus step
-(`rejection.verify_logits`), so a round's verification is two replays and one copy back
+(`verifier.verify_logits`), so a round's verification is two replays and one copy back
 instead of some forty eager kernel launches. A draft model's whole round (`draft_loop`:
 K sampled steps, each feeding the token the one before sampled) is one graph as well,
 captured per (bucket, width of the first step, K, all greedy): its steps read their
@@ -65,7 +65,7 @@ from infer.engine.executor.tree_graphs import (
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
-from infer.speculative.rejection import verify_greedy_logits, verify_logits
+from infer.speculative.verifier import verify_greedy_logits, verify_logits
 from infer.speculative.tree import TreeChunk
 
 

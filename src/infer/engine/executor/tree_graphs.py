@@ -19,7 +19,7 @@ import torch
 
 from infer.engine.executor.staging import _stage_sampling, _Staging
 from infer.speculative.tree import TreeShape
-from infer.speculative.tree_verify import verify_tree_greedy, verify_tree_logits
+from infer.speculative.verifier import verify_tree_greedy, verify_tree_logits
 
 TREE_VERIFY_MODES = ("greedy", "one_hot", "draft_probs")  # as graphs.VERIFY_MODES
 Record = Callable[[Callable[[], torch.Tensor]], tuple[torch.cuda.CUDAGraph, torch.Tensor]]

@@ -17,7 +17,7 @@ from gguf import TokenType
 from infer.models.config import ModelConfig
 from infer.models.gguf.reader import GGUFFile
 from infer.models.gguf.weights import EMBEDDING, ROPE_FREQS, dequantize_tensor
-from infer.tokenization.special import LLAMA3_STOP_TOKENS
+from infer.models.special_tokens import LLAMA3_STOP_TOKENS
 
 STOP_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                 "tokenizer.ggml.eom_token_id")

@@ -1,0 +1,150 @@
+"""Row constructors, one per measurement kind: what each kind runs and what it records.
+
+    bandwidth    device-to-device copy probe (bench/roofline.py)
+    roofline     batch-1 decode's roofline of a model: its weight bytes / the run's bandwidth
+    engine       a workload on our engine (bench/engine_runner.py)
+    hf           the same workload on transformers `generate` (bench/peers.py)
+    spec_costs   c and v(K) at batch 1 (engine/step_costs.py), the models loaded as the
+                 engine loads them and timed on the engine's CPU threads
+    projection   the paper's speedup table from a spec_costs row
+    batch_sweep  decode step time against batch size (bench/batch_sweep.py)
+    collectives  a tensor-parallel step's collectives, from a profile (bench/collectives.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from infer.bench.batch_sweep import batch_sweep
+from infer.bench.collectives import profile_collectives
+from infer.bench.engine_runner import default_dtype, free_memory, run_engine
+from infer.bench.peers import HFPeer, run_hf
+from infer.bench.roofline import copy_bandwidth, decode_roofline
+from infer.bench.rows import Context, Measured, Module, Need, NoPeers, Outcome, Row
+from infer.bench.theory import projection_table, tree_projection
+from infer.bench.workloads import Workload
+from infer.engine.config import EngineConfig
+from infer.engine.loading import load_models
+from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
+from infer.engine.threads import apply_cpu_threads
+from infer.models.loader import load_model
+
+PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
+TRANSFORMERS = Module("transformers", "transformers>=4.45")
+BANDWIDTH = "bandwidth"
+
+
+def _ref(ctx: Context, name: str, what: str) -> Any:
+    m = ctx.run.get(name)
+    if m is None or not m.ok:
+        raise RuntimeError(f"{what} needs the measurement {name!r}, which did not succeed in this run")
+    return m
+
+
+def bandwidth_row(name: str = BANDWIDTH) -> Row:
+    return Row(name, "device-to-device copy bandwidth (the rooflines' denominator)", "bandwidth", "roofline",
+               lambda ctx: ({}, copy_bandwidth(ctx.device).to_dict()))
+
+
+def roofline_row(label: str, model: str, quantization: str | None = None, needs: tuple[Need, ...] = ()) -> Row:
+    """Row "roofline/<label>[-<quantization>]": `model`'s weights as `quantization` stores them."""
+
+    def run(ctx: Context) -> Outcome:
+        bw = _ref(ctx, BANDWIDTH, "a roofline")
+        dtype = default_dtype(ctx.device)
+        meta, _ = load_model(model, dtype=dtype, device="meta", load_format="dummy", quantization=quantization)
+        roof = decode_roofline(weight_bytes(meta), bw.metrics["bytes_per_s"])
+        return {"model": model, "dtype": dtype, "quantization": quantization}, roof.to_dict()
+
+    name = f"roofline/{label}" + (f"-{quantization}" if quantization else "")
+    return Row(name, f"batch-1 decode roofline of {model}" + (f" in {quantization}" if quantization else ""),
+               "roofline", "roofline", run, {"bandwidth": BANDWIDTH}, (*needs, Measured(BANDWIDTH)))
+
+
+def engine_row(name: str, what: str, group: str, workload: Workload, overrides: Mapping[str, Any],
+               refs: Mapping[str, str] | None = None, paired_with: Mapping[str, Any] | None = None,
+               needs: tuple[Need, ...] = ()) -> Row:
+    """An engine run of `workload` with EngineConfig `overrides`; with `paired_with` (the
+    baseline's overrides) its timed runs alternate with a baseline engine's (at least
+    PAIRED_MIN_REPEATS rounds) and "x baseline" is the paired ratio."""
+
+    def run(ctx: Context) -> Outcome:
+        o = ctx.options
+        threads = {"threads": o.threads} if o.threads is not None else {}
+        repeats = max(o.repeats, PAIRED_MIN_REPEATS) if paired_with is not None else o.repeats
+        return run_engine(ctx.workload(workload), {**threads, **overrides}, device=str(ctx.device),
+                          warmup_tokens=o.warmup_tokens, repeats=repeats,
+                          paired_with=None if paired_with is None else {**threads, **paired_with},
+                          paired_instances=o.paired_instances)
+
+    return Row(name, what, "engine", group, run, dict(refs or {}), needs)
+
+
+def hf_row(name: str, what: str, group: str, workload: Workload, peer: HFPeer,
+           refs: Mapping[str, str] | None = None, needs: tuple[Need, ...] = ()) -> Row:
+    """transformers `generate` on the same weights (skipped under --no-hf or without transformers)."""
+
+    def run(ctx: Context) -> Outcome:
+        return run_hf(ctx.workload(workload), peer, device=str(ctx.device), warmup_tokens=ctx.options.warmup_tokens)
+
+    return Row(name, what, "hf", group, run, dict(refs or {}), (NoPeers(), TRANSFORMERS, *needs))
+
+
+def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,
+              draft_quantization: str | None = None, needs: tuple[Need, ...] = ()) -> Row:
+    """c and v(K) of `target` (and `draft`), loaded by the engine's loader with its checks
+    and timed on the CPU threads the engine would choose (or --threads)."""
+
+    def run(ctx: Context) -> Outcome:
+        config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,
+                              device=str(ctx.device), dtype=default_dtype(ctx.device),
+                              draft_quantization=draft_quantization, threads=ctx.options.threads)
+        cfg = StepCostConfig(repeats=ctx.options.cost_repeats)
+        models = load_models(config, ctx.device)
+        try:
+            threads = apply_cpu_threads(config.threads, ctx.device,
+                                        sum(p.numel() for p in models.target.parameters()))
+            graphs = use_cuda_graphs and ctx.device.type == "cuda"
+            costs = measure_model_costs(models.target, models.draft, graphs, cfg)
+        finally:
+            del models
+            free_memory()
+        params = {"target": target, "draft": draft, "dtype": config.dtype, "draft_quantization": draft_quantization,
+                  "use_cuda_graphs": use_cuda_graphs, "device": str(ctx.device), "threads": threads,
+                  "context_len": cfg.context_len, "max_seq_len": cfg.max_seq_len, "batch_size": 1}
+        return params, costs.to_dict()
+
+    return Row(name, what, "spec_costs", "spec-costs", run, {}, needs)
+
+
+def projection_row(name: str, costs: str) -> Row:
+    """The paper's projected speedups (and static trees') from the c and v(K) of row `costs`."""
+
+    def run(ctx: Context) -> Outcome:
+        m = _ref(ctx, costs, "a projection")
+        if m.metrics.get("c") is None:
+            raise RuntimeError(f"projection needs a draft's cost: {costs!r} measured no c")
+        c, verify = m.metrics["c"], m.metrics["verify_ratio"]
+        paper = projection_table(c)
+        measured = projection_table(c, verify_costs=verify) if len(verify) > max(paper.ks) else None
+        trees = tree_projection(c, verify) if measured else None
+        return ({"costs": costs, "c": c},
+                {"paper": paper.to_dict(), "measured_verify": measured.to_dict() if measured else None,
+                 "trees": trees.to_dict() if trees else None})
+
+    return Row(name, f"projected speedup for acceptance 0.6..0.9, K 1..8 and static trees, from {costs}",
+               "projection", "spec-costs", run, {"costs": costs}, (Measured(costs),))
+
+
+def batch_sweep_row(name: str, what: str, group: str, overrides: Mapping[str, Any],
+                    batches: tuple[int, ...]) -> Row:
+    return Row(name, what, "batch_sweep", group,
+               lambda ctx: batch_sweep(overrides, batches, device=str(ctx.device)))
+
+
+def collectives_row(name: str, what: str, group: str, workload: Workload, overrides: Mapping[str, Any],
+                    needs: tuple[Need, ...] = ()) -> Row:
+    return Row(name, what, "collectives", group,
+               lambda ctx: profile_collectives(ctx.workload(workload), overrides, device=str(ctx.device)),
+               needs=needs)

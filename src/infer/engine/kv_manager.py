@@ -1,0 +1,94 @@
+"""KVManager: the memory every request holds, owned by the scheduler.
+
+Capacity, admission and growth of the target's KV pool and of the pools other parts keep
+per request (a draft model's), in one place. A part with memory of its own registers a
+`KVHolder` (speculation does, for its proposer); the scheduler asks the manager, never the
+runner, whether a request can be admitted, how many positions its next decode step writes
+(`decode_demand`: 1, or a speculation round's block), and to grow or free its memory.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.engine.request import Request
+
+
+class KVHolder(Protocol):
+    """Per-request memory besides the target's (a draft model's pool)."""
+
+    def can_admit(self, request: Request) -> bool:
+        """Whether its memory could hold the request's prompt."""
+        ...
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        """Room for positions < total_tokens; False (nothing taken) when memory is short."""
+        ...
+
+    def release(self, request: Request) -> None:
+        """The request finished or was preempted: drop its state and memory."""
+        ...
+
+    def pools(self) -> list[CachePoolProtocol]: ...
+
+    def leak_report(self) -> list[str]: ...
+
+
+class KVManager:
+    def __init__(self, pool: CachePoolProtocol, prefix_caching: bool, max_seq_len: int, decode_width: int = 1) -> None:
+        """pool: the target's; decode_width: positions a decode step writes at most (1, or
+        a speculation round's block: g and its drafts)."""
+        if decode_width < 1:
+            raise ValueError(f"decode_width must be >= 1, got {decode_width}")
+        self.pool = pool
+        self.prefix_caching = prefix_caching
+        self.max_seq_len = max_seq_len
+        self.decode_width = decode_width
+        self.holders: list[KVHolder] = []
+
+    def register(self, holder: KVHolder) -> None:
+        self.holders.append(holder)
+
+    def can_admit(self, request: Request) -> bool:
+        return self.pool.can_allocate(request.prefill_target) and all(h.can_admit(request) for h in self.holders)
+
+    def allocate(self, request: Request) -> None:
+        """The request's target slot, with the cached prefix of its prompt counted as computed."""
+        prefix = request.prompt_token_ids if self.prefix_caching else None
+        request.slot = self.pool.allocate_slot(request.prefill_target, prefix)
+        request.num_computed_tokens = self.pool.seq_len(request.slot)
+
+    def decode_demand(self, request: Request) -> int:
+        """Positions the request's next decode step may write (never past max_seq_len: the
+        length guards shrink a speculation round there)."""
+        room = self.max_seq_len - request.num_computed_tokens
+        return self.decode_width if room >= self.decode_width else max(1, room)
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        """Room for positions < total_tokens in every pool; False when memory is short (the
+        scheduler preempts). One position is a plain step's: the holders write nothing then
+        (a draft catches up, its cache grown, when the request drafts again)."""
+        assert request.slot is not None
+        return self.pool.ensure_capacity(request.slot, total_tokens) and (
+            total_tokens <= request.num_computed_tokens + 1
+            or all(h.ensure_capacity(request, total_tokens - 1) for h in self.holders))
+
+    def release(self, request: Request) -> None:
+        for holder in self.holders:
+            holder.release(request)
+        if request.slot is not None:
+            self.pool.free_slot(request.slot)
+            request.slot = None
+
+    def pools(self) -> list[CachePoolProtocol]:
+        """Every pool requests hold memory in (the target's first)."""
+        return [self.pool] + [p for h in self.holders for p in h.pools()]
+
+    def capacity_tokens(self) -> int | None:
+        """Tokens the smallest pool holds (None: unbounded, e.g. slotted pools)."""
+        caps = [c for c in (p.total_token_capacity() for p in self.pools()) if c is not None]
+        return min(caps) if caps else None
+
+    def leak_report(self) -> list[str]:
+        return self.pool.leak_report() + [line for h in self.holders for line in h.leak_report()]

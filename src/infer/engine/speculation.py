@@ -1,0 +1,194 @@
+"""Speculation: what the runner needs to draft, built once from the engine's config.
+
+`Speculation.build` makes the proposer (a draft model with its own KV pool and forward
+functions, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
+the draft's measured cost c), the round clock of the adaptive policy, and the round's
+draft shape: a chain of K (`chain_shape`), or the static tree `spec_tree`.
+
+Each decode step asks it for the depth every request drafts (`depths`): the policy's K, cut
+by the length guards (no position past max_seq_len, no more drafts than the request can
+still emit; a tree's depth also by the storage its block needs), all 0 above
+`spec_disable_batch_size` and while the clock wants plain steps timed. Depth 0 everywhere
+is a plain decode step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infer.cache.protocol import CachePoolProtocol
+from infer.engine.config import EngineConfig
+from infer.engine.executor.factory import Executor
+from infer.engine.request import Request
+from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
+from infer.models.kernels import Kernels
+from infer.models.llama import LlamaForCausalLM
+from infer.speculative.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
+from infer.speculative.forward import ForwardFn
+from infer.speculative.metrics import SpecStats
+from infer.speculative.ngram import NgramConfig, NgramProposer
+from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy, SpecPolicy
+from infer.speculative.proposer import Proposer
+from infer.speculative.round_clock import RoundClock
+from infer.speculative.tree import TreeChunk, TreeShape, chain_shape
+
+# the adaptive policy's one-off cost measurement at start (GPU): timed calls per shape
+COST_REPEATS, COST_WARMUP = 10, 3
+
+
+def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
+    """Overflow guard: positions seq_len..seq_len+k must fit; no more drafts than can be emitted."""
+    return max(0, min(k, max_seq_len - seq_len - 1, tokens_left - 1))
+
+
+def fit_depth(shape: TreeShape, k: int, seq_len: int, max_seq_len: int) -> int:
+    """The largest depth <= k whose block fits: positions seq_len .. seq_len + level_starts[depth]."""
+    while k > 0 and seq_len + shape.level_starts[k] >= max_seq_len:
+        k -= 1
+    return k
+
+
+@dataclass
+class Speculation:
+    proposer: Proposer
+    draft: DraftModelProposer | None  # the proposer when it is a draft model
+    policy: SpecPolicy
+    clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
+    tree: TreeShape | None  # None: chains of up to `spec_length`
+    spec_length: int
+    config: EngineConfig
+    stats: SpecStats
+
+    @classmethod
+    def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
+              draft_kernels: Kernels) -> Speculation:
+        """The proposer and policy; the adaptive policy's costs are measured by `start`."""
+        tree = None if config.spec_tree is None else TreeShape.parse(config.spec_tree)
+        draft = None
+        if config.speculative_method != "draft_model":
+            proposer: Proposer = NgramProposer(NgramConfig(method=config.speculative_method,
+                                                           max_order=config.ngram_max_order,
+                                                           min_order=config.ngram_min_order,
+                                                           window=config.ngram_window))
+        elif draft_model is None:
+            raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
+        else:
+            proposer = draft = _draft_proposer(config, executor, draft_model, draft_kernels, tree)
+        policy: SpecPolicy = FixedPolicy(config.spec_length)
+        return cls(proposer, draft, policy, None, tree, config.spec_length, config, SpecStats())
+
+    def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
+        """Once the target's decode forward exists: capture a tree's graphs, and measure the
+        adaptive policy's costs (which time that forward)."""
+        if self.tree is not None:
+            vocab = target.config.vocab_size
+            if max(self.tree.branching) > vocab:
+                raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.branching)} children of a node but "
+                                 f"the vocabulary has {vocab} tokens")
+            modes = ("greedy", "one_hot") + (("draft_probs",) if self.draft is not None else ())
+            forward.prepare_trees([TreeChunk.verification(self.tree)], verify_modes=modes)
+            if self.draft is not None:  # the draft's levels 1 .. D-1 (the deepest is never fed)
+                self.draft.step_forward.prepare_trees([TreeChunk.level(self.tree, d)
+                                                       for d in range(1, self.tree.depth)])
+        if self.config.spec_policy == "adaptive":
+            c, slope = self._cost_coefficients(forward, pool, target)
+            self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))
+            if self.config.spec_cost_coefficient is None:  # (a given c is taken as is: no timing)
+                self.clock = RoundClock(self.policy.round_cost)
+
+    def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
+                           target: LlamaForCausalLM) -> tuple[float, float]:
+        """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
+        through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
+        ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
+        `spec_cost_coefficient` overrides c."""
+        c = self.config.spec_cost_coefficient
+        draft = self.draft
+        if next(target.parameters()).device.type != "cuda":
+            if c is None:
+                c = 0.0 if draft is None else weight_bytes(draft.model) / weight_bytes(target)
+            return c, 0.0
+        k = self.spec_length
+        context = max(1, min(256, self.config.max_seq_len - k - 2))
+        costs = measure_spec_costs(forward, pool, None if draft is None else draft.step_forward,
+                                   None if draft is None else draft.pool, target.config.vocab_size,
+                                   StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
+                                                  k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))
+        if c is None:
+            c = costs.c if costs.c is not None else 0.0
+        return c, max(0.0, (costs.verify_ratio[k] - 1.0) / k)
+
+    def shape(self, depths: Sequence[int]) -> TreeShape:
+        """The round's draft shape: the tree, or a chain as long as the deepest row's."""
+        return self.tree if self.tree is not None else chain_shape(max(depths))
+
+    def block_width(self) -> int:
+        """Positions a round writes to the target's cache at most: g and the nodes."""
+        return 1 + (self.tree.num_nodes if self.tree is not None else self.spec_length)
+
+    def depths(self, requests: Sequence[Request]) -> list[int]:
+        """Each request's draft depth this step (module docstring)."""
+        limit = self.config.spec_disable_batch_size
+        if limit is not None and len(requests) > limit:
+            return [0] * len(requests)
+        clock = self.clock
+        ks = self.policy.choose(requests, 0.0 if clock is None else clock.overhead(len(requests)))
+        max_len = self.config.max_seq_len
+        ks = [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
+        if self.tree is not None:
+            ks = [fit_depth(self.tree, k, r.num_computed_tokens, max_len) for r, k in zip(requests, ks, strict=True)]
+        if clock is not None and any(ks) and clock.needs_plain(len(requests)):
+            return [0] * len(requests)
+        return ks
+
+    # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
+    def can_admit(self, request: Request) -> bool:
+        return self.proposer.can_admit(request)
+
+    def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
+        return self.proposer.ensure_capacity(request, total_tokens)
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return self.proposer.pools()
+
+    def release(self, request: Request) -> None:
+        self.proposer.release(request)
+        self.policy.release(request.request_id)  # (a preempted request learns again)
+
+    def leak_report(self) -> list[str]:
+        return self.proposer.leak_report() + self.policy.leak_report()
+
+
+def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
+                    tree: TreeShape | None) -> DraftModelProposer:
+    """The draft model's proposer: its pool and forward functions, graphs captured now."""
+    pool = executor.make_pool(draft_model, config, prefix_caching=False)
+    # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted
+    # round, a few more after plain steps (longer catch-ups run as their own prefill);
+    # small batches also get a graph for catch-up chunks
+    feeds = range(1, DRAFT_MAX_FEED + 1)
+    step = executor.make_forward(draft_model, pool, config.use_cuda_graphs, config.max_batch_size,
+                                 shapes=[(w, False) for w in feeds], kernels=kernels, sample_widths=tuple(feeds),
+                                 small_batch_shapes=[(CATCH_UP_CHUNK, False)],
+                                 sampling_batch_max=config.cuda_graph_sampling_batch_max)
+    # a chain's whole-round graphs now, not in the middle of a request: K after a round (1
+    # or 2 tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
+    # probes; other lengths are captured on first use (a tree's levels: `start`)
+    if tree is None:
+        k = config.spec_length
+        step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
+    eager = executor.make_forward(draft_model, pool, False, config.max_batch_size, shapes=[])
+    return DraftModelProposer(draft_model, pool, step, eager)
+
+
+def verify_widths(config: EngineConfig) -> tuple[list[tuple[int, bool]], tuple[str, ...]]:
+    """The target's decode forward shapes and acceptance modes to capture: plain decode
+    (width 1, last logits); a chain's verification widths 1..K+1 (k varies per round with the
+    policy and the guards) with the acceptance step in its modes (greedy batches, one-hot
+    drafts, a draft model's probabilities). A tree's block is captured by `start`."""
+    if not config.use_speculative_decoding or config.spec_tree is not None:
+        return [(1, False)], ()
+    shapes = [(w, True) for w in range(1, config.spec_length + 2)] + [(1, False)]
+    modes = ("greedy", "one_hot") + (("draft_probs",) if config.speculative_method == "draft_model" else ())
+    return shapes, modes

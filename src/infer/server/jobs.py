@@ -51,6 +51,7 @@ class Job:
     stream: AsyncIterator[StepOutput] | None = None
     tracker: RequestTracker | None = None
     abort_reason: str | None = None  # "shutdown" once the server aborted it
+    started: bool = False  # handed (or being handed) to the engine
     closed: bool = False  # aborted (or never to be started)
     released: bool = False  # its admission counted down
     _peeked: list[StepOutput] = field(default_factory=list)
@@ -70,6 +71,7 @@ class Job:
                 500, "the request was aborted", SERVER_ERROR, None, "aborted")
         host, engine = self.host, self.host.engine
         host.reserved -= 1
+        self.started = True
         try:
             self.stream = await engine.add_request(self.prompt_ids, self.params, self.request_id)
         except ValueError as exc:
@@ -116,19 +118,20 @@ class Job:
         return reason
 
     def close(self, reason: str = "abort") -> None:
-        """Abort the choice unless it already finished (idempotent); one never started is dropped."""
+        """Abort the choice unless it already finished (idempotent); one never started is
+        dropped. Its admission is released at once (the engine frees its slot at its next step)."""
         if self.closed or self.released:
             return
         self.closed = True
         if reason == "shutdown":
             self.abort_reason = reason
-        if self.stream is None:  # never handed to the engine
+        if not self.started:
             self.host.reserved -= 1
-            self._release()
-            return
-        self.host.engine.abort(self.request_id)
-        if self.tracker is not None:
-            self.tracker.finish("abort")
+        else:  # (also while being added: the engine applies the abort after the add)
+            self.host.engine.abort(self.request_id)
+            if self.tracker is not None:
+                self.tracker.finish("abort")
+        self._release()
 
     def _release(self) -> None:
         if not self.released:
@@ -190,6 +193,10 @@ class Jobs(list[Job]):
                             queue.put_nowait((index, out))
             except APIError as exc:
                 queue.put_nowait((index, exc))
+            except Exception:  # noqa: BLE001 - reported to the client, logged here
+                log.exception("choice %d of request %s failed", index, job.request_id)
+                queue.put_nowait((index, APIError(500, "internal server error: the server log has the details",
+                                                  SERVER_ERROR, None, "internal_error")))
             finally:
                 queue.put_nowait((index, None))
 

@@ -44,6 +44,8 @@ class Prepared:
 
 
 class Preparer:
+    """Parses and prepares requests in its thread pool, within the bounds read off the model."""
+
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
@@ -84,6 +86,7 @@ class Preparer:
             self._waits.discard(abandoned)
         if not work.done():
             work.cancel()  # (a job still queued never runs; a running one ends, bounded)
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome is nobody's
             raise abandoned.result()
         return work.result()
 

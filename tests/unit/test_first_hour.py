@@ -53,6 +53,7 @@ def test_missing_server_extra_names_the_distribution(entry: str, monkeypatch: py
 @pytest.mark.parametrize("flags, says", [
     (["--draft-model", "/nonexistent"], "--draft-model needs --speculative-decoding"),
     (["--speculative-method", "ngram"], "--speculative-method needs --speculative-decoding"),
+    (["--speculative-method", "draft_model"], "--speculative-method needs --speculative-decoding"),  # the default
     (["--speculative-decoding", "--draft-model", "/nonexistent"], "--draft-model: model directory '/nonexistent'"),
     (["--model", "/nonexistent"], "--model: model directory '/nonexistent'"),
     (["--speculative-decoding", "--spec-tree", "2,1", "--spec-policy", "adaptive"], "--spec-policy fixed"),

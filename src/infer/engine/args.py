@@ -74,9 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             base = _base_type(hint)
             shown = "" if field.default is None and "default:" in help_text else f" (default: {field.default})"
-            default = None if field.name in _SPECULATION_ONLY else field.default  # None: not given
-            group.add_argument(*names, dest=field.name, type=base, default=default, choices=CHOICES.get(field.name),
-                               help=f"{help_text}{shown}".strip())
+            action = _Given if field.name in _SPECULATION_ONLY else "store"
+            group.add_argument(*names, dest=field.name, type=base, default=field.default, action=action,
+                               choices=CHOICES.get(field.name), help=f"{help_text}{shown}".strip())
 
 
 def _base_type(hint: Any) -> type:
@@ -85,6 +85,15 @@ def _base_type(hint: Any) -> type:
 
 
 _SPECULATION_ONLY = ("draft_model", "speculative_method")  # flags that mean nothing without speculation
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was typed (`given_<dest>`), whatever its value."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"given_{self.dest}", True)
 
 
 def flag(field: str) -> str:
@@ -116,15 +125,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the flags; ValueError (naming flags) or FileNotFoundError before
     any weight loads."""
     if not args.use_speculative_decoding:
-        given = [flag(name) for name in _SPECULATION_ONLY if getattr(args, name) is not None]
+        given = [flag(name) for name in _SPECULATION_ONLY if getattr(args, f"given_{name}", False)]
         if given:
             raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
                              "--speculative-decoding: add it (or drop them)")
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    for name in _SPECULATION_ONLY:
-        if values[name] is None:
-            values[name] = defaults[name]
     try:
         config = EngineConfig(**values)
     except ValueError as exc:

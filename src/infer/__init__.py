@@ -23,6 +23,7 @@ _WHERE = {"LLM": "infer.llm", "SamplingParams": "infer.sampling", "EngineConfig"
           "RequestOutput": "infer.engine.output", "CompletionOutput": "infer.engine.output"}
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+DISTRIBUTION = "infer-engine"  # the name on PyPI (`pip install infer-engine`); the module and command are `infer`
 
 
 def __getattr__(name: str) -> Any:

@@ -14,7 +14,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+from infer import DISTRIBUTION, __version__
 from infer.engine.args import add_engine_args, engine_config_from_args
 
 CLI_TEMPERATURE, CLI_MAX_TOKENS = 0.0, 128  # the library's SamplingParams defaults are 1.0 and 16
@@ -59,20 +61,38 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not args.chat:
         sys.stdout.write(args.prompt)
     start = time.perf_counter()
+    first: float | None = None  # when the first token (the end of prefill) arrived
     while not request.is_finished:
         for _, out in engine.step():
+            if first is None and out.token_id is not None:
+                first = time.perf_counter()
             sys.stdout.write(out.text_delta)
             sys.stdout.flush()
-    elapsed = time.perf_counter() - start
-    n = len(request.output_token_ids)
-    summary = f"\n\n[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s, finish: {request.finish_reason.value}"
+    end = time.perf_counter()
+    print("\n\n" + _summary(len(request.output_token_ids), start, first, end)
+          + f", finish: {request.finish_reason.value}" + _extra(request, engine.threads) + "]")
+    engine.close()
+    return 0
+
+
+def _summary(n: int, start: float, first: float | None, end: float) -> str:
+    """"[N tokens in T s (prefill P s), D tokens/s decode": the rate counts the tokens after the
+    first over the time after it, so a long prompt's prefill does not dilute it."""
+    text = f"[{n} tokens in {end - start:.2f} s"
+    if first is None:
+        return text
+    text += f" (prefill {first - start:.2f} s)"
+    if n > 1 and end > first:
+        text += f", {(n - 1) / (end - first):.1f} tokens/s decode"
+    return text
+
+
+def _extra(request: Any, threads: int | None) -> str:
+    summary = ""
     if request.mean_acceptance_rate() is not None:
         summary += (f", acceptance {request.mean_acceptance_rate():.2f}, "
                     f"{request.mean_accepted_length():.2f} tokens/round")
-    threads = f", {engine.threads} CPU thread(s)" if engine.threads else ""
-    print(summary + threads + "]")
-    engine.close()
-    return 0
+    return summary + (f", {threads} CPU thread(s)" if threads else "")
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -83,12 +103,6 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        raise SystemExit(f"error: `infer serve` needs the server extra ({exc}): pip install -e '.[server]' "
-                         "(or pip install 'infer[server]')") from None
     from infer.server.__main__ import serve
 
     return serve(args)
@@ -112,6 +126,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser, with flags only for the command named in `argv` (if any)."""
     parser = argparse.ArgumentParser(prog="infer", description=__doc__,
                                      epilog="`infer COMMAND --help` lists a command's flags and their defaults")
+    parser.add_argument("--version", action="version", version=f"infer {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (help_text, add_args) in COMMANDS.items():

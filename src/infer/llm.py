@@ -4,20 +4,23 @@
     outs = llm.generate(["prompt", ...], SamplingParams(temperature=0, max_tokens=64))
     outs = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=...)
     llm.chat([{"role": "user", "content": "hi"}], SamplingParams(...))
+    outs = llm.generate("prompt", SamplingParams(n=4, temperature=0.8))   # 4 samples: outs[0].outputs
 
-All prompts are submitted to the engine at once and run with continuous batching.
+All prompts (and all samples of each) are submitted to the engine at once and run with
+continuous batching.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.request import Request
 from infer.engine.output import CompletionOutput, RequestOutput
-from infer.sampling import SamplingParams
+from infer.sampling import SamplingParams, derive_seed
 
 Message = dict[str, str]
 
@@ -25,8 +28,9 @@ Message = dict[str, str]
 class LLM:
     """A model loaded for offline generation: `generate` for prompts, `chat` for conversations.
 
-    `model` is a local directory in Hugging Face layout, a hub id, a dummy shape such as
-    "dummy:llama-3.2-3b" (random weights, for timing), or None for the bundled demo target.
+    `model` is a local directory in Hugging Face layout, a hub id, a llama.cpp `.gguf` file
+    (its weights, configuration and tokenizer), a dummy shape such as "dummy:llama-3.2-3b"
+    (random weights, for timing), or None for the bundled demo target.
     Every other keyword is a field of `infer.EngineConfig` (validated; a wrong name or
     value raises ValueError naming it). The main ones:
 
@@ -39,23 +43,32 @@ class LLM:
         kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
         use_cuda_graphs=False    CUDA graphs for decode and speculation steps
         use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup"),
-        draft_model=None (the demo draft with the demo target), spec_length=5 (a tree: its depth), spec_policy="fixed"
+        draft_model=None (the demo draft with the demo target; a directory, hub id or .gguf file),
+        spec_length=5 (a tree: its depth), spec_policy="fixed"
         seed=0                   seeds requests that set none: the same call gives the same text
         tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;
                                  `close()` or garbage collection ends them)
 
     See `EngineConfig` for the rest (KV cache size, chunked prefill budget, n-gram orders).
-    `with LLM(...) as llm:` closes the engine at the end of the block.
+    `with LLM(...) as llm:` closes the engine at the end of the block; generating after
+    `close()` raises RuntimeError.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
         self.engine = Engine(self.config)
+        self.closed = False
 
     def close(self) -> None:
         """End the engine's worker processes (tensor parallelism; done too when the LLM is
-        garbage-collected, or at exit). Generating afterwards is an error."""
+        garbage-collected, or at exit). Generating afterwards raises RuntimeError."""
+        self.closed = True
         self.engine.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM is closed (close() was called, or its `with` block ended): "
+                               "create a new LLM to generate")
 
     def __enter__(self) -> LLM:
         return self
@@ -80,16 +93,14 @@ class LLM:
         BOS added as it is configured) or `prompt_token_ids` (lists of ids), not both.
         `sampling_params` is one SamplingParams for all prompts or one per prompt; the
         default is `SamplingParams()` (temperature 1.0, at most 16 tokens). All prompts run
-        together with continuous batching. Each output's `outputs[0]` holds the text, token
-        ids, finish reason ("stop" or "length"), log-probabilities when asked for, and the
-        speculative acceptance statistics when speculation is on. `use_tqdm` is accepted
-        for vLLM compatibility and ignored.
+        together with continuous batching. Each output's `outputs` holds `n` samples (one by
+        default): the text, token ids, finish reason ("stop" or "length"), log-probabilities
+        when asked for, and the speculative acceptance statistics when speculation is on.
+        `use_tqdm` is accepted for vLLM compatibility and ignored.
         """
+        self._check_open()
         texts, id_lists = self._prompts(prompts, prompt_token_ids)
-        params = _per_prompt(sampling_params, len(id_lists))
-        requests = [self.engine.add_request(ids, p) for ids, p in zip(id_lists, params, strict=True)]
-        self._run(requests, use_tqdm)
-        return [_to_output(r, t) for r, t in zip(requests, texts, strict=True)]
+        return self._complete(id_lists, _per_prompt(sampling_params, len(id_lists)), texts)
 
     def chat(
         self,
@@ -103,6 +114,7 @@ class LLM:
         messages are encoded as what they are, text (`Tokenizer.encode_chat`); the
         template's own special tokens stay real.
         """
+        self._check_open()
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -110,10 +122,15 @@ class LLM:
                    for c in conversations]
         ids = [self.tokenizer.encode_chat(list(c), add_generation_prompt=add_generation_prompt)
                for c in conversations]
-        params = _per_prompt(sampling_params, len(ids))
-        requests = [self.engine.add_request(i, p) for i, p in zip(ids, params, strict=True)]
-        self._run(requests, use_tqdm=False)
-        return [_to_output(r, t) for r, t in zip(requests, prompts, strict=True)]
+        return self._complete(ids, _per_prompt(sampling_params, len(ids)), list(prompts))
+
+    def _complete(self, id_lists: list[list[int]], params: list[SamplingParams],
+                  texts: list[str | None]) -> list[RequestOutput]:
+        """Run every sample of every prompt together; one RequestOutput per prompt."""
+        requests = [[self.engine.add_request(ids, replace(p, n=1, seed=derive_seed(p.seed, i))) for i in range(p.n)]
+                    for ids, p in zip(id_lists, params, strict=True)]
+        self._run([r for samples in requests for r in samples])
+        return [_to_output(samples, t) for samples, t in zip(requests, texts, strict=True)]
 
     def _prompts(self, prompts: str | Sequence[str] | None,
                  prompt_token_ids: Sequence[Sequence[int]] | None) -> tuple[list[str | None], list[list[int]]]:
@@ -127,7 +144,7 @@ class LLM:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         return list(texts), [self.tokenizer.encode(t) for t in texts]
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
+    def _run(self, requests: list[Request]) -> None:
         try:
             while any(not r.is_finished for r in requests):
                 self.engine.step()
@@ -147,17 +164,23 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
     return list(params)
 
 
-def _to_output(request: Request, prompt: str | None) -> RequestOutput:
-    completion = CompletionOutput(
-        index=0, text=request.output_text, token_ids=list(request.output_token_ids),
+def _completion(index: int, request: Request) -> CompletionOutput:
+    return CompletionOutput(
+        index=index, text=request.output_text, token_ids=list(request.output_token_ids),
         finish_reason=request.finish_reason.value if request.finish_reason else None,
         logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
         acceptance_rate=request.mean_acceptance_rate(), mean_accepted_length=request.mean_accepted_length())
+
+
+def _to_output(samples: list[Request], prompt: str | None) -> RequestOutput:
+    """One prompt's output: its samples' completions; the timing metrics are the first sample's."""
+    request = samples[0]
+    completions = [_completion(i, r) for i, r in enumerate(samples)]
     metrics: dict[str, float] = {}
     if request.first_token_time is not None:
         metrics["time_to_first_token_s"] = request.first_token_time - request.arrival_time
     if request.finish_time is not None and request.first_token_time is not None and len(request.output_token_ids) > 1:
         metrics["decode_tokens_per_s"] = (len(request.output_token_ids) - 1) / max(
             request.finish_time - request.first_token_time, 1e-9)
-    return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), [completion],
-                         finished=request.is_finished, metrics=metrics)
+    return RequestOutput(request.request_id, prompt, list(request.prompt_token_ids), completions,
+                         finished=all(r.is_finished for r in samples), metrics=metrics)

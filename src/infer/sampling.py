@@ -88,6 +88,8 @@ class SamplingParams:
     seed               None: the engine's seed decides; an int: reproducible samples.
     logprobs           None; N >= 0: each token's log-probability (raw model
                        distribution, see infer.logprobs) and the N most likely tokens.
+    n                  1; independent samples of the prompt (`LLM.generate` returns n
+                       outputs per prompt; sample i > 0 is seeded with derive_seed(seed, i)).
     """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
@@ -102,8 +104,11 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2], 0 = off (OpenAI semantics, over prompt + output)
     frequency_penalty: float = 0.0  # in [-2, 2], 0 = off
     logprobs: int | None = None  # None = off; N = the sampled token's log-probability and the N most likely
+    n: int = 1  # samples (choices) of the prompt
 
     def __post_init__(self) -> None:
+        if not is_strict_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (samples of the prompt), got {self.n!r}")
         self._check_floats()
         self._check_openai_penalties()
         if self.logprobs is not None and (not is_strict_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

@@ -174,7 +174,8 @@ def test_unknown_route_is_404_error_json(server: LiveServer) -> None:
 
 
 def test_full_queue_gives_429_with_retry_after(server: LiveServer) -> None:
-    """Hold the engine thread so that admitted requests stay queued; the next one gets 429."""
+    """Hold the engine thread so that admitted requests stay queued: max_batch_size +
+    QUEUE_LIMIT fit, the next one gets 429."""
     entered, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -185,9 +186,11 @@ def test_full_queue_gives_429_with_retry_after(server: LiveServer) -> None:
     holder.start()
     try:
         assert entered.wait(30)
-        with ThreadPoolExecutor(QUEUE_LIMIT) as pool:
-            queued = [pool.submit(post, server, "/v1/completions", OK_BODY) for _ in range(QUEUE_LIMIT)]
-            wait_until(lambda: server.state.queue_depth() == QUEUE_LIMIT)
+        capacity = server.state.capacity
+        assert capacity == QUEUE_LIMIT + server.engine.engine.config.max_batch_size
+        with ThreadPoolExecutor(capacity) as pool:
+            queued = [pool.submit(post, server, "/v1/completions", OK_BODY) for _ in range(capacity)]
+            wait_until(lambda: server.state.open_choices == capacity)
             for stream in (True, False):
                 with httpx.stream("POST", server.url + "/v1/completions", json={**OK_BODY, "stream": stream},
                                   timeout=60) as r:
@@ -196,7 +199,7 @@ def test_full_queue_gives_429_with_retry_after(server: LiveServer) -> None:
                 assert int(r.headers["retry-after"]) >= 1
                 assert error["type"] == "rate_limit_error"
             release.set()
-            assert [f.result().status_code for f in queued] == [200] * QUEUE_LIMIT
+            assert [f.result().status_code for f in queued] == [200] * capacity
     finally:
         release.set()
         holder.join(60)

@@ -38,7 +38,7 @@ def test_schemathesis_finds_no_server_errors_or_schema_violations(server: LiveSe
            "--workers", "1", "--request-timeout", "60", "--suppress-health-check", "all"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "5 selected" in proc.stdout
+    assert " passed" in proc.stdout and "6 selected" in proc.stdout
     server.settle()
     assert server.leak_report() == []
     assert server.engine.healthy

@@ -1,22 +1,34 @@
 """Command-line flags for EngineConfig, shared by `infer generate`, `infer serve`, `infer bench`
-and `python -m infer.server`. One flag per field (`--max-batch-size`), plus the
-specification's short names `--speculative-decoding`, `--draft-model`, `--spec-length`."""
+and `python -m infer.server`. One flag per field (`--max-batch-size`; `--speculative-decoding`
+for `use_speculative_decoding`), string fields with their choices.
+
+`engine_config_from_args` checks what the flags can get wrong before anything loads: the
+config's own validation (its errors name the flags, not the fields), `--draft-model` or
+`--speculative-method` without `--speculative-decoding` (an error: speculation is switched on
+by that one flag), and model paths that do not exist.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
+from pathlib import Path
 from typing import Any
 
-from infer.engine.config import EngineConfig
+from infer.engine.config import CHOICES, EngineConfig
 
 _ALIASES = {"use_speculative_decoding": ["--speculative-decoding"]}
 _HELP = {
+    "use_speculative_decoding": "speculative decoding: a draft proposes K tokens, the model verifies them in one "
+                                "forward (lossless); the draft is --speculative-method's",
+    "use_cuda_graphs": "capture decode and speculation steps as CUDA graphs (less CPU launch overhead)",
+    "speculative_method": "where drafts come from (needs --speculative-decoding)",
     "model": "local model directory (Hugging Face layout), hub id or llama.cpp .gguf file; default: the "
              "bundled demo target",
-    "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file); default with the "
-                   "demo target: the demo draft",
+    "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file; needs "
+                   "--speculative-decoding); default with the demo target: the demo draft",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive); "
                    "default: 5, or the depth of --spec-tree",
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
@@ -62,8 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             base = _base_type(hint)
             shown = "" if field.default is None and "default:" in help_text else f" (default: {field.default})"
-            group.add_argument(*names, dest=field.name, type=base, default=field.default,
-                               help=f"{help_text}{shown}".strip())
+            action = _Given if field.name in _SPECULATION_ONLY else "store"
+            group.add_argument(*names, dest=field.name, type=base, default=field.default, action=action,
+                               choices=CHOICES.get(field.name), help=f"{help_text}{shown}".strip())
 
 
 def _base_type(hint: Any) -> type:
@@ -71,6 +84,73 @@ def _base_type(hint: Any) -> type:
     return args[0] if args else hint
 
 
+_SPECULATION_ONLY = ("draft_model", "speculative_method")  # flags that mean nothing without speculation
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that the flag was typed (`given_<dest>`), whatever its value."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"given_{self.dest}", True)
+
+
+def flag(field: str) -> str:
+    """The command-line flag of an EngineConfig field."""
+    return _ALIASES.get(field, ["--" + field.replace("_", "-")])[0]
+
+
+def flag_text(message: str) -> str:
+    """An EngineConfig error rewritten with flags for fields: "set use_speculative_decoding=True"
+    -> "set --speculative-decoding", "spec_policy='fixed'" -> "--spec-policy fixed"."""
+    names = sorted((f.name for f in dataclasses.fields(EngineConfig)), key=len, reverse=True)
+    pattern = re.compile(rf"(?<![-\w'])({'|'.join(names)})\b(=True\b|=False\b|='[^']*'|=[^\s,;:)]+)?")
+
+    def replace(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        if value is None and "_" not in name and match.start() > 0:
+            return match.group(0)  # one-word names ("model", "device") are also plain words
+        option = flag(name)
+        if value in (None, "=True"):
+            return option
+        if value == "=False":
+            return f"no {option}"
+        return f"{option} {value[1:].strip(chr(39))}"
+
+    return pattern.sub(replace, message)
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of the flags; ValueError (naming flags) or FileNotFoundError before
+    any weight loads."""
+    if not args.use_speculative_decoding:
+        given = [flag(name) for name in _SPECULATION_ONLY if getattr(args, f"given_{name}", False)]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                             "--speculative-decoding: add it (or drop them)")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**values)
+    try:
+        config = EngineConfig(**values)
+    except ValueError as exc:
+        raise ValueError(flag_text(str(exc))) from None
+    check_model_paths(config)
+    return config
+
+
+def check_model_paths(config: EngineConfig) -> None:
+    """FileNotFoundError (naming the flag) for a --model or --draft-model that names no local
+    directory or GGUF file and is no hub id, before anything loads."""
+    from infer.engine.loading import default_model_paths
+    from infer.models.loader import resolve_model_path
+
+    if config.load_format == "dummy":
+        return
+    target, draft = default_model_paths(config)
+    for name, path in (("model", target), ("draft_model", draft)):
+        if path is None or path.startswith("dummy:") or Path(path).expanduser().is_file():
+            continue
+        try:
+            resolve_model_path(path)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{flag(name)}: {exc}") from None

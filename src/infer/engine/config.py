@@ -12,18 +12,44 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from infer.speculative.tree import TreeShape
 
-_BACKENDS = ("paged", "contiguous")
-_BATCHING = ("continuous", "static")
-_SPEC_METHODS = ("draft_model", "ngram", "prompt_lookup")
-_SPEC_POLICIES = ("fixed", "adaptive")
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
-_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 _VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
-_DRAFT_PLACEMENTS = ("driver", "sharded")
+# the values each string field takes (the command line shows them as the flags' choices)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"),
+    "load_format": ("auto", "safetensors", "dummy"),
+    "quantization": ("fp8",),
+    "draft_quantization": ("fp8",),
+    "batching_mode": ("continuous", "static"),
+    "kv_cache_backend": ("paged", "contiguous"),
+    "speculative_method": ("draft_model", "ngram", "prompt_lookup"),
+    "spec_policy": ("fixed", "adaptive"),
+    "tensor_parallel_embedding": _VOCAB_LAYOUTS,
+    "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
+    "tensor_parallel_draft": ("driver", "sharded"),
+}
 
 
 @dataclass
 class EngineConfig:
+    """Every setting of the engine, validated on construction: a wrong value or combination
+    raises ValueError naming the fields (and the fix). `LLM(model, **fields)` and the flags of
+    `infer generate | serve | bench` (`--max-batch-size` for `max_batch_size`) set them.
+
+    Groups, each field commented below:
+      model and weights  model (directory, hub id, .gguf file, "dummy:<shape>", None = demo),
+                         tokenizer, dtype, device, load_format, quantization ("fp8")
+      batching, memory   max_batch_size, max_seq_len, max_num_batched_tokens (chunked
+                         prefill), kv_cache_backend ("paged" with prefix caching, or
+                         "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
+      speed              use_cuda_graphs, compile_kernels, async_scheduling, threads (CPU)
+      speculation        use_speculative_decoding, speculative_method ("draft_model",
+                         "ngram", "prompt_lookup"), draft_model, spec_length (K), spec_tree,
+                         spec_policy ("fixed" or "adaptive"), n-gram orders and window
+      parallelism        tensor_parallel_size and the placement of embedding, head, draft
+      sampling           seed (of requests that set none)
+    """
+
     model: str | None = None  # local directory, hub id or .gguf file; None = the bundled demo target
     tokenizer: str | None = None  # default: the model's directory
     dtype: str = "auto"
@@ -81,18 +107,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.spec_length is None:
             self.spec_length = self._tree_shape().depth if self.spec_tree is not None else DEFAULT_SPEC_LENGTH
-        _choice("dtype", self.dtype, _DTYPES)
-        _choice("kv_cache_backend", self.kv_cache_backend, _BACKENDS)
-        _choice("batching_mode", self.batching_mode, _BATCHING)
-        _choice("speculative_method", self.speculative_method, _SPEC_METHODS)
-        _choice("spec_policy", self.spec_policy, _SPEC_POLICIES)
-        _choice("load_format", self.load_format, ("auto", "safetensors", "dummy"))
-        _choice("tensor_parallel_embedding", self.tensor_parallel_embedding, _VOCAB_LAYOUTS)
-        _choice("tensor_parallel_lm_head", self.tensor_parallel_lm_head, _VOCAB_LAYOUTS)
-        _choice("tensor_parallel_draft", self.tensor_parallel_draft, _DRAFT_PLACEMENTS)
-        for name in ("quantization", "draft_quantization"):
-            if getattr(self, name) not in (None, "fp8"):
-                raise ValueError(f"{name} must be None or 'fp8', got {getattr(self, name)!r}")
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if name in ("quantization", "draft_quantization"):
+                if value not in (None, *allowed):
+                    raise ValueError(f"{name} must be None or {' or '.join(map(repr, allowed))}, got {value!r}")
+            else:
+                _choice(name, value, allowed)
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "block_size",

@@ -4,7 +4,8 @@
     python -m infer.server --model ./my-llama --speculative-decoding --draft-model ./my-draft \\
         --port 8000 --served-model-name llama --api-key "$KEY"
 
-Engine flags are the same as `infer generate` (see `infer.engine.args`).
+Engine flags are the same as `infer generate` (see `infer.engine.args`). Every flag, the
+model paths and the port are checked before the model loads.
 """
 
 from __future__ import annotations
@@ -14,12 +15,23 @@ import os
 import sys
 from pathlib import Path
 
+from infer import DISTRIBUTION
 from infer.engine.args import add_engine_args, engine_config_from_args
 from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
                                  ServerConfig, default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
 API_KEY_ENV = "INFER_API_KEY"
+
+
+def require_server_extra() -> None:
+    """SystemExit with the install command when the server's dependencies are missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"error: the server needs its extra ({exc}): pip install '{DISTRIBUTION}[server]' "
+                         "(in a checkout: pip install -e '.[server]')") from None
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +43,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help=f"model id clients send; default: the --model directory's name (never its path), "
                             f"or {DEFAULT_MODEL_NAME!r} for the demo")
     group.add_argument("--max-queued-requests", type=_queue_limit, default=DEFAULT_MAX_QUEUED,
-                       help="waiting requests beyond which new ones get 429 + Retry-After; "
+                       help="choices (a request with n=4 is 4) that may wait beyond the --max-batch-size running "
+                            "ones; more get 429 + Retry-After, a request whose n exceeds both together 400; "
                             "0 = unlimited (default: %(default)s)")
+    group.add_argument("--max-running-choices", type=_positive, default=None,
+                       help="choices of one request decoded at once, the rest started as these finish "
+                            "(default: half of --max-batch-size, at least 1)")
     group.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                        help="seconds that SIGTERM / Ctrl-C waits for open requests before ending them with an "
                             "error (default: %(default)s)")
@@ -63,6 +79,13 @@ def _queue_limit(text: str) -> int | None:
     return value or None
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-running-choices must be >= 1, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -86,7 +109,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=served_model_name(args), max_queued_requests=args.max_queued_requests,
                         api_key=args.api_key, public_metrics=args.public_metrics, allowed_hosts=hosts,
                         max_request_bytes=args.max_request_bytes, allow_special_tokens=args.allow_special_tokens,
-                        shutdown_timeout_s=args.shutdown_timeout)
+                        shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices)
 
 
 def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine)
@@ -102,16 +125,26 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Check the extra, the flags and the port, load, then serve until SIGTERM / Ctrl-C."""
+    require_server_extra()
     from infer.server.launch import serve_app
+    from infer.server.listen import bind
 
-    app, engine = build_app(args)
-    print(f"serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1"
-          + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+    server_config_from_args(args)  # flag errors before the port is taken
+    engine_config_from_args(args)
+    sock = bind(args.host, args.port)  # a port in use fails here, before the model loads
     try:
-        serve_app(app, args.host, args.port, args.log_level)
+        app, engine = build_app(args)
+        port = sock.getsockname()[1]
+        print(f"serving {app.state.server.model_name!r} on http://{args.host}:{port}/v1"
+              + (" (API key required)" if args.api_key else ""), file=sys.stderr)
+        try:
+            serve_app(app, sock, args.log_level)
+        finally:
+            app.state.server.preparer.close()
+            engine.shutdown()
     finally:
-        app.state.server.preparer.close()
-        engine.shutdown()
+        sock.close()
     return 0
 
 

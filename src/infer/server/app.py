@@ -38,6 +38,7 @@ _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in
 _STREAM_200 = {"description": "a response, or server-sent events when stream is true",
                "content": {"text/event-stream": {"schema": {"type": "string"}}}}
 _STREAM_CHUNKS = {"/v1/completions": CompletionChunk, "/v1/chat/completions": ChatCompletionChunk}
+_REQUESTS = (CompletionRequest, ChatCompletionRequest)
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 
 
@@ -87,34 +88,53 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     _add_generation_routes(app, state)
     _add_info_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
-    app.add_middleware(Gatekeeper, config=config)
+    body_limit = state.preparer.limits.max_bytes  # what a request to this model can use
+    app.add_middleware(Gatekeeper, config=config, path_limits={path: body_limit for path in _STREAM_CHUNKS})
     app.add_middleware(RequestAccounting, state=state)  # added last: outermost, so it counts the gate's refusals
     return app
 
 
+def _body(model: type) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses its own body (off the event loop)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/completions", response_model=CompletionResponse, responses={200: _STREAM_200, **_ERRORS})
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await completion(state, body, request)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={200: _STREAM_200, **_ERRORS},
+              openapi_extra=_body(CompletionRequest))
+    async def completions(request: Request) -> Any:
+        return await completion(state, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={200: _STREAM_200, **_ERRORS})
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        return await chat_completion(state, body, request)
+              responses={200: _STREAM_200, **_ERRORS}, openapi_extra=_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Any:
+        return await chat_completion(state, request)
 
 
 def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     created = int(time.time())
 
+    def card() -> ModelCard:
+        return ModelCard(id=state.model_name, created=created, max_model_len=state.max_seq_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.model_name, created=created, max_model_len=state.max_seq_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model}", response_model=ModelCard, responses={404: _ERRORS[404]})
+    async def model(model: str) -> ModelCard:
+        state.check_model(model)
+        return card()
 
     @app.get("/health", response_model=HealthResponse, responses={503: _ERRORS[503], 421: _ERRORS[421]})
     async def health() -> Any:
         if not state.engine.healthy:
             return engine_unavailable(state.engine.error).response()
         return HealthResponse()
+
+    # HEAD: the same status (load balancers probe with it); not in the schema, it has no body
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
@@ -168,7 +188,8 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
-        _, defs = models_json_schema([(m, "serialization") for m in _STREAM_CHUNKS.values()],
+        _, defs = models_json_schema([(m, "serialization") for m in _STREAM_CHUNKS.values()]
+                                     + [(m, "validation") for m in _REQUESTS],
                                      ref_template="#/components/schemas/{model}")
         for name, definition in defs.get("$defs", {}).items():
             components.setdefault(name, definition)

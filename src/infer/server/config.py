@@ -9,6 +9,7 @@ plain text.
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 DEFAULT_MAX_QUEUED = 1024
@@ -28,7 +29,9 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
     allow_special_tokens: bool = False  # parse special-token strings in user text as control tokens
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # then open requests end with an error
-    tokenizer_threads: int = 2  # threads tokenizing prompts off the event loop
+    tokenizer_threads: int = 2  # threads parsing and tokenizing requests off the event loop
+    # choices of one request in the engine at once; None: half of max_batch_size (at least 1)
+    max_running_choices: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -46,6 +49,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        if self.max_running_choices is not None and self.max_running_choices < 1:
+            raise ValueError(f"max_running_choices (--max-running-choices) must be >= 1 or None, "
+                             f"got {self.max_running_choices}")
 
     def host_allowed(self, host_header: str | None) -> bool:
         """Whether a request's Host header (`name`, `name:port`, `[v6]:port`) is served."""
@@ -59,12 +65,29 @@ class ServerConfig:
         return "localhost" in self.allowed_hosts and is_loopback(name)
 
 
+_NAME = re.compile(r"[a-z0-9_.-]+")
+
+
 def host_name(header: str) -> str:
-    """The host part of a Host header, lower case, without port or IPv6 brackets."""
+    """The host part of a Host header, lower case, without port or IPv6 brackets; "" when the
+    header is not `name`, `name:port` or `[v6]:port` (a port of digits, a name of letters,
+    digits, dots, dashes and underscores), so that `localhost:1@evil.example` names no host."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else ""
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+        end = header.find("]")
+        name, rest = (header[1:end], header[end + 1:]) if end > 0 else ("", "")
+        if not re.fullmatch(r"[0-9a-f:.%]+", name):
+            return ""
+    elif header.count(":") > 1:  # a bare IPv6 literal (no port)
+        return header if re.fullmatch(r"[0-9a-f:.]+", header) else ""
+    else:
+        name, colon, port = header.partition(":")
+        rest = colon + port
+        if not _NAME.fullmatch(name):
+            return ""
+    if rest and not (rest.startswith(":") and rest[1:].isascii() and rest[1:].isdigit()):
+        return ""
+    return name
 
 
 def is_loopback(name: str) -> bool:

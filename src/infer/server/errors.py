@@ -98,17 +98,26 @@ async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic's errors: the first one's field as `param`; a body that is not
+    JSON has code `invalid_json`, anything else `invalid_parameter`."""
+    errors = errors or [{"loc": (), "msg": "invalid request"}]
+    if errors[0].get("type") == "json_invalid":
+        return bad_request(_validation_message(errors), None, "invalid_json")
+    param = _validation_param(tuple(errors[0].get("loc", ())))
+    return bad_request(_validation_message(errors), param, "invalid_parameter")
+
+
 async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = list(exc.errors()) or [{"loc": (), "msg": "invalid request"}]
-    param = _validation_param(tuple(errors[0].get("loc", ())))
-    return bad_request(_validation_message(errors), param, "invalid_parameter").response()
+    return validation_error(list(exc.errors())).response()
 
 
 async def _on_http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-    return APIError(exc.status_code, str(exc.detail), kind, None, None,
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    return APIError(exc.status_code, str(exc.detail), kind, None, code,
                     dict(exc.headers) if exc.headers else None).response()
 
 

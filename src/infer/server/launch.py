@@ -7,8 +7,8 @@
 Both use `DrainingServer`: on SIGTERM / Ctrl-C (or `stop()`), the app stops admitting
 requests and aborts those still open after its shutdown timeout (they end with an error
 event or a 503); uvicorn's own graceful-shutdown limit is a few seconds past that, as a
-backstop. The listening socket of a ServerThread is bound before uvicorn starts, so the port
-is known (and reserved) up front. `LiveServer` bundles an engine, its app and the thread
+backstop. The listening socket is bound before uvicorn starts (for the command line: before
+the model loads), so the port is known (and reserved, or found in use) up front. `LiveServer` bundles an engine, its app and the thread
 (tests and the load benchmark use it).
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from infer.server.config import ServerConfig, default_allowed_hosts
+from infer.server.listen import bind
 
 BACKSTOP_S = 5.0  # uvicorn cancels what is left this long after the app's own shutdown timeout
 
@@ -53,18 +54,15 @@ def uvicorn_config(app: Any, log_level: str, **kwargs: Any) -> uvicorn.Config:
                           backlog=4096, **kwargs)
 
 
-def serve_app(app: Any, host: str, port: int, log_level: str) -> None:
-    """Serve in the foreground until SIGTERM / SIGINT, then drain (see the module docstring)."""
-    DrainingServer(uvicorn_config(app, log_level, host=host, port=port), app.state.server).run()
+def serve_app(app: Any, sock: socket.socket, log_level: str) -> None:
+    """Serve on a socket from `bind` in the foreground until SIGTERM / SIGINT, then drain (see
+    the module docstring)."""
+    DrainingServer(uvicorn_config(app, log_level), app.state.server).run(sockets=[sock])
 
 
 class ServerThread:
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (with proto 0
-        # every response's body waited ~40 ms for the client's delayed ACK)
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         self.server = DrainingServer(uvicorn_config(app, log_level, lifespan="off"), app.state.server)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

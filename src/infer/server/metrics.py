@@ -97,13 +97,12 @@ def _spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
 class RequestTracker:
     """Times one request's tokens (TTFT, inter-token latency, end to end) into the histograms."""
 
-    def __init__(self, metrics: ServerMetrics, prompt_tokens: int) -> None:
+    def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.start = time.perf_counter()
         self.last: float | None = None
         self.tokens = 0
         self.done = False
-        metrics.prompt_tokens.inc(prompt_tokens)
 
     def on_token(self) -> None:
         now = time.perf_counter()
@@ -139,13 +138,15 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("infer_e2e_request_latency_seconds", "time from request to last token",
                              buckets=_LATENCY_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter("infer_prompt_tokens", "prompt tokens of accepted requests",
+        self.prompt_tokens = Counter("infer_prompt_tokens", "prompt tokens of accepted requests (once per "
+                                     "request, whatever its n)",
                                      registry=reg)
         self.generation_tokens = Counter("infer_generation_tokens", "tokens generated", registry=reg)
         reg.register(EngineCollector(engine, queue_depth, in_flight))
 
-    def track(self, prompt_tokens: int) -> RequestTracker:
-        return RequestTracker(self, prompt_tokens)
+    def track(self) -> RequestTracker:
+        """A tracker for one choice (the prompt's tokens are counted once per request: `prompt_tokens`)."""
+        return RequestTracker(self)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,11 +1,16 @@
-"""Requests -> what the engine runs: prompt token ids and one SamplingParams per choice.
+"""Request preparation off the event loop: parsing the body, tokenizing, checking, SamplingParams.
 
-Everything whose cost grows with the request (tokenizing the prompt or rendering the chat
-template, checking its ids, building stop strings) runs in a small thread pool, never on the
-event loop: the tokenizers release the GIL while they encode, so /health and open streams
-keep answering while a multi-megabyte prompt is tokenized, and the pool's size bounds how
-many prompts are tokenized (and held in memory as ids) at once. Errors are `APIError` 400s
-naming the parameter to fix.
+Everything CPU-bound about a request before it reaches the engine (parsing and validating
+its JSON, tokenizing the prompt or rendering the chat template, checking its ids, building
+stop strings) runs in a small thread pool, never on the event loop, and its work is bounded
+by the model's context, not by the input: a body larger, or holding more JSON values, than
+a request can use is refused before it is parsed (body.py), and a text longer than the context's
+tokens could spell (`max_token_chars` characters per token, read off the vocabulary) is
+refused before it is tokenized. The pool's size bounds how many requests are prepared (and
+held in memory) at once. Errors are `APIError` 400s naming the parameter to fix.
+
+`run` is the one way into the pool; `abandon` ends every wait on it with an error (a
+shutdown past its timeout), the work itself being bounded.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TypeVar
 
 from infer.engine.engine import Engine
 from infer.sampling import SamplingParams, derive_seed
+from infer.server.body import BodyLimits, parse_body
 from infer.server.config import ServerConfig
 from infer.server.errors import APIError, bad_request
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -25,6 +31,7 @@ from infer.tokenization import Tokenizer, TokenLimitExceeded
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 R = TypeVar("R")
+ModelCheck = Callable[[str | None], None]  # raises the 404 for a model this server does not serve
 
 
 @dataclass(frozen=True)
@@ -37,30 +44,74 @@ class Prepared:
 
 
 class Preparer:
+    """Parses and prepares requests in its thread pool, within the bounds read off the model."""
+
     def __init__(self, engine: Engine, config: ServerConfig) -> None:
         self.engine = engine
         self.config = config
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="infer-prepare")
+        self.max_token_chars, structural = vocabulary_bounds(engine.tokenizer)
+        self.limits = BodyLimits(engine.config.max_seq_len, structural, self.max_token_chars)
+        self._waits: set[asyncio.Future[APIError]] = set()
 
     @property
     def max_seq_len(self) -> int:
         return self.engine.config.max_seq_len
 
-    async def completion(self, body: CompletionRequest) -> Prepared:
-        return await self._off_loop(lambda: self._completion(body))
+    async def completion(self, raw: bytes, check_model: ModelCheck) -> tuple[CompletionRequest, Prepared]:
+        """Parse and prepare a /v1/completions body (`check_model` runs on its `model` first)."""
+        def prepare() -> tuple[CompletionRequest, Prepared]:
+            body = parse_body(CompletionRequest, raw, self.limits)
+            check_model(body.model)
+            return body, self._completion(body)
+        return await self.run(prepare)
 
-    async def chat(self, body: ChatCompletionRequest) -> Prepared:
-        return await self._off_loop(lambda: self._chat(body))
+    async def chat(self, raw: bytes, check_model: ModelCheck) -> tuple[ChatCompletionRequest, Prepared]:
+        """Parse and prepare a /v1/chat/completions body (`check_model` runs on its `model` first)."""
+        def prepare() -> tuple[ChatCompletionRequest, Prepared]:
+            body = parse_body(ChatCompletionRequest, raw, self.limits)
+            check_model(body.model)
+            return body, self._chat(body)
+        return await self.run(prepare)
 
-    async def _off_loop(self, fn: Callable[[], R]) -> R:
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+    async def run(self, fn: Callable[[], R]) -> R:
+        """`fn()` in the pool; raises the error given to `abandon` if that comes first."""
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.pool, fn)
+        abandoned: asyncio.Future[APIError] = loop.create_future()
+        self._waits.add(abandoned)
+        try:
+            await asyncio.wait({work, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._waits.discard(abandoned)
+        if not work.done():
+            work.cancel()  # (a job still queued never runs; a running one ends, bounded)
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # its outcome is nobody's
+            raise abandoned.result()
+        return work.result()
+
+    def abandon(self, error: APIError) -> int:
+        """End every wait in `run` with `error` (event loop thread); returns how many."""
+        waits = [w for w in self._waits if not w.done()]
+        for wait in waits:
+            wait.set_result(error)
+        return len(waits)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- in the pool ----------------------------------------------------------------------------
+    def _check_length(self, chars: int, param: str) -> None:
+        """A text of more characters than the context's tokens can spell is refused untokenized."""
+        most = self.max_seq_len * self.max_token_chars
+        if chars > most:
+            raise bad_request(f"{param} has {chars} characters, more than this model's context of {self.max_seq_len} "
+                              f"tokens can hold (at most {self.max_token_chars} characters a token): shorten it",
+                              param, "context_length_exceeded")
+
     def _completion(self, body: CompletionRequest) -> Prepared:
         _check_supported(body)
+        self._check_stop_ids(body)
         if body.echo and body.logprobs is not None:
             raise bad_request("echo together with logprobs would need the prompt's log-probabilities, which this "
                               "server does not compute: drop one of them", "echo", "unsupported_parameter")
@@ -75,6 +126,7 @@ class Preparer:
                 raise bad_request("prompt is empty: give at least one character or token id", "prompt",
                                   "empty_prompt")
             text = prompt
+            self._check_length(len(prompt), "prompt")
             try:  # a prompt over the context is refused before its whole id list is built
                 ids = self._tokenizer("prompt").encode(prompt, parse_special=self.config.allow_special_tokens,
                                                        limit=self.max_seq_len)
@@ -82,19 +134,21 @@ class Preparer:
                 raise _too_long("prompt", exc.count, self.max_seq_len) from exc
         else:
             ids = [int(t) for t in prompt]  # (integral floats are allowed)
-        self._check_prompt(ids, max_tokens, "prompt")
+        self._check_prompt(ids, max_tokens, "prompt", "max_tokens")
         if body.echo and text is None and self.engine.tokenizer is not None:
             text = self.engine.tokenizer.decode(ids)
         return Prepared(ids, params, (text or "") if body.echo else None)
 
     def _chat(self, body: ChatCompletionRequest) -> Prepared:
         _check_supported(body)
+        self._check_stop_ids(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_parameter")
         count = (body.top_logprobs or 0) if body.logprobs else None
         self._params(body, 1, count)  # parameter errors first, before the chat template runs
         tokenizer = self._tokenizer("messages")
         messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in body.messages]
+        self._check_length(sum(len(m["content"] or "") + len(m["name"] or "") for m in messages), "messages")
         try:
             ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
                                         parse_special=self.config.allow_special_tokens)
@@ -103,11 +157,11 @@ class Preparer:
         for name, given in (("max_tokens", body.max_tokens), ("max_completion_tokens", body.max_completion_tokens)):
             if given is not None and len(ids) + given > self.max_seq_len:
                 raise bad_request(f"messages ({len(ids)} tokens) + {name} ({given}) exceeds the context length "
-                                  f"{self.max_seq_len}: lower {name} or shorten the messages", name,
+                                  f"{self.max_seq_len}: lower {name} or shorten the messages", "messages",
                                   "context_length_exceeded")
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = explicit if explicit is not None else max(1, self.max_seq_len - len(ids))
-        self._check_prompt(ids, max_tokens, "messages")
+        self._check_prompt(ids, max_tokens, "messages", "messages")
         return Prepared(ids, self._params(body, max_tokens, count))
 
     def _tokenizer(self, param: str) -> Tokenizer:
@@ -117,9 +171,9 @@ class Preparer:
                               param, "no_tokenizer")
         return tokenizer
 
-    def _check_prompt(self, ids: list[int], max_tokens: int, param: str) -> None:
-        """400s for an empty prompt, a request beyond the context, ids outside the vocabulary
-        (the length first: it bounds the id scan)."""
+    def _check_prompt(self, ids: list[int], max_tokens: int, param: str, budget_param: str) -> None:
+        """400s for an empty prompt, a request beyond the context (naming `budget_param`), ids
+        outside the vocabulary (the length first: it bounds the id scan)."""
         if not ids:
             raise bad_request(f"{param} is empty: give at least one token", param, "empty_prompt")
         limit = self.max_seq_len
@@ -127,17 +181,39 @@ class Preparer:
             raise _too_long(param, len(ids), limit)
         if len(ids) + max_tokens > limit:
             raise bad_request(f"{param} ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                              f"exceeds the context length {limit}: lower max_tokens or shorten the prompt",
-                              "max_tokens", "context_length_exceeded")
+                              f"exceeds the context length {limit}: lower max_tokens or shorten the {param}",
+                              budget_param, "context_length_exceeded")
         vocab = self.engine.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"{param} holds token id {bad}, outside the vocabulary (0..{vocab - 1})",
                               param, "invalid_token_id")
 
+    def _check_stop_ids(self, body: SamplingFields) -> None:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in body.stop_token_ids or () if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise bad_request(f"stop_token_ids holds {int(bad)}, outside the vocabulary (0..{vocab - 1}): such a "
+                              "token is never generated", "stop_token_ids", "invalid_token_id")
+
     @staticmethod
     def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
         return [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i)) for i in range(req.n)]
+
+
+def vocabulary_bounds(tokenizer: Tokenizer | None) -> tuple[int, int]:
+    """(the most characters one token spells, the most `,` `[` `{` in one token), each >= 1;
+    (1, 1) without a tokenizer (prompts are token ids then)."""
+    if tokenizer is None:
+        return 1, 1
+    chars, structural = 1, 1
+    for token_id in range(tokenizer.vocab_size):
+        raw = tokenizer.token_bytes(token_id)
+        text = tokenizer.convert_ids_to_tokens(token_id) or ""
+        spelled = raw if raw is not None else text.encode()
+        chars = max(chars, len(spelled), len(text))
+        structural = max(structural, spelled.count(b",") + spelled.count(b"[") + spelled.count(b"{"))
+    return chars, structural
 
 
 def _too_long(param: str, count: int, limit: int) -> APIError:

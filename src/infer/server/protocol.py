@@ -131,13 +131,11 @@ class CompletionRequest(SamplingFields):
     logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description="log-probabilities of each token and of the N most likely")
     best_of: Int | None = Field(None, ge=1, le=MAX_N, description="only best_of = n (400 otherwise)")
-    suffix: Unsupported = Field(None, description="not supported (400)")
+    suffix: Literal[""] | None = Field(None, description="not supported: only empty")
 
     def unsupported(self) -> str | None:
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.suffix not in (None, ""):
-            return "suffix"
         return super().unsupported()
 
 
@@ -158,7 +156,11 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"examples": [
+    model_config = ConfigDict(json_schema_extra={
+        # top_logprobs (a number) needs logprobs: true
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+        "examples": [
         {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8, "temperature": 0},
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
          "max_completion_tokens": 8, "stream": True, "stream_options": {"include_usage": True},

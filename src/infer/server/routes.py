@@ -1,4 +1,5 @@
-"""Handlers of /v1/completions and /v1/chat/completions: prepare, submit, stream or collect.
+"""Handlers of /v1/completions and /v1/chat/completions: parse and prepare (off the event
+loop, see prepare.py), submit, stream or collect.
 
 Everything that can fail before the first byte (bad parameters, unknown model, full queue,
 dead engine, shutdown) fails here, so a streaming request gets a real 4xx/5xx status rather
@@ -32,10 +33,9 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
-async def completion(state: ServerState, body: CompletionRequest, request: Request) -> Any:
-    state.check_model(body.model)
+async def completion(state: ServerState, request: Request) -> Any:
     state.check_accepting()
-    prepared = await state.preparer.completion(body)
+    body, prepared = await state.preparer.completion(await request.body(), state.check_model)
     request_id, jobs = await submit(state, prepared, "cmpl")
     created, model = int(time.time()), state.model_name
     fmt = state.logprob_format
@@ -76,10 +76,9 @@ async def completion(state: ServerState, body: CompletionRequest, request: Reque
                               speculative_decoding=outcomes[0].spec)
 
 
-async def chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request) -> Any:
-    state.check_model(body.model)
+async def chat_completion(state: ServerState, request: Request) -> Any:
     state.check_accepting()
-    prepared = await state.preparer.chat(body)
+    body, prepared = await state.preparer.chat(await request.body(), state.check_model)
     request_id, jobs = await submit(state, prepared, "chatcmpl")
     created, model = int(time.time()), state.model_name
     fmt = state.logprob_format

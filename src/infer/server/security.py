@@ -4,14 +4,18 @@ In order, for every HTTP request:
   1. Host header: not in `allowed_hosts` -> 421 (DNS-rebinding protection),
   2. API key: with `api_key` set, every path but /health (and /metrics with
      `public_metrics`) needs `Authorization: Bearer <key>` -> else 401,
-  3. body size: a Content-Length, or a streamed body, over `max_request_bytes` -> 413,
-     decided before the app parses anything; the body read here is replayed to the app.
+  3. body size: a Content-Length, or a streamed body, over `max_request_bytes` (or over the
+     path's own limit in `path_limits`: the generation routes' is set by the model's
+     context, see body.py) -> 413, decided before the app parses anything, and for a
+     Content-Length before the body is read; the body read here is replayed to the app.
 Each refusal is OpenAI error JSON.
 """
 
 from __future__ import annotations
 
 import hmac
+import sys
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -29,10 +33,14 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class Gatekeeper:
-    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+    def __init__(self, app: ASGIApp, config: ServerConfig, path_limits: Mapping[str, int] | None = None) -> None:
         self.app = app
         self.config = config
         self.open_paths = OPEN_PATHS | ({"/metrics"} if config.public_metrics else set())
+        self.path_limits = dict(path_limits or {})
+
+    def body_limit(self, scope: Scope) -> int:
+        return min(self.config.max_request_bytes, self.path_limits.get(scope.get("path", ""), sys.maxsize))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -64,8 +72,9 @@ class Gatekeeper:
                                      "with the key the server was started with", INVALID_REQUEST, None,
                                 "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         length = _header(scope, b"content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
-            return _too_large(config.max_request_bytes)
+        limit = self.body_limit(scope)
+        if length is not None and length.isdigit() and int(length) > limit:
+            return _too_large(limit, limit < config.max_request_bytes)
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | APIError:
@@ -74,23 +83,27 @@ class Gatekeeper:
             return b""
         parts: list[bytes] = []
         size = 0
+        limit = self.body_limit(scope)
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left: let the app see it
                 return b"".join(parts)
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.config.max_request_bytes:
-                return _too_large(self.config.max_request_bytes)
+            if size > limit:
+                return _too_large(limit, limit < self.config.max_request_bytes)
             parts.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(parts)
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes: send a shorter "
-                         "prompt (or start the server with a larger --max-request-bytes)", INVALID_REQUEST, None,
-                    "request_too_large")
+def _too_large(limit: int, by_model: bool) -> APIError:
+    why = ("more than a request to this model can use (set by its context length): send a shorter prompt and no "
+           "unknown fields") if by_model else "send a shorter prompt (or start the server with a larger " \
+        "--max-request-bytes)"
+    # Connection: close, so that the server does not read (and throw away) the rest of the body
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes, {why}",
+                    INVALID_REQUEST, None, "request_too_large", {"Connection": "close"})
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -1,10 +1,11 @@
 """Delivering a request's choices: server-sent events in OpenAI's chunk format, or one response.
 
-`merged(jobs)` interleaves the StepOutputs of a request's choices (one Job each) as they
-arrive, tagged with the choice's index. Streaming: one chunk per generated token and
+`Jobs.outputs()` interleaves the StepOutputs of a request's choices as they arrive, tagged
+with the choice's index. Streaming: one chunk per generated token and
 choice, a final chunk per choice with its `finish_reason` (and speculative statistics), an
 optional usage chunk (all choices together), then `data: [DONE]`. A failure mid-stream (the
-engine's, or a shutdown) becomes an `error` event followed by `[DONE]`.
+engine's, a shutdown, a choice that could not start) becomes an `error` event followed by
+`[DONE]`.
 
 Client disconnects abort every choice at once in both modes: `SSEResponse` listens for
 `http.disconnect` while streaming and cancels the stream, and `collect` races the
@@ -29,7 +30,8 @@ from infer.engine.request import StepOutput
 from infer.logprobs import TokenLogprobs
 from infer.server.errors import APIError
 from infer.server.responses import SpeculativeStats, Usage
-from infer.server.serving import Job, spec_stats
+from infer.server.jobs import Jobs
+from infer.server.serving import spec_stats
 
 DONE = "data: [DONE]\n\n"
 
@@ -65,38 +67,6 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[int, StepOutput]]:
-    """(choice index, output) of every job, in arrival order; closing it aborts them all."""
-    if len(jobs) == 1:
-        async with aclosing(jobs[0].outputs()) as outputs:
-            async for out in outputs:
-                yield 0, out
-        return
-    queue: asyncio.Queue[tuple[int, StepOutput | None]] = asyncio.Queue()
-
-    async def pump(index: int, job: Job) -> None:
-        try:
-            async with aclosing(job.outputs()) as outputs:
-                async for out in outputs:
-                    queue.put_nowait((index, out))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)]
-    try:
-        left = len(jobs)
-        while left:
-            index, out = await queue.get()
-            if out is None:
-                left -= 1
-            else:
-                yield index, out
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 @dataclass
 class Outcome:
     """What one finished choice produced."""
@@ -113,22 +83,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
                  total_tokens=prompt_tokens + completion_tokens)
 
 
-async def _gather(jobs: Sequence[Job]) -> list[Outcome] | APIError:
+async def _gather(jobs: Jobs) -> list[Outcome] | APIError:
     outcomes = [Outcome() for _ in jobs]
     parts: list[list[str]] = [[] for _ in jobs]
-    async with aclosing(merged(jobs)) as outputs:
-        async for index, out in outputs:
-            outcome = outcomes[index]
-            outcome.completion_tokens += out.token_id is not None
-            parts[index].append(out.text_delta)
-            if out.logprobs is not None:
-                outcome.logprobs.append(out.logprobs)
-            if out.finished:
-                error = jobs[index].failure(out)
-                if error is not None:
-                    return error
-                outcome.finish_reason = out.finish_reason.value  # type: ignore[union-attr]
-                outcome.spec = spec_stats(out)
+    try:
+        async with aclosing(jobs.outputs()) as outputs:
+            async for index, out in outputs:
+                outcome = outcomes[index]
+                outcome.completion_tokens += out.token_id is not None
+                parts[index].append(out.text_delta)
+                if out.logprobs is not None:
+                    outcome.logprobs.append(out.logprobs)
+                if out.finished:
+                    error = jobs[index].failure(out)
+                    if error is not None:
+                        return error
+                    outcome.finish_reason = out.finish_reason.value  # type: ignore[union-attr]
+                    outcome.spec = spec_stats(out)
+    except APIError as exc:  # a choice that could not start
+        return exc
     for outcome, text in zip(outcomes, parts, strict=True):
         outcome.text = "".join(text)
     return outcomes
@@ -139,7 +112,7 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def collect(jobs: Sequence[Job], request: Request) -> list[Outcome] | APIError | None:
+async def collect(jobs: Jobs, request: Request) -> list[Outcome] | APIError | None:
     """Run every choice to the end: their outcomes, the error that ended one of them, or
     None (and everything aborted) if the client went away first."""
     gather = asyncio.ensure_future(_gather(jobs))
@@ -161,22 +134,27 @@ async def collect(jobs: Sequence[Job], request: Request) -> list[Outcome] | APIE
 ChunkFn = Callable[[int, StepOutput, SpeculativeStats | None], dict[str, Any]]
 
 
-async def event_stream(jobs: Sequence[Job], chunk: ChunkFn, usage_chunk: Callable[[Usage], dict[str, Any]] | None,
+async def event_stream(jobs: Jobs, chunk: ChunkFn, usage_chunk: Callable[[Usage], dict[str, Any]] | None,
                        first: Sequence[dict[str, Any]] = ()) -> AsyncIterator[str]:
     """SSE lines for a request's choices: `first` chunks, `chunk(index, out, spec)` per
     StepOutput, then usage, then [DONE]."""
     tokens = 0
     for payload in first:
         yield sse(payload)
-    async with aclosing(merged(jobs)) as outputs:
-        async for index, out in outputs:
-            tokens += out.token_id is not None
-            error = jobs[index].failure(out) if out.finished else None
-            if error is not None:
-                yield sse(error.body())
-                yield DONE
-                return
-            yield sse(chunk(index, out, spec_stats(out) if out.finished else None))
+    try:
+        async with aclosing(jobs.outputs()) as outputs:
+            async for index, out in outputs:
+                tokens += out.token_id is not None
+                error = jobs[index].failure(out) if out.finished else None
+                if error is not None:
+                    yield sse(error.body())
+                    yield DONE
+                    return
+                yield sse(chunk(index, out, spec_stats(out) if out.finished else None))
+    except APIError as exc:  # a choice that could not start
+        yield sse(exc.body())
+        yield DONE
+        return
     if usage_chunk is not None:
-        yield sse(usage_chunk(usage(jobs[0].prompt_tokens, tokens)))
+        yield sse(usage_chunk(usage(jobs.prompt_tokens, tokens)))
     yield DONE

@@ -142,7 +142,7 @@ def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a weight was read")
 
     monkeypatch.setattr(gguf_weights, "dequantize_tensor", refuse)
-    monkeypatch.setattr(loader, "_build", refuse)
+    monkeypatch.setattr(loader, "build_model", refuse)
 
 
 @pytest.mark.usefixtures("no_weights")
@@ -155,6 +155,24 @@ def test_a_bad_tokenizer_fails_before_any_weight_is_read(ckpt_b: Path, gguf_dir:
     good = _spoil_tensor_data(write_gguf(ckpt_b, gguf_dir / "b-good-pre.gguf", Q.Q8_0, pre="qwen2"))
     with pytest.raises(AssertionError, match="a weight was read"):  # the same path does reach the weights
         LLM(str(good), device="cpu")
+
+
+def test_a_bad_tokenizer_fails_before_tensor_parallel_ranks_start(ckpt_b: Path, gguf_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # worker ranks read weights as soon as they start: the check comes before them
+    import infer.engine.engine as engine_module
+    from infer import LLM
+
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise AssertionError("tensor-parallel ranks were started")
+
+    monkeypatch.setattr(engine_module, "start_parallel", refuse)
+    bad = write_gguf(ckpt_b, gguf_dir / "b-bad-pre-tp.gguf", Q.F16, pre="superbpe")
+    with pytest.raises(ValueError, match="pre-tokenizer 'superbpe'"):
+        LLM(str(bad), device="cpu", tensor_parallel_size=2)
+    good = write_gguf(ckpt_b, gguf_dir / "b-good-pre-tp.gguf", Q.F16, pre="qwen2")
+    with pytest.raises(AssertionError, match="ranks were started"):  # the same path does reach them
+        LLM(str(good), device="cpu", tensor_parallel_size=2)
 
 
 # --- SentencePiece --------------------------------------------------------------------

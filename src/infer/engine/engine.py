@@ -20,7 +20,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
-from infer.engine.loading import LoadedModels, load_models
+from infer.engine.loading import LoadedModels, check_before_loading, default_model_paths, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
@@ -31,6 +31,10 @@ from infer.sampling import SamplingParams
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
+        if models is None and config.tensor_parallel_size > 1:
+            # the worker ranks read weights as soon as they start: the tokenizer and the
+            # draft pair are checked first (one rank loads after the same check)
+            check_before_loading(config, *default_model_paths(config))
         self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
             self.models = models or self._load_models()

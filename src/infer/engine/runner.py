@@ -45,7 +45,7 @@ from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
 from infer.engine.request import Request, StepOutput
-from infer.engine.speculation import Speculation, verify_widths
+from infer.engine.speculation import Speculation, decode_shapes
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.kernels import EAGER
@@ -75,7 +75,7 @@ class ModelRunner:
         self.cache_pool = executor.make_pool(model, config, prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
         self.kernels = step_kernels(config, self.device, model)
-        shapes, modes = verify_widths(config)
+        shapes, modes = decode_shapes(config)
         # decode and verification steps (with temperature sampling captured for plain steps)
         self.forward: ForwardFn = executor.make_forward(model, self.cache_pool, ForwardSpec(
             config.use_cuda_graphs, config.max_batch_size, shapes=shapes, kernels=self.kernels, verify_modes=modes,

@@ -183,7 +183,7 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     return DraftModelProposer(draft_model, pool, step, eager)
 
 
-def verify_widths(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], tuple[str, ...]]:
+def decode_shapes(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], tuple[str, ...]]:
     """The target's decode forward shapes and acceptance modes to capture: plain decode
     (width 1, last logits); a chain's verification widths 1..K+1 (k varies per round with the
     policy and the guards) with the acceptance step in its modes (greedy batches, one-hot

@@ -28,7 +28,7 @@ def demo_text() -> str:
     """Python source and prose the demo pair did not train on verbatim: its model cards and
     this project's own code."""
     root = Path(__file__).resolve().parent.parent / "src" / "infer"
-    return "\n".join(p.read_text() for p in [DEMO_TARGET / "README.md", root / "speculative" / "rejection.py",
+    return "\n".join(p.read_text() for p in [DEMO_TARGET / "README.md", root / "speculative" / "verifier.py",
                                              root / "engine" / "scheduler.py"])
 
 

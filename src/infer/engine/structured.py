@@ -15,6 +15,7 @@ it) are never allowed.
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -124,11 +125,12 @@ class Grammars:
         if spec.json is not None:
             return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
         if spec.json_object:
-            return self._compiler.compile_builtin_json_grammar()
+            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.regex is not None:
             return self._compiler.compile_regex(spec.regex)
         if spec.choice is not None:
-            return self._compiler.compile_regex("|".join(re.escape(c) for c in spec.choice))
+            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)  # EBNF string literals
+            return self._compiler.compile_grammar(f"root ::= {literals}")
         assert spec.grammar is not None
         return self._compiler.compile_grammar(spec.grammar)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -127,3 +128,29 @@ def test_the_compiled_grammar_is_cached_per_spec(make_llm):
     again = llm.engine.grammar(StructuredOutput(json=json.dumps(SCHEMAS[3])))
     assert first is not again  # one matcher per request
     assert len(llm.engine._grammars._cache) == 1  # one compiled grammar for equal specs
+
+
+@pytest.mark.parametrize("mode", ["plain", "draft"])
+def test_overlapped_scheduling_and_preemption_keep_the_grammar_in_step(make_llm, mode):
+    # overlapped scheduling (the GPU default) must accept each token into the grammar before
+    # the next step's mask; a preempted request keeps its grammar state over its re-prefill
+    schemas = SCHEMAS[:8]
+    params = [replace(_params(s, i, greedy=True), max_tokens=120) for i, s in enumerate(schemas)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(schemas))]
+    ref = _llm(make_llm, "plain").generate(prompts, params)
+    assert all(o.outputs[0].finish_reason == "stop" for o in ref)
+    llm = make_llm(DEMO_TARGET, max_batch_size=8, max_seq_len=512, async_scheduling=True, kv_cache_backend="paged",
+                   block_size=4, num_blocks=36, max_num_batched_tokens=16, **SPECULATION[mode])
+    outs = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.scheduler.num_preemptions > 0, "pool was meant to be small enough to preempt"
+
+
+def test_n_samples_each_follow_the_grammar(make_llm):
+    schema = SCHEMAS[5]
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX_TOKENS, structured=StructuredOutput(json=schema))
+    out = _llm(make_llm, "draft").generate(["A record as JSON: "], params)[0]
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 4 and len(set(texts)) > 1  # independent samples
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)

@@ -154,3 +154,32 @@ def test_n_samples_each_follow_the_grammar(make_llm):
     assert len(texts) == 4 and len(set(texts)) > 1  # independent samples
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_draft_model_proposes_only_tokens_the_grammar_allows(make_llm, monkeypatch):
+    from infer.engine.verification import Verification
+    from infer.speculative.grammar_mask import allocate_bitmask, allowed_tokens
+
+    checked = []
+    real_run = Verification.run
+
+    def spy(self, requests, drafts, while_gpu_runs):
+        for r, d in zip(requests, drafts, strict=True):
+            if r.grammar is None:
+                continue
+            tokens = [t for t, ok in zip(d.token_ids, d.valid, strict=True) if ok]
+            for i, t in enumerate(tokens):
+                bitmask = allocate_bitmask(1, r.grammar.vocab_size)
+                r.grammar.fill_after(bitmask, 0, tokens[:i])
+                checked.append(bool(allowed_tokens(bitmask, r.grammar.vocab_size)[0, t]))
+        return real_run(self, requests, drafts, while_gpu_runs)
+
+    monkeypatch.setattr(Verification, "run", spy)
+    llm = _llm(make_llm, "draft")
+    free = SamplingParams(temperature=0.8, seed=1, max_tokens=24)
+    outs = llm.generate(["A record: ", "data = ", "def f(x):\n    "],
+                        [_params(SCHEMAS[1], 1, greedy=True), _params(SCHEMAS[2], 2, greedy=False), free])
+    assert len(checked) > 20 and all(checked)
+    for schema, out in zip(SCHEMAS[1:3], outs, strict=False):
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    assert llm.engine.runner.stats.acceptance_rate > 0.3  # masked drafts are mostly accepted

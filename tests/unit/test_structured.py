@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from infer.engine.grammar_mask import allocate_bitmask, allowed_tokens, grammar_masked, mask_logits
+from infer.speculative.grammar_mask import allocate_bitmask, allowed_tokens, grammar_masked, mask_logits
 from infer.sampling import SamplingParams, StructuredOutput
 
 # -- the spec --------------------------------------------------------------------------------
@@ -80,12 +80,19 @@ def test_mask_logits_touches_only_the_listed_rows():
 class _OnlyToken:
     """A stand-in grammar that allows one token."""
 
+    vocab_size = 64
+
     def __init__(self, token: int) -> None:
         self.token = token
+        self.paths: list[list[int]] = []
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row] = 0
         bitmask[row, self.token // 32] = 1 << (self.token % 32)
+
+    def fill_after(self, bitmask: torch.Tensor, row: int, path) -> None:
+        self.paths.append(list(path))
+        self.fill(bitmask, row)
 
 
 def test_grammar_masked_masks_rows_with_a_grammar():
@@ -93,6 +100,9 @@ def test_grammar_masked_masks_rows_with_a_grammar():
     out = grammar_masked(logits, [None, _OnlyToken(40)])
     assert torch.equal(out[0], logits[0]) and out[1].argmax().item() == 40
     assert grammar_masked(logits, [None, None]) is logits
+    grammar = _OnlyToken(7)
+    out = grammar_masked(logits, [grammar, None], [[3, 4], []])  # a draft's tokens so far
+    assert grammar.paths == [[3, 4]] and out[0].argmax().item() == 7 and torch.equal(out[1], logits[1])
 
 
 # -- a request grammar (xgrammar) ------------------------------------------------------------

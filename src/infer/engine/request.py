@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.engine.grammar_mask import GrammarState
+from infer.speculative.grammar_mask import GrammarState
 from infer.logprobs import TokenLogprobs
 from infer.sampling import SamplingParams, make_generator
 

@@ -41,7 +41,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.executor.spec import ForwardSpec
-from infer.engine.grammar_mask import grammar_masked
+from infer.speculative.grammar_mask import grammar_masked
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender

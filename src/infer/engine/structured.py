@@ -7,7 +7,7 @@ A `RequestGrammar` advances over every emitted token and fills the mask of the t
 may come next: at its current state, or (for a speculation round) at the state after a
 draft node's path, by advancing over the path, filling, and rolling back.
 
-Masks are xgrammar's packed bitmasks, applied by `engine.grammar_mask` (which needs no
+Masks are xgrammar's packed bitmasks, applied by `speculative.grammar_mask` (which needs no
 xgrammar: the runner imports it, this module is imported only when a request asks for a
 structured output). Tokens the tokenizer does not cover (a model vocabulary padded past
 it) are never allowed.

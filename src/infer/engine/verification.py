@@ -30,7 +30,7 @@ from dataclasses import replace
 import torch
 
 from infer.cache.view import BatchLayout
-from infer.engine.grammar_mask import allocate_bitmask, mask_logits
+from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
 from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
@@ -72,7 +72,9 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
     constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not constrained:
         return logits
-    bitmask = allocate_bitmask(len(constrained) * width, vocab)
+    first = requests[constrained[0]].grammar
+    assert first is not None
+    bitmask = allocate_bitmask(len(constrained) * width, first.vocab_size)
     rows: list[int] = []
     for j, i in enumerate(constrained):
         grammar, d = requests[i].grammar, drafts[i]

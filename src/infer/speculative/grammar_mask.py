@@ -20,6 +20,8 @@ from infer.transfer import to_device
 class GrammarState(Protocol):
     """A request's grammar: advances over emitted tokens, fills next-token masks."""
 
+    vocab_size: int  # the bitmask's width is ceil(vocab_size / 32) words
+
     def accept(self, token_id: int) -> None: ...
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
@@ -51,15 +53,22 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
     return out
 
 
-def grammar_masked(logits: torch.Tensor, grammars: Sequence[GrammarState | None]) -> torch.Tensor:
-    """logits [N, V] restricted by each row's grammar at its current state (rows without one
-    untouched; the logits themselves when no row has one)."""
+def grammar_masked(logits: torch.Tensor, grammars: Sequence[GrammarState | None],
+                   paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """logits [N, V] restricted by each row's grammar at its current state, or after
+    paths[i] when given (a draft's tokens so far); rows without one untouched; the logits
+    themselves when no row has one."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return logits
-    bitmask = allocate_bitmask(len(rows), logits.shape[-1])
+    first = grammars[rows[0]]
+    assert first is not None
+    bitmask = allocate_bitmask(len(rows), first.vocab_size)
     for j, i in enumerate(rows):
         grammar = grammars[i]
         assert grammar is not None
-        grammar.fill(bitmask, j)
+        if paths is None:
+            grammar.fill(bitmask, j)
+        else:
+            grammar.fill_after(bitmask, j, paths[i])
     return mask_logits(logits, bitmask, rows)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.speculative.grammar_mask import GrammarState
 from infer.logprobs import TokenLogprobs
 from infer.sampling import SamplingParams, make_generator
+from infer.speculative.grammar_mask import GrammarState
 
 
 class RequestState(enum.Enum):

@@ -41,7 +41,6 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.executor.spec import ForwardSpec
-from infer.speculative.grammar_mask import grammar_masked
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
@@ -53,6 +52,7 @@ from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.forward import ForwardFn
+from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.metrics import SpecStats
 from infer.speculative.round_clock import StepKind
 from infer.speculative.tree import Draft
@@ -157,8 +157,9 @@ class ModelRunner:
             self._planned = self.speculation.depths(decode) if decode else None
             if any(self._planned or ()):
                 return False
-        return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None
-                       or r.grammar is not None for r in [*decode, *(r for r, _ in prefill)]) and not any(r.pending_tokens for r, _ in prefill)
+        requests = [*decode, *(r for r, _ in prefill)]
+        return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None or r.grammar is not None
+                       for r in requests) and not any(r.pending_tokens for r, _ in prefill)
 
     def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
                 render: StepRender) -> InFlight | None:

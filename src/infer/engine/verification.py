@@ -30,11 +30,11 @@ from dataclasses import replace
 import torch
 
 from infer.cache.view import BatchLayout
-from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
 from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.forward import ForwardFn
+from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
 from infer.speculative.tree import Draft, TreeChunk, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import to_device

@@ -54,6 +54,7 @@ def test_the_schemas_are_varied():
     assert any(json.dumps(p).count('"object"') for s in SCHEMAS for p in s["properties"].values())  # nesting
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["plain", "draft", "tree"])
 @pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
 def test_outputs_validate_against_their_schema(make_llm, mode, greedy):

@@ -23,8 +23,9 @@ inverts the CDF, so a seeded request picks the same tokens on any device.
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,68 @@ def _normalise_stop_ids(ids: object) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What the output must match (exactly one field set), validated on construction;
+    compiled against the tokenizer by `infer.engine.structured`.
+
+    json         a JSON schema (a dict, or its JSON text; kept as compact JSON text, the
+                 properties in the schema's order, which the output follows)
+    json_object  True: any JSON object
+    regex        a regular expression the whole output matches
+    choice       the output is one of these strings
+    grammar      an EBNF grammar (GBNF: `root ::= ...`)
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, Mapping):
+            object.__setattr__(self, "json", _json_text(self.json))
+        elif self.json is not None:
+            if not isinstance(self.json, str):
+                raise ValueError(f"structured json must be a JSON schema (a dict or its JSON text), got {self.json!r}")
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured json is not valid JSON: {exc}") from None
+            if not isinstance(schema, Mapping):
+                raise ValueError(f"structured json must be a JSON schema object, got {self.json!r}")
+            object.__setattr__(self, "json", _json_text(schema))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured json_object must be True or False, got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured {name} must be a non-empty string, got {value!r}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"structured choice must be a non-empty list of strings, got {self.choice!r}")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured choice must hold only non-empty strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError("a structured output takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name))
+
+
+def _json_text(schema: Mapping[str, object]) -> str:
+    try:
+        return json.dumps(schema, separators=(",", ":"))  # key order kept: it orders the output's properties
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured json schema cannot be written as JSON: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request decoding parameters (vLLM / OpenAI style), validated on construction
     (a bad value raises ValueError naming the field).
@@ -90,6 +153,9 @@ class SamplingParams:
                        distribution, see infer.logprobs) and the N most likely tokens.
     n                  1; independent samples of the prompt (`LLM.generate` returns n
                        outputs per prompt; sample i > 0 is seeded with derive_seed(seed, i)).
+    structured         None; a StructuredOutput: every token is drawn from the model's
+                       distribution restricted to the tokens the grammar allows (the output
+                       ends with EOS once the grammar is complete).
     """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
@@ -105,6 +171,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # in [-2, 2], 0 = off
     logprobs: int | None = None  # None = off; N = the sampled token's log-probability and the N most likely
     n: int = 1  # samples (choices) of the prompt
+    structured: StructuredOutput | None = None  # None = free text
 
     def __post_init__(self) -> None:
         if not is_strict_int(self.n) or self.n < 1:
@@ -121,6 +188,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _normalise_stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be None or a StructuredOutput, got {self.structured!r}")
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with a structured output: the output ends with EOS "
+                             "once the grammar is complete")
         if self.seed is not None and (not is_strict_int(self.seed) or not _SEED_MIN <= self.seed <= _SEED_MAX):
             raise ValueError(
                 f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")

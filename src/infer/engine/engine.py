@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,7 +26,10 @@ from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
 from infer.engine.threads import apply_cpu_threads
-from infer.sampling import SamplingParams
+from infer.sampling import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from infer.engine.structured import Grammars, RequestGrammar
 
 
 class Engine:
@@ -52,6 +56,7 @@ class Engine:
         self._ids = itertools.count()
         self._num_added = 0
         self._requests: dict[str, Request] = {}
+        self._grammars: Grammars | None = None  # built when a request first asks for a structured output
 
     def _load_models(self) -> LoadedModels:
         if self.parallel is None:
@@ -83,7 +88,8 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        request = Request(rid, ids, params)
+        grammar = None if params.structured is None else self.grammar(params.structured)
+        request = Request(rid, ids, params, grammar=grammar)
         if params.seed is None:  # unseeded requests still replay exactly under the same engine seed
             request.generator.manual_seed((self.config.seed * 1_000_003 + self._num_added) % 2**63)
         self._num_added += 1
@@ -106,6 +112,20 @@ class Engine:
         if capacity is not None and len(ids) + params.max_tokens > capacity:
             raise ValueError(f"prompt + max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the "
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
+
+    def grammar(self, spec: StructuredOutput) -> RequestGrammar:
+        """A request's grammar state for `spec` (compiled once per spec); ValueError naming
+        the problem for a bad schema, regex or grammar, or when xgrammar is missing."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+            try:
+                from infer.engine.structured import Grammars
+            except ImportError as exc:
+                raise ValueError(f"structured outputs need xgrammar ({exc}): pip install 'infer-engine[structured]'"
+                                 ) from None
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.models.eos_token_ids)
+        return self._grammars.matcher(spec)
 
     def kv_capacity_tokens(self) -> int | None:
         return self.kv.capacity_tokens()

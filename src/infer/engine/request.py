@@ -16,6 +16,7 @@ import torch
 
 from infer.logprobs import TokenLogprobs
 from infer.sampling import SamplingParams, make_generator
+from infer.speculative.grammar_mask import GrammarState
 
 
 class RequestState(enum.Enum):
@@ -66,6 +67,8 @@ class Request:
     # token is rendered: the request is scheduled no more
     stop_pending: FinishReason | None = None
     generator: torch.Generator = field(init=False)
+    # the structured output's grammar state (SamplingParams.structured), set by the engine
+    grammar: GrammarState | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

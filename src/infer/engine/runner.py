@@ -52,6 +52,7 @@ from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.forward import ForwardFn
+from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.metrics import SpecStats
 from infer.speculative.round_clock import StepKind
 from infer.speculative.tree import Draft
@@ -150,14 +151,15 @@ class ModelRunner:
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
         """Whether this step may be queued before the host has the step in flight's tokens:
         not when a round drafts (its proposals read them), nor when a request's sampling reads
-        its context (penalties) or returns log-probabilities, nor for a prefill chunk of a
-        request with a token in flight."""
+        its context (penalties) or its grammar's state, or returns log-probabilities, nor for
+        a prefill chunk of a request with a token in flight."""
         if self.speculation is not None:
             self._planned = self.speculation.depths(decode) if decode else None
             if any(self._planned or ()):
                 return False
-        return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None
-                       for r in [*decode, *(r for r, _ in prefill)]) and not any(r.pending_tokens for r, _ in prefill)
+        requests = [*decode, *(r for r, _ in prefill)]
+        return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None or r.grammar is not None
+                       for r in requests) and not any(r.pending_tokens for r, _ in prefill)
 
     def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
                 render: StepRender) -> InFlight | None:
@@ -188,7 +190,7 @@ class ModelRunner:
         for r, t, lp in zip(inflight.requests, inflight.host_tokens(), inflight.logprobs, strict=True):
             r.pending_tokens -= 1
             if not r.is_finished and r.stop_pending is None:
-                self.output.accept(r, t, lp)
+                self._emit(r, t, lp)
 
     def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> Sampled | None:
         requests = [r for r, _ in chunks]
@@ -262,13 +264,19 @@ class ModelRunner:
                 r.speculation_acceptance_rates.append(a / d.depth)
             emitted = 0
             for j, t in enumerate(tokens):
-                self.output.accept(r, t, row_lps[j] if row_lps else None)
+                self._emit(r, t, row_lps[j] if row_lps else None)
                 emitted += 1
                 if r.stop_pending is not None:
                     break
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
             spec.stats.record(d.num_proposed, a, emitted, d.depth)
+
+    def _emit(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        """Accept one token for a request: its grammar (if any) advances over it first."""
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
+        self.output.accept(request, token_id, logprobs)
 
     def _plain(self, requests: Sequence[Request]) -> Sampled:
         """One batched decode forward; the sampled tokens [B] stay on the device."""
@@ -281,7 +289,7 @@ class ModelRunner:
         vocab = self.model.config.vocab_size
         lps: list[TokenLogprobs | None] = [None] * len(requests)
         if not all(p.greedy for p in params) and all(temperature_only(p, vocab) and p.logprobs is None
-                                                     for p in params):
+                                                     and p.structured is None for p in params):
             # temperature sampling alone: the forward function samples too (inside the step's
             # CUDA graph on the GPU), the same function as `sample` on the logits
             uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
@@ -307,8 +315,10 @@ class ModelRunner:
     def sample(self, requests: Sequence[Request], logits: torch.Tensor,
                params: Sequence[SamplingParams] | None = None) -> torch.Tensor:
         """One token per request from logits [B, V] with each request's params (the requests'
-        own unless the caller has them listed already) and generator: [B] on the device."""
+        own unless the caller has them listed already) and generator: [B] on the device. A
+        request with a structured output samples from the tokens its grammar allows."""
         params = [r.sampling_params for r in requests] if params is None else params
+        logits = grammar_masked(logits, [r.grammar for r in requests])
         if all(p.greedy and not p.penalized for p in params):
             return logits.argmax(dim=-1)
         contexts = [r.all_token_ids for r in requests] if any(p.penalized for p in params) else None

@@ -9,10 +9,12 @@ using its first k_b nodes) or a static tree. Both run the same steps:
    N + 1 wide with its tree mask (`ForwardFn.verify_tree`, `TreeChunk`);
 2. rows sampling with a temperature alone (greedy included) are verified by the forward
    function itself (a CUDA graph after the forward's on the GPU); rows with top-k, top-p or
-   a repetition penalty, or asking for log-probabilities, take the general pipeline: the
-   target's distribution per block row after the request's sampling transforms (penalties
-   over that row's own context: the request's tokens and the node's path), then the pure
-   verifier (`speculative.verifier`);
+   a repetition penalty, a structured output, or asking for log-probabilities, take the
+   general pipeline: the target's distribution per block row after the request's grammar
+   mask (row 0 at the grammar's state, row 1 + i after node i's path: a draft token the
+   grammar forbids has target probability 0 and is rejected) and its sampling transforms
+   (penalties over that row's own context: the request's tokens and the node's path), then
+   the pure verifier (`speculative.verifier`);
 3. one host sync reads the accepted tokens and, for a tree, the accepted node indices.
 
 Uniforms come from each request's own generator, so a seeded request's draws never depend
@@ -32,6 +34,7 @@ from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.forward import ForwardFn
+from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
 from infer.speculative.tree import Draft, TreeChunk, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import to_device
@@ -59,6 +62,31 @@ def stack_draft_probs(drafts: Sequence[Draft], tokens: torch.Tensor, vocab: int,
     return out
 
 
+def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Draft]
+                          ) -> torch.Tensor:
+    """logits [B, W, V] with each constrained request's block rows restricted to its grammar:
+    row 0 at the grammar's current state, row 1 + i at the state after node i's path (a
+    node the grammar refuses gets target probability 0 there and is rejected by the
+    verifier). Rows past a request's proposed nodes are left as they are."""
+    b, width, vocab = logits.shape
+    constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if not constrained:
+        return logits
+    first = requests[constrained[0]].grammar
+    assert first is not None
+    bitmask = allocate_bitmask(len(constrained) * width, first.vocab_size)
+    rows: list[int] = []
+    for j, i in enumerate(constrained):
+        grammar, d = requests[i].grammar, drafts[i]
+        assert grammar is not None
+        grammar.fill(bitmask, j * width)
+        for node, path in enumerate(d.shape.paths[:width - 1]):
+            if node < len(d.valid) and d.valid[node]:
+                grammar.fill_after(bitmask, j * width + 1 + node, [d.token_ids[n] for n in path])
+        rows += [i * width + w for w in range(width)]
+    return mask_logits(logits.reshape(b * width, vocab), bitmask, rows).view(b, width, vocab)
+
+
 class Verification:
     """Runs a round's verification for the runner (module docstring)."""
 
@@ -74,7 +102,7 @@ class Verification:
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
-        if all(temperature_only(p, self.vocab) and p.logprobs is None for p in params):
+        if all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
             # the forward function verifies too (a CUDA graph on the GPU)
             uniforms = (torch.zeros((len(requests), self._num_uniforms(tokens)), dtype=torch.float64)
                         if all(greedy) else self._uniforms(requests, drafts, tokens))
@@ -150,7 +178,8 @@ class Verification:
                 contexts.append(base)
                 contexts += [base + [d.token_ids[j] for j in path] for path in d.shape.paths[:width - 1]]
         flat_params = [r.sampling_params for r in requests for _ in range(width)]
-        return logits_to_probs(logits.reshape(b * width, vocab), flat_params, contexts).view(b, width, vocab)
+        flat = _grammar_masked_block(logits, requests, drafts).reshape(b * width, vocab)
+        return logits_to_probs(flat, flat_params, contexts).view(b, width, vocab)
 
     def _unpack(self, rows: list[list[int]]) -> tuple[VerifyResult, Paths]:
         """The verifier's packed rows on the host: a chain's [K+2] (`unpack_rows`), a tree's

@@ -26,6 +26,7 @@ from infer.sampling import SamplingParams, derive_seed
 from infer.server.body import BodyLimits, parse_body
 from infer.server.config import ServerConfig
 from infer.server.errors import APIError, bad_request
+from infer.server.guided import structured_output
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from infer.tokenization import Tokenizer, TokenLimitExceeded
 
@@ -239,7 +240,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
             presence_penalty=value(req.presence_penalty, 0.0), frequency_penalty=value(req.frequency_penalty, 0.0),
             max_tokens=max_tokens, stop=req.stop,
             stop_token_ids=tuple(int(t) for t in req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            seed=seed, logprobs=logprobs)
+            seed=seed, logprobs=logprobs, structured=structured_output(req))
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), name if name in type(req).model_fields else None, "invalid_parameter") from exc

@@ -4,11 +4,12 @@ Requests are validated strictly (no "5" -> 5 coercion) with the ranges in the sc
 OpenAPI document FastAPI serves says exactly what the server accepts. Integer fields accept
 integral floats (`1.0`), as JSON Schema's "integer" does. Every string must be valid Unicode
 (a lone UTF-16 surrogate such as `"\\ud800"` is a 400 naming the field). Stop strings are
-limited as in OpenAI's API (4). Parameters the server does not implement (`tools`,
-`response_format` other than text, `best_of` > `n`, ...) are declared so that a request
+limited as in OpenAI's API (4). Structured outputs: `response_format` and vLLM's `guided_*`
+fields (read by `server.guided`). Parameters the server does not implement (`tools`,
+`best_of` > `n`, ...) are declared so that a request
 setting them gets a 400 naming them rather than being silently ignored; unknown fields are
 ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`.
+`stop_token_ids`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 """
 
 from __future__ import annotations
@@ -98,7 +99,12 @@ class SamplingFields(_Strict):
     tool_choice: Unsupported = Field(None, description="not supported (400 unless 'none')")
     functions: Unsupported = Field(None, description="not supported (400)")
     function_call: Unsupported = Field(None, description="not supported (400 unless 'none')")
-    response_format: Unsupported = Field(None, description="only {'type': 'text'} (400 otherwise)")
+    response_format: JsonValue | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
+                                              "'json_schema': {'name', 'schema', 'strict'}}")
+    guided_json: JsonValue | None = Field(None, description="a JSON schema the output follows (extension, vLLM)")
+    guided_regex: Text | None = Field(None, description="a regular expression the output matches (extension)")
+    guided_choice: list[Text] | None = Field(None, description="the output is one of these strings (extension)")
+    guided_grammar: Text | None = Field(None, description="an EBNF grammar the output follows (extension)")
     logit_bias: Unsupported = Field(None, description="not supported (400 unless empty)")
 
     def unsupported(self) -> str | None:
@@ -109,8 +115,6 @@ class SamplingFields(_Strict):
         for name, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
             if value not in (None, "none"):
                 return name
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            return "response_format"
         if self.logit_bias not in (None, {}):
             return "logit_bias"
         return None

@@ -30,6 +30,11 @@ A tree round (a static `TreeShape` that is not a chain; depth limit k_b >= 1):
    ancestors and itself (`TreeChunk.level`). Its logits give the depth-(d+1) children. A
    row's deepest level is never fed, as a chain's last draft is not.
 
+A chain row with a structured output drafts from the draft's distribution masked by its
+grammar (at the state after g and the tokens drafted so far), so it proposes only tokens the
+grammar allows; its steps sync with the host (the next mask needs the token) and never fuse.
+Tree drafts are not masked: the verifier rejects a node the grammar forbids.
+
 Children of a node: greedy rows take the top-b tokens of the draft's (penalised) logits in
 rank order (distinct); sampled rows draw b distinct tokens from q, the draft distribution
 after the request's sampling transforms, without replacement: sibling j is drawn from q
@@ -57,6 +62,7 @@ from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import (SamplingParams, adjust_logits, draw_uniforms, logits_to_probs, sample_from_probs,
                             sample_without_replacement, temperature_only)
+from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeChunk, TreeShape
 from infer.transfer import tensor_on, to_device
@@ -212,8 +218,10 @@ class DraftModelProposer:
         params = [r.sampling_params for r in reqs]
         greedy = all(p.greedy and not p.penalized for p in params)
         contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
+        grammars = [r.grammar for r in reqs]
+        drafted: list[list[int]] | None = [[] for _ in reqs] if any(g is not None for g in grammars) else None
         vocab = self.model.config.vocab_size
-        fused = None if greedy or not all(temperature_only(p, vocab) for p in params) else \
+        fused = None if greedy or drafted is not None or not all(temperature_only(p, vocab) for p in params) else \
             self.step_forward.sample
         host_uniforms = None if greedy else _row_uniforms(reqs, ks)  # [B, K] CPU
         uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
@@ -228,7 +236,7 @@ class DraftModelProposer:
         ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
-        if self.fuse_rounds and contexts is None and (greedy or fused is not None) and min(ks) == k_max \
+        if self.fuse_rounds and contexts is None and drafted is None and (greedy or fused is not None) and min(ks) == k_max \
                 and min(lens) == max(lens):
             # every row drafts k_max tokens after a feed of the same width: the whole round is
             # one `draft_loop` (one CUDA graph replay on the GPU)
@@ -247,6 +255,8 @@ class DraftModelProposer:
                                    [params[b].greedy for b in alive])  # [A], [A, V]
             else:
                 logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
+                if drafted is not None:  # constrained rows: q is the draft's masked distribution
+                    logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
                 if greedy:
                     new = logits.argmax(dim=-1)  # [A]
                 else:
@@ -259,9 +269,12 @@ class DraftModelProposer:
                     probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
                 probs_out[rows, step] = probs
             tokens[rows, step] = new
-            if contexts is not None:
+            if contexts is not None or drafted is not None:  # a host sync: the next mask needs the tokens
                 for b, t in zip(alive, new.tolist(), strict=True):
-                    contexts[b].append(t)
+                    if contexts is not None:
+                        contexts[b].append(t)
+                    if drafted is not None:
+                        drafted[b].append(t)
             for b in alive:
                 starts[b] += lens[b]
                 lens[b] = 1

@@ -21,6 +21,7 @@ from infer.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
+    from infer.speculative.grammar_mask import GrammarState
     from infer.speculative.tree import Draft, TreeShape
 
 
@@ -32,6 +33,7 @@ class DraftRequest(Protocol):
     slot: int | None
     num_computed_tokens: int  # tokens whose KV is in the target's cache; tokens[n] is pending
     generator: torch.Generator
+    grammar: GrammarState | None  # a structured output's grammar state (None: free text)
 
     @property
     def all_token_ids(self) -> list[int]: ...

@@ -22,6 +22,7 @@ import subprocess
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from infer.bench.rows import Context, Module, Need, Outcome, Row
@@ -189,7 +190,7 @@ def serve_rows(setup: ServeSetup, model: str, needs: tuple[Need, ...]) -> list[R
     """One row a rate, sharing one server (`model` and `needs`: ours, when no URL is given)."""
     session = ServeSession(setup, len(setup.rates))
     ours = setup.url is None
-    group = f"serving, {setup.label}: " + (model if ours else setup.url or "")
+    group = f"serving, {setup.label}: " + (Path(model).name or model if ours else setup.url or "")
     row_needs = (HTTPX, FASTAPI, *needs) if ours else (HTTPX,)
     engine = {**setup.engine, "model": model} if ours else setup.engine
     session.setup = dataclasses.replace(setup, engine=engine)
@@ -218,3 +219,22 @@ def serve_derived(metrics: Mapping[str, Any], params: Mapping[str, Any]) -> dict
     if isinstance(rate, (int, float)) and rate > 0 and achieved is not None:
         out["of_offered_rate"] = achieved / rate
     return out
+
+
+SERVE_HEADER = ("rate /s", "completed", "req/s", "of offered", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+                "TPOT p99", "E2E p50", "E2E p99")
+
+
+def serve_table_row(m: Any) -> list[Any]:
+    """A serve Measurement as a report row (SERVE_HEADER; times in ms)."""
+    if not m.ok:
+        return [m.name, m.status, (m.error or "").splitlines()[0][:80] if m.error else ""] + \
+            [None] * (len(SERVE_HEADER) - 3)
+    x = m.metrics
+
+    def ms(key: str) -> float | None:
+        return None if x.get(key) is None else x[key] * 1e3
+
+    return [m.params.get("request_rate"), f"{x.get('completed')}/{x.get('requests')}", x.get("request_throughput"),
+            m.derived.get("of_offered_rate"), x.get("output_tokens_per_s"), ms("ttft_p50_s"), ms("ttft_p99_s"),
+            ms("tpot_p50_s"), ms("tpot_p99_s"), ms("e2e_p50_s"), ms("e2e_p99_s")]

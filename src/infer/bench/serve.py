@@ -150,6 +150,11 @@ class ServeSession:
             asyncio.run(run_rate(url, model, warm, [0.0] * len(warm), math.inf, self.setup.request_timeout_s))
         return target
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """Our server's process (None with --url or before the first row)."""
+        return self._proc
+
     def finish_row(self) -> None:
         self.rows_left -= 1
         if self.rows_left <= 0:

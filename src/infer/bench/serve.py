@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from infer.bench.results import Measurement
 from infer.bench.rows import Context, Module, Need, Outcome, Row
 from infer.bench.serve_mix import SHAREGPT_LIKE, LengthMix, draw_requests, poisson_schedule
 
@@ -230,7 +231,7 @@ SERVE_HEADER = ("rate /s", "completed", "req/s", "of offered", "output tok/s", "
                 "TPOT p99", "E2E p50", "E2E p99")
 
 
-def serve_table_row(m: Any) -> list[Any]:
+def serve_table_row(m: Measurement) -> list[Any]:
     """A serve Measurement as a report row (SERVE_HEADER; times in ms)."""
     if not m.ok:
         return [m.name, m.status, (m.error or "").splitlines()[0][:80] if m.error else ""] + \

@@ -194,12 +194,11 @@ def measure_rate(target: Target, setup: ServeSetup, rate: float, output_len: int
 
 def serve_rows(setup: ServeSetup, model: str, needs: tuple[Need, ...]) -> list[Row]:
     """One row a rate, sharing one server (`model` and `needs`: ours, when no URL is given)."""
-    session = ServeSession(setup, len(setup.rates))
     ours = setup.url is None
     group = f"serving, {setup.label}: " + (Path(model).name or model if ours else setup.url or "")
     row_needs = (HTTPX, FASTAPI, *needs) if ours else (HTTPX,)
-    engine = {**setup.engine, "model": model} if ours else setup.engine
-    session.setup = dataclasses.replace(setup, engine=engine)
+    session = ServeSession(dataclasses.replace(setup, engine={**setup.engine, "model": model}) if ours else setup,
+                           len(setup.rates))
 
     def row(rate: float) -> Row:
         def run(ctx: Context) -> Outcome:

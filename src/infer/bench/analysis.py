@@ -12,6 +12,7 @@ A measurement names the others it is compared with in `refs`:
   "chain":    tree speculation: length_vs_chain = its tokens per round / the chain's (the
               chain run verifying as many tokens a round).
 
+A serve row (bench/serve.py) derives its completed share and achieved / offered rate.
 An acceptance-sweep row (controlled acceptance, bench/sweep.py) reads its "costs" for the
 projections instead (`sweep_projection`).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
+from infer.bench.serve import SERVE_KIND, serve_derived
 from infer.bench.theory import efficiency, num_nodes, round_projection
 from infer.speculative.theory import alpha_from_mean_length, walltime_factor
 
@@ -33,6 +35,8 @@ def derive_all(run: BenchRun) -> None:
 
 def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    if m.kind == SERVE_KIND:
+        return serve_derived(m.metrics, m.params)
     base = _ref(m, run, "baseline")
     if base is not None and m.metrics.get("primary_rate") and base.metrics.get("primary_rate"):
         out["speedup"] = m.metrics["primary_rate"] / base.metrics["primary_rate"]

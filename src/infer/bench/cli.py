@@ -5,12 +5,15 @@
     infer bench --suite smoke --list                 # the rows a suite runs; run nothing
     infer bench --workload W1 --model dummy:llama-3.2-3b --use-cuda-graphs --hf
     infer bench --workload W5 --speculative-decoding --speculative-method ngram --temperature 0
+    infer bench --suite serve --request-rates 1,4,16 --model dummy:llama-3.2-3b --use-cuda-graphs
+    infer bench --suite serve --url http://127.0.0.1:8000   # a running OpenAI-compatible server
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
     infer bench --plot results/all.json              # PNG charts (matplotlib) in results/all-charts/
 
 Suites and their rows are defined in `infer.bench.suites`. With --workload, the engine flags
 (the same as `infer generate`) configure the run; max batch size and max_seq_len default to
-what the workload needs. The exit status is 1 when a measurement failed (or none ran): rows
+what the workload needs; with --suite serve they configure the server the suite starts. The
+exit status is 1 when a measurement failed (or none ran): rows
 skipped for a missing optional package, missing GPUs or the time budget say why and are no
 failure.
 """
@@ -28,6 +31,7 @@ from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.report import console_table, markdown
 from infer.bench.results import BenchRun, environment_info, load_run, save_run
 from infer.bench.rows import with_refs
+from infer.bench.serve import DEFAULT_RATES, ServeSetup, parse_rates
 from infer.bench.suites import SUITES, custom_rows, suite_rows
 from infer.bench.workloads import WORKLOADS, get_workload
 from infer.engine.args import add_engine_args
@@ -47,6 +51,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--plot", nargs="+", metavar="JSON", type=Path,
                       help="write PNG charts of result files (needs matplotlib); run nothing")
     what.add_argument("--plot-dir", type=Path, help="--plot: where the charts go (default: <file>-charts/)")
+    serve = parser.add_argument_group("--suite serve")
+    serve.add_argument("--url", help="benchmark this running OpenAI-compatible server (e.g. vLLM's) instead of "
+                                     "starting ours on 127.0.0.1")
+    serve.add_argument("--request-rates", type=parse_rates, default=DEFAULT_RATES,
+                       help="requests/s of the Poisson arrivals, one row each; inf sends all at once "
+                            "(default: 1,4,16)")
+    serve.add_argument("--num-prompts", type=int, default=ServeSetup.num_prompts,
+                       help="requests per rate (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=ServeSetup.request_timeout_s,
+                       help="seconds after which a request counts as failed (default: %(default)s)")
     how = parser.add_argument_group("how")
     how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
     how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped (default: none)")
@@ -70,6 +84,21 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in values.items() if not (k in ("max_batch_size", "max_seq_len") and v is None)}
 
 
+SERVE_FLAGS = {"url": None, "request_rates": DEFAULT_RATES, "num_prompts": ServeSetup.num_prompts,
+               "request_timeout": ServeSetup.request_timeout_s}
+
+
+def _serve_setup(args: argparse.Namespace) -> ServeSetup | None:
+    """The serve suite's setup from its flags (None for other suites, where they are an error)."""
+    if args.suite != "serve":
+        given = ["--" + k.replace("_", "-") for k, default in SERVE_FLAGS.items() if getattr(args, k) != default]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to --suite serve")
+        return None
+    return ServeSetup(rates=args.request_rates, num_prompts=args.num_prompts, url=args.url,
+                      request_timeout_s=args.request_timeout, engine=_engine_overrides(args))
+
+
 def _default_out(name: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("bench-results") / f"{name}-{stamp}.json"
@@ -88,12 +117,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if bool(args.suite) == bool(args.workload):
         raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
     name = args.suite or f"workload-{args.workload}"
+    serve = _serve_setup(args)
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
                              max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
                              paired_instances=args.paired_instances, with_hf=not args.no_hf,
                              model=args.model, draft_model=args.draft_model, threads=args.threads)
     if args.suite:
-        table, selected = suite_rows(args.suite, options)
+        table, selected = suite_rows(args.suite, options, serve)
     else:
         workload = get_workload(args.workload).with_temperature(args.temperature)
         table, selected = custom_rows(workload, _engine_overrides(args), args.hf)

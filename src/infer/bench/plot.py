@@ -2,7 +2,8 @@
 
 One chart per measurement group (the tables of docs/benchmarks.md): the decode rate of each
 engine or peer run that finished, as horizontal bars, labelled with its speedup over its
-baseline where the run has one. Needs matplotlib (the `bench` extra).
+baseline where the run has one; decode tokens/s against batch size; the serving suite's
+latency percentiles against request rate (bench/serve_plot.py). Needs matplotlib (the `bench` extra).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _label(m: Measurement) -> str:
 def plot_files(paths: Sequence[Path], out_dir: Path | None) -> list[Path]:
     """Charts of each results file, into `out_dir` or `<file>-charts/` beside it."""
     from infer.bench.results import load_run
+    from infer.bench.serve_plot import plot_serving
 
     written = []
     for path in paths:
@@ -95,4 +97,6 @@ def plot_files(paths: Sequence[Path], out_dir: Path | None) -> list[Path]:
         written += plot_run(run, target)
         sweep = plot_batch_sweeps(run, target)
         written += [sweep] if sweep is not None else []
+        serving = plot_serving(run, target)
+        written += [serving] if serving is not None else []
     return written

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from infer.bench.results import SWEEP_KIND, BenchRun, Measurement, load_run
+from infer.bench.serve import SERVE_HEADER, SERVE_KIND, serve_table_row
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -45,6 +46,11 @@ def measurement_line(m: Measurement) -> str:
         parts.append(f"{fmt(x.get('primary_rate'))} tok/s")
         if x.get("ttft_mean_s") is not None:
             parts.append(f"TTFT {fmt(_ms(x['ttft_mean_s']))} ms")
+    if m.kind == SERVE_KIND:
+        parts.append(f"{fmt(x.get('request_throughput'))} req/s, {fmt(x.get('output_tokens_per_s'))} tok/s, "
+                     f"{x.get('completed')}/{x.get('requests')} completed; TTFT p50/p99 "
+                     f"{fmt(_ms(x.get('ttft_p50_s')))}/{fmt(_ms(x.get('ttft_p99_s')))} ms, TPOT "
+                     f"{fmt(_ms(x.get('tpot_p50_s')))}/{fmt(_ms(x.get('tpot_p99_s')))} ms")
     if m.kind == "bandwidth":
         parts.append(f"{fmt(x.get('gb_per_s'))} GB/s")
     if m.kind == "roofline":
@@ -132,6 +138,13 @@ def markdown(run: BenchRun) -> str:
     out += _collective_table(run)
     out += _sweep_table(run)
     out += _acceptance_tables(run)
+    serving: dict[str, list[Measurement]] = {}
+    for m in run.measurements:
+        if m.kind == SERVE_KIND:
+            serving.setdefault(m.group, []).append(m)
+    for group, members in serving.items():
+        out += [f"**{group}** (open loop, Poisson arrivals; times in ms)", ""]
+        out += _table(SERVE_HEADER, [serve_table_row(m) for m in members]) + [""]
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
         if m.kind in ("engine", "hf"):

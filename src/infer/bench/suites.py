@@ -19,6 +19,10 @@
                   0.6..0.9 chosen by an oracle (bench/sweep.py), against plain decoding and
                   the projections from the same run's c and v(K); sized for about 6 minutes
                   on one GPU
+    serve         open-loop serving: our server (or --url) at Poisson request rates
+                  (--request-rates, default 1,4,16 a second) over a seeded ShareGPT-like
+                  length mix, streamed; request and token throughput, TTFT / TPOT / E2E
+                  p50 and p99 a rate (bench/serve.py); the engine flags configure our server
     all-gpu       the runs of record: the rows of every one-GPU suite above (decode-speed,
                   speculation, costs, w2), in that order, within --max-seconds; the
                   acceptance sweep runs on its own
@@ -38,6 +42,7 @@ from infer.bench.measures import (acceptance_sweep_rows, bandwidth_row, batch_sw
                                   engine_row, hf_row, projection_row, roofline_row)
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
+from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
 from infer.bench.sweep import SweepSetup, SweepShape
 from infer.bench.workloads import WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
@@ -62,14 +67,15 @@ class Models:
     target: str
     draft: str
     needs: tuple[Need, ...]
+    serve: ServeSetup = ServeSetup()
 
     @classmethod
-    def from_options(cls, options: HarnessOptions) -> Models:
+    def from_options(cls, options: HarnessOptions, serve: ServeSetup | None = None) -> Models:
         given_draft = options.draft_model or options.model  # --model alone drafts for itself
         target, draft = options.model or str(DEMO_TARGET), given_draft or str(DEMO_DRAFT)
         demo = tuple(p for p, given in ((DEMO_TARGET, options.model), (DEMO_DRAFT, given_draft)) if given is None)
         hint = "train them with `python -m infer.demo` (or use a build that ships them), or pass --model"
-        return cls(target, draft, (Files(demo, hint),) if demo else ())
+        return cls(target, draft, (Files(demo, hint),) if demo else (), serve or ServeSetup())
 
 
 def _label(model: str) -> str:
@@ -240,6 +246,13 @@ def smoke_rows(m: Models) -> list[Row]:
                    HFPeer(m.target, assistant=m.draft), {"baseline": "smoke/plain"}, needs)]
 
 
+def serve_rows(m: Models) -> list[Row]:
+    """Our server runs the target (the demo target unless --model); a --url needs no model here."""
+    demo = m.target == str(DEMO_TARGET)
+    needs = (Files((DEMO_TARGET,), "train it with `python -m infer.demo`, or pass --model"),) if demo else ()
+    return serve_rate_rows(m.serve, m.target, needs)
+
+
 def sweep_setup() -> SweepSetup:
     """The acceptance sweep of record: the 3B shape drafted by the 1B shape."""
     shapes = tuple(SweepShape.chain(k) for k in SWEEP_CHAINS) + tuple(SweepShape.tree(t) for t in SWEEP_TREES)
@@ -270,14 +283,18 @@ SUITES: dict[str, Suite] = {
     "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "
                               "shape with the 1B draft, bf16 and FP8, chains and trees at alpha 0.6..0.9",
                               sweep_rows, 1, in_all_gpu=False),
+    "serve": Suite("open-loop serving at Poisson request rates (ours, or --url), ShareGPT-like lengths: "
+                   "throughput, TTFT / TPOT / E2E p50 and p99", serve_rows, 0, in_all_gpu=False),
     "all-gpu": Suite("the runs of record: every one-GPU suite's rows, in order", None, 1),
 }
 
 
-def build_table(options: HarnessOptions) -> tuple[dict[str, Row], dict[str, list[str]]]:
+def build_table(options: HarnessOptions, serve: ServeSetup | None = None
+                ) -> tuple[dict[str, Row], dict[str, list[str]]]:
     """(every row by name, each suite's selected row names). A row belongs to one suite
-    (the copy bandwidth to none: it runs where a roofline needs it); all-gpu is computed."""
-    models = Models.from_options(options)
+    (the copy bandwidth to none: it runs where a roofline needs it); all-gpu is computed.
+    `serve`: what the serve suite sends, and where (default: ServeSetup())."""
+    models = Models.from_options(options, serve)
     rows, owned = [bandwidth_row()], {}
     for name, suite in SUITES.items():
         if suite.rows is not None:
@@ -289,11 +306,12 @@ def build_table(options: HarnessOptions) -> tuple[dict[str, Row], dict[str, list
     return index_rows(rows), owned
 
 
-def suite_rows(name: str, options: HarnessOptions) -> tuple[dict[str, Row], list[str]]:
+def suite_rows(name: str, options: HarnessOptions, serve: ServeSetup | None = None
+               ) -> tuple[dict[str, Row], list[str]]:
     """The table and the rows suite `name` selects."""
     if name not in SUITES:
         raise ValueError(f"unknown suite {name!r}; choose one of {sorted(SUITES)}")
-    table, owned = build_table(options)
+    table, owned = build_table(options, serve)
     return table, owned[name]
 
 

@@ -13,7 +13,6 @@ Needs httpx (the `server` extra).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 
 from infer.bench.serve_mix import ServeRequest
-from infer.bench.server_load import percentile
+from infer.bench.server_load import StreamError, percentile, sse_chunks
 
 ERRORS_KEPT = 5  # failure messages kept in a row's metrics
 
@@ -65,32 +64,21 @@ async def server_facts(base_url: str, timeout_s: float = 30.0) -> tuple[str, int
 
 
 async def _stream(client: httpx.AsyncClient, body: dict[str, Any], rec: ServeRecord, start: float) -> None:
-    done, chunks = False, 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                rec.error = f"error event: {chunk['error'].get('message')}"
-                return
+    chunks = 0
+    try:
+        async for chunk in sse_chunks(client, body):
             if chunk.get("choices"):
                 chunks += 1
                 if rec.ttft_s is None:
                     rec.ttft_s = time.perf_counter() - start
             if chunk.get("usage"):
                 rec.output_tokens = int(chunk["usage"]["completion_tokens"])
-    if not done:
-        rec.error = "stream ended without [DONE]"
-    elif rec.output_tokens == 0:
+    except StreamError as error:
+        rec.error = str(error)
+        return
+    if rec.output_tokens == 0:
         rec.output_tokens = chunks  # a server that sends no usage: one chunk a token
-    if rec.error is None and rec.output_tokens != rec.max_tokens:
+    if rec.output_tokens != rec.max_tokens:
         rec.error = f"truncated: {rec.output_tokens}/{rec.max_tokens} tokens"
 
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,15 +101,16 @@ async def _plain(client: httpx.AsyncClient, body: dict[str, Any], reply: Reply) 
     reply.completion_tokens = data["usage"]["completion_tokens"]
 
 
-async def _streamed(client: httpx.AsyncClient, body: dict[str, Any], reply: Reply, start: float) -> None:
-    parts: list[str] = []
-    done = False
-    chunks = 0
-    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    async with client.stream("POST", "/v1/completions", json=streamed) as r:
+class StreamError(Exception):
+    """A streamed completion that failed: an HTTP error, an error event, no `[DONE]`."""
+
+
+async def sse_chunks(client: httpx.AsyncClient, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST a streamed completion and yield its JSON chunks; raise StreamError when it fails."""
+    async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            reply.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            return
+            raise StreamError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        done = False
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -117,8 +119,18 @@ async def _streamed(client: httpx.AsyncClient, body: dict[str, Any], reply: Repl
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                reply.error = f"error event: {chunk['error']['message']}"
-                return
+                raise StreamError(f"error event: {chunk['error'].get('message')}")
+            yield chunk
+        if not done:
+            raise StreamError("stream ended without [DONE]")
+
+
+async def _streamed(client: httpx.AsyncClient, body: dict[str, Any], reply: Reply, start: float) -> None:
+    parts: list[str] = []
+    chunks = 0
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async for chunk in sse_chunks(client, streamed):
             if chunk.get("usage"):
                 reply.completion_tokens = chunk["usage"]["completion_tokens"]
                 continue
@@ -127,10 +139,10 @@ async def _streamed(client: httpx.AsyncClient, body: dict[str, Any], reply: Repl
             parts.append(chunk["choices"][0]["text"])
             chunks += 1  # the server sends one chunk per generated token
             reply.finish_reason = chunk["choices"][0]["finish_reason"] or reply.finish_reason
+    except StreamError as error:
+        reply.error = str(error)
     reply.text = "".join(parts)
-    if not done:
-        reply.error = "stream ended without [DONE]"
-    elif chunks != reply.completion_tokens:
+    if reply.error is None and chunks != reply.completion_tokens:
         reply.error = f"{chunks} token chunks but usage says {reply.completion_tokens} tokens"
 
 

@@ -23,10 +23,8 @@ import argparse
 import json
 import multiprocessing
 import os
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.gemv_tiles import (  # noqa: E402
     GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
 from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
@@ -56,29 +54,6 @@ def layer_shapes(name: str) -> dict[str, tuple[int, int]]:
     return {"qkv": (c.q_size + 2 * c.kv_size, c.hidden_size), "o": (c.hidden_size, c.q_size),
             "gate_up": (2 * c.intermediate_size, c.hidden_size), "down": (c.hidden_size, c.intermediate_size),
             "lm_head": (c.vocab_size, c.hidden_size)}
-
-
-def graph_seconds(calls: list[Callable[[], object]], replays: int) -> float:
-    """Seconds per call: the median over `replays` of one graph holding every call once."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-    del graph
-    return statistics.median(times)
 
 
 def fused_inputs(flags: tuple[str, ...], m: int, n: int, k: int, dev: torch.device) -> dict[str, object]:

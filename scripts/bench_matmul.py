@@ -19,7 +19,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
 from infer.models.linear_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
 from infer.models.quantization import quantize_fp8_rows  # noqa: E402
@@ -41,25 +41,7 @@ def bench(fn, rep_ms: int = 40) -> float:
 def bench_graph(make_call, copies: int = 12, replays: int = 20) -> float:
     """Seconds per call when `copies` calls on distinct weight copies run back to back in
     one CUDA graph (as a decode step's layers do; the copies exceed the L2 cache)."""
-    calls = [make_call(i) for i in range(copies)]
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / copies)
-    return sorted(times)[len(times) // 2]
+    return graph_seconds([make_call(i) for i in range(copies)], replays)
 
 
 def sweep_configs(m: int) -> list[LinearConfig]:

@@ -17,6 +17,7 @@ taken in a busy moment would put decoding above its roofline).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
@@ -122,3 +123,26 @@ def roofline_fraction(tokens_per_s: float, roofline_tokens_per_s: float) -> floa
     if roofline_tokens_per_s <= 0:
         raise ValueError("roofline_tokens_per_s must be > 0")
     return tokens_per_s / roofline_tokens_per_s
+
+
+def graph_seconds(calls: list[Callable[[], object]], replays: int) -> float:
+    """Seconds per call: the median over `replays` of one graph holding every call once."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
+    del graph
+    return statistics.median(times)

@@ -175,12 +175,17 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
         sampling_batch_max=config.cuda_graph_sampling_batch_max))
     # a chain's whole-round graphs now, not in the middle of a request: K after a round (1
     # or 2 tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
-    # probes; other lengths are captured on first use (a tree's levels: `start`)
+    # probes; shorter rounds run the K loop and keep their tokens (`_loop_steps`), so no
+    # length is captured on first use (a tree's levels: `start`)
+    lengths = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
     if tree is None:
-        k = config.spec_length
-        step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), (k, 1) if config.spec_policy == "adaptive" else (k,))
+        step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), lengths)
     eager = executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size))
-    return DraftModelProposer(draft_model, pool, step, eager)
+    proposer = DraftModelProposer(draft_model, pool, step, eager)
+    if tree is None and config.use_cuda_graphs:  # shorter rounds run a captured loop (`_loop_steps`)
+        proposer.loop_lengths = lengths
+        proposer.loop_batch_max = min(config.max_batch_size, config.cuda_graph_sampling_batch_max)
+    return proposer
 
 
 def decode_shapes(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], tuple[str, ...]]:

@@ -16,6 +16,11 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
    the same k after a feed of the same width and samples with a temperature alone (greedy
    included), the K steps are one `draft_loop` call: on the GPU one CUDA graph replay, so a
    round pays the host work of one step rather than K (small draft models are bound by it).
+   A round whose rows draft fewer (the length guards near the end of a request, the
+   adaptive policy's per-row K) runs the shortest loop in `loop_lengths` (those whose graphs
+   were captured at start-up) that covers them, where every row has room for its positions,
+   and keeps each row's first k_b tokens: the extra steps cost a fraction of a step each,
+   a graph captured mid-request tens of milliseconds.
 3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
    what it actually holds, n + k).
 
@@ -95,6 +100,10 @@ class DraftModelProposer:
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
+        # loop lengths whose `draft_loop` graphs exist (`prepare_draft_loops`): a round of
+        # fewer steps runs the shortest of them that covers it (module docstring, step 2)
+        self.loop_lengths: tuple[int, ...] = ()
+        self.loop_batch_max = 0  # ... for batches up to this size (larger ones step through each step's graph)
 
     # -- memory: a draft slot from a request's first round on -------------------------------
     # A request gets its draft slot at its first round (`propose`), not at admission: one that
@@ -236,15 +245,17 @@ class DraftModelProposer:
         ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
-        if self.fuse_rounds and contexts is None and drafted is None and (greedy or fused is not None) and min(ks) == k_max \
-                and min(lens) == max(lens):
-            # every row drafts k_max tokens after a feed of the same width: the whole round is
-            # one `draft_loop` (one CUDA graph replay on the GPU)
-            union = BatchLayout.of(slots, starts, [lens[0] + k_max - 1] * batch)
-            loop_uniforms = torch.zeros((batch, k_max), dtype=torch.float64) if greedy else host_uniforms
-            loop_tokens, loop_probs = self.step_forward.draft_loop(ids, union, k_max, temps, loop_uniforms,
+        steps = self._loop_steps(slots, starts, lens, ks)
+        if self.fuse_rounds and contexts is None and drafted is None and (greedy or fused is not None) and steps:
+            # the whole round is one `draft_loop` (one CUDA graph replay on the GPU)
+            union = BatchLayout.of(slots, starts, [lens[0] + steps - 1] * batch)
+            loop_uniforms = torch.full((batch, steps), 0.5, dtype=torch.float64)  # (greedy: unused)
+            if host_uniforms is not None:
+                loop_uniforms[:, :k_max] = host_uniforms
+            loop_tokens, loop_probs = self.step_forward.draft_loop(ids, union, steps, temps, loop_uniforms,
                                                                    [p.greedy for p in params])
-            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], loop_probs
+            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], \
+                None if loop_probs is None else loop_probs[:, :k_max]
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):
@@ -286,6 +297,24 @@ class DraftModelProposer:
             ids = new[:, None]
         token_rows = tokens.tolist()  # the one sync of the draft phase
         return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
+
+    def _loop_steps(self, slots: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+                    ks: Sequence[int]) -> int:
+        """The steps of a round run as one `draft_loop`, 0 for step by step: k_max when every
+        row drafts it, else the shortest `loop_lengths` entry >= k_max whose positions every
+        row has room for (the extra steps' cache writes are rolled back by `on_accepted`)."""
+        k_max = max(ks)
+        if min(lens) != max(lens):
+            return 0
+        if min(ks) == k_max and (k_max in self.loop_lengths or len(slots) > self.loop_batch_max):
+            return k_max
+        for steps in sorted(n for n in self.loop_lengths if n >= k_max) if len(slots) <= self.loop_batch_max else ():
+            ends = [d + lens[0] + steps - 1 for d in starts]  # positions < end written
+            if max(ends) <= self.pool.max_seq_len and all(
+                    self.pool.ensure_capacity(s, e) for s, e in zip(slots, ends, strict=True)):
+                return steps
+            break  # longer ones need more room still
+        return k_max if min(ks) == k_max else 0
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """The fed part of each accepted path into sequence order (one gather + scatter for

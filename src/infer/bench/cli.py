@@ -74,6 +74,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="engines of each kind in a paired measurement (adaptive rows): identical engines "
                           "in one process differ by a few percent (default: 1)")
     how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
+    how.add_argument("--gpt-fast", metavar="PATH",
+                     help="a gpt-fast checkout: decode-speed also times its compiled decode (rows w1/*/gpt-fast)")
     add_engine_args(parser)
     # None = sized by the workload (engine_runner.engine_config)
     parser.set_defaults(max_batch_size=None, max_seq_len=None)
@@ -121,7 +123,8 @@ def run_bench(args: argparse.Namespace) -> int:
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
                              max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
                              paired_instances=args.paired_instances, with_hf=not args.no_hf,
-                             model=args.model, draft_model=args.draft_model, threads=args.threads)
+                             model=args.model, draft_model=args.draft_model, threads=args.threads,
+                             gpt_fast=args.gpt_fast)
     if args.suite:
         table, selected = suite_rows(args.suite, options, serve)
     else:

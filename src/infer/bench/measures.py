@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from infer.bench.batch_sweep import batch_sweep
@@ -23,7 +24,7 @@ from infer.bench.collectives import profile_collectives
 from infer.bench.engine_runner import default_dtype, free_memory, run_engine
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.roofline import copy_bandwidth, decode_roofline
-from infer.bench.rows import Context, Measured, Module, Need, NoPeers, Outcome, Row
+from infer.bench.rows import Context, CudaDevices, GptFastCheckout, Measured, Module, Need, NoPeers, Outcome, Row
 from infer.bench.results import SWEEP_KIND
 from infer.bench.sweep import SweepSession, SweepSetup
 from infer.bench.theory import projection_table, tree_projection
@@ -93,6 +94,18 @@ def hf_row(name: str, what: str, group: str, workload: Workload, peer: HFPeer,
         return run_hf(ctx.workload(workload), peer, device=str(ctx.device), warmup_tokens=ctx.options.warmup_tokens)
 
     return Row(name, what, "hf", group, run, dict(refs or {}), (NoPeers(), TRANSFORMERS, *needs))
+
+
+def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: str,
+                 refs: Mapping[str, str] | None = None) -> Row:
+    """gpt-fast's compiled decode on `model`'s shape (bench/gpt_fast.py), from --gpt-fast PATH."""
+
+    def run(ctx: Context) -> Outcome:
+        from infer.bench.gpt_fast import run_gpt_fast
+        assert ctx.options.gpt_fast is not None
+        return run_gpt_fast(Path(ctx.options.gpt_fast), model, ctx.workload(workload), device=str(ctx.device))
+
+    return Row(name, what, "gpt-fast", group, run, dict(refs or {}), (CudaDevices(1), GptFastCheckout()))
 
 
 def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,

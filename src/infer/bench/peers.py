@@ -121,7 +121,7 @@ def _generate(hf: torch.nn.Module, ids: torch.Tensor, kwargs: Mapping[str, Any],
 
 
 @dataclass
-class _Timed:
+class TimedRequest:
     """Stand-in for a Request in `request_metrics`."""
 
     output_token_ids: list[int]
@@ -171,8 +171,8 @@ def run_hf(workload: Workload, peer: HFPeer, *, device: str = "auto", warmup_tok
 
 
 def _timed_requests(hf: torch.nn.Module, assistant: torch.nn.Module | None, workload: Workload, requests: list,
-                    pad_id: int, peer: HFPeer, dev: torch.device) -> tuple[list[_Timed], float]:
-    timed: list[_Timed] = []
+                    pad_id: int, peer: HFPeer, dev: torch.device) -> tuple[list[TimedRequest], float]:
+    timed: list[TimedRequest] = []
     synchronize(dev)
     start = time.perf_counter()
     for i, spec in enumerate(requests):
@@ -182,5 +182,5 @@ def _timed_requests(hf: torch.nn.Module, assistant: torch.nn.Module | None, work
         out, arrivals = _generate(hf, ids, generate_kwargs(workload, spec.max_tokens, pad_id, peer), assistant)
         synchronize(dev)
         new = out[0, ids.shape[1]:].tolist()
-        timed.append(_Timed(new, arrival, arrivals[0] if arrivals else None, time.perf_counter()))
+        timed.append(TimedRequest(new, arrival, arrivals[0] if arrivals else None, time.perf_counter()))
     return timed, time.perf_counter() - start

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from infer.bench.results import BenchRun, Measurement
+from infer.bench.results import PEER_KINDS, BenchRun, Measurement
 
 
 def _slug(text: str) -> str:
@@ -23,7 +23,7 @@ def chartable(run: BenchRun) -> dict[str, list[Measurement]]:
     """Group -> the finished engine / peer measurements with a rate, in run order."""
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
-        if m.ok and m.kind in ("engine", "hf") and m.metrics.get("primary_rate") is not None:
+        if m.ok and m.kind in ("engine", *PEER_KINDS) and m.metrics.get("primary_rate") is not None:
             groups.setdefault(m.group or m.name, []).append(m)
     return groups
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from infer.bench.results import SWEEP_KIND, BenchRun, Measurement, load_run
+from infer.bench.results import PEER_KINDS, SWEEP_KIND, BenchRun, Measurement, load_run
 from infer.bench.serve import SERVE_HEADER, SERVE_KIND, serve_table_row
 
 
@@ -42,7 +42,7 @@ def measurement_line(m: Measurement) -> str:
         return f"[{m.status}] {m.name}: {first}"
     d, x = m.derived, m.metrics
     parts = [f"[ok] {m.name} ({m.elapsed_s:.1f} s)"]
-    if m.kind in ("engine", "hf", SWEEP_KIND):
+    if m.kind in ("engine", *PEER_KINDS, SWEEP_KIND):
         parts.append(f"{fmt(x.get('primary_rate'))} tok/s")
         if x.get("ttft_mean_s") is not None:
             parts.append(f"TTFT {fmt(_ms(x['ttft_mean_s']))} ms")
@@ -101,7 +101,7 @@ def engine_row(m: Measurement) -> list[Any]:
     tokens = x.get("output_tokens")
     if tokens is not None and tokens != x.get("expected_output_tokens"):
         tokens = f"{tokens} (expected {x.get('expected_output_tokens')})"
-    return [_short(m) + (" (HF)" if m.kind == "hf" else ""), x.get("tokens_per_s"), x.get("decode_tokens_per_s"),
+    return [_short(m) + (f" ({PEER_KINDS[m.kind]})" if m.kind in PEER_KINDS else ""), x.get("tokens_per_s"), x.get("decode_tokens_per_s"),
             _ms(x.get("ttft_mean_s")), d.get("speedup"), d.get("roofline_fraction"), x.get("acceptance_rate"),
             x.get("mean_accepted_length"), d.get("predicted_speedup"), d.get("efficiency"),
             x.get("prefix_hit_rate"), _match(m), tokens]
@@ -147,7 +147,7 @@ def markdown(run: BenchRun) -> str:
         out += _table(SERVE_HEADER, [serve_table_row(m) for m in members]) + [""]
     groups: dict[str, list[Measurement]] = {}
     for m in run.measurements:
-        if m.kind in ("engine", "hf"):
+        if m.kind in ("engine", *PEER_KINDS):
             groups.setdefault(m.group, []).append(m)
     for group, members in groups.items():
         out += [f"**{group}**", ""] + _table(ENGINE_HEADER, [engine_row(m) for m in members]) + [""]

@@ -23,6 +23,7 @@ import torch
 
 SCHEMA = "infer-bench/1"
 SWEEP_KIND = "acceptance_sweep"  # speculation at controlled acceptance (bench/sweep.py)
+PEER_KINDS = {"hf": "HF", "gpt-fast": "gpt-fast"}  # peer measurements -> their label in reports
 STATUSES = ("ok", "error", "skipped")
 
 

@@ -38,6 +38,7 @@ class HarnessOptions:
     model: str | None = None  # replaces the demo target (speculation, smoke) or the custom workload's model
     draft_model: str | None = None  # replaces the demo draft
     threads: int | None = None  # CPU threads of the cost measurement; None = the engine's choice
+    gpt_fast: str | None = None  # a gpt-fast checkout: its compiled decode runs as a peer row
     quiet: bool = False
 
     def __post_init__(self) -> None:
@@ -105,6 +106,17 @@ class CudaDevices:
         if ctx.device.type == "cuda" and have >= self.count:
             return None
         return f"needs {self.count} CUDA device(s) (--device cuda); this machine has {have}"
+
+
+@dataclass(frozen=True)
+class GptFastCheckout:
+    """--gpt-fast PATH given, and PATH holds gpt-fast's model.py and generate.py."""
+
+    def missing(self, ctx: Context) -> str | None:
+        if ctx.options.gpt_fast is None:
+            return "needs a gpt-fast checkout: --gpt-fast PATH (git clone https://github.com/pytorch-labs/gpt-fast)"
+        absent = [f for f in ("model.py", "generate.py") if not (Path(ctx.options.gpt_fast) / f).is_file()]
+        return f"--gpt-fast {ctx.options.gpt_fast} lacks {', '.join(absent)}" if absent else None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from infer.bench.measures import (acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row, costs_row,
-                                  engine_row, hf_row, projection_row, roofline_row)
+                                  engine_row, gpt_fast_row, hf_row, projection_row, roofline_row)
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
@@ -101,6 +101,11 @@ def decode_speed_rows(m: Models) -> list[Row]:
         rows.append(batch_sweep_row(f"batch/{_label(shape)}", f"decode step time of the {_label(shape)} shape "
                                     "at batch 1..32", "decode step against batch size", {"model": shape, **GRAPHS},
                                     (1, 2, 4, 8, 16, 32)))
+    for shape in (SHAPE_3B, SHAPE_1B):
+        label = _label(shape)
+        rows.append(gpt_fast_row(f"w1/{label}/gpt-fast", f"gpt-fast's compiled decode, {label} shape (--gpt-fast PATH)",
+                                 f"W1 plain decode, {label} shape", wl, shape,
+                                 {"roofline": f"roofline/{label}", "baseline": f"w1/{label}/ours"}))
     rows.append(hf_row("w1/3b/hf-static-cache", "transformers generate, static cache (compiled), 3B shape",
                        "W1 plain decode, 3b shape", wl, HFPeer(SHAPE_3B, cache_implementation="static"),
                        {"roofline": "roofline/3b", "baseline": "w1/3b/ours"}))

@@ -113,9 +113,12 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
+        an EAGLE head's c is its weight-byte ratio (its steps are not timed yet);
         `spec_cost_coefficient` overrides c."""
         c = self.config.spec_cost_coefficient
         draft = self.draft
+        if c is None and isinstance(self.proposer, EagleProposer):
+            c = weight_bytes(self.proposer.head) / weight_bytes(target)
         if next(target.parameters()).device.type != "cuda":
             if c is None:
                 c = 0.0 if draft is None else weight_bytes(draft.model) / weight_bytes(target)

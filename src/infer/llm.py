@@ -42,8 +42,9 @@ class LLM:
         max_seq_len=1024         prompt + output tokens per request (capped at the model's context)
         kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
         use_cuda_graphs=False    CUDA graphs for decode and speculation steps
-        use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup"),
-        draft_model=None (the demo draft with the demo target; a directory, hub id or .gguf file),
+        use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup",
+        "eagle", "eagle3"), draft_model=None (the demo draft with the demo target; a directory,
+        hub id or .gguf file; an EAGLE head's directory with "eagle" / "eagle3"),
         spec_length=5 (a tree: its depth), spec_policy="fixed"
         seed=0                   seeds requests that set none: the same call gives the same text
         tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;

@@ -266,6 +266,9 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
         def prefilled(self, requests):
             return None
 
+        def observed(self, requests, starts, rows):
+            return None
+
         def release(self, request):
             return None
 

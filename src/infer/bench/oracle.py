@@ -163,6 +163,10 @@ class OracleProposer:
         self.inner.on_accepted(requests, paths)
 
     # -- the rest is the inner proposer's --------------------------------------------------------
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        self.inner.observed(requests, starts, rows)
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         self.inner.prefilled(requests)
 

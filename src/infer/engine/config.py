@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from infer.speculative.tree import TreeShape
 
+EAGLE_METHODS = ("eagle", "eagle3")  # speculative methods whose draft_model is an EAGLE head
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 _VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 # the values each string field takes (the command line shows them as the flags' choices)
@@ -22,7 +23,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "draft_quantization": ("fp8",),
     "batching_mode": ("continuous", "static"),
     "kv_cache_backend": ("paged", "contiguous"),
-    "speculative_method": ("draft_model", "ngram", "prompt_lookup"),
+    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "eagle", "eagle3"),
     "spec_policy": ("fixed", "adaptive"),
     "tensor_parallel_embedding": _VOCAB_LAYOUTS,
     "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
@@ -44,7 +45,8 @@ class EngineConfig:
                          "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
       speed              use_cuda_graphs, compile_kernels, async_scheduling, threads (CPU)
       speculation        use_speculative_decoding, speculative_method ("draft_model",
-                         "ngram", "prompt_lookup"), draft_model, spec_length (K), spec_tree,
+                         "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
+                         EAGLE / EAGLE-3 head), draft_model, spec_length (K), spec_tree,
                          spec_policy ("fixed" or "adaptive"), n-gram orders and window
       parallelism        tensor_parallel_size and the placement of embedding, head, draft
       sampling           seed (of requests that set none)
@@ -81,7 +83,9 @@ class EngineConfig:
     # speculative decoding
     use_speculative_decoding: bool = False
     speculative_method: str = "draft_model"
-    draft_model: str | None = None  # dir, hub id or .gguf; None with the demo target = the bundled demo draft
+    # dir, hub id or .gguf; None with the demo target = the bundled demo draft. With
+    # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py)
+    draft_model: str | None = None
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None
     # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
@@ -164,6 +168,18 @@ class EngineConfig:
             if self.speculative_method == "draft_model" and self.draft_model is None and self.model is not None:
                 raise ValueError("use_speculative_decoding=True with speculative_method='draft_model' "
                                  "requires draft_model (a path or hub id)")
+            if self.speculative_method in EAGLE_METHODS:
+                self._check_eagle()
+
+    def _check_eagle(self) -> None:
+        method = self.speculative_method
+        if self.draft_model is None:
+            raise ValueError(f"speculative_method={method!r} requires draft_model: the directory of an "
+                             f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head trained for the target")
+        if self.spec_tree is not None:
+            raise ValueError(f"speculative_method={method!r} drafts chains: leave spec_tree unset")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"speculative_method={method!r} runs on one GPU: set tensor_parallel_size=1")
 
     def _tree_shape(self) -> TreeShape:
         from infer.speculative.tree import TreeShape

@@ -66,7 +66,8 @@ class Engine:
     def _make_runner(self) -> ModelRunner:
         executor: Executor = engine_executor(self.parallel, self.models)
         return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
-                           draft_model=self.models.draft if self.config.use_speculative_decoding else None)
+                           draft_model=self.models.draft if self.config.use_speculative_decoding else None,
+                           head=self.models.head if self.config.use_speculative_decoding else None)
 
     def close(self) -> None:
         """Shut the worker ranks down and leave their process group (tensor parallelism;

@@ -7,7 +7,11 @@ carries its own tokenizer. Without `model` the bundled demo target is used (and 
 Everything that can be checked from files is checked before any weight is read
 (`check_before_loading`): the tokenizer is built (a GGUF file whose tokenizer infer cannot
 rebuild fails in a fraction of a second, not after dequantizing), and a draft's vocabulary
-is compared with the target's (engine/pairing.py).
+is compared with the target's (engine/pairing.py), an EAGLE head's config.json with the
+target's (models/eagle.py: hidden size, vocabulary, captured layers).
+
+With an EAGLE head the target gets a `HiddenCapture` of the points the head reads, so its
+every forward leaves them for the proposer.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EngineConfig
+from infer.engine.config import EAGLE_METHODS, EngineConfig
 from infer.engine.pairing import VocabularyFacts, check_pair
+from infer.models.capture import HiddenCapture
+from infer.models.eagle import EagleHead, load_eagle_head, read_head_config
 from infer.models.gguf.path import is_gguf_path
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model, read_model_config, resolve_model_path
@@ -36,6 +42,7 @@ class LoadedModels:
     draft: LlamaForCausalLM | None
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
+    head: EagleHead | None = None  # speculative_method "eagle" / "eagle3"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -111,7 +118,25 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     device = device if device is not None else resolve_device(config.device)
     target_path, draft_path = default_model_paths(config)
     tokenizer = check_before_loading(config, target_path, draft_path)
+    head_path = eagle_head_path(config)
+    if head_path is not None:  # refused from config files, before any weight is read
+        read_head_config(head_path, config.speculative_method).check_target(
+            read_model_config(target_path, config.load_format))
     target = load_target(config, target_path, device, target_shard)
     draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
+    head = None if head_path is None else load_head(config, head_path, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
-    return LoadedModels(target, draft, tokenizer, tuple(eos))
+    return LoadedModels(target, draft, tokenizer, tuple(eos), head)
+
+
+def eagle_head_path(config: EngineConfig) -> str | None:
+    """The EAGLE head's directory when speculation uses one."""
+    wants = config.use_speculative_decoding and config.speculative_method in EAGLE_METHODS
+    return config.draft_model if wants else None
+
+
+def load_head(config: EngineConfig, path: str, target: LlamaForCausalLM) -> EagleHead:
+    """The EAGLE head (target's dtype and device), and the target's capture of what it reads."""
+    head = load_eagle_head(path, config.speculative_method, target)
+    target.capture = HiddenCapture(head.spec.capture_points(target.config.num_hidden_layers))
+    return head

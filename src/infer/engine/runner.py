@@ -48,6 +48,7 @@ from infer.engine.request import Request, StepOutput
 from infer.engine.speculation import Speculation, decode_shapes
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
+from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
@@ -67,7 +68,7 @@ Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requ
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
                  eos_token_ids: tuple[int, ...], executor: Executor = LOCAL,
-                 draft_model: LlamaForCausalLM | None = None) -> None:
+                 draft_model: LlamaForCausalLM | None = None, head: EagleHead | None = None) -> None:
         self.model = model
         self.config = config
         self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
@@ -88,7 +89,7 @@ class ModelRunner:
         self.verification: Verification | None = None
         if config.use_speculative_decoding:
             draft_kernels = EAGER if draft_model is None else step_kernels(config, self.device, draft_model)
-            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels)
+            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model)
             self.speculation.start(self.forward, self.cache_pool, model)
             self.verification = Verification(self.forward, model.config.vocab_size, self.device,
                                              self.speculation.tree)
@@ -198,6 +199,8 @@ class ModelRunner:
                                 [n for _, n in chunks])
         logits = self.run_chunks(requests, layout)  # [B, V]
         if self.speculation is not None:  # host work for the first proposals, under the forward
+            self.speculation.proposer.observed(requests, layout.start_positions,
+                                               [range(n) for _, n in chunks])
             self.speculation.proposer.prefilled(requests)
         to_sample: list[int] = []
         for i, (request, n) in enumerate(chunks):
@@ -251,6 +254,8 @@ class ModelRunner:
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
                                      for r, p in zip(requests, paths, strict=True) if r.slot is not None])
         spec.proposer.on_accepted(requests, paths)
+        spec.proposer.observed(requests, [r.num_computed_tokens for r in requests],
+                               [[0, *(1 + i for i in p)] for p in paths])
         logprobs = result.logprobs or [[] for _ in requests]
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
@@ -299,6 +304,9 @@ class ModelRunner:
             logits = self.forward(ids, layout, all_logits=False)  # [B, V]
             tokens = self.sample(requests, logits, params)
             lps = self.logprobs(requests, logits, tokens)
+        if self.speculation is not None:
+            self.speculation.proposer.observed(requests, [r.num_computed_tokens for r in requests],
+                                               [[0]] * len(requests))
         for r in requests:
             r.num_computed_tokens += 1
         return list(requests), tokens, lps

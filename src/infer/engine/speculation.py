@@ -18,14 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.config import EngineConfig
+from infer.engine.config import EAGLE_METHODS, EngineConfig
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
+from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
+from infer.speculative.eagle import EagleProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
@@ -63,12 +65,20 @@ class Speculation:
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
-              draft_kernels: Kernels) -> Speculation:
-        """The proposer and policy; the adaptive policy's costs are measured by `start`."""
+              draft_kernels: Kernels, head: EagleHead | None = None,
+              target: LlamaForCausalLM | None = None) -> Speculation:
+        """The proposer and policy; the adaptive policy's costs are measured by `start`.
+        An EAGLE head needs the target, whose `capture` it reads."""
         tree = None if config.spec_tree is None else TreeShape.parse(config.spec_tree)
         draft = None
-        if config.speculative_method != "draft_model":
-            proposer: Proposer = NgramProposer(NgramConfig(method=config.speculative_method,
+        if config.speculative_method in EAGLE_METHODS:
+            if head is None or target is None or target.capture is None:
+                raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
+                                 "with its target (engine.loading.load_models)")
+            proposer: Proposer = EagleProposer(head, executor.make_pool(head, config, prefix_caching=False),
+                                               target.capture)
+        elif config.speculative_method != "draft_model":
+            proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,
                                                            min_order=config.ngram_min_order,
                                                            window=config.ngram_window))
@@ -103,9 +113,12 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
+        an EAGLE head's c is its weight-byte ratio (its steps are not timed yet);
         `spec_cost_coefficient` overrides c."""
         c = self.config.spec_cost_coefficient
         draft = self.draft
+        if c is None and isinstance(self.proposer, EagleProposer):
+            c = weight_bytes(self.proposer.head) / weight_bytes(target)
         if next(target.parameters()).device.type != "cuda":
             if c is None:
                 c = 0.0 if draft is None else weight_bytes(draft.model) / weight_bytes(target)
@@ -196,5 +209,6 @@ def decode_shapes(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], t
     if not config.use_speculative_decoding or config.spec_tree is not None:
         return ((1, False),), ()
     shapes = (*((w, True) for w in range(1, config.spec_length + 2)), (1, False))
-    modes = ("greedy", "one_hot") + (("draft_probs",) if config.speculative_method == "draft_model" else ())
+    sampled_drafts = config.speculative_method in ("draft_model", *EAGLE_METHODS)  # q from a model
+    modes = ("greedy", "one_hot") + (("draft_probs",) if sampled_drafts else ())
     return shapes, modes

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from infer.models.attention import AttentionView, NoCacheView
+from infer.models.capture import HiddenCapture
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, cos_sin
 from infer.models.layers import MLP, RMSNorm, Rotary
@@ -96,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(config)
         self.lm_head = make_linear(config.hidden_size, config.vocab_size, None)  # kept in the model's dtype
         self.tie_weights()
+        # hidden states an EAGLE head reads, left by every forward (models/capture.py); None: none
+        self.capture: HiddenCapture | None = None
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config ties them (again after the
@@ -112,9 +115,17 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = cos_sin(positions, self.rotary.inv_freq, x.dtype)
-        for layer in self.model.layers:
+        capture = self.capture
+        states: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if capture is not None and i in capture.points:
+                states[i] = x
             x = layer(x, cos, sin, view, kernels)
-        return kernels.rmsnorm(x, self.model.norm.weight, self.model.norm.eps)
+        out = kernels.rmsnorm(x, self.model.norm.weight, self.model.norm.eps)
+        if capture is not None:
+            states[len(self.model.layers)] = out
+            capture.store(states)
+        return out
 
     def forward(
         self,

@@ -115,6 +115,10 @@ class DraftModelProposer:
     def pools(self) -> list[CachePoolProtocol]:
         return [self.pool]
 
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        """Nothing: the draft model reads tokens, not the target's states."""
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 
@@ -232,7 +236,7 @@ class DraftModelProposer:
         vocab = self.model.config.vocab_size
         fused = None if greedy or drafted is not None or not all(temperature_only(p, vocab) for p in params) else \
             self.step_forward.sample
-        host_uniforms = None if greedy else _row_uniforms(reqs, ks)  # [B, K] CPU
+        host_uniforms = None if greedy else row_uniforms(reqs, ks)  # [B, K] CPU
         uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
         temps = [1.0 if p.greedy else p.temperature for p in params]
         tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
@@ -392,7 +396,7 @@ class DraftModelProposer:
         host = torch.cat([tokens, drawn], dim=1).tolist()  # (the one sync of a round without penalties)
         return [row[:n_nodes] for row in host], probs_out, [row[n_nodes:] for row in host]
 
-def _row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
+def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
     """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
     request's randomness does not depend on the rest of the batch."""
     out = torch.zeros((len(reqs), max(ks)), dtype=torch.float64)

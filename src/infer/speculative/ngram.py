@@ -128,6 +128,10 @@ class NgramProposer:
                 drafts.append(cut_depth(table.propose_tree(context, shape), depth))
         return drafts
 
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        """Nothing: tables read tokens only."""
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""
         for request in requests:

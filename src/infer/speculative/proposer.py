@@ -66,6 +66,15 @@ class Proposer(Protocol):
         first proposals can run now, under the forward (n-gram: build the prompt's table)."""
         ...
 
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        """The target's forward just ran and committed, for requests[i], its batch row i's
+        token rows rows[i] at positions starts[i], starts[i] + 1, ... (a prefill chunk: all
+        its rows; a plain step: [0]; a round: g's row 0 and the accepted nodes' rows). A
+        proposer drafting from the target's hidden states (EAGLE) reads them now from the
+        model's `HiddenCapture`; others do nothing."""
+        ...
+
     def release(self, request: DraftRequest) -> None:
         """The request finished or was preempted: drop its state and memory."""
         ...

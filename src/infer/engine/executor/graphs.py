@@ -93,6 +93,7 @@ class _Graph:
     out: torch.Tensor  # [b, w, V] or [b, V]; sampling graphs: probs [b, V]
     sampling: _Staging | None = None  # float64 [3, b]: temperature | greedy | uniform (sampling graphs)
     tokens: torch.Tensor | None = None  # [b] sampled ids (sampling graphs)
+    hidden: torch.Tensor | None = None  # [b, w, D] the model's HiddenCapture output (an EAGLE head's target)
     # per staging host buffer: its segments, and the index segments as ViewIndices (filled in place)
     host_parts: list[tuple[dict[str, torch.Tensor], ViewIndices]] = field(default_factory=list)
 
@@ -210,8 +211,9 @@ class GraphForward:
             return probs, sample_from_probs(probs, params[2])
 
         graph, (out, tokens) = self._record(run, stream)
+        capture = self.model.capture  # the capture's tensor of this graph is one of its static outputs
         return _Graph(graph, _Staging(device), ids, positions, last, indices, out,
-                      _Staging(params) if sampling else None, tokens)
+                      _Staging(params) if sampling else None, tokens, None if capture is None else capture.last)
 
     def _record(self, run: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
         """Warm `run` up on the side stream, then capture it: (graph, run's outputs)."""
@@ -470,5 +472,8 @@ class GraphForward:
         if ids.is_cuda:  # tokens produced on the device by the previous step
             g.ids[:n].copy_(ids)
         g.graph.replay()
+        if g.hidden is not None:
+            assert self.model.capture is not None
+            self.model.capture.last = g.hidden  # what the eager forward would have left
         self.pool.commit(layout)
         self.replays += 1

@@ -1,0 +1,261 @@
+"""EagleProposer: drafts chains with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
+
+The head drafts from the target's features: at position i it is fed (f_i, t_{i+1}), f_i the
+target's captured hidden states of position i (`HiddenCapture`; EAGLE-3's through its fc).
+Its cache holds, per request, only positions fed with the target's features:
+
+1. `observed`: after every target forward (prefill chunk, plain step, verification round)
+   the runner names the rows it committed; their features are gathered on the device (no
+   host sync) and kept as the request's pending features, in position order.
+2. `propose`, catch-up: the pending features f_d .. f_{n-1} are fed with the tokens
+   t_{d+1} .. t_n (t_n = g, the pending token), in batched chunks of at most
+   `CATCH_UP_CHUNK` per row. The output at position n - 1 gives draft token 1.
+3. draft steps 2 .. k: step j feeds (x_{j-1}, d_{j-1}): the head's own output of the step
+   before as the feature, the token it drafted. Each token is sampled from the head's
+   distribution over TARGET ids (EAGLE-3's draft vocabulary mapped through d2t, -inf
+   elsewhere) after the request's sampling transforms, with the request's generator;
+   greedy rows take the argmax and report no q (one-hot).
+4. `on_accepted`: the drafts' positions are dropped (back to n); the accepted ones are fed
+   again at the next catch-up with the target's own features (what the public heads were
+   trained on), which the verification forward has just produced (step 1).
+
+A request whose prompt prefix came from the target's prefix cache has no features for that
+prefix: its head cache starts at the first position the target computed (`offset`), the
+rotary positions shifted alike. Its drafts see less context (lower acceptance), never a
+different target distribution. Chains only; trees are refused at configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
+from infer.models.capture import HiddenCapture
+from infer.models.eagle import EagleHead
+from infer.sampling import logits_to_probs, sample_from_probs
+from infer.speculative.draft_model import row_uniforms
+from infer.speculative.grammar_mask import grammar_masked
+from infer.speculative.proposer import DraftRequest
+from infer.speculative.tree import Draft, TreeShape
+from infer.transfer import tensor_on, to_device
+
+if TYPE_CHECKING:
+    from infer.cache.protocol import CachePoolProtocol
+
+CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # positions per row per catch-up forward
+
+
+@dataclass
+class HeadState:
+    """One request's head cache: slot position p holds target position offset + p."""
+
+    offset: int
+    slot: int | None = None  # taken at the first round
+    pending: list[torch.Tensor] = field(default_factory=list)  # features [m, H] of the positions after the cache
+    round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
+
+    def num_pending(self) -> int:
+        return sum(t.shape[0] for t in self.pending)
+
+
+class EagleProposer:
+    def __init__(self, head: EagleHead, pool: CachePoolProtocol, capture: HiddenCapture) -> None:
+        self.head, self.pool, self.capture = head, pool, capture
+        self.device = next(head.parameters()).device
+        self.states: dict[str, HeadState] = {}
+
+    # -- features from the target ---------------------------------------------------------------
+    @torch.inference_mode()
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        """`Proposer.observed`: keep the features of the committed rows as pending."""
+        last = self.capture.last
+        assert last is not None, "the target ran without its hidden-state capture"
+        width = last.shape[1]
+        flat = [b * width + r for b, rs in enumerate(rows) for r in rs]
+        if not flat:
+            return
+        features = self.head.combine(self.capture.rows(tensor_on(flat, self.device, torch.long)))  # [M, H]
+        at = 0
+        for request, start, rs in zip(requests, starts, rows, strict=True):
+            part, at = features[at:at + len(rs)], at + len(rs)
+            if not rs:
+                continue
+            state = self.states.get(request.request_id)
+            if state is None:
+                state = self.states[request.request_id] = HeadState(offset=start)
+            expected = state.offset + self._cached(state) + state.num_pending()
+            if start != expected:
+                raise RuntimeError(f"EAGLE head of {request.request_id}: features of position {start} arrived, "
+                                   f"position {expected} was expected next")
+            state.pending.append(part)
+
+    def _cached(self, state: HeadState) -> int:
+        return 0 if state.slot is None else self.pool.seq_len(state.slot)
+
+    # -- memory ---------------------------------------------------------------------------------------
+    def can_admit(self, request: DraftRequest) -> bool:
+        return self.pool.can_allocate(request.prefill_target)
+
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
+        state = self.states.get(request.request_id)
+        if state is None or state.slot is None:
+            return True
+        return self.pool.ensure_capacity(state.slot, max(0, total_tokens - state.offset))
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return [self.pool]
+
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
+        """Nothing: the head is fed at a request's rounds (`observed` keeps the features)."""
+
+    def release(self, request: DraftRequest) -> None:
+        state = self.states.pop(request.request_id, None)
+        if state is not None and state.slot is not None:
+            self.pool.free_slot(state.slot)
+
+    def leak_report(self) -> list[str]:
+        extra = [f"EAGLE head still holds requests {sorted(self.states)}"] if self.states else []
+        return extra + [f"EAGLE head pool: {p}" for p in self.pool.leak_report()]
+
+    def _room(self, request: DraftRequest, k: int) -> HeadState | None:
+        """The request's state with a slot holding room for its catch-up and k - 1 drafts; None
+        (it drafts nothing this round) when it has no features yet or the pool is short."""
+        state = self.states.get(request.request_id)
+        if state is None:
+            return None
+        need = request.num_computed_tokens - state.offset + k - 1
+        if state.slot is None:
+            if not self.pool.can_allocate(need):
+                return None
+            state.slot = self.pool.allocate_slot(need)
+            return state
+        return state if self.pool.ensure_capacity(state.slot, need) else None
+
+    # -- proposing -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        """`Proposer.propose`: a chain per request (module docstring)."""
+        if not shape.is_chain:
+            raise ValueError("the EAGLE proposer drafts chains: leave spec_tree unset with speculative_method "
+                             "'eagle' / 'eagle3'")
+        if len(depths) != len(requests):
+            raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
+        drafts = [Draft.empty(shape) for _ in requests]
+        picked = [(i, s) for i, k in enumerate(depths) if k > 0 and (s := self._room(requests[i], k)) is not None]
+        if not picked:
+            return drafts
+        reqs = [requests[i] for i, _ in picked]
+        states = [s for _, s in picked]
+        ks = [min(depths[i], shape.depth) for i, _ in picked]
+        last = self._catch_up(reqs, states)  # [A, H]
+        for r, s in zip(reqs, states, strict=True):
+            s.round_end = r.num_computed_tokens - s.offset
+        tokens, probs = self._draft(reqs, states, ks, last)
+        for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
+            drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+        return drafts
+
+    def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> torch.Tensor:
+        """Feed each request's pending features with the tokens after them -> the head's
+        output at each request's position n - 1, [A, H]."""
+        assert all(s.slot is not None for s in states)
+        feats = []
+        for r, s in zip(reqs, states, strict=True):
+            cached = self._cached(s)
+            if s.offset + cached + s.num_pending() != r.num_computed_tokens or not s.pending:
+                raise RuntimeError(f"EAGLE head of {r.request_id}: holds {cached} + {s.num_pending()} pending "
+                                   f"positions from {s.offset}, the target {r.num_computed_tokens}")
+            feats.append(torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0])
+            s.pending = []
+        out = torch.zeros((len(reqs), self.head.spec.hidden_size), dtype=feats[0].dtype, device=self.device)
+        done = [0] * len(reqs)
+        while True:
+            todo = [b for b in range(len(reqs)) if done[b] < feats[b].shape[0]]
+            if not todo:
+                return out
+            slots = [states[b].slot for b in todo]
+            starts = [self.pool.seq_len(s) for s in slots]  # type: ignore[arg-type]
+            lens = [min(CATCH_UP_CHUNK, feats[b].shape[0] - done[b]) for b in todo]
+            layout = BatchLayout.of(slots, starts, lens)  # type: ignore[arg-type]
+            ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
+            chunk = torch.zeros((len(todo), layout.width, out.shape[-1]), dtype=out.dtype, device=self.device)
+            for j, (b, n) in enumerate(zip(todo, lens, strict=True)):
+                first = states[b].offset + starts[j] + 1  # target position of the token after the first feature
+                ids[j, :n] = torch.tensor(reqs[b].token_slice(first, first + n))
+                chunk[j, :n] = feats[b][done[b]:done[b] + n]
+                done[b] += n
+            x = self._forward(ids, chunk, layout)  # [T', W, H]
+            ends = [b for b in todo if done[b] == feats[b].shape[0]]
+            if ends:
+                rows = [todo.index(b) for b in ends]
+                out[tensor_on(ends, self.device, torch.long)] = x[tensor_on(rows, self.device, torch.long),
+                                                                  tensor_on([lens[j] - 1 for j in rows],
+                                                                            self.device, torch.long)]
+
+    def _forward(self, ids: torch.Tensor, features: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """One head forward through its pool: ids CPU [B, W], features [B, W, H] -> outputs [B, W, H]."""
+        view = self.pool.view(layout)
+        x = self.head(to_device(ids, self.device), features, layout.positions(self.device), view)
+        view.commit()
+        return x
+
+    def _draft(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], ks: Sequence[int],
+               x: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None]:
+        """k_b tokens per row from the catch-up's outputs x [A, H] -> (tokens [A][k_b], q [A, K, V]
+        over target ids, or None when every row is greedy)."""
+        batch, k_max = len(reqs), max(ks)
+        params = [r.sampling_params for r in reqs]
+        greedy = all(p.greedy and not p.penalized for p in params)
+        contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
+        grammars = [r.grammar for r in reqs]
+        drafted: list[list[int]] | None = [[] for _ in reqs] if any(g is not None for g in grammars) else None
+        uniforms = None if greedy else to_device(row_uniforms(reqs, ks), self.device)  # [A, K]
+        tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
+        probs_out: torch.Tensor | None = None
+        alive = list(range(batch))
+        for step in range(k_max):
+            rows = tensor_on(alive, self.device, torch.long)
+            logits = self.head.logits(x)  # [A', V]
+            if drafted is not None:
+                logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
+            if greedy:
+                new = logits.argmax(dim=-1)  # [A']
+            else:
+                ctx = None if contexts is None else [contexts[b] for b in alive]
+                probs = logits_to_probs(logits, [params[b] for b in alive], ctx)  # [A', V]
+                assert uniforms is not None
+                new = sample_from_probs(probs, uniforms[rows, step])
+                if probs_out is None:
+                    probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
+                probs_out[rows, step] = probs
+            tokens[rows, step] = new
+            if contexts is not None or drafted is not None:  # a host sync: the next mask needs the tokens
+                for b, t in zip(alive, new.tolist(), strict=True):
+                    for grown in (contexts, drafted):
+                        if grown is not None:
+                            grown[b].append(t)
+            keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
+            if not keep:
+                break
+            alive = [alive[i] for i in keep]
+            index = tensor_on(keep, self.device, torch.long)
+            slots = [states[b].slot for b in alive]
+            layout = BatchLayout.of(slots, [self.pool.seq_len(s) for s in slots], [1] * len(alive))  # type: ignore
+            x = self._forward(new.index_select(0, index)[:, None], x.index_select(0, index)[:, None], layout)[:, 0]
+        host = tokens.tolist()  # the one sync of a round without penalties or grammars
+        return [row[:k] for row, k in zip(host, ks, strict=True)], probs_out
+
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
+        """Drop the round's draft positions: the accepted tokens come back with the target's
+        features (`observed`) and are fed at the next catch-up."""
+        for request in requests:
+            state = self.states.get(request.request_id)
+            if state is None or state.round_end is None or state.slot is None:
+                continue
+            self.pool.truncate_to(state.slot, min(state.round_end, self.pool.seq_len(state.slot)))
+            state.round_end = None

@@ -1,0 +1,93 @@
+"""EAGLE / EAGLE-3 heads end to end (CPU): greedy parity with plain decoding under batching,
+prefix caching, chunked prefill and preemption (the suite's `make_llm` checks that nothing
+leaks); losslessness of sampling on a tiny vocabulary (total variation against the exact
+joint distribution, with a negative control); a mismatched head refused at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.eagle_heads import write_head
+from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, run
+from infer import LLM, SamplingParams
+
+VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/test_speculative_sampling.py
+
+
+@pytest.fixture(scope="module")
+def heads(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("heads")
+    return {"eagle3": write_head(root / "eagle3", ckpt_a, "eagle3", draft_vocab=120, aux_layers=[0, 1, 1]),
+            "eagle": write_head(root / "eagle", ckpt_a, "eagle", fc_bias=True)}
+
+
+def _llm(make_llm, ckpt: Path, method: str, head: Path, **options) -> LLM:
+    return make_llm(ckpt, max_seq_len=256, use_speculative_decoding=True, speculative_method=method,
+                    draft_model=str(head), spec_length=DEPTH, **options)
+
+
+@pytest.mark.parametrize("config", ["paged-prefix-small-chunks", "paged-preempt"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_greedy_parity(make_llm, ckpt_a, heads, prompts, plain_outputs, method, config) -> None:
+    llm = _llm(make_llm, ckpt_a, method, heads[method], max_batch_size=8, **ENGINE_CONFIGS[config])
+    batched = [o.outputs[0].token_ids for o in run(llm, prompts, batch=8)]
+    assert batched == plain_outputs
+    if config == "paged-preempt":
+        assert llm.engine.scheduler.num_preemptions > 0
+    else:  # batch 1, each prompt twice: the second run starts after a cached prefix
+        again = [o.outputs[0].token_ids for o in run(llm, prompts[:3] + prompts[:3], batch=1)]
+        assert again == plain_outputs[:3] * 2
+        assert llm.engine.runner.cache_pool.prefix_hit_rate > 0
+    stats = llm.engine.runner.stats
+    assert stats is not None and stats.draft_tokens > 0
+
+
+def test_mismatched_head_refused(make_llm, ckpt_a, tmp_path) -> None:
+    head = write_head(tmp_path / "wide", ckpt_a, "eagle3", hidden_size=32, aux_layers=[0, 1, 1])
+    with pytest.raises(ValueError, match="does not fit the target"):
+        _llm(make_llm, ckpt_a, "eagle3", head)
+
+
+def test_tree_refused(make_llm, ckpt_a, heads) -> None:
+    with pytest.raises(ValueError, match="spec_tree"):
+        _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], spec_tree="2,1")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    target = tiny_model(tmp_path_factory.mktemp("t"), VOCAB, seed=1)
+    # 3 of the 4 tokens in the draft vocabulary: q is 0 at the fourth, which only the target proposes
+    return target, write_head(tmp_path_factory.mktemp("h"), target, "eagle3", draft_vocab=3, aux_layers=[0, 1, 1],
+                              std=0.5)
+
+
+def _tv(make_llm, tiny) -> tuple[float, LLM]:
+    target, head = tiny
+    params = SamplingParams(temperature=1.0)
+    exact = exact_joint(target, PROMPT, params, VOCAB)
+    llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
+                   speculative_method="eagle3", draft_model=str(head), spec_length=3)
+    outputs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=seeded(params, N))
+    return total_variation(empirical_joint(outputs), exact), llm
+
+
+def test_sampling_lossless(make_llm, tiny) -> None:
+    tv, llm = _tv(make_llm, tiny)
+    stats = llm.engine.runner.stats
+    assert tv < TV_LIMIT
+    assert stats is not None and 0 < stats.accepted_tokens < stats.draft_tokens  # drafts accepted and rejected
+
+
+def test_negative_control_accept_all_fails(make_llm, tiny, monkeypatch) -> None:
+    import infer.speculative.verifier as verifier
+    real_verify = verifier.verify_tensors
+
+    def accept_all(draft_tokens, counts, draft_probs, target_probs, accept_u, sample_u):
+        return real_verify(draft_tokens, counts, draft_probs, target_probs, torch.zeros_like(accept_u), sample_u)
+
+    monkeypatch.setattr(verifier, "verify_tensors", accept_all)
+    tv, _ = _tv(make_llm, tiny)
+    assert tv > TV_LIMIT

@@ -1,0 +1,84 @@
+"""EAGLE / EAGLE-3 heads in the public layout: loading, forward against a plain-torch
+reference of the format, refusal of heads that do not fit the target, and the target's
+hidden-state capture against transformers' own hidden states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.eagle_heads import reference_head, write_head
+from infer.models.attention import NoCacheView
+from infer.models.capture import HiddenCapture
+from infer.models.eagle import load_eagle_head, read_head_config
+from infer.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def target(ckpt_b: Path):
+    return load_model(str(ckpt_b), dtype="float32")[0]
+
+
+@pytest.mark.parametrize("method, options", [
+    ("eagle", dict(fc_bias=True)),
+    ("eagle3", dict(draft_vocab=50, aux_layers=[0, 1, 1])),
+    ("eagle3", dict(own_embeddings=True, aux_layers=[1, 0, 1])),
+])
+def test_head_forward_matches_reference(tmp_path: Path, ckpt_b: Path, target, method: str, options: dict) -> None:
+    head_dir = write_head(tmp_path / "head", ckpt_b, method, **options)
+    head = load_eagle_head(str(head_dir), method, target)
+    torch.manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size, (7,))
+    width = target.config.hidden_size * (1 if method == "eagle" else 3)
+    captured = torch.randn(7, width)
+    with torch.no_grad():
+        features = head.combine(captured)[None]  # [1, 7, H]
+        x = head(ids[None], features, torch.arange(7)[None], NoCacheView())[0]
+        logits = head.logits(x)
+    embed = head.embed_tokens.weight if head.embed_tokens is not None else target.model.embed_tokens.weight
+    ref_x, ref_logits = reference_head(head_dir, method, embed, target.lm_head.weight, ids, captured)
+    torch.testing.assert_close(x, ref_x, rtol=1e-4, atol=1e-4)
+    finite = torch.isfinite(ref_logits)
+    assert torch.equal(finite, torch.isfinite(logits))
+    torch.testing.assert_close(logits[finite], ref_logits[finite], rtol=1e-4, atol=1e-3)
+    if options.get("draft_vocab"):  # the draft vocabulary's tokens, and only those, can be drafted
+        assert int(finite[0].sum()) == options["draft_vocab"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=32), "hidden size 32"),
+    (dict(vocab_size=500), "vocabulary 500"),
+    (dict(aux_layers=[0, 1, 7]), "do not exist"),
+])
+def test_mismatched_head_refused_before_weights(tmp_path: Path, ckpt_b: Path, target, change: dict,
+                                                message: str) -> None:
+    head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", **change)
+    (head_dir / "model.safetensors").unlink()  # the config alone decides
+    with pytest.raises(ValueError, match=message):
+        read_head_config(str(head_dir), "eagle3").check_target(target.config)
+    with pytest.raises(ValueError, match=message):
+        load_eagle_head(str(head_dir), "eagle3", target)
+
+
+def test_wrong_method_named(tmp_path: Path, ckpt_b: Path, target) -> None:
+    head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
+    with pytest.raises(ValueError, match="eagle3"):
+        load_eagle_head(str(head_dir), "eagle", target)
+
+
+def test_capture_matches_transformers_hidden_states(ckpt_b: Path, target) -> None:
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(ckpt_b), torch_dtype=torch.float32)
+    ids = torch.tensor([[3, 17, 42, 5, 9]])
+    layers = target.config.num_hidden_layers
+    target.capture = HiddenCapture((1, 0, layers))
+    try:
+        with torch.no_grad():
+            target(ids)
+            states = hf(ids, output_hidden_states=True).hidden_states  # [0]: embedding .. [L]: final normed
+        assert target.capture.last is not None
+        expected = torch.cat([states[1], states[0], states[layers]], dim=-1)
+        torch.testing.assert_close(target.capture.last, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        target.capture = None

@@ -94,3 +94,21 @@ def test_route_table_and_its_check() -> None:
     # off the GPU every call takes the library route, whatever the table says
     layer = make_linear(16, 8, "fp8")
     assert route(layer, torch.randn(1, 16, dtype=torch.bfloat16), "gate_up") == LIBRARY
+
+
+def test_rotary_kv_write_checks_name_the_fix() -> None:
+    pytest.importorskip("triton")
+    from infer.models.triton_rotary import check_rotary_inputs
+    q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 2, 8)
+    cos, rows, cache = torch.zeros(2, 3, 1, 8), torch.zeros(6, dtype=torch.long), torch.zeros(10, 2, 8)
+    check_rotary_inputs(q, k, k, cos, cos, cache, cache, rows)  # valid
+    cases = [((q[0], k, k, cos, cos, cache, cache, rows), "q \\[B, T, Hq, D\\]"),
+             ((q[..., :7], k[..., :7], k[..., :7], cos[..., :7], cos[..., :7], cache[..., :7], cache[..., :7], rows),
+              "even head_dim"),
+             ((q.transpose(2, 3).contiguous().transpose(2, 3), k, k, cos, cos, cache, cache, rows), "contiguous along"),
+             ((q, k, k, cos[:1], cos, cache, cache, rows), "cos must be \\[B=2, T=3, 1, D=8\\]"),
+             ((q, k, k, cos, cos, cache[:, :1], cache, rows), "one layer's \\[rows, Hkv=2, D=8\\]"),
+             ((q, k, k, cos, cos, cache, cache, rows.int()), "write_rows must be a long tensor \\[B \\* T = 6\\]")]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_rotary_inputs(*args)

@@ -1,6 +1,10 @@
 """Where a decode step's time goes on the GPU: wall time per step, GPU busy time (the union
-of kernel intervals), the host gap between them, and the kernels by kind (matmul,
-attention, elementwise, copy), from torch.profiler over steady decode steps of an engine.
+of kernel intervals), the host gap between them, and the kernels by kind (matmul, the fused
+rotary + KV write, attention, elementwise, copy), from torch.profiler over steady decode
+steps of an engine. Kernel launches are counted per step and per decoder layer of the
+target (a step's launches over its layer count: the lm_head, the sampler and the input
+staging are spread over the layers, so a plain step's per-layer figure is a slight
+overestimate; with speculation it counts the draft's and the verification's launches too).
 
     python scripts/profile_step.py --model dummy:llama-3.2-3b --batch 1 --steps 40 [--quantization fp8]
     python scripts/profile_step.py --model dummy:llama-3.2-3b --speculative-decoding --draft-model dummy:llama-3.2-1b
@@ -24,8 +28,10 @@ from infer import SamplingParams  # noqa: E402
 from infer.engine.args import add_engine_args, engine_config_from_args  # noqa: E402
 from infer.engine.engine import Engine  # noqa: E402
 
-KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "cutlass", "sm90", "splitk", "matmul", "xmma")),
-         ("attention", ("_chunk_attention", "attention", "flash")),
+KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "_reduce_kernel", "cutlass", "sm90", "splitk", "matmul",
+                     "xmma")),
+         ("rotary_kv_write", ("_rotary_write",)),
+         ("attention", ("_split_attention", "_combine", "attention", "flash")),
          ("copy", ("copy", "index", "scatter", "gather", "memcpy", "memset", "fill")),
          ("elementwise", ("triton_", "elementwise", "vectorized", "reduce", "softmax", "cat", "mul", "add")))
 
@@ -94,10 +100,15 @@ def main() -> None:
         counts[k] += 1
         names[e.name[:90]] += (e.time_range.end - e.time_range.start) / args.steps / 1e3
     tokens = sum(len(r.output_token_ids) for r in reqs)
+    layers = engine.runner.model.config.num_hidden_layers
+    per_step = {k: v / args.steps for k, v in counts.items()}
     out = {"model": args.model, "batch": args.batch, "quantization": args.quantization,
            "speculative": args.use_speculative_decoding, "wall_ms_per_step": wall * 1e3,
            "profiled_span_ms_per_step": span, "gpu_busy_ms_per_step": busy, "host_gap_ms_per_step": span - busy,
-           "kernels_ms_per_step": dict(by_kind), "kernels_per_step": {k: v / args.steps for k, v in counts.items()},
+           "kernels_ms_per_step": dict(by_kind), "kernels_per_step": per_step,
+           "kernels_per_step_total": sum(per_step.values()), "target_layers": layers,
+           "kernels_per_layer": sum(per_step.values()) / layers,
+           "kernels_per_layer_by_kind": {k: v / layers for k, v in per_step.items()},
            "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens}
     print(json.dumps(out, indent=1))
     if args.json:

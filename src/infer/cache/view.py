@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.models.attention import masked_attention, position_mask
+from infer.models.rope import rotary_qk
 from infer.transfer import tensor_on, to_device
 
 RowsFn = Callable[[int, int, int], torch.Tensor]
@@ -184,12 +185,11 @@ class CacheView:
         self.block = block  # tree speculation: gather + SDPA with the block rule, on every device
         self._mask: torch.Tensor | None = None
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
-        heads, dim = kc.shape[1], kc.shape[2]
+        q = self._write(kc, vc, q, k, v, rotary)
         idx = self.indices
-        kc.index_copy_(0, idx.write_rows, k.reshape(-1, heads, dim).to(kc.dtype))
-        vc.index_copy_(0, idx.write_rows, v.reshape(-1, heads, dim).to(vc.dtype))
         if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
             return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
@@ -200,6 +200,22 @@ class CacheView:
         k_ctx = kc[idx.gather_rows]  # [B, S, Hkv, D]
         v_ctx = vc[idx.gather_rows]
         return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), self._mask)
+
+    def _write(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Write the chunk's k and v ([B, T, Hkv, D]) into their rows of one layer's caches
+        (rotating q and k first when `rotary` (cos, sin) is given: on CUDA one Triton kernel
+        does both, `models/triton_rotary.py`); returns q, rotated if asked."""
+        rows = self.indices.write_rows  # [B * T]
+        if rotary is not None and q.is_cuda and triton_available():
+            from infer.models.triton_rotary import rotary_kv_write
+            return rotary_kv_write(q, k, v, rotary[0], rotary[1], kc, vc, rows)
+        if rotary is not None:
+            q, k = rotary_qk(q, k, rotary[0], rotary[1])
+        heads, dim = kc.shape[1], kc.shape[2]
+        kc.index_copy_(0, rows, k.reshape(-1, heads, dim).to(kc.dtype))
+        vc.index_copy_(0, rows, v.reshape(-1, heads, dim).to(vc.dtype))
+        return q
 
     def commit(self) -> None:
         """Advance each slot's length past this chunk (call after the forward pass)."""

@@ -18,10 +18,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from infer.models.rope import rotary_qk
+
 
 class AttentionView(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D].
+
+        With `rotary` (cos, sin: [B, T, 1, D]), q and k arrive unrotated and the view rotates
+        them (`rope.rotary_qk`'s math) as it stores k and v: a view with a cache on a GPU
+        does the rotation and its cache write in one kernel."""
         ...
 
 
@@ -50,7 +57,10 @@ class NoCacheView:
     def __init__(self, chunk_lens: torch.Tensor | None = None) -> None:
         self.chunk_lens = chunk_lens  # [B] valid tokens per row; None = all valid
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if rotary is not None:
+            q, k = rotary_qk(q, k, rotary[0], rotary[1])
         b, t = q.shape[:2]
         if self.chunk_lens is None:
             groups = q.shape[2] // k.shape[2]

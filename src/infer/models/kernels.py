@@ -1,14 +1,21 @@
 """The decoder's kernels, as a swappable bundle.
 
 `EAGER` is the reference: plain PyTorch with Hugging Face's numerics (RMSNorm in float32,
-residual adds in the activation dtype, a projection then its SwiGLU or residual add).
-`compiled_kernels()` returns the same functions fused: the elementwise ones by
-`torch.compile` (one Triton kernel each instead of 5-10 small launches), and small-batch
-FP8 projections on the GPU by the Triton matmul (models/triton_linear.py), which applies
-the scales and does the SwiGLU or the residual add in its epilogue, and one-row projections by
-the few-row GEMV (models/triton_gemv.py). A memory-bound decode step loses most of its time
-to launches and slow small matmuls otherwise. The model receives the bundle explicitly;
-nothing global is patched.
+residual adds in the activation dtype, the rotary then the cache write, a projection then
+its SwiGLU or residual add). Its entries that fuse several steps (`norm_linear`,
+`swiglu_linear`, `mlp`, `attend`) are compositions of the single ones, so their
+composition defines the math every fused bundle must reproduce.
+
+`compiled_kernels()` returns the fused bundle for the fixed-shape decode paths: each
+projection is routed (models/fused_linear.py) to the few-row GEMV with the RMSNorm or
+SwiGLU prologue and the residual epilogue, to the Triton matmul with the SwiGLU or
+residual epilogue, or to cuBLAS beside one `torch.compile`d kernel per elementwise step;
+the rotary and the KV-cache write are one Triton kernel inside the cache view
+(models/triton_rotary.py). A one-row decoder layer is then norm + qkv, rotary + KV write,
+attention (split-KV and its combine), o + residual, norm + gate_up, SwiGLU + down +
+residual: seven launches. Where a fusion does not apply (a bias, Qwen3's q/k norms before
+the rotary, the CPU, float32, more rows than the GEMV serves) the fused bundle composes
+the single kernels. The model receives the bundle explicitly; nothing global is patched.
 """
 
 from __future__ import annotations
@@ -16,18 +23,20 @@ from __future__ import annotations
 import types
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from infer.models.linear_tiles import SMALL_M, choose_config
+from infer.models.fused_linear import FusedLinear
+from infer.models.rope import cos_sin, rotary_qk
 
 if TYPE_CHECKING:
+    from infer.models.attention import AttentionView
     from infer.models.linear import LinearBase
 
 Tensor = torch.Tensor
+__all__ = ["EAGER", "Kernels", "compiled_kernels", "cos_sin", "fused_kernels", "rmsnorm", "rotary_qk", "silu_mul"]
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -35,17 +44,6 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE; x: [B, T, H, D], cos/sin: [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -65,103 +63,75 @@ def swiglu(layer: LinearBase, x: Tensor) -> Tensor:
     return silu_mul(layer(x))
 
 
-def _triton_ready(layer: LinearBase, x: Tensor) -> bool:
-    """Whether the Triton matmul serves this call: an FP8 layer (dense ones measure faster
-    on cuBLAS) without a bias, with a CUDA half-precision input of at most SMALL_M rows
-    (decode, draft steps, verification): its epilogue then does the SwiGLU or the residual
-    add too."""
-    return (layer.matrix()[1] is not None and layer.bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() <= SMALL_M * x.shape[-1])
+def norm_linear(layer: LinearBase, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """layer(rmsnorm(x)): x [..., K] -> [..., N] (qkv and gate_up after their layer norm)."""
+    return linear(layer, rmsnorm(x, norm_weight, eps), None)
 
 
-def _triton(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu_: bool) -> Tensor:
-    """The Triton matmul with the residual add (or SwiGLU) in its epilogue; a layer whose
-    matmul is a partial sum (row-parallel) adds the residual after `combine` instead."""
-    from infer.models.triton_linear import triton_linear
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
-    weight, scale = layer.matrix()
-    n = weight.shape[0] // 2 if swiglu_ else weight.shape[0]
-    fuse_add = residual is not None and not layer.partial_output
-    res = residual.reshape(-1, n).contiguous() if fuse_add and residual is not None else None
-    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
-                      layer.workspace, res, swiglu_)
-    y = layer.combine(y.view(*x.shape[:-1], n))
-    return y if residual is None or fuse_add else residual + y
+def swiglu_linear(layer: LinearBase, gate_up: Tensor, residual: Tensor | None) -> Tensor:
+    """layer(silu_mul(gate_up)) (+ residual): gate_up [..., 2I] -> [..., N] (down)."""
+    return linear(layer, silu_mul(gate_up), residual)
 
 
-def _gemv_ready(layer: LinearBase, x: Tensor) -> bool:
-    """Whether the few-row GEMV (models/triton_gemv.py) serves this call: one row (batch-1
-    decode, a draft step) of a CUDA half-precision input, a layer without a bias. At one row
-    it reads the weight faster than cuBLAS and the Triton matmul on an H200
-    (scripts/bench_gemv.py); at two rows and more it does not."""
-    return (layer.bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() == x.shape[-1])
+def mlp(gate_up: LinearBase, down: LinearBase, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+    """The MLP half of a decoder layer on the residual stream x [..., H]:
+    x + down(silu_mul(gate_up(rmsnorm(x))))."""
+    return swiglu_linear(down, norm_linear(gate_up, x, norm_weight, eps), x)
 
 
-def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
-    """The GEMV with the residual add in its epilogue (after `combine` for a row-parallel
-    layer, whose matmul is a partial sum)."""
-    from infer.models.triton_gemv import gemv
-    weight, scale = layer.matrix()
-    fuse_add = residual is not None and not layer.partial_output
-    n = weight.shape[0]
-    y = gemv(x.reshape(1, -1), weight, scale, residual=residual.reshape(1, n) if fuse_add else None)
-    y = layer.combine(y.view(*x.shape[:-1], n))
-    return y if residual is None or fuse_add else residual + y
+def attend(view: AttentionView, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate q [B, T, Hq, D] and k [B, T, Hkv, D], then the view's attention (which stores
+    k and v [B, T, Hkv, D] in its cache) -> [B, T, Hq, D]."""
+    q, k = rotary_qk(q, k, cos, sin)
+    return view.attend(layer, q, k, v)
+
+
+def attend_rotating(view: AttentionView, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
+                    sin: Tensor) -> Tensor:
+    """`attend` with the rotation handed to the view: a cache view on a GPU rotates and
+    writes its cache in one kernel."""
+    return view.attend(layer, q, k, v, rotary=(cos, sin))
 
 
 def add(x: Tensor, y: Tensor) -> Tensor:
     return x + y
 
 
-class FusedLinear:
-    """The fused bundle's `linear` and `swiglu`. One row: the GEMV (`linear` with the add in
-    its epilogue; a dense gate/up then `silu_mul`). More rows, and an FP8 gate/up: FP8 layers
-    through the Triton matmul with the add or the activation in its epilogue; dense layers
-    through cuBLAS, then one fused elementwise kernel (`add`, `silu_mul` compiled)."""
-
-    def __init__(self, compiled_add: Callable[[Tensor, Tensor], Tensor],
-                 compiled_silu_mul: Callable[[Tensor], Tensor]) -> None:
-        self.add, self.silu_mul = compiled_add, compiled_silu_mul
-
-    def linear(self, layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
-        if _gemv_ready(layer, x):
-            return _gemv(layer, x, residual)
-        if _triton_ready(layer, x):
-            return _triton(layer, x, residual, False)
-        y = layer(x)
-        return y if residual is None else self.add(residual, y)
-
-    def swiglu(self, layer: LinearBase, x: Tensor) -> Tensor:
-        if _triton_ready(layer, x):  # (FP8 gate/up: the matmul's SwiGLU epilogue beats the GEMV)
-            return _triton(layer, x, None, True)
-        return self.silu_mul(_gemv(layer, x, None) if _gemv_ready(layer, x) else layer(x))
-
-
-def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions: [B, T] -> cos, sin: [B, T, 1, D] (float32 inside, then `dtype`, as HF)."""
-    freqs = positions.float()[..., None] * inv_freq.float()  # [B, T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
-
-
 @dataclass(frozen=True)
 class Kernels:
+    """What the decoder calls for its math. Each entry's meaning is EAGER's function of the
+    same name; a bundle may only change how (which kernels, fused how), not what."""
+
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
     rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
     linear: Callable[[LinearBase, Tensor, Tensor | None], Tensor]
     swiglu: Callable[[LinearBase, Tensor], Tensor]
+    norm_linear: Callable[[LinearBase, Tensor, Tensor, float], Tensor]
+    swiglu_linear: Callable[[LinearBase, Tensor, Tensor | None], Tensor]
+    mlp: Callable[[LinearBase, LinearBase, Tensor, Tensor, float], Tensor]
+    attend: Callable[[AttentionView, int, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
     name: str = "eager"
 
 
-EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu)
+EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu, norm_linear, swiglu_linear, mlp, attend)
+
+
+def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:
+    """The fused bundle, its elementwise steps (RMSNorm, the residual add, SwiGLU, the
+    rotary where the view does not take it) passed through `wrap`: `torch.compile` for
+    `compiled_kernels`, the identity for a bundle whose fallbacks are EAGER's functions
+    (what the CPU tests compare with EAGER)."""
+    fused = FusedLinear(wrap(add), wrap(silu_mul), wrap(rmsnorm))
+    return Kernels(fused.rmsnorm, wrap(rotary_qk), fused.linear, fused.swiglu, fused.norm_linear,
+                   fused.swiglu_linear, fused.mlp, attend_rotating, name="fused")
 
 
 _COMPILED: dict[Hashable, Kernels] = {}
 
 
 def compiled_kernels(key: Hashable = None) -> Kernels:
-    """The same functions through torch.compile (dynamic shapes), one bundle per `key`.
+    """The fused bundle with its elementwise steps through torch.compile (dynamic shapes),
+    one bundle per `key`.
 
     torch.compile keeps its compiled variants on the function's code object, with a limit
     per code object (then it silently falls back to eager). Engines for several models in
@@ -178,7 +148,6 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
         return torch.compile(fresh, dynamic=True, fullgraph=False)
 
-    fused = FusedLinear(comp(add), comp(silu_mul))
-    kernels = Kernels(comp(rmsnorm), comp(rotary_qk), fused.linear, fused.swiglu, name="fused")
+    kernels = fused_kernels(comp)
     _COMPILED[key] = kernels
     return kernels

@@ -59,7 +59,7 @@ class Rotary(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU's weights: gate and up projections fused into one matrix, then down. The decoder
-    layer applies them through its kernel bundle (`Kernels.swiglu`, `Kernels.linear`)."""
+    layer applies them through its kernel bundle (`Kernels.mlp`)."""
 
     def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
         super().__init__()

@@ -18,10 +18,10 @@ whole matrix it holds, and `combine`, which completes the local matmul's output 
 
 A checkpoint tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows
 of a fused matrix (qkv_proj, gate_up_proj): `load_rows(tensor, row_offset)`, converted to the
-layer's storage as it is read. The fused kernel bundle (models/kernels.py) reads
-`matrix()` and `partial_output` to send small-batch FP8 calls to the Triton matmul with the
-SwiGLU or residual add in its epilogue. Nothing outside this module asks which method a
-layer has: it asks the layer.
+layer's storage as it is read. The fused kernel bundle's routes (models/fused_linear.py)
+read `matrix()` and `partial_output` to send few-row calls to the GEMV or the Triton matmul
+with the norm, SwiGLU or residual add fused around the matmul. Nothing outside this module
+asks which method a layer has: it asks the layer.
 """
 
 from __future__ import annotations

@@ -11,10 +11,11 @@ mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to
 projections are `LinearBase` layers (models/linear.py): dense, or FP8 with
 `quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype).
 
-Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). The
-residual adds and the MLP's SwiGLU go through the `Kernels` bundle with the projection
-before them (`linear(layer, h, residual)`, `swiglu(layer, h)`), so the fused bundle can do
-each in the matmul's epilogue.
+Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). Every
+step goes through the `Kernels` bundle together with what surrounds it, so a fused bundle
+can merge them: the layer norm with the projection after it (`norm_linear`: qkv), the
+rotary with the view's cache write (`attend`), the residual add with o (`linear(layer, h,
+residual)`), and the whole MLP (`mlp`: norm, gate_up, SwiGLU, down, residual add).
 """
 
 from __future__ import annotations
@@ -48,19 +49,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
-        """h: normed input [B, T, H]; returns residual + attention output [B, T, H]."""
-        b, t, _ = h.shape
-        q, k, v = kernels.linear(self.qkv_proj, h, None).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
+                kernels: Kernels = EAGER) -> torch.Tensor:
+        """x: the residual stream [B, T, H]; returns x + attention(norm(x)) [B, T, H]."""
+        b, t, _ = x.shape
+        qkv = kernels.norm_linear(self.qkv_proj, x, norm.weight, norm.eps)  # [B, T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)  # [B, T, Hq, D]
         k = k.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
         if self.qk_norm:
             q = kernels.rmsnorm(q, self.q_norm.weight, self.q_norm.eps)
             k = kernels.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = kernels.rotary_qk(q, k, cos, sin)
-        out = view.attend(self.layer, q, k, v.view(b, t, self.kv_heads, self.head_dim))  # [B, T, Hq, D]
-        return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
+        v = v.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        out = kernels.attend(view, self.layer, q, k, v, cos, sin)  # [B, T, Hq, D]
+        return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), x)
 
 
 class DecoderLayer(nn.Module):
@@ -74,10 +76,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
                 kernels: Kernels = EAGER) -> torch.Tensor:
         """x: the residual stream [B, T, H] -> the stream after this layer."""
-        eps = self.input_layernorm.eps
-        x = self.self_attn(kernels.rmsnorm(x, self.input_layernorm.weight, eps), x, cos, sin, view, kernels)
-        h = kernels.rmsnorm(x, self.post_attention_layernorm.weight, eps)
-        return kernels.linear(self.mlp.down_proj, kernels.swiglu(self.mlp.gate_up_proj, h), x)
+        x = self.self_attn(x, self.input_layernorm, cos, sin, view, kernels)
+        norm = self.post_attention_layernorm
+        return kernels.mlp(self.mlp.gate_up_proj, self.mlp.down_proj, x, norm.weight, norm.eps)
 
 
 class LlamaBody(nn.Module):

@@ -10,8 +10,8 @@ reading W. Tiles are [BM=16, BN] x [BK] with the weight streamed along K; where 
 has too few column tiles to fill the GPU, K is split across programs (`split_k`) and the
 program that finishes a tile last adds the partial sums in a fixed order (a counter per
 tile, reset by that program, so the kernel replays inside CUDA graphs). Larger M (prefill)
-uses the same kernel with BM = 64. The engine sends only FP8 layers here (models/kernels.py,
-models/linear.py); bf16 weights go through cuBLAS (the kernel takes them for
+uses the same kernel with BM = 64. The engine sends only FP8 layers here (models/fused_linear.py's
+routes, models/linear.py); bf16 weights go through cuBLAS (the kernel takes them for
 `scripts/bench_matmul.py`'s comparisons).
 
 FP8 weights convert to fp16 in registers (a native conversion on Hopper, unlike bf16) and

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.config import EAGLE_METHODS, EngineConfig
 from infer.engine.executor.factory import Executor
+from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
+from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -71,12 +73,12 @@ class Speculation:
         An EAGLE head needs the target, whose `capture` it reads."""
         tree = None if config.spec_tree is None else TreeShape.parse(config.spec_tree)
         draft = None
+        proposer: Proposer
         if config.speculative_method in EAGLE_METHODS:
             if head is None or target is None or target.capture is None:
                 raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
                                  "with its target (engine.loading.load_models)")
-            proposer: Proposer = EagleProposer(head, executor.make_pool(head, config, prefix_caching=False),
-                                               target.capture)
+            proposer = _eagle_proposer(config, executor, head, target.capture)
         elif config.speculative_method != "draft_model":
             proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,
@@ -198,6 +200,22 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     if tree is None and config.use_cuda_graphs:  # shorter rounds run a captured loop (`_loop_steps`)
         proposer.loop_lengths = lengths
         proposer.loop_batch_max = min(config.max_batch_size, config.cuda_graph_sampling_batch_max)
+    return proposer
+
+
+def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead,
+                    capture: HiddenCapture) -> EagleProposer:
+    """The head's proposer: its pool and round function, graphs captured now. A round's last
+    feed is at most K + 1 wide (accepted + 1 after a round; longer catch-ups feed the rest
+    first); the adaptive policy's shorter rounds run the K-step graph (`round_steps`)."""
+    pool = executor.make_pool(head, config, prefix_caching=False)
+    round_fn = make_head_round(head, pool, config.use_cuda_graphs, config.max_batch_size,
+                               config.cuda_graph_sampling_batch_max)
+    feed_max = config.spec_length + 1
+    steps = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
+    round_fn.prepare(range(1, feed_max + 1), steps)
+    proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max)
+    proposer.round_steps = steps
     return proposer
 
 

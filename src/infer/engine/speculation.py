@@ -23,7 +23,7 @@ from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
-from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
+from infer.engine.step_costs import HeadStepFn, StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
@@ -115,20 +115,24 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        an EAGLE head's c is its weight-byte ratio (its steps are not timed yet);
-        `spec_cost_coefficient` overrides c."""
+        an EAGLE head's step is its one-token round (`HeadStepFn`); `spec_cost_coefficient`
+        overrides c."""
         c = self.config.spec_cost_coefficient
-        draft = self.draft
-        if c is None and isinstance(self.proposer, EagleProposer):
-            c = weight_bytes(self.proposer.head) / weight_bytes(target)
+        draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
         if next(target.parameters()).device.type != "cuda":
             if c is None:
-                c = 0.0 if draft is None else weight_bytes(draft.model) / weight_bytes(target)
+                model = draft.model if draft is not None else head.head if head is not None else None
+                c = 0.0 if model is None else weight_bytes(model) / weight_bytes(target)
             return c, 0.0
         k = self.spec_length
         context = max(1, min(256, self.config.max_seq_len - k - 2))
-        costs = measure_spec_costs(forward, pool, None if draft is None else draft.step_forward,
-                                   None if draft is None else draft.pool, target.config.vocab_size,
+        step: ForwardFn | HeadStepFn | None = None
+        step_pool = None
+        if draft is not None:
+            step, step_pool = draft.step_forward, draft.pool
+        elif head is not None:
+            step, step_pool = HeadStepFn(head.round_fn, head.head), head.pool
+        costs = measure_spec_costs(forward, pool, step, step_pool, target.config.vocab_size,
                                    StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))
         if c is None:

@@ -91,3 +91,20 @@ def test_negative_control_accept_all_fails(make_llm, tiny, monkeypatch) -> None:
     monkeypatch.setattr(verifier, "verify_tensors", accept_all)
     tv, _ = _tv(make_llm, tiny)
     assert tv > TV_LIMIT
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_fused_round_matches_general_path(make_llm, ckpt_a, heads, prompts, temperature) -> None:
+    """The fused round (`head_round`, what CUDA graphs capture) drafts what the step-by-step
+    general path drafts: same tokens and acceptance, batched, seeded sampling included."""
+    params = [SamplingParams(temperature=temperature, max_tokens=9, ignore_eos=True, seed=s) for s in range(4)]
+    results = []
+    for fused in (False, True):
+        llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=4, **ENGINE_CONFIGS["contiguous"])
+        proposer = llm.engine.runner.speculation.proposer
+        proposer.fused = fused
+        outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)
+        stats = llm.engine.runner.stats
+        results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
+        assert (proposer.fused_rounds > 0) == fused
+    assert results[0] == results[1]

@@ -15,7 +15,7 @@ from infer.bench.measures import acceptance_sweep_rows
 from infer.bench.report import markdown
 from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
 from infer.bench.rows import index_rows
-from infer.bench.suites import SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES, build_table
+from infer.bench.suites import EAGLE_SWEEP_CHAINS, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES, build_table
 from infer.bench.sweep import SWEEP_WORKLOAD, SweepSetup, SweepShape
 from infer.speculative.theory import tree_expected_tokens
 
@@ -32,7 +32,10 @@ def test_the_suite_lists_every_shape_at_every_alpha_for_both_drafts(capsys):
     shapes = [f"k{k}" for k in SWEEP_CHAINS] + ["tree-" + t.replace(",", "x") for t in SWEEP_TREES]
     expected = {f"sweep/3b-1b{q}/{s}/a{a:g}" for q in ("", "-fp8") for s in shapes for a in SWEEP_ALPHAS}
     assert expected <= set(names) and "sweep/3b-1b/k3/a0.8" in names and "sweep/3b-1b-fp8/tree-2x2/a0.8" in names
-    assert len(names) == len(expected) + 3  # the plain baseline and the costs of each draft
+    eagle = {f"sweep/3b-eagle3/k{k}/a{a:g}" for k in EAGLE_SWEEP_CHAINS for a in SWEEP_ALPHAS}
+    assert eagle <= set(names) and "sweep/3b-eagle3/k5/a0.8" in names
+    # the plain baseline and the costs of each draft; the EAGLE-3 sweep's own plain and costs
+    assert len(names) == len(expected) + 3 + len(eagle) + 2
     assert names.index("sweep/3b-1b/plain") < names.index("sweep/3b-1b/k1/a0.6")
 
 
@@ -89,6 +92,24 @@ def test_a_tiny_sweep_runs_on_cpu_and_derives_its_projections(ckpt_a):
 def _measurement(alpha: float, branching: list[int], acceptance: float, round_zero: float | None) -> Measurement:
     return Measurement("sweep/x/s/a", SWEEP_KIND, params={"alpha": alpha, "branching": branching},
                        metrics={"oracle_acceptance": acceptance, "round_ms_zero_acceptance": round_zero})
+
+
+def test_a_tiny_eagle3_sweep_runs_on_cpu(ckpt_a):
+    # a dummy EAGLE-3 head of the test checkpoint's shape: the oracle wraps the head's proposer
+    workload = replace(SWEEP_WORKLOAD, num_requests=1, prompt_len=(12, 12), output_len=(12, 12))
+    setup = SweepSetup(str(ckpt_a), f"dummy-eagle3:{ckpt_a}", "a-eagle3", (SweepShape.chain(3),), (0.8,),
+                       (None,), workload, method="eagle3")
+    rows = acceptance_sweep_rows(setup)
+    run = BenchRun("acceptance-sweep")
+    Harness(run, HarnessOptions(device="cpu", repeats=1, cost_repeats=1, quiet=True)).run_rows(
+        [r.name for r in rows], index_rows(rows))
+    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
+    (sweep,) = [m for m in run.measurements if m.kind == SWEEP_KIND]
+    assert sweep.name == "sweep/a-eagle3/k3/a0.8" and sweep.params["engine"]["speculative_method"] == "eagle3"
+    assert sweep.derived["speedup"] > 0 and sweep.metrics["oracle_rounds"] > 0 and sweep.metrics["leaks"] == []
+    assert sweep.derived["greedy_prefix_match"] == len(sweep.metrics["first_output_ids"])  # lossless
+    costs = next(m for m in run.measurements if m.name == "sweep/a-eagle3/costs")
+    assert costs.metrics["c"] > 0  # the head's step was timed
 
 
 def test_the_projection_adds_the_rounds_overhead_to_its_cost():

@@ -121,9 +121,9 @@ def test_costs_load_through_the_engine_and_run_on_its_threads(ckpt_a, monkeypatc
     seen = []
     real = measures.measure_model_costs
 
-    def recording(target, draft, graphs, cfg):
+    def recording(target, draft, graphs, cfg, head=None):
         seen.append((torch.get_num_threads(), draft is not None))
-        return real(target, draft, graphs, cfg)
+        return real(target, draft, graphs, cfg, head)
 
     monkeypatch.setattr(measures, "measure_model_costs", recording)
     threads = torch.get_num_threads()

@@ -82,3 +82,14 @@ def test_capture_matches_transformers_hidden_states(ckpt_b: Path, target) -> Non
         torch.testing.assert_close(target.capture.last, expected, rtol=1e-4, atol=1e-4)
     finally:
         target.capture = None
+
+
+def test_dummy_head_configs_follow_the_target_shape() -> None:
+    from infer.models.eagle_dummy import DUMMY_DRAFT_VOCAB, dummy_head_config
+    spec = dummy_head_config("dummy-eagle3:llama-3.2-3b", "eagle3")
+    assert (spec.hidden_size, spec.draft_vocab_size, spec.layer.num_hidden_layers) == (3072, DUMMY_DRAFT_VOCAB, 1)
+    assert spec.capture_points(28) == (2, 14, 25)
+    with pytest.raises(ValueError, match="speculative_method='eagle3'"):
+        dummy_head_config("dummy-eagle3:llama-3.2-3b", "eagle")
+    with pytest.raises(ValueError, match="must be a shape"):
+        dummy_head_config("dummy-eagle3:no-such-shape", "eagle3")

@@ -104,6 +104,8 @@ def sweep_projection(m: Measurement, costs: Measurement | None, speedup: float |
     if zero:
         overhead_ms = zero - (len(branching) * draft_ms + verify[n] * target_ms)
         out["round_overhead_ms"] = overhead_ms
+        if verify[n] + overhead_ms / target_ms <= 0:  # the steps' costs over-count the round (noisy timings)
+            return out
         projected = round_projection(a, branching, c, verify[n], overhead_ms / target_ms)
         out["projected_speedup_with_overhead"] = projected
         if speedup:

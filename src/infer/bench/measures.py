@@ -109,13 +109,15 @@ def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: st
 
 
 def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,
-              draft_quantization: str | None = None, needs: tuple[Need, ...] = ()) -> Row:
-    """c and v(K) of `target` (and `draft`), loaded by the engine's loader with its checks
-    and timed on the CPU threads the engine would choose (or --threads)."""
+              draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
+              method: str = "draft_model") -> Row:
+    """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head, its
+    one-token step timed), loaded by the engine's loader with its checks and timed on the
+    CPU threads the engine would choose (or --threads)."""
 
     def run(ctx: Context) -> Outcome:
         config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,
-                              device=str(ctx.device), dtype=default_dtype(ctx.device),
+                              speculative_method=method, device=str(ctx.device), dtype=default_dtype(ctx.device),
                               draft_quantization=draft_quantization, threads=ctx.options.threads)
         cfg = StepCostConfig(repeats=ctx.options.cost_repeats)
         models = load_models(config, ctx.device)
@@ -123,11 +125,12 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
             threads = apply_cpu_threads(config.threads, ctx.device,
                                         sum(p.numel() for p in models.target.parameters()))
             graphs = use_cuda_graphs and ctx.device.type == "cuda"
-            costs = measure_model_costs(models.target, models.draft, graphs, cfg)
+            costs = measure_model_costs(models.target, models.draft, graphs, cfg, models.head)
         finally:
             del models
             free_memory()
-        params = {"target": target, "draft": draft, "dtype": config.dtype, "draft_quantization": draft_quantization,
+        params = {"target": target, "draft": draft, "method": method, "dtype": config.dtype,
+                  "draft_quantization": draft_quantization,
                   "use_cuda_graphs": use_cuda_graphs, "device": str(ctx.device), "threads": threads,
                   "context_len": cfg.context_len, "max_seq_len": cfg.max_seq_len, "batch_size": 1}
         return params, costs.to_dict()

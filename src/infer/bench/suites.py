@@ -49,6 +49,8 @@ from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B, SHAPE_8B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"
+HEAD_3B = "dummy-eagle3:llama-3.2-3b"  # an EAGLE-3 head of the 3B shape, dummy weights
+EAGLE_SWEEP_CHAINS = tuple(range(2, 7))
 SPEC_K = 5
 CHAIN_K, TREE = 6, "2,1,1"  # a chain and a tree verifying as many tokens a round (K + 1 = N + 1)
 GRAPHS = {"use_cuda_graphs": True}
@@ -171,7 +173,10 @@ def costs_rows(m: Models) -> list[Row]:
                       SHAPE_3B, SHAPE_1B, True),
             projection_row("projection/3b-1b", "costs/3b-1b/graphs"),
             costs_row("costs/3b-1b-fp8/graphs", "the same with the draft in FP8", SHAPE_3B, SHAPE_1B, True, "fp8"),
-            projection_row("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs")]
+            projection_row("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs"),
+            costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
+                      "the 3B shape, its one-token step in CUDA graphs", SHAPE_3B, HEAD_3B, True, method="eagle3"),
+            projection_row("projection/3b-eagle3", "costs/3b-eagle3/graphs")]
 
 
 def w2_rows(m: Models) -> list[Row]:
@@ -264,8 +269,15 @@ def sweep_setup() -> SweepSetup:
     return SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}", shapes, SWEEP_ALPHAS)
 
 
+def eagle_sweep_setup() -> SweepSetup:
+    """The 3B shape drafted by an EAGLE-3 head of its shape (dummy weights), chains K=2..6."""
+    return SweepSetup(SHAPE_3B, HEAD_3B, f"{_label(SHAPE_3B)}-eagle3",
+                      tuple(SweepShape.chain(k) for k in EAGLE_SWEEP_CHAINS), SWEEP_ALPHAS,
+                      draft_quantizations=(None,), method="eagle3")
+
+
 def sweep_rows(m: Models) -> list[Row]:
-    return acceptance_sweep_rows(sweep_setup())
+    return acceptance_sweep_rows(sweep_setup()) + acceptance_sweep_rows(eagle_sweep_setup())
 
 
 @dataclass(frozen=True)
@@ -281,12 +293,14 @@ SUITES: dict[str, Suite] = {
                           decode_speed_rows, 1),
     "speculation": Suite("demo pair T=0/1, n-gram on W5 and W1, a random 1B draft on the 3B shape",
                          speculation_rows, 1),
-    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft; projections", costs_rows, 1),
+    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft, and of an EAGLE-3 head; "
+                   "projections", costs_rows, 1),
     "w2": Suite("continuous vs static batching, prefix caching", w2_rows, 1),
     "tp": Suite("2 GPUs: 8B TP=2 vs TP=1, collectives a step, W2, the 3B shape with a 1B draft", tp_rows, 2),
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),
     "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "
-                              "shape with the 1B draft, bf16 and FP8, chains and trees at alpha 0.6..0.9",
+                              "shape with the 1B draft, bf16 and FP8, chains and trees, and with an EAGLE-3 head, "
+                              "chains, at alpha 0.6..0.9",
                               sweep_rows, 1, in_all_gpu=False),
     "serve": Suite("open-loop serving at Poisson request rates (ours, or --url), ShareGPT-like lengths: "
                    "throughput, TTFT / TPOT / E2E p50 and p99", serve_rows, 0, in_all_gpu=False),

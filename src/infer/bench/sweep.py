@@ -9,7 +9,9 @@ than projected. Every report labels it controlled acceptance.
 One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`), in order:
 
 - the models load once per draft quantization (the target once; the draft reloaded in
-  FP8 for the FP8 rows), and every engine of the sweep is built on them. The dummy target's
+  FP8 for the FP8 rows), and every engine of the sweep is built on them. With
+  `method` "eagle3" the draft is an EAGLE-3 head (`dummy-eagle3:<shape>`): the oracle wraps
+  its proposer, so each round runs the head's catch-up feed and draft steps for real. The dummy target's
   o_proj and down_proj are zeroed (`steady_greedy`): with random weights the one-row
   decode matmul and the verification's multi-row one round differently and the greedy
   continuation diverges within a few tokens, so the plain run's record would stop matching
@@ -98,6 +100,7 @@ class SweepSetup:
     use_cuda_graphs: bool = True
     calibration_requests: int = 1  # prompts of the alpha-0 run that times a round
     seed: int = 0
+    method: str = "draft_model"  # speculative_method: "eagle3" / "eagle" with `draft` an EAGLE head
 
     def __post_init__(self) -> None:
         if not self.shapes or not self.alphas or not self.draft_quantizations:
@@ -107,6 +110,9 @@ class SweepSetup:
         if self.workload.temperature != 0:
             raise ValueError(f"the oracle's acceptance is exact at temperature 0 only; the workload has "
                              f"temperature {self.workload.temperature}")
+        if self.method != "draft_model" and self.draft_quantizations != (None,):
+            raise ValueError(f"an acceptance sweep of {self.method} heads has no draft quantization: pass "
+                             "draft_quantizations=(None,)")
         if not 1 <= self.calibration_requests <= self.workload.num_requests:
             raise ValueError(f"calibration_requests must be in 1..{self.workload.num_requests} (the workload's "
                              f"requests), got {self.calibration_requests}")
@@ -149,8 +155,9 @@ class SweepSession:
         cfg = StepCostConfig(context_len=context, max_seq_len=self._config(ctx, {}).max_seq_len,
                              k_max=self.setup.max_nodes, repeats=ctx.options.cost_repeats)
         graphs = self.setup.use_cuda_graphs and ctx.device.type == "cuda"
-        costs = measure_model_costs(models.target, models.draft, graphs, cfg)
-        params = {"target": self.setup.target, "draft": self.setup.draft, "draft_quantization": quantization,
+        costs = measure_model_costs(models.target, models.draft, graphs, cfg, models.head)
+        params = {"target": self.setup.target, "draft": self.setup.draft, "method": self.setup.method,
+                  "draft_quantization": quantization,
                   "use_cuda_graphs": graphs, "device": str(ctx.device), "context_len": cfg.context_len,
                   "max_seq_len": cfg.max_seq_len, "batch_size": 1}
         return params, costs.to_dict()
@@ -159,7 +166,9 @@ class SweepSession:
         """The baseline, and the records of the target's greedy continuations."""
         models = self._load(ctx, self._quantization if self._models else self.setup.draft_quantizations[0])
         config = self._config(ctx, {"use_speculative_decoding": False})
-        engine = Engine(config, dataclasses.replace(models, draft=None))
+        capture, models.target.capture = models.target.capture, None  # (a head's features: not for plain steps)
+        engine = Engine(config, dataclasses.replace(models, draft=None, head=None))
+        models.target.capture = capture
         try:
             prompts = self._prompts(ctx, engine)
             runs = self._time(engine, ctx, prompts.requests, 1 + ctx.options.repeats)  # the first: warm-up
@@ -254,10 +263,12 @@ class SweepSession:
     def _config(self, ctx: Context, overrides: Mapping[str, Any]) -> EngineConfig:
         s = self.setup
         threads = {"threads": ctx.options.threads} if ctx.options.threads is not None else {}
-        values = {"model": s.target, "draft_model": s.draft, "use_speculative_decoding": True, "max_batch_size": 1,
+        values = {"model": s.target, "draft_model": s.draft, "speculative_method": s.method,
+                  "use_speculative_decoding": True, "max_batch_size": 1,
                   "use_cuda_graphs": s.use_cuda_graphs and ctx.device.type == "cuda", **threads, **overrides}
         if not values["use_speculative_decoding"]:
             values.pop("draft_model")
+            values.pop("speculative_method")
             values.pop("draft_quantization", None)
         return engine_config(ctx.workload(s.workload), values, str(ctx.device))
 

@@ -24,7 +24,8 @@ import torch
 from infer.engine.config import EAGLE_METHODS, EngineConfig
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
-from infer.models.eagle import EagleHead, load_eagle_head, read_head_config
+from infer.models.eagle import EagleHead, EagleHeadConfig, load_eagle_head, read_head_config
+from infer.models.eagle_dummy import dummy_eagle_head, dummy_head_config, is_dummy_head
 from infer.models.gguf.path import is_gguf_path
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model, read_model_config, resolve_model_path
@@ -120,7 +121,7 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     tokenizer = check_before_loading(config, target_path, draft_path)
     head_path = eagle_head_path(config)
     if head_path is not None:  # refused from config files, before any weight is read
-        read_head_config(head_path, config.speculative_method).check_target(
+        head_config(head_path, config.speculative_method).check_target(
             read_model_config(target_path, config.load_format))
     target = load_target(config, target_path, device, target_shard)
     draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
@@ -135,8 +136,16 @@ def eagle_head_path(config: EngineConfig) -> str | None:
     return config.draft_model if wants else None
 
 
+def head_config(path: str, method: str) -> EagleHeadConfig:
+    """The head's config: a directory's config.json, or a dummy head's (`models/eagle_dummy.py`)."""
+    return dummy_head_config(path, method) if is_dummy_head(path) else read_head_config(path, method)
+
+
 def load_head(config: EngineConfig, path: str, target: LlamaForCausalLM) -> EagleHead:
     """The EAGLE head (target's dtype and device), and the target's capture of what it reads."""
-    head = load_eagle_head(path, config.speculative_method, target)
+    if is_dummy_head(path):
+        head = dummy_eagle_head(dummy_head_config(path, config.speculative_method), target)
+    else:
+        head = load_eagle_head(path, config.speculative_method, target)
     target.capture = HiddenCapture(head.spec.capture_points(target.config.num_hidden_layers))
     return head

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.config import EAGLE_METHODS, EngineConfig
 from infer.engine.executor.factory import Executor
+from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
-from infer.engine.step_costs import StepCostConfig, measure_spec_costs, weight_bytes
+from infer.engine.step_costs import HeadStepFn, StepCostConfig, measure_spec_costs, weight_bytes
+from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -71,12 +73,12 @@ class Speculation:
         An EAGLE head needs the target, whose `capture` it reads."""
         tree = None if config.spec_tree is None else TreeShape.parse(config.spec_tree)
         draft = None
+        proposer: Proposer
         if config.speculative_method in EAGLE_METHODS:
             if head is None or target is None or target.capture is None:
                 raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
                                  "with its target (engine.loading.load_models)")
-            proposer: Proposer = EagleProposer(head, executor.make_pool(head, config, prefix_caching=False),
-                                               target.capture)
+            proposer = _eagle_proposer(config, executor, head, target.capture)
         elif config.speculative_method != "draft_model":
             proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,
@@ -113,20 +115,24 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        an EAGLE head's c is its weight-byte ratio (its steps are not timed yet);
-        `spec_cost_coefficient` overrides c."""
+        an EAGLE head's step is its one-token round (`HeadStepFn`); `spec_cost_coefficient`
+        overrides c."""
         c = self.config.spec_cost_coefficient
-        draft = self.draft
-        if c is None and isinstance(self.proposer, EagleProposer):
-            c = weight_bytes(self.proposer.head) / weight_bytes(target)
+        draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
         if next(target.parameters()).device.type != "cuda":
             if c is None:
-                c = 0.0 if draft is None else weight_bytes(draft.model) / weight_bytes(target)
+                model = draft.model if draft is not None else head.head if head is not None else None
+                c = 0.0 if model is None else weight_bytes(model) / weight_bytes(target)
             return c, 0.0
         k = self.spec_length
         context = max(1, min(256, self.config.max_seq_len - k - 2))
-        costs = measure_spec_costs(forward, pool, None if draft is None else draft.step_forward,
-                                   None if draft is None else draft.pool, target.config.vocab_size,
+        step: ForwardFn | HeadStepFn | None = None
+        step_pool = None
+        if draft is not None:
+            step, step_pool = draft.step_forward, draft.pool
+        elif head is not None:
+            step, step_pool = HeadStepFn(head.round_fn, head.head), head.pool
+        costs = measure_spec_costs(forward, pool, step, step_pool, target.config.vocab_size,
                                    StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))
         if c is None:
@@ -198,6 +204,22 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     if tree is None and config.use_cuda_graphs:  # shorter rounds run a captured loop (`_loop_steps`)
         proposer.loop_lengths = lengths
         proposer.loop_batch_max = min(config.max_batch_size, config.cuda_graph_sampling_batch_max)
+    return proposer
+
+
+def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead,
+                    capture: HiddenCapture) -> EagleProposer:
+    """The head's proposer: its pool and round function, graphs captured now. A round's last
+    feed is at most K + 1 wide (accepted + 1 after a round; longer catch-ups feed the rest
+    first); the adaptive policy's shorter rounds run the K-step graph (`round_steps`)."""
+    pool = executor.make_pool(head, config, prefix_caching=False)
+    round_fn = make_head_round(head, pool, config.use_cuda_graphs, config.max_batch_size,
+                               config.cuda_graph_sampling_batch_max)
+    feed_max = config.spec_length + 1
+    steps = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
+    round_fn.prepare(range(1, feed_max + 1), steps)
+    proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max)
+    proposer.round_steps = steps
     return proposer
 
 

@@ -6,7 +6,8 @@ paper's Definition 3.7; v(K) = target time to verify K+1 tokens (all logits, as 
 speculative runner asks) / plain target step time, K = 0..k_max. Each forward runs on a
 scratch slot of the pool it is given at a fixed context length; the slot is freed
 afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
-benchmark); the speculative runner passes its own, CUDA graphs included.
+benchmark); the speculative runner passes its own, CUDA graphs included. An EAGLE head's
+draft step is its round of one fed position and one token (`HeadStepFn`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL
+from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.kernels import step_kernels
+from infer.models.eagle import EagleHead
 from infer.models.llama import LlamaForCausalLM
+from infer.speculative.eagle_round import HeadRoundFn
 from infer.timing import TimingStats, time_calls
 
 Shape = tuple[int, bool]  # (tokens per row, logits of every token?)
@@ -71,7 +75,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return params + buffers
 
 
-def forward_times(forward: ForwardFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
+def forward_times(forward: ForwardFn | HeadStepFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
                   cfg: StepCostConfig, device: torch.device) -> dict[Shape, TimingStats]:
     """Median time of one batch-1 call of `forward` for each (width, all_logits) shape, on a
     scratch slot holding `cfg.context_len` tokens (freed afterwards)."""
@@ -85,7 +89,7 @@ def forward_times(forward: ForwardFn, pool: CachePoolProtocol, shapes: list[Shap
         pool.free_slot(slot)
 
 
-def _step(forward: ForwardFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
+def _step(forward: ForwardFn | HeadStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
     width, all_logits = shape
     layout = BatchLayout.of([slot], [context_len], [width])
     ids = torch.randint(0, vocab, (1, width))  # [1, width], CPU as the runners pass them
@@ -96,7 +100,7 @@ def _step(forward: ForwardFn, slot: int, shape: Shape, vocab: int, context_len: 
     return torch.inference_mode()(run)
 
 
-def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | None,
+def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | HeadStepFn | None,
                        draft_pool: CachePoolProtocol | None, vocab: int, cfg: StepCostConfig,
                        use_cuda_graphs: bool = True) -> SpecCosts:
     """c (when a draft is given) and v(K) for K = 0..cfg.k_max at batch 1."""
@@ -124,11 +128,43 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
 
 
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
-                        cfg: StepCostConfig | None = None) -> SpecCosts:
-    """`measure_spec_costs` on fresh pools and forward functions of the two models."""
+                        cfg: StepCostConfig | None = None, head: EagleHead | None = None) -> SpecCosts:
+    """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
+    `head` in place of a draft model: its one-token step, `HeadStepFn`)."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
-    draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg) if draft is not None else (None, None)
+    draft_fn: ForwardFn | HeadStepFn | None = None
+    draft_pool = None
+    if head is not None:
+        draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)
+    elif draft is not None:
+        draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
     return measure_spec_costs(target_fn, target_pool, draft_fn, draft_pool, target.config.vocab_size, cfg,
                               use_cuda_graphs)
+
+
+class HeadStepFn:
+    """An EAGLE head's one-token draft step (a round of one fed position and one token,
+    `HeadRoundFn`, CUDA graphs included) called as a forward function `(ids, layout,
+    all_logits)`, so `forward_times` times it as it times a draft model's step."""
+
+    def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
+        param = next(head.parameters())
+        self.round_fn = round_fn
+        self.features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
+
+    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
+        n = len(layout.slots)
+        return self.round_fn(ids, self.features.expand(n, -1, -1), layout, [0] * n, 1, [1.0] * n,
+                             torch.zeros((n, 1), dtype=torch.float64), [True] * n)[0]
+
+
+def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[HeadStepFn, CachePoolProtocol]:
+    """A fresh pool and step function of `head` (graphs captured now when asked for)."""
+    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
+                              enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
+    pool = LOCAL.make_pool(head, engine_cfg, prefix_caching=False)  # type: ignore[arg-type]
+    round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1)
+    round_fn.prepare([1], [1])
+    return HeadStepFn(round_fn, head), pool

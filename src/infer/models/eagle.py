@@ -154,6 +154,10 @@ class EagleHead(nn.Module):
             self.norm = RMSNorm(h, layer.rms_norm_eps)
             self.lm_head = make_linear(h, spec.draft_vocab_size, None)
             self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        # whether draft ids differ from target ids, and the target id of each draft id [draft_vocab]:
+        # fixed once the weights are in (`index_vocab`), so `logits` has no host sync (CUDA graphs)
+        self.maps_vocab = spec.draft_vocab_size != layer.vocab_size
+        self.target_ids: torch.Tensor | None = None
         self.mlp = MLP(layer)
         self.post_attention_layernorm = RMSNorm(h, layer.rms_norm_eps)
         self.embed_tokens = nn.Embedding(layer.vocab_size, h) if own_embeddings else None
@@ -198,11 +202,17 @@ class EagleHead(nn.Module):
         if self.spec.method == "eagle":
             return EAGER.linear(self._target[0].lm_head, x, None).float()
         small = EAGER.linear(self.lm_head, EAGER.rmsnorm(x, self.norm.weight, self.norm.eps), None).float()
-        if self.spec.draft_vocab_size == self.config.vocab_size and not bool(self.d2t.any()):
+        if not self.maps_vocab:
             return small
         out = small.new_full((x.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, self.draft_to_target] = small
+        out[:, self.draft_to_target if self.target_ids is None else self.target_ids] = small
         return out
+
+    def index_vocab(self) -> None:
+        """Fix the draft -> target id map from the loaded d2t (EAGLE-3; call after loading)."""
+        if self.spec.method == "eagle3":
+            self.target_ids = self.draft_to_target.clone()
+            self.maps_vocab = self.spec.draft_vocab_size != self.config.vocab_size or bool(self.d2t.any())
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -250,6 +260,7 @@ def load_eagle_head(name_or_path: str, method: str, target: LlamaForCausalLM) ->
     head = head.to(dtype=param.dtype).to_empty(device=param.device)
     head.rotary = Rotary(spec.layer).to(param.device)
     _load(head, raw)
+    head.index_vocab()
     head.share(target)
     head.eval().requires_grad_(False)
     return head

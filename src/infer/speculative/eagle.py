@@ -15,6 +15,10 @@ Its cache holds, per request, only positions fed with the target's features:
    distribution over TARGET ids (EAGLE-3's draft vocabulary mapped through d2t, -inf
    elsewhere) after the request's sampling transforms, with the request's generator;
    greedy rows take the argmax and report no q (one-hot).
+   When every row samples with a temperature alone (greedy included) and no grammar, the
+   last `feed_max` pending positions and the draft steps run as one `round_fn` call
+   (`eagle_round.head_round`: one CUDA graph replay on the GPU, engine/executor/head_graphs.py);
+   otherwise the catch-up runs whole and the steps one by one with the general sampling.
 4. `on_accepted`: the drafts' positions are dropped (back to n); the accepted ones are fed
    again at the next catch-up with the target's own features (what the public heads were
    trained on), which the verification forward has just produced (step 1).
@@ -36,8 +40,9 @@ import torch
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
-from infer.sampling import logits_to_probs, sample_from_probs
+from infer.sampling import logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.draft_model import row_uniforms
+from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeShape
@@ -47,6 +52,7 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # positions per row per catch-up forward
+FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
 
 
 @dataclass
@@ -63,10 +69,24 @@ class HeadState:
 
 
 class EagleProposer:
-    def __init__(self, head: EagleHead, pool: CachePoolProtocol, capture: HiddenCapture) -> None:
+    def __init__(self, head: EagleHead, pool: CachePoolProtocol, capture: HiddenCapture,
+                 round_fn: HeadRoundFn | None = None, feed_max: int = FEED_MAX) -> None:
+        """round_fn: the fused round (`head_round`; CUDA graphs on the GPU), eager by default;
+        feed_max: the widest last feed it runs (longer catch-ups feed the rest first)."""
+        if feed_max < 1:
+            raise ValueError(f"EagleProposer.feed_max must be >= 1, got {feed_max}")
         self.head, self.pool, self.capture = head, pool, capture
         self.device = next(head.parameters()).device
         self.states: dict[str, HeadState] = {}
+        self.round_fn: HeadRoundFn = round_fn if round_fn is not None else EagerHeadRound(head, pool)
+        self.feed_max = feed_max
+        # rounds of temperature-only rows run `round_fn` (False: always the general path,
+        # the reference the tests compare the fused round with)
+        self.fused = True
+        self.fused_rounds = 0  # rounds run by `round_fn`
+        # step counts `round_fn` holds graphs for: a shorter round runs the next one up and
+        # keeps its tokens (empty: every round runs its own length)
+        self.round_steps: tuple[int, ...] = ()
 
     # -- features from the target ---------------------------------------------------------------
     @torch.inference_mode()
@@ -152,32 +172,91 @@ class EagleProposer:
         reqs = [requests[i] for i, _ in picked]
         states = [s for _, s in picked]
         ks = [min(depths[i], shape.depth) for i, _ in picked]
-        last = self._catch_up(reqs, states)  # [A, H]
-        for r, s in zip(reqs, states, strict=True):
-            s.round_end = r.num_computed_tokens - s.offset
-        tokens, probs = self._draft(reqs, states, ks, last)
+        steps = min((n for n in self.round_steps if n >= max(ks)), default=max(ks))
+        fused = self._fusable(reqs, states, steps)
+        if not fused and steps > max(ks):
+            steps = max(ks)
+            fused = self._fusable(reqs, states, steps)
+        if fused:
+            tails = self._catch_up(reqs, states, keep=self.feed_max)[1]
+            self._mark_round(reqs, states)
+            tokens, probs = self._round(reqs, states, tails, ks, steps)
+            self.fused_rounds += 1
+        else:
+            last = self._catch_up(reqs, states, keep=0)[0]  # [A, H]
+            self._mark_round(reqs, states)
+            tokens, probs = self._draft(reqs, states, ks, last)
         for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
             drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         return drafts
 
-    def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> torch.Tensor:
-        """Feed each request's pending features with the tokens after them -> the head's
-        output at each request's position n - 1, [A, H]."""
+    def _mark_round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:
+        for r, s in zip(reqs, states, strict=True):
+            s.round_end = r.num_computed_tokens - s.offset
+
+    def _fusable(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], steps: int) -> bool:
+        """Whether the round runs as one `head_round` (a CUDA graph on the GPU): rows sampled
+        with a temperature alone, no grammar, room for `steps` drafts in every row."""
+        if not self.fused:
+            return False
+        vocab = self.head.config.vocab_size
+        if any(r.grammar is not None or not temperature_only(r.sampling_params, vocab) for r in reqs):
+            return False
+        for r, s in zip(reqs, states, strict=True):
+            need = r.num_computed_tokens - s.offset + steps - 1
+            if need > self.pool.max_seq_len or not self.pool.ensure_capacity(s.slot, need):  # type: ignore[arg-type]
+                return False
+        return True
+
+    def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[torch.Tensor],
+               ks: Sequence[int], steps: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """The round's last feed (each row's `tails` [l_b, H]) and `steps` >= max k draft steps
+        as one `head_round` -> (tokens [A][steps], q [A, steps, V] or None when every row is greedy)."""
+        lens = [t.shape[0] for t in tails]
+        width = max(lens)
+        slots = [s.slot for s in states]
+        starts = [self.pool.seq_len(slot) for slot in slots]  # type: ignore[arg-type]
+        ids = torch.zeros((len(reqs), width), dtype=torch.long)
+        feats = torch.zeros((len(reqs), width, tails[0].shape[-1]), dtype=tails[0].dtype, device=self.device)
+        for b, (r, s, n) in enumerate(zip(reqs, states, lens, strict=True)):
+            first = s.offset + starts[b] + 1  # target position of the token after the first fed feature
+            ids[b, :n] = torch.tensor(r.token_slice(first, first + n))
+            feats[b, :n] = tails[b]
+        layout = BatchLayout.of(slots, starts, [n + steps - 1 for n in lens])  # type: ignore[arg-type]
+        params = [r.sampling_params for r in reqs]
+        greedy = [p.greedy for p in params]
+        uniforms = torch.zeros((len(reqs), steps), dtype=torch.float64)  # [A, steps]
+        if not all(greedy):  # each row draws its own k_b (as the general path), the rest stay unread
+            drawn = row_uniforms(reqs, ks)
+            uniforms[:, :drawn.shape[1]] = drawn
+        tokens, probs = self.round_fn(ids, feats, layout, [n - 1 for n in lens], steps,
+                                      [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
+                                      uniforms, greedy)
+        return tokens.tolist(), probs  # (the one sync of the round)
+
+    def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
+                  keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Feed each request's pending features with the tokens after them, all but the last
+        `keep` (0: all) -> (the head's output at each row's last fed position [A, H] (rows fed
+        nothing: zeros), the features left to feed per row [l_b, H], l_b = min(pending, keep))."""
         assert all(s.slot is not None for s in states)
-        feats = []
+        feats, tails = [], []
         for r, s in zip(reqs, states, strict=True):
             cached = self._cached(s)
             if s.offset + cached + s.num_pending() != r.num_computed_tokens or not s.pending:
                 raise RuntimeError(f"EAGLE head of {r.request_id}: holds {cached} + {s.num_pending()} pending "
                                    f"positions from {s.offset}, the target {r.num_computed_tokens}")
-            feats.append(torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0])
+            pending = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
+            cut = pending.shape[0] - min(pending.shape[0], keep)
+            feats.append(pending[:cut])
+            tails.append(pending[cut:])
             s.pending = []
-        out = torch.zeros((len(reqs), self.head.spec.hidden_size), dtype=feats[0].dtype, device=self.device)
+        out = torch.zeros((len(reqs), self.head.spec.hidden_size), dtype=pending.dtype, device=self.device)
         done = [0] * len(reqs)
         while True:
             todo = [b for b in range(len(reqs)) if done[b] < feats[b].shape[0]]
             if not todo:
-                return out
+                return out, tails
             slots = [states[b].slot for b in todo]
             starts = [self.pool.seq_len(s) for s in slots]  # type: ignore[arg-type]
             lens = [min(CATCH_UP_CHUNK, feats[b].shape[0] - done[b]) for b in todo]

@@ -131,6 +131,20 @@ class _Loop:
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
 
 
+def record_graph(run: Callable[[], T], stream: torch.cuda.Stream,
+                 device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `run` up on the side stream, then capture it: (graph, run's outputs)."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = run()
+    return graph, out
+
+
 class GraphForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, batch_sizes: Iterable[int],
                  shapes: Iterable[tuple[int, bool]], context_width: int | None = None,
@@ -216,16 +230,7 @@ class GraphForward:
                       _Staging(params) if sampling else None, tokens, None if capture is None else capture.last)
 
     def _record(self, run: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
-        """Warm `run` up on the side stream, then capture it: (graph, run's outputs)."""
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
-                run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            out = run()
-        return graph, out
+        return record_graph(run, stream, self.device)
 
     def _capture_verifiers(self, b: int, modes: Sequence[str], stream: torch.cuda.Stream) -> None:
         """The acceptance step after each verification graph (all logits, width >= 2) of bucket b."""

@@ -1,0 +1,83 @@
+"""Dummy EAGLE heads: random weights in the shape a head for a named target shape would have.
+
+For timing only (timing does not depend on weight values), as `dummy:<shape>` targets are:
+`dummy-eagle3:llama-3.2-3b` is an EAGLE-3 head for the `dummy:llama-3.2-3b` target, and
+`dummy-eagle:<shape>` an EAGLE-1 head (a model directory in place of the shape: a head for
+that model's config). Its one decoder layer has the target's hidden size,
+heads and intermediate size; an EAGLE-3 head drafts over `DUMMY_DRAFT_VOCAB` (32000) target
+ids spread evenly over the target's vocabulary (as the public EAGLE-3 heads of Llama 3 do)
+and reads the default layers (2, L/2, L-3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from infer.models.config import ModelConfig
+from infer.models.eagle import EagleHead, EagleHeadConfig
+from infer.models.layers import Rotary
+from infer.models.llama import LlamaForCausalLM
+from infer.models.loader import model_shapes, read_model_config
+
+DUMMY_HEAD_PREFIXES = {"dummy-eagle3:": "eagle3", "dummy-eagle:": "eagle"}
+DUMMY_DRAFT_VOCAB = 32000
+DUMMY_STD = 0.02
+
+
+def is_dummy_head(name: str) -> bool:
+    return any(name.startswith(p) for p in DUMMY_HEAD_PREFIXES)
+
+
+def dummy_head_config(name: str, method: str) -> EagleHeadConfig:
+    """The head config a dummy head name implies (no weights)."""
+    prefix = next((p for p in DUMMY_HEAD_PREFIXES if name.startswith(p)), None)
+    if prefix is None:
+        raise ValueError(f"{name!r} is not a dummy head name: use one of {sorted(DUMMY_HEAD_PREFIXES)} + a shape")
+    if DUMMY_HEAD_PREFIXES[prefix] != method:
+        raise ValueError(f"{name!r} is a dummy {DUMMY_HEAD_PREFIXES[prefix]} head: set speculative_method="
+                         f"{DUMMY_HEAD_PREFIXES[prefix]!r}, or name a dummy-{method}:<shape> head")
+    target = name.removeprefix(prefix)
+    if target.removeprefix("dummy:") in model_shapes:
+        return head_config_for(model_shapes[target.removeprefix("dummy:")], method, name)
+    try:
+        return head_config_for(read_model_config(target), method, name)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{name!r}: the target after {prefix!r} must be a shape ({sorted(model_shapes)}) or a "
+                         f"model directory: {exc}") from None
+
+
+def head_config_for(target: ModelConfig, method: str, source: str = "a dummy head") -> EagleHeadConfig:
+    """A one-layer head of the target's widths (EAGLE-3: DUMMY_DRAFT_VOCAB draft ids at most)."""
+    layer = dataclasses.replace(target, num_hidden_layers=1, tie_word_embeddings=False)
+    draft_vocab = min(DUMMY_DRAFT_VOCAB, target.vocab_size) if method == "eagle3" else target.vocab_size
+    layers = target.num_hidden_layers  # (EAGLE-3's default points need 4 layers; tiny test models have fewer)
+    aux = None if method == "eagle" or layers >= 4 else (0, layers // 2, layers - 1)
+    return EagleHeadConfig(method=method, layer=layer, draft_vocab_size=draft_vocab,
+                           target_hidden_size=target.hidden_size, aux_layers=aux, source=source)
+
+
+@torch.no_grad()
+def dummy_eagle_head(spec: EagleHeadConfig, target: LlamaForCausalLM, seed: int = 0) -> EagleHead:
+    """A random head (normal(0, DUMMY_STD) matrices, norms 1) on the target's dtype and device."""
+    spec.check_target(target.config)
+    param = next(target.parameters())
+    with torch.device("meta"):
+        head = EagleHead(spec, own_embeddings=False, fc_bias=False)
+    head = head.to(dtype=param.dtype).to_empty(device=param.device)
+    head.rotary = Rotary(spec.layer).to(param.device)
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    for name, p in head.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.is_floating_point():
+            p.normal_(0.0, DUMMY_STD, generator=gen)
+    if spec.method == "eagle3":
+        d, v = spec.draft_vocab_size, spec.layer.vocab_size
+        ids = torch.arange(d, device=param.device) * (v // d)  # evenly spread target ids
+        head.d2t.copy_(ids - torch.arange(d, device=param.device))
+    head.index_vocab()
+    head.share(target)
+    head.eval().requires_grad_(False)
+    return head

@@ -21,6 +21,7 @@ failure.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import dataclasses
 import datetime as _dt
 import sys
@@ -74,6 +75,9 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                      help="engines of each kind in a paired measurement (adaptive rows): identical engines "
                           "in one process differ by a few percent (default: 1)")
     how.add_argument("--no-hf", action="store_true", help="suites: skip the transformers peers")
+    how.add_argument("--only", nargs="+", metavar="PATTERN",
+                     help="suites: run only the rows whose names match these shell patterns "
+                          "(e.g. 'sweep/3b-eagle3/*'), and the rows they are compared with")
     how.add_argument("--gpt-fast", metavar="PATH",
                      help="a gpt-fast checkout: decode-speed also times its compiled decode (rows w1/*/gpt-fast)")
     add_engine_args(parser)
@@ -127,6 +131,11 @@ def run_bench(args: argparse.Namespace) -> int:
                              gpt_fast=args.gpt_fast)
     if args.suite:
         table, selected = suite_rows(args.suite, options, serve)
+        if args.only:  # (the rows they compare with still run: `run_rows` adds the refs)
+            selected = [n for n in selected if any(fnmatch.fnmatchcase(n, p) for p in args.only)]
+            if not selected:
+                raise ValueError(f"--only {' '.join(args.only)} matches no row of suite {args.suite!r}: "
+                                 f"see `infer bench --suite {args.suite} --list`")
     else:
         workload = get_workload(args.workload).with_temperature(args.temperature)
         table, selected = custom_rows(workload, _engine_overrides(args), args.hf)

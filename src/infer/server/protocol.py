@@ -190,6 +190,9 @@ class ToolCallIn(_Strict):
     function: CalledFunction
 
 
+ToolList = Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
@@ -251,7 +254,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = Field(None, description="return the log-probability of each token")
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: also the N most likely tokens at each position")
-    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)] | None = Field(  # type: ignore[assignment]
+    tools: ToolList | None = Field(  # type: ignore[assignment]
         None, description=f"functions the model may call (at most {MAX_TOOLS}); the chat template receives them")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(  # type: ignore[assignment]
         None, description="none | auto (the default with tools) | required | {'type': 'function', "

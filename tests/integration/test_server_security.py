@@ -216,8 +216,9 @@ def test_surrogate_requests_are_counted_as_400(server: LiveServer) -> None:
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/chat/completions", "functions", [{"name": "f"}]),
+    ("/v1/chat/completions", "function_call", "auto"),
+    ("/v1/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "logit_bias", {"5": 10}),
 ])

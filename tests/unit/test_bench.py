@@ -376,6 +376,11 @@ def test_cli_smoke_suite_and_report(ckpt_a, tmp_path, capsys):
     assert {m.kind for m in run.measurements} >= {"bandwidth", "roofline", "spec_costs", "projection", "engine"}
     spec = run.get("smoke/spec-k4")
     assert spec.metrics["acceptance_rate"] == 1.0 and "efficiency" in spec.derived
+    plain_json, spec_json = run.get("smoke/plain-json"), run.get("smoke/spec-k4-json")
+    assert plain_json.params["workload"]["structured"]["json"].startswith('{"type":"array"')
+    assert plain_json.metrics["first_output_ids"] != run.get("smoke/plain").metrics["first_output_ids"]
+    assert "greedy_prefix_match" not in plain_json.derived and plain_json.derived["speedup"] > 0  # (its cost)
+    assert spec_json.derived["greedy_prefix_match"] == 5 and spec_json.metrics["acceptance_rate"] is not None
     capsys.readouterr()
     assert run_bench(_cli_args(["--report", str(out)])) == 0
     assert "Projected speedup" in capsys.readouterr().out

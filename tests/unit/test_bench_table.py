@@ -117,6 +117,17 @@ def test_smoke_without_transformers_skips_the_peers_with_a_hint(ckpt_a, tmp_path
     assert run.get("smoke/plain").ok and exit_status(run) == 0
 
 
+def test_constrained_rows_without_xgrammar_are_skipped_with_a_hint(ckpt_a, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as if not installed (the GPU image)
+    options = HarnessOptions(device="cpu", quiet=True, model=str(ckpt_a), output_len=3, warmup_tokens=1, repeats=1)
+    table, _ = suites.suite_rows("smoke", options)
+    run = BenchRun("smoke")
+    Harness(run, options).run_rows(["smoke/plain-json", "smoke/spec-k4-json"], table)
+    constrained = [run.get("smoke/plain-json"), run.get("smoke/spec-k4-json")]
+    assert all(m.status == "skipped" and "pip install 'xgrammar" in m.error for m in constrained)
+    assert run.get("smoke/plain").ok and exit_status(run) == 0
+
+
 def test_costs_load_through_the_engine_and_run_on_its_threads(ckpt_a, monkeypatch):
     seen = []
     real = measures.measure_model_costs

@@ -56,3 +56,16 @@ def test_chat_without_special_strings_encodes_as_before(tok: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be brief.\nVery."}, {"role": "user", "content": "Hello  world!\n"},
                 {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "ünïcödé 😀 and more"}]
     assert tok.encode_chat(messages) == tok.apply_chat_template(messages, tokenize=True)
+
+
+def test_tool_special_strings_are_plain_text(tok: Tokenizer) -> None:
+    text = evil_text(tok)
+    tools = [{"type": "function", "function": {"name": "f", "description": text}}]
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {"q": text}}}]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}]
+    harmless = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    safe = tok.encode_chat(messages, tools=tools)
+    plain_tools = [{"type": "function", "function": {"name": "f", "description": "y"}}]
+    assert specials_in(tok, safe) == specials_in(tok, tok.encode_chat(harmless, tools=plain_tools))  # the template's
+    assert len(specials_in(tok, tok.encode_chat(messages, tools=tools, parse_special=True))) > len(
+        specials_in(tok, safe))

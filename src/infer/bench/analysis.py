@@ -2,8 +2,10 @@
 
 A measurement names the others it is compared with in `refs`:
   "baseline": speedup = its primary rate / the baseline's (decode tokens/s at batch 1,
-              output tokens/s for many requests); a measurement timed in alternation with
-              a baseline engine of its own (`paired_speedup`) reports that paired ratio
+              output tokens/s for many requests; a constrained row's against an
+              unconstrained baseline is its grammar's cost, and greedy tokens are compared
+              only between rows of one structured output); a measurement timed in
+              alternation with a baseline engine of its own (`paired_speedup`) reports that paired ratio
               instead, and the unpaired one as `speedup_unpaired`;
   "roofline": roofline_fraction = its decode tokens/s / the roofline's tokens/s;
   "costs":    for fixed-K speculation, the paper's prediction from the measured c and the
@@ -44,7 +46,7 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
         if m.metrics.get("paired_speedup"):
             out["speedup_unpaired"], out["speedup"] = out["speedup"], m.metrics["paired_speedup"]
         agree = common_prefix(m.metrics.get("first_output_ids"), base.metrics.get("first_output_ids"))
-        if agree is not None and _greedy(m) and _greedy(base):
+        if agree is not None and _greedy(m) and _greedy(base) and _structured(m) == _structured(base):
             out["greedy_prefix_match"] = agree
     roof = _ref(m, run, "roofline")
     rate = m.metrics.get("decode_tokens_per_s")
@@ -127,6 +129,10 @@ def common_prefix(a: list[int] | None, b: list[int] | None) -> int | None:
 
 def _greedy(m: Measurement) -> bool:
     return m.params.get("workload", {}).get("temperature", 1.0) == 0
+
+
+def _structured(m: Measurement) -> Any:
+    return m.params.get("workload", {}).get("structured")
 
 
 def _ref(m: Measurement, run: BenchRun, role: str) -> Measurement | None:

@@ -37,6 +37,7 @@ from infer.models.loader import load_model
 
 PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 TRANSFORMERS = Module("transformers", "transformers>=4.45")
+XGRAMMAR = Module("xgrammar", "xgrammar>=0.2.0")  # constrained (structured-output) rows
 BANDWIDTH = "bandwidth"
 
 

@@ -4,8 +4,9 @@
                   overlapped (the default) and synchronous steps, FP8 weights; decode step
                   time against batch size; transformers with a static cache
     speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, chain K=6
-                  against the tree 2,1,1); n-gram drafts on W5 (fixed, adaptive, prompt lookup,
-                  chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
+                  against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
+                  token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
+                  lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
     costs         c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft; projections
     w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
                   and without prefix caching
@@ -13,7 +14,7 @@
                   against TP=1, the 3B shape drafted by the 1B at TP=2 (draft on the driver,
                   sharded), the collectives' time a step, W2, lm_head / embedding layouts
     smoke         each kind of measurement once on a small model, CPU-friendly: --model and
-                  --draft-model, by default the bundled demo pair
+                  --draft-model, by default the bundled demo pair (constrained rows included)
     acceptance-sweep  controlled acceptance: the 3B shape drafted by the 1B shape (bf16 and
                   FP8 draft), chains K = 1..6 and the trees 2,2 / 3,1 / 2,2,1 at acceptance
                   0.6..0.9 chosen by an oracle (bench/sweep.py), against plain decoding and
@@ -30,7 +31,8 @@
 A suite runs its rows and, first, the rows they are compared with (a baseline, a roofline,
 the copy bandwidth), whichever suite owns those. --model / --draft-model replace the demo
 pair in `speculation` and `smoke`. Dummy shapes have random weights: their acceptance rates
-mean nothing except at the extremes (a random draft: near 0).
+mean nothing except at the extremes (a random draft: near 0). Constrained rows (`*-json`)
+need xgrammar and are skipped with a hint without it.
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from infer.bench.measures import (acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row, costs_row,
-                                  engine_row, gpt_fast_row, hf_row, projection_row, roofline_row)
+from infer.bench.measures import (XGRAMMAR, acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row,
+                                  costs_row, engine_row, gpt_fast_row, hf_row, projection_row, roofline_row)
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
 from infer.bench.sweep import SweepSetup, SweepShape
-from infer.bench.workloads import WORKLOADS, Workload
+from infer.bench.workloads import JSON_RECORDS, WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.speculative.tree import TreeShape
 
@@ -125,6 +127,20 @@ def _chain_and_tree(tag: str, group: str, wl: Workload, spec: dict, base: str, n
     return [chain, tree]
 
 
+def _constrained(tag: str, group: str, wl: Workload, plain: dict, spec: dict, spec_name: str,
+                 needs: tuple[Need, ...]) -> list[Row]:
+    """Plain decoding and speculation under JSON_RECORDS: the plain row's "x baseline" is the
+    grammar's cost a token, the speculative row's is its speedup under the grammar (greedy
+    tokens compared with the constrained plain row's), its acceptance beside `spec_name`'s."""
+    json_wl, grammar = wl.constrained(JSON_RECORDS), (*needs, XGRAMMAR)
+    base = f"{tag}/plain-json"
+    return [engine_row(base, "plain decoding, output constrained to a JSON schema (x baseline: its cost)", group,
+                       json_wl, plain, {"baseline": f"{tag}/plain"}, needs=grammar),
+            engine_row(f"{tag}/{spec_name}-json", f"{spec_name} under the same JSON schema (x baseline: against "
+                       "plain-json; acceptance against unconstrained)", group, json_wl, spec, {"baseline": base},
+                       needs=grammar)]
+
+
 def speculation_rows(m: Models) -> list[Row]:
     rows: list[Row] = []
     for t in (1.0, 0.0):
@@ -142,6 +158,7 @@ def speculation_rows(m: Models) -> list[Row]:
             rows.append(engine_row(f"{tag}/spec-k5-fp8-draft", "draft model in FP8, fixed K=5", group, wl,
                                    {**spec, "draft_quantization": "fp8"}, {"baseline": base}, needs=m.needs))
         rows += _chain_and_tree(f"{tag}/spec", group, wl, spec, base, m.needs)
+        rows += _constrained(tag, group, wl, {"model": m.target, **GRAPHS}, spec, "spec-k5", m.needs)
     ngram = {"model": m.target, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
              "speculative_method": "ngram"}
     for name in ("W5", "W1"):
@@ -249,6 +266,7 @@ def smoke_rows(m: Models) -> list[Row]:
                        {"roofline": "roofline/smoke"}, needs=needs),
             engine_row("smoke/spec-k4", "draft model, K=4", group, wl, {**spec, "draft_model": m.draft},
                        {"baseline": "smoke/plain", "costs": "costs/smoke"}, needs=needs),
+            *_constrained("smoke", group, wl, {"model": m.target}, {**spec, "draft_model": m.draft}, "spec-k4", needs),
             engine_row("smoke/ngram-k4", "n-gram drafts, K=4, a short code edit", "smoke, code edit", edit,
                        {**spec, "speculative_method": "ngram"}, needs=needs),
             hf_row("smoke/hf", "transformers generate, same weights", group, wl, HFPeer(m.target), refs, needs),

@@ -7,7 +7,10 @@
                continuation largely repeats the prompt (n-gram speculation's best case)
 
 Every request sets `ignore_eos=True`, so output lengths are fixed and runs compare equal
-work. Temperature 0 and 1 variants come from `Workload.with_temperature`.
+work. Temperature 0 and 1 variants come from `Workload.with_temperature`. A constrained
+variant (`Workload.constrained`) gives every request a structured output instead (EOS then
+ends a request when its grammar is complete): `JSON_RECORDS`, an array of at least 64 small
+records, so that every request runs to its max_tokens, about four times as many tokens.
 
 Prompts: for a model without a tokenizer (dummy shapes) they are seeded random token ids,
 with W5's structure kept (a random sequence followed by its own start). With a tokenizer
@@ -26,9 +29,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from infer.sampling import SamplingParams
+from infer.sampling import SamplingParams, StructuredOutput
 
 KINDS = ("text", "code_edit")
+JSON_RECORDS = StructuredOutput(json={
+    "type": "array", "minItems": 64, "items": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                         "line": {"type": "integer", "minimum": 0, "maximum": 9999}},
+        "required": ["name", "line"], "additionalProperties": False}})
 
 
 class Encoder(Protocol):
@@ -50,6 +58,7 @@ class Workload:
     temperature: float = 0.0
     seed: int = 0
     description: str = ""
+    structured: StructuredOutput | None = None  # every request's structured output (None: free text)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -67,6 +76,8 @@ class Workload:
             raise ValueError(f"workload {self.name}: kind must be one of {list(KINDS)}, got {self.kind!r}")
         if self.temperature < 0:
             raise ValueError(f"workload {self.name}: temperature must be >= 0, got {self.temperature}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"workload {self.name}: structured must be a StructuredOutput, got {self.structured!r}")
         if self.kind == "code_edit":
             if self.shared_prefix_len:
                 raise ValueError(f"workload {self.name}: code_edit takes no shared_prefix_len")
@@ -81,19 +92,24 @@ class Workload:
 
     @property
     def label(self) -> str:
-        return f"{self.name} T={self.temperature:g}"
+        return f"{self.name} T={self.temperature:g}" + (f", {self.structured.kind} output" if self.structured else "")
 
     def with_temperature(self, temperature: float) -> Workload:
         return replace(self, temperature=temperature)
+
+    def constrained(self, spec: StructuredOutput) -> Workload:
+        """Same prompts, every request's output following `spec` (ending when it is complete)."""
+        return replace(self, structured=spec)
 
     def with_output_len(self, tokens: int) -> Workload:
         """Same prompts, every request generating exactly `tokens` (quick runs, tests)."""
         return replace(self, output_len=(tokens, tokens))
 
     def sampling_params(self, index: int, max_tokens: int) -> SamplingParams:
-        """Request `index`'s parameters: plain sampling at the temperature, fixed length."""
-        return SamplingParams(temperature=self.temperature, max_tokens=max_tokens, ignore_eos=True,
-                              seed=self.seed * 100_003 + index)
+        """Request `index`'s parameters: sampling at the temperature, fixed length (at most
+        `max_tokens` under a structured output)."""
+        return SamplingParams(temperature=self.temperature, max_tokens=max_tokens, ignore_eos=self.structured is None,
+                              seed=self.seed * 100_003 + index, structured=self.structured)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

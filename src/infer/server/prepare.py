@@ -16,18 +16,20 @@ shutdown past its timeout), the work itself being bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from infer.engine.engine import Engine
-from infer.sampling import SamplingParams, derive_seed
+from infer.sampling import SamplingParams, StructuredOutput, derive_seed
 from infer.server.body import BodyLimits, parse_body
 from infer.server.config import ServerConfig
 from infer.server.errors import APIError, bad_request
 from infer.server.guided import structured_output
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from infer.server.tools import ToolPlan, tool_plan
 from infer.tokenization import Tokenizer, TokenLimitExceeded
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -42,6 +44,7 @@ class Prepared:
     prompt_ids: list[int]
     params: list[SamplingParams]
     echo: str | None = None  # the prompt's text, for `echo`
+    tools: ToolPlan | None = None  # chat: the request's tools and tool_choice
 
 
 class Preparer:
@@ -146,13 +149,17 @@ class Preparer:
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs", "invalid_parameter")
         count = (body.top_logprobs or 0) if body.logprobs else None
-        self._params(body, 1, count)  # parameter errors first, before the chat template runs
+        plan = tool_plan(body)
+        forced = plan.structured if plan is not None else None
+        self._params(body, 1, count, forced)  # parameter errors first, before the chat template runs
         tokenizer = self._tokenizer("messages")
-        messages = [{"role": m.role, "content": m.text(), "name": m.name} for m in body.messages]
-        self._check_length(sum(len(m["content"] or "") + len(m["name"] or "") for m in messages), "messages")
+        messages = _template_messages(body)
+        tools = plan.tools if plan is not None else None
+        self._check_length(_chat_chars(body) + (len(json.dumps(tools, ensure_ascii=False)) if tools else 0),
+                           "messages")
         try:
             ids = tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                        parse_special=self.config.allow_special_tokens)
+                                        parse_special=self.config.allow_special_tokens, tools=tools)
         except ValueError as exc:
             raise bad_request(f"messages: {exc}", "messages", "invalid_messages") from exc
         for name, given in (("max_tokens", body.max_tokens), ("max_completion_tokens", body.max_completion_tokens)):
@@ -163,7 +170,7 @@ class Preparer:
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = explicit if explicit is not None else max(1, self.max_seq_len - len(ids))
         self._check_prompt(ids, max_tokens, "messages", "messages")
-        return Prepared(ids, self._params(body, max_tokens, count))
+        return Prepared(ids, self._params(body, max_tokens, count, forced), tools=plan)
 
     def _tokenizer(self, param: str) -> Tokenizer:
         tokenizer = self.engine.tokenizer
@@ -198,8 +205,10 @@ class Preparer:
                               "token is never generated", "stop_token_ids", "invalid_token_id")
 
     @staticmethod
-    def _params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
-        return [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i)) for i in range(req.n)]
+    def _params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                structured: StructuredOutput | None = None) -> list[SamplingParams]:
+        return [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i), structured)
+                for i in range(req.n)]
 
 
 def vocabulary_bounds(tokenizer: Tokenizer | None) -> tuple[int, int]:
@@ -229,7 +238,28 @@ def _check_supported(body: SamplingFields) -> None:
                           "unsupported_parameter")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def _template_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (400 naming a message that cannot be)."""
+    messages = []
+    for i, message in enumerate(body.messages):
+        try:
+            messages.append(message.template_dict())
+        except ValueError as exc:
+            raise bad_request(f"messages[{i}].{exc}", "messages", "invalid_messages") from None
+    return messages
+
+
+def _chat_chars(body: ChatCompletionRequest) -> int:
+    """The characters of the messages' text: content, names, tool calls."""
+    return sum(len(m.text() or "") + len(m.name or "") + len(m.tool_call_id or "")
+               + sum(len(c.function.name) + len(c.function.arguments) for c in m.tool_calls or ())
+               for m in body.messages)
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
+    """The SamplingParams of one choice; `structured` (a forced tool call) replaces the
+    request's own structured output (tool_plan refuses a request asking for both)."""
     def value(got: float | None, default: float) -> float:
         return default if got is None else got
 
@@ -240,7 +270,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
             presence_penalty=value(req.presence_penalty, 0.0), frequency_penalty=value(req.frequency_penalty, 0.0),
             max_tokens=max_tokens, stop=req.stop,
             stop_token_ids=tuple(int(t) for t in req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            seed=seed, logprobs=logprobs, structured=structured_output(req))
+            seed=seed, logprobs=logprobs, structured=structured or structured_output(req))
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), name if name in type(req).model_fields else None, "invalid_parameter") from exc

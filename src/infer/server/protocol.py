@@ -5,8 +5,9 @@ OpenAPI document FastAPI serves says exactly what the server accepts. Integer fi
 integral floats (`1.0`), as JSON Schema's "integer" does. Every string must be valid Unicode
 (a lone UTF-16 surrogate such as `"\\ud800"` is a 400 naming the field). Stop strings are
 limited as in OpenAI's API (4). Structured outputs: `response_format` and vLLM's `guided_*`
-fields (read by `server.guided`). Parameters the server does not implement (`tools`,
-`best_of` > `n`, ...) are declared so that a request
+fields (read by `server.guided`); chat's `tools` and `tool_choice` (read by `server.tools`),
+assistant messages' `tool_calls` and tool messages' `tool_call_id`. Parameters the server does
+not implement (`functions`, `best_of` > `n`, ...) are declared so that a request
 setting them gets a 400 naming them rather than being silently ignored; unknown fields are
 ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
@@ -14,9 +15,10 @@ ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignor
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+import json
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, model_validator
 
 from infer.sampling import MAX_LOGPROBS
 
@@ -27,6 +29,7 @@ MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit; chat takes up to 20)
+MAX_TOOLS = 128  # tools per request (OpenAI's limit)
 
 
 def _valid_unicode(text: str) -> str:
@@ -95,8 +98,8 @@ class SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     # declared so that a request relying on them is refused (400) rather than silently ignored
-    tools: Unsupported = Field(None, description="not supported (400)")
-    tool_choice: Unsupported = Field(None, description="not supported (400 unless 'none')")
+    tools: Unsupported = Field(None, description="chat completions only (400 here)")
+    tool_choice: Unsupported = Field(None, description="chat completions only (400 here unless 'none')")
     functions: Unsupported = Field(None, description="not supported (400)")
     function_call: Unsupported = Field(None, description="not supported (400 unless 'none')")
     response_format: JsonValue | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
@@ -107,13 +110,16 @@ class SamplingFields(_Strict):
     guided_grammar: Text | None = Field(None, description="an EBNF grammar the output follows (extension)")
     logit_bias: Unsupported = Field(None, description="not supported (400 unless empty)")
 
+    refused: ClassVar[tuple[str, ...]] = ("tools", "functions")  # 400 when set
+    refused_unless_none: ClassVar[tuple[str, ...]] = ("tool_choice", "function_call")  # 400 unless "none"
+
     def unsupported(self) -> str | None:
         """The first parameter set to something the server does not implement, else None."""
-        for name, value in (("tools", self.tools), ("functions", self.functions)):
-            if value is not None:
+        for name in self.refused:
+            if getattr(self, name) is not None:
                 return name
-        for name, value in (("tool_choice", self.tool_choice), ("function_call", self.function_call)):
-            if value not in (None, "none"):
+        for name in self.refused_unless_none:
+            if getattr(self, name) not in (None, "none"):
                 return name
         if self.logit_bias not in (None, {}):
             return "logit_bias"
@@ -148,15 +154,86 @@ class TextPart(_Strict):
     text: Text
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                                     description="letters, digits, _ and -, at most 64 (OpenAI's rule)")]
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, JsonValue] | None = Field(None, description="a JSON schema of an object; default: none")
+    strict: bool | None = Field(None, description="accepted; required / named choices are always enforced")
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionRef(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text = Field(description="the arguments as JSON text")
+
+
+class ToolCallIn(_Strict):
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
+ToolList = Annotated[list[ToolDefinition], Field(min_length=1, max_length=MAX_TOOLS)]
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to a {self.role} message")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it: call arguments as objects (templates write
+        them with `tojson`), so they must be JSON (ValueError naming the call otherwise)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text(), "name": self.name,
+                               "tool_call_id": self.tool_call_id}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, j)}}
+                for j, c in enumerate(self.tool_calls)]
+        return out
+
+
+def _arguments(text: str, index: int) -> JsonValue:
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"tool_calls[{index}].function.arguments is not valid JSON ({exc}): send the arguments "
+                         "as a JSON object's text") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"tool_calls[{index}].function.arguments must be a JSON object's text, got {text!r}")
+    return value
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -177,3 +254,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = Field(None, description="return the log-probability of each token")
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: also the N most likely tokens at each position")
+    tools: ToolList | None = Field(  # type: ignore[assignment]
+        None, description=f"functions the model may call (at most {MAX_TOOLS}); the chat template receives them")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(  # type: ignore[assignment]
+        None, description="none | auto (the default with tools) | required | {'type': 'function', "
+                          "'function': {'name'}}; required and named choices are enforced by a JSON schema")
+    parallel_tool_calls: bool | None = Field(None, description="auto: false keeps the first call only")
+    refused: ClassVar[tuple[str, ...]] = ("functions",)
+    refused_unless_none: ClassVar[tuple[str, ...]] = ("function_call",)

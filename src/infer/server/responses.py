@@ -1,6 +1,7 @@
 """OpenAI response schemas (pydantic): completions, chat completions, their stream chunks,
-log-probabilities, /v1/models, /health and errors. Extension: `speculative_decoding`
-(acceptance rate, mean accepted length) on responses and final chunks."""
+log-probabilities, tool calls (whole and as stream deltas), /v1/models, /health and errors.
+Extension: `speculative_decoding` (acceptance rate, mean accepted length) on responses and
+final chunks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class SpeculativeStats(BaseModel):
     mean_accepted_length: float | None = Field(description="tokens emitted per speculation round")
 
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -66,9 +67,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -88,9 +101,22 @@ class ChatCompletionResponse(BaseModel):
     speculative_decoding: SpeculativeStats | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # with the call's first delta
+    arguments: str  # a fragment of the arguments' JSON text
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # among the message's calls
+    id: str | None = None  # with the call's first delta
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

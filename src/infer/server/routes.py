@@ -1,5 +1,6 @@
 """Handlers of /v1/completions and /v1/chat/completions: parse and prepare (off the event
-loop, see prepare.py), submit, stream or collect.
+loop, see prepare.py), submit, stream or collect; a chat request with tools reads each
+choice's text for tool calls (tool_calls.py) streamed or whole.
 
 Everything that can fail before the first byte (bad parameters, unknown model, full queue,
 dead engine, shutdown) fails here, so a streaming request gets a real 4xx/5xx status rather
@@ -18,9 +19,11 @@ from infer.engine.request import StepOutput
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest
 from infer.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk,
-                                    CompletionResponse, SpeculativeStats, Usage)
+                                    CompletionResponse, FunctionCall, FunctionCallDelta, SpeculativeStats, ToolCall,
+                                    ToolCallDelta, Usage)
 from infer.server.serving import ServerState, submit
 from infer.server.streaming import SSEResponse, collect, event_stream, usage
+from infer.server.tool_calls import CallReader, call_id
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
@@ -31,6 +34,28 @@ def _finish_reason(out: StepOutput) -> str | None:
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _tool_delta(reader: CallReader, text: str, finish: str | None) -> tuple[ChatDelta, str | None]:
+    """A chunk's delta under tools, and its finish_reason ("tool_calls" for a finished call)."""
+    content, calls = reader.feed(text)
+    if finish is not None:
+        more, last = reader.finish(complete=finish == "stop")
+        content, calls = content + more, calls + last
+        finish = "tool_calls" if reader.called and finish == "stop" else finish
+    deltas = [ToolCallDelta(index=c.index, id=c.id, type="function" if c.id else None,
+                            function=FunctionCallDelta(name=c.name, arguments=c.arguments)) for c in calls]
+    return ChatDelta(content=content if content or not deltas else None, tool_calls=deltas or None), finish
+
+
+def _tool_message(reader: CallReader, text: str, finish: str | None) -> tuple[AssistantMessage, str | None]:
+    """A whole message under tools (the reader's result over the whole text), its finish_reason."""
+    reader.feed(text)
+    reader.finish(complete=finish == "stop")
+    if not reader.called:
+        return AssistantMessage(content=reader.content or ""), finish
+    calls = [ToolCall(id=call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)) for c in reader.calls]
+    return AssistantMessage(content=None, tool_calls=calls), "tool_calls" if finish == "stop" else finish
 
 
 async def completion(state: ServerState, request: Request) -> Any:
@@ -82,6 +107,8 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
     request_id, jobs = await submit(state, prepared, "chatcmpl")
     created, model = int(time.time()), state.model_name
     fmt = state.logprob_format
+    plan = prepared.tools if prepared.tools is not None and prepared.tools.mode != "none" else None
+    readers = [CallReader(plan.forced, plan.names, plan.parallel) for _ in jobs] if plan is not None else None
     if body.stream:
         def make(choices: list[ChatChunkChoice], **extra: Any) -> dict[str, Any]:
             return ChatCompletionChunk(id=request_id, created=created, model=model, choices=choices,
@@ -89,8 +116,12 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
 
         def chunk(index: int, out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
             logprobs = fmt.chat([out.logprobs]) if out.logprobs is not None else None
-            choice = ChatChunkChoice(index=index, delta=ChatDelta(content=out.text_delta), logprobs=logprobs,
-                                     finish_reason=_finish_reason(out))  # type: ignore[arg-type]
+            finish = _finish_reason(out)
+            delta = ChatDelta(content=out.text_delta)
+            if readers is not None:
+                delta, finish = _tool_delta(readers[index], out.text_delta, finish)
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                     finish_reason=finish)  # type: ignore[arg-type]
             return make([choice], speculative_decoding=spec)
 
         first = [make([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
@@ -102,9 +133,13 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
         return Response(status_code=CLIENT_CLOSED)
     if not isinstance(outcomes, list):
         raise outcomes
-    choices = [ChatChoice(index=i, message=AssistantMessage(content=o.text), finish_reason=o.finish_reason,  # type: ignore[arg-type]
-                          logprobs=fmt.chat(o.logprobs) if body.logprobs else None)
-               for i, o in enumerate(outcomes)]
+    choices = []
+    for i, o in enumerate(outcomes):
+        message, finish = AssistantMessage(content=o.text), o.finish_reason
+        if readers is not None:
+            message, finish = _tool_message(readers[i], o.text, finish)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=finish,  # type: ignore[arg-type]
+                                  logprobs=fmt.chat(o.logprobs) if body.logprobs else None))
     return ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
                                   usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
                                   speculative_decoding=outcomes[0].spec)

@@ -5,7 +5,9 @@ immutable sandbox. The environment matches what `transformers` gives templates
 (trim_blocks, lstrip_blocks, loop controls, a `tojson` filter that keeps non-ASCII text
 and accepts `indent`, `raise_exception`, `strftime_now`, the `{% generation %}` block),
 so published templates render the same text here. `LLAMA3_CHAT_TEMPLATE` is the
-built-in Llama 3 instruct format used when a model directory ships no template.
+built-in Llama 3 instruct format used when a model directory ships no template. Tools and
+assistant tool calls reach templates that render them as `tools` and `tool_calls`, and the
+others as text in the messages (`tool_prompt.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from infer.tokenization.tool_prompt import fold_tools
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 # A vocabulary with these tokens and no chat template of its own gets LLAMA3_CHAT_TEMPLATE.
@@ -92,8 +96,9 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *,
                          add_generation_prompt: bool, special_tokens: Mapping[str, str | None],
                          tools: Sequence[Mapping[str, Any]] | None = None,
                          **template_kwargs: Any) -> str:
-    """Validate `messages` and render them with the template `source`."""
-    clean = validate_messages(messages)
+    """Validate `messages` and render them with the template `source` (tools and tool calls
+    as text in the messages when the template does not render them: `tool_prompt.fold_tools`)."""
+    clean, tools = fold_tools(validate_messages(messages), tools, source)
     template = compile_chat_template(source)
     variables = {**special_tokens, **template_kwargs}
     try:

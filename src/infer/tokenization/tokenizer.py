@@ -204,7 +204,7 @@ class Tokenizer:
                     parse_special: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
                     **template_kwargs: Any) -> list[int]:
         """Token ids of `messages` rendered with the chat template. The template's special
-        tokens become their ids; special-token strings inside the messages' own text are
+        tokens become their ids; special-token strings inside the messages' and tools' own text are
         encoded as plain text unless `parse_special` (see `tokenization.special`)."""
         specials, pattern = self._special_strings
         if parse_special or pattern is None:
@@ -212,8 +212,11 @@ class Tokenizer:
                                            **template_kwargs)
             assert isinstance(ids, list)
             return ids
-        escaped, restore = escape_messages(messages, pattern, specials)
-        text = self.apply_chat_template(escaped, add_generation_prompt, tools=tools, **template_kwargs)
+        # the tools' strings are the template's input too: escaped with the messages, one marker
+        escaped, restore = escape_messages([*messages, *(tools or ())], pattern, specials)
+        escaped_tools = escaped[len(messages):] if tools is not None else None
+        text = self.apply_chat_template(escaped[:len(messages)], add_generation_prompt, tools=escaped_tools,
+                                        **template_kwargs)
         assert isinstance(text, str)
         return encode_rendered(text, pattern, self._backend.token_to_id,
                                lambda piece: self._backend.encode(piece, add_special_tokens=False,

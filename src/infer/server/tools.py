@@ -1,0 +1,116 @@
+"""A chat request's `tools` and `tool_choice`, read into a `ToolPlan`.
+
+    none      the tools reach the chat template (as vLLM does) but the output is plain text
+    auto      the default with tools: the output is parsed for Llama 3 JSON tool calls
+              (`tool_calls.parse_tool_calls`); anything else is the message's content
+    required  the output is one call of one of the tools, enforced by a JSON schema:
+              anyOf over the tools of {"name": <its name>, "parameters": <its schema>}
+    named     {"type": "function", "function": {"name"}}: one call of that function, enforced
+              by its schema alone
+
+Required and named choices produce exactly one call (one Llama 3 JSON object); under auto
+the model may write several, separated by `;`. Problems a client can fix are 400s naming
+the field before the request is queued: tool_choice without tools, a named function that is
+not among the tools, two tools of one name, a `parameters` that is not an object schema,
+a forced call together with another structured output. A schema xgrammar cannot compile is
+a 400 from the engine's add_request, also before the request is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from infer.sampling import StructuredOutput
+from infer.server.errors import APIError, bad_request
+from infer.server.guided import structured_output
+from infer.server.protocol import ChatCompletionRequest, NamedToolChoice
+
+Mode = Literal["none", "auto", "required", "named"]
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools ask for: the mode, the tools as the chat template takes them,
+    the schema a forced call follows (required, named) and whether auto keeps several calls."""
+
+    mode: Mode
+    tools: list[dict[str, Any]]  # [{"type": "function", "function": {name, description?, parameters?}}]
+    names: frozenset[str]
+    structured: StructuredOutput | None = None  # required / named
+    parallel: bool = True
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def _invalid(message: str, param: str) -> APIError:
+    return bad_request(message, param, "invalid_parameter")
+
+
+def call_schema(name: str, parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema of one Llama 3 JSON call of function `name`."""
+    return {"type": "object", "properties": {"name": {"const": name},
+                                             "parameters": dict(parameters or NO_PARAMETERS)},
+            "required": ["name", "parameters"], "additionalProperties": False}
+
+
+def _check_parameters(index: int, name: str, schema: Mapping[str, Any] | None) -> None:
+    """An object schema: type "object" (or none), `properties` an object of schemas,
+    `required` a list of property names (deeper problems: the grammar compiler's 400)."""
+    if schema is None:
+        return
+    where = f"tools[{index}].function.parameters (function {name!r})"
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise _invalid(f"{where} must be a JSON schema of an object (type 'object'), got type {kind!r}", "tools")
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(isinstance(v, (dict, bool)) for v in properties.values()):
+        raise _invalid(f"{where}: properties must be an object mapping each argument to its schema", "tools")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise _invalid(f"{where}: required must be a list of argument names", "tools")
+    unknown = [r for r in required if properties and r not in properties]
+    if unknown:
+        raise _invalid(f"{where}: required names {unknown}, which are not among its properties "
+                       f"{sorted(properties)}", "tools")
+
+
+def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's ToolPlan, None without tools (or with tool_choice none and no tools);
+    an APIError 400 naming the field for a request that cannot be served."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise _invalid("tool_choice needs tools: send the functions the model may call in tools, or drop "
+                           "tool_choice", "tool_choice")
+        return None
+    tools: list[dict[str, Any]] = []
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(body.tools):
+        fn = tool.function
+        if fn.name in schemas:
+            raise _invalid(f"tools[{i}]: a second function named {fn.name!r}: give each tool its own name", "tools")
+        _check_parameters(i, fn.name, fn.parameters)
+        schemas[fn.name] = call_schema(fn.name, fn.parameters)
+        tools.append({"type": "function", "function": fn.model_dump(exclude_none=True)})
+    names = frozenset(schemas)
+    parallel = body.parallel_tool_calls is not False
+    if choice is None or choice in ("none", "auto"):
+        return ToolPlan(choice or "auto", tools, names, parallel=parallel)  # type: ignore[arg-type]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in schemas:
+            raise _invalid(f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                           f"({', '.join(sorted(names))})", "tool_choice")
+        schema = schemas[choice.function.name]
+        mode: Mode = "named"
+    else:
+        schema = next(iter(schemas.values())) if len(schemas) == 1 else {"anyOf": list(schemas.values())}
+        mode = "required"
+    if structured_output(body) is not None:
+        raise _invalid(f"tool_choice {mode} enforces the call's own schema; it cannot be combined with "
+                       "response_format or guided_*: drop one of them", "tool_choice")
+    return ToolPlan(mode, tools, names, StructuredOutput(json=schema), parallel)

@@ -186,13 +186,14 @@ class EagleHead(nn.Module):
         cos, sin = cos_sin(positions, self.rotary.inv_freq, features.dtype)
         eps = self.post_attention_layernorm.eps
         if self.spec.method == "eagle":
-            x = k.linear(self.fc, torch.cat([emb, features], dim=-1), None)
-            x = self.self_attn(x, x, cos, sin, view, k)
+            x = k.linear(self.fc, torch.cat([emb, features], dim=-1), None)  # (no input norm)
+            x = self.self_attn.attend_qkv(k.linear(self.self_attn.qkv_proj, x, None), x, cos, sin, view, k)
         else:
             e = k.rmsnorm(emb, self.input_layernorm.weight, eps)
             hn = k.rmsnorm(features, self.hidden_norm.weight, eps)
             residual = hn if self.spec.norm_before_residual else features
-            x = self.self_attn(torch.cat([e, hn], dim=-1), residual, cos, sin, view, k)
+            qkv = k.linear(self.self_attn.qkv_proj, torch.cat([e, hn], dim=-1), None)
+            x = self.self_attn.attend_qkv(qkv, residual, cos, sin, view, k)
         h = k.rmsnorm(x, self.post_attention_layernorm.weight, eps)
         return k.linear(self.mlp.down_proj, k.swiglu(self.mlp.gate_up_proj, h), x)
 

@@ -52,8 +52,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, view: AttentionView,
                 kernels: Kernels = EAGER) -> torch.Tensor:
         """x: the residual stream [B, T, H]; returns x + attention(norm(x)) [B, T, H]."""
-        b, t, _ = x.shape
         qkv = kernels.norm_linear(self.qkv_proj, x, norm.weight, norm.eps)  # [B, T, (Hq + 2 Hkv) D]
+        return self.attend_qkv(qkv, x, cos, sin, view, kernels)
+
+    def attend_qkv(self, qkv: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
+        """qkv: the projection's output [B, T, (Hq + 2 Hkv) D] -> residual + attention [B, T, H]
+        (the rest of `forward`; an EAGLE head projects its own, differently normed, input)."""
+        b, t, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)  # [B, T, Hq, D]
         k = k.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
@@ -62,7 +68,7 @@ class Attention(nn.Module):
             k = kernels.rmsnorm(k, self.k_norm.weight, self.k_norm.eps)
         v = v.view(b, t, self.kv_heads, self.head_dim)  # [B, T, Hkv, D]
         out = kernels.attend(view, self.layer, q, k, v, cos, sin)  # [B, T, Hq, D]
-        return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), x)
+        return kernels.linear(self.o_proj, out.reshape(b, t, self.q_size), residual)
 
 
 class DecoderLayer(nn.Module):

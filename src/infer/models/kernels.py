@@ -145,8 +145,12 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
     def comp(fn: Callable) -> Callable:
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                                    fn.__closure__)
-        # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing
-        return torch.compile(fresh, dynamic=True, fullgraph=False)
+        # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing.
+        # emulate_precision_casts: Inductor rounds every intermediate to the dtype eager
+        # rounds it to (by default it keeps fused intermediates in float32), so a compiled
+        # RMSNorm or SwiGLU (two rows and more) rounds as EAGER and as the GEMV's prologues
+        # (one row) do: a draft step and the verification of its drafts see the same inputs
+        return torch.compile(fresh, dynamic=True, fullgraph=False, options={"emulate_precision_casts": True})
 
     kernels = fused_kernels(comp)
     _COMPILED[key] = kernels

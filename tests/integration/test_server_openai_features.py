@@ -20,6 +20,7 @@ from infer import EngineConfig, SamplingParams
 from infer.models.loader import load_model
 from infer.sampling import derive_seed
 from infer.server.launch import LiveServer
+from helpers.live import openai_api, serving
 from infer.server.logprob_format import LogprobFormatter
 from infer.tokenization import Tokenizer
 
@@ -46,14 +47,10 @@ def server(request: pytest.FixtureRequest, ckpt_a: Path) -> Iterator[LiveServer]
     live = LiveServer.start(EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=8, **extra), MODEL,
                             max_queued_requests=256)
     live.kind = request.param  # type: ignore[attr-defined]
-    yield live
-    live.settle()
-    assert live.leak_report() == []
-    live.stop()
+    yield from serving(live)
 
 
-def api(live: LiveServer) -> OpenAI:
-    return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+api = openai_api
 
 
 def ref(model: torch.nn.Module, tok: Tokenizer, **params: Any) -> tuple[list[int], list[Any]]:

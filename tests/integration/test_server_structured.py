@@ -18,6 +18,7 @@ from openai import BadRequestError, OpenAI  # noqa: E402
 from infer import EngineConfig  # noqa: E402
 from infer.engine.loading import DEMO_TARGET  # noqa: E402
 from infer.server.launch import LiveServer  # noqa: E402
+from helpers.live import openai_api, serving  # noqa: E402
 
 MODEL = "demo"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
@@ -28,14 +29,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
     live = LiveServer.start(EngineConfig(model=str(DEMO_TARGET), device="cpu", max_batch_size=4), MODEL)
-    yield live
-    live.settle()
-    assert live.leak_report() == []
-    live.stop()
+    yield from serving(live)
 
 
-def api(live: LiveServer) -> OpenAI:
-    return OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+api = openai_api
 
 
 def test_completions_with_a_json_schema(server):

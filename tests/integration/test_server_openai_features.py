@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from openai import OpenAI
 
 from helpers.reference import reference
 from infer import EngineConfig, SamplingParams

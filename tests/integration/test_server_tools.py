@@ -15,7 +15,7 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from openai import BadRequestError, OpenAI  # noqa: E402
+from openai import BadRequestError  # noqa: E402
 
 from infer import EngineConfig  # noqa: E402
 from infer.engine.loading import DEMO_TARGET  # noqa: E402

@@ -36,19 +36,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from infer.sampling import is_strict_int
 
-if TYPE_CHECKING:
-    from infer.speculative.node_tree import NodeTree
-
 MAX_TREE_DEPTH = 16
 MAX_TREE_NODES = 128
 
 _EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"
+
+
+class DraftTree(Protocol):
+    """What a `Draft` reads of its tree: a static `TreeShape`, or one row's dynamic tree
+    (`speculative.node_tree.NodeTree`). Nodes breadth-first; `widths[d]`: the most children
+    a node at depth d has."""
+
+    @property
+    def parents(self) -> tuple[int, ...]: ...
+
+    @property
+    def depths(self) -> tuple[int, ...]: ...
+
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]: ...
+
+    @property
+    def level_starts(self) -> tuple[int, ...]: ...
+
+    @property
+    def widths(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def is_chain(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +293,7 @@ class Draft:
     without replacement, each from its own renormalised q), or None for deterministic
     proposals (n-gram tables: one-hot q at the node's token)."""
 
-    shape: TreeShape | NodeTree
+    shape: DraftTree
     token_ids: tuple[int, ...]  # [N]
     valid: tuple[bool, ...]  # [N]
     # [M, V] for the first M <= N nodes (every present node among them), or None

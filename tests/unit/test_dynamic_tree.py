@@ -16,7 +16,7 @@ from infer.speculative.node_tree import DynamicShape, NodeTree, frame_of_trees, 
 from infer.speculative.tree import TreeShape, tree_attention_mask
 from infer.speculative.verifier import verify_tree_greedy, verify_tree_nodes
 
-ROWS = 300_000
+ROWS = 200_000
 
 
 def _inputs(shape: TreeShape, b: int, v: int, seed: int) -> tuple[torch.Tensor, ...]:

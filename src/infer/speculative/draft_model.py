@@ -50,6 +50,9 @@ with its descendants. Node i is drawn with uniform i of N drawn per round from t
 own generator, so a seeded request's draft never depends on its batch. Greedy rows report
 no q (one-hot).
 
+A dynamic tree round (`DynamicShape`): catch-up and level 0 as a static tree's, then each
+level over the row's best nodes (`speculative/dynamic_draft.py`).
+
 After verification `on_accepted` moves the accepted nodes the draft was fed into sequence
 order and truncates its cache to n + 1 + min(L, k_b - 1): for a chain exactly step 3's
 rule, so the next round's catch-up is the same for both.

@@ -112,7 +112,8 @@ def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequ
         level.fed_row[rows[:, None], pick] = first_row + torch.arange(pick.shape[1], device=device)[None, :]
         parent_place = pick // b  # [A'', F]: the parent's place in the old frontier
         mask = front_mask[sub[:, None], parent_place]  # [A'', F, W]: the parent's rows
-        mask[:, torch.arange(pick.shape[1], device=device), first_row + torch.arange(pick.shape[1], device=device)] = True
+        places = torch.arange(pick.shape[1], device=device)  # [F]
+        mask[:, places, first_row + places] = True  # each sees itself
         front_mask, front_id = mask, offset + pick
         front_path = torch.where(ok, level.paths[rows[:, None], pick], 0.0)
         front_score = torch.where(ok, level.scores[rows[:, None], pick], NEG_INF)

@@ -47,9 +47,10 @@ class ForwardFn(Protocol):
         ...
 
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
-        """A tree chunk (see `TreeChunk`): ids [B, chunk.width] (CPU, or the device) stored at
-        the layout's positions, every row chunk.width wide (rows may be shorter: the rest is
-        padding), rotary positions and visibility from the tree -> logits [B, width, V].
+        """A tree chunk (see `TreeChunk`; a `RowTreeChunk` has a tree per row): ids [B,
+        chunk.width] (CPU, or the device) stored at the layout's positions, every row
+        chunk.width wide (rows may be shorter: the rest is padding), rotary positions and
+        visibility from the tree -> logits [B, width, V].
         Commits the layout to the pool."""
         ...
 

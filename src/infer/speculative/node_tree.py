@@ -56,7 +56,7 @@ class DynamicShape:
 
     def __post_init__(self) -> None:
         for name, value, top in (("nodes", self.nodes, MAX_TREE_NODES), ("branch", self.branch, MAX_TREE_NODES),
-                                 ("depth", self.depth, MAX_TREE_DEPTH)):
+                                 ("depth (spec_length)", self.depth, MAX_TREE_DEPTH)):
             if not is_strict_int(value) or not 1 <= value <= top:
                 raise ValueError(f"a dynamic tree's {name} must be an integer in [1, {top}], got {value!r}")
 

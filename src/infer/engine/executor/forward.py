@@ -155,10 +155,11 @@ class EagerForward:
         self.pool.commit(layout)
         return logits
 
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk, node_tokens: torch.Tensor,
-                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
+                    node_tokens: torch.Tensor, node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                     greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
         """`tree`, then `verify_on_tree_logits`; CUDA graphs capture the same function."""
+        assert chunk.shape is not None  # (a draft level's chunk is never verified)
         return verify_on_tree_logits(chunk.shape, self.tree(ids, layout, chunk), node_tokens, node_valid,
                                      draft_probs, temperatures, greedy, uniforms)
 

@@ -358,7 +358,8 @@ class GraphForward:
 
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         """The same function as `EagerForward.tree`: the chunk's graph for the batch's bucket
-        when `prepare_trees` captured one, else eagerly."""
+        when `prepare_trees` captured one, else eagerly (a `RowTreeChunk`, dynamic trees:
+        always)."""
         check_tree_layout(layout, chunk)
         n = len(layout.slots)
         g = self.trees.get((self._bucket(n), chunk)) if n <= self.buckets[-1] else None

@@ -62,72 +62,90 @@ def draft_uniform_count(shape: DynamicShape) -> int:
     return shape.branch + (shape.depth - 1) * shape.branch ** 2
 
 
+@dataclass
+class _Frontier:
+    """The nodes a level expands, per alive row (A') and place (F): the root at first."""
+
+    alive: list[int]  # [A'] batch rows
+    path: torch.Tensor  # [A', F] float64 path probabilities
+    score: torch.Tensor  # [A', F] float64 slot scores (-inf: no node)
+    ids: torch.Tensor  # [A', F] long global candidate indices (-1: the root)
+    mask: torch.Tensor  # [A', F, W] bool: the draft's block rows each sees
+    contexts: list[list[list[int]]] | None  # [A'][F] token contexts (penalties only)
+
+    @classmethod
+    def root(cls, a_rows: int, width: int, contexts: list[list[int]] | None, device: torch.device) -> _Frontier:
+        mask = torch.zeros((a_rows, 1, width), dtype=torch.bool, device=device)
+        mask[:, :, 0] = True
+        return cls(list(range(a_rows)), torch.ones((a_rows, 1), dtype=torch.float64, device=device),
+                   torch.full((a_rows, 1), float("inf"), dtype=torch.float64, device=device),
+                   torch.full((a_rows, 1), -1, dtype=torch.long, device=device), mask,
+                   None if contexts is None else [[c] for c in contexts])
+
+
 def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequence[int], root_logits: torch.Tensor,
                    ks: Sequence[int], shape: DynamicShape) -> list[DynamicRow]:
     """The round's trees (module docstring): root_logits [A, V] after g; ks[a] in 1..D."""
     device, a_rows, b = root_logits.device, len(reqs), shape.branch
     params = [r.sampling_params for r in reqs]
-    greedy = all(p.greedy for p in params)
-    uniforms = None if greedy else to_device(draw_uniforms([r.generator for r in reqs],
-                                                           draft_uniform_count(shape)), device)  # [A, U]
-    base_ctx = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
-    width = 1 + shape.fed(shape.depth)  # the draft's block: g and the fed levels
+    uniforms = None if all(p.greedy for p in params) else to_device(
+        draw_uniforms([r.generator for r in reqs], draft_uniform_count(shape)), device)  # [A, U]
+    contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
+    front = _Frontier.root(a_rows, 1 + shape.fed(shape.depth), contexts, device)
     levels: list[_Level] = []
-    logits = root_logits[:, None]  # [A', P, V] of the frontier (the root: P = 1)
-    alive = list(range(a_rows))
-    # the frontier's state, per alive row and frontier place
-    front_path = torch.ones((a_rows, 1), dtype=torch.float64, device=device)
-    front_score = torch.full((a_rows, 1), float("inf"), dtype=torch.float64, device=device)
-    front_id = torch.full((a_rows, 1), -1, dtype=torch.long, device=device)  # global candidate index
-    front_mask = torch.zeros((a_rows, 1, width), dtype=torch.bool, device=device)
-    front_mask[:, :, 0] = True
-    front_ctx: list[list[list[int]]] | None = None if base_ctx is None else [[c] for c in base_ctx]
+    logits = root_logits[:, None]  # [A', F, V] after the frontier's nodes
     offset = 0  # global index of the level's first candidate
     for d in range(shape.depth):
-        p_count = logits.shape[1]
-        rows = tensor_on(alive, device, torch.long)  # [A']
+        f, n_alive = logits.shape[1], len(front.alive)
+        rows = tensor_on(front.alive, device, torch.long)  # [A']
         lo = 0 if d == 0 else b + (d - 1) * b * b
-        u = None if uniforms is None else uniforms[rows, lo:lo + p_count * b].reshape(-1, b)
-        ctx = None if front_ctx is None else [c for a in range(len(alive)) for c in front_ctx[a]]
+        u = None if uniforms is None else uniforms[rows, lo:lo + f * b].reshape(-1, b)
+        ctx = None if front.contexts is None else [c for row in front.contexts for c in row]
         kids, q, drawn, base = draw_children(logits.reshape(-1, logits.shape[-1]),
-                                             [params[a] for a in alive for _ in range(p_count)], ctx, b, u)
-        scores, paths = slot_scores(base, kids, drawn, front_path.reshape(-1), front_score.reshape(-1))
-        level = _empty_level(a_rows, p_count * b, None if q is None else q.shape[-1], device)
-        m = p_count * b
-        level.tokens[rows] = kids.view(len(alive), m)
-        level.scores[rows] = scores.view(len(alive), m)
-        level.paths[rows] = paths.view(len(alive), m)
-        level.parents[rows] = front_id.repeat_interleave(b, dim=1)
+                                             [params[a] for a in front.alive for _ in range(f)], ctx, b, u)
+        scores, paths = slot_scores(base, kids, drawn, front.path.reshape(-1), front.score.reshape(-1))
+        level = _empty_level(a_rows, f * b, None if q is None else q.shape[-1], device)
+        level.tokens[rows] = kids.view(n_alive, f * b)
+        level.scores[rows] = scores.view(n_alive, f * b)
+        level.paths[rows] = paths.view(n_alive, f * b)
+        level.parents[rows] = front.ids.repeat_interleave(b, dim=1)
         if q is not None and level.probs is not None:
-            level.probs[rows] = q.view(len(alive), m, -1)
+            level.probs[rows] = q.view(n_alive, f * b, -1)
         levels.append(level)
-        keep = [j for j, a in enumerate(alive) if ks[a] > d + 1]
+        keep = [j for j, a in enumerate(front.alive) if ks[a] > d + 1]
         if not keep:
             break
-        pick, ok = best_slots(level.scores[rows[keep]], b)  # [A'', F] level-local, storage order
-        sub = tensor_on(keep, device, torch.long)
-        alive = [alive[j] for j in keep]
-        rows = tensor_on(alive, device, torch.long)
-        first_row = 1 + d * b
-        level.fed_row[rows[:, None], pick] = first_row + torch.arange(pick.shape[1], device=device)[None, :]
-        parent_place = pick // b  # [A'', F]: the parent's place in the old frontier
-        mask = front_mask[sub[:, None], parent_place]  # [A'', F, W]: the parent's rows
-        places = torch.arange(pick.shape[1], device=device)  # [F]
-        mask[:, places, first_row + places] = True  # each sees itself
-        front_mask, front_id = mask, offset + pick
-        front_path = torch.where(ok, level.paths[rows[:, None], pick], 0.0)
-        front_score = torch.where(ok, level.scores[rows[:, None], pick], NEG_INF)
-        ids = level.tokens[rows[:, None], pick]  # [A'', F]
-        if front_ctx is not None:
-            host_ids, host_parent = ids.tolist(), parent_place.tolist()
-            front_ctx = [[front_ctx[j][p] + [t] for p, t in zip(host_parent[i], host_ids[i], strict=True)]
-                         for i, j in enumerate(keep)]
-        n = [reqs[a].num_computed_tokens for a in alive]
-        layout = BatchLayout.of([slots[a] for a in alive], [x + first_row for x in n], [pick.shape[1]] * len(alive))
-        offsets = torch.full(pick.shape, d + 1 - first_row, dtype=torch.long, device=device)
-        logits = forward.tree(ids, layout, RowTreeChunk(mask, offsets, first_row))  # [A'', F, V]
-        offset += m
+        first_row = 1 + d * b  # the new frontier's first row in the draft's block
+        front, ids = _advance(front, level, keep, b, first_row, offset)
+        n = [reqs[a].num_computed_tokens for a in front.alive]
+        layout = BatchLayout.of([slots[a] for a in front.alive], [x + first_row for x in n], [b] * len(front.alive))
+        offsets = torch.full(ids.shape, d + 1 - first_row, dtype=torch.long, device=device)  # rotary n + d + 1
+        logits = forward.tree(ids, layout, RowTreeChunk(front.mask, offsets, first_row))  # [A'', B, V]
+        offset += f * b
     return _rows(levels, shape)
+
+
+def _advance(front: _Frontier, level: _Level, keep: list[int], b: int, first_row: int,
+             offset: int) -> tuple[_Frontier, torch.Tensor]:
+    """The next frontier, the level's B best slots of the rows in `keep` (places in
+    `front.alive`), stored at block rows first_row + f; marks them fed -> (it, tokens [A'', B])."""
+    device = level.tokens.device
+    alive = [front.alive[j] for j in keep]
+    rows, sub = tensor_on(alive, device, torch.long)[:, None], tensor_on(keep, device, torch.long)[:, None]
+    pick, ok = best_slots(level.scores[rows[:, 0]], b)  # [A'', B] level-local, storage order
+    places = torch.arange(pick.shape[1], device=device)  # [B]
+    level.fed_row[rows, pick] = first_row + places[None, :]
+    parent_place = pick // b  # [A'', B]: the parent's place in the old frontier
+    mask = front.mask[sub, parent_place]  # [A'', B, W]: the parent's rows ...
+    mask[:, places, first_row + places] = True  # ... and its own
+    ids = level.tokens[rows, pick]  # [A'', B]
+    contexts = None
+    if front.contexts is not None:
+        host_ids, host_parent = ids.tolist(), parent_place.tolist()
+        contexts = [[front.contexts[j][p] + [t] for p, t in zip(host_parent[i], host_ids[i], strict=True)]
+                    for i, j in enumerate(keep)]
+    return _Frontier(alive, torch.where(ok, level.paths[rows, pick], 0.0),
+                     torch.where(ok, level.scores[rows, pick], NEG_INF), offset + pick, mask, contexts), ids
 
 
 def _empty_level(a_rows: int, m: int, vocab: int | None, device: torch.device) -> _Level:

@@ -137,24 +137,27 @@ def layout_indices(layout: BatchLayout, rows_of: RowsFn, scratch_row: int,
 
 @dataclass(frozen=True, slots=True)
 class BlockMask:
-    """A static visibility rule inside a block of consecutive positions (tree speculation).
+    """A visibility rule inside a block of consecutive positions (tree speculation).
 
     Every row of the batch holds a block of W positions starting at its own base; a chunk's
     query t is block row first_row + t (so base = q_pos[:, 0] - first_row). Keys below the
     base (the context) follow the usual rule; a key at base + c is visible to query t only
-    where rows[t, c] (and the usual rule) allows it. `rows`: bool [T, W] on the device."""
+    where rows[t, c] (and the usual rule) allows it. `rows`: bool [T, W] on the device, one
+    rule for every row (a static tree), or [B, T, W], a rule per row (dynamic trees)."""
 
-    rows: torch.Tensor  # [T, W] bool
+    rows: torch.Tensor  # [T, W] or [B, T, W] bool
     first_row: int
 
     def visibility(self, q_pos: torch.Tensor, s: int) -> torch.Tensor:
         """[B, T, S] bool: True where the block rule allows key s to query t (keys outside
         the block: always True). q_pos: [B, T] storage positions of the queries."""
-        width = self.rows.shape[1]
+        batch, t = q_pos.shape
+        width = self.rows.shape[-1]
         base = q_pos[:, :1] - self.first_row  # [B, 1]
         rel = torch.arange(s, device=q_pos.device)[None, :] - base  # [B, S]
         inside = (rel >= 0) & (rel < width)  # [B, S]
-        allowed = self.rows[:, rel.clamp(0, width - 1)].permute(1, 0, 2)  # [B, T, S]
+        rows = self.rows.expand(batch, t, width)  # [B, T, W]
+        allowed = rows.gather(2, rel.clamp(0, width - 1)[:, None, :].expand(batch, t, s))  # [B, T, S]
         return allowed | ~inside[:, None, :]
 
 

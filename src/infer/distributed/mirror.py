@@ -41,6 +41,7 @@ from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
+from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
 
 
@@ -191,11 +192,12 @@ class TensorParallelForward:
         self._invoke("draft_loop", ids, layout, steps, tuple(temperatures), uniforms, tuple(greedy))
         return self.local.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
 
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         self._invoke("tree", ids, layout, chunk)
         return self.local.tree(ids, layout, chunk)
 
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
+                    node_tokens: torch.Tensor,
                     node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                     greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
         self._invoke("tree", ids, layout, chunk)

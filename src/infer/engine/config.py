@@ -89,7 +89,10 @@ class EngineConfig:
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None
     # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
-    # depth becomes spec_length. None: a chain of spec_length drafts
+    # depth becomes spec_length. Or dynamic trees (EAGLE-2 style, a draft model only):
+    # "dynamic:N" verifies the N best of the nodes drafted per round, "dynamic:N:B" also
+    # sets B, the nodes expanded per level and children drawn per node (default min(4, N));
+    # their depth is spec_length. None: a chain of spec_length drafts
     spec_tree: str | None = None
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
     # speculation is off for a step whose decode batch is larger than this (None: never off)
@@ -110,7 +113,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.spec_length is None:
-            self.spec_length = self._tree_shape().depth if self.spec_tree is not None else DEFAULT_SPEC_LENGTH
+            self.spec_length = (self._tree_shape().depth if self.spec_tree is not None and not self._dynamic()
+                                else DEFAULT_SPEC_LENGTH)
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if name in ("quantization", "draft_quantization"):
@@ -189,10 +193,39 @@ class EngineConfig:
         except ValueError as e:
             raise ValueError(f"spec_tree: {e}") from None
 
+    def _dynamic(self) -> bool:
+        from infer.speculative.node_tree import is_dynamic
+        return is_dynamic(self.spec_tree)
+
+    def _check_dynamic_tree(self) -> None:
+        """spec_tree="dynamic:N[:B]": drafted by a draft model, on one GPU, fixed depth K."""
+        from infer.speculative.node_tree import DynamicShape
+        assert self.spec_tree is not None and self.spec_length is not None
+        try:
+            shape = DynamicShape.parse(self.spec_tree, self.spec_length)
+        except ValueError as e:
+            raise ValueError(f"spec_tree: {e}") from None
+        if not self.use_speculative_decoding:
+            raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
+                             "or leave spec_tree unset")
+        if self.speculative_method != "draft_model":
+            raise ValueError(f"spec_tree={self.spec_tree!r} (dynamic trees) is drafted by a draft model: set "
+                             f"speculative_method='draft_model', or give a static tree like '3,2,1' for "
+                             f"{self.speculative_method!r}")
+        if self.spec_policy != "fixed":
+            raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree's depth is spec_length), "
+                             f"got {self.spec_policy!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("dynamic trees run on one GPU: set tensor_parallel_size=1 or use a static spec_tree")
+        self.spec_tree = str(shape)  # normalised ("dynamic:16" -> "dynamic:16:4")
+
     def _check_tree(self) -> None:
         """spec_tree: a valid shape, for speculative decoding with the fixed policy; its depth
-        is K (a spec_length given must equal it)."""
+        is K (a spec_length given must equal it). A dynamic tree's depth is K."""
         if self.spec_tree is None:
+            return
+        if self._dynamic():
+            self._check_dynamic_tree()
             return
         shape = self._tree_shape()
         if not self.use_speculative_decoding:

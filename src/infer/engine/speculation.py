@@ -3,7 +3,8 @@
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
 functions, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
 the draft's measured cost c), the round clock of the adaptive policy, and the round's
-draft shape: a chain of K (`chain_shape`), or the static tree `spec_tree`.
+draft shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
+(`DynamicShape`: each row drafts its own, run eagerly: no CUDA graphs of their steps yet).
 
 Each decode step asks it for the depth every request drafts (`depths`): the policy's K, cut
 by the length guards (no position past max_seq_len, no more drafts than the request can
@@ -33,6 +34,7 @@ from infer.speculative.eagle import EagleProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
+from infer.speculative.node_tree import DynamicShape, is_dynamic
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy, SpecPolicy
 from infer.speculative.proposer import Proposer
 from infer.speculative.round_clock import RoundClock
@@ -47,9 +49,9 @@ def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
     return max(0, min(k, max_seq_len - seq_len - 1, tokens_left - 1))
 
 
-def fit_depth(shape: TreeShape, k: int, seq_len: int, max_seq_len: int) -> int:
-    """The largest depth <= k whose block fits: positions seq_len .. seq_len + level_starts[depth]."""
-    while k > 0 and seq_len + shape.level_starts[k] >= max_seq_len:
+def fit_depth(shape: TreeShape | DynamicShape, k: int, seq_len: int, max_seq_len: int) -> int:
+    """The largest depth <= k whose block fits: positions seq_len .. seq_len + shape.span(depth)."""
+    while k > 0 and seq_len + shape.span(k) >= max_seq_len:
         k -= 1
     return k
 
@@ -60,7 +62,7 @@ class Speculation:
     draft: DraftModelProposer | None  # the proposer when it is a draft model
     policy: SpecPolicy
     clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
-    tree: TreeShape | None  # None: chains of up to `spec_length`
+    tree: TreeShape | DynamicShape | None  # None: chains of up to `spec_length`
     spec_length: int
     config: EngineConfig
     stats: SpecStats
@@ -71,7 +73,7 @@ class Speculation:
               target: LlamaForCausalLM | None = None) -> Speculation:
         """The proposer and policy; the adaptive policy's costs are measured by `start`.
         An EAGLE head needs the target, whose `capture` it reads."""
-        tree = None if config.spec_tree is None else TreeShape.parse(config.spec_tree)
+        tree = round_tree(config)
         draft = None
         proposer: Proposer
         if config.speculative_method in EAGLE_METHODS:
@@ -94,11 +96,10 @@ class Speculation:
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
         """Once the target's decode forward exists: capture a tree's graphs, and measure the
         adaptive policy's costs (which time that forward)."""
-        if self.tree is not None:
-            vocab = target.config.vocab_size
-            if max(self.tree.branching) > vocab:
-                raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.branching)} children of a node but "
-                                 f"the vocabulary has {vocab} tokens")
+        if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
+            raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
+                             f"the vocabulary has {target.config.vocab_size} tokens")
+        if isinstance(self.tree, TreeShape):
             modes = ("greedy", "one_hot") + (("draft_probs",) if self.draft is not None else ())
             forward.prepare_trees([TreeChunk.verification(self.tree)], verify_modes=modes)
             if self.draft is not None:  # the draft's levels 1 .. D-1 (the deepest is never fed)
@@ -139,13 +140,14 @@ class Speculation:
             c = costs.c if costs.c is not None else 0.0
         return c, max(0.0, (costs.verify_ratio[k] - 1.0) / k)
 
-    def shape(self, depths: Sequence[int]) -> TreeShape:
+    def shape(self, depths: Sequence[int]) -> TreeShape | DynamicShape:
         """The round's draft shape: the tree, or a chain as long as the deepest row's."""
         return self.tree if self.tree is not None else chain_shape(max(depths))
 
     def block_width(self) -> int:
-        """Positions a round writes to the target's cache at most: g and the nodes."""
-        return 1 + (self.tree.num_nodes if self.tree is not None else self.spec_length)
+        """Positions a round writes to either cache at most: g and the nodes (a dynamic
+        tree's draft may feed more nodes than the target verifies)."""
+        return 1 + (self.tree.span(self.tree.depth) if self.tree is not None else self.spec_length)
 
     def depths(self, requests: Sequence[Request]) -> list[int]:
         """Each request's draft depth this step (module docstring)."""
@@ -180,8 +182,18 @@ class Speculation:
         return self.proposer.leak_report() + self.policy.leak_report()
 
 
+def round_tree(config: EngineConfig) -> TreeShape | DynamicShape | None:
+    """The config's tree: a static `TreeShape`, the dynamic trees' `DynamicShape`, or None (chains)."""
+    if config.spec_tree is None:
+        return None
+    assert config.spec_length is not None
+    if is_dynamic(config.spec_tree):
+        return DynamicShape.parse(config.spec_tree, config.spec_length)
+    return TreeShape.parse(config.spec_tree)
+
+
 def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
-                    tree: TreeShape | None) -> DraftModelProposer:
+                    tree: TreeShape | DynamicShape | None) -> DraftModelProposer:
     """The draft model's proposer: its pool and forward functions, graphs captured now."""
     pool = executor.make_pool(draft_model, config, prefix_caching=False)
     # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted

@@ -1,12 +1,14 @@
 """Verification: one target forward over each request's draft, then the verifier.
 
 A round's drafts share one shape (`speculative.tree`): a chain (`chain_shape(K)`, row b
-using its first k_b nodes) or a static tree. Both run the same steps:
+using its first k_b nodes) or a static tree; or each row has its own dynamic tree
+(`speculative.node_tree`: N nodes at most, per-row masks, eagerly). All run the same steps:
 
 1. the block [g, draft nodes] per request goes through the target in one forward, written
    to the target's cache like a chunked prefill from position n on. A chain keeps its
    causal fast path: rows k_b + 1 wide, no tree mask (`ForwardFn.verify`); a tree is
-   N + 1 wide with its tree mask (`ForwardFn.verify_tree`, `TreeChunk`);
+   N + 1 wide with its tree mask (`ForwardFn.verify_tree`, `TreeChunk`; dynamic trees a
+   `RowTreeChunk` of per-row masks, rotary offsets and the verifier's `TreeFrame`);
 2. rows sampling with a temperature alone (greedy included) are verified by the forward
    function itself (a CUDA graph after the forward's on the GPU); rows with top-k, top-p or
    a repetition penalty, a structured output, or asking for log-probabilities, take the
@@ -35,6 +37,7 @@ from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.forward import ForwardFn
 from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
+from infer.speculative.node_tree import DynamicShape, NodeTree, RowTreeChunk, verification_chunk
 from infer.speculative.tree import Draft, TreeChunk, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import to_device
@@ -56,7 +59,7 @@ def stack_draft_probs(drafts: Sequence[Draft], tokens: torch.Tensor, vocab: int,
             m = min(width, d.probs.shape[0])
             out[i, :m] = d.probs[:m]
         else:
-            present = [j for j in range(width) if d.valid[j]]
+            present = [j for j in range(min(width, len(d.valid))) if d.valid[j]]
             if present:
                 out[i, present, tokens[i, present]] = 1.0
     return out
@@ -90,15 +93,18 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
 class Verification:
     """Runs a round's verification for the runner (module docstring)."""
 
-    def __init__(self, forward: ForwardFn, vocab_size: int, device: torch.device, tree: TreeShape | None) -> None:
+    def __init__(self, forward: ForwardFn, vocab_size: int, device: torch.device,
+                 tree: TreeShape | DynamicShape | None) -> None:
         self.forward, self.vocab, self.device = forward, vocab_size, device
-        self.chunk = None if tree is None else TreeChunk.verification(tree)  # None: chains
+        self.tree = tree  # None: chains
+        # a static tree's block (a dynamic tree's is made per round: `_block`)
+        self.chunk = TreeChunk.verification(tree) if isinstance(tree, TreeShape) else None
 
     def run(self, requests: Sequence[Request], drafts: Sequence[Draft],
             while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
         """Verify every request's draft -> (tokens per request, accepted nodes per request).
         `while_gpu_runs` is called once the forward is queued (host work that hides under it)."""
-        ids, layout, tokens, counts = self._block(requests, drafts)
+        ids, layout, tokens, counts, chunk = self._block(requests, drafts)
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
@@ -107,26 +113,27 @@ class Verification:
             uniforms = (torch.zeros((len(requests), self._num_uniforms(tokens)), dtype=torch.float64)
                         if all(greedy) else self._uniforms(requests, drafts, tokens))
             temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-            if self.chunk is None:
+            if chunk is None:
                 packed = self.forward.verify(ids, layout, tokens, counts, draft_probs, temps, greedy, uniforms)
             else:
-                packed = self.forward.verify_tree(ids, layout, self.chunk, tokens, counts, draft_probs, temps,
+                packed = self.forward.verify_tree(ids, layout, chunk, tokens, counts, draft_probs, temps,
                                                   greedy, uniforms)
             while_gpu_runs()
             return self._unpack(packed.tolist())  # the one host sync of verification
-        if self.chunk is None:
+        if chunk is None:
             logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
         else:
-            logits = self.forward.tree(ids, layout, self.chunk)  # [B, N+1, V]
+            logits = self.forward.tree(ids, layout, chunk)  # [B, N+1, V]
         while_gpu_runs()
         uniforms = to_device(self._uniforms(requests, drafts, tokens), self.device)
         target_probs = self._target_probs(requests, drafts, logits)
-        if self.chunk is None:
+        if chunk is None:
             k = tokens.shape[1]
             result = verify(tokens, counts, draft_probs, target_probs, uniforms[:, :k], uniforms[:, k])
             paths = [list(range(a)) for a in result.num_accepted]
         else:
-            packed, nodes = verify_tree_nodes(self.chunk.shape, to_device(tokens, self.device), draft_probs,
+            assert chunk.shape is not None
+            packed, nodes = verify_tree_nodes(chunk.shape, to_device(tokens, self.device), draft_probs,
                                               target_probs, uniforms, to_device(counts, self.device))
             result, paths = self._unpack(torch.cat([packed, nodes], dim=1).tolist())
         wanted = [p.logprobs for p in params]
@@ -138,31 +145,39 @@ class Verification:
         return result, paths
 
     def _block(self, requests: Sequence[Request], drafts: Sequence[Draft]
-               ) -> tuple[torch.Tensor, BatchLayout, torch.Tensor, list[int] | torch.Tensor]:
-        """(ids [B, W] CPU: g then the nodes, the layout, node tokens [B, W - 1] CPU, and which
-        nodes are present: a chain's counts k_b, a tree's flags [B, N] bool)."""
+               ) -> tuple[torch.Tensor, BatchLayout, torch.Tensor, list[int] | torch.Tensor,
+                          TreeChunk | RowTreeChunk | None]:
+        """(ids [B, W] CPU: g then the nodes, the layout, node tokens [B, W - 1] CPU, which
+        nodes are present: a chain's counts k_b, a tree's flags [B, N] bool, and the tree's
+        chunk: None for a chain, the static tree's, or this round's per-row trees')."""
         slots = [r.slot for r in requests]
         starts = [r.num_computed_tokens for r in requests]
         last = torch.tensor([[r.last_token_id] for r in requests])  # [B, 1]
-        if self.chunk is not None:
-            tokens, valid = stack_drafts(drafts)  # [B, N]
-            layout = BatchLayout.of(slots, starts, [d.rows_used for d in drafts], width=self.chunk.width)
-            return torch.cat([last, tokens], dim=1), layout, tokens, valid
+        chunk: TreeChunk | RowTreeChunk | None = self.chunk
+        if isinstance(self.tree, DynamicShape):
+            n = self.tree.num_nodes
+            trees = [d.shape for d in drafts]
+            assert all(isinstance(t, NodeTree) for t in trees)
+            chunk = verification_chunk(trees, n, self.tree.widths, self.device)  # type: ignore[arg-type]
+        if chunk is not None:
+            tokens, valid = stack_drafts(drafts, width=chunk.width - 1)  # [B, N]
+            layout = BatchLayout.of(slots, starts, [d.rows_used for d in drafts], width=chunk.width)
+            return torch.cat([last, tokens], dim=1), layout, tokens, valid, chunk
         counts = [d.num_proposed for d in drafts]
         k = max(counts)
         tokens = torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k)  # [B, K]
         layout = BatchLayout.of(slots, starts, [c + 1 for c in counts])
-        return torch.cat([last, tokens], dim=1), layout, tokens, counts
+        return torch.cat([last, tokens], dim=1), layout, tokens, counts, None
 
     def _num_uniforms(self, tokens: torch.Tensor) -> int:
-        return tokens.shape[1] + 1 if self.chunk is None else self.chunk.shape.num_uniforms
+        return tokens.shape[1] + 1 if self.tree is None else self.tree.num_uniforms
 
     def _uniforms(self, requests: Sequence[Request], drafts: Sequence[Draft], tokens: torch.Tensor) -> torch.Tensor:
         """CPU float64 [B, U]: a chain row draws one per draft, a tree row U - 1 when it
         proposes anything (the columns are fixed per depth and child), and one for its final
         token (the last column)."""
         width = self._num_uniforms(tokens) - 1
-        counts = [d.num_proposed if self.chunk is None else width if d.num_proposed else 0 for d in drafts]
+        counts = [d.num_proposed if self.tree is None else width if d.num_proposed else 0 for d in drafts]
         return round_uniforms([r.generator for r in requests], counts, width)
 
     def _target_probs(self, requests: Sequence[Request], drafts: Sequence[Draft],
@@ -176,7 +191,9 @@ class Verification:
             for r, d in zip(requests, drafts, strict=True):
                 base = r.all_token_ids
                 contexts.append(base)
-                contexts += [base + [d.token_ids[j] for j in path] for path in d.shape.paths[:width - 1]]
+                paths = d.shape.paths[:width - 1]
+                contexts += [base + [d.token_ids[j] for j in path] for path in paths]
+                contexts += [base] * (width - 1 - len(paths))  # (rows past a dynamic tree's nodes)
         flat_params = [r.sampling_params for r in requests for _ in range(width)]
         flat = _grammar_masked_block(logits, requests, drafts).reshape(b * width, vocab)
         return logits_to_probs(flat, flat_params, contexts).view(b, width, vocab)
@@ -184,9 +201,9 @@ class Verification:
     def _unpack(self, rows: list[list[int]]) -> tuple[VerifyResult, Paths]:
         """The verifier's packed rows on the host: a chain's [K+2] (`unpack_rows`), a tree's
         [depth + 2] then its accepted nodes [depth] (-1 after the last)."""
-        if self.chunk is None:
+        if self.tree is None:
             result = unpack_rows(rows)
             return result, [list(range(a)) for a in result.num_accepted]
-        width = self.chunk.shape.depth + 2
+        width = self.tree.depth + 2
         result = unpack_rows([row[:width] for row in rows])
         return result, [[i for i in row[width:] if i >= 0] for row in rows]

@@ -50,6 +50,9 @@ with its descendants. Node i is drawn with uniform i of N drawn per round from t
 own generator, so a seeded request's draft never depends on its batch. Greedy rows report
 no q (one-hot).
 
+A dynamic tree round (`DynamicShape`): catch-up and level 0 as a static tree's, then each
+level over the row's best nodes (`speculative/dynamic_draft.py`).
+
 After verification `on_accepted` moves the accepted nodes the draft was fed into sequence
 order and truncates its cache to n + 1 + min(L, k_b - 1): for a chain exactly step 3's
 rule, so the next round's catch-up is the same for both.
@@ -65,9 +68,11 @@ import torch
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import (SamplingParams, adjust_logits, draw_uniforms, logits_to_probs, sample_from_probs,
-                            sample_without_replacement, temperature_only)
+from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.speculative.dynamic_draft import expand_dynamic
+from infer.speculative.dynamic_select import draw_children
 from infer.speculative.grammar_mask import grammar_masked
+from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeChunk, TreeShape
 from infer.transfer import tensor_on, to_device
@@ -96,7 +101,9 @@ class DraftModelProposer:
         self._eager = eager_forward
         self.device = next(model.parameters()).device
         self.draft_slots: dict[int, int] = {}  # target slot -> draft slot
-        self.rounds: dict[str, tuple[int, int]] = {}  # request id -> (n, k) of the round in flight
+        # request id -> (n, per node its index in the draft's block where it was fed, or -1) of
+        # the round in flight
+        self.rounds: dict[str, tuple[int, tuple[int, ...]]] = {}
         # draft rounds whose rows all draft the same k after a feed of one width run as one
         # `draft_loop` (False: always step by step, as the reference the tests compare with)
         self.fuse_rounds = True
@@ -159,19 +166,30 @@ class DraftModelProposer:
 
     # -- proposing -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """`Proposer.propose`: a chain by K batched draft steps (`_draft_loop`), a tree level
-        by level (`_expand`); see the module docstring."""
+    def propose(self, requests: Sequence[DraftRequest], shape: TreeShape | DynamicShape,
+                depths: Sequence[int]) -> list[Draft]:
+        """`Proposer.propose`: a chain by K batched draft steps (`_draft_loop`), a static tree
+        level by level (`_expand`), a dynamic tree level by level over each row's best nodes
+        (`expand_dynamic`); see the module docstring."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
-        drafts = [Draft.empty(shape) for _ in requests]
+        empty = Draft.empty(NodeTree((), shape.widths) if isinstance(shape, DynamicShape) else shape)
+        drafts = [empty for _ in requests]
         active = [i for i, k in enumerate(depths) if k > 0 and self.take_slot(requests[i], fed_positions(shape, k))]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
         ks = [min(depths[i], shape.depth) for i in active]
         self.catch_up([r for r in reqs if self.behind(r)])
-        if shape.is_chain:
+        storage: list[tuple[int, ...]] = []
+        if isinstance(shape, DynamicShape):
+            slots = [self.slot(r) for r in reqs]
+            rows = expand_dynamic(self.step_forward, reqs, slots, self._feed_tail(reqs, slots), ks, shape)
+            for i, r, row in zip(active, reqs, rows, strict=True):
+                drafts[i] = Draft(row.tree, row.tokens, (True,) * len(row.tokens),
+                                  None if r.sampling_params.greedy else row.probs)
+            storage = [row.storage for row in rows]
+        elif shape.is_chain:
             tokens, probs = self._draft_loop(reqs, ks)
             for j, (i, k) in enumerate(zip(active, ks, strict=True)):
                 drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
@@ -180,8 +198,9 @@ class DraftModelProposer:
             for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
                 drafts[i] = _tree_draft(shape, k, nodes[j], drawn[j],
                                         None if probs is None or r.sampling_params.greedy else probs[j])
-        for r, k in zip(reqs, ks, strict=True):
-            self.rounds[r.request_id] = (r.num_computed_tokens, k)
+        for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            fed = storage[j] if storage else tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
+            self.rounds[r.request_id] = (r.num_computed_tokens, fed)
         return drafts
 
     def behind(self, request: DraftRequest) -> bool:
@@ -323,22 +342,37 @@ class DraftModelProposer:
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """The fed part of each accepted path into sequence order (one gather + scatter for
         the batch; a chain's path is in place already), then each slot truncated to
-        n + 1 + min(L, k - 1): what it was fed of the path (capped at what it holds)."""
+        n + 1 + what it was fed of the path (a static tree's min(L, k - 1); capped at what it
+        holds)."""
         moves: list[PathMove] = []
         ends: list[tuple[int, int]] = []
         for request, nodes in zip(requests, paths, strict=True):
-            n, k = self.rounds.pop(request.request_id, (None, 0))
+            n, storage = self.rounds.pop(request.request_id, (None, ()))
             if n is None:
                 continue
-            fed = min(len(nodes), k - 1)
+            fed: list[int] = []
+            for node in nodes:  # (a fed node's parent was fed: the path's fed part is a prefix)
+                if storage[node] < 0:
+                    break
+                fed.append(storage[node])
             slot = self.slot(request)
-            moves.append(PathMove(slot, n, tuple(nodes[:fed])))
-            ends.append((slot, n + 1 + fed))
+            moves.append(PathMove(slot, n, tuple(fed)))
+            ends.append((slot, n + 1 + len(fed)))
         move_paths(self.pool, moves)
         for slot, end in ends:
             self.pool.truncate_to(slot, min(end, self.pool.seq_len(slot)))
 
     # -- trees: level by level -------------------------------------------------------------------
+    def _feed_tail(self, reqs: Sequence[DraftRequest], slots: Sequence[int]) -> torch.Tensor:
+        """A tree's level 0: one batched step over the unseen tail tokens[d : n + 1] (g last)
+        -> the logits after g [A, V]."""
+        starts = [self.pool.seq_len(s) for s in slots]
+        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
+        ids = torch.zeros((len(reqs), max(len(f) for f in feeds)), dtype=torch.long)
+        for b, f in enumerate(feeds):
+            ids[b, :len(f)] = torch.tensor(f)
+        return self.step_forward(ids, BatchLayout.of(slots, starts, [len(f) for f in feeds]), all_logits=False)
+
     def _expand(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
                 shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
         """Levels 0 .. max(ks) - 1 -> (tokens [A][N] on the host, probs [A, N, V] on the device
@@ -355,14 +389,7 @@ class DraftModelProposer:
         tokens = torch.zeros((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
         drawn = torch.ones((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
         probs_out: torch.Tensor | None = None
-        # level 0: the unseen tail tokens[d : n + 1] (g last)
-        starts = [self.pool.seq_len(s) for s in slots]
-        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
-        ids = torch.zeros((batch, max(len(f) for f in feeds)), dtype=torch.long)
-        for b, f in enumerate(feeds):
-            ids[b, :len(f)] = torch.tensor(f)
-        layout = BatchLayout.of(slots, starts, [len(f) for f in feeds])
-        logits = self.step_forward(ids, layout, all_logits=False)[:, None]  # [A, 1, V]
+        logits = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         alive = list(range(batch))
         host: list[list[int]] = []  # tokens on the host, for penalty contexts only (from depth 1 on)
         for d, width in enumerate(shape.branching):  # parents at depth d, children at depth d + 1
@@ -405,10 +432,10 @@ def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tenso
     return out
 
 
-def fed_positions(shape: TreeShape, depth: int) -> int:
+def fed_positions(shape: TreeShape | DynamicShape, depth: int) -> int:
     """Positions a round of depth limit `depth` >= 1 writes to the draft's cache from g on:
-    g, then the nodes of depths 1 .. depth - 1 (a chain of k: k)."""
-    return 1 + shape.level_starts[depth - 1]
+    g, then the nodes fed (a static tree's of depths 1 .. depth - 1; a chain of k: k)."""
+    return 1 + shape.fed(depth)
 
 
 def _tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[int],
@@ -426,20 +453,12 @@ def _tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence
 def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
              width: int, uniforms: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`width` children per parent: logits [M, V] (one row per parent), the parents' params
-    and contexts (None: no penalties), uniforms [M * width] (None: every row greedy) ->
-    (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
-    bool or None; both None when every row is greedy). Greedy rows: the top-`width` tokens;
-    others: distinct draws from softmax(adjusted), without replacement (module docstring)."""
-    adjusted = adjust_logits(logits, params, contexts)  # [M, V] float32
-    greedy = [p.greedy for p in params]
-    top = adjusted.topk(width, dim=-1).indices.reshape(-1) if any(greedy) else None  # [M * width]
-    if uniforms is None or all(greedy):
-        assert top is not None
-        return top, None, None
-    ids, dists, ok = sample_without_replacement(torch.softmax(adjusted, dim=-1), uniforms.view(-1, width))
-    sampled, q, ok = ids.reshape(-1), dists.reshape(-1, dists.shape[-1]), ok.reshape(-1)  # [M * width] ...
-    if top is None:
-        return sampled, q, ok
-    mask = tensor_on(greedy, logits.device, torch.bool).repeat_interleave(width)  # [M * width]
-    return torch.where(mask, top, sampled), q, mask | ok
+    """`width` children per parent, flat: logits [M, V] (one row per parent), the parents'
+    params and contexts (None: no penalties), uniforms [M * width] (None: every row greedy)
+    -> (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
+    bool or None; both None when every row is greedy): `draw_children`'s, flat."""
+    tokens, q, drawn, _ = draw_children(logits, params, contexts, width,
+                                        None if uniforms is None else uniforms.view(-1, width))
+    if q is None:
+        return tokens.reshape(-1), None, None
+    return tokens.reshape(-1), q.reshape(-1, q.shape[-1]), drawn.reshape(-1)

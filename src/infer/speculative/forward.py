@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from infer.cache.view import BatchLayout
+from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
 
 
@@ -45,14 +46,16 @@ class ForwardFn(Protocol):
         See `EagerForward.draft_loop`."""
         ...
 
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
-        """A tree chunk (see `TreeChunk`): ids [B, chunk.width] (CPU, or the device) stored at
-        the layout's positions, every row chunk.width wide (rows may be shorter: the rest is
-        padding), rotary positions and visibility from the tree -> logits [B, width, V].
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
+        """A tree chunk (see `TreeChunk`; a `RowTreeChunk` has a tree per row): ids [B,
+        chunk.width] (CPU, or the device) stored at the layout's positions, every row
+        chunk.width wide (rows may be shorter: the rest is padding), rotary positions and
+        visibility from the tree -> logits [B, width, V].
         Commits the layout to the pool."""
         ...
 
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
+                    node_tokens: torch.Tensor,
                     node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                     greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
         """A tree verification step (`tree` over the whole block), then the tree verifier for

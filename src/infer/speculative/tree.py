@@ -48,6 +48,36 @@ MAX_TREE_NODES = 128
 _EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"
 
 
+class DraftTree(Protocol):
+    """What a `Draft` reads of its tree: a static `TreeShape`, or one row's dynamic tree
+    (`speculative.node_tree.NodeTree`). Nodes breadth-first; `widths[d]`: the most children
+    a node at depth d has."""
+
+    @property
+    def parents(self) -> tuple[int, ...]: ...
+
+    @property
+    def depths(self) -> tuple[int, ...]: ...
+
+    @property
+    def paths(self) -> tuple[tuple[int, ...], ...]: ...
+
+    @property
+    def level_starts(self) -> tuple[int, ...]: ...
+
+    @property
+    def widths(self) -> tuple[int, ...]: ...
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def depth(self) -> int: ...
+
+    @property
+    def is_chain(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class TreeShape:
     """A static speculation tree: `branching[d]` children for every node at depth d.
@@ -158,6 +188,19 @@ class TreeShape:
         """Whether every node has one child: "1,1,...,1" (verified causally, no tree mask)."""
         return all(b == 1 for b in self.branching)
 
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """Children per node at each depth (the verifier's tries; a dynamic tree's are per level too)."""
+        return self.branching
+
+    def span(self, depth: int) -> int:
+        """Positions past g a round of depth limit `depth` writes: the nodes of depths <= depth."""
+        return self.level_starts[depth]
+
+    def fed(self, depth: int) -> int:
+        """Nodes a draft model is fed in a round of depth limit `depth` >= 1 (depths 1 .. depth - 1)."""
+        return self.level_starts[depth - 1]
+
     def __str__(self) -> str:
         return ",".join(str(b) for b in self.branching)
 
@@ -241,7 +284,8 @@ class TreeChunk:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """One request's proposal over a `TreeShape`: a token per node, or absent.
+    """One request's proposal over a `TreeShape` (or its own `NodeTree`, a dynamic tree): a
+    token per node, or absent.
 
     Absent nodes (valid False, token 0) were not proposed: the verifier never accepts them and
     they leave its distributions untouched. A present node's parent is present. `probs` is the
@@ -249,7 +293,7 @@ class Draft:
     without replacement, each from its own renormalised q), or None for deterministic
     proposals (n-gram tables: one-hot q at the node's token)."""
 
-    shape: TreeShape
+    shape: DraftTree
     token_ids: tuple[int, ...]  # [N]
     valid: tuple[bool, ...]  # [N]
     # [M, V] for the first M <= N nodes (every present node among them), or None
@@ -317,16 +361,22 @@ def cut_depth(draft: Draft, depth: int) -> Draft:
     return Draft(draft.shape, tokens, valid, draft.probs)
 
 
-def stack_drafts(drafts: Sequence[Draft], device: torch.device | str | None = None
+def stack_drafts(drafts: Sequence[Draft], device: torch.device | str | None = None, width: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic drafts of one shape as verifier inputs: (node_tokens [B, N] long,
-    node_valid [B, N] bool)."""
+    """Drafts as verifier inputs: (node_tokens [B, N] long, node_valid [B, N] bool). Without
+    `width` the drafts share one static shape; with it (dynamic trees, each row its own) rows
+    are padded to `width` nodes with absent ones."""
     if not drafts:
         raise ValueError("stack_drafts needs at least one draft (the tree shape comes from them)")
-    if any(d.shape != drafts[0].shape for d in drafts):
+    if width is None and any(d.shape != drafts[0].shape for d in drafts):
         raise ValueError(f"drafts must share one tree shape, got {sorted({str(d.shape) for d in drafts})}")
-    tokens = torch.tensor([d.token_ids for d in drafts], dtype=torch.long, device=device)
-    valid = torch.tensor([d.valid for d in drafts], dtype=torch.bool, device=device)
+    n = drafts[0].shape.num_nodes if width is None else width
+    if any(d.shape.num_nodes > n for d in drafts):
+        raise ValueError(f"drafts of more than {n} nodes cannot be stacked {n} wide")
+    tokens = torch.tensor([(*d.token_ids, *(0,) * (n - len(d.token_ids))) for d in drafts], dtype=torch.long,
+                          device=device)
+    valid = torch.tensor([(*d.valid, *(False,) * (n - len(d.valid))) for d in drafts], dtype=torch.bool,
+                         device=device)
     return tokens, valid
 
 

@@ -51,9 +51,14 @@ children (one-hot q_x, duplicates allowed: after a rejected x the residual gives
 so a duplicate of x is rejected and changes nothing). Greedy rows (one-hot p) follow
 the first child equal to the target's argmax and emit the argmax: no special case.
 
-Uniforms: a row takes a fixed [U] vector, U = shape.num_uniforms = sum(branching) + 1:
-column shape.uniform_offsets[d] + c tests the c-th child at depth d + 1, column U - 1 draws
-the final token. Tokens of a seeded row therefore depend only on its own uniforms.
+One verifier serves static and dynamic trees: it walks a `TreeFrame` (speculative/node_tree.py),
+each row's children of each block row; a static shape is the frame whose rows are all alike.
+A node's children are tried in index order, which for a dynamic tree is its draw order.
+
+Uniforms: a row takes a fixed [U] vector, U = shape.num_uniforms = sum(widths) + 1 (a static
+shape's widths are its branching): column sum(widths[:d]) + c tests the c-th child at depth
+d + 1, column U - 1 draws the final token. Tokens of a seeded row therefore depend only on
+its own uniforms.
 
 Everything is pure tensor code on the tensors' device, float64 arithmetic, with no host sync
 and no data-dependent Python branching; the Python loops run over the static shape only, so
@@ -75,6 +80,7 @@ import torch
 
 from infer.logprobs import TokenLogprobs
 from infer.sampling import sample_from_probs, temperature_probs
+from infer.speculative.node_tree import TreeFrame, as_frame
 from infer.speculative.tree import TreeShape
 from infer.transfer import tensor_on, to_device
 
@@ -239,7 +245,7 @@ def unpack_rows(rows: list[list[int]]) -> VerifyResult:
 
 
 # -- trees ----------------------------------------------------------------------
-def _check_tree_inputs(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+def _check_tree_inputs(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                         target_probs: torch.Tensor, uniforms: torch.Tensor, node_valid: torch.Tensor | None) -> None:
     n = shape.num_nodes
     if node_tokens.dim() != 2 or node_tokens.shape[1] != n:
@@ -310,10 +316,11 @@ def _test_one_hot(p: torch.Tensor, scale: torch.Tensor, mass: torch.Tensor, tok:
     return accept, scale, torch.where(reject, 1.0, mass)
 
 
-def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+def verify_tree_nodes(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                       target_probs: torch.Tensor, uniforms: torch.Tensor,
                       node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify B trees of one shape by iterative speculative sampling (module docstring).
+    """Verify B trees by iterative speculative sampling (module docstring): one static shape,
+    or a `TreeFrame` of per-row trees (dynamic trees; a static shape is its special case).
 
     node_tokens [B, N] long (any value at absent nodes), draft_probs [B, N, V] or None
     (deterministic proposals), target_probs [B, N+1, V] (row 0 after g, row 1 + i after node
@@ -324,24 +331,26 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
     _check_tree_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
     device = target_probs.device
     b = node_tokens.shape[0]
+    frame = as_frame(shape, device)
+    kids_of = frame.children.expand(b, -1, -1)  # [B, N+1, C]
     valid, tokens = _present(node_tokens, node_valid, device)  # [B, N], [B, N]
     u = uniforms.to(device=device, dtype=torch.float64)  # [B, U]
     p = target_probs[:, 0].to(torch.float64, copy=True)  # [B, V]: the current (residual) distribution
     scale = torch.ones(b, dtype=torch.float64, device=device)  # [B]: one-hot path, p * scale
     mass = p.sum(dim=1)  # [B]: one-hot path, sum(p) * scale
-    local = torch.zeros(b, dtype=torch.long, device=device)  # [B]: current node's index in its level
+    slot = torch.zeros(b, dtype=torch.long, device=device)  # [B]: block row of the current node
     alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]: accepted every level so far
     path_tokens: list[torch.Tensor] = []
     path_nodes: list[torch.Tensor] = []
-    for d, width in enumerate(shape.branching):  # children at depth d + 1
-        first = shape.level_starts[d] + local * width  # [B]
+    for d, width in enumerate(frame.widths):  # children at depth d + 1
+        kids = _row_of(kids_of, slot)  # [B, C]: the current node's children, -1 padded
         moved = torch.zeros_like(alive)  # [B]
-        chosen = torch.full_like(local, -1)  # [B]
+        chosen = torch.full_like(slot, -1)  # [B]
         for c in range(width):
-            child = first + c  # [B]
+            child = kids[:, c].clamp(min=0)  # [B]
             tok = _column(tokens, child)  # [B]
-            tried = alive & ~moved & _column(valid, child)  # [B]
-            u_c = u[:, shape.uniform_offsets[d] + c]  # [B]
+            tried = alive & ~moved & (kids[:, c] >= 0) & _column(valid, child)  # [B]
+            u_c = u[:, frame.uniform_offsets[d] + c]  # [B]
             if draft_probs is None:
                 accept, scale, mass = _test_one_hot(p, scale, mass, tok, tried, u_c)
             else:
@@ -354,21 +363,21 @@ def verify_tree_nodes(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: 
         if draft_probs is None:
             scale = torch.where(moved, 1.0, scale)
             mass = torch.where(moved, at_child.sum(dim=1), mass)
-        local = torch.where(moved, safe - shape.level_starts[d], local)
+        slot = torch.where(moved, 1 + safe, slot)
         path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
         path_nodes.append(chosen)
         alive = moved
     return _pack(path_tokens, path_nodes, sample_from_probs(p, u[:, -1]))  # (p need not be normalised)
 
 
-def verify_tree(shape: TreeShape, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+def verify_tree(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                 target_probs: torch.Tensor, uniforms: torch.Tensor,
                 node_valid: torch.Tensor | None = None) -> torch.Tensor:
     """`verify_tree_nodes` without the node indices: packed [B, depth + 2] long."""
     return verify_tree_nodes(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)[0]
 
 
-def verify_tree_logits(shape: TreeShape, target_logits: torch.Tensor, temperatures: torch.Tensor,
+def verify_tree_logits(shape: TreeShape | TreeFrame, target_logits: torch.Tensor, temperatures: torch.Tensor,
                        greedy: torch.Tensor, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                        uniforms: torch.Tensor, node_valid: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -385,7 +394,7 @@ def verify_tree_logits(shape: TreeShape, target_logits: torch.Tensor, temperatur
     return verify_tree_nodes(shape, node_tokens, draft_probs, probs, uniforms, node_valid)
 
 
-def verify_tree_greedy(shape: TreeShape, target_scores: torch.Tensor, node_tokens: torch.Tensor,
+def verify_tree_greedy(shape: TreeShape | TreeFrame, target_scores: torch.Tensor, node_tokens: torch.Tensor,
                        node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The argmax walk (Appendix A) for all-greedy batches, no sampling: from the root, move
     to the first present child whose token is the target's argmax at the current node, then
@@ -400,25 +409,26 @@ def verify_tree_greedy(shape: TreeShape, target_scores: torch.Tensor, node_token
     if node_valid is not None and tuple(node_valid.shape) != (b, n):
         raise ValueError(f"node_valid must be None or [{b}, {n}], got shape {tuple(node_valid.shape)}")
     device = target_scores.device
+    frame = as_frame(shape, device)
+    kids_of = frame.children.expand(b, -1, -1)  # [B, N+1, C]
     argmax = target_scores.argmax(dim=-1)  # [B, N+1]
     valid, tokens = _present(node_tokens, node_valid, device)  # [B, N], [B, N]
     slot = torch.zeros(b, dtype=torch.long, device=device)  # [B]: block row of the current node
-    local = torch.zeros_like(slot)  # [B]
     alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]
     path_tokens: list[torch.Tensor] = []
     path_nodes: list[torch.Tensor] = []
-    for d, width in enumerate(shape.branching):
+    for width in frame.widths:
         want = _column(argmax, slot)  # [B]
-        first = shape.level_starts[d] + local * width  # [B]
+        kids = _row_of(kids_of, slot)  # [B, C]
         chosen = torch.full_like(slot, -1)  # [B]
         for c in range(width):
-            child = first + c  # [B]
-            match = alive & (chosen < 0) & _column(valid, child) & (_column(tokens, child) == want)
+            child = kids[:, c].clamp(min=0)  # [B]
+            match = (alive & (chosen < 0) & (kids[:, c] >= 0) & _column(valid, child)
+                     & (_column(tokens, child) == want))
             chosen = torch.where(match, child, chosen)
         moved = chosen >= 0  # [B]
         safe = chosen.clamp(min=0)  # [B]
         slot = torch.where(moved, 1 + safe, slot)
-        local = torch.where(moved, safe - shape.level_starts[d], local)
         path_tokens.append(torch.where(moved, _column(tokens, safe), 0))
         path_nodes.append(chosen)
         alive = moved

@@ -15,10 +15,9 @@ from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.forward import ForwardFn
-from infer.speculative.verifier import verify_greedy_logits, verify_logits
+from infer.speculative.node_tree import RowTreeChunk, TreeFrame
 from infer.speculative.tree import TreeChunk, TreeShape
-from infer.speculative.forward import ForwardFn
-from infer.speculative.verifier import verify_tree_greedy, verify_tree_logits
+from infer.speculative.verifier import verify_greedy_logits, verify_logits, verify_tree_greedy, verify_tree_logits
 from infer.transfer import tensor_on, to_device
 
 
@@ -49,12 +48,19 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
 
 
 @functools.lru_cache(maxsize=256)
-def chunk_tensors(chunk: TreeChunk, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
-    """The device tensors of a tree chunk, made once: (its BlockMask, rotary offsets [width])."""
+def _static_chunk_tensors(chunk: TreeChunk, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
     return BlockMask(chunk.mask(device), chunk.first_row), chunk.rotary_offsets(device)
 
 
-def verify_on_tree_logits(shape: TreeShape, logits: torch.Tensor, node_tokens: torch.Tensor,
+def chunk_tensors(chunk: TreeChunk | RowTreeChunk, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
+    """The device tensors of a tree chunk: (its BlockMask, rotary offsets [width], or [B,
+    width] per row); a static chunk's are made once."""
+    if isinstance(chunk, RowTreeChunk):
+        return chunk.tensors(device)
+    return _static_chunk_tensors(chunk, device)
+
+
+def verify_on_tree_logits(shape: TreeShape | TreeFrame, logits: torch.Tensor, node_tokens: torch.Tensor,
                           node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                           greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
     """The tree verifier on a verification step's logits [n, N+1, V] (rows sampled with a
@@ -73,7 +79,7 @@ def verify_on_tree_logits(shape: TreeShape, logits: torch.Tensor, node_tokens: t
     return torch.cat([packed, nodes], dim=1)
 
 
-def check_tree_layout(layout: BatchLayout, chunk: TreeChunk) -> None:
+def check_tree_layout(layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> None:
     if layout.width != chunk.width:
         raise ValueError(f"a tree chunk of {chunk.width} rows needs a layout {chunk.width} wide, got {layout.width}")
 
@@ -137,21 +143,23 @@ class EagerForward:
         graphs capture this whole loop as one replay."""
         return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
 
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
-        """A tree chunk through gather + SDPA with the chunk's block mask: logits [B, width, V]."""
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
+        """A tree chunk through gather + SDPA with the chunk's block mask (per row for a
+        `RowTreeChunk`): logits [B, width, V]."""
         check_tree_layout(layout, chunk)
         block, offsets = chunk_tensors(chunk, self.device)
         indices = self.pool.indices(layout).to(self.device)
         view = CacheView(self.pool.k_cache, self.pool.v_cache, indices, block=block)
-        positions = indices.q_pos[:, :1] + offsets[None, :]  # [B, width] rotary positions
+        positions = indices.q_pos[:, :1] + offsets  # [B, width] rotary positions
         logits = self.model(to_device(ids, self.device), positions, view, logits_indices=None, kernels=self.kernels)
         self.pool.commit(layout)
         return logits
 
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
-                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
+                    node_tokens: torch.Tensor, node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                     greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
         """`tree`, then `verify_on_tree_logits`; CUDA graphs capture the same function."""
+        assert chunk.shape is not None  # (a draft level's chunk is never verified)
         return verify_on_tree_logits(chunk.shape, self.tree(ids, layout, chunk), node_tokens, node_valid,
                                      draft_probs, temperatures, greedy, uniforms)
 

@@ -67,6 +67,7 @@ from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.verifier import verify_greedy_logits, verify_logits
+from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
 
 
@@ -360,9 +361,10 @@ class GraphForward:
         self.loop_replays += 1
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
 
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk) -> torch.Tensor:
+    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         """The same function as `EagerForward.tree`: the chunk's graph for the batch's bucket
-        when `prepare_trees` captured one, else eagerly."""
+        when `prepare_trees` captured one, else eagerly (a `RowTreeChunk`, dynamic trees:
+        always)."""
         check_tree_layout(layout, chunk)
         n = len(layout.slots)
         g = self.trees.get((self._bucket(n), chunk)) if n <= self.buckets[-1] else None
@@ -372,7 +374,8 @@ class GraphForward:
         self.tree_replays += 1
         return g.out[:n]
 
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk, node_tokens: torch.Tensor,
+    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
+                    node_tokens: torch.Tensor,
                     node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                     greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
         """The same function as `EagerForward.verify_tree`: the tree graph, then its verifier

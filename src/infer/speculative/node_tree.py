@@ -1,0 +1,248 @@
+"""Trees given by their parents: one row's dynamic tree, the dynamic-tree setting, and the
+verifier's and the attention's per-row views of a batch of trees.
+
+A static `TreeShape` (speculative/tree.py) gives every row the same tree. A dynamic tree
+(`spec_tree="dynamic:N"`, speculative/dynamic_select.py) differs per row and per round, so
+a row's tree is a `NodeTree`: N nodes by their parents, breadth-first (a node's parent
+precedes it, depths never decrease) and, among siblings, in the order they were drawn.
+
+The verifier walks any batch of trees through a `TreeFrame`: the children of every block
+row per row (a [B, N+1, C] table, -1 where there is none) and `widths[d]`, the most children
+a node at depth d has. It tries the c-th child at depth d + 1 with uniform column
+`sum(widths[:d]) + c` and draws the final token with the last, so a static shape's frame
+(`frame_of_shape`, every row alike) reproduces the static verifier's draws exactly.
+
+The target scores a batch of dynamic trees through a `RowTreeChunk`: the block rows'
+visibility per row ([B, T, W], the tree attention mask) and rotary offsets per row ([B, T]),
+the per-row counterparts of a `TreeChunk`'s static ones.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from infer.cache.view import BlockMask
+from infer.sampling import is_strict_int
+from infer.speculative.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, TreeShape
+
+DYNAMIC_PREFIX = "dynamic:"
+DEFAULT_BRANCH = 4  # EAGLE-2's top-k: children drawn per expanded node, and nodes expanded per level
+_DYNAMIC_EXAMPLE = "'dynamic:16' (16 nodes verified a round) or 'dynamic:16:4' (and 4 children per expanded node)"
+
+
+def is_dynamic(text: str | None) -> bool:
+    """Whether a `spec_tree` value asks for dynamic trees ("dynamic:N[:B]")."""
+    return isinstance(text, str) and text.strip().startswith(DYNAMIC_PREFIX)
+
+
+def _offsets(widths: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sum(widths[:d]) for d in range(len(widths)))
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicShape:
+    """The dynamic-tree setting: up to `nodes` (N) verified nodes a round, at most `depth` (D,
+    the spec length) deep; each level expands the `branch` (B) best nodes, drawing B
+    children each. Rows of a round share N, B and D (so the verifier's loop and uniform
+    columns are static), not their trees."""
+
+    nodes: int
+    branch: int
+    depth: int
+
+    def __post_init__(self) -> None:
+        for name, value, top in (("nodes", self.nodes, MAX_TREE_NODES), ("branch", self.branch, MAX_TREE_NODES),
+                                 ("depth (spec_length)", self.depth, MAX_TREE_DEPTH)):
+            if not is_strict_int(value) or not 1 <= value <= top:
+                raise ValueError(f"a dynamic tree's {name} must be an integer in [1, {top}], got {value!r}")
+
+    @classmethod
+    def parse(cls, text: str, depth: int) -> DynamicShape:
+        """"dynamic:N" or "dynamic:N:B" (B defaults to DEFAULT_BRANCH, capped at N); depth = K."""
+        parts = [p.strip() for p in text.strip()[len(DYNAMIC_PREFIX):].split(":")] if is_dynamic(text) else []
+        if not 1 <= len(parts) <= 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            raise ValueError(f"a dynamic tree is written {_DYNAMIC_EXAMPLE}, got {text!r}")
+        nodes = int(parts[0])
+        return cls(nodes, int(parts[1]) if len(parts) == 2 else min(DEFAULT_BRANCH, max(nodes, 1)), depth)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (self.branch,) * self.depth
+
+    @property
+    def num_uniforms(self) -> int:
+        """The verifier's uniforms a row: B per depth, and one for the final token."""
+        return self.depth * self.branch + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return False
+
+    def span(self, depth: int) -> int:
+        """Positions past g a round of depth limit `depth` needs in either cache: the N
+        verified nodes (target's), the expanded levels 1 .. depth - 1 (the draft's), plus one
+        (the KV manager grows a proposer's pool one position short of the target's, which a
+        static tree's draft, never fed its last level, leaves unused)."""
+        return max(self.nodes, self.fed(depth) + 1)
+
+    def fed(self, depth: int) -> int:
+        """Nodes a round of depth limit `depth` feeds the draft: B a level, levels 1 .. depth - 1."""
+        return max(0, depth - 1) * self.branch
+
+    def __str__(self) -> str:
+        return f"{DYNAMIC_PREFIX}{self.nodes}:{self.branch}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeTree:
+    """One row's tree: node i's parent is parents[i] (-1: a child of the root, the pending
+    token), breadth-first, siblings in draw order; `widths` as the round's `DynamicShape`
+    (the most children a node at depth d may have). The derived fields mirror `TreeShape`'s,
+    so a `Draft` over either reads alike."""
+
+    parents: tuple[int, ...]  # [N]
+    widths: tuple[int, ...]  # [D]
+    depths: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    children: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    root_children: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    paths: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    level_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [D + 1]
+
+    def __post_init__(self) -> None:
+        depths: list[int] = []
+        paths: list[tuple[int, ...]] = []
+        children: list[list[int]] = [[] for _ in self.parents]
+        roots: list[int] = []
+        for i, parent in enumerate(self.parents):
+            if not is_strict_int(parent) or not -1 <= parent < i:
+                raise ValueError(f"node {i}'s parent must be -1 (the root) or an earlier node, got {parent!r}")
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+            paths.append((i,) if parent < 0 else (*paths[parent], i))
+            (roots if parent < 0 else children[parent]).append(i)
+            if i and depths[i] < depths[i - 1]:
+                raise ValueError(f"nodes must be breadth-first: node {i} (depth {depths[i]}) follows a deeper node")
+        if depths and max(depths) > len(self.widths):
+            raise ValueError(f"a tree of {len(self.widths)} levels has a node at depth {max(depths)}")
+        for node, kids in [(-1, roots), *enumerate(children)]:
+            level = 0 if node < 0 else depths[node]
+            if kids and len(kids) > self.widths[level]:
+                raise ValueError(f"node {node} has {len(kids)} children, more than the {self.widths[level]} "
+                                 f"allowed at depth {level + 1}")
+        object.__setattr__(self, "depths", tuple(depths))
+        object.__setattr__(self, "children", tuple(tuple(c) for c in children))
+        object.__setattr__(self, "root_children", tuple(roots))
+        object.__setattr__(self, "paths", tuple(paths))
+        object.__setattr__(self, "level_starts",
+                           tuple(sum(d <= level for d in depths) for level in range(len(self.widths) + 1)))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        """The levels the round allows (the verifier's loop), not the deepest node's."""
+        return len(self.widths)
+
+    @property
+    def num_uniforms(self) -> int:
+        return sum(self.widths) + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True, eq=False)
+class TreeFrame:
+    """The verifier's view of a batch of trees (module docstring)."""
+
+    widths: tuple[int, ...]  # [D]: children tried per node at depth d + 1
+    children: torch.Tensor  # [B or 1, N+1, max(widths)] long: children of block row r (0 = g), -1 padded
+
+    @property
+    def num_nodes(self) -> int:
+        return self.children.shape[1] - 1
+
+    @property
+    def depth(self) -> int:
+        return len(self.widths)
+
+    @property
+    def num_uniforms(self) -> int:
+        return sum(self.widths) + 1
+
+    @property
+    def uniform_offsets(self) -> tuple[int, ...]:
+        return _offsets(self.widths)
+
+
+def _children_table(rows: Sequence[Sequence[Sequence[int]]], n: int, c: int) -> torch.Tensor:
+    """long [len(rows), n + 1, c] from per row, per block row, the children's node indices."""
+    table = torch.full((len(rows), n + 1, c), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        for r, kids in enumerate(row):
+            table[b, r, :len(kids)] = torch.tensor(kids, dtype=torch.long)
+    return table
+
+
+@functools.lru_cache(maxsize=64)
+def frame_of_shape(shape: TreeShape, device: torch.device) -> TreeFrame:
+    """A static shape's frame, made once per device: every row the same children."""
+    kids = [shape.root_children, *shape.children]
+    return TreeFrame(shape.branching, _children_table([kids], shape.num_nodes, max(shape.branching)).to(device))
+
+
+def as_frame(tree: TreeShape | TreeFrame, device: torch.device) -> TreeFrame:
+    """The verifier's frame of a static shape, or a frame as it is."""
+    return tree if isinstance(tree, TreeFrame) else frame_of_shape(tree, torch.device(device))
+
+
+def frame_of_trees(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...], device: torch.device) -> TreeFrame:
+    """The frame of per-row trees of at most n nodes each (missing nodes: no children anywhere)."""
+    if any(t.num_nodes > n or t.widths != widths for t in trees):
+        raise ValueError(f"every tree needs at most {n} nodes and widths {widths}")
+    rows = [[t.root_children, *t.children] for t in trees]
+    return TreeFrame(widths, _children_table(rows, n, max(widths)).to(device))
+
+
+@dataclass(frozen=True, eq=False)
+class RowTreeChunk:
+    """Consecutive block rows [first_row, first_row + width) of per-row trees, as one forward
+    chunk (the per-row `TreeChunk`): the target's verification block (with the verifier's
+    `shape`), or one level of a dynamic draft's expansion (shape None)."""
+
+    mask: torch.Tensor  # [B, width, W] bool: which block rows each chunk row sees
+    offsets: torch.Tensor  # [B, width] long: rotary position minus the chunk's storage start
+    first_row: int
+    shape: TreeFrame | None = None
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def tensors(self, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
+        """(the view's BlockMask, rotary offsets [B, width]) on `device`."""
+        return BlockMask(self.mask.to(device), self.first_row), self.offsets.to(device)
+
+
+def verification_chunk(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...],
+                       device: torch.device) -> RowTreeChunk:
+    """The block [g, nodes] of per-row trees, n nodes wide: g sees itself, node i sees g, its
+    ancestors and itself (padding rows: g alone); row 1 + i sits at rotary offset depth(i)."""
+    mask = torch.zeros((len(trees), n + 1, n + 1), dtype=torch.bool)
+    mask[:, :, 0] = True
+    offsets = torch.zeros((len(trees), n + 1), dtype=torch.long)
+    for b, tree in enumerate(trees):
+        for i, path in enumerate(tree.paths):
+            mask[b, 1 + i, [1 + j for j in path]] = True
+        offsets[b, 1:1 + tree.num_nodes] = torch.tensor(tree.depths, dtype=torch.long)
+    return RowTreeChunk(mask.to(device), offsets.to(device), 0, frame_of_trees(trees, n, widths, device))

@@ -9,14 +9,21 @@ and a position mask hides what a query may not see (tree speculation adds a stat
 `BlockMask`: each node sees the context and its ancestors only). All index tensors have
 fixed shapes for a given (batch, width, context width), so a CUDA graph can capture a
 forward through a view and replay it after new indices are copied into the same tensors.
+
+A *packed* layout (`BatchLayout.packed`: a mixed step's decode rows and prefill chunks)
+runs only its valid tokens through the model, as one row [1, N]: the view writes them to
+their rows and, for attention alone, scatters the queries into the padded [B, T] form the
+attention paths read (`unpack_rows`), then gathers the outputs back (`pack_rows`). So the
+projections and the MLP never see a padding token, whatever the rows' lengths.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +43,9 @@ class BatchLayout:
     start_positions: tuple[int, ...]  # [B] tokens already cached before this chunk
     chunk_lens: tuple[int, ...]  # [B] valid tokens in this row (rest is right padding)
     width: int  # T: padded row length
+    # the forward runs the valid tokens alone, as one row [1, N] (N = sum(chunk_lens)), and
+    # returns each row's last-token logits [B, V]; attention still sees the rows [B, T]
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if not (len(self.slots) == len(self.start_positions) == len(self.chunk_lens)):
@@ -47,9 +57,9 @@ class BatchLayout:
 
     @classmethod
     def of(cls, slots: Sequence[int], start_positions: Sequence[int], chunk_lens: Sequence[int],
-           width: int | None = None) -> BatchLayout:
+           width: int | None = None, packed: bool = False) -> BatchLayout:
         return cls(tuple(slots), tuple(start_positions), tuple(chunk_lens),
-                   width if width is not None else max(chunk_lens))
+                   width if width is not None else max(chunk_lens), packed)
 
     @property
     def ends(self) -> list[int]:
@@ -61,8 +71,27 @@ class BatchLayout:
         return to_device(start[:, None] + torch.arange(self.width)[None, :], device)
 
     def last_token_indices(self, device: torch.device | str) -> torch.Tensor:
-        """[B] column of each row's last valid token (for logits_indices)."""
+        """[B] column of each row's last valid token (for logits_indices); packed: its index
+        in the packed row."""
+        if self.packed:
+            return tensor_on(list(itertools.accumulate(self.chunk_lens, initial=-1))[1:], device, torch.long)
         return tensor_on([n - 1 for n in self.chunk_lens], device, torch.long)
+
+    def packing(self, device: torch.device | str) -> torch.Tensor:
+        """[N] the flat index (b * T + t) in [B, T] of each valid token, in row order."""
+        return tensor_on([b * self.width + t for b, n in enumerate(self.chunk_lens) for t in range(n)],
+                         device, torch.long)
+
+
+def pack_rows(x: torch.Tensor, packing: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> [1, N, ...]: the valid tokens' entries (packing: [N] flat indices)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, packing)[None]
+
+
+def unpack_rows(x: torch.Tensor, packing: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[1, N, ...] -> [B, T, ...]: the valid tokens at their places, zeros for padding."""
+    out = x.new_zeros(batch * width, *x.shape[2:])
+    return out.index_copy_(0, packing, x[0]).view(batch, width, *x.shape[2:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,17 +207,29 @@ class CacheView:
     """AttentionView writing to / reading from row-indexed KV storage."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, indices: ViewIndices,
-                 on_commit: Callable[[], None] | None = None, block: BlockMask | None = None) -> None:
+                 on_commit: Callable[[], None] | None = None, block: BlockMask | None = None,
+                 packing: torch.Tensor | None = None) -> None:
+        """packing: a packed layout's [N] flat indices (`BatchLayout.packing`); the indices'
+        write_rows are then the packed tokens' [N]."""
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
         self.indices = indices
         self._on_commit = on_commit
         self.block = block  # tree speculation: gather + SDPA with the block rule, on every device
+        self.packing = packing
         self._mask: torch.Tensor | None = None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q, k, v: [B, T, H, D], or [1, N, H, D] for a packed view (its output packed alike)."""
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
         q = self._write(kc, vc, q, k, v, rotary)
+        if self.packing is None:
+            return self._attend(layer, q, kc, vc)
+        batch, width = self.indices.q_pos.shape
+        return pack_rows(self._attend(layer, unpack_rows(q, self.packing, batch, width), kc, vc), self.packing)
+
+    def _attend(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, T, Hq, D] over the rows' context (its k/v written): [B, T, Hq, D]."""
         idx = self.indices
         if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
@@ -224,10 +265,15 @@ class CacheView:
 
 
 def pool_view(pool: object, layout: BatchLayout) -> CacheView:
-    """The eager view of a pool for one forward: validated indices moved to the device once;
-    `view.commit()` calls `pool.commit(layout)`."""
-    indices = pool.indices(layout).to(pool.k_cache.device)  # type: ignore[attr-defined]
-    return CacheView(pool.k_cache, pool.v_cache, indices, lambda: pool.commit(layout))  # type: ignore[attr-defined]
+    """The eager view of a pool for one forward: validated indices moved to the device once
+    (a packed layout's write rows packed too); `view.commit()` calls `pool.commit(layout)`."""
+    device = pool.k_cache.device  # type: ignore[attr-defined]
+    indices = pool.indices(layout).to(device)  # type: ignore[attr-defined]
+    packing = layout.packing(device) if layout.packed else None
+    if packing is not None:
+        indices = replace(indices, write_rows=indices.write_rows.index_select(0, packing))
+    return CacheView(pool.k_cache, pool.v_cache, indices, lambda: pool.commit(layout),  # type: ignore[attr-defined]
+                     packing=packing)
 
 
 class RowPool:

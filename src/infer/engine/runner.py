@@ -171,9 +171,9 @@ class ModelRunner:
                 render: StepRender) -> InFlight | None:
         """Queue this step's work; the tokens it samples stay on the device (None: no token
         left in flight, the runner accepted its own)."""
-        depths = self._depths(decode)
         parts: list[Sampled] = []
-        if prefill and decode and self.mixed and not any(depths):
+        if prefill and decode and self.mixed and self._plain_step(decode):
+            self._planned = None
             parts.append(self._mixed(prefill, decode))
         else:
             if prefill:
@@ -181,7 +181,7 @@ class ModelRunner:
                 if sampled is not None:
                     parts.append(sampled)
             if decode:
-                tokens = self._decode(decode, render, depths)
+                tokens = self._decode(decode, render)
                 if tokens is not None:
                     parts.append(tokens)
         if not parts:
@@ -269,19 +269,21 @@ class ModelRunner:
         tokens = self.sample(sampled, logits[rows])  # [n] on the device
         return sampled, tokens, self.logprobs(sampled, logits[rows], tokens)
 
-    def _depths(self, requests: Sequence[Request]) -> list[int]:
-        """This step's draft depths (planned before its launch, or decided now); 0 for every
-        request without speculation (a plain step)."""
-        planned, self._planned = self._planned, None
-        if self.speculation is None or not requests:
-            return [0] * len(requests)
-        return planned if planned is not None else self.speculation.depths(requests)
+    def _plain_step(self, requests: Sequence[Request]) -> bool:
+        """Whether no request drafts this step (with speculation its depths are decided now,
+        unless planned before its launch, and kept for `_decode`)."""
+        if self.speculation is None:
+            return True
+        if self._planned is None:
+            self._planned = self.speculation.depths(requests)
+        return not any(self._planned)
 
-    def _decode(self, requests: Sequence[Request], render: StepRender, depths: list[int]) -> Sampled | None:
+    def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
         """A decode step: a plain one (its tokens left in flight), or a speculation round (its
         tokens accepted now: None; the backlog is rendered while its verification runs)."""
         spec = self.speculation
-        if spec is None or not any(depths):
+        depths, self._planned = self._planned, None
+        if spec is None or not any(depths := depths if depths is not None else spec.depths(requests)):
             self._step_kind = StepKind(len(requests), 0)
             return self._plain(requests)
         drafts = spec.proposer.propose(requests, spec.shape(depths), depths)

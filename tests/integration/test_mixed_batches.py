@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from infer import SamplingParams
+from infer.cache.paged import PagedKVCachePool
 from infer.cache.view import BatchLayout, pack_rows, unpack_rows
+from infer.engine.executor.forward import EagerForward
+from infer.models.config import ModelConfig
+from infer.models.llama import LlamaForCausalLM
 
 MAX_NEW = 8
 
@@ -122,3 +126,32 @@ def test_pack_rows_round_trip() -> None:
     assert layout.last_token_indices("cpu").tolist() == [0, 4, 6]
     back = unpack_rows(pack_rows(x, packing), packing, 3, 4)
     assert back.tolist() == [[1, 0, 0, 0], [5, 6, 7, 8], [9, 10, 0, 0]]
+
+
+def test_packed_forward_equals_padded() -> None:
+    # two decode rows (one token each) and two chunks of 5 and 3 tokens after cached prefixes:
+    # the packed forward's last-token logits and written K/V are the padded forward's
+    cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    history = [7, 4, 9, 3]  # tokens each slot holds before the step
+    lens = [1, 5, 1, 3]
+    ids = torch.randint(0, 100, (4, 5))
+    results = []
+    for packed in (False, True):
+        pool = PagedKVCachePool(cfg, 4, 32, torch.float32, "cpu", block_size=4, num_blocks=40)
+        forward = EagerForward(model, pool)
+        slots = [pool.allocate_slot(h + n) for h, n in zip(history, lens, strict=True)]
+        torch.manual_seed(1)
+        forward(torch.randint(0, 100, (4, max(history))), BatchLayout.of(slots, [0] * 4, history), all_logits=False)
+        layout = BatchLayout.of(slots, history, lens, packed=packed)
+        with torch.inference_mode():
+            logits = forward(ids, layout, all_logits=False)  # [4, V]
+        rows = torch.cat([pool.rows(s, h, h + n) for s, h, n in zip(slots, history, lens, strict=True)])
+        results.append((logits, pool.k_cache[:, rows], pool.v_cache[:, rows]))
+        assert [pool.seq_len(s) for s in slots] == [h + n for h, n in zip(history, lens, strict=True)]
+    for padded, packed in zip(*results, strict=True):
+        torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="last-token logits only"):
+        EagerForward(model, pool)(ids, BatchLayout.of(slots, [0] * 4, lens, packed=True), all_logits=True)

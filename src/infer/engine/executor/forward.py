@@ -115,8 +115,9 @@ class EagerForward:
             raise ValueError("a packed layout gives each row's last-token logits only: call with all_logits=False")
         view = self.pool.view(layout)
         ids, positions = to_device(ids, self.device), layout.positions(self.device)  # [B, T] each
-        if view.packing is not None:  # [1, N]; the row index 0 broadcasts over `last` [B] in the model
-            ids, positions = pack_rows(ids, view.packing), pack_rows(positions, view.packing)
+        if layout.packed:  # [1, N]; the row index 0 broadcasts over `last` [B] in the model
+            packing = layout.packing(self.device)
+            ids, positions = pack_rows(ids, packing), pack_rows(positions, packing)
         last = None if all_logits else layout.last_token_indices(self.device)
         logits = self.model(ids, positions, view, logits_indices=last, kernels=self.kernels)
         view.commit()

@@ -3,8 +3,8 @@ packed forward give the same tokens as a forward each, in fewer target forwards.
 
 Requests arrive staggered (one every other step), so new prompts' prefill chunks meet the
 older requests' decode steps; both KV backends, prefix caching, tiny chunks, a pool small
-enough to preempt, seeded sampling, and speculation switched off by batch size (its plain
-steps mix, its rounds keep their own forwards).
+enough to preempt, overlapped scheduling, seeded sampling, and speculation switched off by
+batch size (its plain steps mix, its rounds keep their own forwards).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ def _run(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> tu
 CONFIGS = {
     "paged-prefix": dict(kv_cache_backend="paged", enable_prefix_caching=True, block_size=4),
     "contiguous": dict(kv_cache_backend="contiguous"),
+    # decode rows' ids from the step in flight (read by the mixed forward on the device)
+    "overlapped": dict(async_scheduling=True),
     "paged-chunks-preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=14, max_num_batched_tokens=9),
     "ngram-off-above-1": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3,
                               spec_disable_batch_size=1),

@@ -1,8 +1,10 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode)`: prefill chunks (one request, a right-padded batch, or chunks of
-long prompts after a cached prefix; all one code path through `BatchLayout`), then one
-decode step for the running requests:
+`step(prefill, decode)`: prefill chunks (one request, a batch packed into one row, or
+chunks of long prompts after a cached prefix; all one code path through `BatchLayout`),
+then one decode step for the running requests. When no request drafts this step, its
+decode rows ride along with the prefill chunks in one packed forward instead (`_mixed`,
+`EngineConfig.mixed_batches`). A decode step:
 
 1. depths: how deep each request drafts (`Speculation.depths`: the policy's K cut by the
    length guards; 0 for every request without speculation). Depth 0 everywhere is a plain

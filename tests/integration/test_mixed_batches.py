@@ -54,7 +54,9 @@ def _prompts(n: int, seed: int = 3) -> list[list[int]]:
 
 def _run(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], list[int]]:
     """Add a request every other step; returns each request's tokens and the target forwards
-    of each step that had both prefill chunks and decode rows."""
+    of each step that had both prefill chunks and decode rows (checking that every step's
+    decode tokens and chunks fit the token budget)."""
+    budget = llm.engine.config.max_num_batched_tokens
     engine = llm.engine
     runner = engine.runner
     counters = [CountingForward(runner.forward), CountingForward(runner.prefill_forward)]
@@ -69,6 +71,7 @@ def _run(llm: Any, prompts: list[list[int]], params: list[SamplingParams]) -> tu
         engine.scheduler.schedule = lambda: seen.append(decision()) or seen[-1]
         engine.step()
         engine.scheduler.schedule = decision
+        assert not seen[0].prefill or len(seen[0].decode) + sum(n for _, n in seen[0].prefill) <= budget
         if seen[0].prefill and seen[0].decode:
             both.append(sum(c.calls for c in counters) - before)
         step += 1

@@ -59,8 +59,10 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("batch", [1, 8])
 def test_demo_pair_greedy_parity(make_llm, plain_demo, config, batch):
+    # (the token budget pays each decoding row's round, 5 tokens, first: 48 leaves prefill
+    # enough that 8 requests run together and the small pool preempts)
     llm = make_llm(DEMO_TARGET, max_seq_len=256, max_batch_size=batch, use_speculative_decoding=True,
-                   draft_model=str(DEMO_DRAFT), spec_length=4, max_num_batched_tokens=16, **CONFIGS[config])
+                   draft_model=str(DEMO_DRAFT), spec_length=4, max_num_batched_tokens=48, **CONFIGS[config])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     if batch == 1:
         outs = [llm.generate([p], params)[0] for p in PROMPTS]

@@ -199,7 +199,8 @@ def costs_rows(m: Models) -> list[Row]:
 def w2_rows(m: Models) -> list[Row]:
     """W2 with continuous and with static batching in 8 batch slots for its 32 requests: with
     slots for all of them both modes admit everything at once and run the same steps, so only
-    fewer slots than requests tell them apart. Prefix caching off: W2 shares no prefix, and
+    fewer slots than requests tell them apart. Continuous batching once more with mixed
+    batches off: each admitted prompt's prefill then runs beside the decode step, not in it. Prefix caching off: W2 shares no prefix, and
     with the cache on the repeats of the same prompts would hit it."""
     group, off = "W2 batching, 3b shape, 8 slots", {"model": SHAPE_3B, **GRAPHS, "enable_prefix_caching": False,
                                                     "max_batch_size": 8}
@@ -207,6 +208,9 @@ def w2_rows(m: Models) -> list[Row]:
     return [engine_row("w2/3b/continuous", "W2, continuous batching, 8 slots", group, WORKLOADS["W2"], off),
             engine_row("w2/3b/static", "W2, static batching, 8 slots", group, WORKLOADS["W2"],
                        {**off, "batching_mode": "static"}, {"baseline": "w2/3b/continuous"}),
+            engine_row("w2/3b/separate", "W2, continuous, prefill and decode in a forward each (mixed "
+                       "batches off)", group, WORKLOADS["W2"], {**off, "mixed_batches": False},
+                       {"baseline": "w2/3b/continuous"}),
             engine_row("w2-prefix/3b/prefix-cache", "W2-prefix with prefix caching", prefix_group,
                        WORKLOADS["W2-prefix"], on),
             engine_row("w2-prefix/3b/no-prefix-cache", "W2-prefix without prefix caching", prefix_group,

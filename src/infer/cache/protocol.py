@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, ViewIndices
+from infer.cache.view import BatchLayout, CacheView, PackedView, ViewIndices
 
 
 class CachePoolProtocol(Protocol):
@@ -78,7 +78,7 @@ class CachePoolProtocol(Protocol):
         source is read before any destination is written). Tree speculation's compaction."""
         ...
 
-    def view(self, layout: BatchLayout) -> CacheView:
+    def view(self, layout: BatchLayout) -> CacheView | PackedView:
         """The attention view for one eager forward pass; `view.commit()` calls `commit`."""
         ...
 

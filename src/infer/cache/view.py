@@ -9,14 +9,22 @@ and a position mask hides what a query may not see (tree speculation adds a stat
 `BlockMask`: each node sees the context and its ancestors only). All index tensors have
 fixed shapes for a given (batch, width, context width), so a CUDA graph can capture a
 forward through a view and replay it after new indices are copied into the same tensors.
+
+A *packed* layout (`BatchLayout.packed`: a mixed step's decode rows and prefill chunks)
+runs only its valid tokens through the model, as one row [1, N]: its `PackedView` writes
+them to their rows and, for attention alone, scatters the queries into padded rows the
+attention paths read (`unpack_rows`), then gathers the outputs back (`pack_rows`), one
+group of rows at a time: the one-token rows (decode) as [D, 1], the others [B - D, T]. So
+neither the projections and the MLP nor a decode row's attention see padding.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +44,9 @@ class BatchLayout:
     start_positions: tuple[int, ...]  # [B] tokens already cached before this chunk
     chunk_lens: tuple[int, ...]  # [B] valid tokens in this row (rest is right padding)
     width: int  # T: padded row length
+    # the forward runs the valid tokens alone, as one row [1, N] (N = sum(chunk_lens)), and
+    # returns each row's last-token logits [B, V]; attention still sees the rows [B, T]
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if not (len(self.slots) == len(self.start_positions) == len(self.chunk_lens)):
@@ -47,9 +58,9 @@ class BatchLayout:
 
     @classmethod
     def of(cls, slots: Sequence[int], start_positions: Sequence[int], chunk_lens: Sequence[int],
-           width: int | None = None) -> BatchLayout:
+           width: int | None = None, packed: bool = False) -> BatchLayout:
         return cls(tuple(slots), tuple(start_positions), tuple(chunk_lens),
-                   width if width is not None else max(chunk_lens))
+                   width if width is not None else max(chunk_lens), packed)
 
     @property
     def ends(self) -> list[int]:
@@ -61,8 +72,35 @@ class BatchLayout:
         return to_device(start[:, None] + torch.arange(self.width)[None, :], device)
 
     def last_token_indices(self, device: torch.device | str) -> torch.Tensor:
-        """[B] column of each row's last valid token (for logits_indices)."""
+        """[B] column of each row's last valid token (for logits_indices); packed: its index
+        in the packed row."""
+        if self.packed:
+            return tensor_on([o + n - 1 for o, n in zip(self.token_offsets(), self.chunk_lens, strict=True)],
+                             device, torch.long)
         return tensor_on([n - 1 for n in self.chunk_lens], device, torch.long)
+
+    def packing(self, device: torch.device | str, rows: Sequence[int] | None = None,
+                width: int | None = None) -> torch.Tensor:
+        """[N] the flat index (i * width + t) of each valid token of `rows` (default: all, at
+        the layout's width) in [len(rows), width], in row order."""
+        rows, width = range(len(self.chunk_lens)) if rows is None else rows, width or self.width
+        return tensor_on([i * width + t for i, b in enumerate(rows) for t in range(self.chunk_lens[b])],
+                         device, torch.long)
+
+    def token_offsets(self) -> list[int]:
+        """Where each row's first token sits in the packed row."""
+        return list(itertools.accumulate(self.chunk_lens, initial=0))[:-1]
+
+
+def pack_rows(x: torch.Tensor, packing: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] -> [1, N, ...]: the valid tokens' entries (packing: [N] flat indices)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, packing)[None]
+
+
+def unpack_rows(x: torch.Tensor, packing: torch.Tensor, batch: int, width: int) -> torch.Tensor:
+    """[1, N, ...] -> [B, T, ...]: the valid tokens at their places, zeros for padding."""
+    out = x.new_zeros(batch * width, *x.shape[2:])
+    return out.index_copy_(0, packing, x[0]).view(batch, width, *x.shape[2:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +229,11 @@ class CacheView:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
-        q = self._write(kc, vc, q, k, v, rotary)
+        return self.attend_written(layer, self.write(kc, vc, q, k, v, rotary), kc, vc)
+
+    def attend_written(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, T, Hq, D] (rotated) over the rows' context, this chunk's k/v
+        already written to kc, vc (one layer's caches): [B, T, Hq, D]."""
         idx = self.indices
         if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
@@ -204,8 +246,8 @@ class CacheView:
         v_ctx = vc[idx.gather_rows]
         return masked_attention(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), self._mask)
 
-    def _write(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def write(self, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Write the chunk's k and v ([B, T, Hkv, D]) into their rows of one layer's caches
         (rotating q and k first when `rotary` (cos, sin) is given: on CUDA one Triton kernel
         does both, `models/triton_rotary.py`); returns q, rotated if asked."""
@@ -226,11 +268,69 @@ class CacheView:
             self._on_commit()
 
 
-def pool_view(pool: object, layout: BatchLayout) -> CacheView:
+@dataclass(frozen=True, slots=True)
+class RowGroup:
+    """Rows of a packed layout that attend together, padded to one width."""
+
+    view: CacheView  # over these rows alone, [R, W]
+    tokens: torch.Tensor  # [M] their tokens' places in the packed row
+    packing: torch.Tensor  # [M] their tokens' flat places in [R, W]
+
+
+class PackedView:
+    """The AttentionView of a packed layout: q, k, v arrive as [1, N, H, D]; k and v are
+    written to their rows at once, then each group of rows attends in its padded form."""
+
+    def __init__(self, writer: CacheView, groups: Sequence[RowGroup]) -> None:
+        self.writer = writer  # its write rows: the packed tokens' [N]
+        self.groups = tuple(groups)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        kc, vc = self.writer.k_cache[layer], self.writer.v_cache[layer]  # [rows, Hkv, D]
+        q = self.writer.write(kc, vc, q, k, v, rotary)  # [1, N, Hq, D]
+        out = torch.empty_like(q[0])  # [N, Hq, D]
+        for g in self.groups:
+            rows, width = g.view.indices.q_pos.shape
+            padded = unpack_rows(q[:, g.tokens], g.packing, rows, width)  # [R, W, Hq, D]
+            out.index_copy_(0, g.tokens, pack_rows(g.view.attend_written(layer, padded, kc, vc), g.packing)[0])
+        return out[None]
+
+    def commit(self) -> None:
+        self.writer.commit()
+
+
+def packed_view(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: ViewIndices, layout: BatchLayout,
+                on_commit: Callable[[], None]) -> PackedView:
+    """The view of a packed layout from its indices over [B, T] (on the device): one-token
+    rows attend as [D, 1], the others at the layout's width."""
+    device = indices.q_pos.device
+    offsets = layout.token_offsets()
+    writer = CacheView(k_cache, v_cache, replace(indices, write_rows=indices.write_rows.index_select(
+        0, layout.packing(device))), on_commit)
+    groups = []
+    for one in (True, False):
+        rows = [b for b, n in enumerate(layout.chunk_lens) if (n == 1) == one]
+        if not rows:
+            continue
+        width = 1 if one else layout.width
+        picked = tensor_on(rows, device, torch.long)
+        sub = ViewIndices(indices.write_rows[:0], indices.gather_rows.index_select(0, picked),
+                          indices.q_pos.index_select(0, picked)[:, :width], indices.ctx_end.index_select(0, picked))
+        tokens = [offsets[b] + t for b in rows for t in range(layout.chunk_lens[b])]
+        groups.append(RowGroup(CacheView(k_cache, v_cache, sub), tensor_on(tokens, device, torch.long),
+                               layout.packing(device, rows, width)))
+    return PackedView(writer, groups)
+
+
+def pool_view(pool: object, layout: BatchLayout) -> CacheView | PackedView:
     """The eager view of a pool for one forward: validated indices moved to the device once;
     `view.commit()` calls `pool.commit(layout)`."""
     indices = pool.indices(layout).to(pool.k_cache.device)  # type: ignore[attr-defined]
-    return CacheView(pool.k_cache, pool.v_cache, indices, lambda: pool.commit(layout))  # type: ignore[attr-defined]
+    commit = functools.partial(pool.commit, layout)  # type: ignore[attr-defined]
+    if layout.packed:
+        return packed_view(pool.k_cache, pool.v_cache, indices, layout, commit)  # type: ignore[attr-defined]
+    return CacheView(pool.k_cache, pool.v_cache, indices, commit)  # type: ignore[attr-defined]
 
 
 class RowPool:
@@ -243,7 +343,7 @@ class RowPool:
         for slot, end in zip(layout.slots, layout.ends, strict=True):
             self._lens[slot] = end
 
-    def view(self, layout: BatchLayout) -> CacheView:
+    def view(self, layout: BatchLayout) -> CacheView | PackedView:
         return pool_view(self, layout)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:

@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout, CacheView, ViewIndices, pool_view
+from infer.cache.view import BatchLayout, CacheView, PackedView, ViewIndices, pool_view
 from infer.distributed.channel import ControlChannel
 from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, PoolOp
 from infer.engine.config import EngineConfig
@@ -140,7 +140,7 @@ class MirroredPool:
                 out: ViewIndices | None = None) -> ViewIndices:
         return self.local.indices(layout, context_width, out)
 
-    def view(self, layout: BatchLayout) -> CacheView:
+    def view(self, layout: BatchLayout) -> CacheView | PackedView:
         return pool_view(self, layout)  # (its commit goes through `commit`: recorded)
 
     def leak_report(self) -> list[str]:

@@ -46,6 +46,8 @@ _HELP = {
                                  "(plus one all-reduce a step)",
     "tensor_parallel_lm_head": "vocab_parallel | replicated: each rank computes V/N logits (all-gathered), or all",
     "tensor_parallel_draft": "driver | sharded: the draft model whole on rank 0, or split over the ranks",
+    "mixed_batches": "run prefill chunks and plain decode rows of a step in one packed forward "
+                     "(default: on; --no-mixed-batches: a forward each)",
 }
 
 
@@ -66,8 +68,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         names = [flag, *_ALIASES.get(field.name, [])]
         hint = hints[field.name]
         help_text = _HELP.get(field.name, "")
-        if hint is bool:
-            group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=help_text)
+        if hint is bool:  # on by default: --no-<flag> turns it off
+            action = argparse.BooleanOptionalAction if field.default else "store_true"
+            group.add_argument(*names, dest=field.name, action=action, default=field.default, help=help_text)
         elif hint == bool | None:  # on, off, or the engine's default
             group.add_argument(*names, dest=field.name, action=argparse.BooleanOptionalAction, default=None,
                                help=_OPTIONAL_BOOL_HELP[field.name])

@@ -41,7 +41,7 @@ class EngineConfig:
       model and weights  model (directory, hub id, .gguf file, "dummy:<shape>", None = demo),
                          tokenizer, dtype, device, load_format, quantization ("fp8")
       batching, memory   max_batch_size, max_seq_len, max_num_batched_tokens (chunked
-                         prefill), kv_cache_backend ("paged" with prefix caching, or
+                         prefill), mixed_batches, kv_cache_backend ("paged" with prefix caching, or
                          "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
       speed              use_cuda_graphs, compile_kernels, async_scheduling, threads (CPU)
       speculation        use_speculative_decoding, speculative_method ("draft_model",
@@ -64,7 +64,11 @@ class EngineConfig:
     # batching and memory
     max_batch_size: int = 8
     max_seq_len: int = 1024  # capped at the model's max_position_embeddings
-    max_num_batched_tokens: int = 512  # prefill token budget per step; longer prompts are chunked
+    # tokens a step computes: its decode rows' first, prefill chunks take the rest (longer prompts are chunked)
+    max_num_batched_tokens: int = 512
+    # a step with prefill chunks and plain decode rows runs them in one forward, the tokens
+    # packed (False: a forward each, for comparison); rows drafting this step run their own
+    mixed_batches: bool = True
     batching_mode: str = "continuous"
     kv_cache_backend: str = "paged"
     block_size: int = 16

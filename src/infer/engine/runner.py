@@ -1,8 +1,10 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode)`: prefill chunks (one request, a right-padded batch, or chunks of
-long prompts after a cached prefix; all one code path through `BatchLayout`), then one
-decode step for the running requests:
+`step(prefill, decode)`: prefill chunks (one request, a batch packed into one row, or
+chunks of long prompts after a cached prefix; all one code path through `BatchLayout`),
+then one decode step for the running requests. When no request drafts this step, its
+decode rows ride along with the prefill chunks in one packed forward instead (`_mixed`,
+`EngineConfig.mixed_batches`). A decode step:
 
 1. depths: how deep each request drafts (`Speculation.depths`: the policy's K cut by the
    length guards; 0 for every request without speculation). Depth 0 everywhere is a plain
@@ -103,6 +105,11 @@ class ModelRunner:
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, when decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
+        # eager forwards of several rows run their valid tokens packed, and a step with prefill
+        # chunks and plain decode rows makes one such forward; not when an EAGLE head reads the
+        # target's hidden states (it reads them by padded batch row)
+        self.packs = model.capture is None
+        self.mixed = config.mixed_batches and self.packs
 
     @property
     def stats(self) -> SpecStats | None:
@@ -167,14 +174,18 @@ class ModelRunner:
         """Queue this step's work; the tokens it samples stay on the device (None: no token
         left in flight, the runner accepted its own)."""
         parts: list[Sampled] = []
-        if prefill:
-            sampled = self._prefill(prefill)
-            if sampled is not None:
-                parts.append(sampled)
-        if decode:
-            tokens = self._decode(decode, render)
-            if tokens is not None:
-                parts.append(tokens)
+        if prefill and decode and self.mixed and self._plain_step(decode):
+            self._planned = None
+            parts.append(self._mixed(prefill, decode))
+        else:
+            if prefill:
+                sampled = self._prefill(prefill)
+                if sampled is not None:
+                    parts.append(sampled)
+            if decode:
+                tokens = self._decode(decode, render)
+                if tokens is not None:
+                    parts.append(tokens)
         if not parts:
             return None
         requests = [r for reqs, _, _ in parts for r in reqs]
@@ -196,12 +207,22 @@ class ModelRunner:
     def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> Sampled | None:
         requests = [r for r, _ in chunks]
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
-                                [n for _, n in chunks])
+                                [n for _, n in chunks], packed=self.packs and len(chunks) > 1)
         logits = self.run_chunks(requests, layout)  # [B, V]
         if self.speculation is not None:  # host work for the first proposals, under the forward
             self.speculation.proposer.observed(requests, layout.start_positions,
                                                [range(n) for _, n in chunks])
             self.speculation.proposer.prefilled(requests)
+        to_sample = self._advance_chunks(chunks)
+        if not to_sample:
+            return None
+        sampled = [requests[i] for i in to_sample]
+        tokens = self.sample(sampled, logits[to_sample])  # [n] on the device
+        return sampled, tokens, self.logprobs(sampled, logits[to_sample], tokens)
+
+    def _advance_chunks(self, chunks: Sequence[tuple[Request, int]]) -> list[int]:
+        """Count the chunks as computed; the indices of those that end their prompt and sample
+        its first token now (their prompts registered for prefix caching)."""
         to_sample: list[int] = []
         for i, (request, n) in enumerate(chunks):
             request.num_computed_tokens += n
@@ -210,19 +231,54 @@ class ModelRunner:
             if not request.output_token_ids and not request.pending_tokens:
                 to_sample.append(i)
             self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
-        if not to_sample:
-            return None
-        sampled = [requests[i] for i in to_sample]
-        tokens = self.sample(sampled, logits[to_sample])  # [n] on the device
-        return sampled, tokens, self.logprobs(sampled, logits[to_sample], tokens)
+        return to_sample
 
     def run_chunks(self, requests: Sequence[Request], layout: BatchLayout) -> torch.Tensor:
         """Forward chunks of each request's token list through the pool; logits of each row's last token."""
+        return self.prefill_forward(self._chunk_ids(requests, layout), layout, all_logits=False)
+
+    @staticmethod
+    def _chunk_ids(requests: Sequence[Request], layout: BatchLayout, first: int = 0) -> torch.Tensor:
+        """CPU ids [B, T] of the layout's chunks of each request's token list (rows before
+        `first` left 0: the caller fills them)."""
         ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
-        for b, (request, start, n) in enumerate(zip(requests, layout.start_positions, layout.chunk_lens,
-                                                    strict=True)):
-            ids[b, :n] = torch.tensor(request.token_slice(start, start + n))
-        return self.prefill_forward(ids, layout, all_logits=False)
+        for b in range(first, len(requests)):
+            start, n = layout.start_positions[b], layout.chunk_lens[b]
+            ids[b, :n] = torch.tensor(requests[b].token_slice(start, start + n))
+        return ids
+
+    def _mixed(self, chunks: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> Sampled:
+        """Plain decode rows (first, one token each) and prefill chunks in one packed forward
+        (eager, as prefill is); samples the decode rows and the chunks that end their prompt.
+        Their tokens stay on the device, as a plain step's."""
+        requests = [*decode, *(r for r, _ in chunks)]
+        d = len(decode)
+        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
+                                [1] * d + [n for _, n in chunks], packed=True)
+        ids = self._chunk_ids(requests, layout, first=d)  # [B, T]
+        newest = self._decode_ids(decode)  # [D, 1], on the device when a step is in flight
+        ids = to_device(ids, newest.device)
+        ids[:d, :1] = newest
+        logits = self.prefill_forward(ids, layout, all_logits=False)  # [B, V]
+        if self.speculation is not None:
+            self.speculation.proposer.observed(requests, layout.start_positions,
+                                               [[0]] * d + [range(n) for _, n in chunks])
+            self.speculation.proposer.prefilled(requests[d:])
+        for r in decode:
+            r.num_computed_tokens += 1
+        rows = [*range(d), *(d + i for i in self._advance_chunks(chunks))]
+        sampled = [requests[i] for i in rows]
+        tokens = self.sample(sampled, logits[rows])  # [n] on the device
+        return sampled, tokens, self.logprobs(sampled, logits[rows], tokens)
+
+    def _plain_step(self, requests: Sequence[Request]) -> bool:
+        """Whether no request drafts this step (with speculation its depths are decided now,
+        unless planned before its launch, and kept for `_decode`)."""
+        if self.speculation is None:
+            return True
+        if self._planned is None:
+            self._planned = self.speculation.depths(requests)
+        return not any(self._planned)
 
     def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
         """A decode step: a plain one (its tokens left in flight), or a speculation round (its
@@ -287,9 +343,7 @@ class ModelRunner:
         """One batched decode forward; the sampled tokens [B] stay on the device."""
         layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
                                 [1] * len(requests))
-        inflight = self._inflight
-        ids = (inflight.input_ids(requests) if inflight is not None
-               else torch.tensor([[r.last_token_id] for r in requests]))  # [B, 1]
+        ids = self._decode_ids(requests)  # [B, 1]
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
         lps: list[TokenLogprobs | None] = [None] * len(requests)
@@ -310,6 +364,13 @@ class ModelRunner:
         for r in requests:
             r.num_computed_tokens += 1
         return list(requests), tokens, lps
+
+    def _decode_ids(self, requests: Sequence[Request]) -> torch.Tensor:
+        """[B, 1] each decoding request's newest token: on the device, from the step in flight
+        (overlapped scheduling), or from the host."""
+        inflight = self._inflight
+        return (inflight.input_ids(requests) if inflight is not None
+                else torch.tensor([[r.last_token_id] for r in requests]))
 
     @staticmethod
     def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:

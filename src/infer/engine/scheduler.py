@@ -1,12 +1,13 @@
 """Scheduler: waiting and running queues, admission, chunked-prefill budgeting, preemption.
 
 FIFO. A waiting request is admitted while a slot is free and the KV pools can hold its
-prompt. Each step, running requests still in prefill get chunks from the per-step token
-budget (oldest first); the rest decode. Before a decode step every decoding request must
-have room for the tokens the runner will write (1, or K+1 with speculation); when the
-paged pool runs out, the newest running request is preempted: its KV memory is freed and it
-goes back to the front of the waiting queue to be recomputed later. A request that could
-never fit is rejected at `Engine.add_request`, so this cannot deadlock.
+prompt. Each step the decoding requests' tokens come out of the per-step token budget
+(`max_num_batched_tokens`) first, and running requests still in prefill get chunks from
+what is left (oldest first; the runner may run both in one forward, `mixed_batches`).
+Every decoding request must have room for the tokens the runner will write (1, or K+1
+with speculation); when the paged pool runs out, the newest running request is preempted:
+its KV memory is freed and it goes back to the front of the waiting queue to be recomputed
+later. A request that could never fit is rejected at `Engine.add_request`, so this cannot deadlock.
 
 The scheduler owns the KV manager (`engine/kv_manager.py`) and is unaware of speculative
 decoding: the manager says how many cache positions a decode step needs (`decode_demand`).
@@ -89,24 +90,20 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> ScheduleDecision:
-        """Admit, then split the running requests into prefill chunks and decodes."""
+        """Admit, then split the running requests into decodes and prefill chunks: the
+        decodes' tokens first, the rest of the token budget to prefill chunks (oldest first)."""
         self.admit()
         decision = ScheduleDecision()
-        budget = self.config.max_num_batched_tokens
-        for request in list(self.running):
-            if request.in_prefill:
-                if budget <= 0:
-                    continue
-                remaining = request.prefill_target - request.num_computed_tokens
-                chunk = min(remaining, budget)
-                budget -= chunk
-                decision.prefill.append((request, chunk))
         # (a request whose finish is decided but not rendered yet, or whose tokens in flight
         # reach its limits, waits: overlapped scheduling learns of finishes a step late)
         decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
         decision.decode, decision.preempted = self._reserve_decode(decoding)
-        if decision.preempted:
-            decision.prefill = [(r, n) for r, n in decision.prefill if r not in decision.preempted]
+        budget = self.config.max_num_batched_tokens - sum(self.kv.decode_demand(r) for r in decision.decode)
+        for request in self.running:
+            if request.in_prefill and budget > 0:
+                chunk = min(request.prefill_target - request.num_computed_tokens, budget)
+                budget -= chunk
+                decision.prefill.append((request, chunk))
         return decision
 
     def _reserve_decode(self, decoding: Sequence[Request]) -> tuple[list[Request], list[Request]]:

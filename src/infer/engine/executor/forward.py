@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout, BlockMask, CacheView
+from infer.cache.view import BatchLayout, BlockMask, CacheView, pack_rows
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import sample_from_probs, temperature_probs
@@ -115,10 +115,17 @@ class EagerForward:
         self.device = next(model.parameters()).device
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
+        """Logits of ids [B, T] (CPU or device): [B, T, V], or [B, V] of each row's last
+        token. A packed layout runs the valid tokens alone, as one row (last-token logits)."""
+        if layout.packed and all_logits:
+            raise ValueError("a packed layout gives each row's last-token logits only: call with all_logits=False")
         view = self.pool.view(layout)
+        ids, positions = to_device(ids, self.device), layout.positions(self.device)  # [B, T] each
+        if layout.packed:  # [1, N]; the row index 0 broadcasts over `last` [B] in the model
+            packing = layout.packing(self.device)
+            ids, positions = pack_rows(ids, packing), pack_rows(positions, packing)
         last = None if all_logits else layout.last_token_indices(self.device)
-        logits = self.model(to_device(ids, self.device), layout.positions(self.device), view,
-                            logits_indices=last, kernels=self.kernels)
+        logits = self.model(ids, positions, view, logits_indices=last, kernels=self.kernels)
         view.commit()
         return logits
 

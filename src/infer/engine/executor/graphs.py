@@ -268,8 +268,9 @@ class GraphForward:
         return _Verifier(graph, _Staging(longs), _Staging(floats), draft_probs, out)
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
+        """Whether a graph serves the layout (a packed one, a mixed step's, runs eagerly)."""
         n = len(layout.slots)
-        return (n <= self.buckets[-1] and max(layout.ends) <= self.context_width
+        return (not layout.packed and n <= self.buckets[-1] and max(layout.ends) <= self.context_width
                 and (self._bucket(n), layout.width, all_logits) in self.graphs)
 
     def _bucket(self, n: int) -> int:

@@ -15,6 +15,7 @@ from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, run
 from infer import LLM, SamplingParams
 
 VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/test_speculative_sampling.py
+TREE = "2,2,1,1"  # depth DEPTH, 14 nodes
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def heads(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, P
 
 def _llm(make_llm, ckpt: Path, method: str, head: Path, **options) -> LLM:
     return make_llm(ckpt, max_seq_len=256, use_speculative_decoding=True, speculative_method=method,
-                    draft_model=str(head), spec_length=DEPTH, **options)
+                    draft_model=str(head), **{"spec_length": DEPTH, **options})
 
 
 @pytest.mark.parametrize("config", ["paged-prefix-small-chunks", "paged-preempt"])
@@ -51,9 +52,50 @@ def test_mismatched_head_refused(make_llm, ckpt_a, tmp_path) -> None:
         _llm(make_llm, ckpt_a, "eagle3", head)
 
 
-def test_tree_refused(make_llm, ckpt_a, heads) -> None:
-    with pytest.raises(ValueError, match="spec_tree"):
-        _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], spec_tree="2,1")
+@pytest.mark.parametrize("method", ["eagle3", "eagle"])
+def test_tree_greedy_parity(make_llm, ckpt_a, heads, prompts, plain_outputs, method) -> None:
+    """Static trees: batch 4 then batch 1 over cached prefixes give plain decoding's tokens."""
+    llm = _llm(make_llm, ckpt_a, method, heads[method], max_batch_size=4, spec_tree=TREE, spec_length=DEPTH,
+               **ENGINE_CONFIGS["paged-prefix-small-chunks"])
+    assert [o.outputs[0].token_ids for o in run(llm, prompts[:4], batch=4)] == plain_outputs[:4]
+    again = [o.outputs[0].token_ids for o in run(llm, prompts[:2] + prompts[:2], batch=1)]
+    assert again == plain_outputs[:2] * 2
+    assert llm.engine.runner.cache_pool.prefix_hit_rate > 0
+    stats = llm.engine.runner.stats
+    assert stats is not None and stats.draft_tokens > DEPTH * stats.drafts  # (more nodes than a chain holds)
+
+
+def _drafts(make_llm, ckpt_a, head: Path, prompts, path: tuple[int, ...],
+            **options) -> dict[tuple[str, int], tuple[int, ...]]:
+    """The present tokens on the nodes `path` that each greedy round drafted, by (request,
+    position), over a batch of 4."""
+    llm = _llm(make_llm, ckpt_a, "eagle3", head, max_batch_size=4, **ENGINE_CONFIGS["contiguous"], **options)
+    proposer = llm.engine.runner.speculation.proposer
+    seen: dict[tuple[str, int], tuple[int, ...]] = {}
+    propose = proposer.propose
+
+    def recording(requests, shape, depths):
+        drafts = propose(requests, shape, depths)
+        for r, d in zip(requests, drafts, strict=True):
+            seen[(r.request_id, r.num_computed_tokens)] = tuple(d.token_ids[i] for i in path if i < len(d.valid) and d.valid[i])
+        return drafts
+
+    proposer.propose = recording
+    llm.generate(prompt_token_ids=prompts[:4], sampling_params=SamplingParams(temperature=0, max_tokens=9))
+    return seen
+
+
+def test_tree_first_children_are_the_chain(make_llm, ckpt_a, heads, prompts) -> None:
+    """A greedy tree's first children are the head's argmax, each fed over the nodes above it
+    with the tree mask and rotary positions: the first-child path of "2,2,1" drafts what a
+    greedy chain of 3 drafts from the same context."""
+    chain = _drafts(make_llm, ckpt_a, heads["eagle3"], prompts, (0, 1, 2), spec_length=3)
+    # node 0, its first child 2, that one's child 6
+    tree = _drafts(make_llm, ckpt_a, heads["eagle3"], prompts, (0, 2, 6), spec_tree="2,2,1", spec_length=3)
+    shared = set(chain) & set(tree)
+    assert len(shared) >= 4  # (every request's first round at least)
+    assert all(tree[key] == chain[key] for key in shared)
+    assert any(len(chain[key]) == 3 for key in shared)
 
 
 @pytest.fixture(scope="module")

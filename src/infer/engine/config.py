@@ -184,8 +184,6 @@ class EngineConfig:
         if self.draft_model is None:
             raise ValueError(f"speculative_method={method!r} requires draft_model: the directory of an "
                              f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head trained for the target")
-        if self.spec_tree is not None:
-            raise ValueError(f"speculative_method={method!r} drafts chains: leave spec_tree unset")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"speculative_method={method!r} runs on one GPU: set tensor_parallel_size=1")
 

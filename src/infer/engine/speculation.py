@@ -100,7 +100,8 @@ class Speculation:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
         if isinstance(self.tree, TreeShape):
-            modes = ("greedy", "one_hot") + (("draft_probs",) if self.draft is not None else ())
+            model_drafts = self.draft is not None or isinstance(self.proposer, EagleProposer)
+            modes = ("greedy", "one_hot") + (("draft_probs",) if model_drafts else ())
             forward.prepare_trees([TreeChunk.verification(self.tree)], verify_modes=modes)
             if self.draft is not None:  # the draft's levels 1 .. D-1 (the deepest is never fed)
                 self.draft.step_forward.prepare_trees([TreeChunk.level(self.tree, d)
@@ -223,13 +224,15 @@ def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead,
                     capture: HiddenCapture) -> EagleProposer:
     """The head's proposer: its pool and round function, graphs captured now. A round's last
     feed is at most K + 1 wide (accepted + 1 after a round; longer catch-ups feed the rest
-    first); the adaptive policy's shorter rounds run the K-step graph (`round_steps`)."""
+    first); the adaptive policy's shorter rounds run the K-step graph (`round_steps`). A
+    tree's rounds run eagerly (no chain graphs are captured)."""
     pool = executor.make_pool(head, config, prefix_caching=False)
     round_fn = make_head_round(head, pool, config.use_cuda_graphs, config.max_batch_size,
                                config.cuda_graph_sampling_batch_max)
     feed_max = config.spec_length + 1
     steps = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
-    round_fn.prepare(range(1, feed_max + 1), steps)
+    if config.spec_tree is None:
+        round_fn.prepare(range(1, feed_max + 1), steps)
     proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max)
     proposer.round_steps = steps
     return proposer

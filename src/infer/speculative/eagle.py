@@ -1,4 +1,4 @@
-"""EagleProposer: drafts chains with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
+"""EagleProposer: drafts chains and static trees with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
 
 The head drafts from the target's features: at position i it is fed (f_i, t_{i+1}), f_i the
 target's captured hidden states of position i (`HiddenCapture`; EAGLE-3's through its fc).
@@ -23,10 +23,14 @@ Its cache holds, per request, only positions fed with the target's features:
    again at the next catch-up with the target's own features (what the public heads were
    trained on), which the verification forward has just produced (step 1).
 
+A static tree (`spec_tree`) runs the same catch-up whole, then expands the tree level by
+level from the head's output at g (`eagle_tree.expand_head_tree`, eager), its children
+chosen as a draft model's; `on_accepted` drops the round's positions as for a chain.
+
 A request whose prompt prefix came from the target's prefix cache has no features for that
 prefix: its head cache starts at the first position the target computed (`offset`), the
 rotary positions shifted alike. Its drafts see less context (lower acceptance), never a
-different target distribution. Chains only; trees are refused at configuration.
+different target distribution.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.sampling import logits_to_probs, sample_from_probs, temperature_only
-from infer.speculative.draft_model import row_uniforms
+from infer.speculative.draft_model import _tree_draft, fed_positions, row_uniforms
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
+from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeShape
@@ -142,13 +147,14 @@ class EagleProposer:
         extra = [f"EAGLE head still holds requests {sorted(self.states)}"] if self.states else []
         return extra + [f"EAGLE head pool: {p}" for p in self.pool.leak_report()]
 
-    def _room(self, request: DraftRequest, k: int) -> HeadState | None:
-        """The request's state with a slot holding room for its catch-up and k - 1 drafts; None
-        (it drafts nothing this round) when it has no features yet or the pool is short."""
+    def _room(self, request: DraftRequest, fed: int) -> HeadState | None:
+        """The request's state with a slot holding room for its catch-up and fed - 1 drafts
+        (`fed_positions`: a chain of k feeds k - 1 of its k); None (it drafts nothing this
+        round) when it has no features yet or the pool is short."""
         state = self.states.get(request.request_id)
         if state is None:
             return None
-        need = request.num_computed_tokens - state.offset + k - 1
+        need = request.num_computed_tokens - state.offset + fed - 1
         if state.slot is None:
             if not self.pool.can_allocate(need):
                 return None
@@ -159,19 +165,19 @@ class EagleProposer:
     # -- proposing -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """`Proposer.propose`: a chain per request (module docstring)."""
-        if not shape.is_chain:
-            raise ValueError("the EAGLE proposer drafts chains: leave spec_tree unset with speculative_method "
-                             "'eagle' / 'eagle3'")
+        """`Proposer.propose`: a chain or a static tree per request (module docstring)."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts = [Draft.empty(shape) for _ in requests]
-        picked = [(i, s) for i, k in enumerate(depths) if k > 0 and (s := self._room(requests[i], k)) is not None]
+        picked = [(i, s) for i, k in enumerate(depths) if k > 0 and (
+            s := self._room(requests[i], fed_positions(shape, min(k, shape.depth)))) is not None]
         if not picked:
             return drafts
         reqs = [requests[i] for i, _ in picked]
         states = [s for _, s in picked]
         ks = [min(depths[i], shape.depth) for i, _ in picked]
+        if not shape.is_chain:
+            return self._tree(drafts, [i for i, _ in picked], reqs, states, ks, shape)
         steps = min((n for n in self.round_steps if n >= max(ks)), default=max(ks))
         fused = self._fusable(reqs, states, steps)
         if not fused and steps > max(ks):
@@ -188,6 +194,20 @@ class EagleProposer:
             tokens, probs = self._draft(reqs, states, ks, last)
         for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
             drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+        return drafts
+
+    def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
+              states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:
+        """A static tree per picked request (`drafts[picked[j]]`): the whole catch-up, then
+        the levels from the head's output at g (`expand_head_tree`)."""
+        root = self._catch_up(reqs, states, keep=0)[0]  # [A, H]
+        self._mark_round(reqs, states)
+        slots = [s.slot for s in states if s.slot is not None]  # (every picked row has one: `_room`)
+        bases = [self.pool.seq_len(slot) - 1 for slot in slots]  # storage position of g's feed
+        nodes, probs, drawn = expand_head_tree(self.head, self.pool, reqs, slots, bases, root, ks, shape)
+        for j, (i, r, k) in enumerate(zip(picked, reqs, ks, strict=True)):
+            drafts[i] = _tree_draft(shape, k, nodes[j], drawn[j],
+                                    None if probs is None or r.sampling_params.greedy else probs[j])
         return drafts
 
     def _mark_round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:

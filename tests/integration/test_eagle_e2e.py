@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.eagle_heads import write_head
 from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
-from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, run
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run
 from infer import LLM, SamplingParams
 
 VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/test_speculative_sampling.py
@@ -54,8 +54,9 @@ def test_mismatched_head_refused(make_llm, ckpt_a, tmp_path) -> None:
 
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 def test_tree_greedy_parity(make_llm, ckpt_a, heads, prompts, plain_outputs, method) -> None:
-    """Static trees: batch 4 then batch 1 over cached prefixes give plain decoding's tokens."""
-    llm = _llm(make_llm, ckpt_a, method, heads[method], max_batch_size=4, spec_tree=TREE, spec_length=DEPTH,
+    """Static trees: batch 4 then batch 1 over cached prefixes give plain decoding's tokens;
+    every slot and block of both pools given back."""
+    llm = _llm(make_llm, ckpt_a, method, heads[method], max_batch_size=4, spec_tree=TREE,
                **ENGINE_CONFIGS["paged-prefix-small-chunks"])
     assert [o.outputs[0].token_ids for o in run(llm, prompts[:4], batch=4)] == plain_outputs[:4]
     again = [o.outputs[0].token_ids for o in run(llm, prompts[:2] + prompts[:2], batch=1)]
@@ -63,6 +64,23 @@ def test_tree_greedy_parity(make_llm, ckpt_a, heads, prompts, plain_outputs, met
     assert llm.engine.runner.cache_pool.prefix_hit_rate > 0
     stats = llm.engine.runner.stats
     assert stats is not None and stats.draft_tokens > DEPTH * stats.drafts  # (more nodes than a chain holds)
+    assert llm.engine.leak_report() == []
+
+
+def test_tree_preemption_and_mixed_sampling(make_llm, ckpt_a, heads, prompts, plain_outputs) -> None:
+    """A tree batch short of blocks (preemption drops the head's state, refilled on return),
+    greedy rows beside sampled ones with penalties (the children's penalty contexts): the
+    greedy rows keep plain decoding's tokens."""
+    llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=8, spec_tree=TREE,
+               **ENGINE_CONFIGS["paged-preempt"])
+    sampled = SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=MAX_NEW,
+                             ignore_eos=True, seed=7)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs[::2]] == plain_outputs[::2]
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs[1::2])
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.leak_report() == []
 
 
 def _drafts(make_llm, ckpt_a, head: Path, prompts, path: tuple[int, ...],
@@ -106,13 +124,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                               std=0.5)
 
 
-def _tv(make_llm, tiny) -> tuple[float, LLM]:
+def _tv(make_llm, tiny, n: int = N, **options) -> tuple[float, LLM]:
     target, head = tiny
     params = SamplingParams(temperature=1.0)
     exact = exact_joint(target, PROMPT, params, VOCAB)
-    llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
-                   speculative_method="eagle3", draft_model=str(head), spec_length=3)
-    outputs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=seeded(params, N))
+    llm = make_llm(target, max_seq_len=16, use_speculative_decoding=True, speculative_method="eagle3",
+                   draft_model=str(head), **{"max_batch_size": 64, "spec_length": 3, **options})
+    outputs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded(params, n))
     return total_variation(empirical_joint(outputs), exact), llm
 
 
@@ -132,6 +150,37 @@ def test_negative_control_accept_all_fails(make_llm, tiny, monkeypatch) -> None:
 
     monkeypatch.setattr(verifier, "verify_tensors", accept_all)
     tv, _ = _tv(make_llm, tiny)
+    assert tv > TV_LIMIT
+
+
+# the first three tokens: the prefill's, then one round of the depth-2 tree (4 tokens asked: the
+# length guard leaves it both levels)
+TREE_TV = dict(spec_tree="2,2", spec_length=2, max_batch_size=256)
+
+
+def test_tree_sampling_lossless(make_llm, tiny) -> None:
+    """Siblings drawn without replacement from the head's q (3 draft-vocabulary tokens of 4),
+    each reporting its renormalised q: the tree verifier keeps the target's distribution."""
+    tv, llm = _tv(make_llm, tiny, **TREE_TV)
+    stats = llm.engine.runner.stats
+    assert tv < TV_LIMIT
+    assert stats is not None and 0 < stats.accepted_tokens < sum(stats.drafted_per_position)
+
+
+def test_tree_negative_control_first_child_accepted_fails(make_llm, tiny, monkeypatch) -> None:
+    # uniforms of 0 pass every acceptance test: the first child is always accepted (far off the
+    # target: a quarter of the requests show it)
+    import infer.engine.verification as verification
+    import infer.speculative.verifier as verifier
+    real = verifier.verify_tree_nodes
+
+    def first_child(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid=None):
+        rigged = torch.cat([torch.zeros_like(uniforms[:, :-1]), uniforms[:, -1:]], dim=1)
+        return real(shape, node_tokens, draft_probs, target_probs, rigged, node_valid)
+
+    monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
+    monkeypatch.setattr(verification, "verify_tree_nodes", first_child)
+    tv, _ = _tv(make_llm, tiny, n=N // 4, **TREE_TV)
     assert tv > TV_LIMIT
 
 

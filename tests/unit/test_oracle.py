@@ -136,21 +136,21 @@ class _Request:
         return self.tokens[lo:hi]
 
 
-def _tree_draft(shape: TreeShape) -> Draft:
+def tree_draft(shape: TreeShape) -> Draft:
     return Draft(shape, tuple(range(7, 7 + shape.num_nodes)), (True,) * shape.num_nodes)
 
 
 def test_alpha_one_puts_the_continuation_on_the_first_child_and_wrong_tokens_on_its_siblings():
     shape = TreeShape.parse("3,2")
     record = [4, 5, 6, 20, 21, 22]  # the request holds 4, 5, 6: nodes at depth d take record[2 + d]
-    oracle = OracleProposer(_Fixed(_tree_draft(shape)), [record], vocab_size=30, alpha=1.0)
+    oracle = OracleProposer(_Fixed(tree_draft(shape)), [record], vocab_size=30, alpha=1.0)
     [draft] = oracle.propose([_Request(record[:3])], shape, [2])
     first, second = shape.root_children[0], shape.children[shape.root_children[0]][0]
     assert draft.token_ids[first] == 20 and draft.token_ids[second] == 21
     later = [draft.token_ids[k] for k in shape.root_children[1:]]
     assert 20 not in later and len(set(later)) == len(later)  # wrong, and distinct from each other
     assert draft.token_ids[shape.children[first][1]] != 21
-    assert draft.probs is None and draft.valid == _tree_draft(shape).valid
+    assert draft.probs is None and draft.valid == tree_draft(shape).valid
 
 
 def test_alpha_zero_makes_every_first_level_node_wrong_and_keeps_absent_nodes_absent():

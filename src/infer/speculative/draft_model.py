@@ -196,7 +196,7 @@ class DraftModelProposer:
         else:
             nodes, probs, drawn = self._expand(reqs, ks, shape)
             for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
-                drafts[i] = _tree_draft(shape, k, nodes[j], drawn[j],
+                drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
                                         None if probs is None or r.sampling_params.greedy else probs[j])
         for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
             fed = storage[j] if storage else tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
@@ -438,7 +438,7 @@ def fed_positions(shape: TreeShape | DynamicShape, depth: int) -> int:
     return 1 + shape.fed(depth)
 
 
-def _tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[int],
+def tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[int],
                 probs: torch.Tensor | None) -> Draft:
     """A row's tree draft from its expanded nodes: present up to depth k where drawn and the
     parent is present (breadth-first: a parent's flag is set before its children's)."""

@@ -45,7 +45,7 @@ from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.sampling import logits_to_probs, sample_from_probs, temperature_only
-from infer.speculative.draft_model import _tree_draft, fed_positions, row_uniforms
+from infer.speculative.draft_model import tree_draft, fed_positions, row_uniforms
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.grammar_mask import grammar_masked
@@ -206,7 +206,7 @@ class EagleProposer:
         bases = [self.pool.seq_len(slot) - 1 for slot in slots]  # storage position of g's feed
         nodes, probs, drawn = expand_head_tree(self.head, self.pool, reqs, slots, bases, root, ks, shape)
         for j, (i, r, k) in enumerate(zip(picked, reqs, ks, strict=True)):
-            drafts[i] = _tree_draft(shape, k, nodes[j], drawn[j],
+            drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
                                     None if probs is None or r.sampling_params.greedy else probs[j])
         return drafts
 

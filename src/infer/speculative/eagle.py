@@ -45,7 +45,7 @@ from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.sampling import logits_to_probs, sample_from_probs, temperature_only
-from infer.speculative.draft_model import tree_draft, fed_positions, row_uniforms
+from infer.speculative.draft_model import fed_positions, row_uniforms, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.grammar_mask import grammar_masked

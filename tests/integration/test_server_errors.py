@@ -42,7 +42,7 @@ def server(ckpt_a: Path) -> Iterator[LiveServer]:
     live.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def failing_server(ckpt_a: Path) -> Iterator[LiveServer]:
     """An engine whose 4th step raises: a prefill and two decode steps succeed, then the loop dies."""
     engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu"))
@@ -228,9 +228,10 @@ def test_engine_error_mid_stream_is_error_event_then_done(failing_server: LiveSe
 
 
 def test_dead_engine_gives_503(failing_server: LiveServer) -> None:
-    if failing_server.engine.healthy:  # not yet killed by the mid-stream test: kill it now
-        r = post(failing_server, "/v1/completions", {**OK_BODY, "max_tokens": 20, "ignore_eos": True})
-        assert_error(r, 503, None, "engine_unavailable")
+    # (a server of its own: its 4th step kills the engine inside this request, which fails
+    # with the engine; every request after it finds the engine dead)
+    r = post(failing_server, "/v1/completions", {**OK_BODY, "max_tokens": 20, "ignore_eos": True})
+    assert_error(r, 500, None, "engine_error")
     assert not failing_server.engine.healthy
     error = assert_error(httpx.get(failing_server.url + "/health", timeout=60), 503, None, "engine_unavailable")
     assert "injected" not in error["message"] and "Traceback" not in error["message"]

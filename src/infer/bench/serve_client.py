@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from infer.bench.serve_mix import ServeRequest
-from infer.bench.server_load import StreamError, percentile, sse_chunks
+from infer.bench.server_load import KEEPALIVE_EXPIRY_S, StreamError, percentile, sse_chunks
 
 ERRORS_KEPT = 5  # failure messages kept in a row's metrics
 
@@ -55,7 +55,8 @@ class RateResult:
 async def server_facts(base_url: str, timeout_s: float = 30.0) -> tuple[str, int | None]:
     """(model id, its context length or None) from GET /v1/models (ours and vLLM report
     `max_model_len`)."""
-    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
+    limits = httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S)  # (server_load.py says why)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         r = await client.get("/v1/models")
         r.raise_for_status()
         card = r.json()["data"][0]

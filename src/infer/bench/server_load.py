@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 
+KEEPALIVE_EXPIRY_S = 2.0  # a client's idle connection lifetime (below servers' keep-alive timeouts)
+
 DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "def forward(self, x):",
                    "The capital of France is", "Numbers like 1 2 3", "Every morning the robot")
 
@@ -167,7 +169,10 @@ async def run_load(base_url: str, model: str, prompts: list[str] | tuple[str, ..
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # idle connections are dropped after 2 s, before a server's keep-alive timeout (uvicorn's
+    # default: 5 s) closes them: a request sent on a connection the server is closing fails
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty():

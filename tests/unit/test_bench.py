@@ -467,3 +467,25 @@ def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_p
     run.add(Measurement("batch/a", "batch_sweep", params=params, metrics=metrics))
     path = plot_batch_sweeps(run, tmp_path)
     assert path is not None and path.stat().st_size > 1000
+
+
+def test_speculation_suite_runs_the_demo_targets_eagle3_head_beside_the_draft(monkeypatch):
+    from infer.bench import measures, suites
+    overrides_of: dict[str, dict] = {}
+
+    def recording(workload, overrides, **kwargs):  # measures nothing: records the engine's overrides
+        return {"overrides": dict(overrides)}, {}
+
+    monkeypatch.setattr(measures, "run_engine", recording)
+    options = HarnessOptions(device="cpu", quiet=True)
+    table, selected = suites.suite_rows("speculation", options)
+    run = BenchRun("speculation")
+    Harness(run, options).run_rows([n for n in selected if n.endswith(("/eagle-k5", "/spec-k5"))], table)
+    overrides_of = {m.name: m.params["overrides"] for m in run.measurements}
+    assert {"demo-w1-t0/eagle-k5", "demo-w1-t1/eagle-k5"} <= set(overrides_of)
+    for t in ("t0", "t1"):
+        head, draft = overrides_of[f"demo-w1-{t}/eagle-k5"], overrides_of[f"demo-w1-{t}/spec-k5"]
+        assert head["speculative_method"] == "eagle3" and head["draft_model"] == str(suites.DEMO_EAGLE3)
+        assert head["spec_length"] == draft["spec_length"] == 5 and head["model"] == draft["model"]
+    other = suites.suite_rows("speculation", HarnessOptions(device="cpu", quiet=True, model="dummy:llama-3.2-1b"))[0]
+    assert not [n for n in other if n.endswith("/eagle-k5")]  # the demo head fits the demo target only

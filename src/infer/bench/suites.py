@@ -3,7 +3,8 @@
     decode-speed  W1 batch-1 decode of the 3B and 1B shapes against their rooflines:
                   overlapped (the default) and synchronous steps, FP8 weights; decode step
                   time against batch size; transformers with a static cache
-    speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, chain K=6
+    speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, the demo
+                  target's trained EAGLE-3 head at K=5 beside the draft model's K=5, chain K=6
                   against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
                   token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
                   lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
@@ -51,6 +52,7 @@ from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B, SHAPE_8B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"
+DEMO_EAGLE3 = DEMO_TARGET.parent / "eagle3"  # the demo target's trained EAGLE-3 head
 HEAD_3B = "dummy-eagle3:llama-3.2-3b"  # an EAGLE-3 head of the 3B shape, dummy weights
 EAGLE_SWEEP_CHAINS = tuple(range(2, 7))
 SPEC_K = 5
@@ -72,6 +74,7 @@ class Models:
     draft: str
     needs: tuple[Need, ...]
     serve: ServeSetup = ServeSetup()
+    head: str | None = None  # the target's EAGLE-3 head: the demo target's own, None for --model
 
     @classmethod
     def from_options(cls, options: HarnessOptions, serve: ServeSetup | None = None) -> Models:
@@ -79,7 +82,8 @@ class Models:
         target, draft = options.model or str(DEMO_TARGET), given_draft or str(DEMO_DRAFT)
         demo = tuple(p for p, given in ((DEMO_TARGET, options.model), (DEMO_DRAFT, given_draft)) if given is None)
         hint = "train them with `python -m infer.demo` (or use a build that ships them), or pass --model"
-        return cls(target, draft, (Files(demo, hint),) if demo else (), serve or ServeSetup())
+        head = str(DEMO_EAGLE3) if options.model is None else None
+        return cls(target, draft, (Files(demo, hint),) if demo else (), serve or ServeSetup(), head)
 
 
 def _label(model: str) -> str:
@@ -154,6 +158,12 @@ def speculation_rows(m: Models) -> list[Row]:
                             needs=m.needs),
                  engine_row(f"{tag}/spec-adaptive", "draft model, adaptive K", group, wl,
                             {**spec, "spec_policy": "adaptive"}, {"baseline": base}, needs=m.needs)]
+        if m.head is not None:
+            head_needs = (*m.needs, Files((DEMO_EAGLE3,), "train it with `python -m infer.demo --eagle-head`"))
+            rows.append(engine_row(f"{tag}/eagle-k5", "the target's trained EAGLE-3 head, fixed K=5 (against "
+                                   "spec-k5: head vs draft model)", group, wl,
+                                   {**spec, "speculative_method": "eagle3", "draft_model": m.head},
+                                   {"baseline": base}, needs=head_needs))
         if t > 0:
             rows.append(engine_row(f"{tag}/spec-k5-fp8-draft", "draft model in FP8, fixed K=5", group, wl,
                                    {**spec, "draft_quantization": "fp8"}, {"baseline": base}, needs=m.needs))

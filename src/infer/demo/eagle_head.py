@@ -1,0 +1,175 @@
+"""Train the demo target's EAGLE-3 head: `python -m infer.demo.eagle_head --target DIR --out DIR`.
+
+Pipeline: the demo corpus encoded with the target's tokenizer (`infer.demo.train`'s corpus
+step) -> the draft vocabulary (the most frequent training tokens) -> the frozen target's
+features over seeded windows of the training split (`infer.demo.eagle_data`) -> the head
+trained on them (`infer.demo.eagle_train`) -> saved in the public EAGLE-3 layout that
+`infer.models.eagle` loads (config.json + model.safetensors: `fc`, `midlayer.*`, `norm`,
+`lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's embedding is shared) with
+training_summary.json. Runs on the CPU in minutes (the `full` settings: about 10 minutes
+on 2 cores); seeded, so the same interpreter (corpus), seed and machine give the same head.
+
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target \
+        --out src/infer/demo_models/eagle3
+    PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from infer.demo.bpe import load_tokenizer
+from infer.demo.data import validation_chunks
+from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, sample_windows,
+                                   vocab_maps)
+from infer.demo.eagle_train import HeadSettings, init_head, train_head
+from infer.demo.presets import TrainSettings, get_preset, settings_with
+from infer.demo.saving import SUMMARY_FILE, training_environment
+from infer.models.eagle import EagleHead
+from infer.models.eagle_dummy import head_config_for
+from infer.models.llama import LlamaForCausalLM, fused_to_hf
+from infer.models.loader import load_model
+
+HEAD_PRESETS = {
+    "full": HeadSettings(train=TrainSettings(epochs=3, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
+                                             eval_every=100, min_lr_ratio=0.05),
+                         draft_vocab_size=4096, num_sequences=800, unroll=2),
+    "tiny": HeadSettings(train=TrainSettings(epochs=1, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=4,
+                                             max_steps=8), draft_vocab_size=256, seq_len=32, num_sequences=16,
+                         valid_sequences=2, unroll=2),
+}
+TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight")  # the rest is the decoder layer, `midlayer.*`
+SAVE_DTYPE = torch.bfloat16
+
+
+def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, seed: int) -> EagleHead:
+    """A freshly initialised EAGLE-3 head of the target's widths over the draft vocabulary
+    `draft_ids` [D] (sorted target ids), sharing the target's embedding. Its final norm and
+    lm_head start as the target's (rows of the draft vocabulary): the head then only has to
+    learn to predict the target's last hidden state. Its captured layers (EAGLE-3's
+    defaults) are named in the spec, so config.json lists them."""
+    spec = head_config_for(target.config, "eagle3", "the demo EAGLE-3 head")
+    spec = dataclasses.replace(spec, draft_vocab_size=draft_ids.numel(),
+                               aux_layers=spec.capture_points(target.config.num_hidden_layers))
+    head = EagleHead(spec, own_embeddings=False, fc_bias=False)
+    init_head(head, seed)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.d2t.copy_(vocab_maps(draft_ids, target.config.vocab_size)[0])
+    head.share(target)
+    return head
+
+
+def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
+    """The head's weights under the public EAGLE-3 names (bf16), d2t and t2d."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in head.named_parameters():
+        for hf_name, tensor in fused_to_hf(name, param.detach(), head.config):
+            key = hf_name if hf_name in TOP_LEVEL else f"midlayer.{hf_name}"
+            out[key] = tensor.to(SAVE_DTYPE).contiguous()
+    d2t = head.d2t.detach().clone()
+    out["d2t"] = d2t
+    out["t2d"] = vocab_maps(torch.arange(d2t.numel()) + d2t, head.config.vocab_size)[1]
+    return out
+
+
+def head_config_json(head: EagleHead) -> dict[str, Any]:
+    c, spec = head.config, head.spec
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "vocab_size": c.vocab_size, "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.target_hidden_size, "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(spec.aux_layers or ())},
+    }
+
+
+def save_head(head: EagleHead, directory: Path, summary: dict[str, Any]) -> Path:
+    """config.json, model.safetensors and training_summary.json, readable by everyone."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(head_config_json(head), indent=2) + "\n", encoding="utf-8")
+    save_file(public_tensors(head), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
+    return directory
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from infer.demo.train import prepare_corpus  # (the corpus step of the pair's training)
+    settings = HEAD_PRESETS[args.preset]
+    settings = dataclasses.replace(settings, train=settings_with(settings.train, args.set or []),
+                                   **dict(_head_override(o) for o in args.head_set or []))
+    torch.manual_seed(args.seed)
+    target, _ = load_model(args.target, dtype=torch.float32, device="cpu")
+    target.eval().requires_grad_(False)
+    tok = load_tokenizer(args.target)
+    _, corpus = prepare_corpus(get_preset(args.preset), tok, target.config.vocab_size)
+    draft_ids = draft_vocabulary(corpus.train, target.config.vocab_size, settings.draft_vocab_size)
+    head = build_head(target, draft_ids, args.seed)
+    aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    data = extract_features(target, sample_windows(corpus.train, settings.seq_len, settings.num_sequences,
+                                                   args.seed), aux_layers, log_every=8)
+    valid_windows = torch.stack([c[:settings.seq_len] for c in validation_chunks(corpus.valid, settings.seq_len)
+                                 if c.numel() > settings.seq_len][:settings.valid_sequences])
+    valid = extract_features(target, valid_windows, aux_layers)
+    feature_seconds = time.perf_counter() - start
+    print(f"[eagle3] features of {len(data)} + {len(valid)} windows in {feature_seconds:.0f} s; draft vocabulary "
+          f"{draft_ids.numel()} covers {coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the "
+          "training tokens", flush=True)
+    log = train_head(head, target, data, valid, draft_ids, settings, args.seed)
+    head.index_vocab()
+    summary = {
+        "role": "eagle3", "target": str(args.target), "seed": args.seed, "settings": dataclasses.asdict(settings),
+        "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
+        "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
+                                 "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
+        "feature_seconds": feature_seconds, "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats, "environment": training_environment(
+            torch.device("cpu")) | {"threads": str(torch.get_num_threads())}, "log": log.to_dict()}
+    save_head(head, Path(args.out), summary)
+    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds:.0f} s)", flush=True)
+    return summary
+
+
+def _head_override(item: str) -> tuple[str, Any]:
+    name, sep, value = item.partition("=")
+    name = name.strip().replace("-", "_")
+    fields = {f.name: f.type for f in dataclasses.fields(HeadSettings) if f.name != "train"}
+    if not sep or name not in fields:
+        raise ValueError(f"head setting {item!r} must be NAME=VALUE with NAME one of {sorted(fields)}")
+    return name, (float if str(fields[name]) == "float" else int)(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infer.demo.eagle_head", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="the demo target's directory (the teacher)")
+    p.add_argument("--out", required=True, help="the head's directory")
+    p.add_argument("--preset", choices=sorted(HEAD_PRESETS), default="full", help="'tiny' for a smoke run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", action="append", metavar="NAME=VALUE", help="a training setting, e.g. lr=0.002")
+    p.add_argument("--head-set", action="append", metavar="NAME=VALUE",
+                   help="a head setting, e.g. unroll=2 or draft_vocab_size=4096")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

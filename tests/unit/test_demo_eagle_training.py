@@ -1,0 +1,68 @@
+"""Training the demo EAGLE-3 head: the training-time-test attention mask, the draft
+vocabulary, one training step, and the saved head loading through the engine's loader
+with the same forward (the public layout round trip)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, vocab_maps
+from infer.demo.eagle_head import HEAD_PRESETS, build_head, save_head
+from infer.demo.eagle_train import unrolled_losses
+from infer.demo.unrolled_view import UnrolledView, unrolled_mask
+from infer.models.attention import NoCacheView
+from infer.models.eagle import load_eagle_head
+from infer.models.loader import load_model
+
+
+def test_unrolled_mask_is_causal_then_diagonal() -> None:
+    assert torch.equal(unrolled_mask(4, 1), torch.ones(4, 4).tril().bool())
+    mask = unrolled_mask(4, 3).int()  # pass 2: pass-0 keys <= i - 2, pass 1 at i - 1, pass 2 at i
+    expected = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+                             [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0],
+                             [1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0],
+                             [1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1]])
+    assert torch.equal(mask, expected)
+
+
+def test_first_pass_of_unrolled_view_is_causal_attention() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, h, 8, generator=gen) for h in (4, 2, 2))
+    torch.testing.assert_close(UnrolledView().attend(0, q, k, v), NoCacheView().attend(0, q, k, v))
+
+
+def test_draft_vocabulary_and_maps() -> None:
+    stream = torch.tensor([5, 5, 5, 1, 1, 7, 7, 9])
+    ids = draft_vocabulary(stream, 10, 3)
+    assert ids.tolist() == [1, 5, 7]  # 7 and 1 tie at 2: the lower id would win a further tie
+    d2t, t2d = vocab_maps(ids, 10)
+    assert (torch.arange(3) + d2t).tolist() == [1, 5, 7] and t2d.nonzero().flatten().tolist() == [1, 5, 7]
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        draft_vocabulary(stream, 10, 11)
+
+
+def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_path: Path) -> None:
+    target = load_model(str(ckpt_b), dtype="float32")[0].requires_grad_(False)
+    vocab = target.config.vocab_size
+    settings = HEAD_PRESETS["tiny"]
+    draft_ids = torch.arange(0, vocab, vocab // 40)[:40]
+    head = build_head(target, draft_ids, seed=0)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[draft_ids])  # starts as the target's
+    windows = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+    data: HeadData = extract_features(target, windows, head.spec.capture_points(target.config.num_hidden_layers))
+    ids, aux, final = data.batch(torch.arange(2))
+    loss, parts = unrolled_losses(head, target, ids, aux, final, draft_ids, settings, passes=2)
+    loss.backward()
+    assert len(parts) == 2 and torch.isfinite(loss) and head.fc.weight.grad is not None
+    assert target.lm_head.weight.grad is None  # the teacher stays frozen
+    head.index_vocab()
+    loaded = load_eagle_head(str(save_head(head, tmp_path / "head", {})), "eagle3", target)
+    with torch.no_grad():
+        features = head.combine(aux)
+        ours = head.logits(head(ids, features, torch.arange(12).expand(2, 12), NoCacheView())[0])
+        theirs = loaded.logits(loaded(ids, loaded.combine(aux), torch.arange(12).expand(2, 12), NoCacheView())[0])
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))  # the same 40 draft ids
+    assert (ours.argmax(-1) == theirs.argmax(-1)).float().mean() > 0.9  # (bf16 on disk)

@@ -80,7 +80,8 @@ def test_paths_through_last_children_move_both_caches(make_llm, ckpt_a, prompts,
     import infer.cache.compaction as compaction
     import infer.engine.runner as runner_module
     import infer.speculative.draft_model as draft_model
-    real_children, real_move = draft_model.children, compaction.move_paths
+    import infer.speculative.tree_expand as tree_expand
+    real_children, real_move = tree_expand.children, compaction.move_paths
     moved = {"target": 0, "draft": 0}
 
     def reversed_children(logits, params, contexts, width, uniforms):
@@ -95,7 +96,7 @@ def test_paths_through_last_children_move_both_caches(make_llm, ckpt_a, prompts,
             return n
         return move
 
-    monkeypatch.setattr(draft_model, "children", reversed_children)
+    monkeypatch.setattr(tree_expand, "children", reversed_children)
     monkeypatch.setattr(runner_module, "move_paths", counting("target"))
     monkeypatch.setattr(draft_model, "move_paths", counting("draft"))
     llm = _tree_llm(make_llm, ckpt_a, ckpt_a, 8, kv_cache_backend=backend, block_size=4)

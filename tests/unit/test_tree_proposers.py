@@ -10,7 +10,8 @@ import torch
 from infer.engine.request import Request
 from infer.engine.speculation import fit_depth
 from infer.sampling import SamplingParams
-from infer.speculative.draft_model import children, fed_positions
+from infer.speculative.draft_model import fed_positions
+from infer.speculative.tree_expand import children
 from infer.speculative.ngram import NgramProposer
 from infer.speculative.tree import Draft, TreeShape
 

@@ -68,13 +68,13 @@ import torch
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.dynamic_draft import expand_dynamic
-from infer.speculative.dynamic_select import draw_children
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeChunk, TreeShape
+from infer.speculative.tree_expand import expand_levels
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
@@ -375,53 +375,19 @@ class DraftModelProposer:
 
     def _expand(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
                 shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
-        """Levels 0 .. max(ks) - 1 -> (tokens [A][N] on the host, probs [A, N, V] on the device
-        or None when every row is greedy, drawn [A][N] on the host: 0 where a sibling found no
-        mass left). Nodes deeper than a row's k hold 0."""
-        device = self.device
-        batch, n_nodes = len(reqs), shape.num_nodes
+        """Levels 0 .. max(ks) - 1 (`tree_expand.expand_levels`): a level's state is the
+        draft's logits after each of its nodes, a deeper level one batched `ForwardFn.tree`."""
         slots = [self.slot(r) for r in reqs]
-        params = [r.sampling_params for r in reqs]
-        all_greedy = all(p.greedy for p in params)
-        base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
-        uniforms = (None if all_greedy  # [A, N]
-                    else to_device(draw_uniforms([r.generator for r in reqs], n_nodes), device))
-        tokens = torch.zeros((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
-        drawn = torch.ones((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
-        probs_out: torch.Tensor | None = None
-        logits = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
-        alive = list(range(batch))
-        host: list[list[int]] = []  # tokens on the host, for penalty contexts only (from depth 1 on)
-        for d, width in enumerate(shape.branching):  # parents at depth d, children at depth d + 1
+
+        def feed(d: int, alive: list[int], keep: list[int], level_tokens: torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
             lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
-            rows = tensor_on(alive, device, torch.long)  # [A']
-            contexts = None
-            if base_contexts is not None:
-                parents: Sequence[int | None] = range(shape.level_starts[d - 1], lo) if d else [None]
-                contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])
-                            for a in alive for p in parents]
-            flat = logits.reshape(-1, logits.shape[-1])  # [A' * P, V]
-            kids, q, ok = children(flat, [params[a] for a in alive for _ in range(logits.shape[1])], contexts, width,
-                                   None if uniforms is None else uniforms[rows, lo:hi].reshape(-1))
-            tokens[rows, lo:hi] = kids.view(len(alive), hi - lo)
-            if ok is not None:
-                drawn[rows, lo:hi] = ok.view(len(alive), hi - lo).long()
-            if q is not None:
-                if probs_out is None:
-                    probs_out = torch.zeros((batch, n_nodes, q.shape[-1]), dtype=q.dtype, device=device)
-                probs_out[rows, lo:hi] = q.view(len(alive), hi - lo, -1)
-            alive = [a for a in alive if ks[a] > d + 1]
-            if not alive:
-                break
-            if base_contexts is not None:
-                host = tokens.tolist()  # (a sync per level, only when a penalty reads the contexts)
-            chunk = TreeChunk.level(shape, d + 1)
             level = BatchLayout.of([slots[a] for a in alive], [reqs[a].num_computed_tokens + 1 + lo for a in alive],
                                    [hi - lo] * len(alive))
-            logits = self.step_forward.tree(tokens[tensor_on(alive, device, torch.long), lo:hi], level,
-                                                chunk)  # [A'', P, V]
-        host = torch.cat([tokens, drawn], dim=1).tolist()  # (the one sync of a round without penalties)
-        return [row[:n_nodes] for row in host], probs_out, [row[n_nodes:] for row in host]
+            return self.step_forward.tree(level_tokens, level, TreeChunk.level(shape, d + 1))  # [A'', P, V]
+
+        root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
+        return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)
 
 def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
     """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
@@ -448,17 +414,3 @@ def tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[
         parent = shape.parents[node]
         valid[node] = bool(drawn[node]) and (parent < 0 or valid[parent])
     return Draft(shape, tuple(t if ok else 0 for t, ok in zip(tokens, valid, strict=True)), tuple(valid), probs)
-
-
-def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
-             width: int, uniforms: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`width` children per parent, flat: logits [M, V] (one row per parent), the parents'
-    params and contexts (None: no penalties), uniforms [M * width] (None: every row greedy)
-    -> (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
-    bool or None; both None when every row is greedy): `draw_children`'s, flat."""
-    tokens, q, drawn, _ = draw_children(logits, params, contexts, width,
-                                        None if uniforms is None else uniforms.view(-1, width))
-    if q is None:
-        return tokens.reshape(-1), None, None
-    return tokens.reshape(-1), q.reshape(-1, q.shape[-1]), drawn.reshape(-1)

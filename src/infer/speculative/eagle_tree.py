@@ -30,10 +30,9 @@ import torch
 
 from infer.cache.view import BatchLayout, BlockMask, CacheView
 from infer.models.eagle import EagleHead
-from infer.sampling import draw_uniforms
-from infer.speculative.draft_model import children
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import TreeChunk, TreeShape
+from infer.speculative.tree_expand import expand_levels
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
@@ -59,50 +58,16 @@ def head_tree_level(head: EagleHead, pool: CachePoolProtocol, ids: torch.Tensor,
 def expand_head_tree(head: EagleHead, pool: CachePoolProtocol, reqs: Sequence[DraftRequest], slots: Sequence[int],
                      bases: Sequence[int], root: torch.Tensor, ks: Sequence[int], shape: TreeShape
                      ) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
-    """Levels 0 .. max(ks) - 1 of each row's tree (module docstring). bases: each row's
-    storage position of g's feed; root: the head's output there [A, H]; ks: depth limits.
-    Returns (tokens [A][N] on the host, q [A, N, V] on the device or None when every row is
-    greedy, drawn [A][N] on the host: 0 where a sibling found no mass left). Nodes deeper
-    than a row's k hold 0."""
-    device = root.device
-    batch, n_nodes = len(reqs), shape.num_nodes
-    params = [r.sampling_params for r in reqs]
-    base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
-    uniforms = (None if all(p.greedy for p in params)  # [A, N]
-                else to_device(draw_uniforms([r.generator for r in reqs], n_nodes), device))
-    tokens = torch.zeros((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
-    drawn = torch.ones((batch, n_nodes), dtype=torch.long, device=device)  # [A, N]
-    probs_out: torch.Tensor | None = None
-    x = root[:, None]  # [A', P, H]: outputs of the parents of the level being chosen (the root: g's)
-    alive = list(range(batch))
-    host: list[list[int]] = []  # tokens on the host, for penalty contexts only (from depth 1 on)
-    for d, width in enumerate(shape.branching):  # parents at depth d, children at depth d + 1
+    """Levels 0 .. max(ks) - 1 of each row's tree (`tree_expand.expand_levels`): a level's
+    state is the head's output after each of its nodes [A', P, H]; a deeper level feeds each
+    node with its parent's output (module docstring). bases: each row's storage position of
+    g's feed; root: the head's output there [A, H]; ks: depth limits."""
+
+    def feed(d: int, alive: list[int], keep: list[int], level_tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
-        rows = tensor_on(alive, device, torch.long)  # [A']
-        contexts = None
-        if base_contexts is not None:
-            parents: Sequence[int | None] = range(shape.level_starts[d - 1], lo) if d else [None]
-            contexts = [base_contexts[a] + ([] if p is None else [host[a][j] for j in shape.paths[p]])
-                        for a in alive for p in parents]
-        logits = head.logits(x.reshape(-1, x.shape[-1]))  # [A' * P, V] over target ids
-        kids, q, ok = children(logits, [params[a] for a in alive for _ in range(x.shape[1])], contexts, width,
-                               None if uniforms is None else uniforms[rows, lo:hi].reshape(-1))
-        tokens[rows, lo:hi] = kids.view(len(alive), hi - lo)
-        if ok is not None:
-            drawn[rows, lo:hi] = ok.view(len(alive), hi - lo).long()
-        if q is not None:
-            if probs_out is None:
-                probs_out = torch.zeros((batch, n_nodes, q.shape[-1]), dtype=q.dtype, device=device)
-            probs_out[rows, lo:hi] = q.view(len(alive), hi - lo, -1)
-        keep = [j for j, a in enumerate(alive) if ks[a] > d + 1]
-        if not keep:
-            break
-        alive = [alive[j] for j in keep]
-        if base_contexts is not None:
-            host = tokens.tolist()  # (a sync per level, only when a penalty reads the contexts)
-        feats = x[tensor_on(keep, device, torch.long)].repeat_interleave(width, dim=1)  # [A'', P * width, H]
+        feats = x[tensor_on(keep, x.device, torch.long)].repeat_interleave(shape.branching[d], dim=1)  # [A'', P, H]
         layout = BatchLayout.of([slots[a] for a in alive], [bases[a] + 1 + lo for a in alive], [hi - lo] * len(alive))
-        x = head_tree_level(head, pool, tokens[tensor_on(alive, device, torch.long), lo:hi], feats, layout,
-                            TreeChunk.level(shape, d + 1))
-    out = torch.cat([tokens, drawn], dim=1).tolist()  # (the one sync of a round without penalties)
-    return [row[:n_nodes] for row in out], probs_out, [row[n_nodes:] for row in out]
+        return head_tree_level(head, pool, level_tokens, feats, layout, TreeChunk.level(shape, d + 1))
+
+    return expand_levels(reqs, ks, shape, root.device, root[:, None], lambda x: head.logits(x.reshape(-1, x.shape[-1])),
+                         feed)

@@ -68,7 +68,7 @@ import torch
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
 from infer.speculative.dynamic_draft import expand_dynamic
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.node_tree import DynamicShape, NodeTree
@@ -289,26 +289,13 @@ class DraftModelProposer:
                                    [params[b].greedy for b in alive])  # [A], [A, V]
             else:
                 logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
-                if drafted is not None:  # constrained rows: q is the draft's masked distribution
-                    logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
-                if greedy:
-                    new = logits.argmax(dim=-1)  # [A]
-                else:
-                    sub = [params[b] for b in alive]
-                    ctx = [contexts[b] for b in alive] if contexts is not None else None
-                    probs = logits_to_probs(logits, sub, ctx)  # [A, V]
-                    new = sample_from_probs(probs, uniforms[rows, step])
+                new, probs = draw_step(logits, alive, params, grammars, contexts, drafted,
+                                       None if uniforms is None else uniforms[rows, step], greedy)
             if probs is not None:
                 if probs_out is None:
                     probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
                 probs_out[rows, step] = probs
             tokens[rows, step] = new
-            if contexts is not None or drafted is not None:  # a host sync: the next mask needs the tokens
-                for b, t in zip(alive, new.tolist(), strict=True):
-                    if contexts is not None:
-                        contexts[b].append(t)
-                    if drafted is not None:
-                        drafted[b].append(t)
             for b in alive:
                 starts[b] += lens[b]
                 lens[b] = 1
@@ -388,6 +375,32 @@ class DraftModelProposer:
 
         root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)
+
+def draw_step(logits: torch.Tensor, alive: Sequence[int], params: Sequence[SamplingParams],
+              grammars: Sequence[object], contexts: list[list[int]] | None, drafted: list[list[int]] | None,
+              uniforms: torch.Tensor | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One step of a chain draft for the batch rows `alive`: logits [A', V] -> (tokens [A'],
+    q [A', V] or None when every row is greedy). Constrained rows (`drafted` not None) are
+    masked by their grammar at the tokens drafted so far, so q is the draft's masked
+    distribution; penalised rows see their contexts; uniforms [A'] are this step's. The
+    contexts and drafted lists grow by the new tokens (a host sync, only when either exists)."""
+    if drafted is not None:
+        logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
+    probs = None
+    if greedy:
+        new = logits.argmax(dim=-1)  # [A']
+    else:
+        assert uniforms is not None
+        probs = logits_to_probs(logits, [params[b] for b in alive],
+                                None if contexts is None else [contexts[b] for b in alive])  # [A', V]
+        new = sample_from_probs(probs, uniforms)
+    if contexts is not None or drafted is not None:  # the next mask or penalty needs the tokens
+        for b, t in zip(alive, new.tolist(), strict=True):
+            for grown in (contexts, drafted):
+                if grown is not None:
+                    grown[b].append(t)
+    return new, probs
+
 
 def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
     """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded

@@ -44,11 +44,10 @@ import torch
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
-from infer.sampling import logits_to_probs, sample_from_probs, temperature_only
-from infer.speculative.draft_model import fed_positions, row_uniforms, tree_draft
+from infer.sampling import temperature_only
+from infer.speculative.draft_model import draw_step, fed_positions, row_uniforms, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.eagle_tree import expand_head_tree
-from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeShape
 from infer.transfer import tensor_on, to_device
@@ -319,25 +318,13 @@ class EagleProposer:
         alive = list(range(batch))
         for step in range(k_max):
             rows = tensor_on(alive, self.device, torch.long)
-            logits = self.head.logits(x)  # [A', V]
-            if drafted is not None:
-                logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
-            if greedy:
-                new = logits.argmax(dim=-1)  # [A']
-            else:
-                ctx = None if contexts is None else [contexts[b] for b in alive]
-                probs = logits_to_probs(logits, [params[b] for b in alive], ctx)  # [A', V]
-                assert uniforms is not None
-                new = sample_from_probs(probs, uniforms[rows, step])
+            new, probs = draw_step(self.head.logits(x), alive, params, grammars, contexts, drafted,
+                                   None if uniforms is None else uniforms[rows, step], greedy)
+            if probs is not None:
                 if probs_out is None:
                     probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
                 probs_out[rows, step] = probs
             tokens[rows, step] = new
-            if contexts is not None or drafted is not None:  # a host sync: the next mask needs the tokens
-                for b, t in zip(alive, new.tolist(), strict=True):
-                    for grown in (contexts, drafted):
-                        if grown is not None:
-                            grown[b].append(t)
             keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
             if not keep:
                 break

@@ -25,24 +25,29 @@ from infer.models.linear import LinearBase, make_linear
 from infer.models.rope import cos_sin, rotary_qk
 
 SENTINEL = 7.0  # what cache rows no token writes keep
-# (dtype, head_dim, kv heads): a power-of-two head, and one the kernel pads (24 -> 32)
-ROTARY_CASES = [(torch.float16, 16, 2), (torch.float32, 24, 1)]
+# (dtype, head_dim, kv heads, strided rows): a power-of-two head, one the kernel pads
+# (24 -> 32), and rows given as one column of a wider table (a draft loop's step)
+ROTARY_CASES = [(torch.float16, 16, 2, False), (torch.float32, 24, 1, False), (torch.float16, 16, 2, True)]
 HQ, SCRATCH = 4, 39  # query heads; the pool's scratch row (the last of 40)
 
 
 def _rotary_case(ci: int) -> dict[str, torch.Tensor]:
     """q, k, v as views of one qkv output [B=2, T=3, ...]; rows of a paged pool (block 4):
     row 0 holds 3 tokens at positions 5-7 (blocks 1 and 3), row 1 one token at 13 then two
-    padding tokens (to the scratch row)."""
-    dtype, d, hkv = ROTARY_CASES[ci]
+    padding tokens (to the scratch row). Strided rows: column 0 of a [6, 2] table whose
+    column 1 names rows no token should write."""
+    dtype, d, hkv, strided = ROTARY_CASES[ci]
     g = torch.Generator().manual_seed(ci)
     qkv = torch.randn(2, 3, (HQ + 2 * hkv) * d, generator=g).to(dtype)  # [B, T, (Hq + 2 Hkv) D]
     q, k, v = qkv.split([HQ * d, hkv * d, hkv * d], dim=-1)
     positions = torch.tensor([[5, 6, 7], [13, 14, 15]])
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).float() / d))
     cos, sin = cos_sin(positions, inv_freq, dtype)
+    rows = torch.tensor([5, 6, 7 + 8, 21, SCRATCH, SCRATCH])
+    if strided:
+        rows = torch.stack([rows, torch.tensor([0, 1, 2, 3, 4, 8])], dim=1)[:, 0]  # stride 2
     return {"q": q.view(2, 3, HQ, d), "k": k.view(2, 3, hkv, d), "v": v.view(2, 3, hkv, d), "cos": cos, "sin": sin,
-            "rows": torch.tensor([5, 6, 7 + 8, 21, SCRATCH, SCRATCH]),
+            "rows": rows,
             "cache": torch.full((SCRATCH + 1, hkv, d), SENTINEL, dtype=dtype)}
 
 

@@ -108,7 +108,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     hkv = k_cache.shape[1]
     group = hq // hkv
     q = q.contiguous()
-    q_pos = q_pos.contiguous()
+    q_pos, ctx_end = q_pos.contiguous(), ctx_end.contiguous()
     chunk, splits = split_plan(gather_rows.shape[1])
     m = torch.empty((b, t, hq, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)

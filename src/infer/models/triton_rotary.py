@@ -34,7 +34,7 @@ def _rotate(src, d, partner, lower, inside, c, s):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _rotary_write_kernel(Q, K, V, COS, SIN, ROWS, QO, KC, VC, T,
+def _rotary_write_kernel(Q, K, V, COS, SIN, ROWS, QO, KC, VC, T, s_rows,
                          s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_ct, s_sb, s_st,
                          s_ob, s_ot, s_oh, s_cr, s_ch,
                          HQ: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
@@ -53,7 +53,7 @@ def _rotary_write_kernel(Q, K, V, COS, SIN, ROWS, QO, KC, VC, T,
         tl.store(QO + b * s_ob + t * s_ot + head * s_oh + d, out, mask=inside)
     else:
         kv = head - HQ
-        row = tl.load(ROWS + tok).to(tl.int64)
+        row = tl.load(ROWS + tok * s_rows).to(tl.int64)
         dst = row * s_cr + kv * s_ch + d
         out = _rotate(K + b * s_kb + t * s_kt + kv * s_kh, d, partner, lower, inside, c, s)
         tl.store(KC + dst, out.to(KC.dtype.element_ty), mask=inside)
@@ -91,14 +91,15 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (any strides, D contiguous: the views of the qkv
     output); cos, sin: [B, T, 1, D] in q's dtype (`kernels.cos_sin`); k_cache, v_cache:
-    [rows, Hkv, D] (one layer); write_rows: [B * T] long, the storage row of each token.
+    [rows, Hkv, D] (one layer); write_rows: [B * T] long, the storage row of each token
+    (any stride: a draft step's rows are one column of its loop's [B, W] rows).
     Returns the rotated q [B, T, Hq, D] (contiguous).
     """
     check_rotary_inputs(q, k, v, cos, sin, k_cache, v_cache, write_rows)
     b, t, hq, dim = q.shape
     out = torch.empty((b, t, hq, dim), dtype=q.dtype, device=q.device)  # [B, T, Hq, D]
     _rotary_write_kernel[(b * t, hq + k.shape[2])](
-        q, k, v, cos, sin, write_rows, out, k_cache, v_cache, t,
+        q, k, v, cos, sin, write_rows, out, k_cache, v_cache, t, write_rows.stride(0),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         out.stride(0), out.stride(1), out.stride(2), k_cache.stride(0), k_cache.stride(1),

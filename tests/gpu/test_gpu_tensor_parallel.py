@@ -8,7 +8,8 @@ hold collectives, and its step-by-step path sends the previous step's tokens fro
 GPU), n-gram speculation, tree speculation (a sharded draft's levels and the verification block
 as tree graphs on every rank, the tree verifier on rank 0 alone), seeded sampling, compiled
 kernels. A worker captures the forward graphs only: no sampling, acceptance or tree
-verification graphs, no draft probabilities (counted from its report). bf16 on the dummy
+verification graphs, no draft probabilities (counted from its report). The one-shot
+all-reduce for small messages in place of NCCL's gives the same tokens. bf16 on the dummy
 Llama-3.2-1B shape: the ranks hold exact parts of the one-GPU dummy model, so TP=2 tokens
 equal TP=1's up to bf16 rounding near-ties. Every engine's worker must exit 0 when it
 closes (its NCCL communicator destroyed after the CUDA graphs that captured it are freed).
@@ -66,6 +67,7 @@ CASES: dict[str, dict[str, Any]] = {
     "tree-draft-sharded": dict(use_speculative_decoding=True, spec_tree="2,2", tensor_parallel_draft="sharded"),
     "tree-ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="3,1"),
     "sampled": {},
+    "one-shot": dict(tensor_parallel_all_reduce="one-shot"),  # (TP=2 only: TP=1 has no all-reduce)
 }
 
 
@@ -84,7 +86,8 @@ def test_tp2_tokens_equal_tp1(tp_ckpt: Path, tp_draft: Path, prompts: list[list[
         params = [SamplingParams(temperature=0.9, top_p=0.9 if i % 2 else 1.0, seed=100 + i, max_tokens=MAX_NEW,
                                  ignore_eos=True) for i in range(len(prompts))]
     rounds = 2 if case == "prefix-chunked" else 1
-    one = _tokens(str(tp_ckpt), prompts, params, rounds, **kwargs)
+    one = _tokens(str(tp_ckpt), prompts, params, rounds,
+                  **{k: v for k, v in kwargs.items() if k != "tensor_parallel_all_reduce"})
     two = _tokens(str(tp_ckpt), prompts, params, rounds, tensor_parallel_size=2, **kwargs)
     assert two == one
 

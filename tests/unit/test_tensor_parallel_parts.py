@@ -284,6 +284,8 @@ def test_collective_kernels_are_told_apart() -> None:
     assert collective_kind("ncclDevKernel_Broadcast_RING_LL") == "broadcast"
     assert collective_kind("ncclDevKernel_SendRecv") == "other_collective"
     assert collective_kind("ampere_bf16_s16816gemm") is None
+    assert collective_kind("void (anonymous namespace)::one_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)") \
+        == "all_reduce"
     out = summarize_kernels([("ncclDevKernel_AllReduce_Sum", 30.0), ("gemm", 150.0),
                              ("ncclDevKernel_AllReduce_Sum", 30.0), ("ncclDevKernel_AllGather", 20.0)],
                             steps=2, wall_s=0.0004)

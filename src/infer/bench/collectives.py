@@ -30,9 +30,12 @@ _KINDS = (("allreduce", "all_reduce"), ("allgather", "all_gather"), ("broadcast"
 
 
 def collective_kind(kernel_name: str) -> str | None:
-    """"all_reduce" / "all_gather" / "broadcast" for an NCCL kernel's name, "other_collective"
-    for another NCCL kernel, None for any other kernel."""
+    """"all_reduce" / "all_gather" / "broadcast" for an NCCL kernel's name (and "all_reduce"
+    for the one-shot all-reduce kernel, distributed/one_shot.py), "other_collective" for
+    another NCCL kernel, None for any other kernel."""
     name = kernel_name.lower()
+    if "one_shot_all_reduce" in name:
+        return "all_reduce"
     if "nccl" not in name:
         return None
     return next((kind for key, kind in _KINDS if key in name), "other_collective")

@@ -228,6 +228,9 @@ def w2_rows(m: Models) -> list[Row]:
                        {"baseline": "w2-prefix/3b/prefix-cache"})]
 
 
+ONE_SHOT = {"tensor_parallel_all_reduce": "one-shot"}
+
+
 def tp_rows(m: Models) -> list[Row]:
     """Most important first. Dummy weights shard exactly, so "greedy match" compares TP=N
     tokens with TP=1's: equal up to rounding near-ties."""
@@ -244,6 +247,8 @@ def tp_rows(m: Models) -> list[Row]:
                    {"baseline": "tp/8b/w1-tp1"}, paired_with=one, needs=gpus),
         engine_row(f"{base8}-sync", "the same, synchronous steps", g1, w1,
                    {"model": SHAPE_8B, **tp_n, "async_scheduling": False}, {"baseline": "tp/8b/w1-tp1"}, needs=gpus),
+        engine_row(f"{base8}-one-shot", "the one-shot all-reduce for small messages", g1, w1,
+                   {"model": SHAPE_8B, **tp_n, **ONE_SHOT}, {"baseline": "tp/8b/w1-tp1"}, needs=gpus),
         engine_row(base3, f"3B shape at TP={n}", g3, w1, {"model": SHAPE_3B, **tp_n}, needs=gpus),
         engine_row(f"tp/3b-1b/k5-draft-driver-tp{n}", "1B draft on the driver, K=5", g3, w1, spec,
                    {"baseline": base3}, needs=gpus),
@@ -254,9 +259,13 @@ def tp_rows(m: Models) -> list[Row]:
                    needs=gpus),
         collectives_row(f"tp/8b/collectives-tp{n}", "the collectives' time a decode step (profile, rank 0)",
                         f"TP={n}: collectives", w1, {"model": SHAPE_8B, **tp_n}, needs=gpus),
+        collectives_row(f"tp/8b/collectives-tp{n}-one-shot", "the same with the one-shot all-reduce",
+                        f"TP={n}: collectives", w1, {"model": SHAPE_8B, **tp_n, **ONE_SHOT}, needs=gpus),
         engine_row("tp/8b/w2-tp1", "W2 on one GPU", g2, w2, one, needs=gpus),
         engine_row(f"tp/8b/w2-tp{n}", f"W2 at TP={n}", g2, w2, {"model": SHAPE_8B, **tp_n},
                    {"baseline": "tp/8b/w2-tp1"}, needs=gpus),
+        engine_row(f"tp/8b/w2-tp{n}-one-shot", f"W2 at TP={n}, one-shot all-reduce", g2, w2,
+                   {"model": SHAPE_8B, **tp_n, **ONE_SHOT}, {"baseline": "tp/8b/w2-tp1"}, needs=gpus),
         engine_row(f"{base8}-lm-head-replicated", "replicated lm_head", gl, w1,
                    {"model": SHAPE_8B, **tp_n, "tensor_parallel_lm_head": "replicated"}, {"baseline": base8},
                    needs=gpus),

@@ -149,7 +149,7 @@ class TensorParallelDriver:
             self.device, store = self._start_ranks()
             hook = sys.excepthook
             with loopback_gloo() if store is not None else nullcontext():  # (torchrun: the user's network)
-                control = join(0, self.world_size, self.device, store)
+                control = join(0, self.world_size, self.device, store, config.tensor_parallel_all_reduce)
             self._res.device, self._res.joined, self._res.excepthooks = self.device, True, (hook, sys.excepthook)
         except BaseException:
             self.close()

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from infer.models.parallel import set_small_all_reduce
+
 CONTROL_TIMEOUT = timedelta(days=3650)  # a worker waits for the next step however long the engine idles
 JOIN_TIMEOUT = timedelta(minutes=10)  # the default group's collectives (a step's all-reduces)
 
@@ -102,16 +104,25 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join(rank: int, world_size: int, device: torch.device, store: dist.Store | None) -> dist.ProcessGroup:
+def join(rank: int, world_size: int, device: torch.device, store: dist.Store | None,
+         all_reduce: str = "nccl") -> dist.ProcessGroup:
     """Join the default group (through `store`, or torchrun's env:// when None) and the
     control group; returns the control group. NVLink multicast (NVLS) stays off unless the
-    environment says otherwise: its buffers cost GPU memory and small all-reduces gain nothing."""
+    environment says otherwise: its buffers cost GPU memory and small all-reduces gain nothing.
+    `all_reduce="one-shot"` (CUDA devices only) installs the one-shot all-reduce for small
+    messages (distributed/one_shot.py); `leave` removes it."""
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed process group: one tensor-parallel "
                            "engine per process at a time (close the other engine first)")
     backend = backend_for(device)
+    if all_reduce not in ("nccl", "one-shot"):
+        raise ValueError(f"all_reduce must be 'nccl' or 'one-shot', got {all_reduce!r}")
+    if all_reduce == "one-shot" and backend != "nccl":
+        raise ValueError(f"tensor_parallel_all_reduce='one-shot' runs between CUDA devices, not {device.type}: "
+                         "set tensor_parallel_all_reduce='nccl'")
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=None if store is not None else "env://", store=store, rank=rank,
                             world_size=world_size, timeout=JOIN_TIMEOUT,
@@ -120,7 +131,11 @@ def join(rank: int, world_size: int, device: torch.device, store: dist.Store | N
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         assert control is not None
         dist.all_reduce(torch.zeros(1, device=device))  # connects every rank now, not inside a CUDA graph capture
+        if all_reduce == "one-shot":
+            from infer.distributed.one_shot import OneShotAllReduce
+            set_small_all_reduce(OneShotAllReduce(device))
     except BaseException:
+        set_small_all_reduce(None)
         dist.destroy_process_group()
         raise
     return control
@@ -129,5 +144,6 @@ def join(rank: int, world_size: int, device: torch.device, store: dist.Store | N
 def leave() -> None:
     """Leave the process groups (CUDA graphs that captured collectives must be freed first:
     NCCL cannot destroy a communicator such a graph still holds)."""
+    set_small_all_reduce(None)  # (its peer buffers go before the group)
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -207,7 +207,7 @@ def serve_torchrun_rank(config: EngineConfig) -> int:
                          f"{config.tensor_parallel_size}: they must be equal")
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torchrun_device(config.device, launch.local_rank, cuda_count)
-    control = join(launch.rank, launch.world_size, device, None)
+    control = join(launch.rank, launch.world_size, device, None, config.tensor_parallel_all_reduce)
     try:
         serve_rank(config, launch.rank, device, control)
     finally:
@@ -254,7 +254,7 @@ def main(ready_fd: int) -> int:
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     device = torch.device(spec.device)
-    control = join(spec.rank, spec.world_size, device, store)
+    control = join(spec.rank, spec.world_size, device, store, spec.config.tensor_parallel_all_reduce)
     try:
         serve_rank(spec.config, spec.rank, device, control)
     finally:

@@ -46,6 +46,8 @@ _HELP = {
                                  "(plus one all-reduce a step)",
     "tensor_parallel_lm_head": "vocab_parallel | replicated: each rank computes V/N logits (all-gathered), or all",
     "tensor_parallel_draft": "driver | sharded: the draft model whole on rank 0, or split over the ranks",
+    "tensor_parallel_all_reduce": "nccl | one-shot: small all-reduces (decode steps) by one kernel over NVLink "
+                                  "peer memory, NCCL for the rest",
     "mixed_batches": "run prefill chunks and plain decode rows of a step in one packed forward "
                      "(default: on; --no-mixed-batches: a forward each)",
 }

@@ -28,6 +28,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tensor_parallel_embedding": _VOCAB_LAYOUTS,
     "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
     "tensor_parallel_draft": ("driver", "sharded"),
+    "tensor_parallel_all_reduce": ("nccl", "one-shot"),
 }
 
 
@@ -48,7 +49,7 @@ class EngineConfig:
                          "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
                          EAGLE / EAGLE-3 head), draft_model, spec_length (K), spec_tree,
                          spec_policy ("fixed" or "adaptive"), n-gram orders and window
-      parallelism        tensor_parallel_size and the placement of embedding, head, draft
+      parallelism        tensor_parallel_size, the placement of embedding, head, draft, the all-reduce
       sampling           seed (of requests that set none)
     """
 
@@ -114,6 +115,9 @@ class EngineConfig:
     tensor_parallel_embedding: str = "replicated"  # or "vocab_parallel" (V/N rows a rank, one all-reduce)
     tensor_parallel_lm_head: str = "vocab_parallel"  # or "replicated" (every rank computes every logit)
     tensor_parallel_draft: str = "driver"  # the draft model whole on rank 0, or "sharded" like the target
+    # "one-shot": small all-reduces (decode steps) by one kernel over NVLink peer memory
+    # (distributed/one_shot.py), NCCL for the rest; "nccl": NCCL for every all-reduce
+    tensor_parallel_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
         if self.spec_length is None:
@@ -170,6 +174,9 @@ class EngineConfig:
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="
                              "True with speculative_method='draft_model', or leave tensor_parallel_draft unset")
+        if self.tensor_parallel_all_reduce == "one-shot" and (self.tensor_parallel_size < 2 or self.device == "cpu"):
+            raise ValueError("tensor_parallel_all_reduce='one-shot' runs between CUDA devices: set "
+                             "tensor_parallel_size >= 2 on GPUs, or leave tensor_parallel_all_reduce='nccl'")
         if self.use_speculative_decoding:
             if self.batching_mode != "continuous":
                 raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")

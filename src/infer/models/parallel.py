@@ -11,11 +11,14 @@ A `Parallel` setting is an attribute of a layer (models/linear.py), not a class 
                  all-gathered so every rank has all of them
 
 Collectives run on torch.distributed's default process group (NCCL on GPUs, where CUDA
-graphs capture them like any kernel; gloo on CPUs).
+graphs capture them like any kernel; gloo on CPUs). A process's tensor-parallel group may
+install a faster all-reduce for the messages it serves (`set_small_all_reduce`: the one-shot
+kernel of distributed/one_shot.py); every other message goes through the group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +65,25 @@ class Parallel:
 REPLICATED = Parallel()
 
 
+# y -> the sum over the ranks (a new tensor), or None for a message it does not serve
+SmallAllReduce = Callable[[torch.Tensor], torch.Tensor | None]
+_small_all_reduce: SmallAllReduce | None = None
+
+
+def set_small_all_reduce(fn: SmallAllReduce | None) -> None:
+    """Install (None: remove) the all-reduce tried first by `all_reduce_sum`: one per process,
+    as the process group it runs over (distributed/group.py installs it on joining)."""
+    global _small_all_reduce
+    _small_all_reduce = fn
+
+
 def all_reduce_sum(y: torch.Tensor) -> torch.Tensor:
-    """Sum y over the ranks, in place (every rank gets the same bits); returns y."""
+    """Sum y over the ranks (every rank gets the same bits); returns the sum: y itself, summed
+    in place by the process group, or a new tensor from the installed small all-reduce."""
+    if _small_all_reduce is not None:
+        out = _small_all_reduce(y)
+        if out is not None:
+            return out
     dist.all_reduce(y)
     return y
 

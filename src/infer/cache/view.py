@@ -223,8 +223,10 @@ class CacheView:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
         self.indices = indices
         self._on_commit = on_commit
-        self.block = block  # tree speculation: gather + SDPA with the block rule, on every device
+        # tree speculation: the block rule (in the Triton kernel on CUDA, else gather + SDPA)
+        self.block = block
         self._mask: torch.Tensor | None = None
+        self._bits: torch.Tensor | None = None  # the block rule as the kernel's bit sets
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -235,9 +237,16 @@ class CacheView:
         """Attention of q [B, T, Hq, D] (rotated) over the rows' context, this chunk's k/v
         already written to kc, vc (one layer's caches): [B, T, Hq, D]."""
         idx = self.indices
-        if self.block is None and use_triton_attention(q):
-            from infer.models.triton_attention import paged_decode_attention
-            return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
+        if use_triton_attention(q):
+            from infer.models.triton_attention import MAX_BLOCK, block_bits, paged_decode_attention
+            if self.block is None:
+                return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
+            width = self.block.rows.shape[-1]
+            if width <= MAX_BLOCK:
+                if layer == 0 or self._bits is None:  # once per forward
+                    self._bits = block_bits(self.block.rows)
+                return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end,
+                                              (self._bits, self.block.first_row, width))
         if layer == 0 or self._mask is None:  # once per forward (inside a captured graph too)
             self._mask = idx.mask()
             if self.block is not None:

@@ -13,6 +13,12 @@ then runs tens of programs per layer instead of one per KV head, each a short lo
 chain of dependent loads (row index, key, value) of a long serial loop is what bounded it.
 The number of chunks follows the gather width (fixed per CUDA graph), so chunks past a
 row's context end at once.
+
+Tree verification adds a block rule (`cache.view.BlockMask`): inside the W positions of the
+tree's block, query t sees key c only where its ancestor bit c is set. The rule comes as
+one int64 bit set per query (`block_bits`: [T] for a static tree, [B, T] per row for dynamic
+trees, W <= MAX_BLOCK), so the kernel masks those keys as it streams them, without a
+[B, T, S] mask.
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ import triton.language as tl
 
 MAX_SPLITS = 16
 MIN_CHUNK = 64
+MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
 
 
-@triton.jit(do_not_specialize=["T", "s_rb"])
-def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, M_OUT, L_OUT, A_OUT, scale,
-                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb,
+@triton.jit(do_not_specialize=["T", "s_rb", "s_bb", "s_bt", "FIRST_ROW", "WIDTH"])
+def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, scale,
+                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_bb, s_bt, FIRST_ROW, WIDTH,
                      T, HQ: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                      GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, HAS_BLOCK: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     t = tl.program_id(2) // SPLITS
@@ -47,9 +54,17 @@ def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, M_OUT, L_OUT, A_OUT, scale,
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
+    if HAS_BLOCK:
+        bits = tl.load(BITS + b * s_bb + t * s_bt)  # int64: the block keys query t sees
+        base = tl.load(QPOS + b * T) - FIRST_ROW  # the block's first position in this row
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         valid = offs < hi
+        if HAS_BLOCK:
+            rel = offs - base
+            inside = (rel >= 0) & (rel < WIDTH)
+            seen = ((bits >> tl.where(inside, rel, 0).to(tl.int64)) & 1) != 0
+            valid = valid & (seen | ~inside)
         rows = tl.load(ROWS + b * s_rb + offs, mask=valid, other=0).to(tl.int64)
         k = tl.load(K + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
@@ -59,8 +74,10 @@ def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, M_OUT, L_OUT, A_OUT, scale,
             s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        # a tile whose keys are all masked so far leaves m at -inf: exponents against 0 then
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_ref[:, None])
+        alpha = tl.exp(m_i - m_ref)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -100,10 +117,22 @@ def split_plan(context_width: int) -> tuple[int, int]:
     return chunk, triton.next_power_of_2(-(-context_width // chunk))
 
 
+def block_bits(rows: torch.Tensor) -> torch.Tensor:
+    """A block rule's bool rows [..., T, W] (W <= MAX_BLOCK) -> int64 bit sets [..., T]:
+    bit c set where query t sees block key c."""
+    width = rows.shape[-1]
+    if width > MAX_BLOCK:
+        raise ValueError(f"a tree block of {width} positions is wider than the kernel's {MAX_BLOCK}")
+    weights = torch.ones(width, dtype=torch.long, device=rows.device) << torch.arange(width, device=rows.device)
+    return (rows.long() * weights).sum(-1)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor) -> torch.Tensor:
+                           gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
+                           block: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
     """q: [B, T, Hq, D]; k_cache, v_cache: [rows, Hkv, D] (one layer); gather_rows: [B, S];
-    q_pos: [B, T]; ctx_end: [B] -> [B, T, Hq, D]."""
+    q_pos: [B, T]; ctx_end: [B] -> [B, T, Hq, D]. `block`: a tree's rule as (`block_bits`
+    [T] or [B, T], the block's first row as in `BlockMask`, its width W)."""
     b, t, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -113,11 +142,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     m = torch.empty((b, t, hq, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     a = torch.empty((b, t, hq, splits, d), dtype=torch.float32, device=q.device)
+    bits, first_row, width = block if block is not None else (ctx_end, 0, 0)  # (bits unread without a block)
+    s_bb, s_bt = (0, bits.stride(0)) if bits.dim() == 1 else (bits.stride(0), bits.stride(1))
     _split_attention[(b, hkv, t * splits)](
-        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, m, l, a, d ** -0.5,
+        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, bits, m, l, a, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), gather_rows.stride(0),
+        s_bb, s_bt, first_row, width,
         T=t, HQ=hq, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, num_warps=4)
+        BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, HAS_BLOCK=block is not None, num_warps=4)
     out = torch.empty_like(q)
     _combine[(b, t, hq)](m, l, a, out, out.stride(0), out.stride(1), out.stride(2), T=t, HQ=hq, SPLITS=splits, D=d,
                          num_warps=1)

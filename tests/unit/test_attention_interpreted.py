@@ -1,0 +1,89 @@
+"""The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
+CPU (tiny shapes; skipped without triton), against the gathered masked-SDPA reference that
+`CacheView` runs on the CPU: a plain verification chunk, and tree verification with the
+block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W], dynamic trees), the
+block starting one row before the chunk (its root already in the cache). The interpreter
+must be on before triton.language is imported, so the kernel runs in a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.cache.view import BlockMask, position_mask
+from infer.models.attention import masked_attention
+
+B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 24, 64
+FIRST_ROW, WIDTH = 1, 5  # block rows: the root (cached) and the chunk's 4 nodes
+# a tree of 4 nodes under the root: nodes 1, 2 children of the root, 3 of 1, 4 of 2
+STATIC = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+# row 1: a chain 1 -> 2 -> 3 -> 4
+CHAIN = torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+
+
+def _case() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(ROWS, HKV, D, generator=g)
+    v_cache = torch.randn(ROWS, HKV, D, generator=g)
+    q = torch.randn(B, T, HQ, D, generator=g)
+    gather = torch.stack([torch.randperm(ROWS - 1, generator=g)[:S] for _ in range(B)])  # [B, S] paged rows
+    starts = torch.tensor([10, 7])  # each row's first chunk position
+    q_pos = starts[:, None] + torch.arange(T)  # [B, T]
+    return {"k": k_cache, "v": v_cache, "q": q, "gather": gather, "q_pos": q_pos, "ctx_end": starts + T}
+
+
+def _rules() -> dict[str, torch.Tensor | None]:
+    return {"plain": None, "static": STATIC, "per-row": torch.stack([STATIC, CHAIN])}
+
+
+def run_interpreted_cases() -> dict[str, torch.Tensor]:
+    from infer.models.triton_attention import block_bits, paged_decode_attention
+    c, out = _case(), {}
+    for name, rows in _rules().items():
+        block = None if rows is None else (block_bits(rows), FIRST_ROW, WIDTH)
+        out[name] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, torch.Tensor]:
+    pytest.importorskip("triton")
+    import tempfile
+    here = Path(__file__).resolve().parent
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "outputs.pt"
+        script = ("import sys, torch, test_attention_interpreted as t; "
+                  "torch.save(t.run_interpreted_cases(), sys.argv[1])")
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+            [str(here.parents[1] / "src"), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(path)
+
+
+@pytest.mark.parametrize("rule", list(_rules()))
+def test_the_kernel_is_the_gathered_masked_attention(interpreted: dict[str, torch.Tensor], rule: str) -> None:
+    c, rows = _case(), _rules()[rule]
+    mask = position_mask(c["q_pos"], c["ctx_end"], S)  # [B, T, S]
+    if rows is not None:
+        mask = mask & BlockMask(rows, FIRST_ROW).visibility(c["q_pos"], S)
+    ref = masked_attention(c["q"], c["k"][c["gather"]], c["v"][c["gather"]], mask)
+    assert torch.allclose(interpreted[rule], ref, atol=1e-5, rtol=1e-5)
+    if rows is not None:  # the rule changed the result (a kernel ignoring it fails above)
+        plain = masked_attention(c["q"], c["k"][c["gather"]], c["v"][c["gather"]],
+                                 position_mask(c["q_pos"], c["ctx_end"], S))
+        assert not torch.allclose(ref, plain, atol=1e-3)
+
+
+def test_block_bits_pack_the_rule_and_refuse_wide_blocks() -> None:
+    from infer.models.triton_attention import MAX_BLOCK, block_bits
+    assert block_bits(STATIC).tolist() == [0b00011, 0b00101, 0b01011, 0b10101]
+    assert block_bits(torch.stack([STATIC, CHAIN])).shape == (2, T)
+    with pytest.raises(ValueError, match="wider than the kernel"):
+        block_bits(torch.ones(2, MAX_BLOCK + 1, dtype=torch.bool))

@@ -1,9 +1,10 @@
 """CUDA graphs of an EAGLE head's draft rounds: `speculative/eagle_round.head_round` captured whole.
 
-A head's draft step is one small decoder layer: run eagerly it is some twenty kernel
-launches, so its time is launch-bound, not weight-bound. The round runs the head's kernel
-bundle (`step_kernels` of the head: fused with CUDA graphs on a GPU, as the target's decode
-steps), and `GraphHeadRound` captures a whole
+A head's draft step is one small decoder layer: run eagerly through the eager kernels it
+is some twenty launches, so its time is launch-bound, not weight-bound. The round runs the
+head's kernel bundle (`step_kernels` of the head: the fused one with CUDA graphs on a GPU,
+as the target's decode steps: the MLP and the final norm + lm_head as GEMVs with their
+prologues and epilogues), and `GraphHeadRound` captures a whole
 round (the last catch-up feed, padded to width w, then steps - 1 one-token steps, each
 sampling on the device) per (batch bucket, w, steps, every row greedy), for buckets up to
 `sampling_batch_max`, with the graph machinery of `graphs.py`: one pinned staging buffer

@@ -6,17 +6,36 @@ under the public tensor names: EAGLE `fc.weight` [H, 2H], `layers.0.*` without a
 norm; EAGLE-3 `fc.weight` [H, 3H], `midlayer.*` with 2H-wide q/k/v and `hidden_norm`,
 `norm.weight`, `lm_head.weight` [draft_vocab, H], `d2t` and `t2d`. `reference_head` is the
 format's forward in a few lines of plain torch, to check the engine's head against.
+`counting_fused_kernels` is the fused bundle with EAGER's functions as its fallbacks (every
+route on the CPU is the library one), counting the calls that reach them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from infer.models.kernels import Kernels, fused_kernels
+
+
+def counting_fused_kernels() -> tuple[Kernels, list[str]]:
+    """(the fused bundle whose elementwise steps are EAGER's own functions, the names of
+    those steps as they are called)."""
+    calls: list[str] = []
+
+    def wrap(fn: Callable) -> Callable:
+        def counted(*args: Any) -> Any:
+            calls.append(fn.__name__)
+            return fn(*args)
+        return counted
+
+    return fused_kernels(wrap), calls
 
 
 def write_head(directory: Path, target_dir: Path, method: str, *, seed: int = 0, draft_vocab: int | None = None,

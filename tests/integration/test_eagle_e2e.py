@@ -1,7 +1,8 @@
 """EAGLE / EAGLE-3 heads end to end (CPU): greedy parity with plain decoding under batching,
 prefix caching, chunked prefill and preemption (the suite's `make_llm` checks that nothing
 leaks); losslessness of sampling on a tiny vocabulary (total variation against the exact
-joint distribution, with a negative control); a mismatched head refused at load."""
+joint distribution, with a negative control); a mismatched head refused at load; the head's
+rounds through the fused kernel bundle drafting what EAGER drafts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.eagle_heads import write_head
+from helpers.eagle_heads import counting_fused_kernels, write_head
 from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
 from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run
 from infer import LLM, SamplingParams
@@ -199,3 +200,38 @@ def test_fused_round_matches_general_path(make_llm, ckpt_a, heads, prompts, temp
         results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
         assert (proposer.fused_rounds > 0) == fused
     assert results[0] == results[1]
+
+
+def test_rounds_through_the_fused_bundle_draft_as_eager(make_llm, ckpt_a, heads, prompts, monkeypatch) -> None:
+    """The head's bundle reaches its rounds (runner -> `step_kernels` of the head -> proposer ->
+    `head_round`): the fused bundle with EAGER's functions as its fallbacks (the CPU's
+    routes) drafts EAGER's tokens, greedy and seeded sampled rows in one batch."""
+    import infer.engine.runner as runner_module
+    from infer.models.eagle import EagleHead
+    params = [SamplingParams(temperature=0.0 if s % 2 == 0 else 1.0, max_tokens=9, ignore_eos=True, seed=s)
+              for s in range(4)]
+    fused, calls = counting_fused_kernels()
+    results = []
+    for bundle in ("eager", "fused"):
+        if bundle == "fused":
+            real = runner_module.step_kernels
+            monkeypatch.setattr(runner_module, "step_kernels", lambda config, device, model=None: (
+                fused if isinstance(model, EagleHead) else real(config, device, model)))
+        llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=4, **ENGINE_CONFIGS["contiguous"])
+        proposer = llm.engine.runner.speculation.proposer
+        assert proposer.round_fn.kernels is proposer.kernels and proposer.kernels.name == bundle
+        drafted: list[list[int]] = []
+        propose = proposer.propose
+
+        def recording(*args, propose=propose, drafted=drafted):
+            drafts = propose(*args)
+            drafted.extend(list(d.token_ids) for d in drafts)
+            return drafts
+
+        proposer.propose = recording
+        outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)
+        assert proposer.fused_rounds > 0
+        results.append(([o.outputs[0].token_ids for o in outs], drafted, llm.engine.runner.stats.accepted_tokens))
+    assert calls  # the bundle's own entries ran
+    assert results[0] == results[1]
+    assert sum(map(len, results[0][1])) > 0

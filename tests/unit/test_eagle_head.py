@@ -1,6 +1,7 @@
 """EAGLE / EAGLE-3 heads in the public layout: loading, forward against a plain-torch
-reference of the format, refusal of heads that do not fit the target, and the target's
-hidden-state capture against transformers' own hidden states."""
+reference of the format, the forward through the fused kernel bundle equal to EAGER's,
+refusal of heads that do not fit the target, and the target's hidden-state capture against
+transformers' own hidden states."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.eagle_heads import reference_head, write_head
+from helpers.eagle_heads import counting_fused_kernels, reference_head, write_head
 from infer.models.attention import NoCacheView
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import load_eagle_head, read_head_config
+from infer.models.kernels import EAGER
 from infer.models.loader import load_model
 
 
@@ -44,6 +46,48 @@ def test_head_forward_matches_reference(tmp_path: Path, ckpt_b: Path, target, me
     torch.testing.assert_close(logits[finite], ref_logits[finite], rtol=1e-4, atol=1e-3)
     if options.get("draft_vocab"):  # the draft vocabulary's tokens, and only those, can be drafted
         assert int(finite[0].sum()) == options["draft_vocab"]
+
+
+@pytest.mark.parametrize("method, options", [
+    ("eagle", dict(fc_bias=True)),
+    ("eagle3", dict(draft_vocab=50, aux_layers=[0, 1, 1])),
+])
+def test_head_through_the_fused_bundle_is_eager(tmp_path: Path, ckpt_b: Path, target, method: str,
+                                                 options: dict) -> None:
+    """The fused bundle with EAGER's functions as its fallbacks (the CPU's routes) gives the
+    head's features, outputs and logits exactly: the bundle changes how, never what."""
+    head = load_eagle_head(str(write_head(tmp_path / "head", ckpt_b, method, **options)), method, target)
+    fused, calls = counting_fused_kernels()
+    torch.manual_seed(1)
+    ids = torch.randint(0, target.config.vocab_size, (2, 5))
+    captured = torch.randn(10, target.config.hidden_size * (1 if method == "eagle" else 3))
+    positions = torch.arange(3, 8).expand(2, 5)
+    got, want = [], []
+    with torch.no_grad():
+        for kernels, out in ((fused, got), (EAGER, want)):
+            features = head.combine(captured, kernels).view(2, 5, -1)  # [2, 5, H]
+            x = head(ids, features, positions, NoCacheView(torch.tensor([5, 3])), kernels)
+            out += [features, x, head.logits(x[:, -1], kernels)]
+    assert calls  # the bundle's own entries ran
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_head_gets_its_own_compiled_bundle(tmp_path: Path, ckpt_b: Path, target, monkeypatch) -> None:
+    """`step_kernels` keys a head's compiled bundle apart from its target's of the same widths
+    (the key is what `compiled_kernels` keeps one bundle per; nothing is compiled here)."""
+    import infer.engine.executor.kernels as executor_kernels
+    from infer.engine.config import EngineConfig
+    monkeypatch.setattr(executor_kernels, "compiled_kernels", lambda key=None: key)
+    head = load_eagle_head(str(write_head(tmp_path / "head", ckpt_b, "eagle3", aux_layers=[0, 1, 1])), "eagle3",
+                           target)
+    assert head.config.hidden_size == target.config.hidden_size
+    cpu = torch.device("cpu")
+    compiled = EngineConfig(compile_kernels=True)
+    head_key = executor_kernels.step_kernels(compiled, cpu, head)
+    assert head_key is not None and head_key == executor_kernels.step_kernels(compiled, cpu, head)
+    assert head_key != executor_kernels.step_kernels(compiled, cpu, target)
+    assert executor_kernels.step_kernels(EngineConfig(), cpu, head) is EAGER  # no CUDA graphs on a GPU: eager
 
 
 @pytest.mark.parametrize("change, message", [

@@ -2,7 +2,9 @@
 without triton): the rotary + KV-cache write (models/triton_rotary.py) against the eager
 rotary and indexed copies, bit for bit; and the fused bundle's GEMV route
 (models/fused_linear.py: RMSNorm prologue before qkv / gate_up, SwiGLU prologue and residual
-epilogue around down, the whole MLP) against EAGER's composition, to rounding.
+epilogue around down, the whole MLP) against EAGER's composition, to rounding; and a tiny
+EAGLE-3 head's forward and logits through that route (its MLP, its final norm + lm_head)
+against the head under EAGER, to rounding.
 
 The interpreter must be switched on before triton.language is first imported, so the
 kernels run in a subprocess (`run_interpreted_cases`) and the comparisons here. fp16 and
@@ -20,6 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.models.attention import NoCacheView
+from infer.models.config import ModelConfig
+from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, fused_kernels
 from infer.models.linear import LinearBase, make_linear
 from infer.models.rope import cos_sin, rotary_qk
@@ -67,6 +72,34 @@ def _mlp_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 32, generator=g).half() * 2, (1 + 0.1 * torch.randn(32, generator=g)).half()
 
 
+def _head() -> EagleHead:
+    """A tiny fp16 EAGLE-3 head (hidden 32, 2 query heads and 1 KV head of 16, MLP 40, a draft
+    vocabulary of 48 of the target's 64 ids) with unit-gain random matrices."""
+    import dataclasses
+
+    from infer.models.eagle_dummy import dummy_eagle_head, head_config_for
+    from infer.models.llama import LlamaForCausalLM
+    torch.manual_seed(3)
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    target = LlamaForCausalLM(config).half()  # (the head reads its embedding only)
+    head = dummy_eagle_head(dataclasses.replace(head_config_for(config, "eagle3"), draft_vocab_size=48), target)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(torch.randn_like(p) * p.shape[1] ** -0.5)
+    return head
+
+
+def _head_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, positions [rows, 1]; features [rows, 1, 32] fp16."""
+    g = torch.Generator().manual_seed(10 + rows)
+    return (torch.randint(0, 64, (rows, 1), generator=g), torch.randint(0, 50, (rows, 1), generator=g),
+            torch.randn(rows, 1, 32, generator=g).half())
+
+
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     """Every kernel output the tests compare (run with TRITON_INTERPRET=1)."""
     import infer.models.fused_linear as fused_linear
@@ -90,6 +123,11 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
                 h = EAGER.norm_linear(gate_up, x, nw, 1e-5)
                 out[f"down-{key}"] = bundle.swiglu_linear(down, h, x)
                 out[f"mlp-{key}"] = bundle.mlp(gate_up, down, x, nw, 1e-5)
+        head = _head()
+        for rows in (1, 3):
+            ids, positions, features = _head_inputs(rows)
+            x = head(ids, features, positions, NoCacheView(), bundle)  # [rows, 1, 32]
+            out[f"head-x-{rows}"], out[f"head-logits-{rows}"] = x, head.logits(x[:, 0], bundle)
     return out
 
 
@@ -143,3 +181,19 @@ def test_gemv_route_matches_eager_composition(interpreted: dict[str, torch.Tenso
     for name, ref in want.items():
         # the same math; the GEMV sums in float32 in its own order
         assert _rel_err(interpreted[f"{name}-{key}"], ref) < 3e-3, name
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_eagle_head_through_the_gemv_route_matches_eager(interpreted: dict[str, torch.Tensor], rows: int) -> None:
+    """The head's projections, MLP (RMSNorm and SwiGLU prologues, residual epilogues) and
+    final norm + lm_head through the GEMV give the head's EAGER outputs and logits."""
+    head = _head()
+    ids, positions, features = _head_inputs(rows)
+    with torch.no_grad():
+        x = head(ids, features, positions, NoCacheView())
+        logits = head.logits(x[:, 0])  # [rows, 64]: -inf off the draft vocabulary
+    assert _rel_err(interpreted[f"head-x-{rows}"], x) < 3e-3
+    got = interpreted[f"head-logits-{rows}"]
+    drafted = torch.isfinite(logits)
+    assert torch.equal(torch.isfinite(got), drafted) and int(drafted[0].sum()) == 48
+    assert _rel_err(got[drafted], logits[drafted]) < 3e-3

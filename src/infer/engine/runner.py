@@ -90,7 +90,8 @@ class ModelRunner:
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
         if config.use_speculative_decoding:
-            draft_kernels = EAGER if draft_model is None else step_kernels(config, self.device, draft_model)
+            drafter = draft_model if draft_model is not None else head  # (None: n-gram or prompt lookup)
+            draft_kernels = EAGER if drafter is None else step_kernels(config, self.device, drafter)
             self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model)
             self.speculation.start(self.forward, self.cache_pool, model)
             self.verification = Verification(self.forward, model.config.vocab_size, self.device,

@@ -72,7 +72,8 @@ class Speculation:
               draft_kernels: Kernels, head: EagleHead | None = None,
               target: LlamaForCausalLM | None = None) -> Speculation:
         """The proposer and policy; the adaptive policy's costs are measured by `start`.
-        An EAGLE head needs the target, whose `capture` it reads."""
+        An EAGLE head needs the target, whose `capture` it reads. `draft_kernels`: the
+        draft model's or the head's bundle for its fixed-shape steps (`step_kernels`)."""
         tree = round_tree(config)
         draft = None
         proposer: Proposer
@@ -80,7 +81,7 @@ class Speculation:
             if head is None or target is None or target.capture is None:
                 raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
                                  "with its target (engine.loading.load_models)")
-            proposer = _eagle_proposer(config, executor, head, target.capture)
+            proposer = _eagle_proposer(config, executor, head, target.capture, draft_kernels)
         elif config.speculative_method != "draft_model":
             proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,
@@ -220,20 +221,21 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     return proposer
 
 
-def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead,
-                    capture: HiddenCapture) -> EagleProposer:
-    """The head's proposer: its pool and round function, graphs captured now. A round's last
-    feed is at most K + 1 wide (accepted + 1 after a round; longer catch-ups feed the rest
-    first); the adaptive policy's shorter rounds run the K-step graph (`round_steps`). A
-    tree's rounds run eagerly (no chain graphs are captured)."""
+def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,
+                    kernels: Kernels) -> EagleProposer:
+    """The head's proposer: its pool and round function with the head's kernel bundle
+    (`step_kernels` of the head), graphs captured now. A round's last feed is at most K + 1
+    wide (accepted + 1 after a round; longer catch-ups feed the rest first); the adaptive
+    policy's shorter rounds run the K-step graph (`round_steps`). A tree's rounds run eagerly
+    (no chain graphs are captured)."""
     pool = executor.make_pool(head, config, prefix_caching=False)
     round_fn = make_head_round(head, pool, config.use_cuda_graphs, config.max_batch_size,
-                               config.cuda_graph_sampling_batch_max)
+                               config.cuda_graph_sampling_batch_max, kernels)
     feed_max = config.spec_length + 1
     steps = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
     if config.spec_tree is None:
         round_fn.prepare(range(1, feed_max + 1), steps)
-    proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max)
+    proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max, kernels=kernels)
     proposer.round_steps = steps
     return proposer
 

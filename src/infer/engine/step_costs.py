@@ -165,6 +165,7 @@ def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) ->
     engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
                               enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
     pool = LOCAL.make_pool(head, engine_cfg, prefix_caching=False)  # type: ignore[arg-type]
-    round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1)
+    kernels = step_kernels(engine_cfg, next(head.parameters()).device, head)  # as the engine runs them
+    round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
     round_fn.prepare([1], [1])
     return HeadStepFn(round_fn, head), pool

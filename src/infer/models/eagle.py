@@ -20,6 +20,12 @@ the token after it; its output x_i predicts t_{i+2} and is the feature of its ne
   (t2d, the inverse set, is not needed). Tensors: fc.weight, midlayer.* (or layers.0.*),
   norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight optional.
 
+`forward`, `logits` and `combine` take the decoder's `Kernels` bundle (models/kernels.py) as
+the target's layers do: the MLP half is `kernels.mlp`, EAGLE-3's final norm + lm_head
+`kernels.norm_linear`, the attention `kernels.attend` (the rotary with the cache write), the
+projections `kernels.linear`; EAGLE-3's two input norms and their concatenation before q/k/v
+stay single steps. EAGER by default; the engine's rounds pass its fused bundle.
+
 `EagleHead.logits` returns target-vocabulary logits (-inf off the draft vocabulary), so the
 proposer samples and reports q over target ids. `read_head_config` + `check_target` refuse
 a head that does not fit the target from config.json alone, before any weight is read.
@@ -38,7 +44,7 @@ from torch import nn
 
 from infer.models.attention import AttentionView
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, cos_sin
+from infer.models.kernels import EAGER, Kernels, cos_sin
 from infer.models.layers import MLP, RMSNorm, Rotary
 from infer.models.linear import make_linear
 from infer.models.llama import Attention, LlamaForCausalLM, hf_to_fused
@@ -173,36 +179,36 @@ class EagleHead(nn.Module):
         table = self.embed_tokens if self.embed_tokens is not None else self._target[0].model.embed_tokens
         return table(ids)
 
-    def combine(self, captured: torch.Tensor) -> torch.Tensor:
+    def combine(self, captured: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """The target's captured states [M, D] -> the head's features [M, H] (EAGLE-3: fc)."""
-        return captured if self.spec.method == "eagle" else EAGER.linear(self.fc, captured, None)
+        return captured if self.spec.method == "eagle" else kernels.linear(self.fc, captured, None)
 
     def forward(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                view: AttentionView) -> torch.Tensor:
+                view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
         """ids, positions: [B, T]; features [B, T, H] (f_i of each token's position) -> the
-        outputs x [B, T, H] (before any norm: the next step's features)."""
-        k = EAGER
+        outputs x [B, T, H] (before any norm: the next step's features). `kernels` as the
+        target's decoder layer takes them: EAGER's math, fused by a bundle where it can."""
+        k = kernels
         emb = self.embed(ids).to(features.dtype)
         cos, sin = cos_sin(positions, self.rotary.inv_freq, features.dtype)
         eps = self.post_attention_layernorm.eps
         if self.spec.method == "eagle":
             x = k.linear(self.fc, torch.cat([emb, features], dim=-1), None)  # (no input norm)
             x = self.self_attn.attend_qkv(k.linear(self.self_attn.qkv_proj, x, None), x, cos, sin, view, k)
-        else:
+        else:  # (two norms of two halves before one projection: no fused entry serves it)
             e = k.rmsnorm(emb, self.input_layernorm.weight, eps)
             hn = k.rmsnorm(features, self.hidden_norm.weight, eps)
             residual = hn if self.spec.norm_before_residual else features
             qkv = k.linear(self.self_attn.qkv_proj, torch.cat([e, hn], dim=-1), None)
             x = self.self_attn.attend_qkv(qkv, residual, cos, sin, view, k)
-        h = k.rmsnorm(x, self.post_attention_layernorm.weight, eps)
-        return k.linear(self.mlp.down_proj, k.swiglu(self.mlp.gate_up_proj, h), x)
+        return k.mlp(self.mlp.gate_up_proj, self.mlp.down_proj, x, self.post_attention_layernorm.weight, eps)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """Outputs [M, H] -> logits over the target's vocabulary [M, V] float32 (EAGLE-3:
         -inf at target ids outside the draft vocabulary)."""
         if self.spec.method == "eagle":
-            return EAGER.linear(self._target[0].lm_head, x, None).float()
-        small = EAGER.linear(self.lm_head, EAGER.rmsnorm(x, self.norm.weight, self.norm.eps), None).float()
+            return kernels.linear(self._target[0].lm_head, x, None).float()
+        small = kernels.norm_linear(self.lm_head, x, self.norm.weight, self.norm.eps).float()
         if not self.maps_vocab:
             return small
         out = small.new_full((x.shape[0], self.config.vocab_size), float("-inf"))

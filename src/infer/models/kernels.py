@@ -136,8 +136,9 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
     torch.compile keeps its compiled variants on the function's code object, with a limit
     per code object (then it silently falls back to eager). Engines for several models in
     one process (a benchmark run, a target and its draft) would share, and exhaust, that
-    limit; so each key (a model's shape signature, as `engine.runner.step_kernels` builds it)
-    gets fresh code objects, and engines of the same model reuse one bundle.
+    limit; so each key (a model's or an EAGLE head's class and shape, as `step_kernels` in
+    engine/executor/kernels.py builds it) gets fresh code objects, and engines of the same
+    model reuse one bundle.
     """
     if key in _COMPILED:
         return _COMPILED[key]

@@ -44,6 +44,7 @@ import torch
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
+from infer.models.kernels import EAGER, Kernels
 from infer.sampling import temperature_only
 from infer.speculative.draft_model import draw_step, fed_positions, row_uniforms, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
@@ -74,15 +75,19 @@ class HeadState:
 
 class EagleProposer:
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, capture: HiddenCapture,
-                 round_fn: HeadRoundFn | None = None, feed_max: int = FEED_MAX) -> None:
+                 round_fn: HeadRoundFn | None = None, feed_max: int = FEED_MAX, kernels: Kernels = EAGER) -> None:
         """round_fn: the fused round (`head_round`; CUDA graphs on the GPU), eager by default;
-        feed_max: the widest last feed it runs (longer catch-ups feed the rest first)."""
+        feed_max: the widest last feed it runs (longer catch-ups feed the rest first);
+        kernels: the head's bundle for its per-step work (`round_fn` is built with the same):
+        the fc of the observed features and the default round. Catch-ups, the general path
+        and a tree's levels, of varying shapes, run EAGER (as the target's prefill does)."""
         if feed_max < 1:
             raise ValueError(f"EagleProposer.feed_max must be >= 1, got {feed_max}")
         self.head, self.pool, self.capture = head, pool, capture
         self.device = next(head.parameters()).device
         self.states: dict[str, HeadState] = {}
-        self.round_fn: HeadRoundFn = round_fn if round_fn is not None else EagerHeadRound(head, pool)
+        self.kernels = kernels
+        self.round_fn: HeadRoundFn = round_fn if round_fn is not None else EagerHeadRound(head, pool, kernels)
         self.feed_max = feed_max
         # rounds of temperature-only rows run `round_fn` (False: always the general path,
         # the reference the tests compare the fused round with)
@@ -103,7 +108,8 @@ class EagleProposer:
         flat = [b * width + r for b, rs in enumerate(rows) for r in rs]
         if not flat:
             return
-        features = self.head.combine(self.capture.rows(tensor_on(flat, self.device, torch.long)))  # [M, H]
+        features = self.head.combine(self.capture.rows(tensor_on(flat, self.device, torch.long)),
+                                     self.kernels)  # [M, H]
         at = 0
         for request, start, rs in zip(requests, starts, rows, strict=True):
             part, at = features[at:at + len(rs)], at + len(rs)

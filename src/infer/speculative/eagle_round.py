@@ -26,6 +26,7 @@ import torch
 
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
 from infer.models.eagle import EagleHead
+from infer.models.kernels import EAGER, Kernels
 from infer.sampling import sample_from_probs, temperature_probs
 from infer.transfer import tensor_on, to_device
 
@@ -35,22 +36,24 @@ if TYPE_CHECKING:
 
 def head_round(head: EagleHead, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,
                features: torch.Tensor, indices: ViewIndices, last: torch.Tensor, steps: int,
-               sampling: torch.Tensor | None, keep_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               sampling: torch.Tensor | None, keep_probs: bool,
+               kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor | None]:
     """ids [n, w], features [n, w, H] (the feed, padded), indices: the union layout's on the
     device (W = w + steps - 1 columns), last [n]: each row's last fed column; sampling: float64
     [2 + steps, n] temperature | greedy | one uniform per step, None when every row is greedy
-    (argmax). Returns (tokens [n, steps], probs [n, steps, V] or None) on the device."""
+    (argmax); kernels: the head's bundle (fused on the GPU's fixed-shape rounds). Returns
+    (tokens [n, steps], probs [n, steps, V] or None) on the device."""
     n, w = ids.shape
     width = indices.q_pos.shape[1]
     write = indices.write_rows.view(n, width)
     positions = indices.q_pos[:, :w]  # [n, w]
     end = indices.q_pos.gather(1, last[:, None])[:, 0] + 1  # [n]
     view = CacheView(k_cache, v_cache, ViewIndices(write[:, :w].reshape(-1), indices.gather_rows, positions, end))
-    x = head(ids, features, positions, view)  # [n, w, H]
+    x = head(ids, features, positions, view, kernels)  # [n, w, H]
     x = x.gather(1, last[:, None, None].expand(n, 1, x.shape[-1]))[:, 0]  # [n, H]
     tokens, probs = [], []
     for s in range(steps):
-        logits = head.logits(x)  # [n, V]
+        logits = head.logits(x, kernels)  # [n, V]
         if sampling is None:
             new = logits.argmax(dim=-1)  # [n]
         else:
@@ -65,7 +68,7 @@ def head_round(head: EagleHead, k_cache: torch.Tensor, v_cache: torch.Tensor, id
         pos = indices.q_pos.gather(1, column)  # [n, 1]
         view = CacheView(k_cache, v_cache, ViewIndices(write.gather(1, column).reshape(-1), indices.gather_rows,
                                                        pos, pos[:, 0] + 1))
-        x = head(new[:, None], x[:, None], pos, view)[:, 0]
+        x = head(new[:, None], x[:, None], pos, view, kernels)[:, 0]
     return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
@@ -104,10 +107,11 @@ def check_round(ids: torch.Tensor, layout: BatchLayout, last: Sequence[int], ste
 
 
 class EagerHeadRound:
-    """`HeadRoundFn` run eagerly: the union's indices filled once, then `head_round`."""
+    """`HeadRoundFn` run eagerly: the union's indices filled once, then `head_round` with
+    `kernels` (the fused bundle as the fallback of CUDA graphs, EAGER elsewhere)."""
 
-    def __init__(self, head: EagleHead, pool: CachePoolProtocol) -> None:
-        self.head, self.pool = head, pool
+    def __init__(self, head: EagleHead, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
+        self.head, self.pool, self.kernels = head, pool, kernels
         self.device = next(head.parameters()).device
 
     def __call__(self, ids: torch.Tensor, features: torch.Tensor, layout: BatchLayout, last: Sequence[int],
@@ -117,7 +121,8 @@ class EagerHeadRound:
         indices = self.pool.indices(layout).to(self.device)
         sampling = None if all(greedy) else to_device(round_sampling(temperatures, greedy, uniforms), self.device)
         out = head_round(self.head, self.pool.k_cache, self.pool.v_cache, to_device(ids, self.device), features,
-                         indices, tensor_on(list(last), self.device, torch.long), steps, sampling, keep_probs=True)
+                         indices, tensor_on(list(last), self.device, torch.long), steps, sampling, keep_probs=True,
+                         kernels=self.kernels)
         self.pool.commit(layout)
         return out
 

@@ -1,7 +1,10 @@
 """CUDA graphs of an EAGLE head's draft rounds: `speculative/eagle_round.head_round` captured whole.
 
-A head's draft step is one small decoder layer: run eagerly it is some twenty kernel
-launches, so its time is launch-bound, not weight-bound. `GraphHeadRound` captures a whole
+A head's draft step is one small decoder layer: run eagerly through the eager kernels it
+is some twenty launches, so its time is launch-bound, not weight-bound. The round runs the
+head's kernel bundle (`step_kernels` of the head: the fused one with CUDA graphs on a GPU,
+as the target's decode steps: the MLP and the final norm + lm_head as GEMVs with their
+prologues and epilogues), and `GraphHeadRound` captures a whole
 round (the last catch-up feed, padded to width w, then steps - 1 one-token steps, each
 sampling on the device) per (batch bucket, w, steps, every row greedy), for buckets up to
 `sampling_batch_max`, with the graph machinery of `graphs.py`: one pinned staging buffer
@@ -24,6 +27,7 @@ from infer.cache.view import BatchLayout, ViewIndices
 from infer.engine.executor.graphs import batch_buckets, record_graph
 from infer.engine.executor.staging import _capture_inputs, _host_indices, _split, _stage_sampling, _Staging
 from infer.models.eagle import EagleHead
+from infer.models.kernels import EAGER, Kernels
 from infer.speculative.eagle_round import EagerHeadRound, check_round, head_round
 
 
@@ -49,10 +53,10 @@ class GraphHeadRound:
     """`HeadRoundFn` by CUDA graph replays (module docstring)."""
 
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, max_batch_size: int, sampling_batch_max: int,
-                 context_width: int | None = None) -> None:
-        self.head, self.pool = head, pool
+                 context_width: int | None = None, kernels: Kernels = EAGER) -> None:
+        self.head, self.pool, self.kernels = head, pool, kernels
         self.device = next(head.parameters()).device
-        self.eager = EagerHeadRound(head, pool)
+        self.eager = EagerHeadRound(head, pool, kernels)
         self.context_width = context_width or pool.max_seq_len
         self.buckets = [b for b in batch_buckets(max_batch_size) if b <= sampling_batch_max]
         self.graphs: dict[tuple[int, int, int, bool], _HeadGraph] = {}
@@ -111,7 +115,7 @@ class GraphHeadRound:
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             return head_round(self.head, self.pool.k_cache, self.pool.v_cache, parts["ids"], features, indices,
-                              parts["last"], steps, floats, keep_probs=True)
+                              parts["last"], steps, floats, keep_probs=True, kernels=self.kernels)
 
         graph, (tokens, probs) = record_graph(run, self.stream, self.device)
         g = _HeadGraph(graph, _Staging(device), None if floats is None else _Staging(floats), features, tokens, probs)
@@ -122,8 +126,9 @@ class GraphHeadRound:
 
 
 def make_head_round(head: EagleHead, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,
-                    sampling_batch_max: int) -> GraphHeadRound | EagerHeadRound:
-    """The head's round function: CUDA graphs where asked for and the head is on a CUDA device."""
+                    sampling_batch_max: int, kernels: Kernels = EAGER) -> GraphHeadRound | EagerHeadRound:
+    """The head's round function with its kernel bundle (`step_kernels(config, device, head)`):
+    CUDA graphs where asked for and the head is on a CUDA device."""
     if use_cuda_graphs and next(head.parameters()).device.type == "cuda":
-        return GraphHeadRound(head, pool, max_batch_size, sampling_batch_max)
-    return EagerHeadRound(head, pool)
+        return GraphHeadRound(head, pool, max_batch_size, sampling_batch_max, kernels=kernels)
+    return EagerHeadRound(head, pool, kernels)

@@ -81,9 +81,10 @@ def test_route_table_and_its_check() -> None:
     check_routes(ROUTES)
     for kind in ("bf16", "fp8"):
         for part in ("linear", "gate_up"):
-            # batch-1 decode: the fused GEMV (bf16), the Triton matmul (FP8: one kernel for a
-            # draft step and a verification)
-            assert table_route(kind, part, 1) == (GEMV if kind == "bf16" else MATMUL)
+            # batch-1 decode: the fused GEMV (bf16 and FP8); two rows: cuBLAS (bf16), the
+            # Triton matmul (FP8)
+            assert table_route(kind, part, 1) == GEMV
+            assert table_route(kind, part, 2) == (LIBRARY if kind == "bf16" else MATMUL)
             assert table_route(kind, part, 17) == LIBRARY  # past the Triton kernels' rows
     assert table_route("fp8", "gate_up", 6) == MATMUL and table_route("bf16", "linear", 6) == LIBRARY
     bad = dict(ROUTES)

@@ -199,15 +199,24 @@ class BlockMask:
         return allowed | ~inside[:, None, :]
 
 
-TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go through gather + SDPA
+TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go to the flash prefill kernel
 
 
 def use_triton_attention(q: torch.Tensor) -> bool:
-    """The Triton kernel serves short chunks (decode, draft steps and catch-up, verification,
-    short prompts) on CUDA with a power-of-two head_dim >= 16; long prefill chunks and the
-    CPU use gather + masked SDPA."""
+    """The Triton decode kernel serves short chunks (decode, draft steps and catch-up,
+    verification, short prompts) on CUDA with a power-of-two head_dim >= 16."""
     d = q.shape[-1]
     return q.is_cuda and q.shape[1] <= TRITON_MAX_CHUNK and d >= 16 and d & (d - 1) == 0 and triton_available()
+
+
+def use_triton_prefill(q: torch.Tensor) -> bool:
+    """The Triton flash prefill kernel serves longer chunks (prompt prefill, chunked or after a
+    prefix-cache hit) on CUDA, any head_dim up to 256; the CPU, and anything else, uses
+    gather + masked SDPA."""
+    if not (q.is_cuda and q.shape[1] > TRITON_MAX_CHUNK and triton_available()):
+        return False
+    from infer.models.triton_prefill import prefill_supported
+    return prefill_supported(q.shape[-1])
 
 
 @functools.cache
@@ -238,6 +247,9 @@ class CacheView:
         if self.block is None and use_triton_attention(q):
             from infer.models.triton_attention import paged_decode_attention
             return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
+        if self.block is None and use_triton_prefill(q):
+            from infer.models.triton_prefill import paged_prefill_attention
+            return paged_prefill_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
         if layer == 0 or self._mask is None:  # once per forward (inside a captured graph too)
             self._mask = idx.mask()
             if self.block is not None:

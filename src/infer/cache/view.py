@@ -9,6 +9,9 @@ and a position mask hides what a query may not see (tree speculation adds a stat
 `BlockMask`: each node sees the context and its ancestors only). All index tensors have
 fixed shapes for a given (batch, width, context width), so a CUDA graph can capture a
 forward through a view and replay it after new indices are copied into the same tensors.
+On CUDA, attention reads the rows in place instead: Triton kernels for chunks of up to
+TRITON_MAX_CHUNK tokens (models/triton_attention.py) and for longer ones, prompt prefill
+(models/triton_prefill.py); a view with a block mask, and the CPU, gather and mask.
 
 A *packed* layout (`BatchLayout.packed`: a mixed step's decode rows and prefill chunks)
 runs only its valid tokens through the model, as one row [1, N]: its `PackedView` writes

@@ -211,8 +211,8 @@ def test_markdown_tabulates_batch_sweeps():
     run.add(Measurement("batch/3b", "batch_sweep", "sweep",
                         metrics={"ms_per_step": {"1": 2.0, "4": 3.0}, "tokens_per_s": {"1": 500.0, "4": 1333.0}}))
     text = markdown(run)
-    assert "| sweep | b=1 | b=4 | step ratio |" in text
-    assert "| batch/3b | 500 | 1333 | 1.5 |" in text
+    assert "| sweep | b=1 | b=4 | step ratio | of bytes limit |" in text
+    assert "| batch/3b | 500 | 1333 | 1.5 | - |" in text
 
 
 def test_load_run_rejects_other_json(tmp_path):
@@ -463,8 +463,20 @@ def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_p
     assert set(metrics["ms_per_step"]) == {"1", "3"} and metrics["leaks"] == []
     assert metrics["step_vs_batch1"]["1"] == 1.0
     assert metrics["tokens_per_s"]["3"] == pytest.approx(3 / metrics["ms_per_step"]["3"] * 1e3)
+    # the bytes limit's inputs: weights, K and V of a token (the checkpoint's layers, float32) and
+    # the context of the timed steps: past the prompt and the warm-up steps, within the timed ones
+    meta, config = load_model(ckpt_a, device="meta", load_format="dummy")
+    assert metrics["weight_bytes"] == weight_bytes(meta)
+    assert metrics["kv_bytes_per_token"] == 2 * config.num_hidden_layers * config.num_key_value_heads \
+        * config.head_dim * 4
+    assert all(8 + 4 <= metrics["context_tokens"][b] <= 8 + 4 + 3 + 3 for b in ("1", "3"))
     run = BenchRun(suite="t", environment={"device": "cpu"})
-    run.add(Measurement("batch/a", "batch_sweep", params=params, metrics=metrics))
+    run.add(Measurement("bandwidth", "bandwidth", metrics={"bytes_per_s": 1e9}))
+    run.add(Measurement("batch/a", "batch_sweep", params=params, metrics=metrics, refs={"bandwidth": "bandwidth"}))
+    analysis.derive_all(run)
+    d = run.get("batch/a").derived
+    assert d["of_bytes_limit_batch"] == 3 and d["of_bytes_limit"] == d["of_bytes_limit_by_batch"]["3"]
+    assert d["bytes_limit_ms"]["3"] > d["bytes_limit_ms"]["1"] > metrics["weight_bytes"] / 1e9 * 1e3
     path = plot_batch_sweeps(run, tmp_path)
     assert path is not None and path.stat().st_size > 1000
 

@@ -14,6 +14,12 @@ A measurement names the others it is compared with in `refs`:
   "chain":    tree speculation: length_vs_chain = its tokens per round / the chain's (the
               chain run verifying as many tokens a round).
 
+A batch sweep compares with the copy bandwidth ("bandwidth"): per batch, the bytes limit
+(weights + the KV read at its measured context, over the bandwidth; bench/roofline.py) and
+of_bytes_limit = that limit / the measured step time (1.0 = a step at the copy bandwidth),
+`of_bytes_limit` itself at the row's largest batch. A prefill row derives its model FLOPs
+utilisation, mfu = model FLOPs / wall time / the GPU's peak dense bf16 FLOPs
+(bench/theory.py), None with a note for a GPU missing from that table.
 A serve row (bench/serve.py) derives its completed share and achieved / offered rate.
 An acceptance-sweep row (controlled acceptance, bench/sweep.py) reads its "costs" for the
 projections instead (`sweep_projection`).
@@ -25,7 +31,8 @@ from typing import Any
 
 from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
 from infer.bench.serve import SERVE_KIND, serve_derived
-from infer.bench.theory import efficiency, num_nodes, round_projection
+from infer.bench.roofline import decode_roofline, decode_step_bytes
+from infer.bench.theory import PEAK_BF16_FLOPS, efficiency, num_nodes, peak_bf16_flops, round_projection
 from infer.speculative.theory import alpha_from_mean_length, walltime_factor
 
 
@@ -39,6 +46,11 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if m.kind == SERVE_KIND:
         return serve_derived(m.metrics, m.params)
+    if m.kind == "prefill":
+        return prefill_mfu(m.metrics, run.environment.get("gpu"))
+    bandwidth = _ref(m, run, "bandwidth")
+    if m.kind == "batch_sweep":
+        return bytes_limits(m.metrics, bandwidth.metrics["bytes_per_s"]) if bandwidth is not None else {}
     base = _ref(m, run, "baseline")
     if base is not None and m.metrics.get("primary_rate") and base.metrics.get("primary_rate"):
         out["speedup"] = m.metrics["primary_rate"] / base.metrics["primary_rate"]
@@ -60,6 +72,37 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
     chain = _ref(m, run, "chain")
     if chain is not None and m.metrics.get("mean_accepted_length") and chain.metrics.get("mean_accepted_length"):
         out["length_vs_chain"] = m.metrics["mean_accepted_length"] / chain.metrics["mean_accepted_length"]
+    return out
+
+
+def bytes_limits(metrics: dict[str, Any], bytes_per_s: float) -> dict[str, Any]:
+    """Per batch of a sweep: its bytes limit in ms (weights + KV read at its context, over
+    `bytes_per_s`) and that over the measured step time; `of_bytes_limit` at the largest batch."""
+    ms, context = metrics.get("ms_per_step", {}), metrics.get("context_tokens", {})
+    weights, kv = metrics.get("weight_bytes"), metrics.get("kv_bytes_per_token")
+    if not weights or kv is None or not ms or set(context) != set(ms):
+        return {}  # (a record from before the sweep stored them)
+    limit = {b: decode_roofline(decode_step_bytes(weights, kv, int(b), context[b]), bytes_per_s).step_s * 1e3
+             for b in ms}
+    fraction = {b: limit[b] / ms[b] for b in ms}
+    largest = max(ms, key=int)
+    return {"bytes_limit_ms": limit, "of_bytes_limit_by_batch": fraction, "of_bytes_limit": fraction[largest],
+            "of_bytes_limit_batch": int(largest)}
+
+
+def prefill_mfu(metrics: dict[str, Any], gpu: str | None) -> dict[str, Any]:
+    """Model FLOPs utilisation of a prefill row on `gpu` (its name; None: no GPU)."""
+    flops, wall = metrics.get("model_flops"), metrics.get("wall_s")
+    if not flops or not wall:
+        return {}
+    peak = peak_bf16_flops(gpu)
+    out: dict[str, Any] = {"model_tflops_per_s": flops / wall / 1e12, "peak_bf16_tflops": peak and peak / 1e12,
+                           "mfu": flops / wall / peak if peak else None}
+    if peak is None and not gpu:
+        out["mfu_note"] = "no GPU: the MFU compares with a GPU's peak bf16 FLOPs"
+    elif peak is None:
+        out["mfu_note"] = (f"unknown GPU {gpu!r}: no peak bf16 FLOPs for it (known: {', '.join(PEAK_BF16_FLOPS)}); "
+                           "add it to PEAK_BF16_FLOPS in infer/bench/theory.py")
     return out
 
 

@@ -7,7 +7,10 @@
     spec_costs   c and v(K) at batch 1 (engine/step_costs.py), the models loaded as the
                  engine loads them and timed on the engine's CPU threads
     projection   the paper's speedup table from a spec_costs row
-    batch_sweep  decode step time against batch size (bench/batch_sweep.py)
+    batch_sweep  decode step time against batch size (bench/batch_sweep.py), beside its bytes
+                 limit (the run's copy bandwidth)
+    prefill      prompts prefilled up to their first token on our engine (run_engine), with the
+                 model FLOPs of that work (bench/theory.py `prefill_flops`) for its MFU
     collectives  a tensor-parallel step's collectives, from a profile (bench/collectives.py)
     acceptance_sweep  speculation at a controlled acceptance alpha (bench/sweep.py): one row
                  per (draft quantization, shape, alpha), after the sweep's costs and plain rows
@@ -27,7 +30,7 @@ from infer.bench.roofline import copy_bandwidth, decode_roofline
 from infer.bench.rows import Context, CudaDevices, GptFastCheckout, Measured, Module, Need, NoPeers, Outcome, Row
 from infer.bench.results import SWEEP_KIND
 from infer.bench.sweep import SweepSession, SweepSetup
-from infer.bench.theory import projection_table, tree_projection
+from infer.bench.theory import prefill_flops, projection_table, tree_projection
 from infer.bench.workloads import Workload
 from infer.engine.config import EngineConfig
 from infer.engine.loading import load_models
@@ -39,6 +42,7 @@ PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a 
 TRANSFORMERS = Module("transformers", "transformers>=4.45")
 XGRAMMAR = Module("xgrammar", "xgrammar>=0.2.0")  # constrained (structured-output) rows
 BANDWIDTH = "bandwidth"
+PREFILL_KIND = "prefill"
 
 
 def _ref(ctx: Context, name: str, what: str) -> Any:
@@ -159,9 +163,36 @@ def projection_row(name: str, costs: str) -> Row:
 
 
 def batch_sweep_row(name: str, what: str, group: str, overrides: Mapping[str, Any],
-                    batches: tuple[int, ...]) -> Row:
+                    batches: tuple[int, ...], prompt_len: int = 128) -> Row:
+    """Decode steps at each batch size after prompts of `prompt_len` tokens; compared with the
+    copy bandwidth for its bytes limit (derived, when the bandwidth was measured)."""
     return Row(name, what, "batch_sweep", group,
-               lambda ctx: batch_sweep(overrides, batches, device=str(ctx.device)))
+               lambda ctx: batch_sweep(overrides, batches, prompt_len=prompt_len, device=str(ctx.device)),
+               {"bandwidth": BANDWIDTH})
+
+
+def prefill_row(name: str, what: str, group: str, workload: Workload, overrides: Mapping[str, Any]) -> Row:
+    """`workload`'s prompts (all of one length, one output token each: a run's wall time is
+    submission to every first token) on our engine, repeated like an engine row (the median
+    run reported; --output-len does not apply), with the model FLOPs of that prefill."""
+    lo, hi = workload.prompt_len
+    if workload.output_len != (1, 1) or lo != hi or workload.shared_prefix_len or workload.kind != "text":
+        raise ValueError(f"a prefill row needs prompts of one length, no shared prefix and outputs of 1 token; "
+                         f"workload {workload.name} has prompt_len {workload.prompt_len}, output_len "
+                         f"{workload.output_len}, shared_prefix_len {workload.shared_prefix_len}")
+
+    def run(ctx: Context) -> Outcome:
+        o = ctx.options
+        threads = {"threads": o.threads} if o.threads is not None else {}
+        params, metrics = run_engine(workload, {**threads, **overrides}, device=str(ctx.device),
+                                     warmup_tokens=o.warmup_tokens, repeats=o.repeats)
+        _, config = load_model(overrides["model"], device="meta", load_format="dummy")
+        prompts = [lo] * workload.num_requests
+        metrics.update(prompt_tokens=sum(prompts), model_flops=prefill_flops(config, prompts),
+                       prefill_tokens_per_s=sum(prompts) / metrics["wall_s"])
+        return params, metrics
+
+    return Row(name, what, PREFILL_KIND, group, run)
 
 
 def collectives_row(name: str, what: str, group: str, workload: Workload, overrides: Mapping[str, Any],

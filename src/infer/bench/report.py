@@ -56,8 +56,13 @@ def measurement_line(m: Measurement) -> str:
     if m.kind == "roofline":
         parts.append(f"{fmt(x.get('tokens_per_s'))} tok/s ({fmt(x.get('step_ms'))} ms/step)")
     if m.kind == "batch_sweep":
-        rates = m.metrics.get("tokens_per_s", {})
-        return f"{m.name}: " + ", ".join(f"b{b} {fmt(r)} tok/s" for b, r in rates.items())
+        rates, limit = m.metrics.get("tokens_per_s", {}), d.get("of_bytes_limit_by_batch", {})
+        return f"{m.name}: " + ", ".join(f"b{b} {fmt(r)} tok/s" + (f" ({fmt(limit[b])} of bytes limit)"
+                                                                     if b in limit else "") for b, r in rates.items())
+    if m.kind == "prefill":
+        parts.append(f"{fmt(x.get('prompt_tokens'))} prompt tokens in {fmt(_ms(x.get('wall_s')))} ms: "
+                     f"{fmt(x.get('prefill_tokens_per_s'))} tok/s, {fmt(d.get('model_tflops_per_s'))} TFLOP/s, "
+                     f"MFU {fmt(d.get('mfu'))}" + (f" ({d['mfu_note']})" if d.get("mfu_note") else ""))
     if m.kind == "spec_costs":
         parts.append(f"target {fmt(x.get('target_step_ms'))} ms, c = {fmt(x.get('c'))}")
     if m.kind == "collectives":
@@ -137,6 +142,13 @@ def markdown(run: BenchRun) -> str:
     out += _cost_tables(run)
     out += _collective_table(run)
     out += _sweep_table(run)
+    prefills = [m for m in run.measurements if m.kind == "prefill" and m.ok]
+    if prefills:
+        out += ["Prefill to the first token (model FLOPs / wall time / peak dense bf16 FLOPs)", ""]
+        out += _table(("row", "prompt tokens", "wall ms", "tok/s", "TFLOP/s", "MFU"),
+                      [(m.name, m.metrics.get("prompt_tokens"), _ms(m.metrics.get("wall_s")),
+                        m.metrics.get("prefill_tokens_per_s"), m.derived.get("model_tflops_per_s"),
+                        m.derived.get("mfu")) for m in prefills]) + [""]
     out += _acceptance_tables(run)
     serving: dict[str, list[Measurement]] = {}
     for m in run.measurements:
@@ -214,13 +226,15 @@ def _sweep_table(run: BenchRun) -> list[str]:
     if not sweeps:
         return []
     batches = sorted({int(b) for m in sweeps for b in m.metrics.get("tokens_per_s", {})})
-    out = ["Decode tokens/s against batch size (CUDA graphs; step time at the largest batch / at batch 1)", ""]
+    out = ["Decode tokens/s against batch size (CUDA graphs; step time at a row's largest batch / at its "
+           "smallest; of bytes limit: (weights + KV read) / copy bandwidth over the step, at its largest batch)", ""]
     rows = []
     for m in sweeps:
         tps, ms = m.metrics.get("tokens_per_s", {}), m.metrics.get("ms_per_step", {})
-        ratio = ms[str(batches[-1])] / ms[str(batches[0])] if str(batches[-1]) in ms and str(batches[0]) in ms else None
-        rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio])
-    return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio"), rows) + [""]
+        own = sorted(ms, key=int)
+        ratio = ms[own[-1]] / ms[own[0]] if len(own) > 1 else None
+        rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio, m.derived.get("of_bytes_limit")])
+    return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio", "of bytes limit"), rows) + [""]
 
 
 ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "round ms at a=0", "overhead ms",

@@ -8,6 +8,10 @@ tied embeddings counted once (the LM head reads that matrix; the embedding looku
 one row of it). KV-cache reads are left out: at W1's lengths they are under 1 % of the
 weights of the 1B..8B shapes.
 
+At batch B the same bound reads the weights once and every row's K and V
+(`decode_step_bytes`): at batch 128-256 and a few hundred tokens of context the KV reads
+outweigh the weights, and a decode step's *bytes limit* is those bytes / the copy bandwidth.
+
 On a GPU the bandwidth is the median copy. On a CPU it is the best copy of those run on one
 thread and on every core this process may use: a CPU is often shared, and contention only
 ever slows a copy down, so the best one is the closest to what the memory gives (a median
@@ -116,6 +120,20 @@ def decode_roofline(weight_bytes_: int, bandwidth_bytes_per_s: float) -> Rooflin
         raise ValueError(f"weight bytes and bandwidth must be > 0, got {weight_bytes_}, {bandwidth_bytes_per_s}")
     step = weight_bytes_ / bandwidth_bytes_per_s
     return Roofline(weight_bytes_, bandwidth_bytes_per_s, step, 1.0 / step)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one token's K and V in every layer's cache."""
+    return 2 * layers * kv_heads * head_dim * element_bytes
+
+
+def decode_step_bytes(weight_bytes_: int, kv_bytes_per_token_: int, batch: int, context: float) -> int:
+    """Bytes a decode step of `batch` rows reads at least: every weight once, and each row's
+    cached K and V of `context` tokens (its mean over the rows)."""
+    if weight_bytes_ <= 0 or kv_bytes_per_token_ < 0 or batch < 1 or context < 0:
+        raise ValueError(f"decode_step_bytes needs weights > 0, KV bytes >= 0, batch >= 1 and context >= 0, got "
+                         f"{weight_bytes_}, {kv_bytes_per_token_}, {batch}, {context}")
+    return weight_bytes_ + round(batch * context * kv_bytes_per_token_)
 
 
 def roofline_fraction(tokens_per_s: float, roofline_tokens_per_s: float) -> float:

@@ -2,7 +2,8 @@
 
     decode-speed  W1 batch-1 decode of the 3B and 1B shapes against their rooflines:
                   overlapped (the default) and synchronous steps, FP8 weights; decode step
-                  time against batch size; transformers with a static cache
+                  time against batch size (1..32, and 128 and 256 after 512-token prompts,
+                  against their bytes limit); transformers with a static cache
     speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, the demo
                   target's trained EAGLE-3 head at K=5 beside the draft model's K=5, chain K=6
                   against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
@@ -10,7 +11,8 @@
                   lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
     costs         c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft; projections
     w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
-                  and without prefix caching
+                  and without prefix caching; prefill throughput: 16 prompts of 2,048 tokens
+                  to their first tokens (its MFU)
     tp            tensor parallelism on 2 GPUs: the 8B shape at TP=2 (overlapped, synchronous)
                   against TP=1, the 3B shape drafted by the 1B at TP=2 (draft on the driver,
                   sharded), the collectives' time a step, W2, lm_head / embedding layouts
@@ -42,7 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from infer.bench.measures import (XGRAMMAR, acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row,
-                                  costs_row, engine_row, gpt_fast_row, hf_row, projection_row, roofline_row)
+                                  costs_row, engine_row, gpt_fast_row, hf_row, prefill_row, projection_row,
+                                  roofline_row)
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
@@ -63,6 +66,12 @@ SWEEP_CHAINS = tuple(range(1, 7))
 # the trees the tree projection ranks best for c 0.4-0.5 and v(N) near 1 at alpha 0.6-0.9
 SWEEP_TREES = ("2,2", "3,1", "2,2,1")
 SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
+# serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
+# a ShareGPT-like request's prompt and output together), a step budget that prefills them in
+# a few steps
+SERVING_BATCHES, BATCH_CONTEXT, BIG_STEP = (128, 256), 512, {"max_num_batched_tokens": 8192}
+PREFILL_16X2048 = Workload("prefill-16x2048", 16, (2048, 2048), (1, 1),
+                           description="16 prompts of 2,048 tokens, prefilled up to their first token")
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,11 @@ def decode_speed_rows(m: Models) -> list[Row]:
         rows.append(batch_sweep_row(f"batch/{_label(shape)}", f"decode step time of the {_label(shape)} shape "
                                     "at batch 1..32", "decode step against batch size", {"model": shape, **GRAPHS},
                                     (1, 2, 4, 8, 16, 32)))
+    for b in SERVING_BATCHES:
+        rows.append(batch_sweep_row(f"batch/3b/b{b}", f"decode step time of the 3b shape at batch {b} after "
+                                    f"{BATCH_CONTEXT}-token prompts, against its bytes limit (weights + KV read)",
+                                    "decode step against batch size", {"model": SHAPE_3B, **GRAPHS, **BIG_STEP},
+                                    (b,), prompt_len=BATCH_CONTEXT))
     for shape in (SHAPE_3B, SHAPE_1B):
         label = _label(shape)
         rows.append(gpt_fast_row(f"w1/{label}/gpt-fast", f"gpt-fast's compiled decode, {label} shape (--gpt-fast PATH)",
@@ -225,7 +239,11 @@ def w2_rows(m: Models) -> list[Row]:
                        WORKLOADS["W2-prefix"], on),
             engine_row("w2-prefix/3b/no-prefix-cache", "W2-prefix without prefix caching", prefix_group,
                        WORKLOADS["W2-prefix"], {**on, "enable_prefix_caching": False},
-                       {"baseline": "w2-prefix/3b/prefix-cache"})]
+                       {"baseline": "w2-prefix/3b/prefix-cache"}),
+            # prefix caching off: the repeated timed runs would find their prompts cached
+            prefill_row("prefill/3b/16x2048", "16 prompts of 2,048 random ids to their first tokens, 3b shape "
+                        "(model FLOPs utilisation)", "prefill, 3b shape", PREFILL_16X2048,
+                        {"model": SHAPE_3B, **GRAPHS, **BIG_STEP, "enable_prefix_caching": False})]
 
 
 ONE_SHOT = {"tensor_parallel_all_reduce": "one-shot"}
@@ -336,7 +354,7 @@ SUITES: dict[str, Suite] = {
                          speculation_rows, 1),
     "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft, and of an EAGLE-3 head; "
                    "projections", costs_rows, 1),
-    "w2": Suite("continuous vs static batching, prefix caching", w2_rows, 1),
+    "w2": Suite("continuous vs static batching, prefix caching, prefill of 16 x 2,048 tokens (MFU)", w2_rows, 1),
     "tp": Suite("2 GPUs: 8B TP=2 vs TP=1, collectives a step, W2, the 3B shape with a 1B draft", tp_rows, 2),
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),
     "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "

@@ -6,6 +6,9 @@ factor needs; the engine's `acceptance_rate` (accepted / drafted tokens) counts 
 drafted after the first rejection of a round as rejected too, so it is lower. The
 efficiency of an implementation is its measured speedup / the predicted factor; the gap is
 the engine's own overhead.
+
+Prefill's model FLOPs (`prefill_flops`) and the GPUs' peak dense bf16 FLOPs
+(`peak_bf16_flops`) give a prefill row's model FLOPs utilisation (MFU).
 """
 
 from __future__ import annotations
@@ -13,9 +16,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from infer.models.config import ModelConfig
 from infer.speculative.theory import tree_walltime_factor, walltime_factor
 
-__all__ = ["efficiency", "projection_table", "round_projection", "tree_projection", "Projection", "TreeProjection"]
+__all__ = ["efficiency", "peak_bf16_flops", "prefill_flops", "projection_table", "round_projection",
+           "tree_projection", "Projection", "TreeProjection"]
+
+# peak dense (no sparsity) bf16 tensor-core FLOP/s, by a part of torch.cuda.get_device_name()
+# (the first key found in the name wins: list a longer name before a name it contains)
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100 80GB HBM3": 989e12,  # H100 SXM
+    "A100": 312e12,
+}
 
 DEFAULT_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 DEFAULT_KS = tuple(range(1, 9))
@@ -106,3 +119,43 @@ def _level_sizes(branching: Sequence[int]) -> list[int]:
         width *= b
         sizes.append(width)
     return sizes
+
+
+def peak_bf16_flops(gpu: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of the GPU named `gpu` (torch.cuda.get_device_name), None for a
+    GPU not in PEAK_BF16_FLOPS (or no GPU)."""
+    if not gpu:
+        return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in gpu), None)
+
+
+def layer_matmul_params(config: ModelConfig) -> int:
+    """Weights every token multiplies in one decoder layer: the q, k, v and o projections and
+    the gated MLP's gate, up and down."""
+    h, d = config.hidden_size, config.head_dim
+    attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    return attn + 3 * h * config.intermediate_size
+
+
+def attention_flops(config: ModelConfig, chunk_len: int, start: int = 0) -> int:
+    """FLOPs of causal attention for a chunk of `chunk_len` queries at positions start..: query
+    i sees start + i + 1 keys, and each (query head, key) pair costs 2 D for q.k and 2 D for
+    p.v, in every layer. Only the visible pairs count (a kernel skipping masked tiles does
+    about that much work; full attention: no sliding window)."""
+    if chunk_len < 0 or start < 0:
+        raise ValueError(f"chunk_len and start must be >= 0, got {chunk_len}, {start}")
+    pairs = chunk_len * start + chunk_len * (chunk_len + 1) // 2
+    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * pairs
+
+
+def prefill_flops(config: ModelConfig, prompt_lens: Sequence[int]) -> int:
+    """Model FLOPs of prefilling prompts of these lengths (nothing cached) up to their first
+    token: 2 x the layers' matmul weights x tokens, plus attention (`attention_flops`), plus
+    the LM head at each prompt's last token (2 x hidden x vocab; the logits of the other
+    positions are never computed). Norms, rotary and the softmax's exponentials are left out."""
+    if not prompt_lens or min(prompt_lens) < 1:
+        raise ValueError(f"prefill_flops needs prompt lengths >= 1, got {list(prompt_lens)}")
+    tokens = sum(prompt_lens)
+    dense = 2 * config.num_hidden_layers * layer_matmul_params(config) * tokens
+    head = 2 * config.hidden_size * config.vocab_size * len(prompt_lens)
+    return dense + head + sum(attention_flops(config, n) for n in prompt_lens)

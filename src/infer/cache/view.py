@@ -9,6 +9,9 @@ and a position mask hides what a query may not see (tree speculation adds a stat
 `BlockMask`: each node sees the context and its ancestors only). All index tensors have
 fixed shapes for a given (batch, width, context width), so a CUDA graph can capture a
 forward through a view and replay it after new indices are copied into the same tensors.
+On CUDA, attention reads the rows in place instead: Triton kernels for chunks of up to
+TRITON_MAX_CHUNK tokens (models/triton_attention.py) and for longer ones, prompt prefill
+(models/triton_prefill.py); a view with a block mask, and the CPU, gather and mask.
 
 A *packed* layout (`BatchLayout.packed`: a mixed step's decode rows and prefill chunks)
 runs only its valid tokens through the model, as one row [1, N]: its `PackedView` writes
@@ -199,15 +202,24 @@ class BlockMask:
         return allowed | ~inside[:, None, :]
 
 
-TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go through gather + SDPA
+TRITON_MAX_CHUNK = 128  # longer chunks (prompt prefill) go to the flash prefill kernel
 
 
 def use_triton_attention(q: torch.Tensor) -> bool:
-    """The Triton kernel serves short chunks (decode, draft steps and catch-up, verification,
-    short prompts) on CUDA with a power-of-two head_dim >= 16; long prefill chunks and the
-    CPU use gather + masked SDPA."""
+    """The Triton decode kernel serves short chunks (decode, draft steps and catch-up,
+    verification, short prompts) on CUDA with a power-of-two head_dim >= 16."""
     d = q.shape[-1]
     return q.is_cuda and q.shape[1] <= TRITON_MAX_CHUNK and d >= 16 and d & (d - 1) == 0 and triton_available()
+
+
+def use_triton_prefill(q: torch.Tensor) -> bool:
+    """The Triton flash prefill kernel serves longer chunks (prompt prefill, chunked or after a
+    prefix-cache hit) on CUDA, any head_dim up to 256; the CPU, and anything else, uses
+    gather + masked SDPA."""
+    if not (q.is_cuda and q.shape[1] > TRITON_MAX_CHUNK and triton_available()):
+        return False
+    from infer.models.triton_prefill import prefill_supported
+    return prefill_supported(q.shape[-1])
 
 
 @functools.cache
@@ -247,6 +259,9 @@ class CacheView:
                     self._bits = block_bits(self.block.rows)
                 return paged_decode_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end,
                                               (self._bits, self.block.first_row, width))
+        if self.block is None and use_triton_prefill(q):
+            from infer.models.triton_prefill import paged_prefill_attention
+            return paged_prefill_attention(q, kc, vc, idx.gather_rows, idx.q_pos, idx.ctx_end)
         if layer == 0 or self._mask is None:  # once per forward (inside a captured graph too)
             self._mask = idx.mask()
             if self.block is not None:

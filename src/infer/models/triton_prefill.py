@@ -1,0 +1,170 @@
+"""Triton flash attention for long query chunks (prompt prefill) over row-indexed KV storage.
+
+A prefill chunk's keys and values are already written to the cache (paged or slotted rows);
+this kernel reads them where they lie, through `gather_rows` (the storage row of every
+context position), instead of gathering the whole context into a new tensor and running
+SDPA with an explicit [B, T, S] mask. The rule is the cache view's: the query at position p
+of batch row b sees the context positions < min(p + 1, ctx_end[b]). That one rule covers a
+prompt from its start, a chunk after a prefix-cache hit or after the prompt's earlier chunks
+(q_pos[:, 0] > 0), and right-padded rows (padded queries sit past ctx_end and see the whole
+context: finite, and ignored).
+
+One program serves BLOCK_M consecutive queries of one query head of one batch row (grid:
+query heads fastest, so the heads sharing a KV head (grouped-query attention) run side by
+side and read the same K/V tiles from L2), with an online softmax in float32 over key tiles
+of BLOCK_N positions. The key range of a block ends at min(its last query's position + 1,
+ctx_end): fully masked tiles are never read. Tiles below the block's first query position
+(every key visible to every query) run without the mask; only the tiles on the diagonal
+compute it. Loop bounds come from device memory (q_pos, ctx_end), so no host sync is needed
+and a CUDA graph may capture it.
+
+head_dim need not be a power of two: the kernel pads it to one (>= 16) with masked loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale, s_kr,
+          d, d_ok, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) folded into the running (acc, m_i, l_i)."""
+    offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
+    valid = offs < hi
+    rows = tl.load(ROWS + row_base + offs, mask=valid, other=0).to(tl.int64)
+    kv_mask = valid[:, None] & d_ok[None, :]
+    ptr = rows[:, None] * s_kr + kv_off + d[None, :]  # [BLOCK_N, D_PAD]
+    k = tl.load(K + ptr, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(V + ptr, mask=kv_mask, other=0.0).to(q.dtype)
+    if IEEE:  # float32: exact float32 products, not tf32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:  # the diagonal: key j visible to query p iff j <= p and j < ctx_end (hi <= ctx_end)
+        see = (offs[None, :] <= qp[:, None]) & valid[None, :]
+        s = tl.where(see, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return acc, m_new, l_i
+
+
+@triton.jit(do_not_specialize=["T", "S"])
+def _prefill_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, qk_scale,
+                       s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_pb, s_ob, s_ot, s_oh,
+                       T, S, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    head = tl.program_id(0)
+    block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) query blocks first
+    b = tl.program_id(2)
+    kv_head = head // GROUP
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query columns
+    m_ok = offs_m < T
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    qp = tl.load(QPOS + b * s_pb + offs_m, mask=m_ok, other=0)  # [BLOCK_M] query positions
+    ctx_end = tl.load(CTX_END + b)
+    q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + head * s_qh + d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
+    # keys < hi may be visible to some query of the block; keys < full to all of them
+    hi = tl.minimum(tl.minimum(tl.max(tl.where(m_ok, qp, 0), axis=0) + 1, ctx_end), S)
+    full = tl.minimum(tl.min(tl.where(m_ok, qp, hi), axis=0) + 1, hi)
+    full = (full // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    row_base = b * s_rb
+    kv_off = kv_head * s_kh
+    for start in range(0, full, BLOCK_N):
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale,
+                              s_kr, d, d_ok, BLOCK_N, False, IEEE)
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale,
+                              s_kr, d, d_ok, BLOCK_N, True, IEEE)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (ctx_end 0: no key at all, zeros)
+    tl.store(OUT + b * s_ob + offs_m[:, None] * s_ot + head * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+def prefill_supported(head_dim: int) -> bool:
+    """Whether the kernel serves this head size (any up to MAX_HEAD_DIM, padded to a power of two)."""
+    return 1 <= head_dim <= MAX_HEAD_DIM
+
+
+def block_plan(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size: 128 x 64 tiles up to
+    head_dim 128, 64 x 32 above (registers); small tiles off the GPU (the interpreter)."""
+    if device.type != "cuda":
+        return 16, 16, 1, 1
+    if triton.next_power_of_2(head_dim) <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather_rows: torch.Tensor,
+                 q_pos: torch.Tensor, ctx_end: torch.Tensor) -> None:
+    """ValueError naming the fix for inputs the kernel cannot serve."""
+    if q.dim() != 4 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_prefill_attention needs q [B, T, Hq, D] and caches [rows, Hkv, D] of one shape, got "
+                         f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
+    b, t, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.shape[2] != d or hq % hkv:
+        raise ValueError(f"q's heads ({hq} of size {d}) must be a multiple of the cache's KV heads ({hkv} of size "
+                         f"{k_cache.shape[2]}) with the same head size: pass one layer's caches")
+    if not prefill_supported(d):
+        raise ValueError(f"head_dim {d} is above the kernel's {MAX_HEAD_DIM}: use the gather + SDPA path")
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("the caches' head_dim must be contiguous and K and V strided alike: pass "
+                         "k_cache[layer], v_cache[layer] of the pool's [layers, rows, Hkv, D] tensors")
+    if gather_rows.dim() != 2 or gather_rows.shape[0] != b or tuple(q_pos.shape) != (b, t) or \
+            tuple(ctx_end.shape) != (b,):
+        raise ValueError(f"need gather_rows [B, S], q_pos [B, T] and ctx_end [B] for q of B={b}, T={t}; got "
+                         f"{tuple(gather_rows.shape)}, {tuple(q_pos.shape)}, {tuple(ctx_end.shape)}")
+    if any(x.dtype not in (torch.int32, torch.int64) for x in (gather_rows, q_pos, ctx_end)):
+        raise ValueError("gather_rows, q_pos and ctx_end must be integer tensors (the view's ViewIndices)")
+    if len({x.device for x in (q, k_cache, v_cache, gather_rows, q_pos, ctx_end)}) != 1:
+        raise ValueError("q, the caches and the view's indices must be on one device: move the indices there")
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
+                            blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """Causal attention of a chunk over its context in row-indexed storage.
+
+    q: [B, T, Hq, D] (rotated); k_cache, v_cache: [rows, Hkv, D] (one layer, this chunk's K/V
+    already written); gather_rows: [B, S] storage row of each context position; q_pos: [B, T]
+    absolute position of each query; ctx_end: [B] context length after the chunk.
+    -> [B, T, Hq, D] in q's dtype. `blocks`: (BLOCK_M, BLOCK_N) instead of `block_plan`'s
+    (powers of two >= 16; tests use small ones to cross tile edges on tiny shapes)."""
+    check_inputs(q, k_cache, v_cache, gather_rows, q_pos, ctx_end)
+    b, t, hq, d = q.shape
+    block_m, block_n, warps, stages = block_plan(d, q.device)
+    if blocks is not None:
+        block_m, block_n = blocks
+        if min(blocks) < 16 or any(x & (x - 1) for x in blocks):
+            raise ValueError(f"blocks must be powers of two >= 16, got {blocks}")
+    q_pos, ctx_end = q_pos.contiguous(), ctx_end.contiguous()
+    rows = gather_rows if gather_rows.stride(1) == 1 else gather_rows.contiguous()
+    out = torch.empty_like(q)
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    grid = (hq, triton.cdiv(t, block_m), b)
+    _prefill_attention[grid](
+        q, k_cache, v_cache, rows, q_pos, ctx_end, out, d ** -0.5 * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), rows.stride(0),
+        q_pos.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        T=t, S=rows.shape[1], GROUP=hq // k_cache.shape[1], D=d, D_PAD=max(16, triton.next_power_of_2(d)),
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    return out

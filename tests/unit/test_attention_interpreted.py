@@ -1,6 +1,7 @@
 """The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
 CPU (tiny shapes; skipped without triton), against the gathered masked-SDPA reference that
-`CacheView` runs on the CPU: a plain verification chunk, and tree verification with the
+`CacheView` runs on the CPU, over four context chunks that the last program to finish
+combines (its arrival counters left at zero): a plain verification chunk, and tree verification with the
 block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W], dynamic trees), the
 block starting one row before the chunk (its root already in the cache). The interpreter
 must be on before triton.language is imported, so the kernel runs in a subprocess.
@@ -19,7 +20,7 @@ import torch
 from infer.cache.view import BlockMask, position_mask
 from infer.models.attention import masked_attention
 
-B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 24, 64
+B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 200, 256  # S = 200: 4 context chunks of 64
 FIRST_ROW, WIDTH = 1, 5  # block rows: the root (cached) and the chunk's 4 nodes
 # a tree of 4 nodes under the root: nodes 1, 2 children of the root, 3 of 1, 4 of 2
 STATIC = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
@@ -33,7 +34,7 @@ def _case() -> dict[str, torch.Tensor]:
     v_cache = torch.randn(ROWS, HKV, D, generator=g)
     q = torch.randn(B, T, HQ, D, generator=g)
     gather = torch.stack([torch.randperm(ROWS - 1, generator=g)[:S] for _ in range(B)])  # [B, S] paged rows
-    starts = torch.tensor([10, 7])  # each row's first chunk position
+    starts = torch.tensor([150, 70])  # each row's first chunk position (row 1: chunks 3-4 empty)
     q_pos = starts[:, None] + torch.arange(T)  # [B, T]
     return {"k": k_cache, "v": v_cache, "q": q, "gather": gather, "q_pos": q_pos, "ctx_end": starts + T}
 
@@ -43,11 +44,13 @@ def _rules() -> dict[str, torch.Tensor | None]:
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
-    from infer.models.triton_attention import block_bits, paged_decode_attention
+    from infer.models.triton_attention import arrival_counters, block_bits, paged_decode_attention, split_plan
     c, out = _case(), {}
     for name, rows in _rules().items():
         block = None if rows is None else (block_bits(rows), FIRST_ROW, WIDTH)
         out[name] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
+    out["splits"] = torch.tensor(split_plan(S)[1])
+    out["counters"] = arrival_counters(torch.device("cpu"), B * T * HKV).clone()  # left at zero for the next
     return out
 
 
@@ -79,6 +82,11 @@ def test_the_kernel_is_the_gathered_masked_attention(interpreted: dict[str, torc
         plain = masked_attention(c["q"], c["k"][c["gather"]], c["v"][c["gather"]],
                                  position_mask(c["q_pos"], c["ctx_end"], S))
         assert not torch.allclose(ref, plain, atol=1e-3)
+
+
+def test_the_chunks_are_combined_by_the_last_arrival(interpreted: dict[str, torch.Tensor]) -> None:
+    assert interpreted["splits"].item() == 4  # (the cases above combine four chunks, two empty in row 1)
+    assert not interpreted["counters"].any()
 
 
 def test_block_bits_pack_the_rule_and_refuse_wide_blocks() -> None:

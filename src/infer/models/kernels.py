@@ -12,8 +12,8 @@ SwiGLU prologue and the residual epilogue, to the Triton matmul with the SwiGLU 
 residual epilogue, or to cuBLAS beside one `torch.compile`d kernel per elementwise step;
 the rotary and the KV-cache write are one Triton kernel inside the cache view
 (models/triton_rotary.py). A one-row decoder layer is then norm + qkv, rotary + KV write,
-attention (split-KV and its combine), o + residual, norm + gate_up, SwiGLU + down +
-residual: seven launches. Where a fusion does not apply (a bias, Qwen3's q/k norms before
+split-KV attention (its chunks combined in the same launch), o + residual, norm + gate_up,
+SwiGLU + down + residual: six launches. Where a fusion does not apply (a bias, Qwen3's q/k norms before
 the rotary, the CPU, float32, more rows than the GEMV serves) the fused bundle composes
 the single kernels. The model receives the bundle explicitly; nothing global is patched.
 """

@@ -8,7 +8,9 @@ the loop bounds come from device memory, so one CUDA graph serves any context le
 The context is split into chunks (flash-decoding): one program per (batch row, KV head,
 query token, chunk) handles all query heads of its group (grouped-query attention) with an
 online softmax in float32 and writes its partial result (running max, sum, unnormalised
-output); a second kernel combines the chunks of each query head. A decode step at batch 1
+output); the last of a (row, KV head, token)'s programs to finish (an arrival counter,
+atomically incremented, which that program resets) combines the chunks, so a layer's
+attention is one launch. A decode step at batch 1
 then runs tens of programs per layer instead of one per KV head, each a short loop: the
 chain of dependent loads (row index, key, value) of a long serial loop is what bounded it.
 The number of chunks follows the gather width (fixed per CUDA graph), so chunks past a
@@ -33,9 +35,9 @@ MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
 
 
 @triton.jit(do_not_specialize=["T", "s_rb", "s_bb", "s_bt", "FIRST_ROW", "WIDTH"])
-def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, scale,
-                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_bb, s_bt, FIRST_ROW, WIDTH,
-                     T, HQ: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, ARRIVED, OUT, scale,
+                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_bb, s_bt, FIRST_ROW, WIDTH, s_ob, s_ot, s_oh,
+                     T, HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                      GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                      IEEE: tl.constexpr, HAS_BLOCK: tl.constexpr):
     b = tl.program_id(0)
@@ -90,24 +92,41 @@ def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, sc
     tl.store(M_OUT + cell, m_i, mask=keep)
     tl.store(L_OUT + cell, l_i, mask=keep)
     tl.store(A_OUT + cell[:, None] * D + d[None, :], acc, mask=keep[:, None])
+    # the last program of (b, kv_head, t) to arrive combines every chunk's partials: the
+    # release orders this program's stores before its arrival, the acquire the others' before
+    # the loads below (which bypass L1: `.cg`)
+    tl.debug_barrier()
+    counter = ARRIVED + (b * T + t) * HKV + kv_head
+    if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+        sp = tl.arange(0, SPLITS)
+        cells = ((b * T + t) * HQ + heads)[:, None] * SPLITS + sp[None, :]  # [G_PAD, SPLITS]
+        m = tl.load(M_OUT + cells, mask=keep[:, None], other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(L_OUT + cells, mask=keep[:, None], other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, axis=1)  # [G_PAD]
+        w = tl.where(l > 0, tl.exp(m - m_max[:, None]), 0.0)  # an empty chunk weighs nothing
+        out = tl.zeros([G_PAD, D], tl.float32)
+        for j in tl.static_range(SPLITS):
+            w_j = tl.sum(tl.where(sp[None, :] == j, w, 0.0), axis=1)  # [G_PAD]
+            a_j = tl.load(A_OUT + ((b * T + t) * HQ + heads)[:, None] * (SPLITS * D) + j * D + d[None, :],
+                          mask=keep[:, None], other=0.0, cache_modifier=".cg")  # [G_PAD, D]
+            out += a_j * w_j[:, None]
+        out = out / tl.sum(l * w, axis=1)[:, None]
+        tl.store(OUT + b * s_ob + t * s_ot + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=keep[:, None])
+        tl.atomic_xchg(counter, 0)  # ready for the next launch (a CUDA graph replays this one)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _combine(M_IN, L_IN, A_IN, OUT, s_ob, s_ot, s_oh, T, HQ: tl.constexpr, SPLITS: tl.constexpr,
-             D: tl.constexpr):
-    b = tl.program_id(0)
-    t = tl.program_id(1)
-    head = tl.program_id(2)
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, D)
-    base = ((b * T + t) * HQ + head) * SPLITS
-    m = tl.load(M_IN + base + sp)  # [SPLITS]
-    l = tl.load(L_IN + base + sp)
-    m_max = tl.max(m, axis=0)
-    w = tl.where(l > 0, tl.exp(m - m_max), 0.0)  # an empty chunk weighs nothing
-    acc = tl.load(A_IN + (base + sp)[:, None] * D + d[None, :])  # [SPLITS, D]
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(OUT + b * s_ob + t * s_ot + head * s_oh + d, out.to(OUT.dtype.element_ty))
+_ARRIVED: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros on `device` for the kernel's arrival counters (each launch leaves them
+    at zero). Kept for the process: a captured CUDA graph holds their address, so a larger
+    set is added, never swapped in."""
+    kept = _ARRIVED.setdefault((device.type, device.index), [])
+    if not kept or kept[-1].numel() < n:
+        kept.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return kept[-1]
 
 
 def split_plan(context_width: int) -> tuple[int, int]:
@@ -144,13 +163,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     a = torch.empty((b, t, hq, splits, d), dtype=torch.float32, device=q.device)
     bits, first_row, width = block if block is not None else (ctx_end, 0, 0)  # (bits unread without a block)
     s_bb, s_bt = (0, bits.stride(0)) if bits.dim() == 1 else (bits.stride(0), bits.stride(1))
-    _split_attention[(b, hkv, t * splits)](
-        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, bits, m, l, a, d ** -0.5,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), gather_rows.stride(0),
-        s_bb, s_bt, first_row, width,
-        T=t, HQ=hq, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, HAS_BLOCK=block is not None, num_warps=4)
     out = torch.empty_like(q)
-    _combine[(b, t, hq)](m, l, a, out, out.stride(0), out.stride(1), out.stride(2), T=t, HQ=hq, SPLITS=splits, D=d,
-                         num_warps=1)
+    _split_attention[(b, hkv, t * splits)](
+        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, bits, m, l, a, arrival_counters(q.device, b * t * hkv), out,
+        d ** -0.5, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), gather_rows.stride(0),
+        s_bb, s_bt, first_row, width, out.stride(0), out.stride(1), out.stride(2),
+        T=t, HQ=hq, HKV=hkv, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        D=d, BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, HAS_BLOCK=block is not None, num_warps=4)
     return out

@@ -32,6 +32,7 @@ import triton.language as tl
 MAX_SPLITS = 16
 MIN_CHUNK = 64
 MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
+MIN_COUNTERS = 1 << 18  # arrival counters allocated at first use, so that a capture rarely allocates
 
 
 @triton.jit(do_not_specialize=["T", "s_rb", "s_bb", "s_bt", "FIRST_ROW", "WIDTH"])
@@ -124,8 +125,8 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     at zero). Kept for the process: a captured CUDA graph holds their address, so a larger
     set is added, never swapped in."""
     kept = _ARRIVED.setdefault((device.type, device.index), [])
-    if not kept or kept[-1].numel() < n:
-        kept.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    if not kept or kept[-1].numel() < n:  # (1 MB first: batch 256 x 128 tokens x 8 KV heads)
+        kept.append(torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device))
     return kept[-1]
 
 

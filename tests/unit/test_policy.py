@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -134,10 +135,48 @@ def test_probes_draft_what_their_budget_buys_and_passing_probes_keep_coming():
     # whose drafts all pass keep coming every probe_every steps, each twice as long, until
     # the estimate says K = 5 pays. Probes that fail stay one token long and back off.
     for accept, want in ((1.0, [0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, 4]), (0.0, [0, 0, 0, 1] + [0] * 7 + [1])):
-        p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.45, probe_every=4, probe_max=64))
+        p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.45, probe_every=4, probe_max=64, probe_share=1.0))
         ks = _run(p, "x", 40, accept, overhead=0.5)
         assert ks[:12] == want
         assert (ks[-10:] == [5] * 10) == (accept == 1.0) and (max(ks) == 1) == (accept == 0.0)
+
+
+def test_probes_wait_long_enough_to_cost_a_small_share_of_plain_decoding():
+    p = AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.5, probe_every=16, probe_max=256, probe_share=0.03))
+    # a one-token probe costing 0.5 + 2.5 plain steps beyond a plain step: 100 steps apart
+    assert p.probe_floor(1, 2.5) == 100 and p.probe_floor(1, 0.0) == 17 and p.probe_floor(1, 20.0) == 256
+    assert AdaptivePolicy(AdaptiveConfig(k_max=5, c=0.0)).probe_floor(5, 0.0) == 16  # free: probe_every
+    ks = _run(p, "x", 600, 1.0, overhead=2.5)  # probes pass whole, yet no K pays at this overhead
+    probes = [i for i, k in enumerate(ks) if k]
+    assert len(probes) >= 3 and min(b - a for a, b in zip(probes, probes[1:])) >= 100
+
+
+def _speedup(cfg: AdaptiveConfig, alpha: float, overhead: float, tokens: int = 20000) -> float:
+    """Tokens per plain-step time of a request under `cfg`'s policy, by the policy's own cost
+    model: iid acceptance alpha per draft, `overhead` plain steps a round beyond the model."""
+    rng, p = random.Random(0), AdaptivePolicy(cfg)
+    made = cost = 0.0
+    while made < tokens:
+        k = p.choose([R("x")], overhead)[0]
+        if k == 0:
+            made, cost = made + 1, cost + 1
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        p.update("x", k, accepted)
+        made, cost = made + accepted + 1, cost + p.round_cost(k) + overhead
+    return made / cost
+
+
+@pytest.mark.parametrize(("alpha", "c", "overhead"), [(0.71, 0.5, 2.35), (0.71, 0.5, 1.0), (0.5, 0.0, 0.3),
+                                                      (0.8, 0.0, 0.3), (0.9, 0.05, 0.2), (0.71, 0.3, 0.5)])
+def test_adaptive_never_loses_to_plain_and_keeps_most_of_the_best_fixed_k(alpha: float, c: float,
+                                                                          overhead: float) -> None:
+    cfg = AdaptiveConfig(k_max=5, c=c, verify_slope=0.05)
+    fixed = max(expected_tokens(alpha, k) / (k * c + 1 + 0.05 * k + overhead) for k in range(1, 6))
+    got = _speedup(cfg, alpha, overhead)
+    assert got >= 0.95 and got >= 0.9 * fixed, (got, fixed)
 
 
 def test_n_gram_drafts_cost_nothing_so_little_acceptance_pays():
@@ -172,7 +211,8 @@ def test_requests_are_estimated_apart_and_released():
 
 @pytest.mark.parametrize("kwargs, words", [({"k_max": 0, "c": 0.1}, "k_max"), ({"k_max": 3, "c": -1}, "c and"),
                                            ({"k_max": 3, "c": 0.1, "decay": 0}, "decay"),
-                                           ({"k_max": 3, "c": 0.1, "probe_every": 8, "probe_max": 4}, "probe")])
+                                           ({"k_max": 3, "c": 0.1, "probe_every": 8, "probe_max": 4}, "probe"),
+                                           ({"k_max": 3, "c": 0.1, "probe_share": 0.0}, "probe_share")])
 def test_adaptive_config_is_validated(kwargs, words):
     with pytest.raises(ValueError, match=words):
         AdaptiveConfig(**kwargs)

@@ -9,7 +9,10 @@
   costs beyond that model, as `round_clock.RoundClock` times it). K = 0 (a plain step)
   when no K beats plain decoding by `min_gain`. A request decoding plainly is probed after
   `probe_every` plain steps: a probe with a rejection that leaves it plain doubles the wait
-  (up to `probe_max`), one that pays or passes whole resets it. A probe drafts what
+  (up to `probe_max`), one that pays or passes whole resets it. No wait is shorter than
+  what keeps probes within `probe_share` of plain decoding's time (a probe's cost beyond a
+  plain step, by the model and the measured overhead, over `probe_share`): where rounds
+  cost many plain steps, probing cannot cost more than speculation could win. A probe drafts what
   `probe_budget` plain steps of drafting buy (one token for a draft model, all K for free
   n-gram drafts: in copied text acceptance comes in runs), and after a probe that passed
   whole, twice that (up to K): one-token probes cannot lift the decayed estimate past 0.89.
@@ -19,6 +22,7 @@ Nothing here measures time: c and v(K) come in once, at engine start.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -88,6 +92,7 @@ class AdaptiveConfig:
     probe_every: int = 16  # plain steps before a probe
     probe_max: int = 256  # the longest wait between probes
     probe_budget: float = 0.25  # a probe drafts at most this many plain steps' worth (K c)
+    probe_share: float = 0.03  # probes take at most this share of a plain request's time
 
     def __post_init__(self) -> None:
         if self.k_max < 1:
@@ -102,6 +107,8 @@ class AdaptiveConfig:
             raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
         if self.probe_budget < 0:
             raise ValueError(f"probe_budget must be >= 0, got {self.probe_budget}")
+        if not 0.0 < self.probe_share <= 1.0:
+            raise ValueError(f"probe_share must be in (0, 1], got {self.probe_share}")
 
     @property
     def probe_k(self) -> int:
@@ -144,6 +151,14 @@ class AdaptivePolicy:
             verify = lambda k: max(MIN_VERIFY_COST, 1.0 + cfg.verify_slope * k + extra)  # noqa: E731
             table = self._tables[key] = [best_k(i / 100, cfg.k_max, cfg.c, verify) for i in range(101)]
         return table
+
+    def probe_floor(self, k: int, overhead: float) -> int:
+        """The shortest wait before a probe of k drafts (a round costing `overhead` plain steps
+        beyond the model): its cost beyond a plain step over `probe_share`, at least
+        `probe_every` and at most `probe_max` plain steps."""
+        cfg = self.config
+        extra = max(0.0, self.round_cost(k) - 1.0 + overhead)
+        return min(cfg.probe_max, max(cfg.probe_every, math.ceil(extra / cfg.probe_share)))
 
     def acceptance(self, request_id: str) -> float:
         """The request's current acceptance estimate (the prior for an unknown request)."""
@@ -188,7 +203,8 @@ class AdaptivePolicy:
         if e.probing:  # a probe with a rejection that leaves the request plain waits longer next time
             passed = accepted == drafted
             paid = passed or self.best(self.acceptance(request_id), self._overhead) > 0
-            e.wait = cfg.probe_every if paid else min(2 * e.wait, cfg.probe_max)
+            floor = self.probe_floor(drafted, self._overhead)
+            e.wait = floor if paid else min(max(2 * e.wait, floor), cfg.probe_max)
             # a probe whose drafts all pass is followed by one twice as long (up to k_max)
             e.probe_len = min(cfg.k_max, 2 * drafted) if passed else 0
             e.probing = False

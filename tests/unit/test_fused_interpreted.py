@@ -14,14 +14,11 @@ rounding them (tests/gpu covers bf16).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.interpreted import interpreted_outputs
 from infer.models.attention import NoCacheView
 from infer.models.config import ModelConfig
 from infer.models.eagle import EagleHead
@@ -133,17 +130,7 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, torch.Tensor]:
-    pytest.importorskip("triton")
-    import tempfile
-    here = Path(__file__).resolve().parent
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "outputs.pt"
-        script = "import sys, torch, test_fused_interpreted as t; torch.save(t.run_interpreted_cases(), sys.argv[1])"
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-            [str(here.parents[1] / "src"), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return torch.load(path)
+    return interpreted_outputs("test_fused_interpreted")
 
 
 @pytest.mark.parametrize("ci", range(len(ROTARY_CASES)))

@@ -14,15 +14,12 @@ products) and one fp16 case.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.interpreted import interpreted_outputs
 from infer.models.attention import masked_attention, position_mask
 
 BLOCK = 4  # rows a page
@@ -106,17 +103,7 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, torch.Tensor]:
-    pytest.importorskip("triton")
-    import tempfile
-    here = Path(__file__).resolve().parent
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "outputs.pt"
-        script = "import sys, torch, test_prefill_interpreted as t; torch.save(t.run_interpreted_cases(), sys.argv[1])"
-        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-            [str(here.parents[1] / "src"), str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
-        done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return torch.load(path)
+    return interpreted_outputs("test_prefill_interpreted")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -9,15 +9,12 @@ triton) and compiled on a GPU (marked `gpu`).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.interpreted import interpreted_outputs
 from infer.models.gemv_tiles import (
     CONFIG_TABLE, MAX_ROWS, NUM_SMS_H200, GemvConfig, candidate_configs, check_inputs, config_for,
     default_config, fits_registers, row_bucket, with_splits)
@@ -234,26 +231,17 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def interpreted_outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """Runs `run_interpreted_cases` under Triton's interpreter in a fresh process: the
-    interpreter must be switched on before triton.language is first imported."""
-    pytest.importorskip("triton")
-    here = Path(__file__).resolve().parent
-    path = tmp_path_factory.mktemp("interpreted") / "outputs.pt"
-    script = "import sys, torch, test_triton_gemv as t; torch.save(t.run_interpreted_cases(), sys.argv[1])"
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(here.parents[1] / "src"), str(here), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return torch.load(path)
+def interpreted() -> dict[str, torch.Tensor]:
+    """`run_interpreted_cases` under Triton's interpreter (tests/helpers/interpreted.py)."""
+    return interpreted_outputs("test_triton_gemv")
 
 
 @pytest.mark.parametrize("ci", range(len(INTERPRETED)))
-def test_interpreted_kernel_matches_reference(interpreted_outputs: dict[str, torch.Tensor], ci: int) -> None:
+def test_interpreted_kernel_matches_reference(interpreted: dict[str, torch.Tensor], ci: int) -> None:
     for fi, (_, swiglu, _) in enumerate(FLAGS):
         x, w, scale, nw, res = _interpreted_case(ci, fi)
         ref = gemv_reference(x, w, scale, norm_weight=nw, swiglu_input=swiglu, residual=res)
-        y = interpreted_outputs[f"{ci}-{fi}"]
+        y = interpreted[f"{ci}-{fi}"]
         assert y.shape == ref.shape and y.dtype == ref.dtype
         assert rel_err(y, ref) < 5e-3, (INTERPRETED[ci], FLAGS[fi])
 

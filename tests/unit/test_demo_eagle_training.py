@@ -1,5 +1,5 @@
 """Training the demo EAGLE-3 head: the training-time-test attention mask, the draft
-vocabulary, one training step, and the saved head loading through the engine's loader
+vocabulary, the target's greedy continuations as training windows, one training step, and the saved head loading through the engine's loader
 with the same forward (the public layout round trip)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, vocab_maps
+from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, greedy_windows, vocab_maps
 from infer.demo.eagle_head import HEAD_PRESETS, build_head, save_head
-from infer.demo.eagle_train import unrolled_losses
+from infer.demo.eagle_train import HeadSettings, unrolled_losses
 from infer.demo.unrolled_view import UnrolledView, unrolled_mask
 from infer.models.attention import NoCacheView
 from infer.models.eagle import load_eagle_head
@@ -42,6 +42,17 @@ def test_draft_vocabulary_and_maps() -> None:
     assert (torch.arange(3) + d2t).tolist() == [1, 5, 7] and t2d.nonzero().flatten().tolist() == [1, 5, 7]
     with pytest.raises(ValueError, match="draft vocabulary size"):
         draft_vocabulary(stream, 10, 11)
+
+
+def test_greedy_windows_are_the_targets_own_continuations(ckpt_b: Path) -> None:
+    target = load_model(str(ckpt_b), dtype="float32")[0]
+    prompts = torch.randint(2, target.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+    windows = greedy_windows(str(ckpt_b), prompts, 3)
+    assert windows.shape == (2, 7) and torch.equal(windows[:, :4], prompts)
+    with torch.no_grad():
+        assert torch.equal(target(windows[:, :-1]).argmax(-1)[:, 3:], windows[:, 4:])  # each token the argmax
+    with pytest.raises(ValueError, match="greedy_prompt"):
+        HeadSettings(train=HEAD_PRESETS["tiny"].train, seq_len=32, greedy_prompt=32)
 
 
 def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_path: Path) -> None:

@@ -28,8 +28,8 @@ from safetensors.torch import save_file
 
 from infer.demo.bpe import load_tokenizer
 from infer.demo.data import validation_chunks
-from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, sample_windows,
-                                   vocab_maps)
+from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, greedy_windows,
+                                   sample_windows, vocab_maps)
 from infer.demo.eagle_train import HeadSettings, init_head, train_head
 from infer.demo.presets import TrainSettings, get_preset, settings_with
 from infer.demo.saving import SUMMARY_FILE, training_environment
@@ -39,12 +39,12 @@ from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.loader import load_model
 
 HEAD_PRESETS = {
-    "full": HeadSettings(train=TrainSettings(epochs=3, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
+    "full": HeadSettings(train=TrainSettings(epochs=3.5, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
                                              eval_every=100, min_lr_ratio=0.05),
-                         draft_vocab_size=4096, num_sequences=800, unroll=2),
+                         draft_vocab_size=4096, num_sequences=1600, greedy_sequences=256, unroll=2),
     "tiny": HeadSettings(train=TrainSettings(epochs=1, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=4,
                                              max_steps=8), draft_vocab_size=256, seq_len=32, num_sequences=16,
-                         valid_sequences=2, unroll=2),
+                         greedy_sequences=4, greedy_prompt=8, valid_sequences=2, unroll=2),
 }
 TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight")  # the rest is the decoder layer, `midlayer.*`
 SAVE_DTYPE = torch.bfloat16
@@ -122,15 +122,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     head = build_head(target, draft_ids, args.seed)
     aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
     start, cpu_start = time.perf_counter(), time.process_time()
-    data = extract_features(target, sample_windows(corpus.train, settings.seq_len, settings.num_sequences,
-                                                   args.seed), aux_layers, log_every=8)
+    windows = sample_windows(corpus.train, settings.seq_len, settings.num_sequences, args.seed)  # [n, S]
     valid_windows = torch.stack([c[:settings.seq_len] for c in validation_chunks(corpus.valid, settings.seq_len)
                                  if c.numel() > settings.seq_len][:settings.valid_sequences])
-    valid = extract_features(target, valid_windows, aux_layers)
-    feature_seconds = time.perf_counter() - start
-    print(f"[eagle3] features of {len(data)} + {len(valid)} windows in {feature_seconds:.0f} s; draft vocabulary "
-          f"{draft_ids.numel()} covers {coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the "
-          "training tokens", flush=True)
+    valid_sets = {"": valid_windows}
+    if settings.greedy_sequences:
+        new_tokens = settings.seq_len - settings.greedy_prompt
+        prompts = sample_windows(corpus.train, settings.greedy_prompt, settings.greedy_sequences, args.seed + 1)
+        windows = torch.cat([windows, greedy_windows(args.target, prompts, new_tokens)])
+        valid_sets["greedy_"] = greedy_windows(args.target, valid_windows[:, :settings.greedy_prompt], new_tokens)
+    greedy_seconds = time.perf_counter() - start
+    print(f"[eagle3] greedy continuations of {settings.greedy_sequences} + "
+          f"{len(valid_windows) if settings.greedy_sequences else 0} prompts in {greedy_seconds:.0f} s", flush=True)
+    data = extract_features(target, windows, aux_layers, log_every=8)
+    valid = {name: extract_features(target, w, aux_layers) for name, w in valid_sets.items()}
+    feature_seconds = time.perf_counter() - start - greedy_seconds
+    print(f"[eagle3] features of {len(data)} + {sum(len(v) for v in valid.values())} windows in "
+          f"{feature_seconds:.0f} s; draft vocabulary {draft_ids.numel()} covers "
+          f"{coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the training tokens", flush=True)
     log = train_head(head, target, data, valid, draft_ids, settings, args.seed)
     head.index_vocab()
     summary = {
@@ -138,10 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
         "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
                                  "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
-        "feature_seconds": feature_seconds, "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats, "environment": training_environment(
+        "greedy_seconds": greedy_seconds, "feature_seconds": feature_seconds, "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats, "environment": training_environment(
             torch.device("cpu")) | {"threads": str(torch.get_num_threads())}, "log": log.to_dict()}
     save_head(head, Path(args.out), summary)
-    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds:.0f} s)", flush=True)
+    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds + greedy_seconds:.0f} s)", flush=True)
     return summary
 
 

@@ -1,6 +1,7 @@
 """Training the demo EAGLE-3 head: the training-time-test attention mask, the draft
-vocabulary, the target's greedy continuations as training windows, one training step, and the saved head loading through the engine's loader
-with the same forward (the public layout round trip)."""
+vocabulary, the target's greedy continuations as training windows, one training step, and
+the saved head loading through the engine's loader with the same forward (the public
+layout round trip)."""
 
 from __future__ import annotations
 

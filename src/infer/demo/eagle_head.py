@@ -147,8 +147,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
         "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
                                  "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
-        "greedy_seconds": greedy_seconds, "feature_seconds": feature_seconds, "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats, "environment": training_environment(
-            torch.device("cpu")) | {"threads": str(torch.get_num_threads())}, "log": log.to_dict()}
+        "greedy_seconds": greedy_seconds, "feature_seconds": feature_seconds,
+        "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats,
+        "environment": training_environment(torch.device("cpu")) | {"threads": str(torch.get_num_threads())},
+        "log": log.to_dict()}
     save_head(head, Path(args.out), summary)
     print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds + greedy_seconds:.0f} s)", flush=True)
     return summary

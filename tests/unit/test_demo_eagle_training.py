@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, greedy_windows, vocab_maps
-from infer.demo.eagle_head import HEAD_PRESETS, build_head, save_head
+from infer.demo.eagle_head import HEAD_PRESETS, build_head, continue_from, save_head
 from infer.demo.eagle_train import HeadSettings, unrolled_losses
 from infer.demo.unrolled_view import UnrolledView, unrolled_mask
 from infer.models.attention import NoCacheView
@@ -72,6 +72,11 @@ def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_pat
     assert target.lm_head.weight.grad is None  # the teacher stays frozen
     head.index_vocab()
     loaded = load_eagle_head(str(save_head(head, tmp_path / "head", {})), "eagle3", target)
+    resumed = build_head(target, draft_ids, seed=1)
+    continue_from(resumed, str(tmp_path / "head"), target)  # --init: train the saved head further
+    assert torch.equal(resumed.fc.weight, loaded.fc.weight)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        continue_from(build_head(target, draft_ids + 1, seed=1), str(tmp_path / "head"), target)
     with torch.no_grad():
         features = head.combine(aux)
         ours = head.logits(head(ids, features, torch.arange(12).expand(2, 12), NoCacheView())[0])

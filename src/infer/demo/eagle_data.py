@@ -30,6 +30,7 @@ from infer.sampling import SamplingParams
 
 FEATURE_DTYPE = torch.bfloat16
 EXTRACT_BATCH = 8
+GREEDY_BATCH = 32  # sequences the engine decodes together for `greedy_windows`
 
 
 @dataclass
@@ -87,7 +88,7 @@ def greedy_windows(target_dir: str, prompts: torch.Tensor, new_tokens: int) -> t
     if new_tokens <= 0:
         raise ValueError(f"greedy continuations need new_tokens > 0, got {new_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(target_dir, device="cpu") as llm:
+    with LLM(target_dir, device="cpu", max_batch_size=min(GREEDY_BATCH, prompts.shape[0])) as llm:
         outs = llm.generate(prompt_token_ids=prompts.tolist(), sampling_params=params)
     continuations = torch.tensor([o.outputs[0].token_ids for o in outs], dtype=torch.long)  # [n, new_tokens]
     return torch.cat([prompts, continuations], dim=1)

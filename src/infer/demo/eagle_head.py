@@ -33,15 +33,15 @@ from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features,
 from infer.demo.eagle_train import HeadSettings, init_head, train_head
 from infer.demo.presets import TrainSettings, get_preset, settings_with
 from infer.demo.saving import SUMMARY_FILE, training_environment
-from infer.models.eagle import EagleHead
+from infer.models.eagle import EagleHead, load_eagle_head
 from infer.models.eagle_dummy import head_config_for
 from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.loader import load_model
 
 HEAD_PRESETS = {
-    "full": HeadSettings(train=TrainSettings(epochs=3.5, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
-                                             eval_every=100, min_lr_ratio=0.05),
-                         draft_vocab_size=4096, num_sequences=1600, greedy_sequences=256, unroll=2),
+    "full": HeadSettings(train=TrainSettings(epochs=2.8, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
+                                             eval_every=200, min_lr_ratio=0.05),
+                         draft_vocab_size=4096, num_sequences=1000, greedy_sequences=192, unroll=2),
     "tiny": HeadSettings(train=TrainSettings(epochs=1, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=4,
                                              max_steps=8), draft_vocab_size=256, seq_len=32, num_sequences=16,
                          greedy_sequences=4, greedy_prompt=8, valid_sequences=2, unroll=2),
@@ -67,6 +67,15 @@ def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, seed: int) -> 
         head.d2t.copy_(vocab_maps(draft_ids, target.config.vocab_size)[0])
     head.share(target)
     return head
+
+
+def continue_from(head: EagleHead, directory: str, target: LlamaForCausalLM) -> None:
+    """Start `head` from a saved head's weights (to train it further); same draft vocabulary."""
+    saved = load_eagle_head(directory, "eagle3", target)
+    if not torch.equal(saved.d2t, head.d2t):
+        raise ValueError(f"the head in {directory} has another draft vocabulary: train it with the same "
+                         "draft_vocab_size and corpus, or leave out --init")
+    head.load_state_dict(saved.state_dict())
 
 
 def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
@@ -120,6 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _, corpus = prepare_corpus(get_preset(args.preset), tok, target.config.vocab_size)
     draft_ids = draft_vocabulary(corpus.train, target.config.vocab_size, settings.draft_vocab_size)
     head = build_head(target, draft_ids, args.seed)
+    if args.init:
+        continue_from(head, args.init, target)
     aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
     start, cpu_start = time.perf_counter(), time.process_time()
     windows = sample_windows(corpus.train, settings.seq_len, settings.num_sequences, args.seed)  # [n, S]
@@ -143,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log = train_head(head, target, data, valid, draft_ids, settings, args.seed)
     head.index_vocab()
     summary = {
-        "role": "eagle3", "target": str(args.target), "seed": args.seed, "settings": dataclasses.asdict(settings),
+        "role": "eagle3", "target": str(args.target), "seed": args.seed, "init": args.init,
+        "settings": dataclasses.asdict(settings),
         "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
         "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
                                  "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
@@ -171,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the head's directory")
     p.add_argument("--preset", choices=sorted(HEAD_PRESETS), default="full", help="'tiny' for a smoke run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", help="a saved head to start from (trains it further), e.g. the shipped one")
     p.add_argument("--set", action="append", metavar="NAME=VALUE", help="a training setting, e.g. lr=0.002")
     p.add_argument("--head-set", action="append", metavar="NAME=VALUE",
                    help="a head setting, e.g. unroll=2 or draft_vocab_size=4096")

@@ -6,11 +6,15 @@ features over seeded windows of the training split (`infer.demo.eagle_data`) -> 
 trained on them (`infer.demo.eagle_train`) -> saved in the public EAGLE-3 layout that
 `infer.models.eagle` loads (config.json + model.safetensors: `fc`, `midlayer.*`, `norm`,
 `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's embedding is shared) with
-training_summary.json. Runs on the CPU in minutes (the `full` settings: about 10 minutes
-on 2 cores); seeded, so the same interpreter (corpus), seed and machine give the same head.
+training_summary.json. The windows are corpus windows and the target's own greedy
+continuations of corpus prompts. Runs on the CPU (the `full` settings: about 23 minutes of
+one core); `--init DIR` trains a saved head further (the shipped head is two `full` stages,
+the second from the first with another seed: scripts/demo_pair/README.md). Seeded, so the
+same interpreter (corpus), seed and machine give the same head.
 
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-stage1
     PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target \
-        --out src/infer/demo_models/eagle3
+        --out src/infer/demo_models/eagle3 --init /tmp/eagle3-stage1 --seed 1 --set lr=0.003 --set epochs=3
     PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
 """
 
@@ -163,6 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats,
         "environment": training_environment(torch.device("cpu")) | {"threads": str(torch.get_num_threads())},
         "log": log.to_dict()}
+    if args.init and (Path(args.init) / SUMMARY_FILE).is_file():  # the run it continues
+        summary["init_summary"] = json.loads((Path(args.init) / SUMMARY_FILE).read_text(encoding="utf-8"))
     save_head(head, Path(args.out), summary)
     print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds + greedy_seconds:.0f} s)", flush=True)
     return summary

@@ -1,6 +1,7 @@
 """Training the demo EAGLE-3 head: the training-time-test attention mask, the draft
-vocabulary, one training step, and the saved head loading through the engine's loader
-with the same forward (the public layout round trip)."""
+vocabulary, the target's greedy continuations as training windows, one training step, and
+the saved head loading through the engine's loader with the same forward (the public
+layout round trip)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, vocab_maps
-from infer.demo.eagle_head import HEAD_PRESETS, build_head, save_head
-from infer.demo.eagle_train import unrolled_losses
+from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, greedy_windows, vocab_maps
+from infer.demo.eagle_head import HEAD_PRESETS, build_head, continue_from, save_head
+from infer.demo.eagle_train import HeadSettings, unrolled_losses
 from infer.demo.unrolled_view import UnrolledView, unrolled_mask
 from infer.models.attention import NoCacheView
 from infer.models.eagle import load_eagle_head
@@ -44,6 +45,17 @@ def test_draft_vocabulary_and_maps() -> None:
         draft_vocabulary(stream, 10, 11)
 
 
+def test_greedy_windows_are_the_targets_own_continuations(ckpt_b: Path) -> None:
+    target = load_model(str(ckpt_b), dtype="float32")[0]
+    prompts = torch.randint(2, target.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
+    windows = greedy_windows(str(ckpt_b), prompts, 3)
+    assert windows.shape == (2, 7) and torch.equal(windows[:, :4], prompts)
+    with torch.no_grad():
+        assert torch.equal(target(windows[:, :-1]).argmax(-1)[:, 3:], windows[:, 4:])  # each token the argmax
+    with pytest.raises(ValueError, match="greedy_prompt"):
+        HeadSettings(train=HEAD_PRESETS["tiny"].train, seq_len=32, greedy_prompt=32)
+
+
 def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_path: Path) -> None:
     target = load_model(str(ckpt_b), dtype="float32")[0].requires_grad_(False)
     vocab = target.config.vocab_size
@@ -60,6 +72,11 @@ def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_pat
     assert target.lm_head.weight.grad is None  # the teacher stays frozen
     head.index_vocab()
     loaded = load_eagle_head(str(save_head(head, tmp_path / "head", {})), "eagle3", target)
+    resumed = build_head(target, draft_ids, seed=1)
+    continue_from(resumed, str(tmp_path / "head"), target)  # --init: train the saved head further
+    assert torch.equal(resumed.fc.weight, loaded.fc.weight)
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        continue_from(build_head(target, draft_ids + 1, seed=1), str(tmp_path / "head"), target)
     with torch.no_grad():
         features = head.combine(aux)
         ours = head.logits(head(ids, features, torch.arange(12).expand(2, 12), NoCacheView())[0])

@@ -8,6 +8,10 @@ per position the three captured layers [3H] and the final hidden state [H] (bf16
 which the target's next-token distribution is recomputed at each training step (the
 target's lm_head over the draft vocabulary), instead of storing V probabilities a position.
 
+Besides corpus windows, the windows can hold the target's own greedy continuations of short
+corpus prompts (`greedy_windows`, through the engine): what the head meets when it drafts
+at T=0, where a small target's text is far more regular (it loops) than the corpus.
+
 The draft vocabulary (EAGLE-3's reduced lm_head) is the `draft_vocab_size` most frequent
 tokens of the training stream, in id order: `d2t[j] = target id - j`, `t2d` marks them.
 """
@@ -18,12 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.llm import LLM
 from infer.models.attention import NoCacheView
 from infer.models.capture import HiddenCapture
 from infer.models.llama import LlamaForCausalLM
+from infer.sampling import SamplingParams
 
 FEATURE_DTYPE = torch.bfloat16
 EXTRACT_BATCH = 8
+GREEDY_BATCH = 32  # sequences the engine decodes together for `greedy_windows`
 
 
 @dataclass
@@ -73,6 +80,18 @@ def sample_windows(stream: torch.Tensor, seq_len: int, count: int, seed: int) ->
                          f"{count} asked for: lower num_sequences or seq_len")
     starts = torch.randperm(available, generator=torch.Generator().manual_seed(seed))[:count] * seq_len
     return stream[starts[:, None] + torch.arange(seq_len)]  # [count, S]
+
+
+def greedy_windows(target_dir: str, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The target's greedy continuations through the engine (CPU, EOS ignored, so every
+    window is full): prompts [n, P] -> windows [n, P + new_tokens]."""
+    if new_tokens <= 0:
+        raise ValueError(f"greedy continuations need new_tokens > 0, got {new_tokens}")
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    with LLM(target_dir, device="cpu", max_batch_size=min(GREEDY_BATCH, prompts.shape[0])) as llm:
+        outs = llm.generate(prompt_token_ids=prompts.tolist(), sampling_params=params)
+    continuations = torch.tensor([o.outputs[0].token_ids for o in outs], dtype=torch.long)  # [n, new_tokens]
+    return torch.cat([prompts, continuations], dim=1)
 
 
 @torch.inference_mode()

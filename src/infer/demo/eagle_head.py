@@ -6,11 +6,15 @@ features over seeded windows of the training split (`infer.demo.eagle_data`) -> 
 trained on them (`infer.demo.eagle_train`) -> saved in the public EAGLE-3 layout that
 `infer.models.eagle` loads (config.json + model.safetensors: `fc`, `midlayer.*`, `norm`,
 `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's embedding is shared) with
-training_summary.json. Runs on the CPU in minutes (the `full` settings: about 10 minutes
-on 2 cores); seeded, so the same interpreter (corpus), seed and machine give the same head.
+training_summary.json. The windows are corpus windows and the target's own greedy
+continuations of corpus prompts. Runs on the CPU (the `full` settings: about 23 minutes of
+one core); `--init DIR` trains a saved head further (the shipped head is two `full` stages,
+the second from the first with another seed: scripts/demo_pair/README.md). Seeded, so the
+same interpreter (corpus), seed and machine give the same head.
 
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-stage1
     PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target \
-        --out src/infer/demo_models/eagle3
+        --out src/infer/demo_models/eagle3 --init /tmp/eagle3-stage1 --seed 1 --set lr=0.003 --set epochs=3
     PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
 """
 
@@ -28,23 +32,23 @@ from safetensors.torch import save_file
 
 from infer.demo.bpe import load_tokenizer
 from infer.demo.data import validation_chunks
-from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, sample_windows,
-                                   vocab_maps)
+from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, greedy_windows,
+                                   sample_windows, vocab_maps)
 from infer.demo.eagle_train import HeadSettings, init_head, train_head
 from infer.demo.presets import TrainSettings, get_preset, settings_with
 from infer.demo.saving import SUMMARY_FILE, training_environment
-from infer.models.eagle import EagleHead
+from infer.models.eagle import EagleHead, load_eagle_head
 from infer.models.eagle_dummy import head_config_for
 from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.loader import load_model
 
 HEAD_PRESETS = {
-    "full": HeadSettings(train=TrainSettings(epochs=3, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
-                                             eval_every=100, min_lr_ratio=0.05),
-                         draft_vocab_size=4096, num_sequences=800, unroll=2),
+    "full": HeadSettings(train=TrainSettings(epochs=2.8, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
+                                             eval_every=200, min_lr_ratio=0.05),
+                         draft_vocab_size=4096, num_sequences=1000, greedy_sequences=192, unroll=2),
     "tiny": HeadSettings(train=TrainSettings(epochs=1, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=4,
                                              max_steps=8), draft_vocab_size=256, seq_len=32, num_sequences=16,
-                         valid_sequences=2, unroll=2),
+                         greedy_sequences=4, greedy_prompt=8, valid_sequences=2, unroll=2),
 }
 TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight")  # the rest is the decoder layer, `midlayer.*`
 SAVE_DTYPE = torch.bfloat16
@@ -67,6 +71,15 @@ def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, seed: int) -> 
         head.d2t.copy_(vocab_maps(draft_ids, target.config.vocab_size)[0])
     head.share(target)
     return head
+
+
+def continue_from(head: EagleHead, directory: str, target: LlamaForCausalLM) -> None:
+    """Start `head` from a saved head's weights (to train it further); same draft vocabulary."""
+    saved = load_eagle_head(directory, "eagle3", target)
+    if not torch.equal(saved.d2t, head.d2t):
+        raise ValueError(f"the head in {directory} has another draft vocabulary: train it with the same "
+                         "draft_vocab_size and corpus, or leave out --init")
+    head.load_state_dict(saved.state_dict())
 
 
 def public_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
@@ -120,28 +133,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _, corpus = prepare_corpus(get_preset(args.preset), tok, target.config.vocab_size)
     draft_ids = draft_vocabulary(corpus.train, target.config.vocab_size, settings.draft_vocab_size)
     head = build_head(target, draft_ids, args.seed)
+    if args.init:
+        continue_from(head, args.init, target)
     aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
     start, cpu_start = time.perf_counter(), time.process_time()
-    data = extract_features(target, sample_windows(corpus.train, settings.seq_len, settings.num_sequences,
-                                                   args.seed), aux_layers, log_every=8)
+    windows = sample_windows(corpus.train, settings.seq_len, settings.num_sequences, args.seed)  # [n, S]
     valid_windows = torch.stack([c[:settings.seq_len] for c in validation_chunks(corpus.valid, settings.seq_len)
                                  if c.numel() > settings.seq_len][:settings.valid_sequences])
-    valid = extract_features(target, valid_windows, aux_layers)
-    feature_seconds = time.perf_counter() - start
-    print(f"[eagle3] features of {len(data)} + {len(valid)} windows in {feature_seconds:.0f} s; draft vocabulary "
-          f"{draft_ids.numel()} covers {coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the "
-          "training tokens", flush=True)
+    valid_sets = {"": valid_windows}
+    if settings.greedy_sequences:
+        new_tokens = settings.seq_len - settings.greedy_prompt
+        prompts = sample_windows(corpus.train, settings.greedy_prompt, settings.greedy_sequences, args.seed + 1)
+        windows = torch.cat([windows, greedy_windows(args.target, prompts, new_tokens)])
+        valid_sets["greedy_"] = greedy_windows(args.target, valid_windows[:, :settings.greedy_prompt], new_tokens)
+    greedy_seconds = time.perf_counter() - start
+    print(f"[eagle3] greedy continuations of {settings.greedy_sequences} + "
+          f"{len(valid_windows) if settings.greedy_sequences else 0} prompts in {greedy_seconds:.0f} s", flush=True)
+    data = extract_features(target, windows, aux_layers, log_every=8)
+    valid = {name: extract_features(target, w, aux_layers) for name, w in valid_sets.items()}
+    feature_seconds = time.perf_counter() - start - greedy_seconds
+    print(f"[eagle3] features of {len(data)} + {sum(len(v) for v in valid.values())} windows in "
+          f"{feature_seconds:.0f} s; draft vocabulary {draft_ids.numel()} covers "
+          f"{coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the training tokens", flush=True)
     log = train_head(head, target, data, valid, draft_ids, settings, args.seed)
     head.index_vocab()
     summary = {
-        "role": "eagle3", "target": str(args.target), "seed": args.seed, "settings": dataclasses.asdict(settings),
+        "role": "eagle3", "target": str(args.target), "seed": args.seed, "init": args.init,
+        "settings": dataclasses.asdict(settings),
         "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
         "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
                                  "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
-        "feature_seconds": feature_seconds, "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats, "environment": training_environment(
-            torch.device("cpu")) | {"threads": str(torch.get_num_threads())}, "log": log.to_dict()}
+        "greedy_seconds": greedy_seconds, "feature_seconds": feature_seconds,
+        "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats,
+        "environment": training_environment(torch.device("cpu")) | {"threads": str(torch.get_num_threads())},
+        "log": log.to_dict()}
+    if args.init and (Path(args.init) / SUMMARY_FILE).is_file():  # the run it continues
+        summary["init_summary"] = json.loads((Path(args.init) / SUMMARY_FILE).read_text(encoding="utf-8"))
     save_head(head, Path(args.out), summary)
-    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds:.0f} s)", flush=True)
+    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds + greedy_seconds:.0f} s)", flush=True)
     return summary
 
 
@@ -160,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="the head's directory")
     p.add_argument("--preset", choices=sorted(HEAD_PRESETS), default="full", help="'tiny' for a smoke run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", help="a saved head to start from (trains it further), e.g. the shipped one")
     p.add_argument("--set", action="append", metavar="NAME=VALUE", help="a training setting, e.g. lr=0.002")
     p.add_argument("--head-set", action="append", metavar="NAME=VALUE",
                    help="a head setting, e.g. unroll=2 or draft_vocab_size=4096")

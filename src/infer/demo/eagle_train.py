@@ -43,7 +43,9 @@ class HeadSettings:
     train: TrainSettings
     draft_vocab_size: int = 2048
     seq_len: int = 256  # window of target features a training sequence holds
-    num_sequences: int = 192  # training windows (the target runs once over each)
+    num_sequences: int = 192  # training windows of the corpus (the target runs once over each)
+    greedy_sequences: int = 0  # more training windows: the target's greedy continuations of corpus prompts
+    greedy_prompt: int = 32  # corpus tokens a greedy window starts with (the rest is the target's)
     valid_sequences: int = 16  # validation windows, from the validation split
     unroll: int = 3  # training-time test passes (1: the target's features only)
     step_decay: float = 0.8  # weight of pass j's loss: step_decay ** j
@@ -53,6 +55,9 @@ class HeadSettings:
         if self.draft_vocab_size <= 0 or self.seq_len < 8 or self.num_sequences <= 0 or self.valid_sequences <= 0:
             raise ValueError("HeadSettings: draft_vocab_size, num_sequences and valid_sequences must be > 0 "
                              f"and seq_len >= 8, got {self}")
+        if self.greedy_sequences < 0 or not 1 <= self.greedy_prompt < self.seq_len:
+            raise ValueError("HeadSettings: greedy_sequences must be >= 0 and greedy_prompt in "
+                             f"1..seq_len - 1, got {self.greedy_sequences}, {self.greedy_prompt}")
         if not 1 <= self.unroll <= 8:
             raise ValueError(f"HeadSettings: unroll must be in 1..8 passes, got {self.unroll}")
         if not 0.0 < self.step_decay <= 1.0 or self.feature_weight < 0:
@@ -146,10 +151,11 @@ def validate_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, dra
     return sums
 
 
-def train_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, valid: HeadData,
+def train_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, valid: dict[str, HeadData],
                draft_ids: torch.Tensor, s: HeadSettings, seed: int,
                log: Callable[[str], None] = print) -> HeadLog:
-    """Train `head` in place (the target stays frozen); returns the loss history."""
+    """Train `head` in place (the target stays frozen); returns the loss history. `valid`
+    names the validation sets by the prefix of their keys in the log ("" for the corpus's)."""
     t = s.train
     total = t.total_steps(len(data))
     history = HeadLog(total_steps=total)
@@ -179,7 +185,9 @@ def train_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, valid:
             log(f"[eagle3] step {step}/{total} " + " ".join(f"{k} {v:.3f}" for k, v in row.items() if k != "step")
                 + f" ({time.perf_counter() - start:.0f} s)")
         if step % t.eval_every == 0 or step == total:
-            row = {"step": step, **validate_head(head, target, valid, draft_ids, s)}
+            row = {"step": step}
+            for prefix, v in valid.items():
+                row.update({prefix + k: x for k, x in validate_head(head, target, v, draft_ids, s).items()})
             history.valid.append(row)
             log("[eagle3] valid " + " ".join(f"{k} {v:.3f}" for k, v in row.items()))
     head.eval()

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from helpers.bench_rows import suite_overrides
 from infer.bench import analysis, theory
 from infer.bench.cli import add_bench_args, run_bench
 from infer.bench.engine_runner import engine_config, run_engine
@@ -482,18 +483,8 @@ def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_p
 
 
 def test_speculation_suite_runs_the_demo_targets_eagle3_head_beside_the_draft(monkeypatch):
-    from infer.bench import measures, suites
-    overrides_of: dict[str, dict] = {}
-
-    def recording(workload, overrides, **kwargs):  # measures nothing: records the engine's overrides
-        return {"overrides": dict(overrides)}, {}
-
-    monkeypatch.setattr(measures, "run_engine", recording)
-    options = HarnessOptions(device="cpu", quiet=True)
-    table, selected = suites.suite_rows("speculation", options)
-    run = BenchRun("speculation")
-    Harness(run, options).run_rows([n for n in selected if n.endswith(("/eagle-k5", "/spec-k5"))], table)
-    overrides_of = {m.name: m.params["overrides"] for m in run.measurements}
+    from infer.bench import suites
+    _, overrides_of = suite_overrides(monkeypatch, "speculation", lambda n: n.endswith(("/eagle-k5", "/spec-k5")))
     assert {"demo-w1-t0/eagle-k5", "demo-w1-t1/eagle-k5"} <= set(overrides_of)
     for t in ("t0", "t1"):
         head, draft = overrides_of[f"demo-w1-{t}/eagle-k5"], overrides_of[f"demo-w1-{t}/spec-k5"]

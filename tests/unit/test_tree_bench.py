@@ -4,7 +4,7 @@ prediction for a tree), and an engine run reports the tree's counters."""
 
 from __future__ import annotations
 
-from infer.bench import suites
+from helpers.bench_rows import suite_overrides
 from infer.bench.analysis import derive
 from infer.bench.results import BenchRun, Measurement
 from infer.bench.workloads import WORKLOADS
@@ -12,21 +12,7 @@ from infer.speculative.tree import TreeShape
 
 
 def test_suites_pair_trees_with_chains_of_as_many_verified_tokens(monkeypatch):
-    from infer.bench import measures
-    from infer.bench.harness import Harness, HarnessOptions
-
-    overrides_of: dict[str, dict] = {}
-
-    def recording(workload, overrides, **kwargs):  # measures nothing: records the engine's overrides
-        return {"overrides": dict(overrides)}, {}
-
-    monkeypatch.setattr(measures, "run_engine", recording)
-    options = HarnessOptions(device="cpu", quiet=True)
-    table, selected = suites.suite_rows("speculation", options)
-    run = BenchRun("speculation")
-    Harness(run, options).run_rows([n for n in selected if "tree" in n], table)
-    for m in run.measurements:
-        overrides_of[m.name] = m.params["overrides"]
+    table, overrides_of = suite_overrides(monkeypatch, "speculation", lambda n: "tree" in n)
     trees = {name: table[name] for name, o in overrides_of.items() if "spec_tree" in o}
     assert set(trees) == {"demo-w1-t0/spec-tree-2x1x1", "demo-w1-t1/spec-tree-2x1x1", "w5-ngram-t0/ngram-tree-2x1x1"}
     for name, row in trees.items():

@@ -43,6 +43,22 @@ def _offsets(widths: Sequence[int]) -> tuple[int, ...]:
     return tuple(sum(widths[:d]) for d in range(len(widths)))
 
 
+class _Levels:
+    """What a round's `widths` (children tried per node at each depth) fix for the verifier."""
+
+    __slots__ = ()
+    widths: tuple[int, ...]
+
+    @property
+    def depth(self) -> int:
+        """The levels the round allows (the verifier's loop), not the deepest node's."""
+        return len(self.widths)
+
+    @property
+    def num_uniforms(self) -> int:
+        return sum(self.widths) + 1
+
+
 @dataclass(frozen=True, slots=True)
 class DynamicShape:
     """The dynamic-tree setting: up to `nodes` (N) verified nodes a round, at most `depth` (D,
@@ -102,7 +118,7 @@ class DynamicShape:
 
 
 @dataclass(frozen=True, slots=True)
-class NodeTree:
+class NodeTree(_Levels):
     """One row's tree: node i's parent is parents[i] (-1: a child of the root, the pending
     token), breadth-first, siblings in draw order; `widths` as the round's `DynamicShape`
     (the most children a node at depth d may have). The derived fields mirror `TreeShape`'s,
@@ -148,21 +164,12 @@ class NodeTree:
         return len(self.parents)
 
     @property
-    def depth(self) -> int:
-        """The levels the round allows (the verifier's loop), not the deepest node's."""
-        return len(self.widths)
-
-    @property
-    def num_uniforms(self) -> int:
-        return sum(self.widths) + 1
-
-    @property
     def is_chain(self) -> bool:
         return False
 
 
 @dataclass(frozen=True, eq=False)
-class TreeFrame:
+class TreeFrame(_Levels):
     """The verifier's view of a batch of trees (module docstring)."""
 
     widths: tuple[int, ...]  # [D]: children tried per node at depth d + 1
@@ -171,14 +178,6 @@ class TreeFrame:
     @property
     def num_nodes(self) -> int:
         return self.children.shape[1] - 1
-
-    @property
-    def depth(self) -> int:
-        return len(self.widths)
-
-    @property
-    def num_uniforms(self) -> int:
-        return sum(self.widths) + 1
 
     @property
     def uniform_offsets(self) -> tuple[int, ...]:

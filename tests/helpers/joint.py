@@ -60,3 +60,24 @@ def seeded(params: SamplingParams, n: int, max_tokens: int = 4) -> list[Sampling
 
 def total_variation(a: Joint, b: Joint) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def tiny_pair(factory: Any, vocab: int) -> tuple[Path, Path]:
+    """(target, draft) checkpoints of the lossless tests: two layers against one, other seeds.
+    `factory`: pytest's tmp_path_factory."""
+    return (tiny_model(factory.mktemp("t"), vocab, seed=1), tiny_model(factory.mktemp("d"), vocab, seed=2, layers=1))
+
+
+def force_first_child(monkeypatch: Any) -> None:
+    """The trees' negative control: uniforms of 0 pass every acceptance test, so the first
+    child is always accepted (the final token is still drawn from the residual)."""
+    import infer.engine.verification as verification
+    import infer.speculative.verifier as verifier
+    real = verifier.verify_tree_nodes
+
+    def first_child(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid=None):  # type: ignore[no-untyped-def]
+        rigged = torch.cat([torch.zeros_like(uniforms[:, :-1]), uniforms[:, -1:]], dim=1)
+        return real(shape, node_tokens, draft_probs, target_probs, rigged, node_valid)
+
+    monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
+    monkeypatch.setattr(verification, "verify_tree_nodes", first_child)

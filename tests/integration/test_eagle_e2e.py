@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.eagle_heads import counting_fused_kernels, write_head
-from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
+from helpers.joint import empirical_joint, exact_joint, force_first_child, seeded, tiny_model, total_variation
 from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run
 from infer import LLM, SamplingParams
 
@@ -171,16 +171,7 @@ def test_tree_sampling_lossless(make_llm, tiny) -> None:
 def test_tree_negative_control_first_child_accepted_fails(make_llm, tiny, monkeypatch) -> None:
     # uniforms of 0 pass every acceptance test: the first child is always accepted (far off the
     # target: a quarter of the requests show it)
-    import infer.engine.verification as verification
-    import infer.speculative.verifier as verifier
-    real = verifier.verify_tree_nodes
-
-    def first_child(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid=None):
-        rigged = torch.cat([torch.zeros_like(uniforms[:, :-1]), uniforms[:, -1:]], dim=1)
-        return real(shape, node_tokens, draft_probs, target_probs, rigged, node_valid)
-
-    monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
-    monkeypatch.setattr(verification, "verify_tree_nodes", first_child)
+    force_first_child(monkeypatch)
     tv, _ = _tv(make_llm, tiny, n=N // 4, **TREE_TV)
     assert tv > TV_LIMIT
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
+from helpers.joint import empirical_joint, exact_joint, seeded, tiny_pair, total_variation
 from infer import SamplingParams
 
 VOCAB = 4
@@ -21,8 +21,7 @@ TV_LIMIT = 0.07  # expected sampling noise for 64 cells at N = 6000 is about 0.0
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return (tiny_model(tmp_path_factory.mktemp("t"), VOCAB, seed=1),
-            tiny_model(tmp_path_factory.mktemp("d"), VOCAB, seed=2, layers=1))
+    return tiny_pair(tmp_path_factory, VOCAB)
 
 
 def _exact_joint(model_dir, params: SamplingParams) -> dict[tuple[int, ...], float]:

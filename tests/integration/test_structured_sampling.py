@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("xgrammar")
 
-from helpers.joint import empirical_joint, tiny_model, total_variation  # noqa: E402
+from helpers.joint import empirical_joint, tiny_pair, total_variation  # noqa: E402
 from infer import SamplingParams  # noqa: E402
 from infer.models.loader import load_model  # noqa: E402
 from infer.sampling import StructuredOutput, logits_to_probs  # noqa: E402
@@ -45,8 +45,7 @@ def _params(seed: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return (tiny_model(tmp_path_factory.mktemp("t"), VOCAB, seed=1),
-            tiny_model(tmp_path_factory.mktemp("d"), VOCAB, seed=2, layers=1))
+    return tiny_pair(tmp_path_factory, VOCAB)
 
 
 def _exact_masked_joint(model_dir) -> dict[tuple[int, ...], float]:

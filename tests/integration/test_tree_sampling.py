@@ -10,9 +10,8 @@ fails the same test.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers.joint import empirical_joint, exact_joint, seeded, tiny_model, total_variation
+from helpers.joint import empirical_joint, exact_joint, force_first_child, seeded, tiny_pair, total_variation
 from infer import SamplingParams
 
 VOCAB = 4
@@ -24,8 +23,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    return (tiny_model(tmp_path_factory.mktemp("t"), VOCAB, seed=1),
-            tiny_model(tmp_path_factory.mktemp("d"), VOCAB, seed=2, layers=1))
+    return tiny_pair(tmp_path_factory, VOCAB)
 
 
 def _tree_llm(make_llm, target, draft, tree, **extra):
@@ -67,16 +65,7 @@ def test_first_three_tokens_match_target(make_llm, pair, name):
 def test_negative_control_first_child_always_accepted_fails(make_llm, pair, monkeypatch):
     # uniforms of 0 pass every acceptance test (p > 0 everywhere): the first child is always
     # accepted, the final token is still drawn from the residual
-    import infer.engine.verification as verification
-    import infer.speculative.verifier as verifier
-    real = verifier.verify_tree_nodes
-
-    def first_child(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid=None):
-        rigged = torch.cat([torch.zeros_like(uniforms[:, :-1]), uniforms[:, -1:]], dim=1)
-        return real(shape, node_tokens, draft_probs, target_probs, rigged, node_valid)
-
-    monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
-    monkeypatch.setattr(verification, "verify_tree_nodes", first_child)
+    force_first_child(monkeypatch)
     target, draft = pair
     params = SamplingParams(temperature=1.0)
     exact = exact_joint(target, PROMPT, params, VOCAB)

@@ -137,3 +137,30 @@ def test_dummy_head_configs_follow_the_target_shape() -> None:
         dummy_head_config("dummy-eagle3:llama-3.2-3b", "eagle")
     with pytest.raises(ValueError, match="must be a shape"):
         dummy_head_config("dummy-eagle3:no-such-shape", "eagle3")
+
+
+
+def test_head_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch) -> None:
+    """An EAGLE head's c comes from timed rounds of 1 and max(2, k_max) steps: the step is their
+    slope, the rest of the one-step round its fixed part (a draft model has none)."""
+    from infer.engine import step_costs
+    from infer.timing import summarize
+
+    head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
+    head = load_eagle_head(str(head_dir), "eagle3", target)
+    cfg = step_costs.StepCostConfig(context_len=8, max_seq_len=32, k_max=3, repeats=1, warmup=0)
+    steps_timed: list[int] = []
+
+    def timed(fn, device, repeats, warmup):  # one call; a head round (its tokens [1, steps]) takes
+        out = fn()                           # 1 ms + 0.25 ms a step, a target forward 4 ms
+        if out.dtype != torch.long:
+            return summarize([4e-3])
+        steps_timed.append(out.shape[1])
+        return summarize([1e-3 + 0.25e-3 * out.shape[1]])
+
+    monkeypatch.setattr(step_costs, "time_calls", timed)
+    costs = step_costs.measure_model_costs(target, None, use_cuda_graphs=False, cfg=cfg, head=head)
+    assert steps_timed == [1, 3]
+    assert costs.draft_step_s == pytest.approx(0.25e-3) and costs.draft_fixed_s == pytest.approx(1e-3)
+    assert costs.c == pytest.approx(0.25e-3 / 4e-3)
+    assert costs.to_dict()["draft_round_fixed_ms"] == pytest.approx(1.0)

@@ -117,7 +117,7 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
               draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
               method: str = "draft_model") -> Row:
     """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head, its
-    one-token step timed), loaded by the engine's loader with its checks and timed on the
+    step the slope of its graphed rounds, `head_step_times`), loaded by the engine's loader with its checks and timed on the
     CPU threads the engine would choose (or --threads)."""
 
     def run(ctx: Context) -> Outcome:

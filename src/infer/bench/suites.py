@@ -216,7 +216,7 @@ def costs_rows(m: Models) -> list[Row]:
             costs_row("costs/3b-1b-fp8/graphs", "the same with the draft in FP8", SHAPE_3B, SHAPE_1B, True, "fp8"),
             projection_row("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs"),
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
-                      "the 3B shape, its one-token step in CUDA graphs", SHAPE_3B, HEAD_3B, True, method="eagle3"),
+                      "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True, method="eagle3"),
             projection_row("projection/3b-eagle3", "costs/3b-eagle3/graphs")]
 
 

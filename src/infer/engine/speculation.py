@@ -118,7 +118,8 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        an EAGLE head's step is its one-token round (`HeadStepFn`); `spec_cost_coefficient`
+        an EAGLE head's step is what a draft step adds to its round (`head_step_times`: the
+        round's fixed part is the host overhead the round clock times); `spec_cost_coefficient`
         overrides c."""
         c = self.config.spec_cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None

@@ -6,8 +6,14 @@ paper's Definition 3.7; v(K) = target time to verify K+1 tokens (all logits, as 
 speculative runner asks) / plain target step time, K = 0..k_max. Each forward runs on a
 scratch slot of the pool it is given at a fixed context length; the slot is freed
 afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
-benchmark); the speculative runner passes its own, CUDA graphs included. An EAGLE head's
-draft step is its round of one fed position and one token (`HeadStepFn`).
+benchmark); the speculative runner passes its own, CUDA graphs included.
+
+An EAGLE head drafts a whole round in one call (one CUDA graph: the catch-up feed, then its
+steps), so its step has no call of its own to time: its rounds of one fed position and S = 1
+and S = max(2, k_max) steps are timed (`HeadStepFn`), and the head's step is the slope,
+(t(S) - t(1)) / (S - 1), what each further draft step adds to a round; the rest of t(1),
+the feed with the host's staging and the graph launch, is the round's fixed part
+(`draft_fixed_s`), paid once a round like the verification's host work.
 """
 
 from __future__ import annotations
@@ -58,11 +64,16 @@ class SpecCosts:
     c: float | None
     verify_s: list[float]  # [k_max + 1]: time to verify K+1 tokens, K = 0..k_max
     verify_ratio: list[float]  # verify_s[K] / target_step_s (v(0) = the all-logits one-token step)
+    draft_fixed_s: float | None = None  # an EAGLE head's round: its fixed part (module docstring)
 
     def to_dict(self) -> dict[str, object]:
         return {"use_cuda_graphs": self.use_cuda_graphs, "target_step_ms": self.target_step_s * 1e3,
-                "draft_step_ms": None if self.draft_step_s is None else self.draft_step_s * 1e3,
+                "draft_step_ms": _ms(self.draft_step_s), "draft_round_fixed_ms": _ms(self.draft_fixed_s),
                 "c": self.c, "verify_ms": [v * 1e3 for v in self.verify_s], "verify_ratio": self.verify_ratio}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -108,14 +119,27 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
     verify_shapes = [(k + 1, True) for k in range(cfg.k_max + 1)]
     times = forward_times(target, target_pool, [PLAIN, *verify_shapes], vocab, cfg, device)
     verify_s = [times[shape].median_s for shape in verify_shapes]
-    draft_s = None
-    if draft is not None and draft_pool is not None:
+    draft_s = fixed_s = None
+    if isinstance(draft, HeadStepFn) and draft_pool is not None:
+        draft_s, fixed_s = head_step_times(draft, draft_pool, vocab, cfg, device)
+    elif draft is not None and draft_pool is not None:
         draft_s = forward_times(draft, draft_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
     # measured again last: the smaller median guards against a slow start (clocks, lazy init)
     again = forward_times(target, target_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
     plain = min(times[PLAIN].median_s, again)
     return SpecCosts(use_cuda_graphs, plain, draft_s, None if draft_s is None else draft_s / plain,
-                     verify_s, [v / plain for v in verify_s])
+                     verify_s, [v / plain for v in verify_s], fixed_s)
+
+
+def head_step_times(head: HeadStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
+                    device: torch.device) -> tuple[float, float]:
+    """(step, fixed) seconds of an EAGLE head's rounds: the slope and the rest of a
+    one-step round (module docstring). Both are floored at 0 against timing noise."""
+    steps = max(2, cfg.k_max)
+    times = forward_times(head, pool, [PLAIN, (steps, False)], vocab, cfg, device)
+    one, many = times[PLAIN].median_s, times[(steps, False)].median_s
+    step = max(0.0, (many - one) / (steps - 1))
+    return step, max(0.0, one - step)
 
 
 def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bool,
@@ -130,7 +154,7 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
                         cfg: StepCostConfig | None = None, head: EagleHead | None = None) -> SpecCosts:
     """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
-    `head` in place of a draft model: its one-token step, `HeadStepFn`)."""
+    `head` in place of a draft model: its step is the slope of its rounds, `head_step_times`)."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
@@ -145,8 +169,8 @@ def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None
 
 
 class HeadStepFn:
-    """An EAGLE head's one-token draft step (a round of one fed position and one token,
-    `HeadRoundFn`, CUDA graphs included) called as a forward function `(ids, layout,
+    """An EAGLE head's round of one fed position and S draft steps (`HeadRoundFn`, CUDA
+    graphs included), S = the layout's width, called as a forward function `(ids, layout,
     all_logits)`, so `forward_times` times it as it times a draft model's step."""
 
     def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
@@ -155,9 +179,9 @@ class HeadStepFn:
         self.features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        n = len(layout.slots)
-        return self.round_fn(ids, self.features.expand(n, -1, -1), layout, [0] * n, 1, [1.0] * n,
-                             torch.zeros((n, 1), dtype=torch.float64), [True] * n)[0]
+        n, steps = len(layout.slots), layout.width
+        return self.round_fn(ids[:, :1], self.features.expand(n, -1, -1), layout, [0] * n, steps, [1.0] * n,
+                             torch.zeros((n, steps), dtype=torch.float64), [True] * n)[0]
 
 
 def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[HeadStepFn, CachePoolProtocol]:
@@ -167,5 +191,5 @@ def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) ->
     pool = LOCAL.make_pool(head, engine_cfg, prefix_caching=False)  # type: ignore[arg-type]
     kernels = step_kernels(engine_cfg, next(head.parameters()).device, head)  # as the engine runs them
     round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
-    round_fn.prepare([1], [1])
+    round_fn.prepare([1], [1, max(2, cfg.k_max)])
     return HeadStepFn(round_fn, head), pool

@@ -38,7 +38,8 @@ class LLM:
         device="auto"            "cuda" when available, else "cpu"
         threads=None             CPU threads for torch; None: one per 250M parameters,
                                  at most half the cores (small models decode fastest on one)
-        max_batch_size=8         requests decoded together
+        max_batch_size=None      requests decoded together; None: sized from the GPU's
+                                 memory (at most 256), 8 on a CPU
         max_seq_len=1024         prompt + output tokens per request (capped at the model's context)
         kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
         use_cuda_graphs=False    CUDA graphs for decode and speculation steps

@@ -216,7 +216,8 @@ def costs_rows(m: Models) -> list[Row]:
             costs_row("costs/3b-1b-fp8/graphs", "the same with the draft in FP8", SHAPE_3B, SHAPE_1B, True, "fp8"),
             projection_row("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs"),
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
-                      "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True, method="eagle3"),
+                      "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True,
+                      method="eagle3"),
             projection_row("projection/3b-eagle3", "costs/3b-eagle3/graphs")]
 
 
@@ -224,8 +225,10 @@ def w2_rows(m: Models) -> list[Row]:
     """W2 with continuous and with static batching in 8 batch slots for its 32 requests: with
     slots for all of them both modes admit everything at once and run the same steps, so only
     fewer slots than requests tell them apart. Continuous batching once more with mixed
-    batches off: each admitted prompt's prefill then runs beside the decode step, not in it. Prefix caching off: W2 shares no prefix, and
-    with the cache on the repeats of the same prompts would hit it."""
+    batches off: each admitted prompt's prefill then runs beside the decode step, not in it;
+    and with the engine's default batch size (sized from memory: every request at once), the
+    TTFT a user gets without tuning. Prefix caching off: W2 shares no prefix, and with the
+    cache on the repeats of the same prompts would hit it."""
     group, off = "W2 batching, 3b shape, 8 slots", {"model": SHAPE_3B, **GRAPHS, "enable_prefix_caching": False,
                                                     "max_batch_size": 8}
     prefix_group, on = "W2-prefix, 3b shape", {"model": SHAPE_3B, **GRAPHS, "enable_prefix_caching": True}
@@ -234,6 +237,9 @@ def w2_rows(m: Models) -> list[Row]:
                        {**off, "batching_mode": "static"}, {"baseline": "w2/3b/continuous"}),
             engine_row("w2/3b/separate", "W2, continuous, prefill and decode in a forward each (mixed "
                        "batches off)", group, WORKLOADS["W2"], {**off, "mixed_batches": False},
+                       {"baseline": "w2/3b/continuous"}),
+            engine_row("w2/3b/default-batch", "W2, continuous, the engine's default max_batch_size (sized "
+                       "from memory)", group, WORKLOADS["W2"], {**off, "max_batch_size": None},
                        {"baseline": "w2/3b/continuous"}),
             engine_row("w2-prefix/3b/prefix-cache", "W2-prefix with prefix caching", prefix_group,
                        WORKLOADS["W2-prefix"], on),

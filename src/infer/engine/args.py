@@ -34,6 +34,8 @@ _HELP = {
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
                  "policy only)",
     "device": "auto | cpu | cuda[:N]",
+    "max_batch_size": "requests decoded together; default: sized from the GPU's memory (KV of --max-seq-len "
+                      "tokens each beside the weights, at most 256), 8 on a CPU",
     "seed": "sampling seed of requests that set none (the same command gives the same text)",
     "threads": "CPU threads for torch; default: one per 250M parameters, at most half the cores (small models "
                "decode fastest on one thread)",

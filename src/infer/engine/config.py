@@ -63,7 +63,8 @@ class EngineConfig:
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     threads: int | None = None  # CPU: torch threads; None = by model size (engine/threads.py)
     # batching and memory
-    max_batch_size: int = 8
+    # running requests; None: sized from the GPU's memory (up to 256), 8 on a CPU (engine/batch_size.py)
+    max_batch_size: int | None = None
     max_seq_len: int = 1024  # capped at the model's max_position_embeddings
     # tokens a step computes: its decode rows' first, prefill chunks take the rest (longer prompts are chunked)
     max_num_batched_tokens: int = 512
@@ -132,7 +133,9 @@ class EngineConfig:
                 _choice(name, value, allowed)
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("max_batch_size", "max_seq_len", "max_num_batched_tokens", "block_size",
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None (sized from memory), got {self.max_batch_size}")
+        for name in ("max_seq_len", "max_num_batched_tokens", "block_size",
                      "spec_length", "ngram_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from infer.engine.batch_size import resolve_max_batch_size
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
 from infer.engine.loading import LoadedModels, check_before_loading, default_model_paths, load_models
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
+        config.max_batch_size = resolve_max_batch_size(config, models)  # (None: sized from memory)
         if models is None and config.tensor_parallel_size > 1:
             # the worker ranks read weights as soon as they start: the tokenizer and the
             # draft pair are checked first (one rank loads after the same check)

@@ -480,12 +480,14 @@ def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, pro
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert llm.engine.runner.speculation.policy.config.c == 0.0 and llm.engine.runner.stats.drafts > 0
+    assert llm.engine.runner.speculation.shadow is not None  # free drafts are scored while plain
+    assert llm.engine.leak_report() == []  # (no shadow chain outlives its request)
 
 
 def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
     """An adaptive n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s
-    and a round's proposing `round_s` more. Returns (engine, tokens, whether a plain step was
-    queued with the previous step's tokens still in flight)."""
+    and a round's verification `round_s` more. Returns (engine, tokens, whether a plain step
+    was queued with the previous step's tokens still in flight)."""
     llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
     runner, now = llm.engine.runner, [0.0]
 
@@ -493,9 +495,9 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
         now[0] += 1.0
         return now[0]
 
-    def propose(requests, shape, ks, _propose=runner.speculation.proposer.propose):
+    def verify(requests, drafts, backlog, _run=runner.verification.run):
         now[0] += round_s
-        return _propose(requests, shape, ks)
+        return _run(requests, drafts, backlog)
 
     overlapped = []
 
@@ -503,7 +505,7 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
         overlapped.append(runner._inflight is not None)
         return _decode(requests, render)
 
-    runner._time, runner.speculation.proposer.propose, runner._decode = tick, propose, decode
+    runner._time, runner.verification.run, runner._decode = tick, verify, decode
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
 

@@ -38,6 +38,7 @@ from infer.speculative.node_tree import DynamicShape, is_dynamic
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy, SpecPolicy
 from infer.speculative.proposer import Proposer
 from infer.speculative.round_clock import RoundClock
+from infer.speculative.shadow import ShadowRounds
 from infer.speculative.tree import TreeChunk, TreeShape, chain_shape
 
 # the adaptive policy's one-off cost measurement at start (GPU): timed calls per shape
@@ -66,6 +67,7 @@ class Speculation:
     spec_length: int
     config: EngineConfig
     stats: SpecStats
+    shadow: ShadowRounds | None = None  # free drafts under the adaptive policy (speculative/shadow.py)
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
@@ -112,6 +114,8 @@ class Speculation:
             self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))
             if self.config.spec_cost_coefficient is None:  # (a given c is taken as is: no timing)
                 self.clock = RoundClock(self.policy.round_cost)
+            if isinstance(self.proposer, NgramProposer) and self.tree is None:
+                self.shadow = ShadowRounds(self.proposer, self.spec_length)
 
     def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
                            target: LlamaForCausalLM) -> tuple[float, float]:
@@ -157,14 +161,22 @@ class Speculation:
         limit = self.config.spec_disable_batch_size
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
-        clock = self.clock
+        clock, shadow = self.clock, self.shadow
+        if shadow is not None:
+            for request_id, drafted, accepted in shadow.settle(requests):
+                self.policy.observe(request_id, drafted, accepted)
         ks = self.policy.choose(requests, 0.0 if clock is None else clock.overhead(len(requests)))
         max_len = self.config.max_seq_len
         ks = [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
         if self.tree is not None:
             ks = [fit_depth(self.tree, k, r.num_computed_tokens, max_len) for r, k in zip(requests, ks, strict=True)]
         if clock is not None and any(ks) and clock.needs_plain(len(requests)):
-            return [0] * len(requests)
+            ks = [0] * len(requests)
+        if shadow is not None:
+            for r, k in zip(requests, ks, strict=True):
+                if k:
+                    shadow.drop(r.request_id)
+            shadow.draft([r for r, k in zip(requests, ks, strict=True) if not k])
         return ks
 
     # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
@@ -180,9 +192,12 @@ class Speculation:
     def release(self, request: Request) -> None:
         self.proposer.release(request)
         self.policy.release(request.request_id)  # (a preempted request learns again)
+        if self.shadow is not None:
+            self.shadow.drop(request.request_id)
 
     def leak_report(self) -> list[str]:
-        return self.proposer.leak_report() + self.policy.leak_report()
+        shadow = self.shadow.leak_report() if self.shadow is not None else []
+        return self.proposer.leak_report() + self.policy.leak_report() + shadow
 
 
 def round_tree(config: EngineConfig) -> TreeShape | DynamicShape | None:

@@ -16,6 +16,7 @@
   `probe_budget` plain steps of drafting buy (one token for a draft model, all K for free
   n-gram drafts: in copied text acceptance comes in runs), and after a probe that passed
   whole, twice that (up to K): one-token probes cannot lift the decayed estimate past 0.89.
+  Free drafts also score shadow rounds while plain (`observe`, speculative/shadow.py).
 
 Nothing here measures time: c and v(K) come in once, at engine start.
 """
@@ -50,6 +51,10 @@ class SpecPolicy(Protocol):
         """A round of the request drafted `drafted` tokens and `accepted` of them passed."""
         ...
 
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """A shadow round (no round ran) of the request scored (drafted, accepted)."""
+        ...
+
     def release(self, request_id: str) -> None:
         """The request left: forget it."""
         ...
@@ -71,6 +76,9 @@ class FixedPolicy:
         return [self.k] * len(requests)
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
+        pass
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
         pass
 
     def release(self, request_id: str) -> None:
@@ -208,6 +216,16 @@ class AdaptivePolicy:
             # a probe whose drafts all pass is followed by one twice as long (up to k_max)
             e.probe_len = min(cfg.k_max, 2 * drafted) if passed else 0
             e.probing = False
+
+    def observe(self, request_id: str, drafted: int, accepted: int) -> None:
+        """Evidence without a round (`shadow.ShadowRounds`: a free draft scored against the
+        tokens plain steps produced): the acceptance estimate only, as `update` counts it."""
+        e = self._estimates.get(request_id)
+        if e is None or drafted < 1:
+            return
+        d = self.config.decay
+        e.accepted = e.accepted * d + accepted
+        e.tried = e.tried * d + accepted + (1 if accepted < drafted else 0)
 
     def release(self, request_id: str) -> None:
         self._estimates.pop(request_id, None)

@@ -1,0 +1,85 @@
+"""Shadow rounds: what a free draft would have scored while its request decodes plainly.
+
+The adaptive policy learns a request's acceptance only from rounds it runs. Once the
+estimate says plain decoding pays, it learns again only from probes, spaced out so that
+they cost little; where acceptance comes in bursts (copying a file back with edits: the
+n-gram drafts fail for a stretch, then match for a long one) the request then decodes
+plainly through most of the stretch that would have paid.
+
+A draft that costs nothing to propose (n-gram tables, prompt lookup: host lookups, no
+forward) can be scored without a round: at a plain step, `draft` asks the proposer for the
+chain it would propose now and keeps it; once the request's tokens have grown past the
+chain or past its first mismatch, `settle` reports (drafted, accepted): the tokens the
+round would have drafted and how many of them the target then produced, the same
+(drafted, accepted) a real round reports. The policy takes that as evidence
+(`AdaptivePolicy.observe`) and speculates as soon as it pays. At most one chain per
+request is pending, so each plain stretch of K + 1 tokens scores one chain; a request that
+speculates drops its pending chain (the round is scored for real).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from infer.speculative.proposer import DraftRequest, Proposer
+from infer.speculative.tree import chain_shape
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    start: int  # the request's token count when the chain was drafted: chain[i] guesses token start + i
+    chain: tuple[int, ...]
+
+
+def score(chain: Sequence[int], produced: Sequence[int]) -> int | None:
+    """Accepted tokens of `chain` against the tokens `produced` after it was drafted: the
+    common prefix, once decided (a mismatch, or every drafted token present); None while
+    every produced token matches and more are needed."""
+    for i, token in enumerate(chain):
+        if i >= len(produced):
+            return None
+        if produced[i] != token:
+            return i
+    return len(chain)
+
+
+class ShadowRounds:
+    """Pending shadow chains per request (module docstring)."""
+
+    def __init__(self, proposer: Proposer, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"shadow rounds draft k >= 1 tokens, got {k}")
+        self.proposer, self.k = proposer, k
+        self._pending: dict[str, _Pending] = {}
+
+    def settle(self, requests: Sequence[DraftRequest]) -> list[tuple[str, int, int]]:
+        """(request_id, drafted, accepted) of every pending chain of these requests that
+        their tokens now decide; those chains are dropped."""
+        done = []
+        for request in requests:
+            p = self._pending.get(request.request_id)
+            if p is None:
+                continue
+            accepted = score(p.chain, request.token_slice(p.start, min(request.num_tokens, p.start + len(p.chain))))
+            if accepted is not None:
+                done.append((request.request_id, len(p.chain), accepted))
+                del self._pending[request.request_id]
+        return done
+
+    def draft(self, requests: Sequence[DraftRequest]) -> None:
+        """Keep the chain the proposer would draft now for each request without one pending."""
+        fresh = [r for r in requests if r.request_id not in self._pending]
+        if not fresh:
+            return
+        drafts = self.proposer.propose(fresh, chain_shape(self.k), [self.k] * len(fresh))
+        for request, d in zip(fresh, drafts, strict=True):
+            if d.num_proposed:
+                self._pending[request.request_id] = _Pending(request.num_tokens, d.token_ids[:d.num_proposed])
+
+    def drop(self, request_id: str) -> None:
+        """The request speculates or left: forget its pending chain."""
+        self._pending.pop(request_id, None)
+
+    def leak_report(self) -> list[str]:
+        return [f"shadow chains kept for {sorted(self._pending)}"] if self._pending else []

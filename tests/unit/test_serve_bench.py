@@ -110,7 +110,7 @@ def test_setup_validation() -> None:
 
 
 def test_server_flags_are_the_non_default_engine_fields() -> None:
-    flags = server_flags({"model": "m", "device": "cpu", "max_batch_size": 8, "use_cuda_graphs": True,
+    flags = server_flags({"model": "m", "device": "cpu", "max_batch_size": None, "use_cuda_graphs": True,
                           "enable_prefix_caching": False, "async_scheduling": None, "max_seq_len": 2048})
     assert flags == ["--model", "m", "--device", "cpu", "--use-cuda-graphs", "--no-enable-prefix-caching",
                      "--max-seq-len", "2048"]

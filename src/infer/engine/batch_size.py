@@ -1,7 +1,8 @@
 """The default `max_batch_size`: sized from the GPU's memory, 8 on a CPU.
 
 `EngineConfig.max_batch_size=None` (the default) is resolved here when an engine is built,
-before any weight is read (tensor-parallel ranks receive the resolved config): on a CUDA
+before any weight is read (after tensor-parallel ranks start: their pools are sized by the
+driver's calls): on a CUDA
 device, as many sequences as a KV pool of `max_seq_len` tokens each fits in what the device
 leaves after the weights, at most `GPU_MAX` (vLLM's `max_num_seqs` default); on a CPU,
 `CPU_DEFAULT` (batching there buys little). The estimate reads only config files:

@@ -36,13 +36,13 @@ if TYPE_CHECKING:
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         self.config = config
-        config.max_batch_size = resolve_max_batch_size(config, models)  # (None: sized from memory)
         if models is None and config.tensor_parallel_size > 1:
             # the worker ranks read weights as soon as they start: the tokenizer and the
             # draft pair are checked first (one rank loads after the same check)
             check_before_loading(config, *default_model_paths(config))
         self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
+            config.max_batch_size = resolve_max_batch_size(config, models)  # (None: sized from memory)
             self.models = models or self._load_models()
             self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
                                              sum(p.numel() for p in self.models.target.parameters()))

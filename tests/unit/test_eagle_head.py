@@ -1,7 +1,7 @@
 """EAGLE / EAGLE-3 heads in the public layout: loading, forward against a plain-torch
 reference of the format, the forward through the fused kernel bundle equal to EAGER's,
-refusal of heads that do not fit the target, and the target's hidden-state capture against
-transformers' own hidden states."""
+refusal of heads that do not fit the target, the target's hidden-state capture against
+transformers' own hidden states, and a round-drafting draft's cost (head or draft model)."""
 
 from __future__ import annotations
 
@@ -140,18 +140,26 @@ def test_dummy_head_configs_follow_the_target_shape() -> None:
 
 
 
-def test_head_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch) -> None:
-    """An EAGLE head's c comes from timed rounds of 1 and max(2, k_max) steps: the step is their
-    slope, the rest of the one-step round its fixed part (a draft model has none)."""
+
+@pytest.mark.parametrize("drafter", ["eagle3 head", "draft model"])
+def test_a_draft_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch,
+                                                 drafter: str) -> None:
+    """A draft drafting a chain round in one call (an EAGLE head's round, a draft model's
+    draft_loop) has its c from timed rounds of 1 and max(2, k_max) steps: the step is their
+    slope, the rest of the one-step round its fixed part."""
     from infer.engine import step_costs
     from infer.timing import summarize
 
-    head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
-    head = load_eagle_head(str(head_dir), "eagle3", target)
+    head = draft = None
+    if drafter == "draft model":
+        draft = target
+    else:
+        head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
+        head = load_eagle_head(str(head_dir), "eagle3", target)
     cfg = step_costs.StepCostConfig(context_len=8, max_seq_len=32, k_max=3, repeats=1, warmup=0)
     steps_timed: list[int] = []
 
-    def timed(fn, device, repeats, warmup):  # one call; a head round (its tokens [1, steps]) takes
+    def timed(fn, device, repeats, warmup):  # one call; a round (its tokens [1, steps]) takes
         out = fn()                           # 1 ms + 0.25 ms a step, a target forward 4 ms
         if out.dtype != torch.long:
             return summarize([4e-3])
@@ -159,7 +167,7 @@ def test_head_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, targ
         return summarize([1e-3 + 0.25e-3 * out.shape[1]])
 
     monkeypatch.setattr(step_costs, "time_calls", timed)
-    costs = step_costs.measure_model_costs(target, None, use_cuda_graphs=False, cfg=cfg, head=head)
+    costs = step_costs.measure_model_costs(target, draft, use_cuda_graphs=False, cfg=cfg, head=head)
     assert steps_timed == [1, 3]
     assert costs.draft_step_s == pytest.approx(0.25e-3) and costs.draft_fixed_s == pytest.approx(1e-3)
     assert costs.c == pytest.approx(0.25e-3 / 4e-3)

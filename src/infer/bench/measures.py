@@ -116,9 +116,10 @@ def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: st
 def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,
               draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
               method: str = "draft_model") -> Row:
-    """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head, its
-    step the slope of its graphed rounds, `head_step_times`), loaded by the engine's loader with its checks and timed on the
-    CPU threads the engine would choose (or --threads)."""
+    """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head; a
+    draft's step is the slope of its graphed chain rounds, `round_step_times`), loaded by
+    the engine's loader with its checks and timed on the CPU threads the engine would
+    choose (or --threads)."""
 
     def run(ctx: Context) -> Outcome:
         config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,

@@ -24,7 +24,7 @@ from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
-from infer.engine.step_costs import HeadStepFn, StepCostConfig, measure_spec_costs, weight_bytes
+from infer.engine.step_costs import RoundStepFn, StepCostConfig, measure_spec_costs, weight_bytes
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
@@ -122,8 +122,9 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        an EAGLE head's step is what a draft step adds to its round (`head_step_times`: the
-        round's fixed part is the host overhead the round clock times); `spec_cost_coefficient`
+        a draft drafting chains in one call a round (an EAGLE head, a draft model's
+        `draft_loop`) costs what a step adds to its round (`round_step_times`: the round's
+        fixed part is host overhead the round clock times); `spec_cost_coefficient`
         overrides c."""
         c = self.config.spec_cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
@@ -134,12 +135,14 @@ class Speculation:
             return c, 0.0
         k = self.spec_length
         context = max(1, min(256, self.config.max_seq_len - k - 2))
-        step: ForwardFn | HeadStepFn | None = None
+        step: ForwardFn | RoundStepFn | None = None
         step_pool = None
         if draft is not None:
             step, step_pool = draft.step_forward, draft.pool
+            if self.tree is None and draft.fuse_rounds:  # chains: a round is one draft_loop
+                step = RoundStepFn.of_loop(draft.step_forward)
         elif head is not None:
-            step, step_pool = HeadStepFn(head.round_fn, head.head), head.pool
+            step, step_pool = RoundStepFn.of_head(head.round_fn, head.head), head.pool
         costs = measure_spec_costs(forward, pool, step, step_pool, target.config.vocab_size,
                                    StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))

@@ -8,12 +8,13 @@ scratch slot of the pool it is given at a fixed context length; the slot is free
 afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
 benchmark); the speculative runner passes its own, CUDA graphs included.
 
-An EAGLE head drafts a whole round in one call (one CUDA graph: the catch-up feed, then its
-steps), so its step has no call of its own to time: its rounds of one fed position and S = 1
-and S = max(2, k_max) steps are timed (`HeadStepFn`), and the head's step is the slope,
-(t(S) - t(1)) / (S - 1), what each further draft step adds to a round; the rest of t(1),
-the feed with the host's staging and the graph launch, is the round's fixed part
-(`draft_fixed_s`), paid once a round like the verification's host work.
+A draft that runs a chain round in one call (an EAGLE head's round, a draft model's
+`draft_loop`: one CUDA graph each) has no step of its own to time: its rounds of one fed
+position and S = 1 and S = max(2, k_max) steps are timed (`RoundStepFn`), and its step is
+the slope, (t(S) - t(1)) / (S - 1), what each further draft step adds to a round; the rest
+of t(1), the feed with the host's staging and the launch, is the round's fixed part
+(`draft_fixed_s`), paid once a round like the verification's host work. A draft model
+drafting trees steps level by level: its step is one timed forward call.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class SpecCosts:
     c: float | None
     verify_s: list[float]  # [k_max + 1]: time to verify K+1 tokens, K = 0..k_max
     verify_ratio: list[float]  # verify_s[K] / target_step_s (v(0) = the all-logits one-token step)
-    draft_fixed_s: float | None = None  # an EAGLE head's round: its fixed part (module docstring)
+    draft_fixed_s: float | None = None  # a round-drafting draft's fixed part a round (module docstring)
 
     def to_dict(self) -> dict[str, object]:
         return {"use_cuda_graphs": self.use_cuda_graphs, "target_step_ms": self.target_step_s * 1e3,
@@ -86,7 +87,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return params + buffers
 
 
-def forward_times(forward: ForwardFn | HeadStepFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
+def forward_times(forward: ForwardFn | RoundStepFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
                   cfg: StepCostConfig, device: torch.device) -> dict[Shape, TimingStats]:
     """Median time of one batch-1 call of `forward` for each (width, all_logits) shape, on a
     scratch slot holding `cfg.context_len` tokens (freed afterwards)."""
@@ -100,7 +101,7 @@ def forward_times(forward: ForwardFn | HeadStepFn, pool: CachePoolProtocol, shap
         pool.free_slot(slot)
 
 
-def _step(forward: ForwardFn | HeadStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
+def _step(forward: ForwardFn | RoundStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
     width, all_logits = shape
     layout = BatchLayout.of([slot], [context_len], [width])
     ids = torch.randint(0, vocab, (1, width))  # [1, width], CPU as the runners pass them
@@ -111,7 +112,7 @@ def _step(forward: ForwardFn | HeadStepFn, slot: int, shape: Shape, vocab: int, 
     return torch.inference_mode()(run)
 
 
-def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | HeadStepFn | None,
+def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | RoundStepFn | None,
                        draft_pool: CachePoolProtocol | None, vocab: int, cfg: StepCostConfig,
                        use_cuda_graphs: bool = True) -> SpecCosts:
     """c (when a draft is given) and v(K) for K = 0..cfg.k_max at batch 1."""
@@ -120,8 +121,8 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
     times = forward_times(target, target_pool, [PLAIN, *verify_shapes], vocab, cfg, device)
     verify_s = [times[shape].median_s for shape in verify_shapes]
     draft_s = fixed_s = None
-    if isinstance(draft, HeadStepFn) and draft_pool is not None:
-        draft_s, fixed_s = head_step_times(draft, draft_pool, vocab, cfg, device)
+    if isinstance(draft, RoundStepFn) and draft_pool is not None:
+        draft_s, fixed_s = round_step_times(draft, draft_pool, vocab, cfg, device)
     elif draft is not None and draft_pool is not None:
         draft_s = forward_times(draft, draft_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
     # measured again last: the smaller median guards against a slow start (clocks, lazy init)
@@ -131,12 +132,12 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
                      verify_s, [v / plain for v in verify_s], fixed_s)
 
 
-def head_step_times(head: HeadStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
-                    device: torch.device) -> tuple[float, float]:
-    """(step, fixed) seconds of an EAGLE head's rounds: the slope and the rest of a
-    one-step round (module docstring). Both are floored at 0 against timing noise."""
+def round_step_times(rounds: RoundStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
+                     device: torch.device) -> tuple[float, float]:
+    """(step, fixed) seconds of a round-drafting draft: the slope of its rounds and the rest
+    of a one-step round (module docstring). Both are floored at 0 against timing noise."""
     steps = max(2, cfg.k_max)
-    times = forward_times(head, pool, [PLAIN, (steps, False)], vocab, cfg, device)
+    times = forward_times(rounds, pool, [PLAIN, (steps, False)], vocab, cfg, device)
     one, many = times[PLAIN].median_s, times[(steps, False)].median_s
     step = max(0.0, (many - one) / (steps - 1))
     return step, max(0.0, one - step)
@@ -154,42 +155,63 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
                         cfg: StepCostConfig | None = None, head: EagleHead | None = None) -> SpecCosts:
     """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
-    `head` in place of a draft model: its step is the slope of its rounds, `head_step_times`)."""
+    `head` in place of a draft model); the draft's step is the slope of its chain rounds
+    (`round_step_times`)."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
-    draft_fn: ForwardFn | HeadStepFn | None = None
+    draft_fn: RoundStepFn | None = None
     draft_pool = None
     if head is not None:
         draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)
     elif draft is not None:
-        draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
+        forward, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
+        draft_fn = RoundStepFn.of_loop(forward)
     return measure_spec_costs(target_fn, target_pool, draft_fn, draft_pool, target.config.vocab_size, cfg,
                               use_cuda_graphs)
 
 
-class HeadStepFn:
-    """An EAGLE head's round of one fed position and S draft steps (`HeadRoundFn`, CUDA
-    graphs included), S = the layout's width, called as a forward function `(ids, layout,
-    all_logits)`, so `forward_times` times it as it times a draft model's step."""
+class RoundStepFn:
+    """A draft's chain round of one fed position and S steps, S = the layout's width, called
+    as a forward function `(ids, layout, all_logits)` -> tokens [n, S], so `forward_times`
+    times it as it times a forward step: an EAGLE head's round (`HeadRoundFn`) or a draft
+    model's `draft_loop`, CUDA graphs included, every row greedy."""
 
-    def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
+    def __init__(self, round_fn: Callable[[torch.Tensor, BatchLayout, int], torch.Tensor]) -> None:
+        self.round_fn = round_fn  # (ids [n, 1], the union layout, steps) -> tokens [n, steps]
+
+    @classmethod
+    def of_head(cls, round_fn: HeadRoundFn, head: EagleHead) -> RoundStepFn:
+        """An EAGLE head's rounds, fed zero features."""
         param = next(head.parameters())
-        self.round_fn = round_fn
-        self.features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
+        features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
+
+        def run(ids: torch.Tensor, layout: BatchLayout, steps: int) -> torch.Tensor:
+            n = ids.shape[0]
+            return round_fn(ids, features.expand(n, -1, -1), layout, [0] * n, steps, [1.0] * n,
+                            torch.zeros((n, steps), dtype=torch.float64), [True] * n)[0]
+        return cls(run)
+
+    @classmethod
+    def of_loop(cls, forward: ForwardFn) -> RoundStepFn:
+        """A draft model's `draft_loop` on its forward function."""
+
+        def run(ids: torch.Tensor, layout: BatchLayout, steps: int) -> torch.Tensor:
+            n = ids.shape[0]
+            return forward.draft_loop(ids, layout, steps, [1.0] * n, torch.full((n, steps), 0.5, dtype=torch.float64),
+                                      [True] * n)[0]
+        return cls(run)
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        n, steps = len(layout.slots), layout.width
-        return self.round_fn(ids[:, :1], self.features.expand(n, -1, -1), layout, [0] * n, steps, [1.0] * n,
-                             torch.zeros((n, steps), dtype=torch.float64), [True] * n)[0]
+        return self.round_fn(ids[:, :1], layout, layout.width)
 
 
-def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[HeadStepFn, CachePoolProtocol]:
-    """A fresh pool and step function of `head` (graphs captured now when asked for)."""
+def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[RoundStepFn, CachePoolProtocol]:
+    """A fresh pool and round step function of `head` (graphs captured now when asked for)."""
     engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
                               enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
     pool = LOCAL.make_pool(head, engine_cfg, prefix_caching=False)  # type: ignore[arg-type]
     kernels = step_kernels(engine_cfg, next(head.parameters()).device, head)  # as the engine runs them
     round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
     round_fn.prepare([1], [1, max(2, cfg.k_max)])
-    return HeadStepFn(round_fn, head), pool
+    return RoundStepFn.of_head(round_fn, head), pool

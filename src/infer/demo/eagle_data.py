@@ -1,9 +1,9 @@
 """Training data of the demo EAGLE-3 head: the frozen demo target's features over the corpus.
 
 The teacher is the shipped demo target, run through infer's own `LlamaForCausalLM` with a
-`HiddenCapture` (models/capture.py) at EAGLE-3's three layer inputs and at the final normed
+`HiddenCapture` (models/capture.py) at the head's three layer inputs and at the final normed
 output, so the head learns the very features the engine hands it when it drafts. One pass
-over `num_sequences` windows of the training stream (seeded choice) is cached in memory:
+over the training windows is kept in memory (and, with `eagle_head --cache`, on disk):
 per position the three captured layers [3H] and the final hidden state [H] (bf16), from
 which the target's next-token distribution is recomputed at each training step (the
 target's lm_head over the draft vocabulary), instead of storing V probabilities a position.

@@ -1,20 +1,23 @@
 """Train the demo target's EAGLE-3 head: `python -m infer.demo.eagle_head --target DIR --out DIR`.
 
 Pipeline: the demo corpus encoded with the target's tokenizer (`infer.demo.train`'s corpus
-step) -> the draft vocabulary (the most frequent training tokens) -> the frozen target's
-features over seeded windows of the training split (`infer.demo.eagle_data`) -> the head
-trained on them (`infer.demo.eagle_train`) -> saved in the public EAGLE-3 layout that
-`infer.models.eagle` loads (config.json + model.safetensors: `fc`, `midlayer.*`, `norm`,
-`lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's embedding is shared) with
-training_summary.json. The windows are corpus windows and the target's own greedy
-continuations of corpus prompts. Runs on the CPU (the `full` settings: about 23 minutes of
-one core); `--init DIR` trains a saved head further (the shipped head is two `full` stages,
-the second from the first with another seed: scripts/demo_pair/README.md). Seeded, so the
-same interpreter (corpus), seed and machine give the same head.
+step) -> the draft vocabulary (the most frequent training tokens) -> seeded windows: corpus
+windows and the target's own greedy and T=1 continuations of corpus prompts
+(`head_windows`) -> the frozen target's features over them (`infer.demo.eagle_data`;
+`--cache DIR` keeps windows and features on disk for later runs) -> the head trained on
+them (`infer.demo.eagle_train`, saved after every validation) -> saved in the public
+EAGLE-3 layout that `infer.models.eagle` loads (config.json + model.safetensors: `fc`,
+`midlayer.*`, `norm`, `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's
+embedding is shared) with training_summary.json. Runs on the CPU (the `full` settings:
+about 11 minutes generating, 6 extracting and 30 training on one core); `--init DIR` trains
+a saved head further (the shipped head is three stages, the last with the `full` settings:
+scripts/demo_pair/README.md). Seeded, so the same interpreter (corpus), seed and machine
+give the same head.
 
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-stage1
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target \
-        --out src/infer/demo_models/eagle3 --init /tmp/eagle3-stage1 --seed 1 --set lr=0.003 --set epochs=3
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3 \
+        --cache /tmp/eagle3-cache
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-more \
+        --init /tmp/eagle3 --cache /tmp/eagle3-cache --set lr=0.002 --head-set unroll=3
     PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
 """
 

@@ -10,7 +10,7 @@ EAGLE-3 layout that `infer.models.eagle` loads (config.json + model.safetensors:
 `midlayer.*`, `norm`, `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's
 embedding is shared) with training_summary.json. Runs on the CPU (the `full` settings:
 about 11 minutes generating, 6 extracting and 30 training on one core); `--init DIR` trains
-a saved head further (the shipped head is three stages, the last with the `full` settings:
+a saved head further (the shipped head is four stages, the third with the `full` settings:
 scripts/demo_pair/README.md). Seeded, so the same interpreter (corpus), seed and machine
 give the same head.
 

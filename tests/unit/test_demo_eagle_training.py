@@ -1,7 +1,7 @@
 """Training the demo EAGLE-3 head: the training-time-test attention mask, the draft
-vocabulary, the target's greedy continuations as training windows, one training step, and
-the saved head loading through the engine's loader with the same forward (the public
-layout round trip)."""
+vocabulary, the target's greedy and sampled continuations as training windows and their
+feature cache, one training step, and the saved head loading through the engine's loader
+with the same forward (the public layout round trip)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, greedy_windows, vocab_maps
-from infer.demo.eagle_head import HEAD_PRESETS, build_head, continue_from, save_head
+from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, generated_windows, vocab_maps
+from infer.demo.eagle_head import HEAD_PRESETS, _head_override, build_head, continue_from, head_data, save_head
 from infer.demo.eagle_train import HeadSettings, unrolled_losses
+from infer.demo.train import Corpus
 from infer.demo.unrolled_view import UnrolledView, unrolled_mask
 from infer.models.attention import NoCacheView
 from infer.models.eagle import load_eagle_head
@@ -48,12 +49,29 @@ def test_draft_vocabulary_and_maps() -> None:
 def test_greedy_windows_are_the_targets_own_continuations(ckpt_b: Path) -> None:
     target = load_model(str(ckpt_b), dtype="float32")[0]
     prompts = torch.randint(2, target.config.vocab_size, (2, 4), generator=torch.Generator().manual_seed(2))
-    windows = greedy_windows(str(ckpt_b), prompts, 3)
+    windows = generated_windows(str(ckpt_b), prompts, 3)
     assert windows.shape == (2, 7) and torch.equal(windows[:, :4], prompts)
     with torch.no_grad():
         assert torch.equal(target(windows[:, :-1]).argmax(-1)[:, 3:], windows[:, 4:])  # each token the argmax
     with pytest.raises(ValueError, match="greedy_prompt"):
         HeadSettings(train=HEAD_PRESETS["tiny"].train, seq_len=32, greedy_prompt=32)
+    with pytest.raises(ValueError, match="aux_layers"):
+        HeadSettings(train=HEAD_PRESETS["tiny"].train, aux_layers=(1, 2))
+    assert _head_override("aux_layers=1,3,5") == ("aux_layers", (1, 3, 5))
+
+
+def test_head_data_holds_every_window_kind_and_is_read_back_from_its_cache(ckpt_b: Path, tmp_path: Path) -> None:
+    target = load_model(str(ckpt_b), dtype="float32")[0]
+    stream = torch.randint(2, target.config.vocab_size, (200,), generator=torch.Generator().manual_seed(3))
+    corpus = Corpus(stream, stream[:40], {"train_tokens": 200})
+    settings = HeadSettings(train=HEAD_PRESETS["tiny"].train, seq_len=8, num_sequences=2, greedy_sequences=1,
+                            sampled_sequences=1, greedy_prompt=4, valid_sequences=1)
+    data, valid, _ = head_data(str(ckpt_b), target, corpus, settings, (0, 1, 1), 0, tmp_path)
+    assert data.ids.shape == (4, 8) and set(valid) == {"", "greedy_", "sampled_"}
+    assert data.aux.shape == (4, 8, 3 * target.config.hidden_size)
+    again, valid_again, seconds = head_data(str(ckpt_b), target, corpus, settings, (0, 1, 1), 0, tmp_path)
+    assert seconds == {"generate": 0.0, "features": 0.0}  # read from the cache
+    assert torch.equal(again.aux, data.aux) and torch.equal(valid_again["sampled_"].ids, valid["sampled_"].ids)
 
 
 def test_trained_step_saves_and_loads_in_the_public_layout(ckpt_b: Path, tmp_path: Path) -> None:

@@ -1,16 +1,17 @@
 """Training data of the demo EAGLE-3 head: the frozen demo target's features over the corpus.
 
 The teacher is the shipped demo target, run through infer's own `LlamaForCausalLM` with a
-`HiddenCapture` (models/capture.py) at EAGLE-3's three layer inputs and at the final normed
+`HiddenCapture` (models/capture.py) at the head's three layer inputs and at the final normed
 output, so the head learns the very features the engine hands it when it drafts. One pass
-over `num_sequences` windows of the training stream (seeded choice) is cached in memory:
+over the training windows is kept in memory (and, with `eagle_head --cache`, on disk):
 per position the three captured layers [3H] and the final hidden state [H] (bf16), from
 which the target's next-token distribution is recomputed at each training step (the
 target's lm_head over the draft vocabulary), instead of storing V probabilities a position.
 
-Besides corpus windows, the windows can hold the target's own greedy continuations of short
-corpus prompts (`greedy_windows`, through the engine): what the head meets when it drafts
-at T=0, where a small target's text is far more regular (it loops) than the corpus.
+Besides corpus windows, the windows can hold the target's own continuations of short corpus
+prompts (`generated_windows`, through the engine), greedy and sampled at T=1: the text the
+head meets when it drafts at T=0 (where a small target's text is far more regular than the
+corpus: it loops) and at T=1.
 
 The draft vocabulary (EAGLE-3's reduced lm_head) is the `draft_vocab_size` most frequent
 tokens of the training stream, in id order: `d2t[j] = target id - j`, `t2d` marks them.
@@ -30,7 +31,7 @@ from infer.sampling import SamplingParams
 
 FEATURE_DTYPE = torch.bfloat16
 EXTRACT_BATCH = 8
-GREEDY_BATCH = 32  # sequences the engine decodes together for `greedy_windows`
+GENERATE_BATCH = 128  # sequences the engine decodes together for `generated_windows`
 
 
 @dataclass
@@ -82,13 +83,16 @@ def sample_windows(stream: torch.Tensor, seq_len: int, count: int, seed: int) ->
     return stream[starts[:, None] + torch.arange(seq_len)]  # [count, S]
 
 
-def greedy_windows(target_dir: str, prompts: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """The target's greedy continuations through the engine (CPU, EOS ignored, so every
-    window is full): prompts [n, P] -> windows [n, P + new_tokens]."""
+def generated_windows(target_dir: str, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0,
+                      seed: int = 0) -> torch.Tensor:
+    """The target's own continuations through the engine (CPU, EOS ignored, so every window
+    is full), greedy at temperature 0, else sampled (request i seeded `seed + i`):
+    prompts [n, P] -> windows [n, P + new_tokens]."""
     if new_tokens <= 0:
-        raise ValueError(f"greedy continuations need new_tokens > 0, got {new_tokens}")
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    with LLM(target_dir, device="cpu", max_batch_size=min(GREEDY_BATCH, prompts.shape[0])) as llm:
+        raise ValueError(f"generated continuations need new_tokens > 0, got {new_tokens}")
+    params = [SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=seed + i)
+              for i in range(prompts.shape[0])]
+    with LLM(target_dir, device="cpu", max_batch_size=min(GENERATE_BATCH, prompts.shape[0])) as llm:
         outs = llm.generate(prompt_token_ids=prompts.tolist(), sampling_params=params)
     continuations = torch.tensor([o.outputs[0].token_ids for o in outs], dtype=torch.long)  # [n, new_tokens]
     return torch.cat([prompts, continuations], dim=1)

@@ -1,20 +1,23 @@
 """Train the demo target's EAGLE-3 head: `python -m infer.demo.eagle_head --target DIR --out DIR`.
 
 Pipeline: the demo corpus encoded with the target's tokenizer (`infer.demo.train`'s corpus
-step) -> the draft vocabulary (the most frequent training tokens) -> the frozen target's
-features over seeded windows of the training split (`infer.demo.eagle_data`) -> the head
-trained on them (`infer.demo.eagle_train`) -> saved in the public EAGLE-3 layout that
-`infer.models.eagle` loads (config.json + model.safetensors: `fc`, `midlayer.*`, `norm`,
-`lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's embedding is shared) with
-training_summary.json. The windows are corpus windows and the target's own greedy
-continuations of corpus prompts. Runs on the CPU (the `full` settings: about 23 minutes of
-one core); `--init DIR` trains a saved head further (the shipped head is two `full` stages,
-the second from the first with another seed: scripts/demo_pair/README.md). Seeded, so the
-same interpreter (corpus), seed and machine give the same head.
+step) -> the draft vocabulary (the most frequent training tokens) -> seeded windows: corpus
+windows and the target's own greedy and T=1 continuations of corpus prompts
+(`head_windows`) -> the frozen target's features over them (`infer.demo.eagle_data`;
+`--cache DIR` keeps windows and features on disk for later runs) -> the head trained on
+them (`infer.demo.eagle_train`, saved after every validation) -> saved in the public
+EAGLE-3 layout that `infer.models.eagle` loads (config.json + model.safetensors: `fc`,
+`midlayer.*`, `norm`, `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's
+embedding is shared) with training_summary.json. Runs on the CPU (the `full` settings:
+about 11 minutes generating, 6 extracting and 30 training on one core); `--init DIR` trains
+a saved head further (the shipped head is four stages, the third with the `full` settings:
+scripts/demo_pair/README.md). Seeded, so the same interpreter (corpus), seed and machine
+give the same head.
 
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-stage1
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target \
-        --out src/infer/demo_models/eagle3 --init /tmp/eagle3-stage1 --seed 1 --set lr=0.003 --set epochs=3
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3 \
+        --cache /tmp/eagle3-cache
+    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-more \
+        --init /tmp/eagle3 --cache /tmp/eagle3-cache --set lr=0.002 --head-set unroll=3
     PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
 """
 
@@ -22,19 +25,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
 from infer.demo.bpe import load_tokenizer
 from infer.demo.data import validation_chunks
-from infer.demo.eagle_data import (coverage, draft_vocabulary, extract_features, greedy_windows,
+from infer.demo.eagle_data import (HeadData, coverage, draft_vocabulary, extract_features, generated_windows,
                                    sample_windows, vocab_maps)
-from infer.demo.eagle_train import HeadSettings, init_head, train_head
+from infer.demo.eagle_train import HeadLog, HeadSettings, init_head, train_head
 from infer.demo.presets import TrainSettings, get_preset, settings_with
 from infer.demo.saving import SUMMARY_FILE, training_environment
 from infer.models.eagle import EagleHead, load_eagle_head
@@ -42,27 +46,35 @@ from infer.models.eagle_dummy import head_config_for
 from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.loader import load_model
 
+if TYPE_CHECKING:
+    from infer.demo.train import Corpus
+
 HEAD_PRESETS = {
-    "full": HeadSettings(train=TrainSettings(epochs=2.8, batch_size=4, lr=5e-3, warmup_steps=10, weight_decay=0.01,
+    "full": HeadSettings(train=TrainSettings(epochs=2.5, batch_size=4, lr=3e-3, warmup_steps=10, weight_decay=0.01,
                                              eval_every=200, min_lr_ratio=0.05),
-                         draft_vocab_size=4096, num_sequences=1000, greedy_sequences=192, unroll=2),
+                         draft_vocab_size=4096, num_sequences=512, greedy_sequences=1024, sampled_sequences=1024,
+                         aux_layers=(2, 4, 6), unroll=2),
     "tiny": HeadSettings(train=TrainSettings(epochs=1, batch_size=4, lr=1e-2, warmup_steps=2, eval_every=4,
                                              max_steps=8), draft_vocab_size=256, seq_len=32, num_sequences=16,
                          greedy_sequences=4, greedy_prompt=8, valid_sequences=2, unroll=2),
 }
+DATA_FIELDS = ("seq_len", "num_sequences", "greedy_sequences", "sampled_sequences", "greedy_prompt",
+               "valid_sequences")  # the HeadSettings the teacher's features depend on
 TOP_LEVEL = ("fc.weight", "norm.weight", "lm_head.weight")  # the rest is the decoder layer, `midlayer.*`
 SAVE_DTYPE = torch.bfloat16
 
 
-def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, seed: int) -> EagleHead:
+def build_head(target: LlamaForCausalLM, draft_ids: torch.Tensor, seed: int,
+               aux_layers: tuple[int, ...] | None = None) -> EagleHead:
     """A freshly initialised EAGLE-3 head of the target's widths over the draft vocabulary
     `draft_ids` [D] (sorted target ids), sharing the target's embedding. Its final norm and
     lm_head start as the target's (rows of the draft vocabulary): the head then only has to
-    learn to predict the target's last hidden state. Its captured layers (EAGLE-3's
-    defaults) are named in the spec, so config.json lists them."""
+    learn to predict the target's last hidden state. Its captured layers (`aux_layers`, else
+    EAGLE-3's defaults) are named in the spec, so config.json lists them."""
     spec = head_config_for(target.config, "eagle3", "the demo EAGLE-3 head")
     spec = dataclasses.replace(spec, draft_vocab_size=draft_ids.numel(),
-                               aux_layers=spec.capture_points(target.config.num_hidden_layers))
+                               aux_layers=aux_layers or spec.capture_points(target.config.num_hidden_layers))
+    spec.check_target(target.config)
     head = EagleHead(spec, own_embeddings=False, fc_bias=False)
     init_head(head, seed)
     with torch.no_grad():
@@ -132,46 +144,98 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = load_tokenizer(args.target)
     _, corpus = prepare_corpus(get_preset(args.preset), tok, target.config.vocab_size)
     draft_ids = draft_vocabulary(corpus.train, target.config.vocab_size, settings.draft_vocab_size)
-    head = build_head(target, draft_ids, args.seed)
+    head = build_head(target, draft_ids, args.seed, settings.aux_layers)
     if args.init:
         continue_from(head, args.init, target)
     aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
     start, cpu_start = time.perf_counter(), time.process_time()
-    windows = sample_windows(corpus.train, settings.seq_len, settings.num_sequences, args.seed)  # [n, S]
-    valid_windows = torch.stack([c[:settings.seq_len] for c in validation_chunks(corpus.valid, settings.seq_len)
-                                 if c.numel() > settings.seq_len][:settings.valid_sequences])
-    valid_sets = {"": valid_windows}
-    if settings.greedy_sequences:
-        new_tokens = settings.seq_len - settings.greedy_prompt
-        prompts = sample_windows(corpus.train, settings.greedy_prompt, settings.greedy_sequences, args.seed + 1)
-        windows = torch.cat([windows, greedy_windows(args.target, prompts, new_tokens)])
-        valid_sets["greedy_"] = greedy_windows(args.target, valid_windows[:, :settings.greedy_prompt], new_tokens)
-    greedy_seconds = time.perf_counter() - start
-    print(f"[eagle3] greedy continuations of {settings.greedy_sequences} + "
-          f"{len(valid_windows) if settings.greedy_sequences else 0} prompts in {greedy_seconds:.0f} s", flush=True)
-    data = extract_features(target, windows, aux_layers, log_every=8)
-    valid = {name: extract_features(target, w, aux_layers) for name, w in valid_sets.items()}
-    feature_seconds = time.perf_counter() - start - greedy_seconds
-    print(f"[eagle3] features of {len(data)} + {sum(len(v) for v in valid.values())} windows in "
-          f"{feature_seconds:.0f} s; draft vocabulary {draft_ids.numel()} covers "
-          f"{coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} of the training tokens", flush=True)
-    log = train_head(head, target, data, valid, draft_ids, settings, args.seed)
+    data, valid, seconds = head_data(args.target, target, corpus, settings, aux_layers, args.seed,
+                                     Path(args.cache) if args.cache else None)
+    print(f"[eagle3] {len(data)} + {sum(len(v) for v in valid.values())} windows ({seconds}); draft vocabulary "
+          f"{draft_ids.numel()} covers {coverage(corpus.train, draft_ids, target.config.vocab_size):.3f} "
+          "of the training tokens", flush=True)
+
+    def summary_of(log: HeadLog) -> dict[str, Any]:
+        out = {
+            "role": "eagle3", "target": str(args.target), "seed": args.seed, "init": args.init,
+            "settings": dataclasses.asdict(settings),
+            "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
+            "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
+                                     "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
+            "generate_seconds": seconds["generate"], "feature_seconds": seconds["features"],
+            "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats,
+            "environment": training_environment(torch.device("cpu")) | {"threads": str(torch.get_num_threads())},
+            "log": log.to_dict()}
+        if args.init and (Path(args.init) / SUMMARY_FILE).is_file():  # the run it continues
+            out["init_summary"] = json.loads((Path(args.init) / SUMMARY_FILE).read_text(encoding="utf-8"))
+        return out
+
+    def checkpoint(log: HeadLog) -> None:  # the head so far, in case the run is cut short
+        save_head(head, Path(args.out), summary_of(log) | {"checkpoint_at_step": log.valid[-1]["step"]})
+
+    log = train_head(head, target, data, valid, draft_ids, settings, args.seed, checkpoint=checkpoint)
     head.index_vocab()
-    summary = {
-        "role": "eagle3", "target": str(args.target), "seed": args.seed, "init": args.init,
-        "settings": dataclasses.asdict(settings),
-        "num_parameters": sum(p.numel() for p in head.parameters()), "aux_layers": list(aux_layers),
-        "draft_vocab_coverage": {"train": coverage(corpus.train, draft_ids, target.config.vocab_size),
-                                 "valid": coverage(corpus.valid, draft_ids, target.config.vocab_size)},
-        "greedy_seconds": greedy_seconds, "feature_seconds": feature_seconds,
-        "cpu_seconds": time.process_time() - cpu_start, "corpus": corpus.stats,
-        "environment": training_environment(torch.device("cpu")) | {"threads": str(torch.get_num_threads())},
-        "log": log.to_dict()}
-    if args.init and (Path(args.init) / SUMMARY_FILE).is_file():  # the run it continues
-        summary["init_summary"] = json.loads((Path(args.init) / SUMMARY_FILE).read_text(encoding="utf-8"))
+    summary = summary_of(log)
     save_head(head, Path(args.out), summary)
-    print(f"[eagle3] saved to {args.out} ({log.seconds + feature_seconds + greedy_seconds:.0f} s)", flush=True)
+    print(f"[eagle3] saved to {args.out} ({log.seconds + sum(seconds.values()):.0f} s)", flush=True)
     return summary
+
+
+def head_windows(target_dir: str, corpus: Corpus, s: HeadSettings, seed: int) -> dict[str, torch.Tensor]:
+    """The token windows [n, S] the head trains ("train": corpus windows, then the target's
+    greedy and T=1 continuations of corpus prompts) and validates on ("valid": validation-split
+    windows; "valid_greedy" / "valid_sampled": the target's continuations of their first tokens)."""
+    windows = [sample_windows(corpus.train, s.seq_len, s.num_sequences, seed)]  # [n, S]
+    valid = torch.stack([c[:s.seq_len] for c in validation_chunks(corpus.valid, s.seq_len)
+                         if c.numel() > s.seq_len][:s.valid_sequences])
+    out = {"valid": valid}
+    new_tokens = s.seq_len - s.greedy_prompt
+    prompts = sample_windows(corpus.train, s.greedy_prompt, s.greedy_sequences + s.sampled_sequences, seed + 1)
+    for name, part, temperature in (("greedy", prompts[:s.greedy_sequences], 0.0),
+                                    ("sampled", prompts[s.greedy_sequences:], 1.0)):
+        if part.shape[0]:
+            windows.append(generated_windows(target_dir, part, new_tokens, temperature, seed))
+            out[f"valid_{name}"] = generated_windows(target_dir, valid[:, :s.greedy_prompt], new_tokens,
+                                                     temperature, seed + part.shape[0])
+    return {"train": torch.cat(windows)} | out
+
+
+def head_data(target_dir: str, target: LlamaForCausalLM, corpus: Corpus, s: HeadSettings,
+              aux_layers: tuple[int, ...], seed: int,
+              cache: Path | None) -> tuple[HeadData, dict[str, HeadData], dict[str, float]]:
+    """The teacher's features of `head_windows` (validation sets named by their log prefix:
+    "", "greedy_", "sampled_"), with the seconds spent generating and extracting. `cache`: a
+    directory keeping the windows and the features, keyed by everything they depend on, read
+    back by a later run (the windows alone serve a run with other aux layers)."""
+    key = [str(Path(target_dir).resolve()), corpus.stats, seed, [getattr(s, f) for f in DATA_FIELDS]]
+    windows_path = _cache_file(cache, "windows", key)
+    features_path = _cache_file(cache, "features", [*key, list(aux_layers)])
+    if features_path is not None and features_path.is_file():
+        print(f"[eagle3] features read from {features_path}", flush=True)
+        saved = torch.load(features_path, weights_only=True)
+        return (HeadData(**saved["train"]), {k: HeadData(**v) for k, v in saved["valid"].items()},
+                {"generate": 0.0, "features": 0.0})
+    start = time.perf_counter()
+    if windows_path is not None and windows_path.is_file():
+        windows = torch.load(windows_path, weights_only=True)
+    else:
+        windows = head_windows(target_dir, corpus, s, seed)
+        if windows_path is not None:
+            windows_path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(windows, windows_path)
+    seconds = {"generate": time.perf_counter() - start}
+    data = extract_features(target, windows.pop("train"), aux_layers, log_every=16)
+    valid = {name.removeprefix("valid").lstrip("_") + ("_" if name != "valid" else ""):
+             extract_features(target, w, aux_layers) for name, w in windows.items()}
+    seconds["features"] = time.perf_counter() - start - seconds["generate"]
+    if features_path is not None:
+        torch.save({"train": dataclasses.asdict(data), "valid": {k: dataclasses.asdict(v) for k, v in valid.items()}},
+                   features_path)
+    return data, valid, seconds
+
+
+def _cache_file(cache: Path | None, kind: str, key: list[Any]) -> Path | None:
+    return None if cache is None else cache / f"{kind}-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.pt"
 
 
 def _head_override(item: str) -> tuple[str, Any]:
@@ -180,7 +244,10 @@ def _head_override(item: str) -> tuple[str, Any]:
     fields = {f.name: f.type for f in dataclasses.fields(HeadSettings) if f.name != "train"}
     if not sep or name not in fields:
         raise ValueError(f"head setting {item!r} must be NAME=VALUE with NAME one of {sorted(fields)}")
-    return name, (float if str(fields[name]) == "float" else int)(value)
+    kind = str(fields[name])
+    if kind.startswith("tuple"):  # aux_layers=2,4,6
+        return name, tuple(int(v) for v in value.split(","))
+    return name, (float if kind == "float" else int)(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(HEAD_PRESETS), default="full", help="'tiny' for a smoke run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", help="a saved head to start from (trains it further), e.g. the shipped one")
+    p.add_argument("--cache", help="a directory to keep the teacher's features in, read back by later runs "
+                   "of the same data settings (e.g. /tmp/eagle3-features)")
     p.add_argument("--set", action="append", metavar="NAME=VALUE", help="a training setting, e.g. lr=0.002")
     p.add_argument("--head-set", action="append", metavar="NAME=VALUE",
                    help="a head setting, e.g. unroll=2 or draft_vocab_size=4096")

@@ -45,7 +45,9 @@ class HeadSettings:
     seq_len: int = 256  # window of target features a training sequence holds
     num_sequences: int = 192  # training windows of the corpus (the target runs once over each)
     greedy_sequences: int = 0  # more training windows: the target's greedy continuations of corpus prompts
-    greedy_prompt: int = 32  # corpus tokens a greedy window starts with (the rest is the target's)
+    sampled_sequences: int = 0  # more: the target's continuations of corpus prompts sampled at T=1
+    greedy_prompt: int = 32  # corpus tokens a generated window starts with (the rest is the target's)
+    aux_layers: tuple[int, ...] | None = None  # the target layers whose inputs the head reads (None: EAGLE-3's)
     valid_sequences: int = 16  # validation windows, from the validation split
     unroll: int = 3  # training-time test passes (1: the target's features only)
     step_decay: float = 0.8  # weight of pass j's loss: step_decay ** j
@@ -55,9 +57,12 @@ class HeadSettings:
         if self.draft_vocab_size <= 0 or self.seq_len < 8 or self.num_sequences <= 0 or self.valid_sequences <= 0:
             raise ValueError("HeadSettings: draft_vocab_size, num_sequences and valid_sequences must be > 0 "
                              f"and seq_len >= 8, got {self}")
-        if self.greedy_sequences < 0 or not 1 <= self.greedy_prompt < self.seq_len:
-            raise ValueError("HeadSettings: greedy_sequences must be >= 0 and greedy_prompt in "
-                             f"1..seq_len - 1, got {self.greedy_sequences}, {self.greedy_prompt}")
+        if min(self.greedy_sequences, self.sampled_sequences) < 0 or not 1 <= self.greedy_prompt < self.seq_len:
+            raise ValueError("HeadSettings: greedy_sequences and sampled_sequences must be >= 0 and greedy_prompt "
+                             f"in 1..seq_len - 1, got {self.greedy_sequences}, {self.sampled_sequences}, "
+                             f"{self.greedy_prompt}")
+        if self.aux_layers is not None and (len(self.aux_layers) != 3 or min(self.aux_layers) < 0):
+            raise ValueError(f"HeadSettings: aux_layers names 3 target layers (>= 0), got {self.aux_layers}")
         if not 1 <= self.unroll <= 8:
             raise ValueError(f"HeadSettings: unroll must be in 1..8 passes, got {self.unroll}")
         if not 0.0 < self.step_decay <= 1.0 or self.feature_weight < 0:
@@ -153,9 +158,11 @@ def validate_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, dra
 
 def train_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, valid: dict[str, HeadData],
                draft_ids: torch.Tensor, s: HeadSettings, seed: int,
-               log: Callable[[str], None] = print) -> HeadLog:
+               log: Callable[[str], None] = print,
+               checkpoint: Callable[[HeadLog], None] | None = None) -> HeadLog:
     """Train `head` in place (the target stays frozen); returns the loss history. `valid`
-    names the validation sets by the prefix of their keys in the log ("" for the corpus's)."""
+    names the validation sets by the prefix of their keys in the log ("" for the corpus's);
+    `checkpoint` is called after each validation (e.g. to save the head so far)."""
     t = s.train
     total = t.total_steps(len(data))
     history = HeadLog(total_steps=total)
@@ -190,6 +197,8 @@ def train_head(head: EagleHead, target: LlamaForCausalLM, data: HeadData, valid:
                 row.update({prefix + k: x for k, x in validate_head(head, target, v, draft_ids, s).items()})
             history.valid.append(row)
             log("[eagle3] valid " + " ".join(f"{k} {v:.3f}" for k, v in row.items()))
+            if checkpoint is not None and step < total:
+                checkpoint(history)
     head.eval()
     history.seconds = time.perf_counter() - start
     return history

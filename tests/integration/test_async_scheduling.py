@@ -43,6 +43,20 @@ def test_a_finish_learnt_a_step_late_costs_a_wasted_row_not_a_token(make_llm, ck
     assert rows[True] == rows[False] + 1
 
 
+def test_a_request_filling_the_context_gets_every_token_it_asked_for(make_llm, ckpt_a, prompts):
+    # prompt + max_tokens == max_seq_len: the last token is accepted while none is in flight
+    # any more; counting the in-flight one against the context cut the output a token short
+    prompt = prompts[0][:20]
+    params = SamplingParams(temperature=0, max_tokens=64 - len(prompt), ignore_eos=True)
+    got = {}
+    for overlap in (False, True):
+        out = make_llm(ckpt_a, max_seq_len=64, async_scheduling=overlap).generate(
+            prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0]
+        assert len(out.token_ids) == params.max_tokens and out.finish_reason == "length"
+        got[overlap] = out.token_ids
+    assert got[True] == got[False]
+
+
 def test_overlapped_steps_feed_the_tokens_in_flight_to_the_next_step(make_llm, ckpt_a, prompts):
     llm = make_llm(ckpt_a, max_seq_len=128, max_batch_size=4, async_scheduling=True)
     runner, gathered = llm.engine.runner, []

@@ -89,8 +89,9 @@ class OutputProcessor:
         reason = None
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             reason = FinishReason.STOP
-        elif len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_seq_len:
-            reason = FinishReason.LENGTH
+        elif (len(request.output_token_ids) >= params.max_tokens
+              or len(request.prompt_token_ids) + len(request.output_token_ids) >= self.max_seq_len):
+            reason = FinishReason.LENGTH  # (accepted tokens only: a token in flight is not held yet)
         request.stop_pending = reason
         self._accepted.append(_Accepted(request, token_id, logprobs, reason))
 

@@ -10,7 +10,8 @@ Each decode step asks it for the depth every request drafts (`depths`): the poli
 by the length guards (no position past max_seq_len, no more drafts than the request can
 still emit; a tree's depth also by the storage its block needs), all 0 above
 `spec_disable_batch_size` and while the clock wants plain steps timed. Depth 0 everywhere
-is a plain decode step.
+is a plain decode step. Under the adaptive policy, free drafts (n-gram tables) score a shadow
+chain for each request stepping plainly (`speculative/shadow.py`), settled at later calls.
 """
 
 from __future__ import annotations

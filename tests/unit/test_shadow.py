@@ -18,9 +18,11 @@ class _Request:
     request_id: str
     text: list[int]  # every token the request will hold
     num_tokens: int
+    pending_tokens: int = 0  # the last ones, in flight: counted, not yet known
 
     def token_slice(self, lo: int, hi: int | None = None) -> list[int]:
-        return self.text[lo:min(self.num_tokens, len(self.text) if hi is None else hi)]
+        known = self.num_tokens - self.pending_tokens
+        return self.text[lo:min(known, len(self.text) if hi is None else hi)]
 
 
 class _CopyProposer:
@@ -65,6 +67,16 @@ def test_a_pending_chain_settles_when_the_tokens_decide_it() -> None:
     assert wrong.leak_report() == []
     with pytest.raises(ValueError, match="k >= 1"):
         ShadowRounds(_CopyProposer(0), k=0)
+
+
+def test_no_chain_is_drafted_while_a_token_is_in_flight() -> None:
+    r = _Request("a", list(range(100, 140)), 10, pending_tokens=1)
+    shadow = ShadowRounds(_CopyProposer(copy_from=0), k=4)
+    shadow.draft([r])
+    assert shadow.leak_report() == []  # the proposer would read a history one token short
+    r.pending_tokens = 0
+    shadow.draft([r])
+    assert shadow.leak_report() != []
 
 
 def test_observe_moves_the_estimate_and_nothing_else() -> None:

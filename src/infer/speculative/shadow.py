@@ -14,7 +14,9 @@ round would have drafted and how many of them the target then produced, the same
 (drafted, accepted) a real round reports. The policy takes that as evidence
 (`AdaptivePolicy.observe`) and speculates as soon as it pays. At most one chain per
 request is pending, so each plain stretch of K + 1 tokens scores one chain; a request that
-speculates drops its pending chain (the round is scored for real).
+speculates drops its pending chain (the round is scored for real). A chain is drafted only
+when no token of the request is in flight: under overlapped scheduling that is after a
+round or a prefill, so there shadows are rare (next: draft from the known tokens).
 """
 
 from __future__ import annotations
@@ -68,8 +70,10 @@ class ShadowRounds:
         return done
 
     def draft(self, requests: Sequence[DraftRequest]) -> None:
-        """Keep the chain the proposer would draft now for each request without one pending."""
-        fresh = [r for r in requests if r.request_id not in self._pending]
+        """Keep the chain the proposer would draft now for each request without one pending
+        and without a token in flight (an overlapped step's: the proposer reads known tokens)."""
+        fresh = [r for r in requests if r.request_id not in self._pending
+                 and len(r.token_slice(r.num_tokens - 1, r.num_tokens)) == 1]
         if not fresh:
             return
         drafts = self.proposer.propose(fresh, chain_shape(self.k), [self.k] * len(fresh))

@@ -14,7 +14,8 @@ from infer.bench.cli import add_bench_args, run_bench
 from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.measures import prefill_row
 from infer.bench.results import BenchRun, Measurement
-from infer.bench.roofline import decode_step_bytes, kv_bytes_per_token
+from infer.bench.roofline import decode_step_bytes
+from infer.engine.batch_size import kv_bytes_per_token
 from infer.bench.suites import build_table
 from infer.bench.workloads import Workload
 from infer.models.loader import load_model, model_shapes

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from infer.bench.roofline import kv_bytes_per_token
+from infer.engine.batch_size import kv_bytes_per_token
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.step_costs import weight_bytes

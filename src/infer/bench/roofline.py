@@ -122,11 +122,6 @@ def decode_roofline(weight_bytes_: int, bandwidth_bytes_per_s: float) -> Rooflin
     return Roofline(weight_bytes_, bandwidth_bytes_per_s, step, 1.0 / step)
 
 
-def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
-    """Bytes of one token's K and V in every layer's cache."""
-    return 2 * layers * kv_heads * head_dim * element_bytes
-
-
 def decode_step_bytes(weight_bytes_: int, kv_bytes_per_token_: int, batch: int, context: float) -> int:
     """Bytes a decode step of `batch` rows reads at least: every weight once, and each row's
     cached K and V of `context` tokens (its mean over the rows)."""

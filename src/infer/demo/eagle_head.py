@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.init:
         continue_from(head, args.init, target)
     aux_layers = head.spec.capture_points(target.config.num_hidden_layers)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    cpu_start = time.process_time()
     data, valid, seconds = head_data(args.target, target, corpus, settings, aux_layers, args.seed,
                                      Path(args.cache) if args.cache else None)
     print(f"[eagle3] {len(data)} + {sum(len(v) for v in valid.values())} windows ({seconds}); draft vocabulary "

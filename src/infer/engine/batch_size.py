@@ -42,6 +42,11 @@ class ModelBytes:
     kv_per_token: int
 
 
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
+    """Bytes of one token's K and V in every layer's cache."""
+    return 2 * layers * kv_heads * head_dim * element_bytes
+
+
 def model_bytes(config: ModelConfig, element_bytes: int, fp8: bool = False, ranks: int = 1) -> ModelBytes:
     """Weights and KV per token of `config` (module docstring) on one of `ranks` ranks."""
     h, d = config.hidden_size, config.head_dim
@@ -49,7 +54,7 @@ def model_bytes(config: ModelConfig, element_bytes: int, fp8: bool = False, rank
                  + 3 * h * config.intermediate_size)  # gate, up, down  (norms are negligible)
     linear = config.num_hidden_layers * per_layer * (1 if fp8 else element_bytes) // ranks
     embeddings = config.vocab_size * h * element_bytes * (1 if config.tie_word_embeddings else 2)
-    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * d * element_bytes // ranks
+    kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, d, element_bytes) // ranks
     return ModelBytes(linear + embeddings, max(1, kv))
 
 

@@ -205,8 +205,7 @@ class AdaptivePolicy:
             if e.probing:
                 e.plain_steps, e.probing = 0, False
             return
-        e.accepted = e.accepted * cfg.decay + accepted
-        e.tried = e.tried * cfg.decay + accepted + (1 if accepted < drafted else 0)
+        self._count(e, drafted, accepted)
         e.plain_steps = 0
         if e.probing:  # a probe with a rejection that leaves the request plain waits longer next time
             passed = accepted == drafted
@@ -223,6 +222,11 @@ class AdaptivePolicy:
         e = self._estimates.get(request_id)
         if e is None or drafted < 1:
             return
+        self._count(e, drafted, accepted)
+
+    def _count(self, e: _Estimate, drafted: int, accepted: int) -> None:
+        """Decay the request's counts and add a round's: its accepted tokens, and its first
+        rejection as one more tried token."""
         d = self.config.decay
         e.accepted = e.accepted * d + accepted
         e.tried = e.tried * d + accepted + (1 if accepted < drafted else 0)

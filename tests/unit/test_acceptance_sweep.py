@@ -17,6 +17,7 @@ from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
 from infer.bench.rows import index_rows
 from infer.bench.suites import EAGLE_SWEEP_CHAINS, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES, build_table
 from infer.bench.sweep import SWEEP_WORKLOAD, SweepSetup, SweepShape
+from infer.bench.theory import num_nodes
 from infer.speculative.theory import tree_expected_tokens
 
 
@@ -76,7 +77,13 @@ def test_a_tiny_sweep_runs_on_cpu_and_derives_its_projections(ckpt_a):
         assert m.params["acceptance"].startswith("controlled acceptance")
         assert m.derived["speedup"] > 0 and m.derived["alpha"] == m.params["alpha"]
         assert 0 <= m.derived["acceptance"] <= 1
-        assert m.derived["projected_speedup"] > 0 and m.derived["projected_speedup_with_overhead"] > 0
+        assert m.derived["projected_speedup"] > 0 and "round_overhead_ms" in m.derived
+        with_overhead = m.derived.get("projected_speedup_with_overhead")
+        if with_overhead is None:  # left out where noisy CPU step timings over-count the whole round
+            costs, n = run.get("sweep/a-a/costs").metrics, num_nodes(m.params["branching"])
+            assert costs["verify_ratio"][n] + m.derived["round_overhead_ms"] / costs["target_step_ms"] <= 0
+        else:
+            assert with_overhead > 0
         assert m.derived["greedy_prefix_match"] == len(m.metrics["first_output_ids"])  # lossless
         assert m.metrics["output_tokens"] == m.metrics["expected_output_tokens"] == 48
         assert m.metrics["tokens_per_round_zero_acceptance"] == 1.0 and m.metrics["leaks"] == []

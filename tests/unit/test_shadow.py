@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
+from infer.speculative.ngram import NgramConfig, NgramProposer
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy
 from infer.speculative.shadow import ShadowRounds, score
 from infer.speculative.tree import Draft, TreeShape
@@ -69,14 +70,40 @@ def test_a_pending_chain_settles_when_the_tokens_decide_it() -> None:
         ShadowRounds(_CopyProposer(0), k=0)
 
 
-def test_no_chain_is_drafted_while_a_token_is_in_flight() -> None:
+def test_a_chain_drafted_under_a_token_in_flight_reads_the_known_tokens() -> None:
+    # overlapped scheduling: at a plain step the newest token is still on the device
     r = _Request("a", list(range(100, 140)), 10, pending_tokens=1)
-    shadow = ShadowRounds(_CopyProposer(copy_from=0), k=4)
+    seen = []
+
+    class _Recording(_CopyProposer):
+        def propose(self, requests, shape, depths):
+            seen.extend((q.num_tokens, q.pending_tokens, q.token_slice(q.num_tokens - 1, q.num_tokens))
+                        for q in requests)
+            return super().propose(requests, shape, depths)
+
+    shadow = ShadowRounds(_Recording(copy_from=0), k=4)
     shadow.draft([r])
-    assert shadow.leak_report() == []  # the proposer would read a history one token short
-    r.pending_tokens = 0
+    assert seen == [(9, 0, [108])]  # a history whose count matches what it holds
+    r.num_tokens, r.pending_tokens = 13, 1  # tokens 9..11 known, all matching: undecided
+    assert shadow.settle([r]) == []
+    r.num_tokens = 14  # token 12 known: the chain (tokens 9..12) is decided
+    assert shadow.settle([r]) == [("a", 4, 4)]
+
+
+def test_an_ngram_table_follows_overlapped_shadow_drafts_without_rebuilding() -> None:
+    text = [1, 2, 3, 4] * 30
+    r = _Request("a", text, 20, pending_tokens=1)
+    proposer = NgramProposer(NgramConfig(method="ngram", max_order=3, min_order=2, window=64))
+    shadow = ShadowRounds(proposer, k=3)
     shadow.draft([r])
-    assert shadow.leak_report() != []
+    table = proposer.table("a")
+    done = []
+    for n in range(21, 60):  # a plain step a token, each under one in flight
+        r.num_tokens = n
+        done += shadow.settle([r])
+        shadow.draft([r])
+        assert proposer.table("a") is table  # synced incrementally, never rebuilt
+    assert len(done) >= 8 and all(accepted == drafted == 3 for _, drafted, accepted in done), done
 
 
 def test_observe_moves_the_estimate_and_nothing_else() -> None:

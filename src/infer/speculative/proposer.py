@@ -32,6 +32,7 @@ class DraftRequest(Protocol):
     sampling_params: SamplingParams
     slot: int | None
     num_computed_tokens: int  # tokens whose KV is in the target's cache; tokens[n] is pending
+    pending_tokens: int  # the newest tokens, still in flight: counted in num_tokens, not yet known
     generator: torch.Generator
     grammar: GrammarState | None  # a structured output's grammar state (None: free text)
 

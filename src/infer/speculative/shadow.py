@@ -15,8 +15,11 @@ round would have drafted and how many of them the target then produced, the same
 (`AdaptivePolicy.observe`) and speculates as soon as it pays. At most one chain per
 request is pending, so each plain stretch of K + 1 tokens scores one chain; a request that
 speculates drops its pending chain (the round is scored for real). A chain is drafted only
-when no token of the request is in flight: under overlapped scheduling that is after a
-round or a prefill, so there shadows are rare (next: draft from the known tokens).
+from the request's known tokens: under overlapped scheduling the newest token is still in
+flight at a plain step, so the proposer sees the history without it (`_Known`) and the
+chain's first token guesses the one in flight; a view that counted it would hand the
+proposer a history one token short of its own count (an n-gram table then fails its tail
+check and is rebuilt at every step).
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ def score(chain: Sequence[int], produced: Sequence[int]) -> int | None:
     return len(chain)
 
 
+class _Known:
+    """A request seen without its tokens in flight: what a proposer may read of it."""
+
+    def __init__(self, request: DraftRequest) -> None:
+        self._request = request
+        self.num_tokens = request.num_tokens - request.pending_tokens
+        self.pending_tokens = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._request, name)
+
+
+def known_tokens(request: DraftRequest) -> DraftRequest:
+    """`request` itself when every token is known, else a view of its known tokens."""
+    return request if not request.pending_tokens else _Known(request)  # type: ignore[return-value]
+
+
 class ShadowRounds:
     """Pending shadow chains per request (module docstring)."""
 
@@ -70,10 +90,9 @@ class ShadowRounds:
         return done
 
     def draft(self, requests: Sequence[DraftRequest]) -> None:
-        """Keep the chain the proposer would draft now for each request without one pending
-        and without a token in flight (an overlapped step's: the proposer reads known tokens)."""
-        fresh = [r for r in requests if r.request_id not in self._pending
-                 and len(r.token_slice(r.num_tokens - 1, r.num_tokens)) == 1]
+        """Keep the chain the proposer would draft now, from the known tokens, for each
+        request without one pending (a chain drafted under a token in flight guesses it first)."""
+        fresh = [known_tokens(r) for r in requests if r.request_id not in self._pending]
         if not fresh:
             return
         drafts = self.proposer.propose(fresh, chain_shape(self.k), [self.k] * len(fresh))

@@ -8,6 +8,10 @@ overestimate; with speculation it counts the draft's and the verification's laun
 
     python scripts/profile_step.py --model dummy:llama-3.2-3b --batch 1 --steps 40 [--quantization fp8]
     python scripts/profile_step.py --model dummy:llama-3.2-3b --speculative-decoding --draft-model dummy:llama-3.2-1b
+    python scripts/profile_step.py --prefill --batch 16 --prompt-len 2048 --max-seq-len 4096
+
+With --prefill it profiles `batch` prompts from submission to their first tokens instead
+(after one warm-up batch of the same shape); "steps" are then the engine steps that took.
 """
 
 from __future__ import annotations
@@ -65,28 +69,49 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prefill", action="store_true", help="profile prompts to their first tokens")
     add_engine_args(ap)
     ap.set_defaults(model="dummy:llama-3.2-3b", device="cuda", max_seq_len=1024)
     args = ap.parse_args()
     args.max_batch_size = max(args.batch, 1)
     engine = Engine(engine_config_from_args(args))
     vocab = engine.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=engine.config.max_seq_len - args.prompt_len - 16, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
-    reqs = [engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params)
-            for _ in range(args.batch)]
-    for _ in range(20):  # prefill and warm steps
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / args.steps
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+
+    def submit(max_tokens: int) -> list:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        return [engine.add_request(torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist(), params)
+                for _ in range(args.batch)]
+
+    def prefill_steps(reqs: list) -> int:
+        steps = 0
+        while not all(r.is_finished for r in reqs):
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        return steps
+
+    if args.prefill:
+        prefill_steps(submit(1))  # warm-up
+        start = time.perf_counter()
+        args.steps = prefill_steps(reqs := submit(1))
+        wall = (time.perf_counter() - start) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            prefill_steps(reqs := submit(1))
+    else:
+        reqs = submit(engine.config.max_seq_len - args.prompt_len - 16)
+        for _ in range(20):  # prefill and warm steps
+            engine.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.steps
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     intervals = [(e.time_range.start, e.time_range.end) for e in events]
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / args.steps / 1e3  # ms per step
@@ -102,7 +127,7 @@ def main() -> None:
     tokens = sum(len(r.output_token_ids) for r in reqs)
     layers = engine.runner.model.config.num_hidden_layers
     per_step = {k: v / args.steps for k, v in counts.items()}
-    out = {"model": args.model, "batch": args.batch, "quantization": args.quantization,
+    out = {"model": args.model, "batch": args.batch, "prefill": args.prefill, "prompt_len": args.prompt_len, "quantization": args.quantization,
            "speculative": args.use_speculative_decoding, "wall_ms_per_step": wall * 1e3,
            "profiled_span_ms_per_step": span, "gpu_busy_ms_per_step": busy, "host_gap_ms_per_step": span - busy,
            "kernels_ms_per_step": dict(by_kind), "kernels_per_step": per_step,
@@ -114,7 +139,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     for r in reqs:
-        engine.abort(r.request_id)
+        if not r.is_finished:
+            engine.abort(r.request_id)
 
 
 if __name__ == "__main__":

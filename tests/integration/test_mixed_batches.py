@@ -18,7 +18,7 @@ import torch
 
 from infer import SamplingParams
 from infer.cache.paged import PagedKVCachePool
-from infer.cache.view import BatchLayout, pack_rows, unpack_rows
+from infer.cache.view import BatchLayout, pack_rows, pool_view, unpack_rows
 from infer.engine.executor.forward import EagerForward
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
@@ -133,16 +133,17 @@ def test_pack_rows_round_trip() -> None:
     assert back.tolist() == [[1, 0, 0, 0], [5, 6, 7, 8], [9, 10, 0, 0]]
 
 
-def test_packed_forward_equals_padded() -> None:
-    # two decode rows (one token each) and two chunks of 5 and 3 tokens after cached prefixes:
-    # the packed forward's last-token logits and written K/V are the padded forward's
+@pytest.mark.parametrize("lens", [[1, 5, 1, 3], [4, 4, 4, 4]], ids=["groups", "dense"])
+def test_packed_forward_equals_padded(lens: list[int]) -> None:
+    # two decode rows (one token each) and two chunks of 5 and 3 tokens after cached prefixes,
+    # or four chunks of 4 (one group that needs no padding: `RowGroup.dense`): the packed
+    # forward's last-token logits and written K/V are the padded forward's
     cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     history = [7, 4, 9, 3]  # tokens each slot holds before the step
-    lens = [1, 5, 1, 3]
-    ids = torch.randint(0, 100, (4, 5))
+    ids = torch.randint(0, 100, (4, max(lens)))
     results = []
     for packed in (False, True):
         pool = PagedKVCachePool(cfg, 4, 32, torch.float32, "cpu", block_size=4, num_blocks=40)
@@ -151,6 +152,9 @@ def test_packed_forward_equals_padded() -> None:
         torch.manual_seed(1)
         forward(torch.randint(0, 100, (4, max(history))), BatchLayout.of(slots, [0] * 4, history), all_logits=False)
         layout = BatchLayout.of(slots, history, lens, packed=packed)
+        if packed:
+            groups = pool_view(pool, layout).groups
+            assert [g.dense for g in groups] == ([True] if len(set(lens)) == 1 else [False, False])
         with torch.inference_mode():
             logits = forward(ids, layout, all_logits=False)  # [4, V]
         rows = torch.cat([pool.rows(s, h, h + n) for s, h, n in zip(slots, history, lens, strict=True)])

@@ -299,6 +299,7 @@ class RowGroup:
     view: CacheView  # over these rows alone, [R, W]
     tokens: torch.Tensor  # [M] their tokens' places in the packed row
     packing: torch.Tensor  # [M] their tokens' flat places in [R, W]
+    dense: bool = False  # every token of the packed row, each row W long: [1, N] is [R, W] as it is
 
 
 class PackedView:
@@ -316,6 +317,8 @@ class PackedView:
         out = torch.empty_like(q[0])  # [N, Hq, D]
         for g in self.groups:
             rows, width = g.view.indices.q_pos.shape
+            if g.dense:  # (a prefill of equal chunks: no padding, no copies)
+                return g.view.attend_written(layer, q.reshape(rows, width, *q.shape[2:]), kc, vc).reshape(q.shape)
             padded = unpack_rows(q[:, g.tokens], g.packing, rows, width)  # [R, W, Hq, D]
             out.index_copy_(0, g.tokens, pack_rows(g.view.attend_written(layer, padded, kc, vc), g.packing)[0])
         return out[None]
@@ -342,8 +345,9 @@ def packed_view(k_cache: torch.Tensor, v_cache: torch.Tensor, indices: ViewIndic
         sub = ViewIndices(indices.write_rows[:0], indices.gather_rows.index_select(0, picked),
                           indices.q_pos.index_select(0, picked)[:, :width], indices.ctx_end.index_select(0, picked))
         tokens = [offsets[b] + t for b in rows for t in range(layout.chunk_lens[b])]
+        dense = len(rows) == len(layout.chunk_lens) and all(n == width for n in layout.chunk_lens)
         groups.append(RowGroup(CacheView(k_cache, v_cache, sub), tensor_on(tokens, device, torch.long),
-                               layout.packing(device, rows, width)))
+                               layout.packing(device, rows, width), dense))
     return PackedView(writer, groups)
 
 

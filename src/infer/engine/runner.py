@@ -84,9 +84,12 @@ class ModelRunner:
         self.forward: ForwardFn = executor.make_forward(model, self.cache_pool, ForwardSpec(
             config.use_cuda_graphs, config.max_batch_size, shapes=shapes, kernels=self.kernels, verify_modes=modes,
             sample_widths=(1,), sampling_batch_max=config.cuda_graph_sampling_batch_max))
-        # prefill chunks: eager, the eager kernels (their many shapes never meet compiled ones)
+        # prefill chunks: eager, through the same kernel bundle (compiled for dynamic shapes:
+        # a chunk's RMSNorm, SwiGLU and residual add one kernel each, the rotary and the cache
+        # write one Triton kernel, the projections cuBLAS)
         self.prefill_forward = executor.make_forward(model, self.cache_pool,
-                                                     ForwardSpec(max_batch_size=config.max_batch_size))
+                                                     ForwardSpec(max_batch_size=config.max_batch_size,
+                                                                 kernels=self.kernels))
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
         if config.use_speculative_decoding:

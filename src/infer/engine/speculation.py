@@ -233,7 +233,8 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     lengths = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
     if tree is None:
         step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), lengths)
-    eager = executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size))
+    eager = executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size,
+                                                                 kernels=kernels))
     proposer = DraftModelProposer(draft_model, pool, step, eager)
     if tree is None and config.use_cuda_graphs:  # shorter rounds run a captured loop (`_loop_steps`)
         proposer.loop_lengths = lengths

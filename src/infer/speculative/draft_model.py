@@ -96,8 +96,8 @@ class DraftModelProposer:
         # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
         # the engine passes a CUDA-graph runner here when graphs are on
         self.step_forward = step_forward
-        # catch-up chunks without a graph: eager kernels (compiled ones would recompile for
-        # every new width)
+        # catch-up chunks without a graph: an eager forward (the draft's kernel bundle,
+        # compiled for dynamic shapes)
         self._eager = eager_forward
         self.device = next(model.parameters()).device
         self.draft_slots: dict[int, int] = {}  # target slot -> draft slot

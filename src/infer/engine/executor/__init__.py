@@ -13,8 +13,8 @@ __all__ = ["EagerForward", "ForwardFn", "ForwardSpec", "make_forward"]
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
     """CUDA graphs of the spec's shapes when it asks for them on a CUDA device, else eager.
 
-    `spec.kernels` serve the fixed, small shapes only (decode, draft steps, verification);
-    prefill always runs the eager kernels, so compiled kernels never see its many shapes.
+    `spec.kernels` serve every step, captured or eager (a fused bundle is compiled for
+    dynamic shapes, so a prefill chunk's rows meet the same compiled kernels).
     """
     device = next(model.parameters()).device
     if not (spec.use_cuda_graphs and device.type == "cuda"):

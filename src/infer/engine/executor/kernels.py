@@ -1,6 +1,8 @@
-"""The kernels a runner's fixed-shape steps use: fused (torch.compile) or eager."""
+"""The kernels a runner's steps use: fused (torch.compile) or eager."""
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import torch
 
@@ -9,13 +11,17 @@ from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 
+_WARMED: set[Hashable] = set()
+
 
 def step_kernels(config: EngineConfig, device: torch.device,
                  model: LlamaForCausalLM | EagleHead | None = None) -> Kernels:
-    """Fused (torch.compile) kernels for decode-type steps of `model` (the target, a draft
-    model or an EAGLE head's rounds) when asked for; by default with CUDA graphs on a GPU.
-    Prefill always uses the eager kernels. One compiled bundle per model class and shape
-    (`compiled_kernels`): a head's apart from its target's of the same widths."""
+    """Fused (torch.compile) kernels for every step of `model` (the target, a draft model
+    or an EAGLE head's rounds; prefill chunks too: the bundle is compiled for dynamic
+    shapes) when asked for; by default with CUDA graphs on a GPU. One compiled bundle per
+    model class and shape (`compiled_kernels`): a head's apart from its target's of the
+    same widths. On a GPU a model's bundle is compiled for multi-token chunks here
+    (`warm_chunks`), not at the first prompt."""
     wanted = config.compile_kernels
     if wanted is None:
         wanted = config.use_cuda_graphs and device.type == "cuda"
@@ -25,5 +31,23 @@ def step_kernels(config: EngineConfig, device: torch.device,
         return compiled_kernels()
     param = next(model.parameters())
     c = model.config
-    return compiled_kernels((type(model).__name__, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                             c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type))
+    key = (type(model).__name__, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+           c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type)
+    kernels = compiled_kernels(key)
+    if isinstance(model, LlamaForCausalLM) and param.device.type == "cuda" and key not in _WARMED:
+        warm_chunks(model, kernels)
+        _WARMED.add(key)
+    return kernels
+
+
+def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
+    """One forward of a 3-token chunk without a cache through `kernels`: torch.compile
+    builds its variants for chunks of one row and several tokens (a prefill's packed
+    layout) now, where it costs start-up time instead of a first request's latency."""
+    device = next(model.parameters()).device
+    capture, model.capture = model.capture, None  # (an EAGLE head's features: not from this forward)
+    try:
+        with torch.inference_mode():
+            model(torch.zeros((1, 3), dtype=torch.long, device=device), kernels=kernels)
+    finally:
+        model.capture = capture

@@ -37,7 +37,7 @@ class ForwardSpec:
     use_cuda_graphs: capture CUDA graphs (on a CUDA device only; elsewhere every step is eager).
     max_batch_size: the largest batch; graphs are captured per bucket 1, 2, 4, ... up to it.
     shapes: (width, all_logits) steps captured for every bucket (prefill always runs eagerly).
-    kernels: the kernel bundle of the captured steps (prefill runs the eager kernels).
+    kernels: the kernel bundle of every step, captured or eager.
     sample_widths: last-token widths also captured with temperature sampling (draft steps).
     small_batch_shapes: shapes captured for buckets up to `sampling_batch_max` only.
     verify_modes: acceptance steps captured after each verification shape (of VERIFY_MODES).

@@ -1,0 +1,29 @@
+"""The kernel bundle's warm-up: a forward of a short chunk without a cache, which leaves
+the model's EAGLE feature capture as it found it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from infer.engine.executor.kernels import warm_chunks
+from infer.models.capture import HiddenCapture
+from infer.models.kernels import EAGER, Kernels
+from infer.models.loader import load_model
+
+
+def test_warm_chunks_runs_a_three_token_chunk_and_keeps_the_capture(ckpt_a: Path) -> None:
+    model, _ = load_model(str(ckpt_a), device="cpu")
+    capture = HiddenCapture((0, 1))
+    model.capture = capture
+    shapes = []
+
+    def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        shapes.append(tuple(x.shape[:2]))
+        return EAGER.rmsnorm(x, weight, eps)
+
+    bundle = Kernels(rmsnorm, *(getattr(EAGER, name) for name in ("rotary_qk", "linear", "swiglu", "norm_linear",
+                                                                   "swiglu_linear", "mlp", "attend")))
+    warm_chunks(model, bundle)
+    assert shapes and set(shapes) == {(1, 3)}  # the bundle served a one-row, three-token chunk
+    assert model.capture is capture and capture.last is None  # no features stored from the warm-up

@@ -20,6 +20,8 @@ import argparse
 import json
 import sys
 import time
+import traceback
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -63,6 +65,31 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def sync_sites(run) -> dict[str, int]:
+    """Calls that synchronise the host with the GPU while `run()` runs, counted by the
+    innermost frame of this repository's code that made them (torch's sync debug mode)."""
+    sites: dict[str, int] = defaultdict(int)
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack() if "/infer/" in f.filename]
+        where = f"{ours[-1].filename.split('/infer/')[-1]}:{ours[-1].lineno} {ours[-1].line}" if ours else filename
+        sites[where] += 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            run()
+            torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
@@ -70,6 +97,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prefill", action="store_true", help="profile prompts to their first tokens")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="also list the host-device synchronisations of one profiled pass (where in our code)")
     add_engine_args(ap)
     ap.set_defaults(model="dummy:llama-3.2-3b", device="cuda", max_seq_len=1024)
     args = ap.parse_args()
@@ -100,7 +129,9 @@ def main() -> None:
             prefill_steps(reqs := submit(1))
     else:
         reqs = submit(engine.config.max_seq_len - args.prompt_len - 16)
-        for _ in range(20):  # prefill and warm steps
+        while any(r.num_computed_tokens < args.prompt_len for r in reqs):  # every prompt prefilled
+            engine.step()
+        for _ in range(8):  # warm: every request decoding, its bucket's graphs replayed
             engine.step()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -112,6 +143,8 @@ def main() -> None:
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
+    syncs = sync_sites(lambda: prefill_steps(submit(1)) if args.prefill else [engine.step() for _ in range(args.steps)]
+                       ) if args.sync_debug else None
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     intervals = [(e.time_range.start, e.time_range.end) for e in events]
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / args.steps / 1e3  # ms per step
@@ -134,7 +167,8 @@ def main() -> None:
            "kernels_per_step_total": sum(per_step.values()), "target_layers": layers,
            "kernels_per_layer": sum(per_step.values()) / layers,
            "kernels_per_layer_by_kind": {k: v / layers for k, v in per_step.items()},
-           "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens}
+           "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens,
+           "sync_sites": syncs}
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -61,7 +61,7 @@ from infer.speculative.round_clock import StepKind
 from infer.speculative.tree import Draft
 from infer.speculative.verifier import VerifyResult
 from infer.tokenization import Tokenizer
-from infer.transfer import to_device
+from infer.transfer import tensor_on, to_device
 
 StepResult = list[tuple[Request, StepOutput]]
 Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requests, tokens [B] on the device
@@ -221,8 +221,12 @@ class ModelRunner:
         if not to_sample:
             return None
         sampled = [requests[i] for i in to_sample]
-        tokens = self.sample(sampled, logits[to_sample])  # [n] on the device
-        return sampled, tokens, self.logprobs(sampled, logits[to_sample], tokens)
+        # (the rows by a device index: a list index would copy it over synchronously, and the
+        # host would wait for this forward before preparing the next step)
+        rows = logits if len(sampled) == len(requests) else logits.index_select(
+            0, tensor_on(to_sample, logits.device, torch.long))  # [n, V]
+        tokens = self.sample(sampled, rows)  # [n] on the device
+        return sampled, tokens, self.logprobs(sampled, rows, tokens)
 
     def _advance_chunks(self, chunks: Sequence[tuple[Request, int]]) -> list[int]:
         """Count the chunks as computed; the indices of those that end their prompt and sample

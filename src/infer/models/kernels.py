@@ -127,6 +127,7 @@ def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:
 
 
 _COMPILED: dict[Hashable, Kernels] = {}
+COMPILE_DYNAMIC: bool | None = True  # torch.compile's `dynamic` for the bundle's elementwise steps
 
 
 def compiled_kernels(key: Hashable = None) -> Kernels:
@@ -151,7 +152,7 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # rounds it to (by default it keeps fused intermediates in float32), so a compiled
         # RMSNorm or SwiGLU (two rows and more) rounds as EAGER and as the GEMV's prologues
         # (one row) do: a draft step and the verification of its drafts see the same inputs
-        return torch.compile(fresh, dynamic=True, fullgraph=False, options={"emulate_precision_casts": True})
+        return torch.compile(fresh, dynamic=COMPILE_DYNAMIC, fullgraph=False, options={"emulate_precision_casts": True})
 
     kernels = fused_kernels(comp)
     _COMPILED[key] = kernels

@@ -12,7 +12,7 @@ from infer.models.kernels import EAGER, Kernels
 from infer.models.loader import load_model
 
 
-def test_warm_chunks_runs_a_three_token_chunk_and_keeps_the_capture(ckpt_a: Path) -> None:
+def test_warm_chunks_runs_two_chunk_widths_and_keeps_the_capture(ckpt_a: Path) -> None:
     model, _ = load_model(str(ckpt_a), device="cpu")
     capture = HiddenCapture((0, 1))
     model.capture = capture
@@ -25,5 +25,5 @@ def test_warm_chunks_runs_a_three_token_chunk_and_keeps_the_capture(ckpt_a: Path
     bundle = Kernels(rmsnorm, *(getattr(EAGER, name) for name in ("rotary_qk", "linear", "swiglu", "norm_linear",
                                                                    "swiglu_linear", "mlp", "attend")))
     warm_chunks(model, bundle)
-    assert shapes and set(shapes) == {(1, 3)}  # the bundle served a one-row, three-token chunk
+    assert set(shapes) == {(1, 3), (1, 5)}  # the bundle served one-row chunks of two widths
     assert model.capture is capture and capture.last is None  # no features stored from the warm-up

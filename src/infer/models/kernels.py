@@ -127,12 +127,11 @@ def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:
 
 
 _COMPILED: dict[Hashable, Kernels] = {}
-COMPILE_DYNAMIC: bool | None = True  # torch.compile's `dynamic` for the bundle's elementwise steps
 
 
 def compiled_kernels(key: Hashable = None) -> Kernels:
-    """The fused bundle with its elementwise steps through torch.compile (dynamic shapes),
-    one bundle per `key`.
+    """The fused bundle with its elementwise steps through torch.compile (token dimensions
+    dynamic), one bundle per `key`.
 
     torch.compile keeps its compiled variants on the function's code object, with a limit
     per code object (then it silently falls back to eager). Engines for several models in
@@ -152,7 +151,11 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # rounds it to (by default it keeps fused intermediates in float32), so a compiled
         # RMSNorm or SwiGLU (two rows and more) rounds as EAGER and as the GEMV's prologues
         # (one row) do: a draft step and the verification of its drafts see the same inputs
-        return torch.compile(fresh, dynamic=COMPILE_DYNAMIC, fullgraph=False, options={"emulate_precision_casts": True})
+        # dynamic=None (automatic): a dimension becomes symbolic once it has changed, so the
+        # token dimensions (rows, chunk widths) do and the hidden sizes stay constants the
+        # kernels index with (dynamic=True made every size symbolic: a prefill's SwiGLU and
+        # residual adds then ran at half the bandwidth, H200)
+        return torch.compile(fresh, fullgraph=False, options={"emulate_precision_casts": True})
 
     kernels = fused_kernels(comp)
     _COMPILED[key] = kernels

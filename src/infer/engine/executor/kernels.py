@@ -41,13 +41,15 @@ def step_kernels(config: EngineConfig, device: torch.device,
 
 
 def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
-    """One forward of a 3-token chunk without a cache through `kernels`: torch.compile
-    builds its variants for chunks of one row and several tokens (a prefill's packed
-    layout) now, where it costs start-up time instead of a first request's latency."""
+    """Forwards of a 3- and a 5-token chunk without a cache through `kernels`: torch.compile
+    builds its variant for chunks of one row and any number of tokens (a prefill's packed
+    layout; the second width makes that dimension dynamic) now, where it costs start-up
+    time instead of a first request's latency."""
     device = next(model.parameters()).device
     capture, model.capture = model.capture, None  # (an EAGLE head's features: not from this forward)
     try:
         with torch.inference_mode():
-            model(torch.zeros((1, 3), dtype=torch.long, device=device), kernels=kernels)
+            for width in (3, 5):
+                model(torch.zeros((1, width), dtype=torch.long, device=device), kernels=kernels)
     finally:
         model.capture = capture

@@ -27,7 +27,7 @@ SPECULATION = {
     "plain": {},
     "draft": {"use_speculative_decoding": True, "draft_model": str(DEMO_DRAFT), "spec_length": 4},
     "ngram": {"use_speculative_decoding": True, "speculative_method": "ngram", "spec_length": 3},
-    "tree": {"use_speculative_decoding": True, "draft_model": str(DEMO_DRAFT), "spec_tree": "2,2,1"},
+    "tree": {"use_speculative_decoding": True, "draft_model": str(DEMO_DRAFT), "spec_tree": "2,1,1"},
 }
 
 

@@ -160,7 +160,8 @@ def main() -> None:
     tokens = sum(len(r.output_token_ids) for r in reqs)
     layers = engine.runner.model.config.num_hidden_layers
     per_step = {k: v / args.steps for k, v in counts.items()}
-    out = {"model": args.model, "batch": args.batch, "prefill": args.prefill, "prompt_len": args.prompt_len, "quantization": args.quantization,
+    out = {"model": args.model, "batch": args.batch, "prefill": args.prefill, "prompt_len": args.prompt_len,
+           "quantization": args.quantization,
            "speculative": args.use_speculative_decoding, "wall_ms_per_step": wall * 1e3,
            "profiled_span_ms_per_step": span, "gpu_busy_ms_per_step": busy, "host_gap_ms_per_step": span - busy,
            "kernels_ms_per_step": dict(by_kind), "kernels_per_step": per_step,

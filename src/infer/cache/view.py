@@ -314,11 +314,13 @@ class PackedView:
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         kc, vc = self.writer.k_cache[layer], self.writer.v_cache[layer]  # [rows, Hkv, D]
         q = self.writer.write(kc, vc, q, k, v, rotary)  # [1, N, Hq, D]
+        if self.groups[0].dense:  # (a prefill of equal chunks: no padding, no copies)
+            view = self.groups[0].view
+            rows, width = view.indices.q_pos.shape
+            return view.attend_written(layer, q.reshape(rows, width, *q.shape[2:]), kc, vc).reshape(q.shape)
         out = torch.empty_like(q[0])  # [N, Hq, D]
         for g in self.groups:
             rows, width = g.view.indices.q_pos.shape
-            if g.dense:  # (a prefill of equal chunks: no padding, no copies)
-                return g.view.attend_written(layer, q.reshape(rows, width, *q.shape[2:]), kc, vc).reshape(q.shape)
             padded = unpack_rows(q[:, g.tokens], g.packing, rows, width)  # [R, W, Hq, D]
             out.index_copy_(0, g.tokens, pack_rows(g.view.attend_written(layer, padded, kc, vc), g.packing)[0])
         return out[None]

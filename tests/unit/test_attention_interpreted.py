@@ -1,7 +1,8 @@
 """The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
 CPU (tiny shapes; skipped without triton), against the gathered masked-SDPA reference that
 `CacheView` runs on the CPU, over four context chunks that the last program to finish
-combines (its arrival counters left at zero): a plain verification chunk, and tree verification with the
+combines (its arrival counters left at zero), or in one chunk a program as a large batch runs it: a plain
+verification chunk, and tree verification with the
 block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W], dynamic trees), the
 block starting one row before the chunk (its root already in the cache). The interpreter
 must be on before triton.language is imported, so the kernel runs in a subprocess.
@@ -46,8 +47,12 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
     for name, rows in _rules().items():
         block = None if rows is None else (block_bits(rows), FIRST_ROW, WIDTH)
         out[name] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
-    out["splits"] = torch.tensor(split_plan(S)[1])
+    out["splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
     out["counters"] = arrival_counters(torch.device("cpu"), B * T * HKV).clone()  # left at zero for the next
+    import infer.models.triton_attention as kernel
+    kernel.TARGET_PROGRAMS = B * HKV * T  # as a large batch: its programs fill the launch, one chunk each
+    out["one chunk"] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"])
+    out["one chunk splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
     return out
 
 
@@ -73,6 +78,24 @@ def test_the_kernel_is_the_gathered_masked_attention(interpreted: dict[str, torc
 def test_the_chunks_are_combined_by_the_last_arrival(interpreted: dict[str, torch.Tensor]) -> None:
     assert interpreted["splits"].item() == 4  # (the cases above combine four chunks, two empty in row 1)
     assert not interpreted["counters"].any()
+
+
+def test_a_launch_whose_programs_fill_the_gpu_reads_each_context_in_one_chunk(
+        interpreted: dict[str, torch.Tensor]) -> None:
+    c = _case()
+    ref = masked_attention(c["q"], c["k"][c["gather"]], c["v"][c["gather"]],
+                           position_mask(c["q_pos"], c["ctx_end"], S))
+    assert interpreted["one chunk splits"].item() == 1  # (the direct store, no partials to combine)
+    assert torch.allclose(interpreted["one chunk"], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_plan_gives_large_batches_fewer_chunks() -> None:
+    from infer.models.triton_attention import MAX_SPLITS, MIN_CHUNK, TARGET_PROGRAMS, split_plan
+    assert split_plan(4096, 8) == (4096 // MAX_SPLITS, MAX_SPLITS)  # batch 1, 8 KV heads: the most chunks
+    assert split_plan(200, 8) == (MIN_CHUNK, 4)  # never shorter than MIN_CHUNK
+    chunks = [split_plan(4096, 8 * b)[1] for b in (1, 16, 32, 64, 128, 256)]
+    assert chunks == sorted(chunks, reverse=True) and chunks[-1] == 1
+    assert split_plan(1000, TARGET_PROGRAMS) == (1024, 1)  # one chunk covers the whole width
 
 
 def test_block_bits_pack_the_rule_and_refuse_wide_blocks() -> None:

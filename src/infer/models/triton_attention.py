@@ -13,8 +13,12 @@ atomically incremented, which that program resets) combines the chunks, so a lay
 attention is one launch. A decode step at batch 1
 then runs tens of programs per layer instead of one per KV head, each a short loop: the
 chain of dependent loads (row index, key, value) of a long serial loop is what bounded it.
-The number of chunks follows the gather width (fixed per CUDA graph), so chunks past a
-row's context end at once.
+The number of chunks follows the gather width and the programs the batch already brings
+(`split_plan`; both fixed per CUDA graph): a few rows get up to MAX_SPLITS chunks, chunks
+past a row's context ending at once; a large batch (its rows x KV heads x tokens filling
+the GPU on their own) gets fewer, down to one, whose program writes its output directly
+(no partials, no combine): at batch 128 sixteen 64-position chunks a row wrote and re-read
+partials about a fifth the size of the KV they covered.
 
 Tree verification adds a block rule (`cache.view.BlockMask`): inside the W positions of the
 tree's block, query t sees key c only where its ancestor bit c is set. The rule comes as
@@ -31,6 +35,7 @@ import triton.language as tl
 
 MAX_SPLITS = 16
 MIN_CHUNK = 64
+TARGET_PROGRAMS = 2048  # programs a launch aims for: at most as many chunks as it takes
 MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
 MIN_COUNTERS = 1 << 18  # arrival counters allocated at first use, so that a capture rarely allocates
 
@@ -87,9 +92,22 @@ def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, AR
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
+    keep = g < GROUP
+    if SPLITS == 1:  # the whole context in this program: normalise and store
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(OUT + b * s_ob + t * s_ot + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=keep[:, None])
+    else:
+        _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, b, t, kv_head, split, heads, g, d, keep,
+                          s_ob, s_ot, s_oh, T, HQ, HKV, SPLITS, G_PAD, D)
+
+
+@triton.jit
+def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, b, t, kv_head, split, heads, g, d, keep,
+                      s_ob, s_ot, s_oh, T, HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr,
+                      G_PAD: tl.constexpr, D: tl.constexpr):
     # partials of (b, t, head, split): an empty chunk leaves m = -inf, l = 0
     cell = ((b * T + t) * HQ + heads) * SPLITS + split  # [G_PAD]
-    keep = g < GROUP
     tl.store(M_OUT + cell, m_i, mask=keep)
     tl.store(L_OUT + cell, l_i, mask=keep)
     tl.store(A_OUT + cell[:, None] * D + d[None, :], acc, mask=keep[:, None])
@@ -130,10 +148,15 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return kept[-1]
 
 
-def split_plan(context_width: int) -> tuple[int, int]:
-    """(chunk length, number of chunks) for a gather width: at most MAX_SPLITS chunks of at
-    least MIN_CHUNK positions, a power of two long."""
-    chunk = max(MIN_CHUNK, triton.next_power_of_2(-(-context_width // MAX_SPLITS)))
+def split_plan(context_width: int, programs: int = 1) -> tuple[int, int]:
+    """(chunk length, number of chunks) for a gather width and the (row, KV head, token)
+    programs of a launch: as many chunks as bring the launch to TARGET_PROGRAMS, at most
+    MAX_SPLITS, each at least MIN_CHUNK positions, a power of two long (one chunk: the
+    whole width)."""
+    wanted = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(1, programs))))
+    if wanted == 1:
+        return triton.next_power_of_2(context_width), 1
+    chunk = max(MIN_CHUNK, triton.next_power_of_2(-(-context_width // wanted)))
     return chunk, triton.next_power_of_2(-(-context_width // chunk))
 
 
@@ -158,7 +181,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = hq // hkv
     q = q.contiguous()
     q_pos, ctx_end = q_pos.contiguous(), ctx_end.contiguous()
-    chunk, splits = split_plan(gather_rows.shape[1])
+    chunk, splits = split_plan(gather_rows.shape[1], b * hkv * t)
     m = torch.empty((b, t, hq, splits), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     a = torch.empty((b, t, hq, splits, d), dtype=torch.float32, device=q.device)

@@ -163,7 +163,7 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
 def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
     from infer.cache.view import ViewIndices
     from infer.models.attention import masked_attention
-    from infer.models.triton_attention import paged_decode_attention, split_plan
+    from infer.models.triton_attention import TARGET_PROGRAMS, paged_decode_attention, split_plan
     torch.manual_seed(0)
     hkv, group, d, rows, s = 8, 3, 128, 4096, 600
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -173,7 +173,7 @@ def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
     idx = ViewIndices(torch.empty(0, dtype=torch.long), gather, q_pos, ends)
-    assert (split_plan(s, b * hkv * t)[1] == 1) == (b * hkv * t >= 2048)
+    assert (split_plan(s, b * hkv * t)[1] == 1) == (b * hkv * t >= TARGET_PROGRAMS)
     got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)
     want = masked_attention(q, kc[gather], vc[gather], idx.mask())
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

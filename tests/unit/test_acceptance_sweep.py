@@ -15,7 +15,8 @@ from infer.bench.measures import acceptance_sweep_rows
 from infer.bench.report import markdown
 from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
 from infer.bench.rows import index_rows
-from infer.bench.suites import EAGLE_SWEEP_CHAINS, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES, build_table
+from infer.bench.suites import (EAGLE_SWEEP_CHAINS, SPEC_BATCHES, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES,
+                                build_table)
 from infer.bench.sweep import SWEEP_WORKLOAD, SweepSetup, SweepShape
 from infer.bench.theory import num_nodes
 from infer.speculative.theory import tree_expected_tokens
@@ -47,7 +48,7 @@ def test_the_sweep_stays_out_of_all_gpu():
 
 @pytest.mark.parametrize("bad", [dict(alphas=(1.2,)), dict(alphas=()), dict(shapes=()),
                                  dict(workload=SWEEP_WORKLOAD.with_temperature(1.0)),
-                                 dict(calibration_requests=5)])
+                                 dict(calibration_requests=5), dict(batch_size=5), dict(batch_size=0)])
 def test_bad_setups_are_refused(bad):
     with pytest.raises(ValueError):
         SweepSetup(**{"target": "t", "draft": "d", "label": "t-d", "shapes": (SweepShape.chain(2),),
@@ -139,3 +140,30 @@ def test_the_projection_adds_the_rounds_overhead_to_its_cost():
     # v(N) not measured that far: no projection, the acceptance still reported
     wide = sweep_projection(_measurement(0.8, [3, 2], 0.8, zero), costs, speedup=1.0)
     assert wide["acceptance"] == 0.8 and "projected_speedup" not in wide
+
+
+def test_the_batch_suite_runs_each_draft_against_plain_at_each_batch(capsys):
+    assert run_bench(_args(["--suite", "spec-batch", "--list"])) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    for b in SPEC_BATCHES:
+        for label, shape in (("3b-1b", "k3"), ("3b-eagle3", "k4")):
+            assert {f"sweep/{label}-b{b}/plain", f"sweep/{label}-b{b}/{shape}/a0.8"} <= set(names)
+            assert (f"sweep/{label}-b{b}/costs" in names) == (b == 1)  # c and v(K) are batch-1 figures
+
+
+def test_a_tiny_batch_sweep_compares_throughput_at_its_batch(ckpt_a):
+    workload = replace(SWEEP_WORKLOAD, num_requests=3, prompt_len=(16, 16), output_len=(12, 12))
+    setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a-b3", (SweepShape.chain(2),), (1.0,), (None,), workload,
+                       batch_size=3)
+    rows = acceptance_sweep_rows(setup)
+    assert [r.name for r in rows] == ["sweep/a-a-b3/plain", "sweep/a-a-b3/k2/a1"]
+    run = BenchRun("acceptance-sweep")
+    Harness(run, HarnessOptions(device="cpu", repeats=1, quiet=True)).run_rows([r.name for r in rows],
+                                                                              index_rows(rows))
+    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
+    plain, spec = run.measurements
+    for m in (plain, spec):
+        assert m.params["batch_size"] == 3 and m.params["engine"]["max_batch_size"] == 3
+        assert m.metrics["primary_rate"] == m.metrics["tokens_per_s"]  # the batch's throughput
+    assert spec.metrics["acceptance_rate"] == 1.0  # alpha 1: every draft holds the continuation
+    assert spec.derived["speedup"] == pytest.approx(spec.metrics["tokens_per_s"] / plain.metrics["tokens_per_s"])

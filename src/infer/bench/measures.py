@@ -205,10 +205,11 @@ def collectives_row(name: str, what: str, group: str, workload: Workload, overri
 
 def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
     """The sweep's rows, in the order its session serves them: per draft quantization the
-    costs (c and v(K)), the plain baseline (before the first speculative row), then every
-    shape at every alpha ("sweep/<label>[-fp8]/<shape>/a<alpha>")."""
+    costs (c and v(K); at batch 1 only), the plain baseline (before the first speculative
+    row), then every shape at every alpha ("sweep/<label>[-fp8]/<shape>/a<alpha>")."""
     plain = f"sweep/{setup.label}/plain"
-    count = len(setup.draft_quantizations) * (1 + len(setup.shapes) * len(setup.alphas)) + 1
+    with_costs = setup.batch_size == 1
+    count = len(setup.draft_quantizations) * (with_costs + len(setup.shapes) * len(setup.alphas)) + 1
     session = SweepSession(setup, count)
 
     def row(name: str, what: str, kind: str, group: str, fn: Callable[[Context], Outcome],
@@ -227,8 +228,10 @@ def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
         group = f"acceptance sweep (controlled acceptance): {setup.target} drafted by {setup.draft}" + (
             f" in {q}" if q else "")
         costs = f"sweep/{tag}/costs"
-        rows.append(row(costs, f"c and v(K) of the sweep's models{f' (draft in {q})' if q else ''}", "spec_costs",
-                        "spec-costs", lambda ctx, q=q: session.costs(ctx, q)))
+        if with_costs:
+            rows.append(row(costs, f"c and v(K) of the sweep's models{f' (draft in {q})' if q else ''}", "spec_costs",
+                            "spec-costs", lambda ctx, q=q: session.costs(ctx, q)))
+        refs = {"baseline": plain, "costs": costs} if with_costs else {"baseline": plain}
         if not any(r.name == plain for r in rows):
             rows.append(row(plain, f"plain decoding of {setup.target}, the sweep's baseline and the oracle's "
                                    "greedy continuations", "engine", group, session.plain))
@@ -237,5 +240,5 @@ def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
                 rows.append(row(f"sweep/{tag}/{shape.tag}/a{alpha:g}",
                                 f"{shape.tag} at controlled acceptance {alpha:g}", SWEEP_KIND, group,
                                 lambda ctx, q=q, s=shape, a=alpha: session.spec(ctx, q, s, a),
-                                {"baseline": plain, "costs": costs}, (Measured(plain), Measured(costs))))
+                                refs, tuple(Measured(r) for r in refs.values())))
     return rows

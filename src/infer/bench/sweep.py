@@ -19,9 +19,9 @@ One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`)
   scores of its own token, a margin no rounding flips. The matmuls read every weight all
   the same: the costs are unchanged;
 - `costs`: c and v(K) on those models, at the workload's middle context (the projections);
-- `plain`: the plain engine on the workload's prompts at batch 1 (requests served one at
-  a time), T=0: the baseline, and the target's greedy continuation of each prompt (the
-  oracle's record);
+- `plain`: the plain engine on the workload's prompts, `batch_size` of them decoding at once
+  (1: served one at a time), T=0: the baseline, and the target's greedy continuation of each
+  prompt (the oracle's record);
 - `spec`: one engine per (draft quantization, shape), since a shape is fixed when the engine
   is built. On a new engine the oracle replaces its proposer, the prompts run once (warm-up),
   then once at alpha 0 (every round emits one token: the round's time at no acceptance,
@@ -29,7 +29,9 @@ One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`)
   times the prompts `repeats` times (the median run is reported).
 
 A speed is decode tokens/s (tokens after the first over the time after the first token,
-averaged over requests), the same for plain and speculative rows.
+averaged over requests) at batch 1, and output tokens/s of the whole run at a larger batch
+(`batch_size` > 1: where speculation stops paying, `spec_disable_batch_size`); the same for
+plain and speculative rows. A batch's rows have no costs row: c and v(K) are batch-1 figures.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class SweepSetup:
     calibration_requests: int = 1  # prompts of the alpha-0 run that times a round
     seed: int = 0
     method: str = "draft_model"  # speculative_method: "eagle3" / "eagle" with `draft` an EAGLE head
+    batch_size: int = 1  # requests decoding at once (the engine's max_batch_size)
 
     def __post_init__(self) -> None:
         if not self.shapes or not self.alphas or not self.draft_quantizations:
@@ -113,6 +116,9 @@ class SweepSetup:
         if self.method != "draft_model" and self.draft_quantizations != (None,):
             raise ValueError(f"an acceptance sweep of {self.method} heads has no draft quantization: pass "
                              "draft_quantizations=(None,)")
+        if not 1 <= self.batch_size <= self.workload.num_requests:
+            raise ValueError(f"batch_size must be in 1..{self.workload.num_requests} (the workload's requests), "
+                             f"got {self.batch_size}")
         if not 1 <= self.calibration_requests <= self.workload.num_requests:
             raise ValueError(f"calibration_requests must be in 1..{self.workload.num_requests} (the workload's "
                              f"requests), got {self.calibration_requests}")
@@ -264,7 +270,7 @@ class SweepSession:
         s = self.setup
         threads = {"threads": ctx.options.threads} if ctx.options.threads is not None else {}
         values = {"model": s.target, "draft_model": s.draft, "speculative_method": s.method,
-                  "use_speculative_decoding": True, "max_batch_size": 1,
+                  "use_speculative_decoding": True, "max_batch_size": s.batch_size,
                   "use_cuda_graphs": s.use_cuda_graphs and ctx.device.type == "cuda", **threads, **overrides}
         if not values["use_speculative_decoding"]:
             values.pop("draft_model")
@@ -283,19 +289,18 @@ class SweepSession:
             runs.append(timed_run(engine, ctx.workload(self.setup.workload), specs))
         return runs
 
-    @staticmethod
-    def _rates(requests: list[Request], wall: float, runs: Sequence[tuple[list[Request], float, int]],
+    def _rates(self, requests: list[Request], wall: float, runs: Sequence[tuple[list[Request], float, int]],
                prompts: PromptSet) -> dict[str, Any]:
         metrics = request_metrics(requests, wall)
         metrics.update(wall_s_runs=[w for _, w, _ in runs], expected_output_tokens=prompts.expected_output_tokens)
-        # batch 1, requests one at a time: the speed compared is decode tokens/s
-        metrics["primary_rate"] = metrics["decode_tokens_per_s"]
+        # batch 1, requests one at a time: decode tokens/s; a batch: the run's output tokens/s
+        metrics["primary_rate"] = metrics["decode_tokens_per_s" if self.setup.batch_size == 1 else "tokens_per_s"]
         return metrics
 
     def _params(self, ctx: Context, config: EngineConfig, prompts: PromptSet) -> dict[str, Any]:
         return {"workload": ctx.workload(self.setup.workload).to_dict(), "prompt_source": prompts.source,
                 "engine": dataclasses.asdict(config), "target": self.setup.target, "draft": self.setup.draft,
-                "batch_size": 1, "dtype": default_dtype(ctx.device)}
+                "batch_size": self.setup.batch_size, "dtype": default_dtype(ctx.device)}
 
 
 def steady_greedy(model: LlamaForCausalLM) -> None:

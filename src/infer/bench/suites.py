@@ -67,8 +67,8 @@ SWEEP_CHAINS = tuple(range(1, 7))
 SWEEP_TREES = ("2,2", "3,1", "2,2,1")
 SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 # speculation against plain decoding as the batch grows (where `spec_disable_batch_size` should
-# cut in): the 1B draft at K=3 and an EAGLE-3 head at K=4, at alpha 0.8
-SPEC_BATCHES, SPEC_BATCH_ALPHA = (1, 8, 32, 128), 0.8
+# cut in): the 1B draft at K=3 and an EAGLE-3 head at K=4, at alpha 0.8 (batch 1: the sweep's)
+SPEC_BATCHES, SPEC_BATCH_ALPHA = (8, 32, 128), 0.8
 # serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
 # a ShareGPT-like request's prompt and output together), a step budget that prefills them in
 # a few steps
@@ -345,10 +345,11 @@ def eagle_sweep_setup() -> SweepSetup:
 
 
 def sweep_rows(m: Models) -> list[Row]:
-    return acceptance_sweep_rows(sweep_setup()) + acceptance_sweep_rows(eagle_sweep_setup())
+    setups = [sweep_setup(), eagle_sweep_setup(), *batch_sweep_setups()]
+    return [row for setup in setups for row in acceptance_sweep_rows(setup)]
 
 
-def spec_batch_setups() -> list[SweepSetup]:
+def batch_sweep_setups() -> list[SweepSetup]:
     """Per batch size, the draft model and an EAGLE-3 head at controlled acceptance, each with
     its plain baseline at that batch: `max(4, B)` prompts of 128 tokens, B decoding at once."""
     setups = []
@@ -360,10 +361,6 @@ def spec_batch_setups() -> list[SweepSetup]:
         setups.append(SweepSetup(SHAPE_3B, HEAD_3B, f"{_label(SHAPE_3B)}-eagle3-b{b}", (SweepShape.chain(4),),
                                  (SPEC_BATCH_ALPHA,), (None,), wl, method="eagle3", batch_size=b))
     return setups
-
-
-def spec_batch_rows(m: Models) -> list[Row]:
-    return [row for setup in spec_batch_setups() for row in acceptance_sweep_rows(setup)]
 
 
 @dataclass(frozen=True)
@@ -386,11 +383,8 @@ SUITES: dict[str, Suite] = {
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),
     "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "
                               "shape with the 1B draft, bf16 and FP8, chains and trees, and with an EAGLE-3 head, "
-                              "chains, at alpha 0.6..0.9",
+                              "chains, at alpha 0.6..0.9; both at alpha 0.8 at batch 8, 32 and 128",
                               sweep_rows, 1, in_all_gpu=False),
-    "spec-batch": Suite("controlled acceptance 0.8 as the batch grows (1-128): the 1B draft at K=3 and an "
-                        "EAGLE-3 head at K=4 against plain decoding at each batch (spec_disable_batch_size)",
-                        spec_batch_rows, 1, in_all_gpu=False),
     "serve": Suite("open-loop serving at Poisson request rates (ours, or --url), ShareGPT-like lengths: "
                    "throughput, TTFT / TPOT / E2E p50 and p99", serve_rows, 0, in_all_gpu=False),
     "all-gpu": Suite("the runs of record: every one-GPU suite's rows, in order", None, 1),

@@ -10,7 +10,7 @@ import pytest
 from infer.engine.speculation import guard_k
 from infer.speculative.metrics import SpecStats
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy
-from infer.speculative.theory import alpha_from_mean_length, best_k, expected_tokens, walltime_factor
+from infer.speculative.theory import alpha_from_mean_length, best_k, best_k_table, expected_tokens, walltime_factor
 
 
 @dataclass
@@ -32,6 +32,17 @@ def test_walltime_factor_is_the_papers_formula():
     assert walltime_factor(a, k, c) == pytest.approx((1 - a ** 5) / ((1 - a) * (k * c + 1)))
     assert walltime_factor(0.5, 0, 0.3) == pytest.approx(1.0)
     assert walltime_factor(a, k, c, verify_cost=2.0) == pytest.approx(expected_tokens(a, k) / (k * c + 2.0))
+
+
+@pytest.mark.parametrize("c, slope, extra", [(0.0, 0.05, 0.0), (0.4, 0.02, 0.3), (0.09, 0.0, 1.5), (0.6, 0.05, 0.0)])
+def test_best_k_table_is_best_k_at_every_acceptance(c, slope, extra):
+    alphas = [i / 100 for i in range(101)]
+    verify = [1.0 + slope * k + extra for k in range(1, 9)]
+    want = [best_k(a, 8, c, lambda k: verify[k - 1]) for a in alphas]
+    assert best_k_table(alphas, 8, c, verify) == want
+    assert {k for k, _ in want} != {0}  # (some acceptance pays: the comparison covers K > 0)
+    with pytest.raises(ValueError):
+        best_k_table(alphas, 8, c, verify[:-1])
 
 
 def test_best_k_is_zero_when_nothing_pays_and_grows_with_acceptance():

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from infer.speculative.theory import best_k
+from infer.speculative.theory import best_k_table
 
 OVERHEAD_STEP = 0.05  # round overheads are looked up to this many plain steps
 MAX_TABLES = 256  # overhead tables kept (a drifting overhead makes new ones)
@@ -156,8 +156,8 @@ class AdaptivePolicy:
             if len(self._tables) >= MAX_TABLES:
                 self._tables.clear()
             cfg, extra = self.config, key * OVERHEAD_STEP
-            verify = lambda k: max(MIN_VERIFY_COST, 1.0 + cfg.verify_slope * k + extra)  # noqa: E731
-            table = self._tables[key] = [best_k(i / 100, cfg.k_max, cfg.c, verify) for i in range(101)]
+            verify = [max(MIN_VERIFY_COST, 1.0 + cfg.verify_slope * k + extra) for k in range(1, cfg.k_max + 1)]
+            table = self._tables[key] = best_k_table([i / 100 for i in range(101)], cfg.k_max, cfg.c, verify)
         return table
 
     def probe_floor(self, k: int, overhead: float) -> int:

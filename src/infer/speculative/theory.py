@@ -53,6 +53,26 @@ def best_k(a: float, k_max: int, c: float, verify_cost: Callable[[int], float] =
     return best, best_factor
 
 
+def best_k_table(alphas: Sequence[float], k_max: int, c: float, verify_costs: Sequence[float]
+                 ) -> list[tuple[int, float]]:
+    """`best_k(a, k_max, c, lambda k: verify_costs[k - 1])` for each a in `alphas`, in one
+    tight loop (a policy's lookup table: hundreds of (a, K) pairs at a time)."""
+    if len(verify_costs) != k_max or c < 0 or any(v <= 0 for v in verify_costs):
+        raise ValueError(f"need k_max = {k_max} verify costs > 0 and c >= 0, got {list(verify_costs)}, c={c}")
+    costs = [k * c + verify_costs[k - 1] for k in range(1, k_max + 1)]
+    table = []
+    for a in alphas:
+        _check(a, k_max)
+        best, best_factor = 0, 1.0
+        for k in range(1, k_max + 1):
+            tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+            factor = tokens / costs[k - 1]
+            if factor > best_factor + 1e-12:
+                best, best_factor = k, factor
+        table.append((best, best_factor))
+    return table
+
+
 def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> float:
     """The a in [0, 1] with expected_tokens(a, k) == mean_length (clamped to the range):
     the acceptance rate under which the i.i.d. model gives a measured mean round length."""

@@ -206,10 +206,17 @@ class TreeShape:
 
 
 def chain_shape(k: int) -> TreeShape:
-    """The chain of k drafts as a tree: "1,1,...,1" (k >= 1)."""
+    """The chain of k drafts as a tree: "1,1,...,1" (k >= 1); one shared (immutable) shape
+    per length, since every round asks for one."""
     if not is_strict_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
         raise ValueError(f"a chain needs an integer length in [1, {MAX_TREE_DEPTH}], got {k!r}")
-    return TreeShape((1,) * k)
+    shape = _CHAINS.get(k)
+    if shape is None:
+        shape = _CHAINS[k] = TreeShape((1,) * k)
+    return shape
+
+
+_CHAINS: dict[int, TreeShape] = {}
 
 
 def ancestor_mask(shape: TreeShape, device: torch.device | str | None = None) -> torch.Tensor:

@@ -20,8 +20,8 @@ def step_kernels(config: EngineConfig, device: torch.device,
     or an EAGLE head's rounds; prefill chunks too: the bundle is compiled for dynamic
     shapes) when asked for; by default with CUDA graphs on a GPU. One compiled bundle per
     model class and shape (`compiled_kernels`): a head's apart from its target's of the
-    same widths. On a GPU a model's bundle is compiled for multi-token chunks here
-    (`warm_chunks`), not at the first prompt."""
+    same widths. On a GPU an unsharded model's bundle is compiled for multi-token chunks
+    here (`warm_chunks`), not at the first prompt."""
     wanted = config.compile_kernels
     if wanted is None:
         wanted = config.use_cuda_graphs and device.type == "cuda"
@@ -34,10 +34,18 @@ def step_kernels(config: EngineConfig, device: torch.device,
     key = (type(model).__name__, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
            c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type)
     kernels = compiled_kernels(key)
-    if isinstance(model, LlamaForCausalLM) and param.device.type == "cuda" and key not in _WARMED:
-        warm_chunks(model, kernels)
+    if key not in _WARMED and warms(model, param.device.type):
+        warm_chunks(model, kernels)  # type: ignore[arg-type]
         _WARMED.add(key)
     return kernels
+
+
+def warms(model: LlamaForCausalLM | EagleHead, device_type: str) -> bool:
+    """Whether `step_kernels` warms the model's bundle: a whole (unsharded) model on a GPU.
+    A tensor-parallel shard's forward all-reduces, so no rank may run one alone; its bundle
+    compiles at the first prompt, on every rank together."""
+    return (device_type == "cuda" and isinstance(model, LlamaForCausalLM)
+            and all(layer.parallel.world_size == 1 for layer in model.linears().values()))
 
 
 def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:

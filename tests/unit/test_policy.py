@@ -35,11 +35,17 @@ def test_walltime_factor_is_the_papers_formula():
 
 
 @pytest.mark.parametrize("c, slope, extra", [(0.0, 0.05, 0.0), (0.4, 0.02, 0.3), (0.09, 0.0, 1.5), (0.6, 0.05, 0.0)])
-def test_best_k_table_is_best_k_at_every_acceptance(c, slope, extra):
+def test_best_k_table_maximises_the_walltime_factor_at_every_acceptance(c, slope, extra):
     alphas = [i / 100 for i in range(101)]
     verify = [1.0 + slope * k + extra for k in range(1, 9)]
-    want = [best_k(a, 8, c, lambda k: verify[k - 1]) for a in alphas]
+    want = []
+    for a in alphas:  # the smallest K of the largest factor; K = 0 (factor 1) unless one beats it
+        factors = [1.0] + [walltime_factor(a, k, c, verify[k - 1]) for k in range(1, 9)]
+        top = max(factors)
+        k = 0 if top <= 1.0 + 1e-12 else next(i for i, f in enumerate(factors) if f >= top - 1e-12)
+        want.append((k, factors[k]))
     assert best_k_table(alphas, 8, c, verify) == want
+    assert [best_k(a, 8, c, lambda k: verify[k - 1]) for a in alphas] == want
     assert {k for k, _ in want} != {0}  # (some acceptance pays: the comparison covers K > 0)
     with pytest.raises(ValueError):
         best_k_table(alphas, 8, c, verify[:-1])

@@ -153,8 +153,7 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # (one row) do: a draft step and the verification of its drafts see the same inputs
         # dynamic=None (automatic): a dimension becomes symbolic once it has changed, so the
         # token dimensions (rows, chunk widths) do and the hidden sizes stay constants the
-        # kernels index with (dynamic=True made every size symbolic: a prefill's SwiGLU and
-        # residual adds then ran at half the bandwidth, H200)
+        # generated kernels index with (dynamic=True would make every size symbolic)
         return torch.compile(fresh, fullgraph=False, options={"emulate_precision_casts": True})
 
     kernels = fused_kernels(comp)

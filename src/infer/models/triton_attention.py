@@ -17,9 +17,8 @@ The number of chunks follows the gather width and the programs the batch already
 (`split_plan`; both fixed per CUDA graph): a few rows get up to MAX_SPLITS chunks, chunks
 past a row's context ending at once; a large batch (its rows x KV heads x tokens filling
 the GPU on their own) gets fewer, down to one, whose program writes its output directly
-(no partials, no combine): at batch 128 sixteen 64-position chunks a row wrote and re-read
-partials about a fifth the size of the KV they covered. TARGET_PROGRAMS = 1024 was measured
-on an H200 (3B shape): batch 128 / 256 in one chunk, batch 1-32 as fast as with 2048.
+(no partials, no combine: sixteen 64-position chunks a row would write and re-read float32
+partials about a fifth the size of the KV they cover).
 
 Tree verification adds a block rule (`cache.view.BlockMask`): inside the W positions of the
 tree's block, query t sees key c only where its ancestor bit c is set. The rule comes as
@@ -149,7 +148,7 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return kept[-1]
 
 
-def split_plan(context_width: int, programs: int = 1) -> tuple[int, int]:
+def split_plan(context_width: int, programs: int) -> tuple[int, int]:
     """(chunk length, number of chunks) for a gather width and the (row, KV head, token)
     programs of a launch: as many chunks as bring the launch to TARGET_PROGRAMS, at most
     MAX_SPLITS, each at least MIN_CHUNK positions, a power of two long (one chunk: the

@@ -45,18 +45,13 @@ def walltime_factor(a: float, k: int, c: float, verify_cost: float = 1.0) -> flo
 def best_k(a: float, k_max: int, c: float, verify_cost: Callable[[int], float] = lambda k: 1.0) -> tuple[int, float]:
     """(K, its walltime factor) maximising the factor over K = 0..k_max; the smallest K
     among equals. K = 0 (plain decoding) has factor 1."""
-    best, best_factor = 0, 1.0
-    for k in range(1, k_max + 1):
-        factor = walltime_factor(a, k, c, verify_cost(k))
-        if factor > best_factor + 1e-12:
-            best, best_factor = k, factor
-    return best, best_factor
+    return best_k_table([a], k_max, c, [verify_cost(k) for k in range(1, k_max + 1)])[0]
 
 
 def best_k_table(alphas: Sequence[float], k_max: int, c: float, verify_costs: Sequence[float]
                  ) -> list[tuple[int, float]]:
-    """`best_k(a, k_max, c, lambda k: verify_costs[k - 1])` for each a in `alphas`, in one
-    tight loop (a policy's lookup table: hundreds of (a, K) pairs at a time)."""
+    """`best_k` for each a in `alphas` with v(K) = verify_costs[K - 1], in one tight loop
+    (a policy's lookup table: hundreds of (a, K) pairs at a time)."""
     if len(verify_costs) != k_max or c < 0 or any(v <= 0 for v in verify_costs):
         raise ValueError(f"need k_max = {k_max} verify costs > 0 and c >= 0, got {list(verify_costs)}, c={c}")
     costs = [k * c + verify_costs[k - 1] for k in range(1, k_max + 1)]

@@ -4,7 +4,8 @@
 token ids outside the vocabulary, malformed JSON; 404 unknown model or route; 429 with
 Retry-After when the waiting queue is full (for a streaming request too: a real 429, not a
 200 followed by an error); an engine failure mid-stream (error event, then [DONE]); 503 from
-/health and from requests once the engine loop has died.
+/health and from requests once the engine loop has died (a request it had accepted fails with its own
+500, however soon the engine dies).
 """
 
 from __future__ import annotations
@@ -42,19 +43,41 @@ def server(ckpt_a: Path) -> Iterator[LiveServer]:
     live.stop()
 
 
-@pytest.fixture
-def failing_server(ckpt_a: Path) -> Iterator[LiveServer]:
-    """An engine whose 4th step raises: a prefill and two decode steps succeed, then the loop dies."""
-    engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu"))
+def _failing_engine(ckpt: Path, fail_from: int) -> Engine:
+    """An engine whose steps from the `fail_from`-th on raise."""
+    engine = Engine(EngineConfig(model=str(ckpt), device="cpu"))
     real_step, calls = engine.runner.step, itertools.count(1)
 
     def step(prefill: Any, decode: Any) -> Any:
-        if next(calls) >= 4:
+        if next(calls) >= fail_from:
             raise RuntimeError("injected runner failure")
         return real_step(prefill, decode)
 
     engine.runner.step = step  # this engine instance only
-    live = LiveServer.start(None, MODEL, engine=engine)
+    return engine
+
+
+@pytest.fixture
+def failing_server(ckpt_a: Path) -> Iterator[LiveServer]:
+    """An engine whose 4th step raises: a prefill and two decode steps succeed, then the loop dies."""
+    live = LiveServer.start(None, MODEL, engine=_failing_engine(ckpt_a, 4))
+    yield live
+    live.stop()
+
+
+@pytest.fixture
+def dies_on_accept(ckpt_a: Path) -> Iterator[LiveServer]:
+    """An engine whose first step raises, and whose add_request returns only once the engine has
+    died: the order in which a fast engine fails a request before its handler runs again."""
+    live = LiveServer.start(None, MODEL, engine=_failing_engine(ckpt_a, 1))
+    real_add = live.engine.add_request
+
+    async def add_request(*args: Any, **kwargs: Any) -> Any:
+        stream = await real_add(*args, **kwargs)
+        wait_until(lambda: not live.engine.healthy)
+        return stream
+
+    live.engine.add_request = add_request  # type: ignore[method-assign]
     yield live
     live.stop()
 
@@ -225,6 +248,22 @@ def test_engine_error_mid_stream_is_error_event_then_done(failing_server: LiveSe
     assert set(error) == {"message", "type", "param", "code"}
     assert error["code"] == "engine_error" and "log" in error["message"]
     assert "injected" not in error["message"] and "RuntimeError" not in error["message"]  # details: the log only
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_that_dies_after_accepting_a_request_fails_it_with_500(dies_on_accept: LiveServer,
+                                                                       stream: bool) -> None:
+    # accepted, then failed: the request's own error (not the 503 of a request refused at the door)
+    body = {**OK_BODY, "stream": stream}
+    if not stream:
+        assert_error(post(dies_on_accept, "/v1/completions", body), 500, None, "engine_error")
+    else:
+        with httpx.stream("POST", dies_on_accept.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            payloads = sse_payloads(r)
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["error"]["code"] == "engine_error"
+    assert not dies_on_accept.engine.healthy
 
 
 def test_dead_engine_gives_503(failing_server: LiveServer) -> None:

@@ -88,11 +88,14 @@ class ServerState:
                                 "(see GET /v1/models)", "invalid_request_error", "model", "model_not_found")
 
     def check_accepting(self) -> None:
+        self.check_open()
+        if not self.engine.healthy:
+            raise engine_unavailable(self.engine.error)
+
+    def check_open(self) -> None:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down: retry against another instance or after the restart",
                            UNAVAILABLE, None, "server_shutting_down")
-        if not self.engine.healthy:
-            raise engine_unavailable(self.engine.error)
 
     def begin_shutdown(self) -> None:
         """Refuse new requests; end those still open after shutdown_timeout_s (event loop thread)."""
@@ -128,7 +131,9 @@ async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[s
     state.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
     try:
         await jobs.start_first()
-        state.check_accepting()  # (a shutdown or an engine failure while it prefilled)
+        # a shutdown while it prefilled; an engine failure from here on reaches the request as
+        # its error event (a 500: the engine had accepted it), never as a 503
+        state.check_open()
     except BaseException:
         jobs.close()
         raise

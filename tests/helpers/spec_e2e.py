@@ -47,3 +47,13 @@ def run(llm: LLM, prompts: list[list[int]], batch: int, params: SamplingParams =
     if batch == 1:
         return [llm.generate(prompt_token_ids=[p], sampling_params=params)[0] for p in prompts]
     return llm.generate(prompt_token_ids=prompts, sampling_params=params)
+
+
+def spec_llm(make_llm: Any, target: Path, draft: Path | None, batch: int, method: str = "draft_model",
+             **extra: Any) -> LLM:
+    """A speculative LLM of depth DEPTH on `target` (`draft` for the draft_model method)."""
+    kw = dict(max_batch_size=batch, max_seq_len=256, use_speculative_decoding=True, spec_length=DEPTH,
+              speculative_method=method, **extra)
+    if method == "draft_model":
+        kw["draft_model"] = str(draft)
+    return make_llm(target, **kw)

@@ -11,16 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, MAX_NEW, run as _run
+from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, MAX_NEW, run as _run, spec_llm as _spec_llm
 from infer import SamplingParams
-
-
-def _spec_llm(make_llm, target, draft, batch, method="draft_model", **extra):
-    kw = dict(max_batch_size=batch, max_seq_len=256, use_speculative_decoding=True, spec_length=K,
-              speculative_method=method, **extra)
-    if method == "draft_model":
-        kw["draft_model"] = str(draft)
-    return make_llm(target, **kw)
 
 
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
@@ -443,113 +435,6 @@ def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monk
     assert padded and any(padded)  # chunks ran at the graph width, some of them padded
     assert runner.stats.acceptance_rate >= 0.99  # the draft cache holds exactly the tokens
     assert llm.engine.leak_report() == []
-
-
-# --- the adaptive policy and spec_disable_batch_size, through the public counters ------------
-
-
-def test_adaptive_parity_with_a_random_draft_that_it_turns_off(make_llm, ckpt_a, random_draft, prompts,
-                                                                plain_outputs):
-    # a useless draft (acceptance near 0) stops drafting after its first rounds: probes only,
-    # one token each, ever rarer; the tokens stay plain decoding's
-    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
-    plain = make_llm(ckpt_a, max_seq_len=256, max_batch_size=2)
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts[:2], sampling_params=params)]
-    llm = _spec_llm(make_llm, ckpt_a, random_draft, 2, spec_policy="adaptive")
-    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    stats = llm.engine.runner.stats
-    assert stats.acceptance_rate < 0.3
-    assert stats.drafts <= 2 * 12  # per request: a few rounds, then probes every 16, 32, 64.. steps
-    assert stats.draft_tokens <= stats.drafts * 2  # (one K=4 round at most before it turns off)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-
-
-def test_adaptive_keeps_a_model_drafting_for_itself_speculating(make_llm, ckpt_a, prompts, plain_outputs):
-    # c forced below 1 (on a CPU, c is the weight-byte ratio: 1 for a model drafting for itself)
-    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_policy="adaptive", spec_cost_coefficient=0.25)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    stats = llm.engine.runner.stats
-    assert stats.acceptance_rate >= 0.99 and stats.draft_tokens / stats.drafts >= K - 1
-
-
-def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, prompts, plain_outputs):
-    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive")
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    assert llm.engine.runner.speculation.policy.config.c == 0.0 and llm.engine.runner.stats.drafts > 0
-    assert llm.engine.runner.speculation.shadow is not None  # free drafts are scored while plain
-    assert llm.engine.leak_report() == []  # (no shadow chain outlives its request)
-
-
-def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
-    """An adaptive n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s
-    and a round's verification `round_s` more. Returns (engine, tokens, whether a plain step
-    was queued with the previous step's tokens still in flight)."""
-    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
-    runner, now = llm.engine.runner, [0.0]
-
-    def tick():
-        now[0] += 1.0
-        return now[0]
-
-    def verify(requests, drafts, backlog, _run=runner.verification.run):
-        now[0] += round_s
-        return _run(requests, drafts, backlog)
-
-    overlapped = []
-
-    def decode(requests, render, _decode=runner._decode):
-        overlapped.append(runner._inflight is not None)
-        return _decode(requests, render)
-
-    runner._time, runner.verification.run, runner._decode = tick, verify, decode
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
-
-
-def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give(make_llm, ckpt_a, prompts,
-                                                                                  plain_outputs):
-    # rounds that cost 30 plain steps of host time the start-up model cannot see: once the
-    # clock has timed a few, the requests decode plainly (overlapped); free rounds go on
-    dear, dear_tokens, dear_overlapped = _clocked_ngram_run(make_llm, ckpt_a, prompts, 30.0)
-    cheap, cheap_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 0.0)
-    assert dear_tokens == cheap_tokens == plain_outputs
-    dear_clock, cheap_clock = dear.engine.runner.speculation.clock, cheap.engine.runner.speculation.clock
-    assert dear_clock.overhead(8) > 10 and abs(cheap_clock.overhead(8)) < 0.5
-    assert dear.engine.runner.speculation.clock.plain_step_s(8) == pytest.approx(1.0)
-    assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
-    assert dear_overlapped  # plain steps keep the host ahead of the device
-    assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
-
-
-def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a, random_draft, monkeypatch):
-    # c comes from the weight bytes there: the engine runs no forward before its first request
-    import infer.engine.step_costs as step_costs
-    monkeypatch.setattr(step_costs, "forward_times", lambda *a, **k: pytest.fail("measured on a CPU"))
-    llm = _spec_llm(make_llm, ckpt_a, random_draft, 2, spec_policy="adaptive")
-    from infer.engine.step_costs import weight_bytes
-    models = llm.engine.models
-    c = llm.engine.runner.speculation.policy.config.c
-    assert c == pytest.approx(weight_bytes(models.draft) / weight_bytes(models.target))
-
-
-@pytest.mark.parametrize("limit, speculates", [(4, False), (8, True)])
-def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a, prompts, plain_outputs, limit,
-                                                                 speculates):
-    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_disable_batch_size=limit)
-    seen, decode = [], llm.engine.runner._decode
-    llm.engine.runner._decode = lambda requests, render: (seen.append(len(requests)), decode(requests, render))[1]
-    drafts = []
-    propose = llm.engine.runner.speculation.proposer.propose
-    llm.engine.runner.speculation.proposer.propose = \
-        lambda requests, shape, ks: (drafts.append(len(requests)), propose(requests, shape, ks))[1]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
-    assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates
-    assert all(n <= limit for n in drafts)
 
 
 def test_an_fp8_draft_keeps_greedy_parity_with_the_target(make_llm, ckpt_a):

@@ -68,9 +68,9 @@ import torch
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.sampling import temperature_only
+from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.dynamic_draft import expand_dynamic
-from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeChunk, TreeShape
@@ -247,19 +247,14 @@ class DraftModelProposer:
         """
         batch, k_max = len(reqs), max(ks)
         slots = [self.slot(r) for r in reqs]
-        params = [r.sampling_params for r in reqs]
-        greedy = all(p.greedy and not p.penalized for p in params)
-        contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
-        grammars = [r.grammar for r in reqs]
-        drafted: list[list[int]] | None = [[] for _ in reqs] if any(g is not None for g in grammars) else None
+        chain = ChainSteps.of(reqs, k_max, self.device)
+        params, greedy = chain.params, chain.greedy
         vocab = self.model.config.vocab_size
-        fused = None if greedy or drafted is not None or not all(temperature_only(p, vocab) for p in params) else \
+        fused = None if greedy or chain.host_bound or not all(temperature_only(p, vocab) for p in params) else \
             self.step_forward.sample
         host_uniforms = None if greedy else row_uniforms(reqs, ks)  # [B, K] CPU
         uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
         temps = [1.0 if p.greedy else p.temperature for p in params]
-        tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
-        probs_out = None
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
         # up to max_feed after plain steps)
         starts = [self.pool.seq_len(s) for s in slots]
@@ -269,7 +264,7 @@ class DraftModelProposer:
         for b, f in enumerate(feeds):
             ids[b, :len(f)] = torch.tensor(f)
         steps = self._loop_steps(slots, starts, lens, ks)
-        if self.fuse_rounds and contexts is None and drafted is None and (greedy or fused is not None) and steps:
+        if self.fuse_rounds and not chain.host_bound and (greedy or fused is not None) and steps:
             # the whole round is one `draft_loop` (one CUDA graph replay on the GPU)
             union = BatchLayout.of(slots, starts, [lens[0] + steps - 1] * batch)
             loop_uniforms = torch.full((batch, steps), 0.5, dtype=torch.float64)  # (greedy: unused)
@@ -283,19 +278,13 @@ class DraftModelProposer:
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
         for step in range(k_max):
             layout = BatchLayout.of([slots[b] for b in alive], [starts[b] for b in alive], [lens[b] for b in alive])
-            probs = None
             if fused is not None:
                 new, probs = fused(ids, layout, [temps[b] for b in alive], host_uniforms[alive, step],
                                    [params[b].greedy for b in alive])  # [A], [A, V]
             else:
                 logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
-                new, probs = draw_step(logits, alive, params, grammars, contexts, drafted,
-                                       None if uniforms is None else uniforms[rows, step], greedy)
-            if probs is not None:
-                if probs_out is None:
-                    probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
-                probs_out[rows, step] = probs
-            tokens[rows, step] = new
+                new, probs = chain.draw(logits, alive, None if uniforms is None else uniforms[rows, step])
+            chain.put(rows, step, new, probs)
             for b in alive:
                 starts[b] += lens[b]
                 lens[b] = 1
@@ -305,8 +294,7 @@ class DraftModelProposer:
                 rows = tensor_on(alive, self.device, torch.long)
                 new = new.index_select(0, tensor_on(keep, self.device, torch.long))
             ids = new[:, None]
-        token_rows = tokens.tolist()  # the one sync of the draft phase
-        return [row[:k] for row, k in zip(token_rows, ks, strict=True)], probs_out
+        return chain.rows(ks), chain.probs
 
     def _loop_steps(self, slots: Sequence[int], starts: Sequence[int], lens: Sequence[int],
                     ks: Sequence[int]) -> int:
@@ -375,41 +363,6 @@ class DraftModelProposer:
 
         root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)
-
-def draw_step(logits: torch.Tensor, alive: Sequence[int], params: Sequence[SamplingParams],
-              grammars: Sequence[object], contexts: list[list[int]] | None, drafted: list[list[int]] | None,
-              uniforms: torch.Tensor | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One step of a chain draft for the batch rows `alive`: logits [A', V] -> (tokens [A'],
-    q [A', V] or None when every row is greedy). Constrained rows (`drafted` not None) are
-    masked by their grammar at the tokens drafted so far, so q is the draft's masked
-    distribution; penalised rows see their contexts; uniforms [A'] are this step's. The
-    contexts and drafted lists grow by the new tokens (a host sync, only when either exists)."""
-    if drafted is not None:
-        logits = grammar_masked(logits, [grammars[b] for b in alive], [drafted[b] for b in alive])
-    probs = None
-    if greedy:
-        new = logits.argmax(dim=-1)  # [A']
-    else:
-        assert uniforms is not None
-        probs = logits_to_probs(logits, [params[b] for b in alive],
-                                None if contexts is None else [contexts[b] for b in alive])  # [A', V]
-        new = sample_from_probs(probs, uniforms)
-    if contexts is not None or drafted is not None:  # the next mask or penalty needs the tokens
-        for b, t in zip(alive, new.tolist(), strict=True):
-            for grown in (contexts, drafted):
-                if grown is not None:
-                    grown[b].append(t)
-    return new, probs
-
-
-def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
-    """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
-    request's randomness does not depend on the rest of the batch."""
-    out = torch.zeros((len(reqs), max(ks)), dtype=torch.float64)
-    for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
-        out[b, :k] = draw_uniforms([r.generator], k)[0]
-    return out
-
 
 def fed_positions(shape: TreeShape | DynamicShape, depth: int) -> int:
     """Positions a round of depth limit `depth` >= 1 writes to the draft's cache from g on:

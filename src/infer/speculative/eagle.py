@@ -46,7 +46,8 @@ from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
 from infer.sampling import temperature_only
-from infer.speculative.draft_model import draw_step, fed_positions, row_uniforms, tree_draft
+from infer.speculative.chain_steps import ChainSteps, row_uniforms
+from infer.speculative.draft_model import fed_positions, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.proposer import DraftRequest
@@ -313,24 +314,13 @@ class EagleProposer:
         """k_b tokens per row from the catch-up's outputs x [A, H] -> (tokens [A][k_b], q [A, K, V]
         over target ids, or None when every row is greedy)."""
         batch, k_max = len(reqs), max(ks)
-        params = [r.sampling_params for r in reqs]
-        greedy = all(p.greedy and not p.penalized for p in params)
-        contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None
-        grammars = [r.grammar for r in reqs]
-        drafted: list[list[int]] | None = [[] for _ in reqs] if any(g is not None for g in grammars) else None
-        uniforms = None if greedy else to_device(row_uniforms(reqs, ks), self.device)  # [A, K]
-        tokens = torch.zeros((batch, k_max), dtype=torch.long, device=self.device)
-        probs_out: torch.Tensor | None = None
+        chain = ChainSteps.of(reqs, k_max, self.device)
+        uniforms = None if chain.greedy else to_device(row_uniforms(reqs, ks), self.device)  # [A, K]
         alive = list(range(batch))
         for step in range(k_max):
             rows = tensor_on(alive, self.device, torch.long)
-            new, probs = draw_step(self.head.logits(x), alive, params, grammars, contexts, drafted,
-                                   None if uniforms is None else uniforms[rows, step], greedy)
-            if probs is not None:
-                if probs_out is None:
-                    probs_out = torch.zeros((batch, k_max, probs.shape[-1]), dtype=probs.dtype, device=self.device)
-                probs_out[rows, step] = probs
-            tokens[rows, step] = new
+            new, probs = chain.draw(self.head.logits(x), alive, None if uniforms is None else uniforms[rows, step])
+            chain.put(rows, step, new, probs)
             keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
             if not keep:
                 break
@@ -339,8 +329,7 @@ class EagleProposer:
             slots = [states[b].slot for b in alive]
             layout = BatchLayout.of(slots, [self.pool.seq_len(s) for s in slots], [1] * len(alive))  # type: ignore
             x = self._forward(new.index_select(0, index)[:, None], x.index_select(0, index)[:, None], layout)[:, 0]
-        host = tokens.tolist()  # the one sync of a round without penalties or grammars
-        return [row[:k] for row, k in zip(host, ks, strict=True)], probs_out
+        return chain.rows(ks), chain.probs
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Drop the round's draft positions: the accepted tokens come back with the target's

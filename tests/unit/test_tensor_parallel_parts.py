@@ -16,12 +16,13 @@ import infer.models.loader as loader
 import infer.models.readers as readers
 from infer.bench.collectives import collective_kind, summarize_kernels
 from infer.cache.paged import PagedKVCachePool
+from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device
 from infer.distributed.layers import VocabParallelEmbedding
 from infer.distributed.mirror import MirroredPool
-from infer.distributed.protocol import Invoke, Message, PoolOp
+from infer.distributed.protocol import POOL_OPS, Invoke, Message, PoolOp
 from infer.distributed.sharding import TensorParallelShard
 from infer.distributed.worker import apply_pool_op
 from infer.engine.config import EngineConfig
@@ -249,6 +250,13 @@ def test_a_worker_repeats_the_drivers_pool_operations_and_checks_their_results(c
     diverged.allocate_slot(8)
     with pytest.raises(RuntimeError, match="diverged from the driver's: allocate_slot"):
         apply_pool_op(diverged, outbox.ops[0], rank=1)
+
+
+def test_every_mirrored_pool_operation_is_a_pool_method_and_nothing_else_passes() -> None:
+    # a worker calls the pool method a PoolOp names: the names are checked when one is made
+    assert all(callable(getattr(CachePoolProtocol, name, None)) for name in POOL_OPS)
+    with pytest.raises(ValueError, match="pool operation must be one of"):
+        PoolOp(0, "__del__", (), None)
 
 
 def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:

@@ -81,24 +81,9 @@ def load_rank_models(config: EngineConfig, rank: int, device: torch.device) -> d
 def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
     """Repeat one of the driver's pool operations; its result must be the driver's."""
     args = op.args
-    match op.name:
-        case "allocate_slot":
-            slot = pool.allocate_slot(*args)  # type: ignore[arg-type]
-            result: object = (slot, pool.seq_len(slot))
-        case "free_slot":
-            result = pool.free_slot(*args)  # type: ignore[arg-type]
-        case "truncate_to":
-            result = pool.truncate_to(*args)  # type: ignore[arg-type]
-        case "ensure_capacity":
-            result = pool.ensure_capacity(*args)  # type: ignore[arg-type]
-        case "register_prefix":
-            result = pool.register_prefix(*args)  # type: ignore[arg-type]
-        case "commit":
-            result = pool.commit(*args)  # type: ignore[arg-type]
-        case "move_rows":
-            result = pool.move_rows(*args)  # type: ignore[arg-type]
-        case _:
-            raise ValueError(f"unknown pool operation {op.name!r}")
+    result: object = getattr(pool, op.name)(*args)  # (a PoolOp's name is one of POOL_OPS)
+    if op.name == "allocate_slot":
+        result = (result, pool.seq_len(result))  # type: ignore[arg-type]
     if result != op.result:
         raise RuntimeError(f"rank {rank}: KV pool {op.pool} diverged from the driver's: {op.name}{args!r} "
                            f"returned {result!r} here, {op.result!r} on the driver")

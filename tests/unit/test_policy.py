@@ -9,8 +9,9 @@ import pytest
 
 from infer.engine.speculation import guard_k
 from infer.speculative.metrics import SpecStats
-from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy
-from infer.speculative.theory import alpha_from_mean_length, best_k, best_k_table, expected_tokens, walltime_factor
+from infer.speculative.policy import MIN_VERIFY_COST, OVERHEAD_STEP, AdaptiveConfig, AdaptivePolicy, FixedPolicy
+from infer.speculative.theory import (GRID_ROWS, alpha_from_mean_length, best_k, best_k_grid, best_k_table,
+                                     expected_tokens, walltime_factor)
 
 
 @dataclass
@@ -49,6 +50,30 @@ def test_best_k_table_maximises_the_walltime_factor_at_every_acceptance(c, slope
     assert {k for k, _ in want} != {0}  # (some acceptance pays: the comparison covers K > 0)
     with pytest.raises(ValueError):
         best_k_table(alphas, 8, c, verify[:-1])
+
+
+def test_best_k_grid_is_best_k_table_row_by_row():
+    # more rows than are computed at once, costs from nearly free to dearer than any K repays
+    rng = random.Random(5)
+    alphas = [i / 100 for i in range(101)]
+    rows = [[0.05 + 0.1 * i + rng.uniform(0, 0.3) * k for k in range(1, 7)] for i in range(GRID_ROWS + 9)]
+    grid = best_k_grid(alphas, 6, 0.2, rows)
+    assert grid == [best_k_table(alphas, 6, 0.2, row) for row in rows]
+    assert {k for table in grid for k, _ in table} == set(range(7))  # every K wins somewhere, plain too
+    with pytest.raises(ValueError, match="verify costs"):
+        best_k_grid(alphas, 6, 0.2, [rows[0], rows[1][:-1]])
+
+
+def test_the_policy_looks_up_any_overhead_as_best_k_computes_it():
+    # the tables are built at start for every overhead that changes the choice; beyond them
+    # (far below 0, far above K_max plain steps) the nearest table is the same one
+    for k_max, c, slope in ((5, 0.0, 0.02), (4, 0.35, 0.1)):
+        p = AdaptivePolicy(AdaptiveConfig(k_max=k_max, c=c, verify_slope=slope))
+        for overhead in (-1e6, -30.0, -1.1, -0.4, 0.0, 0.26, 1.5, k_max - 0.05, k_max + 0.3, 1e6):
+            extra = round(overhead / OVERHEAD_STEP) * OVERHEAD_STEP
+            for alpha in (0.0, 0.35, 0.8, 0.97, 1.0):
+                k, factor = best_k(alpha, k_max, c, lambda k: max(MIN_VERIFY_COST, 1.0 + slope * k + extra))
+                assert p.best(alpha, overhead) == (k if factor >= 1.0 + p.config.min_gain else 0), (overhead, alpha)
 
 
 def test_best_k_is_zero_when_nothing_pays_and_grows_with_acceptance():

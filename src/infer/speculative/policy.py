@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from infer.speculative.theory import best_k_table
+from infer.speculative.theory import best_k_grid
 
 OVERHEAD_STEP = 0.05  # round overheads are looked up to this many plain steps
-MAX_TABLES = 256  # overhead tables kept (a drifting overhead makes new ones)
 MIN_VERIFY_COST = 0.05  # a negative overhead never makes verification (nearly) free
+ALPHAS = [i / 100 for i in range(101)]  # acceptances the tables hold (percentiles)
 
 
 class RequestLike(Protocol):
@@ -140,25 +140,25 @@ class AdaptivePolicy:
     def __init__(self, config: AdaptiveConfig) -> None:
         self.config = config
         self._estimates: dict[str, _Estimate] = {}
-        # per round overhead (in OVERHEAD_STEP steps): the best K and its factor per acceptance
-        # percentile (0..100), so that choose is a lookup
-        self._tables: dict[int, list[tuple[int, float]]] = {}
         self._overhead = 0.0  # the last step's
+        # per round overhead (in OVERHEAD_STEP steps), the best K and its factor per acceptance
+        # percentile, all built here so that choose is a lookup. Below `_low` every v(K) is
+        # MIN_VERIFY_COST, above `_high` no K pays (a round yields at most K + 1 tokens and
+        # costs more than 1 + overhead >= K + 1 plain steps): overheads beyond use those tables.
+        c, slope, k_max = config.c, config.verify_slope, config.k_max
+        self._low = math.floor((MIN_VERIFY_COST - 1.0 - slope * k_max) / OVERHEAD_STEP) - 1
+        self._high = math.ceil(k_max / OVERHEAD_STEP) + 1
+        rows = [[max(MIN_VERIFY_COST, 1.0 + slope * k + key * OVERHEAD_STEP) for k in range(1, k_max + 1)]
+                for key in range(self._low, self._high + 1)]
+        self._tables = best_k_grid(ALPHAS, k_max, c, rows)
 
     def round_cost(self, k: int) -> float:
         """A round drafting k tokens, in plain steps, by the model: k c + v(k); 1 for k = 0."""
         return k * self.config.c + 1.0 + self.config.verify_slope * k if k else 1.0
 
     def _table(self, overhead: float) -> list[tuple[int, float]]:
-        key = round(overhead / OVERHEAD_STEP)
-        table = self._tables.get(key)
-        if table is None:
-            if len(self._tables) >= MAX_TABLES:
-                self._tables.clear()
-            cfg, extra = self.config, key * OVERHEAD_STEP
-            verify = [max(MIN_VERIFY_COST, 1.0 + cfg.verify_slope * k + extra) for k in range(1, cfg.k_max + 1)]
-            table = self._tables[key] = best_k_table([i / 100 for i in range(101)], cfg.k_max, cfg.c, verify)
-        return table
+        key = min(max(round(overhead / OVERHEAD_STEP), self._low), self._high)
+        return self._tables[key - self._low]
 
     def probe_floor(self, k: int, overhead: float) -> int:
         """The shortest wait before a probe of k drafts (a round costing `overhead` plain steps

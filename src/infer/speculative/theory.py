@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import torch
+
 
 def _check(a: float, k: int) -> None:
     if not 0.0 <= a <= 1.0:
@@ -50,22 +52,35 @@ def best_k(a: float, k_max: int, c: float, verify_cost: Callable[[int], float] =
 
 def best_k_table(alphas: Sequence[float], k_max: int, c: float, verify_costs: Sequence[float]
                  ) -> list[tuple[int, float]]:
-    """`best_k` for each a in `alphas` with v(K) = verify_costs[K - 1], in one tight loop
-    (a policy's lookup table: hundreds of (a, K) pairs at a time)."""
-    if len(verify_costs) != k_max or c < 0 or any(v <= 0 for v in verify_costs):
-        raise ValueError(f"need k_max = {k_max} verify costs > 0 and c >= 0, got {list(verify_costs)}, c={c}")
-    costs = [k * c + verify_costs[k - 1] for k in range(1, k_max + 1)]
-    table = []
-    for a in alphas:
-        _check(a, k_max)
-        best, best_factor = 0, 1.0
-        for k in range(1, k_max + 1):
-            tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-            factor = tokens / costs[k - 1]
-            if factor > best_factor + 1e-12:
-                best, best_factor = k, factor
-        table.append((best, best_factor))
-    return table
+    """`best_k` for each a in `alphas` with v(K) = verify_costs[K - 1]."""
+    return best_k_grid(alphas, k_max, c, [verify_costs])[0]
+
+
+GRID_ROWS = 128  # verify-cost rows computed at once (bounds the [rows, alphas, K] factors)
+
+
+def best_k_grid(alphas: Sequence[float], k_max: int, c: float, verify_rows: Sequence[Sequence[float]]
+                ) -> list[list[tuple[int, float]]]:
+    """`best_k_table` for each row of verify costs, computed together: a policy's lookup
+    tables (tens of thousands of (a, K) pairs) at once. The factors are exactly
+    `walltime_factor`'s (the same float64 operations), and K is chosen by `best_k`'s rule."""
+    if c < 0 or any(len(row) != k_max or any(v <= 0 for v in row) for row in verify_rows):
+        raise ValueError(f"need rows of k_max = {k_max} verify costs > 0 and c >= 0, got c={c}")
+    tokens = torch.tensor([[expected_tokens(a, k) for k in range(1, k_max + 1)] for a in alphas],
+                          dtype=torch.float64)  # [A, K]
+    ks = torch.arange(1, k_max + 1, dtype=torch.float64)  # [K]
+    tables: list[list[tuple[int, float]]] = []
+    for lo in range(0, len(verify_rows), GRID_ROWS):
+        costs = ks * c + torch.tensor(verify_rows[lo:lo + GRID_ROWS], dtype=torch.float64)  # [R, K]
+        factors = tokens[None] / costs[:, None]  # [R, A, K]
+        best = torch.zeros(factors.shape[:2], dtype=torch.long)  # [R, A]: K = 0 (plain) ...
+        best_factor = torch.ones(factors.shape[:2], dtype=torch.float64)  # ... with factor 1
+        for k in range(k_max):  # a longer K must beat the best so far by 1e-12 (the smallest among equals)
+            better = factors[..., k] > best_factor + 1e-12
+            best = torch.where(better, k + 1, best)
+            best_factor = torch.where(better, factors[..., k], best_factor)
+        tables += [list(zip(b, f, strict=True)) for b, f in zip(best.tolist(), best_factor.tolist(), strict=True)]
+    return tables
 
 
 def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> float:

@@ -144,7 +144,7 @@ class AdaptivePolicy:
         # per round overhead (in OVERHEAD_STEP steps), the best K and its factor per acceptance
         # percentile, all built here so that choose is a lookup. Below `_low` every v(K) is
         # MIN_VERIFY_COST, above `_high` no K pays (a round yields at most K + 1 tokens and
-        # costs more than 1 + overhead >= K + 1 plain steps): overheads beyond use those tables.
+        # costs at least 1 + overhead >= K + 1 plain steps): overheads beyond use those tables.
         c, slope, k_max = config.c, config.verify_slope, config.k_max
         self._low = math.floor((MIN_VERIFY_COST - 1.0 - slope * k_max) / OVERHEAD_STEP) - 1
         self._high = math.ceil(k_max / OVERHEAD_STEP) + 1

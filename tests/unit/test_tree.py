@@ -112,6 +112,12 @@ def test_tree_draft_validation_and_stacking() -> None:
         Draft(shape, (5, 6, 7, 8), (True, True, True, False))
     with pytest.raises(ValueError, match="4 token ids"):
         Draft(shape, (5, 6, 7), (True, True, True))
+    for token in (True, -1, 6.0):  # a bool, a negative id, a float at node 1
+        with pytest.raises(ValueError, match="integers >= 0"):
+            Draft(shape, (5, token, 7, 0), (True, True, True, False))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="True/False"):
+        Draft(shape, (5, 6, 7, 0), (True, 1, True, False))  # type: ignore[arg-type]
+    assert TreeShape.parse("1,1,1").is_chain and not shape.is_chain
     tokens, valid = stack_drafts([draft, Draft.empty(shape)])
     assert tokens.tolist() == [[5, 6, 7, 0], [0, 0, 0, 0]] and valid.sum().item() == 3
     with pytest.raises(ValueError, match="one tree shape"):

@@ -99,6 +99,8 @@ class TreeShape:
     uniform_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # [depth]: the verifier's uniform for the c-th child tried at depth d + 1 is column
     # uniform_offsets[d] + c (see `num_uniforms`)
+    is_chain: bool = field(init=False, repr=False, compare=False)
+    # every node has one child: "1,1,...,1" (verified causally, no tree mask)
 
     def __post_init__(self) -> None:
         branching = self._validated(self.branching)
@@ -132,6 +134,7 @@ class TreeShape:
         object.__setattr__(self, "paths", tuple(paths))
         object.__setattr__(self, "level_starts", tuple(starts))
         object.__setattr__(self, "uniform_offsets", tuple(offsets))
+        object.__setattr__(self, "is_chain", all(b == 1 for b in branching))
 
     @staticmethod
     def _validated(branching: object) -> tuple[int, ...]:
@@ -182,11 +185,6 @@ class TreeShape:
         last column (U - 1). Columns are fixed per (depth, child index), so the tokens of a
         seeded row never depend on its batch or on how far other rows get."""
         return sum(self.branching) + 1
-
-    @property
-    def is_chain(self) -> bool:
-        """Whether every node has one child: "1,1,...,1" (verified causally, no tree mask)."""
-        return all(b == 1 for b in self.branching)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -311,14 +309,16 @@ class Draft:
         if len(self.token_ids) != n or len(self.valid) != n:
             raise ValueError(f"a draft over tree {self.shape} needs {n} token ids and {n} validity flags, "
                              f"got {len(self.token_ids)} and {len(self.valid)}")
-        for node, (token, ok, parent) in enumerate(zip(self.token_ids, self.valid, self.shape.parents)):
-            if not isinstance(ok, bool):
+        valid, parents = self.valid, self.shape.parents
+        for node, token in enumerate(self.token_ids):  # (every proposal passes here: kept lean)
+            ok = valid[node]
+            if type(ok) is not bool:
                 raise ValueError(f"valid must hold True/False, got {ok!r} at node {node}")
-            if not is_strict_int(token) or token < 0 or (not ok and token != 0):
+            if type(token) is not int or token < 0 or (token and not ok):
                 raise ValueError(f"node {node}: token ids must be integers >= 0, and 0 at absent nodes; "
                                  f"got {token!r} (present: {ok})")
-            if ok and parent >= 0 and not self.valid[parent]:
-                raise ValueError(f"node {node} is present but its parent {parent} is absent")
+            if ok and parents[node] >= 0 and not valid[parents[node]]:
+                raise ValueError(f"node {node} is present but its parent {parents[node]} is absent")
         if self.probs is not None and (self.probs.dim() != 2 or not self.rows_used - 1 <= self.probs.shape[0] <= n):
             raise ValueError(f"probs must be None or [M, vocab] for the first M nodes, M covering every present "
                              f"node and at most {n}, got shape {tuple(self.probs.shape)}")

@@ -15,9 +15,9 @@ from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.measures import prefill_row
 from infer.bench.results import BenchRun, Measurement
 from infer.bench.roofline import decode_step_bytes
-from infer.engine.batch_size import kv_bytes_per_token
 from infer.bench.suites import build_table
 from infer.bench.workloads import Workload
+from infer.engine.batch_size import kv_bytes_per_token
 from infer.models.loader import load_model, model_shapes
 
 ROWS = ("prefill/3b/16x2048", "batch/3b/b128", "batch/3b/b256")

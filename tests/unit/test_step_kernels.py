@@ -3,12 +3,13 @@ the model's EAGLE feature capture as it found it, for whole models on a GPU only
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from infer.engine.executor.kernels import warm_chunks, warms
 from infer.models.capture import HiddenCapture
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels import EAGER
 from infer.models.loader import load_model
 from infer.models.parallel import Parallel
 
@@ -23,9 +24,7 @@ def test_warm_chunks_runs_two_chunk_widths_and_keeps_the_capture(ckpt_a: Path) -
         shapes.append(tuple(x.shape[:2]))
         return EAGER.rmsnorm(x, weight, eps)
 
-    bundle = Kernels(rmsnorm, *(getattr(EAGER, name) for name in ("rotary_qk", "linear", "swiglu", "norm_linear",
-                                                                   "swiglu_linear", "mlp", "attend")))
-    warm_chunks(model, bundle)
+    warm_chunks(model, replace(EAGER, rmsnorm=rmsnorm))
     assert set(shapes) == {(1, 3), (1, 5)}  # the bundle served one-row chunks of two widths
     assert model.capture is capture and capture.last is None  # no features stored from the warm-up
 

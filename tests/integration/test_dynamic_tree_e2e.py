@@ -56,6 +56,18 @@ def test_mixed_batch_greedy_rows_keep_their_tokens(make_llm, ckpt_a, prompts, pl
     assert again[0] == outs[1]  # a seeded row's tokens do not depend on its batch
 
 
+def test_sampled_rows_drafting_shallower_than_greedy_rows(make_llm, ckpt_a, prompts, plain_outputs):
+    # a sampled row near its max_tokens drafts one level while greedy rows go deeper: the
+    # deeper levels then hold greedy rows only, yet the round keeps q for every level
+    short = SamplingParams(temperature=1.0, max_tokens=3, seed=4, ignore_eos=True)
+    params = [GREEDY, short, GREEDY, short]
+    llm = _llm(make_llm, ckpt_a, ckpt_a, 4, kv_cache_backend="paged", block_size=1)
+    outs = _tokens(llm.generate(prompt_token_ids=prompts[:4], sampling_params=params))
+    assert outs[0] == plain_outputs[0] and outs[2] == plain_outputs[2]
+    assert [len(t) for t in outs] == [GREEDY.max_tokens, 3, GREEDY.max_tokens, 3]
+    assert llm.engine.runner.stats.rounds > 0
+
+
 def test_draft_cache_holds_the_accepted_path_in_order(make_llm, ckpt_a, prompts, monkeypatch):
     from infer.speculative.draft_model import DraftModelProposer
     checked = []

@@ -149,7 +149,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------
     def step(self) -> StepResult:
         decision = self.scheduler.schedule()
-        results = self.runner.step(decision.prefill, decision.decode)
+        results = self.runner.step(decision.prefill, decision.decode, decision.decode_room)
         for request in self.scheduler.retire():
             self.runner.forget(request)
             self._requests.pop(request.request_id, None)

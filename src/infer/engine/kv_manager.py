@@ -3,12 +3,14 @@
 Capacity, admission and growth of the target's KV pool and of the pools other parts keep
 per request (a draft model's), in one place. A part with memory of its own registers a
 `KVHolder` (speculation does, for its proposer); the scheduler asks the manager, never the
-runner, whether a request can be admitted, how many positions its next decode step writes
-(`decode_demand`: 1, or a speculation round's block), and to grow or free its memory.
+runner, whether a request can be admitted, how many positions its next decode step may write
+(`decode_widths`: 1, or the blocks a speculation round may take, largest first), and to grow
+or free its memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from infer.cache.protocol import CachePoolProtocol
@@ -35,16 +37,16 @@ class KVHolder(Protocol):
     def leak_report(self) -> list[str]: ...
 
 
+DecodeWidths = Callable[[Request], list[int]]  # a request -> the positions its next step may write, largest first
+
+
 class KVManager:
-    def __init__(self, pool: CachePoolProtocol, prefix_caching: bool, max_seq_len: int, decode_width: int = 1) -> None:
-        """pool: the target's; decode_width: positions a decode step writes at most (1, or
-        a speculation round's block: g and its drafts)."""
-        if decode_width < 1:
-            raise ValueError(f"decode_width must be >= 1, got {decode_width}")
+    def __init__(self, pool: CachePoolProtocol, prefix_caching: bool, widths: DecodeWidths | None = None) -> None:
+        """pool: the target's; widths: the blocks a request's next decode step may write,
+        largest first, ending with 1 (a plain step); None: always 1 (no speculation)."""
         self.pool = pool
         self.prefix_caching = prefix_caching
-        self.max_seq_len = max_seq_len
-        self.decode_width = decode_width
+        self.widths = widths
         self.holders: list[KVHolder] = []
 
     def register(self, holder: KVHolder) -> None:
@@ -59,11 +61,11 @@ class KVManager:
         request.slot = self.pool.allocate_slot(request.prefill_target, prefix)
         request.num_computed_tokens = self.pool.seq_len(request.slot)
 
-    def decode_demand(self, request: Request) -> int:
-        """Positions the request's next decode step may write (never past max_seq_len: the
-        length guards shrink a speculation round there)."""
-        room = self.max_seq_len - request.num_computed_tokens
-        return self.decode_width if room >= self.decode_width else max(1, room)
+    def decode_widths(self, request: Request) -> list[int]:
+        """Positions the request's next decode step may write, largest first (never past
+        max_seq_len nor past what it can still emit: the length guards shrink a round there);
+        the last is 1, a plain step, which the scheduler falls back to when memory is short."""
+        return [1] if self.widths is None else self.widths(request)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for positions < total_tokens in every pool; False when memory is short (the

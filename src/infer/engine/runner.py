@@ -107,7 +107,7 @@ class ModelRunner:
         self._inflight: InFlight | None = None
         self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
         self._time: Callable[[], float] = time.perf_counter
-        self._planned: list[int] | None = None  # this step's draft depths, when decided before its launch
+        self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
         # eager forwards of several rows run their valid tokens packed, and a step with prefill
         # chunks and plain decode rows makes one such forward; not when an EAGLE head reads the
@@ -122,8 +122,8 @@ class ModelRunner:
 
     def kv_manager(self) -> KVManager:
         """The scheduler's KV manager over this runner's pools (the proposer's registered)."""
-        width = 1 if self.speculation is None else self.speculation.block_width()
-        kv = KVManager(self.cache_pool, bool(self.config.enable_prefix_caching), self.config.max_seq_len, width)
+        widths = None if self.speculation is None else self.speculation.decode_widths
+        kv = KVManager(self.cache_pool, bool(self.config.enable_prefix_caching), widths)
         if self.speculation is not None:
             kv.register(self.speculation)
         return kv
@@ -139,13 +139,17 @@ class ModelRunner:
         return self._inflight is not None or self.output.num_accepted() > 0
 
     @torch.inference_mode()
-    def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> StepResult:
+    def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
+             room: Sequence[int] | None = None) -> StepResult:
         """Run a scheduled step; returns the StepOutputs rendered now. Synchronously: this
         step's. Overlapped: the step in flight's tokens are accepted once this step's GPU work
-        is queued (the host works while the GPU does), so outputs come one step late."""
+        is queued (the host works while the GPU does), so outputs come one step late. `room`:
+        the KV positions the scheduler reserved for each decode row (None: a full round's)."""
         clock = None if self.speculation is None else self.speculation.clock
         start = self._time()
         self._step_kind = None
+        # with speculation, each row's draft depth is decided before anything is queued
+        self._planned = self.speculation.depths(decode, room) if self.speculation is not None and decode else None
         if self._inflight is not None and not self._overlaps(prefill, decode):
             self._resolve()  # the host needs that step's tokens before this one
         render = StepRender(self.output)
@@ -165,10 +169,8 @@ class ModelRunner:
         not when a round drafts (its proposals read them), nor when a request's sampling reads
         its context (penalties) or its grammar's state, or returns log-probabilities, nor for
         a prefill chunk of a request with a token in flight."""
-        if self.speculation is not None:
-            self._planned = self.speculation.depths(decode) if decode else None
-            if any(self._planned or ()):
-                return False
+        if any(self._planned or ()):
+            return False
         requests = [*decode, *(r for r, _ in prefill)]
         return not any(r.sampling_params.penalized or r.sampling_params.logprobs is not None or r.grammar is not None
                        for r in requests) and not any(r.pending_tokens for r, _ in prefill)
@@ -280,20 +282,15 @@ class ModelRunner:
         return sampled, tokens, self.logprobs(sampled, logits[rows], tokens)
 
     def _plain_step(self, requests: Sequence[Request]) -> bool:
-        """Whether no request drafts this step (with speculation its depths are decided now,
-        unless planned before its launch, and kept for `_decode`)."""
-        if self.speculation is None:
-            return True
-        if self._planned is None:
-            self._planned = self.speculation.depths(requests)
-        return not any(self._planned)
+        """Whether no request drafts this step (its depths planned by `step`)."""
+        return not any(self._planned or ())
 
     def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
         """A decode step: a plain one (its tokens left in flight), or a speculation round (its
         tokens accepted now: None; the backlog is rendered while its verification runs)."""
         spec = self.speculation
         depths, self._planned = self._planned, None
-        if spec is None or not any(depths := depths if depths is not None else spec.depths(requests)):
+        if spec is None or depths is None or not any(depths):
             self._step_kind = StepKind(len(requests), 0)
             return self._plain(requests)
         drafts = spec.proposer.propose(requests, spec.shape(depths), depths)

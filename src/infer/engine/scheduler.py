@@ -4,13 +4,16 @@ FIFO. A waiting request is admitted while a slot is free and the KV pools can ho
 prompt. Each step the decoding requests' tokens come out of the per-step token budget
 (`max_num_batched_tokens`) first, and running requests still in prefill get chunks from
 what is left (oldest first; the runner may run both in one forward, `mixed_batches`).
-Every decoding request must have room for the tokens the runner will write (1, or K+1
-with speculation); when the paged pool runs out, the newest running request is preempted:
-its KV memory is freed and it goes back to the front of the waiting queue to be recomputed
-later. A request that could never fit is rejected at `Engine.add_request`, so this cannot deadlock.
+Every decoding request must have room for the tokens the runner will write (1, or a
+speculation round's block); when the paged pool runs out, the newest running request is
+preempted: its KV memory is freed and it goes back to the front of the waiting queue to be
+recomputed later. A request left alone with too little memory for its round gets a smaller
+round instead (down to a plain step, which always fits: a request that could never hold its
+prompt and max_tokens is rejected at `Engine.add_request`), so nothing livelocks.
 
 The scheduler owns the KV manager (`engine/kv_manager.py`) and is unaware of speculative
-decoding: the manager says how many cache positions a decode step needs (`decode_demand`).
+decoding: the manager says which blocks a decode step may write (`decode_widths`); the
+decision carries the room reserved for each decoding request (`decode_room`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class SchedulerConfig:
 class ScheduleDecision:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, chunk length)
     decode: list[Request] = field(default_factory=list)
+    decode_room: list[int] = field(default_factory=list)  # positions reserved for each decode row's step
     preempted: list[Request] = field(default_factory=list)
 
 
@@ -97,8 +101,8 @@ class Scheduler:
         # (a request whose finish is decided but not rendered yet, or whose tokens in flight
         # reach its limits, waits: overlapped scheduling learns of finishes a step late)
         decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
-        decision.decode, decision.preempted = self._reserve_decode(decoding)
-        budget = self.config.max_num_batched_tokens - sum(self.kv.decode_demand(r) for r in decision.decode)
+        decision.decode, decision.decode_room, decision.preempted = self._reserve_decode(decoding)
+        budget = self.config.max_num_batched_tokens - sum(decision.decode_room)
         for request in self.running:
             if request.in_prefill and budget > 0:
                 chunk = min(request.prefill_target - request.num_computed_tokens, budget)
@@ -106,14 +110,21 @@ class Scheduler:
                 decision.prefill.append((request, chunk))
         return decision
 
-    def _reserve_decode(self, decoding: Sequence[Request]) -> tuple[list[Request], list[Request]]:
+    def _reserve_decode(self, decoding: Sequence[Request]) -> tuple[list[Request], list[int], list[Request]]:
+        """Room for each decoding request's step, oldest first: (ready, their room, preempted).
+        Short of memory, the newest running request is preempted; a request with no one left
+        to preempt takes the largest step that fits instead (a plain step at least)."""
         ready: list[Request] = []
+        room: dict[str, int] = {}
         preempted: list[Request] = []
         queue = list(decoding)
         while queue:
             request = queue.pop(0)
-            need = request.num_computed_tokens + self.kv.decode_demand(request)
-            while not self.kv.ensure_capacity(request, need):
+            widths = self.kv.decode_widths(request)
+            while not self.kv.ensure_capacity(request, request.num_computed_tokens + widths[0]):
+                if len(widths) > 1 and all(r is request for r in self.running):  # no one left to preempt
+                    widths = widths[1:]
+                    continue
                 victim = self._newest_running(exclude=preempted)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -125,7 +136,8 @@ class Scheduler:
                     ready.remove(victim)
             else:
                 ready.append(request)
-        return ready, preempted
+                room[request.request_id] = widths[0]
+        return ready, [room[r.request_id] for r in ready], preempted
 
     def _newest_running(self, exclude: Sequence[Request]) -> Request:
         candidates = [r for r in self.running if r not in exclude]

@@ -155,13 +155,27 @@ class Speculation:
         """The round's draft shape: the tree, or a chain as long as the deepest row's."""
         return self.tree if self.tree is not None else chain_shape(max(depths))
 
-    def block_width(self) -> int:
-        """Positions a round writes to either cache at most: g and the nodes (a dynamic
-        tree's draft may feed more nodes than the target verifies)."""
-        return 1 + (self.tree.span(self.tree.depth) if self.tree is not None else self.spec_length)
+    def width(self, k: int) -> int:
+        """Positions a round of depth k writes to either cache at most: g and the nodes (a
+        dynamic tree's draft may feed more nodes than the target verifies)."""
+        return 1 + (self.tree.span(k) if self.tree is not None and k > 0 else k)
 
-    def depths(self, requests: Sequence[Request]) -> list[int]:
-        """Each request's draft depth this step (module docstring)."""
+    def max_depth(self, request: Request) -> int:
+        """The deepest round the request may draft now, before the policy: the length guards
+        (no position past max_seq_len, no more drafts than it can still emit), a tree's by
+        the storage its block needs."""
+        max_len = self.config.max_seq_len
+        k = guard_k(self.spec_length, request.num_computed_tokens, max_len, request.tokens_left)
+        return fit_depth(self.tree, k, request.num_computed_tokens, max_len) if self.tree is not None else k
+
+    def decode_widths(self, request: Request) -> list[int]:
+        """The blocks the request's next step may write, largest first, down to a plain step
+        (the scheduler's fallbacks when memory is short: `KVManager.decode_widths`)."""
+        return sorted({self.width(k) for k in range(self.max_depth(request) + 1)}, reverse=True)
+
+    def depths(self, requests: Sequence[Request], room: Sequence[int] | None = None) -> list[int]:
+        """Each request's draft depth this step (module docstring); `room`: the positions the
+        scheduler reserved for each (None: the largest round's)."""
         limit = self.config.spec_disable_batch_size
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
@@ -170,10 +184,9 @@ class Speculation:
             for request_id, drafted, accepted in shadow.settle(requests):
                 self.policy.observe(request_id, drafted, accepted)
         ks = self.policy.choose(requests, 0.0 if clock is None else clock.overhead(len(requests)))
-        max_len = self.config.max_seq_len
-        ks = [guard_k(k, r.num_computed_tokens, max_len, r.tokens_left) for r, k in zip(requests, ks, strict=True)]
-        if self.tree is not None:
-            ks = [fit_depth(self.tree, k, r.num_computed_tokens, max_len) for r, k in zip(requests, ks, strict=True)]
+        ks = [min(k, self.max_depth(r)) for r, k in zip(requests, ks, strict=True)]
+        if room is not None:
+            ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
         if clock is not None and any(ks) and clock.needs_plain(len(requests)):
             ks = [0] * len(requests)
         if shadow is not None:
@@ -182,6 +195,11 @@ class Speculation:
                     shadow.drop(r.request_id)
             shadow.draft([r for r, k in zip(requests, ks, strict=True) if not k])
         return ks
+
+    def _fit_room(self, k: int, room: int) -> int:
+        while k > 0 and self.width(k) > room:
+            k -= 1
+        return k
 
     # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
     def can_admit(self, request: Request) -> bool:

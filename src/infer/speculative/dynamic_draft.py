@@ -104,7 +104,9 @@ def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequ
         kids, q, drawn, base = draw_children(logits.reshape(-1, logits.shape[-1]),
                                              [params[a] for a in front.alive for _ in range(f)], ctx, b, u)
         scores, paths = slot_scores(base, kids, drawn, front.path.reshape(-1), front.score.reshape(-1))
-        level = _empty_level(a_rows, f * b, None if q is None else q.shape[-1], device)
+        # (every level keeps q when any row of the round samples, though its own alive
+        # rows may all be greedy: the levels' candidates are concatenated column for column)
+        level = _empty_level(a_rows, f * b, None if uniforms is None else logits.shape[-1], device)
         level.tokens[rows] = kids.view(n_alive, f * b)
         level.scores[rows] = scores.view(n_alive, f * b)
         level.paths[rows] = paths.view(n_alive, f * b)
@@ -166,7 +168,8 @@ def _rows(levels: Sequence[_Level], shape: DynamicShape) -> list[DynamicRow]:
     fed = torch.cat([lv.fed_row for lv in levels], dim=1)
     host = torch.cat([pick, ok.long(), tokens.gather(1, pick), fed.gather(1, pick)], dim=1).tolist()
     host_parents = parents.tolist()
-    probs = None if levels[0].probs is None else torch.cat([lv.probs for lv in levels if lv.probs is not None], dim=1)
+    probs = None if levels[0].probs is None else torch.cat([lv.probs for lv in levels if lv.probs is not None],
+                                                           dim=1)  # [A, M_total, V]
     n = pick.shape[1]
     out = []
     for a, row in enumerate(host):

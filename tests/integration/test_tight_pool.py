@@ -1,0 +1,78 @@
+"""Speculation on a KV pool that only just holds a request (CPU, tiny checkpoints).
+
+Admission checks prompt + max_tokens against the pool, but a round writes its whole block
+(K + 1 positions, a tree's nodes): near its end a request alone in such a pool used to
+preempt itself, recompute and preempt again forever. Now the scheduler gives a request
+with no one left to preempt a smaller round (down to a plain step). Every method and shape
+finishes within a step cap, with plain decoding's greedy tokens and nothing leaked.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers.eagle_heads import write_head
+from infer import LLM, SamplingParams
+
+PROMPT = [5, 6] * 10  # 20 tokens; the model then repeats a token, which n-gram tables draft
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+STEP_CAP = 200  # plain decoding needs 13 steps; a livelock never ends
+
+SHAPES = {
+    "chain": dict(spec_length=3),
+    "chain-long": dict(spec_length=8),
+    "tree": dict(spec_tree="2,2,1"),
+    "dynamic": dict(spec_tree="dynamic:6:2", spec_length=3),
+}
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_head(tmp_path_factory.mktemp("head") / "eagle3", ckpt_a, "eagle3", draft_vocab=120,
+                      aux_layers=[0, 1, 1])
+
+
+def finish(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Each prompt's tokens, driving the engine step by step; fails past STEP_CAP steps."""
+    engine = llm.engine
+    requests = [engine.add_request(p, params) for p in prompts]
+    for _ in range(STEP_CAP):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), (f"not finished after {STEP_CAP} steps "
+                                         f"({engine.scheduler.num_preemptions} preemptions)")
+    return [list(r.output_token_ids) for r in requests]
+
+
+def plain(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(str(ckpt), device="cpu", max_seq_len=256)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle3"])
+def test_a_request_that_only_just_fits_finishes(make_llm, ckpt_a, random_draft, eagle3_head, method, shape,
+                                                block_size):
+    if method != "draft_model" and shape == "dynamic":
+        pytest.skip("dynamic trees are drafted by a draft model only")
+    draft = {"draft_model": str(random_draft), "eagle3": str(eagle3_head)}.get(method)
+    tokens = len(PROMPT) + MAX_TOKENS
+    llm = make_llm(ckpt_a, block_size=block_size, num_blocks=tokens // block_size, max_seq_len=256,
+                   enable_prefix_caching=False, use_speculative_decoding=True, speculative_method=method,
+                   draft_model=draft, **SHAPES[shape])
+    assert llm.engine.kv_capacity_tokens() == tokens  # the request fills the pool exactly
+    assert finish(llm, [PROMPT], GREEDY) == plain(ckpt_a, [PROMPT])
+    assert llm.engine.runner.stats.rounds > 0  # it speculated while the pool allowed
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_several_requests_on_a_tight_pool_all_finish(make_llm, ckpt_a, shape):
+    prompts = [PROMPT, PROMPT[:9], PROMPT[3:17]]
+    llm = make_llm(ckpt_a, block_size=2, num_blocks=(len(PROMPT) + MAX_TOKENS) // 2, max_seq_len=256,
+                   use_speculative_decoding=True, draft_model=str(ckpt_a), **SHAPES[shape])
+    assert finish(llm, prompts, GREEDY) == plain(ckpt_a, prompts)
+    assert llm.engine.scheduler.num_preemptions > 0  # the pool holds one of them at a time

@@ -128,20 +128,36 @@ class LLM:
 
     def _complete(self, id_lists: list[list[int]], params: list[SamplingParams],
                   texts: list[str | None]) -> list[RequestOutput]:
-        """Run every sample of every prompt together; one RequestOutput per prompt."""
-        requests = [[self.engine.add_request(ids, replace(p, n=1, seed=derive_seed(p.seed, i))) for i in range(p.n)]
-                    for ids, p in zip(id_lists, params, strict=True)]
+        """Run every sample of every prompt together; one RequestOutput per prompt. Every
+        prompt is checked before any is queued, and a refusal while queuing takes back the
+        ones queued before it, so a bad prompt leaves nothing behind."""
+        for ids, p in zip(id_lists, params, strict=True):
+            self.engine.validate_prompt(ids, p)
+        requests: list[list[Request]] = []
+        try:
+            for ids, p in zip(id_lists, params, strict=True):
+                requests.append([])
+                for i in range(p.n):
+                    requests[-1].append(self.engine.add_request(ids, replace(p, n=1, seed=derive_seed(p.seed, i))))
+        except BaseException:
+            for r in (r for samples in requests for r in samples):
+                self.engine.abort(r.request_id)
+            raise
         self._run([r for samples in requests for r in samples])
         return [_to_output(samples, t) for samples, t in zip(requests, texts, strict=True)]
 
     def _prompts(self, prompts: str | Sequence[str] | None,
-                 prompt_token_ids: Sequence[Sequence[int]] | None) -> tuple[list[str | None], list[list[int]]]:
+                 prompt_token_ids: Sequence[Sequence[int]] | Sequence[int] | None
+                 ) -> tuple[list[str | None], list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts (text) or prompt_token_ids")
         if prompt_token_ids is not None:
-            ids = [list(p) for p in prompt_token_ids]
+            ids = token_id_lists(prompt_token_ids)
             return [None] * len(ids), ids
         texts = [prompts] if isinstance(prompts, str) else list(prompts or [])
+        bad = next((t for t in texts if not isinstance(t, str)), None)
+        if bad is not None:
+            raise TypeError(f"prompts are strings (got a {type(bad).__name__}): pass token ids as prompt_token_ids")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         return list(texts), [self.tokenizer.encode(t) for t in texts]
@@ -156,11 +172,48 @@ class LLM:
             raise
 
 
+def token_id_lists(prompt_token_ids: Sequence[Sequence[int]] | Sequence[int]) -> list[list[int]]:
+    """Prompts of token ids as lists of Python ints: a list of prompts, or one prompt as a
+    flat list (as vLLM takes it); NumPy or torch integer arrays are taken too. Anything that
+    is not an integer id (a float, a bool, a string) is refused with a TypeError naming it."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+        raise TypeError(f"prompt_token_ids is a list of prompts, each a list of token ids "
+                        f"(got a {type(prompt_token_ids).__name__})")
+    items = list(prompt_token_ids)
+    if items and _is_id(items[0]):
+        items = [items]  # one prompt, given flat
+    out = []
+    for i, prompt in enumerate(items):
+        if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+            raise TypeError(f"prompt_token_ids[{i}] is {prompt!r}, not a list of token ids: give each prompt as "
+                            "a list of ids")
+        ids = list(prompt.tolist() if hasattr(prompt, "tolist") else prompt)
+        bad = next((t for t in ids if not _is_id(t)), None)
+        if bad is not None:
+            raise TypeError(f"prompt_token_ids[{i}] holds {bad!r} ({type(bad).__name__}): token ids are integers")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def _is_id(value: object) -> bool:
+    """An integer token id: an int or a NumPy / torch integer scalar, not a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0
+                                      and "int" in str(value.dtype))
+
+
 def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Sequence):
+        raise TypeError(f"sampling_params is a SamplingParams or a list of them, one per prompt (got a "
+                        f"{type(params).__name__}; build one with SamplingParams(**fields))")
+    bad = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if bad is not None:
+        raise TypeError(f"sampling_params holds a {type(bad).__name__}: each must be a SamplingParams")
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling_params for {n} prompts: give one, or one per prompt")
     return list(params)

@@ -39,7 +39,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
         return out
     index = torch.tensor(rows, device=logits.device)
     lp = torch.log_softmax(logits[index].to(torch.float32), dim=-1)  # [R, V]
-    chosen_ids = torch.tensor([tokens[i] for i in rows], device=logits.device)
+    # (a NO_TOKEN, -1, of a faulted row reads id 0: the row's request fails, its entry is never shown)
+    chosen_ids = torch.tensor([max(tokens[i], 0) for i in rows], device=logits.device)
     chosen = lp.gather(1, chosen_ids[:, None])[:, 0].tolist()  # [R]
     k = max(counts[i] or 0 for i in rows)
     top_vals, top_ids = ([], []) if k == 0 else (t.tolist() for t in lp.topk(k, dim=-1))  # [R, k] each

@@ -36,6 +36,7 @@ from infer.transfer import tensor_on, to_device
 # One row's context for the repetition penalty: token ids as a list or a 1-D tensor.
 Context = Sequence[int] | torch.Tensor
 
+NO_TOKEN = -1  # a sampled id standing for "this row had no valid distribution" (its request's fault)
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 
@@ -409,10 +410,24 @@ def logits_to_probs(logits: torch.Tensor, params: Sequence[SamplingParams],
     probs = torch.softmax(adjusted, dim=-1)  # [N, V]
     greedy = [p.greedy for p in params]
     if any(greedy):
-        one_hot = torch.zeros_like(probs).scatter_(1, adjusted.argmax(dim=-1, keepdim=True), 1.0)
         mask = tensor_on(greedy, probs.device)[:, None]  # [N, 1]
-        probs = torch.where(mask, one_hot, probs)
+        probs = torch.where(mask, one_hot_max(adjusted), probs)
     return probs
+
+
+def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """The argmax over the last dimension, or NO_TOKEN where the row's maximum is not finite
+    (NaN or infinite logits, or every token forbidden): scores [..., V] -> ids [...] long."""
+    best, idx = scores.max(dim=-1)
+    return torch.where(torch.isfinite(best), idx, NO_TOKEN)
+
+
+def one_hot_max(scores: torch.Tensor) -> torch.Tensor:
+    """float32 [N, V] one-hot at each row's argmax; a row whose maximum is not finite is NaN
+    throughout, so sampling from it gives NO_TOKEN."""
+    best, idx = scores.max(dim=-1, keepdim=True)  # [N, 1]
+    one_hot = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device).scatter_(1, idx, 1.0)
+    return torch.where(torch.isfinite(best), one_hot, float("nan"))
 
 
 def temperature_only(params: SamplingParams, vocab: int) -> bool:
@@ -428,8 +443,7 @@ def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: 
     Gives exactly `logits_to_probs`' values for such rows."""
     scaled = logits.to(torch.float32) / temperatures[:, None]  # [N, V]
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
-    one_hot = torch.zeros_like(probs).scatter_(1, scaled.argmax(dim=-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], one_hot, probs)
+    return torch.where(greedy[:, None], one_hot_max(scaled), probs)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -438,7 +452,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     Picks the first index whose cumulative sum exceeds u * total, computed in float64. A pick
     that lands on a zero-probability token (rounding at the top end, or a parallel scan's
     noise) moves to the nearest positive token at or before it, so a token of probability 0
-    is never returned.
+    is never returned. A row with no positive total (NaN or infinite values, or nothing
+    allowed) gives NO_TOKEN: the request's fault, found when the host reads its token.
     """
     if probs.dim() != 2 or uniforms.shape != (probs.shape[0],):
         raise ValueError(
@@ -453,7 +468,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # the last positive token at or before idx (one reduction, not a scan with indices)
     chosen = torch.where(positive & (arange <= idx), arange, -1).amax(dim=-1)  # [N]
     first_positive = positive.to(torch.int32).argmax(dim=-1)  # [N]
-    return torch.where(chosen >= 0, chosen, first_positive)
+    total = cdf[:, -1]  # [N]
+    ok = torch.isfinite(total) & (total > 0)
+    return torch.where(ok, torch.where(chosen >= 0, chosen, first_positive), NO_TOKEN)
 
 
 def sample_without_replacement(probs: torch.Tensor, uniforms: torch.Tensor

@@ -48,10 +48,10 @@ def _failing_engine(ckpt: Path, fail_from: int) -> Engine:
     engine = Engine(EngineConfig(model=str(ckpt), device="cpu"))
     real_step, calls = engine.runner.step, itertools.count(1)
 
-    def step(prefill: Any, decode: Any) -> Any:
+    def step(*args: Any) -> Any:
         if next(calls) >= fail_from:
             raise RuntimeError("injected runner failure")
-        return real_step(prefill, decode)
+        return real_step(*args)
 
     engine.runner.step = step  # this engine instance only
     return engine

@@ -329,3 +329,14 @@ def test_temperature_probs_equals_the_general_pipeline():
     assert not temperature_only(SamplingParams(temperature=1.0, top_k=5), 40)
     assert not temperature_only(SamplingParams(temperature=1.0, top_p=0.9), 40)
     assert not temperature_only(SamplingParams(temperature=0, repetition_penalty=1.2), 40)
+
+
+def test_rows_without_a_valid_distribution_sample_no_token():
+    from infer.sampling import NO_TOKEN, greedy_tokens, one_hot_max, sample_from_probs, temperature_probs
+    logits = torch.tensor([[0.0, 2.0, 1.0], [float("nan"), 1.0, 0.0], [float("-inf")] * 3, [0.0, float("inf"), 1.0]])
+    assert greedy_tokens(logits).tolist() == [1, NO_TOKEN, NO_TOKEN, NO_TOKEN]
+    assert torch.isnan(one_hot_max(logits)[1:]).all() and one_hot_max(logits)[0].tolist() == [0.0, 1.0, 0.0]
+    probs = temperature_probs(logits, torch.ones(4), torch.tensor([False, False, False, True]))
+    assert sample_from_probs(probs, torch.full((4,), 0.5, dtype=torch.float64))[1:].tolist() == [NO_TOKEN] * 3
+    zero = torch.zeros(1, 3)  # nothing allowed
+    assert sample_from_probs(zero, torch.tensor([0.3], dtype=torch.float64)).tolist() == [NO_TOKEN]

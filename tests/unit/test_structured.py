@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -95,14 +97,32 @@ class _OnlyToken:
         self.fill(bitmask, row)
 
 
+def _owner(grammar):
+    """A request as the masks see it (`grammar_mask.Constrained`)."""
+    return SimpleNamespace(request_id="r", fault=None, grammar=grammar)
+
+
 def test_grammar_masked_masks_rows_with_a_grammar():
     logits = torch.randn(2, 64)
-    out = grammar_masked(logits, [None, _OnlyToken(40)])
+    out = grammar_masked(logits, [_owner(None), _owner(_OnlyToken(40))])
     assert torch.equal(out[0], logits[0]) and out[1].argmax().item() == 40
-    assert grammar_masked(logits, [None, None]) is logits
+    assert grammar_masked(logits, [_owner(None), _owner(None)]) is logits
     grammar = _OnlyToken(7)
-    out = grammar_masked(logits, [grammar, None], [[3, 4], []])  # a draft's tokens so far
+    out = grammar_masked(logits, [_owner(grammar), _owner(None)], [[3, 4], []])  # a draft's tokens so far
     assert grammar.paths == [[3, 4]] and out[0].argmax().item() == 7 and torch.equal(out[1], logits[1])
+
+
+def test_a_grammar_that_fails_to_fill_leaves_its_row_unmasked_and_its_request_faulted():
+    class Broken(_OnlyToken):
+        def fill(self, bitmask, row):
+            bitmask[row] = 0  # a partial write, then the failure
+            raise RuntimeError("matcher state lost")
+
+    logits = torch.randn(2, 64)
+    owners = [_owner(Broken(3)), _owner(_OnlyToken(9))]
+    out = grammar_masked(logits, owners)
+    assert torch.equal(out[0], logits[0]) and out[1].argmax().item() == 9
+    assert "matcher state lost" in owners[0].fault and owners[1].fault is None
 
 
 # -- a request grammar (xgrammar) ------------------------------------------------------------

@@ -150,7 +150,20 @@ class Engine:
     def step(self) -> StepResult:
         decision = self.scheduler.schedule()
         results = self.runner.step(decision.prefill, decision.decode, decision.decode_room)
+        results += self._fail_faulted()
         for request in self.scheduler.retire():
+            self.runner.forget(request)
+            self._requests.pop(request.request_id, None)
+        return results
+
+    def _fail_faulted(self) -> StepResult:
+        """Finish the requests whose own work failed this step (`Request.fault`) with an
+        error; the rest of the batch goes on."""
+        results: StepResult = []
+        for request in [r for r in self._requests.values() if r.fault is not None and not r.is_finished]:
+            self.scheduler.remove(request)
+            results.append((request, self.runner.output.finish_without_token(request, FinishReason.ERROR,
+                                                                            request.fault)))
             self.runner.forget(request)
             self._requests.pop(request.request_id, None)
         return results

@@ -69,6 +69,9 @@ class Request:
     generator: torch.Generator = field(init=False)
     # the structured output's grammar state (SamplingParams.structured), set by the engine
     grammar: GrammarState | None = None
+    # a fault of this request's own work (its grammar, its logits, its drafts): the engine
+    # fails it once the step is done (`speculative.faults`)
+    fault: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -53,7 +53,9 @@ from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs, temperature_only
+from infer.sampling import (NO_TOKEN, SamplingParams, draw_uniforms, greedy_tokens, logits_to_probs,
+                            sample_from_probs, temperature_only)
+from infer.speculative.faults import isolated, mark_fault
 from infer.speculative.forward import ForwardFn
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.metrics import SpecStats
@@ -332,17 +334,26 @@ class ModelRunner:
             for j, t in enumerate(tokens):
                 self._emit(r, t, row_lps[j] if row_lps else None)
                 emitted += 1
-                if r.stop_pending is not None:
+                if r.stop_pending is not None or r.fault is not None:
                     break
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
             spec.stats.record(d.num_proposed, a, emitted, d.depth)
 
     def _emit(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """Accept one token for a request: its grammar (if any) advances over it first."""
-        if request.grammar is not None:
-            request.grammar.accept(token_id)
-        self.output.accept(request, token_id, logprobs)
+        """Accept one token for a request: its grammar (if any) advances over it first. A
+        fault of the request (a NO_TOKEN: its logits gave no distribution; an error in its
+        grammar or its rendering) fails it alone: the engine finishes it after the step."""
+        if request.fault is not None:
+            return
+        if token_id == NO_TOKEN:
+            mark_fault(request, f"request {request.request_id} failed: its logits were not finite or allowed no "
+                                "token (check its temperature, logit_bias, penalties and structured output)")
+            return
+        with isolated(request, "accepting a token"):
+            if request.grammar is not None:
+                request.grammar.accept(token_id)
+            self.output.accept(request, token_id, logprobs)
 
     def _plain(self, requests: Sequence[Request]) -> Sampled:
         """One batched decode forward; the sampled tokens [B] stay on the device."""
@@ -392,9 +403,9 @@ class ModelRunner:
         own unless the caller has them listed already) and generator: [B] on the device. A
         request with a structured output samples from the tokens its grammar allows."""
         params = [r.sampling_params for r in requests] if params is None else params
-        logits = grammar_masked(logits, [r.grammar for r in requests])
+        logits = grammar_masked(logits, requests)
         if all(p.greedy and not p.penalized for p in params):
-            return logits.argmax(dim=-1)
+            return greedy_tokens(logits)
         contexts = [r.all_token_ids for r in requests] if any(p.penalized for p in params) else None
         probs = logits_to_probs(logits, params, contexts)
         uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]

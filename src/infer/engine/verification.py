@@ -36,7 +36,7 @@ from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.forward import ForwardFn
-from infer.speculative.grammar_mask import allocate_bitmask, mask_logits
+from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logits
 from infer.speculative.node_tree import DynamicShape, NodeTree, RowTreeChunk, verification_chunk
 from infer.speculative.tree import Draft, TreeChunk, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
@@ -80,12 +80,11 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
     bitmask = allocate_bitmask(len(constrained) * width, first.vocab_size)
     rows: list[int] = []
     for j, i in enumerate(constrained):
-        grammar, d = requests[i].grammar, drafts[i]
-        assert grammar is not None
-        grammar.fill(bitmask, j * width)
+        r, d = requests[i], drafts[i]
+        fill_row(r, bitmask, j * width)
         for node, path in enumerate(d.shape.paths[:width - 1]):
             if node < len(d.valid) and d.valid[node]:
-                grammar.fill_after(bitmask, j * width + 1 + node, [d.token_ids[n] for n in path])
+                fill_row(r, bitmask, j * width + 1 + node, [d.token_ids[n] for n in path])
         rows += [i * width + w for w in range(width)]
     return mask_logits(logits.reshape(b * width, vocab), bitmask, rows).view(b, width, vocab)
 

@@ -177,7 +177,7 @@ class EagleHead(nn.Module):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, T] -> [B, T, H]."""
         table = self.embed_tokens if self.embed_tokens is not None else self._target[0].model.embed_tokens
-        return table(ids)
+        return table(ids.clamp(min=0))  # (NO_TOKEN, -1, of a faulted request reads row 0)
 
     def combine(self, captured: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
         """The target's captured states [M, D] -> the head's features [M, H] (EAGLE-3: fc)."""

@@ -120,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView,
                       kernels: Kernels = EAGER) -> torch.Tensor:
         """input_ids, positions: [B, T] -> final normed hidden states [B, T, H]."""
-        x = self.model.embed_tokens(input_ids)
+        # (a NO_TOKEN id, -1, of a faulted request still in flight reads row 0: its output is dropped)
+        x = self.model.embed_tokens(input_ids.clamp(min=0))
         cos, sin = cos_sin(positions, self.rotary.inv_freq, x.dtype)
         capture = self.capture
         states: dict[int, torch.Tensor] = {}

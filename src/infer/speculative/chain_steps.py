@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.sampling import SamplingParams, draw_uniforms, logits_to_probs, sample_from_probs
-from infer.speculative.grammar_mask import GrammarState, grammar_masked
+from infer.sampling import (NO_TOKEN, SamplingParams, draw_uniforms, greedy_tokens, logits_to_probs,
+                            sample_from_probs)
+from infer.speculative.faults import mark_fault
+from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.proposer import DraftRequest
 
 
@@ -25,7 +27,7 @@ class ChainSteps:
     params: list[SamplingParams]
     greedy: bool  # every row greedy without a penalty: argmax, no q
     contexts: list[list[int]] | None  # each row's tokens, grown by its drafts (when a row is penalised)
-    grammars: list[GrammarState | None]  # each row's grammar (None: free text)
+    reqs: list[DraftRequest]  # each row's request (its grammar, where its faults are recorded)
     drafted: list[list[int]] | None  # each row's drafts so far (when a row has a grammar)
     tokens: torch.Tensor  # [B, K] long, on the draft's device
     probs: torch.Tensor | None = None  # [B, K, V] q, from the first step that samples
@@ -33,10 +35,9 @@ class ChainSteps:
     @classmethod
     def of(cls, reqs: Sequence[DraftRequest], k_max: int, device: torch.device | str) -> ChainSteps:
         params = [r.sampling_params for r in reqs]
-        grammars = [r.grammar for r in reqs]
         return cls(params, all(p.greedy and not p.penalized for p in params),
                    [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None,
-                   grammars, [[] for _ in reqs] if any(g is not None for g in grammars) else None,
+                   list(reqs), [[] for _ in reqs] if any(r.grammar is not None for r in reqs) else None,
                    torch.zeros((len(reqs), k_max), dtype=torch.long, device=device))
 
     @property
@@ -52,10 +53,10 @@ class ChainSteps:
         their contexts; uniforms [A'] are this step's. The contexts and drafts grow by the new
         tokens (a host sync, only when either exists)."""
         if self.drafted is not None:
-            logits = grammar_masked(logits, [self.grammars[b] for b in alive], [self.drafted[b] for b in alive])
+            logits = grammar_masked(logits, [self.reqs[b] for b in alive], [self.drafted[b] for b in alive])
         probs = None
         if self.greedy:
-            new = logits.argmax(dim=-1)  # [A']
+            new = greedy_tokens(logits)  # [A']
         else:
             assert uniforms is not None
             probs = logits_to_probs(logits, [self.params[b] for b in alive],
@@ -63,6 +64,10 @@ class ChainSteps:
             new = sample_from_probs(probs, uniforms)
         if self.host_bound:  # the next mask or penalty needs the tokens
             for b, t in zip(alive, new.tolist(), strict=True):
+                if t == NO_TOKEN:  # (the row's request fails; its later steps read token 0)
+                    mark_fault(self.reqs[b], f"request {self.reqs[b].request_id} failed while drafting: the "
+                                             "draft's logits were not finite or allowed no token")
+                    t = 0
                 for grown in (self.contexts, self.drafted):
                     if grown is not None:
                         grown[b].append(t)

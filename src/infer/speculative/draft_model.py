@@ -70,6 +70,7 @@ from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
+from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.dynamic_draft import expand_dynamic
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
@@ -186,18 +187,21 @@ class DraftModelProposer:
             slots = [self.slot(r) for r in reqs]
             rows = expand_dynamic(self.step_forward, reqs, slots, self._feed_tail(reqs, slots), ks, shape)
             for i, r, row in zip(active, reqs, rows, strict=True):
-                drafts[i] = Draft(row.tree, row.tokens, (True,) * len(row.tokens),
-                                  None if r.sampling_params.greedy else row.probs)
+                with isolated(r, DRAFTING):
+                    drafts[i] = Draft(row.tree, row.tokens, (True,) * len(row.tokens),
+                                      None if r.sampling_params.greedy else row.probs)
             storage = [row.storage for row in rows]
         elif shape.is_chain:
             tokens, probs = self._draft_loop(reqs, ks)
             for j, (i, k) in enumerate(zip(active, ks, strict=True)):
-                drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+                with isolated(reqs[j], DRAFTING):
+                    drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         else:
             nodes, probs, drawn = self._expand(reqs, ks, shape)
             for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
-                drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
-                                        None if probs is None or r.sampling_params.greedy else probs[j])
+                with isolated(r, DRAFTING):
+                    drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
+                                           None if probs is None or r.sampling_params.greedy else probs[j])
         for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
             fed = storage[j] if storage else tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
             self.rounds[r.request_id] = (r.num_computed_tokens, fed)

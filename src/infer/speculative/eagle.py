@@ -50,6 +50,7 @@ from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import fed_positions, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
 from infer.speculative.eagle_tree import expand_head_tree
+from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeShape
 from infer.transfer import tensor_on, to_device
@@ -199,7 +200,8 @@ class EagleProposer:
             self._mark_round(reqs, states)
             tokens, probs = self._draft(reqs, states, ks, last)
         for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
-            drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+            with isolated(reqs[j], DRAFTING):
+                drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         return drafts
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
@@ -212,8 +214,9 @@ class EagleProposer:
         bases = [self.pool.seq_len(slot) - 1 for slot in slots]  # storage position of g's feed
         nodes, probs, drawn = expand_head_tree(self.head, self.pool, reqs, slots, bases, root, ks, shape)
         for j, (i, r, k) in enumerate(zip(picked, reqs, ks, strict=True)):
-            drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
-                                    None if probs is None or r.sampling_params.greedy else probs[j])
+            with isolated(r, DRAFTING):
+                drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
+                                       None if probs is None or r.sampling_params.greedy else probs[j])
         return drafts
 
     def _mark_round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:

@@ -27,7 +27,7 @@ import torch
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
-from infer.sampling import sample_from_probs, temperature_probs
+from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def head_round(head: EagleHead, k_cache: torch.Tensor, v_cache: torch.Tensor, id
     for s in range(steps):
         logits = head.logits(x, kernels)  # [n, V]
         if sampling is None:
-            new = logits.argmax(dim=-1)  # [n]
+            new = greedy_tokens(logits)  # [n]
         else:
             p = temperature_probs(logits, sampling[0].float(), sampling[1] > 0.5)  # [n, V]
             new = sample_from_probs(p, sampling[2 + s])

@@ -4,7 +4,8 @@ to -inf before any sampling transform. Greedy and sampled decoding and the verif
 distribution are then all the masked ones.
 
 `GrammarState` is what the runner and the verifier need of a request's grammar
-(`engine.structured.RequestGrammar` implements it with xgrammar).
+(`engine.structured.RequestGrammar` implements it with xgrammar). A grammar that fails while
+filling its mask fails its request alone (`speculative.faults`); its row is left unmasked.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from infer.speculative.faults import isolated
 from infer.transfer import to_device
 
 
@@ -27,6 +29,28 @@ class GrammarState(Protocol):
     def fill(self, bitmask: torch.Tensor, row: int) -> None: ...
 
     def fill_after(self, bitmask: torch.Tensor, row: int, path: Sequence[int]) -> None: ...
+
+
+class Constrained(Protocol):
+    """A request as the masks see it: its grammar, and where a fault of it is recorded."""
+
+    request_id: str
+    fault: str | None
+    grammar: GrammarState | None
+
+
+def fill_row(request: Constrained, bitmask: torch.Tensor, row: int, path: Sequence[int] | None = None) -> None:
+    """bitmask[row] := the request's grammar's mask at its state (after `path` when given);
+    isolated: a grammar that fails leaves the row all-allowed and its request faulted."""
+    grammar = request.grammar
+    assert grammar is not None
+    with isolated(request, "filling its grammar's token mask"):
+        if path is None:
+            grammar.fill(bitmask, row)
+        else:
+            grammar.fill_after(bitmask, row, path)
+        return
+    bitmask[row] = -1  # (reached when the fill failed)
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -53,22 +77,17 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
     return out
 
 
-def grammar_masked(logits: torch.Tensor, grammars: Sequence[GrammarState | None],
+def grammar_masked(logits: torch.Tensor, requests: Sequence[Constrained],
                    paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """logits [N, V] restricted by each row's grammar at its current state, or after
-    paths[i] when given (a draft's tokens so far); rows without one untouched; the logits
-    themselves when no row has one."""
-    rows = [i for i, g in enumerate(grammars) if g is not None]
+    """logits [N, V] restricted by each row's request's grammar at its current state, or
+    after paths[i] when given (a draft's tokens so far); rows without one untouched; the
+    logits themselves when no row has one."""
+    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return logits
-    first = grammars[rows[0]]
+    first = requests[rows[0]].grammar
     assert first is not None
     bitmask = allocate_bitmask(len(rows), first.vocab_size)
     for j, i in enumerate(rows):
-        grammar = grammars[i]
-        assert grammar is not None
-        if paths is None:
-            grammar.fill(bitmask, j)
-        else:
-            grammar.fill_after(bitmask, j, paths[i])
+        fill_row(requests[i], bitmask, j, None if paths is None else paths[i])
     return mask_logits(logits, bitmask, rows)

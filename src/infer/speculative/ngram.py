@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from infer.sampling import is_strict_int
+from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable
 from infer.speculative.prompt_lookup import PromptLookupTable
 from infer.speculative.proposer import DraftRequest
@@ -116,16 +117,17 @@ class NgramProposer:
         for request, depth in zip(requests, depths, strict=True):
             if not is_strict_int(depth) or depth < 0:
                 raise ValueError(f"depths must hold integers >= 0, got {depth!r} for request {request.request_id!r}")
+            drafts.append(Draft.empty(shape))
             if not depth:  # (its table catches up at its next lookup)
-                drafts.append(Draft.empty(shape))
                 continue
-            table = self._sync(request)
-            n = request.num_tokens
-            context = request.token_slice(max(0, n - self.config.max_order + 1), n)
-            if shape.is_chain:
-                drafts.append(Draft.chain(shape, table.propose(context, min(depth, shape.depth))))
-            else:
-                drafts.append(cut_depth(table.propose_tree(context, shape), depth))
+            with isolated(request, DRAFTING):
+                table = self._sync(request)
+                n = request.num_tokens
+                context = request.token_slice(max(0, n - self.config.max_order + 1), n)
+                if shape.is_chain:
+                    drafts[-1] = Draft.chain(shape, table.propose(context, min(depth, shape.depth)))
+                else:
+                    drafts[-1] = cut_depth(table.propose_tree(context, shape), depth)
         return drafts
 
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
@@ -135,7 +137,8 @@ class NgramProposer:
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""
         for request in requests:
-            self._sync(request)
+            with isolated(request, "building its n-gram table"):
+                self._sync(request)
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Nothing: a table takes the verified tokens at its next lookup."""

@@ -35,6 +35,7 @@ class DraftRequest(Protocol):
     pending_tokens: int  # the newest tokens, still in flight: counted in num_tokens, not yet known
     generator: torch.Generator
     grammar: GrammarState | None  # a structured output's grammar state (None: free text)
+    fault: str | None  # why the request failed this step (`speculative.faults`; None: it has not)
 
     @property
     def all_token_ids(self) -> list[int]: ...

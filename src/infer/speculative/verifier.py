@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.logprobs import TokenLogprobs
-from infer.sampling import sample_from_probs, temperature_probs
+from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
 from infer.speculative.node_tree import TreeFrame, as_frame
 from infer.speculative.tree import TreeShape
 from infer.transfer import tensor_on, to_device
@@ -230,7 +230,7 @@ def verify_greedy_logits(target_logits: torch.Tensor, draft_tokens: torch.Tensor
     while they equal the argmax, then emit the argmax. target_logits [B, K+1, V], draft_tokens
     [B, K] long, counts [B] long -> [B, K+2] long (the same rows as `verify_logits`)."""
     k = target_logits.shape[1] - 1
-    argmax = target_logits.argmax(dim=-1)  # [B, K+1]
+    argmax = greedy_tokens(target_logits)  # [B, K+1] (NO_TOKEN where a row is not finite)
     valid = torch.arange(k, device=argmax.device)[None, :] < counts[:, None]  # [B, K]
     tokens = torch.where(valid, draft_tokens, 0)  # [B, K]
     num_accepted = ((tokens == argmax[:, :k]) & valid).to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]
@@ -411,7 +411,7 @@ def verify_tree_greedy(shape: TreeShape | TreeFrame, target_scores: torch.Tensor
     device = target_scores.device
     frame = as_frame(shape, device)
     kids_of = frame.children.expand(b, -1, -1)  # [B, N+1, C]
-    argmax = target_scores.argmax(dim=-1)  # [B, N+1]
+    argmax = greedy_tokens(target_scores)  # [B, N+1] (NO_TOKEN where a row is not finite)
     valid, tokens = _present(node_tokens, node_valid, device)  # [B, N], [B, N]
     slot = torch.zeros(b, dtype=torch.long, device=device)  # [B]: block row of the current node
     alive = torch.ones(b, dtype=torch.bool, device=device)  # [B]

@@ -13,7 +13,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, BlockMask, CacheView, pack_rows
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import sample_from_probs, temperature_probs
+from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
 from infer.speculative.forward import ForwardFn
 from infer.speculative.node_tree import RowTreeChunk, TreeFrame
 from infer.speculative.tree import TreeChunk, TreeShape
@@ -100,7 +100,7 @@ def draft_steps(forward: ForwardFn, ids: torch.Tensor, layout: BatchLayout, step
         offset, w = (0, width) if s == 0 else (width + s - 1, 1)
         step = BatchLayout.of(layout.slots, [p + offset for p in layout.start_positions], [w] * n)
         if all(greedy):
-            new = forward(step_ids, step, all_logits=False).argmax(dim=-1)  # [n]
+            new = greedy_tokens(forward(step_ids, step, all_logits=False))  # [n]
         else:
             new, p = forward.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
             probs.append(p)

@@ -65,7 +65,7 @@ from infer.engine.executor.tree_graphs import (
 )
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import sample_from_probs, temperature_probs
+from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
 from infer.speculative.verifier import verify_greedy_logits, verify_logits
 from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
@@ -452,7 +452,7 @@ class GraphForward:
                 view = CacheView(self.pool.k_cache, self.pool.v_cache, indices)
                 logits = self.model(step_ids, positions, view, logits_indices=last[min(i, 1)], kernels=self.kernels)
                 if greedy:
-                    new = logits.argmax(dim=-1)  # [b]
+                    new = greedy_tokens(logits)  # [b]
                 else:
                     p = temperature_probs(logits, floats[0].float(), floats[1] > 0.5)  # [b, V]
                     new = sample_from_probs(p, floats[2 + i])  # [b]

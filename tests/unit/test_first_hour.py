@@ -36,6 +36,10 @@ def test_the_distribution_name_is_the_one_in_pyproject_and_the_server_extra_has_
     assert project["name"] == infer.DISTRIBUTION == "infer-engine"
     assert project["scripts"] == {"infer": "infer.cli:main"}
     assert any(dep.startswith("httpx") for dep in project["optional-dependencies"]["server"])
+    # xgrammar (and through it triton, about 1 GB on a CPU install) comes with structured outputs only
+    extras = project["optional-dependencies"]
+    assert not any(dep.startswith("xgrammar") for dep in extras["server"])
+    assert any(dep.startswith("xgrammar") for dep in extras["structured"])
     assert infer.DISTRIBUTION in (ROOT / "README.md").read_text()
 
 
@@ -188,3 +192,15 @@ def test_llm_generates_n_samples_and_refuses_after_close(ckpt_a: Path) -> None:
         llm.generate("a b c")
     with pytest.raises(RuntimeError, match="closed"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize("missing, flags", [("httpx", []), ("uvicorn", []), ("httpx", ["--url", "http://127.0.0.1:9"])])
+def test_the_serve_suite_without_the_server_extra_fails_before_running(
+        missing: str, flags: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)  # not importable
+    out = tmp_path / "serve.json"
+    assert main(["bench", "--suite", "serve", "--device", "cpu", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --suite serve needs {missing}") and "pip install 'infer-engine[server]'" in err
+    assert not out.exists()

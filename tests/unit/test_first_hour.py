@@ -204,3 +204,26 @@ def test_the_serve_suite_without_the_server_extra_fails_before_running(
     err = capsys.readouterr().err
     assert err.startswith(f"error: --suite serve needs {missing}") and "pip install 'infer-engine[server]'" in err
     assert not out.exists()
+
+
+def test_over_length_errors_name_the_flag_that_raises_the_limit(ckpt_a: Path) -> None:
+    import httpx
+
+    from infer import LLM, SamplingParams
+    from infer.engine.config import EngineConfig
+    from infer.server.launch import LiveServer
+
+    llm = LLM(str(ckpt_a), device="cpu", max_seq_len=32)
+    with pytest.raises(ValueError, match=r"raise max_seq_len \(--max-seq-len\), up to the model's context of 512"):
+        llm.generate(prompt_token_ids=[[5] * 30], sampling_params=SamplingParams(max_tokens=8))
+    with LiveServer.start(EngineConfig(model=str(ckpt_a), device="cpu", max_seq_len=32), "m") as live:
+        messages = [{"role": "user", "content": "a b c d e f g h " * 8}]
+        for body in ({"model": "m", "messages": messages}, {"model": "m", "messages": messages[:1], "max_tokens": 4},
+                     {"model": "m", "prompt": "a b " * 20, "max_tokens": 4}):
+            route = "chat/completions" if "messages" in body else "completions"
+            r = httpx.post(f"{live.url}/v1/{route}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "operator can raise max_seq_len (--max-seq-len), up to the model's context of 512" in \
+                r.json()["error"]["message"]
+        live.settle()
+        assert live.leak_report() == []

@@ -16,7 +16,8 @@ files only. The estimate:
 max_seq_len=None: the model's own context (the least of target's and draft's; a sliding
 window caps it), cut to the capacity so that one sequence always fits, as vLLM does (the
 contiguous backend reserves it for every slot: cut to capacity / batch). A given value above
-the model's context is cut to it, with a warning.
+the models' max_position_embeddings is cut to it, with a warning (above a sliding window it
+is refused as the weights load: models/config.py).
 max_batch_size=None: on CUDA as many sequences as the capacity holds at
 min(max_seq_len, BATCH_SIZING_TOKENS) tokens each, at most GPU_MAX; on a CPU, CPU_DEFAULT.
 The paged pool holds max_batch_size x max_seq_len tokens, cut to the capacity (never below
@@ -112,8 +113,8 @@ def plan_sizes(config: EngineConfig, models: list[ModelConfig], device_bytes: in
     contiguous = config.kv_cache_backend == "contiguous"
     batch = config.max_batch_size or (CPU_DEFAULT if device_bytes is None else max(1, min(
         GPU_MAX, capacity // min(config.max_seq_len or model_max, model_max, BATCH_SIZING_TOKENS))))
-    if config.max_seq_len is not None:
-        context = min(config.max_seq_len, model_max)
+    if config.max_seq_len is not None:  # (above a sliding window: refused as the weights load)
+        context = min([config.max_seq_len] + [m.max_position_embeddings for m in models])
     else:
         context = min(model_max, capacity // (batch if contiguous else 1))
         if context < config.block_size:

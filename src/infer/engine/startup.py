@@ -62,8 +62,8 @@ class StartupTimes:
                   "no CUDA graphs (eager)")
         tokens = min(self.kv_tokens) if self.kv_tokens else 0
         return (f"engine ready in {load + runner:.1f} s: weights loaded in {load:.1f} s; KV cache of {tokens:,} "
-                f"tokens ({self.kv_bytes / 2**30:.2f} GiB) allocated in {self.kv_s:.2f} s; {graphs}; other warm-up "
-                f"(fused kernels compiled, ...) {warm:.1f} s; max_seq_len {config.max_seq_len}, "
+                f"tokens ({self.kv_bytes / 2**30:.2f} GiB) allocated in {self.kv_s:.2f} s; {graphs}; the rest of "
+                f"the warm-up (kernel compilation first) {warm:.1f} s; max_seq_len {config.max_seq_len}, "
                 f"max_batch_size {config.max_batch_size}")
 
 

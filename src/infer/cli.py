@@ -1,8 +1,10 @@
-"""`infer` command line: generate (stream a completion), serve (OpenAI-compatible server),
-bench (benchmark workloads).
+"""`infer` command line: generate (stream a completion), chat (an interactive conversation),
+serve (OpenAI-compatible server), bench (benchmark workloads).
 
 Only the chosen command's flags are built, so `infer --help` imports neither torch nor the
-server; every flag (sampling, engine, server) is validated before a model is loaded.
+server; every flag (sampling, engine, server) is validated before a model is loaded. Every
+flag also takes its underscore spelling (`--max_tokens`, as vLLM and the OpenAI API spell
+it); a wrong flag or value is one line on stderr (exit 2), the command's `--help` the rest.
 
 Under `torchrun` (tensor parallelism over several processes or nodes) every rank runs the
 same command line: rank 0 runs the command, the others serve as its worker ranks.
@@ -12,20 +14,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from infer import DISTRIBUTION, __version__
-from infer.engine.args import add_engine_args, engine_config_from_args
+from infer.engine.args import add_engine_args, dash_flags, engine_config_from_args
 
 CLI_TEMPERATURE, CLI_MAX_TOKENS = 0.0, 128  # the library's SamplingParams defaults are 1.0 and 16
+CHAT_MAX_TOKENS = 512  # an answer's tokens at most (and at most what the context has room for)
 
 
-def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default="def fibonacci(n):", help="prompt text (default: %(default)r)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS,
+class _Parser(argparse.ArgumentParser):
+    """A parser whose errors are one line naming the problem, not the usage (40 lines with
+    the engine flags)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def _sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
                    help="tokens to generate at most (default: %(default)s; SamplingParams' default is 16)")
     p.add_argument("--temperature", type=float, default=CLI_TEMPERATURE,
                    help="0 = greedy (default: %(default)s; SamplingParams' default is 1.0)")
@@ -34,57 +42,59 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off (default: %(default)s)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off (default: %(default)s)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], 0 = off (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end the output where this text appears (not printed); repeat for several")
+    p.add_argument("--system", default=None, help="a system prompt (generate: implies --chat)")
     add_engine_args(p)
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from infer.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, stop=args.stop)
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default="def fibonacci(n):",
+                   help="prompt text, '-' to read it from stdin (default: %(default)r)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    _sampling_args(p, CLI_MAX_TOKENS)
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from infer.engine.batch_size import resolve_sizes
     from infer.engine.engine import Engine
     from infer.engine.loading import default_model_paths, load_tokenizer
-    from infer.sampling import SamplingParams
+    from infer.streaming import rate_summary, stream_request
 
     # everything the flags can get wrong fails here, before the weights load
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens)
+    params = _sampling_params(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = engine_config_from_args(args)
     tok = load_tokenizer(config.tokenizer or default_model_paths(config)[0])
     if tok is None:
         raise ValueError("this model has no tokenizer; use `infer bench` for tokenizer-less dummy shapes")
-    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
+    chat = args.chat or args.system is not None
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    ids = tok.encode_chat([*system, {"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    resolve_sizes(config)  # the context length (default: the model's), from config files
     if len(ids) + params.max_tokens > config.max_seq_len:
         raise ValueError(f"the prompt ({len(ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds "
-                         f"--max-seq-len {config.max_seq_len}: shorten the prompt or lower --max-tokens")
+                         f"--max-seq-len {config.max_seq_len}: shorten the prompt, lower --max-tokens or raise "
+                         "--max-seq-len (up to the model's context)")
     engine = Engine(config)
     # sampling is seeded by the engine's --seed (default 0): the same command gives the same text
     request = engine.add_request(ids, params)  # (the model's own context limit is checked here)
-    if not args.chat:
-        sys.stdout.write(args.prompt)
-    start = time.perf_counter()
-    first: float | None = None  # when the first token (the end of prefill) arrived
-    while not request.is_finished:
-        for _, out in engine.step():
-            if first is None and out.token_id is not None:
-                first = time.perf_counter()
-            sys.stdout.write(out.text_delta)
-            sys.stdout.flush()
-    end = time.perf_counter()
-    print("\n\n" + _summary(len(request.output_token_ids), start, first, end)
+    if not chat:
+        sys.stdout.write(prompt)
+    out = stream_request(engine, request, sys.stdout)
+    print("\n\n" + rate_summary(out.num_tokens, out.start, out.first, out.end)
           + f", finish: {request.finish_reason.value}" + _extra(request, engine.threads) + "]")
     engine.close()
     return 0
-
-
-def _summary(n: int, start: float, first: float | None, end: float) -> str:
-    """"[N tokens in T s (prefill P s), D tokens/s decode": the rate counts the tokens after the
-    first over the time after it, so a long prompt's prefill does not dilute it."""
-    text = f"[{n} tokens in {end - start:.2f} s"
-    if first is None:
-        return text
-    text += f" (prefill {first - start:.2f} s)"
-    if n > 1 and end > first:
-        text += f", {(n - 1) / (end - first):.1f} tokens/s decode"
-    return text
 
 
 def _extra(request: Any, threads: int | None) -> str:
@@ -93,6 +103,26 @@ def _extra(request: Any, threads: int | None) -> str:
         summary += (f", acceptance {request.mean_acceptance_rate():.2f}, "
                     f"{request.mean_accepted_length():.2f} tokens/round")
     return summary + (f", {threads} CPU thread(s)" if threads else "")
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    _sampling_args(p, CHAT_MAX_TOKENS)
+    p.set_defaults(func=_cmd_chat)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from infer.chat import Chat, run_chat
+    from infer.engine.engine import Engine
+
+    params = _sampling_params(args)
+    config = engine_config_from_args(args)
+    engine = Engine(config)
+    try:
+        if engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer to chat with; use `infer bench` for dummy shapes")
+        return run_chat(Chat(engine, engine.tokenizer, params, args.system), sys.stdin, sys.stdout)
+    finally:
+        engine.close()
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -117,6 +147,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "generate": ("complete one prompt, streaming text to the terminal", _generate_args),
+    "chat": ("an interactive chat in the terminal (/clear, /exit), streaming each answer", _chat_args),
     "serve": ("OpenAI-compatible HTTP server (needs the server extra)", _serve_args),
     "bench": ("run benchmark workloads, write JSON results; --plot draws them", _bench_args),
 }
@@ -124,8 +155,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser, with flags only for the command named in `argv` (if any)."""
-    parser = argparse.ArgumentParser(prog="infer", description=__doc__,
-                                     epilog="`infer COMMAND --help` lists a command's flags and their defaults")
+    parser = _Parser(prog="infer", description=__doc__,
+                     epilog="`infer COMMAND --help` lists a command's flags and their defaults")
     parser.add_argument("--version", action="version", version=f"infer {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
@@ -140,8 +171,13 @@ TORCHRUN_COMMANDS = ("generate", "serve")  # the commands a torchrun launch can 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(argv).parse_args(argv)
+    argv = dash_flags(sys.argv[1:] if argv is None else list(argv))
+    args, unknown = build_parser(argv).parse_known_args(argv)
+    if unknown:
+        prog = f"infer {args.command}"
+        print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (`{prog} --help` lists the flags)",
+              file=sys.stderr)
+        return 2
     from infer.distributed.group import is_torchrun_worker
     try:
         if is_torchrun_worker():

@@ -40,12 +40,15 @@ class LLM:
                                  at most half the cores (small models decode fastest on one)
         max_batch_size=None      requests decoded together; None: sized from the GPU's
                                  memory (at most 256), 8 on a CPU
-        max_seq_len=1024         prompt + output tokens per request (capped at the model's context)
+        max_seq_len=None         prompt + output tokens per request; None: the model's own
+                                 context, cut to what the KV memory holds
         kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
-        use_cuda_graphs=False    CUDA graphs for decode and speculation steps
-        use_speculative_decoding=False, speculative_method="draft_model" ("ngram", "prompt_lookup",
-        "eagle", "eagle3"), draft_model=None (the demo draft with the demo target; a directory,
-        hub id or .gguf file; an EAGLE head's directory with "eagle" / "eagle3"),
+        use_cuda_graphs=None     CUDA graphs for decode and speculation steps, with the fused
+                                 kernels; None: on for CUDA (False: vLLM's enforce_eager)
+        use_speculative_decoding=None (on when a speculation field is set),
+        speculative_method="draft_model" ("ngram", "prompt_lookup", "eagle", "eagle3"),
+        draft_model=None (the demo draft with the demo target, its EAGLE-3 head with "eagle3";
+        a directory, hub id or .gguf file; an EAGLE head's directory with "eagle" / "eagle3"),
         spec_length=5 (a tree: its depth), spec_policy="fixed"
         seed=0                   seeds requests that set none: the same call gives the same text
         tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;

@@ -208,7 +208,7 @@ def test_the_engine_speculates_over_the_tree_and_reports_tree_metrics(make_llm, 
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(spec_tree="3,2"), "use_speculative_decoding"),
+    (dict(spec_tree="3,2", use_speculative_decoding=False), "use_speculative_decoding"),
     (dict(use_speculative_decoding=True, spec_tree="3,,2"), "spec_tree"),
     (dict(use_speculative_decoding=True, spec_tree="0,2"), "spec_tree"),
     (dict(use_speculative_decoding=True, spec_tree=",".join(["1"] * 17)), "16 levels"),

@@ -1,16 +1,23 @@
-"""The default max_batch_size: sized from device memory on a GPU (the byte estimate checked
-against a loaded model's real weights), 8 on a CPU, a given size kept."""
+"""Sizing defaults (engine/batch_size.py): the context length defaults to the model's own,
+cut to what the KV memory holds (a GPU's memory beside the weights, CPU_KV_BYTES on a CPU,
+or a given pool); max_batch_size from memory on a GPU, 8 on a CPU; the paged pool cut to the
+memory (never below one sequence); a given size kept. The byte estimate is checked against a
+loaded model's real weights."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from infer.engine.batch_size import (CPU_DEFAULT, GPU_MAX, MEMORY_SHARE, RESERVE_BYTES, ModelBytes,
-                                     fitting_batch_size, model_bytes, resolve_max_batch_size)
+
+from infer.engine.batch_size import (BATCH_SIZING_TOKENS, CPU_DEFAULT, CPU_KV_BYTES, GPU_MAX, MEMORY_SHARE,
+                                     RESERVE_BYTES, ModelBytes, fitting_batch_size, model_bytes, plan_sizes,
+                                     resolve_sizes)
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.step_costs import weight_bytes
+from infer.models.config import ModelConfig
 from infer.models.loader import load_model, read_model_config
 
 
@@ -36,9 +43,68 @@ def test_batch_fits_the_memory_left_beside_the_weights() -> None:
     assert two < n
 
 
-def test_cpu_engines_default_to_eight_and_a_given_size_is_kept(ckpt_a: Path) -> None:
-    assert resolve_max_batch_size(EngineConfig(model=str(ckpt_a), device="cpu")) == CPU_DEFAULT
-    assert resolve_max_batch_size(EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=3)) == 3
+SHAPE_3B = read_model_config("dummy:llama-3.2-3b", "dummy")  # 131,072 positions, 112 KiB of bf16 KV a token
+H200 = 141 << 30
+
+
+def _capacity(device_bytes: int | None, configs: list[ModelConfig], element: int) -> int:
+    sizes = [model_bytes(c, element) for c in configs]
+    budget = CPU_KV_BYTES if device_bytes is None else int(MEMORY_SHARE * device_bytes - sum(
+        s.weights for s in sizes) - RESERVE_BYTES)
+    return budget // sum(s.kv_per_token for s in sizes)
+
+
+def test_a_gpu_serves_the_models_whole_context_and_shares_the_pool() -> None:
+    capacity = _capacity(H200, [SHAPE_3B], 2)
+    sizes = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b"), [SHAPE_3B], H200, 2)
+    assert capacity > SHAPE_3B.max_position_embeddings  # (the memory holds several whole sequences)
+    assert sizes.max_seq_len == SHAPE_3B.max_position_embeddings == 131072
+    assert sizes.max_batch_size == min(GPU_MAX, capacity // BATCH_SIZING_TOKENS) == GPU_MAX
+    assert sizes.num_blocks == -(-capacity // 16)  # the memory, shared
+    small = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b"), [SHAPE_3B], 24 << 30, 2)
+    assert small.max_seq_len == _capacity(24 << 30, [SHAPE_3B], 2) < 131072  # cut to what the memory holds
+    # a given max_seq_len keeps the old rule: the pool is batch x max_seq_len when it fits
+    given = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b", max_seq_len=1024), [SHAPE_3B], H200, 2)
+    assert (given.max_seq_len, given.max_batch_size, given.num_blocks) == (1024, GPU_MAX, None)
+
+
+def test_a_cpu_context_is_cut_to_its_kv_budget_and_the_pool_never_grows_past_it() -> None:
+    capacity = _capacity(None, [SHAPE_3B], 4)  # float32 on a CPU
+    sizes = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b", device="cpu"), [SHAPE_3B], None, 4)
+    assert sizes.max_seq_len == capacity < 131072 and sizes.max_batch_size == CPU_DEFAULT
+    assert sizes.num_blocks == -(-capacity // 16)  # the budget, not 8 whole sequences
+    # a given context longer than the budget still gets a pool of one whole sequence
+    long = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b", device="cpu", max_seq_len=65536), [SHAPE_3B], None, 4)
+    assert long.max_seq_len == 65536 and long.num_blocks == 65536 // 16
+    # a given pool is the budget; the contiguous backend reserves the context for every slot
+    pool = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b", num_blocks=100), [SHAPE_3B], None, 4)
+    assert pool.max_seq_len == 1600 and pool.num_blocks is None
+    slots = plan_sizes(EngineConfig(model="dummy:llama-3.2-3b", kv_cache_backend="contiguous", max_batch_size=4),
+                       [SHAPE_3B], None, 4)
+    assert slots.max_seq_len == capacity // 4 and slots.num_blocks is None
+
+
+def test_the_context_is_the_least_of_the_models_and_the_sliding_window() -> None:
+    draft = replace(SHAPE_3B, max_position_embeddings=2048)
+    assert plan_sizes(EngineConfig(), [SHAPE_3B, draft], H200, 2).max_seq_len == 2048
+    windowed = replace(SHAPE_3B, sliding_window=4096)
+    assert plan_sizes(EngineConfig(), [windowed], H200, 2).max_seq_len == 4096
+    assert plan_sizes(EngineConfig(max_seq_len=8192), [windowed], H200, 2).max_seq_len == 8192  # (refused at load)
+    assert plan_sizes(EngineConfig(max_seq_len=200_000), [SHAPE_3B], H200, 2).max_seq_len == 131072  # cut
+
+
+def test_weights_that_leave_no_kv_memory_are_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="too few for a sequence. Set max_seq_len and kv_cache_memory_bytes"):
+        plan_sizes(EngineConfig(), [SHAPE_3B], 8 << 30, 2)
+
+
+def test_cpu_engines_default_to_eight_and_the_models_context(ckpt_a: Path) -> None:
+    config = EngineConfig(model=str(ckpt_a), device="cpu")
+    resolve_sizes(config)
+    assert (config.max_batch_size, config.max_seq_len) == (CPU_DEFAULT, 512)  # the checkpoint's context
+    given = EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=3, max_seq_len=64)
+    resolve_sizes(given)
+    assert (given.max_batch_size, given.max_seq_len, given.num_blocks) == (3, 64, None)
     engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu", max_seq_len=64))
     assert engine.config.max_batch_size == CPU_DEFAULT == engine.scheduler.config.max_batch_size
     with pytest.raises(ValueError, match="max_batch_size must be >= 1 or None"):

@@ -55,7 +55,8 @@ def test_generate_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> Non
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for expected in ("default: 0.0; SamplingParams' default is 1.0", "default: 128; SamplingParams' default is 16",
-                     "--threads", "--max-batch-size", "at most 256), 8 on a CPU", "(default: 1024)"):
+                     "--threads", "--max-batch-size", "at most 256), 8 on a CPU", "--system", "--stop TEXT",
+                     "'-' to read it from stdin", "default: the model's own context"):
         assert expected in text
 
 

@@ -148,7 +148,7 @@ def test_a_compressed_tensors_checkpoint_loads_as_quantizing_at_load_does(tmp_pa
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(quantization="int8"), "quantization must be None or 'fp8'"),
-    (dict(draft_quantization="fp8"), "draft_quantization applies to a draft model"),
+    (dict(draft_quantization="fp8", use_speculative_decoding=False), "draft_quantization configures speculative"),
     (dict(draft_quantization="fp8", use_speculative_decoding=True, speculative_method="ngram"),
      "draft_quantization applies to a draft model"),
 ])

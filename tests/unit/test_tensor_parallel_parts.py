@@ -308,7 +308,9 @@ def test_engine_config_validates_the_tensor_parallel_fields() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_lm_head must be one of"):
         EngineConfig(tensor_parallel_lm_head="columns")
     with pytest.raises(ValueError, match="tensor_parallel_draft='sharded' applies to a draft model"):
-        EngineConfig(tensor_parallel_draft="sharded")
+        EngineConfig(tensor_parallel_draft="sharded", speculative_method="ngram")
+    with pytest.raises(ValueError, match="tensor_parallel_draft configures speculative decoding"):
+        EngineConfig(tensor_parallel_draft="sharded", use_speculative_decoding=False)
     EngineConfig(tensor_parallel_size=2, use_speculative_decoding=True, tensor_parallel_draft="sharded")
 
 

@@ -3,26 +3,26 @@
     infer bench --suite decode-speed --out results/decode.json
     infer bench --suite all-gpu --max-seconds 540 --out results/all.json
     infer bench --suite smoke --list                 # the rows a suite runs; run nothing
-    infer bench --workload W1 --model dummy:llama-3.2-3b --use-cuda-graphs --hf
-    infer bench --workload W5 --speculative-decoding --speculative-method ngram --temperature 0
-    infer bench --suite serve --request-rates 1,4,16 --model dummy:llama-3.2-3b --use-cuda-graphs
+    infer bench --workload W1 --model dummy:llama-3.2-3b --hf     # CUDA graphs on a GPU by default
+    infer bench --workload W1 --model dummy:llama-3.2-3b --enforce-eager   # the same, every step eager
+    infer bench --workload W5 --speculative-method ngram --temperature 0   # (a speculation flag: speculation on)
+    infer bench --suite serve --request-rates 1,4,16 --model dummy:llama-3.2-3b
     infer bench --suite serve --url http://127.0.0.1:8000   # a running OpenAI-compatible server
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
     infer bench --plot results/all.json              # PNG charts (matplotlib) in results/all-charts/
 
 Suites and their rows are defined in `infer.bench.suites`. With --workload, the engine flags
 (the same as `infer generate`) configure the run; max batch size and max_seq_len default to
-what the workload needs; with --suite serve they configure the server the suite starts. The
-exit status is 1 when a measurement failed (or none ran): rows
-skipped for a missing optional package, missing GPUs or the time budget say why and are no
-failure.
+what the workload needs; with --suite serve they configure the server the suite starts (which
+needs the server extra: without it, an error naming it, exit 2, before anything runs). The
+exit status is 1 when a measurement failed (or none ran): rows skipped for a missing optional
+package, missing GPUs or the time budget say why and are no failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
-import dataclasses
 import datetime as _dt
 import sys
 from pathlib import Path
@@ -32,11 +32,10 @@ from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.report import console_table, markdown
 from infer.bench.results import BenchRun, environment_info, load_run, save_run
 from infer.bench.rows import with_refs
-from infer.bench.serve import DEFAULT_RATES, ServeSetup, parse_rates
+from infer.bench.serve import DEFAULT_RATES, FASTAPI, HTTPX, UVICORN, ServeSetup, parse_rates
 from infer.bench.suites import SUITES, custom_rows, suite_rows
 from infer.bench.workloads import WORKLOADS, get_workload
-from infer.engine.args import add_engine_args
-from infer.engine.config import EngineConfig
+from infer.engine.args import add_engine_args, engine_config_from_args, engine_values
 from infer.engine.loading import resolve_device
 
 
@@ -86,8 +85,17 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    values = engine_values(args)
     return {k: v for k, v in values.items() if not (k in ("max_batch_size", "max_seq_len") and v is None)}
+
+
+def check_serve_extra(url: str | None) -> None:
+    """--suite serve needs the server extra (httpx sends the load; FastAPI and uvicorn run our
+    server unless --url names another): ValueError naming what to install, before anything runs."""
+    missing = [m.name for m in ((HTTPX,) if url else (HTTPX, FASTAPI, UVICORN)) if not m.installed()]
+    if missing:
+        raise ValueError(f"--suite serve needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         f"not installed: pip install '{HTTPX.install}' (in a checkout: pip install -e '.[server]')")
 
 
 SERVE_FLAGS = {"url": None, "request_rates": DEFAULT_RATES, "num_prompts": ServeSetup.num_prompts,
@@ -124,6 +132,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --suite NAME or --workload NAME (or --report FILES)")
     name = args.suite or f"workload-{args.workload}"
     serve = _serve_setup(args)
+    if args.workload:
+        engine_config_from_args(args)  # what the engine flags get wrong, before any row runs
     options = HarnessOptions(device=args.device, output_len=args.output_len, warmup_tokens=args.warmup_tokens,
                              max_seconds=args.max_seconds, cost_repeats=args.cost_repeats, repeats=args.repeats,
                              paired_instances=args.paired_instances, with_hf=not args.no_hf,
@@ -142,6 +152,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(f"{n}  ({table[n].kind}): {table[n].what}" for n in with_refs(selected, table)))
         return 0
+    if serve is not None:
+        check_serve_extra(serve.url)
     out = args.out or _default_out(name)
     recorded = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     run = BenchRun(suite=name, environment=environment_info(resolve_device(args.device)), options=recorded)

@@ -54,7 +54,19 @@ def _ref(ctx: Context, name: str, what: str) -> Any:
 
 def bandwidth_row(name: str = BANDWIDTH) -> Row:
     return Row(name, "device-to-device copy bandwidth (the rooflines' denominator)", "bandwidth", "roofline",
-               lambda ctx: ({}, copy_bandwidth(ctx.device).to_dict()))
+               _bandwidth)
+
+
+def _bandwidth(ctx: Context) -> Outcome:
+    """The copy probe, with what it bounds: a GPU's memory; on a CPU a copy small enough to stay
+    largely in the caches, so the rooflines of models about that size (the demo pair) are a
+    cache-speed bound, and larger models, read from DRAM, stay well below it."""
+    bw = copy_bandwidth(ctx.device)
+    size = f"a {bw.probe_bytes >> 20} MiB copy"
+    meaning = (f"GPU memory bandwidth ({size})" if ctx.device.type == "cuda" else
+               f"CPU: {size}, largely in the caches: a cache-speed bound for models of about that size, "
+               "above what DRAM gives larger ones")
+    return {"meaning": meaning}, bw.to_dict()
 
 
 def roofline_row(label: str, model: str, quantization: str | None = None, needs: tuple[Need, ...] = ()) -> Row:

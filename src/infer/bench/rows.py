@@ -77,12 +77,14 @@ class Module:
     name: str
     install: str  # the pip requirement that provides it
 
-    def missing(self, ctx: Context) -> str | None:
+    def installed(self) -> bool:
         try:
-            found = importlib.util.find_spec(self.name) is not None
+            return importlib.util.find_spec(self.name) is not None
         except (ImportError, ValueError):  # a broken or half-removed package
-            found = False
-        return None if found else f"needs {self.name}, which is not installed: pip install '{self.install}'"
+            return False
+
+    def missing(self, ctx: Context) -> str | None:
+        return None if self.installed() else f"needs {self.name}, which is not installed: pip install '{self.install}'"
 
 
 @dataclass(frozen=True)

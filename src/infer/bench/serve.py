@@ -34,6 +34,7 @@ DEFAULT_RATES = (1.0, 4.0, 16.0)
 WARMUP_SEED = 1_000_003  # warm-up requests differ from the measured ones
 HTTPX = Module("httpx", "infer-engine[server]")
 FASTAPI = Module("fastapi", "infer-engine[server]")
+UVICORN = Module("uvicorn", "infer-engine[server]")
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -196,7 +197,7 @@ def serve_rows(setup: ServeSetup, model: str, needs: tuple[Need, ...]) -> list[R
     """One row a rate, sharing one server (`model` and `needs`: ours, when no URL is given)."""
     ours = setup.url is None
     group = f"serving, {setup.label}: " + (Path(model).name or model if ours else setup.url or "")
-    row_needs = (HTTPX, FASTAPI, *needs) if ours else (HTTPX,)
+    row_needs = (HTTPX, FASTAPI, UVICORN, *needs) if ours else (HTTPX,)
     session = ServeSession(dataclasses.replace(setup, engine={**setup.engine, "model": model}) if ours else setup,
                            len(setup.rates))
 

@@ -51,11 +51,10 @@ from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, inde
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
 from infer.bench.sweep import SweepSetup, SweepShape
 from infer.bench.workloads import JSON_RECORDS, WORKLOADS, Workload
-from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
+from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET
 from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B, SHAPE_8B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"
-DEMO_EAGLE3 = DEMO_TARGET.parent / "eagle3"  # the demo target's trained EAGLE-3 head
 HEAD_3B = "dummy-eagle3:llama-3.2-3b"  # an EAGLE-3 head of the 3B shape, dummy weights
 EAGLE_SWEEP_CHAINS = tuple(range(2, 7))
 SPEC_K = 5

@@ -3,9 +3,12 @@ and `python -m infer.server`. One flag per field (`--max-batch-size`; `--specula
 for `use_speculative_decoding`), string fields with their choices.
 
 `engine_config_from_args` checks what the flags can get wrong before anything loads: the
-config's own validation (its errors name the flags, not the fields), `--draft-model` or
-`--speculative-method` without `--speculative-decoding` (an error: speculation is switched on
-by that one flag), and model paths that do not exist.
+config's own validation (its errors name the flags, not the fields), what the device cannot
+do (`--use-cuda-graphs` on a CPU), and model paths that do not exist. A speculation flag
+(`--spec-length`, `--draft-model`, `--ngram-max-order`, ...) typed without
+`--speculative-decoding` turns speculation on, as vLLM's speculative config does; with
+`--no-speculative-decoding` it is an error. `--enforce-eager` (vLLM's flag) is
+`--no-use-cuda-graphs`.
 """
 
 from __future__ import annotations
@@ -17,18 +20,18 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from infer.engine.config import CHOICES, EngineConfig
+from infer.engine.config import CHOICES, SPECULATION_FIELDS, EngineConfig
 
 _ALIASES = {"use_speculative_decoding": ["--speculative-decoding"]}
 _HELP = {
-    "use_speculative_decoding": "speculative decoding: a draft proposes K tokens, the model verifies them in one "
-                                "forward (lossless); the draft is --speculative-method's",
-    "use_cuda_graphs": "capture decode and speculation steps as CUDA graphs (less CPU launch overhead)",
-    "speculative_method": "where drafts come from (needs --speculative-decoding)",
+    "max_seq_len": "tokens a sequence holds, prompt and output; default: the model's own context, capped by "
+                   "what the KV memory holds (1 GiB of KV on a CPU)",
+    "speculative_method": "where drafts come from (turns --speculative-decoding on)",
     "model": "local model directory (Hugging Face layout), hub id or llama.cpp .gguf file; default: the "
              "bundled demo target",
-    "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file; needs "
-                   "--speculative-decoding); default with the demo target: the demo draft",
+    "draft_model": "draft model for speculative decoding (directory, hub id or .gguf file; turns "
+                   "--speculative-decoding on); default with the demo target: the demo draft (with "
+                   "--speculative-method eagle3: its EAGLE-3 head)",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive); "
                    "default: 5, or the depth of --spec-tree",
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
@@ -56,6 +59,11 @@ _HELP = {
 
 
 _OPTIONAL_BOOL_HELP = {
+    "use_speculative_decoding": "speculative decoding: a draft proposes K tokens, the model verifies them in one "
+                                "forward (lossless); the draft is --speculative-method's (default: on when a "
+                                "speculation flag such as --spec-length or --draft-model is given)",
+    "use_cuda_graphs": "capture decode and speculation steps as CUDA graphs, less CPU launch overhead (default: on "
+                       "for CUDA devices, with the fused kernels; --enforce-eager turns both off)",
     "enable_prefix_caching": "default: on for the paged backend",
     "compile_kernels": "fused kernels: torch.compile'd elementwise ops and rotary, Triton FP8 matmuls "
                        "(default: on with CUDA graphs)",
@@ -81,17 +89,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             base = _base_type(hint)
             shown = "" if field.default is None and "default:" in help_text else f" (default: {field.default})"
-            action = _Given if field.name in _SPECULATION_ONLY else "store"
+            action = _Given if field.name in SPECULATION_FIELDS else "store"
             group.add_argument(*names, dest=field.name, type=base, default=field.default, action=action,
                                choices=CHOICES.get(field.name), help=f"{help_text}{shown}".strip())
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="vLLM's name for --no-use-cuda-graphs: every step eager, without CUDA graphs (and "
+                            "without the fused kernels unless --compile-kernels)")
 
 
 def _base_type(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
-
-
-_SPECULATION_ONLY = ("draft_model", "speculative_method")  # flags that mean nothing without speculation
 
 
 class _Given(argparse.Action):
@@ -101,6 +109,19 @@ class _Given(argparse.Action):
                  option_string: str | None = None) -> None:
         setattr(namespace, self.dest, values)
         setattr(namespace, f"given_{self.dest}", True)
+
+
+def dash_flags(argv: list[str]) -> list[str]:
+    """Flags in their underscore spelling (`--max_tokens 8`, as vLLM and the OpenAI API spell
+    them) as the dashed flags they are (`--max-tokens 8`); values (`--stop=a_b`) and everything
+    after `--` unchanged. (A value of its own cannot start with `--`: argparse reads it as a flag.)"""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        name, eq, value = arg.partition("=")
+        out.append(name.replace("_", "-") + eq + value if arg.startswith("--") else arg)
+    return out
 
 
 def flag(field: str) -> str:
@@ -128,17 +149,34 @@ def flag_text(message: str) -> str:
     return pattern.sub(replace, message)
 
 
+def engine_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the flags give, with what the flags imply (module docstring):
+    a speculation flag typed turns speculation on (ValueError beside --no-speculative-decoding),
+    --enforce-eager turns CUDA graphs off (ValueError beside --use-cuda-graphs)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    given = [flag(name) for name in SPECULATION_FIELDS if getattr(args, f"given_{name}", False)]
+    if given and values["use_speculative_decoding"] is False:
+        raise ValueError(f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} speculative decoding, "
+                         "which --no-speculative-decoding turns off: drop one or the other")
+    if given:
+        values["use_speculative_decoding"] = True
+    if getattr(args, "enforce_eager", False):
+        if values["use_cuda_graphs"]:
+            raise ValueError("--enforce-eager and --use-cuda-graphs contradict each other: drop one")
+        values["use_cuda_graphs"] = False
+    return values
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of the flags; ValueError (naming flags) or FileNotFoundError before
     any weight loads."""
-    if not args.use_speculative_decoding:
-        given = [flag(name) for name in _SPECULATION_ONLY if getattr(args, f"given_{name}", False)]
-        if given:
-            raise ValueError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} "
-                             "--speculative-decoding: add it (or drop them)")
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    from infer.engine.defaults import check_device_options
+    from infer.engine.loading import resolve_device
+
+    values = engine_values(args)
     try:
         config = EngineConfig(**values)
+        check_device_options(config, resolve_device(config.device))  # (its warnings: when the engine starts)
     except ValueError as exc:
         raise ValueError(flag_text(str(exc))) from None
     check_model_paths(config)

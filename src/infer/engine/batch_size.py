@@ -1,37 +1,50 @@
-"""The default `max_batch_size`: sized from the GPU's memory, 8 on a CPU.
+"""Sizing defaults: the context length (`max_seq_len`), `max_batch_size` and the KV pool.
 
-`EngineConfig.max_batch_size=None` (the default) is resolved here when an engine is built,
-before any weight is read (after tensor-parallel ranks start: their pools are sized by the
-driver's calls): on a CUDA
-device, as many sequences as a KV pool of `max_seq_len` tokens each fits in what the device
-leaves after the weights, at most `GPU_MAX` (vLLM's `max_num_seqs` default); on a CPU,
-`CPU_DEFAULT` (batching there buys little). The estimate reads only config files:
+Resolved when an engine is built (`resolve_sizes`), before any weight is read (after
+tensor-parallel ranks start: their pools are sized by the driver's calls), from config
+files only. The estimate:
 
   weights    every model's parameters (target, draft), linear weights at 1 byte in FP8,
              divided among the tensor-parallel ranks (the embedding and head counted whole);
-  KV         2 (K, V) x layers x KV heads x head dim x element bytes a token, per model,
-             the heads divided among the ranks;
-  budget     MEMORY_SHARE of the device's memory, less the weights and RESERVE_BYTES (CUDA
-             graphs, activations, the sampler's [batch, vocab] buffers).
+  KV         2 (K, V) x layers x KV heads x head dim x element bytes a token, summed over
+             the models with a pool, the heads divided among the ranks;
+  budget     the KV memory: on CUDA MEMORY_SHARE of the device's memory less the weights and
+             RESERVE_BYTES (CUDA graphs, activations, the sampler's [batch, vocab] buffers);
+             on a CPU CPU_KV_BYTES (ordinary RAM, committed at start); a given `num_blocks`
+             or `kv_cache_memory_bytes` instead. Its capacity is budget / KV tokens.
 
-The paged pool then defaults to max_batch_size x max_seq_len tokens, as with a given size.
+max_seq_len=None: the model's own context (the least of target's and draft's; a sliding
+window caps it), cut to the capacity so that one sequence always fits, as vLLM does (the
+contiguous backend reserves it for every slot: cut to capacity / batch). A given value above
+the models' max_position_embeddings is cut to it, with a warning (above a sliding window it
+is refused as the weights load: models/config.py).
+max_batch_size=None: on CUDA as many sequences as the capacity holds at
+min(max_seq_len, BATCH_SIZING_TOKENS) tokens each, at most GPU_MAX; on a CPU, CPU_DEFAULT.
+The paged pool holds max_batch_size x max_seq_len tokens, cut to the capacity (never below
+one sequence): sequences then share it, the scheduler preempting the newest when it fills.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, default_model_paths, resolve_device
+from infer.engine.loading import LoadedModels, default_model_paths, model_dtype, resolve_device
 from infer.models.config import ModelConfig
 from infer.models.loader import read_model_config
+
+log = logging.getLogger("infer.engine")
 
 CPU_DEFAULT = 8
 GPU_MAX = 256
 MEMORY_SHARE = 0.85
 RESERVE_BYTES = 4 << 30
+CPU_KV_BYTES = 1 << 30  # a CPU's default KV pool at most (--kv-cache-memory-bytes raises it)
+BATCH_SIZING_TOKENS = 1024  # the length a default GPU batch is sized for; longer sequences share the pool
+_FLOAT32 = ("float32", "fp32", "float")
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,15 @@ class ModelBytes:
 
     weights: int
     kv_per_token: int
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What `plan_sizes` decides: num_blocks None keeps the pool's own default (batch x context)."""
+
+    max_seq_len: int
+    max_batch_size: int
+    num_blocks: int | None
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes: int) -> int:
@@ -58,33 +80,66 @@ def model_bytes(config: ModelConfig, element_bytes: int, fp8: bool = False, rank
     return ModelBytes(linear + embeddings, max(1, kv))
 
 
+def kv_budget_bytes(models: list[ModelBytes], device_bytes: int | None) -> int:
+    """The KV memory: MEMORY_SHARE of a CUDA device's `device_bytes` less the weights and
+    RESERVE_BYTES; CPU_KV_BYTES on a CPU (`device_bytes` None)."""
+    if device_bytes is None:
+        return CPU_KV_BYTES
+    return int(MEMORY_SHARE * device_bytes - sum(m.weights for m in models) - RESERVE_BYTES)
+
+
 def fitting_batch_size(models: list[ModelBytes], device_bytes: int, max_seq_len: int) -> int:
     """Sequences of `max_seq_len` tokens whose KV fits beside the weights (1..GPU_MAX)."""
-    budget = MEMORY_SHARE * device_bytes - sum(m.weights for m in models) - RESERVE_BYTES
     per_sequence = max_seq_len * sum(m.kv_per_token for m in models)
-    return max(1, min(GPU_MAX, int(budget // per_sequence)))
+    return max(1, min(GPU_MAX, kv_budget_bytes(models, device_bytes) // per_sequence))
 
 
-def default_max_batch_size(config: EngineConfig, device: torch.device, models: list[ModelConfig]) -> int:
-    """`config.max_batch_size` when given, else the default for `device` with these model
-    configs (the target first, then a draft model if any) in `config`'s dtype."""
-    if config.max_batch_size is not None:
-        return config.max_batch_size
-    if device.type != "cuda":
-        return CPU_DEFAULT
-    element = 4 if config.dtype == "float32" else 2
-    ranks = config.tensor_parallel_size
-    sizes = [model_bytes(m, element, fp8=quant == "fp8", ranks=ranks)
-             for m, quant in zip(models, (config.quantization, config.draft_quantization), strict=False)]
-    max_seq_len = min(config.max_seq_len, models[0].max_position_embeddings)
-    return fitting_batch_size(sizes, torch.cuda.get_device_properties(device).total_memory, max_seq_len)
+def plan_sizes(config: EngineConfig, models: list[ModelConfig], device_bytes: int | None,
+               element_bytes: int) -> Sizes:
+    """The sizes of the module docstring for `models` (the target first, then a draft model
+    if any) on a CUDA device of `device_bytes` (None: a CPU); ValueError when the weights
+    leave no room for a sequence's KV."""
+    quants = (config.quantization, config.draft_quantization)
+    sizes = [model_bytes(m, element_bytes, fp8=q == "fp8", ranks=config.tensor_parallel_size)
+             for m, q in zip(models, quants, strict=False)]
+    kv = sum(s.kv_per_token for s in sizes)
+    if config.num_blocks is not None:
+        capacity = config.num_blocks * config.block_size
+    elif config.kv_cache_memory_bytes is not None:  # (each pool gets these bytes)
+        capacity = config.kv_cache_memory_bytes // max(s.kv_per_token for s in sizes)
+    else:
+        capacity = max(0, kv_budget_bytes(sizes, device_bytes)) // kv
+    model_max = model_context(models)
+    contiguous = config.kv_cache_backend == "contiguous"
+    batch = config.max_batch_size or (CPU_DEFAULT if device_bytes is None else max(1, min(
+        GPU_MAX, capacity // min(config.max_seq_len or model_max, model_max, BATCH_SIZING_TOKENS))))
+    if config.max_seq_len is not None:  # (above a sliding window: refused as the weights load)
+        context = min([config.max_seq_len] + [m.max_position_embeddings for m in models])
+    else:
+        context = min(model_max, capacity // (batch if contiguous else 1))
+        if context < config.block_size:
+            raise ValueError(f"the KV memory left beside the weights holds {capacity} tokens"
+                             + (f" for {batch} slots" if contiguous else "") + ": too few for a sequence. Set "
+                             "max_seq_len and kv_cache_memory_bytes, use quantization='fp8', or a device with "
+                             "more memory")
+    num_blocks = None
+    if not contiguous and config.num_blocks is None and config.kv_cache_memory_bytes is None \
+            and batch * context > capacity:  # the pool: the capacity, at least one whole sequence
+        num_blocks = -(-max(capacity, context) // config.block_size)
+    return Sizes(context, batch, num_blocks)
 
 
-def resolve_max_batch_size(config: EngineConfig, models: LoadedModels | None = None) -> int:
-    """`default_max_batch_size` for an engine about to be built on `config` (with `models`
-    already loaded: their configs and device; else the config files, nothing loaded)."""
-    if config.max_batch_size is not None:
-        return config.max_batch_size
+def model_context(models: list[ModelConfig]) -> int:
+    """The longest sequence every model runs: their least max_position_embeddings, within
+    the target's sliding window when it has one (models/config.py refuses longer)."""
+    window = models[0].sliding_window
+    return min([m.max_position_embeddings for m in models] + ([window] if window is not None else []))
+
+
+def resolve_sizes(config: EngineConfig, models: LoadedModels | None = None) -> None:
+    """Fill in `config`'s max_seq_len, max_batch_size and (when the default pool would not
+    fit) num_blocks for an engine about to be built (with `models` already loaded: their
+    configs and device; else the config files, nothing loaded)."""
     if models is not None:
         device = next(models.target.parameters()).device
         configs = [models.target.config] + ([models.draft.config] if models.draft is not None else [])
@@ -92,4 +147,19 @@ def resolve_max_batch_size(config: EngineConfig, models: LoadedModels | None = N
         device = resolve_device(config.device)
         target, draft = default_model_paths(config)
         configs = [read_model_config(path, config.load_format) for path in (target, draft) if path is not None]
-    return default_max_batch_size(config, device, configs)
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    element = 4 if model_dtype(config, device) in _FLOAT32 else 2
+    sizes = plan_sizes(config, configs, device_bytes, element)
+    if config.max_seq_len is not None and sizes.max_seq_len < config.max_seq_len:
+        log.warning("max_seq_len %d is longer than the model's context: using %d", config.max_seq_len,
+                    sizes.max_seq_len)
+    config.max_seq_len, config.max_batch_size = sizes.max_seq_len, sizes.max_batch_size
+    if sizes.num_blocks is not None:
+        config.num_blocks = sizes.num_blocks
+
+
+def context_hint(max_seq_len: int, model_max: int) -> str:
+    """How an over-length error's limit is raised: the flag, or that it is the model's own."""
+    if max_seq_len < model_max:
+        return f"raise max_seq_len (--max-seq-len), up to the model's context of {model_max} tokens"
+    return f"use a model with a longer context ({model_max} tokens is this model's own)"

@@ -14,6 +14,16 @@ if TYPE_CHECKING:
 
 EAGLE_METHODS = ("eagle", "eagle3")  # speculative methods whose draft_model is an EAGLE head
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
+# fields that configure speculative decoding: one set to a value other than its default turns
+# it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
+SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_tree", "spec_policy",
+                      "spec_disable_batch_size", "spec_cost_coefficient", "ngram_max_order", "ngram_min_order",
+                      "ngram_window", "draft_quantization", "tensor_parallel_draft")
+# vLLM's names of engine options, for the error an unknown option gets
+VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_seq_len",
+              "max_num_seqs": "max_batch_size",
+              "speculative_config": "use_speculative_decoding, speculative_method, draft_model, spec_length",
+              "num_speculative_tokens": "spec_length", "gpu_memory_utilization": "kv_cache_memory_bytes"}
 _VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 # the values each string field takes (the command line shows them as the flags' choices)
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -44,8 +54,10 @@ class EngineConfig:
       batching, memory   max_batch_size, max_seq_len, max_num_batched_tokens (chunked
                          prefill), mixed_batches, kv_cache_backend ("paged" with prefix caching, or
                          "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
-      speed              use_cuda_graphs, compile_kernels, async_scheduling, threads (CPU)
-      speculation        use_speculative_decoding, speculative_method ("draft_model",
+      speed              use_cuda_graphs, compile_kernels, async_scheduling (each on by default
+                         on CUDA), threads (CPU)
+      speculation        use_speculative_decoding (None: on when any field below is set),
+                         speculative_method ("draft_model",
                          "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
                          EAGLE / EAGLE-3 head), draft_model, spec_length (K), spec_tree,
                          spec_policy ("fixed" or "adaptive"), n-gram orders and window
@@ -65,7 +77,10 @@ class EngineConfig:
     # batching and memory
     # running requests; None: sized from the GPU's memory (up to 256), 8 on a CPU (engine/batch_size.py)
     max_batch_size: int | None = None
-    max_seq_len: int = 1024  # capped at the model's max_position_embeddings
+    # tokens a sequence holds, prompt and output; None: the model's own context
+    # (max_position_embeddings, a GGUF file's context_length), capped by what the KV memory
+    # holds (engine/batch_size.py); a value above the model's context is cut to it
+    max_seq_len: int | None = None
     # tokens a step computes: its decode rows' first, prefill chunks take the rest (longer prompts are chunked)
     max_num_batched_tokens: int = 512
     # a step with prefill chunks and plain decode rows runs them in one forward, the tokens
@@ -77,7 +92,9 @@ class EngineConfig:
     num_blocks: int | None = None  # paged: None = enough for max_batch_size x max_seq_len
     kv_cache_memory_bytes: int | None = None  # paged: alternative to num_blocks
     enable_prefix_caching: bool | None = None  # None = on for the paged backend
-    use_cuda_graphs: bool = False
+    # CUDA graphs of decode and speculation steps; None: on for CUDA devices (False: eager, as
+    # vLLM's enforce_eager; True on a CPU is refused when the engine is built)
+    use_cuda_graphs: bool | None = None
     # the largest batch whose decode steps also get graphs for sampling, acceptance and whole
     # draft rounds (above it they replay the forward's graph and finish eagerly); each such
     # graph keeps [batch, vocab]-sized outputs (wider for acceptance and sampled draft rounds)
@@ -86,8 +103,8 @@ class EngineConfig:
     # overlapped scheduling: the host prepares step n+1 (and renders step n's tokens) while
     # the GPU runs step n; None = on for CUDA devices
     async_scheduling: bool | None = None
-    # speculative decoding
-    use_speculative_decoding: bool = False
+    # speculative decoding; None: on when a field of SPECULATION_FIELDS is set
+    use_speculative_decoding: bool | None = None
     speculative_method: str = "draft_model"
     # dir, hub id or .gguf; None with the demo target = the bundled demo draft. With
     # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py)
@@ -121,6 +138,7 @@ class EngineConfig:
     tensor_parallel_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
+        self._resolve_speculation()
         if self.spec_length is None:
             self.spec_length = (self._tree_shape().depth if self.spec_tree is not None and not self._dynamic()
                                 else DEFAULT_SPEC_LENGTH)
@@ -135,8 +153,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None (sized from memory), got {self.max_batch_size}")
-        for name in ("max_seq_len", "max_num_batched_tokens", "block_size",
-                     "spec_length", "ngram_window", "tensor_parallel_size"):
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1 or None (the model's context), got {self.max_seq_len}")
+        for name in ("max_num_batched_tokens", "block_size", "spec_length", "ngram_window", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
@@ -159,6 +178,25 @@ class EngineConfig:
                              f"got {self.ngram_min_order}..{self.ngram_max_order}")
         self._check_combinations()
         self._check_tree()
+
+    def speculation_fields_set(self) -> list[str]:
+        """The SPECULATION_FIELDS holding a value other than their default (spec_length: other
+        than DEFAULT_SPEC_LENGTH, the value a chain gets when it is left unset)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return [name for name in SPECULATION_FIELDS
+                if getattr(self, name) not in (defaults[name], *((DEFAULT_SPEC_LENGTH,) if name == "spec_length" else ()))]
+
+    def _resolve_speculation(self) -> None:
+        """use_speculative_decoding=None: on when a speculation field is set; False with one
+        set is a contradiction, refused (never silently ignored)."""
+        given = self.speculation_fields_set()
+        if self.use_speculative_decoding is None:
+            self.use_speculative_decoding = bool(given)
+        elif not self.use_speculative_decoding and given:
+            raise ValueError(f"{', '.join(given)} {'configures' if len(given) == 1 else 'configure'} speculative "
+                             "decoding, which use_speculative_decoding=False turns off: set "
+                             "use_speculative_decoding=True, or leave "
+                             f"{'it' if len(given) == 1 else 'them'} unset")
 
     def _check_combinations(self) -> None:
         if self.kv_cache_backend == "contiguous" and (self.num_blocks or self.kv_cache_memory_bytes):
@@ -191,9 +229,11 @@ class EngineConfig:
 
     def _check_eagle(self) -> None:
         method = self.speculative_method
-        if self.draft_model is None:
+        if self.draft_model is None and not (self.model is None and method == "eagle3"):  # (demo: its head)
             raise ValueError(f"speculative_method={method!r} requires draft_model: the directory of an "
-                             f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head trained for the target")
+                             f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head trained for the target"
+                             + (" (the demo target ships an EAGLE-3 head: speculative_method='eagle3')"
+                                if self.model is None else ""))
         if self.tensor_parallel_size != 1:
             raise ValueError(f"speculative_method={method!r} runs on one GPU: set tensor_parallel_size=1")
 
@@ -256,7 +296,9 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; valid options: {sorted(known)}")
+            hints = [f"{name}: use {VLLM_NAMES[name]}" for name in unknown if name in VLLM_NAMES]
+            raise ValueError(f"unknown engine option(s) {unknown}" + (f" ({'; '.join(hints)})" if hints else "")
+                             + f"; valid options: {sorted(known)}")
         return cls(**kwargs)
 
 

@@ -14,23 +14,28 @@ executor, which mirrors every pool and forward call on them; `close()` ends them
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from infer.engine.batch_size import resolve_max_batch_size
+from infer.engine.batch_size import context_hint, model_context
 from infer.engine.config import EngineConfig
+from infer.engine.defaults import resolve_engine_defaults
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
 from infer.engine.loading import LoadedModels, check_before_loading, default_model_paths, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.engine.startup import StartupTimes, TimedExecutor
 from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from infer.engine.structured import Grammars, RequestGrammar
+
+log = logging.getLogger("infer.engine")
 
 
 class Engine:
@@ -40,18 +45,23 @@ class Engine:
             # the worker ranks read weights as soon as they start: the tokenizer and the
             # draft pair are checked first (one rank loads after the same check)
             check_before_loading(config, *default_model_paths(config))
-        self.parallel = start_parallel(config, models)  # None: one rank, this process
+        self.startup = StartupTimes()
+        with self.startup.phase("load"):  # (the other ranks start loading their shards now)
+            self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
-            config.max_batch_size = resolve_max_batch_size(config, models)  # (None: sized from memory)
-            self.models = models or self._load_models()
+            # CUDA graphs on CUDA, context length, batch size, KV pool (None: from the device and model)
+            resolve_engine_defaults(config, models)
+            with self.startup.phase("load"):
+                self.models = models or self._load_models()
             self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
                                              sum(p.numel() for p in self.models.target.parameters()))
-            config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
             self.tokenizer = self.models.tokenizer
-            self.runner = self._make_runner()
+            with self.startup.phase("runner"):
+                self.runner = self._make_runner()
         except BaseException:
             self.close()
             raise
+        log.info(self.startup.summary(config))
         self.kv = self.runner.kv_manager()
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                    config.batching_mode, config.max_seq_len), self.kv)
@@ -66,7 +76,7 @@ class Engine:
         return load_models(self.config, self.parallel.device, *self.parallel.shards)
 
     def _make_runner(self) -> ModelRunner:
-        executor: Executor = engine_executor(self.parallel, self.models)
+        executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models), self.startup)
         return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
                            draft_model=self.models.draft if self.config.use_speculative_decoding else None,
                            head=self.models.head if self.config.use_speculative_decoding else None)
@@ -81,6 +91,12 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.models.target.config.vocab_size
+
+    @property
+    def model_context(self) -> int:
+        """The models' own context: max_seq_len goes up to it."""
+        draft = [self.models.draft.config] if self.models.draft is not None else []
+        return model_context([self.models.target.config, *draft])
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
@@ -110,7 +126,8 @@ class Engine:
         if len(ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
-                f"exceeds max_seq_len {limit} (of target and draft): shorten the prompt or lower max_tokens")
+                f"exceeds max_seq_len {limit}: shorten the prompt, lower max_tokens or "
+                + context_hint(limit, self.model_context))
         capacity = self.kv_capacity_tokens()
         if capacity is not None and len(ids) + params.max_tokens > capacity:
             raise ValueError(f"prompt + max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the "

@@ -2,7 +2,8 @@
 
 A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file; a GGUF file
 carries its own tokenizer. Without `model` the bundled demo target is used (and with speculation on and no
-`draft_model`, the bundled demo draft), so a fresh install works with no download.
+`draft_model`, the bundled demo draft, or with speculative_method "eagle3" the demo target's
+EAGLE-3 head), so a fresh install works with no download.
 
 Everything that can be checked from files is checked before any weight is read
 (`check_before_loading`): the tokenizer is built (a GGUF file whose tokenizer infer cannot
@@ -35,6 +36,7 @@ from infer.tokenization import Tokenizer
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "draft"
+DEMO_EAGLE3 = DEMO_DIR / "eagle3"  # the demo target's trained EAGLE-3 head
 
 
 @dataclass
@@ -131,9 +133,13 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
 
 
 def eagle_head_path(config: EngineConfig) -> str | None:
-    """The EAGLE head's directory when speculation uses one."""
-    wants = config.use_speculative_decoding and config.speculative_method in EAGLE_METHODS
-    return config.draft_model if wants else None
+    """The EAGLE head's directory when speculation uses one (the demo target's own EAGLE-3
+    head when neither a model nor a head is given)."""
+    if not (config.use_speculative_decoding and config.speculative_method in EAGLE_METHODS):
+        return None
+    if config.draft_model is None and config.model is None and config.speculative_method == "eagle3":
+        return str(DEMO_EAGLE3)
+    return config.draft_model
 
 
 def head_config(path: str, method: str) -> EagleHeadConfig:

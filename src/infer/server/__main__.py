@@ -5,18 +5,20 @@
         --port 8000 --served-model-name llama --api-key "$KEY"
 
 Engine flags are the same as `infer generate` (see `infer.engine.args`). Every flag, the
-model paths and the port are checked before the model loads.
+model paths and the port are checked before the model loads; the engine's start-up (load,
+KV cache, warm-up: engine/startup.py) is logged at --log-level info.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
 
 from infer import DISTRIBUTION
-from infer.engine.args import add_engine_args, engine_config_from_args
+from infer.engine.args import add_engine_args, dash_flags, engine_config_from_args
 from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
                                  ServerConfig, default_allowed_hosts)
 
@@ -38,7 +40,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Server flags (network, security, limits) + engine flags."""
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    group.add_argument("--port", type=_port, default=8000, help="TCP port, 1..65535 (default: %(default)s)")
     group.add_argument("--served-model-name", default=None,
                        help=f"model id clients send; default: the --model directory's name (never its path), "
                             f"or {DEFAULT_MODEL_NAME!r} for the demo")
@@ -70,6 +72,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                      help="parse special-token strings (e.g. <|eot_id|>) in prompts and messages as control "
                           "tokens (default: they are plain text; chat templates still insert the real ones)")
     add_engine_args(parser)
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1..65535, got {text!r}")
+    return value
 
 
 def _queue_limit(text: str) -> int | None:
@@ -133,6 +145,8 @@ def serve(args: argparse.Namespace) -> int:
     server_config_from_args(args)  # flag errors before the port is taken
     engine_config_from_args(args)
     sock = bind(args.host, args.port)  # a port in use fails here, before the model loads
+    logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("infer").setLevel(logging.DEBUG if args.log_level == "trace" else args.log_level.upper())
     try:
         app, engine = build_app(args)
         port = sock.getsockname()[1]
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infer.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_server_args(parser)
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dash_flags(sys.argv[1:] if argv is None else list(argv)))
     from infer.distributed.group import is_torchrun_worker
     try:
         if is_torchrun_worker():  # (torchrun: rank 0 serves, the other ranks are its workers)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from infer.engine.batch_size import context_hint
 from infer.engine.engine import Engine
 from infer.sampling import SamplingParams, StructuredOutput, derive_seed
 from infer.server.body import BodyLimits, parse_body
@@ -61,6 +62,11 @@ class Preparer:
     @property
     def max_seq_len(self) -> int:
         return self.engine.config.max_seq_len
+
+    @property
+    def raise_hint(self) -> str:
+        """What lifts the context limit, for the over-length 400s (the server's flag)."""
+        return f" (the server's operator can {context_hint(self.max_seq_len, self.engine.model_context)})"
 
     async def completion(self, raw: bytes, check_model: ModelCheck) -> tuple[CompletionRequest, Prepared]:
         """Parse and prepare a /v1/completions body (`check_model` runs on its `model` first)."""
@@ -110,7 +116,8 @@ class Preparer:
         most = self.max_seq_len * self.max_token_chars
         if chars > most:
             raise bad_request(f"{param} has {chars} characters, more than this model's context of {self.max_seq_len} "
-                              f"tokens can hold (at most {self.max_token_chars} characters a token): shorten it",
+                              f"tokens can hold (at most {self.max_token_chars} characters a token): shorten it"
+                              + self.raise_hint,
                               param, "context_length_exceeded")
 
     def _completion(self, body: CompletionRequest) -> Prepared:
@@ -135,7 +142,7 @@ class Preparer:
                 ids = self._tokenizer("prompt").encode(prompt, parse_special=self.config.allow_special_tokens,
                                                        limit=self.max_seq_len)
             except TokenLimitExceeded as exc:
-                raise _too_long("prompt", exc.count, self.max_seq_len) from exc
+                raise _too_long("prompt", exc.count, self.max_seq_len, self.raise_hint) from exc
         else:
             ids = [int(t) for t in prompt]  # (integral floats are allowed)
         self._check_prompt(ids, max_tokens, "prompt", "max_tokens")
@@ -165,7 +172,8 @@ class Preparer:
         for name, given in (("max_tokens", body.max_tokens), ("max_completion_tokens", body.max_completion_tokens)):
             if given is not None and len(ids) + given > self.max_seq_len:
                 raise bad_request(f"messages ({len(ids)} tokens) + {name} ({given}) exceeds the context length "
-                                  f"{self.max_seq_len}: lower {name} or shorten the messages", "messages",
+                                  f"{self.max_seq_len}: lower {name} or shorten the messages{self.raise_hint}",
+                                  "messages",
                                   "context_length_exceeded")
         explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = explicit if explicit is not None else max(1, self.max_seq_len - len(ids))
@@ -186,10 +194,11 @@ class Preparer:
             raise bad_request(f"{param} is empty: give at least one token", param, "empty_prompt")
         limit = self.max_seq_len
         if len(ids) >= limit:
-            raise _too_long(param, len(ids), limit)
+            raise _too_long(param, len(ids), limit, self.raise_hint)
         if len(ids) + max_tokens > limit:
             raise bad_request(f"{param} ({len(ids)} tokens) + max_tokens ({max_tokens}) = {len(ids) + max_tokens} "
-                              f"exceeds the context length {limit}: lower max_tokens or shorten the {param}",
+                              f"exceeds the context length {limit}: lower max_tokens or shorten the {param}"
+                              + self.raise_hint,
                               budget_param, "context_length_exceeded")
         vocab = self.engine.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -226,9 +235,9 @@ def vocabulary_bounds(tokenizer: Tokenizer | None) -> tuple[int, int]:
     return chars, structural
 
 
-def _too_long(param: str, count: int, limit: int) -> APIError:
+def _too_long(param: str, count: int, limit: int, hint: str) -> APIError:
     return bad_request(f"{param} has {count} tokens; this model's context length is {limit}, which leaves no "
-                       "room to generate: shorten it", param, "context_length_exceeded")
+                       f"room to generate: shorten it{hint}", param, "context_length_exceeded")
 
 
 def _check_supported(body: SamplingFields) -> None:

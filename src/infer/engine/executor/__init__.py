@@ -19,8 +19,9 @@ def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: Forward
     device = next(model.parameters()).device
     if not (spec.use_cuda_graphs and device.type == "cuda"):
         return EagerForward(model, pool, spec.kernels)
-    from infer.engine.executor.graphs import GraphForward, batch_buckets
-    return GraphForward(model, pool, batch_buckets(spec.max_batch_size), spec.shapes, kernels=spec.kernels,
+    from infer.engine.executor.capture import capture_sizes
+    from infer.engine.executor.graphs import GraphForward
+    return GraphForward(model, pool, capture_sizes(spec.max_batch_size), spec.shapes, kernels=spec.kernels,
                         sample_widths=spec.sample_widths, small_batch_shapes=spec.small_batch_shapes,
                         verify_modes=spec.verify_modes, sampling_batch_max=spec.sampling_batch_max,
                         draft_probs=spec.draft_probs)

@@ -1,11 +1,12 @@
 """CUDA graphs for the fixed-shape steps: decode, draft steps, speculative verification.
 
 A `GraphForward` captures `model(ids, positions, CacheView(static indices))` once per
-(batch bucket, width, logits mode) with persistent input tensors. A step pads its batch to
-the next captured bucket (padding rows write to the pool's scratch row and are masked),
-copies ids, positions and cache indices into the persistent tensors and replays. The
-context width S is fixed at max_seq_len so every step of a bucket has the same shapes.
-Anything that does not fit (wider chunks, prefill) runs eagerly through the same model.
+(batch bucket, width, logits mode) with persistent input tensors, the buckets and the context
+width S as executor/capture.py decides (1, 2, 4, ... up to max_batch_size; S =
+min(max_seq_len, MAX_GRAPH_CONTEXT)). A step pads its batch to the next captured bucket
+(padding rows write to the pool's scratch row and are masked), copies ids, positions and
+cache indices into the persistent tensors and replays. Anything that does not fit (wider
+chunks, prefill, contexts longer than S) runs eagerly through the same model.
 Replay computes the same function as eager; tests/gpu checks the tokens are identical.
 
 Draft steps at a temperature > 0 (no top-k / top-p / repetition penalty) can also capture
@@ -29,6 +30,7 @@ computed in the graph from the staged storage positions; the tree verifier after
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -37,6 +39,7 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, ViewIndices
+from infer.engine.executor.capture import graph_context_width
 from infer.engine.executor.forward import (
     EagerForward,
     check_tree_layout,
@@ -72,15 +75,6 @@ from infer.speculative.tree import TreeChunk
 
 
 T = TypeVar("T")
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, ... up to and including max_batch_size."""
-    sizes, b = [], 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch_size]
 
 
 @dataclass
@@ -167,8 +161,9 @@ class GraphForward:
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerForward(model, pool, kernels)
-        self.context_width = context_width or pool.max_seq_len
+        self.context_width = context_width or graph_context_width(pool.max_seq_len)
         self.buckets = sorted(set(batch_sizes))
+        self.capture_s = 0.0  # seconds spent capturing (start-up's log, engine/startup.py)
         if sampling_batch_max < 0:
             raise ValueError(f"sampling_batch_max must be >= 0, got {sampling_batch_max}")
         self.sampling_batch_max = sampling_batch_max
@@ -231,7 +226,17 @@ class GraphForward:
                       _Staging(params) if sampling else None, tokens, None if capture is None else capture.last)
 
     def _record(self, run: Callable[[], T], stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
-        return record_graph(run, stream, self.device)
+        start = time.perf_counter()
+        try:
+            return record_graph(run, stream, self.device)
+        finally:
+            self.capture_s += time.perf_counter() - start
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far, of every kind."""
+        return sum(map(len, (self.graphs, self.samplers, self.verifiers, self.loops, self.trees,
+                             self.tree_verifiers)))
 
     def _capture_verifiers(self, b: int, modes: Sequence[str], stream: torch.cuda.Stream) -> None:
         """The acceptance step after each verification graph (all logits, width >= 2) of bucket b."""

@@ -24,7 +24,8 @@ import torch
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, ViewIndices
-from infer.engine.executor.graphs import batch_buckets, record_graph
+from infer.engine.executor.capture import capture_sizes, graph_context_width
+from infer.engine.executor.graphs import record_graph
 from infer.engine.executor.staging import _capture_inputs, _host_indices, _split, _stage_sampling, _Staging
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
@@ -57,8 +58,8 @@ class GraphHeadRound:
         self.head, self.pool, self.kernels = head, pool, kernels
         self.device = next(head.parameters()).device
         self.eager = EagerHeadRound(head, pool, kernels)
-        self.context_width = context_width or pool.max_seq_len
-        self.buckets = [b for b in batch_buckets(max_batch_size) if b <= sampling_batch_max]
+        self.context_width = context_width or graph_context_width(pool.max_seq_len)
+        self.buckets = [b for b in capture_sizes(max_batch_size) if b <= sampling_batch_max]
         self.graphs: dict[tuple[int, int, int, bool], _HeadGraph] = {}
         self.stream = torch.cuda.Stream(self.device)
         self.replays = 0

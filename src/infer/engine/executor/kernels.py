@@ -1,7 +1,13 @@
-"""The kernels a runner's steps use: fused (torch.compile) or eager."""
+"""The kernels a runner's steps use: fused (torch.compile) or eager.
+
+On a GPU a model's fused bundle is compiled at start-up (`warm_chunks`, timed at INFO):
+for chunks of any width once, the decode shapes as its CUDA graphs are captured.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Hashable
 
 import torch
@@ -12,6 +18,7 @@ from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 
 _WARMED: set[Hashable] = set()
+log = logging.getLogger("infer.engine")
 
 
 def step_kernels(config: EngineConfig, device: torch.device,
@@ -35,8 +42,11 @@ def step_kernels(config: EngineConfig, device: torch.device,
            c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type)
     kernels = compiled_kernels(key)
     if key not in _WARMED and warms(model, param.device.type):
+        start = time.perf_counter()
         warm_chunks(model, kernels)  # type: ignore[arg-type]
         _WARMED.add(key)
+        log.info("fused kernels of %s compiled for prefill chunks in %.1f s", type(model).__name__,
+                 time.perf_counter() - start)
     return kernels
 
 

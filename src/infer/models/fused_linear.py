@@ -11,7 +11,7 @@ Three routes, each computing what the eager composition computes (models/kernels
 - `LIBRARY`: the layer's own forward (cuBLAS for dense weights), the RMSNorm, SwiGLU and
   residual add each one compiled kernel.
 
-`ROUTES` chooses by weight kind, by part ("linear": every projection but gate_up, which
+`ROUTES` chooses by weight kind ("bf16", "fp8", "int4", "int8": `gemv_tiles.weight_kind`), by part ("linear": every projection but gate_up, which
 is "gate_up": it decides whether SwiGLU is gate_up's epilogue or down's prologue) and by
 row bucket. It is the switch to flip after measuring on a GPU (`scripts/bench_gemv.py`
 times the GEMV against cuBLAS and the Triton matmul per shape and row count;
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.models.gemv_tiles import MAX_ROWS, ROW_BUCKETS, row_bucket
+from infer.models.gemv_tiles import MAX_ROWS, ROW_BUCKETS, WEIGHT_KINDS, row_bucket, weight_kind
 from infer.models.linear import LinearBase
 from infer.models.linear_tiles import choose_config
 
@@ -63,8 +63,8 @@ check_routes(ROUTES)
 
 
 def table_route(kind: str, part: str, rows: int) -> str:
-    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, or
-    "fp8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
+    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, "fp8",
+    "int4", "int8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
     if not 1 <= rows <= MAX_ROWS:
         return LIBRARY
     return ROUTES[(kind, part)][ROW_BUCKETS.index(row_bucket(rows))]
@@ -75,7 +75,7 @@ def route(layer: LinearBase, x: Tensor, part: str = "linear") -> str:
     serve the call (CUDA, half precision, no bias), else `LIBRARY`."""
     if layer.bias is not None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return LIBRARY
-    return table_route("fp8" if layer.matrix()[1] is not None else "bf16", part, x.numel() // x.shape[-1])
+    return table_route(weight_kind(*layer.matrix()), part, x.numel() // x.shape[-1])
 
 
 def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,

@@ -44,7 +44,7 @@ class Engine:
         try:
             config.max_batch_size = resolve_max_batch_size(config, models)  # (None: sized from memory)
             self.models = models or self._load_models()
-            self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
+            self.threads = apply_cpu_threads(config.threads, next(self.models.target.parameters()).device,
                                              sum(p.numel() for p in self.models.target.parameters()))
             config.max_seq_len = min(config.max_seq_len, self.models.target.config.max_position_embeddings)
             self.tokenizer = self.models.tokenizer

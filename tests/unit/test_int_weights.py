@@ -107,6 +107,10 @@ def test_int4_model_keeps_codes_and_tracks_the_dense_model(tmp_path: Path, varia
         a, b = dense(ids).flatten(0, 1), q(ids).flatten(0, 1)
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99 and not torch.equal(a, b)
     assert [n for n, _ in q.hf_state_dict()] == [n for n, _ in dense.hf_state_dict()]
+    from infer.models.checkpoint import save_checkpoint
+    twin, _ = load_model(str(save_checkpoint(q, tmp_path / "twin")), dtype="float32")  # dequantized, dense
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).flatten(0, 1), b, rtol=1e-5, atol=1e-5)
 
 
 def test_weight_bytes_count_codes_scales_and_offsets(tmp_path: Path) -> None:

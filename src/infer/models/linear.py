@@ -49,6 +49,7 @@ from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_ro
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
 INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
+DENSE_CHUNK = 1 << 22  # values of an integer W dequantized at a time for a call the GEMV does not serve
 
 
 class QuantMethod(Protocol):
@@ -243,15 +244,24 @@ class IntWeights:
                          "checkpoint does not match the quantization asked for")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized for the call,
+        DENSE_CHUNK values of it at a time (the largest matrices never exist dense whole)."""
+        weight, ints = self.matrix(layer)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.reshape(-1, x.shape[-1])
-            weight, ints = self.matrix(layer)
             if rows.shape[0] <= MAX_ROWS:
                 from infer.models.triton_gemv import gemv
                 return gemv(rows.contiguous(), weight, ints).view(*x.shape[:-1], layer.out_features)
             from infer.models.triton_dequant import dequantize_on_device
-            return F.linear(x, dequantize_on_device(weight, ints))
-        return F.linear(x, self.dense_weight(layer, x.dtype))
+
+            def dense(a: int, b: int) -> torch.Tensor:
+                return dequantize_on_device(weight[a:b], IntScales(ints.scales[a:b], ints.offsets[a:b], self.layout))
+        else:
+            def dense(a: int, b: int) -> torch.Tensor:
+                return dequantize_int(weight[a:b], ints.scales[a:b], ints.offsets[a:b], self.layout, x.dtype)
+        step = max(1, DENSE_CHUNK // layer.in_features)
+        parts = [F.linear(x, dense(a, min(a + step, layer.out_features))) for a in range(0, layer.out_features, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, IntScales]:
         return layer.qweight, IntScales(layer.scales, layer.offsets, self.layout)

@@ -120,14 +120,13 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, d
             own = KEPT_LAYOUTS.get(tensor.ggml_type)
             if layout is not None and own is not None and layout.holds(own):
                 rows = repack(tensor)
-                if heads is not None:
-                    rows = rows.take_rows(unpermute_rotary(torch.arange(tensor.shape[0]), heads))
-                yield name, rows
+                values: torch.Tensor | PackedRows = rows if heads is None else rows.take_rows(
+                    unpermute_rotary(torch.arange(tensor.shape[0]), heads))
             else:
-                values = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
-                yield name, (values if heads is None else unpermute_rotary(values, heads)).to(device=device,
-                                                                                             dtype=dtype)
-            gguf.release(tensor.data)
+                dense = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
+                values = (dense if heads is None else unpermute_rotary(dense, heads)).to(device=device, dtype=dtype)
+            gguf.release(tensor.data)  # (read: its pages need not stay resident beside the copy)
+            yield name, values
             bar.update(tensor.n_bytes)
 
 

@@ -49,7 +49,7 @@ from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_ro
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
 INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
-DENSE_CHUNK = 1 << 22  # values of an integer W dequantized at a time for a call the GEMV does not serve
+DENSE_CHUNK = 1 << 17  # values of an integer W dequantized at a time for a call the GEMV does not serve
 
 
 class QuantMethod(Protocol):

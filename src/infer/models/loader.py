@@ -200,7 +200,9 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     with torch.device("meta"):
         model = LlamaForCausalLM(config, quantization) if shard is None else shard.build(config, quantization)
         apply_layouts(model, layouts or {})
-    model = model.to(dtype=dtype).to_empty(device=device)
+    # `to_empty` would make each tensor with `empty_like`, whose meta-tensor reference
+    # imports sympy (a second and 40 MB): the same empty tensors, made by shape
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty replaces each Parameter separately: restore the tie
     model.rotary = Rotary(model.config).to(device)  # inv_freq stays float32, as in HF
     stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]

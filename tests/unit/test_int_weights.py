@@ -165,3 +165,17 @@ def test_an_int4_draft_keeps_greedy_output_exact() -> None:
     draft = llm.engine.models.draft
     assert {m.quantization for m in draft.linears().values()} == {"int4", "int8"}
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_int4_weights_in_every_family(tmp_path: Path, family: str) -> None:
+    from helpers.checkpoints import make_family_checkpoint
+    ckpt = make_family_checkpoint(tmp_path / family, family, initializer_range=0.02)
+    dense, _ = load_model(str(ckpt))
+    q, _ = load_model(str(ckpt), quantization="int4")
+    ids = torch.randint(0, dense.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = dense(ids)[0], q(ids)[0]  # [T, V]
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() >= 0.95 and not torch.equal(a, b)
+    qkv = q.model.layers[0].self_attn.qkv_proj
+    assert qkv.quantization == "int4" and (qkv.bias is not None) == (family == "qwen2")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import infer.models.gguf.weights  # noqa: F401  (the gguf library's import, outside the timed load)
-import infer.tokenization.gguf  # noqa: F401
+import infer.tokenization.gguf  # noqa: F401  (and the tokenizer's)
 from infer import LLM, SamplingParams
 from infer.models.loader import load_model
 

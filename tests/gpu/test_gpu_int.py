@@ -2,8 +2,8 @@
 
 - The GEMV's 4- and 8-bit paths (models/triton_gemv.py) against the plain-torch reference
   on the dequantized matrix, bf16, at 1-16 rows, odd shapes, every fusion and the
-  configurations the benchmark searches; the K-split reduction replays in a CUDA graph bit
-  for bit.
+  configurations the benchmark searches (the K-split reduction is the float GEMV's, whose
+  graph replay test_triton_gemv.py checks).
 - The dequantize kernel (models/triton_dequant.py) is `dequantize_int` bit for bit, and a
   call of more than MAX_ROWS rows (prefill) is F.linear on that matrix.
 - Through the engine with CUDA graphs and the fused kernels: the demo target quantized at
@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
 from infer.models.gemv_tiles import GemvConfig
 from infer.models.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 
 pytestmark = pytest.mark.gpu
 
-NEAR_TIE = 0.125  # bf16 logits near 16 are 0.0625 apart: a gap of two roundings is a tie
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def", "for i in range(10):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 FLAGS = [(False, False, False), (True, False, False), (False, True, False), (False, False, True),
@@ -106,25 +106,6 @@ def test_gpu_int_gemv_configs(cfg: GemvConfig, bits: int) -> None:
     assert _rel(y, _reference(x, dense, nw, False, res)) < 5e-3
 
 
-def test_gpu_int_split_k_replays_in_a_graph_bit_for_bit() -> None:
-    from infer.models.triton_gemv import gemv
-    cfg = GemvConfig(block_n=16, block_k=256, split_k=8)
-    layout = IntLayout(4, 128)
-    x, packed, scales, offsets, _, res = _inputs(4, 512, 8192, layout, False, False, True, seed=4)
-    ints = IntScales(scales, offsets, layout)
-    eager = gemv(x, packed, ints, residual=res, config=cfg)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = gemv(x, packed, ints, residual=res, config=cfg)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    del graph
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_dequantize_and_the_wide_path(bits: int) -> None:
     from infer.models.linear import IntWeights, LinearBase
@@ -144,24 +125,6 @@ def _tokens(llm: LLM) -> list[tuple[list[int], list[int]]]:
     return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def _check_same_up_to_near_ties(reference: LLM, got: list[tuple[list[int], list[int]]],
-                                want: list[tuple[list[int], list[int]]]) -> None:
-    """got == want, except from a first divergence where the reference's own logits put the
-    two tokens within NEAR_TIE."""
-    model = reference.engine.runner.model
-    for prompt, (p, g), (pw, w) in zip(PROMPTS, got, want, strict=True):
-        assert p == pw
-        i = next((j for j, (a, b) in enumerate(zip(g, w)) if a != b), None)
-        if i is None:
-            assert len(g) == len(w)
-            continue
-        with torch.no_grad():
-            logits = model(torch.tensor([p + w[:i]], device="cuda"))[0, -1].float()  # [V]
-        gap = (logits[w[i]] - logits[g[i]]).abs().item()
-        print(f"{prompt!r}: diverged at token {i}, reference logit gap {gap:.4f}")
-        assert gap <= NEAR_TIE, f"{prompt!r}: int4 and its dequantized twin differ at {i} without a tie"
-
-
 def test_gpu_int4_engine_matches_its_dequantized_twin(tmp_path: Path) -> None:
     from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
     from infer.models.checkpoint import save_checkpoint
@@ -170,12 +133,12 @@ def test_gpu_int4_engine_matches_its_dequantized_twin(tmp_path: Path) -> None:
     twin_dir = save_checkpoint(int4.engine.models.target, tmp_path / "twin", dtype=torch.float32)
     twin = LLM(str(twin_dir), tokenizer=str(DEMO_TARGET), **kw)
     want = _tokens(twin)
-    _check_same_up_to_near_ties(twin, _tokens(int4), want)
+    check_same_up_to_near_ties(twin.engine.runner.model, PROMPTS, _tokens(int4), want)
     assert int4.engine.runner.kernels.name == "fused"
     del int4
     chain = LLM(str(DEMO_TARGET), quantization="int4", use_speculative_decoding=True, draft_model=str(DEMO_DRAFT),
                 draft_quantization="int4", spec_length=4, **kw)
-    _check_same_up_to_near_ties(twin, _tokens(chain), want)
+    check_same_up_to_near_ties(twin.engine.runner.model, PROMPTS, _tokens(chain), want)
     assert chain.engine.leak_report() == []
 
 

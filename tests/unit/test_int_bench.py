@@ -4,6 +4,7 @@ sweep's speedup against its baseline sweep."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from infer.bench import suites
@@ -41,3 +42,15 @@ def test_a_sweep_against_its_baseline_sweep() -> None:
     base = {"ms_per_step": {"1": 2.0, "16": 3.0, "32": 5.0}}
     assert batch_speedups(ours, base) == {"speedup_by_batch": {"16": 1.5}, "speedup": 1.5}
     assert batch_speedups({"ms_per_step": {"64": 1.0}}, base) == {}
+
+
+def test_integer_weights_route_to_the_gemv_and_never_the_triton_matmul() -> None:
+    from infer.models.fused_linear import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, table_route
+    for kind in ("int4", "int8"):
+        for part in ("linear", "gate_up"):
+            assert [table_route(kind, part, rows) for rows in (1, 2, 5, 16)] == [GEMV] * 4
+            assert table_route(kind, part, 17) == LIBRARY
+    bad = dict(ROUTES)
+    bad[("int4", "gate_up")] = (GEMV, MATMUL, GEMV, GEMV, GEMV)
+    with pytest.raises(ValueError, match="'gemv' or 'library'"):
+        check_routes(bad)

@@ -179,3 +179,16 @@ def test_int4_weights_in_every_family(tmp_path: Path, family: str) -> None:
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() >= 0.95 and not torch.equal(a, b)
     qkv = q.model.layers[0].self_attn.qkv_proj
     assert qkv.quantization == "int4" and (qkv.bias is not None) == (family == "qwen2")
+
+
+def test_a_tensor_parallel_rank_quantizes_its_part_as_the_whole_model_does(tmp_path: Path) -> None:
+    from infer.distributed.sharding import TensorParallelShard
+    ckpt = make_checkpoint(tmp_path / "tp", variant="b", hidden_size=128, intermediate_size=256)
+    whole, _ = load_model(str(ckpt), quantization="int4")
+    rank, _ = load_model(str(ckpt), quantization="int4", shard=TensorParallelShard(1, 2))
+    down, part = whole.model.layers[0].mlp.down_proj, rank.model.layers[0].mlp.down_proj  # row-parallel
+    assert part.quantization == "int4" and part.parallel.kind == "row" and part.in_features == 128
+    assert torch.equal(part.dense_weight(), down.dense_weight()[:, 128:])  # groups of 128 within each rank's part
+    gate_up = rank.model.layers[0].mlp.gate_up_proj  # column-parallel: its rows of gate and of up
+    assert torch.equal(gate_up.dense_weight()[:128], whole.model.layers[0].mlp.gate_up_proj.dense_weight()[128:256])
+    assert rank.lm_head.quantization is None  # (a split model's head stays dense)

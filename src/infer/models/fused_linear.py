@@ -38,25 +38,33 @@ PARTS = ("linear", "gate_up")
 # bf16: the GEMV at one row (it read every 1B and 3B matrix faster than cuBLAS), cuBLAS from
 # two rows (the GEMV was no faster there). FP8: the GEMV at one row, the Triton matmul from two
 # (on an H200, alternating runs of one session: 3B FP8 decode 551 tok/s through the GEMV
-# against 522 through the matmul, 1B 1110 against 1058).
+# against 522 through the matmul, 1B 1110 against 1058). Integer codes: the GEMV for every
+# bucket (their LIBRARY is the same GEMV without its fusions; the Triton matmul takes no
+# integer weights), unmeasured.
 ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("bf16", "linear"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
     ("bf16", "gate_up"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
     ("fp8", "linear"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
     ("fp8", "gate_up"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
+    ("int4", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int4", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
 }
+INT_KINDS = ("int4", "int8")  # weight kinds the Triton matmul does not take
 
 
 def check_routes(routes: dict[tuple[str, str], tuple[str, ...]]) -> None:
     """Raise a ValueError naming the entry to fix in a route table."""
-    for kind in ("bf16", "fp8"):
+    for kind in WEIGHT_KINDS:
         for part in PARTS:
             chosen = routes.get((kind, part))
             if chosen is None or len(chosen) != len(ROW_BUCKETS):
                 raise ValueError(f"ROUTES[({kind!r}, {part!r})] must give one route per row bucket {ROW_BUCKETS}")
-            if any(r not in (GEMV, MATMUL, LIBRARY) for r in chosen):
-                raise ValueError(f"ROUTES[({kind!r}, {part!r})] = {chosen}: each must be "
-                                 f"{GEMV!r}, {MATMUL!r} or {LIBRARY!r}")
+            allowed = (GEMV, LIBRARY) if kind in INT_KINDS else (GEMV, MATMUL, LIBRARY)
+            if any(r not in allowed for r in chosen):
+                names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+                raise ValueError(f"ROUTES[({kind!r}, {part!r})] = {chosen}: each must be {names}")
 
 
 check_routes(ROUTES)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np

@@ -76,6 +76,9 @@ def test_an_int_layer_is_its_dequantized_matrix() -> None:
     assert (w - dense).abs().max() < 0.5 * layer.scales.max()
     half = layer.to(torch.float16)
     assert half.qweight.dtype == torch.uint8 and half.scales.dtype == torch.float16
+    tall = make_linear(64, 3000, "int8")  # more values than a CPU call dequantizes at a time
+    tall.load_rows(torch.randn(3000, 64), None)
+    torch.testing.assert_close(tall(x), x @ tall.dense_weight().t())
     ids = torch.tensor([[3, 0], [47, 5]])
     table = LinearBase(64, 48, IntWeights(IntLayout(4, 64)))
     table.load_rows(dense, None)

@@ -20,23 +20,28 @@ from infer.models.kernels import EAGER
 from infer.models.linear import IntWeights, LinearBase
 from test_triton_gemv import FLAGS, gemv_reference, rel_err
 
-# (config, layout, flags indices): 4-bit FMA / dot / split; 8-bit FMA and dot with a split
-CASES = [(GemvConfig(block_n=4, block_k=32), IntLayout(4, 32), range(len(FLAGS))),
-         (GemvConfig(block_n=16, block_k=32, dot=True), IntLayout(4, 16), (0, 1, 4)),
-         (GemvConfig(block_n=8, block_k=32, split_k=2), IntLayout(4, 32), (0, 3, 5)),
-         (GemvConfig(block_n=4, block_k=16), IntLayout(8, 16), (0, 2, 5)),
-         (GemvConfig(block_n=16, block_k=32, split_k=2, dot=True), IntLayout(8, 32), (0, 1, 4))]
-N, K = 40, 64
+# (config, layout, flags indices, K): 4-bit FMA / dot / split; 8-bit FMA and dot with a split;
+# the scales read one a row (a tile in one group), as a tile of groups, or column by column
+# (groups of 48 across tiles of 32 columns)
+CASES = [(GemvConfig(block_n=4, block_k=32), IntLayout(4, 32), range(len(FLAGS)), 64),
+         (GemvConfig(block_n=16, block_k=32, dot=True), IntLayout(4, 16), (0, 1, 4), 64),
+         (GemvConfig(block_n=8, block_k=32, split_k=2), IntLayout(4, 32), (0, 3, 5), 64),
+         (GemvConfig(block_n=4, block_k=16), IntLayout(8, 16), (0, 2, 5), 64),
+         (GemvConfig(block_n=16, block_k=32, split_k=2, dot=True), IntLayout(8, 32), (0, 1, 4), 64),
+         (GemvConfig(block_n=4, block_k=32), IntLayout(4, 48), (0, 5), 96),
+         (GemvConfig(block_n=8, block_k=32, split_k=2), IntLayout(8, 8), (0, 2), 64)]
+N = 40
 
 
 def _case(ci: int, fi: int) -> tuple[torch.Tensor, ...]:
     """x, packed codes, scales, offsets, norm weight, residual (fp16) of one case."""
     norm, swiglu, residual = FLAGS[fi]
+    k = CASES[ci][3]
     g = torch.Generator().manual_seed(100 * ci + fi)
     m = (1, 3)[fi % 2]
-    x = torch.randn(m, 2 * K if swiglu else K, generator=g).half()
-    packed, scales, offsets = quantize_rtn(torch.randn(N, K, generator=g) * K ** -0.5, CASES[ci][1], torch.float16)
-    nw = (1.0 + 0.1 * torch.randn(K, generator=g)).half() if norm else None
+    x = torch.randn(m, 2 * k if swiglu else k, generator=g).half()
+    packed, scales, offsets = quantize_rtn(torch.randn(N, k, generator=g) * k ** -0.5, CASES[ci][1], torch.float16)
+    nw = (1.0 + 0.1 * torch.randn(k, generator=g)).half() if norm else None
     res = torch.randn(m, N, generator=g).half() if residual else None
     return x, packed, scales, offsets, nw, res
 
@@ -64,7 +69,7 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
     from infer.models.triton_dequant import dequantize_on_device
     from infer.models.triton_gemv import gemv
     out = {}
-    for ci, (cfg, layout, flags) in enumerate(CASES):
+    for ci, (cfg, layout, flags, _) in enumerate(CASES):
         for fi in flags:
             x, packed, scales, offsets, nw, res = _case(ci, fi)
             out[f"gemv-{ci}-{fi}"] = gemv(x, packed, IntScales(scales, offsets, layout), norm_weight=nw,

@@ -81,14 +81,34 @@ def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.
 
 
 @triton.jit
-def _int_weights(W, GS, GO, rn, kk, k_hi, N, s_wn, G, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """Dequantized float32 weights [BN, len(kk)] of integer codes at columns kk: 8-bit codes
-    at kk; 4-bit codes of the byte holding the even columns kk and the odd ones kk + 1
-    (returned second; the first alone for 8 bits)."""
+def _group_values(T, rn, kk, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """A per-group tensor T [N, G] (scales or offsets) spread over the weight tile [BN, BKW]
+    whose columns kk span BK columns of K from k0 (a multiple of BK): one value a row when
+    the tile lies in one group, a [BN, BK / GROUP] tile broadcast over each group's columns
+    when groups tile it, else gathered column by column."""
+    if GROUP % BK == 0:
+        v = tl.load(T + rn * G + k0 // GROUP, mask=rn < N, other=0.0).to(tl.float32)
+        return v[:, None]
+    elif BK % GROUP == 0:
+        gi = k0 // GROUP + tl.arange(0, BK // GROUP)
+        v = tl.load(T + rn[:, None] * G + gi[None, :], mask=(rn[:, None] < N) & (gi[None, :] < G),
+                    other=0.0).to(tl.float32)  # [BN, BK / GROUP]
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, BK // GROUP, BKW * GROUP // BK)), (BN, BKW))
+    else:
+        mask = (rn[:, None] < N) & (kk[None, :] < G * GROUP)
+        return tl.load(T + rn[:, None] * G + (kk // GROUP)[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr):
+    """Dequantized float32 weights [BN, BKW] of integer codes for the BK columns from k0 (kk:
+    8-bit codes' columns; 4-bit: the even columns, whose byte also holds kk + 1): s * q + o;
+    4-bit returns the odd columns' weights second (8-bit: the scales, unused)."""
     mask = (rn[:, None] < N) & (kk[None, :] < k_hi)
-    groups = rn[:, None] * G + (kk // GROUP)[None, :]
-    s = tl.load(GS + groups, mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(GO + groups, mask=mask, other=0.0).to(tl.float32)
+    s = _group_values(GS, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
+    o = _group_values(GO, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
     if BITS == 4:
         b = tl.load(W + rn[:, None] * s_wn + (kk // 2)[None, :], mask=mask, other=0)
         return (b & 15).to(tl.float32) * s + o, (b >> 4).to(tl.float32) * s + o
@@ -127,7 +147,7 @@ def _gemv_kernel(X, W, S, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         if BITS == 4:
             kk = k0 + 2 * rk
-            w, w_odd = _int_weights(W, GS, GO, rn, kk, k_hi, N, s_wn, G, BITS, GROUP)
+            w, w_odd = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
             x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
             x_odd = _load_input(X, NW, rm, kk + 1, rstd, M, K, s_xm, NORM, SWIGLU)
             if DOT:
@@ -140,7 +160,7 @@ def _gemv_kernel(X, W, S, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_
             kk = k0 + rk
             x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
             if BITS == 8:
-                w, _ = _int_weights(W, GS, GO, rn, kk, k_hi, N, s_wn, G, BITS, GROUP)
+                w, _ = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
             if DOT:

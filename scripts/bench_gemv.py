@@ -1,7 +1,8 @@
 """Time the few-row matmul (models/triton_gemv.py) on every linear matrix of the Llama 3.2
-1B and 3B shapes at 1-16 rows, bf16 and FP8 weights, against cuBLAS (F.linear, bf16) and
-the Triton matmul (models/triton_linear.py), each as a fraction of the device-to-device
-copy bandwidth measured in the same run.
+1B and 3B shapes at 1-16 rows, bf16, FP8 and integer (int4 / int8, groups of 128) weights,
+against cuBLAS (F.linear, bf16) and the Triton matmul (models/triton_linear.py; not for
+integer weights), each as a fraction of the device-to-device copy bandwidth measured in the
+same run (integer weights: their codes, scales and offsets counted).
 
 Every timing is inside a CUDA graph of 20 calls on 20 distinct copies of the weight (more
 than the L2 cache holds, as a decode step's layers are), replayed many times: the median
@@ -14,7 +15,7 @@ best of each and the default configuration's time, and lists the fused form's be
 `gemv_tiles.CONFIG_TABLE` entries. Kernels compile first in a pool of processes (Triton's
 disk cache hands them to this one).
 
-    python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8]
+    python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8 int4]
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.gemv_tiles import (  # noqa: E402
-    GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
+    WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
+from infer.models.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
 from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
 from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
 from infer.models.quantization import quantize_fp8_rows  # noqa: E402
+from infer.models.triton_dequant import dequantize_on_device  # noqa: E402
 from infer.models.triton_gemv import gemv  # noqa: E402
 from infer.models.triton_linear import triton_linear  # noqa: E402
 
@@ -79,26 +82,40 @@ def unfused_reference(x: torch.Tensor, dense: torch.Tensor, extra: dict[str, obj
     return (residual + y if isinstance(residual, torch.Tensor) else y).float()
 
 
-def _compile(job: tuple[int, bool, dict, tuple[str, ...], int]) -> str:
+def stored(kind: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | IntScales | None, torch.Tensor, int]:
+    """W [N, K] stored as `kind`: (what gemv reads, its scale, the dense float32 value, bytes)."""
+    n, k = w.shape
+    if kind == "fp8":
+        q, s = quantize_fp8_rows(w)
+        return q, s, q.float() * s[:, None], n * k + 4 * n
+    if kind in ("int4", "int8"):
+        layout = IntLayout(int(kind[3:]), 128)
+        packed, scales, offsets = quantize_rtn(w, layout, torch.bfloat16)
+        ints = IntScales(scales, offsets, layout)
+        return packed, ints, dequantize_on_device(packed, ints).float(), packed.numel() + 4 * scales.numel()
+    wb = w.to(torch.bfloat16)
+    return wb, None, wb.float(), 2 * n * k
+
+
+def _compile(job: tuple[int, str, dict, tuple[str, ...], int]) -> str:
     """Pool worker: run gemv once at this configuration so that Triton compiles it into its
     disk cache (256 rows of W; the launch parameters that key the cache match the real
     ones, K too where it sets the RMS pass's step)."""
-    bucket, fp8, cfg_fields, flags, k = job
+    bucket, kind, cfg_fields, flags, k = job
     cfg = GemvConfig(**cfg_fields)
     dev = torch.device("cuda")
     n = 256
     x = torch.randn(bucket, 2 * k if "swiglu" in flags else k, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=dev)
-    w, s = quantize_fp8_rows(w) if fp8 else (w.to(torch.bfloat16), None)
+    w, s, _, _ = stored(kind, torch.randn(n, k, device=dev))
     try:
         gemv(x, w, s, config=cfg, **fused_inputs(flags, bucket, n, k, dev))
         torch.cuda.synchronize()
         return ""
     except Exception as exc:  # noqa: BLE001 - reported; the config is then skipped when timed
-        return f"{cfg} fp8={fp8} {flags}: {type(exc).__name__}: {str(exc)[:300]}"
+        return f"{cfg} {kind} {flags}: {type(exc).__name__}: {str(exc)[:300]}"
 
 
-def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, bool, tuple, tuple[str, ...], int]]) -> None:
+def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, str, tuple, tuple[str, ...], int]]) -> None:
     t0 = time.perf_counter()
     errors = [e for e in pool.map(_compile, [(b, f, dict(c), fl, k) for b, f, c, fl, k in sorted(jobs, key=str)])
               if e]
@@ -124,16 +141,19 @@ class Bench:
     def over_budget(self) -> bool:
         return time.perf_counter() - self.start > self.args.budget_s
 
-    def weights(self, n: int, k: int) -> dict[str, tuple[list[torch.Tensor], torch.Tensor | None, torch.Tensor]]:
-        """CALLS copies of a random bf16 weight and of its FP8 quantization, and each's dense
-        float32 value (for the reference)."""
+    def weights(self, n: int, k: int) -> dict[str, tuple[list[torch.Tensor], torch.Tensor | IntScales | None,
+                                                         torch.Tensor, int]]:
+        """Per weight kind: CALLS copies of a random weight stored as that kind, its scale,
+        its dense float32 value (for the reference) and its bytes."""
         w = torch.randn(n, k, device=self.dev) * k ** -0.5
-        wb = w.to(torch.bfloat16)
-        q, s = quantize_fp8_rows(w)
-        return {"bf16": ([wb] + [wb.clone() for _ in range(CALLS - 1)], None, wb.float()),
-                "fp8": ([q] + [q.clone() for _ in range(CALLS - 1)], s, q.float() * s[:, None])}
+        out = {}
+        for kind in sorted(set(self.args.dtypes) | {"bf16"}):
+            q, s, dense, nbytes = stored(kind, w)
+            out[kind] = ([q] + [q.clone() for _ in range(CALLS - 1)], s, dense, nbytes)
+        return out
 
-    def search(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | None, space: list[GemvConfig],
+    def search(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | IntScales | None,
+               space: list[GemvConfig],
                ref: torch.Tensor, extra: dict[str, object]) -> list[tuple[float, GemvConfig, float]]:
         """(seconds per call, config, relative error) of each config that runs and is right."""
         timed = []
@@ -160,12 +180,12 @@ class Bench:
             extra = fused_inputs(FUSION[name], m, n, k, self.dev)
             cublas = graph_seconds([lambda w=w: F.linear(x, w) for w in weights["bf16"][0]], self.args.replays)
             for dtype in self.args.dtypes:
-                ws, s, dense = weights[dtype]
-                nbytes = n * k * (1 if dtype == "fp8" else 2)
+                ws, s, dense, nbytes = weights[dtype]
                 lin_cfg = choose_config(m, n, k)
-                tl_s = graph_seconds([lambda w=w, ws_=wsp: triton_linear(x, w, s, lin_cfg, ws_)
-                                      for w, wsp in zip(ws, workspaces)], self.args.replays)
-                default = default_config(n, k, row_bucket(m), dtype == "fp8")
+                tl_s = float("nan") if isinstance(s, IntScales) else graph_seconds(
+                    [lambda w=w, ws_=wsp: triton_linear(x, w, s, lin_cfg, ws_) for w, wsp in zip(ws, workspaces)],
+                    self.args.replays)
+                default = default_config(n, k, row_bucket(m), dtype)
                 space = [default] if self.over_budget() else list(dict.fromkeys(search_space(n, k, m) + [default]))
                 plain = self.search(x, ws, s, space, unfused_reference(x, dense, {}), {})
                 fused = self.search(xf, ws, s, space, unfused_reference(xf, dense, extra), extra)
@@ -216,7 +236,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["llama-3.2-1b", "llama-3.2-3b"], choices=sorted(model_shapes))
     ap.add_argument("--layers", nargs="+", default=list(FUSION), choices=list(FUSION))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=list(WEIGHT_KINDS))
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes compiling kernels ahead of the timing")
@@ -237,10 +257,10 @@ def main() -> None:
     for _, name, n, k in shapes:
         for m in args.rows:
             for dtype in args.dtypes:
-                for cfg in search_space(n, k, m) + [default_config(n, k, row_bucket(m), dtype == "fp8")]:
+                for cfg in search_space(n, k, m) + [default_config(n, k, row_bucket(m), dtype)]:
                     fields = tuple(asdict(cfg).items())
-                    jobs.add((row_bucket(m), dtype == "fp8", fields, (), 1024))
-                    jobs.add((row_bucket(m), dtype == "fp8", fields, FUSION[name], k if "norm" in FUSION[name] else 1024))
+                    jobs.add((row_bucket(m), dtype, fields, (), 1024))
+                    jobs.add((row_bucket(m), dtype, fields, FUSION[name], k if "norm" in FUSION[name] else 1024))
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(args.workers) as pool:
         precompile(pool, jobs)

@@ -38,8 +38,11 @@ def test_fp8_weights_on_a_cpu_warn_that_they_decode_slower(ckpt_a: Path, caplog:
     import torch
 
     warnings = check_device_options(EngineConfig(quantization="fp8"), torch.device("cpu"))
-    assert len(warnings) == 1 and "decodes several times slower than float32 weights" in warnings[0]
+    assert len(warnings) == 1 and "decodes slower than float32 weights" in warnings[0]
     assert "no FP8 matmul" in warnings[0] and "leave quantization unset" in warnings[0]
+    (int4,) = check_device_options(EngineConfig(draft_quantization="int4"), torch.device("cpu"))
+    assert "no INT4 matmul" in int4 and "leave draft_quantization unset" in int4
+    assert check_device_options(EngineConfig(quantization="int4"), torch.device("cuda")) == []
     with caplog.at_level(logging.WARNING, logger="infer.engine"):
         resolve_engine_defaults(EngineConfig(model=str(ckpt_a), device="cpu", quantization="fp8"))
     assert [r.message for r in caplog.records] == warnings

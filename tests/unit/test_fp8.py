@@ -158,7 +158,7 @@ def test_wrong_quantization_settings_are_clear_errors(kwargs, words):
 
 
 @pytest.mark.parametrize("qc, words", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
      "only 8-bit float weights"),

@@ -141,9 +141,9 @@ def test_candidates_fit_registers_and_splits_fill_the_gpu(bucket: int) -> None:
 
 @pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (128256, 3072), (40, 48)])
 @pytest.mark.parametrize("bucket", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_default_config(n: int, k: int, bucket: int, fp8: bool) -> None:
-    cfg = default_config(n, k, bucket, fp8)
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
+def test_default_config(n: int, k: int, bucket: int, kind: str) -> None:
+    cfg = default_config(n, k, bucket, kind)
     assert fits_registers(cfg, bucket)
     if bucket <= 2:  # FMA, never split: the reduction's launch costs more than a split gains
         assert not cfg.dot and cfg.split_k == 1
@@ -162,18 +162,18 @@ def test_table_entries_are_searched_configs() -> None:
     for (n, k, bucket, kind), cfg in CONFIG_TABLE.items():
         assert kind in ("bf16", "fp8") and fits_registers(cfg, bucket)
         assert any(cfg in with_splits(c, n, k) for c in candidate_configs(bucket)), (n, k, bucket, kind, cfg)
-        assert config_for(n, k, bucket, kind == "fp8") == cfg
+        assert config_for(n, k, bucket, kind) == cfg
 
 
 def test_config_for_prefers_the_table() -> None:
     key = (4096, 1024, 4, "fp8")
     assert key not in CONFIG_TABLE
-    assert config_for(4096, 1024, 3, True) == default_config(4096, 1024, 4, True)
+    assert config_for(4096, 1024, 3, "fp8") == default_config(4096, 1024, 4, "fp8")
     chosen = GemvConfig(block_n=8, block_k=128, split_k=2)
     CONFIG_TABLE[key] = chosen
     try:
-        assert config_for(4096, 1024, 3, True) == chosen
-        assert config_for(4096, 1024, 3, False) == default_config(4096, 1024, 4, False)
+        assert config_for(4096, 1024, 3, "fp8") == chosen
+        assert config_for(4096, 1024, 3, "bf16") == default_config(4096, 1024, 4, "bf16")
     finally:
         del CONFIG_TABLE[key]
 

@@ -17,7 +17,9 @@ A measurement names the others it is compared with in `refs`:
 A batch sweep compares with the copy bandwidth ("bandwidth"): per batch, the bytes limit
 (weights + the KV read at its measured context, over the bandwidth; bench/roofline.py) and
 of_bytes_limit = that limit / the measured step time (1.0 = a step at the copy bandwidth),
-`of_bytes_limit` itself at the row's largest batch. A prefill row derives its model FLOPs
+`of_bytes_limit` itself at the row's largest batch; with a "baseline" sweep,
+speedup_by_batch = the baseline's step time / its own at each batch both ran (`speedup`
+at the largest). A prefill row derives its model FLOPs
 utilisation, mfu = model FLOPs / wall time / the GPU's peak dense bf16 FLOPs
 (bench/theory.py), None with a note for a GPU missing from that table.
 A serve row (bench/serve.py) derives its completed share and achieved / offered rate.
@@ -50,7 +52,9 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
         return prefill_mfu(m.metrics, run.environment.get("gpu"))
     bandwidth = _ref(m, run, "bandwidth")
     if m.kind == "batch_sweep":
-        return bytes_limits(m.metrics, bandwidth.metrics["bytes_per_s"]) if bandwidth is not None else {}
+        out = bytes_limits(m.metrics, bandwidth.metrics["bytes_per_s"]) if bandwidth is not None else {}
+        base = _ref(m, run, "baseline")
+        return out if base is None else {**out, **batch_speedups(m.metrics, base.metrics), "baseline": base.name}
     base = _ref(m, run, "baseline")
     if base is not None and m.metrics.get("primary_rate") and base.metrics.get("primary_rate"):
         out["speedup"] = m.metrics["primary_rate"] / base.metrics["primary_rate"]
@@ -88,6 +92,17 @@ def bytes_limits(metrics: dict[str, Any], bytes_per_s: float) -> dict[str, Any]:
     largest = max(ms, key=int)
     return {"bytes_limit_ms": limit, "of_bytes_limit_by_batch": fraction, "of_bytes_limit": fraction[largest],
             "of_bytes_limit_batch": int(largest)}
+
+
+def batch_speedups(metrics: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """A sweep's decode steps against a baseline sweep's, at the batch sizes both ran:
+    `speedup_by_batch` (baseline ms / ms) and `speedup` at the largest of them."""
+    ms, base_ms = metrics.get("ms_per_step", {}), base.get("ms_per_step", {})
+    common = sorted(set(ms) & set(base_ms), key=int)
+    if not common:
+        return {}
+    by_batch = {b: base_ms[b] / ms[b] for b in common}
+    return {"speedup_by_batch": by_batch, "speedup": by_batch[common[-1]]}
 
 
 def prefill_mfu(metrics: dict[str, Any], gpu: str | None) -> dict[str, Any]:

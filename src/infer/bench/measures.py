@@ -176,12 +176,13 @@ def projection_row(name: str, costs: str) -> Row:
 
 
 def batch_sweep_row(name: str, what: str, group: str, overrides: Mapping[str, Any],
-                    batches: tuple[int, ...], prompt_len: int = 128) -> Row:
+                    batches: tuple[int, ...], prompt_len: int = 128, refs: Mapping[str, str] | None = None) -> Row:
     """Decode steps at each batch size after prompts of `prompt_len` tokens; compared with the
-    copy bandwidth for its bytes limit (derived, when the bandwidth was measured)."""
+    copy bandwidth for its bytes limit (derived, when the bandwidth was measured), and with
+    a `baseline` sweep's steps at the batch sizes both ran (`refs`)."""
     return Row(name, what, "batch_sweep", group,
                lambda ctx: batch_sweep(overrides, batches, prompt_len=prompt_len, device=str(ctx.device)),
-               {"bandwidth": BANDWIDTH})
+               {"bandwidth": BANDWIDTH, **(refs or {})})
 
 
 def prefill_row(name: str, what: str, group: str, workload: Workload, overrides: Mapping[str, Any]) -> Row:

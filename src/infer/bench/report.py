@@ -233,8 +233,10 @@ def _sweep_table(run: BenchRun) -> list[str]:
         tps, ms = m.metrics.get("tokens_per_s", {}), m.metrics.get("ms_per_step", {})
         own = sorted(ms, key=int)
         ratio = ms[own[-1]] / ms[own[0]] if len(own) > 1 else None
-        rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio, m.derived.get("of_bytes_limit")])
-    return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio", "of bytes limit"), rows) + [""]
+        rows.append([m.name, *(tps.get(str(b)) for b in batches), ratio, m.derived.get("of_bytes_limit"),
+                     m.derived.get("speedup")])
+    return out + _table(("sweep", *(f"b={b}" for b in batches), "step ratio", "of bytes limit", "x baseline"),
+                        rows) + [""]
 
 
 ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "round ms at a=0", "overhead ms",

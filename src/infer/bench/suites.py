@@ -1,15 +1,16 @@
 """The benchmark table: every row defined once, and the suites as named selections of it.
 
     decode-speed  W1 batch-1 decode of the 3B and 1B shapes against their rooflines:
-                  overlapped (the default) and synchronous steps, FP8 weights; decode step
-                  time against batch size (1..32, and 128 and 256 after 512-token prompts,
-                  against their bytes limit); transformers with a static cache
+                  overlapped (the default) and synchronous steps, FP8 and int4 weights (each
+                  against its own bytes' roofline); the 8B shape in bf16 and int4; decode
+                  step time against batch size (1..32, int4 at 16, and 128 and 256 after
+                  512-token prompts, against their bytes limit); transformers with a static cache
     speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, the demo
                   target's trained EAGLE-3 head at K=5 beside the draft model's K=5, chain K=6
                   against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
                   token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
                   lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
-    costs         c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft; projections
+    costs         c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft; projections
     w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
                   and without prefix caching; prefill throughput: 16 prompts of 2,048 tokens
                   to their first tokens (its MFU)
@@ -101,6 +102,15 @@ def _label(model: str) -> str:
     return model.removeprefix("dummy:llama-3.2-").removeprefix("dummy:llama-3.1-")
 
 
+def _int4_row(label: str, shape: str, group: str, wl: Workload) -> list[Row]:
+    """The int4 roofline (codes, scales and offsets counted) and W1 decode in int4 against bf16."""
+    roof, ours = f"roofline/{label}", f"w1/{label}/ours"
+    return [roofline_row(label, shape, "int4"),
+            engine_row(f"w1/{label}/int4", "the same with int4 weights (groups of 128, 8-bit head), quantized at "
+                       "load", group, wl, {"model": shape, **GRAPHS, "quantization": "int4"},
+                       {"roofline": f"{roof}-int4", "baseline": ours})]
+
+
 def decode_speed_rows(m: Models) -> list[Row]:
     rows: list[Row] = []
     wl = WORKLOADS["W1"]
@@ -116,10 +126,21 @@ def decode_speed_rows(m: Models) -> list[Row]:
             engine_row(f"w1/{label}/fp8", "the same with FP8 weights", group, wl,
                        {"model": shape, **GRAPHS, "quantization": "fp8"},
                        {"roofline": f"{roof}-fp8", "baseline": ours})]
+        if shape == SHAPE_3B:
+            rows += _int4_row(label, shape, group, wl)
+    group = "W1 plain decode, 8b shape"
+    rows += [roofline_row("8b", SHAPE_8B),
+             engine_row("w1/8b/ours", "W1 decode of the 8b shape, CUDA graphs, overlapped steps", group, wl,
+                        {"model": SHAPE_8B, **GRAPHS}, {"roofline": "roofline/8b"}),
+             *_int4_row("8b", SHAPE_8B, group, wl)]
     for shape in (SHAPE_3B, SHAPE_1B):
         rows.append(batch_sweep_row(f"batch/{_label(shape)}", f"decode step time of the {_label(shape)} shape "
                                     "at batch 1..32", "decode step against batch size", {"model": shape, **GRAPHS},
                                     (1, 2, 4, 8, 16, 32)))
+    rows.append(batch_sweep_row("batch/3b-int4/b16", "decode step time of the 3b shape in int4 at batch 16 (x "
+                                "baseline: against batch/3b at 16)", "decode step against batch size",
+                                {"model": SHAPE_3B, **GRAPHS, "quantization": "int4"}, (16,),
+                                refs={"baseline": "batch/3b"}))
     for b in SERVING_BATCHES:
         rows.append(batch_sweep_row(f"batch/3b/b{b}", f"decode step time of the 3b shape at batch {b} after "
                                     f"{BATCH_CONTEXT}-token prompts, against its bytes limit (weights + KV read)",
@@ -217,6 +238,9 @@ def costs_rows(m: Models) -> list[Row]:
             projection_row("projection/3b-1b", "costs/3b-1b/graphs"),
             costs_row("costs/3b-1b-fp8/graphs", "the same with the draft in FP8", SHAPE_3B, SHAPE_1B, True, "fp8"),
             projection_row("projection/3b-1b-fp8", "costs/3b-1b-fp8/graphs"),
+            costs_row("costs/3b-1b-int4/graphs", "the same with the draft in int4 (8-bit head)", SHAPE_3B, SHAPE_1B,
+                      True, "int4"),
+            projection_row("projection/3b-1b-int4", "costs/3b-1b-int4/graphs"),
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
                       "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True,
                       method="eagle3"),
@@ -371,12 +395,12 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
-    "decode-speed": Suite("W1 decode of the 3B and 1B shapes: overlapped / synchronous / FP8; batch sweeps",
-                          decode_speed_rows, 1),
+    "decode-speed": Suite("W1 decode of the 3B and 1B shapes: overlapped / synchronous / FP8 / int4; the 8B "
+                          "shape in bf16 and int4; batch sweeps", decode_speed_rows, 1),
     "speculation": Suite("demo pair T=0/1, n-gram on W5 and W1, a random 1B draft on the 3B shape",
                          speculation_rows, 1),
-    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16 and FP8 draft, and of an EAGLE-3 head; "
-                   "projections", costs_rows, 1),
+    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, and of an EAGLE-3 "
+                   "head; projections", costs_rows, 1),
     "w2": Suite("continuous vs static batching, prefix caching, prefill of 16 x 2,048 tokens (MFU)", w2_rows, 1),
     "tp": Suite("2 GPUs: 8B TP=2 vs TP=1, collectives a step, W2, the 3B shape with a 1B draft", tp_rows, 2),
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),

@@ -29,8 +29,8 @@ _VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"),
     "load_format": ("auto", "safetensors", "dummy"),
-    "quantization": ("fp8",),
-    "draft_quantization": ("fp8",),
+    "quantization": ("fp8", "int4"),
+    "draft_quantization": ("fp8", "int4"),
     "batching_mode": ("continuous", "static"),
     "kv_cache_backend": ("paged", "contiguous"),
     "speculative_method": ("draft_model", "ngram", "prompt_lookup", "eagle", "eagle3"),
@@ -50,7 +50,7 @@ class EngineConfig:
 
     Groups, each field commented below:
       model and weights  model (directory, hub id, .gguf file, "dummy:<shape>", None = demo),
-                         tokenizer, dtype, device, load_format, quantization ("fp8")
+                         tokenizer, dtype, device, load_format, quantization ("fp8", "int4")
       batching, memory   max_batch_size, max_seq_len, max_num_batched_tokens (chunked
                          prefill), mixed_batches, kv_cache_backend ("paged" with prefix caching, or
                          "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
@@ -70,7 +70,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy" (random weights, for timing)
-    quantization: str | None = None  # None | "fp8": the target's linear weights in FP8 (per-channel)
+    # None | "fp8": the target's linear weights in FP8 (per-channel) | "int4": 4-bit codes in groups
+    # of 128 columns (8-bit head), quantized at load; checkpoints stored quantized load as stored
+    quantization: str | None = None
     draft_quantization: str | None = None  # the same for the draft model
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     threads: int | None = None  # CPU: torch threads; None = by model size (engine/threads.py)

@@ -6,9 +6,9 @@
   runs every step eagerly, with the eager kernels unless compile_kernels=True.
 - On a CPU they stay off; `use_cuda_graphs=True` there is refused (nothing can capture a
   graph), with the fix in the message.
-- `quantization="fp8"` (or a draft's) on a CPU warns: a CPU has no FP8 matmul, so every
-  step converts the weights back to float32 and decodes several times slower than float32
-  weights (it still halves the weights' memory).
+- `quantization="fp8"` or `"int4"` (or a draft's) on a CPU warns: a CPU has no FP8 or int4
+  matmul, so every step converts the weights back to float32 and decodes slower than float32
+  weights (they still save the weights' memory).
 - Context length, batch size, KV pool: engine/batch_size.py.
 """
 
@@ -32,10 +32,11 @@ def check_device_options(config: EngineConfig, device: torch.device) -> list[str
                          "drop use_cuda_graphs (on a CPU every step runs eagerly), or set device='cuda'")
     warnings = []
     for name in ("quantization", "draft_quantization"):
-        if device.type == "cpu" and getattr(config, name) == "fp8":
-            warnings.append(f"{name}='fp8' on a CPU decodes several times slower than float32 weights: a CPU has "
-                            "no FP8 matmul, so every step converts the weights back (it only halves their memory); "
-                            f"leave {name} unset to decode faster here")
+        kind = getattr(config, name)
+        if device.type == "cpu" and kind in ("fp8", "int4"):
+            warnings.append(f"{name}={kind!r} on a CPU decodes slower than float32 weights: a CPU has no "
+                            f"{kind.upper()} matmul, so every step converts the weights back (it only saves their "
+                            f"memory); leave {name} unset to decode faster here")
     return warnings
 
 

@@ -53,7 +53,8 @@ class Engine:
             resolve_engine_defaults(config, models)
             with self.startup.phase("load"):
                 self.models = models or self._load_models()
-            self.threads = apply_cpu_threads(config.threads, self.models.target.lm_head.weight.device,
+            # (the first parameter's device: an integer-weight head has no dense weight)
+            self.threads = apply_cpu_threads(config.threads, next(self.models.target.parameters()).device,
                                              sum(p.numel() for p in self.models.target.parameters()))
             self.tokenizer = self.models.tokenizer
             with self.startup.phase("runner"):

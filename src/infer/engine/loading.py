@@ -110,7 +110,7 @@ def load_target(config: EngineConfig, path: str, device: torch.device, shard: Mo
 def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
                shard: ModelShard | None = None) -> LlamaForCausalLM:
     """The draft model, in the target's dtype (with a `shard`: that rank's part)."""
-    return load_model(path, dtype=target.lm_head.weight.dtype, device=device, load_format=config.load_format,
+    return load_model(path, dtype=next(target.parameters()).dtype, device=device, load_format=config.load_format,
                       quantization=config.draft_quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
 
 

@@ -11,7 +11,7 @@ Three routes, each computing what the eager composition computes (models/kernels
 - `LIBRARY`: the layer's own forward (cuBLAS for dense weights), the RMSNorm, SwiGLU and
   residual add each one compiled kernel.
 
-`ROUTES` chooses by weight kind, by part ("linear": every projection but gate_up, which
+`ROUTES` chooses by weight kind ("bf16", "fp8", "int4", "int8": `gemv_tiles.weight_kind`), by part ("linear": every projection but gate_up, which
 is "gate_up": it decides whether SwiGLU is gate_up's epilogue or down's prologue) and by
 row bucket. It is the switch to flip after measuring on a GPU (`scripts/bench_gemv.py`
 times the GEMV against cuBLAS and the Triton matmul per shape and row count;
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from infer.models.gemv_tiles import MAX_ROWS, ROW_BUCKETS, row_bucket
+from infer.models.gemv_tiles import MAX_ROWS, ROW_BUCKETS, WEIGHT_KINDS, row_bucket, weight_kind
 from infer.models.linear import LinearBase
 from infer.models.linear_tiles import choose_config
 
@@ -38,33 +38,41 @@ PARTS = ("linear", "gate_up")
 # bf16: the GEMV at one row (it read every 1B and 3B matrix faster than cuBLAS), cuBLAS from
 # two rows (the GEMV was no faster there). FP8: the GEMV at one row, the Triton matmul from two
 # (on an H200, alternating runs of one session: 3B FP8 decode 551 tok/s through the GEMV
-# against 522 through the matmul, 1B 1110 against 1058).
+# against 522 through the matmul, 1B 1110 against 1058). Integer codes: the GEMV for every
+# bucket (their LIBRARY is the same GEMV without its fusions; the Triton matmul takes no
+# integer weights), unmeasured.
 ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("bf16", "linear"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
     ("bf16", "gate_up"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
     ("fp8", "linear"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
     ("fp8", "gate_up"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
+    ("int4", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int4", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
 }
+INT_KINDS = ("int4", "int8")  # weight kinds the Triton matmul does not take
 
 
 def check_routes(routes: dict[tuple[str, str], tuple[str, ...]]) -> None:
     """Raise a ValueError naming the entry to fix in a route table."""
-    for kind in ("bf16", "fp8"):
+    for kind in WEIGHT_KINDS:
         for part in PARTS:
             chosen = routes.get((kind, part))
             if chosen is None or len(chosen) != len(ROW_BUCKETS):
                 raise ValueError(f"ROUTES[({kind!r}, {part!r})] must give one route per row bucket {ROW_BUCKETS}")
-            if any(r not in (GEMV, MATMUL, LIBRARY) for r in chosen):
-                raise ValueError(f"ROUTES[({kind!r}, {part!r})] = {chosen}: each must be "
-                                 f"{GEMV!r}, {MATMUL!r} or {LIBRARY!r}")
+            allowed = (GEMV, LIBRARY) if kind in INT_KINDS else (GEMV, MATMUL, LIBRARY)
+            if any(r not in allowed for r in chosen):
+                names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+                raise ValueError(f"ROUTES[({kind!r}, {part!r})] = {chosen}: each must be {names}")
 
 
 check_routes(ROUTES)
 
 
 def table_route(kind: str, part: str, rows: int) -> str:
-    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, or
-    "fp8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
+    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, "fp8",
+    "int4", "int8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
     if not 1 <= rows <= MAX_ROWS:
         return LIBRARY
     return ROUTES[(kind, part)][ROW_BUCKETS.index(row_bucket(rows))]
@@ -75,7 +83,7 @@ def route(layer: LinearBase, x: Tensor, part: str = "linear") -> str:
     serve the call (CUDA, half precision, no bias), else `LIBRARY`."""
     if layer.bias is not None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return LIBRARY
-    return table_route("fp8" if layer.matrix()[1] is not None else "bf16", part, x.numel() // x.shape[-1])
+    return table_route(weight_kind(*layer.matrix()), part, x.numel() // x.shape[-1])
 
 
 def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,

@@ -6,7 +6,9 @@ reads per loop step (`block_k`), how many programs share one row block's K range
 (`split_k`), and which inner product it uses (`dot`: tensor cores on 16-row tiles, else
 float32 FMA on a row tile of M rounded up to a power of two, the "row bucket").
 `config_for` looks the shape up in `CONFIG_TABLE` (measured by `scripts/bench_gemv.py`)
-and otherwise builds `default_config` from the shape.
+and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
+(any dense half-precision W), "fp8", "int4" and "int8" (integer codes with group scales and
+offsets, models/int_quant.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from infer.models.int_quant import IntScales
+
 MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
 NUM_SMS_H200 = 132
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the row tiles the FMA kernel is compiled for
+WEIGHT_KINDS = ("bf16", "fp8", "int4", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +107,18 @@ def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
     return out
 
 
-def default_config(n: int, k: int, bucket: int, fp8: bool) -> GemvConfig:
+def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     """A configuration from the shape alone, after what measured best on an H200 for the
-    Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (FP8) rows of W by
-    512 K values, pipelined three deep, unsplit (a split's second launch costs more than
-    it gains); more rows take dot tiles of 32 x 128, K split until there are about three
-    programs a multiprocessor (2.5)."""
+    Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
+    weights, one row) rows of W by 512 K values, pipelined three deep, unsplit (a split's
+    second launch costs more than it gains); more rows take dot tiles of 32 x 128, K split
+    until there are about three programs a multiprocessor (2.5). (The integer kinds'
+    defaults follow FP8's, unmeasured.)"""
+    if kind not in WEIGHT_KINDS:
+        raise ValueError(f"weight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
     if bucket <= 2:
-        return GemvConfig(block_n=16 if fp8 and bucket == 1 else 8, block_k=512, num_warps=4, num_stages=3)
+        narrow = kind != "bf16" and bucket == 1
+        return GemvConfig(block_n=16 if narrow else 8, block_k=512, num_warps=4, num_stages=3)
     base = GemvConfig(block_n=32, block_k=128, dot=True, num_warps=4, num_stages=3)
     blocks = -(-n // base.block_n)
     split = 1
@@ -170,15 +179,29 @@ CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {
     for bucket, cfg in zip(ROW_BUCKETS, cfgs)}
 
 
-def config_for(n: int, k: int, m: int, fp8: bool) -> GemvConfig:
-    """The table's configuration for this shape, else `default_config`."""
+def config_for(n: int, k: int, m: int, kind: str) -> GemvConfig:
+    """The table's configuration for this shape and weight kind, else `default_config`."""
     bucket = row_bucket(m)
-    found = CONFIG_TABLE.get((n, k, bucket, "fp8" if fp8 else "bf16"))
-    return found if found is not None else default_config(n, k, bucket, fp8)
+    found = CONFIG_TABLE.get((n, k, bucket, kind))
+    return found if found is not None else default_config(n, k, bucket, kind)
 
 
-def check_inputs(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, norm_weight: torch.Tensor | None,
-                 swiglu_input: bool, residual: torch.Tensor | None) -> None:
+def weight_kind(w: torch.Tensor, scale: torch.Tensor | IntScales | None) -> str:
+    """The kind of a GEMV weight: "int4" / "int8" with integer scales, "fp8", or "bf16"."""
+    if isinstance(scale, IntScales):
+        return scale.layout.name
+    return "fp8" if w.dtype == torch.float8_e4m3fn else "bf16"
+
+
+def logical_shape(w: torch.Tensor, scale: torch.Tensor | IntScales | None) -> tuple[int, int]:
+    """(N, K) of the matrix W that `w` stores (packed integer rows hold K * bits / 8 bytes)."""
+    if isinstance(scale, IntScales):
+        return w.shape[0], w.shape[1] * 8 // scale.layout.bits
+    return w.shape[0], w.shape[1]
+
+
+def check_inputs(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | None,
+                 norm_weight: torch.Tensor | None, swiglu_input: bool, residual: torch.Tensor | None) -> None:
     """Raise a ValueError naming what to fix for inputs the kernel cannot take."""
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"gemv takes x [M, K] and w [N, K], got shapes {tuple(x.shape)} and {tuple(w.shape)}")
@@ -187,18 +210,15 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, n
         raise ValueError(f"gemv's x must be bfloat16 or float16, got {x.dtype}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("gemv needs x and w contiguous along K (call .contiguous())")
-    n, k = w.shape
+    n, k = logical_shape(w, scale)
     width = 2 * k if swiglu_input else k
     if x.shape[1] != width:
         raise ValueError(f"x has {x.shape[1]} columns, w has K={k}: x must be [M, {width}]"
                          + (" (gate | up) with swiglu_input" if swiglu_input else ""))
-    fp8 = w.dtype == torch.float8_e4m3fn
-    if not fp8 and w.dtype != x.dtype:
-        raise ValueError(f"w must be float8_e4m3fn or x's dtype {x.dtype}, got {w.dtype}")
-    if fp8 != (scale is not None):
-        raise ValueError("an FP8 weight needs its per-row float32 scale [N], and only an FP8 weight takes one")
-    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous()):
-        raise ValueError(f"scale must be a contiguous float32 [N={n}], got {scale.dtype} {tuple(scale.shape)}")
+    if isinstance(scale, IntScales):
+        _check_int(w, scale, x.dtype, n, k)
+    else:
+        _check_float(w, scale, x.dtype, n)
     if norm_weight is not None:
         if swiglu_input:
             raise ValueError("gemv fuses either the RMSNorm or the SwiGLU prologue, not both")
@@ -209,8 +229,29 @@ def check_inputs(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, n
                                  or residual.stride(1) != 1):
         raise ValueError(f"residual must be [M={x.shape[0]}, N={n}] in x's dtype {x.dtype}, contiguous along N; "
                          f"got {residual.dtype} {tuple(residual.shape)}")
-    for name, t in (("w", w), ("scale", scale), ("norm_weight", norm_weight), ("residual", residual)):
+    extra = (scale.scales, scale.offsets) if isinstance(scale, IntScales) else (scale,)
+    for name, t in (("w", w), ("scale", extra[0]), ("offsets", extra[-1]), ("norm_weight", norm_weight),
+                    ("residual", residual)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, x on {x.device}: put them on one device")
 
 
+def _check_float(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, n: int) -> None:
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if not fp8 and w.dtype != dtype:
+        raise ValueError(f"w must be float8_e4m3fn or x's dtype {dtype} (or uint8 codes with IntScales), "
+                         f"got {w.dtype}")
+    if fp8 != (scale is not None):
+        raise ValueError("an FP8 weight needs its per-row float32 scale [N], and only an FP8 weight takes one")
+    if scale is not None and (scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous()):
+        raise ValueError(f"scale must be a contiguous float32 [N={n}], got {scale.dtype} {tuple(scale.shape)}")
+
+
+def _check_int(w: torch.Tensor, scale: IntScales, dtype: torch.dtype, n: int, k: int) -> None:
+    if w.dtype != torch.uint8:
+        raise ValueError(f"integer weights are packed uint8 codes, got {w.dtype}")
+    groups = scale.layout.groups(k)
+    for name, t in (("scales", scale.scales), ("offsets", scale.offsets)):
+        if t.shape != (n, groups) or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [N={n}, groups={groups}] in x's dtype {dtype}, got "
+                             f"{t.dtype} {tuple(t.shape)}")

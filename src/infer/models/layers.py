@@ -28,11 +28,12 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
                   freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2], with Llama 3 scaling when given: as parameters
-    (`scaling`) or as llama.cpp's per-frequency divisors (`freq_factors`, [head_dim // 2])."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """Inverse frequencies [head_dim // 2] on the CPU (also under a meta default device: its
+    ops would import torch's Python decompositions), with Llama 3 scaling when given: as
+    parameters (`scaling`) or as llama.cpp's per-frequency divisors (`freq_factors`)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if freq_factors is not None:
-        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+        return inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")
     if scaling is None:
         return inv_freq
     old_len = scaling.original_max_position_embeddings

@@ -5,6 +5,13 @@ the layer's quantization method, as vLLM's `QuantizeMethodBase`: the method crea
 layer's parameters, loads checkpoint tensors into them, and applies the matmul.
 
 - `UNQUANTIZED`: W in the model's dtype (bf16 / fp16 / fp32).
+- `IntWeights(layout)`: W as 4- or 8-bit integer codes with a scale and an offset per
+  group of input columns (models/int_quant.py; "int4" / "int8"): quantized at load
+  (round to nearest) from a dense tensor, or given already quantized (`PackedRows`: GPTQ,
+  AWQ, compressed-tensors and GGUF weights, converted to the layer's layout without loss).
+  On a GPU the GEMV unpacks the codes in registers (up to MAX_ROWS rows; wider calls
+  dequantize W for the call and use cuBLAS); a CPU dequantizes W for each call. Only the
+  codes stay resident.
 - `FP8`: W in FP8 E4M3 with one float32 scale per output row (models/quantization.py), both
   parameters (so `parameters()`, `state_dict()` and `.to()` treat them as the model's
   weights; `.to(dtype)` moves them but keeps their storage dtypes). Weights quantize as they
@@ -34,11 +41,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from infer.models.gemv_tiles import MAX_ROWS
+from infer.models.int_quant import IntLayout, IntScales, PackedRows, default_group, dequantize_int, quantize_rtn
 from infer.models.linear_tiles import SplitWorkspace, choose_config
 from infer.models.parallel import REPLICATED, Parallel, all_reduce_max
 from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
 
-QUANTIZATIONS = (None, "fp8")
+QUANTIZATIONS = (None, "fp8", "int4", "int8")
+INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
+# values of an integer W dequantized at a time for a call the GEMV does not serve: a CPU's
+# cache-sized slice (whole matrices were 2.6x slower and left their pages behind), a GPU's
+# large one (few launches; the largest matrices still never exist dense whole)
+DENSE_CHUNK = {"cpu": 1 << 17, "cuda": 1 << 26}
 
 
 class QuantMethod(Protocol):
@@ -65,8 +79,9 @@ class QuantMethod(Protocol):
         """The local matmul x [..., in] -> [..., out] (no bias, not combined across ranks)."""
         ...
 
-    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(stored W [out, in], per-row scale [out] or None): what the Triton matmul reads."""
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | IntScales | None]:
+        """(stored W, per-row scale [out] or None, or integer codes and their `IntScales`):
+        what the Triton kernels read."""
         ...
 
     def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
@@ -74,13 +89,21 @@ class QuantMethod(Protocol):
         ...
 
 
-def check_rows(stored: torch.Tensor, tensor: torch.Tensor, row_offset: int | None, name: str) -> torch.Tensor:
+def check_rows(stored: torch.Tensor, tensor: torch.Tensor | PackedRows, row_offset: int | None,
+               name: str) -> torch.Tensor:
     """The rows of `stored` a checkpoint tensor fills; an error naming it when shapes disagree."""
     target = stored if row_offset is None else stored[row_offset:row_offset + tensor.shape[0]]
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies "
                          f"{tuple(target.shape)}: the weights do not match this config")
     return target
+
+
+def _dense_only(tensor: torch.Tensor | PackedRows, name: str, method: str) -> torch.Tensor:
+    if isinstance(tensor, PackedRows):
+        raise ValueError(f"tensor {name!r} is stored as {tensor.layout.name} codes, which a {method} layer does "
+                         "not take: load the checkpoint with its own quantization (leave quantization unset)")
+    return tensor
 
 
 class Unquantized:
@@ -95,6 +118,7 @@ class Unquantized:
         nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5))  # nn.Linear's initialisation
 
     def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
+        tensor = _dense_only(tensor, name, "dense")
         if tensor.dtype == FP8_DTYPE:
             raise ValueError(f"tensor {name!r} is stored in FP8: load the model with quantization='fp8'")
         with torch.no_grad():
@@ -131,6 +155,7 @@ class Fp8:
         """A float8 tensor is stored as it is (its scale comes through `load_scale`); any
         other dtype is quantized per row here. A row-parallel layer's rows take their scale
         from every rank's columns, so they quantize as the whole matrix's would."""
+        tensor = _dense_only(tensor, name, "FP8")
         target = check_rows(layer.weight.data, tensor, row_offset, name)
         with torch.no_grad():
             if tensor.dtype == FP8_DTYPE:
@@ -173,13 +198,100 @@ class Fp8:
         return dequantize_fp8(layer.weight, layer.weight_scale, dtype or torch.float32)
 
 
+class IntWeights:
+    """W as integer codes with a scale and an offset per group of input columns, stored as
+    `layout` says (models/int_quant.py). Parameters: `scales` and `offsets` [out, groups]
+    in the model's dtype (registered first: a model's first parameter keeps its dtype),
+    `qweight` [out, in * bits / 8] uint8."""
+
+    checkpoint_params = ("qweight",)  # W: loaded under the checkpoint's `weight` name
+    fixed_dtype_params: tuple[str, ...] = ()  # (`.to(dtype)` leaves integer tensors alone)
+
+    def __init__(self, layout: IntLayout) -> None:
+        self.layout = layout
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    def create_weights(self, layer: LinearBase) -> None:
+        groups = self.layout.groups(layer.in_features)
+        layer.scales = nn.Parameter(torch.ones(layer.out_features, groups), requires_grad=False)
+        layer.offsets = nn.Parameter(torch.zeros(layer.out_features, groups), requires_grad=False)
+        width = self.layout.packed_width(layer.in_features)
+        layer.qweight = nn.Parameter(torch.zeros(layer.out_features, width, dtype=torch.uint8), requires_grad=False)
+
+    def load_weight(self, layer: LinearBase, tensor: torch.Tensor | PackedRows, row_offset: int | None,
+                    name: str) -> None:
+        """Quantized rows (`PackedRows`) convert to the layer's layout; dense ones quantize
+        per group here (round to nearest)."""
+        check_rows(torch.empty(layer.out_features, layer.in_features, device="meta"), tensor, row_offset, name)
+        device, dtype = layer.qweight.device, layer.scales.dtype
+        if isinstance(tensor, PackedRows):
+            rows = tensor.to_layout(self.layout, device, dtype)
+            packed, scales, offsets = rows.packed, rows.scales, rows.offsets
+        elif tensor.dtype == FP8_DTYPE:
+            raise ValueError(f"tensor {name!r} is stored in FP8: load the model with quantization='fp8'")
+        else:
+            packed, scales, offsets = quantize_rtn(tensor.to(device), self.layout, dtype)
+        start = 0 if row_offset is None else row_offset
+        stop = start + tensor.shape[0]
+        with torch.no_grad():
+            layer.qweight.data[start:stop] = packed
+            layer.scales.data[start:stop] = scales
+            layer.offsets.data[start:stop] = offsets
+
+    def load_scale(self, layer: LinearBase, scale: torch.Tensor, row_offset: int | None, rows: int,
+                   name: str) -> None:
+        raise ValueError(f"tensor {name!r} is an FP8 scale, but this layer stores {self.name} codes: the "
+                         "checkpoint does not match the quantization asked for")
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized for the call,
+        DENSE_CHUNK values of it at a time."""
+        weight, ints = self.matrix(layer)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.shape[0] <= MAX_ROWS:
+                from infer.models.triton_gemv import gemv
+                return gemv(rows.contiguous(), weight, ints).view(*x.shape[:-1], layer.out_features)
+            from infer.models.triton_dequant import dequantize_on_device
+
+            def dense(a: int, b: int) -> torch.Tensor:
+                return dequantize_on_device(weight[a:b], IntScales(ints.scales[a:b], ints.offsets[a:b], self.layout))
+        else:
+            def dense(a: int, b: int) -> torch.Tensor:
+                return dequantize_int(weight[a:b], ints.scales[a:b], ints.offsets[a:b], self.layout, x.dtype)
+        step = max(1, DENSE_CHUNK["cuda" if x.is_cuda else "cpu"] // layer.in_features)
+        parts = [F.linear(x, dense(a, min(a + step, layer.out_features))) for a in range(0, layer.out_features, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, IntScales]:
+        return layer.qweight, IntScales(layer.scales, layer.offsets, self.layout)
+
+    def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
+        return dequantize_int(layer.qweight, layer.scales, layer.offsets, self.layout, dtype or torch.float32)
+
+    def rows(self, layer: LinearBase, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of W, dequantized: [..., in] in the scales' dtype (an embedding's lookup)."""
+        flat = ids.reshape(-1)
+        w = dequantize_int(layer.qweight[flat], layer.scales[flat], layer.offsets[flat], self.layout,
+                           layer.scales.dtype)
+        return w.view(*ids.shape, layer.in_features)
+
+
 UNQUANTIZED = Unquantized()
 FP8 = Fp8()
 _METHODS: dict[str | None, QuantMethod] = {None: UNQUANTIZED, "fp8": FP8}
 
 
-def quant_method(quantization: str | None) -> QuantMethod:
-    """The method of a `quantization` setting (None or "fp8"); a clear error for others."""
+def quant_method(quantization: str | None, in_features: int | None = None) -> QuantMethod:
+    """The method of a `quantization` setting (None, "fp8", or "int4" / "int8": groups of up
+    to 128 of the layer's `in_features` columns); a clear error for others."""
+    if quantization in INT_QUANTIZATIONS:
+        if in_features is None:
+            raise ValueError(f"quantization {quantization!r} needs the layer's input size")
+        return IntWeights(IntLayout(INT_QUANTIZATIONS[quantization], default_group(in_features)))
     if quantization not in _METHODS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     return _METHODS[quantization]
@@ -219,7 +331,14 @@ class LinearBase(nn.Module):
         y = self.method.apply(self, x)
         return self.combine(y if self.bias is None else y + self.bias)
 
-    def load_rows(self, tensor: torch.Tensor, row_offset: int | None, name: str = "weight") -> None:
+    def set_method(self, method: QuantMethod) -> None:
+        """Store W as `method` does instead (new, uninitialised parameters; the bias stays)."""
+        for name in [n for n in self._parameters if n != "bias"]:
+            delattr(self, name)
+        self.method = method
+        method.create_weights(self)
+
+    def load_rows(self, tensor: torch.Tensor | PackedRows, row_offset: int | None, name: str = "weight") -> None:
         self.method.load_weight(self, tensor, row_offset, name)
 
     def load_scale(self, scale: torch.Tensor, row_offset: int | None, rows: int, name: str = "weight_scale") -> None:
@@ -236,7 +355,7 @@ class LinearBase(nn.Module):
         """The parameter names (leaves) of this layer that a checkpoint must supply."""
         return self.method.checkpoint_params + (("bias",) if self.bias is not None else ())
 
-    def matrix(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def matrix(self) -> tuple[torch.Tensor, torch.Tensor | IntScales | None]:
         return self.method.matrix(self)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -273,4 +392,4 @@ def linear_layers(module: nn.Module) -> dict[str, LinearBase]:
 
 def make_linear(in_features: int, out_features: int, quantization: str | None,
                 parallel: Parallel = REPLICATED, bias: bool = False) -> LinearBase:
-    return LinearBase(in_features, out_features, quant_method(quantization), parallel, bias)
+    return LinearBase(in_features, out_features, quant_method(quantization, in_features), parallel, bias)

@@ -8,8 +8,10 @@ on q, k and v) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before t
 `AttentionView` that owns the KV cache, so padded batches, chunks after a cached prefix and
 speculative verification are ordinary calls. q/k/v and gate/up projections are fused; the
 mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to_hf`. The
-projections are `LinearBase` layers (models/linear.py): dense, or FP8 with
-`quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype).
+projections are `LinearBase` layers (models/linear.py): dense, FP8 with
+`quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype), or
+integer codes ("int4"; and per layer as a checkpoint stores them, models/int_layers.py,
+which can store the embedding and the head as codes too).
 
 Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). Every
 step goes through the `Kernels` bundle together with what surrounds it, so a fused bundle
@@ -87,10 +89,18 @@ class DecoderLayer(nn.Module):
         return kernels.mlp(self.mlp.gate_up_proj, self.mlp.down_proj, x, norm.weight, norm.eps)
 
 
+def _embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
+    """nn.Embedding, without its random initialisation on the meta device (a meta `normal_`
+    imports torch's Python decompositions: about 150 MB of memory for nothing)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
+    return nn.Embedding(vocab_size, hidden_size)
+
+
 class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, quantization) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -109,8 +119,9 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config ties them (again after the
-        parameters are materialised: `to_empty` replaces each one separately)."""
-        if self.config.tie_word_embeddings:
+        parameters are materialised: `to_empty` replaces each one separately). A quantized
+        embedding's head reads the embedding's codes already (models/int_layers.py)."""
+        if self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def linears(self) -> dict[str, LinearBase]:
@@ -153,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors in (each linear layer converts what it reads:
-        FP8 layers quantize bf16/fp32 tensors, or take FP8 ones with their `weight_scale`);
+        FP8 layers quantize bf16/fp32 tensors, or take FP8 ones with their `weight_scale`;
+        integer layers quantize dense tensors or take a checkpoint's codes, `PackedRows`);
         raises if any is missing, extra or misshapen."""
         own = dict(self.named_parameters(remove_duplicate=False))
         linears = self.linears()
@@ -171,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
                 rows = _fused_rows(hf_name, self.config) if offset is not None else layer.out_features
                 if leaf == "weight":
                     layer.load_rows(tensor, offset, hf_name)
-                    if tensor.dtype == torch.float8_e4m3fn:
+                    if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float8_e4m3fn:
                         fp8_weights.add(hf_name)
                 elif leaf == "bias":
                     layer.load_bias(tensor, offset, hf_name)
@@ -180,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(hf_name)
                 continue
             param = own.get(name)
-            if param is None:
+            if param is None or not isinstance(tensor, torch.Tensor):
                 raise ValueError(f"checkpoint has unexpected tensor {hf_name!r} for this "
                                  f"{self.config.model_type} config")
             if tuple(param.shape) != tuple(tensor.shape):
@@ -200,19 +212,20 @@ class LlamaForCausalLM(nn.Module):
 
     def _checkpoint_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, parameter) of what a checkpoint supplies: every parameter but those a
-        linear layer derives (an FP8 layer's scales, computed as its weights quantize)."""
+        linear layer derives (an FP8 layer's scales, computed as its weights quantize); an
+        integer layer's codes under W's name (`<layer>.weight`, rows as W's)."""
         linears = self.linears()
         for name, param in self.named_parameters():
             module, _, leaf = name.rpartition(".")
             layer = linears.get(module)
             if layer is None or leaf in layer.checkpoint_params():
-                yield name, param
+                yield (f"{module}.weight" if layer is not None and leaf == "qweight" else name), param
 
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This model's weights under Hugging Face names (fused matrices split; quantized
         layers dequantized to the model's dtype)."""
         linears = self.linears()
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = self.model.norm.weight.dtype
         for name, param in self._checkpoint_params():
             module, _, leaf = name.rpartition(".")
             if module in linears and leaf == "weight":

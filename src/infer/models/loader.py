@@ -9,7 +9,11 @@ A format reader (models/readers.py: safetensors, GGUF, dummy) gives the config a
 tensors under Hugging Face names; one build function makes the model on the meta device
 (no initialisation cost), materialises it empty on the target device in the target dtype,
 and fills it through `load_hf_weights`, one tensor at a time. The linear layers convert what
-they read: quantization="fp8" quantizes each weight as it loads.
+they read: quantization="fp8" or "int4" quantizes each weight as it loads. Integer codes a
+checkpoint stores stay codes: `plan_layouts` says which layers take them (every projection
+of a GPTQ / AWQ / pack-quantized checkpoint; a GGUF file's quantized matrices unless another
+quantization is asked for, or the model is split for tensor parallelism) and, for "int4",
+the head's 8-bit layout (models/int_layers.py).
 
 A name is resolved by `resolve_model_path`: an existing local directory is used as is; an
 "org/name" string is fetched with `huggingface_hub.snapshot_download` (config, safetensors,
@@ -37,6 +41,7 @@ import torch
 
 from infer.models.config import ModelConfig, RopeScaling
 from infer.models.gguf.path import is_gguf_path
+from infer.models.int_layers import LayerLayouts, apply_layouts, head_layouts
 from infer.models.layers import Rotary
 from infer.models.linear import QUANTIZATIONS
 from infer.models.llama import LlamaForCausalLM
@@ -139,8 +144,10 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build a model with its weights; returns (model in eval mode, no grad; config).
 
-    quantization="fp8" stores the linear layers' weights in FP8 (quantized as they load); a
-    checkpoint stored in FP8 (compressed-tensors) loads as such whatever is asked. With a
+    quantization="fp8" stores the linear layers' weights in FP8, "int4" as 4-bit codes in
+    groups (8-bit for the head; quantized as they load); a checkpoint stored quantized
+    (compressed-tensors FP8, GPTQ, AWQ, pack-quantized) loads as such whatever is asked, and
+    a GGUF file keeps its quantized blocks unless a quantization is asked. With a
     `shard`, the model is that tensor-parallel rank's part (the config returned is still
     the whole model's). `max_seq_len`: the longest sequence it will run, checked against the
     model's attention window before any weight is read."""
@@ -152,31 +159,50 @@ def load_model(
     device = torch.device(device)
     if device.type == "meta" and not isinstance(reader, DummyReader):
         raise ValueError("device='meta' holds no data: use it only with load_format='dummy'")
+    layouts = plan_layouts(reader, quantization, shard)
     return build_model(reader, resolve_dtype(dtype, device, reader.config_dtype), device,
-                       reader.stored_quantization or quantization, shard), reader.config
+                       reader.stored_quantization or quantization, shard, layouts), reader.config
+
+
+def plan_layouts(reader: WeightReader, quantization: str | None, shard: ModelShard | None) -> LayerLayouts:
+    """The layers stored as integer codes in a layout of their own (beyond what
+    `quantization` makes of every projection): see the module docstring."""
+    if reader.stored_quantization is not None and reader.int_layouts:
+        return dict(reader.int_layouts)  # an integer checkpoint (its reader refuses a shard)
+    if shard is not None:
+        return {}
+    if quantization is None:
+        return dict(reader.int_layouts)
+    return head_layouts(reader.config, quantization)
 
 
 def build_model(reader: WeightReader, dtype: torch.dtype, device: torch.device, quantization: str | None,
-                shard: ModelShard | None = None) -> LlamaForCausalLM:
+                shard: ModelShard | None = None, layouts: LayerLayouts | None = None) -> LlamaForCausalLM:
     """The model (a shard's part of it) filled with the reader's tensors, in eval mode
     without gradients (on the meta device: left empty)."""
     config = reader.config
     if shard is not None:
         shard.check(config)
-    model = build_empty_model(config, dtype, device, quantization, shard)
+    layouts = layouts or {}
+    model = build_empty_model(config, dtype, device, quantization, shard, layouts)
     if device.type != "meta":
-        model.load_hf_weights(reader.tensors(device, dtype, shard))
+        model.load_hf_weights(reader.tensors(device, dtype, shard, layouts))
     model.eval().requires_grad_(False)
     return model
 
 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                      quantization: str | None = None, shard: ModelShard | None = None) -> LlamaForCausalLM:
+                      quantization: str | None = None, shard: ModelShard | None = None,
+                      layouts: LayerLayouts | None = None) -> LlamaForCausalLM:
     """Model (with a `shard`: that rank's part) with uninitialised parameters on `device`
-    (no random-init cost; quantized weights keep their storage dtype); buffers valid."""
+    (no random-init cost; quantized weights keep their storage dtype), the `layouts`' layers
+    stored as integer codes; buffers valid."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, quantization) if shard is None else shard.build(config, quantization)
-    model = model.to(dtype=dtype).to_empty(device=device)
+        apply_layouts(model, layouts or {})
+    # `to_empty` would make each tensor with `empty_like`, whose meta-tensor reference
+    # imports sympy (a second and 40 MB): the same empty tensors, made by shape
+    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty replaces each Parameter separately: restore the tie
     model.rotary = Rotary(model.config).to(device)  # inv_freq stays float32, as in HF
     stale = [name for name, _ in model.named_buffers() if not name.startswith("rotary.")]

@@ -5,6 +5,7 @@ value), so every row uses the format's whole range; dequantizing multiplies back
 error of an element is at most half an E4M3 step at its magnitude: a relative 2^-4 of the
 element (3 mantissa bits), plus s * 2^-9 near zero (the subnormal step).
 
+(Integer checkpoints, GPTQ / AWQ / pack-quantized, are models/int_checkpoint.py's.)
 Checkpoints already in FP8 use the compressed-tensors layout of public FP8 Llama releases:
 `quantization_config.quant_method == "compressed-tensors"`, a config group whose weights
 are 8-bit "float" with a "channel" or "tensor" strategy, tensors `*.weight` (float8_e4m3fn)
@@ -16,6 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from infer.models.int_checkpoint import int_format
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -39,27 +42,33 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
 
 
 def checkpoint_quantization(raw_config: dict[str, Any]) -> str | None:
-    """The quantization a checkpoint's config.json declares: None (none) or "fp8"
-    (compressed-tensors, 8-bit float weights). Anything else is an error naming it."""
+    """The quantization a checkpoint's config.json declares: None (none), "fp8"
+    (compressed-tensors, 8-bit float weights), or "int4" / "int8" (GPTQ, AWQ, compressed-
+    tensors pack-quantized: models/int_checkpoint.py). Anything else is an error naming it."""
     qc = raw_config.get("quantization_config")
     if qc is None:
         return None
     if not isinstance(qc, dict):
         raise ValueError(f"quantization_config must be an object, got {qc!r}")
+    fmt = int_format(raw_config)
+    if fmt is not None:
+        return fmt.name
     method = qc.get("quant_method")
     if method == "fp8":  # transformers' own FP8 format: weight_scale_inv blocks, not supported
         raise ValueError("quantization_config.quant_method 'fp8' (block-wise scales) is not supported: "
                          "use a compressed-tensors FP8 checkpoint or a bf16 one with quantization='fp8'")
     if method != "compressed-tensors":
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported: infer loads "
-                         "compressed-tensors FP8 checkpoints, or quantizes bf16/fp32 ones (quantization='fp8')")
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported: infer loads GPTQ, AWQ "
+                         "and compressed-tensors (FP8, pack-quantized) checkpoints, or quantizes bf16/fp32 ones "
+                         "(quantization='fp8' or 'int4')")
     groups = qc.get("config_groups") or {}
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}
         if not (weights.get("num_bits") == 8 and weights.get("type") == "float"
                 and weights.get("strategy") in ("channel", "tensor")):
             raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: only 8-bit float "
-                             "weights with a channel or tensor strategy are supported")
+                             "weights with a channel or tensor strategy are supported (or 4- and 8-bit integer "
+                             "weights in the pack-quantized format)")
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     kept = [name for name in qc.get("ignore") or [] if "lm_head" not in name]

@@ -5,14 +5,20 @@
 - `SafetensorsReader`: a directory in Hugging Face layout (config.json, model.safetensors or
   the shards model.safetensors.index.json lists), local or fetched from the hub by id.
   Tensors are read one at a time; with a tensor-parallel shard only the shard's part of
-  each (safetensors `get_slice`: the rest is never read).
-- `GGUFReader`: a llama.cpp file (models/gguf): config from its metadata, tensors
-  dequantized into the model's dtype and renamed to Hugging Face names.
+  each (safetensors `get_slice`: the rest is never read). An integer checkpoint's layers
+  (GPTQ, AWQ, pack-quantized: models/int_checkpoint.py) come as `PackedRows`, each made
+  from its layer's tensors once they are read.
+- `GGUFReader`: a llama.cpp file (models/gguf): config from its metadata (parsed once),
+  tensors renamed to Hugging Face names, each kept as the file's codes (`PackedRows`) where
+  the layouts asked for hold them, else dequantized into the model's dtype.
 - `DummyReader`: random weights of a config's shapes (normal, std 0.02; norm weights 1, the
   final norm's DUMMY_LOGIT_GAIN), drawn from a fixed seed as whole tensors in one order, so
   a tensor-parallel rank keeping its part of each holds exactly the one-process dummy model.
 
-The loader (models/loader.py) feeds any reader's tensors to one build function.
+A reader's `int_layouts` are the layers (fused names) its integer codes can fill as they
+are: an integer checkpoint's every projection (required), a GGUF file's quantized matrices
+(kept unless the load asks for another quantization). The loader (models/loader.py)
+decides the layouts, builds the model and feeds it the reader's tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +36,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig
+from infer.models.int_checkpoint import IntFormat, int_format
+from infer.models.int_layers import LayerLayouts, projection_layouts
+from infer.models.int_quant import PackedRows
 from infer.models.llama import LlamaForCausalLM, fused_to_hf, norm_weights
 from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
 from infer.models.shard import ModelShard, read_part, shard_tensors
@@ -48,11 +57,13 @@ class WeightReader(Protocol):
     config: ModelConfig
     config_dtype: str | None  # the dtype the checkpoint names ("auto" follows it), if any
     stored_quantization: str | None  # the quantization its tensors are stored in
+    int_layouts: LayerLayouts  # layers its integer codes fill as they are (see the module docstring)
 
-    def tensors(self, device: torch.device, dtype: torch.dtype,
-                shard: ModelShard | None) -> Iterable[tuple[str, torch.Tensor]]:
+    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+                layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
         """(hf_name, tensor on `device`) one at a time, in `dtype` (stored FP8 weights and
-        their scales keep theirs); with a `shard`, only its part of each tensor."""
+        their scales keep theirs; integer codes come as `PackedRows` for the layers in
+        `layouts`, the model's); with a `shard`, only its part of each tensor."""
         ...
 
 
@@ -62,6 +73,8 @@ class SafetensorsReader:
     config: ModelConfig
     config_dtype: str | None
     stored_quantization: str | None
+    int_format: IntFormat | None = None
+    int_layouts: LayerLayouts = field(default_factory=dict)
 
     @classmethod
     def open(cls, name_or_path: str) -> SafetensorsReader:
@@ -80,17 +93,26 @@ class SafetensorsReader:
             config = ModelConfig.from_hf_dict(raw)
         except KeyError as exc:
             raise ValueError(f"{config_path} lacks the required field {exc.args[0]!r}") from exc
-        return cls(directory, config, raw.get("torch_dtype") or raw.get("dtype"), checkpoint_quantization(raw))
+        fmt = int_format(raw)
+        reader = cls(directory, config, raw.get("torch_dtype") or raw.get("dtype"), checkpoint_quantization(raw), fmt)
+        if fmt is not None:
+            reader.int_layouts = projection_layouts(config, fmt.layout)
+            _check_int_tensors(fmt, reader.int_layouts, _tensor_names(find_weight_files(directory)))
+        return reader
 
-    def tensors(self, device: torch.device, dtype: torch.dtype,
-                shard: ModelShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+                layouts: LayerLayouts) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
         files = find_weight_files(self.directory)
-        total_bytes = sum(f.stat().st_size for f in files)
-        names = []
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                names.append(list(f.keys()))
-        show = total_bytes > PROGRESS_MIN_BYTES
+        names = _tensor_names(files)
+        if self.int_format is not None and shard is not None:
+            raise ValueError(f"tensor parallelism does not split {self.int_format.method} checkpoints yet: load "
+                             "it with tensor_parallel_size=1, or the bf16 model with quantization='int4'")
+        raw = self._read(files, names, device, dtype, shard)
+        return raw if self.int_format is None else _int_layers(raw, self.int_format, names)
+
+    def _read(self, files: list[Path], names: list[list[str]], device: torch.device, dtype: torch.dtype,
+              shard: ModelShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+        show = sum(f.stat().st_size for f in files) > PROGRESS_MIN_BYTES
         with tqdm(total=sum(map(len, names)), desc="loading weights", unit="tensor", disable=not show) as bar:
             for path, keys in zip(files, names, strict=True):
                 with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
@@ -100,10 +122,61 @@ class SafetensorsReader:
                         else:
                             part = f.get_slice(key)
                             tensor = read_part(part, shard.part(key, tuple(part.get_shape())))
-                        # FP8 weights and their float32 scales keep their dtype (the layers convert)
-                        keep = tensor.dtype == FP8_DTYPE or key.endswith("_scale")
+                        # FP8 weights, scales and integer tensors keep their dtype (the layers convert)
+                        keep = tensor.dtype == FP8_DTYPE or key.endswith("_scale") or not tensor.is_floating_point() \
+                            or (self.int_format is not None and key.rpartition(".")[2] in self.int_format.tensor_names())
                         yield key, tensor if keep else tensor.to(dtype)
                         bar.update(1)
+
+
+def _tensor_names(files: list[Path]) -> list[list[str]]:
+    """The tensor names of each weight file (read from the headers)."""
+    names = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            names.append(list(f.keys()))
+    return names
+
+
+def _int_layer_names(fmt: IntFormat, names: list[list[str]]) -> dict[str, set[str]]:
+    """Layer name -> the suffixes of its integer tensors present in the files."""
+    layers: dict[str, set[str]] = {}
+    for key in (k for keys in names for k in keys):
+        prefix, _, suffix = key.rpartition(".")
+        if suffix in fmt.tensor_names():
+            layers.setdefault(prefix, set()).add(suffix)
+    return layers
+
+
+def _check_int_tensors(fmt: IntFormat, layouts: LayerLayouts, names: list[list[str]]) -> None:
+    """Every projection of an integer checkpoint has its required tensors: else a clear
+    error before any weight is read."""
+    present = _int_layer_names(fmt, names)
+    for layer in present:
+        missing = [s for s in fmt.required() if s not in present[layer]]
+        if missing:
+            raise ValueError(f"checkpoint is missing {layer}.{missing[0]}: the weight files of this "
+                             f"{fmt.method} checkpoint are incomplete (re-download or re-save the model)")
+    if not present:
+        raise ValueError(f"the {fmt.method} checkpoint's files hold no {fmt.tensor_names()[0]} tensors: its "
+                         "config.json does not describe these weights")
+
+
+def _int_layers(raw: Iterable[tuple[str, torch.Tensor]], fmt: IntFormat,
+                names: list[list[str]]) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
+    """`raw` with each integer layer's tensors replaced by one `(<layer>.weight, PackedRows)`,
+    yielded once all of them are read."""
+    expected = _int_layer_names(fmt, names)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in raw:
+        prefix, _, suffix = key.rpartition(".")
+        if prefix not in expected or suffix not in fmt.tensor_names():
+            yield key, tensor
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[suffix] = tensor
+        if set(parts) == expected[prefix]:
+            yield f"{prefix}.weight", fmt.convert(pending.pop(prefix), prefix)
 
 
 @dataclass
@@ -112,24 +185,25 @@ class GGUFReader:
     gguf: Any  # infer.models.gguf.reader.GGUFFile (the gguf library loads only for GGUF files)
     config: ModelConfig
     config_dtype: str | None = None
-    stored_quantization: str | None = None  # dequantized as read: re-quantized only if asked
+    stored_quantization: str | None = None  # codes kept where they fit (int_layouts), else dequantized
+    int_layouts: LayerLayouts = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: Path) -> GGUFReader:
         from infer.models.gguf.config import config_from_gguf
         from infer.models.gguf.reader import GGUFFile
-        from infer.models.gguf.weights import check_tensors
+        from infer.models.gguf.weights import check_tensors, kept_layouts
         gguf = GGUFFile.open(path)
         config = config_from_gguf(gguf)
         check_tensors(gguf)  # before any memory is taken for the model
-        return cls(path, gguf, config)
+        return cls(path, gguf, config, int_layouts=kept_layouts(gguf, config))
 
-    def tensors(self, device: torch.device, dtype: torch.dtype,
-                shard: ModelShard | None) -> Iterable[tuple[str, torch.Tensor]]:
+    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+                layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
         from infer.models.gguf.weights import iter_hf_tensors
         show = self.path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
-        tensors = iter_hf_tensors(self.gguf, self.config, device, dtype, progress=show)
-        return tensors if shard is None else shard_tensors(tensors, shard)
+        tensors = iter_hf_tensors(self.gguf, self.config, device, dtype, progress=show, layouts=layouts)
+        return tensors if shard is None else shard_tensors(tensors, shard)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -139,9 +213,11 @@ class DummyReader:
     stored_quantization: str | None = None
     seed: int = 0
     std: float = 0.02
+    int_layouts: LayerLayouts = field(default_factory=dict)
 
-    def tensors(self, device: torch.device, dtype: torch.dtype,
-                shard: ModelShard | None) -> Iterable[tuple[str, torch.Tensor]]:
+    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+                layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor]]:
+        """Dense tensors (layers stored as integers quantize them as they load)."""
         tensors = dummy_hf_tensors(self.config, dtype, device, self.seed, self.std)
         return tensors if shard is None else shard_tensors(tensors, shard)
 

@@ -1,8 +1,10 @@
 """Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..16 rows, bound by
 reading W once at the memory bandwidth.
 
-W is bf16/fp16 (x's dtype) or FP8 E4M3 with one float32 scale per output row, applied in
-the epilogue. Each program owns `block_n` rows of W and streams them along K (W is
+W is bf16/fp16 (x's dtype), FP8 E4M3 with one float32 scale per output row (applied in
+the epilogue), or integer codes (models/int_quant.py: 4-bit two a byte, or 8-bit) with a
+scale and an offset per group of input columns, unpacked in registers: s * q + o in
+float32 (4-bit: the even and odd columns of a byte as two half-width tiles). Each program owns `block_n` rows of W and streams them along K (W is
 row-major, so a row's K values are contiguous: 16-byte vector loads); all M rows of x ride
 along, so W is read once whatever M is. Accumulation is float32, by one of two inner
 products chosen per shape:
@@ -11,7 +13,8 @@ products chosen per shape:
   K once at the end (no cross-thread reduction inside the loop); BM = M rounded up to a
   power of two. Measured best for one or two rows.
 - "dot": `tl.dot` on 16-row tiles (tensor cores; rows past M are masked to zero). FP8
-  weights convert to fp16 in registers and multiply x converted to fp16.
+  weights convert to fp16 in registers and multiply x converted to fp16; integer weights
+  dequantize to x's dtype.
 
 Where N gives too few programs to keep every multiprocessor streaming, K can be split over
 `split_k` programs per row block; each writes float32 partial sums to a workspace
@@ -38,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, row_bucket
+from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, logical_shape, row_bucket, weight_kind
+from infer.models.int_quant import IntScales
 
 _REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
 
@@ -76,16 +80,53 @@ def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.
     return x
 
 
+@triton.jit
+def _group_values(T, rn, kk, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """A per-group tensor T [N, G] (scales or offsets) spread over the weight tile [BN, BKW]
+    whose columns kk span BK columns of K from k0 (a multiple of BK): one value a row when
+    the tile lies in one group, a [BN, BK / GROUP] tile broadcast over each group's columns
+    when groups tile it, else gathered column by column."""
+    if GROUP % BK == 0:
+        v = tl.load(T + rn * G + k0 // GROUP, mask=rn < N, other=0.0).to(tl.float32)
+        return v[:, None]
+    elif BK % GROUP == 0:
+        gi = k0 // GROUP + tl.arange(0, BK // GROUP)
+        v = tl.load(T + rn[:, None] * G + gi[None, :], mask=(rn[:, None] < N) & (gi[None, :] < G),
+                    other=0.0).to(tl.float32)  # [BN, BK / GROUP]
+        return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, BK // GROUP, BKW * GROUP // BK)), (BN, BKW))
+    else:
+        mask = (rn[:, None] < N) & (kk[None, :] < G * GROUP)
+        return tl.load(T + rn[:, None] * G + (kk // GROUP)[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr):
+    """Dequantized float32 weights [BN, BKW] of integer codes for the BK columns from k0 (kk:
+    8-bit codes' columns; 4-bit: the even columns, whose byte also holds kk + 1): s * q + o;
+    4-bit returns the odd columns' weights second (8-bit: the scales, unused)."""
+    mask = (rn[:, None] < N) & (kk[None, :] < k_hi)
+    s = _group_values(GS, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
+    o = _group_values(GO, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
+    if BITS == 4:
+        b = tl.load(W + rn[:, None] * s_wn + (kk // 2)[None, :], mask=mask, other=0)
+        return (b & 15).to(tl.float32) * s + o, (b >> 4).to(tl.float32) * s + o
+    b = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=mask, other=0)
+    return b.to(tl.float32) * s + o, s
+
+
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+def _gemv_kernel(X, W, S, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
-                 SCALED: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+                 BITS: tl.constexpr, GROUP: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr,
+                 SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr,
+                 NORM_BK: tl.constexpr, BKW: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    rk = tl.arange(0, BKW)  # BKW = BK, or BK / 2 for 4-bit codes (the even columns)
     rstd = tl.zeros((BM,), tl.float32)
     if NORM:  # every program recomputes its rows' RMS over all of K, in few wide steps
         rq = tl.arange(0, NORM_BK)
@@ -102,18 +143,33 @@ def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s
     if DOT:
         acc = tl.zeros((BM, BN), tl.float32)
     else:
-        acc3 = tl.zeros((BM, BN, BK), tl.float32)
+        acc3 = tl.zeros((BM, BN, BKW), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-        kk = k0 + rk
-        x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
-        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
-        if DOT:
-            if FP8:  # E4M3 -> fp16 converts natively; x's range fits fp16
-                acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        if BITS == 4:
+            kk = k0 + 2 * rk
+            w, w_odd = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
+            x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
+            x_odd = _load_input(X, NW, rm, kk + 1, rstd, M, K, s_xm, NORM, SWIGLU)
+            if DOT:
+                acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+                acc = tl.dot(x_odd, tl.trans(w_odd.to(x.dtype)), acc)
             else:
-                acc = tl.dot(x, tl.trans(w), acc)
+                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
+                acc3 += x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :]
         else:
-            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            kk = k0 + rk
+            x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
+            if BITS == 8:
+                w, _ = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
+            if DOT:
+                if FP8:  # E4M3 -> fp16 converts natively; x's range fits fp16
+                    acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+            else:
+                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
     if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
@@ -137,37 +193,47 @@ def _reduce_kernel(P, S, R, Y, M, N, s_rm, s_ym, SPLIT: tl.constexpr, BM: tl.con
     _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-5, swiglu_input: bool = False,
          residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """y [M, N] = prologue(x) @ w^T (* scale per row), rounded to x's dtype (+ residual).
+    """y [M, N] = prologue(x) @ W^T (* scale per row), rounded to x's dtype (+ residual).
 
     x: [M, K] (bf16/fp16, M in 1..16), or [M, 2K] gate | up with `swiglu_input`;
-    w: [N, K] in x's dtype, or float8_e4m3fn with `scale` [N] float32;
-    norm_weight: [K] in x's dtype: RMSNorm x first (eps as the model's rms_norm_eps);
-    residual: [M, N] in x's dtype, added after rounding. `config` overrides `config_for`.
+    w: [N, K] in x's dtype, float8_e4m3fn with `scale` [N] float32, or packed integer codes
+    uint8 [N, K * bits / 8] with `scale` an `IntScales` (scales, offsets [N, K / group] in
+    x's dtype); norm_weight: [K] in x's dtype: RMSNorm x first (eps as the model's
+    rms_norm_eps); residual: [M, N] in x's dtype, added after rounding. `config` overrides
+    `config_for`.
     """
     check_inputs(x, w, scale, norm_weight, swiglu_input, residual)
     m = x.shape[0]
-    n, k = w.shape
-    fp8 = w.dtype == torch.float8_e4m3fn
-    cfg = config if config is not None else config_for(n, k, m, fp8)
+    n, k = logical_shape(w, scale)
+    kind = weight_kind(w, scale)
+    ints = scale if isinstance(scale, IntScales) else None
+    cfg = config if config is not None else config_for(n, k, m, kind)
+    bits = ints.layout.bits if ints is not None else 0
+    if bits == 4 and cfg.block_k < 32:
+        raise ValueError(f"4-bit weights need GemvConfig.block_k >= 32, got {cfg.block_k}")
     bm = 16 if cfg.dot else row_bucket(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
     partial = cfg.split_k > 1
     p = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else y  # [S, M, N]
-    s = scale if scale is not None else y
+    s = scale if isinstance(scale, torch.Tensor) else y
+    gs, go = (ints.scales, ints.offsets) if ints is not None else (y, y)
     nw = norm_weight if norm_weight is not None else y
     r = residual if residual is not None else y
-    flags = dict(SCALED=scale is not None, RESIDUAL=residual is not None)
+    flags = dict(SCALED=isinstance(scale, torch.Tensor), RESIDUAL=residual is not None)
     # the RMS pass reads x in steps of up to 8192 values a program (all of K in one or two
     # steps for one or two rows), so that few dependent loads precede the matmul
     norm_bk = min(triton.next_power_of_2(k), max(cfg.block_k, 8192 // bm)) if norm_weight is not None else 16
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, w, s, nw, r, y, p, m, n, k, k_per_split, x.stride(0), w.stride(0), r.stride(0), y.stride(0), eps,
-        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT=cfg.dot, FP8=fp8, NORM=norm_weight is not None,
-        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk, num_warps=cfg.num_warps,
+        x, w, s, gs, go, nw, r, y, p, m, n, k, gs.shape[1] if ints is not None else 1, k_per_split, x.stride(0),
+        w.stride(0), r.stride(0), y.stride(0), eps,
+        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT=cfg.dot, FP8=kind == "fp8", BITS=bits,
+        GROUP=ints.layout.group_size if ints is not None else 1, NORM=norm_weight is not None,
+        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
+        BKW=cfg.block_k // 2 if bits == 4 else cfg.block_k, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **(flags if not partial else dict(SCALED=False, RESIDUAL=False)))
     if partial:

@@ -1,7 +1,8 @@
 """Open a GGUF file: check that it is whole and holds a model infer runs, read metadata and tensors.
 
-`GGUFFile.open(path)` wraps `gguf.GGUFReader`, which memory-maps the file: the tensor
-table is parsed, but no tensor data is read until a tensor is used. What can go wrong with
+`GGUFFile.open(path)` reads the header from the file's memory map (gguf/header.py: the
+metadata and the tensor table, string arrays decoded only when asked for); no tensor data
+is read until a tensor is used. What can go wrong with
 a user's file becomes an error that says what to fix: not a GGUF file, a file cut short
 (an interrupted download), an architecture infer does not run (`general.architecture`
 other than `llama`, `qwen2`, `qwen3`; Mistral files are `llama`), a mixture-of-experts
@@ -10,44 +11,33 @@ model, a metadata key the model needs but the file lacks.
 
 from __future__ import annotations
 
+import mmap
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
 
+from infer.models.gguf.header import HeaderField, TensorEntry, map_file, read_header, release
 from infer.models.gguf.path import GGUF_MAGIC
 
 __all__ = ["GGUFFile", "GGUFTensor"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values infer loads
-
-
-@dataclass(frozen=True, slots=True)
-class GGUFTensor:
-    """One tensor as stored: its ggml type, logical shape and raw (memory-mapped) data."""
-
-    name: str
-    ggml_type: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order: [rows, cols] for a matrix, [n] for a vector
-    data: np.ndarray  # values (F32/F16) or packed blocks (uint8, [rows, bytes per row])
-    n_bytes: int
+GGUFTensor = TensorEntry  # one tensor as stored: ggml type, torch-order shape, memory-mapped data
 
 
 class GGUFFile:
     """A validated GGUF file holding a dense decoder of a supported family: metadata lookups
     and the tensor table."""
 
-    def __init__(self, path: Path, reader: GGUFReader) -> None:
+    def __init__(self, path: Path, mapped: mmap.mmap, fields: dict[str, HeaderField],
+                 tensors: list[GGUFTensor]) -> None:
         self.path = path
-        self._reader = reader
+        self._mapped = mapped
+        self._fields = fields
         self.architecture: str = self.value("general.architecture")
-        self.tensors: dict[str, GGUFTensor] = {
-            t.name: GGUFTensor(t.name, GGMLQuantizationType(t.tensor_type),
-                               tuple(int(d) for d in reversed(t.shape.tolist())), t.data, int(t.n_bytes))
-            for t in reader.tensors}
+        self.tensors: dict[str, GGUFTensor] = {t.name: t for t in tensors}
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
@@ -62,29 +52,34 @@ class GGUFFile:
             raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the bytes "
                              "'GGUF'); pass a llama.cpp .gguf model file or a Hugging Face model directory")
         try:
-            reader = GGUFReader(path)
+            mapped = map_file(path)
+            fields, tensors = read_header(mapped)
         except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-            # the reader maps the file and slices every tensor out of it: a file cut short
-            # fails here, in its header or at the first tensor that runs past the end
+            # the header is read from the file's map and every tensor sliced out of it: a file
+            # cut short fails here, in its header or at the first tensor that runs past the end
             raise ValueError(
                 f"GGUF file {str(path)!r} ({size} bytes) is truncated or corrupt ({type(exc).__name__}: "
                 f"{exc}); an interrupted download leaves such a file: download it again") from exc
-        gguf = cls(path, reader)
+        gguf = cls(path, mapped, fields, tensors)
         gguf._check_architecture()
         return gguf
 
+    def release(self, data: np.ndarray) -> None:
+        """Drop the resident pages of `data` (a tensor's, read): see gguf/header.py `release`."""
+        release(self._mapped, data)
+
     def get(self, key: str, default: Any = None) -> Any:
         """The metadata value of `key` (str, int, float, bool or list), or `default`."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        field = self._fields.get(key)
+        return default if field is None else field.value()
 
     def value(self, key: str) -> Any:
         """The metadata value of `key`; a clear error when the file lacks it."""
-        if key not in self._reader.fields:
+        if key not in self._fields:
             raise ValueError(f"GGUF file {str(self.path)!r} lacks the metadata key {key!r}; the "
                              "file is incomplete or was written by an unusual converter: re-convert it "
                              "with llama.cpp's convert_hf_to_gguf.py")
-        return self._reader.fields[key].contents()
+        return self._fields[key].value()
 
     def arch_value(self, suffix: str) -> Any:
         """`<architecture>.<suffix>` (e.g. `llama.block_count`); an error when absent."""

@@ -1,15 +1,18 @@
-"""A GGUF file's tensors, dequantized, under Hugging Face names.
+"""A GGUF file's tensors, kept quantized or dequantized, under Hugging Face names.
 
-`iter_hf_tensors(gguf, config, device, dtype)` yields `(hf_name, tensor)` pairs for
+`iter_hf_tensors(gguf, config, device, dtype, layouts=...)` yields `(hf_name, tensor)` pairs for
 `LlamaForCausalLM.load_hf_weights`, the same seam a safetensors checkpoint goes through
-(and where a weight quantizer such as FP8 intercepts weights). Each tensor is
-dequantized with the `gguf` library's own routines (`gguf.quants.dequantize`, float32),
+(and where a weight quantizer such as FP8 intercepts weights). A tensor of a type infer
+keeps (gguf/repack.py: Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0) whose layer `layouts` stores as
+integer codes comes as `PackedRows`, read from the memory map block by block; any other is
+dequantized with the `gguf` library's own routines (`gguf.quants.dequantize`, float32), one
+tensor at a time. `kept_layouts` says which layers can keep the file's codes (a fused
+layer's parts together: the widest codes, the smallest groups). Each tensor is
 renamed (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, the Qwen
 families' `attn_q.bias` and `attn_q_norm.weight` alike), and for a `llama` file's q/k
 un-permuted: llama.cpp's converter reorders each head's rows from Hugging Face's
 rotate-half layout to interleaved pairs for that architecture (not for qwen2 / qwen3), and
-`unpermute_rotary` undoes that. The file's quantization is not kept: weights end up dense in
-`dtype`.
+`unpermute_rotary` undoes that (on the rows of codes alike).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from tqdm import tqdm
 
 from infer.models.config import ModelConfig
 from infer.models.gguf.reader import GGUFFile, GGUFTensor
+from infer.models.gguf.repack import KEPT_LAYOUTS, repack
+from infer.models.int_quant import IntLayout, PackedRows
+from infer.models.llama import hf_to_fused
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -97,22 +103,49 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                    progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor on `device` in `dtype`) for every weight, dequantized one at a time."""
+                    progress: bool = True, layouts: dict[str, IntLayout] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
+    """(hf_name, tensor on `device` in `dtype`) for every weight, one at a time: `PackedRows`
+    (on the CPU) where `layouts` stores the tensor's layer in a layout that holds its codes."""
     check_tensors(gguf)
     weights = [t for t in gguf.tensors.values() if t.name != ROPE_FREQS]
     total = sum(t.n_bytes for t in weights)
-    with tqdm(total=total, desc=f"dequantizing {gguf.path.name}", unit="B", unit_scale=True,
+    with tqdm(total=total, desc=f"reading {gguf.path.name}", unit="B", unit_scale=True,
               disable=not progress) as bar:
         for tensor in weights:
             name = hf_name(tensor.name)
             assert name is not None  # check_tensors rejected the others
-            values = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
             heads = _rotary_heads(tensor.name, config) if gguf.architecture in PERMUTED_ARCHITECTURES else None
-            if heads is not None:
-                values = unpermute_rotary(values, heads)
-            yield name, values.to(device=device, dtype=dtype)
+            layout = (layouts or {}).get(hf_to_fused(name, config)[0].removesuffix(".weight"))
+            own = KEPT_LAYOUTS.get(tensor.ggml_type)
+            if layout is not None and own is not None and layout.holds(own):
+                rows = repack(tensor)
+                values: torch.Tensor | PackedRows = rows if heads is None else rows.take_rows(
+                    unpermute_rotary(torch.arange(tensor.shape[0]), heads))
+            else:
+                dense = torch.from_numpy(np.require(dequantize_tensor(tensor), requirements=("C", "W")))
+                values = (dense if heads is None else unpermute_rotary(dense, heads)).to(device=device, dtype=dtype)
+            gguf.release(tensor.data)  # (read: its pages need not stay resident beside the copy)
+            yield name, values
             bar.update(tensor.n_bytes)
+
+
+def kept_layouts(gguf: GGUFFile, config: ModelConfig) -> dict[str, IntLayout]:
+    """The layers (fused names) whose every matrix is of a kept type, each with the layout
+    that holds all its parts' codes: the most bits, the smallest group."""
+    parts: dict[str, list[IntLayout | None]] = {}
+    for tensor in gguf.tensors.values():
+        name = hf_name(tensor.name)
+        if name is None or not name.endswith(".weight") or len(tensor.shape) != 2:
+            continue
+        module = hf_to_fused(name, config)[0].removesuffix(".weight")
+        parts.setdefault(module, []).append(KEPT_LAYOUTS.get(tensor.ggml_type))
+    kept = {}
+    for module, layouts in parts.items():
+        own = [layout for layout in layouts if layout is not None]
+        if len(own) == len(layouts):
+            kept[module] = IntLayout(max(lay.bits for lay in own), min(lay.group_size for lay in own))
+    return kept
 
 
 def _rotary_heads(gguf_name: str, config: ModelConfig) -> int | None:

@@ -1,0 +1,227 @@
+"""Integer-quantized Hugging Face checkpoints: GPTQ, AWQ and compressed-tensors
+`pack-quantized`, read into `PackedRows` (models/int_quant.py) without a dense copy.
+
+`int_format(raw_config)` reads `quantization_config` (None for other checkpoints) and refuses
+what infer cannot load before any weight is read: other bit widths than 4 and 8 (AWQ: 4),
+act-order (GPTQ `desc_act`, compressed-tensors `actorder`), AWQ kernels' other layouts,
+per-module overrides, a quantized lm_head. Per layer, the format's tensors become rows of
+codes with a scale and an offset per group (`IntFormat.convert`):
+
+- GPTQ: `qweight` int32 [K * bits / 32, N], codes packed along K, code j of a word in bits
+  j * bits..; `qzeros` int32 [G, N * bits / 32] packed alike along N (the "gptq" checkpoint
+  format stores z - 1, "gptq_v2" z); `scales` [G, N]; `g_idx` [K] (must be k // group).
+  w = s * (q - z).
+- AWQ (GEMM): `qweight` int32 [K, N / 8], packed along N in the order 0, 2, 4, 6, 1, 3, 5, 7
+  of a word's eight columns; `qzeros` [G, N / 8] alike; `scales` [G, N]. w = s * (q - z).
+- compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K * bits / 32], code i of a
+  row at bits i * bits.. (little-endian: the bytes are already infer's layout), stored as
+  q + 2^(bits - 1); `weight_scale` [N, G]; `weight_zero_point` [N * bits / 32, G] packed alike
+  along N (asymmetric only); `weight_shape`. w = s * (q - z).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infer.models.int_quant import IntLayout, PackedRows, pack_codes
+
+_AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a word's eight sits in nibble _AWQ_ORDER[c]
+METHODS = ("gptq", "awq", "pack-quantized")
+_TENSORS = {"gptq": ("qweight", "qzeros", "scales"), "awq": ("qweight", "qzeros", "scales"),
+            "pack-quantized": ("weight_packed", "weight_scale")}
+_OPTIONAL = {"gptq": ("g_idx",), "awq": (), "pack-quantized": ("weight_zero_point", "weight_shape")}
+
+
+@dataclass(frozen=True, slots=True)
+class IntFormat:
+    """An integer checkpoint's layout: method, bits, group size (-1: a whole row)."""
+
+    method: str
+    bits: int
+    group_size: int
+    symmetric: bool = True
+    zeros_minus_one: bool = False  # GPTQ's "gptq" checkpoint format: qzeros hold z - 1
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def layout(self, k: int) -> IntLayout:
+        """The layout of a matrix with `k` input columns."""
+        return IntLayout(self.bits, k if self.group_size == -1 else self.group_size)
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The tensors of one layer (suffixes of `<layer>.`), required first."""
+        return _TENSORS[self.method] + _OPTIONAL[self.method]
+
+    def required(self) -> tuple[str, ...]:
+        if self.method == "pack-quantized" and not self.symmetric:
+            return _TENSORS[self.method] + ("weight_zero_point",)
+        return _TENSORS[self.method]
+
+    def convert(self, parts: dict[str, torch.Tensor], name: str) -> PackedRows:
+        """One layer's tensors (by suffix) -> its rows; `name` (the layer's) for errors."""
+        missing = [f"{name}.{t}" for t in self.required() if t not in parts]
+        if missing:
+            raise ValueError(f"checkpoint is missing {', '.join(repr(m) for m in missing)}: the weight files are "
+                             "incomplete (re-download or re-save the model)")
+        if self.method == "pack-quantized":
+            return self._compressed_tensors(parts, name)
+        codes, zeros = (_gptq if self.method == "gptq" else _awq)(parts, self.bits)  # [K, N], [G, N]
+        if self.zeros_minus_one:
+            zeros = zeros + 1
+        g_idx = parts.get("g_idx")
+        k = codes.shape[0]
+        layout = self.layout(k)
+        if g_idx is not None and not torch.equal(g_idx.to(torch.int64).cpu(), torch.arange(k) // layout.group_size):
+            raise ValueError(f"{name}.g_idx orders the input columns (act-order): infer loads GPTQ checkpoints "
+                             "quantized without desc_act only")
+        return _rows(codes.t(), parts["scales"].t(), zeros.t(), layout, name)
+
+    def _compressed_tensors(self, parts: dict[str, torch.Tensor], name: str) -> PackedRows:
+        packed = parts["weight_packed"].contiguous().view(torch.uint8)  # [N, K * bits / 8]: infer's layout
+        scales = parts["weight_scale"]
+        k = packed.shape[1] * 8 // self.bits
+        shape = parts.get("weight_shape")
+        if shape is not None and tuple(int(v) for v in shape.tolist()) != (packed.shape[0], k):
+            raise ValueError(f"{name}.weight_shape is {shape.tolist()}, its codes hold [{packed.shape[0]}, {k}]: "
+                             "rows whose length is not a multiple of 32 / bits are not supported")
+        centre = 1 << (self.bits - 1)
+        zeros = torch.full(scales.shape, centre, dtype=torch.int32)
+        if not self.symmetric:
+            zp = parts["weight_zero_point"].t().contiguous().view(torch.uint8)  # [G, N * bits / 8]
+            zeros = _unpack_bytes(zp, self.bits).t().to(torch.int32)[:scales.shape[0]]  # stored z + centre
+        layout = self.layout(k)
+        offsets = -scales.to(torch.float32) * zeros.to(torch.float32)
+        return PackedRows(layout, packed, scales.to(torch.float32), _checked(offsets, scales, name))
+
+
+def _rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, layout: IntLayout,
+          name: str) -> PackedRows:
+    """Codes [N, K], scales and integer zeros [N, G] -> rows with o = -s * z."""
+    s = scales.to(torch.float32)
+    if tuple(s.shape) != (codes.shape[0], layout.groups(codes.shape[1])):
+        raise ValueError(f"{name}: scales of shape {tuple(scales.shape)} do not fit codes [{codes.shape[0]}, "
+                         f"{codes.shape[1]}] in groups of {layout.group_size}")
+    offsets = _checked(-s * zeros.to(torch.float32), s, name)
+    return PackedRows(layout, pack_codes(codes.contiguous(), layout.bits), s.contiguous(), offsets.contiguous())
+
+
+def _checked(offsets: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    if offsets.shape != scales.shape:
+        raise ValueError(f"{name}: zero points {tuple(offsets.shape)} do not match scales {tuple(scales.shape)}")
+    return offsets
+
+
+def _words(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [..., W] -> their codes [..., W, 32 / bits] in bit order."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
+
+
+def _unpack_bytes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [R, B] of codes in bit order (little-endian words) -> codes [R, B * 8 / bits]."""
+    if bits == 8:
+        return packed
+    return torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
+
+
+def _gptq(parts: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    qweight, qzeros = parts["qweight"], parts["qzeros"]
+    codes = _words(qweight, bits).permute(0, 2, 1).reshape(-1, qweight.shape[1])  # [K, N]
+    zeros = _words(qzeros, bits).reshape(qzeros.shape[0], -1)  # [G, N]
+    return codes.to(torch.uint8), zeros
+
+
+def _awq(parts: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.tensor(_AWQ_ORDER)
+
+    def columns(packed: torch.Tensor) -> torch.Tensor:  # [R, N / 8] -> [R, N]
+        return _words(packed, bits)[..., order].reshape(packed.shape[0], -1)
+
+    return columns(parts["qweight"]).to(torch.uint8), columns(parts["qzeros"])
+
+
+def int_format(raw_config: dict[str, Any]) -> IntFormat | None:
+    """The integer format a config.json declares (None: not an integer checkpoint); a clear
+    error for integer checkpoints infer cannot load."""
+    qc = raw_config.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "gptq":
+        return _gptq_format(qc)
+    if method == "awq":
+        return _awq_format(qc)
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        return _compressed_tensors_format(qc)
+    return None
+
+
+def _bits(value: Any, method: str, allowed: tuple[int, ...] = (4, 8)) -> int:
+    if value not in allowed:
+        raise ValueError(f"{method} checkpoint with {value}-bit weights: infer loads "
+                         f"{' and '.join(map(str, allowed))}-bit {method} weights only")
+    return int(value)
+
+
+def _group(value: Any, method: str) -> int:
+    if value is None or value == -1:
+        return -1
+    if not isinstance(value, int) or value < 2 or value % 2:
+        raise ValueError(f"{method} checkpoint with group_size {value!r}: infer loads -1 (whole rows) or an "
+                         "even group size")
+    return value
+
+
+def _gptq_format(qc: dict[str, Any]) -> IntFormat:
+    if qc.get("desc_act"):
+        raise ValueError("GPTQ checkpoint quantized with desc_act (act-order): infer loads GPTQ checkpoints "
+                         "without it; re-quantize with desc_act=False, or load the bf16 model with "
+                         "quantization='int4'")
+    if qc.get("dynamic") or qc.get("lm_head"):
+        raise ValueError("GPTQ checkpoint with per-module settings (dynamic) or a quantized lm_head: not supported")
+    kind = str(qc.get("checkpoint_format", "gptq")).lower()
+    if kind not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {kind!r} is not supported: infer loads 'gptq' and 'gptq_v2'")
+    return IntFormat("gptq", _bits(qc.get("bits"), "GPTQ"), _group(qc.get("group_size", 128), "GPTQ"),
+                     bool(qc.get("sym", True)), zeros_minus_one=kind == "gptq")
+
+
+def _awq_format(qc: dict[str, Any]) -> IntFormat:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ checkpoint of version {version!r}: infer loads the GEMM layout only")
+    if not qc.get("zero_point", True):
+        raise ValueError("AWQ checkpoint without zero points: infer loads zero_point=True AWQ checkpoints only")
+    bits = _bits(qc.get("bits", qc.get("w_bit")), "AWQ", (4,))
+    return IntFormat("awq", bits, _group(qc.get("group_size", qc.get("q_group_size", 128)), "AWQ"), False)
+
+
+def _compressed_tensors_format(qc: dict[str, Any]) -> IntFormat:
+    groups = qc.get("config_groups") or {}
+    formats = set()
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        if w.get("type") != "int" or w.get("strategy") not in ("group", "channel"):
+            raise ValueError(f"compressed-tensors group {name!r} has weights {w}: infer loads integer weights with "
+                             "a group or channel strategy in the pack-quantized format")
+        if w.get("actorder"):
+            raise ValueError(f"compressed-tensors group {name!r} uses actorder {w['actorder']!r}: not supported")
+        if (group or {}).get("input_activations"):
+            raise ValueError(f"compressed-tensors group {name!r} quantizes activations: infer keeps them in bf16 "
+                             "and loads weight-only (w4a16 / w8a16) checkpoints")
+        size = -1 if w.get("strategy") == "channel" else _group(w.get("group_size"), "compressed-tensors")
+        formats.add(IntFormat("pack-quantized", _bits(w.get("num_bits"), "compressed-tensors"), size,
+                              bool(w.get("symmetric", True))))
+    if len(formats) != 1:
+        raise ValueError("a pack-quantized compressed-tensors checkpoint must have one config group of "
+                         f"integer weights, found {len(formats)}")
+    kept = [name for name in qc.get("ignore") or [] if "lm_head" not in name]
+    if kept:
+        raise ValueError(f"compressed-tensors ignore list {kept} keeps decoder layers unquantized: infer loads "
+                         "checkpoints whose decoder layers are all quantized")
+    return formats.pop()

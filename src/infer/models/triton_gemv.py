@@ -105,15 +105,20 @@ def _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS: tl.constexpr, GR
                  BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr):
     """Dequantized float32 weights [BN, BKW] of integer codes for the BK columns from k0 (kk:
     8-bit codes' columns; 4-bit: the even columns, whose byte also holds kk + 1): s * q + o;
-    4-bit returns the odd columns' weights second (8-bit: the scales, unused)."""
+    4-bit returns the odd columns' weights second (8-bit: the same weights again, unused).
+    One return of one type: the compiler types every return of a function alike."""
     mask = (rn[:, None] < N) & (kk[None, :] < k_hi)
     s = _group_values(GS, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
     o = _group_values(GO, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
     if BITS == 4:
         b = tl.load(W + rn[:, None] * s_wn + (kk // 2)[None, :], mask=mask, other=0)
-        return (b & 15).to(tl.float32) * s + o, (b >> 4).to(tl.float32) * s + o
-    b = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=mask, other=0)
-    return b.to(tl.float32) * s + o, s
+        lo = (b & 15).to(tl.float32) * s + o
+        hi = (b >> 4).to(tl.float32) * s + o
+    else:
+        b = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=mask, other=0)
+        lo = b.to(tl.float32) * s + o
+        hi = lo
+    return lo, hi
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -1,7 +1,9 @@
 """AsyncEngine: the engine loop in a background thread, streams per request for asyncio.
 
 The server (or any asyncio code) calls `await add_request(...)` and iterates the returned
-stream; `abort(request_id)` cancels. Commands from the event loop reach the engine thread
+stream; `abort(request_id)` cancels. A structured output's grammar is compiled before the
+request reaches the engine thread (given compiled, or compiled here in a worker thread), so
+neither the engine thread nor `_lock`, which the event loop also takes, waits on a compile. Commands from the event loop reach the engine thread
 through a queue and are applied before the next step, so an abort frees the request's slot
 and KV blocks before any further step runs. StepOutputs go back to each request's
 asyncio.Queue with `call_soon_threadsafe`. If a step raises, every open stream gets an
@@ -18,10 +20,14 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from infer.engine.engine import Engine
 from infer.engine.request import Request, StepOutput
 from infer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("infer.engine")
 
@@ -68,12 +74,14 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                          request_id: str) -> AsyncIterator[StepOutput]:
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                          compiled: CompiledGrammar | None = None) -> AsyncIterator[StepOutput]:
         """Queue (the engine thread validates); raises ValueError on bad input, RuntimeError when
-        unhealthy."""
+        unhealthy. `compiled`: the grammar of params.structured, else compiled here first."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
+        if params.structured is not None and compiled is None:
+            compiled = await asyncio.to_thread(lambda: self.engine.grammars.compile(params.structured))
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
@@ -84,7 +92,7 @@ class AsyncEngine:
                     self._adding -= 1
                     if self.error is not None:
                         raise RuntimeError(f"engine is not running: {self.error}")
-                    self.engine.add_request(prompt_token_ids, params, request_id)
+                    self.engine.add_request(prompt_token_ids, params, request_id, compiled)
                     self._streams[request_id] = stream
                 loop.call_soon_threadsafe(done.set_result, None)
             except Exception as exc:  # noqa: BLE001 - handed to the caller

@@ -17,8 +17,10 @@ from pathlib import Path
 
 from infer import DISTRIBUTION
 from infer.engine.args import add_engine_args, engine_config_from_args
-from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
-                                 ServerConfig, default_allowed_hosts)
+from infer.server.config import (DEFAULT_GRAMMAR_CACHE_MIB, DEFAULT_GRAMMAR_MAX_MEMORY_MIB,
+                                 DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_GRAMMAR_WORKERS, DEFAULT_MAX_QUEUED,
+                                 DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig,
+                                 default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
 API_KEY_ENV = "INFER_API_KEY"
@@ -69,6 +71,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--allow-special-tokens", action="store_true",
                      help="parse special-token strings (e.g. <|eot_id|>) in prompts and messages as control "
                           "tokens (default: they are plain text; chat templates still insert the real ones)")
+    grammar = parser.add_argument_group("structured outputs (grammars compiled in worker processes)")
+    grammar.add_argument("--grammar-workers", type=int, default=DEFAULT_GRAMMAR_WORKERS,
+                         help="processes compiling grammars (default: %(default)s)")
+    grammar.add_argument("--grammar-timeout", type=float, default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                         help="seconds one grammar may take to compile; a slower one gets 400 (default: %(default)s)")
+    grammar.add_argument("--grammar-max-memory-mib", type=int, default=DEFAULT_GRAMMAR_MAX_MEMORY_MIB,
+                         help="memory one grammar's compile may take; more gets 400 (default: %(default)s)")
+    grammar.add_argument("--grammar-cache-mib", type=int, default=DEFAULT_GRAMMAR_CACHE_MIB,
+                         help="memory of the compiled grammars kept for reuse (default: %(default)s)")
     add_engine_args(parser)
 
 
@@ -109,7 +120,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=served_model_name(args), max_queued_requests=args.max_queued_requests,
                         api_key=args.api_key, public_metrics=args.public_metrics, allowed_hosts=hosts,
                         max_request_bytes=args.max_request_bytes, allow_special_tokens=args.allow_special_tokens,
-                        shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices)
+                        shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices,
+                        grammar_workers=args.grammar_workers, grammar_timeout_s=args.grammar_timeout,
+                        grammar_max_memory_mib=args.grammar_max_memory_mib, grammar_cache_mib=args.grammar_cache_mib)
 
 
 def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine)
@@ -141,7 +154,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             serve_app(app, sock, args.log_level)
         finally:
-            app.state.server.preparer.close()
+            app.state.server.close()
             engine.shutdown()
     finally:
         sock.close()

@@ -162,7 +162,7 @@ class LiveServer:
         try:
             self.thread.stop()
         finally:
-            self.state.preparer.close()
+            self.state.close()
             self.engine.shutdown()
 
     def __enter__(self) -> LiveServer:

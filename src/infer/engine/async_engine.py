@@ -82,9 +82,13 @@ class AsyncEngine:
             raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
         if params.structured is not None and compiled is None:
             compiled = await asyncio.to_thread(lambda: self.engine.grammars.compile(params.structured))
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        done = asyncio.get_running_loop().create_future()
         loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: Exception | None) -> None:  # (event loop; the caller may have been cancelled)
+            if not done.done():
+                done.set_result(None) if error is None else done.set_exception(error)
 
         def add() -> None:
             try:
@@ -94,14 +98,18 @@ class AsyncEngine:
                         raise RuntimeError(f"engine is not running: {self.error}")
                     self.engine.add_request(prompt_token_ids, params, request_id, compiled)
                     self._streams[request_id] = stream
-                loop.call_soon_threadsafe(done.set_result, None)
+                loop.call_soon_threadsafe(settle, None)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(done.set_exception, exc)
+                loop.call_soon_threadsafe(settle, exc)
 
         with self._lock:  # counted from here on (before the first await) by num_queued
             self._adding += 1
         self._submit(add)
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:  # the engine thread adds it all the same: the abort queued after undoes it
+            self.abort(request_id)
+            raise
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StepOutput]:

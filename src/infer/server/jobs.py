@@ -86,7 +86,8 @@ class Job:
             if not engine.healthy:
                 raise engine_unavailable(engine.error) from exc
             raise
-        except BaseException:
+        except BaseException:  # cancelled: the engine aborts what it was adding (AsyncEngine.add_request)
+            self.closed = True
             self._release()
             raise
         self.tracker = host.metrics.track()

@@ -1,0 +1,101 @@
+"""Grammars compiled off the event loop and off the engine thread, within limits.
+
+A compile held on an Event leaves /health, /metrics and plain requests answering; a compile
+past `--grammar-timeout` or `--grammar-max-memory-mib` is a 400 naming the flag (its worker
+killed, the next compile served by a fresh one); a grammar that accepts no string is a 400
+before admission. (The cache bounded in bytes: tests/unit/test_structured.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from helpers.waiting import Gate  # noqa: E402
+from infer import EngineConfig  # noqa: E402
+from infer.sampling import StructuredOutput  # noqa: E402
+from infer.server.launch import LiveServer  # noqa: E402
+
+# an enum of long strings: seconds to compile (a minute for 3,000 strings of 300 characters)
+SLOW = {"enum": [f"{i:04d}" + "y" * 250 for i in range(700)]}
+
+
+@pytest.fixture(scope="module")
+def server(ckpt_a: Path) -> Iterator[LiveServer]:
+    config = EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=4, max_seq_len=512)
+    live = LiveServer.start(config, "tiny", max_queued_requests=16, grammar_workers=1)
+    yield live
+    live.settle()
+    assert live.leak_report() == []
+    live.stop()
+
+
+def post(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, **body},
+                      timeout=120)
+
+
+def test_health_metrics_and_plain_requests_answer_while_a_grammar_compiles(server: LiveServer,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = Gate()
+    real = server.state.grammars.run_in_worker
+
+    async def held(spec: StructuredOutput) -> str:
+        await asyncio.to_thread(gate.wait)
+        return await real(spec)
+
+    monkeypatch.setattr(server.state.grammars, "run_in_worker", held)
+    with ThreadPoolExecutor(1) as pool:
+        guided = pool.submit(post, server, {"guided_regex": "[a-c]{3}x", "temperature": 0})
+        try:
+            assert gate.entered.wait(60)
+            assert httpx.get(server.url + "/health", timeout=60).status_code == 200
+            assert httpx.get(server.url + "/metrics", timeout=60).status_code == 200
+            plain = post(server, {"max_tokens": 16, "ignore_eos": True})
+            assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 16
+            assert not guided.done()  # still waiting for its grammar
+        finally:
+            gate.release()
+        r = guided.result()
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("[a-c]{3}x", r.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("field", [{"guided_grammar": "root ::= root"}, {"guided_regex": r"[^\s\S]"},
+                                   {"guided_grammar": 'root ::= item\nitem ::= item "a"'}])
+def test_a_grammar_that_accepts_no_string_is_400_before_admission(server: LiveServer, field: dict[str, Any]) -> None:
+    r = post(server, {**field, "temperature": 1e2})
+    assert r.status_code == 400, r.text
+    assert "accepts no string" in r.json()["error"]["message"]
+    assert server.state.jobs == set() and server.engine.healthy
+
+
+def test_a_compile_past_the_time_limit_is_400_naming_the_flag(server: LiveServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.state.config, "grammar_timeout_s", 0.1)
+    r = post(server, {"guided_json": SLOW})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "grammar_timeout" and "--grammar-timeout" in r.json()["error"]["message"]
+    monkeypatch.setattr(server.state.config, "grammar_timeout_s", 60.0)  # a fresh worker compiles the next
+    ok = post(server, {"guided_choice": ["yes", "no"], "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_compile_past_the_memory_limit_is_400_naming_the_flag(server: LiveServer,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.state.config, "grammar_max_memory_mib", 8)
+    r = post(server, {"guided_json": SLOW})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "grammar_too_large" and "--grammar-max-memory-mib" in error["message"]
+    monkeypatch.undo()
+    assert post(server, {"guided_regex": "[0-9]{2}", "temperature": 0}).status_code == 200

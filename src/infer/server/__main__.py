@@ -18,9 +18,9 @@ from pathlib import Path
 from infer import DISTRIBUTION
 from infer.engine.args import add_engine_args, engine_config_from_args
 from infer.server.config import (DEFAULT_GRAMMAR_CACHE_MIB, DEFAULT_GRAMMAR_MAX_MEMORY_MIB,
-                                 DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_GRAMMAR_WORKERS, DEFAULT_MAX_QUEUED,
-                                 DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig,
-                                 default_allowed_hosts)
+                                 DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_GRAMMAR_WORKERS, DEFAULT_HEADER_TIMEOUT_S,
+                                 DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES,
+                                 DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig, default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
 API_KEY_ENV = "INFER_API_KEY"
@@ -68,6 +68,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                           "when --host is a loopback address, else any)")
     sec.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413 (default: %(default)s)")
+    sec.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help="seconds a connection has to send a request's headers, then it is closed "
+                          "(default: %(default)s)")
+    sec.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                     help="open client connections; more are closed as soon as accepted (default: %(default)s)")
     sec.add_argument("--allow-special-tokens", action="store_true",
                      help="parse special-token strings (e.g. <|eot_id|>) in prompts and messages as control "
                           "tokens (default: they are plain text; chat templates still insert the real ones)")
@@ -121,6 +126,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_key=args.api_key, public_metrics=args.public_metrics, allowed_hosts=hosts,
                         max_request_bytes=args.max_request_bytes, allow_special_tokens=args.allow_special_tokens,
                         shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices,
+                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,
                         grammar_workers=args.grammar_workers, grammar_timeout_s=args.grammar_timeout,
                         grammar_max_memory_mib=args.grammar_max_memory_mib, grammar_cache_mib=args.grammar_cache_mib)
 
@@ -143,8 +149,11 @@ def serve(args: argparse.Namespace) -> int:
     from infer.server.launch import serve_app
     from infer.server.listen import bind
 
-    server_config_from_args(args)  # flag errors before the port is taken
+    from infer.server.connections import ensure_descriptors
+
+    server_config = server_config_from_args(args)  # flag errors before the port is taken
     engine_config_from_args(args)
+    ensure_descriptors(server_config.max_connections)
     sock = bind(args.host, args.port)  # a port in use fails here, before the model loads
     try:
         app, engine = build_app(args)

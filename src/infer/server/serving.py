@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.request import StepOutput
 from infer.server.config import ServerConfig
+from infer.server.connections import OverloadLog
 from infer.server.errors import RATE_LIMIT, UNAVAILABLE, APIError, bad_request, engine_unavailable
 from infer.server.grammars import GrammarService
 from infer.server.jobs import Job, Jobs, shutdown_error
@@ -44,6 +45,7 @@ class ServerState:
     reserved: int = 0  # choices admitted but not yet handed to the engine
     shutting_down: bool = False
     jobs: set[Job] = field(default_factory=set)  # choices admitted and not yet finished
+    overload: OverloadLog = field(default_factory=OverloadLog)  # one log line per kind of overload and interval
     metrics: ServerMetrics = field(init=False)
     preparer: Preparer = field(init=False)
     grammars: GrammarService = field(init=False)

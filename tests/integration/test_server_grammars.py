@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("xgrammar")
 
+from helpers.live import post as post_json, serving  # noqa: E402
 from helpers.waiting import Gate  # noqa: E402
 from infer import EngineConfig  # noqa: E402
 from infer.sampling import StructuredOutput  # noqa: E402
@@ -32,16 +33,11 @@ SLOW = {"enum": [f"{i:04d}" + "y" * 250 for i in range(700)]}
 @pytest.fixture(scope="module")
 def server(ckpt_a: Path) -> Iterator[LiveServer]:
     config = EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=4, max_seq_len=512)
-    live = LiveServer.start(config, "tiny", max_queued_requests=16, grammar_workers=1)
-    yield live
-    live.settle()
-    assert live.leak_report() == []
-    live.stop()
+    yield from serving(LiveServer.start(config, "tiny", max_queued_requests=16, grammar_workers=1))
 
 
 def post(server: LiveServer, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, **body},
-                      timeout=120)
+    return post_json(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 8, **body})
 
 
 def test_health_metrics_and_plain_requests_answer_while_a_grammar_compiles(server: LiveServer,

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.live import post, serving
 from helpers.waiting import Gate, held, wait_until
 from infer import EngineConfig, SamplingParams
 from infer.server import prepare as prepare_module
@@ -37,15 +38,7 @@ def start(ckpt: Path, **options: Any) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def server(ckpt_a: Path) -> Iterator[LiveServer]:
-    live = start(ckpt_a, header_timeout_s=0.5)
-    yield live
-    live.settle()
-    assert live.leak_report() == []
-    live.stop()
-
-
-def post(server: LiveServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120, **kwargs)
+    yield from serving(start(ckpt_a, header_timeout_s=0.5))
 
 
 def connect(server: LiveServer, sent: bytes = b"") -> socket.socket:

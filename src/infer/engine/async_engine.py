@@ -1,14 +1,14 @@
 """AsyncEngine: the engine loop in a background thread, streams per request for asyncio.
 
 The server (or any asyncio code) calls `await add_request(...)` and iterates the returned
-stream; `abort(request_id)` cancels. A structured output's grammar is compiled before the
-request reaches the engine thread (given compiled, or compiled here in a worker thread), so
-neither the engine thread nor `_lock`, which the event loop also takes, waits on a compile. Commands from the event loop reach the engine thread
-through a queue and are applied before the next step, so an abort frees the request's slot
-and KV blocks before any further step runs. StepOutputs go back to each request's
-asyncio.Queue with `call_soon_threadsafe`. If a step raises, every open stream gets an
-error event, `healthy` turns False, and later requests fail fast (the thread keeps
-draining commands so nobody waits forever).
+stream; `abort(request_id)` cancels (a caller cancelled while its request is being added
+has it aborted right after). A structured output's grammar is compiled before the request
+reaches the engine thread (given compiled, or compiled here in a worker thread), so neither
+the engine thread nor `_lock`, which the event loop also takes, waits on a compile.
+Commands reach the engine thread through a queue and are applied before the next step, so
+an abort frees the request's slot and KV blocks before any further step runs. StepOutputs
+go back to each request's asyncio.Queue with `call_soon_threadsafe`. If a step raises,
+every open stream gets an error event, `healthy` turns False, and later requests fail fast.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ the model may write several, separated by `;`. Problems a client can fix are 400
 the field before the request is queued: tool_choice without tools, a named function that is
 not among the tools, two tools of one name, a `parameters` that is not an object schema,
 a forced call together with another structured output. A schema xgrammar cannot compile is
-a 400 from the engine's add_request, also before the request is queued.
+a 400 from `server.grammars`, also before the request is admitted. The parameters' local
+`$ref`s are rebased to where the call's schema nests them (`call_schema`).
 """
 
 from __future__ import annotations

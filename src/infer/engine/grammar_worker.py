@@ -5,18 +5,22 @@ limit and returns the compiled grammar as xgrammar's JSON (`Grammars.load` reads
 A worker compiles one grammar at a time, so a compile that runs too long can be ended by
 killing its process (the pool does that), and one that needs too much memory fails inside
 it: before each compile the process's address space may grow by at most `memory_limit`
-bytes more (RLIMIT_AS), and xgrammar's allocation failure becomes a MemoryError. The
-compiler is the one piece of state of the process, set once by `start` (as a process
-pool's initializer must, its tasks being plain functions).
+bytes more (RLIMIT_AS), and xgrammar's allocation failure becomes a MemoryError. A worker
+runs at a lower CPU priority (nice `NICENESS`), so that compiles yield the cores to the
+engine and the event loop. The compiler is the one piece of state of the process, set once
+by `start` (as a process pool's initializer must, its tasks being plain functions).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 from collections.abc import Sequence
 
 from infer.engine import structured
 from infer.sampling import StructuredOutput
+
+NICENESS = 10
 
 
 class _Process:
@@ -26,6 +30,7 @@ class _Process:
 
 
 def start(token_table: list[bytes], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    os.nice(NICENESS)
     _Process.compiler = structured.new_compiler(structured.tokenizer_info(token_table, vocab_size, eos_token_ids))
 
 

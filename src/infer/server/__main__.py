@@ -140,7 +140,12 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
     server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
     engine = AsyncEngine(Engine(config))
-    return create_app(engine, server_config), engine
+    app = create_app(engine, server_config)
+    try:
+        app.state.server.grammars.start()  # (no request waits for the workers to start)
+    except ValueError:
+        pass  # no tokenizer or no xgrammar: a request asking for a grammar gets the 400 that says so
+    return app, engine
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -4,8 +4,8 @@ the engine thread (or holds a lock either of them takes).
 
 `GrammarService.compile(spec)` awaits the compiled grammar: from a cache bounded in bytes
 (`--grammar-cache-mib`), from a compile of the same spec already under way, or from a new
-one in a pool of `--grammar-workers` processes (`infer.engine.grammar_worker`, started at
-the first grammar). A compile gets `--grammar-timeout` seconds (then its process is killed
+one in a pool of `--grammar-workers` processes (`infer.engine.grammar_worker`, started with
+the command-line server, else at the first grammar). A compile gets `--grammar-timeout` seconds (then its process is killed
 and replaced) and `--grammar-max-memory-mib` of memory; beyond either, and for a spec
 that is invalid or accepts no string, the request gets a 400 saying which limit and the
 flag that raises it. A worker's result comes back as xgrammar's JSON, read in a thread.
@@ -90,6 +90,11 @@ class GrammarService:
             return self.engine.grammars
         except ValueError as exc:
             raise bad_request(str(exc), None, "invalid_request") from None
+
+    def start(self) -> None:
+        """Start the worker processes now rather than at the first grammar (the command line
+        does, so that no request waits for them); ValueError when the model cannot have grammars."""
+        self._workers()
 
     def _workers(self) -> ProcessPool:
         if self._pool is None:

@@ -1,10 +1,11 @@
 """Admission and shutdown: prepared requests in, their choices (`Jobs`) out.
 
 `ServerState` is everything one app needs (the AsyncEngine, its ServerConfig, the Preparer,
-metrics, the open choices). `submit` applies admission control, counting choices (a
-request with `n` = 4 is four): the server holds at most `max_batch_size +
-max_queued_requests` open choices (running or waiting, counted by the server itself, so the
-cap is exact whatever the engine is doing). A request whose `n` exceeds that cap gets 400
+the grammar workers, metrics, the open choices). `submit` first awaits the request's
+grammar (compiled off the event loop: grammars.py), then applies admission control,
+counting choices (a request with `n` = 4 is four): the server holds at most
+`max_batch_size + max_queued_requests` open choices (running or waiting, counted by the
+server itself, so the cap is exact whatever the engine is doing). A request whose `n` exceeds that cap gets 400
 (it could never be admitted); one that does not fit now gets 429 with Retry-After; a dead
 engine or a shutdown gives 503. Each request runs at most `max_running_choices` of its
 choices at once (see jobs.py).

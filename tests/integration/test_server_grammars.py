@@ -3,7 +3,7 @@
 A compile held on an Event leaves /health, /metrics and plain requests answering; a compile
 past `--grammar-timeout` or `--grammar-max-memory-mib` is a 400 naming the flag (its worker
 killed, the next compile served by a fresh one); a grammar that accepts no string is a 400
-before admission. (The cache bounded in bytes: tests/unit/test_structured.py.)
+before admission; beyond the compiles a worker may have waiting, a 429. (The cache bounded in bytes: tests/unit/test_structured.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("xgrammar")
 
 from helpers.live import post as post_json, serving  # noqa: E402
-from helpers.waiting import Gate  # noqa: E402
+from helpers.waiting import Gate, wait_until  # noqa: E402
 from infer import EngineConfig  # noqa: E402
 from infer.sampling import StructuredOutput  # noqa: E402
 from infer.server.launch import LiveServer  # noqa: E402
@@ -95,3 +95,34 @@ def test_a_compile_past_the_memory_limit_is_400_naming_the_flag(server: LiveServ
     assert error["code"] == "grammar_too_large" and "--grammar-max-memory-mib" in error["message"]
     monkeypatch.undo()
     assert post(server, {"guided_regex": "[0-9]{2}", "temperature": 0}).status_code == 200
+
+
+def test_compiles_beyond_the_workers_queue_get_429(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    from infer.server.grammars import PENDING_PER_WORKER
+
+    release = asyncio.Event()  # (awaited on the server's event loop: no thread held per compile)
+    real = server.state.grammars.run_in_worker
+    entered: list[StructuredOutput] = []
+
+    async def held(spec: StructuredOutput) -> str:
+        entered.append(spec)
+        await release.wait()
+        return await real(spec)
+
+    monkeypatch.setattr(server.state.grammars, "run_in_worker", held)
+    most = PENDING_PER_WORKER * server.state.config.grammar_workers
+    with ThreadPoolExecutor(most + 1) as pool:
+        waiting = [pool.submit(post, server, {"guided_regex": f"q{i}[a-z]", "temperature": 0}) for i in range(most)]
+        try:
+            wait_until(lambda: len(entered) == most)
+            refused = post(server, {"guided_regex": "[0-9]", "temperature": 0})
+            assert refused.status_code == 429 and refused.headers["Retry-After"]
+            assert "--grammar-workers" in refused.json()["error"]["message"]
+            same = pool.submit(post, server, {"guided_regex": "q0[a-z]", "temperature": 0})  # shares a compile
+            assert post(server, {"max_tokens": 2}).status_code == 200  # no grammar: not affected
+        finally:
+            loop = server.thread.server.loop
+            assert loop is not None
+            loop.call_soon_threadsafe(release.set)
+        assert all(r.result().status_code == 200 for r in waiting) and same.result().status_code == 200
+    assert len(entered) == most  # the same spec shared its compile (or its cached result)

@@ -8,7 +8,9 @@ one in a pool of `--grammar-workers` processes (`infer.engine.grammar_worker`, s
 the command-line server, else at the first grammar). A compile gets `--grammar-timeout` seconds (then its process is killed
 and replaced) and `--grammar-max-memory-mib` of memory; beyond either, and for a spec
 that is invalid or accepts no string, the request gets a 400 saying which limit and the
-flag that raises it. A worker's result comes back as xgrammar's JSON, read in a thread.
+flag that raises it. At most `PENDING_PER_WORKER` compiles per worker wait or run at once:
+a request needing another gets 429 with Retry-After (requests without a grammar are not
+affected). A worker's result comes back as xgrammar's JSON, read in a thread.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from pebble import ProcessExpired, ProcessPool
 from infer.engine.engine import Engine
 from infer.sampling import StructuredOutput
 from infer.server.config import ServerConfig
-from infer.server.errors import APIError, bad_request
+from infer.server.errors import RATE_LIMIT, APIError, bad_request
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
 
     from infer.engine.structured import GrammarCache, Grammars
+
+
+PENDING_PER_WORKER = 8  # compiles waiting or running per worker process, then 429
+RETRY_AFTER_S = 5
 
 
 class GrammarService:
@@ -54,6 +60,11 @@ class GrammarService:
             return compiled
         pending = self._pending.get(spec)
         if pending is None:
+            most = PENDING_PER_WORKER * self.config.grammar_workers
+            if len(self._pending) >= most:
+                raise APIError(429, f"{most} grammars are being compiled for other requests: retry after "
+                                    f"{RETRY_AFTER_S} s (or start the server with more --grammar-workers)", RATE_LIMIT,
+                               None, "grammar_queue_full", {"Retry-After": str(RETRY_AFTER_S)})
             pending = asyncio.ensure_future(self._compile(grammars, spec))
             self._pending[spec] = pending
             pending.add_done_callback(lambda _: self._pending.pop(spec, None))

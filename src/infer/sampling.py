@@ -140,9 +140,13 @@ class SamplingParams:
     """Per-request decoding parameters (vLLM / OpenAI style), validated on construction
     (a bad value raises ValueError naming the field).
 
-    temperature        1.0; 0 = greedy (argmax). `infer generate` defaults to 0.
-    top_k, top_p       -1 and 1.0: off. Applied after the temperature.
-    repetition_penalty 1.0 = off; > 1 discourages tokens seen in the prompt or output.
+    temperature        1.0, in [0, MAX_TEMPERATURE = 100]; 0 = greedy (argmax). `infer
+                       generate` defaults to 0. (OpenAI allows 2; at 100 the distribution
+                       is already nearly uniform, and a bound keeps logits / T finite.)
+    top_k, top_p       -1 and 1.0: off. Applied after the temperature. top_k at most
+                       MAX_TOP_K (any value above the vocabulary keeps every token).
+    repetition_penalty 1.0 = off, in [1e-3, 1e3]; > 1 discourages tokens seen in the
+                       prompt or output.
     presence_penalty, frequency_penalty
                        0.0 = off, in [-2, 2]: subtracted from the logit of every token
                        seen in the prompt or output, once / per occurrence (OpenAI).
@@ -181,8 +185,8 @@ class SamplingParams:
         self._check_openai_penalties()
         if self.logprobs is not None and (not is_strict_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not is_strict_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        if not is_strict_int(self.top_k) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer in [1, {MAX_TOP_K}], got {self.top_k!r}")
         if not is_strict_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
@@ -200,8 +204,8 @@ class SamplingParams:
 
     def _check_floats(self) -> None:
         t, p, r = self.temperature, self.top_p, self.repetition_penalty
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if not _is_number(t) or not 0 <= t <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {t!r}")
         if not _is_number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1] (1 = off), got {p!r}")
         if not _is_number(r) or not math.isfinite(r) or not MIN_PENALTY <= r <= MAX_PENALTY:
@@ -230,6 +234,8 @@ class SamplingParams:
 
 
 GREEDY_EPS = 1e-5  # temperature below this samples greedily (as vLLM does)
+MAX_TEMPERATURE = 100.0  # beyond it sampling is uniform in all but name (OpenAI stops at 2)
+MAX_TOP_K = 2**31 - 1  # larger than any vocabulary: top_k beyond the vocabulary keeps every token
 MIN_PENALTY, MAX_PENALTY = 1e-3, 1e3  # beyond these a float32 logit over/underflows
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.waiting import wait_until
+from helpers.waiting import Gate, held, wait_until
 from infer import EngineConfig
 from infer.server import prepare as prepare_module
 from infer.server.launch import LiveServer
@@ -39,28 +39,6 @@ def server(ckpt_a: Path) -> Iterator[LiveServer]:
 
 def post(server: LiveServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     return httpx.post(server.url + path, json=body, timeout=120, **kwargs)
-
-
-class Gate:
-    """Holds whatever calls `wait` until `release` (with a bound, so a failing test ends)."""
-
-    def __init__(self) -> None:
-        self.entered, self.released = threading.Event(), threading.Event()
-
-    def wait(self) -> None:
-        self.entered.set()
-        assert self.released.wait(120), "the gate was never released"
-
-    def release(self) -> None:
-        self.released.set()
-
-
-def held(fn: Callable[..., Any], gate: Gate, when: Callable[..., bool]) -> Callable[..., Any]:
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if when(*args, **kwargs):
-            gate.wait()
-        return fn(*args, **kwargs)
-    return wrapper
 
 
 # -- 1. bounded preparation --------------------------------------------------------------------
@@ -157,7 +135,7 @@ def test_shutdown_answers_a_request_being_prepared_with_503_json(ckpt_a: Path,
         assert not live.thread.thread.is_alive()
     finally:
         gate.release()
-        live.state.preparer.close()
+        live.state.close()
         live.engine.shutdown()
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import h11
 import httpx
 import openai
 import pytest
@@ -162,17 +163,22 @@ def test_special_token_strings_in_user_text_stay_text(server: LiveServer, ckpt_a
 
 
 def _raw_request(sock: socket.socket, port: int, body: bytes) -> tuple[int, bytes, dict[str, str]]:
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n" % (port, len(body)) + body)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, rest = data.split(b"\r\n\r\n", 1)
-    lines = head.decode().split("\r\n")
-    headers = {k.lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
-    while len(rest) < int(headers["content-length"]):
-        rest += sock.recv(65536)
-    return int(lines[0].split()[1]), rest, headers
+    """One request on `sock` (the exact body bytes given), its response read whole (h11)."""
+    conn = h11.Connection(h11.CLIENT)
+    headers = [("Host", f"127.0.0.1:{port}"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+    sock.sendall(conn.send(h11.Request(method="POST", target="/v1/completions", headers=headers))
+                 + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+    status, got, content = 0, {}, b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(sock.recv(65536))
+        elif isinstance(event, h11.Response):
+            status, got = event.status_code, {k.decode().lower(): v.decode() for k, v in event.headers}
+        elif isinstance(event, h11.Data):
+            content += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            return status, content, got
 
 
 def test_lone_surrogate_is_400_and_the_connection_stays_usable(server: LiveServer) -> None:

@@ -97,6 +97,30 @@ def test_auto_and_none_leave_text_as_content(server):
     assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the template received the tools
 
 
+COLOR = {"type": "object", "properties": {"color": {"$ref": "#/$defs/color"}, "shade": {"$ref": "#/$defs/shade"}},
+         "required": ["color", "shade"], "additionalProperties": False,
+         "$defs": {"color": {"enum": ["red", "blue"]}, "shade": {"$ref": "#/$defs/level"},
+                   "level": {"type": "integer", "minimum": 0, "maximum": 3}}}
+COLOR_TOOLS = [TOOLS[0], {"type": "function", "function": {"name": "paint", "parameters": COLOR}}]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "paint"}}, "auto"])
+def test_tool_parameters_with_defs_work_under_every_tool_choice(server, choice):
+    # nested in the call's schema, the parameters' "#/$defs/..." must still find their $defs
+    extra = {}
+    if choice == "auto":  # (auto's output is the model's: a schema makes it a call, as the test above)
+        extra = {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "call", "schema": call_schema("paint", COLOR)}}}
+    whole = api(server).chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0,
+                                                messages=[{"role": "user", "content": "paint it"}],
+                                                tools=COLOR_TOOLS, tool_choice=choice, **extra).choices[0]
+    assert whole.finish_reason == "tool_calls", whole
+    call = whole.message.tool_calls[0].function
+    schema = {"get_weather": WEATHER, "paint": COLOR}[call.name]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert choice == "required" or call.name == "paint"
+
+
 def test_a_tool_call_history_is_accepted(server):
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

@@ -129,7 +129,7 @@ def test_the_compiled_grammar_is_cached_per_spec(make_llm):
     first = llm.engine.grammar(spec)
     again = llm.engine.grammar(StructuredOutput(json=json.dumps(SCHEMAS[3])))
     assert first is not again  # one matcher per request
-    assert len(llm.engine._grammars._cache) == 1  # one compiled grammar for equal specs
+    assert len(llm.engine.grammars.cache) == 1  # one compiled grammar for equal specs
 
 
 @pytest.mark.parametrize("mode", ["plain", "draft"])

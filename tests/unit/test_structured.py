@@ -173,3 +173,24 @@ def test_a_bad_spec_names_the_problem(grammars):
         g.compile(StructuredOutput(json={"type": "wat"}))
     with pytest.raises(ValueError, match=r"invalid structured output \(grammar\): .*missing"):
         g.compile(StructuredOutput(grammar="root ::= missing"))
+
+
+def test_the_grammar_cache_is_bounded_in_bytes():
+    pytest.importorskip("xgrammar")
+    from types import SimpleNamespace
+
+    from infer.engine.structured import GrammarCache
+
+    def grammar(size):
+        return SimpleNamespace(memory_size_bytes=size)
+
+    specs = [StructuredOutput(regex=f"a{i}") for i in range(4)]
+    cache = GrammarCache(100)
+    cache.put(specs[0], grammar(40))
+    cache.put(specs[1], grammar(40))
+    assert cache.get(specs[0]) is not None  # specs[0] is now the most recently used
+    cache.put(specs[2], grammar(40))  # 120 bytes: the least recently used (specs[1]) goes
+    assert (cache.get(specs[1]), cache.bytes, len(cache)) == (None, 80, 2)
+    cache.put(specs[3], grammar(101))  # larger than the whole cache: not kept
+    assert (cache.get(specs[3]), cache.bytes) == (None, 80)
+    assert cache.get(specs[0]) is not None and cache.get(specs[2]) is not None

@@ -1,12 +1,14 @@
 """AsyncEngine: the engine loop in a background thread, streams per request for asyncio.
 
 The server (or any asyncio code) calls `await add_request(...)` and iterates the returned
-stream; `abort(request_id)` cancels. Commands from the event loop reach the engine thread
-through a queue and are applied before the next step, so an abort frees the request's slot
-and KV blocks before any further step runs. StepOutputs go back to each request's
-asyncio.Queue with `call_soon_threadsafe`. If a step raises, every open stream gets an
-error event, `healthy` turns False, and later requests fail fast (the thread keeps
-draining commands so nobody waits forever).
+stream; `abort(request_id)` cancels (a caller cancelled while its request is being added
+has it aborted right after). A structured output's grammar is compiled before the request
+reaches the engine thread (given compiled, or compiled here in a worker thread), so neither
+the engine thread nor `_lock`, which the event loop also takes, waits on a compile.
+Commands reach the engine thread through a queue and are applied before the next step, so
+an abort frees the request's slot and KV blocks before any further step runs. StepOutputs
+go back to each request's asyncio.Queue with `call_soon_threadsafe`. If a step raises,
+every open stream gets an error event, `healthy` turns False, and later requests fail fast.
 """
 
 from __future__ import annotations
@@ -18,10 +20,14 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from infer.engine.engine import Engine
 from infer.engine.request import Request, StepOutput
 from infer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("infer.engine")
 
@@ -68,15 +74,21 @@ class AsyncEngine:
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                          request_id: str) -> AsyncIterator[StepOutput]:
+    async def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                          compiled: CompiledGrammar | None = None) -> AsyncIterator[StepOutput]:
         """Queue (the engine thread validates); raises ValueError on bad input, RuntimeError when
-        unhealthy."""
+        unhealthy. `compiled`: the grammar of params.structured, else compiled here first."""
         if not self.healthy:
             raise RuntimeError(f"engine is not running: {self.error or 'stopped'}")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        done = asyncio.get_running_loop().create_future()
+        if params.structured is not None and compiled is None:
+            compiled = await asyncio.to_thread(lambda: self.engine.grammars.compile(params.structured))
         loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue())
+        done: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: Exception | None) -> None:  # (event loop; the caller may have been cancelled)
+            if not done.done():
+                done.set_result(None) if error is None else done.set_exception(error)
 
         def add() -> None:
             try:
@@ -84,16 +96,20 @@ class AsyncEngine:
                     self._adding -= 1
                     if self.error is not None:
                         raise RuntimeError(f"engine is not running: {self.error}")
-                    self.engine.add_request(prompt_token_ids, params, request_id)
+                    self.engine.add_request(prompt_token_ids, params, request_id, compiled)
                     self._streams[request_id] = stream
-                loop.call_soon_threadsafe(done.set_result, None)
+                loop.call_soon_threadsafe(settle, None)
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(done.set_exception, exc)
+                loop.call_soon_threadsafe(settle, exc)
 
         with self._lock:  # counted from here on (before the first await) by num_queued
             self._adding += 1
         self._submit(add)
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:  # the engine thread adds it all the same: the abort queued after undoes it
+            self.abort(request_id)
+            raise
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[StepOutput]:

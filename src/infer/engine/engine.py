@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
+
     from infer.engine.structured import Grammars, RequestGrammar
 
 log = logging.getLogger("infer.engine")
@@ -70,6 +73,7 @@ class Engine:
         self._num_added = 0
         self._requests: dict[str, Request] = {}
         self._grammars: Grammars | None = None  # built when a request first asks for a structured output
+        self._grammars_lock = threading.Lock()  # (built from whichever thread asks first)
 
     def _load_models(self) -> LoadedModels:
         if self.parallel is None:
@@ -101,14 +105,16 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, compiled: CompiledGrammar | None = None) -> Request:
+        """Validate and queue a request. `compiled`: its structured output's grammar, compiled
+        elsewhere (`self.grammars`, or the server's workers); None compiles it here."""
         params = sampling_params or SamplingParams()
         ids = list(prompt_token_ids)
         self.validate_prompt(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
-        grammar = None if params.structured is None else self.grammar(params.structured)
+        grammar = None if params.structured is None else self.grammar(params.structured, compiled)
         request = Request(rid, ids, params, grammar=grammar)
         if params.seed is None:  # unseeded requests still replay exactly under the same engine seed
             request.generator.manual_seed((self.config.seed * 1_000_003 + self._num_added) % 2**63)
@@ -134,19 +140,26 @@ class Engine:
             raise ValueError(f"prompt + max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the "
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
 
-    def grammar(self, spec: StructuredOutput) -> RequestGrammar:
-        """A request's grammar state for `spec` (compiled once per spec); ValueError naming
-        the problem for a bad schema, regex or grammar, or when xgrammar is missing."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the model's tokenizer; this engine has none")
-            try:
-                from infer.engine.structured import Grammars
-            except ImportError as exc:
-                raise ValueError(f"structured outputs need xgrammar ({exc}): pip install 'infer-engine[structured]'"
-                                 ) from None
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.models.eos_token_ids)
-        return self._grammars.matcher(spec)
+    def grammar(self, spec: StructuredOutput, compiled: CompiledGrammar | None = None) -> RequestGrammar:
+        """A request's grammar state for `spec` (of `compiled`, else compiled once per spec);
+        ValueError naming the problem for a bad schema, regex or grammar."""
+        return self.grammars.matcher(spec, compiled)
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this model's tokenizer (built on first use); ValueError
+        when the model has no tokenizer or xgrammar is missing."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+                try:
+                    from infer.engine.structured import Grammars
+                except ImportError as exc:
+                    raise ValueError(f"structured outputs need xgrammar ({exc}): pip install "
+                                     "'infer-engine[structured]'") from None
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.models.eos_token_ids)
+            return self._grammars
 
     def kv_capacity_tokens(self) -> int | None:
         return self.kv.capacity_tokens()

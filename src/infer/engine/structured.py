@@ -2,7 +2,10 @@
 token masks that restrict the model's logits to what the grammar allows.
 
 `Grammars` (one per engine) turns a `StructuredOutput` into an xgrammar `CompiledGrammar`
-against the engine's tokenizer, cached per spec, and gives each request a `RequestGrammar`.
+against the engine's tokenizer (`compile_checked`: a grammar that accepts no string is
+refused), cached per spec in a `GrammarCache` bounded in bytes, and gives each request a
+`RequestGrammar`. The server compiles in worker processes instead (`grammar_worker`) and
+hands the engine the compiled grammar.
 A `RequestGrammar` advances over every emitted token and fills the mask of the tokens that
 may come next: at its current state, or (for a speculation round) at the state after a
 draft node's path, by advancing over the path, filling, and rolling back.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -26,7 +30,7 @@ import xgrammar as xgr
 from infer.sampling import StructuredOutput
 from infer.tokenization import Tokenizer
 
-_CACHE_SIZE = 256  # compiled grammars kept per engine
+DEFAULT_CACHE_BYTES = 256 * 2**20  # compiled grammars kept per engine, by their xgrammar memory size
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:line: " before xgrammar's message
 
 
@@ -95,45 +99,116 @@ class RequestGrammar:
             self._matcher.rollback(taken)
 
 
-class Grammars:
-    """Compiles structured-output specs against one tokenizer (cached per spec) and makes
-    each request's `RequestGrammar`."""
+class GrammarCache:
+    """Compiled grammars by spec, the least recently used dropped first once their memory
+    (xgrammar's `memory_size_bytes`) passes `max_bytes`; a grammar larger than that is not
+    kept. Thread-safe."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"a grammar cache's size must be >= 0 bytes, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[StructuredOutput, tuple[xgr.CompiledGrammar, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: StructuredOutput) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            entry = self._entries.get(spec)
+            if entry is None:
+                return None
+            self._entries.move_to_end(spec)
+            return entry[0]
+
+    def put(self, spec: StructuredOutput, compiled: xgr.CompiledGrammar) -> None:
+        size = compiled.memory_size_bytes
+        with self._lock:
+            if spec in self._entries or size > self.max_bytes:
+                return
+            self._entries[spec] = (compiled, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.bytes -= dropped
+
+
+def tokenizer_info(token_table: list[bytes], vocab_size: int, eos_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo(token_table, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
+
+
+def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
+    """One compiling thread, no cache of xgrammar's own (ours is bounded in bytes)."""
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def compile_checked(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    """`spec` compiled; ValueError naming the problem when it is invalid or accepts no string
+    (below), MemoryError when the compile ran out of memory (a worker's limit).
+
+    A grammar accepts no string the model can write when, at its start, no token is allowed
+    and it is not complete (xgrammar allows the stop token once the grammar is complete):
+    `root ::= root`, the regex `[^\\s\\S]`. (A grammar that dead-ends only after some output,
+    `a[^\\s\\S]`, is not caught here: its request fails in the engine alone.)"""
+    try:
+        compiled = _compile(compiler, spec)
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
+        message = _XGR_PREFIX.sub("", str(exc)).strip()
+        if "bad_alloc" in message:
+            raise MemoryError(f"compiling this {spec.kind} grammar ran out of memory") from None
+        raise ValueError(f"invalid structured output ({spec.kind}): {message}") from None
+    vocab_size = compiled.tokenizer_info.vocab_size
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    if not bool(bitmask.any()):
+        raise ValueError(f"invalid structured output ({spec.kind}): it accepts no string (no token can start "
+                         "it and it is not complete): give a grammar that some text matches")
+    return compiled
+
+
+def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
+    if spec.json is not None:
+        return compiler.compile_json_schema(spec.json, any_whitespace=False)
+    if spec.json_object:
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+    if spec.regex is not None:
+        return compiler.compile_regex(spec.regex)
+    if spec.choice is not None:
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)  # EBNF string literals
+        return compiler.compile_grammar(f"root ::= {literals}")
+    assert spec.grammar is not None
+    return compiler.compile_grammar(spec.grammar)
+
+
+class Grammars:
+    """Compiles structured-output specs against one tokenizer, in the calling thread (cached
+    per spec), and makes each request's `RequestGrammar`; `token_table` and `info` are what a
+    worker process needs to compile for the same tokenizer, and `load` reads its result."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo(token_bytes_table(tokenizer, vocab_size), xgr.VocabType.RAW,
-                                 vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._cache: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
+        self.eos_token_ids = list(eos_token_ids)
+        self.token_table = token_bytes_table(tokenizer, vocab_size)
+        self.info = tokenizer_info(self.token_table, vocab_size, self.eos_token_ids)
+        self._compiler = new_compiler(self.info)
+        self.cache = GrammarCache(cache_bytes)
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         """The compiled grammar of `spec`; ValueError naming the problem when it is invalid."""
-        if spec in self._cache:
-            self._cache.move_to_end(spec)
-            return self._cache[spec]
-        try:
-            compiled = self._compile(spec)
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
-            message = _XGR_PREFIX.sub("", str(exc)).strip()
-            raise ValueError(f"invalid structured output ({spec.kind}): {message}") from None
-        self._cache[spec] = compiled
-        if len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            compiled = compile_checked(self._compiler, spec)
+            self.cache.put(spec, compiled)
         return compiled
 
-    def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        if spec.json is not None:
-            return self._compiler.compile_json_schema(spec.json, any_whitespace=False)
-        if spec.json_object:
-            return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.regex is not None:
-            return self._compiler.compile_regex(spec.regex)
-        if spec.choice is not None:
-            literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)  # EBNF string literals
-            return self._compiler.compile_grammar(f"root ::= {literals}")
-        assert spec.grammar is not None
-        return self._compiler.compile_grammar(spec.grammar)
+    def load(self, serialized: str) -> xgr.CompiledGrammar:
+        """A grammar a worker compiled (`CompiledGrammar.serialize_json`) for this tokenizer."""
+        return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
 
-    def matcher(self, spec: StructuredOutput) -> RequestGrammar:
-        """A fresh grammar state for one request."""
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+    def matcher(self, spec: StructuredOutput, compiled: xgr.CompiledGrammar | None = None) -> RequestGrammar:
+        """A fresh grammar state for one request: of `compiled` (spec's grammar, compiled
+        elsewhere) or, when None, of spec compiled here."""
+        return RequestGrammar(xgr.GrammarMatcher(compiled or self.compile(spec)), self.vocab_size)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 from infer import DISTRIBUTION
 from infer.engine.args import add_engine_args, dash_flags, engine_config_from_args
-from infer.server.config import (DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT_S,
-                                 ServerConfig, default_allowed_hosts)
+from infer.server.config import (DEFAULT_GRAMMAR_CACHE_MIB, DEFAULT_GRAMMAR_MAX_MEMORY_MIB,
+                                 DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_GRAMMAR_WORKERS, DEFAULT_HEADER_TIMEOUT_S,
+                                 DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_QUEUED, DEFAULT_MAX_REQUEST_BYTES,
+                                 DEFAULT_SHUTDOWN_TIMEOUT_S, ServerConfig, default_allowed_hosts)
 
 DEFAULT_MODEL_NAME = "infer-demo"
 API_KEY_ENV = "INFER_API_KEY"
@@ -68,9 +70,23 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                           "when --host is a loopback address, else any)")
     sec.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help="larger request bodies get 413 (default: %(default)s)")
+    sec.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                     help="seconds a connection has to send a request's headers, then it is closed "
+                          "(default: %(default)s)")
+    sec.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                     help="open client connections; more are closed as soon as accepted (default: %(default)s)")
     sec.add_argument("--allow-special-tokens", action="store_true",
                      help="parse special-token strings (e.g. <|eot_id|>) in prompts and messages as control "
                           "tokens (default: they are plain text; chat templates still insert the real ones)")
+    grammar = parser.add_argument_group("structured outputs (grammars compiled in worker processes)")
+    grammar.add_argument("--grammar-workers", type=int, default=DEFAULT_GRAMMAR_WORKERS,
+                         help="processes compiling grammars (default: %(default)s)")
+    grammar.add_argument("--grammar-timeout", type=float, default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                         help="seconds one grammar may take to compile; a slower one gets 400 (default: %(default)s)")
+    grammar.add_argument("--grammar-max-memory-mib", type=int, default=DEFAULT_GRAMMAR_MAX_MEMORY_MIB,
+                         help="memory one grammar's compile may take; more gets 400 (default: %(default)s)")
+    grammar.add_argument("--grammar-cache-mib", type=int, default=DEFAULT_GRAMMAR_CACHE_MIB,
+                         help="memory of the compiled grammars kept for reuse (default: %(default)s)")
     add_engine_args(parser)
 
 
@@ -121,7 +137,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(model_name=served_model_name(args), max_queued_requests=args.max_queued_requests,
                         api_key=args.api_key, public_metrics=args.public_metrics, allowed_hosts=hosts,
                         max_request_bytes=args.max_request_bytes, allow_special_tokens=args.allow_special_tokens,
-                        shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices)
+                        shutdown_timeout_s=args.shutdown_timeout, max_running_choices=args.max_running_choices,
+                        header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                        grammar_workers=args.grammar_workers, grammar_timeout_s=args.grammar_timeout,
+                        grammar_max_memory_mib=args.grammar_max_memory_mib, grammar_cache_mib=args.grammar_cache_mib)
 
 
 def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine)
@@ -133,7 +152,12 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
     server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
     engine = AsyncEngine(Engine(config))
-    return create_app(engine, server_config), engine
+    app = create_app(engine, server_config)
+    try:
+        app.state.server.grammars.start()  # (no request waits for the workers to start)
+    except ValueError:
+        pass  # no tokenizer or no xgrammar: a request asking for a grammar gets the 400 that says so
+    return app, engine
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -142,8 +166,11 @@ def serve(args: argparse.Namespace) -> int:
     from infer.server.launch import serve_app
     from infer.server.listen import bind
 
-    server_config_from_args(args)  # flag errors before the port is taken
+    from infer.server.connections import ensure_descriptors
+
+    server_config = server_config_from_args(args)  # flag errors before the port is taken
     engine_config_from_args(args)
+    ensure_descriptors(server_config.max_connections)
     sock = bind(args.host, args.port)  # a port in use fails here, before the model loads
     logging.basicConfig(format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logging.getLogger("infer").setLevel(logging.DEBUG if args.log_level == "trace" else args.log_level.upper())
@@ -155,7 +182,7 @@ def serve(args: argparse.Namespace) -> int:
         try:
             serve_app(app, sock, args.log_level)
         finally:
-            app.state.server.preparer.close()
+            app.state.server.close()
             engine.shutdown()
     finally:
         sock.close()

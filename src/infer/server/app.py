@@ -33,6 +33,7 @@ from infer.server.serving import ServerState
 _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in (
     (400, "invalid request (the error names the parameter)"), (401, "missing or wrong API key (with --api-key)"),
     (404, "unknown model"), (413, "request body over --max-request-bytes"),
+    (415, "the body is not sent as Content-Type: application/json"),
     (421, "Host header not in --allowed-hosts"), (429, "waiting queue full; see Retry-After"),
     (503, "the engine loop is not running, or the server is shutting down"))}
 _STREAM_200 = {"description": "a response, or server-sent events when stream is true",

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 DEFAULT_MAX_QUEUED = 1024
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
+DEFAULT_GRAMMAR_WORKERS = 2
+DEFAULT_GRAMMAR_TIMEOUT_S = 30.0
+DEFAULT_GRAMMAR_MAX_MEMORY_MIB = 1024
+DEFAULT_GRAMMAR_CACHE_MIB = 256
 LOOPBACK_NAMES = ("localhost",)  # plus every loopback IP literal (127.0.0.0/8, ::1)
 ANY_HOST = "*"
 
@@ -32,6 +38,12 @@ class ServerConfig:
     tokenizer_threads: int = 2  # threads parsing and tokenizing requests off the event loop
     # choices of one request in the engine at once; None: half of max_batch_size (at least 1)
     max_running_choices: int | None = None
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers must arrive within this
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open client connections; more are closed at once
+    grammar_workers: int = DEFAULT_GRAMMAR_WORKERS  # processes compiling structured outputs' grammars
+    grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S  # one grammar's compile, then 400
+    grammar_max_memory_mib: int = DEFAULT_GRAMMAR_MAX_MEMORY_MIB  # memory one compile may take, then 400
+    grammar_cache_mib: int = DEFAULT_GRAMMAR_CACHE_MIB  # compiled grammars kept (their memory)
 
     def __post_init__(self) -> None:
         if not self.model_name:
@@ -49,6 +61,14 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.tokenizer_threads < 1:
             raise ValueError(f"tokenizer_threads must be >= 1, got {self.tokenizer_threads}")
+        for name, low in (("grammar_workers", 1), ("grammar_max_memory_mib", 1), ("grammar_cache_mib", 0),
+                          ("max_connections", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= {low}, got {getattr(self, name)}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"header_timeout_s (--header-timeout) must be > 0 seconds, got {self.header_timeout_s}")
+        if not self.grammar_timeout_s > 0:
+            raise ValueError(f"grammar_timeout_s (--grammar-timeout) must be > 0 seconds, got {self.grammar_timeout_s}")
         if self.max_running_choices is not None and self.max_running_choices < 1:
             raise ValueError(f"max_running_choices (--max-running-choices) must be >= 1 or None, "
                              f"got {self.max_running_choices}")

@@ -3,7 +3,8 @@ OpenAI's `response_format` (`{"type": "text"}`, `{"type": "json_object"}`,
 `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`) and vLLM's extra
 fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. At most one may ask
 for a structure; a malformed one is a 400 naming the field (a schema or grammar xgrammar
-cannot compile is a 400 from the engine's add_request, before the request is queued)."""
+cannot compile, or one that accepts no string, is a 400 from `server.grammars`, before the
+request is admitted)."""
 
 from __future__ import annotations
 

@@ -17,13 +17,16 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.request import FinishReason, StepOutput
 from infer.sampling import SamplingParams
 from infer.server.errors import SERVER_ERROR, UNAVAILABLE, APIError, bad_request, engine_unavailable
 from infer.server.metrics import RequestTracker, ServerMetrics
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 log = logging.getLogger("infer.server")
 
@@ -48,6 +51,7 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    compiled: CompiledGrammar | None = None  # params.structured's grammar (server.grammars)
     stream: AsyncIterator[StepOutput] | None = None
     tracker: RequestTracker | None = None
     abort_reason: str | None = None  # "shutdown" once the server aborted it
@@ -73,7 +77,7 @@ class Job:
         host.reserved -= 1
         self.started = True
         try:
-            self.stream = await engine.add_request(self.prompt_ids, self.params, self.request_id)
+            self.stream = await engine.add_request(self.prompt_ids, self.params, self.request_id, self.compiled)
         except ValueError as exc:
             self._release()
             raise bad_request(str(exc), None, "invalid_request") from exc
@@ -82,7 +86,8 @@ class Job:
             if not engine.healthy:
                 raise engine_unavailable(engine.error) from exc
             raise
-        except BaseException:
+        except BaseException:  # cancelled: the engine aborts what it was adding (AsyncEngine.add_request)
+            self.closed = True
             self._release()
             raise
         self.tracker = host.metrics.track()

@@ -25,6 +25,7 @@ from typing import Any
 import uvicorn
 
 from infer.server.config import ServerConfig, default_allowed_hosts
+from infer.server.connections import BACKLOG, ensure_descriptors, guarded_protocol
 from infer.server.listen import bind
 
 BACKSTOP_S = 5.0  # uvicorn cancels what is left this long after the app's own shutdown timeout
@@ -40,6 +41,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.loop.set_exception_handler(self.state.overload.exception_handler)
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -49,9 +51,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, log_level: str, **kwargs: Any) -> uvicorn.Config:
-    timeout = app.state.server.config.shutdown_timeout_s + BACKSTOP_S
+    """uvicorn's settings for the app: its h11 protocol guarded (header timeout, connection
+    limit: connections.py), the open-file limit raised to fit, the shutdown backstop."""
+    state = app.state.server
+    ensure_descriptors(state.config.max_connections)
+    timeout = state.config.shutdown_timeout_s + BACKSTOP_S
+    http = guarded_protocol(state.config.header_timeout_s, state.config.max_connections, state.overload)
     return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(timeout + 0.999),
-                          backlog=4096, **kwargs)
+                          backlog=BACKLOG, http=http, **kwargs)
 
 
 def serve_app(app: Any, sock: socket.socket, log_level: str) -> None:
@@ -162,7 +169,7 @@ class LiveServer:
         try:
             self.thread.stop()
         finally:
-            self.state.preparer.close()
+            self.state.close()
             self.engine.shutdown()
 
     def __enter__(self) -> LiveServer:

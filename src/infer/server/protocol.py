@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, model_validator
 
-from infer.sampling import MAX_LOGPROBS
+from infer.sampling import MAX_LOGPROBS, MAX_PENALTY, MAX_TEMPERATURE, MAX_TOP_K, MIN_PENALTY
 
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
@@ -55,10 +55,13 @@ def _whole(value: float) -> int:
     return int(value)
 
 
+INTEGRAL = BeforeValidator(_integral)
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Int = Annotated[int, BeforeValidator(_integral)]
+Int = Annotated[int, INTEGRAL]
+# A nullable integer's bounds go inside its integer type (before INTEGRAL), so that the schema shows them as
+# minimum / maximum of the integer branch; on the field (`Int | None = Field(ge=...)`) they rendered as "ge".
 # token ids: an integer, or an integral float: the union keeps long lists of ints on pydantic's
 # fast path (a Python call only for a float)
 TokenId = Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0, multiple_of=1), AfterValidator(_whole)]
@@ -80,20 +83,23 @@ class SamplingFields(_Strict):
 
     model: Text | None = Field(None, description="served model name; default: the served model")
     n: Int = Field(1, ge=1, le=MAX_N, description="independent samples of the same prompt (choices)")
-    temperature: float | None = Field(1.0, ge=0, description="0 = greedy")
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: Int | None = Field(-1, ge=-1, description="-1 or 0 = off (extension)")
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2, description="subtracted once from the logit of "
-                                           "every token already in the prompt or output")
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2, description="subtracted per occurrence in the "
-                                            "prompt or output")
-    repetition_penalty: float | None = Field(1.0, gt=0, description="1 = off (extension)")
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = Field(
+        1.0, description=f"0 = greedy; at most {MAX_TEMPERATURE:g} (OpenAI's API: 2)")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = Field(1.0, description="1 = off")
+    top_k: Annotated[int, Field(ge=-1, le=MAX_TOP_K), INTEGRAL] | None = Field(
+        -1, description="-1 or 0 = off (extension)")
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        0.0, description="subtracted once from the logit of every token already in the prompt or output")
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        0.0, description="subtracted per occurrence in the prompt or output")
+    repetition_penalty: Annotated[float, Field(ge=MIN_PENALTY, le=MAX_PENALTY)] | None = Field(
+        1.0, description="1 = off (extension)")
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = Field(
         None, description=f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters (not returned)")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="stop token ids (extension)")
     ignore_eos: bool = Field(False, description="keep generating after EOS (extension)")
-    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX), INTEGRAL] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
@@ -136,11 +142,12 @@ class CompletionRequest(SamplingFields):
 
     prompt: Text | list[TokenId] | OnePrompt[Text] | OnePrompt[list[TokenId]] = Field(
         description="text or token ids (a list of prompts must hold exactly one)")
-    max_tokens: Int | None = Field(16, ge=1)
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = 16
     echo: bool = Field(False, description="return the prompt before the completion")
-    logprobs: Int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
-                                 description="log-probabilities of each token and of the N most likely")
-    best_of: Int | None = Field(None, ge=1, le=MAX_N, description="only best_of = n (400 otherwise)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="log-probabilities of each token and of the N most likely")
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), INTEGRAL] | None = Field(
+        None, description="only best_of = n (400 otherwise)")
     suffix: Literal[""] | None = Field(None, description="not supported: only empty")
 
     def unsupported(self) -> str | None:
@@ -249,11 +256,13 @@ class ChatCompletionRequest(SamplingFields):
     ]})
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = Field(None, ge=1, description="default: the rest of the context")
-    max_completion_tokens: Int | None = Field(None, ge=1, description="alias of max_tokens")
+    max_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(None, description="default: the rest of "
+                                                                                      "the context")
+    max_completion_tokens: Annotated[int, Field(ge=1), INTEGRAL] | None = Field(None,
+                                                                               description="alias of max_tokens")
     logprobs: bool | None = Field(None, description="return the log-probability of each token")
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description="with logprobs: also the N most likely tokens at each position")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), INTEGRAL] | None = Field(
+        None, description="with logprobs: also the N most likely tokens at each position")
     tools: ToolList | None = Field(  # type: ignore[assignment]
         None, description=f"functions the model may call (at most {MAX_TOOLS}); the chat template receives them")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(  # type: ignore[assignment]

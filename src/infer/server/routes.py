@@ -10,6 +10,7 @@ than a 200 followed by an error event.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from starlette.requests import Request
@@ -22,7 +23,7 @@ from infer.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoic
                                     CompletionResponse, FunctionCall, FunctionCallDelta, SpeculativeStats, ToolCall,
                                     ToolCallDelta, Usage)
 from infer.server.serving import ServerState, submit
-from infer.server.streaming import SSEResponse, collect, event_stream, usage
+from infer.server.streaming import JSONStream, Outcome, SSEResponse, collect, event_stream, json_body, usage
 from infer.server.tool_calls import CallReader, call_id
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
@@ -92,13 +93,15 @@ async def completion(state: ServerState, request: Request) -> Any:
         return Response(status_code=CLIENT_CLOSED)
     if not isinstance(outcomes, list):
         raise outcomes
-    choices = [CompletionChoice(index=i, text=echo + o.text, finish_reason=o.finish_reason,  # type: ignore[arg-type]
+    def choice(i: int, o: Outcome) -> CompletionChoice:
+        return CompletionChoice(index=i, text=echo + o.text, finish_reason=o.finish_reason,  # type: ignore[arg-type]
                                 logprobs=fmt.completion(o.logprobs, len(echo), with_top)
                                 if body.logprobs is not None else None)
-               for i, o in enumerate(outcomes)]
-    return CompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                              usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
-                              speculative_decoding=outcomes[0].spec)
+
+    whole = CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                               usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
+                               speculative_decoding=outcomes[0].spec)
+    return JSONStream(json_body(whole, [partial(choice, i, o) for i, o in enumerate(outcomes)]))
 
 
 async def chat_completion(state: ServerState, request: Request) -> Any:
@@ -133,13 +136,14 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
         return Response(status_code=CLIENT_CLOSED)
     if not isinstance(outcomes, list):
         raise outcomes
-    choices = []
-    for i, o in enumerate(outcomes):
+    def choice(i: int, o: Outcome) -> ChatChoice:
         message, finish = AssistantMessage(content=o.text), o.finish_reason
         if readers is not None:
             message, finish = _tool_message(readers[i], o.text, finish)
-        choices.append(ChatChoice(index=i, message=message, finish_reason=finish,  # type: ignore[arg-type]
-                                  logprobs=fmt.chat(o.logprobs) if body.logprobs else None))
-    return ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=choices,
-                                  usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
-                                  speculative_decoding=outcomes[0].spec)
+        return ChatChoice(index=i, message=message, finish_reason=finish,  # type: ignore[arg-type]
+                          logprobs=fmt.chat(o.logprobs) if body.logprobs else None)
+
+    whole = ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
+                                   usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
+                                   speculative_decoding=outcomes[0].spec)
+    return JSONStream(json_body(whole, [partial(choice, i, o) for i, o in enumerate(outcomes)]))

@@ -4,7 +4,11 @@ In order, for every HTTP request:
   1. Host header: not in `allowed_hosts` -> 421 (DNS-rebinding protection),
   2. API key: with `api_key` set, every path but /health (and /metrics with
      `public_metrics`) needs `Authorization: Bearer <key>` -> else 401,
-  3. body size: a Content-Length, or a streamed body, over `max_request_bytes` (or over the
+  3. Content-Type: a POST to a path of `path_limits` (the generation routes) whose body is
+     not `application/json` -> 415, before the body is read. A web page can make a browser
+     send a cross-origin `text/plain` (or untyped) POST without asking the server first;
+     one with `application/json` needs a CORS preflight, which this server never grants.
+  4. body size: a Content-Length, or a streamed body, over `max_request_bytes` (or over the
      path's own limit in `path_limits`: the generation routes' is set by the model's
      context, see body.py) -> 413, decided before the app parses anything, and for a
      Content-Length before the body is read; the body read here is replayed to the app.
@@ -23,6 +27,7 @@ from infer.server.config import ServerConfig
 from infer.server.errors import INVALID_REQUEST, APIError
 
 OPEN_PATHS = frozenset({"/health"})
+JSON = "application/json"
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -71,6 +76,12 @@ class Gatekeeper:
                 return APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                                      "with the key the server was started with", INVALID_REQUEST, None,
                                 "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        if scope.get("method") == "POST" and scope.get("path", "") in self.path_limits:
+            media_type = (_header(scope, b"content-type") or "").partition(";")[0].strip().lower()
+            if media_type != JSON:
+                shown = f"Content-Type {media_type!r}" if media_type else "no Content-Type"
+                return APIError(415, f"the request body must be JSON sent with 'Content-Type: {JSON}', got "
+                                     f"{shown}", INVALID_REQUEST, None, "unsupported_media_type")
         length = _header(scope, b"content-length")
         limit = self.body_limit(scope)
         if length is not None and length.isdigit() and int(length) > limit:

@@ -1,10 +1,11 @@
 """Admission and shutdown: prepared requests in, their choices (`Jobs`) out.
 
 `ServerState` is everything one app needs (the AsyncEngine, its ServerConfig, the Preparer,
-metrics, the open choices). `submit` applies admission control, counting choices (a
-request with `n` = 4 is four): the server holds at most `max_batch_size +
-max_queued_requests` open choices (running or waiting, counted by the server itself, so the
-cap is exact whatever the engine is doing). A request whose `n` exceeds that cap gets 400
+the grammar workers, metrics, the open choices). `submit` first awaits the request's
+grammar (compiled off the event loop: grammars.py), then applies admission control,
+counting choices (a request with `n` = 4 is four): the server holds at most
+`max_batch_size + max_queued_requests` open choices (running or waiting, counted by the
+server itself, so the cap is exact whatever the engine is doing). A request whose `n` exceeds that cap gets 400
 (it could never be admitted); one that does not fit now gets 429 with Retry-After; a dead
 engine or a shutdown gives 503. Each request runs at most `max_running_choices` of its
 choices at once (see jobs.py).
@@ -24,7 +25,9 @@ from dataclasses import dataclass, field
 from infer.engine.async_engine import AsyncEngine
 from infer.engine.request import StepOutput
 from infer.server.config import ServerConfig
+from infer.server.connections import OverloadLog
 from infer.server.errors import RATE_LIMIT, UNAVAILABLE, APIError, bad_request, engine_unavailable
+from infer.server.grammars import GrammarService
 from infer.server.jobs import Job, Jobs, shutdown_error
 from infer.server.logprob_format import LogprobFormatter
 from infer.server.metrics import ServerMetrics
@@ -43,13 +46,16 @@ class ServerState:
     reserved: int = 0  # choices admitted but not yet handed to the engine
     shutting_down: bool = False
     jobs: set[Job] = field(default_factory=set)  # choices admitted and not yet finished
+    overload: OverloadLog = field(default_factory=OverloadLog)  # one log line per kind of overload and interval
     metrics: ServerMetrics = field(init=False)
     preparer: Preparer = field(init=False)
+    grammars: GrammarService = field(init=False)
     logprob_format: LogprobFormatter = field(init=False)  # token strings and bytes, cached per id
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine, self.queue_depth, lambda: self.in_flight)
         self.preparer = Preparer(self.engine.engine, self.config)
+        self.grammars = GrammarService(self.engine.engine, self.config)
         self.logprob_format = LogprobFormatter(self.engine.engine.tokenizer)
 
     @property
@@ -104,6 +110,11 @@ class ServerState:
         self.shutting_down = True
         asyncio.get_running_loop().call_later(self.config.shutdown_timeout_s, self._end_open_requests)
 
+    def close(self) -> None:
+        """Stop the preparation threads and the grammar workers (after the HTTP server stopped)."""
+        self.preparer.close()
+        self.grammars.close()
+
     def _end_open_requests(self) -> None:
         waiting = self.preparer.abandon(shutdown_error())
         if self.open_choices or waiting:
@@ -114,7 +125,10 @@ class ServerState:
 
 
 async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[str, Jobs]:
-    """Admit a prepared request: (its id, its choices, the first one started)."""
+    """Admit a prepared request: (its id, its choices, the first one started). Its grammar is
+    compiled first (off the event loop, a 400 when it cannot be), then admission applies."""
+    state.check_accepting()
+    compiled = await state.grammars.compile(prepared.params[0].structured)
     state.check_accepting()
     n = len(prepared.params)
     capacity = state.capacity
@@ -126,7 +140,7 @@ async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[s
         raise APIError(429, f"the server is full ({capacity} open choices) for this {what}: retry after "
                             f"{RETRY_AFTER_S} s", RATE_LIMIT, None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
     base = f"{prefix}-{uuid.uuid4().hex}"
-    jobs = Jobs([Job(state, base if n == 1 else f"{base}-{i}", prepared.prompt_ids, p)
+    jobs = Jobs([Job(state, base if n == 1 else f"{base}-{i}", prepared.prompt_ids, p, compiled)
                  for i, p in enumerate(prepared.params)], state.running_limit)
     state.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
     try:

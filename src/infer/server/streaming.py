@@ -10,6 +10,11 @@ engine's, a shutdown, a choice that could not start) becomes an `error` event fo
 Client disconnects abort every choice at once in both modes: `SSEResponse` listens for
 `http.disconnect` while streaming and cancels the stream, and `collect` races the
 generation against the same signal.
+
+A whole (non-streamed) response is sent as `JSONStream(json_body(...))`: its choices are
+built and serialized one at a time in a worker thread, the event loop free in between, so
+a large response (n = 128 with top_logprobs = 20 is tens of MB) delays other clients by at
+most one choice's serialization (pydantic holds the GIL while it serializes).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -61,6 +67,28 @@ class SSEResponse(StreamingResponse):
                 await iterator.aclose()
             if self.on_close is not None:
                 self.on_close()
+
+
+class JSONStream(StreamingResponse):
+    """An application/json response whose body arrives in parts (see `json_body`)."""
+
+    media_type = "application/json"
+
+
+async def json_body(whole: BaseModel, choices: Sequence[Callable[[], BaseModel]]) -> AsyncIterator[bytes]:
+    """`whole` (a response with its `choices` left empty) as JSON, each of `choices` made and
+    serialized in a worker thread when its turn comes."""
+    fields = whole.model_dump(mode="json", exclude={"choices"})
+    yield ("{" + "".join(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)}," for k, v in fields.items())
+           + '"choices":[').encode()
+    for i, make in enumerate(choices):
+        part = await asyncio.to_thread(_dump, make)
+        yield b"," + part if i else part
+    yield b"]}"
+
+
+def _dump(make: Callable[[], BaseModel]) -> bytes:
+    return make().model_dump_json().encode()
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ the model may write several, separated by `;`. Problems a client can fix are 400
 the field before the request is queued: tool_choice without tools, a named function that is
 not among the tools, two tools of one name, a `parameters` that is not an object schema,
 a forced call together with another structured output. A schema xgrammar cannot compile is
-a 400 from the engine's add_request, also before the request is queued.
+a 400 from `server.grammars`, also before the request is admitted. The parameters' local
+`$ref`s are rebased to where the call's schema nests them (`call_schema`).
 """
 
 from __future__ import annotations
@@ -51,11 +52,32 @@ def _invalid(message: str, param: str) -> APIError:
     return bad_request(message, param, "invalid_parameter")
 
 
-def call_schema(name: str, parameters: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The JSON schema of one Llama 3 JSON call of function `name`."""
-    return {"type": "object", "properties": {"name": {"const": name},
-                                             "parameters": dict(parameters or NO_PARAMETERS)},
+def call_schema(name: str, parameters: Mapping[str, Any] | None, at: str = "") -> dict[str, Any]:
+    """The JSON schema of one Llama 3 JSON call of function `name`, to sit at JSON pointer
+    `at` of the schema enforced: the parameters' local `$ref`s (`#/$defs/x`, `#`) are
+    rebased to where the parameters now are (`#<at>/properties/parameters/$defs/x`)."""
+    rebased = rebase_refs(dict(parameters or NO_PARAMETERS), f"{at}/properties/parameters")
+    return {"type": "object", "properties": {"name": {"const": name}, "parameters": rebased},
             "required": ["name", "parameters"], "additionalProperties": False}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
+
+
+def rebase_refs(schema: Any, pointer: str) -> Any:
+    """A copy of `schema` whose local JSON-pointer references ("#", "#/...") point to the same
+    places once the schema is nested at `pointer` of another one."""
+    if isinstance(schema, list):
+        return [rebase_refs(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = "#" + pointer + value[1:]
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else rebase_refs(value, pointer)
+    return out
 
 
 def _check_parameters(index: int, name: str, schema: Mapping[str, Any] | None) -> None:
@@ -89,26 +111,28 @@ def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
                            "tool_choice", "tool_choice")
         return None
     tools: list[dict[str, Any]] = []
-    schemas: dict[str, dict[str, Any]] = {}
+    parameters: dict[str, Mapping[str, Any] | None] = {}
     for i, tool in enumerate(body.tools):
         fn = tool.function
-        if fn.name in schemas:
+        if fn.name in parameters:
             raise _invalid(f"tools[{i}]: a second function named {fn.name!r}: give each tool its own name", "tools")
         _check_parameters(i, fn.name, fn.parameters)
-        schemas[fn.name] = call_schema(fn.name, fn.parameters)
+        parameters[fn.name] = fn.parameters
         tools.append({"type": "function", "function": fn.model_dump(exclude_none=True)})
-    names = frozenset(schemas)
+    names = frozenset(parameters)
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice in ("none", "auto"):
         return ToolPlan(choice or "auto", tools, names, parallel=parallel)  # type: ignore[arg-type]
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in schemas:
+        if choice.function.name not in parameters:
             raise _invalid(f"tool_choice names function {choice.function.name!r}, which is not among the tools "
                            f"({', '.join(sorted(names))})", "tool_choice")
-        schema = schemas[choice.function.name]
+        schema = call_schema(choice.function.name, parameters[choice.function.name])
         mode: Mode = "named"
     else:
-        schema = next(iter(schemas.values())) if len(schemas) == 1 else {"anyOf": list(schemas.values())}
+        calls = [(name, params) for name, params in parameters.items()]
+        schema = call_schema(*calls[0]) if len(calls) == 1 else {
+            "anyOf": [call_schema(name, params, f"/anyOf/{i}") for i, (name, params) in enumerate(calls)]}
         mode = "required"
     if structured_output(body) is not None:
         raise _invalid(f"tool_choice {mode} enforces the call's own schema; it cannot be combined with "

@@ -5,7 +5,8 @@ token ids outside the vocabulary, malformed JSON; 404 unknown model or route; 42
 Retry-After when the waiting queue is full (for a streaming request too: a real 429, not a
 200 followed by an error); an engine failure mid-stream (error event, then [DONE]); 503 from
 /health and from requests once the engine loop has died (a request it had accepted fails with its own
-500, however soon the engine dies).
+500, however soon the engine dies); a fault of one request's own work fails that request alone
+with a 500 naming it, and the engine goes on.
 """
 
 from __future__ import annotations
@@ -279,3 +280,42 @@ def test_dead_engine_gives_503(failing_server: LiveServer) -> None:
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
         assert_error(post(failing_server, "/v1/chat/completions", chat), 503)
     assert httpx.get(failing_server.url + "/v1/models", timeout=60).status_code == 200
+
+
+POISON = "zebra"  # a prompt holding this word faults while its tokens are rendered
+
+
+@pytest.fixture
+def faulting_server(ckpt_a: Path) -> Iterator[LiveServer]:
+    """An engine where rendering the tokens of a request whose prompt holds POISON raises
+    (inside the request's isolated work: the request fails, the engine goes on)."""
+    engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu", max_seq_len=MAX_SEQ_LEN))
+    poison = engine.tokenizer.encode(" " + POISON, add_special_tokens=False)
+    output = engine.runner.output
+    real_accept = output.accept
+
+    def accept(request: Any, token_id: int, logprobs: Any = None) -> None:
+        ids = request.prompt_token_ids
+        if any(ids[i:i + len(poison)] == poison for i in range(len(ids))):
+            raise RuntimeError("injected rendering fault")
+        real_accept(request, token_id, logprobs)
+
+    output.accept = accept  # type: ignore[method-assign]
+    live = LiveServer.start(None, MODEL, engine=engine)
+    yield live
+    live.settle()
+    assert live.leak_report() == []
+    live.stop()
+
+
+def test_a_request_s_own_fault_fails_it_alone(faulting_server: LiveServer) -> None:
+    body = {**OK_BODY, "max_tokens": 6}
+    with ThreadPoolExecutor(3) as pool:
+        bad, *good = pool.map(lambda p: post(faulting_server, "/v1/completions", {**body, "prompt": p}),
+                              [f"The {POISON} runs", "The quick brown fox", "A slow red fox"])
+    assert bad.status_code == 500
+    error = bad.json()["error"]
+    assert error["code"] == "request_failed" and "injected rendering fault" in error["message"]
+    assert all(r.status_code == 200 for r in good)
+    assert faulting_server.engine.healthy
+    assert post(faulting_server, "/v1/completions", body).status_code == 200  # it goes on serving

@@ -147,6 +147,10 @@ class Job:
         """The error a final event stands for (engine failure, abort), or None for a normal finish."""
         if out.finish_reason is FinishReason.ERROR:
             log.error("request %s failed in the engine: %s", self.request_id, out.error)
+            if out.error is not None and out.error.startswith(f"request {self.request_id} failed"):
+                # a fault of this request's own (its sampling, its grammar, its draft): the
+                # engine went on, and the message says what of the request broke
+                return APIError(500, out.error, SERVER_ERROR, None, "request_failed")
             return APIError(500, "the engine failed while generating this request; the server log has the details",
                             SERVER_ERROR, None, "engine_error")
         if out.finish_reason is FinishReason.ABORT:

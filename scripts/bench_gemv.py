@@ -124,9 +124,9 @@ def precompile(pool: multiprocessing.pool.Pool, jobs: set[tuple[int, str, tuple,
     print(f"compiled {len(jobs)} kernel variants in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def search_space(n: int, k: int, m: int) -> list[GemvConfig]:
-    """Every candidate tile of m's row bucket with each of its K splits for this shape."""
-    return list(dict.fromkeys(s for c in candidate_configs(row_bucket(m)) for s in with_splits(c, n, k)))
+def search_space(n: int, k: int, m: int, kind: str) -> list[GemvConfig]:
+    """Every candidate tile of m's row bucket and the weight kind with each of its K splits for this shape."""
+    return list(dict.fromkeys(s for c in candidate_configs(row_bucket(m), kind) for s in with_splits(c, n, k)))
 
 
 def short(cfg: GemvConfig) -> str:
@@ -186,7 +186,7 @@ class Bench:
                     [lambda w=w, ws_=wsp: triton_linear(x, w, s, lin_cfg, ws_) for w, wsp in zip(ws, workspaces)],
                     self.args.replays)
                 default = default_config(n, k, row_bucket(m), dtype)
-                space = [default] if self.over_budget() else list(dict.fromkeys(search_space(n, k, m) + [default]))
+                space = [default] if self.over_budget() else list(dict.fromkeys(search_space(n, k, m, dtype) + [default]))
                 plain = self.search(x, ws, s, space, unfused_reference(x, dense, {}), {})
                 fused = self.search(xf, ws, s, space, unfused_reference(xf, dense, extra), extra)
                 if not plain or not fused:
@@ -257,7 +257,7 @@ def main() -> None:
     for _, name, n, k in shapes:
         for m in args.rows:
             for dtype in args.dtypes:
-                for cfg in search_space(n, k, m) + [default_config(n, k, row_bucket(m), dtype)]:
+                for cfg in search_space(n, k, m, dtype) + [default_config(n, k, row_bucket(m), dtype)]:
                     fields = tuple(asdict(cfg).items())
                     jobs.add((row_bucket(m), dtype, fields, (), 1024))
                     jobs.add((row_bucket(m), dtype, fields, FUSION[name], k if "norm" in FUSION[name] else 1024))

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from helpers.interpreted import interpreted_outputs
 from infer.models.gemv_tiles import (
-    CONFIG_TABLE, MAX_ROWS, NUM_SMS_H200, GemvConfig, candidate_configs, check_inputs, config_for,
+    CONFIG_TABLE, MAX_ROWS, NUM_SMS_H200, WEIGHT_KINDS, GemvConfig, candidate_configs, check_inputs, config_for,
     default_config, fits_registers, row_bucket, with_splits)
 from infer.models.kernels import rmsnorm, silu_mul
 from infer.models.quantization import dequantize_fp8, quantize_fp8_rows
@@ -160,8 +160,8 @@ def test_table_entries_are_searched_configs() -> None:
     """Every measured entry is a candidate tile of its row bucket with one of its shape's splits."""
     assert CONFIG_TABLE
     for (n, k, bucket, kind), cfg in CONFIG_TABLE.items():
-        assert kind in ("bf16", "fp8") and fits_registers(cfg, bucket)
-        assert any(cfg in with_splits(c, n, k) for c in candidate_configs(bucket)), (n, k, bucket, kind, cfg)
+        assert kind in WEIGHT_KINDS and fits_registers(cfg, bucket)
+        assert any(cfg in with_splits(c, n, k) for c in candidate_configs(bucket, kind)), (n, k, bucket, kind, cfg)
         assert config_for(n, k, bucket, kind) == cfg
 
 

@@ -83,13 +83,21 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
 }
 
 
-def candidate_configs(bucket: int) -> list[GemvConfig]:
-    """The tiles the benchmark searches for a row bucket (`with_splits` adds the K splits
-    per shape)."""
+# Integer weights also try tiles one group of 128 columns deep (one scale and offset a row a
+# step: no broadcast of group values across the tile), taller to keep the bytes a step up.
+_INT_CANDIDATES: tuple[tuple[int, int, bool, int, int], ...] = (
+    (16, 128, False, 4, 1), (32, 128, False, 4, 1), (64, 128, False, 4, 1), (32, 128, False, 4, 3),
+    (64, 128, False, 8, 3), (128, 128, False, 8, 1), (32, 64, False, 4, 3))
+
+
+def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
+    """The tiles the benchmark searches for a row bucket and weight kind (`with_splits` adds
+    the K splits per shape)."""
     if bucket not in _CANDIDATES:
         raise ValueError(f"row bucket must be one of {sorted(_CANDIDATES)}, got {bucket}")
+    tiles = _CANDIDATES[bucket] + (_INT_CANDIDATES if kind in ("int4", "int8") and bucket <= 2 else ())
     return [GemvConfig(block_n=bn, block_k=bk, dot=dot, num_warps=warps, num_stages=stages)
-            for bn, bk, dot, warps, stages in _CANDIDATES[bucket]]
+            for bn, bk, dot, warps, stages in tiles]
 
 
 def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
@@ -111,11 +119,13 @@ def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     """A configuration from the shape alone, after what measured best on an H200 for the
     Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
     weights, one row) rows of W by 512 K values, pipelined three deep, unsplit (a split's
-    second launch costs more than it gains); more rows take dot tiles of 32 x 128, K split
-    until there are about three programs a multiprocessor (2.5). (The integer kinds'
-    defaults follow FP8's, unmeasured.)"""
+    second launch costs more than it gains); integer codes at one or two rows narrow tiles
+    of 4 rows by 512 unpipelined; more rows take dot tiles of 32 x 128, K split until there
+    are about three programs a multiprocessor (2.5)."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"weight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
+    if bucket <= 2 and kind in ("int4", "int8"):  # narrow and deep, loads straight to registers
+        return GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1)
     if bucket <= 2:
         narrow = kind != "bf16" and bucket == 1
         return GemvConfig(block_n=16 if narrow else 8, block_k=512, num_warps=4, num_stages=3)
@@ -174,9 +184,18 @@ _MEASURED: dict[tuple[int, int, str], tuple[tuple[int, int, int, bool, int, int]
     (128256, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
 }
+# integer codes, one row (the other buckets: `default_config`)
+_MEASURED_INT: dict[tuple[int, int, str], tuple[int, int, int, bool, int, int]] = {
+    (5120, 3072, "int4"): (4, 1024, 1, False, 4, 1),  # 3B qkv
+    (3072, 3072, "int4"): (4, 1024, 1, False, 4, 1),  # 3B o
+    (16384, 3072, "int4"): (4, 512, 1, False, 4, 3),  # 3B gate_up
+    (3072, 8192, "int4"): (4, 512, 1, False, 4, 1),  # 3B down
+    (128256, 3072, "int4"): (4, 512, 1, False, 4, 3),  # 3B lm_head (an 8-bit head is int8)
+}
 CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {
-    (n, k, bucket, kind): GemvConfig(*cfg) for (n, k, kind), cfgs in _MEASURED.items()
-    for bucket, cfg in zip(ROW_BUCKETS, cfgs)}
+    **{(n, k, bucket, kind): GemvConfig(*cfg) for (n, k, kind), cfgs in _MEASURED.items()
+       for bucket, cfg in zip(ROW_BUCKETS, cfgs)},
+    **{(n, k, 1, kind): GemvConfig(*cfg) for (n, k, kind), cfg in _MEASURED_INT.items()}}
 
 
 def config_for(n: int, k: int, m: int, kind: str) -> GemvConfig:

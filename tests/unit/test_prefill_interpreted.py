@@ -126,19 +126,18 @@ def test_two_chunks_together_are_the_whole_prompt(interpreted: dict[str, torch.T
 
 def test_inputs_it_cannot_serve_are_refused_with_the_fix() -> None:
     pytest.importorskip("triton")
-    from infer.models.triton_prefill import check_inputs
+    from infer.models.triton_prefill import check_caches
     x = case_inputs("prefix-hit")
-    args = (x["q"], x["k"], x["v"], x["rows"], x["q_pos"], x["ctx_end"])
-    check_inputs(*args)
+    q = x["q"].reshape(-1, *x["q"].shape[2:])  # [N, Hq, D]
+    check_caches(q, x["k"], x["v"])
     with pytest.raises(ValueError, match="multiple of the cache's KV heads"):
-        check_inputs(x["q"][:, :, :3], *args[1:])
+        check_caches(q[:, :3], x["k"], x["v"])
     with pytest.raises(ValueError, match="gather \\+ SDPA"):
-        big = torch.zeros(1, 30, 4, 320)
-        check_inputs(big, torch.zeros(8, 2, 320), torch.zeros(8, 2, 320), *args[3:])
-    with pytest.raises(ValueError, match="q_pos \\[B, T\\]"):
-        check_inputs(*args[:4], x["q_pos"][:, :5], x["ctx_end"])
+        check_caches(torch.zeros(30, 4, 320), torch.zeros(8, 2, 320), torch.zeros(8, 2, 320))
+    with pytest.raises(ValueError, match="q \\[N, Hq, D\\]"):
+        check_caches(x["q"], x["k"], x["v"])
     with pytest.raises(ValueError, match="contiguous"):
-        check_inputs(x["q"], x["k"].transpose(0, 2).contiguous().transpose(0, 2), *args[2:])
+        check_caches(q, x["k"].transpose(0, 2).contiguous().transpose(0, 2), x["v"])
 
 
 def test_the_view_keeps_gather_and_sdpa_off_cuda() -> None:

@@ -40,40 +40,41 @@ MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
 MIN_COUNTERS = 1 << 18  # arrival counters allocated at first use, so that a capture rarely allocates
 
 
-@triton.jit(do_not_specialize=["T", "s_rb", "s_bb", "s_bt", "FIRST_ROW", "WIDTH"])
-def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, ARRIVED, OUT, scale,
-                     s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_bb, s_bt, FIRST_ROW, WIDTH, s_ob, s_ot, s_oh,
-                     T, HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=["s_bt", "BS", "WIDTH"])
+def _split_attention(Q, K, V, TOKENS, TOKEN_ROW, POS, SEQ_LEN, BT, BITS, BASE, M_OUT, L_OUT, A_OUT, ARRIVED, OUT,
+                     scale, s_qn, s_qh, s_kr, s_kh, s_bt, BS, WIDTH, s_on, s_oh,
+                     HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
                      GROUP: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     IEEE: tl.constexpr, HAS_BLOCK: tl.constexpr):
-    b = tl.program_id(0)
+                     IEEE: tl.constexpr, HAS_TOKENS: tl.constexpr, HAS_TREE: tl.constexpr):
+    j = tl.program_id(0)  # this launch's j-th token: TOKENS[j], or token j
     kv_head = tl.program_id(1)
-    t = tl.program_id(2) // SPLITS
-    split = tl.program_id(2) % SPLITS
-    q_pos = tl.load(QPOS + b * T + t)
-    end = tl.minimum(q_pos + 1, tl.load(CTX_END + b))
+    split = tl.program_id(2)
+    i = tl.load(TOKENS + j).to(tl.int64) if HAS_TOKENS else j.to(tl.int64)
+    row = tl.load(TOKEN_ROW + i).to(tl.int64)
+    q_pos = tl.load(POS + i)
+    end = tl.minimum(q_pos + 1, tl.load(SEQ_LEN + row))
     lo = split * CHUNK
     hi = tl.minimum(lo + CHUNK, end)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     heads = kv_head * GROUP + g
-    q = tl.load(Q + b * s_qb + t * s_qt + heads[:, None] * s_qh + d[None, :],
-                mask=(g < GROUP)[:, None], other=0.0)  # [G_PAD, D]
+    q = tl.load(Q + i * s_qn + heads[:, None] * s_qh + d[None, :], mask=(g < GROUP)[:, None], other=0.0)  # [G_PAD, D]
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    if HAS_BLOCK:
-        bits = tl.load(BITS + b * s_bb + t * s_bt)  # int64: the block keys query t sees
-        base = tl.load(QPOS + b * T) - FIRST_ROW  # the block's first position in this row
+    if HAS_TREE:
+        bits = tl.load(BITS + i)  # int64: the block keys this token sees
+        base = tl.load(BASE + i)  # the first position of its tree block
     for start in range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         valid = offs < hi
-        if HAS_BLOCK:
+        if HAS_TREE:
             rel = offs - base
             inside = (rel >= 0) & (rel < WIDTH)
             seen = ((bits >> tl.where(inside, rel, 0).to(tl.int64)) & 1) != 0
             valid = valid & (seen | ~inside)
-        rows = tl.load(ROWS + b * s_rb + offs, mask=valid, other=0).to(tl.int64)
+        block = tl.load(BT + row * s_bt + offs // BS, mask=valid, other=0).to(tl.int64)
+        rows = block * BS + offs % BS
         k = tl.load(K + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + rows[:, None] * s_kr + kv_head * s_kh + d[None, :], mask=valid[:, None], other=0.0)
         if IEEE:  # float32 caches: exact float32 products, not tf32
@@ -95,42 +96,42 @@ def _split_attention(Q, K, V, ROWS, QPOS, CTX_END, BITS, M_OUT, L_OUT, A_OUT, AR
     keep = g < GROUP
     if SPLITS == 1:  # the whole context in this program: normalise and store
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(OUT + b * s_ob + t * s_ot + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(OUT + i * s_on + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=keep[:, None])
     else:
-        _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, b, t, kv_head, split, heads, g, d, keep,
-                          s_ob, s_ot, s_oh, T, HQ, HKV, SPLITS, G_PAD, D)
+        _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, j, i, kv_head, split, heads, g, d, keep,
+                          s_on, s_oh, HQ, HKV, SPLITS, G_PAD, D)
 
 
 @triton.jit
-def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, b, t, kv_head, split, heads, g, d, keep,
-                      s_ob, s_ot, s_oh, T, HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr,
+def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, j, i, kv_head, split, heads, g, d, keep,
+                      s_on, s_oh, HQ: tl.constexpr, HKV: tl.constexpr, SPLITS: tl.constexpr,
                       G_PAD: tl.constexpr, D: tl.constexpr):
-    # partials of (b, t, head, split): an empty chunk leaves m = -inf, l = 0
-    cell = ((b * T + t) * HQ + heads) * SPLITS + split  # [G_PAD]
+    # partials of (launch token j, head, split): an empty chunk leaves m = -inf, l = 0
+    cell = (j * HQ + heads) * SPLITS + split  # [G_PAD]
     tl.store(M_OUT + cell, m_i, mask=keep)
     tl.store(L_OUT + cell, l_i, mask=keep)
     tl.store(A_OUT + cell[:, None] * D + d[None, :], acc, mask=keep[:, None])
-    # the last program of (b, kv_head, t) to arrive combines every chunk's partials: the
-    # release orders this program's stores before its arrival, the acquire the others' before
-    # the loads below (which bypass L1: `.cg`)
+    # the last program of (j, kv_head) to arrive combines every chunk's partials: the release
+    # orders this program's stores before its arrival, the acquire the others' before the
+    # loads below (which bypass L1: `.cg`)
     tl.debug_barrier()
-    counter = ARRIVED + (b * T + t) * HKV + kv_head
+    counter = ARRIVED + j * HKV + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
         sp = tl.arange(0, SPLITS)
-        cells = ((b * T + t) * HQ + heads)[:, None] * SPLITS + sp[None, :]  # [G_PAD, SPLITS]
+        cells = (j * HQ + heads)[:, None] * SPLITS + sp[None, :]  # [G_PAD, SPLITS]
         m = tl.load(M_OUT + cells, mask=keep[:, None], other=float("-inf"), cache_modifier=".cg")
         l = tl.load(L_OUT + cells, mask=keep[:, None], other=0.0, cache_modifier=".cg")
         m_max = tl.max(m, axis=1)  # [G_PAD]
         w = tl.where(l > 0, tl.exp(m - m_max[:, None]), 0.0)  # an empty chunk weighs nothing
         out = tl.zeros([G_PAD, D], tl.float32)
-        for j in tl.static_range(SPLITS):
-            w_j = tl.sum(tl.where(sp[None, :] == j, w, 0.0), axis=1)  # [G_PAD]
-            a_j = tl.load(A_OUT + ((b * T + t) * HQ + heads)[:, None] * (SPLITS * D) + j * D + d[None, :],
+        for c in tl.static_range(SPLITS):
+            w_c = tl.sum(tl.where(sp[None, :] == c, w, 0.0), axis=1)  # [G_PAD]
+            a_c = tl.load(A_OUT + (j * HQ + heads)[:, None] * (SPLITS * D) + c * D + d[None, :],
                           mask=keep[:, None], other=0.0, cache_modifier=".cg")  # [G_PAD, D]
-            out += a_j * w_j[:, None]
+            out += a_c * w_c[:, None]
         out = out / tl.sum(l * w, axis=1)[:, None]
-        tl.store(OUT + b * s_ob + t * s_ot + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+        tl.store(OUT + i * s_on + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
                  mask=keep[:, None])
         tl.atomic_xchg(counter, 0)  # ready for the next launch (a CUDA graph replays this one)
 
@@ -170,28 +171,60 @@ def block_bits(rows: torch.Tensor) -> torch.Tensor:
     return (rows.long() * weights).sum(-1)
 
 
+def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_rows: torch.Tensor,
+                    positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                    context_width: int, tokens: torch.Tensor | None = None,
+                    tree: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of flat queries over paged storage (module docstring).
+
+    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (one layer, this pass's keys
+    written); token_rows, positions: [N] (each token's batch row and storage position);
+    seq_lens: [B]; block_tables: [B, max_blocks] (key j of row b in storage row
+    block_tables[b, j // block_size] * block_size + j % block_size); context_width: a bound
+    on seq_lens (the split plan); tokens: [Nd] the tokens to compute (None: all N);
+    tree: (bits [N] int64, base [N] int64, width) a tree's rule. Writes the computed tokens'
+    rows of `out` ([N, Hq, D], made when None) and returns it."""
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    nd = n if tokens is None else tokens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if nd == 0:
+        return out
+    chunk, splits = split_plan(context_width, nd * hkv)
+    m = torch.empty((nd, hq, splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    a = torch.empty((nd, hq, splits, d), dtype=torch.float32, device=q.device)
+    bits, base, width = tree if tree is not None else (positions, positions, 0)  # (unread without a tree)
+    _split_attention[(nd, hkv, splits)](
+        q, k_cache, v_cache, positions if tokens is None else tokens, token_rows, positions, seq_lens, block_tables,
+        bits, base, m, l, a, arrival_counters(q.device, nd * hkv), out, d ** -0.5,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), block_size, width,
+        out.stride(0), out.stride(1),
+        HQ=hq, HKV=hkv, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        D=d, BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, HAS_TOKENS=tokens is not None,
+        HAS_TREE=tree is not None, num_warps=4)
+    return out
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
                            block: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
-    """q: [B, T, Hq, D]; k_cache, v_cache: [rows, Hkv, D] (one layer); gather_rows: [B, S];
-    q_pos: [B, T]; ctx_end: [B] -> [B, T, Hq, D]. `block`: a tree's rule as (`block_bits`
-    [T] or [B, T], the block's first row as in `BlockMask`, its width W)."""
+    """`split_attention` over padded rows: q [B, T, Hq, D]; gather_rows [B, S] (the storage
+    row of every context position: block tables of one-position blocks); q_pos [B, T];
+    ctx_end [B] -> [B, T, Hq, D]. `block`: a tree's rule as (`block_bits` [T] or [B, T], the
+    block's first row within the chunk's block, its width W)."""
     b, t, hq, d = q.shape
-    hkv = k_cache.shape[1]
-    group = hq // hkv
-    q = q.contiguous()
-    q_pos, ctx_end = q_pos.contiguous(), ctx_end.contiguous()
-    chunk, splits = split_plan(gather_rows.shape[1], b * hkv * t)
-    m = torch.empty((b, t, hq, splits), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    a = torch.empty((b, t, hq, splits, d), dtype=torch.float32, device=q.device)
-    bits, first_row, width = block if block is not None else (ctx_end, 0, 0)  # (bits unread without a block)
-    s_bb, s_bt = (0, bits.stride(0)) if bits.dim() == 1 else (bits.stride(0), bits.stride(1))
-    out = torch.empty_like(q)
-    _split_attention[(b, hkv, t * splits)](
-        q, k_cache, v_cache, gather_rows, q_pos, ctx_end, bits, m, l, a, arrival_counters(q.device, b * t * hkv), out,
-        d ** -0.5, q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), gather_rows.stride(0),
-        s_bb, s_bt, first_row, width, out.stride(0), out.stride(1), out.stride(2),
-        T=t, HQ=hq, HKV=hkv, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-        D=d, BLOCK_N=min(64, chunk), IEEE=q.dtype == torch.float32, HAS_BLOCK=block is not None, num_warps=4)
-    return out
+    device = q.device
+    rows = torch.arange(b, device=device).repeat_interleave(t)  # [B * T]
+    positions = q_pos.reshape(-1).contiguous()
+    tree = None
+    if block is not None:
+        bits, first_row, width = block
+        base = (q_pos[:, :1] - first_row).expand(b, t).reshape(-1).contiguous()
+        tree = (bits.expand(b, t).reshape(-1).contiguous(), base, width)
+    flat = split_attention(q.reshape(b * t, hq, d).contiguous(), k_cache, v_cache, rows, positions,
+                           ctx_end.contiguous(), gather_rows, 1, gather_rows.shape[1], tree=tree)
+    return flat.view(b, t, hq, d)

@@ -23,6 +23,8 @@ head_dim need not be a power of two: the kernel pads it to one (>= 16) with mask
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -32,12 +34,13 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale, s_kr,
+def _tile(acc, m_i, l_i, q, K, V, BT, table, BS, kv_off, start, hi, qp, qk_scale, s_kr,
           d, d_ok, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE: tl.constexpr):
     """One key tile [start, start + BLOCK_N) folded into the running (acc, m_i, l_i)."""
     offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N] context positions
     valid = offs < hi
-    rows = tl.load(ROWS + row_base + offs, mask=valid, other=0).to(tl.int64)
+    block = tl.load(BT + table + offs // BS, mask=valid, other=0).to(tl.int64)
+    rows = block * BS + offs % BS
     kv_mask = valid[:, None] & d_ok[None, :]
     ptr = rows[:, None] * s_kr + kv_off + d[None, :]  # [BLOCK_N, D_PAD]
     k = tl.load(K + ptr, mask=kv_mask, other=0.0).to(q.dtype)
@@ -60,40 +63,40 @@ def _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scal
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["T", "S"])
-def _prefill_attention(Q, K, V, ROWS, QPOS, CTX_END, OUT, qk_scale,
-                       s_qb, s_qt, s_qh, s_kr, s_kh, s_rb, s_pb, s_ob, s_ot, s_oh,
-                       T, S, GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+@triton.jit(do_not_specialize=["s_bt", "BS"])
+def _prefill_attention(Q, K, V, TILE_TOKEN, TILE_END, TOKEN_ROW, POS, SEQ_LEN, BT, OUT, qk_scale,
+                       s_qn, s_qh, s_kr, s_kh, s_bt, BS, s_on, s_oh, GROUP: tl.constexpr, D: tl.constexpr,
+                       D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     head = tl.program_id(0)
-    block = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest (last) query blocks first
-    b = tl.program_id(2)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # the last (longest-context) tiles first
+    first = tl.load(TILE_TOKEN + tile).to(tl.int64)
+    row = tl.load(TOKEN_ROW + first).to(tl.int64)
     kv_head = head // GROUP
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query columns
-    m_ok = offs_m < T
+    offs_m = first + tl.arange(0, BLOCK_M)  # [BLOCK_M] the tile's tokens
+    m_ok = offs_m < tl.load(TILE_END + tile)
     d = tl.arange(0, D_PAD)
     d_ok = d < D
-    qp = tl.load(QPOS + b * s_pb + offs_m, mask=m_ok, other=0)  # [BLOCK_M] query positions
-    ctx_end = tl.load(CTX_END + b)
-    q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + head * s_qh + d[None, :],
+    qp = tl.load(POS + offs_m, mask=m_ok, other=0)  # [BLOCK_M] query positions
+    seq_len = tl.load(SEQ_LEN + row)
+    q = tl.load(Q + offs_m[:, None] * s_qn + head * s_qh + d[None, :],
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, D_PAD]
-    # keys < hi may be visible to some query of the block; keys < full to all of them
-    hi = tl.minimum(tl.minimum(tl.max(tl.where(m_ok, qp, 0), axis=0) + 1, ctx_end), S)
+    # keys < hi may be visible to some query of the tile; keys < full to all of them
+    hi = tl.minimum(tl.max(tl.where(m_ok, qp, 0), axis=0) + 1, seq_len)
     full = tl.minimum(tl.min(tl.where(m_ok, qp, hi), axis=0) + 1, hi)
     full = (full // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    row_base = b * s_rb
+    table = row * s_bt
     kv_off = kv_head * s_kh
     for start in range(0, full, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale,
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, BT, table, BS, kv_off, start, hi, qp, qk_scale,
                               s_kr, d, d_ok, BLOCK_N, False, IEEE)
     for start in range(full, hi, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, ROWS, row_base, kv_off, start, hi, qp, qk_scale,
+        acc, m_i, l_i = _tile(acc, m_i, l_i, q, K, V, BT, table, BS, kv_off, start, hi, qp, qk_scale,
                               s_kr, d, d_ok, BLOCK_N, True, IEEE)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (ctx_end 0: no key at all, zeros)
-    tl.store(OUT + b * s_ob + offs_m[:, None] * s_ot + head * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # (no key at all: zeros)
+    tl.store(OUT + offs_m[:, None] * s_on + head * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
 
 
@@ -112,13 +115,12 @@ def block_plan(head_dim: int, device: torch.device) -> tuple[int, int, int, int]
     return 64, 32, 4, 2
 
 
-def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather_rows: torch.Tensor,
-                 q_pos: torch.Tensor, ctx_end: torch.Tensor) -> None:
-    """ValueError naming the fix for inputs the kernel cannot serve."""
-    if q.dim() != 4 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_prefill_attention needs q [B, T, Hq, D] and caches [rows, Hkv, D] of one shape, got "
+def check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError naming the fix for queries [N, Hq, D] and caches the kernel cannot serve."""
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"prefill attention needs q [N, Hq, D] and caches [rows, Hkv, D] of one shape, got "
                          f"q {tuple(q.shape)}, k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")
-    b, t, hq, d = q.shape
+    hq, d = q.shape[1:]
     hkv = k_cache.shape[1]
     if k_cache.shape[2] != d or hq % hkv:
         raise ValueError(f"q's heads ({hq} of size {d}) must be a multiple of the cache's KV heads ({hkv} of size "
@@ -128,43 +130,68 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("the caches' head_dim must be contiguous and K and V strided alike: pass "
                          "k_cache[layer], v_cache[layer] of the pool's [layers, rows, Hkv, D] tensors")
-    if gather_rows.dim() != 2 or gather_rows.shape[0] != b or tuple(q_pos.shape) != (b, t) or \
-            tuple(ctx_end.shape) != (b,):
-        raise ValueError(f"need gather_rows [B, S], q_pos [B, T] and ctx_end [B] for q of B={b}, T={t}; got "
-                         f"{tuple(gather_rows.shape)}, {tuple(q_pos.shape)}, {tuple(ctx_end.shape)}")
-    if any(x.dtype not in (torch.int32, torch.int64) for x in (gather_rows, q_pos, ctx_end)):
-        raise ValueError("gather_rows, q_pos and ctx_end must be integer tensors (the view's ViewIndices)")
-    if len({x.device for x in (q, k_cache, v_cache, gather_rows, q_pos, ctx_end)}) != 1:
-        raise ValueError("q, the caches and the view's indices must be on one device: move the indices there")
 
 
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
-                            blocks: tuple[int, int] | None = None) -> torch.Tensor:
-    """Causal attention of a chunk over its context in row-indexed storage.
+def query_tiles(query_start: Sequence[int], rows: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
+    """The query tiles of `rows` (host): (first token, end token of its row) per tile of at
+    most block_m consecutive tokens of one row."""
+    first, end = [], []
+    for b in rows:
+        lo, hi = query_start[b], query_start[b + 1]
+        for t in range(lo, hi, block_m):
+            first.append(t)
+            end.append(min(t + block_m, hi))
+    return first, end
 
-    q: [B, T, Hq, D] (rotated); k_cache, v_cache: [rows, Hkv, D] (one layer, this chunk's K/V
-    already written); gather_rows: [B, S] storage row of each context position; q_pos: [B, T]
-    absolute position of each query; ctx_end: [B] context length after the chunk.
-    -> [B, T, Hq, D] in q's dtype. `blocks`: (BLOCK_M, BLOCK_N) instead of `block_plan`'s
-    (powers of two >= 16; tests use small ones to cross tile edges on tiny shapes)."""
-    check_inputs(q, k_cache, v_cache, gather_rows, q_pos, ctx_end)
-    b, t, hq, d = q.shape
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_rows: torch.Tensor,
+                      positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+                      query_start: Sequence[int], rows: Sequence[int], out: torch.Tensor | None = None,
+                      blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """Causal attention of the tokens of batch rows `rows` (their chunks) over their context.
+
+    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (one layer, this pass's K/V
+    written); token_rows, positions: [N]; seq_lens: [B]; block_tables: [B, max_blocks];
+    query_start: the host's [B + 1] row offsets. Writes those rows' tokens of `out` ([N, Hq,
+    D], made when None) and returns it. `blocks`: (BLOCK_M, BLOCK_N) instead of
+    `block_plan`'s (powers of two >= 16; tests use small ones to cross tile edges)."""
+    check_caches(q, k_cache, v_cache)
+    n, hq, d = q.shape
     block_m, block_n, warps, stages = block_plan(d, q.device)
     if blocks is not None:
         block_m, block_n = blocks
         if min(blocks) < 16 or any(x & (x - 1) for x in blocks):
             raise ValueError(f"blocks must be powers of two >= 16, got {blocks}")
-    q_pos, ctx_end = q_pos.contiguous(), ctx_end.contiguous()
-    rows = gather_rows if gather_rows.stride(1) == 1 else gather_rows.contiguous()
-    out = torch.empty_like(q)
-    if q.stride(3) != 1:
+    if out is None:
+        out = torch.empty_like(q)
+    first, end = query_tiles(query_start, rows, block_m)
+    if not first:
+        return out
+    tiles = torch.tensor([first, end], dtype=torch.long).to(q.device, non_blocking=True)  # [2, tiles]
+    if q.stride(2) != 1:
         q = q.contiguous()
-    grid = (hq, triton.cdiv(t, block_m), b)
-    _prefill_attention[grid](
-        q, k_cache, v_cache, rows, q_pos, ctx_end, out, d ** -0.5 * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), rows.stride(0),
-        q_pos.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        T=t, S=rows.shape[1], GROUP=hq // k_cache.shape[1], D=d, D_PAD=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    _prefill_attention[(hq, len(first))](
+        q, k_cache, v_cache, tiles[0], tiles[1], token_rows, positions, seq_lens, block_tables, out,
+        d ** -0.5 * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        block_size, out.stride(0), out.stride(1), GROUP=hq // k_cache.shape[1], D=d,
+        D_PAD=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        num_warps=warps, num_stages=stages)
     return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
+                            blocks: tuple[int, int] | None = None) -> torch.Tensor:
+    """`prefill_attention` over padded rows: q [B, T, Hq, D]; gather_rows [B, S] (the storage
+    row of every context position: block tables of one-position blocks); q_pos [B, T];
+    ctx_end [B] -> [B, T, Hq, D]."""
+    if q.dim() != 4 or gather_rows.dim() != 2 or gather_rows.shape[0] != q.shape[0] or \
+            tuple(q_pos.shape) != tuple(q.shape[:2]) or tuple(ctx_end.shape) != (q.shape[0],):
+        raise ValueError(f"need q [B, T, Hq, D], gather_rows [B, S], q_pos [B, T] and ctx_end [B]; got "
+                         f"{tuple(q.shape)}, {tuple(gather_rows.shape)}, {tuple(q_pos.shape)}, {tuple(ctx_end.shape)}")
+    b, t, hq, d = q.shape
+    rows = torch.arange(b, device=q.device).repeat_interleave(t)
+    flat = prefill_attention(q.reshape(b * t, hq, d), k_cache, v_cache, rows, q_pos.reshape(-1).contiguous(),
+                             ctx_end.contiguous(), gather_rows.contiguous(), 1, [i * t for i in range(b + 1)],
+                             range(b), blocks=blocks)
+    return flat.view(b, t, hq, d)

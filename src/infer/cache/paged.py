@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from infer.cache.allocator import BlockAllocator
+from infer.cache.block_tables import BlockTables
 from infer.cache.prefix import PrefixTree
 from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
@@ -67,6 +68,7 @@ class PagedKVCachePool(RowPool):
                  config.num_key_value_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
+        self.tables = BlockTables(max_batch_size, self._blocks_for(max_seq_len), device)  # every slot's, on the device
         self._allocator = BlockAllocator(self.num_blocks)
         self._tree = PrefixTree(block_size)
         self._tables: dict[int, list[int]] = {}  # slot -> block ids, position order
@@ -102,6 +104,7 @@ class PagedKVCachePool(RowPool):
         assert fresh is not None, "block accounting is wrong: counted blocks were not there"
         slot = self._free_slots.pop()
         self._tables[slot], self._shared[slot], self._lens[slot] = matched + fresh, len(matched), cached
+        self.tables.set(slot, 0, self._tables[slot])
         self._rows[slot] = torch.empty(len(self._tables[slot]) * self.block_size, dtype=torch.long)
         self._rows_valid[slot] = 0
         if prefix_token_ids is not None and self.enable_prefix_caching:
@@ -167,6 +170,7 @@ class PagedKVCachePool(RowPool):
         fresh = self._take(need)
         if fresh is None:
             return False
+        self.tables.set(slot, len(table), fresh)
         table.extend(fresh)
         return True
 
@@ -195,6 +199,7 @@ class PagedKVCachePool(RowPool):
                 self._tree.acquire([existing])
                 self._allocator.release([table[i]])
                 table[i] = existing
+                self.tables.set(slot, i, [existing])
                 self._rows_valid[slot] = min(self._rows_valid[slot], i)
             parent = table[i]
         self._shared[slot] = max(start, full)

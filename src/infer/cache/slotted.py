@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from infer.cache.block_tables import BlockTables
 from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
 from infer.models.config import ModelConfig
 
@@ -29,6 +30,11 @@ class SlottedKVCache(RowPool):
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self._lens: dict[int, int] = {}
         self._free = list(range(max_batch_size - 1, -1, -1))
+        # as block tables: one block of max_seq_len positions a slot, its own
+        self.block_size = max_seq_len
+        self.tables = BlockTables(max_batch_size, 1, device)
+        for slot in range(max_batch_size):
+            self.tables.set(slot, 0, [slot])
 
     # -- slots -------------------------------------------------------------------------
     def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:

@@ -373,6 +373,10 @@ class RowPool:
         for slot, end in zip(layout.slots, layout.ends, strict=True):
             self._lens[slot] = end
 
+    def set_length(self, slot: int, length: int) -> None:
+        """The slot holds positions < length (after a forward pass wrote them)."""
+        self._lens[slot] = length
+
     def view(self, layout: BatchLayout) -> CacheView | PackedView:
         return pool_view(self, layout)
 

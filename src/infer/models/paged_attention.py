@@ -1,0 +1,147 @@
+"""Attention over a ForwardBatch: where a pass's keys and values go, which keys each token
+sees, and which kernel computes it.
+
+`BatchView` is the `AttentionView` the model calls with a flat batch ([1, N] tokens):
+it writes each token's k and v to its KV slot (rotating q and k first: on CUDA one Triton
+kernel, `triton_rotary`) and attends, choosing per row:
+
+| rows | device | attention |
+| --- | --- | --- |
+| up to DECODE_MAX_QUERY tokens (decode, draft steps, verification, tree blocks up to MAX_TREE_BLOCK) | CUDA | split-KV kernel (`triton_attention`) |
+| longer (prompt prefill, whole or chunked), no tree | CUDA | flash prefill kernel (`triton_prefill`) |
+| any other (the CPU, no triton, an odd head size) | any | `reference_attention`: gathered keys, masked SDPA |
+
+Visibility is one rule everywhere: token i of row b sees key position j iff
+j <= positions[i] and j < seq_lens[b], and inside a tree block only its ancestors.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+
+import torch
+
+from infer.models.attention import masked_attention
+from infer.models.batch import ForwardBatch
+from infer.models.rope import rotary_qk
+from infer.transfer import tensor_on
+
+DECODE_MAX_QUERY = 128  # longer rows attend with the flash prefill kernel
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_serve(q: torch.Tensor) -> bool:
+    """Whether the Triton kernels serve these queries [N, Hq, D] (CUDA, a power-of-two
+    head_dim >= 16; the prefill kernel takes any up to 256, the split-KV one needs this)."""
+    d = q.shape[-1]
+    return q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_available()
+
+
+def write_kv(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             rotary: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor) -> torch.Tensor:
+    """Write k, v ([B, T, Hkv, D]) to their storage rows `slots` [B * T] of one layer's
+    caches, rotating q and k first when `rotary` (cos, sin) is given; returns q, rotated if
+    asked."""
+    if rotary is not None and q.is_cuda and triton_available():
+        from infer.models.triton_rotary import rotary_kv_write
+        return rotary_kv_write(q, k, v, rotary[0], rotary[1], kc, vc, slots)
+    if rotary is not None:
+        q, k = rotary_qk(q, k, rotary[0], rotary[1])
+    heads, dim = kc.shape[1], kc.shape[2]
+    kc.index_copy_(0, slots, k.reshape(-1, heads, dim).to(kc.dtype))
+    vc.index_copy_(0, slots, v.reshape(-1, heads, dim).to(vc.dtype))
+    return q
+
+
+def key_rows(block_tables: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """[B, width] storage rows of key positions 0 .. width - 1 of each row (positions past
+    a row's blocks read block 0: they are masked)."""
+    j = torch.arange(width, device=block_tables.device)
+    blocks = block_tables.index_select(1, (j // block_size).clamp(max=block_tables.shape[1] - 1))
+    return blocks * block_size + j % block_size
+
+
+def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
+                        rows: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The visibility rule by gathering each row's keys and masked SDPA: q [N, Hq, D] ->
+    the tokens of `rows` (default all) written into `out` [N, Hq, D]. One-token rows and
+    longer ones are padded separately, so a decode row never pads to a prompt's width."""
+    out = torch.zeros_like(q) if out is None else out
+    rows = list(range(batch.num_rows)) if rows is None else rows
+    for group in ([b for b in rows if batch.query_lens[b] == 1], [b for b in rows if batch.query_lens[b] > 1]):
+        if group:
+            _attend_group(q, kc, vc, batch, group, out)
+    return out
+
+
+def _attend_group(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch, group: list[int],
+                  out: torch.Tensor) -> None:
+    device = q.device
+    width = max(batch.query_lens[b] for b in group)
+    picked = tensor_on(group, device, torch.long)  # [R]
+    first = batch.query_start.index_select(0, picked)  # [R]
+    cols = torch.arange(width, device=device)
+    lens = tensor_on([batch.query_lens[b] for b in group], device, torch.long)  # [R]
+    valid = cols[None, :] < lens[:, None]  # [R, T]
+    tokens = torch.where(valid, first[:, None] + cols[None, :], 0)  # [R, T]
+    s = batch.context_width
+    keys = key_rows(batch.block_tables.index_select(0, picked), batch.block_size, s)  # [R, S]
+    j = torch.arange(s, device=device)
+    pos = batch.positions[tokens]  # [R, T]
+    mask = (j <= pos[:, :, None]) & (j < batch.seq_lens.index_select(0, picked)[:, None, None])  # [R, T, S]
+    if batch.tree is not None:
+        rel = j - batch.tree.base[tokens][:, :, None]  # [R, T, S]
+        inside = (rel >= 0) & (rel < batch.tree.width)
+        seen = ((batch.tree.bits[tokens][:, :, None] >> rel.clamp(min=0, max=62)) & 1).bool()
+        mask &= seen | ~inside
+    mask |= ~valid[:, :, None] & (j == 0)  # (a padding query sees key 0: finite, dropped)
+    y = masked_attention(q[tokens], kc[keys].to(q.dtype), vc[keys].to(q.dtype), mask)  # [R, T, Hq, D]
+    out[tokens[valid]] = y[valid]
+
+
+class BatchView:
+    """The AttentionView of one forward pass over a ForwardBatch and a pool's caches
+    (module docstring): q, k, v arrive as [1, N, H, D]."""
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
+        self.batch = batch
+        lens = batch.query_lens
+        self.short = [b for b, n in enumerate(lens) if n <= DECODE_MAX_QUERY]  # the split-KV kernel's rows
+        self.long = [b for b, n in enumerate(lens) if n > DECODE_MAX_QUERY]  # the prefill kernel's
+        self.query_start = [0, *itertools.accumulate(lens)]  # host [B + 1]
+        self.short_tokens: torch.Tensor | None = None  # the split-KV kernel's tokens (None: every token)
+        if self.long and self.short:
+            picked = [t for b in self.short for t in range(self.query_start[b], self.query_start[b + 1])]
+            self.short_tokens = tensor_on(picked, batch.token_ids.device, torch.long)
+        # (a tree's rule is the split-KV kernel's: a batch with a tree and long rows takes the reference)
+        self.kernels_fit = batch.tree is None or not self.long
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        kc, vc = self.k_cache[layer], self.v_cache[layer]  # [rows, Hkv, D]
+        q = write_kv(kc, vc, q, k, v, rotary, self.batch.slots)  # [1, N, Hq, D]
+        return self.attend_written(q[0], kc, vc)[None]
+
+    def attend_written(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Attention of q [N, Hq, D] (rotated) over each row's keys, this pass's already in kc, vc."""
+        batch = self.batch
+        if not (kernels_serve(q) and self.kernels_fit):
+            return reference_attention(q, kc, vc, batch)
+        from infer.models.triton_attention import split_attention
+        from infer.models.triton_prefill import prefill_attention
+        out = torch.empty_like(q)
+        tree = None if batch.tree is None else (batch.tree.bits, batch.tree.base, batch.tree.width)
+        if self.short:
+            split_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
+                            batch.block_size, batch.context_width, self.short_tokens, tree, out)
+        if self.long:
+            prefill_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
+                              batch.block_size, self.query_start, self.long, out)
+        return out

@@ -1,0 +1,63 @@
+"""The attention kernels over a flat batch (Triton's interpreter on the CPU; skipped without
+triton) against `reference_attention`: a paged pool of 4-position blocks, a batch of a
+prefill chunk after cached context (the prefill kernel, tiles crossing rows' edges), decode
+rows and a verification block (the split-KV kernel over its tokens alone), and a tree block
+with its ancestor rule."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.interpreted import interpreted_outputs
+from infer.cache.block_tables import BlockTables
+from infer.cache.forward_batch import Row, RowTree, build_batch
+from infer.models.paged_attention import reference_attention
+
+HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 16, 4, 40
+ROWS = BLOCK * BLOCKS + 1
+
+
+def _case(tree: bool):
+    g = torch.Generator().manual_seed(5 if tree else 4)
+    tables = BlockTables(4, 16, "cpu")
+    order = torch.randperm(BLOCKS, generator=g).tolist()  # blocks scattered over the pool
+    for slot in range(4):
+        tables.set(slot, 0, order[slot * 10:(slot + 1) * 10])
+    if tree:  # g and 4 nodes: 1, 2 children of g, 3 of 1, 4 of 2
+        rule = RowTree([0b00001, 0b00011, 0b00101, 0b01011, 0b10101], [0, 1, 1, 2, 2], 0, 5)
+        rows = [Row(0, 17, [1] * 5, logits=5, tree=rule), Row(1, 3, [2])]
+    else:
+        rows = [Row(0, 9, [1] * 21), Row(1, 30, [2]), Row(2, 12, [3] * 4, logits=4), Row(3, 0, [4] * 18)]
+    batch = build_batch(rows, tables, BLOCK, ROWS - 1, "cpu")
+    n = batch.num_tokens
+    return batch, torch.randn(n, HQ, D, generator=g), torch.randn(ROWS, HKV, D, generator=g), \
+        torch.randn(ROWS, HKV, D, generator=g)
+
+
+def run_interpreted_cases() -> dict[str, torch.Tensor]:
+    from infer.models.triton_attention import split_attention
+    from infer.models.triton_prefill import prefill_attention
+    out = {}
+    batch, q, k, v = _case(tree=False)
+    short, long = [1, 2], [0, 3]
+    starts = batch.query_start.tolist()
+    tokens = torch.tensor([t for b in short for t in range(starts[b], starts[b + 1])])
+    y = torch.zeros_like(q)
+    split_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables, BLOCK,
+                    batch.context_width, tokens, out=y)
+    prefill_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables, BLOCK,
+                      starts, long, out=y, blocks=(16, 16))
+    out["mixed"] = y
+    batch, q, k, v = _case(tree=True)
+    assert batch.tree is not None
+    out["tree"] = split_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
+                                  BLOCK, batch.context_width, tree=(batch.tree.bits, batch.tree.base,
+                                                                     batch.tree.width))
+    return out
+
+
+def test_the_kernels_match_the_reference_over_a_flat_batch():
+    got = interpreted_outputs("test_flat_attention_interpreted")
+    for name, tree in (("mixed", False), ("tree", True)):
+        batch, q, k, v = _case(tree)
+        torch.testing.assert_close(got[name], reference_attention(q, k, v, batch), rtol=1e-4, atol=1e-4)

@@ -373,12 +373,15 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     runner = llm.engine.runner
     runner.speculation.policy = _SchedulePolicy([3] + [0] * 9)
     widths, inside, counted = [], [], []
-    model_forward, catch_up = runner.speculation.draft.model.forward, runner.speculation.draft.catch_up
+    draft_fns = [runner.speculation.draft.step_forward, runner.speculation.draft._eager]  # their flat passes
+    catch_up = runner.speculation.draft.catch_up
 
-    def forward(ids, *args, **kwargs):
-        if inside:
-            widths.append(ids.shape[1])
-        return model_forward(ids, *args, **kwargs)
+    def spy(fn):
+        def forward(plan, *args, **kwargs):
+            if inside:
+                widths.append(max(plan.query_lens))
+            return fn(plan, *args, **kwargs)
+        return forward
 
     def counting_catch_up(reqs):
         inside.append(1)
@@ -392,7 +395,9 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
             inside.clear()
         counted.append((len(widths) - before, max((-(-b // 3) for b in behind), default=0), len(reqs)))
 
-    runner.speculation.draft.model.forward, runner.speculation.draft.catch_up = forward, counting_catch_up
+    for f in draft_fns:
+        f.fn = spy(f.fn)
+    runner.speculation.draft.catch_up = counting_catch_up
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert widths and max(widths) <= 3 and len(widths) > 10

@@ -10,7 +10,7 @@ import torch
 
 from helpers.interpreted import interpreted_outputs
 from infer.cache.block_tables import BlockTables
-from infer.cache.forward_batch import Row, RowTree, build_batch
+from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch
 from infer.models.paged_attention import reference_attention
 
 HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 16, 4, 40
@@ -28,7 +28,7 @@ def _case(tree: bool):
         rows = [Row(0, 17, [1] * 5, logits=5, tree=rule), Row(1, 3, [2])]
     else:
         rows = [Row(0, 9, [1] * 21), Row(1, 30, [2]), Row(2, 12, [3] * 4, logits=4), Row(3, 0, [4] * 18)]
-    batch = build_batch(rows, tables, BLOCK, ROWS - 1, "cpu")
+    batch = build_batch(plan_batch(rows), tables, BLOCK, ROWS - 1, "cpu")
     n = batch.num_tokens
     return batch, torch.randn(n, HQ, D, generator=g), torch.randn(ROWS, HKV, D, generator=g), \
         torch.randn(ROWS, HKV, D, generator=g)
@@ -51,8 +51,8 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
     batch, q, k, v = _case(tree=True)
     assert batch.tree is not None
     out["tree"] = split_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
-                                  BLOCK, batch.context_width, tree=(batch.tree.bits, batch.tree.base,
-                                                                     batch.tree.width))
+                                  BLOCK, batch.context_width, tree=(batch.tree.bits[:, 0].contiguous(),
+                                                                     batch.tree.base, batch.tree.width))
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer.cache.factory import make_cache_pool
-from infer.cache.forward_batch import Row, RowTree, build_batch, token_slots
+from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch, token_slots
 from infer.models.attention import NoCacheView
 from infer.models.loader import load_model
 from infer.models.paged_attention import BatchView, key_rows
@@ -23,8 +23,8 @@ def model(ckpt_a):
 
 
 def pool_of(model, backend: str):
-    kw = dict(block_size=4, num_blocks=64) if backend == "paged" else {}
-    return make_cache_pool(backend, model.config, max_batch_size=4, max_seq_len=64, dtype=torch.float32,
+    kw = dict(block_size=4, num_blocks=96) if backend == "paged" else {}
+    return make_cache_pool(backend, model.config, max_batch_size=4, max_seq_len=96, dtype=torch.float32,
                            device="cpu", **kw)
 
 
@@ -33,7 +33,7 @@ def run(model, pool, rows):
     """One flat pass -> logits [M, V] of the rows' wanted tokens."""
     for r in rows:
         assert pool.ensure_capacity(r.slot, r.start + len(r.ids))
-    batch = build_batch(rows, pool.tables, pool.block_size, pool.scratch_row, "cpu")
+    batch = build_batch(plan_batch(rows), pool.tables, pool.block_size, pool.scratch_row, "cpu")
     hidden = model.hidden_states(batch.token_ids[None], batch.rope_positions[None],
                                  BatchView(pool.k_cache, pool.v_cache, batch))[0]
     for r in rows:
@@ -88,7 +88,7 @@ def test_slots_come_from_the_block_tables_and_padding_goes_to_scratch(model):
     pool = pool_of(model, "paged")
     s0, s1 = pool.allocate_slot(0), pool.allocate_slot(0)
     assert pool.ensure_capacity(s0, 9) and pool.ensure_capacity(s1, 3)
-    batch = build_batch([Row(s0, 6, [1, 2, 3]), Row(s1, 0, [4, 5])], pool.tables, pool.block_size,
+    batch = build_batch(plan_batch([Row(s0, 6, [1, 2, 3]), Row(s1, 0, [4, 5])]), pool.tables, pool.block_size,
                         pool.scratch_row, "cpu")
     expect = [int(pool.rows(s0, p, p + 1)) for p in (6, 7, 8)] + [int(pool.rows(s1, p, p + 1)) for p in (0, 1)]
     assert batch.slots.tolist() == expect
@@ -101,3 +101,21 @@ def test_slots_come_from_the_block_tables_and_padding_goes_to_scratch(model):
     keys = key_rows(batch.block_tables, pool.block_size, 9)
     assert keys[0].tolist() == [int(x) for x in pool.rows(s0, 0, 9)]
     assert np.array_equal(pool.tables.host[s0, :3], np.array(pool.block_table(s0)))
+
+
+def test_a_tree_wider_than_one_rule_word_keeps_its_rule(model):
+    # 70 block positions (two int64 words a rule): two chains under row 0, the even rows and
+    # the odd ones (row t's parent is t - 2; row 1's is 0)
+    pool = pool_of(model, "paged")
+    slot = pool.allocate_slot(0)
+    run(model, pool, [Row(slot, 0, [0, 5, 6], logits=0)])
+    ids = [7 + t % 50 for t in range(70)]
+    bits, paths = [], []
+    for t in range(70):  # block row t sees itself and its ancestors
+        seen = [0] + [c for c in range(1, t + 1) if c % 2 == t % 2] if t else [0]
+        bits.append(sum(1 << c for c in seen))
+        paths.append(seen)
+    tree = RowTree(bits, rope_offsets=[len(p) - 1 for p in paths], base_offset=0, width=70)
+    got = run(model, pool, [Row(slot, 3, ids, logits=70, tree=tree)])
+    ref = [whole(model, [0, 5, 6] + [ids[c] for c in p])[-1] for p in paths[::7]]
+    torch.testing.assert_close(got[::7], torch.stack(ref), rtol=1e-4, atol=1e-4)

@@ -17,15 +17,15 @@ import numpy as np
 import torch
 
 from infer.cache.block_tables import BlockTables
-from infer.models.batch import ForwardBatch, TreeRule
+from infer.models.batch import WORD, ForwardBatch, TreeRule, rule_words
 
 
 @dataclass(frozen=True, slots=True)
 class RowTree:
     """A row's tokens inside a tree block: the block starts `base_offset` positions from
     the row's first token (<= 0: g, or the cached part, precedes it), is `width` positions
-    wide; token t sees block key c where bit c of bits[t] is set, and is rotated at the
-    block's first position plus rope_offsets[t] (a node's depth)."""
+    wide; token t sees block key c where bit c of bits[t] is set (an int of any size), and
+    is rotated at the block's first position plus rope_offsets[t] (a node's depth)."""
 
     bits: Sequence[int]  # [n]
     rope_offsets: Sequence[int]  # [n]
@@ -50,8 +50,46 @@ class Row:
             raise ValueError(f"a tree row needs one rule per token: {len(self.tree.bits)} for {len(self.ids)}")
 
 
-def _layout(rows: Sequence[Row]) -> dict[str, np.ndarray]:
-    """The host arrays of a batch (int64 each)."""
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """A batch laid out on the host: int64 arrays by name (`ARRAYS`), and the facts kernels
+    plan with."""
+
+    arrays: dict[str, np.ndarray]
+    query_lens: tuple[int, ...]
+    tree_width: int  # 0: no tree row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.arrays["ids"].shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_logits(self) -> int:
+        return self.arrays["logits"].shape[0]
+
+    @property
+    def context_width(self) -> int:
+        return int(self.arrays["seq_lens"].max())
+
+    @property
+    def ends(self) -> list[tuple[int, int]]:
+        """(slot, context length after the pass) per row."""
+        return list(zip(self.arrays["row_slots"].tolist(), self.arrays["seq_lens"].tolist(), strict=True))
+
+
+# per token: ids, positions, rope, token_rows, bits, base; per row: row_slots, seq_lens; query_start [B + 1];
+# logits [M]
+ARRAYS = ("ids", "positions", "rope", "token_rows", "bits", "base", "row_slots", "seq_lens", "query_start", "logits")
+
+
+def plan_batch(rows: Sequence[Row]) -> BatchPlan:
+    """Lay the rows out (a few vector operations on the host)."""
+    if not rows:
+        raise ValueError("a forward batch needs at least one row")
     lens = np.array([len(r.ids) for r in rows], dtype=np.int64)  # [B]
     starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
     query_start = np.concatenate([[0], np.cumsum(lens)])  # [B + 1]
@@ -59,44 +97,60 @@ def _layout(rows: Sequence[Row]) -> dict[str, np.ndarray]:
     token_rows = np.repeat(np.arange(len(rows), dtype=np.int64), lens)  # [N]
     positions = starts[token_rows] + np.arange(n, dtype=np.int64) - query_start[token_rows]  # [N]
     rope = positions.copy()
-    trees = [b for b, r in enumerate(rows) if r.tree is not None]
-    bits = np.zeros(n, dtype=np.int64)
+    width = max((r.tree.width for r in rows if r.tree is not None), default=0)
+    words = rule_words(max(width, 1))
+    bits = np.zeros((n, words), dtype=np.int64)
     base = positions + 1  # (outside any tree: no key of the rule)
-    for b in trees:
-        tree, lo, hi = rows[b].tree, query_start[b], query_start[b + 1]
-        assert tree is not None
-        bits[lo:hi] = tree.bits
-        base[lo:hi] = starts[b] + tree.base_offset
-        rope[lo:hi] = starts[b] + tree.base_offset + np.asarray(tree.rope_offsets, dtype=np.int64)
+    for b, r in enumerate(rows):
+        if r.tree is None:
+            continue
+        lo, hi = query_start[b], query_start[b + 1]
+        bits[lo:hi] = [_words(x, words) for x in r.tree.bits]
+        base[lo:hi] = starts[b] + r.tree.base_offset
+        rope[lo:hi] = starts[b] + r.tree.base_offset + np.asarray(r.tree.rope_offsets, dtype=np.int64)
     wanted = [np.arange(query_start[b + 1] - r.logits, query_start[b + 1]) for b, r in enumerate(rows) if r.logits]
-    return {"ids": np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in rows]), "positions": positions,
-            "rope": rope, "token_rows": token_rows, "row_slots": np.array([r.slot for r in rows], dtype=np.int64),
-            "query_start": query_start, "seq_lens": starts + lens,
-            "logits": np.concatenate(wanted) if wanted else np.zeros(0, dtype=np.int64), "bits": bits, "base": base}
+    arrays = {"ids": np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in rows]), "positions": positions,
+              "rope": rope, "token_rows": token_rows, "bits": bits.reshape(-1), "base": base,
+              "row_slots": np.array([r.slot for r in rows], dtype=np.int64), "seq_lens": starts + lens,
+              "query_start": query_start, "logits": np.concatenate(wanted) if wanted else np.zeros(0, dtype=np.int64)}
+    return BatchPlan(arrays, tuple(int(x) for x in lens), width)
 
 
-def build_batch(rows: Sequence[Row], tables: BlockTables, block_size: int, scratch_row: int,
+def _words(bits: int, words: int) -> list[int]:
+    """A rule's bit set as int64 words, low bits first (two's complement past bit 62)."""
+    out = []
+    for _ in range(words):
+        word = bits & ((1 << WORD) - 1)
+        out.append(word - (1 << WORD) if word >= 1 << (WORD - 1) else word)
+        bits >>= WORD
+    return out
+
+
+def build_batch(plan: BatchPlan, tables: BlockTables, block_size: int, scratch_row: int,
                 device: torch.device | str) -> ForwardBatch:
-    """The ForwardBatch of `rows` on `device`: one host-to-device copy, the KV slots and
+    """The ForwardBatch of a plan on `device`: one host-to-device copy, the KV slots and
     block tables gathered there."""
-    if not rows:
-        raise ValueError("a forward batch needs at least one row")
-    host = _layout(rows)
-    names = list(host)
-    flat = torch.from_numpy(np.concatenate([host[k] for k in names]))
+    host = plan.arrays
+    flat = torch.from_numpy(np.concatenate([host[k] for k in ARRAYS]))
     if torch.device(device).type != "cpu":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    parts = dict(zip(names, torch.split(flat, [host[k].shape[0] for k in names]), strict=True))
-    trees = [r.tree.width for r in rows if r.tree is not None]
-    block_tables = tables.sync().index_select(0, parts["row_slots"])  # [B, max_blocks]
+    parts = dict(zip(ARRAYS, torch.split(flat, [host[k].shape[0] for k in ARRAYS]), strict=True))
+    return batch_of(parts, tables.sync(), block_size, scratch_row, plan.query_lens, plan.context_width,
+                    plan.tree_width)
+
+
+def batch_of(parts: dict[str, torch.Tensor], tables: torch.Tensor, block_size: int, scratch_row: int,
+             query_lens: tuple[int, ...], context_width: int, tree_width: int) -> ForwardBatch:
+    """A ForwardBatch over device arrays named as `ARRAYS` (the pool's block tables [slots,
+    max_blocks] on the device): its block tables and KV slots gathered from them."""
+    block_tables = tables.index_select(0, parts["row_slots"])  # [B, max_blocks]
     return ForwardBatch(
         token_ids=parts["ids"], positions=parts["positions"], rope_positions=parts["rope"],
         slots=token_slots(block_tables, parts["token_rows"], parts["positions"], block_size, scratch_row),
         token_rows=parts["token_rows"], block_tables=block_tables, query_start=parts["query_start"],
         seq_lens=parts["seq_lens"], logits_indices=parts["logits"],
-        tree=TreeRule(parts["bits"], parts["base"], max(trees)) if trees else None,
-        query_lens=tuple(len(r.ids) for r in rows), context_width=int(host["seq_lens"].max()),
-        block_size=block_size)
+        tree=TreeRule(parts["bits"].view(-1, rule_words(tree_width)), parts["base"], tree_width) if tree_width else None,
+        query_lens=query_lens, context_width=context_width, block_size=block_size)
 
 
 def token_slots(block_tables: torch.Tensor, token_rows: torch.Tensor, positions: torch.Tensor, block_size: int,

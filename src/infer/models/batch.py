@@ -8,8 +8,8 @@ positions <= its own, below its row's `seq_lens`), its rotary position (a tree n
 its depth past the block, not its storage place) and the KV slot it writes. Keys are
 read through `block_tables` (key position j of row b is in storage row
 `block_tables[b, j // block_size] * block_size + j % block_size`). A tree's rule inside
-its block (a node sees its ancestors only) is per token: an ancestor bit set and the
-block's first position (`TreeRule`).
+its block (a node sees its ancestors only) is per token: its ancestors as bit sets and
+the block's first position (`TreeRule`).
 """
 
 from __future__ import annotations
@@ -18,22 +18,29 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TREE_BLOCK = 63  # widest tree block whose rule fits an int64 bit set (bit 63 is the sign)
+WORD = 64  # tree-rule bits per int64 word
+
+
+def rule_words(width: int) -> int:
+    """int64 words a token's rule over a block of `width` positions takes."""
+    return -(-width // WORD)
 
 
 @dataclass(frozen=True, slots=True)
 class TreeRule:
     """Visibility inside tree blocks: token i sees block key base[i] + c (0 <= c < width)
-    only where bit c of bits[i] is set; keys outside [base, base + width) follow the causal
-    rule. A token outside any tree has base past every key (its own position + 1)."""
+    only where bit c % 64 of bits[i, c // 64] is set; keys outside [base, base + width)
+    follow the causal rule. A token outside any tree has base past every key (its own
+    position + 1)."""
 
-    bits: torch.Tensor  # [N] int64
+    bits: torch.Tensor  # [N, rule_words(width)] int64
     base: torch.Tensor  # [N] int64
-    width: int  # W <= MAX_TREE_BLOCK
+    width: int
 
     def __post_init__(self) -> None:
-        if not 1 <= self.width <= MAX_TREE_BLOCK:
-            raise ValueError(f"a tree block must be 1..{MAX_TREE_BLOCK} positions wide, got {self.width}")
+        if self.width < 1 or self.bits.dim() != 2 or self.bits.shape[1] != rule_words(self.width):
+            raise ValueError(f"a tree rule over {self.width} positions needs bits [N, {rule_words(self.width)}], "
+                             f"got {tuple(self.bits.shape)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,10 @@ class LlamaForCausalLM(nn.Module):
             capture.store(states)
         return out
 
+    def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
+        """The logits [M, V] of hidden states [M, H] (final normed)."""
+        return kernels.linear(self.lm_head, hidden, None)
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]

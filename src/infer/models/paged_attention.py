@@ -7,7 +7,7 @@ kernel, `triton_rotary`) and attends, choosing per row:
 
 | rows | device | attention |
 | --- | --- | --- |
-| up to DECODE_MAX_QUERY tokens (decode, draft steps, verification, tree blocks up to MAX_TREE_BLOCK) | CUDA | split-KV kernel (`triton_attention`) |
+| up to DECODE_MAX_QUERY tokens (decode, draft steps, verification, tree blocks up to 64 wide) | CUDA | split-KV kernel (`triton_attention`) |
 | longer (prompt prefill, whole or chunked), no tree | CUDA | flash prefill kernel (`triton_prefill`) |
 | any other (the CPU, no triton, an odd head size) | any | `reference_attention`: gathered keys, masked SDPA |
 
@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from infer.models.attention import masked_attention
-from infer.models.batch import ForwardBatch
+from infer.models.batch import WORD, ForwardBatch
 from infer.models.rope import rotary_qk
 from infer.transfer import tensor_on
 
@@ -98,8 +98,9 @@ def _attend_group(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Fo
     if batch.tree is not None:
         rel = j - batch.tree.base[tokens][:, :, None]  # [R, T, S]
         inside = (rel >= 0) & (rel < batch.tree.width)
-        seen = ((batch.tree.bits[tokens][:, :, None] >> rel.clamp(min=0, max=62)) & 1).bool()
-        mask &= seen | ~inside
+        rel = rel.clamp(min=0, max=batch.tree.width - 1)
+        word = batch.tree.bits[tokens].gather(2, rel // WORD)  # [R, T, S]: the word holding each key's bit
+        mask &= ((word >> (rel % WORD)) & 1).bool() | ~inside
     mask |= ~valid[:, :, None] & (j == 0)  # (a padding query sees key 0: finite, dropped)
     y = masked_attention(q[tokens], kc[keys].to(q.dtype), vc[keys].to(q.dtype), mask)  # [R, T, Hq, D]
     out[tokens[valid]] = y[valid]
@@ -120,8 +121,9 @@ class BatchView:
         if self.long and self.short:
             picked = [t for b in self.short for t in range(self.query_start[b], self.query_start[b + 1])]
             self.short_tokens = tensor_on(picked, batch.token_ids.device, torch.long)
-        # (a tree's rule is the split-KV kernel's: a batch with a tree and long rows takes the reference)
-        self.kernels_fit = batch.tree is None or not self.long
+        # (the split-KV kernel applies a tree's rule of one word; a batch with a wider tree, or a
+        # tree beside long rows, takes the reference)
+        self.kernels_fit = batch.tree is None or (not self.long and batch.tree.width <= WORD)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -137,7 +139,7 @@ class BatchView:
         from infer.models.triton_attention import split_attention
         from infer.models.triton_prefill import prefill_attention
         out = torch.empty_like(q)
-        tree = None if batch.tree is None else (batch.tree.bits, batch.tree.base, batch.tree.width)
+        tree = None if batch.tree is None else (batch.tree.bits[:, 0].contiguous(), batch.tree.base, batch.tree.width)
         if self.short:
             split_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
                             batch.block_size, batch.context_width, self.short_tokens, tree, out)

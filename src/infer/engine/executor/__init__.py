@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from infer.cache.protocol import CachePoolProtocol
+from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
+from infer.engine.executor.flat_forward import FlatForward
 from infer.engine.executor.forward import EagerForward, ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.llama import LlamaForCausalLM
@@ -11,17 +13,15 @@ __all__ = ["EagerForward", "ForwardFn", "ForwardSpec", "make_forward"]
 
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
-    """CUDA graphs of the spec's shapes when it asks for them on a CUDA device, else eager.
+    """The model's one flat forward through the pool (`batch_forward`), CUDA graphs of it by
+    token count when the spec asks for them on a CUDA device, behind the `ForwardFn` calls.
 
-    `spec.kernels` serve every step, captured or eager (a fused bundle is compiled for
+    `spec.kernels` serve every pass, captured or eager (a fused bundle is compiled for
     dynamic shapes, so a prefill chunk's rows meet the same compiled kernels).
     """
     device = next(model.parameters()).device
     if not (spec.use_cuda_graphs and device.type == "cuda"):
-        return EagerForward(model, pool, spec.kernels)
-    from infer.engine.executor.capture import capture_sizes
-    from infer.engine.executor.graphs import GraphForward
-    return GraphForward(model, pool, capture_sizes(spec.max_batch_size), spec.shapes, kernels=spec.kernels,
-                        sample_widths=spec.sample_widths, small_batch_shapes=spec.small_batch_shapes,
-                        verify_modes=spec.verify_modes, sampling_batch_max=spec.sampling_batch_max,
-                        draft_probs=spec.draft_probs)
+        return FlatForward(EagerBatchForward(model, pool, spec.kernels))
+    from infer.engine.executor.capture import capture_sizes, graph_context_width
+    return FlatForward(GraphBatchForward(model, pool, capture_sizes(spec.max_tokens), spec.max_batch_size,
+                                         graph_context_width(pool.max_seq_len), spec.kernels, trees=spec.trees))

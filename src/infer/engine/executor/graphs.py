@@ -126,16 +126,18 @@ class _Loop:
     host_parts: list[tuple[torch.Tensor, ViewIndices]] = field(default_factory=list)
 
 
-def record_graph(run: Callable[[], T], stream: torch.cuda.Stream,
-                 device: torch.device) -> tuple[torch.cuda.CUDAGraph, T]:
-    """Warm `run` up on the side stream, then capture it: (graph, run's outputs)."""
+def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.device,
+                 pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `run` up on the side stream, then capture it: (graph, run's outputs). `pool`: a
+    memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`), for graphs of
+    which only one runs at a time."""
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph, stream=stream, pool=pool):
         out = run()
     return graph, out
 

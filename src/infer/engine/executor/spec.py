@@ -44,6 +44,7 @@ class ForwardSpec:
     sampling_batch_max: the largest bucket with sampling, acceptance and draft-loop graphs.
     draft_probs: whether `draft_loop` returns the probabilities of sampled rows (False: the
         tokens only, None for the probabilities; a rank that only follows rank 0's steps).
+    tokens, trees: the graphs' largest token bucket, and whether tree graphs are captured.
     """
 
     use_cuda_graphs: bool = False
@@ -55,6 +56,8 @@ class ForwardSpec:
     verify_modes: tuple[str, ...] = ()
     sampling_batch_max: int = SMALL_BATCH_MAX
     draft_probs: bool = True
+    tokens: int | None = None  # the most tokens a graphed pass holds (None: max_batch_size x the widest shape)
+    trees: bool = False  # graphs whose attention applies tree rules too (tree speculation)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -71,6 +74,13 @@ class ForwardSpec:
         if not set(modes) <= set(VERIFY_MODES):
             raise ValueError(f"ForwardSpec.verify_modes must be among {VERIFY_MODES}, got {modes}")
         object.__setattr__(self, "verify_modes", modes)
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest token-count bucket graphs are captured for."""
+        if self.tokens is not None:
+            return self.tokens
+        return self.max_batch_size * max((w for w, _ in self.shapes), default=1)
 
     def forward_only(self) -> ForwardSpec:
         """This spec for a rank that runs only the forward part of each step (a tensor-parallel

@@ -1,0 +1,166 @@
+"""The one forward of a model through its KV pool: a step's BatchPlan in, the logits of the
+tokens it asks for out ([M, V]).
+
+`EagerBatchForward` builds the batch and runs the model. `GraphBatchForward` replays CUDA
+graphs of that same computation, one per token-count bucket (`capture.capture_sizes`): a
+bucket's graph serves any batch of at most that many tokens whose rows are all short (the
+split-KV attention kernel's: decode rows, verification blocks, tree blocks, draft steps),
+whatever mix of rows it holds, because every kernel inside reads its rows, positions and
+block tables from device memory. Inputs are staged in one pinned buffer and copied in one
+transfer; padding tokens have position -1 (they see no key and write the scratch row).
+Anything else (a prefill chunk, a bigger batch) runs eagerly through the same model.
+The KV lengths the pool keeps are set from the plan after each pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from infer.cache.forward_batch import ARRAYS, BatchPlan, batch_of, build_batch
+from infer.cache.protocol import CachePoolProtocol
+from infer.engine.executor.staging import _Staging
+from infer.models.batch import WORD, ForwardBatch
+from infer.models.kernels import EAGER, Kernels
+from infer.models.llama import LlamaForCausalLM
+from infer.models.paged_attention import DECODE_MAX_QUERY, BatchView, kernels_serve
+from infer.transfer import tensor_on
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceIds:
+    """Token ids already on the device (the previous step's, under overlapped scheduling):
+    batch tokens `at` take `ids`."""
+
+    at: tuple[int, ...]  # [k] token indices in the batch
+    ids: torch.Tensor  # [k] long, on the device
+
+
+def run_model(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
+    """Hidden states [N, D] of a batch through the pool (its K/V written)."""
+    view = BatchView(pool.k_cache, pool.v_cache, batch)
+    return model.hidden_states(batch.token_ids[None], batch.rope_positions[None], view, kernels)[0]
+
+
+def commit(pool: CachePoolProtocol, plan: BatchPlan) -> None:
+    for slot, end in plan.ends:
+        pool.set_length(slot, end)
+
+
+class EagerBatchForward:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
+        self.model, self.pool, self.kernels = model, pool, kernels
+        self.device = next(model.parameters()).device
+
+    def __call__(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        """Logits [M, V] of the plan's wanted tokens (the pool's lengths set to the plan's)."""
+        pool = self.pool
+        batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
+        if device_ids is not None:
+            batch.token_ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
+        hidden = run_model(self.model, pool, batch, self.kernels)
+        commit(pool, plan)
+        return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    staging: _Staging  # int64 [6 N + 2 B + (B + 1) + N]: the ARRAYS, padded to the bucket
+    host_parts: list[dict[str, torch.Tensor]]  # per staging host buffer: its ARRAYS views
+    ids: torch.Tensor  # [N] the device ids (device-side ids are copied in)
+    logits: torch.Tensor  # [N, V]
+
+
+class GraphBatchForward:
+    def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, buckets: Sequence[int], max_rows: int,
+                 context_width: int, kernels: Kernels = EAGER, trees: bool = False) -> None:
+        """Graphs for these token buckets (ascending), over at most max_rows rows whose
+        contexts are at most context_width long (the attention's split plan is fixed by it);
+        with `trees`, a second set whose attention applies tree rules (blocks up to WORD wide)."""
+        self.model, self.pool, self.kernels = model, pool, kernels
+        self.device = next(model.parameters()).device
+        self.eager = EagerBatchForward(model, pool, kernels)
+        self.max_rows, self.context_width = max_rows, context_width
+        self.buckets = sorted(buckets)
+        self.stream = torch.cuda.Stream(self.device)
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        # one memory pool for every graph (one replays at a time), captured largest first so
+        # the smaller ones fit in what the largest took
+        self.memory = torch.cuda.graph_pool_handle()
+        if kernels_serve_model(model):  # (else every pass runs eagerly: graphs need the kernels)
+            for n in reversed(self.buckets):
+                for tree in (False, True) if trees else (False,):
+                    self.graphs[(n, tree)] = self._capture(n, tree)
+        self.replays = 0
+
+    def serves(self, plan: BatchPlan) -> bool:
+        """Whether a graph serves the plan: few enough tokens and rows, every row short, a
+        tree only where tree graphs were captured."""
+        return (bool(self.graphs) and plan.num_tokens <= self.buckets[-1] and plan.num_rows <= self.max_rows
+                and plan.context_width <= self.context_width
+                and max(plan.query_lens) <= DECODE_MAX_QUERY and plan.tree_width <= WORD
+                and (not plan.tree_width or (self._bucket(plan.num_tokens), True) in self.graphs))
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _sizes(self, n: int) -> list[int]:
+        per = {"row_slots": self.max_rows, "seq_lens": self.max_rows, "query_start": self.max_rows + 1}
+        return [per.get(name, n) for name in ARRAYS]
+
+    @torch.inference_mode()
+    def _capture(self, n: int, tree: bool) -> _Graph:
+        from infer.engine.executor.graphs import record_graph
+        sizes = self._sizes(n)
+        device_buf = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
+        parts = dict(zip(ARRAYS, torch.split(device_buf, sizes), strict=True))
+        parts["positions"].fill_(-1)  # (capture inputs: every token padding)
+        tables = self.pool.tables.sync()
+        # (a tree graph's rule is WORD wide: keys past a smaller block are past every node's
+        # own position, so they stay unseen)
+        batch = batch_of(parts, tables, self.pool.block_size, self.pool.scratch_row, (1,) * n,
+                         self.context_width, WORD if tree else 0)
+
+        def run() -> torch.Tensor:
+            hidden = run_model(self.model, self.pool, batch, self.kernels)
+            return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
+
+        graph, logits = record_graph(run, self.stream, self.device, self.memory)
+        staging = _Staging(device_buf)
+        host_parts = [dict(zip(ARRAYS, torch.split(host, sizes), strict=True)) for host in staging.hosts]
+        return _Graph(graph, staging, host_parts, parts["ids"], logits)
+
+    def __call__(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        if not self.serves(plan):
+            return self.eager(plan, device_ids)
+        g = self.graphs[(self._bucket(plan.num_tokens), plan.tree_width > 0)]
+        g.staging.next_host()
+        stage(g.host_parts[g.staging.turn], plan)
+        g.staging.send()
+        if device_ids is not None:
+            g.ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
+        self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
+        g.graph.replay()
+        commit(self.pool, plan)
+        self.replays += 1
+        return g.logits[:plan.num_logits]
+
+
+def stage(parts: dict[str, torch.Tensor], plan: BatchPlan) -> None:
+    """Fill a staging buffer's ARRAYS with the plan's, padding the rest (padding tokens: position
+    -1, row 0; padding rows: no context; padding logits: token 0)."""
+    for name in ARRAYS:
+        src = torch.from_numpy(plan.arrays[name])
+        dst = parts[name]
+        dst[:src.shape[0]] = src
+        dst[src.shape[0]:] = -1 if name == "positions" else 0
+
+
+def kernels_serve_model(model: LlamaForCausalLM) -> bool:
+    """Whether the attention kernels serve the model's head size on its device (graphs need them)."""
+    param = next(model.parameters())
+    probe = torch.empty((1, 1, model.config.head_dim), device=param.device)
+    return kernels_serve(probe)

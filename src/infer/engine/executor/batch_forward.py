@@ -72,6 +72,7 @@ class _Graph:
     host_parts: list[dict[str, torch.Tensor]]  # per staging host buffer: its ARRAYS views
     ids: torch.Tensor  # [N] the device ids (device-side ids are copied in)
     logits: torch.Tensor  # [N, V]
+    hidden: torch.Tensor | None  # [1, N, D] the model's HiddenCapture output (an EAGLE head's target)
 
 
 class GraphBatchForward:
@@ -131,7 +132,8 @@ class GraphBatchForward:
         graph, logits = record_graph(run, self.stream, self.device, self.memory)
         staging = _Staging(device_buf)
         host_parts = [dict(zip(ARRAYS, torch.split(host, sizes), strict=True)) for host in staging.hosts]
-        return _Graph(graph, staging, host_parts, parts["ids"], logits)
+        capture = self.model.capture  # (its tensor of this graph is one of the graph's static outputs)
+        return _Graph(graph, staging, host_parts, parts["ids"], logits, None if capture is None else capture.last)
 
     def __call__(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         if not self.serves(plan):
@@ -144,6 +146,9 @@ class GraphBatchForward:
             g.ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
         g.graph.replay()
+        if g.hidden is not None:
+            assert self.model.capture is not None
+            self.model.capture.last = g.hidden[:, :plan.num_tokens]  # what the eager pass would have left
         commit(self.pool, plan)
         self.replays += 1
         return g.logits[:plan.num_logits]

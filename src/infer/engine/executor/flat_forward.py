@@ -52,7 +52,11 @@ class FlatForward:
         if on_device:  # (ids from the step before: every row's tokens, in order, are the batch's)
             valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < torch.tensor(lens, device=ids.device)[:, None]
             device_ids = DeviceIds(tuple(range(sum(lens))), ids[valid])
-        return self.fn(plan_batch(rows), device_ids)
+        logits = self.fn(plan_batch(rows), device_ids)
+        capture = self.fn.model.capture
+        if capture is not None and capture.last is not None:  # (its readers index the padded rows [B, T])
+            capture.last = self._unflatten(capture.last[0], lens, layout.width)
+        return logits
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         """ids [B, T] (CPU, or the device) -> logits [B, T, V] (all_logits; padding columns

@@ -35,8 +35,9 @@ def test_a_finish_learnt_a_step_late_costs_a_wasted_row_not_a_token(make_llm, ck
     rows = {}
     for overlap in (False, True):
         llm = make_llm(ckpt_a, max_seq_len=128, async_scheduling=overlap)
-        seen, decode = [], llm.engine.runner._decode
-        llm.engine.runner._decode = lambda requests, render: (seen.append(len(requests)), decode(requests, render))[1]
+        seen, launch = [], llm.engine.runner._launch
+        llm.engine.runner._launch = lambda prefill, decode, render: (seen.append(len(decode)), launch(prefill, decode,
+                                                                                                     render))[1]
         out = llm.generate(prompt_token_ids=prompts[:1], sampling_params=params)[0].outputs[0]
         assert out.token_ids == ref[:5] and out.finish_reason == "stop"
         rows[overlap] = sum(seen)

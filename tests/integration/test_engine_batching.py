@@ -105,10 +105,10 @@ def test_abort_mid_generation_frees_everything(make_llm, ckpt_a, reference):
     assert engine.abort(reqs[0].request_id) is None  # aborting twice is harmless
 
 
-def test_sampled_decode_through_the_forward_sampler_equals_the_general_pipeline(make_llm, ckpt_a, monkeypatch):
-    # rows that sample with a temperature alone are sampled by the forward function (inside
-    # the decode step's CUDA graph on a GPU); with that route turned off, every row goes
-    # through `logits_to_probs` and `sample_from_probs`: seeded tokens must be the same
+def test_sampled_decode_through_the_tensor_sampler_equals_the_general_pipeline(make_llm, ckpt_a, monkeypatch):
+    # rows that sample with a temperature alone take the tensor sampler (`sample_logits`, no
+    # host-side branching); with that route turned off, every row goes through
+    # `logits_to_probs` and `sample_from_probs`: seeded tokens must be the same
     import infer.engine.runner as runner_module
 
     prompts = _prompts(ckpt_a, n=6)
@@ -116,10 +116,11 @@ def test_sampled_decode_through_the_forward_sampler_equals_the_general_pipeline(
               for i, t in enumerate([0.7, 1.0, 0.0, 1.3, 1.0, 0.5])]
     fused = make_llm(ckpt_a, max_batch_size=8)
     calls = []
-    sample = fused.engine.runner.forward.sample
-    fused.engine.runner.forward.sample = lambda *a: (calls.append(len(a[1].slots)), sample(*a))[1]
+    sample = runner_module.sample_logits
+    monkeypatch.setattr(runner_module, "sample_logits", lambda *a: (calls.append(a[0].shape[0]), sample(*a))[1])
     got = [o.outputs[0].token_ids for o in fused.generate(prompt_token_ids=prompts, sampling_params=params)]
-    assert calls and max(calls) > 1  # batched sampled steps took the forward's sampler
+    assert calls and max(calls) > 1  # batched sampled steps took the tensor sampler
+    monkeypatch.undo()
     general = make_llm(ckpt_a, max_batch_size=8)
     monkeypatch.setattr(runner_module, "temperature_only", lambda params, vocab: False)
     want = [o.outputs[0].token_ids for o in general.generate(prompt_token_ids=prompts, sampling_params=params)]

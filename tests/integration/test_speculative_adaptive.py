@@ -60,17 +60,18 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
         now[0] += 1.0
         return now[0]
 
-    def verify(requests, drafts, backlog, _run=runner.verification.run):
+    def verify(*args, _run=runner.verification.verify):
         now[0] += round_s
-        return _run(requests, drafts, backlog)
+        return _run(*args)
 
     overlapped = []
 
-    def decode(requests, render, _decode=runner._decode):
-        overlapped.append(runner._inflight is not None)
-        return _decode(requests, render)
+    def launch(prefill, decode, render, _launch=runner._launch):
+        if decode:
+            overlapped.append(runner._inflight is not None)
+        return _launch(prefill, decode, render)
 
-    runner._time, runner.verification.run, runner._decode = tick, verify, decode
+    runner._time, runner.verification.verify, runner._launch = tick, verify, launch
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
 
@@ -105,8 +106,9 @@ def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a,
 def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a, prompts, plain_outputs, limit,
                                                                  speculates):
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_disable_batch_size=limit)
-    seen, decode = [], llm.engine.runner._decode
-    llm.engine.runner._decode = lambda requests, render: (seen.append(len(requests)), decode(requests, render))[1]
+    seen, launch = [], llm.engine.runner._launch
+    llm.engine.runner._launch = lambda prefill, decode, render: (seen.append(len(decode)), launch(prefill, decode,
+                                                                                                 render))[1]
     drafts = []
     propose = llm.engine.runner.speculation.proposer.propose
     llm.engine.runner.speculation.proposer.propose = \

@@ -278,8 +278,8 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
 
     runner.speculation.proposer = Nothing()
     verified = []
-    original = runner.verification.run
-    runner.verification.run = lambda *args: (verified.append(1), original(*args))[1]
+    original = runner.verification.verify
+    runner.verification.verify = lambda *args: (verified.append(1), original(*args))[1]
     choose, plain_choices = runner.speculation.policy.choose, []
 
     def counting(*args):

@@ -116,6 +116,15 @@ def plan_batch(rows: Sequence[Row]) -> BatchPlan:
     return BatchPlan(arrays, tuple(int(x) for x in lens), width)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceIds:
+    """Token ids already on the device (the previous step's, under overlapped scheduling):
+    batch tokens `at` take `ids`."""
+
+    at: tuple[int, ...]  # [k] token indices in the batch
+    ids: torch.Tensor  # [k] long, on the device
+
+
 def _words(bits: int, words: int) -> list[int]:
     """A rule's bit set as int64 words, low bits first (two's complement past bit 62)."""
     out = []

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from infer.cache.forward_batch import BatchPlan, DeviceIds
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, CacheView, PackedView, ViewIndices, pool_view
 from infer.distributed.channel import ControlChannel
@@ -170,6 +171,10 @@ class TensorParallelForward:
         self.outbox.send(Invoke(self.forward_id, method, args))
 
     # each call: the workers' part first (the forward only: sampling and acceptance are rank 0's), then rank 0's
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        self._invoke("run", plan, device_ids)
+        return self.local.run(plan, device_ids)
+
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         self._invoke("__call__", ids, layout, all_logits)
         return self.local(ids, layout, all_logits)

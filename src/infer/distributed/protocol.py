@@ -8,7 +8,8 @@ the driver's; every op carries the driver's result, which the worker checks) and
                             driver just did (the runners' start-up, mirrored); a worker's
                             forward function is built from `ForwardSpec.forward_only()`
   Invoke                    run a method of a forward function: the forward part of the
-                            driver's call (`__call__`, `tree`, `draft_loop`) or a capture
+                            driver's call (`run`: a step's flat batch; the proposers'
+                            `__call__`, `tree`, `draft_loop`) or a capture
                             ahead of use (`prepare_draft_loops`, `prepare_trees`)
   Report                    every worker answers with its pools' leak reports
   Shutdown                  free everything, leave the process group, exit
@@ -33,7 +34,7 @@ ROLES = ("target", "draft")
 POOL_OPS = ("allocate_slot", "free_slot", "truncate_to", "ensure_capacity", "register_prefix", "commit",
             "move_rows")
 # the ForwardFn methods a worker runs: the forward part of each call (mirror.py says which)
-INVOKABLE = ("__call__", "tree", "draft_loop", "prepare_draft_loops", "prepare_trees")
+INVOKABLE = ("run", "__call__", "tree", "draft_loop", "prepare_draft_loops", "prepare_trees")
 
 
 def _check_role(role: str) -> None:

@@ -38,16 +38,17 @@ from collections.abc import Callable, Sequence
 import torch
 
 from infer.cache.compaction import PathMove, move_paths
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.executor.kernels import step_kernels
+from infer.engine.executor.forward import sample_logits
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
 from infer.engine.request import Request, StepOutput
-from infer.engine.speculation import Speculation, decode_shapes
+from infer.engine.speculation import Speculation, max_row_tokens
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
@@ -63,7 +64,7 @@ from infer.speculative.round_clock import StepKind
 from infer.speculative.tree import Draft
 from infer.speculative.verifier import VerifyResult
 from infer.tokenization import Tokenizer
-from infer.transfer import tensor_on, to_device
+from infer.transfer import to_device
 
 StepResult = list[tuple[Request, StepOutput]]
 Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requests, tokens [B] on the device
@@ -81,26 +82,21 @@ class ModelRunner:
         self.cache_pool = executor.make_pool(model, config, prefix_caching=bool(config.enable_prefix_caching))
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
         self.kernels = step_kernels(config, self.device, model)
-        shapes, modes = decode_shapes(config)
-        # decode and verification steps (with temperature sampling captured for plain steps)
-        self.forward: ForwardFn = executor.make_forward(model, self.cache_pool, ForwardSpec(
-            config.use_cuda_graphs, config.max_batch_size, shapes=shapes, kernels=self.kernels, verify_modes=modes,
-            sample_widths=(1,), sampling_batch_max=config.cuda_graph_sampling_batch_max))
-        # prefill chunks: eager, through the same kernel bundle (compiled for dynamic shapes:
-        # a chunk's RMSNorm, SwiGLU and residual add one kernel each, the rotary and the cache
-        # write one Triton kernel, the projections cuBLAS)
-        self.prefill_forward = executor.make_forward(model, self.cache_pool,
-                                                     ForwardSpec(max_batch_size=config.max_batch_size,
-                                                                 kernels=self.kernels))
+        # the target's one forward: every step's rows (prefill chunks, decode rows, verification
+        # blocks) in one flat batch; CUDA graphs by token count on a GPU
+        spec = ForwardSpec(config.use_cuda_graphs, config.max_batch_size, kernels=self.kernels,
+                           tokens=config.max_batch_size * max_row_tokens(config),
+                           trees=config.use_speculative_decoding and config.spec_tree is not None)
+        self.forward_fn: ForwardFn = executor.make_forward(model, self.cache_pool, spec)
+        self.forward = self.forward_fn.run
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
         if config.use_speculative_decoding:
             drafter = draft_model if draft_model is not None else head  # (None: n-gram or prompt lookup)
             draft_kernels = EAGER if drafter is None else step_kernels(config, self.device, drafter)
             self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model)
-            self.speculation.start(self.forward, self.cache_pool, model)
-            self.verification = Verification(self.forward, model.config.vocab_size, self.device,
-                                             self.speculation.tree)
+            self.speculation.start(self.forward_fn, self.cache_pool, model)
+            self.verification = Verification(model.config.vocab_size, self.device, self.speculation.tree)
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
         # (on by default on GPUs: under tensor parallelism the next step's message and launch
         # then overlap the step in flight on every rank)
@@ -111,11 +107,7 @@ class ModelRunner:
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
-        # eager forwards of several rows run their valid tokens packed, and a step with prefill
-        # chunks and plain decode rows makes one such forward; not when an EAGLE head reads the
-        # target's hidden states (it reads them by padded batch row)
-        self.packs = model.capture is None
-        self.mixed = config.mixed_batches and self.packs
+        self.mixed = config.mixed_batches  # prefill chunks and decode rows in one forward (else one each)
 
     @property
     def stats(self) -> SpecStats | None:
@@ -179,26 +171,114 @@ class ModelRunner:
 
     def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
                 render: StepRender) -> InFlight | None:
-        """Queue this step's work; the tokens it samples stay on the device (None: no token
-        left in flight, the runner accepted its own)."""
-        parts: list[Sampled] = []
-        if prefill and decode and self.mixed and self._plain_step(decode):
-            self._planned = None
-            parts.append(self._mixed(prefill, decode))
-        else:
-            if prefill:
-                sampled = self._prefill(prefill)
-                if sampled is not None:
-                    parts.append(sampled)
-            if decode:
-                tokens = self._decode(decode, render)
-                if tokens is not None:
-                    parts.append(tokens)
+        """Queue this step's work: the drafts, then one forward of every row (or, without
+        `mixed_batches`, one for the prefill chunks and one for the decode rows). Sampled
+        tokens stay on the device (None: no token left in flight, a round accepted its own)."""
+        depths = self._planned if self._planned is not None else [0] * len(decode)
+        self._planned = None
+        drafts = self._propose(decode, depths) if any(depths) else None
+        if decode and (drafts is not None or not any(depths)):  # (a round that found nothing: not timed)
+            self._step_kind = StepKind(len(decode), 0 if drafts is None else max(d.depth for d in drafts))
+        passes = [(prefill, decode)] if self.mixed or not (prefill and decode) else [(prefill, []), ([], decode)]
+        parts = [part for chunks, rows in passes for part in self._pass(chunks, rows, drafts if rows else None,
+                                                                          render)]
         if not parts:
             return None
         requests = [r for reqs, _, _ in parts for r in reqs]
         tokens = torch.cat([tok for _, tok, _ in parts]) if len(parts) > 1 else parts[0][1]
         return InFlight.launch(requests, tokens, self._token_buffers, [lp for _, _, lps in parts for lp in lps])
+
+    def _propose(self, decode: Sequence[Request], depths: Sequence[int]) -> list[Draft] | None:
+        """The round's drafts (None when nothing was proposed at all: n-gram tables found no match)."""
+        spec = self.speculation
+        assert spec is not None
+        drafts = spec.proposer.propose(decode, spec.shape(depths), depths)
+        if any(d.num_proposed for d in drafts):
+            return drafts
+        for r, k in zip(decode, depths, strict=True):
+            if k:
+                spec.policy.update(r.request_id, 0, 0)
+        return None
+
+    def _pass(self, chunks: Sequence[tuple[Request, int]], decode: Sequence[Request], drafts: list[Draft] | None,
+              render: StepRender) -> list[Sampled]:
+        """One forward: the decode rows first (one token each, or a round's blocks), then
+        the prefill chunks; then sampling (plain rows and chunks that end their prompt) or
+        verification (a round's blocks, accepted now)."""
+        if not chunks and not decode:
+            return []
+        block = None if drafts is None else self._verifier.block(decode, drafts)
+        samples = [not r.output_token_ids and not r.pending_tokens and r.num_computed_tokens + n >= r.prefill_target
+                   for r, n in chunks]
+        rows, device_ids = (block.rows, None) if block is not None else self._plain_rows(decode)
+        rows = rows + [Row(r.slot, r.num_computed_tokens, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
+                           int(s)) for (r, n), s in zip(chunks, samples, strict=True)]
+        plan = plan_batch(rows)
+        logits = self.forward(plan, device_ids)  # [M, V]
+        starts = plan.arrays["query_start"].tolist()
+        self._observe(decode, chunks, starts, plain=block is None)
+        self._advance_chunks(chunks)
+        sampled = [r for (r, _), s in zip(chunks, samples, strict=True) if s]
+        if block is None:
+            for r in decode:
+                r.num_computed_tokens += 1
+            requests = [*decode, *sampled]
+            return [self._sampled(requests, logits)] if requests else []
+        used = block.num_logits
+        result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog)
+        self._accept(decode, drafts, result, paths, starts)
+        return [self._sampled(sampled, logits[used:])] if sampled else []
+
+    @property
+    def _verifier(self) -> Verification:
+        assert self.verification is not None
+        return self.verification
+
+    def _plain_rows(self, decode: Sequence[Request]) -> tuple[list[Row], DeviceIds | None]:
+        """One row per decode request: its newest token, from the step in flight when it is
+        still on the device (overlapped scheduling), else from the host."""
+        inflight = self._inflight
+        if inflight is None:
+            return [Row(r.slot, r.num_computed_tokens, [r.last_token_id]) for r in decode], None
+        ids = inflight.input_ids(decode)[:, 0]  # [D] on the device
+        return ([Row(r.slot, r.num_computed_tokens, [0]) for r in decode],
+                DeviceIds(tuple(range(len(decode))), ids))
+
+    def _observe(self, decode: Sequence[Request], chunks: Sequence[tuple[Request, int]], starts: list[int],
+                 plain: bool) -> None:
+        """Tell the proposer which of this forward's tokens committed (a round's: at `_accept`),
+        and which prompts were prefilled (host work that helps their first proposals)."""
+        if self.speculation is None:
+            return
+        proposer, d = self.speculation.proposer, len(decode)
+        reqs = [*(decode if plain else ()), *(r for r, _ in chunks)]
+        rows = [[starts[b]] for b in range(d)] if plain else []
+        rows += [list(range(starts[d + i], starts[d + i] + n)) for i, (_, n) in enumerate(chunks)]
+        if reqs:
+            proposer.observed(reqs, [r.num_computed_tokens for r in reqs], rows)
+        if chunks:
+            proposer.prefilled([r for r, _ in chunks])
+
+    def _advance_chunks(self, chunks: Sequence[tuple[Request, int]]) -> None:
+        """Count the chunks as computed; a prompt computed to its end is offered to the prefix cache."""
+        for request, n in chunks:
+            request.num_computed_tokens += n
+            if not request.in_prefill:
+                self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
+
+    def _sampled(self, requests: Sequence[Request], logits: torch.Tensor) -> Sampled:
+        """A token per request from its logits row [B, V] (left on the device), with the
+        log-probabilities of those asking for them."""
+        params = [r.sampling_params for r in requests]
+        vocab = self.model.config.vocab_size
+        if not all(p.greedy for p in params) and all(temperature_only(p, vocab) and p.logprobs is None
+                                                     and p.structured is None for p in params):
+            uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
+            tokens, _ = sample_logits(logits, [1.0 if p.greedy else p.temperature for p in params], uniforms,
+                                      [p.greedy for p in params])
+            return list(requests), tokens, [None] * len(requests)
+        tokens = self.sample(requests, logits, params)
+        return list(requests), tokens, self.logprobs(requests, logits, tokens)
 
     def _resolve(self) -> None:
         """Accept the tokens of the step in flight (if any). A request that finished meanwhile
@@ -212,113 +292,18 @@ class ModelRunner:
             if not r.is_finished and r.stop_pending is None:
                 self._emit(r, t, lp)
 
-    def _prefill(self, chunks: Sequence[tuple[Request, int]]) -> Sampled | None:
-        requests = [r for r, _ in chunks]
-        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
-                                [n for _, n in chunks], packed=self.packs and len(chunks) > 1)
-        logits = self.run_chunks(requests, layout)  # [B, V]
-        if self.speculation is not None:  # host work for the first proposals, under the forward
-            self.speculation.proposer.observed(requests, layout.start_positions,
-                                               [range(n) for _, n in chunks])
-            self.speculation.proposer.prefilled(requests)
-        to_sample = self._advance_chunks(chunks)
-        if not to_sample:
-            return None
-        sampled = [requests[i] for i in to_sample]
-        # (the rows by a device index: a list index would copy it over synchronously, and the
-        # host would wait for this forward before preparing the next step)
-        rows = logits if len(sampled) == len(requests) else logits.index_select(
-            0, tensor_on(to_sample, logits.device, torch.long))  # [n, V]
-        tokens = self.sample(sampled, rows)  # [n] on the device
-        return sampled, tokens, self.logprobs(sampled, rows, tokens)
-
-    def _advance_chunks(self, chunks: Sequence[tuple[Request, int]]) -> list[int]:
-        """Count the chunks as computed; the indices of those that end their prompt and sample
-        its first token now (their prompts registered for prefix caching)."""
-        to_sample: list[int] = []
-        for i, (request, n) in enumerate(chunks):
-            request.num_computed_tokens += n
-            if request.in_prefill:
-                continue
-            if not request.output_token_ids and not request.pending_tokens:
-                to_sample.append(i)
-            self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
-        return to_sample
-
-    def run_chunks(self, requests: Sequence[Request], layout: BatchLayout) -> torch.Tensor:
-        """Forward chunks of each request's token list through the pool; logits of each row's last token."""
-        return self.prefill_forward(self._chunk_ids(requests, layout), layout, all_logits=False)
-
-    @staticmethod
-    def _chunk_ids(requests: Sequence[Request], layout: BatchLayout, first: int = 0) -> torch.Tensor:
-        """CPU ids [B, T] of the layout's chunks of each request's token list (rows before
-        `first` left 0: the caller fills them)."""
-        ids = torch.zeros((len(requests), layout.width), dtype=torch.long)
-        for b in range(first, len(requests)):
-            start, n = layout.start_positions[b], layout.chunk_lens[b]
-            ids[b, :n] = torch.tensor(requests[b].token_slice(start, start + n))
-        return ids
-
-    def _mixed(self, chunks: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> Sampled:
-        """Plain decode rows (first, one token each) and prefill chunks in one packed forward
-        (eager, as prefill is); samples the decode rows and the chunks that end their prompt.
-        Their tokens stay on the device, as a plain step's."""
-        requests = [*decode, *(r for r, _ in chunks)]
-        d = len(decode)
-        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
-                                [1] * d + [n for _, n in chunks], packed=True)
-        ids = self._chunk_ids(requests, layout, first=d)  # [B, T]
-        newest = self._decode_ids(decode)  # [D, 1], on the device when a step is in flight
-        ids = to_device(ids, newest.device)
-        ids[:d, :1] = newest
-        logits = self.prefill_forward(ids, layout, all_logits=False)  # [B, V]
-        if self.speculation is not None:
-            self.speculation.proposer.observed(requests, layout.start_positions,
-                                               [[0]] * d + [range(n) for _, n in chunks])
-            self.speculation.proposer.prefilled(requests[d:])
-        for r in decode:
-            r.num_computed_tokens += 1
-        rows = [*range(d), *(d + i for i in self._advance_chunks(chunks))]
-        sampled = [requests[i] for i in rows]
-        tokens = self.sample(sampled, logits[rows])  # [n] on the device
-        return sampled, tokens, self.logprobs(sampled, logits[rows], tokens)
-
-    def _plain_step(self, requests: Sequence[Request]) -> bool:
-        """Whether no request drafts this step (its depths planned by `step`)."""
-        return not any(self._planned or ())
-
-    def _decode(self, requests: Sequence[Request], render: StepRender) -> Sampled | None:
-        """A decode step: a plain one (its tokens left in flight), or a speculation round (its
-        tokens accepted now: None; the backlog is rendered while its verification runs)."""
-        spec = self.speculation
-        depths, self._planned = self._planned, None
-        if spec is None or depths is None or not any(depths):
-            self._step_kind = StepKind(len(requests), 0)
-            return self._plain(requests)
-        drafts = spec.proposer.propose(requests, spec.shape(depths), depths)
-        if not any(d.num_proposed for d in drafts):  # no proposals at all (n-gram found no match)
-            for r, k in zip(requests, depths, strict=True):
-                if k:
-                    spec.policy.update(r.request_id, 0, 0)
-            return self._plain(requests)  # (a synchronous plain step: not timed)
-        self._step_kind = StepKind(len(requests), max(d.depth for d in drafts))
-        assert self.verification is not None
-        result, paths = self.verification.run(requests, drafts, render.backlog)
-        self._accept(requests, drafts, result, paths)
-        return None
-
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult,
-                paths: Paths) -> None:
+                paths: Paths, starts: Sequence[int]) -> None:
         """Move the accepted paths into sequence order and roll the caches back, record
         metrics, accept the tokens in order (up to a finish their ids decide: EOS, a stop id,
-        the length)."""
+        the length). starts[b]: where request b's block begins in the forward's tokens."""
         spec = self.speculation
         assert spec is not None
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
                                      for r, p in zip(requests, paths, strict=True) if r.slot is not None])
         spec.proposer.on_accepted(requests, paths)
         spec.proposer.observed(requests, [r.num_computed_tokens for r in requests],
-                               [[0, *(1 + i for i in p)] for p in paths])
+                               [[s, *(s + 1 + i for i in p)] for s, p in zip(starts, paths, strict=False)])
         logprobs = result.logprobs or [[] for _ in requests]
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
@@ -354,39 +339,6 @@ class ModelRunner:
             if request.grammar is not None:
                 request.grammar.accept(token_id)
             self.output.accept(request, token_id, logprobs)
-
-    def _plain(self, requests: Sequence[Request]) -> Sampled:
-        """One batched decode forward; the sampled tokens [B] stay on the device."""
-        layout = BatchLayout.of([r.slot for r in requests], [r.num_computed_tokens for r in requests],
-                                [1] * len(requests))
-        ids = self._decode_ids(requests)  # [B, 1]
-        params = [r.sampling_params for r in requests]
-        vocab = self.model.config.vocab_size
-        lps: list[TokenLogprobs | None] = [None] * len(requests)
-        if not all(p.greedy for p in params) and all(temperature_only(p, vocab) and p.logprobs is None
-                                                     and p.structured is None for p in params):
-            # temperature sampling alone: the forward function samples too (inside the step's
-            # CUDA graph on the GPU), the same function as `sample` on the logits
-            uniforms = draw_uniforms([r.generator for r in requests], 1)[:, 0]  # [B] CPU
-            tokens, _ = self.forward.sample(ids, layout, [1.0 if p.greedy else p.temperature for p in params],
-                                            uniforms, [p.greedy for p in params])  # [B]
-        else:
-            logits = self.forward(ids, layout, all_logits=False)  # [B, V]
-            tokens = self.sample(requests, logits, params)
-            lps = self.logprobs(requests, logits, tokens)
-        if self.speculation is not None:
-            self.speculation.proposer.observed(requests, [r.num_computed_tokens for r in requests],
-                                               [[0]] * len(requests))
-        for r in requests:
-            r.num_computed_tokens += 1
-        return list(requests), tokens, lps
-
-    def _decode_ids(self, requests: Sequence[Request]) -> torch.Tensor:
-        """[B, 1] each decoding request's newest token: on the device, from the step in flight
-        (overlapped scheduling), or from the host."""
-        inflight = self._inflight
-        return (inflight.input_ids(requests) if inflight is not None
-                else torch.tensor([[r.last_token_id] for r in requests]))
 
     @staticmethod
     def logprobs(requests: Sequence[Request], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprobs | None]:

@@ -279,14 +279,10 @@ def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead, c
     return proposer
 
 
-def decode_shapes(config: EngineConfig) -> tuple[tuple[tuple[int, bool], ...], tuple[str, ...]]:
-    """The target's decode forward shapes and acceptance modes to capture: plain decode
-    (width 1, last logits); a chain's verification widths 1..K+1 (k varies per round with the
-    policy and the guards) with the acceptance step in its modes (greedy batches, one-hot
-    drafts, a draft model's probabilities). A tree's block is captured by `start`."""
-    if not config.use_speculative_decoding or config.spec_tree is not None:
-        return ((1, False),), ()
-    shapes = (*((w, True) for w in range(1, config.spec_length + 2)), (1, False))
-    sampled_drafts = config.speculative_method in ("draft_model", *EAGLE_METHODS)  # q from a model
-    modes = ("greedy", "one_hot") + (("draft_probs",) if sampled_drafts else ())
-    return shapes, modes
+def max_row_tokens(config: EngineConfig) -> int:
+    """The most tokens one decode row puts in a forward: 1, or a round's block (g and a
+    chain of spec_length, or a tree's nodes)."""
+    if not config.use_speculative_decoding:
+        return 1
+    tree = round_tree(config)
+    return 1 + (tree.num_nodes if tree is not None else config.spec_length or 1)

@@ -1,22 +1,21 @@
-"""Verification: one target forward over each request's draft, then the verifier.
+"""Verification: each request's draft as rows of the step's one forward, then the verifier.
 
 A round's drafts share one shape (`speculative.tree`): a chain (`chain_shape(K)`, row b
 using its first k_b nodes) or a static tree; or each row has its own dynamic tree
-(`speculative.node_tree`: N nodes at most, per-row masks, eagerly). All run the same steps:
+(`speculative.node_tree`). All run the same steps:
 
-1. the block [g, draft nodes] per request goes through the target in one forward, written
-   to the target's cache like a chunked prefill from position n on. A chain keeps its
-   causal fast path: rows k_b + 1 wide, no tree mask (`ForwardFn.verify`); a tree is
-   N + 1 wide with its tree mask (`ForwardFn.verify_tree`, `TreeChunk`; dynamic trees a
-   `RowTreeChunk` of per-row masks, rotary offsets and the verifier's `TreeFrame`);
-2. rows sampling with a temperature alone (greedy included) are verified by the forward
-   function itself (a CUDA graph after the forward's on the GPU); rows with top-k, top-p or
-   a repetition penalty, a structured output, or asking for log-probabilities, take the
-   general pipeline: the target's distribution per block row after the request's grammar
-   mask (row 0 at the grammar's state, row 1 + i after node i's path: a draft token the
-   grammar forbids has target probability 0 and is rejected) and its sampling transforms
-   (penalties over that row's own context: the request's tokens and the node's path), then
-   the pure verifier (`speculative.verifier`);
+1. `block`: each request's block [g, draft nodes] is one row of the step's flat batch,
+   written to the target's cache like a chunked prefill from position n on (node i at
+   n + 1 + i), every token's logits wanted. A chain is causal; a tree's row carries its
+   rule (node i sees g, its ancestors and itself; rotated at n + its depth);
+2. `verify`, on those rows' logits: rows sampling with a temperature alone (greedy
+   included) take the fused acceptance (`verify_on_logits`, `verify_on_tree_logits`);
+   rows with top-k, top-p or a repetition penalty, a structured output, or asking for
+   log-probabilities take the general pipeline: the target's distribution per block row
+   after the request's grammar mask (row 0 at the grammar's state, row 1 + i after node i's
+   path: a draft token the grammar forbids has target probability 0 and is rejected) and
+   its sampling transforms (penalties over that row's own context: the request's tokens and
+   the node's path), then the pure verifier (`speculative.verifier`);
 3. one host sync reads the accepted tokens and, for a tree, the accepted node indices.
 
 Uniforms come from each request's own generator, so a seeded request's draws never depend
@@ -27,18 +26,18 @@ proposes nothing).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import Row, RowTree
+from infer.engine.executor.forward import verify_on_logits, verify_on_tree_logits
 from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
-from infer.speculative.forward import ForwardFn
 from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logits
-from infer.speculative.node_tree import DynamicShape, NodeTree, RowTreeChunk, verification_chunk
-from infer.speculative.tree import Draft, TreeChunk, TreeShape, stack_drafts
+from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees
+from infer.speculative.tree import Draft, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import to_device
 
@@ -89,51 +88,93 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
     return mask_logits(logits.reshape(b * width, vocab), bitmask, rows).view(b, width, vocab)
 
 
+def block_row(request: Request, draft: Draft) -> Row:
+    """The request's block [g, its draft's rows up to the last present node] as one row of
+    the step's batch, every token's logits wanted; a tree's with its rule."""
+    used = draft.rows_used
+    ids = [request.last_token_id, *draft.token_ids[:used - 1]]
+    shape = draft.shape
+    if isinstance(shape, TreeShape) and shape.is_chain:
+        return Row(request.slot, request.num_computed_tokens, ids, logits=used)
+    bits = [1] + [1 | sum(1 << (1 + j) for j in shape.paths[i]) for i in range(used - 1)]
+    offsets = [0, *shape.depths[:used - 1]]
+    return Row(request.slot, request.num_computed_tokens, ids, logits=used,
+               tree=RowTree(bits, offsets, base_offset=0, width=used))
+
+
+@dataclass(frozen=True)
+class Block:
+    """A round's verification rows and what the verifier reads of them."""
+
+    rows: list[Row]  # one per request, in order
+    tokens: torch.Tensor  # [B, W - 1] CPU: node tokens (a chain's first k_b, a tree's N)
+    present: list[int] | torch.Tensor  # a chain's counts k_b, or a tree's flags [B, N] bool
+    frame: TreeShape | TreeFrame | None  # the tree the verifier walks (None: chains)
+    width: int  # W: block rows per request as the verifier reads them
+
+    @property
+    def num_logits(self) -> int:
+        return sum(r.logits for r in self.rows)
+
+
 class Verification:
-    """Runs a round's verification for the runner (module docstring)."""
+    """Builds a round's verification rows and verifies their logits (module docstring)."""
 
-    def __init__(self, forward: ForwardFn, vocab_size: int, device: torch.device,
-                 tree: TreeShape | DynamicShape | None) -> None:
-        self.forward, self.vocab, self.device = forward, vocab_size, device
+    def __init__(self, vocab_size: int, device: torch.device, tree: TreeShape | DynamicShape | None) -> None:
+        self.vocab, self.device = vocab_size, device
         self.tree = tree  # None: chains
-        # a static tree's block (a dynamic tree's is made per round: `_block`)
-        self.chunk = TreeChunk.verification(tree) if isinstance(tree, TreeShape) else None
 
-    def run(self, requests: Sequence[Request], drafts: Sequence[Draft],
-            while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
-        """Verify every request's draft -> (tokens per request, accepted nodes per request).
-        `while_gpu_runs` is called once the forward is queued (host work that hides under it)."""
-        ids, layout, tokens, counts, chunk = self._block(requests, drafts)
+    def block(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> Block:
+        rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
+        if self.tree is None:
+            counts = [d.num_proposed for d in drafts]
+            k = max(counts)
+            tokens = torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k)
+            return Block(rows, tokens, counts, None, k + 1)
+        if isinstance(self.tree, DynamicShape):
+            n = self.tree.num_nodes
+            trees = [d.shape for d in drafts]
+            assert all(isinstance(t, NodeTree) for t in trees)
+            frame: TreeShape | TreeFrame = frame_of_trees(trees, n, self.tree.widths, self.device)  # type: ignore[arg-type]
+            tokens, valid = stack_drafts(drafts, width=n)
+        else:
+            frame, n = self.tree, self.tree.num_nodes
+            tokens, valid = stack_drafts(drafts)
+        return Block(rows, tokens, valid, frame, n + 1)
+
+    def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
+               while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
+        """Verify every request's draft on its rows' logits [sum of widths, V] -> (tokens per
+        request, accepted nodes per request). `while_gpu_runs` is called once the work is
+        queued (host work that hides under it)."""
+        logits = self._padded(logits, block)  # [B, W, V]
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
+        tokens = block.tokens
         draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
         if all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
-            # the forward function verifies too (a CUDA graph on the GPU)
             uniforms = (torch.zeros((len(requests), self._num_uniforms(tokens)), dtype=torch.float64)
                         if all(greedy) else self._uniforms(requests, drafts, tokens))
             temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-            if chunk is None:
-                packed = self.forward.verify(ids, layout, tokens, counts, draft_probs, temps, greedy, uniforms)
+            if block.frame is None:
+                assert isinstance(block.present, list)
+                packed = verify_on_logits(logits, tokens, block.present, draft_probs, temps, greedy, uniforms)
             else:
-                packed = self.forward.verify_tree(ids, layout, chunk, tokens, counts, draft_probs, temps,
-                                                  greedy, uniforms)
+                assert isinstance(block.present, torch.Tensor)
+                packed = verify_on_tree_logits(block.frame, logits, tokens, block.present, draft_probs, temps,
+                                               greedy, uniforms)
             while_gpu_runs()
             return self._unpack(packed.tolist())  # the one host sync of verification
-        if chunk is None:
-            logits = self.forward(ids, layout, all_logits=True)  # [B, K+1, V]
-        else:
-            logits = self.forward.tree(ids, layout, chunk)  # [B, N+1, V]
         while_gpu_runs()
         uniforms = to_device(self._uniforms(requests, drafts, tokens), self.device)
         target_probs = self._target_probs(requests, drafts, logits)
-        if chunk is None:
+        if block.frame is None:
             k = tokens.shape[1]
-            result = verify(tokens, counts, draft_probs, target_probs, uniforms[:, :k], uniforms[:, k])
+            result = verify(tokens, block.present, draft_probs, target_probs, uniforms[:, :k], uniforms[:, k])
             paths = [list(range(a)) for a in result.num_accepted]
         else:
-            assert chunk.shape is not None
-            packed, nodes = verify_tree_nodes(chunk.shape, to_device(tokens, self.device), draft_probs,
-                                              target_probs, uniforms, to_device(counts, self.device))
+            packed, nodes = verify_tree_nodes(block.frame, to_device(tokens, self.device), draft_probs,
+                                              target_probs, uniforms, to_device(block.present, self.device))
             result, paths = self._unpack(torch.cat([packed, nodes], dim=1).tolist())
         wanted = [p.logprobs for p in params]
         if any(c is not None for c in wanted):
@@ -143,30 +184,14 @@ class Verification:
             result = replace(result, logprobs=emitted_logprobs(path_logits, result.tokens, wanted))
         return result, paths
 
-    def _block(self, requests: Sequence[Request], drafts: Sequence[Draft]
-               ) -> tuple[torch.Tensor, BatchLayout, torch.Tensor, list[int] | torch.Tensor,
-                          TreeChunk | RowTreeChunk | None]:
-        """(ids [B, W] CPU: g then the nodes, the layout, node tokens [B, W - 1] CPU, which
-        nodes are present: a chain's counts k_b, a tree's flags [B, N] bool, and the tree's
-        chunk: None for a chain, the static tree's, or this round's per-row trees')."""
-        slots = [r.slot for r in requests]
-        starts = [r.num_computed_tokens for r in requests]
-        last = torch.tensor([[r.last_token_id] for r in requests])  # [B, 1]
-        chunk: TreeChunk | RowTreeChunk | None = self.chunk
-        if isinstance(self.tree, DynamicShape):
-            n = self.tree.num_nodes
-            trees = [d.shape for d in drafts]
-            assert all(isinstance(t, NodeTree) for t in trees)
-            chunk = verification_chunk(trees, n, self.tree.widths, self.device)  # type: ignore[arg-type]
-        if chunk is not None:
-            tokens, valid = stack_drafts(drafts, width=chunk.width - 1)  # [B, N]
-            layout = BatchLayout.of(slots, starts, [d.rows_used for d in drafts], width=chunk.width)
-            return torch.cat([last, tokens], dim=1), layout, tokens, valid, chunk
-        counts = [d.num_proposed for d in drafts]
-        k = max(counts)
-        tokens = torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k)  # [B, K]
-        layout = BatchLayout.of(slots, starts, [c + 1 for c in counts])
-        return torch.cat([last, tokens], dim=1), layout, tokens, counts, None
+    def _padded(self, logits: torch.Tensor, block: Block) -> torch.Tensor:
+        """The rows' logits [sum of widths, V] as [B, W, V] (a row's missing block rows repeat
+        its last: the verifier never reads them)."""
+        index, at = [], 0
+        for r in block.rows:
+            index.append([at + min(t, r.logits - 1) for t in range(block.width)])
+            at += r.logits
+        return logits[torch.tensor(index, device=logits.device)]
 
     def _num_uniforms(self, tokens: torch.Tensor) -> int:
         return tokens.shape[1] + 1 if self.tree is None else self.tree.num_uniforms

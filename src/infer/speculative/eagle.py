@@ -104,10 +104,8 @@ class EagleProposer:
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
         """`Proposer.observed`: keep the features of the committed rows as pending."""
-        last = self.capture.last
-        assert last is not None, "the target ran without its hidden-state capture"
-        width = last.shape[1]
-        flat = [b * width + r for b, rs in enumerate(rows) for r in rs]
+        assert self.capture.last is not None, "the target ran without its hidden-state capture"
+        flat = [r for rs in rows for r in rs]  # (the forward's token indices)
         if not flat:
             return
         features = self.head.combine(self.capture.rows(tensor_on(flat, self.device, torch.long)),

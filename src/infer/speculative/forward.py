@@ -14,13 +14,20 @@ from typing import Protocol
 
 import torch
 
+from infer.cache.forward_batch import BatchPlan, DeviceIds
 from infer.cache.view import BatchLayout
 from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
 
 
 class ForwardFn(Protocol):
-    """A forward pass through a pool (`EagerForward`, or `GraphForward` replaying CUDA graphs of it)."""
+    """A forward pass through a pool: the flat batch forward (`run`, eager or replaying CUDA
+    graphs), and the padded-layout calls of the proposers laid out on it."""
+
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        """The one forward: a step's rows laid out (`cache.forward_batch.plan_batch`) ->
+        logits [M, V] of the tokens the rows ask for; the pool's lengths set to the rows' ends."""
+        ...
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         """ids: CPU [B, T] -> logits [B, T, V] (all_logits) or [B, V] (each row's last token).

@@ -70,11 +70,11 @@ class Proposer(Protocol):
 
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
-        """The target's forward just ran and committed, for requests[i], its batch row i's
-        token rows rows[i] at positions starts[i], starts[i] + 1, ... (a prefill chunk: all
-        its rows; a plain step: [0]; a round: g's row 0 and the accepted nodes' rows). A
-        proposer drafting from the target's hidden states (EAGLE) reads them now from the
-        model's `HiddenCapture`; others do nothing."""
+        """The target's forward just ran and committed, for requests[i], the forward's
+        tokens rows[i] (their indices in its flat batch) at positions starts[i], starts[i] + 1,
+        ... (a prefill chunk: all its tokens; a plain step: its one; a round: g's and the
+        accepted nodes'). A proposer drafting from the target's hidden states (EAGLE) reads
+        them now from the model's `HiddenCapture`; others do nothing."""
         ...
 
     def release(self, request: DraftRequest) -> None:

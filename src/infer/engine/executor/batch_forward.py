@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.cache.forward_batch import ARRAYS, BatchPlan, batch_of, build_batch
+from infer.cache.forward_batch import ARRAYS, BatchPlan, DeviceIds, batch_of, build_batch
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.staging import _Staging
 from infer.models.batch import WORD, ForwardBatch
@@ -27,15 +27,6 @@ from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.models.paged_attention import DECODE_MAX_QUERY, BatchView, kernels_serve
 from infer.transfer import tensor_on
-
-
-@dataclass(frozen=True, slots=True)
-class DeviceIds:
-    """Token ids already on the device (the previous step's, under overlapped scheduling):
-    batch tokens `at` take `ids`."""
-
-    at: tuple[int, ...]  # [k] token indices in the batch
-    ids: torch.Tensor  # [k] long, on the device
 
 
 def run_model(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from infer.cache.forward_batch import Row, RowTree, plan_batch
+from infer.cache.forward_batch import BatchPlan, DeviceIds, Row, RowTree, plan_batch
 from infer.cache.view import BatchLayout
-from infer.engine.executor.batch_forward import DeviceIds, EagerBatchForward, GraphBatchForward
+from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
 from infer.engine.executor.forward import draft_steps, sample_logits, verify_on_logits, verify_on_tree_logits
 from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
@@ -52,11 +52,16 @@ class FlatForward:
         if on_device:  # (ids from the step before: every row's tokens, in order, are the batch's)
             valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < torch.tensor(lens, device=ids.device)[:, None]
             device_ids = DeviceIds(tuple(range(sum(lens))), ids[valid])
-        logits = self.fn(plan_batch(rows), device_ids)
-        capture = self.fn.model.capture
-        if capture is not None and capture.last is not None:  # (its readers index the padded rows [B, T])
-            capture.last = self._unflatten(capture.last[0], lens, layout.width)
-        return logits
+        return self.fn(plan_batch(rows), device_ids)
+
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        """The one forward (`ForwardFn.run`)."""
+        return self.fn(plan, device_ids)
+
+    @property
+    def replays(self) -> int:
+        """CUDA graph replays so far (0 eagerly)."""
+        return getattr(self.fn, "replays", 0)
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
         """ids [B, T] (CPU, or the device) -> logits [B, T, V] (all_logits; padding columns

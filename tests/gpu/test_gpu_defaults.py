@@ -17,7 +17,7 @@ import pytest
 from helpers.checkpoints import make_checkpoint
 from infer import LLM, SamplingParams
 from infer.engine.executor.capture import MAX_GRAPH_CONTEXT
-from infer.engine.executor.graphs import GraphForward
+from infer.engine.executor.batch_forward import GraphBatchForward
 from infer.models.kernels import EAGER
 
 pytestmark = pytest.mark.gpu
@@ -31,17 +31,17 @@ def test_cuda_graphs_and_fused_kernels_are_the_default(ckpt_a, caplog):
         fast = LLM(str(ckpt_a), **kw)
     runner = fast.engine.runner
     assert fast.config.use_cuda_graphs is True and runner.kernels.name == "fused"
-    assert isinstance(runner.forward, GraphForward) and sorted({b for b, _, _ in runner.forward.graphs}) == [1, 2, 4]
+    assert isinstance(runner.forward_fn.fn, GraphBatchForward) and sorted({n for n, _ in runner.forward_fn.fn.graphs}) == [1, 2, 4]
     ready = [r.message for r in caplog.records if r.message.startswith("engine ready in")]
     assert len(ready) == 1 and f"{fast.engine.startup.num_graphs()} CUDA graphs captured in" in ready[0]
     assert fast.engine.startup.num_graphs() >= 3
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
-    assert eager.engine.runner.kernels is EAGER and not isinstance(eager.engine.runner.forward, GraphForward)
+    assert eager.engine.runner.kernels is EAGER and not isinstance(eager.engine.runner.forward_fn.fn, GraphBatchForward)
     graphs_only = LLM(str(ckpt_a), compile_kernels=False, **kw)  # graphs (the default) with the eager kernels
     prompts = [[random.Random(i).randrange(3, 200) for _ in range(5 + i)] for i in range(3)]
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
               for llm in (eager, graphs_only)]
-    assert tokens[0] == tokens[1] and graphs_only.engine.runner.forward.replays > 0
+    assert tokens[0] == tokens[1] and graphs_only.engine.runner.forward_fn.replays > 0
     for llm in (fast, eager, graphs_only):
         assert llm.engine.leak_report() == []
 
@@ -51,14 +51,14 @@ def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_pat
     kw = dict(device="cuda", dtype="float32", max_batch_size=2, compile_kernels=False)
     graphs = LLM(str(ckpt), **kw)
     assert graphs.config.max_seq_len == 2 * MAX_GRAPH_CONTEXT  # the model's own context
-    assert graphs.engine.runner.forward.context_width == MAX_GRAPH_CONTEXT
+    assert graphs.engine.runner.forward_fn.fn.context_width == MAX_GRAPH_CONTEXT
     eager = LLM(str(ckpt), use_cuda_graphs=False, **kw)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(MAX_GRAPH_CONTEXT + 100)], [5, 6, 7]]
     want = [o.outputs[0].token_ids for o in eager.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
-    before = graphs.engine.runner.forward.replays
+    before = graphs.engine.runner.forward_fn.replays
     got = [o.outputs[0].token_ids for o in graphs.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     assert got == want
     short = [o.outputs[0].token_ids for o in graphs.generate(prompt_token_ids=prompts[1:], sampling_params=GREEDY)]
-    assert short == want[1:] and graphs.engine.runner.forward.replays > before  # short contexts replay
+    assert short == want[1:] and graphs.engine.runner.forward_fn.replays > before  # short contexts replay
     assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []

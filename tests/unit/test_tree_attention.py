@@ -15,7 +15,7 @@ from infer.cache.compaction import PathMove, move_paths, path_rows
 from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, BlockMask
-from infer.engine.executor.forward import EagerForward
+from infer.engine.executor import ForwardFn, ForwardSpec, make_forward
 from infer.models.attention import position_mask
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
@@ -40,7 +40,7 @@ def make_pool(backend: str) -> CachePoolProtocol:
     return make_cache_pool(backend, CFG, **kwargs)
 
 
-def prefill(forward: EagerForward, pool: CachePoolProtocol, tokens: list[int]) -> int:
+def prefill(forward: ForwardFn, pool: CachePoolProtocol, tokens: list[int]) -> int:
     slot = pool.allocate_slot(len(tokens))
     forward(torch.tensor([tokens]), BatchLayout.of([slot], [0], [len(tokens)]), all_logits=True)
     return slot
@@ -58,7 +58,7 @@ def last_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def test_verification_block_equals_each_paths_plain_forward(model, backend):
     pool, gen = make_pool(backend), torch.Generator().manual_seed(1)
-    forward = EagerForward(model, pool)
+    forward = make_forward(model, pool, ForwardSpec())
     contexts = [torch.randint(0, 100, (n,), generator=gen).tolist() for n in (7, 12)]
     slots = [prefill(forward, pool, ctx) for ctx in contexts]
     g = [5, 9]
@@ -86,7 +86,7 @@ def test_verification_block_equals_each_paths_plain_forward(model, backend):
 def test_level_chunks_equal_each_paths_plain_forward(model, backend):
     # a draft model's expansion: g first, then one chunk per depth at n + 1 + level_starts[d - 1]
     pool, gen = make_pool(backend), torch.Generator().manual_seed(2)
-    forward = EagerForward(model, pool)
+    forward = make_forward(model, pool, ForwardSpec())
     ctx = torch.randint(0, 100, (9,), generator=gen).tolist()
     nodes = torch.randint(0, 100, (SHAPE.num_nodes,), generator=gen).tolist()
     slot = prefill(forward, pool, ctx + [4])  # the context, then g at n = 9
@@ -144,7 +144,7 @@ def test_cut_depth_and_draft_extent():
 @torch.no_grad()
 def test_accepted_path_moves_into_sequence_order(model, backend):
     pool, gen = make_pool(backend), torch.Generator().manual_seed(3)
-    forward = EagerForward(model, pool)
+    forward = make_forward(model, pool, ForwardSpec())
     ctx = torch.randint(0, 100, (10,), generator=gen).tolist()
     nodes = torch.randint(0, 100, (SHAPE.num_nodes,), generator=gen).tolist()
     slot = prefill(forward, pool, ctx)
@@ -156,7 +156,7 @@ def test_accepted_path_moves_into_sequence_order(model, backend):
     pool.truncate_to(slot, n + 4)
     accepted = ctx + [7] + [nodes[i] for i in path]
     reference = make_pool(backend)
-    ref_slot = prefill(EagerForward(model, reference), reference, accepted)
+    ref_slot = prefill(make_forward(model, reference, ForwardSpec()), reference, accepted)
     rows, ref_rows = pool.rows(slot, 0, n + 4), reference.rows(ref_slot, 0, n + 4)
     for mine, theirs in ((pool.k_cache, reference.k_cache), (pool.v_cache, reference.v_cache)):
         torch.testing.assert_close(mine[:, rows], theirs[:, ref_rows], atol=1e-5, rtol=0)

@@ -5,8 +5,8 @@ workers repeat them on their pools, so their slots, block tables and prefix cach
 the driver's; every op carries the driver's result, which the worker checks) and one call:
 
   MakePool / MakeForward    build a pool / forward function for a model role, as the
-                            driver just did (the runners' start-up, mirrored); a worker's
-                            forward function is built from `ForwardSpec.forward_only()`
+                            driver just did (the runners' start-up, mirrored), from the
+                            driver's `ForwardSpec`
   Invoke                    run a method of a forward function: the forward part of the
                             driver's call (`run`: a step's flat batch; the proposers'
                             `__call__`, `tree`, `draft_loop`) or a capture
@@ -14,12 +14,13 @@ the driver's; every op carries the driver's result, which the worker checks) and
   Report                    every worker answers with its pools' leak reports
   Shutdown                  free everything, leave the process group, exit
 
-A step costs one message: ids (CPU [B, T], or on the device after a step that left its
-tokens there), the BatchLayout (slots, start positions, chunk lengths, width), a tree chunk
-for tree steps, and for a draft model's whole round the temperatures, greedy flags and
-uniforms (every rank samples the tokens it feeds its next step); CPU tensors travel inside
-the message (channel.py). Sampling, verification and tree verification go to the workers as
-their forward (`__call__` or `tree`): only rank 0 samples, accepts or rejects, so the
+A step costs one message: the target's flat batch plan (`run`: numpy arrays of its rows'
+tokens, positions and slots) and the ids still on the device after a step that left its
+tokens there; the proposers' padded calls carry their ids (CPU [B, T], or on the device),
+the BatchLayout, a tree chunk for tree steps, and for a draft model's round the
+temperatures, greedy flags and uniforms (every rank samples the tokens it feeds its next
+step); CPU tensors travel inside the message (channel.py). Sampling, verification and tree
+verification go to the workers as their forward: only rank 0 samples, accepts or rejects, so the
 workers need no temperatures, draft tokens or draft probabilities for them.
 """
 

@@ -8,9 +8,8 @@ tells the driver the worker has started. Under `torchrun` a rank above 0 runs
 `serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
 
 The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
-operations, then builds a pool or forward function (from the driver's `ForwardSpec`, made
-`forward_only()`: a worker captures no sampling or acceptance graphs), runs the forward part
-of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs,
+operations, then builds a pool or forward function (from the driver's `ForwardSpec`: the
+same graphs), runs the forward part of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs,
 leaves the process groups, returns). Any error ends the worker (with its traceback,
 prefixed by its rank): the driver's next message finds it gone and reports its exit code.
 """
@@ -90,22 +89,13 @@ def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
 
 
 def capture_counts(forwards: Iterable[ForwardFn]) -> dict[str, int]:
-    """The CUDA graphs these forward functions captured, by kind (`GraphForward`'s records;
-    an eager forward function has none): forward steps, tree chunks, draft rounds (greedy,
-    sampled), and what follows a forward: sampling, acceptance, tree verification, and
-    draft rounds that keep their probabilities."""
-    counts = dict.fromkeys(("forward", "trees", "greedy_loops", "sampled_loops", "samplers", "verifiers",
-                            "tree_verifiers", "loops_with_probs"), 0)
+    """The CUDA graphs these forward functions captured (their flat forward's, by token
+    bucket; an eager forward function has none): plain ones and those with tree rules."""
+    counts = dict.fromkeys(("forward", "trees"), 0)
     for forward in forwards:
-        loops = getattr(forward, "loops", {})
-        counts["forward"] += len(getattr(forward, "graphs", {}))
-        counts["trees"] += len(getattr(forward, "trees", {}))
-        counts["greedy_loops"] += sum(1 for key in loops if key[3])
-        counts["sampled_loops"] += sum(1 for key in loops if not key[3])
-        counts["samplers"] += len(getattr(forward, "samplers", {}))
-        counts["verifiers"] += len(getattr(forward, "verifiers", {}))
-        counts["tree_verifiers"] += len(getattr(forward, "tree_verifiers", {}))
-        counts["loops_with_probs"] += sum(1 for loop in loops.values() if loop.probs is not None)
+        graphs = getattr(getattr(forward, "fn", None), "graphs", {})
+        counts["forward"] += sum(1 for _, tree in graphs if not tree)
+        counts["trees"] += sum(1 for _, tree in graphs if tree)
     return counts
 
 
@@ -152,13 +142,13 @@ class Worker:
         return LOCAL.make_forward(model, self.pools[call.pool], self.worker_spec(call, model))
 
     def worker_spec(self, call: MakeForward, model: LlamaForCausalLM) -> ForwardSpec:
-        """The driver's spec with this rank's kernel bundle, for the forward part only: no
-        sampling or acceptance graphs, no draft probabilities (rank 0 samples and accepts)."""
+        """The driver's spec with this rank's kernel bundle (rank 0 alone samples and accepts,
+        on the forward's logits)."""
         device = next(model.parameters()).device
         kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
-        return replace(call.spec, kernels=kernels).forward_only()
+        return replace(call.spec, kernels=kernels)
 
     def release(self) -> None:
         """Free the forward functions (their CUDA graphs hold the NCCL communicator), pools

@@ -30,7 +30,7 @@ from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
-from infer.speculative.draft_model import CATCH_UP_CHUNK, DRAFT_MAX_FEED, DraftModelProposer
+from infer.speculative.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.eagle import EagleProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
@@ -236,28 +236,13 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
                     tree: TreeShape | DynamicShape | None) -> DraftModelProposer:
     """The draft model's proposer: its pool and forward functions, graphs captured now."""
     pool = executor.make_pool(draft_model, config, prefix_caching=False)
-    # draft step 1 feeds the tokens the draft has not seen: 1, 2 after a fully accepted
-    # round, a few more after plain steps (longer catch-ups run as their own prefill);
-    # small batches also get a graph for catch-up chunks
-    feeds = range(1, DRAFT_MAX_FEED + 1)
-    step = executor.make_forward(draft_model, pool, ForwardSpec(
-        config.use_cuda_graphs, config.max_batch_size, shapes=tuple((w, False) for w in feeds), kernels=kernels,
-        sample_widths=tuple(feeds), small_batch_shapes=((CATCH_UP_CHUNK, False),),
-        sampling_batch_max=config.cuda_graph_sampling_batch_max))
-    # a chain's whole-round graphs now, not in the middle of a request: K after a round (1
-    # or 2 tokens to feed) or a catch-up (max_feed), and the adaptive policy's one-token
-    # probes; shorter rounds run the K loop and keep their tokens (`_loop_steps`), so no
-    # length is captured on first use (a tree's levels: `start`)
-    lengths = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
-    if tree is None:
-        step.prepare_draft_loops((1, 2, DRAFT_MAX_FEED), lengths)
-    eager = executor.make_forward(draft_model, pool, ForwardSpec(max_batch_size=config.max_batch_size,
-                                                                 kernels=kernels))
-    proposer = DraftModelProposer(draft_model, pool, step, eager)
-    if tree is None and config.use_cuda_graphs:  # shorter rounds run a captured loop (`_loop_steps`)
-        proposer.loop_lengths = lengths
-        proposer.loop_batch_max = min(config.max_batch_size, config.cuda_graph_sampling_batch_max)
-    return proposer
+    # draft step 1 feeds the tokens the draft has not seen (1, 2 after a fully accepted round,
+    # a few more after plain steps; longer catch-ups run as chunks of their own), a tree's
+    # levels its frontier; graphs of its flat forward by token count, tree rules included
+    width = max(DRAFT_MAX_FEED, 1 + (tree.span(tree.depth) if tree is not None else 0))
+    spec = ForwardSpec(config.use_cuda_graphs, config.max_batch_size, kernels, tokens=config.max_batch_size * width,
+                       trees=tree is not None)
+    return DraftModelProposer(draft_model, pool, executor.make_forward(draft_model, pool, spec))
 
 
 def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,

@@ -149,7 +149,8 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
                               enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
     pool = LOCAL.make_pool(model, engine_cfg, prefix_caching=False)
     kernels = step_kernels(engine_cfg, next(model.parameters()).device, model)  # as the engine runs them
-    return LOCAL.make_forward(model, pool, ForwardSpec(use_cuda_graphs, 1, shapes=tuple(shapes), kernels=kernels)), pool
+    tokens = max(w for w, _ in shapes)
+    return LOCAL.make_forward(model, pool, ForwardSpec(use_cuda_graphs, 1, kernels, tokens=tokens)), pool
 
 
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,

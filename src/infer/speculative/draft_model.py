@@ -66,7 +66,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.cache.compaction import PathMove, move_paths
-from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
+from infer.cache.forward_batch import Row, plan_batch
+from infer.cache.view import BatchLayout
+from infer.models.paged_attention import DECODE_MAX_QUERY
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
@@ -82,24 +84,20 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
     from infer.speculative.forward import ForwardFn
 
-CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # tokens per row per catch-up forward
-DRAFT_MAX_FEED = 4  # widest first draft step (the runner captures CUDA graphs for widths 1..this)
+CATCH_UP_CHUNK = DECODE_MAX_QUERY  # tokens per row per catch-up forward
+DRAFT_MAX_FEED = 4  # widest first draft step
 
 
 class DraftModelProposer:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, step_forward: ForwardFn,
-                 eager_forward: ForwardFn, max_feed: int = DRAFT_MAX_FEED) -> None:
+                 max_feed: int = DRAFT_MAX_FEED) -> None:
         if max_feed < 2:
             raise ValueError(f"max_feed must be >= 2 (g plus the token left over by a full round), got {max_feed}")
         self.model = model
         self.max_feed = max_feed  # widest first draft step
         self.pool = pool
-        # one draft step: (ids [B, T] CPU, layout, all_logits=False) -> last-token logits [B, V];
-        # the engine passes a CUDA-graph runner here when graphs are on
+        # the draft's forward (CUDA graphs of it by token count when graphs are on)
         self.step_forward = step_forward
-        # catch-up chunks without a graph: an eager forward (the draft's kernel bundle,
-        # compiled for dynamic shapes)
-        self._eager = eager_forward
         self.device = next(model.parameters()).device
         self.draft_slots: dict[int, int] = {}  # target slot -> draft slot
         # request id -> (n, per node its index in the draft's block where it was fed, or -1) of
@@ -214,28 +212,18 @@ class DraftModelProposer:
     def catch_up(self, reqs: Sequence[DraftRequest]) -> None:
         """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
 
-        Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the Triton
-        attention path: a longer chunk would go through SDPA, whose cuDNN backend plans
-        every new shape (hundreds of milliseconds) and catch-up lengths rarely repeat.
-        When the step function has a CUDA graph of that width (small batches), chunks are
-        right-padded to it and replayed: an eager forward of a small model is launch-bound
-        and costs many graph replays.
-        """
+        Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the split-KV
+        attention kernel's rows (a pass of few tokens replays a CUDA graph of its token count:
+        an eager forward of a small model is launch-bound)."""
         todo = list(reqs)
         while todo:
-            slots = [self.slot(r) for r in todo]
-            starts = [self.pool.seq_len(s) for s in slots]
-            lens = [min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
-                    for r, d in zip(todo, starts, strict=True)]
-            layout = BatchLayout.of(slots, starts, lens)
-            padded = BatchLayout.of(slots, starts, lens, width=CATCH_UP_CHUNK)
-            graph = self.step_forward.captured(padded, False)
-            if graph:
-                layout = padded
-            ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
-            for b, (r, d, n) in enumerate(zip(todo, starts, lens, strict=True)):
-                ids[b, :n] = torch.tensor(r.token_slice(d, d + n))
-            (self.step_forward if graph else self._eager)(ids, layout, all_logits=False)
+            rows = []
+            for r in todo:
+                slot = self.slot(r)
+                d = self.pool.seq_len(slot)
+                n = min(CATCH_UP_CHUNK, r.num_computed_tokens + 1 - self.max_feed - d)
+                rows.append(Row(slot, d, r.token_slice(d, d + n), logits=0))
+            self.step_forward.run(plan_batch(rows))
             todo = [r for r in todo if self.behind(r)]
 
     def _draft_loop(self, reqs: Sequence[DraftRequest],

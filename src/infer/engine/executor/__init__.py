@@ -1,15 +1,15 @@
-"""make_forward: the eager forward, or CUDA graphs of it when its `ForwardSpec` asks on a GPU."""
+"""make_forward: a model's one flat forward through its pool, eager or CUDA graphs of it."""
 
 from __future__ import annotations
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
 from infer.engine.executor.flat_forward import FlatForward
-from infer.engine.executor.forward import EagerForward, ForwardFn
+from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.llama import LlamaForCausalLM
 
-__all__ = ["EagerForward", "ForwardFn", "ForwardSpec", "make_forward"]
+__all__ = ["ForwardFn", "ForwardSpec", "make_forward"]
 
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:

@@ -21,7 +21,7 @@ import torch
 
 from infer.cache.forward_batch import ARRAYS, BatchPlan, DeviceIds, batch_of, build_batch
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.executor.staging import _Staging
+from infer.engine.executor.staging import _Staging, record_graph
 from infer.models.batch import WORD, ForwardBatch
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -105,7 +105,6 @@ class GraphBatchForward:
 
     @torch.inference_mode()
     def _capture(self, n: int, tree: bool) -> _Graph:
-        from infer.engine.executor.graphs import record_graph
         sizes = self._sizes(n)
         device_buf = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
         parts = dict(zip(ARRAYS, torch.split(device_buf, sizes), strict=True))

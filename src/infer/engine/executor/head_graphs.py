@@ -25,8 +25,7 @@ import torch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout, ViewIndices
 from infer.engine.executor.capture import capture_sizes, graph_context_width
-from infer.engine.executor.graphs import record_graph
-from infer.engine.executor.staging import _capture_inputs, _host_indices, _split, _stage_sampling, _Staging
+from infer.engine.executor.staging import _capture_inputs, _host_indices, _split, _stage_sampling, _Staging, record_graph
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
 from infer.speculative.eagle_round import EagerHeadRound, check_round, head_round
@@ -103,7 +102,7 @@ class GraphHeadRound:
         segments = _round_segments(b, w, steps, s)
         device = torch.zeros(sum(torch.Size(shape).numel() for _, shape in segments), dtype=torch.long,
                              device=self.device)
-        parts = _split(device, b, w, s, segments)
+        parts = _split(device, segments)
         _capture_inputs(parts, width, self.pool.scratch_row)
         parts["last"].fill_(w - 1)
         indices = _host_indices(parts)
@@ -121,7 +120,7 @@ class GraphHeadRound:
         graph, (tokens, probs) = record_graph(run, self.stream, self.device)
         g = _HeadGraph(graph, _Staging(device), None if floats is None else _Staging(floats), features, tokens, probs)
         for host in g.staging.hosts:
-            host_parts = _split(host, b, w, s, segments)
+            host_parts = _split(host, segments)
             g.host_parts.append((host_parts, _host_indices(host_parts)))
         return g
 

@@ -1,16 +1,36 @@
-"""Staging for CUDA graph replays: pinned host buffers that feed a graph's static inputs, and
-the layout of those inputs (one int64 buffer split into named segments), so a replay's inputs
-reach the GPU in one transfer."""
+"""CUDA graph capture (`record_graph`) and the staging of a replay's inputs: pinned host buffers
+that feed a graph's static inputs, and the layout of those inputs (one int64 buffer split into
+named segments), so a replay's inputs reach the GPU in one transfer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from infer.cache.view import ViewIndices
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
+T = TypeVar("T")
+
+
+def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.device,
+                 pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Warm `run` up on the side stream, then capture it: (graph, run's outputs). `pool`: a
+    memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`), for graphs of
+    which only one runs at a time."""
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, pool=pool):
+        out = run()
+    return graph, out
+
+
 
 
 class _Staging:
@@ -70,21 +90,10 @@ def _capture_inputs(parts: dict[str, torch.Tensor], width: int, scratch_row: int
     parts["ctx_end"].fill_(width)
 
 
-def _loop_segments(b: int, w: int, steps: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
-    width = w + steps - 1
-    return [("ids", (b, w)), ("positions", (b, width)), ("write_rows", (b * width,)), ("gather_rows", (b, s)),
-            ("ctx_end", (b,))]
-
-
-def _segments(b: int, w: int, s: int) -> list[tuple[str, tuple[int, ...]]]:
-    return [("ids", (b, w)), ("positions", (b, w)), ("last", (b,)), ("write_rows", (b * w,)),
-            ("gather_rows", (b, s)), ("ctx_end", (b,))]
-
-
-def _split(buf: torch.Tensor, b: int, w: int, s: int,
-           segments: list[tuple[str, tuple[int, ...]]] | None = None) -> dict[str, torch.Tensor]:
+def _split(buf: torch.Tensor, segments: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """Views of `buf` for the named segments, in order."""
     parts, offset = {}, 0
-    for name, shape in segments if segments is not None else _segments(b, w, s):
+    for name, shape in segments:
         n = 1
         for x in shape:
             n *= x

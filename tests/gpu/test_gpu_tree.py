@@ -16,7 +16,7 @@ import torch
 
 from helpers.checkpoints import encode
 from infer import LLM, SamplingParams
-from infer.speculative.tree import TreeChunk, TreeShape
+from infer.speculative.tree import TreeShape
 
 pytestmark = pytest.mark.gpu
 

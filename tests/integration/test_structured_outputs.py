@@ -163,9 +163,9 @@ def test_draft_model_proposes_only_tokens_the_grammar_allows(make_llm, monkeypat
     from infer.speculative.grammar_mask import allocate_bitmask, allowed_tokens
 
     checked = []
-    real_run = Verification.run
+    real_block = Verification.block
 
-    def spy(self, requests, drafts, while_gpu_runs):
+    def spy(self, requests, drafts):
         for r, d in zip(requests, drafts, strict=True):
             if r.grammar is None:
                 continue
@@ -174,9 +174,9 @@ def test_draft_model_proposes_only_tokens_the_grammar_allows(make_llm, monkeypat
                 bitmask = allocate_bitmask(1, r.grammar.vocab_size)
                 r.grammar.fill_after(bitmask, 0, tokens[:i])
                 checked.append(bool(allowed_tokens(bitmask, r.grammar.vocab_size)[0, t]))
-        return real_run(self, requests, drafts, while_gpu_runs)
+        return real_block(self, requests, drafts)
 
-    monkeypatch.setattr(Verification, "run", spy)
+    monkeypatch.setattr(Verification, "block", spy)
     llm = _llm(make_llm, "draft")
     free = SamplingParams(temperature=0.8, seed=1, max_tokens=24)
     outs = llm.generate(["A record: ", "data = ", "def f(x):\n    "],

@@ -84,7 +84,7 @@ def test_a_worker_builds_the_driver_s_forwards_and_runs_their_forward_part(ckpt_
                                       frozenset({"target", "draft"}))
     ModelRunner(models.target, models.tokenizer, config, models.eos_token_ids, executor, draft_model=models.draft)
     driver_specs = [m.call.spec for m in channel.sent if isinstance(m.call, MakeForward)]
-    assert len(driver_specs) == 3  # the target's forward, the draft's step and eager forwards
+    assert len(driver_specs) == 2  # the target's forward and the draft's
     assert driver_specs[0].trees == driver_specs[1].trees == (tree is not None)
     worker = Worker({"target": models.target, "draft": models.draft}, channel, rank=1)  # type: ignore[arg-type]
     with torch.inference_mode():

@@ -43,8 +43,8 @@ _HELP = {
     "threads": "CPU threads for torch; default: one per 250M parameters, at most half the cores (small models "
                "decode fastest on one thread)",
     "load_format": "auto | safetensors | dummy (random weights; 'dummy:llama-3.2-3b' style model names)",
-    "cuda_graph_sampling_batch_max": "largest batch whose steps also get sampling, acceptance and draft-round "
-                                     "graphs (less: less GPU memory with a large vocabulary; 0: none)",
+    "cuda_graph_sampling_batch_max": "largest batch whose EAGLE head rounds run as one CUDA graph each (less: "
+                                     "less GPU memory with a large vocabulary; 0: none)",
     "tensor_parallel_size": "GPUs (ranks) the model is split over; the engine starts N-1 worker processes, or "
                             "joins the ranks torchrun started",
     "tensor_parallel_embedding": "replicated | vocab_parallel: each rank holds the whole embedding, or V/N rows "

@@ -163,7 +163,7 @@ class EngineConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None (chosen by model size), got {self.threads}")
         if self.cuda_graph_sampling_batch_max < 0:
-            raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no sampling graphs), "
+            raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no EAGLE round graphs), "
                              f"got {self.cuda_graph_sampling_batch_max}")
         if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
             raise ValueError(f"spec_disable_batch_size must be >= 1 or None, got {self.spec_disable_batch_size}")

@@ -15,7 +15,7 @@ import pytest
 from infer import EngineConfig
 from infer.bench.harness import Harness
 from infer.bench.report import markdown
-from infer.bench.results import BenchRun, load_run, save_run
+from infer.bench.results import BenchRun, load_run
 from infer.bench.rows import HarnessOptions
 from infer.bench.serve import SERVE_KIND, ServeSession, ServeSetup, serve_rows
 from infer.bench.serve_client import RateResult, ServeRecord, run_rate, server_facts, summarize

@@ -307,60 +307,6 @@ def test_greedy_parity_with_repetition_penalty(make_llm, ckpt_a, random_draft, p
     assert llm.engine.runner.stats.rounds > 0
 
 
-def test_fused_draft_sampling_equals_the_general_path(make_llm, ckpt_a, random_draft, prompts, monkeypatch):
-    # rows sampling with a temperature alone let the forward function sample (inside the CUDA
-    # graph on a GPU); it must draw exactly what the general pipeline draws
-    import infer.speculative.draft_model as dm
-    params = [SamplingParams(temperature=t, max_tokens=MAX_NEW, ignore_eos=True, seed=7 + i)
-              for i, t in enumerate([0.8, 1.0, 0, 1.3])]
-    results = []
-    for fused in (True, False):
-        llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
-        draft = llm.engine.runner.speculation.draft
-        calls = []
-        sample = draft.step_forward.sample
-        draft.step_forward.sample = lambda *a: (calls.append(1), sample(*a))[1]
-        if not fused:  # every row through logits_to_probs and sample_from_probs
-            monkeypatch.setattr(dm, "temperature_only", lambda params, vocab: False)
-        outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)
-        stats = llm.engine.runner.stats
-        results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
-        assert bool(calls) == fused
-    assert results[0] == results[1]
-    assert results[0][2] > 0  # self-draft at a temperature: most drafts accepted
-
-
-@pytest.mark.parametrize("temperatures", [[0, 0, 0, 0], [0.8, 1.0, 0, 1.3]])
-def test_fused_draft_rounds_equal_step_by_step(make_llm, ckpt_a, prompts, temperatures):
-    # a round whose rows all draft k tokens after feeds of one width runs as one `draft_loop`
-    # (one CUDA graph replay on a GPU); with `loop_lengths` a round of fewer drafts (the
-    # length guards at the end of each request) runs the K loop and keeps its first k
-    # tokens. Both must draft exactly what the step-by-step loop drafts. (Lengths that are
-    # not whole rounds, different per row: last rounds of fewer drafts, rows apart.)
-    params = [SamplingParams(temperature=t, max_tokens=MAX_NEW - 1 - i, ignore_eos=True, seed=7 + i)
-              for i, t in enumerate(temperatures)]
-    results, rounds = [], {}
-    for mode in ("exact", "padded", "steps"):
-        llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 4)
-        draft = llm.engine.runner.speculation.draft
-        draft.fuse_rounds = mode != "steps"
-        if mode == "padded":
-            draft.loop_lengths, draft.loop_batch_max = (K,), 4
-        loops = []
-        loop = draft.step_forward.draft_loop
-        draft.step_forward.draft_loop = lambda *a: (loops.append(a[2]), loop(*a))[1]
-        outs = [o.outputs[0].token_ids for batch in (prompts[:4], prompts[4:5])
-                for o in llm.generate(prompt_token_ids=batch, sampling_params=params[:len(batch)])]
-        stats = llm.engine.runner.stats
-        results.append((outs, stats.draft_tokens, stats.accepted_tokens, stats.accepted_per_position))
-        assert bool(loops) == (mode != "steps") and set(loops) <= ({K} if mode == "padded" else set(range(1, K + 1)))
-        rounds[mode] = len(loops)
-        assert not llm.engine.leak_report()
-    assert results[0] == results[1] == results[2]
-    assert results[0][2] > 0  # self-draft: most drafts accepted
-    assert rounds["padded"] > rounds["exact"]  # the guarded last rounds ran the K loop too
-
-
 def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
     # catch-ups are fed in chunks of at most CATCH_UP_CHUNK tokens per row (the Triton path on
     # a GPU); with a tiny chunk the prompts' lazy prefill and every gap take several chunks

@@ -141,21 +141,15 @@ def test_dummy_head_configs_follow_the_target_shape() -> None:
 
 
 
-@pytest.mark.parametrize("drafter", ["eagle3 head", "draft model"])
-def test_a_draft_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch,
-                                                 drafter: str) -> None:
-    """A draft drafting a chain round in one call (an EAGLE head's round, a draft model's
-    draft_loop) has its c from timed rounds of 1 and max(2, k_max) steps: the step is their
-    slope, the rest of the one-step round its fixed part."""
+def test_a_draft_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch) -> None:
+    """An EAGLE head, drafting a chain round in one call, has its c from timed rounds of 1
+    and max(2, k_max) steps: the step is their slope, the rest of the one-step round its
+    fixed part."""
     from infer.engine import step_costs
     from infer.timing import summarize
 
-    head = draft = None
-    if drafter == "draft model":
-        draft = target
-    else:
-        head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
-        head = load_eagle_head(str(head_dir), "eagle3", target)
+    head_dir = write_head(tmp_path / "head", ckpt_b, "eagle3", draft_vocab=50, aux_layers=[0, 1, 1])
+    head = load_eagle_head(str(head_dir), "eagle3", target)
     cfg = step_costs.StepCostConfig(context_len=8, max_seq_len=32, k_max=3, repeats=1, warmup=0)
     steps_timed: list[int] = []
 
@@ -167,8 +161,30 @@ def test_a_draft_cost_is_the_slope_of_its_rounds(tmp_path: Path, ckpt_b: Path, t
         return summarize([1e-3 + 0.25e-3 * out.shape[1]])
 
     monkeypatch.setattr(step_costs, "time_calls", timed)
-    costs = step_costs.measure_model_costs(target, draft, use_cuda_graphs=False, cfg=cfg, head=head)
+    costs = step_costs.measure_model_costs(target, None, use_cuda_graphs=False, cfg=cfg, head=head)
     assert steps_timed == [1, 3]
     assert costs.draft_step_s == pytest.approx(0.25e-3) and costs.draft_fixed_s == pytest.approx(1e-3)
     assert costs.c == pytest.approx(0.25e-3 / 4e-3)
     assert costs.to_dict()["draft_round_fixed_ms"] == pytest.approx(1.0)
+
+
+def test_a_draft_model_cost_is_one_pass(target, monkeypatch) -> None:
+    """A draft model steps one pass at a time: its c is one timed pass (its logits
+    [1, V]) over the target's plain step, with no fixed part."""
+    from infer.engine import step_costs
+    from infer.timing import summarize
+
+    shapes: list[tuple[int, ...]] = []
+
+    def timed(fn, device, repeats, warmup):  # a pass of one logit 2 ms, of several 4 ms
+        out = fn()
+        shapes.append(tuple(out.shape))
+        return summarize([2e-3 if out.shape[0] == 1 else 4e-3])
+
+    monkeypatch.setattr(step_costs, "time_calls", timed)
+    cfg = step_costs.StepCostConfig(context_len=8, max_seq_len=32, k_max=3, repeats=1, warmup=0)
+    costs = step_costs.measure_model_costs(target, target, use_cuda_graphs=False, cfg=cfg)
+    vocab = target.config.vocab_size
+    assert shapes[:5] == [(1, vocab), (1, vocab), (2, vocab), (3, vocab), (4, vocab)]  # plain, v(0..3)
+    assert costs.draft_fixed_s is None and costs.c == pytest.approx(1.0)
+    assert costs.verify_ratio == pytest.approx([1.0, 2.0, 2.0, 2.0])

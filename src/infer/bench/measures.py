@@ -129,7 +129,8 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
               draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
               method: str = "draft_model") -> Row:
     """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head; a
-    draft's step is the slope of its graphed chain rounds, `round_step_times`), loaded by
+    head's step is the slope of its graphed chain rounds, `round_step_times`; a draft
+    model's one pass), loaded by
     the engine's loader with its checks and timed on the CPU threads the engine would
     choose (or --threads)."""
 

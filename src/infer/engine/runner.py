@@ -1,17 +1,17 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode)`: prefill chunks (one request, a batch packed into one row, or
-chunks of long prompts after a cached prefix; all one code path through `BatchLayout`),
-then one decode step for the running requests. When no request drafts this step, its
-decode rows ride along with the prefill chunks in one packed forward instead (`_mixed`,
-`EngineConfig.mixed_batches`). A decode step:
+`step(prefill, decode, room)`: one pass of the target's flat forward (`ForwardFn.run`) over
+every row of the step: the prefill chunks, each decode row, and each round's verification
+block with its tree rule; a row asks for the logits it needs (a chunk's last, a decode
+row's one, a block's every token). With `EngineConfig.mixed_batches` off, prefill chunks and
+decode rows take two passes. The decode part:
 
 1. depths: how deep each request drafts (`Speculation.depths`: the policy's K cut by the
    length guards; 0 for every request without speculation). Depth 0 everywhere is a plain
    decode step: one forward, the sampled tokens [B] stay on the device;
 2. propose: the proposer drafts over the round's shape (a chain of up to K, or the static
    tree), no node deeper than the request's depth;
-3. verify: one target forward over every draft block, then the verifier
+3. verify: the draft blocks ride in the step's one pass, then the verifier
    (`engine/verification.py`), one host sync;
 4. accept: the accepted path's K/V rows move into sequence order (a tree's; a chain's are in
    place), the target's cache and the proposer's state roll back to n + a + 1, and the

@@ -123,10 +123,9 @@ class Speculation:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
         through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        a draft drafting chains in one call a round (an EAGLE head, a draft model's
-        `draft_loop`) costs what a step adds to its round (`round_step_times`: the round's
-        fixed part is host overhead the round clock times); `spec_cost_coefficient`
-        overrides c."""
+        a draft model one pass of its forward; an EAGLE head, drafting a chain in one call a
+        round, what a step adds to its round (`round_step_times`: the round's fixed part is
+        host overhead the round clock times); `spec_cost_coefficient` overrides c."""
         c = self.config.spec_cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
         if next(target.parameters()).device.type != "cuda":
@@ -140,10 +139,8 @@ class Speculation:
         step_pool = None
         if draft is not None:
             step, step_pool = draft.step_forward, draft.pool
-            if self.tree is None and draft.fuse_rounds:  # chains: a round is one draft_loop
-                step = RoundStepFn.of_loop(draft.step_forward)
         elif head is not None:
-            step, step_pool = RoundStepFn.of_head(head.round_fn, head.head), head.pool
+            step, step_pool = RoundStepFn(head.round_fn, head.head), head.pool
         costs = measure_spec_costs(forward, pool, step, step_pool, target.config.vocab_size,
                                    StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))

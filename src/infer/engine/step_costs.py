@@ -8,13 +8,13 @@ scratch slot of the pool it is given at a fixed context length; the slot is free
 afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
 benchmark); the speculative runner passes its own, CUDA graphs included.
 
-A draft that runs a chain round in one call (an EAGLE head's round, a draft model's
-`draft_loop`: one CUDA graph each) has no step of its own to time: its rounds of one fed
-position and S = 1 and S = max(2, k_max) steps are timed (`RoundStepFn`), and its step is
-the slope, (t(S) - t(1)) / (S - 1), what each further draft step adds to a round; the rest
-of t(1), the feed with the host's staging and the launch, is the round's fixed part
-(`draft_fixed_s`), paid once a round like the verification's host work. A draft model
-drafting trees steps level by level: its step is one timed forward call.
+A draft that runs a chain round in one call (an EAGLE head's round: one CUDA graph) has no
+step of its own to time: its rounds of one fed position and S = 1 and S = max(2, k_max)
+steps are timed (`RoundStepFn`), and its step is the slope, (t(S) - t(1)) / (S - 1), what
+each further draft step adds to a round; the rest of t(1), the feed with the host's staging
+and the launch, is the round's fixed part (`draft_fixed_s`), paid once a round like the
+verification's host work. A draft model steps one forward pass at a time: its step is one
+timed pass.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer.cache.forward_batch import BatchPlan, DeviceIds, Row, plan_batch
 from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
@@ -103,11 +104,10 @@ def forward_times(forward: ForwardFn | RoundStepFn, pool: CachePoolProtocol, sha
 
 def _step(forward: ForwardFn | RoundStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
     width, all_logits = shape
-    layout = BatchLayout.of([slot], [context_len], [width])
-    ids = torch.randint(0, vocab, (1, width))  # [1, width], CPU as the runners pass them
+    ids = torch.randint(0, vocab, (width,)).tolist()
 
-    def run() -> torch.Tensor:
-        return forward(ids, layout, all_logits=all_logits)
+    def run() -> torch.Tensor:  # (laid out every call, as the runner does)
+        return forward.run(plan_batch([Row(slot, context_len, ids, width if all_logits else 1)]))
 
     return torch.inference_mode()(run)
 
@@ -157,54 +157,38 @@ def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None
                         cfg: StepCostConfig | None = None, head: EagleHead | None = None) -> SpecCosts:
     """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
     `head` in place of a draft model); the draft's step is the slope of its chain rounds
-    (`round_step_times`)."""
+    (`round_step_times`) for a head, one pass for a draft model."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
-    draft_fn: RoundStepFn | None = None
+    draft_fn: ForwardFn | RoundStepFn | None = None
     draft_pool = None
     if head is not None:
         draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)
     elif draft is not None:
-        forward, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
-        draft_fn = RoundStepFn.of_loop(forward)
+        draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
     return measure_spec_costs(target_fn, target_pool, draft_fn, draft_pool, target.config.vocab_size, cfg,
                               use_cuda_graphs)
 
 
 class RoundStepFn:
-    """A draft's chain round of one fed position and S steps, S = the layout's width, called
-    as a forward function `(ids, layout, all_logits)` -> tokens [n, S], so `forward_times`
-    times it as it times a forward step: an EAGLE head's round (`HeadRoundFn`) or a draft
-    model's `draft_loop`, CUDA graphs included, every row greedy."""
+    """An EAGLE head's chain round of one fed position and S steps, S = the one row's token
+    count, run as a forward function (`run(plan)` -> tokens [1, S]) so `forward_times` times
+    it as it times a forward pass, CUDA graphs included, every row greedy."""
 
-    def __init__(self, round_fn: Callable[[torch.Tensor, BatchLayout, int], torch.Tensor]) -> None:
-        self.round_fn = round_fn  # (ids [n, 1], the union layout, steps) -> tokens [n, steps]
-
-    @classmethod
-    def of_head(cls, round_fn: HeadRoundFn, head: EagleHead) -> RoundStepFn:
-        """An EAGLE head's rounds, fed zero features."""
+    def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
+        self.round_fn = round_fn
         param = next(head.parameters())
-        features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
+        self.features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
 
-        def run(ids: torch.Tensor, layout: BatchLayout, steps: int) -> torch.Tensor:
-            n = ids.shape[0]
-            return round_fn(ids, features.expand(n, -1, -1), layout, [0] * n, steps, [1.0] * n,
-                            torch.zeros((n, steps), dtype=torch.float64), [True] * n)[0]
-        return cls(run)
-
-    @classmethod
-    def of_loop(cls, forward: ForwardFn) -> RoundStepFn:
-        """A draft model's `draft_loop` on its forward function."""
-
-        def run(ids: torch.Tensor, layout: BatchLayout, steps: int) -> torch.Tensor:
-            n = ids.shape[0]
-            return forward.draft_loop(ids, layout, steps, [1.0] * n, torch.full((n, steps), 0.5, dtype=torch.float64),
-                                      [True] * n)[0]
-        return cls(run)
-
-    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        return self.round_fn(ids[:, :1], layout, layout.width)
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        if plan.num_rows != 1:
+            raise ValueError(f"a timed round has one row, got {plan.num_rows}")
+        (slot, end), steps = plan.ends[0], plan.query_lens[0]
+        layout = BatchLayout.of([slot], [end - steps], [steps])
+        ids = torch.as_tensor(plan.arrays["ids"][:1])[None, :]  # [1, 1] the fed position
+        return self.round_fn(ids, self.features, layout, [0], steps, [1.0],
+                             torch.zeros((1, steps), dtype=torch.float64), [True])[0]
 
 
 def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[RoundStepFn, CachePoolProtocol]:
@@ -215,4 +199,4 @@ def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) ->
     kernels = step_kernels(engine_cfg, next(head.parameters()).device, head)  # as the engine runs them
     round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
     round_fn.prepare([1], [1, max(2, cfg.k_max)])
-    return RoundStepFn.of_head(round_fn, head), pool
+    return RoundStepFn(round_fn, head), pool

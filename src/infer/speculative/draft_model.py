@@ -12,15 +12,10 @@ whose target cache holds n tokens (the pending token g = tokens[n] not yet fed a
 2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
    draft distribution q_i after the request's sampling transforms (repetition penalty over
    the growing context, temperature, top-k, top-p) with the request's generator. Greedy
-   rows take the argmax and report no probabilities (a one-hot q). When every row drafts
-   the same k after a feed of the same width and samples with a temperature alone (greedy
-   included), the K steps are one `draft_loop` call: on the GPU one CUDA graph replay, so a
-   round pays the host work of one step rather than K (small draft models are bound by it).
-   A round whose rows draft fewer (the length guards near the end of a request, the
-   adaptive policy's per-row K) runs the shortest loop in `loop_lengths` (those whose graphs
-   were captured at start-up) that covers them, where every row has room for its positions,
-   and keeps each row's first k_b tokens: the extra steps cost a fraction of a step each,
-   a graph captured mid-request tens of milliseconds.
+   rows take the argmax and report no probabilities (a one-hot q). Each step is one pass of
+   the draft's flat forward (`ForwardFn.run`, a CUDA graph by token count on the GPU); a
+   step's ids are the tokens the step before drew, left on the device. Rows stop at their
+   own k_b (the length guards near a request's end, the adaptive policy's per-row K).
 3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
    what it actually holds, n + k).
 
@@ -29,15 +24,15 @@ A tree round (a static `TreeShape` that is not a chain; depth limit k_b >= 1):
 1. catch-up exactly as a chain round: long gaps as prefill chunks, the rest fed with g;
 2. level 0: one batched draft step over the unseen tail, ending with g at position n; its
    logits (after g) give the root's children;
-3. level d = 1 .. k_b - 1: one batched `ForwardFn.tree` over the depth-d nodes of the rows
-   still expanding. Node i is stored at n + 1 + i of the draft's slot (the target's
-   verification convention), at rotary position n + d, and sees the context, g, its
-   ancestors and itself (`TreeChunk.level`). Its logits give the depth-(d+1) children. A
+3. level d = 1 .. k_b - 1: one batched pass over the depth-d nodes of the rows still
+   expanding, each row carrying the level's tree rule (`TreeChunk.rule`). Node i is stored
+   at n + 1 + i of the draft's slot (the target's verification convention), at rotary
+   position n + d, and sees the context, g, its ancestors and itself (`TreeChunk.level`). Its logits give the depth-(d+1) children. A
    row's deepest level is never fed, as a chain's last draft is not.
 
 A chain row with a structured output drafts from the draft's distribution masked by its
 grammar (at the state after g and the tokens drafted so far), so it proposes only tokens the
-grammar allows; its steps sync with the host (the next mask needs the token) and never fuse.
+grammar allows; its steps sync with the host (the next mask needs the token).
 Tree drafts are not masked: the verifier rejects a node the grammar forbids.
 
 Children of a node: greedy rows take the top-b tokens of the draft's (penalised) logits in
@@ -66,11 +61,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.cache.compaction import PathMove, move_paths
-from infer.cache.forward_batch import Row, plan_batch
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.models.paged_attention import DECODE_MAX_QUERY
 from infer.models.llama import LlamaForCausalLM
-from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.dynamic_draft import expand_dynamic
@@ -103,13 +96,6 @@ class DraftModelProposer:
         # request id -> (n, per node its index in the draft's block where it was fed, or -1) of
         # the round in flight
         self.rounds: dict[str, tuple[int, tuple[int, ...]]] = {}
-        # draft rounds whose rows all draft the same k after a feed of one width run as one
-        # `draft_loop` (False: always step by step, as the reference the tests compare with)
-        self.fuse_rounds = True
-        # loop lengths whose `draft_loop` graphs exist (`prepare_draft_loops`): a round of
-        # fewer steps runs the shortest of them that covers it (module docstring, step 2)
-        self.loop_lengths: tuple[int, ...] = ()
-        self.loop_batch_max = 0  # ... for batches up to this size (larger ones step through each step's graph)
 
     # -- memory: a draft slot from a request's first round on -------------------------------
     # A request gets its draft slot at its first round (`propose`), not at admission: one that
@@ -240,71 +226,28 @@ class DraftModelProposer:
         batch, k_max = len(reqs), max(ks)
         slots = [self.slot(r) for r in reqs]
         chain = ChainSteps.of(reqs, k_max, self.device)
-        params, greedy = chain.params, chain.greedy
-        vocab = self.model.config.vocab_size
-        fused = None if greedy or chain.host_bound or not all(temperature_only(p, vocab) for p in params) else \
-            self.step_forward.sample
-        host_uniforms = None if greedy else row_uniforms(reqs, ks)  # [B, K] CPU
-        uniforms = None if greedy or fused else to_device(host_uniforms, self.device)  # [B, K]
-        temps = [1.0 if p.greedy else p.temperature for p in params]
+        uniforms = None if chain.greedy else to_device(row_uniforms(reqs, ks), self.device)  # [B, K]
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
-        # up to max_feed after plain steps)
+        # up to max_feed after plain steps); each later step the token the step before drew
         starts = [self.pool.seq_len(s) for s in slots]
-        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
-        lens = [len(f) for f in feeds]
-        ids: torch.Tensor = torch.zeros((batch, max(lens)), dtype=torch.long)
-        for b, f in enumerate(feeds):
-            ids[b, :len(f)] = torch.tensor(f)
-        steps = self._loop_steps(slots, starts, lens, ks)
-        if self.fuse_rounds and not chain.host_bound and (greedy or fused is not None) and steps:
-            # the whole round is one `draft_loop` (one CUDA graph replay on the GPU)
-            union = BatchLayout.of(slots, starts, [lens[0] + steps - 1] * batch)
-            loop_uniforms = torch.full((batch, steps), 0.5, dtype=torch.float64)  # (greedy: unused)
-            if host_uniforms is not None:
-                loop_uniforms[:, :k_max] = host_uniforms
-            loop_tokens, loop_probs = self.step_forward.draft_loop(ids, union, steps, temps, loop_uniforms,
-                                                                   [p.greedy for p in params])
-            return [row[:k] for row, k in zip(loop_tokens.tolist(), ks, strict=True)], \
-                None if loop_probs is None else loop_probs[:, :k_max]
+        feeds: list[list[int]] = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
+        new: torch.Tensor | None = None
         for step in range(k_max):
-            layout = BatchLayout.of([slots[b] for b in alive], [starts[b] for b in alive], [lens[b] for b in alive])
-            if fused is not None:
-                new, probs = fused(ids, layout, [temps[b] for b in alive], host_uniforms[alive, step],
-                                   [params[b].greedy for b in alive])  # [A], [A, V]
-            else:
-                logits = self.step_forward(ids, layout, all_logits=False)  # [A, V]
-                new, probs = chain.draw(logits, alive, None if uniforms is None else uniforms[rows, step])
+            plan = plan_batch([Row(slots[b], starts[b], feeds[b]) for b in alive])
+            logits = self.step_forward.run(plan, None if new is None else DeviceIds(tuple(range(len(alive))), new))
+            new, probs = chain.draw(logits, alive, None if uniforms is None else uniforms[rows, step])  # [A]
             chain.put(rows, step, new, probs)
             for b in alive:
-                starts[b] += lens[b]
-                lens[b] = 1
+                starts[b] += len(feeds[b])
+                feeds[b] = [0]  # (its id comes from the device)
             keep = [i for i, b in enumerate(alive) if ks[b] > step + 1]
             if len(keep) < len(alive):  # rows at their own k stop here
                 alive = [alive[i] for i in keep]
                 rows = tensor_on(alive, self.device, torch.long)
                 new = new.index_select(0, tensor_on(keep, self.device, torch.long))
-            ids = new[:, None]
         return chain.rows(ks), chain.probs
-
-    def _loop_steps(self, slots: Sequence[int], starts: Sequence[int], lens: Sequence[int],
-                    ks: Sequence[int]) -> int:
-        """The steps of a round run as one `draft_loop`, 0 for step by step: k_max when every
-        row drafts it, else the shortest `loop_lengths` entry >= k_max whose positions every
-        row has room for (the extra steps' cache writes are rolled back by `on_accepted`)."""
-        k_max = max(ks)
-        if min(lens) != max(lens):
-            return 0
-        if min(ks) == k_max and (k_max in self.loop_lengths or len(slots) > self.loop_batch_max):
-            return k_max
-        for steps in sorted(n for n in self.loop_lengths if n >= k_max) if len(slots) <= self.loop_batch_max else ():
-            ends = [d + lens[0] + steps - 1 for d in starts]  # positions < end written
-            if max(ends) <= self.pool.max_seq_len and all(
-                    self.pool.ensure_capacity(s, e) for s, e in zip(slots, ends, strict=True)):
-                return steps
-            break  # longer ones need more room still
-        return k_max if min(ks) == k_max else 0
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """The fed part of each accepted path into sequence order (one gather + scatter for
@@ -333,25 +276,25 @@ class DraftModelProposer:
     def _feed_tail(self, reqs: Sequence[DraftRequest], slots: Sequence[int]) -> torch.Tensor:
         """A tree's level 0: one batched step over the unseen tail tokens[d : n + 1] (g last)
         -> the logits after g [A, V]."""
-        starts = [self.pool.seq_len(s) for s in slots]
-        feeds = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
-        ids = torch.zeros((len(reqs), max(len(f) for f in feeds)), dtype=torch.long)
-        for b, f in enumerate(feeds):
-            ids[b, :len(f)] = torch.tensor(f)
-        return self.step_forward(ids, BatchLayout.of(slots, starts, [len(f) for f in feeds]), all_logits=False)
+        rows = [Row(s, self.pool.seq_len(s), r.token_slice(self.pool.seq_len(s))) for r, s in zip(reqs, slots,
+                                                                                              strict=True)]
+        return self.step_forward.run(plan_batch(rows))
 
     def _expand(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
                 shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
         """Levels 0 .. max(ks) - 1 (`tree_expand.expand_levels`): a level's state is the
-        draft's logits after each of its nodes, a deeper level one batched `ForwardFn.tree`."""
+        draft's logits after each of its nodes, a deeper level one batched pass of the level's
+        nodes with their tree rule (`TreeChunk.level`)."""
         slots = [self.slot(r) for r in reqs]
 
         def feed(d: int, alive: list[int], keep: list[int], level_tokens: torch.Tensor,
                  logits: torch.Tensor) -> torch.Tensor:
             lo, hi = shape.level_starts[d], shape.level_starts[d + 1]
-            level = BatchLayout.of([slots[a] for a in alive], [reqs[a].num_computed_tokens + 1 + lo for a in alive],
-                                   [hi - lo] * len(alive))
-            return self.step_forward.tree(level_tokens, level, TreeChunk.level(shape, d + 1))  # [A'', P, V]
+            rule = TreeChunk.level(shape, d + 1).rule()
+            rows = [Row(slots[a], reqs[a].num_computed_tokens + 1 + lo, [0] * (hi - lo), logits=hi - lo, tree=rule)
+                    for a in alive]
+            ids = DeviceIds(tuple(range(len(alive) * (hi - lo))), level_tokens.reshape(-1))
+            return self.step_forward.run(plan_batch(rows), ids).view(len(alive), hi - lo, -1)  # [A'', P, V]
 
         root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)

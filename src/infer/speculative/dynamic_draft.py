@@ -27,12 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.sampling import draw_uniforms
 from infer.speculative.dynamic_select import NEG_INF, best_slots, draw_children, kept_tree, slot_scores
 from infer.speculative.forward import ForwardFn
-from infer.speculative.node_tree import DynamicShape, NodeTree, RowTreeChunk
+from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
+from infer.speculative.tree import chunk_rule
 from infer.transfer import tensor_on, to_device
 
 
@@ -119,10 +120,12 @@ def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequ
             break
         first_row = 1 + d * b  # the new frontier's first row in the draft's block
         front, ids = _advance(front, level, keep, b, first_row, offset)
-        n = [reqs[a].num_computed_tokens for a in front.alive]
-        layout = BatchLayout.of([slots[a] for a in front.alive], [x + first_row for x in n], [b] * len(front.alive))
-        offsets = torch.full(ids.shape, d + 1 - first_row, dtype=torch.long, device=device)  # rotary n + d + 1
-        logits = forward.tree(ids, layout, RowTreeChunk(front.mask, offsets, first_row))  # [A'', B, V]
+        depths = torch.full((b,), d + 1, dtype=torch.long)  # rotary n + d + 1
+        rows_of = [Row(slots[a], reqs[a].num_computed_tokens + first_row, [0] * b, logits=b,
+                       tree=chunk_rule(mask, depths, first_row)) for a, mask in zip(front.alive, front.mask.cpu(),
+                                                                                    strict=True)]
+        logits = forward.run(plan_batch(rows_of), DeviceIds(tuple(range(ids.numel())), ids.reshape(-1)))
+        logits = logits.view(len(front.alive), b, -1)  # [A'', B, V]
         offset += f * b
     return _rows(levels, shape)
 

@@ -45,14 +45,6 @@ class ForwardFn(Protocol):
         """A verification step, then rejection sampling: [B, K+2] long on the device."""
         ...
 
-    def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`steps` sampled last-token steps, each feeding the token the one before sampled:
-        (ids [B, steps], probs [B, steps, V] or None when every row is greedy, or a graph's
-        round when its `ForwardSpec` keeps no draft probabilities) on the device.
-        See `EagerForward.draft_loop`."""
-        ...
-
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         """A tree chunk (see `TreeChunk`; a `RowTreeChunk` has a tree per row): ids [B,
         chunk.width] (CPU, or the device) stored at the layout's positions, every row
@@ -78,9 +70,4 @@ class ForwardFn(Protocol):
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         """Whether a CUDA graph serves this exact layout (callers pad to a captured width)."""
-        ...
-
-    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        """Capture `draft_loop` graphs for these first-step widths and step counts now, at
-        start-up, rather than on first use in the middle of a request (no-op when eager)."""
         ...

@@ -40,6 +40,7 @@ from typing import Protocol
 
 import torch
 
+from infer.cache.forward_batch import RowTree
 from infer.sampling import is_strict_int
 
 MAX_TREE_DEPTH = 16
@@ -285,6 +286,21 @@ class TreeChunk:
         """long [width]: rotary position of each chunk row minus the chunk's storage start."""
         rows = position_offsets(self.shape)[self.first_row:self.first_row + self.width]
         return (rows - self.first_row).to(device)
+
+    def rule(self, rows: int | None = None) -> RowTree:
+        """The chunk's first `rows` rows (default all) as a flat batch row's tree rule."""
+        return chunk_rule(self.mask(), position_offsets(self.shape)[self.first_row:self.first_row + self.width],
+                          self.first_row, rows)
+
+
+def chunk_rule(mask: torch.Tensor, depths: torch.Tensor, first_row: int, rows: int | None = None) -> RowTree:
+    """A tree chunk as a row's rule: mask bool [T, W] (the block rows each of its rows sees),
+    depths [T] (each row's rotary offset from the block's first position), first_row (where
+    the chunk starts in the block); its first `rows` rows."""
+    rows = mask.shape[0] if rows is None else rows
+    weights = [1 << c for c in range(mask.shape[1])]
+    bits = [sum(w for w, seen in zip(weights, row, strict=True) if seen) for row in mask[:rows].tolist()]
+    return RowTree(bits, depths[:rows].tolist(), -first_row, mask.shape[1])
 
 
 @dataclass(frozen=True, slots=True)

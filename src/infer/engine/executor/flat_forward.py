@@ -16,7 +16,7 @@ import torch
 from infer.cache.forward_batch import BatchPlan, DeviceIds, Row, RowTree, plan_batch
 from infer.cache.view import BatchLayout
 from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
-from infer.engine.executor.forward import draft_steps, sample_logits, verify_on_logits, verify_on_tree_logits
+from infer.engine.executor.forward import sample_logits, verify_on_logits, verify_on_tree_logits
 from infer.speculative.node_tree import RowTreeChunk
 from infer.speculative.tree import TreeChunk
 
@@ -88,10 +88,6 @@ class FlatForward:
         return verify_on_logits(self(ids, layout, all_logits=True), draft_tokens, counts, draft_probs, temperatures,
                                 greedy, uniforms)
 
-    def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return draft_steps(self, ids, layout, steps, temperatures, uniforms, greedy)
-
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         """A tree chunk: each row's first chunk_lens[b] block rows, their rule and rotary
         positions from the chunk -> logits [B, chunk.width, V]."""
@@ -117,9 +113,6 @@ class FlatForward:
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         return False  # (nothing needs padding: a graph serves any short rows of its token count)
-
-    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        pass
 
     def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
         pass

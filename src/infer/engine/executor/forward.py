@@ -1,6 +1,5 @@
 """What runs on a forward's logits, on their device: temperature sampling (`sample_logits`),
-a chain's and a tree's acceptance (`verify_on_logits`, `verify_on_tree_logits`), and a
-draft round as steps of a forward function (`draft_steps`)."""
+and a chain's and a tree's acceptance (`verify_on_logits`, `verify_on_tree_logits`)."""
 
 from __future__ import annotations
 
@@ -8,13 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
-from infer.cache.view import BatchLayout
-from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
+from infer.sampling import sample_from_probs, temperature_probs
 from infer.speculative.forward import ForwardFn
 from infer.speculative.node_tree import TreeFrame
 from infer.speculative.tree import TreeShape
 from infer.speculative.verifier import verify_greedy_logits, verify_logits, verify_tree_greedy, verify_tree_logits
 from infer.transfer import tensor_on, to_device
+
+__all__ = ["ForwardFn", "sample_logits", "verify_on_logits", "verify_on_tree_logits"]
 
 
 def sample_logits(logits: torch.Tensor, temperatures: Sequence[float], uniforms: torch.Tensor,
@@ -60,28 +60,3 @@ def verify_on_tree_logits(shape: TreeShape | TreeFrame, logits: torch.Tensor, no
                                            tensor_on(list(greedy), device, torch.bool), tokens, draft_probs,
                                            to_device(uniforms, device), valid)
     return torch.cat([packed, nodes], dim=1)
-
-
-def draft_steps(forward: ForwardFn, ids: torch.Tensor, layout: BatchLayout, steps: int,
-                temperatures: Sequence[float], uniforms: torch.Tensor,
-                greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`ForwardFn.draft_loop` as `steps` calls of `forward` (every row greedy: the logits'
-    argmax) or `forward.sample`, step 1 feeding ids (CPU [n, w]), each later step the token
-    the step before chose (staying on the device); see `EagerForward.draft_loop`."""
-    n, width = ids.shape
-    if layout.chunk_lens != (width + steps - 1,) * n:
-        raise ValueError(f"draft_loop: every row of the layout must be {width + steps - 1} wide "
-                         f"(ids width {width} + {steps - 1} steps), got {layout.chunk_lens}")
-    tokens, probs = [], []
-    step_ids = ids
-    for s in range(steps):
-        offset, w = (0, width) if s == 0 else (width + s - 1, 1)
-        step = BatchLayout.of(layout.slots, [p + offset for p in layout.start_positions], [w] * n)
-        if all(greedy):
-            new = greedy_tokens(forward(step_ids, step, all_logits=False))  # [n]
-        else:
-            new, p = forward.sample(step_ids, step, temperatures, uniforms[:, s], greedy)  # [n], [n, V]
-            probs.append(p)
-        tokens.append(new)
-        step_ids = new[:, None]
-    return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)

@@ -30,6 +30,9 @@ FEATURES = {
     "dynamic-tree": "spec_tree='dynamic:N[:B]'",
     "spec-prefix-preemption": "speculation with prefix caching and a pool small enough to preempt",
     "bad-prompt": "a refused prompt beside valid ones in one generate",
+    "eagle-prefix-cache": "an EAGLE head with prefix caching",
+    "async-spec-preemption": "overlapped scheduling with speculation and a pool small enough to preempt",
+    "adaptive-preemption": "the adaptive policy with a pool small enough to preempt",
 }
 # invalid combinations and the words EngineConfig's ValueError must contain
 INVALID: tuple[tuple[dict[str, Any], str], ...] = (
@@ -81,11 +84,9 @@ def draw_case(seed: int, index: int, avoid: frozenset[str] = frozenset()) -> Cas
     jobs = _draw_jobs(rng)
     engine = _draw_engine(rng, jobs, avoid)
     invalid = None
-    if rng.random() < 0.06:
+    if rng.random() < 0.06:  # one invalid setting or combination, on an otherwise default engine
         mutation, invalid = rng.choice(INVALID)
-        engine = {**engine, **mutation}
-        if engine.get("draft") == "none":
-            engine.pop("draft")
+        engine = {k: v for k, v in {"max_seq_len": engine["max_seq_len"], **mutation}.items() if v != "none"}
     bad = None
     if "bad-prompt" not in avoid and invalid is None and rng.random() < 0.05:
         bad = rng.choice([(), (0, VOCAB + rng.randrange(100)), (0, -1), (0,) * (engine["max_seq_len"] + 1)])
@@ -160,7 +161,9 @@ def _draw_engine(rng: random.Random, jobs: list[Job], avoid: frozenset[str]) -> 
         kw["kv_cache_backend"] = "contiguous"
         kw["enable_prefix_caching"] = False
     else:
-        _draw_paged(rng, kw, need, sum(j.params.n * (len(j.prompt) + j.params.max_tokens) for j in jobs), avoid)
+        _draw_paged(rng, kw, need, jobs)
+    if kw.get("use_speculative_decoding"):
+        _leave_out(kw, need, jobs, avoid)
     return kw
 
 
@@ -201,24 +204,39 @@ def round_positions(kw: dict[str, Any]) -> int:
     return 1 + sum(math.prod(widths[:d + 1]) for d in range(len(widths)))
 
 
-def _draw_paged(rng: random.Random, kw: dict[str, Any], need: int, total: int, avoid: frozenset[str]) -> None:
+def _draw_paged(rng: random.Random, kw: dict[str, Any], need: int, jobs: list[Job]) -> None:
     bs = rng.choice([1, 1, 2, 3, 4, 5, 8, 16])
     kw.update(kv_cache_backend="paged", block_size=bs)
     if rng.random() < 0.3:
         kw["enable_prefix_caching"] = False
     pool = rng.random()
-    if pool < 0.45:
-        blocks = math.ceil(need / bs) + rng.choice([0, 0, 1, 2, 4])
-    elif pool < 0.6:
-        blocks = max(math.ceil(need / bs), math.ceil(total / bs) // 2)
-    else:
+    if pool < 0.45:  # just enough for the largest request, or a bit more
+        kw["num_blocks"] = math.ceil(need / bs) + rng.choice([0, 0, 1, 2, 4])
+    elif pool < 0.6:  # half of what every sample needs at once
+        kw["num_blocks"] = max(math.ceil(need / bs), math.ceil(_tokens(jobs) / bs) // 2)
+
+
+def _tokens(jobs: list[Job]) -> int:
+    return sum(j.params.n * (len(j.prompt) + j.params.max_tokens) for j in jobs)
+
+
+def _leave_out(kw: dict[str, Any], need: int, jobs: list[Job], avoid: frozenset[str]) -> None:
+    """Change a speculative configuration so it shows none of the `avoid` features."""
+    if "eagle-prefix-cache" in avoid and kw["speculative_method"] in HEADS:
+        kw["enable_prefix_caching"] = False
+    if "num_blocks" not in kw:
         return
-    speculative = kw.get("use_speculative_decoding")
-    if speculative and "spec-tight-pool" in avoid:
-        blocks = max(blocks, math.ceil((need + round_positions(kw)) / bs) + 1)
-    if speculative and "spec-prefix-preemption" in avoid and blocks * bs < total + 4 * round_positions(kw):
-        kw["enable_prefix_caching"] = False  # (a pool this small may preempt)
-    kw["num_blocks"] = blocks
+    bs, width = kw["block_size"], round_positions(kw)
+    if "spec-tight-pool" in avoid:
+        kw["num_blocks"] = max(kw["num_blocks"], math.ceil((need + width) / bs) + 1)
+    samples = sum(j.params.n for j in jobs)
+    if kw["num_blocks"] * bs < _tokens(jobs) + samples * (bs + width):  # this pool may preempt
+        if "spec-prefix-preemption" in avoid:
+            kw["enable_prefix_caching"] = False
+        if "async-spec-preemption" in avoid:
+            kw["async_scheduling"] = False
+        if "adaptive-preemption" in avoid and kw.get("spec_policy") == "adaptive":
+            del kw["spec_policy"], kw["spec_cost_coefficient"]
 
 
 def simpler_params(params: SamplingParams) -> list[SamplingParams]:

@@ -8,7 +8,7 @@ ValueError must leave nothing queued), then generates the jobs and checks:
   - limits: at most max_tokens tokens, finish reasons that match, no stop id or EOS before
     the end, no stop string in the text, one log-probability entry per token;
   - lossless: greedy rows equal plain decoding of the target (`Plain`, one request alone,
-    log-probabilities within LOGPROB_ATOL);
+    top-k 1 rows too; every reported log-probability within LOGPROB_ATOL of the target's);
   - rerun: the same generate again on the same engine gives greedy and seeded rows the
     same tokens;
   - alone: a seeded sampled row run alone gives its tokens in the batch;
@@ -23,10 +23,13 @@ import traceback
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from helpers.fuzz_cases import Case, Job, params_source
 from helpers.fuzz_models import FuzzModels
+
 from infer import LLM, SamplingParams
 from infer.engine.output import CompletionOutput
+from infer.models.loader import load_model
 
 LOGPROB_ATOL = 1e-3
 STEP_FACTOR, STEP_SLACK = 8, 200  # step cap: STEP_FACTOR x (prompt + max_tokens, every sample) + STEP_SLACK
@@ -71,18 +74,28 @@ class Watchdog:
 
 
 class Plain:
-    """Plain decoding of the target, one request at a time (memoized): the greedy reference."""
+    """The references: plain decoding of the target, one request at a time (memoized), and
+    the target's log-probabilities of a given continuation (one full forward)."""
 
     def __init__(self, models: FuzzModels) -> None:
         self.llm = LLM(str(models.target), device="cpu", kv_cache_backend="contiguous", max_batch_size=1,
                        max_seq_len=512)
+        self.model = load_model(str(models.target), dtype="float32")[0]
         self.memo: dict[tuple[tuple[int, ...], SamplingParams], CompletionOutput] = {}
 
     def greedy(self, job: Job) -> CompletionOutput:
-        key = (job.prompt, replace(job.params, n=1, seed=None))
+        """Plain greedy decoding of the job (a sampled job: with its penalties and stops)."""
+        key = (job.prompt, replace(job.params, n=1, seed=None, temperature=0.0, top_k=-1, top_p=1.0))
         if key not in self.memo:
             self.memo[key] = self.llm.generate(prompt_token_ids=[list(job.prompt)], sampling_params=key[1])[0].outputs[0]
         return self.memo[key]
+
+    def logprobs(self, prompt: tuple[int, ...], tokens: list[int]) -> torch.Tensor:
+        """log_softmax of the target's logits at each of `tokens`' positions [len(tokens), V]."""
+        ids = torch.tensor([list(prompt) + tokens[:-1]])  # [1, T]
+        with torch.no_grad():
+            logits = self.model(ids)[0, len(prompt) - 1:]  # [len(tokens), V]
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 def engine_kwargs(case: Case, models: FuzzModels) -> dict[str, Any]:
@@ -211,17 +224,29 @@ def _sample_problem(s: CompletionOutput, p: SamplingParams, stops: set[int], at_
 
 
 def _lossless(i: int, job: Job, samples: list[CompletionOutput], plain: Plain) -> Failure | None:
-    if not job.params.greedy:
-        return None
-    ref = plain.greedy(job)
+    """Greedy rows (and top-k 1 rows, deterministic too) give plain decoding's tokens; every
+    reported log-probability is the target's at its position."""
+    deterministic = job.params.greedy or job.params.top_k == 1
+    ref = plain.greedy(job) if deterministic else None
     for s in samples:
-        if s.token_ids != ref.token_ids or s.finish_reason != ref.finish_reason:
-            return Failure("lossless", "greedy tokens", f"job {i}: plain {ref.token_ids} ({ref.finish_reason}), "
+        if ref is not None and (s.token_ids != ref.token_ids or s.finish_reason != ref.finish_reason):
+            row = "greedy" if job.params.greedy else "top-k 1"
+            return Failure("lossless", f"{row} tokens", f"job {i}: plain {ref.token_ids} ({ref.finish_reason}), "
                                                         f"engine {s.token_ids} ({s.finish_reason})")
-        if s.logprobs is not None and any(abs(a.logprob - b.logprob) > LOGPROB_ATOL
-                                          for a, b in zip(s.logprobs, ref.logprobs or [], strict=True)):
-            return Failure("lossless", "greedy log-probabilities", f"job {i}")
+        if s.logprobs and not _logprobs_match(s, plain.logprobs(job.prompt, s.token_ids)):
+            return Failure("lossless", "log-probabilities", f"job {i}: tokens {s.token_ids}, reported "
+                                                             f"{[round(lp.logprob, 4) for lp in s.logprobs]}")
     return None
+
+
+def _logprobs_match(sample: CompletionOutput, expected: torch.Tensor) -> bool:
+    """Each token's log-probability and its top alternatives' values are the target's."""
+    for row, lp in zip(expected, sample.logprobs or [], strict=True):
+        top = row.topk(len(lp.top)).values.tolist() if lp.top else []
+        if abs(lp.logprob - row[lp.token_id].item()) > LOGPROB_ATOL or any(
+                abs(v - w) > LOGPROB_ATOL for (_, v), w in zip(lp.top, top, strict=True)):
+            return False
+    return True
 
 
 def _reproducible(job: Job) -> bool:

@@ -68,6 +68,7 @@ class Case:
     jobs: tuple[Job, ...]
     invalid: str | None = None  # words the construction's ValueError must contain; None: valid
     bad_prompt: tuple[int, ...] | None = None  # a prompt generate must refuse (sent with the jobs)
+    abort: tuple[int, int] | None = None  # (job, engine step): the job aborted then, in a last pass
     avoid: frozenset[str] = field(default_factory=frozenset)
 
     @property
@@ -90,7 +91,8 @@ def draw_case(seed: int, index: int, avoid: frozenset[str] = frozenset()) -> Cas
     bad = None
     if "bad-prompt" not in avoid and invalid is None and rng.random() < 0.05:
         bad = rng.choice([(), (0, VOCAB + rng.randrange(100)), (0, -1), (0,) * (engine["max_seq_len"] + 1)])
-    return Case(seed, index, engine, tuple(jobs), invalid, bad, frozenset(avoid))
+    abort = (rng.randrange(len(jobs)), rng.randint(0, 8)) if rng.random() < 0.3 else None
+    return Case(seed, index, engine, tuple(jobs), invalid, bad, abort, frozenset(avoid))
 
 
 def _draw_prompts(rng: random.Random, count: int) -> list[tuple[int, ...]]:

@@ -12,6 +12,8 @@ ValueError must leave nothing queued), then generates the jobs and checks:
   - rerun: the same generate again on the same engine gives greedy and seeded rows the
     same tokens;
   - alone: a seeded sampled row run alone gives its tokens in the batch;
+  - abort: one job aborted at a given engine step (the jobs driven through `Engine`) ends
+    as aborted, the other greedy rows keep their tokens;
   - leaks: `engine.leak_report()` is empty after every generate.
 A failure's `signature` (kind and place, e.g. an exception's type and innermost frame in
 src/infer) groups cases failing the same way.
@@ -38,7 +40,7 @@ ALONE_ROWS = 2  # seeded sampled rows per case also run alone
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # construct | refusal | livelock | exception | limits | lossless | rerun | alone | leak
+    kind: str  # construct | refusal | livelock | exception | limits | lossless | rerun | alone | abort | leak
     where: str  # the exception's type and innermost engine frame, or what the check compared
     detail: str
 
@@ -170,7 +172,7 @@ def _generate_checks(case: Case, models: FuzzModels, llm: LLM, plain: Plain) -> 
     for i, (job, a, b) in enumerate(zip(jobs, first, again, strict=True)):
         if _reproducible(job) and _tokens(a) != _tokens(b):
             return Failure("rerun", _row_kind(job, case, llm), f"job {i}: first {_tokens(a)}, rerun {_tokens(b)}")
-    return _alone(case, models, llm, first)
+    return _alone(case, models, llm, first) or _abort(case, llm, watchdog, plain)
 
 
 def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[CompletionOutput]]) -> Failure | None:
@@ -187,6 +189,36 @@ def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[Co
         if _tokens(alone[0]) != _tokens(batched[i]):
             return Failure("alone", _row_kind(case.jobs[i], case, batch_llm),
                            f"job {i}: batched {_tokens(batched[i])}, alone {_tokens(alone[0])}")
+    return None
+
+
+def _abort(case: Case, llm: LLM, watchdog: Watchdog, plain: Plain) -> Failure | None:
+    """One sample of each job, one job aborted at a given engine step: it finishes as
+    aborted (unless done by then), the greedy rows keep plain decoding's tokens, nothing leaks."""
+    if case.abort is None:
+        return None
+    victim, at = case.abort
+    engine, jobs = llm.engine, [Job(j.prompt, replace(j.params, n=1)) for j in case.jobs]
+    watchdog.arm(jobs)
+    try:
+        requests = [engine.add_request(list(j.prompt), j.params) for j in jobs]
+        while any(not r.is_finished for r in requests):
+            if watchdog.steps == at:
+                engine.abort(requests[victim].request_id)
+            engine.step()
+    except Livelock as exc:
+        return Failure("livelock", "abort", str(exc))
+    except Exception as exc:  # noqa: BLE001
+        return _exception("abort", exc)
+    leaks = engine.leak_report()
+    if leaks:
+        return Failure("leak", "abort", "; ".join(leaks))
+    for i, (job, request) in enumerate(zip(jobs, requests, strict=True)):
+        if i == victim and watchdog.steps > at and request.finish_reason is None:
+            return Failure("abort", "aborted request without a finish reason", f"job {i}")
+        if i != victim and job.params.greedy and request.output_token_ids != plain.greedy(job).token_ids:
+            return Failure("abort", "greedy row changed by another's abort",
+                           f"job {i}: {request.output_token_ids}, plain {plain.greedy(job).token_ids}")
     return None
 
 
@@ -283,7 +315,8 @@ def describe(case: Case, failure: Failure) -> str:
     jobs = "\n".join(f"    ({list(j.prompt)}, {params_source(j.params)})," for j in case.jobs)
     return (f"{failure.signature}\n  {failure.detail}\n  engine: {case.engine}\n  jobs:\n{jobs}"
             + (f"\n  refused prompt: {_short(case.bad_prompt)}" if case.bad_prompt is not None else "")
-            + (f"\n  expected ValueError naming {case.invalid!r}" if case.invalid else ""))
+            + (f"\n  expected ValueError naming {case.invalid!r}" if case.invalid else "")
+            + (f"\n  abort: job {case.abort[0]} at engine step {case.abort[1]}" if case.abort else ""))
 
 
 def _short(prompt: tuple[int, ...]) -> str:

@@ -41,9 +41,11 @@ def shrink(case: Case, failure: Failure, models: FuzzModels, plain: Plain) -> Ca
 
 def _moves(case: Case) -> Iterator[Case]:
     jobs = list(case.jobs)
+    if case.abort is not None:
+        yield replace(case, abort=None)
     if len(jobs) > 1:
         for i in range(len(jobs)):
-            yield replace(case, jobs=tuple(jobs[:i] + jobs[i + 1:]))
+            yield _without_job(case, i)
     for i, job in enumerate(jobs):
         for params in simpler_params(job.params):
             yield _with_job(case, i, Job(job.prompt, params))
@@ -65,6 +67,13 @@ def _engine_moves(case: Case) -> Iterator[Case]:
     k = engine.get("spec_length", 1)
     if k > 1 and "spec_tree" not in engine:
         yield replace(case, engine={**engine, "spec_length": k - 1})
+
+
+def _without_job(case: Case, i: int) -> Case:
+    abort = case.abort
+    if abort is not None:
+        abort = None if abort[0] == i else (abort[0] - (abort[0] > i), abort[1])
+    return replace(case, jobs=case.jobs[:i] + case.jobs[i + 1:], abort=abort)
 
 
 def _with_job(case: Case, i: int, job: Job) -> Case:
@@ -91,4 +100,12 @@ def repro_source(case: Case, models_dir: str = "/tmp/infer-fuzz-models") -> str:
         f"params = [{', '.join(params)}]",
         "outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)",
         "print([[c.token_ids for c in o.outputs] for o in outs], llm.engine.leak_report())",
-    ])
+    ] + ([] if case.abort is None else [
+        "# the abort pass: one sample of each prompt, one aborted at an engine step",
+        "from dataclasses import replace",
+        "reqs = [llm.engine.add_request(p, replace(q, n=1)) for p, q in zip(prompts, params)]",
+        f"for step in range(10_000):\n    if step == {case.abort[1]}:\n"
+        f"        llm.engine.abort(reqs[{case.abort[0]}].request_id)",
+        "    if all(r.is_finished for r in reqs):\n        break\n    llm.engine.step()",
+        "print([r.output_token_ids for r in reqs], llm.engine.leak_report())",
+    ]))

@@ -33,6 +33,7 @@ FEATURES = {
     "eagle-prefix-cache": "an EAGLE head with prefix caching",
     "async-spec-preemption": "overlapped scheduling with speculation and a pool small enough to preempt",
     "adaptive-preemption": "the adaptive policy with a pool small enough to preempt",
+    "draft-tree-alone": "the alone check of seeded sampled rows under a draft model's static tree",
 }
 # invalid combinations and the words EngineConfig's ValueError must contain
 INVALID: tuple[tuple[dict[str, Any], str], ...] = (

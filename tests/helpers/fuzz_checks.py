@@ -180,6 +180,10 @@ def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[Co
     cached prefix), give their tokens in the batch."""
     if len(case.jobs) == 1 or case.engine.get("spec_disable_batch_size") is not None:
         return None  # (speculation switched off by batch size changes a seeded row's uniforms)
+    tree = case.engine.get("spec_tree")
+    if ("draft-tree-alone" in case.avoid and case.engine.get("speculative_method") == "draft_model" and tree
+            and not tree.startswith("dynamic")):
+        return None
     rows = [i for i, j in enumerate(case.jobs) if j.params.seed is not None and not j.params.greedy][:ALONE_ROWS]
     for i in rows:
         llm = _build(case, models)

@@ -26,7 +26,7 @@ from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor
 
 SEED = 60
-CASES, CHUNKS = 120, 4  # run as CHUNKS tests of CASES / CHUNKS cases (test processes share them out)
+CASES, CHUNKS = 80, 4  # run as CHUNKS tests of CASES / CHUNKS cases (test processes share them out)
 
 # Features left out of the cases while their bugs are open (helpers.fuzz_cases.FEATURES).
 # Remove an entry once its fix lands: the test then covers that feature too.
@@ -39,6 +39,7 @@ KNOWN = frozenset({
     "async-spec-preemption",  # overlapped scheduling + speculation: a request preempted with its last
     #                           token in flight finishes, is readmitted and never retires (livelock)
     "adaptive-preemption",  # adaptive K: a seeded row's samples change when it (or another row) is preempted
+    "draft-tree-alone",  # a draft model's static tree: a seeded row's samples depend on another row's length
 })
 
 

@@ -31,7 +31,7 @@ FEATURES = {
     "spec-prefix-preemption": "speculation with prefix caching and a pool small enough to preempt",
     "bad-prompt": "a refused prompt beside valid ones in one generate",
     "eagle-prefix-cache": "an EAGLE head with prefix caching",
-    "async-spec-preemption": "overlapped scheduling with speculation and a pool small enough to preempt",
+    "async-preemption": "overlapped scheduling with a pool small enough to preempt",
     "adaptive-preemption": "the adaptive policy with a pool small enough to preempt",
     "draft-tree-alone": "the alone check of seeded sampled rows under a draft model's static tree",
 }
@@ -165,8 +165,7 @@ def _draw_engine(rng: random.Random, jobs: list[Job], avoid: frozenset[str]) -> 
         kw["enable_prefix_caching"] = False
     else:
         _draw_paged(rng, kw, need, jobs)
-    if kw.get("use_speculative_decoding"):
-        _leave_out(kw, need, jobs, avoid)
+    _leave_out(kw, need, jobs, avoid)
     return kw
 
 
@@ -224,22 +223,24 @@ def _tokens(jobs: list[Job]) -> int:
 
 
 def _leave_out(kw: dict[str, Any], need: int, jobs: list[Job], avoid: frozenset[str]) -> None:
-    """Change a speculative configuration so it shows none of the `avoid` features."""
-    if "eagle-prefix-cache" in avoid and kw["speculative_method"] in HEADS:
+    """Change a configuration so it shows none of the `avoid` features."""
+    speculative = kw.get("use_speculative_decoding", False)
+    if "eagle-prefix-cache" in avoid and speculative and kw["speculative_method"] in HEADS:
         kw["enable_prefix_caching"] = False
     if "num_blocks" not in kw:
         return
     bs, width = kw["block_size"], round_positions(kw)
-    if "spec-tight-pool" in avoid:
+    if "spec-tight-pool" in avoid and speculative:
         kw["num_blocks"] = max(kw["num_blocks"], math.ceil((need + width) / bs) + 1)
     samples = sum(j.params.n for j in jobs)
-    if kw["num_blocks"] * bs < _tokens(jobs) + samples * (bs + width):  # this pool may preempt
-        if "spec-prefix-preemption" in avoid:
-            kw["enable_prefix_caching"] = False
-        if "async-spec-preemption" in avoid:
-            kw["async_scheduling"] = False
-        if "adaptive-preemption" in avoid and kw.get("spec_policy") == "adaptive":
-            del kw["spec_policy"], kw["spec_cost_coefficient"]
+    if kw["num_blocks"] * bs >= _tokens(jobs) + samples * (bs + width):
+        return  # (this pool never preempts)
+    if "async-preemption" in avoid:
+        kw["async_scheduling"] = False
+    if "spec-prefix-preemption" in avoid and speculative:
+        kw["enable_prefix_caching"] = False
+    if "adaptive-preemption" in avoid and kw.get("spec_policy") == "adaptive":
+        del kw["spec_policy"], kw["spec_cost_coefficient"]
 
 
 def simpler_params(params: SamplingParams) -> list[SamplingParams]:

@@ -89,7 +89,8 @@ class Plain:
         """Plain greedy decoding of the job (a sampled job: with its penalties and stops)."""
         key = (job.prompt, replace(job.params, n=1, seed=None, temperature=0.0, top_k=-1, top_p=1.0))
         if key not in self.memo:
-            self.memo[key] = self.llm.generate(prompt_token_ids=[list(job.prompt)], sampling_params=key[1])[0].outputs[0]
+            outs = self.llm.generate(prompt_token_ids=[list(job.prompt)], sampling_params=key[1])
+            self.memo[key] = outs[0].outputs[0]
         return self.memo[key]
 
     def logprobs(self, prompt: tuple[int, ...], tokens: list[int]) -> torch.Tensor:
@@ -117,7 +118,8 @@ def check_case(case: Case, models: FuzzModels, plain: Plain) -> Failure | None:
     except Exception as exc:  # noqa: BLE001 - every other error is the finding
         return _exception("construct", exc)
     if case.invalid is not None:
-        return Failure("construct", "accepted an invalid configuration", f"expected a ValueError naming {case.invalid!r}")
+        return Failure("construct", "accepted an invalid configuration",
+                       f"expected a ValueError naming {case.invalid!r}")
     return _refusal(case, llm) or _generate_checks(case, models, llm, plain)
 
 

@@ -61,7 +61,8 @@ def _engine_moves(case: Case) -> Iterator[Case]:
         if key in engine:
             yield replace(case, engine={k: v for k, v in engine.items() if k != key})
     if engine.get("spec_policy") == "adaptive":
-        yield replace(case, engine={k: v for k, v in engine.items() if k not in ("spec_policy", "spec_cost_coefficient")})
+        fixed = {k: v for k, v in engine.items() if k not in ("spec_policy", "spec_cost_coefficient")}
+        yield replace(case, engine=fixed)
     if engine.get("max_seq_len", 0) < 256:
         yield replace(case, engine={**engine, "max_seq_len": 256})
     k = engine.get("spec_length", 1)

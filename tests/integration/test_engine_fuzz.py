@@ -5,10 +5,12 @@ that accept everything, something or nothing, n-gram, prompt lookup, EAGLE and E
 heads), chains, static and dynamic trees, fixed and adaptive K, both KV backends, block
 sizes 1..16, pools just large enough, small step budgets, prefix caching, mixed batches,
 overlapped scheduling; workloads of greedy and seeded sampled rows with penalties,
-top-k / top-p, log-probabilities, n > 1, stops. Each case is checked (helpers/fuzz_checks.py)
-against plain decoding, a rerun, its rows alone, its limits and `leak_report()`, every
-generate under a step cap (faults planted in the engine show that each check can fail). A failure prints each failing class's case and the command
-that reruns and shrinks it. The long run: `python -m helpers.fuzz` (README, Tests).
+top-k / top-p, log-probabilities, n > 1, stops, aborts. Each case is checked
+(helpers/fuzz_checks.py) against plain decoding, the target's log-probabilities, a rerun,
+its rows alone, its limits and `leak_report()`, every generate under a step cap; faults
+planted in the engine show that the checks fail. A failure prints each failing class's
+case and the command that reruns and shrinks it. The long run: `python -m helpers.fuzz`
+(README.md, Tests).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ KNOWN = frozenset({
     "spec-prefix-preemption",  # issue 60 point 11: seeded samples change under preemption with prefix caching
     "bad-prompt",  # issue 60 point 12: a refused prompt leaves the valid ones of its generate queued
     "eagle-prefix-cache",  # an EAGLE head's seeded samples change after a prefix-cache hit
-    "async-spec-preemption",  # overlapped scheduling + speculation: a request preempted with its last
-    #                           token in flight finishes, is readmitted and never retires (livelock)
+    "async-preemption",  # overlapped scheduling: a request preempted with its last token in flight
+    #                      finishes, stays queued (a leak) or is readmitted and never retires (livelock)
     "adaptive-preemption",  # adaptive K: a seeded row's samples change when it (or another row) is preempted
     "draft-tree-alone",  # a draft model's static tree: a seeded row's samples depend on another row's length
 })

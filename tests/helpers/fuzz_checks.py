@@ -172,7 +172,7 @@ def _generate_checks(case: Case, models: FuzzModels, llm: LLM, plain: Plain) -> 
     if isinstance(again, Failure):
         return again
     for i, (job, a, b) in enumerate(zip(jobs, first, again, strict=True)):
-        if _reproducible(job) and _tokens(a) != _tokens(b):
+        if _repeats(job, case) and _tokens(a) != _tokens(b):
             return Failure("rerun", _row_kind(job, case, llm), f"job {i}: first {_tokens(a)}, rerun {_tokens(b)}")
     return _alone(case, models, llm, first) or _abort(case, llm, watchdog, plain)
 
@@ -287,8 +287,11 @@ def _logprobs_match(sample: CompletionOutput, expected: torch.Tensor) -> bool:
     return True
 
 
-def _reproducible(job: Job) -> bool:
-    return job.params.greedy or job.params.seed is not None
+def _repeats(job: Job, case: Case) -> bool:
+    """Whether the job's tokens must be the same in a rerun: greedy rows, and seeded rows
+    unless spec_disable_batch_size makes which steps draft depend on the batch (a rerun's
+    cached prefixes change its batches)."""
+    return job.params.greedy or (job.params.seed is not None and case.engine.get("spec_disable_batch_size") is None)
 
 
 def _tokens(samples: list[CompletionOutput]) -> list[list[int]]:

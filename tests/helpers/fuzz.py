@@ -70,7 +70,7 @@ def _report(classes: dict[str, FailureClass], total: int) -> dict[str, object]:
         if group.repro:
             print("  shrunk:\n    " + group.repro.replace("\n", "\n    "))
     return {"cases": total, "failing": failing,
-            "classes": [{"signature": s, "count": len(g.cases), "cases": g.cases[:50], "detail": g.failure.detail,
+            "classes": [{"signature": s, "count": len(g.cases), "cases": g.cases, "detail": g.failure.detail,
                          "repro": g.repro} for s, g in classes.items()]}
 
 

@@ -147,13 +147,12 @@ def _generate(llm: LLM, watchdog: Watchdog, jobs: list[Job], what: str) -> list[
     try:
         outs = llm.generate(prompt_token_ids=[list(j.prompt) for j in jobs], sampling_params=[j.params for j in jobs])
     except Livelock as exc:
-        mode = "speculation" if llm.config.use_speculative_decoding else "plain decoding"
-        return Failure("livelock", f"{what}, {mode}", str(exc))
+        return Failure("livelock", f"{what} ({_setting(llm)})", str(exc))
     except Exception as exc:  # noqa: BLE001
         return _exception(what, exc)
     leaks = llm.engine.leak_report()
     if leaks:
-        return Failure("leak", what, "; ".join(leaks))
+        return Failure("leak", f"{what} ({_setting(llm)})", "; ".join(leaks))
     return [o.outputs for o in outs]
 
 
@@ -167,13 +166,13 @@ def _generate_checks(case: Case, models: FuzzModels, llm: LLM, plain: Plain) -> 
     for i, (job, samples) in enumerate(zip(jobs, first, strict=True)):
         failure = _limits(i, job, samples, llm, max_seq_len) or _lossless(i, job, samples, plain)
         if failure:
-            return failure
+            return replace(failure, where=f"{failure.where} ({_setting(llm)})")
     again = _generate(llm, watchdog, jobs, "rerun")
     if isinstance(again, Failure):
         return again
     for i, (job, a, b) in enumerate(zip(jobs, first, again, strict=True)):
         if _repeats(job, case) and _tokens(a) != _tokens(b):
-            return Failure("rerun", _row_kind(job, case, llm), f"job {i}: first {_tokens(a)}, rerun {_tokens(b)}")
+            return Failure("rerun", _row_kind(job, llm), f"job {i}: first {_tokens(a)}, rerun {_tokens(b)}")
     return _alone(case, models, llm, first) or _abort(case, llm, watchdog, plain)
 
 
@@ -193,7 +192,7 @@ def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[Co
         if isinstance(alone, Failure):
             return alone
         if _tokens(alone[0]) != _tokens(batched[i]):
-            return Failure("alone", _row_kind(case.jobs[i], case, batch_llm),
+            return Failure("alone", _row_kind(case.jobs[i], batch_llm),
                            f"job {i}: batched {_tokens(batched[i])}, alone {_tokens(alone[0])}")
     return None
 
@@ -213,17 +212,17 @@ def _abort(case: Case, llm: LLM, watchdog: Watchdog, plain: Plain) -> Failure | 
                 engine.abort(requests[victim].request_id)
             engine.step()
     except Livelock as exc:
-        return Failure("livelock", "abort", str(exc))
+        return Failure("livelock", f"abort ({_setting(llm)})", str(exc))
     except Exception as exc:  # noqa: BLE001
         return _exception("abort", exc)
     leaks = engine.leak_report()
     if leaks:
-        return Failure("leak", "abort", "; ".join(leaks))
+        return Failure("leak", f"abort ({_setting(llm)})", "; ".join(leaks))
     for i, (job, request) in enumerate(zip(jobs, requests, strict=True)):
         if i == victim and watchdog.steps > at and request.finish_reason is None:
-            return Failure("abort", "aborted request without a finish reason", f"job {i}")
+            return Failure("abort", f"aborted request without a finish reason ({_setting(llm)})", f"job {i}")
         if i != victim and job.params.greedy and request.output_token_ids != plain.greedy(job).token_ids:
-            return Failure("abort", "greedy row changed by another's abort",
+            return Failure("abort", f"greedy row changed by another's abort ({_setting(llm)})",
                            f"job {i}: {request.output_token_ids}, plain {plain.greedy(job).token_ids}")
     return None
 
@@ -298,17 +297,23 @@ def _tokens(samples: list[CompletionOutput]) -> list[list[int]]:
     return [s.token_ids for s in samples]
 
 
-def _row_kind(job: Job, case: Case, llm: LLM) -> str:
-    """The row's kind and what may explain a difference: the proposer, prefix caching, preemption."""
-    engine = case.engine
-    method = engine.get("speculative_method", "draft_model") if case.speculative else "no speculation"
-    tree = engine.get("spec_tree")
-    if tree:
-        method += ", dynamic tree" if tree.startswith("dynamic") else ", static tree"
-    prefix = "prefix caching" if llm.config.enable_prefix_caching else "no prefix caching"
-    preempted = "preempted" if llm.engine.scheduler.num_preemptions else "no preemption"
-    row = "greedy row" if job.params.greedy else "seeded sampled row"
-    return f"{row} ({method}; {prefix}; {preempted})"
+def _row_kind(job: Job, llm: LLM) -> str:
+    return f"{'greedy' if job.params.greedy else 'seeded sampled'} row ({_setting(llm)})"
+
+
+def _setting(llm: LLM) -> str:
+    """What may explain a failure: the proposer and policy, prefix caching, preemption, overlap."""
+    config = llm.config
+    parts = [config.speculative_method if config.use_speculative_decoding else "no speculation"]
+    if config.use_speculative_decoding and config.spec_tree:
+        parts[0] += ", dynamic tree" if config.spec_tree.startswith("dynamic") else ", static tree"
+    if config.use_speculative_decoding and config.spec_policy == "adaptive":
+        parts[0] += ", adaptive"
+    parts.append("prefix caching" if config.enable_prefix_caching else "no prefix caching")
+    parts.append("preempted" if llm.engine.scheduler.num_preemptions else "no preemption")
+    if llm.engine.runner.overlap:
+        parts.append("overlapped")
+    return "; ".join(parts)
 
 
 def _exception(what: str, exc: BaseException) -> Failure:

@@ -93,6 +93,7 @@ def repro_source(case: Case, models_dir: str = "/tmp/infer-fuzz-models") -> str:
     params = [params_source(j.params) for j in case.jobs] + (
         ["SamplingParams(max_tokens=1)"] if case.bad_prompt is not None else [])
     return "\n".join([
+        "from dataclasses import replace",
         "from helpers.fuzz_models import FuzzModels",
         "from infer import LLM, SamplingParams",
         f"m = FuzzModels.build({models_dir!r})",
@@ -103,7 +104,6 @@ def repro_source(case: Case, models_dir: str = "/tmp/infer-fuzz-models") -> str:
         "print([[c.token_ids for c in o.outputs] for o in outs], llm.engine.leak_report())",
     ] + ([] if case.abort is None else [
         "# the abort pass: one sample of each prompt, one aborted at an engine step",
-        "from dataclasses import replace",
         "reqs = [llm.engine.add_request(p, replace(q, n=1)) for p, q in zip(prompts, params)]",
         f"for step in range(10_000):\n    if step == {case.abort[1]}:\n"
         f"        llm.engine.abort(reqs[{case.abort[0]}].request_id)",

@@ -4,7 +4,7 @@ Cases 0..CASES-1 of seed SEED (helpers/fuzz_cases.py): speculation methods (draf
 that accept everything, something or nothing, n-gram, prompt lookup, EAGLE and EAGLE-3
 heads), chains, static and dynamic trees, fixed and adaptive K, both KV backends, block
 sizes 1..16, pools just large enough, small step budgets, prefix caching, mixed batches,
-overlapped scheduling; workloads of greedy and seeded sampled rows with penalties,
+overlapped scheduling (less the KNOWN features below); workloads of greedy and seeded sampled rows with penalties,
 top-k / top-p, log-probabilities, n > 1, stops, aborts. Each case is checked
 (helpers/fuzz_checks.py) against plain decoding, the target's log-probabilities, a rerun,
 its rows alone, its limits and `leak_report()`, every generate under a step cap; faults
@@ -41,7 +41,8 @@ KNOWN = frozenset({
     "async-preemption",  # overlapped scheduling: a request preempted with its last token in flight
     #                      finishes, stays queued (a leak) or is readmitted and never retires (livelock)
     "adaptive-preemption",  # adaptive K: a seeded row's samples change when it (or another row) is preempted
-    "draft-tree-alone",  # a draft model's static tree: a seeded row's samples depend on another row's length
+    "draft-tree-alone",  # a draft model's static tree: a seeded row alone and beside another differ (the
+    #                      draft's q differs by float rounding between batch shapes and one tree draw flips)
 })
 
 

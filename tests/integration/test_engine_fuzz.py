@@ -4,8 +4,9 @@ Cases 0..CASES-1 of seed SEED (helpers/fuzz_cases.py): speculation methods (draf
 that accept everything, something or nothing, n-gram, prompt lookup, EAGLE and EAGLE-3
 heads), chains, static and dynamic trees, fixed and adaptive K, both KV backends, block
 sizes 1..16, pools just large enough, small step budgets, prefix caching, mixed batches,
-overlapped scheduling (less the KNOWN features below); workloads of greedy and seeded sampled rows with penalties,
-top-k / top-p, log-probabilities, n > 1, stops, aborts. Each case is checked
+overlapped scheduling (less the KNOWN features below); workloads of greedy and seeded
+sampled rows with penalties, top-k / top-p, log-probabilities, n > 1, stops, aborts. Each
+case is checked
 (helpers/fuzz_checks.py) against plain decoding, the target's log-probabilities, a rerun,
 its rows alone, its limits and `leak_report()`, every generate under a step cap; faults
 planted in the engine show that the checks fail. A failure prints each failing class's

@@ -1,0 +1,63 @@
+"""The tiny models the engine fuzzer runs on (helpers/fuzz.py), made once per directory.
+
+`FuzzModels.build(root, target=None)` writes (or reuses) the target (checkpoint "a" of
+helpers.checkpoints, or the directory given), three draft models of its vocabulary and
+two EAGLE heads for it, and names each by the role `Case.engine["draft"]` uses:
+"self" (the target itself: every draft accepted), "random" (unrelated weights, one layer:
+drafts nearly always rejected), "near" (the target's weights with noise: some accepted),
+"eagle" and "eagle3" (random heads, helpers.eagle_heads).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from helpers.checkpoints import make_checkpoint
+from helpers.eagle_heads import write_head
+from safetensors.torch import load_file, save_file
+
+NEAR_NOISE = 0.05  # the near draft's weights: the target's plus N(0, NEAR_NOISE)
+
+
+@dataclass(frozen=True)
+class FuzzModels:
+    target: Path
+    drafts: dict[str, Path]  # role -> directory (a draft model or an EAGLE head)
+
+    @classmethod
+    def build(cls, root: str | Path, target: Path | None = None) -> FuzzModels:
+        root = Path(root)
+        done = root / "ready"
+        target = target or root / "target"
+        paths = {"self": target, "random": root / "random", "near": root / "near",
+                 "eagle": root / "eagle", "eagle3": root / "eagle3"}
+        if done.exists():
+            return cls(target, paths)
+        if not (target / "config.json").exists():
+            make_checkpoint(target, variant="a")
+        make_checkpoint(paths["random"], variant="a", seed=123, num_hidden_layers=1)
+        _noisy_copy(target, paths["near"])
+        write_head(paths["eagle"], target, "eagle", fc_bias=True)
+        write_head(paths["eagle3"], target, "eagle3", draft_vocab=120, aux_layers=[0, 1, 1])
+        done.write_text("")
+        return cls(target, paths)
+
+    def draft(self, role: str) -> Path:
+        if role not in self.drafts:
+            raise ValueError(f"unknown draft role {role!r}; choose one of {sorted(self.drafts)}")
+        return self.drafts[role]
+
+
+def _noisy_copy(target: Path, directory: Path) -> None:
+    """The target's checkpoint with Gaussian noise on every weight (a fixed seed)."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    shutil.copytree(target, directory)
+    gen = torch.Generator().manual_seed(7)
+    tensors = load_file(str(target / "model.safetensors"))
+    noisy = {k: (v + NEAR_NOISE * torch.randn(v.shape, generator=gen)).to(v.dtype).contiguous()
+             for k, v in tensors.items()}
+    save_file(noisy, str(directory / "model.safetensors"), metadata={"format": "pt"})

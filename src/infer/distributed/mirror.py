@@ -82,6 +82,8 @@ class DriverPool:
         self.local, self.outbox, self.pool_id = local, outbox, pool_id
 
     def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - the pool's own attributes
+        if name == "local":  # (not set yet: no recursion)
+            raise AttributeError(name)
         return getattr(self.local, name)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:

@@ -391,3 +391,20 @@ def test_a_model_drafting_for_itself_under_fused_kernels_accepts_everything(quan
     prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def", "for i in range(10):"]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     assert llm.engine.runner.stats.acceptance_rate >= 0.98 and llm.engine.leak_report() == []
+
+
+def test_device_block_tables_keep_each_entrys_last_change():
+    # entries changed several times between two passes (a slot freed and taken again, a
+    # prefix-cache swap): the device copy holds each one's last block, as the host's does (an
+    # indexed assignment of repeated indices keeps any of them); a follower's copy on the
+    # device (a tensor-parallel worker's) applies the same journal alike
+    from infer.cache.block_tables import BlockTables
+    tables = BlockTables(16, 64, "cuda")
+    follower = BlockTables(16, 64, "cuda")
+    follower.apply(tables.follow())
+    for turn in range(8):
+        for slot in range(16):
+            tables.set(slot, 0, list(range(turn * 64, turn * 64 + 64)))
+    follower.apply(tables.take_changes())
+    want = torch.from_numpy(tables.host).cuda()
+    assert torch.equal(tables.sync(), want) and torch.equal(follower.sync(), want)

@@ -185,10 +185,10 @@ def test_int4_weights_in_every_family(tmp_path: Path, family: str) -> None:
 
 
 def test_a_tensor_parallel_rank_quantizes_its_part_as_the_whole_model_does(tmp_path: Path) -> None:
-    from infer.distributed.sharding import TensorParallelShard
+    from infer.models.shard import ModelShard
     ckpt = make_checkpoint(tmp_path / "tp", variant="b", hidden_size=128, intermediate_size=256)
     whole, _ = load_model(str(ckpt), quantization="int4")
-    rank, _ = load_model(str(ckpt), quantization="int4", shard=TensorParallelShard(1, 2))
+    rank, _ = load_model(str(ckpt), quantization="int4", shard=ModelShard(1, 2))
     down, part = whole.model.layers[0].mlp.down_proj, rank.model.layers[0].mlp.down_proj  # row-parallel
     assert part.quantization == "int4" and part.parallel.kind == "row" and part.in_features == 128
     assert torch.equal(part.dense_weight(), down.dense_weight()[:, 128:])  # groups of 128 within each rank's part

@@ -1,38 +1,38 @@
-"""Tensor parallelism's pieces, in one process: which part of each tensor a rank reads (and
-that it reads nothing else), the shard's model against the whole model's slices, dummy
-weights that shard exactly, devices per rank, the mirrored pool's operations and their
-divergence check, the control messages' encoding, the bench's kernel classification."""
+"""Tensor parallelism's pieces, in one process: which part of each tensor a rank's model
+holds (its layers built parallel) and reads (and that it reads nothing else), the shard's
+model against the whole model's slices, dummy weights that shard exactly, devices per rank,
+the control messages' encoding, the bench's kernel classification."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-import infer.models.loader as loader
 import infer.models.readers as readers
 from infer.bench.collectives import collective_kind, summarize_kernels
-from infer.cache.paged import PagedKVCachePool
-from infer.cache.protocol import CachePoolProtocol
 from infer.cache.view import BatchLayout
 from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device
-from infer.distributed.layers import VocabParallelEmbedding
-from infer.distributed.mirror import MirroredPool
-from infer.distributed.protocol import POOL_OPS, Invoke, Message, PoolOp
-from infer.distributed.sharding import TensorParallelShard
-from infer.distributed.worker import apply_pool_op
+from infer.distributed.protocol import Invoke, Message, PoolChanges
 from infer.engine.config import EngineConfig
 from infer.models.config import ModelConfig
+from infer.models.linear import TiedRows
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
-from infer.models.parallel import Parallel
-from infer.models.shard import TensorPart
+from infer.models.parallel import Parallel, TensorPart, VocabParallelEmbedding
+from infer.models.shard import ModelShard
 
-SHARD = TensorParallelShard(1, 2, embedding="vocab_parallel", lm_head="vocab_parallel")
+CONFIG = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, head_dim=8)
+
+
+def _meta_model(config: ModelConfig, shard: ModelShard | None, quantization: str | None = None) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        return LlamaForCausalLM(config, quantization, shard)
 
 
 @pytest.mark.parametrize(("name", "shape", "part"), [
@@ -49,28 +49,33 @@ SHARD = TensorParallelShard(1, 2, embedding="vocab_parallel", lm_head="vocab_par
     ("model.layers.0.input_layernorm.weight", (64,), None),
     ("model.norm.weight", (64,), None),
 ])
-def test_each_tensor_splits_along_its_parallel_dimension(name: str, shape: tuple[int, ...],
-                                                         part: TensorPart | None) -> None:
-    assert SHARD.part(name, shape) == part
-    replicated = TensorParallelShard(1, 2)  # default: embedding whole, lm_head by vocabulary
+def test_each_tensor_splits_along_its_layers_parallel_dimension(name: str, shape: tuple[int, ...],
+                                                                part: TensorPart | None) -> None:
+    # the part a rank reads is the one its model's layer (built parallel) holds
+    parts = _meta_model(CONFIG, ModelShard(1, 2, embedding="vocab_parallel")).checkpoint_parts()
+    assert parts(name, shape) == part
+    replicated = _meta_model(CONFIG, ModelShard(1, 2)).checkpoint_parts()  # default: embedding whole
     if name == "model.embed_tokens.weight":
-        assert replicated.part(name, shape) is None
+        assert replicated(name, shape) is None
+    assert _meta_model(CONFIG, None).checkpoint_parts()(name, shape) is None  # one rank: all of it
 
 
 def test_shapes_that_do_not_divide_are_errors_naming_them() -> None:
     config = ModelConfig(vocab_size=385, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(2\).* not divisible by 3"):
-        TensorParallelShard(0, 3, lm_head="replicated").check(config)
+        ModelShard(0, 3, lm_head="replicated").check(config)
     with pytest.raises(ValueError, match=r"vocab_size \(385\) is not divisible by 2.*'replicated'"):
-        TensorParallelShard(0, 2).check(config)
-    TensorParallelShard(0, 2, lm_head="replicated").check(config)  # the vocabulary stays whole: fine
+        _meta_model(config, ModelShard(0, 2))  # (building the rank's model checks first)
+    _meta_model(config, ModelShard(0, 2, lm_head="replicated"))  # the vocabulary stays whole: fine
     tied = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
     with pytest.raises(ValueError, match="ties lm_head"):
-        TensorParallelShard(0, 2, embedding="vocab_parallel", lm_head="replicated").check(tied)
+        ModelShard(0, 2, embedding="vocab_parallel", lm_head="replicated").check(tied)
     with pytest.raises(ValueError, match="cannot be split"):
-        SHARD.part("model.layers.0.self_attn.q_proj.weight", (63, 64))
+        _meta_model(CONFIG, ModelShard(1, 2)).checkpoint_parts()("model.layers.0.self_attn.q_proj.weight", (63, 64))
+    with pytest.raises(ValueError, match="one rank holds the whole model"):
+        ModelShard(0, 1)
 
 
 class _Slice:
@@ -118,8 +123,7 @@ def test_a_rank_reads_only_its_part_and_holds_the_whole_models_slices(
     monkeypatch.setattr(readers, "safe_open", lambda path, **kw: _File(real_open(path, **kw), reads))
     q, kv, d = config.q_size, config.kv_size, config.head_dim
     for rank in (0, 1):
-        shard = TensorParallelShard(rank, 2, embedding=embedding)
-        model, _ = load_model(str(ckpt_b), shard=shard)
+        model, _ = load_model(str(ckpt_b), shard=ModelShard(rank, 2, embedding=embedding))
         assert model.config.num_attention_heads == 2 and model.config.num_key_value_heads == 1
         a, b = full.model.layers[1], model.model.layers[1]
         rows = lambda lo, n: slice(lo + rank * n, lo + (rank + 1) * n)  # noqa: E731
@@ -153,9 +157,9 @@ def test_a_rank_reads_only_its_part_and_holds_the_whole_models_slices(
 
 def test_a_tied_vocabulary_parallel_head_reads_the_replicated_embeddings_rows(ckpt_a: Path) -> None:
     full, config = load_model(str(ckpt_a))  # tied
-    model, _ = load_model(str(ckpt_a), shard=TensorParallelShard(1, 2))
+    model, _ = load_model(str(ckpt_a), shard=ModelShard(1, 2))
     head = model.lm_head
-    assert head.parallel == Parallel("vocab", 1, 2)
+    assert head.parallel == Parallel("vocab", 1, 2) and isinstance(head.method, TiedRows)
     assert "lm_head.weight" not in dict(model.named_parameters())  # no copy: a view of the embedding
     assert head.weight.data_ptr() == model.model.embed_tokens.weight[config.vocab_size // 2:].data_ptr()
     assert torch.equal(head.weight, full.lm_head.weight[config.vocab_size // 2:])
@@ -171,7 +175,7 @@ def test_a_ranks_dummy_weights_are_its_part_of_the_whole_dummy_model(ckpt_b: Pat
     i = config.intermediate_size // 2
     for rank in (0, 1):
         part, _ = load_model(str(ckpt_b), load_format="dummy", quantization=quantization,
-                             shard=TensorParallelShard(rank, 2, lm_head="replicated"))
+                             shard=ModelShard(rank, 2, lm_head="replicated"))
         a, b = full.model.layers[1].mlp, part.model.layers[1].mlp
         cols = slice(rank * i, (rank + 1) * i)
         assert torch.equal(b.down_proj.dense_weight(), a.down_proj.dense_weight()[:, cols])
@@ -195,80 +199,17 @@ def test_devices_per_rank() -> None:
         torchrun_device("cuda", 2, 2)
 
 
-class _Outbox:
-    def __init__(self) -> None:
-        self.ops: list[PoolOp] = []
-
-    def record(self, op: PoolOp) -> None:
-        self.ops.append(op)
-
-
-def _pool(config: ModelConfig) -> PagedKVCachePool:
-    return PagedKVCachePool(config, max_batch_size=4, max_seq_len=64, dtype=torch.float32, device="cpu",
-                            block_size=4, num_blocks=24, enable_prefix_caching=True)
-
-
-def _state(pool: PagedKVCachePool) -> list[tuple[int, int, list[int], int]]:
-    return [(s, pool.seq_len(s), pool.block_table(s), pool.num_shared_blocks(s)) for s in range(4)
-            if s not in pool._free_slots]  # noqa: SLF001 - the test compares bookkeeping
-
-
-def _session(pool: Any) -> Iterator[None]:  # noqa: ANN401 - a pool or its mirror
-    """Allocations with a shared prefix, growth, commits, prefix registration, rollback, frees."""
-    prompt = list(range(10, 30))
-    a = pool.allocate_slot(20, prompt)
-    pool.commit(BatchLayout.of([a], [0], [20]))
-    pool.register_prefix(a, prompt)
-    yield
-    b = pool.allocate_slot(20, prompt)  # serves 16 cached tokens
-    assert pool.seq_len(b) == 16
-    pool.commit(BatchLayout.of([b], [16], [4]))
-    assert pool.ensure_capacity(b, 27)
-    pool.commit(BatchLayout.of([b], [20], [7]))
-    pool.truncate_to(b, 22)
-    yield
-    pool.free_slot(a)
-
-
-def test_a_worker_repeats_the_drivers_pool_operations_and_checks_their_results(ckpt_b: Path) -> None:
-    config = loader.read_model_config(str(ckpt_b))
-    outbox = _Outbox()
-    mirror = MirroredPool(_pool(config), outbox, pool_id=0)  # type: ignore[arg-type]
-    worker = _pool(config)
-    done = 0
-    for _ in _session(mirror):
-        for op in outbox.ops[done:]:
-            apply_pool_op(worker, op, rank=1)
-        done = len(outbox.ops)
-        assert _state(worker) == _state(mirror.local)
-    for op in outbox.ops[done:]:
-        apply_pool_op(worker, op, rank=1)
-    assert _state(worker) == _state(mirror.local) and len(_state(worker)) == 1
-    assert [op.name for op in outbox.ops][:3] == ["allocate_slot", "commit", "register_prefix"]
-    # a worker whose pool holds something the driver's does not: the first result differs
-    diverged = _pool(config)
-    diverged.allocate_slot(8)
-    with pytest.raises(RuntimeError, match="diverged from the driver's: allocate_slot"):
-        apply_pool_op(diverged, outbox.ops[0], rank=1)
-
-
-def test_every_mirrored_pool_operation_is_a_pool_method_and_nothing_else_passes() -> None:
-    # a worker calls the pool method a PoolOp names: the names are checked when one is made
-    assert all(callable(getattr(CachePoolProtocol, name, None)) for name in POOL_OPS)
-    with pytest.raises(ValueError, match="pool operation must be one of"):
-        PoolOp(0, "__del__", (), None)
-
-
 def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:
     layout = BatchLayout.of([2, 0], [5, 9], [1, 1])
     ids = torch.tensor([[7], [8]])
     uniforms = torch.tensor([[0.25], [0.5]], dtype=torch.float64)
-    message = Message((PoolOp(0, "ensure_capacity", (2, 6), True),),
-                      Invoke(3, "draft_loop", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
+    changes = PoolChanges(0, np.array([[2, 1, 17], [3, 0, 5]]), (((40, 41), (36, 37)),))
+    message = Message((changes,), Invoke(3, "draft_loop", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
     data, wire = encode(message, frozenset())
     assert wire == []  # CPU tensors travel inside the pickle
     got, slots = decode(data, torch.device("cpu"))
-    assert got.ops == message.ops and slots == []
+    assert slots == [] and len(got.changes) == 1
+    assert np.array_equal(got.changes[0].tables, changes.tables) and got.changes[0].moves == changes.moves
     assert (got.call.target, got.call.method) == (3, "draft_loop") and got.call.args[1] == layout
     assert torch.equal(got.call.args[0], ids) and torch.equal(got.call.args[4], uniforms)
     # tensors on the rank's device go beside the pickle: the receiver gets empty ones to fill
@@ -314,15 +255,21 @@ def test_engine_config_validates_the_tensor_parallel_fields() -> None:
     EngineConfig(tensor_parallel_size=2, use_speculative_decoding=True, tensor_parallel_draft="sharded")
 
 
-def test_a_sharded_model_is_a_llama_of_the_ranks_shape() -> None:
-    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+@pytest.mark.parametrize("quantization", [None, "fp8", "int4"])
+def test_a_ranks_model_is_a_llama_of_its_shape_built_parallel(quantization: str | None) -> None:
+    config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    with torch.device("meta"):
-        model = TensorParallelShard(0, 2, lm_head="replicated").build(config, None)
-    assert isinstance(model, LlamaForCausalLM)
-    attn = model.model.layers[0].self_attn
+    model = _meta_model(config, ModelShard(1, 2, lm_head="replicated"), quantization)
+    whole = _meta_model(config, None, quantization)
+    assert model.config == ModelShard(1, 2).model_config(config)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert (attn.heads, attn.kv_heads, attn.qkv_proj.out_features, attn.o_proj.in_features) == (2, 1, 32, 16)
-    assert model.model.layers[0].mlp.gate_up_proj.out_features == 48
+    assert mlp.gate_up_proj.out_features == 64 and mlp.down_proj.in_features == 32
+    # each projection built with its setting and the whole model's quantization method
+    for layer, kind in ((attn.qkv_proj, "column"), (mlp.gate_up_proj, "column"), (attn.o_proj, "row"),
+                        (mlp.down_proj, "row")):
+        assert layer.parallel == Parallel(kind, 1, 2)
+        assert layer.quantization == whole.model.layers[0].self_attn.qkv_proj.quantization
     assert model.lm_head.out_features == 64 and not model.lm_head.partial_output
 
 
@@ -331,7 +278,7 @@ def test_a_gguf_file_shards_like_a_checkpoint(ckpt_b: Path, tmp_path: Path) -> N
     from helpers.gguf_files import write_gguf
     path = write_gguf(ckpt_b, tmp_path / "b.gguf")
     full, config = load_model(str(path))
-    parts = [load_model(str(path), shard=TensorParallelShard(rank, 2))[0] for rank in (0, 1)]
+    parts = [load_model(str(path), shard=ModelShard(rank, 2))[0] for rank in (0, 1)]
     for name in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"):
         whole = dict(full.named_parameters())[name]
         assert torch.equal(torch.cat([dict(p.named_parameters())[name] for p in parts], dim=1), whole)

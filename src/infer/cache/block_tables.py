@@ -7,12 +7,18 @@ are taken or swapped (a prefix-cache hit), and the changes reach the device in o
 copy before the next pass (`sync`), so a step moves a few integers, not B x max_blocks.
 Entries past a slot's length are never read (keys there are masked), so freeing and
 truncating change nothing.
+
+The same changes can feed a copy of the tables elsewhere (tensor-parallel workers keep one
+beside the KV of their heads): `follow` starts a journal the follower drains with
+`take_changes` and replays with `apply`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+Changes = np.ndarray  # [K, 3] int64 (slot, index, block), in the order they were made
 
 
 class BlockTables:
@@ -22,6 +28,7 @@ class BlockTables:
         self.on_device = (torch.from_numpy(self.host) if self.device.type == "cpu"
                           else torch.zeros((num_slots, max_blocks), dtype=torch.long, device=self.device))
         self._changed: list[tuple[int, int, int]] = []  # (slot, index, block) not yet on the device
+        self._followed: list[tuple[int, int, int]] | None = None  # not yet taken by the follower
 
     @property
     def max_blocks(self) -> int:
@@ -32,13 +39,52 @@ class BlockTables:
         if start + len(blocks) > self.max_blocks:
             raise RuntimeError(f"slot {slot}: {start + len(blocks)} blocks exceed the table's {self.max_blocks}")
         self.host[slot, start:start + len(blocks)] = blocks
+        if self.device.type == "cpu" and self._followed is None:
+            return
+        changes = [(slot, start + i, b) for i, b in enumerate(blocks)]
         if self.device.type != "cpu":
-            self._changed += [(slot, start + i, b) for i, b in enumerate(blocks)]
+            self._changed += changes
+        if self._followed is not None:
+            self._followed += changes
 
     def sync(self) -> torch.Tensor:
         """The device tables [slots, max_blocks], changes applied (one copy, queued)."""
         if self._changed:
-            change = torch.tensor(self._changed, dtype=torch.long).to(self.device, non_blocking=True)  # [K, 3]
+            change = torch.from_numpy(last_writes(np.array(self._changed, dtype=np.int64), self.max_blocks))
+            change = change.to(self.device, non_blocking=True)  # [K, 3]
             self.on_device[change[:, 0], change[:, 1]] = change[:, 2]
             self._changed.clear()
         return self.on_device
+
+    # -- a follower's copy -----------------------------------------------------------------
+    def follow(self) -> Changes:
+        """Journal every change from now on for a follower (`take_changes`); returns its
+        starting point: the entries set so far (those that are not 0, a fresh table's value)."""
+        self._followed = []
+        slots, index = np.nonzero(self.host)
+        return np.stack([slots, index, self.host[slots, index]], axis=1).astype(np.int64)
+
+    def take_changes(self) -> Changes:
+        """The changes made since `follow` or the last call (emptied)."""
+        if self._followed is None:
+            raise RuntimeError("these block tables have no follower: call follow() first")
+        out = np.array(self._followed, dtype=np.int64).reshape(-1, 3)
+        self._followed = []
+        return out
+
+    def apply(self, changes: Changes) -> None:
+        """The follower's side: make the changes (in order: a later change of an entry wins)."""
+        if not len(changes):
+            return
+        latest = last_writes(changes, self.max_blocks)
+        self.host[latest[:, 0], latest[:, 1]] = latest[:, 2]
+        if self.device.type != "cpu":
+            self._changed += [(s, i, b) for s, i, b in latest.tolist()]
+
+
+def last_writes(changes: Changes, max_blocks: int) -> Changes:
+    """The changes with each (slot, index) once, at its last value (an indexed assignment of
+    repeated indices leaves any of their values)."""
+    key = changes[:, 0] * max_blocks + changes[:, 1]  # [K]
+    _, last_reversed = np.unique(key[::-1], return_index=True)
+    return changes[len(changes) - 1 - last_reversed]

@@ -43,12 +43,12 @@ from infer.distributed.group import (LOOPBACK, join, leave, loopback_gloo, plan_
                                     torchrun_rank)
 from infer.distributed.mirror import Outbox, TensorParallelExecutor, TensorParallelForward
 from infer.distributed.protocol import Report, Shutdown, WorkerReport
-from infer.distributed.sharding import TensorParallelShard
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
 from infer.models.gguf.path import is_gguf_path
 from infer.models.loader import DUMMY_PREFIX, read_model_config, resolve_model_path
+from infer.models.shard import ModelShard
 from infer.timing import synchronize
 
 log = logging.getLogger("infer.distributed")
@@ -223,17 +223,17 @@ class TensorParallelDriver:
     def executor(self, models: LoadedModels) -> TensorParallelExecutor:
         """The executor of the engine's runner: the target (and a sharded draft) on every rank."""
         roles = {id(models.target): "target"}
-        mirrored = {"target"}
+        split = {"target"}
         if models.draft is not None:
             roles[id(models.draft)] = "draft"
             if self.draft_shard is not None:
-                mirrored.add("draft")
-        executor = TensorParallelExecutor(self.outbox, self.config, roles, frozenset(mirrored))
+                split.add("draft")
+        executor = TensorParallelExecutor(self.outbox, self.config, roles, frozenset(split))
         self._res.forwards = executor.forwards
         return executor
 
     @property
-    def shards(self) -> tuple[TensorParallelShard, TensorParallelShard | None]:
+    def shards(self) -> tuple[ModelShard, ModelShard | None]:
         """(the driver's target shard, its draft shard or None: the draft loads whole)."""
         return self.target_shard, self.draft_shard
 
@@ -251,14 +251,16 @@ class TensorParallelDriver:
         return not self._finalizer.alive
 
     def reports(self) -> list[WorkerReport]:
-        """Every worker's report: its pools' leaks, the CUDA graphs it captured ([] once closed)."""
+        """Every worker's report: where its block tables differ from the driver's, the CUDA
+        graphs it captured ([] once closed)."""
         if self.closed:
             return []
-        self.outbox.send(Report())
+        self.outbox.send(Report(self.outbox.digests()))
         return self.channel.gather_reports(None)
 
     def leak_report(self) -> list[str]:
-        """The workers' pool leak reports (their pools must be as empty as the driver's)."""
+        """The workers' problems: a worker's pools hold no bookkeeping to leak, but their block
+        tables must be the driver's."""
         return [f"rank {r.rank}: {p}" for r in self.reports() for p in r.problems]
 
     def close(self) -> None:

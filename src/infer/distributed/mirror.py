@@ -1,16 +1,16 @@
-"""The driver's side of tensor parallelism: pools and forward functions mirrored on every rank.
+"""The driver's side of tensor parallelism: forward functions run on every rank, pools split by heads.
 
 `TensorParallelExecutor` (an `Executor`) builds each pool and forward function here and
-tells the workers to build the same for their shard of the model (the runners' start-up
+tells the workers to build theirs for their shard of the model (the runners' start-up
 code runs once, on the driver). Then:
 
-- `MirroredPool` wraps the driver's KV pool: every operation that changes it (a slot
-  allocated, grown, truncated, freed, a prompt's blocks offered to the prefix cache, an
-  accepted tree path's rows moved into place) is recorded and goes to the workers with the
-  next message, which repeat it on their pools. Pool bookkeeping is deterministic, so every
-  rank's slots, block tables and prefix caches are the driver's, and each rank builds a
-  step's KV row indices itself (for a decode step at batch 32 and a 2048-token context
-  those are 512 KB a step: better not sent).
+- A pool's bookkeeping (slots, lengths, blocks, the prefix cache) is the driver's alone. A
+  worker's pool holds the KV of its heads in the driver's layout and a copy of its block
+  tables (worker_pool.py): each message carries the table entries the driver set since the
+  last one (its `BlockTables` journal them for the `Outbox`) and the rows it moved (a tree's
+  accepted path put in sequence order: `DriverPool.move_rows`, a KV copy every rank makes).
+  So every rank builds a step's KV slots from the same tables itself (for a decode step at
+  batch 32 and a 2048-token context those are 512 KB a step: better not sent).
 - `TensorParallelForward` wraps a forward function: each call sends the workers one
   `Invoke` of its forward part (a `sample` or `verify` is a plain forward there, a
   `verify_tree` a `tree`), then runs here; the workers run that forward on their shards,
@@ -28,14 +28,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 
+from infer.cache.block_tables import BlockTables
 from infer.cache.forward_batch import BatchPlan, DeviceIds
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout, CacheView, PackedView, ViewIndices, pool_view
+from infer.cache.view import BatchLayout
 from infer.distributed.channel import ControlChannel
-from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, PoolOp
+from infer.distributed.protocol import (Call, Invoke, MakeForward, MakePool, Message, PoolChanges, PoolShape,
+                                        RowMove)
+from infer.distributed.worker_pool import table_digest
 from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.forward import ForwardFn
@@ -47,105 +51,44 @@ from infer.speculative.tree import TreeChunk
 
 
 class Outbox:
-    """The control channel plus the pool operations waiting for the next message."""
+    """The control channel, and the split pools whose KV changes go with each message."""
 
     def __init__(self, channel: ControlChannel) -> None:
         self.channel = channel
-        self.pending: list[PoolOp] = []
+        self.tables: dict[int, BlockTables] = {}  # pool id -> the driver pool's tables (followed)
+        self.moves: dict[int, list[RowMove]] = {}  # pool id -> rows moved since the last message
         self.closed = False
-
-    def record(self, op: PoolOp) -> None:
-        self.pending.append(op)
 
     def send(self, call: Call) -> None:
         if self.closed:
             raise RuntimeError("the tensor-parallel engine is closed")
-        ops, self.pending = tuple(self.pending), []
-        self.channel.send(Message(ops, call))
+        changes = []
+        for pool_id, tables in self.tables.items():
+            entries, moves = tables.take_changes(), tuple(self.moves.pop(pool_id, ()))
+            if len(entries) or moves:
+                changes.append(PoolChanges(pool_id, entries, moves))
+        self.channel.send(Message(tuple(changes), call))
+
+    def digests(self) -> dict[int, str]:
+        """Each split pool's block tables as a digest (a worker's must be the same)."""
+        return {pool_id: table_digest(tables) for pool_id, tables in self.tables.items()}
 
 
-class MirroredPool:
-    """A CachePoolProtocol: the driver's pool `local`, its changes repeated on every worker."""
+class DriverPool:
+    """The driver's pool of a split model: the pool `local` itself, whose row moves also go
+    to the workers with the next message (they copy the same rows of their heads' KV)."""
 
     def __init__(self, local: CachePoolProtocol, outbox: Outbox, pool_id: int) -> None:
         self.local, self.outbox, self.pool_id = local, outbox, pool_id
-        self.max_batch_size, self.max_seq_len = local.max_batch_size, local.max_seq_len
 
-    def _record(self, name: str, args: tuple[object, ...], result: object) -> None:
-        self.outbox.record(PoolOp(self.pool_id, name, args, result))
-
-    # -- changes: recorded ---------------------------------------------------------------
-    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
-        slot = self.local.allocate_slot(initial_tokens, prefix_token_ids)
-        # (with the tokens the prefix cache served: a worker's cache must have matched as many)
-        self._record("allocate_slot", (initial_tokens, None if prefix_token_ids is None else tuple(prefix_token_ids)),
-                     (slot, self.local.seq_len(slot)))
-        return slot
-
-    def free_slot(self, slot: int) -> None:
-        self.local.free_slot(slot)
-        self._record("free_slot", (slot,), None)
-
-    def truncate_to(self, slot: int, new_seq_len: int) -> None:
-        self.local.truncate_to(slot, new_seq_len)
-        self._record("truncate_to", (slot, new_seq_len), None)
-
-    def ensure_capacity(self, slot: int, total_tokens: int) -> bool:
-        ok = self.local.ensure_capacity(slot, total_tokens)
-        self._record("ensure_capacity", (slot, total_tokens), ok)
-        return ok
-
-    def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
-        self.local.register_prefix(slot, token_ids)
-        self._record("register_prefix", (slot, tuple(token_ids)), None)
-
-    def commit(self, layout: BatchLayout) -> None:
-        """(A mirrored forward function commits on each rank itself: this is for callers
-        that commit a view of this pool by hand.)"""
-        self.local.commit(layout)
-        self._record("commit", (layout,), None)
+    def __getattr__(self, name: str) -> Any:  # noqa: ANN401 - the pool's own attributes
+        if name == "local":  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.local, name)
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         self.local.move_rows(src, dst)
-        self._record("move_rows", (tuple(src), tuple(dst)), None)
-
-    # -- reads -----------------------------------------------------------------------------
-    @property
-    def k_cache(self) -> torch.Tensor:
-        return self.local.k_cache
-
-    @property
-    def v_cache(self) -> torch.Tensor:
-        return self.local.v_cache
-
-    @property
-    def scratch_row(self) -> int:
-        return self.local.scratch_row
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.local.can_allocate(num_tokens)
-
-    def seq_len(self, slot: int) -> int:
-        return self.local.seq_len(slot)
-
-    def free_token_capacity(self) -> int | None:
-        return self.local.free_token_capacity()
-
-    def total_token_capacity(self) -> int | None:
-        return self.local.total_token_capacity()
-
-    def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
-        return self.local.rows(slot, start, end)
-
-    def indices(self, layout: BatchLayout, context_width: int | None = None,
-                out: ViewIndices | None = None) -> ViewIndices:
-        return self.local.indices(layout, context_width, out)
-
-    def view(self, layout: BatchLayout) -> CacheView | PackedView:
-        return pool_view(self, layout)  # (its commit goes through `commit`: recorded)
-
-    def leak_report(self) -> list[str]:
-        return self.local.leak_report()
+        self.outbox.moves.setdefault(self.pool_id, []).append((tuple(src), tuple(dst)))
 
 
 class TensorParallelForward:
@@ -223,45 +166,57 @@ class TensorParallelForward:
         self.local.prepare_trees(chunks, verify_modes)
 
 
-class TensorParallelExecutor:
-    """An Executor whose pools and forward functions exist on every rank (roles in
-    `mirrored`), or on the driver alone (any other role)."""
+def pool_shape(pool: CachePoolProtocol) -> PoolShape:
+    """How `pool` lays out its KV (its rows, scratch row last; its blocks and tables)."""
+    rows = pool.k_cache.shape[1]
+    if pool.scratch_row != rows - 1:
+        raise ValueError(f"a split pool keeps its scratch row last: row {pool.scratch_row} of {rows}")
+    tables: BlockTables = pool.tables  # type: ignore[attr-defined]
+    return PoolShape(rows, pool.block_size, pool.max_batch_size, tables.max_blocks,  # type: ignore[attr-defined]
+                     pool.max_seq_len, pool.k_cache.dtype)
 
-    def __init__(self, outbox: Outbox, config: EngineConfig, roles: dict[int, str], mirrored: frozenset[str]) -> None:
+
+class TensorParallelExecutor:
+    """An Executor whose pools and forward functions exist on every rank (roles in `split`:
+    the models split over the ranks), or on the driver alone (any other role)."""
+
+    def __init__(self, outbox: Outbox, config: EngineConfig, roles: dict[int, str], split: frozenset[str]) -> None:
         self.outbox, self.config = outbox, config  # (the engine's config: the workers rebuild kernels from it)
         self.roles = roles  # id(model) -> "target" | "draft"
-        self.mirrored = mirrored
+        self.split = split
         self._ids = itertools.count()
-        self._pools: dict[int, MirroredPool] = {}  # id(MirroredPool) -> it
+        self._pools: dict[int, DriverPool] = {}  # id(DriverPool) -> it
         self.forwards: list[TensorParallelForward] = []
 
-    def _mirrored_role(self, model: LlamaForCausalLM) -> str | None:
+    def _split_role(self, model: LlamaForCausalLM) -> str | None:
         role = self.roles.get(id(model))
         if role is None:
             raise ValueError("this executor builds pools and forwards of the engine's own models only")
-        return role if role in self.mirrored else None
+        return role if role in self.split else None
 
     def make_pool(self, model: LlamaForCausalLM, config: EngineConfig, *, prefix_caching: bool) -> CachePoolProtocol:
         local = LOCAL.make_pool(model, config, prefix_caching=prefix_caching)
-        role = self._mirrored_role(model)
+        role = self._split_role(model)
         if role is None:
             return local
-        pool = MirroredPool(local, self.outbox, next(self._ids))
-        self.outbox.send(MakePool(pool.pool_id, role, config, prefix_caching))
+        pool = DriverPool(local, self.outbox, next(self._ids))
+        tables: BlockTables = local.tables  # type: ignore[attr-defined]
+        self.outbox.send(MakePool(pool.pool_id, role, pool_shape(local), tables.follow()))
+        self.outbox.tables[pool.pool_id] = tables  # (its changes go with the messages after its MakePool)
         self._pools[id(pool)] = pool
-        return pool
+        return pool  # type: ignore[return-value]
 
     def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
-        role = self._mirrored_role(model)
-        mirrored = self._pools.get(id(pool))
+        role = self._split_role(model)
+        split = self._pools.get(id(pool))
         if role is None:
             return LOCAL.make_forward(model, pool, spec)
-        if mirrored is None:
+        if split is None:
             raise ValueError("a tensor-parallel forward function needs a pool made by the same executor")
         forward_id = next(self._ids)
         # (compiled kernels do not travel: the workers rebuild the bundle `kernels` names)
-        self.outbox.send(MakeForward(forward_id, role, mirrored.pool_id, self.config, replace(spec, kernels=EAGER),
+        self.outbox.send(MakeForward(forward_id, role, split.pool_id, self.config, replace(spec, kernels=EAGER),
                                      spec.kernels.name))
-        forward = TensorParallelForward(LOCAL.make_forward(model, mirrored.local, spec), self.outbox, forward_id)
+        forward = TensorParallelForward(LOCAL.make_forward(model, split.local, spec), self.outbox, forward_id)
         self.forwards.append(forward)
         return forward

@@ -1,41 +1,46 @@
 """The messages the driver (rank 0) sends its worker ranks.
 
-Each `Message` carries the KV-pool operations the driver made since the previous one (the
-workers repeat them on their pools, so their slots, block tables and prefix caches stay
-the driver's; every op carries the driver's result, which the worker checks) and one call:
+Each `Message` carries what changed in the KV state of the split models' pools since the
+previous one (`PoolChanges`: block-table entries, rows moved), then one call:
 
-  MakePool / MakeForward    build a pool / forward function for a model role, as the
-                            driver just did (the runners' start-up, mirrored), from the
-                            driver's `ForwardSpec`
+  MakePool / MakeForward    build a pool (the KV of this rank's heads, laid out as the
+                            driver's pool) / a forward function for a model role, as the
+                            driver just did, from the driver's `ForwardSpec`
   Invoke                    run a method of a forward function: the forward part of the
                             driver's call (`run`: a step's flat batch; the proposers'
                             `__call__`, `tree`, `draft_loop`) or a capture
                             ahead of use (`prepare_draft_loops`, `prepare_trees`)
-  Report                    every worker answers with its pools' leak reports
+  Report                    every worker answers: its block tables against the driver's,
+                            the CUDA graphs it captured
   Shutdown                  free everything, leave the process group, exit
 
 A step costs one message: the target's flat batch plan (`run`: numpy arrays of its rows'
-tokens, positions and slots) and the ids still on the device after a step that left its
-tokens there; the proposers' padded calls carry their ids (CPU [B, T], or on the device),
-the BatchLayout, a tree chunk for tree steps, and for a draft model's round the
-temperatures, greedy flags and uniforms (every rank samples the tokens it feeds its next
-step); CPU tensors travel inside the message (channel.py). Sampling, verification and tree
-verification go to the workers as their forward: only rank 0 samples, accepts or rejects, so the
-workers need no temperatures, draft tokens or draft probabilities for them.
+tokens, positions and context lengths) and the ids still on the device after a step that
+left its tokens there, beside the few table entries the step's new blocks set; the
+proposers' padded calls carry their ids (CPU [B, T], or on the device), the BatchLayout, a
+tree chunk for tree steps, and for a draft model's round the temperatures, greedy flags and
+uniforms (every rank samples the tokens it feeds its next step); CPU tensors travel inside
+the message (channel.py). Sampling, verification and tree verification go to the workers as
+their forward: only rank 0 samples, accepts or rejects, so the workers need no
+temperatures, draft tokens or draft probabilities for them. Slots, lengths, free blocks and
+the prefix cache are the driver's alone: a worker needs none of them to run a plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from infer.engine.config import EngineConfig
 from infer.engine.executor.spec import ForwardSpec
 
 ROLES = ("target", "draft")
-POOL_OPS = ("allocate_slot", "free_slot", "truncate_to", "ensure_capacity", "register_prefix", "commit",
-            "move_rows")
 # the ForwardFn methods a worker runs: the forward part of each call (mirror.py says which)
 INVOKABLE = ("run", "__call__", "tree", "draft_loop", "prepare_draft_loops", "prepare_trees")
+
+RowMove = tuple[tuple[int, ...], tuple[int, ...]]  # (source rows, destination rows) of a `move_rows`
 
 
 def _check_role(role: str) -> None:
@@ -44,24 +49,39 @@ def _check_role(role: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolOp:
-    pool: int
-    name: str  # one of POOL_OPS
-    args: tuple[object, ...]
-    # what the driver's pool returned (allocate_slot: with the slot's cached length): a worker's must match
-    result: object
+class PoolShape:
+    """How the driver's pool lays out its KV: a worker's pool of its own heads takes the same
+    rows, blocks and tables, so the driver's block ids and row numbers mean the same there."""
+
+    rows: int  # storage rows, the scratch row last
+    block_size: int
+    max_batch_size: int  # slots: rows of the block tables
+    max_blocks: int  # entries of a slot's block table
+    max_seq_len: int
+    dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        if self.name not in POOL_OPS:
-            raise ValueError(f"pool operation must be one of {POOL_OPS}, got {self.name!r}")
+        if min(self.rows, self.block_size, self.max_batch_size, self.max_blocks, self.max_seq_len) < 1:
+            raise ValueError(f"a pool's sizes are >= 1, got {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChanges:
+    """A split pool's KV changes since the last message, for the workers to make before the
+    call: block-table entries set ([K, 3] int64 (slot, index, block), in order) and rows moved
+    (tree speculation's compaction of an accepted path: a KV copy on every rank), in order."""
+
+    pool: int
+    tables: np.ndarray  # [K, 3]
+    moves: tuple[RowMove, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class MakePool:
     pool: int
     role: str  # "target" | "draft"
-    config: EngineConfig
-    prefix_caching: bool
+    shape: PoolShape
+    tables: np.ndarray  # [K, 3] (slot, index, block): the driver's table entries set so far
 
     def __post_init__(self) -> None:
         _check_role(self.role)
@@ -97,7 +117,7 @@ class Invoke:
 
 @dataclass(frozen=True, slots=True)
 class Report:
-    pass
+    tables: dict[int, str]  # pool id -> digest of the driver's block tables (a worker's must match)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +130,12 @@ Call = MakePool | MakeForward | Invoke | Report | Shutdown
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    ops: tuple[PoolOp, ...]
+    changes: tuple[PoolChanges, ...]
     call: Call
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerReport:
     rank: int
-    problems: list[str]  # leak reports of the worker's pools
+    problems: list[str]  # where the worker's pools differ from the driver's
     captures: dict[str, int]  # CUDA graphs its forward functions captured, by kind (`capture_counts`)

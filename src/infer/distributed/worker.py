@@ -7,9 +7,11 @@ worker exits at once, wherever its main thread is blocked. One byte on the `read
 tells the driver the worker has started. Under `torchrun` a rank above 0 runs
 `serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
 
-The main loop (`Worker.run`) receives one message at a time: it repeats the driver's pool
-operations, then builds a pool or forward function (from the driver's `ForwardSpec`: the
-same graphs), runs the forward part of a call on its shard (`Invoke`), answers a report, or shuts down (frees its CUDA graphs,
+The main loop (`Worker.run`) receives one message at a time: it makes the KV changes the
+driver made since the last one (block-table entries, rows moved: worker_pool.py), then
+builds a pool or forward function (from the driver's `ForwardSpec`: the same graphs), runs
+the forward part of a call on its shard (`Invoke`), answers a report (its block tables
+against the driver's, the graphs it captured), or shuts down (frees its CUDA graphs,
 leaves the process groups, returns). Any error ends the worker (with its traceback,
 prefixed by its rank): the driver's next message finds it gone and reports its exit code.
 """
@@ -27,11 +29,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from infer.cache.protocol import CachePoolProtocol
 from infer.distributed.channel import ControlChannel
 from infer.distributed.group import join, leave, torchrun_device
-from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, PoolOp, Report, Shutdown, WorkerReport
-from infer.distributed.sharding import TensorParallelShard
+from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, Report, Shutdown, WorkerReport
+from infer.distributed.worker_pool import WorkerPool, table_digest
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
@@ -42,6 +43,7 @@ from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
+from infer.models.shard import ModelShard
 
 EXIT_DRIVER_GONE = 3
 
@@ -60,10 +62,10 @@ class WorkerSpec:
                              f"tensor_parallel_size ranks, got rank {self.rank} of {self.world_size}")
 
 
-def shards_for(config: EngineConfig, rank: int) -> tuple[TensorParallelShard, TensorParallelShard | None]:
+def shards_for(config: EngineConfig, rank: int) -> tuple[ModelShard, ModelShard | None]:
     """(the target's shard, the draft's: None when the draft runs whole on the driver)."""
     world = config.tensor_parallel_size
-    target = TensorParallelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head)
+    target = ModelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head)
     return target, target if config.tensor_parallel_draft == "sharded" else None
 
 
@@ -77,15 +79,11 @@ def load_rank_models(config: EngineConfig, rank: int, device: torch.device) -> d
     return models
 
 
-def apply_pool_op(pool: CachePoolProtocol, op: PoolOp, rank: int) -> None:
-    """Repeat one of the driver's pool operations; its result must be the driver's."""
-    args = op.args
-    result: object = getattr(pool, op.name)(*args)  # (a PoolOp's name is one of POOL_OPS)
-    if op.name == "allocate_slot":
-        result = (result, pool.seq_len(result))  # type: ignore[arg-type]
-    if result != op.result:
-        raise RuntimeError(f"rank {rank}: KV pool {op.pool} diverged from the driver's: {op.name}{args!r} "
-                           f"returned {result!r} here, {op.result!r} on the driver")
+def table_problems(pools: dict[int, WorkerPool], driver: dict[int, str]) -> list[str]:
+    """Where this rank's block tables differ from the driver's (`driver`: its digests by pool)."""
+    problems = [f"pool {pid}: block tables differ from the driver's" for pid, pool in pools.items()
+                if driver.get(pid) != table_digest(pool.tables)]
+    return problems + [f"pool {pid}: missing on this rank" for pid in driver if pid not in pools]
 
 
 def capture_counts(forwards: Iterable[ForwardFn]) -> dict[str, int]:
@@ -105,18 +103,20 @@ class Worker:
 
     def __init__(self, models: dict[str, LlamaForCausalLM], channel: ControlChannel, rank: int) -> None:
         self.models, self.channel, self.rank = models, channel, rank
-        self.pools: dict[int, CachePoolProtocol] = {}
+        self.pools: dict[int, WorkerPool] = {}
         self.forwards: dict[int, ForwardFn] = {}
 
     @torch.inference_mode()
     def run(self) -> None:
         """Serve messages until Shutdown."""
-        while True:
-            message = self.channel.recv()
-            for op in message.ops:
-                apply_pool_op(self.pools[op.pool], op, self.rank)
-            if not self.handle(message.call):
-                return
+        while self.serve(self.channel.recv()):
+            pass
+
+    def serve(self, message: Message) -> bool:
+        """The KV changes the driver made since the last message, then its call; False for Shutdown."""
+        for changes in message.changes:
+            self.pools[changes.pool].apply(changes)
+        return self.handle(message.call)
 
     def handle(self, call: Call) -> bool:
         """Run one call; False for Shutdown."""
@@ -126,13 +126,13 @@ class Worker:
                 # result (this shard's logits, the tokens of a draft round) is rank 0's to use
                 getattr(self.forwards[call.target], call.method)(*call.args)
             case MakePool():
-                self.pools[call.pool] = LOCAL.make_pool(self.models[call.role], call.config,
-                                                        prefix_caching=call.prefix_caching)
+                pool = self.pools[call.pool] = WorkerPool(self.models[call.role], call.shape)
+                pool.tables.apply(call.tables)
             case MakeForward():
                 self.forwards[call.forward] = self._make_forward(call)
             case Report():
-                problems = [f"pool {pid}: {p}" for pid, pool in self.pools.items() for p in pool.leak_report()]
-                self.channel.gather_reports(WorkerReport(self.rank, problems, capture_counts(self.forwards.values())))
+                self.channel.gather_reports(WorkerReport(self.rank, table_problems(self.pools, call.tables),
+                                                         capture_counts(self.forwards.values())))
             case Shutdown():
                 return False
         return True

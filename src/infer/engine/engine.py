@@ -8,7 +8,8 @@ this loop in a background thread for the server.
 With tensor_parallel_size N > 1 this process is rank 0: the executor factory
 (`executor.factory.start_parallel`) starts N-1 worker ranks (infer.distributed, imported
 only then), the engine loads its own shard and builds its runner with the runtime's
-executor, which mirrors every pool and forward call on them; `close()` ends them.
+executor, which runs every forward call on them too (each rank's pool holds the KV of its
+heads; the bookkeeping stays here); `close()` ends them.
 """
 
 from __future__ import annotations

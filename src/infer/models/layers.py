@@ -14,6 +14,7 @@ from torch import nn
 from infer.models.config import ModelConfig, RopeScaling
 from infer.models.kernels import rmsnorm
 from infer.models.linear import make_linear
+from infer.models.parallel import REPLICATED, Parallel
 
 
 class RMSNorm(nn.Module):
@@ -60,9 +61,11 @@ class Rotary(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU's weights: gate and up projections fused into one matrix, then down. The decoder
-    layer applies them through its kernel bundle (`Kernels.mlp`)."""
+    layer applies them through its kernel bundle (`Kernels.mlp`). Under tensor parallelism
+    gate/up are `column`-parallel and down `row`-parallel (config: the rank's shape)."""
 
-    def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, quantization: str | None = None, column: Parallel = REPLICATED,
+                 row: Parallel = REPLICATED) -> None:
         super().__init__()
-        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, quantization)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, quantization)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, quantization, column)
+        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, quantization, row)

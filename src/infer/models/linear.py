@@ -20,8 +20,11 @@ layer's parameters, loads checkpoint tensors into them, and applies the matmul.
   (weight-only quantization): on a CPU the weight is dequantized on the fly, on a GPU the
   Triton matmul (models/triton_linear.py) applies the scales in its epilogue.
 
-Tensor parallelism is the layer's `parallel` attribute (models/parallel.py): which part of the
-whole matrix it holds, and `combine`, which completes the local matmul's output across ranks.
+Tensor parallelism is the layer's `parallel` attribute (models/parallel.py), given when the
+layer is built: which part of the whole matrix it holds (its sizes are that part's), and
+`combine`, which completes the local matmul's output across ranks. `TiedRows` is the method
+of a vocabulary-parallel lm_head tied to a whole embedding: its W is the rank's rows of the
+embedding's matrix (a view, no parameter of its own).
 
 A checkpoint tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows
 of a fused matrix (qkv_proj, gate_up_proj): `load_rows(tensor, row_offset)`, converted to the
@@ -278,6 +281,41 @@ class IntWeights:
         w = dequantize_int(layer.qweight[flat], layer.scales[flat], layer.offsets[flat], self.layout,
                            layer.scales.dtype)
         return w.view(*ids.shape, layer.in_features)
+
+
+class TiedRows:
+    """W = rows start..stop-1 of `embedding`'s weight [stop - start, H] (no parameter of its own)."""
+
+    name = None
+    checkpoint_params: tuple[str, ...] = ()
+    fixed_dtype_params: tuple[str, ...] = ()
+
+    def __init__(self, embedding: nn.Embedding, start: int, stop: int) -> None:
+        # held in a tuple: the embedding stays registered under the model body only
+        self._embedding: tuple[nn.Embedding] = (embedding,)
+        self.start, self.stop = start, stop
+
+    def rows(self) -> torch.Tensor:
+        return self._embedding[0].weight[self.start:self.stop]
+
+    def create_weights(self, layer: LinearBase) -> None:
+        pass
+
+    def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
+        raise ValueError(f"tensor {name!r}: a tied lm_head has no weights of its own (it reads the embedding's)")
+
+    def load_scale(self, layer: LinearBase, scale: torch.Tensor, row_offset: int | None, rows: int,
+                   name: str) -> None:
+        self.load_weight(layer, scale, row_offset, name)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.rows())
+
+    def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.rows(), None
+
+    def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
+        return self.rows() if dtype is None else self.rows().to(dtype)
 
 
 UNQUANTIZED = Unquantized()

@@ -11,7 +11,9 @@ mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to
 projections are `LinearBase` layers (models/linear.py): dense, FP8 with
 `quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype), or
 integer codes ("int4"; and per layer as a checkpoint stores them, models/int_layers.py,
-which can store the embedding and the head as codes too).
+which can store the embedding and the head as codes too). With a `ModelShard`
+(models/shard.py) the model is one tensor-parallel rank's: its config is the rank's shape
+and its layers are built parallel (column, row, vocabulary: models/parallel.py).
 
 Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). Every
 step goes through the `Kernels` bundle together with what surrounds it, so a fused bundle
@@ -32,20 +34,26 @@ from infer.models.capture import HiddenCapture
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels, cos_sin
 from infer.models.layers import MLP, RMSNorm, Rotary
-from infer.models.linear import LinearBase, linear_layers, make_linear
+from infer.models.linear import UNQUANTIZED, LinearBase, TiedRows, linear_layers, make_linear
+from infer.models.parallel import REPLICATED, Parallel, TensorPart, VocabParallelEmbedding
+from infer.models.shard import ModelShard, PartFn
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None) -> None:
+    """Grouped-query attention; under tensor parallelism q/k/v are `column`-parallel (the
+    rank's heads: config is the rank's shape) and o `row`-parallel."""
+
+    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None, column: Parallel = REPLICATED,
+                 row: Parallel = REPLICATED) -> None:
         super().__init__()
         self.layer = layer
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization,
+        self.qkv_proj = make_linear(config.hidden_size, self.q_size + 2 * self.kv_size, quantization, column,
                                     bias=config.qkv_bias)
-        self.o_proj = make_linear(self.q_size, config.hidden_size, quantization)
+        self.o_proj = make_linear(self.q_size, config.hidden_size, quantization, row)
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # weights [head_dim], shared by the heads
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -74,10 +82,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None,
+                 shard: ModelShard | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer, quantization)
-        self.mlp = MLP(config, quantization)
+        column, row = (REPLICATED, REPLICATED) if shard is None else (shard.column, shard.row)
+        self.self_attn = Attention(config, layer, quantization, column, row)
+        self.mlp = MLP(config, quantization, column, row)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -89,44 +99,77 @@ class DecoderLayer(nn.Module):
         return kernels.mlp(self.mlp.gate_up_proj, self.mlp.down_proj, x, norm.weight, norm.eps)
 
 
-def _embedding(vocab_size: int, hidden_size: int) -> nn.Embedding:
-    """nn.Embedding, without its random initialisation on the meta device (a meta `normal_`
-    imports torch's Python decompositions: about 150 MB of memory for nothing)."""
-    if torch.get_default_device().type == "meta":
-        return nn.Embedding(vocab_size, hidden_size, _weight=torch.empty(vocab_size, hidden_size))
-    return nn.Embedding(vocab_size, hidden_size)
+def _embedding(vocab_size: int, hidden_size: int, parallel: Parallel) -> nn.Embedding:
+    """nn.Embedding (the rank's rows of the vocabulary: vocabulary-parallel), without its
+    random initialisation on the meta device (a meta `normal_` imports torch's Python
+    decompositions: about 150 MB of memory for nothing)."""
+    start, stop = parallel.span(vocab_size)
+    kwargs = {"_weight": torch.empty(stop - start, hidden_size)} if torch.get_default_device().type == "meta" else {}
+    if parallel.kind == "vocab":
+        return VocabParallelEmbedding(parallel, vocab_size, hidden_size, **kwargs)
+    return nn.Embedding(vocab_size, hidden_size, **kwargs)
+
+
+def _lm_head(config: ModelConfig, embedding: nn.Module, parallel: Parallel) -> LinearBase:
+    """The head, kept in the model's dtype: whole, or the rank's rows of the vocabulary (tied
+    to a whole embedding: the embedding's rows, read in place)."""
+    start, stop = parallel.span(config.vocab_size)
+    whole = embedding.weight.shape[0] == config.vocab_size
+    tied_rows = config.tie_word_embeddings and parallel.kind == "vocab" and whole
+    method = TiedRows(embedding, start, stop) if tied_rows else UNQUANTIZED  # type: ignore[arg-type]
+    return LinearBase(config.hidden_size, stop - start, method, parallel)
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, quantization: str | None = None, shard: ModelShard | None = None) -> None:
         super().__init__()
-        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, quantization) for i in range(config.num_hidden_layers))
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size,
+                                       REPLICATED if shard is None else shard.vocab(shard.embedding))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, quantization, shard)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, quantization: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, quantization: str | None = None, shard: ModelShard | None = None) -> None:
+        """The whole model of `config`, or with a `shard` that tensor-parallel rank's part
+        (its `config` is then the rank's shape, `shard.model_config`)."""
         super().__init__()
-        self.config = config
+        self.config = config if shard is None else shard.model_config(config)
         self.quantization = quantization
-        self.model = LlamaBody(config, quantization)
-        self.rotary = Rotary(config)
-        self.lm_head = make_linear(config.hidden_size, config.vocab_size, None)  # kept in the model's dtype
+        self.model = LlamaBody(self.config, quantization, shard)
+        self.rotary = Rotary(self.config)
+        self.lm_head = _lm_head(self.config, self.model.embed_tokens,
+                                REPLICATED if shard is None else shard.vocab(shard.lm_head))
         self.tie_weights()
         # hidden states an EAGLE head reads, left by every forward (models/capture.py); None: none
         self.capture: HiddenCapture | None = None
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config ties them (again after the
-        parameters are materialised: `to_empty` replaces each one separately). A quantized
-        embedding's head reads the embedding's codes already (models/int_layers.py)."""
-        if self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding):
+        parameters are materialised: `to_empty` replaces each one separately). A head that
+        reads its embedding through its method (a quantized embedding's codes,
+        models/int_layers.py; a rank's rows of a whole embedding) holds no matrix to tie."""
+        if (self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding)
+                and self.lm_head.method.checkpoint_params):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def linears(self) -> dict[str, LinearBase]:
         """Every linear layer by its module name (model.layers.0.self_attn.qkv_proj, lm_head)."""
         return linear_layers(self)
+
+    def checkpoint_parts(self) -> PartFn:
+        """part(Hugging Face tensor name, whole shape): the part of each checkpoint tensor
+        this model holds, as its layer's `parallel` setting says (None: all of it)."""
+        settings = {name: m.parallel for name, m in self.named_modules()
+                    if isinstance(m, (LinearBase, VocabParallelEmbedding))}
+
+        def part(hf_name: str, shape: tuple[int, ...]) -> TensorPart | None:
+            module = hf_to_fused(hf_name, self.config)[0].rpartition(".")[0]
+            parallel = settings.get(module)
+            return None if parallel is None else parallel.part(hf_name, shape)
+
+        return part
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, view: AttentionView,
                       kernels: Kernels = EAGER) -> torch.Tensor:

@@ -29,7 +29,8 @@ configuration values of those released models. With device="meta" a dummy model 
 without any memory (for shape and parameter-count checks).
 
 With a `shard` (models/shard.py; tensor parallelism) the model built is one rank's part,
-and of each checkpoint tensor only that part is read (safetensors `get_slice`).
+its layers built parallel, and of each checkpoint tensor only the part its layer holds is
+read (`LlamaForCausalLM.checkpoint_parts`; safetensors `get_slice`).
 """
 
 from __future__ import annotations
@@ -180,13 +181,11 @@ def build_model(reader: WeightReader, dtype: torch.dtype, device: torch.device, 
                 shard: ModelShard | None = None, layouts: LayerLayouts | None = None) -> LlamaForCausalLM:
     """The model (a shard's part of it) filled with the reader's tensors, in eval mode
     without gradients (on the meta device: left empty)."""
-    config = reader.config
-    if shard is not None:
-        shard.check(config)
     layouts = layouts or {}
-    model = build_empty_model(config, dtype, device, quantization, shard, layouts)
+    model = build_empty_model(reader.config, dtype, device, quantization, shard, layouts)
     if device.type != "meta":
-        model.load_hf_weights(reader.tensors(device, dtype, shard, layouts))
+        parts = None if shard is None else model.checkpoint_parts()
+        model.load_hf_weights(reader.tensors(device, dtype, parts, layouts))
     model.eval().requires_grad_(False)
     return model
 
@@ -198,7 +197,7 @@ def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.dev
     (no random-init cost; quantized weights keep their storage dtype), the `layouts`' layers
     stored as integer codes; buffers valid."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, quantization) if shard is None else shard.build(config, quantization)
+        model = LlamaForCausalLM(config, quantization, shard)
         apply_layouts(model, layouts or {})
     # `to_empty` would make each tensor with `empty_like`, whose meta-tensor reference
     # imports sympy (a second and 40 MB): the same empty tensors, made by shape

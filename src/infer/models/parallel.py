@@ -1,14 +1,20 @@
-"""How a linear layer's matrix is split over tensor-parallel ranks, and how its output is completed.
+"""How a layer's matrix is split over tensor-parallel ranks, which part of a checkpoint
+tensor it holds, and how its output is completed.
 
-A `Parallel` setting is an attribute of a layer (models/linear.py), not a class of its own:
+A `Parallel` setting is an attribute of a layer (models/linear.py; the embedding's
+`VocabParallelEmbedding` here), given when the layer is built, not a class of its own:
 
     replicated   the whole matrix on every rank (one process; the embedding's tied head)
     column       a block of output rows (q/k/v, gate/up: the rank's heads or intermediate
                  part); the output needs no communication
     row          a block of input columns (o_proj, down_proj): the local matmul is a partial
                  sum, completed by one all-reduce; the residual add comes after it
-    vocab        a block of the vocabulary's rows (lm_head): the ranks' logits are
-                 all-gathered so every rank has all of them
+    vocab        a block of the vocabulary's rows (lm_head, embedding): the head's logits are
+                 all-gathered so every rank has all of them; the embedding's lookups summed
+
+`Parallel.part(name, shape)` is the block of a whole checkpoint tensor the layer holds (rank
+r of N: the r-th of N equal blocks of rows or columns), which the loader reads and nothing
+else (models/shard.py).
 
 Collectives run on torch.distributed's default process group (NCCL on GPUs, where CUDA
 graphs capture them like any kernel; gloo on CPUs). A process's tensor-parallel group may
@@ -23,11 +29,26 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 PARALLEL_KINDS = ("replicated", "column", "row", "vocab")
 
 # torch 2.13 renamed all_gather_into_tensor (deprecated since) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPart:
+    """Indices start..stop-1 along dimension `dim` (0: rows, 1: columns) of a checkpoint tensor."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if self.dim not in (0, 1) or not 0 <= self.start < self.stop:
+            raise ValueError(f"a tensor part is a non-empty range of rows or columns, got {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +67,30 @@ class Parallel:
             raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
         if self.kind == "replicated" and self.world_size != 1:
             raise ValueError("a replicated layer is described with world_size 1 (each rank holds all of it)")
+
+    def span(self, size: int) -> tuple[int, int]:
+        """(start, stop): this rank's block of `size` rows (column, vocab) or columns (row)."""
+        if self.kind == "replicated":
+            return 0, size
+        block = size // self.world_size
+        return self.rank * block, (self.rank + 1) * block
+
+    def part(self, name: str, shape: tuple[int, ...]) -> TensorPart | None:
+        """The part of checkpoint tensor `name` (its whole `shape`) this layer holds (None: all
+        of it): a column-parallel layer's rows of its weight, bias and per-row scales, a
+        row-parallel layer's columns of its weight (its rows and their scales are whole), a
+        vocabulary-parallel layer's rows."""
+        leaf = name.rpartition(".")[2]
+        per_row = leaf == "weight_scale" and len(shape) >= 1 and shape[0] > 1  # else one scale for the tensor
+        dim = {"column": 0 if leaf in ("weight", "bias") or per_row else None,
+               "row": 1 if leaf == "weight" else None,
+               "vocab": 0 if leaf == "weight" else None}.get(self.kind)
+        if dim is None:
+            return None
+        if len(shape) <= dim or shape[dim] % self.world_size:
+            raise ValueError(f"tensor {name!r} of shape {shape} cannot be split in {self.world_size} along "
+                             f"dimension {dim}")
+        return TensorPart(dim, *self.span(shape[dim]))
 
     @property
     def partial_output(self) -> bool:
@@ -101,3 +146,22 @@ def all_gather_columns(y: torch.Tensor, world_size: int) -> torch.Tensor:
     out = torch.empty((world_size * m, n), dtype=y.dtype, device=y.device)
     _all_gather_single(out, rows)  # [N * M, n]: rank r's rows at r*M..
     return out.view(world_size, m, n).permute(1, 0, 2).reshape(*y.shape[:-1], world_size * n)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """A rank's block of the embedding's rows (`parallel`: vocab) [V / N, H]; a lookup of an
+    id outside them gives zeros, and the all-reduce sums the ranks' lookups (one rank holds
+    each id). Extra keywords go to nn.Embedding."""
+
+    def __init__(self, parallel: Parallel, vocab_size: int, embedding_dim: int, **kwargs: object) -> None:
+        if parallel.kind != "vocab":
+            raise ValueError(f"a vocabulary-parallel embedding splits the vocabulary, not {parallel.kind!r}")
+        start, stop = parallel.span(vocab_size)
+        super().__init__(stop - start, embedding_dim, **kwargs)  # type: ignore[arg-type]
+        self.parallel, self.start = parallel, start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start  # [B, T]
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [B, T, H]
+        return all_reduce_sum(out.masked_fill(outside[..., None], 0))

@@ -4,8 +4,8 @@
 
 - `SafetensorsReader`: a directory in Hugging Face layout (config.json, model.safetensors or
   the shards model.safetensors.index.json lists), local or fetched from the hub by id.
-  Tensors are read one at a time; with a tensor-parallel shard only the shard's part of
-  each (safetensors `get_slice`: the rest is never read). An integer checkpoint's layers
+  Tensors are read one at a time; for a tensor-parallel rank only the part of each its
+  model holds (safetensors `get_slice`: the rest is never read). An integer checkpoint's layers
   (GPTQ, AWQ, pack-quantized: models/int_checkpoint.py) come as `PackedRows`, each made
   from its layer's tensors once they are read.
 - `GGUFReader`: a llama.cpp file (models/gguf): config from its metadata (parsed once),
@@ -41,7 +41,7 @@ from infer.models.int_layers import LayerLayouts, projection_layouts
 from infer.models.int_quant import PackedRows
 from infer.models.llama import LlamaForCausalLM, fused_to_hf, norm_weights
 from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
-from infer.models.shard import ModelShard, read_part, shard_tensors
+from infer.models.shard import PartFn, read_part, shard_tensors
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for loads above 1 GiB
@@ -59,11 +59,12 @@ class WeightReader(Protocol):
     stored_quantization: str | None  # the quantization its tensors are stored in
     int_layouts: LayerLayouts  # layers its integer codes fill as they are (see the module docstring)
 
-    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+    def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
         """(hf_name, tensor on `device`) one at a time, in `dtype` (stored FP8 weights and
         their scales keep theirs; integer codes come as `PackedRows` for the layers in
-        `layouts`, the model's); with a `shard`, only its part of each tensor."""
+        `layouts`, the model's); with `parts` (a tensor-parallel rank's model's), only the
+        part of each tensor it names."""
         ...
 
 
@@ -100,28 +101,28 @@ class SafetensorsReader:
             _check_int_tensors(fmt, reader.int_layouts, _tensor_names(find_weight_files(directory)))
         return reader
 
-    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+    def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
         files = find_weight_files(self.directory)
         names = _tensor_names(files)
-        if self.int_format is not None and shard is not None:
+        if self.int_format is not None and parts is not None:
             raise ValueError(f"tensor parallelism does not split {self.int_format.method} checkpoints yet: load "
                              "it with tensor_parallel_size=1, or the bf16 model with quantization='int4'")
-        raw = self._read(files, names, device, dtype, shard)
+        raw = self._read(files, names, device, dtype, parts)
         return raw if self.int_format is None else _int_layers(raw, self.int_format, names)
 
     def _read(self, files: list[Path], names: list[list[str]], device: torch.device, dtype: torch.dtype,
-              shard: ModelShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+              parts: PartFn | None) -> Iterator[tuple[str, torch.Tensor]]:
         show = sum(f.stat().st_size for f in files) > PROGRESS_MIN_BYTES
         with tqdm(total=sum(map(len, names)), desc="loading weights", unit="tensor", disable=not show) as bar:
             for path, keys in zip(files, names, strict=True):
                 with safe_open(str(path), framework="pt", device=_safetensors_device(device)) as f:
                     for key in keys:
-                        if shard is None:
+                        if parts is None:
                             tensor = f.get_tensor(key)
                         else:
                             part = f.get_slice(key)
-                            tensor = read_part(part, shard.part(key, tuple(part.get_shape())))
+                            tensor = read_part(part, parts(key, tuple(part.get_shape())))
                         # FP8 weights, scales and integer tensors keep their dtype (the layers convert)
                         keep = tensor.dtype == FP8_DTYPE or key.endswith("_scale") or not tensor.is_floating_point() \
                             or (self.int_format is not None and key.rpartition(".")[2] in self.int_format.tensor_names())
@@ -198,12 +199,12 @@ class GGUFReader:
         check_tensors(gguf)  # before any memory is taken for the model
         return cls(path, gguf, config, int_layouts=kept_layouts(gguf, config))
 
-    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+    def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
         from infer.models.gguf.weights import iter_hf_tensors
         show = self.path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
         tensors = iter_hf_tensors(self.gguf, self.config, device, dtype, progress=show, layouts=layouts)
-        return tensors if shard is None else shard_tensors(tensors, shard)  # type: ignore[arg-type]
+        return tensors if parts is None else shard_tensors(tensors, parts)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -215,11 +216,11 @@ class DummyReader:
     std: float = 0.02
     int_layouts: LayerLayouts = field(default_factory=dict)
 
-    def tensors(self, device: torch.device, dtype: torch.dtype, shard: ModelShard | None,
+    def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor]]:
         """Dense tensors (layers stored as integers quantize them as they load)."""
         tensors = dummy_hf_tensors(self.config, dtype, device, self.seed, self.std)
-        return tensors if shard is None else shard_tensors(tensors, shard)
+        return tensors if parts is None else shard_tensors(tensors, parts)
 
 
 def dummy_hf_tensors(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,

@@ -1,52 +1,92 @@
-"""ModelShard: how the loader builds and fills one tensor-parallel rank's part of a model.
+"""ModelShard: one tensor-parallel rank's part of a model, and reading it from a checkpoint.
 
-`infer.distributed.sharding.TensorParallelShard` implements it. With a shard the loader
-(models/loader.py) builds `shard.build(config, quantization)` instead of the whole model and
-reads of each checkpoint tensor only the part `shard.part(name, shape)` names: through
-safetensors' `get_slice`, so the rest of the tensor is never read or materialised; tensors
-that arrive whole (GGUF files dequantize whole tensors) are narrowed to that part.
+`ModelShard(rank, world_size, embedding, lm_head)` splits a Llama decoder Megatron-style:
+the model built with it (`LlamaForCausalLM(config, quantization, shard)`) has the rank's
+shape (`model_config`: heads, KV heads and intermediate size / N) and its layers are built
+parallel: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj, the
+embedding and lm_head whole or by vocabulary (models/parallel.py says what each holds).
+Heads split in contiguous blocks: rank r holds query heads r*Hq/N.. and KV heads r*Hkv/N..,
+which keeps each query head with its KV head (Hq/N is a multiple of the group size Hq/Hkv).
+
+The loader reads of each checkpoint tensor only the part the model's layer holds
+(`LlamaForCausalLM.checkpoint_parts`): through safetensors' `get_slice` (`read_part`), so
+the rest is never read or materialised; tensors that arrive whole (GGUF files dequantize
+whole tensors, dummy weights are drawn whole) are narrowed to it (`shard_tensors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
 from infer.models.config import ModelConfig
+from infer.models.parallel import REPLICATED, Parallel, TensorPart
 
-if TYPE_CHECKING:
-    from infer.models.llama import LlamaForCausalLM
+VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
+
+PartFn = Callable[[str, tuple[int, ...]], TensorPart | None]
+"""part(checkpoint tensor name, its whole shape) -> the part a rank's model holds (None: all)."""
 
 
 @dataclass(frozen=True, slots=True)
-class TensorPart:
-    """Indices start..stop-1 along dimension `dim` (0: rows, 1: columns) of a checkpoint tensor."""
-
-    dim: int
-    start: int
-    stop: int
+class ModelShard:
+    rank: int
+    world_size: int
+    embedding: str = "replicated"  # "replicated" | "vocab_parallel"
+    lm_head: str = "vocab_parallel"  # "replicated" | "vocab_parallel"
 
     def __post_init__(self) -> None:
-        if self.dim not in (0, 1) or not 0 <= self.start < self.stop:
-            raise ValueError(f"a tensor part is a non-empty range of rows or columns, got {self}")
+        if self.world_size < 2:
+            raise ValueError(f"a model shard is one of >= 2 ranks (one rank holds the whole model), got "
+                             f"world_size {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside 0..{self.world_size - 1}")
+        for name in ("embedding", "lm_head"):
+            if getattr(self, name) not in VOCAB_LAYOUTS:
+                raise ValueError(f"{name} must be one of {list(VOCAB_LAYOUTS)}, got {getattr(self, name)!r}")
 
-
-class ModelShard(Protocol):
     def check(self, config: ModelConfig) -> None:
         """Raise ValueError, naming the sizes, when the model cannot be split this way."""
-        ...
+        n = self.world_size
+        sizes = {"num_attention_heads": config.num_attention_heads,
+                 "num_key_value_heads": config.num_key_value_heads,
+                 "intermediate_size": config.intermediate_size}
+        if "vocab_parallel" in (self.embedding, self.lm_head):
+            sizes["vocab_size"] = config.vocab_size
+        bad = [f"{name} ({value})" for name, value in sizes.items() if value % n]
+        if bad:
+            hint = (" (or keep the vocabulary whole: tensor_parallel_embedding / tensor_parallel_lm_head "
+                    "'replicated')" if any(b.startswith("vocab_size") for b in bad) else "")
+            raise ValueError(f"tensor_parallel_size={n} cannot split this model: {', '.join(bad)} "
+                             f"{'is' if len(bad) == 1 else 'are'} not divisible by {n}; choose a size "
+                             f"that divides them{hint}")
+        if config.tie_word_embeddings and self.embedding == "vocab_parallel" and self.lm_head == "replicated":
+            raise ValueError("this model ties lm_head to the embedding: with tensor_parallel_embedding="
+                             "'vocab_parallel' the lm_head must be 'vocab_parallel' too")
 
-    def build(self, config: ModelConfig, quantization: str | None) -> LlamaForCausalLM:
-        """This rank's model for the whole model's `config` (called on the meta device)."""
-        ...
+    def model_config(self, config: ModelConfig) -> ModelConfig:
+        """The decoder shape of one rank of the whole model's `config` (checked first): heads
+        and intermediate size / N, the vocabulary whole."""
+        self.check(config)
+        n = self.world_size
+        return replace(config, num_attention_heads=config.num_attention_heads // n,
+                       num_key_value_heads=config.num_key_value_heads // n,
+                       intermediate_size=config.intermediate_size // n)
 
-    def part(self, name: str, shape: tuple[int, ...]) -> TensorPart | None:
-        """The part of checkpoint tensor `name` (Hugging Face name, whole shape) this rank
-        holds; None: all of it."""
-        ...
+    @property
+    def column(self) -> Parallel:
+        return Parallel("column", self.rank, self.world_size)
+
+    @property
+    def row(self) -> Parallel:
+        return Parallel("row", self.rank, self.world_size)
+
+    def vocab(self, layout: str) -> Parallel:
+        """The setting of a layer whose vocabulary is laid out as `layout` (the embedding's or lm_head's)."""
+        return Parallel("vocab", self.rank, self.world_size) if layout == "vocab_parallel" else REPLICATED
 
 
 class TensorSlice(Protocol):
@@ -74,8 +114,7 @@ def narrow_part(tensor: torch.Tensor, part: TensorPart | None) -> torch.Tensor:
     return tensor.narrow(part.dim, part.start, part.stop - part.start).contiguous()
 
 
-def shard_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
-                  shard: ModelShard) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_tensors(tensors: Iterable[tuple[str, torch.Tensor]], parts: PartFn) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, this rank's part) of whole named tensors, one at a time."""
     for name, tensor in tensors:
-        yield name, narrow_part(tensor, shard.part(name, tuple(tensor.shape)))
+        yield name, narrow_part(tensor, parts(name, tuple(tensor.shape)))

@@ -1,0 +1,51 @@
+"""A worker rank's KV pool: the keys and values of its heads, and a copy of the driver's block tables.
+
+The driver keeps every pool's bookkeeping (slots, lengths, free blocks, the prefix cache).
+A worker's pool of the same model is what its forward reads and writes: KV tensors of its
+shard's heads over the driver's rows (`PoolShape`), and `BlockTables` kept current by the
+entries each message brings (`PoolChanges`), so the driver's block ids and row numbers mean
+the same rows here, and each plan's KV slots come out of the tables as they do on rank 0.
+Rows the driver moves (a tree's accepted path put in sequence order) are moved here too.
+
+`table_digest` is what the ranks compare when the driver asks for reports: a worker whose
+tables differ from the driver's is a bug the report names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from infer.cache.block_tables import BlockTables
+from infer.cache.view import RowPool
+from infer.distributed.protocol import PoolChanges, PoolShape
+from infer.models.llama import LlamaForCausalLM
+
+
+class WorkerPool(RowPool):
+    """What a forward function needs of a pool (KV tensors, block tables, block size,
+    scratch row), for the heads of `model` (a rank's shard), laid out as `shape` says."""
+
+    def __init__(self, model: LlamaForCausalLM, shape: PoolShape) -> None:
+        config, device = model.config, next(model.parameters()).device
+        self.max_batch_size, self.max_seq_len = shape.max_batch_size, shape.max_seq_len
+        self.block_size, self.scratch_row = shape.block_size, shape.rows - 1
+        kv = (config.num_hidden_layers, shape.rows, config.num_key_value_heads, config.head_dim)
+        self.k_cache = torch.zeros(kv, dtype=shape.dtype, device=device)  # [L, rows, Hkv, D]
+        self.v_cache = torch.zeros(kv, dtype=shape.dtype, device=device)  # [L, rows, Hkv, D]
+        self.tables = BlockTables(shape.max_batch_size, shape.max_blocks, device)
+
+    def set_length(self, slot: int, length: int) -> None:
+        """(Lengths are the driver's: a plan carries its rows' context lengths.)"""
+
+    def apply(self, changes: PoolChanges) -> None:
+        """The driver's changes since the last message: table entries, then row moves."""
+        self.tables.apply(changes.tables)
+        for src, dst in changes.moves:
+            self.move_rows(src, dst)
+
+
+def table_digest(tables: BlockTables) -> str:
+    """A digest of every entry of the tables (equal on every rank while they agree)."""
+    return hashlib.blake2b(tables.host.tobytes(), digest_size=16).hexdigest()

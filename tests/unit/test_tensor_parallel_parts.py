@@ -202,15 +202,15 @@ def test_devices_per_rank() -> None:
 def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:
     layout = BatchLayout.of([2, 0], [5, 9], [1, 1])
     ids = torch.tensor([[7], [8]])
-    uniforms = torch.tensor([[0.25], [0.5]], dtype=torch.float64)
+    uniforms = torch.tensor([[0.25], [0.5]], dtype=torch.float64)  # (any CPU tensor argument)
     changes = PoolChanges(0, np.array([[2, 1, 17], [3, 0, 5]]), (((40, 41), (36, 37)),))
-    message = Message((changes,), Invoke(3, "draft_loop", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
+    message = Message((changes,), Invoke(3, "tree", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
     data, wire = encode(message, frozenset())
     assert wire == []  # CPU tensors travel inside the pickle
     got, slots = decode(data, torch.device("cpu"))
     assert slots == [] and len(got.changes) == 1
     assert np.array_equal(got.changes[0].tables, changes.tables) and got.changes[0].moves == changes.moves
-    assert (got.call.target, got.call.method) == (3, "draft_loop") and got.call.args[1] == layout
+    assert (got.call.target, got.call.method) == (3, "tree") and got.call.args[1] == layout
     assert torch.equal(got.call.args[0], ids) and torch.equal(got.call.args[4], uniforms)
     # tensors on the rank's device go beside the pickle: the receiver gets empty ones to fill
     data, wire = encode(Message((), Invoke(1, "__call__", (ids, layout, False))), frozenset({"cpu"}))

@@ -15,9 +15,9 @@ code runs once, on the driver). Then:
   `Invoke` of its forward part (a `sample` or `verify` is a plain forward there, a
   `verify_tree` a `tree`), then runs here; the workers run that forward on their shards,
   and the collectives inside (all-reduces, the lm_head's all-gather) meet. Only rank 0
-  samples, accepts and rejects; its results are the only ones used. A draft model's whole
-  round (`draft_loop`) runs on every rank: each step feeds the token the step before
-  sampled, which every rank samples alike from the all-gathered logits.
+  samples, accepts and rejects; its results are the only ones used. A sharded draft
+  model's step after the first feeds the token the step before drew, on the device: it
+  travels beside the next step's message (`DeviceIds`).
 
 A model role placed on the driver alone (a draft with tensor_parallel_draft="driver") gets
 plain local pools and forward functions. Every call must come from one thread, in order.
@@ -133,13 +133,6 @@ class TensorParallelForward:
         self._invoke("__call__", ids, layout, True)
         return self.local.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
 
-    def draft_loop(self, ids: torch.Tensor, layout: BatchLayout, steps: int, temperatures: Sequence[float],
-                   uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # each step feeds the token the step before chose: every rank samples the same tokens
-        # from the same (all-gathered) logits and uniforms (the workers keep no probabilities)
-        self._invoke("draft_loop", ids, layout, steps, tuple(temperatures), uniforms, tuple(greedy))
-        return self.local.draft_loop(ids, layout, steps, temperatures, uniforms, greedy)
-
     def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
         self._invoke("tree", ids, layout, chunk)
         return self.local.tree(ids, layout, chunk)
@@ -154,11 +147,6 @@ class TensorParallelForward:
 
     def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
         return self.local.captured(layout, all_logits)
-
-    def prepare_draft_loops(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        w, s = tuple(widths), tuple(steps)
-        self._invoke("prepare_draft_loops", w, s)
-        self.local.prepare_draft_loops(w, s)
 
     def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
         chunks = tuple(chunks)

@@ -8,8 +8,8 @@ previous one (`PoolChanges`: block-table entries, rows moved), then one call:
                             driver just did, from the driver's `ForwardSpec`
   Invoke                    run a method of a forward function: the forward part of the
                             driver's call (`run`: a step's flat batch; the proposers'
-                            `__call__`, `tree`, `draft_loop`) or a capture
-                            ahead of use (`prepare_draft_loops`, `prepare_trees`)
+                            `__call__`, `tree`) or a capture ahead of use
+                            (`prepare_trees`)
   Report                    every worker answers: its block tables against the driver's,
                             the CUDA graphs it captured
   Shutdown                  free everything, leave the process group, exit
@@ -17,10 +17,8 @@ previous one (`PoolChanges`: block-table entries, rows moved), then one call:
 A step costs one message: the target's flat batch plan (`run`: numpy arrays of its rows'
 tokens, positions and context lengths) and the ids still on the device after a step that
 left its tokens there, beside the few table entries the step's new blocks set; the
-proposers' padded calls carry their ids (CPU [B, T], or on the device), the BatchLayout, a
-tree chunk for tree steps, and for a draft model's round the temperatures, greedy flags and
-uniforms (every rank samples the tokens it feeds its next step); CPU tensors travel inside
-the message (channel.py). Sampling, verification and tree verification go to the workers as
+proposers' padded calls carry their ids (CPU [B, T], or on the device), the BatchLayout and
+a tree chunk for tree steps; CPU tensors travel inside the message (channel.py). Sampling, verification and tree verification go to the workers as
 their forward: only rank 0 samples, accepts or rejects, so the workers need no
 temperatures, draft tokens or draft probabilities for them. Slots, lengths, free blocks and
 the prefix cache are the driver's alone: a worker needs none of them to run a plan.
@@ -38,7 +36,7 @@ from infer.engine.executor.spec import ForwardSpec
 
 ROLES = ("target", "draft")
 # the ForwardFn methods a worker runs: the forward part of each call (mirror.py says which)
-INVOKABLE = ("run", "__call__", "tree", "draft_loop", "prepare_draft_loops", "prepare_trees")
+INVOKABLE = ("run", "__call__", "tree", "prepare_trees")
 
 RowMove = tuple[tuple[int, ...], tuple[int, ...]]  # (source rows, destination rows) of a `move_rows`
 

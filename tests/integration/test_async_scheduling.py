@@ -75,3 +75,38 @@ def test_overlapped_steps_feed_the_tokens_in_flight_to_the_next_step(make_llm, c
 
 def test_an_abort_with_a_step_in_flight_gives_everything_back(make_llm, ckpt_a, prompts):
     abort_in_flight(make_llm, ckpt_a, prompts)
+
+
+PREEMPTING = [[0, 25, 305, 128, 335, 11, 68, 349], [0, *range(100, 124)], [0, 382]]
+
+
+def _step_through(make_llm, ckpt, overlap: bool, params: list[SamplingParams]) -> tuple[list[list[int]], object]:
+    """Each request's tokens on a pool that holds two of PREEMPTING at a time, the engine
+    driven step by step (a livelock fails the step cap)."""
+    llm = make_llm(ckpt, async_scheduling=overlap, block_size=8, num_blocks=9, max_num_batched_tokens=16)
+    engine = llm.engine
+    requests = [engine.add_request(p, sp) for p, sp in zip(PREEMPTING, params, strict=True)]
+    for _ in range(100):  # plain decoding needs fewer than 40 steps
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished() and not engine.leak_report()
+    assert all(r.is_finished for r in requests)
+    return [list(r.output_token_ids) for r in requests], engine
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_a_request_preempted_with_its_last_token_in_flight_retires(make_llm, ckpt_a, stop):
+    # the newest request is preempted while its last token is still in flight; that token,
+    # accepted after the preemption, finishes it in the waiting queue. It used to stay there
+    # (a leak), or be readmitted as running and never retire (a livelock), decoding on past
+    # its stop string. Now it retires, with the tokens synchronous scheduling gives.
+    params = [SamplingParams(max_tokens=10 - i, ignore_eos=True, seed=1 + i) for i in range(3)]
+    if stop:  # the last request stops at the text its last token ends with
+        tokens, engine = _step_through(make_llm, ckpt_a, False, params)
+        text = engine.tokenizer.decode(tokens[2])[-2:]
+        params[2] = SamplingParams(max_tokens=8, ignore_eos=True, seed=3, stop=[text])
+    sync, _ = _step_through(make_llm, ckpt_a, False, params)
+    overlapped, engine = _step_through(make_llm, ckpt_a, True, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert overlapped == sync

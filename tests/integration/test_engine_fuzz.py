@@ -34,13 +34,8 @@ CASES, CHUNKS = 80, 4  # run as CHUNKS tests of CASES / CHUNKS cases (test proce
 # Features left out of the cases while their bugs are open (helpers.fuzz_cases.FEATURES).
 # Remove an entry once its fix lands: the test then covers that feature too.
 KNOWN = frozenset({
-    "spec-tight-pool",  # issue 60 point 9: speculation livelocks when the pool only just fits a request
-    "dynamic-tree",  # issue 60 point 10: IndexError in speculative/dynamic_draft.py `_rows`
     "spec-prefix-preemption",  # issue 60 point 11: seeded samples change under preemption with prefix caching
-    "bad-prompt",  # issue 60 point 12: a refused prompt leaves the valid ones of its generate queued
     "eagle-prefix-cache",  # an EAGLE head's seeded samples change after a prefix-cache hit
-    "async-preemption",  # overlapped scheduling: a request preempted with its last token in flight
-    #                      finishes, stays queued (a leak) or is readmitted and never retires (livelock)
     "adaptive-preemption",  # adaptive K: a seeded row's samples change when it (or another row) is preempted
     "draft-tree-alone",  # a draft model's static tree: a seeded row alone and beside another differ (the
     #                      draft's q differs by float rounding between batch shapes and one tree draw flips)

@@ -72,11 +72,17 @@ class Scheduler:
             self.waiting.remove(request)
 
     def retire(self) -> list[Request]:
+        """Take the finished requests out of the queues, freeing their memory. A request
+        can finish while waiting: preempted with a token in flight (overlapped scheduling),
+        that token, accepted after the preemption, may be its last."""
         done = [r for r in self.running if r.is_finished]
         for r in done:
             self.running.remove(r)
             self.kv.release(r)
-        return done
+        waited = [r for r in self.waiting if r.is_finished]
+        for r in waited:
+            self.waiting.remove(r)  # (its memory went at the preemption)
+        return done + waited
 
     def admit(self) -> list[Request]:
         if self.config.batching_mode == "static" and self.running:

@@ -267,7 +267,7 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
         def can_admit(self, request):
             return True
 
-        def ensure_capacity(self, request, total_tokens):
+        def ensure_capacity(self, request, total_tokens, take=False):
             return True
 
         def pools(self):

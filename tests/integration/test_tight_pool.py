@@ -76,3 +76,28 @@ def test_several_requests_on_a_tight_pool_all_finish(make_llm, ckpt_a, shape):
                    use_speculative_decoding=True, draft_model=str(ckpt_a), **SHAPES[shape])
     assert finish(llm, prompts, GREEDY) == plain(ckpt_a, prompts)
     assert llm.engine.scheduler.num_preemptions > 0  # the pool holds one of them at a time
+
+
+@pytest.fixture(scope="module")
+def near_draft(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers.fuzz_models import FuzzModels
+    return FuzzModels.build(tmp_path_factory.mktemp("near"), target=ckpt_a).draft("near")
+
+
+def test_seeded_samples_repeat_through_preemption_and_prefix_hits(make_llm, ckpt_a, near_draft):
+    # n = 3 choices of one prompt on a pool holding about two of them: the first generate
+    # preempts one in its prefill, the second finds the prompt in the prefix cache and runs
+    # two at once. The draft pool shares no prefix, so a request used to find it full at its
+    # first round and draft nothing then: a plain step where the other generate verified a
+    # round, which draws other uniforms, so its seeded sample changed. Now a draft pool
+    # without room is memory short like the target's (the scheduler preempts), and the
+    # second generate repeats the first.
+    prompt = [0, 200, 192, 370, 327, 210, 381, 227, 253, 264, 47, 6, 291, 48, 6, 282, 94, 325, 146, 12, 244, 81, 52,
+              207, 126]
+    params = SamplingParams(repetition_penalty=1.3, max_tokens=10, ignore_eos=True, seed=1313722422, n=3)
+    llm = make_llm(ckpt_a, use_speculative_decoding=True, draft_model=str(near_draft), spec_length=3,
+                   num_blocks=4, block_size=16, max_num_batched_tokens=8, enable_prefix_caching=True)
+    runs = [[c.token_ids for c in llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs]
+            for _ in range(2)]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.stats.rounds > 0
+    assert runs[0] == runs[1]

@@ -123,9 +123,12 @@ class ModelRunner:
         return kv
 
     def forget(self, request: Request) -> None:
-        """A finished request leaves: drop its output state (its memory: `KVManager.release`)."""
+        """A finished request leaves: drop its output state and what the speculation policy
+        learnt of it (its memory: `KVManager.release`)."""
         if request.is_finished:
             self.output.release(request.request_id)
+            if self.speculation is not None:
+                self.speculation.forget(request)
 
     # -- step ------------------------------------------------------------------------------
     def has_pending(self) -> bool:

@@ -203,14 +203,22 @@ class Speculation:
         return self.proposer.can_admit(request)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        return self.proposer.ensure_capacity(request, total_tokens)
+        """Room for a round; under a fixed K (every request drafts every round) the
+        proposer's memory for the request is taken now (`Proposer.ensure_capacity`)."""
+        take = isinstance(self.policy, FixedPolicy) and self.config.spec_disable_batch_size is None
+        return self.proposer.ensure_capacity(request, total_tokens, take)
 
     def pools(self) -> list[CachePoolProtocol]:
         return self.proposer.pools()
 
     def release(self, request: Request) -> None:
+        """The request's memory goes (it finished, or was preempted: what the policy learnt
+        of it stays, so its rounds after a preemption are the ones it would have run)."""
         self.proposer.release(request)
-        self.policy.release(request.request_id)  # (a preempted request learns again)
+
+    def forget(self, request: Request) -> None:
+        """The request left the engine: drop what the policy learnt of it."""
+        self.policy.release(request.request_id)
         if self.shadow is not None:
             self.shadow.drop(request.request_id)
 

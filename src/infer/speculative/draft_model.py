@@ -98,9 +98,14 @@ class DraftModelProposer:
         self.rounds: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     # -- memory: a draft slot from a request's first round on -------------------------------
-    # A request gets its draft slot at its first round (`propose`), not at admission: one that
-    # never drafts costs the draft pool nothing. Admission still asks whether the pool could
-    # hold the prompt (`can_admit`).
+    # A request gets its draft slot at its first round, not at admission: one that never
+    # drafts costs the draft pool nothing. Under a fixed K every request drafts every round,
+    # and the slot is taken when the scheduler first reserves a round for it
+    # (`ensure_capacity` with `take`): a draft pool without room is then memory short like
+    # the target's (the scheduler preempts, or gives a request alone a plain step), so a
+    # round never shrinks because another request holds the draft's memory, and a seeded
+    # request's rounds, and its samples, do not depend on what else runs. Admission still
+    # asks whether the pool could hold the prompt (`can_admit`).
     def can_admit(self, request: DraftRequest) -> bool:
         return self.pool.can_allocate(request.prefill_target)
 
@@ -114,19 +119,26 @@ class DraftModelProposer:
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
-        """Room for positions < total_tokens in the request's draft cache; False (nothing
-        taken) when the pool is short: the scheduler preempts. True for a request without a
-        draft slot yet: its first round takes one if the pool has room then (`take_slot`)."""
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
+        """Room for positions < total_tokens in the request's draft cache (its draft slot
+        taken now with `take`, else at its first round); False (nothing taken) when the pool
+        is short: the scheduler preempts."""
         assert request.slot is not None
         slot = self.draft_slots.get(request.slot)
-        return slot is None or self.pool.ensure_capacity(slot, total_tokens)
+        if slot is not None:
+            return self.pool.ensure_capacity(slot, total_tokens)
+        if not take:
+            return True
+        if not self.pool.can_allocate(total_tokens):
+            return False
+        self.draft_slots[request.slot] = self.pool.allocate_slot(total_tokens)
+        return True
 
     def take_slot(self, request: DraftRequest, k: int) -> bool:
         """Whether the request has a draft slot for a round of k drafts, taken now at its
-        first round (room for its context and the drafts); False when the pool has no room
-        for it (prefix caching shares the target's prompt blocks, not the draft's): the
-        request drafts nothing this round."""
+        first round (or at the scheduler's reservation: `ensure_capacity`); False when the
+        pool has no room for it (prefix caching shares the target's prompt blocks, not the
+        draft's): the request drafts nothing this round."""
         assert request.slot is not None
         if request.slot in self.draft_slots:
             return True

@@ -131,11 +131,17 @@ class EagleProposer:
     def can_admit(self, request: DraftRequest) -> bool:
         return self.pool.can_allocate(request.prefill_target)
 
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         state = self.states.get(request.request_id)
-        if state is None or state.slot is None:
+        if state is None or (state.slot is None and not take):
             return True
-        return self.pool.ensure_capacity(state.slot, max(0, total_tokens - state.offset))
+        need = max(0, total_tokens - state.offset)
+        if state.slot is not None:
+            return self.pool.ensure_capacity(state.slot, need)
+        if not self.pool.can_allocate(need):
+            return False
+        state.slot = self.pool.allocate_slot(need)
+        return True
 
     def pools(self) -> list[CachePoolProtocol]:
         return [self.pool]

@@ -150,7 +150,7 @@ class NgramProposer:
     def can_admit(self, request: DraftRequest) -> bool:
         return True  # tables live in host memory
 
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         return True
 
     def pools(self) -> list[CachePoolProtocol]:

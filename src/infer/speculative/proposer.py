@@ -85,9 +85,12 @@ class Proposer(Protocol):
         """Whether the proposer's own memory could hold the request's prompt."""
         ...
 
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         """Room for positions < total_tokens of the request; False (nothing taken) when
-        memory is short: the scheduler preempts."""
+        memory is short: the scheduler preempts. Memory a proposer keeps per request is
+        taken at the request's first round; with `take` (the request drafts in every
+        round: a fixed K) it is taken now, at the scheduler's reservation, so a round never
+        finds it short."""
         ...
 
     def pools(self) -> list[CachePoolProtocol]:

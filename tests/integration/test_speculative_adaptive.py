@@ -117,3 +117,22 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates
     assert all(n <= limit for n in drafts)
+
+
+def test_a_preempted_request_keeps_what_the_policy_learnt_of_it(make_llm, ckpt_a, prompts):
+    # preemption frees a request's memory; what the adaptive policy learnt of its acceptance
+    # stays until it leaves the engine, so its rounds after readmission are the ones it would
+    # have run (a fresh estimate changed its K, and a seeded request's samples with it)
+    llm = make_llm(ckpt_a, max_seq_len=256, block_size=2, num_blocks=40, use_speculative_decoding=True,
+                   draft_model=str(ckpt_a), spec_length=3, spec_policy="adaptive", spec_cost_coefficient=0.2)
+    policy = llm.engine.runner.speculation.policy
+    released, release = [], policy.release
+    policy.release = lambda request_id: (released.append(llm.engine._requests[request_id].is_finished),
+                                         release(request_id))[1]
+    params = SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=5)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.stats.rounds > 0
+    assert released and all(released)  # only requests that finished were forgotten
+    assert llm.engine.leak_report() == []
+    again = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)]
+    assert again == first

@@ -47,7 +47,7 @@ def test_cuda_graphs_and_fused_kernels_are_the_default(ckpt_a, caplog):
 
 
 def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_path):
-    ckpt = make_checkpoint(tmp_path / "long", max_position_embeddings=2 * MAX_GRAPH_CONTEXT)
+    ckpt = make_checkpoint(tmp_path / "long", max_position_embeddings=2 * MAX_GRAPH_CONTEXT, head_dim=16)
     kw = dict(device="cuda", dtype="float32", max_batch_size=2, compile_kernels=False)
     graphs = LLM(str(ckpt), **kw)
     assert graphs.config.max_seq_len == 2 * MAX_GRAPH_CONTEXT  # the model's own context

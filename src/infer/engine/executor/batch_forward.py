@@ -109,13 +109,15 @@ class GraphBatchForward:
         device_buf = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
         parts = dict(zip(ARRAYS, torch.split(device_buf, sizes), strict=True))
         parts["positions"].fill_(-1)  # (capture inputs: every token padding)
-        tables = self.pool.tables.sync()
-        # (a tree graph's rule is WORD wide: keys past a smaller block are past every node's
-        # own position, so they stay unseen)
-        batch = batch_of(parts, tables, self.pool.block_size, self.pool.scratch_row, (1,) * n,
-                         self.context_width, WORD if tree else 0)
+        tables = self.pool.tables.sync()  # (updated in place: the graph reads it at each replay)
 
         def run() -> torch.Tensor:
+            # the batch is built inside the graph: its KV slots and block tables are gathered
+            # from the staged arrays and the tables at every replay. (A tree graph's rule is
+            # WORD wide: keys past a smaller block are past every node's own position, so
+            # they stay unseen.)
+            batch = batch_of(parts, tables, self.pool.block_size, self.pool.scratch_row, (1,) * n,
+                             self.context_width, WORD if tree else 0)
             hidden = run_model(self.model, self.pool, batch, self.kernels)
             return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from infer.models.attention import masked_attention, position_mask
-from infer.models.rope import rotary_qk
+from infer.models.paged_attention import write_kv
 from infer.transfer import tensor_on, to_device
 
 RowsFn = Callable[[int, int, int], torch.Tensor]
@@ -275,16 +275,7 @@ class CacheView:
         """Write the chunk's k and v ([B, T, Hkv, D]) into their rows of one layer's caches
         (rotating q and k first when `rotary` (cos, sin) is given: on CUDA one Triton kernel
         does both, `models/triton_rotary.py`); returns q, rotated if asked."""
-        rows = self.indices.write_rows  # [B * T]
-        if rotary is not None and q.is_cuda and triton_available():
-            from infer.models.triton_rotary import rotary_kv_write
-            return rotary_kv_write(q, k, v, rotary[0], rotary[1], kc, vc, rows)
-        if rotary is not None:
-            q, k = rotary_qk(q, k, rotary[0], rotary[1])
-        heads, dim = kc.shape[1], kc.shape[2]
-        kc.index_copy_(0, rows, k.reshape(-1, heads, dim).to(kc.dtype))
-        vc.index_copy_(0, rows, v.reshape(-1, heads, dim).to(vc.dtype))
-        return q
+        return write_kv(kc, vc, q, k, v, rotary, self.indices.write_rows)
 
     def commit(self) -> None:
         """Advance each slot's length past this chunk (call after the forward pass)."""

@@ -111,6 +111,8 @@ def test_a_server_without_xgrammar_refuses_structured_outputs_naming_the_extra(
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
     monkeypatch.delitem(sys.modules, "infer.engine.structured", raising=False)
     with LiveServer.start(EngineConfig(model=str(ckpt_a), device="cpu", max_seq_len=64), "m") as live:
+        with pytest.raises(ValueError, match=r"infer-engine\[structured\]"):
+            live.state.grammars.start()  # as `infer serve` does at start-up (which skips this ValueError)
         plain = httpx.post(live.url + "/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": 2})
         assert plain.status_code == 200
         r = httpx.post(live.url + "/v1/completions", json={"model": "m", "prompt": "a b", "max_tokens": 2,

@@ -109,9 +109,9 @@ class GrammarService:
 
     def _workers(self) -> ProcessPool:
         if self._pool is None:
+            grammars = self.engine.grammars  # first: ValueError (naming the extra) when xgrammar is missing
             from infer.engine import grammar_worker
 
-            grammars = self.engine.grammars
             # spawn, not fork: this process runs threads (the engine's, torch's) that a fork would copy mid-flight
             self._pool = ProcessPool(self.config.grammar_workers, initializer=grammar_worker.start,
                                      initargs=(grammars.token_table, grammars.vocab_size, grammars.eos_token_ids),

@@ -11,6 +11,7 @@ request whose prompt starts with the same full blocks references them instead of
 recomputing (never its whole prompt: the last prompt token is always computed, its logits
 are needed). A slot's shared blocks are always the first `_shared[slot]` entries of its
 table; nothing writes to them, and unreferenced ones are evicted (LRU) when blocks run out.
+An EAGLE head's pool caches its blocks keyed with one token of lookahead (`cache_prefixes`).
 """
 
 from __future__ import annotations
@@ -84,15 +85,26 @@ class PagedKVCachePool(RowPool):
         self.prefix_query_tokens = 0  # prompt tokens offered for prefix matching
         self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
 
+    def cache_prefixes(self, lookahead: int = 0) -> None:
+        """Turn prefix caching on before any slot is taken, each block keyed by its tokens
+        and the `lookahead` tokens after it (`PrefixTree`)."""
+        if self.enable_prefix_caching and lookahead == self._tree.lookahead:
+            return
+        if self._tables or len(self._tree):
+            raise RuntimeError("prefix caching is switched on in an idle pool only (no slot, no cached block)")
+        self._tree = PrefixTree(self.block_size, lookahead)
+        self.enable_prefix_caching = True
+
     # -- slots -------------------------------------------------------------------------
-    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
+    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None,
+                      max_cached_tokens: int | None = None) -> int:
         if initial_tokens < 0:
             raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
         if initial_tokens > self.max_seq_len:
             raise RuntimeError(f"{initial_tokens} tokens exceed max_seq_len {self.max_seq_len}")
         if not self._free_slots:
             raise RuntimeError("no free KV cache slot (all max_batch_size slots are in use)")
-        matched = self._match(prefix_token_ids)
+        matched = self._match(prefix_token_ids, max_cached_tokens)
         cached = len(matched) * self.block_size
         need = self._blocks_for(max(initial_tokens, cached)) - len(matched)
         pinned = sum(self._tree.refcount(b) == 0 for b in matched)  # evictable now, not once held
@@ -112,11 +124,18 @@ class PagedKVCachePool(RowPool):
             self.prefix_hit_tokens += cached
         return slot
 
-    def _match(self, prefix_token_ids: Sequence[int] | None) -> list[int]:
-        """Cached full blocks of the prompt, leaving at least its last token to compute."""
+    def _match(self, prefix_token_ids: Sequence[int] | None, max_cached_tokens: int | None = None) -> list[int]:
+        """Cached full blocks of the prompt, leaving at least its last token to compute (and
+        no more than max_cached_tokens)."""
         if not self.enable_prefix_caching or not prefix_token_ids:
             return []
-        return self._tree.match(prefix_token_ids, (len(prefix_token_ids) - 1) // self.block_size)
+        limit = len(prefix_token_ids) - 1 if max_cached_tokens is None else min(len(prefix_token_ids) - 1,
+                                                                                 max_cached_tokens)
+        return self._tree.match(prefix_token_ids, limit // self.block_size)
+
+    def cached_prefix(self, prefix_token_ids: Sequence[int]) -> int:
+        """Tokens of the prompt that `allocate_slot` would take from the prefix cache now."""
+        return len(self._match(prefix_token_ids)) * self.block_size
 
     def can_allocate(self, num_tokens: int) -> bool:
         """A slot and blocks for num_tokens (evictable cached blocks count as free)."""
@@ -187,11 +206,11 @@ class PagedKVCachePool(RowPool):
         table = self._slot_table(slot)
         if not self.enable_prefix_caching:
             return
-        size, start = self.block_size, self._shared[slot]
-        full = min(len(token_ids), self._lens[slot]) // size
+        start = self._shared[slot]
+        full = min(self._tree.num_keyed(len(token_ids)), self._lens[slot] // self.block_size)
         parent = table[start - 1] if start else None
         for i in range(start, full):
-            tokens = token_ids[i * size:(i + 1) * size]
+            tokens = self._tree.key_tokens(token_ids, i)
             existing = self._tree.lookup(parent, tokens)
             if existing is None:
                 self._tree.insert(parent, tokens, table[i])

@@ -3,7 +3,9 @@
 Each node is one full KV block of a prompt. A node is found by (parent node, the block's
 tokens), so a node stands for the whole token prefix from position 0 to the end of its
 block: equal blocks that follow different prefixes are different nodes and never match.
-(This is the exact-key form of hashing the whole prefix chain; it cannot collide.)
+(This is the exact-key form of hashing the whole prefix chain; it cannot collide.) With a
+`lookahead`, a block's key also holds the tokens after it (an EAGLE head's entry at
+position i is built from token i + 1: its block depends on the next block's first token).
 
 Reference counts say how many running sequences use a node. A sequence always holds a
 chain from the root, so a referenced node's ancestors are referenced too and every
@@ -31,10 +33,13 @@ class _Node:
 
 
 class PrefixTree:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, lookahead: int = 0) -> None:
+        """lookahead: tokens after a block that its key holds (its block's content depends on them)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.block_size, self.lookahead = block_size, lookahead
         self._by_key: dict[Key, _Node] = {}
         self._by_block: dict[int, _Node] = {}
         self._heap: list[tuple[int, int]] = []  # (last_used, block) of candidate leaves
@@ -63,12 +68,20 @@ class PrefixTree:
         node = self._by_key.get(_key(parent, tokens))
         return None if node is None else node.block
 
+    def key_tokens(self, token_ids: Sequence[int], index: int) -> Sequence[int]:
+        """The tokens of block `index`'s key: its own and the lookahead after it."""
+        return token_ids[index * self.block_size:(index + 1) * self.block_size + self.lookahead]
+
+    def num_keyed(self, num_tokens: int) -> int:
+        """Blocks whose whole key lies in the first num_tokens tokens."""
+        return max(0, num_tokens - self.lookahead) // self.block_size
+
     def match(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
         """Blocks of the longest cached chain of full blocks of token_ids (at most
         max_blocks). Reference counts are unchanged; `acquire` the result to use it."""
-        size, parent, found = self.block_size, None, []
-        for i in range(min(max_blocks, len(token_ids) // size)):
-            block = self.lookup(parent, token_ids[i * size:(i + 1) * size])
+        parent, found = None, []
+        for i in range(min(max_blocks, self.num_keyed(len(token_ids)))):
+            block = self.lookup(parent, self.key_tokens(token_ids, i))
             if block is None:
                 break
             found.append(block)
@@ -98,10 +111,11 @@ class PrefixTree:
                 self._push_if_leaf(node)
 
     def insert(self, parent: int | None, tokens: Sequence[int], block: int) -> None:
-        """Add `block` (full, holding `tokens` after the chain ending at `parent`) with one
-        reference: the sequence that computed it. The caller holds `parent`."""
-        if len(tokens) != self.block_size:
-            raise ValueError(f"only full blocks are cached: got {len(tokens)} of {self.block_size} tokens")
+        """Add `block` (full, holding `tokens` after the chain ending at `parent`, then the
+        lookahead) with one reference: the sequence that computed it. The caller holds `parent`."""
+        if len(tokens) != self.block_size + self.lookahead:
+            raise ValueError(f"only full blocks are cached: got {len(tokens)} of {self.block_size} tokens"
+                             + (f" and {self.lookahead} after them" if self.lookahead else ""))
         key = _key(parent, tokens)
         if key in self._by_key:
             raise RuntimeError("this prefix block is already cached; lookup() before insert()")

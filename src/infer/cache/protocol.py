@@ -21,10 +21,20 @@ class CachePoolProtocol(Protocol):
     max_batch_size: int
     max_seq_len: int
 
-    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
+    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None,
+                      max_cached_tokens: int | None = None) -> int:
         """Reserve a slot with room for `initial_tokens`. With prefix caching, reuse cached
-        blocks of `prefix_token_ids`; `seq_len(slot)` then says how many are already cached.
-        Raises RuntimeError when out of slots or memory (check `can_allocate` first)."""
+        blocks of `prefix_token_ids` (at most `max_cached_tokens`); `seq_len(slot)` then says
+        how many are already cached. Raises RuntimeError when out of slots or memory (check
+        `can_allocate` first)."""
+        ...
+
+    def cached_prefix(self, prefix_token_ids: Sequence[int]) -> int:
+        """Tokens of the prompt that `allocate_slot` would take from the prefix cache now."""
+        ...
+
+    def cache_prefixes(self, lookahead: int = 0) -> None:
+        """Switch prefix caching on (an idle pool), blocks keyed with `lookahead` tokens after them."""
         ...
 
     def can_allocate(self, num_tokens: int) -> bool: ...

@@ -37,7 +37,8 @@ class SlottedKVCache(RowPool):
             self.tables.set(slot, 0, [slot])
 
     # -- slots -------------------------------------------------------------------------
-    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None) -> int:
+    def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None,
+                      max_cached_tokens: int | None = None) -> int:
         if initial_tokens > self.max_seq_len:
             raise RuntimeError(f"{initial_tokens} tokens exceed max_seq_len {self.max_seq_len}")
         if not self._free:
@@ -76,6 +77,12 @@ class SlottedKVCache(RowPool):
 
     def register_prefix(self, slot: int, token_ids: Sequence[int]) -> None:
         return None  # no prefix sharing in contiguous storage
+
+    def cached_prefix(self, prefix_token_ids: Sequence[int]) -> int:
+        return 0
+
+    def cache_prefixes(self, lookahead: int = 0) -> None:
+        raise ValueError("contiguous KV storage shares no prefixes: use kv_cache_backend='paged'")
 
     @property
     def num_free_slots(self) -> int:

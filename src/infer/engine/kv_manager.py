@@ -5,7 +5,9 @@ per request (a draft model's), in one place. A part with memory of its own regis
 `KVHolder` (speculation does, for its proposer); the scheduler asks the manager, never the
 runner, whether a request can be admitted, how many positions its next decode step may write
 (`decode_widths`: 1, or the blocks a speculation round may take, largest first), and to grow
-or free its memory.
+or free its memory. A part whose per-request state is built from the prompt and must be
+the same after a prefix-cache hit (an EAGLE head's KV) registers a `PrefixRestorer`: the
+target's hit is taken only as far as that state is restored with it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ class KVHolder(Protocol):
     def leak_report(self) -> list[str]: ...
 
 
+class PrefixRestorer(Protocol):
+    """Per-request state of the prompt that a prefix-cache hit must restore, not skip."""
+
+    def restorable(self, request: Request) -> int:
+        """How many leading prompt tokens it could restore now (whole blocks)."""
+        ...
+
+    def restore(self, request: Request, tokens: int) -> None:
+        """Take its state of the first `tokens` prompt tokens (<= `restorable`): the
+        target's cache holds them for the request, which computes from there."""
+        ...
+
+
 DecodeWidths = Callable[[Request], list[int]]  # a request -> the positions its next step may write, largest first
 
 
@@ -48,18 +63,26 @@ class KVManager:
         self.prefix_caching = prefix_caching
         self.widths = widths
         self.holders: list[KVHolder] = []
+        self.restorers: list[PrefixRestorer] = []
 
     def register(self, holder: KVHolder) -> None:
         self.holders.append(holder)
+
+    def register_restorer(self, restorer: PrefixRestorer) -> None:
+        self.restorers.append(restorer)
 
     def can_admit(self, request: Request) -> bool:
         return self.pool.can_allocate(request.prefill_target) and all(h.can_admit(request) for h in self.holders)
 
     def allocate(self, request: Request) -> None:
-        """The request's target slot, with the cached prefix of its prompt counted as computed."""
+        """The request's target slot, with the cached prefix of its prompt counted as computed
+        (no more than every restorer restores)."""
         prefix = request.prompt_token_ids if self.prefix_caching else None
-        request.slot = self.pool.allocate_slot(request.prefill_target, prefix)
+        limit = min((r.restorable(request) for r in self.restorers), default=None) if prefix else None
+        request.slot = self.pool.allocate_slot(request.prefill_target, prefix, limit)
         request.num_computed_tokens = self.pool.seq_len(request.slot)
+        for restorer in self.restorers:
+            restorer.restore(request, request.num_computed_tokens)
 
     def decode_widths(self, request: Request) -> list[int]:
         """Positions the request's next decode step may write, largest first (never past

@@ -56,6 +56,7 @@ from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import (NO_TOKEN, SamplingParams, draw_uniforms, greedy_tokens, logits_to_probs,
                             sample_from_probs, temperature_only)
+from infer.speculative.eagle import EagleProposer
 from infer.speculative.faults import isolated, mark_fault
 from infer.speculative.forward import ForwardFn
 from infer.speculative.grammar_mask import grammar_masked
@@ -115,11 +116,16 @@ class ModelRunner:
         return None if self.speculation is None else self.speculation.stats
 
     def kv_manager(self) -> KVManager:
-        """The scheduler's KV manager over this runner's pools (the proposer's registered)."""
+        """The scheduler's KV manager over this runner's pools (the proposer's registered;
+        an EAGLE head's prompt blocks are cached with the target's: `EagleProposer.share_prefixes`)."""
         widths = None if self.speculation is None else self.speculation.decode_widths
         kv = KVManager(self.cache_pool, bool(self.config.enable_prefix_caching), widths)
         if self.speculation is not None:
             kv.register(self.speculation)
+            head = self.speculation.proposer
+            if kv.prefix_caching and isinstance(head, EagleProposer):  # (its prompt blocks cached too)
+                head.share_prefixes()
+                kv.register_restorer(head)
         return kv
 
     def forget(self, request: Request) -> None:

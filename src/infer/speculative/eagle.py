@@ -27,10 +27,18 @@ A static tree (`spec_tree`) runs the same catch-up whole, then expands the tree 
 level from the head's output at g (`eagle_tree.expand_head_tree`, eager), its children
 chosen as a draft model's; `on_accepted` drops the round's positions as for a chain.
 
-A request whose prompt prefix came from the target's prefix cache has no features for that
-prefix: its head cache starts at the first position the target computed (`offset`), the
-rotary positions shifted alike. Its drafts see less context (lower acceptance), never a
-different target distribution.
+Prefix caching (`share_prefixes`; the runner calls it when the target caches prefixes):
+the target computes no features for a cached prefix, so the head caches its own KV of
+prompt blocks too, and a hit restores the head exactly as a cold run builds it. Its entry
+at i holds (f_i, t_{i+1}): a block of positions [bB, (b+1)B) depends on tokens 0 ..
+(b+1)B, one past the target's block, so the head's pool keys blocks with one token of
+lookahead (`PrefixTree`). The head feeds a prompt's features as each chunk is computed
+(`prefilled`, all but the last) and registers its full prompt blocks; at admission
+(`restorable` / `restore`, a `PrefixRestorer` of the KV manager) the target's hit is cut to
+the blocks the head restores. Keys are tokens, so an eviction in either pool never leaves a
+block matching a wrong prefix: it only shortens later hits (the target then recomputes a
+block or more). Keeping the target's features of cached blocks instead would cost more
+memory than the head's KV and a head pass over every hit prefix.
 """
 
 from __future__ import annotations
@@ -64,10 +72,9 @@ FEED_MAX = 8  # the widest last feed of a fused round by default (the engine pas
 
 @dataclass
 class HeadState:
-    """One request's head cache: slot position p holds target position offset + p."""
+    """One request's head cache: slot position p holds the head's entry of target position p."""
 
-    offset: int
-    slot: int | None = None  # taken at the first round
+    slot: int | None = None  # taken at admission after a prefix hit, at the first feed otherwise
     pending: list[torch.Tensor] = field(default_factory=list)  # features [m, H] of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
 
@@ -98,6 +105,12 @@ class EagleProposer:
         # step counts `round_fn` holds graphs for: a shorter round runs the next one up and
         # keeps its tokens (empty: every round runs its own length)
         self.round_steps: tuple[int, ...] = ()
+        self.sharing = False  # prompt blocks shared through the pool's prefix cache (`share_prefixes`)
+
+    def share_prefixes(self) -> None:
+        """Cache the head's prompt blocks as the target caches its own (module docstring)."""
+        self.pool.cache_prefixes(lookahead=1)
+        self.sharing = True
 
     # -- features from the target ---------------------------------------------------------------
     @torch.inference_mode()
@@ -115,10 +128,8 @@ class EagleProposer:
             part, at = features[at:at + len(rs)], at + len(rs)
             if not rs:
                 continue
-            state = self.states.get(request.request_id)
-            if state is None:
-                state = self.states[request.request_id] = HeadState(offset=start)
-            expected = state.offset + self._cached(state) + state.num_pending()
+            state = self.states.setdefault(request.request_id, HeadState())
+            expected = self._cached(state) + state.num_pending()
             if start != expected:
                 raise RuntimeError(f"EAGLE head of {request.request_id}: features of position {start} arrived, "
                                    f"position {expected} was expected next")
@@ -135,19 +146,55 @@ class EagleProposer:
         state = self.states.get(request.request_id)
         if state is None or (state.slot is None and not take):
             return True
-        need = max(0, total_tokens - state.offset)
-        if state.slot is not None:
-            return self.pool.ensure_capacity(state.slot, need)
-        if not self.pool.can_allocate(need):
-            return False
-        state.slot = self.pool.allocate_slot(need)
-        return True
+        return self._grow(state, total_tokens)
 
     def pools(self) -> list[CachePoolProtocol]:
         return [self.pool]
 
+    # -- shared prompt blocks (`share_prefixes`) ----------------------------------------------------
+    def restorable(self, request: DraftRequest) -> int:
+        """`PrefixRestorer.restorable`: the prompt tokens whose head blocks are cached."""
+        if not self.sharing or not self.pool.can_allocate(0):
+            return 0
+        return self.pool.cached_prefix(request.prompt_token_ids)
+
+    def restore(self, request: DraftRequest, tokens: int) -> None:
+        """`PrefixRestorer.restore`: a slot holding the cached head blocks of the first `tokens`."""
+        if tokens == 0:
+            return
+        if request.request_id in self.states:
+            raise RuntimeError(f"EAGLE head of {request.request_id}: restored while it holds a state")
+        slot = self.pool.allocate_slot(tokens, request.prompt_token_ids[:tokens + 1])
+        if self.pool.seq_len(slot) != tokens:
+            self.pool.free_slot(slot)
+            raise RuntimeError(f"EAGLE head of {request.request_id}: {tokens} prompt tokens to restore, "
+                               f"its cache holds {self.pool.seq_len(slot)}")
+        self.states[request.request_id] = HeadState(slot)
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """Nothing: the head is fed at a request's rounds (`observed` keeps the features)."""
+        """Sharing prefixes: feed the features the prompt chunk just gave, all but the last
+        (whose next token is not sampled yet), and register the full prompt blocks; else
+        nothing: the head is fed at a request's rounds (`observed` keeps the features)."""
+        if not self.sharing:
+            return
+        reqs, states = [], []
+        for r in requests:
+            s = self.states.get(r.request_id)
+            if s is not None and s.num_pending() > 1 and self._grow(s, self._cached(s) + s.num_pending() - 1):
+                reqs.append(r)
+                states.append(s)
+        if reqs:
+            tails = self._feed(reqs, states, keep=1)[1]
+            for s, tail in zip(states, tails, strict=True):
+                s.pending = [tail]
+            self._share(reqs, states)
+
+    def _share(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:
+        """Offer each request's full prompt blocks the head has fed to its prefix cache."""
+        if self.sharing:
+            for r, s in zip(reqs, states, strict=True):
+                if s.slot is not None:
+                    self.pool.register_prefix(s.slot, r.prompt_token_ids)
 
     def release(self, request: DraftRequest) -> None:
         state = self.states.pop(request.request_id, None)
@@ -165,13 +212,16 @@ class EagleProposer:
         state = self.states.get(request.request_id)
         if state is None:
             return None
-        need = request.num_computed_tokens - state.offset + fed - 1
+        return state if self._grow(state, request.num_computed_tokens + fed - 1) else None
+
+    def _grow(self, state: HeadState, need: int) -> bool:
+        """Whether the state's slot (taken now if it has none) has room for `need` positions."""
         if state.slot is None:
             if not self.pool.can_allocate(need):
-                return None
+                return False
             state.slot = self.pool.allocate_slot(need)
-            return state
-        return state if self.pool.ensure_capacity(state.slot, need) else None
+            return True
+        return self.pool.ensure_capacity(state.slot, need)
 
     # -- proposing -------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -225,7 +275,7 @@ class EagleProposer:
 
     def _mark_round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:
         for r, s in zip(reqs, states, strict=True):
-            s.round_end = r.num_computed_tokens - s.offset
+            s.round_end = r.num_computed_tokens
 
     def _fusable(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], steps: int) -> bool:
         """Whether the round runs as one `head_round` (a CUDA graph on the GPU): rows sampled
@@ -236,7 +286,7 @@ class EagleProposer:
         if any(r.grammar is not None or not temperature_only(r.sampling_params, vocab) for r in reqs):
             return False
         for r, s in zip(reqs, states, strict=True):
-            need = r.num_computed_tokens - s.offset + steps - 1
+            need = r.num_computed_tokens + steps - 1
             if need > self.pool.max_seq_len or not self.pool.ensure_capacity(s.slot, need):  # type: ignore[arg-type]
                 return False
         return True
@@ -252,7 +302,7 @@ class EagleProposer:
         ids = torch.zeros((len(reqs), width), dtype=torch.long)
         feats = torch.zeros((len(reqs), width, tails[0].shape[-1]), dtype=tails[0].dtype, device=self.device)
         for b, (r, s, n) in enumerate(zip(reqs, states, lens, strict=True)):
-            first = s.offset + starts[b] + 1  # target position of the token after the first fed feature
+            first = starts[b] + 1  # position of the token after the first fed feature
             ids[b, :n] = torch.tensor(r.token_slice(first, first + n))
             feats[b, :n] = tails[b]
         layout = BatchLayout.of(slots, starts, [n + steps - 1 for n in lens])  # type: ignore[arg-type]
@@ -269,16 +319,22 @@ class EagleProposer:
 
     def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
                   keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A round's catch-up: `_feed` once the head holds every position the target does."""
+        for r, s in zip(reqs, states, strict=True):
+            cached = self._cached(s)
+            if cached + s.num_pending() != r.num_computed_tokens or not s.pending:
+                raise RuntimeError(f"EAGLE head of {r.request_id}: holds {cached} + {s.num_pending()} pending "
+                                   f"positions, the target {r.num_computed_tokens}")
+        return self._feed(reqs, states, keep)
+
+    def _feed(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
+              keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Feed each request's pending features with the tokens after them, all but the last
         `keep` (0: all) -> (the head's output at each row's last fed position [A, H] (rows fed
         nothing: zeros), the features left to feed per row [l_b, H], l_b = min(pending, keep))."""
         assert all(s.slot is not None for s in states)
         feats, tails = [], []
-        for r, s in zip(reqs, states, strict=True):
-            cached = self._cached(s)
-            if s.offset + cached + s.num_pending() != r.num_computed_tokens or not s.pending:
-                raise RuntimeError(f"EAGLE head of {r.request_id}: holds {cached} + {s.num_pending()} pending "
-                                   f"positions from {s.offset}, the target {r.num_computed_tokens}")
+        for s in states:
             pending = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
             cut = pending.shape[0] - min(pending.shape[0], keep)
             feats.append(pending[:cut])
@@ -297,7 +353,7 @@ class EagleProposer:
             ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
             chunk = torch.zeros((len(todo), layout.width, out.shape[-1]), dtype=out.dtype, device=self.device)
             for j, (b, n) in enumerate(zip(todo, lens, strict=True)):
-                first = states[b].offset + starts[j] + 1  # target position of the token after the first feature
+                first = starts[j] + 1  # position of the token after the first feature
                 ids[j, :n] = torch.tensor(reqs[b].token_slice(first, first + n))
                 chunk[j, :n] = feats[b][done[b]:done[b] + n]
                 done[b] += n
@@ -347,3 +403,4 @@ class EagleProposer:
                 continue
             self.pool.truncate_to(state.slot, min(state.round_end, self.pool.seq_len(state.slot)))
             state.round_end = None
+            self._share([request], [state])

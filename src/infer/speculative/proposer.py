@@ -29,6 +29,7 @@ class DraftRequest(Protocol):
     """The view of a running request that proposers read."""
 
     request_id: str
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
     slot: int | None
     num_computed_tokens: int  # tokens whose KV is in the target's cache; tokens[n] is pending
@@ -64,8 +65,9 @@ class Proposer(Protocol):
         ...
 
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """A prefill forward for these requests was just queued: host work that helps their
-        first proposals can run now, under the forward (n-gram: build the prompt's table)."""
+        """A prefill forward for these requests was just queued: work that helps their first
+        proposals can run now, under the forward (n-gram: build the prompt's table; an EAGLE
+        head sharing prefixes: feed the chunk's features)."""
         ...
 
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],

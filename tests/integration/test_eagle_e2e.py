@@ -19,13 +19,6 @@ VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/te
 TREE = "2,2,1,1"  # depth DEPTH, 14 nodes
 
 
-@pytest.fixture(scope="module")
-def heads(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("heads")
-    return {"eagle3": write_head(root / "eagle3", ckpt_a, "eagle3", draft_vocab=120, aux_layers=[0, 1, 1]),
-            "eagle": write_head(root / "eagle", ckpt_a, "eagle", fc_bias=True)}
-
-
 def _llm(make_llm, ckpt: Path, method: str, head: Path, **options) -> LLM:
     return make_llm(ckpt, max_seq_len=256, use_speculative_decoding=True, speculative_method=method,
                     draft_model=str(head), **{"spec_length": DEPTH, **options})

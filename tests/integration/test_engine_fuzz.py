@@ -33,9 +33,7 @@ CASES, CHUNKS = 80, 4  # run as CHUNKS tests of CASES / CHUNKS cases (test proce
 
 # Features left out of the cases while their bugs are open (helpers.fuzz_cases.FEATURES).
 # Remove an entry once its fix lands: the test then covers that feature too.
-KNOWN = frozenset({
-    "eagle-prefix-cache",  # an EAGLE head's seeded samples change after a prefix-cache hit
-})
+KNOWN: frozenset[str] = frozenset()  # none open
 # Checks the engine does not promise (docs/architecture.md, "What a seed promises"): a seeded
 # row alone and beside another under a draft model's static tree (the draft's q differs by
 # float rounding between batch shapes, and one of a node's b draws can flip).

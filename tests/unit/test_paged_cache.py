@@ -244,6 +244,37 @@ def test_whole_prompt_is_never_reused() -> None:
     assert pool.allocate_slot(1, prompt[:1]) is not None
 
 
+def test_a_hit_is_cut_to_max_cached_tokens() -> None:
+    pool = make_pool(batch=5)
+    prompt = list(range(13))
+    prefill(pool, prompt)
+    assert pool.cached_prefix(prompt) == 12 and pool.cached_prefix(prompt[:12]) == 8
+    hits = pool.prefix_hit_tokens
+    assert [pool.seq_len(pool.allocate_slot(13, prompt, limit)) for limit in (12, 11, 4, 3)] == [12, 8, 4, 0]
+    assert pool.prefix_hit_tokens - hits == 24 and pool.cached_prefix(prompt) == 12  # (nothing taken by asking)
+
+
+def test_lookahead_blocks_are_cached_once_the_token_after_them_is_known() -> None:
+    # an EAGLE head's pool: block b holds entries built from tokens up to (b + 1) * BS
+    pool = make_pool(prefix=False)
+    pool.cache_prefixes(lookahead=1)
+    prompt = list(range(13))
+    a = prefill(pool, prompt[:12])
+    assert pool.num_cached_blocks == 2  # block 2's next token is not in the prompt given
+    pool.register_prefix(a, prompt)
+    assert pool.num_cached_blocks == 3
+    assert pool.cached_prefix(prompt) == 12 and pool.cached_prefix(prompt[:12]) == 8
+    assert pool.cached_prefix(prompt[:8] + [99, 9, 10]) == 4  # block 1 followed by another token
+    b = pool.allocate_slot(9, prompt[:9])
+    assert pool.seq_len(b) == 8 and pool.block_table(b)[:2] == pool.block_table(a)[:2]
+    pool.cache_prefixes(lookahead=1)  # (again: nothing changes)
+    with pytest.raises(RuntimeError, match="idle pool"):
+        pool.cache_prefixes(lookahead=0)
+    pool.free_slot(a)
+    pool.free_slot(b)
+    assert pool.leak_report() == [] and pool.num_cached_blocks == 3
+
+
 def test_prefix_caching_off_reuses_nothing() -> None:
     pool = make_pool(prefix=False)
     prompt = list(range(12))

@@ -81,6 +81,26 @@ def test_equal_blocks_after_different_prefixes_do_not_match() -> None:
     assert tree.lookup(None, [5, 6, 7, 8]) is None
 
 
+def test_lookahead_keys_hold_the_tokens_after_each_block() -> None:
+    # (an EAGLE head's block depends on the token after it: blocks equal up to their end but
+    # followed by different tokens are different nodes)
+    tree = PrefixTree(BS, lookahead=1)
+    prompt = list(range(12))
+    tree.insert(None, prompt[0:5], 10)
+    tree.insert(10, prompt[4:9], 11)
+    assert tree.num_keyed(9) == 2 and tree.num_keyed(8) == 1 and tree.num_keyed(0) == 0
+    assert tree.match(prompt, 10) == [10, 11]
+    assert tree.match(prompt[:8], 10) == [10]  # block 1's next token unknown: not matched
+    assert tree.match(prompt[:8] + [99], 10) == [10]  # a different next token: another node
+    tree.insert(10, prompt[4:8] + [99], 12)
+    assert tree.match(prompt[:8] + [99], 10) == [10, 12] and tree.match(prompt, 10) == [10, 11]
+    with pytest.raises(ValueError, match="1 after them"):
+        tree.insert(11, prompt[8:12], 13)
+    with pytest.raises(ValueError, match="lookahead"):
+        PrefixTree(BS, lookahead=-1)
+    assert tree.check() == []
+
+
 def test_reference_counts_up_and_down() -> None:
     tree = PrefixTree(BS)
     build_chain(tree, list(range(8)), [3, 4])

@@ -29,16 +29,17 @@ chosen as a draft model's; `on_accepted` drops the round's positions as for a ch
 
 Prefix caching (`share_prefixes`; the runner calls it when the target caches prefixes):
 the target computes no features for a cached prefix, so the head caches its own KV of
-prompt blocks too, and a hit restores the head exactly as a cold run builds it. Its entry
-at i holds (f_i, t_{i+1}): a block of positions [bB, (b+1)B) depends on tokens 0 ..
-(b+1)B, one past the target's block, so the head's pool keys blocks with one token of
-lookahead (`PrefixTree`). The head feeds a prompt's features as each chunk is computed
-(`prefilled`, all but the last) and registers its full prompt blocks; at admission
-(`restorable` / `restore`, a `PrefixRestorer` of the KV manager) the target's hit is cut to
-the blocks the head restores. Keys are tokens, so an eviction in either pool never leaves a
-block matching a wrong prefix: it only shortens later hits (the target then recomputes a
-block or more). Keeping the target's features of cached blocks instead would cost more
-memory than the head's KV and a head pass over every hit prefix.
+prompt blocks too, and a hit restores the head exactly as a cold run builds it. Entry i
+reads (f_i, t_{i+1}): a target hit of m blocks of B determines entries 0 .. mB - 2, and
+the boundary entry mB - 1 also reads t_{mB}, the first token the target computes. So the
+head's pool keys each block with one token of lookahead (`PrefixTree`): its block m - 1 is
+restored only where that token is the same. The head feeds a prompt's features as each
+chunk is computed (`prefilled`, all but the last) and registers its full prompt blocks; at
+admission (`restorable` / `restore`, a `PrefixRestorer` of the KV manager) the target's
+hit is cut to the blocks the head restores. Keys are tokens, so an eviction in either pool
+never leaves a block matching a wrong prefix; it only shortens later hits. (Keeping the
+target's features of cached blocks instead costs more memory than the head's KV, H a
+token against the head's 2 x kv_heads x head_dim, and a head pass over every hit prefix.)
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ def test_cuda_graphs_and_fused_kernels_are_the_default(ckpt_a, caplog):
         fast = LLM(str(ckpt_a), **kw)
     runner = fast.engine.runner
     assert fast.config.use_cuda_graphs is True and runner.kernels.name == "fused"
-    assert isinstance(runner.forward_fn.fn, GraphBatchForward) and sorted({n for n, _ in runner.forward_fn.fn.graphs}) == [1, 2, 4]
+    assert isinstance(runner.forward_fn, GraphBatchForward) and sorted({n for n, _ in runner.forward_fn.graphs}) == [1, 2, 4]
     ready = [r.message for r in caplog.records if r.message.startswith("engine ready in")]
     assert len(ready) == 1 and f"{fast.engine.startup.num_graphs()} CUDA graphs captured in" in ready[0]
     assert fast.engine.startup.num_graphs() >= 3
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
-    assert eager.engine.runner.kernels is EAGER and not isinstance(eager.engine.runner.forward_fn.fn, GraphBatchForward)
+    assert eager.engine.runner.kernels is EAGER and not isinstance(eager.engine.runner.forward_fn, GraphBatchForward)
     graphs_only = LLM(str(ckpt_a), compile_kernels=False, **kw)  # graphs (the default) with the eager kernels
     prompts = [[random.Random(i).randrange(3, 200) for _ in range(5 + i)] for i in range(3)]
     tokens = [[o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
@@ -51,7 +51,7 @@ def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_pat
     kw = dict(device="cuda", dtype="float32", max_batch_size=2, compile_kernels=False)
     graphs = LLM(str(ckpt), **kw)
     assert graphs.config.max_seq_len == 2 * MAX_GRAPH_CONTEXT  # the model's own context
-    assert graphs.engine.runner.forward_fn.fn.context_width == MAX_GRAPH_CONTEXT
+    assert graphs.engine.runner.forward_fn.context_width == MAX_GRAPH_CONTEXT
     eager = LLM(str(ckpt), use_cuda_graphs=False, **kw)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 200) for _ in range(MAX_GRAPH_CONTEXT + 100)], [5, 6, 7]]

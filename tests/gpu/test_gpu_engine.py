@@ -235,7 +235,7 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
     with torch.inference_mode():
         for s in slots:
             pool.ensure_capacity(s, 40)
-        eager(plan_batch([Row(s, 0, p[:n]) for s, p, n in zip(slots, prompt, start, strict=True)]))
+        eager.run(plan_batch([Row(s, 0, p[:n]) for s, p, n in zip(slots, prompt, start, strict=True)]))
 
         def run(forward, hold_stream):
             if hold_stream:
@@ -245,7 +245,7 @@ def test_graph_steps_queued_back_to_back_match_eager(ckpt_a, backend):
             ids, outs = None, []
             for step in range(8):
                 plan = plan_batch([Row(s, n + step, [3 + i]) for i, (s, n) in enumerate(zip(slots, start, strict=True))])
-                logits = forward(plan, None if ids is None else DeviceIds((0, 1), ids))  # [2, V]
+                logits = forward.run(plan, None if ids is None else DeviceIds((0, 1), ids))  # [2, V]
                 outs.append(logits.clone())
                 ids = logits.argmax(dim=-1)  # stays on the device
             for s, n in zip(slots, start, strict=True):
@@ -322,7 +322,7 @@ def test_a_batch_of_twenty_replays_its_own_bucket(ckpt_a, spec):
         return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
     runner = graphs.engine.runner
-    fn, forward, buckets = runner.forward_fn.fn, runner.forward, []
+    fn, forward, buckets = runner.forward_fn, runner.forward, []
     runner.forward = lambda plan, ids=None: (buckets.append(plan.num_tokens if fn.serves(plan) else 0),
                                              forward(plan, ids))[1]
     assert run(graphs) == run(eager)

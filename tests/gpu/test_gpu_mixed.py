@@ -39,9 +39,9 @@ def test_a_mixed_forward_equals_a_forward_each_on_the_gpu(chunk: int) -> None:
         forward = EagerBatchForward(model, pool)
         slots = [pool.allocate_slot(h + n) for h, n in zip(history, lens, strict=True)]
         with torch.inference_mode():
-            forward(plan_batch([Row(s, 0, p, logits=0) for s, p in zip(slots, prefix, strict=True)]))
+            forward.run(plan_batch([Row(s, 0, p, logits=0) for s, p in zip(slots, prefix, strict=True)]))
             rows = [Row(s, h, ids) for s, h, ids in zip(slots, history, step, strict=True)]
-            logits = forward(plan_batch(rows)) if together else torch.cat([forward(plan_batch([r])) for r in rows])
+            logits = forward.run(plan_batch(rows)) if together else torch.cat([forward.run(plan_batch([r])) for r in rows])
         results.append(logits)  # [4, V]
     torch.testing.assert_close(results[0], results[1], rtol=1e-4, atol=1e-4)
 

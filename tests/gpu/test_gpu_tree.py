@@ -50,7 +50,7 @@ def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
         assert _tokens(graphs, batch) == _tokens(eager, batch)
     runner = graphs.engine.runner
-    assert {tree for _, tree in runner.forward_fn.fn.graphs} == {False, True}  # tree rules in graphs of their own
+    assert {tree for _, tree in runner.forward_fn.graphs} == {False, True}  # tree rules in graphs of their own
     assert runner.forward_fn.replays > 0
     if method == "draft_model":
         assert runner.speculation.draft.step_forward.replays > 0  # the draft's levels replayed too

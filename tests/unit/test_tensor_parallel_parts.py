@@ -14,7 +14,7 @@ import torch
 
 import infer.models.readers as readers
 from infer.bench.collectives import collective_kind, summarize_kernels
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device
 from infer.distributed.protocol import Invoke, Message, PoolChanges
@@ -200,31 +200,32 @@ def test_devices_per_rank() -> None:
 
 
 def test_messages_round_trip_with_tensors_in_and_beside_the_pickle() -> None:
-    layout = BatchLayout.of([2, 0], [5, 9], [1, 1])
-    ids = torch.tensor([[7], [8]])
-    uniforms = torch.tensor([[0.25], [0.5]], dtype=torch.float64)  # (any CPU tensor argument)
+    plan = plan_batch([Row(2, 5, [7]), Row(0, 9, [8])])
+    ids = torch.tensor([7, 8])
     changes = PoolChanges(0, np.array([[2, 1, 17], [3, 0, 5]]), (((40, 41), (36, 37)),))
-    message = Message((changes,), Invoke(3, "tree", (ids, layout, 1, (1.0, 0.7), uniforms, (True, False))))
+    message = Message((changes,), Invoke(3, "run", (plan, DeviceIds((0, 1), ids))))
     data, wire = encode(message, frozenset())
     assert wire == []  # CPU tensors travel inside the pickle
     got, slots = decode(data, torch.device("cpu"))
     assert slots == [] and len(got.changes) == 1
     assert np.array_equal(got.changes[0].tables, changes.tables) and got.changes[0].moves == changes.moves
-    assert (got.call.target, got.call.method) == (3, "tree") and got.call.args[1] == layout
-    assert torch.equal(got.call.args[0], ids) and torch.equal(got.call.args[4], uniforms)
+    assert (got.call.target, got.call.method) == (3, "run")
+    sent = got.call.args[0]
+    assert sent.arrays.keys() == plan.arrays.keys()
+    assert all(np.array_equal(sent.arrays[k], plan.arrays[k]) for k in plan.arrays)
+    assert got.call.args[1].at == (0, 1) and torch.equal(got.call.args[1].ids, ids)
     # tensors on the rank's device go beside the pickle: the receiver gets empty ones to fill
-    data, wire = encode(Message((), Invoke(1, "__call__", (ids, layout, False))), frozenset({"cpu"}))
+    data, wire = encode(Message((), Invoke(1, "run", (plan, DeviceIds((0, 1), ids)))), frozenset({"cpu"}))
     assert len(wire) == 1 and torch.equal(wire[0], ids)
     got, slots = decode(data, torch.device("cpu"))
     assert len(slots) == 1 and slots[0].shape == ids.shape and slots[0].dtype == ids.dtype
-    assert got.call.args[0] is slots[0]
+    assert got.call.args[1].ids is slots[0]
 
 
-def test_a_worker_is_invoked_only_for_the_forward_part_of_a_call() -> None:
-    with pytest.raises(ValueError, match=r"runs one of .*'__call__'.*not 'sample'"):
-        Invoke(0, "sample", ())
-    with pytest.raises(ValueError, match="not 'verify_tree'"):
-        Invoke(0, "verify_tree", ())
+def test_a_worker_is_invoked_only_for_the_forward() -> None:
+    for method in ("sample", "verify_tree", "__call__"):
+        with pytest.raises(ValueError, match=rf"runs one of \('run',\), not '{method}'"):
+            Invoke(0, method, ())
 
 
 def test_collective_kernels_are_told_apart() -> None:

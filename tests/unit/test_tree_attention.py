@@ -1,8 +1,8 @@
 """Tree attention through the KV pools (issue #37).
 
-A tree chunk's logits equal plain forwards of each node's path, for the verification block
-and for a draft's level-by-level chunks, on both pool layouts; `BlockMask` and `TreeChunk`
-by hand; an accepted path's keys and values moved into sequence order (`cache.compaction`)
+A tree chunk's logits, run as flat batch rows with the chunk's rule (`TreeChunk.rule`),
+equal plain forwards of each node's path, for the verification block and for a draft's
+level-by-level chunks, on both pool layouts; the rules and `TreeChunk` by hand; an accepted path's keys and values moved into sequence order (`cache.compaction`)
 equal those of a plain prefill of the same tokens.
 """
 
@@ -14,9 +14,8 @@ import torch
 from infer.cache.compaction import PathMove, move_paths, path_rows
 from infer.cache.factory import make_cache_pool
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout, BlockMask
+from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor import ForwardFn, ForwardSpec, make_forward
-from infer.models.attention import position_mask
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.tree import TreeChunk, Draft, TreeShape, cut_depth
@@ -42,7 +41,7 @@ def make_pool(backend: str) -> CachePoolProtocol:
 
 def prefill(forward: ForwardFn, pool: CachePoolProtocol, tokens: list[int]) -> int:
     slot = pool.allocate_slot(len(tokens))
-    forward(torch.tensor([tokens]), BatchLayout.of([slot], [0], [len(tokens)]), all_logits=True)
+    forward.run(plan_batch([Row(slot, 0, tokens, len(tokens))]))
     return slot
 
 
@@ -69,15 +68,16 @@ def test_verification_block_equals_each_paths_plain_forward(model, backend):
     assert [d.rows_used for d in drafts] == [16, 10] and [d.depth for d in drafts] == [3, 2]
     for slot, ctx in zip(slots, contexts):
         assert pool.ensure_capacity(slot, len(ctx) + 16)
-    layout = BatchLayout.of(slots, [len(c) for c in contexts], [d.rows_used for d in drafts], width=16)
-    ids = torch.tensor([[g[b], *drafts[b].token_ids] for b in range(2)])
-    logits = forward.tree(ids, layout, TreeChunk.verification(SHAPE))  # [2, 16, V]
-    assert logits.shape == (2, 16, 100)
+    chunk = TreeChunk.verification(SHAPE)
+    rows = [Row(slot, len(ctx), [g[b], *d.token_ids][:d.rows_used], d.rows_used, chunk.rule(d.rows_used))
+            for b, (slot, ctx, d) in enumerate(zip(slots, contexts, drafts))]
+    logits = forward.run(plan_batch(rows)).split([d.rows_used for d in drafts])  # [rows_used, V] each
     for b, ctx in enumerate(contexts):
-        torch.testing.assert_close(logits[b, 0], last_logits(model, ctx + [g[b]]), atol=1e-5, rtol=0)
+        assert logits[b].shape == (drafts[b].rows_used, 100)
+        torch.testing.assert_close(logits[b][0], last_logits(model, ctx + [g[b]]), atol=1e-5, rtol=0)
         for i in range(drafts[b].rows_used - 1):
             want = last_logits(model, ctx + [g[b]] + path_tokens(nodes[b], i))
-            torch.testing.assert_close(logits[b, 1 + i], want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(logits[b][1 + i], want, atol=1e-5, rtol=0)
         assert pool.seq_len(slots[b]) == len(ctx) + drafts[b].rows_used
 
 
@@ -95,26 +95,23 @@ def test_level_chunks_equal_each_paths_plain_forward(model, backend):
         chunk = TreeChunk.level(SHAPE, d)
         lo, hi = SHAPE.level_starts[d - 1], SHAPE.level_starts[d]
         assert (chunk.first_row, chunk.width) == (1 + lo, hi - lo)
-        layout = BatchLayout.of([slot], [10 + lo], [hi - lo])
-        logits = forward.tree(torch.tensor([nodes[lo:hi]]), layout, chunk)  # [1, width, V]
+        logits = forward.run(plan_batch([Row(slot, 10 + lo, nodes[lo:hi], hi - lo, chunk.rule())]))  # [width, V]
         for i in range(lo, hi):
             want = last_logits(model, ctx + [4] + path_tokens(nodes, i))
-            torch.testing.assert_close(logits[0, i - lo], want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(logits[i - lo], want, atol=1e-5, rtol=0)
         assert pool.seq_len(slot) == 10 + hi
 
 
-def test_block_mask_by_hand():
-    # tree "2": the block [g, a, b] at positions 5, 6, 7 of a 9-key context; a and b are siblings
-    block = BlockMask(TreeChunk.verification(TreeShape((2,))).mask(), first_row=0)
-    q_pos = torch.tensor([[5, 6, 7]])
-    vis = position_mask(q_pos, torch.tensor([8]), 9) & block.visibility(q_pos, 9)  # [1, 3, 9]
-    want = [[1, 1, 1, 1, 1, 1, 0, 0, 0],  # g: the context and itself
-            [1, 1, 1, 1, 1, 1, 1, 0, 0],  # a: + itself
-            [1, 1, 1, 1, 1, 1, 0, 1, 0]]  # b: not its sibling a
-    assert vis[0].int().tolist() == want
-    # the same rule for a level chunk: b alone, block row 2 at position 7
-    level = BlockMask(TreeChunk.level(TreeShape((2,)), 1).mask()[1:], first_row=2)
-    assert level.visibility(torch.tensor([[7]]), 9)[0, 0].int().tolist() == [1] * 6 + [0, 1, 1]
+def test_tree_rules_by_hand():
+    # tree "2": the block [g, a, b]; a and b are siblings: bit c of a row's rule is block row c
+    full = TreeChunk.verification(TreeShape((2,))).rule()
+    assert list(full.bits) == [0b001, 0b011, 0b101] and list(full.rope_offsets) == [0, 1, 1]
+    assert (full.base_offset, full.width) == (0, 3)
+    # a level chunk: a and b alone, stored from block row 1 (g precedes the row by one position)
+    level = TreeChunk.level(TreeShape((2,)), 1).rule()
+    assert list(level.bits) == [0b011, 0b101] and list(level.rope_offsets) == [1, 1]
+    assert (level.base_offset, level.width) == (-1, 3)
+    assert list(TreeChunk.verification(SHAPE).rule(4).bits) == [0b1, 0b11, 0b101, 0b1001]  # its first rows
 
 
 def test_tree_chunk_rows_and_positions():
@@ -150,7 +147,7 @@ def test_accepted_path_moves_into_sequence_order(model, backend):
     slot = prefill(forward, pool, ctx)
     n = len(ctx)
     assert pool.ensure_capacity(slot, n + 16)
-    forward.tree(torch.tensor([[7, *nodes]]), BatchLayout.of([slot], [n], [16]), TreeChunk.verification(SHAPE))
+    forward.run(plan_batch([Row(slot, n, [7, *nodes], 16, TreeChunk.verification(SHAPE).rule())]))
     path = (2, 8, 14)  # the last child at every depth: every node moves
     assert move_paths(pool, [PathMove(slot, n, path)]) == 3
     pool.truncate_to(slot, n + 4)
@@ -162,7 +159,7 @@ def test_accepted_path_moves_into_sequence_order(model, backend):
         torch.testing.assert_close(mine[:, rows], theirs[:, ref_rows], atol=1e-5, rtol=0)
     # the next step reads the moved rows: its logits are the plain model's
     assert pool.ensure_capacity(slot, n + 5)
-    out = forward(torch.tensor([[11]]), BatchLayout.of([slot], [n + 4], [1]), all_logits=False)
+    out = forward.run(plan_batch([Row(slot, n + 4, [11])]))
     torch.testing.assert_close(out[0], last_logits(model, accepted + [11]), atol=1e-5, rtol=0)
 
 

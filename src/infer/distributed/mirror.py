@@ -11,11 +11,10 @@ code runs once, on the driver). Then:
   accepted path put in sequence order: `DriverPool.move_rows`, a KV copy every rank makes).
   So every rank builds a step's KV slots from the same tables itself (for a decode step at
   batch 32 and a 2048-token context those are 512 KB a step: better not sent).
-- `TensorParallelForward` wraps a forward function: each call sends the workers one
-  `Invoke` of its forward part (a `sample` or `verify` is a plain forward there, a
-  `verify_tree` a `tree`), then runs here; the workers run that forward on their shards,
-  and the collectives inside (all-reduces, the lm_head's all-gather) meet. Only rank 0
-  samples, accepts and rejects; its results are the only ones used. A sharded draft
+- `TensorParallelForward` wraps a forward function: each `run` sends the workers one
+  `Invoke` of the same flat batch, then runs here; the workers run that forward on their
+  shards, and the collectives inside (all-reduces, the lm_head's all-gather) meet. Only
+  rank 0 samples, accepts and rejects (above the forward); its results are the only ones used. A sharded draft
   model's step after the first feeds the token the step before drew, on the device: it
   travels beside the next step's message (`DeviceIds`).
 
@@ -26,7 +25,7 @@ plain local pools and forward functions. Every call must come from one thread, i
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,7 +34,6 @@ import torch
 from infer.cache.block_tables import BlockTables
 from infer.cache.forward_batch import BatchPlan, DeviceIds
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout
 from infer.distributed.channel import ControlChannel
 from infer.distributed.protocol import (Call, Invoke, MakeForward, MakePool, Message, PoolChanges, PoolShape,
                                         RowMove)
@@ -46,8 +44,6 @@ from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
-from infer.speculative.node_tree import RowTreeChunk
-from infer.speculative.tree import TreeChunk
 
 
 class Outbox:
@@ -113,45 +109,10 @@ class TensorParallelForward:
         """Have every worker run `method(*args)` of its forward function (before rank 0 runs its own)."""
         self.outbox.send(Invoke(self.forward_id, method, args))
 
-    # each call: the workers' part first (the forward only: sampling and acceptance are rank 0's), then rank 0's
+    # the workers' pass first (the forward only: sampling and acceptance are rank 0's), then rank 0's
     def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         self._invoke("run", plan, device_ids)
         return self.local.run(plan, device_ids)
-
-    def __call__(self, ids: torch.Tensor, layout: BatchLayout, all_logits: bool) -> torch.Tensor:
-        self._invoke("__call__", ids, layout, all_logits)
-        return self.local(ids, layout, all_logits)
-
-    def sample(self, ids: torch.Tensor, layout: BatchLayout, temperatures: Sequence[float],
-               uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        self._invoke("__call__", ids, layout, False)
-        return self.local.sample(ids, layout, temperatures, uniforms, greedy)
-
-    def verify(self, ids: torch.Tensor, layout: BatchLayout, draft_tokens: torch.Tensor, counts: Sequence[int],
-               draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
-               uniforms: torch.Tensor) -> torch.Tensor:
-        self._invoke("__call__", ids, layout, True)
-        return self.local.verify(ids, layout, draft_tokens, counts, draft_probs, temperatures, greedy, uniforms)
-
-    def tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk) -> torch.Tensor:
-        self._invoke("tree", ids, layout, chunk)
-        return self.local.tree(ids, layout, chunk)
-
-    def verify_tree(self, ids: torch.Tensor, layout: BatchLayout, chunk: TreeChunk | RowTreeChunk,
-                    node_tokens: torch.Tensor,
-                    node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
-                    greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
-        self._invoke("tree", ids, layout, chunk)
-        return self.local.verify_tree(ids, layout, chunk, node_tokens, node_valid, draft_probs, temperatures,
-                                      greedy, uniforms)
-
-    def captured(self, layout: BatchLayout, all_logits: bool) -> bool:
-        return self.local.captured(layout, all_logits)
-
-    def prepare_trees(self, chunks: Iterable[TreeChunk], verify_modes: Iterable[str] = ()) -> None:
-        chunks = tuple(chunks)
-        self._invoke("prepare_trees", chunks)  # (the tree graphs only: no verifiers)
-        self.local.prepare_trees(chunks, verify_modes)
 
 
 def pool_shape(pool: CachePoolProtocol) -> PoolShape:

@@ -6,21 +6,17 @@ previous one (`PoolChanges`: block-table entries, rows moved), then one call:
   MakePool / MakeForward    build a pool (the KV of this rank's heads, laid out as the
                             driver's pool) / a forward function for a model role, as the
                             driver just did, from the driver's `ForwardSpec`
-  Invoke                    run a method of a forward function: the forward part of the
-                            driver's call (`run`: a step's flat batch; the proposers'
-                            `__call__`, `tree`) or a capture ahead of use
-                            (`prepare_trees`)
+  Invoke                    run a forward function's `run` on the driver's flat batch
   Report                    every worker answers: its block tables against the driver's,
                             the CUDA graphs it captured
   Shutdown                  free everything, leave the process group, exit
 
 A step costs one message: the target's flat batch plan (`run`: numpy arrays of its rows'
 tokens, positions and context lengths) and the ids still on the device after a step that
-left its tokens there, beside the few table entries the step's new blocks set; the
-proposers' padded calls carry their ids (CPU [B, T], or on the device), the BatchLayout and
-a tree chunk for tree steps; CPU tensors travel inside the message (channel.py). Sampling, verification and tree verification go to the workers as
-their forward: only rank 0 samples, accepts or rejects, so the workers need no
-temperatures, draft tokens or draft probabilities for them. Slots, lengths, free blocks and
+left its tokens there, beside the few table entries the step's new blocks set; CPU
+tensors travel inside the message (channel.py). Sampling and acceptance stay on rank 0,
+above the forward, so the workers need no temperatures, draft tokens or draft
+probabilities. Slots, lengths, free blocks and
 the prefix cache are the driver's alone: a worker needs none of them to run a plan.
 """
 
@@ -35,8 +31,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.spec import ForwardSpec
 
 ROLES = ("target", "draft")
-# the ForwardFn methods a worker runs: the forward part of each call (mirror.py says which)
-INVOKABLE = ("run", "__call__", "tree", "prepare_trees")
+INVOKABLE = ("run",)  # the ForwardFn methods a worker runs
 
 RowMove = tuple[tuple[int, ...], tuple[int, ...]]  # (source rows, destination rows) of a `move_rows`
 

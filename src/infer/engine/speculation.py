@@ -40,7 +40,7 @@ from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy
 from infer.speculative.proposer import Proposer
 from infer.speculative.round_clock import RoundClock
 from infer.speculative.shadow import ShadowRounds
-from infer.speculative.tree import TreeChunk, TreeShape, chain_shape
+from infer.speculative.tree import TreeShape, chain_shape
 
 # the adaptive policy's one-off cost measurement at start (GPU): timed calls per shape
 COST_REPEATS, COST_WARMUP = 10, 3
@@ -98,18 +98,11 @@ class Speculation:
         return cls(proposer, draft, policy, None, tree, config.spec_length, config, SpecStats())
 
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
-        """Once the target's decode forward exists: capture a tree's graphs, and measure the
-        adaptive policy's costs (which time that forward)."""
+        """Once the target's decode forward exists: check a tree against the vocabulary, and
+        measure the adaptive policy's costs (which time that forward)."""
         if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
-        if isinstance(self.tree, TreeShape):
-            model_drafts = self.draft is not None or isinstance(self.proposer, EagleProposer)
-            modes = ("greedy", "one_hot") + (("draft_probs",) if model_drafts else ())
-            forward.prepare_trees([TreeChunk.verification(self.tree)], verify_modes=modes)
-            if self.draft is not None:  # the draft's levels 1 .. D-1 (the deepest is never fed)
-                self.draft.step_forward.prepare_trees([TreeChunk.level(self.tree, d)
-                                                       for d in range(1, self.tree.depth)])
         if self.config.spec_policy == "adaptive":
             c, slope = self._cost_coefficients(forward, pool, target)
             self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))

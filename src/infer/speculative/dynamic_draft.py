@@ -7,7 +7,7 @@ limit k:
   level d = 0 .. k - 1: the frontier's children are drawn (`draw_children`: B per frontier
   node; the root is level 0's only frontier node) and scored (`slot_scores`); while
   d + 1 < k, the level's B best slots (`best_slots`) are the next frontier, fed to the draft
-  in one `ForwardFn.tree` call over per-row masks (`RowTreeChunk`);
+  in one flat pass over per-row masks (`RowTreeChunk`, as rules: `chunk_rule`);
   at the end the N best slots of all levels are the row's tree (`kept_tree`).
 
 Storage in the draft's cache (its block): g at n, then level d's frontier (d = 1 .. k - 1)

@@ -8,7 +8,7 @@ penalised rows see the context plus the path to the parent). The rows whose dept
 goes deeper then feed the new level to the drafter, which returns the next level's states.
 
 What a state is, and how a level is fed, is the drafter's: a draft model's state is its
-logits and a level one batched `ForwardFn.tree` over its own KV pool; an EAGLE head's state
+logits and a level one flat pass (rows with the level's tree rule) over its own KV pool; an EAGLE head's state
 is its output features, fed with their tokens through the head (`eagle_tree.py`). The
 uniforms are drawn once a round from each row's own generator (N of them), so a seeded
 request's tree does not depend on its batch.

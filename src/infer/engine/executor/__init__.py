@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.batch_forward import EagerBatchForward, GraphBatchForward
-from infer.engine.executor.flat_forward import FlatForward
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.llama import LlamaForCausalLM
@@ -14,14 +13,14 @@ __all__ = ["ForwardFn", "ForwardSpec", "make_forward"]
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
     """The model's one flat forward through the pool (`batch_forward`), CUDA graphs of it by
-    token count when the spec asks for them on a CUDA device, behind the `ForwardFn` calls.
+    token count when the spec asks for them on a CUDA device (`ForwardFn`).
 
     `spec.kernels` serve every pass, captured or eager (a fused bundle is compiled for
     dynamic shapes, so a prefill chunk's rows meet the same compiled kernels).
     """
     device = next(model.parameters()).device
     if not (spec.use_cuda_graphs and device.type == "cuda"):
-        return FlatForward(EagerBatchForward(model, pool, spec.kernels))
+        return EagerBatchForward(model, pool, spec.kernels)
     from infer.engine.executor.capture import capture_sizes, graph_context_width
-    return FlatForward(GraphBatchForward(model, pool, capture_sizes(spec.max_tokens), spec.max_batch_size,
-                                         graph_context_width(pool.max_seq_len), spec.kernels, trees=spec.trees))
+    return GraphBatchForward(model, pool, capture_sizes(spec.max_tokens), spec.max_batch_size,
+                             graph_context_width(pool.max_seq_len), spec.kernels, trees=spec.trees)

@@ -45,7 +45,7 @@ class EagerBatchForward:
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
 
-    def __call__(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         """Logits [M, V] of the plan's wanted tokens (the pool's lengths set to the plan's)."""
         pool = self.pool
         batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
@@ -127,9 +127,9 @@ class GraphBatchForward:
         capture = self.model.capture  # (its tensor of this graph is one of the graph's static outputs)
         return _Graph(graph, staging, host_parts, parts["ids"], logits, None if capture is None else capture.last)
 
-    def __call__(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         if not self.serves(plan):
-            return self.eager(plan, device_ids)
+            return self.eager.run(plan, device_ids)
         g = self.graphs[(self._bucket(plan.num_tokens), plan.tree_width > 0)]
         g.staging.next_host()
         stage(g.host_parts[g.staging.turn], plan)

@@ -21,7 +21,7 @@ def sample_logits(logits: torch.Tensor, temperatures: Sequence[float], uniforms:
                   greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature sampling of last-token logits [n, V] on their device: (ids [n], probs
     [n, V]). temperatures: per row (1.0 for greedy rows); uniforms: CPU float64 [n]; greedy
-    rows take the argmax (one-hot probs). The sampling half of `ForwardFn.sample`."""
+    rows take the argmax (one-hot probs)."""
     device = logits.device
     temps = tensor_on(list(temperatures), device, torch.float32)
     probs = temperature_probs(logits, temps, tensor_on(list(greedy), device, torch.bool))
@@ -32,8 +32,8 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
                      draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
                      uniforms: torch.Tensor) -> torch.Tensor:
     """Rejection sampling on a verification step's logits [n, K+1, V] (rows sampled with a
-    temperature alone, greedy included): [n, K+2] long on their device. The acceptance half
-    of `ForwardFn.verify` (its arguments as there)."""
+    temperature alone, greedy included): [n, K+2] long on their device (`verify_logits`'s
+    arguments)."""
     device = logits.device
     tokens, num = to_device(draft_tokens, device), tensor_on(list(counts), device, torch.long)
     if all(greedy):

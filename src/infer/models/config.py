@@ -13,9 +13,7 @@ divisors (`rope_freq_factors`, llama.cpp's `rope_freqs` tensor) rather than as p
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -214,11 +212,6 @@ class ModelConfig:
                 "original_max_position_embeddings": self.rope_scaling.original_max_position_embeddings,
             }
         return raw
-
-    @classmethod
-    def from_json(cls, path: str | Path) -> ModelConfig:
-        with open(path, encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
 
 
 def _check_layout(raw: dict[str, Any], family: Family) -> None:

@@ -45,7 +45,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
         self._pieces: list[str] = []
-        self._num_generated = 0
 
     @property
     def text(self) -> str:
@@ -54,15 +53,9 @@ class IncrementalDetokenizer:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
 
-    @property
-    def num_generated(self) -> int:
-        """How many token ids have been pushed."""
-        return self._num_generated
-
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly final text ("" while a character is open)."""
         self._ids.append(token_id)
-        self._num_generated += 1
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(self._prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             return ""

@@ -1,7 +1,7 @@
 """The one-shot all-reduce's wiring, on the CPU (the kernel itself runs on two GPUs:
 tests/gpu/test_gpu_one_shot.py): the setting is refused where it cannot run, before any
-process group or model; `all_reduce_sum` takes the installed small all-reduce's sum and
-sends every message it declines through the process group; `leave` uninstalls it."""
+process group or model; a group's `Collectives.all_reduce_sum` takes its small all-reduce's
+sum and sends every message it declines through the process group; `leave` closes it."""
 
 from __future__ import annotations
 
@@ -39,21 +39,20 @@ def test_all_reduce_sum_takes_the_small_all_reduce_first(monkeypatch: pytest.Mon
         seen.append(y.numel())
         return y * 2 if y.numel() <= 4 else None
 
-    parallel.set_small_all_reduce(small)
-    try:
-        x = torch.arange(4.0)
-        assert torch.equal(parallel.all_reduce_sum(x), torch.arange(4.0) * 2) and through_group == []
-        big = torch.arange(6.0)
-        assert parallel.all_reduce_sum(big) is big and through_group == [big]  # declined: the group's
-        assert seen == [4, 6]
-        # the row-parallel layer's combine goes through it too
-        y = torch.ones(2, 2)
-        assert torch.equal(parallel.Parallel("row", 0, 2).combine(y), torch.full((2, 2), 2.0))
-    finally:
-        leave()  # (no group joined: uninstalls only)
-    assert parallel._small_all_reduce is None
+    collectives = parallel.Collectives(small)
+    x = torch.arange(4.0)
+    assert torch.equal(collectives.all_reduce_sum(x), torch.arange(4.0) * 2) and through_group == []
+    big = torch.arange(6.0)
+    assert collectives.all_reduce_sum(big) is big and through_group == [big]  # declined: the group's
+    assert seen == [4, 6]
+    # a row-parallel layer's combine goes through its setting's collectives; the default's has none
+    y = torch.ones(2, 2)
+    assert torch.equal(parallel.Parallel("row", 0, 2, collectives).combine(y), torch.full((2, 2), 2.0))
+    assert parallel.Parallel("row", 0, 2).combine(y) is y and through_group[-1] is y
+    leave(collectives)  # (no group joined: closes it only)
+    assert collectives.small is None
     x = torch.ones(3)
-    assert parallel.all_reduce_sum(x) is x and through_group[-1] is x
+    assert collectives.all_reduce_sum(x) is x and through_group[-1] is x and seen == [4, 6, 4]
 
 
 def test_cpu_tensors_are_not_served() -> None:

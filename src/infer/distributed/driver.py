@@ -48,6 +48,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
 from infer.models.gguf.path import is_gguf_path
 from infer.models.loader import DUMMY_PREFIX, read_model_config, resolve_model_path
+from infer.models.parallel import Collectives
 from infer.models.shard import ModelShard
 from infer.timing import synchronize
 
@@ -86,6 +87,7 @@ class _Resources:
     forwards: list[TensorParallelForward] = field(default_factory=list)
     device: torch.device = torch.device("cpu")
     joined: bool = False
+    collectives: Collectives | None = None  # the group's (closed on leaving)
     # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and never unwraps it
     excepthooks: tuple[Callable[..., object], Callable[..., object]] | None = None  # (before, torch's)
 
@@ -105,7 +107,7 @@ def _shutdown(res: _Resources) -> None:
     gc.collect()
     if res.joined:
         synchronize(res.device)
-        leave()
+        leave(res.collectives)
         res.joined = False
     if res.excepthooks is not None and sys.excepthook is res.excepthooks[1]:
         sys.excepthook = res.excepthooks[0]
@@ -149,13 +151,15 @@ class TensorParallelDriver:
             self.device, store = self._start_ranks()
             hook = sys.excepthook
             with loopback_gloo() if store is not None else nullcontext():  # (torchrun: the user's network)
-                control = join(0, self.world_size, self.device, store, config.tensor_parallel_all_reduce)
+                group = join(0, self.world_size, self.device, store, config.tensor_parallel_all_reduce)
             self._res.device, self._res.joined, self._res.excepthooks = self.device, True, (hook, sys.excepthook)
+            self._res.collectives = group.collectives
         except BaseException:
             self.close()
             raise
         # (the channel must not refer to the driver: the finalizer holds it)
-        self.channel = ControlChannel(control, 0, self.device, before_send=partial(_check_workers, self._res.procs))
+        self.target_shard, self.draft_shard = shards_for(config, 0, group.collectives)
+        self.channel = ControlChannel(group.control, 0, self.device, before_send=partial(_check_workers, self._res.procs))
         self._res.outbox = self.outbox = Outbox(self.channel)
 
     def _check_shapes(self, config: EngineConfig) -> None:

@@ -24,10 +24,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from infer.models.parallel import set_small_all_reduce
+from infer.models.parallel import Collectives
 
 CONTROL_TIMEOUT = timedelta(days=3650)  # a worker waits for the next step however long the engine idles
 JOIN_TIMEOUT = timedelta(minutes=10)  # the default group's collectives (a step's all-reduces)
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """What a rank joined: the control group, and the collectives its model's parallel
+    layers run (`ModelShard.collectives`)."""
+
+    control: dist.ProcessGroup
+    collectives: Collectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +114,12 @@ def backend_for(device: torch.device) -> str:
 
 
 def join(rank: int, world_size: int, device: torch.device, store: dist.Store | None,
-         all_reduce: str = "nccl") -> dist.ProcessGroup:
+         all_reduce: str = "nccl") -> Group:
     """Join the default group (through `store`, or torchrun's env:// when None) and the
-    control group; returns the control group. NVLink multicast (NVLS) stays off unless the
+    control group. NVLink multicast (NVLS) stays off unless the
     environment says otherwise: its buffers cost GPU memory and small all-reduces gain nothing.
-    `all_reduce="one-shot"` (CUDA devices only) installs the one-shot all-reduce for small
-    messages (distributed/one_shot.py); `leave` removes it."""
+    `all_reduce="one-shot"` (CUDA devices only) gives the collectives the one-shot all-reduce
+    for small messages (distributed/one_shot.py); `leave` closes it."""
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed process group: one tensor-parallel "
                            "engine per process at a time (close the other engine first)")
@@ -127,23 +136,26 @@ def join(rank: int, world_size: int, device: torch.device, store: dist.Store | N
     dist.init_process_group(backend, init_method=None if store is not None else "env://", store=store, rank=rank,
                             world_size=world_size, timeout=JOIN_TIMEOUT,
                             device_id=device if backend == "nccl" else None)
+    collectives = Collectives()
     try:
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
         assert control is not None
         dist.all_reduce(torch.zeros(1, device=device))  # connects every rank now, not inside a CUDA graph capture
         if all_reduce == "one-shot":
             from infer.distributed.one_shot import OneShotAllReduce
-            set_small_all_reduce(OneShotAllReduce(device))
+            collectives.small = OneShotAllReduce(device)
     except BaseException:
-        set_small_all_reduce(None)
+        collectives.close()
         dist.destroy_process_group()
         raise
-    return control
+    return Group(control, collectives)
 
 
-def leave() -> None:
-    """Leave the process groups (CUDA graphs that captured collectives must be freed first:
-    NCCL cannot destroy a communicator such a graph still holds)."""
-    set_small_all_reduce(None)  # (its peer buffers go before the group)
+def leave(collectives: Collectives | None = None) -> None:
+    """Leave the process groups, closing the group's `collectives` first (its peer buffers go
+    before the group). CUDA graphs that captured collectives must be freed before: NCCL
+    cannot destroy a communicator such a graph still holds."""
+    if collectives is not None:
+        collectives.close()
     if dist.is_initialized():
         dist.destroy_process_group()

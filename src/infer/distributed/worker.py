@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from infer.distributed.channel import ControlChannel
-from infer.distributed.group import join, leave, torchrun_device
+from infer.distributed.group import Group, join, leave, torchrun_device
 from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, Report, Shutdown, WorkerReport
 from infer.distributed.worker_pool import WorkerPool, table_digest
 from infer.engine.config import EngineConfig
@@ -43,6 +43,7 @@ from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
+from infer.models.parallel import GROUP, Collectives
 from infer.models.shard import ModelShard
 
 EXIT_DRIVER_GONE = 3
@@ -62,16 +63,19 @@ class WorkerSpec:
                              f"tensor_parallel_size ranks, got rank {self.rank} of {self.world_size}")
 
 
-def shards_for(config: EngineConfig, rank: int) -> tuple[ModelShard, ModelShard | None]:
-    """(the target's shard, the draft's: None when the draft runs whole on the driver)."""
+def shards_for(config: EngineConfig, rank: int, collectives: Collectives = GROUP
+               ) -> tuple[ModelShard, ModelShard | None]:
+    """(the target's shard, the draft's: None when the draft runs whole on the driver);
+    their layers run `collectives` (the rank's group's)."""
     world = config.tensor_parallel_size
-    target = ModelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head)
+    target = ModelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head, collectives)
     return target, target if config.tensor_parallel_draft == "sharded" else None
 
 
-def load_rank_models(config: EngineConfig, rank: int, device: torch.device) -> dict[str, LlamaForCausalLM]:
+def load_rank_models(config: EngineConfig, rank: int, device: torch.device,
+                     collectives: Collectives = GROUP) -> dict[str, LlamaForCausalLM]:
     """A worker's models by role: its shard of the target, and of the draft when sharded."""
-    target_shard, draft_shard = shards_for(config, rank)
+    target_shard, draft_shard = shards_for(config, rank, collectives)
     target_path, draft_path = default_model_paths(config)
     models = {"target": load_target(config, target_path, device, target_shard)}
     if draft_path is not None and draft_shard is not None:
@@ -159,11 +163,11 @@ class Worker:
         gc.collect()
 
 
-def serve_rank(config: EngineConfig, rank: int, device: torch.device, control: dist.ProcessGroup) -> None:
+def serve_rank(config: EngineConfig, rank: int, device: torch.device, group: Group) -> None:
     """Load this rank's models and serve the driver until it shuts the engine down."""
-    models = load_rank_models(config, rank, device)
+    models = load_rank_models(config, rank, device, group.collectives)
     apply_cpu_threads(config.threads, device, sum(p.numel() for p in models["target"].parameters()))
-    worker = Worker(models, ControlChannel(control, rank, device), rank)
+    worker = Worker(models, ControlChannel(group.control, rank, device), rank)
     try:
         worker.run()
     finally:
@@ -182,11 +186,11 @@ def serve_torchrun_rank(config: EngineConfig) -> int:
                          f"{config.tensor_parallel_size}: they must be equal")
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torchrun_device(config.device, launch.local_rank, cuda_count)
-    control = join(launch.rank, launch.world_size, device, None, config.tensor_parallel_all_reduce)
+    group = join(launch.rank, launch.world_size, device, None, config.tensor_parallel_all_reduce)
     try:
-        serve_rank(config, launch.rank, device, control)
+        serve_rank(config, launch.rank, device, group)
     finally:
-        leave()
+        leave(group.collectives)
     return 0
 
 
@@ -229,10 +233,10 @@ def main(ready_fd: int) -> int:
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     device = torch.device(spec.device)
-    control = join(spec.rank, spec.world_size, device, store, spec.config.tensor_parallel_all_reduce)
+    group = join(spec.rank, spec.world_size, device, store, spec.config.tensor_parallel_all_reduce)
     try:
-        serve_rank(spec.config, spec.rank, device, control)
+        serve_rank(spec.config, spec.rank, device, group)
     finally:
-        leave()
+        leave(group.collectives)
     return 0
 

@@ -47,7 +47,7 @@ from torch import nn
 from infer.models.gemv_tiles import MAX_ROWS
 from infer.models.int_quant import IntLayout, IntScales, PackedRows, default_group, dequantize_int, quantize_rtn
 from infer.models.linear_tiles import SplitWorkspace, choose_config
-from infer.models.parallel import REPLICATED, Parallel, all_reduce_max
+from infer.models.parallel import REPLICATED, Parallel
 from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
@@ -167,7 +167,7 @@ class Fp8:
             rows = tensor.to(device=layer.weight.device, dtype=torch.float32)
             peak = rows.abs().amax(dim=1)  # [n]
             if layer.parallel.partial_output:
-                all_reduce_max(peak)
+                layer.parallel.collectives.all_reduce_max(peak)
             quantized, scale = quantize_fp8_rows(rows, peak)
             target.copy_(quantized)
             start = 0 if row_offset is None else row_offset

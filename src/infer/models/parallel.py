@@ -17,15 +17,16 @@ r of N: the r-th of N equal blocks of rows or columns), which the loader reads a
 else (models/shard.py).
 
 Collectives run on torch.distributed's default process group (NCCL on GPUs, where CUDA
-graphs capture them like any kernel; gloo on CPUs). A process's tensor-parallel group may
-install a faster all-reduce for the messages it serves (`set_small_all_reduce`: the one-shot
-kernel of distributed/one_shot.py); every other message goes through the group.
+graphs capture them like any kernel; gloo on CPUs), through the `Collectives` a layer's
+setting carries: a tensor-parallel group may give it a faster all-reduce for the messages
+it serves (the one-shot kernel of distributed/one_shot.py); every other message goes
+through the group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -51,14 +52,59 @@ class TensorPart:
             raise ValueError(f"a tensor part is a non-empty range of rows or columns, got {self}")
 
 
+# y -> the sum over the ranks (a new tensor), or None for a message it does not serve
+SmallAllReduce = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+class Collectives:
+    """The collectives a parallel layer completes its output with, over the default process
+    group; `small`, when given, is tried first for each all-reduce (its own group's: the
+    tensor-parallel group builds it on joining, `close` drops it before the group goes)."""
+
+    def __init__(self, small: SmallAllReduce | None = None) -> None:
+        self.small = small
+
+    def close(self) -> None:
+        self.small = None
+
+    def all_reduce_sum(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum y over the ranks (every rank gets the same bits); returns the sum: y itself,
+        summed in place by the process group, or a new tensor from the small all-reduce."""
+        if self.small is not None:
+            out = self.small(y)
+            if out is not None:
+                return out
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def all_reduce_max(y: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of y over the ranks, in place; returns y."""
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        return y
+
+    @staticmethod
+    def all_gather_columns(y: torch.Tensor, world_size: int) -> torch.Tensor:
+        """[..., n] on each rank -> [..., world_size * n]: rank r's columns at r*n..(r+1)*n-1."""
+        rows = y.reshape(-1, y.shape[-1]).contiguous()  # [M, n]
+        m, n = rows.shape
+        out = torch.empty((world_size * m, n), dtype=y.dtype, device=y.device)
+        _all_gather_single(out, rows)  # [N * M, n]: rank r's rows at r*M..
+        return out.view(world_size, m, n).permute(1, 0, 2).reshape(*y.shape[:-1], world_size * n)
+
+
+GROUP = Collectives()  # the default group's own collectives (nothing tried first)
+
+
 @dataclass(frozen=True, slots=True)
 class Parallel:
     """Which part of the whole matrix a layer holds: `kind` (see the module docstring) over
-    `world_size` ranks, this layer's rank being `rank`."""
+    `world_size` ranks, this layer's rank being `rank`; `collectives` complete its output."""
 
     kind: str = "replicated"
     rank: int = 0
     world_size: int = 1
+    collectives: Collectives = field(default=GROUP, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in PARALLEL_KINDS:
@@ -101,51 +147,13 @@ class Parallel:
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """The layer's output from its local matmul's y [..., local out]."""
         if self.kind == "row":
-            return all_reduce_sum(y)
+            return self.collectives.all_reduce_sum(y)
         if self.kind == "vocab":
-            return all_gather_columns(y, self.world_size)
+            return self.collectives.all_gather_columns(y, self.world_size)
         return y
 
 
 REPLICATED = Parallel()
-
-
-# y -> the sum over the ranks (a new tensor), or None for a message it does not serve
-SmallAllReduce = Callable[[torch.Tensor], torch.Tensor | None]
-_small_all_reduce: SmallAllReduce | None = None
-
-
-def set_small_all_reduce(fn: SmallAllReduce | None) -> None:
-    """Install (None: remove) the all-reduce tried first by `all_reduce_sum`: one per process,
-    as the process group it runs over (distributed/group.py installs it on joining)."""
-    global _small_all_reduce
-    _small_all_reduce = fn
-
-
-def all_reduce_sum(y: torch.Tensor) -> torch.Tensor:
-    """Sum y over the ranks (every rank gets the same bits); returns the sum: y itself, summed
-    in place by the process group, or a new tensor from the installed small all-reduce."""
-    if _small_all_reduce is not None:
-        out = _small_all_reduce(y)
-        if out is not None:
-            return out
-    dist.all_reduce(y)
-    return y
-
-
-def all_reduce_max(y: torch.Tensor) -> torch.Tensor:
-    """Elementwise max of y over the ranks, in place; returns y."""
-    dist.all_reduce(y, op=dist.ReduceOp.MAX)
-    return y
-
-
-def all_gather_columns(y: torch.Tensor, world_size: int) -> torch.Tensor:
-    """[..., n] on each rank -> [..., world_size * n]: rank r's columns at r*n..(r+1)*n-1."""
-    rows = y.reshape(-1, y.shape[-1]).contiguous()  # [M, n]
-    m, n = rows.shape
-    out = torch.empty((world_size * m, n), dtype=y.dtype, device=y.device)
-    _all_gather_single(out, rows)  # [N * M, n]: rank r's rows at r*M..
-    return out.view(world_size, m, n).permute(1, 0, 2).reshape(*y.shape[:-1], world_size * n)
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -164,4 +172,4 @@ class VocabParallelEmbedding(nn.Embedding):
         local = input_ids - self.start  # [B, T]
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [B, T, H]
-        return all_reduce_sum(out.masked_fill(outside[..., None], 0))
+        return self.parallel.collectives.all_reduce_sum(out.masked_fill(outside[..., None], 0))

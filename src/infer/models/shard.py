@@ -17,13 +17,13 @@ whole tensors, dummy weights are drawn whole) are narrowed to it (`shard_tensors
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from infer.models.config import ModelConfig
-from infer.models.parallel import REPLICATED, Parallel, TensorPart
+from infer.models.parallel import GROUP, REPLICATED, Collectives, Parallel, TensorPart
 
 VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 
@@ -37,6 +37,7 @@ class ModelShard:
     world_size: int
     embedding: str = "replicated"  # "replicated" | "vocab_parallel"
     lm_head: str = "vocab_parallel"  # "replicated" | "vocab_parallel"
+    collectives: Collectives = field(default=GROUP, compare=False, repr=False)  # the rank's group's
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -78,15 +79,16 @@ class ModelShard:
 
     @property
     def column(self) -> Parallel:
-        return Parallel("column", self.rank, self.world_size)
+        return Parallel("column", self.rank, self.world_size, self.collectives)
 
     @property
     def row(self) -> Parallel:
-        return Parallel("row", self.rank, self.world_size)
+        return Parallel("row", self.rank, self.world_size, self.collectives)
 
     def vocab(self, layout: str) -> Parallel:
         """The setting of a layer whose vocabulary is laid out as `layout` (the embedding's or lm_head's)."""
-        return Parallel("vocab", self.rank, self.world_size) if layout == "vocab_parallel" else REPLICATED
+        return Parallel("vocab", self.rank, self.world_size, self.collectives) if layout == "vocab_parallel" \
+            else REPLICATED
 
 
 class TensorSlice(Protocol):

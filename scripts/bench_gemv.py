@@ -12,10 +12,12 @@ candidate configurations (`gemv_tiles.candidate_configs`, with the K splits of
 (RMSNorm before qkv, gate_up and lm_head; the residual add after o; SwiGLU before and the
 residual add after down). It checks each output against the unfused layers, prints the
 best of each and the default configuration's time, and lists the fused form's best as
-`gemv_tiles.CONFIG_TABLE` entries. Kernels compile first in a pool of processes (Triton's
+`gemv_tiles.CONFIG_TABLE` entries (`--table` merges them into `gemv_tiles.json`, the table
+the engine reads). Kernels compile first in a pool of processes (Triton's
 disk cache hands them to this one).
 
     python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8 int4]
+        [--table src/infer/models/gemv_tiles.json]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.gemv_tiles import (  # noqa: E402
-    WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits)
+    WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits, write_table)
 from infer.models.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
 from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
 from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
@@ -243,6 +245,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=150.0,
                     help="past this many seconds from the start, shapes left get the default config only")
     ap.add_argument("--out", type=Path, required=True, help="JSON results")
+    ap.add_argument("--table", type=Path, help="merge the fused forms' best configurations into this table file "
+                    "(src/infer/models/gemv_tiles.json: what the engine runs)")
     args = ap.parse_args()
     for m in args.rows:
         row_bucket(m)  # 1..16, else a clear error
@@ -280,6 +284,11 @@ def main() -> None:
         c = r["fused_config"]
         print(f"    ({r['n']}, {r['k']}, {row_bucket(r['m'])}, {r['dtype']!r}): GemvConfig({c['block_n']}, {c['block_k']}, "
               f"{c['split_k']}, {c['dot']}, {c['num_warps']}, {c['num_stages']}),")
+    if args.table is not None:
+        found = {(r["n"], r["k"], row_bucket(r["m"]), r["dtype"]): (f"{r['model']} {r['layer']}",
+                                                                   GemvConfig(**r["fused_config"])) for r in rows}
+        write_table(found, torch.cuda.get_device_name(), args.table)
+        print(f"{len(found)} configurations written to {args.table}")
     print(f"\ntotal {result['seconds']:.0f} s")
 
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from helpers.interpreted import interpreted_outputs
 from infer.models.gemv_tiles import (
-    CONFIG_TABLE, MAX_ROWS, NUM_SMS_H200, WEIGHT_KINDS, GemvConfig, candidate_configs, check_inputs, config_for,
-    default_config, fits_registers, row_bucket, with_splits)
+    CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig, candidate_configs, check_inputs,
+    config_for, default_config, fits_registers, read_table, row_bucket, with_splits, write_table)
 from infer.models.kernels import rmsnorm, silu_mul
 from infer.models.quantization import dequantize_fp8, quantize_fp8_rows
 
@@ -134,7 +134,7 @@ def test_candidates_fit_registers_and_splits_fill_the_gpu(bucket: int) -> None:
         assert splits[0] == cfg
         for s in splits[1:]:
             programs = -(-2048 // s.block_n) * s.split_k
-            assert 1.5 * NUM_SMS_H200 <= programs <= 8 * NUM_SMS_H200 and 8192 // s.block_k >= 2 * s.split_k
+            assert 1.5 * NUM_SMS <= programs <= 8 * NUM_SMS and 8192 // s.block_k >= 2 * s.split_k
     with pytest.raises(ValueError, match="bucket"):
         candidate_configs(3)
 
@@ -151,9 +151,9 @@ def test_default_config(n: int, k: int, bucket: int, kind: str) -> None:
     assert cfg.dot
     programs = -(-n // cfg.block_n) * cfg.split_k
     k_steps = -(-k // cfg.block_k)
-    assert 2 * programs >= 5 * NUM_SMS_H200 or k_steps < 4 * cfg.split_k  # enough programs, or K too short
+    assert 2 * programs >= 5 * NUM_SMS or k_steps < 4 * cfg.split_k  # enough programs, or K too short
     if cfg.split_k > 1:  # and the smallest such split
-        assert 2 * (programs // 2) < 5 * NUM_SMS_H200 and k_steps >= 2 * cfg.split_k
+        assert 2 * (programs // 2) < 5 * NUM_SMS and k_steps >= 2 * cfg.split_k
 
 
 def test_table_entries_are_searched_configs() -> None:
@@ -176,6 +176,20 @@ def test_config_for_prefers_the_table() -> None:
         assert config_for(4096, 1024, 3, "bf16") == default_config(4096, 1024, 4, "bf16")
     finally:
         del CONFIG_TABLE[key]
+
+
+def test_a_measured_table_merges_into_the_file_the_engine_reads(tmp_path) -> None:
+    path = tmp_path / "tiles.json"
+    path.write_text(TABLE_FILE.read_text(encoding="utf-8"), encoding="utf-8")
+    write_table({}, "NVIDIA H200", path)
+    assert path.read_text(encoding="utf-8") == TABLE_FILE.read_text(encoding="utf-8")  # its own layout
+    old_key, new_key = next(iter(CONFIG_TABLE)), (4096, 1024, 4, "fp8")
+    replaced, added = GemvConfig(block_n=4, block_k=256), GemvConfig(block_n=8, block_k=128, split_k=2)
+    write_table({old_key: ("m a", replaced), new_key: ("m b", added)}, "some GPU", path)
+    table = read_table(path)
+    assert table[old_key] == replaced and table[new_key] == added and len(table) == len(CONFIG_TABLE) + 1
+    assert all(table[key] == cfg for key, cfg in CONFIG_TABLE.items() if key != old_key)
+    assert '"device": "some GPU"' in path.read_text(encoding="utf-8")
 
 
 def test_check_inputs_names_the_fix() -> None:

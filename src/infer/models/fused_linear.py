@@ -36,9 +36,8 @@ GEMV, MATMUL, LIBRARY = "gemv", "matmul", "library"
 PARTS = ("linear", "gate_up")
 # (weight kind, part) -> route for the row buckets 1, 2, 4, 8, 16 (`gemv_tiles.ROW_BUCKETS`).
 # bf16: the GEMV at one row (it read every 1B and 3B matrix faster than cuBLAS), cuBLAS from
-# two rows (the GEMV was no faster there). FP8: the GEMV at one row, the Triton matmul from two
-# (on an H200, alternating runs of one session: 3B FP8 decode 551 tok/s through the GEMV
-# against 522 through the matmul, 1B 1110 against 1058). Integer codes: the GEMV for every
+# two rows (the GEMV was no faster there). FP8: the GEMV at one row (faster than the matmul
+# there: docs/benchmarks.md), the Triton matmul from two. Integer codes: the GEMV for every
 # bucket (their LIBRARY is the same GEMV without its fusions; the Triton matmul takes no
 # integer weights), unmeasured.
 ROUTES: dict[tuple[str, str], tuple[str, ...]] = {

@@ -5,22 +5,24 @@ A configuration says how many rows of W a program owns (`block_n`), how many K v
 reads per loop step (`block_k`), how many programs share one row block's K range
 (`split_k`), and which inner product it uses (`dot`: tensor cores on 16-row tiles, else
 float32 FMA on a row tile of M rounded up to a power of two, the "row bucket").
-`config_for` looks the shape up in `CONFIG_TABLE` (measured by `scripts/bench_gemv.py`)
-and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
+`config_for` looks the shape up in `CONFIG_TABLE` (read from `gemv_tiles.json`, which
+`scripts/bench_gemv.py --table` writes) and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
 (any dense half-precision W), "fp8", "int4" and "int8" (integer codes with group scales and
 offsets, models/int_quant.py).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
 from infer.models.int_quant import IntScales
 
 MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
-NUM_SMS_H200 = 132
+NUM_SMS = 132  # multiprocessors the shape heuristics size their grids for
 ROW_BUCKETS = (1, 2, 4, 8, 16)  # the row tiles the FMA kernel is compiled for
 WEIGHT_KINDS = ("bf16", "fp8", "int4", "int8")
 
@@ -108,16 +110,16 @@ def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
     blocks = -(-n // cfg.block_n)
     k_steps = -(-k // cfg.block_k)
     split = 2
-    while blocks * split <= 8 * NUM_SMS_H200 and split <= k_steps // 2:
-        if 2 * blocks * split >= 3 * NUM_SMS_H200:
+    while blocks * split <= 8 * NUM_SMS and split <= k_steps // 2:
+        if 2 * blocks * split >= 3 * NUM_SMS:
             out.append(replace(cfg, split_k=split))
         split *= 2
     return out
 
 
 def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
-    """A configuration from the shape alone, after what measured best on an H200 for the
-    Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
+    """A configuration from the shape alone, after what measured best (`gemv_tiles.json`) for
+    the Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
     weights, one row) rows of W by 512 K values, pipelined three deep, unsplit (a split's
     second launch costs more than it gains); integer codes at one or two rows narrow tiles
     of 4 rows by 512 unpipelined; more rows take dot tiles of 32 x 128, K split until there
@@ -132,70 +134,37 @@ def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     base = GemvConfig(block_n=32, block_k=128, dot=True, num_warps=4, num_stages=3)
     blocks = -(-n // base.block_n)
     split = 1
-    while 2 * blocks * split < 5 * NUM_SMS_H200 and -(-k // base.block_k) >= 4 * split:
+    while 2 * blocks * split < 5 * NUM_SMS and -(-k // base.block_k) >= 4 * split:
         split *= 2
     return replace(base, split_k=split)
 
 
-# The configuration measured fastest per shape (scripts/bench_gemv.py on an H200, inside
-# CUDA graphs, for the Llama 3.2 1B and 3B matrices in their fused decode form: RMSNorm
-# before qkv, gate_up and lm_head, the residual add after o, SwiGLU and the residual add
-# around down): (N, K, weight kind) -> for row buckets 1, 2, 4, 8, 16,
-# (block_n, block_k, split_k, dot, num_warps, num_stages).
-_MEASURED: dict[tuple[int, int, str], tuple[tuple[int, int, int, bool, int, int], ...]] = {
-    (3072, 2048, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
-                           (32, 256, 1, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
-    (3072, 2048, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 4, True, 4, 3),
-                          (32, 256, 4, True, 4, 3), (32, 256, 1, True, 4, 3)),  # 1B qkv
-    (2048, 2048, "bf16"): ((4, 2048, 1, False, 4, 1), (4, 1024, 1, False, 4, 1), (4, 512, 1, False, 4, 3),
-                           (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
-    (2048, 2048, "fp8"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
-                          (32, 128, 4, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 1B o
-    (16384, 2048, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 256, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
-    (16384, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                           (32, 256, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B gate_up
-    (2048, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
-                           (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
-    (2048, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 512, 1, False, 8, 3),
-                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 1B down
-    (128256, 2048, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
-                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
-    (128256, 2048, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 1B lm_head
-    (5120, 3072, "bf16"): ((8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
-                           (64, 128, 4, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B qkv
-    (5120, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 2, True, 4, 3),
-                          (64, 128, 4, True, 4, 3), (64, 256, 4, True, 4, 3)),  # 3B qkv
-    (3072, 3072, "bf16"): ((4, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
-                           (64, 128, 8, True, 4, 3), (32, 128, 4, True, 4, 3)),  # 3B o
-    (3072, 3072, "fp8"): ((8, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 128, 4, True, 4, 3),
-                          (32, 128, 4, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B o
-    (16384, 3072, "bf16"): ((8, 1024, 1, False, 4, 1), (8, 512, 1, False, 4, 1), (32, 256, 1, True, 4, 3),
-                            (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
-    (16384, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                           (64, 128, 2, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B gate_up
-    (3072, 8192, "bf16"): ((4, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
-                           (64, 128, 8, True, 4, 3), (64, 128, 8, True, 4, 3)),  # 3B down
-    (3072, 8192, "fp8"): ((16, 512, 2, False, 4, 3), (8, 512, 1, False, 4, 3), (8, 256, 1, False, 4, 3),
-                          (64, 128, 16, True, 4, 3), (64, 128, 16, True, 4, 3)),  # 3B down
-    (128256, 3072, "bf16"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                             (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
-    (128256, 3072, "fp8"): ((16, 512, 1, False, 4, 3), (8, 512, 1, False, 4, 3), (32, 256, 1, True, 4, 3),
-                            (64, 128, 1, True, 4, 3), (64, 256, 1, True, 4, 3)),  # 3B lm_head
-}
-# integer codes, one row (the other buckets: `default_config`)
-_MEASURED_INT: dict[tuple[int, int, str], tuple[int, int, int, bool, int, int]] = {
-    (5120, 3072, "int4"): (4, 1024, 1, False, 4, 1),  # 3B qkv
-    (3072, 3072, "int4"): (4, 1024, 1, False, 4, 1),  # 3B o
-    (16384, 3072, "int4"): (4, 512, 1, False, 4, 3),  # 3B gate_up
-    (3072, 8192, "int4"): (4, 512, 1, False, 4, 1),  # 3B down
-    (128256, 3072, "int4"): (4, 512, 1, False, 4, 3),  # 3B lm_head (an 8-bit head is int8)
-}
-CONFIG_TABLE: dict[tuple[int, int, int, str], GemvConfig] = {
-    **{(n, k, bucket, kind): GemvConfig(*cfg) for (n, k, kind), cfgs in _MEASURED.items()
-       for bucket, cfg in zip(ROW_BUCKETS, cfgs)},
-    **{(n, k, 1, kind): GemvConfig(*cfg) for (n, k, kind), cfg in _MEASURED_INT.items()}}
+TABLE_FILE = Path(__file__).with_name("gemv_tiles.json")  # measured; its "regenerate" says how
+
+
+def read_table(path: Path = TABLE_FILE) -> dict[tuple[int, int, int, str], GemvConfig]:
+    """The measured configurations of a table file: (N, K, row bucket, weight kind) -> config."""
+    entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
+    return {(e["n"], e["k"], e["rows"], e["kind"]): GemvConfig(*e["config"]) for e in entries}
+
+
+def write_table(found: dict[tuple[int, int, int, str], tuple[str, GemvConfig]], device: str,
+                path: Path = TABLE_FILE) -> None:
+    """Merge newly measured configurations ((N, K, row bucket, kind) -> (matrix name, config))
+    into a table file, recording the device they were measured on."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    entries = {(e["n"], e["k"], e["rows"], e["kind"]): e for e in data["entries"]}
+    for (n, k, rows, kind), (matrix, c) in found.items():
+        entries[(n, k, rows, kind)] = {"matrix": matrix, "n": n, "k": k, "rows": rows, "kind": kind, "config":
+                                       [c.block_n, c.block_k, c.split_k, c.dot, c.num_warps, c.num_stages]}
+    data["device"] = device
+    ordered = sorted(entries.values(), key=lambda e: (e["kind"], e["matrix"], e["rows"]))
+    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in data.items() if key != "entries")
+    path.write_text("{\n" + head + ' "entries": [\n' + ",\n".join("  " + json.dumps(e) for e in ordered)
+                    + "\n ]\n}\n", encoding="utf-8")
+
+
+CONFIG_TABLE = read_table()  # read once at import
 
 
 def config_for(n: int, k: int, m: int, kind: str) -> GemvConfig:

@@ -37,7 +37,7 @@ class LinearConfig:
 
 def choose_config(m: int, n: int, k: int) -> LinearConfig:
     """Tiles for y[m, n] = x[m, k] W^T with W in FP8: the configurations measured best in CUDA
-    graphs on an H200 for the Llama 3.2 1B/3B shapes (`scripts/bench_matmul.py --sweep`).
+    graphs for the Llama 3.2 1B/3B shapes (`scripts/bench_matmul.py --sweep`).
     64 output columns a program; a wide output (>= 128 column tiles: gate_up, lm_head) reads
     256-column slices of K, a narrow one (qkv, o_proj, down_proj) splits K four or eight ways
     over 128-column slices so that several programs run on every multiprocessor."""

@@ -68,7 +68,7 @@ SWEEP_TREES = ("2,2", "3,1", "2,2,1")
 SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 # speculation against plain decoding as the batch grows (where `spec_disable_batch_size` should
 # cut in): the 1B draft at K=3 and an EAGLE-3 head at K=4, at alpha 0.8 (batch 1: the sweep's)
-SPEC_BATCHES, SPEC_BATCH_ALPHA = (8, 32, 128), 0.8
+SPEC_BATCHES, SPEC_BATCH_ALPHA = (8, 16, 32, 64, 128), 0.8
 # serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
 # a ShareGPT-like request's prompt and output together), a step budget that prefills them in
 # a few steps
@@ -406,7 +406,7 @@ SUITES: dict[str, Suite] = {
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),
     "acceptance-sweep": Suite("controlled acceptance (an oracle picks which drafts match; real costs): the 3B "
                               "shape with the 1B draft, bf16 and FP8, chains and trees, and with an EAGLE-3 head, "
-                              "chains, at alpha 0.6..0.9; both at alpha 0.8 at batch 8, 32 and 128",
+                              "chains, at alpha 0.6..0.9; both at alpha 0.8 at batch 8, 16, 32, 64 and 128",
                               sweep_rows, 1, in_all_gpu=False),
     "serve": Suite("open-loop serving at Poisson request rates (ours, or --url), ShareGPT-like lengths: "
                    "throughput, TTFT / TPOT / E2E p50 and p99", serve_rows, 0, in_all_gpu=False),

@@ -7,21 +7,21 @@
 # console log as OUT/run.log.
 #
 #   bash scripts/demo_pair/gpu_run.sh "$OUT"                 # from the repository root
-#   bash scripts/demo_pair/gpu_run.sh "$OUT" --seed 1        # extra args go to python -m infer.demo
+#   bash scripts/demo_pair/gpu_run.sh "$OUT" --seed 1        # extra args go to python -m demo_pair
 set -euo pipefail
-out_dir="${1:?usage: gpu_run.sh OUT_DIR [python -m infer.demo options]}"
+out_dir="${1:?usage: gpu_run.sh OUT_DIR [python -m demo_pair options]}"
 shift
 work="${WORK:-/tmp/demo_pair}"
 python="${PYTHON:-python3}"
 rm -rf "$work"
 mkdir -p "$work/logs" "$out_dir"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$python" -c 'import sys, torch, tokenizers; print(sys.version); print("torch", torch.__version__, "tokenizers", tokenizers.__version__)'
   start=$(date +%s)
-  "$python" -m infer.demo --out "$work/models" --log-dir "$work/logs" "$@"
-  echo "wall time of python -m infer.demo: $(( $(date +%s) - start )) s"
+  "$python" -m demo_pair --out "$work/models" --log-dir "$work/logs" "$@"
+  echo "wall time of python -m demo_pair: $(( $(date +%s) - start )) s"
 } 2>&1 | tee "$out_dir/run.log"   # in OUT at once: it comes back even if a step fails
 for role in target draft; do
   mkdir -p "$out_dir/$role"

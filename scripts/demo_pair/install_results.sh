@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Put what gpu_run.sh packed (OUT/target/*.safetensors, OUT/draft/*.safetensors,
 # OUT/demo_pair_files.tar.gz, OUT/run.log) into src/infer/demo_models/{target,draft} and
-# the logs into runs/demo_pair/, then check the result with python -m infer.demo.verify.
+# the logs into runs/demo_pair/, then check the result with python -m demo_pair.verify.
 #
 #   bash scripts/demo_pair/install_results.sh /path/to/fetched/out     # from the repo root
 set -euo pipefail
@@ -21,4 +21,4 @@ for role in target draft; do
 done
 mkdir -p "$logs"
 cp "$tmp/logs/"* "$src/run.log" "$logs/"
-PYTHONPATH=src "$python" -m infer.demo.verify "$dest/target" "$dest/draft"
+PYTHONPATH=src:scripts "$python" -m demo_pair.verify "$dest/target" "$dest/draft"

@@ -4,14 +4,14 @@ Stage 1 trains one target per `--target NAME=ARGS` recipe, all at once on the sa
 models are small, so several processes share it), and ranks them by their best validation
 loss. Stage 2 distils a draft from the best target for every `--draft NAME=ARGS` recipe,
 and from the second-best target with the first draft recipe, again in parallel, each
-followed by the full evaluation (`python -m infer.demo --models draft`). The pair kept is
+followed by the full evaluation (`python -m demo_pair --models draft`). The pair kept is
 the one that meets the targets of the demo pair (alpha(T=1) >= --min-alpha, greedy agreement
 >= --min-agreement, draft validation loss - target validation loss >= --min-gap) with the
 lowest target validation loss; failing that, the one closest to meeting them. It is packed
 into OUT exactly as gpu_run.sh packs a run (install it with install_results.sh); every
 run's logs and results go to OUT/sweep_logs.tar.gz and a table to OUT/sweep.log.
 
-Only the standard library: it drives `python -m infer.demo...` in subprocesses.
+Only the standard library: it drives `python -m demo_pair...` in subprocesses.
 
     python3 scripts/demo_pair/sweep.py --out "$OUT" \\
         --target "d3=--target-set dropout=0.3" --target "d3wd5=--target-set dropout=0.3 \\
@@ -62,7 +62,7 @@ def parse_recipes(items: list[str], flag: str) -> list[tuple[str, list[str]]]:
 
 def run_parallel(jobs: list[Job], limit_s: float) -> None:
     """Start all jobs, wait for them up to limit_s in total, kill the ones still running."""
-    env = {**os.environ, "PYTHONPATH": "src", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONPATH": "src:scripts", "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "3", "RAYON_NUM_THREADS": "3"}
     procs = []
     for job in jobs:
@@ -137,7 +137,7 @@ def header(python: str) -> str:
 def stage_targets(a: argparse.Namespace, recipes: list[tuple[str, list[str]]]) -> list[tuple[float, str]]:
     """Train every target recipe at once; (best validation loss, name), best first."""
     jobs = [Job(f"t_{name}", a.work / f"t_{name}",
-                [a.python, "-m", "infer.demo.train", "--out", str(a.work / f"t_{name}" / "models"),
+                [a.python, "-m", "demo_pair.train", "--out", str(a.work / f"t_{name}" / "models"),
                  "--log-dir", str(a.work / f"t_{name}" / "logs"), "--models", "target", "--seed",
                  str(a.seed), *args]) for name, args in recipes]
     start = time.monotonic()
@@ -163,7 +163,7 @@ def stage_drafts(a: argparse.Namespace, ranked: list[tuple[float, str]],
         work = a.work / pair
         shutil.copytree(a.work / f"t_{target}" / "models" / "target", work / "models" / "target")
         shutil.copytree(a.work / f"t_{target}" / "logs", work / "logs")
-        jobs.append(Job(pair, work, [a.python, "-m", "infer.demo", "--out", str(work / "models"),
+        jobs.append(Job(pair, work, [a.python, "-m", "demo_pair", "--out", str(work / "models"),
                                      "--log-dir", str(work / "logs"), "--models", "draft",
                                      "--seed", str(a.seed), *dargs]))
         meta.append((pair, target, dname, work))

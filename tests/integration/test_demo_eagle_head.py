@@ -11,10 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.demo import demo_model_path
-from infer.demo.completions import PROMPTS as COMPLETION_PROMPTS
-from infer.demo.eagle_eval import run_config
-from infer.engine.loading import DEMO_TARGET
+from demo_pair.completions import PROMPTS as COMPLETION_PROMPTS
+from demo_pair.eagle_eval import run_config
+from infer.engine.loading import DEMO_TARGET, demo_model_path
 
 PROMPTS = COMPLETION_PROMPTS[:4]  # the demo pair's evaluation prompts
 TOKENS = 32

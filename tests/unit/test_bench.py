@@ -401,7 +401,7 @@ def test_missing_demo_models_skip_their_rows_with_a_hint(tmp_path, monkeypatch):
     run = BenchRun("speculation")
     Harness(run, options).run_rows([n for n in selected if n.startswith("demo-")], table)
     assert run.measurements and {m.status for m in run.measurements} == {"skipped"}
-    assert all("python -m infer.demo" in m.error and "nope-target" in m.error for m in run.measurements)
+    assert all("python -m demo_pair" in m.error and "nope-target" in m.error for m in run.measurements)
 
 
 def test_workload_label_and_dict():

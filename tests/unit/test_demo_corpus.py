@@ -12,22 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo import bpe, completions, corpus, evaluate, metrics, train
-from infer.demo.data import (
+from demo_pair import bpe, completions, evaluate, metrics, sweep, train
+from demo_pair.data import (
     batch_chunks,
     num_sequences,
     training_batches,
     validation_chunks,
 )
-from infer.demo.presets import (
+from demo_pair.presets import (
     TrainSettings,
     config_with,
     full_preset,
     settings_with,
     tiny_preset,
 )
-from infer.demo.saving import MAX_SHARD_BYTES, save_model
-from infer.demo.trainer import (
+from demo_pair.saving import MAX_SHARD_BYTES, save_model
+from demo_pair.trainer import (
     add_residual_dropout,
     dropout_sites,
     init_weights,
@@ -35,6 +35,7 @@ from infer.demo.trainer import (
     train_model,
     validate,
 )
+from infer.bench import corpus
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -429,15 +430,8 @@ def test_shape_overrides_and_full_preset_ranges() -> None:
         config_with(p.draft, ["num_attention_heads=3", "num_key_value_heads=2"])
 
 
-def test_sweep_keeps_the_best_pair_that_meets_the_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sweep_keeps_the_best_pair_that_meets_the_targets() -> None:
     import argparse
-    import importlib.util
-    import sys
-    path = Path(__file__).resolve().parents[2] / "scripts" / "demo_pair" / "sweep.py"
-    spec = importlib.util.spec_from_file_location("demo_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "demo_sweep", sweep)  # dataclasses look their module up
-    spec.loader.exec_module(sweep)
     a = argparse.Namespace(min_alpha=0.65, min_agreement=0.70, min_gap=0.1)
 
     def row(name: str, target: float, gap: float, alpha: float, agreement: float) -> dict:

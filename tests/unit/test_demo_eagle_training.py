@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.demo.eagle_data import HeadData, draft_vocabulary, extract_features, generated_windows, vocab_maps
-from infer.demo.eagle_head import HEAD_PRESETS, _head_override, build_head, continue_from, head_data, save_head
-from infer.demo.eagle_train import HeadSettings, unrolled_losses
-from infer.demo.train import Corpus
-from infer.demo.unrolled_view import UnrolledView, unrolled_mask
+from demo_pair.eagle_data import HeadData, draft_vocabulary, extract_features, generated_windows, vocab_maps
+from demo_pair.eagle_head import HEAD_PRESETS, _head_override, build_head, continue_from, head_data, save_head
+from demo_pair.eagle_train import HeadSettings, unrolled_losses
+from demo_pair.train import Corpus
+from demo_pair.unrolled_view import UnrolledView, unrolled_mask
 from infer.models.attention import NoCacheView
 from infer.models.eagle import load_eagle_head
 from infer.models.loader import load_model

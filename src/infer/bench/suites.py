@@ -52,7 +52,7 @@ from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, inde
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
 from infer.bench.sweep import SweepSetup, SweepShape
 from infer.bench.workloads import JSON_RECORDS, WORKLOADS, Workload
-from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET
+from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET, DEMO_TRAIN_COMMAND
 from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B, SHAPE_8B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"
@@ -93,7 +93,8 @@ class Models:
         given_draft = options.draft_model or options.model  # --model alone drafts for itself
         target, draft = options.model or str(DEMO_TARGET), given_draft or str(DEMO_DRAFT)
         demo = tuple(p for p, given in ((DEMO_TARGET, options.model), (DEMO_DRAFT, given_draft)) if given is None)
-        hint = "train them with `python -m infer.demo` (or use a build that ships them), or pass --model"
+        hint = (f"train them with `{DEMO_TRAIN_COMMAND}` in a checkout (or use a build that ships them), "
+                "or pass --model")
         head = str(DEMO_EAGLE3) if options.model is None else None
         return cls(target, draft, (Files(demo, hint),) if demo else (), serve or ServeSetup(), head)
 
@@ -196,7 +197,8 @@ def speculation_rows(m: Models) -> list[Row]:
                  engine_row(f"{tag}/spec-adaptive", "draft model, adaptive K", group, wl,
                             {**spec, "spec_policy": "adaptive"}, {"baseline": base}, needs=m.needs)]
         if m.head is not None:
-            head_needs = (*m.needs, Files((DEMO_EAGLE3,), "train it with `python -m infer.demo --eagle-head`"))
+            hint = f"train it with `{DEMO_TRAIN_COMMAND} --eagle-head` in a checkout"
+            head_needs = (*m.needs, Files((DEMO_EAGLE3,), hint))
             rows.append(engine_row(f"{tag}/eagle-k5", "the target's trained EAGLE-3 head, fixed K=5 (against "
                                    "spec-k5: head vs draft model)", group, wl,
                                    {**spec, "speculative_method": "eagle3", "draft_model": m.head},
@@ -350,7 +352,8 @@ def smoke_rows(m: Models) -> list[Row]:
 def serve_rows(m: Models) -> list[Row]:
     """Our server runs the target (the demo target unless --model); a --url needs no model here."""
     demo = m.target == str(DEMO_TARGET)
-    needs = (Files((DEMO_TARGET,), "train it with `python -m infer.demo`, or pass --model"),) if demo else ()
+    hint = f"train it with `{DEMO_TRAIN_COMMAND}` in a checkout, or pass --model"
+    needs = (Files((DEMO_TARGET,), hint),) if demo else ()
     return serve_rate_rows(m.serve, m.target, needs)
 
 

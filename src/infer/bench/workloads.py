@@ -15,20 +15,18 @@ records, so that every request runs to its max_tokens, about four times as many 
 Prompts: for a model without a tokenizer (dummy shapes) they are seeded random token ids,
 with W5's structure kept (a random sequence followed by its own start). With a tokenizer
 they are code: slices of a token stream made of the demo corpus's validation files (the
-running interpreter's standard library, `infer.demo.corpus`); if that module is missing,
-stdlib files chosen in sorted path order.
+running interpreter's standard library, `infer.bench.corpus`).
 """
 
 from __future__ import annotations
 
 import functools
 import random
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any, Protocol
 
+from infer.bench.corpus import split_corpus, stdlib_root
 from infer.sampling import SamplingParams, StructuredOutput
 
 KINDS = ("text", "code_edit")
@@ -259,15 +257,9 @@ def code_token_stream(tokenizer: Encoder, min_tokens: int) -> tuple[list[int], l
 
 @functools.lru_cache(maxsize=1)
 def code_files() -> tuple[tuple[str, str], ...]:
-    """(relative name, text) of the demo corpus's validation files, sorted by name; falls
-    back to the top-level stdlib modules when `infer.demo.corpus` is unavailable."""
-    try:
-        from infer.demo.corpus import split_corpus, stdlib_root
-        root = stdlib_root()
-        paths = split_corpus(root).valid
-    except (ImportError, FileNotFoundError, ValueError):
-        root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-        paths = sorted(root.glob("*.py"))
+    """(relative name, text) of the demo corpus's validation files, sorted by name."""
+    root = stdlib_root()
+    paths = split_corpus(root).valid
     out = []
     for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
         try:

@@ -37,6 +37,22 @@ DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "draft"
 DEMO_EAGLE3 = DEMO_DIR / "eagle3"  # the demo target's trained EAGLE-3 head
+DEMO_ROLES = ("target", "draft", "eagle3")  # the shipped pair and the target's EAGLE-3 head
+# how the shipped demo models are made, from a checkout (scripts/demo_pair/README.md)
+DEMO_TRAIN_COMMAND = "PYTHONPATH=src:scripts python -m demo_pair"
+
+
+def demo_model_path(role: str = "target") -> Path:
+    """Directory of the shipped demo `role` ("target", "draft" or "eagle3": the target's
+    EAGLE-3 head) in Hugging Face layout."""
+    if role not in DEMO_ROLES:
+        raise ValueError(f"role must be one of {DEMO_ROLES}, got {role!r}")
+    path = DEMO_DIR / role
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the demo {role} is not installed at {path}: train it from a checkout with "
+            f"`{DEMO_TRAIN_COMMAND} --out src/infer/demo_models --eagle-head` (see scripts/demo_pair/README.md)")
+    return path
 
 
 @dataclass

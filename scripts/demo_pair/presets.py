@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from infer.demo.bpe import BOS_ID, DEFAULT_VOCAB_SIZE, EOS_ID
+from demo_pair.bpe import BOS_ID, DEFAULT_VOCAB_SIZE, EOS_ID
 from infer.models.config import ModelConfig
 
 ROPE_THETA = 10000.0

@@ -1,4 +1,4 @@
-"""Evaluate the demo pair: `python -m infer.demo.evaluate --target DIR --draft DIR`.
+"""Evaluate the demo pair: `python -m demo_pair.evaluate --target DIR --draft DIR`.
 
 Teacher-forced on the validation split (every token after the first of the stream, in
 chunks of the models' context length): each model's loss and perplexity; the paper's
@@ -6,7 +6,7 @@ alpha = E[sum_x min(p(x), q(x))] at temperature 1 (Corollary 3.6; p target, q dr
 the greedy agreement P(argmax p = argmax q) (alpha at temperature 0); the same two for
 unigram and bigram models fitted on the training split with add-k smoothing (the baselines
 of Table 3), and the walltime factor of Theorem 3.8 they imply with c = the layer ratio.
-Writes the results JSON, greedy completions of a dozen code prompts (`infer.demo.completions`:
+Writes the results JSON, greedy completions of a dozen code prompts (`demo_pair.completions`:
 raw, cut at the end of the prompt's block, and scored for repetition), and README.md model
 cards in both model directories.
 """
@@ -23,19 +23,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.demo.bpe import encode_documents, load_tokenizer
-from infer.demo.completions import PROMPTS, complete_all
-from infer.demo.corpus import read_texts, split_corpus
-from infer.demo.data import batch_chunks, validation_chunks
-from infer.demo.metrics import (
+from demo_pair.bpe import encode_documents, load_tokenizer
+from demo_pair.completions import PROMPTS, complete_all
+from demo_pair.data import batch_chunks, validation_chunks
+from demo_pair.metrics import (
     PairTotals,
     expected_tokens,
     fit_bigram,
     fit_unigram,
     walltime_factor,
 )
-from infer.demo.model_card import write_cards
-from infer.demo.trainer import autocast, forward_logits
+from demo_pair.model_card import write_cards
+from demo_pair.trainer import autocast, forward_logits
+from infer.bench.corpus import read_texts, split_corpus
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 
@@ -145,7 +145,7 @@ def _print_summary(r: dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.demo.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo_pair.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target model directory")
     p.add_argument("--draft", required=True, help="draft model directory")
     p.add_argument("--out", help="results JSON path (default: TARGET/../eval_results.json)")

@@ -1,4 +1,4 @@
-"""Check shipped demo checkpoints: `python -m infer.demo.verify [TARGET_DIR DRAFT_DIR]`.
+"""Check shipped demo checkpoints: `python -m demo_pair.verify [TARGET_DIR DRAFT_DIR]`.
 
 Checks what the package promises about `infer/demo_models/{target,draft}`: Hugging Face
 layout with sharded bf16 safetensors (index + shards of at most 15 MiB, >= 2 for the
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from infer.demo import DEMO_MODELS_DIR
-from infer.demo.saving import MAX_SHARD_BYTES
+from demo_pair.saving import MAX_SHARD_BYTES
+from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 from infer.models.loader import load_model
 
 MAX_PAIR_BYTES = 40 * 10**6
@@ -78,9 +78,9 @@ def verify(target: Path, draft: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infer.demo.verify", description=__doc__.split("\n")[0])
-    p.add_argument("target", nargs="?", default=str(DEMO_MODELS_DIR / "target"))
-    p.add_argument("draft", nargs="?", default=str(DEMO_MODELS_DIR / "draft"))
+    p = argparse.ArgumentParser(prog="python -m demo_pair.verify", description=__doc__.split("\n")[0])
+    p.add_argument("target", nargs="?", default=str(DEMO_TARGET))
+    p.add_argument("draft", nargs="?", default=str(DEMO_DRAFT))
     args = p.parse_args(argv)
     problems = verify(Path(args.target), Path(args.draft))
     for problem in problems:

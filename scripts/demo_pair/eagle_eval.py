@@ -1,8 +1,8 @@
 """The demo EAGLE-3 head beside the demo draft model, through the engine, on the CPU.
 
-    PYTHONPATH=src python -m infer.demo.eagle_eval --out runs/eagle3_eval.json
+    PYTHONPATH=src:scripts python -m demo_pair.eagle_eval --out runs/eagle3_eval.json
 
-For each of the demo pair's evaluation prompts (`infer.demo.completions.PROMPTS`) and each
+For each of the demo pair's evaluation prompts (`demo_pair.completions.PROMPTS`) and each
 temperature (0 and 1), generates `max_new_tokens` with plain decoding, with the demo draft
 model and with the head, both at a fixed K (`LLM(..., spec_length=K)`), and reports the
 engine's acceptance statistics: the acceptance rate (accepted drafts / K a round) and the
@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from infer.demo import demo_model_path
-from infer.demo.completions import PROMPTS
+from demo_pair.completions import PROMPTS
+from infer.engine.loading import demo_model_path
 from infer.llm import LLM
 from infer.models.attention import NoCacheView
 from infer.models.eagle import EagleHead, load_eagle_head
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.demo.eagle_eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo_pair.eagle_eval", description=__doc__.split("\n")[0])
     p.add_argument("--target", default=None, help="default: the shipped demo target")
     p.add_argument("--draft", default=None, help="default: the shipped demo draft")
     p.add_argument("--head", default=None, help="default: the shipped demo EAGLE-3 head")

@@ -1,11 +1,11 @@
-"""Train the demo target's EAGLE-3 head: `python -m infer.demo.eagle_head --target DIR --out DIR`.
+"""Train the demo target's EAGLE-3 head: `python -m demo_pair.eagle_head --target DIR --out DIR`.
 
-Pipeline: the demo corpus encoded with the target's tokenizer (`infer.demo.train`'s corpus
+Pipeline: the demo corpus encoded with the target's tokenizer (`demo_pair.train`'s corpus
 step) -> the draft vocabulary (the most frequent training tokens) -> seeded windows: corpus
 windows and the target's own greedy and T=1 continuations of corpus prompts
-(`head_windows`) -> the frozen target's features over them (`infer.demo.eagle_data`;
+(`head_windows`) -> the frozen target's features over them (`demo_pair.eagle_data`;
 `--cache DIR` keeps windows and features on disk for later runs) -> the head trained on
-them (`infer.demo.eagle_train`, saved after every validation) -> saved in the public
+them (`demo_pair.eagle_train`, saved after every validation) -> saved in the public
 EAGLE-3 layout that `infer.models.eagle` loads (config.json + model.safetensors: `fc`,
 `midlayer.*`, `norm`, `lm_head` over the draft vocabulary, `d2t` / `t2d`; the target's
 embedding is shared) with training_summary.json. Runs on the CPU (the `full` settings:
@@ -14,11 +14,11 @@ a saved head further (the shipped head is four stages, the third with the `full`
 scripts/demo_pair/README.md). Seeded, so the same interpreter (corpus), seed and machine
 give the same head.
 
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3 \
+    PYTHONPATH=src:scripts python -m demo_pair.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3 \
         --cache /tmp/eagle3-cache
-    PYTHONPATH=src python -m infer.demo.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-more \
+    PYTHONPATH=src:scripts python -m demo_pair.eagle_head --target src/infer/demo_models/target --out /tmp/eagle3-more \
         --init /tmp/eagle3 --cache /tmp/eagle3-cache --set lr=0.002 --head-set unroll=3
-    PYTHONPATH=src python -m infer.demo.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
+    PYTHONPATH=src:scripts python -m demo_pair.eagle_head --target /tmp/demo/target --out /tmp/demo/eagle3 --preset tiny
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from infer.demo.bpe import load_tokenizer
-from infer.demo.data import validation_chunks
-from infer.demo.eagle_data import (HeadData, coverage, draft_vocabulary, extract_features, generated_windows,
+from demo_pair.bpe import load_tokenizer
+from demo_pair.data import validation_chunks
+from demo_pair.eagle_data import (HeadData, coverage, draft_vocabulary, extract_features, generated_windows,
                                    sample_windows, vocab_maps)
-from infer.demo.eagle_train import HeadLog, HeadSettings, init_head, train_head
-from infer.demo.presets import TrainSettings, get_preset, settings_with
-from infer.demo.saving import SUMMARY_FILE, training_environment
+from demo_pair.eagle_train import HeadLog, HeadSettings, init_head, train_head
+from demo_pair.presets import TrainSettings, get_preset, settings_with
+from demo_pair.saving import SUMMARY_FILE, training_environment
 from infer.models.eagle import EagleHead, load_eagle_head
 from infer.models.eagle_dummy import head_config_for
 from infer.models.llama import LlamaForCausalLM, fused_to_hf
 from infer.models.loader import load_model
 
 if TYPE_CHECKING:
-    from infer.demo.train import Corpus
+    from demo_pair.train import Corpus
 
 HEAD_PRESETS = {
     "full": HeadSettings(train=TrainSettings(epochs=2.5, batch_size=4, lr=3e-3, warmup_steps=10, weight_decay=0.01,
@@ -134,7 +134,7 @@ def save_head(head: EagleHead, directory: Path, summary: dict[str, Any]) -> Path
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from infer.demo.train import prepare_corpus  # (the corpus step of the pair's training)
+    from demo_pair.train import prepare_corpus  # (the corpus step of the pair's training)
     settings = HEAD_PRESETS[args.preset]
     settings = dataclasses.replace(settings, train=settings_with(settings.train, args.set or []),
                                    **dict(_head_override(o) for o in args.head_set or []))
@@ -251,7 +251,7 @@ def _head_override(item: str) -> tuple[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.demo.eagle_head", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo_pair.eagle_head", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="the demo target's directory (the teacher)")
     p.add_argument("--out", required=True, help="the head's directory")
     p.add_argument("--preset", choices=sorted(HEAD_PRESETS), default="full", help="'tiny' for a smoke run")

@@ -1,13 +1,13 @@
 """The whole demo-pair pipeline in one command: train target and draft, then evaluate.
 
-    PYTHONPATH=src python -m infer.demo --out src/infer/demo_models --log-dir runs/demo_pair
-    PYTHONPATH=src python -m infer.demo --out /tmp/demo --preset tiny          # CPU smoke
-    PYTHONPATH=src python -m infer.demo --out src/infer/demo_models --eagle-head --models none
+    PYTHONPATH=src:scripts python -m demo_pair --out src/infer/demo_models --log-dir runs/demo_pair
+    PYTHONPATH=src:scripts python -m demo_pair --out /tmp/demo --preset tiny          # CPU smoke
+    PYTHONPATH=src:scripts python -m demo_pair --out src/infer/demo_models --eagle-head --models none
 
-Takes the options of `infer.demo.train`; writes OUT/target, OUT/draft (with README.md
+Takes the options of `demo_pair.train`; writes OUT/target, OUT/draft (with README.md
 model cards), LOG_DIR/train_log.json and LOG_DIR/eval_results.json. `--eagle-head` then
-trains the target's EAGLE-3 head into OUT/eagle3 (`infer.demo.eagle_head`, on the CPU) and
-compares it with the draft through the engine (`infer.demo.eagle_eval`,
+trains the target's EAGLE-3 head into OUT/eagle3 (`demo_pair.eagle_head`, on the CPU) and
+compares it with the draft through the engine (`demo_pair.eagle_eval`,
 LOG_DIR/eagle3_eval.json); `--models none` skips the pair (the head of an existing target).
 """
 
@@ -17,13 +17,13 @@ import argparse
 import time
 from pathlib import Path
 
-from infer.demo import eagle_eval, eagle_head, evaluate, train
-from infer.demo.presets import get_preset
+from demo_pair import eagle_eval, eagle_head, evaluate, train
+from demo_pair.presets import get_preset
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = train.build_parser()
-    parser.prog = "python -m infer.demo"
+    parser.prog = "python -m demo_pair"
     parser.add_argument("--max-new-tokens", type=int, default=evaluate.DEFAULT_MAX_NEW_TOKENS,
                         help="greedy completions in the cards")
     parser.add_argument("--eagle-head", action="store_true",

@@ -107,7 +107,7 @@ def load_tokenizer(directory: str | Path) -> Tokenizer:
     path = Path(directory) / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {str(directory)!r}: train one with "
-                                "python -m infer.demo.train or pass a model directory")
+                                "python -m demo_pair.train or pass a model directory")
     return Tokenizer.from_file(str(path))
 
 

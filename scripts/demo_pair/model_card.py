@@ -10,15 +10,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from infer.demo.completions import MAX_REPETITION, pick_examples
-from infer.demo.corpus import MAX_FILE_BYTES
-from infer.demo.saving import read_summary
+from demo_pair.completions import MAX_REPETITION, pick_examples
+from demo_pair.saving import read_summary
+from infer.bench.corpus import MAX_FILE_BYTES
 
 REPRODUCE = """\
-PYTHONPATH=src python -m infer.demo --out src/infer/demo_models --log-dir runs/demo_pair
+PYTHONPATH=src:scripts python -m demo_pair --out src/infer/demo_models --log-dir runs/demo_pair
 # or step by step:
-PYTHONPATH=src python -m infer.demo.train --out src/infer/demo_models
-PYTHONPATH=src python -m infer.demo.evaluate --target src/infer/demo_models/target \\
+PYTHONPATH=src:scripts python -m demo_pair.train --out src/infer/demo_models
+PYTHONPATH=src:scripts python -m demo_pair.evaluate --target src/infer/demo_models/target \\
     --draft src/infer/demo_models/draft --out runs/demo_pair/eval_results.json"""
 SHOWN_COMPLETIONS = 2
 
@@ -94,7 +94,7 @@ def _data(s: dict[str, Any]) -> str:
         "## Data\n\n"
         f"The `.py` files of the CPython {c['python_version']} standard library "
         f"(`{c['stdlib_root']}`; build: `{c['python_build']}`){subset}, chosen by "
-        "`infer.demo.corpus`: no site-packages, no test suites (`test`, `tests`, `idle_test`), "
+        "`infer.bench.corpus`: no site-packages, no test suites (`test`, `tests`, `idle_test`), "
         "no generated tables or documents (character-map codecs, `pydoc_data/topics.py`), no "
         f"file over {MAX_FILE_BYTES // 1024} KiB, no build configuration, duplicates (same "
         "sha256) kept once. Split by sha256 of the path relative to the stdlib root: about 5 % "

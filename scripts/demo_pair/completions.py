@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from infer.demo.bpe import EOS_ID
-from infer.demo.trainer import autocast, forward_logits
+from demo_pair.bpe import EOS_ID
+from demo_pair.trainer import autocast, forward_logits
 from infer.models.llama import LlamaForCausalLM
 
 PROMPTS = (

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from infer.demo.bpe import PAD_ID, save_tokenizer_files
+from demo_pair.bpe import PAD_ID, save_tokenizer_files
 from infer.models.checkpoint import save_checkpoint
 from infer.models.llama import LlamaForCausalLM
 

@@ -1,26 +1,14 @@
-"""Training corpus of the demo models: the Python standard library's own source files.
+"""The demo models' corpus, which the bench's code prompts read too: the stdlib's `.py` files.
 
-The corpus is the `.py` files under the stdlib directory of the interpreter that runs this
-code (`sysconfig.get_paths()["stdlib"]`), so it needs no download and its licence (PSF
-License) is known. Which files count:
-
-- every `*.py` file below the stdlib root, read as UTF-8 (files that are not are skipped);
-- not: third-party packages (`site-packages`, `dist-packages`), `__pycache__`, the
-  interpreter's build configuration (`config-3.*`, `_sysconfigdata_*.py`);
-- not: test suites (directories named `test`, `tests`, `idle_test`). Linux distributions
-  often ship them as a separate package, so leaving them out keeps the corpus the same
-  across builds of one Python version; they also hold deliberately odd files (bad
-  encodings, invalid syntax, large data literals);
-- not: generated tables and documents (the character-map codecs in `encodings/`, i.e. any
-  module that defines a `decoding_table` / `decoding_map`, Sphinx's `pydoc_data/topics.py`)
-  and any file over `MAX_FILE_BYTES`: they are data, not code (the 70 codec tables are a
-  third of the stdlib's bytes), and `topics.py` alone would outweigh a 5 % validation split;
-- duplicates by content (sha256 of the bytes) are kept once, under the first path in
-  sorted order.
-
-The train/validation split hashes the path relative to the stdlib root (POSIX form) with
-sha256, so it is stable across runs, machines and Python versions (`hash()` is salted per
-process and would not be).
+The files under the running interpreter's stdlib directory (`sysconfig.get_paths()["stdlib"]`):
+no download, a known licence (PSF). Left out: third-party packages, `__pycache__`, build
+configuration, test suites (often shipped apart by distributions, and full of deliberately odd
+files), generated tables and documents (the codecs' character maps, Sphinx's
+`pydoc_data/topics.py`: data, not code), files over `MAX_FILE_BYTES` and non-UTF-8 files;
+duplicates by content are kept once, under the first path in sorted order. The split hashes
+the relative POSIX path with sha256 (stable across runs, machines and Python versions, unlike
+`hash()`). The demo pair trains on the train split (scripts/demo_pair/); the bench's code
+prompts come from the validation split, text the demo models never saw.
 """
 
 from __future__ import annotations

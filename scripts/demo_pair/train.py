@@ -1,15 +1,15 @@
-"""Train the demo target and draft: `python -m infer.demo.train --out DIR`.
+"""Train the demo target and draft: `python -m demo_pair.train --out DIR`.
 
-Pipeline: the stdlib corpus (`infer.demo.corpus`) -> byte-level BPE on the training split
-(`infer.demo.bpe`) -> the target, next-token loss -> the draft, distilled from the target
+Pipeline: the stdlib corpus (`infer.bench.corpus`) -> byte-level BPE on the training split
+(`demo_pair.bpe`) -> the target, next-token loss -> the draft, distilled from the target
 as saved (bf16 weights reloaded through infer's loader, so the draft learns the model that
 ships). Writes DIR/target and DIR/draft in Hugging Face layout (sharded bf16 safetensors +
 index, config.json, generation_config.json, tokenizer files, training_summary.json) and
 the loss history to LOG_DIR/train_log.json.
 
-    PYTHONPATH=src python -m infer.demo.train --out /tmp/demo --preset tiny   # CPU smoke
-    PYTHONPATH=src python -m infer.demo.train --out src/infer/demo_models      # GPU, full
-    PYTHONPATH=src python -m infer.demo.train --out DIR --models draft         # draft only
+    PYTHONPATH=src:scripts python -m demo_pair.train --out /tmp/demo --preset tiny   # CPU smoke
+    PYTHONPATH=src:scripts python -m demo_pair.train --out src/infer/demo_models      # GPU, full
+    PYTHONPATH=src:scripts python -m demo_pair.train --out DIR --models draft         # draft only
 
 Seeded: same seed, corpus and device give the same batches and initial weights (bitwise
 identical results on CPU; on CUDA up to non-deterministic reduction order in kernels).
@@ -28,16 +28,15 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from infer.demo import ROLES
-from infer.demo.bpe import (
+from demo_pair import ROLES
+from demo_pair.bpe import (
     encode_documents,
     load_tokenizer,
     save_tokenizer_files,
     train_tokenizer,
 )
-from infer.demo.corpus import read_texts, split_corpus, stdlib_root
-from infer.demo.data import validation_chunks
-from infer.demo.presets import (
+from demo_pair.data import validation_chunks
+from demo_pair.presets import (
     PRESETS,
     Preset,
     TrainSettings,
@@ -46,8 +45,9 @@ from infer.demo.presets import (
     settings_with,
     with_seq_len,
 )
-from infer.demo.saving import save_model, training_environment
-from infer.demo.trainer import init_weights, train_model
+from demo_pair.saving import save_model, training_environment
+from demo_pair.trainer import init_weights, train_model
+from infer.bench.corpus import read_texts, split_corpus, stdlib_root
 from infer.engine.loading import resolve_device
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
@@ -158,7 +158,7 @@ def _override(s: TrainSettings, epochs: float | None, max_steps: int | None,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infer.demo.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo_pair.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="writes OUT/target and OUT/draft")
     p.add_argument("--log-dir", help="where train_log.json goes (default: --out)")
     p.add_argument("--preset", choices=PRESETS, default="full", help="'tiny' for a CPU smoke run")

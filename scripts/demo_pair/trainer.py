@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.demo.data import batch_chunks, num_sequences, training_batches
-from infer.demo.metrics import PairTotals
-from infer.demo.presets import TrainSettings
+from demo_pair.data import batch_chunks, num_sequences, training_batches
+from demo_pair.metrics import PairTotals
+from demo_pair.presets import TrainSettings
 from infer.models.attention import NoCacheView
 from infer.models.layers import RMSNorm
 from infer.models.llama import LlamaForCausalLM

@@ -1,7 +1,7 @@
 """Training of the demo EAGLE-3 head on the frozen demo target's features.
 
 The head (`infer.models.eagle.EagleHead`, the engine's own forward) is trained with the
-EAGLE recipe on cached teacher features (`infer.demo.eagle_data`):
+EAGLE recipe on cached teacher features (`demo_pair.eagle_data`):
 - classification: cross-entropy of the head's draft-vocabulary distribution q against the
   target's next-token distribution p, restricted to the draft vocabulary and renormalised
   (the q that maximises sum_x min(p, q) when q can only cover the draft vocabulary);
@@ -9,9 +9,9 @@ EAGLE recipe on cached teacher features (`infer.demo.eagle_data`):
   next position would get from the target, fc(f_{i+1}) (EAGLE-3's features go through fc;
   the regression target is detached), weighted by `feature_weight`;
 - training-time test (EAGLE-3): `unroll` passes, pass j feeding the head its own outputs of
-  pass j - 1 as draft step j + 1 does (`infer.demo.unrolled_view`); pass j's loss is
+  pass j - 1 as draft step j + 1 does (`demo_pair.unrolled_view`); pass j's loss is
   weighted by `step_decay ** j`.
-AdamW with warm-up and cosine decay (`infer.demo.trainer`'s optimiser and schedule), seeded
+AdamW with warm-up and cosine decay (`demo_pair.trainer`'s optimiser and schedule), seeded
 batches, float32 on the CPU.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.demo.eagle_data import HeadData
-from infer.demo.metrics import acceptance_alpha
-from infer.demo.presets import TrainSettings
-from infer.demo.trainer import build_optimizer, lr_factor
-from infer.demo.unrolled_view import UnrolledView
+from demo_pair.eagle_data import HeadData
+from demo_pair.metrics import acceptance_alpha
+from demo_pair.presets import TrainSettings
+from demo_pair.trainer import build_optimizer, lr_factor
+from demo_pair.unrolled_view import UnrolledView
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM

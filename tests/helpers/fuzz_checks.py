@@ -10,8 +10,8 @@ ValueError must leave nothing queued), then generates the jobs and checks:
   - lossless: greedy rows equal plain decoding of the target (`Plain`, one request alone,
     top-k 1 rows too; every reported log-probability within LOGPROB_ATOL of the target's);
   - rerun: the same generate again on the same engine gives greedy and seeded rows the
-    same tokens;
-  - alone: a seeded sampled row run alone gives its tokens in the batch;
+    same tokens (seeded rows: where drafting does not depend on the batch, `_repeats`);
+  - alone: a seeded sampled row run alone gives its tokens in the batch (likewise);
   - abort: one job aborted at a given engine step (the jobs driven through `Engine`) ends
     as aborted, the other greedy rows keep their tokens;
   - leaks: `engine.leak_report()` is empty after every generate.
@@ -179,8 +179,8 @@ def _generate_checks(case: Case, models: FuzzModels, llm: LLM, plain: Plain) -> 
 def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[CompletionOutput]]) -> Failure | None:
     """Seeded sampled rows, each alone on a fresh engine of the case's configuration (no
     cached prefix), give their tokens in the batch."""
-    if len(case.jobs) == 1 or case.engine.get("spec_disable_batch_size") is not None:
-        return None  # (speculation switched off by batch size changes a seeded row's uniforms)
+    if len(case.jobs) == 1 or _batch_dependent(case):
+        return None  # (drafting decided by the batch changes a seeded row's uniforms)
     tree = case.engine.get("spec_tree")
     if ("draft-tree-alone" in case.avoid and case.engine.get("speculative_method") == "draft_model" and tree
             and not tree.startswith("dynamic")):
@@ -288,9 +288,16 @@ def _logprobs_match(sample: CompletionOutput, expected: torch.Tensor) -> bool:
 
 def _repeats(job: Job, case: Case) -> bool:
     """Whether the job's tokens must be the same in a rerun: greedy rows, and seeded rows
-    unless spec_disable_batch_size makes which steps draft depend on the batch (a rerun's
-    cached prefixes change its batches)."""
-    return job.params.greedy or (job.params.seed is not None and case.engine.get("spec_disable_batch_size") is None)
+    unless which steps draft depends on the batch (a rerun's cached prefixes change its
+    batches): spec_disable_batch_size, or the adaptive policy, whose probes count the steps
+    a request was scheduled plain and whose K a short reservation cuts (docs/architecture.md,
+    "What a seed promises")."""
+    return job.params.greedy or (job.params.seed is not None and not _batch_dependent(case))
+
+
+def _batch_dependent(case: Case) -> bool:
+    """Whether the case's speculation decides a row's drafting from its batch."""
+    return case.engine.get("spec_disable_batch_size") is not None or case.engine.get("spec_policy") == "adaptive"
 
 
 def _tokens(samples: list[CompletionOutput]) -> list[list[int]]:

@@ -169,3 +169,22 @@ def token_slots(block_tables: torch.Tensor, token_rows: torch.Tensor, positions:
     safe = positions.clamp(min=0)
     rows = block_tables[token_rows, safe // block_size] * block_size + safe % block_size
     return torch.where(positions >= 0, rows, scratch_row)
+
+
+def next_step(batch: ForwardBatch, ids: torch.Tensor, ahead: int, scratch_row: int,
+              context_width: int) -> ForwardBatch:
+    """One token a row `ahead` positions past the end of `batch`'s rows (a draft step after
+    the pass that fed them, computed on the device: no host work): ids [B] one a row; row b
+    writes position seq_lens[b] + ahead of its slot. A row without context (a graph's padding
+    row) stays padding: position -1, the scratch row."""
+    rows = batch.seq_lens.shape[0]
+    live = batch.seq_lens > 0  # [B]
+    positions = torch.where(live, batch.seq_lens + ahead, -1)  # [B]
+    token_rows = torch.arange(rows, device=ids.device)  # [B]
+    return ForwardBatch(
+        token_ids=ids, positions=positions, rope_positions=positions,
+        slots=token_slots(batch.block_tables, token_rows, positions, batch.block_size, scratch_row),
+        token_rows=token_rows, block_tables=batch.block_tables,
+        query_start=torch.arange(rows + 1, device=ids.device), seq_lens=torch.where(live, positions + 1, 0),
+        logits_indices=token_rows, tree=None, query_lens=(1,) * rows, context_width=context_width,
+        block_size=batch.block_size)

@@ -26,7 +26,6 @@ import torch
 
 from infer.cache.forward_batch import BatchPlan, DeviceIds, Row, plan_batch
 from infer.cache.protocol import CachePoolProtocol
-from infer.cache.view import BatchLayout
 from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL
@@ -179,16 +178,15 @@ class RoundStepFn:
     def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
         self.round_fn = round_fn
         param = next(head.parameters())
-        self.features = torch.zeros((1, 1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
+        self.features = torch.zeros((1, head.spec.hidden_size), dtype=param.dtype, device=param.device)
 
     def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         if plan.num_rows != 1:
             raise ValueError(f"a timed round has one row, got {plan.num_rows}")
         (slot, end), steps = plan.ends[0], plan.query_lens[0]
-        layout = BatchLayout.of([slot], [end - steps], [steps])
-        ids = torch.as_tensor(plan.arrays["ids"][:1])[None, :]  # [1, 1] the fed position
-        return self.round_fn(ids, self.features, layout, [0], steps, [1.0],
-                             torch.zeros((1, steps), dtype=torch.float64), [True])[0]
+        feed = plan_batch([Row(slot, end - steps, plan.arrays["ids"][:1].tolist())])  # the fed position
+        return self.round_fn(feed, self.features, steps, [1.0], torch.zeros((1, steps), dtype=torch.float64),
+                             [True])[0]
 
 
 def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[RoundStepFn, CachePoolProtocol]:

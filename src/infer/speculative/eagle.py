@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.cache.view import TRITON_MAX_CHUNK, BatchLayout
+from infer.cache.forward_batch import Row, plan_batch
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
+from infer.models.paged_attention import DECODE_MAX_QUERY
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import fed_positions, tree_draft
-from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn
+from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn, head_pass
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.proposer import DraftRequest
@@ -67,7 +68,7 @@ from infer.transfer import tensor_on, to_device
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
-CATCH_UP_CHUNK = TRITON_MAX_CHUNK  # positions per row per catch-up forward
+CATCH_UP_CHUNK = DECODE_MAX_QUERY  # positions per row per catch-up pass (the split-KV kernel's rows)
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
 
 
@@ -294,29 +295,27 @@ class EagleProposer:
 
     def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[torch.Tensor],
                ks: Sequence[int], steps: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """The round's last feed (each row's `tails` [l_b, H]) and `steps` >= max k draft steps
-        as one `head_round` -> (tokens [A][steps], q [A, steps, V] or None when every row is greedy)."""
-        lens = [t.shape[0] for t in tails]
-        width = max(lens)
-        slots = [s.slot for s in states]
-        starts = [self.pool.seq_len(slot) for slot in slots]  # type: ignore[arg-type]
-        ids = torch.zeros((len(reqs), width), dtype=torch.long)
-        feats = torch.zeros((len(reqs), width, tails[0].shape[-1]), dtype=tails[0].dtype, device=self.device)
-        for b, (r, s, n) in enumerate(zip(reqs, states, lens, strict=True)):
-            first = starts[b] + 1  # position of the token after the first fed feature
-            ids[b, :n] = torch.tensor(r.token_slice(first, first + n))
-            feats[b, :n] = tails[b]
-        layout = BatchLayout.of(slots, starts, [n + steps - 1 for n in lens])  # type: ignore[arg-type]
+        """The round's last feed (each row's `tails` [l_b, H], a flat row each) and `steps` >=
+        max k draft steps as one `head_round` -> (tokens [A][steps], q [A, steps, V] or None
+        when every row is greedy)."""
+        rows = [self._fed_row(r, s, tail.shape[0]) for r, s, tail in zip(reqs, states, tails, strict=True)]
         params = [r.sampling_params for r in reqs]
         greedy = [p.greedy for p in params]
         uniforms = torch.zeros((len(reqs), steps), dtype=torch.float64)  # [A, steps]
         if not all(greedy):  # each row draws its own k_b (as the general path), the rest stay unread
             drawn = row_uniforms(reqs, ks)
             uniforms[:, :drawn.shape[1]] = drawn
-        tokens, probs = self.round_fn(ids, feats, layout, [n - 1 for n in lens], steps,
+        tokens, probs = self.round_fn(plan_batch(rows), torch.cat(list(tails)), steps,
                                       [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                                       uniforms, greedy)
         return tokens.tolist(), probs  # (the one sync of the round)
+
+    def _fed_row(self, request: DraftRequest, state: HeadState, n: int) -> Row:
+        """A flat row feeding n features from the end of the request's head cache: position p
+        takes the token after it, t_{p+1}; one logit, at its last."""
+        assert state.slot is not None
+        start = self.pool.seq_len(state.slot)
+        return Row(state.slot, start, request.token_slice(start + 1, start + 1 + n))
 
     def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
                   keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -347,31 +346,17 @@ class EagleProposer:
             todo = [b for b in range(len(reqs)) if done[b] < feats[b].shape[0]]
             if not todo:
                 return out, tails
-            slots = [states[b].slot for b in todo]
-            starts = [self.pool.seq_len(s) for s in slots]  # type: ignore[arg-type]
-            lens = [min(CATCH_UP_CHUNK, feats[b].shape[0] - done[b]) for b in todo]
-            layout = BatchLayout.of(slots, starts, lens)  # type: ignore[arg-type]
-            ids = torch.zeros((len(todo), layout.width), dtype=torch.long)
-            chunk = torch.zeros((len(todo), layout.width, out.shape[-1]), dtype=out.dtype, device=self.device)
-            for j, (b, n) in enumerate(zip(todo, lens, strict=True)):
-                first = starts[j] + 1  # position of the token after the first feature
-                ids[j, :n] = torch.tensor(reqs[b].token_slice(first, first + n))
-                chunk[j, :n] = feats[b][done[b]:done[b] + n]
+            rows, chunks = [], []
+            for b in todo:
+                n = min(CATCH_UP_CHUNK, feats[b].shape[0] - done[b])
+                rows.append(self._fed_row(reqs[b], states[b], n))
+                chunks.append(feats[b][done[b]:done[b] + n])
                 done[b] += n
-            x = self._forward(ids, chunk, layout)  # [T', W, H]
-            ends = [b for b in todo if done[b] == feats[b].shape[0]]
+            x = head_pass(self.head, self.pool, plan_batch(rows), torch.cat(chunks))  # [T', H]: each row's last
+            ends = [j for j, b in enumerate(todo) if done[b] == feats[b].shape[0]]
             if ends:
-                rows = [todo.index(b) for b in ends]
-                out[tensor_on(ends, self.device, torch.long)] = x[tensor_on(rows, self.device, torch.long),
-                                                                  tensor_on([lens[j] - 1 for j in rows],
-                                                                            self.device, torch.long)]
-
-    def _forward(self, ids: torch.Tensor, features: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """One head forward through its pool: ids CPU [B, W], features [B, W, H] -> outputs [B, W, H]."""
-        view = self.pool.view(layout)
-        x = self.head(to_device(ids, self.device), features, layout.positions(self.device), view)
-        view.commit()
-        return x
+                out[tensor_on([todo[j] for j in ends], self.device, torch.long)] = x[tensor_on(ends, self.device,
+                                                                                             torch.long)]
 
     def _draft(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], ks: Sequence[int],
                x: torch.Tensor) -> tuple[list[list[int]], torch.Tensor | None]:
@@ -391,8 +376,8 @@ class EagleProposer:
             alive = [alive[i] for i in keep]
             index = tensor_on(keep, self.device, torch.long)
             slots = [states[b].slot for b in alive]
-            layout = BatchLayout.of(slots, [self.pool.seq_len(s) for s in slots], [1] * len(alive))  # type: ignore
-            x = self._forward(new.index_select(0, index)[:, None], x.index_select(0, index)[:, None], layout)[:, 0]
+            plan = plan_batch([Row(s, self.pool.seq_len(s), [0]) for s in slots])  # type: ignore[arg-type]
+            x = head_pass(self.head, self.pool, plan, x.index_select(0, index), new.index_select(0, index))
         return chain.rows(ks), chain.probs
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:

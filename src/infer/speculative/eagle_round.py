@@ -1,20 +1,24 @@
-"""An EAGLE head's draft round as one function of tensors: the last catch-up feed, then the draft steps.
+"""An EAGLE head over the flat batch: one pass through its pool (`head_pass`), and a chain's
+draft round as one function of tensors (`head_round`).
+
+A head pass is a `ForwardBatch` like the target's (cache/forward_batch.py: `Row`s laid out
+by `plan_batch`), run through the same attention view (`BatchView`), with the head's
+features [N, H] beside its ids [N]: a catch-up's rows, a draft step's one token a row, a
+tree level's nodes with the level's rule (`TreeChunk.rule`). Each pass sets the pool's
+lengths to its rows' ends, as the target's forward does.
 
 `head_round` is what both the eager path and CUDA graphs run (engine/executor/head_graphs.py
 captures this same function), so the graphs are tested equal to it:
 
-1. the feed: each row's last l_b <= w pending features with the tokens after them, padded
-   to width w; the head's output at each row's last fed position (`last`) gives draft 1;
-2. steps 2 .. k: one position each, feeding the head's own output of the step before and
-   the token it drafted.
+1. the feed: each row's last l_b pending features with the tokens after them, rows of one
+   flat batch; the head's output at each row's last token gives draft 1;
+2. steps 2 .. S: one token a row right past the row's end (`next_step`, built on the
+   device from the feed's batch), feeding the head's own output of the step before and the
+   token it drafted. The last draft is not fed.
 
-Every position the round writes is one column of a single *union* layout per row (the l_b
-fed positions, then one per later step; the last draft is not fed), whose indices are
-filled once: step s reads its column `last + s` of them. Feed columns past a row's l_b
-write positions that the later steps overwrite before anything reads them. Tokens are
-sampled with a temperature alone (greedy rows: argmax) from the head's distribution over
-target ids (`EagleHead.logits`), with staged uniforms; rows needing other transforms,
-penalties or grammars take the proposer's general path.
+Tokens are sampled with a temperature alone (greedy rows: argmax) from the head's
+distribution over target ids (`EagleHead.logits`), with staged uniforms; rows needing
+other transforms, penalties or grammars take the proposer's general path.
 """
 
 from __future__ import annotations
@@ -24,51 +28,64 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, ViewIndices
+from infer.cache.forward_batch import BatchPlan, build_batch, next_step
+from infer.models.batch import ForwardBatch
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
+from infer.models.paged_attention import BatchView
 from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
-from infer.transfer import tensor_on, to_device
+from infer.transfer import to_device
 
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 
-def head_round(head: EagleHead, k_cache: torch.Tensor, v_cache: torch.Tensor, ids: torch.Tensor,
-               features: torch.Tensor, indices: ViewIndices, last: torch.Tensor, steps: int,
-               sampling: torch.Tensor | None, keep_probs: bool,
+def run_head(head: EagleHead, pool: CachePoolProtocol, batch: ForwardBatch, features: torch.Tensor,
+             kernels: Kernels = EAGER) -> torch.Tensor:
+    """The head's outputs [N, H] over a batch (its K/V written to the pool): features [N, H],
+    f of each token's position (the head's own output for a drafted token)."""
+    view = BatchView(pool.k_cache, pool.v_cache, batch)
+    return head(batch.token_ids[None], features[None], batch.rope_positions[None], view, kernels)[0]
+
+
+def head_pass(head: EagleHead, pool: CachePoolProtocol, plan: BatchPlan, features: torch.Tensor,
+              ids: torch.Tensor | None = None, kernels: Kernels = EAGER) -> torch.Tensor:
+    """One head forward over a plan's rows: features [N, H] on the head's device, ids [N] on
+    the device in place of the plan's (None: the plan's) -> the outputs at the plan's logits
+    tokens [M, H]. The pool's lengths are set to the rows' ends."""
+    batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, features.device)
+    if ids is not None:
+        batch.token_ids.copy_(ids)
+    x = run_head(head, pool, batch, features, kernels)
+    for slot, end in plan.ends:
+        pool.set_length(slot, end)
+    return x.index_select(0, batch.logits_indices)
+
+
+def head_round(head: EagleHead, pool: CachePoolProtocol, feed: ForwardBatch, features: torch.Tensor, steps: int,
+               sampling: torch.Tensor | None, context_width: int,
                kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """ids [n, w], features [n, w, H] (the feed, padded), indices: the union layout's on the
-    device (W = w + steps - 1 columns), last [n]: each row's last fed column; sampling: float64
-    [2 + steps, n] temperature | greedy | one uniform per step, None when every row is greedy
-    (argmax); kernels: the head's bundle (fused on the GPU's fixed-shape rounds). Returns
-    (tokens [n, steps], probs [n, steps, V] or None) on the device."""
-    n, w = ids.shape
-    width = indices.q_pos.shape[1]
-    write = indices.write_rows.view(n, width)
-    positions = indices.q_pos[:, :w]  # [n, w]
-    end = indices.q_pos.gather(1, last[:, None])[:, 0] + 1  # [n]
-    view = CacheView(k_cache, v_cache, ViewIndices(write[:, :w].reshape(-1), indices.gather_rows, positions, end))
-    x = head(ids, features, positions, view, kernels)  # [n, w, H]
-    x = x.gather(1, last[:, None, None].expand(n, 1, x.shape[-1]))[:, 0]  # [n, H]
+    """feed: the round's feed, R rows whose first R logits indices are each row's last token
+    (a graph's padding rows: no context); features [N, H]; sampling: float64 [2 + steps, R]
+    temperature | greedy | one uniform per step, None when every row is greedy (argmax);
+    context_width: a bound on every step's contexts; kernels: the head's bundle (fused on
+    the GPU's fixed-shape rounds). Returns (tokens [R, steps], probs [R, steps, V] or None)
+    on the device."""
+    rows = feed.seq_lens.shape[0]
+    x = run_head(head, pool, feed, features, kernels).index_select(0, feed.logits_indices[:rows])  # [R, H]
     tokens, probs = [], []
     for s in range(steps):
-        logits = head.logits(x, kernels)  # [n, V]
+        logits = head.logits(x, kernels)  # [R, V]
         if sampling is None:
-            new = greedy_tokens(logits)  # [n]
+            new = greedy_tokens(logits)  # [R]
         else:
-            p = temperature_probs(logits, sampling[0].float(), sampling[1] > 0.5)  # [n, V]
+            p = temperature_probs(logits, sampling[0].float(), sampling[1] > 0.5)  # [R, V]
             new = sample_from_probs(p, sampling[2 + s])
-            if keep_probs:
-                probs.append(p)
+            probs.append(p)
         tokens.append(new)
         if s + 1 == steps:
             break
-        column = (last + s + 1)[:, None]  # [n, 1]
-        pos = indices.q_pos.gather(1, column)  # [n, 1]
-        view = CacheView(k_cache, v_cache, ViewIndices(write.gather(1, column).reshape(-1), indices.gather_rows,
-                                                       pos, pos[:, 0] + 1))
-        x = head(new[:, None], x[:, None], pos, view, kernels)[:, 0]
+        x = run_head(head, pool, next_step(feed, new, s, pool.scratch_row, context_width), x, kernels)
     return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
@@ -82,48 +99,54 @@ def round_sampling(temperatures: Sequence[float], greedy: Sequence[bool],
 class HeadRoundFn(Protocol):
     """A head's draft round (`head_round`) on its pool; eager or a CUDA graph replay."""
 
-    def __call__(self, ids: torch.Tensor, features: torch.Tensor, layout: BatchLayout, last: Sequence[int],
-                 steps: int, temperatures: Sequence[float], uniforms: torch.Tensor,
-                 greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids CPU [n, w]; features [n, w, H] on the device; layout: the union (row b
-        `last[b] + steps` long from its cache end, width w + steps - 1); uniforms CPU float64
-        [n, steps] (unread when every row is greedy). Returns (tokens [n, steps], probs
-        [n, steps, V] or None when every row is greedy); the pool ends committed to the union."""
+    kernels: Kernels  # the head's bundle its rounds run
+
+    def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
+                 uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """plan: the feed's rows, one logit a row (its last token); features [N, H] on the
+        device; uniforms CPU float64 [B, steps] (unread when every row is greedy). Returns
+        (tokens [B, steps], probs [B, steps, V] or None when every row is greedy); each
+        row's slot ends steps - 1 positions past its feed (`end_round`)."""
         ...
 
     def prepare(self, widths: Iterable[int], steps: Iterable[int]) -> None:
-        """Capture the rounds of these feed widths and step counts ahead of use (graphs only)."""
+        """Capture the rounds of feeds up to these widths a row and these step counts ahead
+        of use (graphs only)."""
         ...
 
 
-def check_round(ids: torch.Tensor, layout: BatchLayout, last: Sequence[int], steps: int) -> None:
-    n, w = ids.shape
-    if steps < 1 or layout.width != w + steps - 1 or len(last) != n or max(last) != w - 1 or min(last) < 0:
-        raise ValueError(f"a head round of feed width {w} and {steps} steps needs a union layout {w + steps - 1} "
-                         f"wide and each row's last fed column (the widest w - 1); got width {layout.width}, "
-                         f"last {list(last)}")
-    if layout.chunk_lens != tuple(x + steps for x in last):
-        raise ValueError(f"head round: row lengths {layout.chunk_lens} must be last + steps")
+def check_round(plan: BatchPlan, features: torch.Tensor, steps: int) -> None:
+    ends = plan.arrays["query_start"][1:] - 1
+    if steps < 1 or features.shape[0] != plan.num_tokens or plan.num_logits != plan.num_rows \
+            or (plan.arrays["logits"] != ends).any():
+        raise ValueError(f"a head round needs steps >= 1, features for each of the feed's {plan.num_tokens} tokens "
+                         f"and one logit a row at its last token; got {steps} steps, {features.shape[0]} features, "
+                         f"logits at {plan.arrays['logits'].tolist()}")
+
+
+def end_round(pool: CachePoolProtocol, plan: BatchPlan, steps: int) -> None:
+    """Each row's slot holds its feed and the round's fed drafts: steps - 1 past the feed."""
+    for slot, end in plan.ends:
+        pool.set_length(slot, end + steps - 1)
 
 
 class EagerHeadRound:
-    """`HeadRoundFn` run eagerly: the union's indices filled once, then `head_round` with
-    `kernels` (the fused bundle as the fallback of CUDA graphs, EAGER elsewhere)."""
+    """`HeadRoundFn` run eagerly: the feed's batch built, then `head_round` with `kernels`
+    (the fused bundle as the fallback of CUDA graphs, EAGER elsewhere)."""
 
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
         self.head, self.pool, self.kernels = head, pool, kernels
         self.device = next(head.parameters()).device
 
-    def __call__(self, ids: torch.Tensor, features: torch.Tensor, layout: BatchLayout, last: Sequence[int],
-                 steps: int, temperatures: Sequence[float], uniforms: torch.Tensor,
-                 greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        check_round(ids, layout, last, steps)
-        indices = self.pool.indices(layout).to(self.device)
+    def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
+                 uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        check_round(plan, features, steps)
+        pool = self.pool
+        feed = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
         sampling = None if all(greedy) else to_device(round_sampling(temperatures, greedy, uniforms), self.device)
-        out = head_round(self.head, self.pool.k_cache, self.pool.v_cache, to_device(ids, self.device), features,
-                         indices, tensor_on(list(last), self.device, torch.long), steps, sampling, keep_probs=True,
-                         kernels=self.kernels)
-        self.pool.commit(layout)
+        out = head_round(self.head, pool, feed, features, steps, sampling, plan.context_width + steps - 1,
+                         self.kernels)
+        end_round(pool, plan, steps)
         return out
 
     def prepare(self, widths: Iterable[int], steps: Iterable[int]) -> None:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.cache.forward_batch import ARRAYS, BatchPlan, DeviceIds, batch_of, build_batch
+from infer.cache.forward_batch import BatchPlan, DeviceIds, build_batch
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.executor.staging import _Staging, record_graph
+from infer.engine.executor.staging import PlanInputs, record_graph
 from infer.models.batch import WORD, ForwardBatch
 from infer.models.kernels import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -59,9 +59,7 @@ class EagerBatchForward:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    staging: _Staging  # int64 [6 N + 2 B + (B + 1) + N]: the ARRAYS, padded to the bucket
-    host_parts: list[dict[str, torch.Tensor]]  # per staging host buffer: its ARRAYS views
-    ids: torch.Tensor  # [N] the device ids (device-side ids are copied in)
+    inputs: PlanInputs  # the plan's arrays, padded to the bucket
     logits: torch.Tensor  # [N, V]
     hidden: torch.Tensor | None  # [1, N, D] the model's HiddenCapture output (an EAGLE head's target)
 
@@ -99,43 +97,30 @@ class GraphBatchForward:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _sizes(self, n: int) -> list[int]:
-        per = {"row_slots": self.max_rows, "seq_lens": self.max_rows, "query_start": self.max_rows + 1}
-        return [per.get(name, n) for name in ARRAYS]
-
     @torch.inference_mode()
     def _capture(self, n: int, tree: bool) -> _Graph:
-        sizes = self._sizes(n)
-        device_buf = torch.zeros(sum(sizes), dtype=torch.long, device=self.device)
-        parts = dict(zip(ARRAYS, torch.split(device_buf, sizes), strict=True))
-        parts["positions"].fill_(-1)  # (capture inputs: every token padding)
+        inputs = PlanInputs(n, self.max_rows, self.device)
         tables = self.pool.tables.sync()  # (updated in place: the graph reads it at each replay)
 
         def run() -> torch.Tensor:
-            # the batch is built inside the graph: its KV slots and block tables are gathered
-            # from the staged arrays and the tables at every replay. (A tree graph's rule is
-            # WORD wide: keys past a smaller block are past every node's own position, so
-            # they stay unseen.)
-            batch = batch_of(parts, tables, self.pool.block_size, self.pool.scratch_row, (1,) * n,
-                             self.context_width, WORD if tree else 0)
+            # (a tree graph's rule is WORD wide: keys past a smaller block are past every
+            # node's own position, so they stay unseen)
+            batch = inputs.batch(tables, self.pool.block_size, self.pool.scratch_row, self.context_width,
+                                 WORD if tree else 0)
             hidden = run_model(self.model, self.pool, batch, self.kernels)
             return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
 
         graph, logits = record_graph(run, self.stream, self.device, self.memory)
-        staging = _Staging(device_buf)
-        host_parts = [dict(zip(ARRAYS, torch.split(host, sizes), strict=True)) for host in staging.hosts]
         capture = self.model.capture  # (its tensor of this graph is one of the graph's static outputs)
-        return _Graph(graph, staging, host_parts, parts["ids"], logits, None if capture is None else capture.last)
+        return _Graph(graph, inputs, logits, None if capture is None else capture.last)
 
     def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         if not self.serves(plan):
             return self.eager.run(plan, device_ids)
         g = self.graphs[(self._bucket(plan.num_tokens), plan.tree_width > 0)]
-        g.staging.next_host()
-        stage(g.host_parts[g.staging.turn], plan)
-        g.staging.send()
+        g.inputs.stage(plan)
         if device_ids is not None:
-            g.ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
+            g.inputs.ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
         g.graph.replay()
         if g.hidden is not None:
@@ -144,16 +129,6 @@ class GraphBatchForward:
         commit(self.pool, plan)
         self.replays += 1
         return g.logits[:plan.num_logits]
-
-
-def stage(parts: dict[str, torch.Tensor], plan: BatchPlan) -> None:
-    """Fill a staging buffer's ARRAYS with the plan's, padding the rest (padding tokens: position
-    -1, row 0; padding rows: no context; padding logits: token 0)."""
-    for name in ARRAYS:
-        src = torch.from_numpy(plan.arrays[name])
-        dst = parts[name]
-        dst[:src.shape[0]] = src
-        dst[src.shape[0]:] = -1 if name == "positions" else 0
 
 
 def kernels_serve_model(model: LlamaForCausalLM) -> bool:

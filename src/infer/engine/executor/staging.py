@@ -1,6 +1,7 @@
 """CUDA graph capture (`record_graph`) and the staging of a replay's inputs: pinned host buffers
-that feed a graph's static inputs, and the layout of those inputs (one int64 buffer split into
-named segments), so a replay's inputs reach the GPU in one transfer."""
+that feed a graph's static inputs in one transfer. `PlanInputs` is a graph's flat batch (a
+`BatchPlan`'s arrays padded to the graph's tokens and rows), shared by every graph of a flat
+batch: the target's and a draft's forwards by token count, an EAGLE head's draft rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import TypeVar
 
 import torch
 
-from infer.cache.view import ViewIndices
+from infer.cache.forward_batch import ARRAYS, BatchPlan, batch_of
+from infer.models.batch import ForwardBatch
 
 STAGING_BUFFERS = 4  # pinned staging buffers per graph, used in turn
 T = TypeVar("T")
@@ -29,8 +31,6 @@ def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.
     with torch.cuda.graph(graph, stream=stream, pool=pool):
         out = run()
     return graph, out
-
-
 
 
 class _Staging:
@@ -76,27 +76,50 @@ def _stage_sampling(staging: _Staging, n: int, temperatures: Sequence[float], gr
     floats[2:, :n] = uniforms.t()
 
 
-def _host_indices(parts: dict[str, torch.Tensor]) -> ViewIndices:
-    """The index segments of a buffer's parts (`_split`; staged host or device) as ViewIndices."""
-    return ViewIndices(parts["write_rows"], parts["gather_rows"], parts["positions"], parts["ctx_end"])
+def plan_sizes(tokens: int, rows: int) -> list[int]:
+    """Entries of each of the ARRAYS in a graph of `tokens` tokens over `rows` rows."""
+    per_row = {"row_slots": rows, "seq_lens": rows, "query_start": rows + 1}
+    return [per_row.get(name, tokens) for name in ARRAYS]
 
 
-def _capture_inputs(parts: dict[str, torch.Tensor], width: int, scratch_row: int) -> None:
-    """Inputs a graph is captured with: positions 0..width-1 per row, every row written to
-    and gathered from the scratch row, contexts `width` long (harmless wherever they run)."""
-    parts["positions"].copy_(torch.arange(width).repeat(parts["positions"].shape[0], 1))
-    parts["write_rows"].fill_(scratch_row)
-    parts["gather_rows"].fill_(scratch_row)
-    parts["ctx_end"].fill_(width)
+def stage(parts: dict[str, torch.Tensor], plan: BatchPlan) -> None:
+    """Fill a staging buffer's ARRAYS with the plan's, padding the rest (padding tokens: position
+    -1, row 0; padding rows: no context; padding logits: token 0)."""
+    for name in ARRAYS:
+        src = torch.from_numpy(plan.arrays[name])
+        dst = parts[name]
+        dst[:src.shape[0]] = src
+        dst[src.shape[0]:] = -1 if name == "positions" else 0
 
 
-def _split(buf: torch.Tensor, segments: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
-    """Views of `buf` for the named segments, in order."""
-    parts, offset = {}, 0
-    for name, shape in segments:
-        n = 1
-        for x in shape:
-            n *= x
-        parts[name] = buf[offset:offset + n].view(shape)
-        offset += n
-    return parts
+class PlanInputs:
+    """A graph's flat batch: the ARRAYS of `tokens` tokens over `rows` rows in one device
+    buffer (every token padding until staged), fed from a `_Staging` ring; `batch` builds the
+    ForwardBatch from them inside the captured function, so every replay gathers its KV
+    slots and block tables afresh."""
+
+    def __init__(self, tokens: int, rows: int, device: torch.device) -> None:
+        self.tokens, self.rows = tokens, rows
+        sizes = plan_sizes(tokens, rows)
+        buf = torch.zeros(sum(sizes), dtype=torch.long, device=device)  # int64 [6 N + 2 R + (R + 1) + N]
+        self.parts = dict(zip(ARRAYS, torch.split(buf, sizes), strict=True))
+        self.parts["positions"].fill_(-1)  # (capture inputs: every token padding)
+        self.staging = _Staging(buf)
+        self.host_parts = [dict(zip(ARRAYS, torch.split(host, sizes), strict=True)) for host in self.staging.hosts]
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """[tokens] the device ids (ids already on the device are copied in here)."""
+        return self.parts["ids"]
+
+    def stage(self, plan: BatchPlan) -> None:
+        """Queue the plan's arrays (padded) to the device buffer: one transfer."""
+        self.staging.next_host()
+        stage(self.host_parts[self.staging.turn], plan)
+        self.staging.send()
+
+    def batch(self, tables: torch.Tensor, block_size: int, scratch_row: int, context_width: int,
+              tree_width: int) -> ForwardBatch:
+        """The ForwardBatch of the staged arrays (`tables`: the pool's device tables [slots,
+        max_blocks], read in place at every replay)."""
+        return batch_of(self.parts, tables, block_size, scratch_row, (1,) * self.tokens, context_width, tree_width)

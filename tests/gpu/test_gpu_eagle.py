@@ -1,10 +1,13 @@
 """GPU tests of EAGLE heads (run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_eagle.py`).
 
-A head's rounds replayed as CUDA graphs (engine/executor/head_graphs.py) give the same greedy
-tokens as the eager head, EAGLE and EAGLE-3, batch 1 and a batch that pads to a bucket, and
-seeded sampled rounds the same tokens as well; a static tree (eager head levels, the
-target's verification as a CUDA graph in its greedy or "draft_probs" mode) the same tokens
-as without graphs; nothing leaks. The head through the fused bundle: its forward and logits
+A head's rounds replayed as CUDA graphs of the flat batch (engine/executor/head_graphs.py:
+the feed's rows staged as the forwards' are, the draft steps built on the device) give the
+same greedy tokens as the eager head, EAGLE and EAGLE-3, batch 1 and a batch that pads to a
+row and token bucket, and seeded sampled rounds the same tokens as well; one round replayed
+drafts the eager round's tokens and q, writes the same KV, and its padding rows and tokens
+only the scratch row; a static tree (eager head levels as flat rows, the target's
+verification as a CUDA graph in its greedy or "draft_probs" mode) the same tokens as
+without graphs; nothing leaks. The head through the fused bundle: its forward and logits
 match EAGER's to bf16 rounding (the GEMV route at one row), and with CUDA graphs and
 compiled kernels its rounds run its own fused bundle and draft what the eager kernels draft
 (float32).
@@ -20,10 +23,14 @@ import torch
 from helpers.eagle_heads import write_head
 from helpers.spec_e2e import word_prompts
 from infer import LLM, SamplingParams
+from infer.cache.factory import make_cache_pool
+from infer.cache.forward_batch import Row, plan_batch
+from infer.engine.executor.head_graphs import HeadRoundGraphs
 from infer.models.attention import NoCacheView
 from infer.models.eagle import load_eagle_head
 from infer.models.kernels import EAGER, compiled_kernels
 from infer.models.loader import load_model
+from infer.speculative.eagle_round import EagerHeadRound
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +64,53 @@ def test_head_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, batch, 
     assert graphed == eager
     proposer = llm.engine.runner.speculation.proposer
     assert proposer.round_fn.replays > 0  # the rounds ran as graphs
-    assert {(b, w, 3, g) for b in (1, 2, 4) for w in (1, 2, 3, 4) for g in (True, False)} <= set(proposer.round_fn.graphs)
+    # (rows, tokens, steps, greedy): feeds of up to spec_length + 1 = 4 tokens a row, captured at start
+    buckets = {1: (1, 2, 4), 2: (2, 4, 8), 4: (4, 8, 16)}
+    assert {(r, t, 3, g) for r, ts in buckets.items() for t in ts for g in (True, False)} <= set(proposer.round_fn.graphs)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_one_round_graph_drafts_and_writes_what_the_eager_round_does(ckpt_a, gpu_heads, greedy):
+    """Three rows feeding 3, 1 and 2 tokens (a graph of 4 rows, 8 tokens: a padding row and
+    two padding tokens), three steps, on two pools in the same state: the same tokens, the
+    same q, the same KV at every real position, nothing else written but the scratch row."""
+    target = load_model(str(ckpt_a), dtype="float32", device="cuda")[0]
+    head = load_eagle_head(str(gpu_heads["eagle3"]), "eagle3", target)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    pools = [make_cache_pool("paged", head.config, max_batch_size=4, max_seq_len=64, dtype=torch.float32,
+                             device="cuda", block_size=4, num_blocks=64) for _ in range(2)]
+    starts, feeds, steps = (9, 3, 17), ([5, 6, 7], [8], [9, 10]), 3
+    taken = [[pool.allocate_slot(s + len(f) + steps - 1) for s, f in zip(starts, feeds)] for pool in pools]
+    slots = taken[0]
+    assert taken[1] == slots
+    for pool in pools:
+        for slot, s in zip(slots, starts):
+            pool.set_length(slot, s)
+    kv = torch.randn(pools[0].k_cache.shape, device="cuda", generator=gen)
+    for pool in pools:
+        pool.k_cache.copy_(kv)
+        pool.v_cache.copy_(kv.flip(0))
+    plan = plan_batch([Row(slot, s, f) for slot, s, f in zip(slots, starts, feeds)])
+    features = torch.randn(plan.num_tokens, head.spec.hidden_size, device="cuda", generator=gen)
+    temperatures, flags = [1.0, 0.7, 1.3], [greedy] * 3
+    uniforms = torch.rand(3, steps, dtype=torch.float64)
+    graphs = HeadRoundGraphs(head, pools[0], max_batch_size=4, sampling_batch_max=32)
+    with torch.inference_mode():
+        got = graphs(plan, features, steps, temperatures, uniforms, flags)
+        want = EagerHeadRound(head, pools[1])(plan, features, steps, temperatures, uniforms, flags)
+    assert graphs.replays == 1 and set(graphs.graphs) == {(4, 8, steps, greedy)}
+    assert torch.equal(got[0], want[0])
+    assert (got[1] is None) == (want[1] is None) == greedy
+    if not greedy:
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    scratch = pools[0].scratch_row
+    for cache in ("k_cache", "v_cache"):
+        a, b = getattr(pools[0], cache), getattr(pools[1], cache)
+        torch.testing.assert_close(a[:, :scratch], b[:, :scratch], atol=1e-5, rtol=1e-5)
+        initial = kv if cache == "k_cache" else kv.flip(0)
+        assert not torch.equal(a[:, :scratch], initial[:, :scratch])  # (the round wrote its positions)
+    assert [pools[0].seq_len(s) for s in slots] == [pools[1].seq_len(s) for s in slots] == \
+        [s + len(f) + steps - 1 for s, f in zip(starts, feeds)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -15,6 +15,7 @@ import torch
 
 from helpers.checkpoints import encode
 from helpers.overlap import abort_in_flight, overlap_parity, overlap_prompts
+from helpers.padded_attention import padded_split_attention
 from infer import LLM, SamplingParams
 from infer.models.kernels import EAGER, compiled_kernels
 
@@ -122,7 +123,6 @@ def test_graphs_with_compiled_kernels_match_transformers_greedy(ckpt_a):
 @pytest.mark.parametrize("t, group, d", [(1, 3, 128), (6, 4, 64), (1, 1, 16), (3, 8, 64), (100, 3, 64)])
 def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     from infer.models.attention import masked_attention, position_mask
-    from infer.models.triton_attention import paged_decode_attention
     torch.manual_seed(0)
     b, hkv, rows, s = 3, 2, 500, 300
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=dtype)
@@ -133,7 +133,7 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
     gather[0, first:] = rows  # padding -> scratch row
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
-    got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)
+    got = padded_split_attention(q, kc, vc, gather, q_pos, ends)
     want = masked_attention(q, kc[gather], vc[gather], position_mask(q_pos, ends, s))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
@@ -142,7 +142,7 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
 @pytest.mark.parametrize("b, t", [(256, 1), (32, 8), (4, 1)])  # one chunk a program, one, several
 def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
     from infer.models.attention import masked_attention, position_mask
-    from infer.models.triton_attention import TARGET_PROGRAMS, paged_decode_attention, split_plan
+    from infer.models.triton_attention import TARGET_PROGRAMS, split_plan
     torch.manual_seed(0)
     hkv, group, d, rows, s = 8, 3, 128, 4096, 600
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -152,7 +152,7 @@ def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
     gather = torch.stack([torch.randperm(rows, device="cuda")[:s] for _ in range(b)])
     q_pos = ends[:, None] - t + torch.arange(t, device="cuda")[None, :]
     assert (split_plan(s, b * hkv * t)[1] == 1) == (b * hkv * t >= TARGET_PROGRAMS)
-    got = paged_decode_attention(q, kc, vc, gather, q_pos, ends)
+    got = padded_split_attention(q, kc, vc, gather, q_pos, ends)
     want = masked_attention(q, kc[gather], vc[gather], position_mask(q_pos, ends, s))
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 

@@ -8,8 +8,8 @@ the GPU machine: `pytest -m gpu tests/gpu/test_gpu_prefill.py`).
   itself (plus bf16's last place), and exactly so in float32 to 1e-4.
 - A batch of a 1,000-token chunk after a 500-token prefix beside a 700-token prompt (right
   padded), and head_dim 96 (padded to 128 inside): the same bound on the valid queries.
-- The cache view routes a long chunk on CUDA to the kernel, and its output is the forced
-  gather + SDPA path's, within the same bound.
+- The flat batch's view (`BatchView`) routes a long chunk on CUDA to the kernel, and its
+  output is the forced gather + SDPA path's, within the same bound.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.padded_attention import padded_prefill_attention
 from infer.models.attention import masked_attention, position_mask
 
 pytestmark = pytest.mark.gpu
@@ -55,8 +56,7 @@ def _reference(x: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -
 
 
 def _kernel(x: dict[str, torch.Tensor]) -> torch.Tensor:
-    from infer.models.triton_prefill import paged_prefill_attention
-    return paged_prefill_attention(x["q"], x["k"], x["v"], x["rows"], x["q_pos"], x["ctx_end"])
+    return padded_prefill_attention(x["q"], x["k"], x["v"], x["rows"], x["q_pos"], x["ctx_end"])
 
 
 def _check(y: torch.Tensor, x: dict[str, torch.Tensor], lens: list[int]) -> None:

@@ -1,6 +1,6 @@
 """The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
-CPU (tiny shapes; skipped without triton), against the gathered masked-SDPA reference that
-`CacheView` runs on the CPU, over four context chunks that the last program to finish
+CPU (tiny shapes; skipped without triton), over padded cases laid out flat
+(helpers/padded_attention.py), against the gathered masked-SDPA reference, over four context chunks that the last program to finish
 combines (its arrival counters left at zero), or in one chunk a program as a large batch runs it: a plain
 verification chunk, and tree verification with the
 block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W], dynamic trees), the
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from helpers.interpreted import interpreted_outputs
-from infer.cache.view import BlockMask, position_mask
-from infer.models.attention import masked_attention
+from helpers.padded_attention import padded_split_attention, rule_bits
+from infer.models.attention import masked_attention, position_mask
 
 B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 200, 256  # S = 200: 4 context chunks of 64
 FIRST_ROW, WIDTH = 1, 5  # block rows: the root (cached) and the chunk's 4 nodes
@@ -42,16 +42,16 @@ def _rules() -> dict[str, torch.Tensor | None]:
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
-    from infer.models.triton_attention import arrival_counters, block_bits, paged_decode_attention, split_plan
+    from infer.models.triton_attention import arrival_counters, split_plan
     c, out = _case(), {}
     for name, rows in _rules().items():
-        block = None if rows is None else (block_bits(rows), FIRST_ROW, WIDTH)
-        out[name] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
+        block = None if rows is None else (rows, FIRST_ROW, WIDTH)
+        out[name] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
     out["splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
     out["counters"] = arrival_counters(torch.device("cpu"), B * T * HKV).clone()  # left at zero for the next
     import infer.models.triton_attention as kernel
     kernel.TARGET_PROGRAMS = B * HKV * T  # as a large batch: its programs fill the launch, one chunk each
-    out["one chunk"] = paged_decode_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"])
+    out["one chunk"] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"])
     out["one chunk splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
     return out
 
@@ -66,7 +66,7 @@ def test_the_kernel_is_the_gathered_masked_attention(interpreted: dict[str, torc
     c, rows = _case(), _rules()[rule]
     mask = position_mask(c["q_pos"], c["ctx_end"], S)  # [B, T, S]
     if rows is not None:
-        mask = mask & BlockMask(rows, FIRST_ROW).visibility(c["q_pos"], S)
+        mask = mask & _block_visibility(rows, c["q_pos"])
     ref = masked_attention(c["q"], c["k"][c["gather"]], c["v"][c["gather"]], mask)
     assert torch.allclose(interpreted[rule], ref, atol=1e-5, rtol=1e-5)
     if rows is not None:  # the rule changed the result (a kernel ignoring it fails above)
@@ -98,9 +98,16 @@ def test_the_split_plan_gives_large_batches_fewer_chunks() -> None:
     assert split_plan(1000, TARGET_PROGRAMS) == (1024, 1)  # one chunk covers the whole width
 
 
-def test_block_bits_pack_the_rule_and_refuse_wide_blocks() -> None:
-    from infer.models.triton_attention import MAX_BLOCK, block_bits
-    assert block_bits(STATIC).tolist() == [0b00011, 0b00101, 0b01011, 0b10101]
-    assert block_bits(torch.stack([STATIC, CHAIN])).shape == (2, T)
-    with pytest.raises(ValueError, match="wider than the kernel"):
-        block_bits(torch.ones(2, MAX_BLOCK + 1, dtype=torch.bool))
+def test_rule_bits_pack_the_rule() -> None:
+    assert rule_bits(STATIC).tolist() == [0b00011, 0b00101, 0b01011, 0b10101]
+    assert rule_bits(torch.stack([STATIC, CHAIN])).shape == (2, T)
+
+
+def _block_visibility(rows: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """[B, T, S]: inside each row's block (from q_pos[:, 0] - FIRST_ROW, WIDTH wide) only the
+    keys the rule sets; every key outside it."""
+    base = q_pos[:, :1] - FIRST_ROW  # [B, 1]
+    rel = torch.arange(S)[None, :] - base  # [B, S]
+    inside = (rel >= 0) & (rel < WIDTH)
+    allowed = rows.expand(B, T, WIDTH).gather(2, rel.clamp(0, WIDTH - 1)[:, None, :].expand(B, T, S))
+    return allowed | ~inside[:, None, :]

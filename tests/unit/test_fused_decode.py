@@ -16,7 +16,8 @@ import torch
 
 from helpers.checkpoints import make_family_checkpoint
 from infer.cache.factory import make_cache_pool
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import Row, plan_batch
+from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.fused_linear import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, route, table_route
 from infer.models.kernels import EAGER, Kernels, fused_kernels
 from infer.models.linear import make_linear
@@ -33,19 +34,19 @@ def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def _steps(model: torch.nn.Module, vocab: int, bundle: Kernels) -> list[torch.Tensor]:
-    """Logits of three forwards through a paged pool (block size 4, so chunks cross blocks):
-    a padded two-row prefill, one decode token a row, a three-token chunk a row."""
+    """Logits of three flat passes through a paged pool (block size 4, so chunks cross
+    blocks): a two-row prefill of 6 and 4 tokens, one decode token a row, a three-token
+    chunk a row (every token's logits)."""
     pool = make_cache_pool("paged", model.config, max_batch_size=2, max_seq_len=32, dtype=torch.bfloat16,
                            device=torch.device("cpu"), block_size=4, enable_prefix_caching=False)
     slots = [pool.allocate_slot(12) for _ in range(2)]
     ids = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(0))  # [B, 6]
-    out = []
+    forward, out = EagerBatchForward(model, pool, bundle), []
     with torch.no_grad():
-        for start, lens, width in (((0, 0), (6, 4), 6), ((6, 4), (1, 1), 1), ((7, 5), (3, 3), 3)):
-            layout = BatchLayout.of(slots, start, lens, width)
-            view = pool.view(layout)
-            out.append(model(ids[:, :width], layout.positions("cpu"), view, kernels=bundle))
-            view.commit()
+        for starts, lens in (((0, 0), (6, 4)), ((6, 4), (1, 1)), ((7, 5), (3, 3))):
+            rows = [Row(slot, start, ids[b, :n].tolist(), logits=n)
+                    for b, (slot, start, n) in enumerate(zip(slots, starts, lens))]
+            out.append(forward(plan_batch(rows)))
     for slot in slots:
         pool.free_slot(slot)
     assert pool.leak_report() == []

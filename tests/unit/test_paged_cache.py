@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from infer.cache.paged import PagedKVCachePool, bytes_per_block
-from infer.cache.view import BatchLayout
+from infer.cache.forward_batch import Row, plan_batch
+from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.config import ModelConfig
 from infer.models.llama import LlamaForCausalLM
 
@@ -24,9 +25,8 @@ def make_pool(num_blocks: int = 16, prefix: bool = True, batch: int = 4, block_s
 
 def fill(pool: PagedKVCachePool, slot: int, end: int) -> None:
     """Advance the slot's length to `end` as a forward pass would (no model needed)."""
-    start = pool.seq_len(slot)
     assert pool.ensure_capacity(slot, end)
-    pool.view(BatchLayout.of([slot], [start], [end - start])).commit()
+    pool.set_length(slot, end)
 
 
 def prefill(pool: PagedKVCachePool, prompt: list[int]) -> int:
@@ -84,18 +84,6 @@ def test_ensure_capacity_false_when_exhausted_true_after_freeing() -> None:
     assert pool.ensure_capacity(b, 16) and len(pool.block_table(b)) == 4
 
 
-def test_view_requires_capacity() -> None:
-    pool = make_pool()
-    slot = pool.allocate_slot(5)
-    with pytest.raises(RuntimeError, match="ensure_capacity"):
-        pool.view(BatchLayout.of([slot], [0], [9]))
-    assert pool.ensure_capacity(slot, 9)
-    view = pool.view(BatchLayout.of([slot], [0], [9]))
-    assert pool.seq_len(slot) == 0
-    view.commit()
-    assert pool.seq_len(slot) == 9
-
-
 def test_rows_follow_the_block_table() -> None:
     pool = make_pool(num_blocks=8, prefix=False)
     a, b = pool.allocate_slot(3), pool.allocate_slot(3)
@@ -105,69 +93,6 @@ def test_rows_follow_the_block_table() -> None:
     assert pool.rows(a, 0, 10).tolist() == expected
     assert pool.rows(a, 5, 10).tolist() == expected[5:]
     assert not set(pool.rows(b, 0, 3).tolist()) & set(expected)
-
-
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
-def test_indices_filled_in_place_equal_fresh_ones(backend: str) -> None:
-    # CUDA graphs stage index tensors in buffers sized for a batch bucket and the full
-    # context width: filled in place they must hold what a fresh computation gives, padding
-    # rows writing to scratch and every gather position past a row's context on scratch
-    from infer.cache.slotted import SlottedKVCache
-    from infer.cache.view import ViewIndices
-    pool = make_pool(num_blocks=32, prefix=False) if backend == "paged" else \
-        SlottedKVCache(CFG, 4, 64, torch.float32, "cpu")
-    slots = [pool.allocate_slot(n) for n in (9, 3, 17)]
-    bucket, width, s = 4, 3, 64
-    out = ViewIndices(torch.full((bucket * width,), 7), torch.full((bucket, s), 7), torch.full((bucket, width), 7),
-                      torch.full((bucket,), 7))
-    for starts, lens in (((9, 3, 17), (1, 3, 2)), ((5, 0, 2), (3, 3, 1))):  # a shorter second use
-        for slot, start, n in zip(slots, starts, lens):
-            assert pool.ensure_capacity(slot, start + n)
-        layout = BatchLayout.of(slots, list(starts), list(lens), width=width)
-        fresh = pool.indices(layout, s)
-        assert pool.indices(layout, s, out=out) is out
-        assert torch.equal(out.write_rows.view(bucket, width)[:3], fresh.write_rows.view(3, width))
-        assert (out.write_rows.view(bucket, width)[3:] == pool.scratch_row).all()
-        assert torch.equal(out.gather_rows[:3], fresh.gather_rows)
-        assert torch.equal(out.q_pos[:3], fresh.q_pos) and torch.equal(out.ctx_end[:3], fresh.ctx_end)
-
-
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
-@pytest.mark.parametrize("batch", [3, 7])  # both sides of view._ROWWISE_MAX (row by row / whole-batch ops)
-def test_indices_hold_each_rows_context_and_chunk(backend: str, batch: int) -> None:
-    # every row: its chunk's storage rows then scratch (write rows), its context's storage
-    # rows then scratch (gather rows), its chunk's positions continued over the padding
-    import random
-
-    from infer.cache.slotted import SlottedKVCache
-    from infer.cache.view import _ROWWISE_MAX, ViewIndices
-    assert 3 <= _ROWWISE_MAX < 7
-    pool = make_pool(num_blocks=8 * 16, prefix=False, batch=8) if backend == "paged" else \
-        SlottedKVCache(CFG, 8, 64, torch.float32, "cpu")
-    rng = random.Random(batch)
-    lens = [rng.randrange(1, 5) for _ in range(batch)]
-    starts = [rng.randrange(0, 40) for _ in range(batch)]
-    slots = [pool.allocate_slot(max(1, s)) for s in starts]
-    for slot, start, n in zip(slots, starts, lens):
-        assert pool.ensure_capacity(slot, start + n)
-    width, s = 5, 64
-    layout = BatchLayout.of(slots, starts, lens, width=width)
-    scratch = pool.scratch_row
-    bucket = 8
-    out = ViewIndices(torch.full((bucket * width,), 7), torch.full((bucket, s), 7), torch.full((bucket, width), 7),
-                      torch.full((bucket,), 7))
-    fresh, staged = pool.indices(layout), pool.indices(layout, s, out=out)
-    longest = max(st + n for st, n in zip(starts, lens))
-    for b, (slot, start, n) in enumerate(zip(slots, starts, lens)):
-        ctx = pool.rows(slot, 0, start + n).tolist()
-        write = ctx[start:] + [scratch] * (width - n)
-        assert fresh.write_rows.view(batch, width)[b].tolist() == write
-        assert staged.write_rows.view(bucket, width)[b].tolist() == write
-        assert fresh.gather_rows[b].tolist() == ctx + [scratch] * (longest - start - n)
-        assert staged.gather_rows[b].tolist() == ctx + [scratch] * (s - start - n)
-        assert fresh.q_pos[b].tolist() == staged.q_pos[b].tolist() == list(range(start, start + width))
-        assert fresh.ctx_end[b] == staged.ctx_end[b] == start + n
-    assert (staged.write_rows.view(bucket, width)[batch:] == scratch).all()
 
 
 # -- truncation ------------------------------------------------------------------------
@@ -214,8 +139,6 @@ def test_second_request_reuses_shared_full_blocks() -> None:
     assert pool.block_table(b)[2] not in pool.block_table(a)
     assert pool.prefix_hit_tokens == 8 and pool.prefix_query_tokens == 11 + 13
     assert pool.prefix_hit_rate == pytest.approx(8 / 24)
-    with pytest.raises(RuntimeError, match="shared prefix"):
-        pool.view(BatchLayout.of([b], [7], [2]))  # would overwrite a shared block
     pool.free_slot(a)
     pool.free_slot(b)
     assert pool.leak_report() == []
@@ -413,16 +336,14 @@ def model() -> LlamaForCausalLM:
 
 def run_chunks(model: LlamaForCausalLM, pool: PagedKVCachePool, slot: int, ids: torch.Tensor,
                cuts: list[int]) -> torch.Tensor:
-    """Feed ids[seq_len(slot):] in chunks ending at cuts; logits of the fed tokens [1, n, V]."""
-    outs = []
+    """Feed ids[seq_len(slot):] in chunks ending at cuts, a flat row each; logits of the fed
+    tokens [1, n, V]."""
+    forward, outs = EagerBatchForward(model, pool), []
     for end in cuts:
         start = pool.seq_len(slot)
         assert pool.ensure_capacity(slot, end)
-        layout = BatchLayout.of([slot], [start], [end - start])
-        view = pool.view(layout)
-        outs.append(model(ids[:, start:end], layout.positions("cpu"), view))
-        view.commit()
-    return torch.cat(outs, dim=1)
+        outs.append(forward(plan_batch([Row(slot, start, ids[0, start:end].tolist(), logits=end - start)])))
+    return torch.cat(outs)[None]
 
 
 @pytest.mark.parametrize("block_size", [16, 5, 1])
@@ -443,31 +364,22 @@ def test_prefill_chunks_and_decode_match_full_forward(model: LlamaForCausalLM, b
 
 
 @torch.no_grad()
-def test_batched_right_padded_prefill_and_decode(model: LlamaForCausalLM) -> None:
+def test_rows_of_two_lengths_in_one_pass_then_decode(model: LlamaForCausalLM) -> None:
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, CFG.vocab_size, (1, n), generator=gen) for n in (13, 6)]
     pool = make_pool(num_blocks=32, block_size=5)
     slots = [pool.allocate_slot(n) for n in (11, 4)]
+    forward = EagerBatchForward(model, pool)
     lens = [11, 4]
-    layout = BatchLayout.of(slots, [0, 0], lens)
-    batch = torch.zeros(2, 11, dtype=torch.long)
-    for b, n in enumerate(lens):
-        batch[b, :n] = seqs[b][0, :n]
-    view = pool.view(layout)
-    first = model(batch, layout.positions("cpu"), view)
-    view.commit()
-    for b, n in enumerate(lens):
-        torch.testing.assert_close(first[b, :n], model(seqs[b][:, :n])[0], atol=1e-5, rtol=0)
-    for step in range(2):
+    first = forward(plan_batch([Row(s, 0, seq[0, :n].tolist(), logits=n) for s, seq, n in zip(slots, seqs, lens)]))
+    torch.testing.assert_close(first[:11], model(seqs[0][:, :11])[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(first[11:], model(seqs[1][:, :4])[0], atol=1e-5, rtol=0)
+    for _ in range(2):
         pos = [pool.seq_len(s) for s in slots]
         assert all(pool.ensure_capacity(s, p + 1) for s, p in zip(slots, pos))
-        layout = BatchLayout.of(slots, pos, [1, 1])
-        tokens = torch.stack([seqs[b][0, p] for b, p in enumerate(pos)])[:, None]  # [2, 1]
-        view = pool.view(layout)
-        out = model(tokens, layout.positions("cpu"), view)
-        view.commit()
+        out = forward(plan_batch([Row(s, p, [int(seq[0, p])]) for s, seq, p in zip(slots, seqs, pos)]))
         for b, p in enumerate(pos):
-            torch.testing.assert_close(out[b, 0], model(seqs[b][:, :p + 1])[0, -1], atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[b], model(seqs[b][:, :p + 1])[0, -1], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("free_first", [False, True])

@@ -1,5 +1,5 @@
 """The flash prefill kernel (models/triton_prefill.py) under Triton's interpreter on the CPU,
-against the gathered masked-SDPA reference (the cache view's CPU path) on tiny shapes
+against the gathered masked-SDPA reference (the CPU's path) on tiny shapes
 (skipped without triton). Tiles of 16 x 16 so that chunks of 17-33 tokens cross query and
 key tile edges. Cases: a prefix-cache hit (context cached before the
 chunk); one prompt in two chunks (the second reads the first from the cache), whose outputs
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from helpers.interpreted import interpreted_outputs
+from helpers.padded_attention import padded_prefill_attention
 from infer.models.attention import masked_attention, position_mask
 
 BLOCK = 4  # rows a page
@@ -85,18 +86,17 @@ def case_inputs(name: str) -> dict[str, torch.Tensor]:
 
 
 def reference(x: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The cache view's CPU path: gather the context, masked SDPA, in float32."""
+    """The CPU path: gather the context, masked SDPA, in float32."""
     mask = position_mask(x["q_pos"], x["ctx_end"], x["rows"].shape[1])
     return masked_attention(x["q"].float(), x["k"][x["rows"]].float(), x["v"][x["rows"]].float(), mask)
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     """Every kernel output the tests compare (run with TRITON_INTERPRET=1)."""
-    from infer.models.triton_prefill import paged_prefill_attention
     out = {}
     for name in CASES:
         x = case_inputs(name)
-        out[name] = paged_prefill_attention(x["q"], x["k"], x["v"], x["rows"], x["q_pos"], x["ctx_end"],
+        out[name] = padded_prefill_attention(x["q"], x["k"], x["v"], x["rows"], x["q_pos"], x["ctx_end"],
                                             blocks=(16, 16))
     return out
 
@@ -141,5 +141,5 @@ def test_inputs_it_cannot_serve_are_refused_with_the_fix() -> None:
 
 
 def test_the_view_keeps_gather_and_sdpa_off_cuda() -> None:
-    from infer.cache.view import TRITON_MAX_CHUNK, use_triton_prefill
-    assert not use_triton_prefill(torch.zeros(1, TRITON_MAX_CHUNK + 1, 4, 64))  # a CPU tensor
+    from infer.models.paged_attention import kernels_serve
+    assert not kernels_serve(torch.zeros(300, 4, 64))  # a CPU tensor

@@ -24,7 +24,7 @@ import torch
 from infer.cache.allocator import BlockAllocator
 from infer.cache.block_tables import BlockTables
 from infer.cache.prefix import PrefixTree
-from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
+from infer.cache.row_pool import RowPool
 from infer.models.config import ModelConfig
 
 
@@ -75,12 +75,6 @@ class PagedKVCachePool(RowPool):
         self._tables: dict[int, list[int]] = {}  # slot -> block ids, position order
         self._shared: dict[int, int] = {}  # slot -> leading table entries owned by the prefix tree
         self._lens: dict[int, int] = {}
-        # slot -> storage rows of its positions, expanded from the table once per block (every
-        # decode step needs them, a forward's index tensors are built from them), and how many
-        # table entries that holds
-        self._rows: dict[int, torch.Tensor] = {}  # [>= rows expanded], grown by doubling
-        self._rows_valid: dict[int, int] = {}
-        self._offsets = torch.arange(block_size)  # [block_size]
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self.prefix_query_tokens = 0  # prompt tokens offered for prefix matching
         self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
@@ -117,8 +111,6 @@ class PagedKVCachePool(RowPool):
         slot = self._free_slots.pop()
         self._tables[slot], self._shared[slot], self._lens[slot] = matched + fresh, len(matched), cached
         self.tables.set(slot, 0, self._tables[slot])
-        self._rows[slot] = torch.empty(len(self._tables[slot]) * self.block_size, dtype=torch.long)
-        self._rows_valid[slot] = 0
         if prefix_token_ids is not None and self.enable_prefix_caching:
             self.prefix_query_tokens += len(prefix_token_ids)
             self.prefix_hit_tokens += cached
@@ -146,7 +138,7 @@ class PagedKVCachePool(RowPool):
         table, shared = self._slot_table(slot), self._shared[slot]
         self._tree.release(table[:shared])
         self._allocator.release(table[shared:])
-        del self._tables[slot], self._shared[slot], self._lens[slot], self._rows[slot], self._rows_valid[slot]
+        del self._tables[slot], self._shared[slot], self._lens[slot]
         self._free_slots.append(slot)
 
     def seq_len(self, slot: int) -> int:
@@ -174,7 +166,6 @@ class PagedKVCachePool(RowPool):
         keep = self._blocks_for(new_seq_len)
         self._allocator.release(table[keep:])
         del table[keep:]
-        self._rows_valid[slot] = min(self._rows_valid[slot], keep)
         self._lens[slot] = new_seq_len
 
     def ensure_capacity(self, slot: int, total_tokens: int) -> bool:
@@ -219,7 +210,6 @@ class PagedKVCachePool(RowPool):
                 self._allocator.release([table[i]])
                 table[i] = existing
                 self.tables.set(slot, i, [existing])
-                self._rows_valid[slot] = min(self._rows_valid[slot], i)
             parent = table[i]
         self._shared[slot] = max(start, full)
 
@@ -287,29 +277,11 @@ class PagedKVCachePool(RowPool):
             problems.append("a prefix cache block is also on the free list")
         return problems + self._allocator.check() + self._tree.check()
 
-    # -- views -------------------------------------------------------------------------
+    # -- storage rows ------------------------------------------------------------------
     def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """CPU [end - start] storage rows of positions start..end-1 (a view: do not modify)."""
-        table, rows, size = self._tables[slot], self._rows[slot], self.block_size
-        need, valid = self._blocks_for(end), self._rows_valid[slot]
-        if rows.numel() < need * size:  # grown past the buffer: double it (amortised O(1) a block)
-            grown = torch.empty(max(need, 2 * rows.numel() // size) * size, dtype=torch.long)
-            grown[:valid * size] = rows[:valid * size]
-            rows = self._rows[slot] = grown
-        for i in range(valid, need):  # blocks added (or replaced) since last time
-            torch.add(self._offsets, table[i] * size, out=rows[i * size:(i + 1) * size])
-        self._rows_valid[slot] = max(self._rows_valid[slot], need)
-        return rows[start:end]
-
-    def indices(self, layout: BatchLayout, context_width: int | None = None,
-                out: ViewIndices | None = None) -> ViewIndices:
-        for slot, start, end in zip(layout.slots, layout.start_positions, layout.ends, strict=True):
-            table = self._slot_table(slot)
-            if end > len(table) * self.block_size:
-                raise RuntimeError(f"slot {slot}: position {end - 1} has no KV block "
-                                   f"({len(table)} blocks allocated); call ensure_capacity({end}) first")
-            if start < self._shared[slot] * self.block_size:
-                raise RuntimeError(f"slot {slot}: writing position {start} would overwrite a shared prefix "
-                                   f"block (first writable position {self._shared[slot] * self.block_size})")
-        return layout_indices(layout, self.rows, self.scratch_row, context_width, out)
+        """CPU [end - start] storage rows of positions start..end-1 (blocks allocated)."""
+        size = self.block_size
+        table = torch.tensor(self._tables[slot][:self._blocks_for(end)], dtype=torch.long)
+        positions = torch.arange(start, end)
+        return table[positions // size] * size + positions % size
 

@@ -1,10 +1,10 @@
 """CachePoolProtocol: what the runners need from a KV cache pool.
 
-A pool owns KV storage for one model and hands out slots, one per running sequence. The
-runner asks for a view per forward pass (prefill, right-padded batched prefill, chunks after
-a cached prefix, decode, speculative verification are all one call with different
-start positions and chunk lengths), runs the model through it, then `commit()`s the view
-to advance the slots' lengths. `truncate_to` rolls a slot back (speculative rejection).
+A pool owns KV storage for one model and hands out slots, one per running sequence. A
+forward pass is a flat batch of rows (cache/forward_batch.py: prefill chunks, decode rows,
+verification blocks, draft steps, tree nodes) whose KV slots come from the pool's block
+tables (`tables`, kept on the device); after the pass each row's slot length is set
+(`set_length`). `truncate_to` rolls a slot back (speculative rejection).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from infer.cache.view import BatchLayout, CacheView, PackedView, ViewIndices
+from infer.cache.block_tables import BlockTables
 
 
 class CachePoolProtocol(Protocol):
@@ -68,28 +68,20 @@ class CachePoolProtocol(Protocol):
     k_cache: torch.Tensor  # [layers, rows + 1, kv_heads, head_dim]; the last row is scratch
     v_cache: torch.Tensor
     scratch_row: int
+    block_size: int
+    tables: BlockTables  # every slot's block table, on the pool's device
 
     def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """CPU LongTensor [end - start]: storage rows of positions start..end-1."""
         ...
 
-    def indices(self, layout: BatchLayout, context_width: int | None = None,
-                out: ViewIndices | None = None) -> ViewIndices:
-        """Validated host-side index tensors for a forward pass (capacity must be ensured);
-        filled into `out` when given (see `view.layout_indices`)."""
-        ...
-
-    def commit(self, layout: BatchLayout) -> None:
-        """Set each slot's length to the end of its chunk (after the forward pass)."""
+    def set_length(self, slot: int, length: int) -> None:
+        """The slot holds positions < length (after a forward pass wrote them)."""
         ...
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """Copy the keys and values of storage rows `src` to rows `dst` (every layer; every
         source is read before any destination is written). Tree speculation's compaction."""
-        ...
-
-    def view(self, layout: BatchLayout) -> CacheView | PackedView:
-        """The attention view for one eager forward pass; `view.commit()` calls `commit`."""
         ...
 
     def leak_report(self) -> list[str]:

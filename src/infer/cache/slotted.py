@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from infer.cache.block_tables import BlockTables
-from infer.cache.view import BatchLayout, RowPool, ViewIndices, layout_indices
+from infer.cache.row_pool import RowPool
 from infer.models.config import ModelConfig
 
 
@@ -96,11 +96,4 @@ class SlottedKVCache(RowPool):
         """CPU [end - start] storage rows of positions start..end-1."""
         base = slot * self.max_seq_len
         return torch.arange(base + start, base + end)
-
-    def indices(self, layout: BatchLayout, context_width: int | None = None,
-                out: ViewIndices | None = None) -> ViewIndices:
-        for slot, end in zip(layout.slots, layout.ends, strict=True):
-            if end > self.max_seq_len:
-                raise RuntimeError(f"slot {slot}: position {end - 1} is past max_seq_len {self.max_seq_len}")
-        return layout_indices(layout, self.rows, self.scratch_row, context_width, out)
 

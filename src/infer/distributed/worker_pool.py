@@ -18,7 +18,7 @@ import hashlib
 import torch
 
 from infer.cache.block_tables import BlockTables
-from infer.cache.view import RowPool
+from infer.cache.row_pool import RowPool
 from infer.distributed.protocol import PoolChanges, PoolShape
 from infer.models.llama import LlamaForCausalLM
 

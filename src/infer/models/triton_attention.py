@@ -1,8 +1,8 @@
 """Triton attention for short query chunks over row-indexed (paged or slotted) KV storage.
 
 Decode (1 token), draft steps and speculative verification (K+1 tokens) attend over the
-cached context directly through `gather_rows` (the storage row of every context position),
-so the context is never copied out, and only positions < min(q_pos + 1, ctx_end) are read:
+cached context directly through each row's block table, so the context is never copied
+out, and only positions < min(position + 1, seq_lens[row]) are read:
 the loop bounds come from device memory, so one CUDA graph serves any context length.
 
 The context is split into chunks (flash-decoding): one program per (batch row, KV head,
@@ -20,11 +20,10 @@ the GPU on their own) gets fewer, down to one, whose program writes its output d
 (no partials, no combine: sixteen 64-position chunks a row would write and re-read float32
 partials about a fifth the size of the KV they cover).
 
-Tree verification adds a block rule (`cache.view.BlockMask`): inside the W positions of the
-tree's block, query t sees key c only where its ancestor bit c is set. The rule comes as
-one int64 bit set per query (`block_bits`: [T] for a static tree, [B, T] per row for dynamic
-trees, W <= MAX_BLOCK), so the kernel masks those keys as it streams them, without a
-[B, T, S] mask.
+Tree blocks add a rule (the flat batch's `TreeRule`): inside the W positions of the tree's
+block, a token sees key c only where its ancestor bit c is set. The rule comes as one int64
+bit set per token and its block's first position (W <= 64), so the kernel masks those keys
+as it streams them, without a [B, T, S] mask.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ import triton.language as tl
 MAX_SPLITS = 16
 MIN_CHUNK = 64
 TARGET_PROGRAMS = 1024  # programs a launch aims for: at most as many chunks as it takes
-MAX_BLOCK = 63  # widest tree block as int64 bit sets (bit 63 would be the sign)
 MIN_COUNTERS = 1 << 18  # arrival counters allocated at first use, so that a capture rarely allocates
 
 
@@ -161,16 +159,6 @@ def split_plan(context_width: int, programs: int) -> tuple[int, int]:
     return chunk, triton.next_power_of_2(-(-context_width // chunk))
 
 
-def block_bits(rows: torch.Tensor) -> torch.Tensor:
-    """A block rule's bool rows [..., T, W] (W <= MAX_BLOCK) -> int64 bit sets [..., T]:
-    bit c set where query t sees block key c."""
-    width = rows.shape[-1]
-    if width > MAX_BLOCK:
-        raise ValueError(f"a tree block of {width} positions is wider than the kernel's {MAX_BLOCK}")
-    weights = torch.ones(width, dtype=torch.long, device=rows.device) << torch.arange(width, device=rows.device)
-    return (rows.long() * weights).sum(-1)
-
-
 def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_rows: torch.Tensor,
                     positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
                     context_width: int, tokens: torch.Tensor | None = None,
@@ -208,23 +196,3 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         HAS_TREE=tree is not None, num_warps=4)
     return out
 
-
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
-                           block: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
-    """`split_attention` over padded rows: q [B, T, Hq, D]; gather_rows [B, S] (the storage
-    row of every context position: block tables of one-position blocks); q_pos [B, T];
-    ctx_end [B] -> [B, T, Hq, D]. `block`: a tree's rule as (`block_bits` [T] or [B, T], the
-    block's first row within the chunk's block, its width W)."""
-    b, t, hq, d = q.shape
-    device = q.device
-    rows = torch.arange(b, device=device).repeat_interleave(t)  # [B * T]
-    positions = q_pos.reshape(-1).contiguous()
-    tree = None
-    if block is not None:
-        bits, first_row, width = block
-        base = (q_pos[:, :1] - first_row).expand(b, t).reshape(-1).contiguous()
-        tree = (bits.expand(b, t).reshape(-1).contiguous(), base, width)
-    flat = split_attention(q.reshape(b * t, hq, d).contiguous(), k_cache, v_cache, rows, positions,
-                           ctx_end.contiguous(), gather_rows, 1, gather_rows.shape[1], tree=tree)
-    return flat.view(b, t, hq, d)

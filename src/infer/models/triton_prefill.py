@@ -1,21 +1,20 @@
 """Triton flash attention for long query chunks (prompt prefill) over row-indexed KV storage.
 
 A prefill chunk's keys and values are already written to the cache (paged or slotted rows);
-this kernel reads them where they lie, through `gather_rows` (the storage row of every
-context position), instead of gathering the whole context into a new tensor and running
-SDPA with an explicit [B, T, S] mask. The rule is the cache view's: the query at position p
-of batch row b sees the context positions < min(p + 1, ctx_end[b]). That one rule covers a
-prompt from its start, a chunk after a prefix-cache hit or after the prompt's earlier chunks
-(q_pos[:, 0] > 0), and right-padded rows (padded queries sit past ctx_end and see the whole
+this kernel reads them where they lie, through its row's block table, instead of gathering
+the whole context into a new tensor and running SDPA with an explicit [B, T, S] mask. The
+rule is the flat batch's: the token at position p of batch row b sees the context positions
+< min(p + 1, seq_lens[b]). That one rule covers a prompt from its start and a chunk after a
+prefix-cache hit or after the prompt's earlier chunks (queries past seq_lens see the whole
 context: finite, and ignored).
 
 One program serves BLOCK_M consecutive queries of one query head of one batch row (grid:
 query heads fastest, so the heads sharing a KV head (grouped-query attention) run side by
 side and read the same K/V tiles from L2), with an online softmax in float32 over key tiles
 of BLOCK_N positions. The key range of a block ends at min(its last query's position + 1,
-ctx_end): fully masked tiles are never read. Tiles below the block's first query position
+seq_lens[b]): fully masked tiles are never read. Tiles below the block's first query position
 (every key visible to every query) run without the mask; only the tiles on the diagonal
-compute it. Loop bounds come from device memory (q_pos, ctx_end), so no host sync is needed
+compute it. Loop bounds come from device memory (positions, seq_lens), so no host sync is needed
 and a CUDA graph may capture it.
 
 head_dim need not be a power of two: the kernel pads it to one (>= 16) with masked loads.
@@ -178,20 +177,3 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_warps=warps, num_stages=stages)
     return out
 
-
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
-                            blocks: tuple[int, int] | None = None) -> torch.Tensor:
-    """`prefill_attention` over padded rows: q [B, T, Hq, D]; gather_rows [B, S] (the storage
-    row of every context position: block tables of one-position blocks); q_pos [B, T];
-    ctx_end [B] -> [B, T, Hq, D]."""
-    if q.dim() != 4 or gather_rows.dim() != 2 or gather_rows.shape[0] != q.shape[0] or \
-            tuple(q_pos.shape) != tuple(q.shape[:2]) or tuple(ctx_end.shape) != (q.shape[0],):
-        raise ValueError(f"need q [B, T, Hq, D], gather_rows [B, S], q_pos [B, T] and ctx_end [B]; got "
-                         f"{tuple(q.shape)}, {tuple(gather_rows.shape)}, {tuple(q_pos.shape)}, {tuple(ctx_end.shape)}")
-    b, t, hq, d = q.shape
-    rows = torch.arange(b, device=q.device).repeat_interleave(t)
-    flat = prefill_attention(q.reshape(b * t, hq, d), k_cache, v_cache, rows, q_pos.reshape(-1).contiguous(),
-                             ctx_end.contiguous(), gather_rows.contiguous(), 1, [i * t for i in range(b + 1)],
-                             range(b), blocks=blocks)
-    return flat.view(b, t, hq, d)

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.cache.view import BlockMask
 from infer.sampling import is_strict_int
 from infer.speculative.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, TreeShape
 
@@ -227,10 +226,6 @@ class RowTreeChunk:
     @property
     def width(self) -> int:
         return self.mask.shape[1]
-
-    def tensors(self, device: torch.device) -> tuple[BlockMask, torch.Tensor]:
-        """(the view's BlockMask, rotary offsets [B, width]) on `device`."""
-        return BlockMask(self.mask.to(device), self.first_row), self.offsets.to(device)
 
 
 def verification_chunk(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...],

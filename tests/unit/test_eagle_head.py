@@ -1,5 +1,7 @@
 """EAGLE / EAGLE-3 heads in the public layout: loading, forward against a plain-torch
-reference of the format, the forward through the fused kernel bundle equal to EAGER's,
+reference of the format, the head over flat rows through its KV pool (catch-up chunks beside
+another row, a draft step, a tree level) equal to the head over whole sequences, the
+forward through the fused kernel bundle equal to EAGER's,
 refusal of heads that do not fit the target, the target's hidden-state capture against
 transformers' own hidden states, and a round-drafting draft's cost (head or draft model)."""
 
@@ -46,6 +48,54 @@ def test_head_forward_matches_reference(tmp_path: Path, ckpt_b: Path, target, me
     torch.testing.assert_close(logits[finite], ref_logits[finite], rtol=1e-4, atol=1e-3)
     if options.get("draft_vocab"):  # the draft vocabulary's tokens, and only those, can be drafted
         assert int(finite[0].sum()) == options["draft_vocab"]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_head_over_flat_rows_is_the_head_over_whole_sequences(tmp_path: Path, ckpt_b: Path, target,
+                                                               method: str) -> None:
+    """Two sequences through a paged pool of 4-position blocks: catch-up chunks of 5 and 3
+    positions in one pass, then 2 and 1 more beside each other, then a one-token draft step of
+    each, and a tree level (two siblings under g's feed) of the first: every output is the
+    head's over the sequence up to it at once (a node's: over g and itself, rotated at its
+    depth, the sibling before it unseen)."""
+    from infer.cache.factory import make_cache_pool
+    from infer.cache.forward_batch import Row, RowTree, plan_batch
+    from infer.speculative.eagle_round import head_pass
+    head = load_eagle_head(str(write_head(tmp_path / "head", ckpt_b, method, aux_layers=[0, 1, 1]
+                                          if method == "eagle3" else None)), method, target)
+    gen = torch.Generator().manual_seed(3)
+    h, vocab = head.spec.hidden_size, target.config.vocab_size
+    seqs = [torch.randint(0, vocab, (9,), generator=gen) for _ in range(2)]  # tokens
+    feats = [torch.randn(9, h, generator=gen) for _ in range(2)]  # features
+    pool = make_cache_pool("paged", head.config, max_batch_size=2, max_seq_len=32, dtype=torch.float32,
+                           device="cpu", block_size=4, num_blocks=16)
+    slots = [pool.allocate_slot(12) for _ in range(2)]
+
+    def whole(b: int, n: int) -> torch.Tensor:  # [n, H]
+        return head(seqs[b][:n][None], feats[b][:n][None], torch.arange(n)[None], NoCacheView())[0]
+
+    with torch.no_grad():
+        passes = [((0, 5), (0, 3)), ((5, 7), (3, 4)), ((7, 8), (4, 5))]
+        for cuts in passes:
+            rows = [Row(slots[b], lo, seqs[b][lo:hi].tolist(), logits=hi - lo) for b, (lo, hi) in enumerate(cuts)]
+            got = head_pass(head, pool, plan_batch(rows), torch.cat([feats[b][lo:hi] for b, (lo, hi) in
+                                                                     enumerate(cuts)]))
+            want = torch.cat([whole(b, hi)[lo:hi] for b, (lo, hi) in enumerate(cuts)])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert [pool.seq_len(s) for s in slots] == [8, 5]
+        # g's feed at position 8 (block row 0), then a tree level: siblings at 9 and 10, rotary 9,
+        # each fed the output at g
+        x_g = head_pass(head, pool, plan_batch([Row(slots[0], 8, [int(seqs[0][8])])]), feats[0][8:9])
+        torch.testing.assert_close(x_g[0], whole(0, 9)[8], rtol=1e-4, atol=1e-4)
+        kids = torch.randint(0, vocab, (2,), generator=gen)
+        rule = RowTree([0b011, 0b101], [1, 1], -1, 3)
+        got = head_pass(head, pool, plan_batch([Row(slots[0], 9, [0, 0], logits=2, tree=rule)]),
+                        x_g.expand(2, h), kids)
+        for i in range(2):
+            ids = torch.cat([seqs[0][:9], kids[i:i + 1]])
+            feats_i = torch.cat([feats[0][:9], x_g])
+            want = head(ids[None], feats_i[None], torch.arange(10)[None], NoCacheView())[0, -1]
+            torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("method, options", [

@@ -1,14 +1,10 @@
 """Attention views: how one forward pass reaches its keys and values.
 
 The model computes rotated q, k, v for the tokens of a batch and hands them to an
-`AttentionView`. The view decides where the new k, v go (nowhere, a contiguous slot, paged
-blocks) and which cached keys each query may see. The model never knows about caches.
-
-Every batch row is a chunk of one sequence: `chunk_lens[b]` valid tokens (right-padded to
-T) that start at absolute position `start_positions[b]`; the keys visible to query t of row
-b are positions 0 .. start_positions[b] + t. That one description covers prefill (start 0),
-right-padded batched prefill, chunked prefill after a cached prefix, single-token decode and
-speculative verification of K+1 tokens.
+`AttentionView`. The view decides where the new k, v go (nowhere, or a KV pool's slots) and
+which keys each query may see. The model never knows about caches. The engine's view is the
+flat batch's (`paged_attention.BatchView`: every pass of the target, a draft model and an
+EAGLE head); `NoCacheView` attends within right-padded rows [B, T] alone (training, tests).
 """
 
 from __future__ import annotations

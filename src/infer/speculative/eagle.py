@@ -8,8 +8,10 @@ Its cache holds, per request, only positions fed with the target's features:
    the runner names the rows it committed; their features are gathered on the device (no
    host sync) and kept as the request's pending features, in position order.
 2. `propose`, catch-up: the pending features f_d .. f_{n-1} are fed with the tokens
-   t_{d+1} .. t_n (t_n = g, the pending token), in batched chunks of at most
-   `CATCH_UP_CHUNK` per row. The output at position n - 1 gives draft token 1.
+   t_{d+1} .. t_n (t_n = g, the pending token), a flat row per request of at most
+   `CATCH_UP_CHUNK` positions a pass (`eagle_round.head_pass`: the flat batch the target's
+   forward takes, the features [N, H] beside the ids [N]). The output at position n - 1
+   gives draft token 1.
 3. draft steps 2 .. k: step j feeds (x_{j-1}, d_{j-1}): the head's own output of the step
    before as the feature, the token it drafted. Each token is sampled from the head's
    distribution over TARGET ids (EAGLE-3's draft vocabulary mapped through d2t, -inf
@@ -18,14 +20,16 @@ Its cache holds, per request, only positions fed with the target's features:
    When every row samples with a temperature alone (greedy included) and no grammar, the
    last `feed_max` pending positions and the draft steps run as one `round_fn` call
    (`eagle_round.head_round`: one CUDA graph replay on the GPU, engine/executor/head_graphs.py);
-   otherwise the catch-up runs whole and the steps one by one with the general sampling.
+   otherwise the catch-up runs whole and the steps one by one (a flat pass of one token a
+   row each) with the general sampling.
 4. `on_accepted`: the drafts' positions are dropped (back to n); the accepted ones are fed
    again at the next catch-up with the target's own features (what the public heads were
    trained on), which the verification forward has just produced (step 1).
 
 A static tree (`spec_tree`) runs the same catch-up whole, then expands the tree level by
-level from the head's output at g (`eagle_tree.expand_head_tree`, eager), its children
-chosen as a draft model's; `on_accepted` drops the round's positions as for a chain.
+level from the head's output at g (`eagle_tree.expand_head_tree`, eager: a flat pass a
+level, each row with the level's tree rule), its children chosen as a draft model's;
+`on_accepted` drops the round's positions as for a chain.
 
 Prefix caching (`share_prefixes`; the runner calls it when the target caches prefixes):
 the target computes no features for a cached prefix, so the head caches its own KV of

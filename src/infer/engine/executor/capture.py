@@ -4,8 +4,9 @@ Capture sizes: CAPTURE_SIZES (1, 2, 4, ..., MAX_CAPTURE_SIZE) cut at the most to
 graphed pass holds, plus that number itself when the list lacks it. The target's forward
 graphs are keyed by token count (`batch_forward.GraphBatchForward`: a pass of n tokens
 replays the smallest captured size >= n, its padding tokens writing the pool's scratch
-row); an EAGLE head's round graphs by batch size. A larger pass (vLLM's cap too) runs
-eagerly: what start-up captures grows with about log2 of the sizes, not with the batch.
+row); an EAGLE head's round graphs by rows and tokens (`head_graphs.py`). A larger pass
+(vLLM's cap too) runs eagerly: what start-up captures grows with about log2 of the sizes,
+not with the batch.
 
 Context width: the attention kernel's split of each context into chunks is fixed when a
 graph is captured, for contexts up to min(max_seq_len, MAX_GRAPH_CONTEXT); a pass whose

@@ -178,8 +178,8 @@ class OracleProposer:
     def can_admit(self, request: DraftRequest) -> bool:
         return self.inner.can_admit(request)
 
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int) -> bool:
-        return self.inner.ensure_capacity(request, total_tokens)
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
+        return self.inner.ensure_capacity(request, total_tokens, take)
 
     def pools(self) -> list[CachePoolProtocol]:
         return self.inner.pools()

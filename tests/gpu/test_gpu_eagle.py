@@ -66,7 +66,8 @@ def test_head_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, batch, 
     assert proposer.round_fn.replays > 0  # the rounds ran as graphs
     # (rows, tokens, steps, greedy): feeds of up to spec_length + 1 = 4 tokens a row, captured at start
     buckets = {1: (1, 2, 4), 2: (2, 4, 8), 4: (4, 8, 16)}
-    assert {(r, t, 3, g) for r, ts in buckets.items() for t in ts for g in (True, False)} <= set(proposer.round_fn.graphs)
+    wanted = {(r, t, 3, g) for r, ts in buckets.items() for t in ts for g in (True, False)}
+    assert wanted <= set(proposer.round_fn.graphs)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

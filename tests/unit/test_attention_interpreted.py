@@ -1,11 +1,12 @@
 """The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
 CPU (tiny shapes; skipped without triton), over padded cases laid out flat
-(helpers/padded_attention.py), against the gathered masked-SDPA reference, over four context chunks that the last program to finish
-combines (its arrival counters left at zero), or in one chunk a program as a large batch runs it: a plain
-verification chunk, and tree verification with the
-block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W], dynamic trees), the
-block starting one row before the chunk (its root already in the cache). The interpreter
-must be on before triton.language is imported, so the kernel runs in a subprocess.
+(helpers/padded_attention.py), against the gathered masked-SDPA reference: over four context
+chunks that the last program to finish combines (its arrival counters left at zero), or in
+one chunk a program as a large batch runs it; a plain verification chunk, and tree
+verification with the block rule of a static tree ([T, W]) and of a per-row rule ([B, T, W],
+dynamic trees), the block starting one row before the chunk (its root already in the
+cache). The interpreter must be on before triton.language is imported, so the kernel runs in
+a subprocess.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ composition defines the math every fused bundle must reproduce.
 projection is routed (models/fused_linear.py) to the few-row GEMV with the RMSNorm or
 SwiGLU prologue and the residual epilogue, to the Triton matmul with the SwiGLU or
 residual epilogue, or to cuBLAS beside one `torch.compile`d kernel per elementwise step;
-the rotary and the KV-cache write are one Triton kernel inside the cache view
+the rotary and the KV-cache write are one Triton kernel inside the batch view
 (models/triton_rotary.py). A one-row decoder layer is then norm + qkv, rotary + KV write,
 split-KV attention (its chunks combined in the same launch), o + residual, norm + gate_up,
 SwiGLU + down + residual: six launches. Where a fusion does not apply (a bias, Qwen3's q/k norms before

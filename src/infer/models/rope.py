@@ -1,7 +1,7 @@
 """Rotary position embedding's math (rotate-half convention, Hugging Face's numerics): the
 cos / sin tables of explicit positions and the rotation of query and key heads. Pure
 functions, shared by the kernel bundles (models/kernels.py) and the attention views that
-rotate as they write their cache (models/attention.py, cache/view.py)."""
+rotate as they write their cache (models/attention.py, models/paged_attention.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Unfused, a layer's attention block launches the rotary of q and k and two indexe
 (k and v into the cache rows). Here one program per (token, head) reads its head straight
 from the q / k / v views of the fused qkv projection's output: a query head is rotated and
 stored to the rotated-q output; a key head is rotated and stored, with its value head, to
-the token's storage row of the layer's KV cache (`write_rows` of `cache/view.py`: a paged
+the token's storage row of the layer's KV cache (its KV slot in the flat batch, `paged_attention.py`: a paged
 block row or a slotted row; padding tokens go to the pool's scratch row).
 
 cos and sin are the tables the eager path uses (`kernels.cos_sin`, computed by PyTorch),

@@ -342,7 +342,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
         counted.append((len(widths) - before, max((-(-b // 3) for b in behind), default=0), len(reqs)))
 
     for f in draft_fns:
-        f.fn = spy(f.fn)
+        f.run = spy(f.run)
     runner.speculation.draft.catch_up = counting_catch_up
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == plain

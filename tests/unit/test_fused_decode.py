@@ -46,7 +46,7 @@ def _steps(model: torch.nn.Module, vocab: int, bundle: Kernels) -> list[torch.Te
         for starts, lens in (((0, 0), (6, 4)), ((6, 4), (1, 1)), ((7, 5), (3, 3))):
             rows = [Row(slot, start, ids[b, :n].tolist(), logits=n)
                     for b, (slot, start, n) in enumerate(zip(slots, starts, lens))]
-            out.append(forward(plan_batch(rows)))
+            out.append(forward.run(plan_batch(rows)))
     for slot in slots:
         pool.free_slot(slot)
     assert pool.leak_report() == []

@@ -342,7 +342,7 @@ def run_chunks(model: LlamaForCausalLM, pool: PagedKVCachePool, slot: int, ids: 
     for end in cuts:
         start = pool.seq_len(slot)
         assert pool.ensure_capacity(slot, end)
-        outs.append(forward(plan_batch([Row(slot, start, ids[0, start:end].tolist(), logits=end - start)])))
+        outs.append(forward.run(plan_batch([Row(slot, start, ids[0, start:end].tolist(), logits=end - start)])))
     return torch.cat(outs)[None]
 
 
@@ -371,13 +371,13 @@ def test_rows_of_two_lengths_in_one_pass_then_decode(model: LlamaForCausalLM) ->
     slots = [pool.allocate_slot(n) for n in (11, 4)]
     forward = EagerBatchForward(model, pool)
     lens = [11, 4]
-    first = forward(plan_batch([Row(s, 0, seq[0, :n].tolist(), logits=n) for s, seq, n in zip(slots, seqs, lens)]))
+    first = forward.run(plan_batch([Row(s, 0, seq[0, :n].tolist(), logits=n) for s, seq, n in zip(slots, seqs, lens)]))
     torch.testing.assert_close(first[:11], model(seqs[0][:, :11])[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(first[11:], model(seqs[1][:, :4])[0], atol=1e-5, rtol=0)
     for _ in range(2):
         pos = [pool.seq_len(s) for s in slots]
         assert all(pool.ensure_capacity(s, p + 1) for s, p in zip(slots, pos))
-        out = forward(plan_batch([Row(s, p, [int(seq[0, p])]) for s, seq, p in zip(slots, seqs, pos)]))
+        out = forward.run(plan_batch([Row(s, p, [int(seq[0, p])]) for s, seq, p in zip(slots, seqs, pos)]))
         for b, p in enumerate(pos):
             torch.testing.assert_close(out[b], model(seqs[b][:, :p + 1])[0, -1], atol=1e-5, rtol=0)
 

@@ -30,6 +30,7 @@ from infer.engine.loading import LoadedModels, check_before_loading, default_mod
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.engine.speculation import check_request_speculation
 from infer.engine.startup import StartupTimes, TimedExecutor
 from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams, StructuredOutput
@@ -125,6 +126,8 @@ class Engine:
         return request
 
     def validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming what to fix in a request: its prompt, its length, its `speculation`."""
+        self.check_speculation(params)
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -140,6 +143,12 @@ class Engine:
         if capacity is not None and len(ids) + params.max_tokens > capacity:
             raise ValueError(f"prompt + max_tokens needs {len(ids) + params.max_tokens} KV cache tokens but the "
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
+
+    def check_speculation(self, params: SamplingParams) -> None:
+        """ValueError when `params.speculation` asks for more than this engine drafts (a K
+        above its spec_length, or any K without speculative decoding)."""
+        config = self.config
+        check_request_speculation(params.speculation, config.spec_length if config.use_speculative_decoding else None)
 
     def grammar(self, spec: StructuredOutput, compiled: CompiledGrammar | None = None) -> RequestGrammar:
         """A request's grammar state for `spec` (of `compiled`, else compiled once per spec);

@@ -125,7 +125,7 @@ class ModelRunner:
             head = self.speculation.proposer
             if kv.prefix_caching and isinstance(head, EagleProposer):  # (its prompt blocks cached too)
                 head.share_prefixes()
-                kv.register_restorer(head)
+                kv.register_restorer(self.speculation)  # (the head's, for requests that may draft)
         return kv
 
     def forget(self, request: Request) -> None:
@@ -259,14 +259,14 @@ class ModelRunner:
         and which prompts were prefilled (host work that helps their first proposals)."""
         if self.speculation is None:
             return
-        proposer, d = self.speculation.proposer, len(decode)
+        spec, d = self.speculation, len(decode)
         reqs = [*(decode if plain else ()), *(r for r, _ in chunks)]
         rows = [[starts[b]] for b in range(d)] if plain else []
         rows += [list(range(starts[d + i], starts[d + i] + n)) for i, (_, n) in enumerate(chunks)]
         if reqs:
-            proposer.observed(reqs, [r.num_computed_tokens for r in reqs], rows)
+            spec.observed(reqs, [r.num_computed_tokens for r in reqs], rows)
         if chunks:
-            proposer.prefilled([r for r, _ in chunks])
+            spec.prefilled([r for r, _ in chunks])
 
     def _advance_chunks(self, chunks: Sequence[tuple[Request, int]]) -> None:
         """Count the chunks as computed; a prompt computed to its end is offered to the prefix cache."""
@@ -310,9 +310,9 @@ class ModelRunner:
         assert spec is not None
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
                                      for r, p in zip(requests, paths, strict=True) if r.slot is not None])
-        spec.proposer.on_accepted(requests, paths)
-        spec.proposer.observed(requests, [r.num_computed_tokens for r in requests],
-                               [[s, *(s + 1 + i for i in p)] for s, p in zip(starts, paths, strict=False)])
+        spec.on_accepted(requests, paths)
+        spec.observed(requests, [r.num_computed_tokens for r in requests],
+                      [[s, *(s + 1 + i for i in p)] for s, p in zip(starts, paths, strict=False)])
         logprobs = result.logprobs or [[] for _ in requests]
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
@@ -321,15 +321,17 @@ class ModelRunner:
             n = r.num_computed_tokens
             self.cache_pool.truncate_to(r.slot, n + a + 1)
             r.num_computed_tokens = n + a + 1
-            spec.policy.update(r.request_id, d.depth, a)
-            if d.depth > 0:
-                r.speculation_acceptance_rates.append(a / d.depth)
             emitted = 0
             for j, t in enumerate(tokens):
                 self._emit(r, t, row_lps[j] if row_lps else None)
                 emitted += 1
                 if r.stop_pending is not None or r.fault is not None:
                     break
+            if not spec.drafts_for(r):  # (a plain row of the round: no speculation to count)
+                continue
+            spec.policy.update(r.request_id, d.depth, a)
+            if d.depth > 0:
+                r.speculation_acceptance_rates.append(a / d.depth)
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
             spec.stats.record(d.num_proposed, a, emitted, d.depth)

@@ -7,11 +7,15 @@ draft shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynam
 (`DynamicShape`: each row drafts its own, run eagerly: no CUDA graphs of their steps yet).
 
 Each decode step asks it for the depth every request drafts (`depths`): the policy's K, cut
-by the length guards (no position past max_seq_len, no more drafts than the request can
-still emit; a tree's depth also by the storage its block needs), all 0 above
+by the request's own `SamplingParams.speculation` (False: 0; K: at most K, a tree cut to
+depth K), the length guards (no position past max_seq_len, no more drafts than the request
+can still emit; a tree's depth also by the storage its block needs), all 0 above
 `spec_disable_batch_size` and while the clock wants plain steps timed. Depth 0 everywhere
-is a plain decode step. Under the adaptive policy, free drafts (n-gram tables) score a shadow
-chain for each request stepping plainly (`speculative/shadow.py`), settled at later calls.
+is a plain decode step; a row of depth 0 in a round is verified as a plain decode row. A
+request with `speculation=False` is nobody's business here: the policy never sees it and the
+proposer's hooks (`observed`, `prefilled`, `on_accepted`, its memory) skip it. Under the
+adaptive policy, free drafts (n-gram tables) score a shadow chain for each request stepping
+plainly (`speculative/shadow.py`), settled at later calls.
 """
 
 from __future__ import annotations
@@ -49,6 +53,19 @@ COST_REPEATS, COST_WARMUP = 10, 3
 def guard_k(k: int, seq_len: int, max_seq_len: int, tokens_left: int) -> int:
     """Overflow guard: positions seq_len..seq_len+k must fit; no more drafts than can be emitted."""
     return max(0, min(k, max_seq_len - seq_len - 1, tokens_left - 1))
+
+
+def check_request_speculation(speculation: bool | int | None, spec_length: int | None) -> None:
+    """ValueError when a request's `SamplingParams.speculation` asks for more than the engine
+    drafts: a K above `spec_length`, or any K when the engine has no speculation (None)."""
+    if speculation is None or speculation is False:
+        return
+    if spec_length is None:
+        raise ValueError(f"speculation {speculation} asks for speculative decoding, which this engine does not run: "
+                         "leave speculation unset or False, or start the engine with speculative decoding")
+    if speculation > spec_length:
+        raise ValueError(f"speculation {speculation} is more than this engine drafts (spec_length {spec_length}): "
+                         f"ask for at most {spec_length}, or None for the engine's policy, False for none")
 
 
 def fit_depth(shape: TreeShape | DynamicShape, k: int, seq_len: int, max_seq_len: int) -> int:
@@ -151,11 +168,13 @@ class Speculation:
         return 1 + (self.tree.span(k) if self.tree is not None and k > 0 else k)
 
     def max_depth(self, request: Request) -> int:
-        """The deepest round the request may draft now, before the policy: the length guards
-        (no position past max_seq_len, no more drafts than it can still emit), a tree's by
-        the storage its block needs."""
+        """The deepest round the request may draft now, before the policy: its own
+        `speculation` (False: 0; K: K), the length guards (no position past max_seq_len, no
+        more drafts than it can still emit), a tree's by the storage its block needs."""
         max_len = self.config.max_seq_len
-        k = guard_k(self.spec_length, request.num_computed_tokens, max_len, request.tokens_left)
+        own = request.sampling_params.max_drafts
+        k = self.spec_length if own is None else min(own, self.spec_length)
+        k = guard_k(k, request.num_computed_tokens, max_len, request.tokens_left)
         return fit_depth(self.tree, k, request.num_computed_tokens, max_len) if self.tree is not None else k
 
     def decode_widths(self, request: Request) -> list[int]:
@@ -170,11 +189,12 @@ class Speculation:
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
         clock, shadow = self.clock, self.shadow
+        willing = [r for r in requests if self.drafts_for(r)]
         if shadow is not None:
-            for request_id, drafted, accepted in shadow.settle(requests):
+            for request_id, drafted, accepted in shadow.settle(willing):
                 self.policy.observe(request_id, drafted, accepted)
-        ks = self.policy.choose(requests, 0.0 if clock is None else clock.overhead(len(requests)))
-        ks = [min(k, self.max_depth(r)) for r, k in zip(requests, ks, strict=True)]
+        chosen = iter(self.policy.choose(willing, 0.0 if clock is None else clock.overhead(len(requests))))
+        ks = [min(next(chosen), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
         if room is not None:
             ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
         if clock is not None and any(ks) and clock.needs_plain(len(requests)):
@@ -183,17 +203,41 @@ class Speculation:
             for r, k in zip(requests, ks, strict=True):
                 if k:
                     shadow.drop(r.request_id)
-            shadow.draft([r for r, k in zip(requests, ks, strict=True) if not k])
+            shadow.draft([r for r, k in zip(requests, ks, strict=True) if not k and self.drafts_for(r)])
         return ks
+
+    @staticmethod
+    def drafts_for(request: Request) -> bool:
+        """Whether the request may draft at all (not `speculation=False`)."""
+        return request.sampling_params.max_drafts != 0
 
     def _fit_room(self, k: int, room: int) -> int:
         while k > 0 and self.width(k) > room:
             k -= 1
         return k
 
+    # -- the proposer's hooks, for the requests that may draft -------------------------------
+    def observed(self, requests: Sequence[Request], starts: Sequence[int], rows: Sequence[Sequence[int]]) -> None:
+        """`Proposer.observed` of the requests that may draft."""
+        keep = [i for i, r in enumerate(requests) if self.drafts_for(r)]
+        if keep:
+            self.proposer.observed([requests[i] for i in keep], [starts[i] for i in keep], [rows[i] for i in keep])
+
+    def prefilled(self, requests: Sequence[Request]) -> None:
+        """`Proposer.prefilled` of the requests that may draft."""
+        keep = [r for r in requests if self.drafts_for(r)]
+        if keep:
+            self.proposer.prefilled(keep)
+
+    def on_accepted(self, requests: Sequence[Request], paths: Sequence[Sequence[int]]) -> None:
+        """`Proposer.on_accepted` of the requests that may draft."""
+        keep = [i for i, r in enumerate(requests) if self.drafts_for(r)]
+        if keep:
+            self.proposer.on_accepted([requests[i] for i in keep], [paths[i] for i in keep])
+
     # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
     def can_admit(self, request: Request) -> bool:
-        return self.proposer.can_admit(request)
+        return not self.drafts_for(request) or self.proposer.can_admit(request)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for a round; under a fixed K (every request drafts every round) the
@@ -214,6 +258,21 @@ class Speculation:
         self.policy.release(request.request_id)
         if self.shadow is not None:
             self.shadow.drop(request.request_id)
+
+    # -- an EAGLE head's prompt blocks at a prefix hit: a `PrefixRestorer` of the KV manager ------
+    def restorable(self, request: Request) -> int:
+        """The head's `restorable`; a request that never drafts needs nothing restored, so
+        the target's hit is not cut for it (its whole prompt)."""
+        if not self.drafts_for(request):
+            return len(request.prompt_token_ids)
+        assert isinstance(self.proposer, EagleProposer)
+        return self.proposer.restorable(request)
+
+    def restore(self, request: Request, tokens: int) -> None:
+        """The head's `restore`, for a request that may draft."""
+        if self.drafts_for(request):
+            assert isinstance(self.proposer, EagleProposer)
+            self.proposer.restore(request, tokens)
 
     def leak_report(self) -> list[str]:
         shadow = self.shadow.leak_report() if self.shadow is not None else []

@@ -128,6 +128,12 @@ class SamplingParams:
     structured         None; a StructuredOutput: every token is drawn from the model's
                        distribution restricted to the tokens the grammar allows (the output
                        ends with EOS once the grammar is complete).
+    speculation        None: the engine's speculation policy decides. False: this request
+                       decodes plainly (beside rows that draft, in the same step). An integer
+                       K >= 1: at most K drafts a round (a tree cut to depth K), the engine's
+                       policy and limits still applying; `Engine.add_request` refuses a K
+                       above the engine's `spec_length`, or any K on an engine without
+                       speculation. The output distribution is the target's either way.
     """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
@@ -144,6 +150,7 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N = the sampled token's log-probability and the N most likely
     n: int = 1  # samples (choices) of the prompt
     structured: StructuredOutput | None = None  # None = free text
+    speculation: bool | int | None = None  # None = the engine's policy; False = plain; K = at most K drafts
 
     def __post_init__(self) -> None:
         if not is_strict_int(self.n) or self.n < 1:
@@ -168,6 +175,10 @@ class SamplingParams:
         if self.seed is not None and (not is_strict_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(
                 f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
+        k = self.speculation
+        if k is not None and k is not False and (not is_strict_int(k) or k < 1):
+            raise ValueError(f"speculation must be None (the engine's policy), False (decode plainly) or an "
+                             f"integer K >= 1 (at most K drafts a round), got {k!r}")
 
     def _check_floats(self) -> None:
         t, p, r = self.temperature, self.top_p, self.repetition_penalty
@@ -193,6 +204,12 @@ class SamplingParams:
     def penalized(self) -> bool:
         """True when a penalty reads the context (repetition, presence or frequency)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def max_drafts(self) -> int | None:
+        """The most tokens a speculation round may draft for this request: None (the
+        engine's policy decides), 0 (`speculation=False`) or K."""
+        return None if self.speculation is None else int(self.speculation)
 
     @property
     def greedy(self) -> bool:

@@ -213,11 +213,16 @@ class Preparer:
             raise bad_request(f"stop_token_ids holds {int(bad)}, outside the vocabulary (0..{vocab - 1}): such a "
                               "token is never generated", "stop_token_ids", "invalid_token_id")
 
-    @staticmethod
-    def _params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+    def _params(self, req: SamplingFields, max_tokens: int, logprobs: int | None,
                 structured: StructuredOutput | None = None) -> list[SamplingParams]:
-        return [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i), structured)
-                for i in range(req.n)]
+        """One SamplingParams per choice; 400 naming `speculation` for a K the engine does not draft."""
+        params = [sampling_params(req, max_tokens, logprobs, derive_seed(req.seed, i), structured)
+                  for i in range(req.n)]
+        try:
+            self.engine.check_speculation(params[0])
+        except ValueError as exc:
+            raise bad_request(str(exc), "speculation", "invalid_parameter") from exc
+        return params
 
 
 def vocabulary_bounds(tokenizer: Tokenizer | None) -> tuple[int, int]:
@@ -279,7 +284,8 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, 
             presence_penalty=value(req.presence_penalty, 0.0), frequency_penalty=value(req.frequency_penalty, 0.0),
             max_tokens=max_tokens, stop=req.stop,
             stop_token_ids=tuple(int(t) for t in req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            seed=seed, logprobs=logprobs, structured=structured or structured_output(req))
+            seed=seed, logprobs=logprobs, structured=structured or structured_output(req),
+            speculation=req.speculation)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), name if name in type(req).model_fields else None, "invalid_parameter") from exc

@@ -10,7 +10,8 @@ assistant messages' `tool_calls` and tool messages' `tool_call_id`. Parameters t
 not implement (`functions`, `best_of` > `n`, ...) are declared so that a request
 setting them gets a 400 naming them rather than being silently ignored; unknown fields are
 ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+`stop_token_ids`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
+`speculation` (false, or a K: `SamplingParams.speculation`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,15 @@ def _whole(value: float) -> int:
     return int(value)
 
 
+def _false(value: bool) -> bool:
+    if value:
+        raise ValueError("true is not a value here: send false, or an integer")
+    return value
+
+
 INTEGRAL = BeforeValidator(_integral)
+# false and nothing else (a Literal[False] takes 0 too, as 0 == False)
+OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -115,6 +124,10 @@ class SamplingFields(_Strict):
     guided_choice: list[Text] | None = Field(None, description="the output is one of these strings (extension)")
     guided_grammar: Text | None = Field(None, description="an EBNF grammar the output follows (extension)")
     logit_bias: Unsupported = Field(None, description="not supported (400 unless empty)")
+    speculation: OnlyFalse | Annotated[int, Field(ge=1), INTEGRAL] | None = Field(
+        None, description="speculative decoding for this request (extension): false = none (plain decoding), "
+                          "K = at most K drafts a round (at most the server's spec_length); default: the "
+                          "server's policy")
 
     refused: ClassVar[tuple[str, ...]] = ("tools", "functions")  # 400 when set
     refused_unless_none: ClassVar[tuple[str, ...]] = ("tool_choice", "function_call")  # 400 unless "none"

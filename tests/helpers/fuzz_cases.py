@@ -6,7 +6,7 @@ gives the same `Case` on any machine, so one failing case reruns alone. A case i
 draft, "near" the target with noise, "eagle" / "eagle3" heads; helpers/fuzz_models.py
 makes them) and the requests of one `generate`: prompts sharing prefixes, greedy and
 sampled rows (seeds, temperature, top-k / top-p, penalties, log-probabilities, `n`, stops,
-max_tokens). Some cases are invalid on purpose: a configuration `EngineConfig` must refuse
+max_tokens, per-request `speculation`). Some cases are invalid on purpose: a configuration `EngineConfig` must refuse
 (`invalid`: words its ValueError names) or a prompt `generate` must refuse (`bad_prompt`).
 `avoid` names features left out while their known bugs are open (`FEATURES`).
 """
@@ -93,7 +93,21 @@ def draw_case(seed: int, index: int, avoid: frozenset[str] = frozenset()) -> Cas
     if "bad-prompt" not in avoid and invalid is None and rng.random() < 0.05:
         bad = rng.choice([(), (0, VOCAB + rng.randrange(100)), (0, -1), (0,) * (engine["max_seq_len"] + 1)])
     abort = (rng.randrange(len(jobs)), rng.randint(0, 8)) if rng.random() < 0.3 else None
+    jobs = _with_speculation(random.Random(f"infer-fuzz:{seed}:{index}:speculation"), jobs, engine)
     return Case(seed, index, engine, tuple(jobs), invalid, bad, abort, frozenset(avoid))
+
+
+def _with_speculation(rng: random.Random, jobs: list[Job], engine: dict[str, Any]) -> list[Job]:
+    """Each job's `SamplingParams.speculation` (drawn from a generator of its own, so the rest
+    of a case is what it was before the field existed): None (the engine's policy), False,
+    or a K up to the engine's spec_length when it speculates."""
+    limit = (engine.get("spec_length") or 1) if engine.get("use_speculative_decoding") else None
+    out = []
+    for job in jobs:
+        draw = rng.random()
+        value = None if draw < 0.5 else False if draw < 0.75 or limit is None else rng.randint(1, limit)
+        out.append(replace(job, params=replace(job.params, speculation=value)))
+    return out
 
 
 def _draw_prompts(rng: random.Random, count: int) -> list[tuple[int, ...]]:

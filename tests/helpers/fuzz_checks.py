@@ -87,7 +87,8 @@ class Plain:
 
     def greedy(self, job: Job) -> CompletionOutput:
         """Plain greedy decoding of the job (a sampled job: with its penalties and stops)."""
-        key = (job.prompt, replace(job.params, n=1, seed=None, temperature=0.0, top_k=-1, top_p=1.0))
+        key = (job.prompt, replace(job.params, n=1, seed=None, temperature=0.0, top_k=-1, top_p=1.0,
+                                   speculation=None))
         if key not in self.memo:
             outs = self.llm.generate(prompt_token_ids=[list(job.prompt)], sampling_params=key[1])
             self.memo[key] = outs[0].outputs[0]

@@ -66,8 +66,10 @@ def _engine_moves(case: Case) -> Iterator[Case]:
     if engine.get("max_seq_len", 0) < 256:
         yield replace(case, engine={**engine, "max_seq_len": 256})
     k = engine.get("spec_length", 1)
-    if k > 1 and "spec_tree" not in engine:
-        yield replace(case, engine={**engine, "spec_length": k - 1})
+    if k > 1 and "spec_tree" not in engine:  # (a job's own K at most the new one)
+        jobs = tuple(replace(j, params=replace(j.params, speculation=min(j.params.speculation, k - 1)))
+                     if j.params.max_drafts else j for j in case.jobs)
+        yield replace(case, engine={**engine, "spec_length": k - 1}, jobs=jobs)
 
 
 def _without_job(case: Case, i: int) -> Case:

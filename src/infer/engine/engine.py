@@ -67,7 +67,7 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        log.info(self.startup.summary(config))
+        log.info(self.startup.summary(config, self.models.vocab_map))
         self.kv = self.runner.kv_manager()
         self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
                                                    config.batching_mode, config.max_seq_len), self.kv)
@@ -86,7 +86,8 @@ class Engine:
         executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models), self.startup)
         return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
                            draft_model=self.models.draft if self.config.use_speculative_decoding else None,
-                           head=self.models.head if self.config.use_speculative_decoding else None)
+                           head=self.models.head if self.config.use_speculative_decoding else None,
+                           vocab_map=self.models.vocab_map)
 
     def close(self) -> None:
         """Shut the worker ranks down and leave their process group (tensor parallelism;

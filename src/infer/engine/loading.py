@@ -8,8 +8,9 @@ EAGLE-3 head), so a fresh install works with no download.
 Everything that can be checked from files is checked before any weight is read
 (`check_before_loading`): the tokenizer is built (a GGUF file whose tokenizer infer cannot
 rebuild fails in a fraction of a second, not after dequantizing), and a draft's vocabulary
-is compared with the target's (engine/pairing.py), an EAGLE head's config.json with the
-target's (models/eagle.py: hidden size, vocabulary, captured layers).
+is compared with the target's (engine/pairing.py: the same vocabulary, or one sharing enough
+tokens to draft over them, a `VocabMap`), an EAGLE head's config.json with the target's
+(models/eagle.py: hidden size, vocabulary, captured layers).
 
 With an EAGLE head the target gets a `HiddenCapture` of the points the head reads, so its
 every forward leaves them for the proposer.
@@ -31,6 +32,7 @@ from infer.models.gguf.path import is_gguf_path
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model, read_model_config, resolve_model_path
 from infer.models.shard import ModelShard
+from infer.speculative.vocab_map import VocabMap
 from infer.tokenization import Tokenizer
 
 DEMO_DIR = Path(__file__).resolve().parent.parent / "demo_models"
@@ -62,6 +64,7 @@ class LoadedModels:
     tokenizer: Tokenizer | None
     eos_token_ids: tuple[int, ...]
     head: EagleHead | None = None  # speculative_method "eagle" / "eagle3"
+    vocab_map: VocabMap | None = None  # a draft with another vocabulary: the tokens it shares with the target
 
 
 def resolve_device(device: str) -> torch.device:
@@ -91,24 +94,27 @@ def load_tokenizer(name_or_path: str) -> Tokenizer | None:
     return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
 
 
-def check_before_loading(config: EngineConfig, target_path: str, draft_path: str | None) -> Tokenizer | None:
-    """The target's tokenizer, built, and the draft (if any) checked against the target, from
-    config files, GGUF metadata and tokenizer files only: no weight is read."""
+def check_before_loading(config: EngineConfig, target_path: str, draft_path: str | None
+                         ) -> tuple[Tokenizer | None, VocabMap | None]:
+    """The target's tokenizer, built, and the draft (if any) checked against the target (its
+    `VocabMap` when its vocabulary differs), from config files, GGUF metadata and tokenizer
+    files only: no weight is read."""
     tokenizer = load_tokenizer(config.tokenizer or target_path)
-    if draft_path is not None:
-        target = VocabularyFacts(target_path, read_model_config(target_path, config.load_format).vocab_size,
-                                 None if tokenizer is None else tokenizer.vocabulary())
-        check_pair(target, _vocabulary_facts(config, draft_path))
-    return tokenizer
-
-
-def _vocabulary_facts(config: EngineConfig, path: str) -> VocabularyFacts:
+    if draft_path is None:
+        return tokenizer, None
+    target = _vocabulary_facts(config, target_path, tokenizer)
     try:
-        tokenizer = load_tokenizer(path)
+        draft_tokenizer = load_tokenizer(draft_path)
     except ValueError as exc:
         raise ValueError(f"the draft model's tokenizer, which is compared with the target's: {exc}") from exc
-    return VocabularyFacts(path, read_model_config(path, config.load_format).vocab_size,
-                           None if tokenizer is None else tokenizer.vocabulary())
+    return tokenizer, check_pair(target, _vocabulary_facts(config, draft_path, draft_tokenizer))
+
+
+def _vocabulary_facts(config: EngineConfig, path: str, tokenizer: Tokenizer | None) -> VocabularyFacts:
+    logits = read_model_config(path, config.load_format).vocab_size
+    if tokenizer is None:
+        return VocabularyFacts(path, logits, None)
+    return VocabularyFacts(path, logits, tokenizer.vocabulary(), tokenizer.token_keys())
 
 
 def model_dtype(config: EngineConfig, device: torch.device) -> str:
@@ -136,7 +142,7 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     driver passes its device and its rank's shards (a draft without a shard loads whole)."""
     device = device if device is not None else resolve_device(config.device)
     target_path, draft_path = default_model_paths(config)
-    tokenizer = check_before_loading(config, target_path, draft_path)
+    tokenizer, vocab_map = check_before_loading(config, target_path, draft_path)
     head_path = eagle_head_path(config)
     if head_path is not None:  # refused from config files, before any weight is read
         head_config(head_path, config.speculative_method).check_target(
@@ -145,7 +151,7 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
     head = None if head_path is None else load_head(config, head_path, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
-    return LoadedModels(target, draft, tokenizer, tuple(eos), head)
+    return LoadedModels(target, draft, tokenizer, tuple(eos), head, vocab_map)
 
 
 def eagle_head_path(config: EngineConfig) -> str | None:

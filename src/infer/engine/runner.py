@@ -64,6 +64,7 @@ from infer.speculative.metrics import SpecStats
 from infer.speculative.round_clock import StepKind
 from infer.speculative.tree import Draft
 from infer.speculative.verifier import VerifyResult
+from infer.speculative.vocab_map import VocabMap
 from infer.tokenization import Tokenizer
 from infer.transfer import to_device
 
@@ -74,7 +75,8 @@ Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requ
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
                  eos_token_ids: tuple[int, ...], executor: Executor = LOCAL,
-                 draft_model: LlamaForCausalLM | None = None, head: EagleHead | None = None) -> None:
+                 draft_model: LlamaForCausalLM | None = None, head: EagleHead | None = None,
+                 vocab_map: VocabMap | None = None) -> None:
         self.model = model
         self.config = config
         self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
@@ -95,7 +97,7 @@ class ModelRunner:
         if config.use_speculative_decoding:
             drafter = draft_model if draft_model is not None else head  # (None: n-gram or prompt lookup)
             draft_kernels = EAGER if drafter is None else step_kernels(config, self.device, drafter)
-            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model)
+            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map)
             self.speculation.start(self.forward_fn, self.cache_pool, model)
             self.verification = Verification(model.config.vocab_size, self.device, self.speculation.tree)
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued

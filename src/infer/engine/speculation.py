@@ -36,6 +36,7 @@ from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.eagle import EagleProposer
+from infer.speculative.foreign_draft import ForeignDraftProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
@@ -45,6 +46,7 @@ from infer.speculative.proposer import Proposer
 from infer.speculative.round_clock import RoundClock
 from infer.speculative.shadow import ShadowRounds
 from infer.speculative.tree import TreeShape, chain_shape
+from infer.speculative.vocab_map import VocabMap
 
 # the adaptive policy's one-off cost measurement at start (GPU): timed calls per shape
 COST_REPEATS, COST_WARMUP = 10, 3
@@ -78,7 +80,7 @@ def fit_depth(shape: TreeShape | DynamicShape, k: int, seq_len: int, max_seq_len
 @dataclass
 class Speculation:
     proposer: Proposer
-    draft: DraftModelProposer | None  # the proposer when it is a draft model
+    draft: DraftModelProposer | None  # the draft model's proposer (in its own ids: another vocabulary's is wrapped)
     policy: SpecPolicy
     clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
     tree: TreeShape | DynamicShape | None  # None: chains of up to `spec_length`
@@ -90,10 +92,12 @@ class Speculation:
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
               draft_kernels: Kernels, head: EagleHead | None = None,
-              target: LlamaForCausalLM | None = None) -> Speculation:
+              target: LlamaForCausalLM | None = None, vocab_map: VocabMap | None = None) -> Speculation:
         """The proposer and policy; the adaptive policy's costs are measured by `start`.
         An EAGLE head needs the target, whose `capture` it reads. `draft_kernels`: the
-        draft model's or the head's bundle for its fixed-shape steps (`step_kernels`)."""
+        draft model's or the head's bundle for its fixed-shape steps (`step_kernels`).
+        `vocab_map`: a draft model with another vocabulary drafts over the shared tokens
+        (`speculative/foreign_draft.py`)."""
         tree = round_tree(config)
         draft = None
         proposer: Proposer
@@ -110,9 +114,10 @@ class Speculation:
         elif draft_model is None:
             raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
         else:
-            proposer = draft = _draft_proposer(config, executor, draft_model, draft_kernels, tree)
+            proposer, draft = _draft_proposer(config, executor, draft_model, draft_kernels, tree, vocab_map)
         policy: SpecPolicy = FixedPolicy(config.spec_length)
-        return cls(proposer, draft, policy, None, tree, config.spec_length, config, SpecStats())
+        stats = SpecStats(shared_vocabulary=None if vocab_map is None else vocab_map.fraction)
+        return cls(proposer, draft, policy, None, tree, config.spec_length, config, stats)
 
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
         """Once the target's decode forward exists: check a tree against the vocabulary, and
@@ -290,8 +295,11 @@ def round_tree(config: EngineConfig) -> TreeShape | DynamicShape | None:
 
 
 def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
-                    tree: TreeShape | DynamicShape | None) -> DraftModelProposer:
-    """The draft model's proposer: its pool and forward functions, graphs captured now."""
+                    tree: TreeShape | DynamicShape | None, vocab_map: VocabMap | None
+                    ) -> tuple[Proposer, DraftModelProposer]:
+    """The draft model's proposer and the `DraftModelProposer` drafting in its ids (the
+    same, or wrapped for another vocabulary): its pool and forward functions, graphs
+    captured now."""
     pool = executor.make_pool(draft_model, config, prefix_caching=False)
     # draft step 1 feeds the tokens the draft has not seen (1, 2 after a fully accepted round,
     # a few more after plain steps; longer catch-ups run as chunks of their own), a tree's
@@ -299,7 +307,12 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     width = max(DRAFT_MAX_FEED, 1 + (tree.span(tree.depth) if tree is not None else 0))
     spec = ForwardSpec(config.use_cuda_graphs, config.max_batch_size, kernels, tokens=config.max_batch_size * width,
                        trees=tree is not None)
-    return DraftModelProposer(draft_model, pool, executor.make_forward(draft_model, pool, spec))
+    forward = executor.make_forward(draft_model, pool, spec)
+    if vocab_map is None:
+        draft = DraftModelProposer(draft_model, pool, forward)
+        return draft, draft
+    foreign = ForeignDraftProposer.build(draft_model, pool, forward, vocab_map)
+    return foreign, foreign.inner
 
 
 def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,

@@ -1,6 +1,6 @@
 """Start-up timing of an engine: how long loading the weights, allocating the KV cache and
 the warm-up (CUDA graph capture, kernel compilation) took, logged at INFO once the engine is
-ready (`infer serve` shows it).
+ready (`infer serve` shows it), with the shared vocabulary of a draft with another tokenizer.
 
 `TimedExecutor` wraps the runner's executor: every pool it makes is timed and counted (its
 bytes and tokens), every forward function kept, so that its CUDA graphs are counted and
@@ -24,6 +24,7 @@ from infer.engine.executor.factory import Executor
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.models.llama import LlamaForCausalLM
+from infer.speculative.vocab_map import VocabMap
 
 
 @dataclass
@@ -52,8 +53,9 @@ class StartupTimes:
         """Seconds those graphs took to capture."""
         return sum(float(getattr(forward, "capture_s", 0.0)) for forward in self.forwards)
 
-    def summary(self, config: EngineConfig) -> str:
-        """One line: the total, then each phase (module docstring)."""
+    def summary(self, config: EngineConfig, vocab_map: VocabMap | None = None) -> str:
+        """One line: the total, then each phase (module docstring); with `vocab_map` (a draft
+        with another vocabulary), what the draft shares with the target."""
         load, runner = self.phases.get("load", 0.0), self.phases.get("runner", 0.0)
         capture = self.capture_s()
         warm = max(0.0, runner - self.kv_s - capture)
@@ -64,7 +66,8 @@ class StartupTimes:
         return (f"engine ready in {load + runner:.1f} s: weights loaded in {load:.1f} s; KV cache of {tokens:,} "
                 f"tokens ({self.kv_bytes / 2**30:.2f} GiB) allocated in {self.kv_s:.2f} s; {graphs}; the rest of "
                 f"the warm-up (kernel compilation first) {warm:.1f} s; max_seq_len {config.max_seq_len}, "
-                f"max_batch_size {config.max_batch_size}")
+                f"max_batch_size {config.max_batch_size}"
+                + ("" if vocab_map is None else f"; the draft drafts over {vocab_map.describe()}"))
 
 
 class TimedExecutor:

@@ -7,7 +7,8 @@ tree: the accepted path's length); emitted_tokens: tokens produced by speculativ
 depth i + 1): accepted_per_position[i], rounds whose token there was accepted, and
 drafted_per_position[i], rounds that proposed one there, so acceptance by depth is their
 ratio. accepted_lengths[L]: drafting rounds that accepted exactly L tokens (the accepted
-path length per round).
+path length per round). shared_vocabulary: for a draft with another tokenizer, the fraction
+of the smaller vocabulary the two share (`speculative/vocab_map.py`; None: one vocabulary).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
+    shared_vocabulary: float | None = None  # a draft with another vocabulary: the fraction it shares
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
         """One verification round: tokens proposed, accepted and emitted; `depth`, the
@@ -65,7 +67,7 @@ class SpecStats:
                          self.rounds - earlier.rounds,
                          _minus(self.accepted_per_position, earlier.accepted_per_position),
                          _minus(self.drafted_per_position, earlier.drafted_per_position),
-                         _minus(self.accepted_lengths, earlier.accepted_lengths))
+                         _minus(self.accepted_lengths, earlier.accepted_lengths), self.shared_vocabulary)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import re
 from collections.abc import Sequence
 from functools import lru_cache
@@ -48,6 +49,7 @@ LLAMA3_NAMED_SPECIAL_TOKENS = (
 TIKTOKEN_MAX_CHARS = 400_000
 TIKTOKEN_MAX_RUN = 25_000
 _RUNS = re.compile(r"\s+|\S+")
+METASPACE = "\u2581"  # SentencePiece's space
 
 
 class TokenLimitExceeded(ValueError):
@@ -70,6 +72,12 @@ class TokenizerBackend(Protocol):
     def token_to_id(self, token: str) -> int | None: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def special_ids(self) -> frozenset[int]: ...
+    def token_form(self) -> str | None:
+        """How vocabulary strings spell bytes: "byte_level", "metaspace" or None (unknown)."""
+        ...
+    def added_contents(self) -> dict[int, str]:
+        """The text of each added token that is not special (stored as text, not in the form)."""
+        ...
 
 
 class HFTokenizersBackend:
@@ -126,6 +134,14 @@ class HFTokenizersBackend:
     def special_ids(self) -> frozenset[int]:
         return self._special
 
+    def token_form(self) -> str | None:
+        decoder = self._tok.decoder
+        return decoder_form(None if decoder is None else decoder.__getstate__())
+
+    def added_contents(self) -> dict[int, str]:
+        return {token_id: added.content for token_id, added in self._tok.get_added_tokens_decoder().items()
+                if not added.special}
+
 
 class TiktokenBackend:
     """Meta's Llama 3 tokenizer.model (tiktoken BPE ranks) plus the 256 Llama 3 specials."""
@@ -180,6 +196,33 @@ class TiktokenBackend:
 
     def special_ids(self) -> frozenset[int]:
         return self._special
+
+    def token_form(self) -> str | None:
+        return "byte_level"  # (`id_to_token` writes GPT-2's byte alphabet)
+
+    def added_contents(self) -> dict[int, str]:
+        return {}
+
+
+def decoder_form(decoder_json: str | bytes | None) -> str | None:
+    """The form (a key of FORMS) of a tokenizer.json decoder: its JSON, None without one.
+    A ByteLevel step means byte-level strings; a Metaspace, a ByteFallback or a Replace of
+    "▁" means SentencePiece's; anything else is not known (None)."""
+    if decoder_json is None:
+        return None
+    steps: list[dict[str, object]] = []
+    todo = [json.loads(decoder_json)]
+    while todo:
+        step = todo.pop()
+        if isinstance(step, dict):
+            steps.append(step)
+            todo.extend(step.get("decoders") or [])
+    types = {step.get("type") for step in steps}
+    if "ByteLevel" in types:
+        return "byte_level"
+    replaces_space = any(step.get("type") == "Replace" and METASPACE in json.dumps(step.get("pattern"))
+                         for step in steps)
+    return "metaspace" if types & {"Metaspace", "ByteFallback"} or replaces_space else None
 
 
 def llama3_special_token_names() -> list[str]:

@@ -31,6 +31,7 @@ from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, LLAMA3_HEADER_TOKENS, 
 from infer.tokenization.detokenizer import IncrementalDetokenizer
 from infer.tokenization.files import TokenizerFiles, id_list, locate_tokenizer_files, token_content
 from infer.tokenization.special import encode_rendered, escape_messages, special_pattern
+from infer.tokenization.token_keys import TokenKey, vocabulary_keys
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "TokenLimitExceeded"]
 
@@ -234,6 +235,14 @@ class Tokenizer:
         """The vocabulary string of every id in [0, vocab_size), None for an id without one:
         what two tokenizers must agree on to share token ids (a draft and its target)."""
         return [self._backend.id_to_token(token_id) for token_id in range(self.vocab_size)]
+
+    def token_keys(self) -> list[TokenKey | None]:
+        """What every id in [0, vocab_size) stands for across tokenizers: a text token's bytes,
+        a special token's name, None where unknown (`token_keys.py`): what a draft with another
+        tokenizer shares with its target."""
+        backend = self._backend
+        return vocabulary_keys([backend.id_to_token(i) for i in range(self.vocab_size)], backend.special_ids(),
+                               backend.added_contents(), backend.token_form())
 
     # ---------------------------------------------------------------- helpers
 

@@ -29,7 +29,9 @@ The draft proposes, the target verifies; tokens that both vocabularies hold trav
 Mountains and rivers, books and libraries, foxes and dogs all appear in the stories it read.
 print(sum(x * x for x in range(100)))  # the numbers 0 to 99, squared and summed
 """
-NARROW_TEXT = "Привет, мир! Как дела? Хорошо, спасибо. Маленький робот читал книги о звёздах и море.\n"
+NARROW_WORDS = ("привет мир как дела хорошо спасибо маленький робот читал книги о звёздах и море каждое утро он "
+                "ходил в библиотеку здоровался с библиотекарем выбирал новую историю горы реки лисы собаки кошка "
+                "сидела на стене сада черновик предлагает цель проверяет числа слова строки").split()
 
 
 def bpe_json(corpus: str, vocab_size: int, alphabet: bool = True) -> str:
@@ -59,7 +61,9 @@ def foreign_draft(directory: Path, seed: int = 7) -> Path:
 
 
 def narrow_draft(directory: Path) -> Path:
-    return with_tokenizer(directory, bpe_json(NARROW_TEXT, 120, alphabet=False), seed=5, num_hidden_layers=1)
+    rng = random.Random(0)
+    text = " ".join(rng.choice(NARROW_WORDS) for _ in range(800))
+    return with_tokenizer(directory, bpe_json(text, 400, alphabet=False), seed=5, num_hidden_layers=1)
 
 
 def permuted_draft(target: Path, directory: Path, seed: int = 0) -> Path:

@@ -78,8 +78,10 @@ def check_pair(target: VocabularyFacts, draft: VocabularyFacts) -> VocabMap | No
 
 
 def _differing_ids(target: VocabularyFacts, draft: VocabularyFacts) -> list[int]:
-    """Ids both tokenizers define with different strings (none without both tokenizers)."""
-    if target.tokens is None or draft.tokens is None:
-        return []
-    return [i for i, (a, b) in enumerate(zip(target.tokens, draft.tokens, strict=False))
-            if a is not None and b is not None and a != b]
+    """Ids both tokenizers define with different strings or keys (none without both tokenizers)."""
+    differ: set[int] = set()
+    for ours, theirs in ((target.tokens, draft.tokens), (target.keys, draft.keys)):
+        if ours is not None and theirs is not None:
+            differ.update(i for i, (a, b) in enumerate(zip(ours, theirs, strict=False))
+                          if a is not None and b is not None and a != b)
+    return sorted(differ)

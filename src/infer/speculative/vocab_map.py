@@ -58,7 +58,8 @@ class VocabMap:
         return self.shared / max(1, min(self.sizes))
 
     def describe(self) -> str:
-        return (f"{self.shared} shared tokens, {self.fraction:.1%} of the smaller vocabulary "
+        shared = self.shared
+        return (f"{shared} shared token{'' if shared == 1 else 's'}, {self.fraction:.1%} of the smaller vocabulary "
                 f"({min(self.sizes)} tokens; target {self.sizes[0]}, draft {self.sizes[1]})")
 
     def draft_allowed(self) -> torch.Tensor:

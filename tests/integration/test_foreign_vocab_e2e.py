@@ -1,0 +1,94 @@
+"""A draft with another tokenizer, end to end (CPU, tiny checkpoints; helpers/foreign_vocab.py).
+
+Greedy parity with plain decoding of the target for chains, a static and a dynamic tree,
+over the engine configurations of the other speculation tests (prefix caching, small
+chunks, forced preemption), with a draft whose vocabulary was trained on another corpus;
+the target's own weights under a shuffled vocabulary accept (nearly) every draft, so the
+mapping is right both ways; a draft whose cache runs past max_seq_len (target tokens it
+reads as several) stops drafting there; nothing leaks (make_llm checks every engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers.foreign_vocab import foreign_draft, permuted_draft
+from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, run, spec_llm
+from infer import SamplingParams
+from infer.speculative.foreign_draft import ForeignDraftProposer
+
+SHAPES = {"chain": None, "tree": "3,2,1,1", "dynamic": "dynamic:6:2"}
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory):
+    return foreign_draft(tmp_path_factory.mktemp("foreign"))
+
+
+@pytest.fixture(scope="module")
+def permuted(ckpt_a, tmp_path_factory):
+    return permuted_draft(ckpt_a, tmp_path_factory.mktemp("permuted") / "draft")
+
+
+def _proposer(llm) -> ForeignDraftProposer:
+    proposer = llm.engine.runner.speculation.proposer
+    assert isinstance(proposer, ForeignDraftProposer)
+    return proposer
+
+
+@pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
+def test_greedy_parity_chain(make_llm, ckpt_a, foreign, prompts, plain_outputs, config):
+    llm = spec_llm(make_llm, ckpt_a, foreign, 8, **ENGINE_CONFIGS[config])
+    assert [o.outputs[0].token_ids for o in run(llm, prompts, 8)] == plain_outputs
+    proposer = _proposer(llm)
+    assert 0.25 <= llm.engine.runner.stats.shared_vocabulary < 1.0
+    # the prompts reach the draft through re-tokenized tokens too
+    assert any(len(proposer.vocab.expand(t)) > 1 for p in prompts for t in p)
+    assert llm.engine.runner.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("shape", ["tree", "dynamic"])
+def test_greedy_parity_trees(make_llm, ckpt_a, foreign, prompts, plain_outputs, shape):
+    llm = spec_llm(make_llm, ckpt_a, foreign, 8, spec_tree=SHAPES[shape], **ENGINE_CONFIGS["paged-prefix-small-chunks"])
+    assert [o.outputs[0].token_ids for o in run(llm, prompts, 8)] == plain_outputs
+    assert llm.engine.runner.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_target_under_shuffled_ids_drafts_as_the_target_itself(make_llm, ckpt_a, permuted, prompts, plain_outputs,
+                                                                    shape):
+    # the same drafts in other ids: every count as with the target drafting for itself (a
+    # wrong mapping would accept almost nothing)
+    counts = []
+    for draft in (permuted, ckpt_a):
+        llm = spec_llm(make_llm, ckpt_a, draft, 1, spec_tree=SHAPES[shape])
+        assert [o.outputs[0].token_ids for o in run(llm, prompts[:3], 1)] == plain_outputs[:3]
+        s = llm.engine.runner.stats
+        counts.append((s.drafts, s.draft_tokens, s.accepted_tokens, s.accepted_per_position))
+    assert llm.engine.runner.stats.shared_vocabulary is None
+    assert counts[0] == counts[1] and counts[0][2] >= counts[0][0]  # (at least one token a round)
+    if shape == "chain":
+        assert counts[0][2] == K * counts[0][0]
+
+
+def test_sampled_self_draft_under_shuffled_ids_accepts_its_drafts(make_llm, ckpt_a, permuted, prompts):
+    # q mapped to the target's columns is the target's p: min(1, p/q) = 1 (up to rounding)
+    llm = spec_llm(make_llm, ckpt_a, permuted, 8)
+    run(llm, prompts, 8, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=GREEDY.max_tokens, ignore_eos=True,
+                                        seed=1))
+    assert llm.engine.runner.stats.acceptance_rate >= 0.97
+
+
+def test_a_draft_reading_more_tokens_than_the_target_stops_at_max_seq_len(make_llm, ckpt_a, foreign, prompts):
+    max_seq_len = 80
+    plain = make_llm(ckpt_a, kv_cache_backend="contiguous", max_seq_len=max_seq_len)
+    spec = make_llm(ckpt_a, kv_cache_backend="contiguous", max_seq_len=max_seq_len, max_batch_size=8,
+                    use_speculative_decoding=True, draft_model=str(foreign), spec_length=K)
+    vocab = _proposer(spec).vocab
+    params = [SamplingParams(temperature=0, max_tokens=max_seq_len - len(p), ignore_eos=True) for p in prompts]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    outs = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # the draft reads some request as more tokens than the target holds by the end
+    assert any(sum(len(vocab.expand(t)) for t in p + o.outputs[0].token_ids) > max_seq_len
+               for p, o in zip(prompts, outs, strict=True))

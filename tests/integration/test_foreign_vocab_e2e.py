@@ -5,7 +5,9 @@ over the engine configurations of the other speculation tests (prefix caching, s
 chunks, forced preemption), with a draft whose vocabulary was trained on another corpus;
 the target's own weights under a shuffled vocabulary accept (nearly) every draft, so the
 mapping is right both ways; a draft whose cache runs past max_seq_len (target tokens it
-reads as several) stops drafting there; nothing leaks (make_llm checks every engine).
+reads as several) stops drafting there; the adaptive policy's plain steps between rounds and
+a sharded draft under tensor parallelism keep parity; nothing leaks (make_llm checks every
+engine).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from __future__ import annotations
 import pytest
 
 from helpers.foreign_vocab import foreign_draft, permuted_draft
-from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, run, spec_llm
-from infer import SamplingParams
+from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, run, spec_llm, word_prompts
+from infer import LLM, SamplingParams
 from infer.speculative.foreign_draft import ForeignDraftProposer
 
 SHAPES = {"chain": None, "tree": "3,2,1,1", "dynamic": "dynamic:6:2"}
@@ -92,3 +94,26 @@ def test_a_draft_reading_more_tokens_than_the_target_stops_at_max_seq_len(make_l
     # the draft reads some request as more tokens than the target holds by the end
     assert any(sum(len(vocab.expand(t)) for t in p + o.outputs[0].token_ids) > max_seq_len
                for p, o in zip(prompts, outs, strict=True))
+
+
+def test_greedy_parity_under_the_adaptive_policy(make_llm, ckpt_a, foreign, prompts, plain_outputs):
+    # (plain steps between rounds: the draft catches up on their tokens, expanded)
+    llm = spec_llm(make_llm, ckpt_a, foreign, 8, spec_policy="adaptive", spec_cost_coefficient=0.05)
+    assert [o.outputs[0].token_ids for o in run(llm, prompts, 8)] == plain_outputs
+    assert llm.engine.runner.stats.drafts > 0
+
+
+def test_a_sharded_draft_of_shuffled_ids_under_tensor_parallelism(tp_ckpt, tmp_path):
+    # the draft's logits are gathered whole on the driver, then masked and mapped there
+    draft = permuted_draft(tp_ckpt, tmp_path / "draft")
+    prompts = word_prompts(tp_ckpt, n=4)
+    with LLM(str(tp_ckpt), device="cpu", max_seq_len=128) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    with LLM(str(tp_ckpt), device="cpu", max_seq_len=128, tensor_parallel_size=2, tensor_parallel_draft="sharded",
+             use_speculative_decoding=True, draft_model=str(draft), spec_length=K) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.runner.stats.acceptance_rate > 0.9
+        assert llm.engine.leak_report() == []
+        workers = llm.engine.parallel.workers
+    assert len(workers) == 1 and workers[0].returncode == 0  # (rank 1; this process is rank 0)

@@ -107,15 +107,18 @@ def test_overflow_guard_near_max_seq_len(make_llm, ckpt_a, prompts, backend):
     assert out.token_ids == ref and len(ref) == 13
 
 
-def test_tokenizer_mismatch_is_a_clear_error(make_llm, tmp_path, ckpt_a):
+def test_a_draft_padded_to_another_vocabulary_size_drafts_over_its_tokens(make_llm, tmp_path, ckpt_a, prompts,
+                                                                          plain_outputs):
+    # (other tokenizers: test_foreign_vocab_e2e.py)
     from transformers import LlamaForCausalLM
 
     from helpers.checkpoints import hf_config, write_tokenizer
     other = tmp_path / "other"
     _, bos, eos = write_tokenizer(other)
-    LlamaForCausalLM(hf_config("a", 400, bos, eos)).save_pretrained(other)  # a different vocabulary
-    with pytest.raises(ValueError, match="vocab"):
-        make_llm(ckpt_a, use_speculative_decoding=True, draft_model=str(other))
+    LlamaForCausalLM(hf_config("a", 400, bos, eos)).save_pretrained(other)  # 16 padding logits more
+    llm = _spec_llm(make_llm, ckpt_a, other, 8)
+    assert [o.outputs[0].token_ids for o in _run(llm, prompts, 8)] == plain_outputs
+    assert llm.engine.runner.stats.shared_vocabulary == 1.0 and llm.engine.runner.stats.draft_tokens > 0
 
 
 @pytest.mark.parametrize("kwargs, words", [

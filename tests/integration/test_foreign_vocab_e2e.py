@@ -117,3 +117,25 @@ def test_a_sharded_draft_of_shuffled_ids_under_tensor_parallelism(tp_ckpt, tmp_p
         assert llm.engine.leak_report() == []
         workers = llm.engine.parallel.workers
     assert len(workers) == 1 and workers[0].returncode == 0  # (rank 1; this process is rank 0)
+
+
+def test_a_fault_mapping_one_request_fails_it_alone(make_llm, ckpt_a, foreign, prompts, plain_outputs, monkeypatch):
+    real_propose, real_map = ForeignDraftProposer.propose, ForeignDraftProposer.to_target
+
+    def propose(self, requests, shape, depths):  # (drafts are mapped in the order of `requests`)
+        self.rows = iter(r.sampling_params.greedy for r in requests)
+        return real_propose(self, requests, shape, depths)
+
+    def to_target(self, draft):
+        if not next(self.rows):  # the one sampled request's
+            raise RuntimeError("injected mapping failure")
+        return real_map(self, draft)
+
+    monkeypatch.setattr(ForeignDraftProposer, "propose", propose)
+    monkeypatch.setattr(ForeignDraftProposer, "to_target", to_target)
+    llm = spec_llm(make_llm, ckpt_a, foreign, 8)
+    params = [GREEDY] * len(prompts)
+    params[1] = SamplingParams(temperature=0.8, seed=3, max_tokens=GREEDY.max_tokens, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert outs[1].outputs[0].finish_reason == "error"
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 1] == plain_outputs[:1] + plain_outputs[2:]

@@ -34,6 +34,7 @@ import torch
 from infer.cache.forward_batch import BatchPlan, DeviceIds
 from infer.sampling import SamplingParams
 from infer.speculative.draft_model import DraftModelProposer, fed_positions
+from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.node_tree import DynamicShape
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, TreeShape
@@ -131,7 +132,8 @@ class ForeignDraftProposer:
     def __init__(self, inner: DraftModelProposer, vocab: VocabMap) -> None:
         self.inner = inner
         self.vocab = vocab
-        self.source = vocab.probs_source().to(inner.device)  # [V_t] draft id proposed as each target id
+        source = vocab.probs_source().to(inner.device)  # [V_t] the draft id proposed as each target id, or -1
+        self.source, self.missing = source.clamp(min=0), source < 0
         self.tokens: dict[str, DraftTokens] = {}  # request id -> its tokens in the draft's ids
 
     @classmethod
@@ -151,7 +153,14 @@ class ForeignDraftProposer:
                 depths: Sequence[int]) -> list[Draft]:
         views = [self.view(r) for r in requests]
         ks = [k if k > 0 and self._ready(v, shape, k) else 0 for v, k in zip(views, depths, strict=True)]
-        return [self.to_target(d) for d in self.inner.propose(views, shape, ks)]
+        drafts = []
+        for request, draft in zip(requests, self.inner.propose(views, shape, ks), strict=True):
+            n = len(draft.token_ids)
+            mapped = Draft(draft.shape, (0,) * n, (False,) * n)  # (the request's fault: nothing drafted)
+            with isolated(request, DRAFTING):
+                mapped = self.to_target(draft)
+            drafts.append(mapped)
+        return drafts
 
     def _ready(self, view: DraftView, shape: TreeShape | DynamicShape, k: int) -> bool:
         """Whether the row can draft a round of depth k in the draft's ids (module docstring)."""
@@ -181,7 +190,7 @@ class ForeignDraftProposer:
             ok = t >= 0 and (parents[node] < 0 or valid[parents[node]])
             tokens.append(t if ok else 0)
             valid.append(ok)
-        probs = None if draft.probs is None else probs_to_target(draft.probs, self.source)
+        probs = None if draft.probs is None else probs_to_target(draft.probs, self.source, self.missing)
         return Draft(draft.shape, tuple(tokens), tuple(valid), probs)
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:

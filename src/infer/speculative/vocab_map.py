@@ -86,12 +86,11 @@ class VocabMap:
         return out
 
 
-def probs_to_target(probs: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+def probs_to_target(probs: torch.Tensor, source: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
     """q over the draft's ids [M, V_d] -> over the target's [M, V_t]: column t holds the
-    draft's q of the id proposed as t (source [V_t] from `VocabMap.probs_source`, on q's
-    device), 0 where none is."""
-    taken = probs.index_select(-1, source.clamp(min=0))  # [M, V_t]
-    return taken.masked_fill_(source < 0, 0.0)
+    draft's q of the id proposed as t, 0 where none is. source [V_t]: `VocabMap.probs_source`
+    clamped to 0; missing [V_t]: where it was -1 (both on q's device)."""
+    return probs.index_select(-1, source).masked_fill_(missing, 0.0)  # [M, V_t]
 
 
 def greedy_pieces(raw: bytes, pieces: Mapping[bytes, int], longest: int) -> tuple[int, ...]:

@@ -1,0 +1,69 @@
+"""A draft with another tokenizer on the GPU (`pytest -m gpu tests/gpu/test_gpu_foreign_vocab.py`).
+
+The masked draft forward wraps the draft's graphed forward: CUDA graphs must give the
+tokens eager execution gives (greedy and seeded sampling, chains and a static tree), the
+draft's graphs must replay, and the target under shuffled ids must accept every draft with
+graphs on as without.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from helpers.checkpoints import encode
+from helpers.foreign_vocab import foreign_draft, permuted_draft
+from infer import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+KW = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, compile_kernels=False,
+          use_speculative_decoding=True, spec_length=3)
+
+
+@pytest.fixture(scope="module")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return foreign_draft(tmp_path_factory.mktemp("foreign"))
+
+
+def _prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
+    rng = random.Random(5)
+    words = "the cat sat on the mat and a dog ran to the park while birds sang".split()
+    return [encode(model_dir, " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))) for _ in range(n)]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY
+            ) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.parametrize("tree", [None, "2,2,1"])
+def test_graphs_match_eager_with_a_draft_of_another_tokenizer(ckpt_a: Path, foreign: Path, tree: str | None) -> None:
+    prompts = _prompts(ckpt_a)
+    sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
+    kw = dict(KW, draft_model=str(foreign), spec_tree=tree)
+    eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
+    graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
+    plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
+                compile_kernels=False)
+    assert _tokens(graphs, prompts) == _tokens(eager, prompts) == _tokens(plain, prompts)
+    assert _tokens(graphs, prompts, sampled) == _tokens(eager, prompts, sampled)
+    draft = graphs.engine.runner.speculation.draft
+    assert draft is not None and draft.step_forward.forward.replays > 0  # (the masked forward's graphs)
+    assert graphs.engine.runner.stats.draft_tokens > 0
+    for llm in (graphs, eager, plain):
+        assert llm.engine.leak_report() == []
+
+
+def test_the_target_under_shuffled_ids_accepts_its_drafts_in_graphs(ckpt_a: Path, tmp_path: Path) -> None:
+    draft = permuted_draft(ckpt_a, tmp_path / "draft")
+    llm = LLM(str(ckpt_a), use_cuda_graphs=True, draft_model=str(draft), **KW)
+    plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
+                compile_kernels=False)
+    prompts = _prompts(ckpt_a)
+    assert _tokens(llm, prompts) == _tokens(plain, prompts)
+    assert llm.engine.runner.stats.acceptance_rate >= 0.99
+    assert llm.engine.leak_report() == []

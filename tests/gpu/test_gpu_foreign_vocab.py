@@ -3,7 +3,8 @@
 The masked draft forward wraps the draft's graphed forward: CUDA graphs must give the
 tokens eager execution gives (greedy and seeded sampling, chains and a static tree), the
 draft's graphs must replay, and the target under shuffled ids must accept every draft with
-graphs on as without.
+graphs on as without. The adaptive policy's cost measurement at start (GPU only) times a
+draft whose vocabulary is smaller than the target's.
 """
 
 from __future__ import annotations
@@ -66,4 +67,15 @@ def test_the_target_under_shuffled_ids_accepts_its_drafts_in_graphs(ckpt_a: Path
     prompts = _prompts(ckpt_a)
     assert _tokens(llm, prompts) == _tokens(plain, prompts)
     assert llm.engine.runner.stats.acceptance_rate >= 0.99
+    assert llm.engine.leak_report() == []
+
+
+def test_adaptive_policy_times_a_draft_of_a_smaller_vocabulary(ckpt_a: Path, foreign: Path) -> None:
+    # the cost measurement at start feeds both models ids below the smaller vocabulary (330)
+    llm = LLM(str(ckpt_a), use_cuda_graphs=True, draft_model=str(foreign), **dict(KW, spec_policy="adaptive"))
+    assert 0.0 < llm.engine.runner.speculation.policy.config.c < 5.0
+    prompts = _prompts(ckpt_a, 4)
+    plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
+                compile_kernels=False)
+    assert _tokens(llm, prompts) == _tokens(plain, prompts)
     assert llm.engine.leak_report() == []

@@ -12,6 +12,9 @@ engine).
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 from helpers.foreign_vocab import foreign_draft, permuted_draft
@@ -39,8 +42,14 @@ def _proposer(llm) -> ForeignDraftProposer:
 
 
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))
-def test_greedy_parity_chain(make_llm, ckpt_a, foreign, prompts, plain_outputs, config):
+def test_greedy_parity_chain(make_llm, ckpt_a, foreign, prompts, plain_outputs, config, caplog):
+    caplog.set_level(logging.INFO, logger="infer.engine")
     llm = spec_llm(make_llm, ckpt_a, foreign, 8, **ENGINE_CONFIGS[config])
+    # the shared fraction: logged at the pairing and in the start-up line
+    assert re.search(r"another vocabulary than the target .*: drafting over the tokens they share \(\d+ shared",
+                     caplog.text)
+    assert re.search(r"engine ready in .*; the draft drafts over \d+ shared tokens, \d+\.\d% of the smaller",
+                     caplog.text)
     assert [o.outputs[0].token_ids for o in run(llm, prompts, 8)] == plain_outputs
     proposer = _proposer(llm)
     assert 0.25 <= llm.engine.runner.stats.shared_vocabulary < 1.0

@@ -1,19 +1,13 @@
 """Whether a draft model can speculate for a target, decided from their files alone.
 
-Speculative decoding compares the draft's and the target's distributions token by token.
-`check_pair` compares what the config files (or GGUF metadata) and the tokenizer files say,
-before either model's weights are read (engine/loading.py calls it):
-
-- the same vocabulary (as many logits, the same token behind every id both tokenizers
-  define): the draft proposes target ids directly (None);
-- another vocabulary (another tokenizer, or the same one padded to another width): the
-  draft drafts over the tokens both share, matched by their bytes (a `VocabMap`, the
-  token-level intersection of `speculative/foreign_draft.py`), when they share at least
-  MIN_SHARED of the smaller vocabulary; the shared fraction is logged;
-- a pair sharing less, or another vocabulary size without tokenizer files to compare
-  (dummy shapes), is refused with what to do.
-
-The draft's own stop ids do not matter: the target's decide when a request ends.
+`check_pair` compares what the config files (or GGUF metadata) and tokenizer files say,
+before either model's weights are read (engine/loading.py calls it): the same vocabulary
+(as many logits, the same token at every id both tokenizers define) proposes target ids
+directly; another vocabulary drafts over the tokens both share, matched by their bytes (a
+`VocabMap`, speculative/foreign_draft.py) when they share at least MIN_SHARED of the smaller
+vocabulary, the fraction logged; a pair sharing less, or of another size without tokenizers
+to compare (dummy shapes), is refused with what to do. The draft's own stop ids do not
+matter: the target's decide when a request ends.
 """
 
 from __future__ import annotations

@@ -156,7 +156,9 @@ class Speculation:
             step, step_pool = draft.step_forward, draft.pool
         elif head is not None:
             step, step_pool = RoundStepFn(head.round_fn, head.head), head.pool
-        costs = measure_spec_costs(forward, pool, step, step_pool, target.config.vocab_size,
+        vocab = target.config.vocab_size  # (timed with ids both models hold: a draft may have another vocabulary)
+        vocab = min(vocab, draft.model.config.vocab_size) if draft is not None else vocab
+        costs = measure_spec_costs(forward, pool, step, step_pool, vocab,
                                    StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))
         if c is None:

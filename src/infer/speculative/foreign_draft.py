@@ -1,27 +1,15 @@
 """A draft model with another tokenizer: it drafts in its own ids over the tokens it shares
-with the target (token-level intersection, `vocab_map.py`), and the target verifies.
+with the target (token-level intersection, `vocab_map.py`; docs/architecture.md).
 
 `ForeignDraftProposer` wraps the `DraftModelProposer`, which runs unchanged in the draft's
-ids:
-
-- Its forward masks the logits of every id the target lacks (`MaskedForward`), before the
-  request's sampling transforms: the draft samples, and reports q, over the shared tokens
-  alone, renormalised. Each drafted token is then one target token and its q moves to the
-  target's columns, so rejection sampling sees a proposal and the exact distribution it
-  was drawn from: the target's output distribution is unchanged (the verifier's proof holds
-  for any q).
-- It reads each request through a `DraftView`: the target's tokens, each expanded into
-  draft ids (`VocabMap.expand`: a shared token as itself, another as its bytes cut into the
-  draft's longest tokens, a special token the draft lacks as nothing), appended as they
-  become known (`DraftTokens`). The target's first n + 1 tokens (g last) are the draft's
-  first L(n + 1); the draft's cache positions are its own. Accepted drafts are shared tokens
-  standing for themselves, so the draft's rollback to n_d + 1 + accepted stays exact.
-- Its cache may run longer than the target's (a token expanded into several): a row whose
-  round would pass the draft's max_seq_len, or find its pool full, drafts nothing that
-  round (a plain step for it); a row whose g expanded to nothing gives back the draft's
-  last token, fed again with g's round.
-- A structured output's grammar does not mask these drafts (it speaks the target's ids):
-  the verifier rejects what the grammar forbids.
+ids: over a `MaskedForward` (logits of ids the target lacks at -inf before the request's
+sampling transforms, so the draft samples and reports q over shared tokens, renormalised),
+reading each request through a `DraftView` (the target's tokens expanded into draft ids:
+the target's first n + 1 tokens are the draft's first L(n + 1)). Its drafts are mapped to
+target ids and their q to the target's columns, so the verifier stays exact. A row whose
+round would pass the draft's max_seq_len or find its pool full drafts nothing that round;
+a g standing for no draft id gives the draft's last token back, fed again. No grammar
+masks these drafts (the verifier rejects what it forbids).
 """
 
 from __future__ import annotations

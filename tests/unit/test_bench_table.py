@@ -19,7 +19,7 @@ from infer.bench.rows import Module, Row, index_rows, with_refs
 from infer.engine.threads import auto_threads, available_cores
 from infer.models.loader import load_model
 
-from helpers.checkpoints import make_checkpoint
+from helpers.foreign_vocab import narrow_draft
 
 RECORDS = Path(__file__).resolve().parents[2] / "bench-results"
 # rows of the recorded runs that no suite produces any more: a drift probe at the end of
@@ -156,8 +156,8 @@ def test_costs_load_through_the_engine_and_run_on_its_threads(ckpt_a, monkeypatc
 
 
 def test_costs_of_an_incompatible_draft_fail_with_the_engines_check(ckpt_a, tmp_path):
-    other = make_checkpoint(tmp_path / "wide", "a", vocab_size=400)  # another vocabulary size
+    other = narrow_draft(tmp_path / "narrow")  # a vocabulary sharing too little to draft over
     run = BenchRun("t")
     row = measures.costs_row("costs", "c", str(ckpt_a), str(other), False)
     Harness(run, HarnessOptions(device="cpu", quiet=True, cost_repeats=1)).run_rows(["costs"], {"costs": row})
-    assert run.get("costs").status == "error" and "vocab" in run.get("costs").error.lower()
+    assert run.get("costs").status == "error" and "vocabulary" in run.get("costs").error.lower()

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from infer.speculative.tree import TreeShape
 
 EAGLE_METHODS = ("eagle", "eagle3")  # speculative methods whose draft_model is an EAGLE head
+MEDUSA = "medusa"  # the speculative method whose draft_model is a directory of Medusa heads
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns
 # it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
@@ -33,7 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "draft_quantization": ("fp8", "int4"),
     "batching_mode": ("continuous", "static"),
     "kv_cache_backend": ("paged", "contiguous"),
-    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "eagle", "eagle3"),
+    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", MEDUSA),
     "spec_policy": ("fixed", "adaptive"),
     "tensor_parallel_embedding": _VOCAB_LAYOUTS,
     "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
@@ -59,7 +60,7 @@ class EngineConfig:
       speculation        use_speculative_decoding (None: on when any field below is set),
                          speculative_method ("draft_model",
                          "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
-                         EAGLE / EAGLE-3 head), draft_model, spec_length (K), spec_tree,
+                         EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model, spec_length (K), spec_tree,
                          spec_policy ("fixed" or "adaptive"), n-gram orders and window
       parallelism        tensor_parallel_size, the placement of embedding, head, draft, the all-reduce
       sampling           seed (of requests that set none)
@@ -73,7 +74,7 @@ class EngineConfig:
     # None | "fp8": the target's linear weights in FP8 (per-channel) | "int4": 4-bit codes in groups
     # of 128 columns (8-bit head), quantized at load; checkpoints stored quantized load as stored
     quantization: str | None = None
-    draft_quantization: str | None = None  # the same for the draft model
+    draft_quantization: str | None = None  # the same for the draft model (or Medusa heads)
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     threads: int | None = None  # CPU: torch threads; None = by model size (engine/threads.py)
     # batching and memory
@@ -109,7 +110,8 @@ class EngineConfig:
     use_speculative_decoding: bool | None = None
     speculative_method: str = "draft_model"
     # dir, hub id or .gguf; None with the demo target = the bundled demo draft. With
-    # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py)
+    # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py); with
+    # "medusa": the Medusa heads' directory (models/medusa_files.py)
     draft_model: str | None = None
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None
@@ -210,9 +212,10 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching=True requires kv_cache_backend='paged' "
                              "(set enable_prefix_caching=False for the contiguous backend)")
         if self.draft_quantization is not None and not (
-                self.use_speculative_decoding and self.speculative_method == "draft_model"):
-            raise ValueError("draft_quantization applies to a draft model: set use_speculative_decoding=True "
-                             "with speculative_method='draft_model', or leave draft_quantization unset")
+                self.use_speculative_decoding and self.speculative_method in ("draft_model", MEDUSA)):
+            raise ValueError("draft_quantization applies to a draft model or Medusa heads: set "
+                             "use_speculative_decoding=True with speculative_method='draft_model' or 'medusa', "
+                             "or leave draft_quantization unset")
         if self.tensor_parallel_draft == "sharded" and not (
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="
@@ -228,6 +231,8 @@ class EngineConfig:
                                  "requires draft_model (a path or hub id)")
             if self.speculative_method in EAGLE_METHODS:
                 self._check_eagle()
+            if self.speculative_method == MEDUSA:
+                self._check_medusa()
 
     def _check_eagle(self) -> None:
         method = self.speculative_method
@@ -238,6 +243,14 @@ class EngineConfig:
                                 if self.model is None else ""))
         if self.tensor_parallel_size != 1:
             raise ValueError(f"speculative_method={method!r} runs on one GPU: set tensor_parallel_size=1")
+
+    def _check_medusa(self) -> None:
+        if self.draft_model is None:
+            raise ValueError("speculative_method='medusa' requires draft_model: the directory of Medusa heads "
+                             "trained for the target (config.json with medusa_num_heads, and "
+                             "medusa_lm_head.safetensors or .pt), or 'dummy-medusa:<shape>' for timing")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("speculative_method='medusa' runs on one GPU: set tensor_parallel_size=1")
 
     def _tree_shape(self) -> TreeShape:
         from infer.speculative.tree import TreeShape

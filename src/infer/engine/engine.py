@@ -87,7 +87,8 @@ class Engine:
         return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
                            draft_model=self.models.draft if self.config.use_speculative_decoding else None,
                            head=self.models.head if self.config.use_speculative_decoding else None,
-                           vocab_map=self.models.vocab_map)
+                           vocab_map=self.models.vocab_map,
+                           medusa=self.models.medusa if self.config.use_speculative_decoding else None)
 
     def close(self) -> None:
         """Shut the worker ranks down and leave their process group (tensor parallelism;

@@ -10,10 +10,11 @@ Everything that can be checked from files is checked before any weight is read
 rebuild fails in a fraction of a second, not after dequantizing), and a draft's vocabulary
 is compared with the target's (engine/pairing.py: the same vocabulary, or one sharing enough
 tokens to draft over them, a `VocabMap`), an EAGLE head's config.json with the target's
-(models/eagle.py: hidden size, vocabulary, captured layers).
+(models/eagle.py: hidden size, vocabulary, captured layers), Medusa heads' with the
+target's and the round's depth (models/medusa.py: hidden size, vocabulary, one head a depth).
 
 With an EAGLE head the target gets a `HiddenCapture` of the points the head reads, so its
-every forward leaves them for the proposer.
+every forward leaves them for the proposer; with Medusa heads, of its final normed output.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EAGLE_METHODS, EngineConfig
+from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead, EagleHeadConfig, load_eagle_head, read_head_config
@@ -31,6 +32,8 @@ from infer.models.eagle_dummy import dummy_eagle_head, dummy_head_config, is_dum
 from infer.models.gguf.path import is_gguf_path
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model, read_model_config, resolve_model_path
+from infer.models.medusa import MedusaConfig, MedusaHead, dummy_medusa_config, dummy_medusa_head, is_dummy_medusa
+from infer.models.medusa_files import load_medusa_head, read_medusa_config
 from infer.models.shard import ModelShard
 from infer.speculative.vocab_map import VocabMap
 from infer.tokenization import Tokenizer
@@ -65,6 +68,7 @@ class LoadedModels:
     eos_token_ids: tuple[int, ...]
     head: EagleHead | None = None  # speculative_method "eagle" / "eagle3"
     vocab_map: VocabMap | None = None  # a draft with another vocabulary: the tokens it shares with the target
+    medusa: MedusaHead | None = None  # speculative_method "medusa"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -147,11 +151,15 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     if head_path is not None:  # refused from config files, before any weight is read
         head_config(head_path, config.speculative_method).check_target(
             read_model_config(target_path, config.load_format))
+    medusa_dir = medusa_path(config)
+    if medusa_dir is not None:  # (likewise)
+        check_medusa(config, medusa_dir, target_path)
     target = load_target(config, target_path, device, target_shard)
     draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
     head = None if head_path is None else load_head(config, head_path, target)
+    medusa = None if medusa_dir is None else load_medusa(config, medusa_dir, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
-    return LoadedModels(target, draft, tokenizer, tuple(eos), head, vocab_map)
+    return LoadedModels(target, draft, tokenizer, tuple(eos), head, vocab_map, medusa)
 
 
 def eagle_head_path(config: EngineConfig) -> str | None:
@@ -176,4 +184,36 @@ def load_head(config: EngineConfig, path: str, target: LlamaForCausalLM) -> Eagl
     else:
         head = load_eagle_head(path, config.speculative_method, target)
     target.capture = HiddenCapture(head.spec.capture_points(target.config.num_hidden_layers))
+    return head
+
+
+def medusa_path(config: EngineConfig) -> str | None:
+    """The Medusa heads' directory (or dummy name) when speculation uses them."""
+    return config.draft_model if config.use_speculative_decoding and config.speculative_method == MEDUSA else None
+
+
+def medusa_config(path: str) -> MedusaConfig:
+    """Medusa heads' config: a directory's config.json, or dummy heads' (`dummy-medusa:<shape>`)."""
+    return dummy_medusa_config(path) if is_dummy_medusa(path) else read_medusa_config(path)
+
+
+def check_medusa(config: EngineConfig, path: str, target_path: str) -> None:
+    """Refuse heads that do not fit the target or the round's depth, from config files alone."""
+    spec = medusa_config(path)
+    spec.check_target(read_model_config(target_path, config.load_format))
+    assert config.spec_length is not None
+    spec.check_depth(config.spec_length)
+
+
+def load_medusa(config: EngineConfig, path: str, target: LlamaForCausalLM) -> MedusaHead:
+    """The Medusa heads (target's dtype and device, `draft_quantization`), and the target's
+    capture of its final normed output, which they read."""
+    norm = target.model.norm.weight  # (in the model's dtype whatever its linears are stored as)
+    if is_dummy_medusa(path):
+        spec = dummy_medusa_config(path)
+        spec.check_target(target.config)
+        head = dummy_medusa_head(spec, norm.dtype, norm.device, config.draft_quantization)
+    else:
+        head = load_medusa_head(path, target.config, norm.dtype, norm.device, config.draft_quantization)
+    target.capture = HiddenCapture((target.config.num_hidden_layers,))
     return head

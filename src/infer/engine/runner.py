@@ -54,6 +54,7 @@ from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER
 from infer.models.llama import LlamaForCausalLM
+from infer.models.medusa import MedusaHead
 from infer.sampling import (NO_TOKEN, SamplingParams, draw_uniforms, greedy_tokens, logits_to_probs,
                             sample_from_probs, temperature_only)
 from infer.speculative.eagle import EagleProposer
@@ -76,7 +77,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
                  eos_token_ids: tuple[int, ...], executor: Executor = LOCAL,
                  draft_model: LlamaForCausalLM | None = None, head: EagleHead | None = None,
-                 vocab_map: VocabMap | None = None) -> None:
+                 vocab_map: VocabMap | None = None, medusa: MedusaHead | None = None) -> None:
         self.model = model
         self.config = config
         self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
@@ -95,9 +96,11 @@ class ModelRunner:
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
         if config.use_speculative_decoding:
-            drafter = draft_model if draft_model is not None else head  # (None: n-gram or prompt lookup)
+            # the model that drafts (None: n-gram or prompt lookup)
+            drafter = draft_model if draft_model is not None else head if head is not None else medusa
             draft_kernels = EAGER if drafter is None else step_kernels(config, self.device, drafter)
-            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map)
+            self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map,
+                                                 medusa)
             self.speculation.start(self.forward_fn, self.cache_pool, model)
             self.verification = Verification(model.config.vocab_size, self.device, self.speculation.tree)
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued

@@ -1,7 +1,7 @@
 """Speculation: what the runner needs to draft, built once from the engine's config.
 
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
-functions, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
+functions, an EAGLE head, Medusa heads, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
 the draft's measured cost c), the round clock of the adaptive policy, and the round's
 draft shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
 (`DynamicShape`: each row drafts its own, run eagerly: no CUDA graphs of their steps yet).
@@ -24,19 +24,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.config import EAGLE_METHODS, EngineConfig
+from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.request import Request
-from infer.engine.step_costs import RoundStepFn, StepCostConfig, measure_spec_costs, weight_bytes
+from infer.engine.step_costs import (DraftStepFn, MedusaStepFn, RoundStepFn, StepCostConfig, measure_spec_costs,
+                                     weight_bytes)
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.models.medusa import MedusaHead
 from infer.speculative.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.eagle import EagleProposer
 from infer.speculative.foreign_draft import ForeignDraftProposer
+from infer.speculative.medusa import MedusaProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
@@ -92,12 +95,13 @@ class Speculation:
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
               draft_kernels: Kernels, head: EagleHead | None = None,
-              target: LlamaForCausalLM | None = None, vocab_map: VocabMap | None = None) -> Speculation:
+              target: LlamaForCausalLM | None = None, vocab_map: VocabMap | None = None,
+              medusa: MedusaHead | None = None) -> Speculation:
         """The proposer and policy; the adaptive policy's costs are measured by `start`.
-        An EAGLE head needs the target, whose `capture` it reads. `draft_kernels`: the
-        draft model's or the head's bundle for its fixed-shape steps (`step_kernels`).
-        `vocab_map`: a draft model with another vocabulary drafts over the shared tokens
-        (`speculative/foreign_draft.py`)."""
+        An EAGLE head or Medusa heads need the target, whose `capture` they read.
+        `draft_kernels`: the draft model's or the head's bundle for its fixed-shape steps
+        (`step_kernels`). `vocab_map`: a draft model with another vocabulary drafts over the
+        shared tokens (`speculative/foreign_draft.py`)."""
         tree = round_tree(config)
         draft = None
         proposer: Proposer
@@ -106,6 +110,11 @@ class Speculation:
                 raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
                                  "with its target (engine.loading.load_models)")
             proposer = _eagle_proposer(config, executor, head, target.capture, draft_kernels)
+        elif config.speculative_method == MEDUSA:
+            if medusa is None or target is None or target.capture is None:
+                raise ValueError("speculative_method='medusa' needs Medusa heads loaded with their target "
+                                 "(engine.loading.load_models)")
+            proposer = MedusaProposer(medusa, target.capture, draft_kernels)
         elif config.speculative_method != "draft_model":
             proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,
@@ -140,22 +149,28 @@ class Speculation:
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
         a draft model one pass of its forward; an EAGLE head, drafting a chain in one call a
         round, what a step adds to its round (`round_step_times`: the round's fixed part is
-        host overhead the round clock times); `spec_cost_coefficient` overrides c."""
+        host overhead the round clock times), and Medusa heads likewise, one head a step;
+        `spec_cost_coefficient` overrides c."""
         c = self.config.spec_cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
+        medusa = self.proposer if isinstance(self.proposer, MedusaProposer) else None
         if next(target.parameters()).device.type != "cuda":
+            if c is None and medusa is not None:
+                c = weight_bytes(medusa.head) / medusa.head.spec.num_heads / weight_bytes(target)
             if c is None:
                 model = draft.model if draft is not None else head.head if head is not None else None
                 c = 0.0 if model is None else weight_bytes(model) / weight_bytes(target)
             return c, 0.0
         k = self.spec_length
         context = max(1, min(256, self.config.max_seq_len - k - 2))
-        step: ForwardFn | RoundStepFn | None = None
+        step: DraftStepFn | None = None
         step_pool = None
         if draft is not None:
             step, step_pool = draft.step_forward, draft.pool
         elif head is not None:
             step, step_pool = RoundStepFn(head.round_fn, head.head), head.pool
+        elif medusa is not None:  # (no cache of its own: timed on a scratch slot of the target's pool)
+            step, step_pool = MedusaStepFn(medusa.head, target.model.norm.weight.dtype, medusa.kernels), pool
         vocab = target.config.vocab_size  # (timed with ids both models hold: a draft may have another vocabulary)
         vocab = min(vocab, draft.model.config.vocab_size) if draft is not None else vocab
         costs = measure_spec_costs(forward, pool, step, step_pool, vocab,

@@ -13,8 +13,9 @@ step of its own to time: its rounds of one fed position and S = 1 and S = max(2,
 steps are timed (`RoundStepFn`), and its step is the slope, (t(S) - t(1)) / (S - 1), what
 each further draft step adds to a round; the rest of t(1), the feed with the host's staging
 and the launch, is the round's fixed part (`draft_fixed_s`), paid once a round like the
-verification's host work. A draft model steps one forward pass at a time: its step is one
-timed pass.
+verification's host work. Medusa heads draft a round in one call too, one head a depth
+(`MedusaStepFn`): their step is the slope of rounds of 1 and S heads in the same way. A
+draft model steps one forward pass at a time: its step is one timed pass.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.kernels import step_kernels
 from infer.models.eagle import EagleHead
+from infer.models.kernels import Kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.models.medusa import MedusaHead
 from infer.speculative.eagle_round import HeadRoundFn
 from infer.timing import TimingStats, time_calls
 
@@ -87,7 +90,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return params + buffers
 
 
-def forward_times(forward: ForwardFn | RoundStepFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
+def forward_times(forward: DraftStepFn, pool: CachePoolProtocol, shapes: list[Shape], vocab: int,
                   cfg: StepCostConfig, device: torch.device) -> dict[Shape, TimingStats]:
     """Median time of one batch-1 call of `forward` for each (width, all_logits) shape, on a
     scratch slot holding `cfg.context_len` tokens (freed afterwards)."""
@@ -101,7 +104,7 @@ def forward_times(forward: ForwardFn | RoundStepFn, pool: CachePoolProtocol, sha
         pool.free_slot(slot)
 
 
-def _step(forward: ForwardFn | RoundStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
+def _step(forward: DraftStepFn, slot: int, shape: Shape, vocab: int, context_len: int) -> Callable[[], object]:
     width, all_logits = shape
     ids = torch.randint(0, vocab, (width,)).tolist()
 
@@ -111,7 +114,7 @@ def _step(forward: ForwardFn | RoundStepFn, slot: int, shape: Shape, vocab: int,
     return torch.inference_mode()(run)
 
 
-def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: ForwardFn | RoundStepFn | None,
+def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft: DraftStepFn | None,
                        draft_pool: CachePoolProtocol | None, vocab: int, cfg: StepCostConfig,
                        use_cuda_graphs: bool = True) -> SpecCosts:
     """c (when a draft is given) and v(K) for K = 0..cfg.k_max at batch 1."""
@@ -120,7 +123,7 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
     times = forward_times(target, target_pool, [PLAIN, *verify_shapes], vocab, cfg, device)
     verify_s = [times[shape].median_s for shape in verify_shapes]
     draft_s = fixed_s = None
-    if isinstance(draft, RoundStepFn) and draft_pool is not None:
+    if isinstance(draft, (RoundStepFn, MedusaStepFn)) and draft_pool is not None:
         draft_s, fixed_s = round_step_times(draft, draft_pool, vocab, cfg, device)
     elif draft is not None and draft_pool is not None:
         draft_s = forward_times(draft, draft_pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s
@@ -131,11 +134,14 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
                      verify_s, [v / plain for v in verify_s], fixed_s)
 
 
-def round_step_times(rounds: RoundStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
+def round_step_times(rounds: RoundStepFn | MedusaStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
                      device: torch.device) -> tuple[float, float]:
     """(step, fixed) seconds of a round-drafting draft: the slope of its rounds and the rest
-    of a one-step round (module docstring). Both are floored at 0 against timing noise."""
-    steps = max(2, cfg.k_max)
+    of a one-step round (module docstring). Both are floored at 0 against timing noise.
+    Medusa heads' rounds are at most their number of heads long (one head: its round is its step)."""
+    steps = max(2, cfg.k_max) if isinstance(rounds, RoundStepFn) else min(max(2, cfg.k_max), rounds.max_steps)
+    if steps < 2:
+        return forward_times(rounds, pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s, 0.0
     times = forward_times(rounds, pool, [PLAIN, (steps, False)], vocab, cfg, device)
     one, many = times[PLAIN].median_s, times[(steps, False)].median_s
     step = max(0.0, (many - one) / (steps - 1))
@@ -153,16 +159,20 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
 
 
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
-                        cfg: StepCostConfig | None = None, head: EagleHead | None = None) -> SpecCosts:
+                        cfg: StepCostConfig | None = None, head: EagleHead | MedusaHead | None = None) -> SpecCosts:
     """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
-    `head` in place of a draft model); the draft's step is the slope of its chain rounds
-    (`round_step_times`) for a head, one pass for a draft model."""
+    `head` or Medusa heads in place of a draft model); the draft's step is the slope of its
+    chain rounds (`round_step_times`) for heads, one pass for a draft model."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
-    draft_fn: ForwardFn | RoundStepFn | None = None
+    draft_fn: DraftStepFn | None = None
     draft_pool = None
-    if head is not None:
+    if isinstance(head, MedusaHead):  # (no cache: the target's pool lends the timed calls a scratch slot)
+        engine_cfg = EngineConfig(use_cuda_graphs=use_cuda_graphs)
+        kernels = step_kernels(engine_cfg, target_pool.k_cache.device, head)
+        draft_fn, draft_pool = MedusaStepFn(head, target.model.norm.weight.dtype, kernels), target_pool
+    elif head is not None:
         draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)
     elif draft is not None:
         draft_fn, draft_pool = _fresh_forward(draft, [PLAIN], use_cuda_graphs, cfg)
@@ -198,3 +208,28 @@ def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) ->
     round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
     round_fn.prepare([1], [1, max(2, cfg.k_max)])
     return RoundStepFn(round_fn, head), pool
+
+
+class MedusaStepFn:
+    """A round of Medusa heads, the first S of them (S = the one row's token count) on one
+    hidden state, top-1 each, run as a forward function (`run(plan)` -> tokens [1, S]) so
+    `forward_times` times it as a forward pass. The heads keep no cache: the scratch slot
+    of the pool they are timed with goes unused."""
+
+    def __init__(self, head: MedusaHead, dtype: torch.dtype, kernels: Kernels) -> None:
+        self.head, self.kernels = head, kernels
+        device = next(head.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.hidden = torch.randn((1, head.spec.hidden_size or 1), generator=gen, device=device).to(dtype)  # [1, H]
+
+    @property
+    def max_steps(self) -> int:
+        return self.head.spec.num_heads
+
+    def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
+        if plan.num_rows != 1:
+            raise ValueError(f"a timed round has one row, got {plan.num_rows}")
+        return self.head.top_tokens(self.hidden, [1] * plan.query_lens[0], self.kernels)
+
+
+DraftStepFn = ForwardFn | RoundStepFn | MedusaStepFn  # a draft's timed call (a pass, or a round of heads)

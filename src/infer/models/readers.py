@@ -246,8 +246,9 @@ def dummy_hf_tensors(config: ModelConfig, dtype: torch.dtype, device: torch.devi
         yield from fused_to_hf(name, tensor, config)
 
 
-def resolve_model_path(name_or_path: str) -> Path:
-    """Local directory (as is) or hub id "org/name" (downloaded) -> local directory."""
+def resolve_model_path(name_or_path: str, patterns: list[str] | None = None) -> Path:
+    """Local directory (as is) or hub id "org/name" (downloaded: the files matching
+    `patterns`, by default a model's) -> local directory."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -260,7 +261,7 @@ def resolve_model_path(name_or_path: str) -> Path:
             f"model directory {name_or_path!r} does not exist; pass a local directory in "
             "Hugging Face layout (config.json + *.safetensors) or a hub id like 'org/name'")
     try:
-        local = huggingface_hub.snapshot_download(name_or_path, allow_patterns=HUB_PATTERNS)
+        local = huggingface_hub.snapshot_download(name_or_path, allow_patterns=patterns or HUB_PATTERNS)
     except Exception as exc:  # offline, DNS, gated or unknown repo: all mean "cannot fetch"
         raise FileNotFoundError(
             f"{name_or_path!r} is not a local directory and could not be fetched from the Hugging "

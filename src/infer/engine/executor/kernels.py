@@ -16,18 +16,19 @@ from infer.engine.config import EngineConfig
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
+from infer.models.medusa import MedusaHead
 
 _WARMED: set[Hashable] = set()
 log = logging.getLogger("infer.engine")
 
 
 def step_kernels(config: EngineConfig, device: torch.device,
-                 model: LlamaForCausalLM | EagleHead | None = None) -> Kernels:
-    """Fused (torch.compile) kernels for every step of `model` (the target, a draft model
-    or an EAGLE head's rounds; prefill chunks too: the bundle is compiled for dynamic
-    shapes) when asked for; by default with CUDA graphs on a GPU. One compiled bundle per
-    model class and shape (`compiled_kernels`): a head's apart from its target's of the
-    same widths. On a GPU an unsharded model's bundle is compiled for multi-token chunks
+                 model: LlamaForCausalLM | EagleHead | MedusaHead | None = None) -> Kernels:
+    """Fused (torch.compile) kernels for every step of `model` (the target, a draft model,
+    an EAGLE head's rounds or Medusa heads; prefill chunks too: the bundle is compiled for
+    dynamic shapes) when asked for; by default with CUDA graphs on a GPU. One compiled
+    bundle per model class and shape (`compiled_kernels`): a head's apart from its target's
+    of the same widths. On a GPU an unsharded model's bundle is compiled for multi-token chunks
     here (`warm_chunks`), not at the first prompt."""
     wanted = config.compile_kernels
     if wanted is None:
@@ -37,6 +38,8 @@ def step_kernels(config: EngineConfig, device: torch.device,
     if model is None:
         return compiled_kernels()
     param = next(model.parameters())
+    if isinstance(model, MedusaHead):  # (projections only, no decoder layer)
+        return compiled_kernels((type(model).__name__, model.spec.hidden_size, param.dtype, param.device.type))
     c = model.config
     key = (type(model).__name__, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
            c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type)

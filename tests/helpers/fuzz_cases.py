@@ -3,7 +3,7 @@
 `draw_case(seed, index, avoid)` is a pure function of its arguments: the same (seed, index)
 gives the same `Case` on any machine, so one failing case reruns alone. A case is the
 `LLM` keywords (its draft named by role: "self" is the target, "random" an unrelated
-draft, "near" the target with noise, "eagle" / "eagle3" heads; helpers/fuzz_models.py
+draft, "near" the target with noise, "eagle" / "eagle3" / "medusa" heads; helpers/fuzz_models.py
 makes them) and the requests of one `generate`: prompts sharing prefixes, greedy and
 sampled rows (seeds, temperature, top-k / top-p, penalties, log-probabilities, `n`, stops,
 max_tokens, per-request `speculation`). Some cases are invalid on purpose: a configuration `EngineConfig` must refuse
@@ -22,7 +22,7 @@ from infer import SamplingParams
 
 VOCAB = 384  # the tiny checkpoints' vocabulary (helpers.checkpoints.TARGET_VOCAB); 0 = BOS, 1 = EOS
 DRAFTS = ("self", "random", "near")
-HEADS = ("eagle", "eagle3")
+HEADS = ("eagle", "eagle3")  # (EAGLE heads: their own KV cache, shared prompt blocks)
 STOP_TEXTS = ("e", " t", "a", "th", "o ", ".", "in")
 # features a caller can leave out of the drawn cases (a known bug's trigger)
 FEATURES = {
@@ -50,6 +50,8 @@ INVALID: tuple[tuple[dict[str, Any], str], ...] = (
     (dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=0), "spec_length"),
     (dict(kv_cache_backend="paged", num_blocks=0), "num_blocks"),
     (dict(use_speculative_decoding=True, spec_tree="dynamic:0", draft="near"), "spec_tree"),
+    (dict(use_speculative_decoding=True, speculative_method="medusa", draft="none"), "draft_model"),
+    (dict(use_speculative_decoding=True, speculative_method="medusa", draft="medusa", spec_length=7), "spec_length"),
 )
 
 
@@ -184,11 +186,12 @@ def _draw_engine(rng: random.Random, jobs: list[Job], avoid: frozenset[str]) -> 
 
 
 def _draw_speculation(rng: random.Random, kw: dict[str, Any], avoid: frozenset[str]) -> None:
-    method = rng.choice(["draft_model", "draft_model", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3"])
+    method = rng.choice(["draft_model", "draft_model", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3",
+                         "medusa"])
     kw.update(use_speculative_decoding=True, speculative_method=method, spec_length=rng.randint(1, 6))
     if method == "draft_model":
         kw["draft"] = rng.choice(DRAFTS)
-    elif method in HEADS:
+    elif method in (*HEADS, "medusa"):
         kw["draft"] = method
     tree = rng.random()
     if tree < 0.2:

@@ -2,10 +2,11 @@
 
 `FuzzModels.build(root, target=None)` writes (or reuses) the target (checkpoint "a" of
 helpers.checkpoints, or the directory given), three draft models of its vocabulary and
-two EAGLE heads for it, and names each by the role `Case.engine["draft"]` uses:
-"self" (the target itself: every draft accepted), "random" (unrelated weights, one layer:
-drafts nearly always rejected), "near" (the target's weights with noise: some accepted),
-"eagle" and "eagle3" (random heads, helpers.eagle_heads).
+two EAGLE heads and Medusa heads for it, and names each by the role `Case.engine["draft"]`
+uses: "self" (the target itself: every draft accepted), "random" (unrelated weights, one
+layer: drafts nearly always rejected), "near" (the target's weights with noise: some
+accepted), "eagle" and "eagle3" (random heads, helpers.eagle_heads), "medusa" (six heads,
+each the target's own lm_head: helpers.medusa_heads).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from helpers.checkpoints import make_checkpoint
 from helpers.eagle_heads import write_head
+from helpers.medusa_heads import write_medusa_head
 from safetensors.torch import load_file, save_file
 
 NEAR_NOISE = 0.05  # the near draft's weights: the target's plus N(0, NEAR_NOISE)
@@ -33,8 +35,8 @@ class FuzzModels:
         done = root / "ready"
         target = target or root / "target"
         paths = {"self": target, "random": root / "random", "near": root / "near",
-                 "eagle": root / "eagle", "eagle3": root / "eagle3"}
-        if done.exists():
+                 "eagle": root / "eagle", "eagle3": root / "eagle3", "medusa": root / "medusa"}
+        if done.exists() and paths["medusa"].exists():
             return cls(target, paths)
         if not (target / "config.json").exists():
             make_checkpoint(target, variant="a")
@@ -42,6 +44,7 @@ class FuzzModels:
         _noisy_copy(target, paths["near"])
         write_head(paths["eagle"], target, "eagle", fc_bias=True)
         write_head(paths["eagle3"], target, "eagle3", draft_vocab=120, aux_layers=[0, 1, 1])
+        write_medusa_head(paths["medusa"], target, 6, 1, copy_lm_head=True)  # (spec_length up to 6)
         done.write_text("")
         return cls(target, paths)
 

@@ -128,9 +128,9 @@ def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: st
 def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,
               draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
               method: str = "draft_model") -> Row:
-    """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head; a
-    head's step is the slope of its graphed chain rounds, `round_step_times`; a draft
-    model's one pass), loaded by
+    """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head, with
+    "medusa" Medusa heads; a head's step is the slope of its chain rounds, `round_step_times`;
+    a draft model's one pass), loaded by
     the engine's loader with its checks and timed on the CPU threads the engine would
     choose (or --threads)."""
 
@@ -144,7 +144,8 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
             threads = apply_cpu_threads(config.threads, ctx.device,
                                         sum(p.numel() for p in models.target.parameters()))
             graphs = use_cuda_graphs and ctx.device.type == "cuda"
-            costs = measure_model_costs(models.target, models.draft, graphs, cfg, models.head)
+            head = models.head if models.head is not None else models.medusa
+            costs = measure_model_costs(models.target, models.draft, graphs, cfg, head)
         finally:
             del models
             free_memory()

@@ -10,7 +10,8 @@
                   against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
                   token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
                   lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
-    costs         c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft; projections
+    costs         c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, of a
+                  dummy EAGLE-3 head and of dummy Medusa heads (bf16, FP8) of its shape; projections
     w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
                   and without prefix caching; prefill throughput: 16 prompts of 2,048 tokens
                   to their first tokens (its MFU)
@@ -57,6 +58,7 @@ from infer.speculative.tree import TreeShape
 
 SHAPE_3B, SHAPE_1B, SHAPE_8B = "dummy:llama-3.2-3b", "dummy:llama-3.2-1b", "dummy:llama-3.1-8b"
 HEAD_3B = "dummy-eagle3:llama-3.2-3b"  # an EAGLE-3 head of the 3B shape, dummy weights
+MEDUSA_3B = "dummy-medusa:llama-3.2-3b"  # five Medusa heads of one block for the 3B shape, dummy weights
 EAGLE_SWEEP_CHAINS = tuple(range(2, 7))
 SPEC_K = 5
 CHAIN_K, TREE = 6, "2,1,1"  # a chain and a tree verifying as many tokens a round (K + 1 = N + 1)
@@ -246,7 +248,13 @@ def costs_rows(m: Models) -> list[Row]:
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
                       "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True,
                       method="eagle3"),
-            projection_row("projection/3b-eagle3", "costs/3b-eagle3/graphs")]
+            projection_row("projection/3b-eagle3", "costs/3b-eagle3/graphs"),
+            costs_row("costs/3b-medusa/graphs", "c and v(K): Medusa heads (dummy weights, 5 heads of one block, "
+                      "full vocabulary) for the 3B shape, their step what one more head adds to a round", SHAPE_3B,
+                      MEDUSA_3B, True, method="medusa"),
+            costs_row("costs/3b-medusa-fp8/graphs", "the same with the heads in FP8", SHAPE_3B, MEDUSA_3B, True,
+                      "fp8", method="medusa"),
+            projection_row("projection/3b-medusa", "costs/3b-medusa/graphs")]
 
 
 def w2_rows(m: Models) -> list[Row]:
@@ -402,8 +410,8 @@ SUITES: dict[str, Suite] = {
                           "shape in bf16 and int4; batch sweeps", decode_speed_rows, 1),
     "speculation": Suite("demo pair T=0/1, n-gram on W5 and W1, a random 1B draft on the 3B shape",
                          speculation_rows, 1),
-    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, and of an EAGLE-3 "
-                   "head; projections", costs_rows, 1),
+    "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, of an EAGLE-3 "
+                   "head and of Medusa heads (bf16, FP8); projections", costs_rows, 1),
     "w2": Suite("continuous vs static batching, prefix caching, prefill of 16 x 2,048 tokens (MFU)", w2_rows, 1),
     "tp": Suite("2 GPUs: 8B TP=2 vs TP=1, collectives a step, W2, the 3B shape with a 1B draft", tp_rows, 2),
     "smoke": Suite("each kind of measurement once on the demo pair (or --model), CPU-friendly", smoke_rows, 0),

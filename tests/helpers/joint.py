@@ -81,3 +81,28 @@ def force_first_child(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(verifier, "verify_tree_nodes", first_child)
     monkeypatch.setattr(verification, "verify_tree_nodes", first_child)
+
+
+def force_accept_all(monkeypatch: Any) -> None:
+    """The chains' negative control: uniforms of 0 pass every acceptance test, so every draft
+    is accepted (the bonus token is still sampled from p). Both verification paths (fused
+    and general) end in `verifier.verify_tensors`."""
+    import infer.speculative.verifier as verifier
+    real = verifier.verify_tensors
+
+    def accept_all(draft_tokens, counts, draft_probs, target_probs, accept_u, sample_u):  # type: ignore[no-untyped-def]
+        return real(draft_tokens, counts, draft_probs, target_probs, torch.zeros_like(accept_u), sample_u)
+
+    monkeypatch.setattr(verifier, "verify_tensors", accept_all)
+
+
+def speculative_tv(make_llm: Any, target: Path, prompt: list[int], vocab: int, n: int,
+                   **engine: Any) -> tuple[float, Any]:
+    """(total variation between the first 3 tokens of n seeded T=1 requests for `prompt`
+    and the target's exact joint distribution, the LLM): the lossless tests' measure, on an
+    engine of `engine` options (max_seq_len 16 unless given)."""
+    params = SamplingParams(temperature=1.0)
+    exact = exact_joint(target, prompt, params, vocab)
+    llm = make_llm(target, **{"max_seq_len": 16, "use_speculative_decoding": True, **engine})
+    outputs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=seeded(params, n))
+    return total_variation(empirical_joint(outputs), exact), llm

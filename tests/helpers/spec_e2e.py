@@ -57,3 +57,15 @@ def spec_llm(make_llm: Any, target: Path, draft: Path | None, batch: int, method
     if method == "draft_model":
         kw["draft_model"] = str(draft)
     return make_llm(target, **kw)
+
+
+def check_mixed_rows(llm: LLM, prompts: list[list[int]], plain_outputs: list[list[int]]) -> None:
+    """Greedy rows (the even prompts) beside seeded sampled rows with penalties (the odd
+    ones) in one generate: the greedy rows keep plain decoding's tokens, the sampled rows
+    their length."""
+    sampled = SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=MAX_NEW,
+                             ignore_eos=True, seed=7)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs[::2]] == plain_outputs[::2]
+    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs[1::2])

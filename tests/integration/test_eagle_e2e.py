@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.eagle_heads import counting_fused_kernels, write_head
 from helpers.joint import empirical_joint, exact_joint, force_first_child, seeded, tiny_model, total_variation
-from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, check_mixed_rows, run
 from infer import LLM, SamplingParams
 
 VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/test_speculative_sampling.py
@@ -67,12 +67,7 @@ def test_tree_preemption_and_mixed_sampling(make_llm, ckpt_a, heads, prompts, pl
     greedy rows keep plain decoding's tokens."""
     llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=8, spec_tree=TREE,
                **ENGINE_CONFIGS["paged-preempt"])
-    sampled = SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=MAX_NEW,
-                             ignore_eos=True, seed=7)
-    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs[::2]] == plain_outputs[::2]
-    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs[1::2])
+    check_mixed_rows(llm, prompts, plain_outputs)
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.leak_report() == []
 

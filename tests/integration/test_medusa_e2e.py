@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from helpers.joint import empirical_joint, exact_joint, force_first_child, seeded, tiny_model, total_variation
+from helpers.joint import force_accept_all, force_first_child, speculative_tv, tiny_model
 from helpers.medusa_heads import write_medusa_head
-from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run
-from infer import LLM, SamplingParams
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, MAX_NEW, check_mixed_rows, run
+from infer import LLM
 from infer.engine.step_costs import weight_bytes
 
 VOCAB, PROMPT, N, TV_LIMIT = 4, [2, 3, 2], 6000, 0.07  # as tests/integration/test_speculative_sampling.py
@@ -63,12 +62,7 @@ def test_random_heads_adaptive_and_mixed_sampling(make_llm, ckpt_a, medusa, prom
     tokens, sampled rows their length."""
     llm = _llm(make_llm, ckpt_a, medusa["random"], max_batch_size=8, spec_policy="adaptive",
                **ENGINE_CONFIGS["contiguous"])
-    sampled = SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, max_tokens=MAX_NEW,
-                             ignore_eos=True, seed=7)
-    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs[::2]] == plain_outputs[::2]
-    assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs[1::2])
+    check_mixed_rows(llm, prompts, plain_outputs)
     assert llm.engine.runner.stats.draft_tokens > 0
     spec, target = llm.engine.runner.speculation, llm.engine.models.target
     heads = spec.proposer.head  # c on a CPU: one head's bytes against the target's
@@ -105,12 +99,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _tv(make_llm, tiny, n: int = N, **options) -> tuple[float, LLM]:
     target, head = tiny
-    params = SamplingParams(temperature=1.0)
-    exact = exact_joint(target, PROMPT, params, VOCAB)
-    llm = make_llm(target, max_seq_len=16, use_speculative_decoding=True, speculative_method="medusa",
-                   draft_model=str(head), **{"max_batch_size": 64, "spec_length": 3, **options})
-    outputs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded(params, n))
-    return total_variation(empirical_joint(outputs), exact), llm
+    return speculative_tv(make_llm, target, PROMPT, VOCAB, n, speculative_method="medusa", draft_model=str(head),
+                          **{"max_batch_size": 64, "spec_length": 3, **options})
 
 
 def test_sampling_lossless(make_llm, tiny) -> None:
@@ -122,13 +112,7 @@ def test_sampling_lossless(make_llm, tiny) -> None:
 
 
 def test_negative_control_accept_all_fails(make_llm, tiny, monkeypatch) -> None:
-    import infer.speculative.verifier as verifier
-    real_verify = verifier.verify_tensors
-
-    def accept_all(draft_tokens, counts, draft_probs, target_probs, accept_u, sample_u):
-        return real_verify(draft_tokens, counts, draft_probs, target_probs, torch.zeros_like(accept_u), sample_u)
-
-    monkeypatch.setattr(verifier, "verify_tensors", accept_all)
+    force_accept_all(monkeypatch)
     tv, _ = _tv(make_llm, tiny)
     assert tv > TV_LIMIT
 

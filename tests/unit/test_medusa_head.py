@@ -169,6 +169,36 @@ def test_dummy_heads(target) -> None:
     assert all(float(b.bias.abs().sum()) == 0 for blocks in head.blocks for b in blocks)
 
 
+def test_proposer_drafts_from_the_last_committed_state(tmp_path: Path, ckpt_b: Path, target) -> None:
+    """`observed` keeps each request's state of its last committed row (position n - 1);
+    `propose` drafts from it (the heads' top tokens over the round's shape), nothing for a
+    request whose state is stale; `release` drops it."""
+    from types import SimpleNamespace
+
+    from infer.models.capture import HiddenCapture
+    from infer.speculative.medusa import MedusaProposer
+
+    head = _load(write_medusa_head(tmp_path / "m", ckpt_b, 3, 1), target)
+    capture = HiddenCapture((target.config.num_hidden_layers,))
+    capture.last = torch.randn(1, 5, target.config.hidden_size)  # a forward of 5 tokens
+    proposer = MedusaProposer(head, capture)
+    a, b = (SimpleNamespace(request_id=i, num_computed_tokens=0, fault=None) for i in "ab")
+    proposer.observed([a, b], [0, 9], [[0, 1, 2], [4]])  # a's prompt at 0..2, b's plain row at 9
+    a.num_computed_tokens, b.num_computed_tokens = 3, 10
+    shape = TreeShape((2, 1))
+    drafts = proposer.propose([a, b], shape, [2, 1])
+    with torch.no_grad():
+        ranked = head.top_tokens(capture.last[0, [2, 4]], [2, 1]).tolist()
+    assert drafts[0] == medusa_draft(shape, 2, ranked[0]) and drafts[1] == medusa_draft(shape, 1, ranked[1])
+    b.num_computed_tokens = 11  # (a step it was not observed in: its state is of position 9, not 10)
+    assert proposer.propose([a, b], shape, [2, 2])[1].num_proposed == 0
+    assert proposer.propose([a, b], shape, [0, 2])[0].num_proposed == 0
+    proposer.release(a)
+    assert proposer.leak_report() == ["Medusa heads still hold the hidden states of ['b']"]
+    proposer.release(b)
+    assert proposer.leak_report() == []
+
+
 @pytest.mark.parametrize("heads, timed_steps", [(3, [1, 3]), (1, [1])])
 def test_cost_is_the_slope_of_head_rounds(tmp_path: Path, ckpt_b: Path, target, monkeypatch, heads: int,
                                           timed_steps: list[int]) -> None:

@@ -60,8 +60,8 @@ class EngineConfig:
       speculation        use_speculative_decoding (None: on when any field below is set),
                          speculative_method ("draft_model",
                          "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
-                         EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model, spec_length (K), spec_tree,
-                         spec_policy ("fixed" or "adaptive"), n-gram orders and window
+                         EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model,
+                         spec_length (K), spec_tree, spec_policy ("fixed" or "adaptive"), n-gram orders and window
       parallelism        tensor_parallel_size, the placement of embedding, head, draft, the all-reduce
       sampling           seed (of requests that set none)
     """

@@ -1,7 +1,7 @@
 """Speculation: what the runner needs to draft, built once from the engine's config.
 
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
-functions, an EAGLE head, Medusa heads, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
+functions, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
 the draft's measured cost c), the round clock of the adaptive policy, and the round's
 draft shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
 (`DynamicShape`: each row drafts its own, run eagerly: no CUDA graphs of their steps yet).
@@ -41,6 +41,7 @@ from infer.speculative.eagle import EagleProposer
 from infer.speculative.foreign_draft import ForeignDraftProposer
 from infer.speculative.medusa import MedusaProposer
 from infer.speculative.forward import ForwardFn
+from infer.speculative.medusa import MedusaProposer
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
 from infer.speculative.node_tree import DynamicShape, is_dynamic

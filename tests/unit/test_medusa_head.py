@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers.eagle_heads import counting_fused_kernels
 from helpers.medusa_heads import reference_medusa, write_medusa_head
-from infer.engine.step_costs import StepCostConfig, measure_model_costs
+from infer.engine.step_costs import measure_model_costs
 from infer.models.loader import load_model
 from infer.models.medusa import MedusaConfig, dummy_medusa_config, dummy_medusa_head
 from infer.models.medusa_files import load_medusa_head, read_medusa_config

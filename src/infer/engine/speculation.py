@@ -39,7 +39,6 @@ from infer.models.medusa import MedusaHead
 from infer.speculative.draft_model import DRAFT_MAX_FEED, DraftModelProposer
 from infer.speculative.eagle import EagleProposer
 from infer.speculative.foreign_draft import ForeignDraftProposer
-from infer.speculative.medusa import MedusaProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.medusa import MedusaProposer
 from infer.speculative.metrics import SpecStats

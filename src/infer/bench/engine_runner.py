@@ -46,12 +46,12 @@ def default_dtype(device: torch.device) -> str:
 
 
 def engine_config(workload: Workload, overrides: Mapping[str, Any], device: str = "auto") -> EngineConfig:
-    """EngineConfig sized for the workload (batch = its requests, max_seq_len = its longest
-    request rounded up), then the variant's overrides."""
+    """EngineConfig sized for the workload (batch = its requests, or its concurrency;
+    max_seq_len = its longest request rounded up), then the variant's overrides."""
     dev = resolve_device(overrides.get("device", device))
     needed = workload.max_total_tokens + 16  # room for a speculation round at the end
     values: dict[str, Any] = dict(
-        device=str(dev), dtype=default_dtype(dev), max_batch_size=workload.num_requests,
+        device=str(dev), dtype=default_dtype(dev), max_batch_size=workload.concurrency or workload.num_requests,
         max_seq_len=-(-needed // SEQ_LEN_QUANTUM) * SEQ_LEN_QUANTUM)
     values.update(overrides)
     return EngineConfig.from_kwargs(**values)
@@ -190,6 +190,7 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
                     pair = [(ours[j], runs[j])] + ([(bases[j], base_runs[j])] if bases else [])
                     for e, out in pair if (i + j) % 2 else pair[::-1]:
                         gc.collect()  # not inside the timing
+                        e.reset_draft_history()  # (a repeat drafts from nothing the run before it left)
                         out.append(timed_run(e, workload, prompts.requests))
                         bar.update(1)
         walls = [w for _, w, _ in runs[0]]

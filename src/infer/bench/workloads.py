@@ -5,6 +5,9 @@
     W2-prefix  W2 where every prompt starts with the same 256-token prefix (prefix caching)
     W5         code edit: a source file followed by its first lines again, so the
                continuation largely repeats the prompt (n-gram speculation's best case)
+    agent      16 tool-calling requests one after another, the same preamble and answer
+               format, tasks of their own (bench/agent.py): outputs of the same JSON shapes
+               across requests (suffix decoding's case: a cache of earlier outputs)
 
 Every request sets `ignore_eos=True`, so output lengths are fixed and runs compare equal
 work. Temperature 0 and 1 variants come from `Workload.with_temperature`. A constrained
@@ -26,10 +29,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
+from infer.bench.agent import agent_prompts
 from infer.bench.corpus import split_corpus, stdlib_root
 from infer.sampling import SamplingParams, StructuredOutput
 
-KINDS = ("text", "code_edit")
+KINDS = ("text", "code_edit", "agent")
 JSON_RECORDS = StructuredOutput(json={
     "type": "array", "minItems": 64, "items": {
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -51,12 +55,13 @@ class Workload:
     prompt_len: tuple[int, int]  # inclusive range, drawn per request from the seed
     output_len: tuple[int, int]  # inclusive range of max_tokens (ignore_eos: exact)
     shared_prefix_len: int = 0
-    kind: str = "text"  # "text" | "code_edit"
+    kind: str = "text"  # "text" | "code_edit" | "agent"
     edit_head_tokens: int = 32  # code_edit: at least this many tokens of the file's start repeated
     temperature: float = 0.0
     seed: int = 0
     description: str = ""
     structured: StructuredOutput | None = None  # every request's structured output (None: free text)
+    concurrency: int | None = None  # requests decoded at once (the engine's batch; None: all of them)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -74,6 +79,8 @@ class Workload:
             raise ValueError(f"workload {self.name}: kind must be one of {list(KINDS)}, got {self.kind!r}")
         if self.temperature < 0:
             raise ValueError(f"workload {self.name}: temperature must be >= 0, got {self.temperature}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"workload {self.name}: concurrency must be >= 1 or None, got {self.concurrency}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"workload {self.name}: structured must be a StructuredOutput, got {self.structured!r}")
         if self.kind == "code_edit":
@@ -122,6 +129,9 @@ WORKLOADS: dict[str, Workload] = {
                           description="W2 with a 256-token prefix shared by every prompt"),
     "W5": Workload("W5", 1, (640, 640), (256, 256), kind="code_edit",
                    description="code edit: a source file, then its first lines again; 256 new tokens"),
+    "agent": Workload("agent", 16, (384, 384), (96, 96), kind="agent", concurrency=1,
+                      description="16 tool-calling requests one after another: the same preamble and answer "
+                                  "format, a task each; 96 new tokens each"),
 }
 
 
@@ -157,6 +167,9 @@ def build_requests(workload: Workload, vocab_size: int, tokenizer: Encoder | Non
     output_lens = [rng.randint(*workload.output_len) for _ in range(n)]
     if workload.kind == "code_edit":
         prompts, source = _code_edit_prompts(workload, prompt_lens, vocab_size, tokenizer, rng)
+    elif workload.kind == "agent":
+        encode = None if tokenizer is None else tokenizer.encode
+        prompts, source = agent_prompts(n, workload.prompt_len[1], workload.seed, encode, vocab_size)
     elif tokenizer is None:
         prompts, source = _random_prompts(workload, prompt_lens, vocab_size, rng), f"random ids, seed {workload.seed}"
     else:

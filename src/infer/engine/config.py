@@ -19,7 +19,12 @@ DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
 SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_tree", "spec_policy",
                       "spec_disable_batch_size", "spec_cost_coefficient", "ngram_max_order", "ngram_min_order",
-                      "ngram_window", "draft_quantization", "tensor_parallel_draft")
+                      "ngram_window", "spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob",
+                      "draft_quantization", "tensor_parallel_draft")
+SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob")
+# speculative_method="suffix" with spec_tree / spec_length unset: trees of at most 16 nodes, 4
+# children a node, 8 deep
+SUFFIX_TREE, SUFFIX_SPEC_LENGTH = "dynamic:16", 8
 # vLLM's names of engine options, for the error an unknown option gets
 VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_seq_len",
               "max_num_seqs": "max_batch_size",
@@ -34,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "draft_quantization": ("fp8", "int4"),
     "batching_mode": ("continuous", "static"),
     "kv_cache_backend": ("paged", "contiguous"),
-    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", MEDUSA),
+    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "suffix", "eagle", "eagle3", MEDUSA),
     "spec_policy": ("fixed", "adaptive"),
     "tensor_parallel_embedding": _VOCAB_LAYOUTS,
     "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
@@ -59,9 +64,10 @@ class EngineConfig:
                          on CUDA), threads (CPU)
       speculation        use_speculative_decoding (None: on when any field below is set),
                          speculative_method ("draft_model",
-                         "ngram", "prompt_lookup", "eagle", "eagle3": draft_model is then an
-                         EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model,
-                         spec_length (K), spec_tree, spec_policy ("fixed" or "adaptive"), n-gram orders and window
+                         "ngram", "prompt_lookup", "suffix", "eagle", "eagle3": draft_model is
+                         then an EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model,
+                         spec_length (K), spec_tree, spec_policy ("fixed" or "adaptive"), n-gram
+                         orders and window, the suffix tries' depth, cache and probability floor
       parallelism        tensor_parallel_size, the placement of embedding, head, draft, the all-reduce
       sampling           seed (of requests that set none)
     """
@@ -131,6 +137,13 @@ class EngineConfig:
     ngram_max_order: int = 4
     ngram_min_order: int = 2
     ngram_window: int = 512
+    # speculative_method="suffix" (speculative/suffix.py): substrings of up to this many tokens
+    # are counted (a match of m tokens leaves max_depth - m to draft: more than spec_length)
+    spec_suffix_max_depth: int = 24
+    # the cache of finished requests' outputs every request drafts from, in tokens (the oldest
+    # go first; 0: each request drafts from its own tokens alone, and seeded rows repeat exactly)
+    spec_suffix_cache_tokens: int = 65536
+    spec_suffix_min_prob: float = 0.1  # a draft node's estimated probability must reach this
     # tensor parallelism (infer.distributed): N ranks, one per GPU, each with 1/N of the
     # heads and of the MLP; the engine starts ranks 1..N-1 as worker processes
     tensor_parallel_size: int = 1
@@ -143,6 +156,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._resolve_speculation()
+        self._check_suffix()
         if self.spec_length is None:
             self.spec_length = (self._tree_shape().depth if self.spec_tree is not None and not self._dynamic()
                                 else DEFAULT_SPEC_LENGTH)
@@ -252,6 +266,34 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             raise ValueError("speculative_method='medusa' runs on one GPU: set tensor_parallel_size=1")
 
+    def _check_suffix(self) -> None:
+        """speculative_method="suffix": its fields valid, its trees dynamic (spec_tree and
+        spec_length default to SUFFIX_TREE and SUFFIX_SPEC_LENGTH); its fields refused elsewhere."""
+        from infer.speculative.suffix import SuffixConfig
+        defaults = {f.name: f.default for f in fields(self)}
+        if not (self.use_speculative_decoding and self.speculative_method == "suffix"):
+            given = [name for name in SUFFIX_FIELDS if getattr(self, name) != defaults[name]]
+            if given:
+                raise ValueError(f"{', '.join(given)} apply to speculative_method='suffix': set it (and "
+                                 "use_speculative_decoding=True), or leave them unset")
+            return
+        try:
+            SuffixConfig(self.spec_suffix_max_depth, self.spec_suffix_cache_tokens, self.spec_suffix_min_prob)
+        except ValueError as e:
+            raise ValueError(f"spec_suffix_{e}") from None
+        if self.spec_tree is not None and not self._dynamic():
+            raise ValueError(f"speculative_method='suffix' grows its own trees: give spec_tree='dynamic:N' or "
+                             f"'dynamic:N:B' (at most N nodes a round, B children a node), or leave it unset "
+                             f"({SUFFIX_TREE!r}), not {self.spec_tree!r}")
+        if self.spec_policy != "fixed":
+            raise ValueError(f"speculative_method='suffix' runs under spec_policy='fixed' (its trees' depth is "
+                             f"spec_length), got {self.spec_policy!r}")
+        self.spec_tree = SUFFIX_TREE if self.spec_tree is None else self.spec_tree
+        self.spec_length = SUFFIX_SPEC_LENGTH if self.spec_length is None else self.spec_length
+        if self.spec_suffix_max_depth <= self.spec_length:
+            raise ValueError(f"spec_suffix_max_depth ({self.spec_suffix_max_depth}) must exceed spec_length "
+                             f"({self.spec_length}): a match of m tokens leaves spec_suffix_max_depth - m to draft")
+
     def _tree_shape(self) -> TreeShape:
         from infer.speculative.tree import TreeShape
         assert self.spec_tree is not None
@@ -265,7 +307,8 @@ class EngineConfig:
         return is_dynamic(self.spec_tree)
 
     def _check_dynamic_tree(self) -> None:
-        """spec_tree="dynamic:N[:B]": drafted by a draft model, on one GPU, fixed depth K."""
+        """spec_tree="dynamic:N[:B]": drafted by a draft model (or grown by suffix decoding),
+        on one GPU, fixed depth K."""
         from infer.speculative.node_tree import DynamicShape
         assert self.spec_tree is not None and self.spec_length is not None
         try:
@@ -275,15 +318,16 @@ class EngineConfig:
         if not self.use_speculative_decoding:
             raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
                              "or leave spec_tree unset")
-        if self.speculative_method != "draft_model":
-            raise ValueError(f"spec_tree={self.spec_tree!r} (dynamic trees) is drafted by a draft model: set "
-                             f"speculative_method='draft_model', or give a static tree like '3,2,1' for "
-                             f"{self.speculative_method!r}")
+        if self.speculative_method not in ("draft_model", "suffix"):
+            raise ValueError(f"spec_tree={self.spec_tree!r} (dynamic trees) is drafted by a draft model or grown "
+                             f"by suffix decoding: set speculative_method='draft_model' or 'suffix', or give a "
+                             f"static tree like '3,2,1' for {self.speculative_method!r}")
         if self.spec_policy != "fixed":
             raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree's depth is spec_length), "
                              f"got {self.spec_policy!r}")
         if self.tensor_parallel_size != 1:
-            raise ValueError("dynamic trees run on one GPU: set tensor_parallel_size=1 or use a static spec_tree")
+            raise ValueError("dynamic trees run on one GPU: set tensor_parallel_size=1"
+                             + (" or use a static spec_tree" if self.speculative_method == "draft_model" else ""))
         self.spec_tree = str(shape)  # normalised ("dynamic:16" -> "dynamic:16:4")
 
     def _check_tree(self) -> None:

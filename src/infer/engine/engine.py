@@ -34,6 +34,7 @@ from infer.engine.speculation import check_request_speculation
 from infer.engine.startup import StartupTimes, TimedExecutor
 from infer.engine.threads import apply_cpu_threads
 from infer.sampling import SamplingParams, StructuredOutput
+from infer.speculative.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from xgrammar import CompiledGrammar
@@ -185,6 +186,14 @@ class Engine:
         out = self.runner.output.finish_without_token(request, FinishReason.ABORT)
         self.runner.forget(request)
         return out
+
+    def reset_draft_history(self) -> None:
+        """Forget what drafting learnt from finished requests (suffix decoding's cache of their
+        outputs); running requests keep their own. Benchmarks call it before each timed run,
+        so that a repeat of a workload does not draft from the run before it."""
+        proposer = self.runner.speculation.proposer if self.runner.speculation is not None else None
+        if isinstance(proposer, SuffixProposer):
+            proposer.reset_history()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.runner.has_pending()

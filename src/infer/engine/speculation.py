@@ -48,6 +48,7 @@ from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy
 from infer.speculative.proposer import Proposer
 from infer.speculative.round_clock import RoundClock
 from infer.speculative.shadow import ShadowRounds
+from infer.speculative.suffix import SuffixConfig, SuffixProposer
 from infer.speculative.tree import TreeShape, chain_shape
 from infer.speculative.vocab_map import VocabMap
 
@@ -115,6 +116,9 @@ class Speculation:
                 raise ValueError("speculative_method='medusa' needs Medusa heads loaded with their target "
                                  "(engine.loading.load_models)")
             proposer = MedusaProposer(medusa, target.capture, draft_kernels)
+        elif config.speculative_method == "suffix":
+            proposer = SuffixProposer(SuffixConfig(config.spec_suffix_max_depth, config.spec_suffix_cache_tokens,
+                                                   config.spec_suffix_min_prob))
         elif config.speculative_method != "draft_model":
             proposer = NgramProposer(NgramConfig(method=config.speculative_method,
                                                            max_order=config.ngram_max_order,

@@ -36,7 +36,7 @@ from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logits
-from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees
+from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees, round_widths
 from infer.speculative.tree import Draft, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import to_device
@@ -126,7 +126,7 @@ class Verification:
 
     def block(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> Block:
         rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
-        if self.tree is None:
+        if self.tree is None or self._chains(drafts):
             counts = [d.num_proposed for d in drafts]
             k = max(counts)
             tokens = torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k)
@@ -135,12 +135,18 @@ class Verification:
             n = self.tree.num_nodes
             trees = [d.shape for d in drafts]
             assert all(isinstance(t, NodeTree) for t in trees)
-            frame: TreeShape | TreeFrame = frame_of_trees(trees, n, self.tree.widths, self.device)  # type: ignore[arg-type]
+            frame: TreeShape | TreeFrame = frame_of_trees(trees, n, round_widths(trees), self.device)  # type: ignore[arg-type]
             tokens, valid = stack_drafts(drafts, width=n)
         else:
             frame, n = self.tree, self.tree.num_nodes
             tokens, valid = stack_drafts(drafts)
         return Block(rows, tokens, valid, frame, n + 1)
+
+    def _chains(self, drafts: Sequence[Draft]) -> bool:
+        """Whether a dynamic round's drafts are all chains (a suffix proposer's paths): they
+        are verified as chains."""
+        return isinstance(self.tree, DynamicShape) and all(isinstance(d.shape, TreeShape) and d.shape.is_chain
+                                                           for d in drafts)
 
     def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
                while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
@@ -153,8 +159,8 @@ class Verification:
         tokens = block.tokens
         draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
         if all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
-            uniforms = (torch.zeros((len(requests), self._num_uniforms(tokens)), dtype=torch.float64)
-                        if all(greedy) else self._uniforms(requests, drafts, tokens))
+            uniforms = (torch.zeros((len(requests), self._num_uniforms(block)), dtype=torch.float64)
+                        if all(greedy) else self._uniforms(requests, drafts, block))
             temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
             if block.frame is None:
                 assert isinstance(block.present, list)
@@ -164,9 +170,9 @@ class Verification:
                 packed = verify_on_tree_logits(block.frame, logits, tokens, block.present, draft_probs, temps,
                                                greedy, uniforms)
             while_gpu_runs()
-            return self._unpack(packed.tolist())  # the one host sync of verification
+            return self._unpack(packed.tolist(), block)  # the one host sync of verification
         while_gpu_runs()
-        uniforms = to_device(self._uniforms(requests, drafts, tokens), self.device)
+        uniforms = to_device(self._uniforms(requests, drafts, block), self.device)
         target_probs = self._target_probs(requests, drafts, logits)
         if block.frame is None:
             k = tokens.shape[1]
@@ -175,7 +181,7 @@ class Verification:
         else:
             packed, nodes = verify_tree_nodes(block.frame, to_device(tokens, self.device), draft_probs,
                                               target_probs, uniforms, to_device(block.present, self.device))
-            result, paths = self._unpack(torch.cat([packed, nodes], dim=1).tolist())
+            result, paths = self._unpack(torch.cat([packed, nodes], dim=1).tolist(), block)
         wanted = [p.logprobs for p in params]
         if any(c is not None for c in wanted):
             width = 1 + max(len(p) for p in paths)
@@ -193,16 +199,25 @@ class Verification:
             at += r.logits
         return logits[torch.tensor(index, device=logits.device)]
 
-    def _num_uniforms(self, tokens: torch.Tensor) -> int:
-        return tokens.shape[1] + 1 if self.tree is None else self.tree.num_uniforms
+    def _num_uniforms(self, block: Block) -> int:
+        return block.width if block.frame is None else block.frame.num_uniforms
 
-    def _uniforms(self, requests: Sequence[Request], drafts: Sequence[Draft], tokens: torch.Tensor) -> torch.Tensor:
+    def _uniforms(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block) -> torch.Tensor:
         """CPU float64 [B, U]: a chain row draws one per draft, a tree row U - 1 when it
         proposes anything (the columns are fixed per depth and child), and one for its final
-        token (the last column)."""
-        width = self._num_uniforms(tokens) - 1
-        counts = [d.num_proposed if self.tree is None else width if d.num_proposed else 0 for d in drafts]
-        return round_uniforms([r.generator for r in requests], counts, width)
+        token (the last column). A dynamic round's row draws the shape's U whatever its
+        round's frame: the frame's columns (`round_widths`, or a chain: its first child at
+        each depth) are read from the shape's, so its tokens never depend on its batch."""
+        generators = [r.generator for r in requests]
+        tree = self.tree
+        if tree is None or isinstance(tree, TreeShape):
+            width = block.width - 1 if tree is None else tree.num_uniforms - 1
+            counts = [d.num_proposed if tree is None else width if d.num_proposed else 0 for d in drafts]
+            return round_uniforms(generators, counts, width)
+        width = tree.num_uniforms - 1
+        uniforms = round_uniforms(generators, [width if d.num_proposed else 0 for d in drafts], width)
+        widths = (1,) * (block.width - 1) if block.frame is None else block.frame.widths
+        return uniforms[:, [d * tree.branch + c for d, w in enumerate(widths) for c in range(w)] + [width]]
 
     def _target_probs(self, requests: Sequence[Request], drafts: Sequence[Draft],
                       logits: torch.Tensor) -> torch.Tensor:
@@ -222,12 +237,12 @@ class Verification:
         flat = _grammar_masked_block(logits, requests, drafts).reshape(b * width, vocab)
         return logits_to_probs(flat, flat_params, contexts).view(b, width, vocab)
 
-    def _unpack(self, rows: list[list[int]]) -> tuple[VerifyResult, Paths]:
+    def _unpack(self, rows: list[list[int]], block: Block) -> tuple[VerifyResult, Paths]:
         """The verifier's packed rows on the host: a chain's [K+2] (`unpack_rows`), a tree's
         [depth + 2] then its accepted nodes [depth] (-1 after the last)."""
-        if self.tree is None:
+        if block.frame is None:
             result = unpack_rows(rows)
             return result, [list(range(a)) for a in result.num_accepted]
-        width = self.tree.depth + 2
+        width = block.frame.depth + 2
         result = unpack_rows([row[:width] for row in rows])
         return result, [[i for i in row[width:] if i >= 0] for row in rows]

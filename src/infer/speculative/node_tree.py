@@ -204,12 +204,35 @@ def as_frame(tree: TreeShape | TreeFrame, device: torch.device) -> TreeFrame:
     return tree if isinstance(tree, TreeFrame) else frame_of_shape(tree, torch.device(device))
 
 
+def round_widths(trees: Sequence[NodeTree]) -> tuple[int, ...]:
+    """The fewest levels and children a frame of these trees needs: as many levels as the
+    deepest node's depth, at each the most children a node at that depth has (the verifier
+    loops over no more; its uniform columns then move, `Verification` maps them back)."""
+    widths: list[int] = []
+    for tree in trees:
+        for node, kids in [(-1, tree.root_children), *enumerate(tree.children)]:
+            if kids:
+                level = 0 if node < 0 else tree.depths[node]
+                widths += [0] * (level + 1 - len(widths))
+                widths[level] = max(widths[level], len(kids))
+    return tuple(widths)
+
+
 def frame_of_trees(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...], device: torch.device) -> TreeFrame:
-    """The frame of per-row trees of at most n nodes each (missing nodes: no children anywhere)."""
-    if any(t.num_nodes > n or t.widths != widths for t in trees):
-        raise ValueError(f"every tree needs at most {n} nodes and widths {widths}")
+    """The frame of per-row trees of at most n nodes each (missing nodes: no children
+    anywhere), walked `widths` wide (each tree's own widths, or `round_widths` of them)."""
+    if any(t.num_nodes > n or not _fits(t, widths) for t in trees):
+        raise ValueError(f"every tree needs at most {n} nodes and to fit widths {widths}")
     rows = [[t.root_children, *t.children] for t in trees]
     return TreeFrame(widths, _children_table(rows, n, max(widths)).to(device))
+
+
+def _fits(tree: NodeTree, widths: tuple[int, ...]) -> bool:
+    """No node deeper than len(widths), none with more children than widths at its depth."""
+    if tree.num_nodes and max(tree.depths) > len(widths):
+        return False
+    return all(len(kids) <= widths[0 if node < 0 else tree.depths[node]]
+               for node, kids in [(-1, tree.root_children), *enumerate(tree.children)] if kids)
 
 
 @dataclass(frozen=True, eq=False)

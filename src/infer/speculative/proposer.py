@@ -47,6 +47,9 @@ class DraftRequest(Protocol):
     @property
     def prefill_target(self) -> int: ...
 
+    @property
+    def is_finished(self) -> bool: ...  # (at `Proposer.release`: finished, or preempted)
+
     def token_slice(self, lo: int, hi: int | None = None) -> list[int]: ...
 
 

@@ -1,0 +1,264 @@
+"""A suffix trie of bounded depth over token sequences, updated token by token: what
+suffix decoding drafts from (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, section 3).
+
+The trie holds every substring of length <= `max_depth` (D) of its sequences; a node's
+`count` is the number of occurrences of its string (start positions in any sequence), so a
+child's count over the sum of its siblings' is the empirical probability of that next token.
+
+Storage stays near the text's size: only strings seen at least twice get a node object.
+A string seen once is a *tail*: an int `seq << 32 | end` in its parent's `kids`, standing for
+the one occurrence, whose continuation is read from the stored text (seq's tokens from
+`end` on, down to depth D). A second occurrence arriving through a tail makes it a node
+(count 2) with the first occurrence's next token as a tail below it.
+
+Updates (`extend`) cost O(D) a token: a growing sequence keeps the locus of each of its
+suffixes shorter than D (the deepest node on its path and that node's depth) and moves each
+by one token; suffixes whose path runs on in their own tail cost a lookup. `remove` takes
+a whole sequence out again in O(D) a token: every node it counted loses that occurrence,
+nodes left with none go. Nothing is ever rebuilt.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+_SHIFT = 32  # a tail: sequence id << _SHIFT | the position in it after the tail's string
+_LOW = (1 << _SHIFT) - 1
+
+
+class _Node:
+    """A string seen at least twice (or once, after other occurrences were removed)."""
+
+    __slots__ = ("count", "kids")
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.kids: dict[int, _Node | int] = {}  # next token -> node, or a tail (int)
+
+
+Position = _Node | int  # where a string ends in the trie: its node, or a place in a tail
+
+
+class _Live:
+    """A growing sequence's suffixes shorter than D, each [start, deepest node on its path,
+    that node's depth]: `active` ones end at their node (the next token steps from it),
+    `dormant` ones (by start) run on in their own tail, which the next token extends as it
+    is. A dormant suffix wakes when another occurrence splits its tail (`SuffixTrie._split`)."""
+
+    __slots__ = ("active", "dormant")
+
+    def __init__(self) -> None:
+        self.active: list[list] = []
+        self.dormant: dict[int, list] = {}
+
+
+class SuffixTrie:
+    """Every substring of length <= max_depth of the sequences added (module docstring)."""
+
+    def __init__(self, max_depth: int) -> None:
+        if not isinstance(max_depth, int) or max_depth < 1:
+            raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
+        self.max_depth = max_depth
+        self.root = _Node(0)
+        self.num_nodes = 0  # node objects (the root not counted)
+        self._tokens: dict[int, list[int]] = {}  # sequence id -> its tokens
+        self._live: dict[int, _Live] = {}  # the sequences still growing
+
+    # -- the sequences ------------------------------------------------------------------------
+    def __contains__(self, seq: int) -> bool:
+        return seq in self._tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held, over every sequence."""
+        return sum(len(t) for t in self._tokens.values())
+
+    def tokens(self, seq: int) -> list[int]:
+        """The tokens of a sequence (the trie's own list: do not change it)."""
+        return self._tokens[seq]
+
+    def extend(self, seq: int, tokens: Iterable[int]) -> None:
+        """Append tokens to sequence `seq` (a new id starts one) and count their substrings."""
+        if not isinstance(seq, int) or not 0 <= seq <= _LOW:
+            raise ValueError(f"sequence ids are integers in [0, 2**32), got {seq!r}")
+        if seq in self._tokens and seq not in self._live:
+            raise ValueError(f"sequence {seq} was closed: it takes no more tokens")
+        text = self._tokens.setdefault(seq, [])
+        live = self._live.setdefault(seq, _Live())
+        for token in tokens:
+            self._append(seq, text, live, token)
+
+    def close(self, seq: int) -> None:
+        """No more tokens for `seq`: drop its loci (its counts stay until `remove`)."""
+        self._live.pop(seq, None)
+
+    def remove(self, seq: int) -> None:
+        """Take sequence `seq` out: each of its occurrences leaves the counts (O(D) a token)."""
+        text = self._tokens.pop(seq)
+        self._live.pop(seq, None)
+        depth, root = self.max_depth, self.root
+        for start in range(len(text)):
+            node = root
+            for j in range(start, min(start + depth, len(text))):
+                kid = node.kids[text[j]]  # (this occurrence is counted on its path)
+                if type(kid) is int:  # its own tail: the rest of the path is this occurrence alone
+                    if node.count or node is root:
+                        del node.kids[text[j]]
+                    break
+                kid.count -= 1
+                if not kid.count:
+                    self.num_nodes -= 1
+                    if node.count or node is root:  # (below a node gone, the edges go with it)
+                        del node.kids[text[j]]
+                node = kid
+
+    # -- one token --------------------------------------------------------------------------
+    def _append(self, seq: int, text: list[int], live: _Live, token: int) -> None:
+        """Count the strings that end at the new token: each active suffix's and the new one's
+        (a dormant suffix's string runs on in its own tail)."""
+        n = len(text)
+        text.append(token)
+        depth, dormant = self.max_depth, live.dormant
+        active, live.active = live.active, []
+        active.append([n, self.root, 0])
+        for locus in active:
+            start, node, at = locus
+            length = n - start  # the suffix's string before `token`
+            while at < length:  # (woken: its path past `node` may run through nodes others made)
+                kid = node.kids[text[start + at]]
+                if type(kid) is int:
+                    break
+                node, at = kid, at + 1
+            if at == length:
+                kid = node.kids.get(token)
+                if kid is None:
+                    node.kids[token] = seq << _SHIFT | (n + 1)
+                elif type(kid) is int:
+                    split = node.kids[token] = self._split(kid, length + 1)
+                    node, at = split, at + 1
+                else:
+                    kid.count += 1
+                    node, at = kid, at + 1
+            if length + 1 < depth:
+                locus[1], locus[2] = node, at
+                if at > length:
+                    live.active.append(locus)
+                else:
+                    dormant[start] = locus
+        dormant.pop(n + 1 - depth, None)  # (its string reached D tokens)
+
+    def _split(self, tail: int, depth: int) -> _Node:
+        """The tail's string, at `depth`, seen a second time: a node of count 2 with the first
+        occurrence's next token (if it has one within D) as a tail below it. A growing
+        sequence whose suffix that was wakes it."""
+        node = _Node(2)
+        self.num_nodes += 1
+        seq, end = tail >> _SHIFT, tail & _LOW
+        text = self._tokens[seq]
+        if depth < self.max_depth and end < len(text):
+            node.kids[text[end]] = tail + 1
+        live = self._live.get(seq)
+        if live is not None:
+            woken = live.dormant.pop(end - depth, None)
+            if woken is not None:
+                live.active.append(woken)
+        return node
+
+    # -- reading ------------------------------------------------------------------------------
+    def walk(self, context: Sequence[int]) -> Position | None:
+        """Where the string `context` (at most D tokens) ends, or None if it never occurred."""
+        pos: Position = self.root
+        for token in context:
+            if type(pos) is int:
+                text = self._tokens[pos >> _SHIFT]
+                end = pos & _LOW
+                if end >= len(text) or text[end] != token:
+                    return None
+                pos += 1
+            else:
+                kid = pos.kids.get(token)
+                if kid is None:
+                    return None
+                pos = kid
+        return pos
+
+    def children(self, pos: Position, depth: int, limit: int) -> tuple[int, list[tuple[int, int, Position]]]:
+        """(total, top): the occurrences of the string at `pos` (of length `depth`) that go on,
+        and (token, count, position) of its `limit` most frequent next tokens, most frequent
+        first (ties: the smaller token id); nothing at depth D."""
+        if depth >= self.max_depth:
+            return 0, []
+        if type(pos) is int:
+            text = self._tokens[pos >> _SHIFT]
+            end = pos & _LOW
+            return (1, [(text[end], 1, pos + 1)]) if end < len(text) else (0, [])
+        kids = [(token, 1 if type(kid) is int else kid.count, kid) for token, kid in pos.kids.items()]
+        top = heapq.nsmallest(limit, kids, key=lambda item: (-item[1], item[0]))
+        return sum(count for _, count, _ in kids), top
+
+    def has_next(self, pos: Position, depth: int) -> bool:
+        """Whether some occurrence of the string at `pos` (of length `depth`) goes on."""
+        if depth >= self.max_depth:
+            return False
+        if type(pos) is int:
+            return (pos & _LOW) < len(self._tokens[pos >> _SHIFT])
+        return bool(pos.kids)
+
+    def longest_match(self, context: Sequence[int], max_len: int) -> tuple[int, Position] | None:
+        """(m, position) of the longest suffix of `context`, m <= max_len tokens, that occurred
+        with a next token; None when not even its last token did. A binary search: a suffix
+        of a string that goes on goes on too (O(max_len log max_len))."""
+        lo, hi = 0, min(max_len, len(context), self.max_depth - 1)
+        best: tuple[int, Position] | None = None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            pos = self.walk(context[len(context) - mid:])
+            if pos is not None and self.has_next(pos, mid):
+                lo, best = mid, (mid, pos)
+            else:
+                hi = mid - 1
+        return best
+
+
+class SuffixCache:
+    """A `SuffixTrie` over earlier sequences holding at most `capacity` tokens: adding one
+    removes the oldest until it fits (a sequence longer than the capacity keeps its last
+    `capacity` tokens). Capacity 0 holds nothing."""
+
+    def __init__(self, max_depth: int, capacity: int) -> None:
+        if not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an integer >= 0 (tokens), got {capacity!r}")
+        self.trie = SuffixTrie(max_depth)
+        self.capacity = capacity
+        self.num_tokens = 0
+        self._order: deque[int] = deque()  # sequence ids, oldest first
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Hold `tokens` as one more sequence, evicting the oldest to stay within capacity."""
+        if not self.capacity or not tokens:
+            return
+        tokens = list(tokens[-self.capacity:])
+        while self.num_tokens + len(tokens) > self.capacity:
+            self._evict()
+        seq = self._next
+        self._next = (seq + 1) & _LOW
+        self.trie.extend(seq, tokens)
+        self.trie.close(seq)
+        self._order.append(seq)
+        self.num_tokens += len(tokens)
+
+    def _evict(self) -> None:
+        seq = self._order.popleft()
+        self.num_tokens -= len(self.trie.tokens(seq))
+        self.trie.remove(seq)
+
+    def clear(self) -> None:
+        """Forget every sequence."""
+        while self._order:
+            self._evict()

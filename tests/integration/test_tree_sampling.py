@@ -41,13 +41,18 @@ CASES = {
                                   "3,1", {}),
     "t1-prompt-lookup-2x2": (SamplingParams(temperature=1.0), "2,2",
                              {"speculative_method": "prompt_lookup", "ngram_min_order": 2}),
+    # suffix decoding: trees grown from the requests' own tokens and the finished ones' (its
+    # rounds verified as trees, and as chains when every row's draft is a path)
+    "t1-suffix-dynamic-6x2": (SamplingParams(temperature=1.0), "dynamic:6:2",
+                              {"speculative_method": "suffix", "spec_length": 3}),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_first_three_tokens_match_target(make_llm, pair, name):
+def test_first_three_tokens_match_target(make_llm, pair, name, monkeypatch):
     target, draft = pair
     params, tree, extra = CASES[name]
+    routes = _count_routes(monkeypatch)
     exact = exact_joint(target, PROMPT, params, VOCAB)
     assert max(exact.values()) < 0.5, "distribution too peaked to be a meaningful test"
     llm = _tree_llm(make_llm, target, draft, tree, **extra)
@@ -60,6 +65,23 @@ def test_first_three_tokens_match_target(make_llm, pair, name):
     assert all(o.outputs[0].token_ids == greedy_ref[0].outputs[0].token_ids for o in outs[::50])
     stats = llm.engine.runner.stats
     assert stats.drafts > 0 and 0 < stats.accepted_tokens < sum(stats.drafted_per_position)  # some, not all
+    if extra.get("speculative_method") == "suffix":
+        assert routes["tree"] > 0 and routes["chain"] > 0
+
+
+def _count_routes(monkeypatch) -> dict[str, int]:
+    """Counts the rounds verified as trees and as chains."""
+    from infer.engine.verification import Verification
+    seen = {"tree": 0, "chain": 0}
+    real = Verification.block
+
+    def block(self, requests, drafts):
+        out = real(self, requests, drafts)
+        seen["chain" if out.frame is None else "tree"] += 1
+        return out
+
+    monkeypatch.setattr(Verification, "block", block)
+    return seen
 
 
 def test_negative_control_first_child_always_accepted_fails(make_llm, pair, monkeypatch):

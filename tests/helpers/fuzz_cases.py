@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from infer import SamplingParams
+from infer.engine.config import SUFFIX_TREE
 
 VOCAB = 384  # the tiny checkpoints' vocabulary (helpers.checkpoints.TARGET_VOCAB); 0 = BOS, 1 = EOS
 DRAFTS = ("self", "random", "near")
@@ -34,6 +35,7 @@ FEATURES = {
     "async-preemption": "overlapped scheduling with a pool small enough to preempt",
     "adaptive-preemption": "the adaptive policy with a pool small enough to preempt",
     "draft-tree-alone": "the alone check of seeded sampled rows under a draft model's static tree",
+    "suffix": "speculative_method='suffix' (suffix tries, the cache of finished outputs)",
 }
 # invalid combinations and the words EngineConfig's ValueError must contain
 INVALID: tuple[tuple[dict[str, Any], str], ...] = (
@@ -52,6 +54,9 @@ INVALID: tuple[tuple[dict[str, Any], str], ...] = (
     (dict(use_speculative_decoding=True, spec_tree="dynamic:0", draft="near"), "spec_tree"),
     (dict(use_speculative_decoding=True, speculative_method="medusa", draft="none"), "draft_model"),
     (dict(use_speculative_decoding=True, speculative_method="medusa", draft="medusa", spec_length=7), "spec_length"),
+    (dict(speculative_method="suffix", spec_tree="2,1"), "grows its own trees"),
+    (dict(speculative_method="suffix", spec_length=4, spec_suffix_max_depth=4), "spec_suffix_max_depth"),
+    (dict(speculative_method="ngram", spec_suffix_cache_tokens=0), "spec_suffix_cache_tokens"),
 )
 
 
@@ -186,21 +191,23 @@ def _draw_engine(rng: random.Random, jobs: list[Job], avoid: frozenset[str]) -> 
 
 
 def _draw_speculation(rng: random.Random, kw: dict[str, Any], avoid: frozenset[str]) -> None:
-    method = rng.choice(["draft_model", "draft_model", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3",
-                         "medusa"])
+    methods = ["draft_model", "draft_model", "draft_model", "ngram", "prompt_lookup", "eagle", "eagle3", "medusa"]
+    method = rng.choice(methods + ([] if "suffix" in avoid else ["suffix"]))
     kw.update(use_speculative_decoding=True, speculative_method=method, spec_length=rng.randint(1, 6))
     if method == "draft_model":
         kw["draft"] = rng.choice(DRAFTS)
     elif method in (*HEADS, "medusa"):
         kw["draft"] = method
+    elif method == "suffix":
+        _draw_suffix(rng, kw)
+        return
     tree = rng.random()
     if tree < 0.2:
         widths = [rng.randint(1, 3) for _ in range(rng.randint(1, 4))]
         kw["spec_tree"] = ",".join(map(str, widths))
         kw["spec_length"] = len(widths)
     elif tree < 0.35 and method == "draft_model" and "dynamic-tree" not in avoid:
-        nodes = rng.randint(1, 12)
-        kw["spec_tree"] = f"dynamic:{nodes}" + (f":{rng.randint(1, min(4, nodes))}" if rng.random() < 0.7 else "")
+        kw["spec_tree"] = _dynamic_tree(rng)
     elif rng.random() < 0.35:
         kw["spec_policy"] = "adaptive"
         kw["spec_cost_coefficient"] = rng.choice([0.0, 0.05, 0.2, 0.6])
@@ -208,11 +215,39 @@ def _draw_speculation(rng: random.Random, kw: dict[str, Any], avoid: frozenset[s
         kw["spec_disable_batch_size"] = rng.randint(1, 3)
 
 
+def _dynamic_tree(rng: random.Random) -> str:
+    nodes = rng.randint(1, 12)
+    return f"dynamic:{nodes}" + (f":{rng.randint(1, min(4, nodes))}" if rng.random() < 0.7 else "")
+
+
+def _draw_suffix(rng: random.Random, kw: dict[str, Any]) -> None:
+    """Suffix decoding: its own dynamic trees (the default's, or drawn), the tries' depth, a
+    cache of finished outputs from none to the default's, the probability floor."""
+    if rng.random() < 0.6:
+        kw["spec_tree"] = _dynamic_tree(rng)
+    if rng.random() < 0.5:
+        kw["spec_suffix_max_depth"] = kw["spec_length"] + rng.choice([1, 2, 5])
+    if rng.random() < 0.6:
+        kw["spec_suffix_cache_tokens"] = rng.choice([0, 0, 8, 64])
+    if rng.random() < 0.3:
+        kw["spec_suffix_min_prob"] = rng.choice([0.0, 0.3, 0.9])
+    if rng.random() < 0.1:
+        kw["spec_disable_batch_size"] = rng.randint(1, 3)
+
+
+def suffix_cache(kw: dict[str, Any]) -> bool:
+    """Whether the case drafts from a cache of finished outputs (suffix decoding's, on by
+    default): a seeded row's drafts, so its tokens, then depend on the requests before it."""
+    return kw.get("speculative_method") == "suffix" and kw.get("spec_suffix_cache_tokens", 1) > 0
+
+
 def round_positions(kw: dict[str, Any]) -> int:
     """Positions one speculation round writes past a request's end at most (g and its nodes)."""
     if not kw.get("use_speculative_decoding"):
         return 1
     tree, k = kw.get("spec_tree"), kw.get("spec_length") or 5
+    if tree is None and kw.get("speculative_method") == "suffix":
+        tree = SUFFIX_TREE
     if tree is None:
         return 1 + k
     if tree.startswith("dynamic"):

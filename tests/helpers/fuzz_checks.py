@@ -10,7 +10,8 @@ ValueError must leave nothing queued), then generates the jobs and checks:
   - lossless: greedy rows equal plain decoding of the target (`Plain`, one request alone,
     top-k 1 rows too; every reported log-probability within LOGPROB_ATOL of the target's);
   - rerun: the same generate again on the same engine gives greedy and seeded rows the
-    same tokens (seeded rows: where drafting does not depend on the batch, `_repeats`);
+    same tokens (seeded rows: where drafting does not depend on the batch or on earlier
+    requests, `_repeats`);
   - alone: a seeded sampled row run alone gives its tokens in the batch (likewise);
   - abort: one job aborted at a given engine step (the jobs driven through `Engine`) ends
     as aborted, the other greedy rows keep their tokens;
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from helpers.fuzz_cases import Case, Job, params_source
+from helpers.fuzz_cases import Case, Job, params_source, suffix_cache
 from helpers.fuzz_models import FuzzModels
 
 from infer import LLM, SamplingParams
@@ -181,7 +182,7 @@ def _alone(case: Case, models: FuzzModels, batch_llm: LLM, batched: list[list[Co
     """Seeded sampled rows, each alone on a fresh engine of the case's configuration (no
     cached prefix), give their tokens in the batch."""
     if len(case.jobs) == 1 or _batch_dependent(case):
-        return None  # (drafting decided by the batch changes a seeded row's uniforms)
+        return None  # (drafting decided by the batch, or by other requests' outputs, changes a seeded row's uniforms)
     tree = case.engine.get("spec_tree")
     if ("draft-tree-alone" in case.avoid and case.engine.get("speculative_method") == "draft_model" and tree
             and not tree.startswith("dynamic")):
@@ -292,13 +293,15 @@ def _repeats(job: Job, case: Case) -> bool:
     unless which steps draft depends on the batch (a rerun's cached prefixes change its
     batches): spec_disable_batch_size, or the adaptive policy, whose probes count the steps
     a request was scheduled plain and whose K a short reservation cuts (docs/architecture.md,
-    "What a seed promises")."""
+    "What a seed promises"); or suffix decoding drafts from the first run's outputs."""
     return job.params.greedy or (job.params.seed is not None and not _batch_dependent(case))
 
 
 def _batch_dependent(case: Case) -> bool:
-    """Whether the case's speculation decides a row's drafting from its batch."""
-    return case.engine.get("spec_disable_batch_size") is not None or case.engine.get("spec_policy") == "adaptive"
+    """Whether the case's speculation decides a row's drafting from its batch (or from other
+    requests: suffix decoding's cache of finished outputs)."""
+    return (case.engine.get("spec_disable_batch_size") is not None or case.engine.get("spec_policy") == "adaptive"
+            or suffix_cache(case.engine))
 
 
 def _tokens(samples: list[CompletionOutput]) -> list[list[int]]:

@@ -1,8 +1,8 @@
 """A randomized differential test of engine configurations (CPU, tiny models; issue 60).
 
 Cases 0..CASES-1 of seed SEED (helpers/fuzz_cases.py): speculation methods (draft models
-that accept everything, something or nothing, n-gram, prompt lookup, EAGLE and EAGLE-3
-heads), chains, static and dynamic trees, fixed and adaptive K, both KV backends, block
+that accept everything, something or nothing, n-gram, prompt lookup, suffix decoding, EAGLE
+and EAGLE-3 heads), chains, static and dynamic trees, fixed and adaptive K, both KV backends, block
 sizes 1..16, pools just large enough, small step budgets, prefix caching, mixed batches,
 overlapped scheduling (less the KNOWN features below); workloads of greedy and seeded
 sampled rows with penalties, top-k / top-p, log-probabilities, n > 1, stops, aborts. Each

@@ -9,7 +9,9 @@
                   target's trained EAGLE-3 head at K=5 beside the draft model's K=5, chain K=6
                   against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
                   token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
-                  lookup, chain against tree) and W1 at T=0; the 3B shape with a random 1B draft
+                  lookup, chain against tree) and W1 at T=0; suffix decoding against prompt lookup
+                  on W5 and on the agent workload (16 tool-calling requests one after another);
+                  the 3B shape with a random 1B draft
     costs         c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, of a
                   dummy EAGLE-3 head and of dummy Medusa heads (bf16, FP8) of its shape; projections
     w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
@@ -226,6 +228,7 @@ def speculation_rows(m: Models) -> list[Row]:
                                    {**ngram, "speculative_method": "prompt_lookup"}, {"baseline": base},
                                    needs=m.needs))
             rows += _chain_and_tree(f"{tag}/ngram", group, wl, ngram, base, m.needs)
+    rows += _suffix_rows(m)
     group = "W1 speculative, 3b shape, random 1b draft"
     spec = {"model": SHAPE_3B, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
             "draft_model": SHAPE_1B}
@@ -234,6 +237,40 @@ def speculation_rows(m: Models) -> list[Row]:
              engine_row("w1-spec/3b/1b-draft-adaptive", "the same, adaptive K (must stay at plain speed)", group,
                         WORKLOADS["W1"], {**spec, "spec_policy": "adaptive"}, {"baseline": "w1/3b/ours"})]
     return rows
+
+
+def _suffix_rows(m: Models) -> list[Row]:
+    """Suffix decoding (its defaults: K=8, trees of 16 nodes) on W5 beside the n-gram rows,
+    and on the agent workload against plain decoding and prompt lookup (at K=5 and at
+    suffix's K); each "-vs-prompt-lookup" row alternates with prompt lookup K=5 (its x
+    baseline: suffix over prompt lookup, paired)."""
+    plain = {"model": m.target, **GRAPHS}
+    lookup = {**plain, "use_speculative_decoding": True, "speculative_method": "prompt_lookup",
+              "spec_length": SPEC_K}
+    suffix = {**plain, "speculative_method": "suffix"}
+    w5, tag = WORKLOADS["W5"].with_temperature(0.0), "w5-ngram-t0"
+    group = "demo target, W5 T=0, n-gram drafts"
+    rows = [engine_row(f"{tag}/suffix", "suffix decoding (K=8, trees of up to 16 nodes)", group, w5, suffix,
+                       {"baseline": f"{tag}/plain"}, needs=m.needs),
+            engine_row(f"{tag}/suffix-vs-prompt-lookup", "suffix decoding, paired with prompt lookup K=5 (x "
+                       "baseline: over prompt lookup)", group, w5, suffix, {"baseline": f"{tag}/prompt-lookup-k5"},
+                       paired_with=lookup, needs=m.needs)]
+    agent, tag = WORKLOADS["agent"].with_temperature(0.0), "agent-t0"
+    group, base = "demo target, agent workload T=0", "agent-t0/plain"
+    return rows + [
+        engine_row(base, "plain decoding, 16 tool-calling requests one after another", group, agent, plain,
+                   needs=m.needs),
+        engine_row(f"{tag}/prompt-lookup-k5", "prompt lookup, fixed K=5", group, agent, lookup, {"baseline": base},
+                   needs=m.needs),
+        engine_row(f"{tag}/prompt-lookup-k8", "prompt lookup, fixed K=8 (suffix decoding's K)", group, agent,
+                   {**lookup, "spec_length": 8}, {"baseline": base}, needs=m.needs),
+        engine_row(f"{tag}/suffix", "suffix decoding: the request's own tokens and the earlier outputs", group,
+                   agent, suffix, {"baseline": base}, needs=m.needs),
+        engine_row(f"{tag}/suffix-no-cache", "suffix decoding without the cache of earlier outputs", group, agent,
+                   {**suffix, "spec_suffix_cache_tokens": 0}, {"baseline": base}, needs=m.needs),
+        engine_row(f"{tag}/suffix-vs-prompt-lookup", "suffix decoding, paired with prompt lookup K=5 (x baseline: "
+                   "over prompt lookup)", group, agent, suffix, {"baseline": f"{tag}/prompt-lookup-k5"},
+                   paired_with=lookup, needs=m.needs)]
 
 
 def costs_rows(m: Models) -> list[Row]:
@@ -408,7 +445,8 @@ class Suite:
 SUITES: dict[str, Suite] = {
     "decode-speed": Suite("W1 decode of the 3B and 1B shapes: overlapped / synchronous / FP8 / int4; the 8B "
                           "shape in bf16 and int4; batch sweeps", decode_speed_rows, 1),
-    "speculation": Suite("demo pair T=0/1, n-gram on W5 and W1, a random 1B draft on the 3B shape",
+    "speculation": Suite("demo pair T=0/1, n-gram on W5 and W1, suffix decoding on W5 and the agent workload, a "
+                         "random 1B draft on the 3B shape",
                          speculation_rows, 1),
     "costs": Suite("c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, of an EAGLE-3 "
                    "head and of Medusa heads (bf16, FP8); projections", costs_rows, 1),

@@ -69,3 +69,18 @@ def check_mixed_rows(llm: LLM, prompts: list[list[int]], plain_outputs: list[lis
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs[::2]] == plain_outputs[::2]
     assert all(len(o.outputs[0].token_ids) == MAX_NEW for o in outs[1::2])
+
+
+def count_routes(monkeypatch: Any) -> dict[str, int]:
+    """Counts the speculation rounds verified as trees and as chains (`Verification.block`)."""
+    from infer.engine.verification import Verification
+    seen = {"tree": 0, "chain": 0}
+    real = Verification.block
+
+    def block(self: Verification, requests: Any, drafts: Any) -> Any:
+        out = real(self, requests, drafts)
+        seen["chain" if out.frame is None else "tree"] += 1
+        return out
+
+    monkeypatch.setattr(Verification, "block", block)
+    return seen

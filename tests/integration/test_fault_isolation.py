@@ -33,6 +33,8 @@ STEPS = {
     "dynamic": dict(use_speculative_decoding=True, spec_tree="dynamic:6:2", spec_length=3),
     "ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3),
     "ngram-tree": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="2,1,1"),
+    # (no cache of finished outputs: the seeded row's drafts, so its tokens, then repeat across runs)
+    "suffix": dict(speculative_method="suffix", spec_tree="dynamic:6:2", spec_length=3, spec_suffix_cache_tokens=0),
 }
 
 
@@ -131,18 +133,18 @@ def test_a_request_whose_grammar_breaks_fails_alone(make_llm, ckpt_a, step, wher
     assert len(victim.output_token_ids) < GREEDY.max_tokens  # it stopped where its grammar broke
 
 
-@pytest.mark.parametrize("step", ["ngram", "ngram-tree"])
+@pytest.mark.parametrize("step", ["ngram", "ngram-tree", "suffix"])
 def test_a_request_whose_ngram_table_breaks_fails_alone(make_llm, ckpt_a, step, monkeypatch):
     llm_probe = make_llm(ckpt_a, max_seq_len=128, **STEPS[step])
     proposer = type(llm_probe.engine.runner.speculation.proposer)
-    real = proposer._sync
+    real = proposer.sync
 
     def sync(self, request):
         if request.request_id == self.victim_id:
             raise RuntimeError("injected table failure")
         return real(self, request)
 
-    monkeypatch.setattr(proposer, "_sync", sync)
+    monkeypatch.setattr(proposer, "sync", sync)
     monkeypatch.setattr(proposer, "victim_id", None, raising=False)
 
     def breaks(request: Request) -> None:

@@ -14,9 +14,8 @@ from dataclasses import replace
 import pytest
 
 from helpers.joint import tiny_model
-from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, plain_greedy, run
+from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, count_routes, plain_greedy, run
 from infer import SamplingParams
-from infer.engine.verification import Verification
 
 
 @pytest.fixture(scope="module")
@@ -37,17 +36,7 @@ def _suffix_llm(make_llm, ckpt, batch, **extra):
 
 @pytest.fixture
 def rounds(monkeypatch):
-    """Counts the rounds verified as trees and as chains."""
-    seen = {"tree": 0, "chain": 0}
-    real = Verification.block
-
-    def block(self, requests, drafts):
-        out = real(self, requests, drafts)
-        seen["chain" if out.frame is None else "tree"] += 1
-        return out
-
-    monkeypatch.setattr(Verification, "block", block)
-    return seen
+    return count_routes(monkeypatch)
 
 
 def _tokens(outs):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from helpers.joint import empirical_joint, exact_joint, force_first_child, seeded, tiny_pair, total_variation
+from helpers.spec_e2e import count_routes
 from infer import SamplingParams
 
 VOCAB = 4
@@ -52,7 +53,7 @@ CASES = {
 def test_first_three_tokens_match_target(make_llm, pair, name, monkeypatch):
     target, draft = pair
     params, tree, extra = CASES[name]
-    routes = _count_routes(monkeypatch)
+    routes = count_routes(monkeypatch)
     exact = exact_joint(target, PROMPT, params, VOCAB)
     assert max(exact.values()) < 0.5, "distribution too peaked to be a meaningful test"
     llm = _tree_llm(make_llm, target, draft, tree, **extra)
@@ -68,20 +69,6 @@ def test_first_three_tokens_match_target(make_llm, pair, name, monkeypatch):
     if extra.get("speculative_method") == "suffix":
         assert routes["tree"] > 0 and routes["chain"] > 0
 
-
-def _count_routes(monkeypatch) -> dict[str, int]:
-    """Counts the rounds verified as trees and as chains."""
-    from infer.engine.verification import Verification
-    seen = {"tree": 0, "chain": 0}
-    real = Verification.block
-
-    def block(self, requests, drafts):
-        out = real(self, requests, drafts)
-        seen["chain" if out.frame is None else "tree"] += 1
-        return out
-
-    monkeypatch.setattr(Verification, "block", block)
-    return seen
 
 
 def test_negative_control_first_child_always_accepted_fails(make_llm, pair, monkeypatch):

@@ -69,6 +69,9 @@ def test_missing_server_extra_names_the_distribution(entry: str, monkeypatch: py
     (["--max-seq-len", "0"], "--max-seq-len must be >= 1"),
     (["--use-cuda-graphs"], "--use-cuda-graphs needs a CUDA device, but this engine runs on cpu: drop --use-cuda-graphs"),
     (["--enforce-eager", "--use-cuda-graphs"], "--enforce-eager and --use-cuda-graphs contradict"),
+    (["--speculative-method", "suffix", "--spec-length", "8", "--spec-suffix-max-depth", "6"],
+     "--spec-suffix-max-depth (6) must exceed --spec-length (8)"),
+    (["--spec-suffix-cache-tokens", "0"], "--spec-suffix-cache-tokens apply to --speculative-method suffix"),
 ])
 def test_engine_flags_are_checked_before_loading_and_errors_name_flags(
         flags: list[str], says: str, no_load: None, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,7 +83,8 @@ def test_engine_flags_are_checked_before_loading_and_errors_name_flags(
 
 @pytest.mark.parametrize("flags", [["--spec-length", "3"], ["--ngram-max-order", "8"], ["--spec-tree", "2,1"],
                                    ["--speculative-method", "draft_model"], ["--spec-policy", "fixed"],
-                                   ["--spec-disable-batch-size", "4"], ["--draft-quantization", "fp8"]])
+                                   ["--spec-disable-batch-size", "4"], ["--draft-quantization", "fp8"],
+                                   ["--speculative-method", "suffix", "--spec-suffix-cache-tokens", "0"]])
 def test_a_speculation_flag_turns_speculation_on(flags: list[str]) -> None:
     from infer.engine.args import engine_config_from_args
 

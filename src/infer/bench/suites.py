@@ -53,6 +53,7 @@ from infer.bench.measures import (XGRAMMAR, acceptance_sweep_rows, bandwidth_row
 from infer.bench.peers import HFPeer
 from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
 from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
+from infer.bench.suffix_rows import suffix_rows
 from infer.bench.sweep import SweepSetup, SweepShape
 from infer.bench.workloads import JSON_RECORDS, WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET, DEMO_TRAIN_COMMAND
@@ -228,7 +229,7 @@ def speculation_rows(m: Models) -> list[Row]:
                                    {**ngram, "speculative_method": "prompt_lookup"}, {"baseline": base},
                                    needs=m.needs))
             rows += _chain_and_tree(f"{tag}/ngram", group, wl, ngram, base, m.needs)
-    rows += _suffix_rows(m)
+    rows += suffix_rows({"model": m.target, **GRAPHS}, SPEC_K, m.needs)
     group = "W1 speculative, 3b shape, random 1b draft"
     spec = {"model": SHAPE_3B, **GRAPHS, "use_speculative_decoding": True, "spec_length": SPEC_K,
             "draft_model": SHAPE_1B}
@@ -237,40 +238,6 @@ def speculation_rows(m: Models) -> list[Row]:
              engine_row("w1-spec/3b/1b-draft-adaptive", "the same, adaptive K (must stay at plain speed)", group,
                         WORKLOADS["W1"], {**spec, "spec_policy": "adaptive"}, {"baseline": "w1/3b/ours"})]
     return rows
-
-
-def _suffix_rows(m: Models) -> list[Row]:
-    """Suffix decoding (its defaults: K=8, trees of 16 nodes) on W5 beside the n-gram rows,
-    and on the agent workload against plain decoding and prompt lookup (at K=5 and at
-    suffix's K); each "-vs-prompt-lookup" row alternates with prompt lookup K=5 (its x
-    baseline: suffix over prompt lookup, paired)."""
-    plain = {"model": m.target, **GRAPHS}
-    lookup = {**plain, "use_speculative_decoding": True, "speculative_method": "prompt_lookup",
-              "spec_length": SPEC_K}
-    suffix = {**plain, "speculative_method": "suffix"}
-    w5, tag = WORKLOADS["W5"].with_temperature(0.0), "w5-ngram-t0"
-    group = "demo target, W5 T=0, n-gram drafts"
-    rows = [engine_row(f"{tag}/suffix", "suffix decoding (K=8, trees of up to 16 nodes)", group, w5, suffix,
-                       {"baseline": f"{tag}/plain"}, needs=m.needs),
-            engine_row(f"{tag}/suffix-vs-prompt-lookup", "suffix decoding, paired with prompt lookup K=5 (x "
-                       "baseline: over prompt lookup)", group, w5, suffix, {"baseline": f"{tag}/prompt-lookup-k5"},
-                       paired_with=lookup, needs=m.needs)]
-    agent, tag = WORKLOADS["agent"].with_temperature(0.0), "agent-t0"
-    group, base = "demo target, agent workload T=0", "agent-t0/plain"
-    return rows + [
-        engine_row(base, "plain decoding, 16 tool-calling requests one after another", group, agent, plain,
-                   needs=m.needs),
-        engine_row(f"{tag}/prompt-lookup-k5", "prompt lookup, fixed K=5", group, agent, lookup, {"baseline": base},
-                   needs=m.needs),
-        engine_row(f"{tag}/prompt-lookup-k8", "prompt lookup, fixed K=8 (suffix decoding's K)", group, agent,
-                   {**lookup, "spec_length": 8}, {"baseline": base}, needs=m.needs),
-        engine_row(f"{tag}/suffix", "suffix decoding: the request's own tokens and the earlier outputs", group,
-                   agent, suffix, {"baseline": base}, needs=m.needs),
-        engine_row(f"{tag}/suffix-no-cache", "suffix decoding without the cache of earlier outputs", group, agent,
-                   {**suffix, "spec_suffix_cache_tokens": 0}, {"baseline": base}, needs=m.needs),
-        engine_row(f"{tag}/suffix-vs-prompt-lookup", "suffix decoding, paired with prompt lookup K=5 (x baseline: "
-                   "over prompt lookup)", group, agent, suffix, {"baseline": f"{tag}/prompt-lookup-k5"},
-                   paired_with=lookup, needs=m.needs)]
 
 
 def costs_rows(m: Models) -> list[Row]:

@@ -35,7 +35,12 @@ _HELP = {
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive); "
                    "default: 5, or the depth of --spec-tree",
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
-                 "policy only)",
+                 "policy only); dynamic:N[:B] for a draft model's or suffix decoding's trees of N nodes",
+    "spec_suffix_max_depth": "--speculative-method suffix: substrings of up to this many tokens are counted (a match "
+                             "of m tokens leaves this - m to draft; more than --spec-length)",
+    "spec_suffix_cache_tokens": "--speculative-method suffix: tokens of finished requests' outputs every request "
+                                "drafts from, the oldest evicted (0: each request drafts from its own tokens alone)",
+    "spec_suffix_min_prob": "--speculative-method suffix: the least estimated probability of a draft node",
     "device": "auto | cpu | cuda[:N]",
     "max_batch_size": "requests decoded together; default: sized from the GPU's memory (KV of --max-seq-len "
                       "tokens each beside the weights, at most 256), 8 on a CPU",

@@ -268,7 +268,8 @@ class EngineConfig:
 
     def _check_suffix(self) -> None:
         """speculative_method="suffix": its fields valid, its trees dynamic (spec_tree and
-        spec_length default to SUFFIX_TREE and SUFFIX_SPEC_LENGTH); its fields refused elsewhere."""
+        spec_length default to SUFFIX_TREE and SUFFIX_SPEC_LENGTH; `_check_dynamic_tree` checks
+        the rest); its fields refused with other methods."""
         from infer.speculative.suffix import SuffixConfig
         defaults = {f.name: f.default for f in fields(self)}
         if not (self.use_speculative_decoding and self.speculative_method == "suffix"):
@@ -285,9 +286,6 @@ class EngineConfig:
             raise ValueError(f"speculative_method='suffix' grows its own trees: give spec_tree='dynamic:N' or "
                              f"'dynamic:N:B' (at most N nodes a round, B children a node), or leave it unset "
                              f"({SUFFIX_TREE!r}), not {self.spec_tree!r}")
-        if self.spec_policy != "fixed":
-            raise ValueError(f"speculative_method='suffix' runs under spec_policy='fixed' (its trees' depth is "
-                             f"spec_length), got {self.spec_policy!r}")
         self.spec_tree = SUFFIX_TREE if self.spec_tree is None else self.spec_tree
         self.spec_length = SUFFIX_SPEC_LENGTH if self.spec_length is None else self.spec_length
         if self.spec_suffix_max_depth <= self.spec_length:
@@ -323,7 +321,8 @@ class EngineConfig:
                              f"by suffix decoding: set speculative_method='draft_model' or 'suffix', or give a "
                              f"static tree like '3,2,1' for {self.speculative_method!r}")
         if self.spec_policy != "fixed":
-            raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree's depth is spec_length), "
+            who = "speculative_method='suffix'" if self.speculative_method == "suffix" else "spec_tree"
+            raise ValueError(f"{who} needs spec_policy='fixed' (the tree's depth is spec_length), "
                              f"got {self.spec_policy!r}")
         if self.tensor_parallel_size != 1:
             raise ValueError("dynamic trees run on one GPU: set tensor_parallel_size=1"

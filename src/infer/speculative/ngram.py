@@ -38,19 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from infer.sampling import is_strict_int
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.ngram_tables import METHODS, DraftTable, NgramConfig, NgramTable
 from infer.speculative.prompt_lookup import PromptLookupTable
-from infer.speculative.proposer import DraftRequest
+from infer.speculative.proposer import DraftRequest, HostProposer
 from infer.speculative.tree import Draft, TreeShape, cut_depth
 
 __all__ = ["METHODS", "NgramConfig", "NgramProposer", "NgramTable", "PromptLookupTable", "DraftTable"]
-
-if TYPE_CHECKING:
-    from infer.cache.protocol import CachePoolProtocol
 
 _TABLES: dict[str, type[NgramTable] | type[PromptLookupTable]] = {
     "ngram": NgramTable,
@@ -66,8 +62,10 @@ class _Entry:
     tail: list[int]  # the last (up to) _TAIL of those tokens
 
 
-class NgramProposer:
+class NgramProposer(HostProposer):
     """Proposer over per-request n-gram (or prompt lookup) tables; drafts have probs=None."""
+
+    building = "building its n-gram table"
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config if config is not None else NgramConfig()
@@ -85,7 +83,7 @@ class NgramProposer:
         cfg = self.config
         return _TABLES[cfg.method](cfg.max_order, cfg.min_order, cfg.window)
 
-    def _sync(self, request: DraftRequest) -> DraftTable:
+    def sync(self, request: DraftRequest) -> DraftTable:
         """Bring the request's table up to date: incremental, or rebuilt if history changed.
 
         A request's tokens only grow, so comparing the last few tokens the table saw tells a
@@ -121,7 +119,7 @@ class NgramProposer:
             if not depth:  # (its table catches up at its next lookup)
                 continue
             with isolated(request, DRAFTING):
-                table = self._sync(request)
+                table = self.sync(request)
                 n = request.num_tokens
                 context = request.token_slice(max(0, n - self.config.max_order + 1), n)
                 if shape.is_chain:
@@ -130,31 +128,9 @@ class NgramProposer:
                     drafts[-1] = cut_depth(table.propose_tree(context, shape), depth)
         return drafts
 
-    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
-                 rows: Sequence[Sequence[int]]) -> None:
-        """Nothing: tables read tokens only."""
-
-    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """Build the prefilled requests' tables from their prompts (under the prefill's forward)."""
-        for request in requests:
-            with isolated(request, "building its n-gram table"):
-                self._sync(request)
-
-    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
-        """Nothing: a table takes the verified tokens at its next lookup."""
-
     def release(self, request: DraftRequest) -> None:
         """The request finished or was preempted: drop its table (a later propose rebuilds)."""
         self._entries.pop(request.request_id, None)
-
-    def can_admit(self, request: DraftRequest) -> bool:
-        return True  # tables live in host memory
-
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        return True
-
-    def pools(self) -> list[CachePoolProtocol]:
-        return []
 
     def leak_report(self) -> list[str]:
         """Tables still held (of requests that never left)."""

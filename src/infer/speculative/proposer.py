@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from infer.sampling import SamplingParams
+from infer.speculative.faults import isolated
 
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
@@ -105,3 +106,38 @@ class Proposer(Protocol):
     def leak_report(self) -> list[str]:
         """State still held (when no request should be running)."""
         ...
+
+
+class HostProposer:
+    """The hooks of a proposer whose state is host memory made from the requests' verified
+    tokens alone (n-gram tables, suffix tries): the state is brought up to date (`sync`) at
+    each proposal and from the prompt under its prefill's forward; nothing to read of the
+    forward, nothing to roll back, no device memory."""
+
+    building = "building its draft state"  # what `prefilled` was doing, for a fault's message
+
+    def sync(self, request: DraftRequest) -> object:
+        """The request's state, holding every token it has."""
+        raise NotImplementedError
+
+    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
+        """Build the prefilled requests' state from their prompts (under the prefill's forward)."""
+        for request in requests:
+            with isolated(request, self.building):
+                self.sync(request)
+
+    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
+                 rows: Sequence[Sequence[int]]) -> None:
+        """Nothing: the state reads tokens only."""
+
+    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
+        """Nothing: the state takes the verified tokens at its next proposal."""
+
+    def can_admit(self, request: DraftRequest) -> bool:
+        return True  # (host memory)
+
+    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
+        return True
+
+    def pools(self) -> list[CachePoolProtocol]:
+        return []

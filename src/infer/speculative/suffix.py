@@ -30,18 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from infer.sampling import is_strict_int
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.node_tree import DynamicShape, NodeTree
-from infer.speculative.proposer import DraftRequest
+from infer.speculative.proposer import DraftRequest, HostProposer
 from infer.speculative.suffix_draft import SuffixTree, grow_tree
 from infer.speculative.suffix_trie import SuffixCache, SuffixTrie
 from infer.speculative.tree import Draft, TreeShape, chain_shape
-
-if TYPE_CHECKING:
-    from infer.cache.protocol import CachePoolProtocol
 
 _TAIL = 16  # tokens compared to tell that a request's history was replaced
 _OWN = 0  # the sequence id of a request's own tokens in its trie
@@ -74,8 +70,10 @@ class _Entry:
     tail: list[int]  # the last (up to) _TAIL of them
 
 
-class SuffixProposer:
+class SuffixProposer(HostProposer):
     """Proposer drafting suffix-trie trees (module docstring); drafts have probs=None."""
+
+    building = "building its suffix trie"
 
     def __init__(self, config: SuffixConfig | None = None) -> None:
         self.config = config if config is not None else SuffixConfig()
@@ -87,7 +85,7 @@ class SuffixProposer:
         entry = self._entries.get(request_id)
         return entry.trie if entry is not None else None
 
-    def _sync(self, request: DraftRequest) -> SuffixTrie:
+    def sync(self, request: DraftRequest) -> SuffixTrie:
         """The request's trie with every token it has: extended, or rebuilt when its history
         was replaced (the last tokens it saw differ)."""
         n = request.num_tokens - request.pending_tokens
@@ -121,7 +119,7 @@ class SuffixProposer:
 
     def _best_tree(self, request: DraftRequest, k: int, shape: DynamicShape) -> SuffixTree | None:
         """The higher-scoring of the request's own trie's tree and the cache's (None: no match)."""
-        own = self._sync(request)
+        own = self.sync(request)
         room = self.config.max_depth - k  # the longest match that leaves k tokens to draft
         if room < 1:
             return None
@@ -138,19 +136,6 @@ class SuffixProposer:
                 best = tree
         return best
 
-    def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
-                 rows: Sequence[Sequence[int]]) -> None:
-        """Nothing: tries read tokens only."""
-
-    def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """Build the prefilled requests' tries from their prompts (under the prefill's forward)."""
-        for request in requests:
-            with isolated(request, "building its suffix trie"):
-                self._sync(request)
-
-    def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
-        """Nothing: a trie takes the verified tokens at its next proposal."""
-
     def release(self, request: DraftRequest) -> None:
         """The request finished (its output, after its prompt's last D - 1 tokens, joins the
         cache) or was preempted: its own trie goes (a later proposal rebuilds it)."""
@@ -164,15 +149,6 @@ class SuffixProposer:
     def reset_history(self) -> None:
         """Forget the cache of earlier requests' outputs (the requests running keep their tries)."""
         self.cache.clear()
-
-    def can_admit(self, request: DraftRequest) -> bool:
-        return True  # tries live in host memory
-
-    def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        return True
-
-    def pools(self) -> list[CachePoolProtocol]:
-        return []
 
     def leak_report(self) -> list[str]:
         """Tries still held (of requests that never left); the cache is held on purpose."""

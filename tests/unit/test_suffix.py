@@ -43,6 +43,13 @@ def _assert_counts(trie: SuffixTrie, seqs: list[list[int]]) -> None:
         assert {t: c for t, c, _ in kids} == want, string
         assert total == sum(want.values()) and trie.has_next(pos, len(string)) == bool(want)
     assert trie.walk([1 + max((t for s in seqs for t in s), default=0)]) is None  # (a token never seen)
+    assert trie.num_nodes == _nodes_below(trie, trie.walk([]), 0)  # (every node counted, none leaked)
+
+
+def _nodes_below(trie: SuffixTrie, pos: int, depth: int) -> int:
+    """Nodes (not tails: positions >= 0) reachable below `pos`."""
+    _, kids = trie.children(pos, depth, 10**6)
+    return sum(1 + _nodes_below(trie, kid, depth + 1) for _, _, kid in kids if kid < 0)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -55,7 +62,7 @@ def test_trie_counts_every_substring_as_brute_force_does(seed):
             action = rng.random()
             if action < 0.65 or not seqs:  # grow a sequence (several may grow interleaved), in pieces
                 seq = rng.randrange(4)
-                if seq in seqs and seq not in trie._live:
+                if seq in seqs and not trie.is_open(seq):
                     continue
                 piece = [rng.randrange(rng.randint(1, 3)) for _ in range(rng.randint(0, 9))]
                 trie.extend(seq, piece)
@@ -70,7 +77,7 @@ def test_trie_counts_every_substring_as_brute_force_does(seed):
             assert trie.num_tokens == sum(len(s) for s in seqs.values())
         for seq in list(seqs):
             trie.remove(seq)
-        assert trie.num_nodes == 0 and not trie.root.kids  # every node and tail went with its sequence
+        assert trie.num_nodes == 0 and trie.is_empty()  # every node and tail went with its sequence
 
 
 def test_a_closed_sequence_takes_no_more_tokens_and_ids_are_checked():
@@ -88,7 +95,7 @@ def test_a_closed_sequence_takes_no_more_tokens_and_ids_are_checked():
 def test_strings_seen_once_take_no_node():
     trie = SuffixTrie(8)
     trie.extend(0, list(range(100)))  # all distinct: every string seen once
-    assert trie.num_nodes == 0 and len(trie.root.kids) == 100
+    assert trie.num_nodes == 0 and trie.children(trie.walk([]), 0, 1000)[0] == 100
     trie.extend(0, [5, 6, 7])  # "5 6 7" again: nodes for it, its prefixes' suffixes included
     assert trie.num_nodes == 6  # 5, 5 6, 5 6 7, 6, 6 7, 7
     total, kids = trie.children(trie.walk([5, 6]), 2, 4)
@@ -125,7 +132,7 @@ def test_the_cache_holds_at_most_its_capacity_and_evicts_the_oldest():
     cache.add(list(range(200, 300)))  # longer than the capacity: its last 60 tokens
     assert len(cache) == 1 and cache.trie.walk([239]) is None and cache.trie.walk([240]) is not None
     cache.clear()
-    assert len(cache) == 0 and cache.num_tokens == 0 and cache.trie.num_nodes == 0 and not cache.trie.root.kids
+    assert len(cache) == 0 and cache.num_tokens == 0 and cache.trie.num_nodes == 0 and cache.trie.is_empty()
     empty = SuffixCache(5, 0)
     empty.add([1, 2, 3])
     assert len(empty) == 0 and empty.trie.num_tokens == 0
@@ -177,11 +184,12 @@ def test_a_repeat_is_drafted_as_a_chain_and_a_fork_as_a_tree():
     (draft,) = proposer.propose([chain_req], SHAPE, [4])
     assert draft.shape.is_chain and draft.token_ids[:3] == (8, 9, 10) and draft.probs is None
     assert draft.num_proposed == 3  # a 3-token match: 3 nodes
-    fork = _request("b", [1, 2, 3, 9, 1, 2, 4, 8, 1, 2])  # "1 2" went on with 3 and with 4
+    fork = _request("b", [5, 6, 7, 1, 2, 3, 9, 5, 6, 7, 1, 2, 4, 8, 5, 6, 7, 1, 2])  # "5 6 7 1 2": 3 | 4
     drafts = proposer.propose([chain_req, fork], SHAPE, [4, 4])
     tree = drafts[1].shape
     assert isinstance(tree, NodeTree) and tree.widths == SHAPE.widths and tree.root_children == (0, 1)
-    assert sorted(drafts[1].token_ids[:2]) == [3, 4]
+    # 5 nodes (a 5-token match): 3's line down to the round's depth first (a tie), then 4
+    assert drafts[1].token_ids[:5] == (3, 4, 9, 5, 6) and tree.parents == (-1, -1, 0, 2, 3)
     assert isinstance(drafts[0].shape, NodeTree)  # a round with a tree: every row's draft is a NodeTree
     assert drafts[0].token_ids[:3] == (8, 9, 10) and drafts[0].shape.parents == (-1, 0, 1)
     short = proposer.propose([chain_req], SHAPE, [2])[0]

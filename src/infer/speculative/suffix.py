@@ -134,6 +134,8 @@ class SuffixProposer(HostProposer):
             tree = grow_tree(trie, pos, m, k, min(shape.nodes, m), shape.branch, self.config.min_prob)
             if tree.tokens and (best is None or tree.score > best.score):
                 best = tree
+            if best is not None and best.score >= min(shape.nodes, room):
+                break  # (no tree scores more: one node a matched token at most, each at most 1)
         return best
 
     def release(self, request: DraftRequest) -> None:

@@ -11,12 +11,15 @@ the sum of the taken nodes' probabilities, is the number of tokens the corpus ex
 be accepted: the proposer keeps the better of two tries' trees by it.
 
 The tree comes out breadth-first, siblings most frequent first, as `NodeTree` wants it.
-Deterministic: ties go to the candidate found first.
+Deterministic: ties go to the better-ranked sibling, then to the candidate found last (a
+path that keeps its probability is followed down first), so a run of lone children (a
+string seen once goes on one way) is taken without the heap.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 from infer.speculative.suffix_trie import Position, SuffixTrie
@@ -40,31 +43,45 @@ def grow_tree(trie: SuffixTrie, pos: Position, match_len: int, max_depth: int, b
               min_prob: float) -> SuffixTree:
     """The draft after the string of length `match_len` at `pos` (module docstring)."""
     heap: list[tuple[float, int, int, int, int, Position, int]] = []
-    found = 0  # candidates pushed so far (the tie-breaker)
+    taken: list[tuple[int, int, int, int, float]] = []  # (parent, rank, token, depth, prob)
+    found = itertools.count()  # candidates in the order found (ties: the latest first)
 
-    def offer(parent: int, at: Position, depth: int, prob: float) -> None:
-        nonlocal found
+    def offer(parent: int, at: Position, depth: int, prob: float) -> list[tuple[int, int, Position]]:
+        """Push the children of `at` (taken as `parent`) worth drafting; returns the lone one
+        that keeps the whole probability instead (the best candidate at once: nothing
+        pushed is likelier, and ties go to the candidate found last), else []."""
         total, kids = trie.children(at, match_len + depth, branch)
-        for rank, (token, count, kid) in enumerate(kids):
+        if len(kids) == 1 and kids[0][1] == total:
+            return kids
+        for rank, (token, count, kid) in reversed(list(enumerate(kids))):  # (the best found last)
             p = prob * count / total
             if p >= min_prob:
-                heapq.heappush(heap, (-p, found, parent, rank, token, kid, depth + 1))
-                found += 1
+                heapq.heappush(heap, (-p, -next(found), parent, rank, token, kid, depth + 1))
+        return []
 
-    taken: list[tuple[int, int, int, int, float]] = []  # (parent, rank, token, depth, prob)
     if max_depth > 0:
-        offer(-1, pos, 0, 1.0)
+        lone = offer(-1, pos, 0, 1.0)
+        if lone:
+            heap.append((-1.0, 0, -1, 0, lone[0][0], lone[0][2], 1))
     while heap and len(taken) < budget:
         neg, _, parent, rank, token, kid, depth = heapq.heappop(heap)
         taken.append((parent, rank, token, depth, -neg))
-        if depth < max_depth:
-            offer(len(taken) - 1, kid, depth, -neg)
+        while depth < max_depth and len(taken) < budget:  # a run of lone children: no heap
+            lone = offer(len(taken) - 1, kid, depth, -neg)
+            if not lone:
+                break
+            token, _, kid = lone[0]
+            depth += 1
+            taken.append((len(taken) - 1, 0, token, depth, -neg))
     return _breadth_first(taken)
 
 
 def _breadth_first(taken: list[tuple[int, int, int, int, float]]) -> SuffixTree:
     """Taken nodes (parents taken before children) renumbered breadth-first: by depth, then
     the parent's new index, then sibling rank."""
+    score = sum(node[4] for node in taken)
+    if all(node[0] == i - 1 for i, node in enumerate(taken)):  # a path: in order already
+        return SuffixTree(tuple(range(-1, len(taken) - 1)), tuple(node[2] for node in taken), score)
     new: dict[int, int] = {-1: -1}
     order: list[int] = []
     for depth in sorted({d for _, _, _, d, _ in taken}):
@@ -73,5 +90,4 @@ def _breadth_first(taken: list[tuple[int, int, int, int, float]]) -> SuffixTree:
         for i in level:
             new[i] = len(order)
             order.append(i)
-    return SuffixTree(tuple(new[taken[i][0]] for i in order), tuple(taken[i][2] for i in order),
-                      sum(node[4] for node in taken))
+    return SuffixTree(tuple(new[taken[i][0]] for i in order), tuple(taken[i][2] for i in order), score)

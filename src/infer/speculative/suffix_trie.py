@@ -2,20 +2,23 @@
 suffix decoding drafts from (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, section 3).
 
 The trie holds every substring of length <= `max_depth` (D) of its sequences; a node's
-`count` is the number of occurrences of its string (start positions in any sequence), so a
+count is the number of occurrences of its string (start positions in any sequence), so a
 child's count over the sum of its siblings' is the empirical probability of that next token.
 
-Storage stays near the text's size: only strings seen at least twice get a node object.
-A string seen once is a *tail*: an int `seq << 32 | end` in its parent's `kids`, standing for
-the one occurrence, whose continuation is read from the stored text (seq's tokens from
-`end` on, down to depth D). A second occurrence arriving through a tail makes it a node
-(count 2) with the first occurrence's next token as a tail below it.
+Storage stays near the text's size: only strings seen at least twice get a node. A string
+seen once is a *tail*: an int `seq << 32 | end` in its parent's kids, standing for the one
+occurrence, whose continuation is read from the stored text (seq's tokens from `end` on,
+down to depth D). A second occurrence arriving through a tail makes it a node (count 2)
+with the first occurrence's next token as a tail below it. Nodes are ints too (`~id`, so
+negative, in a parent's kids; their counts and kids in flat lists): the trie is ints,
+lists and dicts of ints, nothing the garbage collector scans, however large it grows.
 
 Updates (`extend`) cost O(D) a token: a growing sequence keeps the locus of each of its
-suffixes shorter than D (the deepest node on its path and that node's depth) and moves each
-by one token; suffixes whose path runs on in their own tail cost a lookup. `remove` takes
-a whole sequence out again in O(D) a token: every node it counted loses that occurrence,
-nodes left with none go. Nothing is ever rebuilt.
+suffixes shorter than D (the deepest node on its path and that node's depth) and moves the
+ones that end at a node by one token; a suffix running on in its own tail costs nothing
+until another occurrence splits that tail. `remove` takes a whole sequence out again in
+O(D) a token: every node it counted loses that occurrence, nodes left with none go (their
+ids are reused). Nothing is ever rebuilt.
 """
 
 from __future__ import annotations
@@ -26,32 +29,22 @@ from collections.abc import Iterable, Sequence
 
 _SHIFT = 32  # a tail: sequence id << _SHIFT | the position in it after the tail's string
 _LOW = (1 << _SHIFT) - 1
+ROOT = ~0  # the root's position (a node's position is ~its id)
 
-
-class _Node:
-    """A string seen at least twice (or once, after other occurrences were removed)."""
-
-    __slots__ = ("count", "kids")
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self.kids: dict[int, _Node | int] = {}  # next token -> node, or a tail (int)
-
-
-Position = _Node | int  # where a string ends in the trie: its node, or a place in a tail
+Position = int  # where a string ends: ~node id (< 0), or a place in a tail (>= 0)
 
 
 class _Live:
-    """A growing sequence's suffixes shorter than D, each [start, deepest node on its path,
-    that node's depth]: `active` ones end at their node (the next token steps from it),
-    `dormant` ones (by start) run on in their own tail, which the next token extends as it
-    is. A dormant suffix wakes when another occurrence splits its tail (`SuffixTrie._split`)."""
+    """A growing sequence's suffixes shorter than D, each [start, deepest node id on its
+    path, that node's depth]: `active` ones end at their node (the next token steps from
+    it), `dormant` ones (by start) run on in their own tail, which the next token extends as
+    it is. A dormant suffix wakes when another occurrence splits its tail (`SuffixTrie._split`)."""
 
     __slots__ = ("active", "dormant")
 
     def __init__(self) -> None:
-        self.active: list[list] = []
-        self.dormant: dict[int, list] = {}
+        self.active: list[list[int]] = []
+        self.dormant: dict[int, list[int]] = {}
 
 
 class SuffixTrie:
@@ -61,8 +54,10 @@ class SuffixTrie:
         if not isinstance(max_depth, int) or max_depth < 1:
             raise ValueError(f"max_depth must be an integer >= 1, got {max_depth!r}")
         self.max_depth = max_depth
-        self.root = _Node(0)
-        self.num_nodes = 0  # node objects (the root not counted)
+        self._count: list[int] = [0]  # node id -> occurrences of its string (node 0: the root)
+        self._kids: list[dict[int, int] | None] = [{}]  # node id -> next token -> ~node or tail
+        self._free: list[int] = []  # ids of nodes gone, for reuse
+        self.num_nodes = 0  # nodes held (the root not counted)
         self._tokens: dict[int, list[int]] = {}  # sequence id -> its tokens
         self._live: dict[int, _Live] = {}  # the sequences still growing
 
@@ -74,6 +69,14 @@ class SuffixTrie:
     def num_tokens(self) -> int:
         """Tokens held, over every sequence."""
         return sum(len(t) for t in self._tokens.values())
+
+    def is_empty(self) -> bool:
+        """Whether no string is held at all."""
+        return not self._kids[0]
+
+    def is_open(self, seq: int) -> bool:
+        """Whether sequence `seq` still takes tokens (not closed)."""
+        return seq in self._live
 
     def tokens(self, seq: int) -> list[int]:
         """The tokens of a sequence (the trie's own list: do not change it)."""
@@ -98,21 +101,27 @@ class SuffixTrie:
         """Take sequence `seq` out: each of its occurrences leaves the counts (O(D) a token)."""
         text = self._tokens.pop(seq)
         self._live.pop(seq, None)
-        depth, root = self.max_depth, self.root
+        depth, count, kids_of = self.max_depth, self._count, self._kids
         for start in range(len(text)):
-            node = root
+            node, gone = 0, []
             for j in range(start, min(start + depth, len(text))):
-                kid = node.kids[text[j]]  # (this occurrence is counted on its path)
-                if type(kid) is int:  # its own tail: the rest of the path is this occurrence alone
-                    if node.count or node is root:
-                        del node.kids[text[j]]
+                kids = kids_of[node]
+                assert kids is not None
+                kid = kids[text[j]]  # (this occurrence is counted on its path)
+                if kid >= 0:  # its own tail: the rest of the path is this occurrence alone
+                    if not gone:
+                        del kids[text[j]]
                     break
-                kid.count -= 1
-                if not kid.count:
-                    self.num_nodes -= 1
-                    if node.count or node is root:  # (below a node gone, the edges go with it)
-                        del node.kids[text[j]]
-                node = kid
+                node = ~kid
+                count[node] -= 1
+                if not count[node]:
+                    if not gone:  # (below a node gone, the edges go with it)
+                        del kids[text[j]]
+                    gone.append(node)
+            for node in gone:
+                kids_of[node] = None
+                self._free.append(node)
+            self.num_nodes -= len(gone)
 
     # -- one token --------------------------------------------------------------------------
     def _append(self, seq: int, text: list[int], live: _Live, token: int) -> None:
@@ -120,27 +129,33 @@ class SuffixTrie:
         (a dormant suffix's string runs on in its own tail)."""
         n = len(text)
         text.append(token)
-        depth, dormant = self.max_depth, live.dormant
+        depth, dormant, count, kids_of = self.max_depth, live.dormant, self._count, self._kids
         active, live.active = live.active, []
-        active.append([n, self.root, 0])
+        active.append([n, 0, 0])
         for locus in active:
             start, node, at = locus
             length = n - start  # the suffix's string before `token`
+            kids = kids_of[node]
+            assert kids is not None
             while at < length:  # (woken: its path past `node` may run through nodes others made)
-                kid = node.kids[text[start + at]]
-                if type(kid) is int:
+                kid = kids[text[start + at]]
+                if kid >= 0:
                     break
-                node, at = kid, at + 1
+                node, at = ~kid, at + 1
+                kids = kids_of[node]
+                assert kids is not None
             if at == length:
-                kid = node.kids.get(token)
+                kid = kids.get(token)
                 if kid is None:
-                    node.kids[token] = seq << _SHIFT | (n + 1)
-                elif type(kid) is int:
-                    split = node.kids[token] = self._split(kid, length + 1)
-                    node, at = split, at + 1
+                    kids[token] = seq << _SHIFT | (n + 1)
+                elif kid >= 0:
+                    node = self._split(kid, length + 1)
+                    kids[token] = ~node
+                    at += 1
                 else:
-                    kid.count += 1
-                    node, at = kid, at + 1
+                    node = ~kid
+                    count[node] += 1
+                    at += 1
             if length + 1 < depth:
                 locus[1], locus[2] = node, at
                 if at > length:
@@ -149,16 +164,21 @@ class SuffixTrie:
                     dormant[start] = locus
         dormant.pop(n + 1 - depth, None)  # (its string reached D tokens)
 
-    def _split(self, tail: int, depth: int) -> _Node:
-        """The tail's string, at `depth`, seen a second time: a node of count 2 with the first
-        occurrence's next token (if it has one within D) as a tail below it. A growing
-        sequence whose suffix that was wakes it."""
-        node = _Node(2)
-        self.num_nodes += 1
+    def _split(self, tail: int, depth: int) -> int:
+        """The tail's string, at `depth`, seen a second time: a node (its id) of count 2 with
+        the first occurrence's next token (if it has one within D) as a tail below it. A
+        growing sequence whose suffix that was wakes it."""
         seq, end = tail >> _SHIFT, tail & _LOW
         text = self._tokens[seq]
-        if depth < self.max_depth and end < len(text):
-            node.kids[text[end]] = tail + 1
+        kids = {text[end]: tail + 1} if depth < self.max_depth and end < len(text) else {}
+        if self._free:
+            node = self._free.pop()
+            self._count[node], self._kids[node] = 2, kids
+        else:
+            node = len(self._count)
+            self._count.append(2)
+            self._kids.append(kids)
+        self.num_nodes += 1
         live = self._live.get(seq)
         if live is not None:
             woken = live.dormant.pop(end - depth, None)
@@ -169,16 +189,18 @@ class SuffixTrie:
     # -- reading ------------------------------------------------------------------------------
     def walk(self, context: Sequence[int]) -> Position | None:
         """Where the string `context` (at most D tokens) ends, or None if it never occurred."""
-        pos: Position = self.root
+        pos = ROOT
         for token in context:
-            if type(pos) is int:
+            if pos >= 0:
                 text = self._tokens[pos >> _SHIFT]
                 end = pos & _LOW
                 if end >= len(text) or text[end] != token:
                     return None
                 pos += 1
             else:
-                kid = pos.kids.get(token)
+                kids = self._kids[~pos]
+                assert kids is not None
+                kid = kids.get(token)
                 if kid is None:
                     return None
                 pos = kid
@@ -190,21 +212,28 @@ class SuffixTrie:
         first (ties: the smaller token id); nothing at depth D."""
         if depth >= self.max_depth:
             return 0, []
-        if type(pos) is int:
+        if pos >= 0:
             text = self._tokens[pos >> _SHIFT]
             end = pos & _LOW
             return (1, [(text[end], 1, pos + 1)]) if end < len(text) else (0, [])
-        kids = [(token, 1 if type(kid) is int else kid.count, kid) for token, kid in pos.kids.items()]
-        top = heapq.nsmallest(limit, kids, key=lambda item: (-item[1], item[0]))
-        return sum(count for _, count, _ in kids), top
+        kids = self._kids[~pos]
+        assert kids is not None
+        count = self._count
+        if len(kids) == 1:  # (the usual case deep down)
+            ((token, kid),) = kids.items()
+            n = 1 if kid >= 0 else count[~kid]
+            return n, [(token, n, kid)]
+        items = [(token, 1 if kid >= 0 else count[~kid], kid) for token, kid in kids.items()]
+        top = heapq.nsmallest(limit, items, key=lambda item: (-item[1], item[0]))
+        return sum(c for _, c, _ in items), top
 
     def has_next(self, pos: Position, depth: int) -> bool:
         """Whether some occurrence of the string at `pos` (of length `depth`) goes on."""
         if depth >= self.max_depth:
             return False
-        if type(pos) is int:
+        if pos >= 0:
             return (pos & _LOW) < len(self._tokens[pos >> _SHIFT])
-        return bool(pos.kids)
+        return bool(self._kids[~pos])
 
     def longest_match(self, context: Sequence[int], max_len: int) -> tuple[int, Position] | None:
         """(m, position) of the longest suffix of `context`, m <= max_len tokens, that occurred

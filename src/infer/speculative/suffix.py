@@ -1,29 +1,15 @@
 """Suffix decoding: tree-shaped drafts from suffix tries, no draft model (SuffixDecoding,
 Oliaro et al. 2024, arXiv 2411.04975).
 
-Two kinds of `SuffixTrie` (speculative/suffix_trie.py), both over tokens the requests really
-have (prompts and verified output, never drafts):
-  * one per request over its prompt and output so far, extended as tokens are accepted
-    (built from the prompt under its prefill's forward, `prefilled`);
-  * one shared `SuffixCache` over earlier requests' outputs, each with the last D - 1 tokens of
-    its prompt before it (the context its first tokens followed), at most `cache_tokens`
-    tokens: a finished request's sequence goes in when it leaves, the oldest go out.
-Each round, for a request drafting k tokens: the longest suffix of its tokens (at most
-D - k of them) that occurred with a next token is found in each trie, a tree grows from it
-(`grow_tree`: the likeliest continuations first, at most as many nodes as the match is long
-and the round's tree allows, none below `min_prob`), and the tree with the higher score (the
-tokens its trie expects accepted) is the draft. A longer or more frequent match gives a
-bigger tree.
-
-Drafts are deterministic (probs None: one-hot q), so the verifier keeps sampling lossless.
-The round's shape is the config's dynamic tree (`DynamicShape`: at most N nodes, B children
-a node, depth K); when every row's draft is a chain, the round's drafts are chains
-(`chain_shape`), which the verifier takes as such (its fast, graphed path), drawing a seeded
-row's uniforms as for a tree, so its tokens do not depend on the routing.
-
-Seeds: a request's drafts depend on the cache, that is on the requests that finished before
-it, so with a cache (cache_tokens > 0) only greedy rows repeat exactly across runs and
-batches; with cache_tokens=0 drafts depend on the request's own tokens alone.
+Two `SuffixTrie`s a request drafts from, over verified tokens only: its own (prompt and
+output, built under the prefill, extended at each proposal) and the shared `SuffixCache` of
+finished requests' outputs (each after its prompt's last D - 1 tokens; oldest evicted). In
+each, the longest suffix of the request's tokens (at most D - k of them) that went on is
+matched and a tree grown from it (`grow_tree`: as many nodes as the match is long, within
+the round's `DynamicShape`); the higher-scored tree is the draft, one-hot (lossless). When
+every row's draft is a chain, the round's drafts are chains (`chain_shape`): the verifier's
+chain path, reading a seeded row's uniforms as for a tree. With a cache, a seeded row's
+drafts, so its tokens, depend on the requests before it; with cache_tokens=0 they do not.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """A suffix match's draft tree: the likeliest continuations, best first (SuffixDecoding,
-arXiv 2411.04975, section 3.2, "greedy expansion" of the speculation tree).
+arXiv 2411.04975, section 3.2: greedy expansion of the speculation tree).
 
-From the position of the matched string in a `SuffixTrie`, a node's probability is the
-product along its path of each token's empirical probability (its count over the counts
-of its siblings: how often, after that string, the corpus went on that way). `grow_tree`
-takes nodes in order of that probability, a node's children becoming candidates once it is
-taken, until `budget` nodes are taken or no candidate reaches `min_prob`; each node keeps
-its `branch` most frequent children at most, no node deeper than `max_depth`. Its `score`,
-the sum of the taken nodes' probabilities, is the number of tokens the corpus expects to
-be accepted: the proposer keeps the better of two tries' trees by it.
-
-The tree comes out breadth-first, siblings most frequent first, as `NodeTree` wants it.
-Deterministic: ties go to the better-ranked sibling, then to the candidate found last (a
-path that keeps its probability is followed down first), so a run of lone children (a
-string seen once goes on one way) is taken without the heap.
+A node's probability is the product along its path of each token's count over its
+siblings' counts, from the matched string's position in a `SuffixTrie`. `grow_tree` takes
+nodes by that probability (ties: the better sibling, then depth first, so runs of lone
+children skip the heap) until `budget` are taken or none reaches `min_prob`, at most
+`branch` children a node, none deeper than `max_depth`. Its `score`, the probabilities'
+sum, is the tokens the corpus expects accepted. Breadth-first out, siblings by count.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """A suffix trie of bounded depth over token sequences, updated token by token: what
-suffix decoding drafts from (SuffixDecoding, Oliaro et al. 2024, arXiv 2411.04975, section 3).
+suffix decoding drafts from (SuffixDecoding, arXiv 2411.04975, section 3).
 
-The trie holds every substring of length <= `max_depth` (D) of its sequences; a node's
-count is the number of occurrences of its string (start positions in any sequence), so a
-child's count over the sum of its siblings' is the empirical probability of that next token.
-
-Storage stays near the text's size: only strings seen at least twice get a node. A string
-seen once is a *tail*: an int `seq << 32 | end` in its parent's kids, standing for the one
-occurrence, whose continuation is read from the stored text (seq's tokens from `end` on,
-down to depth D). A second occurrence arriving through a tail makes it a node (count 2)
-with the first occurrence's next token as a tail below it. Nodes are ints too (`~id`, so
-negative, in a parent's kids; their counts and kids in flat lists): the trie is ints,
-lists and dicts of ints, nothing the garbage collector scans, however large it grows.
-
-Updates (`extend`) cost O(D) a token: a growing sequence keeps the locus of each of its
-suffixes shorter than D (the deepest node on its path and that node's depth) and moves the
-ones that end at a node by one token; a suffix running on in its own tail costs nothing
-until another occurrence splits that tail. `remove` takes a whole sequence out again in
-O(D) a token: every node it counted loses that occurrence, nodes left with none go (their
-ids are reused). Nothing is ever rebuilt.
+Every substring of up to D (`max_depth`) tokens is counted by occurrences, so a child's
+count over its siblings' is the empirical probability of that next token. A string seen
+once is a *tail* (an int `seq << 32 | end`: its continuation is read from the stored text);
+a second occurrence through it makes a node. Nodes are ints too (`~id`; counts and kids in
+flat lists): nothing for the garbage collector to scan. `extend` costs O(D) a token (each
+growing sequence keeps the loci of its suffixes shorter than D; one running on in its own
+tail waits until another occurrence splits it); `remove` takes a sequence's occurrences out
+again, O(D) a token. Nothing is rebuilt. `SuffixCache`: a trie of at most N tokens of
+sequences, the oldest evicted.
 """
 
 from __future__ import annotations

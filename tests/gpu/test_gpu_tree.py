@@ -4,7 +4,7 @@ CUDA-graph replay of tree chunks (the target's verification block, a draft model
 and of the tree verifier must give the same tokens as eager execution, float32, both
 backends, batch 1 and a batch padded to a bucket, greedy and seeded sampling; the fused
 kernels' path (rotary + cache write in one kernel, then attention with the block mask) must
-match the eager kernels on a tree chunk.
+match the eager kernels on a tree chunk; suffix decoding's rounds replay as eager ones.
 """
 
 from __future__ import annotations
@@ -72,6 +72,27 @@ def test_sampled_tree_rounds_replay_identically(ckpt_a, backend, general):
     assert graphs.engine.runner.forward_fn.replays > 0
     assert graphs.engine.runner.stats.accepted_tokens > 0
     assert graphs.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("backend", ["contiguous", "paged"])
+def test_suffix_rounds_replay_identically(ckpt_a, backend):
+    # suffix decoding's rounds (trees walked eagerly over their round's frame, or chains)
+    # through the graphs: greedy and seeded rows as eager, greedy ones as plain decoding; the
+    # prompts twice, the second time drafted from the cache of the first outputs
+    prompts = _prompts(ckpt_a, 4)
+    params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=21 + i)
+              for i, t in enumerate([0, 0.8, 0, 1.0])]
+    kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
+              compile_kernels=False, speculative_method="suffix", spec_tree="dynamic:12:3", spec_length=6)
+    eager, graphs = LLM(str(ckpt_a), use_cuda_graphs=False, **kw), LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
+    plain = _tokens(LLM(str(ckpt_a), device="cuda", dtype="float32", max_seq_len=128, use_cuda_graphs=False),
+                    prompts, GREEDY)
+    for _ in range(2):
+        got = _tokens(graphs, prompts, params)
+        assert got == _tokens(eager, prompts, params)
+        assert [got[0], got[2]] == [plain[0], plain[2]]
+    assert graphs.engine.runner.forward_fn.replays > 0 and graphs.engine.runner.stats.accepted_tokens > 0
+    assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []
 
 
 @torch.no_grad()

@@ -97,29 +97,10 @@ def test_code_edit_text_ends_with_the_files_first_lines(ckpt_a):
     assert len(tok.encode(head, add_special_tokens=False)) >= 12
 
 
-def test_agent_prompts_share_their_preamble_and_answer_start(ckpt_a):
-    agent = WORKLOADS["agent"]
-    assert (agent.num_requests, agent.concurrency, agent.kind) == (16, 1, "agent")
-    dummy = build_requests(agent, 1000).requests
-    assert [r.prompt_ids for r in dummy] == [r.prompt_ids for r in build_requests(agent, 1000).requests]
-    assert all(len(r.prompt_ids) == 384 and r.max_tokens == 96 for r in dummy)
-    assert len({tuple(r.prompt_ids[:364]) for r in dummy}) == 1 and len({tuple(r.prompt_ids[-4:]) for r in dummy}) == 1
-    assert len({tuple(r.prompt_ids[364:380]) for r in dummy}) > 1  # a task each
-    tok = Tokenizer.from_pretrained(ckpt_a)
-    texts = [tok.decode(r.prompt_ids) for r in build_requests(agent, tok.vocab_size, tok).requests]
-    assert all(t.endswith('Call: {"name": "') and "Tools:" in t for t in texts)
-    assert len({t.split("Task:")[0] for t in texts}) == 1 and len({t.split("Task:")[1] for t in texts}) > 8
-    with pytest.raises(ValueError, match="prompt_len"):
-        build_requests(replace(agent, prompt_len=(40, 40)), tok.vocab_size, tok)
-    with pytest.raises(ValueError, match="concurrency"):
-        replace(agent, concurrency=0)
-
-
 def test_engine_config_is_sized_by_the_workload():
     cfg = engine_config(WORKLOADS["W2"], {"use_cuda_graphs": False}, device="cpu")
     assert cfg.max_batch_size == 32 and cfg.max_seq_len >= 512 + 256 and cfg.max_seq_len % 128 == 0
     assert engine_config(WORKLOADS["W1"], {"max_seq_len": 4096}, device="cpu").max_seq_len == 4096
-    assert engine_config(WORKLOADS["agent"], {}, device="cpu").max_batch_size == 1  # its concurrency
 
 
 # -- roofline and theory ----------------------------------------------------------------------
@@ -308,29 +289,6 @@ def test_w2_counts_every_request_and_prefix_hits(ckpt_a):
                             device="cpu", warmup_tokens=1)
     assert metrics["output_tokens"] == metrics["expected_output_tokens"] == expected
     assert metrics["prefix_query_tokens"] > 0 and metrics["prefix_hit_rate"] > 0
-
-
-def test_repeats_of_suffix_decoding_start_from_an_empty_cache(ckpt_a, monkeypatch):
-    # each timed run's requests draft from what the runs before it left only when the
-    # engine's history is not reset: with the reset, repeats take the same steps
-    from infer.bench import engine_runner
-    from infer.engine.engine import Engine
-    wl = replace(WORKLOADS["agent"], num_requests=3, output_len=(12, 12))
-    steps: list[int] = []
-    real = engine_runner.timed_run
-
-    def recording(engine, workload, specs):
-        out = real(engine, workload, specs)
-        steps.append(out[2])
-        return out
-
-    monkeypatch.setattr(engine_runner, "timed_run", recording)
-    spec = {"model": str(ckpt_a), "speculative_method": "suffix", "spec_length": 3}
-    run_engine(wl, spec, device="cpu", warmup_tokens=0, repeats=2)
-    assert len(steps) == 2 and steps[0] == steps[1]
-    monkeypatch.setattr(Engine, "reset_draft_history", lambda self: None)
-    run_engine(wl, spec, device="cpu", warmup_tokens=0, repeats=2)
-    assert steps[2] == steps[0] and steps[3] < steps[2]  # the repeat drafted the first run's outputs
 
 
 def test_speculative_run_reports_acceptance(ckpt_a):

@@ -130,6 +130,7 @@ class ModelRunner:
             head = self.speculation.proposer
             if kv.prefix_caching and isinstance(head, EagleProposer):  # (its prompt blocks cached too)
                 head.share_prefixes()
+                self.speculation.restorer = head
                 kv.register_restorer(self.speculation)  # (the head's, for requests that may draft)
         return kv
 

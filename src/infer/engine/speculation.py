@@ -92,6 +92,7 @@ class Speculation:
     config: EngineConfig
     stats: SpecStats
     shadow: ShadowRounds | None = None  # free drafts under the adaptive policy (speculative/shadow.py)
+    restorer: EagleProposer | None = None  # the head whose prompt blocks a prefix hit restores (`restorable`)
 
     @classmethod
     def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
@@ -291,14 +292,14 @@ class Speculation:
         the target's hit is not cut for it (its whole prompt)."""
         if not self.drafts_for(request):
             return len(request.prompt_token_ids)
-        assert isinstance(self.proposer, EagleProposer)
-        return self.proposer.restorable(request)
+        assert self.restorer is not None
+        return self.restorer.restorable(request)
 
     def restore(self, request: Request, tokens: int) -> None:
         """The head's `restore`, for a request that may draft."""
         if self.drafts_for(request):
-            assert isinstance(self.proposer, EagleProposer)
-            self.proposer.restore(request, tokens)
+            assert self.restorer is not None
+            self.restorer.restore(request, tokens)
 
     def leak_report(self) -> list[str]:
         shadow = self.shadow.leak_report() if self.shadow is not None else []

@@ -1,24 +1,14 @@
 """The pure logits -> probabilities pipeline, and sampling from its probabilities.
 
-The pipeline is the "standardized sampling" of Leviathan et al. 2023 (section 2.2): every
-decoding rule (greedy, temperature, top-k, top-p, repetition penalty) is cast as plain
-sampling from one adjusted distribution. Speculative verification (`infer.speculative.verifier`)
-compares exactly these adjusted distributions for draft and target, which is what makes it
-lossless for every sampling setting.
-
-Order of transforms (per row, vectorised over the batch):
-  1. penalties over that row's context token ids (prompt + generated so far): the
-     repetition penalty (Hugging Face semantics: positive logits divided by the penalty,
-     negative ones multiplied), then the presence and frequency penalties (OpenAI
-     semantics: `logit - count * frequency_penalty - (count > 0) * presence_penalty`),
-  2. temperature (greedy rows are left unscaled),
-  3. top-k, then 4. top-p (tokens outside the kept set become -inf; the top token is always
-     kept; tokens tied with the last kept logit are kept too, so the result does not depend
-     on how a sort orders equal values).
-Greedy rows (temperature 0) become one-hot at the argmax of the penalised logits.
-
-Sampling draws one float64 uniform per row from the row's own CPU `torch.Generator` and
-inverts the CDF, so a seeded request picks the same tokens on any device.
+Every decoding rule (greedy, temperature, top-k, top-p, penalties) is cast as plain
+sampling from one adjusted distribution (Leviathan et al. 2023, section 2.2, "standardized
+sampling"); the speculative verifier compares exactly these distributions for draft and
+target, which makes it lossless for every setting. `adjust_logits` / `logits_to_probs`
+apply, per row: penalties over the row's context (repetition, then presence and frequency),
+temperature, top-k, top-p (ties at the cut kept); greedy rows become one-hot at the argmax.
+`sample` draws one float64 uniform per row from the row's own CPU generator and inverts the
+CDF, so a seeded request picks the same tokens on any device; `sample_without_replacement`
+draws a tree's siblings. Semantics in full: docs/speculation.md, "Sampling transforms".
 """
 
 from __future__ import annotations

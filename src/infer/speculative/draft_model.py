@@ -1,56 +1,14 @@
 """DraftModelProposer: drafts a chain or a tree per request with a small model and its own KV pool.
 
-Per request the draft cache holds a prefix of the request's tokens. A round for a request
-whose target cache holds n tokens (the pending token g = tokens[n] not yet fed anywhere):
-
-1. catch-up: tokens the draft has not seen, tokens[d : n], are fed first. On the first
-   round this is the whole prompt (lazy draft prefill); afterwards it is empty,
-   the one token left over when every draft was accepted, or the tokens of plain steps taken
-   in between (the adaptive policy's, or a batch above `spec_disable_batch_size`). Up to
-   `max_feed - 1` of them ride along with step 1 (a chunk of up to `max_feed` tokens);
-   longer catch-ups run as their own batched prefill.
-2. K batched draft steps: step 1 feeds g, step i feeds t_{i-1}; each samples t_i from the
-   draft distribution q_i after the request's sampling transforms (repetition penalty over
-   the growing context, temperature, top-k, top-p) with the request's generator. Greedy
-   rows take the argmax and report no probabilities (a one-hot q). Each step is one pass of
-   the draft's flat forward (`ForwardFn.run`, a CUDA graph by token count on the GPU); a
-   step's ids are the tokens the step before drew, left on the device. Rows stop at their
-   own k_b (the length guards near a request's end, the adaptive policy's per-row K).
-3. after verification `on_accepted` rolls the draft cache back to n + a + 1 tokens (capped at
-   what it actually holds, n + k).
-
-A tree round (a static `TreeShape` that is not a chain; depth limit k_b >= 1):
-
-1. catch-up exactly as a chain round: long gaps as prefill chunks, the rest fed with g;
-2. level 0: one batched draft step over the unseen tail, ending with g at position n; its
-   logits (after g) give the root's children;
-3. level d = 1 .. k_b - 1: one batched pass over the depth-d nodes of the rows still
-   expanding, each row carrying the level's tree rule (`TreeChunk.rule`). Node i is stored
-   at n + 1 + i of the draft's slot (the target's verification convention), at rotary
-   position n + d, and sees the context, g, its ancestors and itself (`TreeChunk.level`). Its logits give the depth-(d+1) children. A
-   row's deepest level is never fed, as a chain's last draft is not.
-
-A chain row with a structured output drafts from the draft's distribution masked by its
-grammar (at the state after g and the tokens drafted so far), so it proposes only tokens the
-grammar allows; its steps sync with the host (the next mask needs the token).
-Tree drafts are not masked: the verifier rejects a node the grammar forbids.
-
-Children of a node: greedy rows take the top-b tokens of the draft's (penalised) logits in
-rank order (distinct); sampled rows draw b distinct tokens from q, the draft distribution
-after the request's sampling transforms, without replacement: sibling j is drawn from q
-renormalised over the tokens siblings 1 .. j-1 took (`sample_without_replacement`), and that
-is the q reported for it, so the verifier's rule stays exact while no node
-repeats a sibling. A sibling that finds no mass left (q with fewer than b tokens) is absent,
-with its descendants. Node i is drawn with uniform i of N drawn per round from the request's
-own generator, so a seeded request's draft never depends on its batch. Greedy rows report
-no q (one-hot).
-
-A dynamic tree round (`DynamicShape`): catch-up and level 0 as a static tree's, then each
-level over the row's best nodes (`speculative/dynamic_draft.py`).
-
-After verification `on_accepted` moves the accepted nodes the draft was fed into sequence
-order and truncates its cache to n + 1 + min(L, k_b - 1): for a chain exactly step 3's
-rule, so the next round's catch-up is the same for both.
+A round first catches the draft cache up with the tokens it has not seen (the prompt at the
+first round: lazy draft prefill; later the tokens of plain steps), up to `max_feed - 1` of
+them riding along with step 1 and longer gaps as prefill chunks of `CATCH_UP_CHUNK` tokens.
+A chain is then K batched draft steps (one flat pass each, the ids left on the device), each
+row sampling q after its own sampling transforms (a grammar's mask for structured outputs)
+and stopping at its own k. A tree is expanded level by level (`tree_expand.expand_levels`,
+`tree_draft`; dynamic trees by `dynamic_draft`). `on_accepted` moves the accepted fed nodes
+into sequence order and truncates the draft cache to n + 1 + min(L, k - 1).
+The round step by step: docs/speculation.md, "A draft model".
 """
 
 from __future__ import annotations

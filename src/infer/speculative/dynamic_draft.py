@@ -1,23 +1,13 @@
 """A draft model's dynamic tree round: one batched draft step a level over each row's frontier.
 
-`expand_dynamic` runs after the round's level 0 (the unseen tail, g last, whose logits give
-the root's children). For a `DynamicShape` (N nodes, branch B, depth D) and a row's depth
-limit k:
-
-  level d = 0 .. k - 1: the frontier's children are drawn (`draw_children`: B per frontier
-  node; the root is level 0's only frontier node) and scored (`slot_scores`); while
-  d + 1 < k, the level's B best slots (`best_slots`) are the next frontier, fed to the draft
-  in one flat pass over per-row masks (`RowTreeChunk`, as rules: `chunk_rule`);
-  at the end the N best slots of all levels are the row's tree (`kept_tree`).
-
-Storage in the draft's cache (its block): g at n, then level d's frontier (d = 1 .. k - 1)
-at n + 1 + (d - 1) B + f, f its place in the frontier, at rotary position n + d; a frontier
-node sees the context, g, its ancestors' rows and itself. A kept node that was fed is
-recorded with its block index, so `on_accepted` can move the accepted path into sequence
-order (`cache.compaction`).
-
-Uniforms: a row draws B + (D - 1) B^2 from its own generator per round, whatever its k, so
-a seeded request's drafts never depend on its batch.
+`expand_dynamic` runs after the round's level 0 (g's logits give the root's children): for
+a `DynamicShape` (N, B, D) and a row's depth limit k, each level draws and scores the
+frontier's children (`dynamic_select`), feeds its B best slots as the next frontier in one
+flat pass (per-row rules, `RowTreeChunk`), and keeps the N best slots of all levels as the
+row's tree (`DynamicRow`). Frontier nodes of level d are stored in the draft's block at
+n + 1 + (d - 1) B + f (rotary n + d); kept fed nodes carry their block index for
+`on_accepted`'s compaction. A row draws `draft_uniform_count` = B + (D - 1) B^2 uniforms a
+round, whatever its k. Storage and selection: docs/speculation.md, "Dynamic trees".
 """
 
 from __future__ import annotations

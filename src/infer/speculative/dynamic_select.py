@@ -1,43 +1,14 @@
-"""Dynamic token trees (EAGLE-2 style): which drafted nodes a round keeps, and why that stays lossless.
+"""Dynamic token trees (EAGLE-2 style): which drafted nodes a round keeps, losslessly.
 
-Theory: Y. Li et al., "EAGLE-2: Faster Inference of Language Models with Dynamic Draft
-Trees" (2024): expand, level by level, the nodes whose draft path probability (the product
-of the draft's q along the path) is highest, then rerank every drafted node by the same
-value and verify the best N. Each level costs one batched draft step over its frontier.
-
-Here a level works on *slots*: the c-th child of a frontier node v is a slot, scored before
-its token is drawn, with
-
-    score(v, c) = min(pathprob(v) * max q_v over the tokens v's elder siblings left,
-                      score of v's own slot)
-
-(pathprob(v) = the product of q along v's path; the root has pathprob 1 and an unbounded
-score). For greedy rows the children are the draft's top tokens in rank order, so the max
-left is exactly the child's own q and the score is EAGLE-2's value, pathprob(child). Sampled
-rows draw the children without replacement from q (`sample_without_replacement`), and the
-score is the value of the best token the draw could take.
-
-Selection, in a fixed total order (score descending, ties broken by storage order: depth,
-then parent, then sibling index, so a node's ancestors and elder siblings come first):
-  * the next frontier is the `branch` best slots of the level;
-  * the tree is the N best slots of the round.
-
-Why that is exact (the verifier is iterative speculative sampling, verifier.py). Its
-argument needs, for the c-th child x of a node v tried after v's elder siblings were
-rejected: given everything the verifier has seen, and given that x is in the tree at all, x
-is distributed as the q reported for it (q renormalised over the tokens the elder siblings
-took). Being in the tree is a function of the slots ranked above x's slot: the slots of
-x's younger siblings and of x's descendants rank below it (their scores are bounded by
-x's slot's score by the min, and ties go to the elder / the ancestor), so they never decide
-it; every slot ranked above it is drawn from uniforms other than x's and from tokens drawn
-before x. Its score itself depends only on v's path and on the elder siblings. So the event
-"x is kept" is independent of x's own draw, and the reported q holds. Ranking nodes by their
-OWN path probability instead (what EAGLE-2 does with deterministic top-k drafts) would keep
-a sampled child because of its own q, biasing the kept children towards the draft's
-favourite tokens: not lossless (the negative control of the tests). The same order also
-makes every kept set closed under parents and elder siblings, so the kept children of a
-node are a prefix of its draw order and the tree is connected. Greedy rows' children are
-deterministic (one-hot q), exact under any selection.
+A level works on *slots*: the c-th child of a frontier node v, scored before its token is
+drawn (`slot_scores`: v's path probability times the best q its elder siblings left, capped
+by v's own slot's score; for greedy rows exactly EAGLE-2's path probability). In one total
+order (score descending, ties to storage order) the `branch` best slots of a level are the
+next frontier (`best_slots`) and the N best of the round the tree (`kept_tree`); children
+are drawn by `draw_children`. Whether a sampled child is kept never depends on its own draw,
+so the q it reports holds and the verifier stays exact; ranking by a node's own path
+probability would not (the tests' negative control). The argument: docs/speculation.md,
+"Dynamic trees".
 """
 
 from __future__ import annotations

@@ -1,49 +1,14 @@
 """EagleProposer: drafts chains and static trees with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
 
-The head drafts from the target's features: at position i it is fed (f_i, t_{i+1}), f_i the
-target's captured hidden states of position i (`HiddenCapture`; EAGLE-3's through its fc).
-Its cache holds, per request, only positions fed with the target's features:
-
-1. `observed`: after every target forward (prefill chunk, plain step, verification round)
-   the runner names the rows it committed; their features are gathered on the device (no
-   host sync) and kept as the request's pending features, in position order.
-2. `propose`, catch-up: the pending features f_d .. f_{n-1} are fed with the tokens
-   t_{d+1} .. t_n (t_n = g, the pending token), a flat row per request of at most
-   `CATCH_UP_CHUNK` positions a pass (`eagle_round.head_pass`: the flat batch the target's
-   forward takes, the features [N, H] beside the ids [N]). The output at position n - 1
-   gives draft token 1.
-3. draft steps 2 .. k: step j feeds (x_{j-1}, d_{j-1}): the head's own output of the step
-   before as the feature, the token it drafted. Each token is sampled from the head's
-   distribution over TARGET ids (EAGLE-3's draft vocabulary mapped through d2t, -inf
-   elsewhere) after the request's sampling transforms, with the request's generator;
-   greedy rows take the argmax and report no q (one-hot).
-   When every row samples with a temperature alone (greedy included) and no grammar, the
-   last `feed_max` pending positions and the draft steps run as one `round_fn` call
-   (`eagle_round.head_round`: one CUDA graph replay on the GPU, engine/executor/head_graphs.py);
-   otherwise the catch-up runs whole and the steps one by one (a flat pass of one token a
-   row each) with the general sampling.
-4. `on_accepted`: the drafts' positions are dropped (back to n); the accepted ones are fed
-   again at the next catch-up with the target's own features (what the public heads were
-   trained on), which the verification forward has just produced (step 1).
-
-A static tree (`spec_tree`) runs the same catch-up whole, then expands the tree level by
-level from the head's output at g (`eagle_tree.expand_head_tree`, eager: a flat pass a
-level, each row with the level's tree rule), its children chosen as a draft model's;
-`on_accepted` drops the round's positions as for a chain.
-
-Prefix caching (`share_prefixes`; the runner calls it when the target caches prefixes):
-the target computes no features for a cached prefix, so the head caches its own KV of
-prompt blocks too, and a hit restores the head exactly as a cold run builds it. Entry i
-reads (f_i, t_{i+1}): a target hit of m blocks of B determines entries 0 .. mB - 2, and
-the boundary entry mB - 1 also reads t_{mB}, the first token the target computes. So the
-head's pool keys each block with one token of lookahead (`PrefixTree`): its block m - 1 is
-restored only where that token is the same. The head feeds a prompt's features as each
-chunk is computed (`prefilled`, all but the last) and registers its full prompt blocks; at
-admission (`restorable` / `restore`, a `PrefixRestorer` of the KV manager) the target's
-hit is cut to the blocks the head restores. Keys are tokens, so an eviction in either pool
-never leaves a block matching a wrong prefix; it only shortens later hits. (Keeping the
-target's features of cached blocks instead costs more memory than the head's KV, H a
-token against the head's 2 x kv_heads x head_dim, and a head pass over every hit prefix.)
+The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i; its cache
+holds only positions fed with target features. `observed` keeps each request's pending
+features (gathered on the device after every target forward); `propose` feeds them with the
+tokens after them (catch-up, at most `CATCH_UP_CHUNK` positions a row a pass), then drafts
+steps 2 .. k from its own output, sampling over target ids. Rows sampling with a temperature
+alone and no grammar run the last `feed_max` positions and the steps as one `head_round`
+call (a CUDA graph on the GPU); a static tree expands from g's output (`eagle_tree`).
+`on_accepted` drops the round's positions. Prefix caching (`share_prefixes`, `restore`) and
+the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """An EAGLE head over the flat batch: one pass through its pool (`head_pass`), and a chain's
 draft round as one function of tensors (`head_round`).
 
-A head pass is a `ForwardBatch` like the target's (cache/forward_batch.py: `Row`s laid out
-by `plan_batch`), run through the same attention view (`BatchView`), with the head's
-features [N, H] beside its ids [N]: a catch-up's rows, a draft step's one token a row, a
-tree level's nodes with the level's rule (`TreeChunk.rule`). Each pass sets the pool's
-lengths to its rows' ends, as the target's forward does.
-
-`head_round` is what both the eager path and CUDA graphs run (engine/executor/head_graphs.py
-captures this same function), so the graphs are tested equal to it:
-
-1. the feed: each row's last l_b pending features with the tokens after them, rows of one
-   flat batch; the head's output at each row's last token gives draft 1;
-2. steps 2 .. S: one token a row right past the row's end (`next_step`, built on the
-   device from the feed's batch), feeding the head's own output of the step before and the
-   token it drafted. The last draft is not fed.
-
-Tokens are sampled with a temperature alone (greedy rows: argmax) from the head's
-distribution over target ids (`EagleHead.logits`), with staged uniforms; rows needing
-other transforms, penalties or grammars take the proposer's general path.
+A head pass is a `ForwardBatch` like the target's (`Row`s laid out by `plan_batch`) run
+through the same `BatchView`, the head's features [N, H] beside its ids [N]: a catch-up's
+rows, a draft step's one token a row, or a tree level's nodes with its rule. Each pass sets
+the pool's lengths to its rows' ends. `head_round` is the function both `EagerHeadRound`
+and the CUDA graphs (engine/executor/head_graphs.py) run: the feed (each row's last pending
+features with the tokens after them), then steps 2 .. S one token a row past the row's end
+(`next_step`, built on the device), sampling with a temperature alone from staged uniforms.
+Rows needing other transforms take the proposer's general path. docs/speculation.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """A static token tree drafted by an EAGLE / EAGLE-3 head, level by level over its own KV pool.
 
-The round starts where a chain round starts: the catch-up feeds the pending target features
-with the tokens after them, the last pair being (f_{n-1}, g) at the head's storage position
-`base`. The head's output there, x_g, gives the root's children (depth-1 nodes). Level d =
-1 .. k_b - 1 then feeds the depth-d nodes in one flat head pass (`eagle_round.head_pass`),
-a row per request carrying the level's tree rule (`TreeChunk.rule`), each node fed (its
-parent's output, its own token): a depth-1 node reads x_g, a deeper one the output of its
-parent's row at the level before. The storage convention is the target's verification
-block (`TreeChunk`) with g's feed as row 0: node i is stored at base + 1 + i, at rotary
-position base + depth(i), and sees the head's context, g's feed, its ancestors and itself
-(`TreeChunk.level`'s mask). Its output gives its children. A row's deepest level is never
-fed, as a chain's last draft is not.
-
-Children are chosen as the draft model chooses them (`draft_model.children`): greedy rows
-take the top-b tokens of the head's logits over target ids, sampled rows draw b distinct
-tokens from q (the head's distribution after the request's sampling transforms) without
-replacement, each sibling reporting the renormalised q it was drawn from, so the tree
-verifier's rule stays exact. Node i uses uniform i of N drawn per round from the request's
-own generator. After verification the proposer drops every position of the round past
-g's feed; the accepted tokens come back with the target's features and are fed at the next
-catch-up, as after a chain round.
+`expand_head_tree` starts after a chain round's catch-up, whose last pair (f_{n-1}, g) sits
+at the head's storage position `base`: the head's output there gives the root's children.
+Level d = 1 .. k_b - 1 feeds the depth-d nodes in one flat head pass (`eagle_round.head_pass`,
+a row per request with the level's `TreeChunk` rule), each node fed (its parent's output,
+its own token), stored at base + 1 + i with rotary position base + depth(i). Children are
+chosen as a draft model's (`tree_expand.children`), from the head's logits over target ids;
+the deepest level is never fed. After verification the proposer drops the round's positions.
+Details: docs/speculation.md, "An EAGLE head".
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """A draft model with another tokenizer: it drafts in its own ids over the tokens it shares
-with the target (token-level intersection, `vocab_map.py`; docs/architecture.md).
+with the target (token-level intersection, `vocab_map.py`).
 
 `ForeignDraftProposer` wraps the `DraftModelProposer`, which runs unchanged in the draft's
-ids: over a `MaskedForward` (logits of ids the target lacks at -inf before the request's
-sampling transforms, so the draft samples and reports q over shared tokens, renormalised),
-reading each request through a `DraftView` (the target's tokens expanded into draft ids:
-the target's first n + 1 tokens are the draft's first L(n + 1)). Its drafts are mapped to
-target ids and their q to the target's columns, so the verifier stays exact. A row whose
-round would pass the draft's max_seq_len or find its pool full drafts nothing that round;
-a g standing for no draft id gives the draft's last token back, fed again. No grammar
-masks these drafts (the verifier rejects what it forbids).
+ids over a `MaskedForward` (ids the target lacks at -inf before the sampling transforms) and
+reads each request through a `DraftView` over its `DraftTokens` (the target's tokens
+expanded into draft ids). Drafts are mapped to target ids and q to the target's columns, so
+the verifier stays exact. A row whose round would pass the draft's max_seq_len or find its
+pool full drafts nothing that round. docs/architecture.md, "A draft model with another
+vocabulary".
 """
 
 from __future__ import annotations

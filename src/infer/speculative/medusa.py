@@ -1,24 +1,13 @@
 """MedusaProposer: drafts chains and static trees with Medusa heads (models/medusa.py).
 
 The heads read the target's last hidden state, kept from the forward that computed it (no
-extra target pass, no cache of their own):
-
-1. `observed`: after every target forward the runner names the rows it committed; the
-   proposer keeps, per request, the final normed hidden state of the last one (the target's
-   `HiddenCapture`), gathered on the device: position n - 1, whose logits gave the pending
-   token g = t_n.
-2. `propose`: the kept states of the drafting rows, stacked, go through the heads the round
-   needs; head d - 1 guesses the token at depth d (t_{n+d}). A chain (spec_tree unset)
-   takes each head's argmax. A static tree (`TreeShape`) is Medusa's Cartesian product:
-   a node at depth d that is its parent's c-th child holds head d - 1's c-th best token,
-   so siblings are distinct and every parent at one depth has the same children
-   (`medusa_draft`). One host sync a round (the tokens).
-3. Drafts are deterministic (probs None: a one-hot q at each node's token), so the verifier
-   keeps sampling lossless: a node is accepted with the target's p of its token, else the
-   next sibling is tried against the residual.
-
-A row whose kept state is not of position n - 1 (none yet) drafts nothing that round;
-`on_accepted` has nothing to roll back (the next `observed` brings the new state).
+extra pass, no cache of their own): `observed` keeps each request's final normed hidden
+state of position n - 1 (the target's `HiddenCapture`); `propose` runs the drafting rows'
+states through the heads the round needs, head d - 1 guessing depth d. A chain takes each
+head's argmax; a static tree is Medusa's Cartesian product (`medusa_draft`: a parent's c-th
+child holds head d - 1's c-th best token). Drafts are deterministic (one-hot q), so the
+verifier keeps sampling lossless. A row without a state of n - 1 drafts nothing that round;
+`on_accepted` has nothing to roll back. docs/speculation.md, "Medusa heads".
 """
 
 from __future__ import annotations

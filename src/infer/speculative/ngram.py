@@ -1,37 +1,13 @@
 """N-gram speculative drafting: draft tokens from the request's own history, no draft model.
 
-Two table kinds, both built only from tokens the request really has (prompt + accepted output),
-both pure Python, per request:
-
-* `NgramTable` — frequency tables in the manner of akunu's NGramPredictor (the "Speculative
-  Decoding with N-grams" chapter). An n-gram of *order* n is n - 1 context tokens followed by
-  one next token; orders run from `min_order` to `max_order` (default 2..4, i.e. contexts of
-  1..3 tokens: bigrams, trigrams, 4-grams). For each order the table maps a context (a tuple of
-  token ids; Python hashes tuples exactly, so unlike the chapter's FNV-1a key there are no
-  collisions) to next-token counts. `predict` tries the longest context first, falls back to
-  shorter ones, and picks the most frequent continuation (ties: the most recently seen wins).
-  `propose` chains predictions on a temporary context and stops at the first miss.
-* `PromptLookupTable` — prompt lookup decoding: find the longest suffix of the context
-  (max_order - 1 tokens down to min_order - 1 tokens, the same "order" meaning as above) that
-  occurred earlier in the history, and copy the tokens that followed its most recent earlier
-  occurrence.
-
-Sliding window: both tables hold exactly the n-grams that lie wholly inside the last `window`
-tokens; when a token leaves the window, the n-grams starting at it are decremented/removed.
-(The chapter's akunu keeps counts forever and only windows the history; this module windows the
-counts too, so memory stays bounded and `rebuild == incremental` holds exactly.)
-
-Tree speculation: `top_continuations` ranks a context's distinct next tokens
-(n-gram: by count, then shorter contexts; prompt lookup: the followers of the matches of
-each suffix length) and `propose_tree` (and so `NgramProposer.propose` over a tree) fill a static
-`TreeShape` with them (`infer.speculative.tree.fill_tree`), absent where nothing matches.
-
-Rollback rule: proposing never touches a table; tables are extended only with tokens the request
-holds after verification, so rejected drafts never enter them. `NgramProposer` keeps one table
-per request and syncs it with `request.all_token_ids` before proposing.
-
-Tables cost host time (a few us a token, Python): a request's table is built from its prompt
-while the prefill's forward runs (`prefilled`) and follows the output at each lookup.
+`NgramProposer` keeps one table per request: an `NgramTable` (counts of next tokens after
+contexts of orders `min_order`..`max_order`, longest context first, the most frequent
+continuation) or a `PromptLookupTable` (copy what followed the longest earlier occurrence
+of the context's suffix), both over a sliding `window` of the request's verified tokens
+(prompt + accepted output). Proposing never touches a table, so rejected drafts never
+enter one. A tree is filled with a context's distinct continuations (`fill_tree`). A table
+is built from the prompt under the prefill's forward (`prefilled`) and synced with
+`request.all_token_ids` at each lookup. docs/speculation.md, "N-gram tables".
 """
 
 from __future__ import annotations

@@ -1,20 +1,13 @@
 """Trees given by their parents: one row's dynamic tree, the dynamic-tree setting, and the
 verifier's and the attention's per-row views of a batch of trees.
 
-A static `TreeShape` (speculative/tree.py) gives every row the same tree. A dynamic tree
-(`spec_tree="dynamic:N"`, speculative/dynamic_select.py) differs per row and per round, so
-a row's tree is a `NodeTree`: N nodes by their parents, breadth-first (a node's parent
-precedes it, depths never decrease) and, among siblings, in the order they were drawn.
-
-The verifier walks any batch of trees through a `TreeFrame`: the children of every block
-row per row (a [B, N+1, C] table, -1 where there is none) and `widths[d]`, the most children
-a node at depth d has. It tries the c-th child at depth d + 1 with uniform column
-`sum(widths[:d]) + c` and draws the final token with the last, so a static shape's frame
-(`frame_of_shape`, every row alike) reproduces the static verifier's draws exactly.
-
-The target scores a batch of dynamic trees through a `RowTreeChunk`: the block rows'
-visibility per row ([B, T, W], the tree attention mask) and rotary offsets per row ([B, T]),
-the per-row counterparts of a `TreeChunk`'s static ones.
+`DynamicShape` (`spec_tree="dynamic:N[:B]"`: N nodes, B expanded a level, depth D) is a
+round's setting; a row's tree is a `NodeTree` (parents breadth-first, siblings in draw
+order). The verifier walks any batch of trees through a `TreeFrame` (children per block row
+per row, [B, N+1, C], and the widest `widths[d]` per depth); `frame_of_shape` is a static
+shape's frame, drawing the same uniform columns as the static verifier. `RowTreeChunk` is
+the per-row attention mask and rotary offsets of a batch of trees.
+Details: docs/speculation.md, "Trees given by their parents".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Speculation length policies: how many tokens K each request drafts in a round.
 
 - `FixedPolicy`: every request drafts K = `spec_length` (the default).
-- `AdaptivePolicy`: K per request from the paper's walltime factor (Theorem 3.8,
-  `theory.best_k`), with the request's acceptance estimate (tokens accepted over tokens
-  tried, an accepted token or a round's first rejection; seeded with a prior, decayed to
-  follow the text), c (draft step / target step; 0 for n-gram drafts) and v(K) =
-  1 + `verify_slope` K, plus the round overhead the runner passes (plain steps a round
-  costs beyond that model, as `round_clock.RoundClock` times it). K = 0 (a plain step)
-  when no K beats plain decoding by `min_gain`. A request decoding plainly is probed after
-  `probe_every` plain steps: a probe with a rejection that leaves it plain doubles the wait
-  (up to `probe_max`), one that pays or passes whole resets it. No wait is shorter than
-  what keeps probes within `probe_share` of plain decoding's time (a probe's cost beyond a
-  plain step, by the model and the measured overhead, over `probe_share`): where rounds
-  cost many plain steps, probing cannot cost more than speculation could win. A probe drafts what
-  `probe_budget` plain steps of drafting buy (one token for a draft model, all K for free
-  n-gram drafts: in copied text acceptance comes in runs), and after a probe that passed
-  whole, twice that (up to K): one-token probes cannot lift the decayed estimate past 0.89.
-  Free drafts also score shadow rounds while plain (`observe`, speculative/shadow.py).
+- `AdaptivePolicy` (`AdaptiveConfig`): K per request maximising the paper's walltime factor
+  (`theory.best_k_grid`) for the request's decayed acceptance estimate, c, v(K) and the
+  round overhead the runner measures (`round_clock`); K = 0 (a plain step) when nothing beats
+  plain decoding by `min_gain`. Plain requests are probed with a backing-off wait bounded by
+  `probe_share`; free drafts also score shadow rounds while plain (`observe`, shadow.py).
 
-Nothing here measures time: c and v(K) come in once, at engine start.
+Nothing here measures time: c and v(K) come in once, at engine start. The estimate, probes
+and their bounds: docs/speculation.md, "The length policy".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """RoundClock: what a speculative round really costs, in plain decode steps, measured while
 the engine runs.
 
-The adaptive policy's cost model (c and v(K)) times the forward functions alone, once at
-start. A round also costs host work those calls do not show: proposing, building the
-verification's inputs, the host sync that reads the accepted tokens, and the overlap of host
-and GPU that a plain step keeps and a round gives up. On a small or fast model that work can
-outweigh everything the draft saves. The clock times whole engine steps (one step's start to
-the next's) and keeps, per batch-size bucket (powers of two):
-
-- a plain step's wall time (an average that follows drift), and
-- a round's overhead: its measured time in plain steps less what the model predicts.
-
-The policy adds the overhead to its verification cost. A bucket whose plain time is missing
-or older than `refresh_steps` decode steps asks the runner for plain steps to measure it.
-
-A step's interval is counted only between two steps of its own kind (plain, plain, plain or
-round, round, round): an overlapped plain step's GPU time is paid by whichever step waits
-for its tokens next, so the first plain step after a round looks cheap and the last one
-before a round looks free; neither is a sample. Steps with prefill in them are not timed.
+The cost model (c and v(K)) times the forward functions alone; a round also costs host work
+(proposing, building the verification, the host sync) and gives up the overlap a plain step
+keeps. The clock times whole engine steps and keeps, per batch-size bucket (`bucket`), a
+plain step's wall time and a round's overhead beyond the model, which the policy adds to
+its verification cost. A bucket without a recent plain time asks for plain steps
+(`refresh_steps`). Only intervals between two steps of one kind count; steps with prefill
+are not timed. Why: docs/speculation.md, "The round clock".
 """
 
 from __future__ import annotations

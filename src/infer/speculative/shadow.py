@@ -1,25 +1,12 @@
 """Shadow rounds: what a free draft would have scored while its request decodes plainly.
 
-The adaptive policy learns a request's acceptance only from rounds it runs. Once the
-estimate says plain decoding pays, it learns again only from probes, spaced out so that
-they cost little; where acceptance comes in bursts (copying a file back with edits: the
-n-gram drafts fail for a stretch, then match for a long one) the request then decodes
-plainly through most of the stretch that would have paid.
-
-A draft that costs nothing to propose (n-gram tables, prompt lookup: host lookups, no
-forward) can be scored without a round: at a plain step, `draft` asks the proposer for the
-chain it would propose now and keeps it; once the request's tokens have grown past the
-chain or past its first mismatch, `settle` reports (drafted, accepted): the tokens the
-round would have drafted and how many of them the target then produced, the same
-(drafted, accepted) a real round reports. The policy takes that as evidence
-(`AdaptivePolicy.observe`) and speculates as soon as it pays. At most one chain per
-request is pending, so each plain stretch of K + 1 tokens scores one chain; a request that
-speculates drops its pending chain (the round is scored for real). A chain is drafted only
-from the request's known tokens: under overlapped scheduling the newest token is still in
-flight at a plain step, so the proposer sees the history without it (`_Known`) and the
-chain's first token guesses the one in flight; a view that counted it would hand the
-proposer a history one token short of its own count (an n-gram table then fails its tail
-check and is rebuilt at every step).
+Where acceptance comes in bursts, a request the adaptive policy leaves plain would miss a
+stretch that pays until its next probe. A free draft (n-gram tables, prompt lookup) can be
+scored without a round: at a plain step `ShadowRounds.draft` keeps the chain the proposer
+would propose now, and `settle` reports (drafted, accepted) once the request's tokens decide
+it, evidence for `AdaptivePolicy.observe`. At most one chain per request is pending. Chains
+are drafted from the request's known tokens only (`known_tokens`: under overlap the newest
+token is still in flight). docs/speculation.md, "Shadow rounds".
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Suffix decoding: tree-shaped drafts from suffix tries, no draft model (SuffixDecoding,
 Oliaro et al. 2024, arXiv 2411.04975).
 
-Two `SuffixTrie`s a request drafts from, over verified tokens only: its own (prompt and
-output, built under the prefill, extended at each proposal) and the shared `SuffixCache` of
-finished requests' outputs (each after its prompt's last D - 1 tokens; oldest evicted). In
-each, the longest suffix of the request's tokens (at most D - k of them) that went on is
-matched and a tree grown from it (`grow_tree`: as many nodes as the match is long, within
-the round's `DynamicShape`); the higher-scored tree is the draft, one-hot (lossless). When
-every row's draft is a chain, the round's drafts are chains (`chain_shape`): the verifier's
-chain path, reading a seeded row's uniforms as for a tree. With a cache, a seeded row's
-drafts, so its tokens, depend on the requests before it; with cache_tokens=0 they do not.
+`SuffixProposer` drafts each request from two `SuffixTrie`s over verified tokens: its own
+(prompt and output) and the shared `SuffixCache` of finished requests' outputs
+(`SuffixConfig.cache_tokens`, oldest evicted). In each, the longest matching suffix of the
+request's tokens grows a tree (`grow_tree`, within the round's `DynamicShape`); the
+higher-scored one is the draft, one-hot (lossless). Rounds whose drafts are all paths are
+verified as chains. With a cache a seeded row's tokens depend on the requests before it;
+with cache_tokens=0 they do not. docs/speculation.md, "Suffix decoding".
 """
 
 from __future__ import annotations

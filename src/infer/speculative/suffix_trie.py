@@ -1,15 +1,12 @@
 """A suffix trie of bounded depth over token sequences, updated token by token: what
 suffix decoding drafts from (SuffixDecoding, arXiv 2411.04975, section 3).
 
-Every substring of up to D (`max_depth`) tokens is counted by occurrences, so a child's
-count over its siblings' is the empirical probability of that next token. A string seen
-once is a *tail* (an int `seq << 32 | end`: its continuation is read from the stored text);
-a second occurrence through it makes a node. Nodes are ints too (`~id`; counts and kids in
-flat lists): nothing for the garbage collector to scan. `extend` costs O(D) a token (each
-growing sequence keeps the loci of its suffixes shorter than D; one running on in its own
-tail waits until another occurrence splits it); `remove` takes a sequence's occurrences out
-again, O(D) a token. Nothing is rebuilt. `SuffixCache`: a trie of at most N tokens of
-sequences, the oldest evicted.
+`SuffixTrie` counts every substring of up to D (`max_depth`) tokens, so a child's count
+over its siblings' is the empirical probability of that next token. A string seen once is
+a *tail* pointing into the stored text; nodes and tails are ints in flat lists. `extend`
+and `remove` cost O(D) a token; nothing is rebuilt. `SuffixCache`: a trie of at most N
+tokens of sequences, the oldest evicted. Layout and costs: docs/speculation.md,
+"Suffix decoding".
 """
 
 from __future__ import annotations

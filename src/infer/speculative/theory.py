@@ -2,17 +2,10 @@
 Speculative Decoding", section 3), as pure functions. The one home of these formulas: the
 adaptive length policy, the benchmark projections and the demo pair's evaluation use them.
 
-- Expected tokens per round with K drafts and i.i.d. acceptance a: (1 - a^(K+1)) / (1 - a)
-  (Eq. 1).
-- Walltime factor, the expected speedup over plain decoding (Theorem 3.8):
-  (1 - a^(K+1)) / ((1 - a)(K c + 1)), c = draft step time / target step time. The
-  generalised form divides by K c + v(K), v(K) the measured cost of verifying K+1 tokens in
-  plain steps (the paper assumes v = 1).
-- For a static token tree (`branching[d]` children for each node at depth d, N nodes), the
-  same model with each child tried in turn and accepted with probability a: depth d is
-  reached with probability prod_{j<=d} (1 - (1 - a)^b_j). A round drafts one level a step
-  (depth D steps of cost c) and verifies N + 1 tokens. Siblings drawn from the same draft
-  can repeat one another, so for wide levels this is optimistic.
+`expected_tokens` (Eq. 1), `walltime_factor` (Theorem 3.8, generalised to a measured
+verification cost v(K)), `best_k` / `best_k_table` / `best_k_grid` (the K that maximises it,
+as lookups), `alpha_from_mean_length`, and the static-tree forms `tree_expected_tokens` /
+`tree_walltime_factor`. The formulas: docs/speculation.md, "The speed model".
 """
 
 from __future__ import annotations

@@ -1,35 +1,13 @@
-"""Static token trees for tree speculation: the shape, its masks and positions,
-and a draft over it.
+"""Static token trees for tree speculation: the shape, its masks and positions, and a draft.
 
-Theory: K. Stratos, "Speculative Decoding" (lecture notes),
-section 2.1 "SpecInfer": drafts packed into a prefix tree are scored by the target in ONE
-forward pass with "tree attention" (each tree token attends to the context and to its own
-ancestors only), then verified by iterative speculative sampling (section 2) or, for greedy
-decoding, by the argmax walk of Appendix A. The verifier is `infer.speculative.verifier`.
-
-A `TreeShape` is static: `branching[d]` is the number of children of EVERY node at depth d
-(the root, i.e. the pending token, is depth 0), so "3,2,1,1" is 3 candidates at depth 1, two
-children each at depth 2, then single-child chains: 3 + 6 + 6 + 6 = 21 nodes, depth 4.
-
-Node numbering is breadth-first, and within a depth by parent then child order. Every node's
-children are therefore consecutive indices. For "3,2,1,1": depth 1 = nodes 0, 1, 2; depth 2 =
-3, 4 (children of 0), 5, 6 (of 1), 7, 8 (of 2); depth 3 = 9..14 (node 9 is the child of 3, ...);
-depth 4 = 15..20.
-
-The verification forward ("the block") is [g, node_0, ..., node_{N-1}], N + 1 tokens, where g
-is the pending token (the last token of the request, whose KV is not yet written) and n is
-g's position (n tokens before it are in the KV cache):
-  * positions: g at n, a node of depth d at n + d (`position_offsets`: [0, depths...]);
-  * attention (`tree_attention_mask`, [N+1, N+1] over the block; every block row also sees
-    the whole cached context): g sees itself; node i sees g, its ancestors and itself;
-  * outputs: block row 0 is the target's distribution after the context and g (over the
-    depth-1 candidates), block row 1 + i the distribution after node i (over node i's
-    children, or the bonus token when node i is a leaf). This is `target_probs` of the
-    verifier;
-  * KV: block row 1 + i holds node i's keys and values. After verification the accepted
-    path (node indices, depth order) must end up at positions n + 1 .. n + L.
-A chain of k drafts is the tree "1,1,...,1" (`chain_shape`): its block is exactly the chain
-verification forward [g, d_1, ..., d_k] with causal attention.
+`TreeShape` ("3,2,1,1": `branching[d]` children for every node at depth d) numbers its nodes
+breadth-first, so a node's children are consecutive indices; `chain_shape(k)` is the chain
+"1,...,1". The target verifies [g, node_0, ..., node_{N-1}] in one pass: g at position n, a
+node of depth d at n + d (`position_offsets`), each node seeing g, its ancestors and itself
+(`tree_attention_mask`, `TreeChunk` for a level of a draft's tree). A `Draft` is a token
+per node (absent nodes flagged) with its q (None: one-hot); `fill_tree` fills a shape from
+ranked continuations, `cut_depth` cuts a draft at a depth. The block's layout and the
+theory (SpecInfer's tree attention): docs/speculation.md, "Static trees".
 """
 
 from __future__ import annotations

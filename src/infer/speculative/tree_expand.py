@@ -1,17 +1,13 @@
 """Drafting a static tree level by level: the loop a draft model and an EAGLE head share.
 
-A round's tree is chosen one depth at a time. Level d's parents (the root for d = 0: the
-pending token g) have a draft state each; their logits give `branching[d]` children per
-parent (`children`: greedy rows take the top-b tokens in rank order, sampled rows draw b
-distinct tokens without replacement from q, reporting the renormalised q of each sibling;
-penalised rows see the context plus the path to the parent). The rows whose depth limit
-goes deeper then feed the new level to the drafter, which returns the next level's states.
-
-What a state is, and how a level is fed, is the drafter's: a draft model's state is its
-logits and a level one flat pass (rows with the level's tree rule) over its own KV pool; an EAGLE head's state
-is its output features, fed with their tokens through the head (`eagle_tree.py`). The
-uniforms are drawn once a round from each row's own generator (N of them), so a seeded
-request's tree does not depend on its batch.
+`expand_levels` gives level d's parents (the root for d = 0) `branching[d]` children each
+from their draft states (`children`: greedy rows the top-b tokens in rank order, sampled
+rows b distinct draws without replacement from q, each with its renormalised q; penalised
+rows see the context plus the path), then feeds the new level to the drafter for the rows
+that go deeper. What a state is and how a level is fed is the drafter's (a draft model's
+logits and flat pass; an EAGLE head's features, `eagle_tree.py`). A row draws its N uniforms
+once a round from its own generator. Why this keeps the verifier exact:
+docs/speculation.md, "A draft model".
 """
 
 from __future__ import annotations

@@ -1,74 +1,14 @@
 """The verifier: lossless acceptance of a chain or a tree of drafts, batched and pure.
 
-Two cases of one rule. A chain (every draft shape "1,1,...,1", rows of different
-lengths) keeps its causal fast path: `verify_tensors` and the `verify_logits` /
-`verify_greedy_logits` wrappers test all positions at once. A tree walks its levels
-(`verify_tree_nodes`, `verify_tree_logits`, `verify_tree_greedy`). Both emit packed rows
-that `unpack_rows` reads.
-
-## Chains
-
-Implements the accept / recover / bonus step of Leviathan et al. 2023, "Fast Inference from
-Transformers via Speculative Decoding", Algorithm 1 and section 2.3 (losslessness proof in
-their Appendix A.1). Draft token t_i is accepted iff u_i < p_i(t_i) / q_i(t_i), i.e. with
-probability min(1, p/q); verification stops at the first rejection j, whose replacement is
-drawn from norm(max(0, p_j - q_j)); when all k drafts pass, a bonus token is drawn from
-p_k. The emitted tokens are then distributed exactly as sampling from p alone.
-
-p and q are the distributions *after* the request's sampling transforms
-(`infer.sampling.logits_to_probs`), so the rule is lossless for every setting:
-- greedy target rows (one-hot p) reduce to "accept while draft == argmax, then emit the
-  argmax" with no special case (p/q is 0 or >= 1, and the residual is one-hot at the argmax);
-- deterministic proposals (n-gram, `draft_probs=None`) use a one-hot q: t is accepted with
-  probability p(t) and the replacement comes from p with t removed, renormalised.
-
-All arithmetic is vectorised over the batch on the tensors' device, in float64; the only
-host synchronisation is the final copy of the token ids into Python lists.
-
-## Trees
-
-Theory: K. Stratos, "Speculative Decoding" (lecture notes),
-section 2 "Iterative Speculative Sampling" (the rule below and why it samples exactly p),
-section 2.1 "SpecInfer" (applied node by node down a prefix tree) and Appendix A (greedy tree
-verification: the argmax walk). A chain is the tree "1,1,...,1" and gives the chain
-verifier's tokens from the same uniforms.
-
-The rule, per row, starting at the root (the pending token g) with p = target_probs[:, 0]:
-  for the current node's children in index order (absent children are skipped: never
-  accepted, p unchanged):
-    accept child x with probability min(1, p(x) / q_x(x)), q_x = that child's draft
-    distribution (draft_probs[:, x]; None = deterministic proposals, q_x one-hot at x's
-    token); on rejection p <- norm(max(p - q_x, 0)) (p itself where that mass is ~0, as in
-    `residual_distribution`); on acceptance move to x with p = target_probs[:, 1 + x]
-    and try x's children.
-  If every child is rejected (or there are none present) the final token is drawn from the
-  last residual p; if a leaf is accepted it is the bonus token, drawn from p at the leaf.
-The rule is exact whenever each child x is drawn from its own q_x given what was drawn
-before it: children drawn i.i.d. from one q (siblings carry the same q), children drawn
-without replacement (sibling j from q renormalised over the tokens of siblings 1 .. j-1,
-which the residual has already zeroed: a rejected x had p(x) < q_x(x)), and deterministic
-children (one-hot q_x, duplicates allowed: after a rejected x the residual gives x mass 0,
-so a duplicate of x is rejected and changes nothing). Greedy rows (one-hot p) follow
-the first child equal to the target's argmax and emit the argmax: no special case.
-
-One verifier serves static and dynamic trees: it walks a `TreeFrame` (speculative/node_tree.py),
-each row's children of each block row; a static shape is the frame whose rows are all alike.
-A node's children are tried in index order, which for a dynamic tree is its draw order.
-
-Uniforms: a row takes a fixed [U] vector, U = shape.num_uniforms = sum(widths) + 1 (a static
-shape's widths are its branching): column sum(widths[:d]) + c tests the c-th child at depth
-d + 1, column U - 1 draws the final token. Tokens of a seeded row therefore depend only on
-its own uniforms.
-
-Everything is pure tensor code on the tensors' device, float64 arithmetic, with no host sync
-and no data-dependent Python branching; the Python loops run over the static shape only, so
-a CUDA graph can capture it. Shapes are checked (host-side metadata, no sync); token values
-are not.
-
-Output rows ("packed", [B, depth + 2] long): the accepted path's tokens in depth order (0
-after the last accepted), the number accepted L (0..depth), the final (recovered or bonus)
-token; `unpack_rows` turns them into a `VerifyResult`. The node indices of the
-accepted path come as [B, depth] long, -1 after the L-th (block row = 1 + node index).
+A chain (`verify_tensors`, `verify_logits`, `verify_greedy_logits`) accepts draft t with
+probability min(1, p(t)/q(t)), recovers the first rejection from norm(max(0, p - q)) and
+draws a bonus token from p after a full accept (Leviathan et al. 2023, Algorithm 1). A tree
+(`verify_tree_nodes`, `verify_tree_logits`, `verify_tree_greedy`; static shapes and dynamic
+trees alike, through a `TreeFrame`) tries each node's children in order against the updated
+residual (iterative speculative sampling). p and q are after the request's sampling
+transforms; q None is a deterministic one-hot proposal. Float64 tensor code, no host sync;
+a row reads a fixed [U] vector of uniforms. Packed rows out, read by `unpack_rows`.
+Rule, uniform layout and why it is lossless: docs/speculation.md, "The verifier".
 """
 
 from __future__ import annotations

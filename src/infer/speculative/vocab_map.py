@@ -1,15 +1,12 @@
 """VocabMap: the tokens a draft with another tokenizer shares with its target (token-level
-intersection: Timor et al., "Accelerating LLM Inference with Lossless Speculative Decoding
-Algorithms for Heterogeneous Vocabularies", ICML 2025, arXiv 2502.05202).
+intersection: Timor et al., ICML 2025, arXiv 2502.05202).
 
-Tokens are matched by what they stand for (`tokenization.token_keys`: a text token's bytes,
-a special token's name). Where one vocabulary has several ids for a key (SentencePiece's
-"<0x41>" beside "A"), its lowest id is the key's canonical id. The draft proposes only
-canonical shared ids (`draft_to_target`; its other logits are masked before it samples),
-so each proposal is one target token and its q moves to the target's columns
-(`probs_to_target`). The draft reads the target's tokens through `expand`: a shared token as
-its draft id, any other text token as its bytes cut greedily into the longest draft tokens
-(re-tokenized), a special token the draft lacks as nothing.
+Tokens are matched by what they stand for (`tokenization.token_keys`); a key's lowest id in
+each vocabulary is its canonical id. The draft proposes only canonical shared ids
+(`draft_to_target`), its q moved to the target's columns (`probs_to_target`), and reads the
+target's tokens through `expand` (a shared token as its draft id, another text token as its
+bytes cut into the longest draft tokens, `greedy_pieces`; a special token it lacks as
+nothing). docs/architecture.md, "A draft model with another vocabulary".
 """
 
 from __future__ import annotations

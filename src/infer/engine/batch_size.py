@@ -1,27 +1,14 @@
 """Sizing defaults: the context length (`max_seq_len`), `max_batch_size` and the KV pool.
 
-Resolved when an engine is built (`resolve_sizes`), before any weight is read (after
-tensor-parallel ranks start: their pools are sized by the driver's calls), from config
-files only. The estimate:
-
-  weights    every model's parameters (target, draft), linear weights at 1 byte in FP8,
-             divided among the tensor-parallel ranks (the embedding and head counted whole);
-  KV         2 (K, V) x layers x KV heads x head dim x element bytes a token, summed over
-             the models with a pool, the heads divided among the ranks;
-  budget     the KV memory: on CUDA MEMORY_SHARE of the device's memory less the weights and
-             RESERVE_BYTES (CUDA graphs, activations, the sampler's [batch, vocab] buffers);
-             on a CPU CPU_KV_BYTES (ordinary RAM, committed at start); a given `num_blocks`
-             or `kv_cache_memory_bytes` instead. Its capacity is budget / KV tokens.
-
-max_seq_len=None: the model's own context (the least of target's and draft's; a sliding
-window caps it), cut to the capacity so that one sequence always fits, as vLLM does (the
-contiguous backend reserves it for every slot: cut to capacity / batch). A given value above
-the models' max_position_embeddings is cut to it, with a warning (above a sliding window it
-is refused as the weights load: models/config.py).
-max_batch_size=None: on CUDA as many sequences as the capacity holds at
-min(max_seq_len, BATCH_SIZING_TOKENS) tokens each, at most GPU_MAX; on a CPU, CPU_DEFAULT.
-The paged pool holds max_batch_size x max_seq_len tokens, cut to the capacity (never below
-one sequence): sequences then share it, the scheduler preempting the newest when it fills.
+`resolve_sizes` decides them when an engine is built, from config files only, before any
+weight is read: the KV budget (`kv_budget_bytes`: on CUDA `MEMORY_SHARE` of the device's
+memory less the weights and `RESERVE_BYTES`, on a CPU `CPU_KV_BYTES`, or the pool given)
+over the KV bytes a token (`kv_bytes_per_token`) is the capacity. `max_seq_len=None` is
+the models' own context cut to the capacity, so one sequence always fits;
+`max_batch_size=None` is what the capacity holds at min(max_seq_len,
+`BATCH_SIZING_TOKENS`) tokens each (at most `GPU_MAX`; `CPU_DEFAULT` on a CPU); the paged
+pool holds batch x max_seq_len tokens cut to the capacity. docs/architecture.md,
+"Defaults and start-up".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Engine defaults that depend on the device, resolved once when an engine is built
 (`resolve_engine_defaults`), and what a device cannot honour (`check_device_options`).
 
-- CUDA graphs (`use_cuda_graphs=None`) are on for CUDA devices, and with them the fused
-  kernels (`compile_kernels=None`); `use_cuda_graphs=False` (`--enforce-eager`, vLLM's name)
-  runs every step eagerly, with the eager kernels unless compile_kernels=True.
-- On a CPU they stay off; `use_cuda_graphs=True` there is refused (nothing can capture a
-  graph), with the fix in the message.
-- `quantization="fp8"` or `"int4"` (or a draft's) on a CPU warns: a CPU has no FP8 or int4
-  matmul, so every step converts the weights back to float32 and decodes slower than float32
-  weights (they still save the weights' memory).
-- Context length, batch size, KV pool: engine/batch_size.py.
+CUDA graphs (`use_cuda_graphs=None`) and with them the fused kernels are on for CUDA
+devices (`use_cuda_graphs=False`, `--enforce-eager`, runs every step eagerly, with the
+eager kernels unless compile_kernels=True); on a CPU they stay off and True is refused with
+the fix. FP8 or int4 weights on a CPU warn. Context length, batch size and KV pool:
+engine/batch_size.py. docs/architecture.md, "Defaults and start-up".
 """
 
 from __future__ import annotations

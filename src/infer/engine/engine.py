@@ -3,13 +3,10 @@
 `add_request` validates and queues, `abort` frees a request's slot and KV blocks at once,
 `step` runs one scheduled step and returns (request, StepOutput) pairs; a request may
 appear several times per step (speculative decoding). `AsyncEngine` (async_engine.py) runs
-this loop in a background thread for the server.
-
-With tensor_parallel_size N > 1 this process is rank 0: the executor factory
-(`executor.factory.start_parallel`) starts N-1 worker ranks (infer.distributed, imported
-only then), the engine loads its own shard and builds its runner with the runtime's
-executor, which runs every forward call on them too (each rank's pool holds the KV of its
-heads; the bookkeeping stays here); `close()` ends them.
+this loop in a background thread for the server. With tensor_parallel_size N > 1 this
+process is rank 0: the executor factory (`executor.factory.start_parallel`) starts N-1
+worker ranks and the runner's forwards run on every rank; `close()` ends them
+(docs/architecture.md, "Tensor parallelism").
 """
 
 from __future__ import annotations

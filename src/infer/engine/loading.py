@@ -1,20 +1,13 @@
-"""Loading what an engine runs on: target model, optional draft model, tokenizer.
+"""Loading what an engine runs on: target model, optional draft model or heads, tokenizer.
 
-A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file; a GGUF file
-carries its own tokenizer. Without `model` the bundled demo target is used (and with speculation on and no
-`draft_model`, the bundled demo draft, or with speculative_method "eagle3" the demo target's
-EAGLE-3 head), so a fresh install works with no download.
-
-Everything that can be checked from files is checked before any weight is read
-(`check_before_loading`): the tokenizer is built (a GGUF file whose tokenizer infer cannot
-rebuild fails in a fraction of a second, not after dequantizing), and a draft's vocabulary
-is compared with the target's (engine/pairing.py: the same vocabulary, or one sharing enough
-tokens to draft over them, a `VocabMap`), an EAGLE head's config.json with the target's
-(models/eagle.py: hidden size, vocabulary, captured layers), Medusa heads' with the
-target's and the round's depth (models/medusa.py: hidden size, vocabulary, one head a depth).
-
-With an EAGLE head the target gets a `HiddenCapture` of the points the head reads, so its
-every forward leaves them for the proposer; with Medusa heads, of its final normed output.
+A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file (which carries its
+own tokenizer). Without `model` the bundled demo target is used (`demo_model_path`; with
+speculation and no `draft_model`, the bundled demo draft, or for "eagle3" the demo target's
+EAGLE-3 head), so a fresh install works with no download. `check_before_loading` checks
+everything files can tell before any weight is read: the tokenizer builds, a draft's
+vocabulary pairs with the target's (engine/pairing.py), an EAGLE head's or Medusa heads'
+config fits the target (`head_config`, `check_medusa`). `load_models` returns
+`LoadedModels`; with heads, the target gets a `HiddenCapture` of the points they read.
 """
 
 from __future__ import annotations

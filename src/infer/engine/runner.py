@@ -1,33 +1,14 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode, room)`: one pass of the target's flat forward (`ForwardFn.run`) over
-every row of the step: the prefill chunks, each decode row, and each round's verification
-block with its tree rule; a row asks for the logits it needs (a chunk's last, a decode
-row's one, a block's every token). With `EngineConfig.mixed_batches` off, prefill chunks and
-decode rows take two passes. The decode part:
-
-1. depths: how deep each request drafts (`Speculation.depths`: the policy's K cut by the
-   length guards; 0 for every request without speculation). Depth 0 everywhere is a plain
-   decode step: one forward, the sampled tokens [B] stay on the device;
-2. propose: the proposer drafts over the round's shape (a chain of up to K, or the static
-   tree), no node deeper than the request's depth;
-3. verify: the draft blocks ride in the step's one pass, then the verifier
-   (`engine/verification.py`), one host sync;
-4. accept: the accepted path's K/V rows move into sequence order (a tree's; a chain's are in
-   place), the target's cache and the proposer's state roll back to n + a + 1, and the
-   tokens are emitted one by one, so a stop inside an accepted run ends the request there.
-
-Sampling lives in the sampling pipeline (`infer.sampling`), called from here for prefill
-and plain steps and from the verifier for rounds; the OutputProcessor accepts the ids
-(finishes that depend on ids) and renders them (detokenization, stop strings).
-
-Overlapped scheduling (`async_scheduling`, on by default on a GPU): a plain step's tokens
-stay on the device (`engine/inflight.py`, the step in flight) and feed the next step's
-input ids; the host accepts and renders step n's tokens after queuing step n+1, so the
-host's work hides under the GPU's. A round accepts its own tokens (its proposals read the
-previous tokens), and renders the tokens accepted before it while its verification runs.
-Steps whose sampling needs the tokens on the host (penalties over the context,
-log-probabilities) wait for the step in flight first.
+`step(prefill, decode, room)` runs one pass of the target's flat forward (`ForwardFn.run`)
+over every row of the step: the prefill chunks, each decode row, and each round's
+verification block with its tree rule (two passes with `mixed_batches` off). The decode
+part: depths (`Speculation.depths`; 0 everywhere is a plain step whose tokens stay on the
+device), proposals over the round's shape, verification in the same pass
+(`engine/verification.py`), then acceptance: a tree's accepted K/V move into sequence
+order, the target and the proposer roll back to n + a + 1, and tokens are emitted in order
+(a stop inside an accepted run ends the request there). Overlapped scheduling
+(`inflight.py`) and the rest: docs/architecture.md, "One engine step".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Scheduler: waiting and running queues, admission, chunked-prefill budgeting, preemption.
 
 FIFO. A waiting request is admitted while a slot is free and the KV pools can hold its
-prompt. Each step the decoding requests' tokens come out of the per-step token budget
-(`max_num_batched_tokens`) first, and running requests still in prefill get chunks from
-what is left (oldest first; the runner may run both in one forward, `mixed_batches`).
-Every decoding request must have room for the tokens the runner will write (1, or a
-speculation round's block); when the paged pool runs out, the newest running request is
-preempted: its KV memory is freed and it goes back to the front of the waiting queue to be
-recomputed later. A request left alone with too little memory for its round gets a smaller
-round instead (down to a plain step, which always fits: a request that could never hold its
-prompt and max_tokens is rejected at `Engine.add_request`), so nothing livelocks.
-
-The scheduler owns the KV manager (`engine/kv_manager.py`) and is unaware of speculative
-decoding: the manager says which blocks a decode step may write (`decode_widths`); the
-decision carries the room reserved for each decoding request (`decode_room`).
+prompt. Each step the decoding requests' tokens come out of `max_num_batched_tokens` first,
+and requests still in prefill get chunks of what is left (oldest first). Every decoding
+request needs room for what the runner writes (1, or a round's block): when the paged pool
+runs out the newest running request is preempted (its KV freed, back to the front of the
+waiting queue, recomputed later); a request alone without room for its round gets a smaller
+round, down to a plain step, which always fits, so nothing livelocks. The KV manager
+(`kv_manager.py`) says which blocks a decode step may write (`decode_widths`); the
+`ScheduleDecision` carries each decoding request's room (`decode_room`).
 """
 
 from __future__ import annotations

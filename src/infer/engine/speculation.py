@@ -1,21 +1,14 @@
 """Speculation: what the runner needs to draft, built once from the engine's config.
 
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
-functions, or n-gram / prompt-lookup tables), the length policy (fixed K, or adaptive with
-the draft's measured cost c), the round clock of the adaptive policy, and the round's
-draft shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
-(`DynamicShape`: each row drafts its own, run eagerly: no CUDA graphs of their steps yet).
-
-Each decode step asks it for the depth every request drafts (`depths`): the policy's K, cut
-by the request's own `SamplingParams.speculation` (False: 0; K: at most K, a tree cut to
-depth K), the length guards (no position past max_seq_len, no more drafts than the request
-can still emit; a tree's depth also by the storage its block needs), all 0 above
-`spec_disable_batch_size` and while the clock wants plain steps timed. Depth 0 everywhere
-is a plain decode step; a row of depth 0 in a round is verified as a plain decode row. A
-request with `speculation=False` is nobody's business here: the policy never sees it and the
-proposer's hooks (`observed`, `prefilled`, `on_accepted`, its memory) skip it. Under the
-adaptive policy, free drafts (n-gram tables) score a shadow chain for each request stepping
-plainly (`speculative/shadow.py`), settled at later calls.
+functions, EAGLE or Medusa heads, n-gram or suffix tables), the length policy (fixed K, or
+adaptive with the measured costs), the adaptive policy's round clock, and the round's draft
+shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
+(`DynamicShape`). Each decode step asks it for every request's depth (`depths`): the
+policy's K cut by the request's `SamplingParams.speculation`, the length guards (`guard_k`)
+and a tree's storage (`fit_depth`); all 0 above `spec_disable_batch_size` or while the clock
+times plain steps. Requests with `speculation=False` never reach the policy or the
+proposer's hooks. docs/speculation.md, "Depths per request".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Step costs of speculative decoding, measured through the engine's own forward functions:
 the one cost measurement (the adaptive policy's at engine start, and `infer bench`'s).
 
-c = draft step time / plain target step time (batch 1, one token, last-token logits), as the
-paper's Definition 3.7; v(K) = target time to verify K+1 tokens (all logits, as the
-speculative runner asks) / plain target step time, K = 0..k_max. Each forward runs on a
-scratch slot of the pool it is given at a fixed context length; the slot is freed
-afterwards. `measure_model_costs` builds fresh pools and forwards for two models (the
-benchmark); the speculative runner passes its own, CUDA graphs included.
-
-A draft that runs a chain round in one call (an EAGLE head's round: one CUDA graph) has no
-step of its own to time: its rounds of one fed position and S = 1 and S = max(2, k_max)
-steps are timed (`RoundStepFn`), and its step is the slope, (t(S) - t(1)) / (S - 1), what
-each further draft step adds to a round; the rest of t(1), the feed with the host's staging
-and the launch, is the round's fixed part (`draft_fixed_s`), paid once a round like the
-verification's host work. Medusa heads draft a round in one call too, one head a depth
-(`MedusaStepFn`): their step is the slope of rounds of 1 and S heads in the same way. A
-draft model steps one forward pass at a time: its step is one timed pass.
+c = draft step time / plain target step time (batch 1, one token; the paper's Definition
+3.7), v(K) = the time to verify K + 1 tokens / plain target step time, K = 0..k_max
+(`SpecCosts`), each forward on a scratch slot of its pool at a fixed context.
+`measure_spec_costs` takes the runner's own pools and forwards (CUDA graphs included),
+`measure_model_costs` builds fresh ones for two models (the benchmark). A draft that runs a
+round in one call (an EAGLE head's `RoundStepFn`, Medusa heads' `MedusaStepFn`) is timed by
+rounds: its step is their slope, the rest its fixed part a round (`draft_fixed_s`).
+docs/speculation.md, "Step costs".
 """
 
 from __future__ import annotations
@@ -68,7 +61,7 @@ class SpecCosts:
     c: float | None
     verify_s: list[float]  # [k_max + 1]: time to verify K+1 tokens, K = 0..k_max
     verify_ratio: list[float]  # verify_s[K] / target_step_s (v(0) = the all-logits one-token step)
-    draft_fixed_s: float | None = None  # a round-drafting draft's fixed part a round (module docstring)
+    draft_fixed_s: float | None = None  # a round-drafting draft's fixed part a round (docs/speculation.md)
 
     def to_dict(self) -> dict[str, object]:
         return {"use_cuda_graphs": self.use_cuda_graphs, "target_step_ms": self.target_step_s * 1e3,
@@ -137,7 +130,7 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
 def round_step_times(rounds: RoundStepFn | MedusaStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
                      device: torch.device) -> tuple[float, float]:
     """(step, fixed) seconds of a round-drafting draft: the slope of its rounds and the rest
-    of a one-step round (module docstring). Both are floored at 0 against timing noise.
+    of a one-step round (docs/speculation.md, "Step costs"). Both are floored at 0 against timing noise.
     Medusa heads' rounds are at most their number of heads long (one head: its round is its step)."""
     steps = max(2, cfg.k_max) if isinstance(rounds, RoundStepFn) else min(max(2, cfg.k_max), rounds.max_steps)
     if steps < 2:

@@ -1,19 +1,14 @@
 """Structured outputs: grammars compiled with xgrammar, one matcher per request, and the
 token masks that restrict the model's logits to what the grammar allows.
 
-`Grammars` (one per engine) turns a `StructuredOutput` into an xgrammar `CompiledGrammar`
-against the engine's tokenizer (`compile_checked`: a grammar that accepts no string is
-refused), cached per spec in a `GrammarCache` bounded in bytes, and gives each request a
-`RequestGrammar`. The server compiles in worker processes instead (`grammar_worker`) and
-hands the engine the compiled grammar.
-A `RequestGrammar` advances over every emitted token and fills the mask of the tokens that
-may come next: at its current state, or (for a speculation round) at the state after a
-draft node's path, by advancing over the path, filling, and rolling back.
-
-Masks are xgrammar's packed bitmasks, applied by `speculative.grammar_mask` (which needs no
-xgrammar: the runner imports it, this module is imported only when a request asks for a
-structured output). Tokens the tokenizer does not cover (a model vocabulary padded past
-it) are never allowed.
+`Grammars` (one per engine) compiles a `StructuredOutput` against the engine's tokenizer
+(`compile_checked` refuses a grammar that accepts no string), caches it per spec in a
+`GrammarCache` bounded in bytes, and gives each request a `RequestGrammar`, which advances
+over emitted tokens and fills the mask of what may come next (for a round, at the state
+after a draft node's path, then rolls back). The server compiles in worker processes
+(`grammar_worker`). Masks are applied by `speculative.grammar_mask`, which needs no
+xgrammar; this module is imported only for structured outputs. docs/architecture.md,
+"Structured outputs".
 """
 
 from __future__ import annotations

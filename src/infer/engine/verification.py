@@ -1,26 +1,14 @@
 """Verification: each request's draft as rows of the step's one forward, then the verifier.
 
-A round's drafts share one shape (`speculative.tree`): a chain (`chain_shape(K)`, row b
-using its first k_b nodes) or a static tree; or each row has its own dynamic tree
-(`speculative.node_tree`). All run the same steps:
-
-1. `block`: each request's block [g, draft nodes] is one row of the step's flat batch,
-   written to the target's cache like a chunked prefill from position n on (node i at
-   n + 1 + i), every token's logits wanted. A chain is causal; a tree's row carries its
-   rule (node i sees g, its ancestors and itself; rotated at n + its depth);
-2. `verify`, on those rows' logits: rows sampling with a temperature alone (greedy
-   included) take the fused acceptance (`verify_on_logits`, `verify_on_tree_logits`);
-   rows with top-k, top-p or a repetition penalty, a structured output, or asking for
-   log-probabilities take the general pipeline: the target's distribution per block row
-   after the request's grammar mask (row 0 at the grammar's state, row 1 + i after node i's
-   path: a draft token the grammar forbids has target probability 0 and is rejected) and
-   its sampling transforms (penalties over that row's own context: the request's tokens and
-   the node's path), then the pure verifier (`speculative.verifier`);
-3. one host sync reads the accepted tokens and, for a tree, the accepted node indices.
-
-Uniforms come from each request's own generator, so a seeded request's draws never depend
-on its batch: a chain row draws k_b + 1, a tree row U = sum(branching) + 1 (one when it
-proposes nothing).
+A round's drafts share one shape (a chain `chain_shape(K)`, row b using its first k_b
+nodes, or a static tree) or each row has its own dynamic tree. `Verification.block` makes
+each request's block [g, draft nodes] one row of the step's flat batch (written from
+position n on, node i at n + 1 + i, every token's logits wanted; a tree's row with its
+rule). `Verification.verify` runs the verifier on those rows' logits: the fused acceptance
+for rows sampling with a temperature alone, else the general pipeline per block row (the
+grammar's mask and the sampling transforms at each node's path) and the pure verifier; one
+host sync. A seeded row's uniforms come from its own generator (a chain k_b + 1, a tree
+sum(branching) + 1). docs/speculation.md, "A round's verification".
 """
 
 from __future__ import annotations

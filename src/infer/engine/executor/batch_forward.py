@@ -1,15 +1,13 @@
 """The one forward of a model through its KV pool: a step's BatchPlan in, the logits of the
 tokens it asks for out ([M, V]).
 
-`EagerBatchForward` builds the batch and runs the model. `GraphBatchForward` replays CUDA
-graphs of that same computation, one per token-count bucket (`capture.capture_sizes`): a
-bucket's graph serves any batch of at most that many tokens whose rows are all short (the
-split-KV attention kernel's: decode rows, verification blocks, tree blocks, draft steps),
-whatever mix of rows it holds, because every kernel inside reads its rows, positions and
-block tables from device memory. Inputs are staged in one pinned buffer and copied in one
-transfer; padding tokens have position -1 (they see no key and write the scratch row).
-Anything else (a prefill chunk, a bigger batch) runs eagerly through the same model.
-The KV lengths the pool keeps are set from the plan after each pass.
+`EagerBatchForward` builds the batch and runs the model (`run_model`). `GraphBatchForward`
+replays CUDA graphs of that same computation, one per token-count bucket
+(`capture.capture_sizes`), serving any batch of short rows whatever its mix, since every
+kernel reads rows, positions and block tables from device memory; inputs are staged in one
+pinned buffer, padding tokens at position -1. Anything else (a prefill chunk, a bigger
+batch) runs eagerly through the same model. `commit` sets the pool's KV lengths from the
+plan. docs/architecture.md, "Executing the model".
 """
 
 from __future__ import annotations

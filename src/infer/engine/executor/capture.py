@@ -1,16 +1,12 @@
 """What CUDA graphs capture: the token counts (capture sizes) and the context width.
 
-Capture sizes: CAPTURE_SIZES (1, 2, 4, ..., MAX_CAPTURE_SIZE) cut at the most tokens a
-graphed pass holds, plus that number itself when the list lacks it. The target's forward
-graphs are keyed by token count (`batch_forward.GraphBatchForward`: a pass of n tokens
-replays the smallest captured size >= n, its padding tokens writing the pool's scratch
-row); an EAGLE head's round graphs by rows and tokens (`head_graphs.py`). A larger pass
-(vLLM's cap too) runs eagerly: what start-up captures grows with about log2 of the sizes,
-not with the batch.
-
-Context width: the attention kernel's split of each context into chunks is fixed when a
-graph is captured, for contexts up to min(max_seq_len, MAX_GRAPH_CONTEXT); a pass whose
-longest context is longer runs eagerly, through the same kernels, with a split of its own.
+`capture_sizes`: CAPTURE_SIZES (1, 2, 4, ..., MAX_CAPTURE_SIZE) cut at the most tokens (or
+rows) a graphed pass holds, plus that number itself. The target's forward graphs are keyed
+by token count (a pass replays the smallest size that holds it), an EAGLE head's round
+graphs by rows and tokens (`head_graphs.py`); a larger pass runs eagerly.
+`graph_context_width`: graphs serve contexts up to min(max_seq_len, MAX_GRAPH_CONTEXT),
+the attention's split being fixed at capture; a longer context runs eagerly.
+docs/architecture.md, "Executing the model".
 """
 
 from __future__ import annotations

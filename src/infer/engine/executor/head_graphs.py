@@ -1,18 +1,14 @@
 """CUDA graphs of an EAGLE head's draft rounds: `speculative/eagle_round.head_round` captured
 whole over the flat batch, the draft loop's own graph cache beside the forwards' by token count.
 
-A head's draft step is one small decoder layer: run eagerly through the eager kernels it
-is some twenty launches, so its time is launch-bound, not weight-bound. The round runs the
-head's kernel bundle (`step_kernels` of the head: the fused one with CUDA graphs on a GPU,
-as the target's decode steps), and `HeadRoundGraphs` captures a whole round (the feed's
-flat batch, then steps - 1 one-token steps built on the device, each sampling on the
-device) per (rows R, tokens T, steps, every row greedy): R a capture size up to
-`sampling_batch_max`, T a capture size from R up to R times the widest feed. A round's
-inputs are staged as the forwards' are (`staging.PlanInputs`: the feed's plan arrays,
-padded, in one pinned buffer copied in one transfer), with a float64 buffer for
-temperatures and uniforms (`_stage_sampling`) and the features copied device to device
-into a static input. Anything else (more rows, a feed row past the split-KV kernel's, a
-context past the graphs' width) runs `EagerHeadRound`, the same function.
+A head's draft step is one small layer, launch-bound when run eagerly; `HeadRoundGraphs`
+captures a whole round (the feed's flat batch, then steps - 1 one-token steps built and
+sampled on the device) per (rows R, tokens T, steps, every row greedy): R a capture size up
+to `sampling_batch_max`, T one from R up to R times the widest feed (`token_bucket`).
+Inputs are staged as the forwards' are (`staging.PlanInputs`), temperatures and uniforms in
+a float64 buffer, features copied into a static input. Anything else (more rows, a feed row
+past the split-KV kernel's, a context past the graphs' width) runs eagerly, the same
+function (`EagerHeadRound`); `make_head_round` builds either. docs/architecture.md.
 """
 
 from __future__ import annotations

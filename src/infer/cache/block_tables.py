@@ -1,16 +1,13 @@
 """BlockTables: every slot's block table as one tensor on the pool's device, kept current by
 changes rather than copies.
 
-A pool's slots own block tables (the block id of each `block_size` positions). A forward
-pass reads them on the device as `tables[row_slots]`; the host's copy is changed as blocks
-are taken or swapped (a prefix-cache hit), and the changes reach the device in one small
-copy before the next pass (`sync`), so a step moves a few integers, not B x max_blocks.
-Entries past a slot's length are never read (keys there are masked), so freeing and
-truncating change nothing.
-
-The same changes can feed a copy of the tables elsewhere (tensor-parallel workers keep one
-beside the KV of their heads): `follow` starts a journal the follower drains with
-`take_changes` and replays with `apply`.
+A forward pass reads the tables on the device as `tables[row_slots]`; the host's copy is
+changed as blocks are taken or swapped, and `sync` copies the changes to the device before
+the next pass (a few integers a step, not B x max_blocks). Entries past a slot's length are
+never read. A copy elsewhere (a tensor-parallel worker's) follows the same changes:
+`follow` starts a journal that the follower drains with `take_changes` and replays with
+`apply`; `last_writes` keeps each entry's last value of a batch of changes.
+docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Moving an accepted tree path's keys and values into sequence order (tree speculation).
 
-A tree verification (or a draft model's tree expansion) stores block row r of a request at
-storage position n + r: the pending token g at n, node i at n + 1 + i (`speculative.tree`).
-After verification the accepted path (node indices in depth order, i_1 < i_2 < ...) must sit
-at positions n + 1, n + 2, ...: node i_d moves from n + 1 + i_d to n + d. Its keys were
-computed at rotary position n + d already, so moving the rows is all it takes.
-
-Every source is read before any destination is written (one gather, then one scatter per
-cache tensor, all layers and requests at once), so overlapping moves are safe. A node whose
-index is d - 1 (any node of a chain "1,...,1"; in a wider tree only a first child at depth
-1) is already in place and is not copied. The caller truncates the slot afterwards; rejected nodes' rows are simply past
-the new end (prefix caching registers prompt blocks only, so it never sees them).
+A tree's block row r of a request is stored at n + r (g at n, node i at n + 1 + i); after
+verification accepted node i_d moves from n + 1 + i_d to n + d, where its keys were
+already rotated (`path_rows`, `PathMove`). `move_paths` reads every source before writing
+any destination (one gather, then one scatter per cache tensor, all layers and requests at
+once), so overlapping moves are safe; nodes already in place are not copied. The caller
+truncates the slot afterwards. docs/architecture.md, "Tree speculation".
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """PagedKVCachePool: KV storage in fixed-size blocks, block tables per slot, prefix caching.
 
 Keys and values live in `[layers, num_blocks * block_size, kv_heads, head_dim]` tensors;
-position p of a slot is row `table[p // block_size] * block_size + p % block_size`. Memory
-is taken a block at a time as sequences grow (`ensure_capacity`), so admission is limited
-by free blocks rather than by max_seq_len per slot, and rollback after speculative
-verification frees the blocks wholly past the new length.
-
-With prefix caching, full blocks of a finished prompt go into a `PrefixTree`; a later
-request whose prompt starts with the same full blocks references them instead of
-recomputing (never its whole prompt: the last prompt token is always computed, its logits
-are needed). A slot's shared blocks are always the first `_shared[slot]` entries of its
-table; nothing writes to them, and unreferenced ones are evicted (LRU) when blocks run out.
-An EAGLE head's pool caches its blocks keyed with one token of lookahead (`cache_prefixes`).
+position p of a slot is row `table[p // block_size] * block_size + p % block_size`. Blocks
+are taken as sequences grow (`ensure_capacity`) and freed when a rollback leaves them
+wholly past the new length. With prefix caching, full blocks of finished prompts go into a
+`PrefixTree` and later prompts starting with them reference them (never a whole prompt);
+a slot's shared blocks are the first `_shared[slot]` entries of its table, never written,
+evicted LRU once unreferenced. An EAGLE head's pool keys its blocks with one token of
+lookahead (`cache_prefixes`). `bytes_per_block`, `resolve_num_blocks`: its sizing.
+docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations

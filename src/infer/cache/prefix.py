@@ -1,17 +1,12 @@
 """PrefixTree: cached prompt blocks shared between requests, with reference counts.
 
-Each node is one full KV block of a prompt. A node is found by (parent node, the block's
-tokens), so a node stands for the whole token prefix from position 0 to the end of its
-block: equal blocks that follow different prefixes are different nodes and never match.
-(This is the exact-key form of hashing the whole prefix chain; it cannot collide.) With a
-`lookahead`, a block's key also holds the tokens after it (an EAGLE head's entry at
-position i is built from token i + 1: its block depends on the next block's first token).
-
-Reference counts say how many running sequences use a node. A sequence always holds a
-chain from the root, so a referenced node's ancestors are referenced too and every
-unreferenced node can be evicted, leaves first. Eviction takes the least recently used
-unreferenced leaf (a heap with lazy invalidation), so a parent goes only after its
-children. Pure Python, no tensors: block ids are plain ints owned by the pool.
+Each node is one full KV block of a prompt, found by (parent node, the block's tokens), so
+it stands for the whole token prefix up to its end and cannot collide; with a `lookahead`,
+a key also holds the tokens after the block (an EAGLE head's pool). Reference counts say
+how many running sequences use a node; a referenced node's ancestors are referenced too,
+so eviction takes the least recently used unreferenced leaf (a heap with lazy
+invalidation). Pure Python, no tensors: block ids are plain ints owned by the pool.
+docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """TensorParallelDriver: rank 0 of a tensor-parallel engine, and the lifetime of its workers.
 
-`start_tensor_parallel(config)` (the Engine calls it; None for tensor_parallel_size 1):
-
-1. resolves the model paths (a hub id downloads once, here) and checks that each model
-   to be split divides by N (a clear error before anything starts);
-2. plans one device per rank (more ranks than GPUs: a clear error) and starts N-1 worker
-   processes, `python -m infer.distributed.worker`, in a session of their own (a Ctrl-C at
-   the terminal reaches the driver only), each with its spec on stdin and the pipe kept
-   open; under `torchrun` the other ranks exist already and nothing is started;
-3. waits until every worker has started (a worker that dies first is an error naming its
-   exit code), then joins the process groups with them (group.py).
-
-Shutdown (`close()`, or the finalizer when the engine is garbage-collected, or at exit):
-a Shutdown message, the forward functions' CUDA graphs freed, the process groups left, each
-worker waited for (killed after a grace period), its pipe closed, the rendezvous store's
-port closed. Orphans are impossible: a worker whose driver dies, even by SIGKILL, sees its
-stdin pipe close and exits at once (worker.py).
+`start_tensor_parallel(config)` (the Engine calls it; None for tensor_parallel_size 1)
+resolves the model paths, checks that each model to split divides by N, plans one device
+per rank, starts N-1 worker processes (`python -m infer.distributed.worker`, a session of
+their own, the spec on a stdin pipe kept open; under `torchrun` none), waits until each has
+started and joins the process groups with them (group.py). `close()` (or the finalizer)
+sends Shutdown, frees the forward functions' CUDA graphs, leaves the groups, waits for
+each worker (killed after `EXIT_TIMEOUT_S`) and closes the rendezvous port. A worker whose
+driver dies, even by SIGKILL, sees its pipe close and exits. docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The tensor-parallel process groups: devices per rank, joining, leaving.
 
-Every rank joins torch.distributed's default process group (NCCL on GPUs, gloo on CPUs):
-the model's all-reduces and all-gathers run on it, and so do tensors sent with a step.
-Beside it, a gloo group carries the driver's control messages (channel.py) as CPU bytes on
-every device type; its timeout is long, because a worker waits on it for as long as the
-engine stays idle.
-
-Ranks are started by the engine (driver.py: rank 0 is the engine's own process, ranks 1..N-1
-are worker processes it spawns on the same machine; rendezvous through a TCP store on the
-loopback interface) or by `torchrun` (one process per GPU, on one or several nodes;
-rendezvous through the environment torchrun sets: `env://`).
+Every rank joins torch.distributed's default group (NCCL on GPUs, gloo on CPUs) for the
+model's collectives and the tensors sent with a step, and a gloo control group for the
+driver's messages (channel.py), with a long timeout (`CONTROL_TIMEOUT`: a worker waits on
+it while the engine is idle). Ranks started by the engine rendezvous through a TCP store on
+the loopback interface (`plan_devices`, `join`, `leave`); under `torchrun` through its
+environment (`torchrun_rank`, `torchrun_device`). docs/architecture.md, "Tensor
+parallelism".
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The driver's side of tensor parallelism: forward functions run on every rank, pools split by heads.
 
 `TensorParallelExecutor` (an `Executor`) builds each pool and forward function here and
-tells the workers to build theirs for their shard of the model (the runners' start-up
-code runs once, on the driver). Then:
-
-- A pool's bookkeeping (slots, lengths, blocks, the prefix cache) is the driver's alone. A
-  worker's pool holds the KV of its heads in the driver's layout and a copy of its block
-  tables (worker_pool.py): each message carries the table entries the driver set since the
-  last one (its `BlockTables` journal them for the `Outbox`) and the rows it moved (a tree's
-  accepted path put in sequence order: `DriverPool.move_rows`, a KV copy every rank makes).
-  So every rank builds a step's KV slots from the same tables itself (for a decode step at
-  batch 32 and a 2048-token context those are 512 KB a step: better not sent).
-- `TensorParallelForward` wraps a forward function: each `run` sends the workers one
-  `Invoke` of the same flat batch, then runs here; the workers run that forward on their
-  shards, and the collectives inside (all-reduces, the lm_head's all-gather) meet. Only
-  rank 0 samples, accepts and rejects (above the forward); its results are the only ones used. A sharded draft
-  model's step after the first feeds the token the step before drew, on the device: it
-  travels beside the next step's message (`DeviceIds`).
-
-A model role placed on the driver alone (a draft with tensor_parallel_draft="driver") gets
-plain local pools and forward functions. Every call must come from one thread, in order.
+tells the workers to build theirs for their shard. A pool's bookkeeping stays here
+(`DriverPool`); each message carries, through the `Outbox`, the block-table entries set and
+the rows moved since the last one (`DriverPool.move_rows`), so every rank builds a step's
+KV slots from the same tables. `TensorParallelForward` sends each `run` as one `Invoke`,
+then runs it here; only rank 0 samples and accepts. A sharded draft's next ids, still on
+the device, travel beside the next message (`DeviceIds`). A role kept on the driver alone
+(tensor_parallel_draft="driver") gets local pools and forwards. Every call must come from
+one thread, in order. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

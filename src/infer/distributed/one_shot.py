@@ -1,18 +1,13 @@
 """A one-shot all-reduce for small messages, over NVLink peer memory.
 
-A decode step of a tensor-parallel model all-reduces two small activations a layer (batch x
-hidden: 8 KB for one 8B-model token in bf16). NCCL's ring takes several microseconds each
-for them, mostly latency. PyTorch's symmetric memory gives every rank a buffer the other
-ranks can address directly; `torch.ops.symm_mem.one_shot_all_reduce_copy` then does the
-whole all-reduce in one kernel: each rank copies its part into its own buffer, the ranks
-meet at a barrier on their signal pads, and each reads every rank's buffer and sums them in
-rank order (so every rank gets the same bits). The kernel is an ordinary launch on the
-current stream, so CUDA graphs capture it like the matmuls around it.
-
-It runs without NVLink multicast (`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`, which `join` sets
-unless the environment says otherwise): peer loads only. Messages it does not serve (larger
-than its buffer, other dtypes, a non-CUDA tensor) go through the process group (NCCL), as
-does everything when the engine keeps `tensor_parallel_all_reduce="nccl"`.
+A tensor-parallel decode step all-reduces two small activations a layer, where NCCL's ring
+is mostly latency. `OneShotAllReduce` uses PyTorch's symmetric memory: each rank copies its
+part into its own peer-addressable buffer, the ranks meet at a barrier, and each sums every
+rank's buffer in rank order (`torch.ops.symm_mem.one_shot_all_reduce_copy`: the same bits
+on every rank, one launch that CUDA graphs capture). It runs without NVLink multicast
+(`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`). Messages it does not serve (`serves`: over
+`ONE_SHOT_MAX_BYTES`, other dtypes, off CUDA) go through NCCL, as everything does with
+`tensor_parallel_all_reduce="nccl"`. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """The messages the driver (rank 0) sends its worker ranks.
 
-Each `Message` carries what changed in the KV state of the split models' pools since the
-previous one (`PoolChanges`: block-table entries, rows moved), then one call:
-
-  MakePool / MakeForward    build a pool (the KV of this rank's heads, laid out as the
-                            driver's pool) / a forward function for a model role, as the
-                            driver just did, from the driver's `ForwardSpec`
-  Invoke                    run a forward function's `run` on the driver's flat batch
-  Report                    every worker answers: its block tables against the driver's,
-                            the CUDA graphs it captured
-  Shutdown                  free everything, leave the process group, exit
-
-A step costs one message: the target's flat batch plan (`run`: numpy arrays of its rows'
-tokens, positions and context lengths) and the ids still on the device after a step that
-left its tokens there, beside the few table entries the step's new blocks set; CPU
-tensors travel inside the message (channel.py). Sampling and acceptance stay on rank 0,
-above the forward, so the workers need no temperatures, draft tokens or draft
-probabilities. Slots, lengths, free blocks and
-the prefix cache are the driver's alone: a worker needs none of them to run a plan.
+Each `Message` carries the KV changes of the split models' pools since the previous one
+(`PoolChanges`: block-table entries, rows moved), then one call: `MakePool` / `MakeForward`
+(build a pool, `PoolShape`, or a forward function for a model role, as the driver just did,
+from its `ForwardSpec`), `Invoke` (run a forward function's `run` on the driver's flat
+batch plan), `Report` (each worker answers a `WorkerReport`: its block tables against the
+driver's, the CUDA graphs it captured) or `Shutdown`. A step costs one message. Sampling
+and acceptance stay on rank 0, and slots, lengths, free blocks and the prefix cache are
+the driver's alone: a worker needs none of them. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """A tensor-parallel worker rank: loads its shard of the model(s), then runs what the driver sends.
 
-Started by the engine (driver.py runs `main(ready_fd)`) with its `WorkerSpec` pickled on
-stdin; the driver keeps that pipe open for the worker's whole life, and a thread here reads
-it: end of file means the driver has gone (exited, or was killed without a word), and the
-worker exits at once, wherever its main thread is blocked. One byte on the `ready_fd` pipe
-tells the driver the worker has started. Under `torchrun` a rank above 0 runs
-`serve_torchrun_rank` instead (the CLI calls it); torchrun ends its ranks.
-
-The main loop (`Worker.run`) receives one message at a time: it makes the KV changes the
-driver made since the last one (block-table entries, rows moved: worker_pool.py), then
-builds a pool or forward function (from the driver's `ForwardSpec`: the same graphs), runs
-the forward part of a call on its shard (`Invoke`), answers a report (its block tables
-against the driver's, the graphs it captured), or shuts down (frees its CUDA graphs,
-leaves the process groups, returns). Any error ends the worker (with its traceback,
-prefixed by its rank): the driver's next message finds it gone and reports its exit code.
+Started by the engine (`main(ready_fd)`) with its `WorkerSpec` pickled on stdin; the driver
+keeps that pipe open, and a thread here (`watch_driver`) exits the process at end of file,
+wherever the main thread is blocked. One byte on `ready_fd` says it has started. Under
+`torchrun` a rank above 0 runs `serve_torchrun_rank` instead. `Worker.run` takes one message
+at a time: it applies the driver's KV changes (worker_pool.py), then builds a pool or
+forward function, runs a forward call on its shard, answers a report (`table_problems`,
+`capture_counts`) or shuts down. Any error ends the worker, its traceback prefixed by its
+rank. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

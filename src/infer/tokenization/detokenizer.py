@@ -1,18 +1,11 @@
 """Streaming detokenization: turn generated ids into text deltas one token at a time.
 
-Decoding each token on its own breaks text in two ways: a character can span several
-byte-level tokens (its first bytes decode to U+FFFD), and SentencePiece-style decoders
-drop the leading space of the first token they see. So each step decodes a small window
-of recent tokens twice (the prefix-offset / read-offset scheme):
-
-    ids:  ... | prefix_offset ... read_offset ... end
-    prefix_text = decode(ids[prefix_offset:read_offset])   (already emitted)
-    new_text    = decode(ids[prefix_offset:])
-    delta       = new_text[len(prefix_text):]
-
-The delta is held back while `new_text` ends in U+FFFD (an unfinished character); once it
-is emitted, the window slides forward. Work per token is bounded by the window, not by the
-sequence length, and the concatenated deltas equal decode(generated ids).
+Decoding tokens one by one splits characters that span several byte-level tokens and
+loses SentencePiece's leading spaces, so `IncrementalDetokenizer` decodes a small window of
+recent tokens twice (the prefix-offset / read-offset scheme) and emits the difference,
+held back while it ends in an unfinished character (U+FFFD). Work per token is bounded by
+the window, and the concatenated deltas equal decode(generated ids). `Decoder`: what it
+needs of a tokenizer. The scheme: docs/architecture.md, "Tokenization".
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """The tokenizer a GGUF file describes, rebuilt with the `tokenizers` library.
 
-A GGUF file has no tokenizer.json: it stores the vocabulary (`tokenizer.ggml.tokens`),
-token types, BPE merges or SentencePiece scores, special ids and the chat template as
-metadata. `read_gguf_tokenizer(path)` turns that into the parts a `Tokenizer` is made of
-(`GGUFTokenizer`); `Tokenizer.from_pretrained` builds it. Only metadata is read: no tensor
-data, so a bad tokenizer fails before any weight loads. Two vocabulary kinds
-(`tokenizer.ggml.model`) are supported, as llama.cpp runs them:
-
-- "gpt2": byte-level BPE. The text is cut by the regexes of the pre-tokenizer the file
-  names in `tokenizer.ggml.pre` (the table is pretokenizers.py: Llama 3's, Qwen2's,
-  SmolLM's, Mistral's tekken, DeepSeek's, GPT-2's and the rest), with its whole-word rule
-  (`ignore_merges`) and BOS default. A name without an entry there, or a file without a
-  name, is an error that says how to pass the model's own tokenizer instead.
-- "llama": SentencePiece BPE (Llama 2 style): pieces with "▁" for spaces, merged in the
-  order of their scores, byte fallback to the <0xXX> pieces, a "▁" prefix before each run
-  of text (at the start and after each special token, as llama.cpp and SentencePiece
-  do) unless `tokenizer.ggml.add_space_prefix` is false. BOS is added unless the file says not.
-
-Control (and unknown) tokens become special added tokens, user-defined ones plain added
-tokens, so their strings in a prompt map to their ids. A file without a chat template whose
-vocabulary has Llama 3's header tokens gets the built-in Llama 3 template, as a directory
-does. Decoding gives the exact text: llama.cpp's optional clean-up of spaces before
-punctuation (`clean_spaces`) is not applied.
+`read_gguf_tokenizer(path)` reads the file's metadata only (vocabulary, token types, BPE
+merges or SentencePiece scores, special ids, chat template) into a `GGUFTokenizer`, the
+parts `Tokenizer.from_pretrained` builds from, so a bad tokenizer fails before any weight
+loads. Two vocabulary kinds, as llama.cpp runs them: "gpt2" (`byte_level_bpe`, cut by the
+pre-tokenizer the file names: pretokenizers.py; an unknown name is an error saying how to
+pass the model's own tokenizer) and "llama" (`sentencepiece_bpe`, merges from the scores:
+`spm_merges`). Decoding gives the exact text. Details: docs/architecture.md,
+"Tokenization".
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """The byte-level pre-tokenizers a GGUF file can name (`tokenizer.ggml.pre`), as llama.cpp runs them.
 
-A byte-level BPE vocabulary is only half a tokenizer: before merging, the text is cut into
-pieces by one or more regexes, and merges never cross a cut. llama.cpp's converter records
-which cutting the model was trained with as a name ("llama-bpe", "qwen2", "smollm", ...);
-`PRE_TOKENIZERS` maps each name this module implements to its `PreTokenizer`:
-
-- `splits`: regexes applied in turn, each one cutting every piece the one before left;
-  text a regex does not match stays a piece of its own (the `tokenizers` library's
-  `Split(..., behavior="isolated")`, which is what llama.cpp's `unicode_regex_split` does);
-- `ignore_merges`: a piece found whole in the vocabulary is one token, merges not applied;
-- `add_bos`: whether BOS is prepended when the file has no `tokenizer.ggml.add_bos_token`.
-
-Where llama.cpp rewrites a model's regex only because C++'s regex engine lacks a feature
-(`(?i:...)`, `\\p{Lu}`), the model's own regex from its tokenizer.json is used: the
-`tokenizers` library's engine has those features, and that regex is the one the model was
-trained with. Names llama.cpp knows but this table lacks are an error where they are looked
-up (tokenization/gguf.py), never an approximation.
+Before merging, a byte-level BPE vocabulary cuts the text into pieces by one or more
+regexes, and merges never cross a cut; llama.cpp's converter records the cutting the model
+was trained with as a name ("llama-bpe", "qwen2", "smollm", ...). `PRE_TOKENIZERS` maps each
+name implemented here to its `PreTokenizer`: `splits` (regexes applied in turn, "isolated"),
+`ignore_merges` (a piece found whole is one token) and `add_bos` (the BOS default). Where
+llama.cpp rewrote a regex only for C++'s regex engine, the model's own regex is used. Names
+not in the table are an error where they are looked up (gguf.py), never an approximation.
+docs/architecture.md, "Tokenization".
 """
 
 from __future__ import annotations

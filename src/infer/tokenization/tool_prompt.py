@@ -1,16 +1,13 @@
 """Tools in a chat prompt: the Llama 3 JSON tool-call text, and tools for templates that
 do not render them.
 
-A tool call in the Llama 3 JSON format is one JSON object `{"name": <function name>,
-"parameters": <object of arguments>}`; several calls in one message are separated by
-`"; "`. Templates published with tool-calling models (Llama 3.1+) take the `tools`
-variable and assistant messages' `tool_calls` and render both themselves. A template that
-does neither (a base model's, the built-in Llama 3 one) would drop them silently, so
-`fold_tools` writes them into the conversation as text instead: the tool definitions and
-how to call them into the system message (a new one first when there is none), and each
-assistant message's `tool_calls` into its content in the JSON format above. Tool results
-(`role: "tool"`) stay messages of their own (the Llama 3 template gives them the `ipython`
-header).
+A call in the Llama 3 JSON format is `{"name": <function name>, "parameters": <object>}`
+(`tool_call_text`), several in one message separated by `CALL_SEPARATOR`. Templates of
+tool-calling models render `tools` and assistant `tool_calls` themselves
+(`template_support` tells); for one that does neither, `fold_tools` writes them into the
+conversation as text: the definitions and how to call them into the system message
+(`tools_text`), each assistant message's calls into its content. Tool results stay
+messages of their own. docs/server.md, "Tool calls".
 """
 
 from __future__ import annotations

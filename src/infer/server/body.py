@@ -1,19 +1,12 @@
 """Parsing a request body with work bounded by the model, not by the input.
 
-Parsing and validating JSON hold the GIL for as long as they run (about 0.25 us per value,
-milliseconds per MiB of string), so a large body would stall every other request while it
-is parsed, wherever it is parsed. `BodyLimits` bounds a body by what a request to this model
-can use, before parsing it. Its size: the text a request can carry is at most
-`max_seq_len * max_token_chars` characters (see prepare.py), each at most 12 bytes of JSON
-(a `\\uXXXX` surrogate pair), and each JSON value takes at most `BYTES_PER_VALUE` bytes
-with its separators. The number of values, with a scan that costs a few milliseconds for a
-body of several MiB: every JSON value after the first in an array or object follows a `,`,
-and every array or object opens with `[` or `{`, so the count of those three bytes bounds
-the number of values. A request this model can serve holds few of them: prompt ids and messages are at most one per context token, the text's own commas and
-brackets at most `structural_per_token` per token (read off the vocabulary), and the other
-parameters a fixed number. A body over either bound gets 413 before it is parsed; below them,
-parsing (the standard library's JSON, which keeps lone UTF-16 surrogates for the fields to
-refuse by name, then pydantic) runs off the event loop (`Preparer.run`).
+Parsing and validating JSON hold the GIL while they run, so a large body would stall every
+other request. `BodyLimits` bounds a body by what a request to this model can use, before
+parsing it: its size (the text a request can carry, `max_seq_len * max_token_chars`
+characters of at most `BYTES_PER_CHAR` bytes of JSON, and `BYTES_PER_VALUE` a value) and
+its number of JSON values (`structural_count`: the `,` `[` `{` bytes bound it). A body over
+either gets 413 unparsed; `parse_body` parses the rest (keeping lone surrogates for the
+fields to refuse by name), off the event loop. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

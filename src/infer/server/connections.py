@@ -1,15 +1,12 @@
 """Connection limits below the HTTP layer (uvicorn's h11 protocol), against clients that open
 connections and never finish a request (slowloris) or open more than the server can hold.
 
-- Header timeout: a connection whose request line and headers have not all arrived
-  `header_timeout_s` after it opened (or after its previous response ended) is closed.
-- Connection limit: beyond `max_connections` open connections, a new one is closed as
-  soon as it is accepted, so that the process never runs out of file descriptors: asyncio
-  accepts up to `BACKLOG` connections in one go before any is seen, so at startup the
-  descriptor limit is raised to fit both and a reserve (or the flag is refused).
-- Overload logging: each kind of overload (header timeouts, the connection limit, accept()
-  out of descriptors) is logged at most once per `LOG_INTERVAL_S`, with the count since the
-  last line, instead of a line (or a traceback) per connection.
+`GuardedH11Protocol` (`guarded_protocol`) closes a connection whose request line and
+headers have not all arrived `header_timeout_s` after it opened (or after its previous
+response), and closes at once any connection beyond `max_connections`;
+`ensure_descriptors` raises the descriptor limit at startup to fit them, one accept burst
+(`BACKLOG`) and a reserve, or refuses the flag. `OverloadLog` logs each kind of overload
+at most once per `LOG_INTERVAL_S`, with its count. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

@@ -2,15 +2,12 @@
 processes, before the request is admitted, so that no compile runs on the event loop or on
 the engine thread (or holds a lock either of them takes).
 
-`GrammarService.compile(spec)` awaits the compiled grammar: from a cache bounded in bytes
-(`--grammar-cache-mib`), from a compile of the same spec already under way, or from a new
-one in a pool of `--grammar-workers` processes (`infer.engine.grammar_worker`, started with
-the command-line server, else at the first grammar). A compile gets `--grammar-timeout` seconds (then its process is killed
-and replaced) and `--grammar-max-memory-mib` of memory; beyond either, and for a spec
-that is invalid or accepts no string, the request gets a 400 saying which limit and the
-flag that raises it. At most `PENDING_PER_WORKER` compiles per worker wait or run at once:
-a request needing another gets 429 with Retry-After (requests without a grammar are not
-affected). A worker's result comes back as xgrammar's JSON, read in a thread.
+`GrammarService.compile(spec)` awaits the compiled grammar: from a cache bounded in bytes,
+from a compile of the same spec already under way, or from a new one in a pool of worker
+processes (`infer.engine.grammar_worker`), each compile within a time and a memory limit
+(a 400 naming the flag beyond either, as for a spec that is invalid or accepts no string).
+At most `PENDING_PER_WORKER` compiles per worker wait or run at once: another request
+needing one gets 429 with Retry-After. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

@@ -4,12 +4,10 @@
     with ServerThread(app) as server:          # 127.0.0.1, a free port chosen by the OS
         httpx.get(server.url + "/health")
 
-Both use `DrainingServer`: on SIGTERM / Ctrl-C (or `stop()`), the app stops admitting
-requests and aborts those still open after its shutdown timeout (they end with an error
-event or a 503); uvicorn's own graceful-shutdown limit is a few seconds past that, as a
-backstop. The listening socket is bound before uvicorn starts (for the command line: before
-the model loads), so the port is known (and reserved, or found in use) up front. `LiveServer` bundles an engine, its app and the thread
-(tests and the load benchmark use it).
+Both use `DrainingServer`: on SIGTERM / Ctrl-C (or `stop()`) the app stops admitting
+requests and ends those still open after its shutdown timeout; uvicorn's own limit,
+`BACKSTOP_S` later, is a backstop. The socket is bound before uvicorn starts, so the port
+is known up front. `LiveServer` bundles an engine, its app and the thread. docs/server.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Request preparation off the event loop: parsing the body, tokenizing, checking, SamplingParams.
 
-Everything CPU-bound about a request before it reaches the engine (parsing and validating
-its JSON, tokenizing the prompt or rendering the chat template, checking its ids, building
-stop strings) runs in a small thread pool, never on the event loop, and its work is bounded
-by the model's context, not by the input: a body larger, or holding more JSON values, than
-a request can use is refused before it is parsed (body.py), and a text longer than the context's
-tokens could spell (`max_token_chars` characters per token, read off the vocabulary) is
-refused before it is tokenized. The pool's size bounds how many requests are prepared (and
-held in memory) at once. Errors are `APIError` 400s naming the parameter to fix.
-
-`run` is the one way into the pool; `abandon` ends every wait on it with an error (a
-shutdown past its timeout), the work itself being bounded.
+`Preparer` runs everything CPU-bound about a request before it reaches the engine (parsing
+and validating its JSON, tokenizing the prompt or rendering the chat template, checking its
+ids, building stop strings) in a small thread pool, with work bounded by the model's
+context: an oversized body is refused unparsed (body.py), a text longer than the context's
+tokens could spell (`vocabulary_bounds`: `max_token_chars` a token) untokenized. The result
+is `Prepared` (with `sampling_params`); errors are `APIError` 400s naming the parameter.
+`run` is the one way into the pool; `abandon` ends every wait on it (a shutdown past its
+timeout). docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """OpenAI request schemas (pydantic) for /v1/completions and /v1/chat/completions.
 
-Requests are validated strictly (no "5" -> 5 coercion) with the ranges in the schema, so the
-OpenAPI document FastAPI serves says exactly what the server accepts. Integer fields accept
-integral floats (`1.0`), as JSON Schema's "integer" does. Every string must be valid Unicode
-(a lone UTF-16 surrogate such as `"\\ud800"` is a 400 naming the field). Stop strings are
-limited as in OpenAI's API (4). Structured outputs: `response_format` and vLLM's `guided_*`
-fields (read by `server.guided`); chat's `tools` and `tool_choice` (read by `server.tools`),
-assistant messages' `tool_calls` and tool messages' `tool_call_id`. Parameters the server does
-not implement (`functions`, `best_of` > `n`, ...) are declared so that a request
-setting them gets a 400 naming them rather than being silently ignored; unknown fields are
-ignored. Extensions beyond the OpenAI API: `top_k`, `repetition_penalty`, `ignore_eos`,
-`stop_token_ids`, `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
-`speculation` (false, or a K: `SamplingParams.speculation`).
+`CompletionRequest` and `ChatCompletionRequest` (with `ChatMessage`, `ToolDefinition`,
+`NamedToolChoice`, ...) are validated strictly (no "5" -> 5 coercion; integral floats
+accepted) with the ranges in the schema, so the OpenAPI document says exactly what the
+server accepts; strings must be valid Unicode. Parameters the server does not implement are
+declared so that setting them is a 400 naming them; unknown fields are ignored. Extensions
+beyond OpenAI's API: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, vLLM's
+`guided_*`, `speculation`. docs/server.md, "Endpoints".
 """
 
 from __future__ import annotations

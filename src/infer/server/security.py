@@ -1,18 +1,13 @@
 """The gate in front of the app (plain ASGI, so streaming passes through untouched).
 
-In order, for every HTTP request:
-  1. Host header: not in `allowed_hosts` -> 421 (DNS-rebinding protection),
-  2. API key: with `api_key` set, every path but /health (and /metrics with
-     `public_metrics`) needs `Authorization: Bearer <key>` -> else 401,
-  3. Content-Type: a POST to a path of `path_limits` (the generation routes) whose body is
-     not `application/json` -> 415, before the body is read. A web page can make a browser
-     send a cross-origin `text/plain` (or untyped) POST without asking the server first;
-     one with `application/json` needs a CORS preflight, which this server never grants.
-  4. body size: a Content-Length, or a streamed body, over `max_request_bytes` (or over the
-     path's own limit in `path_limits`: the generation routes' is set by the model's
-     context, see body.py) -> 413, decided before the app parses anything, and for a
-     Content-Length before the body is read; the body read here is replayed to the app.
-Each refusal is OpenAI error JSON.
+`Gatekeeper` checks every HTTP request in order: the Host header against `allowed_hosts`
+(421, DNS rebinding), the API key on every path but `OPEN_PATHS` (and /metrics when public)
+(401), the Content-Type of a POST to a generation route (`path_limits`): not
+`application/json`, 415 before the body is read, since a browser sends other types
+cross-origin without a preflight; then the body's size against `max_request_bytes` or the
+path's own limit (413; a Content-Length before the body is read, the body read here
+replayed to the app). Each refusal is OpenAI error JSON. docs/server.md, "Security and
+limits".
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """Admission and shutdown: prepared requests in, their choices (`Jobs`) out.
 
 `ServerState` is everything one app needs (the AsyncEngine, its ServerConfig, the Preparer,
-the grammar workers, metrics, the open choices). `submit` first awaits the request's
-grammar (compiled off the event loop: grammars.py), then applies admission control,
-counting choices (a request with `n` = 4 is four): the server holds at most
-`max_batch_size + max_queued_requests` open choices (running or waiting, counted by the
-server itself, so the cap is exact whatever the engine is doing). A request whose `n` exceeds that cap gets 400
-(it could never be admitted); one that does not fit now gets 429 with Retry-After; a dead
-engine or a shutdown gives 503. Each request runs at most `max_running_choices` of its
-choices at once (see jobs.py).
-
-Shutdown (`begin_shutdown`): new requests get 503; requests still open after
-`shutdown_timeout_s` (being prepared, or generating) are ended: their clients get a 503
-error JSON (an error event on a stream) saying that the server shut down.
+the grammar workers, metrics, the open choices). `submit` awaits the request's grammar
+(grammars.py), then admits by counting choices itself: at most `max_batch_size +
+max_queued_requests` open ones (a request whose `n` exceeds that is a 400, one that does
+not fit now a 429 with Retry-After, a dead engine or a shutdown a 503); each request runs at
+most `max_running_choices` at once (jobs.py). After `begin_shutdown` new requests get 503
+and those still open at `shutdown_timeout_s` end with a 503 error. docs/server.md,
+"Security and limits".
 """
 
 from __future__ import annotations

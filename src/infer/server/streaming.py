@@ -1,20 +1,12 @@
 """Delivering a request's choices: server-sent events in OpenAI's chunk format, or one response.
 
-`Jobs.outputs()` interleaves the StepOutputs of a request's choices as they arrive, tagged
-with the choice's index. Streaming: one chunk per generated token and
-choice, a final chunk per choice with its `finish_reason` (and speculative statistics), an
-optional usage chunk (all choices together), then `data: [DONE]`. A failure mid-stream (the
-engine's, a shutdown, a choice that could not start) becomes an `error` event followed by
-`[DONE]`.
-
-Client disconnects abort every choice at once in both modes: `SSEResponse` listens for
-`http.disconnect` while streaming and cancels the stream, and `collect` races the
-generation against the same signal.
-
-A whole (non-streamed) response is sent as `JSONStream(json_body(...))`: its choices are
-built and serialized one at a time in a worker thread, the event loop free in between, so
-a large response (n = 128 with top_logprobs = 20 is tens of MB) delays other clients by at
-most one choice's serialization (pydantic holds the GIL while it serializes).
+`event_stream` turns the StepOutputs of a request's choices (`Jobs.outputs()`, interleaved,
+each tagged with its index) into one chunk per token and choice, a final chunk per choice
+(with its speculative statistics), an optional `usage` chunk, then `[DONE]`; a failure
+mid-stream is an `error` event before `[DONE]`. `SSEResponse` cancels the stream when the
+client disconnects and `collect` races a whole response against the same signal. A whole
+response goes out as `JSONStream(json_body(...))`: its choices serialized one at a time in
+a worker thread, the event loop free in between. docs/server.md, "Streaming".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Tool calls out of a chat completion's text: the Llama 3 JSON format, whole or streamed.
 
-The format (`tokenization.tool_prompt`): optionally `<|python_tag|>`, then one JSON object
-`{"name": <function>, "parameters": <object>}` (`"arguments"` is read too), several
-separated by `;`. `parse_tool_calls` reads a whole text: the calls, or None when the text
-is anything else (prose, malformed JSON, a function that is not among the request's tools),
-which then stays the message's content.
-
-`CallReader` turns one choice's text deltas into what the client sees, the same way streamed
-or not (the non-streamed response is its result after the whole text):
-
-- auto: text that cannot open a call (its first character is not `{` or the python tag)
-  streams as content at once; text that may be a call is held back to the end, then
-  becomes tool-call deltas (each call's id, type, name and arguments in one delta) or, when
-  it does not parse as calls, one content delta;
-- required / named (a forced call, the output follows its schema): the call's delta with
-  id, type and name goes out as soon as the name is complete, then the arguments as
-  fragments as they are generated (the final `}` of the call held back until more text
-  shows it is not the last). A call cut short by max_tokens keeps the arguments generated
-  so far (finish_reason "length"); a text cut before its name is complete is content.
+The format (`tokenization.tool_prompt`): optionally `<|python_tag|>`, then
+`{"name": <function>, "parameters": <object>}` (`"arguments"` read too), several separated
+by `;`. `parse_tool_calls` reads a whole text: the calls (`ParsedCall`), or None when it is
+anything else (it then stays content). `CallReader` turns one choice's text deltas into what
+the client sees, the same way streamed or not: under auto, text that cannot open a call
+streams as content and a possible call is held to the end; a forced call (required, named)
+streams its name as soon as it is complete, then its arguments as fragments (`CallDelta`).
+docs/server.md, "Tool calls".
 """
 
 from __future__ import annotations

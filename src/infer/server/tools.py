@@ -1,20 +1,12 @@
-"""A chat request's `tools` and `tool_choice`, read into a `ToolPlan`.
+"""A chat request's `tools` and `tool_choice`, read into a `ToolPlan` (`tool_plan`).
 
-    none      the tools reach the chat template (as vLLM does) but the output is plain text
-    auto      the default with tools: the output is parsed for Llama 3 JSON tool calls
-              (`tool_calls.parse_tool_calls`); anything else is the message's content
-    required  the output is one call of one of the tools, enforced by a JSON schema:
-              anyOf over the tools of {"name": <its name>, "parameters": <its schema>}
-    named     {"type": "function", "function": {"name"}}: one call of that function, enforced
-              by its schema alone
-
-Required and named choices produce exactly one call (one Llama 3 JSON object); under auto
-the model may write several, separated by `;`. Problems a client can fix are 400s naming
-the field before the request is queued: tool_choice without tools, a named function that is
-not among the tools, two tools of one name, a `parameters` that is not an object schema,
-a forced call together with another structured output. A schema xgrammar cannot compile is
-a 400 from `server.grammars`, also before the request is admitted. The parameters' local
-`$ref`s are rebased to where the call's schema nests them (`call_schema`).
+`none`: the tools reach the chat template but the output is plain text; `auto` (the default
+with tools): the output is parsed for Llama 3 JSON calls (`tool_calls.parse_tool_calls`);
+`required`: one call of one of the tools, enforced by a JSON schema (anyOf over the tools);
+named: one call of that function, enforced by its schema. Problems a client can fix are
+400s naming the field before the request is queued. `call_schema` builds a forced call's
+schema, its parameters' local `$ref`s rebased (`rebase_refs`). docs/server.md,
+"Tool calls".
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
 """Ratios between the measurements of one run (pure functions over the records).
 
-A measurement names the others it is compared with in `refs`:
-  "baseline": speedup = its primary rate / the baseline's (decode tokens/s at batch 1,
-              output tokens/s for many requests; a constrained row's against an
-              unconstrained baseline is its grammar's cost, and greedy tokens are compared
-              only between rows of one structured output); a measurement timed in
-              alternation with a baseline engine of its own (`paired_speedup`) reports that paired ratio
-              instead, and the unpaired one as `speedup_unpaired`;
-  "roofline": roofline_fraction = its decode tokens/s / the roofline's tokens/s;
-  "costs":    for fixed-K speculation, the paper's prediction from the measured c and the
-              alpha implied by the measured tokens per round, and efficiency = speedup /
-              prediction (n-gram drafts have c = 0); none for trees (the chain's formula);
-  "chain":    tree speculation: length_vs_chain = its tokens per round / the chain's (the
-              chain run verifying as many tokens a round).
-
-A batch sweep compares with the copy bandwidth ("bandwidth"): per batch, the bytes limit
-(weights + the KV read at its measured context, over the bandwidth; bench/roofline.py) and
-of_bytes_limit = that limit / the measured step time (1.0 = a step at the copy bandwidth),
-`of_bytes_limit` itself at the row's largest batch; with a "baseline" sweep,
-speedup_by_batch = the baseline's step time / its own at each batch both ran (`speedup`
-at the largest). A prefill row derives its model FLOPs
-utilisation, mfu = model FLOPs / wall time / the GPU's peak dense bf16 FLOPs
-(bench/theory.py), None with a note for a GPU missing from that table.
-A serve row (bench/serve.py) derives its completed share and achieved / offered rate.
-An acceptance-sweep row (controlled acceptance, bench/sweep.py) reads its "costs" for the
-projections instead (`sweep_projection`).
+`derive_all` / `derive` fill each measurement's `derived` from the rows it names in `refs`:
+"baseline" (speedup over its primary rate; paired when timed in alternation), "roofline"
+(`roofline_fraction`), "costs" (the paper's prediction and efficiency: `spec_prediction`),
+"chain" (a tree's tokens per round over the chain's), "bandwidth" (a batch sweep's
+`bytes_limits`, with `batch_speedups` against a baseline sweep). Prefill rows get their MFU
+(`prefill_mfu`), acceptance-sweep rows their projections (`sweep_projection`). What each
+ratio means: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

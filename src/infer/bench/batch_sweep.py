@@ -1,17 +1,11 @@
 """Decode step time against batch size, on one engine (`infer bench` kind "batch_sweep").
 
-For each batch size B the engine runs B requests (random prompts of `prompt_len` tokens,
-greedy, long outputs) past their prefill, then times `steps` decode steps; the requests
-are aborted before the next size. Reported per B: milliseconds a step, decode tokens/s
-(B tokens a step), and the step's cost relative to batch 1's. One engine with CUDA graphs
-for every bucket serves all sizes, so the numbers differ only by the batch.
-
-Recorded beside them for the bytes limit (bench/roofline.py `decode_step_bytes`): the
-model's weight bytes, its KV bytes a token, and per B the mean context of the timed steps
-(tokens cached per request, averaged over the requests at the first and the last timed step).
-Requests admitted first decode while the later ones prefill; max_seq_len leaves room for
-those steps (one a `max_num_batched_tokens` less the decode rows of prompt tokens), and a
-request that finished before the timing ends fails the measurement.
+`batch_sweep` runs, for each batch size B, B requests past their prefill, times `steps`
+decode steps and aborts them: milliseconds a step, decode tokens/s and the cost relative to
+batch 1's, one engine with CUDA graphs for every bucket serving all sizes. Recorded beside
+them for the bytes limit (bench/roofline.py `decode_step_bytes`): the weight bytes, the KV
+bytes a token and per B the mean context of the timed steps. A request that finishes before
+the timing ends fails the measurement. docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

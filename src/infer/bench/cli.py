@@ -1,22 +1,14 @@
 """`infer bench`: run a predefined suite or one workload, write JSON, print a summary.
 
     infer bench --suite decode-speed --out results/decode.json
-    infer bench --suite all-gpu --max-seconds 540 --out results/all.json
     infer bench --suite smoke --list                 # the rows a suite runs; run nothing
-    infer bench --workload W1 --model dummy:llama-3.2-3b --hf     # CUDA graphs on a GPU by default
-    infer bench --workload W1 --model dummy:llama-3.2-3b --enforce-eager   # the same, every step eager
-    infer bench --workload W5 --speculative-method ngram --temperature 0   # (a speculation flag: speculation on)
-    infer bench --suite serve --request-rates 1,4,16 --model dummy:llama-3.2-3b
-    infer bench --suite serve --url http://127.0.0.1:8000   # a running OpenAI-compatible server
+    infer bench --workload W1 --model dummy:llama-3.2-3b --enforce-eager
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
-    infer bench --plot results/all.json              # PNG charts (matplotlib) in results/all-charts/
+    infer bench --plot results/all.json              # PNG charts in results/all-charts/
 
-Suites and their rows are defined in `infer.bench.suites`. With --workload, the engine flags
-(the same as `infer generate`) configure the run; max batch size and max_seq_len default to
-what the workload needs; with --suite serve they configure the server the suite starts (which
-needs the server extra: without it, an error naming it, exit 2, before anything runs). The
-exit status is 1 when a measurement failed (or none ran): rows skipped for a missing optional
-package, missing GPUs or the time budget say why and are no failure.
+Suites are defined in `infer.bench.suites`; with --workload (or --suite serve) the engine
+flags of `infer generate` configure the run. Exit status 1 when a measurement failed or
+none ran (`exit_status`). More commands: docs/benchmarks.md, "Running".
 """
 
 from __future__ import annotations

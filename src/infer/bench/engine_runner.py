@@ -1,17 +1,12 @@
 """Run a workload on our engine and measure it.
 
-`run_engine(workload, overrides)` builds `Engine(EngineConfig(...))` (a variant is a dict of
-EngineConfig overrides: CUDA graphs, speculation, policy, batching mode...), runs a warm-up
-of random prompts with the workload's shapes, then adds every request at once and steps
-the engine until all finish; the timed part is bracketed by device synchronisation. CUDA
-graphs are captured at construction; the full-length warm-up settles the allocator,
-per-shape kernel plans and the draft / n-gram paths, and keeps a shared prefix so the
-prefix cache starts warm as in steady serving.
-
-Reported: wall time, output tokens/s, per-request TTFT and decode tokens/s (tokens after
-the first / time after the first token), and the delta of the engine's counters over the
-timed part: speculation (acceptance rate, mean tokens per round) and the prefix cache hit
-rate. The engine is freed afterwards so the next measurement has the GPU memory.
+`run_engine(workload, overrides)` builds `Engine(EngineConfig(...))` (`engine_config`; a
+variant is a dict of EngineConfig overrides), runs a full-length warm-up (`warmup`), then
+adds every request at once and steps the engine until all finish (`timed_run`, bracketed
+by device synchronisation). Reported: wall time, output tokens/s, per-request TTFT and
+decode tokens/s (`request_metrics`), and the delta of the engine's counters over the timed
+part (`engine_counters`, `spec_metrics`). The engine is freed afterwards (`free_memory`).
+docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

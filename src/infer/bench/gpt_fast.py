@@ -1,18 +1,13 @@
 """Peer runner: gpt-fast's compiled decode on a model shape, from a checkout the user gives.
 
-gpt-fast (github.com/pytorch-labs/gpt-fast) is the reference for how fast plain PyTorch can
-decode at batch 1: its `Transformer` with a static KV cache, and `decode_one_token` through
-`torch.compile(mode="reduce-overhead", fullgraph=True)` (Inductor kernels in a CUDA graph)
-with its own Inductor settings (set when its `generate.py` is imported). This runner
-imports both from the checkout (`infer bench --gpt-fast PATH`; nothing of it is copied
-here), builds the model from our `ModelConfig` of the same shape with random weights in
-the run's dtype (timing does not depend on the values), prefills the workload's prompt and
-times greedy decode of its output length: the same W1 numbers as our engine's row (decode
-tokens/s between the first and the last token), one request after another.
-
-`generate.py` imports its tokenizer module, which needs sentencepiece and tiktoken; the
-runner never tokenizes, so where those are absent a stand-in `tokenizer` module is put in
-its place for the import.
+gpt-fast (github.com/pytorch-labs/gpt-fast) shows how fast plain PyTorch decodes at batch
+1: its `Transformer` with a static KV cache and `decode_one_token` under
+`torch.compile(mode="reduce-overhead", fullgraph=True)`. `run_gpt_fast` imports both from
+the checkout (`infer bench --gpt-fast PATH`; `missing_files` checks it), builds the model
+from our `ModelConfig` of the same shape (`model_args`) with random weights, prefills the
+workload's prompt and times greedy decode: the same W1 numbers as our engine's row. Where
+sentencepiece or tiktoken are absent a stand-in tokenizer module lets `generate.py` import.
+docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Row constructors, one per measurement kind: what each kind runs and what it records.
 
-    bandwidth    device-to-device copy probe (bench/roofline.py)
-    roofline     batch-1 decode's roofline of a model: its weight bytes / the run's bandwidth
-    engine       a workload on our engine (bench/engine_runner.py)
-    hf           the same workload on transformers `generate` (bench/peers.py)
-    spec_costs   c and v(K) at batch 1 (engine/step_costs.py), the models loaded as the
-                 engine loads them and timed on the engine's CPU threads
-    projection   the paper's speedup table from a spec_costs row
-    batch_sweep  decode step time against batch size (bench/batch_sweep.py), beside its bytes
-                 limit (the run's copy bandwidth)
-    prefill      prompts prefilled up to their first token on our engine (run_engine), with the
-                 model FLOPs of that work (bench/theory.py `prefill_flops`) for its MFU
-    collectives  a tensor-parallel step's collectives, from a profile (bench/collectives.py)
-    acceptance_sweep  speculation at a controlled acceptance alpha (bench/sweep.py): one row
-                 per (draft quantization, shape, alpha), after the sweep's costs and plain rows
+`bandwidth_row` (the copy probe, bench/roofline.py), `roofline_row` (weight bytes / that
+bandwidth), `engine_row` (a workload on our engine, bench/engine_runner.py), `hf_row` and
+`gpt_fast_row` (the peers), `costs_row` (c and v(K) at batch 1, engine/step_costs.py, the
+models loaded as the engine loads them), `projection_row` (the paper's speedup table),
+`batch_sweep_row` (bench/batch_sweep.py, beside its bytes limit), `prefill_row` (prompts to
+their first token, with their model FLOPs for the MFU), `collectives_row` (a
+tensor-parallel step's collectives, bench/collectives.py) and `acceptance_sweep_rows`
+(controlled acceptance, bench/sweep.py). docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

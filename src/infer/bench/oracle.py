@@ -1,34 +1,13 @@
 """OracleProposer: drafts whose acceptance the benchmark controls. Used only by the benchmark.
 
-The controlled-acceptance benchmark (`infer bench --suite acceptance-sweep`, bench/sweep.py)
-measures speculation at a chosen acceptance rate alpha on models whose drafts would
-otherwise match at an uncontrolled rate (random dummy weights: almost never). Nothing
-outside `infer.bench` imports this module; the engine never builds it.
-
-It wraps the run's real proposer (the draft model): every round calls the inner `propose`,
-so the draft forwards run with their full cost, CUDA graphs included, and then replaces the
-proposed tokens node by node, breadth-first. A node whose parent path holds the target's
-own greedy continuation gets the continuation's token with probability alpha (a draw from
-the oracle's own seeded `random.Random`), else a wrong token; the children of a node are
-tried in order, each with its own draw, and once one holds the correct token the later
-siblings get wrong tokens without a draw (at most one sibling can be right). Nodes below a
-wrong node keep the inner draft's tokens: the verifier never reaches them. Which nodes are
-present is the inner draft's, so verification costs what it would.
-
-The continuation is the target's greedy output recorded in a plain run of the same prompts
-(`prompt + output`, one list a prompt), looked up from the request's tokens: a request
-follows the record whose start equals its tokens. Drafts are deterministic (probs None)
-and requests must be greedy (T=0), so the verifier accepts exactly the nodes that hold the
-continuation's token. A request whose tokens leave every record (the speculative forward's
-argmax differed from the plain one's on a near-tie) keeps the inner draft's tokens from then
-on; such rounds are counted (`off_record_rounds`).
-
-Acceptance is measured from the verifier's accepted paths (`on_accepted`), as the
-per-trial rate of the model above: at each depth on the accepted path, the siblings before
-the accepted node were tried and failed, the accepted one succeeded; at the depth where the
-path stops, every present child was tried and failed. accepted / tried estimates alpha.
-
-Every other hook delegates to the inner proposer.
+The controlled-acceptance sweep (bench/sweep.py) measures speculation at a chosen rate
+alpha. The oracle wraps the run's real proposer: every round runs the inner `propose` at its
+full cost, then replaces the tokens node by node, breadth-first: a node whose parent path
+holds the target's greedy continuation (recorded by a plain run) gets its token with
+probability alpha (the oracle's own seeded draws), else a wrong one. Requests are greedy and
+drafts deterministic, so the verifier accepts exactly those nodes. `OracleCounts` measures
+acceptance per trial from the accepted paths (`trials`), and counts rounds off every record.
+Nothing outside `infer.bench` imports this module. docs/benchmarks.md, "Controlled acceptance".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Peer runner: Hugging Face transformers `generate` on the same weights, in the same process.
 
-The HF model is built from our loader's model (`ModelConfig.to_hf_dict()` -> LlamaConfig,
-weights copied from `hf_state_dict()`), so a dummy shape, a local checkpoint and the demo
-pair all give HF exactly the weights our engine runs. Variants: plain greedy or sampled
-generation, assisted generation (`assistant_model=`, a draft model) and prompt-lookup
-decoding (`prompt_lookup_num_tokens=`). Lengths are fixed with min_new_tokens =
-max_new_tokens. A streamer records when each token arrives, giving TTFT and decode
-tokens/s the same way as for our engine.
-
-Written against transformers 5.x; argument names that moved between versions (`dtype` /
-`torch_dtype`) are tried in turn. A failing peer raises; the suite records the error.
+`hf_model_from_ours` builds the HF model from our loader's (`ModelConfig.to_hf_dict()`,
+weights from `hf_state_dict()`), so it runs exactly our engine's weights. `run_hf` times
+plain greedy or sampled generation, assisted generation (a draft model) or prompt-lookup
+decoding with fixed lengths (`generate_kwargs`), a streamer timing each token for TTFT and
+decode tokens/s (`TimedRequest`). Written against transformers 5.x (moved argument names
+tried in turn). A failing peer raises; the suite records the error. docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
 """Memory-bandwidth roofline for batch-1 decode, measured in the same process as the run.
 
-At batch 1 every decode step reads every weight once, so a step cannot be faster than
-weight bytes / memory bandwidth. The bandwidth comes from a device-to-device copy probe
-(a large tensor copied into another; bytes read + bytes written per copy; the median of
-several copies timed with CUDA events). The weight bytes are the model's parameters,
-tied embeddings counted once (the LM head reads that matrix; the embedding lookup reads
-one row of it). KV-cache reads are left out: at W1's lengths they are under 1 % of the
-weights of the 1B..8B shapes.
-
-At batch B the same bound reads the weights once and every row's K and V
-(`decode_step_bytes`): at batch 128-256 and a few hundred tokens of context the KV reads
-outweigh the weights, and a decode step's *bytes limit* is those bytes / the copy bandwidth.
-
-On a GPU the bandwidth is the median copy. On a CPU it is the best copy of those run on one
-thread and on every core this process may use: a CPU is often shared, and contention only
-ever slows a copy down, so the best one is the closest to what the memory gives (a median
-taken in a busy moment would put decoding above its roofline).
+At batch 1 a decode step reads every weight once, so it cannot beat weight bytes / memory
+bandwidth (`decode_roofline`, `Roofline`). The bandwidth (`copy_bandwidth`, `Bandwidth`)
+comes from a device-to-device copy probe: the median of several copies on a GPU, on a CPU
+the best copy on one thread and on every core. The weight bytes count tied embeddings once.
+At batch B a step also reads every row's K and V (`decode_step_bytes`): its bytes limit is
+those bytes / the copy bandwidth. `roofline_fraction`: a measured rate against the
+roofline. Why the best CPU copy, and what is left out: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """`infer bench --suite serve`: open-loop serving at several request rates, one row a rate.
 
     infer bench --suite serve --device cpu --request-rates 1,4 --num-prompts 20 --output-len 16
-    infer bench --suite serve --model dummy:llama-3.2-3b --use-cuda-graphs --max-seq-len 2048
     infer bench --suite serve --url http://127.0.0.1:8000      # any OpenAI-compatible server
 
-Without --url the suite starts our server (`python -m infer.server`, the engine flags given
-to `infer bench`, an unbounded queue) on a free 127.0.0.1 port before the first row and stops
-it after the last; with --url it only talks to that URL. Before the first rate a few warm-up
-requests run (not counted). Each rate sends the same `num_prompts` requests of the
-ShareGPT-like mix (bench/serve_mix.py) with Poisson arrivals (bench/serve_client.py), so a
-row ends by itself: every request finishes, fails or times out. Rows are
-"serve/<label>/r<rate>", label "ours" or "peer" (--url).
+Without --url a `ServeSession` starts our server (the engine flags given to `infer bench`)
+before the first row and stops it after the last; with --url it only talks to that URL.
+Each rate (`measure_rate`) sends the same `num_prompts` requests of the ShareGPT-like mix
+(bench/serve_mix.py) with Poisson arrivals (bench/serve_client.py) after a few warm-up
+requests. Rows are "serve/<label>/r<rate>", label "ours" or "peer". docs/benchmarks.md.
 """
 
 from __future__ import annotations

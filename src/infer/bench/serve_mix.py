@@ -1,16 +1,12 @@
 """What the serving benchmark sends, and when: a seeded ShareGPT-like length mix and Poisson
 arrival times (pure functions; no download, no tokenizer).
 
-ShareGPT conversations, tokenized by a Llama tokenizer and filtered as serving benchmarks do
-(prompt and output at least 4 tokens, prompt at most 1,024, both together at most 2,048),
-have long-tailed lengths: prompts a median of about 100 tokens with a mean near 160, outputs a
-median near 250 with a mean near 340. `SHAREGPT_LIKE` draws both from log-normal laws with
-those medians and spreads, clipped to the same bounds (and to the server's context).
-
-Prompts are token ids drawn uniformly from `TOKEN_RANGE` (ordinary tokens of any vocabulary
-of 8K ids or more), so a prompt has exactly its drawn length on every server of the same
-model and shares no prefix with the others beyond chance. Open-loop arrivals at rate r are a
-Poisson process: independent exponential gaps of mean 1/r; rate inf sends all at time 0.
+`SHAREGPT_LIKE` (a `LengthMix`) draws prompt and output lengths from log-normal laws with
+ShareGPT's medians and spreads (prompts about 100 tokens, outputs about 250), clipped to
+the usual bounds and the server's context; `draw_requests` makes each `ServeRequest`'s
+prompt of ids drawn uniformly from `TOKEN_RANGE`, so its length is exact on any server of
+the model. `poisson_schedule`: exponential gaps of mean 1/r (rate inf: all at time 0).
+The figures behind the mix: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

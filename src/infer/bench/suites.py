@@ -1,45 +1,13 @@
 """The benchmark table: every row defined once, and the suites as named selections of it.
 
-    decode-speed  W1 batch-1 decode of the 3B and 1B shapes against their rooflines:
-                  overlapped (the default) and synchronous steps, FP8 and int4 weights (each
-                  against its own bytes' roofline); the 8B shape in bf16 and int4; decode
-                  step time against batch size (1..32, int4 at 16, and 128 and 256 after
-                  512-token prompts, against their bytes limit); transformers with a static cache
-    speculation   the demo pair at T=1 / T=0 (fixed K=5, adaptive, FP8 draft at T=1, the demo
-                  target's trained EAGLE-3 head at K=5 beside the draft model's K=5, chain K=6
-                  against the tree 2,1,1, plain and K=5 under a JSON schema: the grammar's cost a
-                  token and acceptance under it); n-gram drafts on W5 (fixed, adaptive, prompt
-                  lookup, chain against tree) and W1 at T=0; suffix decoding against prompt lookup
-                  on W5 and on the agent workload (16 tool-calling requests one after another);
-                  the 3B shape with a random 1B draft
-    costs         c and v(K) of the 1B draft for the 3B target, bf16, FP8 and int4 draft, of a
-                  dummy EAGLE-3 head and of dummy Medusa heads (bf16, FP8) of its shape; projections
-    w2            W2 continuous vs static batching (8 slots for 32 requests); W2-prefix with
-                  and without prefix caching; prefill throughput: 16 prompts of 2,048 tokens
-                  to their first tokens (its MFU)
-    tp            tensor parallelism on 2 GPUs: the 8B shape at TP=2 (overlapped, synchronous)
-                  against TP=1, the 3B shape drafted by the 1B at TP=2 (draft on the driver,
-                  sharded), the collectives' time a step, W2, lm_head / embedding layouts
-    smoke         each kind of measurement once on a small model, CPU-friendly: --model and
-                  --draft-model, by default the bundled demo pair (constrained rows included)
-    acceptance-sweep  controlled acceptance: the 3B shape drafted by the 1B shape (bf16 and
-                  FP8 draft), chains K = 1..6 and the trees 2,2 / 3,1 / 2,2,1 at acceptance
-                  0.6..0.9 chosen by an oracle (bench/sweep.py), against plain decoding and
-                  the projections from the same run's c and v(K); sized for about 6 minutes
-                  on one GPU
-    serve         open-loop serving: our server (or --url) at Poisson request rates
-                  (--request-rates, default 1,4,16 a second) over a seeded ShareGPT-like
-                  length mix, streamed; request and token throughput, TTFT / TPOT / E2E
-                  p50 and p99 a rate (bench/serve.py); the engine flags configure our server
-    all-gpu       the runs of record: the rows of every one-GPU suite above (decode-speed,
-                  speculation, costs, w2), in that order, within --max-seconds; the
-                  acceptance sweep runs on its own
-
-A suite runs its rows and, first, the rows they are compared with (a baseline, a roofline,
-the copy bandwidth), whichever suite owns those. --model / --draft-model replace the demo
-pair in `speculation` and `smoke`. Dummy shapes have random weights: their acceptance rates
-mean nothing except at the extremes (a random draft: near 0). Constrained rows (`*-json`)
-need xgrammar and are skipped with a hint without it.
+`SUITES` maps each suite (decode-speed, speculation, costs, w2, tp, smoke, acceptance-sweep,
+serve; all-gpu the union of the one-GPU ones) to a `Suite`: what it measures, the rows it
+owns (`decode_speed_rows`, `speculation_rows`, `costs_rows`, `w2_rows`, `tp_rows`,
+`smoke_rows`, `serve_rows`, `sweep_rows`) and the GPUs it needs. `build_table` defines every
+row once; `suite_rows` gives a suite's rows, after them the rows they are compared with (a
+baseline, a roofline, the copy bandwidth), whichever suite owns those. `custom_rows`: one
+workload from the command line. `Models`: the demo pair, or --model / --draft-model. What
+each suite measures: docs/benchmarks.md, "Running".
 """
 
 from __future__ import annotations

@@ -1,37 +1,13 @@
 """The controlled-acceptance sweep: speculation timed at chosen acceptance rates.
 
-Speculation's speedup depends on how often drafts match; on dummy shapes (random weights)
-they almost never do. This benchmark keeps every cost real (the target, the draft model,
-CUDA graphs, the engine's rounds) and lets an oracle choose which drafts match
-(`bench/oracle.py`, used only here), so a speedup at acceptance alpha is measured rather
-than projected. Every report labels it controlled acceptance.
-
-One `SweepSession` serves the rows of one sweep (`suites.acceptance_sweep_rows`), in order:
-
-- the models load once per draft quantization (the target once; the draft reloaded in
-  FP8 for the FP8 rows), and every engine of the sweep is built on them. With
-  `method` "eagle3" the draft is an EAGLE-3 head (`dummy-eagle3:<shape>`): the oracle wraps
-  its proposer, so each round runs the head's catch-up feed and draft steps for real. The dummy target's
-  o_proj and down_proj are zeroed (`steady_greedy`): with random weights the one-row
-  decode matmul and the verification's multi-row one round differently and the greedy
-  continuation diverges within a few tokens, so the plain run's record would stop matching
-  the target's choices; with them zeroed each position's logits are the tied embedding's
-  scores of its own token, a margin no rounding flips. The matmuls read every weight all
-  the same: the costs are unchanged;
-- `costs`: c and v(K) on those models, at the workload's middle context (the projections);
-- `plain`: the plain engine on the workload's prompts, `batch_size` of them decoding at once
-  (1: served one at a time), T=0: the baseline, and the target's greedy continuation of each
-  prompt (the oracle's record);
-- `spec`: one engine per (draft quantization, shape), since a shape is fixed when the engine
-  is built. On a new engine the oracle replaces its proposer, the prompts run once (warm-up),
-  then once at alpha 0 (every round emits one token: the round's time at no acceptance,
-  the overhead the projection adds); each alpha then changes only the oracle's alpha and
-  times the prompts `repeats` times (the median run is reported).
-
-A speed is decode tokens/s (tokens after the first over the time after the first token,
-averaged over requests) at batch 1, and output tokens/s of the whole run at a larger batch
-(`batch_size` > 1: where speculation stops paying, `spec_disable_batch_size`); the same for
-plain and speculative rows. A batch's rows have no costs row: c and v(K) are batch-1 figures.
+Every cost stays real (the target, the draft or EAGLE-3 head, CUDA graphs, the engine's
+rounds) while an oracle (bench/oracle.py) chooses which drafts match, so a speedup at
+acceptance alpha is measured, not projected; reports label it controlled acceptance. One
+`SweepSession` serves a sweep's rows (`SweepShape`, `SweepSetup`): the models load once per
+draft quantization, the dummy target made steady under greedy decoding (`steady_greedy`),
+then the costs, the plain baseline (the oracle's record) and one speculative engine per
+(draft quantization, shape), timed at each alpha. The sequence, and what a speed is at
+batch 1 and above: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """Benchmark workloads as named, validated configurations, and the prompts they produce.
 
-    W1         one request, 128-token prompt, 256 new tokens (batch-1 decode speed)
-    W2         32 concurrent requests, prompts 32..512 tokens, outputs 64..256 (seeded)
-    W2-prefix  W2 where every prompt starts with the same 256-token prefix (prefix caching)
-    W5         code edit: a source file followed by its first lines again, so the
-               continuation largely repeats the prompt (n-gram speculation's best case)
-    agent      16 tool-calling requests one after another, the same preamble and answer
-               format, tasks of their own (bench/agent.py): outputs of the same JSON shapes
-               across requests (suffix decoding's case: a cache of earlier outputs)
-
-Every request sets `ignore_eos=True`, so output lengths are fixed and runs compare equal
-work. Temperature 0 and 1 variants come from `Workload.with_temperature`. A constrained
-variant (`Workload.constrained`) gives every request a structured output instead (EOS then
-ends a request when its grammar is complete): `JSON_RECORDS`, an array of at least 64 small
-records, so that every request runs to its max_tokens, about four times as many tokens.
-
-Prompts: for a model without a tokenizer (dummy shapes) they are seeded random token ids,
-with W5's structure kept (a random sequence followed by its own start). With a tokenizer
-they are code: slices of a token stream made of the demo corpus's validation files (the
-running interpreter's standard library, `infer.bench.corpus`).
+`get_workload` names a `Workload`: W1 (one request, 128-token prompt, 256 new tokens), W2
+(32 concurrent requests), W2-prefix (W2 with a shared 256-token prefix), W5 (a code edit:
+a file then its first lines again) and agent (16 tool-calling requests, bench/agent.py).
+Every request sets `ignore_eos`; `with_temperature` and `constrained` (`JSON_RECORDS`)
+give variants. `build_requests` makes a `PromptSet`: seeded random ids for a model without
+a tokenizer (`random_ids`, W5's structure kept), else code from the demo corpus's
+validation files (`code_token_stream`, `code_edit_text`). docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ __all__ = ["efficiency", "peak_bf16_flops", "prefill_flops", "projection_table",
 # (the first key found in the name wins: list a longer name before a name it contains)
 PEAK_BF16_FLOPS: dict[str, float] = {
     "H200": 989e12,
-    "H100 80GB HBM3": 989e12,  # H100 SXM
+    "H100 80GB HBM3": 989e12,  # the SXM part
     "A100": 312e12,
 }
 

@@ -3,7 +3,7 @@
 A message is pickled and broadcast from rank 0 on the gloo control group (group.py) as
 bytes: one broadcast of HEADER_BYTES (length + the first bytes; a step's message fits), and
 a second for the rest of a longer one. CPU tensors inside travel as numpy arrays in the
-pickle (torch's own tensor pickling costs ~50 us a tensor); tensors on the rank's device
+pickle (cheaper than torch's own tensor pickling); tensors on the rank's device
 (a draft step's tokens, still on the GPU) are left out of it and broadcast after it on the
 default group (NCCL), each into a tensor the receiver allocates on its own device.
 

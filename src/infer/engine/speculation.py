@@ -143,7 +143,7 @@ class Speculation:
     def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
                            target: LlamaForCausalLM) -> tuple[float, float]:
         """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
-        through the engine's own forward functions (batch 1, ~0.2-2 s); on a CPU c is the
+        through the engine's own forward functions (batch 1); on a CPU c is the
         ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
         a draft model one pass of its forward; an EAGLE head, drafting a chain in one call a
         round, what a step adds to its round (`round_step_times`: the round's fixed part is

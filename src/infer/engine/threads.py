@@ -2,10 +2,9 @@
 
 torch's default (one thread per core) is a poor fit for small models and for shared
 machines: decode steps are short, and intra-op threads spin against each other and against
-whatever else runs. Measured on a busy 2-core machine (docs/server.md): the 14M-parameter
-demo target decoded 160 tokens/s with one thread and 4-7 with two; a 1B-shape model 1.5
-against 0.9. The automatic choice is therefore one thread per 250M parameters, at most half
-the cores this process may use, and at least one.
+whatever else runs (docs/benchmarks.md, "Host-side costs behind design choices"). The
+automatic choice is therefore one thread per 250M parameters, at most half the cores this
+process may use, and at least one.
 """
 
 from __future__ import annotations

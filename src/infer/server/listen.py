@@ -15,7 +15,7 @@ def bind(host: str, port: int) -> socket.socket:
                          "resolvable name") from None
     family, _, _, _, address = infos[0]
     # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say so (with proto 0
-    # every response's body waited ~40 ms for the client's delayed ACK)
+    # every response's body waits for the client's delayed ACK)
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -22,7 +22,7 @@ from infer import SamplingParams
 from infer.engine.config import SUFFIX_TREE
 
 VOCAB = 384  # the tiny checkpoints' vocabulary (helpers.checkpoints.TARGET_VOCAB); 0 = BOS, 1 = EOS
-DRAFTS = ("self", "random", "near")
+DRAFTS = ("self", "random", "near", "foreign")
 HEADS = ("eagle", "eagle3")  # (EAGLE heads: their own KV cache, shared prompt blocks)
 STOP_TEXTS = ("e", " t", "a", "th", "o ", ".", "in")
 # features a caller can leave out of the drawn cases (a known bug's trigger)

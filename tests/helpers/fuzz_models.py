@@ -2,11 +2,13 @@
 
 `FuzzModels.build(root, target=None)` writes (or reuses) the target (checkpoint "a" of
 helpers.checkpoints, or the directory given), three draft models of its vocabulary and
-two EAGLE heads and Medusa heads for it, and names each by the role `Case.engine["draft"]`
-uses: "self" (the target itself: every draft accepted), "random" (unrelated weights, one
-layer: drafts nearly always rejected), "near" (the target's weights with noise: some
-accepted), "eagle" and "eagle3" (random heads, helpers.eagle_heads), "medusa" (six heads,
-each the target's own lm_head: helpers.medusa_heads).
+a draft of another tokenizer, two EAGLE heads and Medusa heads for it, and names each by the
+role `Case.engine["draft"]` uses: "self" (the target itself: every draft accepted), "random"
+(unrelated weights, one layer: drafts nearly always rejected), "near" (the target's weights
+with noise: some accepted), "foreign" (one random layer over a vocabulary trained on other
+text: drafts over the shared tokens, helpers.foreign_vocab), "eagle" and "eagle3" (random
+heads, helpers.eagle_heads), "medusa" (six heads, each the target's own lm_head:
+helpers.medusa_heads).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 from helpers.checkpoints import make_checkpoint
 from helpers.eagle_heads import write_head
+from helpers.foreign_vocab import foreign_draft
 from helpers.medusa_heads import write_medusa_head
 from safetensors.torch import load_file, save_file
 
@@ -34,14 +37,15 @@ class FuzzModels:
         root = Path(root)
         done = root / "ready"
         target = target or root / "target"
-        paths = {"self": target, "random": root / "random", "near": root / "near",
+        paths = {"self": target, "random": root / "random", "near": root / "near", "foreign": root / "foreign",
                  "eagle": root / "eagle", "eagle3": root / "eagle3", "medusa": root / "medusa"}
-        if done.exists() and paths["medusa"].exists():
+        if done.exists() and all(p.exists() for p in paths.values()):
             return cls(target, paths)
         if not (target / "config.json").exists():
             make_checkpoint(target, variant="a")
         make_checkpoint(paths["random"], variant="a", seed=123, num_hidden_layers=1)
         _noisy_copy(target, paths["near"])
+        foreign_draft(paths["foreign"])
         write_head(paths["eagle"], target, "eagle", fc_bias=True)
         write_head(paths["eagle3"], target, "eagle3", draft_vocab=120, aux_layers=[0, 1, 1])
         write_medusa_head(paths["medusa"], target, 6, 1, copy_lm_head=True)  # (spec_length up to 6)

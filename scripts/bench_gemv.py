@@ -39,11 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.gemv_tiles import (  # noqa: E402
     WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits, write_table)
-from infer.models.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
-from infer.models.kernels import rmsnorm, silu_mul  # noqa: E402
+from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
+from infer.models.layers.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
+from infer.models.layers.mlp import silu_mul  # noqa: E402
+from infer.models.layers.norms import rmsnorm  # noqa: E402
 from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
-from infer.models.quantization import quantize_fp8_rows  # noqa: E402
 from infer.models.triton_dequant import dequantize_on_device  # noqa: E402
 from infer.models.triton_gemv import gemv  # noqa: E402
 from infer.models.triton_linear import triton_linear  # noqa: E402

@@ -20,9 +20,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
-from infer.models.loader import model_shapes  # noqa: E402
+from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
 from infer.models.linear_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
-from infer.models.quantization import quantize_fp8_rows  # noqa: E402
+from infer.models.loader import model_shapes  # noqa: E402
 from infer.models.triton_linear import triton_linear  # noqa: E402
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from infer.llm import LLM
-from infer.models.attention import NoCacheView
 from infer.models.capture import HiddenCapture
+from infer.models.layers.attention import NoCacheView
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import SamplingParams
 

@@ -27,8 +27,8 @@ import torch
 from demo_pair.completions import PROMPTS
 from infer.engine.loading import demo_model_path
 from infer.llm import LLM
-from infer.models.attention import NoCacheView
 from infer.models.eagle import EagleHead, load_eagle_head
+from infer.models.layers.attention import NoCacheView
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
 from infer.sampling import SamplingParams

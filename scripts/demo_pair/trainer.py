@@ -29,8 +29,8 @@ from torch import nn
 from demo_pair.data import batch_chunks, num_sequences, training_batches
 from demo_pair.metrics import PairTotals
 from demo_pair.presets import TrainSettings
-from infer.models.attention import NoCacheView
-from infer.models.layers import RMSNorm
+from infer.models.layers.attention import NoCacheView
+from infer.models.layers.norms import RMSNorm
 from infer.models.llama import LlamaForCausalLM
 
 LOG_EVERY = 10

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from infer.models.attention import masked_attention
-from infer.models.rope import rotary_qk
+from infer.models.layers.attention import masked_attention
+from infer.models.layers.rotary import rotary_qk
 
 
 def unrolled_mask(seq_len: int, passes: int, device: torch.device | None = None) -> torch.Tensor:

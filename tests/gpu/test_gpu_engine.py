@@ -72,14 +72,14 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
 
 
 def test_compiled_kernels_match_eager():
-    from infer.models.linear import make_linear
+    from infer.models.layers.linear import make_linear
     torch.manual_seed(0)
     k = compiled_kernels()
     x = torch.randn(3, 5, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(256, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(k.rmsnorm(x, w, 1e-5), EAGER.rmsnorm(x, w, 1e-5), atol=2e-2, rtol=2e-2)
     # the compiled rotary at long positions
-    from infer.models.kernels import cos_sin
+    from infer.models.layers.rotary import cos_sin
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
     positions = torch.arange(0, 4000, 7, device="cuda")[None, :].expand(2, -1)
     cos, sin = cos_sin(positions, inv_freq, torch.bfloat16)
@@ -122,7 +122,7 @@ def test_graphs_with_compiled_kernels_match_transformers_greedy(ckpt_a):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, group, d", [(1, 3, 128), (6, 4, 64), (1, 1, 16), (3, 8, 64), (100, 3, 64)])
 def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
-    from infer.models.attention import masked_attention, position_mask
+    from infer.models.layers.attention import masked_attention, position_mask
     torch.manual_seed(0)
     b, hkv, rows, s = 3, 2, 500, 300
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=dtype)
@@ -141,7 +141,7 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
 
 @pytest.mark.parametrize("b, t", [(256, 1), (32, 8), (4, 1)])  # one chunk a program, one, several
 def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
-    from infer.models.attention import masked_attention, position_mask
+    from infer.models.layers.attention import masked_attention, position_mask
     from infer.models.triton_attention import TARGET_PROGRAMS, split_plan
     torch.manual_seed(0)
     hkv, group, d, rows, s = 8, 3, 128, 4096, 600
@@ -164,7 +164,7 @@ def test_flat_attention_kernels_match_the_reference_at_scale(tree):
     # against the gathered masked SDPA, bf16
     from infer.cache.block_tables import BlockTables
     from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch
-    from infer.models.paged_attention import BatchView, reference_attention
+    from infer.models.layers.paged_attention import BatchView, reference_attention
     torch.manual_seed(0)
     hkv, group, d, blocks, bs = 8, 3, 128, 2048, 16
     kc = torch.randn(blocks * bs + 1, hkv, d, device="cuda", dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ import torch
 from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
 from infer.models.kernels import EAGER, compiled_kernels
-from infer.models.rope import cos_sin, rotary_qk
+from infer.models.layers.rotary import cos_sin, rotary_qk
 
 pytestmark = pytest.mark.gpu
 
@@ -53,7 +53,7 @@ def test_rotary_kv_write_is_bit_identical_to_eager(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("rows", [1, 2, 6, 16, 24])
 def test_fused_entries_match_eager_composition(quantization: str | None, rows: int) -> None:
-    from infer.models.linear import make_linear
+    from infer.models.layers.linear import make_linear
     torch.manual_seed(rows)
     fused = compiled_kernels()
     hidden, inter, qkv_n = 1024, 2816, 1536

@@ -22,7 +22,7 @@ import torch
 from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
 from infer.models.gemv_tiles import GemvConfig
-from infer.models.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
+from infer.models.layers.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,8 @@ def _inputs(m: int, n: int, k: int, layout: IntLayout, norm: bool, swiglu: bool,
 
 def _reference(x: torch.Tensor, dense: torch.Tensor, nw: torch.Tensor | None, swiglu: bool,
                res: torch.Tensor | None) -> torch.Tensor:
-    from infer.models.kernels import rmsnorm, silu_mul
+    from infer.models.layers.mlp import silu_mul
+    from infer.models.layers.norms import rmsnorm
     a = silu_mul(x) if swiglu else x
     a = rmsnorm(a, nw, 1e-5) if nw is not None else a
     y = (a.float() @ dense.float().t()).to(x.dtype)
@@ -108,7 +109,7 @@ def test_gpu_int_gemv_configs(cfg: GemvConfig, bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_dequantize_and_the_wide_path(bits: int) -> None:
-    from infer.models.linear import IntWeights, LinearBase
+    from infer.models.layers.linear import IntWeights, LinearBase
     from infer.models.triton_dequant import dequantize_on_device
     layout = IntLayout(bits, 64)
     layer = LinearBase(1536, 1000, IntWeights(layout)).cuda().bfloat16()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers.padded_attention import padded_prefill_attention
-from infer.models.attention import masked_attention, position_mask
+from infer.models.layers.attention import masked_attention, position_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -89,7 +89,7 @@ def test_a_padded_batch_and_a_head_size_off_the_powers_of_two(d: int) -> None:
 
 
 def test_the_view_routes_long_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    import infer.models.paged_attention as paged
+    import infer.models.layers.paged_attention as paged
     import infer.models.triton_prefill as prefill
     from infer.cache.forward_batch import Row, build_batch, plan_batch
     from infer.cache.block_tables import BlockTables

@@ -262,7 +262,7 @@ def nocache_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int,
     Each row has its own length; `NoCacheView(chunk_lens)` masks the padding and each row's
     next-token logits are read at its last valid index. Rows stop after an eos token.
     """
-    from infer.models.attention import NoCacheView
+    from infer.models.layers.attention import NoCacheView
 
     device = next(model.parameters()).device
     seqs = [list(p) for p in prompts]

@@ -17,7 +17,7 @@ import torch
 
 from helpers.interpreted import interpreted_outputs
 from helpers.padded_attention import padded_split_attention, rule_bits
-from infer.models.attention import masked_attention, position_mask
+from infer.models.layers.attention import masked_attention, position_mask
 
 B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 200, 256  # S = 200: 4 context chunks of 64
 FIRST_ROW, WIDTH = 1, 5  # block rows: the root (cached) and the chunk's 4 nodes

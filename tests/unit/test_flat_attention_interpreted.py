@@ -11,7 +11,7 @@ import torch
 from helpers.interpreted import interpreted_outputs
 from infer.cache.block_tables import BlockTables
 from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch
-from infer.models.paged_attention import reference_attention
+from infer.models.layers.paged_attention import reference_attention
 
 HQ, HKV, D, BLOCK, BLOCKS = 4, 2, 16, 4, 40
 ROWS = BLOCK * BLOCKS + 1

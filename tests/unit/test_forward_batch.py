@@ -12,9 +12,9 @@ import torch
 
 from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch, token_slots
-from infer.models.attention import NoCacheView
+from infer.models.layers.attention import NoCacheView
+from infer.models.layers.paged_attention import BatchView, key_rows
 from infer.models.loader import load_model
-from infer.models.paged_attention import BatchView, key_rows
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.fused_linear import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, route, table_route
 from infer.models.kernels import EAGER, Kernels, fused_kernels
-from infer.models.linear import make_linear
+from infer.models.layers.linear import make_linear
 from infer.models.loader import load_model
 
 PLAIN_FUSED = fused_kernels(lambda fn: fn)  # the fused routing, elementwise steps uncompiled

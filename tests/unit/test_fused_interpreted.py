@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from helpers.interpreted import interpreted_outputs
-from infer.models.attention import NoCacheView
 from infer.models.config import ModelConfig
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, fused_kernels
-from infer.models.linear import LinearBase, make_linear
-from infer.models.rope import cos_sin, rotary_qk
+from infer.models.layers.attention import NoCacheView
+from infer.models.layers.linear import LinearBase, make_linear
+from infer.models.layers.rotary import cos_sin, rotary_qk
 
 SENTINEL = 7.0  # what cache rows no token writes keep
 # (dtype, head_dim, kv heads, strided rows): a power-of-two head, one the kernel pads

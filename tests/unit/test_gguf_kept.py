@@ -19,8 +19,8 @@ from infer import LLM, SamplingParams
 from infer.models.gguf.reader import GGUFFile
 from infer.models.gguf.repack import KEPT_LAYOUTS, repack
 from infer.models.gguf.weights import dequantize_tensor
-from infer.models.int_layers import QuantizedEmbedding, SharedWeights
-from infer.models.int_quant import IntLayout
+from infer.models.layers.int_embedding import QuantizedEmbedding, SharedWeights
+from infer.models.layers.int_quant import IntLayout
 from infer.models.loader import build_model, open_reader
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]

@@ -134,7 +134,7 @@ def test_compressed_tensors_act_order_is_refused(dense: Path, tmp_path: Path) ->
 
 
 def test_an_integer_checkpoint_is_not_split_for_tensor_parallelism(dense: Path, tmp_path: Path) -> None:
-    from infer.models.shard import ModelShard
+    from infer.models.layers.shard import ModelShard
     quantized, _ = write_int_checkpoint(dense, tmp_path / "gptq", "gptq", 4, 32)
     with pytest.raises(ValueError, match="tensor parallelism does not split gptq checkpoints"):
         load_model(str(quantized), shard=ModelShard(0, 2))

@@ -15,9 +15,9 @@ import torch
 
 from helpers.interpreted import interpreted_outputs
 from infer.models.gemv_tiles import GemvConfig
-from infer.models.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 from infer.models.kernels import EAGER
-from infer.models.linear import IntWeights, LinearBase
+from infer.models.layers.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
+from infer.models.layers.linear import IntWeights, LinearBase
 from test_triton_gemv import FLAGS, gemv_reference, rel_err
 
 # (config, layout, flags indices, K): 4-bit FMA / dot / split; 8-bit FMA and dot with a split;

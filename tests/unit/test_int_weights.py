@@ -12,10 +12,10 @@ import torch
 
 from helpers.checkpoints import make_checkpoint
 from infer import LLM, EngineConfig, SamplingParams
-from infer.models.int_layers import QuantizedEmbedding, SharedWeights
-from infer.models.int_quant import (IntLayout, PackedRows, default_group, dequantize_int, pack_codes, quantize_rtn,
-                                    unpack_codes)
-from infer.models.linear import IntWeights, LinearBase, make_linear
+from infer.models.layers.int_embedding import QuantizedEmbedding, SharedWeights
+from infer.models.layers.int_quant import (IntLayout, PackedRows, default_group, dequantize_int, pack_codes,
+                                           quantize_rtn, unpack_codes)
+from infer.models.layers.linear import IntWeights, LinearBase, make_linear
 from infer.models.loader import load_model
 
 
@@ -185,7 +185,7 @@ def test_int4_weights_in_every_family(tmp_path: Path, family: str) -> None:
 
 
 def test_a_tensor_parallel_rank_quantizes_its_part_as_the_whole_model_does(tmp_path: Path) -> None:
-    from infer.models.shard import ModelShard
+    from infer.models.layers.shard import ModelShard
     ckpt = make_checkpoint(tmp_path / "tp", variant="b", hidden_size=128, intermediate_size=256)
     whole, _ = load_model(str(ckpt), quantization="int4")
     rank, _ = load_model(str(ckpt), quantization="int4", shard=ModelShard(1, 2))

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers.checkpoints import encode, hf_greedy, load_hf_model, nocache_greedy
-from infer.models.attention import NoCacheView
+from infer.models.layers.attention import NoCacheView
 from infer.models.loader import load_model
 
 ATOL = 1e-4

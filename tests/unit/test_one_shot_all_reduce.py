@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import infer.models.parallel as parallel
+import infer.models.layers.parallel as parallel
 from infer.distributed.group import join, leave
 from infer.distributed.one_shot import OneShotAllReduce, serves
 from infer.engine.config import EngineConfig

@@ -21,7 +21,7 @@ import torch
 
 from helpers.interpreted import interpreted_outputs
 from helpers.padded_attention import padded_prefill_attention
-from infer.models.attention import masked_attention, position_mask
+from infer.models.layers.attention import masked_attention, position_mask
 
 BLOCK = 4  # rows a page
 
@@ -141,5 +141,5 @@ def test_inputs_it_cannot_serve_are_refused_with_the_fix() -> None:
 
 
 def test_the_view_keeps_gather_and_sdpa_off_cuda() -> None:
-    from infer.models.paged_attention import kernels_serve
+    from infer.models.layers.paged_attention import kernels_serve
     assert not kernels_serve(torch.zeros(300, 4, 64))  # a CPU tensor

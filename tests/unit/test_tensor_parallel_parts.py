@@ -20,11 +20,11 @@ from infer.distributed.group import plan_devices, torchrun_device
 from infer.distributed.protocol import Invoke, Message, PoolChanges
 from infer.engine.config import EngineConfig
 from infer.models.config import ModelConfig
-from infer.models.linear import TiedRows
+from infer.models.layers.linear import TiedRows
+from infer.models.layers.parallel import Parallel, TensorPart, VocabParallelEmbedding
+from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import load_model
-from infer.models.parallel import Parallel, TensorPart, VocabParallelEmbedding
-from infer.models.shard import ModelShard
 
 CONFIG = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, head_dim=8)

@@ -18,8 +18,9 @@ from helpers.interpreted import interpreted_outputs
 from infer.models.gemv_tiles import (
     CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig, candidate_configs, check_inputs,
     config_for, default_config, fits_registers, read_table, row_bucket, with_splits, write_table)
-from infer.models.kernels import rmsnorm, silu_mul
-from infer.models.quantization import dequantize_fp8, quantize_fp8_rows
+from infer.models.layers.fp8 import dequantize_fp8, quantize_fp8_rows
+from infer.models.layers.mlp import silu_mul
+from infer.models.layers.norms import rmsnorm
 
 FP8 = torch.float8_e4m3fn
 

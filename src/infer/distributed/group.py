@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from infer.models.parallel import Collectives
+from infer.models.layers.parallel import Collectives
 
 CONTROL_TIMEOUT = timedelta(days=3650)  # a worker waits for the next step however long the engine idles
 JOIN_TIMEOUT = timedelta(minutes=10)  # the default group's collectives (a step's all-reduces)

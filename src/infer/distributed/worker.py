@@ -36,9 +36,9 @@ from infer.engine.executor.kernels import step_kernels
 from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
 from infer.models.kernels import EAGER
+from infer.models.layers.parallel import GROUP, Collectives
+from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
-from infer.models.parallel import GROUP, Collectives
-from infer.models.shard import ModelShard
 
 EXIT_DRIVER_GONE = 3
 

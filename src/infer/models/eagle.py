@@ -42,11 +42,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.models.attention import AttentionView
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels, cos_sin
-from infer.models.layers import MLP, RMSNorm, Rotary
-from infer.models.linear import make_linear
+from infer.models.kernels import EAGER, Kernels
+from infer.models.layers.attention import AttentionView
+from infer.models.layers.linear import make_linear
+from infer.models.layers.mlp import MLP
+from infer.models.layers.norms import RMSNorm
+from infer.models.layers.rotary import Rotary, cos_sin
 from infer.models.llama import Attention, LlamaForCausalLM, hf_to_fused
 from infer.models.readers import find_weight_files, resolve_model_path
 

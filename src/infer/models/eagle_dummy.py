@@ -17,7 +17,7 @@ import torch
 
 from infer.models.config import ModelConfig
 from infer.models.eagle import EagleHead, EagleHeadConfig
-from infer.models.layers import Rotary
+from infer.models.layers.rotary import Rotary
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loader import model_shapes, read_model_config
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from infer.models.gemv_tiles import MAX_ROWS, ROW_BUCKETS, WEIGHT_KINDS, row_bucket, weight_kind
-from infer.models.linear import LinearBase
+from infer.models.layers.linear import LinearBase
 from infer.models.linear_tiles import choose_config
 
 Tensor = torch.Tensor

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from infer.models.int_quant import IntScales
+from infer.models.layers.int_quant import IntScales
 
 MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
 NUM_SMS = 132  # multiprocessors the shape heuristics size their grids for

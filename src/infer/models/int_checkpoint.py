@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from infer.models.int_quant import IntLayout, PackedRows, pack_codes
+from infer.models.layers.int_quant import IntLayout, PackedRows, pack_codes
 
 _AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a word's eight sits in nibble _AWQ_ORDER[c]
 METHODS = ("gptq", "awq", "pack-quantized")
@@ -225,3 +225,40 @@ def _compressed_tensors_format(qc: dict[str, Any]) -> IntFormat:
         raise ValueError(f"compressed-tensors ignore list {kept} keeps decoder layers unquantized: infer loads "
                          "checkpoints whose decoder layers are all quantized")
     return formats.pop()
+
+
+def checkpoint_quantization(raw_config: dict[str, Any]) -> str | None:
+    """The quantization a checkpoint's config.json declares: None (none), "fp8"
+    (compressed-tensors, 8-bit float weights), or "int4" / "int8" (GPTQ, AWQ, compressed-
+    tensors pack-quantized: below). Anything else is an error naming it."""
+    qc = raw_config.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"quantization_config must be an object, got {qc!r}")
+    fmt = int_format(raw_config)
+    if fmt is not None:
+        return fmt.name
+    method = qc.get("quant_method")
+    if method == "fp8":  # transformers' own FP8 format: weight_scale_inv blocks, not supported
+        raise ValueError("quantization_config.quant_method 'fp8' (block-wise scales) is not supported: "
+                         "use a compressed-tensors FP8 checkpoint or a bf16 one with quantization='fp8'")
+    if method != "compressed-tensors":
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported: infer loads GPTQ, AWQ "
+                         "and compressed-tensors (FP8, pack-quantized) checkpoints, or quantizes bf16/fp32 ones "
+                         "(quantization='fp8' or 'int4')")
+    groups = qc.get("config_groups") or {}
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        if not (weights.get("num_bits") == 8 and weights.get("type") == "float"
+                and weights.get("strategy") in ("channel", "tensor")):
+            raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: only 8-bit float "
+                             "weights with a channel or tensor strategy are supported (or 4- and 8-bit integer "
+                             "weights in the pack-quantized format)")
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    kept = [name for name in qc.get("ignore") or [] if "lm_head" not in name]
+    if kept:  # an FP8 model quantizes every decoder linear layer: these would be re-quantized
+        raise ValueError(f"compressed-tensors ignore list {kept} keeps decoder layers unquantized: infer's FP8 "
+                         "models keep only lm_head (and the embedding) in bf16; quantize those layers too")
+    return "fp8"

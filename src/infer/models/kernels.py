@@ -26,30 +26,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from infer.models.fused_linear import FusedLinear
-from infer.models.rope import cos_sin, rotary_qk
+from infer.models.layers.mlp import silu_mul
+from infer.models.layers.norms import rmsnorm
+from infer.models.layers.rotary import rotary_qk
 
 if TYPE_CHECKING:
-    from infer.models.attention import AttentionView
-    from infer.models.linear import LinearBase
+    from infer.models.layers.attention import AttentionView
+    from infer.models.layers.linear import LinearBase
 
 Tensor = torch.Tensor
-__all__ = ["EAGER", "Kernels", "compiled_kernels", "cos_sin", "fused_kernels", "rmsnorm", "rotary_qk", "silu_mul"]
-
-
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x: [..., H] -> weight * normalise(x) (float32 inside, output in x's dtype)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def silu_mul(gate_up: Tensor) -> Tensor:
-    """SwiGLU activation of a fused [..., 2 * I] gate/up projection -> [..., I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def linear(layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:

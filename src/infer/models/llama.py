@@ -29,14 +29,16 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from infer.models.attention import AttentionView, NoCacheView
 from infer.models.capture import HiddenCapture
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels, cos_sin
-from infer.models.layers import MLP, RMSNorm, Rotary
-from infer.models.linear import UNQUANTIZED, LinearBase, TiedRows, linear_layers, make_linear
-from infer.models.parallel import REPLICATED, Parallel, TensorPart, VocabParallelEmbedding
-from infer.models.shard import ModelShard, PartFn
+from infer.models.kernels import EAGER, Kernels
+from infer.models.layers.attention import AttentionView, NoCacheView
+from infer.models.layers.linear import UNQUANTIZED, LinearBase, TiedRows, linear_layers, make_linear
+from infer.models.layers.mlp import MLP
+from infer.models.layers.norms import RMSNorm
+from infer.models.layers.parallel import REPLICATED, Parallel, TensorPart, VocabParallelEmbedding
+from infer.models.layers.rotary import Rotary, cos_sin
+from infer.models.layers.shard import ModelShard, PartFn
 
 
 class Attention(nn.Module):

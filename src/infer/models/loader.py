@@ -43,12 +43,12 @@ import torch
 from infer.models.config import ModelConfig, RopeScaling
 from infer.models.gguf.path import is_gguf_path
 from infer.models.int_layers import LayerLayouts, apply_layouts, head_layouts
-from infer.models.layers import Rotary
-from infer.models.linear import QUANTIZATIONS
+from infer.models.layers.linear import QUANTIZATIONS
+from infer.models.layers.rotary import Rotary
+from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
 from infer.models.readers import (DUMMY_LOGIT_GAIN, DummyReader, GGUFReader, SafetensorsReader, WeightReader,
                                   find_weight_files, resolve_model_path)
-from infer.models.shard import ModelShard
 
 __all__ = ["DUMMY_LOGIT_GAIN", "DUMMY_PREFIX", "LOAD_FORMATS", "build_empty_model", "find_weight_files",
            "load_model", "model_shapes", "open_reader", "read_model_config", "resolve_dtype", "resolve_model_path"]

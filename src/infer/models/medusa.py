@@ -23,7 +23,7 @@ from torch import nn
 
 from infer.models.config import ModelConfig
 from infer.models.kernels import EAGER, Kernels
-from infer.models.linear import LinearBase, make_linear
+from infer.models.layers.linear import LinearBase, make_linear
 from infer.models.loader import model_shapes, read_model_config
 
 DUMMY_PREFIX = "dummy-medusa:"

@@ -36,12 +36,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig
-from infer.models.int_checkpoint import IntFormat, int_format
+from infer.models.int_checkpoint import IntFormat, checkpoint_quantization, int_format
 from infer.models.int_layers import LayerLayouts, projection_layouts
-from infer.models.int_quant import PackedRows
+from infer.models.layers.fp8 import FP8_DTYPE
+from infer.models.layers.int_quant import PackedRows
+from infer.models.layers.shard import PartFn, read_part, shard_tensors
 from infer.models.llama import LlamaForCausalLM, fused_to_hf, norm_weights
-from infer.models.quantization import FP8_DTYPE, checkpoint_quantization
-from infer.models.shard import PartFn, read_part, shard_tensors
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for loads above 1 GiB

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.models.int_quant import IntScales
+from infer.models.layers.int_quant import IntScales
 
 _BLOCK_N, _BLOCK_K = 16, 256
 

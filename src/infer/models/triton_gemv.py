@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, logical_shape, row_bucket, weight_kind
-from infer.models.int_quant import IntScales
+from infer.models.layers.int_quant import IntScales
 
 _REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
 

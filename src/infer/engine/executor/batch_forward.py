@@ -22,8 +22,8 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.staging import PlanInputs, record_graph
 from infer.models.batch import WORD, ForwardBatch
 from infer.models.kernels import EAGER, Kernels
+from infer.models.layers.paged_attention import DECODE_MAX_QUERY, BatchView, kernels_serve
 from infer.models.llama import LlamaForCausalLM
-from infer.models.paged_attention import DECODE_MAX_QUERY, BatchView, kernels_serve
 from infer.transfer import tensor_on
 
 

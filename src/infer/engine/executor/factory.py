@@ -23,8 +23,8 @@ from infer.engine.executor import make_forward
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.loading import LoadedModels
+from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
-from infer.models.shard import ModelShard
 
 
 class Executor(Protocol):

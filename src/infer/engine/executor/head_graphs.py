@@ -26,7 +26,7 @@ from infer.engine.executor.capture import CAPTURE_SIZES, capture_sizes, graph_co
 from infer.engine.executor.staging import PlanInputs, _stage_sampling, _Staging, record_graph
 from infer.models.eagle import EagleHead
 from infer.models.kernels import EAGER, Kernels
-from infer.models.paged_attention import DECODE_MAX_QUERY
+from infer.models.layers.paged_attention import DECODE_MAX_QUERY
 from infer.speculative.eagle_round import EagerHeadRound, check_round, end_round, head_round
 
 Key = tuple[int, int, int, bool]  # (rows, tokens, steps, every row greedy)

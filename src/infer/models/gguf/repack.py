@@ -23,7 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
 from infer.models.gguf.reader import GGUFTensor
-from infer.models.int_quant import IntLayout, PackedRows, pack_codes
+from infer.models.layers.int_quant import IntLayout, PackedRows, pack_codes
 
 Q = GGMLQuantizationType
 KEPT_LAYOUTS: dict[GGMLQuantizationType, IntLayout] = {

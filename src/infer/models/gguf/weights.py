@@ -29,7 +29,7 @@ from tqdm import tqdm
 from infer.models.config import ModelConfig
 from infer.models.gguf.reader import GGUFFile, GGUFTensor
 from infer.models.gguf.repack import KEPT_LAYOUTS, repack
-from infer.models.int_quant import IntLayout, PackedRows
+from infer.models.layers.int_quant import IntLayout, PackedRows
 from infer.models.llama import hf_to_fused
 
 Q = GGMLQuantizationType

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from infer.models.rope import rotary_qk
+from infer.models.layers.rotary import rotary_qk
 
 
 class AttentionView(Protocol):

@@ -1,37 +1,14 @@
 """Linear layers: one `LinearBase`, a quantization method, and a tensor-parallel setting.
 
-`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). What W is stored as is
-the layer's quantization method, as vLLM's `QuantizeMethodBase`: the method creates the
-layer's parameters, loads checkpoint tensors into them, and applies the matmul.
-
-- `UNQUANTIZED`: W in the model's dtype (bf16 / fp16 / fp32).
-- `IntWeights(layout)`: W as 4- or 8-bit integer codes with a scale and an offset per
-  group of input columns (models/int_quant.py; "int4" / "int8"): quantized at load
-  (round to nearest) from a dense tensor, or given already quantized (`PackedRows`: GPTQ,
-  AWQ, compressed-tensors and GGUF weights, converted to the layer's layout without loss).
-  On a GPU the GEMV unpacks the codes in registers (up to MAX_ROWS rows; wider calls
-  dequantize W for the call and use cuBLAS); a CPU dequantizes W for each call. Only the
-  codes stay resident.
-- `FP8`: W in FP8 E4M3 with one float32 scale per output row (models/quantization.py), both
-  parameters (so `parameters()`, `state_dict()` and `.to()` treat them as the model's
-  weights; `.to(dtype)` moves them but keeps their storage dtypes). Weights quantize as they
-  load from a bf16/fp32 checkpoint, or load already quantized (a float8 tensor, then its
-  `weight_scale`: the compressed-tensors layout). Activations stay in the model's dtype
-  (weight-only quantization): on a CPU the weight is dequantized on the fly, on a GPU the
-  Triton matmul (models/triton_linear.py) applies the scales in its epilogue.
-
-Tensor parallelism is the layer's `parallel` attribute (models/parallel.py), given when the
-layer is built: which part of the whole matrix it holds (its sizes are that part's), and
-`combine`, which completes the local matmul's output across ranks. `TiedRows` is the method
-of a vocabulary-parallel lm_head tied to a whole embedding: its W is the rank's rows of the
-embedding's matrix (a view, no parameter of its own).
-
-A checkpoint tensor (q_proj, k_proj, v_proj, gate_proj, up_proj, ...) fills a block of rows
-of a fused matrix (qkv_proj, gate_up_proj): `load_rows(tensor, row_offset)`, converted to the
-layer's storage as it is read. The fused kernel bundle's routes (models/fused_linear.py)
-read `matrix()` and `partial_output` to send few-row calls to the GEMV or the Triton matmul
-with the norm, SwiGLU or residual add fused around the matmul. Nothing outside this module
-asks which method a layer has: it asks the layer.
+`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). What W is stored as is the
+layer's quantization method (as vLLM's `QuantizeMethodBase`: it creates the parameters,
+loads checkpoint tensors into them and applies the matmul): `UNQUANTIZED` (the model's
+dtype), `FP8` (E4M3, a float32 scale per output row: fp8.py) or `IntWeights(layout)` (4- or
+8-bit codes with a scale and an offset per group: int_quant.py). Its `parallel` setting
+(parallel.py) says which part of the whole matrix it holds and `combine`s its output across
+ranks. `load_rows(tensor, row_offset)` fills a block of a fused matrix (qkv_proj,
+gate_up_proj) as a checkpoint is read. The kernel routes (models/kernels/) read `matrix()`
+and `partial_output`; nothing outside this module asks which method a layer has.
 """
 
 from __future__ import annotations
@@ -45,16 +22,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.models.gemv_tiles import MAX_ROWS
-from infer.models.int_quant import IntLayout, IntScales, PackedRows, default_group, dequantize_int, quantize_rtn
+from infer.models.layers.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
+from infer.models.layers.int_quant import IntLayout, IntScales, PackedRows, default_group, dequantize_int, quantize_rtn
+from infer.models.layers.parallel import REPLICATED, Parallel
 from infer.models.linear_tiles import SplitWorkspace, choose_config
-from infer.models.parallel import REPLICATED, Parallel
-from infer.models.quantization import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
 INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
 # values of an integer W dequantized at a time for a call the GEMV does not serve: a CPU's
-# cache-sized slice (whole matrices were 2.6x slower and left their pages behind), a GPU's
-# large one (few launches; the largest matrices still never exist dense whole)
+# cache-sized slice (no whole dense matrix to allocate and page through), a GPU's large one
+# (few launches; the largest matrices still never exist dense whole)
 DENSE_CHUNK = {"cpu": 1 << 17, "cuda": 1 << 26}
 
 
@@ -203,7 +180,7 @@ class Fp8:
 
 class IntWeights:
     """W as integer codes with a scale and an offset per group of input columns, stored as
-    `layout` says (models/int_quant.py). Parameters: `scales` and `offsets` [out, groups]
+    `layout` says (int_quant.py). Parameters: `scales` and `offsets` [out, groups]
     in the model's dtype (registered first: a model's first parameter keeps its dtype),
     `qweight` [out, in * bits / 8] uint8."""
 

@@ -1,26 +1,14 @@
 """How a layer's matrix is split over tensor-parallel ranks, which part of a checkpoint
 tensor it holds, and how its output is completed.
 
-A `Parallel` setting is an attribute of a layer (models/linear.py; the embedding's
-`VocabParallelEmbedding` here), given when the layer is built, not a class of its own:
-
-    replicated   the whole matrix on every rank (one process; the embedding's tied head)
-    column       a block of output rows (q/k/v, gate/up: the rank's heads or intermediate
-                 part); the output needs no communication
-    row          a block of input columns (o_proj, down_proj): the local matmul is a partial
-                 sum, completed by one all-reduce; the residual add comes after it
-    vocab        a block of the vocabulary's rows (lm_head, embedding): the head's logits are
-                 all-gathered so every rank has all of them; the embedding's lookups summed
-
-`Parallel.part(name, shape)` is the block of a whole checkpoint tensor the layer holds (rank
-r of N: the r-th of N equal blocks of rows or columns), which the loader reads and nothing
-else (models/shard.py).
-
-Collectives run on torch.distributed's default process group (NCCL on GPUs, where CUDA
-graphs capture them like any kernel; gloo on CPUs), through the `Collectives` a layer's
-setting carries: a tensor-parallel group may give it a faster all-reduce for the messages
-it serves (the one-shot kernel of distributed/one_shot.py); every other message goes
-through the group.
+A `Parallel` setting is an attribute of a layer (linear.py; the embedding's
+`VocabParallelEmbedding` here), given when it is built: `replicated` (the whole matrix),
+`column` (a block of output rows: q/k/v, gate/up), `row` (a block of input columns: o_proj,
+down_proj, whose partial sums one all-reduce completes) or `vocab` (a block of the
+vocabulary's rows: logits all-gathered, embedding lookups summed). `Parallel.part(name,
+shape)` is the block of a whole checkpoint tensor the layer holds, which the loader reads
+and nothing else. Collectives go through the `Collectives` the setting carries (the default
+process group, or a faster all-reduce a tensor-parallel group gives it).
 """
 
 from __future__ import annotations

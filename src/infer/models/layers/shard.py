@@ -1,17 +1,11 @@
 """ModelShard: one tensor-parallel rank's part of a model, and reading it from a checkpoint.
 
 `ModelShard(rank, world_size, embedding, lm_head)` splits a Llama decoder Megatron-style:
-the model built with it (`LlamaForCausalLM(config, quantization, shard)`) has the rank's
-shape (`model_config`: heads, KV heads and intermediate size / N) and its layers are built
-parallel: column-parallel q/k/v and gate/up, row-parallel o_proj and down_proj, the
-embedding and lm_head whole or by vocabulary (models/parallel.py says what each holds).
-Heads split in contiguous blocks: rank r holds query heads r*Hq/N.. and KV heads r*Hkv/N..,
-which keeps each query head with its KV head (Hq/N is a multiple of the group size Hq/Hkv).
-
-The loader reads of each checkpoint tensor only the part the model's layer holds
-(`LlamaForCausalLM.checkpoint_parts`): through safetensors' `get_slice` (`read_part`), so
-the rest is never read or materialised; tensors that arrive whole (GGUF files dequantize
-whole tensors, dummy weights are drawn whole) are narrowed to it (`shard_tensors`).
+the model built with it has the rank's shape (`model_config`: heads, KV heads and
+intermediate size / N) and its layers are built parallel (parallel.py). Heads split in
+contiguous blocks, which keeps each query head with its KV head. The loader reads of each
+checkpoint tensor only the part its layer holds: through safetensors' `get_slice`
+(`read_part`), or narrowed from a whole tensor (`shard_tensors`: GGUF, dummy weights).
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from typing import Protocol
 import torch
 
 from infer.models.config import ModelConfig
-from infer.models.parallel import GROUP, REPLICATED, Collectives, Parallel, TensorPart
+from infer.models.layers.parallel import GROUP, REPLICATED, Collectives, Parallel, TensorPart
 
 VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
 

@@ -1,8 +1,9 @@
-"""Llama building blocks: RMSNorm, rotary tables (with Llama 3 scaling), SwiGLU MLP.
-
-Numerics follow Hugging Face's Llama: RMSNorm in float32 then cast back, rotary tables
-computed in float32 and cast to the activation dtype, rotate-half convention.
-"""
+"""Rotary position embedding (rotate-half convention, Hugging Face's numerics): the inverse
+frequencies (Llama 3 scaling as parameters or as llama.cpp's per-frequency divisors), the
+cos / sin tables of explicit positions, computed in float32 and cast to the activation
+dtype, and the rotation of query and key heads. The math is pure functions, shared by the
+kernel bundles (models/kernels/bundle.py) and the attention views that rotate as they write
+their cache."""
 
 from __future__ import annotations
 
@@ -12,19 +13,27 @@ import torch
 from torch import nn
 
 from infer.models.config import ModelConfig, RopeScaling
-from infer.models.kernels import rmsnorm
-from infer.models.linear import make_linear
-from infer.models.parallel import REPLICATED, Parallel
+
+Tensor = torch.Tensor
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+def cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions: [B, T] -> cos, sin: [B, T, 1, D] (float32 inside, then `dtype`, as HF)."""
+    freqs = positions.float()[..., None] * inv_freq.float()  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, :, None, :], emb.sin().to(dtype)[:, :, None, :]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rmsnorm(x, self.weight, self.eps)
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE; x: [B, T, H, D], cos/sin: [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [B, T, Hq, D], k: [B, T, Hkv, D] -> both rotated (cos/sin: [B, T, 1, D])."""
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
@@ -57,15 +66,3 @@ class Rotary(nn.Module):
         inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
                             config.rope_freq_factors)
         self.register_buffer("inv_freq", inv, persistent=False)
-
-
-class MLP(nn.Module):
-    """SwiGLU's weights: gate and up projections fused into one matrix, then down. The decoder
-    layer applies them through its kernel bundle (`Kernels.mlp`). Under tensor parallelism
-    gate/up are `column`-parallel and down `row`-parallel (config: the rank's shape)."""
-
-    def __init__(self, config: ModelConfig, quantization: str | None = None, column: Parallel = REPLICATED,
-                 row: Parallel = REPLICATED) -> None:
-        super().__init__()
-        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, quantization, column)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, quantization, row)

@@ -23,9 +23,9 @@ import itertools
 
 import torch
 
-from infer.models.attention import masked_attention
 from infer.models.batch import WORD, ForwardBatch
-from infer.models.rope import rotary_qk
+from infer.models.layers.attention import masked_attention
+from infer.models.layers.rotary import rotary_qk
 from infer.transfer import tensor_on
 
 DECODE_MAX_QUERY = 128  # longer rows attend with the flash prefill kernel

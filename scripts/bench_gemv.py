@@ -37,17 +37,17 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
-from infer.models.gemv_tiles import (  # noqa: E402
+from infer.models.kernels.dequant import dequantize_on_device  # noqa: E402
+from infer.models.kernels.gemv import gemv  # noqa: E402
+from infer.models.kernels.gemv_tiles import (  # noqa: E402
     WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits, write_table)
+from infer.models.kernels.matmul import triton_linear  # noqa: E402
+from infer.models.kernels.matmul_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
 from infer.models.layers.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
 from infer.models.layers.mlp import silu_mul  # noqa: E402
 from infer.models.layers.norms import rmsnorm  # noqa: E402
-from infer.models.linear_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
-from infer.models.triton_dequant import dequantize_on_device  # noqa: E402
-from infer.models.triton_gemv import gemv  # noqa: E402
-from infer.models.triton_linear import triton_linear  # noqa: E402
 
 CALLS = 20  # calls per graph, each on its own weight copy
 FUSION = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual"),

@@ -20,10 +20,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
+from infer.models.kernels.matmul import triton_linear  # noqa: E402
+from infer.models.kernels.matmul_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
 from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
-from infer.models.linear_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
 from infer.models.loader import model_shapes  # noqa: E402
-from infer.models.triton_linear import triton_linear  # noqa: E402
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:

@@ -32,7 +32,7 @@ from demo_pair.presets import TrainSettings
 from demo_pair.trainer import build_optimizer, lr_factor
 from demo_pair.unrolled_view import UnrolledView
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.llama import LlamaForCausalLM
 
 

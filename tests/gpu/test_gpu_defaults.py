@@ -18,7 +18,7 @@ from helpers.checkpoints import make_checkpoint
 from infer import LLM, SamplingParams
 from infer.engine.executor.capture import MAX_GRAPH_CONTEXT
 from infer.engine.executor.batch_forward import GraphBatchForward
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 
 pytestmark = pytest.mark.gpu
 

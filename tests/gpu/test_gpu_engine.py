@@ -17,7 +17,7 @@ from helpers.checkpoints import encode
 from helpers.overlap import abort_in_flight, overlap_parity, overlap_prompts
 from helpers.padded_attention import padded_split_attention
 from infer import LLM, SamplingParams
-from infer.models.kernels import EAGER, compiled_kernels
+from infer.models.kernels.bundle import EAGER, compiled_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -141,8 +141,8 @@ def test_triton_chunk_attention_matches_masked_sdpa(dtype, t, group, d):
 
 @pytest.mark.parametrize("b, t", [(256, 1), (32, 8), (4, 1)])  # one chunk a program, one, several
 def test_triton_chunk_attention_at_large_batches_matches_masked_sdpa(b, t):
+    from infer.models.kernels.split_attention import TARGET_PROGRAMS, split_plan
     from infer.models.layers.attention import masked_attention, position_mask
-    from infer.models.triton_attention import TARGET_PROGRAMS, split_plan
     torch.manual_seed(0)
     hkv, group, d, rows, s = 8, 3, 128, 4096, 600
     kc = torch.randn(rows + 1, hkv, d, device="cuda", dtype=torch.bfloat16)

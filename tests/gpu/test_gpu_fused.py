@@ -18,7 +18,7 @@ import torch
 
 from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
-from infer.models.kernels import EAGER, compiled_kernels
+from infer.models.kernels.bundle import EAGER, compiled_kernels
 from infer.models.layers.rotary import cos_sin, rotary_qk
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +29,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_rotary_kv_write_is_bit_identical_to_eager(dtype: torch.dtype) -> None:
-    from infer.models.triton_rotary import rotary_kv_write
+    from infer.models.kernels.rotary_write import rotary_kv_write
     gen = torch.Generator(device="cuda").manual_seed(0)
     b, t, hq, hkv, d = 3, 6, 24, 8, 128
     qkv = torch.randn(b, t, (hq + 2 * hkv) * d, device="cuda", generator=gen).to(dtype) * 4

@@ -21,7 +21,7 @@ import torch
 
 from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
-from infer.models.gemv_tiles import GemvConfig
+from infer.models.kernels.gemv_tiles import GemvConfig
 from infer.models.layers.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 
 pytestmark = pytest.mark.gpu
@@ -66,7 +66,7 @@ def _poison_allocator() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_int_gemv_rows_and_shapes(m: int, bits: int) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     for n, k, group in ((3072, 2048, 128), (1000, 1536, 64), (200, 1000, 8)):
         layout = IntLayout(bits, group)
         x, packed, scales, offsets, _, _ = _inputs(m, n, k, layout, False, False, False, seed=m + n)
@@ -80,7 +80,7 @@ def test_gpu_int_gemv_rows_and_shapes(m: int, bits: int) -> None:
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_int_gemv_fusions(norm: bool, swiglu: bool, residual: bool, m: int, bits: int) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     layout = IntLayout(bits, 128)
     x, packed, scales, offsets, nw, res = _inputs(m, 1024, 2048, layout, norm, swiglu, residual, seed=m)
     _poison_allocator()
@@ -97,7 +97,7 @@ CONFIGS = [GemvConfig(block_n=16, block_k=512, num_stages=3), GemvConfig(block_n
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_int_gemv_configs(cfg: GemvConfig, bits: int) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     layout = IntLayout(bits, 128)
     m = 16 if cfg.dot else 2
     x, packed, scales, offsets, nw, res = _inputs(m, 768, 4096, layout, True, False, True, seed=3)
@@ -109,8 +109,8 @@ def test_gpu_int_gemv_configs(cfg: GemvConfig, bits: int) -> None:
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_gpu_dequantize_and_the_wide_path(bits: int) -> None:
+    from infer.models.kernels.dequant import dequantize_on_device
     from infer.models.layers.linear import IntWeights, LinearBase
-    from infer.models.triton_dequant import dequantize_on_device
     layout = IntLayout(bits, 64)
     layer = LinearBase(1536, 1000, IntWeights(layout)).cuda().bfloat16()
     layer.load_rows(torch.randn(1000, 1536, device="cuda") * 0.03, None)

@@ -89,8 +89,9 @@ def test_a_padded_batch_and_a_head_size_off_the_powers_of_two(d: int) -> None:
 
 
 def test_the_view_routes_long_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    import infer.models.kernels.prefill_attention as prefill
+    import infer.models.kernels.routes as routes
     import infer.models.layers.paged_attention as paged
-    import infer.models.triton_prefill as prefill
     from infer.cache.forward_batch import Row, build_batch, plan_batch
     from infer.cache.block_tables import BlockTables
     x = _inputs([500], [1000], seed=3)
@@ -104,7 +105,7 @@ def test_the_view_routes_long_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(prefill, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     routed = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
-    monkeypatch.setattr(paged, "kernels_serve", lambda q: False)
+    monkeypatch.setattr(routes, "kernels_serve", lambda q: False)
     gathered = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
     exact = _reference(x)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from infer.models.kernels import Kernels, fused_kernels
+from infer.models.kernels.bundle import Kernels, fused_kernels
 
 
 def counting_fused_kernels() -> tuple[Kernels, list[str]]:

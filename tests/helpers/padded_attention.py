@@ -29,7 +29,7 @@ def padded_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """The split-KV kernel: q [B, T, Hq, D]; q_pos [B, T]; ctx_end [B] -> [B, T, Hq, D].
     `block`: a tree's rule (bool rows [T, W] or [B, T, W], the block's first row within the
     chunk's block, W)."""
-    from infer.models.triton_attention import split_attention
+    from infer.models.kernels.split_attention import split_attention
     b, t = q.shape[:2]
     flat, token_rows, positions = _flat(q, q_pos)
     tree = None
@@ -46,7 +46,7 @@ def padded_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                              gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
                              blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """The flash prefill kernel over the same inputs (its rows each a query row of T)."""
-    from infer.models.triton_prefill import prefill_attention
+    from infer.models.kernels.prefill_attention import prefill_attention
     b, t = q.shape[:2]
     flat, token_rows, positions = _flat(q, q_pos)
     out = prefill_attention(flat, k_cache, v_cache, token_rows, positions, ctx_end.contiguous(),

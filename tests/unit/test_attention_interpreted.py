@@ -43,14 +43,14 @@ def _rules() -> dict[str, torch.Tensor | None]:
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
-    from infer.models.triton_attention import arrival_counters, split_plan
+    from infer.models.kernels.split_attention import arrival_counters, split_plan
     c, out = _case(), {}
     for name, rows in _rules().items():
         block = None if rows is None else (rows, FIRST_ROW, WIDTH)
         out[name] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
     out["splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
     out["counters"] = arrival_counters(torch.device("cpu"), B * T * HKV).clone()  # left at zero for the next
-    import infer.models.triton_attention as kernel
+    import infer.models.kernels.split_attention as kernel
     kernel.TARGET_PROGRAMS = B * HKV * T  # as a large batch: its programs fill the launch, one chunk each
     out["one chunk"] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"])
     out["one chunk splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
@@ -91,7 +91,7 @@ def test_a_launch_whose_programs_fill_the_gpu_reads_each_context_in_one_chunk(
 
 
 def test_the_split_plan_gives_large_batches_fewer_chunks() -> None:
-    from infer.models.triton_attention import MAX_SPLITS, MIN_CHUNK, TARGET_PROGRAMS, split_plan
+    from infer.models.kernels.split_attention import MAX_SPLITS, MIN_CHUNK, TARGET_PROGRAMS, split_plan
     assert split_plan(4096, 8) == (4096 // MAX_SPLITS, MAX_SPLITS)  # batch 1, 8 KV heads: the most chunks
     assert split_plan(200, 8) == (MIN_CHUNK, 4)  # never shorter than MIN_CHUNK
     chunks = [split_plan(4096, 8 * b)[1] for b in (1, 16, 32, 64, 128, 256)]

@@ -14,7 +14,7 @@ import torch
 from helpers.eagle_heads import counting_fused_kernels, reference_head, write_head
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import load_eagle_head, read_head_config
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.layers.attention import NoCacheView
 from infer.models.loader import load_model
 

@@ -35,8 +35,8 @@ def _case(tree: bool):
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
-    from infer.models.triton_attention import split_attention
-    from infer.models.triton_prefill import prefill_attention
+    from infer.models.kernels.prefill_attention import prefill_attention
+    from infer.models.kernels.split_attention import split_attention
     out = {}
     batch, q, k, v = _case(tree=False)
     short, long = [1, 2], [0, 3]

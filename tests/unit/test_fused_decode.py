@@ -18,8 +18,8 @@ from helpers.checkpoints import make_family_checkpoint
 from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor.batch_forward import EagerBatchForward
-from infer.models.fused_linear import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, route, table_route
-from infer.models.kernels import EAGER, Kernels, fused_kernels
+from infer.models.kernels.bundle import EAGER, Kernels, fused_kernels
+from infer.models.kernels.routes import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, route, table_route
 from infer.models.layers.linear import make_linear
 from infer.models.loader import load_model
 
@@ -102,7 +102,7 @@ def test_route_table_and_its_check() -> None:
 
 def test_rotary_kv_write_checks_name_the_fix() -> None:
     pytest.importorskip("triton")
-    from infer.models.triton_rotary import check_rotary_inputs
+    from infer.models.kernels.rotary_write import check_rotary_inputs
     q, k = torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 2, 8)
     cos, rows, cache = torch.zeros(2, 3, 1, 8), torch.zeros(6, dtype=torch.long), torch.zeros(10, 2, 8)
     check_rotary_inputs(q, k, k, cos, cos, cache, cache, rows)  # valid

@@ -21,7 +21,8 @@ import torch
 from helpers.interpreted import interpreted_outputs
 from infer.models.config import ModelConfig
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER, fused_kernels
+from infer.models.kernels.bundle import EAGER, fused_kernels
+from infer.models.kernels.routes import GEMV
 from infer.models.layers.attention import NoCacheView
 from infer.models.layers.linear import LinearBase, make_linear
 from infer.models.layers.rotary import cos_sin, rotary_qk
@@ -99,8 +100,8 @@ def _head_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     """Every kernel output the tests compare (run with TRITON_INTERPRET=1)."""
-    import infer.models.fused_linear as fused_linear
-    from infer.models.triton_rotary import rotary_kv_write
+    import infer.models.kernels.bundle as bundle_module
+    from infer.models.kernels.rotary_write import rotary_kv_write
     out = {}
     for ci in range(len(ROTARY_CASES)):
         c = _rotary_case(ci)
@@ -108,7 +109,7 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
         out[f"rotary-{ci}-q"] = rotary_kv_write(c["q"], c["k"], c["v"], c["cos"], c["sin"], kc, vc, c["rows"])
         out[f"rotary-{ci}-k"], out[f"rotary-{ci}-v"] = kc, vc
     # the GEMV route for every call (the route itself is chosen only on CUDA)
-    fused_linear.route = lambda layer, x, part="linear": fused_linear.GEMV
+    bundle_module.route = lambda layer, x, part="linear": GEMV
     bundle = fused_kernels(lambda fn: fn)
     with torch.no_grad():
         for fp8 in (False, True):

@@ -45,7 +45,7 @@ def test_a_sweep_against_its_baseline_sweep() -> None:
 
 
 def test_integer_weights_route_to_the_gemv_and_never_the_triton_matmul() -> None:
-    from infer.models.fused_linear import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, table_route
+    from infer.models.kernels.routes import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, table_route
     for kind in ("int4", "int8"):
         for part in ("linear", "gate_up"):
             assert [table_route(kind, part, rows) for rows in (1, 2, 5, 16)] == [GEMV] * 4

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from helpers.interpreted import interpreted_outputs
-from infer.models.gemv_tiles import GemvConfig
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
+from infer.models.kernels.gemv_tiles import GemvConfig
+from infer.models.kernels.routes import GEMV
 from infer.models.layers.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 from infer.models.layers.linear import IntWeights, LinearBase
 from test_triton_gemv import FLAGS, gemv_reference, rel_err
@@ -64,10 +65,10 @@ def _mlp_inputs(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     """Every kernel output the tests compare (run with TRITON_INTERPRET=1)."""
-    import infer.models.fused_linear as fused_linear
-    from infer.models.kernels import fused_kernels
-    from infer.models.triton_dequant import dequantize_on_device
-    from infer.models.triton_gemv import gemv
+    import infer.models.kernels.bundle as bundle_module
+    from infer.models.kernels.bundle import fused_kernels
+    from infer.models.kernels.dequant import dequantize_on_device
+    from infer.models.kernels.gemv import gemv
     out = {}
     for ci, (cfg, layout, flags, _) in enumerate(CASES):
         for fi in flags:
@@ -76,7 +77,7 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
                                           swiglu_input=FLAGS[fi][1], residual=res, config=cfg)
         _, packed, scales, offsets, _, _ = _case(ci, 0)
         out[f"dequant-{ci}"] = dequantize_on_device(packed, IntScales(scales, offsets, layout))
-    fused_linear.route = lambda layer, x, part="linear": fused_linear.GEMV  # (chosen only on CUDA)
+    bundle_module.route = lambda layer, x, part="linear": GEMV  # (chosen only on CUDA)
     bundle = fused_kernels(lambda fn: fn)
     with torch.no_grad():
         for bits in (4, 8):

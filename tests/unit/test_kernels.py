@@ -3,7 +3,7 @@ tests/gpu checks that compiled kernels match the eager ones)."""
 
 from __future__ import annotations
 
-from infer.models.kernels import compiled_kernels
+from infer.models.kernels.bundle import compiled_kernels
 
 
 def _code(fn):

@@ -126,7 +126,7 @@ def test_two_chunks_together_are_the_whole_prompt(interpreted: dict[str, torch.T
 
 def test_inputs_it_cannot_serve_are_refused_with_the_fix() -> None:
     pytest.importorskip("triton")
-    from infer.models.triton_prefill import check_caches
+    from infer.models.kernels.prefill_attention import check_caches
     x = case_inputs("prefix-hit")
     q = x["q"].reshape(-1, *x["q"].shape[2:])  # [N, Hq, D]
     check_caches(q, x["k"], x["v"])
@@ -141,5 +141,5 @@ def test_inputs_it_cannot_serve_are_refused_with_the_fix() -> None:
 
 
 def test_the_view_keeps_gather_and_sdpa_off_cuda() -> None:
-    from infer.models.layers.paged_attention import kernels_serve
+    from infer.models.kernels.routes import kernels_serve
     assert not kernels_serve(torch.zeros(300, 4, 64))  # a CPU tensor

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from infer.engine.executor.kernels import warm_chunks, warms
 from infer.models.capture import HiddenCapture
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.layers.parallel import Parallel
 from infer.models.loader import load_model
 

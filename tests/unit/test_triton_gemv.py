@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from helpers.interpreted import interpreted_outputs
-from infer.models.gemv_tiles import (
-    CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig, candidate_configs, check_inputs,
-    config_for, default_config, fits_registers, read_table, row_bucket, with_splits, write_table)
+from infer.models.kernels.gemv_tiles import (CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig,
+                                             candidate_configs, check_inputs, config_for, default_config,
+                                             fits_registers, read_table, row_bucket, with_splits, write_table)
 from infer.models.layers.fp8 import dequantize_fp8, quantize_fp8_rows
 from infer.models.layers.mlp import silu_mul
 from infer.models.layers.norms import rmsnorm
@@ -236,7 +236,7 @@ def _interpreted_case(ci: int, fi: int) -> tuple[torch.Tensor, ...]:
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     """The kernel's output for every INTERPRETED config and FLAGS combination (called in a
     subprocess that has TRITON_INTERPRET=1 set before triton is imported)."""
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     out = {}
     for ci, (cfg, _) in enumerate(INTERPRETED):
         for fi, (_, swiglu, _) in enumerate(FLAGS):
@@ -273,7 +273,7 @@ def _poison_allocator() -> None:
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 16])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_rows_and_odd_shapes(m: int, fp8: bool) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     for n, k in ((1000, 1536), (3072, 2048), (200, 1000)):
         x, w, scale, _, _ = make_inputs(m, n, k, torch.bfloat16, fp8, "cuda", False, False, False, seed=m * 7 + n)
         _poison_allocator()
@@ -286,7 +286,7 @@ def test_gpu_rows_and_odd_shapes(m: int, fp8: bool) -> None:
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_fusions_match_reference(norm: bool, swiglu: bool, residual: bool, m: int, fp8: bool) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     x, w, scale, nw, res = make_inputs(m, 1024, 2048, torch.bfloat16, fp8, "cuda", norm, swiglu, residual, seed=m)
     _poison_allocator()
     y = gemv(x, w, scale, norm_weight=nw, swiglu_input=swiglu, residual=res)
@@ -304,7 +304,7 @@ GPU_CONFIGS = [GemvConfig(block_n=8, block_k=512, split_k=4), GemvConfig(block_n
 @pytest.mark.parametrize("cfg", GPU_CONFIGS)
 @pytest.mark.parametrize("fp8", [False, True])
 def test_gpu_configs_match_reference(cfg: GemvConfig, fp8: bool) -> None:
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     m = 16 if cfg.dot else 2
     x, w, scale, nw, res = make_inputs(m, 768, 4096, torch.float16, fp8, "cuda", True, False, True, seed=3)
     _poison_allocator()
@@ -316,7 +316,7 @@ def test_gpu_configs_match_reference(cfg: GemvConfig, fp8: bool) -> None:
 @pytest.mark.gpu
 def test_gpu_split_k_replays_in_a_graph_bit_for_bit() -> None:
     """The split-K sum has a fixed order: eager calls and graph replays agree exactly."""
-    from infer.models.triton_gemv import gemv
+    from infer.models.kernels.gemv import gemv
     cfg = GemvConfig(block_n=16, block_k=256, split_k=8)
     x, w, scale, _, res = make_inputs(4, 512, 8192, torch.bfloat16, True, "cuda", False, False, True, seed=4)
     eager = gemv(x, w, scale, residual=res, config=cfg)

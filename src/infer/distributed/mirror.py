@@ -31,7 +31,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.llama import LlamaForCausalLM
 
 

@@ -35,7 +35,7 @@ from infer.engine.loading import default_model_paths, load_draft, load_target
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.layers.parallel import GROUP, Collectives
 from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM

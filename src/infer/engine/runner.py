@@ -33,7 +33,7 @@ from infer.engine.speculation import Speculation, max_row_tokens
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER
+from infer.models.kernels.bundle import EAGER
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 from infer.sampling import (NO_TOKEN, SamplingParams, draw_uniforms, greedy_tokens, logits_to_probs,

@@ -26,7 +26,7 @@ from infer.engine.step_costs import (DraftStepFn, MedusaStepFn, RoundStepFn, Ste
                                      weight_bytes)
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
-from infer.models.kernels import Kernels
+from infer.models.kernels.bundle import Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 from infer.speculative.draft_model import DRAFT_MAX_FEED, DraftModelProposer

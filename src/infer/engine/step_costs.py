@@ -26,7 +26,7 @@ from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.kernels import step_kernels
 from infer.models.eagle import EagleHead
-from infer.models.kernels import Kernels
+from infer.models.kernels.bundle import Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 from infer.speculative.eagle_round import HeadRoundFn

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.layers.attention import AttentionView
 from infer.models.layers.linear import make_linear
 from infer.models.layers.mlp import MLP

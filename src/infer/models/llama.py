@@ -31,7 +31,7 @@ from torch import nn
 
 from infer.models.capture import HiddenCapture
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.layers.attention import AttentionView, NoCacheView
 from infer.models.layers.linear import UNQUANTIZED, LinearBase, TiedRows, linear_layers, make_linear
 from infer.models.layers.mlp import MLP

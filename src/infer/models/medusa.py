@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.models.config import ModelConfig
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.layers.linear import LinearBase, make_linear
 from infer.models.loader import model_shapes, read_model_config
 

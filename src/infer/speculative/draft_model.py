@@ -20,7 +20,7 @@ import torch
 
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.forward_batch import DeviceIds, Row, plan_batch
-from infer.models.layers.paged_attention import DECODE_MAX_QUERY
+from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.faults import DRAFTING, isolated

@@ -22,8 +22,8 @@ import torch
 from infer.cache.forward_batch import Row, plan_batch
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER, Kernels
-from infer.models.layers.paged_attention import DECODE_MAX_QUERY
+from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import fed_positions, tree_draft

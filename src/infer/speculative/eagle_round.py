@@ -21,7 +21,7 @@ import torch
 from infer.cache.forward_batch import BatchPlan, build_batch, next_step
 from infer.models.batch import ForwardBatch
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.layers.paged_attention import BatchView
 from infer.sampling import greedy_tokens, sample_from_probs, temperature_probs
 from infer.transfer import to_device

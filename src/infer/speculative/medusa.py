@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.models.capture import HiddenCapture
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.medusa import MedusaHead
 from infer.sampling import is_strict_int
 from infer.speculative.faults import DRAFTING, isolated

@@ -21,8 +21,9 @@ from infer.cache.forward_batch import BatchPlan, DeviceIds, build_batch
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.staging import PlanInputs, record_graph
 from infer.models.batch import WORD, ForwardBatch
-from infer.models.kernels import EAGER, Kernels
-from infer.models.layers.paged_attention import DECODE_MAX_QUERY, BatchView, kernels_serve
+from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.routes import DECODE_MAX_QUERY, kernels_serve
+from infer.models.layers.paged_attention import BatchView
 from infer.models.llama import LlamaForCausalLM
 from infer.transfer import tensor_on
 

@@ -25,8 +25,8 @@ from infer.engine.executor.batch_forward import kernels_serve_model
 from infer.engine.executor.capture import CAPTURE_SIZES, capture_sizes, graph_context_width
 from infer.engine.executor.staging import PlanInputs, _stage_sampling, _Staging, record_graph
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER, Kernels
-from infer.models.layers.paged_attention import DECODE_MAX_QUERY
+from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.speculative.eagle_round import EagerHeadRound, check_round, end_round, head_round
 
 Key = tuple[int, int, int, bool]  # (rows, tokens, steps, every row greedy)

@@ -14,7 +14,7 @@ import torch
 
 from infer.engine.config import EngineConfig
 from infer.models.eagle import EagleHead
-from infer.models.kernels import EAGER, Kernels, compiled_kernels
+from infer.models.kernels.bundle import EAGER, Kernels, compiled_kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 

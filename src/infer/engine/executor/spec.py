@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infer.models.kernels import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.models.gemv_tiles import MAX_ROWS
+from infer.models.kernels.gemv_tiles import MAX_ROWS
+from infer.models.kernels.matmul_tiles import SplitWorkspace, choose_config
 from infer.models.layers.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_rows
 from infer.models.layers.int_quant import IntLayout, IntScales, PackedRows, default_group, dequantize_int, quantize_rtn
 from infer.models.layers.parallel import REPLICATED, Parallel
-from infer.models.linear_tiles import SplitWorkspace, choose_config
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
 INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
@@ -164,7 +164,7 @@ class Fp8:
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            from infer.models.triton_linear import triton_linear
+            from infer.models.kernels.matmul import triton_linear
             rows = x.reshape(-1, x.shape[-1])
             cfg = choose_config(rows.shape[0], layer.out_features, layer.in_features)
             y = triton_linear(rows, layer.weight, layer.weight_scale, cfg, layer.workspace)
@@ -233,9 +233,9 @@ class IntWeights:
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.reshape(-1, x.shape[-1])
             if rows.shape[0] <= MAX_ROWS:
-                from infer.models.triton_gemv import gemv
+                from infer.models.kernels.gemv import gemv
                 return gemv(rows.contiguous(), weight, ints).view(*x.shape[:-1], layer.out_features)
-            from infer.models.triton_dequant import dequantize_on_device
+            from infer.models.kernels.dequant import dequantize_on_device
 
             def dense(a: int, b: int) -> torch.Tensor:
                 return dequantize_on_device(weight[a:b], IntScales(ints.scales[a:b], ints.offsets[a:b], self.layout))

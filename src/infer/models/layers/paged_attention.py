@@ -1,46 +1,24 @@
-"""Attention over a ForwardBatch: where a pass's keys and values go, which keys each token
-sees, and which kernel computes it.
+"""Attention over a ForwardBatch: where a pass's keys and values go and which keys each
+token sees.
 
-`BatchView` is the `AttentionView` the model calls with a flat batch ([1, N] tokens):
-it writes each token's k and v to its KV slot (rotating q and k first: on CUDA one Triton
-kernel, `triton_rotary`) and attends, choosing per row:
-
-| rows | device | attention |
-| --- | --- | --- |
-| up to DECODE_MAX_QUERY tokens (decode, draft steps, verification, tree blocks up to 64 wide) | CUDA | split-KV kernel (`triton_attention`) |
-| longer (prompt prefill, whole or chunked), no tree | CUDA | flash prefill kernel (`triton_prefill`) |
-| any other (the CPU, no triton, an odd head size) | any | `reference_attention`: gathered keys, masked SDPA |
-
-Visibility is one rule everywhere: token i of row b sees key position j iff
-j <= positions[i] and j < seq_lens[b], and inside a tree block only its ancestors.
-"""
+`BatchView` is the `AttentionView` the model calls with a flat batch ([1, N] tokens): it
+writes each token's k and v to its KV slot (rotating q and k first) and attends, each row by
+the kernel models/kernels/routes.py gives it, or `reference_attention` (gathered keys, masked
+SDPA) where none serves. Visibility is one rule everywhere: token i of row b sees key
+position j iff j <= positions[i] and j < seq_lens[b], and inside a tree block only its
+ancestors."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import itertools
 
 import torch
 
 from infer.models.batch import WORD, ForwardBatch
+from infer.models.kernels.routes import AttentionRoutes, rotary_write_fused
 from infer.models.layers.attention import masked_attention
 from infer.models.layers.rotary import rotary_qk
 from infer.transfer import tensor_on
-
-DECODE_MAX_QUERY = 128  # longer rows attend with the flash prefill kernel
-
-
-@functools.cache
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def kernels_serve(q: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve these queries [N, Hq, D] (CUDA, a power-of-two
-    head_dim >= 16; the prefill kernel takes any up to 256, the split-KV one needs this)."""
-    d = q.shape[-1]
-    return q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_available()
 
 
 def write_kv(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -48,8 +26,8 @@ def write_kv(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     """Write k, v ([B, T, Hkv, D]) to their storage rows `slots` [B * T] of one layer's
     caches, rotating q and k first when `rotary` (cos, sin) is given; returns q, rotated if
     asked."""
-    if rotary is not None and q.is_cuda and triton_available():
-        from infer.models.triton_rotary import rotary_kv_write
+    if rotary is not None and rotary_write_fused(q):
+        from infer.models.kernels.rotary_write import rotary_kv_write
         return rotary_kv_write(q, k, v, rotary[0], rotary[1], kc, vc, slots)
     if rotary is not None:
         q, k = rotary_qk(q, k, rotary[0], rotary[1])
@@ -113,17 +91,12 @@ class BatchView:
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
         self.batch = batch
-        lens = batch.query_lens
-        self.short = [b for b, n in enumerate(lens) if n <= DECODE_MAX_QUERY]  # the split-KV kernel's rows
-        self.long = [b for b, n in enumerate(lens) if n > DECODE_MAX_QUERY]  # the prefill kernel's
-        self.query_start = [0, *itertools.accumulate(lens)]  # host [B + 1]
+        self.routes = AttentionRoutes.of(batch.query_lens, None if batch.tree is None else batch.tree.width)
+        self.query_start = [0, *itertools.accumulate(batch.query_lens)]  # host [B + 1]
         self.short_tokens: torch.Tensor | None = None  # the split-KV kernel's tokens (None: every token)
-        if self.long and self.short:
-            picked = [t for b in self.short for t in range(self.query_start[b], self.query_start[b + 1])]
+        if self.routes.prefill and self.routes.split_kv:
+            picked = [t for b in self.routes.split_kv for t in range(self.query_start[b], self.query_start[b + 1])]
             self.short_tokens = tensor_on(picked, batch.token_ids.device, torch.long)
-        # (the split-KV kernel applies a tree's rule of one word; a batch with a wider tree, or a
-        # tree beside long rows, takes the reference)
-        self.kernels_fit = batch.tree is None or (not self.long and batch.tree.width <= WORD)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -134,16 +107,16 @@ class BatchView:
     def attend_written(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
         """Attention of q [N, Hq, D] (rotated) over each row's keys, this pass's already in kc, vc."""
         batch = self.batch
-        if not (kernels_serve(q) and self.kernels_fit):
+        if self.routes.reference(q):
             return reference_attention(q, kc, vc, batch)
-        from infer.models.triton_attention import split_attention
-        from infer.models.triton_prefill import prefill_attention
+        from infer.models.kernels.prefill_attention import prefill_attention
+        from infer.models.kernels.split_attention import split_attention
         out = torch.empty_like(q)
         tree = None if batch.tree is None else (batch.tree.bits[:, 0].contiguous(), batch.tree.base, batch.tree.width)
-        if self.short:
+        if self.routes.split_kv:
             split_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
                             batch.block_size, batch.context_width, self.short_tokens, tree, out)
-        if self.long:
+        if self.routes.prefill:
             prefill_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
-                              batch.block_size, self.query_start, self.long, out)
+                              batch.block_size, self.query_start, self.routes.prefill, out)
         return out

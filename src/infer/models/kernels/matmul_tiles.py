@@ -1,4 +1,4 @@
-"""Launch parameters of the Triton matmul (`triton_linear.py`) per shape, and its split-K
+"""Launch parameters of the Triton matmul (`matmul.py`) per shape, and its split-K
 workspace. Pure Python: the CPU never launches the kernel, but layers own a workspace.
 
 Small batches (M <= 16 rows) read each weight once, so the tile is 16 rows by `block_n`

@@ -1,14 +1,14 @@
-"""Launch parameters of the few-row matmul (`triton_gemv.py`) per shape, and the checks of
-its inputs. Pure Python and torch: importable (and tested) where Triton is absent.
+"""Launch parameters of the few-row matmul (`gemv.py`) per shape, and the checks of its
+inputs. Pure Python and torch: importable (and tested) where Triton is absent.
 
 A configuration says how many rows of W a program owns (`block_n`), how many K values it
 reads per loop step (`block_k`), how many programs share one row block's K range
 (`split_k`), and which inner product it uses (`dot`: tensor cores on 16-row tiles, else
 float32 FMA on a row tile of M rounded up to a power of two, the "row bucket").
-`config_for` looks the shape up in `CONFIG_TABLE` (read from `gemv_tiles.json`, which
-`scripts/bench_gemv.py --table` writes) and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
-(any dense half-precision W), "fp8", "int4" and "int8" (integer codes with group scales and
-offsets, models/int_quant.py).
+`config_for` looks the shape up in `CONFIG_TABLE`, read at import from `gemv_tiles.json`
+(its "regenerate" field is the command that rewrites it: `scripts/bench_gemv.py --table`),
+and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
+(any dense half-precision W), "fp8", "int4" and "int8" (layers/int_quant.py's codes).
 """
 
 from __future__ import annotations

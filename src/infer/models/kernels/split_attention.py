@@ -1,30 +1,15 @@
-"""Triton attention for short query chunks over row-indexed (paged or slotted) KV storage.
+"""Triton split-KV attention (flash-decoding) for short query chunks over row-indexed (paged
+or slotted) KV storage: decode, draft steps, verification blocks and tree blocks.
 
-Decode (1 token), draft steps and speculative verification (K+1 tokens) attend over the
-cached context directly through each row's block table, so the context is never copied
-out, and only positions < min(position + 1, seq_lens[row]) are read:
-the loop bounds come from device memory, so one CUDA graph serves any context length.
-
-The context is split into chunks (flash-decoding): one program per (batch row, KV head,
-query token, chunk) handles all query heads of its group (grouped-query attention) with an
-online softmax in float32 and writes its partial result (running max, sum, unnormalised
-output); the last of a (row, KV head, token)'s programs to finish (an arrival counter,
-atomically incremented, which that program resets) combines the chunks, so a layer's
-attention is one launch. A decode step at batch 1
-then runs tens of programs per layer instead of one per KV head, each a short loop: the
-chain of dependent loads (row index, key, value) of a long serial loop is what bounded it.
-The number of chunks follows the gather width and the programs the batch already brings
-(`split_plan`; both fixed per CUDA graph): a few rows get up to MAX_SPLITS chunks, chunks
-past a row's context ending at once; a large batch (its rows x KV heads x tokens filling
-the GPU on their own) gets fewer, down to one, whose program writes its output directly
-(no partials, no combine: sixteen 64-position chunks a row would write and re-read float32
-partials about a fifth the size of the KV they cover).
-
-Tree blocks add a rule (the flat batch's `TreeRule`): inside the W positions of the tree's
-block, a token sees key c only where its ancestor bit c is set. The rule comes as one int64
-bit set per token and its block's first position (W <= 64), so the kernel masks those keys
-as it streams them, without a [B, T, S] mask.
-"""
+Each token attends over its row's cached context through the block table (never copied
+out), reading positions < min(position + 1, seq_lens[row]) with loop bounds from device
+memory, so one CUDA graph serves any context length. One program per (batch row, KV head,
+query token, chunk) handles its group's query heads with an online softmax in float32; the
+last program of a (row, KV head, token) to finish (an arrival counter it resets) combines
+the chunks, so a layer's attention is one launch. `split_plan` sizes the chunks to the
+batch (up to MAX_SPLITS for a few rows; one, written directly, for a large batch). A tree
+block's rule is one int64 ancestor bit set per token and its block's first position
+(W <= 64), applied to the block's keys as they stream."""
 
 from __future__ import annotations
 

@@ -1,22 +1,16 @@
-"""The decoder's kernels, as a swappable bundle.
+"""The decoder's kernels, as a swappable bundle passed to the model explicitly.
 
-`EAGER` is the reference: plain PyTorch with Hugging Face's numerics (RMSNorm in float32,
-residual adds in the activation dtype, the rotary then the cache write, a projection then
-its SwiGLU or residual add). Its entries that fuse several steps (`norm_linear`,
-`swiglu_linear`, `mlp`, `attend`) are compositions of the single ones, so their
-composition defines the math every fused bundle must reproduce.
+`EAGER` is the reference: plain PyTorch with Hugging Face's numerics. Its entries that fuse
+several steps (`norm_linear`, `swiglu_linear`, `mlp`, `attend`) are compositions of the
+single ones, so their composition defines the math every bundle must reproduce.
 
-`compiled_kernels()` returns the fused bundle for the fixed-shape decode paths: each
-projection is routed (models/fused_linear.py) to the few-row GEMV with the RMSNorm or
-SwiGLU prologue and the residual epilogue, to the Triton matmul with the SwiGLU or
-residual epilogue, or to cuBLAS beside one `torch.compile`d kernel per elementwise step;
-the rotary and the KV-cache write are one Triton kernel inside the batch view
-(models/triton_rotary.py). A one-row decoder layer is then norm + qkv, rotary + KV write,
-split-KV attention (its chunks combined in the same launch), o + residual, norm + gate_up,
-SwiGLU + down + residual: six launches. Where a fusion does not apply (a bias, Qwen3's q/k norms before
-the rotary, the CPU, float32, more rows than the GEMV serves) the fused bundle composes
-the single kernels. The model receives the bundle explicitly; nothing global is patched.
-"""
+The fused bundle (`compiled_kernels`: elementwise steps through `torch.compile`) serves the
+fixed-shape decode paths: each projection takes its route (routes.py) to the few-row GEMV
+with the RMSNorm or SwiGLU prologue and the residual epilogue (gemv.py), to the Triton
+matmul with the SwiGLU or residual epilogue (matmul.py), or to the layer's own forward
+beside compiled elementwise kernels; the rotary and the KV-cache write go to the view, which
+runs them as one kernel (rotary_write.py). Where a fusion does not apply it composes the
+single kernels."""
 
 from __future__ import annotations
 
@@ -27,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.models.fused_linear import FusedLinear
+from infer.models.kernels.matmul_tiles import choose_config
+from infer.models.kernels.routes import GEMV, MATMUL, route
 from infer.models.layers.mlp import silu_mul
 from infer.models.layers.norms import rmsnorm
 from infer.models.layers.rotary import rotary_qk
@@ -101,6 +96,89 @@ class Kernels:
 
 
 EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu, norm_linear, swiglu_linear, mlp, attend)
+
+
+def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,
+          norm: tuple[Tensor, float] | None = None, swiglu: bool = False) -> Tensor:
+    """The GEMV with its prologue (RMSNorm `norm` = (weight, eps), or SwiGLU of x = gate | up)
+    and the residual add in its epilogue (after `combine` for a row-parallel layer, whose
+    matmul is a partial sum). x: [..., K] or [..., 2K] -> [..., N]."""
+    from infer.models.kernels.gemv import gemv
+    weight, scale = layer.matrix()
+    n = weight.shape[0]
+    fuse_add = residual is not None and not layer.partial_output
+    y = gemv(x.reshape(-1, x.shape[-1]), weight, scale, norm_weight=None if norm is None else norm[0],
+             eps=1e-5 if norm is None else norm[1], swiglu_input=swiglu,
+             residual=residual.reshape(-1, n) if fuse_add and residual is not None else None)  # [M, N]
+    y = layer.combine(y.view(*x.shape[:-1], n))
+    return y if residual is None or fuse_add else residual + y
+
+
+def _matmul(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu: bool) -> Tensor:
+    """The Triton matmul with the residual add (or SwiGLU) in its epilogue; a layer whose
+    matmul is a partial sum (row-parallel) adds the residual after `combine` instead."""
+    from infer.models.kernels.matmul import triton_linear
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    weight, scale = layer.matrix()
+    n = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    fuse_add = residual is not None and not layer.partial_output
+    res = residual.reshape(-1, n).contiguous() if fuse_add and residual is not None else None
+    y = triton_linear(rows, weight, scale, choose_config(rows.shape[0], n, rows.shape[1]),
+                      layer.workspace, res, swiglu)
+    y = layer.combine(y.view(*x.shape[:-1], n))
+    return y if residual is None or fuse_add else residual + y
+
+
+class FusedLinear:
+    """The fused bundle's projection entries, each routed by `route` (the elementwise
+    kernels they fall back to are given: compiled on the GPU, plain on the CPU)."""
+
+    def __init__(self, add: Callable[[Tensor, Tensor], Tensor], silu_mul: Callable[[Tensor], Tensor],
+                 rmsnorm: Callable[[Tensor, Tensor, float], Tensor]) -> None:
+        self.add, self.silu_mul, self.rmsnorm = add, silu_mul, rmsnorm
+
+    def _project(self, layer: LinearBase, x: Tensor, residual: Tensor | None, chosen: str) -> Tensor:
+        if chosen == GEMV:
+            return _gemv(layer, x, residual)
+        if chosen == MATMUL:
+            return _matmul(layer, x, residual, False)
+        y = layer(x)
+        return y if residual is None else self.add(residual, y)
+
+    def linear(self, layer: LinearBase, x: Tensor, residual: Tensor | None) -> Tensor:
+        """layer(x) (+ residual)."""
+        return self._project(layer, x, residual, route(layer, x))
+
+    def swiglu(self, layer: LinearBase, x: Tensor) -> Tensor:
+        """silu_mul(layer(x)): the matmul's SwiGLU epilogue on its route."""
+        chosen = route(layer, x, "gate_up")
+        if chosen == MATMUL:
+            return _matmul(layer, x, None, True)
+        return self.silu_mul(self._project(layer, x, None, chosen))
+
+    def _norm_linear(self, layer: LinearBase, x: Tensor, norm_weight: Tensor, eps: float, chosen: str) -> Tensor:
+        if chosen == GEMV and norm_weight.dtype == x.dtype:
+            return _gemv(layer, x, norm=(norm_weight.contiguous(), eps))
+        return self._project(layer, self.rmsnorm(x, norm_weight, eps), None, chosen)
+
+    def norm_linear(self, layer: LinearBase, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+        """layer(rmsnorm(x)): the GEMV's RMSNorm prologue on its route."""
+        return self._norm_linear(layer, x, norm_weight, eps, route(layer, x))
+
+    def swiglu_linear(self, layer: LinearBase, gate_up: Tensor, residual: Tensor | None) -> Tensor:
+        """layer(silu_mul(gate_up)) (+ residual): the GEMV's SwiGLU prologue on its route."""
+        chosen = route(layer, gate_up)
+        if chosen == GEMV:
+            return _gemv(layer, gate_up, residual, swiglu=True)
+        return self._project(layer, self.silu_mul(gate_up), residual, chosen)
+
+    def mlp(self, gate_up: LinearBase, down: LinearBase, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
+        """x + down(silu_mul(gate_up(rmsnorm(x)))): SwiGLU as gate_up's epilogue on the
+        MATMUL route, else as down's prologue (`swiglu_linear`)."""
+        chosen = route(gate_up, x, "gate_up")
+        if chosen == MATMUL:
+            return self.linear(down, _matmul(gate_up, self.rmsnorm(x, norm_weight, eps), None, True), x)
+        return self.swiglu_linear(down, self._norm_linear(gate_up, x, norm_weight, eps, chosen), x)
 
 
 def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:

@@ -1,39 +1,15 @@
-"""Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..16 rows, bound by
-reading W once at the memory bandwidth.
+"""Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..MAX_ROWS rows, bound by
+reading W once.
 
-W is bf16/fp16 (x's dtype), FP8 E4M3 with one float32 scale per output row (applied in
-the epilogue), or integer codes (models/int_quant.py: 4-bit two a byte, or 8-bit) with a
-scale and an offset per group of input columns, unpacked in registers: s * q + o in
-float32 (4-bit: the even and odd columns of a byte as two half-width tiles). Each program owns `block_n` rows of W and streams them along K (W is
-row-major, so a row's K values are contiguous: 16-byte vector loads); all M rows of x ride
-along, so W is read once whatever M is. Accumulation is float32, by one of two inner
-products chosen per shape:
-
-- "fma": a [BM, block_n, block_k] float32 accumulator of elementwise products, reduced over
-  K once at the end (no cross-thread reduction inside the loop); BM = M rounded up to a
-  power of two. Measured best for one or two rows.
-- "dot": `tl.dot` on 16-row tiles (tensor cores; rows past M are masked to zero). FP8
-  weights convert to fp16 in registers and multiply x converted to fp16; integer weights
-  dequantize to x's dtype.
-
-Where N gives too few programs to keep every multiprocessor streaming, K can be split over
-`split_k` programs per row block; each writes float32 partial sums to a workspace
-[split_k, M, N] and a second small kernel adds them in a fixed order (no atomics: the
-result does not depend on timing) and runs the epilogue. That second launch costs about
-as much as a small matrix's whole read, so splits pay mostly for the dot tiles.
-
-Fused parts, each a flag of `gemv`:
-- RMSNorm prologue (`norm_weight`): each program recomputes its rows' RMS over all of K
-  (x is tiny) and multiplies x as `kernels.rmsnorm` does: x * rsqrt(mean(x^2) + eps) in
-  float32, rounded to x's dtype, times the norm weight, rounded.
-- SwiGLU prologue (`swiglu_input`): x is [M, 2K], gate then up; the kernel forms
-  silu(gate) (float32, rounded) * up (rounded) on the fly, as `kernels.silu_mul`.
-- residual epilogue (`residual`): the matmul output is rounded to x's dtype, then added to
-  the residual in float32 and rounded, as PyTorch's `residual + y`.
-
-Launch parameters come from `gemv_tiles.config_for` (a table of measured configurations
-keyed by N, K, row bucket and weight kind, else a default built from the shape).
-"""
+W is bf16/fp16 (x's dtype), FP8 E4M3 with a float32 scale per output row (applied in the
+epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py),
+unpacked in registers. Each program streams `block_n` rows of W along K with every row of x
+riding along; its inner product is float32 FMA ("fma": a row tile of M rounded up to a power
+of two) or `tl.dot` on 16-row tiles ("dot"). K may be split over `split_k` programs whose
+float32 partial sums a second kernel adds in a fixed order. Fused, each a flag of `gemv`: the
+RMSNorm prologue (`norm_weight`), the SwiGLU prologue (`swiglu_input`: x is gate | up) and the
+residual epilogue (`residual`), each rounding as the eager kernels do. Launch parameters
+come from `gemv_tiles.config_for`."""
 
 from __future__ import annotations
 
@@ -41,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.models.gemv_tiles import GemvConfig, check_inputs, config_for, logical_shape, row_bucket, weight_kind
+from infer.models.kernels.gemv_tiles import GemvConfig, check_inputs, config_for, logical_shape, row_bucket, weight_kind
 from infer.models.layers.int_quant import IntScales
 
 _REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction

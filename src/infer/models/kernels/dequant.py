@@ -1,5 +1,5 @@
 """Integer weights to a dense matrix on the GPU in one pass: W [N, K] = s * q + o in the
-activations' dtype (models/int_quant.py's layout), for the calls too wide for the GEMV
+activations' dtype (layers/int_quant.py's layout), for the calls too wide for the GEMV
 (prefill chunks and large batches), which then multiply W with cuBLAS. The matrix is made
 for the call and dropped after it: only the packed codes stay resident."""
 

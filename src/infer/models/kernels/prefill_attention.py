@@ -1,24 +1,13 @@
-"""Triton flash attention for long query chunks (prompt prefill) over row-indexed KV storage.
+"""Triton flash attention for long query chunks (prompt prefill) over row-indexed (paged or
+slotted) KV storage, read where the cache keeps them: no gathered copy, no [B, T, S] mask.
 
-A prefill chunk's keys and values are already written to the cache (paged or slotted rows);
-this kernel reads them where they lie, through its row's block table, instead of gathering
-the whole context into a new tensor and running SDPA with an explicit [B, T, S] mask. The
-rule is the flat batch's: the token at position p of batch row b sees the context positions
-< min(p + 1, seq_lens[b]). That one rule covers a prompt from its start and a chunk after a
-prefix-cache hit or after the prompt's earlier chunks (queries past seq_lens see the whole
-context: finite, and ignored).
-
-One program serves BLOCK_M consecutive queries of one query head of one batch row (grid:
-query heads fastest, so the heads sharing a KV head (grouped-query attention) run side by
-side and read the same K/V tiles from L2), with an online softmax in float32 over key tiles
-of BLOCK_N positions. The key range of a block ends at min(its last query's position + 1,
-seq_lens[b]): fully masked tiles are never read. Tiles below the block's first query position
-(every key visible to every query) run without the mask; only the tiles on the diagonal
-compute it. Loop bounds come from device memory (positions, seq_lens), so no host sync is needed
-and a CUDA graph may capture it.
-
-head_dim need not be a power of two: the kernel pads it to one (>= 16) with masked loads.
-"""
+The token at position p of batch row b sees the context positions < min(p + 1, seq_lens[b]):
+one rule for a whole prompt and for a chunk after a prefix-cache hit or after the prompt's
+earlier chunks. One program serves BLOCK_M consecutive queries of one query head of one row
+(heads sharing a KV head side by side), with an online softmax in float32 over key tiles of
+BLOCK_N positions; fully masked tiles are never read and only the diagonal tiles compute
+the mask. Loop bounds come from device memory, so a CUDA graph may capture it. head_dim
+need not be a power of two: it is padded to one (>= 16) with masked loads."""
 
 from __future__ import annotations
 

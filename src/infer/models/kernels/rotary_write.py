@@ -1,18 +1,12 @@
 """Rotary embedding and the KV-cache write in one Triton kernel, for the fused decode path.
 
-Unfused, a layer's attention block launches the rotary of q and k and two indexed copies
-(k and v into the cache rows). Here one program per (token, head) reads its head straight
-from the q / k / v views of the fused qkv projection's output: a query head is rotated and
-stored to the rotated-q output; a key head is rotated and stored, with its value head, to
-the token's storage row of the layer's KV cache (its KV slot in the flat batch, `paged_attention.py`: a paged
-block row or a slotted row; padding tokens go to the pool's scratch row).
-
-cos and sin are the tables the eager path uses (`kernels.cos_sin`, computed by PyTorch),
-not recomputed in the kernel. Roundings follow `kernels.rotate` in PyTorch: x * cos and
-rotate_half(x) * sin are each rounded to the activation dtype, then their sum is; floating
-point contraction (fused multiply-add) is off, so float32 activations round as PyTorch's
-separate multiply and add do too. The result is bit-identical to the eager rotary on a GPU.
-"""
+One program per (token, head) reads its head from the q / k / v views of the fused qkv
+projection's output: a query head is rotated and stored; a key head is rotated and stored,
+with its value head, to the token's storage row of the layer's KV cache (padding tokens go
+to the pool's scratch row). cos and sin are the eager path's tables (`rotary.cos_sin`), and
+the roundings follow `rotary.rotate` (each product rounded to the activation dtype, then
+their sum; no floating-point contraction), so the result is bit-identical to the eager
+rotary."""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 """Triton matmul for the linear layers: y = x @ W^T (W in bf16/fp16, or FP8 E4M3 with one
-scale per output row applied in the epilogue), with two optional fused epilogues:
+scale per output row applied in the epilogue), with two optional fused epilogues: `swiglu`
+(W holds [gate; up]; each program writes silu(gate) * up) and `residual` (y + residual).
 
-- `swiglu`: W holds [gate; up] ([2I, K]); each program computes matching gate and up rows
-  and writes silu(gate) * up ([M, I]), so the MLP's activation needs no kernel of its own;
-- `residual`: y + residual (the residual stream's add), rounded like PyTorch's bf16 add.
-
-Decode steps multiply a few rows (M <= 16) by every weight once: the kernel is bound by
-reading W. Tiles are [BM=16, BN] x [BK] with the weight streamed along K; where the output
-has too few column tiles to fill the GPU, K is split across programs (`split_k`) and the
-program that finishes a tile last adds the partial sums in a fixed order (a counter per
-tile, reset by that program, so the kernel replays inside CUDA graphs). Larger M (prefill)
-uses the same kernel with BM = 64. The engine sends only FP8 layers here (models/fused_linear.py's
-routes, models/linear.py); bf16 weights go through cuBLAS (the kernel takes them for
-`scripts/bench_matmul.py`'s comparisons).
-
-FP8 weights convert to fp16 in registers (a native conversion on Hopper, unlike bf16) and
-multiply the activations converted to fp16 (their range, up to 65504, covers a decoder's
-activations); accumulation is float32. Roundings follow PyTorch's: the matmul output is
-rounded to the activation dtype before the SwiGLU (silu in float32, rounded, times up,
-rounded) and before the residual add.
-"""
+Tiles are [BM=16, BN] x [BK] with the weight streamed along K (BM = 64 for prefill); where
+the output has too few column tiles, K is split across programs and the last program of a
+tile adds the partial sums in a fixed order (a per-tile counter it resets, so the kernel
+replays inside CUDA graphs). FP8 weights convert to fp16 in registers and multiply the
+activations converted to fp16; accumulation is float32, and the output is rounded to the
+activation dtype before the SwiGLU or the residual add, as PyTorch's. The fused bundle sends
+FP8 layers here (routes.py); bf16 weights go through cuBLAS."""
 
 from __future__ import annotations
 
@@ -27,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.models.linear_tiles import LinearConfig, SplitWorkspace
+from infer.models.kernels.matmul_tiles import LinearConfig, SplitWorkspace
 
 
 @triton.jit

@@ -1,0 +1,123 @@
+"""Which kernel serves which call: the one place that routes the decoder's work.
+
+Projections of the fused bundle (`route`): `GEMV` (gemv.py, with the RMSNorm or SwiGLU
+prologue and the residual epilogue), `MATMUL` (matmul.py, with the SwiGLU or residual
+epilogue) or `LIBRARY` (the layer's own forward: cuBLAS for dense and FP8-dequantized
+weights, the GEMV or dequant.py + cuBLAS for integer codes), by weight kind, part and row
+bucket (`ROUTES`); calls the Triton kernels cannot take (the CPU, float32, a bias, more than
+MAX_ROWS rows) take `LIBRARY`. Attention over a flat batch (`AttentionRoutes`): rows of up
+to DECODE_MAX_QUERY tokens take the split-KV kernel (split_attention.py), longer ones the
+flash prefill kernel (prefill_attention.py), and the rotary with the KV write one kernel
+(rotary_write.py); on the CPU, for an odd head size or a tree rule the kernels do not
+apply, `REFERENCE` (gathered keys, masked SDPA)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from infer.models.batch import WORD
+from infer.models.kernels.gemv_tiles import MAX_ROWS, ROW_BUCKETS, WEIGHT_KINDS, row_bucket, weight_kind
+from infer.models.layers.linear import LinearBase
+
+Tensor = torch.Tensor
+
+GEMV, MATMUL, LIBRARY = "gemv", "matmul", "library"
+PARTS = ("linear", "gate_up")
+# (weight kind, part) -> route for the row buckets 1, 2, 4, 8, 16 (`gemv_tiles.ROW_BUCKETS`),
+# chosen from `scripts/bench_gemv.py`'s comparison (docs/benchmarks.md). Integer codes take the
+# GEMV in every bucket: their LIBRARY is the same GEMV without its fusions, and the Triton
+# matmul takes no integer weights.
+ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("bf16", "linear"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
+    ("bf16", "gate_up"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
+    ("fp8", "linear"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
+    ("fp8", "gate_up"): (GEMV, MATMUL, MATMUL, MATMUL, MATMUL),
+    ("int4", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int4", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "linear"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+    ("int8", "gate_up"): (GEMV, GEMV, GEMV, GEMV, GEMV),
+}
+INT_KINDS = ("int4", "int8")  # weight kinds the Triton matmul does not take
+
+
+def check_routes(routes: dict[tuple[str, str], tuple[str, ...]]) -> None:
+    """Raise a ValueError naming the entry to fix in a route table."""
+    for kind in WEIGHT_KINDS:
+        for part in PARTS:
+            chosen = routes.get((kind, part))
+            if chosen is None or len(chosen) != len(ROW_BUCKETS):
+                raise ValueError(f"ROUTES[({kind!r}, {part!r})] must give one route per row bucket {ROW_BUCKETS}")
+            allowed = (GEMV, LIBRARY) if kind in INT_KINDS else (GEMV, MATMUL, LIBRARY)
+            if any(r not in allowed for r in chosen):
+                names = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+                raise ValueError(f"ROUTES[({kind!r}, {part!r})] = {chosen}: each must be {names}")
+
+
+check_routes(ROUTES)
+
+
+def table_route(kind: str, part: str, rows: int) -> str:
+    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, "fp8",
+    "int4", "int8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
+    if not 1 <= rows <= MAX_ROWS:
+        return LIBRARY
+    return ROUTES[(kind, part)][ROW_BUCKETS.index(row_bucket(rows))]
+
+
+def route(layer: LinearBase, x: Tensor, part: str = "linear") -> str:
+    """The route of `layer` applied to x [..., K]: the table's where a Triton kernel can
+    serve the call (CUDA, half precision, no bias), else `LIBRARY`."""
+    if layer.bias is not None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+        return LIBRARY
+    return table_route(weight_kind(*layer.matrix()), part, x.numel() // x.shape[-1])
+
+
+DECODE_MAX_QUERY = 128  # longer rows attend with the flash prefill kernel
+SPLIT_KV, PREFILL, REFERENCE = "split-kv", "prefill", "reference"
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_serve(q: Tensor) -> bool:
+    """Whether the Triton attention kernels serve these queries [N, Hq, D] (CUDA, a power-of-two
+    head_dim >= 16; the prefill kernel takes any up to 256, the split-KV one needs this)."""
+    d = q.shape[-1]
+    return q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_available()
+
+
+def rotary_write_fused(q: Tensor) -> bool:
+    """Whether the rotary of q [..., D] and k and the KV write run as one Triton kernel."""
+    return q.is_cuda and triton_available()
+
+
+def row_attention(query_len: int) -> str:
+    """The kernel of a row of `query_len` tokens where the kernels serve: SPLIT_KV or PREFILL."""
+    return SPLIT_KV if query_len <= DECODE_MAX_QUERY else PREFILL
+
+
+@dataclass(frozen=True)
+class AttentionRoutes:
+    """A flat batch's rows by kernel (host lists, fixed for the pass) and whether the
+    kernels apply its tree rule: the split-KV kernel applies a rule of one word, so a wider
+    tree, or a tree beside long rows, takes `REFERENCE`."""
+
+    split_kv: list[int]  # rows of up to DECODE_MAX_QUERY tokens
+    prefill: list[int]  # longer rows
+    kernels_fit: bool
+
+    @classmethod
+    def of(cls, query_lens: tuple[int, ...], tree_width: int | None) -> AttentionRoutes:
+        split_kv = [b for b, n in enumerate(query_lens) if row_attention(n) == SPLIT_KV]
+        prefill = [b for b, n in enumerate(query_lens) if row_attention(n) == PREFILL]
+        return cls(split_kv, prefill, tree_width is None or (not prefill and tree_width <= WORD))
+
+    def reference(self, q: Tensor) -> bool:
+        """Whether queries q [N, Hq, D] of this batch take `REFERENCE` attention."""
+        return not (self.kernels_fit and kernels_serve(q))

@@ -47,7 +47,7 @@ from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
 from infer.models.layers.int_quant import IntLayout, IntScales, quantize_rtn  # noqa: E402
 from infer.models.layers.mlp import silu_mul  # noqa: E402
 from infer.models.layers.norms import rmsnorm  # noqa: E402
-from infer.models.loader import model_shapes  # noqa: E402
+from infer.models.loading.loader import model_shapes  # noqa: E402
 
 CALLS = 20  # calls per graph, each on its own weight copy
 FUSION = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual"),

@@ -23,7 +23,7 @@ from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
 from infer.models.kernels.matmul import triton_linear  # noqa: E402
 from infer.models.kernels.matmul_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
 from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
-from infer.models.loader import model_shapes  # noqa: E402
+from infer.models.loading.loader import model_shapes  # noqa: E402
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-import infer.models.gguf.weights  # noqa: F401  (the gguf library's import, outside the timed load)
+import infer.models.loading.gguf.weights  # noqa: F401  (the gguf library's import, outside the timed load)
 import infer.tokenization.gguf  # noqa: F401  (and the tokenizer's)
 from infer import LLM, SamplingParams
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 PLAIN = ["def fibonacci(n):", "def quicksort(xs):", "def is_prime(n):"]  # the README's prompts
 CHAT = ["Hello", "Hi"]

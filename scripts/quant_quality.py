@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET  # noqa: E402
-from infer.models.loader import load_model  # noqa: E402
+from infer.models.loading.loader import load_model  # noqa: E402
 from infer.speculative.theory import expected_tokens  # noqa: E402
 from infer.tokenization import Tokenizer  # noqa: E402
 

@@ -27,10 +27,11 @@ import torch
 from demo_pair.completions import PROMPTS
 from infer.engine.loading import demo_model_path
 from infer.llm import LLM
-from infer.models.eagle import EagleHead, load_eagle_head
+from infer.models.eagle import EagleHead
 from infer.models.layers.attention import NoCacheView
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.eagle_files import load_eagle_head
+from infer.models.loading.loader import load_model
 from infer.sampling import SamplingParams
 
 DEFAULT_K = 5

@@ -41,10 +41,11 @@ from demo_pair.eagle_data import (HeadData, coverage, draft_vocabulary, extract_
 from demo_pair.eagle_train import HeadLog, HeadSettings, init_head, train_head
 from demo_pair.presets import TrainSettings, get_preset, settings_with
 from demo_pair.saving import SUMMARY_FILE, training_environment
-from infer.models.eagle import EagleHead, load_eagle_head
-from infer.models.eagle_dummy import head_config_for
+from infer.models.eagle import EagleHead
 from infer.models.llama import LlamaForCausalLM, fused_to_hf
-from infer.models.loader import load_model
+from infer.models.loading.dummy_heads import head_config_for
+from infer.models.loading.eagle_files import load_eagle_head
+from infer.models.loading.loader import load_model
 
 if TYPE_CHECKING:
     from demo_pair.train import Corpus

@@ -37,7 +37,7 @@ from demo_pair.model_card import write_cards
 from demo_pair.trainer import autocast, forward_logits
 from infer.bench.corpus import read_texts, split_corpus
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 DEFAULT_K = 0.01
 DEFAULT_MAX_NEW_TOKENS = 128

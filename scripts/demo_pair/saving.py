@@ -18,8 +18,8 @@ import torch
 from tokenizers import Tokenizer
 
 from demo_pair.bpe import PAD_ID, save_tokenizer_files
-from infer.models.checkpoint import save_checkpoint
 from infer.models.llama import LlamaForCausalLM
+from infer.models.loading.checkpoint import save_checkpoint
 
 MAX_SHARD_BYTES = 15 * 2**20
 SAVE_DTYPE = torch.bfloat16

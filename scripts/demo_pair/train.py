@@ -50,7 +50,7 @@ from demo_pair.trainer import init_weights, train_model
 from infer.bench.corpus import read_texts, split_corpus, stdlib_root
 from infer.engine.loading import resolve_device
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 @dataclass

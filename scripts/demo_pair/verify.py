@@ -17,7 +17,7 @@ import torch
 
 from demo_pair.saving import MAX_SHARD_BYTES
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 MAX_PAIR_BYTES = 40 * 10**6
 REQUIRED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -26,10 +26,10 @@ from infer import LLM, SamplingParams
 from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor.head_graphs import HeadRoundGraphs
-from infer.models.eagle import load_eagle_head
 from infer.models.kernels.bundle import EAGER, compiled_kernels
 from infer.models.layers.attention import NoCacheView
-from infer.models.loader import load_model
+from infer.models.loading.eagle_files import load_eagle_head
+from infer.models.loading.loader import load_model
 from infer.speculative.eagle_round import EagerHeadRound
 
 pytestmark = pytest.mark.gpu

@@ -336,7 +336,7 @@ def test_fp8_model_fused_kernels_match_eager_logits(ckpt_a):
     from infer.cache.factory import make_cache_pool
     from infer.cache.forward_batch import Row, build_batch, plan_batch
     from infer.engine.executor.batch_forward import run_model
-    from infer.models.loader import load_model
+    from infer.models.loading.loader import load_model
     model, config = load_model(str(ckpt_a), dtype="bfloat16", device="cuda", quantization="fp8")
     ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).tolist()
     outs = []

@@ -128,7 +128,7 @@ def _tokens(llm: LLM) -> list[tuple[list[int], list[int]]]:
 
 def test_gpu_int4_engine_matches_its_dequantized_twin(tmp_path: Path) -> None:
     from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
-    from infer.models.checkpoint import save_checkpoint
+    from infer.models.loading.checkpoint import save_checkpoint
     kw = dict(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)
     int4 = LLM(str(DEMO_TARGET), quantization="int4", **kw)
     twin_dir = save_checkpoint(int4.engine.models.target, tmp_path / "twin", dtype=torch.float32)
@@ -151,7 +151,7 @@ def test_gpu_gguf_kept_codes_match_their_dequantized_twin(tmp_path: Path) -> Non
 
     from helpers.checkpoints import make_checkpoint
     from helpers.gguf_files import write_gguf
-    from infer.models.checkpoint import save_checkpoint
+    from infer.models.loading.checkpoint import save_checkpoint
     ckpt = make_checkpoint(tmp_path / "ckpt", variant="b", hidden_size=256, intermediate_size=256)
     path = write_gguf(ckpt, tmp_path / "mix.gguf", Q.Q4_0, overrides={"attn_v": Q.Q8_0, "ffn_down": Q.Q4_1})
     kw = dict(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)

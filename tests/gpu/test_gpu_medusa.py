@@ -20,9 +20,9 @@ from helpers.spec_e2e import word_prompts
 from infer import LLM, SamplingParams
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
 from infer.models.kernels.bundle import EAGER, compiled_kernels
-from infer.models.loader import load_model
-from infer.models.medusa import dummy_medusa_config, dummy_medusa_head
-from infer.models.medusa_files import load_medusa_head
+from infer.models.loading.dummy_heads import dummy_medusa_config, dummy_medusa_head
+from infer.models.loading.loader import load_model
+from infer.models.loading.medusa_files import load_medusa_head
 
 pytestmark = pytest.mark.gpu
 

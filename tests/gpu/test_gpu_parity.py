@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from helpers.checkpoints import encode, hf_greedy, load_hf_model, nocache_greedy
-from infer.models.checkpoint import save_checkpoint
-from infer.models.loader import load_model
+from infer.models.loading.checkpoint import save_checkpoint
+from infer.models.loading.loader import load_model
 
 pytestmark = pytest.mark.gpu
 

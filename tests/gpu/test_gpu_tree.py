@@ -102,7 +102,7 @@ def test_tree_chunk_with_fused_kernels_matches_eager_kernels(ckpt_a):
     from infer.engine.executor.batch_forward import run_model
     from infer.engine.verification import block_row
     from infer.models.kernels.bundle import EAGER, compiled_kernels
-    from infer.models.loader import load_model
+    from infer.models.loading.loader import load_model
     from infer.speculative.tree import Draft
     model, _ = load_model(str(ckpt_a), dtype="bfloat16", device="cuda")
     shape = TreeShape.parse(TREE)

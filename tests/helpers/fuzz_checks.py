@@ -32,7 +32,7 @@ from helpers.fuzz_models import FuzzModels
 
 from infer import LLM, SamplingParams
 from infer.engine.output import CompletionOutput
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 LOGPROB_ATOL = 1e-3
 STEP_FACTOR, STEP_SLACK = 8, 200  # step cap: STEP_FACTOR x (prompt + max_tokens, every sample) + STEP_SLACK

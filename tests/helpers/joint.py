@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from helpers.checkpoints import family_model, write_tokenizer
 from infer import SamplingParams
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 from infer.sampling import logits_to_probs
 
 Joint = dict[tuple[int, ...], float]

@@ -9,7 +9,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 PROMPTS = [
     "def fibonacci(n):\n    ",

@@ -15,7 +15,7 @@ import torch
 
 from helpers.reference import TOP, reference
 from infer import SamplingParams
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 PROMPT = "The quick brown fox"
 STEPS = 12

@@ -16,7 +16,7 @@ import torch
 
 from helpers.reference import reference
 from infer import EngineConfig, SamplingParams
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 from infer.sampling import derive_seed
 from infer.server.launch import LiveServer
 from helpers.live import openai_api, serving

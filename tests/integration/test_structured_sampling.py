@@ -23,7 +23,7 @@ pytest.importorskip("xgrammar")
 
 from helpers.joint import empirical_joint, tiny_pair, total_variation  # noqa: E402
 from infer import SamplingParams  # noqa: E402
-from infer.models.loader import load_model  # noqa: E402
+from infer.models.loading.loader import load_model  # noqa: E402
 from infer.sampling import StructuredOutput, logits_to_probs  # noqa: E402
 
 VOCAB = 4

@@ -18,7 +18,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.step_costs import weight_bytes
 from infer.models.config import ModelConfig
-from infer.models.loader import load_model, read_model_config
+from infer.models.loading.loader import load_model, read_model_config
 
 
 @pytest.mark.parametrize("shape", ["dummy:llama-3.2-1b", "dummy:llama-3.2-3b"])

@@ -26,7 +26,7 @@ from infer.bench.rows import index_rows
 from infer.engine.step_costs import weight_bytes
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
 from infer.bench.workloads import WORKLOADS, Workload, build_requests, code_edit_text
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 from infer.tokenization import Tokenizer
 
 QUICK = StepCostConfig(context_len=16, max_seq_len=64, k_max=3, repeats=2, warmup=1)

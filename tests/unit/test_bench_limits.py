@@ -18,7 +18,7 @@ from infer.bench.roofline import decode_step_bytes
 from infer.bench.suites import build_table
 from infer.bench.workloads import Workload
 from infer.engine.batch_size import kv_bytes_per_token
-from infer.models.loader import load_model, model_shapes
+from infer.models.loading.loader import load_model, model_shapes
 
 ROWS = ("prefill/3b/16x2048", "batch/3b/b128", "batch/3b/b256")
 

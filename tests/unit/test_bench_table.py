@@ -17,7 +17,7 @@ from infer.bench.harness import Harness, HarnessOptions
 from infer.bench.results import BenchRun
 from infer.bench.rows import Module, Row, index_rows, with_refs
 from infer.engine.threads import auto_threads, available_cores
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 from helpers.foreign_vocab import narrow_draft
 

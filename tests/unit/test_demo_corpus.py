@@ -37,7 +37,7 @@ from demo_pair.trainer import (
 )
 from infer.bench import corpus
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -15,9 +15,9 @@ from demo_pair.eagle_head import HEAD_PRESETS, _head_override, build_head, conti
 from demo_pair.eagle_train import HeadSettings, unrolled_losses
 from demo_pair.train import Corpus
 from demo_pair.unrolled_view import UnrolledView, unrolled_mask
-from infer.models.eagle import load_eagle_head
 from infer.models.layers.attention import NoCacheView
-from infer.models.loader import load_model
+from infer.models.loading.eagle_files import load_eagle_head
+from infer.models.loading.loader import load_model
 
 
 def test_unrolled_mask_is_causal_then_diagonal() -> None:

@@ -13,10 +13,10 @@ import pytest
 import torch
 from helpers.eagle_heads import counting_fused_kernels, reference_head, write_head
 from infer.models.capture import HiddenCapture
-from infer.models.eagle import load_eagle_head, read_head_config
 from infer.models.kernels.bundle import EAGER
 from infer.models.layers.attention import NoCacheView
-from infer.models.loader import load_model
+from infer.models.loading.eagle_files import load_eagle_head, read_head_config
+from infer.models.loading.loader import load_model
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_capture_matches_transformers_hidden_states(ckpt_b: Path, target) -> Non
 
 
 def test_dummy_head_configs_follow_the_target_shape() -> None:
-    from infer.models.eagle_dummy import DUMMY_DRAFT_VOCAB, dummy_head_config
+    from infer.models.loading.dummy_heads import DUMMY_DRAFT_VOCAB, dummy_head_config
     spec = dummy_head_config("dummy-eagle3:llama-3.2-3b", "eagle3")
     assert (spec.hidden_size, spec.draft_vocab_size, spec.layer.num_hidden_layers) == (3072, DUMMY_DRAFT_VOCAB, 1)
     assert spec.capture_points(28) == (2, 14, 25)

@@ -16,8 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from helpers.checkpoints import hf_greedy, load_hf_model, make_family_checkpoint, nocache_greedy
 from helpers.gguf_files import write_gguf
 from infer import LLM, SamplingParams
-from infer.models.gguf.reader import GGUFFile
-from infer.models.loader import load_model
+from infer.models.loading.gguf.reader import GGUFFile
+from infer.models.loading.loader import load_model
 
 FAMILIES = ["qwen2", "qwen3", "mistral"]
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
@@ -83,7 +83,7 @@ def test_the_engine_matches_transformers_greedy(family_ckpt: tuple[str, Path]) -
 
 
 def test_a_saved_model_round_trips_in_its_family(family_ckpt: tuple[str, Path], tmp_path: Path) -> None:
-    from infer.models.checkpoint import save_checkpoint
+    from infer.models.loading.checkpoint import save_checkpoint
     family, ckpt = family_ckpt
     ours, _ = load_model(str(ckpt))
     saved = save_checkpoint(ours, tmp_path / "saved")

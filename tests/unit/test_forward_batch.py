@@ -14,7 +14,7 @@ from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch, token_slots
 from infer.models.layers.attention import NoCacheView
 from infer.models.layers.paged_attention import BatchView, key_rows
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 @pytest.fixture(scope="module")

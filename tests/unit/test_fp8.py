@@ -11,10 +11,10 @@ import torch
 
 from helpers.checkpoints import make_checkpoint
 from infer import EngineConfig
-from infer.models.int_checkpoint import checkpoint_quantization
 from infer.models.layers.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8_rows
 from infer.models.layers.linear import make_linear
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
+from infer.models.loading.quantized import checkpoint_quantization
 
 
 def test_quantize_dequantize_error_is_within_the_e4m3_bound_per_channel():

@@ -21,7 +21,7 @@ from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.kernels.bundle import EAGER, Kernels, fused_kernels
 from infer.models.kernels.routes import GEMV, LIBRARY, MATMUL, ROUTES, check_routes, route, table_route
 from infer.models.layers.linear import make_linear
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 PLAIN_FUSED = fused_kernels(lambda fn: fn)  # the fused routing, elementwise steps uncompiled
 

@@ -75,8 +75,8 @@ def _head() -> EagleHead:
     vocabulary of 48 of the target's 64 ids) with unit-gain random matrices."""
     import dataclasses
 
-    from infer.models.eagle_dummy import dummy_eagle_head, head_config_for
     from infer.models.llama import LlamaForCausalLM
+    from infer.models.loading.dummy_heads import dummy_eagle_head, head_config_for
     torch.manual_seed(3)
     config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=16)

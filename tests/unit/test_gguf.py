@@ -18,10 +18,10 @@ from helpers.checkpoints import hf_greedy, load_hf_model, make_checkpoint
 from helpers.gguf_files import permute, write_gguf
 from infer import LLM, SamplingParams
 from infer.engine.loading import load_tokenizer
-from infer.models.gguf.reader import GGUFFile
-from infer.models.gguf.weights import iter_hf_tensors, unpermute_rotary
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model, model_shapes
+from infer.models.loading.gguf.reader import GGUFFile
+from infer.models.loading.gguf.weights import iter_hf_tensors, unpermute_rotary
+from infer.models.loading.loader import load_model, model_shapes
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
 

@@ -16,12 +16,12 @@ from gguf import GGMLQuantizationType as Q
 from helpers.checkpoints import make_checkpoint
 from helpers.gguf_files import write_gguf
 from infer import LLM, SamplingParams
-from infer.models.gguf.reader import GGUFFile
-from infer.models.gguf.repack import KEPT_LAYOUTS, repack
-from infer.models.gguf.weights import dequantize_tensor
 from infer.models.layers.int_embedding import QuantizedEmbedding, SharedWeights
 from infer.models.layers.int_quant import IntLayout
-from infer.models.loader import build_model, open_reader
+from infer.models.loading.gguf.reader import GGUFFile
+from infer.models.loading.gguf.repack import KEPT_LAYOUTS, repack
+from infer.models.loading.gguf.weights import dequantize_tensor
+from infer.models.loading.loader import build_model, open_reader
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
 MIX = {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_0, "ffn_gate": Q.Q5_K,
@@ -110,7 +110,7 @@ def test_a_layer_with_a_dense_part_stays_dense(kquant_ckpt: Path, tmp_path: Path
 
 
 def test_another_quantization_dequantizes_the_file(mixed_file: Path) -> None:
-    from infer.models.loader import load_model
+    from infer.models.loading.loader import load_model
     model, _ = load_model(str(mixed_file), quantization="int4")  # re-quantized from the dequantized values
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.method.layout == IntLayout(4, 128)

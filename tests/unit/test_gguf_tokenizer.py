@@ -135,8 +135,8 @@ def _spoil_tensor_data(path: Path) -> Path:
 @pytest.fixture
 def no_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reading or building any weight fails the test."""
-    import infer.models.gguf.weights as gguf_weights
-    import infer.models.loader as loader
+    import infer.models.loading.gguf.weights as gguf_weights
+    import infer.models.loading.loader as loader
 
     def refuse(*_: Any, **__: Any) -> Any:
         raise AssertionError("a weight was read")

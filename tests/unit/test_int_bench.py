@@ -11,7 +11,7 @@ from infer.bench import suites
 from infer.bench.analysis import batch_speedups
 from infer.bench.rows import HarnessOptions
 from infer.engine.step_costs import weight_bytes
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 def test_int4_rows_are_in_their_suites_with_their_references() -> None:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from helpers.checkpoints import make_checkpoint
 from helpers.int_checkpoints import edit_quantization_config, write_compressed_tensors, write_int_checkpoint
 from infer import LLM, SamplingParams
-from infer.models.loader import load_model, read_model_config
+from infer.models.loading.loader import load_model, read_model_config
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
 

@@ -16,7 +16,7 @@ from infer.models.layers.int_embedding import QuantizedEmbedding, SharedWeights
 from infer.models.layers.int_quant import (IntLayout, PackedRows, default_group, dequantize_int, pack_codes,
                                            quantize_rtn, unpack_codes)
 from infer.models.layers.linear import IntWeights, LinearBase, make_linear
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 def test_round_to_nearest_is_within_half_a_step_of_every_weight() -> None:
@@ -110,7 +110,7 @@ def test_int4_model_keeps_codes_and_tracks_the_dense_model(tmp_path: Path, varia
         a, b = dense(ids).flatten(0, 1), q(ids).flatten(0, 1)
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) >= 0.99 and not torch.equal(a, b)
     assert [n for n, _ in q.hf_state_dict()] == [n for n, _ in dense.hf_state_dict()]
-    from infer.models.checkpoint import save_checkpoint
+    from infer.models.loading.checkpoint import save_checkpoint
     twin, _ = load_model(str(save_checkpoint(q, tmp_path / "twin")), dtype="float32")  # dequantized, dense
     with torch.no_grad():
         torch.testing.assert_close(twin(ids).flatten(0, 1), b, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from helpers.checkpoints import copy_checkpoint, load_hf_model
-from infer.models.checkpoint import plan_shards, save_checkpoint
-from infer.models.loader import DUMMY_LOGIT_GAIN, load_model, model_shapes, resolve_model_path
+from infer.models.loading.checkpoint import plan_shards, save_checkpoint
+from infer.models.loading.loader import load_model, model_shapes
+from infer.models.loading.readers import DUMMY_LOGIT_GAIN, resolve_model_path
 
 IDS = torch.tensor([[5, 77, 123, 9, 300, 41, 2, 250, 18, 64, 99, 7]])  # [1, T]
 

@@ -13,9 +13,10 @@ import torch
 from helpers.eagle_heads import counting_fused_kernels
 from helpers.medusa_heads import reference_medusa, write_medusa_head
 from infer.engine.step_costs import measure_model_costs
-from infer.models.loader import load_model
-from infer.models.medusa import MedusaConfig, dummy_medusa_config, dummy_medusa_head
-from infer.models.medusa_files import load_medusa_head, read_medusa_config
+from infer.models.loading.dummy_heads import dummy_medusa_config, dummy_medusa_head
+from infer.models.loading.loader import load_model
+from infer.models.loading.medusa_files import load_medusa_head, read_medusa_config
+from infer.models.medusa import MedusaConfig
 from infer.speculative.medusa import medusa_draft
 from infer.speculative.tree import TreeShape, chain_shape
 
@@ -75,7 +76,7 @@ def test_quantized_heads_load(tmp_path: Path, ckpt_b: Path, target) -> None:
                                                  ("vocab_size", 100, "vocabulary 100")])
 def test_heads_of_another_target_refused_before_weights(tmp_path: Path, ckpt_b: Path, target, monkeypatch,
                                                         field: str, value: int, words: str) -> None:
-    import infer.models.medusa_files as files
+    import infer.models.loading.medusa_files as files
     directory = write_medusa_head(tmp_path / "m", ckpt_b, 2, 1, **{field: value})
     monkeypatch.setattr(files, "read_tensors", lambda file: pytest.fail("weights read before the check"))
     with pytest.raises(ValueError, match=f"do not fit the target: {words}"):

@@ -17,7 +17,7 @@ import torch
 
 from helpers.checkpoints import encode, hf_greedy, load_hf_model, nocache_greedy
 from infer.models.layers.attention import NoCacheView
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 ATOL = 1e-4
 PROMPTS = [

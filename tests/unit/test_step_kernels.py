@@ -11,7 +11,7 @@ from infer.engine.executor.kernels import warm_chunks, warms
 from infer.models.capture import HiddenCapture
 from infer.models.kernels.bundle import EAGER
 from infer.models.layers.parallel import Parallel
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 def test_warm_chunks_runs_two_chunk_widths_and_keeps_the_capture(ckpt_a: Path) -> None:

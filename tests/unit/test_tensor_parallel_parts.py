@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-import infer.models.readers as readers
+import infer.models.loading.readers as readers
 from infer.bench.collectives import collective_kind, summarize_kernels
 from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.distributed.channel import decode, encode
@@ -24,7 +24,7 @@ from infer.models.layers.linear import TiedRows
 from infer.models.layers.parallel import Parallel, TensorPart, VocabParallelEmbedding
 from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 CONFIG = ModelConfig(vocab_size=384, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=4, head_dim=8)

@@ -26,7 +26,7 @@ from infer.bench.peers import TimedRequest
 from infer.bench.workloads import Workload, build_requests
 from infer.engine.loading import resolve_device
 from infer.models.config import ModelConfig
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 from infer.timing import synchronize
 
 REQUIRED_FILES = ("model.py", "generate.py")

@@ -30,7 +30,7 @@ from infer.engine.config import EngineConfig
 from infer.engine.loading import load_models
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
 from infer.engine.threads import apply_cpu_threads
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 TRANSFORMERS = Module("transformers", "transformers>=4.45")

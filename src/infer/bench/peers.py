@@ -22,7 +22,7 @@ from infer.timing import synchronize
 from infer.bench.workloads import Workload, build_requests
 from infer.engine.loading import load_tokenizer, resolve_device
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model
+from infer.models.loading.loader import load_model
 
 
 @dataclass(frozen=True)

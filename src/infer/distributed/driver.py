@@ -38,10 +38,11 @@ from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
-from infer.models.gguf.path import is_gguf_path
 from infer.models.layers.parallel import Collectives
 from infer.models.layers.shard import ModelShard
-from infer.models.loader import DUMMY_PREFIX, read_model_config, resolve_model_path
+from infer.models.loading.gguf.path import is_gguf_path
+from infer.models.loading.loader import DUMMY_PREFIX, read_model_config
+from infer.models.loading.readers import resolve_model_path
 from infer.timing import synchronize
 
 log = logging.getLogger("infer.distributed")

@@ -192,7 +192,7 @@ def check_model_paths(config: EngineConfig) -> None:
     """FileNotFoundError (naming the flag) for a --model or --draft-model that names no local
     directory or GGUF file and is no hub id, before anything loads."""
     from infer.engine.loading import default_model_paths
-    from infer.models.loader import resolve_model_path
+    from infer.models.loading.readers import resolve_model_path
 
     if config.load_format == "dummy":
         return

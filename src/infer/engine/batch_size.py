@@ -21,7 +21,7 @@ import torch
 from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths, model_dtype, resolve_device
 from infer.models.config import ModelConfig
-from infer.models.loader import read_model_config
+from infer.models.loading.loader import read_model_config
 
 log = logging.getLogger("infer.engine")
 

@@ -20,14 +20,17 @@ import torch
 from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
-from infer.models.eagle import EagleHead, EagleHeadConfig, load_eagle_head, read_head_config
-from infer.models.eagle_dummy import dummy_eagle_head, dummy_head_config, is_dummy_head
-from infer.models.gguf.path import is_gguf_path
+from infer.models.eagle import EagleHead, EagleHeadConfig
 from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import load_model, read_model_config, resolve_model_path
-from infer.models.medusa import MedusaConfig, MedusaHead, dummy_medusa_config, dummy_medusa_head, is_dummy_medusa
-from infer.models.medusa_files import load_medusa_head, read_medusa_config
+from infer.models.loading.dummy_heads import dummy_eagle_head, dummy_head_config, is_dummy_head
+from infer.models.loading.dummy_heads import dummy_medusa_config, dummy_medusa_head, is_dummy_medusa
+from infer.models.loading.eagle_files import load_eagle_head, read_head_config
+from infer.models.loading.gguf.path import is_gguf_path
+from infer.models.loading.loader import load_model, read_model_config
+from infer.models.loading.medusa_files import load_medusa_head, read_medusa_config
+from infer.models.loading.readers import resolve_model_path
+from infer.models.medusa import MedusaConfig, MedusaHead
 from infer.speculative.vocab_map import VocabMap
 from infer.tokenization import Tokenizer
 

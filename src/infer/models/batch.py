@@ -1,15 +1,13 @@
 """ForwardBatch: the tokens of one forward pass as one flat batch, with the KV metadata
 attention reads.
 
-Prefill chunks, decode rows, verification blocks (K + 1 tokens a row) and tree nodes are
-all rows of one batch: their tokens lie end to end ([N]), `query_start` says where each
-row's begin, and each token carries its storage position (what it may see: keys at
-positions <= its own, below its row's `seq_lens`), its rotary position (a tree node's is
-its depth past the block, not its storage place) and the KV slot it writes. Keys are
-read through `block_tables` (key position j of row b is in storage row
-`block_tables[b, j // block_size] * block_size + j % block_size`). A tree's rule inside
-its block (a node sees its ancestors only) is per token: its ancestors as bit sets and
-the block's first position (`TreeRule`).
+Prefill chunks, decode rows, verification blocks and tree nodes are all rows of one batch:
+their tokens lie end to end ([N]), `query_start` says where each row's begin, and each token
+carries its storage position (it sees keys at positions <= its own, below its row's
+`seq_lens`), its rotary position (a tree node's is its depth past the block) and the KV slot
+it writes. Key position j of row b is in storage row `block_tables[b, j // block_size] *
+block_size + j % block_size`. A tree's rule inside its block (a node sees its ancestors
+only) is per token: its ancestors as bit sets and the block's first position (`TreeRule`).
 """
 
 from __future__ import annotations

@@ -1,42 +1,19 @@
-"""EAGLE and EAGLE-3 draft heads in the public checkpoint layout, and their loader.
+"""EAGLE and EAGLE-3 draft heads: one decoder layer drafting from the target's own features.
 
-A head drafts from the target's own features with one decoder layer (EAGLE: Li et al.,
-"EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", 2024; EAGLE-3:
-"Scaling up Inference Acceleration of LLMs via Training-Time Test", 2025). At sequence
-position i it takes the pair (f_i, t_{i+1}): a feature of position i and the embedding of
-the token after it; its output x_i predicts t_{i+2} and is the feature of its next step.
-
-- EAGLE (`method="eagle"`): f_i is the target's final hidden state (after its last norm).
-  x = fc(cat(embed(t), f)) ([H, 2H], bias optional); the layer has no input norm:
-  x = x + attn(x); x = x + mlp(post_attention_layernorm(x)). Logits: the target's lm_head(x).
-  Tensors: fc.*, layers.0.* (no input_layernorm), embed_tokens.weight optional (else the
-  target's embedding).
-- EAGLE-3 (`method="eagle3"`): the target's inputs of three layers (default 2, L // 2,
-  L - 3 of an L-layer target; `eagle_aux_hidden_state_layer_ids` in config.json, top level
-  or in `eagle_config`, names others) go through fc ([H, 3 H_target], no bias) once: that
-  is f. q/k/v read 2H inputs: cat(input_layernorm(embed(t)), hidden_norm(f)); the residual
-  is f (hidden_norm(f) with `norm_before_residual`); then the MLP as above. Logits:
-  lm_head(norm(x)) over `draft_vocab_size` tokens, draft id j being target id j + d2t[j]
-  (t2d, the inverse set, is not needed). Tensors: fc.weight, midlayer.* (or layers.0.*),
-  norm.weight, lm_head.weight, d2t, t2d, embed_tokens.weight optional.
-
-`forward`, `logits` and `combine` take the decoder's `Kernels` bundle (models/kernels.py) as
-the target's layers do: the MLP half is `kernels.mlp`, EAGLE-3's final norm + lm_head
-`kernels.norm_linear`, the attention `kernels.attend` (the rotary with the cache write), the
-projections `kernels.linear`; EAGLE-3's two input norms and their concatenation before q/k/v
-stay single steps. EAGER by default; the engine's rounds pass its fused bundle.
-
-`EagleHead.logits` returns target-vocabulary logits (-inf off the draft vocabulary), so the
-proposer samples and reports q over target ids. `read_head_config` + `check_target` refuse
-a head that does not fit the target from config.json alone, before any weight is read.
+EAGLE (Li et al., 2024) and EAGLE-3 (2025): at position i the head takes the pair (f_i,
+t_{i+1}), a target feature of position i and the embedding of the token after it; its
+output x_i predicts t_{i+2} and is the feature of its next step. EAGLE's f is the target's
+final normed hidden state, its logits the target's lm_head(x); EAGLE-3's f is fc of three
+target layers' inputs, its q/k/v read cat(input_layernorm(embed(t)), hidden_norm(f)), its
+logits are lm_head(norm(x)) over a draft vocabulary mapped to target ids (`d2t`). The
+tensors and config keys of each format: docs/architecture.md (EAGLE heads); reading them:
+models/loading/eagle_files.py. `forward`, `logits` and `combine` take the decoder's
+`Kernels` bundle as the target's layers do; `logits` are over target ids (-inf elsewhere).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,8 +26,7 @@ from infer.models.layers.linear import make_linear
 from infer.models.layers.mlp import MLP
 from infer.models.layers.norms import RMSNorm
 from infer.models.layers.rotary import Rotary, cos_sin
-from infer.models.llama import Attention, LlamaForCausalLM, hf_to_fused
-from infer.models.readers import find_weight_files, resolve_model_path
+from infer.models.llama import Attention, LlamaForCausalLM
 
 METHODS = ("eagle", "eagle3")
 
@@ -130,18 +106,6 @@ def head_config_from_dict(raw: dict[str, Any], method: str, source: str = "the h
                            target_hidden_size=int(raw.get("target_hidden_size") or layer.hidden_size),
                            aux_layers=None if not aux else tuple(int(i) for i in aux),
                            norm_before_residual=bool(raw.get("norm_before_residual", False)), source=source)
-
-
-def read_head_config(name_or_path: str, method: str) -> EagleHeadConfig:
-    """The head's config from its directory's config.json (no weight is read)."""
-    directory = resolve_model_path(name_or_path)
-    path = directory / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(directory)!r} has no config.json: an EAGLE head directory holds config.json "
-                                "and its weights (model.safetensors or pytorch_model.bin)")
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    return head_config_from_dict(raw, method, f"EAGLE head {str(directory)!r}")
 
 
 class EagleHead(nn.Module):
@@ -227,97 +191,3 @@ class EagleHead(nn.Module):
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab] target id of each draft id."""
         return torch.arange(self.spec.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-
-def head_tensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) of a head's weight files: safetensors, else pytorch_model.bin."""
-    bins = sorted(directory.glob("pytorch_model*.bin"))
-    if bins and not any(directory.glob("*.safetensors")):
-        for path in bins:
-            yield from torch.load(path, map_location="cpu", weights_only=True).items()
-        return
-    from safetensors import safe_open
-    for path in find_weight_files(directory):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-
-
-def _our_name(name: str, method: str) -> str | None:
-    """A checkpoint tensor's parameter name in `EagleHead` (None: not used)."""
-    name = name.removeprefix("model.")
-    for layer_prefix in ("midlayer.", "layers.0."):
-        name = name.removeprefix(layer_prefix)
-    if name == "t2d" or (method == "eagle" and name in ("input_layernorm.weight", "lm_head.weight")):
-        return None  # the inverse map; EAGLE's layer 0 has no input norm and it reads the target's lm_head
-    return name
-
-
-def load_eagle_head(name_or_path: str, method: str, target: LlamaForCausalLM) -> EagleHead:
-    """The head in the target's dtype and device, sharing what it shares with the target.
-    Refuses (before reading weights) a head that does not fit the target."""
-    spec = read_head_config(name_or_path, method)
-    spec.check_target(target.config)
-    raw: dict[str, torch.Tensor] = {}
-    for name, tensor in head_tensors(resolve_model_path(name_or_path)):
-        ours = _our_name(name, method)
-        if ours is not None:
-            raw[ours] = tensor
-    param = next(target.parameters())
-    with torch.device("meta"):
-        head = EagleHead(spec, own_embeddings="embed_tokens.weight" in raw, fc_bias="fc.bias" in raw)
-    head = head.to(dtype=param.dtype).to_empty(device=param.device)
-    head.rotary = Rotary(spec.layer).to(param.device)
-    _load(head, raw)
-    head.index_vocab()
-    head.share(target)
-    head.eval().requires_grad_(False)
-    return head
-
-
-def _load(head: EagleHead, tensors: dict[str, torch.Tensor]) -> None:
-    own = dict(head.named_parameters())
-    buffers = dict(head.named_buffers())
-    linears = {n: m for n, m in head.named_modules() if hasattr(m, "load_rows")}
-    seen: set[str] = set()
-    for name, tensor in tensors.items():
-        fused, offset = hf_to_fused(name, head.config)
-        module, _, leaf = fused.rpartition(".")
-        layer = linears.get(module)
-        if layer is not None and leaf in ("weight", "bias"):
-            if leaf == "weight":
-                layer.load_rows(tensor.to(layer.weight.dtype), offset, name)
-            else:
-                layer.load_bias(tensor.to(layer.bias.dtype), offset, name)
-            seen.add(fused if offset is None else f"{fused}#{offset}")
-            continue
-        target = own.get(fused, buffers.get(fused))
-        if target is None:
-            raise ValueError(f"{head.spec.source}: unexpected tensor {name!r} for an {head.spec.method} head: "
-                             f"check speculative_method ('eagle' or 'eagle3')")
-        if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"{head.spec.source}: tensor {name!r} has shape {tuple(tensor.shape)}, config.json "
-                             f"implies {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
-        seen.add(fused)
-    _check_complete(head, seen)
-
-
-def _check_complete(head: EagleHead, seen: set[str]) -> None:
-    parts = {"self_attn.qkv_proj.weight": 3, "mlp.gate_up_proj.weight": 2}
-    missing = []
-    for name, _ in head.named_parameters():
-        if name.endswith(".bias") and name.startswith("self_attn.qkv_proj"):
-            continue
-        got = sum(1 for s in seen if s == name or s.startswith(f"{name}#"))
-        if got < parts.get(name, 1):
-            missing.append(name)
-    if head.spec.method == "eagle3" and head.spec.draft_vocab_size != head.config.vocab_size and "d2t" not in seen:
-        missing.append("d2t")
-    if missing:
-        raise ValueError(f"{head.spec.source} is missing tensor(s) {missing}: the head's weight files are incomplete")
-    if head.spec.method == "eagle3":
-        ids = head.draft_to_target
-        if int(ids.min()) < 0 or int(ids.max()) >= head.config.vocab_size or ids.unique().numel() != ids.numel():
-            raise ValueError(f"{head.spec.source}: d2t maps draft ids outside the target's vocabulary or twice")

@@ -1,25 +1,14 @@
-"""The decoder of the Llama family and its relatives: Llama 3.x (Llama-3.2-1B/3B,
-Llama-3.1-8B shapes), Mistral, Qwen2 / Qwen2.5 and Qwen3. Grouped-query attention, RoPE
-(llama3 scaling or none), RMSNorm, SwiGLU, tied or untied embeddings; the families differ
-in two switches of their config (models/config.py, `FAMILIES`): `qkv_bias` (Qwen2: biases
-on q, k and v) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before the rotary).
+"""The decoder of the Llama family and its relatives: Llama 3.x, Mistral, Qwen2 / Qwen2.5 and
+Qwen3, which differ in two switches of their config (config.py, `FAMILIES`): `qkv_bias`
+(Qwen2) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before the rotary).
 
 `forward(input_ids, positions, view)` takes explicit positions per token and an
-`AttentionView` that owns the KV cache, so padded batches, chunks after a cached prefix and
-speculative verification are ordinary calls. q/k/v and gate/up projections are fused; the
-mapping to and from Hugging Face tensor names lives in `hf_to_fused` / `fused_to_hf`. The
-projections are `LinearBase` layers (models/linear.py): dense, FP8 with
-`quantization="fp8"` (the embedding, the norms and lm_head stay in the model's dtype), or
-integer codes ("int4"; and per layer as a checkpoint stores them, models/int_layers.py,
-which can store the embedding and the head as codes too). With a `ModelShard`
-(models/shard.py) the model is one tensor-parallel rank's: its config is the rank's shape
-and its layers are built parallel (column, row, vocabulary: models/parallel.py).
-
-Each layer carries the residual stream: x = x + attn(norm(x)); x = x + mlp(norm(x)). Every
-step goes through the `Kernels` bundle together with what surrounds it, so a fused bundle
-can merge them: the layer norm with the projection after it (`norm_linear`: qkv), the
-rotary with the view's cache write (`attend`), the residual add with o (`linear(layer, h,
-residual)`), and the whole MLP (`mlp`: norm, gate_up, SwiGLU, down, residual add).
+`AttentionView` that owns the KV cache. q/k/v and gate/up projections are fused
+(`hf_to_fused` / `fused_to_hf` map Hugging Face names) `LinearBase` layers (dense, FP8 or
+integer codes: layers/linear.py), built parallel with a `ModelShard`. Each layer carries the
+residual stream, x = x + attn(norm(x)); x = x + mlp(norm(x)), every step through the
+`Kernels` bundle with what surrounds it, so a fused bundle can merge them (`norm_linear`:
+norm + qkv; `attend`: rotary + cache write; `linear(o, h, residual)`; `mlp`).
 """
 
 from __future__ import annotations
@@ -144,14 +133,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = _lm_head(self.config, self.model.embed_tokens,
                                 REPLICATED if shard is None else shard.vocab(shard.lm_head))
         self.tie_weights()
-        # hidden states an EAGLE head reads, left by every forward (models/capture.py); None: none
+        # hidden states an EAGLE head reads, left by every forward (capture.py); None: none
         self.capture: HiddenCapture | None = None
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config ties them (again after the
         parameters are materialised: `to_empty` replaces each one separately). A head that
         reads its embedding through its method (a quantized embedding's codes,
-        models/int_layers.py; a rank's rows of a whole embedding) holds no matrix to tie."""
+        layers/int_embedding.py; a rank's rows of a whole embedding) holds no matrix to tie."""
         if (self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding)
                 and self.lm_head.method.checkpoint_params):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,15 +1,11 @@
 """Medusa heads: K extra heads on the target's last hidden state, each guessing a later token.
 
-Medusa (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
-Decoding Heads", 2024), in the public layout of FasterDecoding's Medusa (read by
-`models/medusa_files.py`). Head k (0-based) reads h, the target's final normed hidden state
-(what its lm_head reads) at position n - 1, whose logits give t_n, and guesses t_{n+1+k}:
-`medusa_num_layers` residual blocks x <- x + SiLU(W x + b) ([H, H], bias), then its own
-lm_head [V, H] (no bias). The heads share nothing with the target but h.
-
-`MedusaConfig.check_target` / `check_depth` refuse heads that do not fit the target or the
-round (spec_length above the number of heads) from config.json alone. `dummy_medusa_head`
-builds random heads of a target's shape (`dummy-medusa:<shape or model directory>`) for timing.
+Medusa (Cai et al., 2024), in the public layout of FasterDecoding's Medusa (read by
+models/loading/medusa_files.py). Head k (0-based) reads h, the target's final normed hidden
+state at position n - 1 (whose logits give t_n), and guesses t_{n+1+k}: `medusa_num_layers`
+residual blocks x <- x + SiLU(W x + b) ([H, H], bias), then its own lm_head [V, H] (no
+bias). The heads share nothing with the target but h. `MedusaConfig.check_target` /
+`check_depth` refuse heads that do not fit the target or the round from config.json alone.
 """
 
 from __future__ import annotations
@@ -24,10 +20,7 @@ from torch import nn
 from infer.models.config import ModelConfig
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.layers.linear import LinearBase, make_linear
-from infer.models.loader import model_shapes, read_model_config
 
-DUMMY_PREFIX = "dummy-medusa:"
-DUMMY_HEADS, DUMMY_LAYERS, DUMMY_STD = 5, 1, 0.02  # the paper's five heads of one block
 
 
 def _count(value: object, least: int) -> bool:
@@ -120,37 +113,3 @@ def build_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         head = MedusaHead(spec, quantization)
     return head.to(dtype=dtype).to_empty(device=device)
-
-
-def is_dummy_medusa(name: str) -> bool:
-    return name.startswith(DUMMY_PREFIX)
-
-
-def dummy_medusa_config(name: str) -> MedusaConfig:
-    """The config `dummy-medusa:<shape>` (or `dummy-medusa:<model directory>`) implies: five
-    heads of one block of that target's widths."""
-    if not is_dummy_medusa(name):
-        raise ValueError(f"{name!r} is not a dummy Medusa name: use {DUMMY_PREFIX!r} + a shape or model directory")
-    target = name.removeprefix(DUMMY_PREFIX)
-    shape = target.removeprefix("dummy:")
-    try:
-        config = model_shapes[shape] if shape in model_shapes else read_model_config(target)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{name!r}: the target after {DUMMY_PREFIX!r} must be a shape ({sorted(model_shapes)}) "
-                         f"or a model directory: {exc}") from None
-    return MedusaConfig(DUMMY_HEADS, DUMMY_LAYERS, config.hidden_size, config.vocab_size, f"dummy Medusa heads {name!r}")
-
-
-@torch.no_grad()
-def dummy_medusa_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,
-                      quantization: str | None = None, seed: int = 0) -> MedusaHead:
-    """Random heads (matrices normal(0, DUMMY_STD), biases 0), loaded as a checkpoint's
-    tensors are (so a quantization applies)."""
-    head = build_head(spec, dtype, device, quantization)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, layer in head.linears().items():
-        w = torch.empty((layer.out_features, layer.in_features), dtype=dtype, device=device)
-        layer.load_rows(w.normal_(0.0, DUMMY_STD, generator=gen), None, f"{name}.weight")
-        if layer.bias is not None:
-            layer.load_bias(torch.zeros_like(layer.bias), None, f"{name}.bias")
-    return head.eval().requires_grad_(False)

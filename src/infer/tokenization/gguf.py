@@ -21,8 +21,8 @@ import tokenizers
 from gguf import TokenType
 from tokenizers import AddedToken, decoders, models, normalizers
 
-from infer.models.gguf.config import stop_token_ids
-from infer.models.gguf.reader import GGUFFile
+from infer.models.loading.gguf.config import stop_token_ids
+from infer.models.loading.gguf.reader import GGUFFile
 from infer.tokenization.backends import HFTokenizersBackend
 from infer.tokenization.chat import LLAMA3_CHAT_TEMPLATE, LLAMA3_HEADER_TOKENS
 from infer.tokenization.pretokenizers import PRE_TOKENIZERS

@@ -18,7 +18,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, overload
 
-from infer.models.gguf.path import is_gguf_path
+from infer.models.loading.gguf.path import is_gguf_path
 from infer.models.special_tokens import LLAMA3_STOP_TOKENS
 from infer.tokenization.backends import (
     HFTokenizersBackend,

@@ -6,11 +6,11 @@ single ones, so their composition defines the math every bundle must reproduce.
 
 The fused bundle (`compiled_kernels`: elementwise steps through `torch.compile`) serves the
 fixed-shape decode paths: each projection takes its route (routes.py) to the few-row GEMV
-with the RMSNorm or SwiGLU prologue and the residual epilogue (gemv.py), to the Triton
-matmul with the SwiGLU or residual epilogue (matmul.py), or to the layer's own forward
-beside compiled elementwise kernels; the rotary and the KV-cache write go to the view, which
-runs them as one kernel (rotary_write.py). Where a fusion does not apply it composes the
-single kernels."""
+with its RMSNorm or SwiGLU prologue and residual epilogue (gemv.py), the Triton matmul with
+its SwiGLU or residual epilogue (matmul.py), or the layer's own forward beside compiled
+elementwise kernels; the view runs the rotary and the KV-cache write as one kernel
+(rotary_write.py). Where a fusion does not apply it composes the single kernels.
+"""
 
 from __future__ import annotations
 

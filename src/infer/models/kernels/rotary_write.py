@@ -84,7 +84,7 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
     """Rotate q and k, write the rotated k and v into the cache rows; return the rotated q.
 
     q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (any strides, D contiguous: the views of the qkv
-    output); cos, sin: [B, T, 1, D] in q's dtype (`kernels.cos_sin`); k_cache, v_cache:
+    output); cos, sin: [B, T, 1, D] in q's dtype (`rotary.cos_sin`); k_cache, v_cache:
     [rows, Hkv, D] (one layer); write_rows: [B * T] long, the storage row of each token
     (any stride: a draft step's rows are one column of its loop's [B, W] rows).
     Returns the rotated q [B, T, Hq, D] (contiguous).

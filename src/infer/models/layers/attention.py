@@ -23,7 +23,7 @@ class AttentionView(Protocol):
         """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D].
 
         With `rotary` (cos, sin: [B, T, 1, D]), q and k arrive unrotated and the view rotates
-        them (`rope.rotary_qk`'s math) as it stores k and v: a view with a cache on a GPU
+        them (`rotary.rotary_qk`'s math) as it stores k and v: a view with a cache on a GPU
         does the rotation and its cache write in one kernel."""
         ...
 

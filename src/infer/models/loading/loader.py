@@ -1,36 +1,14 @@
 """Load a model: hub id, local Hugging Face directory, GGUF file or dummy shape -> (model, config).
 
     model, config = load_model("meta-llama/Llama-3.2-1B", dtype="bf16", device="cuda")
-    model, config = load_model("/models/Qwen2.5-0.5B")               # local HF layout
     model, config = load_model("/models/Llama-3.2-1B-Q4_K_M.gguf")   # llama.cpp file
     model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files
 
-A format reader (models/readers.py: safetensors, GGUF, dummy) gives the config and the
-tensors under Hugging Face names; one build function makes the model on the meta device
-(no initialisation cost), materialises it empty on the target device in the target dtype,
-and fills it through `load_hf_weights`, one tensor at a time. The linear layers convert what
-they read: quantization="fp8" or "int4" quantizes each weight as it loads. Integer codes a
-checkpoint stores stay codes: `plan_layouts` says which layers take them (every projection
-of a GPTQ / AWQ / pack-quantized checkpoint; a GGUF file's quantized matrices unless another
-quantization is asked for, or the model is split for tensor parallelism) and, for "int4",
-the head's 8-bit layout (models/int_layers.py).
-
-A name is resolved by `resolve_model_path`: an existing local directory is used as is; an
-"org/name" string is fetched with `huggingface_hub.snapshot_download` (config, safetensors,
-tokenizer files only); a `*.gguf` file (or one starting with GGUF's magic) is a GGUF file;
-anything else is a FileNotFoundError.
-
-`load_format="dummy"` skips weight files and fills the real shapes with the dummy reader's
-random weights: for timing, since speed does not depend on weight values. The shape comes
-from the directory's config.json or the GGUF file's metadata, or from `model_shapes` when
-the name is "dummy:<shape>" (or a bare shape key such as "llama-3.1-8b" with
-load_format="dummy"): "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b" carry the exact
-configuration values of those released models. With device="meta" a dummy model is built
-without any memory (for shape and parameter-count checks).
-
-With a `shard` (models/shard.py; tensor parallelism) the model built is one rank's part,
-its layers built parallel, and of each checkpoint tensor only the part its layer holds is
-read (`LlamaForCausalLM.checkpoint_parts`; safetensors `get_slice`).
+A format reader (readers.py) gives the config and the tensors under Hugging Face names; one
+build function makes the model on the meta device, materialises it empty on the target
+device in the target dtype and fills it one tensor at a time. `plan_layouts` says which
+layers keep a checkpoint's integer codes (layouts.py). `model_shapes` holds the released
+shapes' configs ("dummy:<shape>"); with a `shard` the model is one tensor-parallel rank's.
 """
 
 from __future__ import annotations
@@ -41,17 +19,16 @@ from pathlib import Path
 import torch
 
 from infer.models.config import ModelConfig, RopeScaling
-from infer.models.gguf.path import is_gguf_path
-from infer.models.int_layers import LayerLayouts, apply_layouts, head_layouts
 from infer.models.layers.linear import QUANTIZATIONS
 from infer.models.layers.rotary import Rotary
 from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
-from infer.models.readers import (DUMMY_LOGIT_GAIN, DummyReader, GGUFReader, SafetensorsReader, WeightReader,
-                                  find_weight_files, resolve_model_path)
+from infer.models.loading.gguf.path import is_gguf_path
+from infer.models.loading.layouts import LayerLayouts, apply_layouts, head_layouts
+from infer.models.loading.readers import DummyReader, GGUFReader, SafetensorsReader, WeightReader
 
-__all__ = ["DUMMY_LOGIT_GAIN", "DUMMY_PREFIX", "LOAD_FORMATS", "build_empty_model", "find_weight_files",
-           "load_model", "model_shapes", "open_reader", "read_model_config", "resolve_dtype", "resolve_model_path"]
+__all__ = ["DUMMY_PREFIX", "LOAD_FORMATS", "build_empty_model", "load_model", "model_shapes", "open_reader",
+           "read_model_config", "resolve_dtype"]
 
 DUMMY_PREFIX = "dummy:"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

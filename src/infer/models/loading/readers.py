@@ -1,24 +1,13 @@
 """Checkpoint formats as readers: each gives a `ModelConfig` and Hugging Face named tensors.
 
-`open_reader(name_or_path, load_format)` picks one:
-
-- `SafetensorsReader`: a directory in Hugging Face layout (config.json, model.safetensors or
-  the shards model.safetensors.index.json lists), local or fetched from the hub by id.
-  Tensors are read one at a time; for a tensor-parallel rank only the part of each its
-  model holds (safetensors `get_slice`: the rest is never read). An integer checkpoint's layers
-  (GPTQ, AWQ, pack-quantized: models/int_checkpoint.py) come as `PackedRows`, each made
-  from its layer's tensors once they are read.
-- `GGUFReader`: a llama.cpp file (models/gguf): config from its metadata (parsed once),
-  tensors renamed to Hugging Face names, each kept as the file's codes (`PackedRows`) where
-  the layouts asked for hold them, else dequantized into the model's dtype.
-- `DummyReader`: random weights of a config's shapes (normal, std 0.02; norm weights 1, the
-  final norm's DUMMY_LOGIT_GAIN), drawn from a fixed seed as whole tensors in one order, so
-  a tensor-parallel rank keeping its part of each holds exactly the one-process dummy model.
-
-A reader's `int_layouts` are the layers (fused names) its integer codes can fill as they
-are: an integer checkpoint's every projection (required), a GGUF file's quantized matrices
-(kept unless the load asks for another quantization). The loader (models/loader.py)
-decides the layouts, builds the model and feeds it the reader's tensors.
+`open_reader` (loader.py) picks one: `SafetensorsReader` (a Hugging Face directory, local or
+fetched from the hub by id; a tensor-parallel rank reads only its part of each tensor; an
+integer checkpoint's layers come as `PackedRows`: quantized.py), `GGUFReader` (a llama.cpp
+file, gguf/: tensors kept as the file's codes where the layouts hold them, else dequantized)
+or `DummyReader` (random weights of a config's shapes from a fixed seed, drawn whole in one
+order, so a rank's part of each is exactly the one-process dummy model's). A reader's
+`int_layouts` are the layers its integer codes can fill as they are; the loader decides the
+layouts, builds the model and feeds it the reader's tensors.
 """
 
 from __future__ import annotations
@@ -36,12 +25,12 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig
-from infer.models.int_checkpoint import IntFormat, checkpoint_quantization, int_format
-from infer.models.int_layers import LayerLayouts, projection_layouts
 from infer.models.layers.fp8 import FP8_DTYPE
 from infer.models.layers.int_quant import PackedRows
 from infer.models.layers.shard import PartFn, read_part, shard_tensors
 from infer.models.llama import LlamaForCausalLM, fused_to_hf, norm_weights
+from infer.models.loading.layouts import LayerLayouts, projection_layouts
+from infer.models.loading.quantized import IntFormat, checkpoint_quantization, int_format
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 PROGRESS_MIN_BYTES = 1 << 30  # show a progress bar for loads above 1 GiB
@@ -191,9 +180,9 @@ class GGUFReader:
 
     @classmethod
     def open(cls, path: Path) -> GGUFReader:
-        from infer.models.gguf.config import config_from_gguf
-        from infer.models.gguf.reader import GGUFFile
-        from infer.models.gguf.weights import check_tensors, kept_layouts
+        from infer.models.loading.gguf.config import config_from_gguf
+        from infer.models.loading.gguf.reader import GGUFFile
+        from infer.models.loading.gguf.weights import check_tensors, kept_layouts
         gguf = GGUFFile.open(path)
         config = config_from_gguf(gguf)
         check_tensors(gguf)  # before any memory is taken for the model
@@ -201,7 +190,7 @@ class GGUFReader:
 
     def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
-        from infer.models.gguf.weights import iter_hf_tensors
+        from infer.models.loading.gguf.weights import iter_hf_tensors
         show = self.path.stat().st_size > GGUF_PROGRESS_MIN_BYTES
         tensors = iter_hf_tensors(self.gguf, self.config, device, dtype, progress=show, layouts=layouts)
         return tensors if parts is None else shard_tensors(tensors, parts)  # type: ignore[arg-type]

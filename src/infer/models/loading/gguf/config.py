@@ -16,8 +16,8 @@ from __future__ import annotations
 from gguf import TokenType
 
 from infer.models.config import ModelConfig
-from infer.models.gguf.reader import GGUFFile
-from infer.models.gguf.weights import EMBEDDING, ROPE_FREQS, dequantize_tensor
+from infer.models.loading.gguf.reader import GGUFFile
+from infer.models.loading.gguf.weights import EMBEDDING, ROPE_FREQS, dequantize_tensor
 from infer.models.special_tokens import LLAMA3_STOP_TOKENS
 
 STOP_ID_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from infer.models.config import ModelConfig
+from infer.models.loading.readers import resolve_model_path
 from infer.models.medusa import MedusaConfig, MedusaHead, build_head
-from infer.models.readers import resolve_model_path
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 HUB_FILES = ["config.json", *WEIGHT_FILES]

@@ -4,7 +4,7 @@
 names (one model.safetensors when it fits in `max_shard_bytes`, else
 model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json), and
 generation_config.json. Tied embeddings are stored once (no lm_head.weight), as
-transformers does. The result loads with `infer.models.loader.load_model` and with
+transformers does. The result loads with `infer.models.loading.loader.load_model` and with
 `transformers.LlamaForCausalLM.from_pretrained`. Used to ship the project's own trained
 draft/target models and by tests.
 """

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from infer.models.gguf.header import HeaderField, TensorEntry, map_file, read_header, release
-from infer.models.gguf.path import GGUF_MAGIC
+from infer.models.loading.gguf.header import HeaderField, TensorEntry, map_file, read_header, release
+from infer.models.loading.gguf.path import GGUF_MAGIC
 
 __all__ = ["GGUFFile", "GGUFTensor"]
 

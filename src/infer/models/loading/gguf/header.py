@@ -4,12 +4,9 @@ The layout (GGUF v2/v3, little-endian): magic "GGUF", version u32, tensor count 
 metadata count u64; each metadata entry a key (u64 length + UTF-8 bytes), a value type u32
 and the value (scalars; strings; arrays: item type u32, count u64, items); then each
 tensor's name, dimension count u32, dimensions u64 (innermost first), ggml type u32 and
-data offset u64; the data starts at the next multiple of `general.alignment` (32).
-
-The `gguf` library's reader builds a numpy view per array element, which takes seconds
-for a 50,000-token vocabulary; here numeric arrays are one `np.frombuffer` each and string
-arrays are decoded only when asked for (`HeaderField.value`). A file cut short raises
-`ValueError` (struct.error, a short tensor). Tensor data stays in the memory map.
+data offset u64; the data starts at the next multiple of `general.alignment` (32). Numeric
+arrays are one `np.frombuffer` each and string arrays are decoded only when asked for
+(`HeaderField.value`); a file cut short raises `ValueError`; tensor data stays in the map.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
-"""GGUF quantized blocks as infer's integer layout (models/int_quant.py), without float weights.
+"""GGUF quantized blocks as infer's integer layout (layers/int_quant.py), without float weights.
 
-Each kept type becomes codes with a scale and an offset per group, the same values the
-`gguf` library's dequantization gives (w = d * q + m in its terms), read straight from the
-memory-mapped blocks with integer operations:
+Each kept type becomes codes with a scale and an offset per group, the values the `gguf`
+library's dequantization gives (w = d * q + m), read from the memory-mapped blocks with
+integer operations (scales and offsets in float32, as the library computes them):
 
-    Q4_0  4-bit, groups of 32: s = d,       o = -8 d
-    Q4_1  4-bit, groups of 32: s = d,       o = m
-    Q4_K  4-bit, groups of 32: s = d * sc,  o = -dmin * m     (6-bit sub-block scales, mins)
-    Q5_K  8-bit, groups of 32: as Q4_K, codes of 5 bits
-    Q6_K  8-bit, groups of 16: s = d * sc,  o = -32 s         (int8 sub-block scales)
-    Q8_0  8-bit, groups of 32: s = d,       o = -128 d        (codes stored as q + 128)
+    Q4_0  4-bit/32: s = d, o = -8 d        Q4_K  4-bit/32: s = d * sc, o = -dmin * m
+    Q4_1  4-bit/32: s = d, o = m           Q5_K  8-bit/32: as Q4_K, codes of 5 bits
+    Q8_0  8-bit/32: s = d, o = -128 d      Q6_K  8-bit/16: s = d * sc, o = -32 s
 
-F32, F16 and BF16 tensors stay dense. Scales and offsets are computed in float32 (exactly
-as the library computes them: fp16 times a small integer).
+F32, F16 and BF16 tensors stay dense (docs/architecture.md: the sub-block scales of each).
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from infer.models.gguf.reader import GGUFTensor
 from infer.models.layers.int_quant import IntLayout, PackedRows, pack_codes
+from infer.models.loading.gguf.reader import GGUFTensor
 
 Q = GGMLQuantizationType
 KEPT_LAYOUTS: dict[GGMLQuantizationType, IntLayout] = {

@@ -1,12 +1,11 @@
-"""Dummy EAGLE heads: random weights in the shape a head for a named target shape would have.
+"""Dummy draft heads: random weights in the shape heads for a named target would have.
 
-For timing only (timing does not depend on weight values), as `dummy:<shape>` targets are:
-`dummy-eagle3:llama-3.2-3b` is an EAGLE-3 head for the `dummy:llama-3.2-3b` target, and
-`dummy-eagle:<shape>` an EAGLE-1 head (a model directory in place of the shape: a head for
-that model's config). Its one decoder layer has the target's hidden size,
-heads and intermediate size; an EAGLE-3 head drafts over `DUMMY_DRAFT_VOCAB` (32000) target
-ids spread evenly over the target's vocabulary (as the public EAGLE-3 heads of Llama 3 do)
-and reads the default layers (2, L/2, L-3).
+For timing only (timing does not depend on weight values), as `dummy:<shape>` targets are;
+the target after the prefix is a shape key or a model directory. `dummy-eagle3:<target>` is
+an EAGLE-3 head (drafting over `DUMMY_DRAFT_VOCAB` target ids spread evenly over the
+target's vocabulary, as the public EAGLE-3 heads of Llama 3 do, from the default layers
+(2, L/2, L-3)), `dummy-eagle:<target>` an EAGLE-1 head, both one decoder layer of the
+target's widths; `dummy-medusa:<target>` five Medusa heads of one block (the paper's).
 """
 
 from __future__ import annotations
@@ -19,10 +18,13 @@ from infer.models.config import ModelConfig
 from infer.models.eagle import EagleHead, EagleHeadConfig
 from infer.models.layers.rotary import Rotary
 from infer.models.llama import LlamaForCausalLM
-from infer.models.loader import model_shapes, read_model_config
+from infer.models.loading.loader import model_shapes, read_model_config
+from infer.models.medusa import MedusaConfig, MedusaHead, build_head
 
 DUMMY_HEAD_PREFIXES = {"dummy-eagle3:": "eagle3", "dummy-eagle:": "eagle"}
+DUMMY_MEDUSA_PREFIX = "dummy-medusa:"
 DUMMY_DRAFT_VOCAB = 32000
+DUMMY_MEDUSA_HEADS, DUMMY_MEDUSA_LAYERS = 5, 1
 DUMMY_STD = 0.02
 
 
@@ -38,11 +40,17 @@ def dummy_head_config(name: str, method: str) -> EagleHeadConfig:
     if DUMMY_HEAD_PREFIXES[prefix] != method:
         raise ValueError(f"{name!r} is a dummy {DUMMY_HEAD_PREFIXES[prefix]} head: set speculative_method="
                          f"{DUMMY_HEAD_PREFIXES[prefix]!r}, or name a dummy-{method}:<shape> head")
+    return head_config_for(target_config(name, prefix), method, name)
+
+
+def target_config(name: str, prefix: str) -> ModelConfig:
+    """The config of the target named after `prefix`: a shape key (or "dummy:" + one), else
+    a model directory's config.json."""
     target = name.removeprefix(prefix)
     if target.removeprefix("dummy:") in model_shapes:
-        return head_config_for(model_shapes[target.removeprefix("dummy:")], method, name)
+        return model_shapes[target.removeprefix("dummy:")]
     try:
-        return head_config_for(read_model_config(target), method, name)
+        return read_model_config(target)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{name!r}: the target after {prefix!r} must be a shape ({sorted(model_shapes)}) or a "
                          f"model directory: {exc}") from None
@@ -81,3 +89,33 @@ def dummy_eagle_head(spec: EagleHeadConfig, target: LlamaForCausalLM, seed: int 
     head.share(target)
     head.eval().requires_grad_(False)
     return head
+
+
+def is_dummy_medusa(name: str) -> bool:
+    return name.startswith(DUMMY_MEDUSA_PREFIX)
+
+
+def dummy_medusa_config(name: str) -> MedusaConfig:
+    """The config `dummy-medusa:<shape>` (or `dummy-medusa:<model directory>`) implies: five
+    heads of one block of that target's widths."""
+    if not is_dummy_medusa(name):
+        raise ValueError(f"{name!r} is not a dummy Medusa name: use {DUMMY_MEDUSA_PREFIX!r} + a shape or model "
+                         "directory")
+    config = target_config(name, DUMMY_MEDUSA_PREFIX)
+    return MedusaConfig(DUMMY_MEDUSA_HEADS, DUMMY_MEDUSA_LAYERS, config.hidden_size, config.vocab_size,
+                        f"dummy Medusa heads {name!r}")
+
+
+@torch.no_grad()
+def dummy_medusa_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,
+                      quantization: str | None = None, seed: int = 0) -> MedusaHead:
+    """Random heads (matrices normal(0, DUMMY_STD), biases 0), loaded as a checkpoint's
+    tensors are (so a quantization applies)."""
+    head = build_head(spec, dtype, device, quantization)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, layer in head.linears().items():
+        w = torch.empty((layer.out_features, layer.in_features), dtype=dtype, device=device)
+        layer.load_rows(w.normal_(0.0, DUMMY_STD, generator=gen), None, f"{name}.weight")
+        if layer.bias is not None:
+            layer.load_bias(torch.zeros_like(layer.bias), None, f"{name}.bias")
+    return head.eval().requires_grad_(False)

@@ -1,18 +1,13 @@
 """A GGUF file's tensors, kept quantized or dequantized, under Hugging Face names.
 
-`iter_hf_tensors(gguf, config, device, dtype, layouts=...)` yields `(hf_name, tensor)` pairs for
-`LlamaForCausalLM.load_hf_weights`, the same seam a safetensors checkpoint goes through
-(and where a weight quantizer such as FP8 intercepts weights). A tensor of a type infer
-keeps (gguf/repack.py: Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0) whose layer `layouts` stores as
-integer codes comes as `PackedRows`, read from the memory map block by block; any other is
-dequantized with the `gguf` library's own routines (`gguf.quants.dequantize`, float32), one
-tensor at a time. `kept_layouts` says which layers can keep the file's codes (a fused
-layer's parts together: the widest codes, the smallest groups). Each tensor is
-renamed (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`, the Qwen
-families' `attn_q.bias` and `attn_q_norm.weight` alike), and for a `llama` file's q/k
-un-permuted: llama.cpp's converter reorders each head's rows from Hugging Face's
-rotate-half layout to interleaved pairs for that architecture (not for qwen2 / qwen3), and
-`unpermute_rotary` undoes that (on the rows of codes alike).
+`iter_hf_tensors(gguf, config, device, dtype, layouts=...)` yields `(hf_name, tensor)` pairs
+for `LlamaForCausalLM.load_hf_weights`, the seam a safetensors checkpoint goes through. A
+tensor of a kept type (repack.py) whose layer `layouts` stores as codes comes as
+`PackedRows`, read block by block; any other is dequantized with `gguf.quants.dequantize`
+(float32), one tensor at a time. `kept_layouts` says which layers can keep the file's codes
+(a fused layer's parts together). Names are mapped (`blk.3.attn_q.weight` ->
+`model.layers.3.self_attn.q_proj.weight`) and a `llama` file's q/k rows un-permuted
+(`unpermute_rotary`: llama.cpp's converter interleaves each head's rotary pairs there).
 """
 
 from __future__ import annotations
@@ -27,10 +22,10 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from infer.models.config import ModelConfig
-from infer.models.gguf.reader import GGUFFile, GGUFTensor
-from infer.models.gguf.repack import KEPT_LAYOUTS, repack
 from infer.models.layers.int_quant import IntLayout, PackedRows
 from infer.models.llama import hf_to_fused
+from infer.models.loading.gguf.reader import GGUFFile, GGUFTensor
+from infer.models.loading.gguf.repack import KEPT_LAYOUTS, repack
 
 Q = GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)

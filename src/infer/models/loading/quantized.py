@@ -1,22 +1,13 @@
-"""Integer-quantized Hugging Face checkpoints: GPTQ, AWQ and compressed-tensors
-`pack-quantized`, read into `PackedRows` (models/int_quant.py) without a dense copy.
+"""Quantized checkpoints: what a config.json's `quantization_config` declares, and the integer
+formats read into `PackedRows` (layers/int_quant.py) without a dense copy.
 
-`int_format(raw_config)` reads `quantization_config` (None for other checkpoints) and refuses
-what infer cannot load before any weight is read: other bit widths than 4 and 8 (AWQ: 4),
-act-order (GPTQ `desc_act`, compressed-tensors `actorder`), AWQ kernels' other layouts,
-per-module overrides, a quantized lm_head. Per layer, the format's tensors become rows of
-codes with a scale and an offset per group (`IntFormat.convert`):
-
-- GPTQ: `qweight` int32 [K * bits / 32, N], codes packed along K, code j of a word in bits
-  j * bits..; `qzeros` int32 [G, N * bits / 32] packed alike along N (the "gptq" checkpoint
-  format stores z - 1, "gptq_v2" z); `scales` [G, N]; `g_idx` [K] (must be k // group).
-  w = s * (q - z).
-- AWQ (GEMM): `qweight` int32 [K, N / 8], packed along N in the order 0, 2, 4, 6, 1, 3, 5, 7
-  of a word's eight columns; `qzeros` [G, N / 8] alike; `scales` [G, N]. w = s * (q - z).
-- compressed-tensors `pack-quantized`: `weight_packed` int32 [N, K * bits / 32], code i of a
-  row at bits i * bits.. (little-endian: the bytes are already infer's layout), stored as
-  q + 2^(bits - 1); `weight_scale` [N, G]; `weight_zero_point` [N * bits / 32, G] packed alike
-  along N (asymmetric only); `weight_shape`. w = s * (q - z).
+`checkpoint_quantization(raw_config)` names the quantization (None; "fp8": compressed-tensors
+8-bit float weights; "int4" / "int8") or refuses the format, saying what to do instead.
+`int_format(raw_config)` reads GPTQ, AWQ (GEMM) and compressed-tensors `pack-quantized`
+settings and refuses, before any weight is read, what infer cannot load (other bit widths,
+act-order, other AWQ layouts, per-module overrides, a quantized lm_head); per layer,
+`IntFormat.convert` turns the format's tensors into rows of codes with a scale and an offset
+per group (w = s * (q - z)). docs/architecture.md gives each format's tensor layout.
 """
 
 from __future__ import annotations

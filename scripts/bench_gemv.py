@@ -1,6 +1,6 @@
-"""Time the few-row matmul (models/triton_gemv.py) on every linear matrix of the Llama 3.2
+"""Time the few-row matmul (models/kernels/gemv.py) on every linear matrix of the Llama 3.2
 1B and 3B shapes at 1-16 rows, bf16, FP8 and integer (int4 / int8, groups of 128) weights,
-against cuBLAS (F.linear, bf16) and the Triton matmul (models/triton_linear.py; not for
+against cuBLAS (F.linear, bf16) and the Triton matmul (models/kernels/matmul.py; not for
 integer weights), each as a fraction of the device-to-device copy bandwidth measured in the
 same run (integer weights: their codes, scales and offsets counted).
 
@@ -17,7 +17,7 @@ the engine reads). Kernels compile first in a pool of processes (Triton's
 disk cache hands them to this one).
 
     python scripts/bench_gemv.py --out gemv.json [--models llama-3.2-1b] [--rows 1 16] [--dtypes fp8 int4]
-        [--table src/infer/models/gemv_tiles.json]
+        [--table src/infer/models/kernels/gemv_tiles.json]
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main() -> None:
                     help="past this many seconds from the start, shapes left get the default config only")
     ap.add_argument("--out", type=Path, required=True, help="JSON results")
     ap.add_argument("--table", type=Path, help="merge the fused forms' best configurations into this table file "
-                    "(src/infer/models/gemv_tiles.json: what the engine runs)")
+                    "(src/infer/models/kernels/gemv_tiles.json: what the engine runs)")
     args = ap.parse_args()
     for m in args.rows:
         row_bucket(m)  # 1..16, else a clear error

@@ -52,7 +52,7 @@ def _header(role: str, s: dict[str, Any], r: dict[str, Any]) -> str:
         f"(the {other} lives in `../{other}`). It is a toy built to exercise and measure "
         "the engine (acceptance rates need trained models; random weights accept nothing), "
         "not to write useful code. Both models share one tokenizer and load with "
-        "`infer.models.loader.load_model` and `transformers.LlamaForCausalLM.from_pretrained`.\n")
+        "`infer.models.loading.loader.load_model` and `transformers.LlamaForCausalLM.from_pretrained`.\n")
 
 
 def _model(role: str, directory: Path, r: dict[str, Any]) -> str:

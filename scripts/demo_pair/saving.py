@@ -1,6 +1,6 @@
 """Write a trained demo model as a shippable Hugging Face directory.
 
-Weights go through `infer.models.checkpoint.save_checkpoint` in bf16, always sharded
+Weights go through `infer.models.loading.checkpoint.save_checkpoint` in bf16, always sharded
 (model-0000i-of-0000n.safetensors + model.safetensors.index.json): shards of at most
 `MAX_SHARD_BYTES`, or half the model when it is smaller than that, so even a model that
 fits one file gets two shards and the index layout is exercised by every load. The tokenizer

@@ -1,7 +1,7 @@
 """GPU fixtures: `ckpt_a` here is variant "a" with a head size the Triton kernels serve.
 
 The flat forward's CUDA graphs need the split-KV attention kernel, which takes power-of-two
-head sizes of at least 16 (`models.paged_attention.kernels_serve`); the CPU suite's variant
+head sizes of at least 16 (`models.kernels.routes.kernels_serve`); the CPU suite's variant
 "a" has head_dim 8, which runs every pass eagerly. The GPU tests that check graphs replay
 get the same model with head_dim 16 (8 query heads over 2 KV heads, its rotary scaling kept).
 """

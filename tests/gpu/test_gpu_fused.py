@@ -1,8 +1,8 @@
 """The fused decode kernels on the GPU (run on the GPU machine: `pytest -m gpu tests/gpu`).
 
-- The rotary + KV-cache write kernel (models/triton_rotary.py) is bit-identical to the eager
+- The rotary + KV-cache write kernel (models/kernels/rotary_write.py) is bit-identical to the eager
   rotary and indexed copies in bf16, fp16 and float32.
-- The fused bundle's entries (models/fused_linear.py routes: the GEMV with its prologues at
+- The fused bundle's entries (models/kernels/routes.py: the GEMV with its prologues at
   one row, cuBLAS or the Triton matmul at more) match EAGER's composition to bf16 rounding,
   dense and FP8, for the row counts of decode, a chain verification and a batch.
 - Greedy tokens of the demo target, bf16 and FP8, CUDA graphs on: the fused bundle gives

@@ -1,10 +1,10 @@
 """Integer weights on the GPU (run on the GPU machine: `pytest -m gpu tests/gpu/test_gpu_int.py`).
 
-- The GEMV's 4- and 8-bit paths (models/triton_gemv.py) against the plain-torch reference
+- The GEMV's 4- and 8-bit paths (models/kernels/gemv.py) against the plain-torch reference
   on the dequantized matrix, bf16, at 1-16 rows, odd shapes, every fusion and the
   configurations the benchmark searches (the K-split reduction is the float GEMV's, whose
   graph replay test_triton_gemv.py checks).
-- The dequantize kernel (models/triton_dequant.py) is `dequantize_int` bit for bit, and a
+- The dequantize kernel (models/kernels/dequant.py) is `dequantize_int` bit for bit, and a
   call of more than MAX_ROWS rows (prefill) is F.linear on that matrix.
 - Through the engine with CUDA graphs and the fused kernels: the demo target quantized at
   load gives the greedy tokens of a dense model holding exactly its dequantized weights (up

@@ -1,4 +1,4 @@
-"""The flash prefill kernel (models/triton_prefill.py) on the GPU, at realistic sizes (run on
+"""The flash prefill kernel (models/kernels/prefill_attention.py) on the GPU, at realistic sizes (run on
 the GPU machine: `pytest -m gpu tests/gpu/test_gpu_prefill.py`).
 
 - One prompt of 2,500 tokens whose first 500 are cached (a prefix-cache hit), prefilled in two

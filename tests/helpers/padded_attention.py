@@ -1,7 +1,7 @@
 """The attention kernels over padded test cases: rows [B, T] of queries with each context
 position's storage row (`gather_rows` [B, S]: block tables of one-position blocks), laid out
 as the flat token lists the kernels read. The kernels' own tests build their cases this way;
-the engine's passes are flat already (models/paged_attention.py)."""
+the engine's passes are flat already (models/layers/paged_attention.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The split-KV attention kernel (models/triton_attention.py) under Triton's interpreter on the
+"""The split-KV attention kernel (models/kernels/split_attention.py) under Triton's interpreter on the
 CPU (tiny shapes; skipped without triton), over padded cases laid out flat
 (helpers/padded_attention.py), against the gathered masked-SDPA reference: over four context
 chunks that the last program to finish combines (its arrival counters left at zero), or in

@@ -1,4 +1,4 @@
-"""FP8 weights (models/quantization.py, models/linear.py): the per-channel E4M3 bound, an
+"""FP8 weights (models/layers/fp8.py, models/layers/linear.py): the per-channel E4M3 bound, an
 FP8 model against its dense twin, compressed-tensors checkpoints made by that library,
 greedy parity of speculation with an FP8 draft, and the errors a user can cause."""
 

@@ -1,4 +1,4 @@
-"""The fused decode bundle (models/kernels.py, models/fused_linear.py) on the CPU.
+"""The fused decode bundle (models/kernels/bundle.py, models/kernels/routes.py) on the CPU.
 
 Its fallbacks are EAGER's composition: with plain (uncompiled) elementwise steps, a whole
 tiny model (Llama, Qwen2 with q/k/v biases, Qwen3 with q/k norms) gives bit-identical

@@ -1,7 +1,7 @@
 """The fused decode kernels under Triton's interpreter on the CPU (tiny shapes; skipped
-without triton): the rotary + KV-cache write (models/triton_rotary.py) against the eager
+without triton): the rotary + KV-cache write (models/kernels/rotary_write.py) against the eager
 rotary and indexed copies, bit for bit; and the fused bundle's GEMV route
-(models/fused_linear.py: RMSNorm prologue before qkv / gate_up, SwiGLU prologue and residual
+(models/kernels/bundle.py: RMSNorm prologue before qkv / gate_up, SwiGLU prologue and residual
 epilogue around down, the whole MLP) against EAGER's composition, to rounding; and a tiny
 EAGLE-3 head's forward and logits through that route (its MLP, its final norm + lm_head)
 against the head under EAGER, to rounding.

@@ -1,4 +1,4 @@
-"""GGUF files whose quantized blocks stay codes (models/gguf/repack.py, header.py): the
+"""GGUF files whose quantized blocks stay codes (models/loading/gguf/repack.py, header.py): the
 header read from the memory map equals the `gguf` library's reading; each kept type's codes
 dequantize to what the library dequantizes; a model keeps its file's codes (a fused layer in
 the layout that holds all its parts) and runs as the dequantized model does."""

@@ -1,4 +1,4 @@
-"""Integer checkpoints (models/int_checkpoint.py): GPTQ and AWQ written in their own
+"""Integer checkpoints (models/loading/quantized.py): GPTQ and AWQ written in their own
 packing by the test helpers, compressed-tensors pack-quantized written by that library,
 each loaded against a dense checkpoint of exactly its dequantized values (same matrices,
 same logits, the same greedy tokens through the engine); and every unsupported or broken

@@ -1,4 +1,5 @@
-"""Integer weights (models/int_quant.py, models/linear.py `IntWeights`, models/int_layers.py):
+"""Integer weights (models/layers/int_quant.py, models/layers/linear.py `IntWeights`,
+models/layers/int_embedding.py):
 round-to-nearest bounds, the packing, lossless layout conversion, a layer that is its
 dequantized matrix, whole models quantized at load (the head and a tied embedding in 8
 bits), their bytes, quality on the trained demo target, and an int4 draft's speculation."""

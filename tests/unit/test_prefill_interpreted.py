@@ -1,4 +1,4 @@
-"""The flash prefill kernel (models/triton_prefill.py) under Triton's interpreter on the CPU,
+"""The flash prefill kernel (models/kernels/prefill_attention.py) under Triton's interpreter on the CPU,
 against the gathered masked-SDPA reference (the CPU's path) on tiny shapes
 (skipped without triton). Tiles of 16 x 16 so that chunks of 17-33 tokens cross query and
 key tile edges. Cases: a prefix-cache hit (context cached before the

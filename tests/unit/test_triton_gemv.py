@@ -1,4 +1,4 @@
-"""The few-row matmul (models/triton_gemv.py) and its launch parameters (models/gemv_tiles.py).
+"""The few-row matmul (models/kernels/gemv.py) and its launch parameters (models/kernels/gemv_tiles.py).
 
 `gemv_reference` is the fused computation in plain torch (float32 inside, rounded where
 PyTorch's unfused layers round); on the CPU it is checked against that unfused composition

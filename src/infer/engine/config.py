@@ -117,7 +117,7 @@ class EngineConfig:
     speculative_method: str = "draft_model"
     # dir, hub id or .gguf; None with the demo target = the bundled demo draft. With
     # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py); with
-    # "medusa": the Medusa heads' directory (models/medusa_files.py)
+    # "medusa": the Medusa heads' directory (models/loading/medusa_files.py)
     draft_model: str | None = None
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None

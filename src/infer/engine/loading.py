@@ -169,7 +169,7 @@ def eagle_head_path(config: EngineConfig) -> str | None:
 
 
 def head_config(path: str, method: str) -> EagleHeadConfig:
-    """The head's config: a directory's config.json, or a dummy head's (`models/eagle_dummy.py`)."""
+    """The head's config: a directory's config.json, or a dummy head's (`models/loading/dummy_heads.py`)."""
     return dummy_head_config(path, method) if is_dummy_head(path) else read_head_config(path, method)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import ARRAYS, Row, batch_of, build_batch, next_step, plan_batch
-from infer.engine.executor.staging import _stage_sampling, plan_sizes, stage
+from infer.engine.executor.staging import stage_sampling, plan_sizes, stage
 from infer.models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -29,7 +29,7 @@ class _Ring:
 def test_sampling_staging_rows_are_temperature_greedy_then_uniforms_per_step():
     host = torch.full((2 + 3, 4), -1.0, dtype=torch.float64)  # [2 + U, bucket]
     uniforms = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]], dtype=torch.float64)  # [n, U]
-    _stage_sampling(_Ring(host), 2, [0.7, 1.0], [False, True], uniforms)
+    stage_sampling(_Ring(host), 2, [0.7, 1.0], [False, True], uniforms)
     assert host[:, :2].tolist() == [[0.7, 1.0], [0.0, 1.0], [0.1, 0.4], [0.2, 0.5], [0.3, 0.6]]
     assert (host[:, 2:] == -1).all()  # padding rows untouched
 

@@ -23,7 +23,7 @@ from infer.cache.forward_batch import BatchPlan
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.batch_forward import kernels_serve_model
 from infer.engine.executor.capture import CAPTURE_SIZES, capture_sizes, graph_context_width
-from infer.engine.executor.staging import PlanInputs, _stage_sampling, _Staging, record_graph
+from infer.engine.executor.staging import PlanInputs, Staging, record_graph, stage_sampling
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.kernels.routes import DECODE_MAX_QUERY
@@ -36,7 +36,7 @@ Key = tuple[int, int, int, bool]  # (rows, tokens, steps, every row greedy)
 class _RoundGraph:
     graph: torch.cuda.CUDAGraph
     inputs: PlanInputs  # the feed's plan arrays: T tokens over R rows
-    floats: _Staging | None  # float64 [2 + steps, R]: temperature | greedy | uniforms; None when greedy
+    floats: Staging | None  # float64 [2 + steps, R]: temperature | greedy | uniforms; None when greedy
     features: torch.Tensor  # [T, H] static input
     tokens: torch.Tensor  # [R, steps]
     probs: torch.Tensor | None  # [R, steps, V]; None in a greedy round
@@ -96,7 +96,7 @@ class HeadRoundGraphs:
         g.inputs.stage(plan)
         n = plan.num_rows
         if g.floats is not None:
-            _stage_sampling(g.floats, n, temperatures, greedy, uniforms)
+            stage_sampling(g.floats, n, temperatures, greedy, uniforms)
             g.floats.send()
         g.features[:plan.num_tokens].copy_(features)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
@@ -121,7 +121,7 @@ class HeadRoundGraphs:
             return head_round(self.head, self.pool, feed, features, steps, floats, self.context_width, self.kernels)
 
         graph, (out, probs) = record_graph(run, self.stream, self.device)
-        return _RoundGraph(graph, inputs, None if floats is None else _Staging(floats), features, out, probs)
+        return _RoundGraph(graph, inputs, None if floats is None else Staging(floats), features, out, probs)
 
 
 def make_head_round(head: EagleHead, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,

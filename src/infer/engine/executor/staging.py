@@ -33,7 +33,7 @@ def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.
     return graph, out
 
 
-class _Staging:
+class Staging:
     """A ring of pinned host buffers feeding one device buffer. Steps are queued back to back
     (the draft loop does not wait for the GPU), so a host buffer is rewritten only once the
     copy that last read it has run."""
@@ -65,7 +65,7 @@ class _Staging:
         self.copied[self.turn].record(torch.cuda.current_stream(self.device_index))
 
 
-def _stage_sampling(staging: _Staging, n: int, temperatures: Sequence[float], greedy: Sequence[bool],
+def stage_sampling(staging: Staging, n: int, temperatures: Sequence[float], greedy: Sequence[bool],
                     uniforms: torch.Tensor) -> None:
     """Fill the next host buffer of a float64 [2 + U, b] staging ring (temperature | greedy |
     U uniforms per row) for the first n rows; uniforms: CPU [n, U]. The copy is queued by
@@ -94,7 +94,7 @@ def stage(parts: dict[str, torch.Tensor], plan: BatchPlan) -> None:
 
 class PlanInputs:
     """A graph's flat batch: the ARRAYS of `tokens` tokens over `rows` rows in one device
-    buffer (every token padding until staged), fed from a `_Staging` ring; `batch` builds the
+    buffer (every token padding until staged), fed from a `Staging` ring; `batch` builds the
     ForwardBatch from them inside the captured function, so every replay gathers its KV
     slots and block tables afresh."""
 
@@ -104,7 +104,7 @@ class PlanInputs:
         buf = torch.zeros(sum(sizes), dtype=torch.long, device=device)  # int64 [6 N + 2 R + (R + 1) + N]
         self.parts = dict(zip(ARRAYS, torch.split(buf, sizes), strict=True))
         self.parts["positions"].fill_(-1)  # (capture inputs: every token padding)
-        self.staging = _Staging(buf)
+        self.staging = Staging(buf)
         self.host_parts = [dict(zip(ARRAYS, torch.split(host, sizes), strict=True)) for host in self.staging.hosts]
 
     @property

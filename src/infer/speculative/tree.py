@@ -12,6 +12,7 @@ theory (SpecInfer's tree attention): docs/speculation.md, "Static trees".
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -187,13 +188,12 @@ def chain_shape(k: int) -> TreeShape:
     per length, since every round asks for one."""
     if not is_strict_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
         raise ValueError(f"a chain needs an integer length in [1, {MAX_TREE_DEPTH}], got {k!r}")
-    shape = _CHAINS.get(k)
-    if shape is None:
-        shape = _CHAINS[k] = TreeShape((1,) * k)
-    return shape
+    return _chain(k)
 
 
-_CHAINS: dict[int, TreeShape] = {}
+@functools.lru_cache(maxsize=None)
+def _chain(k: int) -> TreeShape:
+    return TreeShape((1,) * k)
 
 
 def ancestor_mask(shape: TreeShape, device: torch.device | str | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.staging import PlanInputs, record_graph
 from infer.models.batch import WORD, ForwardBatch
 from infer.models.kernels.bundle import EAGER, Kernels
-from infer.models.kernels.routes import DECODE_MAX_QUERY, kernels_serve
+from infer.models.kernels.routes import AttentionRoutes, kernels_serve
 from infer.models.layers.paged_attention import BatchView
 from infer.models.llama import LlamaForCausalLM
 from infer.transfer import tensor_on
@@ -88,9 +88,11 @@ class GraphBatchForward:
     def serves(self, plan: BatchPlan) -> bool:
         """Whether a graph serves the plan: few enough tokens and rows, every row short, a
         tree only where tree graphs were captured."""
-        return (bool(self.graphs) and plan.num_tokens <= self.buckets[-1] and plan.num_rows <= self.max_rows
-                and plan.context_width <= self.context_width
-                and max(plan.query_lens) <= DECODE_MAX_QUERY and plan.tree_width <= WORD
+        if not (self.graphs and plan.num_tokens <= self.buckets[-1] and plan.num_rows <= self.max_rows
+                and plan.context_width <= self.context_width):
+            return False
+        routes = AttentionRoutes.of(tuple(plan.query_lens), plan.tree_width or None)  # (as the pass will route it)
+        return (not routes.prefill and routes.kernels_fit
                 and (not plan.tree_width or (self._bucket(plan.num_tokens), True) in self.graphs))
 
     def _bucket(self, n: int) -> int:

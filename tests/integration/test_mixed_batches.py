@@ -4,7 +4,8 @@ forward give the same tokens as a forward each, in fewer target forwards.
 Requests arrive staggered (one every other step), so new prompts' prefill chunks meet the
 older requests' decode steps; both KV backends, prefix caching, tiny chunks, a pool small
 enough to preempt, overlapped scheduling, seeded sampling, and speculation switched off by
-batch size (its plain steps and its rounds alike mix with prefill chunks).
+batch size (its plain steps and its rounds alike mix with prefill chunks). A verification
+step larger than the token budget runs whole.
 """
 
 from __future__ import annotations
@@ -100,3 +101,23 @@ def test_mixed_equals_separate_seeded_sampling(make_llm: Callable[..., Any], ckp
     assert both and max(both) == 1  # sampled rows rode along with prefill chunks
     assert got == want
     assert len({tuple(t) for t in got}) == len(got)  # the seeds really differ
+
+
+def test_a_verification_step_beyond_the_token_budget_runs_whole(make_llm: Callable[..., Any], ckpt_a: Any) -> None:
+    # the target drafting for itself (every draft accepted), K = 4, a budget of 8 tokens (the
+    # three prompts in one step): each round verifies every running row's K + 1 tokens, 15 in
+    # one pass, never a shorter K
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    plain = make_llm(ckpt_a, max_seq_len=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = make_llm(ckpt_a, max_seq_len=64, max_num_batched_tokens=8, use_speculative_decoding=True,
+                   draft_model=str(ckpt_a), spec_length=4)
+    runner, passes = llm.engine.runner, []
+    forward = runner.forward
+    runner.forward = lambda plan, *args: (passes.append(plan.query_lens), forward(plan, *args))[1]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert got == want
+    verified = [lens for lens in passes if len(lens) == len(prompts) and set(lens) == {5}]
+    assert verified and sum(verified[0]) > llm.engine.config.max_num_batched_tokens
+    assert llm.engine.leak_report() == []

@@ -1,5 +1,6 @@
 """`infer` command line: generate (stream a completion), chat (an interactive conversation),
-serve (OpenAI-compatible server), bench (benchmark workloads).
+serve (OpenAI-compatible server), bench (benchmark workloads), draft-vocab (a reduced draft
+vocabulary's table, `infer.draft_table`).
 
 Only the chosen command's flags are built, so `infer --help` imports neither torch nor the
 server; every flag (sampling, engine, server) is validated before a model is loaded. Every
@@ -145,11 +146,19 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=run_bench)
 
 
+def _draft_vocab_args(p: argparse.ArgumentParser) -> None:
+    from infer.draft_table import add_args
+
+    add_args(p)
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "generate": ("complete one prompt, streaming text to the terminal", _generate_args),
     "chat": ("an interactive chat in the terminal (/clear, /exit), streaming each answer", _chat_args),
     "serve": ("OpenAI-compatible HTTP server (needs the server extra)", _serve_args),
     "bench": ("run benchmark workloads, write JSON results; --plot draws them", _bench_args),
+    "draft-vocab": ("build a reduced draft vocabulary: the target's N most frequent tokens over a corpus",
+                    _draft_vocab_args),
 }
 
 

@@ -199,7 +199,8 @@ class SweepSession:
             free_memory()
             _, draft_path = default_model_paths(config)
             assert draft_path is not None
-            self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device)
+            self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device,
+                                            vocab_map=self._models.vocab_map)
         self._quantization = quantization
         return self._models
 

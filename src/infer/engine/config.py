@@ -7,6 +7,7 @@ involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_tree", "spec_policy",
                       "spec_disable_batch_size", "spec_cost_coefficient", "ngram_max_order", "ngram_min_order",
                       "ngram_window", "spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob",
-                      "draft_quantization", "tensor_parallel_draft")
+                      "draft_quantization", "tensor_parallel_draft", "spec_draft_vocab")
 SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob")
 # speculative_method="suffix" with spec_tree / spec_length unset: trees of at most 16 nodes, 4
 # children a node, 8 deep
@@ -119,6 +120,10 @@ class EngineConfig:
     # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py); with
     # "medusa": the Medusa heads' directory (models/loading/medusa_files.py)
     draft_model: str | None = None
+    # a reduced draft vocabulary (speculative_method="draft_model"): the path of a table
+    # `infer draft-vocab` writes; the draft computes logits for its tokens alone
+    # (speculative/draft_vocab.py). None: the draft's whole vocabulary
+    spec_draft_vocab: str | None = None
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None
     # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
@@ -234,6 +239,7 @@ class EngineConfig:
                 self.use_speculative_decoding and self.speculative_method == "draft_model"):
             raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="
                              "True with speculative_method='draft_model', or leave tensor_parallel_draft unset")
+        self._check_draft_vocab()
         if self.tensor_parallel_all_reduce == "one-shot" and (self.tensor_parallel_size < 2 or self.device == "cpu"):
             raise ValueError("tensor_parallel_all_reduce='one-shot' runs between CUDA devices: set "
                              "tensor_parallel_size >= 2 on GPUs, or leave tensor_parallel_all_reduce='nccl'")
@@ -247,6 +253,18 @@ class EngineConfig:
                 self._check_eagle()
             if self.speculative_method == MEDUSA:
                 self._check_medusa()
+
+    def _check_draft_vocab(self) -> None:
+        if self.spec_draft_vocab is None:
+            return
+        if not (self.use_speculative_decoding and self.speculative_method == "draft_model"):
+            raise ValueError("spec_draft_vocab reduces a draft model's vocabulary: set speculative_method="
+                             f"'draft_model' (not {self.speculative_method!r}), or leave spec_draft_vocab unset")
+        if self.tensor_parallel_draft == "sharded":
+            raise ValueError("spec_draft_vocab needs the draft's whole lm_head: set tensor_parallel_draft='driver'")
+        if not Path(self.spec_draft_vocab).is_file():
+            raise ValueError(f"spec_draft_vocab: no file {self.spec_draft_vocab!r}: build one with "
+                             "`infer draft-vocab` (README, \"Speculative decoding\")")
 
     def _check_eagle(self) -> None:
         method = self.speculative_method

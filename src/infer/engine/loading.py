@@ -6,8 +6,10 @@ speculation and no `draft_model`, the bundled demo draft, or for "eagle3" the de
 EAGLE-3 head), so a fresh install works with no download. `check_before_loading` checks
 everything files can tell before any weight is read: the tokenizer builds, a draft's
 vocabulary pairs with the target's (engine/pairing.py), an EAGLE head's or Medusa heads'
-config fits the target (`head_config`, `check_medusa`). `load_models` returns
-`LoadedModels`; with heads, the target gets a `HiddenCapture` of the points they read.
+config fits the target (`head_config`, `check_medusa`), a reduced draft vocabulary's table
+indexes the target's vocabulary (`draft_vocab_table`). `load_models` returns `LoadedModels`
+(a reduced vocabulary's draft keeping its rows); with heads, the target gets a
+`HiddenCapture` of the points they read.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from infer.models.loading.loader import load_model, read_model_config
 from infer.models.loading.medusa_files import load_medusa_head, read_medusa_config
 from infer.models.loading.readers import resolve_model_path
 from infer.models.medusa import MedusaConfig, MedusaHead
+from infer.speculative.draft_vocab import DraftVocab, draft_rows, load_table
 from infer.speculative.vocab_map import VocabMap
 from infer.tokenization import Tokenizer
 
@@ -130,10 +133,16 @@ def load_target(config: EngineConfig, path: str, device: torch.device, shard: Mo
 
 
 def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
-               shard: ModelShard | None = None) -> LlamaForCausalLM:
-    """The draft model, in the target's dtype (with a `shard`: that rank's part)."""
-    return load_model(path, dtype=next(target.parameters()).dtype, device=device, load_format=config.load_format,
-                      quantization=config.draft_quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
+               shard: ModelShard | None = None, vocab_map: VocabMap | None = None) -> LlamaForCausalLM:
+    """The draft model, in the target's dtype (with a `shard`: that rank's part), its
+    vocabulary reduced to `spec_draft_vocab`'s table (`vocab_map`: a draft of another
+    vocabulary's map, through which the table's target ids reach the draft's rows)."""
+    draft = load_model(path, dtype=next(target.parameters()).dtype, device=device, load_format=config.load_format,
+                       quantization=config.draft_quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
+    table = draft_vocab_table(config, default_model_paths(config)[0])
+    if table is not None:
+        draft.keep_vocab(torch.tensor(draft_rows(table, vocab_map)))
+    return draft
 
 
 def load_models(config: EngineConfig, device: torch.device | None = None, target_shard: ModelShard | None = None,
@@ -143,6 +152,7 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     device = device if device is not None else resolve_device(config.device)
     target_path, draft_path = default_model_paths(config)
     tokenizer, vocab_map = check_before_loading(config, target_path, draft_path)
+    draft_vocab_table(config, target_path)  # (refused here, before any weight is read)
     head_path = eagle_head_path(config)
     if head_path is not None:  # refused from config files, before any weight is read
         head_config(head_path, config.speculative_method).check_target(
@@ -151,11 +161,22 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     if medusa_dir is not None:  # (likewise)
         check_medusa(config, medusa_dir, target_path)
     target = load_target(config, target_path, device, target_shard)
-    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard)
+    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard, vocab_map)
     head = None if head_path is None else load_head(config, head_path, target)
     medusa = None if medusa_dir is None else load_medusa(config, medusa_dir, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     return LoadedModels(target, draft, tokenizer, tuple(eos), head, vocab_map, medusa)
+
+
+def draft_vocab_table(config: EngineConfig, target_path: str) -> DraftVocab | None:
+    """The reduced draft vocabulary's table (`spec_draft_vocab`), checked against the
+    target's vocabulary from its config file alone."""
+    if config.spec_draft_vocab is None:
+        return None
+    table = load_table(config.spec_draft_vocab)
+    table.check_target(read_model_config(target_path, config.load_format).vocab_size,
+                       f"spec_draft_vocab {config.spec_draft_vocab!r}")
+    return table
 
 
 def eagle_head_path(config: EngineConfig) -> str | None:

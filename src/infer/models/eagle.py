@@ -27,6 +27,7 @@ from infer.models.layers.mlp import MLP
 from infer.models.layers.norms import RMSNorm
 from infer.models.layers.rotary import Rotary, cos_sin
 from infer.models.llama import Attention, LlamaForCausalLM
+from infer.models.vocab_rows import spread_logits
 
 METHODS = ("eagle", "eagle3")
 
@@ -177,9 +178,8 @@ class EagleHead(nn.Module):
         small = kernels.norm_linear(self.lm_head, x, self.norm.weight, self.norm.eps).float()
         if not self.maps_vocab:
             return small
-        out = small.new_full((x.shape[0], self.config.vocab_size), float("-inf"))
-        out[:, self.draft_to_target if self.target_ids is None else self.target_ids] = small
-        return out
+        ids = self.draft_to_target if self.target_ids is None else self.target_ids
+        return spread_logits(small, ids, self.config.vocab_size)
 
     def index_vocab(self) -> None:
         """Fix the draft -> target id map from the loaded d2t (EAGLE-3; call after loading)."""

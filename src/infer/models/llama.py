@@ -28,6 +28,7 @@ from infer.models.layers.norms import RMSNorm
 from infer.models.layers.parallel import REPLICATED, Parallel, TensorPart, VocabParallelEmbedding
 from infer.models.layers.rotary import Rotary, cos_sin
 from infer.models.layers.shard import ModelShard, PartFn
+from infer.models.vocab_rows import gathered_head, spread_logits
 
 
 class Attention(nn.Module):
@@ -132,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(self.config)
         self.lm_head = _lm_head(self.config, self.model.embed_tokens,
                                 REPLICATED if shard is None else shard.vocab(shard.lm_head))
+        # a reduced vocabulary (`keep_vocab`): the ids [N] whose rows lm_head holds; None: all
+        self.kept_ids: torch.Tensor | None = None
         self.tie_weights()
         # hidden states an EAGLE head reads, left by every forward (capture.py); None: none
         self.capture: HiddenCapture | None = None
@@ -142,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         reads its embedding through its method (a quantized embedding's codes,
         layers/int_embedding.py; a rank's rows of a whole embedding) holds no matrix to tie."""
         if (self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding)
-                and self.lm_head.method.checkpoint_params):
+                and self.lm_head.method.checkpoint_params and self.kept_ids is None):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def linears(self) -> dict[str, LinearBase]:
@@ -181,8 +184,25 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        """The logits [M, V] of hidden states [M, H] (final normed)."""
-        return kernels.linear(self.lm_head, hidden, None)
+        """The logits [..., V] of hidden states [..., H] (final normed); with a reduced
+        vocabulary, -inf outside it."""
+        out = kernels.linear(self.lm_head, hidden, None)
+        return out if self.kept_ids is None else spread_logits(out, self.kept_ids, self.config.vocab_size)
+
+    def keep_vocab(self, ids: torch.Tensor) -> None:
+        """Compute logits only for vocabulary ids `ids` [N] (distinct): lm_head becomes a
+        gathered [N, H] copy of those rows, once (the embedding is unchanged), and `logits`
+        are -inf at every other id (`models/vocab_rows.py`). A draft model's reduced
+        vocabulary (EngineConfig.spec_draft_vocab)."""
+        if self.kept_ids is not None:
+            raise ValueError("this model's vocabulary is reduced already")
+        ids = ids.to(device=self.model.norm.weight.device, dtype=torch.long)
+        if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"a kept vocabulary is 1..{self.config.vocab_size} ids in 0..{self.config.vocab_size - 1}")
+        if len(torch.unique(ids)) != len(ids):
+            raise ValueError("a kept vocabulary's ids must be distinct")
+        self.lm_head = gathered_head(self.lm_head, ids, self.model.norm.weight.dtype)
+        self.kept_ids = ids
 
     def forward(
         self,
@@ -198,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, positions, view or NoCacheView(), kernels)
         if logits_indices is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logits_indices]
-        return kernels.linear(self.lm_head, h, None)
+        return self.logits(h, kernels)
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face named tensors in (each linear layer converts what it reads:

@@ -1,0 +1,124 @@
+"""A reduced draft vocabulary (spec_draft_vocab) end to end: greedy parity with plain
+decoding, and losslessness of sampling (the empirical joint of the first three tokens
+against the target's exact one, helpers/joint.py) on a 4-token vocabulary whose draft keeps
+2 tokens. Negative control: the draft sampling its whole vocabulary and its proposals
+outside the table dropped (q not zero there) fails the same bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from helpers.joint import empirical_joint, exact_joint, seeded, tiny_pair, total_variation
+from helpers.spec_e2e import run, spec_llm
+from infer import SamplingParams
+from infer.models.llama import LlamaForCausalLM
+from infer.speculative.draft_model import DraftModelProposer
+from infer.speculative.draft_vocab import DraftVocab, build_table
+
+VOCAB = 4
+KEPT = (0, 2)
+PROMPT = [2, 3, 2]
+N = 6000
+N_CONTROL = 3000
+TV_LIMIT = 0.07  # expected sampling noise for 64 cells at N = 6000 is about 0.03
+T1 = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return tiny_pair(tmp_path_factory, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def small_table(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab") / "table.json"
+    DraftVocab(KEPT, VOCAB, "test", 0, 0.0).save(path)
+    return str(path)
+
+
+def _llm(make_llm, pair, table):
+    target, draft = pair
+    return make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
+                    draft_model=str(draft), spec_length=3, spec_draft_vocab=table)
+
+
+def _tv(llm, target, n: int) -> float:
+    exact = exact_joint(target, PROMPT, T1, VOCAB)
+    assert max(exact.values()) < 0.5, "distribution too peaked to be a meaningful test"
+    outputs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded(T1, n))
+    return total_variation(empirical_joint(outputs), exact)
+
+
+def test_sampling_matches_target(make_llm, pair, small_table):
+    llm = _llm(make_llm, pair, small_table)
+    draft = llm.engine.models.draft
+    assert draft.kept_ids.tolist() == list(KEPT) and draft.lm_head.out_features == len(KEPT)
+    assert _tv(llm, pair[0], N) < TV_LIMIT
+    stats = llm.engine.runner.stats
+    assert stats.draft_tokens > 0 and 0 < stats.accepted_tokens < 0.95 * stats.draft_tokens
+
+
+def test_negative_control_dropped_proposals_fail(make_llm, pair, small_table, monkeypatch):
+    # the draft keeps its whole head (its q nonzero outside the table) and a proposal outside
+    # the table is dropped with what follows it: the proposals kept are not drawn from q
+    monkeypatch.setattr(LlamaForCausalLM, "keep_vocab", lambda self, ids: None)
+    propose = DraftModelProposer.propose
+
+    def cut(self, requests, shape, depths):
+        drafts = propose(self, requests, shape, depths)
+        out = []
+        for d in drafts:
+            valid = list(d.valid)
+            for node, token in enumerate(d.token_ids):
+                parent = d.shape.parents[node]
+                valid[node] = valid[node] and token in KEPT and (parent < 0 or valid[parent])
+            tokens = tuple(t if ok else 0 for t, ok in zip(d.token_ids, valid, strict=True))
+            out.append(replace(d, token_ids=tokens, valid=tuple(valid)))
+        return out
+
+    monkeypatch.setattr(DraftModelProposer, "propose", cut)
+    assert _tv(_llm(make_llm, pair, small_table), pair[0], N_CONTROL) > TV_LIMIT
+
+
+def _table(tmp_path, outputs, drop: int = 0) -> str:
+    """A table of the outputs' tokens, less the `drop` most frequent."""
+    counts = Counter(t for out in outputs for t in out)
+    kept = [t for t, _ in counts.most_common()][drop:]
+    path = tmp_path / f"table{drop}.json"
+    build_table(Counter({t: counts[t] for t in kept}), len(kept), 384, "outputs").save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("drop", [0, 1], ids=["every-output-token", "most-frequent-left-out"])
+def test_greedy_parity(make_llm, ckpt_a, prompts, plain_outputs, tmp_path, drop):
+    # the target as its own draft: every proposal is accepted while the table holds the
+    # tokens it needs, and one left out costs acceptance, never the output
+    llm = spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_draft_vocab=_table(tmp_path, plain_outputs, drop))
+    outs = run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    rate = llm.engine.runner.stats.acceptance_rate
+    assert rate >= 0.99 if drop == 0 else rate < 0.9
+    assert llm.engine.leak_report() == []
+
+
+def test_reduced_logits_are_the_whole_heads_rows(ckpt_a):
+    from infer.models.loading.loader import load_model
+
+    model, _ = load_model(str(ckpt_a), dtype="float32")
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = model.logits(hidden)
+    ids = torch.tensor([5, 1, 300, 7])
+    model.keep_vocab(ids)
+    reduced = model.logits(hidden)
+    assert reduced.shape == whole.shape
+    torch.testing.assert_close(reduced[:, ids], whole[:, ids])
+    outside = torch.ones(model.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(reduced[:, outside]).all()
+    with pytest.raises(ValueError, match="reduced already"):
+        model.keep_vocab(ids)

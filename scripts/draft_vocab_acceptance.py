@@ -66,10 +66,12 @@ def main() -> None:
             params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=1)
             full, outputs = acceptance(None, batch, params)
             reduced, reduced_outputs = acceptance(path, batch, params)
-            line = f"T={temperature:g}: acceptance {full:.4f} whole vocabulary, {reduced:.4f} reduced ({reduced - full:+.4f})"
+            line = (f"T={temperature:g}: acceptance {full:.4f} whole vocabulary, {reduced:.4f} reduced "
+                    f"({reduced - full:+.4f})")
             if temperature == 0:
                 greedy = coverage(count_tokens(outputs), table.token_ids)
-                line += f"; greedy outputs identical: {outputs == reduced_outputs}; coverage of greedy tokens {greedy:.2%}"
+                line += (f"; greedy outputs identical: {outputs == reduced_outputs}; "
+                         f"coverage of greedy tokens {greedy:.2%}")
             print(line)
 
 

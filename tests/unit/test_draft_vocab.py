@@ -120,3 +120,18 @@ def test_cli_builds_a_table_of_files(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert json.loads(out.read_text())["size"] == 5
     assert main(["draft-vocab", "--model", str(ckpt), "--size", "5", "--out", str(out),
                  "--files", str(tmp_path / "none.txt")]) == 2
+
+
+def test_costs_row_of_a_reduced_draft(ckpt_a: Path) -> None:
+    """The costs suite's reduced-vocabulary row loads the draft with a table of the lowest ids
+    through the engine's loader and times it (a CPU here: a measured c, no failure)."""
+    from infer.bench import measures
+    from infer.bench.harness import Harness, HarnessOptions
+    from infer.bench.results import BenchRun
+
+    row = measures.costs_row("costs", "c", str(ckpt_a), str(ckpt_a), False, draft_vocab=96)
+    run = BenchRun("t")
+    Harness(run, HarnessOptions(device="cpu", quiet=True, cost_repeats=1)).run_rows(["costs"], {"costs": row})
+    m = run.get("costs")
+    assert m.ok, m.error
+    assert m.params["draft_vocab"] == 96 and m.metrics["c"] is not None

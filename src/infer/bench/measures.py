@@ -12,6 +12,7 @@ tensor-parallel step's collectives, bench/collectives.py) and `acceptance_sweep_
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,8 @@ from infer.engine.config import EngineConfig
 from infer.engine.loading import load_models
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
 from infer.engine.threads import apply_cpu_threads
-from infer.models.loading.loader import load_model
+from infer.models.loading.loader import load_model, read_model_config
+from infer.speculative.draft_vocab import DraftVocab
 
 PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 TRANSFORMERS = Module("transformers", "transformers>=4.45")
@@ -121,19 +123,23 @@ def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: st
 
 def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_graphs: bool,
               draft_quantization: str | None = None, needs: tuple[Need, ...] = (),
-              method: str = "draft_model") -> Row:
+              method: str = "draft_model", draft_vocab: int | None = None) -> Row:
     """c and v(K) of `target` (and `draft`: with method "eagle" / "eagle3" an EAGLE head, with
     "medusa" Medusa heads; a head's step is the slope of its chain rounds, `round_step_times`;
     a draft model's one pass), loaded by
     the engine's loader with its checks and timed on the CPU threads the engine would
-    choose (or --threads)."""
+    choose (or --threads). `draft_vocab`: the draft model's vocabulary reduced to that many
+    ids (the lowest: which ones does not change a step's cost)."""
 
     def run(ctx: Context) -> Outcome:
-        config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,
-                              speculative_method=method, device=str(ctx.device), dtype=default_dtype(ctx.device),
-                              draft_quantization=draft_quantization, threads=ctx.options.threads)
+        with tempfile.TemporaryDirectory() as tmp:
+            table = None if draft_vocab is None else _first_ids_table(target, draft_vocab, Path(tmp))
+            config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,
+                                  speculative_method=method, device=str(ctx.device), dtype=default_dtype(ctx.device),
+                                  draft_quantization=draft_quantization, threads=ctx.options.threads,
+                                  spec_draft_vocab=table)
+            models = load_models(config, ctx.device)
         cfg = StepCostConfig(repeats=ctx.options.cost_repeats)
-        models = load_models(config, ctx.device)
         try:
             threads = apply_cpu_threads(config.threads, ctx.device,
                                         sum(p.numel() for p in models.target.parameters()))
@@ -144,12 +150,20 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
             del models
             free_memory()
         params = {"target": target, "draft": draft, "method": method, "dtype": config.dtype,
-                  "draft_quantization": draft_quantization,
+                  "draft_quantization": draft_quantization, "draft_vocab": draft_vocab,
                   "use_cuda_graphs": use_cuda_graphs, "device": str(ctx.device), "threads": threads,
                   "context_len": cfg.context_len, "max_seq_len": cfg.max_seq_len, "batch_size": 1}
         return params, costs.to_dict()
 
     return Row(name, what, "spec_costs", "spec-costs", run, {}, needs)
+
+
+def _first_ids_table(target: str, size: int, directory: Path) -> str:
+    """A reduced draft vocabulary's table of the target's `size` lowest ids, written in `directory`."""
+    vocab = read_model_config(target).vocab_size
+    path = directory / "draft-vocab.json"
+    DraftVocab(tuple(range(min(size, vocab))), vocab, "the lowest ids (a cost row's)", 0, 0.0).save(path)
+    return str(path)
 
 
 def projection_row(name: str, costs: str) -> Row:

@@ -217,6 +217,12 @@ def costs_rows(m: Models) -> list[Row]:
             costs_row("costs/3b-1b-int4/graphs", "the same with the draft in int4 (8-bit head)", SHAPE_3B, SHAPE_1B,
                       True, "int4"),
             projection_row("projection/3b-1b-int4", "costs/3b-1b-int4/graphs"),
+            costs_row("costs/3b-1b-v32k/graphs", "the bf16 draft with a reduced vocabulary: lm_head rows of "
+                      "32768 ids (spec_draft_vocab)", SHAPE_3B, SHAPE_1B, True, draft_vocab=32768),
+            projection_row("projection/3b-1b-v32k", "costs/3b-1b-v32k/graphs"),
+            costs_row("costs/3b-1b-fp8-v32k/graphs", "the FP8 draft with a reduced vocabulary (32768 ids)", SHAPE_3B,
+                      SHAPE_1B, True, "fp8", draft_vocab=32768),
+            projection_row("projection/3b-1b-fp8-v32k", "costs/3b-1b-fp8-v32k/graphs"),
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
                       "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True,
                       method="eagle3"),

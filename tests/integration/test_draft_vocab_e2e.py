@@ -1,7 +1,8 @@
 """A reduced draft vocabulary (spec_draft_vocab) end to end: greedy parity with plain
 decoding, and losslessness of sampling (the empirical joint of the first three tokens
 against the target's exact one, helpers/joint.py) on a 4-token vocabulary whose draft keeps
-2 tokens. Negative control: the draft sampling its whole vocabulary and its proposals
+2 tokens; a draft of another vocabulary keeping the table's tokens at its own ids. Negative
+control: the draft sampling its whole vocabulary and its proposals
 outside the table dropped (q not zero there) fails the same bound.
 """
 
@@ -122,3 +123,18 @@ def test_reduced_logits_are_the_whole_heads_rows(ckpt_a):
     assert torch.isneginf(reduced[:, outside]).all()
     with pytest.raises(ValueError, match="reduced already"):
         model.keep_vocab(ids)
+
+
+def test_another_vocabulary_keeps_the_tables_tokens(make_llm, ckpt_a, prompts, plain_outputs, tmp_path):
+    # the target under shuffled ids drafts exactly as itself: with a table of the tokens its
+    # outputs need, kept at their draft ids, every proposal is still accepted
+    from helpers.foreign_vocab import permuted_draft
+
+    draft = permuted_draft(ckpt_a, tmp_path / "permuted")
+    llm = spec_llm(make_llm, ckpt_a, draft, 8, spec_draft_vocab=_table(tmp_path, plain_outputs))
+    proposer = llm.engine.runner.speculation.proposer
+    kept = llm.engine.models.draft.kept_ids.tolist()
+    assert sorted(proposer.vocab.draft_to_target[x] for x in kept) == sorted({t for o in plain_outputs for t in o})
+    outs = run(llm, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == plain_outputs
+    assert llm.engine.runner.stats.acceptance_rate >= 0.99

@@ -9,13 +9,12 @@ draft whose vocabulary is smaller than the target's.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
-from helpers.checkpoints import encode
 from helpers.foreign_vocab import foreign_draft, permuted_draft
+from helpers.spec_e2e import generated_tokens, word_prompts
 from infer import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -30,28 +29,18 @@ def foreign(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return foreign_draft(tmp_path_factory.mktemp("foreign"))
 
 
-def _prompts(model_dir: Path, n: int = 6) -> list[list[int]]:
-    rng = random.Random(5)
-    words = "the cat sat on the mat and a dog ran to the park while birds sang".split()
-    return [encode(model_dir, " ".join(rng.choice(words) for _ in range(rng.randint(2, 30)))) for _ in range(n)]
-
-
-def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = GREEDY
-            ) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
-
-
 @pytest.mark.parametrize("tree", [None, "2,2,1"])
 def test_graphs_match_eager_with_a_draft_of_another_tokenizer(ckpt_a: Path, foreign: Path, tree: str | None) -> None:
-    prompts = _prompts(ckpt_a)
+    prompts = word_prompts(ckpt_a, 6, seed=5)
     sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True) for i in range(len(prompts))]
     kw = dict(KW, draft_model=str(foreign), spec_tree=tree)
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
     plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
                 compile_kernels=False)
-    assert _tokens(graphs, prompts) == _tokens(eager, prompts) == _tokens(plain, prompts)
-    assert _tokens(graphs, prompts, sampled) == _tokens(eager, prompts, sampled)
+    want = generated_tokens(plain, prompts, GREEDY)
+    assert generated_tokens(graphs, prompts, GREEDY) == generated_tokens(eager, prompts, GREEDY) == want
+    assert generated_tokens(graphs, prompts, sampled) == generated_tokens(eager, prompts, sampled)
     draft = graphs.engine.runner.speculation.draft
     assert draft is not None and draft.step_forward.forward.replays > 0  # (the masked forward's graphs)
     assert graphs.engine.runner.stats.draft_tokens > 0
@@ -64,8 +53,8 @@ def test_the_target_under_shuffled_ids_accepts_its_drafts_in_graphs(ckpt_a: Path
     llm = LLM(str(ckpt_a), use_cuda_graphs=True, draft_model=str(draft), **KW)
     plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
                 compile_kernels=False)
-    prompts = _prompts(ckpt_a)
-    assert _tokens(llm, prompts) == _tokens(plain, prompts)
+    prompts = word_prompts(ckpt_a, 6, seed=5)
+    assert generated_tokens(llm, prompts, GREEDY) == generated_tokens(plain, prompts, GREEDY)
     assert llm.engine.runner.stats.acceptance_rate >= 0.99
     assert llm.engine.leak_report() == []
 
@@ -74,8 +63,8 @@ def test_adaptive_policy_times_a_draft_of_a_smaller_vocabulary(ckpt_a: Path, for
     # the cost measurement at start feeds both models ids below the smaller vocabulary (330)
     llm = LLM(str(ckpt_a), use_cuda_graphs=True, draft_model=str(foreign), **dict(KW, spec_policy="adaptive"))
     assert 0.0 < llm.engine.runner.speculation.policy.config.c < 5.0
-    prompts = _prompts(ckpt_a, 4)
+    prompts = word_prompts(ckpt_a, 4, seed=5)
     plain = LLM(str(ckpt_a), device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128,
                 compile_kernels=False)
-    assert _tokens(llm, prompts) == _tokens(plain, prompts)
+    assert generated_tokens(llm, prompts, GREEDY) == generated_tokens(plain, prompts, GREEDY)
     assert llm.engine.leak_report() == []

@@ -35,6 +35,12 @@ def word_prompts(ckpt: Path, n: int = 8, seed: int = 3) -> list[list[int]]:
     return [encode(ckpt, " ".join(rng.choice(words) for _ in range(rng.randint(2, 25)))) for _ in range(n)]
 
 
+def generated_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+                     ) -> list[list[int]]:
+    """Each prompt's first completion's token ids."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
 def plain_greedy(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]:
     llm = LLM(str(ckpt), device="cpu", kv_cache_backend="contiguous", max_seq_len=256)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]

@@ -72,7 +72,8 @@ class Job:
 class Case:
     seed: int
     index: int
-    engine: dict[str, Any]  # LLM keywords; "draft": a draft's role (DRAFTS, HEADS) or absent
+    engine: dict[str, Any]  # LLM keywords; "draft": a draft's role (DRAFTS, HEADS) or absent;
+    #                         "draft_vocab": True for the models' reduced draft vocabulary
     jobs: tuple[Job, ...]
     invalid: str | None = None  # words the construction's ValueError must contain; None: valid
     bad_prompt: tuple[int, ...] | None = None  # a prompt generate must refuse (sent with the jobs)
@@ -196,6 +197,8 @@ def _draw_speculation(rng: random.Random, kw: dict[str, Any], avoid: frozenset[s
     kw.update(use_speculative_decoding=True, speculative_method=method, spec_length=rng.randint(1, 6))
     if method == "draft_model":
         kw["draft"] = rng.choice(DRAFTS)
+        if rng.random() < 0.2:
+            kw["draft_vocab"] = True  # the models' reduced draft vocabulary (`spec_draft_vocab`)
     elif method in (*HEADS, "medusa"):
         kw["draft"] = method
     elif method == "suffix":

@@ -104,9 +104,11 @@ class Plain:
 
 
 def engine_kwargs(case: Case, models: FuzzModels) -> dict[str, Any]:
-    kw = {k: v for k, v in case.engine.items() if k != "draft"}
+    kw = {k: v for k, v in case.engine.items() if k not in ("draft", "draft_vocab")}
     if "draft" in case.engine:
         kw["draft_model"] = str(models.draft(case.engine["draft"]))
+    if case.engine.get("draft_vocab"):
+        kw["spec_draft_vocab"] = str(models.vocab_table)
     return kw
 
 

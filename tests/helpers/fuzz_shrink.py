@@ -85,10 +85,12 @@ def _with_job(case: Case, i: int, job: Job) -> Case:
 
 def repro_source(case: Case, models_dir: str = "/tmp/infer-fuzz-models") -> str:
     """A script that rebuilds the models and runs the case's generate (PYTHONPATH=src:tests)."""
-    engine: dict[str, Any] = {k: v for k, v in case.engine.items() if k != "draft"}
+    engine: dict[str, Any] = {k: v for k, v in case.engine.items() if k not in ("draft", "draft_vocab")}
     args = ", ".join(f"{k}={v!r}" for k, v in engine.items())
     if "draft" in case.engine:
         args += f", draft_model=str(m.draft({case.engine['draft']!r}))"
+    if case.engine.get("draft_vocab"):
+        args += ", spec_draft_vocab=str(m.vocab_table)"
     prompts = [list(j.prompt) for j in case.jobs] + ([list(case.bad_prompt)] if case.bad_prompt is not None else [])
     text = str(prompts) if case.bad_prompt is None or len(case.bad_prompt) < 16 else (
         f"{prompts[:-1]} + [[{case.bad_prompt[0]}] * {len(case.bad_prompt)}]")

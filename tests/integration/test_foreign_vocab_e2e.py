@@ -20,7 +20,9 @@ import pytest
 from helpers.foreign_vocab import foreign_draft, permuted_draft
 from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, run, spec_llm, word_prompts
 from infer import LLM, SamplingParams
+from infer.server.metrics import spec_metrics
 from infer.speculative.foreign_draft import ForeignDraftProposer
+from infer.speculative.metrics import SpecStats
 
 SHAPES = {"chain": None, "tree": "3,2,1,1", "dynamic": "dynamic:6:2"}
 
@@ -53,6 +55,10 @@ def test_greedy_parity_chain(make_llm, ckpt_a, foreign, prompts, plain_outputs, 
     assert [o.outputs[0].token_ids for o in run(llm, prompts, 8)] == plain_outputs
     proposer = _proposer(llm)
     assert 0.25 <= llm.engine.runner.stats.shared_vocabulary < 1.0
+    # and in /metrics (a gauge only where the draft has another vocabulary)
+    gauges = {f.name: f.samples[0].value for f in spec_metrics(llm.engine.runner.stats) if f.type == "gauge"}
+    assert gauges == {"infer_spec_shared_vocabulary": llm.engine.runner.stats.shared_vocabulary}
+    assert not [f for f in spec_metrics(SpecStats()) if f.type == "gauge"]
     # the prompts reach the draft through re-tokenized tokens too
     assert any(len(proposer.vocab.expand(t)) > 1 for p in prompts for t in p)
     assert llm.engine.runner.stats.draft_tokens > 0

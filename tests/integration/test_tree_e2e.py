@@ -192,7 +192,7 @@ def test_length_guards_near_max_seq_len(make_llm, ckpt_a, prompts, backend):
 
 
 def test_the_engine_speculates_over_the_tree_and_reports_tree_metrics(make_llm, ckpt_a, prompts):
-    from infer.server.metrics import _spec_metrics
+    from infer.server.metrics import spec_metrics
     llm = _tree_llm(make_llm, ckpt_a, None, 2, method="ngram", tree="2,2")
     runner = llm.engine.runner
     assert str(runner.speculation.tree) == "2,2"
@@ -200,7 +200,7 @@ def test_the_engine_speculates_over_the_tree_and_reports_tree_metrics(make_llm, 
     out = llm.generate(prompt_token_ids=[prompts[0] * 3], sampling_params=GREEDY)[0].outputs[0]
     stats = runner.stats
     assert out.mean_accepted_length is not None and stats.drafts > 0
-    families = {f.name: {tuple(s.labels.items()): s.value for s in f.samples} for f in _spec_metrics(stats)}
+    families = {f.name: {tuple(s.labels.items()): s.value for s in f.samples} for f in spec_metrics(stats)}
     lengths = families["infer_spec_decode_accepted_length"]
     assert sum(lengths.values()) == stats.drafts
     assert sum(int(k[0][1]) * v for k, v in lengths.items()) == stats.accepted_tokens

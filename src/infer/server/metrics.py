@@ -66,15 +66,16 @@ class EngineCollector(Collector):
         yield _gauge("infer_kv_cache_usage_ratio", "fraction of KV cache memory in use",
                      kv_cache_usage(self.engine.engine))
         yield _gauge("infer_engine_healthy", "1 while the engine loop runs", int(self.engine.healthy))
-        yield from _spec_metrics(self.engine.engine.runner.stats)
+        yield from spec_metrics(self.engine.engine.runner.stats)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
-def _spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
-    """Speculation counters; zero (and no per-position samples) when speculation is off."""
+def spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
+    """Speculation counters; zero (and no per-position samples) when speculation is off. A
+    draft with another tokenizer adds the gauge of the vocabulary it shares."""
     stats = stats if stats is not None else SpecStats()
     for name, doc in (("drafts", "speculation rounds that drafted at least one token"),
                       ("draft_tokens", "tokens proposed by the drafter"),
@@ -92,6 +93,9 @@ def _spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
         for i, count in enumerate(list(counts)):
             family.add_metric([str(i)], count)
         yield family
+    if stats.shared_vocabulary is not None:
+        yield _gauge("infer_spec_shared_vocabulary", "a draft with another tokenizer: the share of the smaller "
+                     "vocabulary both vocabularies hold", stats.shared_vocabulary)
 
 
 class RequestTracker:

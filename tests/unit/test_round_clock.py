@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infer.speculative.round_clock import ClockConfig, RoundClock, StepKind, bucket
+from infer.speculative.policy import ClockConfig, RoundClock, StepKind, bucket
 
 
 def _run(clock: RoundClock, steps: list[tuple[int, int, float]], t: float = 0.0) -> float:

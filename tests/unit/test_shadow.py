@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from infer.speculative.ngram import NgramConfig, NgramProposer
 from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy
-from infer.speculative.shadow import ShadowRounds, score
+from infer.speculative.policy import ShadowRounds, score
 from infer.speculative.tree import Draft, TreeShape
 
 

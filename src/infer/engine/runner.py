@@ -43,7 +43,7 @@ from infer.speculative.faults import isolated, mark_fault
 from infer.speculative.forward import ForwardFn
 from infer.speculative.grammar_mask import grammar_masked
 from infer.speculative.metrics import SpecStats
-from infer.speculative.round_clock import StepKind
+from infer.speculative.policy import StepKind
 from infer.speculative.tree import Draft
 from infer.speculative.verifier import VerifyResult
 from infer.speculative.vocab_map import VocabMap

@@ -37,10 +37,9 @@ from infer.speculative.medusa import MedusaProposer
 from infer.speculative.metrics import SpecStats
 from infer.speculative.ngram import NgramConfig, NgramProposer
 from infer.speculative.node_tree import DynamicShape, is_dynamic
-from infer.speculative.policy import AdaptiveConfig, AdaptivePolicy, FixedPolicy, SpecPolicy
+from infer.speculative.policy import (AdaptiveConfig, AdaptivePolicy, FixedPolicy, RoundClock, ShadowRounds,
+                                      SpecPolicy)
 from infer.speculative.proposer import Proposer
-from infer.speculative.round_clock import RoundClock
-from infer.speculative.shadow import ShadowRounds
 from infer.speculative.suffix import SuffixConfig, SuffixProposer
 from infer.speculative.tree import TreeShape, chain_shape
 from infer.speculative.vocab_map import VocabMap
@@ -84,7 +83,7 @@ class Speculation:
     spec_length: int
     config: EngineConfig
     stats: SpecStats
-    shadow: ShadowRounds | None = None  # free drafts under the adaptive policy (speculative/shadow.py)
+    shadow: ShadowRounds | None = None  # free drafts under the adaptive policy (speculative/policy.py)
     restorer: EagleProposer | None = None  # the head whose prompt blocks a prefix hit restores (`restorable`)
 
     @classmethod

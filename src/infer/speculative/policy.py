@@ -1,25 +1,28 @@
-"""Speculation length policies: how many tokens K each request drafts in a round.
+"""Speculation length policies: how many tokens K each request drafts in a round, and the
+two inputs the adaptive policy measures while the engine runs.
 
 - `FixedPolicy`: every request drafts K = `spec_length` (the default).
 - `AdaptivePolicy` (`AdaptiveConfig`): K per request maximising the paper's walltime factor
   (`theory.best_k_grid`) for the request's decayed acceptance estimate, c, v(K) and the
-  round overhead the runner measures (`round_clock`); K = 0 (a plain step) when nothing beats
-  plain decoding by `min_gain`. Plain requests are probed with a backing-off wait bounded by
-  `probe_share`; free drafts also score shadow rounds while plain (`observe`, shadow.py).
-
-Nothing here measures time: c and v(K) come in once, at engine start. The estimate, probes
-and their bounds: docs/speculation.md, "The length policy".
+  round overhead; K = 0 (a plain step) when nothing beats plain decoding by `min_gain`.
+  Plain requests are probed with a backing-off wait bounded by `probe_share`.
+- `RoundClock`: a plain step's wall time and a round's overhead beyond the model, per
+  batch-size bucket, from the engine's step start times.
+- `ShadowRounds`: what a free draft (n-gram, prompt lookup) would have scored while its
+  request decodes plainly, evidence for `AdaptivePolicy.observe`.
+Why and how: docs/speculation.md, "The length policy", "The round clock", "Shadow rounds".
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from infer.speculative.proposer import DraftRequest, Proposer
 from infer.speculative.theory import best_k_grid
-
+from infer.speculative.tree import chain_shape
 OVERHEAD_STEP = 0.05  # round overheads are looked up to this many plain steps
 MIN_VERIFY_COST = 0.05  # a negative overhead never makes verification (nearly) free
 ALPHAS = [i / 100 for i in range(101)]  # acceptances the tables hold (percentiles)
@@ -226,3 +229,167 @@ class AdaptivePolicy:
 
     def leak_report(self) -> list[str]:
         return [f"adaptive policy still tracks {sorted(self._estimates)}"] if self._estimates else []
+
+
+# -- the round clock ----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ClockConfig:
+    decay: float = 0.8  # an estimate's weight against each new interval
+    refresh_steps: int = 256  # decode steps in a bucket before its plain time is measured again
+    max_ratio: float = 50.0  # an interval this many times the bucket's plain step is a stall: dropped
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {self.decay}")
+        if self.refresh_steps < 1 or self.max_ratio <= 1.0:
+            raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepKind:
+    batch: int  # decode rows
+    k: int  # the step's longest draft; 0: a plain step
+
+
+@dataclass(slots=True)
+class _Bucket:
+    plain_s: float | None = None  # seconds a plain step
+    overhead: float | None = None  # plain steps a round costs beyond the model
+    since_plain: int = 0  # decode steps since plain_s was last sampled
+
+
+def bucket(batch: int) -> int:
+    """The batch-size bucket: the smallest power of two >= batch."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class RoundClock:
+    """Plain step times and round overheads per batch bucket, from step start times."""
+
+    def __init__(self, model_cost: Callable[[int], float], config: ClockConfig | None = None) -> None:
+        self.model_cost = model_cost  # a round of longest draft k, in plain steps, by the policy's model
+        self.config = config or ClockConfig()
+        self._buckets: dict[int, _Bucket] = {}
+        self._recent: list[tuple[float, StepKind | None]] = []  # the last two steps: (start, kind)
+
+    def needs_plain(self, batch: int) -> bool:
+        """Whether the bucket's plain step time is missing or due for a refresh."""
+        b = self._buckets.get(bucket(batch))
+        return b is None or b.plain_s is None or b.since_plain >= self.config.refresh_steps
+
+    def overhead(self, batch: int) -> float:
+        """Plain steps a round at this batch size costs beyond the model (0 until measured)."""
+        b = self._buckets.get(bucket(batch))
+        return 0.0 if b is None or b.overhead is None else b.overhead
+
+    def plain_step_s(self, batch: int) -> float | None:
+        b = self._buckets.get(bucket(batch))
+        return None if b is None else b.plain_s
+
+    def stepped(self, start: float, kind: StepKind | None) -> None:
+        """A step that started at `start` (seconds) ran; kind None: not a pure decode step.
+        The step before it is a sample when the steps on both its sides are of its kind."""
+        if kind is not None:
+            self._buckets.setdefault(bucket(kind.batch), _Bucket()).since_plain += 1
+        self._recent.append((start, kind))
+        if len(self._recent) < 3:
+            return
+        (_, before), (t0, mid), (t1, after) = self._recent[-3:]
+        del self._recent[0]
+        if before is None or mid is None or after is None:
+            return
+        plain = mid.k == 0
+        if (before.k == 0) == plain == (after.k == 0):
+            self._sample(mid, t1 - t0)
+
+    def _sample(self, kind: StepKind, seconds: float) -> None:
+        b = self._buckets.setdefault(bucket(kind.batch), _Bucket())
+        d = self.config.decay
+        if b.plain_s is not None and seconds > self.config.max_ratio * b.plain_s:
+            return  # a stall (a collection, the host busy elsewhere), not the step's cost
+        if kind.k == 0:
+            b.plain_s = seconds if b.plain_s is None else d * b.plain_s + (1 - d) * seconds
+            b.since_plain = 0
+        elif b.plain_s is not None:
+            extra = seconds / b.plain_s - self.model_cost(kind.k)
+            b.overhead = extra if b.overhead is None else d * b.overhead + (1 - d) * extra
+
+
+# -- shadow rounds -----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    start: int  # the request's token count when the chain was drafted: chain[i] guesses token start + i
+    chain: tuple[int, ...]
+
+
+def score(chain: Sequence[int], produced: Sequence[int]) -> int | None:
+    """Accepted tokens of `chain` against the tokens `produced` after it was drafted: the
+    common prefix, once decided (a mismatch, or every drafted token present); None while
+    every produced token matches and more are needed."""
+    for i, token in enumerate(chain):
+        if i >= len(produced):
+            return None
+        if produced[i] != token:
+            return i
+    return len(chain)
+
+
+class _Known:
+    """A request seen without its tokens in flight: what a proposer may read of it."""
+
+    def __init__(self, request: DraftRequest) -> None:
+        self._request = request
+        self.num_tokens = request.num_tokens - request.pending_tokens
+        self.pending_tokens = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._request, name)
+
+
+def known_tokens(request: DraftRequest) -> DraftRequest:
+    """`request` itself when every token is known, else a view of its known tokens."""
+    return request if not request.pending_tokens else _Known(request)  # type: ignore[return-value]
+
+
+class ShadowRounds:
+    """Pending shadow chains per request (module docstring)."""
+
+    def __init__(self, proposer: Proposer, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"shadow rounds draft k >= 1 tokens, got {k}")
+        self.proposer, self.k = proposer, k
+        self._pending: dict[str, _Pending] = {}
+
+    def settle(self, requests: Sequence[DraftRequest]) -> list[tuple[str, int, int]]:
+        """(request_id, drafted, accepted) of every pending chain of these requests that
+        their tokens now decide; those chains are dropped."""
+        done = []
+        for request in requests:
+            p = self._pending.get(request.request_id)
+            if p is None:
+                continue
+            accepted = score(p.chain, request.token_slice(p.start, min(request.num_tokens, p.start + len(p.chain))))
+            if accepted is not None:
+                done.append((request.request_id, len(p.chain), accepted))
+                del self._pending[request.request_id]
+        return done
+
+    def draft(self, requests: Sequence[DraftRequest]) -> None:
+        """Keep the chain the proposer would draft now, from the known tokens, for each
+        request without one pending (a chain drafted under a token in flight guesses it first)."""
+        fresh = [known_tokens(r) for r in requests if r.request_id not in self._pending]
+        if not fresh:
+            return
+        drafts = self.proposer.propose(fresh, chain_shape(self.k), [self.k] * len(fresh))
+        for request, d in zip(fresh, drafts, strict=True):
+            if d.num_proposed:
+                self._pending[request.request_id] = _Pending(request.num_tokens, d.token_ids[:d.num_proposed])
+
+    def drop(self, request_id: str) -> None:
+        """The request speculates or left: forget its pending chain."""
+        self._pending.pop(request_id, None)
+
+    def leak_report(self) -> list[str]:
+        return [f"shadow chains kept for {sorted(self._pending)}"] if self._pending else []

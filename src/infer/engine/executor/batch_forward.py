@@ -91,8 +91,7 @@ class GraphBatchForward:
         if not (self.graphs and plan.num_tokens <= self.buckets[-1] and plan.num_rows <= self.max_rows
                 and plan.context_width <= self.context_width):
             return False
-        routes = AttentionRoutes.of(tuple(plan.query_lens), plan.tree_width or None)  # (as the pass will route it)
-        return (not routes.prefill and routes.kernels_fit
+        return (AttentionRoutes.split_kv_only(max(plan.query_lens), plan.tree_width or None)
                 and (not plan.tree_width or (self._bucket(plan.num_tokens), True) in self.graphs))
 
     def _bucket(self, n: int) -> int:

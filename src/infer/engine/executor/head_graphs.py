@@ -26,7 +26,7 @@ from infer.engine.executor.capture import CAPTURE_SIZES, capture_sizes, graph_co
 from infer.engine.executor.staging import PlanInputs, Staging, record_graph, stage_sampling
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
-from infer.models.kernels.routes import DECODE_MAX_QUERY
+from infer.models.kernels.routes import AttentionRoutes
 from infer.speculative.eagle_round import EagerHeadRound, check_round, end_round, head_round
 
 Key = tuple[int, int, int, bool]  # (rows, tokens, steps, every row greedy)
@@ -79,7 +79,7 @@ class HeadRoundGraphs:
         """The graph serving a round (None: it runs eagerly)."""
         rows = next((r for r in self.rows if r >= plan.num_rows), None)
         if rows is None or plan.context_width + steps - 1 > self.context_width \
-                or max(plan.query_lens) > DECODE_MAX_QUERY:
+                or not AttentionRoutes.split_kv_only(max(plan.query_lens), None):
             return None
         tokens = token_bucket(max(plan.num_tokens, rows))
         return None if tokens is None else (rows, tokens, steps, greedy)

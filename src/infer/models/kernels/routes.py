@@ -116,7 +116,19 @@ class AttentionRoutes:
     def of(cls, query_lens: tuple[int, ...], tree_width: int | None) -> AttentionRoutes:
         split_kv = [b for b, n in enumerate(query_lens) if row_attention(n) == SPLIT_KV]
         prefill = [b for b, n in enumerate(query_lens) if row_attention(n) == PREFILL]
-        return cls(split_kv, prefill, tree_width is None or (not prefill and tree_width <= WORD))
+        return cls(split_kv, prefill, cls.tree_fits(bool(prefill), tree_width))
+
+    @staticmethod
+    def tree_fits(has_prefill: bool, tree_width: int | None) -> bool:
+        """Whether the kernels apply a batch's tree rule (None: no tree)."""
+        return tree_width is None or (not has_prefill and tree_width <= WORD)
+
+    @staticmethod
+    def split_kv_only(longest_query: int, tree_width: int | None) -> bool:
+        """Whether every row of a batch whose longest row has `longest_query` tokens takes the
+        split-KV kernel with its tree rule applied (what a decode graph captures)."""
+        short = row_attention(longest_query) == SPLIT_KV
+        return short and AttentionRoutes.tree_fits(not short, tree_width)
 
     def reference(self, q: Tensor) -> bool:
         """Whether queries q [N, Hq, D] of this batch take `REFERENCE` attention."""

@@ -382,8 +382,8 @@ def test_an_abort_with_a_step_in_flight_on_the_gpu_gives_everything_back(make_ll
 def test_a_model_drafting_for_itself_under_fused_kernels_accepts_everything(quantization):
     # the demo target in bf16 drafting for itself, graphs and fused kernels on both sides
     # (the draft's prompt KV written by its catch-up graphs, the target's by eager prefill):
-    # the same model gives the same greedy tokens, so every draft is accepted (the open
-    # fused-path disagreement of docs/benchmarks.md fails this)
+    # the same model gives the same greedy tokens, so every draft is accepted (a fused
+    # kernel that rounds a draft step and its verification differently fails this)
     from infer.engine.loading import DEMO_TARGET
     llm = LLM(str(DEMO_TARGET), device="cuda", max_batch_size=4, max_seq_len=512, use_cuda_graphs=True,
               quantization=quantization, use_speculative_decoding=True, spec_length=5,

@@ -4,8 +4,8 @@ ready (`infer serve` shows it), with the shared vocabulary of a draft with anoth
 
 `TimedExecutor` wraps the runner's executor: every pool it makes is timed and counted (its
 bytes and tokens), every forward function kept, so that its CUDA graphs are counted and
-their capture time summed (`GraphForward.capture_s`: at construction, and the draft rounds
-and trees prepared after it). What else the runner's construction takes is other warm-up:
+their capture time summed (`GraphBatchForward.num_graphs` and `.capture_s`, both at
+construction). What else the runner's construction takes is other warm-up:
 the fused kernels compiled for prefill chunks (executor/kernels.py), an EAGLE head's round
 graphs, the adaptive policy's cost measurement, the graphs' staging buffers.
 """

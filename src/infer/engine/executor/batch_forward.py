@@ -12,6 +12,7 @@ plan. docs/architecture.md, "Executing the model".
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,11 +80,17 @@ class GraphBatchForward:
         # one memory pool for every graph (one replays at a time), captured largest first so
         # the smaller ones fit in what the largest took
         self.memory = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
         if kernels_serve_model(model):  # (else every pass runs eagerly: graphs need the kernels)
             for n in reversed(self.buckets):
                 for tree in (False, True) if trees else (False,):
                     self.graphs[(n, tree)] = self._capture(n, tree)
+        self.capture_s = time.perf_counter() - start  # seconds the captures took
         self.replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs)
 
     def serves(self, plan: BatchPlan) -> bool:
         """Whether a graph serves the plan: few enough tokens and rows, every row short, a

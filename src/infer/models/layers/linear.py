@@ -229,6 +229,8 @@ class IntWeights:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized for the call,
         DENSE_CHUNK values of it at a time."""
+        if x.numel() == 0:  # (a pass that asks for no rows: a draft's catch-up without logits)
+            return x.new_empty(*x.shape[:-1], layer.out_features)
         weight, ints = self.matrix(layer)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.reshape(-1, x.shape[-1])

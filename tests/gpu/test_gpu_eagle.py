@@ -26,7 +26,7 @@ from infer import LLM, SamplingParams
 from infer.cache.factory import make_cache_pool
 from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor.head_graphs import HeadRoundGraphs
-from infer.models.kernels.bundle import EAGER, compiled_kernels
+from infer.models.kernels.bundle import EAGER
 from infer.models.layers.attention import NoCacheView
 from infer.models.loading.eagle_files import load_eagle_head
 from infer.models.loading.loader import load_model
@@ -133,7 +133,7 @@ def test_head_tree_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, te
 def test_head_through_compiled_kernels_matches_eager(ckpt_a, gpu_heads, method, rows):
     target = load_model(str(ckpt_a), dtype="bfloat16", device="cuda")[0]
     head = load_eagle_head(str(gpu_heads[method]), method, target)
-    fused = compiled_kernels(("test-head", method))
+    fused = head.compiled.get()  # the head's own bundle, as the engine gives it
     gen = torch.Generator(device="cuda").manual_seed(rows)
     ids = torch.randint(0, target.config.vocab_size, (rows, 1), device="cuda", generator=gen)
     positions = torch.randint(0, 100, (rows, 1), device="cuda", generator=gen)

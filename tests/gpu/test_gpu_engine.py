@@ -164,6 +164,7 @@ def test_flat_attention_kernels_match_the_reference_at_scale(tree):
     # against the gathered masked SDPA, bf16
     from infer.cache.block_tables import BlockTables
     from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch
+    from infer.models.kernels.arrivals import ArrivalCounters
     from infer.models.layers.paged_attention import BatchView, reference_attention
     torch.manual_seed(0)
     hkv, group, d, blocks, bs = 8, 3, 128, 2048, 16
@@ -180,7 +181,7 @@ def test_flat_attention_kernels_match_the_reference_at_scale(tree):
         rows.append(Row(60, 120, [3] * 300))
     batch = build_batch(plan_batch(rows), tables, bs, blocks * bs, "cuda")
     q = torch.randn(batch.num_tokens, hkv * group, d, device="cuda", dtype=torch.bfloat16)
-    got = BatchView(kc[None], vc[None], batch).attend_written(q, kc, vc)
+    got = BatchView(kc[None], vc[None], batch, ArrivalCounters(kc.device)).attend_written(q, kc, vc)
     want = reference_attention(q, kc, vc, batch)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 

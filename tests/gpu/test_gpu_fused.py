@@ -18,7 +18,7 @@ import torch
 
 from helpers.near_ties import check_same_up_to_near_ties
 from infer import LLM, SamplingParams
-from infer.models.kernels.bundle import EAGER, compiled_kernels
+from infer.models.kernels.bundle import EAGER, Kernels, compiled_kernels
 from infer.models.layers.rotary import cos_sin, rotary_qk
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +50,17 @@ def test_rotary_kv_write_is_bit_identical_to_eager(dtype: torch.dtype) -> None:
     assert torch.equal(vc[real], v.reshape(-1, hkv, d)[:-2])
 
 
+@pytest.fixture(scope="module")
+def fused() -> Kernels:
+    """One compiled bundle for the module's cases (its token dimensions become dynamic)."""
+    return compiled_kernels()
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 @pytest.mark.parametrize("rows", [1, 2, 6, 16, 24])
-def test_fused_entries_match_eager_composition(quantization: str | None, rows: int) -> None:
+def test_fused_entries_match_eager_composition(fused: Kernels, quantization: str | None, rows: int) -> None:
     from infer.models.layers.linear import make_linear
     torch.manual_seed(rows)
-    fused = compiled_kernels()
     hidden, inter, qkv_n = 1024, 2816, 1536
     qkv = make_linear(hidden, qkv_n, quantization).cuda().bfloat16()
     gate_up = make_linear(hidden, 2 * inter, quantization).cuda().bfloat16()

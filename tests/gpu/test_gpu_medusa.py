@@ -19,7 +19,7 @@ from helpers.medusa_heads import write_medusa_head
 from helpers.spec_e2e import word_prompts
 from infer import LLM, SamplingParams
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
-from infer.models.kernels.bundle import EAGER, compiled_kernels
+from infer.models.kernels.bundle import EAGER
 from infer.models.loading.dummy_heads import dummy_medusa_config, dummy_medusa_head
 from infer.models.loading.loader import load_model
 from infer.models.loading.medusa_files import load_medusa_head
@@ -69,7 +69,7 @@ def test_seeded_rows_same_with_graphs(ckpt_a, heads):
 def test_heads_through_compiled_kernels_match_eager(ckpt_a, heads):
     target = load_model(str(ckpt_a), dtype="bfloat16", device="cuda")[0]
     head = load_medusa_head(str(heads), target.config, torch.bfloat16, torch.device("cuda"))
-    fused = compiled_kernels(("test-medusa", target.config.hidden_size))
+    fused = head.compiled.get()  # the heads' own bundle, as the engine gives them
     for rows in (1, 3):
         hidden = torch.randn(rows, target.config.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers.padded_attention import padded_prefill_attention
+from infer.models.kernels.arrivals import ArrivalCounters
 from infer.models.layers.attention import masked_attention, position_mask
 
 pytestmark = pytest.mark.gpu
@@ -103,10 +104,11 @@ def test_the_view_routes_long_chunks_to_the_kernel(monkeypatch: pytest.MonkeyPat
     calls = []
     kernel = prefill.prefill_attention
     monkeypatch.setattr(prefill, "prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    routed = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
+    arrivals = ArrivalCounters("cuda")
+    routed = paged.BatchView(x["k"][None], x["v"][None], batch, arrivals).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
     monkeypatch.setattr(routes, "kernels_serve", lambda q: False)
-    gathered = paged.BatchView(x["k"][None], x["v"][None], batch).attend_written(q, x["k"], x["v"])[None]
+    gathered = paged.BatchView(x["k"][None], x["v"][None], batch, arrivals).attend_written(q, x["k"], x["v"])[None]
     assert calls == [1]
     exact = _reference(x)
     ours, theirs = ((y.float() - exact).abs().max().item() for y in (routed, gathered))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from infer.models.kernels.arrivals import ArrivalCounters
+
 
 def rule_bits(rows: torch.Tensor) -> torch.Tensor:
     """A block rule's bool rows [..., T, W] (W < 64) -> int64 bit sets [..., T]: bit c set
@@ -25,10 +27,11 @@ def _flat(q: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 def padded_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            gather_rows: torch.Tensor, q_pos: torch.Tensor, ctx_end: torch.Tensor,
-                           block: tuple[torch.Tensor, int, int] | None = None) -> torch.Tensor:
+                           block: tuple[torch.Tensor, int, int] | None = None,
+                           arrivals: ArrivalCounters | None = None) -> torch.Tensor:
     """The split-KV kernel: q [B, T, Hq, D]; q_pos [B, T]; ctx_end [B] -> [B, T, Hq, D].
     `block`: a tree's rule (bool rows [T, W] or [B, T, W], the block's first row within the
-    chunk's block, W)."""
+    chunk's block, W); `arrivals`: the kernel's counters (None: a fresh set)."""
     from infer.models.kernels.split_attention import split_attention
     b, t = q.shape[:2]
     flat, token_rows, positions = _flat(q, q_pos)
@@ -38,7 +41,7 @@ def padded_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         base = (q_pos[:, :1] - first_row).expand(b, t).reshape(-1).contiguous()
         tree = (rule_bits(rows).expand(b, t).reshape(-1).contiguous(), base, width)
     out = split_attention(flat, k_cache, v_cache, token_rows, positions, ctx_end.contiguous(), gather_rows, 1,
-                          gather_rows.shape[1], tree=tree)
+                          gather_rows.shape[1], arrivals or ArrivalCounters(q.device), tree=tree)
     return out.view(q.shape)
 
 

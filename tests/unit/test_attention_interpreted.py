@@ -17,6 +17,7 @@ import torch
 
 from helpers.interpreted import interpreted_outputs
 from helpers.padded_attention import padded_split_attention, rule_bits
+from infer.models.kernels.arrivals import ArrivalCounters
 from infer.models.layers.attention import masked_attention, position_mask
 
 B, T, HQ, HKV, D, S, ROWS = 2, 4, 4, 2, 16, 200, 256  # S = 200: 4 context chunks of 64
@@ -43,13 +44,15 @@ def _rules() -> dict[str, torch.Tensor | None]:
 
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
-    from infer.models.kernels.split_attention import arrival_counters, split_plan
+    from infer.models.kernels.split_attention import split_plan
     c, out = _case(), {}
+    arrivals = ArrivalCounters("cpu")  # one set for every launch, as a pool's passes share theirs
     for name, rows in _rules().items():
         block = None if rows is None else (rows, FIRST_ROW, WIDTH)
-        out[name] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block)
+        out[name] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"], block,
+                                           arrivals)
     out["splits"] = torch.tensor(split_plan(S, B * HKV * T)[1])
-    out["counters"] = arrival_counters(torch.device("cpu"), B * T * HKV).clone()  # left at zero for the next
+    out["counters"] = arrivals.take(B * T * HKV).clone()  # the same set, left at zero for the next launch
     import infer.models.kernels.split_attention as kernel
     kernel.TARGET_PROGRAMS = B * HKV * T  # as a large batch: its programs fill the launch, one chunk each
     out["one chunk"] = padded_split_attention(c["q"], c["k"], c["v"], c["gather"], c["q_pos"], c["ctx_end"])

@@ -36,6 +36,7 @@ def _case(tree: bool):
 
 def run_interpreted_cases() -> dict[str, torch.Tensor]:
     from infer.models.kernels.prefill_attention import prefill_attention
+    from infer.models.kernels.arrivals import ArrivalCounters
     from infer.models.kernels.split_attention import split_attention
     out = {}
     batch, q, k, v = _case(tree=False)
@@ -44,15 +45,15 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
     tokens = torch.tensor([t for b in short for t in range(starts[b], starts[b + 1])])
     y = torch.zeros_like(q)
     split_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables, BLOCK,
-                    batch.context_width, tokens, out=y)
+                    batch.context_width, ArrivalCounters("cpu"), tokens, out=y)
     prefill_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables, BLOCK,
                       starts, long, out=y, blocks=(16, 16))
     out["mixed"] = y
     batch, q, k, v = _case(tree=True)
     assert batch.tree is not None
     out["tree"] = split_attention(q, k, v, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
-                                  BLOCK, batch.context_width, tree=(batch.tree.bits[:, 0].contiguous(),
-                                                                     batch.tree.base, batch.tree.width))
+                                  BLOCK, batch.context_width, ArrivalCounters("cpu"),
+                                  tree=(batch.tree.bits[:, 0].contiguous(), batch.tree.base, batch.tree.width))
     return out
 
 

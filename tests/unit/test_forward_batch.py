@@ -35,7 +35,7 @@ def run(model, pool, rows):
         assert pool.ensure_capacity(r.slot, r.start + len(r.ids))
     batch = build_batch(plan_batch(rows), pool.tables, pool.block_size, pool.scratch_row, "cpu")
     hidden = model.hidden_states(batch.token_ids[None], batch.rope_positions[None],
-                                 BatchView(pool.k_cache, pool.v_cache, batch))[0]
+                                 BatchView(pool.k_cache, pool.v_cache, batch, pool.arrivals))[0]
     for r in rows:
         pool.set_length(r.slot, max(pool.seq_len(r.slot), r.start + len(r.ids)))
     return model.lm_head(hidden.index_select(0, batch.logits_indices))

@@ -3,6 +3,9 @@ no-cache forward through prefill, chunked prefill, decode and cached prefixes.""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from infer.cache.paged import PagedKVCachePool, bytes_per_block
 from infer.cache.forward_batch import Row, plan_batch
 from infer.engine.executor.batch_forward import EagerBatchForward
 from infer.models.config import ModelConfig
+from infer.models.kernels.arrivals import MIN_COUNTERS
 from infer.models.llama import LlamaForCausalLM
 
 CFG = ModelConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -47,6 +51,20 @@ def test_num_blocks_from_default_budget_and_argument() -> None:
                               memory_budget_bytes=7 * per_block + 5)
     assert budget.num_blocks == 7
     assert make_pool(num_blocks=9).num_blocks == 9
+
+
+def test_each_pool_keeps_its_own_arrival_counters_and_every_set_it_made() -> None:
+    first, second = make_pool(), make_pool()
+    counters = first.arrivals.take(10)  # [MIN_COUNTERS] int32, zero between launches
+    assert counters.numel() == MIN_COUNTERS and counters.dtype == torch.int32 and not counters.any()
+    assert first.arrivals.take(MIN_COUNTERS) is counters  # every pass over the pool: one set
+    assert second.arrivals.take(10) is not counters  # another pool's passes: another set
+    larger = first.arrivals.take(MIN_COUNTERS + 1)
+    assert larger is not counters and larger.numel() == MIN_COUNTERS + 1 and first.arrivals.take(1) is larger
+    kept = weakref.ref(counters)
+    del counters
+    gc.collect()
+    assert kept() is not None  # the smaller set stays: a graph captured before may read it
 
 
 @pytest.mark.parametrize("kwargs, name", [

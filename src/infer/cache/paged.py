@@ -23,6 +23,7 @@ from infer.cache.block_tables import BlockTables
 from infer.cache.prefix import PrefixTree
 from infer.cache.row_pool import RowPool
 from infer.models.config import ModelConfig
+from infer.models.kernels.arrivals import ArrivalCounters
 
 
 def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -67,6 +68,7 @@ class PagedKVCachePool(RowPool):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, rows, Hkv, D]
         self.tables = BlockTables(max_batch_size, self._blocks_for(max_seq_len), device)  # every slot's, on the device
+        self.arrivals = ArrivalCounters(device)  # (allocated at the first split-KV pass)
         self._allocator = BlockAllocator(self.num_blocks)
         self._tree = PrefixTree(block_size)
         self._tables: dict[int, list[int]] = {}  # slot -> block ids, position order

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from infer.cache.block_tables import BlockTables
+from infer.models.kernels.arrivals import ArrivalCounters
 
 
 class CachePoolProtocol(Protocol):
@@ -70,6 +71,7 @@ class CachePoolProtocol(Protocol):
     scratch_row: int
     block_size: int
     tables: BlockTables  # every slot's block table, on the pool's device
+    arrivals: ArrivalCounters  # the split-KV attention's counters for every pass over the pool
 
     def rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """CPU LongTensor [end - start]: storage rows of positions start..end-1."""

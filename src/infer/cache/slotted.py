@@ -15,6 +15,7 @@ import torch
 from infer.cache.block_tables import BlockTables
 from infer.cache.row_pool import RowPool
 from infer.models.config import ModelConfig
+from infer.models.kernels.arrivals import ArrivalCounters
 
 
 class SlottedKVCache(RowPool):
@@ -33,6 +34,7 @@ class SlottedKVCache(RowPool):
         # as block tables: one block of max_seq_len positions a slot, its own
         self.block_size = max_seq_len
         self.tables = BlockTables(max_batch_size, 1, device)
+        self.arrivals = ArrivalCounters(device)  # (allocated at the first split-KV pass)
         for slot in range(max_batch_size):
             self.tables.set(slot, 0, [slot])
 

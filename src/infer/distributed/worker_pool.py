@@ -20,6 +20,7 @@ import torch
 from infer.cache.block_tables import BlockTables
 from infer.cache.row_pool import RowPool
 from infer.distributed.protocol import PoolChanges, PoolShape
+from infer.models.kernels.arrivals import ArrivalCounters
 from infer.models.llama import LlamaForCausalLM
 
 
@@ -35,6 +36,7 @@ class WorkerPool(RowPool):
         self.k_cache = torch.zeros(kv, dtype=shape.dtype, device=device)  # [L, rows, Hkv, D]
         self.v_cache = torch.zeros(kv, dtype=shape.dtype, device=device)  # [L, rows, Hkv, D]
         self.tables = BlockTables(shape.max_batch_size, shape.max_blocks, device)
+        self.arrivals = ArrivalCounters(device)  # (allocated at the first split-KV pass)
 
     def set_length(self, slot: int, length: int) -> None:
         """(Lengths are the driver's: a plan carries its rows' context lengths.)"""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from infer.models.config import ModelConfig
-from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, CompiledKernels, Kernels
 from infer.models.layers.attention import AttentionView
 from infer.models.layers.linear import make_linear
 from infer.models.layers.mlp import MLP
@@ -136,6 +136,7 @@ class EagleHead(nn.Module):
         self.embed_tokens = nn.Embedding(layer.vocab_size, h) if own_embeddings else None
         self.rotary = Rotary(layer)
         self._target: tuple[LlamaForCausalLM, ...] = ()  # shared embedding / lm_head (not registered)
+        self.compiled = CompiledKernels()  # its fused bundle, compiled at first use (its rounds on a GPU)
 
     def share(self, target: LlamaForCausalLM) -> None:
         """Use the target's embedding (unless the head has its own) and, for EAGLE, its lm_head."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from infer.models.capture import HiddenCapture
 from infer.models.config import ModelConfig
-from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, CompiledKernels, Kernels
 from infer.models.layers.attention import AttentionView, NoCacheView
 from infer.models.layers.linear import UNQUANTIZED, LinearBase, TiedRows, linear_layers, make_linear
 from infer.models.layers.mlp import MLP
@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         # hidden states an EAGLE head reads, left by every forward (capture.py); None: none
         self.capture: HiddenCapture | None = None
+        self.compiled = CompiledKernels()  # its fused bundle, compiled at first use (the GPU's fixed shapes)
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when the config ties them (again after the
@@ -210,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor | None = None,  # [B, T]; default 0..T-1
         view: AttentionView | None = None,  # default: no cache, causal
         logits_indices: torch.Tensor | None = None,  # [B]: only these tokens' logits
-        kernels: Kernels = EAGER,  # compiled_kernels() on the fixed-shape GPU paths
+        kernels: Kernels = EAGER,  # self.compiled.get() on the fixed-shape GPU paths
     ) -> torch.Tensor:
         """Logits [B, T, V], or [B, V] for one token per row when logits_indices is given."""
         if positions is None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.models.config import ModelConfig
-from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.kernels.bundle import EAGER, CompiledKernels, Kernels
 from infer.models.layers.linear import LinearBase, make_linear
 
 
@@ -81,6 +81,7 @@ class MedusaHead(nn.Module):
             nn.ModuleList(make_linear(h, h, quantization, bias=True) for _ in range(spec.num_layers))
             for _ in range(spec.num_heads))
         self.lm_heads = nn.ModuleList(make_linear(h, v, quantization) for _ in range(spec.num_heads))
+        self.compiled = CompiledKernels()  # its fused bundle, compiled at first use (its rounds on a GPU)
 
     def linears(self) -> dict[str, LinearBase]:
         """Every projection by its checkpoint name: `{k}.{l}.linear` (blocks), `{k}.{L}` (lm_heads)."""

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
     from infer.speculative.forward import ForwardFn
 
-CATCH_UP_CHUNK = DECODE_MAX_QUERY  # tokens per row per catch-up forward
+CATCH_UP_CHUNK = DECODE_MAX_QUERY  # tokens per row per catch-up pass (the split-KV kernel's rows; EAGLE's too)
 DRAFT_MAX_FEED = 4  # widest first draft step
 
 

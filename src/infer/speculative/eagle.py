@@ -23,10 +23,9 @@ from infer.cache.forward_batch import Row, plan_batch
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
-from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
-from infer.speculative.draft_model import fed_positions, tree_draft
+from infer.speculative.draft_model import CATCH_UP_CHUNK, fed_positions, tree_draft
 from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn, head_pass
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
@@ -37,7 +36,6 @@ from infer.transfer import tensor_on, to_device
 if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
-CATCH_UP_CHUNK = DECODE_MAX_QUERY  # positions per row per catch-up pass (the split-KV kernel's rows)
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
 
 

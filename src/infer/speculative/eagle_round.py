@@ -34,7 +34,7 @@ def run_head(head: EagleHead, pool: CachePoolProtocol, batch: ForwardBatch, feat
              kernels: Kernels = EAGER) -> torch.Tensor:
     """The head's outputs [N, H] over a batch (its K/V written to the pool): features [N, H],
     f of each token's position (the head's own output for a drafted token)."""
-    view = BatchView(pool.k_cache, pool.v_cache, batch)
+    view = BatchView(pool.k_cache, pool.v_cache, batch, pool.arrivals)
     return head(batch.token_ids[None], features[None], batch.rope_positions[None], view, kernels)[0]
 
 

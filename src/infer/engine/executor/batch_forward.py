@@ -31,7 +31,7 @@ from infer.transfer import tensor_on
 
 def run_model(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
     """Hidden states [N, D] of a batch through the pool (its K/V written)."""
-    view = BatchView(pool.k_cache, pool.v_cache, batch)
+    view = BatchView(pool.k_cache, pool.v_cache, batch, pool.arrivals)
     return model.hidden_states(batch.token_ids[None], batch.rope_positions[None], view, kernels)[0]
 
 

@@ -1,59 +1,52 @@
 """The kernels a runner's steps use: fused (torch.compile) or eager.
 
-On a GPU a model's fused bundle is compiled at start-up (`warm_chunks`, timed at INFO):
-for chunks of any width once, the decode shapes as its CUDA graphs are captured.
+A model's fused bundle is its own (`model.compiled`, models/kernels/bundle.py), so every
+forward function over it shares the compiled variants. On a GPU it is compiled at start-up
+(`warm_chunks`, timed at INFO): for chunks of any width once, the decode shapes as its
+CUDA graphs are captured.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
 
 import torch
 
 from infer.engine.config import EngineConfig
 from infer.models.eagle import EagleHead
-from infer.models.kernels.bundle import EAGER, Kernels, compiled_kernels
+from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 
-_WARMED: set[Hashable] = set()
 log = logging.getLogger("infer.engine")
 
 
 def step_kernels(config: EngineConfig, device: torch.device,
-                 model: LlamaForCausalLM | EagleHead | MedusaHead | None = None) -> Kernels:
+                 model: LlamaForCausalLM | EagleHead | MedusaHead) -> Kernels:
     """Fused (torch.compile) kernels for every step of `model` (the target, a draft model,
     an EAGLE head's rounds or Medusa heads; prefill chunks too: the bundle is compiled for
-    dynamic shapes) when asked for; by default with CUDA graphs on a GPU. One compiled
-    bundle per model class and shape (`compiled_kernels`): a head's apart from its target's
-    of the same widths. On a GPU an unsharded model's bundle is compiled for multi-token chunks
-    here (`warm_chunks`), not at the first prompt."""
+    dynamic shapes) when asked for; by default with CUDA graphs on a GPU. The bundle is the
+    model's own (`model.compiled`): a head's apart from its target's, one model's the same
+    at every call. On a GPU an unsharded model's bundle is compiled for multi-token chunks
+    at its first call here (`warm_chunks`), not at the first prompt."""
     wanted = config.compile_kernels
     if wanted is None:
         wanted = config.use_cuda_graphs and device.type == "cuda"
     if not wanted:
         return EAGER
-    if model is None:
-        return compiled_kernels()
-    param = next(model.parameters())
-    if isinstance(model, MedusaHead):  # (projections only, no decoder layer)
-        return compiled_kernels((type(model).__name__, model.spec.hidden_size, param.dtype, param.device.type))
-    c = model.config
-    key = (type(model).__name__, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-           c.head_dim, c.intermediate_size, c.rms_norm_eps, param.dtype, param.device.type)
-    kernels = compiled_kernels(key)
-    if key not in _WARMED and warms(model, param.device.type):
+    compiled = model.compiled
+    kernels = compiled.get()
+    if not compiled.warmed and warms(model, next(model.parameters()).device.type):
         start = time.perf_counter()
         warm_chunks(model, kernels)  # type: ignore[arg-type]
-        _WARMED.add(key)
+        compiled.warmed = True
         log.info("fused kernels of %s compiled for prefill chunks in %.1f s", type(model).__name__,
                  time.perf_counter() - start)
     return kernels
 
 
-def warms(model: LlamaForCausalLM | EagleHead, device_type: str) -> bool:
+def warms(model: LlamaForCausalLM | EagleHead | MedusaHead, device_type: str) -> bool:
     """Whether `step_kernels` warms the model's bundle: a whole (unsharded) model on a GPU.
     A tensor-parallel shard's forward all-reduces, so no rank may run one alone; its bundle
     compiles at the first prompt, on every rank together."""

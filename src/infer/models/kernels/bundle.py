@@ -15,7 +15,7 @@ elementwise kernels; the view runs the rotary and the KV-cache write as one kern
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -191,22 +191,15 @@ def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:
                    fused.swiglu_linear, fused.mlp, attend_rotating, name="fused")
 
 
-_COMPILED: dict[Hashable, Kernels] = {}
-
-
-def compiled_kernels(key: Hashable = None) -> Kernels:
-    """The fused bundle with its elementwise steps through torch.compile (token dimensions
-    dynamic), one bundle per `key`.
+def compiled_kernels() -> Kernels:
+    """A fresh fused bundle with its elementwise steps through torch.compile (token
+    dimensions dynamic), on fresh code objects.
 
     torch.compile keeps its compiled variants on the function's code object, with a limit
-    per code object (then it silently falls back to eager). Engines for several models in
-    one process (a benchmark run, a target and its draft) would share, and exhaust, that
-    limit; so each key (a model's or an EAGLE head's class and shape, as `step_kernels` in
-    engine/executor/kernels.py builds it) gets fresh code objects, and engines of the same
-    model reuse one bundle.
+    per code object (then it silently falls back to eager). Models in one process (a
+    benchmark run, a target and its draft) would share, and exhaust, that limit; so each
+    bundle gets its own code objects, and each model keeps its own bundle (`CompiledKernels`).
     """
-    if key in _COMPILED:
-        return _COMPILED[key]
 
     def comp(fn: Callable) -> Callable:
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
@@ -221,6 +214,21 @@ def compiled_kernels(key: Hashable = None) -> Kernels:
         # generated kernels index with (dynamic=True would make every size symbolic)
         return torch.compile(fresh, fullgraph=False, options={"emulate_precision_casts": True})
 
-    kernels = fused_kernels(comp)
-    _COMPILED[key] = kernels
-    return kernels
+    return fused_kernels(comp)
+
+
+class CompiledKernels:
+    """A model's own compiled bundle (`compiled_kernels`), made at its first use: every
+    forward function over the model (the engine's, a cost measurement's, an engine's built
+    later over the same loaded model) reuses its compiled variants, and they go with the
+    model. `warmed`: whether the bundle was compiled for prefill chunks
+    (engine/executor/kernels.py)."""
+
+    def __init__(self) -> None:
+        self._kernels: Kernels | None = None
+        self.warmed = False
+
+    def get(self) -> Kernels:
+        if self._kernels is None:
+            self._kernels = compiled_kernels()
+        return self._kernels

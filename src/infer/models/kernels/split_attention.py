@@ -5,9 +5,9 @@ Each token attends over its row's cached context through the block table (never 
 out), reading positions < min(position + 1, seq_lens[row]) with loop bounds from device
 memory, so one CUDA graph serves any context length. One program per (batch row, KV head,
 query token, chunk) handles its group's query heads with an online softmax in float32; the
-last program of a (row, KV head, token) to finish (an arrival counter it resets) combines
-the chunks, so a layer's attention is one launch. `split_plan` sizes the chunks to the
-batch (up to MAX_SPLITS for a few rows; one, written directly, for a large batch). A tree
+last program of a (row, KV head, token) to finish (an arrival counter it resets: arrivals.py)
+combines the chunks, so a layer's attention is one launch. `split_plan` sizes the chunks to
+the batch (up to MAX_SPLITS for a few rows; one, written directly, for a large batch). A tree
 block's rule is one int64 ancestor bit set per token and its block's first position
 (W <= 64), applied to the block's keys as they stream."""
 
@@ -17,10 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.models.kernels.arrivals import ArrivalCounters
+
 MAX_SPLITS = 16
 MIN_CHUNK = 64
 TARGET_PROGRAMS = 1024  # programs a launch aims for: at most as many chunks as it takes
-MIN_COUNTERS = 1 << 18  # arrival counters allocated at first use, so that a capture rarely allocates
 
 
 @triton.jit(do_not_specialize=["s_bt", "BS", "WIDTH"])
@@ -119,19 +120,6 @@ def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, j, i, kv
         tl.atomic_xchg(counter, 0)  # ready for the next launch (a CUDA graph replays this one)
 
 
-_ARRIVED: dict[tuple[str, int | None], list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 zeros on `device` for the kernel's arrival counters (each launch leaves them
-    at zero). Kept for the process: a captured CUDA graph holds their address, so a larger
-    set is added, never swapped in."""
-    kept = _ARRIVED.setdefault((device.type, device.index), [])
-    if not kept or kept[-1].numel() < n:  # (1 MB first: batch 256 x 128 tokens x 8 KV heads)
-        kept.append(torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device))
-    return kept[-1]
-
-
 def split_plan(context_width: int, programs: int) -> tuple[int, int]:
     """(chunk length, number of chunks) for a gather width and the (row, KV head, token)
     programs of a launch: as many chunks as bring the launch to TARGET_PROGRAMS, at most
@@ -146,7 +134,7 @@ def split_plan(context_width: int, programs: int) -> tuple[int, int]:
 
 def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, token_rows: torch.Tensor,
                     positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
-                    context_width: int, tokens: torch.Tensor | None = None,
+                    context_width: int, arrivals: ArrivalCounters, tokens: torch.Tensor | None = None,
                     tree: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of flat queries over paged storage (module docstring).
@@ -155,7 +143,8 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     written); token_rows, positions: [N] (each token's batch row and storage position);
     seq_lens: [B]; block_tables: [B, max_blocks] (key j of row b in storage row
     block_tables[b, j // block_size] * block_size + j % block_size); context_width: a bound
-    on seq_lens (the split plan); tokens: [Nd] the tokens to compute (None: all N);
+    on seq_lens (the split plan); arrivals: the counters of the pool's passes (arrivals.py);
+    tokens: [Nd] the tokens to compute (None: all N);
     tree: (bits [N] int64, base [N] int64, width) a tree's rule. Writes the computed tokens'
     rows of `out` ([N, Hq, D], made when None) and returns it."""
     n, hq, d = q.shape
@@ -173,7 +162,7 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     bits, base, width = tree if tree is not None else (positions, positions, 0)  # (unread without a tree)
     _split_attention[(nd, hkv, splits)](
         q, k_cache, v_cache, positions if tokens is None else tokens, token_rows, positions, seq_lens, block_tables,
-        bits, base, m, l, a, arrival_counters(q.device, nd * hkv), out, d ** -0.5,
+        bits, base, m, l, a, arrivals.take(nd * hkv), out, d ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0), block_size, width,
         out.stride(0), out.stride(1),
         HQ=hq, HKV=hkv, SPLITS=splits, CHUNK=chunk, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),

@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from infer.models.batch import WORD, ForwardBatch
+from infer.models.kernels.arrivals import ArrivalCounters
 from infer.models.kernels.routes import AttentionRoutes, rotary_write_fused
 from infer.models.layers.attention import masked_attention
 from infer.models.layers.rotary import rotary_qk
@@ -86,10 +87,13 @@ def _attend_group(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Fo
 
 class BatchView:
     """The AttentionView of one forward pass over a ForwardBatch and a pool's caches
-    (module docstring): q, k, v arrive as [1, N, H, D]."""
+    (module docstring) and its split-KV kernel's arrival counters: q, k, v arrive as
+    [1, N, H, D]."""
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch) -> None:
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                 arrivals: ArrivalCounters) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache  # [L, rows, Hkv, D]
+        self.arrivals = arrivals
         self.batch = batch
         self.routes = AttentionRoutes.of(batch.query_lens, None if batch.tree is None else batch.tree.width)
         self.query_start = [0, *itertools.accumulate(batch.query_lens)]  # host [B + 1]
@@ -115,7 +119,7 @@ class BatchView:
         tree = None if batch.tree is None else (batch.tree.bits[:, 0].contiguous(), batch.tree.base, batch.tree.width)
         if self.routes.split_kv:
             split_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
-                            batch.block_size, batch.context_width, self.short_tokens, tree, out)
+                            batch.block_size, batch.context_width, self.arrivals, self.short_tokens, tree, out)
         if self.routes.prefill:
             prefill_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
                               batch.block_size, self.query_start, self.routes.prefill, out)

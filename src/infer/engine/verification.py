@@ -27,7 +27,7 @@ from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logi
 from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees, round_widths
 from infer.speculative.tree import Draft, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
-from infer.transfer import to_device
+from infer.transfer import tensor_on, to_device
 
 Paths = list[list[int]]  # per request, the accepted node indices in depth order
 
@@ -181,11 +181,13 @@ class Verification:
     def _padded(self, logits: torch.Tensor, block: Block) -> torch.Tensor:
         """The rows' logits [sum of widths, V] as [B, W, V] (a row's missing block rows repeat
         its last: the verifier never reads them)."""
+        if all(r.logits == block.width for r in block.rows):  # (every row full: a view)
+            return logits.view(len(block.rows), block.width, logits.shape[-1])
         index, at = [], 0
         for r in block.rows:
             index.append([at + min(t, r.logits - 1) for t in range(block.width)])
             at += r.logits
-        return logits[torch.tensor(index, device=logits.device)]
+        return logits[tensor_on(index, logits.device)]
 
     def _num_uniforms(self, block: Block) -> int:
         return block.width if block.frame is None else block.frame.num_uniforms

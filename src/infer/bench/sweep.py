@@ -200,7 +200,7 @@ class SweepSession:
             _, draft_path = default_model_paths(config)
             assert draft_path is not None
             self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device,
-                                            vocab_map=self._models.vocab_map)
+                                            vocab_map=self._models.vocab_map, max_seq_len=config.max_seq_len)
         self._quantization = quantization
         return self._models
 

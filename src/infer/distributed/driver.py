@@ -38,6 +38,7 @@ from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
+from infer.engine.parts import ExecutionConfig
 from infer.models.layers.parallel import Collectives
 from infer.models.layers.shard import ModelShard
 from infer.models.loading.gguf.path import is_gguf_path
@@ -217,7 +218,7 @@ class TensorParallelDriver:
                 os.close(fd)
 
     # -- the engine's view ---------------------------------------------------------------------
-    def executor(self, models: LoadedModels) -> TensorParallelExecutor:
+    def executor(self, models: LoadedModels, execution: ExecutionConfig) -> TensorParallelExecutor:
         """The executor of the engine's runner: the target (and a sharded draft) on every rank."""
         roles = {id(models.target): "target"}
         split = {"target"}
@@ -225,7 +226,7 @@ class TensorParallelDriver:
             roles[id(models.draft)] = "draft"
             if self.draft_shard is not None:
                 split.add("draft")
-        executor = TensorParallelExecutor(self.outbox, self.config, roles, frozenset(split))
+        executor = TensorParallelExecutor(self.outbox, execution, roles, frozenset(split))
         self._res.forwards = executor.forwards
         return executor
 

@@ -71,9 +71,10 @@ def load_rank_models(config: EngineConfig, rank: int, device: torch.device,
     """A worker's models by role: its shard of the target, and of the draft when sharded."""
     target_shard, draft_shard = shards_for(config, rank, collectives)
     target_path, draft_path = default_model_paths(config)
-    models = {"target": load_target(config, target_path, device, target_shard)}
+    models = {"target": load_target(config, target_path, device, target_shard, max_seq_len=config.max_seq_len)}
     if draft_path is not None and draft_shard is not None:
-        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard)
+        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard,
+                                     max_seq_len=config.max_seq_len)
     return models
 
 
@@ -143,7 +144,7 @@ class Worker:
         """The driver's spec with this rank's kernel bundle (rank 0 alone samples and accepts,
         on the forward's logits)."""
         device = next(model.parameters()).device
-        kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
+        kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.execution, device, model)  # type: ignore[arg-type]
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
         return replace(call.spec, kernels=kernels)

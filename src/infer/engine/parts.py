@@ -181,12 +181,15 @@ class SpeculativeConfig:
             raise ValueError(f"spec_disable_batch_size must be >= 1 or None, got {self.disable_batch_size}")
         if self.cost_coefficient is not None and self.cost_coefficient < 0:
             raise ValueError(f"spec_cost_coefficient must be >= 0 or None, got {self.cost_coefficient}")
-        if (self.ngram is not None) != (self.method in NGRAM_METHODS) or (
-                self.ngram is not None and self.ngram.method != self.method):
-            raise ValueError(f"the n-gram tables' settings go with speculative_method 'ngram' or 'prompt_lookup' "
-                             f"(theirs), not {self.method!r}")
-        if (self.suffix is not None) != (self.method == "suffix"):
-            raise ValueError(f"the suffix tries' settings go with speculative_method='suffix', not {self.method!r}")
+        if self.method in NGRAM_METHODS and (self.ngram is None or self.ngram.method != self.method):
+            raise ValueError(f"speculative_method={self.method!r} drafts from n-gram tables: give their settings, "
+                             f"ngram=NgramConfig(method={self.method!r}, ...)")
+        if self.method not in NGRAM_METHODS and self.ngram is not None:
+            raise ValueError(f"n-gram tables' settings apply to speculative_method 'ngram' or 'prompt_lookup', not "
+                             f"{self.method!r}: leave ngram unset")
+        if (self.suffix is None) == (self.method == "suffix"):
+            raise ValueError("suffix decoding's settings (suffix=SuffixConfig(...)) go with speculative_method="
+                             f"'suffix' and with it alone, got {self.method!r} with suffix={self.suffix}")
         self._check_tree()
 
     def _check_tree(self) -> None:

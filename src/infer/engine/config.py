@@ -1,7 +1,8 @@
 """EngineConfig: every knob of the engine, validated on construction.
 
 Invalid values raise ValueError naming the field; invalid combinations name every field
-involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields.
+involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields. An engine
+never changes it: at start it resolves it into frozen parts (parts.py, defaults.py).
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from typing import Any
 from infer.engine.parts import (CHOICES, EAGLE_METHODS, MEDUSA, NEEDS_CONTINUOUS, NGRAM_METHODS, ONE_SHOT_NEEDS_CUDA,
                                 ParallelConfig, SpeculativeConfig, check_at_least, check_choice, check_pool_options,
                                 check_single_gpu)
-
-__all__ = ["CHOICES", "DEFAULT_SPEC_LENGTH", "EAGLE_METHODS", "MEDUSA", "SPECULATION_FIELDS", "SUFFIX_SPEC_LENGTH",
-           "SUFFIX_TREE", "EngineConfig"]
 
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
+from infer.engine.config import EngineConfig
+from infer.engine.parts import EAGLE_METHODS, MEDUSA
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead, EagleHeadConfig

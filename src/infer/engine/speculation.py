@@ -1,6 +1,6 @@
-"""Speculation: what the runner needs to draft, built once from the engine's config.
+"""Speculation: what the runner needs to draft, built once from the engine's resolved config.
 
-`Speculation.build` makes, from the engine's resolved configuration, the proposer (a draft model with its own KV pool and forward
+`Speculation.build` makes the proposer (a draft model with its own KV pool and forward
 functions, EAGLE or Medusa heads, n-gram or suffix tables), the length policy (fixed K, or
 adaptive with the measured costs), the adaptive policy's round clock, and the round's draft
 shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees

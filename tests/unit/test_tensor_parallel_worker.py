@@ -143,8 +143,8 @@ def test_a_workers_pool_follows_the_drivers_tables_and_row_moves(ckpt_b: Path, b
     models = load_models(config)
     model, resolved = models.target, resolve_config(config, models)
     channel = _Channel()
-    executor = TensorParallelExecutor(Outbox(channel), resolved.execution, {id(model): "target"},  # type: ignore[arg-type]
-                                      frozenset({"target"}))
+    executor = TensorParallelExecutor(Outbox(channel),  # type: ignore[arg-type]
+                                      resolved.execution, {id(model): "target"}, frozenset({"target"}))
     pool = executor.make_pool(model, resolved.cache, prefix_caching=True)
     worker = Worker({"target": model}, channel, rank=1)  # type: ignore[arg-type]
     served: list[Message] = []

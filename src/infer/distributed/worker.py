@@ -144,7 +144,9 @@ class Worker:
         """The driver's spec with this rank's kernel bundle (rank 0 alone samples and accepts,
         on the forward's logits)."""
         device = next(model.parameters()).device
-        kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.execution, device, model)  # type: ignore[arg-type]
+        kernels = EAGER
+        if call.kernels != EAGER.name:
+            kernels = step_kernels(call.execution, device, model)  # type: ignore[arg-type]
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
         return replace(call.spec, kernels=kernels)

@@ -147,7 +147,8 @@ def _fresh_pool(model: LlamaForCausalLM | EagleHead, use_cuda_graphs: bool,
     the engine runs them."""
     cache = CacheConfig(cfg.kv_cache_backend, 1, cfg.max_seq_len)
     pool = LOCAL.make_pool(model, cache, prefix_caching=False)  # type: ignore[arg-type]
-    return pool, step_kernels(_execution(use_cuda_graphs), next(model.parameters()).device, model)  # type: ignore[arg-type]
+    device = next(model.parameters()).device
+    return pool, step_kernels(_execution(use_cuda_graphs), device, model)  # type: ignore[arg-type]
 
 
 def _execution(use_cuda_graphs: bool) -> ExecutionConfig:

@@ -127,17 +127,17 @@ def test_a_head_gets_its_own_compiled_bundle(tmp_path: Path, ckpt_b: Path, targe
     """`step_kernels` keys a head's compiled bundle apart from its target's of the same widths
     (the key is what `compiled_kernels` keeps one bundle per; nothing is compiled here)."""
     import infer.engine.executor.kernels as executor_kernels
-    from infer.engine.parts import ExecutionConfig
+    from infer.engine.config import EngineConfig
     monkeypatch.setattr(executor_kernels, "compiled_kernels", lambda key=None: key)
     head = load_eagle_head(str(write_head(tmp_path / "head", ckpt_b, "eagle3", aux_layers=[0, 1, 1])), "eagle3",
                            target)
     assert head.config.hidden_size == target.config.hidden_size
     cpu = torch.device("cpu")
-    compiled = ExecutionConfig(compile_kernels=True)
+    compiled = EngineConfig(compile_kernels=True)
     head_key = executor_kernels.step_kernels(compiled, cpu, head)
     assert head_key is not None and head_key == executor_kernels.step_kernels(compiled, cpu, head)
     assert head_key != executor_kernels.step_kernels(compiled, cpu, target)
-    assert executor_kernels.step_kernels(ExecutionConfig(), cpu, head) is EAGER  # no fused kernels asked: eager
+    assert executor_kernels.step_kernels(EngineConfig(), cpu, head) is EAGER  # no CUDA graphs on a GPU: eager
 
 
 @pytest.mark.parametrize("change, message", [

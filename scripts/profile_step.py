@@ -128,7 +128,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
             prefill_steps(reqs := submit(1))
     else:
-        reqs = submit(engine.config.max_seq_len - args.prompt_len - 16)
+        reqs = submit(engine.resolved.scheduler.max_seq_len - args.prompt_len - 16)
         while any(r.num_computed_tokens < args.prompt_len for r in reqs):  # every prompt prefilled
             engine.step()
         for _ in range(8):  # warm: every request decoding, its bucket's graphs replayed

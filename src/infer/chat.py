@@ -60,8 +60,7 @@ class Chat:
     def fit(self, user: str) -> tuple[list[int], int]:
         """(the prompt ids of the conversation and `user`'s message, exchanges dropped to fit
         the context with room for one token); ValueError when the message alone is too long."""
-        limit = self.engine.config.max_seq_len
-        assert limit is not None
+        limit = self.engine.resolved.scheduler.max_seq_len
         history = list(self.messages)
         while True:
             ids = self.prompt_ids([*history, {"role": "user", "content": user}])
@@ -77,7 +76,7 @@ class Chat:
         ids, dropped = self.fit(user)
         if dropped:
             self.messages = self.messages[2 * dropped:]
-        room = self.engine.config.max_seq_len - len(ids)  # type: ignore[operator]
+        room = self.engine.resolved.scheduler.max_seq_len - len(ids)
         request = self.engine.add_request(ids, replace(self.params, max_tokens=min(self.params.max_tokens, room)))
         streamed = stream_request(self.engine, request, out)
         answer = streamed.text.removesuffix(TRANSCRIPT_STOP).strip() if not self.templated else streamed.text

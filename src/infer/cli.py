@@ -66,9 +66,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from infer.engine.batch_size import resolve_sizes
+    from infer.engine.batch_size import engine_sizes
     from infer.engine.engine import Engine
-    from infer.engine.loading import default_model_paths, load_tokenizer
+    from infer.engine.loading import default_model_paths, load_tokenizer, resolve_device
     from infer.streaming import rate_summary, stream_request
 
     # everything the flags can get wrong fails here, before the weights load
@@ -81,10 +81,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     chat = args.chat or args.system is not None
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     ids = tok.encode_chat([*system, {"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    resolve_sizes(config)  # the context length (default: the model's), from config files
-    if len(ids) + params.max_tokens > config.max_seq_len:
+    # the context length (default: the model's), from config files
+    max_seq_len = engine_sizes(config, resolve_device(config.device)).max_seq_len
+    if len(ids) + params.max_tokens > max_seq_len:
         raise ValueError(f"the prompt ({len(ids)} tokens) + --max-tokens ({params.max_tokens}) exceeds "
-                         f"--max-seq-len {config.max_seq_len}: shorten the prompt, lower --max-tokens or raise "
+                         f"--max-seq-len {max_seq_len}: shorten the prompt, lower --max-tokens or raise "
                          "--max-seq-len (up to the model's context)")
     engine = Engine(config)
     # sampling is seeded by the engine's --seed (default 0): the same command gives the same text

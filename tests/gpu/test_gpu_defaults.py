@@ -30,7 +30,7 @@ def test_cuda_graphs_and_fused_kernels_are_the_default(ckpt_a, caplog):
     with caplog.at_level(logging.INFO, logger="infer.engine"):
         fast = LLM(str(ckpt_a), **kw)
     runner = fast.engine.runner
-    assert fast.config.use_cuda_graphs is True and runner.kernels.name == "fused"
+    assert fast.engine.resolved.execution.use_cuda_graphs is True and runner.kernels.name == "fused"
     assert isinstance(runner.forward_fn, GraphBatchForward) and sorted({n for n, _ in runner.forward_fn.graphs}) == [1, 2, 4]
     ready = [r.message for r in caplog.records if r.message.startswith("engine ready in")]
     assert len(ready) == 1 and f"{fast.engine.startup.num_graphs()} CUDA graphs captured in" in ready[0]
@@ -50,7 +50,7 @@ def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_pat
     ckpt = make_checkpoint(tmp_path / "long", max_position_embeddings=2 * MAX_GRAPH_CONTEXT, head_dim=16)
     kw = dict(device="cuda", dtype="float32", max_batch_size=2, compile_kernels=False)
     graphs = LLM(str(ckpt), **kw)
-    assert graphs.config.max_seq_len == 2 * MAX_GRAPH_CONTEXT  # the model's own context
+    assert graphs.engine.resolved.scheduler.max_seq_len == 2 * MAX_GRAPH_CONTEXT  # the model's own context
     assert graphs.engine.runner.forward_fn.context_width == MAX_GRAPH_CONTEXT
     eager = LLM(str(ckpt), use_cuda_graphs=False, **kw)
     rng = random.Random(0)

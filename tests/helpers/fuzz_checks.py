@@ -166,7 +166,7 @@ def _generate_checks(case: Case, models: FuzzModels, llm: LLM, plain: Plain) -> 
     first = _generate(llm, watchdog, jobs, "batch")
     if isinstance(first, Failure):
         return first
-    max_seq_len = llm.config.max_seq_len
+    max_seq_len = llm.engine.resolved.scheduler.max_seq_len
     for i, (job, samples) in enumerate(zip(jobs, first, strict=True)):
         failure = _limits(i, job, samples, llm, max_seq_len) or _lossless(i, job, samples, plain)
         if failure:

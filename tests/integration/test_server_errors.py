@@ -211,7 +211,7 @@ def test_full_queue_gives_429_with_retry_after(server: LiveServer) -> None:
     try:
         assert entered.wait(30)
         capacity = server.state.capacity
-        assert capacity == QUEUE_LIMIT + server.engine.engine.config.max_batch_size
+        assert capacity == QUEUE_LIMIT + server.engine.engine.resolved.scheduler.max_batch_size
         with ThreadPoolExecutor(capacity) as pool:
             queued = [pool.submit(post, server, "/v1/completions", OK_BODY) for _ in range(capacity)]
             wait_until(lambda: server.state.open_choices == capacity)

@@ -10,10 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from infer.engine.batch_size import (BATCH_SIZING_TOKENS, CPU_DEFAULT, CPU_KV_BYTES, GPU_MAX, MEMORY_SHARE,
-                                     RESERVE_BYTES, ModelBytes, fitting_batch_size, model_bytes, plan_sizes,
-                                     resolve_sizes)
+                                     RESERVE_BYTES, ModelBytes, engine_sizes, fitting_batch_size, model_bytes,
+                                     plan_sizes)
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.step_costs import weight_bytes
@@ -99,13 +100,13 @@ def test_weights_that_leave_no_kv_memory_are_refused_with_the_fix() -> None:
 
 
 def test_cpu_engines_default_to_eight_and_the_models_context(ckpt_a: Path) -> None:
-    config = EngineConfig(model=str(ckpt_a), device="cpu")
-    resolve_sizes(config)
-    assert (config.max_batch_size, config.max_seq_len) == (CPU_DEFAULT, 512)  # the checkpoint's context
-    given = EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=3, max_seq_len=64)
-    resolve_sizes(given)
+    cpu = torch.device("cpu")
+    sizes = engine_sizes(EngineConfig(model=str(ckpt_a), device="cpu"), cpu)
+    assert (sizes.max_batch_size, sizes.max_seq_len) == (CPU_DEFAULT, 512)  # the checkpoint's context
+    given = engine_sizes(EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=3, max_seq_len=64), cpu)
     assert (given.max_batch_size, given.max_seq_len, given.num_blocks) == (3, 64, None)
     engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu", max_seq_len=64))
-    assert engine.config.max_batch_size == CPU_DEFAULT == engine.scheduler.config.max_batch_size
+    assert engine.config.max_batch_size is None  # (as given: the engine's resolved parts hold the size)
+    assert engine.resolved.scheduler.max_batch_size == CPU_DEFAULT == engine.resolved.cache.max_batch_size
     with pytest.raises(ValueError, match="max_batch_size must be >= 1 or None"):
         EngineConfig(max_batch_size=0)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from infer.engine.config import EngineConfig
-from infer.engine.defaults import check_device_options, resolve_engine_defaults
+from infer.engine.defaults import check_device_options, resolve_config
 from infer.engine.executor.capture import MAX_CAPTURE_SIZE, MAX_GRAPH_CONTEXT, capture_sizes, graph_context_width
 
 
@@ -24,12 +24,12 @@ def test_cuda_graphs_follow_the_device_and_a_cpu_refuses_them(ckpt_a: Path) -> N
     import torch
 
     config = EngineConfig(model=str(ckpt_a), device="cpu")
-    assert config.use_cuda_graphs is None  # (resolved when an engine is built)
-    resolve_engine_defaults(config)
-    assert config.use_cuda_graphs is False and config.compile_kernels is None
+    execution = resolve_config(config).execution
+    assert config.use_cuda_graphs is None  # (the user's config is left as given)
+    assert (execution.use_cuda_graphs, execution.compile_kernels, execution.async_scheduling) == (False, False, False)
     with pytest.raises(ValueError, match="use_cuda_graphs=True needs a CUDA device, but this engine runs on cpu: "
                                          "drop use_cuda_graphs"):
-        resolve_engine_defaults(EngineConfig(model=str(ckpt_a), device="cpu", use_cuda_graphs=True))
+        resolve_config(EngineConfig(model=str(ckpt_a), device="cpu", use_cuda_graphs=True))
     assert check_device_options(EngineConfig(use_cuda_graphs=True), torch.device("cuda")) == []
     assert check_device_options(EngineConfig(use_cuda_graphs=False), torch.device("cpu")) == []
 
@@ -44,7 +44,7 @@ def test_fp8_weights_on_a_cpu_warn_that_they_decode_slower(ckpt_a: Path, caplog:
     assert "no INT4 matmul" in int4 and "leave draft_quantization unset" in int4
     assert check_device_options(EngineConfig(quantization="int4"), torch.device("cuda")) == []
     with caplog.at_level(logging.WARNING, logger="infer.engine"):
-        resolve_engine_defaults(EngineConfig(model=str(ckpt_a), device="cpu", quantization="fp8"))
+        resolve_config(EngineConfig(model=str(ckpt_a), device="cpu", quantization="fp8"))
     assert [r.message for r in caplog.records] == warnings
 
 

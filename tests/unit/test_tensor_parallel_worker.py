@@ -27,6 +27,7 @@ from infer.distributed.mirror import Outbox, TensorParallelExecutor
 from infer.distributed.protocol import INVOKABLE, Invoke, MakeForward, Message, Report, WorkerReport
 from infer.distributed.worker import Worker
 from infer.engine.config import EngineConfig
+from infer.engine.defaults import resolve_config
 from infer.engine.executor.factory import LocalExecutor
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
@@ -87,11 +88,12 @@ def test_a_worker_builds_the_driver_s_forwards_and_runs_their_forward_part(ckpt_
     config = EngineConfig(model=str(ckpt_b), device="cpu", max_seq_len=64, max_batch_size=4, use_cuda_graphs=False,
                           use_speculative_decoding=True, draft_model=str(ckpt_b), spec_length=2, spec_tree=tree)
     models = load_models(config)
+    resolved = resolve_config(config, models)
     channel = _Channel()
-    executor = TensorParallelExecutor(Outbox(channel), config,  # type: ignore[arg-type]
+    executor = TensorParallelExecutor(Outbox(channel), resolved.execution,  # type: ignore[arg-type]
                                       {id(models.target): "target", id(models.draft): "draft"},
                                       frozenset({"target", "draft"}))
-    ModelRunner(models.target, models.tokenizer, config, models.eos_token_ids, executor, draft_model=models.draft)
+    ModelRunner(models.target, models.tokenizer, resolved, models.eos_token_ids, executor, draft_model=models.draft)
     driver_specs = [m.call.spec for m in channel.sent if isinstance(m.call, MakeForward)]
     assert len(driver_specs) == 2  # the target's forward and the draft's
     assert driver_specs[0].trees == driver_specs[1].trees == (tree is not None)
@@ -138,11 +140,12 @@ def test_a_workers_pool_follows_the_drivers_tables_and_row_moves(ckpt_b: Path, b
     paged: dict[str, Any] = dict(block_size=4, num_blocks=24) if backend == "paged" else {}
     config = EngineConfig(model=str(ckpt_b), device="cpu", max_seq_len=64, max_batch_size=4, kv_cache_backend=backend,
                           **paged)
-    model = load_models(config).target
+    models = load_models(config)
+    model, resolved = models.target, resolve_config(config, models)
     channel = _Channel()
-    executor = TensorParallelExecutor(Outbox(channel), config, {id(model): "target"},  # type: ignore[arg-type]
-                                      frozenset({"target"}))
-    pool = executor.make_pool(model, config, prefix_caching=True)
+    executor = TensorParallelExecutor(Outbox(channel),  # type: ignore[arg-type]
+                                      resolved.execution, {id(model): "target"}, frozenset({"target"}))
+    pool = executor.make_pool(model, resolved.cache, prefix_caching=True)
     worker = Worker({"target": model}, channel, rank=1)  # type: ignore[arg-type]
     served: list[Message] = []
 

@@ -203,7 +203,7 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         if dev.type == "cuda":
             metrics["peak_memory_gb"] = torch.cuda.max_memory_allocated(dev) / 1e9
         params = {"workload": workload.to_dict(), "prompt_source": prompts.source,
-                  "engine": _config_dict(config), "overrides": dict(overrides)}
+                  "engine": config_record(engine), "overrides": dict(overrides)}
         if paired_with is not None:
             params["paired_with"] = dict(paired_with)
         return params, metrics
@@ -258,8 +258,13 @@ def engine_counters(engine: Engine, spec0: SpecStats | None,
     return out
 
 
-def _config_dict(config: EngineConfig) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in fields(config)}
+def config_record(engine: Engine) -> dict[str, Any]:
+    """The engine's config fields, with the values it decided for those left to the device
+    and the model (CUDA graphs, the sizes)."""
+    config, resolved = engine.config, engine.resolved
+    return {**{f.name: getattr(config, f.name) for f in fields(config)},
+            "use_cuda_graphs": resolved.execution.use_cuda_graphs, "max_batch_size": resolved.scheduler.max_batch_size,
+            "max_seq_len": resolved.scheduler.max_seq_len, "num_blocks": resolved.cache.num_blocks}
 
 
 def free_memory() -> None:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from infer.bench.engine_runner import (default_dtype, engine_config, free_memory, request_metrics, spec_metrics,
-                                       spec_snapshot, timed_run)
+from infer.bench.engine_runner import (config_record, default_dtype, engine_config, free_memory, request_metrics,
+                                       spec_metrics, spec_snapshot, timed_run)
 from infer.bench.oracle import OracleProposer
 from infer.bench.rows import Context, Outcome
 from infer.bench.workloads import PromptSet, Workload, build_requests
@@ -159,10 +159,11 @@ class SweepSession:
             requests, wall, _ = _median(runs[1:])
             metrics = self._rates(requests, wall, runs[1:], prompts)
             metrics.update(records_agree=all(r == records[0] for r in records), leaks=engine.leak_report())
+            params = self._params(ctx, engine, prompts)
         finally:
             del engine
             free_memory()
-        return self._params(ctx, config, prompts), metrics
+        return params, metrics
 
     def spec(self, ctx: Context, quantization: str | None, shape: SweepShape, alpha: float) -> Outcome:
         engine, oracle = self._engine_for(ctx, quantization, shape)
@@ -179,7 +180,7 @@ class SweepSession:
         metrics["round_ms"] = _round_ms(metrics)
         metrics.update(self._zero)
         metrics["leaks"] = engine.leak_report()
-        params = self._params(ctx, engine.config, prompts)
+        params = self._params(ctx, engine, prompts)
         params.update(acceptance=CONTROLLED, alpha=alpha, shape=shape.tag, branching=list(shape.branching),
                       draft_quantization=quantization, oracle_seed=f"{self.setup.seed}/{shape.tag}/{alpha}")
         return params, metrics
@@ -200,7 +201,7 @@ class SweepSession:
             _, draft_path = default_model_paths(config)
             assert draft_path is not None
             self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device,
-                                            vocab_map=self._models.vocab_map)
+                                            vocab_map=self._models.vocab_map, max_seq_len=config.max_seq_len)
         self._quantization = quantization
         return self._models
 
@@ -274,9 +275,9 @@ class SweepSession:
         metrics["primary_rate"] = metrics["decode_tokens_per_s" if self.setup.batch_size == 1 else "tokens_per_s"]
         return metrics
 
-    def _params(self, ctx: Context, config: EngineConfig, prompts: PromptSet) -> dict[str, Any]:
+    def _params(self, ctx: Context, engine: Engine, prompts: PromptSet) -> dict[str, Any]:
         return {"workload": ctx.workload(self.setup.workload).to_dict(), "prompt_source": prompts.source,
-                "engine": dataclasses.asdict(config), "target": self.setup.target, "draft": self.setup.draft,
+                "engine": config_record(engine), "target": self.setup.target, "draft": self.setup.draft,
                 "batch_size": self.setup.batch_size, "dtype": default_dtype(ctx.device)}
 
 

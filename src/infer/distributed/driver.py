@@ -38,6 +38,7 @@ from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
 from infer.engine.loading import LoadedModels, default_model_paths
+from infer.engine.parts import ExecutionConfig
 from infer.models.layers.parallel import Collectives
 from infer.models.layers.shard import ModelShard
 from infer.models.loading.gguf.path import is_gguf_path
@@ -131,11 +132,12 @@ class TensorParallelDriver:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.world_size = config.tensor_parallel_size
+        parallel = config.parallel_part()
+        self.world_size = parallel.size
         target_path, draft_path = default_model_paths(config)
         self.worker_config = replace(config, model=_local_path(target_path),
                                      draft_model=None if draft_path is None else _local_path(draft_path))
-        self.target_shard, self.draft_shard = shards_for(config, 0)
+        self.target_shard, self.draft_shard = shards_for(parallel, 0)
         self.store_port: int | None = None  # the rendezvous store's (loopback) port; None under torchrun
         self._check_shapes(self.worker_config)
         self._res = _Resources()
@@ -144,14 +146,14 @@ class TensorParallelDriver:
             self.device, store = self._start_ranks()
             hook = sys.excepthook
             with loopback_gloo() if store is not None else nullcontext():  # (torchrun: the user's network)
-                group = join(0, self.world_size, self.device, store, config.tensor_parallel_all_reduce)
+                group = join(0, self.world_size, self.device, store, parallel.all_reduce)
             self._res.device, self._res.joined, self._res.excepthooks = self.device, True, (hook, sys.excepthook)
             self._res.collectives = group.collectives
         except BaseException:
             self.close()
             raise
         # (the channel must not refer to the driver: the finalizer holds it)
-        self.target_shard, self.draft_shard = shards_for(config, 0, group.collectives)
+        self.target_shard, self.draft_shard = shards_for(parallel, 0, group.collectives)
         self.channel = ControlChannel(group.control, 0, self.device, before_send=partial(_check_workers, self._res.procs))
         self._res.outbox = self.outbox = Outbox(self.channel)
 
@@ -217,7 +219,7 @@ class TensorParallelDriver:
                 os.close(fd)
 
     # -- the engine's view ---------------------------------------------------------------------
-    def executor(self, models: LoadedModels) -> TensorParallelExecutor:
+    def executor(self, models: LoadedModels, execution: ExecutionConfig) -> TensorParallelExecutor:
         """The executor of the engine's runner: the target (and a sharded draft) on every rank."""
         roles = {id(models.target): "target"}
         split = {"target"}
@@ -225,7 +227,7 @@ class TensorParallelDriver:
             roles[id(models.draft)] = "draft"
             if self.draft_shard is not None:
                 split.add("draft")
-        executor = TensorParallelExecutor(self.outbox, self.config, roles, frozenset(split))
+        executor = TensorParallelExecutor(self.outbox, execution, roles, frozenset(split))
         self._res.forwards = executor.forwards
         return executor
 

@@ -27,7 +27,7 @@ from infer.distributed.channel import ControlChannel
 from infer.distributed.protocol import (Call, Invoke, MakeForward, MakePool, Message, PoolChanges, PoolShape,
                                         RowMove)
 from infer.distributed.worker_pool import table_digest
-from infer.engine.config import EngineConfig
+from infer.engine.parts import CacheConfig, ExecutionConfig
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
@@ -118,8 +118,9 @@ class TensorParallelExecutor:
     """An Executor whose pools and forward functions exist on every rank (roles in `split`:
     the models split over the ranks), or on the driver alone (any other role)."""
 
-    def __init__(self, outbox: Outbox, config: EngineConfig, roles: dict[int, str], split: frozenset[str]) -> None:
-        self.outbox, self.config = outbox, config  # (the engine's config: the workers rebuild kernels from it)
+    def __init__(self, outbox: Outbox, execution: ExecutionConfig, roles: dict[int, str], split: frozenset[str]
+                 ) -> None:
+        self.outbox, self.execution = outbox, execution  # (the workers rebuild their kernels from it)
         self.roles = roles  # id(model) -> "target" | "draft"
         self.split = split
         self._ids = itertools.count()
@@ -132,8 +133,8 @@ class TensorParallelExecutor:
             raise ValueError("this executor builds pools and forwards of the engine's own models only")
         return role if role in self.split else None
 
-    def make_pool(self, model: LlamaForCausalLM, config: EngineConfig, *, prefix_caching: bool) -> CachePoolProtocol:
-        local = LOCAL.make_pool(model, config, prefix_caching=prefix_caching)
+    def make_pool(self, model: LlamaForCausalLM, cache: CacheConfig, *, prefix_caching: bool) -> CachePoolProtocol:
+        local = LOCAL.make_pool(model, cache, prefix_caching=prefix_caching)
         role = self._split_role(model)
         if role is None:
             return local
@@ -153,7 +154,7 @@ class TensorParallelExecutor:
             raise ValueError("a tensor-parallel forward function needs a pool made by the same executor")
         forward_id = next(self._ids)
         # (compiled kernels do not travel: the workers rebuild the bundle `kernels` names)
-        self.outbox.send(MakeForward(forward_id, role, split.pool_id, self.config, replace(spec, kernels=EAGER),
+        self.outbox.send(MakeForward(forward_id, role, split.pool_id, self.execution, replace(spec, kernels=EAGER),
                                      spec.kernels.name))
         forward = TensorParallelForward(LOCAL.make_forward(model, split.local, spec), self.outbox, forward_id)
         self.forwards.append(forward)

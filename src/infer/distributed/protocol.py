@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infer.engine.config import EngineConfig
+from infer.engine.parts import ExecutionConfig
 from infer.engine.executor.spec import ForwardSpec
 
 ROLES = ("target", "draft")
@@ -75,7 +75,7 @@ class MakeForward:
     forward: int
     role: str
     pool: int
-    config: EngineConfig  # (the kernel bundle is rebuilt from it: `kernels` names the driver's)
+    execution: ExecutionConfig  # (the kernel bundle is rebuilt from it: `kernels` names the driver's)
     spec: ForwardSpec  # the driver's, with the eager kernels in it (compiled kernels do not travel)
     kernels: str  # "eager" | "fused"
 

@@ -28,6 +28,7 @@ from infer.distributed.group import Group, join, leave, torchrun_device
 from infer.distributed.protocol import Call, Invoke, MakeForward, MakePool, Message, Report, Shutdown, WorkerReport
 from infer.distributed.worker_pool import WorkerPool, table_digest
 from infer.engine.config import EngineConfig
+from infer.engine.parts import ParallelConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.spec import ForwardSpec
@@ -57,23 +58,23 @@ class WorkerSpec:
                              f"tensor_parallel_size ranks, got rank {self.rank} of {self.world_size}")
 
 
-def shards_for(config: EngineConfig, rank: int, collectives: Collectives = GROUP
+def shards_for(parallel: ParallelConfig, rank: int, collectives: Collectives = GROUP
                ) -> tuple[ModelShard, ModelShard | None]:
     """(the target's shard, the draft's: None when the draft runs whole on the driver);
     their layers run `collectives` (the rank's group's)."""
-    world = config.tensor_parallel_size
-    target = ModelShard(rank, world, config.tensor_parallel_embedding, config.tensor_parallel_lm_head, collectives)
-    return target, target if config.tensor_parallel_draft == "sharded" else None
+    target = ModelShard(rank, parallel.size, parallel.embedding, parallel.lm_head, collectives)
+    return target, target if parallel.draft == "sharded" else None
 
 
 def load_rank_models(config: EngineConfig, rank: int, device: torch.device,
                      collectives: Collectives = GROUP) -> dict[str, LlamaForCausalLM]:
     """A worker's models by role: its shard of the target, and of the draft when sharded."""
-    target_shard, draft_shard = shards_for(config, rank, collectives)
+    target_shard, draft_shard = shards_for(config.parallel_part(), rank, collectives)
     target_path, draft_path = default_model_paths(config)
-    models = {"target": load_target(config, target_path, device, target_shard)}
+    models = {"target": load_target(config, target_path, device, target_shard, max_seq_len=config.max_seq_len)}
     if draft_path is not None and draft_shard is not None:
-        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard)
+        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard,
+                                     max_seq_len=config.max_seq_len)
     return models
 
 
@@ -143,7 +144,9 @@ class Worker:
         """The driver's spec with this rank's kernel bundle (rank 0 alone samples and accepts,
         on the forward's logits)."""
         device = next(model.parameters()).device
-        kernels = EAGER if call.kernels == EAGER.name else step_kernels(call.config, device, model)
+        kernels = EAGER
+        if call.kernels != EAGER.name:
+            kernels = step_kernels(call.execution, device, model)  # type: ignore[arg-type]
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
         return replace(call.spec, kernels=kernels)

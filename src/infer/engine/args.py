@@ -20,7 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from infer.engine.config import CHOICES, SPECULATION_FIELDS, EngineConfig
+from infer.engine.config import SPECULATION_FIELDS, EngineConfig
+from infer.engine.parts import CHOICES
 
 _ALIASES = {"use_speculative_decoding": ["--speculative-decoding"]}
 _HELP = {

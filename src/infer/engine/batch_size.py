@@ -1,6 +1,6 @@
 """Sizing defaults: the context length (`max_seq_len`), `max_batch_size` and the KV pool.
 
-`resolve_sizes` decides them when an engine is built, from config files only, before any
+`engine_sizes` decides them when an engine is built, from config files only, before any
 weight is read: the KV budget (`kv_budget_bytes`: on CUDA `MEMORY_SHARE` of the device's
 memory less the weights and `RESERVE_BYTES`, on a CPU `CPU_KV_BYTES`, or the pool given)
 over the KV bytes a token (`kv_bytes_per_token`) is the capacity. `max_seq_len=None` is
@@ -13,17 +13,14 @@ pool holds batch x max_seq_len tokens cut to the capacity. docs/architecture.md,
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, default_model_paths, model_dtype, resolve_device
+from infer.engine.loading import LoadedModels, default_model_paths, model_dtype
 from infer.models.config import ModelConfig
 from infer.models.loading.loader import read_model_config
-
-log = logging.getLogger("infer.engine")
 
 CPU_DEFAULT = 8
 GPU_MAX = 256
@@ -123,26 +120,18 @@ def model_context(models: list[ModelConfig]) -> int:
     return min([m.max_position_embeddings for m in models] + ([window] if window is not None else []))
 
 
-def resolve_sizes(config: EngineConfig, models: LoadedModels | None = None) -> None:
-    """Fill in `config`'s max_seq_len, max_batch_size and (when the default pool would not
-    fit) num_blocks for an engine about to be built (with `models` already loaded: their
-    configs and device; else the config files, nothing loaded)."""
+def engine_sizes(config: EngineConfig, device: torch.device, models: LoadedModels | None = None) -> Sizes:
+    """The sizes of the module docstring for an engine of `config` about to be built on
+    `device` (with `models` already loaded: their configs; else the config files, nothing
+    loaded). `config` is left as it is: the engine's resolved parts carry the sizes."""
     if models is not None:
-        device = next(models.target.parameters()).device
         configs = [models.target.config] + ([models.draft.config] if models.draft is not None else [])
     else:
-        device = resolve_device(config.device)
         target, draft = default_model_paths(config)
         configs = [read_model_config(path, config.load_format) for path in (target, draft) if path is not None]
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     element = 4 if model_dtype(config, device) in _FLOAT32 else 2
-    sizes = plan_sizes(config, configs, device_bytes, element)
-    if config.max_seq_len is not None and sizes.max_seq_len < config.max_seq_len:
-        log.warning("max_seq_len %d is longer than the model's context: using %d", config.max_seq_len,
-                    sizes.max_seq_len)
-    config.max_seq_len, config.max_batch_size = sizes.max_seq_len, sizes.max_batch_size
-    if sizes.num_blocks is not None:
-        config.num_blocks = sizes.num_blocks
+    return plan_sizes(config, configs, device_bytes, element)
 
 
 def context_hint(max_seq_len: int, model_max: int) -> str:

@@ -1,20 +1,20 @@
 """EngineConfig: every knob of the engine, validated on construction.
 
 Invalid values raise ValueError naming the field; invalid combinations name every field
-involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields.
+involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields. An engine
+never changes it: at start it resolves it into frozen parts (parts.py, defaults.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from infer.speculative.tree import TreeShape
+from infer.engine.parts import (CHOICES, EAGLE_METHODS, MEDUSA, NEEDS_CONTINUOUS, NGRAM_METHODS, ONE_SHOT_NEEDS_CUDA,
+                                ParallelConfig, SpeculativeConfig, check_at_least, check_choice, check_pool_options,
+                                check_single_gpu)
 
-EAGLE_METHODS = ("eagle", "eagle3")  # speculative methods whose draft_model is an EAGLE head
-MEDUSA = "medusa"  # the speculative method whose draft_model is a directory of Medusa heads
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns
 # it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
@@ -31,22 +31,6 @@ VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_se
               "max_num_seqs": "max_batch_size",
               "speculative_config": "use_speculative_decoding, speculative_method, draft_model, spec_length",
               "num_speculative_tokens": "spec_length", "gpu_memory_utilization": "kv_cache_memory_bytes"}
-_VOCAB_LAYOUTS = ("replicated", "vocab_parallel")
-# the values each string field takes (the command line shows them as the flags' choices)
-CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float"),
-    "load_format": ("auto", "safetensors", "dummy"),
-    "quantization": ("fp8", "int4"),
-    "draft_quantization": ("fp8", "int4"),
-    "batching_mode": ("continuous", "static"),
-    "kv_cache_backend": ("paged", "contiguous"),
-    "speculative_method": ("draft_model", "ngram", "prompt_lookup", "suffix", "eagle", "eagle3", MEDUSA),
-    "spec_policy": ("fixed", "adaptive"),
-    "tensor_parallel_embedding": _VOCAB_LAYOUTS,
-    "tensor_parallel_lm_head": _VOCAB_LAYOUTS,
-    "tensor_parallel_draft": ("driver", "sharded"),
-    "tensor_parallel_all_reduce": ("nccl", "one-shot"),
-}
 
 
 @dataclass
@@ -163,15 +147,10 @@ class EngineConfig:
         self._resolve_speculation()
         self._check_suffix()
         if self.spec_length is None:
-            self.spec_length = (self._tree_shape().depth if self.spec_tree is not None and not self._dynamic()
-                                else DEFAULT_SPEC_LENGTH)
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if name in ("quantization", "draft_quantization"):
-                if value not in (None, *allowed):
-                    raise ValueError(f"{name} must be None or {' or '.join(map(repr, allowed))}, got {value!r}")
-            else:
-                _choice(name, value, allowed)
+            tree = SpeculativeConfig.parse_tree(self.spec_tree, DEFAULT_SPEC_LENGTH)  # (a static tree: its depth)
+            self.spec_length = DEFAULT_SPEC_LENGTH if tree is None else tree.depth
+        for name in CHOICES:
+            check_choice(name, getattr(self, name))
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -179,26 +158,19 @@ class EngineConfig:
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1 or None (the model's context), got {self.max_seq_len}")
         for name in ("max_num_batched_tokens", "block_size", "spec_length", "ngram_window", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            check_at_least(name, getattr(self, name))
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None (chosen by model size), got {self.threads}")
         if self.cuda_graph_sampling_batch_max < 0:
             raise ValueError("cuda_graph_sampling_batch_max must be >= 0 (0: no EAGLE round graphs), "
                              f"got {self.cuda_graph_sampling_batch_max}")
-        if self.spec_disable_batch_size is not None and self.spec_disable_batch_size < 1:
-            raise ValueError(f"spec_disable_batch_size must be >= 1 or None, got {self.spec_disable_batch_size}")
-        if self.spec_cost_coefficient is not None and self.spec_cost_coefficient < 0:
-            raise ValueError(f"spec_cost_coefficient must be >= 0 or None, got {self.spec_cost_coefficient}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1 or None, got {self.num_blocks}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError("kv_cache_memory_bytes must be positive or None")
-        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("num_blocks and kv_cache_memory_bytes conflict: set at most one")
         if not 2 <= self.ngram_min_order <= self.ngram_max_order:
             raise ValueError("ngram orders must satisfy 2 <= ngram_min_order <= ngram_max_order, "
                              f"got {self.ngram_min_order}..{self.ngram_max_order}")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.kv_cache_backend == "paged"
+        check_pool_options(self.kv_cache_backend, self.num_blocks, self.kv_cache_memory_bytes,
+                           self.enable_prefix_caching)
         self._check_combinations()
         self._check_tree()
 
@@ -208,6 +180,35 @@ class EngineConfig:
         defaults = {f.name: f.default for f in fields(self)}
         return [name for name in SPECULATION_FIELDS
                 if getattr(self, name) not in (defaults[name], *((DEFAULT_SPEC_LENGTH,) if name == "spec_length" else ()))]
+
+    def speculative_part(self) -> SpeculativeConfig | None:
+        """The speculation settings as their validated part (parts.py); None without speculation."""
+        from infer.speculative.ngram_tables import NgramConfig
+        from infer.speculative.suffix import SuffixConfig
+        if not self.use_speculative_decoding:
+            return None
+        assert self.spec_length is not None
+        ngram = suffix = None
+        if self.speculative_method in NGRAM_METHODS:
+            try:
+                ngram = NgramConfig(self.speculative_method, self.ngram_max_order, self.ngram_min_order,
+                                    self.ngram_window)
+            except ValueError as e:
+                raise ValueError(f"ngram_{e}") from None
+        if self.speculative_method == "suffix":
+            try:
+                suffix = SuffixConfig(self.spec_suffix_max_depth, self.spec_suffix_cache_tokens,
+                                      self.spec_suffix_min_prob)
+            except ValueError as e:
+                raise ValueError(f"spec_suffix_{e}") from None
+        return SpeculativeConfig(self.speculative_method, self.spec_length,
+                                 SpeculativeConfig.parse_tree(self.spec_tree, self.spec_length), self.spec_policy,
+                                 self.spec_disable_batch_size, self.spec_cost_coefficient, ngram, suffix)
+
+    def parallel_part(self) -> ParallelConfig:
+        """The tensor-parallel settings as their validated part (parts.py)."""
+        return ParallelConfig(self.tensor_parallel_size, self.tensor_parallel_embedding, self.tensor_parallel_lm_head,
+                              self.tensor_parallel_draft, self.tensor_parallel_all_reduce)
 
     def _resolve_speculation(self) -> None:
         """use_speculative_decoding=None: on when a speculation field is set; False with one
@@ -222,14 +223,10 @@ class EngineConfig:
                              f"{'it' if len(given) == 1 else 'them'} unset")
 
     def _check_combinations(self) -> None:
-        if self.kv_cache_backend == "contiguous" and (self.num_blocks or self.kv_cache_memory_bytes):
-            raise ValueError("num_blocks / kv_cache_memory_bytes apply to kv_cache_backend='paged' only")
-        if self.enable_prefix_caching is None:
-            self.enable_prefix_caching = self.kv_cache_backend == "paged"
-        if self.enable_prefix_caching and self.kv_cache_backend != "paged":
-            # prefix sharing needs blocks; silently ignoring it would surprise the user
-            raise ValueError("enable_prefix_caching=True requires kv_cache_backend='paged' "
-                             "(set enable_prefix_caching=False for the contiguous backend)")
+        """What spans the parts: the device, the draft's loading and the methods' models."""
+        parallel = self.parallel_part()
+        if parallel.all_reduce == "one-shot" and self.device == "cpu":
+            raise ValueError(ONE_SHOT_NEEDS_CUDA)
         if self.draft_quantization is not None and not (
                 self.use_speculative_decoding and self.speculative_method in ("draft_model", MEDUSA)):
             raise ValueError("draft_quantization applies to a draft model or Medusa heads: set "
@@ -240,12 +237,9 @@ class EngineConfig:
             raise ValueError("tensor_parallel_draft='sharded' applies to a draft model: set use_speculative_decoding="
                              "True with speculative_method='draft_model', or leave tensor_parallel_draft unset")
         self._check_draft_vocab()
-        if self.tensor_parallel_all_reduce == "one-shot" and (self.tensor_parallel_size < 2 or self.device == "cpu"):
-            raise ValueError("tensor_parallel_all_reduce='one-shot' runs between CUDA devices: set "
-                             "tensor_parallel_size >= 2 on GPUs, or leave tensor_parallel_all_reduce='nccl'")
         if self.use_speculative_decoding:
             if self.batching_mode != "continuous":
-                raise ValueError("use_speculative_decoding=True requires batching_mode='continuous'")
+                raise ValueError(NEEDS_CONTINUOUS)
             if self.speculative_method == "draft_model" and self.draft_model is None and self.model is not None:
                 raise ValueError("use_speculative_decoding=True with speculative_method='draft_model' "
                                  "requires draft_model (a path or hub id)")
@@ -273,99 +267,39 @@ class EngineConfig:
                              f"{'EAGLE-3' if method == 'eagle3' else 'EAGLE'} head trained for the target"
                              + (" (the demo target ships an EAGLE-3 head: speculative_method='eagle3')"
                                 if self.model is None else ""))
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"speculative_method={method!r} runs on one GPU: set tensor_parallel_size=1")
+        check_single_gpu(method, False, self.tensor_parallel_size)
 
     def _check_medusa(self) -> None:
         if self.draft_model is None:
             raise ValueError("speculative_method='medusa' requires draft_model: the directory of Medusa heads "
                              "trained for the target (config.json with medusa_num_heads, and "
                              "medusa_lm_head.safetensors or .pt), or 'dummy-medusa:<shape>' for timing")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("speculative_method='medusa' runs on one GPU: set tensor_parallel_size=1")
+        check_single_gpu(MEDUSA, False, self.tensor_parallel_size)
 
     def _check_suffix(self) -> None:
-        """speculative_method="suffix": its fields valid, its trees dynamic (spec_tree and
-        spec_length default to SUFFIX_TREE and SUFFIX_SPEC_LENGTH; `_check_dynamic_tree` checks
-        the rest); its fields refused with other methods."""
-        from infer.speculative.suffix import SuffixConfig
-        defaults = {f.name: f.default for f in fields(self)}
+        """speculative_method="suffix": spec_tree and spec_length default to SUFFIX_TREE and
+        SUFFIX_SPEC_LENGTH (its part checks the rest); its fields refused with other methods."""
         if not (self.use_speculative_decoding and self.speculative_method == "suffix"):
+            defaults = {f.name: f.default for f in fields(self)}
             given = [name for name in SUFFIX_FIELDS if getattr(self, name) != defaults[name]]
             if given:
                 raise ValueError(f"{', '.join(given)} apply to speculative_method='suffix': set it (and "
                                  "use_speculative_decoding=True), or leave them unset")
             return
-        try:
-            SuffixConfig(self.spec_suffix_max_depth, self.spec_suffix_cache_tokens, self.spec_suffix_min_prob)
-        except ValueError as e:
-            raise ValueError(f"spec_suffix_{e}") from None
-        if self.spec_tree is not None and not self._dynamic():
-            raise ValueError(f"speculative_method='suffix' grows its own trees: give spec_tree='dynamic:N' or "
-                             f"'dynamic:N:B' (at most N nodes a round, B children a node), or leave it unset "
-                             f"({SUFFIX_TREE!r}), not {self.spec_tree!r}")
         self.spec_tree = SUFFIX_TREE if self.spec_tree is None else self.spec_tree
         self.spec_length = SUFFIX_SPEC_LENGTH if self.spec_length is None else self.spec_length
-        if self.spec_suffix_max_depth <= self.spec_length:
-            raise ValueError(f"spec_suffix_max_depth ({self.spec_suffix_max_depth}) must exceed spec_length "
-                             f"({self.spec_length}): a match of m tokens leaves spec_suffix_max_depth - m to draft")
-
-    def _tree_shape(self) -> TreeShape:
-        from infer.speculative.tree import TreeShape
-        assert self.spec_tree is not None
-        try:
-            return TreeShape.parse(self.spec_tree)
-        except ValueError as e:
-            raise ValueError(f"spec_tree: {e}") from None
-
-    def _dynamic(self) -> bool:
-        from infer.speculative.node_tree import is_dynamic
-        return is_dynamic(self.spec_tree)
-
-    def _check_dynamic_tree(self) -> None:
-        """spec_tree="dynamic:N[:B]": drafted by a draft model (or grown by suffix decoding),
-        on one GPU, fixed depth K."""
-        from infer.speculative.node_tree import DynamicShape
-        assert self.spec_tree is not None and self.spec_length is not None
-        try:
-            shape = DynamicShape.parse(self.spec_tree, self.spec_length)
-        except ValueError as e:
-            raise ValueError(f"spec_tree: {e}") from None
-        if not self.use_speculative_decoding:
-            raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
-                             "or leave spec_tree unset")
-        if self.speculative_method not in ("draft_model", "suffix"):
-            raise ValueError(f"spec_tree={self.spec_tree!r} (dynamic trees) is drafted by a draft model or grown "
-                             f"by suffix decoding: set speculative_method='draft_model' or 'suffix', or give a "
-                             f"static tree like '3,2,1' for {self.speculative_method!r}")
-        if self.spec_policy != "fixed":
-            who = "speculative_method='suffix'" if self.speculative_method == "suffix" else "spec_tree"
-            raise ValueError(f"{who} needs spec_policy='fixed' (the tree's depth is spec_length), "
-                             f"got {self.spec_policy!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("dynamic trees run on one GPU: set tensor_parallel_size=1"
-                             + (" or use a static spec_tree" if self.speculative_method == "draft_model" else ""))
-        self.spec_tree = str(shape)  # normalised ("dynamic:16" -> "dynamic:16:4")
 
     def _check_tree(self) -> None:
-        """spec_tree: a valid shape, for speculative decoding with the fixed policy; its depth
-        is K (a spec_length given must equal it). A dynamic tree's depth is K."""
-        if self.spec_tree is None:
-            return
-        if self._dynamic():
-            self._check_dynamic_tree()
-            return
-        shape = self._tree_shape()
-        if not self.use_speculative_decoding:
+        """The speculation part (its tree, policy and K checked there); spec_tree is normalised
+        ("3, 2" -> "3,2", "dynamic:16" -> "dynamic:16:4")."""
+        if self.spec_tree is not None and not self.use_speculative_decoding:
             raise ValueError("spec_tree applies to speculative decoding: set use_speculative_decoding=True "
                              "or leave spec_tree unset")
-        if self.spec_policy != "fixed":
-            raise ValueError(f"spec_tree needs spec_policy='fixed' (the tree is static), got {self.spec_policy!r}")
-        if self.spec_length != shape.depth:
-            raise ValueError(f"spec_tree {self.spec_tree!r} has depth {shape.depth} but spec_length is "
-                             f"{self.spec_length}: the tree's depth is K, so leave spec_length unset "
-                             f"or set it to {shape.depth}")
-        self.spec_tree = str(shape)  # normalised ("3, 2" -> "3,2")
+        part = self.speculative_part()
+        if part is None or part.tree is None:
+            return
+        check_single_gpu(part.method, part.dynamic, self.tensor_parallel_size)
+        self.spec_tree = str(part.tree)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -377,7 +311,3 @@ class EngineConfig:
                              + f"; valid options: {sorted(known)}")
         return cls(**kwargs)
 
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")

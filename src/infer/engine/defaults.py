@@ -1,11 +1,13 @@
-"""Engine defaults that depend on the device, resolved once when an engine is built
-(`resolve_engine_defaults`), and what a device cannot honour (`check_device_options`).
+"""The engine's configuration resolved once, when an engine is built (`resolve_config`):
+the user's `EngineConfig` plus what the device and the model files tell, as one frozen
+`ResolvedConfig` (parts.py); the `EngineConfig` itself is left as it was given.
 
-CUDA graphs (`use_cuda_graphs=None`) and with them the fused kernels are on for CUDA
-devices (`use_cuda_graphs=False`, `--enforce-eager`, runs every step eagerly, with the
-eager kernels unless compile_kernels=True); on a CPU they stay off and True is refused with
-the fix. FP8 or int4 weights on a CPU warn. Context length, batch size and KV pool:
-engine/batch_size.py. docs/architecture.md, "Defaults and start-up".
+CUDA graphs (`use_cuda_graphs=None`), with them the fused kernels, and overlapped
+scheduling are on for CUDA devices (`use_cuda_graphs=False`, `--enforce-eager`, runs every
+step eagerly, with the eager kernels unless compile_kernels=True); on a CPU they stay off
+and True is refused with the fix (`check_device_options`). FP8 or int4 weights on a CPU
+warn. Context length, batch size and KV pool: engine/batch_size.py. docs/architecture.md,
+"Configuration".
 """
 
 from __future__ import annotations
@@ -14,18 +16,18 @@ import logging
 
 import torch
 
-from infer.engine.batch_size import resolve_sizes
+from infer.engine.batch_size import engine_sizes
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, resolve_device
+from infer.engine.loading import LoadedModels, model_dtype, resolve_device
+from infer.engine.parts import (CacheConfig, ExecutionConfig, LoadConfig, ResolvedConfig, SchedulerConfig,
+                                check_graphs_device)
 
 log = logging.getLogger("infer.engine")
 
 
 def check_device_options(config: EngineConfig, device: torch.device) -> list[str]:
     """ValueError for what `device` cannot do at all; the warnings for what it does slowly."""
-    if device.type != "cuda" and config.use_cuda_graphs:
-        raise ValueError(f"use_cuda_graphs=True needs a CUDA device, but this engine runs on {device.type}: "
-                         "drop use_cuda_graphs (on a CPU every step runs eagerly), or set device='cuda'")
+    check_graphs_device(config.use_cuda_graphs, device)
     warnings = []
     for name in ("quantization", "draft_quantization"):
         kind = getattr(config, name)
@@ -36,13 +38,29 @@ def check_device_options(config: EngineConfig, device: torch.device) -> list[str
     return warnings
 
 
-def resolve_engine_defaults(config: EngineConfig, models: LoadedModels | None = None) -> torch.device:
-    """Fill in `config`'s device-dependent defaults (module docstring) and sizes, warn about
-    slow choices; the engine's device. With `models` already loaded: their device and configs."""
+def resolve_config(config: EngineConfig, models: LoadedModels | None = None) -> ResolvedConfig:
+    """`config` with every default decided (module docstring), warning about slow choices.
+    The device is `config.device`'s, or with `models` already loaded theirs (their configs
+    size the pools; else the config files do, nothing loaded). `config` is not changed."""
     device = next(models.target.parameters()).device if models is not None else resolve_device(config.device)
     for warning in check_device_options(config, device):
         log.warning(warning)
-    if config.use_cuda_graphs is None:
-        config.use_cuda_graphs = device.type == "cuda"
-    resolve_sizes(config, models)
-    return device
+    sizes = engine_sizes(config, device, models)
+    if config.max_seq_len is not None and sizes.max_seq_len < config.max_seq_len:
+        log.warning("max_seq_len %d is longer than the model's context: using %d", config.max_seq_len,
+                    sizes.max_seq_len)
+    cuda = device.type == "cuda"
+    graphs = cuda if config.use_cuda_graphs is None else config.use_cuda_graphs
+    return ResolvedConfig(
+        load=LoadConfig(config.model, config.tokenizer, device, model_dtype(config, device), config.load_format,
+                        config.quantization, config.draft_quantization, config.seed, config.threads),
+        cache=CacheConfig(config.kv_cache_backend, sizes.max_batch_size, sizes.max_seq_len, config.block_size,
+                          config.num_blocks if sizes.num_blocks is None else sizes.num_blocks,
+                          config.kv_cache_memory_bytes, bool(config.enable_prefix_caching)),
+        scheduler=SchedulerConfig(sizes.max_batch_size, config.max_num_batched_tokens, config.batching_mode,
+                                  sizes.max_seq_len, config.mixed_batches),
+        speculative=config.speculative_part(),
+        parallel=config.parallel_part(),
+        execution=ExecutionConfig(graphs, graphs if config.compile_kernels is None else config.compile_kernels,
+                                  cuda if config.async_scheduling is None else config.async_scheduling,
+                                  config.cuda_graph_sampling_batch_max))

@@ -21,12 +21,12 @@ import torch
 
 from infer.engine.batch_size import context_hint, model_context
 from infer.engine.config import EngineConfig
-from infer.engine.defaults import resolve_engine_defaults
+from infer.engine.defaults import resolve_config
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
 from infer.engine.loading import LoadedModels, check_before_loading, default_model_paths, load_models
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
-from infer.engine.scheduler import Scheduler, SchedulerConfig
+from infer.engine.scheduler import Scheduler
 from infer.engine.speculation import check_request_speculation
 from infer.engine.startup import StartupTimes, TimedExecutor
 from infer.engine.threads import apply_cpu_threads
@@ -43,6 +43,7 @@ log = logging.getLogger("infer.engine")
 
 class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
+        """An engine of `config` (left as given: `self.resolved` holds every default decided)."""
         self.config = config
         if models is None and config.tensor_parallel_size > 1:
             # the worker ranks read weights as soon as they start: the tokenizer and the
@@ -53,11 +54,11 @@ class Engine:
             self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
             # CUDA graphs on CUDA, context length, batch size, KV pool (None: from the device and model)
-            resolve_engine_defaults(config, models)
+            self.resolved = resolve_config(config, models)
             with self.startup.phase("load"):
                 self.models = models or self._load_models()
             # (the first parameter's device: an integer-weight head has no dense weight)
-            self.threads = apply_cpu_threads(config.threads, next(self.models.target.parameters()).device,
+            self.threads = apply_cpu_threads(self.resolved.load.threads, next(self.models.target.parameters()).device,
                                              sum(p.numel() for p in self.models.target.parameters()))
             self.tokenizer = self.models.tokenizer
             with self.startup.phase("runner"):
@@ -65,10 +66,9 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        log.info(self.startup.summary(config, self.models.vocab_map))
+        log.info(self.startup.summary(self.resolved, self.models.vocab_map))
         self.kv = self.runner.kv_manager()
-        self.scheduler = Scheduler(SchedulerConfig(config.max_batch_size, config.max_num_batched_tokens,
-                                                   config.batching_mode, config.max_seq_len), self.kv)
+        self.scheduler = Scheduler(self.resolved.scheduler, self.kv)
         self._ids = itertools.count()
         self._num_added = 0
         self._requests: dict[str, Request] = {}
@@ -76,17 +76,19 @@ class Engine:
         self._grammars_lock = threading.Lock()  # (built from whichever thread asks first)
 
     def _load_models(self) -> LoadedModels:
+        context = self.resolved.scheduler.max_seq_len
         if self.parallel is None:
-            return load_models(self.config)
-        return load_models(self.config, self.parallel.device, *self.parallel.shards)
+            return load_models(self.config, max_seq_len=context)
+        return load_models(self.config, self.parallel.device, *self.parallel.shards, max_seq_len=context)
 
     def _make_runner(self) -> ModelRunner:
-        executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models), self.startup)
-        return ModelRunner(self.models.target, self.tokenizer, self.config, self.models.eos_token_ids, executor,
-                           draft_model=self.models.draft if self.config.use_speculative_decoding else None,
-                           head=self.models.head if self.config.use_speculative_decoding else None,
-                           vocab_map=self.models.vocab_map,
-                           medusa=self.models.medusa if self.config.use_speculative_decoding else None)
+        executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models, self.resolved.execution),
+                                           self.startup)
+        drafting = self.resolved.speculative is not None
+        return ModelRunner(self.models.target, self.tokenizer, self.resolved, self.models.eos_token_ids, executor,
+                           draft_model=self.models.draft if drafting else None,
+                           head=self.models.head if drafting else None, vocab_map=self.models.vocab_map,
+                           medusa=self.models.medusa if drafting else None)
 
     def close(self) -> None:
         """Shut the worker ranks down and leave their process group (tensor parallelism;
@@ -119,7 +121,7 @@ class Engine:
         grammar = None if params.structured is None else self.grammar(params.structured, compiled)
         request = Request(rid, ids, params, grammar=grammar)
         if params.seed is None:  # unseeded requests still replay exactly under the same engine seed
-            request.generator.manual_seed((self.config.seed * 1_000_003 + self._num_added) % 2**63)
+            request.generator.manual_seed((self.resolved.load.seed * 1_000_003 + self._num_added) % 2**63)
         self._num_added += 1
         self._requests[rid] = request
         self.scheduler.add(request)
@@ -133,7 +135,7 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
-        limit = self.config.max_seq_len
+        limit = self.resolved.scheduler.max_seq_len
         if len(ids) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
@@ -147,8 +149,8 @@ class Engine:
     def check_speculation(self, params: SamplingParams) -> None:
         """ValueError when `params.speculation` asks for more than this engine drafts (a K
         above its spec_length, or any K without speculative decoding)."""
-        config = self.config
-        check_request_speculation(params.speculation, config.spec_length if config.use_speculative_decoding else None)
+        spec = self.resolved.speculative
+        check_request_speculation(params.speculation, None if spec is None else spec.length)
 
     def grammar(self, spec: StructuredOutput, compiled: CompiledGrammar | None = None) -> RequestGrammar:
         """A request's grammar state for `spec` (of `compiled`, else compiled once per spec);

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
+from infer.engine.config import EngineConfig
+from infer.engine.parts import EAGLE_METHODS, MEDUSA
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead, EagleHeadConfig
@@ -125,20 +126,23 @@ def model_dtype(config: EngineConfig, device: torch.device) -> str:
     return "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
 
 
-def load_target(config: EngineConfig, path: str, device: torch.device, shard: ModelShard | None = None
-                ) -> LlamaForCausalLM:
-    """The target model (with a tensor-parallel `shard`: that rank's part)."""
+def load_target(config: EngineConfig, path: str, device: torch.device, shard: ModelShard | None = None, *,
+                max_seq_len: int | None) -> LlamaForCausalLM:
+    """The target model (with a tensor-parallel `shard`: that rank's part); `max_seq_len`:
+    the longest sequence it will run, refused past a sliding window (None: unchecked)."""
     return load_model(path, dtype=model_dtype(config, device), device=device, load_format=config.load_format,
-                      quantization=config.quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
+                      quantization=config.quantization, shard=shard, max_seq_len=max_seq_len)[0]
 
 
 def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
-               shard: ModelShard | None = None, vocab_map: VocabMap | None = None) -> LlamaForCausalLM:
+               shard: ModelShard | None = None, vocab_map: VocabMap | None = None, *,
+               max_seq_len: int | None) -> LlamaForCausalLM:
     """The draft model, in the target's dtype (with a `shard`: that rank's part), its
     vocabulary reduced to `spec_draft_vocab`'s table (`vocab_map`: a draft of another
-    vocabulary's map, through which the table's target ids reach the draft's rows)."""
+    vocabulary's map, through which the table's target ids reach the draft's rows);
+    `max_seq_len` as `load_target`'s."""
     draft = load_model(path, dtype=next(target.parameters()).dtype, device=device, load_format=config.load_format,
-                       quantization=config.draft_quantization, shard=shard, max_seq_len=config.max_seq_len)[0]
+                       quantization=config.draft_quantization, shard=shard, max_seq_len=max_seq_len)[0]
     table = draft_vocab_table(config, default_model_paths(config)[0])
     if table is not None:
         draft.keep_vocab(torch.tensor(draft_rows(table, vocab_map)))
@@ -146,9 +150,12 @@ def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device
 
 
 def load_models(config: EngineConfig, device: torch.device | None = None, target_shard: ModelShard | None = None,
-                draft_shard: ModelShard | None = None) -> LoadedModels:
+                draft_shard: ModelShard | None = None, *, max_seq_len: int | None = None) -> LoadedModels:
     """Target, draft (when speculation uses one) and tokenizer. Under tensor parallelism the
-    driver passes its device and its rank's shards (a draft without a shard loads whole)."""
+    driver passes its device and its rank's shards (a draft without a shard loads whole).
+    `max_seq_len`: the context the models will run (an engine's resolved one), refused past
+    a sliding window; None: `config.max_seq_len`."""
+    context = config.max_seq_len if max_seq_len is None else max_seq_len
     device = device if device is not None else resolve_device(config.device)
     target_path, draft_path = default_model_paths(config)
     tokenizer, vocab_map = check_before_loading(config, target_path, draft_path)
@@ -160,8 +167,9 @@ def load_models(config: EngineConfig, device: torch.device | None = None, target
     medusa_dir = medusa_path(config)
     if medusa_dir is not None:  # (likewise)
         check_medusa(config, medusa_dir, target_path)
-    target = load_target(config, target_path, device, target_shard)
-    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard, vocab_map)
+    target = load_target(config, target_path, device, target_shard, max_seq_len=context)
+    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard, vocab_map,
+                                                       max_seq_len=context)
     head = None if head_path is None else load_head(config, head_path, target)
     medusa = None if medusa_dir is None else load_medusa(config, medusa_dir, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids

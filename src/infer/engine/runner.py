@@ -20,7 +20,6 @@ import torch
 
 from infer.cache.compaction import PathMove, move_paths
 from infer.cache.forward_batch import DeviceIds, Row, plan_batch
-from infer.engine.config import EngineConfig
 from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.executor.forward import sample_logits
@@ -28,8 +27,9 @@ from infer.engine.executor.spec import ForwardSpec
 from infer.engine.inflight import InFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
+from infer.engine.parts import ResolvedConfig
 from infer.engine.request import Request, StepOutput
-from infer.engine.speculation import Speculation, max_row_tokens
+from infer.engine.speculation import Speculation
 from infer.engine.verification import Paths, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
@@ -55,7 +55,7 @@ Sampled = tuple[list[Request], torch.Tensor, list[TokenLogprobs | None]]  # requ
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: EngineConfig,
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer | None, config: ResolvedConfig,
                  eos_token_ids: tuple[int, ...], executor: Executor = LOCAL,
                  draft_model: LlamaForCausalLM | None = None, head: EagleHead | None = None,
                  vocab_map: VocabMap | None = None, medusa: MedusaHead | None = None) -> None:
@@ -64,22 +64,23 @@ class ModelRunner:
         self.executor = executor  # builds pools and forward functions (on every rank, tensor-parallel)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.cache_pool = executor.make_pool(model, config, prefix_caching=bool(config.enable_prefix_caching))
-        self.output = OutputProcessor(tokenizer, eos_token_ids, config.max_seq_len)
-        self.kernels = step_kernels(config, self.device, model)
+        execution, batch = config.execution, config.scheduler.max_batch_size
+        self.cache_pool = executor.make_pool(model, config.cache, prefix_caching=config.cache.prefix_caching)
+        self.output = OutputProcessor(tokenizer, eos_token_ids, config.scheduler.max_seq_len)
+        self.kernels = step_kernels(execution, self.device, model)  # type: ignore[arg-type]
         # the target's one forward: every step's rows (prefill chunks, decode rows, verification
         # blocks) in one flat batch; CUDA graphs by token count on a GPU
-        spec = ForwardSpec(config.use_cuda_graphs, config.max_batch_size, kernels=self.kernels,
-                           tokens=config.max_batch_size * max_row_tokens(config),
-                           trees=config.use_speculative_decoding and config.spec_tree is not None)
+        spec = ForwardSpec(execution.use_cuda_graphs, batch, kernels=self.kernels, tokens=batch * config.max_row_tokens,
+                           trees=config.speculative is not None and config.speculative.tree is not None)
         self.forward_fn: ForwardFn = executor.make_forward(model, self.cache_pool, spec)
         self.forward = self.forward_fn.run
         self.speculation: Speculation | None = None
         self.verification: Verification | None = None
-        if config.use_speculative_decoding:
+        if config.speculative is not None:
             # the model that drafts (None: n-gram or prompt lookup)
             drafter = draft_model if draft_model is not None else head if head is not None else medusa
-            draft_kernels = EAGER if drafter is None else step_kernels(config, self.device, drafter)
+            draft_kernels = EAGER if drafter is None else step_kernels(execution, self.device,  # type: ignore[arg-type]
+                                                                       drafter)
             self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map,
                                                  medusa)
             self.speculation.start(self.forward_fn, self.cache_pool, model)
@@ -87,14 +88,13 @@ class ModelRunner:
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
         # (on by default on GPUs: under tensor parallelism the next step's message and launch
         # then overlap the step in flight on every rank)
-        self.overlap = (config.async_scheduling if config.async_scheduling is not None
-                        else self.device.type == "cuda")
+        self.overlap = execution.async_scheduling
         self._inflight: InFlight | None = None
-        self._token_buffers = TokenBuffers(2 * config.max_batch_size, self.device)  # prefill and decode rows
+        self._token_buffers = TokenBuffers(2 * batch, self.device)  # prefill and decode rows
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
-        self.mixed = config.mixed_batches  # prefill chunks and decode rows in one forward (else one each)
+        self.mixed = config.scheduler.mixed_batches  # prefill chunks and decode rows in one forward (else one each)
 
     @property
     def stats(self) -> SpecStats | None:
@@ -105,7 +105,7 @@ class ModelRunner:
         """The scheduler's KV manager over this runner's pools (the proposer's registered;
         an EAGLE head's prompt blocks are cached with the target's: `EagleProposer.share_prefixes`)."""
         widths = None if self.speculation is None else self.speculation.decode_widths
-        kv = KVManager(self.cache_pool, bool(self.config.enable_prefix_caching), widths)
+        kv = KVManager(self.cache_pool, self.config.cache.prefix_caching, widths)
         if self.speculation is not None:
             kv.register(self.speculation)
             head = self.speculation.proposer

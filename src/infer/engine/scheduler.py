@@ -18,21 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from infer.engine.kv_manager import KVManager
+from infer.engine.parts import SchedulerConfig
 from infer.engine.request import Request, RequestState
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_batch_size: int
-    max_num_batched_tokens: int
-    batching_mode: str = "continuous"
-    max_seq_len: int = 1 << 62  # a request at this length decodes no more
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_batch_size and max_num_batched_tokens must be >= 1")
-        if self.batching_mode not in ("continuous", "static"):
-            raise ValueError(f"batching_mode must be 'continuous' or 'static', got {self.batching_mode!r}")
 
 
 @dataclass(slots=True)

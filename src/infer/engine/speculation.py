@@ -1,4 +1,4 @@
-"""Speculation: what the runner needs to draft, built once from the engine's config.
+"""Speculation: what the runner needs to draft, built once from the engine's resolved config.
 
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
 functions, EAGLE or Medusa heads, n-gram or suffix tables), the length policy (fixed K, or
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.config import EAGLE_METHODS, MEDUSA, EngineConfig
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
+from infer.engine.parts import EAGLE_METHODS, MEDUSA, ResolvedConfig, SpeculativeConfig
 from infer.engine.request import Request
 from infer.engine.step_costs import (DraftStepFn, MedusaStepFn, RoundStepFn, StepCostConfig, measure_spec_costs,
                                      weight_bytes)
@@ -35,12 +35,12 @@ from infer.speculative.foreign_draft import ForeignDraftProposer
 from infer.speculative.forward import ForwardFn
 from infer.speculative.medusa import MedusaProposer
 from infer.speculative.metrics import SpecStats
-from infer.speculative.ngram import NgramConfig, NgramProposer
-from infer.speculative.node_tree import DynamicShape, is_dynamic
+from infer.speculative.ngram import NgramProposer
+from infer.speculative.node_tree import DynamicShape
 from infer.speculative.policy import (AdaptiveConfig, AdaptivePolicy, FixedPolicy, RoundClock, ShadowRounds,
                                       SpecPolicy)
 from infer.speculative.proposer import Proposer
-from infer.speculative.suffix import SuffixConfig, SuffixProposer
+from infer.speculative.suffix import SuffixProposer
 from infer.speculative.tree import TreeShape, chain_shape
 from infer.speculative.vocab_map import VocabMap
 
@@ -79,15 +79,14 @@ class Speculation:
     draft: DraftModelProposer | None  # the draft model's proposer (in its own ids: another vocabulary's is wrapped)
     policy: SpecPolicy
     clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
-    tree: TreeShape | DynamicShape | None  # None: chains of up to `spec_length`
-    spec_length: int
-    config: EngineConfig
+    config: SpeculativeConfig
+    max_seq_len: int  # no position of a round past it
     stats: SpecStats
     shadow: ShadowRounds | None = None  # free drafts under the adaptive policy (speculative/policy.py)
     restorer: EagleProposer | None = None  # the head whose prompt blocks a prefix hit restores (`restorable`)
 
     @classmethod
-    def build(cls, config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
+    def build(cls, config: ResolvedConfig, executor: Executor, draft_model: LlamaForCausalLM | None,
               draft_kernels: Kernels, head: EagleHead | None = None,
               target: LlamaForCausalLM | None = None, vocab_map: VocabMap | None = None,
               medusa: MedusaHead | None = None) -> Speculation:
@@ -96,34 +95,40 @@ class Speculation:
         `draft_kernels`: the draft model's or the head's bundle for its fixed-shape steps
         (`step_kernels`). `vocab_map`: a draft model with another vocabulary drafts over the
         shared tokens (`speculative/foreign_draft.py`)."""
-        tree = round_tree(config)
+        spec = config.speculative
+        assert spec is not None, "an engine without speculation builds no Speculation"
         draft = None
         proposer: Proposer
-        if config.speculative_method in EAGLE_METHODS:
+        if spec.method in EAGLE_METHODS:
             if head is None or target is None or target.capture is None:
-                raise ValueError(f"speculative_method={config.speculative_method!r} needs an EAGLE head loaded "
+                raise ValueError(f"speculative_method={spec.method!r} needs an EAGLE head loaded "
                                  "with its target (engine.loading.load_models)")
             proposer = _eagle_proposer(config, executor, head, target.capture, draft_kernels)
-        elif config.speculative_method == MEDUSA:
+        elif spec.method == MEDUSA:
             if medusa is None or target is None or target.capture is None:
                 raise ValueError("speculative_method='medusa' needs Medusa heads loaded with their target "
                                  "(engine.loading.load_models)")
             proposer = MedusaProposer(medusa, target.capture, draft_kernels)
-        elif config.speculative_method == "suffix":
-            proposer = SuffixProposer(SuffixConfig(config.spec_suffix_max_depth, config.spec_suffix_cache_tokens,
-                                                   config.spec_suffix_min_prob))
-        elif config.speculative_method != "draft_model":
-            proposer = NgramProposer(NgramConfig(method=config.speculative_method,
-                                                           max_order=config.ngram_max_order,
-                                                           min_order=config.ngram_min_order,
-                                                           window=config.ngram_window))
+        elif spec.suffix is not None:
+            proposer = SuffixProposer(spec.suffix)
+        elif spec.ngram is not None:
+            proposer = NgramProposer(spec.ngram)
         elif draft_model is None:
             raise ValueError("speculative_method='draft_model' needs a draft model (draft_model=...)")
         else:
-            proposer, draft = _draft_proposer(config, executor, draft_model, draft_kernels, tree, vocab_map)
-        policy: SpecPolicy = FixedPolicy(config.spec_length)
+            proposer, draft = _draft_proposer(config, executor, draft_model, draft_kernels, vocab_map)
+        policy: SpecPolicy = FixedPolicy(spec.length)
         stats = SpecStats(shared_vocabulary=None if vocab_map is None else vocab_map.fraction)
-        return cls(proposer, draft, policy, None, tree, config.spec_length, config, stats)
+        return cls(proposer, draft, policy, None, spec, config.scheduler.max_seq_len, stats)
+
+    @property
+    def tree(self) -> TreeShape | DynamicShape | None:
+        """The round's tree; None: chains of up to `spec_length`."""
+        return self.config.tree
+
+    @property
+    def spec_length(self) -> int:
+        return self.config.length
 
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
         """Once the target's decode forward exists: check a tree against the vocabulary, and
@@ -131,10 +136,10 @@ class Speculation:
         if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
-        if self.config.spec_policy == "adaptive":
+        if self.config.policy == "adaptive":
             c, slope = self._cost_coefficients(forward, pool, target)
             self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))
-            if self.config.spec_cost_coefficient is None:  # (a given c is taken as is: no timing)
+            if self.config.cost_coefficient is None:  # (a given c is taken as is: no timing)
                 self.clock = RoundClock(self.policy.round_cost)
             if isinstance(self.proposer, NgramProposer) and self.tree is None:
                 self.shadow = ShadowRounds(self.proposer, self.spec_length)
@@ -148,7 +153,7 @@ class Speculation:
         round, what a step adds to its round (`round_step_times`: the round's fixed part is
         host overhead the round clock times), and Medusa heads likewise, one head a step;
         `spec_cost_coefficient` overrides c."""
-        c = self.config.spec_cost_coefficient
+        c = self.config.cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
         medusa = self.proposer if isinstance(self.proposer, MedusaProposer) else None
         if next(target.parameters()).device.type != "cuda":
@@ -159,7 +164,7 @@ class Speculation:
                 c = 0.0 if model is None else weight_bytes(model) / weight_bytes(target)
             return c, 0.0
         k = self.spec_length
-        context = max(1, min(256, self.config.max_seq_len - k - 2))
+        context = max(1, min(256, self.max_seq_len - k - 2))
         step: DraftStepFn | None = None
         step_pool = None
         if draft is not None:
@@ -171,7 +176,7 @@ class Speculation:
         vocab = target.config.vocab_size  # (timed with ids both models hold: a draft may have another vocabulary)
         vocab = min(vocab, draft.model.config.vocab_size) if draft is not None else vocab
         costs = measure_spec_costs(forward, pool, step, step_pool, vocab,
-                                   StepCostConfig(context_len=context, max_seq_len=self.config.max_seq_len,
+                                   StepCostConfig(context_len=context, max_seq_len=self.max_seq_len,
                                                   k_max=k, repeats=COST_REPEATS, warmup=COST_WARMUP))
         if c is None:
             c = costs.c if costs.c is not None else 0.0
@@ -190,7 +195,7 @@ class Speculation:
         """The deepest round the request may draft now, before the policy: its own
         `speculation` (False: 0; K: K), the length guards (no position past max_seq_len, no
         more drafts than it can still emit), a tree's by the storage its block needs."""
-        max_len = self.config.max_seq_len
+        max_len = self.max_seq_len
         own = request.sampling_params.max_drafts
         k = self.spec_length if own is None else min(own, self.spec_length)
         k = guard_k(k, request.num_computed_tokens, max_len, request.tokens_left)
@@ -204,7 +209,7 @@ class Speculation:
     def depths(self, requests: Sequence[Request], room: Sequence[int] | None = None) -> list[int]:
         """Each request's draft depth this step (module docstring); `room`: the positions the
         scheduler reserved for each (None: the largest round's)."""
-        limit = self.config.spec_disable_batch_size
+        limit = self.config.disable_batch_size
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
         clock, shadow = self.clock, self.shadow
@@ -261,7 +266,7 @@ class Speculation:
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for a round; under a fixed K (every request drafts every round) the
         proposer's memory for the request is taken now (`Proposer.ensure_capacity`)."""
-        take = isinstance(self.policy, FixedPolicy) and self.config.spec_disable_batch_size is None
+        take = isinstance(self.policy, FixedPolicy) and self.config.disable_batch_size is None
         return self.proposer.ensure_capacity(request, total_tokens, take)
 
     def pools(self) -> list[CachePoolProtocol]:
@@ -298,29 +303,19 @@ class Speculation:
         return self.proposer.leak_report() + self.policy.leak_report() + shadow
 
 
-def round_tree(config: EngineConfig) -> TreeShape | DynamicShape | None:
-    """The config's tree: a static `TreeShape`, the dynamic trees' `DynamicShape`, or None (chains)."""
-    if config.spec_tree is None:
-        return None
-    assert config.spec_length is not None
-    if is_dynamic(config.spec_tree):
-        return DynamicShape.parse(config.spec_tree, config.spec_length)
-    return TreeShape.parse(config.spec_tree)
-
-
-def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
-                    tree: TreeShape | DynamicShape | None, vocab_map: VocabMap | None
-                    ) -> tuple[Proposer, DraftModelProposer]:
+def _draft_proposer(config: ResolvedConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
+                    vocab_map: VocabMap | None) -> tuple[Proposer, DraftModelProposer]:
     """The draft model's proposer and the `DraftModelProposer` drafting in its ids (the
     same, or wrapped for another vocabulary): its pool and forward functions, graphs
     captured now."""
-    pool = executor.make_pool(draft_model, config, prefix_caching=False)
+    assert config.speculative is not None
+    tree, batch = config.speculative.tree, config.scheduler.max_batch_size
+    pool = executor.make_pool(draft_model, config.cache, prefix_caching=False)
     # draft step 1 feeds the tokens the draft has not seen (1, 2 after a fully accepted round,
     # a few more after plain steps; longer catch-ups run as chunks of their own), a tree's
     # levels its frontier; graphs of its flat forward by token count, tree rules included
     width = max(DRAFT_MAX_FEED, 1 + (tree.span(tree.depth) if tree is not None else 0))
-    spec = ForwardSpec(config.use_cuda_graphs, config.max_batch_size, kernels, tokens=config.max_batch_size * width,
-                       trees=tree is not None)
+    spec = ForwardSpec(config.execution.use_cuda_graphs, batch, kernels, tokens=batch * width, trees=tree is not None)
     forward = executor.make_forward(draft_model, pool, spec)
     if vocab_map is None:
         draft = DraftModelProposer(draft_model, pool, forward)
@@ -329,29 +324,22 @@ def _draft_proposer(config: EngineConfig, executor: Executor, draft_model: Llama
     return foreign, foreign.inner
 
 
-def _eagle_proposer(config: EngineConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,
+def _eagle_proposer(config: ResolvedConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,
                     kernels: Kernels) -> EagleProposer:
     """The head's proposer: its pool and round function with the head's kernel bundle
     (`step_kernels` of the head), graphs captured now. A round's last feed is at most K + 1
     wide (accepted + 1 after a round; longer catch-ups feed the rest first); the adaptive
     policy's shorter rounds run the K-step graph (`round_steps`). A tree's rounds run eagerly
     (no chain graphs are captured)."""
-    pool = executor.make_pool(head, config, prefix_caching=False)
-    round_fn = make_head_round(head, pool, config.use_cuda_graphs, config.max_batch_size,
-                               config.cuda_graph_sampling_batch_max, kernels)
-    feed_max = config.spec_length + 1
-    steps = (config.spec_length, 1) if config.spec_policy == "adaptive" else (config.spec_length,)
-    if config.spec_tree is None:
+    spec, execution = config.speculative, config.execution
+    assert spec is not None
+    pool = executor.make_pool(head, config.cache, prefix_caching=False)
+    round_fn = make_head_round(head, pool, execution.use_cuda_graphs, config.scheduler.max_batch_size,
+                               execution.cuda_graph_sampling_batch_max, kernels)
+    feed_max = spec.length + 1
+    steps = (spec.length, 1) if spec.policy == "adaptive" else (spec.length,)
+    if spec.tree is None:
         round_fn.prepare(range(1, feed_max + 1), steps)
     proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max, kernels=kernels)
     proposer.round_steps = steps
     return proposer
-
-
-def max_row_tokens(config: EngineConfig) -> int:
-    """The most tokens one decode row puts in a forward: 1, or a round's block (g and a
-    chain of spec_length, or a tree's nodes)."""
-    if not config.use_speculative_decoding:
-        return 1
-    tree = round_tree(config)
-    return 1 + (tree.num_nodes if tree is not None else config.spec_length or 1)

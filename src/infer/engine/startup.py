@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.config import EngineConfig
 from infer.engine.executor.capture import capture_sizes
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
+from infer.engine.parts import CacheConfig, ResolvedConfig
 from infer.models.llama import LlamaForCausalLM
 from infer.speculative.vocab_map import VocabMap
 
@@ -53,20 +53,20 @@ class StartupTimes:
         """Seconds those graphs took to capture."""
         return sum(float(getattr(forward, "capture_s", 0.0)) for forward in self.forwards)
 
-    def summary(self, config: EngineConfig, vocab_map: VocabMap | None = None) -> str:
+    def summary(self, config: ResolvedConfig, vocab_map: VocabMap | None = None) -> str:
         """One line: the total, then each phase (module docstring); with `vocab_map` (a draft
         with another vocabulary), what the draft shares with the target."""
         load, runner = self.phases.get("load", 0.0), self.phases.get("runner", 0.0)
         capture = self.capture_s()
         warm = max(0.0, runner - self.kv_s - capture)
         graphs = (f"{self.num_graphs()} CUDA graphs captured in {capture:.1f} s (batch sizes "
-                  f"{capture_sizes(config.max_batch_size or 1)})" if config.use_cuda_graphs else
+                  f"{capture_sizes(config.scheduler.max_batch_size)})" if config.execution.use_cuda_graphs else
                   "no CUDA graphs (eager)")
         tokens = min(self.kv_tokens) if self.kv_tokens else 0
         return (f"engine ready in {load + runner:.1f} s: weights loaded in {load:.1f} s; KV cache of {tokens:,} "
                 f"tokens ({self.kv_bytes / 2**30:.2f} GiB) allocated in {self.kv_s:.2f} s; {graphs}; the rest of "
-                f"the warm-up (kernel compilation first) {warm:.1f} s; max_seq_len {config.max_seq_len}, "
-                f"max_batch_size {config.max_batch_size}"
+                f"the warm-up (kernel compilation first) {warm:.1f} s; max_seq_len {config.scheduler.max_seq_len}, "
+                f"max_batch_size {config.scheduler.max_batch_size}"
                 + ("" if vocab_map is None else f"; the draft drafts over {vocab_map.describe()}"))
 
 
@@ -76,9 +76,9 @@ class TimedExecutor:
     def __init__(self, executor: Executor, times: StartupTimes) -> None:
         self.executor, self.times = executor, times
 
-    def make_pool(self, model: LlamaForCausalLM, config: EngineConfig, *, prefix_caching: bool) -> CachePoolProtocol:
+    def make_pool(self, model: LlamaForCausalLM, cache: CacheConfig, *, prefix_caching: bool) -> CachePoolProtocol:
         start = time.perf_counter()
-        pool = self.executor.make_pool(model, config, prefix_caching=prefix_caching)
+        pool = self.executor.make_pool(model, cache, prefix_caching=prefix_caching)
         self.times.kv_s += time.perf_counter() - start
         caches = [getattr(pool, name, None) for name in ("k_cache", "v_cache")]
         self.times.kv_bytes += sum(c.numel() * c.element_size() for c in caches if c is not None)

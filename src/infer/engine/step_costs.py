@@ -20,11 +20,11 @@ import torch
 
 from infer.cache.forward_batch import BatchPlan, DeviceIds, Row, plan_batch
 from infer.cache.protocol import CachePoolProtocol
-from infer.engine.config import EngineConfig
 from infer.engine.executor import ForwardFn, ForwardSpec
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.kernels import step_kernels
+from infer.engine.parts import CacheConfig, ExecutionConfig
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -141,12 +141,24 @@ def round_step_times(rounds: RoundStepFn | MedusaStepFn, pool: CachePoolProtocol
     return step, max(0.0, one - step)
 
 
+def _fresh_pool(model: LlamaForCausalLM | EagleHead, use_cuda_graphs: bool,
+                cfg: StepCostConfig) -> tuple[CachePoolProtocol, Kernels]:
+    """A pool of one sequence of `cfg.max_seq_len` tokens for `model`, and its kernels as
+    the engine runs them."""
+    cache = CacheConfig(cfg.kv_cache_backend, 1, cfg.max_seq_len)
+    pool = LOCAL.make_pool(model, cache, prefix_caching=False)  # type: ignore[arg-type]
+    device = next(model.parameters()).device
+    return pool, step_kernels(_execution(use_cuda_graphs), device, model)  # type: ignore[arg-type]
+
+
+def _execution(use_cuda_graphs: bool) -> ExecutionConfig:
+    """How the engine's steps run with or without CUDA graphs (the fused kernels with them)."""
+    return ExecutionConfig(use_cuda_graphs, compile_kernels=use_cuda_graphs)
+
+
 def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs: bool,
                    cfg: StepCostConfig) -> tuple[ForwardFn, CachePoolProtocol]:
-    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
-                              enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
-    pool = LOCAL.make_pool(model, engine_cfg, prefix_caching=False)
-    kernels = step_kernels(engine_cfg, next(model.parameters()).device, model)  # as the engine runs them
+    pool, kernels = _fresh_pool(model, use_cuda_graphs, cfg)
     tokens = max(w for w, _ in shapes)
     return LOCAL.make_forward(model, pool, ForwardSpec(use_cuda_graphs, 1, kernels, tokens=tokens)), pool
 
@@ -162,8 +174,7 @@ def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None
     draft_fn: DraftStepFn | None = None
     draft_pool = None
     if isinstance(head, MedusaHead):  # (no cache: the target's pool lends the timed calls a scratch slot)
-        engine_cfg = EngineConfig(use_cuda_graphs=use_cuda_graphs)
-        kernels = step_kernels(engine_cfg, target_pool.k_cache.device, head)
+        kernels = step_kernels(_execution(use_cuda_graphs), target_pool.k_cache.device, head)  # type: ignore[arg-type]
         draft_fn, draft_pool = MedusaStepFn(head, target.model.norm.weight.dtype, kernels), target_pool
     elif head is not None:
         draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)
@@ -194,10 +205,7 @@ class RoundStepFn:
 
 def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) -> tuple[RoundStepFn, CachePoolProtocol]:
     """A fresh pool and round step function of `head` (graphs captured now when asked for)."""
-    engine_cfg = EngineConfig(max_batch_size=1, max_seq_len=cfg.max_seq_len, kv_cache_backend=cfg.kv_cache_backend,
-                              enable_prefix_caching=False, use_cuda_graphs=use_cuda_graphs)
-    pool = LOCAL.make_pool(head, engine_cfg, prefix_caching=False)  # type: ignore[arg-type]
-    kernels = step_kernels(engine_cfg, next(head.parameters()).device, head)  # as the engine runs them
+    pool, kernels = _fresh_pool(head, use_cuda_graphs, cfg)
     round_fn = make_head_round(head, pool, use_cuda_graphs, 1, 1, kernels)
     round_fn.prepare([1], [1, max(2, cfg.k_max)])
     return RoundStepFn(round_fn, head), pool

@@ -45,7 +45,7 @@ def _pool_usage(pool: CachePoolProtocol, engine: Engine) -> float:
     total, free = pool.total_token_capacity(), pool.free_token_capacity()
     if total and free is not None:
         return max(0.0, min(1.0, 1.0 - free / total))
-    return len(engine.scheduler.running) / engine.config.max_batch_size
+    return len(engine.scheduler.running) / engine.resolved.scheduler.max_batch_size
 
 
 class EngineCollector(Collector):

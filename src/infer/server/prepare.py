@@ -53,12 +53,12 @@ class Preparer:
         self.config = config
         self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="infer-prepare")
         self.max_token_chars, structural = vocabulary_bounds(engine.tokenizer)
-        self.limits = BodyLimits(engine.config.max_seq_len, structural, self.max_token_chars)
+        self.limits = BodyLimits(engine.resolved.scheduler.max_seq_len, structural, self.max_token_chars)
         self._waits: set[asyncio.Future[APIError]] = set()
 
     @property
     def max_seq_len(self) -> int:
-        return self.engine.config.max_seq_len
+        return self.engine.resolved.scheduler.max_seq_len
 
     @property
     def raise_hint(self) -> str:

@@ -59,7 +59,7 @@ class ServerState:
 
     @property
     def max_seq_len(self) -> int:
-        return self.engine.engine.config.max_seq_len
+        return self.engine.engine.resolved.scheduler.max_seq_len
 
     @property
     def open_choices(self) -> int:
@@ -71,14 +71,14 @@ class ServerState:
     def capacity(self) -> int | None:
         """Open choices the server holds at most (None: unlimited)."""
         limit = self.config.max_queued_requests
-        return None if limit is None else self.engine.engine.config.max_batch_size + limit
+        return None if limit is None else self.engine.engine.resolved.scheduler.max_batch_size + limit
 
     @property
     def running_limit(self) -> int:
         """Choices of one request in the engine at once."""
         if self.config.max_running_choices is not None:
             return self.config.max_running_choices
-        return max(1, self.engine.engine.config.max_batch_size // 2)
+        return max(1, self.engine.engine.resolved.scheduler.max_batch_size // 2)
 
     def queue_depth(self) -> int:
         return self.reserved + self.engine.num_queued()

@@ -23,13 +23,15 @@ from infer.engine.executor import make_forward
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
 from infer.engine.loading import LoadedModels
+from infer.engine.parts import CacheConfig, ExecutionConfig
 from infer.models.layers.shard import ModelShard
 from infer.models.llama import LlamaForCausalLM
 
 
 class Executor(Protocol):
-    def make_pool(self, model: LlamaForCausalLM, config: EngineConfig, *, prefix_caching: bool) -> CachePoolProtocol:
-        """The KV pool of `model` (its dtype and device) sized by `config`."""
+    def make_pool(self, model: LlamaForCausalLM, cache: CacheConfig, *, prefix_caching: bool) -> CachePoolProtocol:
+        """The KV pool of `model` (its dtype and device) as `cache` says (prefix caching:
+        `prefix_caching`, the target's pool's setting; a draft's pool has none)."""
         ...
 
     def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
@@ -40,14 +42,14 @@ class Executor(Protocol):
 class LocalExecutor:
     """Pools and forward functions in this process."""
 
-    def make_pool(self, model: LlamaForCausalLM, config: EngineConfig, *, prefix_caching: bool) -> CachePoolProtocol:
+    def make_pool(self, model: LlamaForCausalLM, cache: CacheConfig, *, prefix_caching: bool) -> CachePoolProtocol:
         param = next(model.parameters())
-        kwargs: dict[str, object] = dict(max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+        kwargs: dict[str, object] = dict(max_batch_size=cache.max_batch_size, max_seq_len=cache.max_seq_len,
                                          dtype=param.dtype, device=param.device)
-        if config.kv_cache_backend == "paged":
-            kwargs.update(block_size=config.block_size, num_blocks=config.num_blocks,
-                          memory_budget_bytes=config.kv_cache_memory_bytes, enable_prefix_caching=prefix_caching)
-        return make_cache_pool(config.kv_cache_backend, model.config, **kwargs)
+        if cache.backend == "paged":
+            kwargs.update(block_size=cache.block_size, num_blocks=cache.num_blocks,
+                          memory_budget_bytes=cache.memory_bytes, enable_prefix_caching=prefix_caching)
+        return make_cache_pool(cache.backend, model.config, **kwargs)
 
     def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
         return make_forward(model, pool, spec)
@@ -69,8 +71,9 @@ class ParallelRuntime(Protocol):
         """(this rank's target shard, its draft shard or None: the draft loads whole)."""
         ...
 
-    def executor(self, models: LoadedModels) -> Executor:
-        """The executor of the engine's runner, over this rank's shards of `models`."""
+    def executor(self, models: LoadedModels, execution: ExecutionConfig) -> Executor:
+        """The executor of the engine's runner, over this rank's shards of `models` (the
+        other ranks build their kernels as `execution` says)."""
         ...
 
     def leak_report(self) -> list[str]:
@@ -96,6 +99,6 @@ def start_parallel(config: EngineConfig, models: LoadedModels | None = None) -> 
     return starter(config, models)
 
 
-def engine_executor(parallel: ParallelRuntime | None, models: LoadedModels) -> Executor:
+def engine_executor(parallel: ParallelRuntime | None, models: LoadedModels, execution: ExecutionConfig) -> Executor:
     """The executor an engine's runner builds with: this process's, or its ranks'."""
-    return LOCAL if parallel is None else parallel.executor(models)
+    return LOCAL if parallel is None else parallel.executor(models, execution)

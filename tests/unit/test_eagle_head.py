@@ -126,17 +126,17 @@ def test_head_through_the_fused_bundle_is_eager(tmp_path: Path, ckpt_b: Path, ta
 def test_a_head_gets_its_own_compiled_bundle(tmp_path: Path, ckpt_b: Path, target) -> None:
     """`step_kernels` gives a head its own compiled bundle (`head.compiled`), apart from its
     target's of the same widths, the same at every call (made, never run: nothing compiles)."""
-    from infer.engine.config import EngineConfig
     from infer.engine.executor.kernels import step_kernels
+    from infer.engine.parts import ExecutionConfig
     head = load_eagle_head(str(write_head(tmp_path / "head", ckpt_b, "eagle3", aux_layers=[0, 1, 1])), "eagle3",
                            target)
     assert head.config.hidden_size == target.config.hidden_size
     cpu = torch.device("cpu")
-    compiled = EngineConfig(compile_kernels=True)
+    compiled = ExecutionConfig(compile_kernels=True)
     kernels = step_kernels(compiled, cpu, head)
     assert kernels.name == "fused" and kernels is head.compiled.get() is step_kernels(compiled, cpu, head)
     assert kernels is not step_kernels(compiled, cpu, target)
-    assert step_kernels(EngineConfig(), cpu, head) is EAGER  # no CUDA graphs on the CPU: eager
+    assert step_kernels(ExecutionConfig(), cpu, head) is EAGER  # not asked for: eager
 
 
 @pytest.mark.parametrize("change, message", [

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 from infer.engine.config import EngineConfig
+from infer.engine.parts import ExecutionConfig
 from infer.engine.engine import Engine
 from infer.engine.executor.kernels import step_kernels
 from infer.models.kernels.bundle import EAGER, CompiledKernels, compiled_kernels
 from infer.models.loading.loader import load_model
 
-COMPILED = EngineConfig(compile_kernels=True)
+COMPILED = ExecutionConfig(compile_kernels=True)
 CPU = torch.device("cpu")
 
 
@@ -38,7 +39,7 @@ def test_two_models_of_one_shape_keep_separate_bundles_each_dropped_with_its_mod
     assert kernels.name == "fused" and kernels is first.compiled.get()
     assert step_kernels(COMPILED, CPU, first) is kernels  # every forward function over it: one bundle
     assert step_kernels(COMPILED, CPU, second) is not kernels
-    assert step_kernels(EngineConfig(), CPU, second) is EAGER  # no CUDA graphs on the CPU: eager
+    assert step_kernels(ExecutionConfig(), CPU, second) is EAGER  # not asked for: eager
     dropped = weakref.ref(kernels)
     del first, kernels
     gc.collect()

@@ -146,7 +146,7 @@ class Worker:
         device = next(model.parameters()).device
         kernels = EAGER
         if call.kernels != EAGER.name:
-            kernels = step_kernels(call.execution, device, model)  # type: ignore[arg-type]
+            kernels = step_kernels(call.execution, device, model)
         if kernels.name != call.kernels:
             raise RuntimeError(f"rank {self.rank}: kernel bundle {kernels.name!r}, the driver's {call.kernels!r}")
         return replace(call.spec, kernels=kernels)

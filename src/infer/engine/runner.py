@@ -67,7 +67,7 @@ class ModelRunner:
         execution, batch = config.execution, config.scheduler.max_batch_size
         self.cache_pool = executor.make_pool(model, config.cache, prefix_caching=config.cache.prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.scheduler.max_seq_len)
-        self.kernels = step_kernels(execution, self.device, model)  # type: ignore[arg-type]
+        self.kernels = step_kernels(execution, self.device, model)
         # the target's one forward: every step's rows (prefill chunks, decode rows, verification
         # blocks) in one flat batch; CUDA graphs by token count on a GPU
         spec = ForwardSpec(execution.use_cuda_graphs, batch, kernels=self.kernels, tokens=batch * config.max_row_tokens,
@@ -79,7 +79,7 @@ class ModelRunner:
         if config.speculative is not None:
             # the model that drafts (None: n-gram or prompt lookup)
             drafter = draft_model if draft_model is not None else head if head is not None else medusa
-            draft_kernels = EAGER if drafter is None else step_kernels(execution, self.device,  # type: ignore[arg-type]
+            draft_kernels = EAGER if drafter is None else step_kernels(execution, self.device,
                                                                        drafter)
             self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map,
                                                  medusa)

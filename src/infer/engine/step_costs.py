@@ -146,9 +146,9 @@ def _fresh_pool(model: LlamaForCausalLM | EagleHead, use_cuda_graphs: bool,
     """A pool of one sequence of `cfg.max_seq_len` tokens for `model`, and its kernels as
     the engine runs them."""
     cache = CacheConfig(cfg.kv_cache_backend, 1, cfg.max_seq_len)
-    pool = LOCAL.make_pool(model, cache, prefix_caching=False)  # type: ignore[arg-type]
+    pool = LOCAL.make_pool(model, cache, prefix_caching=False)
     device = next(model.parameters()).device
-    return pool, step_kernels(_execution(use_cuda_graphs), device, model)  # type: ignore[arg-type]
+    return pool, step_kernels(_execution(use_cuda_graphs), device, model)
 
 
 def _execution(use_cuda_graphs: bool) -> ExecutionConfig:
@@ -174,7 +174,7 @@ def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None
     draft_fn: DraftStepFn | None = None
     draft_pool = None
     if isinstance(head, MedusaHead):  # (no cache: the target's pool lends the timed calls a scratch slot)
-        kernels = step_kernels(_execution(use_cuda_graphs), target_pool.k_cache.device, head)  # type: ignore[arg-type]
+        kernels = step_kernels(_execution(use_cuda_graphs), target_pool.k_cache.device, head)
         draft_fn, draft_pool = MedusaStepFn(head, target.model.norm.weight.dtype, kernels), target_pool
     elif head is not None:
         draft_fn, draft_pool = head_forward(head, use_cuda_graphs, cfg)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from infer.engine.config import EngineConfig
+from infer.engine.parts import ExecutionConfig
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.llama import LlamaForCausalLM
@@ -22,18 +22,16 @@ from infer.models.medusa import MedusaHead
 log = logging.getLogger("infer.engine")
 
 
-def step_kernels(config: EngineConfig, device: torch.device,
+def step_kernels(execution: ExecutionConfig, device: torch.device,
                  model: LlamaForCausalLM | EagleHead | MedusaHead) -> Kernels:
     """Fused (torch.compile) kernels for every step of `model` (the target, a draft model,
     an EAGLE head's rounds or Medusa heads; prefill chunks too: the bundle is compiled for
-    dynamic shapes) when asked for; by default with CUDA graphs on a GPU. The bundle is the
+    dynamic shapes) when the resolved execution part asks for them (by default with CUDA
+    graphs on a GPU: `engine/defaults.py`). The bundle is the
     model's own (`model.compiled`): a head's apart from its target's, one model's the same
     at every call. On a GPU an unsharded model's bundle is compiled for multi-token chunks
     at its first call here (`warm_chunks`), not at the first prompt."""
-    wanted = config.compile_kernels
-    if wanted is None:
-        wanted = config.use_cuda_graphs and device.type == "cuda"
-    if not wanted:
+    if not execution.compile_kernels:
         return EAGER
     compiled = model.compiled
     kernels = compiled.get()

@@ -12,20 +12,20 @@ from infer.engine.config import SUFFIX_SPEC_LENGTH
 
 
 def suffix_rows(plain: dict[str, Any], spec_k: int, needs: tuple[Need, ...]) -> list[Row]:
-    """Suffix decoding (its defaults; and chains only, one child a node: its rounds all take
-    the chain verifier) on W5 beside the n-gram rows, and on the agent workload against
-    plain decoding and prompt lookup (at `spec_k` and at suffix's K); each
+    """Suffix decoding (its defaults: chains; and branching trees) on W5 beside the n-gram
+    rows, and on the agent workload against plain decoding and prompt lookup (at `spec_k`
+    and at suffix's K); each
     "-vs-prompt-lookup" row alternates with prompt lookup at `spec_k` (its x baseline:
     suffix over prompt lookup, paired). `plain`: the plain rows' engine options."""
     lookup = {**plain, "use_speculative_decoding": True, "speculative_method": "prompt_lookup", "spec_length": spec_k}
     suffix = {**plain, "speculative_method": "suffix"}
     w5, tag = WORKLOADS["W5"].with_temperature(0.0), "w5-ngram-t0"
     group = "demo target, W5 T=0, n-gram drafts"
-    chains = {**suffix, "spec_tree": "dynamic:16:1"}  # one child a node: every draft a chain
-    rows = [engine_row(f"{tag}/suffix", f"suffix decoding (K={SUFFIX_SPEC_LENGTH}, trees of up to 16 nodes)", group, w5, suffix,
+    trees = {**suffix, "spec_tree": "dynamic:16"}  # up to 4 children a node
+    rows = [engine_row(f"{tag}/suffix", f"suffix decoding (K={SUFFIX_SPEC_LENGTH}, chains)", group, w5, suffix,
                        {"baseline": f"{tag}/plain"}, needs=needs),
-            engine_row(f"{tag}/suffix-chains", "suffix decoding, one child a node (chains only)", group, w5,
-                       chains, {"baseline": f"{tag}/plain"}, needs=needs),
+            engine_row(f"{tag}/suffix-trees", "suffix decoding, trees of up to 16 nodes (4 children a node)", group,
+                       w5, trees, {"baseline": f"{tag}/plain"}, needs=needs),
             engine_row(f"{tag}/suffix-vs-prompt-lookup", f"suffix decoding, paired with prompt lookup K={spec_k} (x "
                        "baseline: over prompt lookup)", group, w5, suffix, {"baseline": f"{tag}/prompt-lookup-k{spec_k}"},
                        paired_with=lookup, needs=needs)]
@@ -43,8 +43,8 @@ def suffix_rows(plain: dict[str, Any], spec_k: int, needs: tuple[Need, ...]) -> 
                    agent, suffix, {"baseline": base}, needs=needs),
         engine_row(f"{tag}/suffix-no-cache", "suffix decoding without the cache of earlier outputs", group, agent,
                    {**suffix, "spec_suffix_cache_tokens": 0}, {"baseline": base}, needs=needs),
-        engine_row(f"{tag}/suffix-chains", "suffix decoding, one child a node (chains only)", group, agent, chains,
-                   {"baseline": base}, needs=needs),
+        engine_row(f"{tag}/suffix-trees", "suffix decoding, trees of up to 16 nodes (4 children a node)", group,
+                   agent, trees, {"baseline": base}, needs=needs),
         engine_row(f"{tag}/suffix-vs-prompt-lookup", f"suffix decoding, paired with prompt lookup K={spec_k} (x baseline: "
                    "over prompt lookup)", group, agent, suffix, {"baseline": f"{tag}/prompt-lookup-k{spec_k}"},
                    paired_with=lookup, needs=needs)]

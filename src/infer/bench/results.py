@@ -1,10 +1,8 @@
 """Result records of a benchmark run and their JSON form.
 
-A run (one `infer bench` invocation) holds its environment (GPU, versions) and an ordered
-list of measurements. A measurement is one timed thing (a bandwidth probe, an engine run,
-a peer run, a cost measurement); a failed one keeps its error instead of numbers, so a run
-never loses what it already measured. Ratios between measurements (speedups, roofline
-fractions, efficiency) are derived from these records by `infer.bench.analysis`.
+A run holds its environment (GPU, versions) and an ordered list of measurements; a failed
+measurement keeps its error instead of numbers, so a run never loses what it measured.
+Ratios between measurements are derived by `infer.bench.analysis`.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ def plot_serving(run: BenchRun, out_dir: Path) -> Path | None:
         ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"serving latency against request rate ({run.environment.get('gpu') or run.environment.get('device', '')})",
-                 fontsize=11)
+    where = run.environment.get("gpu") or run.environment.get("device", "")
+    fig.suptitle(f"serving latency against request rate ({where})", fontsize=11)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "serving.png"
     fig.savefig(path, dpi=110)

@@ -9,7 +9,6 @@ thread and on every core (why: docs/benchmarks.md, "Method").
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
@@ -117,26 +116,3 @@ def decode_step_bytes(weight_bytes_: int, kv_bytes_per_token_: int, batch: int, 
         raise ValueError(f"decode_step_bytes needs weights > 0, KV bytes >= 0, batch >= 1 and context >= 0, got "
                          f"{weight_bytes_}, {kv_bytes_per_token_}, {batch}, {context}")
     return weight_bytes_ + round(batch * context * kv_bytes_per_token_)
-
-
-def graph_seconds(calls: list[Callable[[], object]], replays: int) -> float:
-    """Seconds per call: the median over `replays` of one graph holding every call once."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-    del graph
-    return statistics.median(times)

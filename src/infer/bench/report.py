@@ -158,18 +158,10 @@ def markdown(run: BenchRun) -> str:
                         m.metrics.get("prefill_tokens_per_s"), m.derived.get("model_tflops_per_s"),
                         m.derived.get("mfu")) for m in prefills]) + [""]
     out += _acceptance_tables(run)
-    serving: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind == SERVE_KIND:
-            serving.setdefault(m.group, []).append(m)
-    for group, members in serving.items():
+    for group, members in run.groups((SERVE_KIND,)).items():
         out += [f"**{group}** (open loop, Poisson arrivals; times in ms)", ""]
         out += _table(SERVE_HEADER, [serve_table_row(m) for m in members]) + [""]
-    groups: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind in ("engine", *PEER_KINDS):
-            groups.setdefault(m.group, []).append(m)
-    for group, members in groups.items():
+    for group, members in run.groups(("engine", *PEER_KINDS)).items():
         out += [f"**{group}**", ""] + _table(ENGINE_HEADER, [engine_row(m) for m in members]) + [""]
     failed = [m for m in run.measurements if not m.ok]
     if failed:
@@ -268,12 +260,8 @@ ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "r
 
 def _acceptance_tables(run: BenchRun) -> list[str]:
     """The acceptance sweep's rows, one table a group, labelled controlled acceptance."""
-    groups: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind == SWEEP_KIND:
-            groups.setdefault(m.group, []).append(m)
     out: list[str] = []
-    for group, members in groups.items():
+    for group, members in run.groups((SWEEP_KIND,)).items():
         out += [f"**{group}**: controlled acceptance (an oracle chooses which drafts match the target's greedy "
                 "continuation, each with probability alpha; the draft and target forwards and the rounds cost what "
                 "they do). Projections at the measured acceptance with the run's c and v(N); + overhead: the "

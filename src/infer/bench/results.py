@@ -13,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,15 @@ class BenchRun:
 
     def get(self, name: str) -> Measurement | None:
         return next((m for m in self.measurements if m.name == name), None)
+
+    def groups(self, kinds: Collection[str], keep: Callable[[Measurement], bool] | None = None
+               ) -> dict[str, list[Measurement]]:
+        """The measurements of these kinds (that `keep` takes) by group, in run order."""
+        groups: dict[str, list[Measurement]] = {}
+        for m in self.measurements:
+            if m.kind in kinds and (keep is None or keep(m)):
+                groups.setdefault(m.group, []).append(m)
+        return groups
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": self.schema, "suite": self.suite, "created": self.created, "options": self.options,

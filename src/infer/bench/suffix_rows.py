@@ -17,26 +17,25 @@ def suffix_rows(plain: dict[str, Any], spec_k: int, needs: tuple[Need, ...]) -> 
     plain decoding and prompt lookup (at `spec_k` and at suffix's K); each
     "-vs-prompt-lookup" row alternates with prompt lookup at `spec_k` (its x baseline:
     suffix over prompt lookup, paired). `plain`: the plain rows' engine options."""
-    lookup = {**plain, "use_speculative_decoding": True, "speculative_method": "prompt_lookup",
-              "spec_length": spec_k}
+    lookup = {**plain, "use_speculative_decoding": True, "speculative_method": "prompt_lookup", "spec_length": spec_k}
     suffix = {**plain, "speculative_method": "suffix"}
     w5, tag = WORKLOADS["W5"].with_temperature(0.0), "w5-ngram-t0"
     group = "demo target, W5 T=0, n-gram drafts"
     chains = {**suffix, "spec_tree": "dynamic:16:1"}  # one child a node: every draft a chain
-    rows = [engine_row(f"{tag}/suffix", f"suffix decoding (K={SUFFIX_SPEC_LENGTH}, trees of up to 16 nodes)", group,
-                       w5, suffix, {"baseline": f"{tag}/plain"}, needs=needs),
+    rows = [engine_row(f"{tag}/suffix", f"suffix decoding (K={SUFFIX_SPEC_LENGTH}, trees of up to 16 nodes)", group, w5, suffix,
+                       {"baseline": f"{tag}/plain"}, needs=needs),
             engine_row(f"{tag}/suffix-chains", "suffix decoding, one child a node (chains only)", group, w5,
                        chains, {"baseline": f"{tag}/plain"}, needs=needs),
             engine_row(f"{tag}/suffix-vs-prompt-lookup", f"suffix decoding, paired with prompt lookup K={spec_k} (x "
-                       "baseline: over prompt lookup)", group, w5, suffix,
-                       {"baseline": f"{tag}/prompt-lookup-k{spec_k}"}, paired_with=lookup, needs=needs)]
+                       "baseline: over prompt lookup)", group, w5, suffix, {"baseline": f"{tag}/prompt-lookup-k{spec_k}"},
+                       paired_with=lookup, needs=needs)]
     agent, tag = WORKLOADS["agent"].with_temperature(0.0), "agent-t0"
     group, base = "demo target, agent workload T=0", "agent-t0/plain"
     return rows + [
         engine_row(base, "plain decoding, 16 tool-calling requests one after another", group, agent, plain,
                    needs=needs),
-        engine_row(f"{tag}/prompt-lookup-k{spec_k}", f"prompt lookup, fixed K={spec_k}", group, agent, lookup,
-                   {"baseline": base}, needs=needs),
+        engine_row(f"{tag}/prompt-lookup-k{spec_k}", f"prompt lookup, fixed K={spec_k}", group, agent, lookup, {"baseline": base},
+                   needs=needs),
         engine_row(f"{tag}/prompt-lookup-k{SUFFIX_SPEC_LENGTH}", f"prompt lookup, fixed K={SUFFIX_SPEC_LENGTH} "
                    "(suffix decoding's K)", group, agent, {**lookup, "spec_length": SUFFIX_SPEC_LENGTH},
                    {"baseline": base}, needs=needs),
@@ -46,6 +45,6 @@ def suffix_rows(plain: dict[str, Any], spec_k: int, needs: tuple[Need, ...]) -> 
                    {**suffix, "spec_suffix_cache_tokens": 0}, {"baseline": base}, needs=needs),
         engine_row(f"{tag}/suffix-chains", "suffix decoding, one child a node (chains only)", group, agent, chains,
                    {"baseline": base}, needs=needs),
-        engine_row(f"{tag}/suffix-vs-prompt-lookup", f"suffix decoding, paired with prompt lookup K={spec_k} (x "
-                   "baseline: over prompt lookup)", group, agent, suffix,
-                   {"baseline": f"{tag}/prompt-lookup-k{spec_k}"}, paired_with=lookup, needs=needs)]
+        engine_row(f"{tag}/suffix-vs-prompt-lookup", f"suffix decoding, paired with prompt lookup K={spec_k} (x baseline: "
+                   "over prompt lookup)", group, agent, suffix, {"baseline": f"{tag}/prompt-lookup-k{spec_k}"},
+                   paired_with=lookup, needs=needs)]

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from infer.bench.roofline import copy_bandwidth, graph_seconds  # noqa: E402
+from graph_timing import graph_seconds  # noqa: E402
+from infer.bench.roofline import copy_bandwidth  # noqa: E402
 from infer.models.kernels.dequant import dequantize_on_device  # noqa: E402
 from infer.models.kernels.gemv import gemv  # noqa: E402
 from infer.models.kernels.gemv_tiles import (  # noqa: E402

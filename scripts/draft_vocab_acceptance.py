@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from infer import LLM, SamplingParams
-from infer.bench.corpus import read_texts, split_corpus
+from demo_pair.data import read_texts
+from infer.bench.corpus import split_corpus
 from infer.draft_table import demo_corpus, text_counts
 from infer.engine.loading import DEMO_TARGET, load_tokenizer
 from infer.speculative.draft_vocab import build_table, count_tokens, coverage

@@ -11,6 +11,7 @@ stream after the first exactly once.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -61,3 +62,15 @@ def batch_chunks(chunks: list[torch.Tensor], batch_size: int) -> Iterator[torch.
             group = []
     if group:
         yield torch.stack(group)
+
+
+def read_texts(paths: list[Path]) -> list[str]:
+    """File contents as str (UTF-8, universal newlines), in the order given."""
+    texts = []
+    for path in paths:
+        try:
+            texts.append(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); pass only files that "
+                             "stdlib_files() returns") from exc
+    return texts

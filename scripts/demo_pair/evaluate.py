@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from demo_pair.bpe import encode_documents, load_tokenizer
 from demo_pair.completions import PROMPTS, complete_all
-from demo_pair.data import batch_chunks, validation_chunks
+from demo_pair.data import batch_chunks, read_texts, validation_chunks
 from demo_pair.metrics import (
     PairTotals,
     expected_tokens,
@@ -35,7 +35,7 @@ from demo_pair.metrics import (
 )
 from demo_pair.model_card import write_cards
 from demo_pair.trainer import autocast, forward_logits
-from infer.bench.corpus import read_texts, split_corpus
+from infer.bench.corpus import split_corpus
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model
 

@@ -35,7 +35,7 @@ from demo_pair.bpe import (
     save_tokenizer_files,
     train_tokenizer,
 )
-from demo_pair.data import validation_chunks
+from demo_pair.data import read_texts, validation_chunks
 from demo_pair.presets import (
     PRESETS,
     Preset,
@@ -47,7 +47,7 @@ from demo_pair.presets import (
 )
 from demo_pair.saving import save_model, training_environment
 from demo_pair.trainer import init_weights, train_model
-from infer.bench.corpus import read_texts, split_corpus, stdlib_root
+from infer.bench.corpus import split_corpus, stdlib_root
 from infer.engine.loading import resolve_device
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model

@@ -28,35 +28,13 @@ Message = dict[str, str]
 class LLM:
     """A model loaded for offline generation: `generate` for prompts, `chat` for conversations.
 
-    `model` is a local directory in Hugging Face layout, a hub id, a llama.cpp `.gguf` file
-    (its weights, configuration and tokenizer), a dummy shape such as "dummy:llama-3.2-3b"
-    (random weights, for timing), or None for the bundled demo target.
-    Every other keyword is a field of `infer.EngineConfig` (validated; a wrong name or
-    value raises ValueError naming it). The main ones:
-
-        dtype="auto"             bf16 on CUDA, fp32 on CPU
-        device="auto"            "cuda" when available, else "cpu"
-        threads=None             CPU threads for torch; None: one per 250M parameters,
-                                 at most half the cores (small models decode fastest on one)
-        max_batch_size=None      requests decoded together; None: sized from the GPU's
-                                 memory (at most 256), 8 on a CPU
-        max_seq_len=None         prompt + output tokens per request; None: the model's own
-                                 context, cut to what the KV memory holds
-        kv_cache_backend="paged" with prefix caching; "contiguous" for one region per request
-        use_cuda_graphs=None     CUDA graphs for decode and speculation steps, with the fused
-                                 kernels; None: on for CUDA (False: vLLM's enforce_eager)
-        use_speculative_decoding=None (on when a speculation field is set),
-        speculative_method="draft_model" ("ngram", "prompt_lookup", "eagle", "eagle3"),
-        draft_model=None (the demo draft with the demo target, its EAGLE-3 head with "eagle3";
-        a directory, hub id or .gguf file; an EAGLE head's directory with "eagle" / "eagle3"),
-        spec_length=5 (a tree: its depth), spec_policy="fixed"
-        seed=0                   seeds requests that set none: the same call gives the same text
-        tensor_parallel_size=1   GPUs the model is split over (N-1 worker processes start;
-                                 `close()` or garbage collection ends them)
-
-    See `EngineConfig` for the rest (KV cache size, chunked prefill budget, n-gram orders).
-    `with LLM(...) as llm:` closes the engine at the end of the block; generating after
-    `close()` raises RuntimeError.
+    `model` is a local directory in Hugging Face layout, a hub id, a llama.cpp `.gguf` file,
+    a dummy shape such as "dummy:llama-3.2-3b" (random weights, for timing), or None for the
+    bundled demo target. Every other keyword is a field of `infer.EngineConfig` (device, threads,
+    dtype, max_batch_size, max_seq_len, use_speculative_decoding, speculative_method,
+    draft_model, spec_length, tensor_parallel_size, ...), validated: a wrong name or value
+    raises ValueError naming it. `with LLM(...) as llm:` closes the engine (and its worker
+    processes) at the end of the block; generating after `close()` raises RuntimeError.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:

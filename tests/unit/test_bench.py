@@ -21,7 +21,7 @@ from infer.bench.measures import bandwidth_row, roofline_row
 from infer.bench.peers import HFPeer, run_hf
 from infer.bench.report import fmt, markdown
 from infer.bench.results import BenchRun, Measurement, load_run, save_run
-from infer.bench.roofline import copy_bandwidth, decode_roofline, roofline_fraction
+from infer.bench.roofline import copy_bandwidth, decode_roofline
 from infer.bench.rows import index_rows
 from infer.engine.step_costs import weight_bytes
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
@@ -108,7 +108,10 @@ def test_roofline_math_on_known_numbers():
     roof = decode_roofline(6_000_000_000, 3.0e12)  # 6 GB of weights at 3 TB/s
     assert roof.step_s == pytest.approx(2e-3)
     assert roof.tokens_per_s == pytest.approx(500.0)
-    assert roofline_fraction(400.0, roof.tokens_per_s) == pytest.approx(0.8)
+    run = BenchRun("t")
+    run.add(Measurement("roofline", "roofline", metrics=roof.to_dict()))
+    ours = run.add(Measurement("ours", "engine", metrics={"decode_tokens_per_s": 400.0}, refs={"roofline": "roofline"}))
+    assert analysis.derive(ours, run)["roofline_fraction"] == pytest.approx(0.8)
     with pytest.raises(ValueError):
         decode_roofline(0, 1.0)
 

@@ -16,6 +16,7 @@ from demo_pair import bpe, completions, evaluate, metrics, sweep, train
 from demo_pair.data import (
     batch_chunks,
     num_sequences,
+    read_texts,
     training_batches,
     validation_chunks,
 )
@@ -122,8 +123,8 @@ def test_split_and_read_reject_bad_input(fake_stdlib: Path, tmp_path: Path) -> N
     with pytest.raises(FileNotFoundError, match="stdlib root"):
         corpus.stdlib_files(tmp_path / "missing")
     with pytest.raises(ValueError, match="not UTF-8"):
-        corpus.read_texts([fake_stdlib / "latin1.py"])
-    assert corpus.read_texts([fake_stdlib / "dup_a.py"]) == ["same = 1\n"]
+        read_texts([fake_stdlib / "latin1.py"])
+    assert read_texts([fake_stdlib / "dup_a.py"]) == ["same = 1\n"]
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -131,7 +132,7 @@ def test_split_and_read_reject_bad_input(fake_stdlib: Path, tmp_path: Path) -> N
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
     split = corpus.split_corpus()
-    return corpus.read_texts(split.train[:25])
+    return read_texts(split.train[:25])
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,10 @@
 """Ratios between the measurements of one run (pure functions over the records).
 
-`derive_all` / `derive` fill each measurement's `derived` from the rows it names in `refs`:
-"baseline" (speedup over its primary rate; paired when timed in alternation), "roofline"
-(`roofline_fraction`), "costs" (the paper's prediction and efficiency: `spec_prediction`),
-"chain" (a tree's tokens per round over the chain's), "bandwidth" (a batch sweep's
-`bytes_limits`, with `batch_speedups` against a baseline sweep). Prefill rows get their MFU
-(`prefill_mfu`), acceptance-sweep rows their projections (`sweep_projection`). What each
-ratio means: docs/benchmarks.md, "Method".
+`derive_all` fills each measurement's `derived` from the rows its `refs` name: "baseline"
+(speedup, paired when timed in alternation), "roofline", "costs" (the paper's prediction
+and the efficiency), "chain" (a tree's tokens per round over the chain's) and "bandwidth"
+(a batch sweep's bytes limits); prefill rows get their MFU, acceptance-sweep rows their
+projections. What each ratio means: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Decode step time against batch size, on one engine (`infer bench` kind "batch_sweep").
 
-`batch_sweep` runs, for each batch size B, B requests past their prefill, times `steps`
-decode steps and aborts them: milliseconds a step, decode tokens/s and the cost relative to
-batch 1's, one engine with CUDA graphs for every bucket serving all sizes. Recorded beside
-them for the bytes limit (bench/roofline.py `decode_step_bytes`): the weight bytes, the KV
-bytes a token and per B the mean context of the timed steps. A request that finishes before
-the timing ends fails the measurement. docs/benchmarks.md, "Method".
+For each batch size B, B requests past their prefill, `steps` timed decode steps, then
+aborted. Recorded beside the times for the bytes limit (bench/roofline.py): the weight
+bytes, the KV bytes a token and per B the mean context of the timed steps.
 """
 
 from __future__ import annotations

@@ -5,10 +5,6 @@
     infer bench --workload W1 --model dummy:llama-3.2-3b --enforce-eager
     infer bench --report results/all.json            # Markdown tables for docs/benchmarks.md
     infer bench --plot results/all.json              # PNG charts in results/all-charts/
-
-Suites are defined in `infer.bench.suites`; with --workload (or --suite serve) the engine
-flags of `infer generate` configure the run. Exit status 1 when a measurement failed or
-none ran (`exit_status`). More commands: docs/benchmarks.md, "Running".
 """
 
 from __future__ import annotations
@@ -37,7 +33,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
         f"{name}: {suite.what}" for name, suite in SUITES.items()))
     what.add_argument("--list", action="store_true", help="--suite: print the rows it would run; run nothing")
     what.add_argument("--workload", choices=sorted(WORKLOADS), help="one workload with the engine flags below")
-    what.add_argument("--temperature", type=float, default=0.0, help="--workload: sampling temperature (default: %(default)s)")
+    what.add_argument("--temperature", type=float, default=0.0,
+                      help="--workload: sampling temperature (default: %(default)s)")
     what.add_argument("--hf", action="store_true", help="--workload: also time transformers generate")
     what.add_argument("--report", nargs="+", metavar="JSON", help="print Markdown tables of result files; run nothing")
     what.add_argument("--plot", nargs="+", metavar="JSON", type=Path,
@@ -56,7 +53,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     how = parser.add_argument_group("how")
     how.add_argument("--out", type=Path, help="JSON result file (default: bench-results/<suite>-<time>.json)")
     how.add_argument("--max-seconds", type=float, help="time budget: later measurements are skipped (default: none)")
-    how.add_argument("--output-len", type=int, help="every request generates exactly N tokens (quick runs; default: the workload's lengths)")
+    how.add_argument("--output-len", type=int,
+                     help="every request generates exactly N tokens (quick runs; default: the workload's lengths)")
     how.add_argument("--warmup-tokens", type=int, default=None,
                      help="cap on tokens per warm-up request (default: the full length; 0: no warm-up)")
     how.add_argument("--repeats", type=int, default=3,

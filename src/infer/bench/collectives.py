@@ -1,13 +1,9 @@
 """Where a tensor-parallel decode step's time goes: its collectives, from a profile.
 
-`profile_collectives(workload, overrides)` builds the engine, warms it up, then profiles
-`steps` decode steps of the workload's first request (alone: batch 1) with torch.profiler
-on rank 0, and sums the device time of NCCL's kernels per step, all-reduces (o_proj and
-down_proj: two a layer; a vocabulary-parallel embedding adds one) apart from all-gathers
-(the vocabulary-parallel lm_head's logits). CUDA graph replays are traced kernel by kernel.
-A collective's kernel time includes waiting for the slower rank: that is what the step
-pays. Shares are of the step's wall time inside the profile (profiling slows the host a
-little, not the graphs) and of the GPU's busy time (all kernels).
+`profile_collectives` profiles decode steps of the workload's first request alone with
+torch.profiler on rank 0 and sums the device time of NCCL's kernels per step, all-reduces
+apart from all-gathers. A collective's kernel time includes waiting for the slower rank:
+that is what the step pays.
 """
 
 from __future__ import annotations

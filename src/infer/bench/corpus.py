@@ -1,14 +1,10 @@
 """The demo models' corpus, which the bench's code prompts read too: the stdlib's `.py` files.
 
-The files under the running interpreter's stdlib directory (`sysconfig.get_paths()["stdlib"]`):
-no download, a known licence (PSF). Left out: third-party packages, `__pycache__`, build
-configuration, test suites (often shipped apart by distributions, and full of deliberately odd
-files), generated tables and documents (the codecs' character maps, Sphinx's
-`pydoc_data/topics.py`: data, not code), files over `MAX_FILE_BYTES` and non-UTF-8 files;
-duplicates by content are kept once, under the first path in sorted order. The split hashes
-the relative POSIX path with sha256 (stable across runs, machines and Python versions, unlike
-`hash()`). The demo pair trains on the train split (scripts/demo_pair/); the bench's code
-prompts come from the validation split, text the demo models never saw.
+The running interpreter's stdlib (no download, PSF licence) without third-party packages,
+test suites, generated tables and documents, files over `MAX_FILE_BYTES`, non-UTF-8 files and
+duplicates by content. The split hashes the relative POSIX path with sha256 (stable across
+runs, machines and Python versions): the demo pair trains on the train split, the bench's
+code prompts come from the validation split, text the demo models never saw.
 """
 
 from __future__ import annotations
@@ -116,14 +112,3 @@ def split_corpus(root: Path | None = None, *, valid_fraction: float = VALID_FRAC
         (valid if is_validation(rel, valid_fraction) else train).append(path)
     return CorpusSplit(train=train, valid=valid, python_version=platform.python_version())
 
-
-def read_texts(paths: list[Path]) -> list[str]:
-    """File contents as str (UTF-8, universal newlines), in the order given."""
-    texts = []
-    for path in paths:
-        try:
-            texts.append(Path(path).read_text(encoding="utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); pass only files that "
-                             "stdlib_files() returns") from exc
-    return texts

@@ -1,11 +1,9 @@
 """Run a workload on our engine and measure it.
 
-`run_engine(workload, overrides)` builds `Engine(EngineConfig(...))` (`engine_config`; a
-variant is a dict of EngineConfig overrides), runs a full-length warm-up (`warmup`), then
-adds every request at once and steps the engine until all finish (`timed_run`, bracketed
-by device synchronisation). Reported: wall time, output tokens/s, per-request TTFT and
-decode tokens/s (`request_metrics`), and the delta of the engine's counters over the timed
-part (`engine_counters`, `spec_metrics`). The engine is freed afterwards (`free_memory`).
+`run_engine` builds an Engine sized for the workload, warms it up at full length, then adds
+every request at once and steps until all finish, bracketed by device synchronisation.
+Reported: wall time, output tokens/s, per-request TTFT and decode tokens/s, and the delta
+of the engine's speculation and prefix-cache counters over the timed part.
 docs/benchmarks.md, "Method".
 """
 

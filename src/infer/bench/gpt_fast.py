@@ -2,12 +2,8 @@
 
 gpt-fast (github.com/pytorch-labs/gpt-fast) shows how fast plain PyTorch decodes at batch
 1: its `Transformer` with a static KV cache and `decode_one_token` under
-`torch.compile(mode="reduce-overhead", fullgraph=True)`. `run_gpt_fast` imports both from
-the checkout (`infer bench --gpt-fast PATH`; `missing_files` checks it), builds the model
-from our `ModelConfig` of the same shape (`model_args`) with random weights, prefills the
-workload's prompt and times greedy decode: the same W1 numbers as our engine's row. Where
-sentencepiece or tiktoken are absent a stand-in tokenizer module lets `generate.py` import.
-docs/benchmarks.md, "Method".
+`torch.compile(mode="reduce-overhead", fullgraph=True)`, built here from our config's shape
+with random weights and timed on the workload's prompts. docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

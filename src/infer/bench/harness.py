@@ -1,12 +1,9 @@
 """The harness that runs benchmark rows one after another into a BenchRun.
 
-`run_rows` runs the selected rows of a table, each after the rows it refers to. A row whose
-needs are unmet (an optional package, the demo models, GPUs) is recorded as skipped with a
-hint. Every row runs inside `measure`: a failure is caught and recorded (type, message, the
-last traceback lines) and the run goes on; past the time budget the rest are recorded as
-skipped. A line on stderr announces each row before it runs (a cost measurement or an
-engine run can take minutes on a CPU); after each the ratios are re-derived and the JSON
-file is rewritten, so a run cut short still leaves every finished number on disk.
+Each row runs after the rows it refers to. A row whose needs are unmet is recorded as
+skipped with a hint; a failure is recorded (type, message, the last traceback lines) and
+the run goes on; past the time budget the rest are skipped. After each row the ratios are
+re-derived and the JSON file is rewritten, so a run cut short keeps every finished number.
 """
 
 from __future__ import annotations

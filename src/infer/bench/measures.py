@@ -1,13 +1,9 @@
 """Row constructors, one per measurement kind: what each kind runs and what it records.
 
-`bandwidth_row` (the copy probe, bench/roofline.py), `roofline_row` (weight bytes / that
-bandwidth), `engine_row` (a workload on our engine, bench/engine_runner.py), `hf_row` and
-`gpt_fast_row` (the peers), `costs_row` (c and v(K) at batch 1, engine/step_costs.py, the
-models loaded as the engine loads them), `projection_row` (the paper's speedup table),
-`batch_sweep_row` (bench/batch_sweep.py, beside its bytes limit), `prefill_row` (prompts to
-their first token, with their model FLOPs for the MFU), `collectives_row` (a
-tensor-parallel step's collectives, bench/collectives.py) and `acceptance_sweep_rows`
-(controlled acceptance, bench/sweep.py). docs/benchmarks.md, "Method".
+The copy probe and the roofline, our engine on a workload, the peers (transformers,
+gpt-fast), the costs c and v(K) at batch 1 and the paper's projection, batch sweeps beside
+their bytes limit, prefill with its model FLOPs, a tensor-parallel step's collectives and the
+controlled-acceptance sweep. docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

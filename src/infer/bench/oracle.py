@@ -1,13 +1,10 @@
 """OracleProposer: drafts whose acceptance the benchmark controls. Used only by the benchmark.
 
-The controlled-acceptance sweep (bench/sweep.py) measures speculation at a chosen rate
-alpha. The oracle wraps the run's real proposer: every round runs the inner `propose` at its
-full cost, then replaces the tokens node by node, breadth-first: a node whose parent path
-holds the target's greedy continuation (recorded by a plain run) gets its token with
-probability alpha (the oracle's own seeded draws), else a wrong one. Requests are greedy and
-drafts deterministic, so the verifier accepts exactly those nodes. `OracleCounts` measures
-acceptance per trial from the accepted paths (`trials`), and counts rounds off every record.
-Nothing outside `infer.bench` imports this module. docs/benchmarks.md, "Controlled acceptance".
+The oracle wraps the run's real proposer: every round runs the inner `propose` at its full
+cost, then replaces the tokens node by node, breadth-first: a node whose parent path holds
+the target's greedy continuation (recorded by a plain run) gets its token with probability
+alpha, else a wrong one. Requests are greedy and drafts deterministic, so the verifier
+accepts exactly those nodes. docs/benchmarks.md, "Controlled acceptance".
 """
 
 from __future__ import annotations

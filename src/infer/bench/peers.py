@@ -1,11 +1,9 @@
 """Peer runner: Hugging Face transformers `generate` on the same weights, in the same process.
 
-`hf_model_from_ours` builds the HF model from our loader's (`ModelConfig.to_hf_dict()`,
-weights from `hf_state_dict()`), so it runs exactly our engine's weights. `run_hf` times
-plain greedy or sampled generation, assisted generation (a draft model) or prompt-lookup
-decoding with fixed lengths (`generate_kwargs`), a streamer timing each token for TTFT and
-decode tokens/s (`TimedRequest`). Written against transformers 5.x (moved argument names
-tried in turn). A failing peer raises; the suite records the error. docs/benchmarks.md.
+The HF model is built from our loader's config and weights, so it runs exactly our engine's
+weights. `run_hf` times plain, assisted (a draft model) or prompt-lookup generation with
+fixed lengths, a streamer timing each token for TTFT and decode tokens/s. A failing peer
+raises; the suite records the error. docs/benchmarks.md.
 """
 
 from __future__ import annotations

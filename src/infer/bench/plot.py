@@ -1,9 +1,6 @@
-"""PNG charts of a benchmark results file (`infer bench --plot results.json`), with matplotlib.
-
-One chart per measurement group (the tables of docs/benchmarks.md): the decode rate of each
-engine or peer run that finished, as horizontal bars, labelled with its speedup over its
-baseline where the run has one; decode tokens/s against batch size; the serving suite's
-latency percentiles against request rate (bench/serve_plot.py). Needs matplotlib (the `bench` extra).
+"""PNG charts of a benchmark results file (`infer bench --plot results.json`), with matplotlib:
+one bar chart a measurement group, decode tokens/s against batch size, and the serving
+latencies (bench/serve_plot.py).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from infer.bench.results import PEER_KINDS, SWEEP_KIND, BenchRun, Measurement, load_run
-from infer.bench.serve import SERVE_HEADER, SERVE_KIND, serve_table_row
+from infer.bench.serve import SERVE_KIND
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -35,11 +35,19 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def first_error_line(m: Measurement) -> str:
+    return (m.error or "").splitlines()[0] if m.error else ""
+
+
+def failed_row(m: Measurement, width: int, label: str | None = None) -> list[Any]:
+    """A table row of `width` columns for a measurement that did not succeed."""
+    return [label or m.name, m.status, first_error_line(m)[:80]] + [None] * (width - 3)
+
+
 def measurement_line(m: Measurement) -> str:
     """One line for the console while a run is going."""
     if not m.ok:
-        first = (m.error or "").splitlines()[0] if m.error else ""
-        return f"[{m.status}] {m.name}: {first}"
+        return f"[{m.status}] {m.name}: {first_error_line(m)}"
     d, x = m.derived, m.metrics
     parts = [f"[ok] {m.name} ({m.elapsed_s:.1f} s)"]
     if m.kind in ("engine", *PEER_KINDS, SWEEP_KIND):
@@ -101,14 +109,14 @@ ENGINE_HEADER = ("variant", "tok/s", "decode tok/s", "TTFT ms", "x baseline", "o
 
 def engine_row(m: Measurement) -> list[Any]:
     if not m.ok:
-        return [_short(m), m.status, (m.error or "").splitlines()[0][:80] if m.error else ""] + [None] * 10
+        return failed_row(m, len(ENGINE_HEADER), _short(m))
     x, d = m.metrics, m.derived
     tokens = x.get("output_tokens")
     if tokens is not None and tokens != x.get("expected_output_tokens"):
         tokens = f"{tokens} (expected {x.get('expected_output_tokens')})"
-    return [_short(m) + (f" ({PEER_KINDS[m.kind]})" if m.kind in PEER_KINDS else ""), x.get("tokens_per_s"), x.get("decode_tokens_per_s"),
-            _ms(x.get("ttft_mean_s")), d.get("speedup"), d.get("roofline_fraction"), x.get("acceptance_rate"),
-            x.get("mean_accepted_length"), d.get("predicted_speedup"), d.get("efficiency"),
+    return [_short(m) + (f" ({PEER_KINDS[m.kind]})" if m.kind in PEER_KINDS else ""), x.get("tokens_per_s"),
+            x.get("decode_tokens_per_s"), _ms(x.get("ttft_mean_s")), d.get("speedup"), d.get("roofline_fraction"),
+            x.get("acceptance_rate"), x.get("mean_accepted_length"), d.get("predicted_speedup"), d.get("efficiency"),
             x.get("prefix_hit_rate"), _match(m), tokens]
 
 
@@ -150,23 +158,15 @@ def markdown(run: BenchRun) -> str:
                         m.metrics.get("prefill_tokens_per_s"), m.derived.get("model_tflops_per_s"),
                         m.derived.get("mfu")) for m in prefills]) + [""]
     out += _acceptance_tables(run)
-    serving: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind == SERVE_KIND:
-            serving.setdefault(m.group, []).append(m)
-    for group, members in serving.items():
+    for group, members in run.groups((SERVE_KIND,)).items():
         out += [f"**{group}** (open loop, Poisson arrivals; times in ms)", ""]
         out += _table(SERVE_HEADER, [serve_table_row(m) for m in members]) + [""]
-    groups: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind in ("engine", *PEER_KINDS):
-            groups.setdefault(m.group, []).append(m)
-    for group, members in groups.items():
+    for group, members in run.groups(("engine", *PEER_KINDS)).items():
         out += [f"**{group}**", ""] + _table(ENGINE_HEADER, [engine_row(m) for m in members]) + [""]
     failed = [m for m in run.measurements if not m.ok]
     if failed:
         out += ["Not measured:", ""]
-        out += [f"- `{m.name}`: {m.status}: {(m.error or '').splitlines()[0] if m.error else ''}" for m in failed]
+        out += [f"- `{m.name}`: {m.status}: {first_error_line(m)}" for m in failed]
         out += [""]
     return "\n".join(out)
 
@@ -239,6 +239,20 @@ def _sweep_table(run: BenchRun) -> list[str]:
                         rows) + [""]
 
 
+SERVE_HEADER = ("rate /s", "completed", "req/s", "of offered", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
+                "TPOT p99", "E2E p50", "E2E p99")
+
+
+def serve_table_row(m: Measurement) -> list[Any]:
+    """A serve measurement as a report row (SERVE_HEADER; times in ms)."""
+    if not m.ok:
+        return failed_row(m, len(SERVE_HEADER))
+    x = m.metrics
+    return [m.params.get("request_rate"), f"{x.get('completed')}/{x.get('requests')}", x.get("request_throughput"),
+            m.derived.get("of_offered_rate"), x.get("output_tokens_per_s"),
+            *(_ms(x.get(f"{key}_s")) for key in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99"))]
+
+
 ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "round ms at a=0", "overhead ms",
                      "x plain", "projected", "projected + overhead", "measured / projected", "off-record rounds",
                      "greedy match")
@@ -246,12 +260,8 @@ ACCEPTANCE_HEADER = ("shape", "alpha", "acceptance", "tok/round", "round ms", "r
 
 def _acceptance_tables(run: BenchRun) -> list[str]:
     """The acceptance sweep's rows, one table a group, labelled controlled acceptance."""
-    groups: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
-        if m.kind == SWEEP_KIND:
-            groups.setdefault(m.group, []).append(m)
     out: list[str] = []
-    for group, members in groups.items():
+    for group, members in run.groups((SWEEP_KIND,)).items():
         out += [f"**{group}**: controlled acceptance (an oracle chooses which drafts match the target's greedy "
                 "continuation, each with probability alpha; the draft and target forwards and the rounds cost what "
                 "they do). Projections at the measured acceptance with the run's c and v(N); + overhead: the "
@@ -260,8 +270,7 @@ def _acceptance_tables(run: BenchRun) -> list[str]:
         for m in members:
             x, d, p = m.metrics, m.derived, m.params
             if not m.ok:
-                rows.append([m.name, m.status, (m.error or "").splitlines()[0][:80] if m.error else ""]
-                            + [None] * (len(ACCEPTANCE_HEADER) - 3))
+                rows.append(failed_row(m, len(ACCEPTANCE_HEADER)))
                 continue
             rows.append([p.get("shape"), p.get("alpha"), d.get("acceptance"), x.get("mean_accepted_length"),
                          x.get("round_ms"), x.get("round_ms_zero_acceptance"), d.get("round_overhead_ms"),

@@ -1,10 +1,8 @@
 """Result records of a benchmark run and their JSON form.
 
-A run (one `infer bench` invocation) holds its environment (GPU, versions) and an ordered
-list of measurements. A measurement is one timed thing (a bandwidth probe, an engine run,
-a peer run, a cost measurement); a failed one keeps its error instead of numbers, so a run
-never loses what it already measured. Ratios between measurements (speedups, roofline
-fractions, efficiency) are derived from these records by `infer.bench.analysis`.
+A run holds its environment (GPU, versions) and an ordered list of measurements; a failed
+measurement keeps its error instead of numbers, so a run never loses what it measured.
+Ratios between measurements are derived by `infer.bench.analysis`.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +72,15 @@ class BenchRun:
 
     def get(self, name: str) -> Measurement | None:
         return next((m for m in self.measurements if m.name == name), None)
+
+    def groups(self, kinds: Collection[str], keep: Callable[[Measurement], bool] | None = None
+               ) -> dict[str, list[Measurement]]:
+        """The measurements of these kinds (that `keep` takes) by group, in run order."""
+        groups: dict[str, list[Measurement]] = {}
+        for m in self.measurements:
+            if m.kind in kinds and (keep is None or keep(m)):
+                groups.setdefault(m.group, []).append(m)
+        return groups
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": self.schema, "suite": self.suite, "created": self.created, "options": self.options,

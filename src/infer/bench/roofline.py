@@ -1,18 +1,14 @@
-"""Memory-bandwidth roofline for batch-1 decode, measured in the same process as the run.
+"""Memory-bandwidth roofline for decode, measured in the same process as the run.
 
-At batch 1 a decode step reads every weight once, so it cannot beat weight bytes / memory
-bandwidth (`decode_roofline`, `Roofline`). The bandwidth (`copy_bandwidth`, `Bandwidth`)
-comes from a device-to-device copy probe: the median of several copies on a GPU, on a CPU
-the best copy on one thread and on every core. The weight bytes count tied embeddings once.
-At batch B a step also reads every row's K and V (`decode_step_bytes`): its bytes limit is
-those bytes / the copy bandwidth. `roofline_fraction`: a measured rate against the
-roofline. Why the best CPU copy, and what is left out: docs/benchmarks.md, "Method".
+At batch 1 a decode step reads every weight once (tied embeddings once), so it cannot beat
+weight bytes / memory bandwidth; at batch B it also reads every row's K and V. The bandwidth
+comes from a copy probe: the median of several copies on a GPU, on a CPU the best copy on one
+thread and on every core (why: docs/benchmarks.md, "Method").
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 import time
 from dataclasses import dataclass
 
@@ -120,33 +116,3 @@ def decode_step_bytes(weight_bytes_: int, kv_bytes_per_token_: int, batch: int, 
         raise ValueError(f"decode_step_bytes needs weights > 0, KV bytes >= 0, batch >= 1 and context >= 0, got "
                          f"{weight_bytes_}, {kv_bytes_per_token_}, {batch}, {context}")
     return weight_bytes_ + round(batch * context * kv_bytes_per_token_)
-
-
-def roofline_fraction(tokens_per_s: float, roofline_tokens_per_s: float) -> float:
-    """Achieved / roofline tokens per second (1.0 = running at memory bandwidth)."""
-    if roofline_tokens_per_s <= 0:
-        raise ValueError("roofline_tokens_per_s must be > 0")
-    return tokens_per_s / roofline_tokens_per_s
-
-
-def graph_seconds(calls: list[Callable[[], object]], replays: int) -> float:
-    """Seconds per call: the median over `replays` of one graph holding every call once."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3 / len(calls))
-    del graph
-    return statistics.median(times)

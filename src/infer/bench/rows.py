@@ -1,10 +1,8 @@
 """A benchmark row: one named measurement, what it measures, how to run it, what it needs.
 
-A row is defined once, in the table of `infer.bench.suites`; a suite is a named selection of
-rows. `refs` names the rows a row is compared with (its baseline, roofline, costs, chain):
-they run first, whichever suite selected the row. `needs` are the conditions a row cannot
-run without (an optional package, the bundled demo models, enough GPUs): an unmet one
-skips the row with a hint saying how to meet it, instead of recording an error.
+`refs` names the rows a row is compared with: they run first, whichever suite selected the
+row. An unmet `need` (an optional package, the demo models, enough GPUs) skips the row with
+a hint saying how to meet it, instead of recording an error.
 """
 
 from __future__ import annotations

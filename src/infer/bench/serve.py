@@ -3,11 +3,9 @@
     infer bench --suite serve --device cpu --request-rates 1,4 --num-prompts 20 --output-len 16
     infer bench --suite serve --url http://127.0.0.1:8000      # any OpenAI-compatible server
 
-Without --url a `ServeSession` starts our server (the engine flags given to `infer bench`)
-before the first row and stops it after the last; with --url it only talks to that URL.
-Each rate (`measure_rate`) sends the same `num_prompts` requests of the ShareGPT-like mix
-(bench/serve_mix.py) with Poisson arrivals (bench/serve_client.py) after a few warm-up
-requests. Rows are "serve/<label>/r<rate>", label "ours" or "peer". docs/benchmarks.md.
+Without --url a `ServeSession` starts our server (with `infer bench`'s engine flags) before
+the first row and stops it after the last. Each rate sends the same requests of the
+ShareGPT-like mix (bench/serve_mix.py) with Poisson arrivals after a few warm-up requests.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infer.bench.results import Measurement
 from infer.bench.rows import Context, Module, Need, Outcome, Row
 from infer.bench.serve_mix import SHAREGPT_LIKE, LengthMix, draw_requests, poisson_schedule
 
@@ -222,22 +219,3 @@ def serve_derived(metrics: Mapping[str, Any], params: Mapping[str, Any]) -> dict
     if isinstance(rate, (int, float)) and rate > 0 and achieved is not None:
         out["of_offered_rate"] = achieved / rate
     return out
-
-
-SERVE_HEADER = ("rate /s", "completed", "req/s", "of offered", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50",
-                "TPOT p99", "E2E p50", "E2E p99")
-
-
-def serve_table_row(m: Measurement) -> list[Any]:
-    """A serve Measurement as a report row (SERVE_HEADER; times in ms)."""
-    if not m.ok:
-        return [m.name, m.status, (m.error or "").splitlines()[0][:80] if m.error else ""] + \
-            [None] * (len(SERVE_HEADER) - 3)
-    x = m.metrics
-
-    def ms(key: str) -> float | None:
-        return None if x.get(key) is None else x[key] * 1e3
-
-    return [m.params.get("request_rate"), f"{x.get('completed')}/{x.get('requests')}", x.get("request_throughput"),
-            m.derived.get("of_offered_rate"), x.get("output_tokens_per_s"), ms("ttft_p50_s"), ms("ttft_p99_s"),
-            ms("tpot_p50_s"), ms("tpot_p99_s"), ms("e2e_p50_s"), ms("e2e_p99_s")]

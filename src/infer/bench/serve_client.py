@@ -1,13 +1,7 @@
 """The serving benchmark's client: open-loop streamed completions at scheduled times, and the
-per-rate statistics (TTFT, TPOT, end-to-end latency, throughput).
-
-Each request is sent at its arrival time whatever the server's state (open loop: a slow
-server builds a queue, it does not slow the arrivals), streams a greedy completion of exactly
-its drawn length (`ignore_eos`) and is timed: TTFT from sending to the first streamed token,
-TPOT as (end-to-end - TTFT) / (tokens - 1), as `vllm bench serve` defines them. A request
-that errs, returns fewer tokens than asked, ends its stream without `[DONE]` or outlives
-`timeout_s` counts as failed with its reason; every request is either completed or failed.
-Needs httpx (the `server` extra).
+per-rate statistics (TTFT, TPOT, end-to-end latency, throughput), as `vllm bench serve`
+defines them. A request that errs, returns fewer tokens than asked, ends its stream without
+`[DONE]` or outlives `timeout_s` counts as failed with its reason.
 """
 
 from __future__ import annotations

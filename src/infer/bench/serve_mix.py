@@ -1,12 +1,6 @@
-"""What the serving benchmark sends, and when: a seeded ShareGPT-like length mix and Poisson
-arrival times (pure functions; no download, no tokenizer).
-
-`SHAREGPT_LIKE` (a `LengthMix`) draws prompt and output lengths from log-normal laws with
-ShareGPT's medians and spreads (prompts about 100 tokens, outputs about 250), clipped to
-the usual bounds and the server's context; `draw_requests` makes each `ServeRequest`'s
-prompt of ids drawn uniformly from `TOKEN_RANGE`, so its length is exact on any server of
-the model. `poisson_schedule`: exponential gaps of mean 1/r (rate inf: all at time 0).
-The figures behind the mix: docs/benchmarks.md, "Method".
+"""What the serving benchmark sends, and when: a seeded ShareGPT-like length mix (log-normal
+prompt and output lengths) of prompts of random ids, and Poisson arrival times. The
+figures behind the mix: docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

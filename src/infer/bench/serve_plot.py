@@ -14,12 +14,12 @@ PANELS = (("ttft", "TTFT"), ("tpot", "TPOT (per output token after the first)"),
 
 def serving_groups(run: BenchRun) -> dict[str, list[Measurement]]:
     """Group -> its finished serve rows with a finite rate, by rate."""
-    groups: dict[str, list[Measurement]] = {}
-    for m in run.measurements:
+    def finished_at_a_rate(m: Measurement) -> bool:
         rate = m.params.get("request_rate")
-        if m.ok and m.kind == SERVE_KIND and isinstance(rate, (int, float)) and math.isfinite(rate):
-            groups.setdefault(m.group, []).append(m)
-    return {g: sorted(ms, key=lambda m: m.params["request_rate"]) for g, ms in groups.items()}
+        return m.ok and isinstance(rate, (int, float)) and math.isfinite(rate)
+
+    return {g: sorted(ms, key=lambda m: m.params["request_rate"])
+            for g, ms in run.groups((SERVE_KIND,), finished_at_a_rate).items()}
 
 
 def plot_serving(run: BenchRun, out_dir: Path) -> Path | None:
@@ -49,8 +49,8 @@ def plot_serving(run: BenchRun, out_dir: Path) -> Path | None:
         ax.set_title(title, fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"serving latency against request rate ({run.environment.get('gpu') or run.environment.get('device', '')})",
-                 fontsize=11)
+    where = run.environment.get("gpu") or run.environment.get("device", "")
+    fig.suptitle(f"serving latency against request rate ({where})", fontsize=11)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "serving.png"
     fig.savefig(path, dpi=110)

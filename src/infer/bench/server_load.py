@@ -3,11 +3,9 @@
     python -m infer.bench.server_load --num-requests 500 --concurrency 32 -- --model DIR --device cpu
     python -m infer.bench.server_load --url http://127.0.0.1:8000 --model-name NAME
 
-Without --url it starts `python -m infer.server` in a subprocess (arguments after `--` go
-to the server) on a free port, so the client does not share a Python interpreter with the
-server. Every request is greedy with `ignore_eos`, so each must return exactly max_tokens
-tokens: a response with fewer (or a stream without `[DONE]`) counts as truncated. Half the
-requests stream (SSE), half do not. Prints one JSON object (and a readable summary).
+Without --url it starts `python -m infer.server` in a subprocess (arguments after `--` go to
+it). Every request is greedy with `ignore_eos`, so a response with fewer than max_tokens
+tokens counts as truncated; half the requests stream.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 
 KEEPALIVE_EXPIRY_S = 2.0  # a client's idle connection lifetime (below servers' keep-alive timeouts)
 
@@ -33,13 +32,7 @@ DEFAULT_PROMPTS = ("The quick brown fox", "Once upon a time", "def forward(self,
 
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated q-th percentile (0..100) of values (nan when empty)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 @dataclass
@@ -78,10 +71,8 @@ class LoadResult:
                                "errors": len(self.replies) - len(ok), "wall_s": round(self.wall_s, 3),
                                "requests_per_s": round(len(ok) / self.wall_s, 2) if self.wall_s else None,
                                "output_tokens_per_s": round(tokens / self.wall_s, 1) if self.wall_s else None}
-        for q in (50, 90, 99):
-            out[f"latency_p{q}_s"] = round(percentile(lat, q), 4)
-        for q in (50, 90, 99):
-            out[f"ttft_stream_p{q}_s"] = round(percentile(ttft, q), 4)
+        for name, values in (("latency", lat), ("ttft_stream", ttft)):
+            out.update({f"{name}_p{q}_s": round(percentile(values, q), 4) for q in (50, 90, 99)})
         return out
 
 

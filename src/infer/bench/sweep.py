@@ -1,13 +1,10 @@
 """The controlled-acceptance sweep: speculation timed at chosen acceptance rates.
 
-Every cost stays real (the target, the draft or EAGLE-3 head, CUDA graphs, the engine's
-rounds) while an oracle (bench/oracle.py) chooses which drafts match, so a speedup at
-acceptance alpha is measured, not projected; reports label it controlled acceptance. One
-`SweepSession` serves a sweep's rows (`SweepShape`, `SweepSetup`): the models load once per
-draft quantization, the dummy target made steady under greedy decoding (`steady_greedy`),
-then the costs, the plain baseline (the oracle's record) and one speculative engine per
-(draft quantization, shape), timed at each alpha. The sequence, and what a speed is at
-batch 1 and above: docs/benchmarks.md, "Method".
+Every cost stays real (target, draft or EAGLE-3 head, CUDA graphs, the engine's rounds)
+while an oracle (bench/oracle.py) chooses which drafts match, so a speedup at acceptance
+alpha is measured, not projected. One `SweepSession` serves a sweep's rows: the models load
+once per draft quantization, then the costs, the plain baseline (the oracle's record) and
+one speculative engine per shape, timed at each alpha. docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Projections from the paper's speed model (speculative/theory.py) and measured costs.
-
-`alpha_from_mean_length` (in speculative/theory.py) inverts Eq. 1: the a under which the i.i.d.
-model gives the measured mean tokens per round. That is the acceptance rate the paper's
-factor needs; the engine's `acceptance_rate` (accepted / drafted tokens) counts tokens
-drafted after the first rejection of a round as rejected too, so it is lower. The
-efficiency of an implementation is its measured speedup / the predicted factor; the gap is
-the engine's own overhead.
-
-Prefill's model FLOPs (`prefill_flops`) and the GPUs' peak dense bf16 FLOPs
-(`peak_bf16_flops`) give a prefill row's model FLOPs utilisation (MFU).
+"""Projections from the paper's speed model (speculative/theory.py) and measured costs, and
+prefill's model FLOPs against the GPUs' peak bf16 FLOPs (MFU). The efficiency of an
+implementation is its measured speedup / the predicted factor; the gap is the engine's own
+overhead.
 """
 
 from __future__ import annotations

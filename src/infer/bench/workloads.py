@@ -1,12 +1,10 @@
 """Benchmark workloads as named, validated configurations, and the prompts they produce.
 
-`get_workload` names a `Workload`: W1 (one request, 128-token prompt, 256 new tokens), W2
-(32 concurrent requests), W2-prefix (W2 with a shared 256-token prefix), W5 (a code edit:
-a file then its first lines again) and agent (16 tool-calling requests, bench/agent.py).
-Every request sets `ignore_eos`; `with_temperature` and `constrained` (`JSON_RECORDS`)
-give variants. `build_requests` makes a `PromptSet`: seeded random ids for a model without
-a tokenizer (`random_ids`, W5's structure kept), else code from the demo corpus's
-validation files (`code_token_stream`, `code_edit_text`). docs/benchmarks.md, "Method".
+W1 (one request), W2 (32 concurrent ones), W2-prefix (W2 with a shared prefix), W5 (a code
+edit: a file then its first lines again) and agent (tool-calling requests, bench/agent.py);
+every request sets `ignore_eos`. Prompts are seeded random ids for a model without a
+tokenizer (W5's structure kept), else code from the demo corpus's validation files.
+docs/benchmarks.md, "Method".
 """
 
 from __future__ import annotations

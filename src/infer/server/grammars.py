@@ -115,10 +115,6 @@ class GrammarService:
                                      context=multiprocessing.get_context("spawn"))
         return self._pool
 
-    @property
-    def cached_bytes(self) -> int:
-        return 0 if self._cache is None else self._cache.bytes
-
     def close(self) -> None:
         """Stop the worker processes (a compile under way is killed)."""
         if self._pool is not None:

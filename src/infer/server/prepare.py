@@ -32,6 +32,7 @@ from infer.tokenization import Tokenizer, TokenLimitExceeded
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 R = TypeVar("R")
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
 ModelCheck = Callable[[str | None], None]  # raises the 404 for a model this server does not serve
 
 
@@ -67,19 +68,19 @@ class Preparer:
 
     async def completion(self, raw: bytes, check_model: ModelCheck) -> tuple[CompletionRequest, Prepared]:
         """Parse and prepare a /v1/completions body (`check_model` runs on its `model` first)."""
-        def prepare() -> tuple[CompletionRequest, Prepared]:
-            body = parse_body(CompletionRequest, raw, self.limits)
-            check_model(body.model)
-            return body, self._completion(body)
-        return await self.run(prepare)
+        return await self._parse_and_prepare(CompletionRequest, raw, check_model, self._completion)
 
     async def chat(self, raw: bytes, check_model: ModelCheck) -> tuple[ChatCompletionRequest, Prepared]:
         """Parse and prepare a /v1/chat/completions body (`check_model` runs on its `model` first)."""
-        def prepare() -> tuple[ChatCompletionRequest, Prepared]:
-            body = parse_body(ChatCompletionRequest, raw, self.limits)
+        return await self._parse_and_prepare(ChatCompletionRequest, raw, check_model, self._chat)
+
+    async def _parse_and_prepare(self, kind: type[B], raw: bytes, check_model: ModelCheck,
+                                 prepare: Callable[[B], Prepared]) -> tuple[B, Prepared]:
+        def work() -> tuple[B, Prepared]:
+            body = parse_body(kind, raw, self.limits)
             check_model(body.model)
-            return body, self._chat(body)
-        return await self.run(prepare)
+            return body, prepare(body)
+        return await self.run(work)
 
     async def run(self, fn: Callable[[], R]) -> R:
         """`fn()` in the pool; raises the error given to `abandon` if that comes first."""

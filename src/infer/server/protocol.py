@@ -61,7 +61,6 @@ INTEGRAL = BeforeValidator(_integral)
 # false and nothing else (a Literal[False] takes 0 too, as 0 == False)
 OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"const": False})]
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Int = Annotated[int, INTEGRAL]
 # A nullable integer's bounds go inside its integer type (before INTEGRAL), so that the schema shows them as

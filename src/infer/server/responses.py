@@ -6,7 +6,7 @@ final chunks."""
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -43,14 +43,21 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReasonName | None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """The fields every response and chunk has, in OpenAI's order (a subclass narrows them)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: Usage | None = None
     speculative_decoding: SpeculativeStats | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatTopLogprob(BaseModel):
@@ -91,14 +98,9 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReasonName | None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
 
 
 class FunctionCallDelta(BaseModel):
@@ -126,24 +128,16 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Envelope):
     object: Literal["text_completion"] = "text_completion"
     created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
-    speculative_decoding: SpeculativeStats | None = None
 
 
 class ModelCard(BaseModel):

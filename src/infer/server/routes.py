@@ -14,19 +14,16 @@ from functools import partial
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
 
 from infer.engine.request import StepOutput
 from infer.server.protocol import ChatCompletionRequest, CompletionRequest
 from infer.server.responses import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                     ChatCompletionResponse, ChatDelta, CompletionChoice, CompletionChunk,
                                     CompletionResponse, FunctionCall, FunctionCallDelta, SpeculativeStats, ToolCall,
-                                    ToolCallDelta, Usage)
+                                    ToolCallDelta)
 from infer.server.serving import ServerState, submit
-from infer.server.streaming import JSONStream, Outcome, SSEResponse, collect, event_stream, json_body, usage
+from infer.server.streaming import Outcome, SSEResponse, event_stream, whole_response
 from infer.server.tool_calls import CallReader, call_id
-
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
 
 def _finish_reason(out: StepOutput) -> str | None:
@@ -70,6 +67,9 @@ async def completion(state: ServerState, request: Request) -> Any:
     if body.stream:
         offsets = [len(echo)] * len(jobs)
 
+        def make(choices: list[CompletionChoice], **extra: Any) -> dict[str, Any]:
+            return CompletionChunk(id=request_id, created=created, model=model, choices=choices, **extra).model_dump()
+
         def chunk(index: int, out: StepOutput, spec: SpeculativeStats | None) -> dict[str, Any]:
             logprobs = None
             if out.logprobs is not None:
@@ -77,31 +77,20 @@ async def completion(state: ServerState, request: Request) -> Any:
                 offsets[index] += len(logprobs.tokens[0])
             choice = CompletionChoice(index=index, text=out.text_delta, logprobs=logprobs,
                                       finish_reason=_finish_reason(out))  # type: ignore[arg-type]
-            return CompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                   speculative_decoding=spec).model_dump()
+            return make([choice], speculative_decoding=spec)
 
-        def usage_chunk(u: Usage) -> dict[str, Any]:
-            return CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=u).model_dump()
+        first = [make([CompletionChoice(index=i, text=echo, finish_reason=None) for i in range(len(jobs))])
+                 ] if prepared.echo else []
+        usage_chunk = (lambda u: make([], usage=u)) if _include_usage(body) else None
+        return SSEResponse(event_stream(jobs, chunk, usage_chunk, first), jobs.close)
 
-        first = [CompletionChunk(id=request_id, created=created, model=model, choices=[
-            CompletionChoice(index=i, text=echo, finish_reason=None) for i in range(len(jobs))]).model_dump()
-        ] if prepared.echo else []
-        return SSEResponse(event_stream(jobs, chunk, usage_chunk if _include_usage(body) else None, first),
-                           jobs.close)
-    outcomes = await collect(jobs, request)
-    if outcomes is None:
-        return Response(status_code=CLIENT_CLOSED)
-    if not isinstance(outcomes, list):
-        raise outcomes
     def choice(i: int, o: Outcome) -> CompletionChoice:
         return CompletionChoice(index=i, text=echo + o.text, finish_reason=o.finish_reason,  # type: ignore[arg-type]
                                 logprobs=fmt.completion(o.logprobs, len(echo), with_top)
                                 if body.logprobs is not None else None)
 
-    whole = CompletionResponse(id=request_id, created=created, model=model, choices=[],
-                               usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
-                               speculative_decoding=outcomes[0].spec)
-    return JSONStream(json_body(whole, [partial(choice, i, o) for i, o in enumerate(outcomes)]))
+    return await whole_response(jobs, request, partial(CompletionResponse, id=request_id, created=created,
+                                                       model=model), choice)
 
 
 async def chat_completion(state: ServerState, request: Request) -> Any:
@@ -131,11 +120,7 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
                  for i in range(len(jobs))]
         usage_chunk = (lambda u: make([], usage=u)) if _include_usage(body) else None
         return SSEResponse(event_stream(jobs, chunk, usage_chunk, first), jobs.close)
-    outcomes = await collect(jobs, request)
-    if outcomes is None:
-        return Response(status_code=CLIENT_CLOSED)
-    if not isinstance(outcomes, list):
-        raise outcomes
+
     def choice(i: int, o: Outcome) -> ChatChoice:
         message, finish = AssistantMessage(content=o.text), o.finish_reason
         if readers is not None:
@@ -143,7 +128,5 @@ async def chat_completion(state: ServerState, request: Request) -> Any:
         return ChatChoice(index=i, message=message, finish_reason=finish,  # type: ignore[arg-type]
                           logprobs=fmt.chat(o.logprobs) if body.logprobs else None)
 
-    whole = ChatCompletionResponse(id=request_id, created=created, model=state.model_name, choices=[],
-                                   usage=usage(len(prepared.prompt_ids), sum(o.completion_tokens for o in outcomes)),
-                                   speculative_decoding=outcomes[0].spec)
-    return JSONStream(json_body(whole, [partial(choice, i, o) for i, o in enumerate(outcomes)]))
+    return await whole_response(jobs, request, partial(ChatCompletionResponse, id=request_id, created=created,
+                                                       model=model), choice)

@@ -4,9 +4,9 @@
 each tagged with its index) into one chunk per token and choice, a final chunk per choice
 (with its speculative statistics), an optional `usage` chunk, then `[DONE]`; a failure
 mid-stream is an `error` event before `[DONE]`. `SSEResponse` cancels the stream when the
-client disconnects and `collect` races a whole response against the same signal. A whole
-response goes out as `JSONStream(json_body(...))`: its choices serialized one at a time in
-a worker thread, the event loop free in between. docs/server.md, "Streaming".
+client disconnects and `whole_response` races a whole response against the same signal,
+then sends it as `JSONStream(json_body(...))`: its choices serialized one at a time in a
+worker thread, the event loop free in between. docs/server.md, "Streaming".
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from infer.engine.request import StepOutput
@@ -32,6 +33,7 @@ from infer.server.jobs import Jobs
 from infer.server.serving import spec_stats
 
 DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
 
 class SSEResponse(StreamingResponse):
@@ -149,6 +151,20 @@ async def collect(jobs: Jobs, request: Request) -> list[Outcome] | APIError | No
             job.close()
         return None
     return gather.result()
+
+
+async def whole_response(jobs: Jobs, request: Request, envelope: Callable[..., BaseModel],
+                         choice: Callable[[int, Outcome], BaseModel]) -> Response:
+    """`envelope(choices=[], usage, speculative_decoding)` with `choice(i, outcome)` for each
+    choice `collect`ed; the error that ended one raised; CLIENT_CLOSED if the client left."""
+    outcomes = await collect(jobs, request)
+    if outcomes is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if not isinstance(outcomes, list):
+        raise outcomes
+    whole = envelope(choices=[], usage=usage(jobs.prompt_tokens, sum(o.completion_tokens for o in outcomes)),
+                     speculative_decoding=outcomes[0].spec)
+    return JSONStream(json_body(whole, [partial(choice, i, o) for i, o in enumerate(outcomes)]))
 
 
 ChunkFn = Callable[[int, StepOutput, SpeculativeStats | None], dict[str, Any]]

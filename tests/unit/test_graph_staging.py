@@ -49,7 +49,7 @@ def _staged(pool, plan):
     sizes = plan_sizes(TOKENS, ROWS)
     buf = torch.full((sum(sizes),), 7, dtype=torch.long)
     parts = dict(zip(ARRAYS, torch.split(buf, sizes), strict=True))
-    stage(parts, plan)
+    stage({name: part.numpy() for name, part in parts.items()}, plan)  # (views of buf)
     return batch_of(parts, pool.tables.sync(), pool.block_size, pool.scratch_row, (1,) * TOKENS, WIDTH, 0)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
@@ -87,33 +88,39 @@ ARRAYS = ("ids", "positions", "rope", "token_rows", "bits", "base", "row_slots",
 
 
 def plan_batch(rows: Sequence[Row]) -> BatchPlan:
-    """Lay the rows out (a few vector operations on the host)."""
+    """Lay the rows out (a few vector operations on the host; per-row facts as Python lists,
+    which for a step's few rows cost less than numpy calls)."""
     if not rows:
         raise ValueError("a forward batch needs at least one row")
-    lens = np.array([len(r.ids) for r in rows], dtype=np.int64)  # [B]
-    starts = np.array([r.start for r in rows], dtype=np.int64)  # [B]
-    query_start = np.concatenate([[0], np.cumsum(lens)])  # [B + 1]
+    lens = [len(r.ids) for r in rows]  # [B]
+    starts = [r.start for r in rows]  # [B]
+    query_start = np.fromiter(accumulate(lens, initial=0), dtype=np.int64, count=len(rows) + 1)  # [B + 1]
     n = int(query_start[-1])
     token_rows = np.repeat(np.arange(len(rows), dtype=np.int64), lens)  # [N]
-    positions = starts[token_rows] + np.arange(n, dtype=np.int64) - query_start[token_rows]  # [N]
-    rope = positions.copy()
-    width = max((r.tree.width for r in rows if r.tree is not None), default=0)
+    # position of token t of row b: starts[b] + t - query_start[b]
+    positions = np.arange(n, dtype=np.int64) + np.repeat(np.subtract(starts, query_start[:-1]), lens)  # [N]
+    ends = query_start[1:].tolist()
+    wanted = [i for r, end in zip(rows, ends, strict=True) for i in range(end - r.logits, end)]
+    trees = [(b, r.tree) for b, r in enumerate(rows) if r.tree is not None]
+    width = max((t.width for _, t in trees), default=0)
     words = rule_words(max(width, 1))
     bits = np.zeros((n, words), dtype=np.int64)
     base = positions + 1  # (outside any tree: no key of the rule)
-    for b, r in enumerate(rows):
-        if r.tree is None:
-            continue
-        lo, hi = query_start[b], query_start[b + 1]
-        bits[lo:hi] = [_words(x, words) for x in r.tree.bits]
-        base[lo:hi] = starts[b] + r.tree.base_offset
-        rope[lo:hi] = starts[b] + r.tree.base_offset + np.asarray(r.tree.rope_offsets, dtype=np.int64)
-    wanted = [np.arange(query_start[b + 1] - r.logits, query_start[b + 1]) for b, r in enumerate(rows) if r.logits]
-    arrays = {"ids": np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in rows]), "positions": positions,
-              "rope": rope, "token_rows": token_rows, "bits": bits.reshape(-1), "base": base,
-              "row_slots": np.array([r.slot for r in rows], dtype=np.int64), "seq_lens": starts + lens,
-              "query_start": query_start, "logits": np.concatenate(wanted) if wanted else np.zeros(0, dtype=np.int64)}
-    return BatchPlan(arrays, tuple(int(x) for x in lens), width)
+    rope = positions.copy()
+    for b, tree in trees:
+        lo, hi, origin = ends[b] - lens[b], ends[b], starts[b] + tree.base_offset
+        if words == 1:  # (one word a token: its bits as a signed int64)
+            bits[lo:hi, 0] = [x - (1 << WORD) if x >> (WORD - 1) else x for x in tree.bits]
+        else:
+            bits[lo:hi] = [_words(x, words) for x in tree.bits]
+        base[lo:hi] = origin
+        rope[lo:hi] = origin + np.asarray(tree.rope_offsets, dtype=np.int64)
+    arrays = {"ids": np.fromiter(chain.from_iterable(r.ids for r in rows), dtype=np.int64, count=n),
+              "positions": positions, "rope": rope, "token_rows": token_rows, "bits": bits.reshape(-1), "base": base,
+              "row_slots": np.array([r.slot for r in rows], dtype=np.int64),
+              "seq_lens": np.add(starts, lens, dtype=np.int64), "query_start": query_start,
+              "logits": np.array(wanted, dtype=np.int64)}
+    return BatchPlan(arrays, tuple(lens), width)
 
 
 @dataclass(frozen=True, slots=True)

@@ -316,12 +316,13 @@ class ModelRunner:
                     break
             if not spec.drafts_for(r):  # (a plain row of the round: no speculation to count)
                 continue
-            spec.policy.update(r.request_id, d.depth, a)
-            if d.depth > 0:
-                r.speculation_acceptance_rates.append(a / d.depth)
+            depth = d.depth
+            spec.policy.update(r.request_id, depth, a)
+            if depth > 0:
+                r.speculation_acceptance_rates.append(a / depth)
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
-            spec.stats.record(d.num_proposed, a, emitted, d.depth)
+            spec.stats.record(d.num_proposed, a, emitted, depth)
 
     def _emit(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Accept one token for a request: its grammar (if any) advances over it first. A

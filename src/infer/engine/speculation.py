@@ -204,7 +204,10 @@ class Speculation:
     def decode_widths(self, request: Request) -> list[int]:
         """The blocks the request's next step may write, largest first, down to a plain step
         (the scheduler's fallbacks when memory is short: `KVManager.decode_widths`)."""
-        return sorted({self.width(k) for k in range(self.max_depth(request) + 1)}, reverse=True)
+        deepest = self.max_depth(request)
+        if self.tree is None:  # (a chain of k writes 1 + k)
+            return list(range(deepest + 1, 0, -1))
+        return sorted({self.width(k) for k in range(deepest + 1)}, reverse=True)
 
     def depths(self, requests: Sequence[Request], room: Sequence[int] | None = None) -> list[int]:
         """Each request's draft depth this step (module docstring); `room`: the positions the

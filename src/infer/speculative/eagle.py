@@ -198,7 +198,7 @@ class EagleProposer:
         """`Proposer.propose`: a chain or a static tree per request (module docstring)."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
-        drafts = [Draft.empty(shape) for _ in requests]
+        drafts = [Draft.empty(shape)] * len(requests)  # (frozen: one shared until a row's own replaces it)
         picked = [(i, s) for i, k in enumerate(depths) if k > 0 and (
             s := self._room(requests[i], fed_positions(shape, min(k, shape.depth)))) is not None]
         if not picked:

@@ -72,7 +72,7 @@ class MedusaProposer:
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         if any(not is_strict_int(k) or k < 0 for k in depths):
             raise ValueError(f"depths must hold integers >= 0, got {list(depths)}")
-        drafts = [Draft.empty(shape) for _ in requests]
+        drafts = [Draft.empty(shape)] * len(requests)  # (frozen: one shared until a row's own replaces it)
         picked = [i for i, (r, k) in enumerate(zip(requests, depths, strict=True)) if k > 0 and self._ready(r)]
         if not picked:
             return drafts

@@ -88,10 +88,11 @@ class NgramProposer(HostProposer):
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts: list[Draft] = []
+        empty = Draft.empty(shape)  # (frozen: shared by the rows that find nothing)
         for request, depth in zip(requests, depths, strict=True):
             if not is_strict_int(depth) or depth < 0:
                 raise ValueError(f"depths must hold integers >= 0, got {depth!r} for request {request.request_id!r}")
-            drafts.append(Draft.empty(shape))
+            drafts.append(empty)
             if not depth:  # (its table catches up at its next lookup)
                 continue
             with isolated(request, DRAFTING):

@@ -190,8 +190,8 @@ class DraftModelProposer:
         k was guarded for. Tokens stay on the device between steps (the next step's input is
         the previous step's output): no host sync, except to grow the contexts when a
         repetition penalty needs them. Each row draws its k_b uniforms from its own generator.
-        When every row samples with a temperature alone, the forward function samples too
-        (`sample`: inside the step's CUDA graph when there is one).
+        Each step is one pass of the draft's forward function (a CUDA graph replay where one
+        serves), then its draw (`ChainSteps.draw`) queued behind it.
         """
         batch, k_max = len(reqs), max(ks)
         slots = [self.slot(r) for r in reqs]

@@ -79,8 +79,7 @@ class ModelRunner:
         if config.speculative is not None:
             # the model that drafts (None: n-gram or prompt lookup)
             drafter = draft_model if draft_model is not None else head if head is not None else medusa
-            draft_kernels = EAGER if drafter is None else step_kernels(execution, self.device,
-                                                                       drafter)
+            draft_kernels = EAGER if drafter is None else step_kernels(execution, self.device, drafter)
             self.speculation = Speculation.build(config, executor, draft_model, draft_kernels, head, model, vocab_map,
                                                  medusa)
             self.speculation.start(self.forward_fn, self.cache_pool, model)

@@ -20,12 +20,12 @@ import torch
 from infer.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from infer.speculative.verifier import (
     VerifyResult,
-    acceptance_probabilities,
     residual_distribution,
     unpack_rows,
     verify,
     verify_greedy_logits,
     verify_logits,
+    verify_tensors,
 )
 
 TV_BOUND = 0.01
@@ -38,26 +38,40 @@ Verifier = Callable[..., VerifyResult]
 # ---------------------------------------------------------------- pure helpers
 
 
-def test_acceptance_probabilities_equal_min_one_p_over_q() -> None:
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0])
-    q = torch.tensor([0.25, 0.6, 0.0, 0.15, 0.0])
+def _accepted(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, u: list[float]) -> list[bool]:
+    """Whether `verify_tensors` accepts a one-token draft per row: p, q [B, V], tokens [B], u [B]."""
+    b = tokens.shape[0]
+    target = torch.stack([p, p], dim=1)  # [B, 2, V]: the draft's position, then the bonus
+    packed = verify_tensors(tokens[:, None], torch.ones(b, dtype=torch.long), None if q is None else q[:, None],
+                            target, torch.tensor(u, dtype=torch.float64)[:, None], torch.zeros(b, dtype=torch.float64))
+    return (packed[:, 1] == 1).tolist()  # [B]: the number accepted
+
+
+def _assert_accepts_below(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor, want: list[float]) -> None:
+    """A draft is accepted with probability `want`: exactly for uniforms below it."""
+    below = [max(0.0, w - 1e-6) for w in want]
+    at = [min(w, 1 - 1e-12) for w in want]
+    assert _accepted(p, q, tokens, below) == [w > 0 for w in want]
+    assert _accepted(p, q, tokens, at) == [w >= 1 for w in want]
+
+
+def test_a_draft_is_accepted_with_probability_min_one_p_over_q() -> None:
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0], dtype=torch.float64).expand(5, -1)
+    q = torch.tensor([0.25, 0.6, 0.0, 0.15, 0.0], dtype=torch.float64).expand(5, -1)
     tokens = torch.tensor([0, 1, 2, 3, 4])
-    got = acceptance_probabilities(p.expand(5, -1), q.expand(5, -1), tokens)
     # p/q = 2 -> 1; 0.5; q = 0 < p -> 1; p = 0 -> 0; p = q = 0 -> 0
-    assert got.tolist() == [1.0, 0.5, 1.0, 0.0, 0.0]
-    one_hot = acceptance_probabilities(p.expand(5, -1), None, tokens)
-    assert torch.allclose(one_hot, p.double())
+    _assert_accepts_below(p, q, tokens, [1.0, 0.5, 1.0, 0.0, 0.0])
+    _assert_accepts_below(p, None, tokens, [0.5, 0.3, 0.2, 0.0, 0.0])  # a one-hot proposal: p(t)
 
 
 def test_acceptance_probabilities_batched_random() -> None:
     gen = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(3, 4, 7, generator=gen), -1)  # [3, 4, 7]
-    q = torch.softmax(torch.randn(3, 4, 7, generator=gen), -1)  # [3, 4, 7]
-    t = torch.randint(0, 7, (3, 4), generator=gen)  # [3, 4]
-    got = acceptance_probabilities(p, q, t)
-    for b, i in itertools.product(range(3), range(4)):
-        want = min(1.0, float(p[b, i, t[b, i]]) / float(q[b, i, t[b, i]]))
-        assert got[b, i].item() == pytest.approx(want, rel=1e-6)
+    p = torch.softmax(torch.randn(12, 7, generator=gen), -1)  # [12, 7]
+    q = torch.softmax(torch.randn(12, 7, generator=gen), -1)  # [12, 7]
+    t = torch.randint(0, 7, (12,), generator=gen)  # [12]
+    want = [min(1.0, float(p[i, t[i]]) / float(q[i, t[i]])) for i in range(12)]
+    assert 0 < sum(w < 1 for w in want) < 12  # both sides of the min
+    _assert_accepts_below(p, q, t, want)
 
 
 def test_residual_distribution_hand_built_and_fallback() -> None:

@@ -24,7 +24,7 @@ from infer.speculative.tree import (
     stack_drafts,
     tree_attention_mask,
 )
-from infer.speculative.verifier import verify_tree, verify_tree_greedy, verify_tree_logits, verify_tree_nodes
+from infer.speculative.verifier import verify_tree_greedy, verify_tree_logits, verify_tree_nodes
 
 # ---------------------------------------------------------------- TreeShape
 
@@ -252,7 +252,7 @@ def test_chain_shape_equals_verify_logits_and_the_residual_fallback() -> None:
     drafts, u = torch.tensor([[0]]), torch.tensor([[1 - 1e-14, 0.5]], dtype=torch.float64)
     chain = verify_tensors(drafts, torch.tensor([1]), None, p, u[:, :1], u[:, 1])
     assert chain.tolist() == [[0, 0, 0]]
-    assert verify_tree(chain_shape(1), drafts, None, p, u).tolist() == [[0, 0, 0]]
+    assert verify_tree_nodes(chain_shape(1), drafts, None, p, u)[0].tolist() == [[0, 0, 0]]
 
 
 def test_uniform_columns_make_a_row_independent_of_its_batch() -> None:
@@ -262,10 +262,10 @@ def test_uniform_columns_make_a_row_independent_of_its_batch() -> None:
     q = torch.softmax(torch.randn(b, shape.num_nodes, v, generator=gen), -1)
     tokens = torch.randint(0, v, (b, shape.num_nodes), generator=gen)
     u = torch.rand(b, shape.num_uniforms, generator=gen, dtype=torch.float64)
-    batch = verify_tree(shape, tokens, q, p, u)
+    batch = verify_tree_nodes(shape, tokens, q, p, u)[0]
     for row in (0, 17, 63):
         sl = slice(row, row + 1)
-        assert torch.equal(verify_tree(shape, tokens[sl], q[sl], p[sl], u[sl]), batch[sl])
+        assert torch.equal(verify_tree_nodes(shape, tokens[sl], q[sl], p[sl], u[sl])[0], batch[sl])
 
 
 @pytest.mark.parametrize("with_q", [False, True])
@@ -300,7 +300,7 @@ def test_verify_tree_rejects_bad_shapes(name: str, shape: tuple[int, ...]) -> No
             "node_valid": torch.ones(2, 9, dtype=torch.bool)}
     args[name] = torch.zeros(shape, dtype=args[name].dtype)
     with pytest.raises(ValueError, match=name):
-        verify_tree(tree, **args)
+        verify_tree_nodes(tree, **args)
 
 
 class _NoHostSync(TorchDispatchMode):

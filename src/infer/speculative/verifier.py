@@ -50,16 +50,6 @@ def _token_ratios(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor)
     return p_tok / q_tok
 
 
-def acceptance_probabilities(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
-    """min(1, p(t) / q(t)) as float64: p, q [..., V], tokens [...] long -> [...].
-
-    q None means a deterministic proposal (one-hot q at t): the probability is p(t).
-    Where q(t) = 0 the result is 1 if p(t) > 0, else 0.
-    """
-    ratio = _token_ratios(p, q, to_device(tokens, p.device).to(torch.long))  # [...]
-    return torch.nan_to_num(ratio, nan=0.0).clamp(max=1.0)
-
-
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) as float64 [..., V]; falls back to norm(p) where that mass is ~0."""
     p64 = p.to(torch.float64)  # [..., V]
@@ -308,13 +298,6 @@ def verify_tree_nodes(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, d
         path_nodes.append(chosen)
         alive = moved
     return _pack(path_tokens, path_nodes, sample_from_probs(p, u[:, -1]))  # (p need not be normalised)
-
-
-def verify_tree(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-                target_probs: torch.Tensor, uniforms: torch.Tensor,
-                node_valid: torch.Tensor | None = None) -> torch.Tensor:
-    """`verify_tree_nodes` without the node indices: packed [B, depth + 2] long."""
-    return verify_tree_nodes(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)[0]
 
 
 def verify_tree_logits(shape: TreeShape | TreeFrame, target_logits: torch.Tensor, temperatures: torch.Tensor,

@@ -5,6 +5,8 @@ losslessness over the Markov harness with a negative control, and the configurat
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers.dynamic_harness import dynamic_round, own_path_scores
@@ -12,8 +14,9 @@ from helpers.tree_harness import TV_BOUND, conditional_tv, markov_tables
 
 from infer import EngineConfig
 from infer.speculative.dynamic_select import NEG_INF, best_slots, kept_tree, slot_scores
-from infer.speculative.node_tree import DynamicShape, NodeTree, frame_of_trees, verification_chunk
-from infer.speculative.tree import TreeShape, tree_attention_mask
+from infer.engine.verification import block_row
+from infer.speculative.node_tree import DynamicShape, NodeTree, frame_of_trees
+from infer.speculative.tree import Draft, TreeShape, tree_attention_mask
 from infer.speculative.verifier import verify_tree_greedy, verify_tree_nodes
 
 ROWS = 200_000
@@ -65,17 +68,21 @@ def test_rows_with_their_own_trees_verify_as_each_alone():
         assert all(i < tree.num_nodes for i in nodes[b].tolist() if i >= 0)
 
 
-def test_verification_chunk_masks_ancestors_per_row():
+def test_a_dynamic_trees_block_row_masks_ancestors_per_row():
     shape = TreeShape.parse("2,2")
-    tree = NodeTree(shape.parents, shape.branching)
-    other = NodeTree((-1, 0, 1), (2, 2, 2))
-    chunk = verification_chunk([tree], shape.num_nodes, shape.branching, torch.device("cpu"))
-    assert torch.equal(chunk.mask[0], tree_attention_mask(shape))
-    assert chunk.offsets[0].tolist() == [0, *shape.depths]
-    chain = verification_chunk([other], 4, (2, 2, 2), torch.device("cpu"))
-    assert chain.mask[0, 3].tolist() == [True, True, True, True, False]  # node 2 sees g, nodes 0, 1, itself
-    assert chain.mask[0, 4].tolist() == [True, False, False, False, False]  # a padding row sees g alone
-    assert chain.offsets[0].tolist() == [0, 1, 2, 3, 0]
+    tree, n = NodeTree(shape.parents, shape.branching), shape.num_nodes
+    request = SimpleNamespace(slot=3, num_computed_tokens=7, last_token_id=9)
+    row = block_row(request, Draft(tree, tuple(range(1, n + 1)), (True,) * n))
+    assert (row.slot, row.start, list(row.ids), row.logits) == (3, 7, [9, *range(1, n + 1)], n + 1)
+    assert row.tree is not None and row.tree.width == n + 1
+    mask = [[bool(bits >> c & 1) for c in range(n + 1)] for bits in row.tree.bits]
+    assert mask == tree_attention_mask(shape).tolist()
+    assert list(row.tree.rope_offsets) == [0, *shape.depths]
+    chain = block_row(request, Draft(NodeTree((-1, 0, 1), (2, 2, 2)), (5, 6, 7), (True,) * 3))
+    assert chain.tree is not None and chain.tree.bits[3] == 0b1111  # node 2 sees g, nodes 0, 1, itself
+    assert list(chain.tree.rope_offsets) == [0, 1, 2, 3]
+    cut = block_row(request, Draft(NodeTree((-1, 0, 1), (2, 2, 2)), (5, 6, 0), (True, True, False)))
+    assert cut.tree is not None and list(cut.tree.bits) == [0b1, 0b11, 0b111]  # no row past the last present node
 
 
 @pytest.mark.parametrize("parents, widths, message", [

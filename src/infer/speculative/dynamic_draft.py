@@ -3,7 +3,7 @@
 `expand_dynamic` runs after the round's level 0 (g's logits give the root's children): for
 a `DynamicShape` (N, B, D) and a row's depth limit k, each level draws and scores the
 frontier's children (`dynamic_select`), feeds its B best slots as the next frontier in one
-flat pass (per-row rules, `RowTreeChunk`), and keeps the N best slots of all levels as the
+flat pass (per-row rules, `chunk_rule`), and keeps the N best slots of all levels as the
 row's tree (`DynamicRow`). Frontier nodes of level d are stored in the draft's block at
 n + 1 + (d - 1) B + f (rotary n + d); kept fed nodes carry their block index for
 `on_accepted`'s compaction. A row draws `draft_uniform_count` = B + (D - 1) B^2 uniforms a

@@ -5,8 +5,7 @@ verifier's and the attention's per-row views of a batch of trees.
 round's setting; a row's tree is a `NodeTree` (parents breadth-first, siblings in draw
 order). The verifier walks any batch of trees through a `TreeFrame` (children per block row
 per row, [B, N+1, C], and the widest `widths[d]` per depth); `frame_of_shape` is a static
-shape's frame, drawing the same uniform columns as the static verifier. `RowTreeChunk` is
-the per-row attention mask and rotary offsets of a batch of trees.
+shape's frame, drawing the same uniform columns as the static verifier.
 Details: docs/speculation.md, "Trees given by their parents".
 """
 
@@ -226,33 +225,3 @@ def _fits(tree: NodeTree, widths: tuple[int, ...]) -> bool:
         return False
     return all(len(kids) <= widths[0 if node < 0 else tree.depths[node]]
                for node, kids in [(-1, tree.root_children), *enumerate(tree.children)] if kids)
-
-
-@dataclass(frozen=True, eq=False)
-class RowTreeChunk:
-    """Consecutive block rows [first_row, first_row + width) of per-row trees, as one forward
-    chunk (the per-row `TreeChunk`): the target's verification block (with the verifier's
-    `shape`), or one level of a dynamic draft's expansion (shape None)."""
-
-    mask: torch.Tensor  # [B, width, W] bool: which block rows each chunk row sees
-    offsets: torch.Tensor  # [B, width] long: rotary position minus the chunk's storage start
-    first_row: int
-    shape: TreeFrame | None = None
-
-    @property
-    def width(self) -> int:
-        return self.mask.shape[1]
-
-
-def verification_chunk(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...],
-                       device: torch.device) -> RowTreeChunk:
-    """The block [g, nodes] of per-row trees, n nodes wide: g sees itself, node i sees g, its
-    ancestors and itself (padding rows: g alone); row 1 + i sits at rotary offset depth(i)."""
-    mask = torch.zeros((len(trees), n + 1, n + 1), dtype=torch.bool)
-    mask[:, :, 0] = True
-    offsets = torch.zeros((len(trees), n + 1), dtype=torch.long)
-    for b, tree in enumerate(trees):
-        for i, path in enumerate(tree.paths):
-            mask[b, 1 + i, [1 + j for j in path]] = True
-        offsets[b, 1:1 + tree.num_nodes] = torch.tensor(tree.depths, dtype=torch.long)
-    return RowTreeChunk(mask.to(device), offsets.to(device), 0, frame_of_trees(trees, n, widths, device))

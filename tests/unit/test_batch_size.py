@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from infer.engine.batch_size import (BATCH_SIZING_TOKENS, CPU_DEFAULT, CPU_KV_BYTES, GPU_MAX, MEMORY_SHARE,
-                                     RESERVE_BYTES, ModelBytes, engine_sizes, fitting_batch_size, model_bytes,
-                                     plan_sizes)
+                                     RESERVE_BYTES, engine_sizes, model_bytes, plan_sizes)
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.step_costs import weight_bytes
@@ -32,18 +31,6 @@ def test_weight_estimate_is_the_models_parameters(shape: str) -> None:
     assert model_bytes(config, 2, ranks=2).kv_per_token == kv // 2
 
 
-def test_batch_fits_the_memory_left_beside_the_weights() -> None:
-    model = ModelBytes(weights=6 << 30, kv_per_token=100_000)
-    device = 80 << 30
-    n = fitting_batch_size([model], device, 4096)
-    budget = MEMORY_SHARE * device - model.weights - RESERVE_BYTES
-    assert n * 4096 * model.kv_per_token <= budget < (n + 1) * 4096 * model.kv_per_token
-    assert fitting_batch_size([model], 1 << 40, 1024) == GPU_MAX  # capped
-    assert fitting_batch_size([model], 8 << 30, 4096) == 1  # at least one sequence
-    two = fitting_batch_size([model, ModelBytes(1 << 30, 50_000)], device, 4096)  # a draft's KV counts too
-    assert two < n
-
-
 SHAPE_3B = read_model_config("dummy:llama-3.2-3b", "dummy")  # 131,072 positions, 112 KiB of bf16 KV a token
 H200 = 141 << 30
 
@@ -53,6 +40,20 @@ def _capacity(device_bytes: int | None, configs: list[ModelConfig], element: int
     budget = CPU_KV_BYTES if device_bytes is None else int(MEMORY_SHARE * device_bytes - sum(
         s.weights for s in sizes) - RESERVE_BYTES)
     return budget // sum(s.kv_per_token for s in sizes)
+
+
+def test_a_gpu_batch_fits_the_memory_left_beside_the_weights() -> None:
+    config = EngineConfig(model="dummy:llama-3.2-3b", max_seq_len=512)  # (below BATCH_SIZING_TOKENS)
+    model = model_bytes(SHAPE_3B, 2)
+    device = 16 << 30
+    n = plan_sizes(config, [SHAPE_3B], device, 2).max_batch_size
+    budget = MEMORY_SHARE * device - model.weights - RESERVE_BYTES
+    assert 1 < n < GPU_MAX and n * 512 * model.kv_per_token <= budget < (n + 1) * 512 * model.kv_per_token
+    assert plan_sizes(config, [SHAPE_3B], H200, 2).max_batch_size == GPU_MAX  # capped
+    tight = int((model.weights + RESERVE_BYTES + 100 * model.kv_per_token) / MEMORY_SHARE)  # 100 tokens of KV
+    assert plan_sizes(config, [SHAPE_3B], tight, 2).max_batch_size == 1  # at least one sequence
+    draft = read_model_config("dummy:llama-3.2-1b", "dummy")
+    assert plan_sizes(config, [SHAPE_3B, draft], device, 2).max_batch_size < n  # a draft's KV counts too
 
 
 def test_a_gpu_serves_the_models_whole_context_and_shares_the_pool() -> None:

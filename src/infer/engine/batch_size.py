@@ -72,12 +72,6 @@ def kv_budget_bytes(models: list[ModelBytes], device_bytes: int | None) -> int:
     return int(MEMORY_SHARE * device_bytes - sum(m.weights for m in models) - RESERVE_BYTES)
 
 
-def fitting_batch_size(models: list[ModelBytes], device_bytes: int, max_seq_len: int) -> int:
-    """Sequences of `max_seq_len` tokens whose KV fits beside the weights (1..GPU_MAX)."""
-    per_sequence = max_seq_len * sum(m.kv_per_token for m in models)
-    return max(1, min(GPU_MAX, kv_budget_bytes(models, device_bytes) // per_sequence))
-
-
 def plan_sizes(config: EngineConfig, models: list[ModelConfig], device_bytes: int | None,
                element_bytes: int) -> Sizes:
     """The sizes of the module docstring for `models` (the target first, then a draft model

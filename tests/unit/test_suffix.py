@@ -18,7 +18,7 @@ from infer.engine.request import Request, RequestState
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.suffix import SuffixConfig, SuffixProposer
 from infer.speculative.suffix_draft import grow_tree
-from infer.speculative.suffix_trie import SuffixCache, SuffixTrie
+from infer.speculative.suffix_trie import ROOT, SuffixCache, SuffixTrie
 
 
 def _occurrences(seqs: list[list[int]], depth: int) -> Counter:
@@ -58,26 +58,30 @@ def test_trie_counts_every_substring_as_brute_force_does(seed):
     for _ in range(25):
         trie = SuffixTrie(rng.randint(2, 6))
         seqs: dict[int, list[int]] = {}
+        closed: set[int] = set()
         for _ in range(rng.randint(1, 8)):
             action = rng.random()
             if action < 0.65 or not seqs:  # grow a sequence (several may grow interleaved), in pieces
                 seq = rng.randrange(4)
-                if seq in seqs and not trie.is_open(seq):
+                if seq in closed:
                     continue
                 piece = [rng.randrange(rng.randint(1, 3)) for _ in range(rng.randint(0, 9))]
                 trie.extend(seq, piece)
                 seqs.setdefault(seq, []).extend(piece)
             elif action < 0.75:
-                trie.close(rng.choice(list(seqs)))
+                seq = rng.choice(list(seqs))
+                trie.close(seq)
+                closed.add(seq)
             else:
                 seq = rng.choice(list(seqs))
                 trie.remove(seq)
                 del seqs[seq]
+                closed.discard(seq)
             _assert_counts(trie, list(seqs.values()))
             assert trie.num_tokens == sum(len(s) for s in seqs.values())
         for seq in list(seqs):
             trie.remove(seq)
-        assert trie.num_nodes == 0 and trie.is_empty()  # every node and tail went with its sequence
+        assert trie.num_nodes == 0 and not trie.has_next(ROOT, 0)  # every node and tail went with its sequence
 
 
 def test_a_closed_sequence_takes_no_more_tokens_and_ids_are_checked():
@@ -132,7 +136,7 @@ def test_the_cache_holds_at_most_its_capacity_and_evicts_the_oldest():
     cache.add(list(range(200, 300)))  # longer than the capacity: its last 60 tokens
     assert len(cache) == 1 and cache.trie.walk([239]) is None and cache.trie.walk([240]) is not None
     cache.clear()
-    assert len(cache) == 0 and cache.num_tokens == 0 and cache.trie.num_nodes == 0 and cache.trie.is_empty()
+    assert len(cache) == 0 and cache.num_tokens == 0 and cache.trie.num_nodes == 0 and not cache.trie.has_next(ROOT, 0)
     empty = SuffixCache(5, 0)
     empty.add([1, 2, 3])
     assert len(empty) == 0 and empty.trie.num_tokens == 0

@@ -66,6 +66,3 @@ class ForwardBatch:
     def num_rows(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens)

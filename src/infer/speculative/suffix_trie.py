@@ -58,14 +58,6 @@ class SuffixTrie:
         """Tokens held, over every sequence."""
         return sum(len(t) for t in self._tokens.values())
 
-    def is_empty(self) -> bool:
-        """Whether no string is held at all."""
-        return not self._kids[0]
-
-    def is_open(self, seq: int) -> bool:
-        """Whether sequence `seq` still takes tokens (not closed)."""
-        return seq in self._live
-
     def tokens(self, seq: int) -> list[int]:
         """The tokens of a sequence (the trie's own list: do not change it)."""
         return self._tokens[seq]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers.interpreted import interpreted_outputs
 from infer.models.kernels.gemv_tiles import (CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig,
                                              candidate_configs, check_inputs, config_for, default_config,
-                                             fits_registers, read_table, row_bucket, with_splits, write_table)
+                                             read_table, row_bucket, with_splits, write_table)
 from infer.models.layers.fp8 import dequantize_fp8, quantize_fp8_rows
 from infer.models.layers.mlp import silu_mul
 from infer.models.layers.norms import rmsnorm
@@ -123,6 +123,12 @@ def test_row_bucket() -> None:
     for m in (0, MAX_ROWS + 1):
         with pytest.raises(ValueError, match="rows"):
             row_bucket(m)
+
+
+def fits_registers(cfg: GemvConfig, bucket: int) -> bool:
+    """Whether an FMA accumulator [bucket, block_n, block_k] stays within 64 float32
+    registers a thread (larger ones spill); dot tiles always do at these sizes."""
+    return cfg.dot or bucket * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
 
 
 @pytest.mark.parametrize("bucket", [1, 2, 4, 8, 16])

@@ -60,12 +60,6 @@ def row_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-def fits_registers(cfg: GemvConfig, bucket: int) -> bool:
-    """Whether an FMA accumulator [bucket, block_n, block_k] stays within 64 float32
-    registers a thread (larger ones spill); dot tiles always do at these sizes."""
-    return cfg.dot or bucket * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
-
-
 # The tiles the benchmark searches per row bucket: (block_n, block_k, dot, num_warps, num_stages).
 # FMA tiles read 16 bytes a thread per row (bf16: 8 values, FP8: 16) and keep the
 # accumulator in registers; num_stages 1 loads straight into registers, more stages go

@@ -284,6 +284,7 @@ class RoundClock:
         return 0.0 if b is None or b.overhead is None else b.overhead
 
     def plain_step_s(self, batch: int) -> float | None:
+        """Seconds a plain step takes at this batch size, as measured (None until then)."""
         b = self._buckets.get(bucket(batch))
         return None if b is None else b.plain_s
 

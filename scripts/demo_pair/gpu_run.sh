@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train and evaluate the demo draft/target pair on the GPU machine, then pack what must
-# come back into one output directory within the device tool's limits (at most 8 files of
+# come back into one output directory within a remote GPU machine's transfer limits (at most 8 files of
 # at most 16 MiB each, at most 2 folders deep): the safetensors shards (each <= 15 MiB) as
 # OUT/target/*.safetensors and OUT/draft/*.safetensors, every other file (configs,
 # tokenizer, model cards, training summaries, logs) in OUT/demo_pair_files.tar.gz, and the

@@ -229,8 +229,6 @@ class IntWeights:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized for the call,
         DENSE_CHUNK values of it at a time."""
-        if x.numel() == 0:  # (a pass that asks for no rows: a draft's catch-up without logits)
-            return x.new_empty(*x.shape[:-1], layer.out_features)
         weight, ints = self.matrix(layer)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.reshape(-1, x.shape[-1])
@@ -345,6 +343,8 @@ class LinearBase(nn.Module):
         return self.parallel.combine(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # (no rows, e.g. a draft's catch-up without logits: the GEMVs take 1..16)
+            return x.new_empty(*x.shape[:-1], self.out_features)
         y = self.method.apply(self, x)
         return self.combine(y if self.bias is None else y + self.bias)
 

@@ -343,9 +343,9 @@ class LinearBase(nn.Module):
         return self.parallel.combine(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == 0:  # (no rows, e.g. a draft's catch-up without logits: the GEMVs take 1..16)
-            return x.new_empty(*x.shape[:-1], self.out_features)
-        y = self.method.apply(self, x)
+        # (no rows, e.g. a draft's catch-up without logits: the GEMVs take 1..16; the parallel
+        # combine still runs, as every rank's pass has no rows)
+        y = x.new_empty(*x.shape[:-1], self.out_features) if x.numel() == 0 else self.method.apply(self, x)
         return self.combine(y if self.bias is None else y + self.bias)
 
     def set_method(self, method: QuantMethod) -> None:

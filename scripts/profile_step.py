@@ -17,7 +17,9 @@ With --prefill it profiles `batch` prompts from submission to their first tokens
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 import traceback
@@ -90,6 +92,17 @@ def sync_sites(run) -> dict[str, int]:
     return dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
+def host_top(run, steps: int, n: int) -> dict[str, float]:
+    """The n functions with the most own host time while `run()` runs, in ms a step."""
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim, own s, cumulative s, callers)}
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return {f"{Path(f).name}:{line} {name} x{calls / steps:.0f}": own / steps * 1e3
+            for (f, line, name), (calls, _, own, _, _) in top}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
@@ -97,6 +110,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prefill", action="store_true", help="profile prompts to their first tokens")
+    ap.add_argument("--host-top", type=int, default=0, metavar="N",
+                    help="also list the N Python functions taking the most host time a step (cProfile, own time)")
     ap.add_argument("--sync-debug", action="store_true",
                     help="also list the host-device synchronisations of one profiled pass (where in our code)")
     add_engine_args(ap)
@@ -145,6 +160,8 @@ def main() -> None:
             torch.cuda.synchronize()
     syncs = sync_sites(lambda: prefill_steps(submit(1)) if args.prefill else [engine.step() for _ in range(args.steps)]
                        ) if args.sync_debug else None
+    host = host_top(lambda: [engine.step() for _ in range(args.steps)], args.steps, args.host_top) \
+        if args.host_top and not args.prefill else None
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time_total > 0]
     intervals = [(e.time_range.start, e.time_range.end) for e in events]
     span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / args.steps / 1e3  # ms per step
@@ -169,7 +186,7 @@ def main() -> None:
            "kernels_per_layer": sum(per_step.values()) / layers,
            "kernels_per_layer_by_kind": {k: v / layers for k, v in per_step.items()},
            "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens,
-           "sync_sites": syncs}
+           "sync_sites": syncs, "host_top_ms_per_step": host}
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -40,8 +40,9 @@ def padded_split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         rows, first_row, width = block
         base = (q_pos[:, :1] - first_row).expand(b, t).reshape(-1).contiguous()
         tree = (rule_bits(rows).expand(b, t).reshape(-1).contiguous(), base, width)
-    out = split_attention(flat, k_cache, v_cache, token_rows, positions, ctx_end.contiguous(), gather_rows, 1,
-                          gather_rows.shape[1], arrivals or ArrivalCounters(q.device), tree=tree)
+    query_start = torch.arange(b + 1, device=q.device) * t
+    out = split_attention(flat, k_cache, v_cache, token_rows, query_start, positions, ctx_end.contiguous(),
+                          gather_rows, 1, gather_rows.shape[1], arrivals or ArrivalCounters(q.device), tree=tree)
     return out.view(q.shape)
 
 

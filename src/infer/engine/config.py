@@ -90,10 +90,9 @@ class EngineConfig:
     # CUDA graphs of decode and speculation steps; None: on for CUDA devices (False: eager, as
     # vLLM's enforce_eager; True on a CPU is refused when the engine is built)
     use_cuda_graphs: bool | None = None
-    # the largest batch whose decode steps also get graphs for sampling, acceptance and whole
-    # draft rounds (above it they replay the forward's graph and finish eagerly); each such
-    # graph keeps [batch, vocab]-sized outputs (wider for acceptance and sampled draft rounds)
-    cuda_graph_sampling_batch_max: int = 32
+    # the largest batch whose EAGLE head rounds run as one CUDA graph each (above it the same
+    # round eagerly); a sampled round's graph keeps [batch, steps, draft vocab] probabilities
+    cuda_graph_sampling_batch_max: int = 128
     compile_kernels: bool | None = None  # fuse elementwise ops with torch.compile; None = with CUDA graphs
     # overlapped scheduling: the host prepares step n+1 (and renders step n's tokens) while
     # the GPU runs step n; None = on for CUDA devices

@@ -266,12 +266,12 @@ class ParallelConfig:
 @dataclass(frozen=True, slots=True)
 class ExecutionConfig:
     """How steps run: CUDA graphs, the fused (torch.compile) kernels, overlapped scheduling,
-    and the largest batch whose decode steps also get sampling and draft-round graphs."""
+    and the largest batch whose EAGLE head rounds run as CUDA graphs."""
 
     use_cuda_graphs: bool = False
     compile_kernels: bool = False
     async_scheduling: bool = False
-    cuda_graph_sampling_batch_max: int = 32
+    cuda_graph_sampling_batch_max: int = 128
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sampling_batch_max < 0:

@@ -118,8 +118,9 @@ class BatchView:
         out = torch.empty_like(q)
         tree = None if batch.tree is None else (batch.tree.bits[:, 0].contiguous(), batch.tree.base, batch.tree.width)
         if self.routes.split_kv:
-            split_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
-                            batch.block_size, batch.context_width, self.arrivals, self.short_tokens, tree, out)
+            split_attention(q, kc, vc, batch.token_rows, batch.query_start, batch.positions, batch.seq_lens,
+                            batch.block_tables, batch.block_size, batch.context_width, self.arrivals,
+                            self.short_tokens, tree, out)
         if self.routes.prefill:
             prefill_attention(q, kc, vc, batch.token_rows, batch.positions, batch.seq_lens, batch.block_tables,
                               batch.block_size, self.query_start, self.routes.prefill, out)

@@ -79,7 +79,7 @@ def test_negative_control_dropped_proposals_fail(make_llm, pair, small_table, mo
                 parent = d.shape.parents[node]
                 valid[node] = valid[node] and token in KEPT and (parent < 0 or valid[parent])
             tokens = tuple(t if ok else 0 for t, ok in zip(d.token_ids, valid, strict=True))
-            out.append(replace(d, token_ids=tokens, valid=tuple(valid)))
+            out.append(replace(d, host_ids=tokens, valid=tuple(valid)))
         return out
 
     monkeypatch.setattr(DraftModelProposer, "propose", cut)

@@ -111,7 +111,8 @@ class OracleProposer:
     def _replace(self, draft: Draft, record: list[int], n: int) -> Draft:
         """The draft's present nodes with the oracle's tokens; g is token n of the record."""
         shape = draft.shape
-        tokens = list(draft.token_ids)
+        # (tokens left on the device stay unread: nodes the oracle leaves alone draft token 0)
+        tokens = list(draft.host_ids) if draft.host_ids is not None else [0] * shape.num_nodes
         right = [False] * shape.num_nodes  # the node and its ancestors hold the continuation
         taken: set[int] = set()  # parents (-1: the root) one of whose children holds it
         for node, (present, parent, depth) in enumerate(zip(draft.valid, shape.parents, shape.depths, strict=True)):

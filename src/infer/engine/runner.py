@@ -205,7 +205,7 @@ class ModelRunner:
         block = None if drafts is None else self._verifier.block(decode, drafts)
         samples = [not r.output_token_ids and not r.pending_tokens and r.num_computed_tokens + n >= r.prefill_target
                    for r, n in chunks]
-        rows, device_ids = (block.rows, None) if block is not None else self._plain_rows(decode)
+        rows, device_ids = (block.rows, block.device_ids) if block is not None else self._plain_rows(decode)
         rows = rows + [Row(r.slot, r.num_computed_tokens, r.token_slice(r.num_computed_tokens, r.num_computed_tokens + n),
                            int(s)) for (r, n), s in zip(chunks, samples, strict=True)]
         plan = plan_batch(rows)

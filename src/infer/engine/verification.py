@@ -13,12 +13,13 @@ sum(branching) + 1). docs/speculation.md, "A round's verification".
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from infer.cache.forward_batch import Row, RowTree
+from infer.cache.forward_batch import DeviceIds, Row, RowTree
 from infer.engine.executor.forward import verify_on_logits, verify_on_tree_logits
 from infer.engine.request import Request
 from infer.logprobs import emitted_logprobs
@@ -80,7 +81,9 @@ def block_row(request: Request, draft: Draft) -> Row:
     """The request's block [g, its draft's rows up to the last present node] as one row of
     the step's batch, every token's logits wanted; a tree's with its rule."""
     used = draft.rows_used
-    ids = [request.last_token_id, *draft.token_ids[:used - 1]]
+    # (a draft whose tokens are on the device holds places: `chain_tokens` fills them there)
+    nodes = draft.host_ids[:used - 1] if draft.host_ids is not None else (0,) * (used - 1)
+    ids = [request.last_token_id, *nodes]
     shape = draft.shape
     if isinstance(shape, TreeShape) and shape.is_chain:
         return Row(request.slot, request.num_computed_tokens, ids, logits=used)
@@ -88,6 +91,32 @@ def block_row(request: Request, draft: Draft) -> Row:
     offsets = [0, *shape.depths[:used - 1]]
     return Row(request.slot, request.num_computed_tokens, ids, logits=used,
                tree=RowTree(bits, offsets, base_offset=0, width=used))
+
+
+def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int,
+                 device: torch.device) -> tuple[torch.Tensor, DeviceIds | None]:
+    """Chain drafts' first k node tokens [B, k] (on the host when every draft's are there,
+    else on the device, where a row's entries past its own count are left unread) and, for drafts of one round left on the device, where their tokens
+    go in the flat batch of `rows` (each draft's block row; None when there are none)."""
+    on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
+    source = on_device[0][1][0] if on_device else None
+    if source is None or any(r is not source for _, (r, _) in on_device):  # (drafts of two rounds: read)
+        return torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k), None
+    batch_rows = [b for b, _ in on_device]
+    round_rows = [j for _, (_, j) in on_device]
+    if batch_rows == round_rows and len(batch_rows) == len(drafts):  # (every row drafted, in order)
+        tokens = source.tokens[:, :k]
+    else:
+        host = [d.host_ids[:k] if d.host_ids is not None else (0,) * k for d in drafts]
+        tokens = tensor_on(host, device, torch.long).view(len(drafts), k)
+        tokens[tensor_on(batch_rows, device, torch.long)] = source.tokens[tensor_on(round_rows, device, torch.long),
+                                                                          :k]
+    starts = [0, *itertools.accumulate(len(r.ids) for r in rows)]
+    steps = source.tokens.shape[1]
+    counts = [drafts[b].num_proposed for b in batch_rows]
+    at = [starts[b] + 1 + t for b, n in zip(batch_rows, counts, strict=True) for t in range(n)]
+    picked = [j * steps + t for j, n in zip(round_rows, counts, strict=True) for t in range(n)]
+    return tokens, DeviceIds(tuple(at), source.tokens.view(-1)[tensor_on(picked, device, torch.long)])
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,7 @@ class Block:
     present: list[int] | torch.Tensor  # a chain's counts k_b, or a tree's flags [B, N] bool
     frame: TreeShape | TreeFrame | None  # the tree the verifier walks (None: chains)
     width: int  # W: block rows per request as the verifier reads them
+    device_ids: DeviceIds | None = None  # the rows' draft tokens left on the device (their places in the batch)
 
     @property
     def num_logits(self) -> int:
@@ -116,9 +146,8 @@ class Verification:
         rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
         if self.tree is None or self._chains(drafts):
             counts = [d.num_proposed for d in drafts]
-            k = max(counts)
-            tokens = torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k)
-            return Block(rows, tokens, counts, None, k + 1)
+            tokens, device_ids = chain_tokens(drafts, rows, max(counts), self.device)
+            return Block(rows, tokens, counts, None, max(counts) + 1, device_ids)
         if isinstance(self.tree, DynamicShape):
             n = self.tree.num_nodes
             trees = [d.shape for d in drafts]

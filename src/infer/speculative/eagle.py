@@ -30,7 +30,7 @@ from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn, head_pass
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.proposer import DraftRequest
-from infer.speculative.tree import Draft, TreeShape
+from infer.speculative.tree import Draft, RoundTokens, TreeShape
 from infer.transfer import tensor_on, to_device
 
 if TYPE_CHECKING:
@@ -213,15 +213,17 @@ class EagleProposer:
         if not fused and steps > max(ks):
             steps = max(ks)
             fused = self._fusable(reqs, states, steps)
-        if fused:
+        if fused:  # (its tokens stay on the device: verification feeds them to the target from there)
             tails = self._catch_up(reqs, states, keep=self.feed_max)[1]
             self._mark_round(reqs, states)
-            tokens, probs = self._round(reqs, states, tails, ks, steps)
+            on_device, probs = self._round(reqs, states, tails, ks, steps)
             self.fused_rounds += 1
-        else:
-            last = self._catch_up(reqs, states, keep=0)[0]  # [A, H]
-            self._mark_round(reqs, states)
-            tokens, probs = self._draft(reqs, states, ks, last)
+            for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
+                drafts[i] = Draft.chain_on_device(shape, on_device, j, k, None if probs is None else probs[j, :k])
+            return drafts
+        last = self._catch_up(reqs, states, keep=0)[0]  # [A, H]
+        self._mark_round(reqs, states)
+        tokens, probs = self._draft(reqs, states, ks, last)
         for j, ((i, _), k) in enumerate(zip(picked, ks, strict=True)):
             with isolated(reqs[j], DRAFTING):
                 drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
@@ -261,10 +263,10 @@ class EagleProposer:
         return True
 
     def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[torch.Tensor],
-               ks: Sequence[int], steps: int) -> tuple[list[list[int]], torch.Tensor | None]:
+               ks: Sequence[int], steps: int) -> tuple[RoundTokens, torch.Tensor | None]:
         """The round's last feed (each row's `tails` [l_b, H], a flat row each) and `steps` >=
-        max k draft steps as one `head_round` -> (tokens [A][steps], q [A, steps, V] or None
-        when every row is greedy)."""
+        max k draft steps as one `head_round` -> (tokens [A, steps] left on the device, q [A,
+        steps, V] or None when every row is greedy)."""
         rows = [self._fed_row(r, s, tail.shape[0]) for r, s, tail in zip(reqs, states, tails, strict=True)]
         params = [r.sampling_params for r in reqs]
         greedy = [p.greedy for p in params]
@@ -275,7 +277,9 @@ class EagleProposer:
         tokens, probs = self.round_fn(plan_batch(rows), torch.cat(list(tails)), steps,
                                       [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                                       uniforms, greedy)
-        return tokens.tolist(), probs  # (the one sync of the round)
+        # (a copy: a graph's output is rewritten by its next replay; a row whose distribution
+        # failed drafts token 0 in place of NO_TOKEN: verification judges it by the target alone)
+        return RoundTokens(tokens.clamp(min=0)), probs
 
     def _fed_row(self, request: DraftRequest, state: HeadState, n: int) -> Row:
         """A flat row feeding n features from the end of the request's head cache: position p

@@ -281,6 +281,21 @@ def chunk_rule(mask: torch.Tensor, depths: torch.Tensor, first_row: int, rows: i
     return RowTree(bits, depths[:rows].tolist(), -first_row, mask.shape[1])
 
 
+class RoundTokens:
+    """A round's drafted tokens [A, S] left on the device (an EAGLE head's fused round), row j
+    a draft's first nodes; read to the host once, the first time anything asks (`host`)."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens  # [A, S] long, ids >= 0
+        self._host: list[list[int]] | None = None
+
+    def host(self) -> list[list[int]]:
+        """The tokens on the host (one sync, the first time)."""
+        if self._host is None:
+            self._host = self.tokens.tolist()
+        return self._host
+
+
 @dataclass(frozen=True, slots=True)
 class Draft:
     """One request's proposal over a `TreeShape` (or its own `NodeTree`, a dynamic tree): a
@@ -290,21 +305,28 @@ class Draft:
     they leave its distributions untouched. A present node's parent is present. `probs` is the
     draft distribution each node was sampled from ([N, V]; a draft model draws siblings
     without replacement, each from its own renormalised q), or None for deterministic
-    proposals (n-gram tables: one-hot q at the node's token)."""
+    proposals (n-gram tables: one-hot q at the node's token). A chain drafted on the device
+    (`on_device`) keeps its tokens there: `token_ids` reads them to the host only when asked
+    (verification feeds them to the target from the device)."""
 
     shape: DraftTree
-    token_ids: tuple[int, ...]  # [N]
+    host_ids: tuple[int, ...] | None  # [N]; None while the tokens are on the device alone (`on_device`)
     valid: tuple[bool, ...]  # [N]
     # [M, V] for the first M <= N nodes (every present node among them), or None
     probs: torch.Tensor | None = field(default=None, compare=False)
+    # a chain's tokens on the device: row `[1]` of the round's `[0]`, its first num_proposed nodes
+    on_device: tuple[RoundTokens, int] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         n = self.shape.num_nodes
-        if len(self.token_ids) != n or len(self.valid) != n:
+        if self.host_ids is None and self.on_device is None:
+            raise ValueError("a draft needs its token ids on the host (host_ids) or on the device (on_device)")
+        if len(self.valid) != n or (self.host_ids is not None and len(self.host_ids) != n):
             raise ValueError(f"a draft over tree {self.shape} needs {n} token ids and {n} validity flags, "
-                             f"got {len(self.token_ids)} and {len(self.valid)}")
+                             f"got {None if self.host_ids is None else len(self.host_ids)} and {len(self.valid)}")
         valid, parents = self.valid, self.shape.parents
-        for node, token in enumerate(self.token_ids):  # (every proposal passes here: kept lean)
+        tokens = self.host_ids if self.host_ids is not None else (0,) * n  # (device tokens: checked on device)
+        for node, token in enumerate(tokens):  # (every proposal passes here: kept lean)
             ok = valid[node]
             if type(ok) is not bool:
                 raise ValueError(f"valid must hold True/False, got {ok!r} at node {node}")
@@ -316,6 +338,18 @@ class Draft:
         if self.probs is not None and (self.probs.dim() != 2 or not self.rows_used - 1 <= self.probs.shape[0] <= n):
             raise ValueError(f"probs must be None or [M, vocab] for the first M nodes, M covering every present "
                              f"node and at most {n}, got shape {tuple(self.probs.shape)}")
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """[N] the node tokens on the host (a device draft's read now: a sync, once a round)."""
+        if self.host_ids is None:
+            assert self.on_device is not None
+            round_tokens, row = self.on_device
+            k = self.num_proposed
+            ids = tuple(round_tokens.host()[row][:k]) + (0,) * (self.shape.num_nodes - k)
+            object.__setattr__(self, "host_ids", ids)
+            return ids
+        return self.host_ids
 
     @property
     def num_proposed(self) -> int:
@@ -341,6 +375,16 @@ class Draft:
         if not shape.is_chain or k > n:
             raise ValueError(f"a chain draft of {k} tokens needs a chain shape of at least {k} nodes, got {shape}")
         return cls(shape, tuple(token_ids) + (0,) * (n - k), (True,) * k + (False,) * (n - k), probs)
+
+    @classmethod
+    def chain_on_device(cls, shape: TreeShape, tokens: RoundTokens, row: int, k: int,
+                        probs: torch.Tensor | None = None) -> Draft:
+        """A chain draft of k tokens left on the device: row `row` of the round's `tokens`."""
+        n = shape.num_nodes
+        if not shape.is_chain or not 0 <= k <= min(n, tokens.tokens.shape[1]):
+            raise ValueError(f"a chain draft of {k} tokens needs a chain shape of at least {k} nodes and a round "
+                             f"of as many steps, got {shape} and {tokens.tokens.shape[1]} steps")
+        return cls(shape, None, (True,) * k + (False,) * (n - k), probs, (tokens, row))
 
     @classmethod
     def empty(cls, shape: TreeShape) -> Draft:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from infer.engine.request import Request
-from infer.engine.verification import Verification, chain_tokens
+from infer.engine.verification import Verification
 from infer.sampling import SamplingParams
 from infer.speculative.tree import Draft, RoundTokens, chain_shape
 

@@ -37,6 +37,33 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
+Piece = tuple[torch.Tensor, int, int]  # rows start:stop of a features tensor [M, H], left unsliced
+
+
+def stacked(pieces: Sequence[Piece]) -> torch.Tensor:
+    """The pieces' rows end to end [sum of lengths, H] (at least one piece): a view when they
+    are consecutive rows of one tensor (a round's rows, as `observed` kept them), else one
+    gather."""
+    src = pieces[0][0]
+    if all(t is src for t, _, _ in pieces):
+        if all(pieces[i][2] == pieces[i + 1][1] for i in range(len(pieces) - 1)):
+            return src[pieces[0][1]:pieces[-1][2]]
+        return src.index_select(0, tensor_on([i for _, a, b in pieces for i in range(a, b)], src.device, torch.long))
+    return torch.cat([t[a:b] for t, a, b in pieces])
+
+
+def split_pieces(pieces: Sequence[Piece], cut: int) -> tuple[list[Piece], list[Piece]]:
+    """The pieces' first `cut` rows and the rest, as pieces."""
+    first: list[Piece] = []
+    rest: list[Piece] = []
+    for t, a, b in pieces:
+        take = min(max(cut, 0), b - a)
+        if take:
+            first.append((t, a, a + take))
+        if take < b - a:
+            rest.append((t, a + take, b))
+        cut -= take
+    return first, rest
 
 
 @dataclass
@@ -44,11 +71,11 @@ class HeadState:
     """One request's head cache: slot position p holds the head's entry of target position p."""
 
     slot: int | None = None  # taken at admission after a prefix hit, at the first feed otherwise
-    pending: list[torch.Tensor] = field(default_factory=list)  # features [m, H] of the positions after the cache
+    pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
 
     def num_pending(self) -> int:
-        return sum(t.shape[0] for t in self.pending)
+        return sum(b - a for _, a, b in self.pending)
 
 
 class EagleProposer:
@@ -94,7 +121,7 @@ class EagleProposer:
                                      self.kernels)  # [M, H]
         at = 0
         for request, start, rs in zip(requests, starts, rows, strict=True):
-            part, at = features[at:at + len(rs)], at + len(rs)
+            part, at = (features, at, at + len(rs)), at + len(rs)
             if not rs:
                 continue
             state = self.states.setdefault(request.request_id, HeadState())
@@ -155,7 +182,7 @@ class EagleProposer:
         if reqs:
             tails = self._feed(reqs, states, keep=1)[1]
             for s, tail in zip(states, tails, strict=True):
-                s.pending = [tail]
+                s.pending = tail
             self._share(reqs, states)
 
     def _share(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState]) -> None:
@@ -262,19 +289,20 @@ class EagleProposer:
                 return False
         return True
 
-    def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[torch.Tensor],
+    def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[list[Piece]],
                ks: Sequence[int], steps: int) -> tuple[RoundTokens, torch.Tensor | None]:
-        """The round's last feed (each row's `tails` [l_b, H], a flat row each) and `steps` >=
-        max k draft steps as one `head_round` -> (tokens [A, steps] left on the device, q [A,
-        steps, V] or None when every row is greedy)."""
-        rows = [self._fed_row(r, s, tail.shape[0]) for r, s, tail in zip(reqs, states, tails, strict=True)]
+        """The round's last feed (each row's `tails`, l_b >= 1 features, a flat row each) and
+        `steps` >= max k draft steps as one `head_round` -> (tokens [A, steps] left on the
+        device, q [A, steps, V] or None when every row is greedy)."""
+        rows = [self._fed_row(r, s, sum(b - a for _, a, b in tail))
+                for r, s, tail in zip(reqs, states, tails, strict=True)]
         params = [r.sampling_params for r in reqs]
         greedy = [p.greedy for p in params]
         uniforms = torch.zeros((len(reqs), steps), dtype=torch.float64)  # [A, steps]
         if not all(greedy):  # each row draws its own k_b (as the general path), the rest stay unread
             drawn = row_uniforms(reqs, ks)
             uniforms[:, :drawn.shape[1]] = drawn
-        tokens, probs = self.round_fn(plan_batch(rows), torch.cat(list(tails)), steps,
+        tokens, probs = self.round_fn(plan_batch(rows), stacked([p for tail in tails for p in tail]), steps,
                                       [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                                       uniforms, greedy)
         # (a copy: a graph's output is rewritten by its next replay; a row whose distribution
@@ -289,7 +317,7 @@ class EagleProposer:
         return Row(state.slot, start, request.token_slice(start + 1, start + 1 + n))
 
     def _catch_up(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
-                  keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                  keep: int) -> tuple[torch.Tensor, list[list[Piece]]]:
         """A round's catch-up: `_feed` once the head holds every position the target does."""
         for r, s in zip(reqs, states, strict=True):
             cached = self._cached(s)
@@ -299,32 +327,34 @@ class EagleProposer:
         return self._feed(reqs, states, keep)
 
     def _feed(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
-              keep: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              keep: int) -> tuple[torch.Tensor, list[list[Piece]]]:
         """Feed each request's pending features with the tokens after them, all but the last
         `keep` (0: all) -> (the head's output at each row's last fed position [A, H] (rows fed
-        nothing: zeros), the features left to feed per row [l_b, H], l_b = min(pending, keep))."""
+        nothing: zeros), the features left to feed per row, min(pending, keep) of them)."""
         assert all(s.slot is not None for s in states)
-        feats, tails = [], []
+        dtype = states[0].pending[0][0].dtype
+        feats, tails, lengths = [], [], []
         for s in states:
-            pending = torch.cat(s.pending) if len(s.pending) > 1 else s.pending[0]
-            cut = pending.shape[0] - min(pending.shape[0], keep)
-            feats.append(pending[:cut])
-            tails.append(pending[cut:])
+            n = s.num_pending()
+            first, rest = split_pieces(s.pending, n - min(n, keep))
+            feats.append(stacked(first) if first else None)
+            lengths.append(n - min(n, keep))
+            tails.append(rest)
             s.pending = []
-        out = torch.zeros((len(reqs), self.head.spec.hidden_size), dtype=pending.dtype, device=self.device)
+        out = torch.zeros((len(reqs), self.head.spec.hidden_size), dtype=dtype, device=self.device)
         done = [0] * len(reqs)
         while True:
-            todo = [b for b in range(len(reqs)) if done[b] < feats[b].shape[0]]
+            todo = [b for b in range(len(reqs)) if done[b] < lengths[b]]
             if not todo:
                 return out, tails
             rows, chunks = [], []
             for b in todo:
-                n = min(CATCH_UP_CHUNK, feats[b].shape[0] - done[b])
+                n = min(CATCH_UP_CHUNK, lengths[b] - done[b])
                 rows.append(self._fed_row(reqs[b], states[b], n))
-                chunks.append(feats[b][done[b]:done[b] + n])
+                chunks.append(feats[b][done[b]:done[b] + n])  # type: ignore[index]
                 done[b] += n
             x = head_pass(self.head, self.pool, plan_batch(rows), torch.cat(chunks))  # [T', H]: each row's last
-            ends = [j for j, b in enumerate(todo) if done[b] == feats[b].shape[0]]
+            ends = [j for j, b in enumerate(todo) if done[b] == lengths[b]]
             if ends:
                 out[tensor_on([todo[j] for j in ends], self.device, torch.long)] = x[tensor_on(ends, self.device,
                                                                                              torch.long)]

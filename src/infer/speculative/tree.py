@@ -325,7 +325,8 @@ class Draft:
             raise ValueError(f"a draft over tree {self.shape} needs {n} token ids and {n} validity flags, "
                              f"got {None if self.host_ids is None else len(self.host_ids)} and {len(self.valid)}")
         valid, parents = self.valid, self.shape.parents
-        tokens = self.host_ids if self.host_ids is not None else (0,) * n  # (device tokens: checked on device)
+        # (a device chain's tokens are its round's ids; `chain_on_device` made its flags)
+        tokens = self.host_ids if self.host_ids is not None else ()
         for node, token in enumerate(tokens):  # (every proposal passes here: kept lean)
             ok = valid[node]
             if type(ok) is not bool:
@@ -359,6 +360,8 @@ class Draft:
     @property
     def depth(self) -> int:
         """The deepest present node's depth (0: nothing proposed)."""
+        if self.shape.is_chain:  # (a chain's present nodes are its first ones)
+            return self.num_proposed
         return max((d for d, ok in zip(self.shape.depths, self.valid, strict=True) if ok), default=0)
 
     @property

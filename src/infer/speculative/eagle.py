@@ -6,7 +6,8 @@ features (gathered on the device after every target forward); `propose` feeds th
 tokens after them (catch-up, at most `CATCH_UP_CHUNK` positions a row a pass), then drafts
 steps 2 .. k from its own output, sampling over target ids. Rows sampling with a temperature
 alone and no grammar run the last `feed_max` positions and the steps as one `head_round`
-call (a CUDA graph on the GPU); a static tree expands from g's output (`eagle_tree`).
+call (a CUDA graph on the GPU), whose tokens stay on the device (`Draft.chain_on_device`:
+verification reads them there); a static tree expands from g's output (`eagle_tree`).
 `on_accepted` drops the round's positions. Prefix caching (`share_prefixes`, `restore`) and
 the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
 """

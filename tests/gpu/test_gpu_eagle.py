@@ -44,8 +44,7 @@ def gpu_heads(ckpt_a: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 def _outputs(ckpt: Path, head: Path, method: str, graphs: bool, prompts: list[list[int]],
              params: list[SamplingParams], **options) -> tuple[list[list[int]], LLM]:
-    # (a batch limit set: no timed gate of rounds, so two engines run the same rounds)
-    options = {"compile_kernels": False, "spec_disable_batch_size": 4, **options}
+    options = {"compile_kernels": False, **options}
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_batch_size=4, max_seq_len=256,
               use_cuda_graphs=graphs, use_speculative_decoding=True, speculative_method=method,
               draft_model=str(head), spec_length=3, **options)

@@ -1,9 +1,8 @@
 """The adaptive length policy and `spec_disable_batch_size` end to end (CPU, tiny checkpoints),
 through the public counters: a useless draft turned off with greedy parity kept, a good one
 kept drafting, n-gram drafts speculating where the text repeats (shadow rounds while plain),
-rounds timed on a simulated clock and dropped where they cost more than they give (under a
-fixed K too, for greedy rows), no start-up measurement on a CPU, and speculation off above
-the batch limit.
+rounds timed on a simulated clock and dropped where they cost more than they give, no
+start-up measurement on a CPU, and speculation off above the batch limit.
 """
 
 from __future__ import annotations
@@ -50,17 +49,12 @@ def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, pro
     assert llm.engine.leak_report() == []  # (no shadow chain outlives its request)
 
 
-def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s, policy="adaptive", params=GREEDY):
-    """An n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s and a
-    round's verification `round_s` more (a fixed K gets the clock a GPU would give it).
-    Returns (engine, tokens, whether a plain step was queued with the previous step's tokens
-    still in flight)."""
-    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy=policy, async_scheduling=True)
+def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
+    """An adaptive n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s
+    and a round's verification `round_s` more. Returns (engine, tokens, whether a plain step
+    was queued with the previous step's tokens still in flight)."""
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
     runner, now = llm.engine.runner, [0.0]
-    if policy == "fixed":
-        from infer.speculative.policy import RoundClock
-        assert runner.speculation.clock is None  # (a CPU's fixed K is not timed)
-        runner.speculation.clock = RoundClock(lambda k: 0.0)
 
     def tick():
         now[0] += 1.0
@@ -78,7 +72,7 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s, policy="adaptive", pa
         return _launch(prefill, decode, render)
 
     runner._time, runner.verification.verify, runner._launch = tick, verify, launch
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
 
 
@@ -95,25 +89,6 @@ def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give
     assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
     assert dear_overlapped  # plain steps keep the host ahead of the device
     assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
-
-
-def test_a_fixed_k_stops_rounds_that_do_not_pay_at_its_batch_size_for_greedy_rows_only(make_llm, ckpt_a, prompts,
-                                                                                      plain_outputs):
-    # the same clock under a fixed K (`RoundClock.pays`): dear rounds give way to plain steps
-    # but for a probe now and then; a batch with sampled rows drafting keeps its rounds
-    # (their tokens would change), and its seeded tokens stay those of an untimed run
-    dear, dear_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 30.0, "fixed")
-    cheap, cheap_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 0.0, "fixed")
-    assert dear_tokens == cheap_tokens == plain_outputs
-    assert not dear.engine.runner.speculation.clock.pays(8) and cheap.engine.runner.speculation.clock.pays(8)
-    assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
-    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=GREEDY.max_tokens, ignore_eos=True)
-    timed, timed_tokens, _ = _clocked_ngram_run(make_llm, ckpt_a, prompts, 30.0, "fixed", seeded)
-    untimed = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", async_scheduling=True)
-    outs = untimed.generate(prompt_token_ids=prompts, sampling_params=seeded)
-    assert timed_tokens == [o.outputs[0].token_ids for o in outs]
-    assert timed.engine.runner.stats.drafts == untimed.engine.runner.stats.drafts > 0
-    assert dear.engine.leak_report() == [] and timed.engine.leak_report() == []
 
 
 def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a, random_draft, monkeypatch):

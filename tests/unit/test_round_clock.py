@@ -7,11 +7,10 @@ import pytest
 from infer.speculative.policy import ClockConfig, RoundClock, StepKind, bucket
 
 
-def _run(clock: RoundClock, steps: list[tuple[int, int, float]], t: float = 0.0, emitted: float = 1.0) -> float:
-    """Feed (batch, k, seconds) steps one after another, rounds giving `emitted` tokens a
-    row; returns the time after the last."""
+def _run(clock: RoundClock, steps: list[tuple[int, int, float]], t: float = 0.0) -> float:
+    """Feed (batch, k, seconds) steps one after another; returns the time after the last."""
     for batch, k, seconds in steps:
-        clock.stepped(t, StepKind(batch, k, emitted if k else 1.0))
+        clock.stepped(t, StepKind(batch, k))
         t += seconds
     return t
 
@@ -60,22 +59,8 @@ def test_a_bucket_asks_for_plain_steps_again_after_refresh_steps():
     assert clock.needs_plain(1)
 
 
-def test_rounds_pay_where_their_tokens_a_row_outrun_plain_steps_and_are_timed_again_later():
-    clock = RoundClock(lambda k: 1.0, ClockConfig(probe_steps=8))
-    assert clock.pays(64)  # (nothing timed: rounds run)
-    t = _run(clock, [(64, 0, 0.01)] * 3)  # plain: 0.01 s a token a row
-    t = _run(clock, [(64, 4, 0.04)] * 3, t, emitted=3.0)  # rounds: 3 tokens in 4 plain steps' time
-    assert not clock.pays(64) and clock.pays(8)  # (other buckets: not timed yet)
-    t = _run(clock, [(64, 0, 0.01)] * 7, t)
-    assert not clock.pays(64)
-    t = _run(clock, [(64, 0, 0.01)], t)  # probe_steps decode steps since the last round: time one again
-    assert clock.pays(64)
-    _run(clock, [(64, 4, 0.02)] * 20, t, emitted=3.0)  # cheaper rounds now: 3 tokens in 2 steps' time
-    assert clock.pays(64)
-
-
 @pytest.mark.parametrize("kwargs, words", [({"decay": 1.0}, "decay"), ({"refresh_steps": 0}, "refresh_steps"),
-                                           ({"max_ratio": 1.0}, "max_ratio"), ({"probe_steps": 0}, "probe_steps")])
+                                           ({"max_ratio": 1.0}, "max_ratio")])
 def test_clock_config_is_validated(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ClockConfig(**kwargs)

@@ -117,8 +117,7 @@ class EngineConfig:
     # their depth is spec_length. None: a chain of spec_length drafts
     spec_tree: str | None = None
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
-    # speculation is off for a step whose decode batch is larger than this (None: on a GPU,
-    # off where its rounds, as timed, give fewer tokens a second than plain steps)
+    # speculation is off for a step whose decode batch is larger than this (None: never off)
     spec_disable_batch_size: int | None = None
     # c, the draft step's cost over the target's, for the adaptive policy; None: measured at
     # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts), and each

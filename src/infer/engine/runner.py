@@ -93,7 +93,6 @@ class ModelRunner:
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
         self._step_kind: StepKind | None = None  # this step's, for the round clock
-        self._round_emitted = 1.0  # the tokens this step's round gave a row, on average
         self.mixed = config.scheduler.mixed_batches  # prefill chunks and decode rows in one forward (else one each)
 
     @property
@@ -151,10 +150,7 @@ class ModelRunner:
         # (overlapped, a round's own tokens are rendered under the next step's GPU work)
         outputs = render.finish(render_new=not (self.overlap and self.speculation is not None))
         if clock is not None:
-            kind = self._step_kind
-            if kind is not None and kind.k:  # (a round's tokens a row, for `RoundClock.pays`)
-                kind = StepKind(kind.batch, kind.k, self._round_emitted)
-            clock.stepped(start, None if prefill else kind)
+            clock.stepped(start, None if prefill else self._step_kind)
         return outputs
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
@@ -298,7 +294,6 @@ class ModelRunner:
         the length). starts[b]: where request b's block begins in the forward's tokens."""
         spec = self.speculation
         assert spec is not None
-        self._round_emitted = sum(len(t) for t in result.tokens) / max(1, len(requests))
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
                                      for r, p in zip(requests, paths, strict=True) if r.slot is not None])
         spec.on_accepted(requests, paths)

@@ -6,11 +6,9 @@ adaptive with the measured costs), the adaptive policy's round clock, and the ro
 shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
 (`DynamicShape`). Each decode step asks it for every request's depth (`depths`): the
 policy's K cut by the request's `SamplingParams.speculation`, the length guards (`guard_k`)
-and a tree's storage (`fit_depth`); all 0 above `spec_disable_batch_size`, while the clock
-times plain steps, or where rounds do not pay at the batch size (`RoundClock.pays`; under a
-fixed K only for batches whose drafting rows are all greedy, whose tokens it cannot
-change). Requests with `speculation=False` never reach the policy or the proposer's hooks.
-docs/speculation.md, "Depths per request".
+and a tree's storage (`fit_depth`); all 0 above `spec_disable_batch_size` or while the clock
+times plain steps. Requests with `speculation=False` never reach the policy or the
+proposer's hooks. docs/speculation.md, "Depths per request".
 """
 
 from __future__ import annotations
@@ -80,7 +78,7 @@ class Speculation:
     proposer: Proposer
     draft: DraftModelProposer | None  # the draft model's proposer (in its own ids: another vocabulary's is wrapped)
     policy: SpecPolicy
-    clock: RoundClock | None  # the wall-clock view of rounds and plain steps (GPU, or the adaptive policy)
+    clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
     config: SpeculativeConfig
     max_seq_len: int  # no position of a round past it
     stats: SpecStats
@@ -133,9 +131,8 @@ class Speculation:
         return self.config.length
 
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
-        """Once the target's decode forward exists: check a tree against the vocabulary,
-        measure the adaptive policy's costs (which time that forward); on a GPU a fixed K
-        gets the round clock (`depths`: rounds that do not pay at a batch size give way)."""
+        """Once the target's decode forward exists: check a tree against the vocabulary, and
+        measure the adaptive policy's costs (which time that forward)."""
         if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
@@ -146,8 +143,6 @@ class Speculation:
                 self.clock = RoundClock(self.policy.round_cost)
             if isinstance(self.proposer, NgramProposer) and self.tree is None:
                 self.shadow = ShadowRounds(self.proposer, self.spec_length)
-        elif next(target.parameters()).device.type == "cuda" and self.config.disable_batch_size is None:
-            self.clock = RoundClock(lambda k: 0.0)  # (a fixed K: whether its rounds pay, `RoundClock.pays`)
 
     def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
                            target: LlamaForCausalLM) -> tuple[float, float]:
@@ -229,8 +224,7 @@ class Speculation:
         ks = [min(next(chosen), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
         if room is not None:
             ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
-        if clock is not None and any(ks) and self._timed(requests, ks) and (
-                clock.needs_plain(len(requests)) or not clock.pays(len(requests))):
+        if clock is not None and any(ks) and clock.needs_plain(len(requests)):
             ks = [0] * len(requests)
         if shadow is not None:
             for r, k in zip(requests, ks, strict=True):
@@ -238,13 +232,6 @@ class Speculation:
                     shadow.drop(r.request_id)
             shadow.draft([r for r, k in zip(requests, ks, strict=True) if not k and self.drafts_for(r)])
         return ks
-
-    def _timed(self, requests: Sequence[Request], ks: Sequence[int]) -> bool:
-        """Whether the clock may turn this step's rounds into a plain step: the adaptive
-        policy's always; a fixed K's when every drafting row is greedy (its tokens are the
-        same either way, where a sampled row's would change)."""
-        return self.config.policy == "adaptive" or all(r.sampling_params.greedy
-                                                      for r, k in zip(requests, ks, strict=True) if k)
 
     @staticmethod
     def drafts_for(request: Request) -> bool:

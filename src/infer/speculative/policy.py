@@ -6,9 +6,8 @@ two inputs the adaptive policy measures while the engine runs.
   (`theory.best_k_grid`) for the request's decayed acceptance estimate, c, v(K) and the
   round overhead; K = 0 (a plain step) when nothing beats plain decoding by `min_gain`.
   Plain requests are probed with a backing-off wait bounded by `probe_share`.
-- `RoundClock`: a plain step's wall time, a round's and its overhead beyond the model, per
-  batch-size bucket, from the engine's step start times; whether a round pays at a batch
-  size (`pays`: its tokens a row over its time against a plain step's).
+- `RoundClock`: a plain step's wall time and a round's overhead beyond the model, per
+  batch-size bucket, from the engine's step start times.
 - `ShadowRounds`: what a free draft (n-gram, prompt lookup) would have scored while its
   request decodes plainly, evidence for `AdaptivePolicy.observe`.
 Why and how: docs/speculation.md, "The length policy", "The round clock", "Shadow rounds".
@@ -239,31 +238,25 @@ class ClockConfig:
     decay: float = 0.8  # an estimate's weight against each new interval
     refresh_steps: int = 256  # decode steps in a bucket before its plain time is measured again
     max_ratio: float = 50.0  # an interval this many times the bucket's plain step is a stall: dropped
-    probe_steps: int = 64  # decode steps in a bucket where rounds do not pay before one is timed again
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
-        if self.refresh_steps < 1 or self.max_ratio <= 1.0 or self.probe_steps < 1:
-            raise ValueError(f"need refresh_steps >= 1, max_ratio > 1 and probe_steps >= 1, got "
-                             f"{self.refresh_steps}, {self.max_ratio}, {self.probe_steps}")
+        if self.refresh_steps < 1 or self.max_ratio <= 1.0:
+            raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
 
 
 @dataclass(frozen=True, slots=True)
 class StepKind:
     batch: int  # decode rows
     k: int  # the step's longest draft; 0: a plain step
-    emitted: float = 1.0  # tokens the step gave a row, on average (a plain step: 1)
 
 
 @dataclass(slots=True)
 class _Bucket:
     plain_s: float | None = None  # seconds a plain step
     overhead: float | None = None  # plain steps a round costs beyond the model
-    round_s: float | None = None  # seconds a round
-    emitted: float | None = None  # tokens a round gives a row
     since_plain: int = 0  # decode steps since plain_s was last sampled
-    since_round: int = 0  # decode steps since round_s was last sampled
 
 
 def bucket(batch: int) -> int:
@@ -290,15 +283,6 @@ class RoundClock:
         b = self._buckets.get(bucket(batch))
         return 0.0 if b is None or b.overhead is None else b.overhead
 
-    def pays(self, batch: int) -> bool:
-        """Whether a round pays at this batch size: the tokens it gives a row in its time at
-        least a plain step's one in its own. True until both are timed, and every
-        `probe_steps` decode steps where they do not (rounds are timed again)."""
-        b = self._buckets.get(bucket(batch))
-        if b is None or b.plain_s is None or b.round_s is None or b.emitted is None:
-            return True
-        return b.emitted * b.plain_s >= b.round_s or b.since_round >= self.config.probe_steps
-
     def plain_step_s(self, batch: int) -> float | None:
         """Seconds a plain step takes at this batch size, as measured (None until then)."""
         b = self._buckets.get(bucket(batch))
@@ -308,9 +292,7 @@ class RoundClock:
         """A step that started at `start` (seconds) ran; kind None: not a pure decode step.
         The step before it is a sample when the steps on both its sides are of its kind."""
         if kind is not None:
-            b = self._buckets.setdefault(bucket(kind.batch), _Bucket())
-            b.since_plain += 1
-            b.since_round += 1
+            self._buckets.setdefault(bucket(kind.batch), _Bucket()).since_plain += 1
         self._recent.append((start, kind))
         if len(self._recent) < 3:
             return
@@ -330,13 +312,9 @@ class RoundClock:
         if kind.k == 0:
             b.plain_s = seconds if b.plain_s is None else d * b.plain_s + (1 - d) * seconds
             b.since_plain = 0
-        else:
-            b.round_s = seconds if b.round_s is None else d * b.round_s + (1 - d) * seconds
-            b.emitted = kind.emitted if b.emitted is None else d * b.emitted + (1 - d) * kind.emitted
-            b.since_round = 0
-            if b.plain_s is not None:
-                extra = seconds / b.plain_s - self.model_cost(kind.k)
-                b.overhead = extra if b.overhead is None else d * b.overhead + (1 - d) * extra
+        elif b.plain_s is not None:
+            extra = seconds / b.plain_s - self.model_cost(kind.k)
+            b.overhead = extra if b.overhead is None else d * b.overhead + (1 - d) * extra
 
 
 # -- shadow rounds -----------------------------------------------------------------------

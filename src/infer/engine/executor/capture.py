@@ -11,8 +11,8 @@ docs/architecture.md, "Executing the model".
 
 from __future__ import annotations
 
-MAX_CAPTURE_SIZE = 512
-CAPTURE_SIZES = tuple(1 << i for i in range(MAX_CAPTURE_SIZE.bit_length()))  # 1, 2, 4, ..., 512
+MAX_CAPTURE_SIZE = 1024
+CAPTURE_SIZES = tuple(1 << i for i in range(MAX_CAPTURE_SIZE.bit_length()))  # 1, 2, 4, ..., 1024
 MAX_GRAPH_CONTEXT = 8192
 
 

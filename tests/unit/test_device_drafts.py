@@ -88,3 +88,15 @@ def test_device_drafts_among_plain_rows_verify_as_their_host_copies() -> None:
         got = verification.verify(_requests(params), drafts, on_device, logits, lambda: None)
         want = verification.verify(_requests(params), host, on_host, logits, lambda: None)
         assert got[0].tokens == want[0].tokens and got[1] == want[1]
+
+
+def test_rows_verified_as_a_static_tree_or_of_two_rounds_read_their_tokens_to_the_host() -> None:
+    # a static tree (here the chain "1,1,1,1", as spec_tree gives it) walks the tree
+    # verifier, which reads tokens on the host; drafts of two rounds have no one source
+    requests = _requests([SamplingParams(temperature=0)] * 2)
+    first, second = _round(), _round()
+    for tree, rounds in ((SHAPE, (first, first)), (None, (first, second))):
+        drafts = [Draft.chain_on_device(SHAPE, rounds[0], 0, 4), Draft.chain_on_device(SHAPE, rounds[1], 1, 2)]
+        block = Verification(VOCAB, CPU, tree).block(requests, drafts)
+        assert block.device_ids is None
+        assert [list(row.ids) for row in block.rows] == [[3, 3, 1, 4, 1], [4, 5, 9]]  # g, then the drafts

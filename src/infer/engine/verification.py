@@ -26,7 +26,7 @@ from infer.logprobs import emitted_logprobs
 from infer.sampling import logits_to_probs, round_uniforms, temperature_only
 from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logits
 from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees, round_widths
-from infer.speculative.tree import Draft, TreeShape, stack_drafts
+from infer.speculative.tree import Draft, RoundTokens, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
 from infer.transfer import tensor_on, to_device
 
@@ -77,12 +77,13 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
     return mask_logits(logits.reshape(b * width, vocab), bitmask, rows).view(b, width, vocab)
 
 
-def block_row(request: Request, draft: Draft) -> Row:
+def block_row(request: Request, draft: Draft, placed: bool = False) -> Row:
     """The request's block [g, its draft's rows up to the last present node] as one row of
-    the step's batch, every token's logits wanted; a tree's with its rule."""
+    the step's batch, every token's logits wanted; a tree's with its rule. `placed`: a draft
+    whose tokens are on the device holds places there, `chain_tokens` filling them (else its
+    tokens are read to the host)."""
     used = draft.rows_used
-    # (a draft whose tokens are on the device holds places: `chain_tokens` fills them there)
-    nodes = draft.host_ids[:used - 1] if draft.host_ids is not None else (0,) * (used - 1)
+    nodes = (0,) * (used - 1) if placed and draft.host_ids is None else draft.token_ids[:used - 1]
     ids = [request.last_token_id, *nodes]
     shape = draft.shape
     if isinstance(shape, TreeShape) and shape.is_chain:
@@ -93,15 +94,22 @@ def block_row(request: Request, draft: Draft) -> Row:
                tree=RowTree(bits, offsets, base_offset=0, width=used))
 
 
-def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int,
-                 device: torch.device) -> tuple[torch.Tensor, DeviceIds | None]:
-    """Chain drafts' first k node tokens [B, k] (on the host when every draft's are there,
-    else on the device, where a row's entries past its own count are left unread) and, for drafts of one round left on the device, where their tokens
-    go in the flat batch of `rows` (each draft's block row; None when there are none)."""
-    on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
-    source = on_device[0][1][0] if on_device else None
-    if source is None or any(r is not source for _, (r, _) in on_device):  # (drafts of two rounds: read)
+def device_round(drafts: Sequence[Draft]) -> RoundTokens | None:
+    """The one round whose tokens the drafts left on the device (None: none did, or drafts
+    of two rounds, which are read to the host)."""
+    rounds = {id(d.on_device[0]): d.on_device[0] for d in drafts if d.host_ids is None and d.on_device is not None}
+    return next(iter(rounds.values())) if len(rounds) == 1 else None
+
+
+def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: torch.device,
+                 source: RoundTokens | None) -> tuple[torch.Tensor, DeviceIds | None]:
+    """Chain drafts' first k node tokens [B, k] and, for drafts of the round `source` left on
+    the device (`device_round`), where their tokens go in the flat batch of `rows` (each
+    draft's block row, holding places for them); with no source, every token on the host
+    and None. On the device a row's entries past its own count are left unread."""
+    if source is None:
         return torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k), None
+    on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
     batch_rows = [b for b, _ in on_device]
     round_rows = [j for _, (_, j) in on_device]
     if batch_rows == round_rows and len(batch_rows) == len(drafts):  # (every row drafted, in order)
@@ -143,11 +151,13 @@ class Verification:
         self.tree = tree  # None: chains
 
     def block(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> Block:
-        rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
         if self.tree is None or self._chains(drafts):
+            source = device_round(drafts)
+            rows = [block_row(r, d, placed=source is not None) for r, d in zip(requests, drafts, strict=True)]
             counts = [d.num_proposed for d in drafts]
-            tokens, device_ids = chain_tokens(drafts, rows, max(counts), self.device)
+            tokens, device_ids = chain_tokens(drafts, rows, max(counts), self.device, source)
             return Block(rows, tokens, counts, None, max(counts) + 1, device_ids)
+        rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
         if isinstance(self.tree, DynamicShape):
             n = self.tree.num_nodes
             trees = [d.shape for d in drafts]

@@ -62,7 +62,8 @@ def test_chain_tokens_of_every_row_in_order_are_the_rounds_own() -> None:
 def test_device_drafts_among_plain_rows_verify_as_their_host_copies() -> None:
     tokens = _round()
     # batch rows 0 and 2 drafted rows 2 and 0 of the round; row 1 drafted nothing
-    drafts = [Draft.chain_on_device(SHAPE, tokens, 2, 3), Draft.empty(SHAPE), Draft.chain_on_device(SHAPE, tokens, 0, 2)]
+    drafts = [Draft.chain_on_device(SHAPE, tokens, 2, 3), Draft.empty(SHAPE),
+              Draft.chain_on_device(SHAPE, tokens, 0, 2)]
     host = _host_copy(drafts, tokens)
     g = torch.Generator().manual_seed(0)
     for params in ([SamplingParams(temperature=0)] * 3,

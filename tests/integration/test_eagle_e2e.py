@@ -164,21 +164,30 @@ def test_tree_negative_control_first_child_accepted_fails(make_llm, tiny, monkey
     assert tv > TV_LIMIT
 
 
+@pytest.mark.parametrize("variant", ["chains", "log-probabilities", "chain-shaped tree"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_fused_round_matches_general_path(make_llm, ckpt_a, heads, prompts, temperature) -> None:
-    """The fused round (`head_round`, what CUDA graphs capture) drafts what the step-by-step
-    general path drafts: same tokens and acceptance, batched, seeded sampling included."""
-    params = [SamplingParams(temperature=temperature, max_tokens=9, ignore_eos=True, seed=s) for s in range(4)]
+def test_fused_round_matches_general_path(make_llm, ckpt_a, heads, prompts, temperature, variant) -> None:
+    """The fused round (`head_round`, what CUDA graphs capture; its tokens left on the
+    device) drafts what the step-by-step general path drafts: same tokens, acceptance and
+    log-probabilities, batched, seeded sampling included; also where the verification reads
+    the tokens on the host (a row asking for log-probabilities, a static tree shaped as a chain)."""
+    params = [SamplingParams(temperature=temperature, max_tokens=9, ignore_eos=True, seed=s,
+                             logprobs=1 if variant == "log-probabilities" and s == 3 else None) for s in range(4)]
+    options = {"spec_tree": ",".join(["1"] * DEPTH)} if variant == "chain-shaped tree" else {}
     results = []
     for fused in (False, True):
-        llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=4, **ENGINE_CONFIGS["contiguous"])
+        llm = _llm(make_llm, ckpt_a, "eagle3", heads["eagle3"], max_batch_size=4, **ENGINE_CONFIGS["contiguous"],
+                   **options)
         proposer = llm.engine.runner.speculation.proposer
         proposer.fused = fused
         outs = llm.generate(prompt_token_ids=prompts[:4], sampling_params=params)
         stats = llm.engine.runner.stats
-        results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens))
+        logprobs = [[(lp.token_id, round(lp.logprob, 4)) for lp in o.outputs[0].logprobs or []] for o in outs]
+        results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_tokens, logprobs))
         assert (proposer.fused_rounds > 0) == fused
     assert results[0] == results[1]
+    if variant == "log-probabilities":
+        assert results[0][3][3] and not results[0][3][0]
 
 
 def test_rounds_through_the_fused_bundle_draft_as_eager(make_llm, ckpt_a, heads, prompts, monkeypatch) -> None:

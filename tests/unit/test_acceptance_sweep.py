@@ -171,3 +171,6 @@ def test_a_tiny_batch_sweep_compares_throughput_at_its_batch(ckpt_a):
         assert m.metrics["primary_rate"] == m.metrics["tokens_per_s"]  # the batch's throughput
     assert spec.metrics["acceptance_rate"] == 1.0  # alpha 1: every draft holds the continuation
     assert spec.derived["speedup"] == pytest.approx(spec.metrics["tokens_per_s"] / plain.metrics["tokens_per_s"])
+    # beside it, the decode rates' ratio (the throughput counts the prompts' prefill too)
+    assert spec.derived["decode_speedup"] == pytest.approx(spec.metrics["decode_tokens_per_s"] /
+                                                           plain.metrics["decode_tokens_per_s"])

@@ -41,6 +41,9 @@ def derive(m: Measurement, run: BenchRun) -> dict[str, Any]:
         out["baseline"] = base.name
         if m.metrics.get("paired_speedup"):
             out["speedup_unpaired"], out["speedup"] = out["speedup"], m.metrics["paired_speedup"]
+        rate, base_rate = m.metrics.get("decode_tokens_per_s"), base.metrics.get("decode_tokens_per_s")
+        if rate and base_rate and m.metrics["primary_rate"] != rate:  # (a batch: its throughput counts prefill)
+            out["decode_speedup"] = rate / base_rate  # each request's tokens after its first, on average
         agree = common_prefix(m.metrics.get("first_output_ids"), base.metrics.get("first_output_ids"))
         if agree is not None and _greedy(m) and _greedy(base) and _structured(m) == _structured(base):
             out["greedy_prefix_match"] = agree

@@ -78,8 +78,8 @@ def measurement_line(m: Measurement) -> str:
                      f"({fmt(x.get('all_reduce_share_of_step'))} of it), all-gather "
                      f"{fmt(x.get('all_gather_ms_per_step'))} ms, all collectives "
                      f"{fmt(x.get('collectives_share_of_step'))}")
-    for key, label in (("speedup", "x baseline"), ("roofline_fraction", "of roofline"), ("efficiency", "efficiency"),
-                       ("length_vs_chain", "tok/round x chain")):
+    for key, label in (("speedup", "x baseline"), ("decode_speedup", "x decode"), ("roofline_fraction", "of roofline"),
+                       ("efficiency", "efficiency"), ("length_vs_chain", "tok/round x chain")):
         if d.get(key) is not None:
             parts.append(f"{fmt(d[key])} {label}")
     if m.kind == SWEEP_KIND:

@@ -45,6 +45,7 @@ def test_a_device_draft_reads_its_tokens_once_and_only_when_asked() -> None:
     first = tokens._host
     assert Draft.chain_on_device(SHAPE, tokens, 2, 2).token_ids == (8, 7, 0, 0)
     assert tokens._host is first  # (the round's tokens read once for every row)
+    assert draft.host_ids is None  # (still a device draft: verification places its tokens from there)
     assert (draft.num_proposed, draft.depth, draft.rows_used) == (3, 3, 4)
 
 

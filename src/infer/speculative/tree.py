@@ -342,15 +342,14 @@ class Draft:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        """[N] the node tokens on the host (a device draft's read now: a sync, once a round)."""
-        if self.host_ids is None:
-            assert self.on_device is not None
-            round_tokens, row = self.on_device
-            k = self.num_proposed
-            ids = tuple(round_tokens.host()[row][:k]) + (0,) * (self.shape.num_nodes - k)
-            object.__setattr__(self, "host_ids", ids)
-            return ids
-        return self.host_ids
+        """[N] the node tokens on the host (a device draft's through its round's one read:
+        `RoundTokens.host`; the draft stays a device draft)."""
+        if self.host_ids is not None:
+            return self.host_ids
+        assert self.on_device is not None
+        round_tokens, row = self.on_device
+        k = self.num_proposed
+        return tuple(round_tokens.host()[row][:k]) + (0,) * (self.shape.num_nodes - k)
 
     @property
     def num_proposed(self) -> int:

@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not stall the host.
+"""Copies between host and device that do not stall the host.
 
 A plain `tensor.to("cuda")` from ordinary (pageable) host memory makes PyTorch wait until
 the GPU has finished everything queued before the copy: in a decode step that is a hidden
@@ -6,6 +6,8 @@ synchronisation point, and the host then cannot prepare the next kernels while t
 works. Small per-step inputs (uniforms, row indices, per-row parameters) therefore go
 through pinned memory with `non_blocking=True`. PyTorch's pinned-memory cache keeps each
 staging buffer alive until its copy has run, so the host tensor may be dropped at once.
+The other way, `HostCopy` queues a result's copy to pinned memory and waits for it only
+when the host reads it, so GPU work queued after it runs on meanwhile.
 """
 
 from __future__ import annotations
@@ -29,3 +31,24 @@ def tensor_on(data: Sequence | float | int, device: torch.device | str, dtype: t
               ) -> torch.Tensor:
     """torch.tensor(data, dtype) built on the host and sent to `device` without a stall."""
     return to_device(torch.tensor(data, dtype=dtype), device)
+
+
+class HostCopy:
+    """A device tensor's copy to pinned host memory, queued now and read later (`tolist`):
+    the host then waits for the work queued before the copy alone, not for GPU work queued
+    after it. A CPU tensor is read as it is."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if t.device.type != "cuda":
+            self.host = t
+            return
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -30,7 +30,7 @@ from infer.models.kernels.bundle import EAGER
 from infer.models.layers.attention import NoCacheView
 from infer.models.loading.eagle_files import load_eagle_head
 from infer.models.loading.loader import load_model
-from infer.speculative.eagle_round import EagerHeadRound
+from infer.speculative.eagle_round import AheadFeed, EagerHeadRound
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +64,13 @@ def test_head_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, batch, 
     assert graphed == eager
     proposer = llm.engine.runner.speculation.proposer
     assert proposer.round_fn.replays > 0  # the rounds ran as graphs
-    # (rows, tokens, steps, greedy): feeds of up to spec_length + 1 = 4 tokens a row, captured at start
+    # (rows, tokens, steps, greedy, ahead): feeds of up to spec_length + 1 = 4 tokens a row, and
+    # greedy rounds drafted ahead (every row fed 4), captured at start
     buckets = {1: (1, 2, 4), 2: (2, 4, 8), 4: (4, 8, 16)}
-    wanted = {(r, t, 3, g) for r, ts in buckets.items() for t in ts for g in (True, False)}
+    wanted = {(r, t, 3, g, False) for r, ts in buckets.items() for t in ts for g in (True, False)}
+    wanted |= {(r, 4 * r, 3, True, True) for r in buckets}
     assert wanted <= set(proposer.round_fn.graphs)
+    assert (proposer.ahead_rounds > 0) == (temperature == 0.0)
 
 
 @pytest.mark.parametrize("greedy", [True, False])
@@ -99,7 +102,7 @@ def test_one_round_graph_drafts_and_writes_what_the_eager_round_does(ckpt_a, gpu
     with torch.inference_mode():
         got = graphs(plan, features, steps, temperatures, uniforms, flags)
         want = EagerHeadRound(head, pools[1])(plan, features, steps, temperatures, uniforms, flags)
-    assert graphs.replays == 1 and set(graphs.graphs) == {(4, 8, steps, greedy)}
+    assert graphs.replays == 1 and set(graphs.graphs) == {(4, 8, steps, greedy, False)}
     assert torch.equal(got[0], want[0])
     assert (got[1] is None) == (want[1] is None) == greedy
     if not greedy:
@@ -112,6 +115,40 @@ def test_one_round_graph_drafts_and_writes_what_the_eager_round_does(ckpt_a, gpu
         assert not torch.equal(a[:, :scratch], initial[:, :scratch])  # (the round wrote its positions)
     assert [pools[0].seq_len(s) for s in slots] == [pools[1].seq_len(s) for s in slots] == \
         [s + len(f) + steps - 1 for s, f in zip(starts, feeds)]
+
+
+def test_round_graph_drafted_ahead_drafts_and_writes_what_the_eager_round_does(ckpt_a, gpu_heads):
+    """A greedy round drafted ahead (three rows fed their whole blocks of 4, accepting 0, 3
+    and 1; ids and counts on the device) by its graph and eagerly: the same tokens, the same
+    KV everywhere but the scratch row."""
+    target = load_model(str(ckpt_a), dtype="float32", device="cuda")[0]
+    head = load_eagle_head(str(gpu_heads["eagle3"]), "eagle3", target)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    pools = [make_cache_pool("paged", head.config, max_batch_size=4, max_seq_len=64, dtype=torch.float32,
+                             device="cuda", block_size=4, num_blocks=64) for _ in range(2)]
+    starts, steps = (9, 3, 17), 3
+    slots = [[pool.allocate_slot(s + 2 * steps) for s in starts] for pool in pools][0]
+    kv = torch.randn(pools[0].k_cache.shape, device="cuda", generator=gen)
+    for pool in pools:
+        for slot, s in zip(slots, starts):
+            pool.set_length(slot, s)
+        pool.k_cache.copy_(kv)
+        pool.v_cache.copy_(kv.flip(0))
+    plan = plan_batch([Row(slot, s, [0] * 4) for slot, s in zip(slots, starts)])
+    features = torch.randn(plan.num_tokens, head.spec.hidden_size, device="cuda", generator=gen)
+    ahead = AheadFeed(torch.randint(0, 100, (plan.num_tokens,), device="cuda", generator=gen),
+                      torch.tensor([0, 3, 1], device="cuda"))
+    args = (plan, features, steps, [1.0] * 3, torch.zeros(3, steps, dtype=torch.float64), [True] * 3, ahead)
+    graphs = HeadRoundGraphs(head, pools[0], max_batch_size=4, sampling_batch_max=32)
+    with torch.inference_mode():
+        got = graphs(*args)
+        want = EagerHeadRound(head, pools[1])(*args)
+    assert graphs.replays == 1 and set(graphs.graphs) == {(4, 16, steps, True, True)}
+    assert torch.equal(got[0], want[0])
+    scratch = pools[0].scratch_row
+    for cache in ("k_cache", "v_cache"):
+        torch.testing.assert_close(getattr(pools[0], cache)[:, :scratch], getattr(pools[1], cache)[:, :scratch],
+                                   atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

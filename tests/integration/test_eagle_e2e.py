@@ -223,3 +223,33 @@ def test_rounds_through_the_fused_bundle_draft_as_eager(make_llm, ckpt_a, heads,
     assert calls  # the bundle's own entries ran
     assert results[0] == results[1]
     assert sum(map(len, results[0][1])) > 0
+
+
+@pytest.mark.parametrize("config", ["paged-prefix-small-chunks", "paged-preempt", "contiguous"])
+def test_rounds_drafted_ahead_draft_as_rounds_after_the_verdict(make_llm, tiny, config) -> None:
+    """Greedy chain rounds drafted ahead (under the last round's verification, from its
+    verdict on the device: `EagleProposer.verifying`) draft what rounds drafted once the host
+    has the verdict draft: the same tokens, drafts and acceptance per position, batched, over
+    cached prefixes and under preemption (requests leaving and coming back between rounds),
+    rounds accepting every depth (a 4-token vocabulary); every slot and block given back
+    (`make_llm`)."""
+    target, head = tiny
+    prompts = [[(3 * i + j * j) % VOCAB for j in range(3 + i % 4)] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    plain = make_llm(target, max_seq_len=64, max_batch_size=8, **ENGINE_CONFIGS[config])
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    results = []
+    for ahead in (False, True):
+        llm = make_llm(target, max_seq_len=64, use_speculative_decoding=True, speculative_method="eagle3",
+                       draft_model=str(head), max_batch_size=8, spec_length=3, **ENGINE_CONFIGS[config])
+        proposer = llm.engine.runner.speculation.proposer
+        proposer.ahead = ahead
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        stats = llm.engine.runner.stats
+        results.append(([o.outputs[0].token_ids for o in outs], stats.draft_tokens, stats.accepted_per_position))
+        assert (proposer.ahead_rounds > 0) == ahead
+        if config == "paged-preempt":
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert results[0] == results[1]
+    assert results[0][0] == expected
+    assert results[0][2][1] > 0  # (rounds accepting two drafts and more: drafting from the middle of a feed)

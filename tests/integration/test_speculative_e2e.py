@@ -258,6 +258,9 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
         def on_accepted(self, requests, paths):
             raise AssertionError("nothing was verified")
 
+        def verifying(self, requests, drafts, starts, verdict):
+            raise AssertionError("nothing was verified")
+
         def prefilled(self, requests):
             return None
 

@@ -19,6 +19,8 @@ from infer.speculative.proposer import DraftRequest, Proposer
 from infer.speculative.tree import Draft, TreeShape
 
 if TYPE_CHECKING:
+    import torch
+
     from infer.cache.protocol import CachePoolProtocol
 
 
@@ -140,6 +142,10 @@ class OracleProposer:
         self.inner.on_accepted(requests, paths)
 
     # -- the rest is the inner proposer's --------------------------------------------------------
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        self.inner.verifying(requests, drafts, starts, verdict)
+
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
         self.inner.observed(requests, starts, rows)

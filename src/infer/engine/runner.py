@@ -220,7 +220,10 @@ class ModelRunner:
             requests = [*decode, *sampled]
             return [self._sampled(requests, logits)] if requests else []
         used = block.num_logits
-        result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog)
+        spec = self.speculation
+        assert spec is not None and drafts is not None
+        result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog,
+                                              lambda verdict: spec.verifying(decode, drafts, starts, verdict))
         self._accept(decode, drafts, result, paths, starts)
         return [self._sampled(sampled, logits[used:])] if sampled else []
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
@@ -41,8 +43,9 @@ from infer.speculative.policy import (AdaptiveConfig, AdaptivePolicy, FixedPolic
                                       SpecPolicy)
 from infer.speculative.proposer import Proposer
 from infer.speculative.suffix import SuffixProposer
-from infer.speculative.tree import TreeShape, chain_shape
+from infer.speculative.tree import Draft, TreeShape, chain_shape
 from infer.speculative.vocab_map import VocabMap
+from infer.transfer import tensor_on
 
 # the adaptive policy's one-off cost measurement at start (GPU): timed calls per shape
 COST_REPEATS, COST_WARMUP = 10, 3
@@ -262,6 +265,16 @@ class Speculation:
         if keep:
             self.proposer.on_accepted([requests[i] for i in keep], [paths[i] for i in keep])
 
+    def verifying(self, requests: Sequence[Request], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """`Proposer.verifying` of the requests that may draft (verdict [B, K + 2] their rows)."""
+        keep = [i for i, r in enumerate(requests) if self.drafts_for(r)]
+        if len(keep) < len(requests):
+            verdict = verdict[tensor_on(keep, verdict.device, torch.long)]
+        if keep:
+            self.proposer.verifying([requests[i] for i in keep], [drafts[i] for i in keep],
+                                    [starts[i] for i in keep], verdict)
+
     # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
     def can_admit(self, request: Request) -> bool:
         return not self.drafts_for(request) or self.proposer.can_admit(request)
@@ -342,7 +355,7 @@ def _eagle_proposer(config: ResolvedConfig, executor: Executor, head: EagleHead,
     feed_max = spec.length + 1
     steps = (spec.length, 1) if spec.policy == "adaptive" else (spec.length,)
     if spec.tree is None:
-        round_fn.prepare(range(1, feed_max + 1), steps)
+        round_fn.prepare(range(1, feed_max + 1), steps, ahead=True)
     proposer = EagleProposer(head, pool, capture, round_fn, feed_max=feed_max, kernels=kernels)
     proposer.round_steps = steps
     return proposer

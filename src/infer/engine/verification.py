@@ -28,7 +28,7 @@ from infer.speculative.grammar_mask import allocate_bitmask, fill_row, mask_logi
 from infer.speculative.node_tree import DynamicShape, NodeTree, TreeFrame, frame_of_trees, round_widths
 from infer.speculative.tree import Draft, RoundTokens, TreeShape, stack_drafts
 from infer.speculative.verifier import VerifyResult, unpack_rows, verify, verify_tree_nodes
-from infer.transfer import tensor_on, to_device
+from infer.transfer import HostCopy, tensor_on, to_device
 
 Paths = list[list[int]]  # per request, the accepted node indices in depth order
 
@@ -176,10 +176,13 @@ class Verification:
                                                            for d in drafts)
 
     def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
-               while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
+               while_gpu_runs: Callable[[], None],
+               queued: Callable[[torch.Tensor], None] | None = None) -> tuple[VerifyResult, Paths]:
         """Verify every request's draft on its rows' logits [sum of widths, V] -> (tokens per
         request, accepted nodes per request). `while_gpu_runs` is called once the work is
-        queued (host work that hides under it)."""
+        queued (host work that hides under it); `queued`, before it, with a round of chains'
+        verdict on the device [B, K + 2] (`Proposer.verifying`: GPU work queued behind the
+        verdict's copy to the host, which the host does not wait for)."""
         logits = self._padded(logits, block)  # [B, W, V]
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
@@ -196,8 +199,11 @@ class Verification:
                 assert isinstance(block.present, torch.Tensor)
                 packed = verify_on_tree_logits(block.frame, logits, tokens, block.present, draft_probs, temps,
                                                greedy, uniforms)
+            verdict = HostCopy(packed)
+            if queued is not None and block.frame is None:
+                queued(packed)
             while_gpu_runs()
-            return self._unpack(packed.tolist(), block)  # the one host sync of verification
+            return self._unpack(verdict.tolist(), block)  # the one host sync of verification
         while_gpu_runs()
         uniforms = to_device(self._uniforms(requests, drafts, block), self.device)
         target_probs = self._target_probs(requests, drafts, logits)

@@ -77,6 +77,10 @@ class DraftModelProposer:
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """Nothing: the draft model drafts from the verified tokens on the host."""
+
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         """Room for positions < total_tokens in the request's draft cache (its draft slot
         taken now with `take`, else at its first round); False (nothing taken) when the pool

@@ -8,7 +8,11 @@ steps 2 .. k from its own output, sampling over target ids. Rows sampling with a
 alone and no grammar run the last `feed_max` positions and the steps as one `head_round`
 call (a CUDA graph on the GPU), whose tokens stay on the device (`Draft.chain_on_device`:
 verification reads them there); a static tree expands from g's output (`eagle_tree`).
-`on_accepted` drops the round's positions. Prefix caching (`share_prefixes`, `restore`) and
+`on_accepted` drops the round's positions. Greedy chain rounds draft the next round ahead:
+once a round's verification is queued (`verifying`), the head is fed the whole block with
+the verdict's tokens and drafts from each row's accepted count, all on the device, while
+the host waits for the verdict and does the step's work; the next `propose` takes those
+drafts for the rows that still draft as they were (the others give the positions back). Prefix caching (`share_prefixes`, `restore`) and
 the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
 """
 
@@ -27,7 +31,7 @@ from infer.models.kernels.bundle import EAGER, Kernels
 from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import CATCH_UP_CHUNK, fed_positions, tree_draft
-from infer.speculative.eagle_round import EagerHeadRound, HeadRoundFn, head_pass
+from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, HeadRoundFn, head_pass
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.proposer import DraftRequest
@@ -68,12 +72,22 @@ def split_pieces(pieces: Sequence[Piece], cut: int) -> tuple[list[Piece], list[P
 
 
 @dataclass
+class AheadMark:
+    """A request's next round, drafted ahead (`EagleProposer.verifying`)."""
+
+    row: int  # its row of the round drafted ahead
+    start: int  # the positions its head cache held before (the feed wrote from there on)
+    accepted: int | None = None  # its round's accepted drafts, once verified (`on_accepted`)
+
+
+@dataclass
 class HeadState:
     """One request's head cache: slot position p holds the head's entry of target position p."""
 
     slot: int | None = None  # taken at admission after a prefix hit, at the first feed otherwise
     pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
+    ahead: AheadMark | None = None  # the next round drafted ahead; the cache then counts as `start`
 
     def num_pending(self) -> int:
         return sum(b - a for _, a, b in self.pending)
@@ -103,6 +117,10 @@ class EagleProposer:
         # keeps its tokens (empty: every round runs its own length)
         self.round_steps: tuple[int, ...] = ()
         self.sharing = False  # prompt blocks shared through the pool's prefix cache (`share_prefixes`)
+        # greedy chain rounds draft the next round under their verification (module docstring)
+        self.ahead = True
+        self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
+        self._ahead: tuple[RoundTokens, int] | None = None  # (the round drafted ahead, its steps)
 
     def share_prefixes(self) -> None:
         """Cache the head's prompt blocks as the target caches its own (module docstring)."""
@@ -133,6 +151,9 @@ class EagleProposer:
             state.pending.append(part)
 
     def _cached(self, state: HeadState) -> int:
+        """Positions the head holds for the request (drafted ahead: those it held before)."""
+        if state.ahead is not None:
+            return state.ahead.start
         return 0 if state.slot is None else self.pool.seq_len(state.slot)
 
     # -- memory ---------------------------------------------------------------------------------------
@@ -227,7 +248,8 @@ class EagleProposer:
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts = [Draft.empty(shape)] * len(requests)  # (frozen: one shared until a row's own replaces it)
-        picked = [(i, s) for i, k in enumerate(depths) if k > 0 and (
+        served = self._take_ahead(requests, shape, depths, drafts)
+        picked = [(i, s) for i, k in enumerate(depths) if k > 0 and i not in served and (
             s := self._room(requests[i], fed_positions(shape, min(k, shape.depth)))) is not None]
         if not picked:
             return drafts
@@ -256,6 +278,68 @@ class EagleProposer:
             with isolated(reqs[j], DRAFTING):
                 drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         return drafts
+
+    def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int],
+                    drafts: list[Draft]) -> set[int]:
+        """The rows whose round was drafted ahead and that draft now as it assumed (right
+        after that round, at most its steps): their drafts (`drafts[i]`) and round marked,
+        their pending features dropped (fed ahead). Every other request drafted ahead gives
+        those positions back (its head as without). Returns the rows served."""
+        ahead, self._ahead = self._ahead, None
+        served: set[int] = set()
+        for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
+            state = self.states.get(r.request_id)
+            mark = None if state is None else state.ahead
+            if state is None or mark is None or state.slot is None:
+                continue
+            state.ahead = None
+            if ahead is not None and shape.is_chain and 0 < k <= min(ahead[1], shape.depth) \
+                    and mark.accepted is not None \
+                    and r.num_computed_tokens == mark.start + mark.accepted + 1 == mark.start + state.num_pending():
+                state.pending = []
+                state.round_end = r.num_computed_tokens
+                drafts[i] = Draft.chain_on_device(shape, ahead[0], mark.row, k)
+                served.add(i)
+            else:
+                self.pool.truncate_to(state.slot, mark.start)
+        self.ahead_rounds += bool(served)
+        return served
+
+    @torch.inference_mode()
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """`Proposer.verifying`: draft the next round now (module docstring), when every row
+        drafted a chain of K = feed_max - 1 this round, greedily and without a grammar, and
+        its head has room for the block and K drafts past it. The feed is each row's block
+        (its K + 1 positions' features, the verdict's tokens after them: the accepted drafts,
+        then the final token; past it unread) and the drafts start after accepted + 1."""
+        self._ahead = None
+        k = self.feed_max - 1
+        vocab = self.head.config.vocab_size
+        if not self.ahead or not requests or any(d.num_proposed != k or not d.shape.is_chain for d in drafts) \
+                or any(r.grammar is not None or not r.sampling_params.greedy
+                       or not temperature_only(r.sampling_params, vocab) for r in requests):
+            return
+        states = [self.states.get(r.request_id) for r in requests]
+        for r, s in zip(requests, states, strict=True):
+            need = r.num_computed_tokens + 2 * k  # (the block, then drafts up to K - 1 past it)
+            if s is None or s.slot is None or s.pending or s.round_end != r.num_computed_tokens \
+                    or need > self.pool.max_seq_len or not self.pool.ensure_capacity(s.slot, need):
+                return
+        width = k + 1
+        index = tensor_on([b + i for b in starts for i in range(width)], self.device, torch.long)
+        features = self.head.combine(self.capture.rows(index), self.kernels)  # [B (K + 1), H]
+        accepted = verdict[:, k]  # [B]
+        cols = torch.arange(width, device=verdict.device)
+        ids = torch.where(cols[None, :] < accepted[:, None], verdict[:, :width], verdict[:, k + 1:])  # [B, K + 1]
+        rows = [Row(s.slot, r.num_computed_tokens, [0] * width)  # type: ignore[union-attr]
+                for r, s in zip(requests, states, strict=True)]
+        n = len(requests)
+        tokens, _ = self.round_fn(plan_batch(rows), features, k, [1.0] * n, torch.zeros((n, k), dtype=torch.float64),
+                                  [True] * n, AheadFeed(ids.reshape(-1), accepted))
+        for j, (r, s) in enumerate(zip(requests, states, strict=True)):
+            s.ahead = AheadMark(j, r.num_computed_tokens)  # type: ignore[union-attr]
+        self._ahead = (RoundTokens(tokens.clamp(min=0)), k)
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
               states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:
@@ -384,11 +468,19 @@ class EagleProposer:
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Drop the round's draft positions: the accepted tokens come back with the target's
-        features (`observed`) and are fed at the next catch-up."""
-        for request in requests:
+        features (`observed`) and are fed at the next catch-up. A request drafted ahead
+        keeps what that round wrote past its accepted positions (its feed's first a + 1, then
+        its drafts), counted from the mark's start until its next round takes or drops them."""
+        steps = 0 if self._ahead is None else self._ahead[1]
+        for request, path in zip(requests, paths, strict=True):
             state = self.states.get(request.request_id)
             if state is None or state.round_end is None or state.slot is None:
                 continue
-            self.pool.truncate_to(state.slot, min(state.round_end, self.pool.seq_len(state.slot)))
+            mark, held = state.ahead, self.pool.seq_len(state.slot)
+            if mark is not None:
+                mark.accepted = len(path)
+                self.pool.truncate_to(state.slot, min(mark.start + len(path) + steps, held))
+            else:
+                self.pool.truncate_to(state.slot, min(state.round_end, held))
             state.round_end = None
             self._share([request], [state])

@@ -8,12 +8,16 @@ the pool's lengths to its rows' ends. `head_round` is the function both `EagerHe
 and the CUDA graphs (engine/executor/head_graphs.py) run: the feed (each row's last pending
 features with the tokens after them), then steps 2 .. S one token a row past the row's end
 (`next_step`, built on the device), sampling with a temperature alone from staged uniforms.
-Rows needing other transforms take the proposer's general path. docs/speculation.md.
+A round drafted ahead (`AheadFeed`, `EagleProposer.verifying`) feeds each row's whole
+verification block with ids on the device and starts drafting after the row's accepted
+tokens, a count also on the device. Rows needing other transforms take the proposer's
+general path. docs/speculation.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -52,17 +56,40 @@ def head_pass(head: EagleHead, pool: CachePoolProtocol, plan: BatchPlan, feature
     return x.index_select(0, batch.logits_indices)
 
 
+@dataclass(frozen=True)
+class AheadFeed:
+    """A round drafted ahead: its feed's ids [N] and each row's accepted count [R] (the
+    row drafts after its first accepted + 1 fed tokens; the rest of its feed, rejected
+    positions, is written but never read), both on the device, unknown to the host."""
+
+    ids: torch.Tensor  # [N] long
+    accepted: torch.Tensor  # [R] long
+
+
+def drafting_from(feed: ForwardBatch, accepted: torch.Tensor | None) -> tuple[torch.Tensor, ForwardBatch]:
+    """(the feed's token index each row drafts from [R], the batch its first step follows):
+    each row's last token, or with `accepted` [R] its token accepted[b] and the row's end
+    just after it (a graph's padding rows stay without context)."""
+    rows = feed.seq_lens.shape[0]
+    if accepted is None:
+        return feed.logits_indices[:rows], feed
+    starts, ends = feed.query_start[:rows], feed.query_start[1:rows + 1]
+    picks = (starts + accepted).clamp(max=feed.token_ids.shape[0] - 1)  # [R]
+    lens = torch.where(feed.seq_lens > 0, feed.seq_lens - (ends - starts) + accepted + 1, 0)  # [R]
+    return picks, replace(feed, seq_lens=lens)
+
+
 def head_round(head: EagleHead, pool: CachePoolProtocol, feed: ForwardBatch, features: torch.Tensor, steps: int,
-               sampling: torch.Tensor | None, context_width: int,
-               kernels: Kernels = EAGER) -> tuple[torch.Tensor, torch.Tensor | None]:
+               sampling: torch.Tensor | None, context_width: int, kernels: Kernels = EAGER,
+               accepted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """feed: the round's feed, R rows whose first R logits indices are each row's last token
     (a graph's padding rows: no context); features [N, H]; sampling: float64 [2 + steps, R]
     temperature | greedy | one uniform per step, None when every row is greedy (argmax);
     context_width: a bound on every step's contexts; kernels: the head's bundle (fused on
-    the GPU's fixed-shape rounds). Returns (tokens [R, steps], probs [R, steps, V] or None)
-    on the device."""
-    rows = feed.seq_lens.shape[0]
-    x = run_head(head, pool, feed, features, kernels).index_select(0, feed.logits_indices[:rows])  # [R, H]
+    the GPU's fixed-shape rounds); accepted [R]: a round drafted ahead (`AheadFeed`).
+    Returns (tokens [R, steps], probs [R, steps, V] or None) on the device."""
+    picks, feed_end = drafting_from(feed, accepted)
+    x = run_head(head, pool, feed, features, kernels).index_select(0, picks)  # [R, H]
     tokens, probs = [], []
     for s in range(steps):
         logits = head.logits(x, kernels)  # [R, V]
@@ -75,7 +102,7 @@ def head_round(head: EagleHead, pool: CachePoolProtocol, feed: ForwardBatch, fea
         tokens.append(new)
         if s + 1 == steps:
             break
-        x = run_head(head, pool, next_step(feed, new, s, pool.scratch_row, context_width), x, kernels)
+        x = run_head(head, pool, next_step(feed_end, new, s, pool.scratch_row, context_width), x, kernels)
     return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
@@ -92,16 +119,19 @@ class HeadRoundFn(Protocol):
     kernels: Kernels  # the head's bundle its rounds run
 
     def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
-                 uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 uniforms: torch.Tensor, greedy: Sequence[bool],
+                 ahead: AheadFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """plan: the feed's rows, one logit a row (its last token); features [N, H] on the
-        device; uniforms CPU float64 [B, steps] (unread when every row is greedy). Returns
-        (tokens [B, steps], probs [B, steps, V] or None when every row is greedy); each
-        row's slot ends steps - 1 positions past its feed (`end_round`)."""
+        device; uniforms CPU float64 [B, steps] (unread when every row is greedy); ahead: a
+        round drafted ahead (its ids and accepted counts on the device). Returns (tokens
+        [B, steps], probs [B, steps, V] or None when every row is greedy); each row's slot
+        ends steps - 1 positions past its feed (`end_round`)."""
         ...
 
-    def prepare(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+    def prepare(self, widths: Iterable[int], steps: Iterable[int], ahead: bool = False) -> None:
         """Capture the rounds of feeds up to these widths a row and these step counts ahead
-        of use (graphs only)."""
+        of use (graphs only); `ahead`: also the greedy rounds drafted ahead, every row fed
+        max(widths) tokens, max(steps) steps."""
         ...
 
 
@@ -129,15 +159,18 @@ class EagerHeadRound:
         self.device = next(head.parameters()).device
 
     def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
-                 uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 uniforms: torch.Tensor, greedy: Sequence[bool],
+                 ahead: AheadFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_round(plan, features, steps)
         pool = self.pool
         feed = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
+        if ahead is not None:
+            feed.token_ids.copy_(ahead.ids)
         sampling = None if all(greedy) else to_device(round_sampling(temperatures, greedy, uniforms), self.device)
         out = head_round(self.head, pool, feed, features, steps, sampling, plan.context_width + steps - 1,
-                         self.kernels)
+                         self.kernels, None if ahead is None else ahead.accepted)
         end_round(pool, plan, steps)
         return out
 
-    def prepare(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+    def prepare(self, widths: Iterable[int], steps: Iterable[int], ahead: bool = False) -> None:
         pass

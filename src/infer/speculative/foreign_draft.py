@@ -184,6 +184,10 @@ class ForeignDraftProposer:
         self.inner.on_accepted(requests, paths)
 
     # -- the rest of `Proposer` ----------------------------------------------------------------
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """Nothing: the draft model drafts from the verified tokens on the host."""
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 

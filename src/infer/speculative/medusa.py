@@ -92,6 +92,10 @@ class MedusaProposer:
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Nothing: the verification's accepted rows come through `observed`."""
 
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """Nothing: the heads read the accepted row's state (`observed`)."""
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: a prompt's last state comes through `observed`."""
 

@@ -68,6 +68,16 @@ class Proposer(Protocol):
         paths into sequence order and drops the rest (`cache.compaction`)."""
         ...
 
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """A round of chains is being verified on the device, the host not yet knowing the
+        outcome: verdict [B, K + 2] long (each row's accepted drafts, their count a at
+        column K, the final token last; `verify_on_logits`), starts[i] the token of the
+        forward where requests[i]'s block begins. A proposer may queue its next round's
+        drafts now, under the GPU work the host waits for (an EAGLE head: greedy chains);
+        the others do nothing. `on_accepted` follows."""
+        ...
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """A prefill forward for these requests was just queued: work that helps their first
         proposals can run now, under the forward (n-gram: build the prompt's table; an EAGLE
@@ -132,6 +142,10 @@ class HostProposer:
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """Nothing: the state takes the verified tokens at its next proposal."""
+
+    def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
+                  verdict: torch.Tensor) -> None:
+        """Nothing: the next proposal needs the verified tokens on the host."""
 
     def can_admit(self, request: DraftRequest) -> bool:
         return True  # (host memory)

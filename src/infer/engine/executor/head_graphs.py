@@ -3,8 +3,10 @@ whole over the flat batch, the draft loop's own graph cache beside the forwards'
 
 A head's draft step is one small layer, launch-bound when run eagerly; `HeadRoundGraphs`
 captures a whole round (the feed's flat batch, then steps - 1 one-token steps built and
-sampled on the device) per (rows R, tokens T, steps, every row greedy): R a capture size up
-to `sampling_batch_max`, T one from R up to R times the widest feed (`token_bucket`).
+sampled on the device) per (rows R, tokens T, steps, every row greedy, drafted ahead): R a
+capture size up to `sampling_batch_max`, T one from R up to R times the widest feed
+(`token_bucket`); a greedy round drafted ahead (`AheadFeed`: every row fed the widest
+feed, ids and accepted counts copied in on the device) has T of R whole feeds.
 Inputs are staged as the forwards' are (`staging.PlanInputs`), temperatures and uniforms in
 a float64 buffer, features copied into a static input. Anything else (more rows, a feed row
 past the split-KV kernel's, a context past the graphs' width) runs eagerly, the same
@@ -27,9 +29,9 @@ from infer.engine.executor.staging import PlanInputs, Staging, record_graph, sta
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.kernels.routes import AttentionRoutes
-from infer.speculative.eagle_round import EagerHeadRound, check_round, end_round, head_round
+from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, check_round, end_round, head_round
 
-Key = tuple[int, int, int, bool]  # (rows, tokens, steps, every row greedy)
+Key = tuple[int, int, int, bool, bool]  # (rows, tokens, steps, every row greedy, drafted ahead)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _RoundGraph:
     features: torch.Tensor  # [T, H] static input
     tokens: torch.Tensor  # [R, steps]
     probs: torch.Tensor | None  # [R, steps, V]; None in a greedy round
+    accepted: torch.Tensor | None  # [R] static input of a round drafted ahead (else None)
 
 
 def token_bucket(n: int) -> int | None:
@@ -63,33 +66,40 @@ class HeadRoundGraphs:
         self.stream = torch.cuda.Stream(self.device)
         self.replays = 0
 
-    def prepare(self, widths: Iterable[int], steps: Iterable[int]) -> None:
+    def prepare(self, widths: Iterable[int], steps: Iterable[int], ahead: bool = False) -> None:
         """Capture every round of feeds up to max(widths) tokens a row, for each row bucket,
-        step count and greedy or sampled, now, at start-up: a capture on first use would
-        stall a request."""
-        widest = max(widths)
+        step count and greedy or sampled (and with `ahead` the greedy rounds drafted ahead:
+        max(widths) tokens a row, max(steps) steps), now, at start-up: a capture on first
+        use would stall a request."""
+        widest, steps = max(widths), list(steps)
         for rows in self.rows:
             tokens = {token_bucket(max(n, rows)) for n in range(rows, rows * widest + 1)}
-            for key in itertools.product([rows], sorted(t for t in tokens if t is not None), sorted(set(steps)),
-                                         (True, False)):
+            keys = list(itertools.product([rows], sorted(t for t in tokens if t is not None), sorted(set(steps)),
+                                          (True, False), (False,)))
+            whole = token_bucket(rows * widest)
+            if ahead and whole is not None:
+                keys.append((rows, whole, max(steps), True, True))
+            for key in keys:
                 if key not in self.graphs:
                     self.graphs[key] = self._capture(*key)
 
-    def key(self, plan: BatchPlan, steps: int, greedy: bool) -> Key | None:
+    def key(self, plan: BatchPlan, steps: int, greedy: bool, ahead: bool = False) -> Key | None:
         """The graph serving a round (None: it runs eagerly)."""
         rows = next((r for r in self.rows if r >= plan.num_rows), None)
+        widest = max(plan.query_lens)
         if rows is None or plan.context_width + steps - 1 > self.context_width \
-                or not AttentionRoutes.split_kv_only(max(plan.query_lens), None):
+                or not AttentionRoutes.split_kv_only(widest, None) or (ahead and not greedy):
             return None
-        tokens = token_bucket(max(plan.num_tokens, rows))
-        return None if tokens is None else (rows, tokens, steps, greedy)
+        tokens = token_bucket(rows * widest if ahead else max(plan.num_tokens, rows))
+        return None if tokens is None else (rows, tokens, steps, greedy, ahead)
 
     def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
-                 uniforms: torch.Tensor, greedy: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 uniforms: torch.Tensor, greedy: Sequence[bool],
+                 ahead: AheadFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_round(plan, features, steps)
-        key = self.key(plan, steps, all(greedy))
+        key = self.key(plan, steps, all(greedy), ahead is not None)
         if key is None:
-            return self.eager(plan, features, steps, temperatures, uniforms, greedy)
+            return self.eager(plan, features, steps, temperatures, uniforms, greedy, ahead)
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(*key)
@@ -98,6 +108,10 @@ class HeadRoundGraphs:
         if g.floats is not None:
             stage_sampling(g.floats, n, temperatures, greedy, uniforms)
             g.floats.send()
+        if ahead is not None:
+            assert g.accepted is not None
+            g.inputs.ids[:plan.num_tokens].copy_(ahead.ids)
+            g.accepted[:n].copy_(ahead.accepted)
         g.features[:plan.num_tokens].copy_(features)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
         g.graph.replay()
@@ -106,7 +120,7 @@ class HeadRoundGraphs:
         return g.tokens[:n], (None if g.probs is None else g.probs[:n])
 
     @torch.inference_mode()
-    def _capture(self, rows: int, tokens: int, steps: int, greedy: bool) -> _RoundGraph:
+    def _capture(self, rows: int, tokens: int, steps: int, greedy: bool, ahead: bool) -> _RoundGraph:
         inputs = PlanInputs(tokens, rows, self.device)  # (capture inputs: every token padding)
         dtype = next(self.head.parameters()).dtype
         features = torch.zeros((tokens, self.head.spec.hidden_size), dtype=dtype, device=self.device)
@@ -114,14 +128,16 @@ class HeadRoundGraphs:
         if not greedy:
             floats = torch.full((2 + steps, rows), 0.5, dtype=torch.float64, device=self.device)
             floats[:2] = 1.0  # temperature 1, greedy
+        accepted = torch.zeros(rows, dtype=torch.long, device=self.device) if ahead else None
         tables = self.pool.tables.sync()  # (updated in place: the graph reads it at each replay)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             feed = inputs.batch(tables, self.pool.block_size, self.pool.scratch_row, self.context_width, 0)
-            return head_round(self.head, self.pool, feed, features, steps, floats, self.context_width, self.kernels)
+            return head_round(self.head, self.pool, feed, features, steps, floats, self.context_width, self.kernels,
+                              accepted)
 
         graph, (out, probs) = record_graph(run, self.stream, self.device)
-        return _RoundGraph(graph, inputs, None if floats is None else Staging(floats), features, out, probs)
+        return _RoundGraph(graph, inputs, None if floats is None else Staging(floats), features, out, probs, accepted)
 
 
 def make_head_round(head: EagleHead, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,

@@ -5,7 +5,8 @@ Requests arrive staggered (one every other step), so new prompts' prefill chunks
 older requests' decode steps; both KV backends, prefix caching, tiny chunks, a pool small
 enough to preempt, overlapped scheduling, seeded sampling, and speculation switched off by
 batch size (its plain steps and its rounds alike mix with prefill chunks). A verification
-step larger than the token budget runs whole.
+step larger than the token budget runs whole, and leaves prefill chunks their share (a
+decode row counts one token).
 """
 
 from __future__ import annotations
@@ -121,3 +122,34 @@ def test_a_verification_step_beyond_the_token_budget_runs_whole(make_llm: Callab
     verified = [lens for lens in passes if len(lens) == len(prompts) and set(lens) == {5}]
     assert verified and sum(verified[0]) > llm.engine.config.max_num_batched_tokens
     assert llm.engine.leak_report() == []
+
+
+def test_rounds_leave_prefill_chunks_their_share_of_the_budget(make_llm: Callable[..., Any], ckpt_a: Any) -> None:
+    # the target drafting for itself (every draft accepted), K = 4, a budget of 8: two running
+    # rows verify 10 tokens a round, yet a prompt arriving meanwhile gets chunks of 8 - 2 (a
+    # decode row counts one token) and decodes while the rounds go on, not after them
+    llm = make_llm(ckpt_a, max_seq_len=96, max_batch_size=4, max_num_batched_tokens=8, use_speculative_decoding=True,
+                   draft_model=str(ckpt_a), spec_length=4)
+    engine = llm.engine
+    running = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+               for p in ([5, 6, 7], [8, 9])]
+    while not all(r.output_token_ids for r in running):
+        engine.step()
+    late = engine.add_request(list(range(20, 32)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    schedule, chunks = engine.scheduler.schedule, []
+
+    def recording() -> Any:
+        decision = schedule()
+        chunks.extend(n for r, n in decision.prefill if r is late)
+        assert len(decision.decode) + sum(n for _, n in decision.prefill) <= 8
+        return decision
+
+    engine.scheduler.schedule = recording
+    while not late.output_token_ids:
+        engine.step()
+        assert not any(r.is_finished for r in running)
+    assert chunks == [6, 6]
+    engine.scheduler.schedule = schedule
+    while engine.has_unfinished():
+        engine.step()
+    assert all(len(r.output_token_ids) == 40 for r in running) and engine.leak_report() == []

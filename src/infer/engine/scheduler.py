@@ -2,7 +2,10 @@
 
 FIFO. A waiting request is admitted while a slot is free and the KV pools can hold its
 prompt. Each step the decoding requests' tokens come out of `max_num_batched_tokens` first,
-and requests still in prefill get chunks of what is left (oldest first). Every decoding
+one a request, and requests still in prefill get chunks of what is left (oldest first): a
+round's drafts (K more tokens a row) ride beyond the budget, so speculation never takes the
+prefill chunks' share (a verification of 128 rows would otherwise starve every waiting
+prompt until running requests finish). Every decoding
 request needs room for what the runner writes (1, or a round's block): when the paged pool
 runs out the newest running request is preempted (its KV freed, back to the front of the
 waiting queue, recomputed later); a request alone without room for its round gets a smaller
@@ -82,15 +85,16 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> ScheduleDecision:
-        """Admit, then split the running requests into decodes and prefill chunks: the
-        decodes' tokens first, the rest of the token budget to prefill chunks (oldest first)."""
+        """Admit, then split the running requests into decodes and prefill chunks: one
+        token a decode first (its drafts beyond the budget), the rest of the token budget to
+        prefill chunks (oldest first)."""
         self.admit()
         decision = ScheduleDecision()
         # (a request whose finish is decided but not rendered yet, or whose tokens in flight
         # reach its limits, waits: overlapped scheduling learns of finishes a step late)
         decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
         decision.decode, decision.decode_room, decision.preempted = self._reserve_decode(decoding)
-        budget = self.config.max_num_batched_tokens - sum(decision.decode_room)
+        budget = self.config.max_num_batched_tokens - len(decision.decode)
         for request in self.running:
             if request.in_prefill and budget > 0:
                 chunk = min(request.prefill_target - request.num_computed_tokens, budget)

@@ -34,6 +34,7 @@ from infer.speculative.draft_model import CATCH_UP_CHUNK, fed_positions, tree_dr
 from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, HeadRoundFn, head_pass
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
+from infer.speculative.pieces import Piece, split_pieces, stacked
 from infer.speculative.proposer import DraftRequest
 from infer.speculative.tree import Draft, RoundTokens, TreeShape
 from infer.transfer import tensor_on, to_device
@@ -42,35 +43,6 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
-Piece = tuple[torch.Tensor, int, int]  # rows start:stop of a features tensor [M, H], left unsliced
-
-
-def stacked(pieces: Sequence[Piece]) -> torch.Tensor:
-    """The pieces' rows end to end [sum of lengths, H] (at least one piece): a view when they
-    are consecutive rows of one tensor (a round's rows, as `observed` kept them), else one
-    gather."""
-    src = pieces[0][0]
-    if all(t is src for t, _, _ in pieces):
-        if all(pieces[i][2] == pieces[i + 1][1] for i in range(len(pieces) - 1)):
-            return src[pieces[0][1]:pieces[-1][2]]
-        return src.index_select(0, tensor_on([i for _, a, b in pieces for i in range(a, b)], src.device, torch.long))
-    return torch.cat([t[a:b] for t, a, b in pieces])
-
-
-def split_pieces(pieces: Sequence[Piece], cut: int) -> tuple[list[Piece], list[Piece]]:
-    """The pieces' first `cut` rows and the rest, as pieces."""
-    first: list[Piece] = []
-    rest: list[Piece] = []
-    for t, a, b in pieces:
-        take = min(max(cut, 0), b - a)
-        if take:
-            first.append((t, a, a + take))
-        if take < b - a:
-            rest.append((t, a + take, b))
-        cut -= take
-    return first, rest
-
-
 @dataclass
 class AheadMark:
     """A request's next round, drafted ahead (`EagleProposer.verifying`)."""
@@ -120,7 +92,8 @@ class EagleProposer:
         # greedy chain rounds draft the next round under their verification (module docstring)
         self.ahead = True
         self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
-        self._ahead: tuple[RoundTokens, int] | None = None  # (the round drafted ahead, its steps)
+        # the round drafted ahead: its tokens, steps and the features it fed [B (steps + 1), H]
+        self._ahead: tuple[RoundTokens, int, torch.Tensor] | None = None
 
     def share_prefixes(self) -> None:
         """Cache the head's prompt blocks as the target caches its own (module docstring)."""
@@ -131,24 +104,37 @@ class EagleProposer:
     @torch.inference_mode()
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
-        """`Proposer.observed`: keep the features of the committed rows as pending."""
+        """`Proposer.observed`: keep the features of the committed rows as pending (a round
+        drafted ahead already combined its accepted rows' features: kept as they are)."""
         assert self.capture.last is not None, "the target ran without its hidden-state capture"
-        flat = [r for rs in rows for r in rs]  # (the forward's token indices)
-        if not flat:
-            return
-        features = self.head.combine(self.capture.rows(tensor_on(flat, self.device, torch.long)),
-                                     self.kernels)  # [M, H]
+        fed = [self._fed_ahead(r, start, len(rs)) for r, start, rs in zip(requests, starts, rows, strict=True)]
+        flat = [r for rs, piece in zip(rows, fed, strict=True) if piece is None for r in rs]  # (forward token indices)
+        features = None if not flat else self.head.combine(
+            self.capture.rows(tensor_on(flat, self.device, torch.long)), self.kernels)  # [M, H]
         at = 0
-        for request, start, rs in zip(requests, starts, rows, strict=True):
-            part, at = (features, at, at + len(rs)), at + len(rs)
+        for request, start, rs, piece in zip(requests, starts, rows, fed, strict=True):
             if not rs:
                 continue
+            if piece is None:
+                assert features is not None
+                piece, at = (features, at, at + len(rs)), at + len(rs)
             state = self.states.setdefault(request.request_id, HeadState())
             expected = self._cached(state) + state.num_pending()
             if start != expected:
                 raise RuntimeError(f"EAGLE head of {request.request_id}: features of position {start} arrived, "
                                    f"position {expected} was expected next")
-            state.pending.append(part)
+            state.pending.append(piece)
+
+    def _fed_ahead(self, request: DraftRequest, start: int, n: int) -> Piece | None:
+        """The features of a request's n accepted rows from position `start` as the round
+        drafted ahead combined them (None: not such rows)."""
+        state, ahead = self.states.get(request.request_id), self._ahead
+        mark = None if state is None else state.ahead
+        if ahead is None or mark is None or mark.accepted is None or state is None or state.pending \
+                or start != mark.start or n != mark.accepted + 1:
+            return None
+        width = ahead[1] + 1
+        return ahead[2], mark.row * width, mark.row * width + n
 
     def _cached(self, state: HeadState) -> int:
         """Positions the head holds for the request (drafted ahead: those it held before)."""
@@ -339,7 +325,7 @@ class EagleProposer:
                                   [True] * n, AheadFeed(ids.reshape(-1), accepted))
         for j, (r, s) in enumerate(zip(requests, states, strict=True)):
             s.ahead = AheadMark(j, r.num_computed_tokens)  # type: ignore[union-attr]
-        self._ahead = (RoundTokens(tokens.clamp(min=0)), k)
+        self._ahead = (RoundTokens(tokens.clamp(min=0)), k, features)
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
               states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:

@@ -43,11 +43,17 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
+
+
 @dataclass
 class AheadMark:
-    """A request's next round, drafted ahead (`EagleProposer.verifying`)."""
+    """A request's next round, drafted ahead (`EagleProposer.verifying`): the round's tokens
+    and fed features, shared by its rows, and this request's row of them."""
 
-    row: int  # its row of the round drafted ahead
+    tokens: RoundTokens  # [B, steps] the round's drafts, on the device
+    features: torch.Tensor  # [B (steps + 1), H] the features it fed, each row's block
+    steps: int
+    row: int  # this request's row of the round
     start: int  # the positions its head cache held before (the feed wrote from there on)
     accepted: int | None = None  # its round's accepted drafts, once verified (`on_accepted`)
 
@@ -92,8 +98,6 @@ class EagleProposer:
         # greedy chain rounds draft the next round under their verification (module docstring)
         self.ahead = True
         self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
-        # the round drafted ahead: its tokens, steps and the features it fed [B (steps + 1), H]
-        self._ahead: tuple[RoundTokens, int, torch.Tensor] | None = None
 
     def share_prefixes(self) -> None:
         """Cache the head's prompt blocks as the target caches its own (module docstring)."""
@@ -128,13 +132,13 @@ class EagleProposer:
     def _fed_ahead(self, request: DraftRequest, start: int, n: int) -> Piece | None:
         """The features of a request's n accepted rows from position `start` as the round
         drafted ahead combined them (None: not such rows)."""
-        state, ahead = self.states.get(request.request_id), self._ahead
+        state = self.states.get(request.request_id)
         mark = None if state is None else state.ahead
-        if ahead is None or mark is None or mark.accepted is None or state is None or state.pending \
+        if mark is None or mark.accepted is None or state is None or state.pending \
                 or start != mark.start or n != mark.accepted + 1:
             return None
-        width = ahead[1] + 1
-        return ahead[2], mark.row * width, mark.row * width + n
+        width = mark.steps + 1
+        return mark.features, mark.row * width, mark.row * width + n
 
     def _cached(self, state: HeadState) -> int:
         """Positions the head holds for the request (drafted ahead: those it held before)."""
@@ -271,7 +275,6 @@ class EagleProposer:
         after that round, at most its steps): their drafts (`drafts[i]`) and round marked,
         their pending features dropped (fed ahead). Every other request drafted ahead gives
         those positions back (its head as without). Returns the rows served."""
-        ahead, self._ahead = self._ahead, None
         served: set[int] = set()
         for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
             state = self.states.get(r.request_id)
@@ -279,12 +282,12 @@ class EagleProposer:
             if state is None or mark is None or state.slot is None:
                 continue
             state.ahead = None
-            if ahead is not None and shape.is_chain and 0 < k <= min(ahead[1], shape.depth) \
+            if shape.is_chain and 0 < k <= min(mark.steps, shape.depth) \
                     and mark.accepted is not None \
                     and r.num_computed_tokens == mark.start + mark.accepted + 1 == mark.start + state.num_pending():
                 state.pending = []
                 state.round_end = r.num_computed_tokens
-                drafts[i] = Draft.chain_on_device(shape, ahead[0], mark.row, k)
+                drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k)
                 served.add(i)
             else:
                 self.pool.truncate_to(state.slot, mark.start)
@@ -299,7 +302,6 @@ class EagleProposer:
         its head has room for the block and K drafts past it. The feed is each row's block
         (its K + 1 positions' features, the verdict's tokens after them: the accepted drafts,
         then the final token; past it unread) and the drafts start after accepted + 1."""
-        self._ahead = None
         k = self.feed_max - 1
         vocab = self.head.config.vocab_size
         if not self.ahead or not requests or any(d.num_proposed != k or not d.shape.is_chain for d in drafts) \
@@ -323,9 +325,9 @@ class EagleProposer:
         n = len(requests)
         tokens, _ = self.round_fn(plan_batch(rows), features, k, [1.0] * n, torch.zeros((n, k), dtype=torch.float64),
                                   [True] * n, AheadFeed(ids.reshape(-1), accepted))
+        drafted = RoundTokens(tokens.clamp(min=0))
         for j, (r, s) in enumerate(zip(requests, states, strict=True)):
-            s.ahead = AheadMark(j, r.num_computed_tokens)  # type: ignore[union-attr]
-        self._ahead = (RoundTokens(tokens.clamp(min=0)), k, features)
+            s.ahead = AheadMark(drafted, features, k, j, r.num_computed_tokens)  # type: ignore[union-attr]
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
               states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:
@@ -457,7 +459,6 @@ class EagleProposer:
         features (`observed`) and are fed at the next catch-up. A request drafted ahead
         keeps what that round wrote past its accepted positions (its feed's first a + 1, then
         its drafts), counted from the mark's start until its next round takes or drops them."""
-        steps = 0 if self._ahead is None else self._ahead[1]
         for request, path in zip(requests, paths, strict=True):
             state = self.states.get(request.request_id)
             if state is None or state.round_end is None or state.slot is None:
@@ -465,7 +466,7 @@ class EagleProposer:
             mark, held = state.ahead, self.pool.seq_len(state.slot)
             if mark is not None:
                 mark.accepted = len(path)
-                self.pool.truncate_to(state.slot, min(mark.start + len(path) + steps, held))
+                self.pool.truncate_to(state.slot, min(mark.start + len(path) + mark.steps, held))
             else:
                 self.pool.truncate_to(state.slot, min(state.round_end, held))
             state.round_end = None

@@ -26,6 +26,8 @@ OVERLAP_CONFIGS: dict[str, dict[str, Any]] = {
     # (c given: K must not follow the wall clock, for the seeded rows to be comparable)
     "adaptive": dict(use_speculative_decoding=True, spec_length=3, spec_policy="adaptive", spec_cost_coefficient=1.0),
     "tree": dict(use_speculative_decoding=True, spec_tree="2,1,1", spec_length=3),
+    # (its dummy head: random weights beside the target's; greedy rounds draft ahead)
+    "eagle3": dict(use_speculative_decoding=True, speculative_method="eagle3", spec_length=3),
     "ngram-tree": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="2,1", spec_length=2),
     "preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=20, max_num_batched_tokens=8),
 }
@@ -65,6 +67,8 @@ def overlap_parity(make_llm: MakeLLM, model: Path, prompts: list[list[int]], con
     kw = dict(max_batch_size=4, max_seq_len=128, **OVERLAP_CONFIGS[config], **engine_kw)
     if kw.get("use_speculative_decoding") and kw.get("speculative_method", "draft_model") == "draft_model":
         kw["draft_model"] = str(model)
+    if kw.get("speculative_method") == "eagle3":
+        kw["draft_model"] = f"dummy-eagle3:{model}"
     plain = make_llm(model, max_seq_len=128, **engine_kw)
     reference = [o[0] for o in outputs(plain, prompts, [GREEDY] * len(prompts))]
     sync = make_llm(model, async_scheduling=False, **kw)

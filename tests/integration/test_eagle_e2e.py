@@ -253,3 +253,33 @@ def test_rounds_drafted_ahead_draft_as_rounds_after_the_verdict(make_llm, tiny, 
     assert results[0] == results[1]
     assert results[0][0] == expected
     assert results[0][2][1] > 0  # (rounds accepting two drafts and more: drafting from the middle of a feed)
+
+
+def test_rounds_drafted_ahead_beside_plain_rows_and_an_abort(make_llm, tiny) -> None:
+    """Rows with `speculation=False` beside drafting ones (the rounds drafted ahead are the
+    drafting rows'), and a request aborted while its next round is drafted ahead: the
+    others keep plain decoding's tokens, and every slot and block comes back."""
+    target, head = tiny
+    prompts = [[(5 * i + j) % VOCAB for j in range(4 + i % 3)] for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, speculation=False)
+    params = [plain if i % 3 == 1 else greedy for i in range(len(prompts))]
+    reference = make_llm(target, max_seq_len=64, max_batch_size=8)
+    expected = [o.outputs[0].token_ids for o in reference.generate(prompt_token_ids=prompts, sampling_params=greedy)]
+    llm = make_llm(target, max_seq_len=64, max_batch_size=8, use_speculative_decoding=True,
+                   speculative_method="eagle3", draft_model=str(head), spec_length=3)
+    engine = llm.engine
+    proposer = engine.runner.speculation.proposer
+    requests = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    doomed = requests[2]
+    while len(doomed.output_token_ids) < 8:
+        engine.step()
+    assert proposer.states[doomed.request_id].ahead is not None  # (its next round is drafted ahead)
+    engine.abort(doomed.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert proposer.ahead_rounds > 0
+    for i, r in enumerate(requests):
+        if r is not doomed:
+            assert list(r.output_token_ids) == expected[i]
+    assert engine.leak_report() == []

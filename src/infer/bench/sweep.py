@@ -32,8 +32,8 @@ from infer.models.llama import LlamaForCausalLM
 from infer.speculative.tree import TreeShape, chain_shape
 
 # untimed runs of the workload before the timed ones: the first over fresh prompts, the second
-# over their cached prefixes as every timed run after it (after one warm-up alone, the first
-# timed run of a batch-64 row took 1.45 s and the second 0.43 s on an H200)
+# over their cached prefixes as every timed run after it (after one warm-up alone, a first
+# timed run could take three times the next: docs/benchmarks.md)
 WARMUP_RUNS = 2
 CONTROLLED = ("controlled acceptance: an oracle (bench only) replaces the draft model's tokens so that each "
               "draft matches the target's greedy continuation with probability alpha; draft and target costs are real")

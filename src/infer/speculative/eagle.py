@@ -2,17 +2,14 @@
 
 The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i; its cache
 holds only positions fed with target features. `observed` keeps each request's pending
-features (gathered on the device after every target forward); `propose` feeds them with the
-tokens after them (catch-up, at most `CATCH_UP_CHUNK` positions a row a pass), then drafts
-steps 2 .. k from its own output, sampling over target ids. Rows sampling with a temperature
-alone and no grammar run the last `feed_max` positions and the steps as one `head_round`
-call (a CUDA graph on the GPU), whose tokens stay on the device (`Draft.chain_on_device`:
-verification reads them there); a static tree expands from g's output (`eagle_tree`).
-`on_accepted` drops the round's positions. Greedy chain rounds draft the next round ahead:
-once a round's verification is queued (`verifying`), the head is fed the whole block with
-the verdict's tokens and drafts from each row's accepted count, all on the device, while
-the host waits for the verdict and does the step's work; the next `propose` takes those
-drafts for the rows that still draft as they were (the others give the positions back). Prefix caching (`share_prefixes`, `restore`) and
+features; `propose` feeds them with the tokens after them (catch-up), then drafts steps
+2 .. k from its own output over target ids. Temperature-only rows without a grammar run the
+last `feed_max` positions and the steps as one `head_round` (a CUDA graph on the GPU) whose
+tokens stay on the device (`Draft.chain_on_device`); a static tree expands from g's output
+(`eagle_tree`). `on_accepted` drops the round's positions. Greedy chain rounds draft the
+next round ahead (`verifying`): fed the whole block with the verdict's tokens, drafting from
+each row's accepted count on the device while the host waits for the verdict; the next
+`propose` takes those drafts for the rows that still draft as assumed. Prefix caching and
 the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
 """
 

@@ -63,6 +63,7 @@ class HeadState:
     pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
     ahead: AheadMark | None = None  # the next round drafted ahead; the cache then counts as `start`
+    prompt_offered: bool = False  # every full prompt block offered to the prefix cache (`_share`)
 
     def num_pending(self) -> int:
         return sum(b - a for _, a, b in self.pending)
@@ -198,8 +199,10 @@ class EagleProposer:
         """Offer each request's full prompt blocks the head has fed to its prefix cache."""
         if self.sharing:
             for r, s in zip(reqs, states, strict=True):
-                if s.slot is not None:
+                if s.slot is not None and not s.prompt_offered:
                     self.pool.register_prefix(s.slot, r.prompt_token_ids)
+                    # (once the head holds the whole prompt every full block of it is offered)
+                    s.prompt_offered = self.pool.seq_len(s.slot) >= len(r.prompt_token_ids)
 
     def release(self, request: DraftRequest) -> None:
         state = self.states.pop(request.request_id, None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from infer.cache.factory import make_cache_pool
-from infer.cache.forward_batch import Row, RowTree, build_batch, plan_batch, token_slots
+from infer.cache.forward_batch import DeviceIds, Row, RowTree, build_batch, plan_batch, token_slots
 from infer.models.layers.attention import NoCacheView
 from infer.models.layers.paged_attention import BatchView, key_rows
 from infer.models.loading.loader import load_model
@@ -119,3 +119,19 @@ def test_a_tree_wider_than_one_rule_word_keeps_its_rule(model):
     got = run(model, pool, [Row(slot, 3, ids, logits=70, tree=tree)])
     ref = [whole(model, [0, 5, 6] + [ids[c] for c in p])[-1] for p in paths[::7]]
     torch.testing.assert_close(got[::7], torch.stack(ref), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("grid", [(1, 0, 1), (5, 1, 4), (3, 1, 1)])
+def test_device_ids_on_a_grid_land_where_their_indices_say(grid: tuple[int, int, int]) -> None:
+    # plain rows (one token each), blocks of K + 1 = 5 taking their 4 drafts, blocks of 3 with
+    # one: the strided view writes exactly the tokens `at` names, the rest untouched
+    stride, skip, n = grid
+    rows = 3
+    at = tuple(b * stride + skip + t for b in range(rows) for t in range(n))
+    ids = torch.arange(100, 100 + len(at))
+    by_index = torch.full((rows * stride + 2,), -1, dtype=torch.long)
+    DeviceIds(at, ids).place(by_index)
+    by_grid = torch.full_like(by_index, -1)
+    DeviceIds(at, ids, grid).place(by_grid)
+    assert torch.equal(by_grid, by_index)
+    assert by_index[list(at)].tolist() == ids.tolist() and int((by_index >= 0).sum()) == len(at)

@@ -125,11 +125,27 @@ def plan_batch(rows: Sequence[Row]) -> BatchPlan:
 
 @dataclass(frozen=True, slots=True)
 class DeviceIds:
-    """Token ids already on the device (the previous step's, under overlapped scheduling):
-    batch tokens `at` take `ids`."""
+    """Token ids already on the device (the previous step's, under overlapped scheduling; a
+    round's drafts): batch tokens `at` take `ids`. `grid` (stride, skip, n), when `at` is row
+    b's tokens b x stride + skip + t, t < n, for the ids viewed [rows, n] (every row alike:
+    plain rows, blocks of one width from the batch's first token), lets `place` write them
+    through a strided view, no index sent to the device."""
 
     at: tuple[int, ...]  # [k] token indices in the batch
     ids: torch.Tensor  # [k] long, on the device
+    grid: tuple[int, int, int] | None = None  # (stride, skip, n): at[b n + t] = b stride + skip + t
+
+    def place(self, token_ids: torch.Tensor) -> None:
+        """Write the ids into a batch's token ids [N] (N covering `at`)."""
+        if self.grid is None:
+            index = torch.tensor(self.at, dtype=torch.long)
+            if token_ids.is_cuda:  # (pinned, not waiting for the GPU: transfer.py)
+                index = index.pin_memory().to(token_ids.device, non_blocking=True)
+            token_ids.index_copy_(0, index, self.ids)
+            return
+        stride, skip, n = self.grid
+        rows = len(self.at) // n
+        token_ids[:rows * stride].view(rows, stride)[:, skip:skip + n].copy_(self.ids.view(rows, n))
 
 
 def _words(bits: int, words: int) -> list[int]:

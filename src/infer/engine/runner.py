@@ -240,7 +240,7 @@ class ModelRunner:
             return [Row(r.slot, r.num_computed_tokens, [r.last_token_id]) for r in decode], None
         ids = inflight.input_ids(decode)[:, 0]  # [D] on the device
         return ([Row(r.slot, r.num_computed_tokens, [0]) for r in decode],
-                DeviceIds(tuple(range(len(decode))), ids))
+                DeviceIds(tuple(range(len(decode))), ids, grid=(1, 0, 1)))
 
     def _observe(self, decode: Sequence[Request], chunks: Sequence[tuple[Request, int]], starts: list[int],
                  plain: bool) -> None:

@@ -123,6 +123,9 @@ def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: t
     steps = source.tokens.shape[1]
     counts = [drafts[b].num_proposed for b in batch_rows]
     at = [starts[b] + 1 + t for b, n in zip(batch_rows, counts, strict=True) for t in range(n)]
+    if len(batch_rows) == len(drafts) and batch_rows == round_rows and all(n == k for n in counts) \
+            and all(len(r.ids) == k + 1 for r in rows):  # (every row k drafts, in order: a grid)
+        return tokens, DeviceIds(tuple(at), tokens.reshape(-1), grid=(k + 1, 1, k))
     picked = [j * steps + t for j, n in zip(round_rows, counts, strict=True) for t in range(n)]
     return tokens, DeviceIds(tuple(at), source.tokens.view(-1)[tensor_on(picked, device, torch.long)])
 

@@ -315,7 +315,10 @@ class EagleProposer:
                     or need > self.pool.max_seq_len or not self.pool.ensure_capacity(s.slot, need):
                 return
         width = k + 1
-        index = tensor_on([b + i for b in starts for i in range(width)], self.device, torch.long)
+        if all(b == starts[0] + j * width for j, b in enumerate(starts)):  # (blocks end to end: nothing sent)
+            index = torch.arange(starts[0], starts[0] + len(starts) * width, device=self.device)
+        else:
+            index = tensor_on([b + i for b in starts for i in range(width)], self.device, torch.long)
         features = self.head.combine(self.capture.rows(index), self.kernels)  # [B (K + 1), H]
         accepted = verdict[:, k]  # [B]
         cols = torch.arange(width, device=verdict.device)

@@ -26,7 +26,6 @@ from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.kernels.routes import AttentionRoutes, kernels_serve
 from infer.models.layers.paged_attention import BatchView
 from infer.models.llama import LlamaForCausalLM
-from infer.transfer import tensor_on
 
 
 def run_model(model: LlamaForCausalLM, pool: CachePoolProtocol, batch: ForwardBatch, kernels: Kernels) -> torch.Tensor:
@@ -50,7 +49,7 @@ class EagerBatchForward:
         pool = self.pool
         batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
         if device_ids is not None:
-            batch.token_ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
+            device_ids.place(batch.token_ids)
         hidden = run_model(self.model, pool, batch, self.kernels)
         commit(pool, plan)
         return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
@@ -127,7 +126,7 @@ class GraphBatchForward:
         g = self.graphs[(self._bucket(plan.num_tokens), plan.tree_width > 0)]
         g.inputs.stage(plan)
         if device_ids is not None:
-            g.inputs.ids.index_copy_(0, tensor_on(list(device_ids.at), self.device, torch.long), device_ids.ids)
+            device_ids.place(g.inputs.ids)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
         g.graph.replay()
         if g.hidden is not None:

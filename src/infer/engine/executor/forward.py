@@ -35,7 +35,10 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
     temperature alone, greedy included): [n, K+2] long on their device (`verify_logits`'s
     arguments)."""
     device = logits.device
-    tokens, num = to_device(draft_tokens, device), tensor_on(list(counts), device, torch.long)
+    tokens = to_device(draft_tokens, device)
+    k = counts[0] if counts else 0
+    num = (torch.full((len(counts),), k, dtype=torch.long, device=device) if all(c == k for c in counts)
+           else tensor_on(list(counts), device, torch.long))  # (every row alike: nothing sent)
     if all(greedy):
         return verify_greedy_logits(logits, tokens, num)
     return verify_logits(logits, tensor_on(list(temperatures), device, torch.float32),

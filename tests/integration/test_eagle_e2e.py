@@ -283,3 +283,23 @@ def test_rounds_drafted_ahead_beside_plain_rows_and_an_abort(make_llm, tiny) -> 
         if r is not doomed:
             assert list(r.output_token_ids) == expected[i]
     assert engine.leak_report() == []
+
+
+def test_greedy_rows_draft_ahead_beside_sampled_rows(make_llm, tiny) -> None:
+    """Greedy rows beside seeded sampled rows: the greedy rows' next rounds are drafted ahead,
+    the sampled rows draft after the verdict, both kinds in one verification (drafts of two
+    rounds on the device); every row's tokens as with nothing drafted ahead."""
+    target, head = tiny
+    prompts = [[(7 * i + j) % VOCAB for j in range(3 + i % 4)] for i in range(8)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, max_tokens=32, ignore_eos=True, seed=i)
+              for i in range(len(prompts))]
+    results = []
+    for ahead in (False, True):
+        llm = make_llm(target, max_seq_len=64, max_batch_size=8, use_speculative_decoding=True,
+                       speculative_method="eagle3", draft_model=str(head), spec_length=3)
+        proposer = llm.engine.runner.speculation.proposer
+        proposer.ahead = ahead
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        results.append(([o.outputs[0].token_ids for o in outs], llm.engine.runner.stats.accepted_per_position))
+        assert (proposer.ahead_rounds > 0) == ahead
+    assert results[0] == results[1]

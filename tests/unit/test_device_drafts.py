@@ -92,13 +92,37 @@ def test_device_drafts_among_plain_rows_verify_as_their_host_copies() -> None:
         assert got[0].tokens == want[0].tokens and got[1] == want[1]
 
 
-def test_rows_verified_as_a_static_tree_or_of_two_rounds_read_their_tokens_to_the_host() -> None:
+def test_rows_verified_as_a_static_tree_read_their_tokens_to_the_host() -> None:
     # a static tree (here the chain "1,1,1,1", as spec_tree gives it) walks the tree
-    # verifier, which reads tokens on the host; drafts of two rounds have no one source
+    # verifier, which reads tokens on the host
     requests = _requests([SamplingParams(temperature=0)] * 2)
-    first, second = _round(), _round()
-    for tree, rounds in ((SHAPE, (first, first)), (None, (first, second))):
-        drafts = [Draft.chain_on_device(SHAPE, rounds[0], 0, 4), Draft.chain_on_device(SHAPE, rounds[1], 1, 2)]
-        block = Verification(VOCAB, CPU, tree).block(requests, drafts)
-        assert block.device_ids is None
-        assert [list(row.ids) for row in block.rows] == [[3, 3, 1, 4, 1], [4, 5, 9]]  # g, then the drafts
+    first = _round()
+    drafts = [Draft.chain_on_device(SHAPE, first, 0, 4), Draft.chain_on_device(SHAPE, first, 1, 2)]
+    block = Verification(VOCAB, CPU, SHAPE).block(requests, drafts)
+    assert block.device_ids is None
+    assert [list(row.ids) for row in block.rows] == [[3, 3, 1, 4, 1], [4, 5, 9]]  # g, then the drafts
+
+
+def test_drafts_of_two_rounds_stay_on_the_device() -> None:
+    # a round drafted ahead for some rows beside one drafted now for the others (rows 2 and
+    # 0 of the first, row 1 of a second of other tokens and steps): the flat batch and the
+    # verifier's tokens are their host copies'
+    first = _round()
+    second = RoundTokens(torch.tensor([[6, 6], [7, 2]]))  # [2, steps=2]
+    drafts = [Draft.chain_on_device(SHAPE, first, 2, 3), Draft.chain_on_device(SHAPE, second, 1, 2),
+              Draft.chain_on_device(SHAPE, first, 0, 3)]
+    host = [Draft.chain(SHAPE, [8, 7, 10]), Draft.chain(SHAPE, [7, 2]), Draft.chain(SHAPE, [3, 1, 4])]
+    requests = _requests([SamplingParams(temperature=0)] * 3)
+    verification = Verification(VOCAB, CPU, None)
+    on_device, on_host = verification.block(requests, drafts), verification.block(requests, host)
+    assert on_device.device_ids is not None and first._host is None and second._host is None  # (nothing read)
+    assert [row[:k] for row, k in zip(on_device.tokens.tolist(), on_device.present, strict=True)] == \
+        [[8, 7, 10], [7, 2], [3, 1, 4]]
+    ids = [t for row in on_device.rows for t in row.ids]
+    on_device.device_ids.place(flat := torch.tensor(ids))
+    assert flat.tolist() == [t for row in on_host.rows for t in row.ids]
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(on_host.num_logits, VOCAB, generator=g)
+    got = verification.verify(requests, drafts, on_device, logits, lambda: None)
+    want = verification.verify(requests, host, on_host, logits, lambda: None)
+    assert got[0].tokens == want[0].tokens and got[1] == want[1]

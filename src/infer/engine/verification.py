@@ -94,40 +94,42 @@ def block_row(request: Request, draft: Draft, placed: bool = False) -> Row:
                tree=RowTree(bits, offsets, base_offset=0, width=used))
 
 
-def device_round(drafts: Sequence[Draft]) -> RoundTokens | None:
-    """The one round whose tokens the drafts left on the device (None: none did, or drafts
-    of two rounds, which are read to the host)."""
+def device_rounds(drafts: Sequence[Draft]) -> list[RoundTokens]:
+    """The rounds whose tokens the drafts left on the device, in order of first use (a round
+    drafted ahead beside a round drafted now: two)."""
     rounds = {id(d.on_device[0]): d.on_device[0] for d in drafts if d.host_ids is None and d.on_device is not None}
-    return next(iter(rounds.values())) if len(rounds) == 1 else None
+    return list(rounds.values())
 
 
 def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: torch.device,
-                 source: RoundTokens | None) -> tuple[torch.Tensor, DeviceIds | None]:
-    """Chain drafts' first k node tokens [B, k] and, for drafts of the round `source` left on
-    the device (`device_round`), where their tokens go in the flat batch of `rows` (each
+                 sources: Sequence[RoundTokens]) -> tuple[torch.Tensor, DeviceIds | None]:
+    """Chain drafts' first k node tokens [B, k] and, for drafts of the rounds `sources` left
+    on the device (`device_rounds`), where their tokens go in the flat batch of `rows` (each
     draft's block row, holding places for them); with no source, every token on the host
     and None. On the device a row's entries past its own count are left unread."""
-    if source is None:
+    if not sources:
         return torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k), None
     on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
     batch_rows = [b for b, _ in on_device]
-    round_rows = [j for _, (_, j) in on_device]
-    if batch_rows == round_rows and len(batch_rows) == len(drafts):  # (every row drafted, in order)
-        tokens = source.tokens[:, :k]
+    in_order = len(sources) == 1 and batch_rows == [j for _, (_, j) in on_device] and len(batch_rows) == len(drafts)
+    if in_order:  # (every row drafted, in order, in one round: its tokens as they are)
+        tokens = sources[0].tokens[:, :k]
     else:
         host = [d.host_ids[:k] if d.host_ids is not None else (0,) * k for d in drafts]
         tokens = tensor_on(host, device, torch.long).view(len(drafts), k)
-        tokens[tensor_on(batch_rows, device, torch.long)] = source.tokens[tensor_on(round_rows, device, torch.long),
-                                                                          :k]
+        for source in sources:
+            mine = [(b, j) for b, (r, j) in on_device if r is source]
+            width = min(k, source.tokens.shape[1])
+            tokens[tensor_on([b for b, _ in mine], device, torch.long), :width] = \
+                source.tokens[tensor_on([j for _, j in mine], device, torch.long), :width]
     starts = [0, *itertools.accumulate(len(r.ids) for r in rows)]
-    steps = source.tokens.shape[1]
     counts = [drafts[b].num_proposed for b in batch_rows]
     at = [starts[b] + 1 + t for b, n in zip(batch_rows, counts, strict=True) for t in range(n)]
-    if len(batch_rows) == len(drafts) and batch_rows == round_rows and all(n == k for n in counts) \
-            and all(len(r.ids) == k + 1 for r in rows):  # (every row k drafts, in order: a grid)
+    if len(batch_rows) == len(drafts) and all(n == k for n in counts) \
+            and all(len(r.ids) == k + 1 for r in rows):  # (every row k drafts: a grid)
         return tokens, DeviceIds(tuple(at), tokens.reshape(-1), grid=(k + 1, 1, k))
-    picked = [j * steps + t for j, n in zip(round_rows, counts, strict=True) for t in range(n)]
-    return tokens, DeviceIds(tuple(at), source.tokens.view(-1)[tensor_on(picked, device, torch.long)])
+    picked = [b * k + t for b, n in zip(batch_rows, counts, strict=True) for t in range(n)]
+    return tokens, DeviceIds(tuple(at), tokens.reshape(-1)[tensor_on(picked, device, torch.long)])
 
 
 @dataclass(frozen=True)
@@ -155,10 +157,10 @@ class Verification:
 
     def block(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> Block:
         if self.tree is None or self._chains(drafts):
-            source = device_round(drafts)
-            rows = [block_row(r, d, placed=source is not None) for r, d in zip(requests, drafts, strict=True)]
+            sources = device_rounds(drafts)
+            rows = [block_row(r, d, placed=bool(sources)) for r, d in zip(requests, drafts, strict=True)]
             counts = [d.num_proposed for d in drafts]
-            tokens, device_ids = chain_tokens(drafts, rows, max(counts), self.device, source)
+            tokens, device_ids = chain_tokens(drafts, rows, max(counts), self.device, sources)
             return Block(rows, tokens, counts, None, max(counts) + 1, device_ids)
         rows = [block_row(r, d) for r, d in zip(requests, drafts, strict=True)]
         if isinstance(self.tree, DynamicShape):

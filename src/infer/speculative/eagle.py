@@ -6,10 +6,10 @@ features; `propose` feeds them with the tokens after them (catch-up), then draft
 2 .. k from its own output over target ids. Temperature-only rows without a grammar run the
 last `feed_max` positions and the steps as one `head_round` (a CUDA graph on the GPU) whose
 tokens stay on the device (`Draft.chain_on_device`); a static tree expands from g's output
-(`eagle_tree`). `on_accepted` drops the round's positions. Greedy chain rounds draft the
-next round ahead (`verifying`): fed the whole block with the verdict's tokens, drafting from
-each row's accepted count on the device while the host waits for the verdict; the next
-`propose` takes those drafts for the rows that still draft as assumed. Prefix caching and
+(`eagle_tree`). `on_accepted` drops the round's positions. Greedy rows of a chain round
+draft their next round ahead (`verifying`): fed the whole block with the verdict's tokens,
+drafting from each row's accepted count on the device while the host waits for the
+verdict; the next `propose` takes those drafts for the rows that draft as assumed. Prefix caching and
 the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
 """
 
@@ -297,40 +297,48 @@ class EagleProposer:
     @torch.inference_mode()
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """`Proposer.verifying`: draft the next round now (module docstring), when every row
-        drafted a chain of K = feed_max - 1 this round, greedily and without a grammar, and
-        its head has room for the block and K drafts past it. The feed is each row's block
-        (its K + 1 positions' features, the verdict's tokens after them: the accepted drafts,
-        then the final token; past it unread) and the drafts start after accepted + 1."""
+        """`Proposer.verifying`: draft the next round now (module docstring) for the rows that
+        drafted a chain of K = feed_max - 1 this round, greedily and without a grammar, whose
+        head has room for the block and K drafts past it. The feed is each row's block (its
+        K + 1 positions' features, the verdict's tokens after them: the accepted drafts, then
+        the final token; past it unread) and the drafts start after accepted + 1."""
         k = self.feed_max - 1
-        vocab = self.head.config.vocab_size
-        if not self.ahead or not requests or any(d.num_proposed != k or not d.shape.is_chain for d in drafts) \
-                or any(r.grammar is not None or not r.sampling_params.greedy
-                       or not temperature_only(r.sampling_params, vocab) for r in requests):
+        if not self.ahead:
             return
-        states = [self.states.get(r.request_id) for r in requests]
-        for r, s in zip(requests, states, strict=True):
-            need = r.num_computed_tokens + 2 * k  # (the block, then drafts up to K - 1 past it)
-            if s is None or s.slot is None or s.pending or s.round_end != r.num_computed_tokens \
-                    or need > self.pool.max_seq_len or not self.pool.ensure_capacity(s.slot, need):
-                return
+        picked = [i for i, (r, d) in enumerate(zip(requests, drafts, strict=True)) if self._aheadable(r, d, k)]
+        if not picked:
+            return
+        if len(picked) < len(requests):
+            verdict = verdict[tensor_on(picked, verdict.device, torch.long)]
+        reqs, starts = [requests[i] for i in picked], [starts[i] for i in picked]
+        states = [self.states[r.request_id] for r in reqs]
         width = k + 1
         if all(b == starts[0] + j * width for j, b in enumerate(starts)):  # (blocks end to end: nothing sent)
             index = torch.arange(starts[0], starts[0] + len(starts) * width, device=self.device)
         else:
             index = tensor_on([b + i for b in starts for i in range(width)], self.device, torch.long)
-        features = self.head.combine(self.capture.rows(index), self.kernels)  # [B (K + 1), H]
-        accepted = verdict[:, k]  # [B]
+        features = self.head.combine(self.capture.rows(index), self.kernels)  # [B' (K + 1), H]
+        accepted = verdict[:, k]  # [B']
         cols = torch.arange(width, device=verdict.device)
-        ids = torch.where(cols[None, :] < accepted[:, None], verdict[:, :width], verdict[:, k + 1:])  # [B, K + 1]
-        rows = [Row(s.slot, r.num_computed_tokens, [0] * width)  # type: ignore[union-attr]
-                for r, s in zip(requests, states, strict=True)]
-        n = len(requests)
+        ids = torch.where(cols[None, :] < accepted[:, None], verdict[:, :width], verdict[:, k + 1:])  # [B', K + 1]
+        rows = [Row(s.slot, r.num_computed_tokens, [0] * width)  # type: ignore[arg-type]
+                for r, s in zip(reqs, states, strict=True)]
+        n = len(reqs)
         tokens, _ = self.round_fn(plan_batch(rows), features, k, [1.0] * n, torch.zeros((n, k), dtype=torch.float64),
                                   [True] * n, AheadFeed(ids.reshape(-1), accepted))
         drafted = RoundTokens(tokens.clamp(min=0))
-        for j, (r, s) in enumerate(zip(requests, states, strict=True)):
-            s.ahead = AheadMark(drafted, features, k, j, r.num_computed_tokens)  # type: ignore[union-attr]
+        for j, (r, s) in enumerate(zip(reqs, states, strict=True)):
+            s.ahead = AheadMark(drafted, features, k, j, r.num_computed_tokens)
+
+    def _aheadable(self, request: DraftRequest, draft: Draft, k: int) -> bool:
+        """Whether the request's next round is drafted ahead (`verifying`); its head's room for
+        it taken now."""
+        state, params = self.states.get(request.request_id), request.sampling_params
+        need = request.num_computed_tokens + 2 * k  # (the block, then drafts up to K - 1 past it)
+        return (draft.num_proposed == k and draft.shape.is_chain and request.grammar is None and params.greedy
+                and temperature_only(params, self.head.config.vocab_size) and state is not None
+                and state.slot is not None and not state.pending and state.round_end == request.num_computed_tokens
+                and need <= self.pool.max_seq_len and self.pool.ensure_capacity(state.slot, need))
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
               states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:

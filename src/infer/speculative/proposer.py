@@ -74,7 +74,7 @@ class Proposer(Protocol):
         outcome: verdict [B, K + 2] long (each row's accepted drafts, their count a at
         column K, the final token last; `verify_on_logits`), starts[i] the token of the
         forward where requests[i]'s block begins. A proposer may queue its next round's
-        drafts now, under the GPU work the host waits for (an EAGLE head: greedy chains);
+        drafts now, under the GPU work the host waits for (an EAGLE head: its greedy rows);
         the others do nothing. `on_accepted` follows."""
         ...
 

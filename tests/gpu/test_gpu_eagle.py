@@ -53,12 +53,14 @@ def _outputs(ckpt: Path, head: Path, method: str, graphs: bool, prompts: list[li
     return outs, llm
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, "mixed"])
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("method", ["eagle3", "eagle"])
 def test_head_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, batch, temperature):
+    # ("mixed": greedy rows, drafted ahead, beside sampled ones drafting after the verdict)
     prompts = word_prompts(ckpt_a, 6)
-    params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=s) for s in range(6)]
+    params = [SamplingParams(temperature=(s % 2) * 1.0 if temperature == "mixed" else temperature, max_tokens=20,
+                             ignore_eos=True, seed=s) for s in range(6)]
     eager, _ = _outputs(ckpt_a, gpu_heads[method], method, False, prompts[:batch], params[:batch])
     graphed, llm = _outputs(ckpt_a, gpu_heads[method], method, True, prompts[:batch], params[:batch])
     assert graphed == eager
@@ -70,7 +72,7 @@ def test_head_graphs_token_identical_to_eager(ckpt_a, gpu_heads, method, batch, 
     wanted = {(r, t, 3, g, False) for r, ts in buckets.items() for t in ts for g in (True, False)}
     wanted |= {(r, 4 * r, 3, True, True) for r in buckets}
     assert wanted <= set(proposer.round_fn.graphs)
-    assert (proposer.ahead_rounds > 0) == (temperature == 0.0)
+    assert (proposer.ahead_rounds > 0) == (temperature != 1.0)
 
 
 @pytest.mark.parametrize("greedy", [True, False])

@@ -19,6 +19,7 @@ import torch
 
 from infer.cache.block_tables import BlockTables
 from infer.models.batch import WORD, ForwardBatch, TreeRule, rule_words
+from infer.transfer import tensor_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +139,7 @@ class DeviceIds:
     def place(self, token_ids: torch.Tensor) -> None:
         """Write the ids into a batch's token ids [N] (N covering `at`)."""
         if self.grid is None:
-            index = torch.tensor(self.at, dtype=torch.long)
-            if token_ids.is_cuda:  # (pinned, not waiting for the GPU: transfer.py)
-                index = index.pin_memory().to(token_ids.device, non_blocking=True)
-            token_ids.index_copy_(0, index, self.ids)
+            token_ids.index_copy_(0, tensor_on(self.at, token_ids.device, torch.long), self.ids)
             return
         stride, skip, n = self.grid
         rows = len(self.at) // n

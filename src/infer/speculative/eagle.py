@@ -132,7 +132,7 @@ class EagleProposer:
         drafted ahead combined them (None: not such rows)."""
         state = self.states.get(request.request_id)
         mark = None if state is None else state.ahead
-        if mark is None or mark.accepted is None or state is None or state.pending \
+        if state is None or mark is None or mark.accepted is None or state.pending \
                 or start != mark.start or n != mark.accepted + 1:
             return None
         width = mark.steps + 1
@@ -302,9 +302,9 @@ class EagleProposer:
         head has room for the block and K drafts past it. The feed is each row's block (its
         K + 1 positions' features, the verdict's tokens after them: the accepted drafts, then
         the final token; past it unread) and the drafts start after accepted + 1."""
-        k = self.feed_max - 1
         if not self.ahead:
             return
+        k = self.feed_max - 1
         picked = [i for i, (r, d) in enumerate(zip(requests, drafts, strict=True)) if self._aheadable(r, d, k)]
         if not picked:
             return

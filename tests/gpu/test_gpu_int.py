@@ -89,9 +89,9 @@ def test_gpu_int_gemv_fusions(norm: bool, swiglu: bool, residual: bool, m: int, 
     assert _rel(y, _reference(x, dense, nw, swiglu, res)) < 5e-3
 
 
-CONFIGS = [GemvConfig(block_n=16, block_k=512, num_stages=3), GemvConfig(block_n=8, block_k=1024, split_k=4),
-           GemvConfig(block_n=32, block_k=128, dot=True, num_stages=3),
-           GemvConfig(block_n=64, block_k=256, split_k=8, dot=True, num_stages=3)]
+CONFIGS = [GemvConfig(block_n=64, block_k=128, split_k=8, num_stages=3), GemvConfig(block_n=128, block_k=64, num_stages=3),
+           GemvConfig(block_n=128, block_k=128, dot=True, num_stages=3),
+           GemvConfig(block_n=64, block_k=256, split_k=8, dot=True)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)

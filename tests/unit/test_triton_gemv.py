@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from helpers.interpreted import interpreted_outputs
 from infer.models.kernels.gemv_tiles import (CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig,
                                              candidate_configs, check_inputs, config_for, default_config,
-                                             read_table, row_bucket, with_splits, write_table)
+                                             int_default, int_tile, read_table, row_bucket, with_splits, write_table)
 from infer.models.layers.fp8 import dequantize_fp8, quantize_fp8_rows
+from infer.models.layers.int_quant import IntLayout, IntScales
 from infer.models.layers.mlp import silu_mul
 from infer.models.layers.norms import rmsnorm
 
@@ -148,7 +149,7 @@ def test_candidates_fit_registers_and_splits_fill_the_gpu(bucket: int) -> None:
 
 @pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (128256, 3072), (40, 48)])
 @pytest.mark.parametrize("bucket", [1, 2, 4, 8, 16])
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_default_config(n: int, k: int, bucket: int, kind: str) -> None:
     cfg = default_config(n, k, bucket, kind)
     assert fits_registers(cfg, bucket)
@@ -161,6 +162,35 @@ def test_default_config(n: int, k: int, bucket: int, kind: str) -> None:
     assert 2 * programs >= 5 * NUM_SMS or k_steps < 4 * cfg.split_k  # enough programs, or K too short
     if cfg.split_k > 1:  # and the smallest such split
         assert 2 * (programs // 2) < 5 * NUM_SMS and k_steps >= 2 * cfg.split_k
+
+
+@pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (5120, 3072), (128256, 3072), (40, 48)])
+@pytest.mark.parametrize("bucket", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_int_default_config_fills_the_gpu_one_group_a_step(n: int, k: int, bucket: int, kind: str) -> None:
+    cfg = default_config(n, k, bucket, kind)
+    assert cfg == int_default(n, k, bucket) and cfg.block_k == 128 and cfg.dot == (bucket > 2)
+    assert bucket * cfg.block_n * cfg.block_k // 8 <= 64 * 32 * cfg.num_warps or cfg.dot  # words a thread
+    programs, steps = -(-n // cfg.block_n) * cfg.split_k, -(-k // cfg.block_k)
+    fill = (2 if cfg.dot else 3) * NUM_SMS
+    assert programs >= fill or cfg.split_k == 16 or steps // (4 * cfg.split_k) < 2  # full, or no split left
+    if cfg.split_k > 1:  # the smallest such split, two steps a split at least
+        assert programs // 2 < fill and steps >= 4 * (cfg.split_k // 2)
+
+
+@pytest.mark.parametrize("group,bits,want", [(128, 4, (128, True)), (64, 4, (64, False)), (48, 4, (16, False)),
+                                             (64, 8, (64, True)), (32, 8, (32, False)), (8, 8, (8, False))])
+def test_int_tile_keeps_a_step_inside_one_group(group: int, bits: int, want: tuple[int, bool]) -> None:
+    assert int_tile(GemvConfig(block_n=64, block_k=128, dot=True), IntLayout(bits, group)) == want
+    assert int_tile(GemvConfig(block_k=64), IntLayout(bits, group))[0] == min(64, want[0])
+
+
+def test_int_inputs_need_whole_words() -> None:
+    x = torch.zeros(1, 12, dtype=torch.bfloat16)
+    layout = IntLayout(4, 6)
+    ints = IntScales(torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(2, 2, dtype=torch.bfloat16), layout)
+    with pytest.raises(ValueError, match="do not split into words"):
+        check_inputs(x, torch.zeros(2, 6, dtype=torch.uint8), ints, None, False, None)
 
 
 def test_table_entries_are_searched_configs() -> None:

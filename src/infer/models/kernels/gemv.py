@@ -2,8 +2,8 @@
 reading W once.
 
 W is bf16/fp16 (x's dtype), FP8 E4M3 with a float32 scale per output row (applied in the
-epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py),
-unpacked in registers. Each program streams `block_n` rows of W along K with every row of x
+epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py), read
+as int32 words by their own kernel, one group a step. Each program streams `block_n` rows of W along K with every row of x
 riding along; its inner product is float32 FMA ("fma": a row tile of M rounded up to a power
 of two) or `tl.dot` on 16-row tiles ("dot"). K may be split over `split_k` programs whose
 float32 partial sums a second kernel adds in a fixed order. Fused, each a flag of `gemv`: the
@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.models.kernels.gemv_tiles import GemvConfig, check_inputs, config_for, logical_shape, row_bucket, weight_kind
+from infer.models.kernels.gemv_tiles import (GemvConfig, check_inputs, config_for, int_tile, logical_shape, row_bucket,
+                                             weight_kind)
 from infer.models.layers.int_quant import IntScales
 
 _REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
@@ -57,100 +58,128 @@ def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.
 
 
 @triton.jit
-def _group_values(T, rn, kk, k0, N, G, BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr,
-                  GROUP: tl.constexpr):
-    """A per-group tensor T [N, G] (scales or offsets) spread over the weight tile [BN, BKW]
-    whose columns kk span BK columns of K from k0 (a multiple of BK): one value a row when
-    the tile lies in one group, a [BN, BK / GROUP] tile broadcast over each group's columns
-    when groups tile it, else gathered column by column."""
-    if GROUP % BK == 0:
-        v = tl.load(T + rn * G + k0 // GROUP, mask=rn < N, other=0.0).to(tl.float32)
-        return v[:, None]
-    elif BK % GROUP == 0:
-        gi = k0 // GROUP + tl.arange(0, BK // GROUP)
-        v = tl.load(T + rn[:, None] * G + gi[None, :], mask=(rn[:, None] < N) & (gi[None, :] < G),
-                    other=0.0).to(tl.float32)  # [BN, BK / GROUP]
-        return tl.reshape(tl.broadcast_to(v[:, :, None], (BN, BK // GROUP, BKW * GROUP // BK)), (BN, BKW))
-    else:
-        mask = (rn[:, None] < N) & (kk[None, :] < G * GROUP)
-        return tl.load(T + rn[:, None] * G + (kk // GROUP)[None, :], mask=mask, other=0.0).to(tl.float32)
+def _row_rstd(X, rm, M, K, s_xm, eps, BM: tl.constexpr, NORM_BK: tl.constexpr):
+    """1 / RMS of each of the BM rows of X over all of K, in few wide steps (every program
+    recomputes it)."""
+    rq = tl.arange(0, NORM_BK)
+    sq = tl.zeros((BM, NORM_BK), tl.float32)
+    for k0 in range(0, K, NORM_BK):
+        kq = k0 + rq
+        xs = tl.load(X + rm[:, None] * s_xm + kq[None, :], mask=(rm[:, None] < M) & (kq[None, :] < K),
+                     other=0.0).to(tl.float32)
+        sq += xs * xs
+    return tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
 
 
 @triton.jit
-def _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr):
-    """Dequantized float32 weights [BN, BKW] of integer codes for the BK columns from k0 (kk:
-    8-bit codes' columns; 4-bit: the even columns, whose byte also holds kk + 1): s * q + o;
-    4-bit returns the odd columns' weights second (8-bit: the same weights again, unused).
-    One return of one type: the compiler types every return of a function alike."""
-    mask = (rn[:, None] < N) & (kk[None, :] < k_hi)
-    s = _group_values(GS, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
-    o = _group_values(GO, rn, kk, k0, N, G, BN, BK, BKW, GROUP)
-    if BITS == 4:
-        b = tl.load(W + rn[:, None] * s_wn + (kk // 2)[None, :], mask=mask, other=0)
-        lo = (b & 15).to(tl.float32) * s + o
-        hi = (b >> 4).to(tl.float32) * s + o
-    else:
-        b = tl.load(W + rn[:, None] * s_wn + kk[None, :], mask=mask, other=0)
-        lo = b.to(tl.float32) * s + o
-        hi = lo
-    return lo, hi
+def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, x, DOT: tl.constexpr):
+    """acc + x @ (s * q)^T for the codes q at bit SHIFT of each word [BN, BW]: a code ORed into
+    the mantissa of 2^23 is the float 2^23 + q exactly, and s * (2^23 + q) - 2^23 * s (one fma,
+    2^23 * s exact) is s * q rounded once; no integer-to-float conversion."""
+    q = ((words >> SHIFT) & ((1 << BITS) - 1)) | 0x4B000000
+    w = tl.fma(q.to(tl.float32, bitcast=True), s[:, None], ms[:, None])  # [BN, BW]
+    if DOT:
+        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    return acc + x.to(tl.float32)[:, None, :] * w[None, :, :]
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, W, S, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, SCALED: tl.constexpr, NORM: tl.constexpr,
-                 SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr,
-                 NORM_BK: tl.constexpr, BKW: tl.constexpr):
+def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr,
+                     GROUP: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                     PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+    """Integer codes read as int32 words W [N, K * BITS / 32] (code i of word j is column
+    PER * j + i, PER = 32 / BITS); each step covers BK columns inside one group, so a row's
+    scale and offset are one value a step. The offsets enter once a step as o * sum(x)."""
+    PER: tl.constexpr = 32 // BITS
+    BW: tl.constexpr = BK // PER
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BKW)  # BKW = BK, or BK / 2 for 4-bit codes (the even columns)
-    rstd = tl.zeros((BM,), tl.float32)
-    if NORM:  # every program recomputes its rows' RMS over all of K, in few wide steps
-        rq = tl.arange(0, NORM_BK)
-        sq = tl.zeros((BM, NORM_BK), tl.float32)
-        for k0 in range(0, K, NORM_BK):
-            kq = k0 + rq
-            xs = tl.load(X + rm[:, None] * s_xm + kq[None, :], mask=(rm[:, None] < M) & (kq[None, :] < K),
-                         other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
+    rj = tl.arange(0, BW)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    rstd = _row_rstd(X, rm, M, K, s_xm, eps, BM, NORM_BK) if NORM else tl.zeros((BM,), tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    if DOT:
+        acc = tl.zeros((BM, BN), tl.float32)
+    else:
+        acc = tl.zeros((BM, BN, BW), tl.float32)
+    acc_o = tl.zeros((BM, BN), tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        group = k0 // GROUP
+        s = tl.load(GS + rn * G + group, mask=nmask, other=0.0).to(tl.float32)  # [BN]
+        o = tl.load(GO + rn * G + group, mask=nmask, other=0.0).to(tl.float32)
+        ms = s * -8388608.0
+        words = tl.load(W + rn[:, None] * s_wn + (k0 // PER + rj)[None, :], mask=nmask[:, None], other=0)
+        x = _load_input(X, NW, rm, k0 + rk, rstd, M, K, s_xm, NORM, SWIGLU)  # [BM, BK]
+        acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
+        if BITS == 4:  # x's columns PER * j + i as eight [BM, BW] tiles (i = 4a + 2b + c)
+            c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2, 2)))
+            c0b0, c0b1 = tl.split(c0)
+            c1b0, c1b1 = tl.split(c1)
+            x0, x4 = tl.split(c0b0)
+            x2, x6 = tl.split(c0b1)
+            x1, x5 = tl.split(c1b0)
+            x3, x7 = tl.split(c1b1)
+            acc = _code_term(acc, words, 0, BITS, s, ms, x0, DOT)
+            acc = _code_term(acc, words, 4, BITS, s, ms, x1, DOT)
+            acc = _code_term(acc, words, 8, BITS, s, ms, x2, DOT)
+            acc = _code_term(acc, words, 12, BITS, s, ms, x3, DOT)
+            acc = _code_term(acc, words, 16, BITS, s, ms, x4, DOT)
+            acc = _code_term(acc, words, 20, BITS, s, ms, x5, DOT)
+            acc = _code_term(acc, words, 24, BITS, s, ms, x6, DOT)
+            acc = _code_term(acc, words, 28, BITS, s, ms, x7, DOT)
+        else:
+            c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2)))
+            x0, x2 = tl.split(c0)
+            x1, x3 = tl.split(c1)
+            acc = _code_term(acc, words, 0, BITS, s, ms, x0, DOT)
+            acc = _code_term(acc, words, 8, BITS, s, ms, x1, DOT)
+            acc = _code_term(acc, words, 16, BITS, s, ms, x2, DOT)
+            acc = _code_term(acc, words, 24, BITS, s, ms, x3, DOT)
+    if not DOT:
+        acc = tl.sum(acc, axis=2)
+    acc += acc_o
+    if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    else:
+        _epilogue(acc, Y, Y, R, rm, rn, M, N, s_ym, s_rm, False, RESIDUAL)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
+                 SCALED: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+    """Half-precision or FP8 W [N, K]."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    rstd = _row_rstd(X, rm, M, K, s_xm, eps, BM, NORM_BK) if NORM else tl.zeros((BM,), tl.float32)
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
     w_rows = W + rn[:, None] * s_wn
     if DOT:
         acc = tl.zeros((BM, BN), tl.float32)
     else:
-        acc3 = tl.zeros((BM, BN, BKW), tl.float32)
+        acc3 = tl.zeros((BM, BN, BK), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-        if BITS == 4:
-            kk = k0 + 2 * rk
-            w, w_odd = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
-            x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
-            x_odd = _load_input(X, NW, rm, kk + 1, rstd, M, K, s_xm, NORM, SWIGLU)
-            if DOT:
+        kk = k0 + rk
+        x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
+        w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
+        if DOT:
+            if FP8:  # E4M3 -> fp16 converts natively; x's range fits fp16
+                acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+            else:
                 acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-                acc = tl.dot(x_odd, tl.trans(w_odd.to(x.dtype)), acc)
-            else:
-                acc3 += x.to(tl.float32)[:, None, :] * w[None, :, :]
-                acc3 += x_odd.to(tl.float32)[:, None, :] * w_odd[None, :, :]
         else:
-            kk = k0 + rk
-            x = _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM, SWIGLU)
-            if BITS == 8:
-                w, _ = _int_weights(W, GS, GO, rn, kk, k0, k_hi, N, s_wn, G, BITS, GROUP, BN, BK, BKW)
-            else:
-                w = tl.load(w_rows + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < k_hi), other=0.0)
-            if DOT:
-                if FP8:  # E4M3 -> fp16 converts natively; x's range fits fp16
-                    acc = tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
-                else:
-                    acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-            else:
-                acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
     if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
@@ -190,33 +219,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | Non
     m = x.shape[0]
     n, k = logical_shape(w, scale)
     kind = weight_kind(w, scale)
-    ints = scale if isinstance(scale, IntScales) else None
     cfg = config if config is not None else config_for(n, k, m, kind)
-    bits = ints.layout.bits if ints is not None else 0
-    if bits == 4 and cfg.block_k < 32:
-        raise ValueError(f"4-bit weights need GemvConfig.block_k >= 32, got {cfg.block_k}")
-    bm = 16 if cfg.dot else row_bucket(m)
+    ints = scale if isinstance(scale, IntScales) else None
+    block_k, dot = int_tile(cfg, ints.layout) if ints is not None else (cfg.block_k, cfg.dot)
+    bm = 16 if dot else row_bucket(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, block_k), cfg.split_k) * block_k
     partial = cfg.split_k > 1
     p = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else y  # [S, M, N]
     s = scale if isinstance(scale, torch.Tensor) else y
-    gs, go = (ints.scales, ints.offsets) if ints is not None else (y, y)
     nw = norm_weight if norm_weight is not None else y
     r = residual if residual is not None else y
     flags = dict(SCALED=isinstance(scale, torch.Tensor), RESIDUAL=residual is not None)
     # the RMS pass reads x in steps of up to 8192 values a program (all of K in one or two
     # steps for one or two rows), so that few dependent loads precede the matmul
-    norm_bk = min(triton.next_power_of_2(k), max(cfg.block_k, 8192 // bm)) if norm_weight is not None else 16
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, w, s, gs, go, nw, r, y, p, m, n, k, gs.shape[1] if ints is not None else 1, k_per_split, x.stride(0),
-        w.stride(0), r.stride(0), y.stride(0), eps,
-        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT=cfg.dot, FP8=kind == "fp8", BITS=bits,
-        GROUP=ints.layout.group_size if ints is not None else 1, NORM=norm_weight is not None,
-        SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
-        BKW=cfg.block_k // 2 if bits == 4 else cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        **(flags if not partial else dict(SCALED=False, RESIDUAL=False)))
+    norm_bk = min(triton.next_power_of_2(k), max(block_k, 8192 // bm)) if norm_weight is not None else 16
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    shared = dict(BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, NORM=norm_weight is not None,
+                  SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if ints is not None:
+        words = w.view(torch.int32)  # [N, K * bits / 32]
+        _int_gemv_kernel[grid](
+            x, words, ints.scales, ints.offsets, nw, r, y, p, m, n, k, ints.scales.shape[1], k_per_split,
+            x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps, BITS=ints.layout.bits,
+            GROUP=ints.layout.group_size, RESIDUAL=residual is not None and not partial, **shared)
+    else:
+        _gemv_kernel[grid](
+            x, w, s, nw, r, y, p, m, n, k, k_per_split, x.stride(0), w.stride(0), r.stride(0), y.stride(0), eps,
+            FP8=kind == "fp8", **(flags if not partial else dict(SCALED=False, RESIDUAL=False)), **shared)
     if partial:
         _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
             p, s, r, y, m, n, r.stride(0), y.stride(0), SPLIT=cfg.split_k, BM=row_bucket(m),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from infer.models.layers.int_quant import IntScales
+from infer.models.layers.int_quant import IntLayout, IntScales
 
 MAX_ROWS = 16  # the kernel serves 1..MAX_ROWS rows; more rows belong to a matmul library
 NUM_SMS = 132  # multiprocessors the shape heuristics size their grids for
@@ -79,11 +79,11 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
 }
 
 
-# Integer weights also try tiles one group of 128 columns deep (one scale and offset a row a
-# step: no broadcast of group values across the tile), taller to keep the bytes a step up.
-_INT_CANDIDATES: tuple[tuple[int, int, bool, int, int], ...] = (
-    (16, 128, False, 4, 1), (32, 128, False, 4, 1), (64, 128, False, 4, 1), (32, 128, False, 4, 3),
-    (64, 128, False, 8, 3), (128, 128, False, 8, 1), (32, 64, False, 4, 3))
+# Integer codes (their own kernel: one group a step, so block_k <= 128) take tall tiles, K
+# split until the grid fills the GPU: (block_n, block_k, dot, num_warps, num_stages).
+_INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
+    False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3)),
+    True: ((64, 128, True, 4, 3), (128, 128, True, 4, 3), (128, 128, True, 4, 1), (64, 128, True, 4, 1))}
 
 
 def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
@@ -91,7 +91,7 @@ def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
     the K splits per shape)."""
     if bucket not in _CANDIDATES:
         raise ValueError(f"row bucket must be one of {sorted(_CANDIDATES)}, got {bucket}")
-    tiles = _CANDIDATES[bucket] + (_INT_CANDIDATES if kind in ("int4", "int8") and bucket <= 2 else ())
+    tiles = _INT_CANDIDATES[bucket > 2] if kind in ("int4", "int8") else _CANDIDATES[bucket]
     return [GemvConfig(block_n=bn, block_k=bk, dot=dot, num_warps=warps, num_stages=stages)
             for bn, bk, dot, warps, stages in tiles]
 
@@ -115,13 +115,12 @@ def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     """A configuration from the shape alone, after what measured best (`gemv_tiles.json`) for
     the Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
     weights, one row) rows of W by 512 K values, pipelined three deep, unsplit (a split's
-    second launch costs more than it gains); integer codes at one or two rows narrow tiles
-    of 4 rows by 512 unpipelined; more rows take dot tiles of 32 x 128, K split until there
-    are about three programs a multiprocessor (2.5)."""
+    second launch costs more than it gains); more rows take dot tiles of 32 x 128, K split
+    until there are about three programs a multiprocessor (2.5). Integer codes: `int_default`."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"weight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
-    if bucket <= 2 and kind in ("int4", "int8"):  # narrow and deep, loads straight to registers
-        return GemvConfig(block_n=4, block_k=512, num_warps=4, num_stages=1)
+    if kind in ("int4", "int8"):
+        return int_default(n, k, bucket)
     if bucket <= 2:
         narrow = kind != "bf16" and bucket == 1
         return GemvConfig(block_n=16 if narrow else 8, block_k=512, num_warps=4, num_stages=3)
@@ -131,6 +130,29 @@ def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     while 2 * blocks * split < 5 * NUM_SMS and -(-k // base.block_k) >= 4 * split:
         split *= 2
     return replace(base, split_k=split)
+
+
+def int_default(n: int, k: int, bucket: int) -> GemvConfig:
+    """Integer codes: tiles of 64 rows of W (128 where N or K reaches 8,192) by 128 columns
+    (one group), FMA at one or two rows of x, else dot tiles of 128 rows; K split (keeping
+    two steps a split, at most 16 splits) until there are three programs a multiprocessor
+    (FMA) or two (dot): a 4-bit matrix is a quarter of its bf16 bytes, too few for one
+    program per row block to keep the memory busy."""
+    dot = bucket > 2
+    block_n = 128 if dot or max(n, k) >= 8192 else 64
+    blocks, steps = -(-n // block_n), -(-k // 128)
+    split = 1
+    while blocks * split < (2 if dot else 3) * NUM_SMS and steps // (2 * split) >= 2 and split < 16:
+        split *= 2
+    return GemvConfig(block_n=block_n, block_k=128, split_k=split, dot=dot, num_warps=4, num_stages=3)
+
+
+def int_tile(cfg: GemvConfig, layout: IntLayout) -> tuple[int, bool]:
+    """(block_k, dot) as the integer kernel runs `cfg` for `layout`: a step stays inside one
+    group (block_k at most the largest power of two dividing the group size), and a dot tile
+    needs 16 words a row a step (else FMA)."""
+    block_k = min(cfg.block_k, layout.group_size & -layout.group_size)
+    return block_k, cfg.dot and block_k * layout.bits >= 16 * 32
 
 
 TABLE_FILE = Path(__file__).with_name("gemv_tiles.json")  # measured; its "regenerate" says how
@@ -232,6 +254,12 @@ def _check_float(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
 def _check_int(w: torch.Tensor, scale: IntScales, dtype: torch.dtype, n: int, k: int) -> None:
     if w.dtype != torch.uint8:
         raise ValueError(f"integer weights are packed uint8 codes, got {w.dtype}")
+    per_word = 32 // scale.layout.bits
+    if scale.layout.group_size % per_word:
+        raise ValueError(f"the GEMV reads {scale.layout.name} codes {per_word} a word: groups of "
+                         f"{scale.layout.group_size} columns do not split into words (use the dequantizing route)")
+    if w.stride(0) % 4 or w.storage_offset() % 4:
+        raise ValueError("packed integer rows must start on 4-byte boundaries (call .contiguous())")
     groups = scale.layout.groups(k)
     for name, t in (("scales", scale.scales), ("offsets", scale.offsets)):
         if t.shape != (n, groups) or t.dtype != dtype or not t.is_contiguous():

@@ -78,9 +78,11 @@ def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, x, DO
     2^23 * s exact) is s * q rounded once; no integer-to-float conversion."""
     q = ((words >> SHIFT) & ((1 << BITS) - 1)) | 0x4B000000
     w = tl.fma(q.to(tl.float32, bitcast=True), s[:, None], ms[:, None])  # [BN, BW]
-    if DOT:
-        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    return acc + x.to(tl.float32)[:, None, :] * w[None, :, :]
+    if DOT:  # (if / else: the compiler would build a statement after a constexpr return too)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    else:
+        acc = acc + x.to(tl.float32)[:, None, :] * w[None, :, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])

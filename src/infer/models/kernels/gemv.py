@@ -72,14 +72,15 @@ def _row_rstd(X, rm, M, K, s_xm, eps, BM: tl.constexpr, NORM_BK: tl.constexpr):
 
 
 @triton.jit
-def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, x, DOT: tl.constexpr):
-    """acc + x @ (s * q)^T for the codes q at bit SHIFT of each word [BN, BW]: a code ORed into
-    the mantissa of 2^23 is the float 2^23 + q exactly, and s * (2^23 + q) - 2^23 * s (one fma,
-    2^23 * s exact) is s * q rounded once; no integer-to-float conversion."""
+def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, o, x, DOT: tl.constexpr):
+    """acc + x @ w^T for the codes q at bit SHIFT of each word [BN, BW]: a code ORed into the
+    mantissa of 2^23 is the float 2^23 + q exactly, and s * (2^23 + q) - 2^23 * s (one fma,
+    2^23 * s exact) is s * q rounded once; no integer-to-float conversion. FMA tiles take
+    w = s * q (the offsets enter as o * sum(x)); dot tiles w = s * q + o rounded to x's dtype."""
     q = ((words >> SHIFT) & ((1 << BITS) - 1)) | 0x4B000000
     w = tl.fma(q.to(tl.float32, bitcast=True), s[:, None], ms[:, None])  # [BN, BW]
     if DOT:  # (if / else: the compiler would build a statement after a constexpr return too)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        acc = tl.dot(x, tl.trans((w + o[:, None]).to(x.dtype)), acc)
     else:
         acc = acc + x.to(tl.float32)[:, None, :] * w[None, :, :]
     return acc
@@ -92,7 +93,7 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
                      PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
     """Integer codes read as int32 words W [N, K * BITS / 32] (code i of word j is column
     PER * j + i, PER = 32 / BITS); each step covers BK columns inside one group, so a row's
-    scale and offset are one value a step. The offsets enter once a step as o * sum(x)."""
+    scale and offset are one value a step."""
     PER: tl.constexpr = 32 // BITS
     BW: tl.constexpr = BK // PER
     pid_n = tl.program_id(0)
@@ -117,7 +118,8 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
         ms = s * -8388608.0
         words = tl.load(W + rn[:, None] * s_wn + (k0 // PER + rj)[None, :], mask=nmask[:, None], other=0)
         x = _load_input(X, NW, rm, k0 + rk, rstd, M, K, s_xm, NORM, SWIGLU)  # [BM, BK]
-        acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
+        if not DOT:
+            acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
         if BITS == 4:  # x's columns PER * j + i as eight [BM, BW] tiles (i = 4a + 2b + c)
             c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2, 2)))
             c0b0, c0b1 = tl.split(c0)
@@ -126,25 +128,24 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
             x2, x6 = tl.split(c0b1)
             x1, x5 = tl.split(c1b0)
             x3, x7 = tl.split(c1b1)
-            acc = _code_term(acc, words, 0, BITS, s, ms, x0, DOT)
-            acc = _code_term(acc, words, 4, BITS, s, ms, x1, DOT)
-            acc = _code_term(acc, words, 8, BITS, s, ms, x2, DOT)
-            acc = _code_term(acc, words, 12, BITS, s, ms, x3, DOT)
-            acc = _code_term(acc, words, 16, BITS, s, ms, x4, DOT)
-            acc = _code_term(acc, words, 20, BITS, s, ms, x5, DOT)
-            acc = _code_term(acc, words, 24, BITS, s, ms, x6, DOT)
-            acc = _code_term(acc, words, 28, BITS, s, ms, x7, DOT)
+            acc = _code_term(acc, words, 0, BITS, s, ms, o, x0, DOT)
+            acc = _code_term(acc, words, 4, BITS, s, ms, o, x1, DOT)
+            acc = _code_term(acc, words, 8, BITS, s, ms, o, x2, DOT)
+            acc = _code_term(acc, words, 12, BITS, s, ms, o, x3, DOT)
+            acc = _code_term(acc, words, 16, BITS, s, ms, o, x4, DOT)
+            acc = _code_term(acc, words, 20, BITS, s, ms, o, x5, DOT)
+            acc = _code_term(acc, words, 24, BITS, s, ms, o, x6, DOT)
+            acc = _code_term(acc, words, 28, BITS, s, ms, o, x7, DOT)
         else:
             c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2)))
             x0, x2 = tl.split(c0)
             x1, x3 = tl.split(c1)
-            acc = _code_term(acc, words, 0, BITS, s, ms, x0, DOT)
-            acc = _code_term(acc, words, 8, BITS, s, ms, x1, DOT)
-            acc = _code_term(acc, words, 16, BITS, s, ms, x2, DOT)
-            acc = _code_term(acc, words, 24, BITS, s, ms, x3, DOT)
+            acc = _code_term(acc, words, 0, BITS, s, ms, o, x0, DOT)
+            acc = _code_term(acc, words, 8, BITS, s, ms, o, x1, DOT)
+            acc = _code_term(acc, words, 16, BITS, s, ms, o, x2, DOT)
+            acc = _code_term(acc, words, 24, BITS, s, ms, o, x3, DOT)
     if not DOT:
-        acc = tl.sum(acc, axis=2)
-    acc += acc_o
+        acc = tl.sum(acc, axis=2) + acc_o
     if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)

@@ -143,10 +143,27 @@ def test_gpu_int4_engine_matches_its_dequantized_twin(tmp_path: Path) -> None:
     assert chain.engine.leak_report() == []
 
 
+def _bf16_exact(model: torch.nn.Module) -> None:
+    """Every integer layer's scales made powers of two and its offsets whole multiples of them,
+    in place (the captured graphs read the same tensors): s * q + o is then exactly a bf16
+    value, so the bf16 twin holds exactly the weights the GEMV computes with in float32 and
+    the two runs differ by summation order alone."""
+    with torch.no_grad():
+        for module in model.modules():
+            scales, offsets = getattr(module, "scales", None), getattr(module, "offsets", None)
+            if isinstance(scales, torch.Tensor) and isinstance(offsets, torch.Tensor):
+                step = torch.exp2(torch.round(torch.log2(scales.float().abs().clamp(min=2.0 ** -100))))
+                steps = torch.round(offsets.float() / step)
+                assert steps.abs().max() <= 240  # s * (q + steps) keeps 8 significant bits
+                scales.copy_(step)
+                offsets.copy_(steps * step)
+
+
 def test_gpu_gguf_kept_codes_match_their_dequantized_twin(tmp_path: Path) -> None:
     # GGUF blocks kept as 4-bit codes in groups of 32 (Q4_0, Q4_1) and 8-bit (Q8_0), through
-    # the GEMV under graphs, against a dense checkpoint of exactly their values (a random
-    # model's logits are nearly flat: tokens are compared up to near-ties)
+    # the GEMV under graphs, against a dense checkpoint of exactly their values (made
+    # bf16-exact first; a random model's logits are nearly flat: tokens are compared up to
+    # near-ties)
     from gguf import GGMLQuantizationType as Q
 
     from helpers.checkpoints import make_checkpoint
@@ -157,6 +174,7 @@ def test_gpu_gguf_kept_codes_match_their_dequantized_twin(tmp_path: Path) -> Non
     kw = dict(device="cuda", dtype="bfloat16", max_batch_size=4, max_seq_len=256, use_cuda_graphs=True)
     kept = LLM(str(path), **kw)
     assert kept.engine.runner.kernels.name == "fused"
+    _bf16_exact(kept.engine.models.target)
     twin = LLM(str(save_checkpoint(kept.engine.models.target, tmp_path / "twin", dtype=torch.float32)),
                tokenizer=str(ckpt), **kw)
     prompts = [[5, 77, 123, 9], [300, 41, 2, 250, 18, 64]]

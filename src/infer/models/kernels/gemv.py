@@ -39,6 +39,18 @@ def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESI
 
 
 @triton.jit
+def _finish(acc, P, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
+            PARTIAL: tl.constexpr):
+    """A program's float32 sums [BM, BN]: into P[pid_k, M, N] when K is split (the reduce
+    kernel finishes), else through the epilogue into Y."""
+    if PARTIAL:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+    else:
+        _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+
+
+@triton.jit
 def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.constexpr):
     """The [BM, BK] tile of the matmul's input at columns kk, prologues applied, in X's dtype."""
     mask = (rm[:, None] < M) & (kk[None, :] < K)
@@ -86,6 +98,20 @@ def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, o, x,
     return acc
 
 
+@triton.jit
+def _four_terms(acc, words, x4, BASE: tl.constexpr, STEP_A: tl.constexpr, STEP_B: tl.constexpr,
+                BITS: tl.constexpr, s, ms, o, DOT: tl.constexpr):
+    """The terms of codes BASE + STEP_A * a + STEP_B * b of each word, x4 [BM, BW, 2, 2]
+    holding their columns of x at [.., a, b]."""
+    xb0, xb1 = tl.split(x4)
+    x00, x10 = tl.split(xb0)
+    x01, x11 = tl.split(xb1)
+    acc = _code_term(acc, words, BITS * BASE, BITS, s, ms, o, x00, DOT)
+    acc = _code_term(acc, words, BITS * (BASE + STEP_A), BITS, s, ms, o, x10, DOT)
+    acc = _code_term(acc, words, BITS * (BASE + STEP_B), BITS, s, ms, o, x01, DOT)
+    return _code_term(acc, words, BITS * (BASE + STEP_A + STEP_B), BITS, s, ms, o, x11, DOT)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr,
@@ -120,37 +146,15 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
         x = _load_input(X, NW, rm, k0 + rk, rstd, M, K, s_xm, NORM, SWIGLU)  # [BM, BK]
         if not DOT:
             acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
-        if BITS == 4:  # x's columns PER * j + i as eight [BM, BW] tiles (i = 4a + 2b + c)
+        if BITS == 4:  # x's column PER * j + i at [.., j, a, b, c] for i = 4a + 2b + c
             c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2, 2)))
-            c0b0, c0b1 = tl.split(c0)
-            c1b0, c1b1 = tl.split(c1)
-            x0, x4 = tl.split(c0b0)
-            x2, x6 = tl.split(c0b1)
-            x1, x5 = tl.split(c1b0)
-            x3, x7 = tl.split(c1b1)
-            acc = _code_term(acc, words, 0, BITS, s, ms, o, x0, DOT)
-            acc = _code_term(acc, words, 4, BITS, s, ms, o, x1, DOT)
-            acc = _code_term(acc, words, 8, BITS, s, ms, o, x2, DOT)
-            acc = _code_term(acc, words, 12, BITS, s, ms, o, x3, DOT)
-            acc = _code_term(acc, words, 16, BITS, s, ms, o, x4, DOT)
-            acc = _code_term(acc, words, 20, BITS, s, ms, o, x5, DOT)
-            acc = _code_term(acc, words, 24, BITS, s, ms, o, x6, DOT)
-            acc = _code_term(acc, words, 28, BITS, s, ms, o, x7, DOT)
-        else:
-            c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2)))
-            x0, x2 = tl.split(c0)
-            x1, x3 = tl.split(c1)
-            acc = _code_term(acc, words, 0, BITS, s, ms, o, x0, DOT)
-            acc = _code_term(acc, words, 8, BITS, s, ms, o, x1, DOT)
-            acc = _code_term(acc, words, 16, BITS, s, ms, o, x2, DOT)
-            acc = _code_term(acc, words, 24, BITS, s, ms, o, x3, DOT)
+            acc = _four_terms(acc, words, c0, 0, 4, 2, BITS, s, ms, o, DOT)
+            acc = _four_terms(acc, words, c1, 1, 4, 2, BITS, s, ms, o, DOT)
+        else:  # i = 2a + b
+            acc = _four_terms(acc, words, tl.reshape(x, (BM, BW, 2, 2)), 0, 2, 1, BITS, s, ms, o, DOT)
     if not DOT:
         acc = tl.sum(acc, axis=2) + acc_o
-    if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
-    else:
-        _epilogue(acc, Y, Y, R, rm, rn, M, N, s_ym, s_rm, False, RESIDUAL)
+    _finish(acc, P, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -185,11 +189,7 @@ def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-    if PARTIAL:  # this split's float32 sums into P[pid_k, M, N]; the reduce kernel finishes
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
-    else:
-        _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+    _finish(acc, P, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED, RESIDUAL, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -36,17 +36,23 @@ def tensor_on(data: Sequence | float | int, device: torch.device | str, dtype: t
 class HostCopy:
     """A device tensor's copy to pinned host memory, queued now and read later (`tolist`):
     the host then waits for the work queued before the copy alone, not for GPU work queued
-    after it. A CPU tensor is read as it is."""
+    after it. `out` (a buffer of at least t's size) and `event` are reused when given (a
+    caller alternating two keeps one copy in flight while reading the other); else fresh
+    ones. A CPU tensor is read as it is (copied into `out` when given)."""
 
-    def __init__(self, t: torch.Tensor) -> None:
-        self.event: torch.cuda.Event | None = None
-        if t.device.type != "cuda":
-            self.host = t
-            return
-        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        self.host.copy_(t, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
+    def __init__(self, t: torch.Tensor, out: torch.Tensor | None = None,
+                 event: torch.cuda.Event | None = None) -> None:
+        cuda = t.device.type == "cuda"
+        if out is not None:
+            out = out[:t.numel()].view(t.shape)
+        elif cuda:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.host = t if out is None else out
+        if out is not None:
+            out.copy_(t, non_blocking=cuda)
+        self.event = (event or torch.cuda.Event()) if cuda else None
+        if self.event is not None:
+            self.event.record()
 
     def tolist(self) -> list:
         if self.event is not None:

@@ -26,4 +26,5 @@ def test_input_ids_come_from_the_step_in_flight_or_from_the_host():
     assert step.host_tokens() == [70, 71]
     # the two host buffers are used in turn
     other = InFlight.launch([c], torch.tensor([9]), buffers, [None])
-    assert other.host.data_ptr() != step.host.data_ptr() and other.host_tokens() == [9]
+    assert other.host.host.data_ptr() != step.host.host.data_ptr() and other.host_tokens() == [9]
+    assert step.host_tokens() == [70, 71]  # (its buffer untouched by the next step's copy)

@@ -18,12 +18,12 @@ import torch
 
 from infer.engine.request import Request
 from infer.logprobs import TokenLogprobs
-from infer.transfer import to_device
+from infer.transfer import HostCopy, to_device
 
 
 class TokenBuffers:
-    """Two pinned host buffers of `size` token ids and their CUDA events, used in turn (plain
-    tensors and no events on a CPU)."""
+    """Two pinned host buffers of `size` token ids and their CUDA events, used in turn by the
+    steps' `HostCopy`s (plain tensors and no events on a CPU)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         pinned = device.type == "cuda"
@@ -43,23 +43,18 @@ class InFlight:
 
     requests: list[Request]
     tokens: torch.Tensor  # [n] long on the device
-    host: torch.Tensor  # [>= n] long, pinned: filled by a copy queued after the sampling
+    host: HostCopy  # of `tokens`, queued after the sampling
     logprobs: list[TokenLogprobs | None]  # per request (computed eagerly: steps asking for them do not overlap)
-    event: torch.cuda.Event | None = None  # recorded after the copy (None on a CPU: the copy is done)
     rows: dict[int, int] = field(default_factory=dict)  # id(request) -> row of `tokens`
 
     @classmethod
     def launch(cls, requests: Sequence[Request], tokens: torch.Tensor, buffers: TokenBuffers,
                logprobs: Sequence[TokenLogprobs | None]) -> InFlight:
         """Queue the copy of `tokens` [n] to a pinned buffer and count them as pending."""
-        host, event = buffers.next()
-        n = len(requests)
-        host[:n].copy_(tokens, non_blocking=True)
-        if event is not None:
-            event.record()
+        host = HostCopy(tokens, *buffers.next())
         for r in requests:
             r.pending_tokens += 1
-        return cls(list(requests), tokens, host, list(logprobs), event, {id(r): i for i, r in enumerate(requests)})
+        return cls(list(requests), tokens, host, list(logprobs), {id(r): i for i, r in enumerate(requests)})
 
     def holds(self, request: Request) -> bool:
         return id(request) in self.rows
@@ -79,6 +74,4 @@ class InFlight:
 
     def host_tokens(self) -> list[int]:
         """The sampled ids, once this step's work is done (waits for it alone)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host[:len(self.requests)].tolist()
+        return self.host.tolist()

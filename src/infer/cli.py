@@ -68,14 +68,14 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from infer.engine.batch_size import engine_sizes
     from infer.engine.engine import Engine
-    from infer.engine.loading import default_model_paths, load_tokenizer, resolve_device
+    from infer.engine.loading import load_tokenizer, model_sources, resolve_device
     from infer.streaming import rate_summary, stream_request
 
     # everything the flags can get wrong fails here, before the weights load
     params = _sampling_params(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = engine_config_from_args(args)
-    tok = load_tokenizer(config.tokenizer or default_model_paths(config)[0])
+    tok = load_tokenizer(config.tokenizer or model_sources(config)[0])
     if tok is None:
         raise ValueError("this model has no tokenizer; use `infer bench` for tokenizer-less dummy shapes")
     chat = args.chat or args.system is not None

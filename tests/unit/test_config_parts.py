@@ -25,10 +25,11 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: LoadConfig(None, None, torch.device("meta"), "auto"), "device must be a CPU or a CUDA device"),
-    (lambda: LoadConfig(None, None, CPU, "float8"), "dtype must be one of"),
-    (lambda: LoadConfig(None, None, CPU, "auto", quantization="int8"), "quantization must be None or 'fp8' or 'int4'"),
-    (lambda: LoadConfig(None, None, CPU, "auto", threads=0), r"threads must be >= 1 or None"),
+    (lambda: LoadConfig("m", "m", torch.device("meta"), "auto"), "device must be a CPU or a CUDA device"),
+    (lambda: LoadConfig("m", "m", CPU, "float8"), "dtype must be one of"),
+    (lambda: LoadConfig("m", "m", CPU, "auto", quantization="int8"), "quantization must be None or 'fp8' or 'int4'"),
+    (lambda: LoadConfig("m", "m", CPU, "auto", threads=0), r"threads must be >= 1 or None"),
+    (lambda: LoadConfig("m", "m", CPU, "auto", draft_model="d", head="h"), "three ways to draft: load one"),
     (lambda: CacheConfig("paged", 0, 64), "max_batch_size must be >= 1"),
     (lambda: CacheConfig("paged", 2, 64, num_blocks=4, memory_bytes=1 << 20),
      "num_blocks and kv_cache_memory_bytes conflict"),
@@ -60,7 +61,7 @@ def test_each_part_refuses_its_own_bad_values_with_the_fix(build: Any, message: 
 
 
 def _whole(**parts: Any) -> ResolvedConfig:
-    values: dict[str, Any] = dict(load=LoadConfig(None, None, CPU, "float32"), cache=CacheConfig("paged", 4, 64),
+    values: dict[str, Any] = dict(load=LoadConfig("m", "m", CPU, "float32"), cache=CacheConfig("paged", 4, 64),
                                   scheduler=SchedulerConfig(4, 64, max_seq_len=64), speculative=None,
                                   parallel=ParallelConfig(), execution=ExecutionConfig())
     return ResolvedConfig(**{**values, **parts})
@@ -115,3 +116,24 @@ def test_a_resolved_configuration_is_frozen_and_leaves_the_users_config_as_given
                        (resolved.load, "seed"), (resolved.parallel, "size")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(part, name, getattr(part, name))
+
+
+def test_the_load_part_names_what_loads_the_demo_filled_in(ckpt_a: Path) -> None:
+    from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET, load_part
+    demo = load_part(EngineConfig(device="cpu", use_speculative_decoding=True))
+    assert (demo.model, demo.tokenizer, demo.draft_model, demo.head) == (str(DEMO_TARGET), str(DEMO_TARGET),
+                                                                          str(DEMO_DRAFT), None)
+    assert demo.device == CPU and demo.dtype == "float32"  # "auto" on a CPU
+    head = load_part(EngineConfig(device="cpu", speculative_method="eagle3"))
+    assert (head.draft_model, head.head, head.medusa) == (None, str(DEMO_EAGLE3), None)
+    mine = str(ckpt_a)
+    given = load_part(EngineConfig(model=mine, tokenizer="tok", device="cpu", dtype="bfloat16",
+                                   speculative_method="ngram", quantization="int4"))
+    assert (given.model, given.tokenizer, given.dtype, given.quantization) == (mine, "tok", "bfloat16", "int4")
+    assert (given.draft_model, given.head, given.medusa) == (None, None, None)  # n-gram tables load no files
+    medusa = load_part(EngineConfig(model=mine, device="cpu", speculative_method="medusa", draft_model="dummy-medusa:x",
+                                    spec_length=2))
+    assert (medusa.medusa, medusa.draft_model) == ("dummy-medusa:x", None)
+    assert resolve_config(EngineConfig(model=mine, device="cpu", use_speculative_decoding=True,
+                                       draft_model=mine)).load == load_part(
+        EngineConfig(model=mine, device="cpu", use_speculative_decoding=True, draft_model=mine))

@@ -13,7 +13,7 @@ import pytest
 from helpers.checkpoints import encode, make_checkpoint
 from infer.cli import main
 from infer.engine.config import EngineConfig
-from infer.engine.loading import load_models, load_tokenizer
+from infer.engine.loading import load_models_for, load_tokenizer
 from infer.speculative.draft_vocab import DraftVocab, build_table, count_tokens, coverage, draft_rows, load_table
 from infer.speculative.vocab_map import VocabMap
 
@@ -99,7 +99,7 @@ def test_another_vocabulary_is_refused_before_loading(ckpt_a: Path, tmp_path: Pa
     monkeypatch.setattr("infer.engine.loading.load_target", no_weights)
     config = EngineConfig(model=str(ckpt_a), draft_model=str(ckpt_a), spec_draft_vocab=str(path), device="cpu")
     with pytest.raises(ValueError, match="vocabulary of 100 tokens, the target has 384"):
-        load_models(config)
+        load_models_for(config)
 
 
 def test_cli_builds_a_table_of_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

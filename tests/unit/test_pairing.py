@@ -18,7 +18,7 @@ from helpers.gguf_files import write_gguf
 from helpers.mixed_vocab import make_mixed_checkpoint
 from helpers.foreign_vocab import narrow_draft
 from infer.engine.config import EngineConfig
-from infer.engine.loading import check_before_loading, load_models
+from infer.engine.loading import check_before_loading, load_models_for, load_part
 from infer.engine.pairing import MIN_SHARED, VocabularyFacts, check_pair
 
 TOKENS = ["<s>", "</s>", "a", "b", "ab"]
@@ -90,10 +90,10 @@ def _config(target: Path, draft: Path) -> EngineConfig:
 def test_a_draft_of_another_vocabulary_is_mapped_before_loading(ckpt_b: Path, tmp_path: Path) -> None:
     other = make_mixed_checkpoint(tmp_path / "mixed")
     draft = write_gguf(other, tmp_path / "mixed.gguf", Q.Q8_0, pre="smollm")  # a GGUF draft: metadata only
-    _, vocab = check_before_loading(_config(ckpt_b, draft), str(ckpt_b), str(draft))
+    _, vocab = check_before_loading(load_part(_config(ckpt_b, draft)))
     assert vocab is not None and len(vocab.draft_to_target) > 384 and MIN_SHARED <= vocab.fraction < 1
     with pytest.raises(AssertionError, match="loaded before"):  # the pair gets to the weights
-        load_models(_config(ckpt_b, draft))
+        load_models_for(_config(ckpt_b, draft))
 
 
 @pytest.mark.usefixtures("no_weights")
@@ -101,7 +101,7 @@ def test_a_draft_sharing_too_little_fails_before_loading(ckpt_b: Path, tmp_path:
     draft = narrow_draft(tmp_path / "narrow")  # Cyrillic merges over the bytes they use
     with pytest.raises(ValueError, match=r"share too little to speculate: \d+ shared tokens, \d+\.\d% of the "
                                          r"smaller vocabulary"):
-        load_models(_config(ckpt_b, draft))
+        load_models_for(_config(ckpt_b, draft))
 
 
 @pytest.mark.usefixtures("no_weights")
@@ -113,12 +113,12 @@ def test_a_draft_with_the_same_size_but_other_ids_is_mapped_before_loading(ckpt_
     first, second = (token for token, i in vocab.items() if i in (100, 101))
     vocab[first], vocab[second] = vocab[second], vocab[first]  # merges name strings: still valid
     (draft / "tokenizer.json").write_text(json.dumps(data))
-    _, mapped = check_before_loading(_config(ckpt_a, draft), str(ckpt_a), str(draft))
+    _, mapped = check_before_loading(load_part(_config(ckpt_a, draft)))
     assert mapped is not None and mapped.fraction == 1.0
     assert [i for i, t in enumerate(mapped.draft_to_target) if i != t] == [100, 101]
-    assert check_before_loading(_config(ckpt_a, ckpt_b), str(ckpt_a), str(ckpt_b))[1] is None  # the same vocabulary
+    assert check_before_loading(load_part(_config(ckpt_a, ckpt_b)))[1] is None  # the same vocabulary
     with pytest.raises(AssertionError, match="loaded before"):  # either pair gets to the weights
-        load_models(_config(ckpt_a, draft))
+        load_models_for(_config(ckpt_a, draft))
 
 
 @pytest.mark.usefixtures("no_weights")
@@ -126,4 +126,4 @@ def test_a_draft_gguf_with_an_unknown_pre_tokenizer_says_it_is_the_draft(ckpt_a:
                                                                           tmp_path: Path) -> None:
     draft = write_gguf(ckpt_b, tmp_path / "draft.gguf", Q.F16, pre="superbpe")
     with pytest.raises(ValueError, match="the draft model's tokenizer.*'superbpe'"):
-        load_models(_config(ckpt_a, draft))
+        load_models_for(_config(ckpt_a, draft))

@@ -31,7 +31,7 @@ from infer.engine.defaults import resolve_config
 from infer.engine.executor.factory import LocalExecutor
 from infer.engine.executor.forward import ForwardFn
 from infer.engine.executor.spec import ForwardSpec
-from infer.engine.loading import load_models
+from infer.engine.loading import load_models_for
 from infer.engine.runner import ModelRunner
 from infer.models.llama import LlamaForCausalLM
 
@@ -87,7 +87,7 @@ def test_a_worker_builds_the_driver_s_forwards_and_runs_their_forward_part(ckpt_
                                                                            tree: str | None) -> None:
     config = EngineConfig(model=str(ckpt_b), device="cpu", max_seq_len=64, max_batch_size=4, use_cuda_graphs=False,
                           use_speculative_decoding=True, draft_model=str(ckpt_b), spec_length=2, spec_tree=tree)
-    models = load_models(config)
+    models = load_models_for(config)
     resolved = resolve_config(config, models)
     channel = _Channel()
     executor = TensorParallelExecutor(Outbox(channel), resolved.execution,  # type: ignore[arg-type]
@@ -140,7 +140,7 @@ def test_a_workers_pool_follows_the_drivers_tables_and_row_moves(ckpt_b: Path, b
     paged: dict[str, Any] = dict(block_size=4, num_blocks=24) if backend == "paged" else {}
     config = EngineConfig(model=str(ckpt_b), device="cpu", max_seq_len=64, max_batch_size=4, kv_cache_backend=backend,
                           **paged)
-    models = load_models(config)
+    models = load_models_for(config)
     model, resolved = models.target, resolve_config(config, models)
     channel = _Channel()
     executor = TensorParallelExecutor(Outbox(channel),  # type: ignore[arg-type]

@@ -24,7 +24,7 @@ from infer.bench.sweep import SweepSession, SweepSetup
 from infer.bench.theory import prefill_flops, projection_table, tree_projection
 from infer.bench.workloads import Workload
 from infer.engine.config import EngineConfig
-from infer.engine.loading import load_models
+from infer.engine.loading import load_models_for
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
 from infer.engine.threads import apply_cpu_threads
 from infer.models.loading.loader import load_model, read_model_config
@@ -134,7 +134,7 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
                                   speculative_method=method, device=str(ctx.device), dtype=default_dtype(ctx.device),
                                   draft_quantization=draft_quantization, threads=ctx.options.threads,
                                   spec_draft_vocab=table)
-            models = load_models(config, ctx.device)
+            models = load_models_for(config, ctx.device)
         cfg = StepCostConfig(repeats=ctx.options.cost_repeats)
         try:
             threads = apply_cpu_threads(config.threads, ctx.device,

@@ -25,7 +25,7 @@ from infer.bench.rows import Context, Outcome
 from infer.bench.workloads import PromptSet, Workload, build_requests
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
-from infer.engine.loading import LoadedModels, default_model_paths, load_draft, load_models
+from infer.engine.loading import LoadedModels, load_draft, load_models_for, load_part
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
 from infer.models.llama import LlamaForCausalLM
@@ -194,14 +194,12 @@ class SweepSession:
         self._drop_engine()
         config = self._config(ctx, {"draft_quantization": quantization})
         if self._models is None:
-            self._models = load_models(config, ctx.device)
+            self._models = load_models_for(config, ctx.device)
             steady_greedy(self._models.target)
         else:
             self._models.draft = None
             free_memory()
-            _, draft_path = default_model_paths(config)
-            assert draft_path is not None
-            self._models.draft = load_draft(config, draft_path, self._models.target, ctx.device,
+            self._models.draft = load_draft(load_part(config, ctx.device), self._models.target,
                                             vocab_map=self._models.vocab_map, max_seq_len=config.max_seq_len)
         self._quantization = quantization
         return self._models

@@ -37,7 +37,7 @@ from infer.distributed.mirror import Outbox, TensorParallelExecutor, TensorParal
 from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, default_model_paths
+from infer.engine.loading import LoadedModels, model_sources
 from infer.engine.parts import ExecutionConfig
 from infer.models.layers.parallel import Collectives
 from infer.models.layers.shard import ModelShard
@@ -134,7 +134,7 @@ class TensorParallelDriver:
         self.config = config
         parallel = config.parallel_part()
         self.world_size = parallel.size
-        target_path, draft_path = default_model_paths(config)
+        target_path, draft_path, _, _ = model_sources(config)
         self.worker_config = replace(config, model=_local_path(target_path),
                                      draft_model=None if draft_path is None else _local_path(draft_path))
         self.target_shard, self.draft_shard = shards_for(parallel, 0)

@@ -32,7 +32,7 @@ from infer.engine.parts import ParallelConfig
 from infer.engine.executor import ForwardFn
 from infer.engine.executor.factory import LOCAL
 from infer.engine.executor.spec import ForwardSpec
-from infer.engine.loading import default_model_paths, load_draft, load_target
+from infer.engine.loading import load_draft, load_part, load_target
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.threads import apply_cpu_threads
 from infer.timing import synchronize
@@ -70,11 +70,10 @@ def load_rank_models(config: EngineConfig, rank: int, device: torch.device,
                      collectives: Collectives = GROUP) -> dict[str, LlamaForCausalLM]:
     """A worker's models by role: its shard of the target, and of the draft when sharded."""
     target_shard, draft_shard = shards_for(config.parallel_part(), rank, collectives)
-    target_path, draft_path = default_model_paths(config)
-    models = {"target": load_target(config, target_path, device, target_shard, max_seq_len=config.max_seq_len)}
-    if draft_path is not None and draft_shard is not None:
-        models["draft"] = load_draft(config, draft_path, models["target"], device, draft_shard,
-                                     max_seq_len=config.max_seq_len)
+    load = load_part(config, device)
+    models = {"target": load_target(load, target_shard, max_seq_len=config.max_seq_len)}
+    if load.draft_model is not None and draft_shard is not None:
+        models["draft"] = load_draft(load, models["target"], draft_shard, max_seq_len=config.max_seq_len)
     return models
 
 

@@ -192,12 +192,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def check_model_paths(config: EngineConfig) -> None:
     """FileNotFoundError (naming the flag) for a --model or --draft-model that names no local
     directory or GGUF file and is no hub id, before anything loads."""
-    from infer.engine.loading import default_model_paths
+    from infer.engine.loading import model_sources
     from infer.models.loading.readers import resolve_model_path
 
     if config.load_format == "dummy":
         return
-    target, draft = default_model_paths(config)
+    target, draft, _, _ = model_sources(config)
     for name, path in (("model", target), ("draft_model", draft)):
         if path is None or path.startswith("dummy:") or Path(path).expanduser().is_file():
             continue

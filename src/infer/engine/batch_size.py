@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, default_model_paths, model_dtype
+from infer.engine.loading import LoadedModels, load_part, model_dtype
 from infer.models.config import ModelConfig
 from infer.models.loading.loader import read_model_config
 
@@ -121,10 +121,11 @@ def engine_sizes(config: EngineConfig, device: torch.device, models: LoadedModel
     if models is not None:
         configs = [models.target.config] + ([models.draft.config] if models.draft is not None else [])
     else:
-        target, draft = default_model_paths(config)
-        configs = [read_model_config(path, config.load_format) for path in (target, draft) if path is not None]
+        load = load_part(config, device)
+        configs = [read_model_config(path, load.load_format) for path in (load.model, load.draft_model)
+                   if path is not None]
     device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    element = 4 if model_dtype(config, device) in _FLOAT32 else 2
+    element = 4 if model_dtype(config.dtype, device) in _FLOAT32 else 2
     return plan_sizes(config, configs, device_bytes, element)
 
 

@@ -18,8 +18,8 @@ import torch
 
 from infer.engine.batch_size import engine_sizes
 from infer.engine.config import EngineConfig
-from infer.engine.loading import LoadedModels, model_dtype, resolve_device
-from infer.engine.parts import (CacheConfig, ExecutionConfig, LoadConfig, ResolvedConfig, SchedulerConfig,
+from infer.engine.loading import LoadedModels, load_part, resolve_device
+from infer.engine.parts import (CacheConfig, ExecutionConfig, ResolvedConfig, SchedulerConfig,
                                 check_graphs_device)
 
 log = logging.getLogger("infer.engine")
@@ -52,8 +52,7 @@ def resolve_config(config: EngineConfig, models: LoadedModels | None = None) -> 
     cuda = device.type == "cuda"
     graphs = cuda if config.use_cuda_graphs is None else config.use_cuda_graphs
     return ResolvedConfig(
-        load=LoadConfig(config.model, config.tokenizer, device, model_dtype(config, device), config.load_format,
-                        config.quantization, config.draft_quantization, config.seed, config.threads),
+        load=load_part(config, device),
         cache=CacheConfig(config.kv_cache_backend, sizes.max_batch_size, sizes.max_seq_len, config.block_size,
                           config.num_blocks if sizes.num_blocks is None else sizes.num_blocks,
                           config.kv_cache_memory_bytes, bool(config.enable_prefix_caching)),

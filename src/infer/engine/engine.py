@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,7 +24,7 @@ from infer.engine.batch_size import context_hint, model_context
 from infer.engine.config import EngineConfig
 from infer.engine.defaults import resolve_config
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
-from infer.engine.loading import LoadedModels, check_before_loading, default_model_paths, load_models
+from infer.engine.loading import LoadedModels, check_before_loading, load_models, load_part
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler
@@ -48,7 +49,7 @@ class Engine:
         if models is None and config.tensor_parallel_size > 1:
             # the worker ranks read weights as soon as they start: the tokenizer and the
             # draft pair are checked first (one rank loads after the same check)
-            check_before_loading(config, *default_model_paths(config))
+            check_before_loading(load_part(config))
         self.startup = StartupTimes()
         with self.startup.phase("load"):  # (the other ranks start loading their shards now)
             self.parallel = start_parallel(config, models)  # None: one rank, this process
@@ -76,10 +77,11 @@ class Engine:
         self._grammars_lock = threading.Lock()  # (built from whichever thread asks first)
 
     def _load_models(self) -> LoadedModels:
-        context = self.resolved.scheduler.max_seq_len
+        context, spec = self.resolved.scheduler.max_seq_len, self.resolved.speculative
         if self.parallel is None:
-            return load_models(self.config, max_seq_len=context)
-        return load_models(self.config, self.parallel.device, *self.parallel.shards, max_seq_len=context)
+            return load_models(self.resolved.load, spec, max_seq_len=context)
+        load = replace(self.resolved.load, device=self.parallel.device)
+        return load_models(load, spec, *self.parallel.shards, max_seq_len=context)
 
     def _make_runner(self) -> ModelRunner:
         executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models, self.resolved.execution),

@@ -3,7 +3,8 @@
 A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file (which carries its
 own tokenizer). Without `model` the bundled demo target is used (`demo_model_path`; with
 speculation and no `draft_model`, the bundled demo draft, or for "eagle3" the demo target's
-EAGLE-3 head), so a fresh install works with no download. `check_before_loading` checks
+EAGLE-3 head), so a fresh install works with no download; `load_part` resolves an
+`EngineConfig` into the loading part the functions here take. `check_before_loading` checks
 everything files can tell before any weight is read: the tokenizer builds, a draft's
 vocabulary pairs with the target's (engine/pairing.py), an EAGLE head's or Medusa heads'
 config fits the target (`head_config`, `check_medusa`), a reduced draft vocabulary's table
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from infer.engine.config import EngineConfig
-from infer.engine.parts import EAGLE_METHODS, MEDUSA
+from infer.engine.parts import EAGLE_METHODS, MEDUSA, LoadConfig, SpeculativeConfig
 from infer.engine.pairing import VocabularyFacts, check_pair
 from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead, EagleHeadConfig
@@ -79,14 +80,37 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def default_model_paths(config: EngineConfig) -> tuple[str, str | None]:
-    """(target, draft) after filling in the bundled demo pair where nothing was given."""
+def model_sources(config: EngineConfig) -> tuple[str, str | None, str | None, str | None]:
+    """(target, draft model, EAGLE head, Medusa heads) `config` loads: the bundled demo pair
+    (or the demo target's EAGLE-3 head) where no model was given; the draft's files by
+    speculative method (None for the others)."""
+    method = config.speculative_method if config.use_speculative_decoding else None
     target = config.model if config.model is not None else str(DEMO_TARGET)
-    draft = config.draft_model
-    wants_draft = config.use_speculative_decoding and config.speculative_method == "draft_model"
-    if wants_draft and draft is None and config.model is None:
-        draft = str(DEMO_DRAFT)
-    return target, (draft if wants_draft else None)
+    demo = config.model is None and config.draft_model is None
+    draft_model = head = medusa = None
+    if method == "draft_model":
+        draft_model = str(DEMO_DRAFT) if demo else config.draft_model
+    elif method in EAGLE_METHODS:
+        head = str(DEMO_EAGLE3) if demo and method == "eagle3" else config.draft_model
+    elif method == MEDUSA:
+        medusa = config.draft_model
+    return target, draft_model, head, medusa
+
+
+def load_part(config: EngineConfig, device: torch.device | None = None) -> LoadConfig:
+    """`config`'s loading part: `model_sources`, the device (`config.device`'s unless given)
+    and the dtype decided."""
+    device = device if device is not None else resolve_device(config.device)
+    target, draft_model, head, medusa = model_sources(config)
+    return LoadConfig(target, config.tokenizer or target, device, model_dtype(config.dtype, device),
+                      config.load_format, config.quantization, config.draft_quantization, draft_model, head, medusa,
+                      config.spec_draft_vocab, config.seed, config.threads)
+
+
+def load_models_for(config: EngineConfig, device: torch.device | None = None) -> LoadedModels:
+    """`load_models` of `config`'s parts, for a context of `config.max_seq_len` (the
+    benchmarks' and tests' models outside an engine)."""
+    return load_models(load_part(config, device), config.speculative_part(), max_seq_len=config.max_seq_len)
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer | None:
@@ -98,103 +122,90 @@ def load_tokenizer(name_or_path: str) -> Tokenizer | None:
     return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
 
 
-def check_before_loading(config: EngineConfig, target_path: str, draft_path: str | None
-                         ) -> tuple[Tokenizer | None, VocabMap | None]:
-    """The target's tokenizer, built, and the draft (if any) checked against the target (its
-    `VocabMap` when its vocabulary differs), from config files, GGUF metadata and tokenizer
-    files only: no weight is read."""
-    tokenizer = load_tokenizer(config.tokenizer or target_path)
-    if draft_path is None:
+def check_before_loading(load: LoadConfig) -> tuple[Tokenizer | None, VocabMap | None]:
+    """The target's tokenizer, built, and the draft model (if any) checked against the target
+    (its `VocabMap` when its vocabulary differs), from config files, GGUF metadata and
+    tokenizer files only: no weight is read."""
+    tokenizer = load_tokenizer(load.tokenizer)
+    if load.draft_model is None:
         return tokenizer, None
-    target = _vocabulary_facts(config, target_path, tokenizer)
+    target = _vocabulary_facts(load, load.model, tokenizer)
     try:
-        draft_tokenizer = load_tokenizer(draft_path)
+        draft_tokenizer = load_tokenizer(load.draft_model)
     except ValueError as exc:
         raise ValueError(f"the draft model's tokenizer, which is compared with the target's: {exc}") from exc
-    return tokenizer, check_pair(target, _vocabulary_facts(config, draft_path, draft_tokenizer))
+    return tokenizer, check_pair(target, _vocabulary_facts(load, load.draft_model, draft_tokenizer))
 
 
-def _vocabulary_facts(config: EngineConfig, path: str, tokenizer: Tokenizer | None) -> VocabularyFacts:
-    logits = read_model_config(path, config.load_format).vocab_size
+def _vocabulary_facts(load: LoadConfig, path: str, tokenizer: Tokenizer | None) -> VocabularyFacts:
+    logits = read_model_config(path, load.load_format).vocab_size
     if tokenizer is None:
         return VocabularyFacts(path, logits, None)
     return VocabularyFacts(path, logits, tokenizer.vocabulary(), tokenizer.token_keys())
 
 
-def model_dtype(config: EngineConfig, device: torch.device) -> str:
+def model_dtype(dtype: str, device: torch.device) -> str:
     # bf16 matmuls are slow and inexact on CPUs: "auto" means float32 there
-    return "float32" if config.dtype == "auto" and device.type == "cpu" else config.dtype
+    return "float32" if dtype == "auto" and device.type == "cpu" else dtype
 
 
-def load_target(config: EngineConfig, path: str, device: torch.device, shard: ModelShard | None = None, *,
-                max_seq_len: int | None) -> LlamaForCausalLM:
+def load_target(load: LoadConfig, shard: ModelShard | None = None, *, max_seq_len: int | None) -> LlamaForCausalLM:
     """The target model (with a tensor-parallel `shard`: that rank's part); `max_seq_len`:
     the longest sequence it will run, refused past a sliding window (None: unchecked)."""
-    return load_model(path, dtype=model_dtype(config, device), device=device, load_format=config.load_format,
-                      quantization=config.quantization, shard=shard, max_seq_len=max_seq_len)[0]
+    return load_model(load.model, dtype=load.dtype, device=load.device, load_format=load.load_format,
+                      quantization=load.quantization, shard=shard, max_seq_len=max_seq_len)[0]
 
 
-def load_draft(config: EngineConfig, path: str, target: LlamaForCausalLM, device: torch.device,
-               shard: ModelShard | None = None, vocab_map: VocabMap | None = None, *,
-               max_seq_len: int | None) -> LlamaForCausalLM:
+def load_draft(load: LoadConfig, target: LlamaForCausalLM, shard: ModelShard | None = None,
+               vocab_map: VocabMap | None = None, *, max_seq_len: int | None) -> LlamaForCausalLM:
     """The draft model, in the target's dtype (with a `shard`: that rank's part), its
-    vocabulary reduced to `spec_draft_vocab`'s table (`vocab_map`: a draft of another
+    vocabulary reduced to `draft_vocab`'s table (`vocab_map`: a draft of another
     vocabulary's map, through which the table's target ids reach the draft's rows);
     `max_seq_len` as `load_target`'s."""
-    draft = load_model(path, dtype=next(target.parameters()).dtype, device=device, load_format=config.load_format,
-                       quantization=config.draft_quantization, shard=shard, max_seq_len=max_seq_len)[0]
-    table = draft_vocab_table(config, default_model_paths(config)[0])
+    assert load.draft_model is not None
+    draft = load_model(load.draft_model, dtype=next(target.parameters()).dtype, device=load.device,
+                       load_format=load.load_format, quantization=load.draft_quantization, shard=shard,
+                       max_seq_len=max_seq_len)[0]
+    table = draft_vocab_table(load)
     if table is not None:
         draft.keep_vocab(torch.tensor(draft_rows(table, vocab_map)))
     return draft
 
 
-def load_models(config: EngineConfig, device: torch.device | None = None, target_shard: ModelShard | None = None,
-                draft_shard: ModelShard | None = None, *, max_seq_len: int | None = None) -> LoadedModels:
-    """Target, draft (when speculation uses one) and tokenizer. Under tensor parallelism the
-    driver passes its device and its rank's shards (a draft without a shard loads whole).
-    `max_seq_len`: the context the models will run (an engine's resolved one), refused past
-    a sliding window; None: `config.max_seq_len`."""
-    context = config.max_seq_len if max_seq_len is None else max_seq_len
-    device = device if device is not None else resolve_device(config.device)
-    target_path, draft_path = default_model_paths(config)
-    tokenizer, vocab_map = check_before_loading(config, target_path, draft_path)
-    draft_vocab_table(config, target_path)  # (refused here, before any weight is read)
-    head_path = eagle_head_path(config)
-    if head_path is not None:  # refused from config files, before any weight is read
-        head_config(head_path, config.speculative_method).check_target(
-            read_model_config(target_path, config.load_format))
-    medusa_dir = medusa_path(config)
-    if medusa_dir is not None:  # (likewise)
-        check_medusa(config, medusa_dir, target_path)
-    target = load_target(config, target_path, device, target_shard, max_seq_len=context)
-    draft = None if draft_path is None else load_draft(config, draft_path, target, device, draft_shard, vocab_map,
-                                                       max_seq_len=context)
-    head = None if head_path is None else load_head(config, head_path, target)
-    medusa = None if medusa_dir is None else load_medusa(config, medusa_dir, target)
+def load_models(load: LoadConfig, speculative: SpeculativeConfig | None = None,
+                target_shard: ModelShard | None = None, draft_shard: ModelShard | None = None, *,
+                max_seq_len: int | None) -> LoadedModels:
+    """Target, draft or heads (what `load` names) and tokenizer; `speculative`: the method and
+    K the heads are checked against. Under tensor parallelism the driver passes its rank's
+    shards (a draft without a shard loads whole). `max_seq_len`: the context the models will
+    run, refused past a sliding window (None: unchecked)."""
+    tokenizer, vocab_map = check_before_loading(load)
+    draft_vocab_table(load)  # (refused here, before any weight is read)
+    method = speculative.method if speculative is not None else None
+    if load.head is not None:  # refused from config files, before any weight is read
+        assert method is not None
+        head_config(load.head, method).check_target(read_model_config(load.model, load.load_format))
+    if load.medusa is not None:  # (likewise)
+        assert speculative is not None
+        check_medusa(load, speculative.length)
+    target = load_target(load, target_shard, max_seq_len=max_seq_len)
+    draft = None if load.draft_model is None else load_draft(load, target, draft_shard, vocab_map,
+                                                             max_seq_len=max_seq_len)
+    head = None if load.head is None or method is None else load_head(load.head, method, target)
+    medusa = None if load.medusa is None else load_medusa(load, target)
     eos = tokenizer.eos_token_ids if tokenizer is not None else target.config.eos_token_ids
     return LoadedModels(target, draft, tokenizer, tuple(eos), head, vocab_map, medusa)
 
 
-def draft_vocab_table(config: EngineConfig, target_path: str) -> DraftVocab | None:
-    """The reduced draft vocabulary's table (`spec_draft_vocab`), checked against the
-    target's vocabulary from its config file alone."""
-    if config.spec_draft_vocab is None:
+def draft_vocab_table(load: LoadConfig) -> DraftVocab | None:
+    """The reduced draft vocabulary's table (`draft_vocab`), checked against the target's
+    vocabulary from its config file alone."""
+    if load.draft_vocab is None:
         return None
-    table = load_table(config.spec_draft_vocab)
-    table.check_target(read_model_config(target_path, config.load_format).vocab_size,
-                       f"spec_draft_vocab {config.spec_draft_vocab!r}")
+    table = load_table(load.draft_vocab)
+    table.check_target(read_model_config(load.model, load.load_format).vocab_size,
+                       f"spec_draft_vocab {load.draft_vocab!r}")
     return table
-
-
-def eagle_head_path(config: EngineConfig) -> str | None:
-    """The EAGLE head's directory when speculation uses one (the demo target's own EAGLE-3
-    head when neither a model nor a head is given)."""
-    if not (config.use_speculative_decoding and config.speculative_method in EAGLE_METHODS):
-        return None
-    if config.draft_model is None and config.model is None and config.speculative_method == "eagle3":
-        return str(DEMO_EAGLE3)
-    return config.draft_model
 
 
 def head_config(path: str, method: str) -> EagleHeadConfig:
@@ -202,19 +213,14 @@ def head_config(path: str, method: str) -> EagleHeadConfig:
     return dummy_head_config(path, method) if is_dummy_head(path) else read_head_config(path, method)
 
 
-def load_head(config: EngineConfig, path: str, target: LlamaForCausalLM) -> EagleHead:
+def load_head(path: str, method: str, target: LlamaForCausalLM) -> EagleHead:
     """The EAGLE head (target's dtype and device), and the target's capture of what it reads."""
     if is_dummy_head(path):
-        head = dummy_eagle_head(dummy_head_config(path, config.speculative_method), target)
+        head = dummy_eagle_head(dummy_head_config(path, method), target)
     else:
-        head = load_eagle_head(path, config.speculative_method, target)
+        head = load_eagle_head(path, method, target)
     target.capture = HiddenCapture(head.spec.capture_points(target.config.num_hidden_layers))
     return head
-
-
-def medusa_path(config: EngineConfig) -> str | None:
-    """The Medusa heads' directory (or dummy name) when speculation uses them."""
-    return config.draft_model if config.use_speculative_decoding and config.speculative_method == MEDUSA else None
 
 
 def medusa_config(path: str) -> MedusaConfig:
@@ -222,23 +228,24 @@ def medusa_config(path: str) -> MedusaConfig:
     return dummy_medusa_config(path) if is_dummy_medusa(path) else read_medusa_config(path)
 
 
-def check_medusa(config: EngineConfig, path: str, target_path: str) -> None:
-    """Refuse heads that do not fit the target or the round's depth, from config files alone."""
-    spec = medusa_config(path)
-    spec.check_target(read_model_config(target_path, config.load_format))
-    assert config.spec_length is not None
-    spec.check_depth(config.spec_length)
+def check_medusa(load: LoadConfig, depth: int) -> None:
+    """Refuse heads that do not fit the target or a round of `depth`, from config files alone."""
+    assert load.medusa is not None
+    spec = medusa_config(load.medusa)
+    spec.check_target(read_model_config(load.model, load.load_format))
+    spec.check_depth(depth)
 
 
-def load_medusa(config: EngineConfig, path: str, target: LlamaForCausalLM) -> MedusaHead:
+def load_medusa(load: LoadConfig, target: LlamaForCausalLM) -> MedusaHead:
     """The Medusa heads (target's dtype and device, `draft_quantization`), and the target's
     capture of its final normed output, which they read."""
+    assert load.medusa is not None
     norm = target.model.norm.weight  # (in the model's dtype whatever its linears are stored as)
-    if is_dummy_medusa(path):
-        spec = dummy_medusa_config(path)
+    if is_dummy_medusa(load.medusa):
+        spec = dummy_medusa_config(load.medusa)
         spec.check_target(target.config)
-        head = dummy_medusa_head(spec, norm.dtype, norm.device, config.draft_quantization)
+        head = dummy_medusa_head(spec, norm.dtype, norm.device, load.draft_quantization)
     else:
-        head = load_medusa_head(path, target.config, norm.dtype, norm.device, config.draft_quantization)
+        head = load_medusa_head(load.medusa, target.config, norm.dtype, norm.device, load.draft_quantization)
     target.capture = HiddenCapture((target.config.num_hidden_layers,))
     return head

@@ -100,15 +100,21 @@ def check_graphs_device(use_cuda_graphs: bool | None, device: torch.device) -> N
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    """The models and their weights: where they come from, on which device, in which dtype."""
+    """The models and their weights: where they come from (the bundled demo's filled in where
+    nothing was given: `engine/loading.load_part`), on which device, in which dtype. At most
+    one of `draft_model`, `head` and `medusa` is set: the files speculation drafts with."""
 
-    model: str | None  # None: the bundled demo target
-    tokenizer: str | None  # None: the model's directory
+    model: str  # the target: a directory, hub id, .gguf file or "dummy:<shape>"
+    tokenizer: str  # the target's tokenizer (its own files unless given)
     device: torch.device
     dtype: str  # resolved: "float32" for "auto" on a CPU; "auto" elsewhere keeps the checkpoint's
     load_format: str = "auto"
     quantization: str | None = None
     draft_quantization: str | None = None
+    draft_model: str | None = None  # speculative_method "draft_model"
+    head: str | None = None  # an EAGLE / EAGLE-3 head ("eagle", "eagle3")
+    medusa: str | None = None  # Medusa heads ("medusa")
+    draft_vocab: str | None = None  # spec_draft_vocab: the reduced draft vocabulary's table
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     threads: int | None = None  # CPU torch threads; None: by model size (engine/threads.py)
 
@@ -119,6 +125,8 @@ class LoadConfig:
             check_choice(name, getattr(self, name))
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None (chosen by model size), got {self.threads}")
+        if sum(x is not None for x in (self.draft_model, self.head, self.medusa)) > 1:
+            raise ValueError("a draft model, an EAGLE head and Medusa heads are three ways to draft: load one")
 
 
 @dataclass(frozen=True, slots=True)

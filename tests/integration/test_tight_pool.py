@@ -101,3 +101,21 @@ def test_seeded_samples_repeat_through_preemption_and_prefix_hits(make_llm, ckpt
             for _ in range(2)]
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.stats.rounds > 0
     assert runs[0] == runs[1]
+
+
+def test_a_round_drafted_ahead_survives_rows_leaving_the_batch(make_llm, tmp_path_factory):
+    # four greedy copies of a prompt on a pool that holds fewer at once, each drafting its
+    # next round ahead with a one-step EAGLE-3 head: a request preempted (or stepping
+    # plainly) since its round was drafted leaves rows in that round past the batch's; the
+    # verification takes the round's first rows (it placed all of them, and failed)
+    from helpers.fuzz_models import FuzzModels
+    models = FuzzModels.build(tmp_path_factory.mktemp("fuzz"))
+    prompt = [0, 5, 188, 327] + [5, 188, 327] * 7
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, n=4)
+    llm = make_llm(models.target, use_speculative_decoding=True, speculative_method="eagle3",
+                   draft_model=str(models.draft("eagle3")), spec_length=1, block_size=2, num_blocks=29,
+                   max_seq_len=256)
+    outs = [c.token_ids for c in llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs]
+    assert outs == [tokens[:9] for tokens in plain(models.target, [prompt] * 4)]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.stats.rounds > 0
+    assert llm.engine.leak_report() == []

@@ -60,6 +60,17 @@ def test_chain_tokens_of_every_row_in_order_are_the_rounds_own() -> None:
     assert block.device_ids.ids.tolist() == [3, 1, 4, 1, 5, 9, 8, 7, 10]
 
 
+def test_a_round_with_rows_past_the_batch_gives_the_batch_its_first_rows() -> None:
+    # a round drafted ahead for three requests, the third of which left the batch since
+    # (preempted, or stepping plainly): the first two rows, in order, are the whole batch
+    tokens = _round()
+    drafts = [Draft.chain_on_device(SHAPE, tokens, j, 4) for j in range(2)]
+    block = Verification(VOCAB, CPU, None).block(_requests([SamplingParams(temperature=0)] * 2), drafts)
+    assert block.tokens.tolist() == [[3, 1, 4, 1], [5, 9, 2, 6]]
+    assert block.device_ids is not None and block.device_ids.at == (1, 2, 3, 4, 6, 7, 8, 9)
+    assert block.device_ids.ids.tolist() == [3, 1, 4, 1, 5, 9, 2, 6]
+
+
 def test_device_drafts_among_plain_rows_verify_as_their_host_copies() -> None:
     tokens = _round()
     # batch rows 0 and 2 drafted rows 2 and 0 of the round; row 1 drafted nothing

@@ -112,8 +112,9 @@ def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: t
     on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
     batch_rows = [b for b, _ in on_device]
     in_order = len(sources) == 1 and batch_rows == [j for _, (_, j) in on_device] and len(batch_rows) == len(drafts)
-    if in_order:  # (every row drafted, in order, in one round: its tokens as they are)
-        tokens = sources[0].tokens[:, :k]
+    if in_order:  # (every row drafted, in order, in one round: its first rows as they are; a
+        # round drafted ahead may hold rows past the batch's, of requests that left it)
+        tokens = sources[0].tokens[:len(drafts), :k]
     else:
         host = [d.host_ids[:k] if d.host_ids is not None else (0,) * k for d in drafts]
         tokens = tensor_on(host, device, torch.long).view(len(drafts), k)

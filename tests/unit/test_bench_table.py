@@ -161,3 +161,12 @@ def test_costs_of_an_incompatible_draft_fail_with_the_engines_check(ckpt_a, tmp_
     row = measures.costs_row("costs", "c", str(ckpt_a), str(other), False)
     Harness(run, HarnessOptions(device="cpu", quiet=True, cost_repeats=1)).run_rows(["costs"], {"costs": row})
     assert run.get("costs").status == "error" and "vocabulary" in run.get("costs").error.lower()
+
+
+def test_every_result_file_the_docs_cite_is_kept():
+    import re
+    root = RECORDS.parent
+    kept = {p.name for p in RECORDS.iterdir()}
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        cited = set(re.findall(r"`([\w.-]+-(?:h200|h200x\d|cpu)\.json)`", doc.read_text(encoding="utf-8")))
+        assert cited <= kept, (doc.name, sorted(cited - kept))

@@ -173,7 +173,7 @@ def test_int_default_config_fills_the_gpu_one_group_a_step(n: int, k: int, bucke
     assert bucket * cfg.block_n * cfg.block_k // 8 <= 64 * 32 * cfg.num_warps or cfg.dot  # words a thread
     programs, steps = -(-n // cfg.block_n) * cfg.split_k, -(-k // cfg.block_k)
     fill = (2 if cfg.dot else 3) * NUM_SMS
-    assert programs >= fill or cfg.split_k == 16 or steps // (4 * cfg.split_k) < 2  # full, or no split left
+    assert programs >= fill or cfg.split_k == 16 or steps // (2 * cfg.split_k) < 2  # full, or no split left
     if cfg.split_k > 1:  # the smallest such split, two steps a split at least
         assert programs // 2 < fill and steps >= 4 * (cfg.split_k // 2)
 

@@ -50,7 +50,7 @@ class HostCopy:
         self.host = t if out is None else out
         if out is not None:
             out.copy_(t, non_blocking=cuda)
-        self.event = (event or torch.cuda.Event()) if cuda else None
+        self.event = None if not cuda else event if event is not None else torch.cuda.Event()
         if self.event is not None:
             self.event.record()
 

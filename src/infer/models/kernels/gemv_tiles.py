@@ -257,7 +257,8 @@ def _check_int(w: torch.Tensor, scale: IntScales, dtype: torch.dtype, n: int, k:
     per_word = 32 // scale.layout.bits
     if scale.layout.group_size % per_word:
         raise ValueError(f"the GEMV reads {scale.layout.name} codes {per_word} a word: groups of "
-                         f"{scale.layout.group_size} columns do not split into words (use the dequantizing route)")
+                         f"{scale.layout.group_size} columns do not split into words (quantize with groups of a "
+                         f"multiple of {per_word} columns)")
     if w.stride(0) % 4 or w.storage_offset() % 4:
         raise ValueError("packed integer rows must start on 4-byte boundaries (call .contiguous())")
     groups = scale.layout.groups(k)

@@ -4,7 +4,7 @@ With no speed flags an engine on CUDA captures CUDA graphs for the batch sizes 1
 up to max_batch_size and compiles the fused kernels; `use_cuda_graphs=False` (the CLI's
 `--enforce-eager`) turns both off. The start-up line counts the graphs. The context defaults
 to the model's own; past the graphs' context width (8192) steps run eagerly and give the
-same tokens as an engine with no graphs at all.
+same tokens as an engine with no graphs at all. Speculation's batch gate is on.
 """
 
 from __future__ import annotations
@@ -62,3 +62,22 @@ def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_pat
     short = [o.outputs[0].token_ids for o in graphs.generate(prompt_token_ids=prompts[1:], sampling_params=GREEDY)]
     assert short == want[1:] and graphs.engine.runner.forward_fn.replays > before  # short contexts replay
     assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []
+
+
+def test_the_batch_gate_is_on_by_default_and_keeps_greedy_tokens(ckpt_a, tmp_path):
+    # a draft that is never right: the gate times its rounds, finds them slower than plain
+    # steps and steps plainly (probing now and then); the tokens stay plain decoding's
+    kw = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=256, compile_kernels=False)
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    prompts = [[random.Random(i).randrange(3, 200) for _ in range(5 + i)] for i in range(4)]
+    plain = LLM(str(ckpt_a), **kw)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    draft = make_checkpoint(tmp_path / "draft", variant="a", seed=123, num_hidden_layers=1, head_dim=16)
+    gated = LLM(str(ckpt_a), draft_model=str(draft), spec_length=4, **kw)
+    clock = gated.engine.runner.speculation.clock
+    assert clock is not None and clock.gate and gated.engine.resolved.speculative.batch_gate
+    assert [o.outputs[0].token_ids for o in gated.generate(prompt_token_ids=prompts, sampling_params=params)] == want
+    stats = gated.engine.runner.stats
+    assert clock.speedup(4) is not None and clock.speedup(4) < 1.0
+    assert stats.rounds < 150 // 2  # most of the 150 steps plain
+    assert gated.engine.leak_report() == []

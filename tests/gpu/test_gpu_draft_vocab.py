@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 KW = dict(device="cuda", dtype="float32", max_batch_size=8, max_seq_len=128, use_speculative_decoding=True,
-          spec_length=3)
+          spec_batch_gate=False, spec_length=3)
 
 
 @pytest.mark.parametrize("tree", [None, "2,2,1"])

@@ -46,7 +46,7 @@ def _outputs(ckpt: Path, head: Path, method: str, graphs: bool, prompts: list[li
              params: list[SamplingParams], **options) -> tuple[list[list[int]], LLM]:
     options = {"compile_kernels": False, **options}
     llm = LLM(str(ckpt), device="cuda", dtype="float32", max_batch_size=4, max_seq_len=256,
-              use_cuda_graphs=graphs, use_speculative_decoding=True, speculative_method=method,
+              use_cuda_graphs=graphs, use_speculative_decoding=True, spec_batch_gate=False, speculative_method=method,
               draft_model=str(head), spec_length=3, **options)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert llm.engine.leak_report() == []

@@ -39,8 +39,8 @@ def test_adaptive_speculation_measures_its_costs(ckpt_a):
     # through the engine's own graphs
     kw = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=128, compile_kernels=False,
               use_cuda_graphs=True)
-    llm = LLM(str(ckpt_a), use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3,
-              spec_policy="adaptive", **kw)
+    llm = LLM(str(ckpt_a), use_speculative_decoding=True, spec_batch_gate=False, draft_model=str(ckpt_a),
+              spec_length=3, spec_policy="adaptive", **kw)
     policy = llm.engine.runner.speculation.policy
     assert 0.2 < policy.config.c < 5.0 and policy.config.verify_slope >= 0.0  # a model drafting for itself
     prompts = _prompts(ckpt_a, 4)
@@ -57,7 +57,7 @@ def test_cuda_graphs_token_identical_to_eager(ckpt_a, backend, spec):
     kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
               compile_kernels=False)
     if spec:
-        kw.update(use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3)
+        kw.update(use_speculative_decoding=True, spec_batch_gate=False, draft_model=str(ckpt_a), spec_length=3)
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
@@ -194,7 +194,8 @@ def test_triton_path_engine_matches_transformers(ckpt_c, graphs):
     hf = load_hf_model(ckpt_c, dtype=torch.float32, device="cuda")
     refs = [hf_greedy(hf, p, 24) for p in prompts]
     for spec in (False, True):
-        kw = dict(use_speculative_decoding=True, draft_model=str(ckpt_c), spec_length=3) if spec else {}
+        kw = dict(use_speculative_decoding=True, spec_batch_gate=False, draft_model=str(ckpt_c),
+                  spec_length=3) if spec else {}
         llm = LLM(str(ckpt_c), device="cuda", dtype="float32", use_cuda_graphs=graphs, compile_kernels=False,
                   max_batch_size=4, max_seq_len=128, **kw)
         for got, ref in zip(_tokens(llm, prompts), refs, strict=True):
@@ -290,7 +291,7 @@ def test_sampled_speculation_with_graphs_matches_eager(ckpt_a, backend, method):
     # verification blocks and draft steps replay their graphs: seeded outputs equal eager's
     kw = dict(draft_model=str(ckpt_a)) if method == "draft_model" else dict(speculative_method="ngram")
     graphs = _sampled_graphs_match_eager(ckpt_a, kv_cache_backend=backend, use_speculative_decoding=True,
-                                         spec_length=3, **kw)
+                                         spec_batch_gate=False, spec_length=3, **kw)
     runner = graphs.engine.runner
     if method == "draft_model":  # the target drafting for itself: most drafts accepted
         assert runner.speculation.draft.step_forward.replays > 0 and runner.stats.accepted_tokens > 0
@@ -314,7 +315,7 @@ def test_a_batch_of_twenty_replays_its_own_bucket(ckpt_a, spec):
               for i in range(batch)]
     kw = dict(device="cuda", dtype="float32", max_batch_size=32, max_seq_len=128, compile_kernels=False)
     if spec is not None:
-        kw.update(use_speculative_decoding=True, spec_length=3,
+        kw.update(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3,
                   **(dict(draft_model=str(ckpt_a)) if spec == "draft_model" else dict(speculative_method="ngram")))
     eager = LLM(str(ckpt_a), use_cuda_graphs=False, **kw)
     graphs = LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
@@ -357,8 +358,8 @@ def test_fp8_engine_with_graphs_drafts_for_itself(ckpt_a):
     # an FP8 target drafting for itself through graphs and fused kernels: every draft accepted
     prompts = _prompts(ckpt_a)
     llm = LLM(str(ckpt_a), device="cuda", dtype="bfloat16", max_batch_size=8, max_seq_len=128, quantization="fp8",
-              use_cuda_graphs=True, use_speculative_decoding=True, draft_model=str(ckpt_a), spec_length=3,
-              draft_quantization="fp8")
+              use_cuda_graphs=True, use_speculative_decoding=True, spec_batch_gate=False, draft_model=str(ckpt_a),
+              spec_length=3, draft_quantization="fp8")
     _tokens(llm, prompts)
     assert llm.engine.runner.forward_fn.replays > 0 and llm.engine.runner.stats.acceptance_rate >= 0.95
     assert llm.engine.leak_report() == []
@@ -387,7 +388,7 @@ def test_a_model_drafting_for_itself_under_fused_kernels_accepts_everything(quan
     # kernel that rounds a draft step and its verification differently fails this)
     from infer.engine.loading import DEMO_TARGET
     llm = LLM(str(DEMO_TARGET), device="cuda", max_batch_size=4, max_seq_len=512, use_cuda_graphs=True,
-              quantization=quantization, use_speculative_decoding=True, spec_length=5,
+              quantization=quantization, use_speculative_decoding=True, spec_batch_gate=False, spec_length=5,
               draft_model=str(DEMO_TARGET), draft_quantization=quantization)
     prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def", "for i in range(10):"]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))

@@ -49,7 +49,7 @@ def test_greedy_parity_with_graphs(ckpt_a, heads, tree, quantization):
     plain, _ = _outputs(ckpt_a, True, prompts, params, "float32")
     spec = {"spec_tree": tree} if tree else {"spec_length": 4}
     medusa, llm = _outputs(ckpt_a, True, prompts, params, "float32", speculative_method="medusa",
-                           draft_model=str(heads), draft_quantization=quantization, **spec)
+                           spec_batch_gate=False, draft_model=str(heads), draft_quantization=quantization, **spec)
     assert medusa == plain
     runner = llm.engine.runner
     assert runner.forward_fn.replays > 0 and runner.stats.drafts > 0
@@ -59,7 +59,8 @@ def test_greedy_parity_with_graphs(ckpt_a, heads, tree, quantization):
 def test_seeded_rows_same_with_graphs(ckpt_a, heads):
     prompts = word_prompts(ckpt_a, 4)
     params = [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=s) for s in range(4)]
-    options = dict(speculative_method="medusa", draft_model=str(heads), spec_tree="2,2", compile_kernels=False)
+    options = dict(speculative_method="medusa", spec_batch_gate=False, draft_model=str(heads), spec_tree="2,2",
+                   compile_kernels=False)
     eager, _ = _outputs(ckpt_a, False, prompts, params, "float32", **options)
     graphed, llm = _outputs(ckpt_a, True, prompts, params, "float32", **options)
     assert graphed == eager

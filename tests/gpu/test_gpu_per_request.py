@@ -49,7 +49,7 @@ def _llm(ckpt: Path, graphs: bool, **spec: Any) -> LLM:
 
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "eagle3", "draft_tree"])
 def test_rows_off_at_two_and_at_k_under_graphs(ckpt_a: Path, head: Path, method: str) -> None:
-    spec: dict[str, Any] = dict(use_speculative_decoding=True, spec_length=3,
+    spec: dict[str, Any] = dict(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3,
                                 speculative_method="draft_model" if method == "draft_tree" else method)
     if method in ("draft_model", "draft_tree"):
         spec["draft_model"] = str(ckpt_a)

@@ -61,11 +61,14 @@ def _tokens(model: str, prompts: list[list[int]], params: SamplingParams | list[
 CASES: dict[str, dict[str, Any]] = {
     "prefix-chunked": dict(kv_cache_backend="paged", block_size=4, enable_prefix_caching=True,
                            max_num_batched_tokens=8, max_batch_size=4),
-    "draft-on-driver": dict(use_speculative_decoding=True, spec_length=3),
-    "draft-sharded": dict(use_speculative_decoding=True, spec_length=3, tensor_parallel_draft="sharded"),
-    "ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3),
-    "tree-draft-sharded": dict(use_speculative_decoding=True, spec_tree="2,2", tensor_parallel_draft="sharded"),
-    "tree-ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="3,1"),
+    "draft-on-driver": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3),
+    "draft-sharded": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3,
+                          tensor_parallel_draft="sharded"),
+    "ngram": dict(use_speculative_decoding=True, spec_batch_gate=False, speculative_method="ngram", spec_length=3),
+    "tree-draft-sharded": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_tree="2,2",
+                               tensor_parallel_draft="sharded"),
+    "tree-ngram": dict(use_speculative_decoding=True, spec_batch_gate=False, speculative_method="ngram",
+                       spec_tree="3,1"),
     "sampled": {},
     "one-shot": dict(tensor_parallel_all_reduce="one-shot"),  # (TP=2 only: TP=1 has no all-reduce)
 }
@@ -104,7 +107,7 @@ def test_a_worker_captures_forward_graphs_only(tp_ckpt: Path, prompts: list[list
     the same graphs (one per token bucket, with tree rules for trees) as rank 0's."""
     from infer.distributed.worker import capture_counts
 
-    with LLM(str(tp_ckpt), **{**BASE, "use_cuda_graphs": True}, use_speculative_decoding=True,
+    with LLM(str(tp_ckpt), **{**BASE, "use_cuda_graphs": True}, use_speculative_decoding=True, spec_batch_gate=False,
              draft_model=str(tp_ckpt), tensor_parallel_size=2, tensor_parallel_draft="sharded", **shape) as llm:
         llm.generate(prompt_token_ids=prompts, sampling_params=_mixed(len(prompts)))
         runner = llm.engine.runner

@@ -36,7 +36,8 @@ def _tokens(llm, prompts, params=GREEDY):
 
 def _pair(ckpt, backend, method, **extra):
     kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
-              compile_kernels=False, use_speculative_decoding=True, speculative_method=method, spec_tree=TREE, **extra)
+              compile_kernels=False, use_speculative_decoding=True, spec_batch_gate=False, speculative_method=method,
+              spec_tree=TREE, **extra)
     if method == "draft_model":
         kw["draft_model"] = str(ckpt)
     return LLM(str(ckpt), use_cuda_graphs=False, **kw), LLM(str(ckpt), use_cuda_graphs=True, **kw)

@@ -103,6 +103,6 @@ def speculative_tv(make_llm: Any, target: Path, prompt: list[int], vocab: int, n
     engine of `engine` options (max_seq_len 16 unless given)."""
     params = SamplingParams(temperature=1.0)
     exact = exact_joint(target, prompt, params, vocab)
-    llm = make_llm(target, **{"max_seq_len": 16, "use_speculative_decoding": True, **engine})
+    llm = make_llm(target, **{"max_seq_len": 16, "use_speculative_decoding": True, "spec_batch_gate": False, **engine})
     outputs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=seeded(params, n))
     return total_variation(empirical_joint(outputs), exact), llm

@@ -21,14 +21,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # the engine configurations the scenario runs under (a draft model: the checkpoint itself)
 OVERLAP_CONFIGS: dict[str, dict[str, Any]] = {
     "plain": {},
-    "draft": dict(use_speculative_decoding=True, spec_length=3),
-    "ngram": dict(use_speculative_decoding=True, speculative_method="ngram", spec_length=3),
+    "draft": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3),
+    "ngram": dict(use_speculative_decoding=True, spec_batch_gate=False, speculative_method="ngram", spec_length=3),
     # (c given: K must not follow the wall clock, for the seeded rows to be comparable)
-    "adaptive": dict(use_speculative_decoding=True, spec_length=3, spec_policy="adaptive", spec_cost_coefficient=1.0),
-    "tree": dict(use_speculative_decoding=True, spec_tree="2,1,1", spec_length=3),
+    "adaptive": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_length=3, spec_policy="adaptive",
+                     spec_cost_coefficient=1.0),
+    "tree": dict(use_speculative_decoding=True, spec_batch_gate=False, spec_tree="2,1,1", spec_length=3),
     # (its dummy head: random weights beside the target's; greedy rounds draft ahead)
-    "eagle3": dict(use_speculative_decoding=True, speculative_method="eagle3", spec_length=3),
-    "ngram-tree": dict(use_speculative_decoding=True, speculative_method="ngram", spec_tree="2,1", spec_length=2),
+    "eagle3": dict(use_speculative_decoding=True, spec_batch_gate=False, speculative_method="eagle3", spec_length=3),
+    "ngram-tree": dict(use_speculative_decoding=True, spec_batch_gate=False, speculative_method="ngram",
+                       spec_tree="2,1", spec_length=2),
     "preempt": dict(kv_cache_backend="paged", block_size=4, num_blocks=20, max_num_batched_tokens=8),
 }
 
@@ -89,7 +91,8 @@ def abort_in_flight(make_llm: MakeLLM, model: Path, prompts: list[list[int]], **
     """Abort one of two requests with a step in flight: it keeps a prefix of its tokens, the
     other finishes as alone, and nothing is left behind."""
     llm = make_llm(model, max_seq_len=128, max_batch_size=4, async_scheduling=True,
-                   use_speculative_decoding=True, speculative_method="ngram", spec_length=3, **engine_kw)
+                   use_speculative_decoding=True, spec_batch_gate=False, speculative_method="ngram", spec_length=3,
+                   **engine_kw)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     full = outputs(make_llm(model, max_seq_len=128, **engine_kw), prompts[:2], [params] * 2)

@@ -1,8 +1,9 @@
-"""The adaptive length policy and `spec_disable_batch_size` end to end (CPU, tiny checkpoints),
-through the public counters: a useless draft turned off with greedy parity kept, a good one
-kept drafting, n-gram drafts speculating where the text repeats (shadow rounds while plain),
-rounds timed on a simulated clock and dropped where they cost more than they give, no
-start-up measurement on a CPU, and speculation off above the batch limit.
+"""The adaptive length policy, the batch gate and `spec_disable_batch_size` end to end (CPU,
+tiny checkpoints), through the public counters: a useless draft turned off with greedy
+parity kept, a good one kept drafting, n-gram drafts speculating where the text repeats
+(shadow rounds while plain), rounds timed on a simulated clock and dropped where they cost
+more than they give (the adaptive policy, and the gate under a fixed K), no start-up
+measurement on a CPU, and speculation off above the batch limit.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pytest
 
 from helpers.spec_e2e import DEPTH as K, GREEDY, spec_llm as _spec_llm
 from infer import SamplingParams
+from infer.speculative.policy import ClockConfig
 
 
 def test_adaptive_parity_with_a_random_draft_that_it_turns_off(make_llm, ckpt_a, random_draft, prompts,
@@ -49,11 +51,10 @@ def test_adaptive_n_gram_speculates_where_the_text_repeats(make_llm, ckpt_a, pro
     assert llm.engine.leak_report() == []  # (no shadow chain outlives its request)
 
 
-def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
-    """An adaptive n-gram engine (c = 0), overlapped, on a simulated clock: a step takes 1 s
-    and a round's verification `round_s` more. Returns (engine, tokens, whether a plain step
-    was queued with the previous step's tokens still in flight)."""
-    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
+def _clocked_run(llm, prompts, round_s, params=GREEDY):
+    """Run the prompts on a simulated clock: a step takes 1 s and a round's verification
+    `round_s` more. Returns (engine, tokens, whether a plain step was queued with the
+    previous step's tokens still in flight)."""
     runner, now = llm.engine.runner, [0.0]
 
     def tick():
@@ -72,8 +73,14 @@ def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
         return _launch(prefill, decode, render)
 
     runner._time, runner.verification.verify, runner._launch = tick, verify, launch
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
+
+
+def _clocked_ngram_run(make_llm, ckpt_a, prompts, round_s):
+    """An adaptive n-gram engine (c = 0), overlapped, on the simulated clock."""
+    llm = _spec_llm(make_llm, ckpt_a, None, 8, method="ngram", spec_policy="adaptive", async_scheduling=True)
+    return _clocked_run(llm, prompts, round_s)
 
 
 def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give(make_llm, ckpt_a, prompts,
@@ -89,6 +96,37 @@ def test_adaptive_times_its_rounds_and_stops_where_they_cost_more_than_they_give
     assert dear.engine.runner.stats.drafts < cheap.engine.runner.stats.drafts / 2
     assert dear_overlapped  # plain steps keep the host ahead of the device
     assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
+
+
+def test_the_batch_gate_turns_a_fixed_k_off_where_rounds_give_fewer_tokens_a_second(make_llm, ckpt_a, prompts):
+    # a model drafting for itself (every draft accepted: K + 1 tokens a round) under a fixed
+    # K: rounds costing 31 plain steps give fewer tokens a second, so after its first timed
+    # rounds the batch decodes plainly, probed now and then; rounds costing 2 go on
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    plain = make_llm(ckpt_a, max_seq_len=256, max_batch_size=8)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+    def run(round_s):
+        llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 8, spec_batch_gate=True, async_scheduling=True)
+        return _clocked_run(llm, prompts, round_s, params)
+    dear, dear_tokens, dear_overlapped = run(30.0)
+    cheap, cheap_tokens, _ = run(1.0)
+    assert dear_tokens == cheap_tokens == ref
+    dear_clock, cheap_clock = dear.engine.runner.speculation.clock, cheap.engine.runner.speculation.clock
+    assert dear_clock.gate and dear_clock.speedup(8) < 0.2 and cheap_clock.speedup(8) > 1.5
+    # a request's 100 tokens: dear, 3 rounds timed, then plain until one probe; cheap, rounds
+    # of K + 1 tokens nearly throughout (about 100 / (K + 1) = 20 each)
+    assert dear.engine.runner.stats.drafts <= 8 * (3 + ClockConfig().probe_rounds)
+    assert cheap.engine.runner.stats.drafts >= 8 * 16
+    assert dear_overlapped  # plain steps keep the host ahead of the device
+    assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
+
+
+def test_the_batch_gate_is_off_on_a_cpu_unless_asked_for(make_llm, ckpt_a):
+    # on a CPU nothing is timed by default: a fixed K's outputs never depend on the machine
+    assert _spec_llm(make_llm, ckpt_a, ckpt_a, 2).engine.runner.speculation.clock is None
+    asked = _spec_llm(make_llm, ckpt_a, ckpt_a, 2, spec_batch_gate=True).engine.runner.speculation.clock
+    assert asked is not None and asked.gate and asked.model_cost is None
 
 
 def test_an_adaptive_engine_on_a_cpu_measures_nothing_at_start(make_llm, ckpt_a, random_draft, monkeypatch):

@@ -1,4 +1,5 @@
-"""RoundClock: plain step times and round overheads from step start times (pure, no engine)."""
+"""RoundClock: plain step times, round overheads and the batch gate from step start times
+(pure, no engine)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,57 @@ def test_a_bucket_asks_for_plain_steps_again_after_refresh_steps():
 
 
 @pytest.mark.parametrize("kwargs, words", [({"decay": 1.0}, "decay"), ({"refresh_steps": 0}, "refresh_steps"),
-                                           ({"max_ratio": 1.0}, "max_ratio")])
+                                           ({"max_ratio": 1.0}, "max_ratio"),
+                                           ({"probe_wait": 0}, "probe_wait"),
+                                           ({"probe_wait": 100, "probe_wait_max": 50}, "probe_wait"),
+                                           ({"probe_rounds": 2}, "probe_rounds")])
 def test_clock_config_is_validated(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ClockConfig(**kwargs)
+
+
+def _gated(clock: RoundClock, batch: int, steps: int, plain_s: float, round_s: float, tokens: float,
+           t: float = 0.0) -> tuple[list[bool], float]:
+    """The engine's loop as the gate sees it: each step drafts unless the clock wants a plain
+    step timed or the gate says rounds do not pay; a round takes round_s and gives each row
+    `tokens`, a plain step plain_s. Returns which steps were rounds, and the time after."""
+    kinds = []
+    for _ in range(steps):
+        rounds = not clock.needs_plain(batch) and clock.pays(batch)
+        clock.stepped(t, StepKind(batch, 4, tokens) if rounds else StepKind(batch, 0))
+        t += round_s if rounds else plain_s
+        kinds.append(rounds)
+    return kinds, t
+
+
+def test_the_gate_keeps_rounds_that_pay():
+    clock = RoundClock(None, gate=True)
+    kinds, _ = _gated(clock, 8, 200, plain_s=0.01, round_s=0.02, tokens=3.0)  # 1.5x plain
+    assert clock.speedup(8) == pytest.approx(1.5)
+    assert all(kinds[3:]) and not any(kinds[:3])  # three plain steps time plain decoding first
+    assert clock.overhead(8) == 0.0  # (no model given: no overhead kept)
+
+
+def test_the_gate_turns_rounds_off_where_they_do_not_pay_and_probes_with_growing_waits():
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=40, probe_rounds=4)
+    clock = RoundClock(None, cfg, gate=True)
+    kinds, t = _gated(clock, 128, 400, plain_s=0.01, round_s=0.04, tokens=2.0)  # 0.5x plain
+    assert clock.speedup(128) == pytest.approx(0.5)
+    starts = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
+    runs = [next((j for j in range(i, len(kinds)) if not kinds[j]), len(kinds)) - i for i in starts]
+    waits = [b - (a + n) for a, n, b in zip(starts, runs, starts[1:])]
+    assert runs[0] == 3 and all(n == 4 for n in runs[1:])  # measured once, then probes of probe_rounds
+    assert waits[:3] == [10, 20, 40] and set(waits[3:]) == {40}  # doubling up to probe_wait_max
+    assert sum(kinds) / len(kinds) < 0.15
+    # acceptance rises: the next probe finds rounds paying and they stay on
+    kinds, _ = _gated(clock, 128, 200, plain_s=0.01, round_s=0.04, tokens=6.0, t=t)
+    assert clock.speedup(128) > 1.0 and all(kinds[-100:])
+
+
+def test_the_gate_decides_per_bucket():
+    clock = RoundClock(None, ClockConfig(probe_wait=50), gate=True)
+    t = 0.0
+    for batch, round_s in ((1, 0.015), (64, 0.05)):
+        _, t = _gated(clock, batch, 40, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
+    assert clock.speedup(1) == pytest.approx(2.0) and clock.speedup(64) == pytest.approx(0.6)
+    assert clock.pays(1) and not clock.pays(64) and not clock.pays(33)  # 33: bucket 64

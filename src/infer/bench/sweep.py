@@ -81,6 +81,7 @@ class SweepSetup:
     seed: int = 0
     method: str = "draft_model"  # speculative_method: "eagle3" / "eagle" with `draft` an EAGLE head
     batch_size: int = 1  # requests decoding at once (the engine's max_batch_size)
+    batch_gate: bool = False  # spec_batch_gate: rounds timed against plain steps (off: every step drafts)
 
     def __post_init__(self) -> None:
         if not self.shapes or not self.alphas or not self.draft_quantizations:
@@ -226,9 +227,15 @@ class SweepSession:
         prompts = self._prompts(ctx, engine).requests
         self._time(engine, ctx, prompts, WARMUP_RUNS)
         oracle.set_alpha(0.0)
+        clock = speculation.clock  # (the batch gate would stop rounds at zero acceptance: off meanwhile)
+        gated = clock is not None and clock.gate
+        if clock is not None:
+            clock.gate = False
         before = spec_snapshot(engine)
         runs = self._time(engine, ctx, prompts[:self.setup.calibration_requests], 1)
         after = spec_snapshot(engine)
+        if clock is not None:
+            clock.gate = gated
         assert before is not None and after is not None
         zero = {**request_metrics(runs[0][0], runs[0][1]), **spec_metrics(after.minus(before))}
         self._zero = {"round_ms_zero_acceptance": _round_ms(zero),
@@ -247,11 +254,12 @@ class SweepSession:
         s = self.setup
         threads = {"threads": ctx.options.threads} if ctx.options.threads is not None else {}
         values = {"model": s.target, "draft_model": s.draft, "speculative_method": s.method,
-                  "use_speculative_decoding": True, "max_batch_size": s.batch_size,
+                  "use_speculative_decoding": True, "spec_batch_gate": s.batch_gate, "max_batch_size": s.batch_size,
                   "use_cuda_graphs": s.use_cuda_graphs and ctx.device.type == "cuda", **threads, **overrides}
         if not values["use_speculative_decoding"]:
             values.pop("draft_model")
             values.pop("speculative_method")
+            values.pop("spec_batch_gate")
             values.pop("draft_quantization", None)
         return engine_config(ctx.workload(s.workload), values, str(ctx.device))
 

@@ -75,6 +75,9 @@ _OPTIONAL_BOOL_HELP = {
                        "(default: on with CUDA graphs)",
     "async_scheduling": "overlap the host's work with the GPU's: prepare step n+1 while step n runs "
                         "(default: on for CUDA devices)",
+    "spec_batch_gate": "time speculation rounds against plain steps per batch size and step plainly where rounds "
+                       "give fewer tokens a second, probing again now and then (default: on for CUDA devices; "
+                       "off, every step drafts and nothing depends on timing)",
 }
 
 

@@ -19,9 +19,9 @@ DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns
 # it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
 SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_tree", "spec_policy",
-                      "spec_disable_batch_size", "spec_cost_coefficient", "ngram_max_order", "ngram_min_order",
-                      "ngram_window", "spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob",
-                      "draft_quantization", "tensor_parallel_draft", "spec_draft_vocab")
+                      "spec_disable_batch_size", "spec_batch_gate", "spec_cost_coefficient", "ngram_max_order",
+                      "ngram_min_order", "ngram_window", "spec_suffix_max_depth", "spec_suffix_cache_tokens",
+                      "spec_suffix_min_prob", "draft_quantization", "tensor_parallel_draft", "spec_draft_vocab")
 SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob")
 # speculative_method="suffix" with spec_tree / spec_length unset: chains (one child a node) of
 # at most 8 tokens out of 16 nodes; branching trees ("dynamic:16") verified no more tokens a
@@ -119,6 +119,10 @@ class EngineConfig:
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
     # speculation is off for a step whose decode batch is larger than this (None: never off)
     spec_disable_batch_size: int | None = None
+    # the batch gate: rounds and plain steps are timed per batch size, and a batch size where
+    # rounds give fewer tokens a second steps plainly (probed again now and then). None: on
+    # for a GPU; off on a CPU, and False anywhere, for outputs that never depend on timing
+    spec_batch_gate: bool | None = None
     # c, the draft step's cost over the target's, for the adaptive policy; None: measured at
     # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts), and each
     # round's host overhead timed while running. Given: taken as is, nothing timed
@@ -181,7 +185,7 @@ class EngineConfig:
         return [name for name in SPECULATION_FIELDS
                 if getattr(self, name) not in (defaults[name], *((DEFAULT_SPEC_LENGTH,) if name == "spec_length" else ()))]
 
-    def speculative_part(self) -> SpeculativeConfig | None:
+    def speculative_part(self, cuda: bool = False) -> SpeculativeConfig | None:
         """The speculation settings as their validated part (parts.py); None without speculation."""
         from infer.speculative.ngram_tables import NgramConfig
         from infer.speculative.suffix import SuffixConfig
@@ -203,7 +207,8 @@ class EngineConfig:
                 raise ValueError(f"spec_suffix_{e}") from None
         return SpeculativeConfig(self.speculative_method, self.spec_length,
                                  SpeculativeConfig.parse_tree(self.spec_tree, self.spec_length), self.spec_policy,
-                                 self.spec_disable_batch_size, self.spec_cost_coefficient, ngram, suffix)
+                                 self.spec_disable_batch_size, self.spec_cost_coefficient, ngram, suffix,
+                                 cuda if self.spec_batch_gate is None else self.spec_batch_gate)
 
     def parallel_part(self) -> ParallelConfig:
         """The tensor-parallel settings as their validated part (parts.py)."""

@@ -58,7 +58,7 @@ def resolve_config(config: EngineConfig, models: LoadedModels | None = None) -> 
                           config.kv_cache_memory_bytes, bool(config.enable_prefix_caching)),
         scheduler=SchedulerConfig(sizes.max_batch_size, config.max_num_batched_tokens, config.batching_mode,
                                   sizes.max_seq_len, config.mixed_batches),
-        speculative=config.speculative_part(),
+        speculative=config.speculative_part(cuda),
         parallel=config.parallel_part(),
         execution=ExecutionConfig(graphs, graphs if config.compile_kernels is None else config.compile_kernels,
                                   cuda if config.async_scheduling is None else config.async_scheduling,

@@ -180,6 +180,7 @@ class SpeculativeConfig:
     cost_coefficient: float | None = None  # c for the adaptive policy; None: measured
     ngram: NgramConfig | None = None  # the n-gram methods' tables
     suffix: SuffixConfig | None = None  # suffix decoding's tries
+    batch_gate: bool = False  # rounds timed against plain steps per batch size (`RoundClock.pays`)
 
     def __post_init__(self) -> None:
         check_choice("speculative_method", self.method)

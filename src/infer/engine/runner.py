@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -224,7 +225,9 @@ class ModelRunner:
         assert spec is not None and drafts is not None
         result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog,
                                               lambda verdict: spec.verifying(decode, drafts, starts, verdict))
-        self._accept(decode, drafts, result, paths, starts)
+        emitted = self._accept(decode, drafts, result, paths, starts)
+        if self._step_kind is not None:  # (the clock's gate weighs a round by its tokens a row)
+            self._step_kind = replace(self._step_kind, tokens=emitted / len(decode))
         return [self._sampled(sampled, logits[used:])] if sampled else []
 
     @property
@@ -291,10 +294,11 @@ class ModelRunner:
                 self._emit(r, t, lp)
 
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult,
-                paths: Paths, starts: Sequence[int]) -> None:
+                paths: Paths, starts: Sequence[int]) -> int:
         """Move the accepted paths into sequence order and roll the caches back, record
         metrics, accept the tokens in order (up to a finish their ids decide: EOS, a stop id,
-        the length). starts[b]: where request b's block begins in the forward's tokens."""
+        the length) -> the tokens emitted. starts[b]: where request b's block begins in the
+        forward's tokens."""
         spec = self.speculation
         assert spec is not None
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
@@ -303,6 +307,7 @@ class ModelRunner:
         spec.observed(requests, [r.num_computed_tokens for r in requests],
                       [[s, *(s + 1 + i for i in p)] for s, p in zip(starts, paths, strict=False)])
         logprobs = result.logprobs or [[] for _ in requests]
+        total = 0
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
             if r.is_finished:  # cut by a stop string rendered under this round: a wasted row
@@ -316,6 +321,7 @@ class ModelRunner:
                 emitted += 1
                 if r.stop_pending is not None or r.fault is not None:
                     break
+            total += emitted
             if not spec.drafts_for(r):  # (a plain row of the round: no speculation to count)
                 continue
             depth = d.depth
@@ -325,6 +331,7 @@ class ModelRunner:
             r.spec_rounds += 1
             r.spec_tokens_emitted += emitted
             spec.stats.record(d.num_proposed, a, emitted, depth)
+        return total
 
     def _emit(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
         """Accept one token for a request: its grammar (if any) advances over it first. A

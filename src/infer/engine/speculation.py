@@ -2,13 +2,14 @@
 
 `Speculation.build` makes the proposer (a draft model with its own KV pool and forward
 functions, EAGLE or Medusa heads, n-gram or suffix tables), the length policy (fixed K, or
-adaptive with the measured costs), the adaptive policy's round clock, and the round's draft
-shape: a chain of K (`chain_shape`), the static tree `spec_tree`, or dynamic trees
-(`DynamicShape`). Each decode step asks it for every request's depth (`depths`): the
-policy's K cut by the request's `SamplingParams.speculation`, the length guards (`guard_k`)
-and a tree's storage (`fit_depth`); all 0 above `spec_disable_batch_size` or while the clock
-times plain steps. Requests with `speculation=False` never reach the policy or the
-proposer's hooks. docs/speculation.md, "Depths per request".
+adaptive with the measured costs), the round clock (the adaptive policy's overhead, the
+batch gate), and the round's draft shape: a chain of K (`chain_shape`), the static tree
+`spec_tree`, or dynamic trees (`DynamicShape`). Each decode step asks it for every
+request's depth (`depths`): the policy's K cut by the request's `SamplingParams.speculation`,
+the length guards (`guard_k`) and a tree's storage (`fit_depth`); all 0 above
+`spec_disable_batch_size`, while the clock times plain steps, or where the batch gate finds
+rounds slower than plain steps. Requests with `speculation=False` never reach the policy or
+the proposer's hooks. docs/speculation.md, "Depths per request".
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Speculation:
     proposer: Proposer
     draft: DraftModelProposer | None  # the draft model's proposer (in its own ids: another vocabulary's is wrapped)
     policy: SpecPolicy
-    clock: RoundClock | None  # the adaptive policy's wall-clock view of a round
+    clock: RoundClock | None  # steps timed: the adaptive policy's round overhead, the batch gate
     config: SpeculativeConfig
     max_seq_len: int  # no position of a round past it
     stats: SpecStats
@@ -139,13 +140,16 @@ class Speculation:
         if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
+        overhead = None
         if self.config.policy == "adaptive":
             c, slope = self._cost_coefficients(forward, pool, target)
-            self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))
-            if self.config.cost_coefficient is None:  # (a given c is taken as is: no timing)
-                self.clock = RoundClock(self.policy.round_cost)
+            policy = self.policy = AdaptivePolicy(AdaptiveConfig(k_max=self.spec_length, c=c, verify_slope=slope))
+            if self.config.cost_coefficient is None:  # (a given c is taken as is: no overhead timed)
+                overhead = policy.round_cost
             if isinstance(self.proposer, NgramProposer) and self.tree is None:
                 self.shadow = ShadowRounds(self.proposer, self.spec_length)
+        if overhead is not None or self.config.batch_gate:
+            self.clock = RoundClock(overhead, gate=self.config.batch_gate)
 
     def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
                            target: LlamaForCausalLM) -> tuple[float, float]:
@@ -227,7 +231,8 @@ class Speculation:
         ks = [min(next(chosen), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
         if room is not None:
             ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
-        if clock is not None and any(ks) and clock.needs_plain(len(requests)):
+        if clock is not None and any(ks) and (clock.needs_plain(len(requests))
+                                              or clock.gate and not clock.pays(len(requests))):
             ks = [0] * len(requests)
         if shadow is not None:
             for r, k in zip(requests, ks, strict=True):

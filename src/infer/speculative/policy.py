@@ -1,20 +1,22 @@
-"""Speculation length policies: how many tokens K each request drafts in a round, and the
-two inputs the adaptive policy measures while the engine runs.
+"""Speculation length policies: how many tokens K each request drafts in a round, and
+what the engine measures while it runs.
 
 - `FixedPolicy`: every request drafts K = `spec_length` (the default).
 - `AdaptivePolicy` (`AdaptiveConfig`): K per request maximising the paper's walltime factor
   (`theory.best_k_grid`) for the request's decayed acceptance estimate, c, v(K) and the
   round overhead; K = 0 (a plain step) when nothing beats plain decoding by `min_gain`.
   Plain requests are probed with a backing-off wait bounded by `probe_share`.
-- `RoundClock`: a plain step's wall time and a round's overhead beyond the model, per
-  batch-size bucket, from the engine's step start times.
+- `RoundClock`: a plain step's and a round's wall time per batch-size bucket, from the
+  engine's step start times: the round's overhead beyond the model, and the gate that
+  turns rounds off at a batch size where they give fewer tokens a second (`pays`).
 - `ShadowRounds`: what a free draft (n-gram, prompt lookup) would have scored while its
   request decodes plainly, evidence for `AdaptivePolicy.observe`.
-Why and how: docs/speculation.md, "The length policy", "The round clock", "Shadow rounds".
+docs/speculation.md: "The length policy", "The round clock", "The batch gate", "Shadow rounds".
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from typing import Protocol
 from infer.speculative.proposer import DraftRequest, Proposer
 from infer.speculative.theory import best_k_grid
 from infer.speculative.tree import chain_shape
+
+log = logging.getLogger("infer.engine")
 OVERHEAD_STEP = 0.05  # round overheads are looked up to this many plain steps
 MIN_VERIFY_COST = 0.05  # a negative overhead never makes verification (nearly) free
 ALPHAS = [i / 100 for i in range(101)]  # acceptances the tables hold (percentiles)
@@ -238,18 +242,27 @@ class ClockConfig:
     decay: float = 0.8  # an estimate's weight against each new interval
     refresh_steps: int = 256  # decode steps in a bucket before its plain time is measured again
     max_ratio: float = 50.0  # an interval this many times the bucket's plain step is a stall: dropped
+    # the gate (`RoundClock.pays`): plain steps a bucket waits before its first probe, its
+    # longest wait (each probe that does not pay doubles it), and the rounds a probe runs
+    probe_wait: int = 64
+    probe_wait_max: int = 2048
+    probe_rounds: int = 6
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.refresh_steps < 1 or self.max_ratio <= 1.0:
             raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
+        if not 1 <= self.probe_wait <= self.probe_wait_max or self.probe_rounds < 3:
+            raise ValueError(f"need 1 <= probe_wait <= probe_wait_max and probe_rounds >= 3 (a round is timed "
+                             f"between two others), got {self.probe_wait}, {self.probe_wait_max}, {self.probe_rounds}")
 
 
 @dataclass(frozen=True, slots=True)
 class StepKind:
     batch: int  # decode rows
     k: int  # the step's longest draft; 0: a plain step
+    tokens: float = 1.0  # tokens a decode row got (a round's: emitted over its rows)
 
 
 @dataclass(slots=True)
@@ -257,6 +270,11 @@ class _Bucket:
     plain_s: float | None = None  # seconds a plain step
     overhead: float | None = None  # plain steps a round costs beyond the model
     since_plain: int = 0  # decode steps since plain_s was last sampled
+    round_s: float | None = None  # the gate's: seconds a round
+    round_tokens: float | None = None  # ... and the tokens it gives a row
+    waited: int = 0  # plain steps the gate kept since its last probe
+    wait: int = 0  # ... the wait before its next (0: rounds pay)
+    probe_left: int = 0  # rounds left of the probe running
 
 
 def bucket(batch: int) -> int:
@@ -265,10 +283,14 @@ def bucket(batch: int) -> int:
 
 
 class RoundClock:
-    """Plain step times and round overheads per batch bucket, from step start times."""
+    """Plain step and round times per batch bucket, from step start times: the adaptive
+    policy's round overhead and the gate that turns rounds off where they do not pay."""
 
-    def __init__(self, model_cost: Callable[[int], float], config: ClockConfig | None = None) -> None:
-        self.model_cost = model_cost  # a round of longest draft k, in plain steps, by the policy's model
+    def __init__(self, model_cost: Callable[[int], float] | None, config: ClockConfig | None = None,
+                 gate: bool = False) -> None:
+        # a round of longest draft k, in plain steps, by the policy's model (None: no overhead kept)
+        self.model_cost = model_cost
+        self.gate = gate  # whether `pays` is asked
         self.config = config or ClockConfig()
         self._buckets: dict[int, _Bucket] = {}
         self._recent: list[tuple[float, StepKind | None]] = []  # the last two steps: (start, kind)
@@ -287,6 +309,41 @@ class RoundClock:
         """Seconds a plain step takes at this batch size, as measured (None until then)."""
         b = self._buckets.get(bucket(batch))
         return None if b is None else b.plain_s
+
+    def speedup(self, batch: int) -> float | None:
+        """Tokens a second of rounds over plain steps at this batch size, as measured (None
+        until both are)."""
+        b = self._buckets.get(bucket(batch))
+        if b is None or b.plain_s is None or b.round_s is None or b.round_tokens is None:
+            return None
+        return b.round_tokens * b.plain_s / b.round_s
+
+    def pays(self, batch: int) -> bool:
+        """The gate, asked once a step that would draft: whether rounds at this batch size
+        give at least plain steps' tokens a second (yes until measured). Where they do not,
+        steps go plain, and after `probe_wait` of them a probe runs `probe_rounds` rounds to
+        measure again; each probe that does not pay doubles the next wait."""
+        b = self._buckets.setdefault(bucket(batch), _Bucket())
+        if b.probe_left > 0:
+            b.probe_left -= 1
+            return True
+        ratio = self.speedup(batch)
+        if ratio is None or ratio >= 1.0:
+            if b.wait and ratio is not None:
+                log.info("speculation on again at batch size %d: rounds give %.2fx plain steps' tokens a second",
+                         batch, ratio)
+            b.wait = b.waited = 0
+            return True
+        cfg = self.config
+        if not b.wait:
+            log.info("speculation off at batch size %d: rounds give %.2fx plain steps' tokens a second (probed "
+                     "again after %d plain steps)", batch, ratio, cfg.probe_wait)
+            b.wait = cfg.probe_wait
+        b.waited += 1
+        if b.waited <= b.wait:
+            return False
+        b.waited, b.wait, b.probe_left = 0, min(2 * b.wait, cfg.probe_wait_max), cfg.probe_rounds - 1
+        return True
 
     def stepped(self, start: float, kind: StepKind | None) -> None:
         """A step that started at `start` (seconds) ran; kind None: not a pure decode step.
@@ -312,7 +369,11 @@ class RoundClock:
         if kind.k == 0:
             b.plain_s = seconds if b.plain_s is None else d * b.plain_s + (1 - d) * seconds
             b.since_plain = 0
-        elif b.plain_s is not None:
+            return
+        if self.gate:
+            b.round_s = seconds if b.round_s is None else d * b.round_s + (1 - d) * seconds
+            b.round_tokens = kind.tokens if b.round_tokens is None else d * b.round_tokens + (1 - d) * kind.tokens
+        if b.plain_s is not None and self.model_cost is not None:
             extra = seconds / b.plain_s - self.model_cost(kind.k)
             b.overhead = extra if b.overhead is None else d * b.overhead + (1 - d) * extra
 

@@ -115,3 +115,15 @@ def test_the_gate_decides_per_bucket():
         _, t = _gated(clock, batch, 40, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
     assert clock.speedup(1) == pytest.approx(2.0) and clock.speedup(64) == pytest.approx(0.6)
     assert clock.pays(1) and not clock.pays(64) and not clock.pays(33)  # 33: bucket 64
+
+
+def test_rounds_running_go_off_only_below_the_margin_and_come_back_at_one():
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=20, probe_rounds=4, off_below=0.95)
+    clock = RoundClock(None, cfg, gate=True)
+    kinds, t = _gated(clock, 8, 100, plain_s=0.01, round_s=0.031, tokens=3.0)  # 0.97x: kept on
+    assert clock.speedup(8) == pytest.approx(3 * 0.01 / 0.031) and all(kinds[3:])
+    kinds, t = _gated(clock, 8, 100, plain_s=0.01, round_s=0.04, tokens=3.0, t=t)  # 0.75x: off
+    assert sum(kinds) < 40
+    kinds, _ = _gated(clock, 8, 300, plain_s=0.01, round_s=0.031, tokens=3.0, t=t)  # 0.97x again: stays off
+    assert clock.speedup(8) == pytest.approx(3 * 0.01 / 0.031, abs=0.01)
+    assert sum(kinds[-100:]) <= 5 * cfg.probe_rounds  # probes only, one each 20 plain steps

@@ -247,12 +247,15 @@ class ClockConfig:
     probe_wait: int = 64
     probe_wait_max: int = 2048
     probe_rounds: int = 6
+    off_below: float = 0.95  # rounds on go off below this speedup; rounds off come back at 1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.refresh_steps < 1 or self.max_ratio <= 1.0:
             raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
+        if not 0.0 < self.off_below <= 1.0:
+            raise ValueError(f"off_below must be in (0, 1], got {self.off_below}")
         if not 1 <= self.probe_wait <= self.probe_wait_max or self.probe_rounds < 3:
             raise ValueError(f"need 1 <= probe_wait <= probe_wait_max and probe_rounds >= 3 (a round is timed "
                              f"between two others), got {self.probe_wait}, {self.probe_wait_max}, {self.probe_rounds}")
@@ -320,15 +323,16 @@ class RoundClock:
 
     def pays(self, batch: int) -> bool:
         """The gate, asked once a step that would draft: whether rounds at this batch size
-        give at least plain steps' tokens a second (yes until measured). Where they do not,
-        steps go plain, and after `probe_wait` of them a probe runs `probe_rounds` rounds to
-        measure again; each probe that does not pay doubles the next wait."""
+        give plain steps' tokens a second (yes until measured; rounds running stop below
+        `off_below`, a margin against flipping on noise). Where they do not, steps go plain,
+        and after `probe_wait` of them a probe runs `probe_rounds` rounds to measure again;
+        back on at a speedup of 1, else the next wait doubles."""
         b = self._buckets.setdefault(bucket(batch), _Bucket())
         if b.probe_left > 0:
             b.probe_left -= 1
             return True
         ratio = self.speedup(batch)
-        if ratio is None or ratio >= 1.0:
+        if ratio is None or ratio >= (1.0 if b.wait else self.config.off_below):
             if b.wait and ratio is not None:
                 log.info("speculation on again at batch size %d: rounds give %.2fx plain steps' tokens a second",
                          batch, ratio)

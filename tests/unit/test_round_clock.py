@@ -64,7 +64,9 @@ def test_a_bucket_asks_for_plain_steps_again_after_refresh_steps():
                                            ({"max_ratio": 1.0}, "max_ratio"),
                                            ({"probe_wait": 0}, "probe_wait"),
                                            ({"probe_wait": 100, "probe_wait_max": 50}, "probe_wait"),
-                                           ({"probe_rounds": 2}, "probe_rounds")])
+                                           ({"probe_rounds": 2}, "probe_rounds"),
+                                           ({"probe_share": 0.0}, "probe_share"),
+                                           ({"off_below": 1.5}, "off_below")])
 def test_clock_config_is_validated(kwargs, words):
     with pytest.raises(ValueError, match=words):
         ClockConfig(**kwargs)
@@ -93,7 +95,7 @@ def test_the_gate_keeps_rounds_that_pay():
 
 
 def test_the_gate_turns_rounds_off_where_they_do_not_pay_and_probes_with_growing_waits():
-    cfg = ClockConfig(probe_wait=10, probe_wait_max=40, probe_rounds=4)
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=40, probe_rounds=4, probe_share=1.0)
     clock = RoundClock(None, cfg, gate=True)
     kinds, t = _gated(clock, 128, 400, plain_s=0.01, round_s=0.04, tokens=2.0)  # 0.5x plain
     assert clock.speedup(128) == pytest.approx(0.5)
@@ -118,7 +120,7 @@ def test_the_gate_decides_per_bucket():
 
 
 def test_rounds_running_go_off_only_below_the_margin_and_come_back_at_one():
-    cfg = ClockConfig(probe_wait=10, probe_wait_max=20, probe_rounds=4, off_below=0.95)
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=20, probe_rounds=4, probe_share=1.0, off_below=0.95)
     clock = RoundClock(None, cfg, gate=True)
     kinds, t = _gated(clock, 8, 100, plain_s=0.01, round_s=0.031, tokens=3.0)  # 0.97x: kept on
     assert clock.speedup(8) == pytest.approx(3 * 0.01 / 0.031) and all(kinds[3:])
@@ -127,3 +129,12 @@ def test_rounds_running_go_off_only_below_the_margin_and_come_back_at_one():
     kinds, _ = _gated(clock, 8, 300, plain_s=0.01, round_s=0.031, tokens=3.0, t=t)  # 0.97x again: stays off
     assert clock.speedup(8) == pytest.approx(3 * 0.01 / 0.031, abs=0.01)
     assert sum(kinds[-100:]) <= 5 * cfg.probe_rounds  # probes only, one each 20 plain steps
+
+
+def test_probes_of_dear_rounds_wait_long_enough_to_cost_a_share():
+    # a round costs 5 plain steps and gives 2 tokens: a probe of 4 loses 12 plain steps, so
+    # at a 5% share it waits 240 plain steps, not probe_wait's 10
+    clock = RoundClock(None, ClockConfig(probe_wait=10, probe_rounds=4, probe_share=0.05), gate=True)
+    kinds, _ = _gated(clock, 128, 800, plain_s=0.01, round_s=0.05, tokens=2.0)
+    starts = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
+    assert starts[1] - starts[0] - 3 == 240 and starts[2] - starts[1] - 4 == 480

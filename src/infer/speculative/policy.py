@@ -246,7 +246,8 @@ class ClockConfig:
     # longest wait (each probe that does not pay doubles it), and the rounds a probe runs
     probe_wait: int = 64
     probe_wait_max: int = 2048
-    probe_rounds: int = 6
+    probe_rounds: int = 4
+    probe_share: float = 0.05  # ... and a wait long enough that probes lose at most this share of the time
     off_below: float = 0.95  # rounds on go off below this speedup; rounds off come back at 1
 
     def __post_init__(self) -> None:
@@ -254,6 +255,8 @@ class ClockConfig:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
         if self.refresh_steps < 1 or self.max_ratio <= 1.0:
             raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
+        if not 0.0 < self.probe_share <= 1.0:
+            raise ValueError(f"probe_share must be in (0, 1], got {self.probe_share}")
         if not 0.0 < self.off_below <= 1.0:
             raise ValueError(f"off_below must be in (0, 1], got {self.off_below}")
         if not 1 <= self.probe_wait <= self.probe_wait_max or self.probe_rounds < 3:
@@ -325,8 +328,9 @@ class RoundClock:
         """The gate, asked once a step that would draft: whether rounds at this batch size
         give plain steps' tokens a second (yes until measured; rounds running stop below
         `off_below`, a margin against flipping on noise). Where they do not, steps go plain,
-        and after `probe_wait` of them a probe runs `probe_rounds` rounds to measure again;
-        back on at a speedup of 1, else the next wait doubles."""
+        and after a wait a probe runs `probe_rounds` rounds to measure again: back on at a
+        speedup of 1, else the next wait doubles. A wait is at least `probe_wait` plain
+        steps, and long enough that a probe's lost time is at most `probe_share` of it."""
         b = self._buckets.setdefault(bucket(batch), _Bucket())
         if b.probe_left > 0:
             b.probe_left -= 1
@@ -339,14 +343,18 @@ class RoundClock:
             b.wait = b.waited = 0
             return True
         cfg = self.config
+        # a probe loses (round time in plain steps - its tokens) a round: waits keep that a share
+        assert b.plain_s is not None and b.round_s is not None and b.round_tokens is not None
+        lost = cfg.probe_rounds * max(0.0, b.round_s / b.plain_s - b.round_tokens)
+        floor = min(max(cfg.probe_wait, math.ceil(lost / cfg.probe_share)), cfg.probe_wait_max)
         if not b.wait:
+            b.wait = floor
             log.info("speculation off at batch size %d: rounds give %.2fx plain steps' tokens a second (probed "
-                     "again after %d plain steps)", batch, ratio, cfg.probe_wait)
-            b.wait = cfg.probe_wait
+                     "again after %d plain steps)", batch, ratio, b.wait)
         b.waited += 1
         if b.waited <= b.wait:
             return False
-        b.waited, b.wait, b.probe_left = 0, min(2 * b.wait, cfg.probe_wait_max), cfg.probe_rounds - 1
+        b.waited, b.wait, b.probe_left = 0, min(max(2 * b.wait, floor), cfg.probe_wait_max), cfg.probe_rounds - 1
         return True
 
     def stepped(self, start: float, kind: StepKind | None) -> None:

@@ -84,7 +84,8 @@ def test_suffix_rounds_replay_identically(ckpt_a, backend):
     params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=21 + i)
               for i, t in enumerate([0, 0.8, 0, 1.0])]
     kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
-              compile_kernels=False, speculative_method="suffix", spec_tree="dynamic:12:3", spec_length=6)
+              compile_kernels=False, spec_batch_gate=False, speculative_method="suffix", spec_tree="dynamic:12:3",
+              spec_length=6)
     eager, graphs = LLM(str(ckpt_a), use_cuda_graphs=False, **kw), LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
     plain = _tokens(LLM(str(ckpt_a), device="cuda", dtype="float32", max_seq_len=128, use_cuda_graphs=False),
                     prompts, GREEDY)

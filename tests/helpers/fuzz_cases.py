@@ -216,6 +216,8 @@ def _draw_speculation(rng: random.Random, kw: dict[str, Any], avoid: frozenset[s
         kw["spec_cost_coefficient"] = rng.choice([0.0, 0.05, 0.2, 0.6])
     if rng.random() < 0.1:
         kw["spec_disable_batch_size"] = rng.randint(1, 3)
+    if rng.random() < 0.1:  # (timed on the host's clock: rounds switched off and probed)
+        kw["spec_batch_gate"] = True
 
 
 def _dynamic_tree(rng: random.Random) -> str:
@@ -236,6 +238,8 @@ def _draw_suffix(rng: random.Random, kw: dict[str, Any]) -> None:
         kw["spec_suffix_min_prob"] = rng.choice([0.0, 0.3, 0.9])
     if rng.random() < 0.1:
         kw["spec_disable_batch_size"] = rng.randint(1, 3)
+    if rng.random() < 0.1:  # (timed on the host's clock: rounds switched off and probed)
+        kw["spec_batch_gate"] = True
 
 
 def suffix_cache(kw: dict[str, Any]) -> bool:

@@ -292,18 +292,19 @@ def _logprobs_match(sample: CompletionOutput, expected: torch.Tensor) -> bool:
 
 def _repeats(job: Job, case: Case) -> bool:
     """Whether the job's tokens must be the same in a rerun: greedy rows, and seeded rows
-    unless which steps draft depends on the batch (a rerun's cached prefixes change its
-    batches): spec_disable_batch_size, or the adaptive policy, whose probes count the steps
-    a request was scheduled plain and whose K a short reservation cuts (docs/architecture.md,
-    "What a seed promises"); or suffix decoding drafts from the first run's outputs."""
+    unless which steps draft depends on the batch or on timing (a rerun's cached prefixes
+    change its batches): spec_disable_batch_size, the batch gate, or the adaptive policy,
+    whose probes count the steps a request was scheduled plain and whose K a short
+    reservation cuts (docs/architecture.md, "What a seed promises"); or suffix decoding
+    drafts from the first run's outputs."""
     return job.params.greedy or (job.params.seed is not None and not _batch_dependent(case))
 
 
 def _batch_dependent(case: Case) -> bool:
-    """Whether the case's speculation decides a row's drafting from its batch (or from other
-    requests: suffix decoding's cache of finished outputs)."""
+    """Whether the case's speculation decides a row's drafting from its batch or timing (or
+    from other requests: suffix decoding's cache of finished outputs)."""
     return (case.engine.get("spec_disable_batch_size") is not None or case.engine.get("spec_policy") == "adaptive"
-            or suffix_cache(case.engine))
+            or case.engine.get("spec_batch_gate") is True or suffix_cache(case.engine))
 
 
 def _tokens(samples: list[CompletionOutput]) -> list[list[int]]:

@@ -17,7 +17,7 @@ from helpers.fuzz_checks import Failure, Plain, check_case
 from helpers.fuzz_models import FuzzModels
 
 # engine options the shrinker resets (drops); the rest define what the case is
-OPTIONAL = ("spec_disable_batch_size", "async_scheduling", "mixed_batches", "max_batch_size", "seed",
+OPTIONAL = ("spec_disable_batch_size", "spec_batch_gate", "async_scheduling", "mixed_batches", "max_batch_size", "seed",
             "enable_prefix_caching", "num_blocks", "max_num_batched_tokens", "spec_tree", "block_size")
 MAX_ATTEMPTS = 400
 

@@ -127,3 +127,15 @@ def test_a_draft_gguf_with_an_unknown_pre_tokenizer_says_it_is_the_draft(ckpt_a:
     draft = write_gguf(ckpt_b, tmp_path / "draft.gguf", Q.F16, pre="superbpe")
     with pytest.raises(ValueError, match="the draft model's tokenizer.*'superbpe'"):
         load_models_for(_config(ckpt_a, draft))
+
+
+def test_loading_takes_the_check_it_is_given(ckpt_a: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a tensor-parallel driver checks before its workers load; its own loading reuses that
+    # check's tokenizer and vocabulary map instead of building them again
+    import infer.engine.loading as loading
+    config = EngineConfig(model=str(ckpt_a), draft_model=str(ckpt_a), use_speculative_decoding=True)
+    load = load_part(config)
+    checked = check_before_loading(load)
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was built again"))
+    models = loading.load_models(load, config.speculative_part(), max_seq_len=64, checked=checked)
+    assert models.tokenizer is checked[0] and models.vocab_map is None

@@ -24,7 +24,7 @@ from infer.engine.batch_size import context_hint, model_context
 from infer.engine.config import EngineConfig
 from infer.engine.defaults import resolve_config
 from infer.engine.executor.factory import Executor, engine_executor, start_parallel
-from infer.engine.loading import LoadedModels, check_before_loading, load_models, load_part
+from infer.engine.loading import Checked, LoadedModels, check_before_loading, load_models, load_part
 from infer.engine.request import FinishReason, Request, StepOutput
 from infer.engine.runner import ModelRunner, StepResult
 from infer.engine.scheduler import Scheduler
@@ -46,10 +46,11 @@ class Engine:
     def __init__(self, config: EngineConfig, models: LoadedModels | None = None) -> None:
         """An engine of `config` (left as given: `self.resolved` holds every default decided)."""
         self.config = config
+        self._checked: Checked | None = None
         if models is None and config.tensor_parallel_size > 1:
             # the worker ranks read weights as soon as they start: the tokenizer and the
-            # draft pair are checked first (one rank loads after the same check)
-            check_before_loading(load_part(config))
+            # draft pair are checked first (what it built serves this rank's loading)
+            self._checked = check_before_loading(load_part(config))
         self.startup = StartupTimes()
         with self.startup.phase("load"):  # (the other ranks start loading their shards now)
             self.parallel = start_parallel(config, models)  # None: one rank, this process
@@ -81,7 +82,7 @@ class Engine:
         if self.parallel is None:
             return load_models(self.resolved.load, spec, max_seq_len=context)
         load = replace(self.resolved.load, device=self.parallel.device)
-        return load_models(load, spec, *self.parallel.shards, max_seq_len=context)
+        return load_models(load, spec, *self.parallel.shards, max_seq_len=context, checked=self._checked)
 
     def _make_runner(self) -> ModelRunner:
         executor: Executor = TimedExecutor(engine_executor(self.parallel, self.models, self.resolved.execution),

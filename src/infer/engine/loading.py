@@ -122,7 +122,10 @@ def load_tokenizer(name_or_path: str) -> Tokenizer | None:
     return Tokenizer.from_pretrained(resolve_model_path(name_or_path))
 
 
-def check_before_loading(load: LoadConfig) -> tuple[Tokenizer | None, VocabMap | None]:
+Checked = tuple[Tokenizer | None, VocabMap | None]  # the target's tokenizer, a draft's vocabulary map
+
+
+def check_before_loading(load: LoadConfig) -> Checked:
     """The target's tokenizer, built, and the draft model (if any) checked against the target
     (its `VocabMap` when its vocabulary differs), from config files, GGUF metadata and
     tokenizer files only: no weight is read."""
@@ -174,12 +177,13 @@ def load_draft(load: LoadConfig, target: LlamaForCausalLM, shard: ModelShard | N
 
 def load_models(load: LoadConfig, speculative: SpeculativeConfig | None = None,
                 target_shard: ModelShard | None = None, draft_shard: ModelShard | None = None, *,
-                max_seq_len: int | None) -> LoadedModels:
+                max_seq_len: int | None, checked: Checked | None = None) -> LoadedModels:
     """Target, draft or heads (what `load` names) and tokenizer; `speculative`: the method and
     K the heads are checked against. Under tensor parallelism the driver passes its rank's
     shards (a draft without a shard loads whole). `max_seq_len`: the context the models will
-    run, refused past a sliding window (None: unchecked)."""
-    tokenizer, vocab_map = check_before_loading(load)
+    run, refused past a sliding window (None: unchecked). `checked`: what
+    `check_before_loading` already gave for `load` (None: it runs here)."""
+    tokenizer, vocab_map = check_before_loading(load) if checked is None else checked
     draft_vocab_table(load)  # (refused here, before any weight is read)
     method = speculative.method if speculative is not None else None
     if load.head is not None:  # refused from config files, before any weight is read

@@ -138,3 +138,18 @@ def test_probes_of_dear_rounds_wait_long_enough_to_cost_a_share():
     kinds, _ = _gated(clock, 128, 800, plain_s=0.01, round_s=0.05, tokens=2.0)
     starts = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
     assert starts[1] - starts[0] - 3 == 240 and starts[2] - starts[1] - 4 == 480
+
+
+def test_a_gate_alone_does_not_time_plain_steps_below_a_batch_whose_rounds_pay():
+    # rounds pay at 8: the tail of a run (7 .. 1 rows left) goes on drafting without plain
+    # steps timed first; above 8, or under the adaptive policy (its overhead needs them), not
+    clock = RoundClock(None, gate=True)
+    _gated(clock, 8, 20, plain_s=0.01, round_s=0.02, tokens=3.0)
+    assert clock.speedup(8) == pytest.approx(1.5)
+    assert not any(clock.needs_plain(b) for b in (1, 2, 3, 4, 5, 7)) and clock.needs_plain(9)
+    adaptive = RoundClock(lambda k: 1.0, gate=True)
+    _gated(adaptive, 8, 20, plain_s=0.01, round_s=0.02, tokens=3.0)
+    assert adaptive.needs_plain(4)
+    dear = RoundClock(None, gate=True)  # rounds that do not pay at 8 say nothing of 4
+    _gated(dear, 8, 20, plain_s=0.01, round_s=0.05, tokens=3.0)
+    assert dear.needs_plain(4)

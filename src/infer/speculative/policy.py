@@ -302,9 +302,18 @@ class RoundClock:
         self._recent: list[tuple[float, StepKind | None]] = []  # the last two steps: (start, kind)
 
     def needs_plain(self, batch: int) -> bool:
-        """Whether the bucket's plain step time is missing or due for a refresh."""
+        """Whether the bucket's plain step time is missing or due for a refresh. A gate alone
+        (no policy model) skips that where a larger batch's rounds pay: a round's cost over
+        a plain step's grows with the batch, so they pay here too."""
+        if self.model_cost is None and self._pays_above(bucket(batch)):
+            return False
         b = self._buckets.get(bucket(batch))
         return b is None or b.plain_s is None or b.since_plain >= self.config.refresh_steps
+
+    def _pays_above(self, key: int) -> bool:
+        """Whether a bucket larger than `key` has rounds on that pay, as measured."""
+        return any(k > key and not b.wait and (r := self.speedup(k)) is not None and r >= 1.0
+                   for k, b in self._buckets.items())
 
     def overhead(self, batch: int) -> float:
         """Plain steps a round at this batch size costs beyond the model (0 until measured)."""

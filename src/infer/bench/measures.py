@@ -227,7 +227,7 @@ def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
     costs (c and v(K); at batch 1 only), the plain baseline (before the first speculative
     row), then every shape at every alpha ("sweep/<label>[-fp8]/<shape>/a<alpha>")."""
     plain = f"sweep/{setup.label}/plain"
-    with_costs = setup.batch_size == 1
+    with_costs = setup.costs and setup.batch_size == 1
     count = len(setup.draft_quantizations) * (with_costs + len(setup.shapes) * len(setup.alphas)) + 1
     session = SweepSession(setup, count)
 

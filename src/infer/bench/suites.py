@@ -39,9 +39,10 @@ SWEEP_CHAINS = tuple(range(1, 7))
 # the trees the tree projection ranks best for c 0.4-0.5 and v(N) near 1 at alpha 0.6-0.9
 SWEEP_TREES = ("2,2", "3,1", "2,2,1")
 SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
-# speculation against plain decoding as the batch grows (where `spec_disable_batch_size` should
-# cut in): the 1B draft at K=3 and an EAGLE-3 head at K=4, at alpha 0.8 (batch 1: the sweep's)
-SPEC_BATCHES, SPEC_BATCH_ALPHA = (8, 16, 32, 64, 128), 0.8
+# speculation against plain decoding as the batch grows (the batch gate on): the 1B draft at
+# K=3 and an EAGLE-3 head at K=4, at alpha 0.8, SPEC_BATCH_TOKENS new tokens a request (long
+# enough that the first token and a run's tail do not decide the figure)
+SPEC_BATCHES, SPEC_BATCH_ALPHA, SPEC_BATCH_TOKENS = (1, 8, 16, 32, 64, 128), 0.8, 256
 # serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
 # a ShareGPT-like request's prompt and output together), a step budget that prefills them in
 # a few steps
@@ -364,16 +365,19 @@ def sweep_rows(m: Models) -> list[Row]:
 def batch_sweep_setups() -> list[SweepSetup]:
     """Per batch size, the draft model and an EAGLE-3 head at controlled acceptance, each with
     its plain baseline at that batch: `max(4, B)` prompts of 128 tokens, B decoding at once;
-    the batch gate on (rounds only where they pay), as a GPU engine runs by default."""
+    the batch gate on (rounds only where they pay), as a GPU engine runs by default; c and
+    v(K) are the alpha sweeps' rows."""
     setups = []
     for b in SPEC_BATCHES:
-        wl = Workload(f"spec-batch-b{b}", max(4, b), (128, 128), (64, 64), temperature=0.0,
-                      description=f"{max(4, b)} prompts of 128 tokens, 64 new tokens each, {b} at once, T=0")
+        n = SPEC_BATCH_TOKENS
+        wl = Workload(f"spec-batch-b{b}", max(4, b), (128, 128), (n, n), temperature=0.0,
+                      description=f"{max(4, b)} prompts of 128 tokens, {n} new tokens each, {b} at once, T=0")
         setups.append(SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}-b{b}",
                                  (SweepShape.chain(3),), (SPEC_BATCH_ALPHA,), (None,), wl, batch_size=b,
-                                 batch_gate=True))
+                                 batch_gate=True, costs=False))
         setups.append(SweepSetup(SHAPE_3B, HEAD_3B, f"{_label(SHAPE_3B)}-eagle3-b{b}", (SweepShape.chain(4),),
-                                 (SPEC_BATCH_ALPHA,), (None,), wl, method="eagle3", batch_size=b, batch_gate=True))
+                                 (SPEC_BATCH_ALPHA,), (None,), wl, method="eagle3", batch_size=b, batch_gate=True,
+                                 costs=False))
     return setups
 
 

@@ -82,6 +82,7 @@ class SweepSetup:
     method: str = "draft_model"  # speculative_method: "eagle3" / "eagle" with `draft` an EAGLE head
     batch_size: int = 1  # requests decoding at once (the engine's max_batch_size)
     batch_gate: bool = False  # spec_batch_gate: rounds timed against plain steps (off: every step drafts)
+    costs: bool = True  # c and v(K) measured first (at batch 1 only)
 
     def __post_init__(self) -> None:
         if not self.shapes or not self.alphas or not self.draft_quantizations:

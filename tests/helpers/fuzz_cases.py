@@ -36,7 +36,6 @@ FEATURES = {
     "adaptive-preemption": "the adaptive policy with a pool small enough to preempt",
     "draft-tree-alone": "the alone check of seeded sampled rows under a draft model's static tree",
     "suffix": "speculative_method='suffix' (suffix tries, the cache of finished outputs)",
-    "foreign-draft-preemption": "a draft of another tokenizer with a pool small enough to preempt",
 }
 # invalid combinations and the words EngineConfig's ValueError must contain
 INVALID: tuple[tuple[dict[str, Any], str], ...] = (
@@ -301,8 +300,6 @@ def _leave_out(kw: dict[str, Any], need: int, jobs: list[Job], avoid: frozenset[
         kw["enable_prefix_caching"] = False
     if "adaptive-preemption" in avoid and kw.get("spec_policy") == "adaptive":
         del kw["spec_policy"], kw["spec_cost_coefficient"]
-    if "foreign-draft-preemption" in avoid and kw.get("draft") == "foreign":
-        del kw["num_blocks"]  # (the default pool: room for every request)
 
 
 def simpler_params(params: SamplingParams) -> list[SamplingParams]:

@@ -33,10 +33,7 @@ CASES, CHUNKS = 80, 4  # run as CHUNKS tests of CASES / CHUNKS cases (test proce
 
 # Features left out of the cases while their bugs are open (helpers.fuzz_cases.FEATURES).
 # Remove an entry once its fix lands: the test then covers that feature too.
-# A draft of another tokenizer in a pool that preempts: a round may draft nothing where its
-# tokens' expansion outgrew the memory reserved, and a seeded row then differs on a rerun
-# (docs/architecture.md, "What a seed promises"; the long run's seed 82).
-KNOWN: frozenset[str] = frozenset({"foreign-draft-preemption"})
+KNOWN: frozenset[str] = frozenset()  # none open
 # Checks the engine does not promise (docs/architecture.md, "What a seed promises"): a seeded
 # row alone and beside another under a draft model's static tree (the draft's q differs by
 # float rounding between batch shapes, and one of a node's b draws can flip).

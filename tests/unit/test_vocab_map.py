@@ -91,3 +91,29 @@ def test_a_request_reads_as_the_draft_ids_of_its_tokens(vmap: VocabMap) -> None:
     assert DraftView(request, tokens).num_computed_tokens == 2
     request.num_computed_tokens = 5  # g not known yet
     assert DraftView(request, tokens).num_computed_tokens == -1
+
+
+def test_a_token_in_flight_is_reserved_at_the_longest_expansion(vmap: VocabMap) -> None:
+    # the scheduler reserves a round before the host knows a token in flight (a prefill's
+    # sampled token under overlap): it may expand into as many draft ids as any target token
+    assert vmap.longest_expansion == 2  # "ab", "abc": two draft ids each
+    taken: list[int] = []
+    inner = SimpleNamespace(device=torch.device("cpu"), pool=SimpleNamespace(max_seq_len=64),
+                            ensure_capacity=lambda request, total, take: taken.append(total) or True,
+                            release=lambda request: None)
+    proposer = ForeignDraftProposer(inner, vmap)  # type: ignore[arg-type]
+    ids = [0, 3, 1]  # <s> "ab" "a": draft ids 4 | 2 0 | 2
+    request = SimpleNamespace(request_id="r", prompt_token_ids=ids[:2], output_token_ids=[1], pending_tokens=1,
+                              num_computed_tokens=2, sampling_params=None, slot=0, generator=None, fault=None,
+                              prefill_target=2)
+    request.num_tokens = 3
+    request.token_slice = lambda lo, hi=None: ids[lo:hi]
+    # target positions < 5: tokens 0, 1 known (3 draft ids), token 2 in flight (at most 2),
+    # tokens 3, 4 the round's own (one each)
+    assert proposer.ensure_capacity(request, 5)  # type: ignore[arg-type]
+    assert taken == [3 + 2 + 2]
+    request.pending_tokens = 0  # known now: "a" is one draft id
+    assert proposer.ensure_capacity(request, 5)  # type: ignore[arg-type]
+    assert taken[-1] == 3 + 1 + 2
+    proposer.release(request)  # type: ignore[arg-type]
+    assert proposer.tokens == {}

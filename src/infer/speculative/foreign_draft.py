@@ -199,11 +199,15 @@ class ForeignDraftProposer:
         return self.inner.can_admit(request)
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        """`total_tokens` of the target's positions in the draft's: the expansion so far added
-        (tokens not known yet taken one for one; a round checks its exact need)."""
+        """`total_tokens` of the target's positions in the draft's: the expansion so far added,
+        a token up to g still in flight (a prefill's sampled token under overlap) at the
+        longest expansion, the round's own tokens one for one (drafts are draft ids; a round
+        checks its exact need). So a round reserved under a fixed K finds its memory."""
         tokens = self.view(request).tokens
-        known = min(len(tokens.ends), request.num_computed_tokens + 1)
-        total = min(total_tokens + tokens.length(known) - known, self.inner.pool.max_seq_len)
+        n = request.num_computed_tokens
+        known = min(len(tokens.ends), n + 1)
+        in_flight = (n + 1 - known) * (self.vocab.longest_expansion - 1)
+        total = min(total_tokens + tokens.length(known) - known + in_flight, self.inner.pool.max_seq_len)
         return self.inner.ensure_capacity(request, total, take)
 
     def release(self, request: DraftRequest) -> None:

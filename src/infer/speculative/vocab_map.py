@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -70,6 +71,14 @@ class VocabMap:
             if t >= 0:
                 source[t] = x
         return source
+
+    @cached_property
+    def longest_expansion(self) -> int:
+        """The most draft ids one target token stands for (at least 1), found once: a long
+        run of spaces can take dozens where the draft has no token as long."""
+        return max([1, *(len(greedy_pieces(raw, self.pieces, self.longest))
+                         for x, raw in zip(self.target_to_draft, self.target_bytes, strict=True)
+                         if x < 0 and raw is not None)])
 
     def expand(self, target_id: int) -> tuple[int, ...]:
         """The draft ids standing for one target token (module docstring)."""

@@ -121,6 +121,9 @@ class ForeignDraftProposer:
         source = vocab.probs_source().to(inner.device)  # [V_t] the draft id proposed as each target id, or -1
         self.source, self.missing = source.clamp(min=0), source < 0
         self.tokens: dict[str, DraftTokens] = {}  # request id -> its tokens in the draft's ids
+        # the most draft ids a target token expands into (found at start, not in a step: a
+        # large vocabulary's unshared tokens take a fraction of a second)
+        self.longest_expansion = vocab.longest_expansion
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, pool: CachePoolProtocol, forward: ForwardFn,
@@ -206,7 +209,7 @@ class ForeignDraftProposer:
         tokens = self.view(request).tokens
         n = request.num_computed_tokens
         known = min(len(tokens.ends), n + 1)
-        in_flight = (n + 1 - known) * (self.vocab.longest_expansion - 1)
+        in_flight = (n + 1 - known) * (self.longest_expansion - 1)
         total = min(total_tokens + tokens.length(known) - known + in_flight, self.inner.pool.max_seq_len)
         return self.inner.ensure_capacity(request, total, take)
 

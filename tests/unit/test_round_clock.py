@@ -153,3 +153,15 @@ def test_a_gate_alone_does_not_time_plain_steps_below_a_batch_whose_rounds_pay()
     dear = RoundClock(None, gate=True)  # rounds that do not pay at 8 say nothing of 4
     _gated(dear, 8, 20, plain_s=0.01, round_s=0.05, tokens=3.0)
     assert dear.needs_plain(4)
+
+
+def test_the_gates_state_is_exported_per_bucket():
+    from infer.server.metrics import gate_metrics
+    clock = RoundClock(None, ClockConfig(probe_wait=50), gate=True)
+    t = 0.0
+    for batch, round_s in ((2, 0.015), (64, 0.05)):
+        _, t = _gated(clock, batch, 20, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
+    assert clock.gate_state() == {2: (pytest.approx(2.0), True), 64: (pytest.approx(0.6), False)}
+    families = {f.name: {s.labels["batch"]: s.value for s in f.samples} for f in gate_metrics(clock)}
+    assert families["infer_spec_batch_speedup"] == {"2": pytest.approx(2.0), "64": pytest.approx(0.6)}
+    assert families["infer_spec_batch_on"] == {"2": 1, "64": 0}

@@ -6,7 +6,8 @@ prompt and generated token counts. Read from the engine at scrape time (`EngineC
 running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
 the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
 emitted tokens, accepted and drafted tokens per draft position, i.e. a tree's depth, and
-drafting rounds by accepted length, i.e. a tree's accepted path length).
+drafting rounds by accepted length, i.e. a tree's accepted path length), and the batch
+gate's speedup and state by batch size.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from infer.speculative.metrics import SpecStats
+from infer.speculative.policy import RoundClock
 
 if TYPE_CHECKING:
     from infer.engine.async_engine import AsyncEngine
@@ -67,6 +69,9 @@ class EngineCollector(Collector):
                      kv_cache_usage(self.engine.engine))
         yield _gauge("infer_engine_healthy", "1 while the engine loop runs", int(self.engine.healthy))
         yield from spec_metrics(self.engine.engine.runner.stats)
+        speculation = self.engine.engine.runner.speculation
+        if speculation is not None and speculation.clock is not None and speculation.clock.gate:
+            yield from gate_metrics(speculation.clock)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -96,6 +101,19 @@ def spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
     if stats.shared_vocabulary is not None:
         yield _gauge("infer_spec_shared_vocabulary", "a draft with another tokenizer: the share of the smaller "
                      "vocabulary both vocabularies hold", stats.shared_vocabulary)
+
+
+def gate_metrics(clock: RoundClock) -> Iterator[Metric]:
+    """The batch gate's view per batch-size bucket it has measured (`RoundClock.gate_state`)."""
+    speedup = GaugeMetricFamily("infer_spec_batch_speedup", "speculation rounds' tokens a second over plain "
+                                "steps', as the batch gate measured them, by batch-size bucket", labels=["batch"])
+    on = GaugeMetricFamily("infer_spec_batch_on", "1 where the batch gate lets rounds run, 0 where steps go "
+                           "plain (probed now and then), by batch-size bucket", labels=["batch"])
+    for batch, (ratio, running) in clock.gate_state().items():
+        speedup.add_metric([str(batch)], ratio)
+        on.add_metric([str(batch)], int(running))
+    yield speedup
+    yield on
 
 
 class RequestTracker:

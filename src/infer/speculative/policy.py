@@ -333,6 +333,12 @@ class RoundClock:
             return None
         return b.round_tokens * b.plain_s / b.round_s
 
+    def gate_state(self) -> dict[int, tuple[float, bool]]:
+        """Per measured bucket (a power of two): rounds' speedup over plain steps, and whether
+        rounds run there now."""
+        return {k: (r, not b.wait) for k, b in sorted(self._buckets.items())
+                if (r := self.speedup(k)) is not None}
+
     def pays(self, batch: int) -> bool:
         """The gate, asked once a step that would draft: whether rounds at this batch size
         give plain steps' tokens a second (yes until measured; rounds running stop below

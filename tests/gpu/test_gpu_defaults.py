@@ -65,8 +65,9 @@ def test_contexts_past_the_graphs_width_run_eagerly_with_the_same_tokens(tmp_pat
 
 
 def test_the_batch_gate_is_on_by_default_and_keeps_greedy_tokens(ckpt_a, tmp_path):
-    # a draft that is never right: the gate times its rounds, finds them slower than plain
-    # steps and steps plainly (probing now and then); the tokens stay plain decoding's
+    # a draft that is never right, the gate deciding from the wall clock which steps draft:
+    # whatever it decides, the tokens stay plain decoding's (its decisions are timing, which
+    # tests do not assert: tests/unit/test_round_clock.py drives it on simulated times)
     kw = dict(device="cuda", dtype="float32", max_batch_size=4, max_seq_len=256, compile_kernels=False)
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
     prompts = [[random.Random(i).randrange(3, 200) for _ in range(5 + i)] for i in range(4)]
@@ -77,7 +78,4 @@ def test_the_batch_gate_is_on_by_default_and_keeps_greedy_tokens(ckpt_a, tmp_pat
     clock = gated.engine.runner.speculation.clock
     assert clock is not None and clock.gate and gated.engine.resolved.speculative.batch_gate
     assert [o.outputs[0].token_ids for o in gated.generate(prompt_token_ids=prompts, sampling_params=params)] == want
-    stats = gated.engine.runner.stats
-    assert clock.speedup(4) is not None and clock.speedup(4) < 1.0
-    assert stats.rounds < 150 // 2  # most of the 150 steps plain
     assert gated.engine.leak_report() == []

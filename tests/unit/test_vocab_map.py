@@ -96,7 +96,7 @@ def test_a_request_reads_as_the_draft_ids_of_its_tokens(vmap: VocabMap) -> None:
 def test_a_token_in_flight_is_reserved_at_the_longest_expansion(vmap: VocabMap) -> None:
     # the scheduler reserves a round before the host knows a token in flight (a prefill's
     # sampled token under overlap): it may expand into as many draft ids as any target token
-    assert vmap.longest_expansion == 2  # "ab", "abc": two draft ids each
+    assert vmap.longest_expansion() == 2  # "ab", "abc": two draft ids each
     taken: list[int] = []
     inner = SimpleNamespace(device=torch.device("cpu"), pool=SimpleNamespace(max_seq_len=64),
                             ensure_capacity=lambda request, total, take: taken.append(total) or True,

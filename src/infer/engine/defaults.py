@@ -5,9 +5,10 @@ the user's `EngineConfig` plus what the device and the model files tell, as one 
 CUDA graphs (`use_cuda_graphs=None`), with them the fused kernels, and overlapped
 scheduling are on for CUDA devices (`use_cuda_graphs=False`, `--enforce-eager`, runs every
 step eagerly, with the eager kernels unless compile_kernels=True); on a CPU they stay off
-and True is refused with the fix (`check_device_options`). FP8 or int4 weights on a CPU
-warn. Context length, batch size and KV pool: engine/batch_size.py. docs/architecture.md,
-"Configuration".
+and True is refused with the fix (`check_device_options`). Speculation's batch gate
+(`spec_batch_gate`) is on for CUDA devices, off on a CPU unless asked for. FP8 or int4
+weights on a CPU warn. Context length, batch size and KV pool: engine/batch_size.py.
+docs/architecture.md, "Configuration".
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class ForeignDraftProposer:
         self.tokens: dict[str, DraftTokens] = {}  # request id -> its tokens in the draft's ids
         # the most draft ids a target token expands into (found at start, not in a step: a
         # large vocabulary's unshared tokens take a fraction of a second)
-        self.longest_expansion = vocab.longest_expansion
+        self.longest_expansion = vocab.longest_expansion()
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, pool: CachePoolProtocol, forward: ForwardFn,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -72,10 +71,10 @@ class VocabMap:
                 source[t] = x
         return source
 
-    @cached_property
     def longest_expansion(self) -> int:
-        """The most draft ids one target token stands for (at least 1), found once: a long
-        run of spaces can take dozens where the draft has no token as long."""
+        """The most draft ids one target token stands for (at least 1): a long run of spaces
+        can take dozens where the draft has no token as long. Each unshared token is cut
+        (a fraction of a second for a large vocabulary): ask once."""
         return max([1, *(len(greedy_pieces(raw, self.pieces, self.longest))
                          for x, raw in zip(self.target_to_draft, self.target_bytes, strict=True)
                          if x < 0 and raw is not None)])

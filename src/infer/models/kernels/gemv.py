@@ -4,12 +4,12 @@ reading W once.
 W is bf16/fp16 (x's dtype), FP8 E4M3 with a float32 scale per output row (applied in the
 epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py), read
 as int32 words by their own kernel, one group a step. Each program streams `block_n` rows of
-W along K with every row of x riding along; its inner product is float32 FMA ("fma": a row tile of M rounded up to a power
-of two) or `tl.dot` on 16-row tiles ("dot"). K may be split over `split_k` programs whose
-float32 partial sums a second kernel adds in a fixed order. Fused, each a flag of `gemv`: the
-RMSNorm prologue (`norm_weight`), the SwiGLU prologue (`swiglu_input`: x is gate | up) and the
-residual epilogue (`residual`), each rounding as the eager kernels do. Launch parameters
-come from `gemv_tiles.config_for`."""
+W along K with every row of x riding along; its inner product is float32 FMA ("fma": a row
+tile of M rounded up to a power of two) or `tl.dot` on 16-row tiles ("dot"). K may be split
+over `split_k` programs whose float32 partial sums a second kernel adds in a fixed order.
+Fused, each a flag of `gemv`: the RMSNorm prologue (`norm_weight`), the SwiGLU prologue
+(`swiglu_input`: x is gate | up) and the residual epilogue (`residual`), each rounding as
+the eager kernels do. Launch parameters come from `gemv_tiles.config_for`."""
 
 from __future__ import annotations
 

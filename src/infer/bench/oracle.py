@@ -4,7 +4,10 @@ The oracle wraps the run's real proposer: every round runs the inner `propose` a
 cost, then replaces the tokens node by node, breadth-first: a node whose parent path holds
 the target's greedy continuation (recorded by a plain run) gets its token with probability
 alpha, else a wrong one. Requests are greedy and drafts deterministic, so the verifier
-accepts exactly those nodes. docs/benchmarks.md, "Controlled acceptance".
+accepts exactly those nodes. A round that follows the round in flight (an EAGLE head's
+`can_follow`) is replaced on the device: the coins are drawn on the host, the record's
+tokens gathered at the row's start the device knows. docs/benchmarks.md, "Controlled
+acceptance".
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from infer.speculative.eagle import EagleProposer
 from infer.speculative.proposer import DraftRequest, Proposer
-from infer.speculative.tree import Draft, TreeShape
+from infer.speculative.tree import Draft, RoundTokens, TreeShape
+from infer.transfer import to_device
 
 if TYPE_CHECKING:
-    import torch
-
     from infer.cache.protocol import CachePoolProtocol
 
 
@@ -48,6 +53,7 @@ class OracleCounts:
 class _Follow:
     record: list[int] | None  # the continuation this request follows; None: off every record
     checked: int  # its first `checked` tokens were compared with the record
+    index: int = -1  # the record's, among the oracle's
 
 
 class OracleProposer:
@@ -64,7 +70,9 @@ class OracleProposer:
         self.vocab_size = vocab_size
         self._records = [list(r) for r in records]
         self._follow: dict[str, _Follow] = {}
-        self._proposed: dict[str, Draft] = {}
+        # each request's drafts not yet verified, oldest first (a round in flight and the next)
+        self._proposed: dict[str, list[Draft]] = {}
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # the records [R, L] (-1 past an end)
         self.set_alpha(alpha, seed)
 
     def set_alpha(self, alpha: float, seed: int | str = 0) -> None:
@@ -76,9 +84,19 @@ class OracleProposer:
         self.counts = OracleCounts()
 
     # -- proposing ---------------------------------------------------------------------------
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        """The inner proposer's, for requests on a record (replaced on the device: `_follow_round`)."""
+        return all((f := self._follow.get(r.request_id)) is not None and f.record is not None for r in requests) \
+            and self.inner.can_follow(requests, k)
+
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
+        follow = shape.is_chain and bool(depths) and len(set(depths)) == 1 and self.can_follow(requests, depths[0])
         drafts = self.inner.propose(requests, shape, depths)
         start = time.perf_counter()
+        if follow:
+            out = self._follow_round(requests, drafts, depths[0])
+            self.counts.host_s += time.perf_counter() - start
+            return out
         out = []
         for r, draft in zip(requests, drafts, strict=True):
             if not draft.num_proposed:
@@ -91,7 +109,7 @@ class OracleProposer:
             new = draft if record is None else self._replace(draft, record, r.num_computed_tokens)
             if record is None:
                 self.counts.off_record_rounds += 1
-            self._proposed[r.request_id] = new
+            self._proposed.setdefault(r.request_id, []).append(new)
             out.append(new)
         self.counts.host_s += time.perf_counter() - start
         return out
@@ -102,13 +120,49 @@ class OracleProposer:
         follow = self._follow.get(r.request_id)
         if follow is None:
             tokens = r.token_slice(0, known)
-            match = next((rec for rec in self._records if rec[:known] == tokens), None)
-            follow = self._follow[r.request_id] = _Follow(match, known)
+            index = next((i for i, rec in enumerate(self._records) if rec[:known] == tokens), -1)
+            follow = self._follow[r.request_id] = _Follow(self._records[index] if index >= 0 else None, known, index)
         elif follow.record is not None and known > follow.checked:
             if follow.record[follow.checked:known] != r.token_slice(follow.checked, known):
                 follow.record = None
             follow.checked = known
         return follow.record
+
+    def _follow_round(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], k: int) -> list[Draft]:
+        """The inner round's chains of k on the device, replaced there (module docstring): a
+        row's first L nodes the record's tokens from its start, node L a wrong one (L: the
+        coins' first miss), the rest as drafted; past the record's end, as drafted."""
+        inner = self.inner
+        assert isinstance(inner, EagleProposer)
+        head = [inner.states[r.request_id].follows for r in requests]
+        counts, _, _ = head[0]  # type: ignore[misc]
+        tokens = drafts[0].on_device[0].tokens[:len(requests), :k]  # type: ignore[index]
+        device = tokens.device
+        records = self._on_device.get(device)
+        if records is None:
+            width = max(len(r) for r in self._records)
+            records = self._on_device[device] = torch.tensor(
+                [rec + [-1] * (width - len(rec)) for rec in self._records], dtype=torch.long, device=device)
+        misses = []
+        for _ in requests:  # (the coins of a chain: right until the first miss)
+            n = 0
+            while n < k and self._rng.random() < self.alpha:
+                n += 1
+            misses.append(n)
+        index = [self._follow[r.request_id].index for r in requests]
+        host = torch.tensor([index, [r.num_computed_tokens - k for r in requests], misses], dtype=torch.long)
+        rec, base, miss = to_device(host, device)
+        depth = torch.arange(k, device=device)
+        at = (base + counts[:len(requests)])[:, None] + 1 + depth[None, :]  # [B, k]: the nodes' truths (g at n)
+        truth = records[rec[:, None], at.clamp(max=records.shape[1] - 1)]  # [B, k] (-1: past the record)
+        chosen = torch.where(depth[None, :] < miss[:, None], truth, (truth + 1) % self.vocab_size)
+        out = RoundTokens(torch.where((depth[None, :] <= miss[:, None]) & (truth >= 0), chosen, tokens))
+        replaced = []
+        for b, (r, d) in enumerate(zip(requests, drafts, strict=True)):
+            new = Draft.chain_on_device(d.shape, out, b, k)
+            self._proposed.setdefault(r.request_id, []).append(new)
+            replaced.append(new)
+        return replaced
 
     def _replace(self, draft: Draft, record: list[int], n: int) -> Draft:
         """The draft's present nodes with the oracle's tokens; g is token n of the record."""
@@ -132,7 +186,10 @@ class OracleProposer:
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         start = time.perf_counter()
         for r, path in zip(requests, paths, strict=True):
-            draft = self._proposed.pop(r.request_id, None)
+            waiting = self._proposed.get(r.request_id)
+            draft = waiting.pop(0) if waiting else None
+            if waiting == []:
+                del self._proposed[r.request_id]
             if draft is not None:
                 tried, accepted = trials(draft, path)
                 self.counts.rounds += 1

@@ -130,11 +130,14 @@ class DeviceIds:
     round's drafts): batch tokens `at` take `ids`. `grid` (stride, skip, n), when `at` is row
     b's tokens b x stride + skip + t, t < n, for the ids viewed [rows, n] (every row alike:
     plain rows, blocks of one width from the batch's first token), lets `place` write them
-    through a strided view, no index sent to the device."""
+    through a strided view, no index sent to the device. `shift` [B] (<= 0): each row's start
+    moved by the device (a round queued before the host read the verdict it follows: the
+    host planned each row as if every draft were accepted; `shift_rows`)."""
 
     at: tuple[int, ...]  # [k] token indices in the batch
     ids: torch.Tensor  # [k] long, on the device
     grid: tuple[int, int, int] | None = None  # (stride, skip, n): at[b n + t] = b stride + skip + t
+    shift: torch.Tensor | None = None  # [B] long, on the device
 
     def place(self, token_ids: torch.Tensor) -> None:
         """Write the ids into a batch's token ids [N] (N covering `at`)."""
@@ -144,6 +147,23 @@ class DeviceIds:
         stride, skip, n = self.grid
         rows = len(self.at) // n
         token_ids[:rows * stride].view(rows, stride)[:, skip:skip + n].copy_(self.ids.view(rows, n))
+
+    def apply(self, parts: dict[str, torch.Tensor], tokens: int) -> None:
+        """Write the ids into a batch's device arrays (named as `ARRAYS`; its first `tokens`
+        tokens the plan's) and move its rows by `shift`."""
+        self.place(parts["ids"])
+        if self.shift is not None:
+            shift_rows(parts, self.shift, tokens)
+
+
+def shift_rows(parts: dict[str, torch.Tensor], shift: torch.Tensor, tokens: int) -> None:
+    """Move each row b of a batch's device arrays by shift[b] positions: its tokens'
+    positions, rotary positions and rule bases, and its context length (the KV slots follow,
+    gathered from the positions by `batch_of`). Padding tokens and rows stay as they are."""
+    moved = shift.index_select(0, parts["token_rows"][:tokens])  # [T]
+    for name in ("positions", "rope", "base"):
+        parts[name][:tokens] += moved
+    parts["seq_lens"][:shift.shape[0]] += shift
 
 
 def _words(bits: int, words: int) -> list[int]:
@@ -157,14 +177,16 @@ def _words(bits: int, words: int) -> list[int]:
 
 
 def build_batch(plan: BatchPlan, tables: BlockTables, block_size: int, scratch_row: int,
-                device: torch.device | str) -> ForwardBatch:
+                device: torch.device | str, device_ids: DeviceIds | None = None) -> ForwardBatch:
     """The ForwardBatch of a plan on `device`: one host-to-device copy, the KV slots and
-    block tables gathered there."""
+    block tables gathered there (`device_ids` applied first)."""
     host = plan.arrays
     flat = torch.from_numpy(np.concatenate([host[k] for k in ARRAYS]))
     if torch.device(device).type != "cpu":
         flat = flat.pin_memory().to(device, non_blocking=True)
     parts = dict(zip(ARRAYS, torch.split(flat, [host[k].shape[0] for k in ARRAYS]), strict=True))
+    if device_ids is not None:
+        device_ids.apply(parts, plan.num_tokens)
     return batch_of(parts, tables.sync(), block_size, scratch_row, plan.query_lens, plan.context_width,
                     plan.tree_width)
 

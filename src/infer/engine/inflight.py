@@ -1,4 +1,4 @@
-"""A decode step in flight: the tokens it sampled, still on the device.
+"""A decode step in flight: the tokens it sampled, or a round's verdict, still on the device.
 
 Overlapped scheduling (`EngineConfig.async_scheduling`) queues step n+1's GPU work before
 the host reads step n's tokens. Step n leaves an `InFlight`: its requests, their sampled
@@ -6,7 +6,8 @@ ids on the device (the next step gathers its input ids from there, `input_ids`),
 copy of them to pinned host memory queued right after the sampling, with an event: the
 host reads them (`host_tokens`) waiting for step n's work only, not for the step queued
 behind it. Two pinned buffers are used in turn, so step n+1's copy never overwrites the
-buffer step n's tokens are being read from.
+buffer step n's tokens are being read from. A round of chains is left in flight alike
+(`RoundInFlight`) when the next round can follow it on the device (`Proposer.can_follow`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.engine.request import Request
+from infer.engine.verification import Verdict
 from infer.logprobs import TokenLogprobs
+from infer.speculative.tree import Draft
 from infer.transfer import HostCopy, to_device
 
 
@@ -75,3 +78,16 @@ class InFlight:
     def host_tokens(self) -> list[int]:
         """The sampled ids, once this step's work is done (waits for it alone)."""
         return self.host.tolist()
+
+
+@dataclass
+class RoundInFlight:
+    """A round of chains whose verdict the host has not read (`ModelRunner._settle` reads
+    it): each row counted as if all k drafts were accepted (k + 1 more computed positions
+    and pending tokens), corrected then."""
+
+    requests: list[Request]
+    drafts: list[Draft]
+    verdict: Verdict
+    starts: list[int]  # where each row's block begins in the forward's flat batch
+    k: int

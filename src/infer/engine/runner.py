@@ -25,13 +25,13 @@ from infer.engine.executor.factory import LOCAL, Executor
 from infer.engine.executor.kernels import step_kernels
 from infer.engine.executor.forward import sample_logits
 from infer.engine.executor.spec import ForwardSpec
-from infer.engine.inflight import InFlight, TokenBuffers
+from infer.engine.inflight import InFlight, RoundInFlight, TokenBuffers
 from infer.engine.kv_manager import KVManager
 from infer.engine.output import OutputProcessor, StepRender
 from infer.engine.parts import ResolvedConfig
 from infer.engine.request import Request, StepOutput
 from infer.engine.speculation import Speculation
-from infer.engine.verification import Paths, Verification
+from infer.engine.verification import Follows, Paths, Verdict, Verification
 from infer.logprobs import TokenLogprobs, token_logprobs
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER
@@ -90,6 +90,9 @@ class ModelRunner:
         # then overlap the step in flight on every rank)
         self.overlap = execution.async_scheduling
         self._inflight: InFlight | None = None
+        self._round: RoundInFlight | None = None  # a round whose verdict the host has not read
+        self._settled: float | None = None  # tokens a decode row got from the round settled this step
+        self.rounds_followed = 0  # rounds queued before the verdict of the round before them was read
         self._token_buffers = TokenBuffers(2 * batch, self.device)  # prefill and decode rows
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
@@ -126,7 +129,7 @@ class ModelRunner:
     # -- step ------------------------------------------------------------------------------
     def has_pending(self) -> bool:
         """Whether a step is in flight or accepted tokens wait to be rendered."""
-        return self._inflight is not None or self.output.num_accepted() > 0
+        return self._inflight is not None or self._round is not None or self.output.num_accepted() > 0
 
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
@@ -137,11 +140,15 @@ class ModelRunner:
         the KV positions the scheduler reserved for each decode row (None: a full round's)."""
         clock = None if self.speculation is None else self.speculation.clock
         start = self._time()
-        self._step_kind = None
+        self._step_kind, self._settled = None, None
         # with speculation, each row's draft depth is decided before anything is queued
         self._planned = self.speculation.depths(decode, room) if self.speculation is not None and decode else None
         if self._inflight is not None and not self._overlaps(prefill, decode):
             self._resolve()  # the host needs that step's tokens before this one
+        if self._round is not None and not self._follows(prefill, decode):
+            # (this step does not follow it on the device; the room reserved for its rows kept)
+            widths = room if room is not None else [self.speculation.width(self.speculation.spec_length)] * len(decode)
+            self._settle(self._round, followed=False, keep={id(r): w for r, w in zip(decode, widths, strict=True)})
         render = StepRender(self.output)
         launched = self._launch(prefill, decode, render)
         self._resolve()
@@ -151,8 +158,22 @@ class ModelRunner:
         # (overlapped, a round's own tokens are rendered under the next step's GPU work)
         outputs = render.finish(render_new=not (self.overlap and self.speculation is not None))
         if clock is not None:
-            clock.stepped(start, None if prefill else self._step_kind)
+            kind = self._step_kind
+            if kind is not None and kind.k:  # (a round's sample weighs it by the tokens a row got;
+                # a round deferred with none settled this step: not a sample)
+                kind = None if self._settled is None else replace(kind, tokens=self._settled)
+            clock.stepped(start, None if prefill else kind)
         return outputs
+
+    def _follows(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
+        """Whether this step's round follows the round in flight on the device (queued before
+        the host reads its verdict): the same requests in order, no prefill chunk, every row
+        the round's k drafted ahead (`Proposer.can_follow`)."""
+        flight, planned, spec = self._round, self._planned, self.speculation
+        assert flight is not None and spec is not None
+        return (not prefill and planned is not None and len(decode) == len(flight.requests)
+                and all(a is b for a, b in zip(decode, flight.requests, strict=True))
+                and all(k == flight.k for k in planned) and spec.can_follow(decode, flight.k))
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
         """Whether this step may be queued before the host has the step in flight's tokens:
@@ -203,7 +224,10 @@ class ModelRunner:
         verification (a round's blocks, accepted now)."""
         if not chunks and not decode:
             return []
-        block = None if drafts is None else self._verifier.block(decode, drafts)
+        flight, self._round = self._round, None  # (still set here: this round follows it, `_follows`)
+        follows = None if drafts is None or flight is None else Follows.of(flight.verdict.packed)
+        block = None if drafts is None else self._verifier.block(decode, drafts, follows)
+        self.rounds_followed += follows is not None
         samples = [not r.output_token_ids and not r.pending_tokens and r.num_computed_tokens + n >= r.prefill_target
                    for r, n in chunks]
         rows, device_ids = (block.rows, block.device_ids) if block is not None else self._plain_rows(decode)
@@ -223,12 +247,72 @@ class ModelRunner:
         used = block.num_logits
         spec = self.speculation
         assert spec is not None and drafts is not None
-        result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog,
-                                              lambda verdict: spec.verifying(decode, drafts, starts, verdict))
-        emitted = self._accept(decode, drafts, result, paths, starts)
-        if self._step_kind is not None:  # (the clock's gate weighs a round by its tokens a row)
-            self._step_kind = replace(self._step_kind, tokens=emitted / len(decode))
+        verdict = self._verifier.queue(decode, drafts, block, logits[:used],
+                                       lambda packed: spec.verifying(decode, drafts, starts, packed))
+        deferred = verdict is not None and self._defer(decode, drafts, verdict, starts)
+        if flight is not None:  # (under this round's GPU work; its block kept, counted or not)
+            self._settle(flight, followed=True, keep={id(r): 0 if deferred else flight.k + 1 for r in decode})
+        if verdict is None:
+            result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog)
+        else:
+            render.backlog()
+        if not deferred:
+            if verdict is not None:
+                result, paths = self._verifier.collect(verdict)
+            self._note(self._accept(decode, drafts, result, paths, starts), len(decode))
         return [self._sampled(sampled, logits[used:])] if sampled else []
+
+    def _note(self, emitted: int, rows: int) -> None:
+        self._settled = emitted / rows if rows else None
+
+    def _defer(self, decode: Sequence[Request], drafts: Sequence[Draft], verdict: Verdict,
+               starts: Sequence[int]) -> bool:
+        """Leave a round of chains in flight (overlapped scheduling) when the next round can
+        follow it on the device (`Proposer.can_follow`): each row counted as if all k drafts
+        were accepted, k + 1 positions and k + 1 tokens pending, until `_settle`."""
+        k = drafts[0].num_proposed
+        spec = self.speculation
+        if not self.overlap or spec is None or k == 0 or verdict.block.frame is not None \
+                or any(d.num_proposed != k for d in drafts):
+            return False
+        for r in decode:
+            r.num_computed_tokens += k + 1
+            r.pending_tokens += k + 1
+        if spec.can_follow(decode, k):
+            self._round = RoundInFlight(list(decode), list(drafts), verdict, list(starts), k)
+            return True
+        for r in decode:
+            r.num_computed_tokens -= k + 1
+            r.pending_tokens -= k + 1
+        return False
+
+    def _settle(self, flight: RoundInFlight, followed: bool, keep: dict[int, int]) -> None:
+        """Read the round in flight's verdict and accept it: each row's count corrected by
+        the drafts not accepted and its cache cut there, keeping keep[id(request)] positions
+        past it (`followed`: the block of the round queued after it, when not counted yet;
+        else the room the scheduler reserved for this step's rows), the proposer told
+        (`followed`: that round already fed its rows, `Proposer.on_accepted`), the tokens
+        emitted. A preempted row, its memory gone, only takes its tokens."""
+        if flight is self._round:
+            self._round = None
+        spec = self.speculation
+        assert spec is not None
+        result, paths = self._verifier.collect(flight.verdict)
+        k = flight.k
+        live = []
+        for b, (r, a) in enumerate(zip(flight.requests, result.num_accepted, strict=True)):
+            r.pending_tokens -= k + 1
+            if r.slot is not None and not r.is_finished:
+                r.num_computed_tokens -= k - a
+                self._cut(r, r.num_computed_tokens, keep.get(id(r), 0), written=followed)
+                live.append(b)
+        requests = [flight.requests[b] for b in live]
+        spec.on_accepted(requests, [paths[b] for b in live])
+        if not followed:
+            spec.observed(requests, [r.num_computed_tokens - result.num_accepted[b] - 1 for r, b in
+                                     zip(requests, live, strict=True)],
+                          [[flight.starts[b], *(flight.starts[b] + 1 + i for i in paths[b])] for b in live])
+        self._note(self._emit_round(flight.requests, flight.drafts, result), len(flight.requests))
 
     @property
     def _verifier(self) -> Verification:
@@ -293,6 +377,14 @@ class ModelRunner:
             if not r.is_finished and r.stop_pending is None:
                 self._emit(r, t, lp)
 
+    def _cut(self, request: Request, length: int, keep: int, written: bool) -> None:
+        """The request's cache cut to `length` positions and `keep` more (`written`: positions
+        a queued pass wrote, kept as they are; else room only)."""
+        assert request.slot is not None
+        self.cache_pool.truncate_to(request.slot, length + keep if written else length)
+        if keep and not written and not self.cache_pool.ensure_capacity(request.slot, length + keep):
+            raise RuntimeError(f"request {request.request_id}: the room reserved for its step was lost")
+
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult,
                 paths: Paths, starts: Sequence[int]) -> int:
         """Move the accepted paths into sequence order and roll the caches back, record
@@ -306,15 +398,25 @@ class ModelRunner:
         spec.on_accepted(requests, paths)
         spec.observed(requests, [r.num_computed_tokens for r in requests],
                       [[s, *(s + 1 + i for i in p)] for s, p in zip(starts, paths, strict=False)])
+        for r, a in zip(requests, result.num_accepted, strict=True):
+            if not r.is_finished:  # (cut by a stop string rendered under this round: a wasted row)
+                n = r.num_computed_tokens
+                self.cache_pool.truncate_to(r.slot, n + a + 1)
+                r.num_computed_tokens = n + a + 1
+        return self._emit_round(requests, drafts, result)
+
+    def _emit_round(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> int:
+        """A verified round's tokens emitted in order, each row's up to a finish their ids
+        decide (EOS, a stop id, the length), and its metrics -> the tokens emitted. A row
+        whose request finished, or whose finish was decided by an earlier round, is wasted."""
+        spec = self.speculation
+        assert spec is not None
         logprobs = result.logprobs or [[] for _ in requests]
         total = 0
         for r, d, tokens, a, row_lps in zip(requests, drafts, result.tokens, result.num_accepted, logprobs,
                                             strict=True):
-            if r.is_finished:  # cut by a stop string rendered under this round: a wasted row
+            if r.is_finished or r.stop_pending is not None:
                 continue
-            n = r.num_computed_tokens
-            self.cache_pool.truncate_to(r.slot, n + a + 1)
-            r.num_computed_tokens = n + a + 1
             emitted = 0
             for j, t in enumerate(tokens):
                 self._emit(r, t, row_lps[j] if row_lps else None)

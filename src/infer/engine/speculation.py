@@ -280,6 +280,10 @@ class Speculation:
             self.proposer.verifying([requests[i] for i in keep], [drafts[i] for i in keep],
                                     [starts[i] for i in keep], verdict)
 
+    def can_follow(self, requests: Sequence[Request], k: int) -> bool:
+        """`Proposer.can_follow` (every request drafting)."""
+        return all(self.drafts_for(r) for r in requests) and self.proposer.can_follow(requests, k)
+
     # -- its memory: a `KVHolder` of the scheduler's KV manager ------------------------------
     def can_admit(self, request: Request) -> bool:
         return not self.drafts_for(request) or self.proposer.can_admit(request)

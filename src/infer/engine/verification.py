@@ -133,6 +133,52 @@ def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: t
     return tokens, DeviceIds(tuple(at), tokens.reshape(-1)[tensor_on(picked, device, torch.long)])
 
 
+def following(requests: Sequence[Request], drafts: Sequence[Draft], follows: Follows) -> Block:
+    """The rows of a round that follows the round in flight (`Follows`): every draft a chain
+    of k on the device, row b of one round drafted ahead; each row planned from the
+    request's count of computed tokens (the host's, as if every draft of the round in
+    flight were accepted), its tokens [first, drafts] and its move on the device."""
+    sources = device_rounds(drafts)
+    k = drafts[0].num_proposed
+    if len(sources) != 1 or any(d.num_proposed != k or d.on_device is None or d.on_device[1] != b
+                                for b, d in enumerate(drafts)):
+        raise RuntimeError("a round following the round in flight needs every row's chain of one length drafted "
+                           "ahead, in order, in one round")
+    b = len(drafts)
+    rows = [Row(r.slot, r.num_computed_tokens, (0,) * (k + 1), logits=k + 1) for r in requests]  # type: ignore[arg-type]
+    tokens = sources[0].tokens[:b, :k]  # [B, k]
+    ids = torch.cat([follows.first[:, None], tokens], dim=1)  # [B, k + 1]
+    placed = DeviceIds(tuple(range(b * (k + 1))), ids.reshape(-1), grid=(k + 1, 0, k + 1), shift=follows.shift)
+    return Block(rows, tokens, [k] * b, None, k + 1, placed)
+
+
+@dataclass(frozen=True)
+class Follows:
+    """A round queued before the host has the verdict of the round in flight before it
+    (every row a chain of k drafted on the device, following that verdict): each row's first
+    token, the verdict's final one, and its start moved back by k - accepted, both on the
+    device (the host planned the rows as if every draft were accepted)."""
+
+    first: torch.Tensor  # [B] long
+    shift: torch.Tensor  # [B] long, <= 0
+
+    @classmethod
+    def of(cls, packed: torch.Tensor) -> Follows:
+        """From a round of chains' verdict [B, K + 2] on the device (`verify_on_logits`); a
+        row whose logits gave no token (NO_TOKEN, a fault its settling reports) feeds 0."""
+        k = packed.shape[1] - 2
+        return cls(packed[:, k + 1].clamp(min=0), packed[:, k] - k)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A round's verification queued on the device, its copy to the host under way."""
+
+    packed: torch.Tensor  # [B, K + 2] (chains) or a tree's rows, on the device
+    host: HostCopy
+    block: Block
+
+
 @dataclass(frozen=True)
 class Block:
     """A round's verification rows and what the verifier reads of them."""
@@ -156,7 +202,10 @@ class Verification:
         self.vocab, self.device = vocab_size, device
         self.tree = tree  # None: chains
 
-    def block(self, requests: Sequence[Request], drafts: Sequence[Draft]) -> Block:
+    def block(self, requests: Sequence[Request], drafts: Sequence[Draft], follows: Follows | None = None) -> Block:
+        """The round's rows; `follows`: the round in flight's verdict they follow (`following`)."""
+        if follows is not None:
+            return following(requests, drafts, follows)
         if self.tree is None or self._chains(drafts):
             sources = device_rounds(drafts)
             rows = [block_row(r, d, placed=bool(sources)) for r, d in zip(requests, drafts, strict=True)]
@@ -181,35 +230,47 @@ class Verification:
         return isinstance(self.tree, DynamicShape) and all(isinstance(d.shape, TreeShape) and d.shape.is_chain
                                                            for d in drafts)
 
-    def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
-               while_gpu_runs: Callable[[], None],
-               queued: Callable[[torch.Tensor], None] | None = None) -> tuple[VerifyResult, Paths]:
-        """Verify every request's draft on its rows' logits [sum of widths, V] -> (tokens per
-        request, accepted nodes per request). `while_gpu_runs` is called once the work is
-        queued (host work that hides under it); `queued`, before it, with a round of chains'
-        verdict on the device [B, K + 2] (`Proposer.verifying`: GPU work queued behind the
-        verdict's copy to the host, which the host does not wait for)."""
-        logits = self._padded(logits, block)  # [B, W, V]
+    def queue(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
+              queued: Callable[[torch.Tensor], None] | None = None) -> Verdict | None:
+        """The fused acceptance, queued on the rows' logits [sum of widths, V] when every row
+        samples with a temperature alone (None: `verify` takes the round); its verdict's copy
+        to the host queued behind it. `queued` is then called with a round of chains' verdict
+        [B, K + 2] on the device (`Proposer.verifying`: GPU work queued behind the copy)."""
         params = [r.sampling_params for r in requests]
+        if not all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
+            return None
+        logits = self._padded(logits, block)  # [B, W, V]
         greedy = [p.greedy for p in params]
         tokens = block.tokens
         draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
-        if all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
-            uniforms = (torch.zeros((len(requests), self._num_uniforms(block)), dtype=torch.float64)
-                        if all(greedy) else self._uniforms(requests, drafts, block))
-            temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-            if block.frame is None:
-                assert isinstance(block.present, list)
-                packed = verify_on_logits(logits, tokens, block.present, draft_probs, temps, greedy, uniforms)
-            else:
-                assert isinstance(block.present, torch.Tensor)
-                packed = verify_on_tree_logits(block.frame, logits, tokens, block.present, draft_probs, temps,
-                                               greedy, uniforms)
-            verdict = HostCopy(packed)
-            if queued is not None and block.frame is None:
-                queued(packed)
-            while_gpu_runs()
-            return self._unpack(verdict.tolist(), block)  # the one host sync of verification
+        uniforms = (torch.zeros((len(requests), self._num_uniforms(block)), dtype=torch.float64)
+                    if all(greedy) else self._uniforms(requests, drafts, block))
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+        if block.frame is None:
+            assert isinstance(block.present, list)
+            packed = verify_on_logits(logits, tokens, block.present, draft_probs, temps, greedy, uniforms)
+        else:
+            assert isinstance(block.present, torch.Tensor)
+            packed = verify_on_tree_logits(block.frame, logits, tokens, block.present, draft_probs, temps,
+                                           greedy, uniforms)
+        verdict = Verdict(packed, HostCopy(packed), block)
+        if queued is not None and block.frame is None:
+            queued(packed)
+        return verdict
+
+    def collect(self, verdict: Verdict) -> tuple[VerifyResult, Paths]:
+        """A queued verdict on the host (the one host sync of verification)."""
+        return self._unpack(verdict.host.tolist(), verdict.block)
+
+    def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
+               while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
+        """The general pipeline (rows `queue` does not take): every request's draft verified on
+        its rows' logits [sum of widths, V] -> (tokens per request, accepted nodes per
+        request). `while_gpu_runs` is called once the target's pass is queued."""
+        logits = self._padded(logits, block)  # [B, W, V]
+        params = [r.sampling_params for r in requests]
+        tokens = block.tokens
+        draft_probs = stack_draft_probs(drafts, tokens, self.vocab, self.device)
         while_gpu_runs()
         uniforms = to_device(self._uniforms(requests, drafts, block), self.device)
         target_probs = self._target_probs(requests, drafts, logits)

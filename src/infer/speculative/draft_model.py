@@ -81,6 +81,9 @@ class DraftModelProposer:
                   verdict: torch.Tensor) -> None:
         """Nothing: the draft model drafts from the verified tokens on the host."""
 
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        return False  # (its drafts start from the verified tokens on the host)
+
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         """Room for positions < total_tokens in the request's draft cache (its draft slot
         taken now with `take`, else at its first round); False (nothing taken) when the pool

@@ -49,6 +49,7 @@ class AheadMark:
 
     tokens: RoundTokens  # [B, steps] the round's drafts, on the device
     features: torch.Tensor  # [B (steps + 1), H] the features it fed, each row's block
+    counts: torch.Tensor  # [B] the accepted drafts of the round it follows, on the device
     steps: int
     row: int  # this request's row of the round
     start: int  # the positions its head cache held before (the feed wrote from there on)
@@ -63,6 +64,9 @@ class HeadState:
     pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
     ahead: AheadMark | None = None  # the next round drafted ahead; the cache then counts as `start`
+    # the round in flight it follows (`can_follow`): counts [B], its row, k; the positions
+    # from round_end on move by counts[row] - k on the device, the host's as if all accepted
+    follows: tuple[torch.Tensor, int, int] | None = None
     prompt_offered: bool = False  # every full prompt block offered to the prefix cache (`_share`)
 
     def num_pending(self) -> int:
@@ -269,24 +273,38 @@ class EagleProposer:
                 drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         return drafts
 
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        """`Proposer.can_follow`: every request's next chain of k drafted ahead in one round,
+        request b its row b, following a round still in flight (its verdict unread: the
+        host counts the request's positions as if all k drafts were accepted)."""
+        marks = [None if (s := self.states.get(r.request_id)) is None or s.slot is None or s.pending else s.ahead
+                 for r in requests]
+        first = marks[0] if marks else None
+        return first is not None and all(
+            m is not None and m.tokens is first.tokens and m.row == b and m.steps == k and m.accepted is None
+            and r.num_computed_tokens == m.start + k + 1 for b, (r, m) in enumerate(zip(requests, marks, strict=True)))
+
     def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int],
                     drafts: list[Draft]) -> set[int]:
         """The rows whose round was drafted ahead and that draft now as it assumed (right
-        after that round, at most its steps): their drafts (`drafts[i]`) and round marked,
-        their pending features dropped (fed ahead). Every other request drafted ahead gives
-        those positions back (its head as without). Returns the rows served."""
+        after that round, at most its steps; or, that round still in flight, `can_follow`):
+        their drafts (`drafts[i]`) and round marked, their pending features dropped (fed
+        ahead). Every other request drafted ahead gives those positions back (its head as
+        without). Returns the rows served."""
         served: set[int] = set()
+        follow = bool(requests) and shape.is_chain and len(set(depths)) == 1 and self.can_follow(requests, depths[0])
         for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
             state = self.states.get(r.request_id)
             mark = None if state is None else state.ahead
             if state is None or mark is None or state.slot is None:
                 continue
             state.ahead = None
-            if shape.is_chain and 0 < k <= min(mark.steps, shape.depth) \
+            if follow or shape.is_chain and 0 < k <= min(mark.steps, shape.depth) \
                     and mark.accepted is not None \
                     and r.num_computed_tokens == mark.start + mark.accepted + 1 == mark.start + state.num_pending():
                 state.pending = []
                 state.round_end = r.num_computed_tokens
+                state.follows = (mark.counts, mark.row, mark.steps) if follow else None
                 drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k)
                 served.add(i)
             else:
@@ -325,10 +343,10 @@ class EagleProposer:
                 for r, s in zip(reqs, states, strict=True)]
         n = len(reqs)
         tokens, _ = self.round_fn(plan_batch(rows), features, k, [1.0] * n, torch.zeros((n, k), dtype=torch.float64),
-                                  [True] * n, AheadFeed(ids.reshape(-1), accepted))
+                                  [True] * n, AheadFeed(ids.reshape(-1), accepted, _moves(states)))
         drafted = RoundTokens(tokens.clamp(min=0))
         for j, (r, s) in enumerate(zip(reqs, states, strict=True)):
-            s.ahead = AheadMark(drafted, features, k, j, r.num_computed_tokens)
+            s.ahead = AheadMark(drafted, features, accepted, k, j, r.num_computed_tokens)
 
     def _aheadable(self, request: DraftRequest, draft: Draft, k: int) -> bool:
         """Whether the request's next round is drafted ahead (`verifying`); its head's room for
@@ -474,6 +492,12 @@ class EagleProposer:
             state = self.states.get(request.request_id)
             if state is None or state.round_end is None or state.slot is None:
                 continue
+            if state.follows is not None:  # (the round after it already runs: the host's positions corrected)
+                moved = state.follows[2] - len(path)
+                state.follows, state.round_end = None, state.round_end - moved
+                if state.ahead is not None:
+                    state.ahead.start -= moved
+                continue
             mark, held = state.ahead, self.pool.seq_len(state.slot)
             if mark is not None:
                 mark.accepted = len(path)
@@ -482,3 +506,17 @@ class EagleProposer:
                 self.pool.truncate_to(state.slot, min(state.round_end, held))
             state.round_end = None
             self._share([request], [state])
+
+
+def _moves(states: Sequence[HeadState]) -> torch.Tensor | None:
+    """[B] each row's move on the device where the rows follow a round in flight (one round,
+    in order: `EagleProposer.can_follow`), else None."""
+    follows = [s.follows for s in states]
+    if follows[0] is None:
+        return None
+    counts, _, k = follows[0]
+    if any(f is None or f[0] is not counts or f[2] != k for f in follows):
+        raise RuntimeError("rows of a round drafted ahead follow different rounds in flight")
+    rows = [f[1] for f in follows]  # type: ignore[index]
+    picked = counts[:len(rows)] if rows == list(range(len(rows))) else counts[tensor_on(rows, counts.device, torch.long)]
+    return picked - k

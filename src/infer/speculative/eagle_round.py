@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from infer.cache.forward_batch import BatchPlan, build_batch, next_step
+from infer.cache.forward_batch import BatchPlan, DeviceIds, build_batch, next_step
 from infer.models.batch import ForwardBatch
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
@@ -60,10 +60,18 @@ def head_pass(head: EagleHead, pool: CachePoolProtocol, plan: BatchPlan, feature
 class AheadFeed:
     """A round drafted ahead: its feed's ids [N] and each row's accepted count [R] (the
     row drafts after its first accepted + 1 fed tokens; the rest of its feed, rejected
-    positions, is written but never read), both on the device, unknown to the host."""
+    positions, is written but never read), both on the device, unknown to the host; `shift`
+    [R]: each row's start moved on the device (its block follows a round still in flight,
+    `DeviceIds.shift`)."""
 
     ids: torch.Tensor  # [N] long
     accepted: torch.Tensor  # [R] long
+    shift: torch.Tensor | None = None  # [R] long
+
+    def device_ids(self) -> DeviceIds:
+        """The feed's ids and row moves, for the feed's batch arrays."""
+        n = self.ids.shape[0]
+        return DeviceIds(tuple(range(n)), self.ids, grid=(n, 0, n), shift=self.shift)
 
 
 def drafting_from(feed: ForwardBatch, accepted: torch.Tensor | None) -> tuple[torch.Tensor, ForwardBatch]:
@@ -163,9 +171,8 @@ class EagerHeadRound:
                  ahead: AheadFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         check_round(plan, features, steps)
         pool = self.pool
-        feed = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
-        if ahead is not None:
-            feed.token_ids.copy_(ahead.ids)
+        feed = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device,
+                           None if ahead is None else ahead.device_ids())
         sampling = None if all(greedy) else to_device(round_sampling(temperatures, greedy, uniforms), self.device)
         out = head_round(self.head, pool, feed, features, steps, sampling, plan.context_width + steps - 1,
                          self.kernels, None if ahead is None else ahead.accepted)

@@ -191,6 +191,9 @@ class ForeignDraftProposer:
                   verdict: torch.Tensor) -> None:
         """Nothing: the draft model drafts from the verified tokens on the host."""
 
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        return False  # (its drafts start from the verified tokens on the host)
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 

@@ -96,6 +96,9 @@ class MedusaProposer:
                   verdict: torch.Tensor) -> None:
         """Nothing: the heads read the accepted row's state (`observed`)."""
 
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        return False  # (its drafts start from the verified tokens on the host)
+
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: a prompt's last state comes through `observed`."""
 

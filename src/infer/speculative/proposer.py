@@ -65,7 +65,9 @@ class Proposer(Protocol):
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """After verification, before the tokens are emitted: paths[i], the accepted node
         indices of requests[i] in depth order (a chain: 0 .. a-1). A model's cache moves the
-        paths into sequence order and drops the rest (`cache.compaction`)."""
+        paths into sequence order and drops the rest (`cache.compaction`). For a round whose
+        next round already runs (`can_follow`), the host's positions past it are corrected
+        instead, and `observed` does not follow (its rows were fed by that next round)."""
         ...
 
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
@@ -76,6 +78,14 @@ class Proposer(Protocol):
         forward where requests[i]'s block begins. A proposer may queue its next round's
         drafts now, under the GPU work the host waits for (an EAGLE head: its greedy rows);
         the others do nothing. `on_accepted` follows."""
+        ...
+
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        """Whether the requests' next round, a chain of k each, is drafted already on the
+        device following the round in flight (`verifying`), so that it may be queued before
+        the host reads that round's verdict: the runner then builds its rows from the
+        verdict on the device (docs/speculation.md, "Rounds in flight"). False for a
+        proposer that drafts from tokens on the host."""
         ...
 
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
@@ -146,6 +156,9 @@ class HostProposer:
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
         """Nothing: the next proposal needs the verified tokens on the host."""
+
+    def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
+        return False
 
     def can_admit(self, request: DraftRequest) -> bool:
         return True  # (host memory)

@@ -47,9 +47,7 @@ class EagerBatchForward:
     def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         """Logits [M, V] of the plan's wanted tokens (the pool's lengths set to the plan's)."""
         pool = self.pool
-        batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device)
-        if device_ids is not None:
-            device_ids.place(batch.token_ids)
+        batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, self.device, device_ids)
         hidden = run_model(self.model, pool, batch, self.kernels)
         commit(pool, plan)
         return self.model.logits(hidden.index_select(0, batch.logits_indices), self.kernels)
@@ -126,7 +124,7 @@ class GraphBatchForward:
         g = self.graphs[(self._bucket(plan.num_tokens), plan.tree_width > 0)]
         g.inputs.stage(plan)
         if device_ids is not None:
-            device_ids.place(g.inputs.ids)
+            device_ids.apply(g.inputs.parts, plan.num_tokens)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)
         g.graph.replay()
         if g.hidden is not None:

@@ -110,7 +110,7 @@ class HeadRoundGraphs:
             g.floats.send()
         if ahead is not None:
             assert g.accepted is not None
-            g.inputs.ids[:plan.num_tokens].copy_(ahead.ids)
+            ahead.device_ids().apply(g.inputs.parts, plan.num_tokens)
             g.accepted[:n].copy_(ahead.accepted)
         g.features[:plan.num_tokens].copy_(features)
         self.pool.tables.sync()  # (the graph reads the tables' device tensor in place)

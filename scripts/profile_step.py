@@ -186,7 +186,8 @@ def main() -> None:
            "kernels_per_layer": sum(per_step.values()) / layers,
            "kernels_per_layer_by_kind": {k: v / layers for k, v in per_step.items()},
            "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens,
-           "sync_sites": syncs, "host_top_ms_per_step": host}
+           "sync_sites": syncs, "host_top_ms_per_step": host,
+           "rounds_followed": engine.runner.rounds_followed}
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from infer.transfer import to_device
+
 Changes = np.ndarray  # [K, 3] int64 (slot, index, block), in the order they were made
 
 
@@ -48,7 +50,7 @@ class BlockTables:
         """The device tables [slots, max_blocks], changes applied (one copy, queued)."""
         if self._changed:
             change = torch.from_numpy(last_writes(np.array(self._changed, dtype=np.int64), self.max_blocks))
-            change = change.to(self.device, non_blocking=True)  # [K, 3]
+            change = to_device(change, self.device)  # [K, 3] (pinned: no wait for the queued work)
             self.on_device[change[:, 0], change[:, 1]] = change[:, 2]
             self._changed.clear()
         return self.on_device

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.transfer import to_device
+
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
@@ -155,7 +157,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     first, end = query_tiles(query_start, rows, block_m)
     if not first:
         return out
-    tiles = torch.tensor([first, end], dtype=torch.long).to(q.device, non_blocking=True)  # [2, tiles]
+    tiles = to_device(torch.tensor([first, end], dtype=torch.long), q.device)  # [2, tiles]
     if q.stride(2) != 1:
         q = q.contiguous()
     _prefill_attention[(hq, len(first))](

@@ -7,8 +7,10 @@ part: depths (`Speculation.depths`; 0 everywhere is a plain step whose tokens st
 device), proposals over the round's shape, verification in the same pass
 (`engine/verification.py`), then acceptance: a tree's accepted K/V move into sequence
 order, the target and the proposer roll back to n + a + 1, and tokens are emitted in order
-(a stop inside an accepted run ends the request there). Overlapped scheduling
-(`inflight.py`) and the rest: docs/architecture.md, "One engine step".
+(a stop inside an accepted run ends the request there). Overlapped, a round drafted
+ahead for every row stays in flight and the next round follows it on the device, its
+verdict read a round late (`_settle`; docs/speculation.md, "Rounds in flight"). Overlapped
+scheduling (`inflight.py`) and the rest: docs/architecture.md, "One engine step".
 """
 
 from __future__ import annotations

@@ -4,10 +4,11 @@ A round's drafts share one shape (a chain `chain_shape(K)`, row b using its firs
 nodes, or a static tree) or each row has its own dynamic tree. `Verification.block` makes
 each request's block [g, draft nodes] one row of the step's flat batch (written from
 position n on, node i at n + 1 + i, every token's logits wanted; a tree's row with its
-rule). `Verification.verify` runs the verifier on those rows' logits: the fused acceptance
-for rows sampling with a temperature alone, else the general pipeline per block row (the
-grammar's mask and the sampling transforms at each node's path) and the pure verifier; one
-host sync. A seeded row's uniforms come from its own generator (a chain k_b + 1, a tree
+rule; a round following the round in flight: `following`). `Verification.queue` runs the
+fused acceptance on those rows' logits for rows sampling with a temperature alone (a
+`Verdict` on the device, read by `collect`: one host sync), `verify` the general pipeline
+per block row (the grammar's mask and the sampling transforms at each node's path) and the
+pure verifier. A seeded row's uniforms come from its own generator (a chain k_b + 1, a tree
 sum(branching) + 1). docs/speculation.md, "A round's verification".
 """
 

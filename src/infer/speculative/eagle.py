@@ -9,14 +9,15 @@ tokens stay on the device (`Draft.chain_on_device`); a static tree expands from 
 (`eagle_tree`). `on_accepted` drops the round's positions. Greedy rows of a chain round
 draft their next round ahead (`verifying`): fed the whole block with the verdict's tokens,
 drafting from each row's accepted count on the device while the host waits for the
-verdict; the next `propose` takes those drafts for the rows that draft as assumed. Prefix caching and
-the rest: docs/speculation.md, "An EAGLE head", and docs/architecture.md, "EAGLE heads".
+verdict; the next `propose` takes those drafts for the rows that draft as assumed, or,
+that verdict unread, follows the round in flight (`can_follow`: rows moved on the device).
+Prefix caching and the rest: docs/speculation.md, "An EAGLE head", and
+docs/architecture.md, "EAGLE heads".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +30,7 @@ from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import CATCH_UP_CHUNK, fed_positions, tree_draft
 from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, HeadRoundFn, head_pass
+from infer.speculative.eagle_state import AheadMark, HeadState, moves
 from infer.speculative.eagle_tree import expand_head_tree
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.pieces import Piece, split_pieces, stacked
@@ -40,37 +42,6 @@ if TYPE_CHECKING:
     from infer.cache.protocol import CachePoolProtocol
 
 FEED_MAX = 8  # the widest last feed of a fused round by default (the engine passes spec_length + 1)
-
-
-@dataclass
-class AheadMark:
-    """A request's next round, drafted ahead (`EagleProposer.verifying`): the round's tokens
-    and fed features, shared by its rows, and this request's row of them."""
-
-    tokens: RoundTokens  # [B, steps] the round's drafts, on the device
-    features: torch.Tensor  # [B (steps + 1), H] the features it fed, each row's block
-    counts: torch.Tensor  # [B] the accepted drafts of the round it follows, on the device
-    steps: int
-    row: int  # this request's row of the round
-    start: int  # the positions its head cache held before (the feed wrote from there on)
-    accepted: int | None = None  # its round's accepted drafts, once verified (`on_accepted`)
-
-
-@dataclass
-class HeadState:
-    """One request's head cache: slot position p holds the head's entry of target position p."""
-
-    slot: int | None = None  # taken at admission after a prefix hit, at the first feed otherwise
-    pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
-    round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
-    ahead: AheadMark | None = None  # the next round drafted ahead; the cache then counts as `start`
-    # the round in flight it follows (`can_follow`): counts [B], its row, k; the positions
-    # from round_end on move by counts[row] - k on the device, the host's as if all accepted
-    follows: tuple[torch.Tensor, int, int] | None = None
-    prompt_offered: bool = False  # every full prompt block offered to the prefix cache (`_share`)
-
-    def num_pending(self) -> int:
-        return sum(b - a for _, a, b in self.pending)
 
 
 class EagleProposer:
@@ -343,7 +314,7 @@ class EagleProposer:
                 for r, s in zip(reqs, states, strict=True)]
         n = len(reqs)
         tokens, _ = self.round_fn(plan_batch(rows), features, k, [1.0] * n, torch.zeros((n, k), dtype=torch.float64),
-                                  [True] * n, AheadFeed(ids.reshape(-1), accepted, _moves(states)))
+                                  [True] * n, AheadFeed(ids.reshape(-1), accepted, moves(states)))
         drafted = RoundTokens(tokens.clamp(min=0))
         for j, (r, s) in enumerate(zip(reqs, states, strict=True)):
             s.ahead = AheadMark(drafted, features, accepted, k, j, r.num_computed_tokens)
@@ -507,16 +478,3 @@ class EagleProposer:
             state.round_end = None
             self._share([request], [state])
 
-
-def _moves(states: Sequence[HeadState]) -> torch.Tensor | None:
-    """[B] each row's move on the device where the rows follow a round in flight (one round,
-    in order: `EagleProposer.can_follow`), else None."""
-    follows = [s.follows for s in states]
-    if follows[0] is None:
-        return None
-    counts, _, k = follows[0]
-    if any(f is None or f[0] is not counts or f[2] != k for f in follows):
-        raise RuntimeError("rows of a round drafted ahead follow different rounds in flight")
-    rows = [f[1] for f in follows]  # type: ignore[index]
-    picked = counts[:len(rows)] if rows == list(range(len(rows))) else counts[tensor_on(rows, counts.device, torch.long)]
-    return picked - k

@@ -16,6 +16,7 @@ function (`EagerHeadRound`); `make_head_round` builds either. docs/architecture.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.models.kernels.routes import AttentionRoutes
 from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, check_round, end_round, head_round
+
+log = logging.getLogger("infer.engine")
 
 Key = tuple[int, int, int, bool, bool]  # (rows, tokens, steps, every row greedy, drafted ahead)
 
@@ -101,7 +104,8 @@ class HeadRoundGraphs:
         if key is None:
             return self.eager(plan, features, steps, temperatures, uniforms, greedy, ahead)
         g = self.graphs.get(key)
-        if g is None:
+        if g is None:  # (a stall of the steps in flight: `prepare` should have captured it)
+            log.warning("EAGLE head round graph %s captured on first use", key)
             g = self.graphs[key] = self._capture(*key)
         g.inputs.stage(plan)
         n = plan.num_rows

@@ -3,7 +3,8 @@
 A model's fused bundle is its own (`model.compiled`, models/kernels/bundle.py), so every
 forward function over it shares the compiled variants. On a GPU it is compiled at start-up
 (`warm_chunks`, timed at INFO): for chunks of any width once, the decode shapes as its
-CUDA graphs are captured.
+CUDA graphs are captured; an EAGLE head's for any number of tokens and rows (`warm_head`:
+its eager rounds, catch-ups and verification feeds then never compile mid-run).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from infer.engine.parts import ExecutionConfig
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
+from infer.models.layers.attention import NoCacheView
 from infer.models.llama import LlamaForCausalLM
 from infer.models.medusa import MedusaHead
 
@@ -37,7 +39,10 @@ def step_kernels(execution: ExecutionConfig, device: torch.device,
     kernels = compiled.get()
     if not compiled.warmed and warms(model, next(model.parameters()).device.type):
         start = time.perf_counter()
-        warm_chunks(model, kernels)  # type: ignore[arg-type]
+        if isinstance(model, EagleHead):
+            warm_head(model, kernels)
+        else:
+            warm_chunks(model, kernels)  # type: ignore[arg-type]
         compiled.warmed = True
         log.info("fused kernels of %s compiled for prefill chunks in %.1f s", type(model).__name__,
                  time.perf_counter() - start)
@@ -45,11 +50,14 @@ def step_kernels(execution: ExecutionConfig, device: torch.device,
 
 
 def warms(model: LlamaForCausalLM | EagleHead | MedusaHead, device_type: str) -> bool:
-    """Whether `step_kernels` warms the model's bundle: a whole (unsharded) model on a GPU.
+    """Whether `step_kernels` warms the model's bundle: a whole (unsharded) model or an EAGLE
+    head (one GPU) on a GPU.
     A tensor-parallel shard's forward all-reduces, so no rank may run one alone; its bundle
     compiles at the first prompt, on every rank together."""
-    return (device_type == "cuda" and isinstance(model, LlamaForCausalLM)
-            and all(layer.parallel.world_size == 1 for layer in model.linears().values()))
+    if device_type != "cuda":
+        return False
+    return isinstance(model, EagleHead) or (isinstance(model, LlamaForCausalLM) and all(
+        layer.parallel.world_size == 1 for layer in model.linears().values()))
 
 
 def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
@@ -65,3 +73,20 @@ def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
                 model(torch.zeros((1, width), dtype=torch.long, device=device), kernels=kernels)
     finally:
         model.capture = capture
+
+
+def warm_head(head: EagleHead, kernels: Kernels) -> None:
+    """An EAGLE head's bundle compiled for its eager shapes: forwards of 3 and 5 tokens without
+    a cache, then the features' combination and the logits of 3 and 5 rows (two widths make
+    each token dimension dynamic; one row takes the GEMV route)."""
+    param = next(head.parameters())
+    hidden = head.spec.hidden_size
+    width = hidden if head.spec.method == "eagle" else 3 * head.spec.target_hidden_size  # (what `combine` reads)
+    with torch.inference_mode():
+        for n in (3, 5):
+            ids = torch.zeros((1, n), dtype=torch.long, device=param.device)
+            positions = torch.arange(n, device=param.device)[None]
+            head(ids, torch.zeros((1, n, hidden), dtype=param.dtype, device=param.device), positions, NoCacheView(),
+                 kernels)
+            head.combine(torch.zeros((n, width), dtype=param.dtype, device=param.device), kernels)
+            head.logits(torch.zeros((n, hidden), dtype=param.dtype, device=param.device), kernels)

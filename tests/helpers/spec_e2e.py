@@ -83,8 +83,8 @@ def count_routes(monkeypatch: Any) -> dict[str, int]:
     seen = {"tree": 0, "chain": 0}
     real = Verification.block
 
-    def block(self: Verification, requests: Any, drafts: Any) -> Any:
-        out = real(self, requests, drafts)
+    def block(self: Verification, requests: Any, drafts: Any, follows: Any = None) -> Any:
+        out = real(self, requests, drafts, follows)
         seen["chain" if out.frame is None else "tree"] += 1
         return out
 

@@ -61,7 +61,7 @@ def _clocked_run(llm, prompts, round_s, params=GREEDY):
         now[0] += 1.0
         return now[0]
 
-    def verify(*args, _run=runner.verification.verify):
+    def queue(*args, _run=runner.verification.queue):  # (every round of these greedy rows is queued)
         now[0] += round_s
         return _run(*args)
 
@@ -72,7 +72,7 @@ def _clocked_run(llm, prompts, round_s, params=GREEDY):
             overlapped.append(runner._inflight is not None)
         return _launch(prefill, decode, render)
 
-    runner._time, runner.verification.verify, runner._launch = tick, verify, launch
+    runner._time, runner.verification.queue, runner._launch = tick, queue, launch
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     return llm, [o.outputs[0].token_ids for o in outs], any(overlapped)
 

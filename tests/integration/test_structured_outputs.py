@@ -165,7 +165,7 @@ def test_draft_model_proposes_only_tokens_the_grammar_allows(make_llm, monkeypat
     checked = []
     real_block = Verification.block
 
-    def spy(self, requests, drafts):
+    def spy(self, requests, drafts, follows=None):
         for r, d in zip(requests, drafts, strict=True):
             if r.grammar is None:
                 continue
@@ -174,7 +174,7 @@ def test_draft_model_proposes_only_tokens_the_grammar_allows(make_llm, monkeypat
                 bitmask = allocate_bitmask(1, r.grammar.vocab_size)
                 r.grammar.fill_after(bitmask, 0, tokens[:i])
                 checked.append(bool(allowed_tokens(bitmask, r.grammar.vocab_size)[0, t]))
-        return real_block(self, requests, drafts)
+        return real_block(self, requests, drafts, follows)
 
     monkeypatch.setattr(Verification, "block", spy)
     llm = _llm(make_llm, "draft")

@@ -254,13 +254,13 @@ class ModelRunner:
         deferred = verdict is not None and self._defer(decode, drafts, verdict, starts)
         if flight is not None:  # (under this round's GPU work; its block kept, counted or not)
             self._settle(flight, followed=True, keep={id(r): 0 if deferred else flight.k + 1 for r in decode})
-        if verdict is None:
+        if verdict is None:  # (the general pipeline: its host work waits for the logits)
             result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog)
-        else:
-            render.backlog()
+            self._note(self._accept(decode, drafts, result, paths, starts), len(decode))
+            return [self._sampled(sampled, logits[used:])] if sampled else []
+        render.backlog()
         if not deferred:
-            if verdict is not None:
-                result, paths = self._verifier.collect(verdict)
+            result, paths = self._verifier.collect(verdict)
             self._note(self._accept(decode, drafts, result, paths, starts), len(decode))
         return [self._sampled(sampled, logits[used:])] if sampled else []
 

@@ -265,9 +265,14 @@ class Verification:
 
     def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
                while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
-        """The general pipeline (rows `queue` does not take): every request's draft verified on
-        its rows' logits [sum of widths, V] -> (tokens per request, accepted nodes per
-        request). `while_gpu_runs` is called once the target's pass is queued."""
+        """Every request's draft verified on its rows' logits [sum of widths, V] -> (tokens per
+        request, accepted nodes per request): `queue` and `collect` where the fused acceptance
+        takes the rows, else the general pipeline. `while_gpu_runs` is called once the work
+        is queued (host work that hides under it)."""
+        verdict = self.queue(requests, drafts, block, logits)
+        if verdict is not None:
+            while_gpu_runs()
+            return self.collect(verdict)
         logits = self._padded(logits, block)  # [B, W, V]
         params = [r.sampling_params for r in requests]
         tokens = block.tokens

@@ -149,7 +149,9 @@ class ModelRunner:
             self._resolve()  # the host needs that step's tokens before this one
         if self._round is not None and not self._follows(prefill, decode):
             # (this step does not follow it on the device; the room reserved for its rows kept)
-            widths = room if room is not None else [self.speculation.width(self.speculation.spec_length)] * len(decode)
+            spec = self.speculation
+            assert spec is not None
+            widths = room if room is not None else [spec.width(spec.spec_length)] * len(decode)
             self._settle(self._round, followed=False, keep={id(r): w for r, w in zip(decode, widths, strict=True)})
         render = StepRender(self.output)
         launched = self._launch(prefill, decode, render)

@@ -477,4 +477,3 @@ class EagleProposer:
                 self.pool.truncate_to(state.slot, min(state.round_end, held))
             state.round_end = None
             self._share([request], [state])
-

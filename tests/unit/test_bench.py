@@ -495,3 +495,26 @@ def test_speculation_suite_runs_the_demo_targets_eagle3_head_beside_the_draft(mo
         assert head["spec_length"] == draft["spec_length"] == 5 and head["model"] == draft["model"]
     other = suites.suite_rows("speculation", HarnessOptions(device="cpu", quiet=True, model="dummy:llama-3.2-1b"))[0]
     assert not [n for n in other if n.endswith("/eagle-k5")]  # the demo head fits the demo target only
+
+
+def test_a_timed_run_steps_with_the_objects_before_it_frozen_and_thaws_them(ckpt_a):
+    # (a full collection triggered inside a run scans the run's own objects alone)
+    import gc
+
+    from infer.bench.engine_runner import timed_run
+    from infer.engine.config import EngineConfig
+    from infer.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(ckpt_a), device="cpu", max_batch_size=2, max_seq_len=256))
+    frozen, step = [], engine.step
+
+    def counting():
+        frozen.append(gc.get_freeze_count())
+        return step()
+
+    engine.step = counting
+    wl = WORKLOADS["W1"].with_output_len(4)
+    before = gc.get_freeze_count()
+    requests, wall, steps = timed_run(engine, wl, build_requests(wl, engine.vocab_size, None).requests[:2])
+    assert steps == len(frozen) > 0 and all(n > before for n in frozen)
+    assert gc.get_freeze_count() == before and all(len(r.output_token_ids) == 4 for r in requests)

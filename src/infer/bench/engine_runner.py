@@ -95,17 +95,25 @@ def warmup(engine: Engine, workload: Workload, prompts: PromptSet, tokens: int |
 
 
 def timed_run(engine: Engine, workload: Workload, specs: Sequence[RequestSpec]) -> tuple[list[Request], float, int]:
-    """Add every request, step to completion; (requests, wall seconds, engine steps)."""
-    synchronize(engine.device)
-    start = time.perf_counter()
-    requests = [engine.add_request(s.prompt_ids, workload.sampling_params(i, s.max_tokens), request_id=f"bench-{i}")
-                for i, s in enumerate(specs)]
-    steps = 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    synchronize(engine.device)
-    return requests, time.perf_counter() - start, steps
+    """Add every request, step to completion; (requests, wall seconds, engine steps). The
+    garbage collector is run first and what exists then frozen (`gc.freeze`) for the run:
+    a full collection the run's objects trigger scans those alone, not the models, graphs
+    and earlier runs' objects (a pause that would land inside one run of several)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        synchronize(engine.device)
+        start = time.perf_counter()
+        requests = [engine.add_request(s.prompt_ids, workload.sampling_params(i, s.max_tokens),
+                                       request_id=f"bench-{i}") for i, s in enumerate(specs)]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        synchronize(engine.device)
+        return requests, time.perf_counter() - start, steps
+    finally:
+        gc.unfreeze()
 
 
 def request_metrics(requests: Sequence[Request], wall_s: float) -> dict[str, Any]:
@@ -182,7 +190,6 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
                 for j in range(n):
                     pair = [(ours[j], runs[j])] + ([(bases[j], base_runs[j])] if bases else [])
                     for e, out in pair if (i + j) % 2 else pair[::-1]:
-                        gc.collect()  # not inside the timing
                         e.reset_draft_history()  # (a repeat drafts from nothing the run before it left)
                         out.append(timed_run(e, workload, prompts.requests))
                         bar.update(1)

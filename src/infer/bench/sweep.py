@@ -10,7 +10,6 @@ one speculative engine per shape, timed at each alpha. docs/benchmarks.md, "Meth
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -271,7 +270,6 @@ class SweepSession:
               repeats: int) -> list[tuple[list[Request], float, int]]:
         runs = []
         for _ in range(repeats):
-            gc.collect()  # not inside the timing
             runs.append(timed_run(engine, ctx.workload(self.setup.workload), specs))
         return runs
 

@@ -12,6 +12,7 @@ KV cache, warm-up: engine/startup.py) is logged at --log-level info.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -152,6 +153,10 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
     server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
     engine = AsyncEngine(Engine(config))
+    # the models, graphs and kernels of start-up leave the collector's generations: a full
+    # collection during serving scans what the requests made, not them (a pause of every step)
+    gc.collect()
+    gc.freeze()
     app = create_app(engine, server_config)
     try:
         app.state.server.grammars.start()  # (no request waits for the workers to start)

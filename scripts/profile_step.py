@@ -187,7 +187,7 @@ def main() -> None:
            "kernels_per_layer_by_kind": {k: v / layers for k, v in per_step.items()},
            "top_kernels_ms": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15]), "tokens": tokens,
            "sync_sites": syncs, "host_top_ms_per_step": host,
-           "rounds_followed": engine.runner.rounds_followed}
+           "rounds_followed": None if engine.runner.stats is None else engine.runner.stats.followed}
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

@@ -51,5 +51,5 @@ def test_rounds_in_flight_through_graphs_give_plain_tokens(ckpt_a, head, alpha) 
         assert _greedy(llm, prompts) == records
         assert oracle.counts.off_record_rounds == 0 and 0 < oracle.counts.accepted < oracle.counts.tried
         assert llm.engine.leak_report() == [] and not llm.engine.runner.has_pending()
-        followed[overlap] = llm.engine.runner.rounds_followed
+        followed[overlap] = llm.engine.runner.stats.followed
     assert followed[True] > 0 and followed[False] == 0

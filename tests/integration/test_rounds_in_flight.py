@@ -72,9 +72,9 @@ def test_rounds_in_flight_are_lossless_at_every_acceptance(ckpt_a, head, prompts
     assert _run(engine, prompts) == records
     runner, counts = engine.runner, oracle.counts
     stats = runner.stats
-    # (rounds_followed counts steps, stats.rounds each request's rounds; the first round and
+    # (stats.followed counts steps, stats.rounds each request's rounds; the first round and
     # the tail, where a request's length cuts K, do not follow)
-    assert runner.rounds_followed > stats.rounds / len(prompts) / 2
+    assert runner.stats.followed > stats.rounds / len(prompts) / 2
     assert counts.accepted == stats.accepted_tokens and counts.off_record_rounds == 0
     if alpha in (0.0, 1.0):
         assert counts.acceptance == alpha
@@ -87,7 +87,7 @@ def test_the_synchronous_engine_follows_no_round(ckpt_a, head, prompts, records)
     engine = _engine(ckpt_a, head, overlap=False)
     _with_oracle(engine, records, 0.8)
     assert _run(engine, prompts) == records
-    assert engine.runner.rounds_followed == 0 and engine.runner.stats.rounds > 0
+    assert engine.runner.stats.followed == 0 and engine.runner.stats.rounds > 0
 
 
 def test_rounds_in_flight_under_preemption_keep_every_token(ckpt_a, head, prompts, records) -> None:
@@ -96,7 +96,7 @@ def test_rounds_in_flight_under_preemption_keep_every_token(ckpt_a, head, prompt
     engine = _engine(ckpt_a, head, overlap=True, kv_cache_backend="paged", block_size=4, num_blocks=24)
     oracle = _with_oracle(engine, records, 0.8)
     assert _run(engine, prompts) == records
-    assert engine.scheduler.num_preemptions > 0 and engine.runner.rounds_followed > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.runner.stats.followed > 0
     assert oracle.counts.off_record_rounds == 0
     assert engine.leak_report() == [] and not engine.runner.has_pending()
 
@@ -106,7 +106,7 @@ def test_a_short_max_tokens_ends_where_plain_decoding_ends(ckpt_a, head, prompts
     _with_oracle(engine, records, 1.0)  # (whole rounds: a round in flight carries the request past its end)
     got = _run(engine, prompts, max_tokens=11)
     assert got == [rec[:len(p) + 11] for p, rec in zip(prompts, records, strict=True)]
-    assert engine.runner.rounds_followed > 0 and engine.leak_report() == []
+    assert engine.runner.stats.followed > 0 and engine.leak_report() == []
 
 
 def _finishes(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
@@ -128,7 +128,7 @@ def test_stop_ids_and_strings_end_a_request_inside_a_round_in_flight(ckpt_a, hea
         _with_oracle(engine, records, 0.8)
         got[overlap] = _finishes(engine, prompts, params)
         assert engine.leak_report() == [] and not engine.runner.has_pending()
-        assert (engine.runner.rounds_followed > 0) == overlap
+        assert (engine.runner.stats.followed > 0) == overlap
     assert got[True] == got[False]
     assert got[True][0][0] == outputs[0][:outputs[0].index(outputs[0][9]) + 1]
     assert got[True][2][0] == outputs[2][:7] and got[True][3][0] == outputs[3]
@@ -148,7 +148,7 @@ def test_an_abort_with_a_round_in_flight_gives_everything_back(ckpt_a, head, pro
     _with_oracle(engine, records, 0.8)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     requests = [engine.add_request(p, params) for p in prompts[:2]]
-    while engine.runner.rounds_followed == 0:  # (a round in flight and its successor queued)
+    while engine.runner.stats.followed == 0:  # (a round in flight and its successor queued)
         engine.step()
     final = engine.abort(requests[0].request_id)
     assert final is not None and final.finish_reason is not None and final.finish_reason.value == "abort"

@@ -65,6 +65,7 @@ def spec_metrics(stats: SpecStats) -> dict[str, Any]:
         # accepted draft tokens per drafting round (a tree: the accepted path), by depth, by length
         "mean_accepted_path": stats.mean_accepted_path, "acceptance_by_depth": stats.acceptance_by_depth,
         "accepted_lengths": list(stats.accepted_lengths),
+        "spec_followed_steps": stats.followed,  # (rounds in flight: docs/speculation.md)
     }
 
 

@@ -94,7 +94,6 @@ class ModelRunner:
         self._inflight: InFlight | None = None
         self._round: RoundInFlight | None = None  # a round whose verdict the host has not read
         self._settled: float | None = None  # tokens a decode row got from the round settled this step
-        self.rounds_followed = 0  # rounds queued before the verdict of the round before them was read
         self._token_buffers = TokenBuffers(2 * batch, self.device)  # prefill and decode rows
         self._time: Callable[[], float] = time.perf_counter
         self._planned: list[int] | None = None  # this step's draft depths, decided before its launch
@@ -231,7 +230,8 @@ class ModelRunner:
         flight, self._round = self._round, None  # (still set here: this round follows it, `_follows`)
         follows = None if drafts is None or flight is None else Follows.of(flight.verdict.packed)
         block = None if drafts is None else self._verifier.block(decode, drafts, follows)
-        self.rounds_followed += follows is not None
+        if follows is not None:
+            self._spec.stats.followed += 1
         samples = [not r.output_token_ids and not r.pending_tokens and r.num_computed_tokens + n >= r.prefill_target
                    for r, n in chunks]
         rows, device_ids = (block.rows, block.device_ids) if block is not None else self._plain_rows(decode)
@@ -317,6 +317,11 @@ class ModelRunner:
                                      zip(requests, live, strict=True)],
                           [[flight.starts[b], *(flight.starts[b] + 1 + i for i in paths[b])] for b in live])
         self._note(self._emit_round(flight.requests, flight.drafts, result), len(flight.requests))
+
+    @property
+    def _spec(self) -> Speculation:
+        assert self.speculation is not None
+        return self.speculation
 
     @property
     def _verifier(self) -> Verification:

@@ -36,6 +36,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     shared_vocabulary: float | None = None  # a draft with another vocabulary: the fraction it shares
+    followed: int = 0  # steps whose round was queued before the host read the verdict before it
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
         """One verification round: tokens proposed, accepted and emitted; `depth`, the
@@ -67,7 +68,8 @@ class SpecStats:
                          self.rounds - earlier.rounds,
                          _minus(self.accepted_per_position, earlier.accepted_per_position),
                          _minus(self.drafted_per_position, earlier.drafted_per_position),
-                         _minus(self.accepted_lengths, earlier.accepted_lengths), self.shared_vocabulary)
+                         _minus(self.accepted_lengths, earlier.accepted_lengths), self.shared_vocabulary,
+                         self.followed - earlier.followed)
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -6,7 +6,8 @@ gives the same `Case` on any machine, so one failing case reruns alone. A case i
 draft, "near" the target with noise, "eagle" / "eagle3" / "medusa" heads; helpers/fuzz_models.py
 makes them) and the requests of one `generate`: prompts sharing prefixes, greedy and
 sampled rows (seeds, temperature, top-k / top-p, penalties, log-probabilities, `n`, stops,
-max_tokens, per-request `speculation`). Some cases are invalid on purpose: a configuration `EngineConfig` must refuse
+max_tokens, per-request `speculation`); one in eight an EAGLE head's greedy chains, overlapped
+(rounds in flight). Some cases are invalid on purpose: a configuration `EngineConfig` must refuse
 (`invalid`: words its ValueError names) or a prompt `generate` must refuse (`bad_prompt`).
 `avoid` names features left out while their known bugs are open (`FEATURES`).
 """
@@ -102,7 +103,25 @@ def draw_case(seed: int, index: int, avoid: frozenset[str] = frozenset()) -> Cas
         bad = rng.choice([(), (0, VOCAB + rng.randrange(100)), (0, -1), (0,) * (engine["max_seq_len"] + 1)])
     abort = (rng.randrange(len(jobs)), rng.randint(0, 8)) if rng.random() < 0.3 else None
     jobs = _with_speculation(random.Random(f"infer-fuzz:{seed}:{index}:speculation"), jobs, engine)
+    if invalid is None and not avoid & {"eagle-prefix-cache", "async-preemption", "spec-tight-pool",
+                                        "spec-prefix-preemption"}:
+        engine, jobs = _in_flight(random.Random(f"infer-fuzz:{seed}:{index}:in-flight"), engine, jobs)
     return Case(seed, index, engine, tuple(jobs), invalid, bad, abort, frozenset(avoid))
+
+
+def _in_flight(rng: random.Random, engine: dict[str, Any], jobs: list[Job]) -> tuple[dict[str, Any], list[Job]]:
+    """One case in eight made one whose rounds stay in flight (docs/speculation.md): an EAGLE
+    head's chains, overlapped, every row greedy without log-probabilities, at the engine's K
+    (drawn from a generator of its own, so the rest of a case is what it was before)."""
+    if rng.random() >= 0.125 or engine.get("use_speculative_decoding") and engine["speculative_method"] not in HEADS:
+        return engine, jobs
+    engine = {k: v for k, v in engine.items() if k not in ("spec_tree", "spec_policy", "spec_cost_coefficient")}
+    method = engine.get("speculative_method") if engine.get("use_speculative_decoding") else rng.choice(HEADS)
+    engine.update(use_speculative_decoding=True, speculative_method=method, draft=method, async_scheduling=True,
+                  spec_length=engine.get("spec_length") or rng.randint(1, 6))
+    greedy = [replace(j, params=replace(j.params, temperature=0.0, seed=None, logprobs=None, speculation=None))
+              for j in jobs]
+    return engine, greedy
 
 
 def _with_speculation(rng: random.Random, jobs: list[Job], engine: dict[str, Any]) -> list[Job]:

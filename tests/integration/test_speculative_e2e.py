@@ -284,8 +284,8 @@ def test_steps_without_proposals_are_plain_steps(make_llm, ckpt_a, prompts, plai
 
     runner.speculation.proposer = Nothing()
     verified = []
-    original, queued = runner.verification.verify, runner.verification.queue
-    runner.verification.verify = lambda *args: (verified.append(1), original(*args))[1]
+    original, queued = runner.verification.general, runner.verification.queue
+    runner.verification.general = lambda *args: (verified.append(1), original(*args))[1]
     runner.verification.queue = lambda *args: (verified.append(1), queued(*args))[1]
     choose, plain_choices = runner.speculation.policy.choose, []
 

@@ -257,7 +257,7 @@ class ModelRunner:
         if flight is not None:  # (under this round's GPU work; its block kept, counted or not)
             self._settle(flight, followed=True, keep={id(r): 0 if deferred else flight.k + 1 for r in decode})
         if verdict is None:  # (the general pipeline: its host work waits for the logits)
-            result, paths = self._verifier.verify(decode, drafts, block, logits[:used], render.backlog)
+            result, paths = self._verifier.general(decode, drafts, block, logits[:used], render.backlog)
             self._note(self._accept(decode, drafts, result, paths, starts), len(decode))
             return [self._sampled(sampled, logits[used:])] if sampled else []
         render.backlog()

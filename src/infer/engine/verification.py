@@ -273,6 +273,12 @@ class Verification:
         if verdict is not None:
             while_gpu_runs()
             return self.collect(verdict)
+        return self.general(requests, drafts, block, logits, while_gpu_runs)
+
+    def general(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
+                while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
+        """The general pipeline, for rows `queue` does not take (a grammar, penalties, top-k /
+        top-p, log-probabilities): as `verify`."""
         logits = self._padded(logits, block)  # [B, W, V]
         params = [r.sampling_params for r in requests]
         tokens = block.tokens

@@ -263,13 +263,15 @@ class EagleProposer:
         ahead). Every other request drafted ahead gives those positions back (its head as
         without). Returns the rows served."""
         served: set[int] = set()
-        follow = bool(requests) and shape.is_chain and len(set(depths)) == 1 and self.can_follow(requests, depths[0])
         for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
             state = self.states.get(r.request_id)
             mark = None if state is None else state.ahead
             if state is None or mark is None or state.slot is None:
                 continue
             state.ahead = None
+            # (its round still in flight: the runner follows it only when every row can)
+            follow = mark.accepted is None and shape.is_chain and k == mark.steps and not state.pending \
+                and r.num_computed_tokens == mark.start + k + 1
             if follow or shape.is_chain and 0 < k <= min(mark.steps, shape.depth) \
                     and mark.accepted is not None \
                     and r.num_computed_tokens == mark.start + mark.accepted + 1 == mark.start + state.num_pending():

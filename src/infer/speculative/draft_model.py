@@ -7,13 +7,16 @@ A chain is then K batched draft steps (one flat pass each, the ids left on the d
 row sampling q after its own sampling transforms (a grammar's mask for structured outputs)
 and stopping at its own k. A tree is expanded level by level (`tree_expand.expand_levels`,
 `tree_draft`; dynamic trees by `dynamic_draft`). `on_accepted` moves the accepted fed nodes
-into sequence order and truncates the draft cache to n + 1 + min(L, k - 1).
+into sequence order and truncates the draft cache to n + 1 + min(L, k - 1). A greedy chain
+round drafts the next round ahead (`verifying`), queued behind its verification, fed from the
+verdict on the device: the host's work between rounds hides under those draft steps.
 The round step by step: docs/speculation.md, "A draft model".
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +30,8 @@ from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.dynamic_draft import expand_dynamic
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
-from infer.speculative.tree import Draft, TreeChunk, TreeShape
+from infer.sampling import temperature_only
+from infer.speculative.tree import Draft, RoundTokens, TreeChunk, TreeShape
 from infer.speculative.tree_expand import expand_levels
 from infer.transfer import tensor_on, to_device
 
@@ -37,6 +41,18 @@ if TYPE_CHECKING:
 
 CATCH_UP_CHUNK = DECODE_MAX_QUERY  # tokens per row per catch-up pass (the split-KV kernel's rows; EAGLE's too)
 DRAFT_MAX_FEED = 4  # widest first draft step
+
+
+@dataclass
+class DraftAhead:
+    """A request's next round drafted ahead (`DraftModelProposer.verifying`): its row of the
+    round's tokens, from n, the start of the round it followed."""
+
+    tokens: RoundTokens  # [A, steps] on the device
+    row: int
+    steps: int
+    n: int  # the request's computed tokens when the round it followed began
+    accepted: int | None = None  # that round's accepted drafts, once verified (`on_accepted`)
 
 
 class DraftModelProposer:
@@ -54,6 +70,10 @@ class DraftModelProposer:
         # request id -> (n, per node its index in the draft's block where it was fed, or -1) of
         # the round in flight
         self.rounds: dict[str, tuple[int, tuple[int, ...]]] = {}
+        # greedy chain rounds draft the next round under their verification (module docstring)
+        self.ahead = True
+        self.marks: dict[str, DraftAhead] = {}  # request id -> its next round, drafted ahead
+        self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
 
     # -- memory: a draft slot from a request's first round on -------------------------------
     # A request gets its draft slot at its first round, not at admission: one that never
@@ -77,9 +97,46 @@ class DraftModelProposer:
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
         """Nothing: the draft prefills lazily, at a request's first round."""
 
+    @torch.inference_mode()
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """Nothing: the draft model drafts from the verified tokens on the host."""
+        """`Proposer.verifying`: draft the next round now for the greedy rows without a
+        grammar that drafted a chain of k this round (verdict [B, K + 2] on the device), whose
+        draft has room for it. The host plans each row as if all k drafts were accepted; on
+        the device its first step feeds the last accepted token (g when none) and the final
+        one at n + a and n + a + 1, every step moved by a - k (`DeviceIds.shift`). The
+        draft's positions n + a .. n + a + k are then the next round's, fed as it would."""
+        if not self.ahead:
+            return
+        picked = [i for i, (r, d) in enumerate(zip(requests, drafts, strict=True)) if self._aheadable(r, d)]
+        if not picked:
+            return
+        if len(picked) < len(requests):
+            verdict = verdict[tensor_on(picked, verdict.device, torch.long)]
+        reqs = [requests[i] for i in picked]
+        ks = [drafts[i].num_proposed for i in picked]
+        width = verdict.shape[1] - 2
+        k_row = tensor_on(ks, verdict.device, torch.long)  # [A]
+        accepted = verdict[:, width]  # [A]
+        last = verdict.gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]  # [A] the last accepted draft
+        g = tensor_on([r.token_slice(r.num_computed_tokens, r.num_computed_tokens + 1)[0] for r in reqs],
+                      verdict.device, torch.long)
+        first = torch.where(accepted > 0, last, g)
+        ids = torch.stack([first, verdict[:, width + 1].clamp(min=0)], dim=1).reshape(-1)  # [2A]
+        drafted = RoundTokens(self._draft_loop(reqs, ks, ahead=(ids, accepted - k_row)).tokens.clamp(min=0))
+        for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
+            self.marks[r.request_id] = DraftAhead(drafted, j, k, r.num_computed_tokens)
+
+    def _aheadable(self, request: DraftRequest, draft: Draft) -> bool:
+        """Whether the request's next round is drafted ahead (`verifying`); its draft's room
+        for it taken now (the block, then k - 1 drafts past it)."""
+        params, k, slot = request.sampling_params, draft.num_proposed, self.draft_slots.get(-1 if request.slot is None else request.slot)
+        n = request.num_computed_tokens
+        need = n + 2 * k + 1
+        return (k > 0 and draft.shape.is_chain and request.grammar is None and params.greedy and not params.penalized
+                and temperature_only(params, self.model.config.vocab_size) and slot is not None
+                and self.rounds.get(request.request_id, (None,))[0] == n and self.pool.seq_len(slot) == n + k
+                and need <= self.pool.max_seq_len and self.pool.ensure_capacity(slot, need))
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
         return False  # (its drafts start from the verified tokens on the host)
@@ -117,9 +174,11 @@ class DraftModelProposer:
         if request.slot is not None and request.slot in self.draft_slots:
             self.pool.free_slot(self.draft_slots.pop(request.slot))
         self.rounds.pop(request.request_id, None)
+        self.marks.pop(request.request_id, None)
 
     def leak_report(self) -> list[str]:
         extra = [f"draft slot map still holds {self.draft_slots}"] if self.draft_slots else []
+        extra += [f"rounds drafted ahead still held for {sorted(self.marks)}"] if self.marks else []
         return extra + [f"draft pool: {p}" for p in self.pool.leak_report()]
 
     def slot(self, request: DraftRequest) -> int:
@@ -137,7 +196,11 @@ class DraftModelProposer:
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         empty = Draft.empty(NodeTree((), shape.widths) if isinstance(shape, DynamicShape) else shape)
         drafts = [empty for _ in requests]
-        active = [i for i, k in enumerate(depths) if k > 0 and self.take_slot(requests[i], fed_positions(shape, k))]
+        served = self._take_ahead(requests, shape, depths, drafts)
+        active = [i for i, k in enumerate(depths) if k > 0 and i not in served
+                  and self.take_slot(requests[i], fed_positions(shape, k))]
+        for i in served:
+            self.rounds[requests[i].request_id] = (requests[i].num_computed_tokens, chain_fed(shape, depths[i]))
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
@@ -153,10 +216,17 @@ class DraftModelProposer:
                                       None if r.sampling_params.greedy else row.probs)
             storage = [row.storage for row in rows]
         elif shape.is_chain:
-            tokens, probs = self._draft_loop(reqs, ks)
-            for j, (i, k) in enumerate(zip(active, ks, strict=True)):
-                with isolated(reqs[j], DRAFTING):
-                    drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
+            chain = self._draft_loop(reqs, ks)
+            probs = chain.probs
+            if chain.greedy and not chain.host_bound:  # (left on the device: verification feeds them from there)
+                on_device = RoundTokens(chain.tokens.clamp(min=0))
+                for j, (i, k) in enumerate(zip(active, ks, strict=True)):
+                    drafts[i] = Draft.chain_on_device(shape, on_device, j, k)
+            else:
+                tokens = chain.rows(ks)
+                for j, (i, k) in enumerate(zip(active, ks, strict=True)):
+                    with isolated(reqs[j], DRAFTING):
+                        drafts[i] = Draft.chain(shape, tokens[j][:k], None if probs is None else probs[j, :k])
         else:
             nodes, probs, drawn = self._expand(reqs, ks, shape)
             for j, (i, r, k) in enumerate(zip(active, reqs, ks, strict=True)):
@@ -164,9 +234,33 @@ class DraftModelProposer:
                     drafts[i] = tree_draft(shape, k, nodes[j], drawn[j],
                                            None if probs is None or r.sampling_params.greedy else probs[j])
         for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
-            fed = storage[j] if storage else tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
+            fed = storage[j] if storage else chain_fed(shape, k)
             self.rounds[r.request_id] = (r.num_computed_tokens, fed)
         return drafts
+
+    def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape | DynamicShape,
+                    depths: Sequence[int], drafts: list[Draft]) -> set[int]:
+        """The rows whose round was drafted ahead and that draft now as it assumed (a chain of
+        at most its steps, right after the round it followed): their drafts (`drafts[i]`).
+        Every other request drafted ahead gives those positions back (its draft as without).
+        Returns the rows served."""
+        served: set[int] = set()
+        for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
+            mark = self.marks.pop(r.request_id, None)
+            if mark is None or r.slot not in self.draft_slots:
+                continue
+            slot = self.slot(r)
+            if (isinstance(shape, TreeShape) and shape.is_chain and 0 < k <= min(mark.steps, shape.depth)
+                    and mark.accepted is not None and r.num_computed_tokens == mark.n + mark.accepted + 1
+                    and self.pool.seq_len(slot) == r.num_computed_tokens + mark.steps):
+                drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k)
+                served.add(i)
+            else:  # (positions past n + a hold the round ahead's feed: dropped, the blocks
+                # kept: the scheduler reserved this round's room in them)
+                end = mark.n if mark.accepted is None else mark.n + mark.accepted + 1
+                self.pool.set_length(slot, min(end, self.pool.seq_len(slot)))
+        self.ahead_rounds += bool(served)
+        return served
 
     def behind(self, request: DraftRequest) -> bool:
         """Whether the draft misses more tokens than draft step 1 can feed (max_feed)."""
@@ -189,16 +283,19 @@ class DraftModelProposer:
             self.step_forward.run(plan_batch(rows))
             todo = [r for r in todo if self.behind(r)]
 
-    def _draft_loop(self, reqs: Sequence[DraftRequest],
-                    ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Batched draft steps -> (tokens [B][k_b], probs [B, K, V], or None when every row is greedy).
+    def _draft_loop(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
+                    ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChainSteps:
+        """Batched draft steps: the round's `ChainSteps` (tokens [B, K] on the device, q [B, K, V]
+        unless every row is greedy).
 
         Step s runs the rows with k_b > s only, so no row writes past the positions its own
         k was guarded for. Tokens stay on the device between steps (the next step's input is
         the previous step's output): no host sync, except to grow the contexts when a
         repetition penalty needs them. Each row draws its k_b uniforms from its own generator.
         Each step is one pass of the draft's forward function (a CUDA graph replay where one
-        serves), then its draw (`ChainSteps.draw`) queued behind it.
+        serves), then its draw (`ChainSteps.draw`) queued behind it. `ahead` (ids [2B], shift
+        [B]): a round drafted ahead (`verifying`), step 1 feeding each row two ids from the
+        device, every step's row moved by its shift.
         """
         batch, k_max = len(reqs), max(ks)
         slots = [self.slot(r) for r in reqs]
@@ -207,13 +304,15 @@ class DraftModelProposer:
         # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
         # up to max_feed after plain steps); each later step the token the step before drew
         starts = [self.pool.seq_len(s) for s in slots]
-        feeds: list[list[int]] = [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)]
+        feeds: list[list[int]] = ([[0, 0] for _ in reqs] if ahead is not None
+                                  else [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)])
         alive = list(range(batch))
         rows = tensor_on(alive, self.device, torch.long)  # [A] batch rows still drafting
-        new: torch.Tensor | None = None
+        new, shift = (None, None) if ahead is None else ahead  # [A] (step 1 of a round ahead: [2A])
         for step in range(k_max):
             plan = plan_batch([Row(slots[b], starts[b], feeds[b]) for b in alive])
-            logits = self.step_forward.run(plan, None if new is None else DeviceIds(tuple(range(len(alive))), new))
+            ids = None if new is None else DeviceIds(tuple(range(len(new))), new, shift=shift)
+            logits = self.step_forward.run(plan, ids)
             new, probs = chain.draw(logits, alive, None if uniforms is None else uniforms[rows, step])  # [A]
             chain.put(rows, step, new, probs)
             for b in alive:
@@ -223,8 +322,10 @@ class DraftModelProposer:
             if len(keep) < len(alive):  # rows at their own k stop here
                 alive = [alive[i] for i in keep]
                 rows = tensor_on(alive, self.device, torch.long)
-                new = new.index_select(0, tensor_on(keep, self.device, torch.long))
-        return chain.rows(ks), chain.probs
+                index = tensor_on(keep, self.device, torch.long)
+                new = new.index_select(0, index)
+                shift = None if shift is None else shift.index_select(0, index)
+        return chain
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
         """The fed part of each accepted path into sequence order (one gather + scatter for
@@ -244,7 +345,10 @@ class DraftModelProposer:
                 fed.append(storage[node])
             slot = self.slot(request)
             moves.append(PathMove(slot, n, tuple(fed)))
-            ends.append((slot, n + 1 + len(fed)))
+            mark = self.marks.get(request.request_id)
+            if mark is not None:  # (drafted ahead: its feed from n + a on is the next round's)
+                mark.accepted = len(nodes)
+            ends.append((slot, n + 1 + (len(fed) if mark is None else len(nodes) + mark.steps)))
         move_paths(self.pool, moves)
         for slot, end in ends:
             self.pool.truncate_to(slot, min(end, self.pool.seq_len(slot)))
@@ -275,6 +379,12 @@ class DraftModelProposer:
 
         root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)
+
+def chain_fed(shape: TreeShape | DynamicShape, k: int) -> tuple[int, ...]:
+    """Per node of a static shape, its index in the draft's block where a round of depth k
+    fed it (nodes of depth < k), or -1."""
+    return tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
+
 
 def fed_positions(shape: TreeShape | DynamicShape, depth: int) -> int:
     """Positions a round of depth limit `depth` >= 1 writes to the draft's cache from g on:

@@ -28,7 +28,7 @@ from infer.engine.loading import load_models_for
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
 from infer.engine.threads import apply_cpu_threads
 from infer.models.loading.loader import load_model, read_model_config
-from infer.speculative.draft_vocab import DraftVocab
+from infer.speculative.draft_vocab import lowest_ids
 
 PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 TRANSFORMERS = Module("transformers", "transformers>=4.45")
@@ -156,9 +156,8 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
 
 def _first_ids_table(target: str, size: int, directory: Path) -> str:
     """A reduced draft vocabulary's table of the target's `size` lowest ids, written in `directory`."""
-    vocab = read_model_config(target).vocab_size
     path = directory / "draft-vocab.json"
-    DraftVocab(tuple(range(min(size, vocab))), vocab, "the lowest ids (a cost row's)", 0, 0.0).save(path)
+    lowest_ids(read_model_config(target).vocab_size, size).save(path)
     return str(path)
 
 
@@ -225,8 +224,9 @@ def collectives_row(name: str, what: str, group: str, workload: Workload, overri
 def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
     """The sweep's rows, in the order its session serves them: per draft quantization the
     costs (c and v(K); at batch 1 only), the plain baseline (before the first speculative
-    row), then every shape at every alpha ("sweep/<label>[-fp8]/<shape>/a<alpha>")."""
-    plain = f"sweep/{setup.label}/plain"
+    row), then every shape at every alpha ("sweep/<label>[-fp8][-v32k]/<shape>/a<alpha>")."""
+    vocab = f"-v{setup.draft_vocab // 1024}k" if setup.draft_vocab else ""
+    plain = f"sweep/{setup.label}{vocab}/plain"
     with_costs = setup.costs and setup.batch_size == 1
     count = len(setup.draft_quantizations) * (with_costs + len(setup.shapes) * len(setup.alphas)) + 1
     session = SweepSession(setup, count)
@@ -243,7 +243,7 @@ def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
 
     rows: list[Row] = []
     for q in setup.draft_quantizations:
-        tag = setup.label + (f"-{q}" if q else "")
+        tag = setup.label + (f"-{q}" if q else "") + vocab
         group = f"acceptance sweep (controlled acceptance): {setup.target} drafted by {setup.draft}" + (
             f" in {q}" if q else "")
         costs = f"sweep/{tag}/costs"

@@ -42,6 +42,7 @@ SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
 # speculation against plain decoding as the batch grows (the batch gate on): the 1B draft at
 # K=3 and an EAGLE-3 head at K=4, at alpha 0.8, SPEC_BATCH_TOKENS new tokens a request (long
 # enough that the first token and a run's tail do not decide the figure)
+VOCAB_32K = 32768  # a reduced draft vocabulary's ids (the costs' and the sweep's rows)
 SPEC_BATCHES, SPEC_BATCH_ALPHA, SPEC_BATCH_TOKENS = (1, 8, 16, 32, 64, 128), 0.8, 256
 # serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
 # a ShareGPT-like request's prompt and output together), a step budget that prefills them in
@@ -219,10 +220,10 @@ def costs_rows(m: Models) -> list[Row]:
                       True, "int4"),
             projection_row("projection/3b-1b-int4", "costs/3b-1b-int4/graphs"),
             costs_row("costs/3b-1b-v32k/graphs", "the bf16 draft with a reduced vocabulary: lm_head rows of "
-                      "32768 ids (spec_draft_vocab)", SHAPE_3B, SHAPE_1B, True, draft_vocab=32768),
+                      "32768 ids (spec_draft_vocab)", SHAPE_3B, SHAPE_1B, True, draft_vocab=VOCAB_32K),
             projection_row("projection/3b-1b-v32k", "costs/3b-1b-v32k/graphs"),
             costs_row("costs/3b-1b-fp8-v32k/graphs", "the FP8 draft with a reduced vocabulary (32768 ids)", SHAPE_3B,
-                      SHAPE_1B, True, "fp8", draft_vocab=32768),
+                      SHAPE_1B, True, "fp8", draft_vocab=VOCAB_32K),
             projection_row("projection/3b-1b-fp8-v32k", "costs/3b-1b-fp8-v32k/graphs"),
             costs_row("costs/3b-eagle3/graphs", "c and v(K): an EAGLE-3 head (dummy weights, 32000 draft ids) for "
                       "the 3B shape, its step what one more step adds to a graphed round", SHAPE_3B, HEAD_3B, True,
@@ -350,6 +351,15 @@ def sweep_setup() -> SweepSetup:
     return SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}", shapes, SWEEP_ALPHAS)
 
 
+def vocab_sweep_setup() -> SweepSetup:
+    """The 1B draft with a reduced vocabulary (its lowest 32,768 ids: on dummy weights only the
+    cost counts), bf16 and FP8: chains K=2..4 and a 2,2 tree at alpha 0.6 and 0.8 (c and v(K):
+    the costs suite's rows)."""
+    shapes = tuple(SweepShape.chain(k) for k in (2, 3, 4)) + (SweepShape.tree("2,2"),)
+    return SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}", shapes, (0.6, 0.8),
+                      draft_vocab=VOCAB_32K, costs=False)
+
+
 def eagle_sweep_setup() -> SweepSetup:
     """The 3B shape drafted by an EAGLE-3 head of its shape (dummy weights), chains K=2..6."""
     return SweepSetup(SHAPE_3B, HEAD_3B, f"{_label(SHAPE_3B)}-eagle3",
@@ -358,7 +368,7 @@ def eagle_sweep_setup() -> SweepSetup:
 
 
 def sweep_rows(m: Models) -> list[Row]:
-    setups = [sweep_setup(), eagle_sweep_setup(), *batch_sweep_setups()]
+    setups = [sweep_setup(), vocab_sweep_setup(), eagle_sweep_setup(), *batch_sweep_setups()]
     return [row for setup in setups for row in acceptance_sweep_rows(setup)]
 
 

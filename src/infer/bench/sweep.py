@@ -10,9 +10,11 @@ one speculative engine per shape, timed at each alpha. docs/benchmarks.md, "Meth
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,9 @@ from infer.engine.engine import Engine
 from infer.engine.loading import LoadedModels, load_draft, load_models_for, load_part
 from infer.engine.request import Request
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
+from infer.models.loading.loader import read_model_config
 from infer.models.llama import LlamaForCausalLM
+from infer.speculative.draft_vocab import lowest_ids
 from infer.speculative.tree import TreeShape, chain_shape
 
 # untimed runs of the workload before the timed ones: the first over fresh prompts, the second
@@ -82,6 +86,7 @@ class SweepSetup:
     batch_size: int = 1  # requests decoding at once (the engine's max_batch_size)
     batch_gate: bool = False  # spec_batch_gate: rounds timed against plain steps (off: every step drafts)
     costs: bool = True  # c and v(K) measured first (at batch 1 only)
+    draft_vocab: int | None = None  # the draft model's vocabulary reduced to its lowest ids (spec_draft_vocab)
 
     def __post_init__(self) -> None:
         if not self.shapes or not self.alphas or not self.draft_quantizations:
@@ -91,6 +96,9 @@ class SweepSetup:
         if self.workload.temperature != 0:
             raise ValueError(f"the oracle's acceptance is exact at temperature 0 only; the workload has "
                              f"temperature {self.workload.temperature}")
+        if self.draft_vocab is not None and (self.method != "draft_model" or self.draft_vocab < 1):
+            raise ValueError(f"draft_vocab reduces a draft model's vocabulary to >= 1 ids, got {self.draft_vocab} "
+                             f"for method {self.method!r}")
         if self.method != "draft_model" and self.draft_quantizations != (None,):
             raise ValueError(f"an acceptance sweep of {self.method} heads has no draft quantization: pass "
                              "draft_quantizations=(None,)")
@@ -119,6 +127,7 @@ class SweepSession:
         self._engine_key: tuple[str | None, str] | None = None
         self._oracle: OracleProposer | None = None
         self._zero: dict[str, Any] = {}  # the current engine's alpha-0 run
+        self._vocab_dir: tempfile.TemporaryDirectory[str] | None = None  # the reduced vocabulary's table
 
     def finish_row(self) -> None:
         self.rows_left -= 1
@@ -128,6 +137,9 @@ class SweepSession:
     def close(self) -> None:
         self._drop_engine()
         self._models = None
+        if self._vocab_dir is not None:
+            self._vocab_dir.cleanup()
+            self._vocab_dir = None
         free_memory()
 
     # -- rows ------------------------------------------------------------------------------------
@@ -261,7 +273,19 @@ class SweepSession:
             values.pop("speculative_method")
             values.pop("spec_batch_gate")
             values.pop("draft_quantization", None)
+        elif s.draft_vocab is not None:
+            values["spec_draft_vocab"] = self._vocab_table()
         return engine_config(ctx.workload(s.workload), values, str(ctx.device))
+
+    def _vocab_table(self) -> str:
+        """The reduced vocabulary's table (the target's lowest ids), written once a session."""
+        assert self.setup.draft_vocab is not None
+        if self._vocab_dir is None:
+            self._vocab_dir = tempfile.TemporaryDirectory(prefix="infer-sweep-vocab-")
+        path = Path(self._vocab_dir.name) / "draft-vocab.json"
+        if not path.is_file():
+            lowest_ids(read_model_config(self.setup.target).vocab_size, self.setup.draft_vocab).save(path)
+        return str(path)
 
     def _prompts(self, ctx: Context, engine: Engine) -> PromptSet:
         return build_requests(ctx.workload(self.setup.workload), engine.vocab_size, engine.tokenizer)

@@ -85,6 +85,12 @@ def load_table(path: str | Path) -> DraftVocab:
     return table
 
 
+def lowest_ids(vocab_size: int, size: int) -> DraftVocab:
+    """A table of a vocabulary's `size` lowest ids (a benchmark's, on dummy weights: its cost
+    does not depend on which ids)."""
+    return DraftVocab(tuple(range(min(size, vocab_size))), vocab_size, "the lowest ids (a benchmark's)", 0, 0.0)
+
+
 def count_tokens(streams: Iterable[Sequence[int]]) -> Counter[int]:
     """How often each token id occurs in the streams."""
     counts: Counter[int] = Counter()

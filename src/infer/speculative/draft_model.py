@@ -25,12 +25,12 @@ from infer.cache.compaction import PathMove, move_paths
 from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.models.llama import LlamaForCausalLM
+from infer.sampling import temperature_only
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.dynamic_draft import expand_dynamic
 from infer.speculative.node_tree import DynamicShape, NodeTree
 from infer.speculative.proposer import DraftRequest
-from infer.sampling import temperature_only
 from infer.speculative.tree import Draft, RoundTokens, TreeChunk, TreeShape
 from infer.speculative.tree_expand import expand_levels
 from infer.transfer import tensor_on, to_device
@@ -130,8 +130,8 @@ class DraftModelProposer:
     def _aheadable(self, request: DraftRequest, draft: Draft) -> bool:
         """Whether the request's next round is drafted ahead (`verifying`); its draft's room
         for it taken now (the block, then k - 1 drafts past it)."""
-        params, k, slot = request.sampling_params, draft.num_proposed, self.draft_slots.get(-1 if request.slot is None else request.slot)
-        n = request.num_computed_tokens
+        params, k, n = request.sampling_params, draft.num_proposed, request.num_computed_tokens
+        slot = None if request.slot is None else self.draft_slots.get(request.slot)
         need = n + 2 * k + 1
         return (k > 0 and draft.shape.is_chain and request.grammar is None and params.greedy and not params.penalized
                 and temperature_only(params, self.model.config.vocab_size) and slot is not None

@@ -1,8 +1,8 @@
 """Shared setup of the speculation end-to-end tests (chains and trees, CPU).
 
 Eight word prompts on the tiny checkpoint, greedy for `MAX_NEW` tokens (a prefill token and
-four full rounds of depth 4), the engine configurations each parity test runs under, and
-the batch-1 / batched way of running them.
+four full rounds of depth 4), the engine configurations each parity test runs under, the
+batch-1 / batched way of running them, and a policy of draft lengths from a fixed cycle.
 """
 
 from __future__ import annotations
@@ -90,3 +90,25 @@ def count_routes(monkeypatch: Any) -> dict[str, int]:
 
     monkeypatch.setattr(Verification, "block", block)
     return seen
+
+
+class CyclePolicy:
+    """Draft lengths from a fixed cycle (0: a plain step), every request alike: like an
+    adaptive policy that keeps switching, so the draft must catch up on the tokens it skipped."""
+
+    def __init__(self, cycle: list[int]) -> None:
+        self.cycle, self.i = cycle, 0
+
+    def choose(self, requests, overhead=0.0):
+        k = self.cycle[self.i % len(self.cycle)]
+        self.i += 1
+        return [k] * len(requests)
+
+    def update(self, request_id, drafted, accepted):
+        return None
+
+    def release(self, request_id):
+        return None
+
+    def leak_report(self):
+        return []

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from helpers.draft_ahead import OUTPUT, check_drafts_ahead_continue, run_all
-from helpers.spec_e2e import random_draft
+from helpers.spec_e2e import CyclePolicy, random_draft
 
 from infer import SamplingParams
 from infer.bench.oracle import OracleProposer
@@ -22,27 +22,6 @@ from infer.engine.engine import Engine
 from infer.speculative.draft_model import DraftModelProposer
 
 K = 3
-
-
-class _Cycle:
-    """Draft lengths from a fixed cycle (0: a plain step), every request alike."""
-
-    def __init__(self, cycle: list[int]) -> None:
-        self.cycle, self.i = cycle, 0
-
-    def choose(self, requests, overhead=0.0):
-        k = self.cycle[self.i % len(self.cycle)]
-        self.i += 1
-        return [k] * len(requests)
-
-    def update(self, request_id, drafted, accepted):
-        return None
-
-    def release(self, request_id):
-        return None
-
-    def leak_report(self):
-        return []
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +59,7 @@ def test_a_self_draft_drafted_ahead_accepts_everything(ckpt_a, prompts, records,
     engine, draft = _engine(ckpt_a, ckpt_a, ahead=True)
     speculation = engine.runner.speculation
     assert speculation is not None
-    speculation.policy = _Cycle(cycle)
+    speculation.policy = CyclePolicy(cycle)
     assert run_all(engine, prompts) == records
     stats = engine.runner.stats
     assert stats.rounds > 0 and stats.accepted_tokens == stats.draft_tokens

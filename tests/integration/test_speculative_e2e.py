@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, MAX_NEW, run as _run, spec_llm as _spec_llm
+from helpers.spec_e2e import DEPTH as K, ENGINE_CONFIGS, GREEDY, MAX_NEW, CyclePolicy, run as _run, spec_llm as _spec_llm
 from infer import SamplingParams
 
 
@@ -148,29 +148,7 @@ def test_rows_with_smaller_k_stop_drafting(make_llm, ckpt_a, prompts, backend):
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)] == ref
 
 
-class _SchedulePolicy:
-    """Draft lengths from a fixed cycle (plain steps in between), like an adaptive policy that
-    keeps switching: the draft must catch up on the tokens it skipped."""
-
-    def __init__(self, cycle):
-        self.cycle, self.i = cycle, 0
-
-    def choose(self, requests, overhead=0.0):
-        k = self.cycle[self.i % len(self.cycle)]
-        self.i += 1
-        return [k] * len(requests)
-
-    def update(self, request_id, drafted, accepted):
-        return None
-
-    def release(self, request_id):
-        return None
-
-    def leak_report(self):
-        return []
-
-
-class _SomeDraftPolicy(_SchedulePolicy):
+class _SomeDraftPolicy(CyclePolicy):
     """K for the requests whose id is in `drafting`, plain decoding for the rest."""
 
     def __init__(self, drafting):
@@ -214,7 +192,7 @@ def test_draft_catches_up_after_plain_steps(make_llm, ckpt_a, prompts, plain_out
              .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2, kv_cache_backend=backend, block_size=4)
     runner = llm.engine.runner
-    runner.speculation.policy = _SchedulePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
+    runner.speculation.policy = CyclePolicy([3, 0, 2, 0, 0, 3, 0, 0, 0, 4] + [0] * 6 + [2])
     catch_ups = []
     original = runner.speculation.draft.catch_up
     runner.speculation.draft.catch_up = lambda reqs: (reqs and catch_ups.append(len(reqs)), original(reqs))[1]
@@ -324,7 +302,7 @@ def test_long_catch_ups_run_in_chunks(make_llm, ckpt_a, prompts, monkeypatch):
              .generate(prompt_token_ids=prompts[:2], sampling_params=params)]
     llm = _spec_llm(make_llm, ckpt_a, ckpt_a, 2)
     runner = llm.engine.runner
-    runner.speculation.policy = _SchedulePolicy([3] + [0] * 9)
+    runner.speculation.policy = CyclePolicy([3] + [0] * 9)
     widths, inside, counted = [], [], []
     draft_fns = [runner.speculation.draft.step_forward]  # its flat passes
     catch_up = runner.speculation.draft.catch_up

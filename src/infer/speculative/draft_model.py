@@ -139,7 +139,7 @@ class DraftModelProposer:
                 and need <= self.pool.max_seq_len and self.pool.ensure_capacity(slot, need))
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
-        return False  # (its drafts start from the verified tokens on the host)
+        return False  # (a round drafted ahead starts from the verdict; a round in flight's is not read yet)
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         """Room for positions < total_tokens in the request's draft cache (its draft slot

@@ -76,8 +76,8 @@ class Proposer(Protocol):
         outcome: verdict [B, K + 2] long (each row's accepted drafts, their count a at
         column K, the final token last; `verify_on_logits`), starts[i] the token of the
         forward where requests[i]'s block begins. A proposer may queue its next round's
-        drafts now, under the GPU work the host waits for (an EAGLE head: its greedy rows);
-        the others do nothing. `on_accepted` follows."""
+        drafts now, under the GPU work the host waits for (an EAGLE head and a draft model:
+        their greedy rows); the others do nothing. `on_accepted` follows."""
         ...
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:

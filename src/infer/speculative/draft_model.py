@@ -139,7 +139,7 @@ class DraftModelProposer:
                 and need <= self.pool.max_seq_len and self.pool.ensure_capacity(slot, need))
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
-        return False  # (a round drafted ahead starts from the verdict; a round in flight's is not read yet)
+        return False  # (its cache lengths are the host's: each verdict is read before the next round)
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
         """Room for positions < total_tokens in the request's draft cache (its draft slot

@@ -36,9 +36,13 @@ def test_the_suite_lists_every_shape_at_every_alpha_for_both_drafts(capsys):
     assert expected <= set(names) and "sweep/3b-1b/k3/a0.8" in names and "sweep/3b-1b-fp8/tree-2x2/a0.8" in names
     eagle = {f"sweep/3b-eagle3/k{k}/a{a:g}" for k in EAGLE_SWEEP_CHAINS for a in SWEEP_ALPHAS}
     assert eagle <= set(names) and "sweep/3b-eagle3/k5/a0.8" in names
-    # the plain baseline and the costs of each draft; the EAGLE-3 sweep's own plain and costs;
-    # at each larger batch a plain row and one speculative row for each
-    assert len(names) == len(expected) + 3 + len(eagle) + 2 + len(SPEC_BATCHES) * 2 * 2
+    vocab = {f"sweep/3b-1b{q}-v32k/{s}/a{a:g}" for q in ("", "-fp8") for s in ("k2", "k3", "k4", "tree-2x2")
+             for a in (0.6, 0.8)}
+    assert vocab <= set(names) and "sweep/3b-1b-v32k/plain" in names
+    # the plain baseline and the costs of each draft; the reduced vocabulary's own plain (its
+    # costs are the costs suite's); the EAGLE-3 sweep's own plain and costs; at each larger
+    # batch a plain row and one speculative row for each
+    assert len(names) == len(expected) + 3 + len(vocab) + 1 + len(eagle) + 2 + len(SPEC_BATCHES) * 2 * 2
     assert names.index("sweep/3b-1b/plain") < names.index("sweep/3b-1b/k1/a0.6")
 
 
@@ -49,7 +53,8 @@ def test_the_sweep_stays_out_of_all_gpu():
 
 @pytest.mark.parametrize("bad", [dict(alphas=(1.2,)), dict(alphas=()), dict(shapes=()),
                                  dict(workload=SWEEP_WORKLOAD.with_temperature(1.0)),
-                                 dict(calibration_requests=5), dict(batch_size=5), dict(batch_size=0)])
+                                 dict(calibration_requests=5), dict(batch_size=5), dict(batch_size=0),
+                                 dict(draft_vocab=0), dict(draft_vocab=64, method="eagle3", draft_quantizations=(None,))])
 def test_bad_setups_are_refused(bad):
     with pytest.raises(ValueError):
         SweepSetup(**{"target": "t", "draft": "d", "label": "t-d", "shapes": (SweepShape.chain(2),),
@@ -61,6 +66,20 @@ def test_shapes_name_their_rows_and_engine_fields():
     assert SweepShape.chain(3).overrides() == {"spec_length": 3}
     tree = SweepShape.tree("2, 2,1")
     assert tree.tag == "tree-2x2x1" and tree.overrides() == {"spec_tree": "2,2,1"} and not tree.is_chain
+
+
+def test_a_reduced_vocabulary_sweep_runs_its_draft_on_the_lowest_ids(ckpt_a):
+    workload = replace(SWEEP_WORKLOAD, num_requests=2, prompt_len=(16, 16), output_len=(16, 16))
+    setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a", (SweepShape.chain(2),), (1.0,), (None,), workload,
+                       draft_vocab=64, costs=False)
+    rows = acceptance_sweep_rows(setup)
+    assert [r.name for r in rows] == ["sweep/a-a-v64/plain", "sweep/a-a-v64/k2/a1"]
+    run = BenchRun("acceptance-sweep")
+    Harness(run, HarnessOptions(device="cpu", repeats=1, quiet=True)).run_rows([r.name for r in rows],
+                                                                             index_rows(rows))
+    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
+    spec = run.measurements[-1]
+    assert spec.params["engine"]["spec_draft_vocab"] is not None and spec.derived["greedy_prefix_match"] > 0
 
 
 def test_a_tiny_sweep_runs_on_cpu_and_derives_its_projections(ckpt_a):

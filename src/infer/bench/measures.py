@@ -225,7 +225,8 @@ def acceptance_sweep_rows(setup: SweepSetup) -> list[Row]:
     """The sweep's rows, in the order its session serves them: per draft quantization the
     costs (c and v(K); at batch 1 only), the plain baseline (before the first speculative
     row), then every shape at every alpha ("sweep/<label>[-fp8][-v32k]/<shape>/a<alpha>")."""
-    vocab = f"-v{setup.draft_vocab // 1024}k" if setup.draft_vocab else ""
+    n = setup.draft_vocab
+    vocab = "" if not n else f"-v{n // 1024}k" if n % 1024 == 0 else f"-v{n}"  # (-v32k: 32,768 ids)
     plain = f"sweep/{setup.label}{vocab}/plain"
     with_costs = setup.costs and setup.batch_size == 1
     count = len(setup.draft_quantizations) * (with_costs + len(setup.shapes) * len(setup.alphas)) + 1

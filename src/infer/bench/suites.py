@@ -39,10 +39,10 @@ SWEEP_CHAINS = tuple(range(1, 7))
 # the trees the tree projection ranks best for c 0.4-0.5 and v(N) near 1 at alpha 0.6-0.9
 SWEEP_TREES = ("2,2", "3,1", "2,2,1")
 SWEEP_ALPHAS = (0.6, 0.7, 0.8, 0.9)
+VOCAB_32K = 32768  # a reduced draft vocabulary's ids (the costs' and the sweep's rows)
 # speculation against plain decoding as the batch grows (the batch gate on): the 1B draft at
 # K=3 and an EAGLE-3 head at K=4, at alpha 0.8, SPEC_BATCH_TOKENS new tokens a request (long
 # enough that the first token and a run's tail do not decide the figure)
-VOCAB_32K = 32768  # a reduced draft vocabulary's ids (the costs' and the sweep's rows)
 SPEC_BATCHES, SPEC_BATCH_ALPHA, SPEC_BATCH_TOKENS = (1, 8, 16, 32, 64, 128), 0.8, 256
 # serving batches: decode steps at these batches after prompts of BATCH_CONTEXT tokens (about
 # a ShareGPT-like request's prompt and output together), a step budget that prefills them in

@@ -238,6 +238,8 @@ def test_w1_runs_end_to_end_on_cpu(ckpt_a):
     assert metrics["output_tokens"] == metrics["expected_output_tokens"] == 6
     walls = metrics["wall_s_runs"]
     assert len(walls) == 3 and metrics["wall_s"] == sorted(walls)[1]  # the median run is reported
+    assert all(0 <= i < 7 for i in metrics["slowest_step_runs"])  # (a prefill step, then 6 tokens' at most)
+    assert [0 < ms <= w * 1e3 for ms, w in zip(metrics["slowest_step_ms_runs"], walls, strict=True)] == [True] * 3
     assert metrics["leaks"] == []
     assert metrics["tokens_per_s"] > 0 and metrics["ttft_mean_s"] > 0
     assert len(metrics["first_output_ids"]) == 6
@@ -515,6 +517,7 @@ def test_a_timed_run_steps_with_the_objects_before_it_frozen_and_thaws_them(ckpt
     engine.step = counting
     wl = WORKLOADS["W1"].with_output_len(4)
     before = gc.get_freeze_count()
-    requests, wall, steps = timed_run(engine, wl, build_requests(wl, engine.vocab_size, None).requests[:2])
-    assert steps == len(frozen) > 0 and all(n > before for n in frozen)
-    assert gc.get_freeze_count() == before and all(len(r.output_token_ids) == 4 for r in requests)
+    run = timed_run(engine, wl, build_requests(wl, engine.vocab_size, None).requests[:2])
+    assert run.steps == len(frozen) > 0 and all(n > before for n in frozen)
+    assert gc.get_freeze_count() == before and all(len(r.output_token_ids) == 4 for r in run.requests)
+    assert 0 <= run.slowest_step < run.steps and 0 < run.slowest_step_s <= run.wall

@@ -43,7 +43,7 @@ def test_repeats_of_suffix_decoding_start_from_an_empty_cache(ckpt_a, monkeypatc
 
     def recording(engine, workload, specs):
         out = real(engine, workload, specs)
-        steps.append(out[2])
+        steps.append(out.steps)
         return out
 
     monkeypatch.setattr(engine_runner, "timed_run", recording)

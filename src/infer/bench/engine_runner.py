@@ -16,7 +16,7 @@ import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -95,11 +95,19 @@ def warmup(engine: Engine, workload: Workload, prompts: PromptSet, tokens: int |
         engine.step()
 
 
-def timed_run(engine: Engine, workload: Workload, specs: Sequence[RequestSpec]) -> tuple[list[Request], float, int]:
-    """Add every request, step to completion; (requests, wall seconds, engine steps). The
-    garbage collector is run first and what exists then frozen (`gc.freeze`) for the run:
-    a full collection the run's objects trigger scans those alone, not the models, graphs
-    and earlier runs' objects (a pause that would land inside one run of several)."""
+class TimedRun(NamedTuple):
+    requests: list[Request]
+    wall: float  # seconds
+    steps: int  # engine steps
+    slowest_step: int  # the index of the step whose host call took longest (-1: no step)
+    slowest_step_s: float  # ... and its seconds (a stall: a compile, a capture, a collection)
+
+
+def timed_run(engine: Engine, workload: Workload, specs: Sequence[RequestSpec]) -> TimedRun:
+    """Add every request, step to completion. The garbage collector is run first and what
+    exists then frozen (`gc.freeze`) for the run: a full collection the run's objects trigger
+    scans those alone, not the models, graphs and earlier runs' objects (a pause that would
+    land inside one run of several)."""
     gc.collect()
     gc.freeze()
     try:
@@ -107,14 +115,23 @@ def timed_run(engine: Engine, workload: Workload, specs: Sequence[RequestSpec]) 
         start = time.perf_counter()
         requests = [engine.add_request(s.prompt_ids, workload.sampling_params(i, s.max_tokens),
                                        request_id=f"bench-{i}") for i, s in enumerate(specs)]
-        steps = 0
+        steps, slowest, slowest_s = 0, -1, 0.0
         while engine.has_unfinished():
+            t = time.perf_counter()
             engine.step()
+            if (took := time.perf_counter() - t) > slowest_s:
+                slowest, slowest_s = steps, took
             steps += 1
         synchronize(engine.device)
-        return requests, time.perf_counter() - start, steps
+        return TimedRun(requests, time.perf_counter() - start, steps, slowest, slowest_s)
     finally:
         gc.unfreeze()
+
+
+def slowest_steps(runs: Sequence[TimedRun]) -> dict[str, list]:
+    """Each run's slowest step, its index and milliseconds (where a run's outlier lands)."""
+    return {"slowest_step_runs": [r.slowest_step for r in runs],
+            "slowest_step_ms_runs": [r.slowest_step_s * 1e3 for r in runs]}
 
 
 def request_metrics(requests: Sequence[Request], wall_s: float) -> dict[str, Any]:
@@ -182,8 +199,8 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         for e in bases + ours:
             warmup(e, workload, prompts, warmup_tokens)
         spec0, prefix0 = spec_snapshot(engine), _prefix_counters(engine)
-        runs: list[list] = [[] for _ in ours]  # [instance][round] (requests, wall, steps)
-        base_runs: list[list] = [[] for _ in bases]
+        runs: list[list[TimedRun]] = [[] for _ in ours]  # [instance][round]
+        base_runs: list[list[TimedRun]] = [[] for _ in bases]
         # a progress bar over the timed runs (on a terminal only; updated between runs, never inside one)
         with tqdm(total=repeats * n * (2 if bases else 1), desc=workload.name, unit="run", leave=False,
                   disable=None) as bar:
@@ -194,10 +211,10 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
                         e.reset_draft_history()  # (a repeat drafts from nothing the run before it left)
                         out.append(timed_run(e, workload, prompts.requests))
                         bar.update(1)
-        walls = [w for _, w, _ in runs[0]]
-        requests, wall, steps = sorted(runs[0], key=lambda run: run[1])[len(runs[0]) // 2]
+        median = sorted(runs[0], key=lambda run: run.wall)[len(runs[0]) // 2]
+        requests, wall, steps = median.requests, median.wall, median.steps
         metrics = request_metrics(requests, wall)
-        metrics["wall_s_runs"] = walls
+        metrics.update(wall_s_runs=[r.wall for r in runs[0]], **slowest_steps(runs[0]))
         if bases:
             metrics.update(_paired_metrics(runs, base_runs, workload.num_requests))
         metrics.update(engine_counters(engine, spec0, prefix0))
@@ -220,10 +237,11 @@ def run_engine(workload: Workload, overrides: Mapping[str, Any], *, device: str 
         free_memory()
 
 
-def _paired_metrics(runs: list[list], base_runs: list[list], num_requests: int) -> dict[str, Any]:
+def _paired_metrics(runs: list[list[TimedRun]], base_runs: list[list[TimedRun]],
+                    num_requests: int) -> dict[str, Any]:
     """Paired ratios from [instance][round] runs of the measured engines and their baselines."""
-    def rate(run: tuple) -> float | None:
-        return primary_rate(request_metrics(run[0], run[1]), num_requests)
+    def rate(run: TimedRun) -> float | None:
+        return primary_rate(request_metrics(run.requests, run.wall), num_requests)
 
     rounds = len(runs[0])
     ours = [[rate(r) for r in inst] for inst in runs]  # [instance][round]
@@ -241,7 +259,7 @@ def _paired_metrics(runs: list[list], base_runs: list[list], num_requests: int) 
     best_base = max(x for inst in base for x in inst if x)
     out: dict[str, Any] = {"paired_ratios": ratios, "paired_speedup": statistics.median(ratios),
                            "paired_best_speedup": best_ours / best_base,
-                           "paired_baseline_wall_s_runs": [w for _, w, _ in base_runs[0]]}
+                           "paired_baseline_wall_s_runs": [r.wall for r in base_runs[0]]}
     if len(runs) > 1:
         out["paired_instance_speedups"] = per_instance
     return out

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from infer.bench.engine_runner import (config_record, default_dtype, engine_config, free_memory, request_metrics,
-                                       spec_metrics, spec_snapshot, timed_run)
+from infer.bench.engine_runner import (TimedRun, config_record, default_dtype, engine_config, free_memory,
+                                       request_metrics, slowest_steps, spec_metrics, spec_snapshot, timed_run)
 from infer.bench.oracle import OracleProposer
 from infer.bench.rows import Context, Outcome
 from infer.bench.workloads import PromptSet, Workload, build_requests
@@ -168,10 +168,9 @@ class SweepSession:
         try:
             prompts = self._prompts(ctx, engine)
             runs = self._time(engine, ctx, prompts.requests, WARMUP_RUNS + ctx.options.repeats)
-            records = [[_sequence(r) for r in requests] for requests, _, _ in runs]
+            records = [[_sequence(r) for r in run.requests] for run in runs]
             self.records = records[0]
-            requests, wall, _ = _median(runs[WARMUP_RUNS:])
-            metrics = self._rates(requests, wall, runs[WARMUP_RUNS:], prompts)
+            metrics = self._rates(runs[WARMUP_RUNS:], prompts)
             metrics.update(records_agree=all(r == records[0] for r in records), leaks=engine.leak_report())
             params = self._params(ctx, engine, prompts)
         finally:
@@ -187,8 +186,7 @@ class SweepSession:
         runs = self._time(engine, ctx, prompts.requests, ctx.options.repeats)
         after = spec_snapshot(engine)
         assert before is not None and after is not None
-        requests, wall, _ = _median(runs)
-        metrics = self._rates(requests, wall, runs, prompts)
+        metrics = self._rates(runs, prompts)
         metrics.update(spec_metrics(after.minus(before)))
         metrics.update(oracle.counts.to_dict())
         metrics["round_ms"] = _round_ms(metrics)
@@ -249,7 +247,7 @@ class SweepSession:
         if clock is not None:
             clock.gate = gated
         assert before is not None and after is not None
-        zero = {**request_metrics(runs[0][0], runs[0][1]), **spec_metrics(after.minus(before))}
+        zero = {**request_metrics(runs[0].requests, runs[0].wall), **spec_metrics(after.minus(before))}
         self._zero = {"round_ms_zero_acceptance": _round_ms(zero),
                       "tokens_per_round_zero_acceptance": zero.get("mean_accepted_length"),
                       "engine_build_s": built_s}  # (the models were loaded before)
@@ -291,16 +289,15 @@ class SweepSession:
         return build_requests(ctx.workload(self.setup.workload), engine.vocab_size, engine.tokenizer)
 
     def _time(self, engine: Engine, ctx: Context, specs: Sequence[Any],
-              repeats: int) -> list[tuple[list[Request], float, int]]:
-        runs = []
-        for _ in range(repeats):
-            runs.append(timed_run(engine, ctx.workload(self.setup.workload), specs))
-        return runs
+              repeats: int) -> list[TimedRun]:
+        return [timed_run(engine, ctx.workload(self.setup.workload), specs) for _ in range(repeats)]
 
-    def _rates(self, requests: list[Request], wall: float, runs: Sequence[tuple[list[Request], float, int]],
-               prompts: PromptSet) -> dict[str, Any]:
-        metrics = request_metrics(requests, wall)
-        metrics.update(wall_s_runs=[w for _, w, _ in runs], expected_output_tokens=prompts.expected_output_tokens)
+    def _rates(self, runs: Sequence[TimedRun], prompts: PromptSet) -> dict[str, Any]:
+        """The median run's rates, every run's wall time and slowest step."""
+        median = sorted(runs, key=lambda run: run.wall)[len(runs) // 2]
+        metrics = request_metrics(median.requests, median.wall)
+        metrics.update(wall_s_runs=[r.wall for r in runs], expected_output_tokens=prompts.expected_output_tokens,
+                       **slowest_steps(runs))
         # batch 1, requests one at a time: decode tokens/s; a batch: the run's output tokens/s
         metrics["primary_rate"] = metrics["decode_tokens_per_s" if self.setup.batch_size == 1 else "tokens_per_s"]
         return metrics
@@ -322,10 +319,6 @@ def steady_greedy(model: LlamaForCausalLM) -> None:
 
 def _sequence(request: Request) -> list[int]:
     return list(request.prompt_token_ids) + list(request.output_token_ids)
-
-
-def _median(runs: Sequence[tuple[list[Request], float, int]]) -> tuple[list[Request], float, int]:
-    return sorted(runs, key=lambda run: run[1])[len(runs) // 2]
 
 
 def _round_ms(metrics: Mapping[str, Any]) -> float | None:

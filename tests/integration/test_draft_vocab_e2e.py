@@ -125,6 +125,25 @@ def test_reduced_logits_are_the_whole_heads_rows(ckpt_a):
         model.keep_vocab(ids)
 
 
+@pytest.mark.parametrize(("quantization", "stored", "tolerance"), [("fp8", "fp8", 0.08), ("int4", "int8", 0.0)])
+def test_a_quantized_drafts_reduced_head_is_quantized_as_the_draft(ckpt_a, quantization, stored, tolerance):
+    # the gathered head of an FP8 draft is FP8, its logits the whole (unquantized) head's rows
+    # within FP8's error; an int4 draft's is 8-bit as its whole head is: the same values
+    from infer.models.loading.loader import load_model
+
+    model, _ = load_model(str(ckpt_a), dtype="float32", quantization=quantization)
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    whole = model.logits(hidden)
+    ids = torch.tensor([5, 1, 300, 7, 64, 65])
+    model.keep_vocab(ids)
+    assert model.lm_head.quantization == stored and model.lm_head.out_features == len(ids)
+    reduced = model.logits(hidden)
+    scale = whole[:, ids].abs().max()
+    torch.testing.assert_close(reduced[:, ids], whole[:, ids], atol=float(tolerance * scale), rtol=0)
+    assert torch.equal(reduced[:, ids], whole[:, ids]) == (tolerance == 0)  # (FP8: not the whole head's values)
+    assert torch.isneginf(reduced[:, [i for i in range(model.config.vocab_size) if i not in ids.tolist()]]).all()
+
+
 def test_another_vocabulary_keeps_the_tables_tokens(make_llm, ckpt_a, prompts, plain_outputs, tmp_path):
     # the target under shuffled ids drafts exactly as itself: with a table of the tokens its
     # outputs need, kept at their draft ids, every proposal is still accepted

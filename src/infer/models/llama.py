@@ -28,7 +28,7 @@ from infer.models.layers.norms import RMSNorm
 from infer.models.layers.parallel import REPLICATED, Parallel, TensorPart, VocabParallelEmbedding
 from infer.models.layers.rotary import Rotary, cos_sin
 from infer.models.layers.shard import ModelShard, PartFn
-from infer.models.vocab_rows import gathered_head, spread_logits
+from infer.models.vocab_rows import gathered_head, head_quantization, spread_logits
 
 
 class Attention(nn.Module):
@@ -192,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
 
     def keep_vocab(self, ids: torch.Tensor) -> None:
         """Compute logits only for vocabulary ids `ids` [N] (distinct): lm_head becomes a
-        gathered [N, H] copy of those rows, once (the embedding is unchanged), and `logits`
+        gathered [N, H] copy of those rows, once, quantized as the model is (FP8; 8 bits for
+        int4 / int8: `head_quantization`; the embedding is unchanged), and `logits`
         are -inf at every other id (`models/vocab_rows.py`). A draft model's reduced
         vocabulary (EngineConfig.spec_draft_vocab)."""
         if self.kept_ids is not None:
@@ -202,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"a kept vocabulary is 1..{self.config.vocab_size} ids in 0..{self.config.vocab_size - 1}")
         if len(torch.unique(ids)) != len(ids):
             raise ValueError("a kept vocabulary's ids must be distinct")
-        self.lm_head = gathered_head(self.lm_head, ids, self.model.norm.weight.dtype)
+        self.lm_head = gathered_head(self.lm_head, ids, self.model.norm.weight.dtype,
+                                     head_quantization(self.quantization))
         self.kept_ids = ids
 
     def forward(

@@ -7,9 +7,8 @@ elsewhere, so a draft's q is zero outside the kept rows and rejection sampling s
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from infer.models.layers.linear import LinearBase
+from infer.models.layers.linear import LinearBase, quant_method
 
 
 def spread_logits(small: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -19,15 +18,29 @@ def spread_logits(small: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> to
     return out.index_copy_(-1, ids, small)
 
 
-def gathered_head(lm_head: LinearBase, ids: torch.Tensor, dtype: torch.dtype) -> LinearBase:
-    """A new unquantized head of `lm_head`'s rows `ids` [N] (W [N, H] in `dtype`, on its
-    device): made once at load, it reads N / V of the whole head's bytes a step."""
+def head_quantization(quantization: str | None) -> str | None:
+    """How a gathered head of a model quantized as `quantization` is stored: FP8 for an FP8
+    model, 8-bit groups for an int4 / int8 one (as a model quantized at load keeps its head),
+    else in the model's dtype."""
+    return {"fp8": "fp8", "int4": "int8", "int8": "int8"}.get(quantization or "")
+
+
+def gathered_head(lm_head: LinearBase, ids: torch.Tensor, dtype: torch.dtype,
+                  quantization: str | None = None) -> LinearBase:
+    """A new head of `lm_head`'s rows `ids` [N] (W [N, H], on its device) stored as
+    `quantization` says (None: in `dtype`; "fp8": per-row FP8; "int8": 8-bit groups), its
+    other parameters in `dtype`: made once at load, it reads N / V of the whole head's bytes
+    a step, fewer again quantized."""
     if lm_head.parallel.kind != "replicated" or lm_head.bias is not None:
         raise ValueError("a reduced draft vocabulary needs the draft's whole lm_head (no bias, not split over "
                          "ranks): load the draft whole (tensor_parallel_draft='driver')")
     whole = lm_head.dense_weight(dtype)  # [V, H]
-    rows = whole.index_select(0, ids.to(whole.device))  # [N, H]
+    rows = whole.index_select(0, ids.to(whole.device)).contiguous()  # [N, H]
+    method = quant_method(quantization, lm_head.in_features)
     with torch.device(rows.device):  # (its random initialisation, replaced at once, on that device)
-        head = LinearBase(lm_head.in_features, int(ids.numel()))
-    head.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
+        head = LinearBase(lm_head.in_features, int(ids.numel()), method)
+    for name, param in head.named_parameters():
+        if param.is_floating_point() and name not in method.fixed_dtype_params:
+            param.data = param.data.to(dtype)
+    method.load_weight(head, rows, None, "lm_head")
     return head

@@ -36,7 +36,7 @@ def test_the_suite_lists_every_shape_at_every_alpha_for_both_drafts(capsys):
     assert expected <= set(names) and "sweep/3b-1b/k3/a0.8" in names and "sweep/3b-1b-fp8/tree-2x2/a0.8" in names
     eagle = {f"sweep/3b-eagle3/k{k}/a{a:g}" for k in EAGLE_SWEEP_CHAINS for a in SWEEP_ALPHAS}
     assert eagle <= set(names) and "sweep/3b-eagle3/k5/a0.8" in names
-    vocab = {f"sweep/3b-1b{q}-v32k/{s}/a{a:g}" for q in ("", "-fp8") for s in ("k2", "k3", "k4", "tree-2x2")
+    vocab = {f"sweep/3b-1b{q}-v32k/{s}/a{a:g}" for q in ("", "-fp8", "-int4") for s in ("k2", "k3", "k4", "tree-2x2")
              for a in (0.6, 0.8)}
     assert vocab <= set(names) and "sweep/3b-1b-v32k/plain" in names
     # the plain baseline and the costs of each draft; the reduced vocabulary's own plain (its

@@ -353,11 +353,11 @@ def sweep_setup() -> SweepSetup:
 
 def vocab_sweep_setup() -> SweepSetup:
     """The 1B draft with a reduced vocabulary (its lowest 32,768 ids: on dummy weights only the
-    cost counts), bf16 and FP8: chains K=2..4 and a 2,2 tree at alpha 0.6 and 0.8 (c and v(K):
-    the costs suite's rows)."""
+    cost counts), bf16, FP8 and int4: chains K=2..4 and a 2,2 tree at alpha 0.6 and 0.8 (c and
+    v(K): the costs suite's rows)."""
     shapes = tuple(SweepShape.chain(k) for k in (2, 3, 4)) + (SweepShape.tree("2,2"),)
     return SweepSetup(SHAPE_3B, SHAPE_1B, f"{_label(SHAPE_3B)}-{_label(SHAPE_1B)}", shapes, (0.6, 0.8),
-                      draft_vocab=VOCAB_32K, costs=False)
+                      draft_quantizations=(None, "fp8", "int4"), draft_vocab=VOCAB_32K, costs=False)
 
 
 def eagle_sweep_setup() -> SweepSetup:

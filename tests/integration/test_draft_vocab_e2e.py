@@ -157,3 +157,34 @@ def test_another_vocabulary_keeps_the_tables_tokens(make_llm, ckpt_a, prompts, p
     outs = run(llm, prompts, 8)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert llm.engine.runner.stats.acceptance_rate >= 0.99
+
+
+def test_the_shipped_demo_table_by_name_keeps_the_demo_pairs_greedy_output(make_llm):
+    from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
+
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:\n    def"]
+    plain = make_llm(DEMO_TARGET, max_seq_len=128)
+    llm = make_llm(DEMO_TARGET, max_seq_len=128, draft_model=str(DEMO_DRAFT), spec_length=4,
+                   spec_draft_vocab="demo-6k")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got, want = llm.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    draft = llm.engine.runner.speculation.proposer.model
+    assert draft.lm_head.out_features == 6144 and llm.engine.runner.stats.accepted_tokens > 0
+
+
+def test_the_shipped_llama3_table_fits_a_llama3_target_from_its_config_alone():
+    from infer.engine.config import EngineConfig
+    from infer.engine.loading import draft_vocab_table, load_part
+    from infer.speculative.draft_vocab import SHIPPED, load_table
+
+    table = load_table("llama3-32k")
+    assert table.size == 32768 and table.vocab_size == 128256 and {128001, 128008, 128009} <= set(table.token_ids)
+    config = EngineConfig(model="dummy:llama-3.2-3b", draft_model="dummy:llama-3.2-1b", device="cpu",
+                          use_speculative_decoding=True, spec_draft_vocab="llama3-32k")
+    assert draft_vocab_table(load_part(config, torch.device("cpu"))) == table
+    with pytest.raises(ValueError, match="for a vocabulary of 128256 tokens, the target has 8192"):
+        draft_vocab_table(load_part(EngineConfig(use_speculative_decoding=True, spec_draft_vocab="llama3-32k",
+                                                 device="cpu"), torch.device("cpu")))
+    with pytest.raises(ValueError, match=", ".join(SHIPPED)):
+        EngineConfig(use_speculative_decoding=True, spec_draft_vocab="llama3-64k", device="cpu")

@@ -35,6 +35,8 @@ _HELP = {
                    "--speculative-method eagle3: its EAGLE-3 head)",
     "spec_length": "K, tokens drafted per speculation round (the maximum with --spec-policy adaptive); "
                    "default: 5, or the depth of --spec-tree",
+    "spec_draft_vocab": "a reduced draft vocabulary: a table `infer draft-vocab` wrote, or a shipped one "
+                        "(llama3-32k: the Llama 3 tokenizer's 32,768 ids; demo-6k: the demo's 6,144)",
     "spec_tree": "tree speculation: children per node at each depth, e.g. 3,2,1,1 (its depth is K; fixed "
                  "policy only); dynamic:N[:B] for a draft model's or suffix decoding's trees of N nodes",
     "spec_suffix_max_depth": "--speculative-method suffix: substrings of up to this many tokens are counted (a match "

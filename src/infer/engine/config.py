@@ -8,12 +8,12 @@ never changes it: at start it resolves it into frozen parts (parts.py, defaults.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 from infer.engine.parts import (CHOICES, EAGLE_METHODS, MEDUSA, NEEDS_CONTINUOUS, NGRAM_METHODS, ONE_SHOT_NEEDS_CUDA,
                                 ParallelConfig, SpeculativeConfig, check_at_least, check_choice, check_pool_options,
                                 check_single_gpu)
+from infer.speculative.draft_vocab import SHIPPED, table_path
 
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns
@@ -261,9 +261,10 @@ class EngineConfig:
                              f"'draft_model' (not {self.speculative_method!r}), or leave spec_draft_vocab unset")
         if self.tensor_parallel_draft == "sharded":
             raise ValueError("spec_draft_vocab needs the draft's whole lm_head: set tensor_parallel_draft='driver'")
-        if not Path(self.spec_draft_vocab).is_file():
+        if not table_path(self.spec_draft_vocab).is_file():
             raise ValueError(f"spec_draft_vocab: no file {self.spec_draft_vocab!r}: build one with "
-                             "`infer draft-vocab` (README, \"Speculative decoding\")")
+                             f"`infer draft-vocab` (README, \"Speculative decoding\"), or name a shipped table "
+                             f"({', '.join(SHIPPED)})")
 
     def _check_eagle(self) -> None:
         method = self.speculative_method

@@ -6,8 +6,9 @@ exactly lossless; only the acceptance rate can change, by the probability mass l
 `DraftVocab` is the table: its ids (most frequent first), the vocabulary they index, the
 corpus it was counted on and the table's coverage of it (the share of the corpus's tokens
 inside the table). `build_table` counts token streams; `save` / `load` a small JSON file,
-`infer draft-vocab` writes (README, "Speculative decoding"); `draft_rows` the kept rows of a
-draft in its own ids (another vocabulary's draft: through its `VocabMap`).
+`infer draft-vocab` writes (README, "Speculative decoding"), or a shipped one by name;
+`draft_rows` the kept rows of a draft in its own ids (another vocabulary's draft: through
+its `VocabMap`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from infer.speculative.vocab_map import VocabMap
 
 FORMAT = "infer-draft-vocab"
 VERSION = 1
+# tables shipped with the package, by name (`spec_draft_vocab="llama3-32k"`): the Llama 3
+# tokenizer's 32,768 ids and the demo tokenizer's 6,144 (`table_path`)
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "draft_vocabs"
+SHIPPED = ("llama3-32k", "demo-6k")
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,18 @@ class DraftVocab:
         Path(path).write_text(json.dumps(data) + "\n")
 
 
+def table_path(value: str | Path) -> Path:
+    """The file of a `spec_draft_vocab` value: a shipped table's name (`SHIPPED`), or a path."""
+    return SHIPPED_DIR / f"{value}.json" if str(value) in SHIPPED else Path(value)
+
+
 def load_table(path: str | Path) -> DraftVocab:
-    """The table in a file `save` wrote; ValueError naming what is wrong with it."""
-    path = Path(path)
+    """The table in a file `save` wrote, or a shipped one by name; ValueError naming what is
+    wrong with it."""
+    path = table_path(path)
     if not path.is_file():
-        raise ValueError(f"spec_draft_vocab: no file {str(path)!r}: build one with `infer draft-vocab`")
+        raise ValueError(f"spec_draft_vocab: no file {str(path)!r}: build one with `infer draft-vocab`, or name "
+                         f"a shipped table ({', '.join(SHIPPED)})")
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -68,16 +68,22 @@ def test_shapes_name_their_rows_and_engine_fields():
     assert tree.tag == "tree-2x2x1" and tree.overrides() == {"spec_tree": "2,2,1"} and not tree.is_chain
 
 
+def _run_sweep(setup: SweepSetup, names: list[str]) -> BenchRun:
+    """The setup's rows (named `names`, in order) run on the CPU, one timed run each, every
+    one ok."""
+    rows = acceptance_sweep_rows(setup)
+    assert [r.name for r in rows] == names
+    run = BenchRun("acceptance-sweep")
+    Harness(run, HarnessOptions(device="cpu", repeats=1, quiet=True)).run_rows(names, index_rows(rows))
+    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
+    return run
+
+
 def test_a_reduced_vocabulary_sweep_runs_its_draft_on_the_lowest_ids(ckpt_a):
     workload = replace(SWEEP_WORKLOAD, num_requests=2, prompt_len=(16, 16), output_len=(16, 16))
     setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a", (SweepShape.chain(2),), (1.0,), (None,), workload,
                        draft_vocab=64, costs=False)
-    rows = acceptance_sweep_rows(setup)
-    assert [r.name for r in rows] == ["sweep/a-a-v64/plain", "sweep/a-a-v64/k2/a1"]
-    run = BenchRun("acceptance-sweep")
-    Harness(run, HarnessOptions(device="cpu", repeats=1, quiet=True)).run_rows([r.name for r in rows],
-                                                                             index_rows(rows))
-    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
+    run = _run_sweep(setup, ["sweep/a-a-v64/plain", "sweep/a-a-v64/k2/a1"])
     spec = run.measurements[-1]
     assert spec.params["engine"]["spec_draft_vocab"] is not None and spec.derived["greedy_prefix_match"] > 0
 
@@ -178,13 +184,7 @@ def test_a_tiny_batch_sweep_compares_throughput_at_its_batch(ckpt_a):
     workload = replace(SWEEP_WORKLOAD, num_requests=3, prompt_len=(16, 16), output_len=(12, 12))
     setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a-b3", (SweepShape.chain(2),), (1.0,), (None,), workload,
                        batch_size=3)
-    rows = acceptance_sweep_rows(setup)
-    assert [r.name for r in rows] == ["sweep/a-a-b3/plain", "sweep/a-a-b3/k2/a1"]
-    run = BenchRun("acceptance-sweep")
-    Harness(run, HarnessOptions(device="cpu", repeats=1, quiet=True)).run_rows([r.name for r in rows],
-                                                                              index_rows(rows))
-    assert [(m.name, m.status) for m in run.measurements if not m.ok] == []
-    plain, spec = run.measurements
+    plain, spec = _run_sweep(setup, ["sweep/a-a-b3/plain", "sweep/a-a-b3/k2/a1"]).measurements
     for m in (plain, spec):
         assert m.params["batch_size"] == 3 and m.params["engine"]["max_batch_size"] == 3
         assert m.metrics["primary_rate"] == m.metrics["tokens_per_s"]  # the batch's throughput

@@ -18,8 +18,10 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from infer.speculative.vocab_map import VocabMap
+if TYPE_CHECKING:  # (the engine's config reads the shipped tables' names: no torch at import)
+    from infer.speculative.vocab_map import VocabMap
 
 FORMAT = "infer-draft-vocab"
 VERSION = 1

@@ -82,10 +82,13 @@ def _run_sweep(setup: SweepSetup, names: list[str]) -> BenchRun:
 def test_a_reduced_vocabulary_sweep_runs_its_draft_on_the_lowest_ids(ckpt_a):
     workload = replace(SWEEP_WORKLOAD, num_requests=2, prompt_len=(16, 16), output_len=(16, 16))
     setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a", (SweepShape.chain(2),), (1.0,), (None,), workload,
-                       draft_vocab=64, costs=False)
+                       draft_vocab=64, costs=False, batch_gate=True)
     run = _run_sweep(setup, ["sweep/a-a-v64/plain", "sweep/a-a-v64/k2/a1"])
     spec = run.measurements[-1]
     assert spec.params["engine"]["spec_draft_vocab"] is not None and spec.derived["greedy_prefix_match"] > 0
+    gate = spec.metrics["gate"]  # (the batch gate's view: each bucket's plain step and round)
+    assert gate and all(set(b) == {"plain_ms", "round_ms", "round_tokens", "speedup", "rounds_on"}
+                        for b in gate.values())
 
 
 def test_a_tiny_sweep_runs_on_cpu_and_derives_its_projections(ckpt_a):
@@ -185,6 +188,7 @@ def test_a_tiny_batch_sweep_compares_throughput_at_its_batch(ckpt_a):
     setup = SweepSetup(str(ckpt_a), str(ckpt_a), "a-a-b3", (SweepShape.chain(2),), (1.0,), (None,), workload,
                        batch_size=3)
     plain, spec = _run_sweep(setup, ["sweep/a-a-b3/plain", "sweep/a-a-b3/k2/a1"]).measurements
+    assert spec.metrics["gate"] is None  # (the gate off)
     for m in (plain, spec):
         assert m.params["batch_size"] == 3 and m.params["engine"]["max_batch_size"] == 3
         assert m.metrics["primary_rate"] == m.metrics["tokens_per_s"]  # the batch's throughput

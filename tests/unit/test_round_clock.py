@@ -165,3 +165,15 @@ def test_the_gates_state_is_exported_per_bucket():
     families = {f.name: {s.labels["batch"]: s.value for s in f.samples} for f in gate_metrics(clock)}
     assert families["infer_spec_batch_speedup"] == {"2": pytest.approx(2.0), "64": pytest.approx(0.6)}
     assert families["infer_spec_batch_on"] == {"2": 1, "64": 0}
+
+
+def test_the_gates_report_gives_each_buckets_times():
+    clock = RoundClock(None, ClockConfig(probe_wait=50), gate=True)
+    t = 0.0
+    for batch, round_s in ((2, 0.015), (64, 0.05)):
+        _, t = _gated(clock, batch, 20, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
+    report = clock.report()
+    assert list(report) == [2, 64]
+    assert report[2] == {"plain_ms": pytest.approx(10.0), "round_ms": pytest.approx(15.0),
+                         "round_tokens": pytest.approx(3.0), "speedup": pytest.approx(2.0), "rounds_on": True}
+    assert report[64]["speedup"] == pytest.approx(0.6) and report[64]["rounds_on"] is False

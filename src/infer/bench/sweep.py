@@ -190,6 +190,8 @@ class SweepSession:
         metrics.update(spec_metrics(after.minus(before)))
         metrics.update(oracle.counts.to_dict())
         metrics["round_ms"] = _round_ms(metrics)
+        clock = engine.runner.speculation.clock if engine.runner.speculation is not None else None
+        metrics["gate"] = clock.report() if clock is not None and clock.gate else None  # (the batch gate's view)
         metrics.update(self._zero)
         metrics["leaks"] = engine.leak_report()
         params = self._params(ctx, engine, prompts)

@@ -339,6 +339,15 @@ class RoundClock:
         return {k: (r, not b.wait) for k, b in sorted(self._buckets.items())
                 if (r := self.speedup(k)) is not None}
 
+    def report(self) -> dict[int, dict[str, float | bool | None]]:
+        """Per bucket measured: its plain step and round (ms), a round's tokens a row, the
+        speedup they give and whether rounds run there now (a benchmark's record of the gate)."""
+        def ms(s: float | None) -> float | None:
+            return None if s is None else s * 1e3
+
+        return {k: {"plain_ms": ms(b.plain_s), "round_ms": ms(b.round_s), "round_tokens": b.round_tokens,
+                    "speedup": self.speedup(k), "rounds_on": not b.wait} for k, b in sorted(self._buckets.items())}
+
     def pays(self, batch: int) -> bool:
         """The gate, asked once a step that would draft: whether rounds at this batch size
         give plain steps' tokens a second (yes until measured; rounds running stop below

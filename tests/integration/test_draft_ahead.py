@@ -102,3 +102,26 @@ def test_drafted_ahead_under_the_oracle_and_a_tight_pool(ckpt_a, other_draft, pr
     assert engine.scheduler.num_preemptions > 0 and draft.ahead_rounds > 0
     assert oracle.counts.accepted == engine.runner.stats.accepted_tokens and oracle.counts.off_record_rounds == 0
     assert engine.leak_report() == [] and draft.marks == {}
+
+
+def test_unseeded_sampled_rows_draft_ahead_with_their_q(ckpt_a, other_draft, prompts) -> None:
+    # (their losslessness: tests/integration/test_speculative_sampling.py; here the rounds ahead
+    # keep q beside their tokens, on a tight pool with preemptions and K changing, and give
+    # every resource back)
+    engine, draft = _engine(ckpt_a, other_draft, ahead=True, kv_cache_backend="paged", num_blocks=40)
+    speculation = engine.runner.speculation
+    assert speculation is not None
+    speculation.policy = CyclePolicy([K, K, 2, 0, K])
+    marks: list[bool] = []
+    verifying = draft.verifying
+
+    def recording(requests, drafts, starts, verdict):
+        verifying(requests, drafts, starts, verdict)
+        marks.extend(m.probs is not None for r in requests if (m := draft.marks.get(r.request_id)) is not None)
+
+    draft.verifying = recording  # type: ignore[method-assign]
+    params = [SamplingParams(temperature=0.8, max_tokens=OUTPUT, ignore_eos=True) for _ in prompts]
+    outputs = run_all(engine, prompts, params)
+    assert [len(o) - len(p) for o, p in zip(outputs, prompts, strict=True)] == [OUTPUT] * len(prompts)
+    assert marks and all(marks) and draft.ahead_rounds > 0 and engine.scheduler.num_preemptions > 0
+    assert engine.leak_report() == [] and draft.marks == {}

@@ -84,3 +84,46 @@ def test_an_fp8_draft_stays_lossless(make_llm, pair):
                    draft_model=str(draft), spec_length=3, draft_quantization="fp8")
     assert total_variation(_empirical(llm, PARAMS["t1"]), exact) < TV_LIMIT
     assert llm.engine.models.draft.quantization == "fp8" and llm.engine.models.target.quantization is None
+
+
+def _ahead_joint(make_llm, pair, monkeypatch) -> tuple[float, object]:
+    """TV of unseeded T=1 requests whose rounds are drafted ahead (K=1: a request's second round
+    is drafted under its first's verification, its q kept on the device beside its token).
+    Their generators are seeded here from a counter, so the run repeats (the engine still
+    sees requests without a seed)."""
+    import itertools
+    from dataclasses import replace
+
+    import infer.engine.request as request_module
+    real, counter = request_module.make_generator, itertools.count()
+    monkeypatch.setattr(request_module, "make_generator",
+                        lambda seed: real(next(counter) if seed is None else seed))
+    target, draft = pair
+    exact = _exact_joint(target, PARAMS["t1"])
+    llm = make_llm(target, max_batch_size=64, max_seq_len=16, use_speculative_decoding=True,
+                   draft_model=str(draft), spec_length=1, spec_batch_gate=False)
+    params = replace(PARAMS["t1"], max_tokens=4, ignore_eos=True)  # (no seed: the rows draft ahead)
+    outputs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=[params] * N)
+    return total_variation(empirical_joint(outputs), exact), llm.engine.runner.speculation.proposer
+
+
+def test_unseeded_rows_drafted_ahead_stay_lossless(make_llm, pair, monkeypatch):
+    tv, proposer = _ahead_joint(make_llm, pair, monkeypatch)
+    assert tv < TV_LIMIT and proposer.ahead_rounds > 0
+
+
+def test_negative_control_rounds_ahead_with_another_q_fail(make_llm, pair, monkeypatch):
+    # the rounds drafted ahead verified against a q that gives their drawn token no mass:
+    # every such draft is accepted, so those tokens follow the draft's distribution
+    import infer.speculative.draft_model as draft_model
+    real = draft_model.Draft.chain_on_device
+
+    def other_q(shape, tokens, row, k, probs=None):
+        if probs is not None:
+            probs = probs.clone()
+            probs[torch.arange(k), tokens.tokens[row, :k]] = 0.0
+        return real(shape, tokens, row, k, probs)
+
+    monkeypatch.setattr(draft_model.Draft, "chain_on_device", staticmethod(other_q))
+    tv, proposer = _ahead_joint(make_llm, pair, monkeypatch)
+    assert tv > TV_LIMIT and proposer.ahead_rounds > 0

@@ -7,9 +7,9 @@ A chain is then K batched draft steps (one flat pass each, the ids left on the d
 row sampling q after its own sampling transforms (a grammar's mask for structured outputs)
 and stopping at its own k. A tree is expanded level by level (`tree_expand.expand_levels`,
 `tree_draft`; dynamic trees by `dynamic_draft`). `on_accepted` moves the accepted fed nodes
-into sequence order and truncates the draft cache to n + 1 + min(L, k - 1). A greedy chain
-round drafts the next round ahead (`verifying`), queued behind its verification, fed from the
-verdict on the device: the host's work between rounds hides under those draft steps.
+into sequence order and truncates the draft cache to n + 1 + min(L, k - 1). A chain round
+of greedy or unseeded rows drafts the next round ahead (`verifying`), queued behind its
+verification, fed from the verdict on the device: the host's work hides under those steps.
 The round step by step: docs/speculation.md, "A draft model".
 """
 
@@ -49,6 +49,7 @@ class DraftAhead:
     round's tokens, from n, the start of the round it followed."""
 
     tokens: RoundTokens  # [A, steps] on the device
+    probs: torch.Tensor | None  # [A, steps, V] q of the round's rows (None: every row greedy)
     row: int
     steps: int
     n: int  # the request's computed tokens when the round it followed began
@@ -100,9 +101,10 @@ class DraftModelProposer:
     @torch.inference_mode()
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """`Proposer.verifying`: draft the next round now for the greedy rows without a
-        grammar that drafted a chain of k this round (verdict [B, K + 2] on the device), whose
-        draft has room for it. The host plans each row as if all k drafts were accepted; on
+        """`Proposer.verifying`: draft the next round now for the rows without a grammar,
+        greedy or sampled without a seed (a seeded row draws its uniforms in the order it
+        would without), that drafted a chain of k this round (verdict [B, K + 2] on the
+        device), whose draft has room for it. The host plans each row as if all k drafts were accepted; on
         the device its first step feeds the last accepted token (g when none) and the final
         one at n + a and n + a + 1, every step moved by a - k (`DeviceIds.shift`). The
         draft's positions n + a .. n + a + k are then the next round's, fed as it would."""
@@ -123,9 +125,10 @@ class DraftModelProposer:
                       verdict.device, torch.long)
         first = torch.where(accepted > 0, last, g)
         ids = torch.stack([first, verdict[:, width + 1].clamp(min=0)], dim=1).reshape(-1)  # [2A]
-        drafted = RoundTokens(self._draft_loop(reqs, ks, ahead=(ids, accepted - k_row)).tokens.clamp(min=0))
+        chain = self._draft_loop(reqs, ks, ahead=(ids, accepted - k_row))
+        drafted = RoundTokens(chain.tokens.clamp(min=0))  # (a failed draw drafts token 0: its q judges it)
         for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
-            self.marks[r.request_id] = DraftAhead(drafted, j, k, r.num_computed_tokens)
+            self.marks[r.request_id] = DraftAhead(drafted, chain.probs, j, k, r.num_computed_tokens)
 
     def _aheadable(self, request: DraftRequest, draft: Draft) -> bool:
         """Whether the request's next round is drafted ahead (`verifying`); its draft's room
@@ -133,7 +136,7 @@ class DraftModelProposer:
         params, k, n = request.sampling_params, draft.num_proposed, request.num_computed_tokens
         slot = None if request.slot is None else self.draft_slots.get(request.slot)
         need = n + 2 * k + 1
-        return (k > 0 and draft.shape.is_chain and request.grammar is None and params.greedy and not params.penalized
+        return (k > 0 and draft.shape.is_chain and request.grammar is None and (params.greedy or params.seed is None)
                 and temperature_only(params, self.model.config.vocab_size) and slot is not None
                 and self.rounds.get(request.request_id, (None,))[0] == n and self.pool.seq_len(slot) == n + k
                 and need <= self.pool.max_seq_len and self.pool.ensure_capacity(slot, need))
@@ -253,7 +256,8 @@ class DraftModelProposer:
             if (isinstance(shape, TreeShape) and shape.is_chain and 0 < k <= min(mark.steps, shape.depth)
                     and mark.accepted is not None and r.num_computed_tokens == mark.n + mark.accepted + 1
                     and self.pool.seq_len(slot) == r.num_computed_tokens + mark.steps):
-                drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k)
+                probs = None if mark.probs is None else mark.probs[mark.row, :k]
+                drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k, probs)
                 served.add(i)
             else:  # (positions past n + a hold the round ahead's feed: dropped, the blocks
                 # kept: the scheduler reserved this round's room in them)

@@ -200,10 +200,10 @@ class DraftModelProposer:
         empty = Draft.empty(NodeTree((), shape.widths) if isinstance(shape, DynamicShape) else shape)
         drafts = [empty for _ in requests]
         served = self._take_ahead(requests, shape, depths, drafts)
-        active = [i for i, k in enumerate(depths) if k > 0 and i not in served
-                  and self.take_slot(requests[i], fed_positions(shape, k))]
         for i in served:
             self.rounds[requests[i].request_id] = (requests[i].num_computed_tokens, chain_fed(shape, depths[i]))
+        active = [i for i, k in enumerate(depths) if k > 0 and i not in served
+                  and self.take_slot(requests[i], fed_positions(shape, k))]
         if not active:
             return drafts
         reqs = [requests[i] for i in active]
@@ -383,6 +383,7 @@ class DraftModelProposer:
 
         root = self._feed_tail(reqs, slots)[:, None]  # [A, 1, V]
         return expand_levels(reqs, ks, shape, self.device, root, lambda lg: lg.reshape(-1, lg.shape[-1]), feed)
+
 
 def chain_fed(shape: TreeShape | DynamicShape, k: int) -> tuple[int, ...]:
     """Per node of a static shape, its index in the draft's block where a round of depth k

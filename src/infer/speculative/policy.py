@@ -336,8 +336,8 @@ class RoundClock:
     def gate_state(self) -> dict[int, tuple[float, bool]]:
         """Per measured bucket (a power of two): rounds' speedup over plain steps, and whether
         rounds run there now."""
-        return {k: (r, not b.wait) for k, b in sorted(self._buckets.items())
-                if (r := self.speedup(k)) is not None}
+        return {k: (float(b["speedup"]), bool(b["rounds_on"])) for k, b in self.report().items()
+                if b["speedup"] is not None}
 
     def report(self) -> dict[int, dict[str, float | bool | None]]:
         """Per bucket measured: its plain step and round (ms), a round's tokens a row, the

@@ -182,8 +182,17 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1),
         HQ=hq, HKV=hkv, SPLITS=splits, CHUNK=chunk, GROUP=group, QT=run,
         M=max(QUERY_TILE, triton.next_power_of_2(run * group)), D=d, BLOCK_N=min(64, chunk),
-        IEEE=q.dtype == torch.float32, HAS_TOKENS=tokens is not None, HAS_TREE=tree is not None, num_warps=4)
+        IEEE=q.dtype == torch.float32, HAS_TOKENS=tokens is not None, HAS_TREE=tree is not None, num_warps=4,
+        num_stages=pipeline_stages(splits))
     return out
+
+
+def pipeline_stages(splits: int) -> int:
+    """Key / value tiles in flight a program: none ahead (1) when the launch splits every
+    row's context MAX_SPLITS ways (a few rows: short loops, many programs), one ahead (2)
+    otherwise (long loops: a third stage's shared memory costs more programs an SM than it
+    hides)."""
+    return 1 if splits >= MAX_SPLITS else 2
 
 
 def run_tokens(group: int) -> int:

@@ -211,7 +211,7 @@ def test_the_engine_speculates_over_the_tree_and_reports_tree_metrics(make_llm, 
     (dict(spec_tree="3,2", use_speculative_decoding=False), "use_speculative_decoding"),
     (dict(use_speculative_decoding=True, spec_tree="3,,2"), "spec_tree"),
     (dict(use_speculative_decoding=True, spec_tree="0,2"), "spec_tree"),
-    (dict(use_speculative_decoding=True, spec_tree=",".join(["1"] * 17)), "16 levels"),
+    (dict(use_speculative_decoding=True, spec_tree=",".join(["1"] * 33)), "32 levels"),
     (dict(use_speculative_decoding=True, spec_tree="8,8,8"), "128 nodes"),
     (dict(use_speculative_decoding=True, spec_tree="3,2", spec_length=4), "depth 2"),
     (dict(use_speculative_decoding=True, spec_tree="3,2", spec_length=5), "depth 2"),  # (5: no default to hide behind)

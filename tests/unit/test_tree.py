@@ -15,6 +15,7 @@ from infer.sampling import SamplingParams, logits_to_probs
 from infer.speculative.ngram import NgramConfig, NgramProposer, NgramTable, PromptLookupTable
 from infer.speculative.verifier import unpack_rows, verify_logits, verify_tensors
 from infer.speculative.tree import (
+    MAX_TREE_DEPTH,
     MAX_TREE_NODES,
     Draft,
     TreeShape,
@@ -84,7 +85,7 @@ def test_chain_shape_is_a_causal_chain() -> None:
     ("3,x", "comma-separated integers"),
     ("-1,2", "comma-separated integers"),
     ("3,0,1", "integers >= 1.*depth 2"),
-    (",".join(["1"] * 17), "1 to 16 levels"),
+    (",".join(["1"] * 33), "1 to 32 levels"),
     ("8,8,8", f"more than {MAX_TREE_NODES} nodes"),
 ])
 def test_shape_parse_errors_say_what_to_fix(text: str, message: str) -> None:
@@ -95,8 +96,8 @@ def test_shape_parse_errors_say_what_to_fix(text: str, message: str) -> None:
 def test_shape_constructor_validates() -> None:
     assert TreeShape([2, 1]).branching == (2, 1)  # a list is taken as a tuple
     assert TreeShape((MAX_TREE_NODES,)).num_nodes == MAX_TREE_NODES  # the limit itself is fine
-    assert chain_shape(16).depth == 16
-    for bad in [(), (True, 1), (2.0,), "3,2", (1,) * 17, (MAX_TREE_NODES + 1,)]:
+    assert chain_shape(MAX_TREE_DEPTH).depth == MAX_TREE_DEPTH
+    for bad in [(), (True, 1), (2.0,), "3,2", (1,) * (MAX_TREE_DEPTH + 1), (MAX_TREE_NODES + 1,)]:
         with pytest.raises(ValueError, match="tree shape"):
             TreeShape(bad)  # type: ignore[arg-type]
 

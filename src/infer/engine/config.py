@@ -26,7 +26,7 @@ SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suff
 # speculative_method="suffix" with spec_tree / spec_length unset: chains (one child a node) of
 # at most 8 tokens out of 16 nodes; branching trees ("dynamic:16") verified no more tokens a
 # round on the workloads of docs/benchmarks.md and cost more to verify
-SUFFIX_TREE, SUFFIX_SPEC_LENGTH = "dynamic:16:1", 16
+SUFFIX_TREE, SUFFIX_SPEC_LENGTH = "dynamic:24:1", 24
 # vLLM's names of engine options, for the error an unknown option gets
 VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_seq_len",
               "max_num_seqs": "max_batch_size",
@@ -132,7 +132,7 @@ class EngineConfig:
     ngram_window: int = 512
     # speculative_method="suffix" (speculative/suffix.py): substrings of up to this many tokens
     # are counted (a match of m tokens leaves max_depth - m to draft: more than spec_length)
-    spec_suffix_max_depth: int = 32
+    spec_suffix_max_depth: int = 48
     # the cache of finished requests' outputs every request drafts from, in tokens (the oldest
     # go first; 0: each request drafts from its own tokens alone, and seeded rows repeat exactly)
     spec_suffix_cache_tokens: int = 65536

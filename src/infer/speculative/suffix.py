@@ -31,7 +31,7 @@ _OWN = 0  # the sequence id of a request's own tokens in its trie
 class SuffixConfig:
     """The tries' depth, the shared cache's size and the drafts' probability floor."""
 
-    max_depth: int = 32  # D: substrings up to D tokens are counted; a match of m leaves D - m to draft
+    max_depth: int = 48  # D: substrings up to D tokens are counted; a match of m leaves D - m to draft
     cache_tokens: int = 65536  # the shared cache of earlier outputs, in tokens (0: none)
     min_prob: float = 0.1  # a draft node's estimated probability (along its path) must reach this
 

@@ -22,7 +22,7 @@ import torch
 from infer.cache.forward_batch import RowTree
 from infer.sampling import is_strict_int
 
-MAX_TREE_DEPTH = 16
+MAX_TREE_DEPTH = 32
 MAX_TREE_NODES = 128
 
 _EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"

@@ -103,8 +103,16 @@ class MedusaHead(nn.Module):
         hidden [A, H] -> token ids [A, sum(widths)] (on the device)."""
         if not 1 <= len(widths) <= self.spec.num_heads:
             raise ValueError(f"{self.spec.source}: asked for {len(widths)} heads of {self.spec.num_heads}")
-        parts = [torch.topk(self.logits(k, hidden, kernels), w, dim=-1).indices for k, w in enumerate(widths)]
+        parts = [_best(self.logits(k, hidden, kernels), w) for k, w in enumerate(widths)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _best(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """The `width` highest logits' ids, best first: [A, V] -> [A, width] (one: an argmax,
+    a single kernel where a top-k takes several)."""
+    if width == 1:
+        return torch.argmax(logits, dim=-1, keepdim=True)
+    return torch.topk(logits, width, dim=-1).indices
 
 
 def build_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,

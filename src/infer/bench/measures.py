@@ -20,15 +20,14 @@ from infer.bench.peers import HFPeer, run_hf
 from infer.bench.roofline import copy_bandwidth, decode_roofline
 from infer.bench.rows import Context, CudaDevices, GptFastCheckout, Measured, Module, Need, NoPeers, Outcome, Row
 from infer.bench.results import SWEEP_KIND
-from infer.bench.sweep import SweepSession, SweepSetup
+from infer.bench.sweep import SweepSession, SweepSetup, lowest_ids_table
 from infer.bench.theory import prefill_flops, projection_table, tree_projection
 from infer.bench.workloads import Workload
 from infer.engine.config import EngineConfig
 from infer.engine.loading import load_models_for
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
 from infer.engine.threads import apply_cpu_threads
-from infer.models.loading.loader import load_model, read_model_config
-from infer.speculative.draft_vocab import lowest_ids
+from infer.models.loading.loader import load_model
 
 PAIRED_MIN_REPEATS = 15  # rounds of a paired measurement: spikes of 1.5x hit a few runs in 5
 TRANSFORMERS = Module("transformers", "transformers>=4.45")
@@ -129,7 +128,7 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
 
     def run(ctx: Context) -> Outcome:
         with tempfile.TemporaryDirectory() as tmp:
-            table = None if draft_vocab is None else _first_ids_table(target, draft_vocab, Path(tmp))
+            table = None if draft_vocab is None else lowest_ids_table(target, draft_vocab, Path(tmp))
             config = EngineConfig(model=target, draft_model=draft, use_speculative_decoding=draft is not None,
                                   speculative_method=method, device=str(ctx.device), dtype=default_dtype(ctx.device),
                                   draft_quantization=draft_quantization, threads=ctx.options.threads,
@@ -152,13 +151,6 @@ def costs_row(name: str, what: str, target: str, draft: str | None, use_cuda_gra
         return params, costs.to_dict()
 
     return Row(name, what, "spec_costs", "spec-costs", run, {}, needs)
-
-
-def _first_ids_table(target: str, size: int, directory: Path) -> str:
-    """A reduced draft vocabulary's table of the target's `size` lowest ids, written in `directory`."""
-    path = directory / "draft-vocab.json"
-    lowest_ids(read_model_config(target).vocab_size, size).save(path)
-    return str(path)
 
 
 def projection_row(name: str, costs: str) -> Row:

@@ -283,9 +283,8 @@ class SweepSession:
         if self._vocab_dir is None:
             self._vocab_dir = tempfile.TemporaryDirectory(prefix="infer-sweep-vocab-")
         path = Path(self._vocab_dir.name) / "draft-vocab.json"
-        if not path.is_file():
-            lowest_ids(read_model_config(self.setup.target).vocab_size, self.setup.draft_vocab).save(path)
-        return str(path)
+        return str(path) if path.is_file() else lowest_ids_table(self.setup.target, self.setup.draft_vocab,
+                                                                 Path(self._vocab_dir.name))
 
     def _prompts(self, ctx: Context, engine: Engine) -> PromptSet:
         return build_requests(ctx.workload(self.setup.workload), engine.vocab_size, engine.tokenizer)
@@ -327,3 +326,11 @@ def _round_ms(metrics: Mapping[str, Any]) -> float | None:
     """A round's time: tokens a round / decode tokens per second."""
     rate, tokens = metrics.get("decode_tokens_per_s"), metrics.get("mean_accepted_length")
     return tokens / rate * 1e3 if rate and tokens else None
+
+
+def lowest_ids_table(target: str, size: int, directory: Path) -> str:
+    """A reduced draft vocabulary's table of `target`'s `size` lowest ids (on dummy weights
+    which ids does not change a step's cost), written to `directory`; its path."""
+    path = directory / "draft-vocab.json"
+    lowest_ids(read_model_config(target).vocab_size, size).save(path)
+    return str(path)

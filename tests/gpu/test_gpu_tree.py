@@ -75,17 +75,19 @@ def test_sampled_tree_rounds_replay_identically(ckpt_a, backend, general):
     assert graphs.engine.leak_report() == []
 
 
-@pytest.mark.parametrize("backend", ["contiguous", "paged"])
-def test_suffix_rounds_replay_identically(ckpt_a, backend):
-    # suffix decoding's rounds (trees walked eagerly over their round's frame, or chains)
-    # through the graphs: greedy and seeded rows as eager, greedy ones as plain decoding; the
-    # prompts twice, the second time drafted from the cache of the first outputs
+@pytest.mark.parametrize("backend, shape", [("contiguous", dict(spec_tree="dynamic:12:3", spec_length=6)),
+                                            ("paged", dict(spec_tree="dynamic:12:3", spec_length=6)),
+                                            ("paged", {})])
+def test_suffix_rounds_replay_identically(ckpt_a, backend, shape):
+    # suffix decoding's rounds (trees walked eagerly over their round's frame, or chains; {}:
+    # its defaults, chains of up to 24) through the graphs: greedy and seeded rows as eager,
+    # greedy ones as plain decoding; the prompts twice, the second time drafted from the
+    # cache of the first outputs
     prompts = _prompts(ckpt_a, 4)
     params = [SamplingParams(temperature=t, max_tokens=24, ignore_eos=True, seed=21 + i)
               for i, t in enumerate([0, 0.8, 0, 1.0])]
     kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
-              compile_kernels=False, spec_batch_gate=False, speculative_method="suffix", spec_tree="dynamic:12:3",
-              spec_length=6)
+              compile_kernels=False, spec_batch_gate=False, speculative_method="suffix", **shape)
     eager, graphs = LLM(str(ckpt_a), use_cuda_graphs=False, **kw), LLM(str(ckpt_a), use_cuda_graphs=True, **kw)
     plain = _tokens(LLM(str(ckpt_a), device="cuda", dtype="float32", max_seq_len=128, use_cuda_graphs=False),
                     prompts, GREEDY)

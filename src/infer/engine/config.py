@@ -24,8 +24,8 @@ SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_
                       "spec_suffix_min_prob", "draft_quantization", "tensor_parallel_draft", "spec_draft_vocab")
 SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob")
 # speculative_method="suffix" with spec_tree / spec_length unset: chains (one child a node) of
-# at most 8 tokens out of 16 nodes; branching trees ("dynamic:16") verified no more tokens a
-# round on the workloads of docs/benchmarks.md and cost more to verify
+# up to 24 tokens, as long as the match and its counts support; branching trees ("dynamic:16")
+# verified no more tokens a round on the workloads of docs/benchmarks.md and cost more to verify
 SUFFIX_TREE, SUFFIX_SPEC_LENGTH = "dynamic:24:1", 24
 # vLLM's names of engine options, for the error an unknown option gets
 VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_seq_len",

@@ -2,9 +2,10 @@
 
 CUDA-graph replay of tree chunks (the target's verification block, a draft model's levels)
 and of the tree verifier must give the same tokens as eager execution, float32, both
-backends, batch 1 and a batch padded to a bucket, greedy and seeded sampling; the fused
-kernels' path (rotary + cache write in one kernel, then attention with the block mask) must
-match the eager kernels on a tree chunk; suffix decoding's rounds replay as eager ones.
+backends, batch 1 and a batch padded to a bucket, greedy and seeded sampling, static trees
+and a draft model's dynamic trees; the fused kernels' path (rotary + cache write in one
+kernel, then attention with the block mask) must match the eager kernels on a tree chunk;
+suffix decoding's rounds replay as eager ones.
 """
 
 from __future__ import annotations
@@ -37,24 +38,26 @@ def _tokens(llm, prompts, params=GREEDY):
 def _pair(ckpt, backend, method, **extra):
     kw = dict(device="cuda", dtype="float32", kv_cache_backend=backend, max_batch_size=8, max_seq_len=128,
               compile_kernels=False, use_speculative_decoding=True, spec_batch_gate=False, speculative_method=method,
-              spec_tree=TREE, **extra)
+              **{"spec_tree": TREE, **extra})
     if method == "draft_model":
         kw["draft_model"] = str(ckpt)
     return LLM(str(ckpt), use_cuda_graphs=False, **kw), LLM(str(ckpt), use_cuda_graphs=True, **kw)
 
 
 @pytest.mark.parametrize("backend", ["contiguous", "paged"])
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method):
+@pytest.mark.parametrize("method, tree", [("draft_model", TREE), ("ngram", TREE), ("draft_model", "dynamic:8:2")])
+def test_tree_graphs_token_identical_to_eager(ckpt_a, backend, method, tree):
+    # static trees, and a draft model's dynamic trees (levels of each row's best nodes)
     prompts = _prompts(ckpt_a)
-    eager, graphs = _pair(ckpt_a, backend, method)
+    eager, graphs = _pair(ckpt_a, backend, method, spec_tree=tree, spec_length=3)
     for batch in ([prompts[0]], prompts):  # batch 1, and 6 rows padded to the bucket of 8
         assert _tokens(graphs, batch) == _tokens(eager, batch)
     runner = graphs.engine.runner
-    assert {tree for _, tree in runner.forward_fn.graphs} == {False, True}  # tree rules in graphs of their own
+    assert {ruled for _, ruled in runner.forward_fn.graphs} == {False, True}  # tree rules in graphs of their own
     assert runner.forward_fn.replays > 0
     if method == "draft_model":
         assert runner.speculation.draft.step_forward.replays > 0  # the draft's levels replayed too
+    if method == "draft_model" and tree == TREE:
         stats = runner.stats  # the target drafting for itself: (nearly) the full depth every round
         assert stats.accepted_tokens >= 0.99 * sum(stats.drafted_per_position)
     assert graphs.engine.leak_report() == [] and eager.engine.leak_report() == []

@@ -23,7 +23,7 @@ import torch
 import infer.distributed.worker as worker_module
 from infer.cache.block_tables import BlockTables, last_writes
 from infer.cache.protocol import CachePoolProtocol
-from infer.distributed.mirror import Outbox, TensorParallelExecutor
+from infer.distributed.tp_executor import Outbox, TensorParallelExecutor
 from infer.distributed.protocol import INVOKABLE, Invoke, MakeForward, Message, Report, WorkerReport
 from infer.distributed.worker import Worker
 from infer.engine.config import EngineConfig

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from infer.distributed.channel import ControlChannel
 from infer.distributed.group import (LOOPBACK, join, leave, loopback_gloo, plan_devices, torchrun_device,
                                     torchrun_rank)
-from infer.distributed.mirror import Outbox, TensorParallelExecutor, TensorParallelForward
+from infer.distributed.tp_executor import Outbox, TensorParallelExecutor, TensorParallelForward
 from infer.distributed.protocol import Report, Shutdown, WorkerReport
 from infer.distributed.worker import WorkerSpec, shards_for
 from infer.engine.config import EngineConfig

@@ -3,7 +3,7 @@
 A forward function runs one model through its KV pool for one flat batch of rows
 (`cache.forward_batch`). The engine's executor provides it: eagerly or replaying CUDA
 graphs of the same pass (`engine/executor/batch_forward.py`), or on every rank under
-tensor parallelism (`distributed/mirror.py`). Sampling and acceptance run on its logits,
+tensor parallelism (`distributed/tp_executor.py`). Sampling and acceptance run on its logits,
 above it. It is declared here, below the engine, because the draft-model proposer drives one.
 """
 

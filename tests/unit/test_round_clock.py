@@ -169,11 +169,16 @@ def test_the_gates_state_is_exported_per_bucket():
 
 def test_the_gates_report_gives_each_buckets_times():
     clock = RoundClock(None, ClockConfig(probe_wait=50), gate=True)
-    t = 0.0
+    t, kinds = 0.0, {}
     for batch, round_s in ((2, 0.015), (64, 0.05)):
-        _, t = _gated(clock, batch, 20, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
+        kinds[batch], t = _gated(clock, batch, 20, plain_s=0.01, round_s=round_s, tokens=3.0, t=t)
     report = clock.report()
     assert list(report) == [2, 64]
     assert report[2] == {"plain_ms": pytest.approx(10.0), "round_ms": pytest.approx(15.0),
-                         "round_tokens": pytest.approx(3.0), "speedup": pytest.approx(2.0), "rounds_on": True}
+                         "round_tokens": pytest.approx(3.0), "speedup": pytest.approx(2.0), "rounds_on": True,
+                         "plain_steps": 3, "round_steps": 17, "plain_samples": 1, "round_samples": 15}
+    for batch in (2, 64):  # the steps of each kind run, and the timed ones (both neighbours of their kind)
+        b = report[batch]
+        assert (b["plain_steps"], b["round_steps"]) == (kinds[batch].count(False), kinds[batch].count(True))
+        assert 0 < b["plain_samples"] < b["plain_steps"] and 0 < b["round_samples"] < b["round_steps"]
     assert report[64]["speedup"] == pytest.approx(0.6) and report[64]["rounds_on"] is False

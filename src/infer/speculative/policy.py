@@ -9,8 +9,7 @@ what the engine measures while it runs.
 - `RoundClock`: a plain step's and a round's wall time per batch-size bucket, from the
   engine's step start times: the round's overhead beyond the model, and the gate that
   turns rounds off at a batch size where they give fewer tokens a second (`pays`).
-- `ShadowRounds`: what a free draft (n-gram, prompt lookup) would have scored while its
-  request decodes plainly, evidence for `AdaptivePolicy.observe`.
+- `ShadowRounds`: a free draft's score while its request decodes plainly (`AdaptivePolicy.observe`).
 docs/speculation.md: "The length policy", "The round clock", "The batch gate", "Shadow rounds".
 """
 
@@ -19,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from infer.speculative.proposer import DraftRequest, Proposer
@@ -281,6 +280,8 @@ class _Bucket:
     waited: int = 0  # plain steps the gate kept since its last probe
     wait: int = 0  # ... the wait before its next (0: rounds pay)
     probe_left: int = 0  # rounds left of the probe running
+    steps: list[int] = field(default_factory=lambda: [0, 0])  # decode steps run here: [plain, rounds]
+    samples: list[int] = field(default_factory=lambda: [0, 0])  # ... of them timed: [plain, rounds]
 
 
 def bucket(batch: int) -> int:
@@ -341,12 +342,15 @@ class RoundClock:
 
     def report(self) -> dict[int, dict[str, float | bool | None]]:
         """Per bucket measured: its plain step and round (ms), a round's tokens a row, the
-        speedup they give and whether rounds run there now (a benchmark's record of the gate)."""
+        speedup they give, whether rounds run there now, and the decode steps of each kind run
+        and timed (a benchmark's record of the gate)."""
         def ms(s: float | None) -> float | None:
             return None if s is None else s * 1e3
 
         return {k: {"plain_ms": ms(b.plain_s), "round_ms": ms(b.round_s), "round_tokens": b.round_tokens,
-                    "speedup": self.speedup(k), "rounds_on": not b.wait} for k, b in sorted(self._buckets.items())}
+                    "speedup": self.speedup(k), "rounds_on": not b.wait, "plain_steps": b.steps[0],
+                    "round_steps": b.steps[1], "plain_samples": b.samples[0], "round_samples": b.samples[1]}
+                for k, b in sorted(self._buckets.items())}
 
     def pays(self, batch: int) -> bool:
         """The gate, asked once a step that would draft: whether rounds at this batch size
@@ -385,7 +389,9 @@ class RoundClock:
         """A step that started at `start` (seconds) ran; kind None: not a pure decode step.
         The step before it is a sample when the steps on both its sides are of its kind."""
         if kind is not None:
-            self._buckets.setdefault(bucket(kind.batch), _Bucket()).since_plain += 1
+            b = self._buckets.setdefault(bucket(kind.batch), _Bucket())
+            b.since_plain += 1
+            b.steps[kind.k > 0] += 1
         self._recent.append((start, kind))
         if len(self._recent) < 3:
             return
@@ -402,6 +408,7 @@ class RoundClock:
         d = self.config.decay
         if b.plain_s is not None and seconds > self.config.max_ratio * b.plain_s:
             return  # a stall (a collection, the host busy elsewhere), not the step's cost
+        b.samples[kind.k > 0] += 1
         if kind.k == 0:
             b.plain_s = seconds if b.plain_s is None else d * b.plain_s + (1 - d) * seconds
             b.since_plain = 0

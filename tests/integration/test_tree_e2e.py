@@ -2,8 +2,8 @@
 
 Greedy parity with plain decoding for 8 prompts, batch 1 and 8, both backends, prefix
 caching with small prefill chunks, forced preemption; drafted by the target itself (the
-full depth accepted every round), by an unrelated random draft, by n-gram and prompt-lookup
-trees; siblings a one-token draft cannot fill are absent. The accepted path's K/V moves in
+full depth accepted every round; also chains and a tree MAX_TREE_DEPTH deep), by an
+unrelated random draft, by n-gram and prompt-lookup trees; siblings a one-token draft cannot fill are absent. The accepted path's K/V moves in
 both caches (a self-draft whose children come in reverse rank order still accepts
 everything), penalties read each node's own context, mixed greedy / sampled /
 log-probability rows share a batch, stops inside an accepted path, the length guards near
@@ -16,6 +16,7 @@ import pytest
 
 from helpers.spec_e2e import DEPTH, ENGINE_CONFIGS, GREEDY, MAX_NEW, run as _run
 from infer import EngineConfig, SamplingParams
+from infer.speculative.tree import MAX_TREE_DEPTH
 
 TREE = "3,2,1,1"  # 21 nodes, depth 4 (DEPTH)
 
@@ -50,6 +51,17 @@ def test_greedy_parity_self_draft_accepts_the_full_depth(make_llm, ckpt_a, promp
     if config == "paged-preempt" and batch == 8:
         assert llm.engine.scheduler.num_preemptions > 0
     assert all(o.outputs[0].acceptance_rate == 1.0 for o in outs)
+
+
+@pytest.mark.parametrize("tree", [None, "2," + ",".join(["1"] * (MAX_TREE_DEPTH - 1))])
+def test_rounds_as_deep_as_max_tree_depth_keep_greedy_parity(make_llm, ckpt_a, prompts, tree):
+    # a self-draft's chains of MAX_TREE_DEPTH drafts (and a tree that deep) accept whole rounds
+    params = SamplingParams(temperature=0, max_tokens=3 * MAX_TREE_DEPTH, ignore_eos=True)
+    plain = _tokens(make_llm(ckpt_a, max_seq_len=256).generate(prompt_token_ids=prompts[:3], sampling_params=params))
+    llm = _tree_llm(make_llm, ckpt_a, ckpt_a, 3, tree=tree, spec_length=MAX_TREE_DEPTH)
+    assert _tokens(llm.generate(prompt_token_ids=prompts[:3], sampling_params=params)) == plain
+    stats = llm.engine.runner.stats
+    assert _full_depth_every_round(stats) and stats.accepted_lengths[MAX_TREE_DEPTH] > 0
 
 
 @pytest.mark.parametrize("config", list(ENGINE_CONFIGS))

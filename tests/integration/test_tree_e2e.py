@@ -3,9 +3,9 @@
 Greedy parity with plain decoding for 8 prompts, batch 1 and 8, both backends, prefix
 caching with small prefill chunks, forced preemption; drafted by the target itself (the
 full depth accepted every round; also chains and a tree MAX_TREE_DEPTH deep), by an
-unrelated random draft, by n-gram and prompt-lookup trees; siblings a one-token draft cannot fill are absent. The accepted path's K/V moves in
-both caches (a self-draft whose children come in reverse rank order still accepts
-everything), penalties read each node's own context, mixed greedy / sampled /
+unrelated random draft, by n-gram and prompt-lookup trees; siblings a one-token draft
+cannot fill are absent. The accepted path's K/V moves in both caches (a self-draft whose
+children come in reverse rank order still accepts everything), penalties read each node's own context, mixed greedy / sampled /
 log-probability rows share a batch, stops inside an accepted path, the length guards near
 max_seq_len, metrics, configuration. Every engine is leak-checked.
 """

@@ -5,9 +5,10 @@ caching with small prefill chunks, forced preemption; drafted by the target itse
 full depth accepted every round; also chains and a tree MAX_TREE_DEPTH deep), by an
 unrelated random draft, by n-gram and prompt-lookup trees; siblings a one-token draft
 cannot fill are absent. The accepted path's K/V moves in both caches (a self-draft whose
-children come in reverse rank order still accepts everything), penalties read each node's own context, mixed greedy / sampled /
-log-probability rows share a batch, stops inside an accepted path, the length guards near
-max_seq_len, metrics, configuration. Every engine is leak-checked.
+children come in reverse rank order still accepts everything), penalties read each node's
+own context, mixed greedy / sampled / log-probability rows share a batch, stops inside an
+accepted path, the length guards near max_seq_len, metrics, configuration. Every engine is
+leak-checked.
 """
 
 from __future__ import annotations

@@ -31,9 +31,24 @@ def test_plain_time_and_round_overhead_are_learnt_per_bucket():
     assert clock.needs_plain(2) and clock.overhead(4) == 0.0  # other buckets know nothing yet
 
 
+def test_a_plain_measurement_is_the_median_of_its_samples():
+    # the first plain step timed after a prefill runs slow (0.03): one sample would make a
+    # round look three times cheaper against it; the median of three does not
+    steps = [(1, 0, 0.01), (1, 0, 0.03), (1, 0, 0.01), (1, 0, 0.01), (1, 0, 0.01)]
+    clock = RoundClock(None, gate=True)
+    _run(clock, steps)
+    assert clock.plain_step_s(1) == pytest.approx(0.01) and not clock.needs_plain(1)
+    single = RoundClock(None, ClockConfig(plain_samples=1), gate=True)  # the negative control: what
+    _run(single, steps[:3])  # three plain steps timed (one sample) before rounds began
+    assert single.plain_step_s(1) == pytest.approx(0.03) and not single.needs_plain(1)
+    partial = RoundClock(None, gate=True)
+    _run(partial, steps[:4])  # two samples: still measuring
+    assert partial.plain_step_s(1) is None and partial.needs_plain(1)
+
+
 def test_steps_next_to_the_other_kind_are_not_samples():
     # an overlapped plain step before a round looks free, the one after it looks cheap
-    clock = RoundClock(lambda k: 1.0)
+    clock = RoundClock(lambda k: 1.0, ClockConfig(plain_samples=1))
     _run(clock, [(1, 0, 0.001), (1, 3, 0.05), (1, 0, 0.002), (1, 3, 0.05), (1, 0, 0.001)])
     assert clock.plain_step_s(1) is None and clock.overhead(1) == 0.0
     t = _run(clock, [(1, 0, 0.01)] * 3 + [(1, 3, 0.03)] * 3, 1.0)
@@ -43,7 +58,7 @@ def test_steps_next_to_the_other_kind_are_not_samples():
 
 
 def test_prefill_steps_and_stalls_are_not_samples():
-    clock = RoundClock(lambda k: 1.0, ClockConfig(max_ratio=10.0))
+    clock = RoundClock(lambda k: 1.0, ClockConfig(max_ratio=10.0, plain_samples=1))
     t = _run(clock, [(1, 0, 0.01)] * 4)
     clock.stepped(t, None)  # a step with prefill in it
     _run(clock, [(1, 0, 5.0), (1, 0, 0.01)], t + 0.01)
@@ -53,7 +68,7 @@ def test_prefill_steps_and_stalls_are_not_samples():
 
 
 def test_a_bucket_asks_for_plain_steps_again_after_refresh_steps():
-    clock = RoundClock(lambda k: 1.0, ClockConfig(refresh_steps=10))
+    clock = RoundClock(lambda k: 1.0, ClockConfig(refresh_steps=10, plain_samples=1))
     t = _run(clock, [(1, 0, 0.01)] * 3)
     assert not clock.needs_plain(1)
     _run(clock, [(1, 2, 0.02)] * 10, t)
@@ -61,7 +76,7 @@ def test_a_bucket_asks_for_plain_steps_again_after_refresh_steps():
 
 
 @pytest.mark.parametrize("kwargs, words", [({"decay": 1.0}, "decay"), ({"refresh_steps": 0}, "refresh_steps"),
-                                           ({"max_ratio": 1.0}, "max_ratio"),
+                                           ({"max_ratio": 1.0}, "max_ratio"), ({"plain_samples": 0}, "plain_samples"),
                                            ({"probe_wait": 0}, "probe_wait"),
                                            ({"probe_wait": 100, "probe_wait_max": 50}, "probe_wait"),
                                            ({"probe_rounds": 2}, "probe_rounds"),
@@ -90,7 +105,7 @@ def test_the_gate_keeps_rounds_that_pay():
     clock = RoundClock(None, gate=True)
     kinds, _ = _gated(clock, 8, 200, plain_s=0.01, round_s=0.02, tokens=3.0)  # 1.5x plain
     assert clock.speedup(8) == pytest.approx(1.5)
-    assert all(kinds[3:]) and not any(kinds[:3])  # three plain steps time plain decoding first
+    assert all(kinds[5:]) and not any(kinds[:5])  # five plain steps (three samples) time plain decoding first
     assert clock.overhead(8) == 0.0  # (no model given: no overhead kept)
 
 
@@ -120,7 +135,8 @@ def test_the_gate_decides_per_bucket():
 
 
 def test_rounds_running_go_off_only_below_the_margin_and_come_back_at_one():
-    cfg = ClockConfig(probe_wait=10, probe_wait_max=20, probe_rounds=4, probe_share=1.0, off_below=0.95)
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=20, probe_rounds=4, probe_share=1.0, off_below=0.95,
+                      plain_samples=1)
     clock = RoundClock(None, cfg, gate=True)
     kinds, t = _gated(clock, 8, 100, plain_s=0.01, round_s=0.031, tokens=3.0)  # 0.97x: kept on
     assert clock.speedup(8) == pytest.approx(3 * 0.01 / 0.031) and all(kinds[3:])
@@ -134,7 +150,7 @@ def test_rounds_running_go_off_only_below_the_margin_and_come_back_at_one():
 def test_probes_of_dear_rounds_wait_long_enough_to_cost_a_share():
     # a round costs 5 plain steps and gives 2 tokens: a probe of 4 loses 12 plain steps, so
     # at a 5% share it waits 240 plain steps, not probe_wait's 10
-    clock = RoundClock(None, ClockConfig(probe_wait=10, probe_rounds=4, probe_share=0.05), gate=True)
+    clock = RoundClock(None, ClockConfig(probe_wait=10, probe_rounds=4, probe_share=0.05, plain_samples=1), gate=True)
     kinds, _ = _gated(clock, 128, 800, plain_s=0.01, round_s=0.05, tokens=2.0)
     starts = [i for i in range(1, len(kinds)) if kinds[i] and not kinds[i - 1]]
     assert starts[1] - starts[0] - 3 == 240 and starts[2] - starts[1] - 4 == 480
@@ -176,7 +192,7 @@ def test_the_gates_report_gives_each_buckets_times():
     assert list(report) == [2, 64]
     assert report[2] == {"plain_ms": pytest.approx(10.0), "round_ms": pytest.approx(15.0),
                          "round_tokens": pytest.approx(3.0), "speedup": pytest.approx(2.0), "rounds_on": True,
-                         "plain_steps": 3, "round_steps": 17, "plain_samples": 1, "round_samples": 15}
+                         "plain_steps": 5, "round_steps": 15, "plain_samples": 3, "round_samples": 13}
     for batch in (2, 64):  # the steps of each kind run, and the timed ones (both neighbours of their kind)
         b = report[batch]
         assert (b["plain_steps"], b["round_steps"]) == (kinds[batch].count(False), kinds[batch].count(True))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -138,9 +139,8 @@ class AdaptivePolicy:
         self._estimates: dict[str, _Estimate] = {}
         self._overhead = 0.0  # the last step's
         # per round overhead (in OVERHEAD_STEP steps), the best K and its factor per acceptance
-        # percentile, all built here so that choose is a lookup. Below `_low` every v(K) is
-        # MIN_VERIFY_COST, above `_high` no K pays (a round yields at most K + 1 tokens and
-        # costs at least 1 + overhead >= K + 1 plain steps): overheads beyond use those tables.
+        # percentile, built here (choose is a lookup). Below `_low` every v(K) is MIN_VERIFY_COST,
+        # above `_high` no K pays (K + 1 tokens at most for 1 + overhead >= K + 1 plain steps).
         c, slope, k_max = config.c, config.verify_slope, config.k_max
         self._low = math.floor((MIN_VERIFY_COST - 1.0 - slope * k_max) / OVERHEAD_STEP) - 1
         self._high = math.ceil(k_max / OVERHEAD_STEP) + 1
@@ -157,9 +157,8 @@ class AdaptivePolicy:
         return self._tables[key - self._low]
 
     def probe_floor(self, k: int, overhead: float) -> int:
-        """The shortest wait before a probe of k drafts (a round costing `overhead` plain steps
-        beyond the model): its cost beyond a plain step over `probe_share`, at least
-        `probe_every` and at most `probe_max` plain steps."""
+        """The shortest wait before a probe of k drafts (round `overhead` in plain steps): its cost
+        beyond a plain step over `probe_share`, within [`probe_every`, `probe_max`] plain steps."""
         cfg = self.config
         extra = max(0.0, self.round_cost(k) - 1.0 + overhead)
         return min(cfg.probe_max, max(cfg.probe_every, math.ceil(extra / cfg.probe_share)))
@@ -171,8 +170,7 @@ class AdaptivePolicy:
         return (e.accepted + cfg.prior_alpha * cfg.prior_weight) / (e.tried + cfg.prior_weight)
 
     def best(self, alpha: float, overhead: float = 0.0) -> int:
-        """The K that pays best at acceptance `alpha` (a round costing `overhead` plain steps
-        beyond the model), 0 when none beats plain by min_gain."""
+        """The best K at acceptance `alpha` and round `overhead`; 0 when none beats plain by min_gain."""
         k, factor = self._table(overhead)[round(min(max(alpha, 0.0), 1.0) * 100)]
         return k if factor >= 1.0 + self.config.min_gain else 0
 
@@ -213,16 +211,14 @@ class AdaptivePolicy:
             e.probing = False
 
     def observe(self, request_id: str, drafted: int, accepted: int) -> None:
-        """Evidence without a round (`shadow.ShadowRounds`: a free draft scored against the
-        tokens plain steps produced): the acceptance estimate only, as `update` counts it."""
+        """Evidence without a round (a `ShadowRounds` score): the acceptance estimate only."""
         e = self._estimates.get(request_id)
         if e is None or drafted < 1:
             return
         self._count(e, drafted, accepted)
 
     def _count(self, e: _Estimate, drafted: int, accepted: int) -> None:
-        """Decay the request's counts and add a round's: its accepted tokens, and its first
-        rejection as one more tried token."""
+        """Decay the counts, then add a round's accepted tokens (tried: and its first rejection)."""
         d = self.config.decay
         e.accepted = e.accepted * d + accepted
         e.tried = e.tried * d + accepted + (1 if accepted < drafted else 0)
@@ -240,6 +236,7 @@ class AdaptivePolicy:
 class ClockConfig:
     decay: float = 0.8  # an estimate's weight against each new interval
     refresh_steps: int = 256  # decode steps in a bucket before its plain time is measured again
+    plain_samples: int = 3  # plain steps a measurement times: their median (one is noise)
     max_ratio: float = 50.0  # an interval this many times the bucket's plain step is a stall: dropped
     # the gate (`RoundClock.pays`): plain steps a bucket waits before its first probe, its
     # longest wait (each probe that does not pay doubles it), and the rounds a probe runs
@@ -252,12 +249,12 @@ class ClockConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {self.decay}")
-        if self.refresh_steps < 1 or self.max_ratio <= 1.0:
-            raise ValueError(f"need refresh_steps >= 1 and max_ratio > 1, got {self.refresh_steps}, {self.max_ratio}")
-        if not 0.0 < self.probe_share <= 1.0:
-            raise ValueError(f"probe_share must be in (0, 1], got {self.probe_share}")
-        if not 0.0 < self.off_below <= 1.0:
-            raise ValueError(f"off_below must be in (0, 1], got {self.off_below}")
+        if self.refresh_steps < 1 or self.max_ratio <= 1.0 or self.plain_samples < 1:
+            raise ValueError(f"need refresh_steps >= 1, max_ratio > 1 and plain_samples >= 1, got "
+                             f"{self.refresh_steps}, {self.max_ratio}, {self.plain_samples}")
+        for name, value in (("probe_share", self.probe_share), ("off_below", self.off_below)):
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
         if not 1 <= self.probe_wait <= self.probe_wait_max or self.probe_rounds < 3:
             raise ValueError(f"need 1 <= probe_wait <= probe_wait_max and probe_rounds >= 3 (a round is timed "
                              f"between two others), got {self.probe_wait}, {self.probe_wait_max}, {self.probe_rounds}")
@@ -275,6 +272,7 @@ class _Bucket:
     plain_s: float | None = None  # seconds a plain step
     overhead: float | None = None  # plain steps a round costs beyond the model
     since_plain: int = 0  # decode steps since plain_s was last sampled
+    fresh: list[float] = field(default_factory=list)  # the samples of a plain measurement under way
     round_s: float | None = None  # the gate's: seconds a round
     round_tokens: float | None = None  # ... and the tokens it gives a row
     waited: int = 0  # plain steps the gate kept since its last probe
@@ -303,9 +301,8 @@ class RoundClock:
         self._recent: list[tuple[float, StepKind | None]] = []  # the last two steps: (start, kind)
 
     def needs_plain(self, batch: int) -> bool:
-        """Whether the bucket's plain step time is missing or due for a refresh. A gate alone
-        (no policy model) skips that where a larger batch's rounds pay: a round's cost over
-        a plain step's grows with the batch, so they pay here too."""
+        """Whether the bucket's plain step time is missing or due for a refresh; not for a gate
+        alone where a larger batch's rounds pay (a round's relative cost grows with the batch)."""
         if self.model_cost is None and self._pays_above(bucket(batch)):
             return False
         b = self._buckets.get(bucket(batch))
@@ -353,12 +350,12 @@ class RoundClock:
                 for k, b in sorted(self._buckets.items())}
 
     def pays(self, batch: int) -> bool:
-        """The gate, asked once a step that would draft: whether rounds at this batch size
-        give plain steps' tokens a second (yes until measured; rounds running stop below
-        `off_below`, a margin against flipping on noise). Where they do not, steps go plain,
-        and after a wait a probe runs `probe_rounds` rounds to measure again: back on at a
-        speedup of 1, else the next wait doubles. A wait is at least `probe_wait` plain
-        steps, and long enough that a probe's lost time is at most `probe_share` of it."""
+        """The gate, asked once a step that would draft: whether rounds at this batch size give
+        plain steps' tokens a second (yes until measured; rounds running stop below `off_below`,
+        a margin against noise). Where not, steps go plain, and after a wait a probe runs
+        `probe_rounds` rounds: back on at a speedup of 1, else the next wait doubles. A wait is
+        at least `probe_wait` plain steps, and long enough that a probe loses at most
+        `probe_share` of it."""
         b = self._buckets.setdefault(bucket(batch), _Bucket())
         if b.probe_left > 0:
             b.probe_left -= 1
@@ -410,6 +407,12 @@ class RoundClock:
             return  # a stall (a collection, the host busy elsewhere), not the step's cost
         b.samples[kind.k > 0] += 1
         if kind.k == 0:
+            if b.plain_s is None or b.since_plain >= self.config.refresh_steps:  # (a measurement)
+                b.fresh.append(seconds)
+                if len(b.fresh) < self.config.plain_samples:
+                    return
+                seconds = statistics.median(b.fresh)
+                b.fresh.clear()
             b.plain_s = seconds if b.plain_s is None else d * b.plain_s + (1 - d) * seconds
             b.since_plain = 0
             return
@@ -430,9 +433,8 @@ class _Pending:
 
 
 def score(chain: Sequence[int], produced: Sequence[int]) -> int | None:
-    """Accepted tokens of `chain` against the tokens `produced` after it was drafted: the
-    common prefix, once decided (a mismatch, or every drafted token present); None while
-    every produced token matches and more are needed."""
+    """Accepted tokens of `chain` against the tokens `produced` after it: the common prefix once
+    decided (a mismatch, or every draft present); None while more tokens are needed."""
     for i, token in enumerate(chain):
         if i >= len(produced):
             return None
@@ -446,8 +448,7 @@ class _Known:
 
     def __init__(self, request: DraftRequest) -> None:
         self._request = request
-        self.num_tokens = request.num_tokens - request.pending_tokens
-        self.pending_tokens = 0
+        self.num_tokens, self.pending_tokens = request.num_tokens - request.pending_tokens, 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._request, name)
@@ -468,8 +469,7 @@ class ShadowRounds:
         self._pending: dict[str, _Pending] = {}
 
     def settle(self, requests: Sequence[DraftRequest]) -> list[tuple[str, int, int]]:
-        """(request_id, drafted, accepted) of every pending chain of these requests that
-        their tokens now decide; those chains are dropped."""
+        """(request_id, drafted, accepted) of the pending chains their tokens now decide (dropped)."""
         done = []
         for request in requests:
             p = self._pending.get(request.request_id)
@@ -482,8 +482,8 @@ class ShadowRounds:
         return done
 
     def draft(self, requests: Sequence[DraftRequest]) -> None:
-        """Keep the chain the proposer would draft now, from the known tokens, for each
-        request without one pending (a chain drafted under a token in flight guesses it first)."""
+        """Keep the chain the proposer would draft now from the known tokens, for each request
+        without one pending (under a token in flight the chain guesses it first)."""
         fresh = [known_tokens(r) for r in requests if r.request_id not in self._pending]
         if not fresh:
             return

@@ -278,13 +278,11 @@ class SweepSession:
         return engine_config(ctx.workload(s.workload), values, str(ctx.device))
 
     def _vocab_table(self) -> str:
-        """The reduced vocabulary's table (the target's lowest ids), written once a session."""
+        """The reduced vocabulary's table (the target's lowest ids), in the session's folder."""
         assert self.setup.draft_vocab is not None
         if self._vocab_dir is None:
             self._vocab_dir = tempfile.TemporaryDirectory(prefix="infer-sweep-vocab-")
-        path = Path(self._vocab_dir.name) / "draft-vocab.json"
-        return str(path) if path.is_file() else lowest_ids_table(self.setup.target, self.setup.draft_vocab,
-                                                                 Path(self._vocab_dir.name))
+        return lowest_ids_table(self.setup.target, self.setup.draft_vocab, Path(self._vocab_dir.name))
 
     def _prompts(self, ctx: Context, engine: Engine) -> PromptSet:
         return build_requests(ctx.workload(self.setup.workload), engine.vocab_size, engine.tokenizer)

@@ -13,7 +13,7 @@ from typing import Any
 from infer.engine.parts import (CHOICES, EAGLE_METHODS, MEDUSA, NEEDS_CONTINUOUS, NGRAM_METHODS, ONE_SHOT_NEEDS_CUDA,
                                 ParallelConfig, SpeculativeConfig, check_at_least, check_choice, check_pool_options,
                                 check_single_gpu)
-from infer.speculative.draft_vocab import SHIPPED, table_path
+from infer.speculative.draft_vocab import table_path
 
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
 # fields that configure speculative decoding: one set to a value other than its default turns
@@ -261,10 +261,7 @@ class EngineConfig:
                              f"'draft_model' (not {self.speculative_method!r}), or leave spec_draft_vocab unset")
         if self.tensor_parallel_draft == "sharded":
             raise ValueError("spec_draft_vocab needs the draft's whole lm_head: set tensor_parallel_draft='driver'")
-        if not table_path(self.spec_draft_vocab).is_file():
-            raise ValueError(f"spec_draft_vocab: no file {self.spec_draft_vocab!r}: build one with "
-                             f"`infer draft-vocab` (README, \"Speculative decoding\"), or name a shipped table "
-                             f"({', '.join(SHIPPED)})")
+        table_path(self.spec_draft_vocab)  # (a missing file refused here, before any model loads)
 
     def _check_eagle(self) -> None:
         method = self.speculative_method

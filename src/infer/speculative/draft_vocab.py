@@ -70,17 +70,19 @@ class DraftVocab:
 
 
 def table_path(value: str | Path) -> Path:
-    """The file of a `spec_draft_vocab` value: a shipped table's name (`SHIPPED`), or a path."""
-    return SHIPPED_DIR / f"{value}.json" if str(value) in SHIPPED else Path(value)
+    """The file of a `spec_draft_vocab` value: a shipped table's name (`SHIPPED`), or a path;
+    ValueError saying how to get one when there is no such file."""
+    path = SHIPPED_DIR / f"{value}.json" if str(value) in SHIPPED else Path(value)
+    if not path.is_file():
+        raise ValueError(f"spec_draft_vocab: no file {str(value)!r}: build one with `infer draft-vocab` (README, "
+                         f"\"Speculative decoding\"), or name a shipped table ({', '.join(SHIPPED)})")
+    return path
 
 
 def load_table(path: str | Path) -> DraftVocab:
     """The table in a file `save` wrote, or a shipped one by name; ValueError naming what is
     wrong with it."""
     path = table_path(path)
-    if not path.is_file():
-        raise ValueError(f"spec_draft_vocab: no file {str(path)!r}: build one with `infer draft-vocab`, or name "
-                         f"a shipped table ({', '.join(SHIPPED)})")
     try:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -3,7 +3,8 @@ reading W once.
 
 W is bf16/fp16 (x's dtype), FP8 E4M3 with a float32 scale per output row (applied in the
 epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py), read
-as int32 words by their own kernel, one group a step. Each program streams `block_n` rows of
+as int32 words by their own kernels, one group a step (one row of x against 4-bit codes:
+`_int4_row_kernel`, an and and an fma a code). Each program streams `block_n` rows of
 W along K with every row of x riding along; its inner product is float32 FMA ("fma": a row
 tile of M rounded up to a power of two) or `tl.dot` on 16-row tiles ("dot"). K may be split
 over `split_k` programs whose float32 partial sums a second kernel adds in a fixed order.
@@ -84,32 +85,49 @@ def _row_rstd(X, rm, M, K, s_xm, eps, BM: tl.constexpr, NORM_BK: tl.constexpr):
 
 
 @triton.jit
-def _code_term(acc, words, SHIFT: tl.constexpr, BITS: tl.constexpr, s, ms, o, x, DOT: tl.constexpr):
-    """acc + x @ w^T for the codes q at bit SHIFT of each word [BN, BW]: a code ORed into the
-    mantissa of 2^23 is the float 2^23 + q exactly, and s * (2^23 + q) - 2^23 * s (one fma,
-    2^23 * s exact) is s * q rounded once; no integer-to-float conversion. FMA tiles take
-    w = s * q (the offsets enter as o * sum(x)); dot tiles w = s * q + o rounded to x's dtype."""
-    q = ((words >> SHIFT) & ((1 << BITS) - 1)) | 0x4B000000
-    w = tl.fma(q.to(tl.float32, bitcast=True), s[:, None], ms[:, None])  # [BN, BW]
+def _code_float(words, high, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """The code at bits SHIFT..SHIFT + BITS - 1 of each int32 word (read from `high` = words >> 16
+    when it reaches past bit 23) alone, its other bits cleared, as a float32: the subnormal
+    q * 2^(LOW - 149), LOW = SHIFT (or SHIFT - 16), exactly; bits 0-23 read linearly, the
+    exponent field's lowest bit continuing the mantissa. One and a code, no conversion."""
+    if SHIFT + BITS <= 24:
+        t = words & (((1 << BITS) - 1) << SHIFT)
+    else:
+        t = high & (((1 << BITS) - 1) << (SHIFT - 16))
+    return t.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code_term(acc, words, up, high, SHIFT: tl.constexpr, BITS: tl.constexpr, x, DOT: tl.constexpr):
+    """acc + x @ (2^-14 q)^T for the codes q at bit SHIFT of each word [BN, BW] (`up` = words
+    << 8 serves the codes below bit 8, so that one power of two, at most 2^127, scales every
+    `_code_float` to 2^-14 q: exact, and normal in float16 and bfloat16). x: [BM, BW]; acc:
+    [BM, BN] on tensor cores (DOT), else [BM, BN, BW]."""
+    if SHIFT < 8:
+        w = _code_float(up, up, SHIFT + 8, BITS) * 2.0 ** (127 - SHIFT)
+    elif SHIFT + BITS <= 24:
+        w = _code_float(words, high, SHIFT, BITS) * 2.0 ** (135 - SHIFT)
+    else:
+        w = _code_float(words, high, SHIFT, BITS) * 2.0 ** (151 - SHIFT)
     if DOT:  # (if / else: the compiler would build a statement after a constexpr return too)
-        acc = tl.dot(x, tl.trans((w + o[:, None]).to(x.dtype)), acc)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
     else:
         acc = acc + x.to(tl.float32)[:, None, :] * w[None, :, :]
     return acc
 
 
 @triton.jit
-def _four_terms(acc, words, x4, BASE: tl.constexpr, STEP_A: tl.constexpr, STEP_B: tl.constexpr,
-                BITS: tl.constexpr, s, ms, o, DOT: tl.constexpr):
+def _four_terms(acc, words, up, high, x4, BASE: tl.constexpr, STEP_A: tl.constexpr, STEP_B: tl.constexpr,
+                BITS: tl.constexpr, DOT: tl.constexpr):
     """The terms of codes BASE + STEP_A * a + STEP_B * b of each word, x4 [BM, BW, 2, 2]
     holding their columns of x at [.., a, b]."""
     xb0, xb1 = tl.split(x4)
     x00, x10 = tl.split(xb0)
     x01, x11 = tl.split(xb1)
-    acc = _code_term(acc, words, BITS * BASE, BITS, s, ms, o, x00, DOT)
-    acc = _code_term(acc, words, BITS * (BASE + STEP_A), BITS, s, ms, o, x10, DOT)
-    acc = _code_term(acc, words, BITS * (BASE + STEP_B), BITS, s, ms, o, x01, DOT)
-    return _code_term(acc, words, BITS * (BASE + STEP_A + STEP_B), BITS, s, ms, o, x11, DOT)
+    acc = _code_term(acc, words, up, high, BITS * BASE, BITS, x00, DOT)
+    acc = _code_term(acc, words, up, high, BITS * (BASE + STEP_A), BITS, x10, DOT)
+    acc = _code_term(acc, words, up, high, BITS * (BASE + STEP_B), BITS, x01, DOT)
+    return _code_term(acc, words, up, high, BITS * (BASE + STEP_A + STEP_B), BITS, x11, DOT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -118,8 +136,8 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
                      GROUP: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                      PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
     """Integer codes read as int32 words W [N, K * BITS / 32] (code i of word j is column
-    PER * j + i, PER = 32 / BITS); each step covers BK columns inside one group, so a row's
-    scale and offset are one value a step."""
+    PER * j + i, PER = 32 / BITS); each step covers BK columns inside one group: its sums of
+    x 2^-14 q (`_code_term`) take the row's scale once, the offset enters as o * sum x."""
     PER: tl.constexpr = 32 // BITS
     BW: tl.constexpr = BK // PER
     pid_n = tl.program_id(0)
@@ -139,22 +157,91 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
     acc_o = tl.zeros((BM, BN), tl.float32)
     for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
         group = k0 // GROUP
-        s = tl.load(GS + rn * G + group, mask=nmask, other=0.0).to(tl.float32)  # [BN]
+        s = tl.load(GS + rn * G + group, mask=nmask, other=0.0).to(tl.float32) * 16384.0  # [BN], undoes 2^-14
         o = tl.load(GO + rn * G + group, mask=nmask, other=0.0).to(tl.float32)
-        ms = s * -8388608.0
-        words = tl.load(W + rn[:, None] * s_wn + (k0 // PER + rj)[None, :], mask=nmask[:, None], other=0)
+        j0 = tl.multiple_of(k0 // PER, BW)  # (k0 is a multiple of BK)
+        words = tl.load(W + rn[:, None] * s_wn + (j0 + rj)[None, :], mask=nmask[:, None], other=0)
+        up, high = words << 8, words >> 16
         x = _load_input(X, NW, rm, k0 + rk, rstd, M, K, s_xm, NORM, SWIGLU)  # [BM, BK]
-        if not DOT:
-            acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
+        acc_o += tl.sum(x.to(tl.float32), axis=1)[:, None] * o[None, :]
+        if DOT:
+            step = tl.zeros((BM, BN), tl.float32)
+        else:
+            step = tl.zeros((BM, BN, BW), tl.float32)
         if BITS == 4:  # x's column PER * j + i at [.., j, a, b, c] for i = 4a + 2b + c
             c0, c1 = tl.split(tl.reshape(x, (BM, BW, 2, 2, 2)))
-            acc = _four_terms(acc, words, c0, 0, 4, 2, BITS, s, ms, o, DOT)
-            acc = _four_terms(acc, words, c1, 1, 4, 2, BITS, s, ms, o, DOT)
+            step = _four_terms(step, words, up, high, c0, 0, 4, 2, BITS, DOT)
+            step = _four_terms(step, words, up, high, c1, 1, 4, 2, BITS, DOT)
         else:  # i = 2a + b
-            acc = _four_terms(acc, words, tl.reshape(x, (BM, BW, 2, 2)), 0, 2, 1, BITS, s, ms, o, DOT)
+            step = _four_terms(step, words, up, high, tl.reshape(x, (BM, BW, 2, 2)), 0, 2, 1, BITS, DOT)
+        if DOT:
+            acc += step * s[None, :]
+        else:
+            acc += step * s[None, :, None]
     if not DOT:
-        acc = tl.sum(acc, axis=2) + acc_o
+        acc = tl.sum(acc, axis=2)
+    acc += acc_o
     _finish(acc, P, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, PARTIAL)
+
+
+@triton.jit
+def _code_terms(acc, words, high, x, I: tl.constexpr, E: tl.constexpr):
+    """acc + x q 2^-E for code I of each word, x [BW] its column of x in float32: x scaled
+    by the power of two that undoes `_code_float`'s (exact, so x * code is exact)."""
+    LOW: tl.constexpr = 4 * I if I < 6 else 4 * I - 16
+    return acc + (x * 2.0 ** (149 - LOW - E))[None, :] * _code_float(words, high, 4 * I, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_row_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+                     BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NORM: tl.constexpr,
+                     SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr,
+                     NORM_BK: tl.constexpr):
+    """One row of x against 4-bit codes W [N, K / 8] int32 (code i of word j is column 8j + i),
+    one group a step. A code costs one and (`_code_float`) and one fma: the products carry
+    2^-E, undone with the scale (x up to 2^(128 - 149 + E) stays finite; products below
+    2^(E - 126) round as subnormals); the offset enters as o * sum x a word."""
+    BW: tl.constexpr = BK // 8
+    E: tl.constexpr = 60
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, 1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rj = tl.arange(0, BW)
+    rk = tl.arange(0, BK)
+    nmask = rn < N
+    rstd = _row_rstd(X, rm, M, K, s_xm, eps, 1, NORM_BK) if NORM else tl.zeros((1,), tl.float32)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_PER_SPLIT)
+    total = tl.zeros((BN, BW), tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+        group = k0 // GROUP
+        s = tl.load(GS + rn * G + group, mask=nmask, other=0.0).to(tl.float32) * 2.0 ** E  # [BN]
+        o = tl.load(GO + rn * G + group, mask=nmask, other=0.0).to(tl.float32)
+        j0 = tl.multiple_of(k0 // 8, BW)  # (k0 is a multiple of BK)
+        words = tl.load(W + rn[:, None] * s_wn + (j0 + rj)[None, :], mask=nmask[:, None], other=0)  # [BN, BW]
+        high = words >> 16
+        x = _load_input(X, NW, rm, k0 + rk, rstd, M, K, s_xm, NORM, SWIGLU).to(tl.float32)  # [1, BK]
+        # x's column 8j + i as [BW] for each i, splitting pairs: 8j + 2c + {0, 1}, then c = 2d + {0, 1}, ...
+        even, odd = tl.split(tl.reshape(x, (BW, 4, 2)))
+        x04, x26 = tl.split(tl.reshape(even, (BW, 2, 2)))
+        x15, x37 = tl.split(tl.reshape(odd, (BW, 2, 2)))
+        x0, x4 = tl.split(x04)
+        x2, x6 = tl.split(x26)
+        x1, x5 = tl.split(x15)
+        x3, x7 = tl.split(x37)
+        acc = _code_terms(tl.zeros((BN, BW), tl.float32), words, high, x0, 0, E)
+        acc = _code_terms(acc, words, high, x1, 1, E)
+        acc = _code_terms(acc, words, high, x2, 2, E)
+        acc = _code_terms(acc, words, high, x3, 3, E)
+        acc = _code_terms(acc, words, high, x4, 4, E)
+        acc = _code_terms(acc, words, high, x5, 5, E)
+        acc = _code_terms(acc, words, high, x6, 6, E)
+        acc = _code_terms(acc, words, high, x7, 7, E)
+        xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [BW]
+        total += s[:, None] * acc + o[:, None] * xsum[None, :]
+    acc_row = tl.sum(total, axis=1)[None, :]  # [1, BN]
+    _finish(acc_row, P, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, PARTIAL)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -241,8 +328,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | Non
     shared = dict(BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, NORM=norm_weight is not None,
                   SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if ints is not None:
-        words = w.view(torch.int32)  # [N, K * bits / 32]
+    words = w.view(torch.int32) if ints is not None else w  # [N, K * bits / 32]
+    if ints is not None and ints.layout.bits == 4 and bm == 1:
+        _int4_row_kernel[grid](
+            x, words, ints.scales, ints.offsets, nw, r, y, p, m, n, k, ints.scales.shape[1],
+            k_per_split, x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps, BN=cfg.block_n, BK=block_k,
+            GROUP=ints.layout.group_size, NORM=norm_weight is not None, SWIGLU=swiglu_input,
+            RESIDUAL=residual is not None and not partial, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    elif ints is not None:
         _int_gemv_kernel[grid](
             x, words, ints.scales, ints.offsets, nw, r, y, p, m, n, k, ints.scales.shape[1], k_per_split,
             x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps, BITS=ints.layout.bits,

@@ -142,7 +142,7 @@ def test_candidates_fit_registers_and_splits_fill_the_gpu(bucket: int) -> None:
         assert splits[0] == cfg
         for s in splits[1:]:
             programs = -(-2048 // s.block_n) * s.split_k
-            assert 1.5 * NUM_SMS <= programs <= 8 * NUM_SMS and 8192 // s.block_k >= 2 * s.split_k
+            assert NUM_SMS <= programs <= 8 * NUM_SMS and 8192 // s.block_k >= 2 * s.split_k
     with pytest.raises(ValueError, match="bucket"):
         candidate_configs(3)
 

@@ -82,7 +82,9 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
 # Integer codes (their own kernel: one group a step, so block_k <= 128) take tall tiles, K
 # split until the grid fills the GPU: (block_n, block_k, dot, num_warps, num_stages).
 _INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
-    False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3)),
+    False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3),
+            (64, 128, False, 4, 1), (128, 128, False, 4, 1), (128, 128, False, 8, 1), (256, 128, False, 4, 1),
+            (256, 128, False, 8, 1), (256, 128, False, 8, 2), (512, 128, False, 8, 1)),
     True: ((64, 128, True, 4, 3), (128, 128, True, 4, 3), (128, 128, True, 4, 1), (64, 128, True, 4, 1))}
 
 
@@ -98,14 +100,14 @@ def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
 
 def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
     """`cfg` with split_k = 1, and with each power-of-two split that brings the program
-    count to between 1.5 and 8 per multiprocessor (where N alone gives fewer), each split
+    count to between 1 and 8 per multiprocessor (where N alone gives fewer), each split
     keeping two K steps at least."""
     out = [cfg]
     blocks = -(-n // cfg.block_n)
     k_steps = -(-k // cfg.block_k)
     split = 2
     while blocks * split <= 8 * NUM_SMS and split <= k_steps // 2:
-        if 2 * blocks * split >= 3 * NUM_SMS:
+        if blocks * split >= NUM_SMS:
             out.append(replace(cfg, split_k=split))
         split *= 2
     return out

@@ -26,6 +26,7 @@ from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.models.kernels.routes import DECODE_MAX_QUERY
 from infer.models.llama import LlamaForCausalLM
 from infer.sampling import temperature_only
+from infer.speculative.ahead import AheadRound, takes
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.faults import DRAFTING, isolated
 from infer.speculative.dynamic_draft import expand_dynamic
@@ -44,16 +45,16 @@ DRAFT_MAX_FEED = 4  # widest first draft step
 
 
 @dataclass
-class DraftAhead:
-    """A request's next round drafted ahead (`DraftModelProposer.verifying`): its row of the
-    round's tokens, from n, the start of the round it followed."""
+class DraftAhead(AheadRound):
+    """The draft model's round drafted ahead (`DraftModelProposer.verifying`), with its q."""
 
-    tokens: RoundTokens  # [A, steps] on the device
-    probs: torch.Tensor | None  # [A, steps, V] q of the round's rows (None: every row greedy)
-    row: int
-    steps: int
-    n: int  # the request's computed tokens when the round it followed began
-    accepted: int | None = None  # that round's accepted drafts, once verified (`on_accepted`)
+    probs: torch.Tensor | None  # [B, steps, V] q of the round's rows (None: every row greedy)
+
+    def kept(self) -> int:
+        """The positions before `start`, and once its round is verified the accepted ones too
+        (< n + a + 1): they hold the verdict's tokens, and the draft's catch-up feeds the
+        request's tokens from its cache's end on."""
+        return self.start if self.next_start is None else self.next_start
 
 
 class DraftModelProposer:
@@ -128,7 +129,7 @@ class DraftModelProposer:
         chain = self._draft_loop(reqs, ks, ahead=(ids, accepted - k_row))
         drafted = RoundTokens(chain.tokens.clamp(min=0))  # (a failed draw drafts token 0: its q judges it)
         for j, (r, k) in enumerate(zip(reqs, ks, strict=True)):
-            self.marks[r.request_id] = DraftAhead(drafted, chain.probs, j, k, r.num_computed_tokens)
+            self.marks[r.request_id] = DraftAhead(drafted, j, k, r.num_computed_tokens, probs=chain.probs)
 
     def _aheadable(self, request: DraftRequest, draft: Draft) -> bool:
         """Whether the request's next round is drafted ahead (`verifying`); its draft's room
@@ -253,16 +254,13 @@ class DraftModelProposer:
             if mark is None or r.slot not in self.draft_slots:
                 continue
             slot = self.slot(r)
-            if (isinstance(shape, TreeShape) and shape.is_chain and 0 < k <= min(mark.steps, shape.depth)
-                    and mark.accepted is not None and r.num_computed_tokens == mark.n + mark.accepted + 1
-                    and self.pool.seq_len(slot) == r.num_computed_tokens + mark.steps):
+            if takes(mark, shape, k, r.num_computed_tokens) \
+                    and self.pool.seq_len(slot) == r.num_computed_tokens + mark.steps:
                 probs = None if mark.probs is None else mark.probs[mark.row, :k]
                 drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k, probs)
                 served.add(i)
-            else:  # (positions past n + a hold the round ahead's feed: dropped, the blocks
-                # kept: the scheduler reserved this round's room in them)
-                end = mark.n if mark.accepted is None else mark.n + mark.accepted + 1
-                self.pool.set_length(slot, min(end, self.pool.seq_len(slot)))
+            else:
+                mark.drop(self.pool, slot)
         self.ahead_rounds += bool(served)
         return served
 

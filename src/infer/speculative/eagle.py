@@ -27,6 +27,7 @@ from infer.models.capture import HiddenCapture
 from infer.models.eagle import EagleHead
 from infer.models.kernels.bundle import EAGER, Kernels
 from infer.sampling import temperature_only
+from infer.speculative.ahead import takes
 from infer.speculative.chain_steps import ChainSteps, row_uniforms
 from infer.speculative.draft_model import CATCH_UP_CHUNK, fed_positions, tree_draft
 from infer.speculative.eagle_round import AheadFeed, EagerHeadRound, HeadRoundFn, head_pass
@@ -252,8 +253,8 @@ class EagleProposer:
                  for r in requests]
         first = marks[0] if marks else None
         return first is not None and all(
-            m is not None and m.tokens is first.tokens and m.row == b and m.steps == k and m.accepted is None
-            and r.num_computed_tokens == m.start + k + 1 for b, (r, m) in enumerate(zip(requests, marks, strict=True)))
+            m is not None and m.tokens is first.tokens and m.row == b and m.follows_in_flight(k, r.num_computed_tokens)
+            for b, (r, m) in enumerate(zip(requests, marks, strict=True)))
 
     def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int],
                     drafts: list[Draft]) -> set[int]:
@@ -269,19 +270,18 @@ class EagleProposer:
             if state is None or mark is None or state.slot is None:
                 continue
             state.ahead = None
-            # (its round still in flight: the runner follows it only when every row can)
-            follow = mark.accepted is None and shape.is_chain and k == mark.steps and not state.pending \
-                and r.num_computed_tokens == mark.start + k + 1
-            if follow or shape.is_chain and 0 < k <= min(mark.steps, shape.depth) \
-                    and mark.accepted is not None \
-                    and r.num_computed_tokens == mark.start + mark.accepted + 1 == mark.start + state.num_pending():
+            # (its round still in flight, nothing pending: the runner follows it only when
+            # every row can; verified: its accepted positions' features pending, fed ahead)
+            follow = mark.accepted is None
+            if takes(mark, shape, k, r.num_computed_tokens, in_flight=not state.pending) \
+                    and (follow or mark.start + state.num_pending() == mark.next_start):
                 state.pending = []
                 state.round_end = r.num_computed_tokens
                 state.follows = (mark.counts, mark.row, mark.steps) if follow else None
                 drafts[i] = Draft.chain_on_device(shape, mark.tokens, mark.row, k)
                 served.add(i)
             else:
-                self.pool.truncate_to(state.slot, mark.start)
+                mark.drop(self.pool, state.slot)
         self.ahead_rounds += bool(served)
         return served
 
@@ -319,7 +319,7 @@ class EagleProposer:
                                   [True] * n, AheadFeed(ids.reshape(-1), accepted, moves(states)))
         drafted = RoundTokens(tokens.clamp(min=0))
         for j, (r, s) in enumerate(zip(reqs, states, strict=True)):
-            s.ahead = AheadMark(drafted, features, accepted, k, j, r.num_computed_tokens)
+            s.ahead = AheadMark(drafted, j, k, r.num_computed_tokens, features=features, counts=accepted)
 
     def _aheadable(self, request: DraftRequest, draft: Draft, k: int) -> bool:
         """Whether the request's next round is drafted ahead (`verifying`); its head's room for

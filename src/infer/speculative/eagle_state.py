@@ -1,5 +1,6 @@
-"""An EAGLE head's per-request state (`HeadState`) and its mark of a round drafted ahead
-(`AheadMark`), and the device moves of rows that follow a round in flight (`moves`).
+"""An EAGLE head's per-request state (`HeadState`), its round drafted ahead (`AheadMark`, an
+`AheadRound` with the features it fed), and the device moves of rows that follow a round in
+flight (`moves`).
 docs/speculation.md, "An EAGLE head"."""
 
 from __future__ import annotations
@@ -9,23 +10,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer.speculative.ahead import AheadRound
 from infer.speculative.pieces import Piece
-from infer.speculative.tree import RoundTokens
 from infer.transfer import tensor_on
 
 
 @dataclass
-class AheadMark:
-    """A request's next round, drafted ahead (`EagleProposer.verifying`): the round's tokens
-    and fed features, shared by its rows, and this request's row of them."""
+class AheadMark(AheadRound):
+    """The EAGLE head's round drafted ahead (`EagleProposer.verifying`), fed from `start`, the
+    positions its head cache held before. A drop leaves only those (`AheadRound.kept`): the
+    accepted positions' features come back pending (`EagleProposer.observed`)."""
 
-    tokens: RoundTokens  # [B, steps] the round's drafts, on the device
     features: torch.Tensor  # [B (steps + 1), H] the features it fed, each row's block
     counts: torch.Tensor  # [B] the accepted drafts of the round it follows, on the device
-    steps: int
-    row: int  # this request's row of the round
-    start: int  # the positions its head cache held before (the feed wrote from there on)
-    accepted: int | None = None  # its round's accepted drafts, once verified (`on_accepted`)
 
 
 @dataclass

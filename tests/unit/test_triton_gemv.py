@@ -126,10 +126,12 @@ def test_row_bucket() -> None:
             row_bucket(m)
 
 
-def fits_registers(cfg: GemvConfig, bucket: int) -> bool:
-    """Whether an FMA accumulator [bucket, block_n, block_k] stays within 64 float32
-    registers a thread (larger ones spill); dot tiles always do at these sizes."""
-    return cfg.dot or bucket * cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+def fits_registers(cfg: GemvConfig, bucket: int, kind: str = "bf16") -> bool:
+    """Whether an FMA accumulator [bucket, block_n, block_k] (integer codes: one value a
+    32-bit word of codes) stays within 64 float32 registers a thread (larger ones spill);
+    dot tiles always do at these sizes."""
+    width = cfg.block_k * int(kind[3:]) // 32 if kind in ("int4", "int8") else cfg.block_k
+    return cfg.dot or bucket * cfg.block_n * width <= 64 * 32 * cfg.num_warps
 
 
 @pytest.mark.parametrize("bucket", [1, 2, 4, 8, 16])
@@ -197,7 +199,7 @@ def test_table_entries_are_searched_configs() -> None:
     """Every measured entry is a candidate tile of its row bucket with one of its shape's splits."""
     assert CONFIG_TABLE
     for (n, k, bucket, kind), cfg in CONFIG_TABLE.items():
-        assert kind in WEIGHT_KINDS and fits_registers(cfg, bucket)
+        assert kind in WEIGHT_KINDS and fits_registers(cfg, bucket, kind)
         assert any(cfg in with_splits(c, n, k) for c in candidate_configs(bucket, kind)), (n, k, bucket, kind, cfg)
         assert config_for(n, k, bucket, kind) == cfg
 

@@ -11,8 +11,7 @@ draft their next round ahead (`verifying`): fed the whole block with the verdict
 drafting from each row's accepted count on the device while the host waits for the
 verdict; the next `propose` takes those drafts for the rows that draft as assumed, or,
 that verdict unread, follows the round in flight (`can_follow`: rows moved on the device).
-Prefix caching and the rest: docs/speculation.md, "An EAGLE head", and
-docs/architecture.md, "EAGLE heads".
+Prefix caching and the rest: docs/speculation.md, "An EAGLE head"; docs/architecture.md.
 """
 
 from __future__ import annotations

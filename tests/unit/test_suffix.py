@@ -272,6 +272,7 @@ def test_suffix_config_and_proposer_refuse_bad_values():
 def test_engine_config_of_suffix_decoding():
     config = EngineConfig(speculative_method="suffix")
     assert config.use_speculative_decoding and config.spec_tree == "dynamic:24:1" and config.spec_length == 24
+    assert config.speculative_part().suffix == SuffixConfig()  # (the engine's defaults are the tries')
     given = EngineConfig(speculative_method="suffix", spec_tree="dynamic:6:2", spec_length=3,
                          spec_suffix_max_depth=10, spec_suffix_cache_tokens=0, spec_suffix_min_prob=0.0)
     assert (given.spec_tree, given.spec_length) == ("dynamic:6:2", 3)

@@ -327,8 +327,8 @@ def _round_ms(metrics: Mapping[str, Any]) -> float | None:
 
 
 def lowest_ids_table(target: str, size: int, directory: Path) -> str:
-    """A reduced draft vocabulary's table of `target`'s `size` lowest ids (on dummy weights
-    which ids does not change a step's cost), written to `directory`; its path."""
+    """A reduced draft vocabulary's table of `target`'s `size` lowest ids, written to
+    `directory`; its path (on dummy weights, which ids are kept does not change a step's cost)."""
     path = directory / "draft-vocab.json"
     lowest_ids(read_model_config(target).vocab_size, size).save(path)
     return str(path)

@@ -26,7 +26,8 @@ SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suff
 # speculative_method="suffix" with spec_tree / spec_length unset: chains (one child a node) of
 # up to 24 tokens, as long as the match and its counts support; branching trees ("dynamic:16")
 # verified no more tokens a round on the workloads of docs/benchmarks.md and cost more to verify
-SUFFIX_TREE, SUFFIX_SPEC_LENGTH = "dynamic:24:1", 24
+SUFFIX_SPEC_LENGTH = 24
+SUFFIX_TREE = f"dynamic:{SUFFIX_SPEC_LENGTH}:1"
 # vLLM's names of engine options, for the error an unknown option gets
 VLLM_NAMES = {"enforce_eager": "use_cuda_graphs=False", "max_model_len": "max_seq_len",
               "max_num_seqs": "max_batch_size",

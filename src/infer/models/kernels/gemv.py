@@ -188,7 +188,7 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
 def _code_terms(acc, words, high, x, I: tl.constexpr, E: tl.constexpr):
     """acc + x q 2^-E for code I of each word, x [BW] its column of x in float32: x scaled
     by the power of two that undoes `_code_float`'s (exact, so x * code is exact)."""
-    LOW: tl.constexpr = 4 * I if I < 6 else 4 * I - 16
+    LOW: tl.constexpr = 4 * I if 4 * I + 4 <= 24 else 4 * I - 16  # (`_code_float`'s rule)
     return acc + (x * 2.0 ** (149 - LOW - E))[None, :] * _code_float(words, high, 4 * I, 4)
 
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from graph_timing import graph_seconds  # noqa: E402
-from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer_bench.roofline import copy_bandwidth  # noqa: E402
 from infer.models.kernels.dequant import dequantize_on_device  # noqa: E402
 from infer.models.kernels.gemv import gemv  # noqa: E402
 from infer.models.kernels.gemv_tiles import (  # noqa: E402

@@ -20,7 +20,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from graph_timing import graph_seconds  # noqa: E402
-from infer.bench.roofline import copy_bandwidth  # noqa: E402
+from infer_bench.roofline import copy_bandwidth  # noqa: E402
 from infer.models.kernels.matmul import triton_linear  # noqa: E402
 from infer.models.kernels.matmul_tiles import LinearConfig, SplitWorkspace, choose_config  # noqa: E402
 from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from infer import LLM, SamplingParams
 from demo_pair.data import read_texts
-from infer.bench.corpus import split_corpus
+from infer.corpus import split_corpus
 from infer.draft_table import demo_corpus, text_counts
 from infer.engine.loading import DEMO_TARGET, load_tokenizer
 from infer.speculative.draft_vocab import build_table, count_tokens, coverage

@@ -1,6 +1,6 @@
 """The project's own small draft/target Llama pair, trained on the Python standard library.
 
-`infer.bench.corpus` picks and splits the training files (the bench reads its validation
+`infer.corpus` picks and splits the training files (the bench reads its validation
 split too), `bpe` trains the byte-level BPE tokenizer, `presets` holds the shapes and
 settings, `trainer` / `train` train both models, `evaluate` measures the pair (losses, the
 paper's alpha, greedy agreement, n-gram baselines) and writes the model cards, `verify`

@@ -35,7 +35,7 @@ from demo_pair.metrics import (
 )
 from demo_pair.model_card import write_cards
 from demo_pair.trainer import autocast, forward_logits
-from infer.bench.corpus import split_corpus
+from infer.corpus import split_corpus
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model
 

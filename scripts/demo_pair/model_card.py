@@ -12,7 +12,7 @@ from typing import Any
 
 from demo_pair.completions import MAX_REPETITION, pick_examples
 from demo_pair.saving import read_summary
-from infer.bench.corpus import MAX_FILE_BYTES
+from infer.corpus import MAX_FILE_BYTES
 
 REPRODUCE = """\
 PYTHONPATH=src:scripts python -m demo_pair --out src/infer/demo_models --log-dir runs/demo_pair
@@ -94,7 +94,7 @@ def _data(s: dict[str, Any]) -> str:
         "## Data\n\n"
         f"The `.py` files of the CPython {c['python_version']} standard library "
         f"(`{c['stdlib_root']}`; build: `{c['python_build']}`){subset}, chosen by "
-        "`infer.bench.corpus`: no site-packages, no test suites (`test`, `tests`, `idle_test`), "
+        "`infer.corpus`: no site-packages, no test suites (`test`, `tests`, `idle_test`), "
         "no generated tables or documents (character-map codecs, `pydoc_data/topics.py`), no "
         f"file over {MAX_FILE_BYTES // 1024} KiB, no build configuration, duplicates (same "
         "sha256) kept once. Split by sha256 of the path relative to the stdlib root: about 5 % "

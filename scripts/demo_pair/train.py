@@ -1,6 +1,6 @@
 """Train the demo target and draft: `python -m demo_pair.train --out DIR`.
 
-Pipeline: the stdlib corpus (`infer.bench.corpus`) -> byte-level BPE on the training split
+Pipeline: the stdlib corpus (`infer.corpus`) -> byte-level BPE on the training split
 (`demo_pair.bpe`) -> the target, next-token loss -> the draft, distilled from the target
 as saved (bf16 weights reloaded through infer's loader, so the draft learns the model that
 ships). Writes DIR/target and DIR/draft in Hugging Face layout (sharded bf16 safetensors +
@@ -47,7 +47,7 @@ from demo_pair.presets import (
 )
 from demo_pair.saving import save_model, training_environment
 from demo_pair.trainer import init_weights, train_model
-from infer.bench.corpus import split_corpus, stdlib_root
+from infer.corpus import split_corpus, stdlib_root
 from infer.engine.loading import resolve_device
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model

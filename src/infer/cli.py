@@ -1,5 +1,5 @@
 """`infer` command line: generate (stream a completion), chat (an interactive conversation),
-serve (OpenAI-compatible server), bench (benchmark workloads), draft-vocab (a reduced draft
+serve (OpenAI-compatible server), bench (benchmark workloads, from `infer_bench`), draft-vocab (a reduced draft
 vocabulary's table, `infer.draft_table`).
 
 Only the chosen command's flags are built, so `infer --help` imports neither torch nor the
@@ -140,37 +140,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    from infer.bench.cli import add_bench_args, run_bench
-
-    add_bench_args(p)
-    p.set_defaults(func=run_bench)
-
-
 def _draft_vocab_args(p: argparse.ArgumentParser) -> None:
     from infer.draft_table import add_args
 
     add_args(p)
 
 
-COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
+Command = tuple[str, Callable[[argparse.ArgumentParser], None]]  # (help text, adds the command's flags)
+COMMAND_GROUP = "infer.commands"  # entry points of installed packages adding a Command (`infer bench`)
+
+COMMANDS: dict[str, Command] = {  # and all_commands()
     "generate": ("complete one prompt, streaming text to the terminal", _generate_args),
     "chat": ("an interactive chat in the terminal (/clear, /exit), streaming each answer", _chat_args),
     "serve": ("OpenAI-compatible HTTP server (needs the server extra)", _serve_args),
-    "bench": ("run benchmark workloads, write JSON results; --plot draws them", _bench_args),
     "draft-vocab": ("build a reduced draft vocabulary: the target's N most frequent tokens over a corpus",
                     _draft_vocab_args),
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def all_commands() -> dict[str, Command]:
+    """COMMANDS and the commands installed packages add under COMMAND_GROUP."""
+    from importlib.metadata import entry_points
+
+    return {**COMMANDS, **{ep.name: ep.load() for ep in entry_points(group=COMMAND_GROUP)}}
+
+
+def build_parser(argv: list[str], commands: dict[str, Command] | None = None) -> argparse.ArgumentParser:
     """The parser, with flags only for the command named in `argv` (if any)."""
     parser = _Parser(prog="infer", description=__doc__,
                      epilog="`infer COMMAND --help` lists a command's flags and their defaults")
     parser.add_argument("--version", action="version", version=f"infer {__version__} ({DISTRIBUTION})")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (help_text, add_args) in COMMANDS.items():
+    for name, (help_text, add_args) in (all_commands() if commands is None else commands).items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
             add_args(p)
@@ -180,9 +182,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 TORCHRUN_COMMANDS = ("generate", "serve")  # the commands a torchrun launch can split over ranks
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, commands: dict[str, Command] | None = None) -> int:
     argv = dash_flags(sys.argv[1:] if argv is None else list(argv))
-    args, unknown = build_parser(argv).parse_known_args(argv)
+    args, unknown = build_parser(argv, commands).parse_known_args(argv)
     if unknown:
         prog = f"infer {args.command}"
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (`{prog} --help` lists the flags)",

@@ -74,7 +74,7 @@ def text_counts(tokenizer: Tokenizer, paths: list[Path]) -> Counter[int]:
 
 
 def demo_corpus() -> list[Path]:
-    from infer.bench.corpus import split_corpus
+    from infer.corpus import split_corpus
 
     return split_corpus().train
 

@@ -13,7 +13,7 @@ import pytest
 from helpers.eagle_heads import write_head
 from helpers.spec_e2e import word_prompts
 from infer import LLM, SamplingParams
-from infer.bench.oracle import OracleProposer
+from infer_bench.oracle import OracleProposer
 
 pytestmark = pytest.mark.gpu
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from infer.bench import measures, suites
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.results import BenchRun
+from infer_bench import measures, suites
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.results import BenchRun
 
 
 def suite_overrides(monkeypatch: pytest.MonkeyPatch, suite: str,

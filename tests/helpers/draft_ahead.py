@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from infer import SamplingParams
-from infer.bench.oracle import OracleProposer
+from infer_bench.oracle import OracleProposer
 from infer.engine.engine import Engine
 from infer.speculative.draft_model import DraftModelProposer
 

@@ -16,7 +16,7 @@ from helpers.draft_ahead import OUTPUT, check_drafts_ahead_continue, run_all
 from helpers.spec_e2e import CyclePolicy, random_draft
 
 from infer import SamplingParams
-from infer.bench.oracle import OracleProposer
+from infer_bench.oracle import OracleProposer
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.speculative.draft_model import DraftModelProposer

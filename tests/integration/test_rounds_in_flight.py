@@ -15,7 +15,7 @@ import pytest
 from helpers.eagle_heads import write_head
 
 from infer import SamplingParams
-from infer.bench.oracle import OracleProposer
+from infer_bench.oracle import OracleProposer
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from infer import EngineConfig
-from infer.bench.harness import Harness
-from infer.bench.report import markdown
-from infer.bench.results import BenchRun, load_run
-from infer.bench.rows import HarnessOptions
-from infer.bench.serve import SERVE_KIND, ServeSession, ServeSetup, serve_rows
-from infer.bench.serve_client import RateResult, ServeRecord, run_rate, server_facts, summarize
-from infer.bench.serve_mix import SHAREGPT_LIKE, ServeRequest, draw_requests, poisson_schedule
+from infer_bench.harness import Harness
+from infer_bench.report import markdown
+from infer_bench.results import BenchRun, load_run
+from infer_bench.rows import HarnessOptions
+from infer_bench.serve import SERVE_KIND, ServeSession, ServeSetup, serve_rows
+from infer_bench.serve_client import RateResult, ServeRecord, run_rate, server_facts, summarize
+from infer_bench.serve_mix import SHAREGPT_LIKE, ServeRequest, draw_requests, poisson_schedule
 from infer.engine.loading import DEMO_TARGET
 from infer.server.launch import LiveServer
 
@@ -84,7 +84,7 @@ def test_the_suite_rows_against_a_url_give_rows_the_report_and_chart_read(live: 
     saved = load_run(out)
     assert "TTFT p99" in markdown(saved) and "| 16 |" in markdown(saved)
     pytest.importorskip("matplotlib")
-    from infer.bench.serve_plot import plot_serving
+    from infer_bench.serve_plot import plot_serving
     path = plot_serving(saved, tmp_path / "charts")
     assert path is not None and path.stat().st_size > 0
 

@@ -21,7 +21,7 @@ from openai import AsyncOpenAI, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from infer import LLM, EngineConfig, SamplingParams
-from infer.bench.server_load import start_server
+from infer_bench.server_load import start_server
 from infer.server.launch import LiveServer
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "def forward(self, input_ids):",

@@ -2,7 +2,7 @@
 them streamed; zero errors, and every response complete and equal to `LLM.generate`.
 
 Bounded in count (500 requests of 8 tokens) and time (each request times out after 120 s).
-`python -m infer.bench.server_load` runs the same load against a server subprocess and
+`python -m infer_bench.server_load` runs the same load against a server subprocess and
 prints requests/s and latency percentiles.
 """
 
@@ -12,7 +12,7 @@ import asyncio
 from pathlib import Path
 
 from infer import LLM, EngineConfig, SamplingParams
-from infer.bench.server_load import DEFAULT_PROMPTS, run_load
+from infer_bench.server_load import DEFAULT_PROMPTS, run_load
 from infer.server.launch import LiveServer
 
 MODEL = "tiny"

@@ -8,17 +8,17 @@ from dataclasses import replace
 
 import pytest
 
-from infer.bench.analysis import sweep_projection
-from infer.bench.cli import add_bench_args, run_bench
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.measures import acceptance_sweep_rows
-from infer.bench.report import markdown
-from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
-from infer.bench.rows import index_rows
-from infer.bench.suites import (EAGLE_SWEEP_CHAINS, SPEC_BATCHES, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES,
+from infer_bench.analysis import sweep_projection
+from infer_bench.cli import add_bench_args, run_bench
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.measures import acceptance_sweep_rows
+from infer_bench.report import markdown
+from infer_bench.results import SWEEP_KIND, BenchRun, Measurement
+from infer_bench.rows import index_rows
+from infer_bench.suites import (EAGLE_SWEEP_CHAINS, SPEC_BATCHES, SWEEP_ALPHAS, SWEEP_CHAINS, SWEEP_TREES,
                                 build_table)
-from infer.bench.sweep import SWEEP_WORKLOAD, SweepSetup, SweepShape
-from infer.bench.theory import num_nodes
+from infer_bench.sweep import SWEEP_WORKLOAD, SweepSetup, SweepShape
+from infer_bench.theory import num_nodes
 from infer.speculative.theory import tree_expected_tokens
 
 

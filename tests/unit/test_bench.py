@@ -13,19 +13,19 @@ import pytest
 import torch
 
 from helpers.bench_rows import suite_overrides
-from infer.bench import analysis, theory
-from infer.bench.cli import add_bench_args, run_bench
-from infer.bench.engine_runner import engine_config, run_engine
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.measures import bandwidth_row, roofline_row
-from infer.bench.peers import HFPeer, run_hf
-from infer.bench.report import fmt, markdown
-from infer.bench.results import BenchRun, Measurement, load_run, save_run
-from infer.bench.roofline import copy_bandwidth, decode_roofline
-from infer.bench.rows import index_rows
+from infer_bench import analysis, theory
+from infer_bench.cli import add_bench_args, run_bench
+from infer_bench.engine_runner import engine_config, run_engine
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.measures import bandwidth_row, roofline_row
+from infer_bench.peers import HFPeer, run_hf
+from infer_bench.report import fmt, markdown
+from infer_bench.results import BenchRun, Measurement, load_run, save_run
+from infer_bench.roofline import copy_bandwidth, decode_roofline
+from infer_bench.rows import index_rows
 from infer.engine.step_costs import weight_bytes
 from infer.engine.step_costs import StepCostConfig, measure_model_costs
-from infer.bench.workloads import WORKLOADS, Workload, build_requests, code_edit_text
+from infer_bench.workloads import WORKLOADS, Workload, build_requests, code_edit_text
 from infer.models.loading.loader import load_model
 from infer.tokenization import Tokenizer
 
@@ -133,7 +133,7 @@ def test_copy_bandwidth_runs_on_cpu():
 
 def test_cpu_bandwidth_is_the_best_copy_over_one_thread_and_every_core(monkeypatch):
     # contention on a shared CPU only slows a copy down: the roofline takes the fastest
-    import infer.bench.roofline as rl
+    import infer_bench.roofline as rl
     seen, times = [], iter([[0.4, 0.1, 0.2], [0.3, 0.5, 0.6]])
 
     def timed(src, dst, repeats):
@@ -250,7 +250,7 @@ def test_paired_run_alternates_with_its_baseline(ckpt_a, monkeypatch):
     # the adaptive-policy rows of the suites: each round times both engines, the baseline
     # first in even rounds and second in odd ones; the speedup is the median of the
     # per-round ratios, and the best-of ratio compares the two fastest runs
-    import infer.bench.engine_runner as er
+    import infer_bench.engine_runner as er
     order, timed = [], er.timed_run
 
     def recording(engine, workload, specs):
@@ -398,7 +398,7 @@ def test_cli_needs_a_suite_or_workload():
 
 
 def test_missing_demo_models_skip_their_rows_with_a_hint(tmp_path, monkeypatch):
-    from infer.bench import suites
+    from infer_bench import suites
     monkeypatch.setattr(suites, "DEMO_TARGET", tmp_path / "nope-target")
     monkeypatch.setattr(suites, "DEMO_DRAFT", tmp_path / "nope-draft")
     options = HarnessOptions(device="cpu", quiet=True)
@@ -420,7 +420,7 @@ def test_paired_run_with_several_instances_pools_them(ckpt_a, monkeypatch):
     # identical engines in one process differ by a few percent: with paired_instances = 2
     # each round times two engines of each kind, pairs alternating in order, and every
     # instance's rate is compared with the mean of the round's baseline rates
-    import infer.bench.engine_runner as er
+    import infer_bench.engine_runner as er
     order, timed, engine_cls = [], er.timed_run, er.Engine
     names: dict[int, str] = {}  # id(engine) -> "spec0", "base1", ... in build order per kind
 
@@ -463,8 +463,8 @@ def test_paired_run_with_several_instances_pools_them(ckpt_a, monkeypatch):
 
 
 def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_path):
-    from infer.bench.batch_sweep import batch_sweep
-    from infer.bench.plot import plot_batch_sweeps
+    from infer_bench.batch_sweep import batch_sweep
+    from infer_bench.plot import plot_batch_sweeps
     params, metrics = batch_sweep({"model": str(ckpt_a)}, (1, 3), prompt_len=8, steps=3, device="cpu")
     assert set(metrics["ms_per_step"]) == {"1", "3"} and metrics["leaks"] == []
     assert metrics["step_vs_batch1"]["1"] == 1.0
@@ -488,7 +488,7 @@ def test_batch_sweep_times_steps_at_each_batch_size_and_plots_them(ckpt_a, tmp_p
 
 
 def test_speculation_suite_runs_the_demo_targets_eagle3_head_beside_the_draft(monkeypatch):
-    from infer.bench import suites
+    from infer_bench import suites
     _, overrides_of = suite_overrides(monkeypatch, "speculation", lambda n: n.endswith(("/eagle-k5", "/spec-k5")))
     assert {"demo-w1-t0/eagle-k5", "demo-w1-t1/eagle-k5"} <= set(overrides_of)
     for t in ("t0", "t1"):
@@ -503,7 +503,7 @@ def test_a_timed_run_steps_with_the_objects_before_it_frozen_and_thaws_them(ckpt
     # (a full collection triggered inside a run scans the run's own objects alone)
     import gc
 
-    from infer.bench.engine_runner import timed_run
+    from infer_bench.engine_runner import timed_run
     from infer.engine.config import EngineConfig
     from infer.engine.engine import Engine
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from infer.bench import engine_runner
-from infer.bench.engine_runner import engine_config, run_engine
-from infer.bench.workloads import WORKLOADS, build_requests
+from infer_bench import engine_runner
+from infer_bench.engine_runner import engine_config, run_engine
+from infer_bench.workloads import WORKLOADS, build_requests
 from infer.engine.engine import Engine
 from infer.tokenization import Tokenizer
 

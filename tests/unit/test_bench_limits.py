@@ -9,14 +9,14 @@ import argparse
 
 import pytest
 
-from infer.bench import analysis, theory
-from infer.bench.cli import add_bench_args, run_bench
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.measures import prefill_row
-from infer.bench.results import BenchRun, Measurement
-from infer.bench.roofline import decode_step_bytes
-from infer.bench.suites import build_table
-from infer.bench.workloads import Workload
+from infer_bench import analysis, theory
+from infer_bench.cli import add_bench_args, run_bench
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.measures import prefill_row
+from infer_bench.results import BenchRun, Measurement
+from infer_bench.roofline import decode_step_bytes
+from infer_bench.suites import build_table
+from infer_bench.workloads import Workload
 from infer.engine.batch_size import kv_bytes_per_token
 from infer.models.loading.loader import load_model, model_shapes
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.bench import measures, suites
-from infer.bench.cli import exit_status
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.results import BenchRun
-from infer.bench.rows import Module, Row, index_rows, with_refs
+from infer_bench import measures, suites
+from infer_bench.cli import exit_status
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.results import BenchRun
+from infer_bench.rows import Module, Row, index_rows, with_refs
 from infer.engine.threads import auto_threads, available_cores
 from infer.models.loading.loader import load_model
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from infer.bench.results import BenchRun, Measurement, save_run
+from infer_bench.results import BenchRun, Measurement, save_run
 from infer.cli import build_parser, main
 
 
@@ -76,7 +76,7 @@ def test_generate_runs_on_the_demo_model() -> None:
 
 
 def test_bench_smoke_defaults_to_the_demo_pair(tmp_path: Path) -> None:
-    from infer.bench.cli import run_bench
+    from infer_bench.cli import run_bench
     from infer.engine.loading import DEMO_DRAFT, DEMO_TARGET
 
     out = tmp_path / "smoke.json"
@@ -84,7 +84,7 @@ def test_bench_smoke_defaults_to_the_demo_pair(tmp_path: Path) -> None:
                                                "--warmup-tokens", "1", "--cost-repeats", "1", "--repeats", "1",
                                                "--no-hf", "--out", str(out)])
     assert run_bench(args) == 0
-    from infer.bench.results import load_run
+    from infer_bench.results import load_run
     run = load_run(out)
     plain = run.get("smoke/plain")
     assert plain is not None and plain.ok and plain.params["engine"]["model"] == str(DEMO_TARGET)

@@ -36,7 +36,7 @@ from demo_pair.trainer import (
     train_model,
     validate,
 )
-from infer.bench import corpus
+from infer import corpus
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model
 

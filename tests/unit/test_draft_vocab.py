@@ -125,9 +125,9 @@ def test_cli_builds_a_table_of_files(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_costs_row_of_a_reduced_draft(ckpt_a: Path) -> None:
     """The costs suite's reduced-vocabulary row loads the draft with a table of the lowest ids
     through the engine's loader and times it (a CPU here: a measured c, no failure)."""
-    from infer.bench import measures
-    from infer.bench.harness import Harness, HarnessOptions
-    from infer.bench.results import BenchRun
+    from infer_bench import measures
+    from infer_bench.harness import Harness, HarnessOptions
+    from infer_bench.results import BenchRun
 
     row = measures.costs_row("costs", "c", str(ckpt_a), str(ckpt_a), False, draft_vocab=96)
     run = BenchRun("t")

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from infer.bench import gpt_fast
-from infer.bench.rows import GptFastCheckout, HarnessOptions
+from infer_bench import gpt_fast
+from infer_bench.rows import GptFastCheckout, HarnessOptions
 from infer.models.config import ModelConfig, RopeScaling
 
 MODEL_PY = '''

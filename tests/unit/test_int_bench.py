@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.bench import suites
-from infer.bench.analysis import batch_speedups
-from infer.bench.rows import HarnessOptions
+from infer_bench import suites
+from infer_bench.analysis import batch_speedups
+from infer_bench.rows import HarnessOptions
 from infer.engine.step_costs import weight_bytes
 from infer.models.loading.loader import load_model
 

@@ -230,9 +230,9 @@ def test_cost_is_the_slope_of_head_rounds(tmp_path: Path, ckpt_b: Path, target, 
 def test_costs_row_of_dummy_heads(ckpt_a: Path) -> None:
     """The costs suite's Medusa row: dummy heads of a target's shape load through the
     engine's loader and are timed (a CPU here: a measured c, no failure)."""
-    from infer.bench import measures
-    from infer.bench.harness import Harness, HarnessOptions
-    from infer.bench.results import BenchRun
+    from infer_bench import measures
+    from infer_bench.harness import Harness, HarnessOptions
+    from infer_bench.results import BenchRun
 
     row = measures.costs_row("costs", "c", str(ckpt_a), f"dummy-medusa:{ckpt_a}", False, method="medusa")
     run = BenchRun("t")

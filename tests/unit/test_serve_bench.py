@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from infer.bench import suites
-from infer.bench.cli import run_bench
-from infer.bench.rows import HarnessOptions
-from infer.bench.serve import (SERVE_KIND, ServeSetup, parse_rates, rate_tag, serve_derived, server_flags)
-from infer.bench.serve_mix import SHAREGPT_LIKE, TOKEN_RANGE, LengthMix, draw_requests, poisson_schedule
+from infer_bench import suites
+from infer_bench.cli import run_bench
+from infer_bench.rows import HarnessOptions
+from infer_bench.serve import (SERVE_KIND, ServeSetup, parse_rates, rate_tag, serve_derived, server_flags)
+from infer_bench.serve_mix import SHAREGPT_LIKE, TOKEN_RANGE, LengthMix, draw_requests, poisson_schedule
 from infer.cli import build_parser
 
 

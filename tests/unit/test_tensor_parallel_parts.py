@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infer.models.loading.readers as readers
-from infer.bench.collectives import collective_kind, summarize_kernels
+from infer_bench.collectives import collective_kind, summarize_kernels
 from infer.cache.forward_batch import DeviceIds, Row, plan_batch
 from infer.distributed.channel import decode, encode
 from infer.distributed.group import plan_devices, torchrun_device

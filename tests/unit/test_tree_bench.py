@@ -5,9 +5,9 @@ prediction for a tree), and an engine run reports the tree's counters."""
 from __future__ import annotations
 
 from helpers.bench_rows import suite_overrides
-from infer.bench.analysis import derive
-from infer.bench.results import BenchRun, Measurement
-from infer.bench.workloads import WORKLOADS
+from infer_bench.analysis import derive
+from infer_bench.results import BenchRun, Measurement
+from infer_bench.workloads import WORKLOADS
 from infer.speculative.tree import TreeShape
 
 
@@ -45,7 +45,7 @@ def test_analysis_compares_a_tree_with_its_chain():
 
 
 def test_an_engine_run_reports_tree_counters(ckpt_a):
-    from infer.bench.engine_runner import run_engine
+    from infer_bench.engine_runner import run_engine
     wl = WORKLOADS["W1"].with_output_len(12)
     overrides = {"model": str(ckpt_a), "use_speculative_decoding": True, "draft_model": str(ckpt_a),
                  "spec_tree": "2,1"}

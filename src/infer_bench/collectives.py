@@ -16,8 +16,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from infer.bench.engine_runner import engine_config, warmup
-from infer.bench.workloads import Workload, build_requests
+from infer_bench.engine_runner import engine_config, warmup
+from infer_bench.workloads import Workload, build_requests
 from infer.engine.engine import Engine
 from infer.timing import synchronize
 

@@ -14,12 +14,12 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from infer.bench.analysis import derive_all
-from infer.bench.engine_runner import free_memory
-from infer.bench.report import measurement_line
-from infer.bench.results import BenchRun, Measurement, save_run
-from infer.bench.rows import HarnessOptions, Outcome, Row, with_refs
-from infer.bench.workloads import Workload
+from infer_bench.analysis import derive_all
+from infer_bench.engine_runner import free_memory
+from infer_bench.report import measurement_line
+from infer_bench.results import BenchRun, Measurement, save_run
+from infer_bench.rows import HarnessOptions, Outcome, Row, with_refs
+from infer_bench.workloads import Workload
 from infer.engine.loading import resolve_device
 
 __all__ = ["Harness", "HarnessOptions"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from infer.bench.results import BenchRun, Measurement
-from infer.bench.serve import SERVE_KIND
+from infer_bench.results import BenchRun, Measurement
+from infer_bench.serve import SERVE_KIND
 
 PANELS = (("ttft", "TTFT"), ("tpot", "TPOT (per output token after the first)"), ("e2e", "end-to-end latency"))
 

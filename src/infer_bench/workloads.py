@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Protocol
 
-from infer.bench.agent import agent_prompts
-from infer.bench.corpus import split_corpus, stdlib_root
+from infer_bench.agent import agent_prompts
+from infer.corpus import split_corpus, stdlib_root
 from infer.sampling import SamplingParams, StructuredOutput
 
 KINDS = ("text", "code_edit", "agent")

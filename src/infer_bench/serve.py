@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infer.bench.rows import Context, Module, Need, Outcome, Row
-from infer.bench.serve_mix import SHAREGPT_LIKE, LengthMix, draw_requests, poisson_schedule
+from infer_bench.rows import Context, Module, Need, Outcome, Row
+from infer_bench.serve_mix import SHAREGPT_LIKE, LengthMix, draw_requests, poisson_schedule
 
 SERVE_KIND = "serve"
 DEFAULT_RATES = (1.0, 4.0, 16.0)
@@ -129,8 +129,8 @@ class ServeSession:
         return self._target
 
     def _start(self, ctx: Context) -> Target:
-        from infer.bench.serve_client import run_rate, server_facts
-        from infer.bench.server_load import start_server
+        from infer_bench.serve_client import run_rate, server_facts
+        from infer_bench.server_load import start_server
 
         args: list[str] = []
         url = self.setup.url
@@ -173,7 +173,7 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
 
 def measure_rate(target: Target, setup: ServeSetup, rate: float, output_len: int | None) -> Outcome:
     """One rate: the setup's requests (clipped to the server's context) at Poisson arrivals."""
-    from infer.bench.serve_client import run_rate, summarize
+    from infer_bench.serve_client import run_rate, summarize
 
     mix = setup.mix.within(target.context_len)
     requests = draw_requests(mix, setup.num_prompts, setup.seed, output_len)

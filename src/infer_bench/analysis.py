@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.bench.results import SWEEP_KIND, BenchRun, Measurement
-from infer.bench.serve import SERVE_KIND, serve_derived
-from infer.bench.roofline import decode_roofline, decode_step_bytes
-from infer.bench.theory import PEAK_BF16_FLOPS, efficiency, num_nodes, peak_bf16_flops, round_projection
+from infer_bench.results import SWEEP_KIND, BenchRun, Measurement
+from infer_bench.serve import SERVE_KIND, serve_derived
+from infer_bench.roofline import decode_roofline, decode_step_bytes
+from infer_bench.theory import PEAK_BF16_FLOPS, efficiency, num_nodes, peak_bf16_flops, round_projection
 from infer.speculative.theory import alpha_from_mean_length, walltime_factor
 
 
@@ -100,7 +100,7 @@ def prefill_mfu(metrics: dict[str, Any], gpu: str | None) -> dict[str, Any]:
         out["mfu_note"] = "no GPU: the MFU compares with a GPU's peak bf16 FLOPs"
     elif peak is None:
         out["mfu_note"] = (f"unknown GPU {gpu!r}: no peak bf16 FLOPs for it (known: {', '.join(PEAK_BF16_FLOPS)}); "
-                           "add it to PEAK_BF16_FLOPS in infer/bench/theory.py")
+                           "add it to PEAK_BF16_FLOPS in infer_bench/theory.py")
     return out
 
 

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import torch
 
-from infer.bench.results import BenchRun
-from infer.bench.workloads import Workload
+from infer_bench.results import BenchRun
+from infer_bench.workloads import Workload
 
 Outcome = tuple[dict[str, Any], dict[str, Any]]  # (params, metrics)
 

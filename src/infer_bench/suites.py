@@ -15,15 +15,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from infer.bench.measures import (XGRAMMAR, acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row,
+from infer_bench.measures import (XGRAMMAR, acceptance_sweep_rows, bandwidth_row, batch_sweep_row, collectives_row,
                                   costs_row, engine_row, gpt_fast_row, hf_row, prefill_row, projection_row,
                                   roofline_row)
-from infer.bench.peers import HFPeer
-from infer.bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
-from infer.bench.serve import ServeSetup, serve_rows as serve_rate_rows
-from infer.bench.suffix_rows import suffix_rows
-from infer.bench.sweep import SweepSetup, SweepShape
-from infer.bench.workloads import JSON_RECORDS, WORKLOADS, Workload
+from infer_bench.peers import HFPeer
+from infer_bench.rows import CudaDevices, Files, HarnessOptions, Need, Row, index_rows
+from infer_bench.serve import ServeSetup, serve_rows as serve_rate_rows
+from infer_bench.suffix_rows import suffix_rows
+from infer_bench.sweep import SweepSetup, SweepShape
+from infer_bench.workloads import JSON_RECORDS, WORKLOADS, Workload
 from infer.engine.loading import DEMO_DRAFT, DEMO_EAGLE3, DEMO_TARGET, DEMO_TRAIN_COMMAND
 from infer.speculative.tree import TreeShape
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.bench.measures import engine_row
-from infer.bench.rows import Need, Row
-from infer.bench.workloads import WORKLOADS
+from infer_bench.measures import engine_row
+from infer_bench.rows import Need, Row
+from infer_bench.workloads import WORKLOADS
 from infer.engine.config import SUFFIX_SPEC_LENGTH
 
 

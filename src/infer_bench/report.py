@@ -1,7 +1,7 @@
 """Benchmark results as text: one console line per measurement, a compact console table,
 and Markdown tables for docs/benchmarks.md (GPU named, ratios side by side).
 
-    python -m infer.bench.report results/*.json > tables.md
+    python -m infer_bench.report results/*.json > tables.md
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from infer.bench.results import PEER_KINDS, SWEEP_KIND, BenchRun, Measurement, load_run
-from infer.bench.serve import SERVE_KIND
+from infer_bench.results import PEER_KINDS, SWEEP_KIND, BenchRun, Measurement, load_run
+from infer_bench.serve import SERVE_KIND
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -291,7 +291,7 @@ def console_table(run: BenchRun) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     paths = list(sys.argv[1:] if argv is None else argv)
     if not paths:
-        print("usage: python -m infer.bench.report RESULT.json [...]", file=sys.stderr)
+        print("usage: python -m infer_bench.report RESULT.json [...]", file=sys.stderr)
         return 2
     print("\n\n".join(markdown(load_run(p)) for p in paths))
     return 0

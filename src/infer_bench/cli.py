@@ -16,13 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from infer.bench.harness import Harness, HarnessOptions
-from infer.bench.report import console_table, markdown
-from infer.bench.results import BenchRun, environment_info, load_run, save_run
-from infer.bench.rows import with_refs
-from infer.bench.serve import DEFAULT_RATES, FASTAPI, HTTPX, UVICORN, ServeSetup, parse_rates
-from infer.bench.suites import SUITES, custom_rows, suite_rows
-from infer.bench.workloads import WORKLOADS, get_workload
+from infer_bench.harness import Harness, HarnessOptions
+from infer_bench.report import console_table, markdown
+from infer_bench.results import BenchRun, environment_info, load_run, save_run
+from infer_bench.rows import with_refs
+from infer_bench.serve import DEFAULT_RATES, FASTAPI, HTTPX, UVICORN, ServeSetup, parse_rates
+from infer_bench.suites import SUITES, custom_rows, suite_rows
+from infer_bench.workloads import WORKLOADS, get_workload
 from infer.engine.args import add_engine_args, engine_config_from_args, engine_values
 from infer.engine.loading import resolve_device
 
@@ -113,7 +113,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print("\n\n".join(markdown(load_run(p)) for p in args.report))
         return 0
     if args.plot:
-        from infer.bench.plot import plot_files
+        from infer_bench.plot import plot_files
 
         written = plot_files(args.plot, args.plot_dir)
         print("\n".join(str(p) for p in written) or "no finished engine measurements to plot")

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from infer.bench.engine_runner import default_dtype, free_memory, primary_rate, request_metrics
-from infer.bench.peers import TimedRequest
-from infer.bench.workloads import Workload, build_requests
+from infer_bench.engine_runner import default_dtype, free_memory, primary_rate, request_metrics
+from infer_bench.peers import TimedRequest
+from infer_bench.workloads import Workload, build_requests
 from infer.engine.loading import resolve_device
 from infer.models.config import ModelConfig
 from infer.models.loading.loader import load_model

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from infer.bench.engine_runner import default_dtype, free_memory, primary_rate, request_metrics
+from infer_bench.engine_runner import default_dtype, free_memory, primary_rate, request_metrics
 from infer.timing import synchronize
-from infer.bench.workloads import Workload, build_requests
+from infer_bench.workloads import Workload, build_requests
 from infer.engine.loading import load_tokenizer, resolve_device
 from infer.models.llama import LlamaForCausalLM
 from infer.models.loading.loader import load_model

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from infer.bench.engine_runner import (TimedRun, config_record, default_dtype, engine_config, free_memory,
+from infer_bench.engine_runner import (TimedRun, config_record, default_dtype, engine_config, free_memory,
                                        request_metrics, slowest_steps, spec_metrics, spec_snapshot, timed_run)
-from infer.bench.oracle import OracleProposer
-from infer.bench.rows import Context, Outcome
-from infer.bench.workloads import PromptSet, Workload, build_requests
+from infer_bench.oracle import OracleProposer
+from infer_bench.rows import Context, Outcome
+from infer_bench.workloads import PromptSet, Workload, build_requests
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import LoadedModels, load_draft, load_models_for, load_part

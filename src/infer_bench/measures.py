@@ -13,16 +13,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from infer.bench.batch_sweep import batch_sweep
-from infer.bench.collectives import profile_collectives
-from infer.bench.engine_runner import default_dtype, free_memory, run_engine
-from infer.bench.peers import HFPeer, run_hf
-from infer.bench.roofline import copy_bandwidth, decode_roofline
-from infer.bench.rows import Context, CudaDevices, GptFastCheckout, Measured, Module, Need, NoPeers, Outcome, Row
-from infer.bench.results import SWEEP_KIND
-from infer.bench.sweep import SweepSession, SweepSetup, lowest_ids_table
-from infer.bench.theory import prefill_flops, projection_table, tree_projection
-from infer.bench.workloads import Workload
+from infer_bench.batch_sweep import batch_sweep
+from infer_bench.collectives import profile_collectives
+from infer_bench.engine_runner import default_dtype, free_memory, run_engine
+from infer_bench.peers import HFPeer, run_hf
+from infer_bench.roofline import copy_bandwidth, decode_roofline
+from infer_bench.rows import Context, CudaDevices, GptFastCheckout, Measured, Module, Need, NoPeers, Outcome, Row
+from infer_bench.results import SWEEP_KIND
+from infer_bench.sweep import SweepSession, SweepSetup, lowest_ids_table
+from infer_bench.theory import prefill_flops, projection_table, tree_projection
+from infer_bench.workloads import Workload
 from infer.engine.config import EngineConfig
 from infer.engine.loading import load_models_for
 from infer.engine.step_costs import StepCostConfig, measure_model_costs, weight_bytes
@@ -109,7 +109,7 @@ def gpt_fast_row(name: str, what: str, group: str, workload: Workload, model: st
     """gpt-fast's compiled decode on `model`'s shape (bench/gpt_fast.py), from --gpt-fast PATH."""
 
     def run(ctx: Context) -> Outcome:
-        from infer.bench.gpt_fast import run_gpt_fast
+        from infer_bench.gpt_fast import run_gpt_fast
         assert ctx.options.gpt_fast is not None
         return run_gpt_fast(Path(ctx.options.gpt_fast), model, ctx.workload(workload), device=str(ctx.device))
 

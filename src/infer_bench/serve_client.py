@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 
-from infer.bench.serve_mix import ServeRequest
-from infer.bench.server_load import KEEPALIVE_EXPIRY_S, StreamError, percentile, sse_chunks
+from infer_bench.serve_mix import ServeRequest
+from infer_bench.server_load import KEEPALIVE_EXPIRY_S, StreamError, percentile, sse_chunks
 
 ERRORS_KEPT = 5  # failure messages kept in a row's metrics
 

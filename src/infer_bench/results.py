@@ -2,7 +2,7 @@
 
 A run holds its environment (GPU, versions) and an ordered list of measurements; a failed
 measurement keeps its error instead of numbers, so a run never loses what it measured.
-Ratios between measurements are derived by `infer.bench.analysis`.
+Ratios between measurements are derived by `infer_bench.analysis`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Measurement:
     error: str | None = None
     elapsed_s: float = 0.0
     refs: dict[str, str] = field(default_factory=dict)  # role -> measurement name ("baseline", "roofline", "costs")
-    derived: dict[str, Any] = field(default_factory=dict)  # ratios to the refs (infer.bench.analysis)
+    derived: dict[str, Any] = field(default_factory=dict)  # ratios to the refs (infer_bench.analysis)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from infer.engine.step_costs import weight_bytes
 from infer.timing import synchronize
-from infer.bench.workloads import PromptSet, RequestSpec, Workload, build_requests, random_ids
+from infer_bench.workloads import PromptSet, RequestSpec, Workload, build_requests, random_ids
 from infer.engine.config import EngineConfig
 from infer.engine.engine import Engine
 from infer.engine.loading import resolve_device

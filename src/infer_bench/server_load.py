@@ -1,7 +1,7 @@
 """Load test of the OpenAI-compatible server over loopback: requests/s and latency percentiles.
 
-    python -m infer.bench.server_load --num-requests 500 --concurrency 32 -- --model DIR --device cpu
-    python -m infer.bench.server_load --url http://127.0.0.1:8000 --model-name NAME
+    python -m infer_bench.server_load --num-requests 500 --concurrency 32 -- --model DIR --device cpu
+    python -m infer_bench.server_load --url http://127.0.0.1:8000 --model-name NAME
 
 Without --url it starts `python -m infer.server` in a subprocess (arguments after `--` go to
 it). Every request is greedy with `ignore_eos`, so a response with fewer than max_tokens
@@ -211,7 +211,7 @@ def start_server(server_args: list[str], timeout_s: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infer.bench.server_load", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m infer_bench.server_load", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="an already running server (default: start one)")
     parser.add_argument("--model-name", default=None, help="model id to send (default: GET /v1/models)")

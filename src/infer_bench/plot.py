@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from infer.bench.results import PEER_KINDS, BenchRun, Measurement
+from infer_bench.results import PEER_KINDS, BenchRun, Measurement
 
 
 def _slug(text: str) -> str:
@@ -85,8 +85,8 @@ def _label(m: Measurement) -> str:
 
 def plot_files(paths: Sequence[Path], out_dir: Path | None) -> list[Path]:
     """Charts of each results file, into `out_dir` or `<file>-charts/` beside it."""
-    from infer.bench.results import load_run
-    from infer.bench.serve_plot import plot_serving
+    from infer_bench.results import load_run
+    from infer_bench.serve_plot import plot_serving
 
     written = []
     for path in paths:

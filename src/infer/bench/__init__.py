@@ -1,1 +1,0 @@
-"""Benchmarks: workloads, roofline probe, engine and transformers runs, reports (`infer bench`)."""

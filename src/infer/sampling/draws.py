@@ -11,9 +11,8 @@ from infer.sampling.params import SEED_MAX, SEED_MIN, is_strict_int
 
 
 def derive_seed(seed: int | None, index: int) -> int | None:
-    """The seed of sample `index` of a request asking for several (`n`): `seed` itself for
-    index 0 (so n = 1 and the first of n samples agree), a splitmix64 mix of both otherwise;
-    None (unseeded) stays None."""
+    """The seed of sample `index` of a request's `n`: `seed` itself for index 0, a splitmix64 mix of
+    both otherwise; None stays None."""
     if seed is None or index == 0:
         return seed
     mask = 2**64 - 1
@@ -46,10 +45,8 @@ def draw_uniforms(generators: Sequence[torch.Generator], n: int) -> torch.Tensor
 
 
 def round_uniforms(generators: Sequence[torch.Generator], counts: Sequence[int], width: int) -> torch.Tensor:
-    """[len(generators), width + 1] float64 uniforms for a verification round: row i draws
-    exactly counts[i] + 1 from generators[i], the first counts[i] to accept its drafts
-    (columns 0..counts[i]-1) and the last to sample its final token (column `width`), so a
-    seeded request's draws never depend on the other requests of its batch."""
+    """[len(generators), width + 1] float64 uniforms for a verification round: row i draws exactly
+    counts[i] + 1 from generators[i], columns 0..counts[i]-1 to accept, column `width` to sample."""
     out = torch.zeros((len(generators), width + 1), dtype=torch.float64)
     for i, (g, k) in enumerate(zip(generators, counts, strict=True)):
         row = torch.rand(k + 1, generator=g, dtype=torch.float64)

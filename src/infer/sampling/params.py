@@ -107,33 +107,24 @@ class SamplingParams:
     """Per-request decoding parameters (vLLM / OpenAI style), validated on construction
     (a bad value raises ValueError naming the field).
 
-    temperature        1.0, in [0, MAX_TEMPERATURE = 100]; 0 = greedy (argmax). `infer
-                       generate` defaults to 0. (OpenAI allows 2; at 100 the distribution
-                       is already nearly uniform, and a bound keeps logits / T finite.)
-    top_k, top_p       -1 and 1.0: off. Applied after the temperature. top_k at most
-                       MAX_TOP_K (any value above the vocabulary keeps every token).
-    repetition_penalty 1.0 = off, in [1e-3, 1e3]; > 1 discourages tokens seen in the
-                       prompt or output.
+    temperature        1.0, in [0, MAX_TEMPERATURE]; 0 = greedy (argmax). `infer generate` defaults to 0.
+    top_k, top_p       -1 and 1.0: off; applied after the temperature.
+    repetition_penalty 1.0 = off, in [1e-3, 1e3]; > 1 discourages tokens seen in the prompt or output.
     presence_penalty, frequency_penalty
-                       0.0 = off, in [-2, 2]: subtracted from the logit of every token
-                       seen in the prompt or output, once / per occurrence (OpenAI).
+                       0.0 = off, in [-2, 2]: subtracted from the logit of every token seen
+                       in the prompt or output, once / per occurrence (OpenAI).
     max_tokens         16 (OpenAI's completions default; `infer generate` uses 128).
     stop, stop_token_ids  strings (not returned) and ids that end the output.
     ignore_eos         keep going past EOS.
     seed               None: the engine's seed decides; an int: reproducible samples.
     logprobs           None; N >= 0: each token's log-probability (raw model
                        distribution, see infer.logprobs) and the N most likely tokens.
-    n                  1; independent samples of the prompt (`LLM.generate` returns n
-                       outputs per prompt; sample i > 0 is seeded with derive_seed(seed, i)).
-    structured         None; a StructuredOutput: every token is drawn from the model's
-                       distribution restricted to the tokens the grammar allows (the output
-                       ends with EOS once the grammar is complete).
-    speculation        None: the engine's speculation policy decides. False: this request
-                       decodes plainly (beside rows that draft, in the same step). An integer
-                       K >= 1: at most K drafts a round (a tree cut to depth K), the engine's
-                       policy and limits still applying; `Engine.add_request` refuses a K
-                       above the engine's `spec_length`, or any K on an engine without
-                       speculation. The output distribution is the target's either way.
+    n                  1; independent samples (sample i > 0 seeded with derive_seed(seed, i)).
+    structured         None; a StructuredOutput: tokens drawn from the model's distribution
+                       restricted to what the grammar allows (EOS once it is complete).
+    speculation        None: the engine's policy; False: decode plainly; K >= 1: at most K
+                       drafts a round (a tree cut to depth K; `Engine.add_request` refuses a K
+                       above `spec_length`). The output distribution is the target's either way.
     """
 
     temperature: float = 1.0  # 0 = greedy (argmax)
@@ -207,8 +198,7 @@ class SamplingParams:
 
     @property
     def max_drafts(self) -> int | None:
-        """The most tokens a speculation round may draft for this request: None (the
-        engine's policy decides), 0 (`speculation=False`) or K."""
+        """The most tokens a round may draft for this request: None (the policy decides), 0 or K."""
         return None if self.speculation is None else int(self.speculation)
 
     @property

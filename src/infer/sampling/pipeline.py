@@ -1,14 +1,10 @@
 """The pure logits -> probabilities pipeline, and sampling from its probabilities.
 
-Every decoding rule (greedy, temperature, top-k, top-p, penalties) is cast as plain
-sampling from one adjusted distribution (Leviathan et al. 2023, section 2.2, "standardized
-sampling"); the speculative verifier compares exactly these distributions for draft and
-target, which makes it lossless for every setting. `adjust_logits` / `logits_to_probs`
-apply, per row: penalties over the row's context (repetition, then presence and frequency),
-temperature, top-k, top-p (ties at the cut kept); greedy rows become one-hot at the argmax.
-`sample` draws one float64 uniform per row from the row's own CPU generator and inverts the
-CDF, so a seeded request picks the same tokens on any device; `sample_without_replacement`
-draws a tree's siblings. Semantics in full: docs/speculation.md, "Sampling transforms".
+Every decoding rule is cast as plain sampling from one adjusted distribution (Leviathan et al.
+2023, section 2.2, "standardized sampling"), which the speculative verifier compares for draft
+and target. `adjust_logits` / `logits_to_probs`: penalties, temperature, top-k, top-p; `sample`
+inverts the CDF with one float64 uniform from the row's own CPU generator;
+`sample_without_replacement` draws a tree's siblings. docs/speculation.md, "Sampling transforms".
 """
 
 from __future__ import annotations
@@ -47,8 +43,8 @@ def _context_ids(ctx: Context) -> torch.Tensor:
 
 def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Context], vocab: int,
                      device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor] | None:
-    """(penalized rows [R], local row index [M] in 0..R-1, token ids [M]) with the ids on
-    `device`, over every context token of each penalized row; None when no row has one."""
+    """(penalized rows [R], local row index [M] in 0..R-1, token ids [M] on `device`) over every
+    context token of each penalized row; None when no row has one."""
     rows, parts = [], []
     for row, (p, ctx) in enumerate(zip(params, contexts)):
         if p.penalized and len(ctx) > 0:
@@ -70,11 +66,8 @@ def _penalty_indices(params: Sequence[SamplingParams], contexts: Sequence[Contex
 
 def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
                      contexts: Sequence[Context] | None) -> None:
-    """In place on float32 logits [N, V]: each penalized row's penalties over its context ids.
-
-    Repetition penalty: a token repeated in the context is penalised once (duplicate indices
-    write equal values). Presence / frequency: by the token's count in the context.
-    """
+    """In place on float32 logits [N, V]: each penalized row's penalties over its context ids
+    (repetition once per token, presence / frequency by its count)."""
     if contexts is None:
         return
     found = _penalty_indices(params, contexts, logits.shape[1], logits.device)
@@ -134,11 +127,10 @@ def _apply_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -
 
 def adjust_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
                   contexts: Sequence[Context] | None) -> torch.Tensor:
-    """logits [N, V] -> float32 [N, V] after repetition penalty, temperature, top-k, top-p.
+    """logits [N, V] -> float32 [N, V] after penalties, temperature, top-k, top-p (input unchanged).
 
-    `contexts[i]` are the token ids row i has seen (prompt + generated), a list or a 1-D
-    tensor (a tensor skips the list conversion); they only matter for the repetition penalty.
-    Greedy rows get the penalty but no scaling or truncation (their argmax is what counts). The input tensor is not modified.
+    `contexts[i]`: the token ids row i has seen (prompt + generated), a list or a 1-D tensor, read
+    by the penalties only. Greedy rows get the penalties but no scaling or truncation.
     """
     _check_batch(logits, params, contexts)
     out = logits.to(torch.float32, copy=True)  # [N, V]
@@ -183,23 +175,18 @@ def temperature_only(params: SamplingParams, vocab: int) -> bool:
 
 
 def temperature_probs(logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    """`logits_to_probs` for rows whose only transform is a temperature, in tensor form (no
-    host-side branching, so a CUDA graph can hold it): logits [N, V], temperatures [N] float32
-    (1.0 for greedy rows), greedy [N] bool -> float32 [N, V]; greedy rows one-hot at the argmax.
-    Gives exactly `logits_to_probs`' values for such rows."""
+    """`logits_to_probs`' exact values for temperature-only rows, without host branching (CUDA graphs):
+    logits [N, V], temperatures [N] float32 (1.0 for greedy rows), greedy [N] bool -> float32 [N, V]."""
     scaled = logits.to(torch.float32) / temperatures[:, None]  # [N, V]
     probs = torch.softmax(scaled, dim=-1)  # [N, V]
     return torch.where(greedy[:, None], one_hot_max(scaled), probs)
 
 
 def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [N, V] (need not be normalised), uniforms [N] -> ids [N] long.
+    """Inverse-CDF sampling in float64: probs [N, V] (need not be normalised), uniforms [N] -> ids [N] long.
 
-    Picks the first index whose cumulative sum exceeds u * total, computed in float64. A pick
-    that lands on a zero-probability token (rounding at the top end, or a parallel scan's
-    noise) moves to the nearest positive token at or before it, so a token of probability 0
-    is never returned. A row with no positive total (NaN or infinite values, or nothing
-    allowed) gives NO_TOKEN: the request's fault, found when the host reads its token.
+    Never returns a token of probability 0 (a pick landing on one moves to the nearest positive
+    token before it); a row without a finite positive total gives NO_TOKEN (the request's fault).
     """
     if probs.dim() != 2 or uniforms.shape != (probs.shape[0],):
         raise ValueError(
@@ -221,11 +208,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 
 def sample_without_replacement(probs: torch.Tensor, uniforms: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W distinct draws a row, one after another, each from `probs` renormalised over the
-    tokens not drawn yet: probs [M, V] >= 0, uniforms [M, W] -> (ids [M, W] long, the
-    distribution each was drawn from [M, W, V] (normalised), drawn [M, W] bool). A draw
-    finds no mass left when the row has fewer than W tokens of positive probability: it is
-    not drawn (id 0, distribution all zero). Draw w uses uniform w (`sample_from_probs`)."""
+    """W distinct draws a row, each from `probs` renormalised over the tokens not drawn yet (draw w
+    with uniform w): probs [M, V] >= 0, uniforms [M, W] -> (ids [M, W] long, the distribution each
+    was drawn from [M, W, V], drawn [M, W] bool; a draw with no mass left: id 0, all-zero q)."""
     if probs.dim() != 2 or uniforms.dim() != 2 or uniforms.shape[0] != probs.shape[0]:
         raise ValueError(f"probs must be [M, V] and uniforms [M, W], got {tuple(probs.shape)} "
                          f"and {tuple(uniforms.shape)}")

@@ -1,6 +1,5 @@
-"""A request's next round drafted ahead under the current round's verification (`AheadRound`,
-extended by each proposer: the draft model's `DraftAhead`, the EAGLE head's `AheadMark`), and
-the one rule by which the next `propose` takes it (`takes`) or drops it (`AheadRound.drop`).
+"""A request's next round drafted ahead under the current round's verification (`AheadRound`), and
+the rule by which the next `propose` takes it (`takes`) or drops it (`AheadRound.drop`).
 docs/speculation.md, "A draft model" and "An EAGLE head".
 """
 
@@ -18,8 +17,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class AheadRound:
-    """A request's next round, drafted ahead (`Proposer.verifying`): the round's tokens,
-    shared by the rows drafted together, and this request's row of them."""
+    """A request's next round, drafted ahead (`Proposer.verifying`): the round's tokens and its row."""
 
     tokens: RoundTokens  # [B, steps] the round's drafts, on the device
     row: int  # this request's row of the round
@@ -29,8 +27,7 @@ class AheadRound:
 
     @property
     def next_start(self) -> int | None:
-        """The computed tokens the round drafted ahead starts from (None: the round it follows
-        is not verified yet)."""
+        """The computed tokens the round ahead starts from (None: the round it follows is unverified)."""
         return None if self.accepted is None else self.start + self.accepted + 1
 
     def follows_in_flight(self, k: int, computed: int) -> bool:
@@ -43,20 +40,16 @@ class AheadRound:
         return self.start
 
     def drop(self, pool: CachePoolProtocol, slot: int) -> None:
-        """Forget what the round ahead wrote from `kept()` on; the slot keeps its blocks. The
-        scheduler grew every proposer's cache for this step before `propose`
-        (`KVManager.ensure_capacity`): a round drafted in its place writes into them (freed,
-        it would have to take them again); a row drafting nothing holds them until its next
-        round's `on_accepted` cuts its cache, or its release."""
+        """Forget what the round ahead wrote from `kept()` on; the slot keeps its blocks (the
+        scheduler grew them for this step's round)."""
         pool.set_length(slot, min(self.kept(), pool.seq_len(slot)))
 
 
 def takes(mark: AheadRound, shape: TreeShape | DynamicShape, k: int, computed: int,
           in_flight: bool = False) -> bool:
-    """Whether a request's round of depth k, `computed` tokens in, is the one drafted ahead in
-    `mark`: a chain of 0 < k <= its steps right after the round it follows, that round
-    verified; or, with `in_flight` (a proposer following rounds whose verdict is unread:
-    `Proposer.can_follow`), a chain of its steps after that round counted all accepted."""
+    """Whether a request's round of depth k, `computed` tokens in, is the one drafted ahead in `mark`:
+    a chain of 0 < k <= its steps right after the verified round it follows, or with `in_flight`
+    (`Proposer.can_follow`) a chain of its steps after that round counted all accepted."""
     if not (isinstance(shape, TreeShape) and shape.is_chain):
         return False
     if mark.next_start is None:

@@ -1,11 +1,5 @@
-"""The steps of a batched chain draft, shared by the draft model and the EAGLE head.
-
-`ChainSteps` holds what one round's steps share: the rows' sampling (their parameters,
-whether every row is greedy, the contexts a repetition penalty reads, the grammars of
-structured outputs and the tokens drafted under them) and the round's outputs, tokens
-[B, K] and the draft distributions q [B, K, V] (allocated at the first step that samples).
-`draw` is one step from the draft's logits; `row_uniforms` gives each row uniforms from its
-own generator, so a seeded request's draft never depends on its batch.
+"""The steps of a batched chain draft, shared by the draft model and the EAGLE head: `ChainSteps`
+(a round's sampling state and outputs) and `row_uniforms` (each row's from its own generator).
 """
 
 from __future__ import annotations
@@ -47,11 +41,8 @@ class ChainSteps:
 
     def draw(self, logits: torch.Tensor, alive: Sequence[int],
              uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step for the batch rows `alive`: logits [A', V] -> (tokens [A'], q [A', V] or
-        None when every row is greedy). Constrained rows are masked by their grammar at the
-        tokens drafted so far, so q is the draft's masked distribution; penalised rows see
-        their contexts; uniforms [A'] are this step's. The contexts and drafts grow by the new
-        tokens (a host sync, only when either exists)."""
+        """One step for the batch rows `alive`: logits [A', V], uniforms [A'] -> (tokens [A'], q [A', V]
+        or None when every row is greedy); q is after each row's grammar mask and penalties."""
         if self.drafted is not None:
             logits = grammar_masked(logits, [self.reqs[b] for b in alive], [self.drafted[b] for b in alive])
         probs = None
@@ -88,8 +79,7 @@ class ChainSteps:
 
 
 def row_uniforms(reqs: Sequence[DraftRequest], ks: Sequence[int]) -> torch.Tensor:
-    """[B, max k] uniforms; row b draws exactly k_b from its own generator, so a seeded
-    request's randomness does not depend on the rest of the batch."""
+    """[B, max k] uniforms; row b draws exactly k_b from its own generator (independent of the batch)."""
     out = torch.zeros((len(reqs), max(ks)), dtype=torch.float64)
     for b, (r, k) in enumerate(zip(reqs, ks, strict=True)):
         out[b, :k] = draw_uniforms([r.generator], k)[0]

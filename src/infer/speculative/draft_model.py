@@ -1,15 +1,8 @@
 """DraftModelProposer: drafts a chain or a tree per request with a small model and its own KV pool.
 
-A round first catches the draft cache up with the tokens it has not seen (the prompt at the
-first round: lazy draft prefill; later the tokens of plain steps), up to `max_feed - 1` of
-them riding along with step 1 and longer gaps as prefill chunks of `CATCH_UP_CHUNK` tokens.
-A chain is then K batched draft steps (one flat pass each, the ids left on the device), each
-row sampling q after its own sampling transforms (a grammar's mask for structured outputs)
-and stopping at its own k. A tree is expanded level by level (`tree_expand.expand_levels`,
-`tree_draft`; dynamic trees by `dynamic_draft`). `on_accepted` moves the accepted fed nodes
-into sequence order and truncates the draft cache to n + 1 + min(L, k - 1). A chain round
-of greedy or unseeded rows drafts the next round ahead (`verifying`), queued behind its
-verification, fed from the verdict on the device: the host's work hides under those steps.
+A round catches the draft cache up (lazy draft prefill), then drafts a chain by K batched
+steps, a static tree level by level (`tree_expand`) or a dynamic tree (`dynamic_draft`).
+Chain rounds of greedy or unseeded rows draft the next round ahead (`verifying`).
 The round step by step: docs/speculation.md, "A draft model".
 """
 
@@ -51,9 +44,7 @@ class DraftAhead(AheadRound):
     probs: torch.Tensor | None  # [B, steps, V] q of the round's rows (None: every row greedy)
 
     def kept(self) -> int:
-        """The positions before `start`, and once its round is verified the accepted ones too
-        (< n + a + 1): they hold the verdict's tokens, and the draft's catch-up feeds the
-        request's tokens from its cache's end on."""
+        """Positions kept when dropped: those before `start`, once verified also the accepted ones (< n + a + 1)."""
         return self.start if self.next_start is None else self.next_start
 
 
@@ -65,27 +56,19 @@ class DraftModelProposer:
         self.model = model
         self.max_feed = max_feed  # widest first draft step
         self.pool = pool
-        # the draft's forward (CUDA graphs of it by token count when graphs are on)
         self.step_forward = step_forward
         self.device = next(model.parameters()).device
         self.draft_slots: dict[int, int] = {}  # target slot -> draft slot
-        # request id -> (n, per node its index in the draft's block where it was fed, or -1) of
-        # the round in flight
+        # request id -> (n, per node its index in the draft's block where it was fed, or -1) of the round in flight
         self.rounds: dict[str, tuple[int, tuple[int, ...]]] = {}
-        # greedy chain rounds draft the next round under their verification (module docstring)
+        # greedy chain rounds draft the next round under their verification (`verifying`)
         self.ahead = True
         self.marks: dict[str, DraftAhead] = {}  # request id -> its next round, drafted ahead
         self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
 
     # -- memory: a draft slot from a request's first round on -------------------------------
-    # A request gets its draft slot at its first round, not at admission: one that never
-    # drafts costs the draft pool nothing. Under a fixed K every request drafts every round,
-    # and the slot is taken when the scheduler first reserves a round for it
-    # (`ensure_capacity` with `take`): a draft pool without room is then memory short like
-    # the target's (the scheduler preempts, or gives a request alone a plain step), so a
-    # round never shrinks because another request holds the draft's memory, and a seeded
-    # request's rounds, and its samples, do not depend on what else runs. Admission still
-    # asks whether the pool could hold the prompt (`can_admit`).
+    # Taken when the scheduler first reserves a round (`ensure_capacity` with `take`), so a
+    # seeded request's rounds never depend on what else holds the draft's memory.
     def can_admit(self, request: DraftRequest) -> bool:
         return self.pool.can_allocate(request.prefill_target)
 
@@ -102,13 +85,9 @@ class DraftModelProposer:
     @torch.inference_mode()
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """`Proposer.verifying`: draft the next round now for the rows without a grammar,
-        greedy or sampled without a seed (a seeded row draws its uniforms in the order it
-        would without), that drafted a chain of k this round (verdict [B, K + 2] on the
-        device), whose draft has room for it. The host plans each row as if all k drafts were accepted; on
-        the device its first step feeds the last accepted token (g when none) and the final
-        one at n + a and n + a + 1, every step moved by a - k (`DeviceIds.shift`). The
-        draft's positions n + a .. n + a + k are then the next round's, fed as it would."""
+        """`Proposer.verifying`: draft the next round now (verdict [B, K + 2] on the device) for the
+        chain rows without a grammar, greedy or unseeded, whose draft has room; planned as if all k
+        drafts were accepted, each row moved by a - k on the device (`DeviceIds.shift`)."""
         if not self.ahead:
             return
         picked = [i for i, (r, d) in enumerate(zip(requests, drafts, strict=True)) if self._aheadable(r, d)]
@@ -132,8 +111,7 @@ class DraftModelProposer:
             self.marks[r.request_id] = DraftAhead(drafted, j, k, r.num_computed_tokens, probs=chain.probs)
 
     def _aheadable(self, request: DraftRequest, draft: Draft) -> bool:
-        """Whether the request's next round is drafted ahead (`verifying`); its draft's room
-        for it taken now (the block, then k - 1 drafts past it)."""
+        """Whether the request's next round is drafted ahead (`verifying`); takes the room for it."""
         params, k, n = request.sampling_params, draft.num_proposed, request.num_computed_tokens
         slot = None if request.slot is None else self.draft_slots.get(request.slot)
         need = n + 2 * k + 1
@@ -146,9 +124,8 @@ class DraftModelProposer:
         return False  # (its cache lengths are the host's: each verdict is read before the next round)
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        """Room for positions < total_tokens in the request's draft cache (its draft slot
-        taken now with `take`, else at its first round); False (nothing taken) when the pool
-        is short: the scheduler preempts."""
+        """Room for positions < total_tokens in the request's draft cache (its slot taken now with
+        `take`); False, nothing taken, when the pool is short."""
         assert request.slot is not None
         slot = self.draft_slots.get(request.slot)
         if slot is not None:
@@ -161,10 +138,8 @@ class DraftModelProposer:
         return True
 
     def take_slot(self, request: DraftRequest, k: int) -> bool:
-        """Whether the request has a draft slot for a round of k drafts, taken now at its
-        first round (or at the scheduler's reservation: `ensure_capacity`); False when the
-        pool has no room for it (prefix caching shares the target's prompt blocks, not the
-        draft's): the request drafts nothing this round."""
+        """Whether the request has a draft slot for a round of k drafts (taken now if needed);
+        False without room: it drafts nothing this round."""
         assert request.slot is not None
         if request.slot in self.draft_slots:
             return True
@@ -193,9 +168,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape | DynamicShape,
                 depths: Sequence[int]) -> list[Draft]:
-        """`Proposer.propose`: a chain by K batched draft steps (`_draft_loop`), a static tree
-        level by level (`_expand`), a dynamic tree level by level over each row's best nodes
-        (`expand_dynamic`); see the module docstring."""
+        """`Proposer.propose`: a chain (`_draft_loop`), a static tree (`_expand`) or a dynamic tree
+        (`expand_dynamic`) per request."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         empty = Draft.empty(NodeTree((), shape.widths) if isinstance(shape, DynamicShape) else shape)
@@ -244,10 +218,8 @@ class DraftModelProposer:
 
     def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape | DynamicShape,
                     depths: Sequence[int], drafts: list[Draft]) -> set[int]:
-        """The rows whose round was drafted ahead and that draft now as it assumed (a chain of
-        at most its steps, right after the round it followed): their drafts (`drafts[i]`).
-        Every other request drafted ahead gives those positions back (its draft as without).
-        Returns the rows served."""
+        """Fill `drafts[i]` for the rows whose round drafted ahead matches what they draft now;
+        the others drafted ahead give those positions back. Returns the rows served."""
         served: set[int] = set()
         for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
             mark = self.marks.pop(r.request_id, None)
@@ -269,11 +241,8 @@ class DraftModelProposer:
         return request.num_computed_tokens + 1 - self.max_feed > self.pool.seq_len(self.slot(request))
 
     def catch_up(self, reqs: Sequence[DraftRequest]) -> None:
-        """Feed tokens[d : n+1-max_feed] as batched prefill chunks (step 1 feeds the rest).
-
-        Chunks hold at most CATCH_UP_CHUNK tokens per row, so they stay on the split-KV
-        attention kernel's rows (a pass of few tokens replays a CUDA graph of its token count:
-        an eager forward of a small model is launch-bound)."""
+        """Feed tokens[d : n+1-max_feed] as batched prefill chunks of at most CATCH_UP_CHUNK tokens
+        a row (step 1 feeds the rest)."""
         todo = list(reqs)
         while todo:
             rows = []
@@ -287,24 +256,14 @@ class DraftModelProposer:
 
     def _draft_loop(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
                     ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> ChainSteps:
-        """Batched draft steps: the round's `ChainSteps` (tokens [B, K] on the device, q [B, K, V]
-        unless every row is greedy).
-
-        Step s runs the rows with k_b > s only, so no row writes past the positions its own
-        k was guarded for. Tokens stay on the device between steps (the next step's input is
-        the previous step's output): no host sync, except to grow the contexts when a
-        repetition penalty needs them. Each row draws its k_b uniforms from its own generator.
-        Each step is one pass of the draft's forward function (a CUDA graph replay where one
-        serves), then its draw (`ChainSteps.draw`) queued behind it. `ahead` (ids [2B], shift
-        [B]): a round drafted ahead (`verifying`), step 1 feeding each row two ids from the
-        device, every step's row moved by its shift.
-        """
+        """Batched draft steps -> the round's `ChainSteps` (tokens [B, K] on the device, q [B, K, V]
+        unless all greedy); step s runs the rows with k_b > s. `ahead` (ids [2B], shift [B]): a round
+        drafted ahead, step 1 feeding each row two ids from the device, each row moved by its shift."""
         batch, k_max = len(reqs), max(ks)
         slots = [self.slot(r) for r in reqs]
         chain = ChainSteps.of(reqs, k_max, self.device)
         uniforms = None if chain.greedy else to_device(row_uniforms(reqs, ks), self.device)  # [B, K]
-        # step 1 feeds the unseen tail tokens[d : n+1] (1 token, 2 after an all-accepted round,
-        # up to max_feed after plain steps); each later step the token the step before drew
+        # step 1 feeds the unseen tail tokens[d : n+1]; each later step the token the step before drew
         starts = [self.pool.seq_len(s) for s in slots]
         feeds: list[list[int]] = ([[0, 0] for _ in reqs] if ahead is not None
                                   else [r.token_slice(d) for r, d in zip(reqs, starts, strict=True)])
@@ -330,10 +289,8 @@ class DraftModelProposer:
         return chain
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
-        """The fed part of each accepted path into sequence order (one gather + scatter for
-        the batch; a chain's path is in place already), then each slot truncated to
-        n + 1 + what it was fed of the path (a static tree's min(L, k - 1); capped at what it
-        holds)."""
+        """Move the fed part of each accepted path into sequence order, then truncate each slot to
+        n + 1 + what it was fed of the path (capped at what it holds)."""
         moves: list[PathMove] = []
         ends: list[tuple[int, int]] = []
         for request, nodes in zip(requests, paths, strict=True):
@@ -365,9 +322,8 @@ class DraftModelProposer:
 
     def _expand(self, reqs: Sequence[DraftRequest], ks: Sequence[int],
                 shape: TreeShape) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
-        """Levels 0 .. max(ks) - 1 (`tree_expand.expand_levels`): a level's state is the
-        draft's logits after each of its nodes, a deeper level one batched pass of the level's
-        nodes with their tree rule (`TreeChunk.level`)."""
+        """Levels 0 .. max(ks) - 1 (`tree_expand.expand_levels`), a level's state the draft's logits
+        after each of its nodes."""
         slots = [self.slot(r) for r in reqs]
 
         def feed(d: int, alive: list[int], keep: list[int], level_tokens: torch.Tensor,
@@ -384,21 +340,18 @@ class DraftModelProposer:
 
 
 def chain_fed(shape: TreeShape | DynamicShape, k: int) -> tuple[int, ...]:
-    """Per node of a static shape, its index in the draft's block where a round of depth k
-    fed it (nodes of depth < k), or -1."""
+    """Per node, its index in the draft's block where a round of depth k fed it (depth < k), or -1."""
     return tuple(i if depth < k else -1 for i, depth in enumerate(shape.depths))
 
 
 def fed_positions(shape: TreeShape | DynamicShape, depth: int) -> int:
-    """Positions a round of depth limit `depth` >= 1 writes to the draft's cache from g on:
-    g, then the nodes fed (a static tree's of depths 1 .. depth - 1; a chain of k: k)."""
+    """Positions a round of depth limit `depth` >= 1 writes to the draft's cache: g, then the nodes fed."""
     return 1 + shape.fed(depth)
 
 
 def tree_draft(shape: TreeShape, k: int, tokens: Sequence[int], drawn: Sequence[int],
                 probs: torch.Tensor | None) -> Draft:
-    """A row's tree draft from its expanded nodes: present up to depth k where drawn and the
-    parent is present (breadth-first: a parent's flag is set before its children's)."""
+    """A row's tree draft from its expanded nodes: present up to depth k where drawn and the parent is present."""
     n = shape.num_nodes
     valid = [False] * n
     for node in range(shape.level_starts[k]):

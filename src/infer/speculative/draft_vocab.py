@@ -1,14 +1,9 @@
 """A reduced draft vocabulary (frequency-ranked drafting, FR-Spec, Zhao et al. 2025): the N
-target token ids most frequent in a corpus, whose lm_head rows alone a draft model computes
-(`LlamaForCausalLM.keep_vocab`). The draft's q is zero outside them, so verification stays
-exactly lossless; only the acceptance rate can change, by the probability mass left out.
+target ids most frequent in a corpus, whose lm_head rows alone a draft computes
+(`LlamaForCausalLM.keep_vocab`). q is zero outside them, so verification stays lossless.
 
-`DraftVocab` is the table: its ids (most frequent first), the vocabulary they index, the
-corpus it was counted on and the table's coverage of it (the share of the corpus's tokens
-inside the table). `build_table` counts token streams; `save` / `load` a small JSON file,
-`infer draft-vocab` writes (README, "Speculative decoding"), or a shipped one by name;
-`draft_rows` the kept rows of a draft in its own ids (another vocabulary's draft: through
-its `VocabMap`).
+`DraftVocab` is the table (JSON, written by `infer draft-vocab`, or shipped by name);
+`build_table` ranks counted tokens; `draft_rows` gives the kept rows in the draft's own ids.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ if TYPE_CHECKING:  # (the engine's config reads the shipped tables' names: no to
 
 FORMAT = "infer-draft-vocab"
 VERSION = 1
-# tables shipped with the package, by name (`spec_draft_vocab="llama3-32k"`): the Llama 3
-# tokenizer's 32,768 ids and the demo tokenizer's 6,144 (`table_path`)
+# tables shipped with the package, by name (`spec_draft_vocab="llama3-32k"`, `table_path`)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "draft_vocabs"
 SHIPPED = ("llama3-32k", "demo-6k")
 
@@ -70,8 +64,7 @@ class DraftVocab:
 
 
 def table_path(value: str | Path) -> Path:
-    """The file of a `spec_draft_vocab` value: a shipped table's name (`SHIPPED`), or a path;
-    ValueError saying how to get one when there is no such file."""
+    """The file of a `spec_draft_vocab` value (a shipped table's name or a path); ValueError if none."""
     path = SHIPPED_DIR / f"{value}.json" if str(value) in SHIPPED else Path(value)
     if not path.is_file():
         raise ValueError(f"spec_draft_vocab: no file {str(value)!r}: build one with `infer draft-vocab` (README, "
@@ -80,8 +73,7 @@ def table_path(value: str | Path) -> Path:
 
 
 def load_table(path: str | Path) -> DraftVocab:
-    """The table in a file `save` wrote, or a shipped one by name; ValueError naming what is
-    wrong with it."""
+    """The table in a file `save` wrote, or a shipped one by name; ValueError naming what is wrong."""
     path = table_path(path)
     try:
         data = json.loads(path.read_text())
@@ -102,8 +94,7 @@ def load_table(path: str | Path) -> DraftVocab:
 
 
 def lowest_ids(vocab_size: int, size: int) -> DraftVocab:
-    """A table of a vocabulary's `size` lowest ids (a benchmark's, on dummy weights: its cost
-    does not depend on which ids)."""
+    """A table of a vocabulary's `size` lowest ids (for benchmarks on dummy weights)."""
     return DraftVocab(tuple(range(min(size, vocab_size))), vocab_size, "the lowest ids (a benchmark's)", 0, 0.0)
 
 
@@ -117,9 +108,8 @@ def count_tokens(streams: Iterable[Sequence[int]]) -> Counter[int]:
 
 def build_table(counts: Counter[int], size: int, vocab_size: int, corpus: str,
                 always: Sequence[int] = ()) -> DraftVocab:
-    """The `size` ids of `counts` most frequent (ties: the lower id first), after the ids of
-    `always` (e.g. end-of-sequence tokens, which a corpus of documents rarely holds);
-    filled with the lowest unseen ids when the corpus has fewer distinct tokens."""
+    """The `size` ids of `counts` most frequent (ties: the lower id), after the ids of `always` (e.g.
+    end-of-sequence tokens); filled with the lowest unseen ids when the corpus has fewer."""
     if not 0 < size <= vocab_size:
         raise ValueError(f"a draft vocabulary's size must be in 1..{vocab_size} (the vocabulary), got {size}")
     outside = [i for i in counts if not 0 <= i < vocab_size]

@@ -1,13 +1,6 @@
-"""A draft model's dynamic tree round: one batched draft step a level over each row's frontier.
-
-`expand_dynamic` runs after the round's level 0 (g's logits give the root's children): for
-a `DynamicShape` (N, B, D) and a row's depth limit k, each level draws and scores the
-frontier's children (`dynamic_select`), feeds its B best slots as the next frontier in one
-flat pass (per-row rules, `chunk_rule`), and keeps the N best slots of all levels as the
-row's tree (`DynamicRow`). Frontier nodes of level d are stored in the draft's block at
-n + 1 + (d - 1) B + f (rotary n + d); kept fed nodes carry their block index for
-`on_accepted`'s compaction. A row draws `draft_uniform_count` = B + (D - 1) B^2 uniforms a
-round, whatever its k. Storage and selection: docs/speculation.md, "Dynamic trees".
+"""A draft model's dynamic tree round (`expand_dynamic`): one batched draft step a level over
+each row's frontier of B best slots; the N best of all levels are the row's tree.
+Storage and selection: docs/speculation.md, "Dynamic trees".
 """
 
 from __future__ import annotations
@@ -76,7 +69,8 @@ class _Frontier:
 
 def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequence[int], root_logits: torch.Tensor,
                    ks: Sequence[int], shape: DynamicShape) -> list[DynamicRow]:
-    """The round's trees (module docstring): root_logits [A, V] after g; ks[a] in 1..D."""
+    """The round's trees: root_logits [A, V] after g; ks[a] in 1..D. A row draws
+    `draft_uniform_count` uniforms whatever its k."""
     device, a_rows, b = root_logits.device, len(reqs), shape.branch
     params = [r.sampling_params for r in reqs]
     uniforms = None if all(p.greedy for p in params) else to_device(
@@ -95,8 +89,7 @@ def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequ
         kids, q, drawn, base = draw_children(logits.reshape(-1, logits.shape[-1]),
                                              [params[a] for a in front.alive for _ in range(f)], ctx, b, u)
         scores, paths = slot_scores(base, kids, drawn, front.path.reshape(-1), front.score.reshape(-1))
-        # (every level keeps q when any row of the round samples, though its own alive
-        # rows may all be greedy: the levels' candidates are concatenated column for column)
+        # (every level keeps q when any row samples: the levels are concatenated column for column)
         level = _empty_level(a_rows, f * b, None if uniforms is None else logits.shape[-1], device)
         level.tokens[rows] = kids.view(n_alive, f * b)
         level.scores[rows] = scores.view(n_alive, f * b)
@@ -122,8 +115,8 @@ def expand_dynamic(forward: ForwardFn, reqs: Sequence[DraftRequest], slots: Sequ
 
 def _advance(front: _Frontier, level: _Level, keep: list[int], b: int, first_row: int,
              offset: int) -> tuple[_Frontier, torch.Tensor]:
-    """The next frontier, the level's B best slots of the rows in `keep` (places in
-    `front.alive`), stored at block rows first_row + f; marks them fed -> (it, tokens [A'', B])."""
+    """The next frontier: the level's B best slots of the rows in `keep` (places in `front.alive`),
+    marked fed at block rows first_row + f -> (it, tokens [A'', B])."""
     device = level.tokens.device
     alive = [front.alive[j] for j in keep]
     rows, sub = tensor_on(alive, device, torch.long)[:, None], tensor_on(keep, device, torch.long)[:, None]

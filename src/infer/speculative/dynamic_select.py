@@ -1,14 +1,9 @@
-"""Dynamic token trees (EAGLE-2 style): which drafted nodes a round keeps, losslessly.
+"""Dynamic token trees (EAGLE-2, Li et al. 2024): which drafted nodes a round keeps, losslessly.
 
-A level works on *slots*: the c-th child of a frontier node v, scored before its token is
-drawn (`slot_scores`: v's path probability times the best q its elder siblings left, capped
-by v's own slot's score; for greedy rows exactly EAGLE-2's path probability). In one total
-order (score descending, ties to storage order) the `branch` best slots of a level are the
-next frontier (`best_slots`) and the N best of the round the tree (`kept_tree`); children
-are drawn by `draw_children`. Whether a sampled child is kept never depends on its own draw,
-so the q it reports holds and the verifier stays exact; ranking by a node's own path
-probability would not (the tests' negative control). The argument: docs/speculation.md,
-"Dynamic trees".
+Slots (the c-th child of a frontier node) are scored before their draw (`slot_scores`) and
+ranked in one total order: a level's best are the next frontier (`best_slots`), the round's N
+best the tree (`kept_tree`). Whether a sampled child is kept never depends on its own draw, so
+the verifier stays exact. The argument: docs/speculation.md, "Dynamic trees".
 """
 
 from __future__ import annotations
@@ -26,12 +21,10 @@ NEG_INF = float("-inf")
 def draw_children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
                   width: int, uniforms: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """`width` children per parent: logits [M, V] (one row per parent), the parents' params
-    and contexts (None: no penalties), uniforms [M, width] (None: every row greedy) ->
-    (tokens [M, width], q [M, width, V] float32 each child was drawn from (None when every
-    row is greedy), drawn [M, width] bool, base [M, V] float32: the parent's distribution
-    (softmax of the adjusted logits; a greedy row's without temperature)). Greedy rows take
-    the top-`width` tokens in rank order; others draw distinct tokens without replacement."""
+    """`width` children per parent: logits [M, V], the parents' params and contexts (None: no
+    penalties), uniforms [M, width] (None: every row greedy) -> (tokens [M, width], q [M, width, V]
+    float32 each was drawn from (None if all greedy), drawn [M, width] bool, base [M, V] float32:
+    the parent's distribution). Greedy rows take the top tokens; others draw without replacement."""
     adjusted = adjust_logits(logits, params, contexts)  # [M, V] float32
     base = torch.softmax(adjusted, dim=-1)  # [M, V]
     greedy = [p.greedy for p in params]
@@ -48,10 +41,9 @@ def draw_children(logits: torch.Tensor, params: Sequence[SamplingParams], contex
 
 def slot_scores(base: torch.Tensor, tokens: torch.Tensor, drawn: torch.Tensor, parent_path: torch.Tensor,
                 parent_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of the slots of M parents (module docstring) and their children's path
-    probabilities: base [M, V] (each parent's q), tokens / drawn [M, W] (its children in draw
-    order), parent_path / parent_score [M] float64 (-inf score: no parent) -> (scores [M, W]
-    float64, -inf where nothing was drawn; paths [M, W] float64)."""
+    """Slot scores of M parents' children, min(parent path x best q the elder siblings left, parent
+    score): base [M, V], tokens / drawn [M, W] in draw order, parent_path / parent_score [M] float64
+    -> (scores [M, W] float64, -inf where nothing was drawn; paths [M, W] float64)."""
     rest = base.to(torch.float64, copy=True)  # [M, V]: q over the tokens not taken yet
     best_left = []
     for c in range(tokens.shape[1]):
@@ -65,9 +57,8 @@ def slot_scores(base: torch.Tensor, tokens: torch.Tensor, drawn: torch.Tensor, p
 
 
 def best_slots(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k best slots a row in the total order (score descending, then index ascending),
-    returned in index order: scores [A, M] -> (indices [A, min(k, M)] long, ok [A, min(k, M)]
-    bool; slots of score -inf are not ok and come last)."""
+    """The k best slots a row (score descending, then index), in index order: scores [A, M] ->
+    (indices [A, min(k, M)] long, ok bool; slots of score -inf are not ok and come last)."""
     k = min(k, scores.shape[1])
     ranked = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]  # [A, k]
     ok = scores.gather(1, ranked) > NEG_INF  # [A, k]
@@ -77,10 +68,8 @@ def best_slots(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def kept_tree(selected: Sequence[int], parents: Sequence[int]) -> list[int]:
-    """The kept nodes' parent array: selected, candidate indices in storage order (a
-    candidate's parent is stored before it); parents[c], candidate c's parent candidate (-1:
-    the root) -> node i's parent node (-1: the root). A parent left out is an error (the
-    order keeps every kept node's ancestors)."""
+    """The kept nodes' parent array: selected candidate indices in storage order, parents[c]
+    candidate c's parent (-1: the root) -> node i's parent node; a parent left out raises."""
     where = {c: i for i, c in enumerate(selected)}
     out = []
     for c in selected:

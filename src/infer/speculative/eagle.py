@@ -1,17 +1,10 @@
 """EagleProposer: drafts chains and static trees with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
 
-The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i; its cache
-holds only positions fed with target features. `observed` keeps each request's pending
-features; `propose` feeds them with the tokens after them (catch-up), then drafts steps
-2 .. k from its own output over target ids. Temperature-only rows without a grammar run the
-last `feed_max` positions and the steps as one `head_round` (a CUDA graph on the GPU) whose
-tokens stay on the device (`Draft.chain_on_device`); a static tree expands from g's output
-(`eagle_tree`). `on_accepted` drops the round's positions. Greedy rows of a chain round
-draft their next round ahead (`verifying`): fed the whole block with the verdict's tokens,
-drafting from each row's accepted count on the device while the host waits for the
-verdict; the next `propose` takes those drafts for the rows that draft as assumed, or,
-that verdict unread, follows the round in flight (`can_follow`: rows moved on the device).
-Prefix caching and the rest: docs/speculation.md, "An EAGLE head"; docs/architecture.md.
+The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i. `observed`
+keeps each request's pending features; `propose` feeds them (catch-up) and drafts over target
+ids, temperature-only rows as one `head_round` (a CUDA graph on the GPU); `verifying` drafts
+greedy chains' next round ahead. Rounds ahead, rounds in flight, prefix caching:
+docs/speculation.md, "An EAGLE head"; docs/architecture.md, "EAGLE heads".
 """
 
 from __future__ import annotations
@@ -47,11 +40,9 @@ FEED_MAX = 8  # the widest last feed of a fused round by default (the engine pas
 class EagleProposer:
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, capture: HiddenCapture,
                  round_fn: HeadRoundFn | None = None, feed_max: int = FEED_MAX, kernels: Kernels = EAGER) -> None:
-        """round_fn: the fused round (`head_round`; CUDA graphs on the GPU), eager by default;
-        feed_max: the widest last feed it runs (longer catch-ups feed the rest first);
-        kernels: the head's bundle for its per-step work (`round_fn` is built with the same):
-        the fc of the observed features and the default round. Catch-ups, the general path
-        and a tree's levels, of varying shapes, run EAGER (as the target's prefill does)."""
+        """round_fn: the fused round (`head_round`), eager by default; feed_max: the widest last
+        feed it runs; kernels: the head's bundle for the observed features' fc and the default
+        round (catch-ups, the general path and tree levels run EAGER)."""
         if feed_max < 1:
             raise ValueError(f"EagleProposer.feed_max must be >= 1, got {feed_max}")
         self.head, self.pool, self.capture = head, pool, capture
@@ -60,20 +51,18 @@ class EagleProposer:
         self.kernels = kernels
         self.round_fn: HeadRoundFn = round_fn if round_fn is not None else EagerHeadRound(head, pool, kernels)
         self.feed_max = feed_max
-        # rounds of temperature-only rows run `round_fn` (False: always the general path,
-        # the reference the tests compare the fused round with)
+        # rounds of temperature-only rows run `round_fn` (False: always the general path, the tests' reference)
         self.fused = True
         self.fused_rounds = 0  # rounds run by `round_fn`
-        # step counts `round_fn` holds graphs for: a shorter round runs the next one up and
-        # keeps its tokens (empty: every round runs its own length)
+        # step counts `round_fn` holds graphs for: a shorter round runs the next one up (empty: its own length)
         self.round_steps: tuple[int, ...] = ()
         self.sharing = False  # prompt blocks shared through the pool's prefix cache (`share_prefixes`)
-        # greedy chain rounds draft the next round under their verification (module docstring)
+        # greedy chain rounds draft the next round under their verification (`verifying`)
         self.ahead = True
         self.ahead_rounds = 0  # rounds whose drafts (some rows' at least) were drafted ahead
 
     def share_prefixes(self) -> None:
-        """Cache the head's prompt blocks as the target caches its own (module docstring)."""
+        """Cache the head's prompt blocks (keyed with one token of lookahead) as the target caches its own."""
         self.pool.cache_prefixes(lookahead=1)
         self.sharing = True
 
@@ -81,8 +70,7 @@ class EagleProposer:
     @torch.inference_mode()
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
-        """`Proposer.observed`: keep the features of the committed rows as pending (a round
-        drafted ahead already combined its accepted rows' features: kept as they are)."""
+        """`Proposer.observed`: keep the committed rows' features as pending (a round ahead's as it combined them)."""
         assert self.capture.last is not None, "the target ran without its hidden-state capture"
         fed = [self._fed_ahead(r, start, len(rs)) for r, start, rs in zip(requests, starts, rows, strict=True)]
         flat = [r for rs, piece in zip(rows, fed, strict=True) if piece is None for r in rs]  # (forward token indices)
@@ -103,8 +91,7 @@ class EagleProposer:
             state.pending.append(piece)
 
     def _fed_ahead(self, request: DraftRequest, start: int, n: int) -> Piece | None:
-        """The features of a request's n accepted rows from position `start` as the round
-        drafted ahead combined them (None: not such rows)."""
+        """The features of n accepted rows from `start` as the round drafted ahead combined them, or None."""
         state = self.states.get(request.request_id)
         mark = None if state is None else state.ahead
         if state is None or mark is None or mark.accepted is None or state.pending \
@@ -153,9 +140,8 @@ class EagleProposer:
         self.states[request.request_id] = HeadState(slot)
 
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """Sharing prefixes: feed the features the prompt chunk just gave, all but the last
-        (whose next token is not sampled yet), and register the full prompt blocks; else
-        nothing: the head is fed at a request's rounds (`observed` keeps the features)."""
+        """Sharing prefixes: feed the prompt chunk's features but the last (its next token is not
+        sampled yet) and register the full prompt blocks; else nothing."""
         if not self.sharing:
             return
         reqs, states = [], []
@@ -176,7 +162,6 @@ class EagleProposer:
             for r, s in zip(reqs, states, strict=True):
                 if s.slot is not None and not s.prompt_offered:
                     self.pool.register_prefix(s.slot, r.prompt_token_ids)
-                    # (once the head holds the whole prompt every full block of it is offered)
                     s.prompt_offered = self.pool.seq_len(s.slot) >= len(r.prompt_token_ids)
 
     def release(self, request: DraftRequest) -> None:
@@ -189,9 +174,8 @@ class EagleProposer:
         return extra + [f"EAGLE head pool: {p}" for p in self.pool.leak_report()]
 
     def _room(self, request: DraftRequest, fed: int) -> HeadState | None:
-        """The request's state with a slot holding room for its catch-up and fed - 1 drafts
-        (`fed_positions`: a chain of k feeds k - 1 of its k); None (it drafts nothing this
-        round) when it has no features yet or the pool is short."""
+        """The request's state with room for its catch-up and fed - 1 drafts; None (no draft this
+        round) without features or room."""
         state = self.states.get(request.request_id)
         if state is None:
             return None
@@ -209,7 +193,7 @@ class EagleProposer:
     # -- proposing -------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """`Proposer.propose`: a chain or a static tree per request (module docstring)."""
+        """`Proposer.propose`: a chain or a static tree per request."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts = [Draft.empty(shape)] * len(requests)  # (frozen: one shared until a row's own replaces it)
@@ -245,9 +229,8 @@ class EagleProposer:
         return drafts
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
-        """`Proposer.can_follow`: every request's next chain of k drafted ahead in one round,
-        request b its row b, following a round still in flight (its verdict unread: the
-        host counts the request's positions as if all k drafts were accepted)."""
+        """`Proposer.can_follow`: every request's next chain of k was drafted ahead in one round
+        (request b its row b) that can follow the round still in flight."""
         marks = [None if (s := self.states.get(r.request_id)) is None or s.slot is None or s.pending else s.ahead
                  for r in requests]
         first = marks[0] if marks else None
@@ -257,11 +240,8 @@ class EagleProposer:
 
     def _take_ahead(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int],
                     drafts: list[Draft]) -> set[int]:
-        """The rows whose round was drafted ahead and that draft now as it assumed (right
-        after that round, at most its steps; or, that round still in flight, `can_follow`):
-        their drafts (`drafts[i]`) and round marked, their pending features dropped (fed
-        ahead). Every other request drafted ahead gives those positions back (its head as
-        without). Returns the rows served."""
+        """Fill `drafts[i]` for the rows whose round drafted ahead matches what they draft now;
+        the others drafted ahead give those positions back. Returns the rows served."""
         served: set[int] = set()
         for i, (r, k) in enumerate(zip(requests, depths, strict=True)):
             state = self.states.get(r.request_id)
@@ -269,8 +249,7 @@ class EagleProposer:
             if state is None or mark is None or state.slot is None:
                 continue
             state.ahead = None
-            # (its round still in flight, nothing pending: the runner follows it only when
-            # every row can; verified: its accepted positions' features pending, fed ahead)
+            # (in flight: nothing pending, followed only when every row can; verified: features fed ahead)
             follow = mark.accepted is None
             if takes(mark, shape, k, r.num_computed_tokens, in_flight=not state.pending) \
                     and (follow or mark.start + state.num_pending() == mark.next_start):
@@ -287,11 +266,8 @@ class EagleProposer:
     @torch.inference_mode()
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """`Proposer.verifying`: draft the next round now (module docstring) for the rows that
-        drafted a chain of K = feed_max - 1 this round, greedily and without a grammar, whose
-        head has room for the block and K drafts past it. The feed is each row's block (its
-        K + 1 positions' features, the verdict's tokens after them: the accepted drafts, then
-        the final token; past it unread) and the drafts start after accepted + 1."""
+        """`Proposer.verifying`: draft the next round now for the greedy, grammar-free rows that
+        drafted a chain of K = feed_max - 1, fed their block with the verdict's tokens."""
         if not self.ahead:
             return
         k = self.feed_max - 1
@@ -321,8 +297,7 @@ class EagleProposer:
             s.ahead = AheadMark(drafted, j, k, r.num_computed_tokens, features=features, counts=accepted)
 
     def _aheadable(self, request: DraftRequest, draft: Draft, k: int) -> bool:
-        """Whether the request's next round is drafted ahead (`verifying`); its head's room for
-        it taken now."""
+        """Whether the request's next round is drafted ahead (`verifying`); takes the room for it."""
         state, params = self.states.get(request.request_id), request.sampling_params
         need = request.num_computed_tokens + 2 * k  # (the block, then drafts up to K - 1 past it)
         return (draft.num_proposed == k and draft.shape.is_chain and request.grammar is None and params.greedy
@@ -332,8 +307,7 @@ class EagleProposer:
 
     def _tree(self, drafts: list[Draft], picked: Sequence[int], reqs: Sequence[DraftRequest],
               states: Sequence[HeadState], ks: Sequence[int], shape: TreeShape) -> list[Draft]:
-        """A static tree per picked request (`drafts[picked[j]]`): the whole catch-up, then
-        the levels from the head's output at g (`expand_head_tree`)."""
+        """A static tree per picked request (`drafts[picked[j]]`): the whole catch-up, then `expand_head_tree`."""
         root = self._catch_up(reqs, states, keep=0)[0]  # [A, H]
         self._mark_round(reqs, states)
         slots = [s.slot for s in states if s.slot is not None]  # (every picked row has one: `_room`)
@@ -350,8 +324,7 @@ class EagleProposer:
             s.round_end = r.num_computed_tokens
 
     def _fusable(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], steps: int) -> bool:
-        """Whether the round runs as one `head_round` (a CUDA graph on the GPU): rows sampled
-        with a temperature alone, no grammar, room for `steps` drafts in every row."""
+        """Whether the round runs as one `head_round`: temperature-only rows, no grammar, room for `steps`."""
         if not self.fused:
             return False
         vocab = self.head.config.vocab_size
@@ -365,9 +338,8 @@ class EagleProposer:
 
     def _round(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState], tails: Sequence[list[Piece]],
                ks: Sequence[int], steps: int) -> tuple[RoundTokens, torch.Tensor | None]:
-        """The round's last feed (each row's `tails`, l_b >= 1 features, a flat row each) and
-        `steps` >= max k draft steps as one `head_round` -> (tokens [A, steps] left on the
-        device, q [A, steps, V] or None when every row is greedy)."""
+        """The last feed (`tails`) and `steps` >= max k draft steps as one `head_round` -> (tokens
+        [A, steps] on the device, q [A, steps, V] or None when every row is greedy)."""
         rows = [self._fed_row(r, s, sum(b - a for _, a, b in tail))
                 for r, s, tail in zip(reqs, states, tails, strict=True)]
         params = [r.sampling_params for r in reqs]
@@ -379,13 +351,11 @@ class EagleProposer:
         tokens, probs = self.round_fn(plan_batch(rows), stacked([p for tail in tails for p in tail]), steps,
                                       [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)],
                                       uniforms, greedy)
-        # (a copy: a graph's output is rewritten by its next replay; a row whose distribution
-        # failed drafts token 0 in place of NO_TOKEN: verification judges it by the target alone)
+        # (a copy: a graph's output is rewritten by its next replay; NO_TOKEN becomes token 0)
         return RoundTokens(tokens.clamp(min=0)), probs
 
     def _fed_row(self, request: DraftRequest, state: HeadState, n: int) -> Row:
-        """A flat row feeding n features from the end of the request's head cache: position p
-        takes the token after it, t_{p+1}; one logit, at its last."""
+        """A flat row feeding n features from the end of the head cache, position p with t_{p+1}."""
         assert state.slot is not None
         start = self.pool.seq_len(state.slot)
         return Row(state.slot, start, request.token_slice(start + 1, start + 1 + n))
@@ -402,9 +372,8 @@ class EagleProposer:
 
     def _feed(self, reqs: Sequence[DraftRequest], states: Sequence[HeadState],
               keep: int) -> tuple[torch.Tensor, list[list[Piece]]]:
-        """Feed each request's pending features with the tokens after them, all but the last
-        `keep` (0: all) -> (the head's output at each row's last fed position [A, H] (rows fed
-        nothing: zeros), the features left to feed per row, min(pending, keep) of them)."""
+        """Feed each request's pending features but the last `keep` -> (the head's output at each
+        row's last fed position [A, H], zeros if none; the features left per row)."""
         assert all(s.slot is not None for s in states)
         dtype = states[0].pending[0][0].dtype
         feats, tails, lengths = [], [], []
@@ -456,10 +425,8 @@ class EagleProposer:
         return chain.rows(ks), chain.probs
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
-        """Drop the round's draft positions: the accepted tokens come back with the target's
-        features (`observed`) and are fed at the next catch-up. A request drafted ahead
-        keeps what that round wrote past its accepted positions (its feed's first a + 1, then
-        its drafts), counted from the mark's start until its next round takes or drops them."""
+        """Drop the round's draft positions (the accepted tokens are fed again at the next catch-up);
+        a request drafted ahead keeps what that round wrote past its accepted positions."""
         for request, path in zip(requests, paths, strict=True):
             state = self.states.get(request.request_id)
             if state is None or state.round_end is None or state.slot is None:

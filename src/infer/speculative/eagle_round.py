@@ -1,17 +1,9 @@
 """An EAGLE head over the flat batch: one pass through its pool (`head_pass`), and a chain's
 draft round as one function of tensors (`head_round`).
 
-A head pass is a `ForwardBatch` like the target's (`Row`s laid out by `plan_batch`) run
-through the same `BatchView`, the head's features [N, H] beside its ids [N]: a catch-up's
-rows, a draft step's one token a row, or a tree level's nodes with its rule. Each pass sets
-the pool's lengths to its rows' ends. `head_round` is the function both `EagerHeadRound`
-and the CUDA graphs (engine/executor/head_graphs.py) run: the feed (each row's last pending
-features with the tokens after them), then steps 2 .. S one token a row past the row's end
-(`next_step`, built on the device), sampling with a temperature alone from staged uniforms.
-A round drafted ahead (`AheadFeed`, `EagleProposer.verifying`) feeds each row's whole
-verification block with ids on the device and starts drafting after the row's accepted
-tokens, a count also on the device. Rows needing other transforms take the proposer's
-general path. docs/speculation.md.
+`head_round` is what both `EagerHeadRound` and the CUDA graphs (engine/executor/head_graphs.py)
+run: the feed, then steps 2 .. S one token a row, sampling with a temperature alone from staged
+uniforms; `AheadFeed` is a round drafted ahead. docs/speculation.md, "An EAGLE head".
 """
 
 from __future__ import annotations
@@ -36,17 +28,15 @@ if TYPE_CHECKING:
 
 def run_head(head: EagleHead, pool: CachePoolProtocol, batch: ForwardBatch, features: torch.Tensor,
              kernels: Kernels = EAGER) -> torch.Tensor:
-    """The head's outputs [N, H] over a batch (its K/V written to the pool): features [N, H],
-    f of each token's position (the head's own output for a drafted token)."""
+    """The head's outputs [N, H] over a batch (its K/V written to the pool); features [N, H]."""
     view = BatchView(pool.k_cache, pool.v_cache, batch, pool.arrivals)
     return head(batch.token_ids[None], features[None], batch.rope_positions[None], view, kernels)[0]
 
 
 def head_pass(head: EagleHead, pool: CachePoolProtocol, plan: BatchPlan, features: torch.Tensor,
               ids: torch.Tensor | None = None, kernels: Kernels = EAGER) -> torch.Tensor:
-    """One head forward over a plan's rows: features [N, H] on the head's device, ids [N] on
-    the device in place of the plan's (None: the plan's) -> the outputs at the plan's logits
-    tokens [M, H]. The pool's lengths are set to the rows' ends."""
+    """One head forward over a plan's rows: features [N, H], ids [N] on the device (None: the plan's)
+    -> the outputs at the plan's logits tokens [M, H]; the pool's lengths set to the rows' ends."""
     batch = build_batch(plan, pool.tables, pool.block_size, pool.scratch_row, features.device)
     if ids is not None:
         batch.token_ids.copy_(ids)
@@ -58,11 +48,9 @@ def head_pass(head: EagleHead, pool: CachePoolProtocol, plan: BatchPlan, feature
 
 @dataclass(frozen=True)
 class AheadFeed:
-    """A round drafted ahead: its feed's ids [N] and each row's accepted count [R] (the
-    row drafts after its first accepted + 1 fed tokens; the rest of its feed, rejected
-    positions, is written but never read), both on the device, unknown to the host; `shift`
-    [R]: each row's start moved on the device (its block follows a round still in flight,
-    `DeviceIds.shift`)."""
+    """A round drafted ahead: its feed's ids [N] and each row's accepted count [R] (it drafts after
+    its first accepted + 1 fed tokens), both on the device; `shift` [R]: each row's start moved on
+    the device (following a round in flight, `DeviceIds.shift`)."""
 
     ids: torch.Tensor  # [N] long
     accepted: torch.Tensor  # [R] long
@@ -75,9 +63,8 @@ class AheadFeed:
 
 
 def drafting_from(feed: ForwardBatch, accepted: torch.Tensor | None) -> tuple[torch.Tensor, ForwardBatch]:
-    """(the feed's token index each row drafts from [R], the batch its first step follows):
-    each row's last token, or with `accepted` [R] its token accepted[b] and the row's end
-    just after it (a graph's padding rows stay without context)."""
+    """(the feed's token index each row drafts from [R], the batch its first step follows): each
+    row's last token, or with `accepted` [R] its token accepted[b], the row ending just after it."""
     rows = feed.seq_lens.shape[0]
     if accepted is None:
         return feed.logits_indices[:rows], feed
@@ -90,11 +77,9 @@ def drafting_from(feed: ForwardBatch, accepted: torch.Tensor | None) -> tuple[to
 def head_round(head: EagleHead, pool: CachePoolProtocol, feed: ForwardBatch, features: torch.Tensor, steps: int,
                sampling: torch.Tensor | None, context_width: int, kernels: Kernels = EAGER,
                accepted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """feed: the round's feed, R rows whose first R logits indices are each row's last token
-    (a graph's padding rows: no context); features [N, H]; sampling: float64 [2 + steps, R]
-    temperature | greedy | one uniform per step, None when every row is greedy (argmax);
-    context_width: a bound on every step's contexts; kernels: the head's bundle (fused on
-    the GPU's fixed-shape rounds); accepted [R]: a round drafted ahead (`AheadFeed`).
+    """feed: R rows, logits at each row's last token; features [N, H]; sampling: float64
+    [2 + steps, R] temperature | greedy | one uniform per step, None when every row is greedy;
+    context_width: a bound on every step's contexts; accepted [R]: a round drafted ahead.
     Returns (tokens [R, steps], probs [R, steps, V] or None) on the device."""
     picks, feed_end = drafting_from(feed, accepted)
     x = run_head(head, pool, feed, features, kernels).index_select(0, picks)  # [R, H]
@@ -129,17 +114,14 @@ class HeadRoundFn(Protocol):
     def __call__(self, plan: BatchPlan, features: torch.Tensor, steps: int, temperatures: Sequence[float],
                  uniforms: torch.Tensor, greedy: Sequence[bool],
                  ahead: AheadFeed | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """plan: the feed's rows, one logit a row (its last token); features [N, H] on the
-        device; uniforms CPU float64 [B, steps] (unread when every row is greedy); ahead: a
-        round drafted ahead (its ids and accepted counts on the device). Returns (tokens
-        [B, steps], probs [B, steps, V] or None when every row is greedy); each row's slot
-        ends steps - 1 positions past its feed (`end_round`)."""
+        """plan: the feed's rows, one logit a row; features [N, H] on the device; uniforms CPU float64
+        [B, steps] (unread when all greedy) -> (tokens [B, steps], probs [B, steps, V] or None); each
+        row's slot ends steps - 1 positions past its feed (`end_round`)."""
         ...
 
     def prepare(self, widths: Iterable[int], steps: Iterable[int], ahead: bool = False) -> None:
-        """Capture the rounds of feeds up to these widths a row and these step counts ahead
-        of use (graphs only); `ahead`: also the greedy rounds drafted ahead, every row fed
-        max(widths) tokens, max(steps) steps."""
+        """Capture rounds of these feed widths and step counts before use (graphs only); `ahead`:
+        also the greedy rounds drafted ahead."""
         ...
 
 
@@ -159,8 +141,7 @@ def end_round(pool: CachePoolProtocol, plan: BatchPlan, steps: int) -> None:
 
 
 class EagerHeadRound:
-    """`HeadRoundFn` run eagerly: the feed's batch built, then `head_round` with `kernels`
-    (the fused bundle as the fallback of CUDA graphs, EAGER elsewhere)."""
+    """`HeadRoundFn` run eagerly: the feed's batch built, then `head_round` with `kernels`."""
 
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, kernels: Kernels = EAGER) -> None:
         self.head, self.pool, self.kernels = head, pool, kernels

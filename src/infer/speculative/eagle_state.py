@@ -1,7 +1,5 @@
-"""An EAGLE head's per-request state (`HeadState`), its round drafted ahead (`AheadMark`, an
-`AheadRound` with the features it fed), and the device moves of rows that follow a round in
-flight (`moves`).
-docs/speculation.md, "An EAGLE head"."""
+"""An EAGLE head's per-request state (`HeadState`), its round drafted ahead (`AheadMark`) and the
+device moves of rows following a round in flight (`moves`). docs/speculation.md, "An EAGLE head"."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from infer.transfer import tensor_on
 @dataclass
 class AheadMark(AheadRound):
     """The EAGLE head's round drafted ahead (`EagleProposer.verifying`), fed from `start`, the
-    positions its head cache held before. A drop leaves only those (`AheadRound.kept`): the
-    accepted positions' features come back pending (`EagleProposer.observed`)."""
+    positions its head cache held before (all a drop keeps)."""
 
     features: torch.Tensor  # [B (steps + 1), H] the features it fed, each row's block
     counts: torch.Tensor  # [B] the accepted drafts of the round it follows, on the device
@@ -33,8 +30,7 @@ class HeadState:
     pending: list[Piece] = field(default_factory=list)  # features of the positions after the cache
     round_end: int | None = None  # slot positions holding target features during a round (drafts past it)
     ahead: AheadMark | None = None  # the next round drafted ahead; the cache then counts as `start`
-    # the round in flight it follows (`can_follow`): counts [B], its row, k; the positions
-    # from round_end on move by counts[row] - k on the device, the host's as if all accepted
+    # the round in flight it follows (`can_follow`): counts [B], its row, k (positions move by counts[row] - k)
     follows: tuple[torch.Tensor, int, int] | None = None
     prompt_offered: bool = False  # every full prompt block offered to the prefix cache (`_share`)
 
@@ -43,8 +39,7 @@ class HeadState:
 
 
 def moves(states: Sequence[HeadState]) -> torch.Tensor | None:
-    """[B] each row's move on the device where the rows follow a round in flight (one round,
-    in order: `EagleProposer.can_follow`), else None."""
+    """[B] each row's move on the device where the rows follow a round in flight, else None."""
     follows = [s.follows for s in states]
     if follows[0] is None:
         return None

@@ -1,12 +1,5 @@
-"""A static token tree drafted by an EAGLE / EAGLE-3 head, level by level over its own KV pool.
-
-`expand_head_tree` starts after a chain round's catch-up, whose last pair (f_{n-1}, g) sits
-at the head's storage position `base`: the head's output there gives the root's children.
-Level d = 1 .. k_b - 1 feeds the depth-d nodes in one flat head pass (`eagle_round.head_pass`,
-a row per request with the level's `TreeChunk` rule), each node fed (its parent's output,
-its own token), stored at base + 1 + i with rotary position base + depth(i). Children are
-chosen as a draft model's (`tree_expand.children`), from the head's logits over target ids;
-the deepest level is never fed. After verification the proposer drops the round's positions.
+"""A static token tree drafted by an EAGLE / EAGLE-3 head, level by level over its own KV pool:
+node i fed (its parent's output, its token) at base + 1 + i, rotated at base + depth(i).
 Details: docs/speculation.md, "An EAGLE head".
 """
 
@@ -32,11 +25,9 @@ if TYPE_CHECKING:
 def expand_head_tree(head: EagleHead, pool: CachePoolProtocol, reqs: Sequence[DraftRequest], slots: Sequence[int],
                      bases: Sequence[int], root: torch.Tensor, ks: Sequence[int], shape: TreeShape
                      ) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
-    """Levels 0 .. max(ks) - 1 of each row's tree (`tree_expand.expand_levels`): a level's
-    state is the head's output after each of its nodes [A', P, H]; a deeper level is one head
-    pass over its nodes, a row each with the level's tree rule, each node fed its parent's
-    output (module docstring). bases: each row's storage position of g's feed; root: the
-    head's output there [A, H]; ks: depth limits."""
+    """Levels 0 .. max(ks) - 1 of each row's tree (`tree_expand.expand_levels`), a level's state
+    the head's output after each node [A', P, H]. bases: each row's storage position of g's feed;
+    root: the head's output there [A, H]; ks: depth limits."""
 
     def feed(d: int, alive: list[int], keep: list[int], level_tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         lo, hi = shape.level_starts[d], shape.level_starts[d + 1]

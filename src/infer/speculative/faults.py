@@ -1,12 +1,6 @@
-"""Faults that belong to one request: its own work runs isolated, so an error there fails
-that request alone and the batch goes on.
-
-`isolated(request, stage)` wraps a request's share of a step (its grammar, its drafts, its
-tokens' rendering): an exception marks the request (`fault`, the first one kept) and is
-swallowed; the caller leaves the request's part of the step neutral (an empty draft, an
-unmasked row, no token emitted), and the engine finishes the request with an error once
-the step is done. Faults of the engine itself (a device error, a bug in batched code) are
-never caught here.
+"""Faults that belong to one request: `isolated(request, stage)` runs its share of a step so that
+an exception marks the request (`fault`) and is swallowed; the caller leaves its part neutral
+and the engine finishes it with an error after the step. Engine faults are never caught here.
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ def mark_fault(request: Faultable, message: str) -> None:
 
 class isolated:  # noqa: N801 - used as a function: `with isolated(request, stage):`
     """Run the request's own work; an Exception marks the request faulted (`stage` names what
-    it was doing) and does not propagate. (A class, not a generator context manager: it
-    wraps every emitted token, where a generator's set-up costs microseconds.)"""
+    it was doing) and does not propagate. (A class: it wraps every emitted token, kept cheap.)"""
 
     __slots__ = ("request", "stage")
 

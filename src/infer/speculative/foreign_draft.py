@@ -1,13 +1,7 @@
-"""A draft model with another tokenizer: it drafts in its own ids over the tokens it shares
-with the target (token-level intersection, `vocab_map.py`).
-
-`ForeignDraftProposer` wraps the `DraftModelProposer`, which runs unchanged in the draft's
-ids over a `MaskedForward` (ids the target lacks at -inf before the sampling transforms) and
-reads each request through a `DraftView` over its `DraftTokens` (the target's tokens
-expanded into draft ids). Drafts are mapped to target ids and q to the target's columns, so
-the verifier stays exact. A row whose round would pass the draft's max_seq_len or find its
-pool full drafts nothing that round. docs/architecture.md, "A draft model with another
-vocabulary".
+"""A draft model with another tokenizer, drafting in its own ids over the tokens it shares with
+the target (`vocab_map.py`): `ForeignDraftProposer` wraps a `DraftModelProposer` over a
+`MaskedForward` and a `DraftView` per request, and maps drafts and q to the target's ids.
+docs/architecture.md, "A draft model with another vocabulary".
 """
 
 from __future__ import annotations
@@ -113,7 +107,7 @@ class DraftView:
 
 
 class ForeignDraftProposer:
-    """`Proposer` of a draft model whose vocabulary differs from the target's (module docstring)."""
+    """`Proposer` of a draft model whose vocabulary differs from the target's."""
 
     def __init__(self, inner: DraftModelProposer, vocab: VocabMap) -> None:
         self.inner = inner
@@ -121,8 +115,7 @@ class ForeignDraftProposer:
         source = vocab.probs_source().to(inner.device)  # [V_t] the draft id proposed as each target id, or -1
         self.source, self.missing = source.clamp(min=0), source < 0
         self.tokens: dict[str, DraftTokens] = {}  # request id -> its tokens in the draft's ids
-        # the most draft ids a target token expands into (found at start, not in a step: a
-        # large vocabulary's unshared tokens take a fraction of a second)
+        # the most draft ids a target token expands into (found at start, not in a step)
         self.longest_expansion = vocab.longest_expansion()
 
     @classmethod
@@ -152,7 +145,7 @@ class ForeignDraftProposer:
         return drafts
 
     def _ready(self, view: DraftView, shape: TreeShape | DynamicShape, k: int) -> bool:
-        """Whether the row can draft a round of depth k in the draft's ids (module docstring)."""
+        """Whether the row can draft a round of depth k in the draft's ids: within max_seq_len, with room."""
         n = view.num_computed_tokens
         pool = self.inner.pool
         need = n + fed_positions(shape, k)
@@ -166,9 +159,8 @@ class ForeignDraftProposer:
         return pool.ensure_capacity(slot, need)
 
     def to_target(self, draft: Draft) -> Draft:
-        """A draft in the draft's ids -> in the target's: each present node's token mapped, a
-        node the target lacks (a greedy row's top-b past the shared tokens) absent with its
-        descendants; q moved to the target's columns."""
+        """A draft in the draft's ids -> in the target's: tokens mapped, a node the target lacks absent
+        with its descendants, q moved to the target's columns."""
         if not any(draft.valid):
             return draft
         parents = draft.shape.parents
@@ -205,10 +197,8 @@ class ForeignDraftProposer:
         return self.inner.can_admit(request)
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        """`total_tokens` of the target's positions in the draft's: the expansion so far added,
-        a token up to g still in flight (a prefill's sampled token under overlap) at the
-        longest expansion, the round's own tokens one for one (drafts are draft ids; a round
-        checks its exact need). So a round reserved under a fixed K finds its memory."""
+        """`total_tokens` of the target's positions in the draft's: the expansion so far, a token still
+        in flight at the longest expansion, the round's own tokens one for one."""
         tokens = self.view(request).tokens
         n = request.num_computed_tokens
         known = min(len(tokens.ends), n + 1)

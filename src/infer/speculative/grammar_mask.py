@@ -1,11 +1,7 @@
 """Grammar masks on the logits: packed token bitmasks (int32 [N, ceil(V / 32)], bit j of word w
-allows token 32 w + j, xgrammar's layout) unpacked on the logits' device, forbidden logits set
-to -inf before any sampling transform. Greedy and sampled decoding and the verifier's target
-distribution are then all the masked ones.
-
-`GrammarState` is what the runner and the verifier need of a request's grammar
-(`engine.structured.RequestGrammar` implements it with xgrammar). A grammar that fails while
-filling its mask fails its request alone (`speculative.faults`); its row is left unmasked.
+allows token 32 w + j, xgrammar's layout), forbidden logits set to -inf before any sampling
+transform. `GrammarState` is what the runner and the verifier need of a request's grammar
+(`engine.structured.RequestGrammar`); a grammar that fails fails its request alone.
 """
 
 from __future__ import annotations
@@ -68,8 +64,7 @@ def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """A copy of logits [N, V] with the tokens forbidden by bitmask[i] set to -inf in row
-    rows[i] (the other rows untouched)."""
+    """A copy of logits [N, V] with the tokens forbidden by bitmask[i] set to -inf in row rows[i]."""
     out = logits.clone()
     index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
     allowed = allowed_tokens(to_device(bitmask, logits.device), logits.shape[-1])  # [len(rows), V]
@@ -79,9 +74,8 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
 
 def grammar_masked(logits: torch.Tensor, requests: Sequence[Constrained],
                    paths: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
-    """logits [N, V] restricted by each row's request's grammar at its current state, or
-    after paths[i] when given (a draft's tokens so far); rows without one untouched; the
-    logits themselves when no row has one."""
+    """logits [N, V] masked by each row's grammar at its state, or after paths[i] when given (the
+    logits themselves when no row has a grammar)."""
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return logits

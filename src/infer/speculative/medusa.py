@@ -1,13 +1,6 @@
-"""MedusaProposer: drafts chains and static trees with Medusa heads (models/medusa.py).
-
-The heads read the target's last hidden state, kept from the forward that computed it (no
-extra pass, no cache of their own): `observed` keeps each request's final normed hidden
-state of position n - 1 (the target's `HiddenCapture`); `propose` runs the drafting rows'
-states through the heads the round needs, head d - 1 guessing depth d. A chain takes each
-head's argmax; a static tree is Medusa's Cartesian product (`medusa_draft`: a parent's c-th
-child holds head d - 1's c-th best token). Drafts are deterministic (one-hot q), so the
-verifier keeps sampling lossless. A row without a state of n - 1 drafts nothing that round;
-`on_accepted` has nothing to roll back. docs/speculation.md, "Medusa heads".
+"""MedusaProposer: drafts chains and static trees with Medusa heads (Cai et al. 2024; models/medusa.py)
+from the target's final hidden state of position n - 1, no extra pass and no cache; head d - 1
+guesses depth d, one-hot. docs/speculation.md, "Medusa heads".
 """
 
 from __future__ import annotations
@@ -31,10 +24,8 @@ if TYPE_CHECKING:
 
 
 def medusa_draft(shape: TreeShape, depth: int, ranked: Sequence[int]) -> Draft:
-    """The draft over `shape` of one row: ranked holds head d's branching[d] best tokens,
-    best first, for d = 0, 1, ... (concatenated; at least the first `depth` heads'). Every
-    node down to `depth` is present; node i at depth d, child c of its parent, takes head
-    d - 1's c-th token."""
+    """One row's draft over `shape` down to `depth`: ranked concatenates head d's branching[d] best
+    tokens for d = 0, 1, ...; a node at depth d, child c of its parent, takes head d - 1's c-th."""
     n = shape.num_nodes
     tokens, valid = [0] * n, [False] * n
     offsets = [sum(shape.branching[:d]) for d in range(depth)]
@@ -47,8 +38,7 @@ def medusa_draft(shape: TreeShape, depth: int, ranked: Sequence[int]) -> Draft:
 
 class MedusaProposer:
     def __init__(self, head: MedusaHead, capture: HiddenCapture, kernels: Kernels = EAGER) -> None:
-        """capture: the target's, of its final normed output; kernels: the bundle the heads'
-        projections run through (the fused one on a GPU)."""
+        """capture: the target's, of its final normed output; kernels: the heads' projections' bundle."""
         self.head, self.capture, self.kernels = head, capture, kernels
         self.device = next(head.parameters()).device
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request id -> (position, hidden [H])
@@ -67,7 +57,7 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """`Proposer.propose`: a chain or the static tree per request (module docstring)."""
+        """`Proposer.propose`: a chain (each head's argmax) or the static tree per request."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         if any(not is_strict_int(k) or k < 0 for k in depths):

@@ -1,14 +1,10 @@
 """SpecStats: engine-wide speculative decoding counters (exported by the server).
 
-drafts: speculation rounds that proposed at least one token; draft_tokens: tokens proposed
-(tree speculation: the tree's proposed nodes); accepted_tokens: proposed tokens accepted (a
-tree: the accepted path's length); emitted_tokens: tokens produced by speculative rounds
-(accepted + one recovered or bonus token each). By position (a chain's i-th draft, a tree's
-depth i + 1): accepted_per_position[i], rounds whose token there was accepted, and
-drafted_per_position[i], rounds that proposed one there, so acceptance by depth is their
-ratio. accepted_lengths[L]: drafting rounds that accepted exactly L tokens (the accepted
-path length per round). shared_vocabulary: for a draft with another tokenizer, the fraction
-of the smaller vocabulary the two share (`speculative/vocab_map.py`; None: one vocabulary).
+drafts: rounds that proposed a token; draft_tokens: tokens (tree nodes) proposed; accepted_tokens:
+of them accepted (a tree: its path); emitted_tokens: tokens rounds produced (accepted + one each).
+Per position i (a chain's i-th draft, a tree's depth i + 1), accepted_per_position[i] and
+drafted_per_position[i] count rounds; accepted_lengths[L]: rounds that accepted exactly L;
+shared_vocabulary: the fraction of the smaller vocabulary a foreign draft shares (None: one).
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ class SpecStats:
     followed: int = 0  # steps whose round was queued before the host read the verdict before it
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int, depth: int | None = None) -> None:
-        """One verification round: tokens proposed, accepted and emitted; `depth`, the
-        deepest proposed position (a chain: num_draft, the default)."""
+        """One verification round: tokens proposed, accepted and emitted; `depth`: the deepest (default num_draft)."""
         depth = num_draft if depth is None else depth
         if not 0 <= num_accepted <= depth <= num_draft or (depth == 0) != (num_draft == 0):
             raise ValueError(f"num_accepted {num_accepted} outside 0..depth {depth}, or depth outside "

@@ -1,13 +1,7 @@
 """N-gram speculative drafting: draft tokens from the request's own history, no draft model.
 
-`NgramProposer` keeps one table per request: an `NgramTable` (counts of next tokens after
-contexts of orders `min_order`..`max_order`, longest context first, the most frequent
-continuation) or a `PromptLookupTable` (copy what followed the longest earlier occurrence
-of the context's suffix), both over a sliding `window` of the request's verified tokens
-(prompt + accepted output). Proposing never touches a table, so rejected drafts never
-enter one. A tree is filled with a context's distinct continuations (`fill_tree`). A table
-is built from the prompt under the prefill's forward (`prefilled`) and synced with
-`request.all_token_ids` at each lookup. docs/speculation.md, "N-gram tables".
+`NgramProposer` keeps one table per request, an `NgramTable` or a `PromptLookupTable`, over a
+sliding window of its verified tokens only. docs/speculation.md, "N-gram tables and prompt lookup".
 """
 
 from __future__ import annotations
@@ -60,17 +54,12 @@ class NgramProposer(HostProposer):
         return _TABLES[cfg.method](cfg.max_order, cfg.min_order, cfg.window)
 
     def sync(self, request: DraftRequest) -> DraftTable:
-        """Bring the request's table up to date: incremental, or rebuilt if history changed.
-
-        A request's tokens only grow, so comparing the last few tokens the table saw tells a
-        replaced history (a restarted request) cheaply; this runs on every proposal. After a
-        gap longer than the window, a rebuild from the window is cheaper and gives the same
-        table."""
+        """Bring the request's table up to date: incremental, or rebuilt from the window when its
+        history was replaced (its last `_TAIL` tokens differ) or the gap exceeds the window."""
         n = request.num_tokens
         entry = self._entries.get(request.request_id)
         if (entry is None or not entry.synced <= n < entry.synced + self.config.window
                 or request.token_slice(entry.synced - len(entry.tail), entry.synced) != entry.tail):
-            # first sight, a long gap, or a restart with another history: from the window's start
             start = max(0, n - self.config.window)
             entry = self._entries[request.request_id] = _Entry(self._new_table(), start, [])
         if n > entry.synced:
@@ -80,11 +69,8 @@ class NgramProposer(HostProposer):
         return entry.table
 
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """One deterministic draft over `shape` per request (probs None): a chain holds the
-        table's continuation of up to depths[i] tokens; a tree's nodes have as children the
-        table's best distinct continuations of the request's tokens extended by the node's
-        path. Nodes the table cannot fill, or deeper than depths[i], are absent. Tables are
-        synced, never given draft tokens."""
+        """One deterministic draft over `shape` per request (probs None), no deeper than depths[i]:
+        a chain of the table's continuation, or a tree of its distinct continuations (`fill_tree`)."""
         if len(depths) != len(requests):
             raise ValueError(f"depths must give one depth per request: got {len(depths)} for {len(requests)} requests")
         drafts: list[Draft] = []

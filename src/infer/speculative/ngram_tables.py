@@ -1,9 +1,6 @@
-"""N-gram draft tables, one per request, pure Python: `NgramTable` (frequency tables of
-orders min_order..max_order over a sliding window; longest matching context, most frequent
-continuation), `NgramConfig`, the sliding `TokenWindow` and the `DraftTable` protocol.
-`PromptLookupTable` (longest earlier occurrence of the context's suffix; copy what followed)
-lives in `infer.speculative.prompt_lookup`. See `infer.speculative.ngram` for the definitions
-and the proposer.
+"""N-gram draft tables, one per request, pure Python: `NgramTable` (frequency tables over a
+sliding window), `NgramConfig`, `TokenWindow` and the `DraftTable` protocol; the proposer is
+`infer.speculative.ngram`. docs/speculation.md, "N-gram tables and prompt lookup".
 """
 
 from __future__ import annotations
@@ -83,20 +80,16 @@ class TokenWindow:
         return self._tokens[self.start - self._base :]
 
 
-# A continuation's count and newest position packed in one int: count * _ONE + position.
-# Ordering the packed values orders by count, then recency (the rule `predict` breaks ties
-# by), and tables made of ints and tuples of ints give the garbage collector nothing to
-# scan: a table follows every token its request holds, so it must stay cheap.
+# A continuation's count and newest position packed in one int, count * _ONE + position: ordered
+# by count, then recency (`predict`'s tie rule), and nothing for the garbage collector to scan.
 _POS_BITS = 40
 _ONE = 1 << _POS_BITS
 _POS_MASK = _ONE - 1
 
-# one level: context -> {next token: packed count and position}, and context -> best next
-# token (absent when stale: its best lost an occurrence)
+# one level: (c, context -> {next token: packed}, context -> best next token (absent when stale))
 _Level = tuple[int, dict[tuple[int, ...], dict[int, int]], dict[tuple[int, ...], int]]
 
-# an extension of at least this many tokens that evicts nothing goes level by level
-# (`NgramTable._extend_levels`): a prompt's build, a catch-up after plain steps
+# an extension of at least this many tokens that evicts nothing goes level by level (`_extend_levels`)
 _BULK_MIN = 16
 
 
@@ -118,12 +111,7 @@ class NgramTable:
         return self._win.tokens()
 
     def extend(self, tokens: Iterable[int]) -> None:
-        """Add tokens the request really has (never drafts) and evict what leaves the window.
-
-        The tokens that fit in the window without evicting anything go level by level when
-        there are at least `_BULK_MIN` of them (`_extend_levels`: the same tables, about
-        twice as fast: a table's build is host time a batch's step cannot hide); the rest,
-        each evicting the oldest, token by token."""
+        """Add tokens the request really has (never drafts) and evict what leaves the window."""
         if not isinstance(tokens, list):
             tokens = list(tokens)
         if len(tokens) >= _BULK_MIN:  # (a few tokens, the usual catch-up, skip the check)
@@ -134,9 +122,8 @@ class NgramTable:
         self._extend_each(tokens)
 
     def _extend_levels(self, tokens: list[int]) -> None:
-        """`extend` with tokens that all fit in the window (nothing is evicted): each level
-        takes them in order on its own (the levels share nothing, so the tables come out
-        as token by token), its contexts sliced at C speed (`zip` of shifted slices)."""
+        """`extend` with tokens that all fit in the window: each level on its own, the same tables
+        as token by token."""
         win, max_ctx = self._win, self._max_ctx
         seq = [*self._tail, *tokens]
         base, end = len(self._tail), len(seq)
@@ -192,8 +179,7 @@ class NgramTable:
         self._tail = tail
 
     def _evict_oldest(self) -> None:
-        """Remove the n-grams that start at the oldest window position, then drop it (its
-        continuation keeps its newest position: only the oldest occurrence goes)."""
+        """Remove the n-grams that start at the oldest window position, then drop it."""
         win = self._win
         q = win.start
         oldest = tuple(win.slice(q, q + self._max_ctx + 1))  # the window holds more than max_ctx + 1
@@ -240,9 +226,8 @@ class NgramTable:
         return draft
 
     def top_continuations(self, context: Sequence[int], n: int) -> list[int]:
-        """Up to n distinct next tokens for `context`, best first: the continuations of its
-        longest known suffix by count then recency (the first is `predict`'s), then those of
-        shorter suffixes not listed yet. The table is not modified."""
+        """Up to n distinct next tokens for `context`, best first (the first is `predict`'s): the
+        longest known suffix's by count then recency, then shorter suffixes'. Read-only."""
         picked: list[int] = []
         m = len(context)
         for c, table, _ in self._levels:
@@ -256,8 +241,7 @@ class NgramTable:
         return picked
 
     def propose_tree(self, history: Sequence[int], shape: TreeShape) -> Draft:
-        """A deterministic tree after `history` (`fill_tree`); the table is not modified. Its
-        first-child path is `propose(history, shape.depth)`."""
+        """A deterministic tree after `history` (`fill_tree`), first-child path `propose`'s; read-only."""
         return fill_tree(self, history, shape)
 
     def continuations(self, context: Sequence[int]) -> dict[int, int]:

@@ -1,12 +1,8 @@
-"""Trees given by their parents: one row's dynamic tree, the dynamic-tree setting, and the
-verifier's and the attention's per-row views of a batch of trees.
+"""Trees given by their parents: dynamic trees and the verifier's per-row view of a batch of trees.
 
-`DynamicShape` (`spec_tree="dynamic:N[:B]"`: N nodes, B expanded a level, depth D) is a
-round's setting; a row's tree is a `NodeTree` (parents breadth-first, siblings in draw
-order). The verifier walks any batch of trees through a `TreeFrame` (children per block row
-per row, [B, N+1, C], and the widest `widths[d]` per depth); `frame_of_shape` is a static
-shape's frame, drawing the same uniform columns as the static verifier.
-Details: docs/speculation.md, "Trees given by their parents".
+`DynamicShape` (`spec_tree="dynamic:N[:B]"`) is a round's setting; a row's tree is a `NodeTree`
+(parents breadth-first, siblings in draw order). The verifier walks any batch of trees through a
+`TreeFrame`; `frame_of_shape` is a static shape's. docs/speculation.md, "Trees given by their parents".
 """
 
 from __future__ import annotations
@@ -52,10 +48,8 @@ class _Levels:
 
 @dataclass(frozen=True, slots=True)
 class DynamicShape:
-    """The dynamic-tree setting: up to `nodes` (N) verified nodes a round, at most `depth` (D,
-    the spec length) deep; each level expands the `branch` (B) best nodes, drawing B
-    children each. Rows of a round share N, B and D (so the verifier's loop and uniform
-    columns are static), not their trees."""
+    """The dynamic-tree setting: up to `nodes` (N) verified nodes a round, at most `depth` (D) deep,
+    each level expanding the `branch` (B) best nodes by B children. Rows share N, B and D, not trees."""
 
     nodes: int
     branch: int
@@ -94,10 +88,8 @@ class DynamicShape:
         return False
 
     def span(self, depth: int) -> int:
-        """Positions past g a round of depth limit `depth` needs in either cache: the N
-        verified nodes (target's), the expanded levels 1 .. depth - 1 (the draft's), plus one
-        (the KV manager grows a proposer's pool one position short of the target's, which a
-        static tree's draft, never fed its last level, leaves unused)."""
+        """Positions past g a round of depth limit `depth` needs in either cache: N (the target's) or
+        the fed levels plus one (the KV manager grows a proposer's pool one position short)."""
         return max(self.nodes, self.fed(depth) + 1)
 
     def fed(self, depth: int) -> int:
@@ -110,10 +102,8 @@ class DynamicShape:
 
 @dataclass(frozen=True, slots=True)
 class NodeTree(_Levels):
-    """One row's tree: node i's parent is parents[i] (-1: a child of the root, the pending
-    token), breadth-first, siblings in draw order; `widths` as the round's `DynamicShape`
-    (the most children a node at depth d may have). The derived fields mirror `TreeShape`'s,
-    so a `Draft` over either reads alike."""
+    """One row's tree: node i's parent is parents[i] (-1: the root), breadth-first, siblings in draw
+    order; `widths` as the round's `DynamicShape`. Derived fields mirror `TreeShape`'s."""
 
     parents: tuple[int, ...]  # [N]
     widths: tuple[int, ...]  # [D]
@@ -161,7 +151,7 @@ class NodeTree(_Levels):
 
 @dataclass(frozen=True, eq=False)
 class TreeFrame(_Levels):
-    """The verifier's view of a batch of trees (module docstring)."""
+    """The verifier's view of a batch of trees: each row's children of each block row."""
 
     widths: tuple[int, ...]  # [D]: children tried per node at depth d + 1
     children: torch.Tensor  # [B or 1, N+1, max(widths)] long: children of block row r (0 = g), -1 padded
@@ -197,9 +187,8 @@ def as_frame(tree: TreeShape | TreeFrame, device: torch.device) -> TreeFrame:
 
 
 def round_widths(trees: Sequence[NodeTree]) -> tuple[int, ...]:
-    """The fewest levels and children a frame of these trees needs: as many levels as the
-    deepest node's depth, at each the most children a node at that depth has (the verifier
-    loops over no more; its uniform columns then move, `Verification` maps them back)."""
+    """The fewest levels and children per level a frame of these trees needs (its uniform columns
+    then move: `Verification` maps them back)."""
     widths: list[int] = []
     for tree in trees:
         for node, kids in [(-1, tree.root_children), *enumerate(tree.children)]:
@@ -211,8 +200,7 @@ def round_widths(trees: Sequence[NodeTree]) -> tuple[int, ...]:
 
 
 def frame_of_trees(trees: Sequence[NodeTree], n: int, widths: tuple[int, ...], device: torch.device) -> TreeFrame:
-    """The frame of per-row trees of at most n nodes each (missing nodes: no children
-    anywhere), walked `widths` wide (each tree's own widths, or `round_widths` of them)."""
+    """The frame of per-row trees of at most n nodes each, walked `widths` wide."""
     if any(t.num_nodes > n or not _fits(t, widths) for t in trees):
         raise ValueError(f"every tree needs at most {n} nodes and to fit widths {widths}")
     rows = [[t.root_children, *t.children] for t in trees]

@@ -1,10 +1,5 @@
-"""Features kept as pieces: rows start:stop of a tensor, left unsliced until they are fed.
-
-An EAGLE head's pending target features (`speculative/eagle.py`) arrive a forward at a time
-and are fed later, whole or cut at a round's last feed; keeping (tensor, start, stop) spares
-a slice per row, and a round's rows, consecutive in the tensor they came in, stack as one
-view.
-"""
+"""Features kept as pieces: rows start:stop of a tensor, left unsliced until they are fed (an
+EAGLE head's pending target features; a round's consecutive rows then stack as one view)."""
 
 from __future__ import annotations
 
@@ -18,9 +13,8 @@ Piece = tuple[torch.Tensor, int, int]  # rows start:stop of a features tensor [M
 
 
 def stacked(pieces: Sequence[Piece]) -> torch.Tensor:
-    """The pieces' rows end to end [sum of lengths, H] (at least one piece): a view when they
-    are consecutive rows of one tensor (a round's rows, as `observed` kept them), else one
-    gather."""
+    """The pieces' rows end to end [sum of lengths, H] (at least one piece): a view when they are
+    consecutive rows of one tensor, else one gather."""
     src = pieces[0][0]
     if all(t is src for t, _, _ in pieces):
         if all(pieces[i][2] == pieces[i + 1][1] for i in range(len(pieces) - 1)):

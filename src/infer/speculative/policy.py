@@ -1,15 +1,9 @@
-"""Speculation length policies: how many tokens K each request drafts in a round, and
-what the engine measures while it runs.
+"""Speculation length policies: how many tokens K each request drafts in a round.
 
-- `FixedPolicy`: every request drafts K = `spec_length` (the default).
-- `AdaptivePolicy` (`AdaptiveConfig`): K per request maximising the paper's walltime factor
-  (`theory.best_k_grid`) for the request's decayed acceptance estimate, c, v(K) and the
-  round overhead; K = 0 (a plain step) when nothing beats plain decoding by `min_gain`.
-  Plain requests are probed with a backing-off wait bounded by `probe_share`.
-- `RoundClock`: a plain step's and a round's wall time per batch-size bucket, from the
-  engine's step start times: the round's overhead beyond the model, and the gate that
-  turns rounds off at a batch size where they give fewer tokens a second (`pays`).
-- `ShadowRounds`: a free draft's score while its request decodes plainly (`AdaptivePolicy.observe`).
+`FixedPolicy` (K = `spec_length`, the default); `AdaptivePolicy` (K per request by the
+walltime factor, Leviathan et al. 2023 Theorem 3.8, with probes while plain); `RoundClock`
+(plain step and round times per batch bucket: the round overhead and the batch gate, `pays`);
+`ShadowRounds` (free drafts scored while their request decodes plainly).
 docs/speculation.md: "The length policy", "The round clock", "The batch gate", "Shadow rounds".
 """
 
@@ -40,8 +34,7 @@ class SpecPolicy(Protocol):
     """What the speculative runner asks of a length policy."""
 
     def choose(self, requests: Sequence[RequestLike], overhead: float = 0.0) -> list[int]:
-        """K for each request this step (before the runner's length guards); 0 = plain.
-        `overhead`: plain steps a round costs beyond the policy's own model."""
+        """K per request (before the length guards; 0 = plain); `overhead`: a round's plain steps beyond the model."""
         ...
 
     def update(self, request_id: str, drafted: int, accepted: int) -> None:
@@ -138,9 +131,8 @@ class AdaptivePolicy:
         self.config = config
         self._estimates: dict[str, _Estimate] = {}
         self._overhead = 0.0  # the last step's
-        # per round overhead (in OVERHEAD_STEP steps), the best K and its factor per acceptance
-        # percentile, built here (choose is a lookup). Below `_low` every v(K) is MIN_VERIFY_COST,
-        # above `_high` no K pays (K + 1 tokens at most for 1 + overhead >= K + 1 plain steps).
+        # per overhead (in OVERHEAD_STEP steps) the best K and its factor per acceptance percentile.
+        # Below `_low` every v(K) is MIN_VERIFY_COST; above `_high` no K pays.
         c, slope, k_max = config.c, config.verify_slope, config.k_max
         self._low = math.floor((MIN_VERIFY_COST - 1.0 - slope * k_max) / OVERHEAD_STEP) - 1
         self._high = math.ceil(k_max / OVERHEAD_STEP) + 1
@@ -157,8 +149,8 @@ class AdaptivePolicy:
         return self._tables[key - self._low]
 
     def probe_floor(self, k: int, overhead: float) -> int:
-        """The shortest wait before a probe of k drafts (round `overhead` in plain steps): its cost
-        beyond a plain step over `probe_share`, within [`probe_every`, `probe_max`] plain steps."""
+        """The shortest wait (plain steps) before a probe of k drafts: its cost beyond a plain step
+        over `probe_share`, within [`probe_every`, `probe_max`]."""
         cfg = self.config
         extra = max(0.0, self.round_cost(k) - 1.0 + overhead)
         return min(cfg.probe_max, max(cfg.probe_every, math.ceil(extra / cfg.probe_share)))
@@ -238,8 +230,7 @@ class ClockConfig:
     refresh_steps: int = 256  # decode steps in a bucket before its plain time is measured again
     plain_samples: int = 3  # plain steps a measurement times: their median (one is noise)
     max_ratio: float = 50.0  # an interval this many times the bucket's plain step is a stall: dropped
-    # the gate (`RoundClock.pays`): plain steps a bucket waits before its first probe, its
-    # longest wait (each probe that does not pay doubles it), and the rounds a probe runs
+    # the gate (`RoundClock.pays`): a bucket's first and longest wait (plain steps), a probe's rounds
     probe_wait: int = 64
     probe_wait_max: int = 2048
     probe_rounds: int = 4
@@ -293,7 +284,7 @@ class RoundClock:
 
     def __init__(self, model_cost: Callable[[int], float] | None, config: ClockConfig | None = None,
                  gate: bool = False) -> None:
-        # a round of longest draft k, in plain steps, by the policy's model (None: no overhead kept)
+        # a round of longest draft k in plain steps, by the policy's model (None: no overhead kept)
         self.model_cost = model_cost
         self.gate = gate  # whether `pays` is asked
         self.config = config or ClockConfig()
@@ -301,8 +292,8 @@ class RoundClock:
         self._recent: list[tuple[float, StepKind | None]] = []  # the last two steps: (start, kind)
 
     def needs_plain(self, batch: int) -> bool:
-        """Whether the bucket's plain step time is missing or due for a refresh; not for a gate
-        alone where a larger batch's rounds pay (a round's relative cost grows with the batch)."""
+        """Whether the bucket's plain step time is missing or stale; not for a gate alone where a
+        larger batch's rounds pay (a round's relative cost grows with the batch)."""
         if self.model_cost is None and self._pays_above(bucket(batch)):
             return False
         b = self._buckets.get(bucket(batch))
@@ -324,23 +315,20 @@ class RoundClock:
         return None if b is None else b.plain_s
 
     def speedup(self, batch: int) -> float | None:
-        """Tokens a second of rounds over plain steps at this batch size, as measured (None
-        until both are)."""
+        """Tokens a second of rounds over plain steps at this batch size (None until both are measured)."""
         b = self._buckets.get(bucket(batch))
         if b is None or b.plain_s is None or b.round_s is None or b.round_tokens is None:
             return None
         return b.round_tokens * b.plain_s / b.round_s
 
     def gate_state(self) -> dict[int, tuple[float, bool]]:
-        """Per measured bucket (a power of two): rounds' speedup over plain steps, and whether
-        rounds run there now."""
+        """Per measured bucket (a power of two): (rounds' speedup over plain steps, rounds on now)."""
         return {k: (float(b["speedup"]), bool(b["rounds_on"])) for k, b in self.report().items()
                 if b["speedup"] is not None}
 
     def report(self) -> dict[int, dict[str, float | bool | None]]:
-        """Per bucket measured: its plain step and round (ms), a round's tokens a row, the
-        speedup they give, whether rounds run there now, and the decode steps of each kind run
-        and timed (a benchmark's record of the gate)."""
+        """Per measured bucket: plain step and round ms, a round's tokens a row, speedup, whether
+        rounds are on, and the decode steps of each kind run and timed (a benchmark's record)."""
         def ms(s: float | None) -> float | None:
             return None if s is None else s * 1e3
 
@@ -350,12 +338,9 @@ class RoundClock:
                 for k, b in sorted(self._buckets.items())}
 
     def pays(self, batch: int) -> bool:
-        """The gate, asked once a step that would draft: whether rounds at this batch size give
-        plain steps' tokens a second (yes until measured; rounds running stop below `off_below`,
-        a margin against noise). Where not, steps go plain, and after a wait a probe runs
-        `probe_rounds` rounds: back on at a speedup of 1, else the next wait doubles. A wait is
-        at least `probe_wait` plain steps, and long enough that a probe loses at most
-        `probe_share` of it."""
+        """The gate, asked once a step that would draft: whether rounds at this batch size give at
+        least plain steps' tokens a second (yes until measured; off below `off_below`). Off, the
+        bucket steps plainly and probes after a backing-off wait (docs/speculation.md, "The batch gate")."""
         b = self._buckets.setdefault(bucket(batch), _Bucket())
         if b.probe_left > 0:
             b.probe_left -= 1
@@ -368,7 +353,6 @@ class RoundClock:
             b.wait = b.waited = 0
             return True
         cfg = self.config
-        # a probe loses (round time in plain steps - its tokens) a round: waits keep that a share
         assert b.plain_s is not None and b.round_s is not None and b.round_tokens is not None
         lost = cfg.probe_rounds * max(0.0, b.round_s / b.plain_s - b.round_tokens)
         floor = min(max(cfg.probe_wait, math.ceil(lost / cfg.probe_share)), cfg.probe_wait_max)
@@ -460,7 +444,7 @@ def known_tokens(request: DraftRequest) -> DraftRequest:
 
 
 class ShadowRounds:
-    """Pending shadow chains per request (module docstring)."""
+    """Pending shadow chains per request: a free draft's score while its request decodes plainly."""
 
     def __init__(self, proposer: Proposer, k: int) -> None:
         if k < 1:
@@ -482,8 +466,7 @@ class ShadowRounds:
         return done
 
     def draft(self, requests: Sequence[DraftRequest]) -> None:
-        """Keep the chain the proposer would draft now from the known tokens, for each request
-        without one pending (under a token in flight the chain guesses it first)."""
+        """Keep the chain the proposer would draft now from the known tokens, per request without one."""
         fresh = [known_tokens(r) for r in requests if r.request_id not in self._pending]
         if not fresh:
             return

@@ -1,7 +1,4 @@
-"""Prompt lookup draft table, one per request, pure Python: `PromptLookupTable` finds the
-longest earlier occurrence of the context's suffix and copies what followed it. See
-`infer.speculative.ngram` for the definitions and the proposer.
-"""
+"""Prompt lookup draft table, one per request, pure Python (proposer: `infer.speculative.ngram`)."""
 
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ class PromptLookupTable:
         self.max_order, self.min_order = max_order, min_order
         self._ctx_lens = range(max_order - 1, min_order - 2, -1)  # longest first
         self._win = TokenWindow(window)
-        # per length c: c-token sequence -> absolute position of the token that followed its
-        # most recent occurrence (an occurrence with no follower yet is not indexed)
+        # per length c: c-token sequence -> absolute position of the token after its latest occurrence
         self._index: dict[int, dict[tuple[int, ...], int]] = {c: {} for c in self._ctx_lens}
 
     @property
@@ -75,9 +71,8 @@ class PromptLookupTable:
         return draft
 
     def top_continuations(self, context: Sequence[int], n: int) -> list[int]:
-        """Up to n distinct next tokens for `context`, best first: what followed the most recent
-        earlier occurrence of its suffix of each length, longest first (the first is `find`'s,
-        the token `propose` copies first). The table is not modified."""
+        """Up to n distinct next tokens for `context`, best first: what followed the latest occurrence
+        of its suffix of each length, longest first (the first is `find`'s). Read-only."""
         picked: list[int] = []
         m = len(context)
         for c in self._ctx_lens:
@@ -90,7 +85,6 @@ class PromptLookupTable:
         return picked
 
     def propose_tree(self, history: Sequence[int], shape: TreeShape) -> Draft:
-        """A deterministic tree after `history` (`fill_tree`); the table is not modified. Each
-        node matches afresh (`top_continuations`), so its first-child path may differ from
-        `propose`, which copies one matched span."""
+        """A deterministic tree after `history` (`fill_tree`); read-only. Each node matches afresh, so
+        its first-child path may differ from `propose`'s."""
         return fill_tree(self, history, shape)

@@ -1,13 +1,6 @@
-"""Proposer protocol: where draft tokens come from (a draft model, n-gram tables).
-
-A proposer sees the running requests and proposes a draft over the round's shape for each:
-a chain (`chain_shape(K)`, row i using its first depths[i] nodes) or a static tree. It keeps
-any per-request state of its own (a draft KV cache, n-gram tables), is told which nodes were
-accepted so it can roll that state back, and when a request leaves. Every hook the runner
-calls is declared here: a new proposer implements this protocol and nothing else.
-
-`DraftRequest` is what a proposer may read of a request (the engine's `Request` has it),
-so this layer never imports the engine.
+"""Proposer protocol: where draft tokens come from. `Proposer` declares every hook the runner
+calls (a new proposer implements it and nothing else); `DraftRequest` is what a proposer may read
+of a request, so this layer never imports the engine; `HostProposer` serves host-memory proposers.
 """
 
 from __future__ import annotations
@@ -56,51 +49,36 @@ class DraftRequest(Protocol):
 
 class Proposer(Protocol):
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape, depths: Sequence[int]) -> list[Draft]:
-        """One draft over `shape` per request, no node deeper than depths[i] (0: an empty
-        draft). A chain shape's draft for row i is its first depths[i] nodes (or fewer). A
-        model's draft writes node j of requests[i] at storage position n + 1 + j of its own
-        cache (g at n), like the target's verification."""
+        """One draft over `shape` per request, no node deeper than depths[i] (0: an empty draft; a
+        chain: its first depths[i] nodes or fewer). A model's cache holds node j at n + 1 + j (g at n)."""
         ...
 
     def on_accepted(self, requests: Sequence[DraftRequest], paths: Sequence[Sequence[int]]) -> None:
-        """After verification, before the tokens are emitted: paths[i], the accepted node
-        indices of requests[i] in depth order (a chain: 0 .. a-1). A model's cache moves the
-        paths into sequence order and drops the rest (`cache.compaction`). For a round whose
-        next round already runs (`can_follow`), the host's positions past it are corrected
-        instead, and `observed` does not follow (its rows were fed by that next round)."""
+        """After verification, before the tokens are emitted: paths[i], the accepted node indices of
+        requests[i] in depth order (a chain: 0 .. a-1); roll the proposer's state back to them. For a
+        round whose next round already runs (`can_follow`) `observed` does not follow."""
         ...
 
     def verifying(self, requests: Sequence[DraftRequest], drafts: Sequence[Draft], starts: Sequence[int],
                   verdict: torch.Tensor) -> None:
-        """A round of chains is being verified on the device, the host not yet knowing the
-        outcome: verdict [B, K + 2] long (each row's accepted drafts, their count a at
-        column K, the final token last; `verify_on_logits`), starts[i] the token of the
-        forward where requests[i]'s block begins. A proposer may queue its next round's
-        drafts now, under the GPU work the host waits for (an EAGLE head and a draft model:
-        their greedy rows); the others do nothing. `on_accepted` follows."""
+        """A round of chains is being verified on the device: verdict [B, K + 2] long (accepted drafts,
+        their count at column K, the final token), starts[i] the forward token where requests[i]'s
+        block begins. A proposer may queue its next round's drafts now; `on_accepted` follows."""
         ...
 
     def can_follow(self, requests: Sequence[DraftRequest], k: int) -> bool:
-        """Whether the requests' next round, a chain of k each, is drafted already on the
-        device following the round in flight (`verifying`), so that it may be queued before
-        the host reads that round's verdict: the runner then builds its rows from the
-        verdict on the device (docs/speculation.md, "Rounds in flight"). False for a
-        proposer that drafts from tokens on the host."""
+        """Whether the requests' next round, a chain of k each, is drafted already on the device, so it
+        may be queued before the host reads the round in flight (docs/speculation.md, "Rounds in flight")."""
         ...
 
     def prefilled(self, requests: Sequence[DraftRequest]) -> None:
-        """A prefill forward for these requests was just queued: work that helps their first
-        proposals can run now, under the forward (n-gram: build the prompt's table; an EAGLE
-        head sharing prefixes: feed the chunk's features)."""
+        """A prefill forward for these requests was just queued: host work for their first proposals can run now."""
         ...
 
     def observed(self, requests: Sequence[DraftRequest], starts: Sequence[int],
                  rows: Sequence[Sequence[int]]) -> None:
-        """The target's forward just ran and committed, for requests[i], the forward's
-        tokens rows[i] (their indices in its flat batch) at positions starts[i], starts[i] + 1,
-        ... (a prefill chunk: all its tokens; a plain step: its one; a round: g's and the
-        accepted nodes'). A proposer drafting from the target's hidden states (EAGLE) reads
-        them now from the model's `HiddenCapture`; others do nothing."""
+        """The target's forward committed, for requests[i], the forward's tokens rows[i] (flat batch
+        indices) at positions starts[i], starts[i] + 1, ...; a proposer reading hidden states reads them now."""
         ...
 
     def release(self, request: DraftRequest) -> None:
@@ -112,11 +90,8 @@ class Proposer(Protocol):
         ...
 
     def ensure_capacity(self, request: DraftRequest, total_tokens: int, take: bool = False) -> bool:
-        """Room for positions < total_tokens of the request; False (nothing taken) when
-        memory is short: the scheduler preempts. Memory a proposer keeps per request is
-        taken at the request's first round; with `take` (the request drafts in every
-        round: a fixed K) it is taken now, at the scheduler's reservation, so a round never
-        finds it short."""
+        """Room for positions < total_tokens of the request (taken now with `take`, else at its first
+        round); False, nothing taken, when memory is short: the scheduler preempts."""
         ...
 
     def pools(self) -> list[CachePoolProtocol]:
@@ -129,10 +104,8 @@ class Proposer(Protocol):
 
 
 class HostProposer:
-    """The hooks of a proposer whose state is host memory made from the requests' verified
-    tokens alone (n-gram tables, suffix tries): the state is brought up to date (`sync`) at
-    each proposal and from the prompt under its prefill's forward; nothing to read of the
-    forward, nothing to roll back, no device memory."""
+    """The hooks of a proposer whose state is host memory built from verified tokens alone (n-gram
+    tables, suffix tries), brought up to date by `sync`: nothing to roll back, no device memory."""
 
     building = "building its draft state"  # what `prefilled` was doing, for a fault's message
 

@@ -1,13 +1,6 @@
 """Suffix decoding: tree-shaped drafts from suffix tries, no draft model (SuffixDecoding,
-Oliaro et al. 2024, arXiv 2411.04975).
-
-`SuffixProposer` drafts each request from two `SuffixTrie`s over verified tokens: its own
-(prompt and output) and the shared `SuffixCache` of finished requests' outputs
-(`SuffixConfig.cache_tokens`, oldest evicted). In each, the longest matching suffix of the
-request's tokens grows a tree (`grow_tree`, within the round's `DynamicShape`); the
-higher-scored one is the draft, one-hot (lossless). Rounds whose drafts are all paths are
-verified as chains. With a cache a seeded row's tokens depend on the requests before it;
-with cache_tokens=0 they do not. docs/speculation.md, "Suffix decoding".
+Oliaro et al. 2024, arXiv 2411.04975). `SuffixProposer` drafts from the request's own trie and
+the shared `SuffixCache` of finished outputs, one-hot. docs/speculation.md, "Suffix decoding".
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ class _Entry:
 
 
 class SuffixProposer(HostProposer):
-    """Proposer drafting suffix-trie trees (module docstring); drafts have probs=None."""
+    """Proposer drafting suffix-trie trees; drafts have probs=None."""
 
     building = "building its suffix trie"
 
@@ -70,8 +63,7 @@ class SuffixProposer(HostProposer):
         return entry.trie if entry is not None else None
 
     def sync(self, request: DraftRequest) -> SuffixTrie:
-        """The request's trie with every token it has: extended, or rebuilt when its history
-        was replaced (the last tokens it saw differ)."""
+        """The request's trie with every known token: extended, or rebuilt when its history was replaced."""
         n = request.num_tokens - request.pending_tokens
         entry = self._entries.get(request.request_id)
         if (entry is None or n < entry.synced
@@ -85,8 +77,8 @@ class SuffixProposer(HostProposer):
 
     def propose(self, requests: Sequence[DraftRequest], shape: TreeShape | DynamicShape,
                 depths: Sequence[int]) -> list[Draft]:
-        """One deterministic draft per request, no deeper than depths[i] (0: none): a tree
-        over the round's `DynamicShape`, or a chain when every row's is one (module docstring)."""
+        """One deterministic draft per request, no deeper than depths[i] (0: none): a tree over the
+        round's `DynamicShape`, or chains when every row's is a path."""
         if not isinstance(shape, DynamicShape):
             raise ValueError(f"suffix drafts are dynamic trees: the round's shape must be a DynamicShape, got {shape}")
         if len(depths) != len(requests):
@@ -123,8 +115,7 @@ class SuffixProposer(HostProposer):
         return best
 
     def release(self, request: DraftRequest) -> None:
-        """The request finished (its output, after its prompt's last D - 1 tokens, joins the
-        cache) or was preempted: its own trie goes (a later proposal rebuilds it)."""
+        """Drop the request's trie; a finished one's output (from its prompt's last D - 1 tokens) joins the cache."""
         self._entries.pop(request.request_id, None)
         if request.is_finished and self.config.cache_tokens:
             prompt = len(request.prompt_token_ids)

@@ -1,12 +1,5 @@
 """A suffix match's draft tree: the likeliest continuations, best first (SuffixDecoding,
 arXiv 2411.04975, section 3.2: greedy expansion of the speculation tree).
-
-A node's probability is the product along its path of each token's count over its
-siblings' counts, from the matched string's position in a `SuffixTrie`. `grow_tree` takes
-nodes by that probability (ties: the better sibling, then depth first, so runs of lone
-children skip the heap) until `budget` are taken or none reaches `min_prob`, at most
-`branch` children a node, none deeper than `max_depth`. Its `score`, the probabilities'
-sum, is the tokens the corpus expects accepted. Breadth-first out, siblings by count.
 """
 
 from __future__ import annotations
@@ -34,15 +27,16 @@ class SuffixTree:
 
 def grow_tree(trie: SuffixTrie, pos: Position, match_len: int, max_depth: int, budget: int, branch: int,
               min_prob: float) -> SuffixTree:
-    """The draft after the string of length `match_len` at `pos` (module docstring)."""
+    """The draft after the string of length `match_len` at `pos`: nodes taken by probability (the
+    product of count over siblings' counts along the path) until `budget` or `min_prob`, at most
+    `branch` children a node and `max_depth` deep. Breadth-first; `score` sums the probabilities."""
     heap: list[tuple[float, int, int, int, int, Position, int]] = []
     taken: list[tuple[int, int, int, int, float]] = []  # (parent, rank, token, depth, prob)
     found = itertools.count()  # candidates in the order found (ties: the latest first)
 
     def offer(parent: int, at: Position, depth: int, prob: float) -> list[tuple[int, int, Position]]:
-        """Push the children of `at` (taken as `parent`) worth drafting; returns the lone one
-        that keeps the whole probability instead (the best candidate at once: nothing
-        pushed is likelier, and ties go to the candidate found last), else []."""
+        """Push the children of `at` worth drafting; returns instead the lone one that keeps the whole
+        probability (the best candidate at once), else []."""
         total, kids = trie.children(at, match_len + depth, branch)
         if len(kids) == 1 and kids[0][1] == total:
             return kids
@@ -70,8 +64,7 @@ def grow_tree(trie: SuffixTrie, pos: Position, match_len: int, max_depth: int, b
 
 
 def _breadth_first(taken: list[tuple[int, int, int, int, float]]) -> SuffixTree:
-    """Taken nodes (parents taken before children) renumbered breadth-first: by depth, then
-    the parent's new index, then sibling rank."""
+    """Taken nodes renumbered breadth-first: by depth, then the parent's new index, then sibling rank."""
     score = sum(node[4] for node in taken)
     if all(node[0] == i - 1 for i, node in enumerate(taken)):  # a path: in order already
         return SuffixTree(tuple(range(-1, len(taken) - 1)), tuple(node[2] for node in taken), score)

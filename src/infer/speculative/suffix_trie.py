@@ -1,12 +1,7 @@
-"""A suffix trie of bounded depth over token sequences, updated token by token: what
-suffix decoding drafts from (SuffixDecoding, arXiv 2411.04975, section 3).
-
-`SuffixTrie` counts every substring of up to D (`max_depth`) tokens, so a child's count
-over its siblings' is the empirical probability of that next token. A string seen once is
-a *tail* pointing into the stored text; nodes and tails are ints in flat lists. `extend`
-and `remove` cost O(D) a token; nothing is rebuilt. `SuffixCache`: a trie of at most N
-tokens of sequences, the oldest evicted. Layout and costs: docs/speculation.md,
-"Suffix decoding".
+"""A suffix trie of bounded depth over token sequences, updated token by token: what suffix
+decoding drafts from (SuffixDecoding, arXiv 2411.04975, section 3). `SuffixTrie` counts every
+substring of up to D tokens (`extend`, `remove`: O(D) a token); `SuffixCache` holds at most N
+tokens, the oldest evicted. Layout and costs: docs/speculation.md, "Suffix decoding".
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ Position = int  # where a string ends: ~node id (< 0), or a place in a tail (>= 
 
 
 class _Live:
-    """A growing sequence's suffixes shorter than D, each [start, deepest node id on its
-    path, that node's depth]: `active` ones end at their node (the next token steps from
-    it), `dormant` ones (by start) run on in their own tail, which the next token extends as
-    it is. A dormant suffix wakes when another occurrence splits its tail (`SuffixTrie._split`)."""
+    """A growing sequence's suffixes shorter than D, each [start, deepest node id on its path, that
+    node's depth]: `active` ones end at their node, `dormant` ones (by start) run on in their own
+    tail until another occurrence splits it (`SuffixTrie._split`)."""
 
     __slots__ = ("active", "dormant")
 
@@ -36,7 +30,8 @@ class _Live:
 
 
 class SuffixTrie:
-    """Every substring of length <= max_depth of the sequences added (module docstring)."""
+    """Counts of every substring of length <= max_depth of the sequences added; a string seen once
+    is a tail (an int `seq << 32 | end`) into the stored text, nodes are ints (`~id`)."""
 
     def __init__(self, max_depth: int) -> None:
         if not isinstance(max_depth, int) or max_depth < 1:
@@ -105,8 +100,7 @@ class SuffixTrie:
 
     # -- one token --------------------------------------------------------------------------
     def _append(self, seq: int, text: list[int], live: _Live, token: int) -> None:
-        """Count the strings that end at the new token: each active suffix's and the new one's
-        (a dormant suffix's string runs on in its own tail)."""
+        """Count the strings that end at the new token: each active suffix's and the new one's."""
         n = len(text)
         text.append(token)
         depth, dormant, count, kids_of = self.max_depth, live.dormant, self._count, self._kids
@@ -145,9 +139,8 @@ class SuffixTrie:
         dormant.pop(n + 1 - depth, None)  # (its string reached D tokens)
 
     def _split(self, tail: int, depth: int) -> int:
-        """The tail's string, at `depth`, seen a second time: a node (its id) of count 2 with
-        the first occurrence's next token (if it has one within D) as a tail below it. A
-        growing sequence whose suffix that was wakes it."""
+        """The tail's string, at `depth`, seen a second time: a new node (its id) of count 2, the first
+        occurrence's next token a tail below it; wakes the dormant suffix it was."""
         seq, end = tail >> _SHIFT, tail & _LOW
         text = self._tokens[seq]
         kids = {text[end]: tail + 1} if depth < self.max_depth and end < len(text) else {}
@@ -187,9 +180,8 @@ class SuffixTrie:
         return pos
 
     def children(self, pos: Position, depth: int, limit: int) -> tuple[int, list[tuple[int, int, Position]]]:
-        """(total, top): the occurrences of the string at `pos` (of length `depth`) that go on,
-        and (token, count, position) of its `limit` most frequent next tokens, most frequent
-        first (ties: the smaller token id); nothing at depth D."""
+        """(total, top): the occurrences of the string at `pos` (of length `depth`) that go on, and
+        (token, count, position) of its `limit` most frequent next tokens (ties: the smaller id)."""
         if depth >= self.max_depth:
             return 0, []
         if pos >= 0:
@@ -216,9 +208,8 @@ class SuffixTrie:
         return bool(self._kids[~pos])
 
     def longest_match(self, context: Sequence[int], max_len: int) -> tuple[int, Position] | None:
-        """(m, position) of the longest suffix of `context`, m <= max_len tokens, that occurred
-        with a next token; None when not even its last token did. A binary search: a suffix
-        of a string that goes on goes on too (O(max_len log max_len))."""
+        """(m, position) of the longest suffix of `context`, m <= max_len tokens, that occurred with a
+        next token; None when not even its last token did."""
         lo, hi = 0, min(max_len, len(context), self.max_depth - 1)
         best: tuple[int, Position] | None = None
         while lo < hi:
@@ -232,9 +223,8 @@ class SuffixTrie:
 
 
 class SuffixCache:
-    """A `SuffixTrie` over earlier sequences holding at most `capacity` tokens: adding one
-    removes the oldest until it fits (a sequence longer than the capacity keeps its last
-    `capacity` tokens). Capacity 0 holds nothing."""
+    """A `SuffixTrie` over earlier sequences holding at most `capacity` tokens (0: nothing), the
+    oldest evicted; a sequence longer than the capacity keeps its last `capacity` tokens."""
 
     def __init__(self, max_depth: int, capacity: int) -> None:
         if not isinstance(capacity, int) or capacity < 0:

@@ -1,11 +1,7 @@
 """The paper's speed model (Leviathan et al. 2023, "Fast Inference from Transformers via
-Speculative Decoding", section 3), as pure functions. The one home of these formulas: the
-adaptive length policy, the benchmark projections and the demo pair's evaluation use them.
-
-`expected_tokens` (Eq. 1), `walltime_factor` (Theorem 3.8, generalised to a measured
-verification cost v(K)), `best_k` / `best_k_table` / `best_k_grid` (the K that maximises it,
-as lookups), `alpha_from_mean_length`, and the static-tree forms `tree_expected_tokens` /
-`tree_walltime_factor`. The formulas: docs/speculation.md, "The speed model".
+Speculative Decoding", section 3) as pure functions, the one home of these formulas:
+`expected_tokens` (Eq. 1), `walltime_factor` (Theorem 3.8, with a measured v(K)), `best_k` and
+its tables, `alpha_from_mean_length`, the static-tree forms. docs/speculation.md, "The speed model".
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ def walltime_factor(a: float, k: int, c: float, verify_cost: float = 1.0) -> flo
 
 
 def best_k(a: float, k_max: int, c: float, verify_cost: Callable[[int], float] = lambda k: 1.0) -> tuple[int, float]:
-    """(K, its walltime factor) maximising the factor over K = 0..k_max; the smallest K
-    among equals. K = 0 (plain decoding) has factor 1."""
+    """(K, its walltime factor) maximising the factor over K = 0..k_max (K = 0: factor 1); ties: the smallest K."""
     return best_k_table([a], k_max, c, [verify_cost(k) for k in range(1, k_max + 1)])[0]
 
 
@@ -54,9 +49,8 @@ GRID_ROWS = 128  # verify-cost rows computed at once (bounds the [rows, alphas, 
 
 def best_k_grid(alphas: Sequence[float], k_max: int, c: float, verify_rows: Sequence[Sequence[float]]
                 ) -> list[list[tuple[int, float]]]:
-    """`best_k_table` for each row of verify costs, computed together: a policy's lookup
-    tables (tens of thousands of (a, K) pairs) at once. The factors are exactly
-    `walltime_factor`'s (the same float64 operations), and K is chosen by `best_k`'s rule."""
+    """`best_k_table` for each row of verify costs, computed together; the factors are exactly
+    `walltime_factor`'s (the same float64 operations), K chosen by `best_k`'s rule."""
     if c < 0 or any(len(row) != k_max or any(v <= 0 for v in row) for row in verify_rows):
         raise ValueError(f"need rows of k_max = {k_max} verify costs > 0 and c >= 0, got c={c}")
     tokens = torch.tensor([[expected_tokens(a, k) for k in range(1, k_max + 1)] for a in alphas],
@@ -77,8 +71,7 @@ def best_k_grid(alphas: Sequence[float], k_max: int, c: float, verify_rows: Sequ
 
 
 def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> float:
-    """The a in [0, 1] with expected_tokens(a, k) == mean_length (clamped to the range):
-    the acceptance rate under which the i.i.d. model gives a measured mean round length."""
+    """The a in [0, 1] with expected_tokens(a, k) == mean_length (clamped to the range)."""
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     if mean_length <= 1.0:
@@ -96,8 +89,7 @@ def alpha_from_mean_length(mean_length: float, k: int, tol: float = 1e-10) -> fl
 
 
 def tree_expected_tokens(a: float, branching: Sequence[int]) -> float:
-    """Expected tokens per round of a static tree (children tried in turn, each accepted
-    with probability a): 1 + sum over depths of the probability of reaching it."""
+    """Expected tokens per round of a static tree, each child tried accepted with probability a."""
     _check(a, len(branching))
     if not branching or any(b < 1 for b in branching):
         raise ValueError(f"branching must be one or more counts >= 1, got {tuple(branching)}")
@@ -109,8 +101,7 @@ def tree_expected_tokens(a: float, branching: Sequence[int]) -> float:
 
 
 def tree_walltime_factor(a: float, branching: Sequence[int], c: float, verify_cost: float = 1.0) -> float:
-    """Expected speedup of a static tree over plain decoding: its expected tokens over one
-    draft step a level plus `verify_cost` (v(N), N the tree's nodes)."""
+    """Expected speedup of a static tree: expected tokens over depth x c + `verify_cost` (v(N))."""
     if c < 0 or verify_cost <= 0:
         raise ValueError(f"need c >= 0 and verify_cost > 0, got c={c}, verify_cost={verify_cost}")
     return tree_expected_tokens(a, branching) / (len(branching) * c + verify_cost)

@@ -1,13 +1,10 @@
 """Static token trees for tree speculation: the shape, its masks and positions, and a draft.
 
-`TreeShape` ("3,2,1,1": `branching[d]` children for every node at depth d) numbers its nodes
-breadth-first, so a node's children are consecutive indices; `chain_shape(k)` is the chain
-"1,...,1". The target verifies [g, node_0, ..., node_{N-1}] in one pass: g at position n, a
-node of depth d at n + d (`position_offsets`), each node seeing g, its ancestors and itself
-(`tree_attention_mask`, `TreeChunk` for a level of a draft's tree). A `Draft` is a token
-per node (absent nodes flagged) with its q (None: one-hot); `fill_tree` fills a shape from
-ranked continuations, `cut_depth` cuts a draft at a depth. The block's layout and the
-theory (SpecInfer's tree attention): docs/speculation.md, "Static trees".
+`TreeShape` ("3,2,1,1": `branching[d]` children for every node at depth d) numbers nodes
+breadth-first; `chain_shape(k)` is "1,...,1". `tree_attention_mask`, `position_offsets` and
+`TreeChunk` lay out the verification block [g, nodes]. A `Draft` is a token per node (absent
+nodes flagged) with its q; `fill_tree` and `cut_depth` build and cut drafts.
+SpecInfer's tree attention (Stratos, section 2.1): docs/speculation.md, "Static trees".
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ _EXAMPLE = "'3,2,1,1' (3 candidates, two children each, then chains)"
 
 
 class DraftTree(Protocol):
-    """What a `Draft` reads of its tree: a static `TreeShape`, or one row's dynamic tree
-    (`speculative.node_tree.NodeTree`). Nodes breadth-first; `widths[d]`: the most children
-    a node at depth d has."""
+    """A `Draft`'s tree: a static `TreeShape` or one row's `NodeTree`; nodes breadth-first,
+    `widths[d]` the most children a node at depth d has."""
 
     @property
     def parents(self) -> tuple[int, ...]: ...
@@ -61,11 +57,8 @@ class DraftTree(Protocol):
 @dataclass(frozen=True, slots=True)
 class TreeShape:
     """A static speculation tree: `branching[d]` children for every node at depth d.
-
-    Construct with `TreeShape((3, 2, 1, 1))` or `TreeShape.parse("3,2,1,1")`. Validated on
-    construction; the derived fields (plain tuples, computed once) index nodes breadth-first.
-    Equality and hashing use `branching` only.
-    """
+    `TreeShape((3, 2, 1, 1))` or `TreeShape.parse("3,2,1,1")`; derived fields index nodes
+    breadth-first; equality and hashing use `branching` only."""
 
     branching: tuple[int, ...]
     parents: tuple[int, ...] = field(init=False, repr=False, compare=False)  # [N]; -1 = root's child
@@ -77,8 +70,7 @@ class TreeShape:
     level_starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
     # [depth + 1]: level_starts[d] is the first node of depth d + 1; level_starts[depth] = N
     uniform_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    # [depth]: the verifier's uniform for the c-th child tried at depth d + 1 is column
-    # uniform_offsets[d] + c (see `num_uniforms`)
+    # [depth]: the verifier's uniform for the c-th child tried at depth d + 1 is column uniform_offsets[d] + c
     is_chain: bool = field(init=False, repr=False, compare=False)
     # every node has one child: "1,1,...,1" (verified causally, no tree mask)
 
@@ -158,12 +150,8 @@ class TreeShape:
 
     @property
     def num_uniforms(self) -> int:
-        """U = sum(branching) + 1: uniforms one row needs, worst case.
-
-        A row tries at most branching[d] children at depth d + 1 (the children of the one
-        node it stands on), each with its own uniform, then draws the final token with the
-        last column (U - 1). Columns are fixed per (depth, child index), so the tokens of a
-        seeded row never depend on its batch or on how far other rows get."""
+        """U = sum(branching) + 1: uniforms one row needs, a column per (depth, child index) and
+        the last for the final token, so a seeded row's tokens never depend on its batch."""
         return sum(self.branching) + 1
 
     @property
@@ -184,8 +172,7 @@ class TreeShape:
 
 
 def chain_shape(k: int) -> TreeShape:
-    """The chain of k drafts as a tree: "1,1,...,1" (k >= 1); one shared (immutable) shape
-    per length, since every round asks for one."""
+    """The chain of k drafts as a tree: "1,1,...,1" (k >= 1), one shared shape per length."""
     if not is_strict_int(k) or not 1 <= k <= MAX_TREE_DEPTH:
         raise ValueError(f"a chain needs an integer length in [1, {MAX_TREE_DEPTH}], got {k!r}")
     return _chain(k)
@@ -223,14 +210,9 @@ def position_offsets(shape: TreeShape, device: torch.device | str | None = None)
 
 @dataclass(frozen=True, slots=True)
 class TreeChunk:
-    """Consecutive rows [first_row, first_row + width) of a tree's block [g, nodes], fed as
-    one forward chunk: the whole block for verification (`verification`), or one depth's
-    nodes for a draft model's level-by-level expansion (`level`).
-
-    Storage convention: block row r is stored at position base + r (g at base = n, node i at
-    n + 1 + i), so a chunk starting at storage position s has base s - first_row. Its rotary
-    positions are base + [0, *depths][r] (`rotary_offsets`, relative to s), and its visibility
-    inside the block is `mask` (the rows of `tree_attention_mask`)."""
+    """Rows [first_row, first_row + width) of a tree's block [g, nodes] fed as one chunk: the
+    whole block (`verification`) or one depth's nodes (`level`). Block row r is stored at
+    base + r (g at base = n) and rotated at base + [0, *depths][r]; `mask` is its visibility."""
 
     shape: TreeShape
     first_row: int
@@ -298,16 +280,11 @@ class RoundTokens:
 
 @dataclass(frozen=True, slots=True)
 class Draft:
-    """One request's proposal over a `TreeShape` (or its own `NodeTree`, a dynamic tree): a
-    token per node, or absent.
+    """One request's proposal over a `TreeShape` (or its own dynamic `NodeTree`): a token per node.
 
-    Absent nodes (valid False, token 0) were not proposed: the verifier never accepts them and
-    they leave its distributions untouched. A present node's parent is present. `probs` is the
-    draft distribution each node was sampled from ([N, V]; a draft model draws siblings
-    without replacement, each from its own renormalised q), or None for deterministic
-    proposals (n-gram tables: one-hot q at the node's token). A chain drafted on the device
-    (`on_device`) keeps its tokens there: `token_ids` reads them to the host only when asked
-    (verification feeds them to the target from the device)."""
+    Absent nodes (valid False, token 0) are never accepted; a present node's parent is present.
+    `probs` is the q each node was drawn from, None for deterministic (one-hot) proposals. A
+    chain drafted on the device (`on_device`) reaches the host only when `token_ids` is read."""
 
     shape: DraftTree
     host_ids: tuple[int, ...] | None  # [N]; None while the tokens are on the device alone (`on_device`)
@@ -342,8 +319,7 @@ class Draft:
 
     @property
     def token_ids(self) -> tuple[int, ...]:
-        """[N] the node tokens on the host (a device draft's through its round's one read:
-        `RoundTokens.host`; the draft stays a device draft)."""
+        """[N] the node tokens on the host (a device draft's through `RoundTokens.host`'s one read)."""
         if self.host_ids is not None:
             return self.host_ids
         assert self.on_device is not None
@@ -371,8 +347,7 @@ class Draft:
 
     @classmethod
     def chain(cls, shape: TreeShape, token_ids: Sequence[int], probs: torch.Tensor | None = None) -> Draft:
-        """A chain draft: `token_ids` on the first nodes of a chain `shape`, the rest absent;
-        probs [len(token_ids), V] or None."""
+        """`token_ids` on the first nodes of chain `shape`, the rest absent; probs [k, V] or None."""
         n, k = shape.num_nodes, len(token_ids)
         if not shape.is_chain or k > n:
             raise ValueError(f"a chain draft of {k} tokens needs a chain shape of at least {k} nodes, got {shape}")
@@ -410,9 +385,8 @@ def cut_depth(draft: Draft, depth: int) -> Draft:
 
 def stack_drafts(drafts: Sequence[Draft], device: torch.device | str | None = None, width: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts as verifier inputs: (node_tokens [B, N] long, node_valid [B, N] bool). Without
-    `width` the drafts share one static shape; with it (dynamic trees, each row its own) rows
-    are padded to `width` nodes with absent ones."""
+    """Drafts as verifier inputs: (node_tokens [B, N] long, node_valid [B, N] bool); one shared
+    shape, or (dynamic trees) rows padded with absent nodes to `width`."""
     if not drafts:
         raise ValueError("stack_drafts needs at least one draft (the tree shape comes from them)")
     if width is None and any(d.shape != drafts[0].shape for d in drafts):
@@ -434,10 +408,9 @@ class BranchSource(Protocol):
 
 
 def fill_tree(source: BranchSource, context: Sequence[int], shape: TreeShape) -> Draft:
-    """A deterministic draft over `shape`: each node's children are the source's best distinct
-    next tokens for the node's context (`context` extended by the node's path: its ancestors
-    and itself), up to the node's child count, in rank order; children the source cannot fill,
-    and every descendant of an absent node, are absent. Only `top_continuations` is called."""
+    """A deterministic draft over `shape`: a node's children are the source's best distinct next
+    tokens after `context` + the node's path, in rank order; unfilled children and their
+    descendants are absent."""
     n = shape.num_nodes
     tokens, valid = [0] * n, [False] * n
     base = list(context)

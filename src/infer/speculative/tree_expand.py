@@ -1,13 +1,5 @@
-"""Drafting a static tree level by level: the loop a draft model and an EAGLE head share.
-
-`expand_levels` gives level d's parents (the root for d = 0) `branching[d]` children each
-from their draft states (`children`: greedy rows the top-b tokens in rank order, sampled
-rows b distinct draws without replacement from q, each with its renormalised q; penalised
-rows see the context plus the path), then feeds the new level to the drafter for the rows
-that go deeper. What a state is and how a level is fed is the drafter's (a draft model's
-logits and flat pass; an EAGLE head's features, `eagle_tree.py`). A row draws its N uniforms
-once a round from its own generator. Why this keeps the verifier exact:
-docs/speculation.md, "A draft model".
+"""Drafting a static tree level by level (`expand_levels`): the loop a draft model and an EAGLE
+head share, each with its own state and feed. docs/speculation.md, "A draft model".
 """
 
 from __future__ import annotations
@@ -24,19 +16,16 @@ from infer.speculative.tree import TreeShape
 from infer.transfer import tensor_on, to_device
 
 State = TypeVar("State")
-# (depth d of the level just chosen, rows still expanding (batch indices), their places among
-# the rows of the level before, the new level's tokens [A'', P] on the device, the states of
-# the level before) -> the new level's states
+# (depth d, rows still expanding, their places among the level before's rows, the new level's
+# tokens [A'', P] on the device, the level before's states) -> the new level's states
 Feed = Callable[[int, list[int], list[int], torch.Tensor, State], State]
 
 
 def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: Sequence[list[int]] | None,
              width: int, uniforms: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`width` children per parent, flat: logits [M, V] (one row per parent), the parents'
-    params and contexts (None: no penalties), uniforms [M * width] (None: every row greedy)
-    -> (tokens [M * width] parent-major, q [M * width, V] float32 or None, drawn [M * width]
-    bool or None; both None when every row is greedy): `draw_children`'s, flat."""
+    """`draw_children` flat: uniforms [M * width] -> (tokens [M * width] parent-major, q
+    [M * width, V] float32, drawn [M * width] bool; q and drawn None when every row is greedy)."""
     tokens, q, drawn, _ = draw_children(logits, params, contexts, width,
                                         None if uniforms is None else uniforms.view(-1, width))
     if q is None:
@@ -47,11 +36,9 @@ def children(logits: torch.Tensor, params: Sequence[SamplingParams], contexts: S
 def expand_levels(reqs: Sequence[DraftRequest], ks: Sequence[int], shape: TreeShape, device: torch.device,
                   root: State, logits_of: Callable[[State], torch.Tensor], feed: Feed
                   ) -> tuple[list[list[int]], torch.Tensor | None, list[list[int]]]:
-    """Levels 0 .. max(ks) - 1 of each row's tree. root: the states at g (one a row);
-    logits_of(states) -> [A' * P, V] logits over target ids, parent-major; feed: above.
-    Returns (tokens [A][N] on the host, q [A, N, V] on the device or None when every row is
-    greedy, drawn [A][N] on the host: 0 where a sibling found no mass left). Nodes deeper
-    than a row's k hold 0."""
+    """Levels 0 .. max(ks) - 1 of each row's tree. root: the states at g; logits_of(states) ->
+    [A' * P, V] over target ids, parent-major -> (tokens [A][N] on the host, 0 below a row's k;
+    q [A, N, V] on the device or None if all greedy; drawn [A][N]: 0 where no mass was left)."""
     batch, n_nodes = len(reqs), shape.num_nodes
     params = [r.sampling_params for r in reqs]
     base_contexts = [list(r.all_token_ids) for r in reqs] if any(p.penalized for p in params) else None

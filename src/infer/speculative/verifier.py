@@ -1,14 +1,10 @@
 """The verifier: lossless acceptance of a chain or a tree of drafts, batched and pure.
 
-A chain (`verify_tensors`, `verify_logits`, `verify_greedy_logits`) accepts draft t with
-probability min(1, p(t)/q(t)), recovers the first rejection from norm(max(0, p - q)) and
-draws a bonus token from p after a full accept (Leviathan et al. 2023, Algorithm 1). A tree
-(`verify_tree_nodes`, `verify_tree_logits`, `verify_tree_greedy`; static shapes and dynamic
-trees alike, through a `TreeFrame`) tries each node's children in order against the updated
-residual (iterative speculative sampling). p and q are after the request's sampling
-transforms; q None is a deterministic one-hot proposal. Float64 tensor code, no host sync;
-a row reads a fixed [U] vector of uniforms. Packed rows out, read by `unpack_rows`.
-Rule, uniform layout and why it is lossless: docs/speculation.md, "The verifier".
+Chains (`verify_tensors`, `verify_logits`, `verify_greedy_logits`): Leviathan et al. 2023,
+Algorithm 1. Trees, static or dynamic through a `TreeFrame` (`verify_tree_nodes`,
+`verify_tree_logits`, `verify_tree_greedy`): iterative speculative sampling. p and q are after
+the request's sampling transforms; q None is a one-hot proposal. Float64, no host sync; packed
+rows out (`unpack_rows`). Rule, uniforms, losslessness: docs/speculation.md, "The verifier".
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from infer.speculative.node_tree import TreeFrame, as_frame
 from infer.speculative.tree import TreeShape
 from infer.transfer import tensor_on, to_device
 
-# A residual max(0, p - q) with less total mass than this is rounding noise (p == q up to
-# float error); the replacement token is then drawn from p itself.
+# A residual max(0, p - q) with less mass than this is rounding noise: the replacement is drawn from p.
 MIN_RESIDUAL_MASS = 1e-12
 
 
@@ -39,10 +34,7 @@ class VerifyResult:
 
 
 def _token_ratios(p: torch.Tensor, q: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
-    """p(t) / q(t) in float64: p, q [..., V], tokens [...] -> [...]; q None = one-hot at t.
-
-    q(t) = 0 gives inf where p(t) > 0 and NaN where p(t) = 0 (NaN compares false: reject).
-    """
+    """p(t) / q(t) in float64: p, q [..., V], tokens [...] -> [...]; q None = one-hot at t (0/0: NaN, rejects)."""
     p_tok = p.gather(-1, tokens[..., None]).squeeze(-1).to(torch.float64)  # [...]
     if q is None:
         return p_tok
@@ -101,12 +93,11 @@ def _final_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor | 
 def verify(draft_tokens: torch.Tensor, num_draft: Sequence[int], draft_probs: torch.Tensor | None,
            target_probs: torch.Tensor, accept_uniforms: torch.Tensor,
            sample_uniforms: torch.Tensor) -> VerifyResult:
-    """Rejection-sample a batch of drafts against the target (Algorithm 1).
+    """Rejection-sample a batch of drafts against the target (Algorithm 1), checked; one host sync.
 
-    draft_tokens [B, K] long (row b uses its first num_draft[b]; the rest is padding),
-    draft_probs [B, K, V] or None (deterministic proposals), target_probs [B, K+1, V]
-    (position i is the target's distribution for draft i; position k_b gives the bonus),
-    accept_uniforms [B, K] and sample_uniforms [B] in [0, 1).
+    draft_tokens [B, K] long (row b uses its first num_draft[b]), draft_probs [B, K, V] or None,
+    target_probs [B, K+1, V] (position k_b gives the bonus), accept_uniforms [B, K] and
+    sample_uniforms [B] in [0, 1).
     """
     _check_inputs(draft_tokens, num_draft, draft_probs, target_probs, accept_uniforms, sample_uniforms)
     device = target_probs.device
@@ -122,8 +113,7 @@ def verify_tensors(draft_tokens: torch.Tensor, counts: torch.Tensor, draft_probs
                    sample_uniforms: torch.Tensor) -> torch.Tensor:
     """`verify` on the device, unchecked and without a host sync (a CUDA graph can hold it).
 
-    draft_tokens [B, K] long, counts [B] long, draft_probs [B, K, V] or None, target_probs
-    [B, K+1, V], accept_uniforms [B, K] float64, sample_uniforms [B] -> [B, K+2] long per row:
+    counts [B] long, accept_uniforms float64, the rest as `verify` -> [B, K+2] long per row:
     the draft tokens (padding zeroed), the number accepted, the recovered or bonus token.
     """
     device = target_probs.device
@@ -142,11 +132,10 @@ def verify_tensors(draft_tokens: torch.Tensor, counts: torch.Tensor, draft_probs
 def verify_logits(target_logits: torch.Tensor, temperatures: torch.Tensor, greedy: torch.Tensor,
                   draft_tokens: torch.Tensor, counts: torch.Tensor, draft_probs: torch.Tensor | None,
                   uniforms: torch.Tensor) -> torch.Tensor:
-    """`verify_tensors` from raw target logits, for rows whose only sampling transform is a
-    temperature (or greedy): target_logits [B, W, V] (W = K + 1), temperatures [B] float32
-    (1.0 for greedy rows), greedy [B] bool, uniforms [B, W] float64 (K to accept, 1 to sample)
-    -> [B, K+2] long. Greedy rows get one-hot targets, so they accept exactly the drafts that
-    equal the argmax and then emit the argmax; all-greedy batches may pass zeros as uniforms."""
+    """`verify_tensors` from raw target logits, for rows sampling with a temperature alone (or greedy):
+    target_logits [B, K+1, V], temperatures [B] float32 (1.0 for greedy rows), greedy [B] bool,
+    uniforms [B, K+1] float64 (K to accept, 1 to sample) -> [B, K+2] long. Greedy rows get one-hot
+    targets; all-greedy batches may pass zeros as uniforms."""
     b, w, vocab = target_logits.shape
     per_position = (temperatures[:, None].expand(b, w).reshape(-1),  # [B * W]
                     greedy[:, None].expand(b, w).reshape(-1))
@@ -156,8 +145,7 @@ def verify_logits(target_logits: torch.Tensor, temperatures: torch.Tensor, greed
 
 def verify_greedy_logits(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                          counts: torch.Tensor) -> torch.Tensor:
-    """`verify_logits` for a batch of greedy rows, without the sampling machinery: keep drafts
-    while they equal the argmax, then emit the argmax. target_logits [B, K+1, V], draft_tokens
+    """`verify_logits` for all-greedy rows, without sampling: target_logits [B, K+1, V], draft_tokens
     [B, K] long, counts [B] long -> [B, K+2] long (the same rows as `verify_logits`)."""
     k = target_logits.shape[1] - 1
     argmax = greedy_tokens(target_logits)  # [B, K+1] (NO_TOKEN where a row is not finite)
@@ -214,8 +202,7 @@ def _present(node_tokens: torch.Tensor, node_valid: torch.Tensor | None, device:
 
 def _pack(path_tokens: list[torch.Tensor], path_nodes: list[torch.Tensor], final: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per depth the accepted token (0 past the path) and node (-1), and the final token [B]
-    -> (packed [B, depth + 2], nodes [B, depth])."""
+    """Per-depth accepted tokens (0 past the path) and nodes (-1), final [B] -> (packed, nodes)."""
     nodes = torch.stack(path_nodes, dim=1)  # [B, depth]
     num_accepted = (nodes >= 0).sum(dim=1)  # [B]
     return torch.cat([torch.stack(path_tokens, dim=1), num_accepted[:, None], final[:, None]], dim=1), nodes
@@ -223,8 +210,7 @@ def _pack(path_tokens: list[torch.Tensor], path_nodes: list[torch.Tensor], final
 
 def _test_sampled(p: torch.Tensor, q: torch.Tensor, tok: torch.Tensor, tried: torch.Tensor,
                   u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One child drawn from q: p, q [B, V], tok [B], tried [B] bool, u [B] -> (accepted [B],
-    the next p [B, V]: the residual norm(max(p - q, 0)) on rows that rejected it)."""
+    """One child drawn from q: p, q [B, V], tok [B], tried [B] bool, u [B] -> (accepted [B], next p)."""
     ratio = _column(p, tok) / _column(q, tok).to(torch.float64)  # [B]; NaN (0/0) rejects
     accept = tried & (u < ratio)
     return accept, torch.where((tried & ~accept)[:, None], residual_distribution(p, q), p)
@@ -232,10 +218,9 @@ def _test_sampled(p: torch.Tensor, q: torch.Tensor, tok: torch.Tensor, tried: to
 
 def _test_one_hot(p: torch.Tensor, scale: torch.Tensor, mass: torch.Tensor, tok: torch.Tensor,
                   tried: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One deterministic child (q one-hot at tok) in O(B): the distribution is p * scale (p
-    [B, V] float64, owned and unnormalised; scale, mass [B]: sum(p) * scale = mass), accepted
-    with probability p(tok); on a rejection p loses tok in place and scale renormalises, which
-    is `residual_distribution` against a one-hot q, fallback included. -> (accepted, scale, mass)."""
+    """One deterministic child (q one-hot at tok) in O(B): the distribution is p * scale (p [B, V]
+    float64, owned, unnormalised; sum(p) * scale = mass [B]); a rejection drops tok from p in place
+    (`residual_distribution` for a one-hot q, fallback included). -> (accepted, scale, mass)."""
     p_tok = _column(p, tok)  # [B]
     accept = tried & (u < p_tok * scale)
     reject = tried & ~accept
@@ -249,14 +234,12 @@ def _test_one_hot(p: torch.Tensor, scale: torch.Tensor, mass: torch.Tensor, tok:
 def verify_tree_nodes(shape: TreeShape | TreeFrame, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                       target_probs: torch.Tensor, uniforms: torch.Tensor,
                       node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify B trees by iterative speculative sampling (module docstring): one static shape,
-    or a `TreeFrame` of per-row trees (dynamic trees; a static shape is its special case).
+    """Verify B trees (one static shape, or a `TreeFrame` of per-row trees) by iterative speculative sampling.
 
     node_tokens [B, N] long (any value at absent nodes), draft_probs [B, N, V] or None
     (deterministic proposals), target_probs [B, N+1, V] (row 0 after g, row 1 + i after node
     i), uniforms [B, U] in [0, 1), U = shape.num_uniforms, node_valid [B, N] bool or None (all
     present) -> (packed [B, depth + 2] long, accepted nodes [B, depth] long, -1 padded).
-    Deterministic proposals cost O(B) per tried child (no [B, V] pass); sampled ones O(B * V).
     """
     _check_tree_inputs(shape, node_tokens, draft_probs, target_probs, uniforms, node_valid)
     device = target_probs.device
@@ -304,12 +287,9 @@ def verify_tree_logits(shape: TreeShape | TreeFrame, target_logits: torch.Tensor
                        greedy: torch.Tensor, node_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                        uniforms: torch.Tensor, node_valid: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`verify_tree_nodes` from raw target logits, for rows whose only sampling transform is a
-    temperature (or greedy), like `verify_logits`: target_logits [B, N+1, V],
-    temperatures [B] float32 (1.0 for greedy rows), greedy [B] bool, node_tokens [B, N] long,
-    draft_probs [B, N, V] or None, uniforms [B, U] float64, node_valid [B, N] bool or None
-    -> (packed [B, depth + 2] long, nodes [B, depth] long). Greedy rows get one-hot targets;
-    all-greedy batches may pass zeros as uniforms."""
+    """`verify_tree_nodes` from raw target logits [B, N+1, V], for temperature-only rows as in
+    `verify_logits` (temperatures [B] float32, greedy [B] bool; uniforms [B, U] float64, zeros
+    allowed for all-greedy batches) -> (packed [B, depth + 2] long, nodes [B, depth] long)."""
     b, w, vocab = target_logits.shape
     per_slot = (temperatures[:, None].expand(b, w).reshape(-1),  # [B * (N+1)]
                 greedy[:, None].expand(b, w).reshape(-1))
@@ -319,11 +299,9 @@ def verify_tree_logits(shape: TreeShape | TreeFrame, target_logits: torch.Tensor
 
 def verify_tree_greedy(shape: TreeShape | TreeFrame, target_scores: torch.Tensor, node_tokens: torch.Tensor,
                        node_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The argmax walk (Appendix A) for all-greedy batches, no sampling: from the root, move
-    to the first present child whose token is the target's argmax at the current node, then
-    emit the argmax where the walk stops. target_scores [B, N+1, V] (logits or probs),
-    node_tokens [B, N] long, node_valid [B, N] bool or None -> (packed [B, depth + 2] long,
-    nodes [B, depth] long): the same rows as `verify_tree_logits` with every row greedy."""
+    """The argmax walk (Stratos, Appendix A) for all-greedy batches: target_scores [B, N+1, V]
+    (logits or probs), node_tokens [B, N] long, node_valid [B, N] bool or None -> the rows of
+    `verify_tree_logits` with every row greedy."""
     b, n = node_tokens.shape
     if target_scores.dim() != 3 or tuple(target_scores.shape[:2]) != (b, n + 1) or n != shape.num_nodes:
         raise ValueError(f"node_tokens must be [batch, {shape.num_nodes}] and target_scores [batch, "

@@ -1,12 +1,9 @@
 """VocabMap: the tokens a draft with another tokenizer shares with its target (token-level
 intersection: Timor et al., ICML 2025, arXiv 2502.05202).
 
-Tokens are matched by what they stand for (`tokenization.token_keys`); a key's lowest id in
-each vocabulary is its canonical id. The draft proposes only canonical shared ids
-(`draft_to_target`), its q moved to the target's columns (`probs_to_target`), and reads the
-target's tokens through `expand` (a shared token as its draft id, another text token as its
-bytes cut into the longest draft tokens, `greedy_pieces`; a special token it lacks as
-nothing). docs/architecture.md, "A draft model with another vocabulary".
+Tokens are matched by what they stand for (`tokenization.token_keys`), a key's lowest id its
+canonical id; the draft proposes canonical shared ids (`draft_to_target`, `probs_to_target`) and
+reads target tokens through `expand`. docs/architecture.md, "A draft model with another vocabulary".
 """
 
 from __future__ import annotations
@@ -72,15 +69,14 @@ class VocabMap:
         return source
 
     def longest_expansion(self) -> int:
-        """The most draft ids one target token stands for (at least 1): a long run of spaces
-        can take dozens where the draft has no token as long. Each unshared token is cut
-        (a fraction of a second for a large vocabulary): ask once."""
+        """The most draft ids one target token stands for (at least 1); cuts every unshared token: ask once."""
         return max([1, *(len(greedy_pieces(raw, self.pieces, self.longest))
                          for x, raw in zip(self.target_to_draft, self.target_bytes, strict=True)
                          if x < 0 and raw is not None)])
 
     def expand(self, target_id: int) -> tuple[int, ...]:
-        """The draft ids standing for one target token (module docstring)."""
+        """The draft ids standing for one target token: a shared one's id, another text token's bytes
+        cut into the longest draft tokens (`greedy_pieces`), a special token it lacks as nothing."""
         known = self.expansions.get(target_id)
         if known is not None:
             return known
@@ -92,9 +88,8 @@ class VocabMap:
 
 
 def probs_to_target(probs: torch.Tensor, source: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
-    """q over the draft's ids [M, V_d] -> over the target's [M, V_t]: column t holds the
-    draft's q of the id proposed as t, 0 where none is. source [V_t]: `VocabMap.probs_source`
-    clamped to 0; missing [V_t]: where it was -1 (both on q's device)."""
+    """q over the draft's ids [M, V_d] -> over the target's [M, V_t] (0 where no id is proposed as t).
+    source [V_t]: `VocabMap.probs_source` clamped to 0; missing [V_t]: where it was -1 (on q's device)."""
     return probs.index_select(-1, source).masked_fill_(missing, 0.0)  # [M, V_t]
 
 

@@ -4,8 +4,7 @@
     llm = LLM()                      # the bundled demo model; or LLM(model="path-or-hub-id")
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
 
-The names below are imported on first use (PEP 562), so `import infer` (and `infer --help`)
-does not load torch.
+The names below are imported on first use (PEP 562): `import infer` does not load torch.
 """
 
 from __future__ import annotations

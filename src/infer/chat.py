@@ -1,13 +1,9 @@
 """`infer chat`: an interactive conversation with a model in the terminal.
 
-Each line typed is a user message; the answer streams as it is generated, then a line with
-its speed. The conversation is kept (every answer sees the ones before), rendered with the
-model's chat template; a model without one gets a plain "User: / Assistant:" transcript
-(stopping at the next "User:"). When the conversation outgrows the context
-(`max_seq_len`), its oldest exchanges are dropped, the system prompt kept.
-
-Commands: /clear forgets the conversation (the system prompt stays), /exit or /quit (or
-end of input, Ctrl-D) leaves, /help lists them; Ctrl-C stops an answer.
+Each line typed is a user message; the answer streams, then a speed line. The conversation
+is rendered with the model's chat template (else a plain "User: / Assistant:" transcript);
+when it outgrows `max_seq_len` its oldest exchanges are dropped, the system prompt kept.
+Commands: /clear, /exit or /quit (or Ctrl-D), /help; Ctrl-C stops an answer.
 """
 
 from __future__ import annotations
@@ -59,7 +55,7 @@ class Chat:
 
     def fit(self, user: str) -> tuple[list[int], int]:
         """(the prompt ids of the conversation and `user`'s message, exchanges dropped to fit
-        the context with room for one token); ValueError when the message alone is too long."""
+        the context); ValueError when the message alone is too long."""
         limit = self.engine.resolved.scheduler.max_seq_len
         history = list(self.messages)
         while True:
@@ -88,8 +84,7 @@ class Chat:
 
 
 def read_line(stdin: TextIO, stdout: TextIO) -> str | None:
-    """The next line typed (None at the end of input); a terminal gets the prompt and line
-    editing (`input`), piped input neither."""
+    """The next line typed (None at the end of input); a terminal gets the prompt and line editing."""
     if stdin is sys.stdin and stdin.isatty() and stdout is sys.stdout:
         try:
             return input(PROMPT)
@@ -100,7 +95,7 @@ def read_line(stdin: TextIO, stdout: TextIO) -> str | None:
 
 
 def run_chat(chat: Chat, stdin: TextIO, stdout: TextIO) -> int:
-    """The conversation loop (module docstring) until /exit or the end of input; exit status 0."""
+    """The conversation loop until /exit or the end of input; exit status 0."""
     note = "" if chat.templated else " (no chat template: a plain User/Assistant transcript)"
     stdout.write(f"chat with the model{note}; {HELP}\n")
     while (line := read_line(stdin, stdout)) is not None:

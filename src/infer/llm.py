@@ -109,9 +109,8 @@ class LLM:
 
     def _complete(self, id_lists: list[list[int]], params: list[SamplingParams],
                   texts: list[str | None]) -> list[RequestOutput]:
-        """Run every sample of every prompt together; one RequestOutput per prompt. Every
-        prompt is checked before any is queued, and a refusal while queuing takes back the
-        ones queued before it, so a bad prompt leaves nothing behind."""
+        """Run every sample of every prompt together; one RequestOutput per prompt. A bad
+        prompt leaves nothing queued."""
         for ids, p in zip(id_lists, params, strict=True):
             self.engine.validate_prompt(ids, p)
         requests: list[list[Request]] = []
@@ -154,9 +153,8 @@ class LLM:
 
 
 def token_id_lists(prompt_token_ids: Sequence[Sequence[int]] | Sequence[int]) -> list[list[int]]:
-    """Prompts of token ids as lists of Python ints: a list of prompts, or one prompt as a
-    flat list (as vLLM takes it); NumPy or torch integer arrays are taken too. Anything that
-    is not an integer id (a float, a bool, a string) is refused with a TypeError naming it."""
+    """Prompts of token ids as lists of Python ints: a list of prompts, or one flat prompt (NumPy
+    or torch integer arrays too); TypeError naming anything that is not an integer id."""
     if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
         raise TypeError(f"prompt_token_ids is a list of prompts, each a list of token ids "
                         f"(got a {type(prompt_token_ids).__name__})")

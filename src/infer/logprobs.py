@@ -1,12 +1,8 @@
 """Log-probabilities of emitted tokens: what `SamplingParams.logprobs` asks for.
 
 Reported from the model's raw distribution, `log_softmax(logits)` before any penalty,
-temperature, top-k or top-p (vLLM's default): a token's log-probability then depends on
-the model and the context alone, not on how it was sampled. Under speculative decoding
-the logits are the target's at each emitted position, so the numbers are the same as
-plain decoding's.
-
-Pure functions over logits; the runners call them on the logits they already hold.
+temperature, top-k or top-p (vLLM's default); under speculative decoding from the target's
+logits, so the numbers are the same as plain decoding's.
 """
 
 from __future__ import annotations
@@ -53,9 +49,8 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int],
 
 def emitted_logprobs(logits: torch.Tensor, tokens: Sequence[Sequence[int]],
                      counts: Sequence[int | None]) -> list[list[TokenLogprobs]] | None:
-    """Speculative verification: logits [B, W, V] of the verified positions, the tokens each
-    row emits (token j from position j), per-row counts -> per row, one entry per emitted
-    token ([] for rows without log-probabilities); None when no row asks for them."""
+    """Speculative verification: logits [B, W, V], the tokens each row emits (token j from
+    position j), per-row counts -> per row, one entry per emitted token; None when none asks."""
     if all(c is None for c in counts):
         return None
     flat_rows = [(b, j) for b, row in enumerate(tokens) if counts[b] is not None for j in range(len(row))]

@@ -1,11 +1,6 @@
 """Streaming one request's text to a terminal, timed: what `infer generate` and `infer chat`
-print while a model answers, and the speed line after it.
-
-`stream_request` steps the engine until the request finishes, writing each text delta as it
-comes; Ctrl-C (SIGINT, caught between steps, never inside one) aborts the request, its KV
-memory freed at once, and ends the stream.
-`rate_summary` reports the decode rate over the tokens after the first, so a long prompt's
-prefill does not dilute it.
+print while a model answers, and the speed line after it (`rate_summary`). Ctrl-C, caught
+between steps, aborts the request and ends the stream.
 """
 
 from __future__ import annotations
@@ -75,8 +70,8 @@ def _sigint_flag() -> Iterator[threading.Event]:
 
 
 def rate_summary(n: int, start: float, first: float | None, end: float) -> str:
-    """"[N tokens in T s (prefill P s), D tokens/s decode": the rate counts the tokens after the
-    first over the time after it (without the closing bracket: callers add to it)."""
+    """"[N tokens in T s (prefill P s), D tokens/s decode" (decode: tokens after the first over
+    the time after it), without the closing bracket."""
     text = f"[{n} tokens in {end - start:.2f} s"
     if first is None:
         return text

@@ -1,8 +1,5 @@
-"""Timing helpers: device synchronisation and the median of repeated calls.
-
-Each sample is one call bracketed by synchronisations, so it includes the host work a real
-engine step also pays (the engine syncs every step when it reads sampled tokens).
-"""
+"""Timing helpers: device synchronisation and the median of repeated calls, each bracketed
+by synchronisations (so it includes the host work an engine step pays)."""
 
 from __future__ import annotations
 

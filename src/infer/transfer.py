@@ -1,13 +1,8 @@
 """Copies between host and device that do not stall the host.
 
-A plain `tensor.to("cuda")` from ordinary (pageable) host memory makes PyTorch wait until
-the GPU has finished everything queued before the copy: in a decode step that is a hidden
-synchronisation point, and the host then cannot prepare the next kernels while the GPU
-works. Small per-step inputs (uniforms, row indices, per-row parameters) therefore go
-through pinned memory with `non_blocking=True`. PyTorch's pinned-memory cache keeps each
-staging buffer alive until its copy has run, so the host tensor may be dropped at once.
-The other way, `HostCopy` queues a result's copy to pinned memory and waits for it only
-when the host reads it, so GPU work queued after it runs on meanwhile.
+A copy from pageable host memory waits for all queued GPU work, so small per-step inputs go
+through pinned memory with `non_blocking=True` (PyTorch keeps the staging buffer alive until
+the copy runs). `HostCopy` queues a result's copy to pinned memory and waits only when read.
 """
 
 from __future__ import annotations
@@ -34,11 +29,9 @@ def tensor_on(data: Sequence | float | int, device: torch.device | str, dtype: t
 
 
 class HostCopy:
-    """A device tensor's copy to pinned host memory, queued now and read later (`tolist`):
-    the host then waits for the work queued before the copy alone, not for GPU work queued
-    after it. `out` (a buffer of at least t's size) and `event` are reused when given (a
-    caller alternating two keeps one copy in flight while reading the other); else fresh
-    ones. A CPU tensor is read as it is (copied into `out` when given)."""
+    """A device tensor's copy to pinned host memory, queued now and read later (`tolist`, which
+    waits for the work before the copy alone). `out` (at least t's size) and `event` are reused
+    when given. A CPU tensor is read as it is (copied into `out` when given)."""
 
     def __init__(self, t: torch.Tensor, out: torch.Tensor | None = None,
                  event: torch.cuda.Event | None = None) -> None:

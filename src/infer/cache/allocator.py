@@ -1,11 +1,7 @@
-"""BlockAllocator: the free list of KV cache blocks for the paged pool.
+"""BlockAllocator: the free list of KV cache blocks (integer ids) for the paged pool.
 
-Pure Python bookkeeping, no tensors: a block is an integer id in 0..num_blocks-1 whose
-storage rows are `block * block_size + offset`. Allocation is all-or-nothing so a caller
-never ends up holding half of what it asked for; releasing a block that is already free is
-a bug and raises at once instead of corrupting the free list. The free list is a min-heap:
-the lowest free ids go first, so where a sequence's blocks land (ascending, contiguous
-when the pool is idle) does not depend on what ran before, start-up calibration included.
+Allocation is all-or-nothing; releasing a free block raises. The lowest free ids go first
+(a min-heap), so where a sequence's blocks land does not depend on what ran before.
 """
 
 from __future__ import annotations

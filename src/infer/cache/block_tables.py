@@ -1,13 +1,6 @@
 """BlockTables: every slot's block table as one tensor on the pool's device, kept current by
-changes rather than copies.
-
-A forward pass reads the tables on the device as `tables[row_slots]`; the host's copy is
-changed as blocks are taken or swapped, and `sync` copies the changes to the device before
-the next pass (a few integers a step, not B x max_blocks). Entries past a slot's length are
-never read. A copy elsewhere (a tensor-parallel worker's) follows the same changes:
-`follow` starts a journal that the follower drains with `take_changes` and replays with
-`apply`; `last_writes` keeps each entry's last value of a batch of changes.
-docs/architecture.md, "Model, kernels and attention".
+changes rather than copies (`sync`). A tensor-parallel worker's copy follows the same changes
+(`follow`, `take_changes`, `apply`). docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations
@@ -57,8 +50,7 @@ class BlockTables:
 
     # -- a follower's copy -----------------------------------------------------------------
     def follow(self) -> Changes:
-        """Journal every change from now on for a follower (`take_changes`); returns its
-        starting point: the entries set so far (those that are not 0, a fresh table's value)."""
+        """Journal every change from now on for a follower; returns its starting point (the nonzero entries)."""
         self._followed = []
         slots, index = np.nonzero(self.host)
         return np.stack([slots, index, self.host[slots, index]], axis=1).astype(np.int64)
@@ -82,8 +74,7 @@ class BlockTables:
 
 
 def last_writes(changes: Changes, max_blocks: int) -> Changes:
-    """The changes with each (slot, index) once, at its last value (an indexed assignment of
-    repeated indices leaves any of their values)."""
+    """The changes with each (slot, index) once, at its last value."""
     key = changes[:, 0] * max_blocks + changes[:, 1]  # [K]
     _, last_reversed = np.unique(key[::-1], return_index=True)
     return changes[len(changes) - 1 - last_reversed]

@@ -1,11 +1,8 @@
 """Moving an accepted tree path's keys and values into sequence order (tree speculation).
 
-A tree's block row r of a request is stored at n + r (g at n, node i at n + 1 + i); after
-verification accepted node i_d moves from n + 1 + i_d to n + d, where its keys were
-already rotated (`path_rows`, `PathMove`). `move_paths` reads every source before writing
-any destination (one gather, then one scatter per cache tensor, all layers and requests at
-once), so overlapping moves are safe; nodes already in place are not copied. The caller
-truncates the slot afterwards. docs/architecture.md, "Tree speculation".
+Accepted node i_d moves from n + 1 + i_d to n + d (its keys already rotated there); every
+source is read before any destination is written. The caller truncates the slot afterwards.
+docs/architecture.md, "Tree speculation".
 """
 
 from __future__ import annotations

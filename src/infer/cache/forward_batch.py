@@ -1,11 +1,8 @@
 """Building a ForwardBatch from the rows of a step: which slot, from which position, which
 tokens, which logits, which tree rule.
 
-The host describes each row (`Row`) and `build_batch` lays the batch out with a few vector
-operations: per-token positions, batch rows and tree rule, per-row context lengths and the
-logits' token indices, copied to the device in one transfer. The KV slot each token writes
-is computed on the device from the pool's block tables (`BlockTables`, kept there), so no
-per-token storage row is built on the host.
+`plan_batch` lays the rows (`Row`) out on the host; `build_batch` copies them to the device in
+one transfer, where each token's KV slot is gathered from the pool's block tables.
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ from infer.transfer import tensor_on
 
 @dataclass(frozen=True, slots=True)
 class RowTree:
-    """A row's tokens inside a tree block: the block starts `base_offset` positions from
-    the row's first token (<= 0: g, or the cached part, precedes it), is `width` positions
-    wide; token t sees block key c where bit c of bits[t] is set (an int of any size), and
-    is rotated at the block's first position plus rope_offsets[t] (a node's depth)."""
+    """A row's tokens inside a tree block that starts `base_offset` (<= 0) positions from the
+    row's first token and is `width` wide: token t sees block key c where bit c of bits[t] is
+    set, and is rotated at the block's start plus rope_offsets[t]."""
 
     bits: Sequence[int]  # [n]
     rope_offsets: Sequence[int]  # [n]
@@ -54,8 +50,7 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """A batch laid out on the host: int64 arrays by name (`ARRAYS`), and the facts kernels
-    plan with."""
+    """A batch laid out on the host: int64 arrays by name (`ARRAYS`), and the facts kernels plan with."""
 
     arrays: dict[str, np.ndarray]
     query_lens: tuple[int, ...]
@@ -89,8 +84,7 @@ ARRAYS = ("ids", "positions", "rope", "token_rows", "bits", "base", "row_slots",
 
 
 def plan_batch(rows: Sequence[Row]) -> BatchPlan:
-    """Lay the rows out (a few vector operations on the host; per-row facts as Python lists,
-    which for a step's few rows cost less than numpy calls)."""
+    """Lay the rows out on the host (per-row facts as Python lists: cheaper than numpy for a few rows)."""
     if not rows:
         raise ValueError("a forward batch needs at least one row")
     lens = [len(r.ids) for r in rows]  # [B]
@@ -126,13 +120,9 @@ def plan_batch(rows: Sequence[Row]) -> BatchPlan:
 
 @dataclass(frozen=True, slots=True)
 class DeviceIds:
-    """Token ids already on the device (the previous step's, under overlapped scheduling; a
-    round's drafts): batch tokens `at` take `ids`. `grid` (stride, skip, n), when `at` is row
-    b's tokens b x stride + skip + t, t < n, for the ids viewed [rows, n] (every row alike:
-    plain rows, blocks of one width from the batch's first token), lets `place` write them
-    through a strided view, no index sent to the device. `shift` [B] (<= 0): each row's start
-    moved by the device (a round queued before the host read the verdict it follows: the
-    host planned each row as if every draft were accepted; `shift_rows`)."""
+    """Token ids already on the device: batch tokens `at` take `ids`. `grid` lets `place` write
+    them through a strided view when every row is alike; `shift` [B] (<= 0) moves each row's
+    start on the device (a round following one whose verdict the host has not read)."""
 
     at: tuple[int, ...]  # [k] token indices in the batch
     ids: torch.Tensor  # [k] long, on the device
@@ -157,9 +147,8 @@ class DeviceIds:
 
 
 def shift_rows(parts: dict[str, torch.Tensor], shift: torch.Tensor, tokens: int) -> None:
-    """Move each row b of a batch's device arrays by shift[b] positions: its tokens'
-    positions, rotary positions and rule bases, and its context length (the KV slots follow,
-    gathered from the positions by `batch_of`). Padding tokens and rows stay as they are."""
+    """Move each row b of a batch's device arrays by shift[b] positions (positions, rotary, rule
+    bases, context length); padding tokens and rows stay as they are."""
     moved = shift.index_select(0, parts["token_rows"][:tokens])  # [T]
     for name in ("positions", "rope", "base"):
         parts[name][:tokens] += moved
@@ -216,10 +205,8 @@ def token_slots(block_tables: torch.Tensor, token_rows: torch.Tensor, positions:
 
 def next_step(batch: ForwardBatch, ids: torch.Tensor, ahead: int, scratch_row: int,
               context_width: int) -> ForwardBatch:
-    """One token a row `ahead` positions past the end of `batch`'s rows (a draft step after
-    the pass that fed them, computed on the device: no host work): ids [B] one a row; row b
-    writes position seq_lens[b] + ahead of its slot. A row without context (a graph's padding
-    row) stays padding: position -1, the scratch row."""
+    """One token a row, built on the device: ids [B]; row b writes position seq_lens[b] + ahead
+    of its slot. A row without context stays padding (position -1, the scratch row)."""
     rows = batch.seq_lens.shape[0]
     live = batch.seq_lens > 0  # [B]
     positions = torch.where(live, batch.seq_lens + ahead, -1)  # [B]

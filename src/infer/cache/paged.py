@@ -1,14 +1,8 @@
 """PagedKVCachePool: KV storage in fixed-size blocks, block tables per slot, prefix caching.
 
-Keys and values live in `[layers, num_blocks * block_size, kv_heads, head_dim]` tensors;
-position p of a slot is row `table[p // block_size] * block_size + p % block_size`. Blocks
-are taken as sequences grow (`ensure_capacity`) and freed when a rollback leaves them
-wholly past the new length. With prefix caching, full blocks of finished prompts go into a
-`PrefixTree` and later prompts starting with them reference them (never a whole prompt);
-a slot's shared blocks are the first `_shared[slot]` entries of its table, never written,
-evicted LRU once unreferenced. An EAGLE head's pool keys its blocks with one token of
-lookahead (`cache_prefixes`). `bytes_per_block`, `resolve_num_blocks`: its sizing.
-docs/architecture.md, "Model, kernels and attention".
+Position p of a slot is row `table[p // block_size] * block_size + p % block_size`. With prefix
+caching, full prompt blocks go into a `PrefixTree`; a slot's shared blocks lead its table and
+are never written. docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations
@@ -79,8 +73,7 @@ class PagedKVCachePool(RowPool):
         self.prefix_hit_tokens = 0  # of those, tokens served from cached blocks
 
     def cache_prefixes(self, lookahead: int = 0) -> None:
-        """Turn prefix caching on before any slot is taken, each block keyed by its tokens
-        and the `lookahead` tokens after it (`PrefixTree`)."""
+        """Turn prefix caching on in an idle pool, each block keyed by its tokens and `lookahead` more."""
         if self.enable_prefix_caching and lookahead == self._tree.lookahead:
             return
         if self._tables or len(self._tree):

@@ -1,12 +1,8 @@
 """PrefixTree: cached prompt blocks shared between requests, with reference counts.
 
-Each node is one full KV block of a prompt, found by (parent node, the block's tokens), so
-it stands for the whole token prefix up to its end and cannot collide; with a `lookahead`,
-a key also holds the tokens after the block (an EAGLE head's pool). Reference counts say
-how many running sequences use a node; a referenced node's ancestors are referenced too,
-so eviction takes the least recently used unreferenced leaf (a heap with lazy
-invalidation). Pure Python, no tensors: block ids are plain ints owned by the pool.
-docs/architecture.md, "Model, kernels and attention".
+Each node is one full block keyed by (parent node, its tokens), so it stands for the whole
+prefix. A referenced node's ancestors are referenced too, so eviction takes the least
+recently used unreferenced leaf. docs/architecture.md, "Model, kernels and attention".
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """CachePoolProtocol: what the runners need from a KV cache pool.
 
-A pool owns KV storage for one model and hands out slots, one per running sequence. A
-forward pass is a flat batch of rows (cache/forward_batch.py: prefill chunks, decode rows,
-verification blocks, draft steps, tree nodes) whose KV slots come from the pool's block
-tables (`tables`, kept on the device); after the pass each row's slot length is set
-(`set_length`). `truncate_to` rolls a slot back (speculative rejection).
+A pool owns KV storage for one model and hands out slots, one per running sequence; a flat
+forward's KV slots come from its block tables, and `truncate_to` rolls a slot back.
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ class CachePoolProtocol(Protocol):
 
     def allocate_slot(self, initial_tokens: int = 0, prefix_token_ids: Sequence[int] | None = None,
                       max_cached_tokens: int | None = None) -> int:
-        """Reserve a slot with room for `initial_tokens`. With prefix caching, reuse cached
-        blocks of `prefix_token_ids` (at most `max_cached_tokens`); `seq_len(slot)` then says
-        how many are already cached. Raises RuntimeError when out of slots or memory (check
-        `can_allocate` first)."""
+        """Reserve a slot with room for `initial_tokens`, reusing cached blocks of `prefix_token_ids`
+        (at most `max_cached_tokens`; `seq_len(slot)` says how many). RuntimeError when out of slots
+        or memory."""
         ...
 
     def cached_prefix(self, prefix_token_ids: Sequence[int]) -> int:
@@ -82,8 +78,7 @@ class CachePoolProtocol(Protocol):
         ...
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy the keys and values of storage rows `src` to rows `dst` (every layer; every
-        source is read before any destination is written). Tree speculation's compaction."""
+        """Copy the K/V of storage rows `src` to rows `dst` (every layer; sources read before any write)."""
         ...
 
     def leak_report(self) -> list[str]:

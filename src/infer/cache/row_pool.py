@@ -1,10 +1,7 @@
 """RowPool: what the row-indexed KV pools (paged, slotted, a tensor-parallel worker's) share.
 
-Every pool stores keys and values as rows `[layers, rows + 1, kv_heads, head_dim]` (the last
-row is scratch: padding writes land there) and reaches them through its `BlockTables`. A
-forward pass over a flat batch (cache/forward_batch.py) writes its rows and then sets each
-slot's length (`set_length`); tree speculation's compaction copies rows (`move_rows`). A
-subclass keeps `_lens` (tokens per slot) and the KV tensors.
+KV lives as rows `[layers, rows + 1, kv_heads, head_dim]` (the last row is scratch). A subclass
+keeps `_lens` (tokens per slot) and the KV tensors.
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ class RowPool:
         self._lens[slot] = length
 
     def move_rows(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        """Copy the keys and values of storage rows `src` to rows `dst` (every layer; every
-        source is read before any destination is written)."""
+        """Copy the K/V of storage rows `src` to rows `dst` (every layer; sources read before any write)."""
         k_cache: torch.Tensor = self.k_cache  # type: ignore[attr-defined]  # [layers, rows + 1, Hkv, D]
         v_cache: torch.Tensor = self.v_cache  # type: ignore[attr-defined]
         src_t, dst_t = tensor_on(list(src), k_cache.device, torch.long), tensor_on(list(dst), k_cache.device,

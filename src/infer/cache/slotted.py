@@ -1,9 +1,7 @@
 """SlottedKVCache: contiguous KV storage, one max_seq_len region per slot.
 
-Simple and fast for short contexts; memory is reserved for the worst case
-(max_batch_size x max_seq_len), so `free_token_capacity()` is None and admission is
-limited by slots alone. Rollback just lowers the slot's length: stale entries are
-overwritten by the next write.
+Memory is reserved for the worst case, so `free_token_capacity()` is None and admission is
+limited by slots alone; rollback just lowers the slot's length.
 """
 
 from __future__ import annotations

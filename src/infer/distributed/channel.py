@@ -1,13 +1,9 @@
 """ControlChannel: the driver's messages to its worker ranks, over torch.distributed.
 
-A message is pickled and broadcast from rank 0 on the gloo control group (group.py) as
-bytes: one broadcast of HEADER_BYTES (length + the first bytes; a step's message fits), and
-a second for the rest of a longer one. CPU tensors inside travel as numpy arrays in the
-pickle (cheaper than torch's own tensor pickling); tensors on the rank's device
-(a draft step's tokens, still on the GPU) are left out of it and broadcast after it on the
-default group (NCCL), each into a tensor the receiver allocates on its own device.
-
-The control group trusts its peers as torch.distributed does: the bytes are unpickled.
+A message is pickled and broadcast from rank 0 on the gloo control group (a HEADER_BYTES
+broadcast, a second for a longer message); CPU tensors travel as numpy arrays, tensors on the
+rank's device are broadcast after it on the default group. The peers are trusted: the bytes
+are unpickled.
 """
 
 from __future__ import annotations
@@ -91,11 +87,8 @@ def decode(data: bytes, device: torch.device) -> tuple[Any, list[torch.Tensor]]:
 
 
 class ControlChannel:
-    """Rank 0 sends, the other ranks receive, in the same order on every rank.
-
-    device: this rank's device (where wire tensors are received); on a CUDA device, tensors
-    on it are sent over the default group instead of inside the pickle. `before_send` runs
-    before each message (the driver checks that its workers are alive)."""
+    """Rank 0 sends, the other ranks receive, in the same order on every rank. `device`: where
+    wire tensors are received; `before_send` runs before each message."""
 
     def __init__(self, control: dist.ProcessGroup, rank: int, device: torch.device,
                  before_send: Callable[[], None] | None = None) -> None:

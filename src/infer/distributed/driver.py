@@ -1,13 +1,9 @@
 """TensorParallelDriver: rank 0 of a tensor-parallel engine, and the lifetime of its workers.
 
-`start_tensor_parallel(config)` (the Engine calls it; None for tensor_parallel_size 1)
-resolves the model paths, checks that each model to split divides by N, plans one device
-per rank, starts N-1 worker processes (`python -m infer.distributed.worker`, a session of
-their own, the spec on a stdin pipe kept open; under `torchrun` none), waits until each has
-started and joins the process groups with them (group.py). `close()` (or the finalizer)
-sends Shutdown, frees the forward functions' CUDA graphs, leaves the groups, waits for
-each worker (killed after `EXIT_TIMEOUT_S`) and closes the rendezvous port. A worker whose
-driver dies, even by SIGKILL, sees its pipe close and exits. docs/architecture.md.
+`start_tensor_parallel(config)` checks the model shapes, starts N-1 worker processes (none
+under torchrun) and joins the process groups with them. `close()` (or the finalizer) shuts
+them down; a worker whose driver dies sees its stdin pipe close and exits.
+docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -127,8 +123,8 @@ def _check_workers(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 class TensorParallelDriver:
-    """Rank 0's side: the worker processes, the process groups, the control channel (see
-    the module docstring); `executor(models)` builds the runner's pools and forwards."""
+    """Rank 0's side: the worker processes, the process groups, the control channel;
+    `executor(models)` builds the runner's pools and forwards."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -258,8 +254,7 @@ class TensorParallelDriver:
         return self.channel.gather_reports(None)
 
     def leak_report(self) -> list[str]:
-        """The workers' problems: a worker's pools hold no bookkeeping to leak, but their block
-        tables must be the driver's."""
+        """The workers' problems: block tables that differ from the driver's."""
         return [f"rank {r.rank}: {p}" for r in self.reports() for p in r.problems]
 
     def close(self) -> None:

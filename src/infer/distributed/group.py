@@ -1,12 +1,8 @@
 """The tensor-parallel process groups: devices per rank, joining, leaving.
 
-Every rank joins torch.distributed's default group (NCCL on GPUs, gloo on CPUs) for the
-model's collectives and the tensors sent with a step, and a gloo control group for the
-driver's messages (channel.py), with a long timeout (`CONTROL_TIMEOUT`: a worker waits on
-it while the engine is idle). Ranks started by the engine rendezvous through a TCP store on
-the loopback interface (`plan_devices`, `join`, `leave`); under `torchrun` through its
-environment (`torchrun_rank`, `torchrun_device`). docs/architecture.md, "Tensor
-parallelism".
+Every rank joins the default group (NCCL on GPUs, gloo on CPUs) and a gloo control group for
+the driver's messages; rendezvous through a loopback TCP store, or torchrun's environment.
+docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -29,8 +25,7 @@ JOIN_TIMEOUT = timedelta(minutes=10)  # the default group's collectives (a step'
 
 @dataclass(frozen=True, slots=True)
 class Group:
-    """What a rank joined: the control group, and the collectives its model's parallel
-    layers run (`ModelShard.collectives`)."""
+    """What a rank joined: the control group, and the collectives its model's parallel layers run."""
 
     control: dist.ProcessGroup
     collectives: Collectives
@@ -60,9 +55,8 @@ def is_torchrun_worker() -> bool:
 
 
 def plan_devices(device: str, world_size: int, cuda_count: int) -> list[torch.device]:
-    """The device of each rank 0..world_size-1 on one machine: "cpu" (every rank), or
-    consecutive GPUs from "cuda[:k]" ("auto": cuda when there is one). ValueError when the
-    machine has fewer GPUs than ranks."""
+    """The device of each rank on one machine: "cpu", or consecutive GPUs from "cuda[:k]" ("auto":
+    cuda when there is one). ValueError when the machine has fewer GPUs than ranks."""
     if device == "auto":
         device = "cuda" if cuda_count > 0 else "cpu"
     base = torch.device(device)
@@ -93,9 +87,8 @@ LOOPBACK = "lo"  # Linux's loopback interface
 
 @contextmanager
 def loopback_gloo() -> Iterator[None]:
-    """Gloo groups created inside connect over the loopback interface (ranks of one machine),
-    unless GLOO_SOCKET_IFNAME says otherwise: gloo's default, the address the host name
-    resolves to, is not always reachable in containers. The variable is restored after."""
+    """Gloo groups created inside connect over the loopback interface unless GLOO_SOCKET_IFNAME
+    is set (the host name's address is not always reachable in containers)."""
     if sys.platform != "linux" or "GLOO_SOCKET_IFNAME" in os.environ:
         yield
         return
@@ -112,11 +105,9 @@ def backend_for(device: torch.device) -> str:
 
 def join(rank: int, world_size: int, device: torch.device, store: dist.Store | None,
          all_reduce: str = "nccl") -> Group:
-    """Join the default group (through `store`, or torchrun's env:// when None) and the
-    control group. NVLink multicast (NVLS) stays off unless the
-    environment says otherwise: its buffers cost GPU memory and small all-reduces gain nothing.
-    `all_reduce="one-shot"` (CUDA devices only) gives the collectives the one-shot all-reduce
-    for small messages (distributed/one_shot.py); `leave` closes it."""
+    """Join the default group (through `store`, or torchrun's env:// when None) and the control
+    group, NVLink multicast off unless the environment says otherwise. `all_reduce="one-shot"`
+    (CUDA only) gives the collectives the one-shot all-reduce; `leave` closes it."""
     if dist.is_initialized():
         raise RuntimeError("this process is already in a torch.distributed process group: one tensor-parallel "
                            "engine per process at a time (close the other engine first)")
@@ -149,9 +140,8 @@ def join(rank: int, world_size: int, device: torch.device, store: dist.Store | N
 
 
 def leave(collectives: Collectives | None = None) -> None:
-    """Leave the process groups, closing the group's `collectives` first (its peer buffers go
-    before the group). CUDA graphs that captured collectives must be freed before: NCCL
-    cannot destroy a communicator such a graph still holds."""
+    """Leave the process groups, closing `collectives` first. Free CUDA graphs that captured
+    collectives before: NCCL cannot destroy a communicator a graph still holds."""
     if collectives is not None:
         collectives.close()
     if dist.is_initialized():

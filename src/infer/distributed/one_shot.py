@@ -1,13 +1,8 @@
 """A one-shot all-reduce for small messages, over NVLink peer memory.
 
-A tensor-parallel decode step all-reduces two small activations a layer, where NCCL's ring
-is mostly latency. `OneShotAllReduce` uses PyTorch's symmetric memory: each rank copies its
-part into its own peer-addressable buffer, the ranks meet at a barrier, and each sums every
-rank's buffer in rank order (`torch.ops.symm_mem.one_shot_all_reduce_copy`: the same bits
-on every rank, one launch that CUDA graphs capture). It runs without NVLink multicast
-(`TORCH_SYMM_MEM_DISABLE_MULTICAST=1`). Messages it does not serve (`serves`: over
-`ONE_SHOT_MAX_BYTES`, other dtypes, off CUDA) go through NCCL, as everything does with
-`tensor_parallel_all_reduce="nccl"`. docs/architecture.md, "Tensor parallelism".
+`OneShotAllReduce` sums each rank's peer-addressable buffer in rank order with PyTorch's
+symmetric memory (the same bits on every rank, one launch CUDA graphs capture); messages it
+does not `serve` go through NCCL. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -21,18 +16,16 @@ ALIGNMENT = 16  # bytes: the kernel's vector width
 
 
 def serves(y: torch.Tensor, max_bytes: int = ONE_SHOT_MAX_BYTES) -> bool:
-    """Whether the one-shot kernel takes y: CUDA, a kernel dtype, contiguous, at most
-    `max_bytes`, a whole number of 16-byte vectors starting on a 16-byte boundary (the
-    buffer's alignment, which the kernel requires of the local input too)."""
+    """Whether the one-shot kernel takes y: CUDA, a kernel dtype, contiguous, at most `max_bytes`,
+    whole 16-byte vectors on a 16-byte boundary."""
     nbytes = y.numel() * y.element_size()
     return (y.is_cuda and y.dtype in DTYPES and y.is_contiguous() and 0 < nbytes <= max_bytes
             and nbytes % ALIGNMENT == 0 and y.data_ptr() % ALIGNMENT == 0)
 
 
 class OneShotAllReduce:
-    """`models.parallel.SmallAllReduce` by the one-shot kernel (module docstring). Built by
-    every rank at the same point (allocating the buffers is collective), after the default
-    process group is up and before any CUDA graph capture."""
+    """`models.parallel.SmallAllReduce` by the one-shot kernel. Built by every rank at the same
+    point (collective), after the default group is up and before any CUDA graph capture."""
 
     def __init__(self, device: torch.device, group: dist.ProcessGroup | None = None,
                  max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:

@@ -1,13 +1,8 @@
 """The messages the driver (rank 0) sends its worker ranks.
 
-Each `Message` carries the KV changes of the split models' pools since the previous one
-(`PoolChanges`: block-table entries, rows moved), then one call: `MakePool` / `MakeForward`
-(build a pool, `PoolShape`, or a forward function for a model role, as the driver just did,
-from its `ForwardSpec`), `Invoke` (run a forward function's `run` on the driver's flat
-batch plan), `Report` (each worker answers a `WorkerReport`: its block tables against the
-driver's, the CUDA graphs it captured) or `Shutdown`. A step costs one message. Sampling
-and acceptance stay on rank 0, and slots, lengths, free blocks and the prefix cache are
-the driver's alone: a worker needs none of them. docs/architecture.md, "Tensor parallelism".
+Each `Message` carries the split pools' KV changes since the previous one (`PoolChanges`),
+then one call: `MakePool`, `MakeForward`, `Invoke`, `Report` or `Shutdown`. A step costs one
+message. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ def _check_role(role: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PoolShape:
-    """How the driver's pool lays out its KV: a worker's pool of its own heads takes the same
-    rows, blocks and tables, so the driver's block ids and row numbers mean the same there."""
+    """How the driver's pool lays out its KV; a worker's pool takes the same rows, blocks and tables."""
 
     rows: int  # storage rows, the scratch row last
     block_size: int
@@ -50,9 +44,8 @@ class PoolShape:
 
 @dataclass(frozen=True, slots=True)
 class PoolChanges:
-    """A split pool's KV changes since the last message, for the workers to make before the
-    call: block-table entries set ([K, 3] int64 (slot, index, block), in order) and rows moved
-    (tree speculation's compaction of an accepted path: a KV copy on every rank), in order."""
+    """A split pool's KV changes since the last message, made by the workers before the call:
+    block-table entries set and rows moved, each in order."""
 
     pool: int
     tables: np.ndarray  # [K, 3]

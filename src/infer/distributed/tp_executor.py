@@ -1,14 +1,9 @@
 """The driver's side of tensor parallelism: forward functions run on every rank, pools split by heads.
 
-`TensorParallelExecutor` (an `Executor`) builds each pool and forward function here and
-tells the workers to build theirs for their shard. A pool's bookkeeping stays here
-(`DriverPool`); each message carries, through the `Outbox`, the block-table entries set and
-the rows moved since the last one (`DriverPool.move_rows`), so every rank builds a step's
-KV slots from the same tables. `TensorParallelForward` sends each `run` as one `Invoke`,
-then runs it here; only rank 0 samples and accepts. A sharded draft's next ids, still on
-the device, travel beside the next message (`DeviceIds`). A role kept on the driver alone
-(tensor_parallel_draft="driver") gets local pools and forwards. Every call must come from
-one thread, in order. docs/architecture.md, "Tensor parallelism".
+`TensorParallelExecutor` builds each pool and forward function here and has the workers build
+theirs; the `Outbox` sends KV changes with each message, and `TensorParallelForward` sends each
+`run` as one `Invoke`. Every call must come from one thread, in order. docs/architecture.md,
+"Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ class Outbox:
 
 
 class DriverPool:
-    """The driver's pool of a split model: the pool `local` itself, whose row moves also go
-    to the workers with the next message (they copy the same rows of their heads' KV)."""
+    """The driver's pool of a split model: `local`, whose row moves also go to the workers."""
 
     def __init__(self, local: CachePoolProtocol, outbox: Outbox, pool_id: int) -> None:
         self.local, self.outbox, self.pool_id = local, outbox, pool_id
@@ -98,7 +92,7 @@ class TensorParallelForward:
         """Have every worker run `method(*args)` of its forward function (before rank 0 runs its own)."""
         self.outbox.send(Invoke(self.forward_id, method, args))
 
-    # the workers' pass first (the forward only: sampling and acceptance are rank 0's), then rank 0's
+    # the workers' pass first, then rank 0's
     def run(self, plan: BatchPlan, device_ids: DeviceIds | None = None) -> torch.Tensor:
         self._invoke("run", plan, device_ids)
         return self.local.run(plan, device_ids)

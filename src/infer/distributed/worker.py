@@ -1,13 +1,8 @@
 """A tensor-parallel worker rank: loads its shard of the model(s), then runs what the driver sends.
 
-Started by the engine (`main(ready_fd)`) with its `WorkerSpec` pickled on stdin; the driver
-keeps that pipe open, and a thread here (`watch_driver`) exits the process at end of file,
-wherever the main thread is blocked. One byte on `ready_fd` says it has started. Under
-`torchrun` a rank above 0 runs `serve_torchrun_rank` instead. `Worker.run` takes one message
-at a time: it applies the driver's KV changes (worker_pool.py), then builds a pool or
-forward function, runs a forward call on its shard, answers a report (`table_problems`,
-`capture_counts`) or shuts down. Any error ends the worker, its traceback prefixed by its
-rank. docs/architecture.md, "Tensor parallelism".
+Started by the engine (`main(ready_fd)`) with its `WorkerSpec` on stdin, exiting when that pipe
+closes; under torchrun `serve_torchrun_rank`. `Worker.run` serves one message at a time; any
+error ends the worker. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -85,8 +80,7 @@ def table_problems(pools: dict[int, WorkerPool], driver: dict[int, str]) -> list
 
 
 def capture_counts(forwards: Iterable[ForwardFn]) -> dict[str, int]:
-    """The CUDA graphs these forward functions captured (their flat forward's, by token
-    bucket; an eager forward function has none): plain ones and those with tree rules."""
+    """The CUDA graphs these forward functions captured: plain ones and those with tree rules."""
     counts = dict.fromkeys(("forward", "trees"), 0)
     for forward in forwards:
         graphs = getattr(getattr(forward, "fn", None), "graphs", {})
@@ -140,8 +134,7 @@ class Worker:
         return LOCAL.make_forward(model, self.pools[call.pool], self.worker_spec(call, model))
 
     def worker_spec(self, call: MakeForward, model: LlamaForCausalLM) -> ForwardSpec:
-        """The driver's spec with this rank's kernel bundle (rank 0 alone samples and accepts,
-        on the forward's logits)."""
+        """The driver's spec with this rank's kernel bundle."""
         device = next(model.parameters()).device
         kernels = EAGER
         if call.kernels != EAGER.name:
@@ -191,8 +184,8 @@ def serve_torchrun_rank(config: EngineConfig) -> int:
 
 
 def watch_driver(fd: int) -> None:
-    """Exit this process as soon as pipe `fd` (held open by the driver) reaches end of file.
-    (Raw reads: a thread blocked in a buffered file's read would hold its lock at exit.)"""
+    """Exit this process as soon as pipe `fd` (held open by the driver) reaches end of file
+    (raw reads: a blocked buffered read would hold its lock at exit)."""
     def watch() -> None:
         while os.read(fd, 4096):
             pass

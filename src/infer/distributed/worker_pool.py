@@ -1,14 +1,8 @@
 """A worker rank's KV pool: the keys and values of its heads, and a copy of the driver's block tables.
 
-The driver keeps every pool's bookkeeping (slots, lengths, free blocks, the prefix cache).
-A worker's pool of the same model is what its forward reads and writes: KV tensors of its
-shard's heads over the driver's rows (`PoolShape`), and `BlockTables` kept current by the
-entries each message brings (`PoolChanges`), so the driver's block ids and row numbers mean
-the same rows here, and each plan's KV slots come out of the tables as they do on rank 0.
-Rows the driver moves (a tree's accepted path put in sequence order) are moved here too.
-
-`table_digest` is what the ranks compare when the driver asks for reports: a worker whose
-tables differ from the driver's is a bug the report names.
+The driver keeps every pool's bookkeeping; a worker's pool holds its heads' KV over the
+driver's rows, its tables kept current by each message's `PoolChanges`. `table_digest` is
+what the ranks compare in reports.
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ from infer.models.llama import LlamaForCausalLM
 
 
 class WorkerPool(RowPool):
-    """What a forward function needs of a pool (KV tensors, block tables, block size,
-    scratch row), for the heads of `model` (a rank's shard), laid out as `shape` says."""
+    """What a forward function needs of a pool, for the heads of `model` (a rank's shard), laid out as `shape`."""
 
     def __init__(self, model: LlamaForCausalLM, shape: PoolShape) -> None:
         config, device = model.config, next(model.parameters()).device

@@ -1,14 +1,7 @@
-"""Command-line flags for EngineConfig, shared by `infer generate`, `infer serve`, `infer bench`
-and `python -m infer.server`. One flag per field (`--max-batch-size`; `--speculative-decoding`
-for `use_speculative_decoding`), string fields with their choices.
-
-`engine_config_from_args` checks what the flags can get wrong before anything loads: the
-config's own validation (its errors name the flags, not the fields), what the device cannot
-do (`--use-cuda-graphs` on a CPU), and model paths that do not exist. A speculation flag
-(`--spec-length`, `--draft-model`, `--ngram-max-order`, ...) typed without
-`--speculative-decoding` turns speculation on, as vLLM's speculative config does; with
-`--no-speculative-decoding` it is an error. `--enforce-eager` (vLLM's flag) is
-`--no-use-cuda-graphs`.
+"""Command-line flags for EngineConfig, shared by `infer generate | serve | bench` and
+`python -m infer.server`: one flag per field (`--max-batch-size`; `--speculative-decoding` for
+`use_speculative_decoding`). A speculation flag typed turns speculation on; `--enforce-eager` is
+`--no-use-cuda-graphs`. `engine_config_from_args` checks the flags before anything loads.
 """
 
 from __future__ import annotations
@@ -123,9 +116,8 @@ class _Given(argparse.Action):
 
 
 def dash_flags(argv: list[str]) -> list[str]:
-    """Flags in their underscore spelling (`--max_tokens 8`, as vLLM and the OpenAI API spell
-    them) as the dashed flags they are (`--max-tokens 8`); values (`--stop=a_b`) and everything
-    after `--` unchanged. (A value of its own cannot start with `--`: argparse reads it as a flag.)"""
+    """Flags in their underscore spelling (`--max_tokens 8`) as dashed flags (`--max-tokens 8`);
+    values (`--stop=a_b`) and everything after `--` unchanged."""
     out: list[str] = []
     for i, arg in enumerate(argv):
         if arg == "--":
@@ -161,9 +153,8 @@ def flag_text(message: str) -> str:
 
 
 def engine_values(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields the flags give, with what the flags imply (module docstring):
-    a speculation flag typed turns speculation on (ValueError beside --no-speculative-decoding),
-    --enforce-eager turns CUDA graphs off (ValueError beside --use-cuda-graphs)."""
+    """The EngineConfig fields the flags give: a speculation flag typed turns speculation on,
+    --enforce-eager CUDA graphs off (ValueError when contradicted by another flag)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     given = [flag(name) for name in SPECULATION_FIELDS if getattr(args, f"given_{name}", False)]
     if given and values["use_speculative_decoding"] is False:
@@ -195,8 +186,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def check_model_paths(config: EngineConfig) -> None:
-    """FileNotFoundError (naming the flag) for a --model or --draft-model that names no local
-    directory or GGUF file and is no hub id, before anything loads."""
+    """FileNotFoundError (naming the flag) for a --model or --draft-model that is no local
+    directory, GGUF file or hub id."""
     from infer.engine.loading import model_sources
     from infer.models.loading.readers import resolve_model_path
 

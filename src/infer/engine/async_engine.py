@@ -1,14 +1,8 @@
 """AsyncEngine: the engine loop in a background thread, streams per request for asyncio.
 
-The server (or any asyncio code) calls `await add_request(...)` and iterates the returned
-stream; `abort(request_id)` cancels (a caller cancelled while its request is being added
-has it aborted right after). A structured output's grammar is compiled before the request
-reaches the engine thread (given compiled, or compiled here in a worker thread), so neither
-the engine thread nor `_lock`, which the event loop also takes, waits on a compile.
-Commands reach the engine thread through a queue and are applied before the next step, so
-an abort frees the request's slot and KV blocks before any further step runs. StepOutputs
-go back to each request's asyncio.Queue with `call_soon_threadsafe`. If a step raises,
-every open stream gets an error event, `healthy` turns False, and later requests fail fast.
+`await add_request(...)` returns a stream of StepOutputs; `abort(request_id)` cancels before
+the next step. Grammars are compiled off the engine thread. If a step raises, every open
+stream gets an error event, `healthy` turns False, and later requests fail fast.
 """
 
 from __future__ import annotations
@@ -65,9 +59,8 @@ class AsyncEngine:
         return self.error is None and self._thread.is_alive() and not self._stop.is_set()
 
     def num_queued(self) -> int:
-        """Requests waiting for a slot, each counted once: those still on their way to the
-        engine thread and those in the scheduler's waiting queue (the engine thread moves a
-        request from one to the other under the same lock)."""
+        """Requests waiting for a slot: those on their way to the engine thread and those in the
+        scheduler's waiting queue, each counted once."""
         with self._lock:
             return self._adding + len(self.engine.scheduler.waiting)
 

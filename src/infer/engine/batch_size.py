@@ -1,13 +1,7 @@
 """Sizing defaults: the context length (`max_seq_len`), `max_batch_size` and the KV pool.
 
-`engine_sizes` decides them when an engine is built, from config files only, before any
-weight is read: the KV budget (`kv_budget_bytes`: on CUDA `MEMORY_SHARE` of the device's
-memory less the weights and `RESERVE_BYTES`, on a CPU `CPU_KV_BYTES`, or the pool given)
-over the KV bytes a token (`kv_bytes_per_token`) is the capacity. `max_seq_len=None` is
-the models' own context cut to the capacity, so one sequence always fits;
-`max_batch_size=None` is what the capacity holds at min(max_seq_len,
-`BATCH_SIZING_TOKENS`) tokens each (at most `GPU_MAX`; `CPU_DEFAULT` on a CPU); the paged
-pool holds batch x max_seq_len tokens cut to the capacity. docs/architecture.md,
+`engine_sizes` decides them from config files only, before any weight is read: the capacity
+is the KV budget (`kv_budget_bytes`) over the KV bytes a token. docs/architecture.md,
 "Defaults and start-up".
 """
 
@@ -54,7 +48,7 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, element_bytes:
 
 
 def model_bytes(config: ModelConfig, element_bytes: int, fp8: bool = False, ranks: int = 1) -> ModelBytes:
-    """Weights and KV per token of `config` (module docstring) on one of `ranks` ranks."""
+    """Weights and KV bytes per token of `config` on one of `ranks` ranks."""
     h, d = config.hidden_size, config.head_dim
     per_layer = (h * d * (config.num_attention_heads * 2 + config.num_key_value_heads * 2)  # q, o; k, v
                  + 3 * h * config.intermediate_size)  # gate, up, down  (norms are negligible)
@@ -74,9 +68,8 @@ def kv_budget_bytes(models: list[ModelBytes], device_bytes: int | None) -> int:
 
 def plan_sizes(config: EngineConfig, models: list[ModelConfig], device_bytes: int | None,
                element_bytes: int) -> Sizes:
-    """The sizes of the module docstring for `models` (the target first, then a draft model
-    if any) on a CUDA device of `device_bytes` (None: a CPU); ValueError when the weights
-    leave no room for a sequence's KV."""
+    """The sizes for `models` (target first, then a draft model) on a CUDA device of
+    `device_bytes` (None: a CPU); ValueError when the weights leave no room for a sequence's KV."""
     quants = (config.quantization, config.draft_quantization)
     sizes = [model_bytes(m, element_bytes, fp8=q == "fp8", ranks=config.tensor_parallel_size)
              for m, q in zip(models, quants, strict=False)]
@@ -115,9 +108,8 @@ def model_context(models: list[ModelConfig]) -> int:
 
 
 def engine_sizes(config: EngineConfig, device: torch.device, models: LoadedModels | None = None) -> Sizes:
-    """The sizes of the module docstring for an engine of `config` about to be built on
-    `device` (with `models` already loaded: their configs; else the config files, nothing
-    loaded). `config` is left as it is: the engine's resolved parts carry the sizes."""
+    """The sizes for an engine of `config` on `device` (from `models`' configs when loaded, else
+    the config files); `config` is left as it is."""
     if models is not None:
         configs = [models.target.config] + ([models.draft.config] if models.draft is not None else [])
     else:

@@ -1,8 +1,7 @@
 """EngineConfig: every knob of the engine, validated on construction.
 
-Invalid values raise ValueError naming the field; invalid combinations name every field
-involved. `LLM(**kwargs)` and the CLI flags map one to one onto these fields. An engine
-never changes it: at start it resolves it into frozen parts (parts.py, defaults.py).
+`LLM(**kwargs)` and the CLI flags map one to one onto its fields. An engine never changes
+it: at start it resolves it into frozen parts (parts.py, defaults.py).
 """
 
 from __future__ import annotations
@@ -16,16 +15,14 @@ from infer.engine.parts import (CHOICES, EAGLE_METHODS, MEDUSA, NEEDS_CONTINUOUS
 from infer.speculative.draft_vocab import table_path
 
 DEFAULT_SPEC_LENGTH = 5  # K when neither spec_length nor spec_tree is given
-# fields that configure speculative decoding: one set to a value other than its default turns
-# it on when use_speculative_decoding is left unset (vLLM: a speculative config means speculation)
+# fields that configure speculative decoding: one set off its default turns it on when
+# use_speculative_decoding is unset
 SPECULATION_FIELDS = ("speculative_method", "draft_model", "spec_length", "spec_tree", "spec_policy",
                       "spec_disable_batch_size", "spec_batch_gate", "spec_cost_coefficient", "ngram_max_order",
                       "ngram_min_order", "ngram_window", "spec_suffix_max_depth", "spec_suffix_cache_tokens",
                       "spec_suffix_min_prob", "draft_quantization", "tensor_parallel_draft", "spec_draft_vocab")
 SUFFIX_FIELDS = ("spec_suffix_max_depth", "spec_suffix_cache_tokens", "spec_suffix_min_prob")
-# speculative_method="suffix" with spec_tree / spec_length unset: chains (one child a node) of
-# up to 24 tokens, as long as the match and its counts support; branching trees ("dynamic:16")
-# verified no more tokens a round on the workloads of docs/benchmarks.md and cost more to verify
+# speculative_method="suffix" with spec_tree / spec_length unset: chains of up to 24 tokens
 SUFFIX_SPEC_LENGTH = 24
 SUFFIX_TREE = f"dynamic:{SUFFIX_SPEC_LENGTH}:1"
 # vLLM's names of engine options, for the error an unknown option gets
@@ -41,22 +38,12 @@ class EngineConfig:
     raises ValueError naming the fields (and the fix). `LLM(model, **fields)` and the flags of
     `infer generate | serve | bench` (`--max-batch-size` for `max_batch_size`) set them.
 
-    Groups, each field commented below:
-      model and weights  model (directory, hub id, .gguf file, "dummy:<shape>", None = demo),
-                         tokenizer, dtype, device, load_format, quantization ("fp8", "int4")
-      batching, memory   max_batch_size, max_seq_len, max_num_batched_tokens (chunked
-                         prefill), mixed_batches, kv_cache_backend ("paged" with prefix caching, or
-                         "contiguous"), block_size, num_blocks / kv_cache_memory_bytes
-      speed              use_cuda_graphs, compile_kernels, async_scheduling (each on by default
-                         on CUDA), threads (CPU)
-      speculation        use_speculative_decoding (None: on when any field below is set),
-                         speculative_method ("draft_model",
-                         "ngram", "prompt_lookup", "suffix", "eagle", "eagle3": draft_model is
-                         then an EAGLE / EAGLE-3 head, "medusa": Medusa heads), draft_model,
-                         spec_length (K), spec_tree, spec_policy ("fixed" or "adaptive"), n-gram
-                         orders and window, the suffix tries' depth, cache and probability floor
-      parallelism        tensor_parallel_size, the placement of embedding, head, draft, the all-reduce
-      sampling           seed (of requests that set none)
+    Groups, each field commented below: model and weights (model: directory, hub id, .gguf
+    file, "dummy:<shape>" or None = demo); batching and memory (kv_cache_backend "paged" or
+    "contiguous"); speed (use_cuda_graphs, compile_kernels, async_scheduling: on for CUDA);
+    speculation (use_speculative_decoding, None: on when a speculation field is set;
+    speculative_method: "draft_model", "ngram", "prompt_lookup", "suffix", "eagle" / "eagle3"
+    with draft_model an EAGLE head, "medusa" with Medusa heads); tensor parallelism; seed.
     """
 
     model: str | None = None  # local directory, hub id or .gguf file; None = the bundled demo target
@@ -64,23 +51,20 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     load_format: str = "auto"  # "auto" | "safetensors" | "dummy" (random weights, for timing)
-    # None | "fp8": the target's linear weights in FP8 (per-channel) | "int4": 4-bit codes in groups
-    # of 128 columns (8-bit head), quantized at load; checkpoints stored quantized load as stored
+    # None | "fp8" (per-channel) | "int4" (groups of 128 columns, 8-bit head): the target's linear
+    # weights quantized at load; checkpoints stored quantized load as stored
     quantization: str | None = None
     draft_quantization: str | None = None  # the same for the draft model (or Medusa heads)
     seed: int = 0  # requests without their own seed sample from seed-derived generators
     threads: int | None = None  # CPU: torch threads; None = by model size (engine/threads.py)
-    # batching and memory
     # running requests; None: sized from the GPU's memory (up to 256), 8 on a CPU (engine/batch_size.py)
     max_batch_size: int | None = None
-    # tokens a sequence holds, prompt and output; None: the model's own context
-    # (max_position_embeddings, a GGUF file's context_length), capped by what the KV memory
-    # holds (engine/batch_size.py); a value above the model's context is cut to it
+    # tokens a sequence holds, prompt and output; None: the model's own context, capped by the KV
+    # memory (engine/batch_size.py); a value above the model's context is cut to it
     max_seq_len: int | None = None
     # tokens a step computes: its decode rows' first, prefill chunks take the rest (longer prompts are chunked)
     max_num_batched_tokens: int = 512
-    # a step with prefill chunks and plain decode rows runs them in one forward, the tokens
-    # packed (False: a forward each, for comparison); rows drafting this step run their own
+    # prefill chunks and decode rows in one forward (False: a forward each, for comparison)
     mixed_batches: bool = True
     batching_mode: str = "continuous"
     kv_cache_backend: str = "paged"
@@ -88,64 +72,50 @@ class EngineConfig:
     num_blocks: int | None = None  # paged: None = enough for max_batch_size x max_seq_len
     kv_cache_memory_bytes: int | None = None  # paged: alternative to num_blocks
     enable_prefix_caching: bool | None = None  # None = on for the paged backend
-    # CUDA graphs of decode and speculation steps; None: on for CUDA devices (False: eager, as
-    # vLLM's enforce_eager; True on a CPU is refused when the engine is built)
+    # CUDA graphs of decode and speculation steps; None: on for CUDA (False: vLLM's enforce_eager)
     use_cuda_graphs: bool | None = None
-    # the largest batch whose EAGLE head rounds run as one CUDA graph each (above it the same
-    # round eagerly); a sampled round's graph keeps [batch, steps, draft vocab] probabilities
+    # the largest batch whose EAGLE head rounds run as one CUDA graph each (above it eagerly)
     cuda_graph_sampling_batch_max: int = 128
     compile_kernels: bool | None = None  # fuse elementwise ops with torch.compile; None = with CUDA graphs
-    # overlapped scheduling: the host prepares step n+1 (and renders step n's tokens) while
-    # the GPU runs step n; None = on for CUDA devices
+    # overlapped scheduling: the host prepares step n+1 while the GPU runs step n; None = on for CUDA
     async_scheduling: bool | None = None
     # speculative decoding; None: on when a field of SPECULATION_FIELDS is set
     use_speculative_decoding: bool | None = None
     speculative_method: str = "draft_model"
-    # dir, hub id or .gguf; None with the demo target = the bundled demo draft. With
-    # speculative_method "eagle" / "eagle3": the head's directory (models/eagle.py); with
-    # "medusa": the Medusa heads' directory (models/loading/medusa_files.py)
+    # dir, hub id or .gguf (None with the demo target: the demo draft); "eagle" / "eagle3": the
+    # head's directory; "medusa": the Medusa heads' directory
     draft_model: str | None = None
-    # a reduced draft vocabulary (speculative_method="draft_model"): the path of a table
-    # `infer draft-vocab` writes; the draft computes logits for its tokens alone
-    # (speculative/draft_vocab.py). None: the draft's whole vocabulary
+    # a reduced draft vocabulary: a table `infer draft-vocab` writes (None: the draft's whole vocabulary)
     spec_draft_vocab: str | None = None
     # K: candidate tokens per speculation round; None: the depth of spec_tree, else DEFAULT_SPEC_LENGTH
     spec_length: int | None = None
-    # tree speculation: children per node at each depth, e.g. "3,2,1,1"; its
-    # depth becomes spec_length. Or dynamic trees (EAGLE-2 style, a draft model only):
-    # "dynamic:N" verifies the N best of the nodes drafted per round, "dynamic:N:B" also
-    # sets B, the nodes expanded per level and children drawn per node (default min(4, N));
-    # their depth is spec_length. None: a chain of spec_length drafts
+    # children per node at each depth, e.g. "3,2,1,1" (its depth becomes spec_length); or dynamic
+    # trees "dynamic:N[:B]": the N best drafted nodes verified, B expanded per level (default
+    # min(4, N)), depth spec_length. None: a chain of spec_length drafts
     spec_tree: str | None = None
     spec_policy: str = "fixed"  # "fixed" K, or "adaptive" K per request (0 = plain decode)
     # speculation is off for a step whose decode batch is larger than this (None: never off)
     spec_disable_batch_size: int | None = None
-    # the batch gate: rounds and plain steps are timed per batch size, and a batch size where
-    # rounds give fewer tokens a second steps plainly (probed again now and then). None: on
-    # for a GPU; off on a CPU, and False anywhere, for outputs that never depend on timing
+    # the batch gate: a batch size where timed rounds give fewer tokens a second steps plainly.
+    # None: on for a GPU, off on a CPU (False: outputs never depend on timing)
     spec_batch_gate: bool | None = None
-    # c, the draft step's cost over the target's, for the adaptive policy; None: measured at
-    # engine start on a GPU, the weight-byte ratio on a CPU (0 for n-gram drafts), and each
-    # round's host overhead timed while running. Given: taken as is, nothing timed
+    # c, the draft step's cost over the target's (adaptive policy); None: measured at start on a
+    # GPU, the weight-byte ratio on a CPU. Given: taken as is, nothing timed
     spec_cost_coefficient: float | None = None
     ngram_max_order: int = 4
     ngram_min_order: int = 2
     ngram_window: int = 512
-    # speculative_method="suffix" (speculative/suffix.py): substrings of up to this many tokens
-    # are counted (a match of m tokens leaves max_depth - m to draft: more than spec_length)
+    # speculative_method="suffix": substrings of up to this many tokens are counted
     spec_suffix_max_depth: int = 48
-    # the cache of finished requests' outputs every request drafts from, in tokens (the oldest
-    # go first; 0: each request drafts from its own tokens alone, and seeded rows repeat exactly)
+    # tokens of finished requests' outputs every request drafts from (0: its own tokens alone)
     spec_suffix_cache_tokens: int = 65536
     spec_suffix_min_prob: float = 0.1  # a draft node's estimated probability must reach this
-    # tensor parallelism (infer.distributed): N ranks, one per GPU, each with 1/N of the
-    # heads and of the MLP; the engine starts ranks 1..N-1 as worker processes
+    # tensor parallelism: N ranks, one per GPU; the engine starts ranks 1..N-1 as worker processes
     tensor_parallel_size: int = 1
     tensor_parallel_embedding: str = "replicated"  # or "vocab_parallel" (V/N rows a rank, one all-reduce)
     tensor_parallel_lm_head: str = "vocab_parallel"  # or "replicated" (every rank computes every logit)
     tensor_parallel_draft: str = "driver"  # the draft model whole on rank 0, or "sharded" like the target
-    # "one-shot": small all-reduces (decode steps) by one kernel over NVLink peer memory
-    # (distributed/one_shot.py), NCCL for the rest; "nccl": NCCL for every all-reduce
+    # "one-shot": small all-reduces by one kernel over peer memory, NCCL for the rest; "nccl": NCCL only
     tensor_parallel_all_reduce: str = "nccl"
 
     def __post_init__(self) -> None:
@@ -180,8 +150,7 @@ class EngineConfig:
         self._check_tree()
 
     def speculation_fields_set(self) -> list[str]:
-        """The SPECULATION_FIELDS holding a value other than their default (spec_length: other
-        than DEFAULT_SPEC_LENGTH, the value a chain gets when it is left unset)."""
+        """The SPECULATION_FIELDS holding a value other than their default (spec_length: DEFAULT_SPEC_LENGTH)."""
         defaults = {f.name: f.default for f in fields(self)}
         return [name for name in SPECULATION_FIELDS
                 if getattr(self, name) not in (defaults[name], *((DEFAULT_SPEC_LENGTH,) if name == "spec_length" else ()))]
@@ -217,8 +186,7 @@ class EngineConfig:
                               self.tensor_parallel_draft, self.tensor_parallel_all_reduce)
 
     def _resolve_speculation(self) -> None:
-        """use_speculative_decoding=None: on when a speculation field is set; False with one
-        set is a contradiction, refused (never silently ignored)."""
+        """use_speculative_decoding=None: on when a speculation field is set; False with one set is refused."""
         given = self.speculation_fields_set()
         if self.use_speculative_decoding is None:
             self.use_speculative_decoding = bool(given)

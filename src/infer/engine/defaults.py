@@ -1,14 +1,7 @@
 """The engine's configuration resolved once, when an engine is built (`resolve_config`):
 the user's `EngineConfig` plus what the device and the model files tell, as one frozen
-`ResolvedConfig` (parts.py); the `EngineConfig` itself is left as it was given.
-
-CUDA graphs (`use_cuda_graphs=None`), with them the fused kernels, and overlapped
-scheduling are on for CUDA devices (`use_cuda_graphs=False`, `--enforce-eager`, runs every
-step eagerly, with the eager kernels unless compile_kernels=True); on a CPU they stay off
-and True is refused with the fix (`check_device_options`). Speculation's batch gate
-(`spec_batch_gate`) is on for CUDA devices, off on a CPU unless asked for. FP8 or int4
-weights on a CPU warn. Context length, batch size and KV pool: engine/batch_size.py.
-docs/architecture.md, "Configuration".
+`ResolvedConfig` (parts.py). CUDA graphs, fused kernels, overlapped scheduling and the batch
+gate default to on for CUDA devices, off on a CPU. docs/architecture.md, "Defaults and start-up".
 """
 
 from __future__ import annotations
@@ -40,9 +33,8 @@ def check_device_options(config: EngineConfig, device: torch.device) -> list[str
 
 
 def resolve_config(config: EngineConfig, models: LoadedModels | None = None) -> ResolvedConfig:
-    """`config` with every default decided (module docstring), warning about slow choices.
-    The device is `config.device`'s, or with `models` already loaded theirs (their configs
-    size the pools; else the config files do, nothing loaded). `config` is not changed."""
+    """`config` with every default decided, warning about slow choices, on `config.device` or
+    the device of `models` already loaded. `config` is not changed."""
     device = next(models.target.parameters()).device if models is not None else resolve_device(config.device)
     for warning in check_device_options(config, device):
         log.warning(warning)

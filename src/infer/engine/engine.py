@@ -1,12 +1,8 @@
 """Engine: owns the model(s), the scheduler and the runner; one synchronous `step()`.
 
-`add_request` validates and queues, `abort` frees a request's slot and KV blocks at once,
-`step` runs one scheduled step and returns (request, StepOutput) pairs; a request may
-appear several times per step (speculative decoding). `AsyncEngine` (async_engine.py) runs
-this loop in a background thread for the server. With tensor_parallel_size N > 1 this
-process is rank 0: the executor factory (`executor.factory.start_parallel`) starts N-1
-worker ranks and the runner's forwards run on every rank; `close()` ends them
-(docs/architecture.md, "Tensor parallelism").
+`add_request` validates and queues, `abort` frees a request's memory at once, `step` returns
+(request, StepOutput) pairs (a request may appear several times per step). With
+tensor_parallel_size N > 1 this process is rank 0 and starts N-1 worker ranks; `close()` ends them.
 """
 
 from __future__ import annotations
@@ -48,14 +44,12 @@ class Engine:
         self.config = config
         self._checked: Checked | None = None
         if models is None and config.tensor_parallel_size > 1:
-            # the worker ranks read weights as soon as they start: the tokenizer and the
-            # draft pair are checked first (what it built serves this rank's loading)
+            # the workers read weights as soon as they start: check tokenizer and draft pair first
             self._checked = check_before_loading(load_part(config))
         self.startup = StartupTimes()
         with self.startup.phase("load"):  # (the other ranks start loading their shards now)
             self.parallel = start_parallel(config, models)  # None: one rank, this process
         try:
-            # CUDA graphs on CUDA, context length, batch size, KV pool (None: from the device and model)
             self.resolved = resolve_config(config, models)
             with self.startup.phase("load"):
                 self.models = models or self._load_models()
@@ -94,9 +88,7 @@ class Engine:
                            medusa=self.models.medusa if drafting else None)
 
     def close(self) -> None:
-        """Shut the worker ranks down and leave their process group (tensor parallelism;
-        idempotent, and also done when the engine is garbage-collected or at exit). An
-        engine of one rank holds nothing that needs it."""
+        """Shut the tensor-parallel worker ranks down (idempotent; also done at garbage collection or exit)."""
         if self.parallel is not None:
             self.parallel.close()
 
@@ -113,8 +105,8 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, compiled: CompiledGrammar | None = None) -> Request:
-        """Validate and queue a request. `compiled`: its structured output's grammar, compiled
-        elsewhere (`self.grammars`, or the server's workers); None compiles it here."""
+        """Validate and queue a request (ValueError naming what to fix). `compiled`: its structured
+        output's grammar compiled elsewhere; None compiles it here."""
         params = sampling_params or SamplingParams()
         ids = list(prompt_token_ids)
         self.validate_prompt(ids, params)
@@ -150,8 +142,7 @@ class Engine:
                              f"pool holds {capacity}: raise num_blocks / kv_cache_memory_bytes")
 
     def check_speculation(self, params: SamplingParams) -> None:
-        """ValueError when `params.speculation` asks for more than this engine drafts (a K
-        above its spec_length, or any K without speculative decoding)."""
+        """ValueError when `params.speculation` asks for more than this engine drafts."""
         spec = self.resolved.speculative
         check_request_speculation(params.speculation, None if spec is None else spec.length)
 
@@ -190,9 +181,8 @@ class Engine:
         return out
 
     def reset_draft_history(self) -> None:
-        """Forget what drafting learnt from finished requests (suffix decoding's cache of their
-        outputs); running requests keep their own. Benchmarks call it before each timed run,
-        so that a repeat of a workload does not draft from the run before it."""
+        """Forget what drafting learnt from finished requests (suffix decoding's cache), e.g.
+        before each timed benchmark run."""
         proposer = self.runner.speculation.proposer if self.runner.speculation is not None else None
         if isinstance(proposer, SuffixProposer):
             proposer.reset_history()
@@ -211,8 +201,7 @@ class Engine:
         return results
 
     def _fail_faulted(self) -> StepResult:
-        """Finish the requests whose own work failed this step (`Request.fault`) with an
-        error; the rest of the batch goes on."""
+        """Finish the requests whose own work failed this step (`Request.fault`) with an error."""
         results: StepResult = []
         for request in [r for r in self._requests.values() if r.fault is not None and not r.is_finished]:
             self.scheduler.remove(request)

@@ -1,14 +1,7 @@
-"""The worker-process side of compiling grammars: `start` (a pool's initializer) builds the
-process's compiler for one tokenizer, `compile_serialized` compiles one spec under a memory
-limit and returns the compiled grammar as xgrammar's JSON (`Grammars.load` reads it back).
-
-A worker compiles one grammar at a time, so a compile that runs too long can be ended by
-killing its process (the pool does that), and one that needs too much memory fails inside
-it: before each compile the process's address space may grow by at most `memory_limit`
-bytes more (RLIMIT_AS), and xgrammar's allocation failure becomes a MemoryError. A worker
-runs at a lower CPU priority (nice `NICENESS`), so that compiles yield the cores to the
-engine and the event loop. The compiler is the one piece of state of the process, set once
-by `start` (as a process pool's initializer must, its tasks being plain functions).
+"""The worker-process side of compiling grammars: `start` (a pool's initializer, at nice
+`NICENESS`) builds the process's compiler for one tokenizer, `compile_serialized` compiles one
+spec under an address-space limit (RLIMIT_AS) and returns it as xgrammar's JSON
+(`Grammars.load` reads it back). docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

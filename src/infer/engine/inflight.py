@@ -1,13 +1,8 @@
 """A decode step in flight: the tokens it sampled, or a round's verdict, still on the device.
 
-Overlapped scheduling (`EngineConfig.async_scheduling`) queues step n+1's GPU work before
-the host reads step n's tokens. Step n leaves an `InFlight`: its requests, their sampled
-ids on the device (the next step gathers its input ids from there, `input_ids`), and a
-copy of them to pinned host memory queued right after the sampling, with an event: the
-host reads them (`host_tokens`) waiting for step n's work only, not for the step queued
-behind it. Two pinned buffers are used in turn, so step n+1's copy never overwrites the
-buffer step n's tokens are being read from. A round of chains is left in flight alike
-(`RoundInFlight`) when the next round can follow it on the device (`Proposer.can_follow`).
+Overlapped scheduling queues step n+1's GPU work before the host reads step n's tokens:
+`InFlight` holds them on the device with a pinned host copy (two buffers used in turn),
+`RoundInFlight` a round of chains. docs/architecture.md, "Overlapped scheduling".
 """
 
 from __future__ import annotations
@@ -63,10 +58,8 @@ class InFlight:
         return id(request) in self.rows
 
     def input_ids(self, requests: Sequence[Request]) -> torch.Tensor:
-        """[B, 1] input ids of a decode step on the device: each request's newest token, taken
-        from this step's sampled tokens where it is still in flight. The steady state (the
-        same requests, in order) reads them in place; otherwise one copy brings the rows
-        and the host's ids."""
+        """[B, 1] input ids of a decode step on the device: each request's newest token, from
+        this step's sampled tokens where it is still in flight."""
         rows = [self.rows.get(id(r), -1) for r in requests]
         if rows == list(range(len(requests))):
             return self.tokens[:len(requests), None]
@@ -82,9 +75,8 @@ class InFlight:
 
 @dataclass
 class RoundInFlight:
-    """A round of chains whose verdict the host has not read (`ModelRunner._settle` reads
-    it): each row counted as if all k drafts were accepted (k + 1 more computed positions
-    and pending tokens), corrected then."""
+    """A round of chains whose verdict the host has not read, each row counted as if all k
+    drafts were accepted until `ModelRunner._settle` corrects it."""
 
     requests: list[Request]
     drafts: list[Draft]

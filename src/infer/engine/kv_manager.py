@@ -1,13 +1,8 @@
 """KVManager: the memory every request holds, owned by the scheduler.
 
-Capacity, admission and growth of the target's KV pool and of the pools other parts keep
-per request (a draft model's), in one place. A part with memory of its own registers a
-`KVHolder` (speculation does, for its proposer); the scheduler asks the manager, never the
-runner, whether a request can be admitted, how many positions its next decode step may write
-(`decode_widths`: 1, or the blocks a speculation round may take, largest first), and to grow
-or free its memory. A part whose per-request state is built from the prompt and must be
-the same after a prefix-cache hit (an EAGLE head's KV) registers a `PrefixRestorer`: the
-target's hit is taken only as far as that state is restored with it.
+Admission and growth of the target's KV pool and of the pools other parts keep per request
+(`KVHolder`, e.g. a draft model's). A part whose prompt state must survive a prefix-cache hit
+(an EAGLE head's KV) registers a `PrefixRestorer`: the hit is taken only as far as it restores.
 """
 
 from __future__ import annotations
@@ -47,8 +42,7 @@ class PrefixRestorer(Protocol):
         ...
 
     def restore(self, request: Request, tokens: int) -> None:
-        """Take its state of the first `tokens` prompt tokens (<= `restorable`): the
-        target's cache holds them for the request, which computes from there."""
+        """Take its state of the first `tokens` prompt tokens (<= `restorable`)."""
         ...
 
 
@@ -85,15 +79,12 @@ class KVManager:
             restorer.restore(request, request.num_computed_tokens)
 
     def decode_widths(self, request: Request) -> list[int]:
-        """Positions the request's next decode step may write, largest first (never past
-        max_seq_len nor past what it can still emit: the length guards shrink a round there);
-        the last is 1, a plain step, which the scheduler falls back to when memory is short."""
+        """Positions the request's next decode step may write, largest first; the last is 1 (a plain step)."""
         return [1] if self.widths is None else self.widths(request)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        """Room for positions < total_tokens in every pool; False when memory is short (the
-        scheduler preempts). One position is a plain step's: the holders write nothing then
-        (a draft catches up, its cache grown, when the request drafts again)."""
+        """Room for positions < total_tokens in every pool; False when memory is short. A plain
+        step (one position) grows no holder's memory."""
         assert request.slot is not None
         return self.pool.ensure_capacity(request.slot, total_tokens) and (
             total_tokens <= request.num_computed_tokens + 1

@@ -1,16 +1,8 @@
 """Loading what an engine runs on: target model, optional draft model or heads, tokenizer.
 
-A model (or draft) may be a directory, a hub id or a llama.cpp GGUF file (which carries its
-own tokenizer). Without `model` the bundled demo target is used (`demo_model_path`; with
-speculation and no `draft_model`, the bundled demo draft, or for "eagle3" the demo target's
-EAGLE-3 head), so a fresh install works with no download; `load_part` resolves an
-`EngineConfig` into the loading part the functions here take. `check_before_loading` checks
-everything files can tell before any weight is read: the tokenizer builds, a draft's
-vocabulary pairs with the target's (engine/pairing.py), an EAGLE head's or Medusa heads'
-config fits the target (`head_config`, `check_medusa`), a reduced draft vocabulary's table
-indexes the target's vocabulary (`draft_vocab_table`). `load_models` returns `LoadedModels`
-(a reduced vocabulary's draft keeping its rows); with heads, the target gets a
-`HiddenCapture` of the points they read.
+A model may be a directory, a hub id or a GGUF file; without `model` the bundled demo models
+are used. `check_before_loading` checks what files can tell before any weight is read;
+`load_models` returns `LoadedModels` (with heads, the target gets a `HiddenCapture`).
 """
 
 from __future__ import annotations
@@ -81,9 +73,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def model_sources(config: EngineConfig) -> tuple[str, str | None, str | None, str | None]:
-    """(target, draft model, EAGLE head, Medusa heads) `config` loads: the bundled demo pair
-    (or the demo target's EAGLE-3 head) where no model was given; the draft's files by
-    speculative method (None for the others)."""
+    """(target, draft model, EAGLE head, Medusa heads) `config` loads, the demo's where no model
+    was given (None for the methods not used)."""
     method = config.speculative_method if config.use_speculative_decoding else None
     target = config.model if config.model is not None else str(DEMO_TARGET)
     demo = config.model is None and config.draft_model is None
@@ -98,8 +89,7 @@ def model_sources(config: EngineConfig) -> tuple[str, str | None, str | None, st
 
 
 def load_part(config: EngineConfig, device: torch.device | None = None) -> LoadConfig:
-    """`config`'s loading part: `model_sources`, the device (`config.device`'s unless given)
-    and the dtype decided."""
+    """`config`'s loading part, its sources, device (`config.device`'s unless given) and dtype decided."""
     device = device if device is not None else resolve_device(config.device)
     target, draft_model, head, medusa = model_sources(config)
     return LoadConfig(target, config.tokenizer or target, device, model_dtype(config.dtype, device),
@@ -108,8 +98,7 @@ def load_part(config: EngineConfig, device: torch.device | None = None) -> LoadC
 
 
 def load_models_for(config: EngineConfig, device: torch.device | None = None) -> LoadedModels:
-    """`load_models` of `config`'s parts, for a context of `config.max_seq_len` (the
-    benchmarks' and tests' models outside an engine)."""
+    """`load_models` of `config`'s parts, outside an engine (benchmarks, tests)."""
     return load_models(load_part(config, device), config.speculative_part(), max_seq_len=config.max_seq_len)
 
 
@@ -126,9 +115,8 @@ Checked = tuple[Tokenizer | None, VocabMap | None]  # the target's tokenizer, a 
 
 
 def check_before_loading(load: LoadConfig) -> Checked:
-    """The target's tokenizer, built, and the draft model (if any) checked against the target
-    (its `VocabMap` when its vocabulary differs), from config files, GGUF metadata and
-    tokenizer files only: no weight is read."""
+    """(the target's tokenizer, the draft's `VocabMap` when its vocabulary differs), the draft
+    checked against the target from config and tokenizer files only."""
     tokenizer = load_tokenizer(load.tokenizer)
     if load.draft_model is None:
         return tokenizer, None
@@ -161,10 +149,8 @@ def load_target(load: LoadConfig, shard: ModelShard | None = None, *, max_seq_le
 
 def load_draft(load: LoadConfig, target: LlamaForCausalLM, shard: ModelShard | None = None,
                vocab_map: VocabMap | None = None, *, max_seq_len: int | None) -> LlamaForCausalLM:
-    """The draft model, in the target's dtype (with a `shard`: that rank's part), its
-    vocabulary reduced to `draft_vocab`'s table (`vocab_map`: a draft of another
-    vocabulary's map, through which the table's target ids reach the draft's rows);
-    `max_seq_len` as `load_target`'s."""
+    """The draft model in the target's dtype (with a `shard`: that rank's part), its vocabulary
+    reduced to `draft_vocab`'s table (through `vocab_map` for another vocabulary)."""
     assert load.draft_model is not None
     draft = load_model(load.draft_model, dtype=next(target.parameters()).dtype, device=load.device,
                        load_format=load.load_format, quantization=load.draft_quantization, shard=shard,
@@ -178,11 +164,9 @@ def load_draft(load: LoadConfig, target: LlamaForCausalLM, shard: ModelShard | N
 def load_models(load: LoadConfig, speculative: SpeculativeConfig | None = None,
                 target_shard: ModelShard | None = None, draft_shard: ModelShard | None = None, *,
                 max_seq_len: int | None, checked: Checked | None = None) -> LoadedModels:
-    """Target, draft or heads (what `load` names) and tokenizer; `speculative`: the method and
-    K the heads are checked against. Under tensor parallelism the driver passes its rank's
-    shards (a draft without a shard loads whole). `max_seq_len`: the context the models will
-    run, refused past a sliding window (None: unchecked). `checked`: what
-    `check_before_loading` already gave for `load` (None: it runs here)."""
+    """Target, draft or heads (what `load` names) and tokenizer; `speculative`: the method and K
+    the heads are checked against; shards under tensor parallelism (a draft without one loads
+    whole); `max_seq_len` as `load_target`'s; `checked`: `check_before_loading`'s result."""
     tokenizer, vocab_map = check_before_loading(load) if checked is None else checked
     draft_vocab_table(load)  # (refused here, before any weight is read)
     method = speculative.method if speculative is not None else None
@@ -202,8 +186,7 @@ def load_models(load: LoadConfig, speculative: SpeculativeConfig | None = None,
 
 
 def draft_vocab_table(load: LoadConfig) -> DraftVocab | None:
-    """The reduced draft vocabulary's table (`draft_vocab`), checked against the target's
-    vocabulary from its config file alone."""
+    """The reduced draft vocabulary's table, checked against the target's vocabulary size."""
     if load.draft_vocab is None:
         return None
     table = load_table(load.draft_vocab)
@@ -241,8 +224,7 @@ def check_medusa(load: LoadConfig, depth: int) -> None:
 
 
 def load_medusa(load: LoadConfig, target: LlamaForCausalLM) -> MedusaHead:
-    """The Medusa heads (target's dtype and device, `draft_quantization`), and the target's
-    capture of its final normed output, which they read."""
+    """The Medusa heads (target's dtype and device), and the target's capture of its final normed output."""
     assert load.medusa is not None
     norm = target.model.norm.weight  # (in the model's dtype whatever its linears are stored as)
     if is_dummy_medusa(load.medusa):

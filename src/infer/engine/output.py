@@ -1,11 +1,9 @@
 """OutputProcessor: turns sampled tokens into StepOutputs and decides when a request stops;
 RequestOutput / CompletionOutput: what `LLM.generate` returns (vLLM's shape).
 
-Stop conditions, in the order checked after each appended token: EOS ids (unless
-ignore_eos), stop token ids, stop strings (the text is cut before the stop string and
-nothing after it is ever emitted: text that could still become a stop string is held back
-until it cannot), max_tokens, max_seq_len. Speculative runners append accepted tokens one
-by one through the same path, so a stop inside an accepted run ends the output there.
+Stop conditions, checked after each token: EOS ids (unless ignore_eos), stop token ids, stop
+strings (text cut before them; text that could still become one is held back), max_tokens,
+max_seq_len. Accepted speculative tokens go through the same path one by one.
 """
 
 from __future__ import annotations
@@ -60,14 +58,10 @@ class _Accepted:
 
 
 class OutputProcessor:
-    """Tokens become StepOutputs in two phases. `accept` records a token id as soon as the
-    host knows it, and decides the finishes that depend on ids alone (EOS, stop token ids,
-    max_tokens, max_seq_len: the request is then `stop_pending` and is scheduled no more).
-    `render` detokenizes the accepted tokens in order, checks stop strings (a stop string
-    cuts the text and drops the tokens accepted after it), and builds the StepOutputs; a
-    request is FINISHED once its last token is rendered. Synchronous scheduling renders
-    right after accepting; overlapped scheduling renders one step later, while the GPU
-    runs the next step."""
+    """Tokens become StepOutputs in two phases. `accept` records a token id and decides the
+    finishes that depend on ids alone (the request is then `stop_pending`). `render`
+    detokenizes in order, checks stop strings (dropping tokens after a hit) and builds the
+    StepOutputs; a request is FINISHED once its last token is rendered."""
 
     def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], max_seq_len: int) -> None:
         self.tokenizer = tokenizer
@@ -182,10 +176,8 @@ def _held_back(text: str, stops: tuple[str, ...], emitted: int) -> int:
 
 
 class StepRender:
-    """The outputs of one engine step, rendered in two parts: the tokens accepted before the
-    step (its backlog: the previous step's, overlapped), once, as soon as the runner has
-    queued the step's GPU work (`backlog`, or at the latest `finish`); then, unless they
-    wait for the next step, the tokens the step accepted itself (`finish`)."""
+    """The outputs of one engine step: the tokens accepted before it (`backlog`, rendered once
+    the step's GPU work is queued), then those it accepted itself (`finish`)."""
 
     def __init__(self, output: OutputProcessor) -> None:
         self.output = output

@@ -1,13 +1,8 @@
 """Whether a draft model can speculate for a target, decided from their files alone.
 
-`check_pair` compares what the config files (or GGUF metadata) and tokenizer files say,
-before either model's weights are read (engine/loading.py calls it): the same vocabulary
-(as many logits, the same token at every id both tokenizers define) proposes target ids
-directly; another vocabulary drafts over the tokens both share, matched by their bytes (a
-`VocabMap`, speculative/foreign_draft.py) when they share at least MIN_SHARED of the smaller
-vocabulary, the fraction logged; a pair sharing less, or of another size without tokenizers
-to compare (dummy shapes), is refused with what to do. The draft's own stop ids do not
-matter: the target's decide when a request ends.
+`check_pair`: the same vocabulary proposes target ids directly; another drafts over the
+tokens both share (a `VocabMap`) when they share at least MIN_SHARED of the smaller one;
+otherwise it is refused with what to do. The target's stop ids decide when a request ends.
 """
 
 from __future__ import annotations
@@ -44,9 +39,7 @@ class VocabularyFacts:
 def check_pair(target: VocabularyFacts, draft: VocabularyFacts) -> VocabMap | None:
     """None when `draft` proposes target ids directly, a `VocabMap` when it drafts over the
     tokens the two share; ValueError, saying what to do, when it cannot draft for `target`.
-
-    Ids a tokenizer does not define (padding rows of a larger embedding) are not compared.
-    """
+    Ids a tokenizer does not define (padding rows) are not compared."""
     differ = _differing_ids(target, draft)
     if draft.logits == target.logits and not differ:
         return None

@@ -1,12 +1,8 @@
 """The engine's resolved configuration: frozen parts, each validated on construction.
 
-`EngineConfig` (config.py) is the flat front door; `resolve_config` (defaults.py) turns it,
-with what the device and the model files tell, into one `ResolvedConfig` when an engine is
-built: `load` (weights, device, dtype), `cache` (the KV pools), `scheduler` (batch, token
-budget, context), `speculative` (None: no speculation), `parallel` (tensor parallelism) and
-`execution` (CUDA graphs, fused kernels, overlapped scheduling). Each component reads the
-part it needs; nothing changes a part once built. docs/architecture.md, "Configuration".
-Importing this module imports no torch (the command line's --help does not need it).
+`resolve_config` (defaults.py) turns an `EngineConfig` into one `ResolvedConfig` of parts
+(`load`, `cache`, `scheduler`, `speculative`, `parallel`, `execution`); each component reads
+the part it needs. docs/architecture.md, "Configuration". Importing it imports no torch.
 """
 
 from __future__ import annotations
@@ -75,7 +71,6 @@ def check_pool_options(backend: str, num_blocks: int | None, memory_bytes: int |
     if backend == "contiguous" and (num_blocks or memory_bytes):
         raise ValueError("num_blocks / kv_cache_memory_bytes apply to kv_cache_backend='paged' only")
     if prefix_caching and backend != "paged":
-        # prefix sharing needs blocks; silently ignoring it would surprise the user
         raise ValueError("enable_prefix_caching=True requires kv_cache_backend='paged' "
                          "(set enable_prefix_caching=False for the contiguous backend)")
 
@@ -100,9 +95,8 @@ def check_graphs_device(use_cuda_graphs: bool | None, device: torch.device) -> N
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    """The models and their weights: where they come from (the bundled demo's filled in where
-    nothing was given: `engine/loading.load_part`), on which device, in which dtype. At most
-    one of `draft_model`, `head` and `medusa` is set: the files speculation drafts with."""
+    """The models and their weights: where they come from, on which device, in which dtype.
+    At most one of `draft_model`, `head` and `medusa` is set."""
 
     model: str  # the target: a directory, hub id, .gguf file or "dummy:<shape>"
     tokenizer: str  # the target's tokenizer (its own files unless given)
@@ -131,9 +125,8 @@ class LoadConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    """The KV pools: their backend, blocks, size and prefix caching, for `max_batch_size`
-    sequences of up to `max_seq_len` tokens (num_blocks None: that many tokens, or the
-    `memory_bytes` given)."""
+    """The KV pools for `max_batch_size` sequences of up to `max_seq_len` tokens (num_blocks
+    None: that many tokens, or the `memory_bytes` given)."""
 
     backend: str
     max_batch_size: int
@@ -248,8 +241,7 @@ class SpeculativeConfig:
 
     @property
     def row_tokens(self) -> int:
-        """The most tokens one decode row puts in a forward: a round's block (g and a chain
-        of K, or a tree's nodes)."""
+        """The most tokens one decode row puts in a forward: g and a chain of K or a tree's nodes."""
         return 1 + (self.tree.num_nodes if self.tree is not None else self.length)
 
 
@@ -290,8 +282,7 @@ class ExecutionConfig:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedConfig:
-    """The engine's whole configuration, every default decided (module docstring); the
-    checks across parts run here."""
+    """The engine's whole configuration, every default decided; checks across parts run here."""
 
     load: LoadConfig
     cache: CacheConfig

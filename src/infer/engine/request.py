@@ -1,9 +1,7 @@
 """Request and StepOutput: one generation job and one token event of it.
 
-A request receives one StepOutput per generated token. With speculative decoding one engine
-step can accept several tokens for the same request, so a request may receive *several*
-StepOutputs in one step, in order; consumers (LLM.generate, the server's SSE stream) just
-read them one after another.
+A request receives one StepOutput per generated token, in order; with speculative decoding
+one engine step may give it several.
 """
 
 from __future__ import annotations
@@ -60,22 +58,17 @@ class Request:
     finish_reason: FinishReason | None = None
     slot: int | None = None
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (prefill progress)
-    # tokens sampled by a step in flight whose ids the host does not have yet (overlapped
-    # scheduling: they stay on the device and feed the next step)
+    # tokens sampled by a step in flight whose ids the host does not have yet (overlapped scheduling)
     pending_tokens: int = 0
-    # a finish decided when a token id was accepted (EOS, stop id, length), before the
-    # token is rendered: the request is scheduled no more
+    # a finish decided on a token id before it is rendered: the request is scheduled no more
     stop_pending: FinishReason | None = None
     generator: torch.Generator = field(init=False)
-    # the structured output's grammar state (SamplingParams.structured), set by the engine
     grammar: GrammarState | None = None
-    # a fault of this request's own work (its grammar, its logits, its drafts): the engine
-    # fails it once the step is done (`speculative.faults`)
+    # a fault of this request's own work: the engine fails it once the step is done
     fault: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    # speculative decoding statistics
     speculation_acceptance_rates: list[float] = field(default_factory=list)
     spec_rounds: int = 0
     spec_tokens_emitted: int = 0

@@ -1,16 +1,9 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode, room)` runs one pass of the target's flat forward (`ForwardFn.run`)
-over every row of the step: the prefill chunks, each decode row, and each round's
-verification block with its tree rule (two passes with `mixed_batches` off). The decode
-part: depths (`Speculation.depths`; 0 everywhere is a plain step whose tokens stay on the
-device), proposals over the round's shape, verification in the same pass
-(`engine/verification.py`), then acceptance: a tree's accepted K/V move into sequence
-order, the target and the proposer roll back to n + a + 1, and tokens are emitted in order
-(a stop inside an accepted run ends the request there). Overlapped, a round drafted
-ahead for every row stays in flight and the next round follows it on the device, its
-verdict read a round late (`_settle`; docs/speculation.md, "Rounds in flight"). Overlapped
-scheduling (`inflight.py`) and the rest: docs/architecture.md, "One engine step".
+`step(prefill, decode, room)` runs one flat forward over the prefill chunks, the decode rows
+and each round's verification block, then accepts: a tree's accepted K/V move into sequence
+order, caches roll back to n + a + 1, tokens are emitted in order. docs/architecture.md,
+"One engine step"; docs/speculation.md, "Rounds in flight".
 """
 
 from __future__ import annotations
@@ -71,8 +64,7 @@ class ModelRunner:
         self.cache_pool = executor.make_pool(model, config.cache, prefix_caching=config.cache.prefix_caching)
         self.output = OutputProcessor(tokenizer, eos_token_ids, config.scheduler.max_seq_len)
         self.kernels = step_kernels(execution, self.device, model)
-        # the target's one forward: every step's rows (prefill chunks, decode rows, verification
-        # blocks) in one flat batch; CUDA graphs by token count on a GPU
+        # every step's rows in one flat batch; CUDA graphs by token count on a GPU
         spec = ForwardSpec(execution.use_cuda_graphs, batch, kernels=self.kernels, tokens=batch * config.max_row_tokens,
                            trees=config.speculative is not None and config.speculative.tree is not None)
         self.forward_fn: ForwardFn = executor.make_forward(model, self.cache_pool, spec)
@@ -88,8 +80,6 @@ class ModelRunner:
             self.speculation.start(self.forward_fn, self.cache_pool, model)
             self.verification = Verification(model.config.vocab_size, self.device, self.speculation.tree)
         # overlapped scheduling: a step's tokens stay on the device until the next step is queued
-        # (on by default on GPUs: under tensor parallelism the next step's message and launch
-        # then overlap the step in flight on every rank)
         self.overlap = execution.async_scheduling
         self._inflight: InFlight | None = None
         self._round: RoundInFlight | None = None  # a round whose verdict the host has not read
@@ -106,8 +96,7 @@ class ModelRunner:
         return None if self.speculation is None else self.speculation.stats
 
     def kv_manager(self) -> KVManager:
-        """The scheduler's KV manager over this runner's pools (the proposer's registered;
-        an EAGLE head's prompt blocks are cached with the target's: `EagleProposer.share_prefixes`)."""
+        """The scheduler's KV manager over this runner's pools, the proposer's registered."""
         widths = None if self.speculation is None else self.speculation.decode_widths
         kv = KVManager(self.cache_pool, self.config.cache.prefix_caching, widths)
         if self.speculation is not None:
@@ -120,8 +109,7 @@ class ModelRunner:
         return kv
 
     def forget(self, request: Request) -> None:
-        """A finished request leaves: drop its output state and what the speculation policy
-        learnt of it (its memory: `KVManager.release`)."""
+        """Drop a finished request's output and speculation-policy state (memory: `KVManager.release`)."""
         if request.is_finished:
             self.output.release(request.request_id)
             if self.speculation is not None:
@@ -135,19 +123,15 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
              room: Sequence[int] | None = None) -> StepResult:
-        """Run a scheduled step; returns the StepOutputs rendered now. Synchronously: this
-        step's. Overlapped: the step in flight's tokens are accepted once this step's GPU work
-        is queued (the host works while the GPU does), so outputs come one step late. `room`:
-        the KV positions the scheduler reserved for each decode row (None: a full round's)."""
+        """Run a scheduled step -> the StepOutputs rendered now (overlapped: one step late).
+        `room`: the KV positions reserved for each decode row (None: a full round's)."""
         clock = None if self.speculation is None else self.speculation.clock
         start = self._time()
         self._step_kind, self._settled = None, None
-        # with speculation, each row's draft depth is decided before anything is queued
         self._planned = self.speculation.depths(decode, room) if self.speculation is not None and decode else None
         if self._inflight is not None and not self._overlaps(prefill, decode):
             self._resolve()  # the host needs that step's tokens before this one
         if self._round is not None and not self._follows(prefill, decode):
-            # (this step does not follow it on the device; the room reserved for its rows kept)
             spec = self.speculation
             assert spec is not None
             widths = room if room is not None else [spec.width(spec.spec_length)] * len(decode)
@@ -169,9 +153,8 @@ class ModelRunner:
         return outputs
 
     def _follows(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
-        """Whether this step's round follows the round in flight on the device (queued before
-        the host reads its verdict): the same requests in order, no prefill chunk, every row
-        the round's k drafted ahead (`Proposer.can_follow`)."""
+        """Whether this step's round can be queued behind the round in flight before its
+        verdict is read: same requests in order, no prefill, every row's k drafted ahead."""
         flight, planned, spec = self._round, self._planned, self.speculation
         assert flight is not None and spec is not None
         return (not prefill and planned is not None and len(decode) == len(flight.requests)
@@ -179,10 +162,8 @@ class ModelRunner:
                 and all(k == flight.k for k in planned) and spec.can_follow(decode, flight.k))
 
     def _overlaps(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request]) -> bool:
-        """Whether this step may be queued before the host has the step in flight's tokens:
-        not when a round drafts (its proposals read them), nor when a request's sampling reads
-        its context (penalties) or its grammar's state, or returns log-probabilities, nor for
-        a prefill chunk of a request with a token in flight."""
+        """Whether this step may be queued before the host has the step in flight's tokens
+        (not with drafts, penalties, a grammar, logprobs, or a prefill of a request with a token in flight)."""
         if any(self._planned or ()):
             return False
         requests = [*decode, *(r for r, _ in prefill)]
@@ -191,9 +172,8 @@ class ModelRunner:
 
     def _launch(self, prefill: Sequence[tuple[Request, int]], decode: Sequence[Request],
                 render: StepRender) -> InFlight | None:
-        """Queue this step's work: the drafts, then one forward of every row (or, without
-        `mixed_batches`, one for the prefill chunks and one for the decode rows). Sampled
-        tokens stay on the device (None: no token left in flight, a round accepted its own)."""
+        """Queue the drafts and the step's forward(s); sampled tokens stay on the device
+        (None: no token left in flight)."""
         depths = self._planned if self._planned is not None else [0] * len(decode)
         self._planned = None
         drafts = self._propose(decode, depths) if any(depths) else None
@@ -222,9 +202,8 @@ class ModelRunner:
 
     def _pass(self, chunks: Sequence[tuple[Request, int]], decode: Sequence[Request], drafts: list[Draft] | None,
               render: StepRender) -> list[Sampled]:
-        """One forward: the decode rows first (one token each, or a round's blocks), then
-        the prefill chunks; then sampling (plain rows and chunks that end their prompt) or
-        verification (a round's blocks, accepted now)."""
+        """One forward of the decode rows (or a round's blocks) then the prefill chunks; then
+        sampling or verification."""
         if not chunks and not decode:
             return []
         flight, self._round = self._round, None  # (still set here: this round follows it, `_follows`)
@@ -271,9 +250,8 @@ class ModelRunner:
 
     def _defer(self, decode: Sequence[Request], drafts: Sequence[Draft], verdict: Verdict,
                starts: Sequence[int]) -> bool:
-        """Leave a round of chains in flight (overlapped scheduling) when the next round can
-        follow it on the device (`Proposer.can_follow`): each row counted as if all k drafts
-        were accepted, k + 1 positions and k + 1 tokens pending, until `_settle`."""
+        """Leave a round of chains in flight when the next round can follow it on the device:
+        each row counted as if all k drafts were accepted (k + 1 pending) until `_settle`."""
         k = drafts[0].num_proposed
         spec = self.speculation
         if not self.overlap or spec is None or k == 0 or verdict.block.frame is not None \
@@ -291,12 +269,9 @@ class ModelRunner:
         return False
 
     def _settle(self, flight: RoundInFlight, followed: bool, keep: dict[int, int]) -> None:
-        """Read the round in flight's verdict and accept it: each row's count corrected by
-        the drafts not accepted and its cache cut there, keeping keep[id(request)] positions
-        past it (`followed`: the block of the round queued after it, when not counted yet;
-        else the room the scheduler reserved for this step's rows), the proposer told
-        (`followed`: that round already fed its rows, `Proposer.on_accepted`), the tokens
-        emitted. A preempted row, its memory gone, only takes its tokens."""
+        """Read the round in flight's verdict and accept it: counts corrected, caches cut keeping
+        keep[id(request)] positions past (`followed`: positions the next round wrote; else reserved
+        room), tokens emitted. A preempted row only takes its tokens."""
         if flight is self._round:
             self._round = None
         spec = self.speculation
@@ -329,8 +304,7 @@ class ModelRunner:
         return self.verification
 
     def _plain_rows(self, decode: Sequence[Request]) -> tuple[list[Row], DeviceIds | None]:
-        """One row per decode request: its newest token, from the step in flight when it is
-        still on the device (overlapped scheduling), else from the host."""
+        """One row per decode request: its newest token, from the device when still in flight."""
         inflight = self._inflight
         if inflight is None:
             return [Row(r.slot, r.num_computed_tokens, [r.last_token_id]) for r in decode], None
@@ -340,8 +314,7 @@ class ModelRunner:
 
     def _observe(self, decode: Sequence[Request], chunks: Sequence[tuple[Request, int]], starts: list[int],
                  plain: bool) -> None:
-        """Tell the proposer which of this forward's tokens committed (a round's: at `_accept`),
-        and which prompts were prefilled (host work that helps their first proposals)."""
+        """Tell the proposer which of this forward's tokens committed and which prompts were prefilled."""
         if self.speculation is None:
             return
         spec, d = self.speculation, len(decode)
@@ -361,8 +334,7 @@ class ModelRunner:
                 self.cache_pool.register_prefix(request.slot, request.prompt_token_ids)
 
     def _sampled(self, requests: Sequence[Request], logits: torch.Tensor) -> Sampled:
-        """A token per request from its logits row [B, V] (left on the device), with the
-        log-probabilities of those asking for them."""
+        """A token per request from logits [B, V] (left on the device), with logprobs where asked."""
         params = [r.sampling_params for r in requests]
         vocab = self.model.config.vocab_size
         if not all(p.greedy for p in params) and all(temperature_only(p, vocab) and p.logprobs is None
@@ -375,9 +347,7 @@ class ModelRunner:
         return list(requests), tokens, self.logprobs(requests, logits, tokens)
 
     def _resolve(self) -> None:
-        """Accept the tokens of the step in flight (if any). A request that finished meanwhile
-        (aborted, or a finish learnt a step late) drops its token: a wasted row, never a
-        wrong token."""
+        """Accept the step in flight's tokens; a request finished meanwhile drops its token."""
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
@@ -396,10 +366,8 @@ class ModelRunner:
 
     def _accept(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult,
                 paths: Paths, starts: Sequence[int]) -> int:
-        """Move the accepted paths into sequence order and roll the caches back, record
-        metrics, accept the tokens in order (up to a finish their ids decide: EOS, a stop id,
-        the length) -> the tokens emitted. starts[b]: where request b's block begins in the
-        forward's tokens."""
+        """Move accepted paths into sequence order, roll caches back, emit the tokens -> the
+        count emitted. starts[b]: where request b's block begins in the forward's tokens."""
         spec = self.speculation
         assert spec is not None
         move_paths(self.cache_pool, [PathMove(r.slot, r.num_computed_tokens, tuple(p))
@@ -415,9 +383,8 @@ class ModelRunner:
         return self._emit_round(requests, drafts, result)
 
     def _emit_round(self, requests: Sequence[Request], drafts: Sequence[Draft], result: VerifyResult) -> int:
-        """A verified round's tokens emitted in order, each row's up to a finish their ids
-        decide (EOS, a stop id, the length), and its metrics -> the tokens emitted. A row
-        whose request finished, or whose finish was decided by an earlier round, is wasted."""
+        """Emit a verified round's tokens in order, each row's up to its finish, and record
+        metrics -> the tokens emitted. A row already finished is wasted."""
         spec = self.speculation
         assert spec is not None
         logprobs = result.logprobs or [[] for _ in requests]
@@ -445,9 +412,8 @@ class ModelRunner:
         return total
 
     def _emit(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> None:
-        """Accept one token for a request: its grammar (if any) advances over it first. A
-        fault of the request (a NO_TOKEN: its logits gave no distribution; an error in its
-        grammar or its rendering) fails it alone: the engine finishes it after the step."""
+        """Accept one token (the grammar advances first). A fault (NO_TOKEN, a grammar or
+        rendering error) fails this request alone; the engine finishes it after the step."""
         if request.fault is not None:
             return
         if token_id == NO_TOKEN:
@@ -470,9 +436,8 @@ class ModelRunner:
 
     def sample(self, requests: Sequence[Request], logits: torch.Tensor,
                params: Sequence[SamplingParams] | None = None) -> torch.Tensor:
-        """One token per request from logits [B, V] with each request's params (the requests'
-        own unless the caller has them listed already) and generator: [B] on the device. A
-        request with a structured output samples from the tokens its grammar allows."""
+        """One token per request from logits [B, V] with its params and generator -> [B] on
+        the device; a structured output samples from the tokens its grammar allows."""
         params = [r.sampling_params for r in requests] if params is None else params
         logits = grammar_masked(logits, requests)
         if all(p.greedy and not p.penalized for p in params):

@@ -1,17 +1,9 @@
 """Scheduler: waiting and running queues, admission, chunked-prefill budgeting, preemption.
 
-FIFO. A waiting request is admitted while a slot is free and the KV pools can hold its
-prompt. Each step the decoding requests' tokens come out of `max_num_batched_tokens` first,
-one a request, and requests still in prefill get chunks of what is left (oldest first): a
-round's drafts (K more tokens a row) ride beyond the budget, so speculation never takes the
-prefill chunks' share (a verification of 128 rows would otherwise starve every waiting
-prompt until running requests finish). Every decoding
-request needs room for what the runner writes (1, or a round's block): when the paged pool
-runs out the newest running request is preempted (its KV freed, back to the front of the
-waiting queue, recomputed later); a request alone without room for its round gets a smaller
-round, down to a plain step, which always fits, so nothing livelocks. The KV manager
-(`kv_manager.py`) says which blocks a decode step may write (`decode_widths`); the
-`ScheduleDecision` carries each decoding request's room (`decode_room`).
+FIFO. Decode rows take one token each of `max_num_batched_tokens` first (a round's drafts ride
+beyond the budget), prefill chunks the rest. Short of KV memory the newest running request is
+preempted; a request alone gets a smaller round, down to a plain step. docs/architecture.md,
+"One engine step".
 """
 
 from __future__ import annotations
@@ -57,9 +49,8 @@ class Scheduler:
             self.waiting.remove(request)
 
     def retire(self) -> list[Request]:
-        """Take the finished requests out of the queues, freeing their memory. A request
-        can finish while waiting: preempted with a token in flight (overlapped scheduling),
-        that token, accepted after the preemption, may be its last."""
+        """Take the finished requests out of the queues, freeing their memory (a request preempted
+        with a token in flight may finish while waiting)."""
         done = [r for r in self.running if r.is_finished]
         for r in done:
             self.running.remove(r)
@@ -85,13 +76,10 @@ class Scheduler:
         return admitted
 
     def schedule(self) -> ScheduleDecision:
-        """Admit, then split the running requests into decodes and prefill chunks: one
-        token a decode first (its drafts beyond the budget), the rest of the token budget to
-        prefill chunks (oldest first)."""
+        """Admit, then split the running requests into decodes and prefill chunks (oldest first)."""
         self.admit()
         decision = ScheduleDecision()
-        # (a request whose finish is decided but not rendered yet, or whose tokens in flight
-        # reach its limits, waits: overlapped scheduling learns of finishes a step late)
+        # (a request whose finish is decided but not rendered, or whose tokens in flight reach its limits, waits)
         decoding = [r for r in self.running if not r.in_prefill and r.can_decode(self.config.max_seq_len)]
         decision.decode, decision.decode_room, decision.preempted = self._reserve_decode(decoding)
         budget = self.config.max_num_batched_tokens - len(decision.decode)
@@ -103,9 +91,8 @@ class Scheduler:
         return decision
 
     def _reserve_decode(self, decoding: Sequence[Request]) -> tuple[list[Request], list[int], list[Request]]:
-        """Room for each decoding request's step, oldest first: (ready, their room, preempted).
-        Short of memory, the newest running request is preempted; a request with no one left
-        to preempt takes the largest step that fits instead (a plain step at least)."""
+        """Room for each decoding request's step, oldest first -> (ready, their room, preempted).
+        Short of memory the newest running request is preempted; alone, the largest step that fits."""
         ready: list[Request] = []
         room: dict[str, int] = {}
         preempted: list[Request] = []

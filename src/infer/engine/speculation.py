@@ -1,15 +1,8 @@
 """Speculation: what the runner needs to draft, built once from the engine's resolved config.
 
-`Speculation.build` makes the proposer (a draft model with its own KV pool and forward
-functions, EAGLE or Medusa heads, n-gram or suffix tables), the length policy (fixed K, or
-adaptive with the measured costs), the round clock (the adaptive policy's overhead, the
-batch gate), and the round's draft shape: a chain of K (`chain_shape`), the static tree
-`spec_tree`, or dynamic trees (`DynamicShape`). Each decode step asks it for every
-request's depth (`depths`): the policy's K cut by the request's `SamplingParams.speculation`,
-the length guards (`guard_k`) and a tree's storage (`fit_depth`); all 0 above
-`spec_disable_batch_size`, while the clock times plain steps, or where the batch gate finds
-rounds slower than plain steps. Requests with `speculation=False` never reach the policy or
-the proposer's hooks. docs/speculation.md, "Depths per request".
+`Speculation.build` makes the proposer, the length policy, the round clock and the round's
+draft shape (a chain, the static `spec_tree`, or dynamic trees); `depths` gives each decode
+request's draft depth per step. docs/speculation.md, "Depths per request".
 """
 
 from __future__ import annotations
@@ -94,11 +87,9 @@ class Speculation:
               draft_kernels: Kernels, head: EagleHead | None = None,
               target: LlamaForCausalLM | None = None, vocab_map: VocabMap | None = None,
               medusa: MedusaHead | None = None) -> Speculation:
-        """The proposer and policy; the adaptive policy's costs are measured by `start`.
-        An EAGLE head or Medusa heads need the target, whose `capture` they read.
-        `draft_kernels`: the draft model's or the head's bundle for its fixed-shape steps
-        (`step_kernels`). `vocab_map`: a draft model with another vocabulary drafts over the
-        shared tokens (`speculative/foreign_draft.py`)."""
+        """The proposer and policy (the adaptive policy's costs are measured by `start`).
+        EAGLE / Medusa heads need `target` (its `capture`); `vocab_map`: a draft model with
+        another vocabulary. Raises ValueError when the method's model is missing."""
         spec = config.speculative
         assert spec is not None, "an engine without speculation builds no Speculation"
         draft = None
@@ -135,8 +126,7 @@ class Speculation:
         return self.config.length
 
     def start(self, forward: ForwardFn, pool: CachePoolProtocol, target: LlamaForCausalLM) -> None:
-        """Once the target's decode forward exists: check a tree against the vocabulary, and
-        measure the adaptive policy's costs (which time that forward)."""
+        """Once the target's forward exists: check a tree against the vocabulary, measure the adaptive costs."""
         if self.tree is not None and max(self.tree.widths) > target.config.vocab_size:
             raise ValueError(f"spec_tree {self.tree} asks for {max(self.tree.widths)} children of a node but "
                              f"the vocabulary has {target.config.vocab_size} tokens")
@@ -153,13 +143,9 @@ class Speculation:
 
     def _cost_coefficients(self, forward: ForwardFn, pool: CachePoolProtocol,
                            target: LlamaForCausalLM) -> tuple[float, float]:
-        """(c, verify_slope) for the adaptive policy. On a GPU both are measured once here
-        through the engine's own forward functions (batch 1); on a CPU c is the
-        ratio of weight bytes and verification is taken as free. n-gram drafts cost c = 0;
-        a draft model one pass of its forward; an EAGLE head, drafting a chain in one call a
-        round, what a step adds to its round (`round_step_times`: the round's fixed part is
-        host overhead the round clock times), and Medusa heads likewise, one head a step;
-        `spec_cost_coefficient` overrides c."""
+        """(c, verify_slope) for the adaptive policy: measured on a GPU (docs/speculation.md,
+        "Step costs"); on a CPU c is the weight-byte ratio and verification free (c = 0 for
+        n-gram drafts). `spec_cost_coefficient` overrides c."""
         c = self.config.cost_coefficient
         draft, head = self.draft, self.proposer if isinstance(self.proposer, EagleProposer) else None
         medusa = self.proposer if isinstance(self.proposer, MedusaProposer) else None
@@ -194,14 +180,12 @@ class Speculation:
         return self.tree if self.tree is not None else chain_shape(max(depths))
 
     def width(self, k: int) -> int:
-        """Positions a round of depth k writes to either cache at most: g and the nodes (a
-        dynamic tree's draft may feed more nodes than the target verifies)."""
+        """Positions a round of depth k writes to either cache at most: g and the nodes."""
         return 1 + (self.tree.span(k) if self.tree is not None and k > 0 else k)
 
     def max_depth(self, request: Request) -> int:
         """The deepest round the request may draft now, before the policy: its own
-        `speculation` (False: 0; K: K), the length guards (no position past max_seq_len, no
-        more drafts than it can still emit), a tree's by the storage its block needs."""
+        `speculation`, the length guards and a tree's storage."""
         max_len = self.max_seq_len
         own = request.sampling_params.max_drafts
         k = self.spec_length if own is None else min(own, self.spec_length)
@@ -209,16 +193,14 @@ class Speculation:
         return fit_depth(self.tree, k, request.num_computed_tokens, max_len) if self.tree is not None else k
 
     def decode_widths(self, request: Request) -> list[int]:
-        """The blocks the request's next step may write, largest first, down to a plain step
-        (the scheduler's fallbacks when memory is short: `KVManager.decode_widths`)."""
+        """The blocks the request's next step may write, largest first, down to a plain step."""
         deepest = self.max_depth(request)
         if self.tree is None:  # (a chain of k writes 1 + k)
             return list(range(deepest + 1, 0, -1))
         return sorted({self.width(k) for k in range(deepest + 1)}, reverse=True)
 
     def depths(self, requests: Sequence[Request], room: Sequence[int] | None = None) -> list[int]:
-        """Each request's draft depth this step (module docstring); `room`: the positions the
-        scheduler reserved for each (None: the largest round's)."""
+        """Each request's draft depth this step; `room`: the positions reserved for each (None: the largest round's)."""
         limit = self.config.disable_batch_size
         if limit is not None and len(requests) > limit:
             return [0] * len(requests)
@@ -289,8 +271,7 @@ class Speculation:
         return not self.drafts_for(request) or self.proposer.can_admit(request)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
-        """Room for a round; under a fixed K (every request drafts every round) the
-        proposer's memory for the request is taken now (`Proposer.ensure_capacity`)."""
+        """Room for a round; under a fixed K the proposer's memory is taken now."""
         take = isinstance(self.policy, FixedPolicy) and self.config.disable_batch_size is None
         return self.proposer.ensure_capacity(request, total_tokens, take)
 
@@ -298,8 +279,7 @@ class Speculation:
         return self.proposer.pools()
 
     def release(self, request: Request) -> None:
-        """The request's memory goes (it finished, or was preempted: what the policy learnt
-        of it stays, so its rounds after a preemption are the ones it would have run)."""
+        """Free the request's memory; what the policy learnt of it stays (preemption)."""
         self.proposer.release(request)
 
     def forget(self, request: Request) -> None:
@@ -310,8 +290,7 @@ class Speculation:
 
     # -- an EAGLE head's prompt blocks at a prefix hit: a `PrefixRestorer` of the KV manager ------
     def restorable(self, request: Request) -> int:
-        """The head's `restorable`; a request that never drafts needs nothing restored, so
-        the target's hit is not cut for it (its whole prompt)."""
+        """The head's `restorable`; a request that never drafts: its whole prompt."""
         if not self.drafts_for(request):
             return len(request.prompt_token_ids)
         assert self.restorer is not None
@@ -330,15 +309,11 @@ class Speculation:
 
 def _draft_proposer(config: ResolvedConfig, executor: Executor, draft_model: LlamaForCausalLM, kernels: Kernels,
                     vocab_map: VocabMap | None) -> tuple[Proposer, DraftModelProposer]:
-    """The draft model's proposer and the `DraftModelProposer` drafting in its ids (the
-    same, or wrapped for another vocabulary): its pool and forward functions, graphs
-    captured now."""
+    """The draft model's proposer and the `DraftModelProposer` drafting in its ids (the same, or wrapped)."""
     assert config.speculative is not None
     tree, batch = config.speculative.tree, config.scheduler.max_batch_size
     pool = executor.make_pool(draft_model, config.cache, prefix_caching=False)
-    # draft step 1 feeds the tokens the draft has not seen (1, 2 after a fully accepted round,
-    # a few more after plain steps; longer catch-ups run as chunks of their own), a tree's
-    # levels its frontier; graphs of its flat forward by token count, tree rules included
+    # step 1 feeds the tokens the draft has not seen (longer catch-ups run as chunks), a tree's levels its frontier
     width = max(DRAFT_MAX_FEED, 1 + (tree.span(tree.depth) if tree is not None else 0))
     spec = ForwardSpec(config.execution.use_cuda_graphs, batch, kernels, tokens=batch * width, trees=tree is not None)
     forward = executor.make_forward(draft_model, pool, spec)
@@ -351,11 +326,8 @@ def _draft_proposer(config: ResolvedConfig, executor: Executor, draft_model: Lla
 
 def _eagle_proposer(config: ResolvedConfig, executor: Executor, head: EagleHead, capture: HiddenCapture,
                     kernels: Kernels) -> EagleProposer:
-    """The head's proposer: its pool and round function with the head's kernel bundle
-    (`step_kernels` of the head), graphs captured now. A round's last feed is at most K + 1
-    wide (accepted + 1 after a round; longer catch-ups feed the rest first); the adaptive
-    policy's shorter rounds run the K-step graph (`round_steps`). A tree's rounds run eagerly
-    (no chain graphs are captured)."""
+    """The head's proposer: its pool and round function, chain graphs captured now (feeds up to
+    K + 1 wide); a tree's rounds run eagerly."""
     spec, execution = config.speculative, config.execution
     assert spec is not None
     pool = executor.make_pool(head, config.cache, prefix_caching=False)

@@ -1,13 +1,8 @@
-"""Start-up timing of an engine: how long loading the weights, allocating the KV cache and
-the warm-up (CUDA graph capture, kernel compilation) took, logged at INFO once the engine is
-ready (`infer serve` shows it), with the shared vocabulary of a draft with another tokenizer.
+"""Start-up timing of an engine: loading the weights, allocating the KV cache and the warm-up
+(CUDA graph capture, kernel compilation), logged at INFO once the engine is ready.
 
-`TimedExecutor` wraps the runner's executor: every pool it makes is timed and counted (its
-bytes and tokens), every forward function kept, so that its CUDA graphs are counted and
-their capture time summed (`GraphBatchForward.num_graphs` and `.capture_s`, both at
-construction). What else the runner's construction takes is other warm-up:
-the fused kernels compiled for prefill chunks (executor/kernels.py), an EAGLE head's round
-graphs, the adaptive policy's cost measurement, the graphs' staging buffers.
+`TimedExecutor` wraps the runner's executor, timing its pools and keeping its forward
+functions so their CUDA graphs and capture time can be summed.
 """
 
 from __future__ import annotations
@@ -54,8 +49,7 @@ class StartupTimes:
         return sum(float(getattr(forward, "capture_s", 0.0)) for forward in self.forwards)
 
     def summary(self, config: ResolvedConfig, vocab_map: VocabMap | None = None) -> str:
-        """One line: the total, then each phase (module docstring); with `vocab_map` (a draft
-        with another vocabulary), what the draft shares with the target."""
+        """One line: the total, then each phase; with `vocab_map`, what the draft shares with the target."""
         load, runner = self.phases.get("load", 0.0), self.phases.get("runner", 0.0)
         capture = self.capture_s()
         warm = max(0.0, runner - self.kv_s - capture)
@@ -71,7 +65,7 @@ class StartupTimes:
 
 
 class TimedExecutor:
-    """An executor whose pools and forward functions are timed into `times` (module docstring)."""
+    """An executor whose pools and forward functions are timed into `times`."""
 
     def __init__(self, executor: Executor, times: StartupTimes) -> None:
         self.executor, self.times = executor, times

@@ -1,14 +1,8 @@
-"""Step costs of speculative decoding, measured through the engine's own forward functions:
-the one cost measurement (the adaptive policy's at engine start, and `infer bench`'s).
+"""Step costs of speculative decoding, measured through the engine's own forward functions.
 
-c = draft step time / plain target step time (batch 1, one token; the paper's Definition
-3.7), v(K) = the time to verify K + 1 tokens / plain target step time, K = 0..k_max
-(`SpecCosts`), each forward on a scratch slot of its pool at a fixed context.
-`measure_spec_costs` takes the runner's own pools and forwards (CUDA graphs included),
-`measure_model_costs` builds fresh ones for two models (the benchmark). A draft that runs a
-round in one call (an EAGLE head's `RoundStepFn`, Medusa heads' `MedusaStepFn`) is timed by
-rounds: its step is their slope, the rest its fixed part a round (`draft_fixed_s`).
-docs/speculation.md, "Step costs".
+c = draft step time / plain target step time (the paper's Definition 3.7) and v(K) = time to
+verify K + 1 tokens / plain step time (`SpecCosts`). `measure_spec_costs` times the runner's
+own forwards, `measure_model_costs` fresh ones for two models. docs/speculation.md, "Step costs".
 """
 
 from __future__ import annotations
@@ -74,9 +68,8 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's weights: its parameters (a tied embedding counted once) and its
-    persistent buffers (FP8 layers keep their weights and scales as buffers; the rotary's
-    frequencies are not persistent)."""
+    """Bytes of the model's weights: its parameters (a tied embedding once) and persistent buffers
+    (FP8 weights and scales)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(b.numel() * b.element_size() for m in model.modules() for name, b in m._buffers.items()
                   if b is not None and name not in m._non_persistent_buffers_set)
@@ -129,9 +122,8 @@ def measure_spec_costs(target: ForwardFn, target_pool: CachePoolProtocol, draft:
 
 def round_step_times(rounds: RoundStepFn | MedusaStepFn, pool: CachePoolProtocol, vocab: int, cfg: StepCostConfig,
                      device: torch.device) -> tuple[float, float]:
-    """(step, fixed) seconds of a round-drafting draft: the slope of its rounds and the rest
-    of a one-step round (docs/speculation.md, "Step costs"). Both are floored at 0 against timing noise.
-    Medusa heads' rounds are at most their number of heads long (one head: its round is its step)."""
+    """(step, fixed) seconds of a round-drafting draft: the slope of its rounds and the rest of a
+    one-step round, both floored at 0. Medusa rounds are at most their number of heads long."""
     steps = max(2, cfg.k_max) if isinstance(rounds, RoundStepFn) else min(max(2, cfg.k_max), rounds.max_steps)
     if steps < 2:
         return forward_times(rounds, pool, [PLAIN], vocab, cfg, device)[PLAIN].median_s, 0.0
@@ -143,8 +135,7 @@ def round_step_times(rounds: RoundStepFn | MedusaStepFn, pool: CachePoolProtocol
 
 def _fresh_pool(model: LlamaForCausalLM | EagleHead, use_cuda_graphs: bool,
                 cfg: StepCostConfig) -> tuple[CachePoolProtocol, Kernels]:
-    """A pool of one sequence of `cfg.max_seq_len` tokens for `model`, and its kernels as
-    the engine runs them."""
+    """A pool of one sequence of `cfg.max_seq_len` tokens for `model`, and its kernels."""
     cache = CacheConfig(cfg.kv_cache_backend, 1, cfg.max_seq_len)
     pool = LOCAL.make_pool(model, cache, prefix_caching=False)
     device = next(model.parameters()).device
@@ -166,8 +157,7 @@ def _fresh_forward(model: LlamaForCausalLM, shapes: list[Shape], use_cuda_graphs
 def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None, use_cuda_graphs: bool,
                         cfg: StepCostConfig | None = None, head: EagleHead | MedusaHead | None = None) -> SpecCosts:
     """`measure_spec_costs` on fresh pools and forward functions of the two models (an EAGLE
-    `head` or Medusa heads in place of a draft model); the draft's step is the slope of its
-    chain rounds (`round_step_times`) for heads, one pass for a draft model."""
+    `head` or Medusa heads in place of a draft model)."""
     cfg = cfg or StepCostConfig()
     shapes = [PLAIN, *[(k + 1, True) for k in range(cfg.k_max + 1)]]
     target_fn, target_pool = _fresh_forward(target, shapes, use_cuda_graphs, cfg)
@@ -185,9 +175,8 @@ def measure_model_costs(target: LlamaForCausalLM, draft: LlamaForCausalLM | None
 
 
 class RoundStepFn:
-    """An EAGLE head's chain round of one fed position and S steps, S = the one row's token
-    count, run as a forward function (`run(plan)` -> tokens [1, S]) so `forward_times` times
-    it as it times a forward pass, CUDA graphs included, every row greedy."""
+    """An EAGLE head's greedy chain round of one fed position and S steps (S = the one row's
+    token count) as a forward function: `run(plan)` -> tokens [1, S]."""
 
     def __init__(self, round_fn: HeadRoundFn, head: EagleHead) -> None:
         self.round_fn = round_fn
@@ -212,10 +201,8 @@ def head_forward(head: EagleHead, use_cuda_graphs: bool, cfg: StepCostConfig) ->
 
 
 class MedusaStepFn:
-    """A round of Medusa heads, the first S of them (S = the one row's token count) on one
-    hidden state, top-1 each, run as a forward function (`run(plan)` -> tokens [1, S]) so
-    `forward_times` times it as a forward pass. The heads keep no cache: the scratch slot
-    of the pool they are timed with goes unused."""
+    """A round of the first S Medusa heads (S = the one row's token count), top-1 each, as a
+    forward function: `run(plan)` -> tokens [1, S]. The heads keep no cache."""
 
     def __init__(self, head: MedusaHead, dtype: torch.dtype, kernels: Kernels) -> None:
         self.head, self.kernels = head, kernels

@@ -1,14 +1,8 @@
 """Structured outputs: grammars compiled with xgrammar, one matcher per request, and the
 token masks that restrict the model's logits to what the grammar allows.
 
-`Grammars` (one per engine) compiles a `StructuredOutput` against the engine's tokenizer
-(`compile_checked` refuses a grammar that accepts no string), caches it per spec in a
-`GrammarCache` bounded in bytes, and gives each request a `RequestGrammar`, which advances
-over emitted tokens and fills the mask of what may come next (for a round, at the state
-after a draft node's path, then rolls back). The server compiles in worker processes
-(`grammar_worker`). Masks are applied by `speculative.grammar_mask`, which needs no
-xgrammar; this module is imported only for structured outputs. docs/architecture.md,
-"Structured outputs".
+`Grammars` (one per engine) compiles and caches grammars and gives each request a
+`RequestGrammar`. Imported only for structured outputs. docs/architecture.md, "Structured outputs".
 """
 
 from __future__ import annotations
@@ -30,9 +24,8 @@ _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:line: 
 
 
 def token_bytes_table(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
-    """The bytes of each id in [0, vocab_size) for xgrammar (b"" for special tokens and ids
-    the tokenizer lacks: xgrammar never lets a grammar emit those). Byte-level BPE tokens
-    map through GPT-2's byte alphabet; SentencePiece pieces ("▁hi", "<0x0A>") are read too."""
+    """The bytes of each id in [0, vocab_size) for xgrammar (b"" for special and missing ids:
+    never emitted). Byte-level BPE and SentencePiece pieces are read; ValueError for other vocabularies."""
     table: list[bytes] = []
     readable = 0
     for token_id in range(vocab_size):
@@ -78,9 +71,8 @@ class RequestGrammar:
             self._matcher.fill_next_token_bitmask(bitmask, row)
 
     def fill_after(self, bitmask: torch.Tensor, row: int, path: Sequence[int]) -> None:
-        """Write the mask of the token after `path` (draft tokens from the current state)
-        into bitmask[row], then roll back. A path the grammar refuses leads to a node the
-        verifier rejects (its token has target probability 0), so its row is left all-allowed."""
+        """Write the mask of the token after `path` (draft tokens from the current state) into
+        bitmask[row], then roll back; a path the grammar refuses leaves its row all-allowed."""
         taken = 0
         for token_id in path:
             if self._matcher.is_terminated() or not self._matcher.accept_token(int(token_id)):
@@ -95,9 +87,8 @@ class RequestGrammar:
 
 
 class GrammarCache:
-    """Compiled grammars by spec, the least recently used dropped first once their memory
-    (xgrammar's `memory_size_bytes`) passes `max_bytes`; a grammar larger than that is not
-    kept. Thread-safe."""
+    """Compiled grammars by spec, least recently used dropped once their memory passes
+    `max_bytes` (a larger grammar is not kept). Thread-safe."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -141,12 +132,8 @@ def new_compiler(info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
 
 def compile_checked(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.CompiledGrammar:
     """`spec` compiled; ValueError naming the problem when it is invalid or accepts no string
-    (below), MemoryError when the compile ran out of memory (a worker's limit).
-
-    A grammar accepts no string the model can write when, at its start, no token is allowed
-    and it is not complete (xgrammar allows the stop token once the grammar is complete):
-    `root ::= root`, the regex `[^\\s\\S]`. (A grammar that dead-ends only after some output,
-    `a[^\\s\\S]`, is not caught here: its request fails in the engine alone.)"""
+    (no token allowed at its start: `root ::= root`), MemoryError when the compile ran out of
+    memory. A grammar that dead-ends only after some output fails its request in the engine."""
     try:
         compiled = _compile(compiler, spec)
     except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError
@@ -178,9 +165,8 @@ def _compile(compiler: xgr.GrammarCompiler, spec: StructuredOutput) -> xgr.Compi
 
 
 class Grammars:
-    """Compiles structured-output specs against one tokenizer, in the calling thread (cached
-    per spec), and makes each request's `RequestGrammar`; `token_table` and `info` are what a
-    worker process needs to compile for the same tokenizer, and `load` reads its result."""
+    """Compiles structured-output specs against one tokenizer (cached per spec) and makes each
+    request's `RequestGrammar`; `token_table` and `info` let a worker process compile for it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
                  cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
@@ -204,6 +190,5 @@ class Grammars:
         return xgr.CompiledGrammar.deserialize_json(serialized, self.info)
 
     def matcher(self, spec: StructuredOutput, compiled: xgr.CompiledGrammar | None = None) -> RequestGrammar:
-        """A fresh grammar state for one request: of `compiled` (spec's grammar, compiled
-        elsewhere) or, when None, of spec compiled here."""
+        """A fresh grammar state for one request, of `compiled` or, when None, of spec compiled here."""
         return RequestGrammar(xgr.GrammarMatcher(compiled or self.compile(spec)), self.vocab_size)

@@ -1,10 +1,5 @@
-"""CPU threads for torch's kernels: `EngineConfig.threads`, or a choice by model size.
-
-torch's default (one thread per core) is a poor fit for small models and for shared
-machines: decode steps are short, and intra-op threads spin against each other and against
-whatever else runs (docs/benchmarks.md, "Host-side costs behind design choices"). The
-automatic choice is therefore one thread per 250M parameters, at most half the cores this
-process may use, and at least one.
+"""CPU threads for torch's kernels: `EngineConfig.threads`, or one per 250M parameters, at
+most half the cores this process may use, at least one (docs/benchmarks.md, "Host-side costs").
 """
 
 from __future__ import annotations

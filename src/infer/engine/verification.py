@@ -1,15 +1,9 @@
 """Verification: each request's draft as rows of the step's one forward, then the verifier.
 
-A round's drafts share one shape (a chain `chain_shape(K)`, row b using its first k_b
-nodes, or a static tree) or each row has its own dynamic tree. `Verification.block` makes
-each request's block [g, draft nodes] one row of the step's flat batch (written from
-position n on, node i at n + 1 + i, every token's logits wanted; a tree's row with its
-rule; a round following the round in flight: `following`). `Verification.queue` runs the
-fused acceptance on those rows' logits for rows sampling with a temperature alone (a
-`Verdict` on the device, read by `collect`: one host sync), `verify` the general pipeline
-per block row (the grammar's mask and the sampling transforms at each node's path) and the
-pure verifier. A seeded row's uniforms come from its own generator (a chain k_b + 1, a tree
-sum(branching) + 1). docs/speculation.md, "A round's verification".
+`Verification.block` makes each request's block [g, draft nodes] one row of the flat batch;
+`queue` runs the fused acceptance on temperature-only rows (a `Verdict` read by `collect`: one
+host sync), `general` the full sampling pipeline and the pure verifier. docs/speculation.md,
+"A round's verification".
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ Paths = list[list[int]]  # per request, the accepted node indices in depth order
 def stack_draft_probs(drafts: Sequence[Draft], tokens: torch.Tensor, vocab: int,
                       device: torch.device) -> torch.Tensor | None:
     """[B, W, V] draft distributions on `device` for the first W nodes of each draft (tokens:
-    [B, W] host): the draft's q where it reported one, a one-hot row at each present node's
-    token where it is deterministic; None when every draft is (all one-hot q)."""
+    [B, W] host): the draft's q, or one-hot rows for a deterministic draft; None when all are."""
     if all(d.probs is None for d in drafts):
         return None
     b, width = tokens.shape
@@ -57,9 +50,7 @@ def stack_draft_probs(drafts: Sequence[Draft], tokens: torch.Tensor, vocab: int,
 def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Draft]
                           ) -> torch.Tensor:
     """logits [B, W, V] with each constrained request's block rows restricted to its grammar:
-    row 0 at the grammar's current state, row 1 + i at the state after node i's path (a
-    node the grammar refuses gets target probability 0 there and is rejected by the
-    verifier). Rows past a request's proposed nodes are left as they are."""
+    row 0 at its current state, row 1 + i after node i's path."""
     b, width, vocab = logits.shape
     constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not constrained:
@@ -79,10 +70,9 @@ def _grammar_masked_block(logits: torch.Tensor, requests: Sequence[Request], dra
 
 
 def block_row(request: Request, draft: Draft, placed: bool = False) -> Row:
-    """The request's block [g, its draft's rows up to the last present node] as one row of
-    the step's batch, every token's logits wanted; a tree's with its rule. `placed`: a draft
-    whose tokens are on the device holds places there, `chain_tokens` filling them (else its
-    tokens are read to the host)."""
+    """The request's block [g, draft nodes up to the last present] as one row of the step's
+    batch, every token's logits wanted; a tree's with its rule. `placed`: device tokens get
+    placeholders that `chain_tokens` fills."""
     used = draft.rows_used
     nodes = (0,) * (used - 1) if placed and draft.host_ids is None else draft.token_ids[:used - 1]
     ids = [request.last_token_id, *nodes]
@@ -96,25 +86,21 @@ def block_row(request: Request, draft: Draft, placed: bool = False) -> Row:
 
 
 def device_rounds(drafts: Sequence[Draft]) -> list[RoundTokens]:
-    """The rounds whose tokens the drafts left on the device, in order of first use (a round
-    drafted ahead beside a round drafted now: two)."""
+    """The rounds whose tokens the drafts left on the device, in order of first use."""
     rounds = {id(d.on_device[0]): d.on_device[0] for d in drafts if d.host_ids is None and d.on_device is not None}
     return list(rounds.values())
 
 
 def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: torch.device,
                  sources: Sequence[RoundTokens]) -> tuple[torch.Tensor, DeviceIds | None]:
-    """Chain drafts' first k node tokens [B, k] and, for drafts of the rounds `sources` left
-    on the device (`device_rounds`), where their tokens go in the flat batch of `rows` (each
-    draft's block row, holding places for them); with no source, every token on the host
-    and None. On the device a row's entries past its own count are left unread."""
+    """Chain drafts' first k node tokens [B, k] and, for drafts left on the device by `sources`,
+    where their tokens go in the flat batch of `rows` (None with no source: tokens on the host)."""
     if not sources:
         return torch.tensor([d.token_ids[:k] for d in drafts], dtype=torch.long).view(len(drafts), k), None
     on_device = [(b, d.on_device) for b, d in enumerate(drafts) if d.host_ids is None and d.on_device is not None]
     batch_rows = [b for b, _ in on_device]
     in_order = len(sources) == 1 and batch_rows == [j for _, (_, j) in on_device] and len(batch_rows) == len(drafts)
-    if in_order:  # (every row drafted, in order, in one round: its first rows as they are; a
-        # round drafted ahead may hold rows past the batch's, of requests that left it)
+    if in_order:  # (every row drafted, in order, in one round: its first rows as they are)
         tokens = sources[0].tokens[:len(drafts), :k]
     else:
         host = [d.host_ids[:k] if d.host_ids is not None else (0,) * k for d in drafts]
@@ -135,10 +121,8 @@ def chain_tokens(drafts: Sequence[Draft], rows: Sequence[Row], k: int, device: t
 
 
 def following(requests: Sequence[Request], drafts: Sequence[Draft], follows: Follows) -> Block:
-    """The rows of a round that follows the round in flight (`Follows`): every draft a chain
-    of k on the device, row b of one round drafted ahead; each row planned from the
-    request's count of computed tokens (the host's, as if every draft of the round in
-    flight were accepted), its tokens [first, drafts] and its move on the device."""
+    """The rows of a round that follows the round in flight: every draft a chain of k on the
+    device, planned as if every draft of the round in flight were accepted (`Follows` shifts them)."""
     sources = device_rounds(drafts)
     k = drafts[0].num_proposed
     if len(sources) != 1 or any(d.num_proposed != k or d.on_device is None or d.on_device[1] != b
@@ -155,18 +139,15 @@ def following(requests: Sequence[Request], drafts: Sequence[Draft], follows: Fol
 
 @dataclass(frozen=True)
 class Follows:
-    """A round queued before the host has the verdict of the round in flight before it
-    (every row a chain of k drafted on the device, following that verdict): each row's first
-    token, the verdict's final one, and its start moved back by k - accepted, both on the
-    device (the host planned the rows as if every draft were accepted)."""
+    """A round queued before the host has the verdict of the round in flight: each row's first
+    token (the verdict's final one) and its start shift (-(k - accepted)), both on the device."""
 
     first: torch.Tensor  # [B] long
     shift: torch.Tensor  # [B] long, <= 0
 
     @classmethod
     def of(cls, packed: torch.Tensor) -> Follows:
-        """From a round of chains' verdict [B, K + 2] on the device (`verify_on_logits`); a
-        row whose logits gave no token (NO_TOKEN, a fault its settling reports) feeds 0."""
+        """From a round of chains' verdict [B, K + 2] on the device; a NO_TOKEN row feeds 0."""
         k = packed.shape[1] - 2
         return cls(packed[:, k + 1].clamp(min=0), packed[:, k] - k)
 
@@ -197,7 +178,7 @@ class Block:
 
 
 class Verification:
-    """Builds a round's verification rows and verifies their logits (module docstring)."""
+    """Builds a round's verification rows and verifies their logits."""
 
     def __init__(self, vocab_size: int, device: torch.device, tree: TreeShape | DynamicShape | None) -> None:
         self.vocab, self.device = vocab_size, device
@@ -226,17 +207,15 @@ class Verification:
         return Block(rows, tokens, valid, frame, n + 1)
 
     def _chains(self, drafts: Sequence[Draft]) -> bool:
-        """Whether a dynamic round's drafts are all chains (a suffix proposer's paths): they
-        are verified as chains."""
+        """Whether a dynamic round's drafts are all chains (verified as chains)."""
         return isinstance(self.tree, DynamicShape) and all(isinstance(d.shape, TreeShape) and d.shape.is_chain
                                                            for d in drafts)
 
     def queue(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
               queued: Callable[[torch.Tensor], None] | None = None) -> Verdict | None:
-        """The fused acceptance, queued on the rows' logits [sum of widths, V] when every row
-        samples with a temperature alone (None: `verify` takes the round); its verdict's copy
-        to the host queued behind it. `queued` is then called with a round of chains' verdict
-        [B, K + 2] on the device (`Proposer.verifying`: GPU work queued behind the copy)."""
+        """The fused acceptance on the rows' logits [sum of widths, V] when every row is
+        temperature-only (else None), its copy to the host queued. `queued` gets a round of
+        chains' verdict [B, K + 2] on the device."""
         params = [r.sampling_params for r in requests]
         if not all(temperature_only(p, self.vocab) and p.logprobs is None and p.structured is None for p in params):
             return None
@@ -266,9 +245,7 @@ class Verification:
     def verify(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
                while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
         """Every request's draft verified on its rows' logits [sum of widths, V] -> (tokens per
-        request, accepted nodes per request): `queue` and `collect` where the fused acceptance
-        takes the rows, else the general pipeline. `while_gpu_runs` is called once the work
-        is queued (host work that hides under it)."""
+        request, accepted nodes per request). `while_gpu_runs` is called once the work is queued."""
         verdict = self.queue(requests, drafts, block, logits)
         if verdict is not None:
             while_gpu_runs()
@@ -277,8 +254,7 @@ class Verification:
 
     def general(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block, logits: torch.Tensor,
                 while_gpu_runs: Callable[[], None]) -> tuple[VerifyResult, Paths]:
-        """The general pipeline, for rows `queue` does not take (a grammar, penalties, top-k /
-        top-p, log-probabilities): as `verify`."""
+        """`verify` for rows `queue` does not take (a grammar, penalties, top-k / top-p, logprobs)."""
         logits = self._padded(logits, block)  # [B, W, V]
         params = [r.sampling_params for r in requests]
         tokens = block.tokens
@@ -303,8 +279,7 @@ class Verification:
         return result, paths
 
     def _padded(self, logits: torch.Tensor, block: Block) -> torch.Tensor:
-        """The rows' logits [sum of widths, V] as [B, W, V] (a row's missing block rows repeat
-        its last: the verifier never reads them)."""
+        """The rows' logits [sum of widths, V] as [B, W, V] (missing rows repeat a row's last, unread)."""
         if all(r.logits == block.width for r in block.rows):  # (every row full: a view)
             return logits.view(len(block.rows), block.width, logits.shape[-1])
         index, at = [], 0
@@ -317,11 +292,9 @@ class Verification:
         return block.width if block.frame is None else block.frame.num_uniforms
 
     def _uniforms(self, requests: Sequence[Request], drafts: Sequence[Draft], block: Block) -> torch.Tensor:
-        """CPU float64 [B, U]: a chain row draws one per draft, a tree row U - 1 when it
-        proposes anything (the columns are fixed per depth and child), and one for its final
-        token (the last column). A dynamic round's row draws the shape's U whatever its
-        round's frame: the frame's columns (`round_widths`, or a chain: its first child at
-        each depth) are read from the shape's, so its tokens never depend on its batch."""
+        """CPU float64 [B, U]: a chain row draws one per draft, a tree row U - 1 when it proposes
+        anything, and one for its final token (last column). A dynamic round's row draws the
+        shape's U whatever its frame, so its tokens never depend on its batch."""
         generators = [r.generator for r in requests]
         tree = self.tree
         if tree is None or isinstance(tree, TreeShape):
@@ -335,8 +308,7 @@ class Verification:
 
     def _target_probs(self, requests: Sequence[Request], drafts: Sequence[Draft],
                       logits: torch.Tensor) -> torch.Tensor:
-        """The general pipeline per block row: [B, W, V]. Block row 0 reads the request's
-        tokens, row 1 + i those extended by node i's path (the penalties' context)."""
+        """Target probabilities per block row [B, W, V]; row 1 + i's penalty context ends with node i's path."""
         b, width, vocab = logits.shape
         contexts = None
         if any(r.sampling_params.penalized for r in requests):

@@ -12,12 +12,8 @@ __all__ = ["ForwardFn", "ForwardSpec", "make_forward"]
 
 
 def make_forward(model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
-    """The model's one flat forward through the pool (`batch_forward`), CUDA graphs of it by
-    token count when the spec asks for them on a CUDA device (`ForwardFn`).
-
-    `spec.kernels` serve every pass, captured or eager (a fused bundle is compiled for
-    dynamic shapes, so a prefill chunk's rows meet the same compiled kernels).
-    """
+    """The model's one flat forward through the pool, CUDA graphs of it by token count when
+    the spec asks for them on a CUDA device; `spec.kernels` serve every pass."""
     device = next(model.parameters()).device
     if not (spec.use_cuda_graphs and device.type == "cuda"):
         return EagerBatchForward(model, pool, spec.kernels)

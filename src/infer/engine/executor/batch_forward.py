@@ -1,13 +1,9 @@
 """The one forward of a model through its KV pool: a step's BatchPlan in, the logits of the
 tokens it asks for out ([M, V]).
 
-`EagerBatchForward` builds the batch and runs the model (`run_model`). `GraphBatchForward`
-replays CUDA graphs of that same computation, one per token-count bucket
-(`capture.capture_sizes`), serving any batch of short rows whatever its mix, since every
-kernel reads rows, positions and block tables from device memory; inputs are staged in one
-pinned buffer, padding tokens at position -1. Anything else (a prefill chunk, a bigger
-batch) runs eagerly through the same model. `commit` sets the pool's KV lengths from the
-plan. docs/architecture.md, "Executing the model".
+`EagerBatchForward` runs it eagerly; `GraphBatchForward` replays CUDA graphs of it, one per
+token-count bucket, falling back to eager for what no graph serves. docs/architecture.md,
+"Executing the model".
 """
 
 from __future__ import annotations
@@ -64,9 +60,8 @@ class _Graph:
 class GraphBatchForward:
     def __init__(self, model: LlamaForCausalLM, pool: CachePoolProtocol, buckets: Sequence[int], max_rows: int,
                  context_width: int, kernels: Kernels = EAGER, trees: bool = False) -> None:
-        """Graphs for these token buckets (ascending), over at most max_rows rows whose
-        contexts are at most context_width long (the attention's split plan is fixed by it);
-        with `trees`, a second set whose attention applies tree rules (blocks up to WORD wide)."""
+        """Graphs for these token buckets, over at most max_rows rows of contexts up to
+        context_width; with `trees`, a second set applying tree rules (blocks up to WORD wide)."""
         self.model, self.pool, self.kernels = model, pool, kernels
         self.device = next(model.parameters()).device
         self.eager = EagerBatchForward(model, pool, kernels)
@@ -74,8 +69,7 @@ class GraphBatchForward:
         self.buckets = sorted(buckets)
         self.stream = torch.cuda.Stream(self.device)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
-        # one memory pool for every graph (one replays at a time), captured largest first so
-        # the smaller ones fit in what the largest took
+        # one memory pool for every graph (one replays at a time), captured largest first
         self.memory = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
         if kernels_serve_model(model):  # (else every pass runs eagerly: graphs need the kernels)
@@ -90,8 +84,7 @@ class GraphBatchForward:
         return len(self.graphs)
 
     def serves(self, plan: BatchPlan) -> bool:
-        """Whether a graph serves the plan: few enough tokens and rows, every row short, a
-        tree only where tree graphs were captured."""
+        """Whether a graph serves the plan (tokens, rows, context and tree within what was captured)."""
         if not (self.graphs and plan.num_tokens <= self.buckets[-1] and plan.num_rows <= self.max_rows
                 and plan.context_width <= self.context_width):
             return False

@@ -1,11 +1,7 @@
 """Executor: where a runner's KV pools and forward functions come from, and which one an engine gets.
 
-The runners build every pool and forward function through their executor. `LOCAL` builds
-them in this process (`LocalExecutor`). An engine of several ranks (tensor_parallel_size > 1)
-gets its executor from a `ParallelRuntime`, started by `start_parallel`: the runtime's starter
-is looked up by module path in `PARALLEL_STARTERS` and imported only then, so the engine
-never imports the package that implements it (infer.distributed builds each pool and forward
-function on every rank, each rank with its shard of the model).
+`LOCAL` builds them in this process. An engine of several ranks gets its executor from a
+`ParallelRuntime` (`start_parallel`), imported by module path from `PARALLEL_STARTERS` only then.
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ from infer.models.llama import LlamaForCausalLM
 
 class Executor(Protocol):
     def make_pool(self, model: LlamaForCausalLM, cache: CacheConfig, *, prefix_caching: bool) -> CachePoolProtocol:
-        """The KV pool of `model` (its dtype and device) as `cache` says (prefix caching:
-        `prefix_caching`, the target's pool's setting; a draft's pool has none)."""
+        """The KV pool of `model` (its dtype and device) as `cache` says."""
         ...
 
     def make_forward(self, model: LlamaForCausalLM, pool: CachePoolProtocol, spec: ForwardSpec) -> ForwardFn:
@@ -72,8 +67,7 @@ class ParallelRuntime(Protocol):
         ...
 
     def executor(self, models: LoadedModels, execution: ExecutionConfig) -> Executor:
-        """The executor of the engine's runner, over this rank's shards of `models` (the
-        other ranks build their kernels as `execution` says)."""
+        """The executor of the engine's runner, over this rank's shards of `models`."""
         ...
 
     def leak_report(self) -> list[str]:

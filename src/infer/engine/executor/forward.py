@@ -31,9 +31,8 @@ def sample_logits(logits: torch.Tensor, temperatures: Sequence[float], uniforms:
 def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: Sequence[int],
                      draft_probs: torch.Tensor | None, temperatures: Sequence[float], greedy: Sequence[bool],
                      uniforms: torch.Tensor) -> torch.Tensor:
-    """Rejection sampling on a verification step's logits [n, K+1, V] (rows sampled with a
-    temperature alone, greedy included): [n, K+2] long on their device (`verify_logits`'s
-    arguments)."""
+    """Rejection sampling on a verification step's logits [n, K+1, V] (temperature-only rows):
+    [n, K+2] long on their device (`verify_logits`'s arguments)."""
     device = logits.device
     tokens = to_device(draft_tokens, device)
     k = counts[0] if counts else 0
@@ -49,11 +48,10 @@ def verify_on_logits(logits: torch.Tensor, draft_tokens: torch.Tensor, counts: S
 def verify_on_tree_logits(shape: TreeShape | TreeFrame, logits: torch.Tensor, node_tokens: torch.Tensor,
                           node_valid: torch.Tensor, draft_probs: torch.Tensor | None, temperatures: Sequence[float],
                           greedy: Sequence[bool], uniforms: torch.Tensor) -> torch.Tensor:
-    """The tree verifier on a verification step's logits [n, N+1, V] (rows sampled with a
-    temperature alone, greedy included): [n, 2 * depth + 2] long on their device, packed
-    rows (`verify_tree_nodes`) then accepted nodes. node_tokens, node_valid: CPU [n, N];
-    draft_probs: [n, N, V] on the device or None (deterministic proposals); temperatures:
-    per row (1.0 for greedy rows); uniforms: CPU float64 [n, U] (unread when all greedy)."""
+    """The tree verifier on a verification step's logits [n, N+1, V] (temperature-only rows):
+    [n, 2 * depth + 2] long on their device, packed rows then accepted nodes. node_tokens,
+    node_valid: CPU [n, N]; draft_probs: [n, N, V] or None (deterministic); uniforms: CPU
+    float64 [n, U]."""
     device = logits.device
     tokens, valid = to_device(node_tokens, device), to_device(node_valid, device)
     if all(greedy):

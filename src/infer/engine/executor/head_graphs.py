@@ -1,16 +1,8 @@
-"""CUDA graphs of an EAGLE head's draft rounds: `speculative/eagle_round.head_round` captured
-whole over the flat batch, the draft loop's own graph cache beside the forwards' by token count.
+"""CUDA graphs of an EAGLE head's draft rounds (`speculative/eagle_round.head_round`).
 
-A head's draft step is one small layer, launch-bound when run eagerly; `HeadRoundGraphs`
-captures a whole round (the feed's flat batch, then steps - 1 one-token steps built and
-sampled on the device) per (rows R, tokens T, steps, every row greedy, drafted ahead): R a
-capture size up to `sampling_batch_max`, T one from R up to R times the widest feed
-(`token_bucket`); a greedy round drafted ahead (`AheadFeed`: every row fed the widest
-feed, ids and accepted counts copied in on the device) has T of R whole feeds.
-Inputs are staged as the forwards' are (`staging.PlanInputs`), temperatures and uniforms in
-a float64 buffer, features copied into a static input. Anything else (more rows, a feed row
-past the split-KV kernel's, a context past the graphs' width) runs eagerly, the same
-function (`EagerHeadRound`); `make_head_round` builds either. docs/architecture.md.
+`HeadRoundGraphs` captures a whole round per (rows, tokens, steps, every row greedy, drafted
+ahead); anything else runs eagerly through the same function (`EagerHeadRound`).
+`make_head_round` builds either. docs/architecture.md, "EAGLE heads".
 """
 
 from __future__ import annotations
@@ -54,7 +46,7 @@ def token_bucket(n: int) -> int | None:
 
 
 class HeadRoundGraphs:
-    """`HeadRoundFn` by CUDA graph replays (module docstring)."""
+    """`HeadRoundFn` by CUDA graph replays."""
 
     def __init__(self, head: EagleHead, pool: CachePoolProtocol, max_batch_size: int, sampling_batch_max: int,
                  context_width: int | None = None, kernels: Kernels = EAGER) -> None:
@@ -70,10 +62,8 @@ class HeadRoundGraphs:
         self.replays = 0
 
     def prepare(self, widths: Iterable[int], steps: Iterable[int], ahead: bool = False) -> None:
-        """Capture every round of feeds up to max(widths) tokens a row, for each row bucket,
-        step count and greedy or sampled (and with `ahead` the greedy rounds drafted ahead:
-        max(widths) tokens a row, max(steps) steps), now, at start-up: a capture on first
-        use would stall a request."""
+        """Capture now every round of feeds up to max(widths) tokens a row, for each row bucket,
+        step count, greedy or sampled (`ahead`: also greedy rounds drafted ahead)."""
         widest, steps = max(widths), list(steps)
         for rows in self.rows:
             tokens = {token_bucket(max(n, rows)) for n in range(rows, rows * widest + 1)}
@@ -146,8 +136,7 @@ class HeadRoundGraphs:
 
 def make_head_round(head: EagleHead, pool: CachePoolProtocol, use_cuda_graphs: bool, max_batch_size: int,
                     sampling_batch_max: int, kernels: Kernels = EAGER) -> HeadRoundGraphs | EagerHeadRound:
-    """The head's round function with its kernel bundle (`step_kernels(config, device, head)`):
-    CUDA graphs where asked for and the head is on a CUDA device."""
+    """The head's round function: CUDA graphs where asked for on a CUDA device, else eager."""
     if use_cuda_graphs and next(head.parameters()).device.type == "cuda":
         return HeadRoundGraphs(head, pool, max_batch_size, sampling_batch_max, kernels=kernels)
     return EagerHeadRound(head, pool, kernels)

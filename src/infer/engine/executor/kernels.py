@@ -1,10 +1,7 @@
 """The kernels a runner's steps use: fused (torch.compile) or eager.
 
-A model's fused bundle is its own (`model.compiled`, models/kernels/bundle.py), so every
-forward function over it shares the compiled variants. On a GPU it is compiled at start-up
-(`warm_chunks`, timed at INFO): for chunks of any width once, the decode shapes as its
-CUDA graphs are captured; an EAGLE head's for any number of tokens and rows (`warm_head`:
-its eager rounds, catch-ups and verification feeds then never compile mid-run).
+A model's fused bundle is its own (`model.compiled`), shared by every forward over it; on a
+GPU it is compiled at start-up (`warm_chunks`, `warm_head`) so no request compiles mid-run.
 """
 
 from __future__ import annotations
@@ -26,13 +23,9 @@ log = logging.getLogger("infer.engine")
 
 def step_kernels(execution: ExecutionConfig, device: torch.device,
                  model: LlamaForCausalLM | EagleHead | MedusaHead) -> Kernels:
-    """Fused (torch.compile) kernels for every step of `model` (the target, a draft model,
-    an EAGLE head's rounds or Medusa heads; prefill chunks too: the bundle is compiled for
-    dynamic shapes) when the resolved execution part asks for them (by default with CUDA
-    graphs on a GPU: `engine/defaults.py`). The bundle is the
-    model's own (`model.compiled`): a head's apart from its target's, one model's the same
-    at every call. On a GPU an unsharded model's bundle is compiled for multi-token chunks
-    at its first call here (`warm_chunks`), not at the first prompt."""
+    """Fused kernels for every step of `model` (target, draft, EAGLE or Medusa heads) when
+    `execution` asks for them, else EAGER; the model's own bundle, warmed at the first call
+    on a GPU."""
     if not execution.compile_kernels:
         return EAGER
     compiled = model.compiled
@@ -50,10 +43,8 @@ def step_kernels(execution: ExecutionConfig, device: torch.device,
 
 
 def warms(model: LlamaForCausalLM | EagleHead | MedusaHead, device_type: str) -> bool:
-    """Whether `step_kernels` warms the model's bundle: a whole (unsharded) model or an EAGLE
-    head (one GPU) on a GPU.
-    A tensor-parallel shard's forward all-reduces, so no rank may run one alone; its bundle
-    compiles at the first prompt, on every rank together."""
+    """Whether `step_kernels` warms the model's bundle: an unsharded model or an EAGLE head on a
+    GPU (a shard's forward all-reduces, so no rank may run one alone)."""
     if device_type != "cuda":
         return False
     return isinstance(model, EagleHead) or (isinstance(model, LlamaForCausalLM) and all(
@@ -61,10 +52,8 @@ def warms(model: LlamaForCausalLM | EagleHead | MedusaHead, device_type: str) ->
 
 
 def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
-    """Forwards of a 3- and a 5-token chunk without a cache through `kernels`: torch.compile
-    builds its variant for chunks of one row and any number of tokens (a prefill's packed
-    layout; the second width makes that dimension dynamic) now, where it costs start-up
-    time instead of a first request's latency."""
+    """Forwards of a 3- and a 5-token chunk without a cache through `kernels`, so torch.compile
+    builds its dynamic-width chunk variant now rather than at a first request."""
     device = next(model.parameters()).device
     capture, model.capture = model.capture, None  # (an EAGLE head's features: not from this forward)
     try:
@@ -76,9 +65,8 @@ def warm_chunks(model: LlamaForCausalLM, kernels: Kernels) -> None:
 
 
 def warm_head(head: EagleHead, kernels: Kernels) -> None:
-    """An EAGLE head's bundle compiled for its eager shapes: forwards of 3 and 5 tokens without
-    a cache, then the features' combination and the logits of 3 and 5 rows (two widths make
-    each token dimension dynamic; one row takes the GEMV route)."""
+    """An EAGLE head's bundle compiled for its eager shapes: forward, features' combination and
+    logits of 3 and 5 tokens (two widths make each token dimension dynamic)."""
     param = next(head.parameters())
     hidden = head.spec.hidden_size
     width = hidden if head.spec.method == "eagle" else 3 * head.spec.target_hidden_size  # (what `combine` reads)

@@ -1,11 +1,5 @@
-"""ForwardSpec: how one forward function is built.
-
-Every forward function (`ForwardFn`) is built from a model, its KV pool and one
-`ForwardSpec` (`Executor.make_forward(model, pool, spec)`): whether CUDA graphs are used,
-with which kernel bundle, for how many rows and tokens a pass at most (the graphs' token
-buckets), and whether tree rules are captured too. Sampling and acceptance run above the
-forward, on its logits; a tensor-parallel worker builds the same forward from the same spec.
-"""
+"""ForwardSpec: how one forward function is built (`Executor.make_forward(model, pool, spec)`);
+a tensor-parallel worker builds the same forward from the same spec."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """CUDA graph capture (`record_graph`) and the staging of a replay's inputs: pinned host buffers
-that feed a graph's static inputs in one transfer. `PlanInputs` is a graph's flat batch (a
-`BatchPlan`'s arrays padded to the graph's tokens and rows), shared by every graph of a flat
-batch: the target's and a draft's forwards by token count, an EAGLE head's draft rounds."""
+that feed a graph's static inputs in one transfer. `PlanInputs`: a graph's flat batch, padded."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ T = TypeVar("T")
 def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.device,
                  pool: tuple[int, int] | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """Warm `run` up on the side stream, then capture it: (graph, run's outputs). `pool`: a
-    memory pool shared with other graphs (`torch.cuda.graph_pool_handle()`), for graphs of
-    which only one runs at a time."""
+    memory pool shared with graphs of which only one runs at a time."""
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(2):  # warm-up outside the graph (allocator, cuBLAS workspaces)
@@ -35,9 +32,8 @@ def record_graph(run: Callable[[], T], stream: torch.cuda.Stream, device: torch.
 
 
 class Staging:
-    """A ring of pinned host buffers feeding one device buffer. Steps are queued back to back
-    (the draft loop does not wait for the GPU), so a host buffer is rewritten only once the
-    copy that last read it has run."""
+    """A ring of pinned host buffers feeding one device buffer; a host buffer is rewritten only
+    once the copy that last read it has run."""
 
     def __init__(self, device_buf: torch.Tensor) -> None:
         self.device = device_buf
@@ -46,9 +42,7 @@ class Staging:
             host.copy_(device_buf.cpu())
         self.copied: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self.turn = 0
-        # the device with its index: `current_stream(index)` is one call into torch, while
-        # `Event.record()` without a stream finds the current device through Python layers
-        # (an availability check reading the environment), several us a copy on a GPU host
+        # (`current_stream(index)` is cheaper than `Event.record()` finding the current device)
         self.device_index = device_buf.device.index
 
     def next_host(self) -> torch.Tensor:
@@ -69,8 +63,7 @@ class Staging:
 def stage_sampling(staging: Staging, n: int, temperatures: Sequence[float], greedy: Sequence[bool],
                     uniforms: torch.Tensor) -> None:
     """Fill the next host buffer of a float64 [2 + U, b] staging ring (temperature | greedy |
-    U uniforms per row) for the first n rows; uniforms: CPU [n, U]. The copy is queued by
-    `send`."""
+    U uniforms per row) for the first n rows; uniforms: CPU [n, U]."""
     floats = staging.next_host()
     floats[0, :n] = torch.tensor(list(temperatures), dtype=torch.float64)
     floats[1, :n] = torch.tensor(list(greedy), dtype=torch.float64)
@@ -84,9 +77,8 @@ def plan_sizes(tokens: int, rows: int) -> list[int]:
 
 
 def stage(parts: Mapping[str, np.ndarray], plan: BatchPlan) -> None:
-    """Fill a staging buffer's ARRAYS (host views, `PlanInputs.host_arrays`) with the plan's,
-    padding the rest (padding tokens: position -1, row 0; padding rows: no context; padding
-    logits: token 0). numpy writes: a few hundred ns each, where a torch slice takes microseconds."""
+    """Fill a staging buffer's ARRAYS (numpy host views: cheaper than torch slices) with the
+    plan's, padding the rest (padding tokens: position -1, row 0; padding rows: no context)."""
     for name in ARRAYS:
         src, dst = plan.arrays[name], parts[name]
         n = src.shape[0]
@@ -95,10 +87,8 @@ def stage(parts: Mapping[str, np.ndarray], plan: BatchPlan) -> None:
 
 
 class PlanInputs:
-    """A graph's flat batch: the ARRAYS of `tokens` tokens over `rows` rows in one device
-    buffer (every token padding until staged), fed from a `Staging` ring; `batch` builds the
-    ForwardBatch from them inside the captured function, so every replay gathers its KV
-    slots and block tables afresh."""
+    """A graph's flat batch: the ARRAYS of `tokens` tokens over `rows` rows in one device buffer
+    fed from a `Staging` ring; `batch` builds the ForwardBatch inside the captured function."""
 
     def __init__(self, tokens: int, rows: int, device: torch.device) -> None:
         self.tokens, self.rows = tokens, rows
@@ -107,7 +97,6 @@ class PlanInputs:
         self.parts = dict(zip(ARRAYS, torch.split(buf, sizes), strict=True))
         self.parts["positions"].fill_(-1)  # (capture inputs: every token padding)
         self.staging = Staging(buf)
-        # numpy views of each pinned host buffer's ARRAYS (`stage` writes them)
         self.host_arrays = [dict(zip(ARRAYS, np.split(host.numpy(), np.cumsum(sizes)[:-1]), strict=True))
                             for host in self.staging.hosts]
 

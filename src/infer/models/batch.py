@@ -1,13 +1,8 @@
-"""ForwardBatch: the tokens of one forward pass as one flat batch, with the KV metadata
-attention reads.
+"""ForwardBatch: the tokens of one forward pass as one flat batch, with the KV metadata attention reads.
 
-Prefill chunks, decode rows, verification blocks and tree nodes are all rows of one batch:
-their tokens lie end to end ([N]), `query_start` says where each row's begin, and each token
-carries its storage position (it sees keys at positions <= its own, below its row's
-`seq_lens`), its rotary position (a tree node's is its depth past the block) and the KV slot
-it writes. Key position j of row b is in storage row `block_tables[b, j // block_size] *
-block_size + j % block_size`. A tree's rule inside its block (a node sees its ancestors
-only) is per token: its ancestors as bit sets and the block's first position (`TreeRule`).
+Prefill chunks, decode rows, verification blocks and tree nodes are all rows of one batch, their
+tokens end to end ([N]). Key position j of row b is in storage row
+`block_tables[b, j // block_size] * block_size + j % block_size`.
 """
 
 from __future__ import annotations
@@ -26,10 +21,8 @@ def rule_words(width: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class TreeRule:
-    """Visibility inside tree blocks: token i sees block key base[i] + c (0 <= c < width)
-    only where bit c % 64 of bits[i, c // 64] is set; keys outside [base, base + width)
-    follow the causal rule. A token outside any tree has base past every key (its own
-    position + 1)."""
+    """Visibility inside tree blocks: token i sees key base[i] + c (0 <= c < width) only where bit
+    c % 64 of bits[i, c // 64] is set; other keys follow the causal rule (outside a tree: base = pos + 1)."""
 
     bits: torch.Tensor  # [N, rule_words(width)] int64
     base: torch.Tensor  # [N] int64

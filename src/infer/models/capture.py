@@ -1,12 +1,8 @@
 """HiddenCapture: the target's hidden states that an EAGLE head drafts from.
 
-EAGLE-1 reads the final hidden states (after the model's last norm: what lm_head reads),
-EAGLE-3 the inputs of three decoder layers. A `HiddenCapture` attached to a model
-(`LlamaForCausalLM.capture`) names the points by one integer each: i < num_hidden_layers is
-the input of layer i (0: the embedding), i == num_hidden_layers the final normed output.
-Every forward then leaves `last`: the points concatenated in order, [B, T, len(points) * H],
-in the forward's own batch layout. It is one tensor op inside the forward (no host sync, no
-data-dependent shape), so a CUDA graph captures it as a static output like its logits.
+Point i < num_hidden_layers is the input of layer i (0: the embedding); i == num_hidden_layers
+the final normed output. Every forward of the model (`LlamaForCausalLM.capture`) leaves `last`,
+the points concatenated (no host sync: CUDA graphs capture it as a static output).
 """
 
 from __future__ import annotations

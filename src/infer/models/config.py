@@ -1,14 +1,9 @@
 """ModelConfig: the parts of a Hugging Face `config.json` the forward pass needs, per family.
 
-The decoder families differ in a few switches (`FAMILIES`): Llama 3.x and Mistral share
-Llama's layout (Mistral's sliding window is `sliding_window`); Qwen2 / Qwen2.5 add biases to
-the q, k and v projections; Qwen3 normalises each query and key head (RMSNorm) before the
-rotary. Validated on construction; `from_hf_dict` rejects architectures this package does not
-implement with a message that says what is supported. Sliding-window attention is not
-implemented: `check_context` refuses a context longer than the window (where it would
-change results). A GGUF file's metadata gives the same
-config (`infer.models.gguf.config`); its Llama 3 RoPE scaling arrives as per-frequency
-divisors (`rope_freq_factors`, llama.cpp's `rope_freqs` tensor) rather than as parameters.
+Families differ in a few switches (`FAMILIES`): Llama 3.x and Mistral share Llama's layout,
+Qwen2 adds q/k/v biases, Qwen3 RMSNorms each q and k head before the rotary. Validated on
+construction; `from_hf_dict` rejects what is not implemented. Sliding-window attention is not
+implemented: `check_context` refuses contexts longer than the window.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """EAGLE and EAGLE-3 draft heads: one decoder layer drafting from the target's own features.
 
-EAGLE (Li et al., 2024) and EAGLE-3 (2025): at position i the head takes the pair (f_i,
-t_{i+1}), a target feature of position i and the embedding of the token after it; its
-output x_i predicts t_{i+2} and is the feature of its next step. EAGLE's f is the target's
-final normed hidden state, its logits the target's lm_head(x); EAGLE-3's f is fc of three
-target layers' inputs, its q/k/v read cat(input_layernorm(embed(t)), hidden_norm(f)), its
-logits are lm_head(norm(x)) over a draft vocabulary mapped to target ids (`d2t`). The
-tensors and config keys of each format: docs/architecture.md (EAGLE heads); reading them:
-models/loading/eagle_files.py. `forward`, `logits` and `combine` take the decoder's
-`Kernels` bundle as the target's layers do; `logits` are over target ids (-inf elsewhere).
+EAGLE (Li et al., 2024) and EAGLE-3 (Li et al., 2025): at position i the head reads (f_i, t_{i+1}),
+a target feature and the next token's embedding; its output x_i predicts t_{i+2} and is its next
+step's feature. Formats: docs/architecture.md (EAGLE heads); loading: models/loading/eagle_files.py.
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ METHODS = ("eagle", "eagle3")
 
 @dataclass(frozen=True, slots=True)
 class EagleHeadConfig:
-    """A head's shape. layer: its decoder layer's (num_hidden_layers 1; vocab_size = the
-    target's); draft_vocab_size: rows of an EAGLE-3 lm_head (the target's vocabulary for
-    EAGLE); aux_layers: EAGLE-3's captured target layers, None for the default."""
+    """A head's shape. layer: its one decoder layer (vocab_size: the target's); draft_vocab_size:
+    rows of an EAGLE-3 lm_head; aux_layers: EAGLE-3's captured target layers (None: default)."""
 
     method: str
     layer: ModelConfig
@@ -110,8 +103,7 @@ def head_config_from_dict(raw: dict[str, Any], method: str, source: str = "the h
 
 
 class EagleHead(nn.Module):
-    """The head's weights and its forward (module docstring). `config` is its layer's
-    ModelConfig (what a KV pool is built from); `spec` the whole head's."""
+    """The head's weights and forward. `config`: its layer's ModelConfig (for a KV pool); `spec`: the head's."""
 
     def __init__(self, spec: EagleHeadConfig, own_embeddings: bool, fc_bias: bool) -> None:
         super().__init__()
@@ -127,8 +119,7 @@ class EagleHead(nn.Module):
             self.norm = RMSNorm(h, layer.rms_norm_eps)
             self.lm_head = make_linear(h, spec.draft_vocab_size, None)
             self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
-        # whether draft ids differ from target ids, and the target id of each draft id [draft_vocab]:
-        # fixed once the weights are in (`index_vocab`), so `logits` has no host sync (CUDA graphs)
+        # draft -> target id map [draft_vocab], fixed by `index_vocab` so `logits` has no host sync
         self.maps_vocab = spec.draft_vocab_size != layer.vocab_size
         self.target_ids: torch.Tensor | None = None
         self.mlp = MLP(layer)
@@ -153,9 +144,8 @@ class EagleHead(nn.Module):
 
     def forward(self, ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
-        """ids, positions: [B, T]; features [B, T, H] (f_i of each token's position) -> the
-        outputs x [B, T, H] (before any norm: the next step's features). `kernels` as the
-        target's decoder layer takes them: EAGER's math, fused by a bundle where it can."""
+        """ids, positions: [B, T]; features f [B, T, H] -> outputs x [B, T, H] (unnormed: the next
+        step's features)."""
         k = kernels
         emb = self.embed(ids).to(features.dtype)
         cos, sin = cos_sin(positions, self.rotary.inv_freq, features.dtype)
@@ -172,8 +162,7 @@ class EagleHead(nn.Module):
         return k.mlp(self.mlp.gate_up_proj, self.mlp.down_proj, x, self.post_attention_layernorm.weight, eps)
 
     def logits(self, x: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        """Outputs [M, H] -> logits over the target's vocabulary [M, V] float32 (EAGLE-3:
-        -inf at target ids outside the draft vocabulary)."""
+        """Outputs [M, H] -> float32 logits over target ids [M, V] (-inf outside a draft vocabulary)."""
         if self.spec.method == "eagle":
             return kernels.linear(self._target[0].lm_head, x, None).float()
         small = kernels.norm_linear(self.lm_head, x, self.norm.weight, self.norm.eps).float()

@@ -1,14 +1,9 @@
-"""The decoder of the Llama family and its relatives: Llama 3.x, Mistral, Qwen2 / Qwen2.5 and
-Qwen3, which differ in two switches of their config (config.py, `FAMILIES`): `qkv_bias`
-(Qwen2) and `qk_norm` (Qwen3: each query and key head RMSNorm-ed before the rotary).
+"""The decoder of the Llama family: Llama 3.x, Mistral, Qwen2 (`qkv_bias`) and Qwen3 (`qk_norm`).
 
-`forward(input_ids, positions, view)` takes explicit positions per token and an
-`AttentionView` that owns the KV cache. q/k/v and gate/up projections are fused
-(`hf_to_fused` / `fused_to_hf` map Hugging Face names) `LinearBase` layers (dense, FP8 or
-integer codes: layers/linear.py), built parallel with a `ModelShard`. Each layer carries the
-residual stream, x = x + attn(norm(x)); x = x + mlp(norm(x)), every step through the
-`Kernels` bundle with what surrounds it, so a fused bundle can merge them (`norm_linear`:
-norm + qkv; `attend`: rotary + cache write; `linear(o, h, residual)`; `mlp`).
+`LlamaForCausalLM.forward(input_ids, positions, view)` takes explicit positions and an
+`AttentionView` that owns the KV cache. q/k/v and gate/up are fused `LinearBase` layers
+(`hf_to_fused` / `fused_to_hf` map Hugging Face names); every step goes through the `Kernels`
+bundle with what surrounds it, so a fused bundle can merge them.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ from infer.models.vocab_rows import gathered_head, head_quantization, spread_log
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; under tensor parallelism q/k/v are `column`-parallel (the
-    rank's heads: config is the rank's shape) and o `row`-parallel."""
+    """Grouped-query attention; q/k/v `column`-parallel (config: the rank's shape), o `row`-parallel."""
 
     def __init__(self, config: ModelConfig, layer: int, quantization: str | None = None, column: Parallel = REPLICATED,
                  row: Parallel = REPLICATED) -> None:
@@ -59,8 +53,7 @@ class Attention(nn.Module):
 
     def attend_qkv(self, qkv: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    view: AttentionView, kernels: Kernels = EAGER) -> torch.Tensor:
-        """qkv: the projection's output [B, T, (Hq + 2 Hkv) D] -> residual + attention [B, T, H]
-        (the rest of `forward`; an EAGLE head projects its own, differently normed, input)."""
+        """qkv [B, T, (Hq + 2 Hkv) D] -> residual + attention [B, T, H] (EAGLE projects its own qkv)."""
         b, t, _ = qkv.shape
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(b, t, self.heads, self.head_dim)  # [B, T, Hq, D]
@@ -92,9 +85,8 @@ class DecoderLayer(nn.Module):
 
 
 def _embedding(vocab_size: int, hidden_size: int, parallel: Parallel) -> nn.Embedding:
-    """nn.Embedding (the rank's rows of the vocabulary: vocabulary-parallel), without its
-    random initialisation on the meta device (a meta `normal_` imports torch's Python
-    decompositions: about 150 MB of memory for nothing)."""
+    """nn.Embedding (vocabulary-parallel: the rank's rows), not randomly initialised on the meta
+    device (a meta `normal_` imports torch's Python decompositions, a large memory cost)."""
     start, stop = parallel.span(vocab_size)
     kwargs = {"_weight": torch.empty(stop - start, hidden_size)} if torch.get_default_device().type == "meta" else {}
     if parallel.kind == "vocab":
@@ -103,8 +95,7 @@ def _embedding(vocab_size: int, hidden_size: int, parallel: Parallel) -> nn.Embe
 
 
 def _lm_head(config: ModelConfig, embedding: nn.Module, parallel: Parallel) -> LinearBase:
-    """The head, kept in the model's dtype: whole, or the rank's rows of the vocabulary (tied
-    to a whole embedding: the embedding's rows, read in place)."""
+    """The head in the model's dtype: whole, or the rank's vocabulary rows (tied: read in place)."""
     start, stop = parallel.span(config.vocab_size)
     whole = embedding.weight.shape[0] == config.vocab_size
     tied_rows = config.tie_word_embeddings and parallel.kind == "vocab" and whole
@@ -124,8 +115,7 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, quantization: str | None = None, shard: ModelShard | None = None) -> None:
-        """The whole model of `config`, or with a `shard` that tensor-parallel rank's part
-        (its `config` is then the rank's shape, `shard.model_config`)."""
+        """The model of `config`, or a tensor-parallel rank's part (`self.config`: the rank's shape)."""
         super().__init__()
         self.config = config if shard is None else shard.model_config(config)
         self.quantization = quantization
@@ -141,10 +131,8 @@ class LlamaForCausalLM(nn.Module):
         self.compiled = CompiledKernels()  # its fused bundle, compiled at first use (the GPU's fixed shapes)
 
     def tie_weights(self) -> None:
-        """lm_head shares the embedding matrix when the config ties them (again after the
-        parameters are materialised: `to_empty` replaces each one separately). A head that
-        reads its embedding through its method (a quantized embedding's codes,
-        layers/int_embedding.py; a rank's rows of a whole embedding) holds no matrix to tie."""
+        """lm_head shares the embedding matrix when the config ties them (call again after
+        `to_empty`); a head reading the embedding through its method has no matrix to tie."""
         if (self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding)
                 and self.lm_head.method.checkpoint_params and self.kept_ids is None):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -154,8 +142,7 @@ class LlamaForCausalLM(nn.Module):
         return linear_layers(self)
 
     def checkpoint_parts(self) -> PartFn:
-        """part(Hugging Face tensor name, whole shape): the part of each checkpoint tensor
-        this model holds, as its layer's `parallel` setting says (None: all of it)."""
+        """part(Hugging Face name, whole shape): the part of that tensor this model holds (None: all)."""
         settings = {name: m.parallel for name, m in self.named_modules()
                     if isinstance(m, (LinearBase, VocabParallelEmbedding))}
 
@@ -185,17 +172,13 @@ class LlamaForCausalLM(nn.Module):
         return out
 
     def logits(self, hidden: torch.Tensor, kernels: Kernels = EAGER) -> torch.Tensor:
-        """The logits [..., V] of hidden states [..., H] (final normed); with a reduced
-        vocabulary, -inf outside it."""
+        """Logits [..., V] of final normed hidden states [..., H]; -inf outside a reduced vocabulary."""
         out = kernels.linear(self.lm_head, hidden, None)
         return out if self.kept_ids is None else spread_logits(out, self.kept_ids, self.config.vocab_size)
 
     def keep_vocab(self, ids: torch.Tensor) -> None:
-        """Compute logits only for vocabulary ids `ids` [N] (distinct): lm_head becomes a
-        gathered [N, H] copy of those rows, once, quantized as the model is (FP8; 8 bits for
-        int4 / int8: `head_quantization`; the embedding is unchanged), and `logits`
-        are -inf at every other id (`models/vocab_rows.py`). A draft model's reduced
-        vocabulary (EngineConfig.spec_draft_vocab)."""
+        """Compute logits only for the distinct ids `ids` [N] (a draft's reduced vocabulary):
+        lm_head becomes a gathered [N, H] copy (`head_quantization`), `logits` -inf elsewhere."""
         if self.kept_ids is not None:
             raise ValueError("this model's vocabulary is reduced already")
         ids = ids.to(device=self.model.norm.weight.device, dtype=torch.long)
@@ -224,10 +207,8 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h, kernels)
 
     def load_hf_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face named tensors in (each linear layer converts what it reads:
-        FP8 layers quantize bf16/fp32 tensors, or take FP8 ones with their `weight_scale`;
-        integer layers quantize dense tensors or take a checkpoint's codes, `PackedRows`);
-        raises if any is missing, extra or misshapen."""
+        """Copy Hugging Face named tensors in (each linear layer converts or quantizes what it
+        reads); raises ValueError if any is missing, extra or misshapen."""
         own = dict(self.named_parameters(remove_duplicate=False))
         linears = self.linears()
         seen: set[str] = set()
@@ -272,9 +253,8 @@ class LlamaForCausalLM(nn.Module):
                 "the weight files are incomplete (re-download or re-save the model)")
 
     def _checkpoint_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, parameter) of what a checkpoint supplies: every parameter but those a
-        linear layer derives (an FP8 layer's scales, computed as its weights quantize); an
-        integer layer's codes under W's name (`<layer>.weight`, rows as W's)."""
+        """(name, parameter) a checkpoint supplies: not the ones a layer derives (FP8 scales);
+        an integer layer's codes under `<layer>.weight`."""
         linears = self.linears()
         for name, param in self.named_parameters():
             module, _, leaf = name.rpartition(".")

@@ -1,11 +1,8 @@
 """Medusa heads: K extra heads on the target's last hidden state, each guessing a later token.
 
-Medusa (Cai et al., 2024), in the public layout of FasterDecoding's Medusa (read by
-models/loading/medusa_files.py). Head k (0-based) reads h, the target's final normed hidden
-state at position n - 1 (whose logits give t_n), and guesses t_{n+1+k}: `medusa_num_layers`
-residual blocks x <- x + SiLU(W x + b) ([H, H], bias), then its own lm_head [V, H] (no
-bias). The heads share nothing with the target but h. `MedusaConfig.check_target` /
-`check_depth` refuse heads that do not fit the target or the round from config.json alone.
+Medusa (Cai et al., 2024), FasterDecoding's layout (models/loading/medusa_files.py). Head k
+reads h, the target's final normed hidden state at position n - 1, and guesses t_{n+1+k}:
+`medusa_num_layers` residual blocks x <- x + SiLU(W x + b), then its own lm_head [V, H].
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ def _count(value: object, least: int) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class MedusaConfig:
-    """The heads' shape. hidden_size / vocab_size: the base model's (None: not known before
-    the weights are read, a `.pt` file without them in config.json)."""
+    """The heads' shape. hidden_size / vocab_size: the base model's (None: known only from the weights)."""
 
     num_heads: int
     num_layers: int
@@ -49,8 +45,7 @@ class MedusaConfig:
                 raise ValueError(f"{self.source}: {name} must be an integer >= 1, got {value!r}")
 
     def check_target(self, target: ModelConfig) -> None:
-        """Raise (naming every mismatch) unless the heads read this target's hidden states
-        and draft over its vocabulary; sizes not known yet are not checked."""
+        """Raise (naming every mismatch) unless the known sizes match the target's."""
         problems = []
         if self.hidden_size is not None and self.hidden_size != target.hidden_size:
             problems.append(f"hidden size {self.hidden_size} vs the target's {target.hidden_size}")
@@ -68,8 +63,7 @@ class MedusaConfig:
 
 
 class MedusaHead(nn.Module):
-    """The heads' weights and their forward (module docstring): `blocks[k][l]` the residual
-    blocks of head k, `lm_heads[k]` its vocabulary projection."""
+    """The heads' weights and forward: `blocks[k][l]` head k's residual blocks, `lm_heads[k]` its projection."""
 
     def __init__(self, spec: MedusaConfig, quantization: str | None = None) -> None:
         super().__init__()
@@ -108,8 +102,7 @@ class MedusaHead(nn.Module):
 
 
 def _best(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """The `width` highest logits' ids, best first: [A, V] -> [A, width] (one: an argmax,
-    a single kernel where a top-k takes several)."""
+    """The `width` highest logits' ids, best first: [A, V] -> [A, width] (argmax for one)."""
     if width == 1:
         return torch.argmax(logits, dim=-1, keepdim=True)
     return torch.topk(logits, width, dim=-1).indices
@@ -117,8 +110,7 @@ def _best(logits: torch.Tensor, width: int) -> torch.Tensor:
 
 def build_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None) -> MedusaHead:
-    """Heads of `spec` on `device`, weights uninitialised (in `dtype`; quantized layers store
-    their own kinds), for a loader to fill through each layer's `load_rows` / `load_bias`."""
+    """Heads of `spec` on `device`, weights uninitialised in `dtype` (quantized layers keep theirs)."""
     with torch.device("meta"):
         head = MedusaHead(spec, quantization)
     return head.to(dtype=dtype).to_empty(device=device)

@@ -1,7 +1,5 @@
-"""Logits over a kept subset of a vocabulary: a head that computes only some rows of its
-lm_head (EAGLE-3's draft vocabulary, `models/eagle.py`; a draft model's reduced vocabulary,
-`LlamaForCausalLM.keep_vocab`) and spreads them into the full vocabulary's columns, -inf
-elsewhere, so a draft's q is zero outside the kept rows and rejection sampling stays exact.
+"""Logits over a kept subset of a vocabulary (EAGLE-3's draft vocabulary, `keep_vocab`), spread
+into the full vocabulary with -inf elsewhere, so a draft's q is zero outside the kept rows.
 """
 
 from __future__ import annotations
@@ -19,18 +17,14 @@ def spread_logits(small: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> to
 
 
 def head_quantization(quantization: str | None) -> str | None:
-    """How a gathered head of a model quantized as `quantization` is stored: FP8 for an FP8
-    model, 8-bit groups for an int4 / int8 one (as a model quantized at load keeps its head),
-    else in the model's dtype."""
+    """How a gathered head is stored: "fp8" for an FP8 model, "int8" for int4 / int8, else None (dtype)."""
     return {"fp8": "fp8", "int4": "int8", "int8": "int8"}.get(quantization or "")
 
 
 def gathered_head(lm_head: LinearBase, ids: torch.Tensor, dtype: torch.dtype,
                   quantization: str | None = None) -> LinearBase:
-    """A new head of `lm_head`'s rows `ids` [N] (W [N, H], on its device) stored as
-    `quantization` says (None: in `dtype`; "fp8": per-row FP8; "int8": 8-bit groups), its
-    other parameters in `dtype`: made once at load, it reads N / V of the whole head's bytes
-    a step, fewer again quantized."""
+    """A new head of `lm_head`'s rows `ids` [N] (W [N, H], on its device) stored as `quantization`
+    says (None: in `dtype`), its other parameters in `dtype`."""
     if lm_head.parallel.kind != "replicated" or lm_head.bias is not None:
         raise ValueError("a reduced draft vocabulary needs the draft's whole lm_head (no bias, not split over "
                          "ranks): load the draft whole (tensor_parallel_draft='driver')")

@@ -4,9 +4,7 @@
     python -m infer.server --model ./my-llama --speculative-decoding --draft-model ./my-draft \\
         --port 8000 --served-model-name llama --api-key "$KEY"
 
-Engine flags are the same as `infer generate` (see `infer.engine.args`). Every flag, the
-model paths and the port are checked before the model loads; the engine's start-up (load,
-KV cache, warm-up: engine/startup.py) is logged at --log-level info.
+Engine flags are as for `infer generate`; flags, model paths and the port are checked before loading.
 """
 
 from __future__ import annotations
@@ -153,8 +151,7 @@ def build_app(args: argparse.Namespace):  # noqa: ANN201 - (FastAPI, AsyncEngine
     server_config = server_config_from_args(args)  # flag errors before the model loads
     config = engine_config_from_args(args)
     engine = AsyncEngine(Engine(config))
-    # the models, graphs and kernels of start-up leave the collector's generations: a full
-    # collection during serving scans what the requests made, not them (a pause of every step)
+    # freeze start-up's objects: a full collection while serving then scans only what requests made
     gc.collect()
     gc.freeze()
     app = create_app(engine, server_config)

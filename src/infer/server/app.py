@@ -1,11 +1,8 @@
 """The FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-`create_app(engine, config)` builds an app around a running `AsyncEngine` and a
-`ServerConfig`; the app talks to the engine only through `add_request` / `abort` and the
-returned streams. In front of it sit the request accounting (metrics) and the gate (Host
-allow-list, API key, body size: security.py). Every error leaves as OpenAI error JSON (see
-errors.py); the OpenAPI schema documents exactly the status codes the server returns (400
-replaces FastAPI's 422).
+`create_app(engine, config)` builds an app around a running `AsyncEngine`, behind request
+accounting and the gate (security.py). Every error leaves as OpenAI error JSON (errors.py); the
+OpenAPI schema documents exactly the status codes returned (400 replaces FastAPI's 422).
 """
 
 from __future__ import annotations
@@ -44,12 +41,8 @@ _ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "
 
 
 class RequestAccounting:
-    """ASGI middleware: counts requests by endpoint and status, tracks requests in flight.
-
-    A plain ASGI wrapper (not BaseHTTPMiddleware) so streaming and disconnects pass through
-    untouched. A request whose client left before any response was sent counts as 499; one
-    whose handler raised before responding, as 500.
-    """
+    """ASGI middleware (streaming passes untouched): counts requests by endpoint and status (499: the
+    client left before a response; 500: the handler raised first), tracks requests in flight."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app

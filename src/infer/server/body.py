@@ -1,12 +1,9 @@
 """Parsing a request body with work bounded by the model, not by the input.
 
-Parsing and validating JSON hold the GIL while they run, so a large body would stall every
-other request. `BodyLimits` bounds a body by what a request to this model can use: its size
-(the text a request can carry, `max_seq_len * max_token_chars` characters of at most
-`BYTES_PER_CHAR` bytes of JSON, and `BYTES_PER_VALUE` a value) and its number of JSON
-values (`structural_count`: the `,` `[` `{` bytes bound it). `parse_body` refuses a body
-over either with 413, unparsed, and parses the rest (keeping lone surrogates for the
-fields to refuse by name); it runs off the event loop. docs/server.md, "Security and limits".
+Parsing JSON holds the GIL, so `BodyLimits` bounds a body by what a request to this model can
+use: its bytes (`max_seq_len * max_token_chars` characters) and its JSON values (counted by the
+`,` `[` `{` bytes). `parse_body` refuses a body over either with 413, unparsed.
+docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

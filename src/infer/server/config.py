@@ -1,9 +1,7 @@
 """ServerConfig: the HTTP server's own settings (the engine's are `EngineConfig`), validated.
 
-Security defaults: no API key unless one is given; a server bound to a loopback address
-answers only requests whose Host header names a loopback host (a web page cannot reach it
-through DNS rebinding); request bodies are limited; special-token strings in user text are
-plain text.
+Security defaults: no API key unless given; bound to a loopback address, it answers only loopback
+Host headers (against DNS rebinding); bodies are limited; special tokens in user text are text.
 """
 
 from __future__ import annotations
@@ -89,9 +87,8 @@ _NAME = re.compile(r"[a-z0-9_.-]+")
 
 
 def host_name(header: str) -> str:
-    """The host part of a Host header, lower case, without port or IPv6 brackets; "" when the
-    header is not `name`, `name:port` or `[v6]:port` (a port of digits, a name of letters,
-    digits, dots, dashes and underscores), so that `localhost:1@evil.example` names no host."""
+    """The host part of a Host header, lower case, without port or IPv6 brackets; "" unless it is
+    `name`, `name:port` or `[v6]:port` of allowed characters (`localhost:1@evil.example`: "")."""
     header = header.strip().lower()
     if header.startswith("["):
         end = header.find("]")

@@ -1,12 +1,9 @@
 """Connection limits below the HTTP layer (uvicorn's h11 protocol), against clients that open
 connections and never finish a request (slowloris) or open more than the server can hold.
 
-`GuardedH11Protocol` (`guarded_protocol`) closes a connection whose request line and
-headers have not all arrived `header_timeout_s` after it opened (or after its previous
-response), and closes at once any connection beyond `max_connections`;
-`ensure_descriptors` raises the descriptor limit at startup to fit them, one accept burst
-(`BACKLOG`) and a reserve, or refuses the flag. `OverloadLog` logs each kind of overload
-at most once per `LOG_INTERVAL_S`, with its count. docs/server.md, "Security and limits".
+`GuardedH11Protocol` closes a connection without complete headers `header_timeout_s` after it
+opened (or its previous response), and any beyond `max_connections`; `ensure_descriptors` raises
+the open-file limit to fit. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ class OverloadLog:
             self._count[kind] = 0
 
     def exception_handler(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        """The event loop's exception handler: accept() out of descriptors is counted and
-        logged once per interval (asyncio logs it with a traceback each time); the rest as usual."""
+        """The event loop's exception handler: accept() out of descriptors goes through `note`."""
         if context.get("message") == ACCEPT_OUT_OF_RESOURCES:
             self.note("accept", f"accept() failed: {context.get('exception')}")
         else:
@@ -56,7 +52,7 @@ class OverloadLog:
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a header timeout and a connection limit (see the module)."""
+    """uvicorn's h11 protocol with a header timeout and a connection limit."""
 
     def __init__(self, *args: Any, header_timeout_s: float, max_connections: int, overload: OverloadLog,
                  **kwargs: Any) -> None:

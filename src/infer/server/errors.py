@@ -1,8 +1,6 @@
 """OpenAI-style errors for the server: `{"error": {"message", "type", "param", "code"}}`.
 
-Handlers raise `APIError` (or let FastAPI raise its own validation / HTTP errors); the
-handlers installed by `install_error_handlers` turn every one of them into the same JSON
-shape with the right status code, so clients always see OpenAI's error format.
+`install_error_handlers` turns `APIError` and FastAPI's own errors into that JSON shape.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Compiling the grammars of requests (structured outputs, forced tool calls) in worker
-processes, before the request is admitted, so that no compile runs on the event loop or on
-the engine thread (or holds a lock either of them takes).
+"""Compiling requests' grammars (structured outputs, forced tool calls) in worker processes,
+before admission, so no compile runs on the event loop or the engine thread.
 
-`GrammarService.compile(spec)` awaits the compiled grammar: from a cache bounded in bytes,
-from a compile of the same spec already under way, or from a new one in a pool of worker
-processes (`infer.engine.grammar_worker`), each compile within a time and a memory limit
-(a 400 naming the flag beyond either, as for a spec that is invalid or accepts no string).
-At most `PENDING_PER_WORKER` compiles per worker wait or run at once: another request
-needing one gets 429 with Retry-After. docs/server.md, "Security and limits".
+`GrammarService.compile(spec)`: from a byte-bounded cache, a compile under way, or a new one
+within time and memory limits (400 beyond). Over `PENDING_PER_WORKER` compiles per worker: 429.
 """
 
 from __future__ import annotations
@@ -100,8 +95,7 @@ class GrammarService:
             raise bad_request(str(exc), None, "invalid_request") from None
 
     def start(self) -> None:
-        """Start the worker processes now rather than at the first grammar (the command line
-        does, so that no request waits for them); ValueError when the model cannot have grammars."""
+        """Start the worker processes now; ValueError when the model cannot have grammars."""
         self._workers()
 
     def _workers(self) -> ProcessPool:

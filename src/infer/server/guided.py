@@ -1,10 +1,6 @@
-"""The request fields that ask for a structured output, read into a `StructuredOutput`:
-OpenAI's `response_format` (`{"type": "text"}`, `{"type": "json_object"}`,
-`{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`) and vLLM's extra
-fields `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. At most one may ask
-for a structure; a malformed one is a 400 naming the field (a schema or grammar xgrammar
-cannot compile, or one that accepts no string, is a 400 from `server.grammars`, before the
-request is admitted)."""
+"""The request fields that ask for a structured output (OpenAI's `response_format`, vLLM's
+`guided_*`), read into a `StructuredOutput`. At most one may ask; a malformed one is a 400
+naming the field."""
 
 from __future__ import annotations
 

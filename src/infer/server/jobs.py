@@ -1,13 +1,8 @@
 """The choices of one admitted request: `Job` (one choice) and `Jobs` (all of them).
 
-A Job is created when its request is admitted and handed to the engine only when it
-starts: `Jobs.start_first` starts choice 0 (and, with `n` > 1, waits for its first token,
-by which time its prompt's KV blocks are in the prefix cache that the other choices share);
-`Jobs.outputs` starts the others as earlier ones finish, at most `running_limit` of them
-in the engine at once, so one request with many choices cannot hold every batch slot.
-
-`JobHost` is what a Job needs from the server (the engine, the metrics, the admission
-counters): `ServerState` provides it.
+A Job is created on admission and handed to the engine when it starts. With `n` > 1,
+`Jobs.start_first` waits for choice 0's first token (its prompt is then in the prefix cache the
+others share); `Jobs.outputs` starts the rest, at most `running_limit` in the engine at once.
 """
 
 from __future__ import annotations
@@ -123,8 +118,7 @@ class Job:
         return reason
 
     def close(self, reason: str = "abort") -> None:
-        """Abort the choice unless it already finished (idempotent); one never started is
-        dropped. Its admission is released at once (the engine frees its slot at its next step)."""
+        """Abort the choice unless it already finished (idempotent); its admission is released at once."""
         if self.closed or self.released:
             return
         self.closed = True
@@ -148,8 +142,7 @@ class Job:
         if out.finish_reason is FinishReason.ERROR:
             log.error("request %s failed in the engine: %s", self.request_id, out.error)
             if out.error is not None and out.error.startswith(f"request {self.request_id} failed"):
-                # a fault of this request's own (its sampling, its grammar, its draft): the
-                # engine went on, and the message says what of the request broke
+                # a fault of this request's own: the engine went on, the message says what broke
                 return APIError(500, out.error, SERVER_ERROR, None, "request_failed")
             return APIError(500, "the engine failed while generating this request; the server log has the details",
                             SERVER_ERROR, None, "engine_error")

@@ -1,13 +1,10 @@
-"""Run an app under uvicorn: `serve_app` (the command line, in the foreground) and
-`ServerThread` (tests, benchmarks, notebooks: a background thread).
+"""Run an app under uvicorn: `serve_app` (foreground) and `ServerThread` (a background thread).
 
     with ServerThread(app) as server:          # 127.0.0.1, a free port chosen by the OS
         httpx.get(server.url + "/health")
 
-Both use `DrainingServer`: on SIGTERM / Ctrl-C (or `stop()`) the app stops admitting
-requests and ends those still open after its shutdown timeout; uvicorn's own limit,
-`BACKSTOP_S` later, is a backstop. The socket is bound before uvicorn starts, so the port
-is known up front. `LiveServer` bundles an engine, its app and the thread. docs/server.md.
+On SIGTERM / Ctrl-C (or `stop()`) `DrainingServer` stops admitting requests and ends those still
+open after the shutdown timeout. `LiveServer` bundles an engine, its app and the thread.
 """
 
 from __future__ import annotations
@@ -49,8 +46,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: Any, log_level: str, **kwargs: Any) -> uvicorn.Config:
-    """uvicorn's settings for the app: its h11 protocol guarded (header timeout, connection
-    limit: connections.py), the open-file limit raised to fit, the shutdown backstop."""
+    """uvicorn's settings for the app: the guarded h11 protocol (connections.py; the open-file limit
+    raised to fit), the shutdown backstop."""
     state = app.state.server
     ensure_descriptors(state.config.max_connections)
     timeout = state.config.shutdown_timeout_s + BACKSTOP_S
@@ -60,8 +57,7 @@ def uvicorn_config(app: Any, log_level: str, **kwargs: Any) -> uvicorn.Config:
 
 
 def serve_app(app: Any, sock: socket.socket, log_level: str) -> None:
-    """Serve on a socket from `bind` in the foreground until SIGTERM / SIGINT, then drain (see
-    the module docstring)."""
+    """Serve on a socket from `bind` in the foreground until SIGTERM / SIGINT, then drain."""
     DrainingServer(uvicorn_config(app, log_level), app.state.server).run(sockets=[sock])
 
 
@@ -105,11 +101,8 @@ class ServerThread:
 
 
 class LiveServer:
-    """An engine, its app and a ServerThread together: `LiveServer.start(EngineConfig(...))`.
-
-    `settle()` waits until no HTTP request is in flight and the engine holds no request;
-    `leak_report()` then lists any slot or KV block still held (empty when all is free).
-    """
+    """An engine, its app and a ServerThread together: `LiveServer.start(EngineConfig(...))`;
+    `leak_report()` lists any slot or KV block still held (empty when all is free)."""
 
     def __init__(self, engine: Any, app: Any, thread: ServerThread) -> None:
         self.engine = engine  # AsyncEngine
@@ -119,8 +112,8 @@ class LiveServer:
     @classmethod
     def start(cls, config: Any, model_name: str = "infer", max_queued_requests: int | None = None,
               engine: Any = None, **server_options: Any) -> LiveServer:
-        """Start a server for `config` (an EngineConfig), or around an already built `engine`
-        (Engine), on 127.0.0.1; `server_options` are further ServerConfig fields."""
+        """Start a server on 127.0.0.1 for `config` (an EngineConfig) or a built `engine`;
+        `server_options` are further ServerConfig fields."""
         from infer.engine.async_engine import AsyncEngine
         from infer.engine.engine import Engine
         from infer.server.app import create_app

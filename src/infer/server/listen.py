@@ -1,5 +1,4 @@
-"""The server's listening socket, bound before anything slow happens (a port in use is an
-error before the model loads, and a port of 0 is known before uvicorn starts)."""
+"""The server's listening socket, bound before the model loads (a port in use fails early)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Log-probabilities (`infer.logprobs.TokenLogprobs`) in OpenAI's two response formats.
 
-Completions (legacy): parallel lists `tokens`, `token_logprobs`, `top_logprobs` (one
-{token: logprob} dict per position, or null when no alternatives were asked for) and
-`text_offset` (each token's character offset in the choice's text). Chat: `content`, one
-{token, logprob, bytes, top_logprobs} entry per token. A token's string is its text; a
-token holding part of a UTF-8 character is shown as `bytes:\\xNN...`, as OpenAI does, and
-`bytes` are the token's raw bytes (byte-level vocabularies; else its text's UTF-8).
-Log-probabilities below -9999 (or -inf) are reported as -9999.0, as OpenAI does, so the JSON
-stays valid.
+Completions (legacy): parallel lists per token; chat: one {token, logprob, bytes, top_logprobs}
+entry per token. As OpenAI does, a token holding part of a UTF-8 character shows as
+`bytes:\\xNN...`, and log-probabilities below -9999 (or -inf) as -9999.0.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Prometheus metrics of one server app, in its own CollectorRegistry (no global state).
 
-Pushed by the server as requests run: requests by endpoint and HTTP status, finished
-requests by finish reason, time to first token, inter-token latency, end-to-end latency,
-prompt and generated token counts. Read from the engine at scrape time (`EngineCollector`):
-running and waiting requests, KV cache usage, engine health, HTTP requests in flight, and
-the speculative decoding counters of `SpecStats` (drafts, draft tokens, accepted tokens,
-emitted tokens, accepted and drafted tokens per draft position, i.e. a tree's depth, and
-drafting rounds by accepted length, i.e. a tree's accepted path length), and the batch
-gate's speedup and state by batch size.
+`ServerMetrics` holds what the server pushes as requests run (requests by endpoint and status,
+finish reasons, latencies, token counts); `EngineCollector` reads the engine's state, the
+speculation counters of `SpecStats` and the batch gate's state at scrape time.
 """
 
 from __future__ import annotations
@@ -34,11 +29,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 
 
 def kv_cache_usage(engine: Engine) -> float:
-    """Fraction of KV cache memory in use (the fuller pool when a draft pool exists).
-
-    Paged pools: blocks neither free nor evictable. Contiguous pools reserve a whole
-    max_seq_len region per slot, so usage is the fraction of slots taken.
-    """
+    """Fraction of KV cache memory in use, of the fullest pool (paged: blocks neither free nor
+    evictable; contiguous: slots taken)."""
     usages = [_pool_usage(pool, engine) for pool in engine.kv.pools()]
     return max(usages) if usages else 0.0
 
@@ -79,8 +71,7 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 def spec_metrics(stats: SpecStats | None) -> Iterator[Metric]:
-    """Speculation counters; zero (and no per-position samples) when speculation is off. A
-    draft with another tokenizer adds the gauge of the vocabulary it shares."""
+    """Speculation counters (zero when speculation is off), and the shared-vocabulary gauge if any."""
     stats = stats if stats is not None else SpecStats()
     for name, doc in (("drafts", "speculation rounds that drafted at least one token"),
                       ("draft_tokens", "tokens proposed by the drafter"),

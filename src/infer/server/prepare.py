@@ -1,13 +1,9 @@
 """Request preparation off the event loop: parsing the body, tokenizing, checking, SamplingParams.
 
-`Preparer` runs everything CPU-bound about a request before it reaches the engine (parsing
-and validating its JSON, tokenizing the prompt or rendering the chat template, checking its
-ids, building stop strings) in a small thread pool, with work bounded by the model's
-context: an oversized body is refused unparsed (body.py), a text longer than the context's
-tokens could spell (`vocabulary_bounds`: `max_token_chars` a token) untokenized. The result
-is `Prepared` (with `sampling_params`); errors are `APIError` 400s naming the parameter.
-`run` is the one way into the pool; `abandon` ends every wait on it (a shutdown past its
-timeout). docs/server.md, "Security and limits".
+`Preparer` runs the CPU-bound work of a request in a thread pool (`run`), bounded by the model's
+context: an oversized body is refused unparsed, a text longer than the context could spell
+untokenized. The result is `Prepared`; errors are `APIError` 400s naming the parameter.
+docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations
@@ -187,7 +183,7 @@ class Preparer:
 
     def _check_prompt(self, ids: list[int], max_tokens: int, param: str, budget_param: str) -> None:
         """400s for an empty prompt, a request beyond the context (naming `budget_param`), ids
-        outside the vocabulary (the length first: it bounds the id scan)."""
+        outside the vocabulary."""
         if not ids:
             raise bad_request(f"{param} is empty: give at least one token", param, "empty_prompt")
         limit = self.max_seq_len
@@ -270,8 +266,7 @@ def _chat_chars(body: ChatCompletionRequest) -> int:
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None,
                     structured: StructuredOutput | None = None) -> SamplingParams:
-    """The SamplingParams of one choice; `structured` (a forced tool call) replaces the
-    request's own structured output (tool_plan refuses a request asking for both)."""
+    """The SamplingParams of one choice; `structured` (a forced tool call) replaces the request's own."""
     def value(got: float | None, default: float) -> float:
         return default if got is None else got
 

@@ -1,12 +1,8 @@
 """OpenAI request schemas (pydantic) for /v1/completions and /v1/chat/completions.
 
-`CompletionRequest` and `ChatCompletionRequest` (with `ChatMessage`, `ToolDefinition`,
-`NamedToolChoice`, ...) are validated strictly (no "5" -> 5 coercion; integral floats
-accepted) with the ranges in the schema, so the OpenAPI document says exactly what the
-server accepts; strings must be valid Unicode. Parameters the server does not implement are
-declared so that setting them is a 400 naming them; unknown fields are ignored. Extensions
-beyond OpenAI's API: `top_k`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`, vLLM's
-`guided_*`, `speculation`. docs/server.md, "Endpoints".
+Validated strictly (no "5" -> 5 coercion; integral floats accepted) with the ranges in the
+schema; unimplemented parameters are declared so that setting them is a 400 naming them, unknown
+fields are ignored. docs/server.md, "Endpoints".
 """
 
 from __future__ import annotations
@@ -63,10 +59,8 @@ OnlyFalse = Annotated[bool, AfterValidator(_false), Field(json_schema_extra={"co
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Int = Annotated[int, INTEGRAL]
-# A nullable integer's bounds go inside its integer type (before INTEGRAL), so that the schema shows them as
-# minimum / maximum of the integer branch; on the field (`Int | None = Field(ge=...)`) they rendered as "ge".
-# token ids: an integer, or an integral float: the union keeps long lists of ints on pydantic's
-# fast path (a Python call only for a float)
+# (a nullable integer's bounds go inside its integer type, so the schema shows minimum / maximum)
+# token ids: an integer, or an integral float (the union keeps lists of ints on pydantic's fast path)
 TokenId = Annotated[int, Field(ge=0)] | Annotated[float, Field(ge=0, multiple_of=1), AfterValidator(_whole)]
 T = TypeVar("T")
 OnePrompt = Annotated[list[T], Field(min_length=1, max_length=1)]
@@ -228,8 +222,7 @@ class ChatMessage(_Strict):
         return self.content
 
     def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates read it: call arguments as objects (templates write
-        them with `tojson`), so they must be JSON (ValueError naming the call otherwise)."""
+        """The message as chat templates read it: call arguments as JSON objects (else ValueError)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text(), "name": self.name,
                                "tool_call_id": self.tool_call_id}
         if self.tool_calls:

@@ -1,7 +1,5 @@
-"""OpenAI response schemas (pydantic): completions, chat completions, their stream chunks,
-log-probabilities, tool calls (whole and as stream deltas), /v1/models, /health and errors.
-Extension: `speculative_decoding` (acceptance rate, mean accepted length) on responses and
-final chunks."""
+"""OpenAI response schemas (pydantic) of every endpoint, with stream chunks. Extension:
+`speculative_decoding` statistics on responses and final chunks."""
 
 from __future__ import annotations
 

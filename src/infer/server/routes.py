@@ -1,10 +1,7 @@
-"""Handlers of /v1/completions and /v1/chat/completions: parse and prepare (off the event
-loop, see prepare.py), submit, stream or collect; a chat request with tools reads each
-choice's text for tool calls (tool_calls.py) streamed or whole.
+"""Handlers of /v1/completions and /v1/chat/completions: prepare, submit, stream or collect.
 
-Everything that can fail before the first byte (bad parameters, unknown model, full queue,
-dead engine, shutdown) fails here, so a streaming request gets a real 4xx/5xx status rather
-than a 200 followed by an error event.
+Everything that can fail before the first byte fails here, so a streaming request gets a real
+4xx/5xx status rather than a 200 followed by an error event.
 """
 
 from __future__ import annotations

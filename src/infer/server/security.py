@@ -1,13 +1,9 @@
 """The gate in front of the app (plain ASGI, so streaming passes through untouched).
 
-`Gatekeeper` checks every HTTP request in order: the Host header against `allowed_hosts`
-(421, DNS rebinding), the API key on every path but `OPEN_PATHS` (and /metrics when public)
-(401), the Content-Type of a POST to a generation route (`path_limits`): not
-`application/json`, 415 before the body is read, since a browser sends other types
-cross-origin without a preflight; then the body's size against `max_request_bytes` or the
-path's own limit (413; a Content-Length before the body is read, the body read here
-replayed to the app). Each refusal is OpenAI error JSON. docs/server.md, "Security and
-limits".
+`Gatekeeper` checks in order: the Host header against `allowed_hosts` (421), the API key but on
+`OPEN_PATHS` (401), a generation POST's Content-Type (415: browsers send other types cross-origin
+without a preflight), the body's size (413; the body read here is replayed to the app).
+docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

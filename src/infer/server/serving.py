@@ -1,13 +1,9 @@
 """Admission and shutdown: prepared requests in, their choices (`Jobs`) out.
 
-`ServerState` is everything one app needs (the AsyncEngine, its ServerConfig, the Preparer,
-the grammar workers, metrics, the open choices). `submit` awaits the request's grammar
-(grammars.py), then admits by counting choices itself: at most `max_batch_size +
-max_queued_requests` open ones (a request whose `n` exceeds that is a 400, one that does
-not fit now a 429 with Retry-After, a dead engine or a shutdown a 503); each request runs at
-most `max_running_choices` at once (jobs.py). After `begin_shutdown` new requests get 503
-and those still open at `shutdown_timeout_s` end with a 503 error. docs/server.md,
-"Security and limits".
+`ServerState` is everything one app needs. `submit` admits at most `max_batch_size +
+max_queued_requests` open choices (an `n` over that: 400; no room now: 429 with Retry-After; a
+dead engine or a shutdown: 503). After `begin_shutdown` new requests get 503, and those still
+open at `shutdown_timeout_s` end with one. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations
@@ -63,8 +59,7 @@ class ServerState:
 
     @property
     def open_choices(self) -> int:
-        """Choices admitted and not yet finished (running, waiting, or not yet started): the
-        admission cap counts these."""
+        """Choices admitted and not yet finished: what the admission cap counts."""
         return len(self.jobs)
 
     @property
@@ -120,8 +115,8 @@ class ServerState:
 
 
 async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[str, Jobs]:
-    """Admit a prepared request: (its id, its choices, the first one started). Its grammar is
-    compiled first (off the event loop, a 400 when it cannot be), then admission applies."""
+    """Admit a prepared request after compiling its grammar (400 if it cannot be): (its id, its
+    choices, the first one started)."""
     state.check_accepting()
     compiled = await state.grammars.compile(prepared.params[0].structured)
     state.check_accepting()
@@ -140,8 +135,7 @@ async def submit(state: ServerState, prepared: Prepared, prefix: str) -> tuple[s
     state.metrics.prompt_tokens.inc(len(prepared.prompt_ids))
     try:
         await jobs.start_first()
-        # a shutdown while it prefilled; an engine failure from here on reaches the request as
-        # its error event (a 500: the engine had accepted it), never as a 503
+        # a shutdown while it prefilled (later engine failures reach it as error events, 500)
         state.check_open()
     except BaseException:
         jobs.close()

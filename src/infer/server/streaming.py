@@ -1,12 +1,9 @@
 """Delivering a request's choices: server-sent events in OpenAI's chunk format, or one response.
 
-`event_stream` turns the StepOutputs of a request's choices (`Jobs.outputs()`, interleaved,
-each tagged with its index) into one chunk per token and choice, a final chunk per choice
-(with its speculative statistics), an optional `usage` chunk, then `[DONE]`; a failure
-mid-stream is an `error` event before `[DONE]`. `SSEResponse` cancels the stream when the
-client disconnects and `whole_response` races a whole response against the same signal,
-then sends it as `JSONStream(json_body(...))`: its choices serialized one at a time in a
-worker thread, the event loop free in between. docs/server.md, "Streaming".
+`event_stream` turns a request's StepOutputs into chunks, an optional `usage` chunk, then
+`[DONE]` (a failure mid-stream: an `error` event first). `SSEResponse` and `whole_response` stop
+on client disconnect; a whole response's choices are serialized in a worker thread
+(`json_body`). docs/server.md, "Streaming".
 """
 
 from __future__ import annotations
@@ -70,8 +67,7 @@ class JSONStream(StreamingResponse):
 
 
 async def json_body(whole: BaseModel, choices: Sequence[Callable[[], BaseModel]]) -> AsyncIterator[bytes]:
-    """`whole` (a response with its `choices` left empty) as JSON, each of `choices` made and
-    serialized in a worker thread when its turn comes."""
+    """`whole` (its `choices` empty) as JSON, each of `choices` made and serialized in a worker thread."""
     fields = whole.model_dump(mode="json", exclude={"choices"})
     yield ("{" + "".join(f"{json.dumps(k)}:{json.dumps(v, ensure_ascii=False)}," for k, v in fields.items())
            + '"choices":[').encode()
@@ -135,8 +131,8 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def collect(jobs: Jobs, request: Request) -> list[Outcome] | APIError | None:
-    """Run every choice to the end: their outcomes, the error that ended one of them, or
-    None (and everything aborted) if the client went away first."""
+    """Run every choice to the end: their outcomes, the error that ended one, or None (all aborted)
+    if the client went away first."""
     gather = asyncio.ensure_future(_gather(jobs))
     watch = asyncio.ensure_future(_wait_disconnect(request))
     try:

@@ -1,13 +1,9 @@
 """Tool calls out of a chat completion's text: the Llama 3 JSON format, whole or streamed.
 
-The format (`tokenization.tool_prompt`): optionally `<|python_tag|>`, then
-`{"name": <function>, "parameters": <object>}` (`"arguments"` read too), several separated
-by `;`. `parse_tool_calls` reads a whole text: the calls (`ParsedCall`), or None when it is
-anything else (it then stays content). `CallReader` turns one choice's text deltas into what
-the client sees, the same way streamed or not: under auto, text that cannot open a call
-streams as content and a possible call is held to the end; a forced call (required, named)
-streams its name as soon as it is complete, then its arguments as fragments (`CallDelta`).
-docs/server.md, "Tool calls".
+Optionally `<|python_tag|>`, then `{"name": ..., "parameters": {...}}` (`"arguments"` read too),
+several separated by `;`. `CallReader` turns a choice's text deltas into content and `CallDelta`s:
+under auto a possible call is held to the end, other text streams as content; a forced call
+streams its name, then argument fragments. docs/server.md, "Tool calls".
 """
 
 from __future__ import annotations
@@ -34,9 +30,8 @@ class ParsedCall:
 
 @dataclass
 class CallDelta:
-    """A piece of a tool call for a stream: `index` among the message's calls; id, type and
-    name come with its first delta, `arguments` is a fragment (all fragments join to the
-    call's arguments)."""
+    """A piece of a streamed tool call (`index` among the message's calls): id and name come with its
+    first delta; the `arguments` fragments join to the call's arguments."""
 
     index: int
     arguments: str
@@ -87,7 +82,7 @@ def _as_call(value: object, names: Collection[str] | None) -> ParsedCall | None:
 
 
 class CallReader:
-    """One choice's text in, (content delta, tool-call deltas) out; see the module docstring."""
+    """One choice's text in, (content delta, tool-call deltas) out, the same streamed or not."""
 
     def __init__(self, forced: bool, names: Collection[str], parallel: bool = True) -> None:
         self.forced = forced
@@ -120,8 +115,7 @@ class CallReader:
         return self.buffer, []
 
     def finish(self, complete: bool) -> tuple[str, list[CallDelta]]:
-        """The end of the text (`complete`: it ended normally, not cut by max_tokens): what
-        is still to send."""
+        """What is still to send at the end (`complete`: not cut by max_tokens)."""
         if self.passing:
             return "", []
         if self.forced:

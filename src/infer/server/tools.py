@@ -1,12 +1,8 @@
 """A chat request's `tools` and `tool_choice`, read into a `ToolPlan` (`tool_plan`).
 
-`none`: the tools reach the chat template but the output is plain text; `auto` (the default
-with tools): the output is parsed for Llama 3 JSON calls (`tool_calls.parse_tool_calls`);
-`required`: one call of one of the tools, enforced by a JSON schema (anyOf over the tools);
-named: one call of that function, enforced by its schema. Problems a client can fix are
-400s naming the field before the request is queued. `call_schema` builds a forced call's
-schema, its parameters' local `$ref`s rebased (`rebase_refs`). docs/server.md,
-"Tool calls".
+`none`: plain text output; `auto` (the default): the output is parsed for Llama 3 JSON calls;
+`required` / named: one call, enforced by a JSON schema (`call_schema`). Problems are 400s naming
+the field before the request is queued. docs/server.md, "Tool calls".
 """
 
 from __future__ import annotations
@@ -26,8 +22,8 @@ NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tools ask for: the mode, the tools as the chat template takes them,
-    the schema a forced call follows (required, named) and whether auto keeps several calls."""
+    """A request's tool mode, its tools as the chat template takes them, a forced call's schema,
+    and whether auto keeps several calls."""
 
     mode: Mode
     tools: list[dict[str, Any]]  # [{"type": "function", "function": {name, description?, parameters?}}]
@@ -45,9 +41,8 @@ def _invalid(message: str, param: str) -> APIError:
 
 
 def call_schema(name: str, parameters: Mapping[str, Any] | None, at: str = "") -> dict[str, Any]:
-    """The JSON schema of one Llama 3 JSON call of function `name`, to sit at JSON pointer
-    `at` of the schema enforced: the parameters' local `$ref`s (`#/$defs/x`, `#`) are
-    rebased to where the parameters now are (`#<at>/properties/parameters/$defs/x`)."""
+    """The JSON schema of one call of function `name`, to sit at JSON pointer `at` of the enforced
+    schema (the parameters' local `$ref`s rebased)."""
     rebased = rebase_refs(dict(parameters or NO_PARAMETERS), f"{at}/properties/parameters")
     return {"type": "object", "properties": {"name": {"const": name}, "parameters": rebased},
             "required": ["name", "parameters"], "additionalProperties": False}
@@ -94,8 +89,7 @@ def _check_parameters(index: int, name: str, schema: Mapping[str, Any] | None) -
 
 
 def tool_plan(body: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's ToolPlan, None without tools (or with tool_choice none and no tools);
-    an APIError 400 naming the field for a request that cannot be served."""
+    """The request's ToolPlan, None without tools; an APIError 400 naming the field if it cannot be served."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):

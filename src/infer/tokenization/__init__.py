@@ -1,9 +1,4 @@
-"""Tokenization: text <-> token ids, chat templates and streaming detokenization.
-
-`Tokenizer` (tokenizer.py) is the entry point; file discovery (files.py), the `tokenizers`
-and tiktoken backends (backends.py), chat templates (chat.py) and the streaming decoder
-(detokenizer.py) sit beside it.
-"""
+"""Tokenization: text <-> token ids, chat templates and streaming detokenization (`Tokenizer`)."""
 
 from infer.tokenization.backends import TokenLimitExceeded
 from infer.tokenization.detokenizer import IncrementalDetokenizer

@@ -1,14 +1,9 @@
 """Tokenizer backends: `tokenizers` (tokenizer.json) and tiktoken (Llama 3 tokenizer.model).
 
-Both expose the same small surface (`TokenizerBackend`): raw encode/decode, token <-> id
-lookup and the set of special ids. Everything model-specific that lives in config files
-(BOS policy, eos ids, chat template) is handled by `Tokenizer` (tokenizer.py).
-
-The tiktoken backend rebuilds Meta's Llama 3 tokenizer: the BPE ranks from the file, the
-Llama 3 pre-tokenizer regex and 256 special tokens appended after the base vocabulary
-(the same names and order as `llama_models.llama3.tokenizer`). Token strings use the
-GPT-2 byte-to-unicode alphabet, so `id_to_token` agrees with Hugging Face's tokenizer.json
-conversion of the same model (e.g. " hello" -> "Ġhello").
+Both expose `TokenizerBackend`: raw encode/decode, token <-> id lookup, special ids; config
+files (BOS policy, eos ids, template) are `Tokenizer`'s. The tiktoken backend rebuilds Meta's
+Llama 3 tokenizer (ranks, pre-tokenizer regex, 256 specials as `llama_models` orders them),
+with GPT-2 byte-alphabet token strings as in tokenizer.json (" hello" -> "Ġhello").
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ from typing import Protocol
 import tiktoken
 import tokenizers
 
-# Llama 3 pre-tokenizer: contractions, words with one leading non-letter, 1-3 digit
-# groups, punctuation runs, newlines, and whitespace that is not followed by a word.
+# Llama 3 pre-tokenizer: contractions, words, 1-3 digit groups, punctuation runs, newlines, spaces
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
     r"|[^\r\n\p{L}\p{N}]?\p{L}+"
@@ -44,8 +38,7 @@ LLAMA3_NAMED_SPECIAL_TOKENS = (
     "<|start_header_id|>", "<|end_header_id|>",
     "<|eom_id|>", "<|eot_id|>", "<|python_tag|>", "<|image|>",
 )
-# tiktoken's regex engine can fail on very long inputs or very long runs of
-# (non-)whitespace; longer inputs are encoded in pieces (see `split_for_tiktoken`).
+# tiktoken's regex engine can fail on very long inputs or runs: `split_for_tiktoken` cuts them
 TIKTOKEN_MAX_CHARS = 400_000
 TIKTOKEN_MAX_RUN = 25_000
 _RUNS = re.compile(r"\s+|\S+")
@@ -81,13 +74,8 @@ class TokenizerBackend(Protocol):
 
 
 class HFTokenizersBackend:
-    """A `tokenizers.Tokenizer` loaded from tokenizer.json.
-
-    Special-token strings in text become their ids, or plain text with `parse_special=False`
-    (through a second copy of the tokenizer with `encode_special_tokens` set, made on first
-    use, so the two modes never race between threads). Encoding goes through `encode_batch_fast`, which
-    releases the GIL (plain `encode` holds it: seconds for a few MB of text).
-    """
+    """A `tokenizers.Tokenizer` loaded from tokenizer.json. `parse_special=False` uses a second
+    copy with `encode_special_tokens` set (no race between modes); `encode_batch_fast` releases the GIL."""
 
     name = "tokenizers"
 
@@ -205,9 +193,8 @@ class TiktokenBackend:
 
 
 def decoder_form(decoder_json: str | bytes | None) -> str | None:
-    """The form (a key of FORMS) of a tokenizer.json decoder: its JSON, None without one.
-    A ByteLevel step means byte-level strings; a Metaspace, a ByteFallback or a Replace of
-    "▁" means SentencePiece's; anything else is not known (None)."""
+    """The form of a tokenizer.json decoder (its JSON): "byte_level" (a ByteLevel step),
+    "metaspace" (Metaspace, ByteFallback or a Replace of "▁"), else None."""
     if decoder_json is None:
         return None
     steps: list[dict[str, object]] = []
@@ -258,12 +245,8 @@ def load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
 
 
 def split_for_tiktoken(text: str, max_chars: int, max_run: int) -> list[str]:
-    """Cut `text` into pieces of <= max_chars with no (non-)whitespace run over max_run.
-
-    Cuts fall at the start of a whitespace or non-whitespace run where possible, so
-    ordinary text tokenizes exactly as it would in one piece; only runs longer than
-    `max_run` are cut inside. Short inputs come back as [text] without scanning runs.
-    """
+    """Cut `text` into pieces of <= max_chars with no (non-)whitespace run over max_run. Cuts
+    fall at run starts, so ordinary text tokenizes as in one piece; only long runs are cut inside."""
     if len(text) <= max_chars and not _has_long_run(text, max_run):
         return [text]
     cuts = [0]
@@ -298,8 +281,7 @@ def _byte_to_unicode() -> dict[int, str]:
 
 
 def byte_level_bytes(token: str) -> bytes | None:
-    """The bytes a byte-level BPE vocabulary string stands for ("Ġhi" -> b" hi"), or None
-    when the string is not in GPT-2's byte alphabet (e.g. SentencePiece's "▁hi")."""
+    """The bytes of a byte-level vocabulary string ("Ġhi" -> b" hi"); None outside GPT-2's alphabet."""
     decoder = _unicode_to_byte()
     if not all(ch in decoder for ch in token):
         return None

@@ -1,13 +1,8 @@
 """Chat templates: message validation and Jinja rendering the way Hugging Face does it.
 
-Templates come from model repositories, so they are untrusted code: they run in Jinja's
-immutable sandbox. The environment matches what `transformers` gives templates
-(trim_blocks, lstrip_blocks, loop controls, a `tojson` filter that keeps non-ASCII text
-and accepts `indent`, `raise_exception`, `strftime_now`, the `{% generation %}` block),
-so published templates render the same text here. `LLAMA3_CHAT_TEMPLATE` is the
-built-in Llama 3 instruct format used when a model directory ships no template. Tools and
-assistant tool calls reach templates that render them as `tools` and `tool_calls`, and the
-others as text in the messages (`tool_prompt.py`).
+Templates are untrusted code: they run in Jinja's immutable sandbox, with the environment
+`transformers` gives them, so published templates render the same text. `LLAMA3_CHAT_TEMPLATE`
+serves a Llama 3 vocabulary without a template of its own.
 """
 
 from __future__ import annotations
@@ -30,9 +25,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "ipython")
 # A vocabulary with these tokens and no chat template of its own gets LLAMA3_CHAT_TEMPLATE.
 LLAMA3_HEADER_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
-# Llama 3 instruct: <|begin_of_text|> then, per message,
-# <|start_header_id|>{role}<|end_header_id|>\n\n{content stripped}<|eot_id|>;
-# tool results use the "ipython" header; the generation prompt opens an assistant header.
+# Llama 3 instruct (tool results under the "ipython" header)
 LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
 {%- for message in messages %}
     {%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}
@@ -50,10 +43,7 @@ LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks).
-
-    Inference only needs the text, so the block renders its body unchanged.
-    """
+    """`{% generation %}...{% endgeneration %}` (a training mask marker): renders its body unchanged."""
 
     tags = {"generation"}
 
@@ -96,8 +86,8 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, Any]], *,
                          add_generation_prompt: bool, special_tokens: Mapping[str, str | None],
                          tools: Sequence[Mapping[str, Any]] | None = None,
                          **template_kwargs: Any) -> str:
-    """Validate `messages` and render them with the template `source` (tools and tool calls
-    as text in the messages when the template does not render them: `tool_prompt.fold_tools`)."""
+    """Validate `messages` and render them with the template `source` (tools the template does not
+    render go into the messages as text: `tool_prompt.fold_tools`); ValueError on failure."""
     clean, tools = fold_tools(validate_messages(messages), tools, source)
     template = compile_chat_template(source)
     variables = {**special_tokens, **template_kwargs}

@@ -1,11 +1,8 @@
 """Streaming detokenization: turn generated ids into text deltas one token at a time.
 
-Decoding tokens one by one splits characters that span several byte-level tokens and
-loses SentencePiece's leading spaces, so `IncrementalDetokenizer` decodes a small window of
-recent tokens twice (the prefix-offset / read-offset scheme) and emits the difference,
-held back while it ends in an unfinished character (U+FFFD). Work per token is bounded by
-the window, and the concatenated deltas equal decode(generated ids). `Decoder`: what it
-needs of a tokenizer. The scheme: docs/architecture.md, "Tokenization".
+`IncrementalDetokenizer` decodes a small window of recent tokens twice (prefix / read offsets)
+and emits the difference, held back while it ends in an unfinished character (U+FFFD); the
+concatenated deltas equal decode(generated ids). docs/architecture.md, "Tokenization".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Find and read the tokenizer files of a local model directory (Hugging Face layout).
 
-A model directory holds either `tokenizer.json` (the `tokenizers` library format) or,
-for Meta's Llama 3 releases, a tiktoken BPE file `tokenizer.model` (at the top or under
-`original/`). Beside it sit optional JSON configs: `tokenizer_config.json` (special
-token strings, `add_bos_token`, the chat template), `special_tokens_map.json` (special
-token strings of older repositories), `generation_config.json` (the eos
-ids generation stops on) and the chat template as `chat_template.jinja` or
-`chat_template.json` (the layouts newer `transformers` versions save).
+A directory holds `tokenizer.json` or a Llama 3 tiktoken `tokenizer.model` (top or `original/`),
+with optional `tokenizer_config.json`, `special_tokens_map.json`, `generation_config.json` and
+`chat_template.jinja` / `chat_template.json`.
 """
 
 from __future__ import annotations

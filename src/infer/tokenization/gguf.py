@@ -1,13 +1,8 @@
 """The tokenizer a GGUF file describes, rebuilt with the `tokenizers` library.
 
-`read_gguf_tokenizer(path)` reads the file's metadata only (vocabulary, token types, BPE
-merges or SentencePiece scores, special ids, chat template) into a `GGUFTokenizer`, the
-parts `Tokenizer.from_pretrained` builds from, so a bad tokenizer fails before any weight
-loads. Two vocabulary kinds, as llama.cpp runs them: "gpt2" (`byte_level_bpe`, cut by the
-pre-tokenizer the file names: pretokenizers.py; an unknown name is an error saying how to
-pass the model's own tokenizer) and "llama" (`sentencepiece_bpe`, merges from the scores:
-`spm_merges`). Decoding gives the exact text. Details: docs/architecture.md,
-"Tokenization".
+`read_gguf_tokenizer(path)` reads the metadata only (before any weight loads) into a
+`GGUFTokenizer`. Vocabulary kinds, as llama.cpp runs them: "gpt2" (`byte_level_bpe`, with the
+named pre-tokenizer) and "llama" (`sentencepiece_bpe`, merges from scores). docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -47,8 +42,7 @@ class GGUFTokenizer:
 
 
 def read_gguf_tokenizer(path: str | os.PathLike[str]) -> GGUFTokenizer:
-    """The tokenizer of a GGUF file: vocabulary, special ids, stop ids, chat template.
-    Raises ValueError, saying what to do, for a vocabulary infer cannot rebuild exactly."""
+    """The tokenizer of a GGUF file; ValueError for a vocabulary infer cannot rebuild exactly."""
     gguf = GGUFFile.open(path)
     tokens: list[str] = gguf.value("tokenizer.ggml.tokens")
     types: list[int] = gguf.get("tokenizer.ggml.token_type") or [TokenType.NORMAL] * len(tokens)
@@ -92,8 +86,7 @@ def _pre_tokenizer_name(gguf: GGUFFile) -> str:
 
 def byte_level_bpe(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str],
                    pre: str) -> tokenizers.Tokenizer:
-    """Byte-level BPE over the file's vocabulary (already in GPT-2's byte alphabet), cut
-    by the pre-tokenizer named `pre` (a key of `PRE_TOKENIZERS`)."""
+    """Byte-level BPE over the file's (GPT-2 alphabet) vocabulary, cut by `PRE_TOKENIZERS[pre]`."""
     rules = PRE_TOKENIZERS[pre]
     pairs = [_merge_pair(merge) for merge in merges]
     model = models.BPE(vocab=_vocab(tokens), merges=pairs, ignore_merges=rules.ignore_merges)
@@ -121,8 +114,8 @@ def sentencepiece_bpe(tokens: Sequence[str], types: Sequence[int], scores: Seque
 
 
 def spm_merges(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float]) -> list[tuple[str, str]]:
-    """BPE merges a SentencePiece vocabulary implies: every split of a normal piece into two
-    pieces of the vocabulary, best merged-piece score first (ties: vocabulary order)."""
+    """BPE merges a SentencePiece vocabulary implies: every split of a normal piece into two known
+    pieces, best merged-piece score first (ties: vocabulary order)."""
     ids = {t: i for i, (t, kind) in enumerate(zip(tokens, types, strict=True)) if kind == TokenType.NORMAL}
     ranked: list[tuple[float, int, int, tuple[str, str]]] = []
     for piece, piece_id in ids.items():

@@ -1,13 +1,8 @@
 """The byte-level pre-tokenizers a GGUF file can name (`tokenizer.ggml.pre`), as llama.cpp runs them.
 
-Before merging, a byte-level BPE vocabulary cuts the text into pieces by one or more
-regexes, and merges never cross a cut; llama.cpp's converter records the cutting the model
-was trained with as a name ("llama-bpe", "qwen2", "smollm", ...). `PRE_TOKENIZERS` maps each
-name implemented here to its `PreTokenizer`: `splits` (regexes applied in turn, "isolated"),
-`ignore_merges` (a piece found whole is one token) and `add_bos` (the BOS default). Where
-llama.cpp rewrote a regex only for C++'s regex engine, the model's own regex is used. Names
-not in the table are an error where they are looked up (gguf.py), never an approximation.
-docs/architecture.md, "Tokenization".
+`PRE_TOKENIZERS` maps each name llama.cpp records ("llama-bpe", "qwen2", ...) to a `PreTokenizer`
+(the regexes cutting text before merges). Where llama.cpp rewrote a regex for C++'s engine, the
+model's own regex is used; unknown names are an error (gguf.py), never an approximation.
 """
 
 from __future__ import annotations
@@ -16,11 +11,9 @@ from dataclasses import dataclass
 
 from tokenizers import Regex, pre_tokenizers
 
-# GPT-2: contractions, letters, digits and other runs each with one optional leading
-# space, and whitespace not followed by a non-space.
+# GPT-2: contractions, letter, digit and other runs (one optional leading space), trailing whitespace.
 GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-# Llama 3 (and Smaug, DBRX): case-insensitive contractions, letters with one leading
-# non-letter, digits in groups of up to three, punctuation runs with trailing newlines.
+# Llama 3 (and Smaug, DBRX): contractions, letters with one leading non-letter, 1-3 digit groups.
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # Qwen2 (and StableLM 2): Llama 3's, with every digit its own piece.
@@ -39,9 +32,8 @@ GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}
          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
          r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-# DeepSeek LLM: newlines, then runs of cased letters (Unicode's Lu, Ll and Lt in the blocks
-# its tokenizer.json lists, written as code points), ASCII/full-width punctuation, trailing
-# whitespace, CJK and Hangul runs, digit runs (its tokenizer.json's own sequence).
+# DeepSeek LLM (its tokenizer.json's sequence): newlines, cased-letter runs (as code points),
+# ASCII/full-width punctuation, trailing whitespace, CJK and Hangul runs, digit runs.
 DEEPSEEK_LLM = (
     r"[\r\n]",
     r"\s?["

@@ -1,13 +1,9 @@
 """Chat prompts whose user text cannot smuggle in control tokens.
 
-A chat template writes real special tokens (`<|start_header_id|>`, `<|eot_id|>`, ...)
-around the messages; encoding the rendered text with special-token parsing would also turn
-a user's literal `<|eot_id|>` into the control token. `encode_chat` keeps the two apart:
-special-token strings inside message strings are swapped for unique markers before the
-template runs, the rendered text is cut at the special tokens that remain (the template's
-own), those become their ids, and the text between them, markers restored, is encoded with
-special-token parsing off. Cutting at special tokens is what the tokenizers do themselves,
-so a conversation without special strings in its messages encodes exactly as before.
+Special-token strings inside messages are swapped for unique markers before the template runs;
+the rendered text is cut at the template's own special tokens (their ids), and the text between,
+markers restored, is encoded with special-token parsing off. Messages without special strings
+encode exactly as with plain parsing.
 """
 
 from __future__ import annotations
@@ -55,8 +51,7 @@ def _escape(value: Any, pattern: re.Pattern[str], marker: str, index: dict[str, 
 
 def escape_messages(messages: Sequence[Mapping[str, Any]], pattern: re.Pattern[str],
                     specials: Sequence[str]) -> tuple[list[Any], Callable[[str], str]]:
-    """(messages with every special string in their strings replaced by a marker, the
-    function that puts the originals back into a piece of rendered text)."""
+    """(messages with every special string replaced by a marker, a function restoring them in text)."""
     marker = _fresh_marker(_strings(list(messages)))
     index = {s: i for i, s in enumerate(specials)}
     escaped = [_escape(m, pattern, marker, index) for m in messages]
@@ -66,8 +61,7 @@ def escape_messages(messages: Sequence[Mapping[str, Any]], pattern: re.Pattern[s
 
 def encode_rendered(text: str, pattern: re.Pattern[str], token_id: Callable[[str], int | None],
                     encode_plain: Encode, restore: Callable[[str], str]) -> list[int]:
-    """Ids of rendered chat text: its special-token strings as their ids, the text between
-    them (markers restored) as plain text."""
+    """Ids of rendered chat text: special-token strings as their ids, the rest (restored) as plain text."""
     ids: list[int] = []
     pos = 0
     for match in pattern.finditer(text):

@@ -1,11 +1,8 @@
 """What each token id stands for, comparable across tokenizers: its bytes, or a special's name.
 
-Two tokenizers agree on a token when it stands for the same bytes of text, whatever their
-vocabulary strings look like: byte-level BPE writes " the" as "Ġthe" (GPT-2's byte
-alphabet), SentencePiece as "▁the" and a lone byte as "<0x41>" (byte fallback). A token's
-*key* is those bytes for a text token and its name (a str) for a special token, so a
-special never matches text spelling its name. Which form a vocabulary uses comes from its
-decoder (`backends.decoder_form`); a vocabulary of another form has no text keys.
+A text token's key is its bytes ("Ġthe" and "▁the" both b" the"), a special token's its name (a
+str, never equal to text), so tokenizers agree where keys match. A vocabulary's form comes from
+its decoder (`backends.decoder_form`); an unknown form has no text keys.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ FORMS: dict[str, Callable[[str], bytes | None]] = {"byte_level": byte_level_byte
 
 def vocabulary_keys(strings: Sequence[str | None], special: Collection[int], added: Mapping[int, str],
                     form: str | None) -> list[TokenKey | None]:
-    """Each id's key: a special token's name, an added (non-special) token's text as UTF-8
-    (added tokens are stored as their text, not in the vocabulary's form), a vocabulary
-    string's bytes by `form`; None for an id without a string or of an unknown form."""
+    """Each id's key: a special token's name, an added token's text as UTF-8, else the string's bytes
+    by `form`; None for an id without a string or of an unknown form."""
     to_bytes = FORMS.get(form) if form is not None else None
     keys: list[TokenKey | None] = []
     for token_id, token in enumerate(strings):

@@ -1,13 +1,8 @@
 """Tokenizer: text <-> token ids, chat templates and streaming detokenization.
 
-`Tokenizer.from_pretrained(dir)` loads a local model directory in Hugging Face layout:
-`tokenizer.json` through the `tokenizers` library, or else Meta's Llama 3 tiktoken
-`tokenizer.model`; given a GGUF file it rebuilds the tokenizer from the file's metadata
-(`gguf.py`). Special token ids, the BOS policy, the stop (eos) ids and the chat
-template come from `tokenizer_config.json` / `generation_config.json` /
-`chat_template.jinja`, with Llama 3 defaults when a tiktoken file comes alone.
-Backends live in `backends.py`, templates in `chat.py`, the streaming decoder in
-`detokenizer.py` (all in this package).
+`Tokenizer.from_pretrained(path)` loads a Hugging Face model directory (`tokenizer.json`, or a
+Llama 3 tiktoken `tokenizer.model`, with Llama 3 defaults when it comes alone) or a GGUF file
+(`gguf.py`); special, BOS and stop ids and the chat template come from the config files.
 """
 
 from __future__ import annotations
@@ -68,8 +63,7 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load the tokenizer of the local model directory `path` (Hugging Face layout) or
-        of the GGUF file `path`."""
+        """Load the tokenizer of a local Hugging Face model directory or a GGUF file."""
         if is_gguf_path(path):
             from infer.tokenization.gguf import read_gguf_tokenizer  # (the gguf library: GGUF files only)
 
@@ -116,15 +110,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True,
                limit: int | None = None) -> list[int]:
-        """Token ids of `text`; special-token strings in it become their ids, or are encoded
-        as the plain text they spell with `parse_special=False` (untrusted text).
-
-        With `add_special_tokens`, BOS (and EOS) are added as the tokenizer is configured:
-        the tokenizer.json post-processor, or `add_bos_token`/`add_eos_token` when
-        tokenizer_config.json sets them, or BOS for a Llama 3 tiktoken file. Both backends
-        release the GIL while they encode. With `limit`, a text of more than `limit` tokens
-        raises `TokenLimitExceeded` (its `count`) without building the whole id list.
-        """
+        """Token ids of `text`; special-token strings become their ids (plain text with
+        `parse_special=False`, for untrusted text). `add_special_tokens` adds BOS/EOS as configured.
+        Over `limit` tokens raises `TokenLimitExceeded` (its `count`). Releases the GIL."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
         explicit = self._add_bos_token is not None or self._add_eos_token is not None
@@ -162,8 +150,7 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        """The raw bytes of one token of a byte-level vocabulary (part of a UTF-8 character,
-        possibly); None where the vocabulary is not byte-level or the token is special."""
+        """The raw bytes of a byte-level token (maybe part of a character); None if special or not byte-level."""
         token = self._backend.id_to_token(token_id)
         if token is None or self.is_special(token_id):
             return None
@@ -187,11 +174,7 @@ class Tokenizer:
                             add_generation_prompt: bool = True, tokenize: bool = False,
                             tools: Sequence[Mapping[str, Any]] | None = None,
                             **template_kwargs: Any) -> str | list[int]:
-        """Render `messages` with the chat template; ids instead of text when `tokenize`.
-
-        Token ids come from encoding the rendered text without adding special tokens,
-        because the template already writes BOS.
-        """
+        """Render `messages` with the chat template; ids (no added special tokens) when `tokenize`."""
         if self.chat_template is None:
             raise ValueError(f"tokenizer {self.name_or_path!r} has no chat template; add "
                              "chat_template to tokenizer_config.json or send plain prompts")
@@ -204,9 +187,8 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     parse_special: bool = False, tools: Sequence[Mapping[str, Any]] | None = None,
                     **template_kwargs: Any) -> list[int]:
-        """Token ids of `messages` rendered with the chat template. The template's special
-        tokens become their ids; special-token strings inside the messages' and tools' own text are
-        encoded as plain text unless `parse_special` (see `tokenization.special`)."""
+        """Token ids of `messages` rendered with the chat template; special-token strings inside the
+        messages' and tools' own text stay plain text unless `parse_special` (`tokenization.special`)."""
         specials, pattern = self._special_strings
         if parse_special or pattern is None:
             ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, tools=tools,
@@ -232,14 +214,11 @@ class Tokenizer:
     # ------------------------------------------------------------- vocabulary
 
     def vocabulary(self) -> list[str | None]:
-        """The vocabulary string of every id in [0, vocab_size), None for an id without one:
-        what two tokenizers must agree on to share token ids (a draft and its target)."""
+        """The vocabulary string of every id in [0, vocab_size), None for an id without one."""
         return [self._backend.id_to_token(token_id) for token_id in range(self.vocab_size)]
 
     def token_keys(self) -> list[TokenKey | None]:
-        """What every id in [0, vocab_size) stands for across tokenizers: a text token's bytes,
-        a special token's name, None where unknown (`token_keys.py`): what a draft with another
-        tokenizer shares with its target."""
+        """What every id in [0, vocab_size) stands for across tokenizers (`token_keys.py`), None if unknown."""
         backend = self._backend
         return vocabulary_keys([backend.id_to_token(i) for i in range(self.vocab_size)], backend.special_ids(),
                                backend.added_contents(), backend.token_form())

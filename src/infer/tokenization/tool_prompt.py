@@ -1,13 +1,8 @@
-"""Tools in a chat prompt: the Llama 3 JSON tool-call text, and tools for templates that
-do not render them.
+"""Tools in a chat prompt: the Llama 3 JSON tool-call text, and tools for templates that do not render them.
 
-A call in the Llama 3 JSON format is `{"name": <function name>, "parameters": <object>}`
-(`tool_call_text`), several in one message separated by `CALL_SEPARATOR`. Templates of
-tool-calling models render `tools` and assistant `tool_calls` themselves
-(`template_support` tells); for one that does neither, `fold_tools` writes them into the
-conversation as text: the definitions and how to call them into the system message
-(`tools_text`), each assistant message's calls into its content. Tool results stay
-messages of their own. docs/server.md, "Tool calls".
+A call is `{"name": <function name>, "parameters": <object>}` (`tool_call_text`), several joined
+by `CALL_SEPARATOR`. For a template that does not render `tools` / `tool_calls`, `fold_tools`
+writes them as text into the system message and the assistant messages. docs/server.md, "Tool calls".
 """
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ def template_support(source: str) -> tuple[bool, bool]:
 
 def fold_tools(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
                source: str) -> tuple[list[Mapping[str, Any]], Sequence[Mapping[str, Any]] | None]:
-    """(messages, tools) to render with the template `source`: unchanged where it renders
-    them itself, folded into the messages as text where it does not."""
+    """(messages, tools) to render with `source`: what it does not render is folded into the messages."""
     takes_tools, takes_calls = template_support(source)
     out = list(messages)
     if not takes_calls:

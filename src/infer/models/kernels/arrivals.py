@@ -1,8 +1,6 @@
-"""Arrival counters: int32 zeros with which the programs of a split-KV attention launch
-(split_attention.py) tell the last one to finish, which combines the others' partials and
-leaves its counter at zero again. A KV pool owns one `ArrivalCounters` for every pass over
-it; a CUDA graph captured over the pool holds the counters' address, so a larger set is
-added beside the ones made before, never swapped in. Imports without Triton."""
+"""Arrival counters: int32 zeros that tell the last program of a split-KV launch to combine the
+partials (it resets them). A KV pool owns one `ArrivalCounters`; captured graphs hold their
+address, so a larger set is added beside the old ones, never swapped in."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ MIN_COUNTERS = 1 << 18  # the first set (1 MB: a batch of 256 x 128 tokens x 8 K
 
 
 class ArrivalCounters:
-    """The arrival counters of one owner's launches on `device` (module docstring)."""
+    """The arrival counters of one owner's launches on `device`."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)

@@ -1,15 +1,10 @@
 """The decoder's kernels, as a swappable bundle passed to the model explicitly.
 
-`EAGER` is the reference: plain PyTorch with Hugging Face's numerics. Its entries that fuse
-several steps (`norm_linear`, `swiglu_linear`, `mlp`, `attend`) are compositions of the
-single ones, so their composition defines the math every bundle must reproduce.
-
-The fused bundle (`compiled_kernels`: elementwise steps through `torch.compile`) serves the
-fixed-shape decode paths: each projection takes its route (routes.py) to the few-row GEMV
-with its RMSNorm or SwiGLU prologue and residual epilogue (gemv.py), the Triton matmul with
-its SwiGLU or residual epilogue (matmul.py), or the layer's own forward beside compiled
-elementwise kernels; the view runs the rotary and the KV-cache write as one kernel
-(rotary_write.py). Where a fusion does not apply it composes the single kernels.
+`EAGER` is the reference (plain PyTorch, Hugging Face's numerics); its multi-step entries
+(`norm_linear`, `swiglu_linear`, `mlp`, `attend`) compose the single ones, defining the math
+every bundle must reproduce. The fused bundle (`compiled_kernels`) serves the fixed-shape
+decode paths: each projection takes its route (routes.py) to the GEMV (gemv.py), the Triton
+matmul (matmul.py) or the layer's own forward; the view fuses rotary and KV-cache write.
 """
 
 from __future__ import annotations
@@ -56,22 +51,19 @@ def swiglu_linear(layer: LinearBase, gate_up: Tensor, residual: Tensor | None) -
 
 
 def mlp(gate_up: LinearBase, down: LinearBase, x: Tensor, norm_weight: Tensor, eps: float) -> Tensor:
-    """The MLP half of a decoder layer on the residual stream x [..., H]:
-    x + down(silu_mul(gate_up(rmsnorm(x))))."""
+    """The MLP half of a decoder layer: x + down(silu_mul(gate_up(rmsnorm(x)))), x [..., H]."""
     return swiglu_linear(down, norm_linear(gate_up, x, norm_weight, eps), x)
 
 
 def attend(view: AttentionView, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate q [B, T, Hq, D] and k [B, T, Hkv, D], then the view's attention (which stores
-    k and v [B, T, Hkv, D] in its cache) -> [B, T, Hq, D]."""
+    """Rotate q [B, T, Hq, D], k [B, T, Hkv, D]; the view caches k, v and attends -> [B, T, Hq, D]."""
     q, k = rotary_qk(q, k, cos, sin)
     return view.attend(layer, q, k, v)
 
 
 def attend_rotating(view: AttentionView, layer: int, q: Tensor, k: Tensor, v: Tensor, cos: Tensor,
                     sin: Tensor) -> Tensor:
-    """`attend` with the rotation handed to the view: a cache view on a GPU rotates and
-    writes its cache in one kernel."""
+    """`attend` with the rotation handed to the view (which may fuse it with its cache write)."""
     return view.attend(layer, q, k, v, rotary=(cos, sin))
 
 
@@ -81,8 +73,7 @@ def add(x: Tensor, y: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What the decoder calls for its math. Each entry's meaning is EAGER's function of the
-    same name; a bundle may only change how (which kernels, fused how), not what."""
+    """What the decoder calls for its math: each entry means EAGER's function of that name."""
 
     rmsnorm: Callable[[Tensor, Tensor, float], Tensor]
     rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -100,9 +91,8 @@ EAGER = Kernels(rmsnorm, rotary_qk, linear, swiglu, norm_linear, swiglu_linear, 
 
 def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,
           norm: tuple[Tensor, float] | None = None, swiglu: bool = False) -> Tensor:
-    """The GEMV with its prologue (RMSNorm `norm` = (weight, eps), or SwiGLU of x = gate | up)
-    and the residual add in its epilogue (after `combine` for a row-parallel layer, whose
-    matmul is a partial sum). x: [..., K] or [..., 2K] -> [..., N]."""
+    """The GEMV with an RMSNorm (`norm` = (weight, eps)) or SwiGLU prologue and the residual add
+    (after `combine` for a row-parallel layer). x: [..., K] or [..., 2K] -> [..., N]."""
     from infer.models.kernels.gemv import gemv
     weight, scale = layer.matrix()
     n = weight.shape[0]
@@ -115,8 +105,7 @@ def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,
 
 
 def _matmul(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu: bool) -> Tensor:
-    """The Triton matmul with the residual add (or SwiGLU) in its epilogue; a layer whose
-    matmul is a partial sum (row-parallel) adds the residual after `combine` instead."""
+    """The Triton matmul with the residual add (or SwiGLU) in its epilogue (row-parallel: after `combine`)."""
     from infer.models.kernels.matmul import triton_linear
     rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     weight, scale = layer.matrix()
@@ -130,8 +119,7 @@ def _matmul(layer: LinearBase, x: Tensor, residual: Tensor | None, swiglu: bool)
 
 
 class FusedLinear:
-    """The fused bundle's projection entries, each routed by `route` (the elementwise
-    kernels they fall back to are given: compiled on the GPU, plain on the CPU)."""
+    """The fused bundle's projection entries, each routed by `route`, over the given elementwise kernels."""
 
     def __init__(self, add: Callable[[Tensor, Tensor], Tensor], silu_mul: Callable[[Tensor], Tensor],
                  rmsnorm: Callable[[Tensor, Tensor, float], Tensor]) -> None:
@@ -182,47 +170,31 @@ class FusedLinear:
 
 
 def fused_kernels(wrap: Callable[[Callable], Callable]) -> Kernels:
-    """The fused bundle, its elementwise steps (RMSNorm, the residual add, SwiGLU, the
-    rotary where the view does not take it) passed through `wrap`: `torch.compile` for
-    `compiled_kernels`, the identity for a bundle whose fallbacks are EAGER's functions
-    (what the CPU tests compare with EAGER)."""
+    """The fused bundle, its elementwise steps passed through `wrap` (`torch.compile`, or the
+    identity for the CPU tests' comparison with EAGER)."""
     fused = FusedLinear(wrap(add), wrap(silu_mul), wrap(rmsnorm))
     return Kernels(fused.rmsnorm, wrap(rotary_qk), fused.linear, fused.swiglu, fused.norm_linear,
                    fused.swiglu_linear, fused.mlp, attend_rotating, name="fused")
 
 
 def compiled_kernels() -> Kernels:
-    """A fresh fused bundle with its elementwise steps through torch.compile (token
-    dimensions dynamic), on fresh code objects.
-
-    torch.compile keeps its compiled variants on the function's code object, with a limit
-    per code object (then it silently falls back to eager). Models in one process (a
-    benchmark run, a target and its draft) would share, and exhaust, that limit; so each
-    bundle gets its own code objects, and each model keeps its own bundle (`CompiledKernels`).
-    """
+    """A fresh fused bundle with its elementwise steps through torch.compile, on fresh code
+    objects: compiled variants are capped per code object, so each model gets its own."""
 
     def comp(fn: Callable) -> Callable:
         fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
                                    fn.__closure__)
         # fullgraph=False: past the recompile limit a new shape runs eagerly instead of failing.
-        # emulate_precision_casts: Inductor rounds every intermediate to the dtype eager
-        # rounds it to (by default it keeps fused intermediates in float32), so a compiled
-        # RMSNorm or SwiGLU (two rows and more) rounds as EAGER and as the GEMV's prologues
-        # (one row) do: a draft step and the verification of its drafts see the same inputs
-        # dynamic=None (automatic): a dimension becomes symbolic once it has changed, so the
-        # token dimensions (rows, chunk widths) do and the hidden sizes stay constants the
-        # generated kernels index with (dynamic=True would make every size symbolic)
+        # emulate_precision_casts: round intermediates as eager does (and the GEMV prologues).
+        # dynamic=None: only dimensions that change (token rows) become symbolic.
         return torch.compile(fresh, fullgraph=False, options={"emulate_precision_casts": True})
 
     return fused_kernels(comp)
 
 
 class CompiledKernels:
-    """A model's own compiled bundle (`compiled_kernels`), made at its first use: every
-    forward function over the model (the engine's, a cost measurement's, an engine's built
-    later over the same loaded model) reuses its compiled variants, and they go with the
-    model. `warmed`: whether the bundle was compiled for prefill chunks
-    (engine/executor/kernels.py)."""
+    """A model's own compiled bundle, made at first use and shared by every forward over the
+    model. `warmed`: whether it was compiled for prefill chunks (engine/executor/kernels.py)."""
 
     def __init__(self) -> None:
         self._kernels: Kernels | None = None

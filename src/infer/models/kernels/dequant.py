@@ -1,7 +1,5 @@
-"""Integer weights to a dense matrix on the GPU in one pass: W [N, K] = s * q + o in the
-activations' dtype (layers/int_quant.py's layout), for the calls too wide for the GEMV
-(prefill chunks and large batches), which then multiply W with cuBLAS. The matrix is made
-for the call and dropped after it: only the packed codes stay resident."""
+"""Integer weights to a dense W [N, K] = s * q + o on the GPU in one pass, for calls too wide for
+the GEMV (made per call: only the packed codes stay resident)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
-"""Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..MAX_ROWS rows, bound by
-reading W once.
+"""Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T, M = 1..MAX_ROWS, reading W once.
 
-W is bf16/fp16 (x's dtype), FP8 E4M3 with a float32 scale per output row (applied in the
-epilogue), or integer codes with a scale and an offset per group (layers/int_quant.py), read
-as int32 words by their own kernels, one group a step (one row of x against 4-bit codes:
-`_int4_row_kernel`, an and and an fma a code). Each program streams `block_n` rows of
-W along K with every row of x riding along; its inner product is float32 FMA ("fma": a row
-tile of M rounded up to a power of two) or `tl.dot` on 16-row tiles ("dot"). K may be split
-over `split_k` programs whose float32 partial sums a second kernel adds in a fixed order.
-Fused, each a flag of `gemv`: the RMSNorm prologue (`norm_weight`), the SwiGLU prologue
-(`swiglu_input`: x is gate | up) and the residual epilogue (`residual`), each rounding as
-the eager kernels do. Launch parameters come from `gemv_tiles.config_for`."""
+W is bf16/fp16, FP8 E4M3 with a float32 scale per row, or integer group codes read as int32
+words (layers/int_quant.py). Each program streams `block_n` rows of W along K, by float32 FMA
+or `tl.dot` on 16-row tiles; K may be split over `split_k` programs, their partial sums added
+in a fixed order. Optional RMSNorm / SwiGLU prologues and residual epilogue round as eager does.
+Launch parameters: `gemv_tiles.config_for`."""
 
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESI
 @triton.jit
 def _finish(acc, P, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
             PARTIAL: tl.constexpr):
-    """A program's float32 sums [BM, BN]: into P[pid_k, M, N] when K is split (the reduce
-    kernel finishes), else through the epilogue into Y."""
+    """A program's float32 sums [BM, BN]: into P[pid_k, M, N] when K is split, else epilogue into Y."""
     if PARTIAL:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
@@ -72,8 +65,7 @@ def _load_input(X, NW, rm, kk, rstd, M, K, s_xm, NORM: tl.constexpr, SWIGLU: tl.
 
 @triton.jit
 def _row_rstd(X, rm, M, K, s_xm, eps, BM: tl.constexpr, NORM_BK: tl.constexpr):
-    """1 / RMS of each of the BM rows of X over all of K, in few wide steps (every program
-    recomputes it)."""
+    """1 / RMS of each of the BM rows of X over all of K (every program recomputes it)."""
     rq = tl.arange(0, NORM_BK)
     sq = tl.zeros((BM, NORM_BK), tl.float32)
     for k0 in range(0, K, NORM_BK):
@@ -86,10 +78,9 @@ def _row_rstd(X, rm, M, K, s_xm, eps, BM: tl.constexpr, NORM_BK: tl.constexpr):
 
 @triton.jit
 def _code_float(words, high, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """The code at bits SHIFT..SHIFT + BITS - 1 of each int32 word (read from `high` = words >> 16
-    when it reaches past bit 23) alone, its other bits cleared, as a float32: the subnormal
-    q * 2^(LOW - 149), LOW = SHIFT (or SHIFT - 16), exactly; bits 0-23 read linearly, the
-    exponent field's lowest bit continuing the mantissa. One and a code, no conversion."""
+    """The code at bits SHIFT.. of each int32 word (from `high` = words >> 16 past bit 23), other bits
+    cleared, bitcast to float32: exactly q * 2^(LOW - 149), LOW = SHIFT (or SHIFT - 16), since bits
+    0-23 read linearly (the exponent's lowest bit continues the mantissa)."""
     if SHIFT + BITS <= 24:
         t = words & (((1 << BITS) - 1) << SHIFT)
     else:
@@ -99,10 +90,9 @@ def _code_float(words, high, SHIFT: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _code_term(acc, words, up, high, SHIFT: tl.constexpr, BITS: tl.constexpr, x, DOT: tl.constexpr):
-    """acc + x @ (2^-14 q)^T for the codes q at bit SHIFT of each word [BN, BW] (`up` = words
-    << 8 serves the codes below bit 8, so that one power of two, at most 2^127, scales every
-    `_code_float` to 2^-14 q: exact, and normal in float16 and bfloat16). x: [BM, BW]; acc:
-    [BM, BN] on tensor cores (DOT), else [BM, BN, BW]."""
+    """acc + x @ (2^-14 q)^T for the codes q at bit SHIFT of words [BN, BW] (`up` = words << 8 for
+    codes below bit 8, so the scale stays <= 2^127; 2^-14 q is exact and normal in fp16/bf16).
+    x: [BM, BW]; acc: [BM, BN] (DOT), else [BM, BN, BW]."""
     if SHIFT < 8:
         w = _code_float(up, up, SHIFT + 8, BITS) * 2.0 ** (127 - SHIFT)
     elif SHIFT + BITS <= 24:
@@ -119,8 +109,7 @@ def _code_term(acc, words, up, high, SHIFT: tl.constexpr, BITS: tl.constexpr, x,
 @triton.jit
 def _four_terms(acc, words, up, high, x4, BASE: tl.constexpr, STEP_A: tl.constexpr, STEP_B: tl.constexpr,
                 BITS: tl.constexpr, DOT: tl.constexpr):
-    """The terms of codes BASE + STEP_A * a + STEP_B * b of each word, x4 [BM, BW, 2, 2]
-    holding their columns of x at [.., a, b]."""
+    """The terms of codes BASE + STEP_A * a + STEP_B * b of each word; x4 [BM, BW, 2, 2]: their x at [.., a, b]."""
     xb0, xb1 = tl.split(x4)
     x00, x10 = tl.split(xb0)
     x01, x11 = tl.split(xb1)
@@ -135,9 +124,8 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                      PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
-    """Integer codes read as int32 words W [N, K * BITS / 32] (code i of word j is column
-    PER * j + i, PER = 32 / BITS); each step covers BK columns inside one group: its sums of
-    x 2^-14 q (`_code_term`) take the row's scale once, the offset enters as o * sum x."""
+    """Integer codes as int32 words W [N, K * BITS / 32] (code i of word j: column PER * j + i); a step
+    covers BK columns of one group, scaled once; the offset enters as o * sum x."""
     PER: tl.constexpr = 32 // BITS
     BW: tl.constexpr = BK // PER
     pid_n = tl.program_id(0)
@@ -186,8 +174,7 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
 
 @triton.jit
 def _code_terms(acc, words, high, x, I: tl.constexpr, E: tl.constexpr):
-    """acc + x q 2^-E for code I of each word, x [BW] its column of x in float32: x scaled
-    by the power of two that undoes `_code_float`'s (exact, so x * code is exact)."""
+    """acc + x q 2^-E for code I of each word, x [BW] float32, prescaled exactly to undo `_code_float`'s power."""
     LOW: tl.constexpr = 4 * I if 4 * I + 4 <= 24 else 4 * I - 16  # (`_code_float`'s rule)
     return acc + (x * 2.0 ** (149 - LOW - E))[None, :] * _code_float(words, high, 4 * I, 4)
 
@@ -197,10 +184,9 @@ def _int4_row_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
                      BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NORM: tl.constexpr,
                      SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr,
                      NORM_BK: tl.constexpr):
-    """One row of x against 4-bit codes W [N, K / 8] int32 (code i of word j is column 8j + i),
-    one group a step. A code costs one and (`_code_float`) and one fma: the products carry
-    2^-E, undone with the scale (x up to 2^(128 - 149 + E) stays finite; products below
-    2^(E - 126) round as subnormals); the offset enters as o * sum x a word."""
+    """One row of x against 4-bit codes W [N, K / 8] int32 (code i of word j: column 8j + i), a group a
+    step. Products carry 2^-E, undone with the scale (x up to 2^(128 - 149 + E) stays finite;
+    products below 2^(E - 126) round as subnormals)."""
     BW: tl.constexpr = BK // 8
     E: tl.constexpr = 60
     pid_n = tl.program_id(0)
@@ -298,13 +284,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | Non
          residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """y [M, N] = prologue(x) @ W^T (* scale per row), rounded to x's dtype (+ residual).
 
-    x: [M, K] (bf16/fp16, M in 1..16), or [M, 2K] gate | up with `swiglu_input`;
-    w: [N, K] in x's dtype, float8_e4m3fn with `scale` [N] float32, or packed integer codes
-    uint8 [N, K * bits / 8] with `scale` an `IntScales` (scales, offsets [N, K / group] in
-    x's dtype); norm_weight: [K] in x's dtype: RMSNorm x first (eps as the model's
-    rms_norm_eps); residual: [M, N] in x's dtype, added after rounding. `config` overrides
-    `config_for`.
-    """
+    x: [M, K] (bf16/fp16, M in 1..16), or [M, 2K] gate | up with `swiglu_input`; w: [N, K] in
+    x's dtype, float8_e4m3fn with `scale` [N] float32, or uint8 codes [N, K * bits / 8] with an
+    `IntScales`; norm_weight [K]: RMSNorm x first; residual [M, N]: added after rounding;
+    `config` overrides `config_for`."""
     check_inputs(x, w, scale, norm_weight, swiglu_input, residual)
     m = x.shape[0]
     n, k = logical_shape(w, scale)
@@ -321,8 +304,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | Non
     nw = norm_weight if norm_weight is not None else y
     r = residual if residual is not None else y
     flags = dict(SCALED=isinstance(scale, torch.Tensor), RESIDUAL=residual is not None)
-    # the RMS pass reads x in steps of up to 8192 values a program (all of K in one or two
-    # steps for one or two rows), so that few dependent loads precede the matmul
+    # the RMS pass reads up to 8192 values a step, so few dependent loads precede the matmul
     norm_bk = min(triton.next_power_of_2(k), max(block_k, 8192 // bm)) if norm_weight is not None else 16
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     shared = dict(BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, NORM=norm_weight is not None,

@@ -1,14 +1,9 @@
-"""Launch parameters of the few-row matmul (`gemv.py`) per shape, and the checks of its
-inputs. Pure Python and torch: importable (and tested) where Triton is absent.
+"""Launch parameters of the few-row matmul (`gemv.py`) per shape, and the checks of its inputs.
+Pure Python and torch: importable (and tested) where Triton is absent.
 
-A configuration says how many rows of W a program owns (`block_n`), how many K values it
-reads per loop step (`block_k`), how many programs share one row block's K range
-(`split_k`), and which inner product it uses (`dot`: tensor cores on 16-row tiles, else
-float32 FMA on a row tile of M rounded up to a power of two, the "row bucket").
-`config_for` looks the shape up in `CONFIG_TABLE`, read at import from `gemv_tiles.json`
-(its "regenerate" field is the command that rewrites it: `scripts/bench_gemv.py --table`),
-and otherwise builds `default_config` from the shape. Weight kinds (`WEIGHT_KINDS`): "bf16"
-(any dense half-precision W), "fp8", "int4" and "int8" (layers/int_quant.py's codes).
+`config_for` looks the shape up in `CONFIG_TABLE` (read at import from `gemv_tiles.json`,
+rewritten by `scripts/bench_gemv.py --table`), else builds `default_config`. Weight kinds
+(`WEIGHT_KINDS`): "bf16" (any dense half-precision W), "fp8", "int4", "int8".
 """
 
 from __future__ import annotations
@@ -61,9 +56,7 @@ def row_bucket(m: int) -> int:
 
 
 # The tiles the benchmark searches per row bucket: (block_n, block_k, dot, num_warps, num_stages).
-# FMA tiles read 16 bytes a thread per row (bf16: 8 values, FP8: 16) and keep the
-# accumulator in registers; num_stages 1 loads straight into registers, more stages go
-# through shared memory (cp.async). Dot tiles need 16 rows and 16 columns at least.
+# FMA tiles read 16 bytes a thread per row; dot tiles need 16 rows and 16 columns at least.
 _CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
     1: ((2, 2048, False, 4, 1), (4, 2048, False, 4, 1), (4, 1024, False, 4, 1), (8, 1024, False, 4, 1),
         (4, 512, False, 4, 1), (8, 512, False, 4, 1), (16, 512, False, 8, 1),
@@ -79,8 +72,7 @@ _CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
 }
 
 
-# Integer codes (their own kernel: one group a step, so block_k <= 128) take tall tiles, K
-# split until the grid fills the GPU: (block_n, block_k, dot, num_warps, num_stages).
+# Integer codes (one group a step: block_k <= 128) take tall tiles, K split to fill the GPU; same fields.
 _INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
     False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3),
             (64, 128, False, 4, 1), (128, 128, False, 4, 1), (128, 128, False, 8, 1), (256, 128, False, 4, 1),
@@ -89,8 +81,7 @@ _INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
 
 
 def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
-    """The tiles the benchmark searches for a row bucket and weight kind (`with_splits` adds
-    the K splits per shape)."""
+    """The tiles the benchmark searches for a row bucket and weight kind (without K splits)."""
     if bucket not in _CANDIDATES:
         raise ValueError(f"row bucket must be one of {sorted(_CANDIDATES)}, got {bucket}")
     tiles = _INT_CANDIDATES[bucket > 2] if kind in ("int4", "int8") else _CANDIDATES[bucket]
@@ -99,9 +90,8 @@ def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
 
 
 def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
-    """`cfg` with split_k = 1, and with each power-of-two split that brings the program
-    count to between 1 and 8 per multiprocessor (where N alone gives fewer), each split
-    keeping two K steps at least."""
+    """`cfg` unsplit, and with each power-of-two split_k giving 1..8 programs per multiprocessor
+    (each split keeping two K steps at least)."""
     out = [cfg]
     blocks = -(-n // cfg.block_n)
     k_steps = -(-k // cfg.block_k)
@@ -114,11 +104,9 @@ def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
 
 
 def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
-    """A configuration from the shape alone, after what measured best (`gemv_tiles.json`) for
-    the Llama 3.2 shapes: one or two rows take FMA tiles of 8 (bf16) or 16 (one-byte or smaller
-    weights, one row) rows of W by 512 K values, pipelined three deep, unsplit (a split's
-    second launch costs more than it gains); more rows take dot tiles of 32 x 128, K split
-    until there are about three programs a multiprocessor (2.5). Integer codes: `int_default`."""
+    """A configuration from the shape alone, modelled on the table's entries: one or two rows take
+    unsplit FMA tiles, more rows dot tiles with K split to about 2.5 programs a multiprocessor
+    (integer codes: `int_default`)."""
     if kind not in WEIGHT_KINDS:
         raise ValueError(f"weight kind must be one of {WEIGHT_KINDS}, got {kind!r}")
     if kind in ("int4", "int8"):
@@ -135,11 +123,8 @@ def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
 
 
 def int_default(n: int, k: int, bucket: int) -> GemvConfig:
-    """Integer codes: tiles of 64 rows of W (128 where N or K reaches 8,192) by 128 columns
-    (one group), FMA at one or two rows of x, else dot tiles of 128 rows; K split (keeping
-    two steps a split, at most 16 splits) until there are three programs a multiprocessor
-    (FMA) or two (dot): a 4-bit matrix is a quarter of its bf16 bytes, too few for one
-    program per row block to keep the memory busy."""
+    """The default for integer codes: one-group tiles, FMA at one or two rows, else dot; K split
+    (at most 16, two steps a split) to three programs a multiprocessor (FMA) or two (dot)."""
     dot = bucket > 2
     block_n = 128 if dot or max(n, k) >= 8192 else 64
     blocks, steps = -(-n // block_n), -(-k // 128)
@@ -150,9 +135,8 @@ def int_default(n: int, k: int, bucket: int) -> GemvConfig:
 
 
 def int_tile(cfg: GemvConfig, layout: IntLayout) -> tuple[int, bool]:
-    """(block_k, dot) as the integer kernel runs `cfg` for `layout`: a step stays inside one
-    group (block_k at most the largest power of two dividing the group size), and a dot tile
-    needs 16 words a row a step (else FMA)."""
+    """(block_k, dot) as the integer kernel runs `cfg`: a step stays inside one group, and a dot
+    tile needs 16 words a row a step (else FMA)."""
     block_k = min(cfg.block_k, layout.group_size & -layout.group_size)
     return block_k, cfg.dot and block_k * layout.bits >= 16 * 32
 
@@ -168,8 +152,8 @@ def read_table(path: Path = TABLE_FILE) -> dict[tuple[int, int, int, str], GemvC
 
 def write_table(found: dict[tuple[int, int, int, str], tuple[str, GemvConfig]], device: str,
                 path: Path = TABLE_FILE) -> None:
-    """Merge newly measured configurations ((N, K, row bucket, kind) -> (matrix name, config))
-    into a table file, recording the device they were measured on."""
+    """Merge measured configurations ((N, K, bucket, kind) -> (matrix, config)) into a table file,
+    recording `device`."""
     data = json.loads(path.read_text(encoding="utf-8"))
     entries = {(e["n"], e["k"], e["rows"], e["kind"]): e for e in data["entries"]}
     for (n, k, rows, kind), (matrix, c) in found.items():

@@ -1,14 +1,9 @@
-"""Triton matmul for the linear layers: y = x @ W^T (W in bf16/fp16, or FP8 E4M3 with one
-scale per output row applied in the epilogue), with two optional fused epilogues: `swiglu`
-(W holds [gate; up]; each program writes silu(gate) * up) and `residual` (y + residual).
+"""Triton matmul for the linear layers: y = x @ W^T (W bf16/fp16, or FP8 E4M3 with a per-row
+scale in the epilogue), with optional fused epilogues `swiglu` (W = [gate; up]) and `residual`.
 
-Tiles are [BM=16, BN] x [BK] with the weight streamed along K (BM = 64 for prefill); where
-the output has too few column tiles, K is split across programs and the last program of a
-tile adds the partial sums in a fixed order (a per-tile counter it resets, so the kernel
-replays inside CUDA graphs). FP8 weights convert to fp16 in registers and multiply the
-activations converted to fp16; accumulation is float32, and the output is rounded to the
-activation dtype before the SwiGLU or the residual add, as PyTorch's. The fused bundle sends
-FP8 layers here (routes.py); bf16 weights go through cuBLAS."""
+FP8 weights and activations multiply in fp16, accumulating in float32; the output rounds to
+x's dtype before the SwiGLU or residual add, as PyTorch's. With split K, the last program of a
+tile adds the partial sums in a fixed order and resets its counter (CUDA-graph replay safe)."""
 
 from __future__ import annotations
 
@@ -59,7 +54,7 @@ def _linear_kernel(X, W, S, R, Y, P, C, M, N, K, I, TILES_PER_SPLIT, s_xm, s_wn,
         k_ok = (k0 + kt * BK + rk) < K
         x = tl.load(x_ptrs, mask=(rm[:, None] < M) & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=(rn[:, None] < N) & k_ok[None, :], other=0.0)
-        if FP8:  # E4M3 -> fp16 converts natively, two values an instruction; bf16 would not
+        if FP8:  # E4M3 -> fp16 converts natively; bf16 would not
             x = x.to(tl.float16)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
         if SWIGLU:
@@ -91,9 +86,8 @@ def _linear_kernel(X, W, S, R, Y, P, C, M, N, K, I, TILES_PER_SPLIT, s_xm, s_wn,
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, cfg: LinearConfig,
                   workspace: SplitWorkspace | None = None, residual: torch.Tensor | None = None,
                   swiglu: bool = False) -> torch.Tensor:
-    """x: [M, K] (bf16/fp16, rows contiguous in K); weight: [N_w, K] (x's dtype, or
-    float8_e4m3fn with `scale` [N_w] fp32); residual: [M, N] or None. Returns [M, N] in x's
-    dtype, N = N_w (or N_w / 2 with swiglu)."""
+    """x: [M, K] (bf16/fp16, contiguous in K); weight: [N_w, K] (x's dtype, or float8_e4m3fn with
+    `scale` [N_w] fp32); residual: [M, N] or None. Returns [M, N] in x's dtype, N = N_w (swiglu: N_w / 2)."""
     m, k = x.shape
     n_w = weight.shape[0]
     n = n_w // 2 if swiglu else n_w

@@ -1,9 +1,5 @@
-"""Launch parameters of the Triton matmul (`matmul.py`) per shape, and its split-K
-workspace. Pure Python: the CPU never launches the kernel, but layers own a workspace.
-
-Small batches (M <= 16 rows) read each weight once, so the tile is 16 rows by `block_n`
-columns streaming K; where the output has too few column tiles to give every
-multiprocessor several programs, K is split. Larger M (prefill) takes 64-row tiles.
+"""Launch parameters of the Triton matmul (`matmul.py`) per shape, and its split-K workspace.
+Pure Python: the CPU never launches the kernel, but layers own a workspace.
 """
 
 from __future__ import annotations
@@ -36,11 +32,8 @@ class LinearConfig:
 
 
 def choose_config(m: int, n: int, k: int) -> LinearConfig:
-    """Tiles for y[m, n] = x[m, k] W^T with W in FP8: the configurations measured best in CUDA
-    graphs for the Llama 3.2 1B/3B shapes (`scripts/bench_matmul.py --sweep`).
-    64 output columns a program; a wide output (>= 128 column tiles: gate_up, lm_head) reads
-    256-column slices of K, a narrow one (qkv, o_proj, down_proj) splits K four or eight ways
-    over 128-column slices so that several programs run on every multiprocessor."""
+    """Tiles for y[m, n] = x[m, k] W^T, W in FP8 (from `scripts/bench_matmul.py --sweep`): up to
+    SMALL_M rows, 16-row tiles with K split for narrow outputs; more rows, 64-row tiles."""
     if m > SMALL_M:
         return LinearConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
     tiles = -(-n // 64)
@@ -52,8 +45,7 @@ def choose_config(m: int, n: int, k: int) -> LinearConfig:
 
 
 class SplitWorkspace:
-    """Partial sums and per-tile counters of one layer's split-K launches (device memory kept
-    for the layer's life: the launches replay inside CUDA graphs)."""
+    """Partial sums and per-tile counters of a layer's split-K launches, kept for CUDA-graph replays."""
 
     def __init__(self) -> None:
         self.partials: torch.Tensor | None = None  # float32, flat

@@ -1,13 +1,10 @@
-"""Triton flash attention for long query chunks (prompt prefill) over row-indexed (paged or
-slotted) KV storage, read where the cache keeps them: no gathered copy, no [B, T, S] mask.
+"""Triton flash attention for long query chunks (prefill) over paged or slotted KV storage, read
+in place (no gathered copy, no [B, T, S] mask).
 
-The token at position p of batch row b sees the context positions < min(p + 1, seq_lens[b]):
-one rule for a whole prompt and for a chunk after a prefix-cache hit or after the prompt's
-earlier chunks. One program serves BLOCK_M consecutive queries of one query head of one row
-(heads sharing a KV head side by side), with an online softmax in float32 over key tiles of
-BLOCK_N positions; fully masked tiles are never read and only the diagonal tiles compute
-the mask. Loop bounds come from device memory, so a CUDA graph may capture it. head_dim
-need not be a power of two: it is padded to one (>= 16) with masked loads."""
+The token at position p of row b sees positions < min(p + 1, seq_lens[b]). One program serves
+BLOCK_M consecutive queries of one head of one row, online float32 softmax over BLOCK_N key
+tiles (masked tiles skipped, only diagonal tiles masked); loop bounds come from device memory
+(CUDA-graph safe). head_dim is padded to a power of two (>= 16) with masked loads."""
 
 from __future__ import annotations
 
@@ -96,8 +93,7 @@ def prefill_supported(head_dim: int) -> bool:
 
 
 def block_plan(head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size: 128 x 64 tiles up to
-    head_dim 128, 64 x 32 above (registers); small tiles off the GPU (the interpreter)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a head size (small tiles off the GPU)."""
     if device.type != "cuda":
         return 16, 16, 1, 1
     if triton.next_power_of_2(head_dim) <= 128:
@@ -123,8 +119,7 @@ def check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 def query_tiles(query_start: Sequence[int], rows: Sequence[int], block_m: int) -> tuple[list[int], list[int]]:
-    """The query tiles of `rows` (host): (first token, end token of its row) per tile of at
-    most block_m consecutive tokens of one row."""
+    """(first tokens, row end tokens) of the tiles of at most block_m consecutive tokens of `rows`."""
     first, end = [], []
     for b in rows:
         lo, hi = query_start[b], query_start[b + 1]
@@ -140,11 +135,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """Causal attention of the tokens of batch rows `rows` (their chunks) over their context.
 
-    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (one layer, this pass's K/V
-    written); token_rows, positions: [N]; seq_lens: [B]; block_tables: [B, max_blocks];
-    query_start: the host's [B + 1] row offsets. Writes those rows' tokens of `out` ([N, Hq,
-    D], made when None) and returns it. `blocks`: (BLOCK_M, BLOCK_N) instead of
-    `block_plan`'s (powers of two >= 16; tests use small ones to cross tile edges)."""
+    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (this pass's K/V written); token_rows,
+    positions: [N]; seq_lens: [B]; block_tables: [B, max_blocks]; query_start: host [B + 1].
+    Writes those rows' tokens of `out` ([N, Hq, D], made when None) and returns it. `blocks`:
+    (BLOCK_M, BLOCK_N) overriding `block_plan` (powers of two >= 16)."""
     check_caches(q, k_cache, v_cache)
     n, hq, d = q.shape
     block_m, block_n, warps, stages = block_plan(d, q.device)

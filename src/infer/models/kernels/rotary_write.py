@@ -1,12 +1,9 @@
 """Rotary embedding and the KV-cache write in one Triton kernel, for the fused decode path.
 
-One program per (token, head) reads its head from the q / k / v views of the fused qkv
-projection's output: a query head is rotated and stored; a key head is rotated and stored,
-with its value head, to the token's storage row of the layer's KV cache (padding tokens go
-to the pool's scratch row). cos and sin are the eager path's tables (`rotary.cos_sin`), and
-the roundings follow `rotary.rotate` (each product rounded to the activation dtype, then
-their sum; no floating-point contraction), so the result is bit-identical to the eager
-rotary."""
+One program per (token, head) of the fused qkv output: a query head is rotated and stored, a key
+head rotated and stored with its value head to the token's cache row. Roundings follow
+`rotary.rotate` (each product rounded to the activation dtype, then their sum; no floating-point
+contraction), so the result is bit-identical to the eager rotary."""
 
 from __future__ import annotations
 
@@ -83,12 +80,8 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
                     k_cache: torch.Tensor, v_cache: torch.Tensor, write_rows: torch.Tensor) -> torch.Tensor:
     """Rotate q and k, write the rotated k and v into the cache rows; return the rotated q.
 
-    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (any strides, D contiguous: the views of the qkv
-    output); cos, sin: [B, T, 1, D] in q's dtype (`rotary.cos_sin`); k_cache, v_cache:
-    [rows, Hkv, D] (one layer); write_rows: [B * T] long, the storage row of each token
-    (any stride: a draft step's rows are one column of its loop's [B, W] rows).
-    Returns the rotated q [B, T, Hq, D] (contiguous).
-    """
+    q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (D contiguous); cos, sin: [B, T, 1, D] in q's dtype;
+    k_cache, v_cache: [rows, Hkv, D]; write_rows: [B * T] long (any stride). Returns q contiguous."""
     check_rotary_inputs(q, k, v, cos, sin, k_cache, v_cache, write_rows)
     b, t, hq, dim = q.shape
     out = torch.empty((b, t, hq, dim), dtype=q.dtype, device=q.device)  # [B, T, Hq, D]

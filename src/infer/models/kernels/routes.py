@@ -1,15 +1,9 @@
 """Which kernel serves which call: the one place that routes the decoder's work.
 
-Projections of the fused bundle (`route`): `GEMV` (gemv.py, with the RMSNorm or SwiGLU
-prologue and the residual epilogue), `MATMUL` (matmul.py, with the SwiGLU or residual
-epilogue) or `LIBRARY` (the layer's own forward: cuBLAS for dense and FP8-dequantized
-weights, the GEMV or dequant.py + cuBLAS for integer codes), by weight kind, part and row
-bucket (`ROUTES`); calls the Triton kernels cannot take (the CPU, float32, a bias, more than
-MAX_ROWS rows) take `LIBRARY`. Attention over a flat batch (`AttentionRoutes`): rows of up
-to DECODE_MAX_QUERY tokens take the split-KV kernel (split_attention.py), longer ones the
-flash prefill kernel (prefill_attention.py), and the rotary with the KV write one kernel
-(rotary_write.py); on the CPU, for an odd head size or a tree rule the kernels do not
-apply, `REFERENCE` (gathered keys, masked SDPA)."""
+Projections (`route`): `GEMV` (gemv.py), `MATMUL` (matmul.py) or `LIBRARY` (the layer's own
+forward), by weight kind, part and row bucket (`ROUTES`). Attention (`AttentionRoutes`): rows of
+up to DECODE_MAX_QUERY tokens take split_attention.py, longer ones prefill_attention.py; where
+the kernels do not apply (CPU, odd head size, wide tree rule), `REFERENCE` (masked SDPA)."""
 
 from __future__ import annotations
 
@@ -27,10 +21,8 @@ Tensor = torch.Tensor
 
 GEMV, MATMUL, LIBRARY = "gemv", "matmul", "library"
 PARTS = ("linear", "gate_up")
-# (weight kind, part) -> route for the row buckets 1, 2, 4, 8, 16 (`gemv_tiles.ROW_BUCKETS`),
-# chosen from `scripts/bench_gemv.py`'s comparison (docs/benchmarks.md). Integer codes take the
-# GEMV in every bucket: their LIBRARY is the same GEMV without its fusions, and the Triton
-# matmul takes no integer weights.
+# (weight kind, part) -> route per row bucket 1, 2, 4, 8, 16, from `scripts/bench_gemv.py`
+# (docs/benchmarks.md); integer codes always take the GEMV (the Triton matmul takes none).
 ROUTES: dict[tuple[str, str], tuple[str, ...]] = {
     ("bf16", "linear"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
     ("bf16", "gate_up"): (GEMV, LIBRARY, LIBRARY, LIBRARY, LIBRARY),
@@ -61,16 +53,14 @@ check_routes(ROUTES)
 
 
 def table_route(kind: str, part: str, rows: int) -> str:
-    """`ROUTES`' choice for a weight kind ("bf16": any dense half-precision weight, "fp8",
-    "int4", "int8"), a part and a row count (more than MAX_ROWS: `LIBRARY`)."""
+    """`ROUTES`' choice for a weight kind, a part and a row count (over MAX_ROWS: `LIBRARY`)."""
     if not 1 <= rows <= MAX_ROWS:
         return LIBRARY
     return ROUTES[(kind, part)][ROW_BUCKETS.index(row_bucket(rows))]
 
 
 def route(layer: LinearBase, x: Tensor, part: str = "linear") -> str:
-    """The route of `layer` applied to x [..., K]: the table's where a Triton kernel can
-    serve the call (CUDA, half precision, no bias), else `LIBRARY`."""
+    """The route of `layer` on x [..., K]: the table's (CUDA, half precision, no bias), else `LIBRARY`."""
     if layer.bias is not None or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
         return LIBRARY
     return table_route(weight_kind(*layer.matrix()), part, x.numel() // x.shape[-1])
@@ -86,8 +76,7 @@ def triton_available() -> bool:
 
 
 def kernels_serve(q: Tensor) -> bool:
-    """Whether the Triton attention kernels serve these queries [N, Hq, D] (CUDA, a power-of-two
-    head_dim >= 16; the prefill kernel takes any up to 256, the split-KV one needs this)."""
+    """Whether the Triton attention kernels serve queries [N, Hq, D] (CUDA, power-of-two head_dim >= 16)."""
     d = q.shape[-1]
     return q.is_cuda and d >= 16 and d & (d - 1) == 0 and triton_available()
 
@@ -104,9 +93,8 @@ def row_attention(query_len: int) -> str:
 
 @dataclass(frozen=True)
 class AttentionRoutes:
-    """A flat batch's rows by kernel (host lists, fixed for the pass) and whether the
-    kernels apply its tree rule: the split-KV kernel applies a rule of one word, so a wider
-    tree, or a tree beside long rows, takes `REFERENCE`."""
+    """A flat batch's rows by kernel (host lists) and whether the kernels apply its tree rule
+    (one word, and no long rows beside it)."""
 
     split_kv: list[int]  # rows of up to DECODE_MAX_QUERY tokens
     prefill: list[int]  # longer rows
@@ -125,8 +113,7 @@ class AttentionRoutes:
 
     @staticmethod
     def split_kv_only(longest_query: int, tree_width: int | None) -> bool:
-        """Whether every row of a batch whose longest row has `longest_query` tokens takes the
-        split-KV kernel with its tree rule applied (what a decode graph captures)."""
+        """Whether every row (longest: `longest_query` tokens) takes the split-KV kernel with its tree rule."""
         short = row_attention(longest_query) == SPLIT_KV
         return short and AttentionRoutes.tree_fits(not short, tree_width)
 

@@ -1,17 +1,10 @@
-"""Triton split-KV attention (flash-decoding) for short query chunks over row-indexed (paged
-or slotted) KV storage: decode, draft steps, verification blocks and tree blocks.
+"""Triton split-KV attention (flash-decoding) for short query chunks over paged or slotted KV
+storage: decode, draft steps, verification and tree blocks.
 
-Each token attends over its row's cached context through the block table (never copied
-out), reading positions < min(position + 1, seq_lens[row]) with loop bounds from device
-memory, so one CUDA graph serves any context length. A program per (run, KV head, chunk)
-streams the chunk's keys once for a run of up to `run_tokens` consecutive tokens of one row
-(a verification block's, a tree block's), each with its KV head's query heads, as the rows
-of one tile, an online softmax in float32 per tile row (launched per token: the programs of
-a run's other tokens return at once); the last program of a (run, KV head) to finish (an
-arrival counter it resets: arrivals.py) combines the chunks, so a layer's attention is one
-launch. `split_plan` sizes the chunks to the batch (up to MAX_SPLITS for a few rows; one,
-written directly, for a large batch). A tree block's rule is one int64 ancestor bit set per
-token and its block's first position (W <= 64), applied per tile row as the keys stream."""
+Each token attends to positions < min(position + 1, seq_lens[row]) through the block table,
+loop bounds read from device memory (one CUDA graph serves any context length). A program per
+(run of a row's tokens, KV head, chunk) runs an online float32 softmax; the last to finish
+(arrivals.py) combines the chunks. Tree blocks: an int64 ancestor bit set per token (W <= 64)."""
 
 from __future__ import annotations
 
@@ -91,7 +84,7 @@ def _split_attention(Q, K, V, TOKENS, TOKEN_ROW, QSTART, POS, SEQ_LEN, BT, BITS,
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        if SPLITS == 1:  # the whole context in this program: normalise and store
+        if SPLITS == 1:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(OUT + lane_i[:, None] * s_on + heads[:, None] * s_oh + d[None, :], out.to(OUT.dtype.element_ty),
                      mask=keep[:, None])
@@ -109,9 +102,8 @@ def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, j, lane_
     tl.store(M_OUT + cell, m_i, mask=keep)
     tl.store(L_OUT + cell, l_i, mask=keep)
     tl.store(A_OUT + cell[:, None] * D + d[None, :], acc, mask=keep[:, None])
-    # the last program of (run j, kv_head) to arrive combines every chunk's partials: the
-    # release orders this program's stores before its arrival, the acquire the others' before
-    # the loads below (which bypass L1: `.cg`)
+    # the last program of (run j, kv_head) to arrive combines the partials: acq_rel orders every
+    # program's stores before the loads below (which bypass L1: `.cg`)
     tl.debug_barrier()
     counter = ARRIVED + j * HKV + kv_head
     if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
@@ -134,10 +126,8 @@ def _combine_partials(M_OUT, L_OUT, A_OUT, ARRIVED, OUT, m_i, l_i, acc, j, lane_
 
 
 def split_plan(context_width: int, programs: int) -> tuple[int, int]:
-    """(chunk length, number of chunks) for a gather width and the (row, KV head, token)
-    programs of a launch: as many chunks as bring the launch to TARGET_PROGRAMS, at most
-    MAX_SPLITS, each at least MIN_CHUNK positions, a power of two long (one chunk: the
-    whole width)."""
+    """(chunk length, number of chunks) for a context width and a launch's programs: enough chunks
+    to reach TARGET_PROGRAMS, at most MAX_SPLITS, each a power of two >= MIN_CHUNK long."""
     wanted = max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // max(1, programs))))
     if wanted == 1:
         return triton.next_power_of_2(context_width), 1
@@ -150,17 +140,13 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, block_size: int, context_width: int, arrivals: ArrivalCounters,
                     tokens: torch.Tensor | None = None, tree: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of flat queries over paged storage (module docstring).
+    """Attention of flat queries over paged storage.
 
-    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (one layer, this pass's keys
-    written); token_rows, positions: [N] (each token's batch row and storage position);
-    query_start: [B + 1] (row b's tokens are query_start[b]:query_start[b + 1]; a token
-    outside its row's range is padding); seq_lens: [B]; block_tables: [B, max_blocks] (key j
-    of row b in storage row block_tables[b, j // block_size] * block_size + j % block_size);
-    context_width: a bound on seq_lens (the split plan); arrivals: the counters of the
-    pool's passes (arrivals.py); tokens: [Nd] the tokens to compute, whole rows in order
-    (None: all N); tree: (bits [N] int64, base [N] int64, width) a tree's rule. Writes the
-    computed tokens' rows of `out` ([N, Hq, D], made when None) and returns it."""
+    q: [N, Hq, D] rotated; k_cache, v_cache: [rows, Hkv, D] (this pass's keys written);
+    token_rows, positions: [N]; query_start: [B + 1] (a token outside its row's range is padding);
+    seq_lens: [B]; block_tables: [B, max_blocks]; context_width: a bound on seq_lens; tokens: [Nd]
+    the tokens to compute, whole rows in order (None: all); tree: (bits [N], base [N], width) int64.
+    Writes the computed tokens' rows of `out` ([N, Hq, D], made when None) and returns it."""
     n, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -188,14 +174,10 @@ def split_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def pipeline_stages(splits: int) -> int:
-    """Key / value tiles in flight a program: none ahead (1) when the launch splits every
-    row's context MAX_SPLITS ways (a few rows: short loops, many programs), one ahead (2)
-    otherwise (long loops: a third stage's shared memory costs more programs an SM than it
-    hides)."""
+    """Key / value tiles in flight a program: 1 at MAX_SPLITS (short loops), else 2."""
     return 1 if splits >= MAX_SPLITS else 2
 
 
 def run_tokens(group: int) -> int:
-    """Consecutive tokens of a row one program computes: as many as fill QUERY_TILE tile
-    rows with their `group` query heads each (at least one)."""
+    """Consecutive tokens of a row one program computes: enough to fill QUERY_TILE rows (at least one)."""
     return max(1, QUERY_TILE // group)

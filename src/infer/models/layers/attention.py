@@ -1,10 +1,8 @@
 """Attention views: how one forward pass reaches its keys and values.
 
-The model computes rotated q, k, v for the tokens of a batch and hands them to an
-`AttentionView`. The view decides where the new k, v go (nowhere, or a KV pool's slots) and
-which keys each query may see. The model never knows about caches. The engine's view is the
-flat batch's (`paged_attention.BatchView`: every pass of the target, a draft model and an
-EAGLE head); `NoCacheView` attends within right-padded rows [B, T] alone (training, tests).
+The model hands q, k, v to an `AttentionView`, which decides where the new k, v go and which
+keys each query sees; the model never knows about caches. The engine's view is
+`paged_attention.BatchView`; `NoCacheView` attends within right-padded rows (training, tests).
 """
 
 from __future__ import annotations
@@ -20,27 +18,20 @@ from infer.models.layers.rotary import rotary_qk
 class AttentionView(Protocol):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D].
-
-        With `rotary` (cos, sin: [B, T, 1, D]), q and k arrive unrotated and the view rotates
-        them (`rotary.rotary_qk`'s math) as it stores k and v: a view with a cache on a GPU
-        does the rotation and its cache write in one kernel."""
+        """q: [B, T, Hq, D]; k, v: [B, T, Hkv, D] (new tokens) -> [B, T, Hq, D]. With `rotary`
+        (cos, sin: [B, T, 1, D]), q and k arrive unrotated and the view rotates them (`rotary_qk`)."""
         ...
 
 
 def position_mask(q_pos: torch.Tensor, ctx_end: torch.Tensor, s: int) -> torch.Tensor:
-    """Boolean [B, T, S]: key j is visible to the query at absolute position q_pos[b, t] iff
-    j <= q_pos (causal) and j < ctx_end[b] (no padded keys). q_pos: [B, T]; ctx_end: [B].
-    Padded queries still see key 0, so their (ignored) outputs stay finite."""
+    """Boolean [B, T, S]: key j visible to the query at q_pos[b, t] iff j <= q_pos and j < ctx_end[b].
+    q_pos: [B, T]; ctx_end: [B]. Padded queries still see key 0 (finite outputs)."""
     k_pos = torch.arange(s, device=q_pos.device)
     return (k_pos <= q_pos[:, :, None]) & (k_pos < ctx_end[:, None, None])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention with an explicit mask.
-
-    q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, T, S] bool -> [B, T, Hq, D].
-    """
+    """Grouped-query attention: q [B, T, Hq, D]; k, v [B, S, Hkv, D]; mask [B, T, S] bool -> [B, T, Hq, D]."""
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, H, T|S, D]
         attn_mask=mask[:, None, :, :], enable_gqa=q.shape[2] != k.shape[2])

@@ -1,10 +1,8 @@
 """FP8 weight quantization: per-output-channel symmetric E4M3.
 
-A row w of W is stored as round_e4m3(w / s) with s = max |w| / 448 (448: the largest E4M3
-value), so every row uses the format's whole range; dequantizing multiplies back by s. The
-error of an element is at most half an E4M3 step at its magnitude: a relative 2^-4 of the
-element (3 mantissa bits), plus s * 2^-9 near zero (the subnormal step).
-Checkpoints already in FP8 (compressed-tensors) are read by models/loading/quantized.py.
+A row w of W is stored as round_e4m3(w / s), s = max |w| / 448 (the largest E4M3 value). An
+element's error is at most half an E4M3 step: a relative 2^-4 (3 mantissa bits), plus s * 2^-9
+near zero (the subnormal step).
 """
 
 from __future__ import annotations
@@ -17,9 +15,8 @@ _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
 
 
 def quantize_fp8_rows(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (float) -> (E4M3 [N, K], scale float32 [N]), per output row; `absmax`
-    [N]: each row's max |w| when the row is wider than `weight` (a tensor-parallel shard of
-    its columns), by default the rows' own."""
+    """weight [N, K] (float) -> (E4M3 [N, K], scale float32 [N]), per row; `absmax` [N]: each row's
+    max |w| when wider than `weight` (a tensor-parallel shard's columns), default the rows' own."""
     w = weight.to(torch.float32)
     peak = w.abs().amax(dim=1) if absmax is None else absmax.to(torch.float32)
     scale = (peak / FP8_MAX).clamp(min=_MIN_SCALE)  # [N]

@@ -1,11 +1,6 @@
-"""Integer storage beyond the decoder's projections.
-
-- `QuantizedEmbedding`: the token embedding as a `LinearBase` [vocab, hidden] of integer
-  codes; a lookup dequantizes the rows it reads. It loads from the checkpoint's
-  `model.embed_tokens.weight` like any linear layer's weight.
-- `SharedWeights`: the quantization method of an lm_head tied to such an embedding: W is
-  the embedding's matrix, read through the embedding's own method (no parameter of its own).
-"""
+"""Integer storage beyond the projections: `QuantizedEmbedding` (a `LinearBase` [vocab, hidden]
+of codes whose lookup dequantizes the rows it reads) and `SharedWeights` (the method of an
+lm_head tied to it)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
 """Weight-only integer quantization: 4- or 8-bit codes with a scale and an offset per group.
 
-A row of W [N, K] is cut into groups of `group_size` consecutive input columns; group j of
-row n holds codes q in 0..2^bits - 1 and dequantizes as w = s[n, j] * q + o[n, j]. Every
-integer format maps onto this: a GPTQ / AWQ / compressed-tensors zero point z gives
-o = -s * z, codes centred at 2^(bits - 1) give o = -2^(bits - 1) * s, GGUF's block minimums
-are o itself (Q4_1, Q4_K, Q5_K). Storage (`IntLayout`): codes packed into uint8 along K,
-4-bit codes two a byte (k = 2j in the low nibble of byte j, k = 2j + 1 in the high one),
-8-bit codes one a byte; scales and offsets [N, K / group_size] in the model's dtype.
-`quantize_rtn` is round-to-nearest over each group's min..max; `PackedRows` carries rows a
-checkpoint stores quantized to a layer, which converts them to its layout without loss.
+Group j (`group_size` columns) of row n of W [N, K] holds codes q in 0..2^bits - 1 and
+dequantizes as w = s[n, j] * q + o[n, j] (a zero point z gives o = -s * z). Codes are packed
+into uint8 along K (4-bit: column 2j in the low nibble of byte j, 2j + 1 in the high one);
+scales and offsets [N, K / group_size] in the model's dtype. `PackedRows`: a checkpoint's rows.
 """
 
 from __future__ import annotations
@@ -80,8 +75,7 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def dequantize_int(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, layout: IntLayout,
                    dtype: torch.dtype) -> torch.Tensor:
-    """W [N, K] in `dtype` from packed codes [N, K * bits / 8] and scales, offsets [N, G]:
-    s * q + o, computed in float32 (codes converted straight into their columns)."""
+    """W [N, K] = s * q + o in `dtype` (computed in float32) from packed codes and scales, offsets [N, G]."""
     n, g = scales.shape
     w = torch.empty(n, g * layout.group_size, dtype=torch.float32, device=packed.device)  # [N, K]
     if layout.bits == 4:
@@ -97,8 +91,7 @@ def dequantize_int(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Te
 def quantize_rtn(weight: torch.Tensor, layout: IntLayout, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (packed uint8 [N, K * bits / 8], scales [N, G], offsets [N, G] in `dtype`):
-    each group's min..max in 2^bits - 1 equal steps, the code of a value its nearest step.
-    The codes are chosen against the scale and offset as stored (rounded to `dtype`)."""
+    round to nearest of 2^bits - 1 steps over each group's min..max, against the stored (rounded) s, o."""
     n, k = weight.shape
     w = weight.to(torch.float32).view(n, layout.groups(k), layout.group_size)  # [N, G, group]
     low, high = w.amin(dim=-1), w.amax(dim=-1)  # [N, G]
@@ -113,8 +106,7 @@ def quantize_rtn(weight: torch.Tensor, layout: IntLayout, dtype: torch.dtype
 
 @dataclass(frozen=True, slots=True)
 class IntScales:
-    """What a kernel reads beside a matrix's packed codes: its scales and offsets [N, G]
-    (contiguous, in the activations' dtype) and the layout."""
+    """What a kernel reads beside packed codes: scales, offsets [N, G] (contiguous, activations' dtype), layout."""
 
     scales: torch.Tensor
     offsets: torch.Tensor
@@ -123,9 +115,8 @@ class IntScales:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Rows of W that a checkpoint stores as integers, in `layout`: packed codes
-    [rows, K * bits / 8] (uint8) and float scales and offsets [rows, K / group_size]. The
-    loaders hand these to `LinearBase.load_rows` in place of a dense tensor."""
+    """Rows of W a checkpoint stores as integers, for `LinearBase.load_rows`: packed uint8 codes
+    [rows, K * bits / 8], float scales and offsets [rows, K / group_size]."""
 
     layout: IntLayout
     packed: torch.Tensor
@@ -146,8 +137,7 @@ class PackedRows:
         return self.packed.shape[0], self.packed.shape[1] * 8 // self.layout.bits
 
     def to_layout(self, layout: IntLayout, device: torch.device, dtype: torch.dtype) -> PackedRows:
-        """The same values stored in `layout` (more bits, groups that divide these) on
-        `device`, scales and offsets in `dtype`."""
+        """The same values in `layout` (it must `hold` this one) on `device`, scales and offsets in `dtype`."""
         if not layout.holds(self.layout):
             raise ValueError(f"rows quantized as {self.layout} cannot be stored as {layout} without loss")
         packed = self.packed.to(device)

@@ -1,14 +1,9 @@
 """Linear layers: one `LinearBase`, a quantization method, and a tensor-parallel setting.
 
-`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). What W is stored as is the
-layer's quantization method (as vLLM's `QuantizeMethodBase`: it creates the parameters,
-loads checkpoint tensors into them and applies the matmul): `UNQUANTIZED` (the model's
-dtype), `FP8` (E4M3, a float32 scale per output row: fp8.py) or `IntWeights(layout)` (4- or
-8-bit codes with a scale and an offset per group: int_quant.py). Its `parallel` setting
-(parallel.py) says which part of the whole matrix it holds and `combine`s its output across
-ranks. `load_rows(tensor, row_offset)` fills a block of a fused matrix (qkv_proj,
-gate_up_proj) as a checkpoint is read. The kernel routes (models/kernels/) read `matrix()`
-and `partial_output`; nothing outside this module asks which method a layer has.
+`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). The method (as vLLM's
+`QuantizeMethodBase`) creates, loads and applies W: `UNQUANTIZED`, `FP8` (E4M3, a float32 scale
+per row) or `IntWeights(layout)` (4/8-bit group codes). `parallel` (parallel.py) says which part
+of the whole matrix the layer holds; the kernel routes read only `matrix()` and `partial_output`.
 """
 
 from __future__ import annotations
@@ -29,9 +24,7 @@ from infer.models.layers.parallel import REPLICATED, Parallel
 
 QUANTIZATIONS = (None, "fp8", "int4", "int8")
 INT_QUANTIZATIONS = {"int4": 4, "int8": 8}  # quantized at load, groups of up to 128 columns
-# values of an integer W dequantized at a time for a call the GEMV does not serve: a CPU's
-# cache-sized slice (no whole dense matrix to allocate and page through), a GPU's large one
-# (few launches; the largest matrices still never exist dense whole)
+# values of an integer W dequantized at a time where the GEMV does not serve (never the whole matrix)
 DENSE_CHUNK = {"cpu": 1 << 17, "cuda": 1 << 26}
 
 
@@ -60,8 +53,7 @@ class QuantMethod(Protocol):
         ...
 
     def matrix(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor | IntScales | None]:
-        """(stored W, per-row scale [out] or None, or integer codes and their `IntScales`):
-        what the Triton kernels read."""
+        """What the Triton kernels read: (W, per-row scale [out] or None), or (codes, `IntScales`)."""
         ...
 
     def dense_weight(self, layer: LinearBase, dtype: torch.dtype | None) -> torch.Tensor:
@@ -132,9 +124,7 @@ class Fp8:
         layer.weight_scale = nn.Parameter(torch.ones(layer.out_features, dtype=torch.float32), requires_grad=False)
 
     def load_weight(self, layer: LinearBase, tensor: torch.Tensor, row_offset: int | None, name: str) -> None:
-        """A float8 tensor is stored as it is (its scale comes through `load_scale`); any
-        other dtype is quantized per row here. A row-parallel layer's rows take their scale
-        from every rank's columns, so they quantize as the whole matrix's would."""
+        """Store a float8 tensor as is, else quantize per row (row-parallel: over every rank's columns)."""
         tensor = _dense_only(tensor, name, "FP8")
         target = check_rows(layer.weight.data, tensor, row_offset, name)
         with torch.no_grad():
@@ -179,10 +169,8 @@ class Fp8:
 
 
 class IntWeights:
-    """W as integer codes with a scale and an offset per group of input columns, stored as
-    `layout` says (int_quant.py). Parameters: `scales` and `offsets` [out, groups]
-    in the model's dtype (registered first: a model's first parameter keeps its dtype),
-    `qweight` [out, in * bits / 8] uint8."""
+    """W as integer codes with a scale and offset per column group (int_quant.py): `scales`, `offsets`
+    [out, groups] in the model's dtype (registered first), `qweight` [out, in * bits / 8] uint8."""
 
     checkpoint_params = ("qweight",)  # W: loaded under the checkpoint's `weight` name
     fixed_dtype_params: tuple[str, ...] = ()  # (`.to(dtype)` leaves integer tensors alone)
@@ -203,8 +191,7 @@ class IntWeights:
 
     def load_weight(self, layer: LinearBase, tensor: torch.Tensor | PackedRows, row_offset: int | None,
                     name: str) -> None:
-        """Quantized rows (`PackedRows`) convert to the layer's layout; dense ones quantize
-        per group here (round to nearest)."""
+        """`PackedRows` convert to the layer's layout; dense rows quantize per group (round to nearest)."""
         check_rows(torch.empty(layer.out_features, layer.in_features, device="meta"), tensor, row_offset, name)
         device, dtype = layer.qweight.device, layer.scales.dtype
         if isinstance(tensor, PackedRows):
@@ -227,8 +214,7 @@ class IntWeights:
                          "checkpoint does not match the quantization asked for")
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized for the call,
-        DENSE_CHUNK values of it at a time."""
+        """The GEMV (CUDA, up to MAX_ROWS rows), else F.linear on W dequantized in DENSE_CHUNK slices."""
         weight, ints = self.matrix(layer)
         if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             rows = x.reshape(-1, x.shape[-1])
@@ -301,8 +287,7 @@ _METHODS: dict[str | None, QuantMethod] = {None: UNQUANTIZED, "fp8": FP8}
 
 
 def quant_method(quantization: str | None, in_features: int | None = None) -> QuantMethod:
-    """The method of a `quantization` setting (None, "fp8", or "int4" / "int8": groups of up
-    to 128 of the layer's `in_features` columns); a clear error for others."""
+    """The method of a `quantization` (None, "fp8", "int4", "int8"); ValueError for others."""
     if quantization in INT_QUANTIZATIONS:
         if in_features is None:
             raise ValueError(f"quantization {quantization!r} needs the layer's input size")
@@ -313,8 +298,7 @@ def quant_method(quantization: str | None, in_features: int | None = None) -> Qu
 
 
 class LinearBase(nn.Module):
-    """y = combine(x W^T + b), W [out_features, in_features] stored by `method`; `parallel`
-    says which part of the whole matrix this is (out/in features are the local ones)."""
+    """y = combine(x W^T + b), W [out_features, in_features] (local sizes) stored by `method`."""
 
     def __init__(self, in_features: int, out_features: int, method: QuantMethod = UNQUANTIZED,
                  parallel: Parallel = REPLICATED, bias: bool = False) -> None:
@@ -343,8 +327,7 @@ class LinearBase(nn.Module):
         return self.parallel.combine(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (no rows, e.g. a draft's catch-up without logits: the GEMVs take 1..16; the parallel
-        # combine still runs, as every rank's pass has no rows)
+        # no rows (the GEMVs take 1..16): combine still runs, as on every rank
         y = x.new_empty(*x.shape[:-1], self.out_features) if x.numel() == 0 else self.method.apply(self, x)
         return self.combine(y if self.bias is None else y + self.bias)
 
@@ -389,8 +372,7 @@ class LinearBase(nn.Module):
             raise
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LinearBase:
-        """As nn.Module's (`.to()`, `.cuda()`, `to_empty()`), but the method's fixed-dtype
-        parameters (FP8 weights and their scales) only change device."""
+        """As nn.Module's, but the method's fixed-dtype parameters (FP8) only change device."""
         fixed = {id(p) for n, p in self._parameters.items() if p is not None and n in self.method.fixed_dtype_params}
         if not fixed:
             return super()._apply(fn, recurse)

@@ -1,5 +1,4 @@
-"""The SwiGLU MLP: its weights (gate and up fused into one matrix, then down) and the
-activation of the fused gate/up output."""
+"""The SwiGLU MLP's weights and the activation of the fused gate/up output."""
 
 from __future__ import annotations
 
@@ -21,9 +20,7 @@ def silu_mul(gate_up: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
-    """SwiGLU's weights: gate and up projections fused into one matrix, then down. The decoder
-    layer applies them through its kernel bundle (`Kernels.mlp`). Under tensor parallelism
-    gate/up are `column`-parallel and down `row`-parallel (config: the rank's shape)."""
+    """SwiGLU's weights: fused gate/up (`column`-parallel), then down (`row`-parallel); applied by `Kernels.mlp`."""
 
     def __init__(self, config: ModelConfig, quantization: str | None = None, column: Parallel = REPLICATED,
                  row: Parallel = REPLICATED) -> None:

@@ -1,12 +1,8 @@
-"""Attention over a ForwardBatch: where a pass's keys and values go and which keys each
-token sees.
+"""Attention over a ForwardBatch: where a pass's keys and values go and which keys each token sees.
 
-`BatchView` is the `AttentionView` the model calls with a flat batch ([1, N] tokens): it
-writes each token's k and v to its KV slot (rotating q and k first) and attends, each row by
-the kernel models/kernels/routes.py gives it, or `reference_attention` (gathered keys, masked
-SDPA) where none serves. Visibility is one rule everywhere: token i of row b sees key
-position j iff j <= positions[i] and j < seq_lens[b], and inside a tree block only its
-ancestors."""
+`BatchView` writes each token's k, v to its KV slot and attends each row by the kernel routes.py
+gives it, or `reference_attention` (masked SDPA). Token i of row b sees key j iff j <= positions[i]
+and j < seq_lens[b], and inside a tree block only its ancestors."""
 
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ from infer.transfer import tensor_on
 
 def write_kv(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              rotary: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor) -> torch.Tensor:
-    """Write k, v ([B, T, Hkv, D]) to their storage rows `slots` [B * T] of one layer's
-    caches, rotating q and k first when `rotary` (cos, sin) is given; returns q, rotated if
-    asked."""
+    """Write k, v [B, T, Hkv, D] to storage rows `slots` [B * T], rotating q and k first with `rotary`
+    (cos, sin); returns q (rotated if asked)."""
     if rotary is not None and rotary_write_fused(q):
         from infer.models.kernels.rotary_write import rotary_kv_write
         return rotary_kv_write(q, k, v, rotary[0], rotary[1], kc, vc, slots)
@@ -39,8 +34,7 @@ def write_kv(kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, k: torch.Tenso
 
 
 def key_rows(block_tables: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
-    """[B, width] storage rows of key positions 0 .. width - 1 of each row (positions past
-    a row's blocks read block 0: they are masked)."""
+    """[B, width] storage rows of key positions 0 .. width - 1 of each row (past its blocks: to be masked)."""
     j = torch.arange(width, device=block_tables.device)
     blocks = block_tables.index_select(1, (j // block_size).clamp(max=block_tables.shape[1] - 1))
     return blocks * block_size + j % block_size
@@ -48,9 +42,8 @@ def key_rows(block_tables: torch.Tensor, block_size: int, width: int) -> torch.T
 
 def reference_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: ForwardBatch,
                         rows: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The visibility rule by gathering each row's keys and masked SDPA: q [N, Hq, D] ->
-    the tokens of `rows` (default all) written into `out` [N, Hq, D]. One-token rows and
-    longer ones are padded separately, so a decode row never pads to a prompt's width."""
+    """The visibility rule by gathered keys and masked SDPA: q [N, Hq, D] -> the tokens of `rows`
+    (default all) written into `out` [N, Hq, D]. One-token rows are padded apart from longer ones."""
     out = torch.zeros_like(q) if out is None else out
     rows = list(range(batch.num_rows)) if rows is None else rows
     for group in ([b for b in rows if batch.query_lens[b] == 1], [b for b in rows if batch.query_lens[b] > 1]):
@@ -86,9 +79,7 @@ def _attend_group(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Fo
 
 
 class BatchView:
-    """The AttentionView of one forward pass over a ForwardBatch and a pool's caches
-    (module docstring) and its split-KV kernel's arrival counters: q, k, v arrive as
-    [1, N, H, D]."""
+    """The AttentionView of one pass over a ForwardBatch and a pool's caches: q, k, v are [1, N, H, D]."""
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                  arrivals: ArrivalCounters) -> None:

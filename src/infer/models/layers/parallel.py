@@ -1,14 +1,9 @@
-"""How a layer's matrix is split over tensor-parallel ranks, which part of a checkpoint
-tensor it holds, and how its output is completed.
+"""How a layer's matrix is split over tensor-parallel ranks and how its output is completed.
 
-A `Parallel` setting is an attribute of a layer (linear.py; the embedding's
-`VocabParallelEmbedding` here), given when it is built: `replicated` (the whole matrix),
-`column` (a block of output rows: q/k/v, gate/up), `row` (a block of input columns: o_proj,
-down_proj, whose partial sums one all-reduce completes) or `vocab` (a block of the
-vocabulary's rows: logits all-gathered, embedding lookups summed). `Parallel.part(name,
-shape)` is the block of a whole checkpoint tensor the layer holds, which the loader reads
-and nothing else. Collectives go through the `Collectives` the setting carries (the default
-process group, or a faster all-reduce a tensor-parallel group gives it).
+`Parallel` kinds: `replicated`, `column` (output rows: q/k/v, gate/up), `row` (input columns:
+o, down; partial sums all-reduced) or `vocab` (vocabulary rows: logits all-gathered, embedding
+lookups summed). `Parallel.part(name, shape)` is the block of a checkpoint tensor the loader
+reads; `Collectives` completes outputs over the default process group.
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ SmallAllReduce = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 class Collectives:
-    """The collectives a parallel layer completes its output with, over the default process
-    group; `small`, when given, is tried first for each all-reduce (its own group's: the
-    tensor-parallel group builds it on joining, `close` drops it before the group goes)."""
+    """A parallel layer's collectives over the default process group; `small`, when given, is
+    tried first for each all-reduce (`close` drops it)."""
 
     def __init__(self, small: SmallAllReduce | None = None) -> None:
         self.small = small
@@ -56,8 +50,7 @@ class Collectives:
         self.small = None
 
     def all_reduce_sum(self, y: torch.Tensor) -> torch.Tensor:
-        """Sum y over the ranks (every rank gets the same bits); returns the sum: y itself,
-        summed in place by the process group, or a new tensor from the small all-reduce."""
+        """Sum y over the ranks (same bits on every rank): y in place, or a new tensor from `small`."""
         if self.small is not None:
             out = self.small(y)
             if out is not None:
@@ -86,8 +79,7 @@ GROUP = Collectives()  # the default group's own collectives (nothing tried firs
 
 @dataclass(frozen=True, slots=True)
 class Parallel:
-    """Which part of the whole matrix a layer holds: `kind` (see the module docstring) over
-    `world_size` ranks, this layer's rank being `rank`; `collectives` complete its output."""
+    """Which part of the whole matrix a layer holds: `kind` over `world_size` ranks, at `rank`."""
 
     kind: str = "replicated"
     rank: int = 0
@@ -110,10 +102,8 @@ class Parallel:
         return self.rank * block, (self.rank + 1) * block
 
     def part(self, name: str, shape: tuple[int, ...]) -> TensorPart | None:
-        """The part of checkpoint tensor `name` (its whole `shape`) this layer holds (None: all
-        of it): a column-parallel layer's rows of its weight, bias and per-row scales, a
-        row-parallel layer's columns of its weight (its rows and their scales are whole), a
-        vocabulary-parallel layer's rows."""
+        """The part of checkpoint tensor `name` (whole `shape`) this layer holds (None: all): column
+        and vocab layers' rows, a row-parallel layer's weight columns."""
         leaf = name.rpartition(".")[2]
         per_row = leaf == "weight_scale" and len(shape) >= 1 and shape[0] > 1  # else one scale for the tensor
         dim = {"column": 0 if leaf in ("weight", "bias") or per_row else None,
@@ -128,8 +118,7 @@ class Parallel:
 
     @property
     def partial_output(self) -> bool:
-        """Whether the local matmul is a partial sum that `combine` completes (row-parallel):
-        a residual add must then come after `combine`, not inside the matmul's epilogue."""
+        """Whether the local matmul is a partial sum (row-parallel): a residual add comes after `combine`."""
         return self.kind == "row"
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
@@ -145,9 +134,8 @@ REPLICATED = Parallel()
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """A rank's block of the embedding's rows (`parallel`: vocab) [V / N, H]; a lookup of an
-    id outside them gives zeros, and the all-reduce sums the ranks' lookups (one rank holds
-    each id). Extra keywords go to nn.Embedding."""
+    """A rank's block of the embedding's rows [V / N, H]; ids outside it look up zeros, and the
+    all-reduce sums the ranks' lookups. Extra keywords go to nn.Embedding."""
 
     def __init__(self, parallel: Parallel, vocab_size: int, embedding_dim: int, **kwargs: object) -> None:
         if parallel.kind != "vocab":

@@ -1,9 +1,5 @@
-"""Rotary position embedding (rotate-half convention, Hugging Face's numerics): the inverse
-frequencies (Llama 3 scaling as parameters or as llama.cpp's per-frequency divisors), the
-cos / sin tables of explicit positions, computed in float32 and cast to the activation
-dtype, and the rotation of query and key heads. The math is pure functions, shared by the
-kernel bundles (models/kernels/bundle.py) and the attention views that rotate as they write
-their cache."""
+"""Rotary position embedding (rotate-half, Hugging Face's numerics): inverse frequencies with
+Llama 3 scaling, cos / sin tables of explicit positions, and the rotation of q and k heads."""
 
 from __future__ import annotations
 
@@ -38,9 +34,8 @@ def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None,
                   freq_factors: tuple[float, ...] | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] on the CPU (also under a meta default device: its
-    ops would import torch's Python decompositions), with Llama 3 scaling when given: as
-    parameters (`scaling`) or as llama.cpp's per-frequency divisors (`freq_factors`)."""
+    """Inverse frequencies [head_dim // 2] on the CPU (even under a meta default device), with Llama 3
+    scaling as parameters (`scaling`) or llama.cpp's per-frequency divisors (`freq_factors`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if freq_factors is not None:
         return inv_freq / torch.tensor(freq_factors, dtype=torch.float32, device="cpu")

@@ -1,11 +1,8 @@
 """ModelShard: one tensor-parallel rank's part of a model, and reading it from a checkpoint.
 
-`ModelShard(rank, world_size, embedding, lm_head)` splits a Llama decoder Megatron-style:
-the model built with it has the rank's shape (`model_config`: heads, KV heads and
-intermediate size / N) and its layers are built parallel (parallel.py). Heads split in
-contiguous blocks, which keeps each query head with its KV head. The loader reads of each
-checkpoint tensor only the part its layer holds: through safetensors' `get_slice`
-(`read_part`), or narrowed from a whole tensor (`shard_tensors`: GGUF, dummy weights).
+`ModelShard(rank, world_size, embedding, lm_head)` splits a Llama decoder Megatron-style: the
+rank's model has heads, KV heads and intermediate size / N (`model_config`), in contiguous head
+blocks. The loader reads only each tensor's part: `read_part` (safetensors slices) or `shard_tensors`.
 """
 
 from __future__ import annotations
@@ -63,8 +60,7 @@ class ModelShard:
                              "'vocab_parallel' the lm_head must be 'vocab_parallel' too")
 
     def model_config(self, config: ModelConfig) -> ModelConfig:
-        """The decoder shape of one rank of the whole model's `config` (checked first): heads
-        and intermediate size / N, the vocabulary whole."""
+        """One rank's decoder shape of `config` (checked first): heads and intermediate size / N."""
         self.check(config)
         n = self.world_size
         return replace(config, num_attention_heads=config.num_attention_heads // n,
@@ -86,8 +82,7 @@ class ModelShard:
 
 
 class TensorSlice(Protocol):
-    """What safetensors' `get_slice` returns: the tensor's shape, and indexing that reads
-    only the rows (`[a:b]`) or columns (`[:, a:b]`) asked for."""
+    """What safetensors' `get_slice` returns: a shape, and indexing that reads only the part asked for."""
 
     def get_shape(self) -> list[int]: ...
 

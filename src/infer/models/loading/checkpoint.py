@@ -1,12 +1,8 @@
 """Save a model as a Hugging Face Llama checkpoint directory.
 
-`save_checkpoint` writes config.json, the weights as safetensors under Hugging Face tensor
-names (one model.safetensors when it fits in `max_shard_bytes`, else
-model-0000i-of-0000n.safetensors shards plus model.safetensors.index.json), and
-generation_config.json. Tied embeddings are stored once (no lm_head.weight), as
-transformers does. The result loads with `infer.models.loading.loader.load_model` and with
-`transformers.LlamaForCausalLM.from_pretrained`. Used to ship the project's own trained
-draft/target models and by tests.
+`save_checkpoint` writes config.json, generation_config.json and safetensors weights (sharded
+with an index above `max_shard_bytes`; tied embeddings stored once). The result loads with
+`load_model` and with `transformers.LlamaForCausalLM.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -70,10 +66,8 @@ def save_checkpoint(
 
 
 def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[_Shard]:
-    """Greedy in-order packing of tensors (name -> bytes) into shards of at most max bytes.
-
-    A single tensor larger than the limit gets a shard of its own.
-    """
+    """Greedy in-order packing of tensors (name -> bytes) into shards of at most max bytes
+    (a larger tensor gets a shard of its own)."""
     shards = [_Shard()]
     for name, nbytes in sizes.items():
         current = shards[-1]

@@ -1,11 +1,8 @@
 """Dummy draft heads: random weights in the shape heads for a named target would have.
 
-For timing only (timing does not depend on weight values), as `dummy:<shape>` targets are;
-the target after the prefix is a shape key or a model directory. `dummy-eagle3:<target>` is
-an EAGLE-3 head (drafting over `DUMMY_DRAFT_VOCAB` target ids spread evenly over the
-target's vocabulary, as the public EAGLE-3 heads of Llama 3 do, from the default layers
-(2, L/2, L-3)), `dummy-eagle:<target>` an EAGLE-1 head, both one decoder layer of the
-target's widths; `dummy-medusa:<target>` five Medusa heads of one block (the paper's).
+For timing only. `<target>` is a shape key or a model directory: `dummy-eagle3:<target>` (an
+EAGLE-3 head over `DUMMY_DRAFT_VOCAB` evenly spread target ids), `dummy-eagle:<target>` (EAGLE-1),
+`dummy-medusa:<target>` (five Medusa heads of one block, as in the paper).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ def dummy_head_config(name: str, method: str) -> EagleHeadConfig:
 
 
 def target_config(name: str, prefix: str) -> ModelConfig:
-    """The config of the target named after `prefix`: a shape key (or "dummy:" + one), else
-    a model directory's config.json."""
+    """The config of the target named after `prefix`: a shape key (or "dummy:" + one) or a model directory."""
     target = name.removeprefix(prefix)
     if target.removeprefix("dummy:") in model_shapes:
         return model_shapes[target.removeprefix("dummy:")]
@@ -96,8 +92,7 @@ def is_dummy_medusa(name: str) -> bool:
 
 
 def dummy_medusa_config(name: str) -> MedusaConfig:
-    """The config `dummy-medusa:<shape>` (or `dummy-medusa:<model directory>`) implies: five
-    heads of one block of that target's widths."""
+    """The config `dummy-medusa:<shape or model directory>` implies: five one-block heads."""
     if not is_dummy_medusa(name):
         raise ValueError(f"{name!r} is not a dummy Medusa name: use {DUMMY_MEDUSA_PREFIX!r} + a shape or model "
                          "directory")
@@ -109,8 +104,7 @@ def dummy_medusa_config(name: str) -> MedusaConfig:
 @torch.no_grad()
 def dummy_medusa_head(spec: MedusaConfig, dtype: torch.dtype, device: torch.device,
                       quantization: str | None = None, seed: int = 0) -> MedusaHead:
-    """Random heads (matrices normal(0, DUMMY_STD), biases 0), loaded as a checkpoint's
-    tensors are (so a quantization applies)."""
+    """Random heads (matrices normal(0, DUMMY_STD), biases 0), loaded as a checkpoint (quantization applies)."""
     head = build_head(spec, dtype, device, quantization)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, layer in head.linears().items():

@@ -1,10 +1,7 @@
 """EAGLE and EAGLE-3 head checkpoints in the public layout: reading and loading.
 
-A head directory (or hub id) holds config.json and its weights (safetensors, or
-pytorch_model.bin). `read_head_config` + `EagleHeadConfig.check_target` refuse a head that
-does not fit the target from config.json alone, before any weight is read; `load_eagle_head`
-builds the head in the target's dtype and device, maps the checkpoint's names (`midlayer.*`
-or `layers.0.*`) onto `EagleHead`'s and shares what it shares with the target.
+A head directory (or hub id) holds config.json and safetensors (or pytorch_model.bin) weights;
+`load_eagle_head` maps the checkpoint's names (`midlayer.*` or `layers.0.*`) onto `EagleHead`'s.
 """
 
 from __future__ import annotations
@@ -58,8 +55,8 @@ def _our_name(name: str, method: str) -> str | None:
 
 
 def load_eagle_head(name_or_path: str, method: str, target: LlamaForCausalLM) -> EagleHead:
-    """The head in the target's dtype and device, sharing what it shares with the target.
-    Refuses (before reading weights) a head that does not fit the target."""
+    """The head in the target's dtype and device, sharing what it shares with the target
+    (`EagleHead.share`); refuses a head that does not fit the target before reading weights."""
     spec = read_head_config(name_or_path, method)
     spec.check_target(target.config)
     raw: dict[str, torch.Tensor] = {}

@@ -1,10 +1,7 @@
 """The per-layer integer layouts a load stores (fused module name -> `IntLayout`).
 
-`apply_layouts(model, layouts)` gives the named layers (fused names:
-`model.layers.3.self_attn.qkv_proj`, `lm_head`, `model.embed_tokens`) integer storage in the
-given layouts, on the meta model before it is materialised. The loader's plan says which: a
-GPTQ / AWQ / compressed-tensors checkpoint's layers, a GGUF file's quantized tensors, the
-head of a model quantized at load (`head_layouts`).
+`apply_layouts(model, layouts)` gives the named layers (`model.layers.3.self_attn.qkv_proj`,
+`lm_head`, `model.embed_tokens`) integer storage, on the meta model before it is materialised.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ def projection_layouts(config: ModelConfig, layout_for: Callable[[int], IntLayou
 
 
 def head_layouts(config: ModelConfig, quantization: str | None) -> LayerLayouts:
-    """The head's layout for a model quantized at load ("int4" / "int8"): HEAD_BITS codes in
-    groups of up to 128 (a tied embedding shares them); none for other settings."""
+    """The head's layout (HEAD_BITS codes; a tied embedding's) for "int4" / "int8", else none."""
     if quantization not in INT_QUANTIZATIONS:
         return {}
     layout = IntLayout(HEAD_BITS, default_group(config.hidden_size))
@@ -43,8 +39,8 @@ def head_layouts(config: ModelConfig, quantization: str | None) -> LayerLayouts:
 
 
 def apply_layouts(model: LlamaForCausalLM, layouts: LayerLayouts) -> None:
-    """Store the named layers as their layouts say (call on the meta device: the new
-    parameters are uninitialised). A quantized embedding of a tied model carries the head."""
+    """Store the named layers as their layouts say (on the meta device: new parameters are
+    uninitialised). A quantized embedding of a tied model carries the head."""
     config = model.config
     linears = model.linears()
     for name, layout in layouts.items():

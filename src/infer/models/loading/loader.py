@@ -4,11 +4,7 @@
     model, config = load_model("/models/Llama-3.2-1B-Q4_K_M.gguf")   # llama.cpp file
     model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files
 
-A format reader (readers.py) gives the config and the tensors under Hugging Face names; one
-build function makes the model on the meta device, materialises it empty on the target
-device in the target dtype and fills it one tensor at a time. `plan_layouts` says which
-layers keep a checkpoint's integer codes (layouts.py). `model_shapes` holds the released
-shapes' configs ("dummy:<shape>"); with a `shard` the model is one tensor-parallel rank's.
+Readers: readers.py; the model is built on the meta device, then filled; `model_shapes`: dummy shapes.
 """
 
 from __future__ import annotations
@@ -80,8 +76,7 @@ def _dtype_choices() -> str:
 
 
 def open_reader(name_or_path: str | os.PathLike[str], load_format: str = "auto") -> WeightReader:
-    """The reader of what `name_or_path` names; with load_format="dummy", a dummy reader of
-    its shapes (a directory's config, a GGUF file's metadata or a named shape)."""
+    """The reader of what `name_or_path` names (load_format="dummy": a dummy reader of its shapes)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
     name = os.fspath(name_or_path)
@@ -122,13 +117,10 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build a model with its weights; returns (model in eval mode, no grad; config).
 
-    quantization="fp8" stores the linear layers' weights in FP8, "int4" as 4-bit codes in
-    groups (8-bit for the head; quantized as they load); a checkpoint stored quantized
-    (compressed-tensors FP8, GPTQ, AWQ, pack-quantized) loads as such whatever is asked, and
-    a GGUF file keeps its quantized blocks unless a quantization is asked. With a
-    `shard`, the model is that tensor-parallel rank's part (the config returned is still
-    the whole model's). `max_seq_len`: the longest sequence it will run, checked against the
-    model's attention window before any weight is read."""
+    `quantization` ("fp8", "int4", "int8") quantizes as weights load; a quantized checkpoint
+    loads as stored whatever is asked (a GGUF file unless a quantization is asked). With a `shard`
+    the model is that rank's part (the config is still the whole model's). `max_seq_len` is
+    checked against the attention window before any weight is read."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
     reader = open_reader(name_or_path, load_format)
@@ -143,8 +135,7 @@ def load_model(
 
 
 def plan_layouts(reader: WeightReader, quantization: str | None, shard: ModelShard | None) -> LayerLayouts:
-    """The layers stored as integer codes in a layout of their own (beyond what
-    `quantization` makes of every projection): see the module docstring."""
+    """The layers stored as integer codes in a layout of their own (beyond what `quantization` makes)."""
     if reader.stored_quantization is not None and reader.int_layouts:
         return dict(reader.int_layouts)  # an integer checkpoint (its reader refuses a shard)
     if shard is not None:
@@ -156,8 +147,7 @@ def plan_layouts(reader: WeightReader, quantization: str | None, shard: ModelSha
 
 def build_model(reader: WeightReader, dtype: torch.dtype, device: torch.device, quantization: str | None,
                 shard: ModelShard | None = None, layouts: LayerLayouts | None = None) -> LlamaForCausalLM:
-    """The model (a shard's part of it) filled with the reader's tensors, in eval mode
-    without gradients (on the meta device: left empty)."""
+    """The model (or a shard's part) filled with the reader's tensors, eval mode, no grad (meta: empty)."""
     layouts = layouts or {}
     model = build_empty_model(reader.config, dtype, device, quantization, shard, layouts)
     if device.type != "meta":
@@ -170,14 +160,12 @@ def build_model(reader: WeightReader, dtype: torch.dtype, device: torch.device, 
 def build_empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
                       quantization: str | None = None, shard: ModelShard | None = None,
                       layouts: LayerLayouts | None = None) -> LlamaForCausalLM:
-    """Model (with a `shard`: that rank's part) with uninitialised parameters on `device`
-    (no random-init cost; quantized weights keep their storage dtype), the `layouts`' layers
-    stored as integer codes; buffers valid."""
+    """The model (or a shard's part) with uninitialised parameters on `device` (quantized ones keep
+    their dtype), the `layouts`' layers stored as integer codes; buffers valid."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, quantization, shard)
         apply_layouts(model, layouts or {})
-    # `to_empty` would make each tensor with `empty_like`, whose meta-tensor reference
-    # imports sympy (a second and 40 MB): the same empty tensors, made by shape
+    # as `to_empty`, but by shape: `empty_like` on meta tensors imports sympy (slow, large)
     model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     model.tie_weights()  # to_empty replaces each Parameter separately: restore the tie
     model.rotary = Rotary(model.config).to(device)  # inv_freq stays float32, as in HF

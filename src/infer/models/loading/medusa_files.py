@@ -1,14 +1,8 @@
 """Medusa head checkpoints in FasterDecoding's public layout: reading and loading.
 
-A directory (or hub id) holds config.json with `medusa_num_heads` and `medusa_num_layers`
-(and, in some exports, the base model's `hidden_size` / `vocab_size`) and the weights in
-`medusa_lm_head.safetensors` or `medusa_lm_head.pt` (read with torch.load(weights_only=True)),
-the state dict of a ModuleList of K heads, each a Sequential of L residual blocks and a
-linear: `{k}.{l}.linear.weight` [H, H] and `{k}.{l}.linear.bias` [H] for l < L, and
-`{k}.{L}.weight` [V, H]. A `medusa_head.` prefix (the whole model's state dict) is accepted.
-
-`read_medusa_config` reads config.json and, for sizes it lacks, the safetensors header
-(shapes only), so a head that does not fit the target is refused before any weight is read.
+A directory (or hub id) holds config.json (`medusa_num_heads`, `medusa_num_layers`) and
+`medusa_lm_head.safetensors` or `.pt`: `{k}.{l}.linear.weight` [H, H] and `.bias` [H] for l < L,
+and `{k}.{L}.weight` [V, H] (a `medusa_head.` prefix is accepted).
 """
 
 from __future__ import annotations
@@ -95,9 +89,8 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
 
 def load_medusa_head(name_or_path: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
                      quantization: str | None = None) -> MedusaHead:
-    """The heads in `dtype` on `device` (`quantization`: their linears stored so). Checks the
-    config against the target's before reading weights, and every tensor's name and shape
-    as it loads; a missing tensor is an error naming it."""
+    """The heads in `dtype` on `device` (`quantization`: their linears stored so). Checks the config
+    against the target before reading weights, and each tensor's name and shape; raises ValueError."""
     spec = read_medusa_config(name_or_path)
     spec.check_target(target)
     tensors = read_tensors(weight_file(medusa_directory(name_or_path)))

@@ -1,13 +1,10 @@
 """Quantized checkpoints: what a config.json's `quantization_config` declares, and the integer
 formats read into `PackedRows` (layers/int_quant.py) without a dense copy.
 
-`checkpoint_quantization(raw_config)` names the quantization (None; "fp8": compressed-tensors
-8-bit float weights; "int4" / "int8") or refuses the format, saying what to do instead.
-`int_format(raw_config)` reads GPTQ, AWQ (GEMM) and compressed-tensors `pack-quantized`
-settings and refuses, before any weight is read, what infer cannot load (other bit widths,
-act-order, other AWQ layouts, per-module overrides, a quantized lm_head); per layer,
-`IntFormat.convert` turns the format's tensors into rows of codes with a scale and an offset
-per group (w = s * (q - z)). docs/architecture.md gives each format's tensor layout.
+`checkpoint_quantization` names it (None, "fp8", "int4", "int8") or refuses the format;
+`int_format` reads GPTQ, AWQ (GEMM) and compressed-tensors `pack-quantized` settings, and
+`IntFormat.convert` turns a layer's tensors into rows (w = s * (q - z)). Tensor layouts:
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -137,8 +134,7 @@ def _awq(parts: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch
 
 
 def int_format(raw_config: dict[str, Any]) -> IntFormat | None:
-    """The integer format a config.json declares (None: not an integer checkpoint); a clear
-    error for integer checkpoints infer cannot load."""
+    """The integer format a config.json declares (None: not integer); ValueError for unsupported ones."""
     qc = raw_config.get("quantization_config")
     if not isinstance(qc, dict):
         return None
@@ -219,9 +215,8 @@ def _compressed_tensors_format(qc: dict[str, Any]) -> IntFormat:
 
 
 def checkpoint_quantization(raw_config: dict[str, Any]) -> str | None:
-    """The quantization a checkpoint's config.json declares: None (none), "fp8"
-    (compressed-tensors, 8-bit float weights), or "int4" / "int8" (GPTQ, AWQ, compressed-
-    tensors pack-quantized: below). Anything else is an error naming it."""
+    """The quantization a config.json declares: None, "fp8" (compressed-tensors) or "int4" / "int8";
+    ValueError naming anything else."""
     qc = raw_config.get("quantization_config")
     if qc is None:
         return None

@@ -1,13 +1,8 @@
 """Checkpoint formats as readers: each gives a `ModelConfig` and Hugging Face named tensors.
 
-`open_reader` (loader.py) picks one: `SafetensorsReader` (a Hugging Face directory, local or
-fetched from the hub by id; a tensor-parallel rank reads only its part of each tensor; an
-integer checkpoint's layers come as `PackedRows`: quantized.py), `GGUFReader` (a llama.cpp
-file, gguf/: tensors kept as the file's codes where the layouts hold them, else dequantized)
-or `DummyReader` (random weights of a config's shapes from a fixed seed, drawn whole in one
-order, so a rank's part of each is exactly the one-process dummy model's). A reader's
-`int_layouts` are the layers its integer codes can fill as they are; the loader decides the
-layouts, builds the model and feeds it the reader's tensors.
+`SafetensorsReader` (a Hugging Face directory, local or from the hub), `GGUFReader` (a llama.cpp
+file, gguf/) and `DummyReader` (seeded random weights, drawn whole so a rank's part matches the
+one-process model's). A reader's `int_layouts` are the layers its integer codes fill as they are.
 """
 
 from __future__ import annotations
@@ -46,14 +41,12 @@ class WeightReader(Protocol):
     config: ModelConfig
     config_dtype: str | None  # the dtype the checkpoint names ("auto" follows it), if any
     stored_quantization: str | None  # the quantization its tensors are stored in
-    int_layouts: LayerLayouts  # layers its integer codes fill as they are (see the module docstring)
+    int_layouts: LayerLayouts  # layers its integer codes fill as they are
 
     def tensors(self, device: torch.device, dtype: torch.dtype, parts: PartFn | None,
                 layouts: LayerLayouts) -> Iterable[tuple[str, torch.Tensor | PackedRows]]:
-        """(hf_name, tensor on `device`) one at a time, in `dtype` (stored FP8 weights and
-        their scales keep theirs; integer codes come as `PackedRows` for the layers in
-        `layouts`, the model's); with `parts` (a tensor-parallel rank's model's), only the
-        part of each tensor it names."""
+        """(hf_name, tensor on `device`) one at a time, in `dtype` (FP8 weights and scales keep theirs;
+        `PackedRows` for the layers in `layouts`); with `parts`, only the part of each tensor it names."""
         ...
 
 
@@ -139,8 +132,7 @@ def _int_layer_names(fmt: IntFormat, names: list[list[str]]) -> dict[str, set[st
 
 
 def _check_int_tensors(fmt: IntFormat, layouts: LayerLayouts, names: list[list[str]]) -> None:
-    """Every projection of an integer checkpoint has its required tensors: else a clear
-    error before any weight is read."""
+    """Raise, before any weight is read, unless every integer layer has its required tensors."""
     present = _int_layer_names(fmt, names)
     for layer in present:
         missing = [s for s in fmt.required() if s not in present[layer]]
@@ -154,8 +146,7 @@ def _check_int_tensors(fmt: IntFormat, layouts: LayerLayouts, names: list[list[s
 
 def _int_layers(raw: Iterable[tuple[str, torch.Tensor]], fmt: IntFormat,
                 names: list[list[str]]) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
-    """`raw` with each integer layer's tensors replaced by one `(<layer>.weight, PackedRows)`,
-    yielded once all of them are read."""
+    """`raw` with each integer layer's tensors replaced by one `(<layer>.weight, PackedRows)`."""
     expected = _int_layer_names(fmt, names)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in raw:
@@ -214,12 +205,8 @@ class DummyReader:
 
 def dummy_hf_tensors(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
                      std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
-    """A whole model's dummy weights as Hugging Face named tensors, one at a time: normal(0,
-    std) matrices and biases, RMSNorm weights 1 except the final norm's (DUMMY_LOGIT_GAIN).
-
-    A final-norm gain of 20 scales the logits (std about 20 instead of 1): next-token
-    distributions are peaked, so greedy choices are not decided by bf16 rounding, yet two
-    different dummy models still disagree (a random draft accepts ~nothing)."""
+    """A whole model's dummy weights as Hugging Face named tensors, one at a time: normal(0, std)
+    matrices and biases, RMSNorm weights 1, the final norm's DUMMY_LOGIT_GAIN (peaked logits)."""
     with torch.device("meta"):
         meta = LlamaForCausalLM(config)
     norms = norm_weights(meta)
@@ -236,8 +223,7 @@ def dummy_hf_tensors(config: ModelConfig, dtype: torch.dtype, device: torch.devi
 
 
 def resolve_model_path(name_or_path: str, patterns: list[str] | None = None) -> Path:
-    """Local directory (as is) or hub id "org/name" (downloaded: the files matching
-    `patterns`, by default a model's) -> local directory."""
+    """Local directory (as is) or hub id "org/name" (downloads files matching `patterns`) -> local directory."""
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path

@@ -1,14 +1,8 @@
 """ModelConfig from a GGUF file's metadata (llama.cpp's `<architecture>.*` keys) and tensor table.
 
-A GGUF file has no config.json: the shape is in `llama.embedding_length`,
-`llama.block_count`, `llama.attention.head_count`, ... (`qwen2.*`, `qwen3.*` for those
-architectures; the family follows `general.architecture`); the vocabulary size is the
-embedding's row count; tied embeddings show as a missing `output.weight`. Llama 3.1+ RoPE
-scaling is stored by llama.cpp's converter as a tensor, `rope_freqs.weight`: one divisor
-per rotary frequency, kept as `ModelConfig.rope_freq_factors`. The stop ids are the file's
-eos / eot / eom ids plus Llama 3's end-of-turn tokens when the vocabulary has them as
-control tokens (llama.cpp stops on all of them; Hugging Face lists the same three ids in a
-Llama 3 instruct model's generation_config.json).
+The vocabulary size is the embedding's row count; tied embeddings show as a missing
+`output.weight`; Llama 3.1+ RoPE scaling is the `rope_freqs.weight` tensor (one divisor per
+frequency: `ModelConfig.rope_freq_factors`).
 """
 
 from __future__ import annotations
@@ -58,7 +52,8 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
 
 
 def stop_token_ids(gguf: GGUFFile) -> tuple[int, ...]:
-    """Ids generation stops on: the metadata's eos/eot/eom ids and Llama 3's end tokens."""
+    """Ids generation stops on: the metadata's eos/eot/eom ids and Llama 3's end tokens (as control
+    tokens), as llama.cpp and Llama 3 instruct models' generation_config.json do."""
     ids = {gguf.get(key) for key in STOP_ID_KEYS} - {None}
     tokens: list[str] = gguf.get("tokenizer.ggml.tokens", [])
     types: list[int] = gguf.get("tokenizer.ggml.token_type", [])

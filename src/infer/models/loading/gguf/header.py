@@ -1,12 +1,9 @@
 """A GGUF file's header read straight from its memory map: metadata and the tensor table.
 
-The layout (GGUF v2/v3, little-endian): magic "GGUF", version u32, tensor count u64,
-metadata count u64; each metadata entry a key (u64 length + UTF-8 bytes), a value type u32
-and the value (scalars; strings; arrays: item type u32, count u64, items); then each
-tensor's name, dimension count u32, dimensions u64 (innermost first), ggml type u32 and
-data offset u64; the data starts at the next multiple of `general.alignment` (32). Numeric
-arrays are one `np.frombuffer` each and string arrays are decoded only when asked for
-(`HeaderField.value`); a file cut short raises `ValueError`; tensor data stays in the map.
+GGUF v2/v3, little-endian: magic, version u32, tensor and metadata counts u64; metadata entries
+(key, type u32, value); then per tensor: name, dimension count u32, dimensions u64 (innermost
+first), ggml type u32, data offset u64; data starts at a multiple of `general.alignment` (32).
+String arrays decode only when asked for; a file cut short raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ def map_file(path: Path) -> mmap.mmap:
 
 
 def release(mapped: mmap.mmap, data: np.ndarray) -> None:
-    """Drop the resident pages of a tensor's data once it is read (they stay mapped and
-    are read again if touched), so that a load's memory is the model's, not the file's too."""
+    """Drop the resident pages of a tensor's data once read (still mapped: read again if touched)."""
     start = data.ctypes.data - np.frombuffer(mapped, np.uint8, 1).ctypes.data
     first = start - start % mmap.PAGESIZE
     if data.nbytes:

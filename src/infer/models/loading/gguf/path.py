@@ -1,5 +1,4 @@
-"""Whether a path names a GGUF file, without importing the `gguf` library: the engine asks
-this of every model path, and the library loads only when a GGUF file is opened."""
+"""Whether a path names a GGUF file, without importing the `gguf` library."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """Open a GGUF file: check that it is whole and holds a model infer runs, read metadata and tensors.
 
-`GGUFFile.open(path)` reads the header from the file's memory map (gguf/header.py: the
-metadata and the tensor table, string arrays decoded only when asked for); no tensor data
-is read until a tensor is used. What can go wrong with
-a user's file becomes an error that says what to fix: not a GGUF file, a file cut short
-(an interrupted download), an architecture infer does not run (`general.architecture`
-other than `llama`, `qwen2`, `qwen3`; Mistral files are `llama`), a mixture-of-experts
-model, a metadata key the model needs but the file lacks.
+`GGUFFile.open(path)` reads the header from the file's memory map (header.py); tensor data is
+read only when used. A bad file (not GGUF, truncated, unsupported architecture, mixture of
+experts, missing metadata) raises an error that says what to fix.
 """
 
 from __future__ import annotations
@@ -28,8 +24,7 @@ GGUFTensor = TensorEntry  # one tensor as stored: ggml type, torch-order shape, 
 
 
 class GGUFFile:
-    """A validated GGUF file holding a dense decoder of a supported family: metadata lookups
-    and the tensor table."""
+    """A validated GGUF file of a supported dense decoder: metadata lookups and the tensor table."""
 
     def __init__(self, path: Path, mapped: mmap.mmap, fields: dict[str, HeaderField],
                  tensors: list[GGUFTensor]) -> None:
@@ -55,8 +50,7 @@ class GGUFFile:
             mapped = map_file(path)
             fields, tensors = read_header(mapped)
         except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as exc:
-            # the header is read from the file's map and every tensor sliced out of it: a file
-            # cut short fails here, in its header or at the first tensor that runs past the end
+            # a file cut short fails here, in its header or at the first tensor past the end
             raise ValueError(
                 f"GGUF file {str(path)!r} ({size} bytes) is truncated or corrupt ({type(exc).__name__}: "
                 f"{exc}); an interrupted download leaves such a file: download it again") from exc

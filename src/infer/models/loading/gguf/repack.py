@@ -1,14 +1,10 @@
 """GGUF quantized blocks as infer's integer layout (layers/int_quant.py), without float weights.
 
-Each kept type becomes codes with a scale and an offset per group, the values the `gguf`
-library's dequantization gives (w = d * q + m), read from the memory-mapped blocks with
-integer operations (scales and offsets in float32, as the library computes them):
+Each kept type becomes codes with float32 scales and offsets, exactly the `gguf` library's values:
 
     Q4_0  4-bit/32: s = d, o = -8 d        Q4_K  4-bit/32: s = d * sc, o = -dmin * m
     Q4_1  4-bit/32: s = d, o = m           Q5_K  8-bit/32: as Q4_K, codes of 5 bits
     Q8_0  8-bit/32: s = d, o = -128 d      Q6_K  8-bit/16: s = d * sc, o = -32 s
-
-F32, F16 and BF16 tensors stay dense (docs/architecture.md: the sub-block scales of each).
 """
 
 from __future__ import annotations
@@ -36,8 +32,8 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
-    """Bytes [B, n * width] whose low nibbles hold values j and high ones j + width of each
-    run of `width` bytes -> [B, n * 2 * width] in value order."""
+    """Bytes [B, n * width] (per run of `width` bytes: low nibbles values j, high ones j + width)
+    -> [B, n * 2 * width] in value order."""
     runs = qs.reshape(qs.shape[0], -1, 1, width)
     return np.concatenate([runs & 15, runs >> 4], axis=2).reshape(qs.shape[0], -1)
 

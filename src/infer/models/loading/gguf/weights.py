@@ -1,13 +1,8 @@
 """A GGUF file's tensors, kept quantized or dequantized, under Hugging Face names.
 
-`iter_hf_tensors(gguf, config, device, dtype, layouts=...)` yields `(hf_name, tensor)` pairs
-for `LlamaForCausalLM.load_hf_weights`, the seam a safetensors checkpoint goes through. A
-tensor of a kept type (repack.py) whose layer `layouts` stores as codes comes as
-`PackedRows`, read block by block; any other is dequantized with `gguf.quants.dequantize`
-(float32), one tensor at a time. `kept_layouts` says which layers can keep the file's codes
-(a fused layer's parts together). Names are mapped (`blk.3.attn_q.weight` ->
-`model.layers.3.self_attn.q_proj.weight`) and a `llama` file's q/k rows un-permuted
-(`unpermute_rotary`: llama.cpp's converter interleaves each head's rotary pairs there).
+`iter_hf_tensors` yields `(hf_name, tensor)` pairs for `LlamaForCausalLM.load_hf_weights`: a
+kept type's tensor (repack.py) comes as `PackedRows` where `layouts` stores its layer as codes,
+any other is dequantized to float32. A `llama` file's q/k rows are un-permuted (`unpermute_rotary`).
 """
 
 from __future__ import annotations
@@ -86,11 +81,8 @@ def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
 
 
 def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: [heads * head_dim, in] back to rotate-half layout.
-
-    The converter maps each head's rows (two halves of head_dim / 2 rows) to interleaved
-    pairs; this is its inverse: rows viewed as [heads, head_dim / 2, 2] -> [heads, 2, head_dim / 2].
-    """
+    """Undo llama.cpp's interleaved q/k row order: [heads * head_dim, in] back to rotate-half layout
+    (rows [heads, head_dim / 2, 2] -> [heads, 2, head_dim / 2])."""
     rows = weight.shape[0]
     head_dim = rows // heads
     return (weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
@@ -100,8 +92,8 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
 def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, dtype: torch.dtype,
                     progress: bool = True, layouts: dict[str, IntLayout] | None = None
                     ) -> Iterator[tuple[str, torch.Tensor | PackedRows]]:
-    """(hf_name, tensor on `device` in `dtype`) for every weight, one at a time: `PackedRows`
-    (on the CPU) where `layouts` stores the tensor's layer in a layout that holds its codes."""
+    """(hf_name, tensor on `device` in `dtype`) for every weight, one at a time; `PackedRows` (CPU)
+    where the layer's layout in `layouts` holds the file's codes."""
     check_tensors(gguf)
     weights = [t for t in gguf.tensors.values() if t.name != ROPE_FREQS]
     total = sum(t.n_bytes for t in weights)
@@ -126,8 +118,7 @@ def iter_hf_tensors(gguf: GGUFFile, config: ModelConfig, device: torch.device, d
 
 
 def kept_layouts(gguf: GGUFFile, config: ModelConfig) -> dict[str, IntLayout]:
-    """The layers (fused names) whose every matrix is of a kept type, each with the layout
-    that holds all its parts' codes: the most bits, the smallest group."""
+    """The layers (fused names) whose every part is of a kept type, with a layout holding them all."""
     parts: dict[str, list[IntLayout | None]] = {}
     for tensor in gguf.tensors.values():
         name = hf_name(tensor.name)

@@ -151,10 +151,16 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
     propose = llm.engine.runner.speculation.proposer.propose
     llm.engine.runner.speculation.proposer.propose = \
         lambda requests, shape, ks: (drafts.append(len(requests)), propose(requests, shape, ks))[1]
+    reserved, decode_widths = [], llm.engine.scheduler.kv.decode_widths  # (batch, widest round reserved)
+    llm.engine.scheduler.kv.decode_widths = \
+        lambda request, batch: (widths := decode_widths(request, batch), reserved.append((batch, widths[0])))[0]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates
     assert all(n <= limit for n in drafts)
+    # past the limit a step reserves a plain step's room alone, in neither pool a round's
+    assert all(width == 1 for batch, width in reserved if batch > limit)
+    assert any(width > 1 for batch, width in reserved if batch == 8) == speculates
 
 
 def test_a_preempted_request_keeps_what_the_policy_learnt_of_it(make_llm, ckpt_a, prompts):

@@ -125,6 +125,24 @@ def test_the_gate_turns_rounds_off_where_they_do_not_pay_and_probes_with_growing
     assert clock.speedup(128) > 1.0 and all(kinds[-100:])
 
 
+def test_holds_off_foretells_the_gate_without_changing_it():
+    # the scheduler asks holds_off before it reserves a step's rounds; the gate itself is asked
+    # after: holding off must mean the gate says no, and asking must change nothing
+    cfg = ClockConfig(probe_wait=10, probe_wait_max=40, probe_rounds=4, probe_share=1.0)
+    clock, t, held, gated_off = RoundClock(None, cfg, gate=True), 0.0, 0, 0
+    for _ in range(300):
+        rounds = not clock.needs_plain(128)
+        if rounds:
+            first, second = clock.holds_off(128), clock.holds_off(128)
+            rounds = clock.pays(128)
+            assert first == second and not (first and rounds)
+            held, gated_off = held + first, gated_off + (not rounds)
+        clock.stepped(t, StepKind(128, 4, 2.0) if rounds else StepKind(128, 0))
+        t += 0.04 if rounds else 0.01  # rounds at 0.5x plain: the gate turns them off
+    # all but the first step of each wait is foretold (the step that turns rounds off is not)
+    assert gated_off > 100 and held >= gated_off - 10
+
+
 def test_the_gate_decides_per_bucket():
     clock = RoundClock(None, ClockConfig(probe_wait=50), gate=True)
     t = 0.0

@@ -46,7 +46,8 @@ class PrefixRestorer(Protocol):
         ...
 
 
-DecodeWidths = Callable[[Request], list[int]]  # a request -> the positions its next step may write, largest first
+# (a request, how many requests decode this step) -> the positions its next step may write, largest first
+DecodeWidths = Callable[[Request, int], list[int]]
 
 
 class KVManager:
@@ -78,9 +79,10 @@ class KVManager:
         for restorer in self.restorers:
             restorer.restore(request, request.num_computed_tokens)
 
-    def decode_widths(self, request: Request) -> list[int]:
-        """Positions the request's next decode step may write, largest first; the last is 1 (a plain step)."""
-        return [1] if self.widths is None else self.widths(request)
+    def decode_widths(self, request: Request, batch: int) -> list[int]:
+        """Positions the request's next decode step may write when `batch` requests decode, largest
+        first; the last is 1 (a plain step)."""
+        return [1] if self.widths is None else self.widths(request, batch)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for positions < total_tokens in every pool; False when memory is short. A plain

@@ -99,7 +99,7 @@ class Scheduler:
         queue = list(decoding)
         while queue:
             request = queue.pop(0)
-            widths = self.kv.decode_widths(request)
+            widths = self.kv.decode_widths(request, len(decoding))
             while not self.kv.ensure_capacity(request, request.num_computed_tokens + widths[0]):
                 if len(widths) > 1 and all(r is request for r in self.running):  # no one left to preempt
                     widths = widths[1:]

@@ -192,12 +192,22 @@ class Speculation:
         k = guard_k(k, request.num_computed_tokens, max_len, request.tokens_left)
         return fit_depth(self.tree, k, request.num_computed_tokens, max_len) if self.tree is not None else k
 
-    def decode_widths(self, request: Request) -> list[int]:
-        """The blocks the request's next step may write, largest first, down to a plain step."""
+    def decode_widths(self, request: Request, batch: int) -> list[int]:
+        """The blocks the request's next step may write when `batch` requests decode, largest first,
+        down to a plain step; only the plain step where the batch runs plain whatever it drafts."""
+        if self.plain_batch(batch):
+            return [1]
         deepest = self.max_depth(request)
         if self.tree is None:  # (a chain of k writes 1 + k)
             return list(range(deepest + 1, 0, -1))
         return sorted({self.width(k) for k in range(deepest + 1)}, reverse=True)
+
+    def plain_batch(self, batch: int) -> bool:
+        """Whether a step of `batch` decoding requests runs plain whatever they would draft: past
+        `disable_batch_size`, a plain step the clock needs, or the batch gate holding off."""
+        limit, clock = self.config.disable_batch_size, self.clock
+        return (limit is not None and batch > limit) or clock is not None and (
+            clock.needs_plain(batch) or clock.gate and clock.holds_off(batch))
 
     def depths(self, requests: Sequence[Request], room: Sequence[int] | None = None) -> list[int]:
         """Each request's draft depth this step; `room`: the positions reserved for each (None: the largest round's)."""
@@ -211,11 +221,12 @@ class Speculation:
                 self.policy.observe(request_id, drafted, accepted)
         chosen = iter(self.policy.choose(willing, 0.0 if clock is None else clock.overhead(len(requests))))
         ks = [min(next(chosen), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
-        if room is not None:
-            ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
+        # (the gate before the room: where it holds off, the scheduler reserved no round, and its wait still counts)
         if clock is not None and any(ks) and (clock.needs_plain(len(requests))
                                               or clock.gate and not clock.pays(len(requests))):
             ks = [0] * len(requests)
+        if room is not None:
+            ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
         if shadow is not None:
             for r, k in zip(requests, ks, strict=True):
                 if k:

@@ -337,6 +337,15 @@ class RoundClock:
                     "round_steps": b.steps[1], "plain_samples": b.samples[0], "round_samples": b.samples[1]}
                 for k, b in sorted(self._buckets.items())}
 
+    def holds_off(self, batch: int) -> bool:
+        """Whether `pays(batch)` will answer no on this step (nothing changed by asking): the
+        bucket's gate is off, no probe runs and its wait is not over."""
+        b = self._buckets.get(bucket(batch))
+        if b is None or not b.wait or b.probe_left > 0 or b.waited >= b.wait:
+            return False
+        ratio = self.speedup(batch)
+        return ratio is not None and ratio < 1.0
+
     def pays(self, batch: int) -> bool:
         """The gate, asked once a step that would draft: whether rounds at this batch size give at
         least plain steps' tokens a second (yes until measured; off below `off_below`). Off, the

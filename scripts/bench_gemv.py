@@ -7,8 +7,8 @@ same run (integer weights: their codes, scales and offsets counted).
 Every timing is inside a CUDA graph of 20 calls on 20 distinct copies of the weight (more
 than the L2 cache holds, as a decode step's layers are), replayed many times: the median
 replay over 20. For each matrix, row count and weight kind the script searches the
-candidate configurations (`gemv_tiles.candidate_configs`, with the K splits of
-`with_splits`) twice: the plain matmul, and the layer's fused form in a decode step
+candidate configurations (`candidate_configs`, with the K splits of `with_splits`) twice:
+the plain matmul, and the layer's fused form in a decode step
 (RMSNorm before qkv, gate_up and lm_head; the residual add after o; SwiGLU before and the
 residual add after down). It checks each output against the unfused layers, prints the
 best of each and the default configuration's time, and lists the fused form's best as
@@ -28,7 +28,7 @@ import multiprocessing
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ from infer_bench.roofline import copy_bandwidth  # noqa: E402
 from infer.models.kernels.dequant import dequantize_on_device  # noqa: E402
 from infer.models.kernels.gemv import gemv  # noqa: E402
 from infer.models.kernels.gemv_tiles import (  # noqa: E402
-    WEIGHT_KINDS, GemvConfig, candidate_configs, default_config, row_bucket, with_splits, write_table)
+    NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig, default_config, row_bucket)
 from infer.models.kernels.matmul import triton_linear  # noqa: E402
 from infer.models.kernels.matmul_tiles import SplitWorkspace, choose_config  # noqa: E402
 from infer.models.layers.fp8 import quantize_fp8_rows  # noqa: E402
@@ -53,6 +53,70 @@ from infer.models.loading.loader import model_shapes  # noqa: E402
 CALLS = 20  # calls per graph, each on its own weight copy
 FUSION = {"qkv": ("norm",), "o": ("residual",), "gate_up": ("norm",), "down": ("swiglu", "residual"),
           "lm_head": ("norm",)}  # what surrounds each matmul in a decoder step
+
+
+# The tiles the benchmark searches per row bucket: (block_n, block_k, dot, num_warps, num_stages).
+# FMA tiles read 16 bytes a thread per row; dot tiles need 16 rows and 16 columns at least.
+CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
+    1: ((2, 2048, False, 4, 1), (4, 2048, False, 4, 1), (4, 1024, False, 4, 1), (8, 1024, False, 4, 1),
+        (4, 512, False, 4, 1), (8, 512, False, 4, 1), (16, 512, False, 8, 1),
+        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (16, 512, False, 4, 3)),
+    2: ((2, 2048, False, 4, 1), (4, 1024, False, 4, 1), (4, 512, False, 4, 1), (8, 512, False, 4, 1),
+        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (8, 256, False, 4, 3)),
+    4: ((4, 512, False, 4, 1), (4, 512, False, 4, 3), (8, 256, False, 4, 3), (8, 512, False, 8, 3),
+        (16, 128, True, 4, 3), (32, 128, True, 4, 3), (32, 256, True, 4, 3)),
+    8: ((4, 256, False, 4, 3), (8, 256, False, 8, 3), (4, 512, False, 8, 3), (32, 128, True, 4, 3),
+        (64, 128, True, 4, 3), (32, 256, True, 4, 3)),
+    16: ((4, 256, False, 8, 3), (8, 128, False, 8, 3), (32, 128, True, 4, 3), (64, 128, True, 4, 3),
+         (32, 256, True, 4, 3), (64, 256, True, 4, 3)),
+}
+
+
+# Integer codes (one group a step: block_k <= 128) take tall tiles, K split to fill the GPU; same fields.
+INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
+    False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3),
+            (64, 128, False, 4, 1), (128, 128, False, 4, 1), (128, 128, False, 8, 1), (256, 128, False, 4, 1),
+            (256, 128, False, 8, 1), (256, 128, False, 8, 2), (512, 128, False, 8, 1)),
+    True: ((64, 128, True, 4, 3), (128, 128, True, 4, 3), (128, 128, True, 4, 1), (64, 128, True, 4, 1))}
+
+
+def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
+    """The tiles the benchmark searches for a row bucket and weight kind (without K splits)."""
+    if bucket not in CANDIDATES:
+        raise ValueError(f"row bucket must be one of {sorted(CANDIDATES)}, got {bucket}")
+    tiles = INT_CANDIDATES[bucket > 2] if kind in ("int4", "int8") else CANDIDATES[bucket]
+    return [GemvConfig(block_n=bn, block_k=bk, dot=dot, num_warps=warps, num_stages=stages)
+            for bn, bk, dot, warps, stages in tiles]
+
+
+def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
+    """`cfg` unsplit, and with each power-of-two split_k giving 1..8 programs per multiprocessor
+    (each split keeping two K steps at least)."""
+    out = [cfg]
+    blocks = -(-n // cfg.block_n)
+    k_steps = -(-k // cfg.block_k)
+    split = 2
+    while blocks * split <= 8 * NUM_SMS and split <= k_steps // 2:
+        if blocks * split >= NUM_SMS:
+            out.append(replace(cfg, split_k=split))
+        split *= 2
+    return out
+
+
+def write_table(found: dict[tuple[int, int, int, str], tuple[str, GemvConfig]], device: str,
+                path: Path = TABLE_FILE) -> None:
+    """Merge measured configurations ((N, K, bucket, kind) -> (matrix, config)) into a table file,
+    recording `device`."""
+    data = json.loads(path.read_text(encoding="utf-8"))
+    entries = {(e["n"], e["k"], e["rows"], e["kind"]): e for e in data["entries"]}
+    for (n, k, rows, kind), (matrix, c) in found.items():
+        entries[(n, k, rows, kind)] = {"matrix": matrix, "n": n, "k": k, "rows": rows, "kind": kind, "config":
+                                       [c.block_n, c.block_k, c.split_k, c.dot, c.num_warps, c.num_stages]}
+    data["device"] = device
+    ordered = sorted(entries.values(), key=lambda e: (e["kind"], e["matrix"], e["rows"]))
+    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in data.items() if key != "entries")
+    path.write_text("{\n" + head + ' "entries": [\n' + ",\n".join("  " + json.dumps(e) for e in ordered)
+                    + "\n ]\n}\n", encoding="utf-8")
 
 
 def layer_shapes(name: str) -> dict[str, tuple[int, int]]:

@@ -27,7 +27,8 @@ def interpreted_outputs(module: str) -> dict[str, torch.Tensor]:
         path = Path(tmp) / "outputs.pt"
         script = f"import sys, torch, {module} as t; torch.save(t.run_interpreted_cases(), sys.argv[1])"
         env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-            [str(TESTS.parent / "src"), str(TESTS / "unit"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+            [str(TESTS.parent / "src"), str(TESTS.parent / "scripts"), str(TESTS / "unit"), str(TESTS),
+             os.environ.get("PYTHONPATH", "")])}
         done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         return torch.load(path)

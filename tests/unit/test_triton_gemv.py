@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers.interpreted import interpreted_outputs
+from bench_gemv import candidate_configs, with_splits, write_table  # the table's search (scripts/)
 from infer.models.kernels.gemv_tiles import (CONFIG_TABLE, MAX_ROWS, NUM_SMS, TABLE_FILE, WEIGHT_KINDS, GemvConfig,
-                                             candidate_configs, check_inputs, config_for, default_config,
-                                             int_default, int_tile, read_table, row_bucket, with_splits, write_table)
+                                             check_inputs, config_for, default_config, int_default, int_tile,
+                                             read_table, row_bucket)
 from infer.models.layers.fp8 import dequantize_fp8, quantize_fp8_rows
 from infer.models.layers.int_quant import IntLayout, IntScales
 from infer.models.layers.mlp import silu_mul

@@ -55,54 +55,6 @@ def row_bucket(m: int) -> int:
     return 1 << (m - 1).bit_length()
 
 
-# The tiles the benchmark searches per row bucket: (block_n, block_k, dot, num_warps, num_stages).
-# FMA tiles read 16 bytes a thread per row; dot tiles need 16 rows and 16 columns at least.
-_CANDIDATES: dict[int, tuple[tuple[int, int, bool, int, int], ...]] = {
-    1: ((2, 2048, False, 4, 1), (4, 2048, False, 4, 1), (4, 1024, False, 4, 1), (8, 1024, False, 4, 1),
-        (4, 512, False, 4, 1), (8, 512, False, 4, 1), (16, 512, False, 8, 1),
-        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (16, 512, False, 4, 3)),
-    2: ((2, 2048, False, 4, 1), (4, 1024, False, 4, 1), (4, 512, False, 4, 1), (8, 512, False, 4, 1),
-        (4, 512, False, 4, 3), (8, 512, False, 4, 3), (8, 256, False, 4, 3)),
-    4: ((4, 512, False, 4, 1), (4, 512, False, 4, 3), (8, 256, False, 4, 3), (8, 512, False, 8, 3),
-        (16, 128, True, 4, 3), (32, 128, True, 4, 3), (32, 256, True, 4, 3)),
-    8: ((4, 256, False, 4, 3), (8, 256, False, 8, 3), (4, 512, False, 8, 3), (32, 128, True, 4, 3),
-        (64, 128, True, 4, 3), (32, 256, True, 4, 3)),
-    16: ((4, 256, False, 8, 3), (8, 128, False, 8, 3), (32, 128, True, 4, 3), (64, 128, True, 4, 3),
-         (32, 256, True, 4, 3), (64, 256, True, 4, 3)),
-}
-
-
-# Integer codes (one group a step: block_k <= 128) take tall tiles, K split to fill the GPU; same fields.
-_INT_CANDIDATES: dict[bool, tuple[tuple[int, int, bool, int, int], ...]] = {
-    False: ((32, 128, False, 4, 3), (64, 128, False, 4, 3), (128, 128, False, 4, 3), (128, 64, False, 4, 3),
-            (64, 128, False, 4, 1), (128, 128, False, 4, 1), (128, 128, False, 8, 1), (256, 128, False, 4, 1),
-            (256, 128, False, 8, 1), (256, 128, False, 8, 2), (512, 128, False, 8, 1)),
-    True: ((64, 128, True, 4, 3), (128, 128, True, 4, 3), (128, 128, True, 4, 1), (64, 128, True, 4, 1))}
-
-
-def candidate_configs(bucket: int, kind: str = "bf16") -> list[GemvConfig]:
-    """The tiles the benchmark searches for a row bucket and weight kind (without K splits)."""
-    if bucket not in _CANDIDATES:
-        raise ValueError(f"row bucket must be one of {sorted(_CANDIDATES)}, got {bucket}")
-    tiles = _INT_CANDIDATES[bucket > 2] if kind in ("int4", "int8") else _CANDIDATES[bucket]
-    return [GemvConfig(block_n=bn, block_k=bk, dot=dot, num_warps=warps, num_stages=stages)
-            for bn, bk, dot, warps, stages in tiles]
-
-
-def with_splits(cfg: GemvConfig, n: int, k: int) -> list[GemvConfig]:
-    """`cfg` unsplit, and with each power-of-two split_k giving 1..8 programs per multiprocessor
-    (each split keeping two K steps at least)."""
-    out = [cfg]
-    blocks = -(-n // cfg.block_n)
-    k_steps = -(-k // cfg.block_k)
-    split = 2
-    while blocks * split <= 8 * NUM_SMS and split <= k_steps // 2:
-        if blocks * split >= NUM_SMS:
-            out.append(replace(cfg, split_k=split))
-        split *= 2
-    return out
-
-
 def default_config(n: int, k: int, bucket: int, kind: str) -> GemvConfig:
     """A configuration from the shape alone, modelled on the table's entries: one or two rows take
     unsplit FMA tiles, more rows dot tiles with K split to about 2.5 programs a multiprocessor
@@ -148,22 +100,6 @@ def read_table(path: Path = TABLE_FILE) -> dict[tuple[int, int, int, str], GemvC
     """The measured configurations of a table file: (N, K, row bucket, weight kind) -> config."""
     entries = json.loads(path.read_text(encoding="utf-8"))["entries"]
     return {(e["n"], e["k"], e["rows"], e["kind"]): GemvConfig(*e["config"]) for e in entries}
-
-
-def write_table(found: dict[tuple[int, int, int, str], tuple[str, GemvConfig]], device: str,
-                path: Path = TABLE_FILE) -> None:
-    """Merge measured configurations ((N, K, bucket, kind) -> (matrix, config)) into a table file,
-    recording `device`."""
-    data = json.loads(path.read_text(encoding="utf-8"))
-    entries = {(e["n"], e["k"], e["rows"], e["kind"]): e for e in data["entries"]}
-    for (n, k, rows, kind), (matrix, c) in found.items():
-        entries[(n, k, rows, kind)] = {"matrix": matrix, "n": n, "k": k, "rows": rows, "kind": kind, "config":
-                                       [c.block_n, c.block_k, c.split_k, c.dot, c.num_warps, c.num_stages]}
-    data["device"] = device
-    ordered = sorted(entries.values(), key=lambda e: (e["kind"], e["matrix"], e["rows"]))
-    head = "".join(f" {json.dumps(key)}: {json.dumps(value)},\n" for key, value in data.items() if key != "entries")
-    path.write_text("{\n" + head + ' "entries": [\n' + ",\n".join("  " + json.dumps(e) for e in ordered)
-                    + "\n ]\n}\n", encoding="utf-8")
 
 
 CONFIG_TABLE = read_table()  # read once at import

@@ -1,11 +1,9 @@
 """infer: LLM inference for Llama-family models with lossless speculative decoding.
 
     from infer import LLM, SamplingParams
-    llm = LLM()                      # the bundled demo model; or LLM(model="path-or-hub-id")
-    out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))
+    out = LLM().generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=64))  # LLM(): the demo model
 
-The names below are imported on first use (PEP 562): `import infer` does not load torch.
-"""
+The names below are imported on first use (PEP 562): `import infer` does not load torch."""
 
 from __future__ import annotations
 

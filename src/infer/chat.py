@@ -1,9 +1,8 @@
 """`infer chat`: an interactive conversation with a model in the terminal.
 
-Each line typed is a user message; the answer streams, then a speed line. The conversation
-is rendered with the model's chat template (else a plain "User: / Assistant:" transcript);
-when it outgrows `max_seq_len` its oldest exchanges are dropped, the system prompt kept.
-Commands: /clear, /exit or /quit (or Ctrl-D), /help; Ctrl-C stops an answer.
+Each line typed is a user message; the answer streams, then a speed line. The conversation is rendered with the model's
+chat template (else a plain "User: / Assistant:" transcript); when it outgrows `max_seq_len` its oldest exchanges are
+dropped, the system prompt kept. Commands: /clear, /exit or /quit (or Ctrl-D), /help; Ctrl-C stops an answer.
 """
 
 from __future__ import annotations

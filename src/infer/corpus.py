@@ -1,11 +1,9 @@
 """The demo models' corpus, which the bench's code prompts read too: the stdlib's `.py` files.
 
-The running interpreter's stdlib (no download, PSF licence) without third-party packages,
-test suites, generated tables and documents, files over `MAX_FILE_BYTES`, non-UTF-8 files and
-duplicates by content. The split hashes the relative POSIX path with sha256 (stable across
-runs, machines and Python versions): the demo pair trains on the train split, the bench's
-code prompts come from the validation split, text the demo models never saw.
-"""
+The running interpreter's stdlib (no download, PSF licence) without third-party packages, test suites, generated
+tables and documents, files over `MAX_FILE_BYTES`, non-UTF-8 files and duplicates by content. The split hashes the
+relative POSIX path with sha256 (stable across runs, machines and Python versions): the demo pair trains on the
+train split, the bench's code prompts come from the validation split, text the demo models never saw."""
 
 from __future__ import annotations
 

@@ -1,13 +1,9 @@
 """`infer draft-vocab`: build a reduced draft vocabulary's table (speculative/draft_vocab.py).
 
-Counts the target tokenizer's tokens over a corpus, text files given on the command line
-(`--files`), the bundled demo corpus (`--demo-corpus`: the train split of the stdlib's `.py`
-files the demo pair learned from) or the target's own greedy outputs on prompts
-(`--prompts-file`, one prompt a line), keeps the `--size` most frequent (the tokenizer's
-end-of-sequence ids always among them) and writes the table to `--out`, with its coverage:
-the share of the counted tokens inside the table. An engine reads it with
-`--spec-draft-vocab PATH` (EngineConfig.spec_draft_vocab).
-"""
+Counts the target tokenizer's tokens over `--files`, the demo corpus's train split (`--demo-corpus`) or the target's
+greedy outputs on `--prompts-file` (one prompt a line), keeps the `--size` most frequent (end-of-sequence ids always
+among them) and writes the table to `--out` with its coverage (the share of counted tokens inside the table).
+An engine reads it with `--spec-draft-vocab PATH` (EngineConfig.spec_draft_vocab)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""LLM: the offline, synchronous front (vLLM-style).
+"""LLM: the offline, synchronous front (vLLM-style); all prompts and samples run at once, continuously batched.
 
     llm = LLM(model="path-or-hub-id", dtype="bfloat16", device="cuda")   # kwargs = EngineConfig
-    outs = llm.generate(["prompt", ...], SamplingParams(temperature=0, max_tokens=64))
-    outs = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=...)
-    llm.chat([{"role": "user", "content": "hi"}], SamplingParams(...))
-    outs = llm.generate("prompt", SamplingParams(n=4, temperature=0.8))   # 4 samples: outs[0].outputs
-
-All prompts (and all samples of each) are submitted to the engine at once and run with
-continuous batching.
+    outs = llm.generate(["prompt", ...], SamplingParams(temperature=0, max_tokens=64))   # or prompt_token_ids=[[1, 2]]
+    outs = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(n=4))   # 4 samples: outs[0].outputs
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """ControlChannel: the driver's messages to its worker ranks, over torch.distributed.
 
-A message is pickled and broadcast from rank 0 on the gloo control group (a HEADER_BYTES
-broadcast, a second for a longer message); CPU tensors travel as numpy arrays, tensors on the
-rank's device are broadcast after it on the default group. The peers are trusted: the bytes
-are unpickled.
+A message is pickled and broadcast from rank 0 on the gloo control group (a HEADER_BYTES broadcast, a second for a
+longer message); CPU tensors travel as numpy arrays, tensors on the rank's device are broadcast after it on the
+default group. The peers are trusted: the bytes are unpickled.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """TensorParallelDriver: rank 0 of a tensor-parallel engine, and the lifetime of its workers.
 
-`start_tensor_parallel(config)` checks the model shapes, starts N-1 worker processes (none
-under torchrun) and joins the process groups with them. `close()` (or the finalizer) shuts
-them down; a worker whose driver dies sees its stdin pipe close and exits.
-docs/architecture.md, "Tensor parallelism".
+`start_tensor_parallel(config)` checks the model shapes, starts N-1 worker processes (none under torchrun) and joins
+the process groups with them. `close()` (or the finalizer) shuts them down; a worker whose driver dies sees its
+stdin pipe close and exits. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The driver's side of tensor parallelism: forward functions run on every rank, pools split by heads.
 
-`TensorParallelExecutor` builds each pool and forward function here and has the workers build
-theirs; the `Outbox` sends KV changes with each message, and `TensorParallelForward` sends each
-`run` as one `Invoke`. Every call must come from one thread, in order. docs/architecture.md,
-"Tensor parallelism".
+`TensorParallelExecutor` builds each pool and forward function here and has the workers build theirs; the `Outbox`
+sends KV changes with each message, and `TensorParallelForward` sends each `run` as one `Invoke`. Every call must
+come from one thread, in order. docs/architecture.md, "Tensor parallelism".
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """OutputProcessor: turns sampled tokens into StepOutputs and decides when a request stops;
 RequestOutput / CompletionOutput: what `LLM.generate` returns (vLLM's shape).
 
-Stop conditions, checked after each token: EOS ids (unless ignore_eos), stop token ids, stop
-strings (text cut before them; text that could still become one is held back), max_tokens,
-max_seq_len. Accepted speculative tokens go through the same path one by one.
-"""
+Stop conditions, checked after each token (accepted speculative tokens one by one): EOS ids (unless ignore_eos),
+stop token ids, stop strings (text cut before them; text that could still become one is held back), max_tokens,
+max_seq_len."""
 
 from __future__ import annotations
 

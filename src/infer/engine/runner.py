@@ -1,9 +1,8 @@
 """ModelRunner: runs the target model for a scheduled step, with or without speculation.
 
-`step(prefill, decode, room)` runs one flat forward over the prefill chunks, the decode rows
-and each round's verification block, then accepts: a tree's accepted K/V move into sequence
-order, caches roll back to n + a + 1, tokens are emitted in order. docs/architecture.md,
-"One engine step"; docs/speculation.md, "Rounds in flight".
+`step(prefill, decode, room)` runs one flat forward over the prefill chunks, the decode rows and each round's
+verification block, then accepts: a tree's accepted K/V move into sequence order, caches roll back to n + a + 1,
+tokens are emitted in order. docs/architecture.md, "One engine step"; docs/speculation.md, "Rounds in flight".
 """
 
 from __future__ import annotations

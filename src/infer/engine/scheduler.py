@@ -1,9 +1,8 @@
 """Scheduler: waiting and running queues, admission, chunked-prefill budgeting, preemption.
 
-FIFO. Decode rows take one token each of `max_num_batched_tokens` first (a round's drafts ride
-beyond the budget), prefill chunks the rest. Short of KV memory the newest running request is
-preempted; a request alone gets a smaller round, down to a plain step. docs/architecture.md,
-"One engine step".
+FIFO. Decode rows take one token each of `max_num_batched_tokens` first (a round's drafts ride beyond the budget),
+prefill chunks the rest. Short of KV memory the newest running request is preempted; a request alone gets a smaller
+round, down to a plain step. docs/architecture.md, "One engine step".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Verification: each request's draft as rows of the step's one forward, then the verifier.
 
-`Verification.block` makes each request's block [g, draft nodes] one row of the flat batch;
-`queue` runs the fused acceptance on temperature-only rows (a `Verdict` read by `collect`: one
-host sync), `general` the full sampling pipeline and the pure verifier. docs/speculation.md,
-"A round's verification".
+`Verification.block` makes each request's block [g, draft nodes] one row of the flat batch; `queue` runs the fused
+acceptance on temperature-only rows (a `Verdict` read by `collect`: one host sync), `general` the full sampling
+pipeline and the pure verifier. docs/speculation.md, "A round's verification".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """ModelConfig: the parts of a Hugging Face `config.json` the forward pass needs, per family.
 
-Families differ in a few switches (`FAMILIES`): Llama 3.x and Mistral share Llama's layout,
-Qwen2 adds q/k/v biases, Qwen3 RMSNorms each q and k head before the rotary. Validated on
-construction; `from_hf_dict` rejects what is not implemented. Sliding-window attention is not
-implemented: `check_context` refuses contexts longer than the window.
+Families differ in a few switches (`FAMILIES`): Llama 3.x and Mistral share Llama's layout, Qwen2 adds q/k/v biases,
+Qwen3 RMSNorms each q and k head before the rotary. Validated on construction; `from_hf_dict` rejects what is not
+implemented. Sliding-window attention is not implemented: `check_context` refuses contexts longer than the window.
 """
 
 from __future__ import annotations

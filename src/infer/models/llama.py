@@ -1,9 +1,8 @@
 """The decoder of the Llama family: Llama 3.x, Mistral, Qwen2 (`qkv_bias`) and Qwen3 (`qk_norm`).
 
-`LlamaForCausalLM.forward(input_ids, positions, view)` takes explicit positions and an
-`AttentionView` that owns the KV cache. q/k/v and gate/up are fused `LinearBase` layers
-(`hf_to_fused` / `fused_to_hf` map Hugging Face names); every step goes through the `Kernels`
-bundle with what surrounds it, so a fused bundle can merge them.
+`LlamaForCausalLM.forward(input_ids, positions, view)` takes explicit positions and an `AttentionView` that owns the
+KV cache. q/k/v and gate/up are fused `LinearBase` layers (`hf_to_fused` / `fused_to_hf` map Hugging Face names);
+every step goes through the `Kernels` bundle with what surrounds it, so a fused bundle can merge them.
 """
 
 from __future__ import annotations

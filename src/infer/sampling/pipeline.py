@@ -1,11 +1,9 @@
 """The pure logits -> probabilities pipeline, and sampling from its probabilities.
 
-Every decoding rule is cast as plain sampling from one adjusted distribution (Leviathan et al.
-2023, section 2.2, "standardized sampling"), which the speculative verifier compares for draft
-and target. `adjust_logits` / `logits_to_probs`: penalties, temperature, top-k, top-p; `sample`
-inverts the CDF with one float64 uniform from the row's own CPU generator;
-`sample_without_replacement` draws a tree's siblings. docs/speculation.md, "Sampling transforms".
-"""
+Every decoding rule is cast as plain sampling from one adjusted distribution (Leviathan et al. 2023, section 2.2,
+"standardized sampling"), which the speculative verifier compares for draft and target. `adjust_logits` /
+`logits_to_probs`: penalties, temperature, top-k, top-p; `sample`: one float64 uniform a row, CDF inverted;
+`sample_without_replacement` draws a tree's siblings. docs/speculation.md, "Sampling transforms"."""
 
 from __future__ import annotations
 

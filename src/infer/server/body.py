@@ -1,9 +1,8 @@
 """Parsing a request body with work bounded by the model, not by the input.
 
-Parsing JSON holds the GIL, so `BodyLimits` bounds a body by what a request to this model can
-use: its bytes (`max_seq_len * max_token_chars` characters) and its JSON values (counted by the
-`,` `[` `{` bytes). `parse_body` refuses a body over either with 413, unparsed.
-docs/server.md, "Security and limits".
+Parsing JSON holds the GIL, so `BodyLimits` bounds a body by what a request to this model can use: its bytes
+(`max_seq_len * max_token_chars` characters) and its JSON values (counted by the `,` `[` `{` bytes). `parse_body`
+refuses a body over either with 413, unparsed. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

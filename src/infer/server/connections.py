@@ -1,10 +1,9 @@
 """Connection limits below the HTTP layer (uvicorn's h11 protocol), against clients that open
 connections and never finish a request (slowloris) or open more than the server can hold.
 
-`GuardedH11Protocol` closes a connection without complete headers `header_timeout_s` after it
-opened (or its previous response), and any beyond `max_connections`; `ensure_descriptors` raises
-the open-file limit to fit. docs/server.md, "Security and limits".
-"""
+`GuardedH11Protocol` closes a connection without complete headers `header_timeout_s` after it opened (or its
+previous response), and any beyond `max_connections`; `ensure_descriptors` raises the open-file limit to fit.
+docs/server.md, "Security and limits"."""
 
 from __future__ import annotations
 

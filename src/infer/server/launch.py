@@ -3,9 +3,7 @@
     with ServerThread(app) as server:          # 127.0.0.1, a free port chosen by the OS
         httpx.get(server.url + "/health")
 
-On SIGTERM / Ctrl-C (or `stop()`) `DrainingServer` stops admitting requests and ends those still
-open after the shutdown timeout. `LiveServer` bundles an engine, its app and the thread.
-"""
+On SIGTERM / Ctrl-C `DrainingServer` drains open requests; `LiveServer` bundles an engine, its app and the thread."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Request preparation off the event loop: parsing the body, tokenizing, checking, SamplingParams.
 
-`Preparer` runs the CPU-bound work of a request in a thread pool (`run`), bounded by the model's
-context: an oversized body is refused unparsed, a text longer than the context could spell
-untokenized. The result is `Prepared`; errors are `APIError` 400s naming the parameter.
-docs/server.md, "Security and limits".
+`Preparer` runs the CPU-bound work of a request in a thread pool (`run`), bounded by the model's context: an
+oversized body is refused unparsed, a text longer than the context could spell untokenized. The result is
+`Prepared`; errors are `APIError` 400s naming the parameter. docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

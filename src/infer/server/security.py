@@ -1,9 +1,8 @@
 """The gate in front of the app (plain ASGI, so streaming passes through untouched).
 
-`Gatekeeper` checks in order: the Host header against `allowed_hosts` (421), the API key but on
-`OPEN_PATHS` (401), a generation POST's Content-Type (415: browsers send other types cross-origin
-without a preflight), the body's size (413; the body read here is replayed to the app).
-docs/server.md, "Security and limits".
+`Gatekeeper` checks in order: the Host header against `allowed_hosts` (421), the API key but on `OPEN_PATHS` (401),
+a generation POST's Content-Type (415: browsers send other types cross-origin without a preflight), the body's size
+(413; the body read here is replayed to the app). docs/server.md, "Security and limits".
 """
 
 from __future__ import annotations

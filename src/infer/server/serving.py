@@ -1,10 +1,9 @@
 """Admission and shutdown: prepared requests in, their choices (`Jobs`) out.
 
-`ServerState` is everything one app needs. `submit` admits at most `max_batch_size +
-max_queued_requests` open choices (an `n` over that: 400; no room now: 429 with Retry-After; a
-dead engine or a shutdown: 503). After `begin_shutdown` new requests get 503, and those still
-open at `shutdown_timeout_s` end with one. docs/server.md, "Security and limits".
-"""
+`ServerState` is everything one app needs. `submit` admits at most `max_batch_size + max_queued_requests` open
+choices (an `n` over that: 400; no room now: 429 with Retry-After; a dead engine or a shutdown: 503). After
+`begin_shutdown` new requests get 503, and those still open at `shutdown_timeout_s` end with one.
+docs/server.md, "Security and limits"."""
 
 from __future__ import annotations
 

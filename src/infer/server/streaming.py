@@ -1,9 +1,8 @@
 """Delivering a request's choices: server-sent events in OpenAI's chunk format, or one response.
 
-`event_stream` turns a request's StepOutputs into chunks, an optional `usage` chunk, then
-`[DONE]` (a failure mid-stream: an `error` event first). `SSEResponse` and `whole_response` stop
-on client disconnect; a whole response's choices are serialized in a worker thread
-(`json_body`). docs/server.md, "Streaming".
+`event_stream` turns a request's StepOutputs into chunks, an optional `usage` chunk, then `[DONE]` (a failure
+mid-stream: an `error` event first). `SSEResponse` and `whole_response` stop on client disconnect; a whole
+response's choices are serialized in a worker thread (`json_body`). docs/server.md, "Streaming".
 """
 
 from __future__ import annotations

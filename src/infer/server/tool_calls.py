@@ -1,10 +1,9 @@
 """Tool calls out of a chat completion's text: the Llama 3 JSON format, whole or streamed.
 
-Optionally `<|python_tag|>`, then `{"name": ..., "parameters": {...}}` (`"arguments"` read too),
-several separated by `;`. `CallReader` turns a choice's text deltas into content and `CallDelta`s:
-under auto a possible call is held to the end, other text streams as content; a forced call
-streams its name, then argument fragments. docs/server.md, "Tool calls".
-"""
+Optionally `<|python_tag|>`, then `{"name": ..., "parameters": {...}}` (`"arguments"` read too), several separated
+by `;`. `CallReader` turns a choice's text deltas into content and `CallDelta`s: under auto a possible call is held
+to the end, other text streams as content; a forced call streams its name, then argument fragments.
+docs/server.md, "Tool calls"."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """DraftModelProposer: drafts a chain or a tree per request with a small model and its own KV pool.
 
-A round catches the draft cache up (lazy draft prefill), then drafts a chain by K batched
-steps, a static tree level by level (`tree_expand`) or a dynamic tree (`dynamic_draft`).
-Chain rounds of greedy or unseeded rows draft the next round ahead (`verifying`).
-The round step by step: docs/speculation.md, "A draft model".
+A round catches the draft cache up (lazy draft prefill), then drafts a chain by K batched steps, a static tree
+level by level (`tree_expand`) or a dynamic tree (`dynamic_draft`). Chain rounds of greedy or unseeded rows draft
+the next round ahead (`verifying`). The round step by step: docs/speculation.md, "A draft model".
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 target ids most frequent in a corpus, whose lm_head rows alone a draft computes
 (`LlamaForCausalLM.keep_vocab`). q is zero outside them, so verification stays lossless.
 
-`DraftVocab` is the table (JSON, written by `infer draft-vocab`, or shipped by name);
-`build_table` ranks counted tokens; `draft_rows` gives the kept rows in the draft's own ids.
-"""
+`DraftVocab` is the table (JSON, written by `infer draft-vocab`, or shipped by name); `build_table` ranks counted
+tokens; `draft_rows` gives the kept rows in the draft's own ids."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Dynamic token trees (EAGLE-2, Li et al. 2024): which drafted nodes a round keeps, losslessly.
 
-Slots (the c-th child of a frontier node) are scored before their draw (`slot_scores`) and
-ranked in one total order: a level's best are the next frontier (`best_slots`), the round's N
-best the tree (`kept_tree`). Whether a sampled child is kept never depends on its own draw, so
-the verifier stays exact. The argument: docs/speculation.md, "Dynamic trees".
-"""
+Slots (the c-th child of a frontier node) are scored before their draw (`slot_scores`) and ranked in one total
+order: a level's best are the next frontier (`best_slots`), the round's N best the tree (`kept_tree`). Whether a
+sampled child is kept never depends on its own draw, so the verifier stays exact. The argument: docs/speculation.md,
+"Dynamic trees"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """EagleProposer: drafts chains and static trees with an EAGLE / EAGLE-3 head (models/eagle.py) over its own KV pool.
 
-The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i. `observed`
-keeps each request's pending features; `propose` feeds them (catch-up) and drafts over target
-ids, temperature-only rows as one `head_round` (a CUDA graph on the GPU); `verifying` drafts
-greedy chains' next round ahead. Rounds ahead, rounds in flight, prefix caching:
-docs/speculation.md, "An EAGLE head"; docs/architecture.md, "EAGLE heads".
-"""
+The head is fed (f_i, t_{i+1}), f_i the target's captured features of position i. `observed` keeps each request's
+pending features; `propose` feeds them (catch-up) and drafts over target ids, temperature-only rows as one
+`head_round` (a CUDA graph on the GPU); `verifying` drafts greedy chains' next round ahead. Rounds ahead, rounds in
+flight, prefix caching: docs/speculation.md, "An EAGLE head"; docs/architecture.md, "EAGLE heads"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """An EAGLE head over the flat batch: one pass through its pool (`head_pass`), and a chain's
 draft round as one function of tensors (`head_round`).
 
-`head_round` is what both `EagerHeadRound` and the CUDA graphs (engine/executor/head_graphs.py)
-run: the feed, then steps 2 .. S one token a row, sampling with a temperature alone from staged
-uniforms; `AheadFeed` is a round drafted ahead. docs/speculation.md, "An EAGLE head".
-"""
+`head_round` is what both `EagerHeadRound` and the CUDA graphs (engine/executor/head_graphs.py) run: the feed, then
+steps 2 .. S one token a row, sampling with a temperature alone from staged uniforms; `AheadFeed` is a round drafted
+ahead. docs/speculation.md, "An EAGLE head"."""
 
 from __future__ import annotations
 

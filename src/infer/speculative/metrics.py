@@ -1,11 +1,9 @@
 """SpecStats: engine-wide speculative decoding counters (exported by the server).
 
-drafts: rounds that proposed a token; draft_tokens: tokens (tree nodes) proposed; accepted_tokens:
-of them accepted (a tree: its path); emitted_tokens: tokens rounds produced (accepted + one each).
-Per position i (a chain's i-th draft, a tree's depth i + 1), accepted_per_position[i] and
-drafted_per_position[i] count rounds; accepted_lengths[L]: rounds that accepted exactly L;
-shared_vocabulary: the fraction of the smaller vocabulary a foreign draft shares (None: one).
-"""
+drafts: rounds that proposed a token; draft_tokens: tokens (tree nodes) proposed; accepted_tokens: of them accepted
+(a tree: its path); emitted_tokens: tokens rounds produced (accepted + one each). Per position i (a chain's i-th draft,
+a tree's depth i + 1), accepted_per_position[i] / drafted_per_position[i] count rounds; accepted_lengths[L]: rounds
+accepting exactly L; shared_vocabulary: the fraction of the smaller vocabulary a foreign draft shares (None: one)."""
 
 from __future__ import annotations
 

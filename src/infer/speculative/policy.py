@@ -1,11 +1,9 @@
 """Speculation length policies: how many tokens K each request drafts in a round.
 
-`FixedPolicy` (K = `spec_length`, the default); `AdaptivePolicy` (K per request by the
-walltime factor, Leviathan et al. 2023 Theorem 3.8, with probes while plain); `RoundClock`
-(plain step and round times per batch bucket: the round overhead and the batch gate, `pays`);
-`ShadowRounds` (free drafts scored while their request decodes plainly).
-docs/speculation.md: "The length policy", "The round clock", "The batch gate", "Shadow rounds".
-"""
+`FixedPolicy` (K = `spec_length`, the default); `AdaptivePolicy` (K per request by the walltime factor, Leviathan et
+al. 2023 Theorem 3.8, with probes while plain); `RoundClock` (plain step and round times per batch bucket: the round
+overhead and the batch gate, `pays`); `ShadowRounds` (free drafts scored while their request decodes plainly).
+docs/speculation.md: "The length policy", "The round clock", "The batch gate", "Shadow rounds"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Static token trees for tree speculation: the shape, its masks and positions, and a draft.
 
-`TreeShape` ("3,2,1,1": `branching[d]` children for every node at depth d) numbers nodes
-breadth-first; `chain_shape(k)` is "1,...,1". `tree_attention_mask`, `position_offsets` and
-`TreeChunk` lay out the verification block [g, nodes]. A `Draft` is a token per node (absent
-nodes flagged) with its q; `fill_tree` and `cut_depth` build and cut drafts.
-SpecInfer's tree attention (Stratos, section 2.1): docs/speculation.md, "Static trees".
-"""
+`TreeShape` ("3,2,1,1": `branching[d]` children for every node at depth d) numbers nodes breadth-first;
+`chain_shape(k)` is "1,...,1". `tree_attention_mask`, `position_offsets` and `TreeChunk` lay out the verification
+block [g, nodes]. A `Draft` is a token per node (absent nodes flagged) with its q; `fill_tree` and `cut_depth` build
+and cut drafts. SpecInfer's tree attention (Stratos, section 2.1): docs/speculation.md, "Static trees"."""
 
 from __future__ import annotations
 

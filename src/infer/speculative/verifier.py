@@ -1,11 +1,9 @@
 """The verifier: lossless acceptance of a chain or a tree of drafts, batched and pure.
 
-Chains (`verify_tensors`, `verify_logits`, `verify_greedy_logits`): Leviathan et al. 2023,
-Algorithm 1. Trees, static or dynamic through a `TreeFrame` (`verify_tree_nodes`,
-`verify_tree_logits`, `verify_tree_greedy`): iterative speculative sampling. p and q are after
-the request's sampling transforms; q None is a one-hot proposal. Float64, no host sync; packed
-rows out (`unpack_rows`). Rule, uniforms, losslessness: docs/speculation.md, "The verifier".
-"""
+Chains (`verify_tensors`, `verify_logits`, `verify_greedy_logits`): Leviathan et al. 2023, Algorithm 1. Trees, static
+or dynamic through a `TreeFrame` (`verify_tree_nodes`, `verify_tree_logits`, `verify_tree_greedy`): iterative
+speculative sampling. p and q are after the request's sampling transforms; q None is a one-hot proposal. Float64, no
+host sync; packed rows out (`unpack_rows`). Rule, uniforms, losslessness: docs/speculation.md, "The verifier"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """VocabMap: the tokens a draft with another tokenizer shares with its target (token-level
 intersection: Timor et al., ICML 2025, arXiv 2502.05202).
 
-Tokens are matched by what they stand for (`tokenization.token_keys`), a key's lowest id its
-canonical id; the draft proposes canonical shared ids (`draft_to_target`, `probs_to_target`) and
-reads target tokens through `expand`. docs/architecture.md, "A draft model with another vocabulary".
-"""
+Tokens are matched by what they stand for (`tokenization.token_keys`), a key's lowest id its canonical id; the draft
+proposes canonical shared ids (`draft_to_target`, `probs_to_target`) and reads target tokens through `expand`.
+docs/architecture.md, "A draft model with another vocabulary"."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Tokenizer backends: `tokenizers` (tokenizer.json) and tiktoken (Llama 3 tokenizer.model).
 
-Both expose `TokenizerBackend`: raw encode/decode, token <-> id lookup, special ids; config
-files (BOS policy, eos ids, template) are `Tokenizer`'s. The tiktoken backend rebuilds Meta's
-Llama 3 tokenizer (ranks, pre-tokenizer regex, 256 specials as `llama_models` orders them),
-with GPT-2 byte-alphabet token strings as in tokenizer.json (" hello" -> "Ġhello").
-"""
+Both expose `TokenizerBackend`: raw encode/decode, token <-> id lookup, special ids; config files (BOS policy, eos
+ids, template) are `Tokenizer`'s. The tiktoken backend rebuilds Meta's Llama 3 tokenizer (ranks, pre-tokenizer
+regex, 256 specials as `llama_models` orders them), with GPT-2 byte-alphabet token strings as in tokenizer.json
+(" hello" -> "Ġhello")."""
 
 from __future__ import annotations
 

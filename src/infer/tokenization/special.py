@@ -1,9 +1,8 @@
 """Chat prompts whose user text cannot smuggle in control tokens.
 
-Special-token strings inside messages are swapped for unique markers before the template runs;
-the rendered text is cut at the template's own special tokens (their ids), and the text between,
-markers restored, is encoded with special-token parsing off. Messages without special strings
-encode exactly as with plain parsing.
+Special-token strings inside messages are swapped for unique markers before the template runs; the rendered text is
+cut at the template's own special tokens (their ids), and the text between, markers restored, is encoded with
+special-token parsing off. Messages without special strings encode exactly as with plain parsing.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The one forward of a model through its KV pool: a step's BatchPlan in, the logits of the
 tokens it asks for out ([M, V]).
 
-`EagerBatchForward` runs it eagerly; `GraphBatchForward` replays CUDA graphs of it, one per
-token-count bucket, falling back to eager for what no graph serves. docs/architecture.md,
-"Executing the model".
+`EagerBatchForward` runs it eagerly; `GraphBatchForward` replays CUDA graphs of it, one per token-count bucket,
+falling back to eager for what no graph serves. docs/architecture.md, "Executing the model".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The decoder's kernels, as a swappable bundle passed to the model explicitly.
 
-`EAGER` is the reference (plain PyTorch, Hugging Face's numerics); its multi-step entries
-(`norm_linear`, `swiglu_linear`, `mlp`, `attend`) compose the single ones, defining the math
-every bundle must reproduce. The fused bundle (`compiled_kernels`) serves the fixed-shape
-decode paths: each projection takes its route (routes.py) to the GEMV (gemv.py), the Triton
-matmul (matmul.py) or the layer's own forward; the view fuses rotary and KV-cache write.
-"""
+`EAGER` is the reference (plain PyTorch, Hugging Face's numerics); its multi-step entries (`norm_linear`,
+`swiglu_linear`, `mlp`, `attend`) compose the single ones, defining the math every bundle must reproduce. The fused
+bundle (`compiled_kernels`) serves the fixed-shape decode paths: each projection takes its route (routes.py) to the
+GEMV (gemv.py), the Triton matmul (matmul.py) or the layer's own forward; the view fuses rotary and KV-cache write."""
 
 from __future__ import annotations
 

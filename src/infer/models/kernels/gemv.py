@@ -1,10 +1,9 @@
 """Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T, M = 1..MAX_ROWS, reading W once.
 
-W is bf16/fp16, FP8 E4M3 with a float32 scale per row, or integer group codes read as int32
-words (layers/int_quant.py). Each program streams `block_n` rows of W along K, by float32 FMA
-or `tl.dot` on 16-row tiles; K may be split over `split_k` programs, their partial sums added
-in a fixed order. Optional RMSNorm / SwiGLU prologues and residual epilogue round as eager does.
-Launch parameters: `gemv_tiles.config_for`."""
+W is bf16/fp16, FP8 E4M3 with a float32 scale per row, or integer group codes read as int32 words (layers/int_quant.py).
+Each program streams `block_n` rows of W along K, by float32 FMA or `tl.dot` on 16-row tiles; K may be split over
+`split_k` programs, their partial sums added in a fixed order. Optional RMSNorm / SwiGLU prologues and residual
+epilogue round as eager does. Launch parameters: `gemv_tiles.config_for`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Launch parameters of the few-row matmul (`gemv.py`) per shape, and the checks of its inputs.
 Pure Python and torch: importable (and tested) where Triton is absent.
 
-`config_for` looks the shape up in `CONFIG_TABLE` (read at import from `gemv_tiles.json`,
-rewritten by `scripts/bench_gemv.py --table`), else builds `default_config`. Weight kinds
-(`WEIGHT_KINDS`): "bf16" (any dense half-precision W), "fp8", "int4", "int8".
-"""
+`config_for` looks the shape up in `CONFIG_TABLE` (read at import from `gemv_tiles.json`, rewritten by
+`scripts/bench_gemv.py --table`), else builds `default_config`. Weight kinds (`WEIGHT_KINDS`): "bf16" (any dense
+half-precision W), "fp8", "int4", "int8"."""
 
 from __future__ import annotations
 

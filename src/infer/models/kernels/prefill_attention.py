@@ -1,10 +1,9 @@
-"""Triton flash attention for long query chunks (prefill) over paged or slotted KV storage, read
-in place (no gathered copy, no [B, T, S] mask).
+"""Triton flash attention for long query chunks (prefill) over paged or slotted KV storage, read in place.
 
-The token at position p of row b sees positions < min(p + 1, seq_lens[b]). One program serves
-BLOCK_M consecutive queries of one head of one row, online float32 softmax over BLOCK_N key
-tiles (masked tiles skipped, only diagonal tiles masked); loop bounds come from device memory
-(CUDA-graph safe). head_dim is padded to a power of two (>= 16) with masked loads."""
+No gathered copy, no [B, T, S] mask: the token at position p of row b sees positions < min(p + 1, seq_lens[b]).
+One program serves BLOCK_M consecutive queries of one head of one row, online float32 softmax over BLOCK_N key
+tiles (masked tiles skipped, only diagonal tiles masked); loop bounds come from device memory (CUDA-graph safe).
+head_dim is padded to a power of two (>= 16) with masked loads."""
 
 from __future__ import annotations
 

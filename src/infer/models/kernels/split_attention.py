@@ -1,10 +1,9 @@
-"""Triton split-KV attention (flash-decoding) for short query chunks over paged or slotted KV
-storage: decode, draft steps, verification and tree blocks.
+"""Triton split-KV attention (flash-decoding) for short query chunks over paged or slotted KV storage.
 
-Each token attends to positions < min(position + 1, seq_lens[row]) through the block table,
-loop bounds read from device memory (one CUDA graph serves any context length). A program per
-(run of a row's tokens, KV head, chunk) runs an online float32 softmax; the last to finish
-(arrivals.py) combines the chunks. Tree blocks: an int64 ancestor bit set per token (W <= 64)."""
+Decode, draft steps, verification and tree blocks: each token attends to positions < min(position + 1, seq_lens[row])
+through the block table, loop bounds read from device memory (one CUDA graph serves any context length). A program
+per (run of a row's tokens, KV head, chunk) runs an online float32 softmax; the last to finish (arrivals.py) combines
+the chunks. Tree blocks: an int64 ancestor bit set per token (W <= 64)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Weight-only integer quantization: 4- or 8-bit codes with a scale and an offset per group.
 
-Group j (`group_size` columns) of row n of W [N, K] holds codes q in 0..2^bits - 1 and
-dequantizes as w = s[n, j] * q + o[n, j] (a zero point z gives o = -s * z). Codes are packed
-into uint8 along K (4-bit: column 2j in the low nibble of byte j, 2j + 1 in the high one);
-scales and offsets [N, K / group_size] in the model's dtype. `PackedRows`: a checkpoint's rows.
-"""
+Group j (`group_size` columns) of row n of W [N, K] holds codes q in 0..2^bits - 1 and dequantizes as
+w = s[n, j] * q + o[n, j] (a zero point z gives o = -s * z). Codes are packed into uint8 along K (4-bit: column 2j
+in the low nibble of byte j, 2j + 1 in the high one); scales and offsets [N, K / group_size] in the model's dtype.
+`PackedRows`: a checkpoint's rows."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Linear layers: one `LinearBase`, a quantization method, and a tensor-parallel setting.
 
-`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). The method (as vLLM's
-`QuantizeMethodBase`) creates, loads and applies W: `UNQUANTIZED`, `FP8` (E4M3, a float32 scale
-per row) or `IntWeights(layout)` (4/8-bit group codes). `parallel` (parallel.py) says which part
-of the whole matrix the layer holds; the kernel routes read only `matrix()` and `partial_output`.
-"""
+`LinearBase(in, out, method, parallel, bias)` is y = x W^T (+ b). The method (as vLLM's `QuantizeMethodBase`)
+creates, loads and applies W: `UNQUANTIZED`, `FP8` (E4M3, a float32 scale per row) or `IntWeights(layout)` (4/8-bit
+group codes). `parallel` (parallel.py) says which part of the whole matrix the layer holds; the kernel routes read
+only `matrix()` and `partial_output`."""
 
 from __future__ import annotations
 

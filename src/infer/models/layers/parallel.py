@@ -1,10 +1,9 @@
 """How a layer's matrix is split over tensor-parallel ranks and how its output is completed.
 
-`Parallel` kinds: `replicated`, `column` (output rows: q/k/v, gate/up), `row` (input columns:
-o, down; partial sums all-reduced) or `vocab` (vocabulary rows: logits all-gathered, embedding
-lookups summed). `Parallel.part(name, shape)` is the block of a checkpoint tensor the loader
-reads; `Collectives` completes outputs over the default process group.
-"""
+`Parallel` kinds: `replicated`, `column` (output rows: q/k/v, gate/up), `row` (input columns: o, down; partial sums
+all-reduced) or `vocab` (vocabulary rows: logits all-gathered, embedding lookups summed). `Parallel.part(name,
+shape)` is the block of a checkpoint tensor the loader reads; `Collectives` completes outputs over the default
+process group."""
 
 from __future__ import annotations
 

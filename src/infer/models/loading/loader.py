@@ -2,9 +2,7 @@
 
     model, config = load_model("meta-llama/Llama-3.2-1B", dtype="bf16", device="cuda")
     model, config = load_model("/models/Llama-3.2-1B-Q4_K_M.gguf")   # llama.cpp file
-    model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files
-
-Readers: readers.py; the model is built on the meta device, then filled; `model_shapes`: dummy shapes.
+    model, config = load_model("dummy:llama-3.2-3b", device="cuda")  # random weights, no files (`model_shapes`)
 """
 
 from __future__ import annotations

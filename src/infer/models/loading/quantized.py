@@ -1,11 +1,9 @@
 """Quantized checkpoints: what a config.json's `quantization_config` declares, and the integer
 formats read into `PackedRows` (layers/int_quant.py) without a dense copy.
 
-`checkpoint_quantization` names it (None, "fp8", "int4", "int8") or refuses the format;
-`int_format` reads GPTQ, AWQ (GEMM) and compressed-tensors `pack-quantized` settings, and
-`IntFormat.convert` turns a layer's tensors into rows (w = s * (q - z)). Tensor layouts:
-docs/architecture.md.
-"""
+`checkpoint_quantization` names it (None, "fp8", "int4", "int8") or refuses the format; `int_format` reads GPTQ,
+AWQ (GEMM) and compressed-tensors `pack-quantized` settings, and `IntFormat.convert` turns a layer's tensors into
+rows (w = s * (q - z)). Tensor layouts: docs/architecture.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """A GGUF file's header read straight from its memory map: metadata and the tensor table.
 
-GGUF v2/v3, little-endian: magic, version u32, tensor and metadata counts u64; metadata entries
-(key, type u32, value); then per tensor: name, dimension count u32, dimensions u64 (innermost
-first), ggml type u32, data offset u64; data starts at a multiple of `general.alignment` (32).
-String arrays decode only when asked for; a file cut short raises `ValueError`.
-"""
+GGUF v2/v3, little-endian: magic, version u32, tensor and metadata counts u64; metadata entries (key, type u32,
+value); then per tensor: name, dimension count u32, dimensions u64 (innermost first), ggml type u32, data offset u64;
+data starts at a multiple of `general.alignment` (32). String arrays decode only when asked for; a file cut short
+raises `ValueError`."""
 
 from __future__ import annotations
 

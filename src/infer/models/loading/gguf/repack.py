@@ -1,6 +1,4 @@
-"""GGUF quantized blocks as infer's integer layout (layers/int_quant.py), without float weights.
-
-Each kept type becomes codes with float32 scales and offsets, exactly the `gguf` library's values:
+"""GGUF quantized blocks as infer's integer layout (layers/int_quant.py): float32 s and o, exactly `gguf`'s values.
 
     Q4_0  4-bit/32: s = d, o = -8 d        Q4_K  4-bit/32: s = d * sc, o = -dmin * m
     Q4_1  4-bit/32: s = d, o = m           Q5_K  8-bit/32: as Q4_K, codes of 5 bits

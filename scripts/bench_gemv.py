@@ -223,12 +223,16 @@ class Bench:
     def search(self, x: torch.Tensor, ws: list[torch.Tensor], s: torch.Tensor | IntScales | None,
                space: list[GemvConfig],
                ref: torch.Tensor, extra: dict[str, object]) -> list[tuple[float, GemvConfig, float]]:
-        """(seconds per call, config, relative error) of each config that runs and is right."""
+        """(seconds per call, config, relative error) of each config that runs and is right; each
+        weight copy keeps its split-K counters in its own workspace, as a layer does."""
         timed = []
+        spaces = [SplitWorkspace() for _ in ws]
         for cfg in space:
             try:
-                err = ((gemv(x, ws[0], s, config=cfg, **extra).float() - ref).norm() / ref.norm()).item()
-                t = graph_seconds([lambda w=w: gemv(x, w, s, config=cfg, **extra) for w in ws], self.args.replays)
+                err = ((gemv(x, ws[0], s, config=cfg, workspace=spaces[0], **extra).float() - ref).norm()
+                       / ref.norm()).item()
+                t = graph_seconds([lambda w=w, sp=sp: gemv(x, w, s, config=cfg, workspace=sp, **extra)
+                                   for w, sp in zip(ws, spaces)], self.args.replays)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or launch
                 print(f"  {short(cfg)} {sorted(extra)} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue

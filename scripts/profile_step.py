@@ -36,7 +36,7 @@ from infer import SamplingParams  # noqa: E402
 from infer.engine.args import add_engine_args, engine_config_from_args  # noqa: E402
 from infer.engine.engine import Engine  # noqa: E402
 
-KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "_reduce_kernel", "cutlass", "sm90", "splitk", "matmul",
+KINDS = (("matmul", ("gemm", "gemv", "_linear_kernel", "cutlass", "sm90", "splitk", "matmul",
                      "xmma")),
          ("rotary_kv_write", ("_rotary_write",)),
          ("attention", ("_split_attention", "_combine", "attention", "flash")),

@@ -16,6 +16,7 @@ import torch
 from helpers.interpreted import interpreted_outputs
 from infer.models.kernels.bundle import EAGER
 from infer.models.kernels.gemv_tiles import GemvConfig
+from infer.models.kernels.matmul_tiles import SplitWorkspace
 from infer.models.kernels.routes import GEMV
 from infer.models.layers.int_quant import IntLayout, IntScales, dequantize_int, quantize_rtn
 from infer.models.layers.linear import IntWeights, LinearBase
@@ -91,6 +92,11 @@ def run_interpreted_cases() -> dict[str, torch.Tensor]:
     x, packed, scales, offsets = _extreme_case()
     out["gemv-extreme"] = gemv(x, packed, IntScales(scales, offsets, IntLayout(4, 32)),
                                config=GemvConfig(block_n=4, block_k=32))
+    workspace, split = SplitWorkspace(), GemvConfig(block_n=8, block_k=16, split_k=4)
+    for call in range(2):  # the layer's counters, reused: the last program of each row block resets its own
+        out[f"split-{call}"] = gemv(x, packed, IntScales(scales, offsets, IntLayout(4, 32)), config=split,
+                                    workspace=workspace)
+    out["split-counters"] = workspace.gemv_counters
     bundle_module.route = lambda layer, x, part="linear": GEMV  # (chosen only on CUDA)
     bundle = fused_kernels(lambda fn: fn)
     with torch.no_grad():
@@ -148,4 +154,15 @@ def test_one_row_int4_gemv_keeps_extreme_magnitudes(interpreted: dict[str, torch
     y = interpreted["gemv-extreme"].float()
     assert torch.isfinite(y).all()
     # each output within fp16 rounding of the float32 sums, row by row (rows differ by 1e6 in size)
+    assert ((y - ref).abs() <= 2e-3 * ref.abs() + 1e-3 * (x.float().abs() @ dense.abs().t())).all()
+
+
+def test_split_calls_share_a_workspace_and_leave_its_counters_zero(interpreted: dict[str, torch.Tensor]) -> None:
+    x, packed, scales, offsets = _extreme_case()
+    dense = dequantize_int(packed, scales, offsets, IntLayout(4, 32), torch.float32)  # [N, K]
+    ref = x.float() @ dense.t()  # [1, N]
+    counters = interpreted["split-counters"]
+    assert counters.numel() >= N and not counters.any()
+    assert torch.equal(interpreted["split-0"], interpreted["split-1"])
+    y = interpreted["split-0"].float()
     assert ((y - ref).abs() <= 2e-3 * ref.abs() + 1e-3 * (x.float().abs() @ dense.abs().t())).all()

@@ -354,21 +354,23 @@ def test_gpu_configs_match_reference(cfg: GemvConfig, fp8: bool) -> None:
 
 @pytest.mark.gpu
 def test_gpu_split_k_replays_in_a_graph_bit_for_bit() -> None:
-    """The split-K sum has a fixed order: eager calls and graph replays agree exactly."""
+    """The split-K sum has a fixed order: eager calls and graph replays agree exactly, and the
+    layer's counters (one workspace for every call) are back at zero after each."""
     from infer.models.kernels.gemv import gemv
-    cfg = GemvConfig(block_n=16, block_k=256, split_k=8)
+    from infer.models.kernels.matmul_tiles import SplitWorkspace
+    cfg, ws = GemvConfig(block_n=16, block_k=256, split_k=8), SplitWorkspace()
     x, w, scale, _, res = make_inputs(4, 512, 8192, torch.bfloat16, True, "cuda", False, False, True, seed=4)
-    eager = gemv(x, w, scale, residual=res, config=cfg)
+    eager = gemv(x, w, scale, residual=res, config=cfg, workspace=ws)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = gemv(x, w, scale, residual=res, config=cfg)
+        out = gemv(x, w, scale, residual=res, config=cfg, workspace=ws)
     for _ in range(3):
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(out, eager) and not ws.gemv_counters.any()
     x.copy_(torch.randn_like(x))  # a fresh input through the same graph
     graph.replay()
-    assert torch.equal(out, gemv(x, w, scale, residual=res, config=cfg))
+    assert torch.equal(out, gemv(x, w, scale, residual=res, config=cfg, workspace=ws))
     del graph

@@ -97,7 +97,8 @@ def _gemv(layer: LinearBase, x: Tensor, residual: Tensor | None = None,
     fuse_add = residual is not None and not layer.partial_output
     y = gemv(x.reshape(-1, x.shape[-1]), weight, scale, norm_weight=None if norm is None else norm[0],
              eps=1e-5 if norm is None else norm[1], swiglu_input=swiglu,
-             residual=residual.reshape(-1, n) if fuse_add and residual is not None else None)  # [M, N]
+             residual=residual.reshape(-1, n) if fuse_add and residual is not None else None,
+             workspace=layer.workspace)  # [M, N]
     y = layer.combine(y.view(*x.shape[:-1], n))
     return y if residual is None or fuse_add else residual + y
 

@@ -1,9 +1,9 @@
 """Few-row matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T, M = 1..MAX_ROWS, reading W once.
 
-W is bf16/fp16, FP8 E4M3 with a float32 scale per row, or integer group codes read as int32 words (layers/int_quant.py).
-Each program streams `block_n` rows of W along K, by float32 FMA or `tl.dot` on 16-row tiles; K may be split over
-`split_k` programs, their partial sums added in a fixed order. Optional RMSNorm / SwiGLU prologues and residual
-epilogue round as eager does. Launch parameters: `gemv_tiles.config_for`."""
+W is bf16/fp16, FP8 E4M3 with a float32 scale per row, or integer group codes read as int32 words
+(layers/int_quant.py). Each program streams `block_n` rows of W along K, by float32 FMA or `tl.dot` on 16-row
+tiles; K may be split over `split_k` programs, whose partial sums the row block's last program (a counter it
+resets) adds in a fixed order. Optional RMSNorm / SwiGLU prologues and residual epilogue round as eager does."""
 
 from __future__ import annotations
 
@@ -13,10 +13,8 @@ import triton.language as tl
 
 from infer.models.kernels.gemv_tiles import (GemvConfig, check_inputs, config_for, int_tile, logical_shape, row_bucket,
                                              weight_kind)
+from infer.models.kernels.matmul_tiles import SplitWorkspace
 from infer.models.layers.int_quant import IntScales
-
-_REDUCE_BLOCK_N = 64  # columns per program of the split-K reduction
-
 
 @triton.jit
 def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr):
@@ -33,14 +31,23 @@ def _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESI
 
 
 @triton.jit
-def _finish(acc, P, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
-            PARTIAL: tl.constexpr):
-    """A program's float32 sums [BM, BN]: into P[pid_k, M, N] when K is split, else epilogue into Y."""
-    if PARTIAL:
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        tl.store(P + (pid_k * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
-    else:
+def _finish(acc, P, C, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED: tl.constexpr, RESIDUAL: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """A program's float32 sums [BM, BN] through the epilogue into Y; with K split, into P[pid_k, M, N],
+    and the row block's last program (counter C[pid_n]) sums the partials in index order and finishes."""
+    if SPLIT == 1:
         _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+    else:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None] * N + rn[None, :]
+        tl.store(P + pid_k * M * N + offs, acc, mask=mask)
+        done = tl.atomic_add(C + tl.program_id(0), 1)  # acq_rel: the stores above are visible to the last
+        if done == SPLIT - 1:
+            acc = tl.zeros(acc.shape, tl.float32)
+            for k in tl.static_range(SPLIT):
+                acc += tl.load(P + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(C + tl.program_id(0), 0)
+            _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
 
 
 @triton.jit
@@ -119,10 +126,10 @@ def _four_terms(acc, words, up, high, x4, BASE: tl.constexpr, STEP_A: tl.constex
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, C, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, BITS: tl.constexpr,
                      GROUP: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                     PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+                     SPLIT: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
     """Integer codes as int32 words W [N, K * BITS / 32] (code i of word j: column PER * j + i); a step
     covers BK columns of one group, scaled once; the offset enters as o * sum x."""
     PER: tl.constexpr = 32 // BITS
@@ -168,7 +175,7 @@ def _int_gemv_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
     if not DOT:
         acc = tl.sum(acc, axis=2)
     acc += acc_o
-    _finish(acc, P, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, PARTIAL)
+    _finish(acc, P, C, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, SPLIT)
 
 
 @triton.jit
@@ -179,9 +186,9 @@ def _code_terms(acc, words, high, x, I: tl.constexpr, E: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_row_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+def _int4_row_kernel(X, W, GS, GO, NW, R, Y, P, C, M, N, K, G, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                      BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, NORM: tl.constexpr,
-                     SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr,
+                     SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, SPLIT: tl.constexpr, STAGES: tl.constexpr,
                      NORM_BK: tl.constexpr):
     """One row of x against 4-bit codes W [N, K / 8] int32 (code i of word j: column 8j + i), a group a
     step. Products carry 2^-E, undone with the scale (x up to 2^(128 - 149 + E) stays finite;
@@ -226,14 +233,14 @@ def _int4_row_kernel(X, W, GS, GO, NW, R, Y, P, M, N, K, G, K_PER_SPLIT, s_xm, s
         xsum = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7  # [BW]
         total += s[:, None] * acc + o[:, None] * xsum[None, :]
     acc_row = tl.sum(total, axis=1)[None, :]  # [1, BN]
-    _finish(acc_row, P, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, PARTIAL)
+    _finish(acc_row, P, C, Y, Y, R, rm, rn, pid_k, M, N, s_ym, s_rm, False, RESIDUAL, SPLIT)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
+def _gemv_kernel(X, W, S, NW, R, Y, P, C, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s_ym, eps,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, FP8: tl.constexpr,
                  SCALED: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PARTIAL: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
+                 SPLIT: tl.constexpr, STAGES: tl.constexpr, NORM_BK: tl.constexpr):
     """Half-precision or FP8 W [N, K]."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -261,32 +268,20 @@ def _gemv_kernel(X, W, S, NW, R, Y, P, M, N, K, K_PER_SPLIT, s_xm, s_wn, s_rm, s
             acc3 += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     if not DOT:
         acc = tl.sum(acc3, axis=2)
-    _finish(acc, P, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED, RESIDUAL, PARTIAL)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _reduce_kernel(P, S, R, Y, M, N, s_rm, s_ym, SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   SCALED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """Y = epilogue(sum over the SPLIT partials in index order) for BN columns."""
-    rm = tl.arange(0, BM)
-    rn = tl.program_id(0) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None] * N + rn[None, :]
-    acc = tl.zeros((BM, BN), tl.float32)
-    for s in tl.static_range(SPLIT):
-        acc += tl.load(P + s * M * N + offs, mask=mask, other=0.0)
-    _epilogue(acc, Y, S, R, rm, rn, M, N, s_ym, s_rm, SCALED, RESIDUAL)
+    _finish(acc, P, C, Y, S, R, rm, rn, pid_k, M, N, s_ym, s_rm, SCALED, RESIDUAL, SPLIT)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | None = None, *,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-5, swiglu_input: bool = False,
-         residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, config: GemvConfig | None = None,
+         workspace: SplitWorkspace | None = None) -> torch.Tensor:
     """y [M, N] = prologue(x) @ W^T (* scale per row), rounded to x's dtype (+ residual).
 
     x: [M, K] (bf16/fp16, M in 1..16), or [M, 2K] gate | up with `swiglu_input`; w: [N, K] in
     x's dtype, float8_e4m3fn with `scale` [N] float32, or uint8 codes [N, K * bits / 8] with an
     `IntScales`; norm_weight [K]: RMSNorm x first; residual [M, N]: added after rounding;
-    `config` overrides `config_for`."""
+    `config` overrides `config_for`; `workspace` (the layer's) keeps the K split's counters
+    across calls and graph replays (without one a split call zeroes fresh counters)."""
     check_inputs(x, w, scale, norm_weight, swiglu_input, residual)
     m = x.shape[0]
     n, k = logical_shape(w, scale)
@@ -297,37 +292,31 @@ def gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | IntScales | Non
     bm = 16 if dot else row_bucket(m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), cfg.split_k) * block_k
-    partial = cfg.split_k > 1
-    p = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else y  # [S, M, N]
-    s = scale if isinstance(scale, torch.Tensor) else y
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    p = c = y  # (unused without a split)
+    if cfg.split_k > 1:
+        p = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)  # [S, M, N]
+        c = (workspace.row_counters(n, x.device) if workspace is not None
+             else torch.zeros(grid[0], dtype=torch.int32, device=x.device))  # [>= row blocks]
     nw = norm_weight if norm_weight is not None else y
     r = residual if residual is not None else y
-    flags = dict(SCALED=isinstance(scale, torch.Tensor), RESIDUAL=residual is not None)
     # the RMS pass reads up to 8192 values a step, so few dependent loads precede the matmul
     norm_bk = min(triton.next_power_of_2(k), max(block_k, 8192 // bm)) if norm_weight is not None else 16
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
-    shared = dict(BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, NORM=norm_weight is not None,
-                  SWIGLU=swiglu_input, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    words = w.view(torch.int32) if ints is not None else w  # [N, K * bits / 32]
-    if ints is not None and ints.layout.bits == 4 and bm == 1:
-        _int4_row_kernel[grid](
-            x, words, ints.scales, ints.offsets, nw, r, y, p, m, n, k, ints.scales.shape[1],
-            k_per_split, x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps, BN=cfg.block_n, BK=block_k,
-            GROUP=ints.layout.group_size, NORM=norm_weight is not None, SWIGLU=swiglu_input,
-            RESIDUAL=residual is not None and not partial, PARTIAL=partial, STAGES=cfg.num_stages, NORM_BK=norm_bk,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    elif ints is not None:
-        _int_gemv_kernel[grid](
-            x, words, ints.scales, ints.offsets, nw, r, y, p, m, n, k, ints.scales.shape[1], k_per_split,
-            x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps, BITS=ints.layout.bits,
-            GROUP=ints.layout.group_size, RESIDUAL=residual is not None and not partial, **shared)
+    shared = dict(NORM=norm_weight is not None, SWIGLU=swiglu_input, RESIDUAL=residual is not None,
+                  SPLIT=cfg.split_k, STAGES=cfg.num_stages, NORM_BK=norm_bk, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    if ints is not None:
+        words = w.view(torch.int32)  # [N, K * bits / 32]
+        int_args = (x, words, ints.scales, ints.offsets, nw, r, y, p, c, m, n, k, ints.scales.shape[1], k_per_split,
+                    x.stride(0), words.stride(0), r.stride(0), y.stride(0), eps)
+        if ints.layout.bits == 4 and bm == 1:
+            _int4_row_kernel[grid](*int_args, BN=cfg.block_n, BK=block_k, GROUP=ints.layout.group_size, **shared)
+        else:
+            _int_gemv_kernel[grid](*int_args, BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, BITS=ints.layout.bits,
+                                   GROUP=ints.layout.group_size, **shared)
     else:
         _gemv_kernel[grid](
-            x, w, s, nw, r, y, p, m, n, k, k_per_split, x.stride(0), w.stride(0), r.stride(0), y.stride(0), eps,
-            FP8=kind == "fp8", **(flags if not partial else dict(SCALED=False, RESIDUAL=False)), **shared)
-    if partial:
-        _reduce_kernel[(triton.cdiv(n, _REDUCE_BLOCK_N),)](
-            p, s, r, y, m, n, r.stride(0), y.stride(0), SPLIT=cfg.split_k, BM=row_bucket(m),
-            BN=_REDUCE_BLOCK_N, num_warps=4, **flags)
+            x, w, scale if scale is not None else y, nw, r, y, p, c, m, n, k, k_per_split, x.stride(0), w.stride(0),
+            r.stride(0), y.stride(0), eps, BM=bm, BN=cfg.block_n, BK=block_k, DOT=dot, FP8=kind == "fp8",
+            SCALED=scale is not None, **shared)
     return y

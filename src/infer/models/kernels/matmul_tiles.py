@@ -50,6 +50,7 @@ class SplitWorkspace:
     def __init__(self) -> None:
         self.partials: torch.Tensor | None = None  # float32, flat
         self.counters: torch.Tensor | None = None  # int32, flat, zero between launches
+        self.gemv_counters: torch.Tensor | None = None  # int32 [N]: the GEMV's, one a row block
 
     def get(self, partial_elems: int, tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.partials is None or self.partials.numel() < partial_elems or self.partials.device != device:
@@ -57,3 +58,10 @@ class SplitWorkspace:
         if self.counters is None or self.counters.numel() < tiles or self.counters.device != device:
             self.counters = torch.zeros(tiles, dtype=torch.int32, device=device)
         return self.partials, self.counters
+
+    def row_counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """The GEMV's split-K counters for a matrix of N rows: N of them (more than any tile has
+        row blocks), allocated once, so CUDA graphs captured at any row count keep using them."""
+        if self.gemv_counters is None or self.gemv_counters.numel() < n or self.gemv_counters.device != device:
+            self.gemv_counters = torch.zeros(n, dtype=torch.int32, device=device)
+        return self.gemv_counters

@@ -219,7 +219,8 @@ class IntWeights:
             rows = x.reshape(-1, x.shape[-1])
             if rows.shape[0] <= MAX_ROWS:
                 from infer.models.kernels.gemv import gemv
-                return gemv(rows.contiguous(), weight, ints).view(*x.shape[:-1], layer.out_features)
+                return gemv(rows.contiguous(), weight, ints, workspace=layer.workspace).view(
+                    *x.shape[:-1], layer.out_features)
             from infer.models.kernels.dequant import dequantize_on_device
 
             def dense(a: int, b: int) -> torch.Tensor:

@@ -117,6 +117,9 @@ def test_the_batch_gate_turns_a_fixed_k_off_where_rounds_give_fewer_tokens_a_sec
     # a request's 100 tokens: dear, 3 rounds timed, then plain until one probe; cheap, rounds
     # of K + 1 tokens nearly throughout (about 100 / (K + 1) = 20 each)
     assert dear.engine.runner.stats.drafts <= 8 * (3 + ClockConfig().probe_rounds)
+    # every plain step the gate kept counts towards its wait (else it would never probe again)
+    gate = dear_clock.report()[8]
+    assert not gate["rounds_on"] and gate["plain_steps"] - 8 <= gate["waited"] < gate["wait"]
     assert cheap.engine.runner.stats.drafts >= 8 * 16
     assert dear_overlapped  # plain steps keep the host ahead of the device
     assert dear.engine.leak_report() == [] and cheap.engine.leak_report() == []
@@ -152,8 +155,8 @@ def test_spec_disable_batch_size_turns_speculation_off_above_it(make_llm, ckpt_a
     llm.engine.runner.speculation.proposer.propose = \
         lambda requests, shape, ks: (drafts.append(len(requests)), propose(requests, shape, ks))[1]
     reserved, decode_widths = [], llm.engine.scheduler.kv.decode_widths  # (batch, widest round reserved)
-    llm.engine.scheduler.kv.decode_widths = \
-        lambda request, batch: (widths := decode_widths(request, batch), reserved.append((batch, widths[0])))[0]
+    llm.engine.scheduler.kv.decode_widths = lambda batch: lambda request: (
+        widths := decode_widths(batch)(request), reserved.append((batch, widths[0])))[0]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain_outputs
     assert max(seen) == 8 and (max(drafts, default=0) == 8) == speculates

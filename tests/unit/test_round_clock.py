@@ -210,9 +210,10 @@ def test_the_gates_report_gives_each_buckets_times():
     assert list(report) == [2, 64]
     assert report[2] == {"plain_ms": pytest.approx(10.0), "round_ms": pytest.approx(15.0),
                          "round_tokens": pytest.approx(3.0), "speedup": pytest.approx(2.0), "rounds_on": True,
-                         "plain_steps": 5, "round_steps": 15, "plain_samples": 3, "round_samples": 13}
+                         "waited": 0, "wait": 0, "plain_steps": 5, "round_steps": 15, "plain_samples": 3, "round_samples": 13}
     for batch in (2, 64):  # the steps of each kind run, and the timed ones (both neighbours of their kind)
         b = report[batch]
         assert (b["plain_steps"], b["round_steps"]) == (kinds[batch].count(False), kinds[batch].count(True))
         assert 0 < b["plain_samples"] < b["plain_steps"] and 0 < b["round_samples"] < b["round_steps"]
     assert report[64]["speedup"] == pytest.approx(0.6) and report[64]["rounds_on"] is False
+    assert report[64]["wait"] >= 50 and 0 < report[64]["waited"] <= kinds[64].count(False)

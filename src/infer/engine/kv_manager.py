@@ -46,8 +46,13 @@ class PrefixRestorer(Protocol):
         ...
 
 
-# (a request, how many requests decode this step) -> the positions its next step may write, largest first
-DecodeWidths = Callable[[Request, int], list[int]]
+# how many requests decode this step -> (a request -> the positions its next step may write, largest first)
+DecodeWidths = Callable[[int], Callable[[Request], list[int]]]
+
+
+def plain_step(request: Request) -> list[int]:
+    """A plain step's widths: one position, whatever the request."""
+    return [1]
 
 
 class KVManager:
@@ -79,10 +84,10 @@ class KVManager:
         for restorer in self.restorers:
             restorer.restore(request, request.num_computed_tokens)
 
-    def decode_widths(self, request: Request, batch: int) -> list[int]:
-        """Positions the request's next decode step may write when `batch` requests decode, largest
-        first; the last is 1 (a plain step)."""
-        return [1] if self.widths is None else self.widths(request, batch)
+    def decode_widths(self, batch: int) -> Callable[[Request], list[int]]:
+        """When `batch` requests decode: a request -> the positions its next decode step may write,
+        largest first; the last is 1 (a plain step)."""
+        return plain_step if self.widths is None else self.widths(batch)
 
     def ensure_capacity(self, request: Request, total_tokens: int) -> bool:
         """Room for positions < total_tokens in every pool; False when memory is short. A plain

@@ -96,9 +96,10 @@ class Scheduler:
         room: dict[str, int] = {}
         preempted: list[Request] = []
         queue = list(decoding)
+        widths_of = self.kv.decode_widths(len(decoding))
         while queue:
             request = queue.pop(0)
-            widths = self.kv.decode_widths(request, len(decoding))
+            widths = widths_of(request)
             while not self.kv.ensure_capacity(request, request.num_computed_tokens + widths[0]):
                 if len(widths) > 1 and all(r is request for r in self.running):  # no one left to preempt
                     widths = widths[1:]

@@ -7,7 +7,7 @@ request's draft depth per step. docs/speculation.md, "Depths per request".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +16,7 @@ from infer.cache.protocol import CachePoolProtocol
 from infer.engine.executor.factory import Executor
 from infer.engine.executor.head_graphs import make_head_round
 from infer.engine.executor.spec import ForwardSpec
+from infer.engine.kv_manager import plain_step
 from infer.engine.parts import EAGLE_METHODS, MEDUSA, ResolvedConfig, SpeculativeConfig
 from infer.engine.request import Request
 from infer.engine.step_costs import (DraftStepFn, MedusaStepFn, RoundStepFn, StepCostConfig, measure_spec_costs,
@@ -192,11 +193,12 @@ class Speculation:
         k = guard_k(k, request.num_computed_tokens, max_len, request.tokens_left)
         return fit_depth(self.tree, k, request.num_computed_tokens, max_len) if self.tree is not None else k
 
-    def decode_widths(self, request: Request, batch: int) -> list[int]:
-        """The blocks the request's next step may write when `batch` requests decode, largest first,
-        down to a plain step; only the plain step where the batch runs plain whatever it drafts."""
-        if self.plain_batch(batch):
-            return [1]
+    def decode_widths(self, batch: int) -> Callable[[Request], list[int]]:
+        """When `batch` requests decode: a request -> the blocks its next step may write, largest
+        first, down to a plain step; only the plain step where the batch runs plain whatever it drafts."""
+        return plain_step if self.plain_batch(batch) else self._widths
+
+    def _widths(self, request: Request) -> list[int]:
         deepest = self.max_depth(request)
         if self.tree is None:  # (a chain of k writes 1 + k)
             return list(range(deepest + 1, 0, -1))
@@ -219,12 +221,19 @@ class Speculation:
         if shadow is not None:
             for request_id, drafted, accepted in shadow.settle(willing):
                 self.policy.observe(request_id, drafted, accepted)
-        chosen = iter(self.policy.choose(willing, 0.0 if clock is None else clock.overhead(len(requests))))
-        ks = [min(next(chosen), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
-        # (the gate before the room: where it holds off, the scheduler reserved no round, and its wait still counts)
-        if clock is not None and any(ks) and (clock.needs_plain(len(requests))
-                                              or clock.gate and not clock.pays(len(requests))):
-            ks = [0] * len(requests)
+        n = len(requests)
+        chosen = self.policy.choose(willing, 0.0 if clock is None else clock.overhead(n))  # (moves an adaptive policy)
+        if clock is not None and not clock.needs_plain(n) and clock.gate and clock.holds_off(n):
+            # the gate's answer is known (no): it is asked only to count its wait, where a row would draft
+            if any(k and self.max_depth(r) for k, r in zip(chosen, willing, strict=True)):
+                clock.pays(n)
+            ks = [0] * n
+        else:
+            drafting = iter(chosen)
+            ks = [min(next(drafting), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
+            # (the gate before the room: where it holds off, the scheduler reserved no round, and its wait counts)
+            if clock is not None and any(ks) and (clock.needs_plain(n) or clock.gate and not clock.pays(n)):
+                ks = [0] * n
         if room is not None:
             ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
         if shadow is not None:

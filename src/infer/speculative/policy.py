@@ -326,12 +326,14 @@ class RoundClock:
 
     def report(self) -> dict[int, dict[str, float | bool | None]]:
         """Per measured bucket: plain step and round ms, a round's tokens a row, speedup, whether
-        rounds are on, and the decode steps of each kind run and timed (a benchmark's record)."""
+        rounds are on (else the plain steps waited of the wait), and the decode steps of each kind
+        run and timed (a benchmark's record)."""
         def ms(s: float | None) -> float | None:
             return None if s is None else s * 1e3
 
         return {k: {"plain_ms": ms(b.plain_s), "round_ms": ms(b.round_s), "round_tokens": b.round_tokens,
-                    "speedup": self.speedup(k), "rounds_on": not b.wait, "plain_steps": b.steps[0],
+                    "speedup": self.speedup(k), "rounds_on": not b.wait, "waited": b.waited, "wait": b.wait,
+                    "plain_steps": b.steps[0],
                     "round_steps": b.steps[1], "plain_samples": b.samples[0], "round_samples": b.samples[1]}
                 for k, b in sorted(self._buckets.items())}
 

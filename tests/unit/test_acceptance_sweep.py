@@ -87,8 +87,8 @@ def test_a_reduced_vocabulary_sweep_runs_its_draft_on_the_lowest_ids(ckpt_a):
     spec = run.measurements[-1]
     assert spec.params["engine"]["spec_draft_vocab"] is not None and spec.derived["greedy_prefix_match"] > 0
     gate = spec.metrics["gate"]  # (the batch gate's view: each bucket's plain step and round)
-    assert gate and all(set(b) == {"plain_ms", "round_ms", "round_tokens", "speedup", "rounds_on", "plain_steps",
-                                          "round_steps", "plain_samples", "round_samples"}
+    assert gate and all(set(b) == {"plain_ms", "round_ms", "round_tokens", "speedup", "rounds_on", "waited", "wait",
+                                   "plain_steps", "round_steps", "plain_samples", "round_samples"}
                         for b in gate.values())
 
 

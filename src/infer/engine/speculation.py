@@ -231,11 +231,10 @@ class Speculation:
         else:
             drafting = iter(chosen)
             ks = [min(next(drafting), self.max_depth(r)) if self.drafts_for(r) else 0 for r in requests]
-            # (the gate before the room: where it holds off, the scheduler reserved no round, and its wait counts)
+            if room is not None:
+                ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
             if clock is not None and any(ks) and (clock.needs_plain(n) or clock.gate and not clock.pays(n)):
                 ks = [0] * n
-        if room is not None:
-            ks = [self._fit_room(k, w) for k, w in zip(ks, room, strict=True)]
         if shadow is not None:
             for r, k in zip(requests, ks, strict=True):
                 if k:

@@ -158,6 +158,18 @@ def _constrained(tag: str, group: str, wl: Workload, plain: dict, spec: dict, sp
                        needs=grammar)]
 
 
+def _fixed_and_adaptive(tag: str, plain_what: str, group: str, wl: Workload, target: str,
+                        drafts: tuple[str, str, dict], needs: tuple[Need, ...]) -> list[Row]:
+    """`tag`/plain, then the drafts (a row-name stem, what they are, their overrides) at the fixed K
+    (`-k5`) and under the adaptive policy, each against the plain row."""
+    stem, what, spec = drafts
+    base = f"{tag}/plain"
+    return [engine_row(base, plain_what, group, wl, {"model": target, **GRAPHS}, needs=needs),
+            engine_row(f"{tag}/{stem}-k5", f"{what}, fixed K=5", group, wl, spec, {"baseline": base}, needs=needs),
+            engine_row(f"{tag}/{stem}-adaptive", f"{what}, adaptive K", group, wl, {**spec, "spec_policy": "adaptive"},
+                       {"baseline": base}, needs=needs)]
+
+
 def speculation_rows(m: Models) -> list[Row]:
     rows: list[Row] = []
     for t in (1.0, 0.0):
@@ -165,12 +177,8 @@ def speculation_rows(m: Models) -> list[Row]:
         base = f"{tag}/plain"
         spec = {"model": m.target, **GRAPHS, "use_speculative_decoding": True, "draft_model": m.draft,
                 "spec_length": SPEC_K}
-        rows += [engine_row(base, f"plain decoding of {m.target}, W1 T={t:g}", group, wl, {"model": m.target, **GRAPHS},
-                            needs=m.needs),
-                 engine_row(f"{tag}/spec-k5", "draft model, fixed K=5", group, wl, spec, {"baseline": base},
-                            needs=m.needs),
-                 engine_row(f"{tag}/spec-adaptive", "draft model, adaptive K", group, wl,
-                            {**spec, "spec_policy": "adaptive"}, {"baseline": base}, needs=m.needs)]
+        rows += _fixed_and_adaptive(tag, f"plain decoding of {m.target}, W1 T={t:g}", group, wl, m.target,
+                                    ("spec", "draft model", spec), m.needs)
         if m.head is not None:
             hint = f"train it with `{DEMO_TRAIN_COMMAND} --eagle-head` in a checkout"
             head_needs = (*m.needs, Files((DEMO_EAGLE3,), hint))
@@ -188,12 +196,8 @@ def speculation_rows(m: Models) -> list[Row]:
     for name in ("W5", "W1"):
         wl, tag = WORKLOADS[name].with_temperature(0.0), f"{name.lower()}-ngram-t0"
         group, base = f"demo target, {name} T=0, n-gram drafts", f"{tag}/plain"
-        rows += [engine_row(base, f"plain decoding, {name} T=0", group, wl, {"model": m.target, **GRAPHS},
-                            needs=m.needs),
-                 engine_row(f"{tag}/ngram-k5", "n-gram drafts, fixed K=5", group, wl, ngram, {"baseline": base},
-                            needs=m.needs),
-                 engine_row(f"{tag}/ngram-adaptive", "n-gram drafts, adaptive K", group, wl,
-                            {**ngram, "spec_policy": "adaptive"}, {"baseline": base}, needs=m.needs)]
+        rows += _fixed_and_adaptive(tag, f"plain decoding, {name} T=0", group, wl, m.target,
+                                    ("ngram", "n-gram drafts", ngram), m.needs)
         if name == "W5":
             rows.append(engine_row(f"{tag}/prompt-lookup-k5", "prompt lookup, fixed K=5", group, wl,
                                    {**ngram, "speculative_method": "prompt_lookup"}, {"baseline": base},
